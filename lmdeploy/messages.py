@@ -1,0 +1,111 @@
+"""User-facing configuration and response types.
+
+``PytorchEngineConfig`` and ``GenerationConfig`` are pydantic models: a bad value raises a
+``ValueError`` (pydantic's ``ValidationError`` subclasses it) whose message names the field.
+Every engine field has a CLI flag of the same name in kebab case (SPEC §1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ['PytorchEngineConfig', 'GenerationConfig', 'Response']
+
+
+class PytorchEngineConfig(BaseModel):
+    """Engine configuration (SPEC §1–2).
+
+    Units: token counts are tokens, sizes are bytes.
+    """
+    model_config = ConfigDict(extra='forbid', validate_assignment=True)
+
+    dtype: Literal['auto', 'float32', 'float16', 'bfloat16'] = Field(
+        'auto', description='Weight/activation dtype; auto = the checkpoint\'s torch_dtype.')
+    device_type: Literal['auto', 'cpu', 'cuda'] = Field('auto', description='auto = cuda if available, else cpu.')
+    session_len: int | None = Field(None, ge=1, description='Longest sequence (prompt + output) in tokens; '
+                                    'default: the model\'s max_position_embeddings.')
+    max_batch_size: int = Field(16, ge=1, description='Most sequences running at once.')
+    block_size: int = Field(64, ge=1, description='Tokens per KV block (B); the prefix-cache identity unit.')
+    cache_max_entry_count: float = Field(0.8, gt=0, le=1, description='Fraction of free device memory (CUDA) or '
+                                         'of a 4 GiB budget (CPU) given to KV blocks and state slots.')
+    num_gpu_blocks: int = Field(0, ge=0, description='Explicit number of KV blocks; 0 = derive from '
+                                'cache_max_entry_count.')
+    max_prefill_token_num: int = Field(8192, ge=1, description='Most tokens one prefill chunk may hold (P).')
+    enable_prefix_caching: bool = Field(False, description='Reuse cached prefixes (local block trie).')
+    prefill_save_alignment: int = Field(1024, ge=1, description='Checkpoint boundaries are multiples of this (A); '
+                                        'a positive multiple of block_size.')
+    prefill_save_last_only: bool = Field(False, description='Save one checkpoint per input turn, at the last '
+                                         'reusable aligned boundary (hybrid models only).')
+    num_state_slots: int = Field(0, ge=0, description='Runtime recurrent-state slots; 0 = max_batch_size.')
+    num_checkpoint_slots: int = Field(64, ge=0, description='Recurrent-state checkpoint slots of the prefix cache '
+                                      '(hybrid models); a save with none free is skipped and counted.')
+    mooncake_master: str | None = Field(None, description='Mooncake master "host:port", or "local" to start an '
+                                        'embedded master and segment; None disables the Store.')
+    mooncake_metadata_server: str | None = Field(None, description='Mooncake metadata server URL; default: the '
+                                                 'master\'s embedded HTTP metadata server.')
+    mooncake_protocol: Literal['tcp', 'rdma'] = Field('tcp', description='Mooncake transfer protocol.')
+    mooncake_segment_size: int = Field(0, ge=0, description='Bytes of memory this engine contributes to the '
+                                       'Store (0 allowed: another process owns the segment).')
+    mooncake_local_buffer_size: int = Field(64 << 20, ge=0, description='Bytes of the local transfer buffer.')
+    mooncake_embedded_segment_size: int = Field(512 << 20, ge=1 << 20, description='Bytes of the segment the '
+                                                'embedded mode (mooncake_master="local") starts.')
+    store_queue_size: int = Field(64, ge=1, description='Bounded queue of pending Store saves.')
+
+    @field_validator('prefill_save_alignment')
+    @classmethod
+    def _positive_alignment(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError('prefill_save_alignment must be positive')
+        return v
+
+    @model_validator(mode='after')
+    def _alignment_multiple_of_block(self):
+        if self.prefill_save_alignment % self.block_size != 0:
+            raise ValueError(f'prefill_save_alignment ({self.prefill_save_alignment}) must be a positive multiple '
+                             f'of block_size ({self.block_size})')
+        return self
+
+
+class GenerationConfig(BaseModel):
+    """Per-request sampling and stopping options."""
+    model_config = ConfigDict(extra='forbid')
+
+    max_new_tokens: int = Field(512, ge=0, description='Most tokens to generate.')
+    do_sample: bool = Field(False, description='Sample; False = greedy.')
+    temperature: float = Field(1.0, ge=0, description='Softmax temperature; 0 = greedy.')
+    top_p: float = Field(1.0, gt=0, le=1, description='Nucleus sampling mass.')
+    top_k: int = Field(0, ge=0, description='Keep the k most likely tokens; 0 = all.')
+    repetition_penalty: float = Field(1.0, gt=0, description='CTRL-style penalty on seen tokens.')
+    stop_words: list[str] = Field(default_factory=list, description='Stop strings; the text ends before them.')
+    stop_token_ids: list[int] = Field(default_factory=list, description='Extra token ids that end generation.')
+    ignore_eos: bool = Field(False, description='Do not stop at the model\'s EOS tokens.')
+    random_seed: int | None = Field(None, description='Per-request sampling seed (same seed, same output).')
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is deterministic argmax."""
+        return not self.do_sample or self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Response:
+    """One request's result (or a streaming delta).
+
+    Attributes:
+        text: generated text (the delta when streaming).
+        token_ids: generated token ids (the delta when streaming).
+        input_token_len: prompt tokens.
+        generate_token_len: generated tokens so far.
+        finish_reason: ``'stop'``, ``'length'``, ``'abort'``, or None while running.
+        cached_tokens: prompt tokens served from the prefix cache or the Store.
+        index: the prompt's position in a batch call.
+    """
+    text: str = ''
+    token_ids: list[int] = field(default_factory=list)
+    input_token_len: int = 0
+    generate_token_len: int = 0
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    index: int = 0

@@ -1,0 +1,154 @@
+"""Cache engine: the memory behind KV blocks and recurrent-state slots, laid out from the
+model's layer cache specs alone (STYLE lesson 7).
+
+Two byte buffers, one row per block / per slot, with typed per-layer views into them::
+
+    kv_buf    [num_blocks, block_row]  row = L0.K | L0.V | L3.K | L3.V ...  (full-attn layers)
+    state_buf [num_slots,  slot_row]   row = L0.conv | L0.ssm | L1.conv | L1.ssm ... (linear layers)
+
+Because a block's (or a slot's) bytes for every layer sit in one row, one copy moves a whole
+block or a whole recurrent state (all linear-attention layers at once): the checkpoint save and
+restore op (:func:`~lmdeploy.pytorch.kernels.state_copy.copy_state_slots`) and the Store
+payloads are plain row copies. Payload bytes exclude the row padding: a state payload is
+``S = state_bytes`` and a KV payload ``K_blk = kv_block_bytes`` (SPEC §5).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec, dtype_nbytes
+from ..kernels.state_copy import copy_state_slots
+
+__all__ = ['CacheEngine']
+
+_ALIGN = 16
+
+
+def _round_up(x: int, a: int = _ALIGN) -> int:
+    return (x + a - 1) // a * a
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _RowLayout:
+    """Byte offsets of typed tensors packed into one row."""
+
+    def __init__(self):
+        self.entries: list[tuple[int, tuple[int, ...], torch.dtype]] = []
+        self.payload_bytes = 0
+
+    def add(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        offset = _round_up(self.payload_bytes, dtype_nbytes(dtype))
+        self.entries.append((offset, tuple(shape), dtype))
+        self.payload_bytes = offset + _numel(shape) * dtype_nbytes(dtype)
+        return len(self.entries) - 1
+
+    @property
+    def row_bytes(self) -> int:
+        return max(_round_up(self.payload_bytes), _ALIGN)
+
+    def view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
+        offset, shape, dtype = self.entries[index]
+        nbytes = _numel(shape) * dtype_nbytes(dtype)
+        return buf[:, offset:offset + nbytes].view(dtype).view(buf.shape[0], *shape)
+
+
+class CacheEngine:
+    """Allocates and addresses the KV blocks and state slots of one model.
+
+    Args:
+        specs: one :class:`LayerCacheSpec` per decoder layer.
+        block_size: tokens per block.
+        num_blocks: KV blocks to allocate.
+        num_slots: state slots (runtime + checkpoint) to allocate; 0 when no layer has state.
+        device: where the buffers live.
+    """
+
+    def __init__(self, specs: Sequence[LayerCacheSpec], block_size: int, num_blocks: int, num_slots: int,
+                 device: torch.device | str = 'cpu'):
+        self.specs = list(specs)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self._kv_layout, self._state_layout = _RowLayout(), _RowLayout()
+        kv_index, state_index = {}, {}
+        for i, spec in enumerate(self.specs):
+            if isinstance(spec, FullAttentionSpec):
+                shape = (block_size, spec.num_kv_heads, spec.head_dim)
+                kv_index[i] = (self._kv_layout.add(shape, spec.dtype), self._kv_layout.add(shape, spec.dtype))
+            elif isinstance(spec, LinearAttentionSpec):
+                state_index[i] = tuple(self._state_layout.add(shape, dtype) for shape, dtype in spec.tensors())
+        self.has_state = bool(state_index)
+        self.num_slots = num_slots if self.has_state else 0
+        self.kv_buf = torch.zeros(num_blocks, self._kv_layout.row_bytes, dtype=torch.uint8, device=self.device)
+        self.state_buf = torch.zeros(self.num_slots, self._state_layout.row_bytes, dtype=torch.uint8,
+                                     device=self.device)
+        self.kv_caches = [None] * len(self.specs)
+        self.state_caches = [None] * len(self.specs)
+        for i, (ki, vi) in kv_index.items():
+            self.kv_caches[i] = (self._kv_layout.view(self.kv_buf, ki), self._kv_layout.view(self.kv_buf, vi))
+        for i, idx in state_index.items():
+            self.state_caches[i] = tuple(self._state_layout.view(self.state_buf, j) for j in idx)
+
+    @staticmethod
+    def bytes_per_block(specs: Sequence[LayerCacheSpec], block_size: int) -> int:
+        """Bytes one KV block row takes (including alignment padding)."""
+        layout = _RowLayout()
+        for spec in specs:
+            if isinstance(spec, FullAttentionSpec):
+                for _ in range(2):
+                    layout.add((block_size, spec.num_kv_heads, spec.head_dim), spec.dtype)
+        return layout.row_bytes
+
+    @staticmethod
+    def bytes_per_slot(specs: Sequence[LayerCacheSpec]) -> int:
+        """Bytes one state slot row takes (including alignment padding); 0 without state."""
+        layout = _RowLayout()
+        for spec in specs:
+            if isinstance(spec, LinearAttentionSpec):
+                for shape, dtype in spec.tensors():
+                    layout.add(shape, dtype)
+        return layout.row_bytes if layout.entries else 0
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """K_blk: payload bytes of one KV block over all full-attention layers."""
+        return self._kv_layout.payload_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """S: payload bytes of one recurrent-state snapshot over all linear-attention layers."""
+        return self._state_layout.payload_bytes
+
+    # state slots --------------------------------------------------------------------
+    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy whole states ``src[i] → dst[i]`` for every linear-attention layer in one op."""
+        if not src:
+            return
+        idx = torch.tensor([list(src), list(dst)], dtype=torch.int64, device=self.device)
+        copy_state_slots(self.state_buf, idx[0], idx[1])
+
+    def read_state(self, slot: int) -> torch.Tensor:
+        """A CPU copy of slot ``slot``'s state payload, ``[S]`` uint8."""
+        return self.state_buf[slot, :self.state_bytes].to('cpu', copy=True)
+
+    def write_state(self, slot: int, payload: torch.Tensor) -> None:
+        """Overwrite slot ``slot`` with a ``[S]`` uint8 payload."""
+        self.state_buf[slot, :self.state_bytes].copy_(payload.to(self.device))
+
+    # kv blocks ----------------------------------------------------------------------
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """CPU copies of the blocks' payloads, ``[len(block_ids), K_blk]`` uint8."""
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        return self.kv_buf[idx, :self.kv_block_bytes].to('cpu', copy=True)
+
+    def write_kv_block(self, block_id: int, payload: torch.Tensor) -> None:
+        """Overwrite block ``block_id`` with a ``[K_blk]`` uint8 payload."""
+        self.kv_buf[block_id, :self.kv_block_bytes].copy_(payload.to(self.device))

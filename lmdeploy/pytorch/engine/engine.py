@@ -1,0 +1,247 @@
+"""The engine: one model, its caches, the scheduler, and the step loop.
+
+``Engine.step`` is the whole request path (STYLE lesson 2)::
+
+    schedule → restore copies → forward + sample → save copies → publish → update
+
+:class:`Engine` is synchronous and single-threaded (tests drive it step by step);
+:class:`~lmdeploy.pytorch.engine.engine_loop.EngineLoop` runs it on a background thread for
+the pipeline and the HTTP server.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ...messages import GenerationConfig, PytorchEngineConfig
+from ..cache_specs import LinearAttentionSpec
+from ..models.loader import load_model
+from ..paging.block_manager import BlockManager
+from ..paging.scheduler import Scheduler
+from ..paging.state_cache import StateCache
+from .cache_engine import CacheEngine
+from .model_runner import ModelRunner
+from .sequence import Sequence
+
+__all__ = ['Engine', 'StepOutput']
+
+logger = logging.getLogger('lmdeploy')
+
+_CPU_CACHE_BUDGET = 4 << 30   # bytes; CPU has no "free device memory" to take a fraction of
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence."""
+    seq: Sequence
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def _eos_ids(model_path: str, config) -> frozenset[int]:
+    ids = set()
+    for src in (config, _generation_config(model_path)):
+        value = getattr(src, 'eos_token_id', None) if src is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
+
+
+def _generation_config(model_path: str):
+    if not os.path.isfile(os.path.join(model_path, 'generation_config.json')):
+        return None
+    from transformers import GenerationConfig as HFGenerationConfig
+    return HFGenerationConfig.from_pretrained(model_path, local_files_only=True)
+
+
+class Engine:
+    """Serves one model from a local Hugging Face directory.
+
+    Args:
+        model_path: the model directory.
+        config: engine configuration (defaults if None).
+
+    Raises:
+        ValueError: bad path, unsupported model type, or a cache too small for one block.
+    """
+
+    def __init__(self, model_path: str, config: PytorchEngineConfig | None = None):
+        self.config = config = config or PytorchEngineConfig()
+        device = config.device_type
+        if device == 'auto':
+            device = 'cuda' if torch.cuda.is_available() else 'cpu'
+        self.device = torch.device(device)
+        self.model_path = model_path
+        self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
+        self.specs = self.model.cache_specs(self.hf_config, self.dtype)
+        self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.specs)
+        self.session_len = config.session_len or int(getattr(self.hf_config, 'max_position_embeddings', 32768))
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.eos_token_ids = _eos_ids(model_path, self.hf_config)
+        num_runtime = config.num_state_slots or config.max_batch_size
+        num_ckpt = config.num_checkpoint_slots if (self.is_hybrid and config.enable_prefix_caching) else 0
+        num_slots = num_runtime + num_ckpt if self.is_hybrid else 0
+        num_blocks = config.num_gpu_blocks or self._derive_num_blocks(num_slots)
+        self.cache_engine = CacheEngine(self.specs, config.block_size, num_blocks, num_slots, self.device)
+        self.block_manager = BlockManager(num_blocks)
+        self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
+        if config.prefill_save_last_only and not self.is_hybrid:
+            logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
+                        self.hf_config.model_type)
+        self.store = self._build_store()
+        self.scheduler = Scheduler(config, self.block_manager, self.state_cache, self.store)
+        self.model_runner = ModelRunner(self.model, self.cache_engine)
+
+    def _derive_num_blocks(self, num_slots: int) -> int:
+        cfg = self.config
+        if self.device.type == 'cuda':
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.cache_max_entry_count)
+        else:
+            budget = int(_CPU_CACHE_BUDGET * cfg.cache_max_entry_count)
+        budget -= num_slots * CacheEngine.bytes_per_slot(self.specs)
+        per_block = CacheEngine.bytes_per_block(self.specs, cfg.block_size)
+        # no point in more blocks than every running sequence at full session length needs, twice
+        cap = 2 * cfg.max_batch_size * (-(-self.session_len // cfg.block_size))
+        num_blocks = min(budget // per_block, cap)
+        if num_blocks < 1:
+            raise ValueError('cache_max_entry_count leaves no memory for even one KV block')
+        return num_blocks
+
+    def _build_store(self):
+        if not (self.config.mooncake_master and self.config.enable_prefix_caching):
+            return None
+        from ..store.tier import build_store_tier
+        return build_store_tier(self)
+
+    # requests ---------------------------------------------------------------------------
+    def validate(self, token_ids: list[int], gen_config: GenerationConfig) -> None:
+        """Reject a request the engine cannot serve.
+
+        Raises:
+            ValueError: empty prompt, a prompt of ``session_len`` tokens or more (the message
+                gives both numbers), or a token id outside ``[0, vocab_size)``.
+        """
+        if not token_ids:
+            raise ValueError('the prompt is empty: at least 1 token is required')
+        if len(token_ids) >= self.session_len:
+            raise ValueError(f'the prompt has {len(token_ids)} tokens, which does not fit session_len='
+                             f'{self.session_len} (at most {self.session_len - 1} prompt tokens)')
+        bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f'token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
+
+    def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
+                    multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int = 0,
+                    recompute_blocks: int = 0) -> Sequence:
+        """Queue a request; it runs on the following steps.
+
+        Raises:
+            ValueError: see :meth:`validate`.
+        """
+        gen_config = gen_config or GenerationConfig()
+        self.validate(token_ids, gen_config)
+        seq = Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), token_lookahead,
+                       recompute_blocks, self.eos_token_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop ``seq`` now and free its resources."""
+        if not seq.is_finished:
+            self.scheduler.abort(seq)
+            seq.finish_reason = 'abort'
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # the step ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one forward over the scheduled chunks; returns per-sequence progress."""
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        self.cache_engine.copy_states(sched.restore_src, sched.restore_dst)
+        self.scheduler.restores_done(sched)
+        next_tokens = self.model_runner.forward(sched)
+        saves = self.scheduler.plan_saves(sched)
+        self.cache_engine.copy_states(saves.src, saves.dst)
+        self.scheduler.publish_saves(saves)
+        return self._update(sched, next_tokens)
+
+    def _update(self, sched, next_tokens: dict[int, int]) -> list[StepOutput]:
+        outputs = []
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            token = next_tokens.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            out = StepOutput(seq, [token])
+            cfg = seq.gen_config
+            if not cfg.ignore_eos and (token in seq.eos_token_ids or token in cfg.stop_token_ids):
+                out.finish_reason = 'stop'
+            elif token in cfg.stop_token_ids:
+                out.finish_reason = 'stop'
+            elif seq.num_generated >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
+                out.finish_reason = 'length'
+            if out.finish_reason:
+                self.scheduler.finish(seq, out.finish_reason)
+            outputs.append(out)
+        return outputs
+
+    def generate(self, token_ids: list[int], gen_config: GenerationConfig | None = None, **kwargs) -> Sequence:
+        """Run one request to completion (blocking); returns the finished sequence."""
+        seq = self.add_request(token_ids, gen_config, **kwargs)
+        if seq.gen_config.max_new_tokens == 0:
+            self.abort(seq)
+            seq.finish_reason = 'length'
+            return seq
+        while not seq.is_finished:
+            self.step()
+        return seq
+
+    # introspection ------------------------------------------------------------------------
+    def ledger(self) -> dict[str, int]:
+        """Resource counters that return to idle values when no request is in flight (SPEC §8)."""
+        bm = self.block_manager
+        cached = self.scheduler.trie.num_nodes if self.scheduler.trie is not None else 0
+        sc = self.state_cache
+        return {
+            'blocks_total': bm.num_blocks,
+            'blocks_free': bm.num_free,
+            'blocks_cached': cached,
+            'blocks_in_use': bm.num_blocks - bm.num_free - cached,
+            'runtime_slots_free': sc.num_free_runtime if sc else 0,
+            'runtime_slots_total': sc.num_runtime_slots if sc else 0,
+            'checkpoints_pinned': sc.num_pinned if sc else 0,
+            'checkpoints_published': sc.num_published if sc else 0,
+            'store_inflight': self.store.num_inflight if self.store is not None else 0,
+        }
+
+    def stats(self) -> dict:
+        """Cumulative counters (SPEC §9): prefix-cache queried/hit tokens, checkpoints saved and
+        skipped by reason, tokens whose blocks matched without a state checkpoint, and the Store
+        tier's put bytes/objects by kind, failures and hit tokens."""
+        out = dict(self.scheduler.counters)
+        out['checkpoints_skipped'] = dict(self.scheduler.skipped)
+        if self.store is not None:
+            out.update(self.store.stats())
+        return out
+
+    def is_idle(self) -> bool:
+        """No sequence holds a block, a runtime slot, a pin or an in-flight Store operation."""
+        led = self.ledger()
+        return (led['blocks_in_use'] == 0 and led['runtime_slots_free'] == led['runtime_slots_total']
+                and led['checkpoints_pinned'] == 0 and led['store_inflight'] == 0 and not self.has_work)
+
+    def close(self) -> None:
+        """Stop the Store worker (flushing queued saves)."""
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,169 @@
+"""Runs an :class:`Engine` on a background thread and hands results to callers.
+
+Callers on any thread (the pipeline) or on an asyncio loop (the HTTP server) submit requests
+and receive :class:`EngineOutput` deltas through a :class:`RequestHandle`. Only the loop
+thread touches the engine, so the engine itself needs no locks. An abort is applied before
+the next step, so a disconnected client stops costing compute within one step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from ...messages import GenerationConfig
+from .engine import Engine
+from .sequence import Sequence
+
+__all__ = ['EngineLoop', 'RequestHandle', 'EngineOutput']
+
+logger = logging.getLogger('lmdeploy')
+
+
+@dataclass
+class EngineOutput:
+    """A delta of one request: new tokens, and the finish reason once it ends."""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    cached_tokens: int = 0
+    num_generated: int = 0
+
+
+class RequestHandle:
+    """One request's output channel (thread-safe; optionally bound to an asyncio loop)."""
+
+    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop | None = None):
+        self.seq = seq
+        self._loop = loop
+        self._queue: queue.Queue | asyncio.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+
+    def _push(self, item: EngineOutput) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        else:
+            self._queue.put(item)
+
+    def get(self, timeout: float | None = None) -> EngineOutput:
+        """Next delta (blocking; for handles without a loop)."""
+        return self._queue.get(timeout=timeout)
+
+    async def aget(self) -> EngineOutput:
+        """Next delta (for handles bound to the running loop)."""
+        return await self._queue.get()
+
+
+class EngineLoop:
+    """Owns the thread that steps ``engine``.
+
+    Args:
+        engine: the engine to drive; no other thread may call it afterwards.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._handles: dict[int, RequestHandle] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name='lmdeploy-engine', daemon=True)
+        self._thread.start()
+
+    def submit(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
+               loop: asyncio.AbstractEventLoop | None = None, **kwargs) -> RequestHandle:
+        """Queue a request (validated now, in the caller's thread).
+
+        Raises:
+            ValueError: the request is invalid (see :meth:`Engine.validate`).
+        """
+        gen_config = gen_config or GenerationConfig()
+        self.engine.validate(token_ids, gen_config)
+        seq = Sequence([int(t) for t in token_ids], gen_config, tuple(kwargs.get('multimodal_spans', ())),
+                       kwargs.get('token_lookahead', 0), kwargs.get('recompute_blocks', 0),
+                       self.engine.eos_token_ids)
+        handle = RequestHandle(seq, loop)
+        self._commands.put(('add', handle))
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Abort a request (no-op if it already finished)."""
+        self._commands.put(('abort', handle))
+        self._wake.set()
+
+    def call(self, fn, timeout: float = 60.0):
+        """Run ``fn(engine)`` on the loop thread and return its result (e.g. the ledger)."""
+        done, box = threading.Event(), {}
+
+        def task(engine):
+            try:
+                box['value'] = fn(engine)
+            except BaseException as err:   # handed back to the caller
+                box['error'] = err
+            done.set()
+        self._commands.put(('call', task))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError('engine loop did not answer')
+        if 'error' in box:
+            raise box['error']
+        return box['value']
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == 'add':
+                seq = arg.seq
+                if seq.gen_config.max_new_tokens == 0:
+                    arg._push(EngineOutput([], 'length', seq.num_prompt_tokens, 0, 0))
+                    continue
+                self._handles[seq.seq_id] = arg
+                self.engine.scheduler.add(seq)
+            elif kind == 'abort':
+                handle = self._handles.pop(arg.seq.seq_id, None)
+                if handle is not None:
+                    self.engine.abort(handle.seq)
+                    handle._push(self._output(handle.seq, [], 'abort'))
+            elif kind == 'call':
+                arg(self.engine)
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int], reason: str | None) -> EngineOutput:
+        return EngineOutput(tokens, reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_generated)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._apply_commands()
+            if not self.engine.has_work:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:   # a bug must not hang every client: fail the requests in flight
+                logger.exception('engine step failed; aborting requests in flight')
+                for handle in list(self._handles.values()):
+                    self.engine.abort(handle.seq)
+                    handle._push(self._output(handle.seq, [], 'error'))
+                self._handles.clear()
+                continue
+            for out in outputs:
+                handle = self._handles.get(out.seq.seq_id)
+                if handle is None:
+                    continue
+                handle._push(self._output(out.seq, out.new_token_ids, out.finish_reason))
+                if out.finish_reason:
+                    del self._handles[out.seq.seq_id]
+
+    def close(self) -> None:
+        """Stop the thread and the engine's background workers."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.engine.close()

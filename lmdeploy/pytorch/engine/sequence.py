@@ -1,0 +1,127 @@
+"""Sequences: one request's tokens and the resources it holds.
+
+A sequence counts tokens, not phases (STYLE lesson 8)::
+
+    token_ids        [ prompt ............................ | generated ... ]
+    num_computed     ----------------------^  KV/state exist for these tokens
+    prefill          num_computed < len(token_ids) - 1  (chunks follow `plan`)
+    decode           num_computed == len(token_ids) - 1 (one new token per step)
+
+``block_ids[:num_shared_blocks]`` are prefix-cache blocks attached at admission: read-only,
+reference counted; the sequence only ever writes blocks after them.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ...messages import GenerationConfig
+from ..paging.prefill_plan import PrefillPlan
+
+__all__ = ['SeqStatus', 'Sequence', 'SequenceStats']
+
+_SEQ_IDS = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    """Lifecycle: WAITING → RUNNING → FINISHED/ABORTED (RUNNING → WAITING on preemption)."""
+    WAITING = 'waiting'
+    RUNNING = 'running'
+    FINISHED = 'finished'
+    ABORTED = 'aborted'
+
+
+@dataclass
+class SequenceStats:
+    """What the prefix cache did for one sequence (read by tests and metrics).
+
+    Attributes:
+        save_points: boundaries (tokens) whose checkpoint this sequence saved.
+        skipped: checkpoints skipped, by reason (e.g. ``'no_free_slot'``, ``'exists'``).
+        prefill_forwards: prefill forwards run, one per plan chunk.
+        hit_tokens: prompt tokens restored from the local prefix cache.
+        store_hit_tokens: prompt tokens restored from the Store.
+        plans: the prefill plans used (one per admission).
+    """
+    save_points: list[int] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    prefill_forwards: int = 0
+    hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    plans: list[PrefillPlan] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine.
+
+    Attributes:
+        token_ids: prompt followed by generated tokens.
+        num_prompt_tokens: tokens of the input turn (n of SPEC §2).
+        gen_config: sampling/stopping options.
+        multimodal_spans: half-open ``[s, e)`` token ranges never split by a checkpoint.
+        token_lookahead: ℓ of the decoding strategy (MTP); 0 without speculative decoding.
+        recompute_blocks: r of the decoding strategy; 0 by default.
+        eos_token_ids: ids that end generation unless ``gen_config.ignore_eos``.
+    """
+    token_ids: list[int]
+    gen_config: GenerationConfig
+    multimodal_spans: tuple[tuple[int, int], ...] = ()
+    token_lookahead: int = 0
+    recompute_blocks: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_shared_blocks: int = 0
+    state_slot: int | None = None
+    plan: PrefillPlan | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    generator: torch.Generator | None = None
+    block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks (cache)
+    restore_pin: int | None = None     # checkpoint slot pinned until its restore copy runs
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.gen_config.random_seed is not None:
+            self.generator = torch.Generator().manual_seed(self.gen_config.random_seed)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated tokens."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token is still to be computed."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SeqStatus.FINISHED, SeqStatus.ABORTED)
+
+    def next_chunk_end(self) -> int:
+        """End (exclusive, in tokens) of the next forward: the next plan chunk end while
+        prefilling, else one token past ``num_computed_tokens``."""
+        if self.plan is not None:
+            for end in self.plan.chunk_ends:
+                if end > self.num_computed_tokens:
+                    return end
+        return self.num_computed_tokens + 1

@@ -1,0 +1,66 @@
+"""Kernel registry: the one place where an op's implementation is chosen per device.
+
+Each op has a plain-torch implementation that runs anywhere (CPU tests, CI) and may have
+accelerated ones (Triton, ``fla-core``) registered for CUDA. Callers ask
+:func:`get_kernel` by name and device; no caller branches on the backend (STYLE lesson 9).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ['register_kernel', 'get_kernel']
+
+# op name -> list of (priority, device type, availability check, fn); higher priority first.
+_REGISTRY: dict[str, list[tuple[int, str, Callable[[], bool], Callable]]] = {}
+
+
+def register_kernel(name: str, device_type: str = 'any', priority: int = 0,
+                    available: Callable[[], bool] = lambda: True) -> Callable[[Callable], Callable]:
+    """Decorator registering ``fn`` as an implementation of op ``name``.
+
+    Args:
+        name: op name, e.g. ``'paged_attention'``.
+        device_type: ``'cuda'``, ``'cpu'`` or ``'any'`` (the torch fallback).
+        priority: higher wins among implementations usable on a device.
+        available: called lazily at selection; False hides the implementation (e.g. an
+            optional dependency is not installed).
+    """
+    def wrap(fn: Callable) -> Callable:
+        _REGISTRY.setdefault(name, []).append((priority, device_type, available, fn))
+        _REGISTRY[name].sort(key=lambda item: -item[0])
+        return fn
+    return wrap
+
+
+def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
+    """The best registered implementation of ``name`` for ``device``.
+
+    Raises:
+        KeyError: no implementation of ``name`` is registered for the device.
+    """
+    _import_builtin_kernels()
+    device_type = torch.device(device).type
+    for _, dev, available, fn in _REGISTRY.get(name, []):
+        if dev in (device_type, 'any') and available():
+            return fn
+    raise KeyError(f'no kernel {name!r} for device {device_type!r}; registered: {sorted(_REGISTRY)}')
+
+
+_IMPORTED = False
+
+
+def _import_builtin_kernels() -> None:
+    """Import the kernel modules so their ``register_kernel`` decorators run."""
+    global _IMPORTED
+    if _IMPORTED:
+        return
+    _IMPORTED = True
+    import importlib
+    for mod in ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy'):
+        try:
+            importlib.import_module(f'{__name__}.{mod}')
+        except ModuleNotFoundError as err:  # a module another change has not added yet
+            if err.name != f'{__name__}.{mod}':
+                raise

@@ -1,0 +1,195 @@
+"""The gated delta rule: the token mixer of Gated DeltaNet layers, for one sequence.
+
+Recurrence (Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
+Rule", 2024, eq. 10), per head, with state ``S`` of shape ``[dk, dv]`` mapping keys to values::
+
+    S_t = exp(g_t) * S_{t-1}                          # gated decay, g_t <= 0
+    S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T    # delta rule: write the prediction error
+    o_t = S_t^T q_t
+
+``q`` and ``k`` are optionally L2-normalised (Qwen3-Next does) and ``q`` is scaled by
+``dk ** -0.5``. Two implementations compute the same function:
+
+- :func:`recurrent_gated_delta_rule` steps token by token (decode, very short inputs);
+- :func:`chunk_gated_delta_rule` is the chunkwise-parallel WY form (Yang et al.,
+  "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", 2024, sec. 3):
+  inside a chunk the updates are solved at once with a unit lower-triangular system, and only
+  the state is carried sequentially from chunk to chunk.
+
+Invariants: the state is float32 and never modified in place (callers pass views of cache
+slots); running a sequence in pieces and carrying the returned state equals one pass. On CUDA
+the ``fla-core`` kernels are registered with higher priority when the package is installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+
+import torch
+
+from . import register_kernel
+
+__all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'l2norm']
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x**2) + eps)`` over the last dim (the ``fla`` convention, eps inside)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
+    """Check shapes; return float32 head-major ``q, k, v [H, L, d]``, ``g, beta [H, L]``, state."""
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f'q, k must be [L, H, dk] and v [L, H, dv] with equal L and H; got q {tuple(q.shape)}, '
+                         f'k {tuple(k.shape)}, v {tuple(v.shape)}')
+    L, H, dk = q.shape
+    dv = v.shape[-1]
+    if g.shape != (L, H) or beta.shape != (L, H):
+        raise ValueError(f'g and beta must be [L, H] = {(L, H)}; got {tuple(g.shape)}, {tuple(beta.shape)}')
+    if initial_state is not None and initial_state.shape != (H, dk, dv):
+        raise ValueError(f'initial_state must be [H, dk, dv] = {(H, dk, dv)}; got {tuple(initial_state.shape)}')
+    q, k, v = (x.transpose(0, 1).to(torch.float32) for x in (q, k, v))
+    g, beta = (x.transpose(0, 1).to(torch.float32) for x in (g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (dk ** -0.5 if scale is None else scale)
+    if initial_state is None:
+        state = torch.zeros(H, dk, dv, dtype=torch.float32, device=q.device)
+    else:
+        state = initial_state.to(torch.float32)
+    return q, k, v, g, beta, state
+
+
+@register_kernel('recurrent_gated_delta_rule', device_type='any')
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                               use_qk_l2norm: bool = True,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule, one token at a time (reference and decode path).
+
+    Args:
+        q, k: ``[L, H, dk]`` queries and keys (any float dtype).
+        v: ``[L, H, dv]`` values.
+        g: ``[L, H]`` log decay per token (``<= 0``); the state is multiplied by ``exp(g)``.
+        beta: ``[L, H]`` write strength in ``[0, 1]``.
+        initial_state: ``[H, dk, dv]`` state after the sequence's earlier tokens, or ``None``
+            for a zero state. Read only.
+        use_qk_l2norm: L2-normalise ``q`` and ``k`` first (eps 1e-6 inside the root).
+        scale: query scale; ``None`` means ``dk ** -0.5``.
+
+    Returns:
+        ``(o [L, H, dv] in q.dtype, final_state [H, dk, dv] float32)``.
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
+    out_dtype = q.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    o = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[:, None, None]
+        predicted = torch.einsum('hk,hkv->hv', k[:, t], state)
+        delta = beta[:, t, None] * (v[:, t] - predicted)
+        state = state + k[:, t, :, None] * delta[:, None, :]
+        o[:, t] = torch.einsum('hk,hkv->hv', q[:, t], state)
+    return o.transpose(0, 1).to(out_dtype), state
+
+
+@register_kernel('chunk_gated_delta_rule', device_type='any')
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+                           use_qk_l2norm: bool = True,
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule in chunkwise-parallel (WY) form; same contract as the recurrent form.
+
+    Within a chunk of ``C`` tokens starting from state ``S0``, let ``G_i = exp(sum_{j<=i} g_j)``.
+    Unrolling the recurrence gives the written rows ``U`` (``beta``-scaled prediction errors)::
+
+        (I + A) U = diag(beta) V - diag(beta * G) K S0,   A_ij = beta_i (G_i / G_j) k_i.k_j  (j < i)
+        O   = diag(G) Q S0 + ((Q K^T) * (G_i / G_j), j <= i) U
+        S_C = G_C S0 + sum_i (G_C / G_i) k_i u_i^T
+
+    ``A`` does not depend on ``S0``, so every chunk's triangular solve runs in one batched call
+    and only the cheap state hand-off is sequential. Padding tokens get ``g = beta = 0``: they
+    neither decay nor write, so the final state is exact for any ``L``.
+
+    Args:
+        q, k, v, g, beta, initial_state, use_qk_l2norm, scale: as in
+            :func:`recurrent_gated_delta_rule`.
+        chunk_size: tokens per chunk (a positive int).
+
+    Returns:
+        ``(o [L, H, dv] in q.dtype, final_state [H, dk, dv] float32)``.
+
+    Raises:
+        ValueError: inconsistent shapes or a non-positive ``chunk_size``.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f'chunk_size must be positive, got {chunk_size}')
+    out_dtype = q.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    H, L, dk = q.shape
+    dv = v.shape[-1]
+    C = chunk_size
+    pad = (-L) % C
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    N = (L + pad) // C
+    q, k, v = q.view(H, N, C, dk), k.view(H, N, C, dk), v.view(H, N, C, dv)
+    g, beta = g.view(H, N, C), beta.view(H, N, C)
+
+    log_decay = g.cumsum(-1)                                   # log G_i within each chunk
+    ratio = log_decay[..., :, None] - log_decay[..., None, :]  # log(G_i / G_j), row i, column j
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # Mask before exp: for j > i the ratio is positive and could overflow.
+    decay = ratio.masked_fill(~causal, float('-inf')).exp()    # [H, N, C, C], zero above diagonal
+
+    system = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = system + torch.eye(C, dtype=system.dtype, device=system.device)
+    rhs = torch.cat((beta[..., None] * v, (beta * log_decay.exp())[..., None] * k), dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_base, u_from_state = solved[..., :dv], solved[..., dv:]  # U = u_base - u_from_state @ S0
+
+    attn = (q @ k.transpose(-1, -2)) * decay                   # intra-chunk scores, j <= i
+    q_decayed = q * log_decay.exp()[..., None]
+    chunk_log_decay = log_decay[..., -1]                       # [H, N]
+    k_to_end = k * (chunk_log_decay[..., None] - log_decay).exp()[..., None]
+
+    o = torch.empty(H, N, C, dv, dtype=torch.float32, device=q.device)
+    for n in range(N):
+        u = u_base[:, n] - u_from_state[:, n] @ state
+        o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
+        state = state * chunk_log_decay[:, n].exp()[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
+    o = o.view(H, N * C, dv)[:, :L]
+    return o.transpose(0, 1).to(out_dtype), state
+
+
+@lru_cache(maxsize=None)
+def _fla_installed() -> bool:
+    return importlib.util.find_spec('fla') is not None
+
+
+@register_kernel('chunk_gated_delta_rule', device_type='cuda', priority=10, available=_fla_installed)
+def chunk_gated_delta_rule_fla(q, k, v, g, beta, initial_state=None, chunk_size: int = 64,
+                               use_qk_l2norm: bool = True, scale: float | None = None):
+    """``fla-core`` Triton chunk kernel with the contract of :func:`chunk_gated_delta_rule`.
+
+    ``chunk_size`` is ignored: fla fixes its own (64).
+    """
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    o, state = fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
+                         initial_state=None if initial_state is None else initial_state[None].float(),
+                         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o[0], state[0].float()
+
+
+@register_kernel('recurrent_gated_delta_rule', device_type='cuda', priority=10, available=_fla_installed)
+def recurrent_gated_delta_rule_fla(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = True,
+                                   scale: float | None = None):
+    """``fla-core`` fused recurrent kernel with the contract of :func:`recurrent_gated_delta_rule`."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    o, state = fla_recurrent(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
+                             initial_state=None if initial_state is None else initial_state[None].float(),
+                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o[0], state[0].float()

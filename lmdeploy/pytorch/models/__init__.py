@@ -1,0 +1,29 @@
+"""Model registry: ``transformers`` model type → the engine's model class."""
+from __future__ import annotations
+
+import importlib
+
+__all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
+
+# model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
+MODEL_REGISTRY = {
+    'qwen3': 'qwen3:Qwen3ForCausalLM',
+    'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
+}
+
+
+def supported_model_types() -> list[str]:
+    """The ``model_type`` values the engine can serve."""
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(model_type: str):
+    """The engine class for ``model_type``.
+
+    Raises:
+        ValueError: the type is not supported; the message lists the supported ones.
+    """
+    if model_type not in MODEL_REGISTRY:
+        raise ValueError(f'unsupported model type {model_type!r}; supported: {", ".join(supported_model_types())}')
+    module, cls = MODEL_REGISTRY[model_type].split(':')
+    return getattr(importlib.import_module(f'{__name__}.{module}'), cls)

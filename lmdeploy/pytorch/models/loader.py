@@ -1,0 +1,99 @@
+"""Load a model from a local Hugging Face directory: config via ``transformers.AutoConfig``,
+weights via ``safetensors`` (one file or a sharded index), with a progress bar. Nothing is
+downloaded: a path that is not a model directory is a ``ValueError``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from . import get_model_class
+
+__all__ = ['load_config', 'load_model', 'iter_safetensors', 'resolve_dtype']
+
+_DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
+
+
+def load_config(model_path: str):
+    """The model's ``transformers`` config.
+
+    Raises:
+        ValueError: ``model_path`` is not a directory holding ``config.json``.
+    """
+    if not os.path.isdir(model_path) or not os.path.isfile(os.path.join(model_path, 'config.json')):
+        raise ValueError(f'model_path {model_path!r} is not a local Hugging Face model directory '
+                         '(no config.json); nothing is downloaded')
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_path, local_files_only=True)
+
+
+def resolve_dtype(dtype: str, config) -> torch.dtype:
+    """``'auto'`` → the checkpoint's dtype (float32 if unset), else the named dtype."""
+    if dtype != 'auto':
+        return _DTYPES[dtype]
+    value = getattr(config, 'dtype', None) or getattr(config, 'torch_dtype', None)
+    if isinstance(value, torch.dtype):
+        return value
+    return _DTYPES.get(str(value).replace('torch.', ''), torch.float32)
+
+
+def weight_files(model_path: str) -> list[str]:
+    """The safetensors files of a checkpoint (from the shard index if there is one).
+
+    Raises:
+        ValueError: no safetensors weights in ``model_path``.
+    """
+    index = os.path.join(model_path, 'model.safetensors.index.json')
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)['weight_map'].values()))
+        return [os.path.join(model_path, n) for n in names]
+    single = os.path.join(model_path, 'model.safetensors')
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f'no safetensors weights in {model_path!r}')
+
+
+def iter_safetensors(model_path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint."""
+    files = weight_files(model_path)
+    for path in tqdm(files, desc='Loading weights', unit='file', disable=not progress or len(files) < 2):
+        with safe_open(path, framework='pt') as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_path: str, dtype: str = 'auto', device: str | torch.device = 'cpu', progress: bool = True):
+    """Build the engine model for ``model_path`` and load its weights.
+
+    Returns:
+        ``(model, config, torch_dtype)``; the model is in eval mode on ``device``.
+
+    Raises:
+        ValueError: not a model directory, unsupported model type (lists supported ones),
+            or weights that do not fit the model.
+    """
+    config = load_config(model_path)
+    torch_dtype = resolve_dtype(dtype, config)
+    cls = get_model_class(config.model_type)
+    with torch.device('meta'):
+        model = cls(config)
+    model = model.to_empty(device=device).to(torch_dtype)
+    model.load_weights(iter_safetensors(model_path, progress))
+    _reset_derived_buffers(model, device)
+    return model.eval(), config, torch_dtype
+
+
+def _reset_derived_buffers(model: torch.nn.Module, device) -> None:
+    """Recompute non-persistent buffers that ``to_empty`` left uninitialised."""
+    from .layers import RotaryEmbedding
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            rot = module.rotary_dim
+            base = module._base
+            module.inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float, device=device) / rot))

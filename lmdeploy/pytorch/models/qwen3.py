@@ -1,0 +1,181 @@
+"""Qwen3 (``transformers`` model type ``qwen3``): a full-attention decoder.
+
+Per layer: RMSNorm → attention (per-head RMSNorm on q and k, rotary embedding, GQA over the
+paged KV cache) → residual → RMSNorm → SwiGLU MLP → residual. Weight names follow the
+Hugging Face checkpoint, so :meth:`load_weights` maps them one to one.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec
+from ..model_inputs import StepContext
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+
+__all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
+
+
+def rope_theta(config) -> float:
+    """``rope_theta`` from a transformers v5 ``rope_parameters`` dict or a v4 attribute."""
+    params = getattr(config, 'rope_parameters', None) or {}
+    return float(params.get('rope_theta', getattr(config, 'rope_theta', 10000.0)))
+
+
+class Qwen3Attention(nn.Module):
+    """Self-attention with q/k RMSNorm and rotary embedding over the paged KV cache.
+
+    Args:
+        config: HF config (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
+            ``head_dim``, ``rms_norm_eps``, ``attention_bias``).
+        layer_idx: index into ``StepContext.kv_caches``.
+        output_gate: Qwen3-Next's gated attention: ``q_proj`` also emits a per-channel gate and
+            the output is ``attn * sigmoid(gate)``.
+        zero_centered_norm: q/k norms store ``w - 1`` (Qwen3-Next).
+    """
+
+    def __init__(self, config, layer_idx: int, output_gate: bool = False, zero_centered_norm: bool = False):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // self.num_heads
+        self.output_gate = output_gate
+        bias = getattr(config, 'attention_bias', False)
+        q_out = self.num_heads * self.head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q = self.q_proj(hidden)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(T, -1)
+        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention and SwiGLU MLP, each with a residual."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer_idx)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, ctx):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(head_dim, rope_theta(config))
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        hidden = self.embed_tokens(ctx.input_ids)
+        cos, sin = self.rotary(ctx.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``Qwen3Config``.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """One :class:`FullAttentionSpec` per layer."""
+        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        return [FullAttentionSpec(config.num_key_value_heads, head_dim, dtype)] * config.num_hidden_layers
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into parameters; ties ``lm_head`` when the config says so.
+
+        Raises:
+            KeyError: a checkpoint tensor has no matching parameter.
+            ValueError: a parameter is missing from the checkpoint or has the wrong shape.
+        """
+        load_named_weights(self, weights, tie_word_embeddings=getattr(self.config, 'tie_word_embeddings', False))
+
+
+def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       tie_word_embeddings: bool = False, rename=None) -> None:
+    """Copy ``(name, tensor)`` pairs into ``module``'s parameters by exact name.
+
+    Args:
+        module: the model.
+        weights: HF checkpoint tensors.
+        tie_word_embeddings: fill ``lm_head.weight`` from ``model.embed_tokens.weight``.
+        rename: optional ``name -> name | None`` mapping (``None`` drops the tensor, e.g.
+            MTP weights the engine does not use).
+
+    Raises:
+        KeyError: a tensor has no matching parameter.
+        ValueError: a shape mismatch, or parameters the checkpoint did not provide.
+    """
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
+        if name not in params:
+            raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(module).__name__}')
+        param = params[name]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f'shape of {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}')
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    if tie_word_embeddings and 'lm_head.weight' in params and 'lm_head.weight' not in loaded:
+        with torch.no_grad():
+            params['lm_head.weight'].copy_(params['model.embed_tokens.weight'])
+        loaded.add('lm_head.weight')
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f'checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}')

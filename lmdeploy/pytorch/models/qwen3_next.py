@@ -1,0 +1,355 @@
+"""Qwen3-Next (``transformers`` model type ``qwen3_next``): a hybrid decoder.
+
+``config.layer_types`` picks each layer's token mixer; every layer then has an MLP::
+
+    layer i:  x + mixer(RMSNorm(x))  ->  h + mlp(RMSNorm(h))
+      mixer = Gated DeltaNet   ('linear_attention': state in a slot, LinearAttentionSpec)
+            | gated attention  ('full_attention':   K/V in paged blocks, FullAttentionSpec)
+      mlp   = sparse MoE + sigmoid-gated shared expert, or a dense SwiGLU for
+              ``mlp_only_layers`` / layers off the ``decoder_sparse_step`` grid
+
+All RMSNorms store ``w - 1`` (zero-centred) except the gated norm inside Gated DeltaNet.
+Invariant of the linear-attention layers: a sequence with ``history_len == 0`` starts from a
+zero state whatever its slot holds; after a forward the slot holds the state after exactly
+``kv_seqlen`` tokens. Weight names follow the Hugging Face checkpoint; experts may arrive one
+tensor per expert (published checkpoints) or fused (``transformers`` in-memory layout).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
+from ..kernels import get_kernel
+from ..model_inputs import StepContext
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from .qwen3 import Qwen3Attention, rope_theta
+
+__all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config']
+
+LINEAR, FULL = 'linear_attention', 'full_attention'
+
+
+def check_config(config) -> None:
+    """Reject configs this implementation cannot run exactly.
+
+    Raises:
+        ValueError: naming the field (``layer_types``, ``linear_num_value_heads``,
+            ``hidden_act``, ``rope_parameters``).
+    """
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != config.num_hidden_layers or any(t not in (LINEAR, FULL) for t in types):
+        raise ValueError(f'layer_types must list {LINEAR!r} or {FULL!r} for each of the '
+                         f'{config.num_hidden_layers} layers, got {types}')
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise ValueError(f'linear_num_value_heads ({config.linear_num_value_heads}) must be a multiple of '
+                         f'linear_num_key_heads ({config.linear_num_key_heads})')
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    rope_type = (getattr(config, 'rope_parameters', None) or {}).get('rope_type', 'default')
+    if rope_type != 'default':
+        raise ValueError(f"rope_parameters.rope_type must be 'default', got {rope_type!r}")
+
+
+def _partial_rotary_factor(config) -> float:
+    params = getattr(config, 'rope_parameters', None) or {}
+    return float(params.get('partial_rotary_factor', getattr(config, 'partial_rotary_factor', 1.0)))
+
+
+def _head_dim(config) -> int:
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * RMSNorm(x) * silu(z)`` per head; ``w`` is stored as is (initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
+        dtype = x.dtype
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * h * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (Yang et al., "Gated Delta Networks", 2024) as in Qwen3-Next.
+
+    ``in_proj_qkvz`` output is grouped per key head: for each of ``Hk`` key heads it holds
+    ``[q (dk) | k (dk) | v (r*dv) | z (r*dv)]`` with ``r = Hv / Hk`` value heads per key head;
+    ``in_proj_ba`` likewise holds ``[b (r) | a (r)]`` per key head. q, k, v then pass a depthwise
+    causal conv (SiLU) over the channels ``[q all heads | k all heads | v all heads]``; the
+    delta rule runs with ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` and
+    key head ``h // r`` serving value head ``h``; the output is ``out_proj(norm(o) * silu(z))``.
+
+    Args:
+        config: HF ``Qwen3NextConfig``.
+        layer_idx: index into ``StepContext.state_caches``.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.heads_per_key = self.num_v_heads // self.num_k_heads
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        # Only a weight holder ([conv_dim, 1, K], the checkpoint shape); the conv kernel runs it.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def cache_spec(self, dtype: torch.dtype) -> LinearAttentionSpec:
+        """This layer's state: conv inputs and the float32 delta-rule state."""
+        return LinearAttentionSpec(conv_shape=(self.conv_dim, self.kernel_size - 1), conv_dtype=dtype,
+                                   recurrent_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim))
+
+    def _split_projections(self, hidden: torch.Tensor):
+        """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
+        T, r = hidden.shape[0], self.heads_per_key
+        qkvz = self.in_proj_qkvz(hidden).view(T, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], -1)
+        b, a = self.in_proj_ba(hidden).view(T, self.num_k_heads, 2 * r).split([r, r], -1)
+        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+        return (mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, self.num_v_heads),
+                a.reshape(T, self.num_v_heads))
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        T = hidden.shape[0]
+        mixed, z, b, a = self._split_projections(hidden)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
+        device = hidden.device
+        conv_fn = get_kernel('causal_conv1d', device)
+        chunk_fn = get_kernel('chunk_gated_delta_rule', device)
+        step_fn = get_kernel('recurrent_gated_delta_rule', device)
+        weight = self.conv1d.weight.squeeze(1)
+        out = hidden.new_zeros(T, self.num_v_heads, self.head_v_dim)
+        for i, history in enumerate(ctx.history_lens):
+            sl, slot = ctx.seq_slice(i), ctx.state_slots[i]
+            n = ctx.q_seqlens[i]
+            if n == 0:
+                continue
+            fresh = history == 0  # the slot may hold another sequence's leftovers
+            y, conv_state = conv_fn(mixed[sl], weight, None, None if fresh else conv_cache[slot], 'silu')
+            pass
+            q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q = q.reshape(n, self.num_k_heads, self.head_k_dim)
+            k = k.reshape(n, self.num_k_heads, self.head_k_dim)
+            if self.heads_per_key > 1:
+                q = q.repeat_interleave(self.heads_per_key, dim=1)
+                k = k.repeat_interleave(self.heads_per_key, dim=1)
+            v = v.reshape(n, self.num_v_heads, self.head_v_dim)
+            initial = None if fresh else recurrent_cache[slot]
+            fn = step_fn if (n == 1 and not fresh) else chunk_fn
+            o, state = fn(q, k, v, g[sl], beta[sl], initial, use_qk_l2norm=True)
+            recurrent_cache[slot].copy_(state)
+            out[sl] = o
+        return self.out_proj(self.norm(out, z).reshape(T, -1))
+
+
+class FusedExperts(nn.Module):
+    """SwiGLU experts as stacked weights: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
+    ``down_proj [E, H, I]``, the ``transformers`` in-memory layout."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, chosen experts ``index [T, k]`` with ``weights [T, k]`` → ``[T, H]``."""
+        out = torch.zeros_like(x)
+        for e in index.unique().tolist():
+            token, pick = (index == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, pick, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k softmax-routed experts plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    Router (Qwen-MoE style): ``p = softmax(gate(x))`` in float32, keep the top ``k``,
+    renormalise them to sum 1 when ``norm_topk_prob``.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = self.experts(x, index, weights.to(x.dtype))
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    """Pre-norm layer: token mixer chosen by ``layer_types[layer_idx]``, then MoE or dense MLP."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = Qwen3Attention(config, layer_idx, output_gate=True, zero_centered_norm=True)
+        sparse = (layer_idx not in (config.mlp_only_layers or []) and config.num_experts > 0
+                  and (layer_idx + 1) % config.decoder_sparse_step == 0)
+        self.mlp = SparseMoeBlock(config) if sparse else SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, hidden, cos, sin, ctx: StepContext) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR:
+            hidden = hidden + self.linear_attn(normed, ctx)
+        else:
+            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3NextModel(nn.Module):
+    """Embedding, decoder layers, final zero-centred norm; rotary on a leading fraction of each head."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.rotary = RotaryEmbedding(_head_dim(config), rope_theta(config), _partial_rotary_factor(config))
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        hidden = self.embed_tokens(ctx.input_ids)
+        cos, sin = self.rotary(ctx.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+
+_PER_EXPERT = re.compile(r'^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$')
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """Qwen3-Next causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``Qwen3NextConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = Qwen3NextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise.
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+            config.linear_num_value_heads * config.linear_value_head_dim
+        linear = LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
+                                     recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
+                                                      config.linear_value_head_dim))
+        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        return [linear if t == LINEAR else full for t in config.layer_types]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into parameters.
+
+        Drops ``mtp.*`` (multi-token-prediction head, unused here). Experts may come fused
+        (``mlp.experts.gate_up_proj`` / ``down_proj``) or per expert
+        (``mlp.experts.{e}.{gate,up,down}_proj.weight``). Ties ``lm_head`` to the embedding when
+        ``tie_word_embeddings`` and the checkpoint has no ``lm_head.weight``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter (or an expert index is out of range).
+            ValueError: a shape mismatch, or parameters (or expert slices) left unfilled.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        expert_parts: dict[str, set] = {}
+        for name, tensor in weights:
+            if name.startswith('mtp.'):
+                continue
+            match = _PER_EXPERT.match(name)
+            if match:
+                prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+                target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
+                if target not in params or expert >= params[target].shape[0]:
+                    raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self).__name__}')
+                dst = params[target][expert]
+                if part != 'down_proj':
+                    half = dst.shape[0] // 2
+                    dst = dst[:half] if part == 'gate_proj' else dst[half:]
+                _copy(name, dst, tensor)
+                expert_parts.setdefault(target, set()).add((expert, part))
+                continue
+            if name not in params:
+                raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self).__name__}')
+            _copy(name, params[name], tensor)
+            loaded.add(name)
+        for target, parts in expert_parts.items():
+            per_expert = 1 if target.endswith('down_proj') else 2
+            if len(parts) == per_expert * params[target].shape[0]:
+                loaded.add(target)
+        if getattr(self.config, 'tie_word_embeddings', False) and 'lm_head.weight' not in loaded:
+            with torch.no_grad():
+                params['lm_head.weight'].copy_(params['model.embed_tokens.weight'])
+            loaded.add('lm_head.weight')
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f'checkpoint is missing {len(missing)} parameters (or expert slices), e.g. {missing[:5]}')
+
+
+def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f'shape of {name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}')
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))

@@ -1,0 +1,1 @@
+"""paging package."""

@@ -1,0 +1,184 @@
+"""The local prefix cache: a trie of full KV blocks keyed by chained block hashes.
+
+One node per cached full block. A node's key is the chained hash of all tokens from the
+start of the sequence through its block (plus optional extra keys such as multimodal content
+hashes), and the node also keeps the block's own token ids so that every hit is verified
+token by token — a hash alone never decides a hit::
+
+    root ─ [t0..t63] ─ [t64..t127] ─ [t128..t191]        depth = blocks from the root
+                     └ [u64..u127]  (a branch)            boundary of a node = depth·B
+
+Ownership: the trie owns topology and LRU order; the :class:`BlockManager` owns reference
+counts (a cached node holds one reference on its block); the :class:`StateCache` owns
+checkpoint slots, which the trie only points at (``node.checkpoint_slot``).
+
+Eviction frees least recently used leaves whose block no sequence references and whose
+checkpoint is not pinned; evicting a node drops the checkpoint that depends on it.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Sequence
+
+from .block_manager import BlockManager
+from .state_cache import StateCache
+
+__all__ = ['BlockTrie', 'TrieNode', 'chain_block_hashes']
+
+_ROOT_HASH = b'\x00' * 16
+_CLOCK = itertools.count(1)
+
+
+def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
+                       extra_keys: Sequence[bytes] | None = None) -> list[bytes]:
+    """Chained 16-byte hashes of the full blocks of ``token_ids``.
+
+    ``hash_i = blake2b(hash_{i-1} ‖ token ids of block i ‖ extra_keys[i])`` so equal hashes
+    imply (up to collisions, which callers rule out by comparing tokens) equal prefixes.
+
+    Args:
+        token_ids: the tokens.
+        block_size: tokens per block.
+        num_blocks: hash only this many leading blocks (default: every full block).
+        extra_keys: per-block extra bytes (e.g. multimodal content hashes), or None.
+
+    Returns:
+        One digest per full block, in order.
+    """
+    full = len(token_ids) // block_size
+    n = full if num_blocks is None else min(num_blocks, full)
+    hashes, prev = [], _ROOT_HASH
+    for i in range(n):
+        h = hashlib.blake2b(prev, digest_size=16)
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        h.update(b''.join(int(t).to_bytes(4, 'little', signed=False) for t in block))
+        if extra_keys is not None and extra_keys[i]:
+            h.update(extra_keys[i])
+        prev = h.digest()
+        hashes.append(prev)
+    return hashes
+
+
+class TrieNode:
+    """One cached full block."""
+    __slots__ = ('parent', 'children', 'key', 'tokens', 'block_id', 'depth', 'last_access', 'checkpoint_slot')
+
+    def __init__(self, parent, key: bytes, tokens: tuple, block_id: int, depth: int):
+        self.parent = parent
+        self.children: dict[bytes, TrieNode] = {}
+        self.key = key
+        self.tokens = tokens
+        self.block_id = block_id
+        self.depth = depth
+        self.last_access = next(_CLOCK)
+        self.checkpoint_slot: int | None = None
+
+
+class BlockTrie:
+    """Prefix cache over full blocks.
+
+    Args:
+        block_manager: owner of block reference counts; the trie registers itself as its evictor.
+        block_size: tokens per block (B).
+        state_cache: owner of checkpoint slots (hybrid models), or None.
+    """
+
+    def __init__(self, block_manager: BlockManager, block_size: int, state_cache: StateCache | None = None):
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.state_cache = state_cache
+        self.root = TrieNode(None, _ROOT_HASH, (), -1, 0)
+        self.num_nodes = 0
+        block_manager.evictor = self.evict
+
+    def match(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[TrieNode]:
+        """Nodes of the longest cached prefix of full blocks, root excluded, verified token by
+        token; each matched node is touched (LRU)."""
+        B = self.block_size
+        if hashes is None:
+            hashes = chain_block_hashes(token_ids, B)
+        nodes, node = [], self.root
+        for i, h in enumerate(hashes):
+            child = node.children.get(h)
+            if child is None or child.tokens != tuple(token_ids[i * B:(i + 1) * B]):
+                break
+            node = child
+            node.last_access = next(_CLOCK)
+            nodes.append(node)
+        return nodes
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], num_blocks: int,
+               hashes: Sequence[bytes] | None = None) -> list[TrieNode]:
+        """Make sure nodes exist for the first ``num_blocks`` full blocks of a sequence.
+
+        A block already cached under the same prefix keeps its existing node (the sequence's
+        copy stays private to it); a new node takes a reference on the sequence's block.
+
+        Returns:
+            The ``num_blocks`` nodes along the path.
+        """
+        B = self.block_size
+        if hashes is None:
+            hashes = chain_block_hashes(token_ids, B, num_blocks)
+        nodes, node = [], self.root
+        for i in range(num_blocks):
+            h = hashes[i]
+            tokens = tuple(token_ids[i * B:(i + 1) * B])
+            child = node.children.get(h)
+            if child is None or child.tokens != tokens:
+                if child is not None:       # hash collision with different tokens: keep the old node
+                    break
+                child = TrieNode(node, h, tokens, block_ids[i], i + 1)
+                self.block_manager.incref(block_ids[i])
+                node.children[h] = child
+                self.num_nodes += 1
+            child.last_access = next(_CLOCK)
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def _evictable(self, node: TrieNode) -> bool:
+        if node.children or self.block_manager.refcount[node.block_id] != 1:
+            return False
+        slot = node.checkpoint_slot
+        return slot is None or self.state_cache is None or not self.state_cache.is_pinned(slot)
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` blocks by removing LRU evictable leaves.
+
+        Returns:
+            Blocks returned to the free list.
+        """
+        freed = 0
+        while freed < num_blocks:
+            leaves = [n for n in self.iter_nodes() if self._evictable(n)]
+            if not leaves:
+                break
+            leaves.sort(key=lambda n: n.last_access)
+            for leaf in leaves:
+                if freed >= num_blocks:
+                    break
+                self._remove(leaf)
+                freed += 1
+        return freed
+
+    def _remove(self, node: TrieNode) -> None:
+        if node.checkpoint_slot is not None and self.state_cache is not None:
+            self.state_cache.release_checkpoint(node.checkpoint_slot)
+        del node.parent.children[node.key]
+        self.num_nodes -= 1
+        self.block_manager.decref(node.block_id)
+
+    def iter_nodes(self):
+        """All nodes except the root (depth-first)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no sequence references (an upper bound on what eviction can free)."""
+        return sum(1 for n in self.iter_nodes() if self.block_manager.refcount[n.block_id] == 1)

@@ -1,0 +1,241 @@
+"""Prefill chunk plans and state-checkpoint save points (SPEC §3, §4).
+
+This module owns the *arithmetic* of chunked prefill for hybrid models: which token
+boundaries may carry a reusable recurrent-state checkpoint, where each prefill chunk of a
+turn ends, and at which chunk ends the state is saved. Everything here is a pure function
+of integers (no torch, no engine objects), so the scheduler, the cache engine, the tests
+and ``benchmark/simulate_store_writes.py`` all share one definition.
+
+Invariants of every :class:`PrefillPlan` returned by :func:`plan_prefill`:
+
+* ``chunk_ends`` is strictly increasing, its last element is ``num_tokens``, the first
+  chunk starts at ``cached_tokens`` and every chunk holds at most ``chunk_size`` tokens;
+* ``save_points`` is a subset of ``chunk_ends``; each one is reusable (§3) and greater
+  than ``cached_tokens`` -- a state exists there because a forward ends exactly there;
+* last-only plans have at most one save point, equal to ``last_reusable(num_tokens)``.
+
+Example, n = 16448 (16K + 64), c = 0, P = 8192, A = 1024, B = 64::
+
+    tokens   0            8192           16384  16448
+             |------------|--------------|------|
+    chunks   [  chunk 0   ][   chunk 1   ][ c2  ]       chunk_ends  [8192, 16384, 16448]
+    default               S              S              save_points [8192, 16384]
+    last-only                            S              save_points [16384]
+
+Chunk ends that are not save points carry no extra constraint: multimodal spans only
+restrict *boundaries* that may be saved (rule 4), so a plain chunk end may fall inside a
+span (the forward for a span is then split across chunks, which the model runner handles).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+__all__ = ['PrefillPlan', 'is_reusable', 'last_reusable', 'plan_prefill',
+           'num_remaining_chunks', 'next_chunk_end']
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Chunk ends and save points of one turn's prefill (SPEC §4).
+
+    Attributes:
+        chunk_ends: token counts (absolute, from position 0) at which each prefill forward
+            ends; strictly increasing, last = ``num_tokens``.
+        save_points: the chunk ends after which the recurrent state is checkpointed.
+        cached_tokens: tokens restored at admission; the first chunk starts here.
+    """
+
+    chunk_ends: list[int]
+    save_points: list[int]
+    cached_tokens: int = 0
+    _saves: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, '_saves', frozenset(self.save_points))
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of prefill forwards (chunks) in the plan."""
+        return len(self.chunk_ends)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the turn (the last chunk end)."""
+        return self.chunk_ends[-1]
+
+    @property
+    def chunk_starts(self) -> list[int]:
+        """Start token of each chunk: ``[cached_tokens] + chunk_ends[:-1]``."""
+        return [self.cached_tokens] + self.chunk_ends[:-1]
+
+    def is_save_point(self, num_tokens: int) -> bool:
+        """Whether the state after exactly ``num_tokens`` tokens is to be checkpointed."""
+        return num_tokens in self._saves
+
+
+def _validate_boundary_args(num_tokens: int, block_size: int, alignment: int, token_lookahead: int,
+                            recompute_blocks: int, multimodal_spans: Sequence[Span]) -> None:
+    if num_tokens < 1:
+        raise ValueError(f'num_tokens must be >= 1, got {num_tokens}')
+    if block_size < 1:
+        raise ValueError(f'block_size must be >= 1, got {block_size}')
+    if alignment < 1 or alignment % block_size != 0:
+        raise ValueError(f'alignment (prefill_save_alignment) must be a positive multiple of '
+                         f'block_size={block_size}, got {alignment}')
+    if token_lookahead < 0:
+        raise ValueError(f'token_lookahead must be >= 0, got {token_lookahead}')
+    if recompute_blocks < 0:
+        raise ValueError(f'recompute_blocks must be >= 0, got {recompute_blocks}')
+    for span in multimodal_spans:
+        start, end = span
+        if not 0 <= start < end:
+            raise ValueError(f'multimodal_spans entries must satisfy 0 <= s < e, got {span}')
+
+
+def _upper_bound(num_tokens: int, block_size: int, token_lookahead: int, recompute_blocks: int) -> int:
+    """Largest b allowed by rules 2 and 3 of SPEC §3 (may be <= 0)."""
+    rule2 = num_tokens - max(1, token_lookahead)
+    rule3 = (num_tokens - 1) // block_size * block_size - recompute_blocks * block_size
+    return min(rule2, rule3)
+
+
+def _span_conflict(b: int, token_lookahead: int, spans: Sequence[Span]) -> int | None:
+    """Largest candidate below ``b`` that may clear the first span violating rule 4, or None.
+
+    A span with ``s < b < e`` is cleared by any b' <= s; one with ``s < b + ℓ < e`` by any
+    b' <= s - ℓ (moving down can only clear it from below).
+    """
+    for start, end in spans:
+        if start < b < end:
+            return start
+        if start < b + token_lookahead < end:
+            return start - token_lookahead
+    return None
+
+
+def _largest_reusable_at_most(limit: int, num_tokens: int, block_size: int, alignment: int,
+                              token_lookahead: int, recompute_blocks: int,
+                              spans: Sequence[Span]) -> int | None:
+    """Largest reusable b <= ``limit`` for an input of ``num_tokens`` tokens, or None."""
+    bound = min(limit, _upper_bound(num_tokens, block_size, token_lookahead, recompute_blocks))
+    b = bound // alignment * alignment
+    while b > 0:
+        clear_below = _span_conflict(b, token_lookahead, spans)
+        if clear_below is None:
+            return b
+        # jump straight past the offending span, in whole alignments (clear_below < b)
+        b = clear_below // alignment * alignment
+    return None
+
+
+def is_reusable(b: int, num_tokens: int, block_size: int, alignment: int, token_lookahead: int = 0,
+                recompute_blocks: int = 0, multimodal_spans: Sequence[Span] = ()) -> bool:
+    """Whether boundary ``b`` (tokens) of an ``num_tokens``-token input is reusable (SPEC §3).
+
+    Rules: (1) ``b > 0`` and ``b % alignment == 0``; (2) ``b <= n - max(1, ℓ)``;
+    (3) ``b + r·B <= floor_B(n - 1)``; (4) no span ``[s, e)`` has ``s < b < e`` or
+    ``s < b + ℓ < e``.
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+    """
+    _validate_boundary_args(num_tokens, block_size, alignment, token_lookahead, recompute_blocks,
+                            multimodal_spans)
+    if b <= 0 or b % alignment != 0:
+        return False
+    if b > _upper_bound(num_tokens, block_size, token_lookahead, recompute_blocks):
+        return False
+    return _span_conflict(b, token_lookahead, multimodal_spans) is None
+
+
+def last_reusable(num_tokens: int, block_size: int, alignment: int, token_lookahead: int = 0,
+                  recompute_blocks: int = 0, multimodal_spans: Sequence[Span] = ()) -> int | None:
+    """The largest reusable boundary (tokens) of an ``num_tokens``-token input, or None (SPEC §3).
+
+    Candidates are multiples of ``alignment`` visited downward from the bound set by rules 2
+    and 3; a span violating rule 4 makes the search jump below it, so the cost is
+    O(len(spans) · visited candidates) with at most one candidate per span.
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+    """
+    _validate_boundary_args(num_tokens, block_size, alignment, token_lookahead, recompute_blocks,
+                            multimodal_spans)
+    return _largest_reusable_at_most(num_tokens, num_tokens, block_size, alignment, token_lookahead,
+                                     recompute_blocks, multimodal_spans)
+
+
+def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_size: int, alignment: int,
+                 last_only: bool, token_lookahead: int = 0, recompute_blocks: int = 0,
+                 multimodal_spans: Sequence[Span] = ()) -> PrefillPlan:
+    """Plan one turn's prefill chunks and state save points (SPEC §4).
+
+    Args:
+        num_tokens: n, tokens of the turn's input (>= 1).
+        cached_tokens: c, tokens restored from a cache hit (0 <= c < n).
+        chunk_size: P, most tokens per prefill chunk (``max_prefill_token_num``).
+        block_size: B, tokens per KV block.
+        alignment: A, checkpoint boundaries are multiples of A (a positive multiple of B).
+        last_only: True for ``prefill_save_last_only``: save only at ``b* = last_reusable(n)``;
+            False for the default policy: save at every reusable chunk end.
+        token_lookahead: ℓ, input tokens past a chunk end its forward also reads.
+        recompute_blocks: r, full blocks past a restored boundary a restore must also match.
+        multimodal_spans: half-open ``(s, e)`` token ranges never split by a save point.
+
+    Returns:
+        :class:`PrefillPlan`. Default policy: from h = c each chunk ends at min(h + P, n),
+        moved down to the largest reusable boundary in (h, end] if one exists. Last-only:
+        chunks of budget P from c, the chunk crossing b* is cut at b*; no save point when
+        b* is None or b* <= c.
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+    """
+    _validate_boundary_args(num_tokens, block_size, alignment, token_lookahead, recompute_blocks,
+                            multimodal_spans)
+    if not 0 <= cached_tokens < num_tokens:
+        raise ValueError(f'cached_tokens must satisfy 0 <= cached_tokens < num_tokens={num_tokens}, '
+                         f'got {cached_tokens}')
+    if chunk_size < 1:
+        raise ValueError(f'chunk_size must be >= 1, got {chunk_size}')
+    args = (num_tokens, block_size, alignment, token_lookahead, recompute_blocks, multimodal_spans)
+
+    chunk_ends: list[int] = []
+    save_points: list[int] = []
+    h = cached_tokens
+    if last_only:
+        target = _largest_reusable_at_most(num_tokens, *args)
+        if target is not None and target > cached_tokens:
+            save_points.append(target)
+        while h < num_tokens:
+            end = min(h + chunk_size, num_tokens)
+            if save_points and h < target < end:
+                end = target
+            chunk_ends.append(end)
+            h = end
+    else:
+        while h < num_tokens:
+            end = min(h + chunk_size, num_tokens)
+            boundary = _largest_reusable_at_most(end, *args)
+            if boundary is not None and boundary > h:
+                end = boundary
+                save_points.append(end)
+            chunk_ends.append(end)
+            h = end
+    return PrefillPlan(chunk_ends=chunk_ends, save_points=save_points, cached_tokens=cached_tokens)
+
+
+def num_remaining_chunks(plan: PrefillPlan, num_computed: int) -> int:
+    """Prefill forwards still to run once ``num_computed`` tokens (absolute) are computed."""
+    return sum(1 for end in plan.chunk_ends if end > num_computed)
+
+
+def next_chunk_end(plan: PrefillPlan, num_computed: int) -> int | None:
+    """Where the next prefill forward ends after ``num_computed`` tokens, or None when done."""
+    for end in plan.chunk_ends:
+        if end > num_computed:
+            return end
+    return None

@@ -1,0 +1,384 @@
+"""Make a tiny, seeded, random Hugging Face checkpoint for tests, docs and the quick start.
+
+This module owns the on-disk layout of the tiny models every CPU test loads:
+
+    OUT_DIR/
+      config.json             Qwen3Config / Qwen3NextConfig fields (+ legacy top-level rope keys)
+      generation_config.json  eos = <|im_end|>, pad = <|endoftext|>, greedy by default
+      model.safetensors       one file, keys in the published checkpoint layout
+      tokenizer.json          byte-level BPE trained here on an embedded corpus
+      tokenizer_config.json   PreTrainedTokenizerFast + ChatML chat_template
+
+Invariants:
+- Same (arch, seed, overrides, dtype) -> byte-identical files. The tokenizer does not depend on
+  the seed; each weight tensor draws from its own generator seeded by (seed, parameter name), so a
+  layer's weights do not change when another layer is added.
+- Special token ids: <|endoftext|> = 0 (pad), <|im_start|> = 1, <|im_end|> = 2 (eos).
+- config.vocab_size = tokenizer size rounded up to a multiple of 8 (the tail rows are unused).
+- MoE experts are stored one tensor per expert (`mlp.experts.{e}.gate_proj.weight` ...), as in the
+  published Qwen3-Next checkpoints, not in transformers' fused in-memory layout.
+- Weights are far from HF's near-zero init so greedy decoding is not decided by ties.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+
+import torch
+
+ARCHS = ('qwen3', 'qwen3_next')
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
+TOKENIZER_VOCAB_SIZE = 1024
+MATRIX_STD = 0.1
+NORM_JITTER_STD = 0.05
+
+# ChatML; roles are checked so a typo fails loudly instead of producing an unseen prompt shape.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(start=0) -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}{%- set ns.start = 1 -%}"
+    "{%- endif -%}"
+    "{{- 'You may call these tools:\\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages[ns.start:] -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('unsupported chat role: ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
+    "{%- elif message['content'] is none -%}{%- set text = '' -%}"
+    "{%- else -%}"
+    "{%- set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text -}}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- '\\n<tool_call>\\n' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson)"
+    " + '\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+_PROSE = """\
+The river town woke slowly. Fishermen pulled their boats onto the gravel, and the baker opened
+the shutters of a shop that smelled of bread and smoke. Children ran along the wall by the water,
+counting the gulls that circled the market. Nobody was in a hurry on a morning like this one.
+A traveller asked the way to the old library. "Go past the bridge, turn left at the fountain,
+and keep walking until you see the clock tower," said the woman selling apples. He thanked her,
+paid for two green apples, and walked on while the bells rang nine times.
+The library kept maps, letters and ledgers from three hundred years of trade. Each ledger listed
+what the ships carried: salt, wool, copper, glass, paper and tea. The keeper, a patient man with
+ink on his fingers, said that every page tells a small story if you read it slowly enough.
+Questions are good. Answers are better when they are short, correct and easy to check. When you
+explain an idea, start with an example, then give the rule, then show where the rule stops.
+The weather changed in the afternoon. Clouds came in from the sea, the wind turned cold, and the
+first drops of rain tapped on the windows. People opened umbrellas and hurried home for dinner.
+In the evening the lamps were lit one by one. Music came from an open door, someone laughed, and
+a dog barked twice at the moon. Tomorrow there would be work again, but tonight there was time.
+Please summarize the text above in one sentence. Then list three facts that it states, and one
+question that it leaves open. Think step by step, and say which part of the text you used.
+Hello! How can I help you today? I can answer questions, write code, translate a paragraph, or
+plan a trip. Tell me what you need, and I will do my best to help.
+User: What is the capital of France? Assistant: The capital of France is Paris.
+User: Can you write a short poem about the sea? Assistant: Grey waves fold over, the tide keeps
+time, and every shell on the sand remembers a storm.
+User: Translate "good morning" into Spanish. Assistant: "Buenos dias."
+User: Why is the sky blue? Assistant: Sunlight scatters off the air, and blue light scatters
+more than red light, so the sky looks blue during the day and red near sunset.
+A good recipe for soup: chop two onions, three carrots and a stalk of celery. Warm some oil in
+a large pot, add the vegetables, and cook them gently for ten minutes. Pour in a litre of stock,
+add salt and pepper, and let it simmer for half an hour. Serve it hot with fresh bread.
+The meeting is on Monday at 10:30 in room 4B. Please bring the report, the budget for next year,
+and your ideas for the spring campaign. If you cannot come, send a note to the team before Friday.
+Science begins with careful observation. A scientist writes down what she sees, forms a guess
+about the cause, and designs an experiment that could prove the guess wrong. If the experiment
+agrees with the guess many times, the idea becomes a theory, but it can still be revised later.
+"""
+
+_CODE = """\
+def add(a, b):
+    return a + b
+
+def mean(values: list[float]) -> float:
+    if not values:
+        raise ValueError("values must not be empty")
+    return sum(values) / len(values)
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def step(self, n=1):
+        self.count += n
+        return self.count
+
+for i in range(10):
+    print(f"step {i}: {i * i}")
+
+import json, os, sys
+data = {"name": "tiny", "layers": 4, "heads": [4, 2], "ok": True}
+print(json.dumps(data, indent=2))
+x = [1, 2, 3]; y = (4, 5); z = {6: "six"}
+if x and y or not z:
+    pass
+# TODO: check the edge cases <= >= != == -> => :: && || ... !? @ # $ % ^ & * ~ `
+SELECT id, name FROM users WHERE age > 21 ORDER BY name;
+curl -s http://127.0.0.1:23333/v1/chat/completions -H 'Content-Type: application/json'
+"""
+
+
+def _corpus() -> list[str]:
+    """Return the fixed training corpus (about 10 KB) as a list of lines; same every call."""
+    lines = _PROSE.splitlines() + _CODE.splitlines()
+    # Generated arithmetic, dates and prices add digits and punctuation in many contexts.
+    for i in range(80):
+        a, b = (i * 37) % 101, (i * 53 + 7) % 97
+        lines.append(f'{a} + {b} = {a + b}; {a} * {b} = {a * b}.')
+        lines.append(f'On {2000 + i % 25}-{1 + i % 12:02d}-{1 + i % 28:02d} the price was ${a}.{b:02d} (up {i % 9}%).')
+    return lines
+
+
+def train_tokenizer():
+    """Train the byte-level BPE tokenizer on the embedded corpus.
+
+    Returns a `tokenizers.Tokenizer` with at most `TOKENIZER_VOCAB_SIZE` entries whose first ids
+    are `SPECIAL_TOKENS` (0, 1, 2). Deterministic: the corpus is fixed and BPE training breaks
+    ties by a fixed order.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE,
+                                  # The corpus is small; counting pairs seen once is what reaches ~1000 tokens.
+                                  min_frequency=1,
+                                  special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + '\n')
+
+
+def _write_tokenizer(tok, out_dir: str) -> None:
+    tok.save(os.path.join(out_dir, 'tokenizer.json'), pretty=True)
+    added = {
+        str(tok.token_to_id(t)): {
+            'content': t, 'lstrip': False, 'normalized': False, 'rstrip': False,
+            'single_word': False, 'special': True
+        }
+        for t in SPECIAL_TOKENS
+    }
+    _write_json(
+        os.path.join(out_dir, 'tokenizer_config.json'), {
+            'added_tokens_decoder': added,
+            'bos_token': None,
+            'chat_template': CHAT_TEMPLATE,
+            'clean_up_tokenization_spaces': False,
+            'eos_token': '<|im_end|>',
+            'model_max_length': 32768,
+            'pad_token': '<|endoftext|>',
+            'tokenizer_class': 'PreTrainedTokenizerFast',
+        })
+
+
+def _arch_defaults(arch: str) -> dict:
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                  rope_theta=10000.0)
+    if arch == 'qwen3':
+        return dict(common, num_hidden_layers=2, intermediate_size=128)
+    return dict(common, num_hidden_layers=4, intermediate_size=128, full_attention_interval=4,
+                partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                norm_topk_prob=True)
+
+
+def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: int, **overrides):
+    """Build the transformers config of the tiny `arch` model.
+
+    `overrides` replace defaults; for 'qwen3_next', `layer_types` is derived from
+    `num_hidden_layers` and `full_attention_interval` unless given. Raises ValueError naming the
+    field for an unknown arch or an override that is not a field of the config class.
+    """
+    from transformers import Qwen3Config, Qwen3NextConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
+    cls = Qwen3Config if arch == 'qwen3' else Qwen3NextConfig
+    fields = dict(_arch_defaults(arch))
+    known = set(cls().to_dict()) | set(fields)
+    for key in overrides:
+        if key not in known:
+            raise ValueError(f'{key}: not a {cls.__name__} field')
+    fields.update(overrides)
+    interval = fields.pop('full_attention_interval', None)
+    rope = dict(rope_type='default', rope_theta=fields.pop('rope_theta'))
+    if arch == 'qwen3_next':
+        rope['partial_rotary_factor'] = fields.pop('partial_rotary_factor')
+        if 'layer_types' not in overrides:
+            n = fields['num_hidden_layers']
+            fields['layer_types'] = [
+                'full_attention' if (i + 1) % interval == 0 else 'linear_attention' for i in range(n)
+            ]
+    fields.setdefault('rope_parameters', rope)
+    return cls(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
+               **fields)
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f'{seed}/{name}'.encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], 'little') & ((1 << 63) - 1))
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Re-draw every parameter of `model` (in place) from per-name seeded generators.
+
+    Matrices: N(0, MATRIX_STD). Norm weights: their HF init value (1 for `x*w` norms, 0 for
+    Qwen3-Next's zero-centred `x*(1+w)` RMSNorm) plus N(0, NORM_JITTER_STD). Gated DeltaNet:
+    A = exp(A_log) ~ U(1, 16) and dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (the
+    ranges of the Mamba / Mamba-2 reference initialisation), so the per-token state decay
+    exp(-A * dt) stays close to 1 and tokens far back in a long prefix still change the output.
+    """
+    norm_params = {
+        f'{mod_name}.{p_name}'
+        for mod_name, mod in model.named_modules() if 'Norm' in type(mod).__name__
+        for p_name, _ in mod.named_parameters(recurse=False)
+    }
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gen = _generator(seed, name)
+            shape = param.shape
+            leaf = name.rsplit('.', 1)[-1]
+            if name in norm_params:
+                neutral = param.flatten()[0].item()
+                if neutral not in (0.0, 1.0) or not torch.all(param == neutral):
+                    raise RuntimeError(f'unexpected init of norm weight {name}')
+                value = neutral + NORM_JITTER_STD * torch.randn(shape, generator=gen)
+            elif leaf == 'A_log':
+                value = torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen))
+            elif leaf == 'dt_bias':
+                dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(shape, generator=gen))
+                value = dt + torch.log(-torch.expm1(-dt))
+            else:
+                value = MATRIX_STD * torch.randn(shape, generator=gen)
+            param.copy_(value)
+
+
+def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
+    """Return the state dict in the published layout: fused MoE experts split per expert.
+
+    transformers keeps experts as `gate_up_proj` [E, 2*I, H] (gate rows first) and `down_proj`
+    [E, H, I]; checkpoints store `experts.{e}.{gate,up,down}_proj.weight` as nn.Linear weights.
+    """
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith('mlp.experts.gate_up_proj'):
+            prefix = name[:-len('gate_up_proj')]
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f'{prefix}{e}.gate_proj.weight'] = gate[e]
+                out[f'{prefix}{e}.up_proj.weight'] = up[e]
+        elif name.endswith('mlp.experts.down_proj'):
+            prefix = name[:-len('down_proj')]
+            for e in range(tensor.shape[0]):
+                out[f'{prefix}{e}.down_proj.weight'] = tensor[e]
+        else:
+            out[name] = tensor
+    return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
+
+
+def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **overrides) -> str:
+    """Write a seeded random tiny checkpoint of `arch` ('qwen3' | 'qwen3_next') into `out_dir`.
+
+    `overrides` update config fields (e.g. num_hidden_layers=2); the special key `dtype`
+    ('float32' default | 'bfloat16' | 'float16') sets the stored weight dtype. Creates `out_dir`
+    if needed and overwrites the five files listed in the module docstring. Returns `out_dir`
+    as an absolute path. Raises ValueError naming `arch`, `dtype` or an unknown config field.
+    Takes ~0.1 s once transformers is imported (the import itself takes a few seconds).
+    """
+    from safetensors.torch import save_file
+    from transformers import Qwen3ForCausalLM, Qwen3NextForCausalLM
+
+    dtype_name = overrides.pop('dtype', 'float32')
+    if dtype_name not in DTYPES:
+        raise ValueError(f'dtype must be one of {tuple(DTYPES)}, got {dtype_name!r}')
+    if arch not in ARCHS:
+        raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f'seed must be a non-negative int, got {seed!r}')
+    tok = train_tokenizer()
+    eos_id, pad_id = tok.token_to_id('<|im_end|>'), tok.token_to_id('<|endoftext|>')
+    vocab_size = -(-tok.get_vocab_size() // 8) * 8
+    config = build_config(arch, vocab_size, eos_id, pad_id, **overrides)
+    config.dtype = dtype_name
+
+    model_cls = Qwen3ForCausalLM if arch == 'qwen3' else Qwen3NextForCausalLM
+    torch_state = torch.random.get_rng_state()
+    try:
+        model = model_cls(config).to(torch.float32)
+    finally:
+        # HF init draws from the global RNG; leave the caller's RNG as we found it.
+        torch.random.set_rng_state(torch_state)
+    _randomize(model, seed)
+
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    # The diff against PretrainedConfig keeps every model field but drops generic noise (id2label ...).
+    config_dict = config.to_diff_dict()
+    # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
+    config_dict['rope_theta'] = config.rope_parameters['rope_theta']
+    if arch == 'qwen3_next':
+        config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
+    config_dict['architectures'] = [model_cls.__name__]
+    _write_json(os.path.join(out_dir, 'config.json'), config_dict)
+    _write_json(os.path.join(out_dir, 'generation_config.json'),
+                dict(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False))
+    save_file(_checkpoint_state_dict(model, DTYPES[dtype_name]), os.path.join(out_dir, 'model.safetensors'),
+              metadata={'format': 'pt'})
+    _write_tokenizer(tok, out_dir)
+    return out_dir
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `make-tiny-model` sub-command to an argparse `subparsers`; sets `func=main`."""
+    parser = subparsers.add_parser('make-tiny-model', help='write a tiny random checkpoint for tests')
+    _add_arguments(parser)
+    parser.set_defaults(func=main)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('out_dir', help='directory to write the checkpoint into')
+    parser.add_argument('--arch', choices=ARCHS, default='qwen3_next', help='model architecture')
+    parser.add_argument('--seed', type=int, default=0, help='weight seed (the tokenizer is seed-independent)')
+    parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32', help='stored weight dtype')
+
+
+def main(args: argparse.Namespace) -> str:
+    """Run the CLI command for parsed `args`; prints and returns the written directory."""
+    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype)
+    print(path)
+    return path
+
+
+if __name__ == '__main__':
+    _parser = argparse.ArgumentParser(description='Write a tiny random Hugging Face checkpoint.')
+    _add_arguments(_parser)
+    main(_parser.parse_args())

@@ -1,0 +1,271 @@
+"""Reusable boundaries, chunk plans and save points (SPEC §3, §4)."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmdeploy.pytorch.paging.prefill_plan import (PrefillPlan, is_reusable, last_reusable, next_chunk_end,
+                                                  num_remaining_chunks, plan_prefill)
+
+B, A, P = 64, 1024, 8192
+K = 1024
+
+
+# ---------------------------------------------------------------- SPEC §3 examples
+@pytest.mark.parametrize('n, lookahead, recompute, spans, expected', [
+    (2049, 0, 1, (), 1024),                # 2048 fails rule 3: 2048 + 64 > floor_64(2048)
+    (2049, 1, 0, (), 2048),
+    (1024, 0, 0, (), None),                # rule 2: b <= 1023
+    (3000, 0, 0, ((1000, 1100),), 2048),
+    (2100, 0, 0, ((2000, 2100),), 1024),   # span covers 2048
+])
+def test_last_reusable_matches_spec_examples(n, lookahead, recompute, spans, expected):
+    assert last_reusable(n, B, A, lookahead, recompute, spans) == expected
+
+
+def test_rule2_needs_one_token_of_suffix():
+    assert last_reusable(2048, B, A) == 1024
+    assert last_reusable(2049, B, A) == 2048
+    assert not is_reusable(2048, 2048, B, A)
+    assert is_reusable(2048, 2049, B, A)
+
+
+def test_lookahead_needs_its_tokens_after_boundary():
+    assert last_reusable(2050, B, A, token_lookahead=2) == 2048
+    assert last_reusable(2049, B, A, token_lookahead=2) == 1024
+
+
+def test_rule3_recompute_blocks_need_full_blocks_after_boundary():
+    # floor_64(n - 1) must reach 2048 + r * 64
+    assert last_reusable(2048 + 64 + 1, B, A, recompute_blocks=1) == 2048
+    assert last_reusable(2048 + 64, B, A, recompute_blocks=1) == 1024
+    assert last_reusable(2048 + 128 + 1, B, A, recompute_blocks=2) == 2048
+
+
+def test_span_covering_boundary_moves_back_by_whole_alignments():
+    assert last_reusable(5000, B, A, multimodal_spans=[(3000, 4500)]) == 2048
+    assert last_reusable(5000, B, A, multimodal_spans=[(1, 4500)]) is None
+    assert last_reusable(5000, B, A, multimodal_spans=[(3000, 4500), (1500, 2100)]) == 1024
+
+
+def test_span_starting_at_boundary_is_legal_without_lookahead_only():
+    spans = [(2048, 2100)]
+    assert is_reusable(2048, 3000, B, A, 0, 0, spans)
+    assert last_reusable(3000, B, A, 0, 0, spans) == 2048
+    # with ℓ = 1 the chunk ending at 2048 reads token 2048, inside the span: s < b + ℓ < e
+    assert not is_reusable(2048, 3000, B, A, 1, 0, spans)
+    assert last_reusable(3000, B, A, 1, 0, spans) == 1024
+
+
+def test_span_ending_at_boundary_is_legal():
+    assert is_reusable(2048, 3000, B, A, 0, 0, [(2000, 2048)])
+    assert is_reusable(2048, 3000, B, A, 1, 0, [(2000, 2048)])
+
+
+def test_unaligned_or_nonpositive_boundary_is_not_reusable():
+    assert not is_reusable(0, 5000, B, A)
+    assert not is_reusable(1088, 5000, B, A)
+    assert not is_reusable(-1024, 5000, B, A)
+
+
+# ---------------------------------------------------------------- SPEC §4 examples
+def test_16k_plus_64_default_saves_every_aligned_chunk_end():
+    plan = plan_prefill(16 * K + 64, 0, P, B, A, last_only=False)
+    assert plan.chunk_ends == [8192, 16384, 16448]
+    assert plan.save_points == [8192, 16384]
+    assert plan.num_chunks == 3
+
+
+def test_16k_plus_64_last_only_saves_once():
+    plan = plan_prefill(16 * K + 64, 0, P, B, A, last_only=True)
+    assert plan.chunk_ends == [8192, 16384, 16448]
+    assert plan.save_points == [16384]
+
+
+def test_2049_recompute_one_block_last_only_saves_at_1024():
+    plan = plan_prefill(2049, 0, P, B, A, last_only=True, recompute_blocks=1)
+    assert plan.chunk_ends == [1024, 2049]
+    assert plan.save_points == [1024]
+    assert plan_prefill(2049, 0, P, B, A, last_only=False, recompute_blocks=1).save_points == [1024]
+
+
+def test_2049_lookahead_one_saves_at_2048():
+    plan = plan_prefill(2049, 0, P, B, A, last_only=True, token_lookahead=1)
+    assert plan.chunk_ends == [2048, 2049]
+    assert plan.save_points == [2048]
+
+
+@pytest.mark.parametrize('cached', [16384, 16400, 16447])
+def test_hit_at_or_beyond_last_reusable_has_no_save_point(cached):
+    for last_only in (False, True):
+        plan = plan_prefill(16 * K + 64, cached, P, B, A, last_only)
+        assert plan.save_points == []
+        assert plan.chunk_ends == [16448]
+        assert plan.chunk_starts == [cached]
+
+
+def test_no_reusable_boundary_gives_plain_chunks():
+    for last_only in (False, True):
+        plan = plan_prefill(1000, 0, 300, B, A, last_only)
+        assert plan.chunk_ends == [300, 600, 900, 1000]
+        assert plan.save_points == []
+
+
+def test_last_only_cuts_the_chunk_crossing_target():
+    # b* = 9216; chunks 0-8192, 8192-9216 (cut), 9216-10000
+    plan = plan_prefill(10000, 0, P, B, A, last_only=True)
+    assert plan.chunk_ends == [8192, 9216, 10000]
+    assert plan.save_points == [9216]
+    # default moves every chunk end to an aligned boundary
+    plan = plan_prefill(10000, 0, P, B, A, last_only=False)
+    assert plan.chunk_ends == [8192, 9216, 10000]
+    assert plan.save_points == [8192, 9216]
+
+
+def test_last_only_keeps_unaligned_chunks_before_target():
+    plan = plan_prefill(5000, 100, 1500, B, A, last_only=True)
+    assert plan.chunk_ends == [1600, 3100, 4096, 5000]
+    assert plan.save_points == [4096]
+    plan = plan_prefill(5000, 100, 1500, B, A, last_only=False)
+    assert plan.chunk_ends == [1024, 2048, 3072, 4096, 5000]
+    assert plan.save_points == [1024, 2048, 3072, 4096]
+
+
+def test_default_span_moves_chunk_end_back():
+    plan = plan_prefill(5000, 0, P, B, A, last_only=False, multimodal_spans=[(3000, 4500)])
+    assert plan.chunk_ends == [2048, 5000]
+    assert plan.save_points == [2048]
+
+
+# ---------------------------------------------------------------- seed-table scenarios
+@pytest.mark.parametrize('n, cached, default, last', [
+    (8 * K + 64, 0, [8192], [8192]),
+    (16 * K + 64, 0, [8192, 16384], [16384]),
+    (32 * K + 64, 0, [8192, 16384, 24576, 32768], [32768]),
+    (64 * K + 64, 0, [8192 * i for i in range(1, 9)], [65536]),
+    (36 * K + 64, 32 * K, [36864], [36864]),           # next turn, 4K longer
+    (48 * K + 64, 32 * K, [40960, 49152], [49152]),    # next turn, 16K longer
+])
+def test_seed_table_save_points(n, cached, default, last):
+    assert plan_prefill(n, cached, P, B, A, last_only=False).save_points == default
+    assert plan_prefill(n, cached, P, B, A, last_only=True).save_points == last
+
+
+def test_remaining_chunks_and_next_end():
+    plan = plan_prefill(16 * K + 64, 0, P, B, A, last_only=True)
+    assert [num_remaining_chunks(plan, x) for x in (0, 8191, 8192, 16384, 16448)] == [3, 3, 2, 1, 0]
+    assert [next_chunk_end(plan, x) for x in (0, 8192, 16400, 16448)] == [8192, 16384, 16448, None]
+    assert plan.is_save_point(16384) and not plan.is_save_point(8192)
+    assert plan.num_tokens == 16448
+
+
+def test_plan_compares_equal_to_lists():
+    assert plan_prefill(2049, 0, P, B, A, True) == PrefillPlan([2048, 2049], [2048], 0)
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize('kwargs, name', [
+    (dict(num_tokens=0), 'num_tokens'),
+    (dict(cached_tokens=-1), 'cached_tokens'),
+    (dict(cached_tokens=100), 'cached_tokens'),
+    (dict(chunk_size=0), 'chunk_size'),
+    (dict(block_size=0), 'block_size'),
+    (dict(alignment=96), 'alignment'),
+    (dict(alignment=0), 'alignment'),
+    (dict(token_lookahead=-1), 'token_lookahead'),
+    (dict(recompute_blocks=-1), 'recompute_blocks'),
+    (dict(multimodal_spans=[(5, 5)]), 'multimodal_spans'),
+    (dict(multimodal_spans=[(-1, 5)]), 'multimodal_spans'),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
+    args = dict(num_tokens=100, cached_tokens=0, chunk_size=10, block_size=64, alignment=128,
+                last_only=False)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        plan_prefill(**args)
+
+
+def test_last_reusable_validates_alignment():
+    with pytest.raises(ValueError, match='alignment'):
+        last_reusable(5000, 64, 100)
+
+
+# ---------------------------------------------------------------- properties
+def brute_reusable(b, n, bs, al, la, r, spans):
+    floor_b = (n - 1) // bs * bs
+    return (b > 0 and b % al == 0 and b <= n - max(1, la) and b + r * bs <= floor_b
+            and not any(s < b < e or s < b + la < e for s, e in spans))
+
+
+def brute_last_reusable(n, bs, al, la, r, spans):
+    found = [b for b in range(1, n + 1) if brute_reusable(b, n, bs, al, la, r, spans)]
+    return max(found) if found else None
+
+
+@st.composite
+def plan_args(draw):
+    bs = draw(st.sampled_from([1, 2, 4, 16, 64]))
+    al = bs * draw(st.integers(1, 8))
+    n = draw(st.integers(1, 12 * al + 7))
+    c = draw(st.integers(0, n - 1))
+    chunk = draw(st.integers(1, 4 * al))
+    la = draw(st.integers(0, 3))
+    r = draw(st.integers(0, 3))
+    spans = []
+    for _ in range(draw(st.integers(0, 3))):
+        s = draw(st.integers(0, n))
+        spans.append((s, s + draw(st.integers(1, 2 * al))))
+    return n, c, chunk, bs, al, la, r, tuple(spans)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plan_args())
+def test_last_reusable_agrees_with_brute_force(args):
+    n, _, _, bs, al, la, r, spans = args
+    expected = brute_last_reusable(n, bs, al, la, r, spans)
+    assert last_reusable(n, bs, al, la, r, spans) == expected
+    if expected is not None:
+        assert is_reusable(expected, n, bs, al, la, r, spans)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plan_args(), st.booleans())
+def test_plan_invariants(args, last_only):
+    n, c, chunk, bs, al, la, r, spans = args
+    plan = plan_prefill(n, c, chunk, bs, al, last_only, la, r, spans)
+    starts = [c] + plan.chunk_ends[:-1]
+    assert plan.chunk_ends[-1] == n
+    assert plan.chunk_starts == starts
+    assert all(0 < end - start <= chunk for start, end in zip(starts, plan.chunk_ends))
+    assert set(plan.save_points) <= set(plan.chunk_ends)
+    assert plan.save_points == sorted(plan.save_points)
+    for b in plan.save_points:
+        assert b > c and brute_reusable(b, n, bs, al, la, r, spans)
+    target = brute_last_reusable(n, bs, al, la, r, spans)
+    if last_only:
+        assert plan.save_points == ([target] if target is not None and target > c else [])
+    else:
+        reusable_ends = [e for e in plan.chunk_ends if brute_reusable(e, n, bs, al, la, r, spans)]
+        assert plan.save_points == reusable_ends
+        # each chunk end is the deepest reusable boundary the budget allows, when there is one
+        for start, end in zip(starts, plan.chunk_ends):
+            budget_end = min(start + chunk, n)
+            inside = [b for b in range(start + 1, budget_end + 1) if brute_reusable(b, n, bs, al, la, r, spans)]
+            assert end == (max(inside) if inside else budget_end)
+        if target is not None and target > c:
+            assert plan.save_points[-1] == target
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan_args())
+def test_last_only_chunks_are_plain_chunks_cut_once(args):
+    n, c, chunk, bs, al, la, r, spans = args
+    plan = plan_prefill(n, c, chunk, bs, al, True, la, r, spans)
+    expected, h = [], c
+    cut = plan.save_points[0] if plan.save_points else None
+    while h < n:
+        end = min(h + chunk, n)
+        if cut is not None and h < cut < end:
+            end = cut
+        expected.append(end)
+        h = end
+    assert plan.chunk_ends == expected
