@@ -150,7 +150,7 @@ class GatedDeltaNet(nn.Module):
                 continue
             fresh = history == 0  # the slot may hold another sequence's leftovers
             y, conv_state = conv_fn(mixed[sl], weight, None, None if fresh else conv_cache[slot], 'silu')
-            pass
+            conv_cache[slot].copy_(conv_state)
             q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
             q = q.reshape(n, self.num_k_heads, self.head_k_dim)
             k = k.reshape(n, self.num_k_heads, self.head_k_dim)

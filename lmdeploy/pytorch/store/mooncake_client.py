@@ -1,0 +1,340 @@
+"""Byte-level client of the Mooncake Store (SPEC §5-§7), and a dict-backed fake for fault tests.
+
+This module owns the one ``mooncake.store.MooncakeDistributedStore`` handle of a process and
+its failure policy. Invariants:
+
+- Only :meth:`StoreClient.connect` raises (:class:`StoreUnavailableError`). After it returns,
+  every failure is returned (``False`` / ``None``) and counted in :class:`StoreClientStats`,
+  never raised into the engine.
+- The native handle is never touched after :meth:`StoreClient.close` or before a successful
+  setup: mooncake 0.3.13 segfaults on an operation against a closed or never-set-up store.
+- A master that stops answering costs the engine at most one slow call: the first RPC failure
+  opens a breaker, and until a TCP probe of the master succeeds (at most once per
+  ``retry_interval_s``) operations fail at once.
+
+Facts about ``mooncake-transfer-engine-non-cuda`` 0.3.13 this relies on (checked by
+tests/test_mooncake_store.py):
+
+- ``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol,
+  rdma_devices, master_server_addr)`` returns 0 on success; ``global_segment_size=0`` is
+  accepted (the process then contributes no memory and objects live in other processes'
+  segments, e.g. a standalone ``mooncake_client``). Against an unreachable master it retries
+  for ~90 s (20 tries x ~4.4 s), hence the TCP probe before it.
+- ``put(key, value)`` returns 0 on success, **also when the key already exists** (the first
+  value is kept); -600 when the value does not fit the local buffer (``local_buffer_size``
+  bounds the largest object); -900 (RPC failure) when the master is gone.
+- ``get(key)`` returns ``bytes``; ``b''`` both for a missing key and for a failure.
+- ``is_exist(key)`` returns 1 / 0 / negative error; ``batch_is_exist(keys)`` a list of those.
+- With the master killed, the first call fails at once and later ones take ~4.3 s each
+  (an internal reconnect loop); the native calls release the GIL.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+OK = 0
+ERR_INVALID_PARAMS = -600          # e.g. the value does not fit the local buffer
+ERR_OBJECT_NOT_FOUND = -704
+ERR_OBJECT_ALREADY_EXISTS = -705   # not observed from put() in 0.3.13 (it returns 0), kept as success
+ERR_RPC_FAIL = -900                # the master does not answer
+_PUT_SUCCESS = (OK, ERR_OBJECT_ALREADY_EXISTS)
+
+
+class StoreUnavailableError(RuntimeError):
+    """The Store cannot be reached at connect time; the message names the address."""
+
+
+@dataclass
+class StoreClientStats:
+    """Counters of one client since connect (objects, bytes). ``last_error`` is a short text of
+    the most recent failure, for logs."""
+    puts: int = 0
+    put_bytes: int = 0
+    put_failures: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    get_misses: int = 0
+    get_failures: int = 0
+    exists_failures: int = 0
+    last_error: str = ''
+
+
+def parse_host_port(value: str, field_name: str) -> tuple[str, int]:
+    """Split ``'host:port'``; raises ``ValueError`` naming ``field_name`` when malformed."""
+    host, sep, port = str(value).rpartition(':')
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'{field_name} must be "host:port", got {value!r}')
+    return host, int(port)
+
+
+def tcp_reachable(host: str, port: int, timeout_s: float) -> bool:
+    """True when a TCP connection to ``host:port`` opens within ``timeout_s`` seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _metadata_endpoint(metadata_server: str) -> tuple[str, int] | None:
+    """Host and port of an ``http://`` metadata server URL; None for other schemes."""
+    url = urlsplit(metadata_server)
+    if url.scheme not in ('http', 'https') or not url.hostname:
+        return None
+    return url.hostname, url.port or (443 if url.scheme == 'https' else 80)
+
+
+class StoreClient:
+    """A connected Mooncake Store client (bytes in, bytes out); create with :meth:`connect`.
+
+    All native calls are serialized by one lock (they block; the GIL is released meanwhile),
+    so the client may be shared between threads.
+    """
+
+    def __init__(self, native, master: tuple[str, int], local_buffer_size: int, retry_interval_s: float):
+        self._store = native
+        self._master = master
+        self._local_buffer_size = local_buffer_size
+        self._retry_interval_s = retry_interval_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._down_since: float | None = None     # breaker open since (monotonic s)
+        self._next_probe = 0.0
+        self.stats = StoreClientStats()
+
+    @classmethod
+    def connect(cls, master_address: str, metadata_server: str, protocol: str = 'tcp',
+                local_hostname: str = '127.0.0.1', segment_size: int = 0,
+                local_buffer_size: int = 64 << 20, *, rdma_devices: str = '',
+                connect_timeout_s: float = 2.0, retry_interval_s: float = 5.0) -> 'StoreClient':
+        """Set up a Mooncake Store client in this process.
+
+        Args:
+            master_address: ``'host:port'`` of ``mooncake_master``'s RPC port.
+            metadata_server: metadata URL, e.g. ``'http://127.0.0.1:8080/metadata'``.
+            protocol: ``'tcp'`` or ``'rdma'``.
+            local_hostname: address this process's transfer engine advertises; also used as
+                ``MC_TCP_BIND_ADDRESS`` when that variable is unset.
+            segment_size: bytes of memory this process contributes to the Store (0 allowed).
+            local_buffer_size: bytes of the transfer buffer; a value larger than this cannot
+                be put (bytes).
+            rdma_devices: RDMA device names (``protocol='rdma'`` only).
+            connect_timeout_s: bound on each TCP probe of master/metadata server (seconds).
+            retry_interval_s: after an RPC failure, operations fail fast for this long before
+                the master is probed again (seconds).
+
+        Raises:
+            ValueError: a malformed argument (named).
+            StoreUnavailableError: the master or metadata server does not accept connections,
+                the ``mooncake`` package is missing, or setup fails; names the address.
+        """
+        master = parse_host_port(master_address, 'master_address')
+        if protocol not in ('tcp', 'rdma'):
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        for name, value in (('segment_size', segment_size), ('local_buffer_size', local_buffer_size)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f'{name} must be a non-negative int (bytes), got {value!r}')
+        if not local_hostname:
+            raise ValueError('local_hostname must be non-empty')
+        if not tcp_reachable(*master, connect_timeout_s):
+            raise StoreUnavailableError(f'Mooncake master {master_address} is unreachable '
+                                        f'(no TCP connection within {connect_timeout_s} s)')
+        meta = _metadata_endpoint(metadata_server)
+        if meta is not None and not tcp_reachable(*meta, connect_timeout_s):
+            raise StoreUnavailableError(f'Mooncake metadata server {metadata_server} is unreachable '
+                                        f'(no TCP connection within {connect_timeout_s} s)')
+        # Mooncake binds its transfer listeners to this address (default: the first NIC).
+        os.environ.setdefault('MC_TCP_BIND_ADDRESS', local_hostname)
+        # Bound the native setup's own retry loop (20 x ~4.4 s by default) for a master that
+        # accepts TCP but does not answer.
+        os.environ.setdefault('MC_STORE_CLIENT_SETUP_RETRIES', '3')
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise StoreUnavailableError(f'cannot use Mooncake master {master_address}: the mooncake package is '
+                                        f'not installed (pip install -r requirements/store.txt): {e}') from e
+        native = MooncakeDistributedStore()
+        rc = native.setup(local_hostname, metadata_server, segment_size, local_buffer_size, protocol,
+                          rdma_devices, master_address)
+        if rc != OK:
+            # A failed setup leaves nothing to close; the handle is dropped unused.
+            raise StoreUnavailableError(f'Mooncake setup against master {master_address} (metadata '
+                                        f'{metadata_server}) failed with code {rc}')
+        return cls(native, master, local_buffer_size, retry_interval_s)
+
+    # -- failure policy -------------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        """False while closed or while the breaker is open and the master still refuses TCP.
+        Called with the lock held."""
+        if self._closed:
+            return False
+        if self._down_since is None:
+            return True
+        now = time.monotonic()
+        if now < self._next_probe:
+            return False
+        if tcp_reachable(*self._master, timeout_s=min(0.5, self._retry_interval_s)):
+            self._down_since = None
+            return True
+        self._next_probe = now + self._retry_interval_s
+        return False
+
+    def _note(self, rc: int, what: str) -> None:
+        """Record a failed native call; an RPC failure opens the breaker."""
+        self.stats.last_error = f'{what}: code {rc}'
+        if rc == ERR_RPC_FAIL and self._down_since is None:
+            self._down_since = time.monotonic()
+            self._next_probe = self._down_since + self._retry_interval_s
+
+    @property
+    def available(self) -> bool:
+        """False when closed or while the breaker is open (the master failed recently)."""
+        return not self._closed and self._down_since is None
+
+    # -- operations -----------------------------------------------------------------------
+
+    def put(self, key: str, value) -> bool:
+        """Store ``value`` (bytes-like) under ``key``. True on success, including "already
+        exists" (the existing value is kept). False on any failure, counted in
+        ``stats.put_failures``; a value larger than ``local_buffer_size`` fails without I/O."""
+        size = memoryview(value).nbytes
+        with self._lock:
+            if size > self._local_buffer_size:
+                self.stats.put_failures += 1
+                self.stats.last_error = f'put {key}: {size} bytes exceed local_buffer_size {self._local_buffer_size}'
+                return False
+            if not self._usable():
+                self.stats.put_failures += 1
+                return False
+            rc = self._store.put(key, value)
+            if rc in _PUT_SUCCESS:
+                self.stats.puts += 1
+                self.stats.put_bytes += size
+                return True
+            self._note(rc, f'put {key}')
+            self.stats.put_failures += 1
+            return False
+
+    def get(self, key: str) -> bytes | None:
+        """The value stored under ``key``, or None when it is missing (``stats.get_misses``)
+        or cannot be read (``stats.get_failures``: master down, value larger than the local
+        buffer, transfer error)."""
+        with self._lock:
+            if not self._usable():
+                self.stats.get_failures += 1
+                return None
+            data = self._store.get(key)
+            if data:
+                self.stats.gets += 1
+                self.stats.get_bytes += len(data)
+                return data
+            # get() returns b'' for a miss and for a failure alike; ask which one.
+            rc = self._store.is_exist(key)
+            if rc == 0:
+                self.stats.get_misses += 1
+            elif rc < 0:
+                self._note(rc, f'get {key}')
+                self.stats.get_failures += 1
+            else:
+                self.stats.get_failures += 1
+                self.stats.last_error = f'get {key}: exists but could not be read (larger than the local buffer?)'
+            return None
+
+    def exists(self, key: str) -> bool:
+        """True when ``key`` is stored; False when it is not or the query fails (counted in
+        ``stats.exists_failures``)."""
+        return self.batch_exists([key])[0]
+
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        """Per key: True when stored; False when not stored or the query failed (counted)."""
+        if not keys:
+            return []
+        with self._lock:
+            if not self._usable():
+                self.stats.exists_failures += len(keys)
+                return [False] * len(keys)
+            codes = self._store.batch_is_exist(list(keys)) if len(keys) > 1 else [self._store.is_exist(keys[0])]
+            failed = [c for c in codes if c < 0]
+            if failed:
+                self._note(failed[0], f'exists ({len(failed)} of {len(keys)} keys)')
+                self.stats.exists_failures += len(failed)
+            return [c == 1 for c in codes]
+
+    def close(self) -> None:
+        """Release the native client (idempotent); later operations fail without I/O."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._store.close()
+
+
+@dataclass
+class FakeStoreClient:
+    """Dict-backed stand-in of :class:`StoreClient` for unit-level fault injection only.
+
+    ``fail_puts`` / ``fail_gets`` / ``fail_exists`` hold how many upcoming calls of that kind
+    fail; ``down=True`` fails every call (a dead master). ``put_keys`` records every attempted
+    put in order, for asserting what was written and when.
+    """
+    objects: dict = field(default_factory=dict)
+    fail_puts: int = 0
+    fail_gets: int = 0
+    fail_exists: int = 0
+    down: bool = False
+    put_keys: list = field(default_factory=list)
+    stats: StoreClientStats = field(default_factory=StoreClientStats)
+    closed: bool = False
+
+    @property
+    def available(self) -> bool:
+        return not self.closed and not self.down
+
+    def _fail(self, counter: str) -> bool:
+        if not self.available:
+            return True
+        if getattr(self, counter) > 0:
+            setattr(self, counter, getattr(self, counter) - 1)
+            return True
+        return False
+
+    def put(self, key: str, value) -> bool:
+        self.put_keys.append(key)
+        if self._fail('fail_puts'):
+            self.stats.put_failures += 1
+            return False
+        data = bytes(value)
+        self.objects.setdefault(key, data)      # "already exists" keeps the first value
+        self.stats.puts += 1
+        self.stats.put_bytes += len(data)
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        if self._fail('fail_gets'):
+            self.stats.get_failures += 1
+            return None
+        data = self.objects.get(key)
+        if data is None:
+            self.stats.get_misses += 1
+            return None
+        self.stats.gets += 1
+        self.stats.get_bytes += len(data)
+        return data
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key])[0]
+
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        if self._fail('fail_exists'):
+            self.stats.exists_failures += len(keys)
+            return [False] * len(keys)
+        return [k in self.objects for k in keys]
+
+    def close(self) -> None:
+        self.closed = True

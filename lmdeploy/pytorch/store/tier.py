@@ -1,0 +1,268 @@
+"""The Mooncake Store tier of the prefix cache (SPEC §5–7).
+
+It answers the same questions as the local prefix cache (STYLE lesson 6) — how deep a prefix
+does the Store hold, load it, save it — and is the one owner of Store objects: which keys
+this engine has stored, the background put worker and the Store counters.
+
+Save at boundary b (called right after the forward that ends at b)::
+
+    copy out now:   state payload (runtime slot) + KV payloads of blocks in [0, b) not yet stored
+    worker later:   put kv/{hash_i} for each new block  →  all ok?  →  put state/{hash_b}
+
+so a visible state object implies its whole KV prefix is stored. A failed put is counted, is
+not marked stored, and a later save of the same prefix retries it. Bytes counted are payload
+bytes (headers excluded), so a turn's put bytes equal ``len(save_points)·S + new_blocks·K_blk``.
+
+Restore at admission: the deepest aligned boundary above the local hit whose state object and
+every KV object below it exist; payloads are verified (header, namespace, token count,
+checksum) and copied into fresh blocks and the sequence's runtime slot. Any mismatch is a
+counted miss, never an error to the user.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .mooncake_client import StoreClient
+from .object_format import StoreObjectError, decode_object, encode_object, namespace_digest, object_key
+
+__all__ = ['StoreTier', 'build_store_tier']
+
+logger = logging.getLogger('lmdeploy')
+
+
+@dataclass
+class _SaveJob:
+    kv: list[tuple[bytes, int, torch.Tensor]]     # (block hash, end token, payload)
+    state: tuple[bytes, int, torch.Tensor] | None  # (prefix hash, boundary, payload)
+
+
+class StoreTier:
+    """Store-backed prefix tier for one engine.
+
+    Args:
+        client: a connected :class:`StoreClient`.
+        cache_engine: where payloads are read from and written to.
+        namespace: 16-byte namespace digest (SPEC §7).
+        block_size: tokens per block (B).
+        alignment: checkpoint alignment (A).
+        queue_size: most pending save jobs; a full queue makes the save wait (back-pressure).
+        services: embedded Mooncake services to stop on :meth:`close`, or None.
+    """
+
+    def __init__(self, client: StoreClient, cache_engine, namespace: bytes, block_size: int, alignment: int,
+                 queue_size: int = 64, services=None):
+        self.client = client
+        self.cache_engine = cache_engine
+        self.namespace = namespace
+        self.ns_hex = namespace.hex()
+        self.block_size = block_size
+        self.alignment = alignment
+        self.services = services
+        self._stored: set[str] = set()      # keys known to be in the Store
+        self._pending: set[str] = set()     # keys queued for a put
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._inflight = 0
+        self.counters = {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
+                         'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
+                         'store_rejected_objects': 0}
+        self._worker = threading.Thread(target=self._run, name='lmdeploy-store', daemon=True)
+        self._worker.start()
+
+    def _key(self, kind: str, h: bytes) -> str:
+        return object_key(self.ns_hex, kind, h.hex())
+
+    # restore -------------------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes], seq, local_cached: int) -> int:
+        """Deepest boundary ``b > local_cached`` the Store can restore for ``seq``, or 0.
+
+        ``b`` is a multiple of A with ``b <= n - max(1, ℓ)``; the state object at ``b`` and KV
+        objects for blocks ``[0, b/B + r)`` must exist.
+        """
+        B, A = self.block_size, self.alignment
+        limit = min(seq.num_tokens - max(1, seq.token_lookahead), len(hashes) * B)
+        candidates = [b for b in range(limit // A * A, local_cached, -A)
+                      if b > 0 and b // B + seq.recompute_blocks <= len(hashes)]
+        if not candidates:
+            return 0
+        state_keys = [self._key('state', hashes[b // B - 1]) for b in candidates]
+        present = self._exists(state_keys)
+        for b, ok in zip(candidates, present):
+            if not ok:
+                continue
+            kv_keys = [self._key('kv', h) for h in hashes[:b // B + seq.recompute_blocks]]
+            if all(self._exists(kv_keys)):
+                return b
+        return 0
+
+    def _exists(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            known = [k in self._stored for k in keys]
+        missing = [k for k, ok in zip(keys, known) if not ok]
+        if not missing:
+            return known
+        found = dict(zip(missing, self.client.batch_exists(missing)))
+        with self._lock:      # present objects are never put again by this engine
+            self._stored.update(k for k, ok in found.items() if ok)
+        return [ok or found.get(k, False) for k, ok in zip(keys, known)]
+
+    def load(self, hashes: list[bytes], boundary: int, block_ids: list[int], slot: int, first_block: int) -> bool:
+        """Copy the prefix ``[0, boundary)`` from the Store into ``block_ids[first_block:]`` and
+        state slot ``slot``; False (counted) if any object is missing or fails verification."""
+        B = self.block_size
+        try:
+            state = self._get('state', hashes[boundary // B - 1], boundary)
+            for i in range(first_block, boundary // B):
+                payload = self._get('kv', hashes[i], (i + 1) * B)
+                self.cache_engine.write_kv_block(block_ids[i], payload)
+            self.cache_engine.write_state(slot, state)
+        except (KeyError, StoreObjectError) as err:
+            logger.info('Store restore at %d tokens failed: %s', boundary, err)
+            return False
+        self.counters['store_hit_tokens'] += boundary
+        return True
+
+    def _get(self, kind: str, h: bytes, num_tokens: int) -> torch.Tensor:
+        data = self.client.get(self._key(kind, h))
+        if data is None:
+            self.counters['store_get_failures'] += 1
+            raise KeyError(f'{kind} object missing')
+        try:
+            payload = decode_object(data, kind, self.namespace, num_tokens)
+        except StoreObjectError:
+            self.counters['store_rejected_objects'] += 1
+            raise
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    # save ----------------------------------------------------------------------------------
+    def save(self, hashes: list[bytes], block_ids: list[int], boundary: int, slot: int) -> None:
+        """Queue the save of prefix ``[0, boundary)``; payloads are copied out before returning."""
+        B = self.block_size
+        state_key = self._key('state', hashes[-1])
+        with self._lock:
+            if state_key in self._stored or state_key in self._pending:
+                return
+            new = [i for i, h in enumerate(hashes) if self._key('kv', h) not in self._stored
+                   and self._key('kv', h) not in self._pending]
+            self._pending.update(self._key('kv', hashes[i]) for i in new)
+            self._pending.add(state_key)
+            self._inflight += 1
+        payloads = self.cache_engine.read_kv_blocks([block_ids[i] for i in new]) if new else []
+        kv = [(hashes[i], (i + 1) * B, payloads[j]) for j, i in enumerate(new)]
+        job = _SaveJob(kv, (hashes[-1], boundary, self.cache_engine.read_state(slot)))
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._execute(job)
+            finally:
+                with self._lock:
+                    self._inflight -= 1
+                self._jobs.task_done()
+
+    def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
+        key = self._key(kind, h)
+        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes())
+        ok = self.client.put(key, data)
+        with self._lock:
+            self._pending.discard(key)
+            if ok:
+                self._stored.add(key)
+                self.counters['store_put_bytes'][kind] += payload.numel()
+                self.counters['store_put_objects'][kind] += 1
+            else:
+                self.counters['store_put_failures'] += 1
+        return ok
+
+    def _execute(self, job: _SaveJob) -> None:
+        ok = True
+        for h, end, payload in job.kv:
+            if ok:
+                ok = self._put('kv', h, end, payload)
+            else:       # an earlier block failed: leave the rest for a later save of this prefix
+                with self._lock:
+                    self._pending.discard(self._key('kv', h))
+        h, b, payload = job.state
+        if ok:
+            self._put('state', h, b, payload)
+        else:
+            with self._lock:
+                self._pending.discard(self._key('state', h))
+
+    # lifecycle ----------------------------------------------------------------------------
+    @property
+    def num_inflight(self) -> int:
+        """Save jobs queued or running."""
+        with self._lock:
+            return self._inflight
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued save has been attempted."""
+        self._jobs.join()
+
+    def stats(self) -> dict:
+        """Store counters (SPEC §9)."""
+        with self._lock:
+            return json.loads(json.dumps(self.counters))
+
+    def close(self) -> None:
+        """Flush, stop the worker, disconnect, and stop embedded services."""
+        self.flush()
+        self._jobs.put(None)
+        self._worker.join(timeout=10)
+        self.client.close()
+        if self.services is not None:
+            self.services.stop()
+
+
+def _model_identity(model_path: str) -> dict:
+    """Config content plus weight file names and sizes: changes whenever the weights do."""
+    with open(os.path.join(model_path, 'config.json')) as f:
+        config = json.load(f)
+    files = sorted((n, os.path.getsize(os.path.join(model_path, n))) for n in os.listdir(model_path)
+                   if n.endswith('.safetensors'))
+    digest = hashlib.blake2b(digest_size=16)
+    for name, _ in files:
+        with open(os.path.join(model_path, name), 'rb') as f:
+            digest.update(f.read(1 << 20))     # the header and first MiB identify the tensors cheaply
+    return {'config': config, 'weights': files, 'weights_head': digest.hexdigest()}
+
+
+def build_store_tier(engine) -> StoreTier:
+    """Connect the engine to the Mooncake Store named by its config (starting embedded services
+    for ``mooncake_master='local'``).
+
+    Raises:
+        StoreUnavailableError: the master is unreachable (the message names the address).
+    """
+    cfg = engine.config
+    services = None
+    master, metadata = cfg.mooncake_master, cfg.mooncake_metadata_server
+    if master == 'local':
+        from .services import MooncakeServices
+        services = MooncakeServices(segment_size=cfg.mooncake_embedded_segment_size)
+        services.start()
+        master, metadata = services.master_address, services.metadata_server
+    if metadata is None:
+        host = master.rsplit(':', 1)[0]
+        metadata = f'http://{host}:8080/metadata'
+    client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
+                                 segment_size=cfg.mooncake_segment_size,
+                                 local_buffer_size=cfg.mooncake_local_buffer_size)
+    namespace = namespace_digest(model=_model_identity(engine.model_path), dtype=str(engine.dtype),
+                                 block_size=cfg.block_size, layers=[repr(s) for s in engine.specs],
+                                 tp_rank=0, tp_size=1, adapter=None)
+    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.prefill_save_alignment,
+                     cfg.store_queue_size, services)

@@ -1,0 +1,23 @@
+"""Shared fixtures: tiny models made once per session with the project's maker, and the real
+Mooncake Store services (tests/conftest_store.py)."""
+import os
+
+import pytest
+
+os.environ.setdefault('MC_TCP_BIND_ADDRESS', '127.0.0.1')   # every Mooncake process stays on loopback
+
+pytest_plugins = ['conftest_store']
+
+
+@pytest.fixture(scope='session')
+def tiny_qwen3(tmp_path_factory) -> str:
+    """Path of a tiny full-attention Qwen3 checkpoint (float32)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3')), arch='qwen3', seed=0)
+
+
+@pytest.fixture(scope='session')
+def tiny_qwen3_next(tmp_path_factory) -> str:
+    """Path of a tiny hybrid Qwen3-Next checkpoint (float32)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3_next')), arch='qwen3_next', seed=0)
