@@ -1,0 +1,153 @@
+"""Prometheus metrics of the API server (SPEC §9), all prefixed ``lmdeploy_``.
+
+Two sources:
+
+- engine counters, read from ``Engine.stats()`` at scrape time by :class:`EngineStatsCollector`
+  (no copy of them is kept anywhere else, so they cannot drift);
+- server-side measurements owned by :class:`ServerMetrics`: HTTP requests by path and status,
+  finished choices by reason, prompt/generated tokens, running requests, and the TTFT / TPOT
+  histograms (seconds, measured from the request's arrival at the handler).
+
+Invariants: every app gets its own ``CollectorRegistry`` (two servers in one process never
+share series); exported counters never decrease (a stats reading lower than the last one
+exported is clamped, so a restarted or buggy source cannot make Prometheus see a reset).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+__all__ = ['EngineStatsCollector', 'ServerMetrics', 'HTTPMetricsMiddleware', 'ENGINE_SERIES']
+
+# (stats key, metric name without prefix/suffix, help, label name or None, labels always exported)
+ENGINE_SERIES = (
+    ('prefix_cache_queried_tokens', 'prefix_cache_queried_tokens',
+     'Prompt tokens looked up in the prefix cache.', None, ()),
+    ('prefix_cache_hit_tokens', 'prefix_cache_hit_tokens',
+     'Prompt tokens restored from the prefix cache or the Store instead of computed.', None, ()),
+    ('checkpoints_saved', 'checkpoints_saved', 'Recurrent-state checkpoints saved (SPEC §5).', None, ()),
+    ('checkpoints_skipped', 'checkpoints_skipped', 'State checkpoint saves skipped, by reason.',
+     'reason', ('no_free_slot',)),
+    ('store_put_bytes', 'store_put_bytes', 'Bytes put into the Mooncake Store, by object kind.',
+     'kind', ('state', 'kv')),
+    ('store_put_objects', 'store_put_objects', 'Objects put into the Mooncake Store, by object kind.',
+     'kind', ('state', 'kv')),
+    ('store_put_failures', 'store_put_failures', 'Failed Mooncake Store puts.', None, ()),
+    ('store_get_failures', 'store_get_failures',
+     'Failed or unverifiable Mooncake Store gets (counted as misses).', None, ()),
+    ('store_hit_tokens', 'store_hit_tokens', 'Prompt tokens restored from the Mooncake Store.', None, ()),
+    ('state_miss_tokens', 'state_miss_tokens',
+     'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
+)
+
+# TTFT spans queueing and a whole prefill; TPOT is one decode step
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class EngineStatsCollector:
+    """A custom collector exporting the engine's cumulative counters at scrape time.
+
+    Args:
+        read_stats: returns the ``Engine.stats()`` dict; it must be safe to call from the
+            scraping thread (the server passes a call that runs on the engine thread). Missing
+            keys read as 0; keyed counters are ``{label_value: count}`` dicts.
+    """
+
+    def __init__(self, read_stats: Callable[[], dict]):
+        self._read = read_stats
+        self._last: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def _monotonic(self, key: str, label: str, value) -> float:
+        value = float(value or 0)
+        with self._lock:
+            value = max(value, self._last.get((key, label), 0.0))
+            self._last[(key, label)] = value
+        return value
+
+    def collect(self):
+        """Yield one counter family per SPEC §9 series (``lmdeploy_<name>_total``)."""
+        stats = self._read() or {}
+        for key, name, doc, label, always in ENGINE_SERIES:
+            value = stats.get(key)
+            if label is None:
+                yield CounterMetricFamily(f'lmdeploy_{name}', doc, value=self._monotonic(key, '', value))
+                continue
+            family = CounterMetricFamily(f'lmdeploy_{name}', doc, labels=[label])
+            by_label = dict.fromkeys(always, 0)
+            by_label.update(value or {})
+            with self._lock:    # label values seen once keep being exported
+                by_label.update({lab: 0 for (k, lab) in self._last if k == key and lab not in by_label})
+            for lab in sorted(by_label):
+                family.add_metric([lab], self._monotonic(key, lab, by_label[lab]))
+            yield family
+
+    def describe(self):
+        """Nothing: describing would need a stats read at registration time."""
+        return []
+
+
+class ServerMetrics:
+    """The server's metrics registry: engine counters plus request-level measurements.
+
+    Args:
+        read_stats: see :class:`EngineStatsCollector`; None exports only server-side series.
+    """
+
+    def __init__(self, read_stats: Callable[[], dict] | None = None):
+        self.registry = CollectorRegistry(auto_describe=False)
+        if read_stats is not None:
+            self.registry.register(EngineStatsCollector(read_stats))
+        r = self.registry
+        self.http_requests = Counter('lmdeploy_http_requests', 'HTTP requests answered, by path and status code.',
+                                     ['path', 'status'], registry=r)
+        self.requests_finished = Counter('lmdeploy_requests_finished',
+                                         'Generation choices finished, by finish reason (abort = client left).',
+                                         ['finish_reason'], registry=r)
+        self.prompt_tokens = Counter('lmdeploy_prompt_tokens', 'Prompt tokens of admitted requests.', registry=r)
+        self.generation_tokens = Counter('lmdeploy_generation_tokens', 'Generated tokens sent to clients.',
+                                         registry=r)
+        self.requests_running = Gauge('lmdeploy_requests_running', 'Generation choices in flight.', registry=r)
+        self.ttft = Histogram('lmdeploy_time_to_first_token_seconds',
+                              'Seconds from request arrival to its first generated token.',
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram('lmdeploy_time_per_output_token_seconds',
+                              'Mean seconds between generated tokens after the first, one sample per choice.',
+                              buckets=_TPOT_BUCKETS, registry=r)
+
+    def observe_choice(self, start: float, first: float | None, last: float | None, num_tokens: int,
+                       finish_reason: str) -> None:
+        """Record one finished choice (times from ``time.perf_counter()``, in seconds)."""
+        self.requests_finished.labels(finish_reason).inc()
+        self.generation_tokens.inc(num_tokens)
+        if first is not None:
+            self.ttft.observe(first - start)
+            if num_tokens > 1 and last is not None:
+                self.tpot.observe((last - first) / (num_tokens - 1))
+
+
+class HTTPMetricsMiddleware:
+    """Pure ASGI middleware counting responses by path and status (no body buffering, so
+    streaming and client-disconnect detection are unaffected). Paths outside ``known_paths``
+    are counted as ``other`` to keep label cardinality bounded."""
+
+    def __init__(self, app, metrics: ServerMetrics, known_paths: frozenset[str]):
+        self.app = app
+        self.metrics = metrics
+        self.known_paths = known_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] != 'http':
+            return await self.app(scope, receive, send)
+        path = scope.get('path', '')
+        path = path if path in self.known_paths else 'other'
+
+        async def counting_send(message):
+            if message['type'] == 'http.response.start':
+                self.metrics.http_requests.labels(path, str(message['status'])).inc()
+            await send(message)
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,20 @@
+"""The Mooncake Store tier, byte level (SPEC §5-§7).
+
+- :mod:`.object_format` — the value format (header + raw payload, never pickled), object keys
+  ``{namespace}/{kind}/{hash}`` and namespace digests. Pure, no I/O.
+- :mod:`.mooncake_client` — :class:`StoreClient`, bytes in/out over ``mooncake.store``; only
+  ``connect`` raises, every later failure is returned and counted.
+- :mod:`.services` — :class:`MooncakeServices`, a local ``mooncake_master`` + segment-owning
+  ``mooncake_client`` for the embedded mode and the tests.
+
+The engine-facing tier (what to save at a save point, how deep a stored prefix reaches) builds
+on these; nothing here knows about blocks, sequences or tensors' meaning.
+"""
+from .mooncake_client import FakeStoreClient, StoreClient, StoreClientStats, StoreUnavailableError
+from .object_format import (FORMAT_VERSION, HEADER_SIZE, StoreObjectError, decode_object, encode_object,
+                            model_identity, namespace_digest, object_key)
+from .services import MooncakeServices
+
+__all__ = ['FORMAT_VERSION', 'HEADER_SIZE', 'FakeStoreClient', 'MooncakeServices', 'StoreClient', 'StoreClientStats',
+           'StoreObjectError', 'StoreUnavailableError', 'decode_object', 'encode_object', 'model_identity',
+           'namespace_digest', 'object_key']

@@ -1,0 +1,226 @@
+"""Local Mooncake Store services: one ``mooncake_master`` and one standalone ``mooncake_client``.
+
+This module owns the two child processes of the embedded mode (``--mooncake-master local``)
+and of the tests. Invariants:
+
+- Everything listens on, and advertises, ``host`` (default 127.0.0.1): the master's RPC,
+  embedded HTTP metadata and metrics ports and the client's service port are free ports picked
+  by binding port 0, and both processes run with ``MC_TCP_BIND_ADDRESS=host``.
+- The standalone client owns the memory segment, so objects put by an engine that contributes
+  no memory (segment size 0) stay readable after that engine exits, until :meth:`stop`.
+- :meth:`MooncakeServices.start` returns only when both processes accept connections, and
+  otherwise raises ``RuntimeError`` naming the address and quoting the last log lines.
+
+::
+
+    engine (StoreClient, segment 0) --RPC--> mooncake_master (rpc_port, http metadata)
+            \\                                     ^
+             `--TCP transfer--> mooncake_client --'  (owns the segment_size-byte segment)
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+from .mooncake_client import tcp_reachable
+
+
+def find_binary(name: str) -> str | None:
+    """Path of the Mooncake executable ``name`` (``mooncake_master`` / ``mooncake_client``).
+
+    Prefers the binary shipped inside the installed ``mooncake`` package (the console script on
+    PATH is a Python wrapper that execs it), then PATH. None when neither exists.
+    """
+    try:
+        import mooncake
+        for folder in mooncake.__path__:
+            candidate = Path(folder) / name
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    except ImportError:
+        pass
+    return shutil.which(name)
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports that were free on ``host`` a moment ago (bound to port 0 together,
+    then released; another process could still take one before it is used)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, errors='replace') as f:
+            return ''.join(deque(f, maxlen=lines))
+    except OSError:
+        return '<no log>'
+
+
+class MooncakeServices:
+    """A ``mooncake_master`` (with its embedded HTTP metadata server) and a ``mooncake_client``
+    contributing ``segment_size`` bytes, on ``host``. Use as a context manager or call
+    :meth:`start` / :meth:`stop`.
+
+    Args:
+        segment_size: bytes of memory the standalone client contributes (>= 1 MiB).
+        host: the address every port binds to and advertises.
+        start_timeout_s: how long each process may take to accept connections (seconds).
+        log_dir: folder for ``master.log`` / ``client.log``; default: a new temp dir, removed by
+            :meth:`stop` unless ``keep_logs``.
+        keep_logs: keep a temp log dir after :meth:`stop`.
+
+    Raises:
+        ValueError: ``segment_size`` below 1 MiB, or a non-positive ``start_timeout_s``.
+    """
+
+    def __init__(self, segment_size: int = 256 << 20, *, host: str = '127.0.0.1', start_timeout_s: float = 30.0,
+                 log_dir: str | os.PathLike | None = None, keep_logs: bool = False):
+        if not isinstance(segment_size, int) or segment_size < 1 << 20:
+            raise ValueError(f'segment_size must be an int >= 1 MiB (bytes), got {segment_size!r}')
+        if start_timeout_s <= 0:
+            raise ValueError(f'start_timeout_s must be positive, got {start_timeout_s!r}')
+        self.segment_size = segment_size
+        self.host = host
+        self.start_timeout_s = start_timeout_s
+        self._own_log_dir = log_dir is None
+        self._keep_logs = keep_logs
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.rpc_port = self.metadata_port = self.client_port = 0
+        self._master: subprocess.Popen | None = None
+        self._client: subprocess.Popen | None = None
+        self._logs: list = []
+
+    @property
+    def master_address(self) -> str:
+        """``'host:port'`` of the master's RPC service."""
+        return f'{self.host}:{self.rpc_port}'
+
+    @property
+    def metadata_server(self) -> str:
+        """URL of the master's embedded HTTP metadata server."""
+        return f'http://{self.host}:{self.metadata_port}/metadata'
+
+    @property
+    def master_log(self) -> Path:
+        return self.log_dir / 'master.log'
+
+    @property
+    def client_log(self) -> Path:
+        return self.log_dir / 'client.log'
+
+    def _spawn(self, binary: str, args: list[str], log: Path) -> subprocess.Popen:
+        env = dict(os.environ, MC_TCP_BIND_ADDRESS=self.host)
+        out = open(log, 'ab')
+        self._logs.append(out)
+        return subprocess.Popen([binary, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=self.log_dir)
+
+    def _wait_ready(self, proc: subprocess.Popen, name: str, endpoints: list[tuple[str, int]], log: Path) -> None:
+        """Poll until every endpoint accepts TCP; raise RuntimeError on exit or timeout."""
+        deadline = time.monotonic() + self.start_timeout_s
+        pending = list(endpoints)
+        while pending:
+            if proc.poll() is not None:
+                tail = _tail(log)
+                self.stop()
+                raise RuntimeError(f'{name} for {self.host}:{endpoints[0][1]} exited with code {proc.returncode} '
+                                   f'before it was ready; last lines of {log}:\n{tail}')
+            if tcp_reachable(*pending[0], timeout_s=0.2):
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                addr = '%s:%d' % pending[0]
+                tail = _tail(log)
+                self.stop()
+                raise RuntimeError(f'{name} did not accept connections at {addr} within {self.start_timeout_s} s; '
+                                   f'last lines of {log}:\n{tail}')
+            time.sleep(0.05)
+
+    def start(self) -> 'MooncakeServices':
+        """Start master then client and wait until both accept connections (a no-op while
+        running; after :meth:`stop` it starts fresh processes on new ports).
+
+        Raises:
+            RuntimeError: a binary is missing, or a process exits or is not ready in time
+                (names the address, quotes the log).
+        """
+        if self._master is not None:
+            return self
+        master_bin, client_bin = find_binary('mooncake_master'), find_binary('mooncake_client')
+        if master_bin is None or client_bin is None:
+            raise RuntimeError('mooncake_master / mooncake_client not found; install requirements/store.txt')
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix='lmdeploy-mooncake-'))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.rpc_port, self.metadata_port, metrics_port, self.client_port = free_ports(self.host, 4)
+        atexit.register(self.stop)
+        self._master = self._spawn(master_bin, [
+            f'--rpc_address={self.host}', f'--rpc_port={self.rpc_port}',
+            '--enable_http_metadata_server=true', f'--http_metadata_server_host={self.host}',
+            f'--http_metadata_server_port={self.metadata_port}',
+            f'--metrics_host={self.host}', f'--metrics_port={metrics_port}', '--enable_metric_reporting=false',
+        ], self.master_log)
+        self._wait_ready(self._master, 'mooncake_master', [(self.host, self.rpc_port), (self.host, self.metadata_port)],
+                         self.master_log)
+        self._client = self._spawn(client_bin, [
+            f'--master_server_address={self.master_address}', f'--metadata_server={self.metadata_server}',
+            f'--host={self.host}', f'--port={self.client_port}', f'--global_segment_size={self.segment_size}',
+            '--protocol=tcp',
+        ], self.client_log)
+        # The client opens its service port only after its segment is mounted at the master.
+        self._wait_ready(self._client, 'mooncake_client', [(self.host, self.client_port)], self.client_log)
+        return self
+
+    @staticmethod
+    def _end(proc: subprocess.Popen | None, timeout_s: float) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (fault tests); the client keeps running until :meth:`stop`."""
+        if self._master is not None and self._master.poll() is None:
+            self._master.send_signal(signal.SIGKILL)
+            self._master.wait()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate client then master (SIGTERM, SIGKILL after ``timeout_s`` seconds each);
+        idempotent. Removes a temp log dir unless ``keep_logs``."""
+        self._end(self._client, timeout_s)
+        self._end(self._master, timeout_s)
+        self._client = self._master = None
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        atexit.unregister(self.stop)
+        if self._own_log_dir and not self._keep_logs and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.log_dir = None
+
+    def __enter__(self) -> 'MooncakeServices':
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
