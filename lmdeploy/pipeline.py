@@ -131,7 +131,12 @@ class Pipeline:
         """Yield :class:`Response` deltas (``index`` = the prompt's position) as tokens arrive."""
         gen_config = gen_config or GenerationConfig()
         batch = [prompts] if _is_single(prompts) else list(prompts)
-        handles = [self.submit(p, gen_config) for p in batch]
+        # check every prompt before queueing any, so a bad one does not leave the others
+        # running unattended in the engine
+        inputs = [self.encode(p) for p in batch]
+        for ids in inputs:
+            self.engine.validate(ids, gen_config)
+        handles = [self.loop.submit(ids, gen_config) for ids in inputs]
         detoks = [_Detokenizer(self.tokenizer, gen_config.stop_words) for _ in batch]
         live = set(range(len(batch)))
         try:

@@ -87,6 +87,14 @@ class Engine:
         num_ckpt = config.num_checkpoint_slots if (self.is_hybrid and config.enable_prefix_caching) else 0
         num_slots = num_runtime + num_ckpt if self.is_hybrid else 0
         num_blocks = config.num_gpu_blocks or self._derive_num_blocks(num_slots)
+        capacity = num_blocks * config.block_size
+        if self.session_len > capacity:
+            # a sequence longer than the whole cache could never be (re)admitted and would spin
+            # forever in the waiting queue; cap it so such prompts are rejected and outputs end
+            # with finish_reason 'length' instead
+            logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
+                           self.session_len, num_blocks, config.block_size, capacity)
+            self.session_len = capacity
         self.cache_engine = CacheEngine(self.specs, config.block_size, num_blocks, num_slots, self.device)
         self.block_manager = BlockManager(num_blocks)
         self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None

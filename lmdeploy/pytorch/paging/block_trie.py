@@ -18,6 +18,7 @@ checkpoint is not pinned; evicting a node drops the checkpoint that depends on i
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from typing import Sequence
 
@@ -147,20 +148,23 @@ class BlockTrie:
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` blocks by removing LRU evictable leaves.
 
+        A parent becomes a candidate, at its own last-use time, as soon as its last child goes,
+        so each removal takes the least recently used of the leaves at that moment (a parent is
+        touched with its children, so an old chain goes child then parent before newer leaves).
+
         Returns:
             Blocks returned to the free list.
         """
+        heap = [(n.last_access, n.depth, id(n), n) for n in self.iter_nodes() if self._evictable(n)]
+        heapq.heapify(heap)
         freed = 0
-        while freed < num_blocks:
-            leaves = [n for n in self.iter_nodes() if self._evictable(n)]
-            if not leaves:
-                break
-            leaves.sort(key=lambda n: n.last_access)
-            for leaf in leaves:
-                if freed >= num_blocks:
-                    break
-                self._remove(leaf)
-                freed += 1
+        while freed < num_blocks and heap:
+            leaf = heapq.heappop(heap)[-1]
+            parent = leaf.parent
+            self._remove(leaf)
+            freed += 1
+            if parent is not self.root and self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access, parent.depth, id(parent), parent))
         return freed
 
     def _remove(self, node: TrieNode) -> None:

@@ -232,7 +232,7 @@ class Scheduler:
                 seq.stats.hit_tokens = cached
             if self.trie is not None:
                 self.counters['prefix_cache_queried_tokens'] += n
-                self.counters['prefix_cache_hit_tokens'] += cached
+                self.counters['prefix_cache_hit_tokens'] += 0 if store_tokens else cached
                 matched = min(len(nodes) * B, (n - 1) // B * B)
                 self.counters['state_miss_tokens'] += max(0, matched - cached) if self.is_hybrid else 0
         seq.status = SeqStatus.RUNNING
@@ -309,8 +309,11 @@ class Scheduler:
             node = nodes[-1] if len(nodes) == chunk.end // self.block_size else None
             if node is None:
                 self._skip(seq, 'hash_collision')
-            elif node.checkpoint_slot is not None:
-                self.state_cache.touch(node.checkpoint_slot)
+            elif node.checkpoint_slot is not None or node in saves.nodes:
+                # already published, or another sequence of this forward saves the same prefix
+                # (one node holds one checkpoint; a second publish would orphan a slot)
+                if node.checkpoint_slot is not None:
+                    self.state_cache.touch(node.checkpoint_slot)
                 self._skip(seq, 'exists')
             else:
                 dst = self.state_cache.alloc_checkpoint()

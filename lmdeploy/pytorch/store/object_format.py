@@ -198,39 +198,38 @@ def _canonical(field: str, value: Any) -> Any:
                      f'got {type(value).__name__}')
 
 
-def namespace_digest(*, model_identity: Mapping, kv_dtype, state_dtype, block_size: int,
-                     layer_layout, tp_rank: int, tp_size: int, adapter: str | None = None,
-                     **extra) -> bytes:
+def namespace_digest(**identity) -> bytes:
     """The 16-byte namespace digest of everything that changes the stored bytes (SPEC §7).
 
-    BLAKE2b-128 of the canonical JSON (sorted keys, no whitespace) of the arguments plus
-    :data:`FORMAT_VERSION`. Use ``.hex()`` of the result as the key namespace.
+    BLAKE2b-128 of the canonical JSON (sorted keys, no whitespace, torch dtypes as ``str``,
+    tuples as lists) of ``identity`` plus ``format_version`` (:data:`FORMAT_VERSION`). Use
+    ``.hex()`` of the result as the key namespace. Pass every field that changes the bytes:
+    model identity (e.g. :func:`model_identity` of the checkpoint), KV/state dtypes, layer
+    layout, adapter, and the three fields required below.
 
     Args:
-        model_identity: e.g. :func:`model_identity` of the checkpoint directory.
-        kv_dtype: dtype of the stored KV bytes (str or torch.dtype).
-        state_dtype: dtype(s) of the stored state bytes (str, torch.dtype, or a mapping).
-        block_size: tokens per KV block (B).
-        layer_layout: per-layer description (e.g. ``['linear_attention', 'full_attention', ...]``
-            or richer dicts with shapes).
-        tp_rank: this rank, ``0 <= tp_rank < tp_size``.
-        tp_size: tensor-parallel size, >= 1.
-        adapter: adapter identity (name or digest), None for the base model.
-        **extra: any other JSON-like field that changes the bytes (e.g. head dims).
+        **identity: JSON-like values (None, bool, int, float, str, list/tuple, dict,
+            torch.dtype, Enum, Path); must include ``block_size`` (int > 0), ``tp_size``
+            (int >= 1) and ``tp_rank`` (int in ``[0, tp_size)``).
 
     Raises:
-        ValueError: a field is not JSON-like, or block/TP values are out of range (named).
+        ValueError: a required field is missing or out of range, ``format_version`` is
+            passed (it is added here), or a value is not JSON-like (named).
     """
+    for name in ('block_size', 'tp_rank', 'tp_size'):
+        if name not in identity:
+            raise ValueError(f'namespace_digest needs the field {name}')
+    block_size, tp_rank, tp_size = identity['block_size'], identity['tp_rank'], identity['tp_size']
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f'block_size must be a positive int, got {block_size!r}')
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f'tp_size must be an int >= 1, got {tp_size!r}')
     if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f'tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}')
-    identity = dict(extra, model_identity=model_identity, kv_dtype=kv_dtype, state_dtype=state_dtype,
-                    block_size=block_size, layer_layout=layer_layout, tp_rank=tp_rank, tp_size=tp_size,
-                    adapter=adapter, format_version=FORMAT_VERSION)
+    if 'format_version' in identity:
+        raise ValueError('format_version is added by namespace_digest; do not pass it')
     canonical = {k: _canonical(k, v) for k, v in identity.items()}
+    canonical['format_version'] = FORMAT_VERSION
     text = json.dumps(canonical, sort_keys=True, separators=(',', ':'), ensure_ascii=True, allow_nan=False)
     return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE).digest()
 

@@ -20,10 +20,8 @@ counted miss, never an error to the user.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .mooncake_client import StoreClient
-from .object_format import StoreObjectError, decode_object, encode_object, namespace_digest, object_key
+from .object_format import StoreObjectError, decode_object, encode_object, model_identity, namespace_digest, object_key
 
 __all__ = ['StoreTier', 'build_store_tier']
 
@@ -227,19 +225,6 @@ class StoreTier:
             self.services.stop()
 
 
-def _model_identity(model_path: str) -> dict:
-    """Config content plus weight file names and sizes: changes whenever the weights do."""
-    with open(os.path.join(model_path, 'config.json')) as f:
-        config = json.load(f)
-    files = sorted((n, os.path.getsize(os.path.join(model_path, n))) for n in os.listdir(model_path)
-                   if n.endswith('.safetensors'))
-    digest = hashlib.blake2b(digest_size=16)
-    for name, _ in files:
-        with open(os.path.join(model_path, name), 'rb') as f:
-            digest.update(f.read(1 << 20))     # the header and first MiB identify the tensors cheaply
-    return {'config': config, 'weights': files, 'weights_head': digest.hexdigest()}
-
-
 def build_store_tier(engine) -> StoreTier:
     """Connect the engine to the Mooncake Store named by its config (starting embedded services
     for ``mooncake_master='local'``).
@@ -256,12 +241,12 @@ def build_store_tier(engine) -> StoreTier:
         services.start()
         master, metadata = services.master_address, services.metadata_server
     if metadata is None:
-        host = master.rsplit(':', 1)[0]
-        metadata = f'http://{host}:8080/metadata'
+        raise ValueError('mooncake_metadata_server is required with an external mooncake_master '
+                         '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
     client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
                                  segment_size=cfg.mooncake_segment_size,
                                  local_buffer_size=cfg.mooncake_local_buffer_size)
-    namespace = namespace_digest(model=_model_identity(engine.model_path), dtype=str(engine.dtype),
+    namespace = namespace_digest(model=model_identity(engine.model_path), dtype=str(engine.dtype),
                                  block_size=cfg.block_size, layers=[repr(s) for s in engine.specs],
                                  tp_rank=0, tp_size=1, adapter=None)
     return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.prefill_save_alignment,

@@ -1,0 +1,49 @@
+"""The ``lmdeploy`` console script (``lmdeploy=lmdeploy.cli.entrypoint:main``).
+
+Sub-commands::
+
+    lmdeploy serve api_server MODEL_PATH [flags]   OpenAI-compatible HTTP server
+    lmdeploy chat MODEL_PATH [flags]               interactive terminal chat
+    lmdeploy make-tiny-model OUT_DIR [--arch ...]  tiny random checkpoint for tests and demos
+
+Each sub-command module exposes ``add_parser(subparsers)`` and sets ``func`` on its parser;
+``main`` only dispatches. Exit codes: 0 success, 2 a bad command line, configuration or model
+directory (argparse convention; the message names the field), 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ['build_parser', 'main']
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``lmdeploy`` argument parser."""
+    from .. import __version__
+    from ..tools import make_tiny_model
+    from . import chat, serve
+    parser = argparse.ArgumentParser(prog='lmdeploy', description='Inference engine for hybrid-attention LLMs.')
+    parser.add_argument('--version', action='version', version=f'lmdeploy {__version__}')
+    subparsers = parser.add_subparsers(dest='command', metavar='COMMAND', required=True)
+    serve.add_parser(subparsers)
+    chat.add_parser(subparsers)
+    make_tiny_model.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except ValueError as err:       # configuration mistakes: say which field, no traceback
+        parser.exit(2, f'lmdeploy: error: {err}\n')
+    except KeyboardInterrupt:
+        return 130
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

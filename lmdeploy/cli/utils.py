@@ -1,0 +1,113 @@
+"""Command-line flags generated from pydantic config models.
+
+Every field of a config model (``PytorchEngineConfig``, ``GenerationConfig``) becomes the flag
+``--field-name`` (SPEC §1), derived from the field itself so a new field gets a flag with no
+CLI change:
+
+    bool              → ``--flag`` / ``--no-flag`` (argparse.BooleanOptionalAction)
+    Literal[a, b]     → ``choices=(a, b)``
+    int | None, ...   → an optional value of the inner type (absent = the field's default)
+    list[X]           → zero or more values of X
+
+Invariant: a flag not given on the command line is absent from the parsed namespace
+(``argparse.SUPPRESS``), so the model's own default applies and the model validates the whole
+configuration; the CLI never duplicates a default or a range check.
+"""
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Literal, Union
+
+from pydantic import BaseModel, ValidationError
+
+__all__ = ['add_model_args', 'model_from_args', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS']
+
+LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
+
+
+def flag_name(field: str) -> str:
+    """``prefill_save_last_only`` → ``--prefill-save-last-only``."""
+    return '--' + field.replace('_', '-')
+
+
+def _unwrap_optional(ann):
+    if typing.get_origin(ann) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+        raise TypeError(f'no flag type for the union {ann}')
+    return ann
+
+
+def _default_text(field) -> str:
+    default = field.default_factory() if field.default_factory is not None else field.default
+    return 'None' if default is None else str(default)
+
+
+def _flag_kwargs(name: str, field) -> dict:
+    ann = _unwrap_optional(field.annotation)
+    help_text = (field.description or name).replace('%', '%%') + f' (default: {_default_text(field)})'
+    kwargs = {'dest': name, 'default': argparse.SUPPRESS, 'help': help_text}
+    if ann is bool:
+        kwargs['action'] = argparse.BooleanOptionalAction
+    elif typing.get_origin(ann) is Literal:
+        choices = typing.get_args(ann)
+        kwargs.update(type=type(choices[0]), choices=choices)
+    elif typing.get_origin(ann) is list:
+        (item,) = typing.get_args(ann)
+        kwargs.update(type=_unwrap_optional(item), nargs='*', metavar=name.upper())
+    elif ann in (int, float, str):
+        kwargs.update(type=ann, metavar=name.upper())
+    else:
+        raise TypeError(f'no flag type for field {name!r} of type {field.annotation}')
+    return kwargs
+
+
+def add_model_args(parser: argparse.ArgumentParser, model_cls: type[BaseModel], title: str,
+                   group_by_prefix: dict[str, str] | None = None) -> None:
+    """Add one flag per field of ``model_cls`` to ``parser``.
+
+    Args:
+        parser: the (sub)command parser.
+        model_cls: a pydantic model whose fields have int/float/str/bool/Literal/list types,
+            optionally ``| None``.
+        title: heading of the flag group in ``--help``.
+        group_by_prefix: ``{field_prefix: title}``; fields starting with a prefix go into a
+            separate group (e.g. the Mooncake Store flags).
+
+    Raises:
+        TypeError: a field type with no flag mapping.
+        argparse.ArgumentError: a field's flag collides with an existing one.
+    """
+    groups = {None: parser.add_argument_group(title)}
+    for prefix, sub_title in (group_by_prefix or {}).items():
+        groups[prefix] = parser.add_argument_group(sub_title)
+    for name, field in model_cls.model_fields.items():
+        prefix = next((p for p in (group_by_prefix or {}) if name.startswith(p)), None)
+        groups[prefix].add_argument(flag_name(name), **_flag_kwargs(name, field))
+
+
+def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel]):
+    """Build ``model_cls`` from the flags given on the command line (others keep their defaults).
+
+    Raises:
+        ValueError: the model rejects the values; the message names each field and its flag.
+    """
+    values = {name: getattr(args, name) for name in model_cls.model_fields if hasattr(args, name)}
+    try:
+        return model_cls(**values)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            field = '.'.join(str(p) for p in e['loc'])
+            where = f'{field} ({flag_name(field)}): ' if field else ''
+            lines.append(where + e['msg'])
+        raise ValueError('; '.join(lines)) from None
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` (default INFO) for the ``lmdeploy`` logger and the HTTP server."""
+    parser.add_argument('--log-level', type=str.upper, choices=LOG_LEVELS, default='INFO',
+                        help='log level (default: INFO)')

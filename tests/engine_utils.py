@@ -1,0 +1,209 @@
+"""Shared drivers for the engine-level suites (Qwen3, Qwen3-Next, pipeline).
+
+What they provide:
+- ``engine_prompt_logits``: run one prompt through ``Engine.step`` (chunked as the engine's
+  plan says) and collect the logits of EVERY prompt position, ``[n, vocab]`` float32;
+- ``hf_prompt_logits`` / ``hf_greedy``: the ``transformers`` reference for the same ids;
+- ``StepRecorder``: what each forward held (which sequences, prefill or decode), so a test can
+  prove that continuous batching really mixed prefill and decode in one forward;
+- ``run_staggered`` / ``run_alone``: request drivers that add a new request every few steps
+  while others run, or one request at a time;
+- ``assert_idle``: the exact idle ledger (SPEC §8) of an engine.
+
+Every driver runs on the engine's own thread-free API (``add_request`` / ``step`` / ``abort``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.sequence import Sequence
+
+TOL = 1e-4              # fp32 max abs logit difference allowed against transformers (SPEC §8)
+FIRST_PLAIN_TOKEN = 3   # ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|> (eos)
+VOCAB = 1024            # tokenizer size of the tiny models
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run torch ops on one thread.
+
+    Why: on the shared 2-core test machine, two intra-op threads competing with other
+    processes make small ops 10-20x slower (spin-waiting workers), which dominates the
+    tiny-model runtime.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def random_prompt(num_tokens: int, seed: int) -> list[int]:
+    """``num_tokens`` plain token ids (no special tokens), reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(FIRST_PLAIN_TOKEN, VOCAB, (num_tokens,), generator=gen).tolist()
+
+
+def make_engine(model_path: str, **fields) -> Engine:
+    """A CPU float32 engine with 256 KV blocks; ``fields`` override these and the other
+    :class:`PytorchEngineConfig` defaults.
+
+    Why 256 blocks: the derived CPU default sizes the cache for ``max_batch_size`` sequences of
+    the model's full 32768-token context (hundreds of MB), which costs seconds per engine here.
+    """
+    fields.setdefault('num_gpu_blocks', 256)
+    fields.setdefault('device_type', 'cpu')
+    fields.setdefault('dtype', 'float32')
+    return Engine(model_path, PytorchEngineConfig(**fields))
+
+
+# recording forwards -----------------------------------------------------------------------
+@dataclass
+class StepRecord:
+    """One forward: ``(seq_id, start, end, is_prefill)`` per scheduled chunk."""
+    chunks: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+    @property
+    def mixed(self) -> bool:
+        """The forward held at least one prefill chunk and one decode token."""
+        kinds = {c[3] for c in self.chunks}
+        return kinds == {True, False}
+
+
+class StepRecorder:
+    """Wraps ``engine.model_runner.forward`` to record every forward's chunks and, when
+    ``keep_logits``, the logits of every position, per sequence: ``logits[seq_id]`` is a list of
+    ``(start, [end - start, vocab] float32)``.
+    """
+
+    def __init__(self, engine: Engine, keep_logits: bool = False):
+        self.steps: list[StepRecord] = []
+        self.logits: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        runner = engine.model_runner
+        inner = runner.forward
+
+        def forward(out, return_all_logits: bool = False):
+            result = inner(out, return_all_logits=keep_logits or return_all_logits)
+            rec = StepRecord()
+            offset = 0
+            for chunk in out.chunks:
+                n = chunk.end - chunk.start
+                rec.chunks.append((chunk.seq.seq_id, chunk.start, chunk.end, chunk.is_prefill))
+                if keep_logits:
+                    self.logits.setdefault(chunk.seq.seq_id, []).append(
+                        (chunk.start, runner.all_logits[offset:offset + n].float()))
+                offset += n
+            self.steps.append(rec)
+            return result
+
+        runner.forward = forward
+
+    @property
+    def num_mixed_steps(self) -> int:
+        """Forwards that held prefill and decode together."""
+        return sum(s.mixed for s in self.steps)
+
+    def max_concurrent(self) -> int:
+        """Most sequences in one forward."""
+        return max((len(s.chunks) for s in self.steps), default=0)
+
+    def prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        """``[num_prompt_tokens, vocab]`` logits of every prompt position of ``seq``, stitched
+        from its forwards; raises AssertionError if a position is missing or repeated."""
+        parts = sorted(self.logits[seq.seq_id], key=lambda p: p[0])
+        pos = 0
+        rows = []
+        for start, block in parts:
+            if start >= seq.num_prompt_tokens:
+                break
+            assert start == pos, f'prompt positions {pos}..{start} were never computed'
+            rows.append(block)
+            pos += block.shape[0]
+        out = torch.cat(rows)
+        assert out.shape[0] == seq.num_prompt_tokens, (out.shape, seq.num_prompt_tokens)
+        return out
+
+
+def engine_prompt_logits(engine: Engine, token_ids: list[int]) -> tuple[torch.Tensor, int]:
+    """Logits of every prompt position from the engine, and the number of forwards it took.
+
+    Returns:
+        ``([n, vocab] float32, forwards)``; the engine is idle again afterwards.
+    """
+    rec = StepRecorder(engine, keep_logits=True)
+    seq = engine.generate(token_ids, GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    return rec.prompt_logits(seq), len(rec.steps)
+
+
+# transformers reference -------------------------------------------------------------------
+def load_hf(model_path: str):
+    """The ``transformers`` reference model in float32, eval mode."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_prompt_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """``[n, vocab]`` float32 logits of ``transformers`` at every position."""
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """``transformers`` ``generate`` greedy continuation (ends at the model's eos, included)."""
+    out = hf_model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(token_ids):].tolist()
+
+
+# request drivers --------------------------------------------------------------------------
+def run_staggered(engine: Engine, prompts: list[list[int]], gen_config: GenerationConfig,
+                  every: int = 2, max_steps: int = 10_000) -> list[Sequence]:
+    """Add request ``i`` before step ``i * every``, stepping until every request finished.
+
+    Returns:
+        The finished sequences, in prompt order.
+    """
+    seqs: list[Sequence] = []
+    step = 0
+    while len(seqs) < len(prompts) or not all(s.is_finished for s in seqs):
+        while len(seqs) < len(prompts) and step >= len(seqs) * every:
+            seqs.append(engine.add_request(prompts[len(seqs)], gen_config))
+        engine.step()
+        step += 1
+        assert step < max_steps, 'requests did not finish'
+    return seqs
+
+
+def run_alone(engine: Engine, prompts: list[list[int]], gen_config: GenerationConfig) -> list[list[int]]:
+    """Each prompt run to completion with nothing else in the engine; the output ids."""
+    return [engine.generate(p, gen_config).output_ids for p in prompts]
+
+
+def step_until(engine: Engine, cond, max_steps: int = 10_000) -> None:
+    """Step ``engine`` until ``cond()`` holds."""
+    for _ in range(max_steps):
+        if cond():
+            return
+        engine.step()
+    raise AssertionError('condition never held')
+
+
+def idle_ledger(engine: Engine) -> dict[str, int]:
+    """The ledger an engine without a prefix cache must show when no request is in flight."""
+    led = engine.ledger()
+    total_slots = led['runtime_slots_total']
+    return {'blocks_total': led['blocks_total'], 'blocks_free': led['blocks_total'], 'blocks_cached': 0,
+            'blocks_in_use': 0, 'runtime_slots_free': total_slots, 'runtime_slots_total': total_slots,
+            'checkpoints_pinned': 0, 'checkpoints_published': 0, 'store_inflight': 0}
+
+
+def assert_idle(engine: Engine) -> None:
+    """Every block and runtime state slot is free and nothing is queued."""
+    assert engine.ledger() == idle_ledger(engine)
+    assert engine.is_idle()

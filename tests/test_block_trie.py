@@ -1,0 +1,237 @@
+"""Prefix-cache bookkeeping without a model: block reference counts and free-list order
+(BlockManager), chained hashes, token verification and LRU eviction of leaves (BlockTrie),
+and runtime/checkpoint slots with pins and LRU (StateCache). Exact ids throughout."""
+import pytest
+
+from lmdeploy.pytorch.paging.block_manager import BlockManager, OutOfBlocks
+from lmdeploy.pytorch.paging.block_trie import BlockTrie, chain_block_hashes
+from lmdeploy.pytorch.paging.state_cache import StateCache
+
+B = 4
+
+
+def tokens(*blocks: int) -> list[int]:
+    """One block of B tokens per argument, filled with that value (block 7 → [7, 7, 7, 7])."""
+    return [t for b in blocks for t in [b] * B]
+
+
+def _trie(num_blocks: int = 8, runtime: int = 2, ckpt: int = 4):
+    bm = BlockManager(num_blocks)
+    sc = StateCache(runtime, ckpt)
+    return bm, sc, BlockTrie(bm, B, sc)
+
+
+def _cache(bm: BlockManager, trie: BlockTrie, toks: list[int]) -> list[int]:
+    """What a finishing sequence does: allocate, insert its full blocks, drop its references."""
+    blocks = bm.allocate(len(toks) // B)
+    trie.insert(toks, blocks, len(blocks))
+    bm.free_all(blocks)
+    return blocks
+
+
+# ------------------------------------------------------------------ BlockManager
+def test_block_manager_allocates_lowest_ids_and_reuses_freed_blocks_last():
+    bm = BlockManager(4)
+    assert bm.allocate(2) == [0, 1]
+    assert bm.refcount == [1, 1, 0, 0]
+    bm.free_all([1, 0])
+    assert bm.allocate(3) == [2, 3, 1]    # free list is FIFO: 2, 3, then the freed 1, 0
+    assert bm.num_free == 1
+
+
+def test_block_manager_refcount_frees_at_zero_only():
+    bm = BlockManager(2)
+    [b] = bm.allocate(1)
+    bm.incref(b)
+    bm.decref(b)
+    assert bm.refcount[b] == 1 and bm.num_free == 1
+    bm.decref(b)
+    assert bm.refcount[b] == 0 and bm.num_free == 2
+
+
+def test_block_manager_out_of_blocks_takes_nothing():
+    bm = BlockManager(3)
+    bm.allocate(2)
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(2)
+    assert bm.num_free == 1 and bm.allocate(1) == [2]
+
+
+def test_block_manager_rejects_empty_pool():
+    with pytest.raises(ValueError, match='num_blocks'):
+        BlockManager(0)
+
+
+# ------------------------------------------------------------------ hashes
+def test_block_hashes_are_chained_and_cover_full_blocks_only():
+    a = chain_block_hashes(tokens(1, 2, 3) + [9], B)
+    assert len(a) == 3 and all(len(h) == 16 for h in a)
+    b = chain_block_hashes(tokens(5, 2, 3), B)
+    # same block contents after a different first block: every later hash differs
+    assert all(x != y for x, y in zip(a, b))
+    assert chain_block_hashes(tokens(1, 2, 3, 4), B)[:3] == a
+    assert chain_block_hashes(tokens(1, 2, 3), B, num_blocks=2) == a[:2]
+
+
+def test_block_hashes_include_extra_keys():
+    plain = chain_block_hashes(tokens(1, 2), B)
+    assert chain_block_hashes(tokens(1, 2), B, extra_keys=[b'', b'']) == plain
+    with_image = chain_block_hashes(tokens(1, 2), B, extra_keys=[b'', b'img'])
+    assert with_image[0] == plain[0] and with_image[1] != plain[1]
+
+
+# ------------------------------------------------------------------ BlockTrie
+def test_insert_takes_one_reference_per_new_node_and_match_returns_the_path():
+    bm, _, trie = _trie()
+    toks = tokens(1, 2, 3) + [9, 9]
+    blocks = bm.allocate(4)               # 3 full blocks + a partial one
+    nodes = trie.insert(toks, blocks, 3)
+    assert [n.block_id for n in nodes] == [0, 1, 2]
+    assert [n.depth for n in nodes] == [1, 2, 3]
+    assert bm.refcount == [2, 2, 2, 1, 0, 0, 0, 0]
+    assert trie.match(toks) == nodes
+    assert [n.block_id for n in trie.match(tokens(1, 2, 7))] == [0, 1]
+    assert trie.match(tokens(2, 1)) == []
+
+
+def test_insert_keeps_the_existing_node_and_the_second_copy_stays_private():
+    bm, _, trie = _trie()
+    first = bm.allocate(2)
+    trie.insert(tokens(1, 2), first, 2)
+    second = bm.allocate(2)                # [2, 3]: an identical prefix computed concurrently
+    nodes = trie.insert(tokens(1, 2), second, 2)
+    assert [n.block_id for n in nodes] == [0, 1]
+    assert trie.num_nodes == 2
+    assert bm.refcount[:4] == [2, 2, 1, 1]
+    bm.free_all(second)
+    assert bm.refcount[2:4] == [0, 0]
+
+
+def test_match_verifies_tokens_not_just_hashes():
+    bm, _, trie = _trie()
+    blocks = bm.allocate(2)
+    forged = chain_block_hashes(tokens(1, 2), B)
+    trie.insert(tokens(1, 2), blocks, 2)
+    # a request whose hashes collide with the cached ones but whose second block differs
+    assert [n.block_id for n in trie.match(tokens(1, 3), forged)] == [0]
+    # an insert that collides keeps the cached node and stops there
+    other = bm.allocate(2)
+    assert [n.block_id for n in trie.insert(tokens(1, 3), other, 2, forged)] == [0]
+    assert trie.num_nodes == 2
+
+
+def test_evict_frees_least_recently_used_leaves_first():
+    bm, _, trie = _trie(num_blocks=6)
+    _cache(bm, trie, tokens(1))                     # block 0
+    _cache(bm, trie, tokens(2))                     # block 1
+    _cache(bm, trie, tokens(3))                     # block 2
+    trie.match(tokens(1))                           # 1 is now the most recently used
+    assert trie.evict(2) == 2
+    assert [n.block_id for n in trie.iter_nodes()] == [0]
+    assert list(bm._free)[-2:] == [1, 2]            # freed in LRU order
+
+
+def test_evict_follows_lru_through_a_parent_that_becomes_a_leaf():
+    bm, _, trie = _trie(num_blocks=6)
+    _cache(bm, trie, tokens(1, 2))                  # blocks 0 → 1, used first
+    _cache(bm, trie, tokens(3))                     # block 2, used last
+    # the old chain's child, then its parent (older than block 2), go before block 2
+    assert trie.evict(2) == 2
+    assert [n.block_id for n in trie.iter_nodes()] == [2]
+    assert list(bm._free)[-2:] == [1, 0]
+
+
+def test_evict_skips_blocks_sequences_reference_and_inner_nodes():
+    bm, _, trie = _trie(num_blocks=6)
+    _cache(bm, trie, tokens(1, 2))                  # blocks 0 → 1
+    held = bm.allocate(1)                           # block 2, still held by a running sequence
+    trie.insert(tokens(3), held, 1)
+    assert trie.evict(6) == 2                       # 1 then 0; block 2 has refcount 2
+    assert [n.block_id for n in trie.iter_nodes()] == [2]
+    assert bm.refcount[2] == 2
+
+
+def test_allocate_evicts_cached_blocks_when_the_free_list_runs_short():
+    bm, _, trie = _trie(num_blocks=4)
+    _cache(bm, trie, tokens(1, 2, 3))               # blocks 0 → 1 → 2 cached, 3 free
+    assert bm.allocate(2) == [3, 2]                 # the leaf (block 2) is evicted for it
+    assert [n.block_id for n in trie.iter_nodes()] == [0, 1]
+
+
+def test_evicting_a_leaf_drops_its_checkpoint_and_keeps_the_parents():
+    bm, sc, trie = _trie(num_blocks=4, runtime=2, ckpt=2)
+    blocks = bm.allocate(2)
+    n1, n2 = trie.insert(tokens(1, 2), blocks, 2)
+    bm.free_all(blocks)
+    s1, s2 = sc.alloc_checkpoint(), sc.alloc_checkpoint()
+    assert (s1, s2) == (2, 3)                       # checkpoint ids follow the runtime ids
+    sc.publish(s1, n1)
+    sc.publish(s2, n2)
+    assert trie.evict(1) == 1
+    assert n2.checkpoint_slot is None and n1.checkpoint_slot == 2
+    assert sc.num_published == 1 and sc.num_free_checkpoints == 1
+    assert sc.alloc_checkpoint() == 3
+
+
+def test_a_pinned_checkpoint_keeps_its_node_from_eviction():
+    bm, sc, trie = _trie(num_blocks=4, runtime=1, ckpt=1)
+    blocks = bm.allocate(1)
+    [node] = trie.insert(tokens(1), blocks, 1)
+    bm.free_all(blocks)
+    slot = sc.alloc_checkpoint()
+    sc.publish(slot, node)
+    sc.pin(slot)
+    assert trie.evict(1) == 0 and trie.num_nodes == 1
+    sc.unpin(slot)
+    assert trie.evict(1) == 1 and sc.num_published == 0
+
+
+# ------------------------------------------------------------------ StateCache
+class _Node:
+    checkpoint_slot = None
+
+
+def test_state_slots_runtime_then_checkpoint_ids():
+    sc = StateCache(3, 2)
+    assert sc.num_slots == 5
+    assert [sc.alloc_runtime() for _ in range(4)] == [0, 1, 2, None]
+    sc.free_runtime(1)
+    assert sc.alloc_runtime() == 1
+    assert [sc.alloc_checkpoint(), sc.alloc_checkpoint()] == [3, 4]
+
+
+def test_checkpoint_alloc_evicts_the_least_recently_used_unpinned_checkpoint():
+    sc = StateCache(1, 3)
+    nodes = [_Node(), _Node(), _Node()]
+    for node in nodes:
+        sc.publish(sc.alloc_checkpoint(), node)      # slots 1, 2, 3 in this order
+    sc.touch(1)                                      # LRU order now 2, 3, 1
+    sc.pin(2)
+    assert sc.alloc_checkpoint() == 3                # 2 is pinned: the next oldest goes
+    assert nodes[2].checkpoint_slot is None and nodes[1].checkpoint_slot == 2
+    sc.pin(1)
+    assert sc.alloc_checkpoint() is None             # every published checkpoint is pinned
+    assert sc.num_pinned == 2
+    sc.unpin(1)
+    sc.unpin(2)
+    assert sc.num_pinned == 0 and sc.alloc_checkpoint() == 2
+
+
+def test_no_checkpoint_slots_means_no_checkpoint():
+    sc = StateCache(2, 0)
+    assert sc.alloc_checkpoint() is None
+    assert sc.num_free_checkpoints == 0
+
+
+def test_releasing_a_pinned_checkpoint_raises():
+    sc = StateCache(1, 1)
+    slot = sc.alloc_checkpoint()
+    sc.publish(slot, _Node())
+    sc.pin(slot)
+    sc.pin(slot)
+    sc.unpin(slot)
+    with pytest.raises(RuntimeError, match='pinned'):
+        sc.release_checkpoint(slot)
+    sc.unpin(slot)
+    sc.release_checkpoint(slot)
+    assert sc.num_free_checkpoints == 1 and sc.num_published == 0

@@ -1,0 +1,147 @@
+"""The engine serves Qwen3 exactly (issue 2): transformers' logits at every prompt position
+under any chunking, greedy output equal to transformers ``generate`` under continuous batching
+and preemption, seeded sampling, and every block free again after finish or abort."""
+import math
+
+import pytest
+
+from engine_utils import (TOL, StepRecorder, assert_idle, engine_prompt_logits, hf_greedy, hf_prompt_logits,
+                          load_hf, make_engine, one_torch_thread, random_prompt, run_alone, run_staggered,
+                          step_until)
+from lmdeploy import GenerationConfig
+
+LENGTHS = [1, 63, 64, 65, 1000]
+NEW_TOKENS = 32
+# 8 prompts: one-block, block-edge and multi-chunk lengths (chunk 32 below)
+STAGGER_LENGTHS = [3, 17, 40, 63, 64, 65, 90, 130]
+GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope='module')
+def hf(tiny_qwen3, _one_thread):
+    return load_hf(tiny_qwen3)
+
+
+@pytest.fixture(scope='module')
+def prompt_refs(hf):
+    """{n: (ids, transformers logits [n, vocab])} with an independent prompt per length."""
+    refs = {}
+    for n in LENGTHS:
+        ids = random_prompt(n, seed=n)
+        refs[n] = (ids, hf_prompt_logits(hf, ids))
+    return refs
+
+
+@pytest.fixture(scope='module')
+def stagger_prompts():
+    return [random_prompt(n, seed=100 + i) for i, n in enumerate(STAGGER_LENGTHS)]
+
+
+@pytest.fixture(scope='module')
+def hf_continuations(hf, stagger_prompts):
+    return [hf_greedy(hf, p, NEW_TOKENS) for p in stagger_prompts]
+
+
+@pytest.mark.parametrize('block_size', [64, 16])
+@pytest.mark.parametrize('chunk', [16, 8192])
+@pytest.mark.parametrize('n', LENGTHS)
+def test_prompt_logits_equal_transformers_at_every_position(tiny_qwen3, prompt_refs, n, chunk, block_size):
+    ids, ref = prompt_refs[n]
+    engine = make_engine(tiny_qwen3, max_prefill_token_num=chunk, block_size=block_size)
+    logits, forwards = engine_prompt_logits(engine, ids)
+    assert forwards == math.ceil(n / chunk)      # the prompt really was split into chunks of <= P
+    assert logits.shape == ref.shape
+    assert (logits - ref).abs().max().item() <= TOL
+    assert_idle(engine)
+
+
+def test_staggered_greedy_equals_transformers_generate_and_each_prompt_alone(
+        tiny_qwen3, stagger_prompts, hf_continuations):
+    engine = make_engine(tiny_qwen3, max_prefill_token_num=32, block_size=16, max_batch_size=8)
+    rec = StepRecorder(engine)
+    seqs = run_staggered(engine, stagger_prompts, GREEDY, every=2)
+    batched = [s.output_ids for s in seqs]
+    assert rec.num_mixed_steps > 0           # prefill chunks and decode tokens shared forwards
+    assert rec.max_concurrent() >= 4
+    assert batched == hf_continuations
+    assert_idle(engine)
+    alone = run_alone(make_engine(tiny_qwen3), stagger_prompts, GREEDY)
+    assert batched == alone
+    assert all(len(out) == NEW_TOKENS or out[-1] == 2 for out in batched)
+
+
+def test_cache_too_small_for_all_requests_preempts_and_keeps_greedy_output(
+        tiny_qwen3, stagger_prompts, hf_continuations):
+    # block 16: the longest request (130 + 32 tokens) needs 11 blocks; 8 requests need 53
+    engine = make_engine(tiny_qwen3, block_size=16, num_gpu_blocks=12, max_prefill_token_num=64)
+    seqs = run_staggered(engine, stagger_prompts, GREEDY, every=1)
+    assert any(len(s.stats.plans) > 1 for s in seqs)    # some request was preempted and re-admitted
+    assert [s.output_ids for s in seqs] == hf_continuations
+    assert_idle(engine)
+
+
+def test_same_seed_same_sample_and_temperature_zero_is_greedy(tiny_qwen3, stagger_prompts, hf_continuations):
+    engine = make_engine(tiny_qwen3, max_prefill_token_num=32)
+    prompt = stagger_prompts[2]
+    sampled = dict(do_sample=True, temperature=1.0, top_p=0.9, top_k=100, max_new_tokens=24, ignore_eos=True)
+    first = engine.generate(prompt, GenerationConfig(random_seed=7, **sampled)).output_ids
+    again = engine.generate(prompt, GenerationConfig(random_seed=7, **sampled)).output_ids
+    other = engine.generate(prompt, GenerationConfig(random_seed=8, **sampled)).output_ids
+    assert first == again
+    assert first != other
+    # the same seed in a batch with other requests (and arriving late) gives the same tokens
+    seqs = [engine.add_request(stagger_prompts[i], GREEDY) for i in (0, 1, 3)]
+    engine.step()
+    seqs.append(engine.add_request(prompt, GenerationConfig(random_seed=7, **sampled)))
+    step_until(engine, lambda: all(s.is_finished for s in seqs))
+    assert seqs[-1].output_ids == first
+    assert first != hf_continuations[2][:24]                     # sampling really sampled
+    zero = GenerationConfig(do_sample=True, temperature=0.0, max_new_tokens=NEW_TOKENS)
+    assert engine.generate(prompt, zero).output_ids == hf_continuations[2]
+    top1 = GenerationConfig(do_sample=True, top_k=1, random_seed=3, max_new_tokens=NEW_TOKENS)
+    assert engine.generate(prompt, top1).output_ids == hf_continuations[2]
+    assert_idle(engine)
+
+
+def test_abort_in_prefill_and_in_decode_frees_every_block(tiny_qwen3, stagger_prompts, hf_continuations):
+    engine = make_engine(tiny_qwen3, max_prefill_token_num=16, block_size=16, max_batch_size=2)
+    long_prompt = random_prompt(200, seed=5)
+    # prefill: 3 chunks of 16 computed, 152 prompt tokens still to go
+    in_decode = engine.add_request(stagger_prompts[0], GREEDY)
+    in_prefill = engine.add_request(long_prompt, GREEDY)
+    waiting = engine.add_request(stagger_prompts[1], GREEDY)      # max_batch_size 2: never admitted
+    step_until(engine, lambda: in_prefill.num_computed_tokens >= 48)
+    assert in_prefill.num_computed_tokens == 48 and in_prefill.is_prefill
+    assert 1 <= in_decode.num_generated < NEW_TOKENS and not in_decode.is_prefill
+    assert waiting.num_computed_tokens == 0 and not waiting.block_ids
+    assert engine.ledger()['blocks_in_use'] == 48 // 16 + 1
+    engine.abort(in_prefill)
+    engine.abort(in_decode)
+    engine.abort(waiting)
+    assert [s.finish_reason for s in (in_prefill, in_decode, waiting)] == ['abort'] * 3
+    assert_idle(engine)
+    engine.step()                                                 # nothing left to run
+    assert_idle(engine)
+    # the engine keeps serving, with the same output as before the aborts
+    assert engine.generate(stagger_prompts[0], GREEDY).output_ids == hf_continuations[0]
+    assert_idle(engine)
+
+
+def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_qwen3, stagger_prompts, hf_continuations):
+    engine = make_engine(tiny_qwen3, session_len=100)
+    with pytest.raises(ValueError, match='empty'):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match=r'100 tokens.*session_len=100'):
+        engine.add_request(random_prompt(100, seed=1), GREEDY)
+    with pytest.raises(ValueError, match='2000'):
+        engine.add_request([5, 2000], GREEDY)
+    with pytest.raises(ValueError, match='max_new_tokens'):
+        GenerationConfig(max_new_tokens=-1)
+    assert_idle(engine)
+    assert engine.generate(stagger_prompts[3], GREEDY).output_ids == hf_continuations[3]

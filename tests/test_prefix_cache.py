@@ -1,0 +1,339 @@
+"""Local prefix cache with recurrent-state checkpoints, default save policy (issue 4; SPEC §3–6, §8).
+
+Every test drives a real tiny model greedily and checks, against an engine with caching off:
+identical output ids, the exact cached tokens and save points (recomputed with
+``plan_prefill``), checkpoint contents equal to a cold prefill, eviction and slot exhaustion,
+and the idle ledger after everything ends (including aborts).
+
+Geometry: B = 16 tokens per block, A = 64, P = 128 tokens per prefill chunk.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
+
+B, A, P = 16, 64, 128
+GEN = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops on a shared 2-core machine: intra-op worker threads only spin against each other.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def prompt(num_tokens: int, seed: int) -> list[int]:
+    """``num_tokens`` plain token ids (ids 0..2 are special), reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (num_tokens,), generator=gen).tolist()
+
+
+def engine(path: str, **fields) -> Engine:
+    cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A,
+               max_prefill_token_num=P, enable_prefix_caching=True, num_gpu_blocks=256,
+               num_checkpoint_slots=16, max_batch_size=8)
+    cfg.update(fields)
+    return Engine(path, PytorchEngineConfig(**cfg))
+
+
+def reference(path: str, ids: list[int], gen: GenerationConfig = GEN) -> list[int]:
+    """Greedy output with caching off (memoized: the same prompt is asked for by several tests)."""
+    key = (path, tuple(ids), gen.max_new_tokens)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = engine(path, enable_prefix_caching=False).generate(ids, gen).output_ids
+    return _REFERENCE[key]
+
+
+def assert_idle(eng: Engine) -> None:
+    """SPEC §8: no block in use, every runtime slot free, no pin; every published checkpoint
+    hangs on exactly one trie node and every cached block is referenced by its node only."""
+    led = eng.ledger()
+    assert eng.is_idle(), led
+    assert led['blocks_in_use'] == 0 and led['checkpoints_pinned'] == 0
+    assert led['runtime_slots_free'] == led['runtime_slots_total']
+    assert led['blocks_free'] + led['blocks_cached'] == led['blocks_total']
+    trie = eng.scheduler.trie
+    if trie is not None:
+        assert all(eng.block_manager.refcount[n.block_id] == 1 for n in trie.iter_nodes())
+        on_nodes = sorted(n.checkpoint_slot for n in trie.iter_nodes() if n.checkpoint_slot is not None)
+        published = sorted(eng.state_cache._published) if eng.state_cache is not None else []
+        assert on_nodes == published
+        assert led['checkpoints_published'] == len(published)
+
+
+def expected_plan(eng: Engine, seq):
+    """The plan the scheduler must have used, recomputed from n and the observed hit."""
+    cfg = eng.config
+    return plan_prefill(seq.num_prompt_tokens, seq.num_cached_tokens, cfg.max_prefill_token_num, B,
+                        cfg.prefill_save_alignment, cfg.prefill_save_last_only)
+
+
+def converse(eng: Engine, first: list[int], user_turns: list[list[int]]):
+    """An append-only conversation: each turn = previous prompt + reply + new user text."""
+    ids, seqs = list(first), []
+    for user in [[]] + user_turns:
+        ids = ids + (seqs[-1].output_ids if seqs else []) + user
+        seqs.append(eng.generate(ids, GEN))
+    return seqs
+
+
+# ------------------------------------------------------------------ identical output, exact hits
+def test_five_turn_conversation_reuses_every_earlier_checkpoint(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next)
+    seqs = converse(eng, prompt(150, 1), [prompt(70, 10 + t) for t in range(4)])
+    saved: list[int] = []
+    for seq in seqs:
+        ids = seq.token_ids[:seq.num_prompt_tokens]
+        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+        # every earlier save point is a prefix of this turn: the deepest one is restored
+        assert seq.num_cached_tokens == max(saved, default=0)
+        plan = expected_plan(eng, seq)
+        assert seq.stats.plans == [plan]
+        assert seq.stats.save_points == plan.save_points
+        assert seq.stats.prefill_forwards == plan.num_chunks
+        saved += seq.stats.save_points
+    assert [s.num_prompt_tokens for s in seqs] == [150, 226, 302, 378, 454]
+    assert [s.num_cached_tokens for s in seqs] == [0, 128, 192, 256, 320]
+    assert [s.stats.save_points for s in seqs] == [[128], [192], [256], [320], [384]]
+    stats = eng.stats()
+    assert stats['checkpoints_saved'] == 5 and stats['checkpoints_skipped'] == {}
+    assert stats['prefix_cache_hit_tokens'] == 128 + 192 + 256 + 320
+    assert_idle(eng)
+
+
+def test_branching_conversations_share_the_checkpoint_below_the_fork(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next)
+    shared = prompt(200, 2)
+    a, b = shared + prompt(80, 3), shared + prompt(80, 4)
+    first = eng.generate(a, GEN)
+    assert first.stats.save_points == [128, 256]
+    second = eng.generate(b, GEN)
+    # blocks [0, 192) match (block 12 straddles the fork); the deepest checkpoint there is 128
+    assert second.num_cached_tokens == 128
+    assert second.stats.save_points == [256]          # its own branch's boundary
+    again_a, again_b = eng.generate(a, GEN), eng.generate(b, GEN)
+    assert again_a.num_cached_tokens == again_b.num_cached_tokens == 256
+    for seq, ids in ((first, a), (second, b), (again_a, a), (again_b, b)):
+        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+    assert_idle(eng)
+
+
+def test_same_prompt_twice_restores_the_last_save_point(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next)
+    ids = prompt(200, 5)
+    cold, warm = eng.generate(ids, GEN), eng.generate(ids, GEN)
+    assert cold.stats.save_points == [128, 192] and cold.num_cached_tokens == 0
+    assert warm.num_cached_tokens == 192 and warm.stats.save_points == []
+    assert warm.stats.plans[0].chunk_ends == [200] and warm.stats.prefill_forwards == 1
+    assert cold.output_ids == warm.output_ids == reference(tiny_qwen3_next, ids)
+    assert_idle(eng)
+
+
+@pytest.mark.parametrize('n, saves', [(A, []), (A + 1, [A]), (2 * A + 1, [2 * A])])
+def test_prompts_at_alignment_edges(tiny_qwen3_next, n, saves):
+    # n = A: rule 2 (b <= n - 1) leaves no boundary; A + 1: boundary A; 2A + 1 with P = 2A: 2A
+    eng = engine(tiny_qwen3_next)
+    ids = prompt(n, 6)
+    cold, warm = eng.generate(ids, GEN), eng.generate(ids, GEN)
+    assert cold.stats.save_points == saves
+    assert warm.num_cached_tokens == max(saves, default=0)
+    assert cold.output_ids == warm.output_ids == reference(tiny_qwen3_next, ids)
+    assert_idle(eng)
+
+
+def test_eight_concurrent_requests_sharing_a_system_prompt(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next)
+    system = prompt(150, 7)
+    prompts = [system + prompt(20, 100 + i) for i in range(8)]
+    seqs = [eng.add_request(p, GEN) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    for seq, ids in zip(seqs, prompts):
+        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+    # the step budget (P tokens) admits one first chunk per step: request 0 saves 128 in step
+    # one, every later request restores it
+    assert [s.num_cached_tokens for s in seqs] == [0] + [128] * 7
+    assert [s.stats.save_points for s in seqs] == [[128]] + [[]] * 7
+    assert_idle(eng)
+
+
+def test_concurrent_saves_of_one_prefix_publish_one_checkpoint(tiny_qwen3_next):
+    # Two requests admitted in the same step (first chunks of 64 fit the budget together) reach
+    # the same boundary in the same forward: one saves, the other counts 'exists'. Publishing
+    # both on one node would leave an orphaned checkpoint slot.
+    eng = engine(tiny_qwen3_next)
+    system = prompt(A, 8)
+    prompts = [system + [500 + i] for i in range(4)]
+    seqs = [eng.add_request(p, GEN) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    assert [s.num_cached_tokens for s in seqs] == [0, 0, 64, 64]
+    assert [s.stats.save_points for s in seqs] == [[64], [], [], []]
+    assert seqs[1].stats.skipped == {'exists': 1}
+    assert eng.ledger()['checkpoints_published'] == 1
+    for seq, ids in zip(seqs, prompts):
+        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+    assert_idle(eng)
+
+
+# ------------------------------------------------------------------ checkpoint contents
+def _linear_layers(eng: Engine) -> list[int]:
+    return [i for i, c in enumerate(eng.cache_engine.state_caches) if c is not None]
+
+
+def _slot_state(eng: Engine, slot: int) -> list[torch.Tensor]:
+    """Conv ``[C, K-1]`` and recurrent ``[H, dk, dv]`` state of every linear layer in ``slot``."""
+    return [t[slot].clone() for i in _linear_layers(eng) for t in eng.cache_engine.state_caches[i]]
+
+
+def test_restored_checkpoint_equals_a_cold_prefill_of_that_many_tokens(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next)
+    restored: list[tuple[int, list[torch.Tensor]]] = []
+    copy = eng.cache_engine.copy_states
+
+    def recording_copy(src, dst):
+        copy(src, dst)
+        for d in dst:
+            if d < eng.state_cache.num_runtime_slots:        # checkpoint → runtime: a restore
+                restored.append((d, _slot_state(eng, d)))
+
+    eng.cache_engine.copy_states = recording_copy
+    seqs = converse(eng, prompt(150, 9), [prompt(70, 20), prompt(70, 21)])
+    assert [s.num_cached_tokens for s in seqs] == [0, 128, 192]
+    assert len(restored) == 2
+    assert len(_linear_layers(eng)) == 3 and len(restored[0][1]) == 6
+    full = seqs[-1].token_ids
+    for seq, (_, state) in zip(seqs[1:], restored):
+        b = seq.num_cached_tokens
+        cold = engine(tiny_qwen3_next, enable_prefix_caching=False)
+        probe = cold.add_request(full[:b], GenerationConfig(max_new_tokens=2, ignore_eos=True))
+        while probe.num_computed_tokens < b:
+            cold.step()
+        expected = _slot_state(cold, probe.state_slot)
+        # chunk ends are multiples of 64 on both sides, so the kernels add in the same order
+        assert all(torch.equal(x, y) for x, y in zip(state, expected))
+        assert any(x.abs().max() > 0 for x in expected)
+        cold.abort(probe)
+
+
+# ------------------------------------------------------------------ small caches
+def test_small_kv_cache_evicts_and_still_matches(tiny_qwen3_next):
+    # 32 blocks = 512 tokens: two alternating conversations of up to ~380 tokens cannot both stay
+    eng = engine(tiny_qwen3_next, num_gpu_blocks=32)
+    convs = [(prompt(150, 30), [prompt(70, 31), prompt(70, 32)]),
+             (prompt(150, 40), [prompt(70, 41), prompt(70, 42)])]
+    ids = [list(c[0]) for c in convs]
+    cached = []
+    for turn in range(3):
+        for k, (_, users) in enumerate(convs):
+            seq = eng.generate(ids[k], GEN)
+            assert seq.output_ids == reference(tiny_qwen3_next, ids[k])
+            cached.append(seq.num_cached_tokens)
+            assert eng.ledger()['blocks_cached'] <= 32
+            if turn < 2:
+                ids[k] = ids[k] + seq.output_ids + users[turn]
+            assert_idle(eng)
+    # turns of the conversation evicted by the other one restore less than was saved for them
+    assert cached == [0, 0, 0, 0, 0, 0]
+    assert eng.stats()['checkpoints_saved'] > eng.ledger()['checkpoints_published']
+
+
+def test_preemption_under_block_pressure_keeps_outputs(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next, num_gpu_blocks=24)
+    prompts = [prompt(150, 50 + i) for i in range(4)]
+    seqs = [eng.add_request(p, GEN) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    for seq, ids in zip(seqs, prompts):
+        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+    assert_idle(eng)
+
+
+def test_no_checkpoint_slots_skips_every_save_and_counts_it(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next, num_checkpoint_slots=0)
+    seqs = converse(eng, prompt(150, 60), [prompt(70, 61), prompt(70, 62)])
+    for seq in seqs:
+        assert seq.output_ids == reference(tiny_qwen3_next, seq.token_ids[:seq.num_prompt_tokens])
+        assert seq.num_cached_tokens == 0 and seq.stats.save_points == []
+        assert seq.stats.skipped == {'no_free_slot': len(expected_plan(eng, seq).save_points)}
+    assert eng.stats()['checkpoints_skipped'] == {'no_free_slot': 1 + 2 + 3}   # 128 | 128,192 | 128,256
+    assert_idle(eng)
+
+
+def test_one_checkpoint_slot_keeps_the_latest_save(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next, num_checkpoint_slots=1)
+    seqs = converse(eng, prompt(200, 70), [prompt(70, 71), prompt(70, 72)])
+    # turn 1 saves 128 then 192 (evicting 128); each later turn restores the previous last save
+    assert [s.stats.save_points for s in seqs] == [[128, 192], [256], [320]]
+    assert [s.num_cached_tokens for s in seqs] == [0, 192, 256]
+    for seq in seqs:
+        assert seq.output_ids == reference(tiny_qwen3_next, seq.token_ids[:seq.num_prompt_tokens])
+    assert_idle(eng)
+    # two first chunks in one forward want the single slot: one save is skipped, none fails
+    prompts = [prompt(A + 1, 73), prompt(A + 1, 74)]
+    pair = [eng.add_request(p, GEN) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    assert [s.stats.save_points for s in pair] == [[64], []]
+    assert pair[1].stats.skipped == {'no_free_slot': 1}
+    for seq, ids in zip(pair, prompts):
+        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+    assert_idle(eng)
+
+
+# ------------------------------------------------------------------ aborts
+def test_aborts_in_waiting_prefill_and_decode_return_to_idle(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next)
+    ids = prompt(300, 80)
+    in_prefill = eng.add_request(ids, GEN)
+    eng.step()                                          # chunk [0, 128) ran and was saved
+    assert in_prefill.num_computed_tokens == 128 and in_prefill.stats.save_points == [128]
+    eng.abort(in_prefill)
+    assert_idle(eng)
+    # the aborted prefill left its computed blocks and checkpoint for the next identical request
+    again = eng.generate(ids, GEN)
+    assert again.num_cached_tokens == 128 and again.output_ids == reference(tiny_qwen3_next, ids)
+
+    other = prompt(100, 81)
+    in_decode = eng.add_request(other, GenerationConfig(max_new_tokens=20, ignore_eos=True))
+    waiting = eng.add_request(prompt(90, 82), GEN)
+    while in_decode.num_generated < 3:
+        eng.step()
+    eng.abort(in_decode)
+    eng.abort(waiting if not waiting.is_finished else in_decode)
+    while eng.has_work:
+        eng.step()
+    assert in_decode.finish_reason == 'abort' and in_decode.output_ids == reference(
+        tiny_qwen3_next, other, GenerationConfig(max_new_tokens=20, ignore_eos=True))[:3]
+    assert_idle(eng)
+
+    never_ran = eng.add_request(prompt(90, 83), GEN)
+    eng.abort(never_ran)
+    assert never_ran.finish_reason == 'abort' and never_ran.num_generated == 0
+    assert_idle(eng)
+
+
+# ------------------------------------------------------------------ full attention only
+def test_full_attention_reuses_every_matched_block_but_the_last_token(tiny_qwen3):
+    eng = engine(tiny_qwen3)
+    for n, hit in ((100, 96), (96, 80)):   # (n - 1) rounded down to whole blocks
+        ids = prompt(n, 90 + n)
+        cold, warm = eng.generate(ids, GEN), eng.generate(ids, GEN)
+        assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, hit)
+        assert warm.stats.save_points == [] and warm.stats.plans[0].chunk_ends == [n]
+        assert cold.output_ids == warm.output_ids == reference(tiny_qwen3, ids)
+    seqs = converse(eng, prompt(150, 91), [prompt(30, 92), prompt(30, 93)])
+    # blocks computed by the previous turn (prompt + reply - 1 tokens) are all reused
+    assert [s.num_cached_tokens for s in seqs] == [0, 144, 176]
+    for seq in seqs:
+        assert seq.output_ids == reference(tiny_qwen3, seq.token_ids[:seq.num_prompt_tokens])
+    assert eng.ledger()['runtime_slots_total'] == 0
+    assert_idle(eng)
