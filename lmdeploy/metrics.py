@@ -27,7 +27,7 @@ ENGINE_SERIES = (
     ('prefix_cache_queried_tokens', 'prefix_cache_queried_tokens',
      'Prompt tokens looked up in the prefix cache.', None, ()),
     ('prefix_cache_hit_tokens', 'prefix_cache_hit_tokens',
-     'Prompt tokens restored from the prefix cache or the Store instead of computed.', None, ()),
+     'Prompt tokens restored from the local prefix cache (Store hits: store_hit_tokens).', None, ()),
     ('checkpoints_saved', 'checkpoints_saved', 'Recurrent-state checkpoints saved (SPEC §5).', None, ()),
     ('checkpoints_skipped', 'checkpoints_skipped', 'State checkpoint saves skipped, by reason.',
      'reason', ('no_free_slot',)),
@@ -39,6 +39,8 @@ ENGINE_SERIES = (
     ('store_get_failures', 'store_get_failures',
      'Failed or unverifiable Mooncake Store gets (counted as misses).', None, ()),
     ('store_hit_tokens', 'store_hit_tokens', 'Prompt tokens restored from the Mooncake Store.', None, ()),
+    ('store_rejected_objects', 'store_rejected_objects',
+     'Mooncake Store objects whose header or checksum did not verify (counted as misses, SPEC §7).', None, ()),
     ('state_miss_tokens', 'state_miss_tokens',
      'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
 )

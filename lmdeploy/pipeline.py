@@ -185,8 +185,11 @@ class Pipeline:
                 (ids[-1] in self.engine.eos_token_ids or ids[-1] in gen_config.stop_token_ids):
             ids = ids[:-1]          # the stop token ends the text; it is not part of it
         text = '' if detok.stopped else detok.add(ids, final=out.finish_reason is not None)
+        # a stop string found in the last delta ends the text even when the engine also hit
+        # max_new_tokens on that token, so the request stopped, not ran out of length
+        reason = 'stop' if detok.stopped else out.finish_reason
         return Response(text=text, token_ids=list(ids), input_token_len=out.num_prompt_tokens,
-                        generate_token_len=out.num_generated, finish_reason=out.finish_reason,
+                        generate_token_len=out.num_generated, finish_reason=reason,
                         cached_tokens=out.cached_tokens, index=index)
 
     def ledger(self) -> dict[str, int]:

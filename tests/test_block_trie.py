@@ -158,6 +158,33 @@ def test_allocate_evicts_cached_blocks_when_the_free_list_runs_short():
     assert [n.block_id for n in trie.iter_nodes()] == [0, 1]
 
 
+def test_an_allocation_eviction_cannot_satisfy_evicts_nothing():
+    bm, _, trie = _trie(num_blocks=4)
+    _cache(bm, trie, tokens(1, 2))                  # blocks 0 → 1 cached
+    held = bm.allocate(2)                           # blocks 2, 3 held by a sequence
+    assert trie.num_evictable_blocks == 2
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(3)
+    assert trie.num_nodes == 2 and bm.num_free == 0  # the cache survived the failed request
+    assert bm.allocate(2) == [1, 0]
+    bm.free_all(held)
+
+
+def test_evictable_count_excludes_ancestors_of_referenced_or_pinned_nodes():
+    bm, sc, trie = _trie(num_blocks=8, runtime=1, ckpt=1)
+    _cache(bm, trie, tokens(1, 2, 3))               # chain 0 → 1 → 2
+    _cache(bm, trie, tokens(1, 5))                  # branch under block 0: block 4 (3 was a copy)
+    assert trie.num_evictable_blocks == 4
+    [node5] = [n for n in trie.iter_nodes() if n.block_id == 4]
+    slot = sc.alloc_checkpoint()
+    sc.publish(slot, node5)
+    sc.pin(slot)                                    # block 4 and its ancestor 0 stay
+    assert trie.num_evictable_blocks == 2
+    bm.incref(1)                                    # a sequence shares block 1: only 2 can go
+    assert trie.num_evictable_blocks == 1
+    assert trie.evict(4) == 1 and trie.num_nodes == 3
+
+
 def test_evicting_a_leaf_drops_its_checkpoint_and_keeps_the_parents():
     bm, sc, trie = _trie(num_blocks=4, runtime=2, ckpt=2)
     blocks = bm.allocate(2)

@@ -145,3 +145,14 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_qwen3, stagger_
         GenerationConfig(max_new_tokens=-1)
     assert_idle(engine)
     assert engine.generate(stagger_prompts[3], GREEDY).output_ids == hf_continuations[3]
+
+
+def test_request_outgrowing_the_whole_cache_ends_with_length_instead_of_hanging(tiny_qwen3):
+    engine = make_engine(tiny_qwen3, block_size=16, num_gpu_blocks=2)
+    assert engine.session_len == 32                     # capped to what 2 blocks of 16 tokens hold
+    seq = engine.add_request(random_prompt(20, seed=4), GenerationConfig(max_new_tokens=32, ignore_eos=True))
+    step_until(engine, lambda: seq.is_finished, max_steps=50)
+    assert (seq.finish_reason, seq.num_generated) == ('length', 12)
+    with pytest.raises(ValueError, match=r'40 tokens.*session_len=32'):
+        engine.add_request(random_prompt(40, seed=4), GREEDY)
+    assert_idle(engine)

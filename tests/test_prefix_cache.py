@@ -102,7 +102,7 @@ def test_five_turn_conversation_reuses_every_earlier_checkpoint(tiny_qwen3_next)
         saved += seq.stats.save_points
     assert [s.num_prompt_tokens for s in seqs] == [150, 226, 302, 378, 454]
     assert [s.num_cached_tokens for s in seqs] == [0, 128, 192, 256, 320]
-    assert [s.stats.save_points for s in seqs] == [[128], [192], [256], [320], [384]]
+    assert [s.stats.save_points for s in seqs] == [[128], [192], [256], [320], [448]]
     stats = eng.stats()
     assert stats['checkpoints_saved'] == 5 and stats['checkpoints_skipped'] == {}
     assert stats['prefix_cache_hit_tokens'] == 128 + 192 + 256 + 320
@@ -184,6 +184,62 @@ def test_concurrent_saves_of_one_prefix_publish_one_checkpoint(tiny_qwen3_next):
     assert_idle(eng)
 
 
+def test_restore_picks_a_boundary_reusable_for_the_restoring_request(tiny_qwen3_next):
+    # SPEC §3 holds for the request that restores, not only for the one that saved: checkpoints
+    # at 128 and 192 exist, yet a span over 192 (or, with lookahead 1, starting at 192) or a
+    # recompute block past it rules 192 out
+    eng = engine(tiny_qwen3_next)
+    ids = prompt(200, 5)
+    assert eng.generate(ids, GEN).stats.save_points == [128, 192]
+    cases = [(dict(multimodal_spans=((150, 199),)), 128),
+             (dict(multimodal_spans=((192, 199),)), 192),                   # starts at b: legal
+             (dict(multimodal_spans=((192, 199),), token_lookahead=1), 128),  # s < b + ℓ < e
+             (dict(token_lookahead=8), 192),                               # 8 tokens remain
+             (dict(token_lookahead=9), 128)]
+    for kwargs, hit in cases:
+        seq = eng.generate(ids, GEN, **kwargs)
+        assert (seq.num_cached_tokens, seq.stats.save_points) == (hit, []), kwargs
+        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+    # n = 144, r = 1: 128 + 16 > floor_16(143) = 128 although block [128, 144) is cached
+    short = eng.generate(ids[:144], GEN, recompute_blocks=1)
+    assert short.num_cached_tokens == 0 and short.stats.save_points == [64]
+    assert short.output_ids == reference(tiny_qwen3_next, ids[:144])
+    assert_idle(eng)
+
+
+def test_admission_that_cannot_get_its_first_chunk_holds_nothing():
+    """Scheduler only (no model): match → pin → allocate fails at allocate and rolls back."""
+    from lmdeploy.pytorch.engine.sequence import SeqStatus, Sequence
+    from lmdeploy.pytorch.paging.block_manager import BlockManager
+    from lmdeploy.pytorch.paging.scheduler import Scheduler
+    from lmdeploy.pytorch.paging.state_cache import StateCache
+    cfg = PytorchEngineConfig(block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,
+                              enable_prefix_caching=True, num_gpu_blocks=12)
+    bm, sc = BlockManager(12), StateCache(2, 2)
+    sched = Scheduler(cfg, bm, sc)
+    cached_ids = prompt(128, 11)
+    blocks = bm.allocate(8)
+    nodes = sched.trie.insert(cached_ids, blocks, 8)
+    bm.free_all(blocks)
+    ckpt = sc.alloc_checkpoint()
+    sc.publish(ckpt, nodes[-1])                        # checkpoint at 128
+    others = bm.allocate(4)                            # every other block is in use
+    seq = Sequence(cached_ids + prompt(116, 12), GEN)  # n = 244: restore 128, first chunk to 192
+    sched.add(seq)
+    out = sched.schedule()
+    assert out.chunks == [] and list(sched.waiting) == [seq] and seq.status is SeqStatus.WAITING
+    assert bm.refcount == [1] * 12 and sc.num_pinned == 0 and sc.num_free_runtime == 2
+    assert (seq.block_ids, seq.state_slot, seq.num_computed_tokens) == ([], None, 0)
+    bm.free_all(others)
+    out = sched.schedule()
+    [chunk] = out.chunks
+    assert (chunk.start, chunk.end) == (128, 192)
+    assert (out.restore_src, out.restore_dst) == ([ckpt], [0])
+    assert seq.block_ids[:8] == blocks and bm.refcount[:8] == [2] * 8 and sc.is_pinned(ckpt)
+    sched.restores_done(out)
+    assert sc.num_pinned == 0
+
+
 # ------------------------------------------------------------------ checkpoint contents
 def _linear_layers(eng: Engine) -> list[int]:
     return [i for i, c in enumerate(eng.cache_engine.state_caches) if c is not None]
@@ -226,34 +282,41 @@ def test_restored_checkpoint_equals_a_cold_prefill_of_that_many_tokens(tiny_qwen
 
 # ------------------------------------------------------------------ small caches
 def test_small_kv_cache_evicts_and_still_matches(tiny_qwen3_next):
-    # 32 blocks = 512 tokens: two alternating conversations of up to ~380 tokens cannot both stay
-    eng = engine(tiny_qwen3_next, num_gpu_blocks=32)
+    # 24 blocks = 384 tokens: two alternating conversations (prompts 150, 226, 302 tokens)
+    # cannot both stay cached, so each turn evicts the other conversation's LRU leaves
+    eng = engine(tiny_qwen3_next, num_gpu_blocks=24)
     convs = [(prompt(150, 30), [prompt(70, 31), prompt(70, 32)]),
              (prompt(150, 40), [prompt(70, 41), prompt(70, 42)])]
     ids = [list(c[0]) for c in convs]
-    cached = []
+    seqs = []
     for turn in range(3):
         for k, (_, users) in enumerate(convs):
             seq = eng.generate(ids[k], GEN)
             assert seq.output_ids == reference(tiny_qwen3_next, ids[k])
-            cached.append(seq.num_cached_tokens)
-            assert eng.ledger()['blocks_cached'] <= 32
+            seqs.append(seq)
+            assert_idle(eng)
             if turn < 2:
                 ids[k] = ids[k] + seq.output_ids + users[turn]
-            assert_idle(eng)
-    # turns of the conversation evicted by the other one restore less than was saved for them
-    assert cached == [0, 0, 0, 0, 0, 0]
-    assert eng.stats()['checkpoints_saved'] > eng.ledger()['checkpoints_published']
+    assert [s.stats.save_points for s in seqs] == [[128], [128], [192], [192], [256], [128, 256]]
+    # A's turn 3 finds 128, not its 192: B's turn 2 evicted A's five least recently used blocks
+    # [144, 224) and, with the node ending at 192, its checkpoint; A's turn 3 then evicted all of B
+    assert [s.num_cached_tokens for s in seqs] == [0, 0, 128, 128, 128, 0]
+    assert eng.stats()['checkpoints_saved'] == 7 and eng.ledger()['checkpoints_published'] == 2
 
 
 def test_preemption_under_block_pressure_keeps_outputs(tiny_qwen3_next):
-    eng = engine(tiny_qwen3_next, num_gpu_blocks=24)
+    # 20 blocks: a decoding request crossing into a new block preempts the newest one, which is
+    # re-admitted later from its own checkpoint at 128 (prompt + generated tokens recomputed)
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    eng = engine(tiny_qwen3_next, num_gpu_blocks=20)
     prompts = [prompt(150, 50 + i) for i in range(4)]
-    seqs = [eng.add_request(p, GEN) for p in prompts]
+    seqs = [eng.add_request(p, gen) for p in prompts]
     while eng.has_work:
         eng.step()
+    assert [len(s.stats.plans) for s in seqs] == [1, 2, 2, 2]
+    assert [s.stats.plans[-1].cached_tokens for s in seqs[1:]] == [128, 128, 128]
     for seq, ids in zip(seqs, prompts):
-        assert seq.output_ids == reference(tiny_qwen3_next, ids)
+        assert seq.output_ids == reference(tiny_qwen3_next, ids, gen)
     assert_idle(eng)
 
 
@@ -264,7 +327,7 @@ def test_no_checkpoint_slots_skips_every_save_and_counts_it(tiny_qwen3_next):
         assert seq.output_ids == reference(tiny_qwen3_next, seq.token_ids[:seq.num_prompt_tokens])
         assert seq.num_cached_tokens == 0 and seq.stats.save_points == []
         assert seq.stats.skipped == {'no_free_slot': len(expected_plan(eng, seq).save_points)}
-    assert eng.stats()['checkpoints_skipped'] == {'no_free_slot': 1 + 2 + 3}   # 128 | 128,192 | 128,256
+    assert eng.stats()['checkpoints_skipped'] == {'no_free_slot': 1 + 2 + 2}   # 128 | 128,192 | 128,256
     assert_idle(eng)
 
 
@@ -302,17 +365,18 @@ def test_aborts_in_waiting_prefill_and_decode_return_to_idle(tiny_qwen3_next):
     again = eng.generate(ids, GEN)
     assert again.num_cached_tokens == 128 and again.output_ids == reference(tiny_qwen3_next, ids)
 
-    other = prompt(100, 81)
-    in_decode = eng.add_request(other, GenerationConfig(max_new_tokens=20, ignore_eos=True))
-    waiting = eng.add_request(prompt(90, 82), GEN)
+    other, decode_gen = prompt(100, 81), GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    in_decode = eng.add_request(other, decode_gen)
+    neighbour = eng.add_request(prompt(90, 82), GEN)
     while in_decode.num_generated < 3:
         eng.step()
+    assert in_decode.is_prefill is False and not neighbour.is_finished
     eng.abort(in_decode)
-    eng.abort(waiting if not waiting.is_finished else in_decode)
     while eng.has_work:
         eng.step()
-    assert in_decode.finish_reason == 'abort' and in_decode.output_ids == reference(
-        tiny_qwen3_next, other, GenerationConfig(max_new_tokens=20, ignore_eos=True))[:3]
+    assert in_decode.finish_reason == 'abort'
+    assert in_decode.output_ids == reference(tiny_qwen3_next, other, decode_gen)[:3]
+    assert neighbour.output_ids == reference(tiny_qwen3_next, prompt(90, 82))
     assert_idle(eng)
 
     never_ran = eng.add_request(prompt(90, 83), GEN)

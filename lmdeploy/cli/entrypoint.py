@@ -8,7 +8,8 @@ Sub-commands::
 
 Each sub-command module exposes ``add_parser(subparsers)`` and sets ``func`` on its parser;
 ``main`` only dispatches. Exit codes: 0 success, 2 a bad command line, configuration or model
-directory (argparse convention; the message names the field), 130 interrupted.
+directory (argparse convention; the message names the field), 1 the Mooncake Store is
+unreachable, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -34,12 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return the exit code."""
+    from ..pytorch.store.mooncake_client import StoreUnavailableError
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         rc = args.func(args)
     except ValueError as err:       # configuration mistakes: say which field, no traceback
         parser.exit(2, f'lmdeploy: error: {err}\n')
+    except StoreUnavailableError as err:
+        parser.exit(1, f'lmdeploy: error: {err}\n')
     except KeyboardInterrupt:
         return 130
     return rc if isinstance(rc, int) else 0

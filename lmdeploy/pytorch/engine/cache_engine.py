@@ -87,7 +87,9 @@ class CacheEngine:
                 state_index[i] = tuple(self._state_layout.add(shape, dtype) for shape, dtype in spec.tensors())
         self.has_state = bool(state_index)
         self.num_slots = num_slots if self.has_state else 0
-        self.kv_buf = torch.zeros(num_blocks, self._kv_layout.row_bytes, dtype=torch.uint8, device=self.device)
+        # KV rows are written before they are read (attention reads only positions < kv_len), so
+        # they need no zeroing; untouched pages then cost no resident memory on CPU.
+        self.kv_buf = torch.empty(num_blocks, self._kv_layout.row_bytes, dtype=torch.uint8, device=self.device)
         self.state_buf = torch.zeros(self.num_slots, self._state_layout.row_bytes, dtype=torch.uint8,
                                      device=self.device)
         self.kv_caches = [None] * len(self.specs)

@@ -42,7 +42,12 @@ class RequestHandle:
 
     def _push(self, item: EngineOutput) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:
+                # the consumer's event loop is closed, so nobody is left to read; raising
+                # here would kill the engine thread and hang every other client
+                pass
         else:
             self._queue.put(item)
 

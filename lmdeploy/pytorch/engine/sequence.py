@@ -86,6 +86,7 @@ class Sequence:
     stats: SequenceStats = field(default_factory=SequenceStats)
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks (cache)
+    num_trie_blocks: int = 0           # leading full blocks already inserted into the prefix trie
     restore_pin: int | None = None     # checkpoint slot pinned until its restore copy runs
 
     def __post_init__(self):

@@ -30,6 +30,7 @@ class BlockManager:
         self.refcount = [0] * num_blocks
         self._free = deque(range(num_blocks))
         self.evictor: Callable[[int], int] | None = None   # evict(n) -> blocks released
+        self.reclaimable: Callable[[], int] | None = None  # blocks the evictor could release now
 
     @property
     def num_free(self) -> int:
@@ -37,11 +38,17 @@ class BlockManager:
         return len(self._free)
 
     def can_allocate(self, n: int) -> bool:
-        """True if ``n`` blocks can be allocated now (evicting cached blocks if needed)."""
+        """True if ``n`` blocks can be allocated now, evicting cached blocks if (and only if)
+        that makes enough free."""
         if n <= len(self._free):
             return True
-        if self.evictor is not None:
-            self.evictor(n - len(self._free))
+        if self.evictor is None:
+            return False
+        # evict only when that is enough: a request that cannot be admitted anyway must not
+        # flush the prefix cache (it would retry, and flush it again, every step)
+        if self.reclaimable is not None and n > len(self._free) + self.reclaimable():
+            return False
+        self.evictor(n - len(self._free))
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:

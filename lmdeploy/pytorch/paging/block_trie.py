@@ -92,6 +92,7 @@ class BlockTrie:
         self.root = TrieNode(None, _ROOT_HASH, (), -1, 0)
         self.num_nodes = 0
         block_manager.evictor = self.evict
+        block_manager.reclaimable = lambda: self.num_evictable_blocks
 
     def match(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[TrieNode]:
         """Nodes of the longest cached prefix of full blocks, root excluded, verified token by
@@ -184,5 +185,14 @@ class BlockTrie:
 
     @property
     def num_evictable_blocks(self) -> int:
-        """Cached blocks no sequence references (an upper bound on what eviction can free)."""
-        return sum(1 for n in self.iter_nodes() if self.block_manager.refcount[n.block_id] == 1)
+        """Blocks :meth:`evict` could free now: nodes whose whole subtree holds only blocks no
+        sequence references and no pinned checkpoint."""
+        blocked, count = set(), 0
+        for node in reversed(list(self.iter_nodes())):     # every descendant before its ancestors
+            slot = node.checkpoint_slot
+            pinned = slot is not None and self.state_cache is not None and self.state_cache.is_pinned(slot)
+            if id(node) in blocked or pinned or self.block_manager.refcount[node.block_id] != 1:
+                blocked.add(id(node.parent))
+            else:
+                count += 1
+        return count

@@ -25,7 +25,7 @@ from ...messages import PytorchEngineConfig
 from ..engine.sequence import SeqStatus, Sequence
 from .block_manager import BlockManager, OutOfBlocks
 from .block_trie import BlockTrie, TrieNode, chain_block_hashes
-from .prefill_plan import PrefillPlan, num_remaining_chunks, plan_prefill
+from .prefill_plan import PrefillPlan, is_reusable, num_remaining_chunks, plan_prefill
 from .state_cache import StateCache
 
 __all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput', 'SavePlan']
@@ -176,8 +176,11 @@ class Scheduler:
         return hashes
 
     def _restorable(self, seq: Sequence, boundary: int) -> bool:
-        """A checkpoint at ``boundary`` may seed this turn: ≥ max(1, ℓ) tokens remain."""
-        return boundary <= seq.num_tokens - max(1, seq.token_lookahead)
+        """A checkpoint at ``boundary`` may seed this turn only if the boundary is reusable for
+        this input under every rule of SPEC §3: ≥ max(1, ℓ) tokens remain, the r blocks a restore
+        recomputes end by floor_B(n - 1), and no multimodal span (shifted by ℓ) is split."""
+        return is_reusable(boundary, seq.num_tokens, self.block_size, self.config.prefill_save_alignment,
+                           seq.token_lookahead, seq.recompute_blocks, seq.multimodal_spans)
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Admission transaction: match → pin → allocate → plan; False (nothing held) on failure."""
@@ -300,8 +303,13 @@ class Scheduler:
                 seq.stats.prefill_forwards += 1
             if self.trie is None:
                 continue
-            nodes = self.trie.insert(seq.token_ids, seq.block_ids, chunk.end // self.block_size, self._hashes(seq))
-            if not (self.is_hybrid and seq.plan is not None and seq.plan.is_save_point(chunk.end)):
+            save = self.is_hybrid and seq.plan is not None and seq.plan.is_save_point(chunk.end)
+            full = chunk.end // self.block_size
+            if full <= seq.num_trie_blocks and not save:   # no new full block: skip the trie walk
+                continue
+            nodes = self.trie.insert(seq.token_ids, seq.block_ids, full, self._hashes(seq))
+            seq.num_trie_blocks = full
+            if not save:
                 continue
             if self.store is not None:    # the Store copies the state out of the runtime slot now
                 self.store.save(self._hashes(seq)[:chunk.end // self.block_size],
@@ -355,4 +363,5 @@ class Scheduler:
             self.state_cache.free_runtime(seq.state_slot)
             seq.state_slot = None
         seq.num_computed_tokens = 0
+        seq.num_trie_blocks = 0
         seq.plan = None

@@ -57,8 +57,17 @@ def _response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
 
 
+_TYPE_TAGS = frozenset({'str', 'int', 'float', 'bool', 'list', 'dict', 'none'})
+
+
 def _param(loc) -> str | None:
-    parts = [str(p) for p in loc if p != 'body']
+    """``('body', 'messages', 0, 'content', 'str')`` → ``messages.0.content``: pydantic appends the
+    union member it tried (``str``, ``list[int]`` ...) to the location; the client wants the field."""
+    parts = []
+    for p in loc[1:] if loc and loc[0] == 'body' else loc:
+        if isinstance(p, str) and (p in _TYPE_TAGS or not p.isidentifier()):
+            break
+        parts.append(str(p))
     return '.'.join(parts) or None
 
 

@@ -1,0 +1,428 @@
+"""The OpenAI-compatible server, end to end: real `lmdeploy serve api_server` processes on
+127.0.0.1 and the real `openai` client.
+
+Four servers start together (their model loads overlap):
+  qwen3  tiny Qwen3, an API key, --model-name tiny, session_len 4096
+  off    tiny Qwen3-Next (hybrid), prefix caching off       — the reference outputs
+  cache  tiny Qwen3-Next, --enable-prefix-caching
+  last   tiny Qwen3-Next, --enable-prefix-caching --prefill-save-last-only
+Hybrid servers use B=16, A=64, P=128 so a few-hundred-token conversation crosses boundaries.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from server_utils import ApiServer
+
+from lmdeploy.metrics import EngineStatsCollector, ServerMetrics
+from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
+
+KEY = 'sk-test-key'
+HYBRID = ('--block-size', '16', '--prefill-save-alignment', '64', '--max-prefill-token-num', '128',
+          '--session-len', '2048')
+ALIGN = 64
+SYSTEM_A = 'You are a careful assistant who answers in short sentences about rivers and towns. ' * 12
+SYSTEM_B = 'You keep ledgers of salt, wool, copper, glass, paper and tea for the old library. ' * 12
+TURNS = ['Where is the library?', 'What did the ships carry?', 'Who keeps the ledgers?', 'Tell me more.',
+         'Thanks, goodbye.']
+
+
+@pytest.fixture(scope='module')
+def servers(tiny_qwen3, tiny_qwen3_next):
+    procs = {
+        'qwen3': ApiServer(tiny_qwen3, '--session-len', '4096', '--model-name', 'tiny', api_key=KEY),
+        'off': ApiServer(tiny_qwen3_next, *HYBRID),
+        'cache': ApiServer(tiny_qwen3_next, *HYBRID, '--enable-prefix-caching'),
+        'last': ApiServer(tiny_qwen3_next, *HYBRID, '--enable-prefix-caching', '--prefill-save-last-only'),
+    }
+    try:
+        for p in procs.values():
+            p.launch()
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def client(server: ApiServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + '/v1', api_key=server.api_key or 'unused', max_retries=0,
+                         timeout=120)
+
+
+def model_name(server: ApiServer) -> str:
+    return 'tiny' if server.api_key else server.model_path.rstrip('/').split('/')[-1]
+
+
+def chat(server, messages, max_tokens=8, **kw):
+    return client(server).chat.completions.create(model=model_name(server), messages=messages,
+                                                  max_tokens=max_tokens, **kw)
+
+
+def metrics(server: ApiServer) -> dict[str, float]:
+    """Parse /metrics into {'name{labels}': value}."""
+    with httpx.Client() as c:
+        text = c.get(server.base_url + '/metrics').text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith('#'):
+            key, value = line.rsplit(' ', 1)
+            out[key] = float(value)
+    return out
+
+
+def is_idle(ledger: dict) -> bool:
+    return (ledger['blocks_in_use'] == 0 and ledger['runtime_slots_free'] == ledger['runtime_slots_total']
+            and ledger['checkpoints_pinned'] == 0 and ledger['store_inflight'] == 0)
+
+
+def conversation(server, system: str, turns=TURNS, max_tokens=8):
+    """Run a multi-turn chat; returns [(reply, prompt_tokens, cached_tokens)] per turn."""
+    messages = [{'role': 'system', 'content': system}]
+    out = []
+    for turn in turns:
+        messages.append({'role': 'user', 'content': turn})
+        r = chat(server, messages, max_tokens=max_tokens)
+        reply = r.choices[0].message.content
+        out.append((reply, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        messages.append({'role': 'assistant', 'content': reply})
+    return out
+
+
+# basic endpoints ----------------------------------------------------------------------------------------
+def test_models_health_and_auth(servers):
+    s = servers['qwen3']
+    models = client(s).models.list()
+    assert [m.id for m in models.data] == ['tiny']
+    assert s.get('/v1/models')[1]['data'][0]['max_model_len'] == 4096
+    with httpx.Client() as c:
+        assert c.get(s.base_url + '/health').status_code == 200          # no key needed
+        r = c.get(s.base_url + '/v1/models')
+    assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key'
+
+
+def test_stream_equals_non_stream_chat(servers):
+    s = servers['qwen3']
+    messages = [{'role': 'user', 'content': 'Tell me about the river town.'}]
+    full = chat(s, messages, max_tokens=12)
+    chunks = list(chat(s, messages, max_tokens=12, stream=True, stream_options={'include_usage': True}))
+    text = ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+    assert chunks[0].choices[0].delta.role == 'assistant'
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == 'length'
+    # the raw event stream ends with the [DONE] sentinel
+    with httpx.Client(timeout=60) as c:
+        raw = c.post(s.base_url + '/v1/chat/completions', headers=s.auth,
+                     json={'model': 'tiny', 'messages': messages, 'max_tokens': 3, 'stream': True}).text
+    events = [e for e in raw.split('\n\n') if e]
+    assert events[-1] == 'data: [DONE]' and all(e.startswith('data: ') for e in events)
+
+
+def test_completions_prompt_forms(servers):
+    s = servers['qwen3']
+    c = client(s)
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    batch = c.completions.create(model='tiny', prompt=ids, max_tokens=5)
+    singles = [c.completions.create(model='tiny', prompt=p, max_tokens=5) for p in ids]
+    assert [ch.index for ch in batch.choices] == [0, 1]
+    assert [ch.text for ch in batch.choices] == [r.choices[0].text for r in singles]
+    assert batch.usage.prompt_tokens == 7 and batch.usage.completion_tokens == 10
+    text = c.completions.create(model='tiny', prompt='The river town', max_tokens=4)
+    texts = c.completions.create(model='tiny', prompt=['The river town', 'The river town'], max_tokens=4)
+    assert [ch.text for ch in texts.choices] == [text.choices[0].text] * 2
+    stream = c.completions.create(model='tiny', prompt=ids[0], max_tokens=5, stream=True)
+    assert ''.join(ch.choices[0].text for ch in stream) == singles[0].choices[0].text
+
+
+def test_n2_greedy_gives_identical_choices(servers):
+    s = servers['qwen3']
+    messages = [{'role': 'user', 'content': 'Count the gulls.'}]
+    one = chat(s, messages, max_tokens=6)
+    two = chat(s, messages, max_tokens=6, n=2)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert [ch.message.content for ch in two.choices] == [one.choices[0].message.content] * 2
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens          # the prompt counts once
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
+def test_stop_string_cuts_the_reply(servers):
+    s = servers['qwen3']
+    messages = [{'role': 'user', 'content': 'Name the goods in the ledger.'}]
+    full = chat(s, messages, max_tokens=12).choices[0].message.content
+    stop = full[4:7]
+    cut = chat(s, messages, max_tokens=12, stop=[stop, 'never-in-output']).choices[0]
+    assert cut.message.content == full[:full.find(stop)] and cut.finish_reason == 'stop'
+
+
+def test_seeded_sampling_is_reproducible(servers):
+    s = servers['qwen3']
+    messages = [{'role': 'user', 'content': 'Pick any words.'}]
+    kw = dict(max_tokens=10, temperature=1.0, seed=7, n=2, extra_body={'top_k': 50})
+    first, second = chat(s, messages, **kw), chat(s, messages, **kw)
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in second.choices]
+    assert texts[0] != texts[1]                                     # choice j samples with seed + j
+    assert texts[0] != chat(s, messages, max_tokens=10).choices[0].message.content     # not greedy
+
+def test_sixteen_concurrent_streams_equal_alone(servers):
+    s = servers['qwen3']
+    prompts = [[{'role': 'user', 'content': f'Question {i}: what did ship {i} carry?'}] for i in range(16)]
+    alone = [chat(s, p, max_tokens=8).choices[0].message.content for p in prompts]
+
+    async def run_all():
+        c = openai.AsyncOpenAI(base_url=s.base_url + '/v1', api_key=KEY, max_retries=0, timeout=120)
+
+        async def one(p):
+            stream = await c.chat.completions.create(model='tiny', messages=p, max_tokens=8, stream=True)
+            return ''.join([ch.choices[0].delta.content or '' async for ch in stream if ch.choices])
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await c.close()
+    assert asyncio.run(run_all()) == alone
+    assert len(set(alone)) > 1                   # the prompts really differ
+
+
+# errors ---------------------------------------------------------------------------------------------------
+def raw_post(server, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    with httpx.Client(timeout=60) as c:
+        r = c.post(server.base_url + path, content=body, headers={'Content-Type': 'application/json', **headers})
+    return r.status_code, r.json()
+
+
+MSG = [{'role': 'user', 'content': 'hi'}]
+BAD_REQUESTS = [
+    # (name, path, body (dict or raw bytes), headers override, status, param or None)
+    ('malformed json', '/v1/chat/completions', b'{"model": "tiny", "messages": [', None, 400, None),
+    ('body not an object', '/v1/chat/completions', b'[1, 2]', None, 400, None),
+    ('no model', '/v1/chat/completions', {'messages': MSG}, None, 400, 'model'),
+    ('empty messages', '/v1/chat/completions', {'model': 'tiny', 'messages': []}, None, 400, 'messages'),
+    ('messages not a list', '/v1/chat/completions', {'model': 'tiny', 'messages': 'hi'}, None, 400, 'messages'),
+    ('unknown role', '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'wizard', 'content': 'x'}]},
+     None, 400, 'messages.0.role'),
+    ('content not text', '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'user', 'content': 5}]},
+     None, 400, 'messages.0.content'),
+    ('negative max_tokens', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'max_tokens': -1},
+     None, 400, 'max_tokens'),
+    ('negative max_completion_tokens', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'max_completion_tokens': -5}, None, 400, 'max_completion_tokens'),
+    ('temperature < 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'temperature': -0.5},
+     None, 400, 'temperature'),
+    ('top_p 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'top_p': 0}, None, 400, 'top_p'),
+    ('top_p > 1', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'top_p': 1.5}, None, 400, 'top_p'),
+    ('n 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'n': 0}, None, 400, 'n'),
+    ('stop not text', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'stop': 7}, None, 400, 'stop'),
+    ('token id >= vocab', '/v1/completions', {'model': 'tiny', 'prompt': [1, 2, 1024]}, None, 400, 'prompt'),
+    ('negative token id', '/v1/completions', {'model': 'tiny', 'prompt': [[3, -1]]}, None, 400, 'prompt'),
+    ('empty prompt', '/v1/completions', {'model': 'tiny', 'prompt': []}, None, 400, 'prompt'),
+    ('empty string prompt', '/v1/completions', {'model': 'tiny', 'prompt': ''}, None, 400, 'prompt'),
+    ('prompt too long', '/v1/completions', {'model': 'tiny', 'prompt': [5] * 4100}, None, 400, 'prompt'),
+    ('unknown model', '/v1/chat/completions', {'model': 'gpt-9', 'messages': MSG}, None, 404, 'model'),
+    ('missing key', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG}, {'Authorization': ''}, 401, None),
+    ('wrong key', '/v1/completions', {'model': 'tiny', 'prompt': 'x'}, {'Authorization': 'Bearer nope'}, 401,
+     None),
+    ('unknown endpoint', '/v1/embeddings', {'model': 'tiny', 'input': 'x'}, None, 404, None),
+]
+
+
+@pytest.mark.parametrize('name,path,body,headers,status,param', BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_gets_openai_error(servers, name, path, body, headers, status, param):
+    s = servers['qwen3']
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    code, resp = raw_post(s, path, raw, {**s.auth, **(headers or {})})
+    assert code == status, resp
+    err = resp['error']
+    assert set(err) == {'message', 'type', 'param', 'code'} and err['message']
+    assert err['type'] == 'invalid_request_error'
+    assert err['param'] == param
+    if name == 'prompt too long':
+        assert '4100' in err['message'] and '4096' in err['message']
+    if name == 'token id >= vocab':
+        assert '1024' in err['message']
+
+
+def test_server_serves_normally_after_bad_requests(servers):
+    s = servers['qwen3']
+    before = metrics(s)
+    for _ in range(3):
+        raw_post(s, '/v1/chat/completions', b'{nope', s.auth)
+    r = chat(s, MSG, max_tokens=4)
+    assert r.choices[0].finish_reason == 'length' and r.usage.completion_tokens == 4
+    after = metrics(s)
+    key = 'lmdeploy_http_requests_total{path="/v1/chat/completions",status="400"}'
+    assert after[key] - before.get(key, 0) == 3
+
+
+# client disconnect --------------------------------------------------------------------------------------
+@pytest.mark.parametrize('name', ['qwen3', 'cache'])
+def test_closed_stream_frees_resources(servers, name):
+    s = servers[name]
+    body = {'model': model_name(s), 'max_tokens': 1900, 'ignore_eos': True, 'stream': True,
+            'messages': [{'role': 'user', 'content': 'Describe every ledger in the library, slowly. ' * 4}]}
+    before = metrics(s)
+    with httpx.Client(timeout=60) as c:
+        with c.stream('POST', s.base_url + '/v1/chat/completions', json=body, headers=s.auth) as resp:
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(8)]
+            assert sum(line.startswith('data: {') for line in got) >= 4
+            busy = s.get('/debug/ledger')[1]
+            assert not is_idle(busy)              # the request holds blocks (and a slot when hybrid)
+    closed = time.monotonic()
+    while not is_idle(s.get('/debug/ledger')[1]):
+        assert time.monotonic() - closed < 10, 'request not aborted after the client left'
+        time.sleep(0.05)
+    after = metrics(s)
+    abort = 'lmdeploy_requests_finished_total{finish_reason="abort"}'
+    assert after[abort] - before.get(abort, 0) == 1
+    assert after['lmdeploy_requests_running'] == 0
+    assert after['lmdeploy_generation_tokens_total'] - before['lmdeploy_generation_tokens_total'] < 1900
+
+
+def test_client_leaving_a_non_streaming_request_frees_resources(servers):
+    s = servers['qwen3']
+    body = {'model': 'tiny', 'max_tokens': 4000, 'ignore_eos': True, 'prompt': [5, 6, 7]}
+    before = metrics(s)
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as c:
+            c.post(s.base_url + '/v1/completions', json=body, headers=s.auth)
+    left = time.monotonic()
+    while not is_idle(s.get('/debug/ledger')[1]):
+        assert time.monotonic() - left < 10, 'request not aborted after the client left'
+        time.sleep(0.05)
+    after = metrics(s)
+    abort = 'lmdeploy_requests_finished_total{finish_reason="abort"}'
+    assert after[abort] - before.get(abort, 0) == 1
+    assert after['lmdeploy_generation_tokens_total'] - before['lmdeploy_generation_tokens_total'] < 4000
+
+
+# hybrid prefix caching through the server ---------------------------------------------------------------
+@pytest.fixture(scope='module')
+def reference_conversation(servers):
+    return conversation(servers['off'], SYSTEM_A)
+
+
+@pytest.mark.parametrize('name', ['cache', 'last'])
+def test_hybrid_five_turns_cached_and_equal(servers, reference_conversation, name):
+    turns = conversation(servers[name], SYSTEM_A)
+    assert [t[0] for t in turns] == [t[0] for t in reference_conversation]
+    assert [t[1] for t in turns] == [t[1] for t in reference_conversation]
+    assert all(t[2] == 0 for t in reference_conversation)
+    assert turns[0][1] > 5 * ALIGN and turns[0][2] == 0
+    # turn k restores the last aligned boundary of turn k-1's prompt (the last token is never cached)
+    expected = [0] + [(n - 1) // ALIGN * ALIGN for _, n, _ in turns[:-1]]
+    assert [t[2] for t in turns] == expected
+
+
+def test_metrics_move_with_the_conversation(servers):
+    s = servers['cache']
+    before = metrics(s)
+    turns = conversation(s, SYSTEM_B, turns=TURNS[:2])
+    after = metrics(s)
+
+    def delta(key):
+        return after[key] - before.get(key, 0)
+    (_, n1, c1), (_, n2, c2) = turns
+    assert delta('lmdeploy_prefix_cache_queried_tokens_total') == n1 + n2
+    assert delta('lmdeploy_prefix_cache_hit_tokens_total') == c1 + c2 and c2 > 0
+    # default policy: the save points of each turn's plan (SPEC §4)
+    saves = sum(len(plan_prefill(n, c, 128, 16, ALIGN, False).save_points) for n, c in ((n1, c1), (n2, c2)))
+    assert saves >= 3
+    assert delta('lmdeploy_checkpoints_saved_total') == saves
+    assert delta('lmdeploy_time_to_first_token_seconds_count') == 2
+    assert delta('lmdeploy_time_per_output_token_seconds_count') == 2
+    assert delta('lmdeploy_requests_finished_total{finish_reason="length"}') == 2
+    assert delta('lmdeploy_http_requests_total{path="/v1/chat/completions",status="200"}') == 2
+    for series in ('lmdeploy_checkpoints_skipped_total{reason="no_free_slot"}', 'lmdeploy_state_miss_tokens_total',
+                   'lmdeploy_store_put_bytes_total{kind="state"}', 'lmdeploy_store_put_bytes_total{kind="kv"}',
+                   'lmdeploy_store_put_objects_total{kind="state"}', 'lmdeploy_store_put_objects_total{kind="kv"}',
+                   'lmdeploy_store_put_failures_total', 'lmdeploy_store_get_failures_total',
+                   'lmdeploy_store_hit_tokens_total'):
+        assert series in after and delta(series) >= 0
+    assert after['lmdeploy_store_put_bytes_total{kind="kv"}'] == 0       # this server has no Store
+
+
+# the Mooncake Store tier through the server ------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def store_servers(mooncake_services, tiny_qwen3_next):
+    """Two hybrid servers sharing one external Mooncake Store (each with an empty local cache)."""
+    flags = (*HYBRID, '--enable-prefix-caching', '--mooncake-master', mooncake_services.master_address,
+             '--mooncake-metadata-server', mooncake_services.metadata_server,
+             '--mooncake-local-buffer-size', str(16 << 20))
+    pair = [ApiServer(tiny_qwen3_next, *flags), ApiServer(tiny_qwen3_next, *flags)]
+    try:
+        for p in pair:
+            p.launch()
+        for p in pair:
+            p.wait_ready()
+        yield pair
+    finally:
+        for p in pair:
+            p.stop()
+
+
+def wait_idle(server, timeout=20) -> dict:
+    deadline = time.monotonic() + timeout
+    while not is_idle(ledger := server.get('/debug/ledger')[1]):
+        assert time.monotonic() < deadline, ledger
+        time.sleep(0.05)
+    return ledger
+
+
+def test_store_series_move_and_a_fresh_server_restores_from_the_store(store_servers):
+    writer, reader = store_servers
+    # a system prompt no other test (or earlier session run) has stored
+    messages = [{'role': 'system', 'content': f'Ledger {uuid.uuid4().hex}. ' + SYSTEM_B},
+                {'role': 'user', 'content': TURNS[0]}]
+    first = chat(writer, messages)
+    n = first.usage.prompt_tokens
+    wait_idle(writer)                                   # the Store worker finished its puts
+    put = metrics(writer)
+    plan = plan_prefill(n, 0, 128, 16, ALIGN, False)
+    last = plan.save_points[-1]
+    assert put['lmdeploy_store_put_objects_total{kind="state"}'] == len(plan.save_points)
+    assert put['lmdeploy_store_put_objects_total{kind="kv"}'] == last // 16       # full blocks below b*
+    state_bytes = put['lmdeploy_store_put_bytes_total{kind="state"}']
+    kv_bytes = put['lmdeploy_store_put_bytes_total{kind="kv"}']
+    assert state_bytes > 0 and state_bytes % len(plan.save_points) == 0 and kv_bytes % (last // 16) == 0
+    assert put['lmdeploy_store_put_failures_total'] == 0
+
+    again = chat(reader, messages)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == last
+    got = metrics(reader)
+    assert got['lmdeploy_store_hit_tokens_total'] == last
+    assert got['lmdeploy_prefix_cache_hit_tokens_total'] == 0          # local hits only; its cache was empty
+    assert got['lmdeploy_store_get_failures_total'] == 0 and got['lmdeploy_store_rejected_objects_total'] == 0
+
+# metrics unit (no server) ----------------------------------------------------------------------------------
+def test_engine_collector_exports_store_series_and_stays_monotonic():
+    from prometheus_client import generate_latest
+    stats = {'prefix_cache_queried_tokens': 100, 'checkpoints_skipped': {'no_free_slot': 2, 'exists': 1},
+             'store_put_bytes': {'state': 4096, 'kv': 8192}, 'store_put_objects': {'state': 1, 'kv': 2},
+             'store_hit_tokens': 64}
+    m = ServerMetrics(lambda: stats)
+    text = generate_latest(m.registry).decode()
+    assert 'lmdeploy_store_put_bytes_total{kind="kv"} 8192.0' in text
+    assert 'lmdeploy_store_put_objects_total{kind="state"} 1.0' in text
+    assert 'lmdeploy_checkpoints_skipped_total{reason="exists"} 1.0' in text
+    assert 'lmdeploy_store_get_failures_total 0.0' in text                      # missing key = 0
+    stats = {'prefix_cache_queried_tokens': 40}                                  # a lower reading ...
+    text = generate_latest(m.registry).decode()
+    assert 'lmdeploy_prefix_cache_queried_tokens_total 100.0' in text           # ... never lowers a counter
+    assert 'lmdeploy_checkpoints_skipped_total{reason="exists"} 1.0' in text
+    collector = EngineStatsCollector(lambda: {'store_put_bytes': {'kv': 5}})
+    families = {f.name: f for f in collector.collect()}
+    assert sorted((s.labels['kind'], s.value) for s in families['lmdeploy_store_put_bytes'].samples) == \
+        [('kv', 5.0), ('state', 0.0)]
+

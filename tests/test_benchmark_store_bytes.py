@@ -1,0 +1,112 @@
+"""The engine's measured Store put bytes equal the simulator's prediction to the byte (issue 8).
+
+Two seed scenarios scaled by 1/16 (16K+64 and the first 3 turns of "32K+64, +4K per turn") run
+on the tiny hybrid model against the real Mooncake Store, under both save policies, with the
+benchmark's own geometry (B=16, A=64, P=512) and ``simulate()`` fed the engine's real object
+sizes ``S = cache_engine.state_bytes`` and ``K_blk = cache_engine.kv_block_bytes``.
+"""
+import importlib.util
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from engine_utils import make_engine, one_torch_thread, random_prompt
+from lmdeploy import GenerationConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / 'benchmark' / f'{name}.py')
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load('benchmark_prefix_cache')
+sim = sys.modules['simulate_store_writes']
+SCALE = Fraction(1, 16)
+
+
+def _run_conversation(engine, lengths: list[int], output_tokens: int, seed: int) -> list:
+    """Append-only conversation: turn t+1 = turn t's prompt + reply + fresh tokens."""
+    seqs, ids = [], []
+    for t, n in enumerate(lengths):
+        ids = ids + random_prompt(n - len(ids), seed + t)
+        seq = engine.generate(ids, GenerationConfig(max_new_tokens=output_tokens, ignore_eos=True))
+        seqs.append(seq)
+        ids = list(seq.token_ids)
+    return seqs
+
+
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, mooncake_services, last_only):
+    geo = bench.Geometry.from_scale(SCALE)
+    assert (geo.block_size, geo.alignment, geo.chunk_size) == (16, 64, 512)
+    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
+    assert [s.input_lengths for s in scenarios] == [(1028, ), (2052, 2308, 2564)]
+    engine = make_engine(tiny_qwen3_next, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=last_only, num_gpu_blocks=512,
+                         mooncake_master=mooncake_services.master_address,
+                         mooncake_metadata_server=mooncake_services.metadata_server)
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    try:
+        with one_torch_thread():
+            for i, scenario in enumerate(scenarios):
+                before = engine.stats()
+                # prompts unique to this test and policy: the Store is shared by the session
+                seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                         seed=880_000 + 1000 * i + 100 * last_only)
+                engine.store.flush()
+                after = engine.stats()
+                pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
+                                    alignment=geo.alignment)
+                policy = pred.last_only if last_only else pred.default
+                assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+                assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
+                put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+                assert put == {'state': sum(t.state_bytes for t in policy.turns),
+                               'kv': sum(t.kv_bytes for t in policy.turns)}
+                objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in ('state', 'kv')}
+                assert objects == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
+                assert after['store_put_failures'] == before['store_put_failures']
+    finally:
+        engine.close()
+    # the sizes the server-side benchmark derives from config.json are the engine's own
+    import json
+    config = json.loads((Path(tiny_qwen3_next) / 'config.json').read_text())
+    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+
+
+def test_scaled_seed_scenarios_predict_these_exact_bytes():
+    # S and K_blk of the tiny model at B=16 (checked against the engine above)
+    g = bench.Geometry.from_scale(SCALE)
+    plan = bench.Plan(bench.select_scenarios(['16k', 'mt4k'], SCALE, 3), g, 16896, 4096, 1, 1, 0)
+    totals = [(plan.expected(s, False).total_bytes, plan.expected(s, True).total_bytes) for s in plan.scenarios]
+    # 16K+64: 2 saves + 64 blocks vs 1 save + 64 blocks; 3 turns: 6 vs 3 saves, 160 blocks each
+    assert totals == [(2 * 16896 + 64 * 4096, 16896 + 64 * 4096), (6 * 16896 + 160 * 4096, 3 * 16896 + 160 * 4096)]
+
+
+def test_geometry_rejects_alignment_not_multiple_of_block():
+    with pytest.raises(ValueError, match='alignment'):
+        bench.Geometry.from_scale(Fraction(1), block_size=48, alignment=1024, chunk_size=8192)
+    with pytest.raises(ValueError, match='chunk-size'):
+        bench.Geometry.from_scale(Fraction(1, 3), alignment=64)
+    assert bench.Geometry.from_scale(Fraction(1)) == bench.Geometry(64, 1024, 8192)
+    assert bench.Geometry.from_scale(Fraction(1, 8)) == bench.Geometry(16, 128, 1024)
+
+
+def test_paired_ci_uses_the_t_distribution():
+    mean, low, high = bench.paired_ci([1.0, 2.0, 3.0])        # sd 1, n 3, t(0.975, 2) = 4.3027
+    assert mean == 2.0
+    assert (round(low, 3), round(high, 3)) == (round(2 - 4.302653 / 3 ** 0.5, 3), round(2 + 4.302653 / 3 ** 0.5, 3))
+    assert bench.paired_ci([0.5])[0] == 0.5
+
+
+def test_unknown_scenario_key_raises_naming_the_field():
+    with pytest.raises(ValueError, match='scenarios'):
+        bench.select_scenarios(['99k'], SCALE, None)

@@ -1,0 +1,149 @@
+"""The `lmdeploy` command line: flags generated from the config models, sub-commands, and the
+interactive chat driven through stdin of a real subprocess."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from lmdeploy.cli.entrypoint import build_parser, main
+from lmdeploy.cli.utils import add_model_args, flag_name, model_from_args
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.serve.openai.api_server import default_model_name
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def serve_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(['serve', 'api_server', '/models/tiny', *flags])
+
+
+def test_every_engine_field_has_its_kebab_case_flag():
+    from lmdeploy.cli import serve
+    api = serve.add_parser(argparse.ArgumentParser().add_subparsers())
+    options = {opt for action in api._actions for opt in action.option_strings}
+    for name in PytorchEngineConfig.model_fields:
+        assert flag_name(name) in options, name
+    assert '--prefill-save-last-only' in options and '--no-prefill-save-last-only' in options
+    assert '--mooncake-master' in options and '--store-queue-size' in options
+
+
+def test_no_flags_gives_the_default_config_and_server_defaults():
+    args = serve_args()
+    assert model_from_args(args, PytorchEngineConfig) == PytorchEngineConfig()
+    assert (args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level) == \
+        ('0.0.0.0', 23333, None, None, 'INFO')
+    assert args.model_path == '/models/tiny'
+
+
+def test_flags_set_engine_fields_with_their_types():
+    args = serve_args('--block-size', '16', '--prefill-save-alignment', '64', '--enable-prefix-caching',
+                      '--prefill-save-last-only', '--session-len', '100', '--cache-max-entry-count', '0.25',
+                      '--dtype', 'float32', '--mooncake-master', 'local', '--mooncake-protocol', 'tcp',
+                      '--api-keys', 'k1', 'k2', '--server-port', '8000', '--log-level', 'debug')
+    config = model_from_args(args, PytorchEngineConfig)
+    assert config == PytorchEngineConfig(block_size=16, prefill_save_alignment=64, enable_prefix_caching=True,
+                                         prefill_save_last_only=True, session_len=100, cache_max_entry_count=0.25,
+                                         dtype='float32', mooncake_master='local', mooncake_protocol='tcp')
+    assert (args.api_keys, args.server_port, args.log_level) == (['k1', 'k2'], 8000, 'DEBUG')
+    assert model_from_args(serve_args('--no-enable-prefix-caching'), PytorchEngineConfig).enable_prefix_caching \
+        is False
+
+
+@pytest.mark.parametrize('flags,shown', [(['--dtype', 'int8'], '--dtype'), (['--block-size', 'x'], '--block-size'),
+                                         (['--mooncake-protocol', 'udp'], '--mooncake-protocol'),
+                                         (['--enable-prefix-caching', 'yes'], 'unrecognized arguments: yes')])
+def test_bad_flag_value_exits_2(flags, shown, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve_args(*flags)
+    assert exc.value.code == 2
+    assert shown in capsys.readouterr().err
+
+
+def test_bad_config_names_the_field_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', '/nonexistent', '--block-size', '64', '--prefill-save-alignment', '96'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert 'prefill_save_alignment' in err and '96' in err
+    with pytest.raises(SystemExit):
+        main(['serve', 'api_server', '/nonexistent', '--block-size', '0'])
+    assert 'block_size (--block-size)' in capsys.readouterr().err
+
+
+def test_missing_model_directory_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', str(tmp_path / 'nothing')])
+    assert exc.value.code == 2
+    assert 'config.json' in capsys.readouterr().err
+
+
+def test_flags_follow_new_model_fields():
+    class Toy(BaseModel):
+        count_max: int | None = Field(None, ge=1, description='100% of it')
+        use_fast: bool = True
+        mode: Literal['a', 'b'] = 'a'
+        words: list[str] = Field(default_factory=list)
+        ratio: float = 0.5
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser, Toy, 'toy')
+    assert model_from_args(parser.parse_args([]), Toy) == Toy()
+    args = parser.parse_args(['--count-max', '3', '--no-use-fast', '--mode', 'b', '--words', 'x', 'y',
+                              '--ratio', '2'])
+    assert model_from_args(args, Toy) == Toy(count_max=3, use_fast=False, mode='b', words=['x', 'y'], ratio=2.0)
+    with pytest.raises(ValueError, match=r'count_max \(--count-max\)'):
+        model_from_args(parser.parse_args(['--count-max', '0']), Toy)
+    assert '100%' in parser.format_help()
+
+
+def test_chat_has_generation_flags():
+    args = build_parser().parse_args(['chat', '/m', '--max-new-tokens', '7', '--stop-words', 'a', 'b',
+                                      '--ignore-eos', '--random-seed', '3', '--block-size', '16',
+                                      '--prefill-save-alignment', '64'])
+    assert model_from_args(args, GenerationConfig) == GenerationConfig(max_new_tokens=7, stop_words=['a', 'b'],
+                                                                       ignore_eos=True, random_seed=3)
+    assert model_from_args(args, PytorchEngineConfig).block_size == 16
+
+
+def test_default_model_name_is_the_directory_basename():
+    assert default_model_name('/data/models/Qwen3-Next-80B/') == 'Qwen3-Next-80B'
+    assert default_model_name('tiny') == 'tiny'
+
+
+def test_make_tiny_model_subcommand(tmp_path, capsys):
+    out = str(tmp_path / 'm')
+    assert main(['make-tiny-model', out, '--arch', 'qwen3']) == 0
+    assert capsys.readouterr().out.strip() == out
+    with open(os.path.join(out, 'config.json')) as f:
+        assert json.load(f)['model_type'] == 'qwen3'
+
+
+def test_chat_subprocess_streams_replies_with_history(tiny_qwen3):
+    from lmdeploy.pipeline import Pipeline
+    gen = GenerationConfig(max_new_tokens=6)
+    engine = PytorchEngineConfig(session_len=512, enable_prefix_caching=True, block_size=16,
+                                 prefill_save_alignment=64)
+    history, replies = [{'role': 'system', 'content': 'Be brief.'}], []
+    with Pipeline(tiny_qwen3, engine) as pipe:
+        for line in ('Where is the library?', 'And the bridge?'):
+            history.append({'role': 'user', 'content': line})
+            replies.append(pipe(history, gen).text)
+            history.append({'role': 'assistant', 'content': replies[-1]})
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, PYTHONIOENCODING='utf-8')
+    proc = subprocess.run([sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'chat', tiny_qwen3,
+                           '--system', 'Be brief.', '--max-new-tokens', '6', '--session-len', '512',
+                           '--enable-prefix-caching', '--block-size', '16', '--prefill-save-alignment', '64',
+                           '--log-level', 'WARNING'],
+                          input=b'Where is the library?\n\nAnd the bridge?\nexit\nnever read\n', capture_output=True,
+                          cwd=REPO_ROOT, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode(errors='replace')
+    # bytes, not text mode: a reply may contain '\r', which universal newlines would rewrite
+    assert proc.stdout.decode() == f'>>> {replies[0]}\n>>> >>> {replies[1]}\n>>> \n'
+    assert replies[0] != replies[1]

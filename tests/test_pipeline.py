@@ -1,0 +1,180 @@
+"""The pipeline (SPEC §1, issue 2): every prompt form gives the engine's greedy output, streaming
+and async deltas add up to the blocking result, stop strings cut the text before them, bad input
+gets a clear error while the pipeline keeps serving, and aborted streams free every block."""
+import asyncio
+import json
+
+import pytest
+
+from engine_utils import make_engine, one_torch_thread, random_prompt
+from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+SESSION_LEN = 256
+GREEDY = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+PROMPT = 'The river town woke slowly. Fishermen pulled their boats'
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _one_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope='module')
+def pipe(tiny_qwen3, _one_thread):
+    cfg = PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN, block_size=16, num_gpu_blocks=64,
+                              max_prefill_token_num=64, max_batch_size=4)
+    with pipeline(tiny_qwen3, backend_config=cfg) as p:
+        yield p
+
+
+@pytest.fixture(scope='module')
+def reference(tiny_qwen3, _one_thread):
+    """Greedy output ids of a separate engine for given prompt ids."""
+    engine = make_engine(tiny_qwen3)
+    return lambda ids, cfg=GREEDY: engine.generate(ids, cfg).output_ids
+
+
+def assert_idle(pipe):
+    led = pipe.ledger()
+    assert led['blocks_free'] == led['blocks_total'] == 64
+    assert led['blocks_in_use'] == 0
+
+
+def test_every_prompt_form_gives_the_engine_greedy_output(pipe, reference):
+    tok = pipe.tokenizer
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    messages = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Why is the sky blue?'}]
+    chat_ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)['input_ids'])
+    tail = tok.encode('<|im_start|>assistant\n')
+    assert chat_ids[0] == 1 and chat_ids[-len(tail):] == tail
+    want = reference(ids)
+
+    single = pipe(PROMPT, gen_config=GREEDY)
+    assert single.token_ids == want
+    assert single.text == tok.decode(want, skip_special_tokens=True)
+    assert (single.input_token_len, single.generate_token_len, single.finish_reason, single.cached_tokens) == \
+        (len(ids), 16, 'length', 0)
+    assert pipe(ids, gen_config=GREEDY).token_ids == want
+    chat = pipe(messages, gen_config=GREEDY)
+    assert chat.input_token_len == len(chat_ids)
+    assert chat.token_ids == reference(chat_ids)
+    batch = pipe([PROMPT, messages, ids], gen_config=GREEDY)
+    assert [r.index for r in batch] == [0, 1, 2]
+    assert [r.token_ids for r in batch] == [want, chat.token_ids, want]
+    assert_idle(pipe)
+
+
+def test_stream_and_async_deltas_add_up_to_the_blocking_result(pipe):
+    prompts = [PROMPT, 'Hello! How can I help']
+    blocking = pipe(prompts, gen_config=GREEDY)
+    text, ids, reasons = ['', ''], [[], []], [[], []]
+    for r in pipe.stream_infer(prompts, gen_config=GREEDY):
+        text[r.index] += r.text
+        ids[r.index] += r.token_ids
+        reasons[r.index].append(r.finish_reason)
+    for i, r in enumerate(blocking):
+        assert (text[i], ids[i]) == (r.text, r.token_ids)
+        assert reasons[i] == [None] * 15 + ['length']        # one delta per token, reason on the last
+
+    async def collect():
+        out = []
+        async for r in pipe.generate(prompts[1], GREEDY):
+            out.append(r)
+        return out
+    deltas = asyncio.run(collect())
+    assert ''.join(r.text for r in deltas) == blocking[1].text
+    assert sum((r.token_ids for r in deltas), []) == blocking[1].token_ids
+    assert deltas[-1].finish_reason == 'length'
+    assert_idle(pipe)
+
+
+def _stop_string_across_tokens(tok, ids: list[int]) -> tuple[str, int]:
+    """A 4-character string whose first occurrence in the decoded text crosses a token
+    boundary (2 characters each side); returns it and its offset."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    for k in range(2, len(ids)):
+        b = len(tok.decode(ids[:k], skip_special_tokens=True))
+        if b < 2 or not text.startswith(tok.decode(ids[:k], skip_special_tokens=True)):
+            continue
+        word = text[b - 2:b + 2]
+        if len(word) == 4 and word.isprintable() and word.strip() and '\ufffd' not in word \
+                and text.find(word) == b - 2:
+            return word, b - 2
+    raise AssertionError(f'no stop string candidate in {text!r}')
+
+
+def test_stop_string_spanning_two_tokens_ends_text_before_it(pipe):
+    tok = pipe.tokenizer
+    full = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=24, ignore_eos=True))
+    word, pos = _stop_string_across_tokens(tok, full.token_ids)
+    stopped = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=24, ignore_eos=True, stop_words=[word]))
+    assert stopped.text == full.text[:pos]
+    assert stopped.finish_reason == 'stop'
+    assert stopped.generate_token_len < 24
+    streamed = ''.join(r.text for r in pipe.stream_infer(
+        PROMPT, GenerationConfig(max_new_tokens=24, ignore_eos=True, stop_words=[word])))
+    assert streamed == full.text[:pos]
+    # the stop string completes on the very last allowed token: still a stop, not 'length'
+    last = next(m for m in range(1, 25) if word in tok.decode(full.token_ids[:m], skip_special_tokens=True))
+    at_end = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=last, ignore_eos=True, stop_words=[word]))
+    assert (at_end.text, at_end.finish_reason) == (full.text[:pos], 'stop')
+    assert_idle(pipe)
+
+
+def test_stop_token_id_ends_output_before_it(pipe):
+    full = pipe(PROMPT, gen_config=GREEDY)
+    stop = full.token_ids[5]
+    k = full.token_ids.index(stop)
+    r = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=16, stop_token_ids=[stop]))
+    assert (r.token_ids, r.finish_reason) == (full.token_ids[:k], 'stop')
+    assert r.text == pipe.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True)
+
+
+def test_bad_input_gets_a_clear_error_and_the_pipeline_keeps_serving(pipe, reference):
+    want = reference(pipe.tokenizer.encode(PROMPT, add_special_tokens=False))
+    too_long = random_prompt(300, seed=9)
+    cases = [(lambda: pipe('', gen_config=GREEDY), 'empty'),
+             (lambda: pipe([], gen_config=GREEDY), 'non-empty'),
+             (lambda: pipe(too_long, gen_config=GREEDY), r'300 tokens.*session_len=256'),
+             (lambda: pipe([PROMPT, too_long], gen_config=GREEDY), r'300 tokens.*session_len=256'),
+             (lambda: pipe([{'role': 'robot', 'content': 'hi'}]), 'robot'),
+             (lambda: GenerationConfig(max_new_tokens=-1), 'max_new_tokens'),
+             (lambda: PytorchEngineConfig(block_size=0), 'block_size')]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert pipe(PROMPT, gen_config=GREEDY).token_ids == want     # still serving, same output
+        assert_idle(pipe)                                           # and nothing left behind
+
+
+def test_a_path_that_is_not_a_model_is_a_clear_error(tmp_path):
+    missing = tmp_path / 'nowhere'
+    with pytest.raises(ValueError, match='nowhere'):
+        pipeline(str(missing))
+    with pytest.raises(ValueError, match='config.json'):
+        pipeline(str(tmp_path))
+    other = tmp_path / 'llama'
+    other.mkdir()
+    (other / 'config.json').write_text(json.dumps({'model_type': 'llama', 'hidden_size': 8,
+                                                   'num_attention_heads': 1, 'num_hidden_layers': 1}))
+    with pytest.raises(ValueError, match=r"'llama'.*qwen3, qwen3_next"):
+        pipeline(str(other))
+
+
+def test_abandoned_stream_and_cancelled_async_generator_free_every_block(pipe):
+    long_cfg = GenerationConfig(max_new_tokens=200, ignore_eos=True)
+    stream = pipe.stream_infer([PROMPT, random_prompt(100, seed=3)], long_cfg)
+    first = next(stream)
+    assert first.finish_reason is None
+    stream.close()                                    # the consumer walks away mid-decode
+    assert_idle(pipe)
+
+    async def cancel_after_two():
+        agen = pipe.generate(PROMPT, long_cfg)
+        got = [await agen.__anext__(), await agen.__anext__()]
+        await agen.aclose()
+        return got
+    got = asyncio.run(cancel_after_two())
+    assert [r.finish_reason for r in got] == [None, None]
+    assert_idle(pipe)
