@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -132,7 +133,8 @@ class Server:
     """One api_server subprocess on 127.0.0.1, in its own process group (so the embedded
     Mooncake children end with it); its output goes to ``log_path``."""
 
-    def __init__(self, model: str, flags: list[str], log_path: Path, timeout_s: float = 300):
+    def __init__(self, model: str, flags: list[str], log_path: Path, threads: int | None = None,
+                 timeout_s: float = 300):
         self.port = _free_port()
         self.url = f'http://127.0.0.1:{self.port}'
         cmd = [sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'api_server', model, '--server-name',
@@ -140,6 +142,8 @@ class Server:
                *flags]
         env = dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1',
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))
+        if threads:
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.log_path = log_path
         self._log = open(log_path, 'w')
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -333,7 +337,8 @@ def run_sample(server: Server, plan: Plan, prompts: PromptMaker, cfg: tuple, lau
     return SampleResult(name, launch, sample, turns, put, objs)
 
 
-def run(plan: Plan, model: str, log_dir: Path, extra_flags: list[str], seed: int) -> dict[str, list[SampleResult]]:
+def run(plan: Plan, model: str, log_dir: Path, extra_flags: list[str], seed: int,
+        threads: int | None = None) -> dict[str, list[SampleResult]]:
     """All launches x configurations; returns samples per scenario name."""
     from tqdm import tqdm
     prompts = PromptMaker(model, seed)
@@ -351,7 +356,7 @@ def run(plan: Plan, model: str, log_dir: Path, extra_flags: list[str], seed: int
         for cfg in order:
             bar.set_description(f'launch {launch + 1}/{plan.launches} {cfg[0]}')
             flags = server_flags(g, cfg[1], cfg[2], session_len, segment, buffer, extra_flags)
-            server = Server(model, flags, log_dir / f'server_{launch}_{cfg[0]}.log')
+            server = Server(model, flags, log_dir / f'server_{launch}_{cfg[0]}.log', threads)
             try:
                 for w in range(plan.warmup):    # exercises every code path: chunks, saves, decode
                     server.complete(prompts.random_ids(g.chunk_size + g.alignment + 1, 'warmup', launch, w), 4)
@@ -365,6 +370,11 @@ def run(plan: Plan, model: str, log_dir: Path, extra_flags: list[str], seed: int
                 server.stop()
     bar.close()
     return results
+
+
+def _ms(seconds: float) -> float | None:
+    """Seconds → milliseconds rounded to 0.01 ms; None for nan (strict JSON has no NaN)."""
+    return None if math.isnan(seconds) else round(1e3 * seconds, 2)
 
 
 def summarize(plan: Plan, results: dict[str, list[SampleResult]]) -> list[dict]:
@@ -382,8 +392,8 @@ def summarize(plan: Plan, results: dict[str, list[SampleResult]]) -> list[dict]:
                          save_points_last_only=[t.save_points for t in plan.expected(s, True).turns],
                          reduction_measured=truncate_percent(Fraction(measured)),
                          reduction_simulated=truncate_percent(plan.predictions[s.name].reduction),
-                         ttft_ms={c: 1e3 * statistics.fmean(r.ttft_s for r in by[c].values()) for c in by},
-                         ttft_diff_ms=1e3 * mean, ttft_diff_ci95_ms=[1e3 * low, 1e3 * high], pairs=len(diffs),
+                         ttft_ms={c: _ms(statistics.fmean(r.ttft_s for r in by[c].values())) for c in by},
+                         ttft_diff_ms=_ms(mean), ttft_diff_ci95_ms=[_ms(low), _ms(high)], pairs=len(diffs),
                          diff_inside_noise=not (low > 0 or high < 0)))
     return rows
 
@@ -392,7 +402,7 @@ def print_table(rows: list[dict]) -> None:
     print(f'{"scenario":<28}{"Store B default":>16}{"Store B last":>14}{"reduction":>10}{"simulated":>10}'
           f'{"TTFT ON def":>12}{"Δ last−def [95% CI] ms":>30}{"TTFT OFF def":>13}{"OFF last":>10}')
     for r in rows:
-        lo, hi = r['ttft_diff_ci95_ms']
+        lo, hi = (math.nan if x is None else x for x in r['ttft_diff_ci95_ms'])
         t = r['ttft_ms']
         ci = f'{r["ttft_diff_ms"]:+.1f} [{lo:+.1f}, {hi:+.1f}]'
         print(f'{r["scenario"]:<28}{r["store_bytes_default"]:>16}{r["store_bytes_last_only"]:>14}'
@@ -417,8 +427,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     a.set_title('Store writes (measured = simulated)')
     a.legend()
     means = [r['ttft_diff_ms'] for r in rows]
-    errs = [[m - r['ttft_diff_ci95_ms'][0] for m, r in zip(means, rows)],
-            [r['ttft_diff_ci95_ms'][1] - m for m, r in zip(means, rows)]]
+    errs = [[0 if r['pairs'] < 2 else m - r['ttft_diff_ci95_ms'][0] for m, r in zip(means, rows)],
+            [0 if r['pairs'] < 2 else r['ttft_diff_ci95_ms'][1] - m for m, r in zip(means, rows)]]
     b.errorbar(list(x), means, yerr=errs, fmt='o', capsize=5)
     b.axhline(0, color='grey', lw=0.8)
     b.set_ylabel('TTFT last-only − default, Store ON (ms)')
@@ -463,6 +473,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--samples', type=int, default=2, help='samples per scenario per launch')
     p.add_argument('--warmup', type=int, default=2, help='warm-up requests per launch')
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--torch-threads', type=int, help='OMP_NUM_THREADS of the server (default: torch decides)')
     p.add_argument('--server-arg', action='append', default=[], help='extra api_server flag (repeatable), '
                    'e.g. --server-arg=--dtype=bfloat16')
     p.add_argument('--out-dir', type=Path, default=ROOT / 'benchmark' / 'results')
@@ -491,20 +502,22 @@ def main(argv=None) -> int:
           f'launches x {args.samples} samples x {len(CONFIGS)} configs; logs in {tmp}')
     t0 = time.time()
     try:
-        results = run(plan, model, tmp, args.server_arg, args.seed)
+        results = run(plan, model, tmp, args.server_arg, args.seed, args.torch_threads)
     except BenchmarkError as err:
-        print(f'error: {err}', file=sys.stderr)
+        print(f'error: {err}\n(server logs kept in {tmp})', file=sys.stderr)
         return 1
+    shutil.rmtree(tmp, ignore_errors=True)
     rows = summarize(plan, results)
     print_table(rows)
     print('Δ = paired TTFT difference (mean over turns per sample), Store ON; reductions truncated to 0.01%')
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.tag or f'prefix_cache_scale{str(args.scale).replace("/", "-")}'
-    meta = dict(command=' '.join(sys.argv), scale=str(args.scale), geometry=asdict(geo), model=config.get('model_type'),
+    meta = dict(command=' '.join(['python3', *sys.argv]), scale=str(args.scale), geometry=asdict(geo), model=config.get('model_type'),
                 state_bytes=plan.state_bytes, kv_block_bytes=plan.kv_block_bytes, launches=args.launches,
-                samples=args.samples, warmup=args.warmup, seed=args.seed, wall_s=round(time.time() - t0, 1))
+                samples=args.samples, warmup=args.warmup, seed=args.seed, torch_threads=args.torch_threads,
+                scenarios=args.scenarios, max_turns=args.max_turns, wall_s=round(time.time() - t0, 1))
     raw = {name: [dict(config=r.config, launch=r.launch, sample=r.sample, put_bytes=r.put_bytes,
-                       put_objects=r.put_objects, ttft_s=[t.ttft_s for t in r.turns],
+                       put_objects=r.put_objects, ttft_s=[round(t.ttft_s, 5) for t in r.turns],
                        cached_tokens=[t.cached_tokens for t in r.turns]) for r in rs] for name, rs in results.items()}
     (args.out_dir / f'{stem}.json').write_text(json.dumps(dict(meta=meta, rows=rows, samples=raw), indent=1))
     plot(rows, args.out_dir / f'{stem}.png', f'{config.get("model_type")} scale {args.scale}, B={geo.block_size} '

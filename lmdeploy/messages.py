@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = ['PytorchEngineConfig', 'GenerationConfig', 'Response']
 
+MOONCAKE_MIN_SEGMENT = 16 << 20   # bytes; Mooncake 0.3.13 refuses a smaller memory segment
+
 
 class PytorchEngineConfig(BaseModel):
     """Engine configuration (SPEC §1–2).
@@ -43,15 +45,27 @@ class PytorchEngineConfig(BaseModel):
                                       '(hybrid models); a save with none free is skipped and counted.')
     mooncake_master: str | None = Field(None, description='Mooncake master "host:port", or "local" to start an '
                                         'embedded master and segment; None disables the Store.')
-    mooncake_metadata_server: str | None = Field(None, description='Mooncake metadata server URL; default: the '
-                                                 'master\'s embedded HTTP metadata server.')
+    mooncake_metadata_server: str | None = Field(None, description='Mooncake metadata server URL, e.g. '
+                                                 'http://HOST:PORT/metadata of the master\'s embedded HTTP metadata '
+                                                 'server; required with an external master.')
     mooncake_protocol: Literal['tcp', 'rdma'] = Field('tcp', description='Mooncake transfer protocol.')
     mooncake_segment_size: int = Field(0, ge=0, description='Bytes of memory this engine contributes to the '
-                                       'Store (0 allowed: another process owns the segment).')
-    mooncake_local_buffer_size: int = Field(64 << 20, ge=0, description='Bytes of the local transfer buffer.')
-    mooncake_embedded_segment_size: int = Field(512 << 20, ge=1 << 20, description='Bytes of the segment the '
-                                                'embedded mode (mooncake_master="local") starts.')
+                                       'Store: 0 (another process owns the segment) or at least 16 MiB.')
+    mooncake_local_buffer_size: int = Field(64 << 20, ge=0, description='Bytes of the local transfer buffer; must '
+                                            'carry the largest Store object (checked at engine startup).')
+    mooncake_embedded_segment_size: int = Field(512 << 20, ge=MOONCAKE_MIN_SEGMENT, description='Bytes of the '
+                                                'segment the embedded mode (mooncake_master="local") starts '
+                                                '(at least 16 MiB).')
     store_queue_size: int = Field(64, ge=1, description='Bounded queue of pending Store saves.')
+
+    @field_validator('mooncake_segment_size')
+    @classmethod
+    def _segment_zero_or_large(cls, v: int) -> int:
+        # Mooncake 0.3.13 refuses a segment below 16 MiB (setup returns -600)
+        if 0 < v < MOONCAKE_MIN_SEGMENT:
+            raise ValueError(f'mooncake_segment_size must be 0 or at least {MOONCAKE_MIN_SEGMENT} bytes (16 MiB), '
+                             f'got {v}')
+        return v
 
     @field_validator('prefill_save_alignment')
     @classmethod

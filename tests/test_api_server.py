@@ -268,7 +268,8 @@ def test_server_serves_normally_after_bad_requests(servers):
 @pytest.mark.parametrize('name', ['qwen3', 'cache'])
 def test_closed_stream_frees_resources(servers, name):
     s = servers[name]
-    body = {'model': model_name(s), 'max_tokens': 1900, 'ignore_eos': True, 'stream': True,
+    max_tokens = 3900 if name == 'qwen3' else 1900       # far more than a few seconds of decoding
+    body = {'model': model_name(s), 'max_tokens': max_tokens, 'ignore_eos': True, 'stream': True,
             'messages': [{'role': 'user', 'content': 'Describe every ledger in the library, slowly. ' * 4}]}
     before = metrics(s)
     with httpx.Client(timeout=60) as c:
@@ -280,13 +281,13 @@ def test_closed_stream_frees_resources(servers, name):
             assert not is_idle(busy)              # the request holds blocks (and a slot when hybrid)
     closed = time.monotonic()
     while not is_idle(s.get('/debug/ledger')[1]):
-        assert time.monotonic() - closed < 10, 'request not aborted after the client left'
+        assert time.monotonic() - closed < 3, 'request not aborted after the client left'
         time.sleep(0.05)
     after = metrics(s)
     abort = 'lmdeploy_requests_finished_total{finish_reason="abort"}'
     assert after[abort] - before.get(abort, 0) == 1
     assert after['lmdeploy_requests_running'] == 0
-    assert after['lmdeploy_generation_tokens_total'] - before['lmdeploy_generation_tokens_total'] < 1900
+    assert after['lmdeploy_generation_tokens_total'] - before['lmdeploy_generation_tokens_total'] < max_tokens
 
 
 def test_client_leaving_a_non_streaming_request_frees_resources(servers):
@@ -298,7 +299,7 @@ def test_client_leaving_a_non_streaming_request_frees_resources(servers):
             c.post(s.base_url + '/v1/completions', json=body, headers=s.auth)
     left = time.monotonic()
     while not is_idle(s.get('/debug/ledger')[1]):
-        assert time.monotonic() - left < 10, 'request not aborted after the client left'
+        assert time.monotonic() - left < 3, 'request not aborted after the client left'
         time.sleep(0.05)
     after = metrics(s)
     abort = 'lmdeploy_requests_finished_total{finish_reason="abort"}'

@@ -110,3 +110,53 @@ def test_paired_ci_uses_the_t_distribution():
 def test_unknown_scenario_key_raises_naming_the_field():
     with pytest.raises(ValueError, match='scenarios'):
         bench.select_scenarios(['99k'], SCALE, None)
+
+
+class _FakeServer:
+    """Answers like an api_server whose cache and Store follow (or break) the plan."""
+
+    def __init__(self, replies, cached, put):
+        self.replies, self.cached, self.put = list(replies), list(cached), put
+        self.reads = 0
+
+    def complete(self, ids, max_tokens):
+        return bench.TurnResult(len(ids), self.cached.pop(0), 0.01, 0.02, self.replies.pop(0))
+
+    def store_counters(self):
+        self.reads += 1
+        return (self.put if self.reads == 2 else {'state': 0, 'kv': 0}), {'state': 0, 'kv': 0}
+
+
+class _FakePrompts:
+    def random_ids(self, n, *key):
+        return [3] * n
+
+    def next_turn(self, prev, reply, n, *key):
+        return prev + [4] * (n - len(prev))
+
+
+def _check_plan():
+    g = bench.Geometry.from_scale(SCALE)
+    return bench.Plan(bench.select_scenarios(['mt4k'], SCALE, 2), g, 16896, 4096, 1, 1, 0)
+
+
+def test_run_sample_accepts_replies_hits_and_bytes_that_follow_the_plan():
+    plan = _check_plan()          # turn 1: saves 512..2048 (default); turn 2 hits 2048, saves 2304
+    on_default = ('on-default', True, False)
+    put = {'state': 5 * 16896, 'kv': 144 * 4096}
+    replies = {}
+    r = bench.run_sample(_FakeServer(['a', 'b'], [0, 2048], put), plan, _FakePrompts(), on_default, 0, 0, 0, replies)
+    assert r.put_bytes == put and [t.cached_tokens for t in r.turns] == [0, 2048]
+    assert replies == {(0, 0, 0, 0): ('on-default', 'a'), (0, 0, 0, 1): ('on-default', 'b')}
+
+
+@pytest.mark.parametrize('replies,cached,put,match', [
+    (['a', 'X'], [0, 2048], {'state': 5 * 16896, 'kv': 144 * 4096}, 'greedy replies differ'),
+    (['a', 'b'], [0, 0], {'state': 5 * 16896, 'kv': 144 * 4096}, 'cached tokens'),
+    (['a', 'b'], [0, 2048], {'state': 4 * 16896, 'kv': 144 * 4096}, 'simulator predicts'),
+], ids=['reply', 'cache_hit', 'bytes'])
+def test_run_sample_aborts_on_a_failed_check(replies, cached, put, match):
+    known = {(0, 0, 0, 0): ('off-default', 'a'), (0, 0, 0, 1): ('off-default', 'b')}
+    with pytest.raises(bench.BenchmarkError, match=match):
+        bench.run_sample(_FakeServer(replies, cached, put), _check_plan(), _FakePrompts(), ('on-default', True, False),
+                         0, 0, 0, known)

@@ -115,6 +115,16 @@ def test_last_only_saves_once_per_turn_at_b_star(tiny_qwen3_next):
     assert [s.num_prompt_tokens for s in seqs] == [320, 526, 732, 938, 1144]
     assert [s.num_cached_tokens for s in seqs] == [0, 256, 512, 704, 896]
     assert [s.stats.save_points for s in seqs] == [[256], [512], [704], [896], [1088]]
+    # a 6th turn of 1152 tokens: b* = 1088 (1152 needs one more token), which the hit reaches
+    ids = seqs[-1].token_ids + prompt(2, 30)
+    sixth = eng.generate(ids, GEN)
+    assert (sixth.num_cached_tokens, last_reusable(1152, B, A)) == (1088, 1088)
+    assert sixth.stats.plans[0].save_points == sixth.stats.save_points == []
+    assert sixth.stats.prefill_forwards == 1
+    assert sixth.output_ids == reference(tiny_qwen3_next, ids)
+    # a first turn of A tokens has no reusable boundary at all
+    short = eng.generate(prompt(A, 31), GEN)
+    assert last_reusable(A, B, A) is None and short.stats.save_points == []
     assert eng.stats()['checkpoints_saved'] == 5
     assert_idle(eng)
 

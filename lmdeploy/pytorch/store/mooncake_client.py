@@ -64,6 +64,27 @@ class StoreClientStats:
     last_error: str = ''
 
 
+def buffer_bytes_needed(object_bytes: int) -> int:
+    """Smallest ``local_buffer_size`` (bytes) through which an ``object_bytes``-byte value can
+    be put or read.
+
+    Mooncake 0.3.13 carves transfers out of the local buffer with an offset allocator whose size
+    classes keep 3 bits below the leading one: a request is rounded up to a multiple of
+    ``2**(bit_length - 4)``, e.g. 4144 -> 4608 and 16944 -> 18432 bytes; a buffer one byte
+    smaller than that fails the put with -600 (measured against the real client for sizes from
+    8 bytes to 4 MiB). Values below 8 bytes are not rounded.
+
+    Raises:
+        ValueError: ``object_bytes`` is negative.
+    """
+    if object_bytes < 0:
+        raise ValueError(f'object_bytes must be >= 0, got {object_bytes}')
+    if object_bytes < 8:
+        return object_bytes
+    step = 1 << (object_bytes.bit_length() - 4)
+    return -(-object_bytes // step) * step
+
+
 def parse_host_port(value: str, field_name: str) -> tuple[str, int]:
     """Split ``'host:port'``; raises ``ValueError`` naming ``field_name`` when malformed."""
     host, sep, port = str(value).rpartition(':')

@@ -79,7 +79,8 @@ class MooncakeServices:
     :meth:`start` / :meth:`stop`.
 
     Args:
-        segment_size: bytes of memory the standalone client contributes (>= 1 MiB).
+        segment_size: bytes of memory the standalone client contributes (>= 16 MiB, the
+            smallest segment ``mooncake_client`` 0.3.13 accepts; it aborts on less).
         host: the address every port binds to and advertises.
         start_timeout_s: how long each process may take to accept connections (seconds).
         log_dir: folder for ``master.log`` / ``client.log``; default: a new temp dir, removed by
@@ -87,13 +88,13 @@ class MooncakeServices:
         keep_logs: keep a temp log dir after :meth:`stop`.
 
     Raises:
-        ValueError: ``segment_size`` below 1 MiB, or a non-positive ``start_timeout_s``.
+        ValueError: ``segment_size`` below 16 MiB, or a non-positive ``start_timeout_s``.
     """
 
     def __init__(self, segment_size: int = 256 << 20, *, host: str = '127.0.0.1', start_timeout_s: float = 30.0,
                  log_dir: str | os.PathLike | None = None, keep_logs: bool = False):
-        if not isinstance(segment_size, int) or segment_size < 1 << 20:
-            raise ValueError(f'segment_size must be an int >= 1 MiB (bytes), got {segment_size!r}')
+        if not isinstance(segment_size, int) or segment_size < 16 << 20:
+            raise ValueError(f'segment_size must be an int >= 16 MiB (bytes), got {segment_size!r}')
         if start_timeout_s <= 0:
             raise ValueError(f'start_timeout_s must be positive, got {start_timeout_s!r}')
         self.segment_size = segment_size

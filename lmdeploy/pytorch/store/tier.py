@@ -9,14 +9,23 @@ Save at boundary b (called right after the forward that ends at b)::
     copy out now:   state payload (runtime slot) + KV payloads of blocks in [0, b) not yet stored
     worker later:   put kv/{hash_i} for each new block  →  all ok?  →  put state/{hash_b}
 
-so a visible state object implies its whole KV prefix is stored. A failed put is counted, is
-not marked stored, and a later save of the same prefix retries it. Bytes counted are payload
-bytes (headers excluded), so a turn's put bytes equal ``len(save_points)·S + new_blocks·K_blk``.
+so a visible state object implies its whole KV prefix is stored. Blocks of ``[0, b)`` that an
+earlier, still queued job is putting are not copied again; the job records them as
+dependencies, and the worker (one thread, jobs in FIFO order) puts the state only if they all
+succeeded. A failed put is counted, is not marked stored, and a later save of the same prefix
+retries it. Bytes counted are payload bytes (headers excluded), so a turn's put bytes equal
+``len(save_points)·S + new_blocks·K_blk``.
 
-Restore at admission: the deepest aligned boundary above the local hit whose state object and
-every KV object below it exist; payloads are verified (header, namespace, token count,
-checksum) and copied into fresh blocks and the sequence's runtime slot. Any mismatch is a
-counted miss, never an error to the user.
+Restore at admission: the deepest boundary above the local hit that is reusable for this
+input (SPEC §3, all four rules) and whose state object and every KV object below it exist;
+payloads are verified (header, namespace, token count, checksum) and copied into fresh blocks
+and the sequence's runtime slot. Any mismatch is a counted miss, never an error to the user; a
+failed existence query at lookup counts as a get failure.
+
+Known limits: Mooncake never overwrites a key, so a corrupt object stays a (counted) miss until
+the Store evicts it; objects evicted by the Store after this engine put them are still believed
+stored by this engine, so it will not put them again (another engine's lookup then finds the
+prefix incomplete and misses).
 """
 from __future__ import annotations
 
@@ -24,12 +33,15 @@ import json
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-from .mooncake_client import StoreClient
-from .object_format import StoreObjectError, decode_object, encode_object, model_identity, namespace_digest, object_key
+from ..paging.prefill_plan import is_reusable
+from .mooncake_client import StoreClient, buffer_bytes_needed
+from .object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object, model_identity,
+                            namespace_digest, object_key)
 
 __all__ = ['StoreTier', 'build_store_tier']
 
@@ -40,6 +52,7 @@ logger = logging.getLogger('lmdeploy')
 class _SaveJob:
     kv: list[tuple[bytes, int, torch.Tensor]]     # (block hash, end token, payload)
     state: tuple[bytes, int, torch.Tensor] | None  # (prefix hash, boundary, payload)
+    deps: list[str] = field(default_factory=list)  # KV keys of [0, b) queued by earlier jobs
 
 
 class StoreTier:
@@ -69,6 +82,7 @@ class StoreTier:
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self._inflight = 0
+        self._idle = threading.Condition(self._lock)   # notified when _inflight drops to 0
         self.counters = {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
                          'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
                          'store_rejected_objects': 0}
@@ -82,13 +96,14 @@ class StoreTier:
     def lookup(self, hashes: list[bytes], seq, local_cached: int) -> int:
         """Deepest boundary ``b > local_cached`` the Store can restore for ``seq``, or 0.
 
-        ``b`` is a multiple of A with ``b <= n - max(1, ℓ)``; the state object at ``b`` and KV
+        ``b`` is reusable for this input (SPEC §3: aligned, leaves the required suffix, room for
+        the r recompute blocks, not inside a multimodal span); the state object at ``b`` and KV
         objects for blocks ``[0, b/B + r)`` must exist.
         """
-        B, A = self.block_size, self.alignment
-        limit = min(seq.num_tokens - max(1, seq.token_lookahead), len(hashes) * B)
-        candidates = [b for b in range(limit // A * A, local_cached, -A)
-                      if b > 0 and b // B + seq.recompute_blocks <= len(hashes)]
+        B, A, n = self.block_size, self.alignment, seq.num_tokens
+        candidates = [b for b in range(n // A * A, local_cached, -A)
+                      if b // B + seq.recompute_blocks <= len(hashes)
+                      and is_reusable(b, n, B, A, seq.token_lookahead, seq.recompute_blocks, seq.multimodal_spans)]
         if not candidates:
             return 0
         state_keys = [self._key('state', hashes[b // B - 1]) for b in candidates]
@@ -107,9 +122,12 @@ class StoreTier:
         missing = [k for k, ok in zip(keys, known) if not ok]
         if not missing:
             return known
+        failures = self.client.stats.exists_failures
         found = dict(zip(missing, self.client.batch_exists(missing)))
         with self._lock:      # present objects are never put again by this engine
             self._stored.update(k for k, ok in found.items() if ok)
+            if self.client.stats.exists_failures != failures:    # the query failed, not "absent"
+                self.counters['store_get_failures'] += 1
         return [ok or found.get(k, False) for k, ok in zip(keys, known)]
 
     def load(self, hashes: list[bytes], boundary: int, block_ids: list[int], slot: int, first_block: int) -> bool:
@@ -125,37 +143,48 @@ class StoreTier:
         except (KeyError, StoreObjectError) as err:
             logger.info('Store restore at %d tokens failed: %s', boundary, err)
             return False
-        self.counters['store_hit_tokens'] += boundary
+        with self._lock:
+            self.counters['store_hit_tokens'] += boundary
         return True
 
     def _get(self, kind: str, h: bytes, num_tokens: int) -> torch.Tensor:
         data = self.client.get(self._key(kind, h))
         if data is None:
-            self.counters['store_get_failures'] += 1
+            with self._lock:
+                self.counters['store_get_failures'] += 1
             raise KeyError(f'{kind} object missing')
         try:
             payload = decode_object(data, kind, self.namespace, num_tokens)
         except StoreObjectError:
-            self.counters['store_rejected_objects'] += 1
+            with self._lock:
+                self.counters['store_rejected_objects'] += 1
             raise
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     # save ----------------------------------------------------------------------------------
     def save(self, hashes: list[bytes], block_ids: list[int], boundary: int, slot: int) -> None:
-        """Queue the save of prefix ``[0, boundary)``; payloads are copied out before returning."""
+        """Queue the save of prefix ``[0, boundary)`` (``hashes``/``block_ids``: its
+        ``boundary / B`` blocks; ``slot``: the runtime state slot holding the state after
+        exactly ``boundary`` tokens). Payloads are copied out before returning; the puts run on
+        the worker. Blocks already stored or queued by an earlier job are not copied again."""
         B = self.block_size
         state_key = self._key('state', hashes[-1])
         with self._lock:
             if state_key in self._stored or state_key in self._pending:
                 return
-            new = [i for i, h in enumerate(hashes) if self._key('kv', h) not in self._stored
-                   and self._key('kv', h) not in self._pending]
-            self._pending.update(self._key('kv', hashes[i]) for i in new)
+            keys = [self._key('kv', h) for h in hashes]
+            new = [i for i, k in enumerate(keys) if k not in self._stored and k not in self._pending]
+            deps = [k for k in keys if k in self._pending]
+            self._pending.update(keys[i] for i in new)
             self._pending.add(state_key)
             self._inflight += 1
-        payloads = self.cache_engine.read_kv_blocks([block_ids[i] for i in new]) if new else []
-        kv = [(hashes[i], (i + 1) * B, payloads[j]) for j, i in enumerate(new)]
-        job = _SaveJob(kv, (hashes[-1], boundary, self.cache_engine.read_state(slot)))
+        try:
+            payloads = self.cache_engine.read_kv_blocks([block_ids[i] for i in new]) if new else []
+            kv = [(hashes[i], (i + 1) * B, payloads[j]) for j, i in enumerate(new)]
+            job = _SaveJob(kv, (hashes[-1], boundary, self.cache_engine.read_state(slot)), deps)
+        except BaseException:
+            self._job_done([keys[i] for i in new] + [state_key])
+            raise
         self._jobs.put(job)
 
     def _run(self) -> None:
@@ -165,10 +194,19 @@ class StoreTier:
                 return
             try:
                 self._execute(job)
+            except Exception:       # never let one job kill the worker (flush would wait forever)
+                logger.exception('Store save job failed')
             finally:
-                with self._lock:
-                    self._inflight -= 1
+                self._job_done([self._key('kv', h) for h, _, _ in job.kv] + [self._key('state', job.state[0])])
                 self._jobs.task_done()
+
+    def _job_done(self, keys: list[str]) -> None:
+        """Release a job's pending keys (those not put stay unstored) and its in-flight count."""
+        with self._lock:
+            self._pending.difference_update(keys)
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
 
     def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
         key = self._key(kind, h)
@@ -185,19 +223,16 @@ class StoreTier:
         return ok
 
     def _execute(self, job: _SaveJob) -> None:
-        ok = True
         for h, end, payload in job.kv:
-            if ok:
-                ok = self._put('kv', h, end, payload)
-            else:       # an earlier block failed: leave the rest for a later save of this prefix
-                with self._lock:
-                    self._pending.discard(self._key('kv', h))
+            if not self._put('kv', h, end, payload):
+                return      # leave the rest, and the state, to a later save of this prefix
+        with self._lock:    # blocks queued by earlier jobs: those jobs have run (FIFO, one worker)
+            missing = [k for k in job.deps if k not in self._stored]
         h, b, payload = job.state
-        if ok:
-            self._put('state', h, b, payload)
-        else:
-            with self._lock:
-                self._pending.discard(self._key('state', h))
+        if missing:
+            logger.info('Store save at %d tokens: state not put, %d of its blocks failed earlier', b, len(missing))
+            return
+        self._put('state', h, b, payload)
 
     # lifecycle ----------------------------------------------------------------------------
     @property
@@ -206,18 +241,25 @@ class StoreTier:
         with self._lock:
             return self._inflight
 
-    def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every queued save has been attempted."""
-        self._jobs.join()
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait up to ``timeout`` seconds until every queued save has been attempted; True when
+        none is left in flight."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict:
         """Store counters (SPEC §9)."""
         with self._lock:
             return json.loads(json.dumps(self.counters))
 
-    def close(self) -> None:
-        """Flush, stop the worker, disconnect, and stop embedded services."""
-        self.flush()
+    def close(self, timeout: float = 60.0) -> None:
+        """Flush (at most ``timeout`` seconds), stop the worker, disconnect, and stop embedded
+        services. Idempotent."""
+        if not self._worker.is_alive():
+            return
+        if not self.flush(timeout):
+            logger.warning('Store: %d save jobs still in flight at close', self.num_inflight)
         self._jobs.put(None)
         self._worker.join(timeout=10)
         self.client.close()
@@ -227,25 +269,40 @@ class StoreTier:
 
 def build_store_tier(engine) -> StoreTier:
     """Connect the engine to the Mooncake Store named by its config (starting embedded services
-    for ``mooncake_master='local'``).
+    for ``mooncake_master='local'``, stopped again if the connection fails).
 
     Raises:
+        ValueError: ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
+            state snapshot or KV block plus the header, rounded up to Mooncake's allocation
+            size), or ``mooncake_metadata_server`` is missing for an external master.
         StoreUnavailableError: the master is unreachable (the message names the address).
     """
     cfg = engine.config
-    services = None
+    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + HEADER_SIZE
+    need = buffer_bytes_needed(largest)
+    if cfg.mooncake_local_buffer_size < need:
+        raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
+                         f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
+                         f'{engine.cache_engine.state_bytes} or KV block {engine.cache_engine.kv_block_bytes} plus '
+                         f'the {HEADER_SIZE}-byte header), rounded up to Mooncake\'s allocation size')
     master, metadata = cfg.mooncake_master, cfg.mooncake_metadata_server
+    if master != 'local' and metadata is None:
+        raise ValueError('mooncake_metadata_server is required with an external mooncake_master '
+                         '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
+    services = None
     if master == 'local':
         from .services import MooncakeServices
         services = MooncakeServices(segment_size=cfg.mooncake_embedded_segment_size)
         services.start()
         master, metadata = services.master_address, services.metadata_server
-    if metadata is None:
-        raise ValueError('mooncake_metadata_server is required with an external mooncake_master '
-                         '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
-    client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
-                                 segment_size=cfg.mooncake_segment_size,
-                                 local_buffer_size=cfg.mooncake_local_buffer_size)
+    try:
+        client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
+                                     segment_size=cfg.mooncake_segment_size,
+                                     local_buffer_size=cfg.mooncake_local_buffer_size)
+    except BaseException:
+        if services is not None:
+            services.stop()
+        raise
     namespace = namespace_digest(model=model_identity(engine.model_path), dtype=str(engine.dtype),
                                  block_size=cfg.block_size, layers=[repr(s) for s in engine.specs],
                                  tp_rank=0, tp_size=1, adapter=None)

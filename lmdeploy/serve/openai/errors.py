@@ -83,7 +83,7 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         return _response(APIError(400, f'malformed JSON body: {ctx.get("error", first["msg"])}',
                                   code='invalid_json'))
     param = _param(first.get('loc', ()))
-    message = f'{param}: {first["msg"]}' if param else first['msg']
+    message = f'{param or "request body"}: {first["msg"]}'
     if len(errors) > 1:
         message += f' (and {len(errors) - 1} more error(s))'
     return _response(APIError(400, message, param=param, code='invalid_value'))

@@ -1,0 +1,538 @@
+"""The Mooncake Store tier at engine level, against a real ``mooncake_master`` (issue 6; SPEC §5–7, §9).
+
+Every test drives the tiny hybrid Qwen3-Next model greedily and checks, against an engine with
+caching off: identical output ids, exact Store put bytes per turn (``len(save_points)·S +
+new_blocks·K_blk`` with S and K_blk from the layer specs, equal to the simulator), the exact
+cached tokens of a Store restore (also in a fresh process), namespace isolation, rejection of
+tampered objects, and fault behaviour (killed master, full store, failed puts). Each test ends
+with ``engine.is_idle()`` (no in-flight Store operation).
+
+Geometry: B = 16 tokens per block, A = 64, P = 64 tokens per prefill chunk (512 for 16K+64).
+Tests share the session's Mooncake services; every test draws its own prompt tokens (its own
+seeds), so the chained block hashes, hence the Store keys, of one test never meet another's.
+Fault tests that kill the master or fill the segment start their own services.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.paging.block_trie import chain_block_hashes
+from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
+from lmdeploy.pytorch.store.mooncake_client import StoreClient, StoreUnavailableError, buffer_bytes_needed
+from lmdeploy.pytorch.store.object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object,
+                                                  object_key)
+from lmdeploy.pytorch.store.services import MooncakeServices, free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / 'tests' / 'store_worker.py'
+B, A, P = 16, 64, 64
+GEN = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+BUFFER = 1 << 20            # local transfer buffer per engine: the tiny model's objects are < 20 KiB
+SMALL_SEGMENT = 16 << 20    # the smallest segment Mooncake 0.3.13 accepts
+
+
+def _simulator():
+    name = 'simulate_store_writes'
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / 'benchmark' / f'{name}.py')
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+sim = _simulator()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny ops on a shared 2-core machine: intra-op worker threads only spin against each other.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def prompt(num_tokens: int, seed: int) -> list[int]:
+    """``num_tokens`` plain token ids (ids 0..2 are special), reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (num_tokens,), generator=gen).tolist()
+
+
+def store_config(services: MooncakeServices, **fields) -> dict:
+    cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,
+               enable_prefix_caching=True, num_gpu_blocks=256, num_checkpoint_slots=32, max_batch_size=4,
+               mooncake_master=services.master_address, mooncake_metadata_server=services.metadata_server,
+               mooncake_local_buffer_size=BUFFER)
+    cfg.update(fields)
+    return cfg
+
+
+@pytest.fixture
+def make_engine(tiny_qwen3_next, mooncake_services):
+    """Factory of Store-backed engines (shared services unless ``services=`` is given); every
+    engine made is closed at teardown."""
+    made = []
+
+    def make(services: MooncakeServices | None = None, **fields) -> Engine:
+        eng = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(services or mooncake_services, **fields)))
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+@pytest.fixture(scope='module')
+def cold(tiny_qwen3_next):
+    """Greedy output ids with caching (and the Store) off, memoized per prompt."""
+    eng = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256,
+                                                      max_prefill_token_num=P))
+    memo: dict[tuple, list[int]] = {}
+
+    def run(ids: list[int]) -> list[int]:
+        if tuple(ids) not in memo:
+            memo[tuple(ids)] = eng.generate(ids, GEN).output_ids
+        return memo[tuple(ids)]
+
+    return run
+
+
+def cold_conversation(cold, user_turns: list[list[int]]) -> list[list[int]]:
+    """Reply ids of each turn of an append-only conversation, caching off."""
+    ids, replies = [], []
+    for user in user_turns:
+        ids = ids + user
+        replies.append(cold(ids))
+        ids = ids + replies[-1]
+    return replies
+
+
+def record_puts(eng: Engine) -> list[str]:
+    """Wrap the engine's Store client so that every attempted put's key is recorded, in order."""
+    keys, put = [], eng.store.client.put
+
+    def recording_put(key, value):
+        keys.append(key)
+        return put(key, value)
+
+    eng.store.client.put = recording_put
+    return keys
+
+
+def put_delta(before: dict, after: dict) -> tuple[int, int, int, int]:
+    """(state bytes, kv bytes, state objects, kv objects) put between two ``engine.stats()``."""
+    return tuple(after[f][k] - before[f][k] for f in ('store_put_bytes', 'store_put_objects') for k in ('state', 'kv'))
+
+
+def key(eng: Engine, kind: str, ids: list[int], num_tokens: int) -> str:
+    """Store key of the ``kind`` object of prefix ``ids[:num_tokens]`` (a block multiple)."""
+    return object_key(eng.store.ns_hex, kind, chain_block_hashes(ids, B, num_tokens // B)[-1].hex())
+
+
+def assert_prefix_complete(eng: Engine, client: StoreClient, ids: list[int], boundaries) -> None:
+    """Every stored state object has all of its KV objects stored (SPEC §5 ordering)."""
+    for b in boundaries:
+        if client.exists(key(eng, 'state', ids, b)):
+            assert all(client.exists(key(eng, 'kv', ids, e)) for e in range(B, b + 1, B)), b
+
+
+# byte accounting ----------------------------------------------------------------------------
+USER_TURNS = (150, 150, 40, 200, 90)   # new user tokens of each turn; each reply adds GEN.max_new_tokens
+
+
+def test_specs_give_the_simulators_S_and_K_blk(make_engine, tiny_qwen3_next):
+    eng = make_engine()
+    S, K = state_bytes_per_slot(eng.specs), kv_bytes_per_block(eng.specs, B)
+    config = json.loads((Path(tiny_qwen3_next) / 'config.json').read_text())
+    sizes = sim.sizes_from_config(config, tp=1, block_size=B)
+    assert (S, K) == (sizes.state_bytes, sizes.kv_block_bytes) == (eng.cache_engine.state_bytes,
+                                                                   eng.cache_engine.kv_block_bytes)
+    # 3 linear layers x (conv 128 x 3 + delta 4 x 16 x 16) fp32; 1 full layer x K,V x 16 tokens x 2 heads x 16 fp32
+    assert (S, K) == (16896, 4096)
+
+
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_every_turn_puts_save_points_times_S_plus_new_blocks_times_K_blk(make_engine, cold, mooncake_store,
+                                                                           last_only):
+    eng = make_engine(prefill_save_last_only=last_only)
+    S, K = state_bytes_per_slot(eng.specs), kv_bytes_per_block(eng.specs, B)
+    puts = record_puts(eng)
+    ids, lengths, measured, seen = [], [], [], []
+    stored_blocks = 0
+    for t, user in enumerate(USER_TURNS):
+        ids = ids + prompt(user, seed=100 + 10 * last_only + t)
+        before = eng.stats()
+        seq = eng.generate(ids, GEN)
+        assert eng.store.flush(timeout=30)
+        plan = seq.stats.plans[0]
+        assert plan == plan_prefill(len(ids), seq.num_cached_tokens, P, B, A, last_only)
+        new_blocks = max(0, max(plan.save_points, default=0) // B - stored_blocks)
+        delta = put_delta(before, eng.stats())
+        assert delta == (len(plan.save_points) * S, new_blocks * K, len(plan.save_points), new_blocks), t
+        assert seq.output_ids == cold(ids)
+        stored_blocks += new_blocks
+        lengths.append(len(ids))
+        measured.append(delta[:2])
+        seen.append((seq.num_cached_tokens, plan.save_points))
+        ids = seq.token_ids
+    result = sim.simulate(lengths, S, K, chunk_size=P, block_size=B, alignment=A)
+    policy = result.last_only if last_only else result.default
+    assert [(r.cached_tokens, r.save_points) for r in policy.turns] == seen
+    assert [(r.state_bytes, r.kv_bytes) for r in policy.turns] == measured
+    assert result.default.num_saves == 10 and result.last_only.num_saves == 5   # the policies differ here
+
+    # exactly these objects were put, each once: a state per save point, KV blocks below the deepest
+    saves = [b for _, points in seen for b in points]
+    expected = {key(eng, 'state', ids, b) for b in saves} | {key(eng, 'kv', ids, e)
+                                                            for e in range(B, max(saves) + 1, B)}
+    assert len(puts) == len(set(puts)) and set(puts) == expected
+    assert all(mooncake_store.exists(k) for k in expected)
+    assert not mooncake_store.exists(key(eng, 'kv', ids, max(saves) + B))   # full block past the last save
+    value = mooncake_store.get(key(eng, 'state', ids, max(saves)))
+    assert len(decode_object(value, 'state', eng.store.namespace, max(saves))) == S
+    stats = eng.stats()
+    assert (stats['store_put_failures'], stats['store_get_failures'], stats['store_rejected_objects']) == (0, 0, 0)
+    assert eng.is_idle()
+
+
+def test_last_only_cuts_16k_plus_64_store_bytes_by_the_planned_fraction(make_engine, cold):
+    scenario = next(s for s in sim.seed_scenarios() if s.name == '16K+64').scaled(Fraction(1, 16))
+    assert scenario.input_lengths == (1028,)
+    totals, namespaces = {}, set()
+    for last_only in (False, True):
+        eng = make_engine(max_prefill_token_num=512, prefill_save_last_only=last_only)
+        ids = prompt(1028, seed=200 + last_only)
+        seq = eng.generate(ids, GEN)
+        assert eng.store.flush(timeout=30)
+        assert seq.output_ids == cold(ids)
+        assert seq.stats.plans[0].save_points == ([1024] if last_only else [512, 1024])
+        stats = eng.stats()
+        totals[last_only] = sum(stats['store_put_bytes'].values())
+        namespaces.add(eng.store.namespace)
+        assert eng.is_idle()
+    S, K = eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes
+    result = sim.simulate(scenario, S, K, chunk_size=512, block_size=B, alignment=A)
+    assert (totals[False], totals[True]) == (result.default.total_bytes, result.last_only.total_bytes)
+    assert (totals[False], totals[True]) == (2 * S + 64 * K, S + 64 * K)
+    assert 1 - Fraction(totals[True], totals[False]) == result.reduction == Fraction(S, 2 * S + 64 * K)
+    assert len(namespaces) == 1     # the policy changes what is written, never the bytes of an object
+
+
+# restore in a fresh process ------------------------------------------------------------------
+def run_worker(tmp_path: Path, name: str, model: str, services: MooncakeServices, history: list[int],
+               turns: list[list[int]], **fields) -> dict:
+    """Serve a conversation in a new process (tests/store_worker.py); its RESULT.json."""
+    job, out = tmp_path / f'{name}.json', tmp_path / f'{name}.out.json'
+    job.write_text(json.dumps(dict(model=model, config=store_config(services, **fields), history=history,
+                                   turns=turns, max_new_tokens=GEN.max_new_tokens)))
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1')
+    proc = subprocess.run([sys.executable, str(WORKER), str(job), str(out)], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_engine_in_a_new_process_restores_the_prompt_another_process_saved(tmp_path, tiny_qwen3_next,
+                                                                            mooncake_services, cold):
+    ids = prompt(300, seed=300)
+    a = run_worker(tmp_path, 'a', tiny_qwen3_next, mooncake_services, [], [ids])
+    b = run_worker(tmp_path, 'b', tiny_qwen3_next, mooncake_services, [], [ids])
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
+    assert tb['save_points'] == []
+    assert ta['output_ids'] == tb['output_ids'] == cold(ids)
+    assert a['stats']['store_put_objects'] == {'state': 4, 'kv': 16}
+    assert b['stats']['store_put_objects'] == {'state': 0, 'kv': 0}
+    assert b['stats']['store_hit_tokens'] == 256
+
+
+def test_conversation_split_between_two_processes_continues_from_the_store(tmp_path, tiny_qwen3_next,
+                                                                           mooncake_services, cold):
+    users = [prompt(150, seed=310), prompt(120, seed=311), prompt(100, seed=312)]
+    a = run_worker(tmp_path, 'a', tiny_qwen3_next, mooncake_services, [], users[:1])
+    b = run_worker(tmp_path, 'b', tiny_qwen3_next, mooncake_services, a['history'], users[1:])
+    turns = a['turns'] + b['turns']
+    assert [t['output_ids'] for t in turns] == cold_conversation(cold, users)
+    assert [t['num_tokens'] for t in turns] == [150, 276, 382]
+    assert [t['save_points'] for t in turns] == [[64, 128], [192, 256], [320]]
+    # turn 2: B's empty local cache, A's deepest save from the Store; turn 3: B's own checkpoint
+    assert [(t['store_hit_tokens'], t['local_hit_tokens']) for t in turns] == [(0, 0), (128, 0), (0, 256)]
+    S, K = a['stats']['store_put_bytes']['state'] // 2, a['stats']['store_put_bytes']['kv'] // 8
+    assert b['stats']['store_put_bytes'] == {'state': 3 * S, 'kv': (320 - 128) // B * K}   # A's blocks not re-put
+
+
+# isolation and verification ----------------------------------------------------------------
+def test_engines_with_another_dtype_or_block_size_get_no_store_hits(make_engine, cold):
+    ids = prompt(150, seed=400)
+    writer = make_engine()
+    assert writer.generate(ids, GEN).output_ids == cold(ids)
+    assert writer.store.flush(timeout=30)
+    for fields in (dict(dtype='bfloat16'), dict(block_size=32)):
+        other = make_engine(**fields)
+        seq = other.generate(ids, GEN)
+        assert other.store.flush(timeout=30)
+        assert seq.num_cached_tokens == 0 and other.stats()['store_hit_tokens'] == 0, fields
+        # it saw none of the writer's objects, so it stored its own: 2 states under its namespace
+        assert other.stats()['store_put_objects']['state'] == 2, fields
+        assert other.store.namespace != writer.store.namespace
+        assert other.is_idle()
+    reader = make_engine()      # control: the same config does restore
+    seq = reader.generate(ids, GEN)
+    assert seq.stats.store_hit_tokens == 128 and seq.output_ids == cold(ids)
+
+
+def _flip_payload_byte(value: bytes) -> bytes:
+    data = bytearray(value)
+    data[HEADER_SIZE + 5] ^= 0x40
+    return bytes(data)
+
+
+def _foreign_namespace(value: bytes) -> bytes:
+    """The same payload, re-encoded under another engine's namespace (valid checksum)."""
+    kind = 'state' if value[6] == 2 else 'kv'
+    tokens = int.from_bytes(value[24:32], 'little')
+    return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:])
+
+
+@pytest.mark.parametrize('kind,boundary,tamper,reason,seed', [
+    ('state', 128, _flip_payload_byte, 'checksum', 500),
+    ('kv', 48, _flip_payload_byte, 'checksum', 501),
+    ('state', 128, _foreign_namespace, 'namespace', 502),
+], ids=['state_bit_flip', 'kv_bit_flip', 'foreign_state'])
+def test_tampered_object_is_a_counted_miss_and_output_stays_correct(make_engine, cold, mooncake_store, kind,
+                                                                    boundary, tamper, reason, seed):
+    ids = prompt(150, seed=seed)
+    writer = make_engine()
+    target = key(writer, kind, ids, boundary)
+    put = writer.store.client.put
+    # the writer's put of ``target`` carries a modified copy: the first value of a key is kept
+    writer.store.client.put = lambda k, v: put(k, tamper(bytes(v)) if k == target else v)
+    assert writer.generate(ids, GEN).output_ids == cold(ids)
+    assert writer.store.flush(timeout=30)
+    with pytest.raises(StoreObjectError) as err:
+        decode_object(mooncake_store.get(target), kind, writer.store.namespace, boundary)
+    assert err.value.reason == reason
+
+    reader = make_engine()
+    seq = reader.generate(ids, GEN)
+    stats = reader.stats()
+    assert stats['store_rejected_objects'] == 1 and stats['store_hit_tokens'] == 0
+    assert seq.num_cached_tokens == 0 and seq.output_ids == cold(ids)
+    assert reader.store.flush(timeout=30) and reader.is_idle()
+
+
+@pytest.mark.parametrize('spans,recompute_blocks,num_tokens,expected', [
+    ((), 0, 144, 128),
+    (((120, 136), ), 0, 144, 64),     # SPEC §3 rule 4: 128 lies inside the span
+    ((), 1, 144, 64),                 # rule 3: 128 + 1·16 > floor_16(143) = 128
+], ids=['plain', 'span_over_boundary', 'recompute_block'])
+def test_store_restore_uses_only_reusable_boundaries(make_engine, cold, spans, recompute_blocks, num_tokens,
+                                                     expected):
+    ids = prompt(num_tokens, seed=600 + len(spans) + 2 * recompute_blocks)
+    writer = make_engine()
+    assert writer.generate(ids, GEN).stats.plans[0].save_points == [64, 128]
+    assert writer.store.flush(timeout=30)
+    reader = make_engine()
+    seq = reader.generate(ids, GEN, multimodal_spans=spans, recompute_blocks=recompute_blocks)
+    assert seq.stats.store_hit_tokens == seq.num_cached_tokens == expected
+    assert seq.output_ids == cold(ids)
+    assert reader.store.flush(timeout=30) and reader.is_idle()
+
+
+# faults -----------------------------------------------------------------------------------
+def test_conversation_completes_after_the_master_is_killed(make_engine, cold):
+    users = [prompt(150, seed=700), prompt(150, seed=701), prompt(100, seed=702)]
+    replies = cold_conversation(cold, users)
+    with MooncakeServices(segment_size=SMALL_SEGMENT) as services:
+        eng = make_engine(services=services)
+        ids = users[0]
+        seq = eng.generate(ids, GEN)
+        assert eng.store.flush(timeout=30)
+        healthy = eng.stats()
+        assert healthy['store_put_objects'] == {'state': 2, 'kv': 8} and healthy['store_put_failures'] == 0
+        services.kill_master()
+        start = time.monotonic()
+        jobs = 0
+        for user, reply in zip(users[1:], replies[1:]):
+            ids = seq.token_ids + user
+            seq = eng.generate(ids, GEN)
+            assert seq.output_ids == reply
+            jobs += len(seq.stats.plans[0].save_points)
+            assert eng.store.flush(timeout=30)
+        assert time.monotonic() - start < 15.0
+        stats = eng.stats()
+        assert jobs == 4
+        # each save job stops at its first failed put; each admission's Store lookup fails once
+        assert stats['store_put_failures'] == jobs and stats['store_get_failures'] == 2
+        assert stats['store_put_objects'] == healthy['store_put_objects']
+        assert stats['store_put_bytes'] == healthy['store_put_bytes']
+        assert eng.is_idle()
+        start = time.monotonic()
+        eng.close()
+        assert time.monotonic() - start < 10.0
+
+
+def test_unreachable_master_at_startup_is_an_error_naming_the_address(tiny_qwen3_next):
+    rpc, http = free_ports('127.0.0.1', 2)
+    address = f'127.0.0.1:{rpc}'
+    cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A, num_gpu_blocks=64,
+               enable_prefix_caching=True, mooncake_master=address, mooncake_local_buffer_size=BUFFER,
+               mooncake_metadata_server=f'http://127.0.0.1:{http}/metadata')
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match=address):
+        Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg))
+    assert time.monotonic() - start < 10.0
+
+
+def test_store_config_errors_name_the_field(tiny_qwen3_next, mooncake_services):
+    base = store_config(mooncake_services, num_gpu_blocks=64)
+    with pytest.raises(ValueError, match='mooncake_metadata_server'):
+        Engine(tiny_qwen3_next, PytorchEngineConfig(**dict(base, mooncake_metadata_server=None)))
+    largest = 16896 + HEADER_SIZE                   # the tiny model's state object
+    need = buffer_bytes_needed(largest)
+    assert need == 18432                            # Mooncake rounds an allocation up to 1/8 of its power of 2
+    with pytest.raises(ValueError, match=f'mooncake_local_buffer_size.*{need}'):
+        Engine(tiny_qwen3_next, PytorchEngineConfig(**dict(base, mooncake_local_buffer_size=need - 1)))
+    eng = Engine(tiny_qwen3_next, PytorchEngineConfig(**dict(base, mooncake_local_buffer_size=need)))
+    try:                                            # the smallest accepted buffer carries every object
+        ids = prompt(150, seed=800)
+        eng.generate(ids, GEN)
+        assert eng.store.flush(timeout=30)
+        assert eng.stats()['store_put_objects'] == {'state': 2, 'kv': 8}
+        assert eng.stats()['store_put_failures'] == 0
+    finally:
+        eng.close()
+    for name, value in (('mooncake_segment_size', 1 << 20), ('mooncake_embedded_segment_size', 8 << 20)):
+        with pytest.raises(ValueError, match=name):
+            PytorchEngineConfig(**{name: value})
+
+
+def _fill(services: MooncakeServices, object_bytes: int) -> int:
+    """Put filler objects until the segment refuses one of ``object_bytes``; objects put."""
+    client = StoreClient.connect(services.master_address, services.metadata_server, local_buffer_size=2 << 20)
+    count = 0
+    try:
+        for size in (1 << 20, object_bytes):
+            for _ in range(SMALL_SEGMENT // size + 1):
+                if not client.put(f'filler/{size}/{count}', bytes(size)):
+                    break
+                count += 1
+    finally:
+        client.close()
+    return count
+
+
+def test_full_store_counts_put_failures_and_output_stays_correct(make_engine, cold):
+    ids = prompt(150, seed=900)
+    with MooncakeServices(segment_size=SMALL_SEGMENT) as services:
+        eng = make_engine(services=services)
+        kv_object = eng.cache_engine.kv_block_bytes + HEADER_SIZE       # the smallest object the engine puts
+        assert _fill(services, kv_object) >= 16
+        seq = eng.generate(ids, GEN)
+        assert eng.store.flush(timeout=30)
+        stats = eng.stats()
+        assert seq.output_ids == cold(ids)
+        assert stats['store_put_failures'] == 2            # two save jobs, each stops at its first put
+        assert stats['store_put_objects'] == {'state': 0, 'kv': 0}
+        again = eng.generate(ids, GEN)                      # the local prefix cache still serves
+        assert again.stats.hit_tokens == 128 and again.output_ids == seq.output_ids
+        assert eng.is_idle()
+        eng.close()
+
+
+def test_failed_block_put_is_retried_by_the_next_save_of_the_prefix(make_engine, cold, mooncake_store):
+    ids = prompt(150, seed=1000)
+    eng = make_engine()
+    put, failed = eng.store.client.put, []
+
+    def first_kv_put_fails(k, v):
+        if '/kv/' in k and not failed:
+            failed.append(k)
+            return False
+        return put(k, v)
+
+    eng.store.client.put = first_kv_put_fails
+    seq = eng.add_request(ids, GEN)
+    while seq.num_computed_tokens < 64:
+        eng.step()
+    assert eng.store.flush(timeout=30)              # the save at 64 ran: block 0 failed, the job stopped
+    assert eng.stats()['store_put_failures'] == 1 and eng.stats()['store_put_objects'] == {'state': 0, 'kv': 0}
+    while not seq.is_finished:
+        eng.step()
+    assert eng.store.flush(timeout=30)
+    S, K = eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes
+    stats = eng.stats()
+    assert stats['store_put_bytes'] == {'state': S, 'kv': 8 * K}      # the save at 128 re-put blocks 0..3
+    assert failed == [key(eng, 'kv', ids, 16)]
+    assert not mooncake_store.exists(key(eng, 'state', ids, 64)) and mooncake_store.exists(key(eng, 'state', ids, 128))
+    assert_prefix_complete(eng, mooncake_store, ids, [64, 128])
+    assert seq.output_ids == cold(ids) and eng.is_idle()
+
+
+def test_state_is_not_put_when_a_queued_block_put_of_its_prefix_failed(make_engine, cold, mooncake_store):
+    ids = prompt(150, seed=1100)
+    eng = make_engine()
+    put, release, failed = eng.store.client.put, threading.Event(), []
+
+    def slow_failing_first_put(k, v):
+        if not failed:      # the save at 64 stalls until the save at 128 has been queued, then fails
+            failed.append(k)
+            release.wait(30)
+            return False
+        return put(k, v)
+
+    eng.store.client.put = slow_failing_first_put
+    seq = eng.generate(ids, GEN)
+    release.set()
+    assert eng.store.flush(timeout=30)
+    assert_prefix_complete(eng, mooncake_store, ids, [64, 128])
+    assert not mooncake_store.exists(key(eng, 'state', ids, 128))
+    assert eng.stats()['store_put_failures'] == 1
+    # the next turn's save re-puts the missing blocks, and its state then has a complete prefix
+    longer = seq.token_ids + prompt(60, seed=1101)
+    turn2 = eng.generate(longer, GEN)
+    assert turn2.stats.plans[0].save_points == [192]
+    assert eng.store.flush(timeout=30)
+    assert mooncake_store.exists(key(eng, 'state', longer, 192))
+    assert_prefix_complete(eng, mooncake_store, longer, [64, 128, 192])
+    assert turn2.output_ids == cold(longer) and eng.is_idle()
+
+
+def test_embedded_mode_starts_its_own_master_and_stops_it_on_close(tiny_qwen3_next, cold):
+    from lmdeploy.pytorch.store.mooncake_client import tcp_reachable
+    ids = prompt(150, seed=1200)
+    cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,
+               enable_prefix_caching=True, num_gpu_blocks=256, mooncake_master='local',
+               mooncake_embedded_segment_size=SMALL_SEGMENT, mooncake_local_buffer_size=BUFFER)
+    eng = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg))
+    services = eng.store.services
+    try:
+        assert eng.generate(ids, GEN).output_ids == cold(ids)
+        assert eng.store.flush(timeout=30)
+        assert eng.stats()['store_put_objects'] == {'state': 2, 'kv': 8}
+        reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(services)))
+        try:
+            seq = reader.generate(ids, GEN)
+            assert seq.stats.store_hit_tokens == 128 and seq.output_ids == cold(ids)
+        finally:
+            reader.close()
+    finally:
+        eng.close()
+    assert not tcp_reachable(services.host, services.rpc_port, 0.5)
