@@ -441,10 +441,12 @@ def _fill(services: MooncakeServices, object_bytes: int) -> int:
 
 def test_full_store_counts_put_failures_and_output_stays_correct(make_engine, cold):
     ids = prompt(150, seed=900)
-    with MooncakeServices(segment_size=SMALL_SEGMENT) as services:
+    # By default a full Mooncake segment evicts >= 5% of its objects; with eviction off it refuses.
+    no_eviction = ('--eviction_ratio=0', '--eviction_high_watermark_ratio=1.0')
+    with MooncakeServices(segment_size=SMALL_SEGMENT, master_args=no_eviction) as services:
         eng = make_engine(services=services)
         kv_object = eng.cache_engine.kv_block_bytes + HEADER_SIZE       # the smallest object the engine puts
-        assert _fill(services, kv_object) >= 16
+        assert _fill(services, kv_object) == 16       # 16 x 1 MiB, then not one KV-sized object more
         seq = eng.generate(ids, GEN)
         assert eng.store.flush(timeout=30)
         stats = eng.stats()

@@ -270,14 +270,22 @@ class Scheduler:
         return True
 
     def _plan(self, seq: Sequence, cached: int) -> PrefillPlan:
-        """The turn's chunk plan; saves only when a hybrid model caches prefixes."""
-        cfg = self.config
-        if self.is_hybrid and self.trie is not None:
-            return plan_prefill(seq.num_tokens, cached, cfg.max_prefill_token_num, self.block_size,
-                                cfg.prefill_save_alignment, self.last_only, seq.token_lookahead,
-                                seq.recompute_blocks, seq.multimodal_spans)
-        ends = list(range(cached + cfg.max_prefill_token_num, seq.num_tokens, cfg.max_prefill_token_num))
-        return PrefillPlan(ends + [seq.num_tokens], [], cached)
+        """The turn's chunk plan; saves only when a hybrid model caches prefixes.
+
+        The input turn is the prompt: a sequence re-admitted after preemption plans its save
+        points over the prompt alone, then recomputes its generated tokens in plain chunks, so
+        it never takes more checkpoints than its first admission planned.
+        """
+        cfg, P = self.config, self.config.max_prefill_token_num
+        ends, saves, start = [], [], cached
+        turn = seq.num_prompt_tokens
+        if self.is_hybrid and self.trie is not None and cached < turn:
+            plan = plan_prefill(turn, cached, P, self.block_size, cfg.prefill_save_alignment, self.last_only,
+                                seq.token_lookahead, seq.recompute_blocks, seq.multimodal_spans)
+            ends, saves, start = list(plan.chunk_ends), list(plan.save_points), turn
+        if start < seq.num_tokens:
+            ends += list(range(start + P, seq.num_tokens, P)) + [seq.num_tokens]
+        return PrefillPlan(ends, saves, cached)
 
     def remaining_prefill_chunks(self, seq: Sequence) -> int:
         """The scheduler's estimate of a sequence's remaining prefill forwards (from its plan)."""

@@ -86,18 +86,22 @@ class MooncakeServices:
         log_dir: folder for ``master.log`` / ``client.log``; default: a new temp dir, removed by
             :meth:`stop` unless ``keep_logs``.
         keep_logs: keep a temp log dir after :meth:`stop`.
+        master_args: extra ``mooncake_master`` flags, e.g. ``('--eviction_ratio=0',
+            '--eviction_high_watermark_ratio=1.0')`` for a store that refuses puts when full
+            instead of evicting objects (its default).
 
     Raises:
         ValueError: ``segment_size`` below 16 MiB, or a non-positive ``start_timeout_s``.
     """
 
     def __init__(self, segment_size: int = 256 << 20, *, host: str = '127.0.0.1', start_timeout_s: float = 30.0,
-                 log_dir: str | os.PathLike | None = None, keep_logs: bool = False):
+                 log_dir: str | os.PathLike | None = None, keep_logs: bool = False, master_args: tuple[str, ...] = ()):
         if not isinstance(segment_size, int) or segment_size < 16 << 20:
             raise ValueError(f'segment_size must be an int >= 16 MiB (bytes), got {segment_size!r}')
         if start_timeout_s <= 0:
             raise ValueError(f'start_timeout_s must be positive, got {start_timeout_s!r}')
         self.segment_size = segment_size
+        self.master_args = tuple(master_args)
         self.host = host
         self.start_timeout_s = start_timeout_s
         self._own_log_dir = log_dir is None
@@ -177,6 +181,7 @@ class MooncakeServices:
             '--enable_http_metadata_server=true', f'--http_metadata_server_host={self.host}',
             f'--http_metadata_server_port={self.metadata_port}',
             f'--metrics_host={self.host}', f'--metrics_port={metrics_port}', '--enable_metric_reporting=false',
+            *self.master_args,
         ], self.master_log)
         self._wait_ready(self._master, 'mooncake_master', [(self.host, self.rpc_port), (self.host, self.metadata_port)],
                          self.master_log)
