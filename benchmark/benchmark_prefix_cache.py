@@ -500,7 +500,7 @@ def main(argv=None) -> int:
     print(f'model {model}; scale {args.scale}: block B={geo.block_size} alignment A={geo.alignment} '
           f'chunk P={geo.chunk_size}; S={plan.state_bytes} B, K_blk={plan.kv_block_bytes} B; {args.launches} '
           f'launches x {args.samples} samples x {len(CONFIGS)} configs; logs in {tmp}')
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     try:
         results = run(plan, model, tmp, args.server_arg, args.seed, args.torch_threads)
     except BenchmarkError as err:
@@ -515,7 +515,8 @@ def main(argv=None) -> int:
     meta = dict(command=' '.join(['python3', *sys.argv]), scale=str(args.scale), geometry=asdict(geo), model=config.get('model_type'),
                 state_bytes=plan.state_bytes, kv_block_bytes=plan.kv_block_bytes, launches=args.launches,
                 samples=args.samples, warmup=args.warmup, seed=args.seed, torch_threads=args.torch_threads,
-                scenarios=args.scenarios, max_turns=args.max_turns, wall_s=round(time.time() - t0, 1))
+                scenarios=args.scenarios, max_turns=args.max_turns, wall_s=round(time.time() - t0, 1),
+                cpus=os.cpu_count(), loadavg_start=load0, loadavg_end=os.getloadavg())
     raw = {name: [dict(config=r.config, launch=r.launch, sample=r.sample, put_bytes=r.put_bytes,
                        put_objects=r.put_objects, ttft_s=[round(t.ttft_s, 5) for t in r.turns],
                        cached_tokens=[t.cached_tokens for t in r.turns]) for r in rs] for name, rs in results.items()}
