@@ -25,6 +25,7 @@ from ..paging.state_cache import StateCache
 from .cache_engine import CacheEngine
 from .model_runner import ModelRunner
 from .sequence import Sequence
+from .strategy import AUTOREGRESSIVE, DecodingStrategy
 
 __all__ = ['Engine', 'StepOutput']
 
@@ -65,13 +66,16 @@ class Engine:
     Args:
         model_path: the model directory.
         config: engine configuration (defaults if None).
+        strategy: the decoding strategy; its ℓ and r reach every sequence's prefill plan.
 
     Raises:
         ValueError: bad path, unsupported model type, or a cache too small for one block.
     """
 
-    def __init__(self, model_path: str, config: PytorchEngineConfig | None = None):
+    def __init__(self, model_path: str, config: PytorchEngineConfig | None = None,
+                 strategy: DecodingStrategy = AUTOREGRESSIVE):
         self.config = config = config or PytorchEngineConfig()
+        self.strategy = strategy
         device = config.device_type
         if device == 'auto':
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -144,18 +148,31 @@ class Engine:
         if bad:
             raise ValueError(f'token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
 
-    def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
-                    multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int = 0,
-                    recompute_blocks: int = 0) -> Sequence:
-        """Queue a request; it runs on the following steps.
+    def make_sequence(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
+                      multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int | None = None,
+                      recompute_blocks: int | None = None) -> Sequence:
+        """A validated :class:`Sequence` for a request (not yet queued).
+
+        ``token_lookahead`` / ``recompute_blocks`` default to the engine's decoding strategy.
 
         Raises:
             ValueError: see :meth:`validate`.
         """
         gen_config = gen_config or GenerationConfig()
         self.validate(token_ids, gen_config)
-        seq = Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), token_lookahead,
-                       recompute_blocks, self.eos_token_ids)
+        lookahead = self.strategy.token_lookahead if token_lookahead is None else token_lookahead
+        recompute = self.strategy.recompute_blocks if recompute_blocks is None else recompute_blocks
+        return Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
+                        self.eos_token_ids)
+
+    def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
+                    **kwargs) -> Sequence:
+        """Queue a request; it runs on the following steps. Arguments as :meth:`make_sequence`.
+
+        Raises:
+            ValueError: see :meth:`validate`.
+        """
+        seq = self.make_sequence(token_ids, gen_config, **kwargs)
         self.scheduler.add(seq)
         return seq
 

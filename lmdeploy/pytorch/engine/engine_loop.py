@@ -84,11 +84,7 @@ class EngineLoop:
         Raises:
             ValueError: the request is invalid (see :meth:`Engine.validate`).
         """
-        gen_config = gen_config or GenerationConfig()
-        self.engine.validate(token_ids, gen_config)
-        seq = Sequence([int(t) for t in token_ids], gen_config, tuple(kwargs.get('multimodal_spans', ())),
-                       kwargs.get('token_lookahead', 0), kwargs.get('recompute_blocks', 0),
-                       self.engine.eos_token_ids)
+        seq = self.engine.make_sequence(token_ids, gen_config, **kwargs)   # immutable engine state only
         handle = RequestHandle(seq, loop)
         self._commands.put(('add', handle))
         self._wake.set()

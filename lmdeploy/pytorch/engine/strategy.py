@@ -1,0 +1,37 @@
+"""Decoding strategies, as far as the prefix cache is concerned.
+
+A strategy tells the planner two integers (SPEC §2): ``token_lookahead`` (ℓ, input tokens past
+a chunk's end its forward also reads, e.g. MTP's shifted inputs) and ``recompute_blocks`` (r,
+full cached blocks past a restored boundary that a restore must also match). Every sequence
+carries its strategy's values, so ``plan_prefill`` is called with real numbers, not constants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ['DecodingStrategy', 'AUTOREGRESSIVE']
+
+
+@dataclass(frozen=True)
+class DecodingStrategy:
+    """Restore requirements of a decoding strategy.
+
+    Attributes:
+        name: strategy name (for logs).
+        token_lookahead: ℓ in tokens; 0 without speculative decoding.
+        recompute_blocks: r in blocks; 0 unless the strategy recomputes blocks after a hit.
+
+    Raises:
+        ValueError: a negative value (names the field).
+    """
+    name: str = 'autoregressive'
+    token_lookahead: int = 0
+    recompute_blocks: int = 0
+
+    def __post_init__(self):
+        for field in ('token_lookahead', 'recompute_blocks'):
+            if getattr(self, field) < 0:
+                raise ValueError(f'{field} must be >= 0, got {getattr(self, field)}')
+
+
+AUTOREGRESSIVE = DecodingStrategy()
