@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -205,7 +206,11 @@ class Server:
                                      headers={'Content-Type': 'application/json'})
         text, first, usage = '', None, None
         start = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=3600) as resp:
+        try:
+            resp = urllib.request.urlopen(req, timeout=3600)
+        except urllib.error.HTTPError as err:
+            raise BenchmarkError(f'POST /v1/completions ({len(ids)} tokens): {err.code} {err.read()[:500]!r}')
+        with resp:
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith('data:') or line == 'data: [DONE]':
@@ -318,7 +323,8 @@ def run_sample(server: Server, plan: Plan, prompts: PromptMaker, cfg: tuple, lau
         ids = prompts.random_ids(n, *key) if t == 0 else prompts.next_turn(ids, turns[-1].text, n, *key)
         res = server.complete(ids, scenario.output_tokens)
         want = expected.turns[t].cached_tokens
-        if res.prompt_tokens != n or res.cached_tokens != want or (t > 0 and want > 0 and res.cached_tokens <= 0):
+        # a later turn always reuses its conversation's prefix (the simulator's hit is > 0 for them)
+        if res.prompt_tokens != n or res.cached_tokens != want or (t > 0 and res.cached_tokens == 0):
             raise BenchmarkError(f'{name} {scenario.name} sample {sample} turn {t + 1}: {res.prompt_tokens} prompt / '
                                  f'{res.cached_tokens} cached tokens; expected {n} / {want}')
         first = replies.setdefault(key, (name, res.text))
@@ -343,7 +349,9 @@ def run(plan: Plan, model: str, log_dir: Path, extra_flags: list[str], seed: int
     from tqdm import tqdm
     prompts = PromptMaker(model, seed)
     g = plan.geometry
-    session_len = max(s.input_lengths[-1] + s.output_tokens for s in plan.scenarios) + g.block_size
+    warmup_len = g.chunk_size + g.alignment + 1     # two chunks, one save, a partial block
+    session_len = max([s.input_lengths[-1] + s.output_tokens for s in plan.scenarios] + [warmup_len + 4]) \
+        + g.block_size
     per_launch = sum(plan.expected(s, False).total_bytes for s in plan.scenarios) * plan.samples
     segment = max(512 << 20, 2 * per_launch + (64 << 20))
     buffer = max(64 << 20, 4 * (plan.state_bytes + g.chunk_size // g.block_size * plan.kv_block_bytes))
@@ -359,7 +367,7 @@ def run(plan: Plan, model: str, log_dir: Path, extra_flags: list[str], seed: int
             server = Server(model, flags, log_dir / f'server_{launch}_{cfg[0]}.log', threads)
             try:
                 for w in range(plan.warmup):    # exercises every code path: chunks, saves, decode
-                    server.complete(prompts.random_ids(g.chunk_size + g.alignment + 1, 'warmup', launch, w), 4)
+                    server.complete(prompts.random_ids(warmup_len, 'warmup', launch, w), 4)
                     bar.update()
                 for si, scenario in enumerate(plan.scenarios):
                     for sample in range(plan.samples):
@@ -421,7 +429,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     a.bar([i - 0.2 for i in x], [r['store_bytes_default'] / 2**20 for r in rows], 0.4, label='default')
     a.bar([i + 0.2 for i in x], [r['store_bytes_last_only'] / 2**20 for r in rows], 0.4, label='last-only')
     for i, r in zip(x, rows):
-        a.annotate(f'-{r["reduction_measured"]}', (i + 0.2, r['store_bytes_last_only'] / 2**20), ha='center',
+        a.annotate(f'−{r["reduction_measured"]}', (i + 0.2, r['store_bytes_last_only'] / 2**20), ha='center',
                    va='bottom', fontsize=8)
     a.set_ylabel('Store put MiB per sample')
     a.set_title('Store writes (measured = simulated)')
@@ -512,7 +520,8 @@ def main(argv=None) -> int:
     print('Δ = paired TTFT difference (mean over turns per sample), Store ON; reductions truncated to 0.01%')
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.tag or f'prefix_cache_scale{str(args.scale).replace("/", "-")}'
-    meta = dict(command=' '.join(['python3', *sys.argv]), scale=str(args.scale), geometry=asdict(geo), model=config.get('model_type'),
+    meta = dict(command=' '.join(['python3', *sys.argv]), scale=str(args.scale), geometry=asdict(geo),
+                model=config.get('model_type'),
                 state_bytes=plan.state_bytes, kv_block_bytes=plan.kv_block_bytes, launches=args.launches,
                 samples=args.samples, warmup=args.warmup, seed=args.seed, torch_threads=args.torch_threads,
                 scenarios=args.scenarios, max_turns=args.max_turns, wall_s=round(time.time() - t0, 1),
