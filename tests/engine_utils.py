@@ -14,7 +14,6 @@ Every driver runs on the engine's own thread-free API (``add_request`` / ``step`
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -26,22 +25,6 @@ from lmdeploy.pytorch.engine.sequence import Sequence
 TOL = 1e-4              # fp32 max abs logit difference allowed against transformers (SPEC §8)
 FIRST_PLAIN_TOKEN = 3   # ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|> (eos)
 VOCAB = 1024            # tokenizer size of the tiny models
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """Run torch ops on one thread.
-
-    Why: on the shared 2-core test machine, two intra-op threads competing with other
-    processes make small ops 10-20x slower (spin-waiting workers), which dominates the
-    tiny-model runtime.
-    """
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def random_prompt(num_tokens: int, seed: int) -> list[int]:

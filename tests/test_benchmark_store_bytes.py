@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import make_engine, one_torch_thread, random_prompt
+from engine_utils import make_engine, random_prompt
 from lmdeploy import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,25 +55,24 @@ def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, moon
                          mooncake_metadata_server=mooncake_services.metadata_server)
     S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
     try:
-        with one_torch_thread():
-            for i, scenario in enumerate(scenarios):
-                before = engine.stats()
-                # prompts unique to this test and policy: the Store is shared by the session
-                seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
-                                         seed=880_000 + 1000 * i + 100 * last_only)
-                engine.store.flush()
-                after = engine.stats()
-                pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
-                                    alignment=geo.alignment)
-                policy = pred.last_only if last_only else pred.default
-                assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
-                assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
-                put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
-                assert put == {'state': sum(t.state_bytes for t in policy.turns),
-                               'kv': sum(t.kv_bytes for t in policy.turns)}
-                objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in ('state', 'kv')}
-                assert objects == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
-                assert after['store_put_failures'] == before['store_put_failures']
+        for i, scenario in enumerate(scenarios):
+            before = engine.stats()
+            # prompts unique to this test and policy: the Store is shared by the session
+            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                     seed=880_000 + 1000 * i + 100 * last_only)
+            engine.store.flush()
+            after = engine.stats()
+            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
+                                alignment=geo.alignment)
+            policy = pred.last_only if last_only else pred.default
+            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+            assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
+            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+            assert put == {'state': sum(t.state_bytes for t in policy.turns),
+                           'kv': sum(t.kv_bytes for t in policy.turns)}
+            objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in ('state', 'kv')}
+            assert objects == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
+            assert after['store_put_failures'] == before['store_put_failures']
     finally:
         engine.close()
     # the sizes the server-side benchmark derives from config.json are the engine's own

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from engine_utils import (TOL, StepRecorder, assert_idle, engine_prompt_logits, hf_greedy, hf_prompt_logits,
-                          load_hf, make_engine, one_torch_thread, random_prompt, run_alone, run_staggered,
+                          load_hf, make_engine, random_prompt, run_alone, run_staggered,
                           step_until)
 from lmdeploy import GenerationConfig
 
@@ -17,14 +17,9 @@ STAGGER_LENGTHS = [3, 17, 40, 63, 64, 65, 90, 130]
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _one_thread():
-    with one_torch_thread():
-        yield
-
 
 @pytest.fixture(scope='module')
-def hf(tiny_qwen3, _one_thread):
+def hf(tiny_qwen3):
     return load_hf(tiny_qwen3)
 
 

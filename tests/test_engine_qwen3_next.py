@@ -7,7 +7,7 @@ import math
 import pytest
 
 from engine_utils import (TOL, StepRecorder, assert_idle, engine_prompt_logits, hf_greedy, hf_prompt_logits,
-                          load_hf, make_engine, one_torch_thread, random_prompt, run_alone, run_staggered,
+                          load_hf, make_engine, random_prompt, run_alone, run_staggered,
                           step_until)
 from lmdeploy import GenerationConfig
 
@@ -19,14 +19,9 @@ STAGGER_LENGTHS = [2, 5, 30, 64, 65, 150]
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS)
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _one_thread():
-    with one_torch_thread():
-        yield
-
 
 @pytest.fixture(scope='module')
-def hf(tiny_qwen3_next, _one_thread):
+def hf(tiny_qwen3_next):
     return load_hf(tiny_qwen3_next)
 
 

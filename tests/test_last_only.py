@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
+from engine_utils import random_prompt as prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.paging.prefill_plan import last_reusable, plan_prefill
@@ -20,19 +20,8 @@ GEN = GenerationConfig(max_new_tokens=6, ignore_eos=True)
 _REFERENCE: dict[tuple, list[int]] = {}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine: intra-op worker threads only spin against each other.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
-def prompt(num_tokens: int, seed: int) -> list[int]:
-    """``num_tokens`` plain token ids (ids 0..2 are special), reproducible from ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (num_tokens,), generator=gen).tolist()
 
 
 def engine(path: str, **fields) -> Engine:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine_utils import make_engine, one_torch_thread, random_prompt
+from engine_utils import make_engine, random_prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 
 SESSION_LEN = 256
@@ -14,14 +14,9 @@ GREEDY = GenerationConfig(max_new_tokens=16, ignore_eos=True)
 PROMPT = 'The river town woke slowly. Fishermen pulled their boats'
 
 
-@pytest.fixture(scope='module', autouse=True)
-def _one_thread():
-    with one_torch_thread():
-        yield
-
 
 @pytest.fixture(scope='module')
-def pipe(tiny_qwen3, _one_thread):
+def pipe(tiny_qwen3):
     cfg = PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN, block_size=16, num_gpu_blocks=64,
                               max_prefill_token_num=64, max_batch_size=4)
     with pipeline(tiny_qwen3, backend_config=cfg) as p:
@@ -29,7 +24,7 @@ def pipe(tiny_qwen3, _one_thread):
 
 
 @pytest.fixture(scope='module')
-def reference(tiny_qwen3, _one_thread):
+def reference(tiny_qwen3):
     """Greedy output ids of a separate engine for given prompt ids."""
     engine = make_engine(tiny_qwen3)
     return lambda ids, cfg=GREEDY: engine.generate(ids, cfg).output_ids
