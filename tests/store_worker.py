@@ -5,9 +5,9 @@ Usage: ``python3 tests/store_worker.py JOB.json RESULT.json``
 The job names a model, an engine config (passed to :class:`PytorchEngineConfig` as is, so it
 carries the Mooncake master and metadata server) and a conversation: ``history`` (token ids
 already said, may be empty) followed by ``turns``, each a list of new user token ids. Turn
-``t``'s input is the previous turn's input plus its greedy reply plus ``turns[t]``. The
-worker serves every turn with a fresh engine (empty local cache), waits for the Store puts,
-and writes one record per turn plus the engine's Store counters to RESULT.json::
+``t``'s input is the previous turn's input plus its greedy reply plus ``turns[t]``. One new
+engine (so an empty local cache) serves the turns in order, waiting for its Store puts after
+each, and the worker writes one record per turn plus the engine's counters to RESULT.json::
 
     {"turns": [{"num_tokens", "cached_tokens", "store_hit_tokens", "local_hit_tokens",
                 "save_points", "output_ids"}, ...],

@@ -191,6 +191,7 @@ def test_every_turn_puts_save_points_times_S_plus_new_blocks_times_K_blk(make_en
         measured.append(delta[:2])
         seen.append((seq.num_cached_tokens, plan.save_points))
         ids = seq.token_ids
+    assert lengths == [150, 306, 352, 558, 654]
     result = sim.simulate(lengths, S, K, chunk_size=P, block_size=B, alignment=A)
     policy = result.last_only if last_only else result.default
     assert [(r.cached_tokens, r.save_points) for r in policy.turns] == seen
@@ -386,6 +387,7 @@ def test_conversation_completes_after_the_master_is_killed(make_engine, cold):
         assert eng.is_idle()
         start = time.monotonic()
         eng.close()
+        eng.close()         # idempotent: a second close neither hangs nor touches the closed client
         assert time.monotonic() - start < 10.0
 
 
