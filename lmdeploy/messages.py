@@ -51,8 +51,9 @@ class PytorchEngineConfig(BaseModel):
     mooncake_protocol: Literal['tcp', 'rdma'] = Field('tcp', description='Mooncake transfer protocol.')
     mooncake_segment_size: int = Field(0, ge=0, description='Bytes of memory this engine contributes to the '
                                        'Store: 0 (another process owns the segment) or at least 16 MiB.')
-    mooncake_local_buffer_size: int = Field(64 << 20, ge=0, description='Bytes of the local transfer buffer; must '
-                                            'carry the largest Store object (checked at engine startup).')
+    mooncake_local_buffer_size: int = Field(0, ge=0, description='Bytes of the local transfer buffer; it must '
+                                            'carry the largest Store object (checked at engine startup). 0 = auto: '
+                                            'the larger of 64 MiB and what the largest object needs.')
     mooncake_embedded_segment_size: int = Field(512 << 20, ge=MOONCAKE_MIN_SEGMENT, description='Bytes of the '
                                                 'segment the embedded mode (mooncake_master="local") starts '
                                                 '(at least 16 MiB).')

@@ -25,8 +25,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-import torch
 
+from engine_utils import random_prompt as prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.engine.engine import Engine
@@ -58,19 +58,8 @@ def _simulator():
 sim = _simulator()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine: intra-op worker threads only spin against each other.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
-def prompt(num_tokens: int, seed: int) -> list[int]:
-    """``num_tokens`` plain token ids (ids 0..2 are special), reproducible from ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (num_tokens,), generator=gen).tolist()
 
 
 def store_config(services: MooncakeServices, **fields) -> dict:
@@ -312,13 +301,16 @@ def _foreign_namespace(value: bytes) -> bytes:
     return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:])
 
 
-@pytest.mark.parametrize('kind,boundary,tamper,reason,seed', [
-    ('state', 128, _flip_payload_byte, 'checksum', 500),
-    ('kv', 48, _flip_payload_byte, 'checksum', 501),
-    ('state', 128, _foreign_namespace, 'namespace', 502),
+# A rejected boundary falls back to the next shallower one the Store holds: a bad state at 128
+# leaves the intact prefix at 64; a bad KV block below 64 spoils both boundaries (two misses).
+@pytest.mark.parametrize('kind,boundary,tamper,reason,seed,cached,rejected', [
+    ('state', 128, _flip_payload_byte, 'checksum', 500, 64, 1),
+    ('kv', 48, _flip_payload_byte, 'checksum', 501, 0, 2),
+    ('state', 128, _foreign_namespace, 'namespace', 502, 64, 1),
 ], ids=['state_bit_flip', 'kv_bit_flip', 'foreign_state'])
 def test_tampered_object_is_a_counted_miss_and_output_stays_correct(make_engine, cold, mooncake_store, kind,
-                                                                    boundary, tamper, reason, seed):
+                                                                    boundary, tamper, reason, seed, cached,
+                                                                    rejected):
     ids = prompt(150, seed=seed)
     writer = make_engine()
     target = key(writer, kind, ids, boundary)
@@ -334,8 +326,25 @@ def test_tampered_object_is_a_counted_miss_and_output_stays_correct(make_engine,
     reader = make_engine()
     seq = reader.generate(ids, GEN)
     stats = reader.stats()
-    assert stats['store_rejected_objects'] == 1 and stats['store_hit_tokens'] == 0
-    assert seq.num_cached_tokens == 0 and seq.output_ids == cold(ids)
+    assert stats['store_rejected_objects'] == rejected and stats['store_hit_tokens'] == cached
+    assert seq.num_cached_tokens == cached and seq.output_ids == cold(ids)
+    assert reader.store.flush(timeout=30) and reader.is_idle()
+
+
+def test_store_restore_is_kept_in_the_local_prefix_cache(make_engine, cold):
+    ids = prompt(150, seed=650)
+    writer = make_engine()
+    assert writer.generate(ids, GEN).stats.save_points == [64, 128]
+    assert writer.store.flush(timeout=30)
+    reader = make_engine()
+    first = reader.generate(ids, GEN)
+    assert (first.stats.store_hit_tokens, first.stats.hit_tokens) == (128, 0)
+    assert reader.state_cache.num_published == 1          # the restored state, copied to a checkpoint
+    again = reader.generate(ids, GEN)
+    assert (again.stats.store_hit_tokens, again.stats.hit_tokens) == (0, 128)
+    stats = reader.stats()
+    assert (stats['store_hit_tokens'], stats['prefix_cache_hit_tokens']) == (128, 128)
+    assert first.output_ids == again.output_ids == cold(ids)
     assert reader.store.flush(timeout=30) and reader.is_idle()
 
 
@@ -540,3 +549,12 @@ def test_embedded_mode_starts_its_own_master_and_stops_it_on_close(tiny_qwen3_ne
     finally:
         eng.close()
     assert not tcp_reachable(services.host, services.rpc_port, 0.5)
+
+
+def test_full_attention_models_do_not_use_the_store(tiny_qwen3, mooncake_services, caplog):
+    caplog.set_level('INFO', logger='lmdeploy')
+    eng = Engine(tiny_qwen3, PytorchEngineConfig(**store_config(mooncake_services)))
+    assert eng.store is None and 'Mooncake Store tier is not used' in caplog.text
+    ids = prompt(80, seed=700)
+    assert eng.generate(ids, GEN).output_ids == eng.generate(ids, GEN).output_ids
+    eng.close()

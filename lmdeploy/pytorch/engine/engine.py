@@ -128,6 +128,10 @@ class Engine:
     def _build_store(self):
         if not (self.config.mooncake_master and self.config.enable_prefix_caching):
             return None
+        if not self.is_hybrid:
+            logger.info('the Mooncake Store tier is not used: %s has no recurrent-state checkpoints to save',
+                        self.hf_config.model_type)
+            return None
         from ..store.tier import build_store_tier
         return build_store_tier(self)
 

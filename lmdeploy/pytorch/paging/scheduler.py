@@ -28,7 +28,9 @@ from .block_trie import BlockTrie, TrieNode, chain_block_hashes
 from .prefill_plan import PrefillPlan, is_reusable, num_remaining_chunks, plan_prefill
 from .state_cache import StateCache
 
-__all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput', 'SavePlan']
+__all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput', 'SavePlan', 'STORE_RESTORE_ATTEMPTS']
+
+STORE_RESTORE_ATTEMPTS = 3   # Store boundaries tried per admission before computing from the local hit
 
 
 @dataclass
@@ -54,6 +56,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     restore_src: list[int] = field(default_factory=list)
     restore_dst: list[int] = field(default_factory=list)
+    publish_after_restore: list[tuple[int, TrieNode]] = field(default_factory=list)   # (checkpoint slot, node)
 
 
 @dataclass
@@ -225,6 +228,8 @@ class Scheduler:
             out.restore_src.append(ckpt)
             out.restore_dst.append(slot)
             seq.restore_pin = ckpt
+        if store_tokens:
+            self._cache_store_restore(seq, store_tokens, out)
         first = not seq.stats.plans
         seq.stats.plans.append(seq.plan)
         if first:
@@ -244,21 +249,42 @@ class Scheduler:
 
     def _try_store_restore(self, seq: Sequence, local_cached: int) -> int:
         """Load a deeper prefix than ``local_cached`` from the Store into fresh blocks and the
-        runtime slot; returns the restored boundary or 0."""
-        hashes = self._hashes(seq)
-        found = self.store.lookup(hashes, seq, local_cached)
-        if not found:
-            return 0
-        need = found // self.block_size - len(seq.block_ids)
-        if not self.block_manager.can_allocate(need):
-            return 0
-        fresh = self.block_manager.allocate(need)
-        blocks = seq.block_ids + fresh
-        if not self.store.load(hashes, found, blocks, seq.state_slot, seq.num_shared_blocks):
+        runtime slot; returns the restored boundary or 0.
+
+        A boundary whose objects fail to load or verify is skipped for the next shallower one
+        the Store holds (at most :data:`STORE_RESTORE_ATTEMPTS` tries per admission).
+        """
+        hashes, below = self._hashes(seq), None
+        for _ in range(STORE_RESTORE_ATTEMPTS):
+            found = self.store.lookup(hashes, seq, local_cached, below)
+            if not found:
+                return 0
+            need = found // self.block_size - len(seq.block_ids)
+            if not self.block_manager.can_allocate(need):
+                return 0
+            fresh = self.block_manager.allocate(need)
+            blocks = seq.block_ids + fresh
+            if self.store.load(hashes, found, blocks, seq.state_slot, seq.num_shared_blocks):
+                seq.block_ids = blocks
+                return found
             self.block_manager.free_all(fresh)
-            return 0
-        seq.block_ids = blocks
-        return found
+            below = found
+        return 0
+
+    def _cache_store_restore(self, seq: Sequence, boundary: int, out: SchedulerOutput) -> None:
+        """Keep a Store restore in the local prefix cache too: insert the loaded blocks and copy
+        the restored state into a checkpoint slot (published after the copy runs), so the next
+        request with this prefix hits locally instead of reading the Store again."""
+        nodes = self.trie.insert(seq.token_ids, seq.block_ids, boundary // self.block_size, self._hashes(seq))
+        if len(nodes) != boundary // self.block_size or nodes[-1].checkpoint_slot is not None:
+            return
+        dst = self.state_cache.alloc_checkpoint()
+        if dst is None:
+            return
+        self.state_cache.pin(dst)
+        out.restore_src.append(seq.state_slot)
+        out.restore_dst.append(dst)
+        out.publish_after_restore.append((dst, nodes[-1]))
 
     def _try_allocate(self, seq: Sequence, end: int) -> bool:
         need = -(-end // self.block_size) - len(seq.block_ids)
@@ -294,7 +320,11 @@ class Scheduler:
         return num_remaining_chunks(seq.plan, seq.num_computed_tokens)
 
     def restores_done(self, out: SchedulerOutput) -> None:
-        """Unpin checkpoints whose restore copy has been executed."""
+        """Unpin checkpoints whose restore copy has been executed; publish local copies of
+        Store restores (their copy ran with the restores)."""
+        for dst, node in out.publish_after_restore:
+            self.state_cache.unpin(dst)
+            self.state_cache.publish(dst, node)
         for chunk in out.chunks:
             ckpt, chunk.seq.restore_pin = chunk.seq.restore_pin, None
             if ckpt is not None:

@@ -93,15 +93,16 @@ class StoreTier:
         return object_key(self.ns_hex, kind, h.hex())
 
     # restore -------------------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes], seq, local_cached: int) -> int:
-        """Deepest boundary ``b > local_cached`` the Store can restore for ``seq``, or 0.
+    def lookup(self, hashes: list[bytes], seq, local_cached: int, below: int | None = None) -> int:
+        """Deepest boundary ``local_cached < b < below`` the Store can restore for ``seq``, or 0.
 
         ``b`` is reusable for this input (SPEC §3: aligned, leaves the required suffix, room for
         the r recompute blocks, not inside a multimodal span); the state object at ``b`` and KV
         objects for blocks ``[0, b/B + r)`` must exist.
         """
         B, A, n = self.block_size, self.alignment, seq.num_tokens
-        candidates = [b for b in range(n // A * A, local_cached, -A)
+        top = n // A * A if below is None else min(n // A * A, below - A)
+        candidates = [b for b in range(top, local_cached, -A)
                       if b // B + seq.recompute_blocks <= len(hashes)
                       and is_reusable(b, n, B, A, seq.token_lookahead, seq.recompute_blocks, seq.multimodal_spans)]
         if not candidates:
@@ -272,7 +273,7 @@ def build_store_tier(engine) -> StoreTier:
     for ``mooncake_master='local'``, stopped again if the connection fails).
 
     Raises:
-        ValueError: ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
+        ValueError: an explicit ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
             state snapshot or KV block plus the header, rounded up to Mooncake's allocation
             size), or ``mooncake_metadata_server`` is missing for an external master.
         StoreUnavailableError: the master is unreachable (the message names the address).
@@ -280,7 +281,8 @@ def build_store_tier(engine) -> StoreTier:
     cfg = engine.config
     largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + HEADER_SIZE
     need = buffer_bytes_needed(largest)
-    if cfg.mooncake_local_buffer_size < need:
+    buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need)
+    if buffer_size < need:
         raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
                          f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
                          f'{engine.cache_engine.state_bytes} or KV block {engine.cache_engine.kv_block_bytes} plus '
@@ -298,7 +300,7 @@ def build_store_tier(engine) -> StoreTier:
     try:
         client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
                                      segment_size=cfg.mooncake_segment_size,
-                                     local_buffer_size=cfg.mooncake_local_buffer_size)
+                                     local_buffer_size=buffer_size)
     except BaseException:
         if services is not None:
             services.stop()
