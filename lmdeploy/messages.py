@@ -113,7 +113,8 @@ class Response:
         token_ids: generated token ids (the delta when streaming).
         input_token_len: prompt tokens.
         generate_token_len: generated tokens so far.
-        finish_reason: ``'stop'``, ``'length'``, ``'abort'``, or None while running.
+        finish_reason: ``'stop'``, ``'length'``, ``'abort'``, ``'error'`` (an engine step failed; the
+            engine logged it and keeps serving), or None while running.
         cached_tokens: prompt tokens served from the prefix cache or the Store.
         index: the prompt's position in a batch call.
     """

@@ -181,9 +181,10 @@ class Pipeline:
 
     def _delta(self, out, detok: _Detokenizer, gen_config: GenerationConfig, index: int) -> Response:
         ids = out.token_ids
-        if out.finish_reason == 'stop' and ids and not gen_config.ignore_eos and \
-                (ids[-1] in self.engine.eos_token_ids or ids[-1] in gen_config.stop_token_ids):
-            ids = ids[:-1]          # the stop token ends the text; it is not part of it
+        if out.finish_reason == 'stop' and ids and (ids[-1] in gen_config.stop_token_ids or (
+                not gen_config.ignore_eos and ids[-1] in self.engine.eos_token_ids)):
+            ids = ids[:-1]          # the stop token ends the text; it is not part of it (ignore_eos
+            #                         only turns off EOS; stop_token_ids still stop, see Engine._update)
         text = '' if detok.stopped else detok.add(ids, final=out.finish_reason is not None)
         # a stop string found in the last delta ends the text even when the engine also hit
         # max_new_tokens on that token, so the request stopped, not ran out of length

@@ -95,6 +95,9 @@ def main(argv=None) -> int:
         before = after
         messages.append({'role': 'assistant', 'content': ''.join(text)})
         messages.append({'role': 'user', 'content': TOOL_OUTPUT.format(n=40 + turn) * 3})
+    print('cached tokens: prompt tokens restored from the checkpoint an earlier turn saved (a multiple of '
+          '--prefill-save-alignment)\nStore bytes: written to the Mooncake Store by the turn: one state snapshot '
+          'plus the KV blocks not stored before')
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 
@@ -405,6 +406,46 @@ def test_store_series_move_and_a_fresh_server_restores_from_the_store(store_serv
     assert got['lmdeploy_store_hit_tokens_total'] == last
     assert got['lmdeploy_prefix_cache_hit_tokens_total'] == 0          # local hits only; its cache was empty
     assert got['lmdeploy_store_get_failures_total'] == 0 and got['lmdeploy_store_rejected_objects_total'] == 0
+
+def _mooncake_children(pid: int) -> list[int]:
+    """Pids of the ``mooncake_*`` processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir('/proc'):
+        if entry.isdigit():
+            try:
+                with open(f'/proc/{entry}/stat') as f:
+                    comm, rest = f.read().split(' (', 1)[1].rsplit(')', 1)
+            except (OSError, ValueError):
+                continue
+            if int(rest.split()[1]) == pid and comm.startswith('mooncake'):
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_embedded_store_services(tiny_qwen3_next):
+    server = ApiServer(tiny_qwen3_next, *HYBRID, '--enable-prefix-caching', '--mooncake-master', 'local',
+                       '--mooncake-embedded-segment-size', str(16 << 20)).start()
+    try:
+        children = _mooncake_children(server.proc.pid)      # mooncake_master and mooncake_client
+        assert len(children) == 2, children
+        assert chat(server, [{'role': 'user', 'content': SYSTEM_A}]).usage.prompt_tokens > ALIGN
+        server.proc.terminate()
+        assert server.proc.wait(timeout=30) == 143     # a graceful exit, not death by the re-raised signal
+        deadline = time.monotonic() + 10
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(c) for c in children), 'embedded Mooncake processes outlived the server'
+    finally:
+        server.stop()
+
 
 # metrics unit (no server) ----------------------------------------------------------------------------------
 def test_engine_collector_exports_store_series_and_stays_monotonic():

@@ -73,6 +73,17 @@ def test_block_hashes_are_chained_and_cover_full_blocks_only():
     assert chain_block_hashes(tokens(1, 2, 3), B, num_blocks=2) == a[:2]
 
 
+def test_block_hashes_continue_from_a_prefix_and_hash_uint32_little_endian_tokens():
+    import hashlib
+    ids = tokens(1, 2, 3, 4) + [7]
+    full = chain_block_hashes(ids, B)
+    for k in range(5):
+        assert chain_block_hashes(ids, B, prefix=full[:k]) == full
+    assert chain_block_hashes(ids, B, num_blocks=2, prefix=full) == full[:2]
+    first = b''.join(t.to_bytes(4, 'little') for t in ids[:B])
+    assert full[0] == hashlib.blake2b(b'\x00' * 16 + first, digest_size=16).digest()
+
+
 def test_block_hashes_include_extra_keys():
     plain = chain_block_hashes(tokens(1, 2), B)
     assert chain_block_hashes(tokens(1, 2), B, extra_keys=[b'', b'']) == plain

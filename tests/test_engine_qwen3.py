@@ -151,3 +151,32 @@ def test_request_outgrowing_the_whole_cache_ends_with_length_instead_of_hanging(
     with pytest.raises(ValueError, match=r'40 tokens.*session_len=32'):
         engine.add_request(random_prompt(40, seed=4), GREEDY)
     assert_idle(engine)
+
+
+def test_extreme_sampling_settings_neither_fail_the_batch_nor_leave_the_limit(tiny_qwen3, stagger_prompts,
+                                                                                hf_continuations):
+    engine = make_engine(tiny_qwen3, max_prefill_token_num=32)
+    prompt = stagger_prompts[2]
+    extreme = dict(do_sample=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, random_seed=1)
+    seqs = [engine.add_request(prompt, GREEDY),
+            engine.add_request(prompt, GenerationConfig(temperature=1e-40, **extreme)),   # float32 overflow
+            engine.add_request(prompt, GenerationConfig(temperature=1.0, repetition_penalty=1e-45, **extreme))]
+    step_until(engine, lambda: all(s.is_finished for s in seqs))
+    assert [s.finish_reason for s in seqs] == ['length'] * 3        # not 'error' for the whole batch
+    assert seqs[0].output_ids == hf_continuations[2]
+    assert seqs[1].output_ids == hf_continuations[2]                 # the T -> 0 limit is greedy
+    assert_idle(engine)
+
+
+def test_sampler_maps_overflowed_logits_to_their_limit():
+    import torch
+
+    from lmdeploy.pytorch.engine.sampler import sample_tokens
+    from lmdeploy.pytorch.engine.sequence import Sequence
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [float('nan')] * 4, [0.5, float('nan'), 2.5, 1.0]])
+    seqs = [Sequence([0], GenerationConfig(do_sample=True, temperature=1e-40, random_seed=s)) for s in range(3)]
+    assert sample_tokens(logits, seqs) == [1, 0, 2]   # argmax; all-NaN row: no crash; NaN entry never drawn
+    # seen tokens 0 and 2 overflow to +inf under a near-zero penalty: one of them is drawn
+    seqs = [Sequence([0, 2], GenerationConfig(do_sample=True, repetition_penalty=1e-45, random_seed=s))
+            for s in range(8)]
+    assert set(sample_tokens(torch.tensor([[1.0, 3.0, 2.0, -1.0]] * 8), seqs)) <= {0, 2}

@@ -124,6 +124,9 @@ def test_stop_token_id_ends_output_before_it(pipe):
     r = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=16, stop_token_ids=[stop]))
     assert (r.token_ids, r.finish_reason) == (full.token_ids[:k], 'stop')
     assert r.text == pipe.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True)
+    # ignore_eos turns off EOS only: a stop token id still ends the output, before it
+    r = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=16, stop_token_ids=[stop], ignore_eos=True))
+    assert (r.token_ids, r.finish_reason) == (full.token_ids[:k], 'stop')
 
 
 def test_bad_input_gets_a_clear_error_and_the_pipeline_keeps_serving(pipe, reference):

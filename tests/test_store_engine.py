@@ -558,3 +558,14 @@ def test_full_attention_models_do_not_use_the_store(tiny_qwen3, mooncake_service
     ids = prompt(80, seed=700)
     assert eng.generate(ids, GEN).output_ids == eng.generate(ids, GEN).output_ids
     eng.close()
+
+
+def test_store_without_prefix_caching_is_not_started_and_says_so(tiny_qwen3_next, caplog):
+    caplog.set_level('WARNING', logger='lmdeploy')
+    eng = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=64,
+                                                      mooncake_master='local'))
+    try:
+        assert eng.store is None
+        assert 'needs enable_prefix_caching' in caplog.text
+    finally:
+        eng.close()

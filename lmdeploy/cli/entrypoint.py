@@ -9,7 +9,8 @@ Sub-commands::
 Each sub-command module exposes ``add_parser(subparsers)`` and sets ``func`` on its parser;
 ``main`` only dispatches. Exit codes: 0 success, 2 a bad command line, configuration or model
 directory (argparse convention; the message names the field), 1 the Mooncake Store is
-unreachable, 130 interrupted.
+unreachable, 130 interrupted (SIGINT), 143 terminated (SIGTERM: the server shuts down
+gracefully first).
 """
 from __future__ import annotations
 

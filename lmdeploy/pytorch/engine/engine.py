@@ -126,7 +126,11 @@ class Engine:
         return num_blocks
 
     def _build_store(self):
-        if not (self.config.mooncake_master and self.config.enable_prefix_caching):
+        if not self.config.mooncake_master:
+            return None
+        if not self.config.enable_prefix_caching:
+            logger.warning('the Mooncake Store tier is not used: mooncake_master=%r needs enable_prefix_caching '
+                           '(--enable-prefix-caching)', self.config.mooncake_master)
             return None
         if not self.is_hybrid:
             logger.info('the Mooncake Store tier is not used: %s has no recurrent-state checkpoints to save',

@@ -5,6 +5,11 @@ logits, multiply negative ones, for tokens already in the sequence) → temperat
 top-p (Holtzman et al., "The Curious Case of Neural Text Degeneration", 2020) → sample with
 the request's own ``torch.Generator`` so the same seed gives the same output regardless of
 batching.
+
+Extreme but valid settings (a temperature or repetition penalty near 0) would overflow float32
+logits to ±inf or NaN: temperature scaling is applied to max-shifted logits, and
+:func:`_finite` maps what still overflows to a finite limit, so that one request's settings can
+never make the step fail for every sequence in the batch.
 """
 from __future__ import annotations
 
@@ -24,6 +29,19 @@ def _process(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
+def _finite(row: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``row`` with NaN as -inf and, if any entry overflowed to +inf, the limit of that scaling:
+    +inf entries → 0, the rest → -inf (uniform over the overflowed maxima). All -inf (e.g. every
+    entry NaN) → the raw ``fallback`` logits. ``[vocab]`` float32 in and out."""
+    row = torch.nan_to_num(row, nan=float('-inf'), posinf=float('inf'), neginf=float('-inf'))
+    top = torch.isposinf(row)
+    if bool(top.any()):
+        row = torch.zeros_like(row).masked_fill_(~top, float('-inf'))
+    if bool(torch.isneginf(row).all()):
+        return torch.nan_to_num(fallback, nan=0.0, posinf=0.0, neginf=0.0)
+    return row
+
+
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """Pick the next token of each sequence.
 
@@ -37,11 +55,14 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     out = []
     for row, seq in zip(logits.float().cpu(), seqs):
         cfg = seq.gen_config
-        row = _process(row.clone(), seq)
+        raw = row
+        row = _finite(_process(row.clone(), seq), raw)
         if cfg.greedy:
             out.append(int(row.argmax()))
             continue
-        row = row / cfg.temperature
+        # shifted by the max first: the same distribution as row / T, but a temperature near 0
+        # sends the others to -inf instead of the max to +inf (inf - inf is NaN in the softmax)
+        row = _finite((row - row.max()) / cfg.temperature, raw)
         if cfg.top_k > 0 and cfg.top_k < row.numel():
             kth = torch.topk(row, cfg.top_k).values[-1]
             row = row.masked_fill(row < kth, float('-inf'))

@@ -82,6 +82,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden, cos, sin, ctx):
+        """``[T, hidden]`` → ``[T, hidden]`` (pre-norm attention and MLP, each with a residual);
+        ``cos``/``sin``: rotary tables ``[T, rotary_dim]``; the layer's KV goes to ``ctx``'s cache."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -98,6 +100,7 @@ class Qwen3Model(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope_theta(config))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's ``T`` flat tokens (``ctx.input_ids``)."""
         hidden = self.embed_tokens(ctx.input_ids)
         cos, sin = self.rotary(ctx.positions, hidden.dtype)
         for layer in self.layers:

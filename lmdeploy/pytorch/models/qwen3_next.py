@@ -115,11 +115,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
-    def cache_spec(self, dtype: torch.dtype) -> LinearAttentionSpec:
-        """This layer's state: conv inputs and the float32 delta-rule state."""
-        return LinearAttentionSpec(conv_shape=(self.conv_dim, self.kernel_size - 1), conv_dtype=dtype,
-                                   recurrent_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim))
-
     def _split_projections(self, hidden: torch.Tensor):
         """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
         T, r = hidden.shape[0], self.heads_per_key
@@ -230,6 +225,8 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
     def forward(self, hidden, cos, sin, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``: Gated DeltaNet (state in ``ctx``'s slots) or gated
+        attention (KV in ``ctx``'s blocks), then the MLP / MoE, each with a residual."""
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR:
             hidden = hidden + self.linear_attn(normed, ctx)
@@ -249,6 +246,7 @@ class Qwen3NextModel(nn.Module):
         self.rotary = RotaryEmbedding(_head_dim(config), rope_theta(config), _partial_rotary_factor(config))
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's ``T`` flat tokens (``ctx.input_ids``)."""
         hidden = self.embed_tokens(ctx.input_ids)
         cos, sin = self.rotary(ctx.positions, hidden.dtype)
         for layer in self.layers:

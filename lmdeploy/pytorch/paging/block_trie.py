@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+import struct
 from typing import Sequence
 
 from .block_manager import BlockManager
@@ -32,28 +33,32 @@ _CLOCK = itertools.count(1)
 
 
 def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
-                       extra_keys: Sequence[bytes] | None = None) -> list[bytes]:
+                       extra_keys: Sequence[bytes] | None = None, prefix: Sequence[bytes] = ()) -> list[bytes]:
     """Chained 16-byte hashes of the full blocks of ``token_ids``.
 
-    ``hash_i = blake2b(hash_{i-1} ‖ token ids of block i ‖ extra_keys[i])`` so equal hashes
-    imply (up to collisions, which callers rule out by comparing tokens) equal prefixes.
+    ``hash_i = blake2b(hash_{i-1} ‖ token ids of block i as little-endian uint32 ‖ extra_keys[i])``
+    so equal hashes imply (up to collisions, which callers rule out by comparing tokens) equal
+    prefixes.
 
     Args:
-        token_ids: the tokens.
+        token_ids: the tokens (ids in ``[0, 2**32)``).
         block_size: tokens per block.
         num_blocks: hash only this many leading blocks (default: every full block).
         extra_keys: per-block extra bytes (e.g. multimodal content hashes), or None.
+        prefix: hashes of the leading blocks from an earlier call on the same tokens; hashing
+            continues after them, so a growing sequence costs O(new blocks), not O(all blocks).
 
     Returns:
-        One digest per full block, in order.
+        One digest per full block, in order (``prefix`` included, cut to ``num_blocks``).
     """
     full = len(token_ids) // block_size
     n = full if num_blocks is None else min(num_blocks, full)
-    hashes, prev = [], _ROOT_HASH
-    for i in range(n):
+    hashes = list(prefix[:n])
+    prev = hashes[-1] if hashes else _ROOT_HASH
+    for i in range(len(hashes), n):
         h = hashlib.blake2b(prev, digest_size=16)
         block = token_ids[i * block_size:(i + 1) * block_size]
-        h.update(b''.join(int(t).to_bytes(4, 'little', signed=False) for t in block))
+        h.update(struct.pack(f'<{len(block)}I', *block))
         if extra_keys is not None and extra_keys[i]:
             h.update(extra_keys[i])
         prev = h.digest()

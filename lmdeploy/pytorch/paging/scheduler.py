@@ -47,6 +47,7 @@ class ScheduledChunk:
 
     @property
     def is_prefill(self) -> bool:
+        """More than one token, or a chunk that stops short of the last token."""
         return self.end - self.start > 1 or self.end < self.seq.num_tokens
 
 
@@ -98,10 +99,12 @@ class Scheduler:
 
     # queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` (FCFS); it is admitted by a later :meth:`schedule`."""
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
+        """Some sequence is waiting or running."""
         return bool(self.waiting or self.running)
 
     def abort(self, seq: Sequence) -> None:
@@ -175,7 +178,7 @@ class Scheduler:
         hashes = seq.block_hashes
         full = seq.num_tokens // self.block_size
         if len(hashes) < full:
-            hashes[:] = chain_block_hashes(seq.token_ids, self.block_size, full)
+            hashes[:] = chain_block_hashes(seq.token_ids, self.block_size, full, prefix=hashes)
         return hashes
 
     def _restorable(self, seq: Sequence, boundary: int) -> bool:

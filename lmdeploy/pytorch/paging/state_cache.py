@@ -44,6 +44,7 @@ class StateCache:
     # runtime slots ------------------------------------------------------------------
     @property
     def num_free_runtime(self) -> int:
+        """Runtime slots not held by a sequence."""
         return len(self._free_runtime)
 
     def alloc_runtime(self) -> int | None:
@@ -51,16 +52,19 @@ class StateCache:
         return self._free_runtime.pop() if self._free_runtime else None
 
     def free_runtime(self, slot: int) -> None:
+        """Return runtime ``slot`` (held by a sequence until now) to the free list."""
         assert 0 <= slot < self.num_runtime_slots and slot not in self._free_runtime
         self._free_runtime.append(slot)
 
     # checkpoint slots ---------------------------------------------------------------
     @property
     def num_free_checkpoints(self) -> int:
+        """Checkpoint slots neither published nor being written."""
         return len(self._free_ckpt)
 
     @property
     def num_published(self) -> int:
+        """Checkpoint slots attached to a trie node."""
         return len(self._published)
 
     def alloc_checkpoint(self) -> int | None:
@@ -97,9 +101,11 @@ class StateCache:
             self._published.move_to_end(slot)
 
     def pin(self, slot: int) -> None:
+        """Add a pin on ``slot`` (pins nest): it cannot be evicted or released until unpinned."""
         self._pins[slot] = self._pins.get(slot, 0) + 1
 
     def unpin(self, slot: int) -> None:
+        """Drop one pin of ``slot``; KeyError if it holds none."""
         n = self._pins[slot] - 1
         if n:
             self._pins[slot] = n
@@ -107,8 +113,10 @@ class StateCache:
             del self._pins[slot]
 
     def is_pinned(self, slot: int) -> bool:
+        """Whether ``slot`` holds at least one pin."""
         return bool(self._pins.get(slot))
 
     @property
     def num_pinned(self) -> int:
+        """Slots holding at least one pin (0 when idle, SPEC §8)."""
         return len(self._pins)

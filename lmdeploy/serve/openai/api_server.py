@@ -28,6 +28,8 @@ import hmac
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from contextlib import aclosing
 
@@ -347,9 +349,19 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None) -> Fast
     return app
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # uvicorn catches SIGTERM, shuts down, then raises the signal again under the handler it
+    # found at startup; under the default disposition that kills the process before run_server's
+    # `finally` (and atexit) run, leaving the embedded Mooncake processes orphaned and queued
+    # Store saves unflushed. An exception unwinds through `finally` instead.
+    raise SystemExit(128 + signum)
+
+
 def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0', server_port: int = 23333,
                api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None) -> None:
-    """Load the model and serve it until SIGINT/SIGTERM (blocking).
+    """Load the model and serve it until SIGINT/SIGTERM (blocking). Either signal shuts down
+    gracefully: the pipeline is closed (Store saves flushed, embedded Mooncake services stopped);
+    SIGTERM then exits with ``SystemExit(143)``, SIGINT with ``KeyboardInterrupt``.
 
     Raises:
         ValueError: bad model path or engine configuration (from :class:`~lmdeploy.pipeline.Pipeline`).
@@ -359,6 +371,8 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
     from ...pipeline import Pipeline
     logging.basicConfig(level=log_level.upper(), format='%(asctime)s %(levelname)s %(name)s: %(message)s')
     logger.setLevel(log_level.upper())
+    if threading.current_thread() is threading.main_thread():     # signal handlers: main thread only
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pipe = Pipeline(model_path, backend_config)
     try:
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys)
