@@ -31,6 +31,9 @@ class BlockManager:
         self._free = deque(range(num_blocks))
         self.evictor: Callable[[int], int] | None = None   # evict(n) -> blocks released
         self.reclaimable: Callable[[], int] | None = None  # blocks the evictor could release now
+        # blocks owned by a prefix-cache node, and how many of those no sequence references
+        self._cached = bytearray(num_blocks)
+        self.num_cached_unshared = 0
 
     @property
     def num_free(self) -> int:
@@ -68,13 +71,32 @@ class BlockManager:
         """Add a reference to an allocated block."""
         assert self.refcount[block] > 0, f'incref of free block {block}'
         self.refcount[block] += 1
+        if self._cached[block] and self.refcount[block] == 2:
+            self.num_cached_unshared -= 1
 
     def decref(self, block: int) -> None:
         """Drop a reference; the block returns to the free list at zero."""
         assert self.refcount[block] > 0, f'decref of free block {block}'
         self.refcount[block] -= 1
+        if self._cached[block] and self.refcount[block] == 1:
+            self.num_cached_unshared += 1
         if self.refcount[block] == 0:
             self._free.append(block)
+
+    def cache(self, block: int) -> None:
+        """A prefix-cache node takes a reference on ``block`` (O(1) bookkeeping of
+        :attr:`num_cached_unshared`, cached blocks only the cache references)."""
+        self.incref(block)
+        self._cached[block] = 1
+        if self.refcount[block] == 1:
+            self.num_cached_unshared += 1
+
+    def uncache(self, block: int) -> None:
+        """The prefix-cache node of ``block`` is gone: drop its reference."""
+        if self.refcount[block] == 1:
+            self.num_cached_unshared -= 1
+        self._cached[block] = 0
+        self.decref(block)
 
     def free_all(self, blocks: list[int]) -> None:
         """Drop one reference from each block in ``blocks``."""

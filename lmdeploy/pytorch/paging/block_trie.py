@@ -96,6 +96,11 @@ class BlockTrie:
         self.state_cache = state_cache
         self.root = TrieNode(None, _ROOT_HASH, (), -1, 0)
         self.num_nodes = 0
+        # Leaves as (last_access, depth, tiebreak, node), lazily invalidated: an entry is stale when
+        # its node is gone, got children, or was touched again (a newer entry exists). Eviction
+        # then costs O((k + blocked leaves) log N) instead of a walk of the whole trie.
+        self._leaves: list[tuple[int, int, int, TrieNode]] = []
+        self._tiebreak = itertools.count()
         block_manager.evictor = self.evict
         block_manager.reclaimable = lambda: self.num_evictable_blocks
 
@@ -113,7 +118,20 @@ class BlockTrie:
             node = child
             node.last_access = next(_CLOCK)
             nodes.append(node)
+        if nodes and not nodes[-1].children:
+            self._push_leaf(nodes[-1])
         return nodes
+
+    def _push_leaf(self, node: TrieNode) -> None:
+        heapq.heappush(self._leaves, (node.last_access, node.depth, next(self._tiebreak), node))
+        if len(self._leaves) > 4 * self.num_nodes + 64:      # drop stale entries now and then
+            self._leaves = [e for e in self._leaves if self._is_current(e)]
+            heapq.heapify(self._leaves)
+
+    @staticmethod
+    def _is_current(entry) -> bool:
+        node = entry[-1]
+        return node.parent is not None and not node.children and entry[0] == node.last_access
 
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], num_blocks: int,
                hashes: Sequence[bytes] | None = None) -> list[TrieNode]:
@@ -137,12 +155,14 @@ class BlockTrie:
                 if child is not None:       # hash collision with different tokens: keep the old node
                     break
                 child = TrieNode(node, h, tokens, block_ids[i], i + 1)
-                self.block_manager.incref(block_ids[i])
+                self.block_manager.cache(block_ids[i])
                 node.children[h] = child
                 self.num_nodes += 1
             child.last_access = next(_CLOCK)
             nodes.append(child)
             node = child
+        if nodes and not nodes[-1].children:
+            self._push_leaf(nodes[-1])
         return nodes
 
     def _evictable(self, node: TrieNode) -> bool:
@@ -157,28 +177,36 @@ class BlockTrie:
         A parent becomes a candidate, at its own last-use time, as soon as its last child goes,
         so each removal takes the least recently used of the leaves at that moment (a parent is
         touched with its children, so an old chain goes child then parent before newer leaves).
+        Leaves that cannot go now (referenced or pinned) are set aside and kept as candidates.
 
         Returns:
             Blocks returned to the free list.
         """
-        heap = [(n.last_access, n.depth, id(n), n) for n in self.iter_nodes() if self._evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_blocks and heap:
-            leaf = heapq.heappop(heap)[-1]
+        freed, blocked = 0, []
+        while freed < num_blocks and self._leaves:
+            entry = heapq.heappop(self._leaves)
+            if not self._is_current(entry):
+                continue
+            leaf = entry[-1]
+            if not self._evictable(leaf):
+                blocked.append(entry)
+                continue
             parent = leaf.parent
             self._remove(leaf)
             freed += 1
-            if parent is not self.root and self._evictable(parent):
-                heapq.heappush(heap, (parent.last_access, parent.depth, id(parent), parent))
+            if parent is not self.root and not parent.children:
+                self._push_leaf(parent)
+        for entry in blocked:
+            heapq.heappush(self._leaves, entry)
         return freed
 
     def _remove(self, node: TrieNode) -> None:
         if node.checkpoint_slot is not None and self.state_cache is not None:
             self.state_cache.release_checkpoint(node.checkpoint_slot)
         del node.parent.children[node.key]
+        node.parent = None
         self.num_nodes -= 1
-        self.block_manager.decref(node.block_id)
+        self.block_manager.uncache(node.block_id)
 
     def iter_nodes(self):
         """All nodes except the root (depth-first)."""
@@ -190,14 +218,20 @@ class BlockTrie:
 
     @property
     def num_evictable_blocks(self) -> int:
-        """Blocks :meth:`evict` could free now: nodes whose whole subtree holds only blocks no
-        sequence references and no pinned checkpoint."""
-        blocked, count = set(), 0
-        for node in reversed(list(self.iter_nodes())):     # every descendant before its ancestors
-            slot = node.checkpoint_slot
-            pinned = slot is not None and self.state_cache is not None and self.state_cache.is_pinned(slot)
-            if id(node) in blocked or pinned or self.block_manager.refcount[node.block_id] != 1:
-                blocked.add(id(node.parent))
-            else:
-                count += 1
+        """Blocks :meth:`evict` could free now: cached blocks no sequence references, less those
+        on the path to a pinned checkpoint, in O(pins · depth) rather than a walk of the trie.
+
+        An upper bound only where an unreferenced node has a descendant a sequence references:
+        a running sequence references its whole path, so in the engine that happens only above a
+        duplicate block (one the trie already held when the sequence cached its own copy).
+        """
+        count = self.block_manager.num_cached_unshared
+        if self.state_cache is None:
+            return count
+        refcount, kept = self.block_manager.refcount, set()
+        for node in self.state_cache.pinned_nodes():
+            while node is not None and node is not self.root and id(node) not in kept:
+                kept.add(id(node))
+                count -= refcount[node.block_id] == 1
+                node = node.parent
         return count

@@ -112,6 +112,10 @@ class StateCache:
         else:
             del self._pins[slot]
 
+    def pinned_nodes(self) -> list:
+        """Trie nodes whose published checkpoint is pinned now."""
+        return [self._published[s] for s in self._pins if s in self._published]
+
     def is_pinned(self, slot: int) -> bool:
         """Whether ``slot`` holds at least one pin."""
         return bool(self._pins.get(slot))
