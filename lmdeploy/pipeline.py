@@ -30,30 +30,46 @@ def _is_single(prompt) -> bool:
 
 class _Detokenizer:
     """Turns a growing list of output ids into text deltas, holding back text that may be the
-    start of a stop string or an incomplete UTF-8 character."""
+    start of a stop string or an incomplete UTF-8 character.
+
+    Incremental: each call decodes only the tokens since the last stable point plus the tokens
+    of the previous delta as context (so a token whose text depends on its neighbours decodes
+    as in the full string), and searches for stop strings only in the new tail — O(delta)
+    per call instead of re-decoding the whole output.
+    """
 
     def __init__(self, tokenizer, stop_words: list[str]):
         self.tokenizer = tokenizer
         self.stop_words = [w for w in stop_words if w]
         self.hold = max((len(w) for w in self.stop_words), default=1) - 1
         self.ids: list[int] = []
-        self.emitted = 0
+        self.text = ''              # decoded text of ids[:read_offset]
+        self.prefix_offset = 0      # ids[prefix_offset:read_offset]: context re-decoded each call
+        self.read_offset = 0
+        self.emitted = 0            # characters of self.text already returned
         self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, ids: list[int], final: bool) -> str:
         """Append ids; return the new text that is safe to emit."""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for word in self.stop_words:
-            pos = text.find(word)
-            if pos != -1:
-                text, final, self.stopped = text[:pos], True, True
-        end = len(text)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and (final or not full.endswith('\ufffd')):
+            before = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            tail_start = max(0, before - self.hold)
+            for word in self.stop_words:
+                pos = self.text.find(word, tail_start)
+                if pos != -1:
+                    self.text, final, self.stopped = self.text[:pos], True, True
+        end = len(self.text)
         if not final:
-            if text.endswith('\ufffd'):
-                end = len(text.rstrip('\ufffd'))
             end = max(self.emitted, end - self.hold)
-        delta = text[self.emitted:end]
+        delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
 
