@@ -25,7 +25,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -63,6 +65,21 @@ def free_ports(host: str, count: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _pdeathsig_prefix() -> list[str]:
+    """``setpriv --pdeathsig TERM`` where available, so the services end with their owner even
+    when it is killed with SIGKILL (no atexit or finally runs then).
+
+    The kernel sends the signal when the *thread* that spawned the child exits, so it is only
+    used when spawning from the main thread, whose end is the process's end. (A ``preexec_fn``
+    calling prctl would do the same without the helper binary, but is unsafe in a process that
+    already runs other threads, as the engine does.)
+    """
+    if sys.platform != 'linux' or threading.current_thread() is not threading.main_thread():
+        return []
+    setpriv = shutil.which('setpriv')
+    return [setpriv, '--pdeathsig', 'TERM'] if setpriv else []
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -134,8 +151,8 @@ class MooncakeServices:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=self.host)
         out = open(log, 'ab')
         self._logs.append(out)
-        return subprocess.Popen([binary, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=self.log_dir)
+        return subprocess.Popen([*_pdeathsig_prefix(), binary, *args], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=self.log_dir)
 
     def _wait_ready(self, proc: subprocess.Popen, name: str, endpoints: list[tuple[str, int]], log: Path) -> None:
         """Poll until every endpoint accepts TCP; raise RuntimeError on exit or timeout."""
