@@ -391,3 +391,25 @@ def test_full_attention_reuses_every_matched_block_but_the_last_token(tiny_qwen3
         assert seq.output_ids == reference(tiny_qwen3, seq.token_ids[:seq.num_prompt_tokens])
     assert eng.ledger()['runtime_slots_total'] == 0
     assert_idle(eng)
+
+
+def test_a_failed_save_copy_publishes_nothing_and_leaves_no_pin(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next)
+    real = eng.cache_engine.copy_states
+    calls = []
+
+    def failing_save_copy(src, dst):
+        if src and all(s < eng.state_cache.num_runtime_slots for s in src):   # runtime → checkpoint
+            calls.append(list(dst))
+            raise RuntimeError('injected copy failure')
+        return real(src, dst)
+    eng.cache_engine.copy_states = failing_save_copy
+    seq = eng.add_request(prompt(100, seed=31), GEN)
+    with pytest.raises(RuntimeError, match='injected'):
+        while not seq.is_finished:
+            eng.step()
+    assert calls                                              # the save at 64 was attempted
+    assert eng.state_cache.num_published == 0 and eng.state_cache.num_pinned == 0
+    assert seq.stats.skipped['copy_failed'] == 1 and seq.stats.save_points == []
+    eng.abort(seq)
+    assert eng.is_idle()

@@ -200,13 +200,21 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return []
-        self.cache_engine.copy_states(sched.restore_src, sched.restore_dst)
-        self.scheduler.restores_done(sched)
+        self._copy_states(sched.restore_src, sched.restore_dst, lambda ok: self.scheduler.restores_done(sched, ok))
         next_tokens = self.model_runner.forward(sched)
         saves = self.scheduler.plan_saves(sched)
-        self.cache_engine.copy_states(saves.src, saves.dst)
-        self.scheduler.publish_saves(saves)
+        self._copy_states(saves.src, saves.dst, lambda ok: self.scheduler.publish_saves(saves, ok))
         return self._update(sched, next_tokens)
+
+    def _copy_states(self, src: list[int], dst: list[int], done) -> None:
+        """Run a batch of state-slot copies, then ``done(copied)``: pins are released and
+        checkpoints published (or, if the copy raised, released unpublished) either way."""
+        copied = False
+        try:
+            self.cache_engine.copy_states(src, dst)
+            copied = True
+        finally:
+            done(copied)
 
     def _update(self, sched, next_tokens: dict[int, int]) -> list[StepOutput]:
         outputs = []

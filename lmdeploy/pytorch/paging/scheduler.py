@@ -232,6 +232,7 @@ class Scheduler:
             out.restore_dst.append(slot)
             seq.restore_pin = ckpt
         if store_tokens:
+            self.store.record_hit(store_tokens)
             self._cache_store_restore(seq, store_tokens, out)
         first = not seq.stats.plans
         seq.stats.plans.append(seq.plan)
@@ -322,12 +323,16 @@ class Scheduler:
             return 0
         return num_remaining_chunks(seq.plan, seq.num_computed_tokens)
 
-    def restores_done(self, out: SchedulerOutput) -> None:
+    def restores_done(self, out: SchedulerOutput, copied: bool = True) -> None:
         """Unpin checkpoints whose restore copy has been executed; publish local copies of
-        Store restores (their copy ran with the restores)."""
+        Store restores (their copy ran with the restores). ``copied=False`` (the copy raised)
+        releases those slots unpublished instead (SPEC §8)."""
         for dst, node in out.publish_after_restore:
             self.state_cache.unpin(dst)
-            self.state_cache.publish(dst, node)
+            if copied:
+                self.state_cache.publish(dst, node)
+            else:
+                self.state_cache.release_checkpoint(dst)
         for chunk in out.chunks:
             ckpt, chunk.seq.restore_pin = chunk.seq.restore_pin, None
             if ckpt is not None:
@@ -377,10 +382,15 @@ class Scheduler:
                 saves.boundaries.append(chunk.end)
         return saves
 
-    def publish_saves(self, saves: SavePlan) -> None:
-        """Publish checkpoints whose copy has run (SPEC §8: never before)."""
+    def publish_saves(self, saves: SavePlan, copied: bool = True) -> None:
+        """Publish checkpoints whose copy has run (SPEC §8: never before); ``copied=False``
+        (the copy raised) releases their slots unpublished and counts the skips."""
         for seq, node, dst, b in zip(saves.seqs, saves.nodes, saves.dst, saves.boundaries):
             self.state_cache.unpin(dst)
+            if not copied:
+                self.state_cache.release_checkpoint(dst)
+                self._skip(seq, 'copy_failed')
+                continue
             self.state_cache.publish(dst, node)
             seq.stats.save_points.append(b)
             self.counters['checkpoints_saved'] += 1

@@ -33,6 +33,7 @@ import json
 import logging
 import queue
 import threading
+from collections import OrderedDict
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,34 @@ class _SaveJob:
     kv: list[tuple[bytes, int, torch.Tensor]]     # (block hash, end token, payload)
     state: tuple[bytes, int, torch.Tensor] | None  # (prefix hash, boundary, payload)
     deps: list[str] = field(default_factory=list)  # KV keys of [0, b) queued by earlier jobs
+
+
+STORED_KEYS_CAPACITY = 1 << 18   # keys remembered as stored (~40 MB); older ones are asked again
+
+
+class _KeySet:
+    """A set of Store keys that forgets the oldest beyond ``capacity``: forgetting costs one
+    existence query (or one harmless re-put of an existing key), never correctness."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def update(self, keys) -> None:
+        for key in keys:
+            self.add(key)
 
 
 class StoreTier:
@@ -77,7 +106,7 @@ class StoreTier:
         self.block_size = block_size
         self.alignment = alignment
         self.services = services
-        self._stored: set[str] = set()      # keys known to be in the Store
+        self._stored = _KeySet(STORED_KEYS_CAPACITY)   # keys known to be in the Store (bounded)
         self._pending: set[str] = set()     # keys queued for a put
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -144,9 +173,13 @@ class StoreTier:
         except (KeyError, StoreObjectError) as err:
             logger.info('Store restore at %d tokens failed: %s', boundary, err)
             return False
-        with self._lock:
-            self.counters['store_hit_tokens'] += boundary
         return True
+
+    def record_hit(self, tokens: int) -> None:
+        """Count ``tokens`` prompt tokens served from the Store (called once the admission that
+        loaded them has committed)."""
+        with self._lock:
+            self.counters['store_hit_tokens'] += tokens
 
     def _get(self, kind: str, h: bytes, num_tokens: int) -> torch.Tensor:
         data = self.client.get(self._key(kind, h))
