@@ -11,10 +11,10 @@ __all__ = ['pipeline', 'PytorchEngineConfig', 'GenerationConfig', 'Response', '_
 
 
 def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None, **kwargs):
-    """Build a :class:`lmdeploy.pipeline.Pipeline` serving ``model_path`` (a local HF directory).
+    """Build a :class:`lmdeploy.serve.pipeline.Pipeline` serving ``model_path`` (a local HF directory).
 
     Raises:
         ValueError: ``model_path`` is not a model directory, or the model type is unsupported.
     """
-    from .pipeline import Pipeline
+    from .serve.pipeline import Pipeline
     return Pipeline(model_path, backend_config=backend_config, **kwargs)

@@ -126,7 +126,7 @@ def test_make_tiny_model_subcommand(tmp_path, capsys):
 
 
 def test_chat_subprocess_streams_replies_with_history(tiny_qwen3):
-    from lmdeploy.pipeline import Pipeline
+    from lmdeploy.serve.pipeline import Pipeline
     gen = GenerationConfig(max_new_tokens=6)
     engine = PytorchEngineConfig(session_len=512, enable_prefix_caching=True, block_size=16,
                                  prefill_save_alignment=64)

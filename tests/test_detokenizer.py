@@ -4,7 +4,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from lmdeploy.pipeline import _Detokenizer
+from lmdeploy.serve.pipeline import _Detokenizer
 
 
 @pytest.fixture(scope='module')

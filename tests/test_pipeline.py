@@ -176,3 +176,13 @@ def test_abandoned_stream_and_cancelled_async_generator_free_every_block(pipe):
     got = asyncio.run(cancel_after_two())
     assert [r.finish_reason for r in got] == [None, None]
     assert_idle(pipe)
+
+
+def test_lmdeploy_pipeline_stays_the_factory_after_the_implementation_is_imported(tiny_qwen3):
+    import lmdeploy
+    import lmdeploy.serve.pipeline  # noqa: F401  (importing the implementation must not shadow the factory)
+    assert callable(lmdeploy.pipeline) and lmdeploy.pipeline.__module__ == 'lmdeploy'
+    cfg = PytorchEngineConfig(device_type='cpu', num_gpu_blocks=16, block_size=16)
+    for _ in range(2):                      # the second call used to find a module, not the function
+        with lmdeploy.pipeline(tiny_qwen3, backend_config=cfg) as pipe:
+            assert pipe('hello', gen_config=GenerationConfig(max_new_tokens=2, ignore_eos=True)).generate_token_len == 2

@@ -81,7 +81,7 @@ def chat(args: argparse.Namespace) -> int:
     import logging
 
     from ..messages import PytorchEngineConfig
-    from ..pipeline import Pipeline
+    from ..serve.pipeline import Pipeline
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
     engine_config = model_from_args(args, PytorchEngineConfig)
     gen_config = model_from_args(args, GenerationConfig)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over one :class:`~lmdeploy.pipeline.Pipeline`.
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over one :class:`~lmdeploy.serve.pipeline.Pipeline`.
 
 Endpoints::
 
@@ -327,7 +327,7 @@ class _Server:
 
 
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
-    """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.pipeline.Pipeline`).
+    """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
         pipe: the pipeline; the app does not close it.
@@ -364,11 +364,11 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
     SIGTERM then exits with ``SystemExit(143)``, SIGINT with ``KeyboardInterrupt``.
 
     Raises:
-        ValueError: bad model path or engine configuration (from :class:`~lmdeploy.pipeline.Pipeline`).
+        ValueError: bad model path or engine configuration (from :class:`~lmdeploy.serve.pipeline.Pipeline`).
     """
     import uvicorn
 
-    from ...pipeline import Pipeline
+    from ..pipeline import Pipeline
     logging.basicConfig(level=log_level.upper(), format='%(asctime)s %(levelname)s %(name)s: %(message)s')
     logger.setLevel(log_level.upper())
     if threading.current_thread() is threading.main_thread():     # signal handlers: main thread only

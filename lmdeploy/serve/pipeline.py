@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Iterator
 
-from .messages import GenerationConfig, PytorchEngineConfig, Response
-from .pytorch.engine.engine import Engine
-from .pytorch.engine.engine_loop import EngineLoop, RequestHandle
+from ..messages import GenerationConfig, PytorchEngineConfig, Response
+from ..pytorch.engine.engine import Engine
+from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
 
 __all__ = ['Pipeline']
 
