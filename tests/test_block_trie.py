@@ -273,3 +273,21 @@ def test_releasing_a_pinned_checkpoint_raises():
     sc.unpin(slot)
     sc.release_checkpoint(slot)
     assert sc.num_free_checkpoints == 1 and sc.num_published == 0
+
+
+def test_extend_continues_a_path_from_its_deepest_node_and_restarts_after_eviction():
+    from lmdeploy.pytorch.paging.block_trie import chain_block_hashes
+    bm, _, trie = _trie(num_blocks=8)
+    toks = tokens(1, 2, 3)
+    hashes = chain_block_hashes(toks, B)
+    blocks = bm.allocate(3)
+    first = trie.extend(None, toks, blocks, 1, hashes)
+    assert (first.depth, first.block_id) == (1, blocks[0])
+    deepest = trie.extend(first, toks, blocks, 3, hashes)
+    assert (deepest.depth, deepest.block_id, deepest.parent.parent is first) == (3, blocks[2], True)
+    assert trie.extend(deepest, toks, blocks, 3, hashes) is deepest          # nothing new: no walk
+    bm.free_all(blocks)
+    assert trie.evict(3) == 3 and first.parent is None                     # the whole path went
+    again = bm.allocate(2)
+    restarted = trie.extend(first, toks, again, 2, hashes)                  # from the root again
+    assert (restarted.depth, restarted.parent.block_id, trie.num_nodes) == (2, again[0], 2)

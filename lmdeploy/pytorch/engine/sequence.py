@@ -87,6 +87,7 @@ class Sequence:
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks (cache)
     num_trie_blocks: int = 0           # leading full blocks already inserted into the prefix trie
+    trie_node: object | None = None    # the deepest of those nodes (where the next insert continues)
     restore_pin: int | None = None     # checkpoint slot pinned until its restore copy runs
 
     def __post_init__(self):

@@ -135,19 +135,39 @@ class BlockTrie:
 
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], num_blocks: int,
                hashes: Sequence[bytes] | None = None) -> list[TrieNode]:
-        """Make sure nodes exist for the first ``num_blocks`` full blocks of a sequence.
+        """Make sure nodes exist for the first ``num_blocks`` full blocks of a sequence,
+        touching every node on the path (LRU).
 
         A block already cached under the same prefix keeps its existing node (the sequence's
         copy stays private to it); a new node takes a reference on the sequence's block.
 
         Returns:
-            The ``num_blocks`` nodes along the path.
+            The nodes along the path: ``num_blocks`` of them, fewer if a hash collision with
+            different tokens stopped the walk.
         """
-        B = self.block_size
         if hashes is None:
-            hashes = chain_block_hashes(token_ids, B, num_blocks)
-        nodes, node = [], self.root
-        for i in range(num_blocks):
+            hashes = chain_block_hashes(token_ids, self.block_size, num_blocks)
+        nodes: list[TrieNode] = []
+        self._descend(self.root, token_ids, block_ids, num_blocks, hashes, nodes)
+        return nodes
+
+    def extend(self, node: TrieNode | None, token_ids: Sequence[int], block_ids: Sequence[int], num_blocks: int,
+               hashes: Sequence[bytes]) -> TrieNode:
+        """Continue a running sequence's path from ``node``, the deepest node it cached before
+        (from the root if None or since evicted), so caching a new block costs O(new blocks)
+        instead of a walk from the root. Nodes above ``node`` are not touched: the sequence
+        references them, so they are not evictable meanwhile.
+
+        Returns:
+            The deepest node of the path (depth ``num_blocks`` unless a hash collision stopped it).
+        """
+        if node is None or node.parent is None:      # an evicted node has no parent
+            node = self.root
+        return self._descend(node, token_ids, block_ids, num_blocks, hashes, None)
+
+    def _descend(self, node: TrieNode, token_ids, block_ids, num_blocks: int, hashes, out: list | None) -> TrieNode:
+        B = self.block_size
+        for i in range(node.depth, num_blocks):
             h = hashes[i]
             tokens = tuple(token_ids[i * B:(i + 1) * B])
             child = node.children.get(h)
@@ -159,11 +179,12 @@ class BlockTrie:
                 node.children[h] = child
                 self.num_nodes += 1
             child.last_access = next(_CLOCK)
-            nodes.append(child)
+            if out is not None:
+                out.append(child)
             node = child
-        if nodes and not nodes[-1].children:
-            self._push_leaf(nodes[-1])
-        return nodes
+        if node is not self.root and not node.children:
+            self._push_leaf(node)
+        return node
 
     def _evictable(self, node: TrieNode) -> bool:
         if node.children or self.block_manager.refcount[node.block_id] != 1:

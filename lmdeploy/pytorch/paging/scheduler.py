@@ -353,14 +353,14 @@ class Scheduler:
             full = chunk.end // self.block_size
             if full <= seq.num_trie_blocks and not save:   # no new full block: skip the trie walk
                 continue
-            nodes = self.trie.insert(seq.token_ids, seq.block_ids, full, self._hashes(seq))
+            seq.trie_node = self.trie.extend(seq.trie_node, seq.token_ids, seq.block_ids, full, self._hashes(seq))
             seq.num_trie_blocks = full
             if not save:
                 continue
             if self.store is not None:    # the Store copies the state out of the runtime slot now
                 self.store.save(self._hashes(seq)[:chunk.end // self.block_size],
                                 seq.block_ids[:chunk.end // self.block_size], chunk.end, seq.state_slot)
-            node = nodes[-1] if len(nodes) == chunk.end // self.block_size else None
+            node = seq.trie_node if seq.trie_node.depth == full else None
             if node is None:
                 self._skip(seq, 'hash_collision')
             elif node.checkpoint_slot is not None or node in saves.nodes:
@@ -414,5 +414,5 @@ class Scheduler:
             self.state_cache.free_runtime(seq.state_slot)
             seq.state_slot = None
         seq.num_computed_tokens = 0
-        seq.num_trie_blocks = 0
+        seq.num_trie_blocks, seq.trie_node = 0, None
         seq.plan = None
