@@ -186,3 +186,19 @@ def test_lmdeploy_pipeline_stays_the_factory_after_the_implementation_is_importe
     for _ in range(2):                      # the second call used to find a module, not the function
         with lmdeploy.pipeline(tiny_qwen3, backend_config=cfg) as pipe:
             assert pipe('hello', gen_config=GenerationConfig(max_new_tokens=2, ignore_eos=True)).generate_token_len == 2
+
+
+def test_chat_keeps_the_history_and_reuses_its_prefix(tiny_qwen3_next):
+    cfg = PytorchEngineConfig(device_type='cpu', num_gpu_blocks=128, block_size=16, prefill_save_alignment=64,
+                              enable_prefix_caching=True, prefill_save_last_only=True)
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    with pipeline(tiny_qwen3_next, backend_config=cfg) as pipe:
+        session = pipe.chat('Summarise the build log. ' * 12, system='You are a coding agent.', gen_config=gen)
+        first = session.response
+        session = pipe.chat('Now fix the failing test.', session, gen_config=gen)
+        assert [m['role'] for m in session.messages] == ['system', 'user', 'assistant', 'user', 'assistant']
+        assert session.messages[2]['content'] == first.text
+        assert first.cached_tokens == 0 and session.response.cached_tokens > 0
+        # the same turn as one stateless call gives the same reply
+        again = pipe(session.messages[:-1], gen_config=gen)
+        assert again.text == session.response.text

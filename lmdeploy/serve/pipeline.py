@@ -8,13 +8,14 @@ template), or a list of token ids; or a list of any of those for a batch.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
 
-__all__ = ['Pipeline']
+__all__ = ['Pipeline', 'ChatSession']
 
 VALID_ROLES = ('system', 'user', 'assistant', 'tool')
 
@@ -72,6 +73,18 @@ class _Detokenizer:
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta
+
+
+@dataclass
+class ChatSession:
+    """A multi-turn conversation kept by :meth:`Pipeline.chat`.
+
+    Attributes:
+        messages: the OpenAI-style history, user and assistant turns alternating.
+        response: the last turn's :class:`Response` (None before the first turn).
+    """
+    messages: list[dict] = field(default_factory=list)
+    response: Response | None = None
 
 
 class Pipeline:
@@ -208,6 +221,32 @@ class Pipeline:
         return Response(text=text, token_ids=list(ids), input_token_len=out.num_prompt_tokens,
                         generate_token_len=out.num_generated, finish_reason=reason,
                         cached_tokens=out.cached_tokens, index=index)
+
+    def chat(self, prompt: str, session: ChatSession | None = None, gen_config: GenerationConfig | None = None,
+             system: str | None = None) -> ChatSession:
+        """One turn of a multi-turn conversation: append ``prompt`` as a user message, generate
+        the reply from the whole history (so, with prefix caching, the previous turns' prefix
+        is reused), and append the reply.
+
+        Args:
+            prompt: the user's message.
+            session: the conversation so far (a new one if None).
+            gen_config: sampling options.
+            system: system message of a new session.
+
+        Returns:
+            The session, with the reply in ``session.response``.
+
+        Raises:
+            ValueError: an empty prompt or a history too long for ``session_len``.
+        """
+        if session is None:
+            session = ChatSession([{'role': 'system', 'content': system}] if system else [])
+        messages = session.messages + [{'role': 'user', 'content': prompt}]
+        response = self(messages, gen_config)
+        session.messages = messages + [{'role': 'assistant', 'content': response.text}]
+        session.response = response
+        return session
 
     def ledger(self) -> dict[str, int]:
         """The engine's resource ledger, read on the engine thread."""
