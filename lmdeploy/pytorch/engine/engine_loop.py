@@ -73,7 +73,6 @@ class EngineLoop:
         self._handles: dict[int, RequestHandle] = {}
         self._wake = threading.Event()
         self._stop = False
-        self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name='lmdeploy-engine', daemon=True)
         self._thread.start()
 

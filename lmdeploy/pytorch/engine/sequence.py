@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig
-from ..paging.prefill_plan import PrefillPlan
+from ..paging.prefill_plan import PrefillPlan, next_chunk_end
 
 __all__ = ['SeqStatus', 'Sequence', 'SequenceStats']
 
@@ -122,8 +122,5 @@ class Sequence:
     def next_chunk_end(self) -> int:
         """End (exclusive, in tokens) of the next forward: the next plan chunk end while
         prefilling, else one token past ``num_computed_tokens``."""
-        if self.plan is not None:
-            for end in self.plan.chunk_ends:
-                if end > self.num_computed_tokens:
-                    return end
-        return self.num_computed_tokens + 1
+        end = next_chunk_end(self.plan, self.num_computed_tokens) if self.plan is not None else None
+        return self.num_computed_tokens + 1 if end is None else end

@@ -132,15 +132,15 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:       # preempted by an earlier sequence this step
                 continue
-            start, end = seq.num_computed_tokens, seq.next_chunk_end()
-            prefill = end - start > 1 or end < seq.num_tokens
-            if prefill and any_prefill and end - start > budget:
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, seq.next_chunk_end())
+            size = chunk.end - chunk.start
+            if chunk.is_prefill and any_prefill and size > budget:
                 continue
-            if not self._reserve_blocks(seq, end):
+            if not self._reserve_blocks(seq, chunk.end):
                 continue
-            out.chunks.append(ScheduledChunk(seq, start, end))
-            if prefill:
-                budget -= end - start
+            out.chunks.append(chunk)
+            if chunk.is_prefill:
+                budget -= size
                 any_prefill = True
         while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0:
             seq = self.waiting[0]
