@@ -16,8 +16,9 @@ prefix ``[0, stored_blocks)``::
     turn 2   |<------------- hit c = 32768 -------------->|=36864=|64|  + blocks 32768..36864
 
 Sizes: explicit (``--state-bytes``/``--kv-block-bytes``), a ratio S/K_blk (sizes in
-relative units), a preset, or an HF ``config.json`` of a hybrid (``qwen3_next``) model:
-per linear-attention layer the state is ``conv_dim·(kernel-1)·dtype_bytes`` conv state plus
+relative units), a preset, or an HF ``config.json`` of a hybrid (``qwen3_next``) model, sized
+with the engine's own layer cache specs (``lmdeploy.pytorch.cache_specs``, the one definition of
+S and K_blk that the engine and its Store tier use): per linear-attention layer the state is ``conv_dim·(kernel-1)·dtype_bytes`` conv state plus
 ``v_heads·k_head_dim·v_head_dim·4`` fp32 recurrent state (``conv_dim = 2·k_heads·k_head_dim
 + v_heads·v_head_dim``, heads divided by tp); ``K_blk = full_layers·2·B·kv_heads_per_rank·
 head_dim·dtype_bytes``. All sizes are per rank; every rank puts its own objects, so totals
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, LinearAttentionSpec, kv_bytes_per_block,  # noqa: E402
+                                          state_bytes_per_slot)
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill  # noqa: E402
 
 KTOK = 1024
@@ -49,6 +52,7 @@ DEFAULT_CHUNK, DEFAULT_BLOCK, DEFAULT_ALIGNMENT = 8192, 64, 1024
 SEED_STATE_TO_BLOCK_RATIO = Fraction('717.5')
 DTYPE_BYTES = {'float32': 4, 'float': 4, 'fp32': 4, 'float16': 2, 'half': 2, 'fp16': 2, 'bfloat16': 2,
                'bf16': 2, 'float8_e4m3fn': 1, 'float8_e5m2': 1, 'fp8': 1, 'int8': 1}
+_TORCH_DTYPE = {4: 'float32', 2: 'bfloat16', 1: 'int8'}     # any dtype of that width sizes alike
 
 TINY_CONFIG = dict(model_type='qwen3_next', num_hidden_layers=4, full_attention_interval=4,
                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -231,15 +235,16 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
         raise ValueError(f'tp={tp} must divide linear_num_key_heads={k_heads} and linear_num_value_heads={v_heads}')
     if kv_heads > tp and kv_heads % tp:
         raise ValueError(f'tp={tp} must divide num_key_value_heads={kv_heads}')
-    state_b = _dtype_bytes(state_dtype or model_dtype, 'state_dtype')
-    kv_b = _dtype_bytes(kv_dtype or model_dtype, 'kv_dtype')
+    import torch
+    state_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(state_dtype or model_dtype, 'state_dtype')])
+    kv_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(kv_dtype or model_dtype, 'kv_dtype')])
+    # the engine's own layer specs, sharded per rank: S and K_blk are computed in one place
     k_heads, v_heads = k_heads // tp, v_heads // tp
-    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-    per_layer_state = conv_dim * (kernel - 1) * state_b + v_heads * k_dim * v_dim * 4
-    num_linear = sum(t == 'linear_attention' for t in layers)
-    num_full = sum(t == 'full_attention' for t in layers)
-    kv_block = num_full * 2 * block_size * max(1, kv_heads // tp) * head_dim * kv_b
-    return StoreSizes(num_linear * per_layer_state, kv_block, tp)
+    linear = LinearAttentionSpec(conv_shape=(2 * k_heads * k_dim + v_heads * v_dim, kernel - 1), conv_dtype=state_t,
+                                 recurrent_shape=(v_heads, k_dim, v_dim))
+    full = FullAttentionSpec(max(1, kv_heads // tp), head_dim, kv_t)
+    specs = [linear if t == 'linear_attention' else full for t in layers if t in ('linear_attention', 'full_attention')]
+    return StoreSizes(state_bytes_per_slot(specs), kv_bytes_per_block(specs, block_size), tp)
 
 
 def truncate_percent(x: Fraction) -> str:

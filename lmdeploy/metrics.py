@@ -18,9 +18,10 @@ import threading
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ['EngineStatsCollector', 'ServerMetrics', 'HTTPMetricsMiddleware', 'ENGINE_SERIES']
+__all__ = ['EngineStatsCollector', 'LedgerCollector', 'ServerMetrics', 'HTTPMetricsMiddleware', 'ENGINE_SERIES',
+           'LEDGER_SERIES']
 
 # (stats key, metric name without prefix/suffix, help, label name or None, labels always exported)
 ENGINE_SERIES = (
@@ -93,17 +94,64 @@ class EngineStatsCollector:
         return []
 
 
+# (metric name without prefix, help, how to read it from Engine.ledger())
+LEDGER_SERIES = (
+    ('kv_blocks_in_use', 'KV blocks held by requests (not counting cached blocks).',
+     lambda led: led['blocks_in_use']),
+    ('kv_blocks_free', 'KV blocks on the free list.', lambda led: led['blocks_free']),
+    ('kv_blocks_cached', 'KV blocks held by the local prefix cache.', lambda led: led['blocks_cached']),
+    ('state_slots_in_use', 'Runtime recurrent-state slots held by running requests.',
+     lambda led: led['runtime_slots_total'] - led['runtime_slots_free']),
+    ('checkpoints_pinned', 'State checkpoint slots pinned by a copy in progress.',
+     lambda led: led['checkpoints_pinned']),
+    ('checkpoints_published', 'State checkpoints published in the local prefix cache.',
+     lambda led: led['checkpoints_published']),
+    ('scheduler_requests_running', 'Sequences the scheduler is running.', lambda led: led['requests_running']),
+    ('scheduler_requests_waiting', 'Sequences waiting for admission.', lambda led: led['requests_waiting']),
+    ('store_operations_inflight', 'Store save jobs queued or running.', lambda led: led['store_inflight']),
+)
+
+
+class LedgerCollector:
+    """Exports the engine's resource ledger (``Engine.ledger()``) as gauges at scrape time.
+
+    Args:
+        read_ledger: returns the ledger dict; safe to call from the scraping thread.
+    """
+
+    def __init__(self, read_ledger: Callable[[], dict]):
+        self._read = read_ledger
+
+    def collect(self):
+        """Yield one gauge per :data:`LEDGER_SERIES` entry (``lmdeploy_<name>``)."""
+        ledger = self._read() or {}
+        for name, doc, value in LEDGER_SERIES:
+            try:
+                reading = float(value(ledger))
+            except KeyError:
+                continue
+            yield GaugeMetricFamily(f'lmdeploy_{name}', doc, value=reading)
+
+    def describe(self):
+        """Nothing: describing would need a ledger read at registration time."""
+        return []
+
+
 class ServerMetrics:
     """The server's metrics registry: engine counters plus request-level measurements.
 
     Args:
         read_stats: see :class:`EngineStatsCollector`; None exports only server-side series.
+        read_ledger: see :class:`LedgerCollector`; None exports no ledger gauges.
     """
 
-    def __init__(self, read_stats: Callable[[], dict] | None = None):
+    def __init__(self, read_stats: Callable[[], dict] | None = None,
+                 read_ledger: Callable[[], dict] | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         if read_stats is not None:
             self.registry.register(EngineStatsCollector(read_stats))
+        if read_ledger is not None:
+            self.registry.register(LedgerCollector(read_ledger))
         r = self.registry
         self.http_requests = Counter('lmdeploy_http_requests', 'HTTP requests answered, by path and status code.',
                                      ['path', 'status'], registry=r)

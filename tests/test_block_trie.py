@@ -4,8 +4,8 @@ and runtime/checkpoint slots with pins and LRU (StateCache). Exact ids throughou
 import pytest
 
 from lmdeploy.pytorch.paging.block_manager import BlockManager, OutOfBlocks
-from lmdeploy.pytorch.paging.block_trie import BlockTrie, chain_block_hashes
-from lmdeploy.pytorch.paging.state_cache import StateCache
+from lmdeploy.pytorch.prefix_cache.block_trie import BlockTrie, chain_block_hashes
+from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
 
 B = 4
 
@@ -162,10 +162,14 @@ def test_evict_skips_blocks_sequences_reference_and_inner_nodes():
     assert bm.refcount[2] == 2
 
 
-def test_allocate_evicts_cached_blocks_when_the_free_list_runs_short():
+def test_the_pool_never_evicts_and_an_explicit_eviction_frees_the_lru_leaf():
     bm, _, trie = _trie(num_blocks=4)
     _cache(bm, trie, tokens(1, 2, 3))               # blocks 0 → 1 → 2 cached, 3 free
-    assert bm.allocate(2) == [3, 2]                 # the leaf (block 2) is evicted for it
+    assert not bm.can_allocate(2) and trie.num_nodes == 3      # asking has no side effect
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(2)
+    assert trie.evict(1) == 1                       # the leaf (block 2) goes
+    assert bm.allocate(2) == [3, 2]
     assert [n.block_id for n in trie.iter_nodes()] == [0, 1]
 
 
@@ -177,8 +181,42 @@ def test_an_allocation_eviction_cannot_satisfy_evicts_nothing():
     with pytest.raises(OutOfBlocks):
         bm.allocate(3)
     assert trie.num_nodes == 2 and bm.num_free == 0  # the cache survived the failed request
-    assert bm.allocate(2) == [1, 0]
+    assert trie.evict(2) == 2 and bm.allocate(2) == [1, 0]
     bm.free_all(held)
+
+
+def test_a_running_sequence_adopts_nodes_whose_block_only_the_cache_holds():
+    bm, _, trie = _trie(num_blocks=8)
+    _cache(bm, trie, tokens(1, 2, 3))               # an earlier request: blocks 0 → 1 → 2
+    mine = bm.allocate(4)                           # a repeat recomputes them into 3, 4, 5 (+ 6)
+    ids = tokens(1, 2, 3, 4)
+    node = trie.extend(None, ids, mine, 4, chain_block_hashes(ids, B))
+    assert [n.block_id for n in _path(node)] == [3, 4, 5, 6]
+    assert bm.refcount[:3] == [0, 0, 0] and bm.num_free == 4      # the old copies are free now
+    assert trie.num_evictable_blocks == 0                         # every node is referenced
+
+
+def test_a_shared_block_is_not_adopted_and_unreferenced_interior_nodes_stay_evictable():
+    bm, _, trie = _trie(num_blocks=8)
+    _cache(bm, trie, tokens(1, 2))                  # blocks 0 → 1
+    bm.incref(0)                                    # another sequence reads block 0
+    mine = bm.allocate(3)                           # 2, 3, 4: a recompute of the same prefix + 1
+    ids = tokens(1, 2, 5)
+    node = trie.extend(None, ids, mine, 3, chain_block_hashes(ids, B))
+    assert [n.block_id for n in _path(node)] == [0, 3, 4]        # block 0 is shared: kept
+    bm.decref(0)                                    # that reader leaves: node 0 is unreferenced,
+    assert trie.num_evictable_blocks == 1           # interior, and still evictable
+    assert trie.evict(1) == 1 and trie.num_nodes == 0            # with its subtree
+    assert bm.refcount[3] == 1 and bm.refcount[4] == 1           # the sequence keeps its blocks
+    assert trie.extend(node, ids, mine, 3, chain_block_hashes(ids, B)).depth == 3   # and re-inserts them
+
+
+def _path(node):
+    out = []
+    while node is not None and node.depth > 0:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
 
 
 def test_evictable_count_excludes_ancestors_of_referenced_or_pinned_nodes():
@@ -276,7 +314,7 @@ def test_releasing_a_pinned_checkpoint_raises():
 
 
 def test_extend_continues_a_path_from_its_deepest_node_and_restarts_after_eviction():
-    from lmdeploy.pytorch.paging.block_trie import chain_block_hashes
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
     bm, _, trie = _trie(num_blocks=8)
     toks = tokens(1, 2, 3)
     hashes = chain_block_hashes(toks, B)

@@ -1,4 +1,4 @@
-"""``prefill_save_last_only``: one reusable checkpoint per input turn (issue 5; SPEC §3–4).
+"""``prefill_save_last_only``: one reusable checkpoint per input turn (issue 5).
 
 Geometry: B = 16, A = 64, P = 64, so the default policy saves at every chunk end (several per
 turn) while last-only saves once, at ``b* = last_reusable(n)``. Outputs are compared with an

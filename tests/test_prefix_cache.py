@@ -1,4 +1,4 @@
-"""Local prefix cache with recurrent-state checkpoints, default save policy (issue 4; SPEC §3–6, §8).
+"""Local prefix cache with recurrent-state checkpoints, default save policy (issue 4).
 
 Every test drives a real tiny model greedily and checks, against an engine with caching off:
 identical output ids, the exact cached tokens and save points (recomputed with
@@ -43,14 +43,14 @@ def reference(path: str, ids: list[int], gen: GenerationConfig = GEN) -> list[in
 
 
 def assert_idle(eng: Engine) -> None:
-    """SPEC §8: no block in use, every runtime slot free, no pin; every published checkpoint
+    """Idle ledger: no block in use, every runtime slot free, no pin; every published checkpoint
     hangs on exactly one trie node and every cached block is referenced by its node only."""
     led = eng.ledger()
     assert eng.is_idle(), led
     assert led['blocks_in_use'] == 0 and led['checkpoints_pinned'] == 0
     assert led['runtime_slots_free'] == led['runtime_slots_total']
     assert led['blocks_free'] + led['blocks_cached'] == led['blocks_total']
-    trie = eng.scheduler.trie
+    trie = eng.prefix_cache.local.trie if eng.prefix_cache is not None else None
     if trie is not None:
         assert all(eng.block_manager.refcount[n.block_id] == 1 for n in trie.iter_nodes())
         on_nodes = sorted(n.checkpoint_slot for n in trie.iter_nodes() if n.checkpoint_slot is not None)
@@ -175,7 +175,7 @@ def test_concurrent_saves_of_one_prefix_publish_one_checkpoint(tiny_qwen3_next):
 
 
 def test_restore_picks_a_boundary_reusable_for_the_restoring_request(tiny_qwen3_next):
-    # SPEC §3 holds for the request that restores, not only for the one that saved: checkpoints
+    # the reusability rules hold for the request that restores, not only for the one that saved: checkpoints
     # at 128 and 192 exist, yet a span over 192 (or, with lookahead 1, starting at 192) or a
     # recompute block past it rules 192 out
     eng = engine(tiny_qwen3_next)
@@ -198,18 +198,22 @@ def test_restore_picks_a_boundary_reusable_for_the_restoring_request(tiny_qwen3_
 
 
 def test_admission_that_cannot_get_its_first_chunk_holds_nothing():
-    """Scheduler only (no model): match → pin → allocate fails at allocate and rolls back."""
+    """Scheduler + tiers only (no model): match → pin → can-allocate fails and rolls back, with
+    nothing evicted; once blocks free up the same admission commits and plans its restore."""
+    from lmdeploy.pytorch.config import SchedulerConfig
     from lmdeploy.pytorch.engine.sequence import SeqStatus, Sequence
     from lmdeploy.pytorch.paging.block_manager import BlockManager
     from lmdeploy.pytorch.paging.scheduler import Scheduler
-    from lmdeploy.pytorch.paging.state_cache import StateCache
+    from lmdeploy.pytorch.prefix_cache import LocalTier, PrefixCache
+    from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
     cfg = PytorchEngineConfig(block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,
                               enable_prefix_caching=True, num_gpu_blocks=12)
     bm, sc = BlockManager(12), StateCache(2, 2)
-    sched = Scheduler(cfg, bm, sc)
+    cache = PrefixCache(LocalTier(bm, B, sc), block_size=B, alignment=A)
+    sched = Scheduler(SchedulerConfig.from_engine_config(cfg), bm, sc, cache)
     cached_ids = prompt(128, 11)
     blocks = bm.allocate(8)
-    nodes = sched.trie.insert(cached_ids, blocks, 8)
+    nodes = cache.local.trie.insert(cached_ids, blocks, 8)
     bm.free_all(blocks)
     ckpt = sc.alloc_checkpoint()
     sc.publish(ckpt, nodes[-1])                        # checkpoint at 128
@@ -219,14 +223,16 @@ def test_admission_that_cannot_get_its_first_chunk_holds_nothing():
     out = sched.schedule()
     assert out.chunks == [] and list(sched.waiting) == [seq] and seq.status is SeqStatus.WAITING
     assert bm.refcount == [1] * 12 and sc.num_pinned == 0 and sc.num_free_runtime == 2
+    assert cache.local.trie.num_nodes == 8 and nodes[-1].checkpoint_slot == ckpt     # nothing evicted
     assert (seq.block_ids, seq.state_slot, seq.num_computed_tokens) == ([], None, 0)
     bm.free_all(others)
     out = sched.schedule()
     [chunk] = out.chunks
     assert (chunk.start, chunk.end) == (128, 192)
-    assert (out.restore_src, out.restore_dst) == ([ckpt], [0])
+    [restore] = out.loads.restores
+    assert (restore.src, restore.dst) == (ckpt, 0) and out.loads.store_loads == []
     assert seq.block_ids[:8] == blocks and bm.refcount[:8] == [2] * 8 and sc.is_pinned(ckpt)
-    sched.restores_done(out)
+    cache.loads_done(out.loads, True)
     assert sc.num_pinned == 0
 
 

@@ -1,4 +1,4 @@
-"""The Mooncake Store tier at engine level, against a real ``mooncake_master`` (issue 6; SPEC §5–7, §9).
+"""The Mooncake Store tier at engine level, against a real ``mooncake_master`` (issue 6).
 
 Every test drives the tiny hybrid Qwen3-Next model greedily and checks, against an engine with
 caching off: identical output ids, exact Store put bytes per turn (``len(save_points)·S +
@@ -30,7 +30,7 @@ from engine_utils import random_prompt as prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.paging.block_trie import chain_block_hashes
+from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
 from lmdeploy.pytorch.store.mooncake_client import StoreClient, StoreUnavailableError, buffer_bytes_needed
 from lmdeploy.pytorch.store.object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object,
@@ -135,7 +135,7 @@ def key(eng: Engine, kind: str, ids: list[int], num_tokens: int) -> str:
 
 
 def assert_prefix_complete(eng: Engine, client: StoreClient, ids: list[int], boundaries) -> None:
-    """Every stored state object has all of its KV objects stored (SPEC §5 ordering)."""
+    """Every stored state object has all of its KV objects stored (the state is put after its blocks)."""
     for b in boundaries:
         if client.exists(key(eng, 'state', ids, b)):
             assert all(client.exists(key(eng, 'kv', ids, e)) for e in range(B, b + 1, B)), b
@@ -350,7 +350,7 @@ def test_store_restore_is_kept_in_the_local_prefix_cache(make_engine, cold):
 
 @pytest.mark.parametrize('spans,recompute_blocks,num_tokens,expected', [
     ((), 0, 144, 128),
-    (((120, 136), ), 0, 144, 64),     # SPEC §3 rule 4: 128 lies inside the span
+    (((120, 136), ), 0, 144, 64),     # reusability rule 4: 128 lies inside the span
     ((), 1, 144, 64),                 # rule 3: 128 + 1·16 > floor_16(143) = 128
 ], ids=['plain', 'span_over_boundary', 'recompute_block'])
 def test_store_restore_uses_only_reusable_boundaries(make_engine, cold, spans, recompute_blocks, num_tokens,

@@ -8,7 +8,7 @@ out memory from the list of specs alone, with no model-specific branches:
 - :class:`LinearAttentionSpec` — a fixed-size recurrent state per sequence (conv state and
   delta-rule state), stored in state slots (``[num_slots, *shape]`` per tensor).
 
-Byte sizes derived here are the ones the Store byte accounting of SPEC §5 uses:
+Byte sizes derived here are the ones the Store byte accounting uses (docs/en/advance/store.md):
 ``S`` = :func:`state_bytes_per_slot`, ``K_blk`` = :func:`kv_bytes_per_block`.
 """
 from __future__ import annotations
@@ -80,10 +80,10 @@ LayerCacheSpec = FullAttentionSpec | LinearAttentionSpec
 
 
 def kv_bytes_per_block(specs: Sequence[LayerCacheSpec], block_size: int) -> int:
-    """``K_blk`` of SPEC §5: KV bytes of one block over all full-attention layers (this rank)."""
+    """``K_blk``: KV bytes of one block over all full-attention layers (this rank)."""
     return sum(s.bytes_per_block(block_size) for s in specs if isinstance(s, FullAttentionSpec))
 
 
 def state_bytes_per_slot(specs: Sequence[LayerCacheSpec]) -> int:
-    """``S`` of SPEC §5 before slot padding: state bytes of one sequence over all linear layers."""
+    """``S`` before slot padding: state bytes of one sequence over all linear layers."""
     return sum(s.bytes_per_slot() for s in specs if isinstance(s, LinearAttentionSpec))

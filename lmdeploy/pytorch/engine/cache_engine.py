@@ -10,7 +10,7 @@ Because a block's (or a slot's) bytes for every layer sit in one row, one copy m
 block or a whole recurrent state (all linear-attention layers at once): the checkpoint save and
 restore op (:func:`~lmdeploy.pytorch.kernels.state_copy.copy_state_slots`) and the Store
 payloads are plain row copies. Payload bytes exclude the row padding: a state payload is
-``S = state_bytes`` and a KV payload ``K_blk = kv_block_bytes`` (SPEC §5).
+``S = state_bytes`` and a KV payload ``K_blk = kv_block_bytes``.
 """
 from __future__ import annotations
 

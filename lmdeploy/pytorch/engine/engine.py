@@ -1,8 +1,15 @@
 """The engine: one model, its caches, the scheduler, and the step loop.
 
-``Engine.step`` is the whole request path (STYLE lesson 2)::
+``Engine.step`` is the whole request path; every tensor copy and every Store operation is in
+it, and nowhere in the scheduler::
 
-    schedule → restore copies → forward + sample → save copies → publish → update
+    probe Store    existence queries for newly waiting requests        (prefix_cache.probe)
+    schedule       chunks + restores to run                            (scheduler.schedule)
+    execute loads  checkpoint → runtime slot copies; Store gets        (cache_engine, store.load)
+    forward        one flat forward over every chunk, sample           (model_runner.forward)
+    execute saves  runtime slot → checkpoint copies, then publish      (scheduler.computed, cache_engine)
+    submit puts    Store payloads copied out, put by the Store worker  (store.submit)
+    update         append tokens, stop conditions, finish and release
 
 :class:`Engine` is synchronous and single-threaded (tests drive it step by step);
 :class:`~lmdeploy.pytorch.engine.engine_loop.EngineLoop` runs it on a background thread for
@@ -18,10 +25,14 @@ import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
 from ..cache_specs import LinearAttentionSpec
+from ..config import CacheConfig, SchedulerConfig
 from ..models.loader import load_model
 from ..paging.block_manager import BlockManager
-from ..paging.scheduler import Scheduler
-from ..paging.state_cache import StateCache
+from ..paging.scheduler import Scheduler, SchedulerOutput
+from ..prefix_cache.coordinator import PrefixCache
+from ..prefix_cache.local_tier import LocalTier
+from ..prefix_cache.plans import SavePlan
+from ..prefix_cache.state_cache import StateCache
 from .cache_engine import CacheEngine
 from .model_runner import ModelRunner
 from .sequence import Sequence
@@ -105,8 +116,15 @@ class Engine:
         if config.prefill_save_last_only and not self.is_hybrid:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
+        self.cache_config = CacheConfig.from_engine_config(config)
         self.store = self._build_store()
-        self.scheduler = Scheduler(config, self.block_manager, self.state_cache, self.store)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            local = LocalTier(self.block_manager, config.block_size, self.state_cache)
+            self.prefix_cache = PrefixCache(local, self.store, block_size=config.block_size,
+                                            alignment=config.prefill_save_alignment)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
+                                   self.prefix_cache)
         self.model_runner = ModelRunner(self.model, self.cache_engine)
 
     def _derive_num_blocks(self, num_slots: int) -> int:
@@ -136,7 +154,7 @@ class Engine:
             logger.info('the Mooncake Store tier is not used: %s has no recurrent-state checkpoints to save',
                         self.hf_config.model_type)
             return None
-        from ..store.tier import build_store_tier
+        from ..prefix_cache.store_tier import build_store_tier
         return build_store_tier(self)
 
     # requests ---------------------------------------------------------------------------
@@ -197,18 +215,53 @@ class Engine:
     # the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one forward over the scheduled chunks; returns per-sequence progress."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.probe(self.scheduler.waiting)
         sched = self.scheduler.schedule()
+        self._execute_loads(sched)
         if not sched.chunks:
             return []
-        self._copy_states(sched.restore_src, sched.restore_dst, lambda ok: self.scheduler.restores_done(sched, ok))
         next_tokens = self.model_runner.forward(sched)
-        saves = self.scheduler.plan_saves(sched)
-        self._copy_states(saves.src, saves.dst, lambda ok: self.scheduler.publish_saves(saves, ok))
+        saves = self.scheduler.computed(sched)
+        self._execute_saves(saves)
         return self._update(sched, next_tokens)
+
+    def _execute_loads(self, sched: SchedulerOutput) -> None:
+        """Run the restores of admitted sequences before the forward: checkpoint → runtime slot
+        copies, then Store loads (each verified; a failed one is rolled back by the scheduler,
+        a good one is also kept as a local checkpoint)."""
+        loads = sched.loads
+        if not loads:
+            return
+        cache = self.prefix_cache
+        self._copy_states([r.src for r in loads.restores], [r.dst for r in loads.restores],
+                          lambda ok: cache.loads_done(loads, ok))
+        kept = []
+        for load in loads.store_loads:
+            ok = self.store.load(load)
+            keep = cache.store_loaded(load, ok)
+            if not ok:
+                self.scheduler.rollback(load.seq, sched)
+            elif keep is not None:
+                kept.append((load.slot, *keep))
+        self._copy_states([k[0] for k in kept], [k[2] for k in kept],
+                          lambda ok: [cache.restored_kept(node, slot, ok) for _, node, slot in kept])
+
+    def _execute_saves(self, saves: SavePlan) -> None:
+        """Run the saves planned after the forward: runtime → checkpoint slot copies (published
+        only once copied), then the Store puts (payloads copied out now, put in the background)."""
+        if saves.checkpoints:
+            self._copy_states([c.src for c in saves.checkpoints], [c.dst for c in saves.checkpoints],
+                              lambda ok: self.prefix_cache.saves_done(saves, ok))
+        for put in saves.store_puts:
+            self.store.submit(put)
 
     def _copy_states(self, src: list[int], dst: list[int], done) -> None:
         """Run a batch of state-slot copies, then ``done(copied)``: pins are released and
         checkpoints published (or, if the copy raised, released unpublished) either way."""
+        if not src:
+            done(True)
+            return
         copied = False
         try:
             self.cache_engine.copy_states(src, dst)
@@ -250,9 +303,10 @@ class Engine:
 
     # introspection ------------------------------------------------------------------------
     def ledger(self) -> dict[str, int]:
-        """Resource counters that return to idle values when no request is in flight (SPEC §8)."""
+        """Resource counters; the ``*_in_use``, pinned, in-flight, running and waiting ones return
+        to 0 (and free ones to their totals) when no request is in flight."""
         bm = self.block_manager
-        cached = self.scheduler.trie.num_nodes if self.scheduler.trie is not None else 0
+        cached = self.prefix_cache.local.trie.num_nodes if self.prefix_cache is not None else 0
         sc = self.state_cache
         return {
             'blocks_total': bm.num_blocks,
@@ -264,17 +318,18 @@ class Engine:
             'checkpoints_pinned': sc.num_pinned if sc else 0,
             'checkpoints_published': sc.num_published if sc else 0,
             'store_inflight': self.store.num_inflight if self.store is not None else 0,
+            'requests_running': len(self.scheduler.running),
+            'requests_waiting': len(self.scheduler.waiting),
         }
 
     def stats(self) -> dict:
-        """Cumulative counters (SPEC §9): prefix-cache queried/hit tokens, checkpoints saved and
-        skipped by reason, tokens whose blocks matched without a state checkpoint, and the Store
-        tier's put bytes/objects by kind, failures and hit tokens."""
-        out = dict(self.scheduler.counters)
-        out['checkpoints_skipped'] = dict(self.scheduler.skipped)
-        if self.store is not None:
-            out.update(self.store.stats())
-        return out
+        """Cumulative counters: prefix-cache queried/hit tokens, checkpoints saved and skipped by
+        reason, tokens whose blocks matched without a state checkpoint, and the Store tier's put
+        bytes/objects by kind, failures and hit tokens."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache.stats()
+        return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
+                'state_miss_tokens': 0, 'checkpoints_skipped': {}}
 
     def is_idle(self) -> bool:
         """No sequence holds a block, a runtime slot, a pin or an in-flight Store operation."""

@@ -7,8 +7,10 @@ A sequence counts tokens, not phases (STYLE lesson 8)::
     prefill          num_computed < len(token_ids) - 1  (chunks follow `plan`)
     decode           num_computed == len(token_ids) - 1 (one new token per step)
 
-``block_ids[:num_shared_blocks]`` are prefix-cache blocks attached at admission: read-only,
-reference counted; the sequence only ever writes blocks after them.
+A sequence holds what the forward needs — its block table and runtime state slot — and
+nothing of the prefix cache's bookkeeping (hashes, trie paths, pins), which the cache tiers own
+(:mod:`lmdeploy.pytorch.prefix_cache`). Leading blocks attached from the prefix cache are
+read-only: the sequence only ever writes blocks after them.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ class Sequence:
 
     Attributes:
         token_ids: prompt followed by generated tokens.
-        num_prompt_tokens: tokens of the input turn (n of SPEC §2).
+        num_prompt_tokens: tokens of the input turn.
         gen_config: sampling/stopping options.
         multimodal_spans: half-open ``[s, e)`` token ranges never split by a checkpoint.
         token_lookahead: ℓ of the decoding strategy (MTP); 0 without speculative decoding.
@@ -78,17 +80,12 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    num_shared_blocks: int = 0
     state_slot: int | None = None
     plan: PrefillPlan | None = None
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stats: SequenceStats = field(default_factory=SequenceStats)
     generator: torch.Generator | None = None
-    block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks (cache)
-    num_trie_blocks: int = 0           # leading full blocks already inserted into the prefix trie
-    trie_node: object | None = None    # the deepest of those nodes (where the next insert continues)
-    restore_pin: int | None = None     # checkpoint slot pinned until its restore copy runs
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -1,6 +1,6 @@
 """Decoding strategies, as far as the prefix cache is concerned.
 
-A strategy tells the planner two integers (SPEC §2): ``token_lookahead`` (ℓ, input tokens past
+A strategy tells the planner two integers: ``token_lookahead`` (ℓ, input tokens past
 a chunk's end its forward also reads, e.g. MTP's shifted inputs) and ``recompute_blocks`` (r,
 full cached blocks past a restored boundary that a restore must also match). Every sequence
 carries its strategy's values, so ``plan_prefill`` is called with real numbers, not constants.

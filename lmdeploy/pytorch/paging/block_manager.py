@@ -1,13 +1,13 @@
 """KV block allocator: the one owner of block reference counts and the free list.
 
 A block is free (refcount 0, on the free list) or referenced by sequences and/or by one
-prefix-cache node. When the free list runs short, :meth:`BlockManager.allocate` asks the
-registered evictor (the block trie) to release unreferenced cached blocks, LRU first.
+prefix-cache node. The pool never evicts on its own: whoever needs more blocks than are free
+asks the prefix cache to evict first (the scheduler does, explicitly), so checking whether an
+allocation fits has no side effects.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
 
 __all__ = ['BlockManager', 'OutOfBlocks']
 
@@ -29,8 +29,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.refcount = [0] * num_blocks
         self._free = deque(range(num_blocks))
-        self.evictor: Callable[[int], int] | None = None   # evict(n) -> blocks released
-        self.reclaimable: Callable[[], int] | None = None  # blocks the evictor could release now
         # blocks owned by a prefix-cache node, and how many of those no sequence references
         self._cached = bytearray(num_blocks)
         self.num_cached_unshared = 0
@@ -41,24 +39,14 @@ class BlockManager:
         return len(self._free)
 
     def can_allocate(self, n: int) -> bool:
-        """True if ``n`` blocks can be allocated now, evicting cached blocks if (and only if)
-        that makes enough free."""
-        if n <= len(self._free):
-            return True
-        if self.evictor is None:
-            return False
-        # evict only when that is enough: a request that cannot be admitted anyway must not
-        # flush the prefix cache (it would retry, and flush it again, every step)
-        if self.reclaimable is not None and n > len(self._free) + self.reclaimable():
-            return False
-        self.evictor(n - len(self._free))
+        """True if ``n`` blocks are free now (no side effects; eviction is the caller's)."""
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks, each with refcount 1.
 
         Raises:
-            OutOfBlocks: fewer than ``n`` blocks are free or evictable (nothing is taken).
+            OutOfBlocks: fewer than ``n`` blocks are free (nothing is taken).
         """
         if not self.can_allocate(n):
             raise OutOfBlocks(f'need {n} blocks, {len(self._free)} free')

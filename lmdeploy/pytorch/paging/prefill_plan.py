@@ -1,4 +1,4 @@
-"""Prefill chunk plans and state-checkpoint save points (SPEC §3, §4).
+"""Prefill chunk plans and state-checkpoint save points (the rules are documented in docs/en/advance/prefix_caching.md).
 
 This module owns the *arithmetic* of chunked prefill for hybrid models: which token
 boundaries may carry a reusable recurrent-state checkpoint, where each prefill chunk of a
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ['PrefillPlan', 'is_reusable', 'last_reusable', 'plan_prefill',
+__all__ = ['PrefillPlan', 'ReuseRules', 'is_reusable', 'last_reusable', 'plan_prefill',
            'num_remaining_chunks', 'next_chunk_end']
 
 Span = tuple[int, int]
@@ -39,7 +39,7 @@ Span = tuple[int, int]
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """Chunk ends and save points of one turn's prefill (SPEC §4).
+    """Chunk ends and save points of one turn's prefill.
 
     Attributes:
         chunk_ends: token counts (absolute, from position 0) at which each prefill forward
@@ -96,7 +96,7 @@ def _validate_boundary_args(num_tokens: int, block_size: int, alignment: int, to
 
 
 def _upper_bound(num_tokens: int, block_size: int, token_lookahead: int, recompute_blocks: int) -> int:
-    """Largest b allowed by rules 2 and 3 of SPEC §3 (may be <= 0)."""
+    """Largest b allowed by rules 2 and 3 of is_reusable (may be <= 0)."""
     rule2 = num_tokens - max(1, token_lookahead)
     rule3 = (num_tokens - 1) // block_size * block_size - recompute_blocks * block_size
     return min(rule2, rule3)
@@ -133,7 +133,7 @@ def _largest_reusable_at_most(limit: int, num_tokens: int, block_size: int, alig
 
 def is_reusable(b: int, num_tokens: int, block_size: int, alignment: int, token_lookahead: int = 0,
                 recompute_blocks: int = 0, multimodal_spans: Sequence[Span] = ()) -> bool:
-    """Whether boundary ``b`` (tokens) of an ``num_tokens``-token input is reusable (SPEC §3).
+    """Whether boundary ``b`` (tokens) of an ``num_tokens``-token input is reusable.
 
     Rules: (1) ``b > 0`` and ``b % alignment == 0``; (2) ``b <= n - max(1, ℓ)``;
     (3) ``b + r·B <= floor_B(n - 1)``; (4) no span ``[s, e)`` has ``s < b < e`` or
@@ -153,7 +153,7 @@ def is_reusable(b: int, num_tokens: int, block_size: int, alignment: int, token_
 
 def last_reusable(num_tokens: int, block_size: int, alignment: int, token_lookahead: int = 0,
                   recompute_blocks: int = 0, multimodal_spans: Sequence[Span] = ()) -> int | None:
-    """The largest reusable boundary (tokens) of an ``num_tokens``-token input, or None (SPEC §3).
+    """The largest reusable boundary (tokens) of an ``num_tokens``-token input, or None.
 
     Candidates are multiples of ``alignment`` visited downward from the bound set by rules 2
     and 3; a span violating rule 4 makes the search jump below it, so the cost is
@@ -171,7 +171,7 @@ def last_reusable(num_tokens: int, block_size: int, alignment: int, token_lookah
 def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_size: int, alignment: int,
                  last_only: bool, token_lookahead: int = 0, recompute_blocks: int = 0,
                  multimodal_spans: Sequence[Span] = ()) -> PrefillPlan:
-    """Plan one turn's prefill chunks and state save points (SPEC §4).
+    """Plan one turn's prefill chunks and state save points.
 
     Args:
         num_tokens: n, tokens of the turn's input (>= 1).
@@ -226,6 +226,71 @@ def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_siz
             chunk_ends.append(end)
             h = end
     return PrefillPlan(chunk_ends=chunk_ends, save_points=save_points, cached_tokens=cached_tokens)
+
+
+@dataclass(frozen=True)
+class ReuseRules:
+    """The reusability rules of one input, as one value: the planner, the local prefix-cache
+    match and the Store lookup all ask it, so the rules are written once.
+
+    Attributes:
+        num_tokens: n, tokens of the input (for a re-admitted sequence: prompt plus the tokens
+            generated so far).
+        block_size: B, tokens per KV block.
+        alignment: A, checkpoint boundaries are multiples of A (a positive multiple of B).
+        token_lookahead: ℓ, input tokens past a chunk end that its forward also reads.
+        recompute_blocks: r, full blocks past a restored boundary a restore must also match.
+        multimodal_spans: half-open ``(s, e)`` token ranges that no boundary may split.
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+    """
+    num_tokens: int
+    block_size: int
+    alignment: int
+    token_lookahead: int = 0
+    recompute_blocks: int = 0
+    multimodal_spans: tuple[Span, ...] = ()
+
+    def __post_init__(self) -> None:
+        _validate_boundary_args(self.num_tokens, self.block_size, self.alignment, self.token_lookahead,
+                                self.recompute_blocks, self.multimodal_spans)
+
+    @classmethod
+    def for_sequence(cls, seq, block_size: int, alignment: int) -> 'ReuseRules':
+        """The rules for a sequence as it stands now (its tokens, ℓ, r and spans)."""
+        return cls(seq.num_tokens, block_size, alignment, seq.token_lookahead, seq.recompute_blocks,
+                   tuple(seq.multimodal_spans))
+
+    @property
+    def _args(self) -> tuple:
+        return (self.num_tokens, self.block_size, self.alignment, self.token_lookahead, self.recompute_blocks,
+                self.multimodal_spans)
+
+    def is_reusable(self, b: int) -> bool:
+        """Whether boundary ``b`` (tokens) may carry a reusable checkpoint of this input."""
+        return is_reusable(b, *self._args)
+
+    def last_reusable(self) -> int | None:
+        """The largest reusable boundary, or None."""
+        return _largest_reusable_at_most(self.num_tokens, *self._args)
+
+    def restorable(self, b: int, matched_blocks: int) -> bool:
+        """Whether a cached prefix of ``b`` tokens may seed this input when ``matched_blocks``
+        leading full blocks of it are known cached: ``b`` is reusable and the r blocks a
+        restore also needs are among the matched ones."""
+        return b // self.block_size + self.recompute_blocks <= matched_blocks and self.is_reusable(b)
+
+    def restore_candidates(self, above: int, matched_blocks: int) -> list[int]:
+        """Reusable boundaries ``b > above`` with ``b / B + r <= matched_blocks``, deepest first."""
+        top = min(self.num_tokens, (matched_blocks - self.recompute_blocks) * self.block_size)
+        top = top // self.alignment * self.alignment
+        return [b for b in range(top, above, -self.alignment) if b > 0 and self.is_reusable(b)]
+
+    def plan(self, cached_tokens: int, chunk_size: int, last_only: bool) -> PrefillPlan:
+        """:func:`plan_prefill` for this input."""
+        return plan_prefill(self.num_tokens, cached_tokens, chunk_size, self.block_size, self.alignment, last_only,
+                            self.token_lookahead, self.recompute_blocks, self.multimodal_spans)
 
 
 def num_remaining_chunks(plan: PrefillPlan, num_computed: int) -> int:

@@ -197,7 +197,8 @@ class _Server:
         self.pipe = pipe
         self.model_name = model_name
         self.api_keys = [k for k in (api_keys or []) if k]
-        self.metrics = ServerMetrics(lambda: pipe.loop.call(lambda engine: engine.stats(), timeout=30))
+        self.metrics = ServerMetrics(lambda: pipe.loop.call(lambda engine: engine.stats(), timeout=30),
+                                     lambda: pipe.loop.call(lambda engine: engine.ledger(), timeout=30))
 
     # request checks ---------------------------------------------------------------------
     def check_key(self, request: Request) -> None:

@@ -1,31 +1,35 @@
-"""The Mooncake Store tier of the prefix cache (SPEC §5–7).
+"""The Store tier of the prefix cache: recurrent-state snapshots and KV blocks in a Mooncake Store.
 
-It answers the same questions as the local prefix cache (STYLE lesson 6) — how deep a prefix
-does the Store hold, load it, save it — and is the one owner of Store objects: which keys
-this engine has stored, the background put worker and the Store counters.
+It answers the same questions as the local tier — how deep a prefix does the Store hold
+(:meth:`StoreTier.probe`, metadata only), load it (:meth:`StoreTier.load`), save it
+(:meth:`StoreTier.submit`) — and is the one owner of what this engine knows about Store
+objects: which keys are believed stored, the background put worker and the Store counters.
+The byte-level pieces (object format, client, services) live in :mod:`lmdeploy.pytorch.store`.
 
-Save at boundary b (called right after the forward that ends at b)::
+Save at boundary b (submitted right after the forward that ends at b)::
 
-    copy out now:   state payload (runtime slot) + KV payloads of blocks in [0, b) not yet stored
-    worker later:   put kv/{hash_i} for each new block  →  all ok?  →  put state/{hash_b}
+    engine step:   copy out the state payload (runtime slot) and the KV payloads of blocks in
+                   [0, b) neither believed stored nor queued by an earlier job
+    worker later:  ask the Store which of those KV keys exist   → put only the missing ones
+                   all ok? ask the Store that every KV key of [0, b) exists
+                   → put state/{hash_b} (unless it exists)
 
-so a visible state object implies its whole KV prefix is stored. Blocks of ``[0, b)`` that an
-earlier, still queued job is putting are not copied again; the job records them as
-dependencies, and the worker (one thread, jobs in FIFO order) puts the state only if they all
-succeeded. A failed put is counted, is not marked stored, and a later save of the same prefix
-retries it. Bytes counted are payload bytes (headers excluded), so a turn's put bytes equal
-``len(save_points)·S + new_blocks·K_blk``.
+so a visible state object implies its whole KV prefix is stored, and bytes are counted only for
+objects the Store did not already have (another engine may have put them). Bytes counted are
+payload bytes (headers excluded): a turn's put bytes are ``len(save_points)·S + new_blocks·K_blk``.
 
-Restore at admission: the deepest boundary above the local hit that is reusable for this
-input (SPEC §3, all four rules) and whose state object and every KV object below it exist;
-payloads are verified (header, namespace, token count, checksum) and copied into fresh blocks
-and the sequence's runtime slot. Any mismatch is a counted miss, never an error to the user; a
-failed existence query at lookup counts as a get failure.
+Beliefs are a cache of existence answers, never trusted for correctness: any failed Store
+operation (master down or restarted, an object evicted or missing at load or at the prefix
+check) forgets every belief, so the next save of a prefix copies and puts what is missing.
 
-Known limits: Mooncake never overwrites a key, so a corrupt object stays a (counted) miss until
-the Store evicts it; objects evicted by the Store after this engine put them are still believed
-stored by this engine, so it will not put them again (another engine's lookup then finds the
-prefix incomplete and misses).
+Restore: the engine probes the Store once per admission attempt of a waiting sequence (one
+existence query for the state keys of its reusable boundaries, one for the KV keys below the
+deepest present state). Objects are verified (header, namespace, token count, checksum) at
+load; a miss or a mismatch is counted, never an error to the user, and the engine falls back
+to a shallower boundary or computes the prefix.
+
+Known limit: Mooncake never overwrites a key, so a corrupt object stays a (counted) miss until
+the Store evicts it.
 """
 from __future__ import annotations
 
@@ -33,16 +37,17 @@ import json
 import logging
 import queue
 import threading
-from collections import OrderedDict
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from ..paging.prefill_plan import is_reusable
-from .mooncake_client import StoreClient, buffer_bytes_needed
-from .object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object, model_identity,
-                            namespace_digest, object_key)
+from ..paging.prefill_plan import ReuseRules
+from ..store.mooncake_client import StoreClient, buffer_bytes_needed
+from ..store.object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object, model_identity,
+                                   namespace_digest, object_key)
+from .plans import StoreLoad, StorePut
 
 __all__ = ['StoreTier', 'build_store_tier']
 
@@ -51,9 +56,9 @@ logger = logging.getLogger('lmdeploy')
 
 @dataclass
 class _SaveJob:
-    kv: list[tuple[bytes, int, torch.Tensor]]     # (block hash, end token, payload)
-    state: tuple[bytes, int, torch.Tensor] | None  # (prefix hash, boundary, payload)
-    deps: list[str] = field(default_factory=list)  # KV keys of [0, b) queued by earlier jobs
+    kv: list[tuple[bytes, int, torch.Tensor]]     # (block hash, end token, payload) copied out
+    state: tuple[bytes, int, torch.Tensor]        # (prefix hash, boundary, payload)
+    prefix_keys: list[str] = field(default_factory=list)   # KV keys of every block in [0, b)
 
 
 STORED_KEYS_CAPACITY = 1 << 18   # keys remembered as stored (~40 MB); older ones are asked again
@@ -61,7 +66,7 @@ STORED_KEYS_CAPACITY = 1 << 18   # keys remembered as stored (~40 MB); older one
 
 class _KeySet:
     """A set of Store keys that forgets the oldest beyond ``capacity``: forgetting costs one
-    existence query (or one harmless re-put of an existing key), never correctness."""
+    existence query (or one copy of a payload the worker then finds stored), never correctness."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -83,30 +88,31 @@ class _KeySet:
         for key in keys:
             self.add(key)
 
+    def clear(self) -> None:
+        self._keys.clear()
+
 
 class StoreTier:
     """Store-backed prefix tier for one engine.
 
     Args:
-        client: a connected :class:`StoreClient`.
+        client: a connected :class:`StoreClient` (or a test double with the same methods).
         cache_engine: where payloads are read from and written to.
-        namespace: 16-byte namespace digest (SPEC §7).
+        namespace: 16-byte namespace digest.
         block_size: tokens per block (B).
-        alignment: checkpoint alignment (A).
         queue_size: most pending save jobs; a full queue makes the save wait (back-pressure).
         services: embedded Mooncake services to stop on :meth:`close`, or None.
     """
 
-    def __init__(self, client: StoreClient, cache_engine, namespace: bytes, block_size: int, alignment: int,
+    def __init__(self, client: StoreClient, cache_engine, namespace: bytes, block_size: int,
                  queue_size: int = 64, services=None):
         self.client = client
         self.cache_engine = cache_engine
         self.namespace = namespace
         self.ns_hex = namespace.hex()
         self.block_size = block_size
-        self.alignment = alignment
         self.services = services
-        self._stored = _KeySet(STORED_KEYS_CAPACITY)   # keys known to be in the Store (bounded)
+        self._stored = _KeySet(STORED_KEYS_CAPACITY)   # keys believed to be in the Store (bounded)
         self._pending: set[str] = set()     # keys queued for a put
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -114,39 +120,44 @@ class StoreTier:
         self._idle = threading.Condition(self._lock)   # notified when _inflight drops to 0
         self.counters = {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
                          'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
-                         'store_rejected_objects': 0}
+                         'store_rejected_objects': 0, 'store_existing_objects': 0}
         self._worker = threading.Thread(target=self._run, name='lmdeploy-store', daemon=True)
         self._worker.start()
 
     def _key(self, kind: str, h: bytes) -> str:
         return object_key(self.ns_hex, kind, h.hex())
 
+    def _forget_all(self, why: str) -> None:
+        """Drop every belief about stored keys (called with the lock held)."""
+        if len(self._stored):
+            logger.info('Store: forgetting %d keys believed stored (%s)', len(self._stored), why)
+        self._stored.clear()
+
     # restore -------------------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes], seq, local_cached: int, below: int | None = None) -> int:
-        """Deepest boundary ``local_cached < b < below`` the Store can restore for ``seq``, or 0.
+    def probe(self, hashes: list[bytes], rules: ReuseRules, below: int | None = None) -> list[int]:
+        """Boundaries ``b < below`` the Store can restore for an input, deepest first.
 
-        ``b`` is reusable for this input (SPEC §3: aligned, leaves the required suffix, room for
-        the r recompute blocks, not inside a multimodal span); the state object at ``b`` and KV
-        objects for blocks ``[0, b/B + r)`` must exist.
+        ``b`` is restorable for ``rules`` (reusable, and its r recompute blocks among
+        ``hashes``); the state object at ``b`` and the KV objects of blocks ``[0, b/B + r)``
+        exist. Metadata only: two batched existence queries at most.
         """
-        B, A, n = self.block_size, self.alignment, seq.num_tokens
-        top = n // A * A if below is None else min(n // A * A, below - A)
-        candidates = [b for b in range(top, local_cached, -A)
-                      if b // B + seq.recompute_blocks <= len(hashes)
-                      and is_reusable(b, n, B, A, seq.token_lookahead, seq.recompute_blocks, seq.multimodal_spans)]
+        B, r = self.block_size, rules.recompute_blocks
+        candidates = [b for b in rules.restore_candidates(0, len(hashes)) if below is None or b < below]
         if not candidates:
-            return 0
-        state_keys = [self._key('state', hashes[b // B - 1]) for b in candidates]
-        present = self._exists(state_keys)
-        for b, ok in zip(candidates, present):
-            if not ok:
-                continue
-            kv_keys = [self._key('kv', h) for h in hashes[:b // B + seq.recompute_blocks]]
-            if all(self._exists(kv_keys)):
-                return b
-        return 0
+            return []
+        present = self._exists([self._key('state', hashes[b // B - 1]) for b in candidates])
+        candidates = [b for b, ok in zip(candidates, present or ()) if ok]
+        if not candidates:
+            return []
+        kv = self._exists([self._key('kv', h) for h in hashes[:candidates[0] // B + r]])
+        if kv is None:
+            return []
+        covered = kv.index(False) if False in kv else len(kv)
+        return [b for b in candidates if b // B + r <= covered]
 
-    def _exists(self, keys: list[str]) -> list[bool]:
+    def _exists(self, keys: list[str]) -> list[bool] | None:
+        """Per key, whether it is stored (beliefs first, then one batched query); None when the
+        query failed (counted as a get failure: a lookup that fails is a miss)."""
         with self._lock:
             known = [k in self._stored for k in keys]
         missing = [k for k, ok in zip(keys, known) if not ok]
@@ -154,30 +165,34 @@ class StoreTier:
             return known
         failures = self.client.stats.exists_failures
         found = dict(zip(missing, self.client.batch_exists(missing)))
-        with self._lock:      # present objects are never put again by this engine
-            self._stored.update(k for k, ok in found.items() if ok)
+        with self._lock:
             if self.client.stats.exists_failures != failures:    # the query failed, not "absent"
                 self.counters['store_get_failures'] += 1
+                self._forget_all('existence query failed')
+                return None
+            self._stored.update(k for k, ok in found.items() if ok)
         return [ok or found.get(k, False) for k, ok in zip(keys, known)]
 
-    def load(self, hashes: list[bytes], boundary: int, block_ids: list[int], slot: int, first_block: int) -> bool:
-        """Copy the prefix ``[0, boundary)`` from the Store into ``block_ids[first_block:]`` and
-        state slot ``slot``; False (counted) if any object is missing or fails verification."""
-        B = self.block_size
+    def load(self, load: StoreLoad) -> bool:
+        """Execute a :class:`StoreLoad`: fetch, verify and write its objects into the KV blocks
+        and the runtime slot. False (counted; beliefs forgotten) if any object is missing or
+        fails verification; the caller then rolls the admission back."""
+        B, hashes = self.block_size, load.hashes
         try:
-            state = self._get('state', hashes[boundary // B - 1], boundary)
-            for i in range(first_block, boundary // B):
+            state = self._get('state', hashes[load.boundary // B - 1], load.boundary)
+            for i in range(load.first_block, load.boundary // B):
                 payload = self._get('kv', hashes[i], (i + 1) * B)
-                self.cache_engine.write_kv_block(block_ids[i], payload)
-            self.cache_engine.write_state(slot, state)
+                self.cache_engine.write_kv_block(load.block_ids[i], payload)
+            self.cache_engine.write_state(load.slot, state)
         except (KeyError, StoreObjectError) as err:
-            logger.info('Store restore at %d tokens failed: %s', boundary, err)
+            logger.info('Store restore at %d tokens failed: %s', load.boundary, err)
+            with self._lock:
+                self._forget_all('restore failed')
             return False
         return True
 
     def record_hit(self, tokens: int) -> None:
-        """Count ``tokens`` prompt tokens served from the Store (called once the admission that
-        loaded them has committed)."""
+        """Count ``tokens`` prompt tokens served from the Store (once per request)."""
         with self._lock:
             self.counters['store_hit_tokens'] += tokens
 
@@ -196,26 +211,24 @@ class StoreTier:
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     # save ----------------------------------------------------------------------------------
-    def save(self, hashes: list[bytes], block_ids: list[int], boundary: int, slot: int) -> None:
-        """Queue the save of prefix ``[0, boundary)`` (``hashes``/``block_ids``: its
-        ``boundary / B`` blocks; ``slot``: the runtime state slot holding the state after
-        exactly ``boundary`` tokens). Payloads are copied out before returning; the puts run on
-        the worker. Blocks already stored or queued by an earlier job are not copied again."""
-        B = self.block_size
+    def submit(self, put: StorePut) -> None:
+        """Queue a :class:`StorePut`. Payloads are copied out before returning (the slot and
+        blocks may change after this step); the puts run on the worker. Blocks believed stored
+        or queued by an earlier job are not copied again."""
+        B, hashes = self.block_size, put.hashes
         state_key = self._key('state', hashes[-1])
+        keys = [self._key('kv', h) for h in hashes]
         with self._lock:
             if state_key in self._stored or state_key in self._pending:
                 return
-            keys = [self._key('kv', h) for h in hashes]
             new = [i for i, k in enumerate(keys) if k not in self._stored and k not in self._pending]
-            deps = [k for k in keys if k in self._pending]
             self._pending.update(keys[i] for i in new)
             self._pending.add(state_key)
             self._inflight += 1
         try:
-            payloads = self.cache_engine.read_kv_blocks([block_ids[i] for i in new]) if new else []
+            payloads = self.cache_engine.read_kv_blocks([put.block_ids[i] for i in new]) if new else []
             kv = [(hashes[i], (i + 1) * B, payloads[j]) for j, i in enumerate(new)]
-            job = _SaveJob(kv, (hashes[-1], boundary, self.cache_engine.read_state(slot)), deps)
+            job = _SaveJob(kv, (hashes[-1], put.boundary, self.cache_engine.read_state(put.slot)), keys)
         except BaseException:
             self._job_done([keys[i] for i in new] + [state_key])
             raise
@@ -242,6 +255,19 @@ class StoreTier:
             if self._inflight == 0:
                 self._idle.notify_all()
 
+    def _present(self, keys: list[str]) -> list[bool] | None:
+        """Ask the Store (not the beliefs) which ``keys`` exist; None if the query failed."""
+        failures = self.client.stats.exists_failures
+        present = self.client.batch_exists(keys)
+        if self.client.stats.exists_failures != failures:
+            with self._lock:
+                self.counters['store_put_failures'] += 1
+                self._forget_all('existence query failed')
+            return None
+        with self._lock:
+            self._stored.update(k for k, ok in zip(keys, present) if ok)
+        return present
+
     def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
         key = self._key(kind, h)
         data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes())
@@ -254,19 +280,35 @@ class StoreTier:
                 self.counters['store_put_objects'][kind] += 1
             else:
                 self.counters['store_put_failures'] += 1
+                self._forget_all('put failed')
         return ok
 
     def _execute(self, job: _SaveJob) -> None:
-        for h, end, payload in job.kv:
-            if not self._put('kv', h, end, payload):
-                return      # leave the rest, and the state, to a later save of this prefix
-        with self._lock:    # blocks queued by earlier jobs: those jobs have run (FIFO, one worker)
-            missing = [k for k in job.deps if k not in self._stored]
-        h, b, payload = job.state
-        if missing:
-            logger.info('Store save at %d tokens: state not put, %d of its blocks failed earlier', b, len(missing))
+        h_state, b, state_payload = job.state
+        state_key = self._key('state', h_state)
+        present = self._present([self._key('kv', h) for h, _, _ in job.kv] + [state_key])
+        if present is None:
             return
-        self._put('state', h, b, payload)
+        state_present = present.pop()
+        with self._lock:
+            self.counters['store_existing_objects'] += sum(present) + state_present
+        for (h, end, payload), exists in zip(job.kv, present):
+            if not exists and not self._put('kv', h, end, payload):
+                return      # leave the rest, and the state, to a later save of this prefix
+        if state_present:
+            return
+        # the state is visible only above a complete prefix: ask the Store, not the beliefs
+        # (a restarted master or an evicting Store may have lost blocks put earlier)
+        prefix = self._present(job.prefix_keys)
+        if prefix is None:
+            return
+        if not all(prefix):
+            with self._lock:
+                self._forget_all(f'{prefix.count(False)} KV objects below {b} tokens are missing')
+            logger.info('Store save at %d tokens: state not put, %d of its blocks are not stored', b,
+                        prefix.count(False))
+            return
+        self._put('state', h_state, b, state_payload)
 
     # lifecycle ----------------------------------------------------------------------------
     @property
@@ -283,7 +325,8 @@ class StoreTier:
             return self._idle.wait_for(lambda: self._inflight == 0, max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict:
-        """Store counters (SPEC §9)."""
+        """Store counters (put bytes/objects by kind, failures, hit tokens, rejected and
+        already-existing objects)."""
         with self._lock:
             return json.loads(json.dumps(self.counters))
 
@@ -326,7 +369,7 @@ def build_store_tier(engine) -> StoreTier:
                          '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
     services = None
     if master == 'local':
-        from .services import MooncakeServices
+        from ..store.services import MooncakeServices
         services = MooncakeServices(segment_size=cfg.mooncake_embedded_segment_size)
         services.start()
         master, metadata = services.master_address, services.metadata_server
@@ -341,5 +384,4 @@ def build_store_tier(engine) -> StoreTier:
     namespace = namespace_digest(model=model_identity(engine.model_path), dtype=str(engine.dtype),
                                  block_size=cfg.block_size, layers=[repr(s) for s in engine.specs],
                                  tp_rank=0, tp_size=1, adapter=None)
-    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.prefill_save_alignment,
-                     cfg.store_queue_size, services)
+    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size, services)

@@ -122,5 +122,5 @@ class StateCache:
 
     @property
     def num_pinned(self) -> int:
-        """Slots holding at least one pin (0 when idle, SPEC §8)."""
+        """Slots holding at least one pin (0 when idle)."""
         return len(self._pins)

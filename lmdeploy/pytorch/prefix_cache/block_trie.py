@@ -12,8 +12,18 @@ Ownership: the trie owns topology and LRU order; the :class:`BlockManager` owns 
 counts (a cached node holds one reference on its block); the :class:`StateCache` owns
 checkpoint slots, which the trie only points at (``node.checkpoint_slot``).
 
-Eviction frees least recently used leaves whose block no sequence references and whose
-checkpoint is not pinned; evicting a node drops the checkpoint that depends on it.
+Invariant: every node that no sequence references can be evicted. Two rules keep it:
+
+* a running sequence that recomputes a block the trie already holds *adopts* the node when
+  only the cache references the node's block (the node takes the sequence's block, the old
+  copy is freed at once), so a repeated prompt never doubles its blocks;
+* eviction takes least recently used unreferenced leaves first, and when none is left it
+  removes an unreferenced interior node with its whole subtree (descendants a sequence still
+  references stay with that sequence and leave the trie; the sequence re-inserts them).
+
+So the number of blocks eviction can free is known exactly, without evicting
+(:attr:`BlockTrie.num_evictable_blocks`), which admission relies on to never evict for a
+request it then cannot admit.
 """
 from __future__ import annotations
 
@@ -23,7 +33,7 @@ import itertools
 import struct
 from typing import Sequence
 
-from .block_manager import BlockManager
+from ..paging.block_manager import BlockManager
 from .state_cache import StateCache
 
 __all__ = ['BlockTrie', 'TrieNode', 'chain_block_hashes']
@@ -85,7 +95,7 @@ class BlockTrie:
     """Prefix cache over full blocks.
 
     Args:
-        block_manager: owner of block reference counts; the trie registers itself as its evictor.
+        block_manager: owner of block reference counts (the trie takes one per node).
         block_size: tokens per block (B).
         state_cache: owner of checkpoint slots (hybrid models), or None.
     """
@@ -101,8 +111,6 @@ class BlockTrie:
         # then costs O((k + blocked leaves) log N) instead of a walk of the whole trie.
         self._leaves: list[tuple[int, int, int, TrieNode]] = []
         self._tiebreak = itertools.count()
-        block_manager.evictor = self.evict
-        block_manager.reclaimable = lambda: self.num_evictable_blocks
 
     def match(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[TrieNode]:
         """Nodes of the longest cached prefix of full blocks, root excluded, verified token by
@@ -163,9 +171,10 @@ class BlockTrie:
         """
         if node is None or node.parent is None:      # an evicted node has no parent
             node = self.root
-        return self._descend(node, token_ids, block_ids, num_blocks, hashes, None)
+        return self._descend(node, token_ids, block_ids, num_blocks, hashes, None, adopt=True)
 
-    def _descend(self, node: TrieNode, token_ids, block_ids, num_blocks: int, hashes, out: list | None) -> TrieNode:
+    def _descend(self, node: TrieNode, token_ids, block_ids, num_blocks: int, hashes, out: list | None,
+                 adopt: bool = False) -> TrieNode:
         B = self.block_size
         for i in range(node.depth, num_blocks):
             h = hashes[i]
@@ -178,6 +187,13 @@ class BlockTrie:
                 self.block_manager.cache(block_ids[i])
                 node.children[h] = child
                 self.num_nodes += 1
+            elif adopt and child.block_id != block_ids[i] and self.block_manager.refcount[child.block_id] == 1:
+                # a running sequence recomputed a block only the cache holds: the node takes the
+                # sequence's copy and the old one is freed, so no unreferenced duplicate remains
+                # above blocks the sequence references
+                self.block_manager.cache(block_ids[i])
+                self.block_manager.uncache(child.block_id)
+                child.block_id = block_ids[i]
             child.last_access = next(_CLOCK)
             if out is not None:
                 out.append(child)
@@ -186,19 +202,24 @@ class BlockTrie:
             self._push_leaf(node)
         return node
 
-    def _evictable(self, node: TrieNode) -> bool:
-        if node.children or self.block_manager.refcount[node.block_id] != 1:
-            return False
+    def _unreferenced(self, node: TrieNode) -> bool:
+        return self.block_manager.refcount[node.block_id] == 1
+
+    def _pinned(self, node: TrieNode) -> bool:
         slot = node.checkpoint_slot
-        return slot is None or self.state_cache is None or not self.state_cache.is_pinned(slot)
+        return slot is not None and self.state_cache is not None and self.state_cache.is_pinned(slot)
+
+    def _evictable(self, node: TrieNode) -> bool:
+        return not node.children and self._unreferenced(node) and not self._pinned(node)
 
     def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` blocks by removing LRU evictable leaves.
+        """Free up to ``num_blocks`` blocks.
 
-        A parent becomes a candidate, at its own last-use time, as soon as its last child goes,
-        so each removal takes the least recently used of the leaves at that moment (a parent is
-        touched with its children, so an old chain goes child then parent before newer leaves).
-        Leaves that cannot go now (referenced or pinned) are set aside and kept as candidates.
+        First least recently used unreferenced leaves (a parent becomes a candidate, at its own
+        last-use time, as soon as its last child goes, so an old chain goes child then parent
+        before newer leaves); leaves that cannot go now are kept as candidates. If that is not
+        enough, unreferenced interior nodes go, least recently used first, each with its whole
+        subtree (see the module docstring).
 
         Returns:
             Blocks returned to the free list.
@@ -213,21 +234,64 @@ class BlockTrie:
                 blocked.append(entry)
                 continue
             parent = leaf.parent
-            self._remove(leaf)
-            freed += 1
+            freed += self._remove(leaf)
             if parent is not self.root and not parent.children:
                 self._push_leaf(parent)
         for entry in blocked:
             heapq.heappush(self._leaves, entry)
+        if freed < num_blocks:
+            freed += self._evict_subtrees(num_blocks - freed)
         return freed
 
-    def _remove(self, node: TrieNode) -> None:
+    def _evict_subtrees(self, num_blocks: int) -> int:
+        """Remove unreferenced interior nodes (and their subtrees), LRU first, until
+        ``num_blocks`` blocks are free. O(N log N) over the trie: only reached once no
+        unreferenced leaf is left. A subtree holding a pinned checkpoint stays."""
+        guarded = set()             # nodes with a pinned checkpoint in their subtree
+        for node in (self.state_cache.pinned_nodes() if self.state_cache is not None else []):
+            while node is not None and node is not self.root:
+                guarded.add(id(node))
+                node = node.parent
+        tops = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children and self._unreferenced(node) and id(node) not in guarded:
+                tops.append(node)
+            else:
+                stack.extend(node.children.values())
+        tops.sort(key=lambda n: n.last_access)
+        freed = 0
+        for node in tops:
+            if freed >= num_blocks:
+                break
+            parent = node.parent
+            for n in reversed(self._subtree(node)):       # children before their parent
+                freed += self._remove(n)
+            if parent is not self.root and not parent.children:
+                self._push_leaf(parent)
+        return freed
+
+    @staticmethod
+    def _subtree(node: TrieNode) -> list[TrieNode]:
+        """``node`` and its descendants, parents before children."""
+        out, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def _remove(self, node: TrieNode) -> int:
+        """Drop ``node`` (its checkpoint too); returns 1 if its block went to the free list."""
         if node.checkpoint_slot is not None and self.state_cache is not None:
             self.state_cache.release_checkpoint(node.checkpoint_slot)
         del node.parent.children[node.key]
         node.parent = None
         self.num_nodes -= 1
+        freed = int(self._unreferenced(node))
         self.block_manager.uncache(node.block_id)
+        return freed
 
     def iter_nodes(self):
         """All nodes except the root (depth-first)."""
@@ -239,20 +303,16 @@ class BlockTrie:
 
     @property
     def num_evictable_blocks(self) -> int:
-        """Blocks :meth:`evict` could free now: cached blocks no sequence references, less those
-        on the path to a pinned checkpoint, in O(pins · depth) rather than a walk of the trie.
-
-        An upper bound only where an unreferenced node has a descendant a sequence references:
-        a running sequence references its whole path, so in the engine that happens only above a
-        duplicate block (one the trie already held when the sequence cached its own copy).
-        """
+        """Blocks :meth:`evict` could free now: cached blocks no sequence references, less
+        those on the path to a pinned checkpoint, in O(pins · depth) rather than a walk of the
+        trie. Exact, by the invariant of the module docstring."""
         count = self.block_manager.num_cached_unshared
         if self.state_cache is None:
             return count
-        refcount, kept = self.block_manager.refcount, set()
+        kept = set()
         for node in self.state_cache.pinned_nodes():
             while node is not None and node is not self.root and id(node) not in kept:
                 kept.add(id(node))
-                count -= refcount[node.block_id] == 1
+                count -= self._unreferenced(node)
                 node = node.parent
         return count

@@ -1,0 +1,90 @@
+"""Per-subsystem configurations, built once from the user's :class:`PytorchEngineConfig`.
+
+Each subsystem reads only its own frozen config, so what a piece depends on is visible in its
+constructor::
+
+    PytorchEngineConfig ──▶ CacheConfig       block pool, state slots, prefix-cache tiers
+                        ├─▶ SchedulerConfig   queues, budgets, prefill plans
+                        └─▶ StoreConfig       Mooncake Store tier (None when it is off)
+
+Validation stays in :class:`PytorchEngineConfig` (a ``ValueError`` naming the field); these
+are plain views of validated values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..messages import PytorchEngineConfig
+
+__all__ = ['CacheConfig', 'SchedulerConfig', 'StoreConfig']
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV blocks, state slots and the prefix cache.
+
+    Attributes:
+        block_size: B, tokens per KV block.
+        num_gpu_blocks: explicit KV block count, 0 = derive from memory.
+        cache_max_entry_count: fraction of free memory given to the caches.
+        num_state_slots: runtime state slots, 0 = ``max_batch_size``.
+        num_checkpoint_slots: checkpoint slots of the prefix cache (hybrid models).
+        enable_prefix_caching: whether the tiers exist at all.
+        prefill_save_alignment: A, checkpoint boundaries are multiples of A (tokens).
+    """
+    block_size: int
+    num_gpu_blocks: int
+    cache_max_entry_count: float
+    num_state_slots: int
+    num_checkpoint_slots: int
+    enable_prefix_caching: bool
+    prefill_save_alignment: int
+
+    @classmethod
+    def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'CacheConfig':
+        return cls(cfg.block_size, cfg.num_gpu_blocks, cfg.cache_max_entry_count, cfg.num_state_slots,
+                   cfg.num_checkpoint_slots, cfg.enable_prefix_caching, cfg.prefill_save_alignment)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Queues, budgets and prefill plans.
+
+    Attributes:
+        block_size: B, tokens per KV block.
+        max_batch_size: most running sequences.
+        max_prefill_token_num: P, most prefill tokens per step (and per chunk).
+        prefill_save_alignment: A (tokens).
+        prefill_save_last_only: one save point per input turn (hybrid models only).
+    """
+    block_size: int
+    max_batch_size: int
+    max_prefill_token_num: int
+    prefill_save_alignment: int
+    prefill_save_last_only: bool
+
+    @classmethod
+    def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'SchedulerConfig':
+        return cls(cfg.block_size, cfg.max_batch_size, cfg.max_prefill_token_num, cfg.prefill_save_alignment,
+                   cfg.prefill_save_last_only)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The Mooncake Store tier (see ``PytorchEngineConfig`` for each field's meaning)."""
+    master: str
+    metadata_server: str | None
+    protocol: str
+    segment_size: int
+    local_buffer_size: int
+    embedded_segment_size: int
+    queue_size: int
+
+    @classmethod
+    def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'StoreConfig | None':
+        """The Store config, or None when no ``mooncake_master`` is set."""
+        if not cfg.mooncake_master:
+            return None
+        return cls(cfg.mooncake_master, cfg.mooncake_metadata_server, cfg.mooncake_protocol,
+                   cfg.mooncake_segment_size, cfg.mooncake_local_buffer_size, cfg.mooncake_embedded_segment_size,
+                   cfg.store_queue_size)

@@ -1,0 +1,23 @@
+"""The prefix cache: which prefixes can be reused, from where, and what to save.
+
+Folder map (where to look)::
+
+    ../paging/prefill_plan.py   where a save point is chosen (ReuseRules, plan_prefill: pure)
+    plans.py                    the plans the engine executes (restores, saves, Store puts)
+    coordinator.py              PrefixCache: local tier first, then the Store; per-request bookkeeping
+    local_tier.py               LocalTier: block trie + checkpoint slots, pins, node ↔ slot links
+    block_trie.py               chained block hashes, verified match, LRU eviction
+    state_cache.py              runtime and checkpoint state slots
+    store_tier.py               StoreTier: probe / load / put of Store objects, the put worker
+    ../engine/cache_engine.py   where state is copied (copy_states) and payloads are read/written
+    ../store/                   Mooncake bytes: object format, client, embedded services
+
+Both tiers answer the same questions — how deep a prefix do you hold (metadata only), load it,
+save it, release it — and the scheduler sees them only through :class:`PrefixCache`.
+"""
+from .coordinator import STORE_RESTORE_ATTEMPTS, PrefixCache
+from .local_tier import LocalTier
+from .plans import (CheckpointRestore, CheckpointSave, LoadPlan, PrefixMatch, SavePlan, StoreLoad, StorePut)
+
+__all__ = ['PrefixCache', 'LocalTier', 'STORE_RESTORE_ATTEMPTS', 'PrefixMatch', 'CheckpointRestore', 'StoreLoad',
+           'LoadPlan', 'CheckpointSave', 'StorePut', 'SavePlan']

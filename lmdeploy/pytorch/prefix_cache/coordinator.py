@@ -1,0 +1,243 @@
+"""The prefix cache as the scheduler sees it: the local tier first, then the Store tier.
+
+:class:`PrefixCache` asks each tier the same questions and keeps the per-sequence cache
+bookkeeping (block hashes, the Store's answer for a waiting sequence, how many Store restores
+failed for it), so :class:`~lmdeploy.pytorch.engine.sequence.Sequence` holds only tokens,
+progress and the resources the forward needs::
+
+    probe (engine, before schedule)  Store existence queries for newly waiting sequences
+    match                            local trie + checkpoints, then the probed Store boundaries
+    pin / unpin                      shared blocks + checkpoint   (unpin: the one rollback path)
+    plan_load                        CheckpointRestore | StoreLoad          ─┐ executed by the
+    loads_done / store_loads_done    unpin; keep a Store restore locally     │ engine, which
+    plan_saves                       new full blocks → trie; save points →   │ reports back
+                                     CheckpointSave + StorePut              ─┘
+    release / forget                 cache computed blocks; drop bookkeeping
+
+A Store restore whose load fails is rolled back by the scheduler and retried below the failed
+boundary, at most :data:`STORE_RESTORE_ATTEMPTS` times per request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..paging.prefill_plan import ReuseRules
+from .block_trie import chain_block_hashes
+from .local_tier import LocalTier
+from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StoreLoad, StorePut
+
+__all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS']
+
+STORE_RESTORE_ATTEMPTS = 3   # failed Store loads per request before it stops asking the Store
+_PROBES_PER_STEP = 64        # waiting sequences probed per step at most (each once per attempt)
+
+
+@dataclass
+class _StoreView:
+    """The Store's answer for one waiting sequence."""
+    boundaries: list[int] | None = None   # restorable boundaries, deepest first (None: not probed)
+    below: int | None = None              # only boundaries below this (lowered by failed loads)
+    failures: int = 0
+
+
+class PrefixCache:
+    """Coordinator of the local and Store tiers.
+
+    Args:
+        local: the local tier.
+        store: the Store tier, or None.
+        block_size: B, tokens per block.
+        alignment: A, checkpoint boundaries are multiples of A.
+    """
+
+    def __init__(self, local: LocalTier, store=None, *, block_size: int, alignment: int):
+        self.local = local
+        self.store = store
+        self.block_size = block_size
+        self.alignment = alignment
+        self._hashes: dict[int, list[bytes]] = {}
+        self._store_views: dict[int, _StoreView] = {}
+        self.counters: dict[str, int] = {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0,
+                                         'checkpoints_saved': 0, 'state_miss_tokens': 0}
+        self.skipped: dict[str, int] = {}
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.local.is_hybrid
+
+    def hashes(self, seq) -> list[bytes]:
+        """Chained hashes of ``seq``'s full blocks, computed incrementally."""
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        full = seq.num_tokens // self.block_size
+        if len(hashes) < full:
+            hashes[:] = chain_block_hashes(seq.token_ids, self.block_size, full, prefix=hashes)
+        return hashes
+
+    def _rules(self, seq) -> ReuseRules:
+        return ReuseRules.for_sequence(seq, self.block_size, self.alignment)
+
+    # before admission (engine) -----------------------------------------------------------
+    def probe(self, waiting) -> None:
+        """Ask the Store which prefixes it holds for waiting sequences not probed yet (network:
+        batched existence queries). Called by the engine before :meth:`Scheduler.schedule`."""
+        if self.store is None:
+            return
+        probed = 0
+        for seq in waiting:
+            view = self._store_views.setdefault(seq.seq_id, _StoreView())
+            if view.boundaries is not None or view.failures >= STORE_RESTORE_ATTEMPTS:
+                continue
+            view.boundaries = self.store.probe(self.hashes(seq), self._rules(seq), view.below)
+            probed += 1
+            if probed >= _PROBES_PER_STEP:
+                break
+
+    # admission (scheduler) ---------------------------------------------------------------
+    def match(self, seq) -> PrefixMatch:
+        """The deepest prefix the tiers can restore for ``seq`` (metadata only)."""
+        match = self.local.match(seq, self.hashes(seq), self._rules(seq))
+        view = self._store_views.get(seq.seq_id)
+        if view is not None and view.boundaries and view.failures < STORE_RESTORE_ATTEMPTS:
+            b = view.boundaries[0]
+            if b > match.cached_tokens:
+                shared = min(len(match.nodes), b // self.block_size)
+                return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens)
+        return match
+
+    def pin(self, match: PrefixMatch) -> None:
+        """Hold what ``match`` restores from (shared blocks, checkpoint) during admission."""
+        self.local.pin(match)
+
+    def unpin(self, match: PrefixMatch) -> None:
+        """Roll back :meth:`pin`."""
+        self.local.unpin(match)
+
+    def plan_load(self, seq, match: PrefixMatch, loads: LoadPlan) -> None:
+        """Add the restore of a committed admission to ``loads`` (``seq`` holds its slot and
+        blocks through the first chunk)."""
+        if match.source == 'store':
+            hashes = self.hashes(seq)[:match.cached_tokens // self.block_size]
+            loads.store_loads.append(StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids,
+                                               match.num_shared_blocks, seq.state_slot, match.matched_tokens))
+            return      # counted once the load succeeded
+        if match.checkpoint_slot is not None:
+            loads.restores.append(CheckpointRestore(seq, match.checkpoint_slot, seq.state_slot))
+        self._count(seq, match.cached_tokens, match.source, match.matched_tokens)
+
+    def _count(self, seq, cached: int, source: str | None, matched: int) -> None:
+        """Count a lookup once per request: at its first admission that took effect."""
+        if len(seq.stats.plans) != 1:
+            return
+        seq.num_cached_tokens = cached
+        self.counters['prefix_cache_queried_tokens'] += seq.num_tokens
+        if source == 'local':
+            seq.stats.hit_tokens = cached
+            self.counters['prefix_cache_hit_tokens'] += cached
+        elif source == 'store':
+            seq.stats.store_hit_tokens = cached
+            self.store.record_hit(cached)
+        if self.is_hybrid:
+            self.counters['state_miss_tokens'] += max(0, matched - cached)
+
+    def loads_done(self, loads: LoadPlan, copied: bool) -> None:
+        """The checkpoint → runtime copies of ``loads`` ran (or raised): drop their pins."""
+        for restore in loads.restores:
+            self.local.restore_done(restore.src)
+
+    def store_loaded(self, load: StoreLoad, ok: bool) -> tuple | None:
+        """Book a Store load's result. On success count the hit (first admission only) and
+        return ``(node, checkpoint slot)`` when the restored state should also become a local
+        checkpoint (the engine copies ``load.slot`` there, then calls :meth:`restored_kept`).
+        On failure only boundaries below the failed one are tried again."""
+        seq = load.seq
+        view = self._store_views.setdefault(seq.seq_id, _StoreView())
+        if not ok:
+            view.failures += 1
+            view.below, view.boundaries = load.boundary, None
+            return None
+        self._store_views.pop(seq.seq_id, None)
+        self._count(seq, load.boundary, 'store', load.matched_tokens)
+        return self.local.cache_restored(seq, self.hashes(seq), load.boundary)
+
+    def restored_kept(self, node, slot: int, copied: bool) -> None:
+        """Publish the local copy of a Store restore (or release it if the copy raised)."""
+        self.local.state_cache.unpin(slot)
+        if copied:
+            self.local.state_cache.publish(slot, node)
+        else:
+            self.local.state_cache.release_checkpoint(slot)
+
+    # after the forward (scheduler) -------------------------------------------------------
+    def plan_saves(self, chunks, saves: SavePlan) -> None:
+        """Cache the new full blocks of this step's chunks and plan the saves at save points."""
+        B, taken = self.block_size, set()
+        for chunk in chunks:
+            seq, end = chunk.seq, chunk.end
+            save = self.is_hybrid and seq.plan is not None and seq.plan.is_save_point(end)
+            full = end // B
+            if not save and not self.local.needs_extend(seq, full):
+                continue
+            node = self.local.extend(seq, self.hashes(seq), full)
+            if not save:
+                continue
+            if self.store is not None:
+                saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
+            planned = self.local.plan_checkpoint(seq, node, end, taken)
+            if isinstance(planned, str):
+                self._skip(seq, planned)
+            else:
+                taken.add(id(node))
+                saves.checkpoints.append(planned)
+
+    def saves_done(self, saves: SavePlan, copied: bool) -> None:
+        """Publish checkpoints whose copy ran (never before); ``copied=False`` releases their
+        slots unpublished and counts the skips."""
+        for save in saves.checkpoints:
+            self.local.checkpoint_done(save, copied)
+            if copied:
+                save.seq.stats.save_points.append(save.boundary)
+                self.counters['checkpoints_saved'] += 1
+            else:
+                self._skip(save.seq, 'copy_failed')
+
+    def _skip(self, seq, reason: str) -> None:
+        seq.stats.skipped[reason] += 1
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    # leaving -----------------------------------------------------------------------------
+    def release(self, seq, cache_blocks: bool) -> None:
+        """``seq`` gives its blocks back: cache its computed full blocks first (unless they hold
+        no valid data, e.g. a failed Store load)."""
+        if cache_blocks:
+            full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+            self.local.release(seq, self.hashes(seq) if full else [], full)
+        else:
+            self.local.forget(seq)
+
+    def forget(self, seq) -> None:
+        """``seq`` is finished or aborted: drop its bookkeeping."""
+        self._hashes.pop(seq.seq_id, None)
+        self._store_views.pop(seq.seq_id, None)
+
+    def requeued(self, seq) -> None:
+        """``seq`` went back to the waiting queue (preemption): ask the Store again."""
+        view = self._store_views.get(seq.seq_id)
+        if view is not None:
+            view.boundaries = None
+
+    # capacity ----------------------------------------------------------------------------
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self.local.num_evictable_blocks
+
+    def evict(self, num_blocks: int) -> int:
+        return self.local.evict(num_blocks)
+
+    def stats(self) -> dict:
+        """Cumulative counters: queried/hit tokens, checkpoints saved and skipped by reason,
+        state-miss tokens, and the Store tier's counters."""
+        out = dict(self.counters)
+        out['checkpoints_skipped'] = dict(self.skipped)
+        if self.store is not None:
+            out.update(self.store.stats())
+        return out

@@ -1,0 +1,100 @@
+"""What the prefix cache decides, as plain values the engine executes.
+
+The scheduler and the tiers only *plan*: which blocks a sequence shares, which checkpoint or
+Store prefix it restores, which states are saved where. The engine executes the plans (tensor
+copies, Store gets and puts) in :meth:`~lmdeploy.pytorch.engine.engine.Engine.step`, so every
+copy and every network operation is visible in one place, and a fake tier can record plans in
+scheduler tests without tensors or a Store.
+
+Lifecycle of one admission and one save::
+
+    PrefixMatch ──pin──▶ (allocate) ──commit──▶ CheckpointRestore | StoreLoad   (before the forward)
+    chunk end b is a save point ──▶ CheckpointSave + StorePut                    (after the forward)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ['PrefixMatch', 'CheckpointRestore', 'StoreLoad', 'LoadPlan', 'CheckpointSave', 'StorePut', 'SavePlan']
+
+
+@dataclass
+class PrefixMatch:
+    """What the cache tiers hold for one sequence now (metadata only; nothing pinned yet).
+
+    Attributes:
+        nodes: verified local trie nodes of the longest cached prefix of full blocks.
+        cached_tokens: tokens the admission starts from (0: cold).
+        source: ``'local'``, ``'store'`` or None (cold).
+        checkpoint_slot: the local checkpoint restored (``source == 'local'`` on a hybrid model).
+        num_shared_blocks: leading ``nodes`` whose blocks the sequence attaches read-only.
+        matched_tokens: tokens whose full-attention blocks are cached locally (capped so one
+            token is left to compute); ``matched_tokens - cached_tokens`` lacked a checkpoint.
+    """
+    nodes: list = field(default_factory=list)
+    cached_tokens: int = 0
+    source: str | None = None
+    checkpoint_slot: int | None = None
+    num_shared_blocks: int = 0
+    matched_tokens: int = 0
+
+
+@dataclass
+class CheckpointRestore:
+    """Copy checkpoint slot ``src`` into the runtime slot ``dst`` of ``seq`` (before its forward)."""
+    seq: object
+    src: int
+    dst: int
+
+
+@dataclass
+class StoreLoad:
+    """Load prefix ``[0, boundary)`` of ``seq`` from the Store: KV objects of blocks
+    ``[first_block, boundary / B)`` into ``block_ids[first_block:]`` and the state object into
+    runtime slot ``slot``. ``hashes`` are the chained hashes of the prefix's blocks;
+    ``matched_tokens`` is the admission's local match (for the hit counters)."""
+    seq: object
+    boundary: int
+    hashes: list[bytes]
+    block_ids: list[int]
+    first_block: int
+    slot: int
+    matched_tokens: int = 0
+
+
+@dataclass
+class LoadPlan:
+    """The restores one step runs before its forward."""
+    restores: list[CheckpointRestore] = field(default_factory=list)
+    store_loads: list[StoreLoad] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.restores or self.store_loads)
+
+
+@dataclass
+class CheckpointSave:
+    """Copy runtime slot ``src`` into the (pinned, unpublished) checkpoint slot ``dst``, then
+    publish it on trie ``node`` — the state of ``seq`` after exactly ``boundary`` tokens."""
+    seq: object
+    src: int
+    dst: int
+    node: object
+    boundary: int
+
+
+@dataclass
+class StorePut:
+    """Put prefix ``[0, boundary)``: the state in runtime slot ``slot`` and the KV blocks
+    ``block_ids`` (one per hash in ``hashes``) that the Store does not hold yet."""
+    hashes: list[bytes]
+    block_ids: list[int]
+    boundary: int
+    slot: int
+
+
+@dataclass
+class SavePlan:
+    """The saves one step runs after its forward."""
+    checkpoints: list[CheckpointSave] = field(default_factory=list)
+    store_puts: list[StorePut] = field(default_factory=list)
