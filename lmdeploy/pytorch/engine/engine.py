@@ -98,37 +98,37 @@ class Engine:
         self.session_len = config.session_len or int(getattr(self.hf_config, 'max_position_embeddings', 32768))
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
-        num_runtime = config.num_state_slots or config.max_batch_size
-        num_ckpt = config.num_checkpoint_slots if (self.is_hybrid and config.enable_prefix_caching) else 0
+        self.cache_config = cc = CacheConfig.from_engine_config(config)
+        num_runtime = cc.num_state_slots or config.max_batch_size
+        num_ckpt = cc.num_checkpoint_slots if (self.is_hybrid and cc.enable_prefix_caching) else 0
         num_slots = num_runtime + num_ckpt if self.is_hybrid else 0
-        num_blocks = config.num_gpu_blocks or self._derive_num_blocks(num_slots)
-        capacity = num_blocks * config.block_size
+        num_blocks = cc.num_gpu_blocks or self._derive_num_blocks(num_slots)
+        capacity = num_blocks * cc.block_size
         if self.session_len > capacity:
             # a sequence longer than the whole cache could never be (re)admitted and would spin
             # forever in the waiting queue; cap it so such prompts are rejected and outputs end
             # with finish_reason 'length' instead
             logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
-                           self.session_len, num_blocks, config.block_size, capacity)
+                           self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
-        self.cache_engine = CacheEngine(self.specs, config.block_size, num_blocks, num_slots, self.device)
+        self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
         self.block_manager = BlockManager(num_blocks)
         self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
         if config.prefill_save_last_only and not self.is_hybrid:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
-        self.cache_config = CacheConfig.from_engine_config(config)
         self.store = self._build_store()
         self.prefix_cache = None
-        if config.enable_prefix_caching:
-            local = LocalTier(self.block_manager, config.block_size, self.state_cache)
-            self.prefix_cache = PrefixCache(local, self.store, block_size=config.block_size,
-                                            alignment=config.prefill_save_alignment)
+        if cc.enable_prefix_caching:
+            local = LocalTier(self.block_manager, cc.block_size, self.state_cache)
+            self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
+                                            alignment=cc.prefill_save_alignment)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
         self.model_runner = ModelRunner(self.model, self.cache_engine)
 
     def _derive_num_blocks(self, num_slots: int) -> int:
-        cfg = self.config
+        cfg = self.cache_config
         if self.device.type == 'cuda':
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.cache_max_entry_count)
@@ -137,7 +137,7 @@ class Engine:
         budget -= num_slots * CacheEngine.bytes_per_slot(self.specs)
         per_block = CacheEngine.bytes_per_block(self.specs, cfg.block_size)
         # no point in more blocks than every running sequence at full session length needs, twice
-        cap = 2 * cfg.max_batch_size * (-(-self.session_len // cfg.block_size))
+        cap = 2 * self.config.max_batch_size * (-(-self.session_len // cfg.block_size))
         num_blocks = min(budget // per_block, cap)
         if num_blocks < 1:
             raise ValueError('cache_max_entry_count leaves no memory for even one KV block')
