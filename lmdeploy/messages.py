@@ -40,6 +40,12 @@ class PytorchEngineConfig(BaseModel):
                                         'a positive multiple of block_size.')
     prefill_save_last_only: bool = Field(False, description='Save one checkpoint per input turn, at the last '
                                          'reusable aligned boundary (hybrid models only).')
+    decode_save_last: bool = Field(False, description='When a request finishes, save one more checkpoint at the '
+                                   'last block boundary of prompt + reply (hybrid models, prefix caching on), so '
+                                   'the next turn of a conversation restores past the reply.')
+    save_junction: bool = Field(False, description='When a request\'s blocks match the cache deeper than its '
+                                'restorable checkpoint (a branch point), save one checkpoint at the deepest '
+                                'aligned boundary before the branch point (hybrid models, prefix caching on).')
     num_state_slots: int = Field(0, ge=0, description='Runtime recurrent-state slots; 0 = max_batch_size.')
     num_checkpoint_slots: int = Field(64, ge=0, description='Recurrent-state checkpoint slots of the prefix cache '
                                       '(hybrid models); a save with none free is skipped and counted.')

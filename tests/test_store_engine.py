@@ -569,3 +569,22 @@ def test_store_without_prefix_caching_is_not_started_and_says_so(tiny_qwen3_next
         assert 'needs enable_prefix_caching' in caplog.text
     finally:
         eng.close()
+
+
+def test_turn_end_checkpoint_reaches_the_store_and_a_fresh_engine_restores_past_the_reply(make_engine,
+                                                                                         tiny_qwen3_next):
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    cold_engine = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256))
+    writer = make_engine(decode_save_last=True, prefill_save_last_only=True)
+    one = writer.generate(prompt(100, seed=900), gen)          # 100 + 29 computed: turn end at 128
+    assert one.stats.turn_end_point == 128 and one.stats.save_points == [64]
+    assert writer.store.flush(timeout=30)
+    S, K = writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes
+    stats = writer.stats()
+    assert stats['store_put_bytes'] == {'state': 2 * S, 'kv': 8 * K}      # 64: S + 4 blocks; 128: S + 4 more
+    reader = make_engine(decode_save_last=True, prefill_save_last_only=True)
+    ids = one.token_ids + prompt(40, seed=901)
+    two = reader.generate(ids, gen)
+    assert two.num_cached_tokens == 128 and two.stats.store_hit_tokens == 128
+    assert two.output_ids == cold_engine.generate(ids, gen).output_ids
+    assert reader.store.flush(timeout=30) and reader.is_idle()

@@ -31,6 +31,7 @@ class CacheConfig:
         num_checkpoint_slots: checkpoint slots of the prefix cache (hybrid models).
         enable_prefix_caching: whether the tiers exist at all.
         prefill_save_alignment: A, checkpoint boundaries are multiples of A (tokens).
+        decode_save_last: also checkpoint the last block boundary of a finished request.
     """
     block_size: int
     num_gpu_blocks: int
@@ -39,11 +40,13 @@ class CacheConfig:
     num_checkpoint_slots: int
     enable_prefix_caching: bool
     prefill_save_alignment: int
+    decode_save_last: bool = False
 
     @classmethod
     def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'CacheConfig':
         return cls(cfg.block_size, cfg.num_gpu_blocks, cfg.cache_max_entry_count, cfg.num_state_slots,
-                   cfg.num_checkpoint_slots, cfg.enable_prefix_caching, cfg.prefill_save_alignment)
+                   cfg.num_checkpoint_slots, cfg.enable_prefix_caching, cfg.prefill_save_alignment,
+                   cfg.decode_save_last)
 
 
 @dataclass(frozen=True)
@@ -56,17 +59,19 @@ class SchedulerConfig:
         max_prefill_token_num: P, most prefill tokens per step (and per chunk).
         prefill_save_alignment: A (tokens).
         prefill_save_last_only: one save point per input turn (hybrid models only).
+        save_junction: one more save point at a branch point (hybrid models only).
     """
     block_size: int
     max_batch_size: int
     max_prefill_token_num: int
     prefill_save_alignment: int
     prefill_save_last_only: bool
+    save_junction: bool = False
 
     @classmethod
     def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'SchedulerConfig':
         return cls(cfg.block_size, cfg.max_batch_size, cfg.max_prefill_token_num, cfg.prefill_save_alignment,
-                   cfg.prefill_save_last_only)
+                   cfg.prefill_save_last_only, cfg.save_junction)
 
 
 @dataclass(frozen=True)

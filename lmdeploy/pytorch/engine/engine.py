@@ -122,7 +122,7 @@ class Engine:
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache)
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
-                                            alignment=cc.prefill_save_alignment)
+                                            alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
         self.model_runner = ModelRunner(self.model, self.cache_engine)
@@ -250,8 +250,9 @@ class Engine:
     def _execute_saves(self, saves: SavePlan) -> None:
         """Run the saves planned after the forward: runtime → checkpoint slot copies (published
         only once copied), then the Store puts (payloads copied out now, put in the background)."""
-        if saves.checkpoints:
-            self._copy_states([c.src for c in saves.checkpoints], [c.dst for c in saves.checkpoints],
+        copies = saves.checkpoints + saves.snapshots
+        if copies:
+            self._copy_states([c.src for c in copies], [c.dst for c in copies],
                               lambda ok: self.prefix_cache.saves_done(saves, ok))
         for put in saves.store_puts:
             self.store.submit(put)
@@ -286,7 +287,7 @@ class Engine:
             elif seq.num_generated >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
                 out.finish_reason = 'length'
             if out.finish_reason:
-                self.scheduler.finish(seq, out.finish_reason)
+                self._execute_saves(self.scheduler.finish(seq, out.finish_reason))
             outputs.append(out)
         return outputs
 

@@ -48,6 +48,7 @@ class SequenceStats:
         hit_tokens: prompt tokens restored from the local prefix cache.
         store_hit_tokens: prompt tokens restored from the Store.
         plans: the prefill plans used (one per admission).
+        turn_end_point: boundary (tokens) of the turn-end checkpoint saved at finish, or None.
     """
     save_points: list[int] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)
@@ -55,6 +56,7 @@ class SequenceStats:
     hit_tokens: int = 0
     store_hit_tokens: int = 0
     plans: list[PrefillPlan] = field(default_factory=list)
+    turn_end_point: int | None = None
 
 
 @dataclass(eq=False)

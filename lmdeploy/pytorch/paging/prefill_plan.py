@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ['PrefillPlan', 'ReuseRules', 'is_reusable', 'last_reusable', 'plan_prefill',
+__all__ = ['PrefillPlan', 'ReuseRules', 'is_reusable', 'last_reusable', 'plan_prefill', 'with_junction',
            'num_remaining_chunks', 'next_chunk_end']
 
 Span = tuple[int, int]
@@ -46,11 +46,13 @@ class PrefillPlan:
             ends; strictly increasing, last = ``num_tokens``.
         save_points: the chunk ends after which the recurrent state is checkpointed.
         cached_tokens: tokens restored at admission; the first chunk starts here.
+        junction: the save point added at a branch point (``save_junction``), or None.
     """
 
     chunk_ends: list[int]
     save_points: list[int]
     cached_tokens: int = 0
+    junction: int | None = None
     _saves: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -275,6 +277,10 @@ class ReuseRules:
         """The largest reusable boundary, or None."""
         return _largest_reusable_at_most(self.num_tokens, *self._args)
 
+    def last_reusable_at_most(self, limit: int) -> int | None:
+        """The largest reusable boundary ``<= limit``, or None."""
+        return _largest_reusable_at_most(limit, *self._args)
+
     def restorable(self, b: int, matched_blocks: int) -> bool:
         """Whether a cached prefix of ``b`` tokens may seed this input when ``matched_blocks``
         leading full blocks of it are known cached: ``b`` is reusable and the r blocks a
@@ -291,6 +297,16 @@ class ReuseRules:
         """:func:`plan_prefill` for this input."""
         return plan_prefill(self.num_tokens, cached_tokens, chunk_size, self.block_size, self.alignment, last_only,
                             self.token_lookahead, self.recompute_blocks, self.multimodal_spans)
+
+
+def with_junction(plan: PrefillPlan, junction: int) -> PrefillPlan:
+    """``plan`` with one more save point at ``junction`` (a reusable boundary inside the plan's
+    range): the chunk containing it is split there, so a forward ends exactly at it. Chunks only
+    get shorter, so every chunk still holds at most the plan's chunk size."""
+    if junction in plan.save_points or not plan.cached_tokens < junction < plan.num_tokens:
+        return plan
+    return PrefillPlan(sorted(set(plan.chunk_ends) | {junction}), sorted(plan.save_points + [junction]),
+                       plan.cached_tokens, junction)
 
 
 def num_remaining_chunks(plan: PrefillPlan, num_computed: int) -> int:

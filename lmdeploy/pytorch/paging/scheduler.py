@@ -32,7 +32,7 @@ from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.plans import LoadPlan, PrefixMatch, SavePlan
 from ..prefix_cache.state_cache import StateCache
 from .block_manager import BlockManager
-from .prefill_plan import PrefillPlan, ReuseRules, num_remaining_chunks
+from .prefill_plan import PrefillPlan, ReuseRules, num_remaining_chunks, with_junction
 
 __all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput']
 
@@ -104,13 +104,22 @@ class Scheduler:
         self._forget(seq)
         seq.status = SeqStatus.ABORTED
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark ``seq`` finished, cache its computed blocks and release its resources."""
+    def finish(self, seq: Sequence, reason: str) -> SavePlan:
+        """Mark ``seq`` finished, cache its computed blocks and release its resources.
+
+        Returns:
+            The saves a finished request still makes (the Store put of a turn-end checkpoint),
+            for the engine to execute in this step, before any block is reused.
+        """
+        saves = SavePlan()
+        if self.prefix_cache is not None:
+            self.prefix_cache.finish_turn(seq, saves)
         self.running.remove(seq)
         self._release(seq)
         self._forget(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        return saves
 
     def _forget(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:
@@ -202,7 +211,7 @@ class Scheduler:
         match = self.prefix_cache.match(seq) if self.prefix_cache is not None else PrefixMatch()
         if self.prefix_cache is not None:
             self.prefix_cache.pin(match)
-        plan = self._plan(seq, match.cached_tokens)
+        plan = self._plan(seq, match.cached_tokens, match.matched_tokens)
         need = -(-plan.chunk_ends[0] // self.block_size) - match.num_shared_blocks
         if not self._can_allocate(need):
             if self.prefix_cache is not None:
@@ -220,24 +229,31 @@ class Scheduler:
             self.prefix_cache.plan_load(seq, match, out.loads)
         return True
 
-    def _plan(self, seq: Sequence, cached: int) -> PrefillPlan:
+    def _plan(self, seq: Sequence, cached: int, matched: int = 0) -> PrefillPlan:
         """The turn's chunk plan; saves only when a hybrid model caches prefixes.
 
         The input turn is the prompt: a sequence re-admitted after preemption plans its save
         points over the prompt alone, then recomputes its generated tokens in plain chunks, so
-        it never takes more checkpoints than its first admission planned.
+        it never takes more checkpoints than its first admission planned. With ``save_junction``
+        a prompt whose cached blocks reach ``matched`` tokens, deeper than its restorable
+        checkpoint, also saves at the deepest reusable boundary up to ``matched`` (the branch
+        point of two conversations), so the next sibling restores there.
         """
         P = self.config.max_prefill_token_num
-        ends, saves, start = [], [], cached
+        ends, saves, start, junction = [], [], cached, None
         turn = seq.num_prompt_tokens
         if self.is_hybrid and self.prefix_cache is not None and cached < turn:
             rules = ReuseRules(turn, self.block_size, self.config.prefill_save_alignment, seq.token_lookahead,
                                seq.recompute_blocks, tuple(seq.multimodal_spans))
             plan = rules.plan(cached, P, self.last_only)
-            ends, saves, start = list(plan.chunk_ends), list(plan.save_points), turn
+            if self.config.save_junction and matched > cached:
+                junction = rules.last_reusable_at_most(matched)
+                if junction is not None and junction > cached:
+                    plan = with_junction(plan, junction)
+            ends, saves, start, junction = list(plan.chunk_ends), list(plan.save_points), turn, plan.junction
         if start < seq.num_tokens:
             ends += list(range(start + P, seq.num_tokens, P)) + [seq.num_tokens]
-        return PrefillPlan(ends, saves, cached)
+        return PrefillPlan(ends, saves, cached, junction)
 
     def remaining_prefill_chunks(self, seq: Sequence) -> int:
         """The scheduler's estimate of a sequence's remaining prefill forwards (from its plan)."""

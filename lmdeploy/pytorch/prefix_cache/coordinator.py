@@ -12,7 +12,14 @@ progress and the resources the forward needs::
     loads_done / store_loads_done    unpin; keep a Store restore locally     │ engine, which
     plan_saves                       new full blocks → trie; save points →   │ reports back
                                      CheckpointSave + StorePut              ─┘
+    finish_turn                      publish the turn-end checkpoint (decode_save_last)
     release / forget                 cache computed blocks; drop bookkeeping
+
+Turn-end checkpoints (``decode_save_last``): while a request decodes, the state at each block
+boundary it reaches is copied into one staging slot of that request (one row copy per B
+tokens); when it finishes, the last copy is published at that boundary and put to the Store
+with its unsaved KV blocks. Such a boundary is a multiple of B, not of A, so with the policy
+on, restores accept any block boundary that satisfies the other reusability rules.
 
 A Store restore whose load fails is rolled back by the scheduler and retried below the failed
 boundary, at most :data:`STORE_RESTORE_ATTEMPTS` times per request.
@@ -24,12 +31,19 @@ from dataclasses import dataclass
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import chain_block_hashes
 from .local_tier import LocalTier
-from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StoreLoad, StorePut
+from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
 
 __all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS']
 
 STORE_RESTORE_ATTEMPTS = 3   # failed Store loads per request before it stops asking the Store
 _PROBES_PER_STEP = 64        # waiting sequences probed per step at most (each once per attempt)
+
+
+@dataclass
+class _Staging:
+    """A request's turn-end staging slot and the boundary whose state it holds (0: none yet)."""
+    slot: int
+    boundary: int = 0
 
 
 @dataclass
@@ -47,18 +61,25 @@ class PrefixCache:
         local: the local tier.
         store: the Store tier, or None.
         block_size: B, tokens per block.
-        alignment: A, checkpoint boundaries are multiples of A.
+        alignment: A, prefill checkpoint boundaries are multiples of A.
+        decode_save_last: keep a turn-end checkpoint of every finished request (hybrid models).
     """
 
-    def __init__(self, local: LocalTier, store=None, *, block_size: int, alignment: int):
+    def __init__(self, local: LocalTier, store=None, *, block_size: int, alignment: int,
+                 decode_save_last: bool = False):
         self.local = local
         self.store = store
         self.block_size = block_size
         self.alignment = alignment
+        self.decode_save_last = decode_save_last and local.is_hybrid
+        # turn-end checkpoints sit on block boundaries: restores then accept any block boundary
+        self.restore_alignment = block_size if self.decode_save_last else alignment
         self._hashes: dict[int, list[bytes]] = {}
         self._store_views: dict[int, _StoreView] = {}
+        self._staging: dict[int, _Staging] = {}
         self.counters: dict[str, int] = {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0,
-                                         'checkpoints_saved': 0, 'state_miss_tokens': 0}
+                                         'checkpoints_saved': 0, 'state_miss_tokens': 0,
+                                         'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0}
         self.skipped: dict[str, int] = {}
 
     @property
@@ -74,7 +95,8 @@ class PrefixCache:
         return hashes
 
     def _rules(self, seq) -> ReuseRules:
-        return ReuseRules.for_sequence(seq, self.block_size, self.alignment)
+        """The rules a restore of ``seq`` must satisfy now."""
+        return ReuseRules.for_sequence(seq, self.block_size, self.restore_alignment)
 
     # before admission (engine) -----------------------------------------------------------
     def probe(self, waiting) -> None:
@@ -169,12 +191,15 @@ class PrefixCache:
 
     # after the forward (scheduler) -------------------------------------------------------
     def plan_saves(self, chunks, saves: SavePlan) -> None:
-        """Cache the new full blocks of this step's chunks and plan the saves at save points."""
+        """Cache the new full blocks of this step's chunks and plan the saves at save points
+        (and, with ``decode_save_last``, the staging copies at block boundaries)."""
         B, taken = self.block_size, set()
         for chunk in chunks:
             seq, end = chunk.seq, chunk.end
             save = self.is_hybrid and seq.plan is not None and seq.plan.is_save_point(end)
             full = end // B
+            if self.decode_save_last and not save and end % B == 0 and end >= seq.num_prompt_tokens // B * B:
+                self._stage(seq, end, saves)
             if not save and not self.local.needs_extend(seq, full):
                 continue
             node = self.local.extend(seq, self.hashes(seq), full)
@@ -189,16 +214,58 @@ class PrefixCache:
                 taken.add(id(node))
                 saves.checkpoints.append(planned)
 
+    def _stage(self, seq, boundary: int, saves: SavePlan) -> None:
+        staging = self._staging.get(seq.seq_id)
+        if staging is None:
+            slot = self.local.state_cache.alloc_checkpoint()
+            if slot is None:
+                return          # no slot now; a later boundary tries again
+            self.local.state_cache.pin(slot)
+            staging = self._staging[seq.seq_id] = _Staging(slot)
+        saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slot, boundary))
+
     def saves_done(self, saves: SavePlan, copied: bool) -> None:
         """Publish checkpoints whose copy ran (never before); ``copied=False`` releases their
-        slots unpublished and counts the skips."""
+        slots unpublished and counts the skips. Staging copies record their boundary."""
         for save in saves.checkpoints:
             self.local.checkpoint_done(save, copied)
             if copied:
                 save.seq.stats.save_points.append(save.boundary)
                 self.counters['checkpoints_saved'] += 1
+                if save.seq.plan is not None and save.boundary == save.seq.plan.junction:
+                    self.counters['junction_checkpoints_saved'] += 1
             else:
                 self._skip(save.seq, 'copy_failed')
+        for snap in saves.snapshots:
+            staging = self._staging.get(snap.seq.seq_id)
+            if staging is not None:
+                staging.boundary = snap.boundary if copied else 0
+
+    def finish_turn(self, seq, saves: SavePlan) -> None:
+        """``seq`` finished: publish its turn-end checkpoint at the last block boundary of its
+        computed tokens (if a forward ended there) and plan its Store put."""
+        staging = self._staging.get(seq.seq_id)
+        boundary = seq.num_computed_tokens // self.block_size * self.block_size
+        if staging is None or staging.boundary != boundary or boundary == 0:
+            return
+        node = self.local.extend(seq, self.hashes(seq), boundary // self.block_size)
+        if node is None or node.checkpoint_slot is not None:
+            self._skip(seq, 'hash_collision' if node is None else 'exists')
+            return
+        del self._staging[seq.seq_id]
+        self.local.state_cache.unpin(staging.slot)
+        self.local.state_cache.publish(staging.slot, node)
+        seq.stats.turn_end_point = boundary
+        self.counters['turn_end_checkpoints_saved'] += 1
+        if self.store is not None:
+            full = boundary // self.block_size
+            saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, staging.slot))
+
+    def _drop_staging(self, seq) -> None:
+        staging = self._staging.pop(seq.seq_id, None)
+        if staging is not None:
+            self.local.state_cache.unpin(staging.slot)
+            self.local.state_cache.release_checkpoint(staging.slot)
 
     def _skip(self, seq, reason: str) -> None:
         seq.stats.skipped[reason] += 1
@@ -208,6 +275,7 @@ class PrefixCache:
     def release(self, seq, cache_blocks: bool) -> None:
         """``seq`` gives its blocks back: cache its computed full blocks first (unless they hold
         no valid data, e.g. a failed Store load)."""
+        self._drop_staging(seq)
         if cache_blocks:
             full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
             self.local.release(seq, self.hashes(seq) if full else [], full)

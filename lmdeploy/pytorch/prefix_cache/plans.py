@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ['PrefixMatch', 'CheckpointRestore', 'StoreLoad', 'LoadPlan', 'CheckpointSave', 'StorePut', 'SavePlan']
+__all__ = ['PrefixMatch', 'CheckpointRestore', 'StoreLoad', 'LoadPlan', 'CheckpointSave', 'StateSnapshot', 'StorePut',
+           'SavePlan']
 
 
 @dataclass
@@ -84,6 +85,17 @@ class CheckpointSave:
 
 
 @dataclass
+class StateSnapshot:
+    """Copy runtime slot ``src`` into ``seq``'s staging checkpoint slot ``dst``: the state after
+    ``boundary`` tokens, a block boundary reached while decoding. The last one becomes the
+    turn-end checkpoint when the request finishes (``decode_save_last``)."""
+    seq: object
+    src: int
+    dst: int
+    boundary: int
+
+
+@dataclass
 class StorePut:
     """Put prefix ``[0, boundary)``: the state in runtime slot ``slot`` and the KV blocks
     ``block_ids`` (one per hash in ``hashes``) that the Store does not hold yet."""
@@ -95,6 +107,7 @@ class StorePut:
 
 @dataclass
 class SavePlan:
-    """The saves one step runs after its forward."""
+    """The saves one step runs after its forward (or when a request finishes)."""
     checkpoints: list[CheckpointSave] = field(default_factory=list)
+    snapshots: list[StateSnapshot] = field(default_factory=list)
     store_puts: list[StorePut] = field(default_factory=list)
