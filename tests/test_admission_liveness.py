@@ -70,9 +70,10 @@ def assert_cache_evictable(engine: Engine) -> None:
             continue
         up = node.parent
         while up is not None and up.parent is not None:
+            depth = getattr(up, 'depth', '?')
             assert refcount[up.block_id] > 1, (
-                f'cache node of block {up.block_id} (depth {up.depth}) is referenced only by the cache but '
-                f'lies above block {node.block_id}, which a sequence references: it can never be evicted')
+                f'cache node of block {up.block_id} (depth {depth}) is referenced only by the cache but lies '
+                f'above block {node.block_id}, which a sequence references: it can never be evicted')
             up = up.parent
 
 

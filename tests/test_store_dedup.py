@@ -12,15 +12,21 @@ of ``[0, b)`` the Store lacks (K_blk bytes each). Geometry: B = 16, A = 64, P = 
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 
 from engine_utils import random_prompt as prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.paging.block_trie import chain_block_hashes
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
+from lmdeploy.pytorch.store.mooncake_client import StoreClient
+from lmdeploy.pytorch.store.object_format import HEADER_SIZE, object_key
 from lmdeploy.pytorch.store.services import MooncakeServices
 
 B, A, P = 16, 64, 64
@@ -74,6 +80,11 @@ def cold(tiny_qwen3_next):
         return memo[tuple(ids)]
 
     return run
+
+
+def key(eng: Engine, kind: str, ids: list[int], num_tokens: int) -> str:
+    """Store key of the ``kind`` object of prefix ``ids[:num_tokens]`` (a block multiple)."""
+    return object_key(_store(eng).ns_hex, kind, chain_block_hashes(ids, B, num_tokens // B)[-1].hex())
 
 
 def put_bytes(eng: Engine) -> dict[str, int]:
@@ -135,7 +146,14 @@ def test_after_a_master_restart_the_next_saves_put_the_whole_prefix_again(make_e
         assert _flush(eng)
         assert eng.stats()['store_put_objects'] == {'state': 2, 'kv': 8}
 
+        address = services.master_address
         services.restart_master()          # same address; the new master holds no object
+        assert services.master_address == address and services.mounted_bytes() == SMALL_SEGMENT
+        probe = StoreClient.connect(address, services.metadata_server, local_buffer_size=1 << 20)
+        try:
+            assert not probe.exists(key(eng, 'state', users[0], 128))
+        finally:
+            probe.close()
         _serve_until_store_answers(eng)
 
         ids = turn1.token_ids + users[1]   # 276 tokens; the local cache restores 128
@@ -156,20 +174,71 @@ def test_after_a_master_restart_the_next_saves_put_the_whole_prefix_again(make_e
         assert _flush(fresh) and fresh.is_idle() and eng.is_idle()
 
 
-def test_restarted_master_is_empty_and_takes_puts_on_the_same_address():
-    from lmdeploy.pytorch.store.mooncake_client import StoreClient
-    with MooncakeServices(segment_size=SMALL_SEGMENT) as services:
-        address = services.master_address
-        writer = StoreClient.connect(address, services.metadata_server, local_buffer_size=1 << 20)
-        try:
-            assert writer.put('before', b'x' * 100) and writer.exists('before')
-        finally:
-            writer.close()
-        services.restart_master()
-        assert services.master_address == address and services.mounted_bytes() == SMALL_SEGMENT
-        client = StoreClient.connect(address, services.metadata_server, local_buffer_size=1 << 20)
-        try:
-            assert not client.exists('before')
-            assert client.put('after', b'y' * 100) and client.get('after') == b'y' * 100
-        finally:
-            client.close()
+# the property over request streams --------------------------------------------------------------
+_SALT = itertools.count()
+
+
+class PutAudit:
+    """Wraps engines' Store clients: before each put, asks the Store (through another client)
+    whether it already holds the key. The payload bytes of successful puts of absent keys are
+    the bytes the Store did not already have."""
+
+    def __init__(self, probe: StoreClient, engines: list[Engine]):
+        self.probe = probe
+        self.reset()
+        for eng in engines:
+            client = _store(eng).client
+            client.put = self._wrap(client.put)
+
+    def reset(self) -> None:
+        self.new_bytes = {'state': 0, 'kv': 0}
+        self.reputs: list[str] = []
+
+    def _wrap(self, put):
+        def audited_put(key, value):
+            present = self.probe.exists(key)
+            ok = put(key, value)
+            if present:
+                self.reputs.append(key)
+            elif ok:
+                self.new_bytes['state' if '/state/' in key else 'kv'] += memoryview(value).nbytes - HEADER_SIZE
+            return ok
+        return audited_put
+
+
+@st.composite
+def store_streams(draw):
+    """3-5 requests ``(engine, prefix, cut, suffix tokens, suffix seed)`` served one after the
+    other by two engines on one Store (one default, one last-only), on shared prefixes."""
+    return [(draw(st.integers(0, 1)), draw(st.integers(0, 2)), draw(st.sampled_from([0, 40, 64, 100, 128, 170, 256])),
+             draw(st.integers(1, 60)), draw(st.integers(0, 2))) for _ in range(draw(st.integers(3, 5)))]
+
+
+@pytest.fixture(scope='module')
+def audited_pair(tiny_qwen3_next, mooncake_services, mooncake_store):
+    """Two engines on the session's Store, one default and one last-only, and their :class:`PutAudit`."""
+    pair = [Engine(tiny_qwen3_next, store_config(mooncake_services, prefill_save_last_only=last_only))
+            for last_only in (False, True)]
+    yield pair, PutAudit(mooncake_store, pair)
+    for eng in pair:
+        eng.close()
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(stream=store_streams())
+@example(stream=[(0, 0, 256, 44, 0), (1, 0, 170, 60, 1)])      # the cross-engine re-put of the issue
+def test_store_bytes_counted_are_bytes_the_store_lacked(audited_pair, cold, stream):
+    engine_pair, audit = audited_pair
+    audit.reset()
+    salt = next(_SALT)      # prompts unique to this example: its objects are new to the Store
+    prefixes = [prompt(256, seed=20_000 + 10 * salt + i) for i in range(3)]
+    before = [put_bytes(eng) for eng in engine_pair]
+    for which, prefix, cut, suffix, seed in stream:
+        ids = prefixes[prefix][:cut] + prompt(suffix, seed=30_000 + 10 * salt + seed)
+        seq = engine_pair[which].generate(ids, GEN)
+        assert _flush(engine_pair[which])
+        assert seq.output_ids == cold(ids)
+    counted = {k: sum(put_bytes(eng)[k] - b[k] for eng, b in zip(engine_pair, before)) for k in ('state', 'kv')}
+    assert counted == audit.new_bytes, f're-put keys: {audit.reputs}'
+    assert all(eng.is_idle() for eng in engine_pair)
