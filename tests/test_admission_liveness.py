@@ -26,6 +26,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 from engine_utils import StepRecorder, make_engine, random_prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig
@@ -184,9 +185,8 @@ def test_server_answers_a_repeated_prompt_on_eight_blocks(tiny_qwen3_next, cold_
     assert first['text'] == second['text'] and first['finish_reason'] == second['finish_reason'] == 'length'
     assert [r['usage']['completion_tokens'] for r in replies] == [28, 28]
     assert ledger['runtime_slots_free'] == ledger['runtime_slots_total'] and ledger['checkpoints_pinned'] == 0
-    from transformers import AutoTokenizer
-    assert first['text'] == AutoTokenizer.from_pretrained(tiny_qwen3_next).decode(cold_next(ids, 28),
-                                                                                  skip_special_tokens=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_next)
+    assert first['text'] == tokenizer.decode(cold_next(ids, 28), skip_special_tokens=True)
 
 
 # request streams --------------------------------------------------------------------------------
