@@ -10,6 +10,8 @@ and of the tests. Invariants:
   no memory (segment size 0) stay readable after that engine exits, until :meth:`stop`.
 - :meth:`MooncakeServices.start` returns only when both processes accept connections, and
   otherwise raises ``RuntimeError`` naming the address and quoting the last log lines.
+- :meth:`MooncakeServices.restart_master` (fault tests) brings a fresh, empty master up on the
+  same ports and returns once the client's segment is mounted at it again.
 
 ::
 
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import deque
 from pathlib import Path
 
@@ -124,7 +127,7 @@ class MooncakeServices:
         self._own_log_dir = log_dir is None
         self._keep_logs = keep_logs
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self.rpc_port = self.metadata_port = self.client_port = 0
+        self.rpc_port = self.metadata_port = self.metrics_port = self.client_port = 0
         self._master: subprocess.Popen | None = None
         self._client: subprocess.Popen | None = None
         self._logs: list = []
@@ -191,17 +194,9 @@ class MooncakeServices:
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix='lmdeploy-mooncake-'))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.rpc_port, self.metadata_port, metrics_port, self.client_port = free_ports(self.host, 4)
+        self.rpc_port, self.metadata_port, self.metrics_port, self.client_port = free_ports(self.host, 4)
         atexit.register(self.stop)
-        self._master = self._spawn(master_bin, [
-            f'--rpc_address={self.host}', f'--rpc_port={self.rpc_port}',
-            '--enable_http_metadata_server=true', f'--http_metadata_server_host={self.host}',
-            f'--http_metadata_server_port={self.metadata_port}',
-            f'--metrics_host={self.host}', f'--metrics_port={metrics_port}', '--enable_metric_reporting=false',
-            *self.master_args,
-        ], self.master_log)
-        self._wait_ready(self._master, 'mooncake_master', [(self.host, self.rpc_port), (self.host, self.metadata_port)],
-                         self.master_log)
+        self._start_master(master_bin)
         self._client = self._spawn(client_bin, [
             f'--master_server_address={self.master_address}', f'--metadata_server={self.metadata_server}',
             f'--host={self.host}', f'--port={self.client_port}', f'--global_segment_size={self.segment_size}',
@@ -210,6 +205,17 @@ class MooncakeServices:
         # The client opens its service port only after its segment is mounted at the master.
         self._wait_ready(self._client, 'mooncake_client', [(self.host, self.client_port)], self.client_log)
         return self
+
+    def _start_master(self, binary: str) -> None:
+        self._master = self._spawn(binary, [
+            f'--rpc_address={self.host}', f'--rpc_port={self.rpc_port}',
+            '--enable_http_metadata_server=true', f'--http_metadata_server_host={self.host}',
+            f'--http_metadata_server_port={self.metadata_port}',
+            f'--metrics_host={self.host}', f'--metrics_port={self.metrics_port}', '--enable_metric_reporting=false',
+            *self.master_args,
+        ], self.master_log)
+        self._wait_ready(self._master, 'mooncake_master', [(self.host, self.rpc_port), (self.host, self.metadata_port)],
+                         self.master_log)
 
     @staticmethod
     def _end(proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -227,6 +233,47 @@ class MooncakeServices:
         if self._master is not None and self._master.poll() is None:
             self._master.send_signal(signal.SIGKILL)
             self._master.wait()
+
+    def restart_master(self) -> None:
+        """SIGKILL the master and start a fresh one on the same RPC, metadata and metrics ports
+        (fault tests); returns once the standalone client has mounted its segment again.
+
+        The new master starts empty: every object put before is gone (their bytes stay in the
+        client's segment, but no master knows of them). Nothing needs re-registering by hand
+        (checked with mooncake 0.3.13): ``mooncake_client`` pings the master every second and,
+        finding it restarted, re-publishes its transfer metadata and remounts its segment
+        (~1-2 s). An engine's client sees the first call after the restart fail (its connection
+        to the old master broke), then reconnects once its failure breaker lets it retry.
+
+        Raises:
+            RuntimeError: the services are not running, the master does not accept connections,
+                or the segment is not mounted again within ``start_timeout_s``.
+        """
+        if self._master is None:
+            raise RuntimeError('restart_master: the Mooncake services are not running')
+        self.kill_master()
+        self._start_master(find_binary('mooncake_master'))
+        deadline = time.monotonic() + self.start_timeout_s
+        while self.mounted_bytes() < self.segment_size:
+            if time.monotonic() > deadline:
+                tail = _tail(self.client_log)
+                raise RuntimeError(f'mooncake_client did not remount its segment at the restarted master '
+                                   f'{self.master_address} within {self.start_timeout_s} s; last lines of '
+                                   f'{self.client_log}:\n{tail}')
+            time.sleep(0.1)
+
+    def mounted_bytes(self) -> int:
+        """Bytes of segments mounted at the master (its ``master_total_capacity_bytes`` metric);
+        0 when the metrics endpoint does not answer."""
+        try:
+            with urllib.request.urlopen(f'http://{self.host}:{self.metrics_port}/metrics', timeout=2) as resp:
+                text = resp.read().decode(errors='replace')
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            if line.startswith('master_total_capacity_bytes '):
+                return int(float(line.split()[1]))
+        return 0
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate client then master (SIGTERM, SIGKILL after ``timeout_s`` seconds each);
