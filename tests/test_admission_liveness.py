@@ -14,13 +14,15 @@ fails the test instead of hanging it:
 - Store hit tokens of a request that is preempted and re-admitted count once.
 
 The properties run random request streams (shared prefixes, so repeats and branches occur) on
-a small pool and check after every step that no cache node only the cache references has a
-descendant a sequence references: such a node could never be evicted.
+a small pool and check after every step that no cache node is both unreferenced and
+unevictable: eviction can free every block only the cache references, and the engine's count
+of evictable blocks (what admission relies on) is exact.
 
 Geometry: B = 16 tokens per block, A = 64, P = 64 tokens per prefill chunk.
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -38,44 +40,37 @@ TIGHT = dict(block_size=B, prefill_save_alignment=A, max_prefill_token_num=P, en
 MAX_STEPS = 300
 
 
-# engine internals, in one place (the prefix-cache tiers are being reorganized) ----------------
+# engine internals ----------------------------------------------------------------------------
 def _trie(engine: Engine):
-    """The local prefix cache's trie: ``iter_nodes()``; nodes have ``block_id``, ``children``, ``parent``."""
-    if hasattr(engine, 'prefix_cache'):
-        return engine.prefix_cache.local.trie
-    return engine.scheduler.trie
+    """The local prefix cache's trie (None with caching off)."""
+    return engine.prefix_cache.local.trie if engine.prefix_cache is not None else None
 
 
 def _store_client(engine: Engine):
     """The Store client of an engine with the Store tier (its ``get`` reads one object)."""
-    if hasattr(engine, 'prefix_cache'):
-        return engine.prefix_cache.store.client
     return engine.store.client
 
 
 def _flush(engine: Engine) -> bool:
     """Wait until the Store tier's queued saves ran."""
-    store = engine.prefix_cache.store if hasattr(engine, 'prefix_cache') else engine.store
-    return store.flush(timeout=30)
+    return engine.store.flush(timeout=30)
 
 
 def assert_cache_evictable(engine: Engine) -> None:
-    """No cache node that only the cache references (block refcount 1) lies above a node a
-    sequence references (refcount > 1): every unreferenced node can be evicted eventually."""
+    """No cache node is both unreferenced and unevictable: the engine's count of evictable blocks
+    equals the cache nodes only the cache references (block refcount 1; no pin outlives a step),
+    and evicting everything from a copy of the cache frees exactly those blocks."""
     trie = _trie(engine)
     if trie is None:            # caching off
         return
     refcount = engine.block_manager.refcount
-    for node in trie.iter_nodes():
-        if refcount[node.block_id] <= 1:
-            continue
-        up = node.parent
-        while up is not None and up.parent is not None:
-            depth = getattr(up, 'depth', '?')
-            assert refcount[up.block_id] > 1, (
-                f'cache node of block {up.block_id} (depth {depth}) is referenced only by the cache but lies '
-                f'above block {node.block_id}, which a sequence references: it can never be evicted')
-            up = up.parent
+    unreferenced = [n.block_id for n in trie.iter_nodes() if refcount[n.block_id] == 1]
+    assert trie.num_evictable_blocks == len(unreferenced), (trie.num_evictable_blocks, unreferenced)
+    clone = copy.deepcopy(trie)                 # copies the block pool and the slots with it
+    freed = clone.evict(len(unreferenced) + 1)
+    left = [n.block_id for n in clone.iter_nodes() if clone.block_manager.refcount[n.block_id] == 1]
+    assert freed == len(unreferenced) and not left, (
+        f'cache blocks {left} are referenced only by the cache but eviction cannot free them')
 
 
 def run_bounded(engine: Engine, arrivals: list[tuple[int, list[int], GenerationConfig]], max_steps: int,

@@ -23,7 +23,7 @@ from engine_utils import random_prompt as prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.paging.block_trie import chain_block_hashes
+from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
 from lmdeploy.pytorch.store.mooncake_client import StoreClient
 from lmdeploy.pytorch.store.object_format import HEADER_SIZE, object_key
@@ -34,9 +34,8 @@ GEN = GenerationConfig(max_new_tokens=6, ignore_eos=True)
 SMALL_SEGMENT = 16 << 20    # the smallest segment Mooncake 0.3.13 accepts
 
 
-# engine internals, in one place (the prefix-cache tiers are being reorganized) ----------------
 def _store(engine: Engine):
-    return engine.prefix_cache.store if hasattr(engine, 'prefix_cache') else engine.store
+    return engine.store
 
 
 def _flush(engine: Engine) -> bool:
