@@ -21,7 +21,7 @@ from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
 
-__all__ = ['Pipeline', 'ChatSession']
+__all__ = ['Pipeline', 'ChatSession', 'render_chat']
 
 VALID_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
 
@@ -33,6 +33,47 @@ def _is_single(prompt) -> bool:
     if isinstance(prompt, (list, tuple)):
         return not prompt or isinstance(prompt[0], (dict, int))
     return False
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text of a conversation, ending with the assistant's generation prompt.
+
+    Equal to ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+    tokenize=False, **chat_template_kwargs)`` with ``developer`` messages given as ``system``.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages: OpenAI-style messages (``content`` a string, text parts or None; assistant
+            ``tool_calls``; tool ``tool_call_id`` / ``name``).
+        tools: OpenAI ``tools`` entries handed to the template, or None.
+        chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+
+    Raises:
+        ValueError: an empty list, a message that is not a dict, an unknown role, no chat
+            template, or the template rejecting the conversation (its message is kept).
+    """
+    if not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
+    msgs = []
+    for m in messages:
+        if m.get('role') not in VALID_ROLES:
+            raise ValueError(f'unknown message role {m.get("role")!r}; expected one of {VALID_ROLES}')
+        content = m.get('content')
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str)
+                       for p in content):
+                raise ValueError('message content parts must be {"type": "text", "text": str}')
+        elif content is not None and not isinstance(content, str):
+            raise ValueError('message content must be a string, a list of text parts or null')
+        msgs.append(dict(m, role='system') if m['role'] == 'developer' else m)
+    if not getattr(tokenizer, 'chat_template', None):
+        raise ValueError('this model has no chat template; send a raw prompt instead')
+    try:
+        return tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+    except Exception as err:     # jinja2 TemplateError / raise_exception in the template
+        raise ValueError(f'the chat template rejected the conversation: {err}') from err
 
 
 class _Detokenizer:
@@ -120,45 +161,32 @@ class Pipeline:
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                chat_template_kwargs: dict | None = None) -> str:
-        """The prompt text of a conversation, ending with the assistant's generation prompt.
+        """The prompt text of a conversation (see :func:`render_chat`)."""
+        return render_chat(self.tokenizer, messages, tools, chat_template_kwargs)
 
-        Args:
-            messages: OpenAI-style messages (``content`` a string, text parts or None;
-                assistant ``tool_calls``; tool ``tool_call_id`` / ``name``).
-            tools: OpenAI ``tools`` entries handed to the template, or None.
-            chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+    def tokenize(self, text: str, check_length: bool = True) -> list[int]:
+        """Token ids of ``text`` as is (no special tokens added), as ``apply_chat_template``
+        tokenizes its rendered text.
+
+        The Rust tokenizer's batch call is used because it releases the GIL while it works,
+        so other threads (the server's event loop) keep running during a long prompt; a prompt
+        over the session length is refused before its ids are copied into Python.
 
         Raises:
-            ValueError: an empty list, a message that is not a dict, an unknown role, or the
-                template rejecting the conversation (its message is kept).
+            ValueError: with ``check_length``, ``session_len`` tokens or more (both numbers given).
         """
-        if not messages or not all(isinstance(m, dict) for m in messages):
-            raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
-        msgs = []
-        for m in messages:
-            if m.get('role') not in VALID_ROLES:
-                raise ValueError(f'unknown message role {m.get("role")!r}; expected one of {VALID_ROLES}')
-            content = m.get('content')
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str)
-                           for p in content):
-                    raise ValueError('message content parts must be {"type": "text", "text": str}')
-            elif content is not None and not isinstance(content, str):
-                raise ValueError('message content must be a string, a list of text parts or null')
-            msgs.append(dict(m, role='system') if m['role'] == 'developer' else m)
-        if not self.has_chat_template:
-            raise ValueError('this model has no chat template; send a raw prompt instead')
-        try:
-            text = self.tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True,
-                                                      tokenize=False, **(chat_template_kwargs or {}))
-        except Exception as err:     # jinja2 TemplateError / raise_exception in the template
-            raise ValueError(f'the chat template rejected the conversation: {err}') from err
-        return text
-
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` as is (no special tokens added), as ``apply_chat_template``
-        tokenizes its rendered text."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        backend = getattr(self.tokenizer, 'backend_tokenizer', None)
+        if backend is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            num = len(ids)
+        else:
+            enc = backend.encode_batch([text], add_special_tokens=False)[0]
+            num, ids = len(enc), None
+        limit = self.engine.session_len
+        if check_length and num >= limit:
+            raise ValueError(f'the prompt has {num} tokens, which does not fit session_len={limit} '
+                             f'(at most {limit - 1} prompt tokens)')
+        return list(enc.ids if ids is None else ids)
 
     def encode(self, prompt, do_preprocess: bool = True) -> list[int]:
         """Token ids of one prompt.

@@ -343,17 +343,17 @@ class _Server:
         """Render, tokenize and check a chat request (worker thread)."""
         use_tools = bool(req.tools) and req.tool_choice != 'none'
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
-        try:
-            text = self.pipe.render([m.for_template() for m in req.messages], tools, req.chat_template_kwargs)
-        except ValueError as err:
-            raise APIError(400, f'messages: {err}', param='messages') from err
         parser = get_tool_parser(self.tool_parser_name) if use_tools and self.tool_parser_name else None
         prefix = ''
         if parser is not None and req.tool_choice == 'required':
             prefix = parser.forced_prefix(None)
         elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
             prefix = parser.forced_prefix(req.tool_choice.function.name)
-        ids = self.pipe.tokenize(text + prefix)
+        try:
+            text = self.pipe.render([m.for_template() for m in req.messages], tools, req.chat_template_kwargs)
+            ids = self.pipe.tokenize(text + prefix)
+        except ValueError as err:
+            raise APIError(400, f'messages: {err}', param='messages') from err
         reasoning = None
         if self.reasoning_parser_name and req.separate_reasoning:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
