@@ -197,6 +197,25 @@ def test_logprobs_equal_transformers_for_greedy(tiny_qwen3):
         assert max(abs(v - float(r)) for (_, v), r in zip(lp.top, top.values)) <= 1e-4
         assert lp.top[0][0] == lp.token_id                   # greedy picks the most likely token
 
+def test_sampler_logprobs_are_those_of_the_processed_distribution():
+    from lmdeploy.pytorch.engine.sampler import sample
+    from lmdeploy.pytorch.engine.sequence import Sequence
+    row = torch.tensor([[2.0, 0.8, 0.5, -1.0, 3.0]])
+    # greedy with a repetition penalty on tokens 0 and 4: log-softmax of the penalised logits
+    seq = Sequence([0, 4], GenerationConfig(repetition_penalty=2.0, logprobs=5))
+    (token,), (lp,) = sample(row.clone(), [seq])
+    want = torch.log_softmax(torch.tensor([1.0, 0.8, 0.5, -1.0, 1.5]), dim=-1)
+    assert token == 4 and abs(lp.logprob - float(want[4])) < 1e-6
+    assert [t for t, _ in lp.top] == [4, 0, 1, 2, 3] and abs(lp.top[1][1] - float(want[0])) < 1e-6
+    # sampling at T=0.5 with top_k=2: only the two kept tokens, renormalised
+    seq = Sequence([1], GenerationConfig(do_sample=True, temperature=0.5, top_k=2, logprobs=3, random_seed=3))
+    (token,), (lp,) = sample(row.clone(), [seq])
+    kept = torch.log_softmax(torch.tensor([2.0, 3.0]) / 0.5, dim=-1)
+    assert token in (0, 4) and [t for t, _ in lp.top] == [4, 0]                  # filtered tokens left out
+    assert max(abs(v - float(w)) for (_, v), w in zip(lp.top, kept.flip(0))) < 1e-6
+    assert sample(row.clone(), [Sequence([1], GenerationConfig())])[1] == [None]       # off by default
+
+
 # servers ------------------------------------------------------------------------------------------------------
 def scripted(model: str, *flags: str) -> ApiServer:
     return ApiServer(model, *GEOMETRY, *flags, launcher=[sys.executable, os.path.join(TESTS, 'scripted_server.py')],

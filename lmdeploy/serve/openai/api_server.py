@@ -35,6 +35,7 @@ import signal
 import threading
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -50,7 +51,7 @@ from .lifecycle import BodySizeLimit, Drain, GracefulServer, ShuttingDown
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
     NamedToolChoice, Usage, new_id, now
 from .reasoning_parser import get_reasoning_parser
-from .tool_parser import TOOL_PARSERS, get_tool_parser
+from .tool_parser import get_tool_parser
 
 __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUEST_BYTES',
            'DEFAULT_SHUTDOWN_TIMEOUT']
@@ -252,12 +253,11 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+@dataclass
 class _ChatPlan:
     """What the worker thread prepared for a chat request: the jobs and per-choice output parsers."""
-
-    def __init__(self, jobs, outputs: list[ChatOutput]):
-        self.jobs = jobs
-        self.outputs = outputs
+    jobs: list[tuple[list[int], GenerationConfig]]
+    outputs: list[ChatOutput]
 
 
 class _Server:
@@ -284,10 +284,10 @@ class _Server:
         template = template if isinstance(template, str) else json.dumps(template)
         self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>', 'hermes')
         self.reasoning_parser_name = _resolve_parser(reasoning_parser, template, '<think>', 'think')
-        for name in filter(None, [self.tool_parser_name]):
-            get_tool_parser(name)
-        for name in filter(None, [self.reasoning_parser_name]):
-            get_reasoning_parser(name)
+        if self.tool_parser_name:           # an unknown name fails now, not at the first request
+            get_tool_parser(self.tool_parser_name)
+        if self.reasoning_parser_name:
+            get_reasoning_parser(self.reasoning_parser_name)
         self.texts = TokenTexts(pipe.tokenizer)
         self.drain = Drain(shutdown_timeout)
 
