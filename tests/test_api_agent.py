@@ -128,6 +128,22 @@ def test_reasoning_split_examples():
     assert parser.parse('Answer only.') == (None, 'Answer only.')
 
 
+def test_chat_output_reasoning_then_calls_and_parallel_switch():
+    from lmdeploy.serve.openai.chat_output import ChatOutput
+    text = CALL_READ + '\n' + CALL_LS
+    for parallel, names in ((True, ['read_file', 'ls']), (False, ['read_file'])):
+        out = ChatOutput(get_reasoning_parser('think'), False, get_tool_parser('hermes'), '', parallel)
+        msg = out.message(text)
+        assert [c['function']['name'] for c in msg['tool_calls']] == names
+        assert (msg['reasoning_content'], msg['content']) == ('The listing has a.txt; read it.', 'Let me read it.')
+        assert out.finish_reason('stop') == 'tool_calls' and out.finish_reason('abort') == 'abort'
+        stream = ChatOutput(get_reasoning_parser('think'), False, get_tool_parser('hermes'), '', parallel)
+        deltas = [stream.feed(text[i:i + 7]) for i in range(0, len(text), 7)] + [stream.finish()]
+        assert [n for n, _ in _merge_fragments([f for d in deltas for f in d.get('tool_calls', [])])] == names
+        assert ''.join(d.get('reasoning_content', '') for d in deltas) == msg['reasoning_content']
+        assert ''.join(d.get('content', '') for d in deltas) == msg['content']
+
+
 # history rendering (no server) --------------------------------------------------------------------------------
 CALL = {'id': 'call_1', 'type': 'function', 'function': {'name': 'ls', 'arguments': '{"path": "."}'}}
 TRANSCRIPTS = [
@@ -452,6 +468,8 @@ def test_issue_big_requests_do_not_freeze_the_server(servers):
     # over the limit: 413 with an OpenAI body, before any parsing
     code, body = post(s, '/v1/chat/completions', b'{"model": "model", "messages": "' + b'x' * MAX_BYTES + b'"}')
     assert code == 413 and body['error']['code'] == 'request_too_large' and str(MAX_BYTES) in body['error']['message']
+    assert 'lmdeploy_http_requests_total{path="/v1/chat/completions",status="413"} 1.0' in \
+        httpx.get(s.base_url + '/metrics').text
     # 10,000 prompts are refused before any is tokenized
     t = time.perf_counter()
     code, body = post(s, '/v1/completions', {'model': 'model', 'prompt': ['river town ' * 40] * 10_000})

@@ -526,8 +526,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     app.get('/debug/ledger', dependencies=auth, responses=_errors(401, 503))(server.ledger)
     app.get('/health', responses=_errors(503))(server.health)
     app.get('/metrics')(server.prometheus)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    # added last = outermost: 413s are counted too
+    app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS)
     app.openapi = lambda: _openapi(app)
     app.state.server = server
     return app
