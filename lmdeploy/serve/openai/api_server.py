@@ -15,8 +15,9 @@ Ownership and invariants:
   cancels the stream), a non-streaming client going away, an error, the shutdown deadline —
   cancels those tasks, and cancelling a task aborts its engine request (``Pipeline.generate``),
   which frees its blocks, slots and pins before the next engine step.
-- The event loop only routes bytes: chat-template rendering, tokenization and request checks
-  run in worker threads, so one huge request never stalls other clients or ``/health``.
+- Chat-template rendering, tokenization and request checks run in worker threads, so one huge
+  prompt never stalls other clients or ``/health``; only JSON decoding and pydantic validation
+  run on the event loop.
 - Requests are validated (ranges by pydantic, prompt counts before tokenizing, messages / token
   ids / length by the pipeline and the engine) before anything is submitted, so a bad request
   is a 4xx with nothing to clean up.
