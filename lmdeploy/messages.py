@@ -103,6 +103,8 @@ class GenerationConfig(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description='Extra token ids that end generation.')
     ignore_eos: bool = Field(False, description='Do not stop at the model\'s EOS tokens.')
     random_seed: int | None = Field(None, description='Per-request sampling seed (same seed, same output).')
+    logprobs: int | None = Field(None, ge=0, le=20, description='Return each generated token\'s log-probability '
+                                 'and this many most likely alternatives (0-20); None = off.')
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +125,8 @@ class Response:
             engine logged it and keeps serving), or None while running.
         cached_tokens: prompt tokens served from the prefix cache or the Store.
         index: the prompt's position in a batch call.
+        logprobs: one :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per token of
+            ``token_ids`` when ``GenerationConfig.logprobs`` was set, else None.
     """
     text: str = ''
     token_ids: list[int] = field(default_factory=list)
@@ -131,3 +135,4 @@ class Response:
     finish_reason: str | None = None
     cached_tokens: int = 0
     index: int = 0
+    logprobs: list | None = None

@@ -57,10 +57,16 @@ class ApiServer:
         *flags: extra command-line flags (``--server-name``/``--server-port`` are added).
         api_key: if set, passed as ``--api-keys`` and used by :meth:`get` / :meth:`post`.
         startup_timeout: seconds to wait for ``/health``.
+        launcher: the command before ``serve api_server`` (default: ``python -m lmdeploy.cli.entrypoint``;
+            tests/scripted_server.py for a scripted sampler).
+        env: extra environment variables of the process.
     """
 
-    def __init__(self, model_path: str, *flags: str, api_key: str | None = None, startup_timeout: float = 180):
+    def __init__(self, model_path: str, *flags: str, api_key: str | None = None, startup_timeout: float = 180,
+                 launcher: list[str] | None = None, env: dict[str, str] | None = None):
         self.model_path = model_path
+        self.launcher = launcher or [sys.executable, '-m', 'lmdeploy.cli.entrypoint']
+        self.extra_env = dict(env or {})
         self.flags = list(flags)
         self.api_key = api_key
         self.startup_timeout = startup_timeout
@@ -79,13 +85,14 @@ class ApiServer:
     def launch(self) -> ApiServer:
         """Start the process (does not wait)."""
         self.port = free_port()
-        cmd = [sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'api_server', self.model_path,
+        cmd = [*self.launcher, 'serve', 'api_server', self.model_path,
                '--server-name', '127.0.0.1', '--server-port', str(self.port), '--log-level', 'WARNING',
                *self.flags]
         if self.api_key:
             cmd += ['--api-keys', self.api_key]
         self._log = tempfile.NamedTemporaryFile('w+', prefix='api_server_', suffix='.log', delete=False)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get('PYTHONPATH')])))
+        env = dict(os.environ, **self.extra_env,
+                   PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get('PYTHONPATH')])))
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         return self

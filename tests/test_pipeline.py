@@ -45,7 +45,7 @@ def test_every_prompt_form_gives_the_engine_greedy_output(pipe, reference):
     assert chat_ids[0] == 1 and chat_ids[-len(tail):] == tail
     want = reference(ids)
 
-    single = pipe(PROMPT, gen_config=GREEDY)
+    single = pipe(PROMPT, gen_config=GREEDY, do_preprocess=False)          # a raw continuation
     assert single.token_ids == want
     assert single.text == tok.decode(want, skip_special_tokens=True)
     assert (single.input_token_len, single.generate_token_len, single.finish_reason, single.cached_tokens) == \
@@ -54,9 +54,15 @@ def test_every_prompt_form_gives_the_engine_greedy_output(pipe, reference):
     chat = pipe(messages, gen_config=GREEDY)
     assert chat.input_token_len == len(chat_ids)
     assert chat.token_ids == reference(chat_ids)
-    batch = pipe([PROMPT, messages, ids], gen_config=GREEDY)
+    # by default a plain string is a user message rendered with the chat template
+    user_ids = list(tok.apply_chat_template([{'role': 'user', 'content': PROMPT}], add_generation_prompt=True,
+                                            tokenize=True)['input_ids'])
+    default = pipe(PROMPT, gen_config=GREEDY)
+    assert default.input_token_len == len(user_ids) and default.token_ids == reference(user_ids)
+    batch = pipe([PROMPT, messages, ids], gen_config=GREEDY, do_preprocess=False)
     assert [r.index for r in batch] == [0, 1, 2]
     assert [r.token_ids for r in batch] == [want, chat.token_ids, want]
+    assert pipe([PROMPT, ids], gen_config=GREEDY)[0].token_ids == default.token_ids
     assert_idle(pipe)
 
 
@@ -142,7 +148,7 @@ def test_bad_input_gets_a_clear_error_and_the_pipeline_keeps_serving(pipe, refer
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
-        assert pipe(PROMPT, gen_config=GREEDY).token_ids == want     # still serving, same output
+        assert pipe(PROMPT, gen_config=GREEDY, do_preprocess=False).token_ids == want   # still serving, same output
         assert_idle(pipe)                                           # and nothing left behind
 
 

@@ -4,6 +4,12 @@ It owns the tokenizer (chat template, incremental detokenization, stop strings) 
 :class:`~lmdeploy.pytorch.engine.engine_loop.EngineLoop`. Accepted prompts: a string, an
 OpenAI-style message list (``[{"role": ..., "content": ...}]``, rendered with the model's chat
 template), or a list of token ids; or a list of any of those for a batch.
+
+A plain string is a user message and goes through the chat template too, unless the call
+passes ``do_preprocess=False`` (then the string is tokenized as is: a raw continuation).
+Token-id lists are never changed. Rendering a message list equals
+``tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True, **kwargs)``
+token for token (``developer`` messages are rendered as ``system``).
 """
 from __future__ import annotations
 
@@ -15,9 +21,9 @@ from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
 
-__all__ = ['Pipeline', 'ChatSession']
+__all__ = ['Pipeline', 'ChatSession', 'render_chat']
 
-VALID_ROLES = ('system', 'user', 'assistant', 'tool')
+VALID_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
 
 
 def _is_single(prompt) -> bool:
@@ -27,6 +33,47 @@ def _is_single(prompt) -> bool:
     if isinstance(prompt, (list, tuple)):
         return not prompt or isinstance(prompt[0], (dict, int))
     return False
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text of a conversation, ending with the assistant's generation prompt.
+
+    Equal to ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+    tokenize=False, **chat_template_kwargs)`` with ``developer`` messages given as ``system``.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages: OpenAI-style messages (``content`` a string, text parts or None; assistant
+            ``tool_calls``; tool ``tool_call_id`` / ``name``).
+        tools: OpenAI ``tools`` entries handed to the template, or None.
+        chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+
+    Raises:
+        ValueError: an empty list, a message that is not a dict, an unknown role, no chat
+            template, or the template rejecting the conversation (its message is kept).
+    """
+    if not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
+    msgs = []
+    for m in messages:
+        if m.get('role') not in VALID_ROLES:
+            raise ValueError(f'unknown message role {m.get("role")!r}; expected one of {VALID_ROLES}')
+        content = m.get('content')
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str)
+                       for p in content):
+                raise ValueError('message content parts must be {"type": "text", "text": str}')
+        elif content is not None and not isinstance(content, str):
+            raise ValueError('message content must be a string, a list of text parts or null')
+        msgs.append(dict(m, role='system') if m['role'] == 'developer' else m)
+    if not getattr(tokenizer, 'chat_template', None):
+        raise ValueError('this model has no chat template; send a raw prompt instead')
+    try:
+        return tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+    except Exception as err:     # jinja2 TemplateError / raise_exception in the template
+        raise ValueError(f'the chat template rejected the conversation: {err}') from err
 
 
 class _Detokenizer:
@@ -107,39 +154,74 @@ class Pipeline:
         self.loop = EngineLoop(self.engine)
 
     # input -----------------------------------------------------------------------------
-    def encode(self, prompt) -> list[int]:
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer defines a chat template."""
+        return bool(getattr(self.tokenizer, 'chat_template', None))
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text of a conversation (see :func:`render_chat`)."""
+        return render_chat(self.tokenizer, messages, tools, chat_template_kwargs)
+
+    def tokenize(self, text: str, check_length: bool = True) -> list[int]:
+        """Token ids of ``text`` as is (no special tokens added), as ``apply_chat_template``
+        tokenizes its rendered text.
+
+        The Rust tokenizer's batch call is used because it releases the GIL while it works,
+        so other threads (the server's event loop) keep running during a long prompt; a prompt
+        over the session length is refused before its ids are copied into Python.
+
+        Raises:
+            ValueError: with ``check_length``, ``session_len`` tokens or more (both numbers given).
+        """
+        backend = getattr(self.tokenizer, 'backend_tokenizer', None)
+        if backend is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            num = len(ids)
+        else:
+            enc = backend.encode_batch([text], add_special_tokens=False)[0]
+            num, ids = len(enc), None
+        limit = self.engine.session_len
+        if check_length and num >= limit:
+            raise ValueError(f'the prompt has {num} tokens, which does not fit session_len={limit} '
+                             f'(at most {limit - 1} prompt tokens)')
+        return list(enc.ids if ids is None else ids)
+
+    def encode(self, prompt, do_preprocess: bool = True) -> list[int]:
         """Token ids of one prompt.
+
+        Args:
+            prompt: a string, a message list or a token-id list.
+            do_preprocess: render a string as a user message with the chat template (when the
+                model has one); False tokenizes it as a raw continuation.
 
         Raises:
             ValueError: an empty prompt, a malformed message list or an unknown role.
         """
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            if do_preprocess and self.has_chat_template and prompt:
+                ids = self.tokenize(self.render([{'role': 'user', 'content': prompt}]))
+            else:
+                ids = self.tokenize(prompt)
         elif prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         elif prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if m.get('role') not in VALID_ROLES:
-                    raise ValueError(f'unknown message role {m.get("role")!r}; expected one of {VALID_ROLES}')
-                if not isinstance(m.get('content', ''), str):
-                    raise ValueError('message content must be a string')
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, 'keys'):
-                ids = ids['input_ids']
-            ids = list(ids)
+            ids = self.tokenize(self.render(list(prompt)))
         else:
             raise ValueError('prompt must be a non-empty string, message list or token-id list')
         if not ids:
             raise ValueError('the prompt is empty: at least 1 token is required')
         return ids
 
-    def submit(self, prompt, gen_config: GenerationConfig | None = None, loop=None) -> RequestHandle:
+    def submit(self, prompt, gen_config: GenerationConfig | None = None, loop=None,
+               do_preprocess: bool = True) -> RequestHandle:
         """Encode and queue one prompt; returns its handle."""
-        return self.loop.submit(self.encode(prompt), gen_config or GenerationConfig(), loop=loop)
+        return self.loop.submit(self.encode(prompt, do_preprocess), gen_config or GenerationConfig(), loop=loop)
 
     # sync API --------------------------------------------------------------------------
-    def __call__(self, prompts, gen_config: GenerationConfig | None = None):
-        """Generate to completion.
+    def __call__(self, prompts, gen_config: GenerationConfig | None = None, do_preprocess: bool = True):
+        """Generate to completion. ``do_preprocess=False``: strings are raw continuations.
 
         Returns:
             A :class:`Response` for a single prompt, a list for a list of prompts.
@@ -147,22 +229,26 @@ class Pipeline:
         single = _is_single(prompts)
         batch = [prompts] if single else list(prompts)
         final: dict[int, Response] = {}
-        for r in self.stream_infer(batch, gen_config):
+        for r in self.stream_infer(batch, gen_config, do_preprocess):
             acc = final.setdefault(r.index, Response(index=r.index))
             acc.text += r.text
             acc.token_ids += r.token_ids
+            if r.logprobs is not None:
+                acc.logprobs = (acc.logprobs or []) + r.logprobs
             acc.input_token_len, acc.generate_token_len = r.input_token_len, r.generate_token_len
             acc.cached_tokens, acc.finish_reason = r.cached_tokens, r.finish_reason or acc.finish_reason
         results = [final[i] for i in range(len(batch))]
         return results[0] if single else results
 
-    def stream_infer(self, prompts, gen_config: GenerationConfig | None = None) -> Iterator[Response]:
-        """Yield :class:`Response` deltas (``index`` = the prompt's position) as tokens arrive."""
+    def stream_infer(self, prompts, gen_config: GenerationConfig | None = None,
+                     do_preprocess: bool = True) -> Iterator[Response]:
+        """Yield :class:`Response` deltas (``index`` = the prompt's position) as tokens arrive.
+        ``do_preprocess=False``: strings are raw continuations."""
         gen_config = gen_config or GenerationConfig()
         batch = [prompts] if _is_single(prompts) else list(prompts)
         # check every prompt before queueing any, so a bad one does not leave the others
         # running unattended in the engine
-        inputs = [self.encode(p) for p in batch]
+        inputs = [self.encode(p, do_preprocess) for p in batch]
         for ids in inputs:
             self.engine.validate(ids, gen_config)
         handles = [self.loop.submit(ids, gen_config) for ids in inputs]
@@ -183,13 +269,15 @@ class Pipeline:
             for i in live:
                 self.loop.abort(handles[i])
 
-    async def generate(self, prompt, gen_config: GenerationConfig | None = None) -> AsyncIterator[Response]:
-        """Async generator of :class:`Response` deltas for one prompt (used by the server).
+    async def generate(self, prompt, gen_config: GenerationConfig | None = None,
+                       do_preprocess: bool = True) -> AsyncIterator[Response]:
+        """Async generator of :class:`Response` deltas for one prompt (used by the server, which
+        passes token ids it encoded off the event loop).
 
         Cancelling the consumer aborts the request in the engine.
         """
         gen_config = gen_config or GenerationConfig()
-        handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop())
+        handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess)
         detok = _Detokenizer(self.tokenizer, gen_config.stop_words)
         finished = False
         try:
@@ -209,18 +297,20 @@ class Pipeline:
                 self.loop.abort(handle)
 
     def _delta(self, out, detok: _Detokenizer, gen_config: GenerationConfig, index: int) -> Response:
-        ids = out.token_ids
+        ids, logprobs = out.token_ids, out.logprobs
         if out.finish_reason == 'stop' and ids and (ids[-1] in gen_config.stop_token_ids or (
                 not gen_config.ignore_eos and ids[-1] in self.engine.eos_token_ids)):
             ids = ids[:-1]          # the stop token ends the text; it is not part of it (ignore_eos
             #                         only turns off EOS; stop_token_ids still stop, see Engine._update)
+            logprobs = logprobs[:len(ids)] if logprobs is not None else None
         text = '' if detok.stopped else detok.add(ids, final=out.finish_reason is not None)
         # a stop string found in the last delta ends the text even when the engine also hit
         # max_new_tokens on that token, so the request stopped, not ran out of length
         reason = 'stop' if detok.stopped else out.finish_reason
         return Response(text=text, token_ids=list(ids), input_token_len=out.num_prompt_tokens,
                         generate_token_len=out.num_generated, finish_reason=reason,
-                        cached_tokens=out.cached_tokens, index=index)
+                        cached_tokens=out.cached_tokens, index=index,
+                        logprobs=None if logprobs is None else list(logprobs))
 
     def chat(self, prompt: str, session: ChatSession | None = None, gen_config: GenerationConfig | None = None,
              system: str | None = None) -> ChatSession:

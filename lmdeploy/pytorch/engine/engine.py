@@ -51,6 +51,7 @@ class StepOutput:
     seq: Sequence
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list | None = None    # one sampler.TokenLogprob per new token, when the request asked
 
 
 def _eos_ids(model_path: str, config) -> frozenset[int]:
@@ -279,6 +280,8 @@ class Engine:
                 continue
             seq.token_ids.append(token)
             out = StepOutput(seq, [token])
+            if seq.seq_id in self.model_runner.last_logprobs:
+                out.logprobs = [self.model_runner.last_logprobs[seq.seq_id]]
             cfg = seq.gen_config
             if not cfg.ignore_eos and (token in seq.eos_token_ids or token in cfg.stop_token_ids):
                 out.finish_reason = 'stop'

@@ -30,6 +30,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     cached_tokens: int = 0
     num_generated: int = 0
+    logprobs: list | None = None    # one sampler.TokenLogprob per token in token_ids, when requested
 
 
 class RequestHandle:
@@ -134,8 +135,9 @@ class EngineLoop:
                 arg(self.engine)
 
     @staticmethod
-    def _output(seq: Sequence, tokens: list[int], reason: str | None) -> EngineOutput:
-        return EngineOutput(tokens, reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_generated)
+    def _output(seq: Sequence, tokens: list[int], reason: str | None, logprobs: list | None = None) -> EngineOutput:
+        return EngineOutput(tokens, reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_generated,
+                            logprobs)
 
     def _run(self) -> None:
         while not self._stop:
@@ -157,7 +159,7 @@ class EngineLoop:
                 handle = self._handles.get(out.seq.seq_id)
                 if handle is None:
                     continue
-                handle._push(self._output(out.seq, out.new_token_ids, out.finish_reason))
+                handle._push(self._output(out.seq, out.new_token_ids, out.finish_reason, out.logprobs))
                 if out.finish_reason:
                     del self._handles[out.seq.seq_id]
 

@@ -11,7 +11,7 @@ import torch
 from ..model_inputs import StepContext
 from ..paging.scheduler import SchedulerOutput
 from .cache_engine import CacheEngine
-from .sampler import sample_tokens
+from .sampler import TokenLogprob, sample
 
 __all__ = ['ModelRunner']
 
@@ -29,6 +29,8 @@ class ModelRunner:
         self.cache_engine = cache_engine
         self.device = cache_engine.device
         self.last_logits: torch.Tensor | None = None   # [num sampled, vocab], for tests
+        # {seq_id: TokenLogprob} of the last forward, for sequences that asked for logprobs
+        self.last_logprobs: dict[int, TokenLogprob] = {}
 
     def build_context(self, out: SchedulerOutput) -> StepContext:
         """The flat batch of this step's chunks."""
@@ -61,8 +63,10 @@ class ModelRunner:
             return_all_logits: keep logits of every position in ``self.all_logits`` (tests).
 
         Returns:
-            ``{seq_id: next token}`` for chunks that reached their sequence's last token.
+            ``{seq_id: next token}`` for chunks that reached their sequence's last token; the
+            tokens' log-probabilities (when requested) are left in ``self.last_logprobs``.
         """
+        self.last_logprobs = {}
         ctx = self.build_context(out)
         hidden = self.model(ctx)
         if return_all_logits:
@@ -73,5 +77,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         self.last_logits = logits
         seqs = [c.seq for c in out.chunks if c.sample]
-        tokens = sample_tokens(logits, seqs)
+        tokens, logprobs = sample(logits, seqs)
+        self.last_logprobs = {seq.seq_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
         return {seq.seq_id: tok for seq, tok in zip(seqs, tokens)}

@@ -10,14 +10,35 @@ Extreme but valid settings (a temperature or repetition penalty near 0) would ov
 logits to ±inf or NaN: temperature scaling is applied to max-shifted logits, and
 :func:`_finite` maps what still overflows to a finite limit, so that one request's settings can
 never make the step fail for every sequence in the batch.
+
+Log-probabilities (when a request sets ``GenerationConfig.logprobs``) are those of the
+distribution the token was drawn from: ``log_softmax`` of the penalised logits for greedy
+decoding, the log of the final temperature / top-k / top-p probabilities when sampling.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from .sequence import Sequence
 
-__all__ = ['sample_tokens']
+__all__ = ['sample_tokens', 'sample', 'TokenLogprob']
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of one sampled token and of the most likely alternatives.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its natural-log probability (finite, <= 0).
+        top: up to ``GenerationConfig.logprobs`` ``(token_id, logprob)`` pairs, most likely
+            first; tokens with probability 0 (filtered by top-k / top-p) are left out.
+    """
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _process(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -42,7 +63,21 @@ def _finite(row: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return row
 
 
+def _logprob(logp: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    """``logp``: ``[vocab]`` float32 log-probabilities (may hold -inf)."""
+    top = []
+    if num_top > 0:
+        vals, idx = torch.topk(logp, min(num_top, logp.numel()))
+        top = [(int(i), float(v)) for v, i in zip(vals, idx) if torch.isfinite(v)]
+    return TokenLogprob(token, float(logp[token]), top)
+
+
 def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Pick the next token of each sequence (see :func:`sample`); returns one id per sequence."""
+    return sample(logits, seqs)[0]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick the next token of each sequence.
 
     Args:
@@ -50,15 +85,19 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         seqs: the sequences being sampled.
 
     Returns:
-        One token id per sequence.
+        One token id per sequence, and per sequence a :class:`TokenLogprob` when its
+        ``gen_config.logprobs`` is set (None otherwise).
     """
-    out = []
+    out, logprobs = [], []
     for row, seq in zip(logits.float().cpu(), seqs):
         cfg = seq.gen_config
         raw = row
         row = _finite(_process(row.clone(), seq), raw)
         if cfg.greedy:
-            out.append(int(row.argmax()))
+            token = int(row.argmax())
+            out.append(token)
+            logprobs.append(None if cfg.logprobs is None else
+                            _logprob(torch.log_softmax(row, dim=-1), token, cfg.logprobs))
             continue
         # shifted by the max first: the same distribution as row / T, but a temperature near 0
         # sends the others to -inf instead of the max to +inf (inf - inf is NaN in the softmax)
@@ -76,5 +115,7 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             probs = probs / probs.sum()
         if seq.generator is None:
             seq.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-        out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-    return out
+        token = int(torch.multinomial(probs, 1, generator=seq.generator))
+        out.append(token)
+        logprobs.append(None if cfg.logprobs is None else _logprob(torch.log(probs), token, cfg.logprobs))
+    return out, logprobs

@@ -3,20 +3,24 @@
 Endpoints::
 
     GET  /v1/models             the served model (its name defaults to the model directory's basename)
-    POST /v1/chat/completions   messages → reply; SSE stream when "stream": true
+    POST /v1/chat/completions   messages (+ tools) → reply, reasoning, tool calls; SSE stream when "stream": true
     POST /v1/completions        prompt(s) as text or token ids → continuation(s)
-    GET  /health                200 while serving
+    GET  /health                200 while serving, 503 once shutting down
     GET  /metrics               Prometheus text (lmdeploy.metrics)
     GET  /debug/ledger          the engine's resource ledger (idle checks in tests)
 
 Ownership and invariants:
 - Each choice (``n`` per prompt) is one engine request, run as its own asyncio task that feeds a
   per-response queue. Whatever ends the response early — the client disconnecting (Starlette
-  cancels the stream), a non-streaming client going away, an error — cancels those tasks, and
-  cancelling a task aborts its engine request (``Pipeline.generate``), which frees its blocks,
-  slots and pins before the next engine step.
-- Requests are validated (ranges by pydantic, messages / token ids / length by the pipeline and
-  the engine) before anything is submitted, so a bad request is a 4xx with nothing to clean up.
+  cancels the stream), a non-streaming client going away, an error, the shutdown deadline —
+  cancels those tasks, and cancelling a task aborts its engine request (``Pipeline.generate``),
+  which frees its blocks, slots and pins before the next engine step.
+- Chat-template rendering, tokenization and request checks run in worker threads, so one huge
+  prompt never stalls other clients or ``/health``; only JSON decoding and pydantic validation
+  run on the event loop.
+- Requests are validated (ranges by pydantic, prompt counts before tokenizing, messages / token
+  ids / length by the pipeline and the engine) before anything is submitted, so a bad request
+  is a 4xx with nothing to clean up.
 - ``/v1/*`` and ``/debug/*`` require ``Authorization: Bearer <key>`` when API keys are set.
 - Decoding is greedy unless ``temperature`` > 0 (an absent temperature means greedy here, unlike
   OpenAI's default of 1.0), which makes served output reproducible by default.
@@ -32,30 +36,49 @@ import signal
 import threading
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ...messages import GenerationConfig
 from ...messages import Response as EngineResponse
 from ...metrics import HTTPMetricsMiddleware, ServerMetrics
+from .chat_output import ChatOutput, TokenTexts, chat_logprobs, completion_logprobs
 from .errors import APIError, error_body, install_error_handlers
-from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Usage, \
-    new_id, now
+from .lifecycle import BodySizeLimit, Drain, GracefulServer, ShuttingDown
+from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
+    NamedToolChoice, Usage, new_id, now
+from .reasoning_parser import get_reasoning_parser
+from .tool_parser import get_tool_parser
 
-__all__ = ['create_app', 'run_server', 'default_model_name']
+__all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUEST_BYTES',
+           'DEFAULT_SHUTDOWN_TIMEOUT']
 
 logger = logging.getLogger('lmdeploy')
 
 _KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/health', '/metrics',
                           '/debug/ledger'})
 _DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its client is still there
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+_END = object()             # queue sentinel: the shutdown deadline ended this generation
 
 
 def default_model_name(model_path: str) -> str:
     """The served model name when none is given: the model directory's basename."""
     return os.path.basename(os.path.normpath(model_path))
+
+
+def _resolve_parser(choice: str, template: str, marker: str, default: str) -> str | None:
+    """``auto`` → ``default`` when the chat template mentions ``marker``; ``none`` → None."""
+    if choice == 'none':
+        return None
+    if choice == 'auto':
+        return default if marker in (template or '') else None
+    return choice
 
 
 class _Choice:
@@ -64,6 +87,7 @@ class _Choice:
     def __init__(self, prompt_len: int):
         self.prompt_len = prompt_len
         self.text = ''
+        self.logprobs: list = []
         self.num_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -76,6 +100,7 @@ class _Choice:
             self.first = self.first or t
             self.last = t
         self.text += r.text
+        self.logprobs += r.logprobs or []
         self.num_tokens = max(self.num_tokens, r.generate_token_len)
         self.cached_tokens = max(self.cached_tokens, r.cached_tokens)
         self.finish_reason = r.finish_reason or self.finish_reason
@@ -97,12 +122,21 @@ class _Generation:
         self.n = n
         self.start = time.perf_counter()
         self.choices = [_Choice(len(ids)) for ids, _ in jobs]
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def end(self) -> None:
+        """End this generation now (the shutdown deadline): :meth:`deltas` raises ShuttingDown."""
+        self.queue.put_nowait((None, _END))
 
     async def deltas(self):
         """Async generator of ``(choice_index, Response)`` in arrival order until every choice
-        finished. Closing it early aborts the unfinished choices."""
-        queue: asyncio.Queue = asyncio.Queue()
-        pipe, metrics = self.server.pipe, self.server.metrics
+        finished. Closing it early aborts the unfinished choices.
+
+        Raises:
+            ShuttingDown: the shutdown deadline passed before every choice finished.
+        """
+        queue = self.queue
+        pipe, metrics, drain = self.server.pipe, self.server.metrics, self.server.drain
 
         async def run(index: int, ids: list[int], cfg: GenerationConfig):
             try:
@@ -115,10 +149,13 @@ class _Generation:
         metrics.requests_running.inc(len(self.jobs))
         metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in self.jobs))
         tasks = [asyncio.create_task(run(i, ids, cfg)) for i, (ids, cfg) in enumerate(self.jobs)]
+        drain.add(self)
         live = len(tasks)
         try:
             while live:
                 index, item = await queue.get()
+                if item is _END:
+                    raise ShuttingDown()
                 if isinstance(item, Exception):
                     logger.error('generation failed: %r', item)
                     item = _failed()
@@ -129,6 +166,7 @@ class _Generation:
                     self._finished(choice)
                 yield index, item
         finally:
+            drain.discard(self)
             for task in tasks:
                 task.cancel()       # no await: this may run inside a cancelled scope
             for choice in self.choices:
@@ -150,7 +188,11 @@ class _Generation:
                      prompt_tokens_details={'cached_tokens': sum(c.cached_tokens for c in heads)}).model_dump()
 
     async def collect(self, request: Request) -> None:
-        """Run every choice to the end; aborts them if the client disconnects meanwhile."""
+        """Run every choice to the end; aborts them if the client disconnects meanwhile.
+
+        Raises:
+            APIError: 503 when the shutdown deadline ended the request, 500 when the engine failed.
+        """
         async def drain():
             async with aclosing(self.deltas()) as stream:
                 async for _ in stream:
@@ -165,6 +207,8 @@ class _Generation:
         finally:
             task.cancel()
         if task.done() and not task.cancelled():
+            if isinstance(task.exception(), ShuttingDown):
+                raise _shutting_down()
             task.result()       # re-raise a bug in the merge loop as a 500
         if any(c.finish_reason == 'error' for c in self.choices):
             raise APIError(500, 'the engine failed while generating; see the server log', code='engine_error')
@@ -174,8 +218,28 @@ def _failed() -> EngineResponse:
     return EngineResponse(finish_reason='error')
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, 'the server is shutting down; retry on another instance', code='shutting_down',
+                    type='server_error')
+
+
 def _sse(body: dict | str) -> str:
     return f'data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n'
+
+
+def _stream_error(err: Exception) -> str:
+    if isinstance(err, ShuttingDown):
+        return _sse(error_body('the server is shutting down; the reply is incomplete', 'server_error',
+                               code='shutting_down'))
+    return _sse(error_body('the engine failed while generating', 'server_error', code='engine_error'))
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Two chat ``delta`` dicts as one (strings concatenated, tool-call fragments appended)."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = out[key] + value if key in out else value
+    return out
 
 
 class _SSEResponse(StreamingResponse):
@@ -190,19 +254,51 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-class _Server:
-    """Request handlers bound to one pipeline."""
+@dataclass
+class _ChatPlan:
+    """What the worker thread prepared for a chat request: the jobs and per-choice output parsers."""
+    jobs: list[tuple[list[int], GenerationConfig]]
+    outputs: list[ChatOutput]
 
-    def __init__(self, pipe, model_name: str, api_keys: list[str] | None):
+
+class _Server:
+    """Request handlers bound to one pipeline.
+
+    Args:
+        pipe: the pipeline.
+        model_name: the served name.
+        api_keys: accepted bearer tokens (empty: no authentication).
+        tool_call_parser: ``auto`` (``hermes`` when the chat template mentions ``<tool_call>``),
+            ``none``, or a registered parser name.
+        reasoning_parser: ``auto`` (``think`` when the chat template mentions ``<think>``),
+            ``none``, or a registered parser name.
+        shutdown_timeout: seconds in-flight requests may run after SIGTERM.
+    """
+
+    def __init__(self, pipe, model_name: str, api_keys: list[str] | None, tool_call_parser: str = 'auto',
+                 reasoning_parser: str = 'auto', shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
         self.pipe = pipe
         self.model_name = model_name
         self.api_keys = [k for k in (api_keys or []) if k]
         self.metrics = ServerMetrics(lambda: pipe.loop.call(lambda engine: engine.stats(), timeout=30),
                                      lambda: pipe.loop.call(lambda engine: engine.ledger(), timeout=30))
+        template = getattr(pipe.tokenizer, 'chat_template', None) or ''
+        template = template if isinstance(template, str) else json.dumps(template)
+        self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>', 'hermes')
+        self.reasoning_parser_name = _resolve_parser(reasoning_parser, template, '<think>', 'think')
+        if self.tool_parser_name:           # an unknown name fails now, not at the first request
+            get_tool_parser(self.tool_parser_name)
+        if self.reasoning_parser_name:
+            get_reasoning_parser(self.reasoning_parser_name)
+        self.texts = TokenTexts(pipe.tokenizer)
+        self.drain = Drain(shutdown_timeout)
 
     # request checks ---------------------------------------------------------------------
     def check_key(self, request: Request) -> None:
-        """FastAPI dependency: 401 unless the bearer token is one of the keys (when keys are set)."""
+        """FastAPI dependency: 503 once shutting down; 401 unless the bearer token is one of the
+        keys (when keys are set)."""
+        if self.drain.draining:
+            raise _shutting_down()
         if not self.api_keys:
             return
         scheme, _, token = request.headers.get('authorization', '').partition(' ')
@@ -217,32 +313,57 @@ class _Server:
                            param='model', code='model_not_found')
 
     def _encode(self, prompt, param: str) -> list[int]:
+        """Raw token ids of a completions prompt (worker thread)."""
         try:
-            return self.pipe.encode(prompt)
-        except Exception as err:   # ValueError, or the chat template rejecting the conversation
+            return self.pipe.encode(prompt, do_preprocess=False)
+        except Exception as err:   # ValueError, or the tokenizer refusing the text
             raise APIError(400, f'{param}: {err}', param=param) from err
 
-    def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str):
-        """One ``(ids, GenerationConfig)`` per choice; 400 if the engine would refuse one."""
-        if len(prompts_ids) * req.n > MAX_CHOICES:
-            raise APIError(400, f'{len(prompts_ids)} prompts x n={req.n} exceeds {MAX_CHOICES} choices', param='n')
+    def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None):
+        """One ``(ids, GenerationConfig)`` per choice (worker thread); 400 if the engine would
+        refuse one. ``max_new`` is clamped to what the session has left after the prompt."""
         session_len = self.pipe.engine.session_len
         jobs = []
         for ids in prompts_ids:
+            try:
+                self.pipe.engine.validate(ids, GenerationConfig())
+            except ValueError as err:
+                raise APIError(400, str(err), param=param) from err
+            room = max(0, session_len - len(ids))
             for j in range(req.n):
                 seed = None if req.seed is None else (req.seed + j) % (1 << 63)
                 sampling = bool(req.temperature)
                 cfg = GenerationConfig(
-                    max_new_tokens=max(0, session_len - len(ids)) if max_new is None else max_new,
+                    max_new_tokens=room if max_new is None else min(max_new, room),
                     do_sample=sampling, temperature=req.temperature if sampling else 1.0, top_p=req.top_p,
                     top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
-                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed)
-                try:
-                    self.pipe.engine.validate(ids, cfg)
-                except ValueError as err:
-                    raise APIError(400, str(err), param=param) from err
+                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs)
                 jobs.append((ids, cfg))
         return jobs
+
+    def _plan_chat(self, req: ChatCompletionRequest) -> _ChatPlan:
+        """Render, tokenize and check a chat request (worker thread)."""
+        use_tools = bool(req.tools) and req.tool_choice != 'none'
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
+        parser = get_tool_parser(self.tool_parser_name) if use_tools and self.tool_parser_name else None
+        prefix = ''
+        if parser is not None and req.tool_choice == 'required':
+            prefix = parser.forced_prefix(None)
+        elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
+            prefix = parser.forced_prefix(req.tool_choice.function.name)
+        try:
+            text = self.pipe.render([m.for_template() for m in req.messages], tools, req.chat_template_kwargs)
+            ids = self.pipe.tokenize(text + prefix)
+        except ValueError as err:
+            raise APIError(400, f'messages: {err}', param='messages') from err
+        reasoning = None
+        if self.reasoning_parser_name and req.separate_reasoning:
+            reasoning = get_reasoning_parser(self.reasoning_parser_name)
+        started = reasoning is not None and not prefix and text.rstrip().endswith(reasoning.start_tag)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs)
+        outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
+        return _ChatPlan(jobs, outputs)
 
     # endpoints ------------------------------------------------------------------------------
     async def models(self) -> dict:
@@ -251,21 +372,25 @@ class _Server:
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req.model)
-        messages = [{'role': m.role, 'content': m.text()} for m in req.messages]
-        ids = self._encode(messages, 'messages')
-        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        gen = _Generation(self, self._jobs(req, [ids], max_new, 'messages'), req.n)
+        plan = await run_in_threadpool(self._plan_chat, req)
+        gen = _Generation(self, plan.jobs, req.n)
         rid, created = new_id('chatcmpl'), now()
         head = {'id': rid, 'object': 'chat.completion', 'created': created, 'model': self.model_name}
+        top = req.top_logprobs or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._chat_events(gen, dict(head, object='chat.completion.chunk'), include_usage))
+            return _SSEResponse(self._chat_events(gen, plan.outputs, dict(head, object='chat.completion.chunk'),
+                                                  include_usage, req.logprobs, top))
         await gen.collect(request)
-        choices = [{'index': i, 'message': {'role': 'assistant', 'content': c.text}, 'logprobs': None,
-                    'finish_reason': c.finish_reason} for i, c in enumerate(gen.choices)]
+        choices = []
+        for i, (c, out) in enumerate(zip(gen.choices, plan.outputs)):
+            choices.append({'index': i, 'message': out.message(c.text),
+                            'logprobs': chat_logprobs(self.texts, c.logprobs, top) if req.logprobs else None,
+                            'finish_reason': out.finish_reason(c.finish_reason)})
         return dict(head, choices=choices, usage=gen.usage())
 
-    async def _chat_events(self, gen: _Generation, head: dict, include_usage: bool):
+    async def _chat_events(self, gen: _Generation, outputs: list[ChatOutput], head: dict, include_usage: bool,
+                           logprobs: bool, top: int):
         def chunk(choices, usage=None):
             body = dict(head, choices=choices)
             if include_usage:
@@ -274,14 +399,23 @@ class _Server:
         for i in range(len(gen.choices)):
             yield chunk([{'index': i, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
                           'finish_reason': None}])
-        async with aclosing(gen.deltas()) as stream:
-            async for i, r in stream:
-                if r.finish_reason == 'error':
-                    yield _sse(error_body('the engine failed while generating', 'server_error', code='engine_error'))
-                    break
-                if r.text or r.finish_reason:
-                    delta = {'content': r.text} if r.text else {}
-                    yield chunk([{'index': i, 'delta': delta, 'logprobs': None, 'finish_reason': r.finish_reason}])
+        try:
+            async with aclosing(gen.deltas()) as stream:
+                async for i, r in stream:
+                    if r.finish_reason == 'error':
+                        yield _stream_error(RuntimeError())
+                        break
+                    out = outputs[i]
+                    delta = out.feed(r.text) if r.text else {}
+                    reason = None
+                    if r.finish_reason:
+                        delta = _merge(delta, out.finish())
+                        reason = out.finish_reason(r.finish_reason)
+                    lp = chat_logprobs(self.texts, r.logprobs, top) if logprobs and r.logprobs else None
+                    if delta or reason or lp:
+                        yield chunk([{'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}])
+        except ShuttingDown as err:
+            yield _stream_error(err)
         if include_usage:
             yield chunk([], gen.usage())
         yield _sse('[DONE]')
@@ -291,31 +425,50 @@ class _Server:
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, 'prompt must not be empty', param='prompt')
-        ids = [self._encode(p, 'prompt') for p in prompts]
-        gen = _Generation(self, self._jobs(req, ids, req.max_tokens, 'prompt'), req.n)
+        if len(prompts) * req.n > MAX_CHOICES:       # before any tokenization
+            raise APIError(400, f'{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices',
+                           param='prompt' if len(prompts) > 1 else 'n')
+
+        def plan():
+            ids = [self._encode(p, 'prompt') for p in prompts]
+            return self._jobs(req, ids, req.max_tokens, 'prompt', req.logprobs)
+        gen = _Generation(self, await run_in_threadpool(plan), req.n)
         head = {'id': new_id('cmpl'), 'object': 'text_completion', 'created': now(), 'model': self.model_name}
+        top = req.logprobs or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._completion_events(gen, head, include_usage))
+            return _SSEResponse(self._completion_events(gen, head, include_usage, req.logprobs is not None, top))
         await gen.collect(request)
-        choices = [{'index': i, 'text': c.text, 'logprobs': None, 'finish_reason': c.finish_reason}
-                   for i, c in enumerate(gen.choices)]
+        choices = [{'index': i, 'text': c.text,
+                    'logprobs': completion_logprobs(self.texts, c.logprobs, top) if req.logprobs is not None
+                    else None, 'finish_reason': c.finish_reason} for i, c in enumerate(gen.choices)]
         return dict(head, choices=choices, usage=gen.usage())
 
-    async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool):
-        async with aclosing(gen.deltas()) as stream:
-            async for i, r in stream:
-                if r.finish_reason == 'error':
-                    yield _sse(error_body('the engine failed while generating', 'server_error', code='engine_error'))
-                    break
-                if r.text or r.finish_reason:
-                    choice = {'index': i, 'text': r.text, 'logprobs': None, 'finish_reason': r.finish_reason}
-                    yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
+    async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
+                                 top: int):
+        offsets = [0] * len(gen.choices)
+        try:
+            async with aclosing(gen.deltas()) as stream:
+                async for i, r in stream:
+                    if r.finish_reason == 'error':
+                        yield _stream_error(RuntimeError())
+                        break
+                    lp = None
+                    if logprobs and r.logprobs:
+                        lp = completion_logprobs(self.texts, r.logprobs, top, offsets[i])
+                        offsets[i] += sum(len(t) for t in lp['tokens'])
+                    if r.text or r.finish_reason or lp:
+                        choice = {'index': i, 'text': r.text, 'logprobs': lp, 'finish_reason': r.finish_reason}
+                        yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
+        except ShuttingDown as err:
+            yield _stream_error(err)
         if include_usage:
             yield _sse(dict(head, choices=[], usage=gen.usage()))
         yield _sse('[DONE]')
 
-    async def health(self) -> dict:
+    async def health(self):
+        if self.drain.draining:
+            raise _shutting_down()
         return {'status': 'ok'}
 
     def prometheus(self) -> Response:
@@ -327,25 +480,58 @@ class _Server:
         return await run_in_threadpool(self.pipe.ledger)
 
 
-def create_app(pipe, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
+def _errors(*codes: int) -> dict:
+    descriptions = {400: 'invalid request (a field out of range, malformed JSON, a prompt too long ...)',
+                    401: 'missing or invalid API key', 404: 'unknown model', 413: 'request body over '
+                    '--max-request-bytes', 500: 'server bug or engine failure', 503: 'the server is shutting down'}
+    return {c: {'model': ErrorBody, 'description': descriptions[c]} for c in codes}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422 responses: validation errors are answered with 400."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for ops in schema.get('paths', {}).values():
+            for op in ops.values():
+                op.get('responses', {}).pop('422', None)
+        for name in ('HTTPValidationError', 'ValidationError'):
+            schema.get('components', {}).get('schemas', {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
+               reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
         pipe: the pipeline; the app does not close it.
         model_name: the name clients must send as ``model`` (others get 404).
         api_keys: accepted bearer tokens; None or empty disables authentication.
+        tool_call_parser: see :class:`_Server`.
+        reasoning_parser: see :class:`_Server`.
+        max_request_bytes: larger bodies get 413; 0 = no limit.
+        shutdown_timeout: seconds in-flight requests may run after a shutdown signal.
+
+    Raises:
+        ValueError: an unknown parser name.
     """
-    server = _Server(pipe, model_name, api_keys)
+    server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout)
     app = FastAPI(title='lmdeploy', version='0.1.0')
     install_error_handlers(app)
     auth = [Depends(server.check_key)]
-    app.get('/v1/models', dependencies=auth)(server.models)
-    app.post('/v1/chat/completions', dependencies=auth)(server.chat)
-    app.post('/v1/completions', dependencies=auth)(server.completions)
-    app.get('/debug/ledger', dependencies=auth)(server.ledger)
-    app.get('/health')(server.health)
+    generation = _errors(400, 401, 404, 413, 500, 503)
+    app.get('/v1/models', dependencies=auth, responses=_errors(401, 503))(server.models)
+    app.post('/v1/chat/completions', dependencies=auth, responses=generation)(server.chat)
+    app.post('/v1/completions', dependencies=auth, responses=generation)(server.completions)
+    app.get('/debug/ledger', dependencies=auth, responses=_errors(401, 503))(server.ledger)
+    app.get('/health', responses=_errors(503))(server.health)
     app.get('/metrics')(server.prometheus)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    # added last = outermost: 413s are counted too
     app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS)
+    app.openapi = lambda: _openapi(app)
     app.state.server = server
     return app
 
@@ -359,13 +545,20 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0', server_port: int = 23333,
-               api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None) -> None:
-    """Load the model and serve it until SIGINT/SIGTERM (blocking). Either signal shuts down
-    gracefully: the pipeline is closed (Store saves flushed, embedded Mooncake services stopped);
-    SIGTERM then exits with ``SystemExit(143)``, SIGINT with ``KeyboardInterrupt``.
+               api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None, *,
+               tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Load the model and serve it until SIGINT/SIGTERM (blocking).
+
+    Either signal shuts down gracefully (see :mod:`.lifecycle`): the server stops accepting,
+    in-flight requests get ``shutdown_timeout`` seconds to finish, the rest are ended with an
+    error event / a 503, then the pipeline is closed (Store saves flushed, embedded Mooncake
+    services stopped); SIGTERM then exits with ``SystemExit(143)``, SIGINT with
+    ``KeyboardInterrupt``. Other arguments as :func:`create_app`.
 
     Raises:
-        ValueError: bad model path or engine configuration (from :class:`~lmdeploy.serve.pipeline.Pipeline`).
+        ValueError: bad model path, engine configuration or parser name.
     """
     import uvicorn
 
@@ -376,10 +569,15 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pipe = Pipeline(model_path, backend_config)
     try:
-        app = create_app(pipe, model_name or default_model_name(model_path), api_keys)
-        logger.info('serving %s as %r on http://%s:%d', model_path, app.state.server.model_name, server_name,
-                    server_port)
-        uvicorn.run(app, host=server_name, port=server_port, log_level=log_level.lower(),
-                    timeout_graceful_shutdown=5)
+        app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
+                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                         max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout)
+        server = app.state.server
+        logger.info('serving %s as %r on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
+                    server.model_name, server_name, server_port, server.tool_parser_name, server.reasoning_parser_name)
+        # uvicorn's own deadline comes after ours, so the drain (not a task cancellation) ends late requests
+        config = uvicorn.Config(app, host=server_name, port=server_port, log_level=log_level.lower(),
+                                timeout_graceful_shutdown=shutdown_timeout + 5)
+        GracefulServer(config, server.drain).run()
     finally:
         pipe.close()

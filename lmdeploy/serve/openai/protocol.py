@@ -1,23 +1,32 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Requests validate their own ranges, so a bad value is a pydantic error that the server turns
-into a 400 naming the field. Unknown request fields are ignored (OpenAI clients send many
-options this engine does not implement, e.g. ``logprobs``, ``tools``, ``presence_penalty``).
-Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``repetition_penalty``.
+into a 400 naming the field. Every numeric field has a finite range (see the ``Field`` bounds
+and docs/en/api_server.md); infinities and NaN are refused. Every string must be valid Unicode
+(a lone UTF-16 surrogate such as ``"\\ud800"`` is refused). Unknown request fields are ignored
+(OpenAI clients send options this engine does not implement, e.g. ``logit_bias``, ``user``).
+Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
+``chat_template_kwargs``, ``separate_reasoning``.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
-__all__ = ['ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'StreamOptions', 'Usage',
-           'PromptTokensDetails', 'ModelCard', 'ModelList', 'new_id', 'now']
+__all__ = ['ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'StreamOptions', 'Usage', 'Tool',
+           'ToolCall', 'FunctionCall', 'PromptTokensDetails', 'ModelCard', 'ModelList', 'ErrorBody', 'new_id', 'now',
+           'MAX_CHOICES', 'MAX_TOKENS', 'MAX_TOP_LOGPROBS']
 
 MAX_CHOICES = 128       # n (times prompts for /v1/completions) above this is refused
+MAX_TOKENS = (1 << 31) - 1      # max_tokens above this is refused; below it, clamped to the session
+MAX_TOP_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1     # what torch.Generator.manual_seed accepts
+# template variables a client may not override through chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = frozenset({'messages', 'tools', 'documents', 'add_generation_prompt',
+                                       'continue_final_message', 'tokenize', 'return_dict', 'chat_template'})
 
 
 def new_id(prefix: str) -> str:
@@ -30,54 +39,117 @@ def now() -> int:
     return int(time.time())
 
 
-class _Request(BaseModel):
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError as err:
+        raise ValueError(f'invalid Unicode: lone surrogate {text[err.start]!r} at character {err.start}') from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+_Float = dict(allow_inf_nan=False)
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra='ignore')
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     """One part of a multi-part message content; only ``text`` parts are served."""
-    model_config = ConfigDict(extra='ignore')
     type: Literal['text']
-    text: StrictStr
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    """One conversation message. ``content`` may be a string, text parts, or null."""
-    model_config = ConfigDict(extra='ignore')
-    role: Literal['system', 'user', 'assistant', 'tool']
-    content: StrictStr | list[TextPart] | None = None
+class FunctionCall(_Strict):
+    """``tool_calls[].function``: the function's name and its arguments as a JSON string."""
+    name: Text
+    arguments: Text = '{}'
 
-    def text(self) -> str:
-        """The content as one string (text parts joined, null as empty)."""
-        if self.content is None:
-            return ''
-        if isinstance(self.content, str):
+
+class ToolCall(_Strict):
+    """One tool call of an assistant message (in history, or generated)."""
+    id: Text | None = None
+    type: Literal['function'] = 'function'
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    """One conversation message. ``content`` may be a string, text parts, or null.
+
+    ``developer`` is served as ``system``. Assistant messages may carry ``tool_calls`` (and
+    ``reasoning_content``); tool messages ``tool_call_id`` and ``name``.
+    """
+    role: Literal['system', 'developer', 'user', 'assistant', 'tool']
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
+
+    def text(self) -> str | None:
+        """The content as one string (text parts joined), or None when null."""
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return ''.join(p.text for p in self.content)
 
+    def for_template(self) -> dict:
+        """The message as the chat template sees it: ``developer`` as ``system``, text parts
+        joined into one string, absent optional fields left out, ``content`` always present."""
+        out = self.model_dump(exclude_none=True)
+        out['role'] = 'system' if self.role == 'developer' else self.role
+        out['content'] = self.text()
+        return out
 
-class StreamOptions(BaseModel):
+
+class FunctionDefinition(_Strict):
+    """``tools[].function``: a callable function's name, description and JSON-schema parameters."""
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One entry of ``tools``."""
+    type: Literal['function'] = 'function'
+    function: FunctionDefinition
+
+
+class _NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call exactly this tool."""
+    type: Literal['function'] = 'function'
+    function: _NamedFunction
+
+
+class StreamOptions(_Strict):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and no choices."""
-    model_config = ConfigDict(extra='ignore')
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class _Sampling(_Strict):
     """Sampling fields shared by both generation endpoints.
 
     ``temperature`` absent or 0 means greedy decoding (this engine's default; OpenAI's default
     of 1.0 sampling is not applied). ``top_p``/``top_k`` only matter when sampling.
     """
-    model: StrictStr
-    max_tokens: int | None = Field(None, ge=0, description='Most tokens to generate.')
-    temperature: float | None = Field(None, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description='-1 or 0: no top-k filter.')
+    model: Text
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description='Most tokens to generate; clamped to '
+                                   'what the session has left after the prompt.')
+    temperature: float | None = Field(None, ge=0, le=100, **_Float, description='0 or absent: greedy.')
+    top_p: float = Field(1.0, gt=0, le=1, **_Float)
+    top_k: int = Field(0, ge=-1, le=1 << 20, description='-1 or 0: no top-k filter.')
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     ignore_eos: bool = False
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100, **_Float)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Accepted, not applied.')
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Accepted, not applied.')
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -90,18 +162,50 @@ class _Sampling(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``.
+
+    ``tools`` / ``tool_choice`` reach the chat template; ``tool_choice`` ``"required"`` or a
+    named function makes the reply start with a tool call (the server writes the call's opening
+    into the prompt). ``top_logprobs`` needs ``logprobs: true``.
+    """
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = Field(True, description='Split <think> reasoning into reasoning_content.')
+
+    @model_validator(mode='after')
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError('top_logprobs needs "logprobs": true')
+        bad = _RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or {})
+        if bad:
+            raise ValueError(f'chat_template_kwargs may not set {sorted(bad)}')
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f'tool_choice names {self.tool_choice.function.name!r}, which is not in tools')
+        if self.tool_choice == 'required' and not names:
+            raise ValueError('tool_choice "required" needs a non-empty tools list')
+        return self
+
+    def max_new(self) -> int | None:
+        """The requested output budget (``max_completion_tokens`` over ``max_tokens``)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a string, strings, token ids, or token-id lists.
 
-    ``max_tokens`` defaults to 16, as in OpenAI's legacy completions API.
+    ``max_tokens`` defaults to 16, as in OpenAI's legacy completions API. ``logprobs`` = k
+    returns each token's log-probability and its k most likely alternatives.
     """
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = Field(16, ge=0)
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def prompts(self) -> list:
         """The prompt as a list of single prompts (a string or a token-id list each)."""
@@ -139,3 +243,15 @@ class ModelList(BaseModel):
     """``GET /v1/models``."""
     object: Literal['list'] = 'list'
     data: list[ModelCard]
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response (documented in ``/openapi.json``)."""
+    error: _ErrorDetail

@@ -1,0 +1,232 @@
+"""Tool-call parsers: turn a model's reply text into OpenAI ``tool_calls``.
+
+A parser owns one output format; the registry maps ``--tool-call-parser`` names to parsers.
+Each parser answers two questions about the same text:
+
+- :meth:`ToolParser.parse` — the whole reply at once (non-streaming responses);
+- :meth:`ToolParser.stream` — a :class:`ToolCallStream` fed the reply delta by delta, which
+  emits content deltas and OpenAI-style ``delta.tool_calls`` fragments.
+
+Invariant: for every text and every way of cutting it into deltas, the streamed content
+concatenates to ``parse(text).content`` (or ``''`` for None) and the streamed fragments, merged
+per ``index`` (name from the first fragment, ``arguments`` concatenated), equal
+``parse(text).calls``. A block that is not a well-formed call stays in the content: malformed
+model output degrades to text, never to an error.
+
+Format ``hermes`` (Qwen2.5 / Qwen3 / Hermes chat templates)::
+
+    optional text <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+    <tool_call>...</tool_call>
+
+Content is the text outside the call blocks; when the reply has at least one call, trailing
+whitespace of the content is dropped and whitespace-only content becomes None.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+__all__ = ['ParsedCall', 'ParseResult', 'ToolParser', 'ToolCallStream', 'HermesToolParser', 'register_tool_parser',
+           'get_tool_parser', 'TOOL_PARSERS']
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+
+
+def register_tool_parser(name: str):
+    """Class decorator: make a :class:`ToolParser` subclass available as ``name``."""
+    def wrap(cls):
+        TOOL_PARSERS[name] = cls
+        cls.name = name
+        return cls
+    return wrap
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """A new parser instance by registry name.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    if name not in TOOL_PARSERS:
+        raise ValueError(f'unknown tool-call parser {name!r}; known: {sorted(TOOL_PARSERS)}')
+    return TOOL_PARSERS[name]()
+
+
+@dataclass
+class ParsedCall:
+    """One generated call: the function name and its arguments as a JSON string."""
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f'call_{uuid.uuid4().hex[:24]}')
+
+    def to_openai(self) -> dict:
+        """``message.tool_calls[i]`` of a chat completion."""
+        return {'id': self.id, 'type': 'function', 'function': {'name': self.name, 'arguments': self.arguments}}
+
+
+@dataclass
+class ParseResult:
+    """``content`` (None when empty) and the ``calls`` found, in order."""
+    content: str | None
+    calls: list[ParsedCall]
+
+
+class ToolParser:
+    """Base class of a tool-call output format (see the module docstring for the contract)."""
+    name = ''
+    start_tag = ''       # text that may open a call; used by the streaming hold-back
+
+    def parse(self, text: str) -> ParseResult:
+        """Split a whole reply into content and calls."""
+        pieces, calls = [], []
+        for kind, value in self.segments(text, final=True)[0]:
+            if kind == 'text':
+                pieces.append(value)
+            else:
+                calls.append(value)
+        content = ''.join(pieces)
+        if calls:
+            content = content.rstrip()
+        return ParseResult(content or None, calls)
+
+    def forced_prefix(self, name: str | None) -> str:
+        """Text that opens a call (of function ``name``, or of any function when None); the
+        server appends it to the prompt for ``tool_choice`` ``"required"`` / a named function,
+        and parses it as the start of the reply."""
+        raise NotImplementedError
+
+    def segments(self, text: str, final: bool) -> tuple[list[tuple[str, object]], int]:
+        """Split ``text`` into ``('text', str)`` and ``('call', ParsedCall)`` segments.
+
+        Returns the segments and how many characters of ``text`` they cover; the rest (an
+        unfinished call, or what may be the start of one) waits for more text unless ``final``.
+        """
+        raise NotImplementedError
+
+    def stream(self) -> ToolCallStream:
+        """A new incremental parser for one reply."""
+        return ToolCallStream(self)
+
+
+@register_tool_parser('hermes')
+class HermesToolParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen, Hermes)."""
+    start_tag = '<tool_call>'
+    end_tag = '</tool_call>'
+
+    def forced_prefix(self, name: str | None) -> str:
+        if name is None:
+            return self.start_tag + '\n'
+        return self.start_tag + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+
+    @staticmethod
+    def _call(body: str) -> ParsedCall | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get('name'), str) or not obj['name']:
+            return None
+        args = obj.get('arguments', obj.get('parameters', {}))
+        if isinstance(args, str):
+            try:
+                json.loads(args)
+            except ValueError:
+                return None
+            return ParsedCall(obj['name'], args)
+        if not isinstance(args, dict):
+            return None
+        return ParsedCall(obj['name'], json.dumps(args, ensure_ascii=False))
+
+    def segments(self, text: str, final: bool):
+        out, pos = [], 0
+        while True:
+            start = text.find(self.start_tag, pos)
+            if start == -1:
+                break
+            end = text.find(self.end_tag, start + len(self.start_tag))
+            if end == -1:
+                if not final:
+                    if start > pos:
+                        out.append(('text', text[pos:start]))
+                    return out, start
+                break
+            if start > pos:
+                out.append(('text', text[pos:start]))
+            block_end = end + len(self.end_tag)
+            call = self._call(text[start + len(self.start_tag):end])
+            out.append(('call', call) if call is not None else ('text', text[start:block_end]))
+            pos = block_end
+        rest = text[pos:]
+        if not final:
+            keep = _partial_suffix(rest, self.start_tag)
+            rest = rest[:len(rest) - keep]
+        if rest:
+            out.append(('text', rest))
+        return out, pos + len(rest)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ToolCallStream:
+    """Incremental form of :meth:`ToolParser.parse` for one streamed reply.
+
+    :meth:`feed` takes the next text delta and returns ``(content_delta, tool_call_fragments)``;
+    :meth:`finish` flushes what was held back. A call is emitted once its block is complete, as
+    two fragments: ``{index, id, type, function: {name, arguments: ""}}`` and
+    ``{index, function: {arguments}}``. Whitespace at the end of the content so far is held
+    back until more content follows, so that it can be dropped if the reply ends with calls.
+    """
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.buffer = ''          # text not yet segmented
+        self.pending_ws = ''      # content whitespace held back
+        self.num_calls = 0
+        self.calls: list[ParsedCall] = []
+
+    def _content(self, text: str) -> str:
+        text = self.pending_ws + text
+        stripped = text.rstrip()
+        self.pending_ws = text[len(stripped):]
+        return stripped
+
+    def _emit(self, segments) -> tuple[str, list[dict]]:
+        content, frags = '', []
+        for kind, value in segments:
+            if kind == 'text':
+                content += self._content(value)
+            else:
+                i = self.num_calls
+                self.num_calls += 1
+                self.calls.append(value)
+                frags.append({'index': i, 'id': value.id, 'type': 'function',
+                              'function': {'name': value.name, 'arguments': ''}})
+                frags.append({'index': i, 'function': {'arguments': value.arguments}})
+        return content, frags
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """Next text delta in; ``(content delta, tool-call fragments)`` out."""
+        self.buffer += delta
+        segments, used = self.parser.segments(self.buffer, final=False)
+        self.buffer = self.buffer[used:]
+        return self._emit(segments)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """End of the reply: flush held text (trailing whitespace is dropped after a call)."""
+        segments, _ = self.parser.segments(self.buffer, final=True)
+        self.buffer = ''
+        content, frags = self._emit(segments)
+        if not self.num_calls:
+            content += self.pending_ws
+        self.pending_ws = ''
+        return content, frags
