@@ -4,8 +4,7 @@ Each subsystem reads only its own frozen config, so what a piece depends on is v
 constructor::
 
     PytorchEngineConfig ──▶ CacheConfig       block pool, state slots, prefix-cache tiers
-                        ├─▶ SchedulerConfig   queues, budgets, prefill plans
-                        └─▶ StoreConfig       Mooncake Store tier (None when it is off)
+                        └─▶ SchedulerConfig   queues, budgets, prefill plans
 
 Validation stays in :class:`PytorchEngineConfig` (a ``ValueError`` naming the field); these
 are plain views of validated values.
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 
 from ..messages import PytorchEngineConfig
 
-__all__ = ['CacheConfig', 'SchedulerConfig', 'StoreConfig']
+__all__ = ['CacheConfig', 'SchedulerConfig']
 
 
 @dataclass(frozen=True)
@@ -72,24 +71,3 @@ class SchedulerConfig:
     def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'SchedulerConfig':
         return cls(cfg.block_size, cfg.max_batch_size, cfg.max_prefill_token_num, cfg.prefill_save_alignment,
                    cfg.prefill_save_last_only, cfg.save_junction)
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """The Mooncake Store tier (see ``PytorchEngineConfig`` for each field's meaning)."""
-    master: str
-    metadata_server: str | None
-    protocol: str
-    segment_size: int
-    local_buffer_size: int
-    embedded_segment_size: int
-    queue_size: int
-
-    @classmethod
-    def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'StoreConfig | None':
-        """The Store config, or None when no ``mooncake_master`` is set."""
-        if not cfg.mooncake_master:
-            return None
-        return cls(cfg.mooncake_master, cfg.mooncake_metadata_server, cfg.mooncake_protocol,
-                   cfg.mooncake_segment_size, cfg.mooncake_local_buffer_size, cfg.mooncake_embedded_segment_size,
-                   cfg.store_queue_size)
