@@ -34,11 +34,12 @@ diverge, sent one after another; each finds every earlier sibling's blocks and c
 Sizes: explicit (``--state-bytes``/``--kv-block-bytes``), a ratio S/K_blk (sizes in
 relative units), a preset, or an HF ``config.json`` of a hybrid (``qwen3_next``) model, sized
 with the engine's own layer cache specs (``lmdeploy.pytorch.cache_specs``, the one definition of
-S and K_blk that the engine and its Store tier use): per linear-attention layer the state is ``conv_dim·(kernel-1)·dtype_bytes`` conv state plus
-``v_heads·k_head_dim·v_head_dim·4`` fp32 recurrent state (``conv_dim = 2·k_heads·k_head_dim
-+ v_heads·v_head_dim``, heads divided by tp); ``K_blk = full_layers·2·B·kv_heads_per_rank·
-head_dim·dtype_bytes``. All sizes are per rank; every rank puts its own objects, so totals
-over ranks are ``tp`` times larger and the reduction is unchanged.
+S and K_blk that the engine and its Store tier use): per linear-attention layer the state is
+``conv_dim·(kernel-1)·dtype_bytes`` conv state plus ``v_heads·k_head_dim·v_head_dim·4`` fp32
+recurrent state (``conv_dim = 2·k_heads·k_head_dim + v_heads·v_head_dim``, heads divided by
+tp); ``K_blk = full_layers·2·B·kv_heads_per_rank·head_dim·dtype_bytes``. All sizes are per
+rank; every rank puts its own objects, so totals over ranks are ``tp`` times larger and the
+reduction is unchanged.
 
 Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.01%: the seed
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
@@ -55,7 +56,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
@@ -190,8 +191,8 @@ def seed_scenarios() -> list[Scenario]:
 
 
 def branching_scenario() -> Branching:
-    """Four siblings sharing 20K + 300 tokens, each with a 2K suffix of its own, 512-token replies."""
-    return Branching('4 siblings 20K+300 +2K', 20 * KTOK + 300, 2 * KTOK, 4, 512)
+    """Four siblings sharing 20K + 320 tokens, each with a 2K suffix of its own, 512-token replies."""
+    return Branching('4 siblings 20K+320 +2K', 20 * KTOK + 320, 2 * KTOK, 4, 512)
 
 
 @dataclass(frozen=True)
@@ -489,7 +490,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--scale', type=Fraction, default=Fraction(1), help='multiply scenario token counts, e.g. 1/16')
     p.add_argument('--turns', help='custom scenario: comma-separated input lengths of each turn')
     p.add_argument('--scenario', choices=['seed', 'branching'], help='seed: the six seed scenarios (default)')
-    p.add_argument('--shared-tokens', type=int, help='branching: tokens all siblings share (default 20K+300)')
+    p.add_argument('--shared-tokens', type=int, help='branching: tokens all siblings share (default 20K+320)')
     p.add_argument('--suffix-tokens', type=int, help='branching: tokens of each sibling\'s own suffix (default 2K)')
     p.add_argument('--siblings', type=int, help='branching: number of siblings (default 4)')
     p.add_argument('--policies', help='comma-separated, e.g. default,last-only,last-only+turn-end,last-only+junction; '
@@ -555,7 +556,8 @@ def _scenarios(args: argparse.Namespace) -> list[Scenario | Branching]:
         custom = dict(shared_tokens=args.shared_tokens, suffix_tokens=args.suffix_tokens, siblings=args.siblings)
         custom = {k: v for k, v in custom.items() if v is not None}
         if custom:
-            base = Branching('branching', **{**asdict(base), **custom, 'name': 'branching'})
+            base = replace(base, **custom)
+            base = replace(base, name=f'{base.siblings} siblings {base.shared_tokens}+{base.suffix_tokens}')
         return [base]
     return [s.scaled(args.scale) for s in seed_scenarios()]
 
@@ -572,7 +574,7 @@ def _print_turns(scenario: Scenario | Branching, results: dict[str, PolicyResult
     names = list(results)
     label = 'sibling' if isinstance(scenario, Branching) else 'turn'
     print(f'\n{scenario.name} ({unit}); per {label}: cached tokens c, recomputed n - c, saves, Store {unit}')
-    print(f'{label:>7} {"n":>7} | ' + ' | '.join(f'{name:^33}' for name in names))
+    print((f'{label:>7} {"n":>7} | ' + ' | '.join(f'{name:^33}' for name in names)).rstrip())
     print(f'{"":>7} {"":>7} | ' + ' | '.join(f'{"c":>7} {"n-c":>6} {"saves":>5} {unit:>12}' for _ in names))
     for i, n in enumerate(scenario.input_lengths):
         cells = [results[name].turns[i] for name in names]
