@@ -1,35 +1,54 @@
-"""Simulate Mooncake Store write volume of the two checkpoint save policies (SPEC §4, §5).
+"""Simulate Mooncake Store write volume and prefill recompute of the checkpoint save policies.
 
-Owns the byte accounting of Store puts per conversation; it runs no model. For every turn
-of a scenario it plans the prefill with :func:`plan_prefill` under the default policy and
-under ``prefill_save_last_only`` and charges, per SPEC §5,
+Owns the byte accounting of Store puts per conversation; it runs no model. For every request
+of a scenario it plans the prefill with :func:`plan_prefill` under each policy and charges
 
-    bytes(turn) = len(save_points) * S + (KV blocks newly covered) * K_blk
+    bytes(request) = (state snapshots saved) * S + (KV blocks newly covered) * K_blk
 
-where the newly covered blocks are the blocks of ``[0, max save point)`` not stored by an
-earlier save. A conversation is append-only (turn t+1's input = turn t's input + reply +
-new user text), so turn t+1 starts from a cache hit ``c`` = the deepest earlier save point
-that a restore can use (``c + r·B <= floor_B(n - 1)``), and Store blocks always form one
-prefix ``[0, stored_blocks)``::
+where the newly covered blocks are the blocks below a saved boundary that no earlier save put
+(the Store keys blocks by their prefix, so a block is put once however many requests share
+it). A request starts from a cache hit ``c`` = the deepest earlier checkpoint whose tokens it
+shares and that a restore can use (reusable for this input, and its ``r`` blocks past ``c``
+cached); it then recomputes ``n - c`` prompt tokens, the figure that drives TTFT::
 
     turn 1   |== 8192 ==|== 16384 ==|== 24576 ==|== 32768 ==|64|     default: S at every |
     turn 2   |<------------- hit c = 32768 -------------->|=36864=|64|  + blocks 32768..36864
 
+Policies (engine config fields): ``default``; ``last-only`` (``prefill_save_last_only``: one
+save per turn, at b* = ``last_reusable(n)``); ``+turn-end`` (``decode_save_last``: when a
+request finishes, one more checkpoint at ``te = floor_B(n + output - 1)``, the last block
+boundary of its computed tokens, if a forward ended there; restores then accept any block
+boundary, not only multiples of A); ``+junction`` (``save_junction``: a request whose cached
+full blocks reach ``m`` tokens, deeper than its hit ``c``, also saves at the largest reusable
+boundary ``j`` with ``c < j <= m``, splitting the chunk that contains ``j``)::
+
+    append-only, last-only + turn-end        branching, last-only + junction
+    turn t   |====== b*|==|te  reply..|       sibling 1 |==== shared ====|== own ==b*|
+    turn t+1 |<-- hit te -->|== new ==|       sibling 2 |==== shared ==j|   (save at j)
+                                              sibling 3 |<--- hit j -->|== own ==|
+
+Scenarios: :class:`Scenario` (an append-only conversation: turn t+1's input = turn t's input
++ its reply + new user text) and :class:`Branching` (N siblings that share a prefix and then
+diverge, sent one after another; each finds every earlier sibling's blocks and checkpoints).
+
 Sizes: explicit (``--state-bytes``/``--kv-block-bytes``), a ratio S/K_blk (sizes in
 relative units), a preset, or an HF ``config.json`` of a hybrid (``qwen3_next``) model, sized
 with the engine's own layer cache specs (``lmdeploy.pytorch.cache_specs``, the one definition of
-S and K_blk that the engine and its Store tier use): per linear-attention layer the state is ``conv_dim·(kernel-1)·dtype_bytes`` conv state plus
-``v_heads·k_head_dim·v_head_dim·4`` fp32 recurrent state (``conv_dim = 2·k_heads·k_head_dim
-+ v_heads·v_head_dim``, heads divided by tp); ``K_blk = full_layers·2·B·kv_heads_per_rank·
-head_dim·dtype_bytes``. All sizes are per rank; every rank puts its own objects, so totals
-over ranks are ``tp`` times larger and the reduction is unchanged.
+S and K_blk that the engine and its Store tier use): per linear-attention layer the state is
+``conv_dim·(kernel-1)·dtype_bytes`` conv state plus ``v_heads·k_head_dim·v_head_dim·4`` fp32
+recurrent state (``conv_dim = 2·k_heads·k_head_dim + v_heads·v_head_dim``, heads divided by
+tp); ``K_blk = full_layers·2·B·kv_heads_per_rank·head_dim·dtype_bytes``. All sizes are per
+rank; every rank puts its own objects, so totals over ranks are ``tp`` times larger and the
+reduction is unchanged.
 
 Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.01%: the seed
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
 (``--preset tiny|qwen3-next-80b [--tp N]``, ``--config config.json``, ``--scale 1/16
---block-size 16``, ``--turns 32832,36928``, ``--json``).
+--block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
+``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
+``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
 """
 from __future__ import annotations
 
@@ -37,7 +56,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
@@ -45,7 +64,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, LinearAttentionSpec, kv_bytes_per_block,  # noqa: E402
                                           state_bytes_per_slot)
-from lmdeploy.pytorch.paging.prefill_plan import plan_prefill  # noqa: E402
+from lmdeploy.pytorch.paging.prefill_plan import is_reusable, plan_prefill  # noqa: E402
 
 KTOK = 1024
 DEFAULT_CHUNK, DEFAULT_BLOCK, DEFAULT_ALIGNMENT = 8192, 64, 1024
@@ -62,6 +81,22 @@ QWEN3_NEXT_80B_CONFIG = dict(model_type='qwen3_next', num_hidden_layers=48, full
                              linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_key_value_heads=2,
                              head_dim=256, dtype='bfloat16')
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a scenario, as the simulator sees it.
+
+    Attributes:
+        num_tokens: n, tokens of its input.
+        output_tokens: tokens of its reply (>= 1; the last one is sampled, never computed).
+        common_prefix: for each earlier request, in order, how many leading tokens the two
+            share (tokens).
+    """
+
+    num_tokens: int
+    output_tokens: int
+    common_prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +122,65 @@ class Scenario:
         return Scenario(self.name, tuple(one(n) for n in self.input_lengths),
                         max(1, math.floor(self.output_tokens * factor)))
 
+    def requests(self) -> list[Request]:
+        """The turns as requests: turn t shares with turn j < t its input and reply (as far as
+        turn t's input reaches), ``min(n_j + output_tokens, n_t)`` tokens.
+
+        Raises:
+            ValueError (``input_lengths``): empty or decreasing turns, a turn < 1 token, or
+            ``output_tokens`` < 1.
+        """
+        lengths = self.input_lengths
+        if not lengths or any(b < a for a, b in zip(lengths, lengths[1:])) or lengths[0] < 1:
+            raise ValueError(f'scenario input_lengths must be non-empty, positive and non-decreasing, got {lengths}')
+        if self.output_tokens < 1:
+            raise ValueError(f'scenario output_tokens must be >= 1, got {self.output_tokens}')
+        return [Request(n, self.output_tokens, tuple(min(m + self.output_tokens, n) for m in lengths[:t]))
+                for t, n in enumerate(lengths)]
+
+
+@dataclass(frozen=True)
+class Branching:
+    """``siblings`` requests sent one after another; each is ``shared_tokens`` tokens common to
+    all of them followed by ``suffix_tokens`` tokens of its own (they differ from the first one)."""
+
+    name: str
+    shared_tokens: int
+    suffix_tokens: int
+    siblings: int = 4
+    output_tokens: int = 512
+
+    @property
+    def input_lengths(self) -> tuple[int, ...]:
+        return (self.shared_tokens + self.suffix_tokens, ) * self.siblings
+
+    def scaled(self, factor: Fraction) -> 'Branching':
+        """The scenario with every token count multiplied by ``factor`` (exactly).
+
+        Raises:
+            ValueError (``scale``): a scaled token count is not an integer.
+        """
+        def one(x: int) -> int:
+            y = Fraction(x) * factor
+            if y.denominator != 1:
+                raise ValueError(f'scale {factor} makes {x} tokens of {self.name!r} non-integral')
+            return int(y)
+        return Branching(self.name, one(self.shared_tokens), one(self.suffix_tokens), self.siblings,
+                         max(1, math.floor(self.output_tokens * factor)))
+
+    def requests(self) -> list[Request]:
+        """The siblings as requests; any two share exactly ``shared_tokens`` tokens.
+
+        Raises:
+            ValueError (``branching``): ``shared_tokens`` < 0, ``suffix_tokens`` < 1,
+            ``siblings`` < 1 or ``output_tokens`` < 1.
+        """
+        if self.shared_tokens < 0 or self.suffix_tokens < 1 or self.siblings < 1 or self.output_tokens < 1:
+            raise ValueError(f'branching scenario needs shared_tokens >= 0, suffix_tokens >= 1, siblings >= 1 and '
+                             f'output_tokens >= 1, got {self}')
+        n = self.shared_tokens + self.suffix_tokens
+        return [Request(n, self.output_tokens, (self.shared_tokens, ) * i) for i in range(self.siblings)]
+
 
 def seed_scenarios() -> list[Scenario]:
     """The six seed-table scenarios (K = 1024 tokens)."""
@@ -96,9 +190,48 @@ def seed_scenarios() -> list[Scenario]:
     return singles + multi
 
 
+def branching_scenario() -> Branching:
+    """Four siblings sharing 20K + 320 tokens, each with a 2K suffix of its own, 512-token replies."""
+    return Branching('4 siblings 20K+320 +2K', 20 * KTOK + 320, 2 * KTOK, 4, 512)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A checkpoint save policy: the engine config fields it turns on."""
+
+    last_only: bool = False           # prefill_save_last_only
+    decode_save_last: bool = False    # turn-end checkpoint when a request finishes
+    save_junction: bool = False       # one save at a branch point
+
+    @property
+    def name(self) -> str:
+        extras = ['turn-end'] * self.decode_save_last + ['junction'] * self.save_junction
+        return '+'.join(['last-only' if self.last_only else 'default'] + extras)
+
+    @classmethod
+    def parse(cls, name: str) -> 'Policy':
+        """``'default'``, ``'last-only'``, optionally followed by ``+turn-end`` and/or ``+junction``.
+
+        Raises:
+            ValueError (``policies``): an unknown name.
+        """
+        base, *extras = name.strip().split('+')
+        if base not in ('default', 'last-only') or not set(extras) <= {'turn-end', 'junction'}:
+            raise ValueError(f'policies: unknown policy {name!r} (want default|last-only[+turn-end][+junction])')
+        return cls(base == 'last-only', 'turn-end' in extras, 'junction' in extras)
+
+
+DEFAULT, LAST_ONLY = Policy(), Policy(last_only=True)
+TURN_END, JUNCTION = Policy(True, decode_save_last=True), Policy(True, save_junction=True)
+
+
 @dataclass(frozen=True)
 class TurnResult:
-    """Store writes of one turn under one policy. Bytes are per rank."""
+    """Store writes of one turn (request) under one policy. Bytes are per rank.
+
+    ``save_points`` are the prefill save points taken (a junction included), ``turn_end_point``
+    the turn-end checkpoint, ``junction`` the save point added at a branch point.
+    """
 
     num_tokens: int
     cached_tokens: int
@@ -107,10 +240,21 @@ class TurnResult:
     new_kv_blocks: int
     state_bytes: int
     kv_bytes: int
+    turn_end_point: int | None = None
+    junction: int | None = None
 
     @property
     def total_bytes(self) -> int:
         return self.state_bytes + self.kv_bytes
+
+    @property
+    def num_saves(self) -> int:
+        return len(self.save_points) + (self.turn_end_point is not None)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Prompt tokens computed by the prefill, ``n - c`` (what drives TTFT)."""
+        return self.num_tokens - self.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -125,7 +269,7 @@ class PolicyResult:
 
     @property
     def num_saves(self) -> int:
-        return sum(len(t.save_points) for t in self.turns)
+        return sum(t.num_saves for t in self.turns)
 
 
 @dataclass(frozen=True)
@@ -143,33 +287,95 @@ class SimulationResult:
         return 1 - Fraction(self.last_only.total_bytes, self.default.total_bytes)
 
 
-def _simulate_policy(lengths: Sequence[int], last_only: bool, state_bytes: int, kv_block_bytes: int,
+def _junction(n: int, cached: int, matched: int, block_size: int, alignment: int, token_lookahead: int,
+              recompute_blocks: int) -> int | None:
+    """The largest reusable boundary ``j`` of an ``n``-token input with ``cached < j <= matched``."""
+    for b in range(matched // alignment * alignment, cached, -alignment):
+        if is_reusable(b, n, block_size, alignment, token_lookahead, recompute_blocks):
+            return b
+    return None
+
+
+def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: int, kv_block_bytes: int,
                      chunk_size: int, block_size: int, alignment: int, token_lookahead: int,
                      recompute_blocks: int) -> PolicyResult:
-    saved: list[int] = []       # boundaries with a Store state object, earlier turns and saves
-    stored_blocks = 0           # Store KV objects form the prefix [0, stored_blocks) blocks
+    B, r = block_size, recompute_blocks
+    checkpoints: list[tuple[int, int, bool]] = []   # (request, boundary, is turn-end) of every save so far
+    saved: set[tuple[int, int]] = set()             # Store state objects (prefix owner, boundary)
+    stored: set[tuple[int, int]] = set()            # Store KV objects (prefix owner, block index)
+    computed: list[int] = []                        # tokens each earlier request computed (its blocks stay cached)
     turns = []
-    for n in lengths:
-        usable = [b for b in saved if b + recompute_blocks * block_size <= (n - 1) // block_size * block_size]
-        cached = max(usable, default=0)
-        plan = plan_prefill(n, cached, chunk_size, block_size, alignment, last_only, token_lookahead,
-                            recompute_blocks)
-        deepest = max(plan.save_points, default=0)
-        new_blocks = max(0, deepest // block_size - stored_blocks)
-        stored_blocks += new_blocks
-        saved.extend(plan.save_points)
-        turns.append(TurnResult(n, cached, plan.chunk_ends, plan.save_points, new_blocks,
-                                len(plan.save_points) * state_bytes, new_blocks * kv_block_bytes))
+    for i, req in enumerate(requests):
+        n, common = req.num_tokens, req.common_prefix
+
+        def owner(tokens: int) -> int:
+            """The first request whose leading ``tokens`` tokens equal this one's: Store keys
+            hash the prefix, so equal prefixes are one object."""
+            return next((j for j in range(i) if common[j] >= tokens), i)
+
+        # full blocks cached locally from earlier requests; one prompt token is always computed
+        matched_blocks = min((n - 1) // B, max((min(common[j], computed[j]) // B for j in range(i)), default=0))
+
+        def restorable(b: int, turn_end: bool) -> bool:
+            # a turn-end boundary is a block boundary; aligned ones keep the rules with A
+            return b // B + r <= matched_blocks and is_reusable(b, n, B, B if turn_end else alignment,
+                                                                token_lookahead, r)
+
+        cached = max((b for j, b, turn_end in checkpoints if b <= common[j] and restorable(b, turn_end)), default=0)
+        plan = plan_prefill(n, cached, chunk_size, B, alignment, policy.last_only, token_lookahead, r)
+        chunk_ends, save_points, junction = list(plan.chunk_ends), list(plan.save_points), None
+        if policy.save_junction and matched_blocks * B > cached:
+            j = _junction(n, cached, matched_blocks * B, B, alignment, token_lookahead, r)
+            if j is not None and j not in save_points:
+                junction = j        # the chunk containing j is split there: a forward ends at j
+                chunk_ends, save_points = sorted(set(chunk_ends) | {j}), sorted(save_points + [j])
+        done = n + req.output_tokens - 1        # the last sampled token is never computed
+        turn_end = None
+        if policy.decode_save_last:
+            te = done // B * B
+            # decode forwards end at every count in [n, done]; prompt forwards at the chunk ends
+            if te >= n // B * B and (te >= n or te in chunk_ends) and te > max(save_points + [cached]):
+                turn_end = te
+        taken, new_blocks = [], 0
+        for b in save_points + ([turn_end] if turn_end is not None else []):
+            if (owner(b), b) in saved:
+                continue            # the object exists: the save is skipped
+            saved.add((owner(b), b))
+            taken.append(b)
+            checkpoints.append((i, b, b == turn_end))
+            for k in range(b // B):
+                block = (owner((k + 1) * B), k)
+                if block not in stored:
+                    stored.add(block)
+                    new_blocks += 1
+        computed.append(done)
+        turns.append(TurnResult(n, cached, chunk_ends, [b for b in taken if b != turn_end], new_blocks,
+                                len(taken) * state_bytes, new_blocks * kv_block_bytes,
+                                turn_end if turn_end in taken else None, junction if junction in taken else None))
     return PolicyResult(turns)
 
 
-def simulate(scenario: Scenario | Sequence[int], state_bytes: int, kv_block_bytes: int, *, chunk_size: int,
-             block_size: int, alignment: int, token_lookahead: int = 0,
+def _requests(scenario: Scenario | Branching | Sequence[int]) -> tuple[Scenario | Branching, list[Request]]:
+    if not isinstance(scenario, (Scenario, Branching)):
+        scenario = Scenario('custom', tuple(int(n) for n in scenario))
+    return scenario, scenario.requests()
+
+
+def _check_sizes(state_bytes: int, kv_block_bytes: int) -> None:
+    if state_bytes < 0:
+        raise ValueError(f'state_bytes must be >= 0, got {state_bytes}')
+    if kv_block_bytes < 0:
+        raise ValueError(f'kv_block_bytes must be >= 0, got {kv_block_bytes}')
+
+
+def simulate(scenario: Scenario | Branching | Sequence[int], state_bytes: int, kv_block_bytes: int, *,
+             chunk_size: int, block_size: int, alignment: int, token_lookahead: int = 0,
              recompute_blocks: int = 0) -> SimulationResult:
-    """Store bytes and save points of every turn of ``scenario`` under both policies (SPEC §5).
+    """Store bytes and save points of every turn of ``scenario`` under the default and last-only policies.
 
     Args:
-        scenario: a :class:`Scenario` or the input lengths (tokens) of its turns, non-decreasing.
+        scenario: a :class:`Scenario`, a :class:`Branching`, or the input lengths (tokens) of a
+            conversation's turns, non-decreasing.
         state_bytes: S, bytes of one state snapshot (or relative units).
         kv_block_bytes: K_blk, bytes of one KV block over all full-attention layers.
         chunk_size, block_size, alignment, token_lookahead, recompute_blocks: P, B, A, ℓ, r.
@@ -177,17 +383,28 @@ def simulate(scenario: Scenario | Sequence[int], state_bytes: int, kv_block_byte
     Raises:
         ValueError: a size is negative, turns shrink, or a planning argument is invalid.
     """
-    if not isinstance(scenario, Scenario):
-        scenario = Scenario('custom', tuple(int(n) for n in scenario))
-    lengths = scenario.input_lengths
-    if not lengths or any(b < a for a, b in zip(lengths, lengths[1:])):
-        raise ValueError(f'scenario input_lengths must be non-empty and non-decreasing, got {lengths}')
-    if state_bytes < 0:
-        raise ValueError(f'state_bytes must be >= 0, got {state_bytes}')
-    if kv_block_bytes < 0:
-        raise ValueError(f'kv_block_bytes must be >= 0, got {kv_block_bytes}')
+    scenario, requests = _requests(scenario)
+    _check_sizes(state_bytes, kv_block_bytes)
     args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks)
-    return SimulationResult(scenario, _simulate_policy(lengths, False, *args), _simulate_policy(lengths, True, *args))
+    return SimulationResult(scenario, _simulate_policy(requests, DEFAULT, *args),
+                            _simulate_policy(requests, LAST_ONLY, *args))
+
+
+def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_bytes: int, kv_block_bytes: int, *,
+                      policies: Sequence[Policy | str], chunk_size: int, block_size: int, alignment: int,
+                      token_lookahead: int = 0, recompute_blocks: int = 0) -> dict[str, PolicyResult]:
+    """Every turn of ``scenario`` under each of ``policies`` (:class:`Policy` or its name).
+
+    Arguments as :func:`simulate`. Returns ``{policy name: PolicyResult}`` in the given order.
+
+    Raises:
+        ValueError: as :func:`simulate`, or an unknown policy name (``policies``).
+    """
+    scenario, requests = _requests(scenario)
+    _check_sizes(state_bytes, kv_block_bytes)
+    args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks)
+    chosen = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
+    return {p.name: _simulate_policy(requests, p, *args) for p in chosen}
 
 
 @dataclass(frozen=True)
@@ -256,7 +473,8 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b'])
+    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'branching'],
+                   help='sizes (branching: the seed sizes, the branching scenario and the junction policy)')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
     p.add_argument('--state-bytes', type=int)
     p.add_argument('--kv-block-bytes', type=int)
@@ -271,6 +489,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--recompute-blocks', type=int, default=0)
     p.add_argument('--scale', type=Fraction, default=Fraction(1), help='multiply scenario token counts, e.g. 1/16')
     p.add_argument('--turns', help='custom scenario: comma-separated input lengths of each turn')
+    p.add_argument('--scenario', choices=['seed', 'branching'], help='seed: the six seed scenarios (default)')
+    p.add_argument('--shared-tokens', type=int, help='branching: tokens all siblings share (default 20K+320)')
+    p.add_argument('--suffix-tokens', type=int, help='branching: tokens of each sibling\'s own suffix (default 2K)')
+    p.add_argument('--siblings', type=int, help='branching: number of siblings (default 4)')
+    p.add_argument('--policies', help='comma-separated, e.g. default,last-only,last-only+turn-end,last-only+junction; '
+                   'prints a per-turn table per scenario')
+    p.add_argument('--decode-save-last', action='store_true', help='add the policy last-only+turn-end')
+    p.add_argument('--save-junction', action='store_true', help='add the policy last-only+junction')
     p.add_argument('--json', action='store_true', help='print per-turn results as JSON')
     return p.parse_args(argv)
 
@@ -291,7 +517,7 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         raise ValueError('sizes: give exactly one of --preset, --config, --state-to-block-ratio, '
                          '--state-bytes/--kv-block-bytes')
     ratio = args.state_to_block_ratio
-    if args.preset == 'seed-table':
+    if args.preset in ('seed-table', 'branching'):
         ratio = SEED_STATE_TO_BLOCK_RATIO
     if ratio is not None:
         return StoreSizes(ratio.numerator, ratio.denominator), 'units'
@@ -309,24 +535,101 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
                              state_dtype=args.state_dtype), 'bytes'
 
 
+def _policies(args: argparse.Namespace) -> list[Policy]:
+    names = args.policies.split(',') if args.policies else ['default', 'last-only']
+    if args.preset == 'branching' and not args.policies:
+        names.append(JUNCTION.name)
+    names += [TURN_END.name] * args.decode_save_last + [JUNCTION.name] * args.save_junction
+    policies = []
+    for name in names:
+        policy = Policy.parse(name)
+        if policy not in policies:
+            policies.append(policy)
+    return policies
+
+
+def _scenarios(args: argparse.Namespace) -> list[Scenario | Branching]:
+    if args.turns:
+        return [Scenario('custom', tuple(int(x) for x in args.turns.split(',')))]
+    if args.scenario == 'branching' or (args.preset == 'branching' and args.scenario is None):
+        base = branching_scenario().scaled(args.scale)
+        custom = dict(shared_tokens=args.shared_tokens, suffix_tokens=args.suffix_tokens, siblings=args.siblings)
+        custom = {k: v for k, v in custom.items() if v is not None}
+        if custom:
+            base = replace(base, **custom)
+            base = replace(base, name=f'{base.siblings} siblings {base.shared_tokens}+{base.suffix_tokens}')
+        return [base]
+    return [s.scaled(args.scale) for s in seed_scenarios()]
+
+
+def extra_recomputed(scenario: Scenario, result: PolicyResult) -> list[int]:
+    """Turns 2.. of an append-only conversation: tokens recomputed beyond the turn's new user
+    tokens ``n_t - n_{t-1} - output_tokens`` (the earlier input and reply are not new)."""
+    lengths = scenario.input_lengths
+    return [t.recomputed_tokens - (n - m - scenario.output_tokens)
+            for t, m, n in zip(result.turns[1:], lengths, lengths[1:])]
+
+
+def _print_turns(scenario: Scenario | Branching, results: dict[str, PolicyResult], unit: str, block: int) -> None:
+    names = list(results)
+    label = 'sibling' if isinstance(scenario, Branching) else 'turn'
+    print(f'\n{scenario.name} ({unit}); per {label}: cached tokens c, recomputed n - c, saves, Store {unit}')
+    print((f'{label:>7} {"n":>7} | ' + ' | '.join(f'{name:^33}' for name in names)).rstrip())
+    print(f'{"":>7} {"":>7} | ' + ' | '.join(f'{"c":>7} {"n-c":>6} {"saves":>5} {unit:>12}' for _ in names))
+    for i, n in enumerate(scenario.input_lengths):
+        cells = [results[name].turns[i] for name in names]
+        print(f'{i + 1:>7} {n:>7} | ' + ' | '.join(
+            f'{t.cached_tokens:>7} {t.recomputed_tokens:>6} {t.num_saves:>5} {t.total_bytes:>12}' for t in cells))
+    print(f'{"total":>7} {sum(scenario.input_lengths):>7} | ' + ' | '.join(
+        f'{"":>7} {sum(t.recomputed_tokens for t in r.turns):>6} {r.num_saves:>5} {r.total_bytes:>12}'
+        for r in results.values()))
+    default = results.get(DEFAULT.name)
+    for name, r in results.items():
+        policy = Policy.parse(name)
+        vs = (f'{r.total_bytes} vs default {default.total_bytes} {unit} '
+              f'({"fewer" if r.total_bytes < default.total_bytes else "not fewer"})') if default else ''
+        if policy.decode_save_last and isinstance(scenario, Scenario) and len(r.turns) > 1:
+            extra = extra_recomputed(scenario, r)
+            print(f'check {name}: later turns recompute new tokens + {extra} (B = {block}: '
+                  f'{"at most one block" if max(extra) <= block else "more than one block"}); bytes {vs}')
+        if policy.save_junction and isinstance(scenario, Branching) and default:
+            base = results.get(Policy(policy.last_only, policy.decode_save_last).name)
+            hits, dhits = [t.cached_tokens for t in r.turns[1:]], [t.cached_tokens for t in default.turns[1:]]
+            extra = [a.num_saves - b.num_saves for a, b in zip(r.turns, base.turns)] if base else []
+            print(f'check {name}: sibling hits {hits} vs default {dhits} '
+                  f'({"all >= default" if all(a >= b for a, b in zip(hits, dhits)) else "some below default"}); '
+                  f'extra saves per sibling {extra}; bytes {vs}')
+
+
 def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
-    """CLI entry: print the per-scenario table (or JSON) and return the results."""
+    """CLI entry: print the per-scenario table (or JSON) and return the results.
+
+    With policies beyond default and last-only, or the branching scenario, also prints per
+    turn (sibling) the cached and recomputed tokens, saves and Store bytes of each policy, and
+    checks the turn-end and junction goals (see :func:`extra_recomputed`).
+    """
     args = _parse_args(argv)
     chunk = _scaled_default(args.chunk_size, DEFAULT_CHUNK, args.scale, 'chunk-size')
     block = _scaled_default(args.block_size, DEFAULT_BLOCK, args.scale, 'block-size')
     align = _scaled_default(args.alignment, DEFAULT_ALIGNMENT, args.scale, 'alignment')
     sizes, unit = _resolve_sizes(args, block)
-    if args.turns:
-        scenarios = [Scenario('custom', tuple(int(x) for x in args.turns.split(',')))]
-    else:
-        scenarios = [s.scaled(args.scale) for s in seed_scenarios()]
-    results = [simulate(s, sizes.state_bytes, sizes.kv_block_bytes, chunk_size=chunk, block_size=block,
-                        alignment=align, token_lookahead=args.token_lookahead,
-                        recompute_blocks=args.recompute_blocks) for s in scenarios]
+    scenarios = _scenarios(args)
+    geometry = dict(chunk_size=chunk, block_size=block, alignment=align, token_lookahead=args.token_lookahead,
+                    recompute_blocks=args.recompute_blocks)
+    results = [simulate(s, sizes.state_bytes, sizes.kv_block_bytes, **geometry) for s in scenarios]
+    policies = _policies(args)
+    detailed = policies != [DEFAULT, LAST_ONLY] or isinstance(scenarios[0], Branching)
+    per_policy = [simulate_policies(s, sizes.state_bytes, sizes.kv_block_bytes, policies=policies, **geometry)
+                  for s in scenarios] if detailed else []
     if args.json:
-        print(json.dumps([dict(scenario=asdict(r.scenario), default=asdict(r.default),
-                               last_only=asdict(r.last_only), reduction=float(r.reduction)) for r in results],
-                         indent=1))
+        out = []
+        for i, r in enumerate(results):
+            row = dict(scenario=asdict(r.scenario), default=asdict(r.default), last_only=asdict(r.last_only),
+                       reduction=float(r.reduction))
+            if detailed:
+                row['policies'] = {name: asdict(p) for name, p in per_policy[i].items()}
+            out.append(row)
+        print(json.dumps(out, indent=1))
         return results
     print(f'S = {sizes.state_bytes} {unit}, K_blk = {sizes.kv_block_bytes} {unit} per rank (tp={sizes.tp}); '
           f'S/K_blk = {float(Fraction(sizes.state_bytes, max(1, sizes.kv_block_bytes))):g}; '
@@ -338,8 +641,10 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
         print(f'{r.scenario.name:<30} {r.default.num_saves:>5} {r.last_only.num_saves:>5} '
               f'{r.default.total_bytes:>18} {r.last_only.total_bytes:>18} {truncate_percent(r.reduction):>9}')
     print('reduction = 1 - last-only / default over the whole scenario (truncated to 0.01%, not rounded)')
+    for s, res in zip(scenarios, per_policy):
+        if isinstance(s, Branching) or len(s.input_lengths) > 1 or args.turns:
+            _print_turns(s, res, unit, block)
     return results
-
 
 if __name__ == '__main__':
     try:

@@ -1,4 +1,4 @@
-"""Store write-volume simulator of the two save policies (SPEC §5)."""
+"""Store write-volume and recompute simulator of the checkpoint save policies."""
 import importlib.util
 import subprocess
 import sys
@@ -140,3 +140,127 @@ def test_cli_requires_one_size_source():
     proc = subprocess.run([sys.executable, str(SCRIPT), '--state-bytes', '10'], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode != 0 and 'kv-block-bytes' in proc.stderr
+
+
+# --- turn-end (decode_save_last) and junction (save_junction) checkpoints ----------------------------------------
+TOY = dict(block_size=16, alignment=64)
+
+
+def _policies(scenario, *names, chunk_size=128, state=10, kv=1):
+    return sim.simulate_policies(scenario, state, kv, policies=names, chunk_size=chunk_size, **TOY)
+
+
+def test_turn_end_checkpoint_toy_conversation():
+    # B=16 A=64 P=128, S=10 K_blk=1; turns of 100 and 200 tokens, 20-token replies.
+    # turn 1: b* = 64 (floor_16(99) = 96, aligned down to 64), chunks [64, 100]; computed 100 + 20 - 1 = 119,
+    #   te = floor_16(119) = 112 >= 100 (a decode forward ends there) -> save; bytes 2 S + 112/16 = 7 blocks = 27.
+    # turn 2: shares min(100 + 20, 200) = 120 tokens, 119 computed -> 7 blocks matched; te = 112 is a block boundary
+    #   with 112/16 <= 7 and 112 <= floor_16(199) = 192 -> c = 112, recompute 88 = 80 new tokens + 8;
+    #   b* = 192, te = floor_16(219) = 208 -> 2 S + (13 - 7) blocks = 26.
+    # last-only alone: c = 64 at turn 2, recompute 136; bytes (10 + 4) + (10 + 12 - 4) = 32.
+    scenario = sim.Scenario('toy', (100, 200), 20)
+    res = _policies(scenario, 'default', 'last-only', 'last-only+turn-end')
+    te = res['last-only+turn-end']
+    assert [(t.cached_tokens, t.save_points, t.turn_end_point, t.new_kv_blocks, t.total_bytes) for t in te.turns] == [
+        (0, [64], 112, 7, 27), (112, [192], 208, 6, 26)]
+    assert [t.recomputed_tokens for t in te.turns] == [100, 88] and te.num_saves == 4
+    assert sim.extra_recomputed(scenario, te) == [8]
+    last = res['last-only']
+    assert [(t.cached_tokens, t.total_bytes) for t in last.turns] == [(0, 14), (64, 18)]
+    assert [(t.cached_tokens, t.total_bytes) for t in res['default'].turns] == [(0, 14), (64, 18)]
+
+
+def test_turn_end_needs_a_forward_ending_at_the_boundary():
+    # 100 tokens, a 1-token reply: nothing decoded is computed, te = floor_16(100) = 96 < n.
+    # P=128: chunks [64, 100] -> no forward ends at 96, no turn-end save.
+    # P=32: last-only chunks [32, 64, 96, 100] -> the prompt's chunk ends at 96, te saved (S + 6 blocks).
+    one = sim.Scenario('one', (100, ), 1)
+    turn = _policies(one, 'last-only+turn-end').popitem()[1].turns[0]
+    assert (turn.chunk_ends, turn.turn_end_point, turn.total_bytes) == ([64, 100], None, 10 + 4)
+    turn = _policies(one, 'last-only+turn-end', chunk_size=32).popitem()[1].turns[0]
+    assert (turn.chunk_ends, turn.turn_end_point, turn.total_bytes) == ([32, 64, 96, 100], 96, 20 + 6)
+
+
+def test_junction_toy_branching():
+    # 3 siblings of 150 shared + 60 own tokens (n = 210), 8-token replies; B=16 A=64 P=100, S=10 K_blk=1.
+    # sibling 1 default: chunk ends 64 | 128 | 192 | 210 (each moved down to a multiple of 64), saves [64, 128, 192],
+    #   3 S + 12 blocks = 42; last-only: chunks [100, 192, 210], save [192], S + 12 = 22.
+    # sibling 2: 150 shared tokens -> 9 full blocks matched (144 tokens). default restores 128, saves 192 of its own
+    #   prefix: S + 3 blocks past the shared 9 = 13. last-only: 192 > 150 is not shared -> c = 0, S + 3 = 13.
+    #   junction: matched 144 > c = 0, largest reusable <= 144 is 128 -> chunk (100, 192] split at 128, saves
+    #   [128, 192]: 2 S + 3 = 23.
+    # sibling 3: junction restores 128 (as default does); (128, 144] holds no multiple of 64 -> no second junction.
+    scenario = sim.Branching('toy', 150, 60, 3, 8)
+    res = _policies(scenario, 'default', 'last-only', 'last-only+junction', chunk_size=100)
+    d, lo, j = res['default'], res['last-only'], res['last-only+junction']
+    assert [(t.cached_tokens, t.save_points, t.total_bytes) for t in d.turns] == [
+        (0, [64, 128, 192], 42), (128, [192], 13), (128, [192], 13)]
+    assert [(t.cached_tokens, t.save_points, t.total_bytes) for t in lo.turns] == [
+        (0, [192], 22), (0, [192], 13), (0, [192], 13)]
+    assert [(t.cached_tokens, t.chunk_ends, t.save_points, t.junction, t.total_bytes) for t in j.turns] == [
+        (0, [100, 192, 210], [192], None, 22), (0, [100, 128, 192, 210], [128, 192], 128, 23),
+        (128, [192, 210], [192], None, 13)]
+    assert (d.total_bytes, lo.total_bytes, j.total_bytes) == (68, 48, 58)
+
+
+def test_default_and_last_only_agree_with_simulate():
+    for scenario in sim.seed_scenarios() + [sim.branching_scenario()]:
+        old = sim.simulate(scenario, 1435, 2, **SEED)
+        new = sim.simulate_policies(scenario, 1435, 2, policies=[sim.DEFAULT, sim.LAST_ONLY], **SEED)
+        assert (new['default'], new['last-only']) == (old.default, old.last_only)
+
+
+def test_seed_goal_turn_end_recomputes_new_tokens_plus_one_block():
+    plus4k, plus16k = sim.seed_scenarios()[4:]
+    r4 = sim.simulate_policies(plus4k, 1435, 2, policies=['default', 'last-only', 'last-only+turn-end'], **SEED)
+    # +4K: new user tokens per later turn 4096 - 512 = 3584; turn-end te = floor_64(n + 511) = n + 448, so the next
+    # turn recomputes 4096 - 448 = 3648 = 3584 + 64; last-only restores b* = n - 64 and recomputes 4160
+    assert [t.recomputed_tokens for t in r4['last-only+turn-end'].turns[1:]] == [3584 + 64] * 4
+    assert [t.recomputed_tokens for t in r4['last-only'].turns[1:]] == [4160] * 4
+    assert sim.extra_recomputed(plus4k, r4['last-only+turn-end']) == [64] * 4
+    # bytes (S = 1435, K_blk = 2): 10 saves + 776 blocks = 15902, more than the default's 13016 on +4K
+    assert (r4['default'].total_bytes, r4['last-only'].total_bytes, r4['last-only+turn-end'].total_bytes) == (
+        13016, 8711, 10 * 1435 + 776 * 2)
+    r16 = sim.simulate_policies(plus16k, 1435, 2, policies=['default', 'last-only+turn-end'], **SEED)
+    assert [t.recomputed_tokens for t in r16['last-only+turn-end'].turns[1:]] == [16384 - 512 + 64] * 4
+    # +16K: 10 saves + floor_64(98368 + 511) / 64 = 1544 blocks = 17438 < 20292 (default)
+    assert (r16['default'].total_bytes, r16['last-only+turn-end'].total_bytes) == (20292, 10 * 1435 + 1544 * 2)
+
+
+def test_seed_goal_junction_on_branching():
+    # 4 siblings, 20800 shared + 2048 own tokens (n = 22848); the 20800 shared tokens are 325 full blocks.
+    # default: sibling 1 saves 8192, 16384, 22528; siblings 2-4 restore 16384. last-only: only 22528 (past the fork)
+    # -> every sibling recomputes all. junction: sibling 2 adds a save at 20480, siblings 3-4 restore it.
+    res = sim.simulate_policies(sim.branching_scenario(), 1435, 2,
+                                policies=['default', 'last-only', 'last-only+junction'], **SEED)
+    d, lo, j = res['default'], res['last-only'], res['last-only+junction']
+    assert [t.cached_tokens for t in d.turns] == [0, 16384, 16384, 16384]
+    assert [t.cached_tokens for t in lo.turns] == [0, 0, 0, 0]
+    assert [t.cached_tokens for t in j.turns] == [0, 0, 20480, 20480]
+    assert [a.num_saves - b.num_saves for a, b in zip(j.turns, lo.turns)] == [0, 1, 0, 0]
+    assert [t.junction for t in j.turns] == [None, 20480, None, None]
+    # 22528 / 64 = 352 blocks for sibling 1, then 352 - 325 shared = 27 own blocks per sibling
+    assert (d.total_bytes, lo.total_bytes, j.total_bytes) == (6 * 1435 + (352 + 3 * 27) * 2, 4 * 1435 + 433 * 2,
+                                                              5 * 1435 + 433 * 2)
+
+
+def test_policy_names():
+    assert sim.Policy.parse('last-only+turn-end') == sim.TURN_END
+    assert sim.Policy.parse('default+junction').name == 'default+junction'
+    with pytest.raises(ValueError, match='policies'):
+        sim.Policy.parse('last-only+everything')
+    with pytest.raises(ValueError, match='branching'):
+        sim.Branching('bad', 10, 0).requests()
+
+
+def test_branching_preset_cli():
+    out = subprocess.run([sys.executable, str(SCRIPT), '--preset', 'branching'], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    assert 'check last-only+junction: sibling hits [0, 20480, 20480] vs default [16384, 16384, 16384]' in out
+    assert 'extra saves per sibling [0, 1, 0, 0]' in out
+    out = subprocess.run([sys.executable, str(SCRIPT), '--preset', 'seed-table', '--decode-save-last'],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.count('later turns recompute new tokens + [64, 64, 64, 64]') == 2
+    proc = subprocess.run([sys.executable, str(SCRIPT), '--preset', 'seed-table', '--policies', 'sometimes'],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and 'policies' in proc.stderr
