@@ -13,12 +13,12 @@ so a visible state object implies its whole KV prefix is stored. Blocks of ``[0,
 earlier, still queued job is putting are not copied again; the job records them as
 dependencies, and the worker (one thread, jobs in FIFO order) puts the state only if they all
 succeeded. A failed put is counted, is not marked stored, and a later save of the same prefix
-retries it. Bytes counted are payload bytes (headers excluded), so a turn's put bytes equal
-``len(save_points)·S + new_blocks·K_blk``.
+retries it. Bytes counted are payload bytes (the 48-byte header and 32-byte MAC of each object
+excluded), so a turn's put bytes equal ``len(save_points)·S + new_blocks·K_blk``.
 
 Restore at admission: the deepest boundary above the local hit that is reusable for this
 input (SPEC §3, all four rules) and whose state object and every KV object below it exist;
-payloads are verified (header, namespace, token count, checksum) and copied into fresh blocks
+payloads are verified (header, namespace, token count, checksum, MAC) and copied into fresh blocks
 and the sequence's runtime slot. Any mismatch is a counted miss, never an error to the user; a
 failed existence query at lookup counts as a get failure.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 from collections import OrderedDict
@@ -41,8 +42,8 @@ import torch
 
 from ..paging.prefill_plan import is_reusable
 from .mooncake_client import StoreClient, buffer_bytes_needed
-from .object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object, model_identity,
-                            namespace_digest, object_key)
+from .identity import engine_namespace, resolve_secret
+from .object_format import OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object, object_key
 
 __all__ = ['StoreTier', 'build_store_tier']
 
@@ -95,11 +96,13 @@ class StoreTier:
         alignment: checkpoint alignment (A).
         queue_size: most pending save jobs; a full queue makes the save wait (back-pressure).
         services: embedded Mooncake services to stop on :meth:`close`, or None.
+        secret: the Store secret keying every object's MAC (None: unauthenticated objects).
     """
 
     def __init__(self, client: StoreClient, cache_engine, namespace: bytes, block_size: int, alignment: int,
-                 queue_size: int = 64, services=None):
+                 queue_size: int = 64, services=None, secret: bytes | None = None):
         self.client = client
+        self.secret = secret
         self.cache_engine = cache_engine
         self.namespace = namespace
         self.ns_hex = namespace.hex()
@@ -188,7 +191,7 @@ class StoreTier:
                 self.counters['store_get_failures'] += 1
             raise KeyError(f'{kind} object missing')
         try:
-            payload = decode_object(data, kind, self.namespace, num_tokens)
+            payload = decode_object(data, kind, self.namespace, num_tokens, self.secret)
         except StoreObjectError:
             with self._lock:
                 self.counters['store_rejected_objects'] += 1
@@ -244,7 +247,7 @@ class StoreTier:
 
     def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
         key = self._key(kind, h)
-        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes())
+        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes(), self.secret)
         ok = self.client.put(key, data)
         with self._lock:
             self._pending.discard(key)
@@ -308,22 +311,34 @@ def build_store_tier(engine) -> StoreTier:
     Raises:
         ValueError: an explicit ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
             state snapshot or KV block plus the header, rounded up to Mooncake's allocation
-            size), or ``mooncake_metadata_server`` is missing for an external master.
+            size), ``mooncake_metadata_server`` is missing for an external master, or
+            ``store_secret_file`` cannot be read or holds fewer than 16 bytes.
         StoreUnavailableError: the master is unreachable (the message names the address).
     """
     cfg = engine.config
-    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + HEADER_SIZE
+    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
     need = buffer_bytes_needed(largest)
     buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need)
     if buffer_size < need:
         raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
                          f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
                          f'{engine.cache_engine.state_bytes} or KV block {engine.cache_engine.kv_block_bytes} plus '
-                         f'the {HEADER_SIZE}-byte header), rounded up to Mooncake\'s allocation size')
+                         f'the {OBJECT_OVERHEAD}-byte header and MAC), rounded up to Mooncake\'s allocation size')
     master, metadata = cfg.mooncake_master, cfg.mooncake_metadata_server
     if master != 'local' and metadata is None:
         raise ValueError('mooncake_metadata_server is required with an external mooncake_master '
                          '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
+    secret = resolve_secret(cfg.store_secret_file)       # a bad secret file fails before anything starts
+    if secret is None and master == 'local':
+        secret = os.urandom(32)      # embedded services die with this engine: a per-run secret costs nothing
+    elif secret is None:
+        logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
+                       'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '
+                       'outputs. Give every engine sharing the Store the same secret.', master)
+    # the first start on a checkpoint hashes every weight byte (logged); later starts hit the digest cache
+    namespace = engine_namespace(engine.model_path, dtype=str(engine.dtype), block_size=cfg.block_size,
+                                 layers=[repr(s) for s in engine.specs], tp_rank=0, tp_size=1, adapter=None,
+                                 override=cfg.store_namespace, secret=secret)
     services = None
     if master == 'local':
         from .services import MooncakeServices
@@ -338,8 +353,5 @@ def build_store_tier(engine) -> StoreTier:
         if services is not None:
             services.stop()
         raise
-    namespace = namespace_digest(model=model_identity(engine.model_path), dtype=str(engine.dtype),
-                                 block_size=cfg.block_size, layers=[repr(s) for s in engine.specs],
-                                 tp_rank=0, tp_size=1, adapter=None)
     return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.prefill_save_alignment,
-                     cfg.store_queue_size, services)
+                     cfg.store_queue_size, services, secret)
