@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .listeners import ExposedPortError, is_loopback, listening_fds, pin_new_listeners
+    from .metadata_server import set_process_name
+    set_process_name('mooncake_owner')
     host = args.host
     os.environ.setdefault('MC_TCP_BIND_ADDRESS', host)
     stop = threading.Event()

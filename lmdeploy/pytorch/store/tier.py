@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
+import secrets
 import threading
 from collections import OrderedDict
 import time
@@ -330,7 +330,7 @@ def build_store_tier(engine) -> StoreTier:
                          '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
     secret = resolve_secret(cfg.store_secret_file)       # a bad secret file fails before anything starts
     if secret is None and master == 'local':
-        secret = os.urandom(32)      # embedded services die with this engine: a per-run secret costs nothing
+        secret = secrets.token_hex(32).encode()   # embedded services die with this engine: a per-run secret
     elif secret is None:
         logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
                        'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '

@@ -7,6 +7,7 @@ Endpoints::
     POST /v1/completions        prompt(s) as text or token ids → continuation(s)
     GET  /health                200 while serving
     GET  /metrics               Prometheus text (lmdeploy.metrics)
+    GET  /docs, /openapi.json   Swagger UI and the OpenAPI schema
     GET  /debug/ledger          the engine's resource ledger (idle checks in tests)
 
 Ownership and invariants:
@@ -17,7 +18,9 @@ Ownership and invariants:
   slots and pins before the next engine step.
 - Requests are validated (ranges by pydantic, messages / token ids / length by the pipeline and
   the engine) before anything is submitted, so a bad request is a 4xx with nothing to clean up.
-- ``/v1/*`` and ``/debug/*`` require ``Authorization: Bearer <key>`` when API keys are set.
+- With API keys set, ``/v1/*``, ``/debug/*``, ``/docs`` and ``/openapi.json`` require
+  ``Authorization: Bearer <key>``; ``/health`` is always open; ``/metrics`` is open unless
+  ``protect_metrics`` (so a plain Prometheus scrape works) — it holds counters, never text.
 - Decoding is greedy unless ``temperature`` > 0 (an absent temperature means greedy here, unlike
   OpenAI's default of 1.0), which makes served output reproducible by default.
 """
@@ -326,16 +329,28 @@ class _Server:
         return await run_in_threadpool(self.pipe.ledger)
 
 
-def create_app(pipe, model_name: str, api_keys: list[str] | None = None) -> FastAPI:
+def _add_docs(app: FastAPI, auth: list) -> None:
+    """``/openapi.json`` and ``/docs`` behind ``auth`` (FastAPI's own routes would be open)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import JSONResponse
+
+    app.get('/openapi.json', dependencies=auth, include_in_schema=False)(lambda: JSONResponse(app.openapi()))
+    app.get('/docs', dependencies=auth, include_in_schema=False)(
+        lambda: get_swagger_ui_html(openapi_url='/openapi.json', title=f'{app.title} API'))
+
+
+def create_app(pipe, model_name: str, api_keys: list[str] | None = None, protect_metrics: bool = False) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
         pipe: the pipeline; the app does not close it.
         model_name: the name clients must send as ``model`` (others get 404).
-        api_keys: accepted bearer tokens; None or empty disables authentication.
+        api_keys: accepted bearer tokens; None or empty disables authentication. With keys,
+            ``/docs`` and ``/openapi.json`` need one too; ``/health`` never does.
+        protect_metrics: ``/metrics`` needs a key as well (when keys are set).
     """
     server = _Server(pipe, model_name, api_keys)
-    app = FastAPI(title='lmdeploy', version='0.1.0')
+    app = FastAPI(title='lmdeploy', version='0.1.0', docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     auth = [Depends(server.check_key)]
     app.get('/v1/models', dependencies=auth)(server.models)
@@ -343,7 +358,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None) -> Fast
     app.post('/v1/completions', dependencies=auth)(server.completions)
     app.get('/debug/ledger', dependencies=auth)(server.ledger)
     app.get('/health')(server.health)
-    app.get('/metrics')(server.prometheus)
+    app.get('/metrics', dependencies=auth if protect_metrics else [])(server.prometheus)
+    _add_docs(app, auth)
     app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS)
     app.state.server = server
     return app
@@ -358,7 +374,8 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0', server_port: int = 23333,
-               api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None) -> None:
+               api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None,
+               protect_metrics: bool = False) -> None:
     """Load the model and serve it until SIGINT/SIGTERM (blocking). Either signal shuts down
     gracefully: the pipeline is closed (Store saves flushed, embedded Mooncake services stopped);
     SIGTERM then exits with ``SystemExit(143)``, SIGINT with ``KeyboardInterrupt``.
@@ -375,7 +392,7 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pipe = Pipeline(model_path, backend_config)
     try:
-        app = create_app(pipe, model_name or default_model_name(model_path), api_keys)
+        app = create_app(pipe, model_name or default_model_name(model_path), api_keys, protect_metrics)
         logger.info('serving %s as %r on http://%s:%d', model_path, app.state.server.model_name, server_name,
                     server_port)
         uvicorn.run(app, host=server_name, port=server_port, log_level=log_level.lower(),
