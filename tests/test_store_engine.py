@@ -550,7 +550,8 @@ def test_embedded_mode_starts_its_own_master_and_stops_it_on_close(tiny_qwen3_ne
             outsider.close()
         secret_file = tmp_path / 'secret'
         secret_file.write_bytes(eng.store.secret)
-        reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(services, store_secret_file=str(secret_file))))
+        cfg = store_config(services, store_secret_file=str(secret_file))
+        reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg))
         try:
             seq = reader.generate(ids, GEN)
             assert seq.stats.store_hit_tokens == 128 and seq.output_ids == cold(ids)

@@ -11,7 +11,7 @@ its failure policy. Invariants:
 - A master that stops answering costs the engine at most one slow call: the first RPC failure
   opens a breaker, and until a TCP probe of the master succeeds (at most once per
   ``retry_interval_s``) operations fail at once.
-- On a loopback setup (advertised address 127.0.0.1 / ::1) the transfer engine's own listeners,
+- On a loopback setup (advertised address or master on loopback) the transfer engine's own listeners,
   which Mooncake binds to every interface, are pinned to the loopback interface right after
   setup (:mod:`.listeners`); if that is impossible, connect refuses.
 
@@ -146,8 +146,8 @@ class StoreClient:
             protocol: ``'tcp'`` or ``'rdma'``.
             local_hostname: address this process's transfer engine advertises; also used as
                 ``MC_TCP_BIND_ADDRESS`` when that variable is unset. When the advertised address
-                (``MC_TCP_BIND_ADDRESS``) is a loopback address, the transfer engine's listeners
-                are pinned to the loopback interface.
+                (``MC_TCP_BIND_ADDRESS``) or the master is on loopback, the transfer engine's
+                listeners are pinned to the loopback interface.
             segment_size: bytes of memory this process contributes to the Store (0 allowed).
             local_buffer_size: bytes of the transfer buffer; a value larger than this cannot
                 be put (bytes).
@@ -196,7 +196,9 @@ class StoreClient:
             # A failed setup leaves nothing to close; the handle is dropped unused.
             raise StoreUnavailableError(f'Mooncake setup against master {master_address} (metadata '
                                         f'{metadata_server}) failed with code {rc}')
-        if is_loopback(os.environ['MC_TCP_BIND_ADDRESS']):
+        # a loopback master means every Store peer is on this machine, and local peers reach any
+        # of its addresses through the loopback interface: pinning can never cut one off
+        if is_loopback(os.environ['MC_TCP_BIND_ADDRESS']) or is_loopback(master[0]):
             try:
                 pin_new_listeners(before, f'Mooncake client of master {master_address}')
             except BaseException:

@@ -8,7 +8,7 @@ Usage (started by :class:`~.services.MooncakeServices`, or by hand for shared se
 
 Why not ``mooncake_client``: Mooncake 0.3.13's transfer engine binds its handshake and data
 ports to every interface, with no setting to change that. In this process, on a loopback
-``HOST``, those listeners are pinned to the loopback interface right after setup
+``HOST`` (or master), those listeners are pinned to the loopback interface right after setup
 (:mod:`.listeners`); the process exits with code 3 and the reason if they cannot be.
 
 The process writes ``--ready`` (if given) once the segment is mounted, and runs until
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if rc != 0:
         print(f'segment owner: Mooncake setup against {args.master} failed with code {rc}', file=sys.stderr)
         return 1
-    if is_loopback(os.environ['MC_TCP_BIND_ADDRESS']):
+    if is_loopback(os.environ['MC_TCP_BIND_ADDRESS']) or is_loopback(args.master.rpartition(':')[0]):
         try:
             pinned = pin_new_listeners(before, 'segment owner')
         except ExposedPortError as err:
