@@ -46,8 +46,9 @@ class PytorchEngineConfig(BaseModel):
     mooncake_master: str | None = Field(None, description='Mooncake master "host:port", or "local" to start an '
                                         'embedded master and segment; None disables the Store.')
     mooncake_metadata_server: str | None = Field(None, description='Mooncake metadata server URL, e.g. '
-                                                 'http://HOST:PORT/metadata of the master\'s embedded HTTP metadata '
-                                                 'server; required with an external master.')
+                                                 'http://HOST:PORT/metadata of the Store\'s HTTP metadata server '
+                                                 '(lmdeploy.pytorch.store.metadata_server); required with an '
+                                                 'external master.')
     mooncake_protocol: Literal['tcp', 'rdma'] = Field('tcp', description='Mooncake transfer protocol.')
     mooncake_segment_size: int = Field(0, ge=0, description='Bytes of memory this engine contributes to the '
                                        'Store: 0 (another process owns the segment) or at least 16 MiB.')

@@ -327,7 +327,7 @@ def build_store_tier(engine) -> StoreTier:
     master, metadata = cfg.mooncake_master, cfg.mooncake_metadata_server
     if master != 'local' and metadata is None:
         raise ValueError('mooncake_metadata_server is required with an external mooncake_master '
-                         '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
+                         '(e.g. http://HOST:PORT/metadata of the Store\'s HTTP metadata server)')
     secret = resolve_secret(cfg.store_secret_file)       # a bad secret file fails before anything starts
     if secret is None and master == 'local':
         secret = secrets.token_hex(32).encode()   # embedded services die with this engine: a per-run secret
