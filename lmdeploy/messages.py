@@ -52,8 +52,9 @@ class PytorchEngineConfig(BaseModel):
     mooncake_master: str | None = Field(None, description='Mooncake master "host:port", or "local" to start an '
                                         'embedded master and segment; None disables the Store.')
     mooncake_metadata_server: str | None = Field(None, description='Mooncake metadata server URL, e.g. '
-                                                 'http://HOST:PORT/metadata of the master\'s embedded HTTP metadata '
-                                                 'server; required with an external master.')
+                                                 'http://HOST:PORT/metadata of the Store\'s HTTP metadata server '
+                                                 '(lmdeploy.pytorch.store.metadata_server); required with an '
+                                                 'external master.')
     mooncake_protocol: Literal['tcp', 'rdma'] = Field('tcp', description='Mooncake transfer protocol.')
     mooncake_segment_size: int = Field(0, ge=0, description='Bytes of memory this engine contributes to the '
                                        'Store: 0 (another process owns the segment) or at least 16 MiB.')
@@ -64,6 +65,15 @@ class PytorchEngineConfig(BaseModel):
                                                 'segment the embedded mode (mooncake_master="local") starts '
                                                 '(at least 16 MiB).')
     store_queue_size: int = Field(64, ge=1, description='Bounded queue of pending Store saves.')
+    store_namespace: str | None = Field(None, min_length=1, max_length=256, pattern=r'^[\x21-\x7e]+$',
+                                        description='Operator-managed model identity for the Store namespace '
+                                        '(printable ASCII, no spaces); replaces hashing config.json and every '
+                                        'weight byte. Dtype, block size, layer layout, TP layout and the secret '
+                                        'still join the namespace. None = derive it from the model files.')
+    store_secret_file: str | None = Field(None, description='File holding the Store secret (at least 16 bytes) that '
+                                          'keys every object\'s HMAC; default: the LMDEPLOY_STORE_SECRET variable; '
+                                          'none: objects are unauthenticated (mooncake_master="local" then makes a '
+                                          'per-run secret).')
 
     @field_validator('mooncake_segment_size')
     @classmethod

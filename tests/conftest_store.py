@@ -1,6 +1,6 @@
 """Pytest plugin (loaded by tests/conftest.py): the real Mooncake Store services on 127.0.0.1.
 
-``mooncake_services`` starts one ``mooncake_master`` + segment-owning ``mooncake_client`` for
+``mooncake_services`` starts one ``mooncake_master`` + metadata server + segment owner for
 the whole session and stops them at its end. Tests sharing it must use keys unique to the test
 (e.g. :func:`unique_namespace`). Tests skip only when the ``mooncake_master`` binary is absent.
 """

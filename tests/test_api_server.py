@@ -434,8 +434,8 @@ def test_sigterm_stops_the_embedded_store_services(tiny_qwen3_next):
     server = ApiServer(tiny_qwen3_next, *HYBRID, '--enable-prefix-caching', '--mooncake-master', 'local',
                        '--mooncake-embedded-segment-size', str(16 << 20)).start()
     try:
-        children = _mooncake_children(server.proc.pid)      # mooncake_master and mooncake_client
-        assert len(children) == 2, children
+        children = _mooncake_children(server.proc.pid)      # mooncake_master, mooncake_meta, mooncake_owner
+        assert len(children) == 3, children
         assert chat(server, [{'role': 'user', 'content': SYSTEM_A}]).usage.prompt_tokens > ALIGN
         server.proc.terminate()
         assert server.proc.wait(timeout=30) == 143     # a graceful exit, not death by the re-raised signal

@@ -26,7 +26,7 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
 from lmdeploy.pytorch.store.mooncake_client import StoreClient
-from lmdeploy.pytorch.store.object_format import HEADER_SIZE, object_key
+from lmdeploy.pytorch.store.object_format import OBJECT_OVERHEAD, object_key
 from lmdeploy.pytorch.store.services import MooncakeServices
 
 B, A, P = 16, 64, 64
@@ -200,7 +200,7 @@ class PutAudit:
             if present:
                 self.reputs.append(key)
             elif ok:
-                self.new_bytes['state' if '/state/' in key else 'kv'] += memoryview(value).nbytes - HEADER_SIZE
+                self.new_bytes['state' if '/state/' in key else 'kv'] += memoryview(value).nbytes - OBJECT_OVERHEAD
             return ok
         return audited_put
 

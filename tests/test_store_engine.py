@@ -33,8 +33,8 @@ from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
 from lmdeploy.pytorch.store.mooncake_client import StoreClient, StoreUnavailableError, buffer_bytes_needed
-from lmdeploy.pytorch.store.object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object,
-                                                  object_key)
+from lmdeploy.pytorch.store.object_format import (HEADER_SIZE, MAC_SIZE, OBJECT_OVERHEAD, StoreObjectError,
+                                                  decode_object, encode_object, object_key)
 from lmdeploy.pytorch.store.services import MooncakeServices, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,10 +295,10 @@ def _flip_payload_byte(value: bytes) -> bytes:
 
 
 def _foreign_namespace(value: bytes) -> bytes:
-    """The same payload, re-encoded under another engine's namespace (valid checksum)."""
+    """The same payload, re-encoded under another engine's namespace (valid checksum and MAC)."""
     kind = 'state' if value[6] == 2 else 'kv'
     tokens = int.from_bytes(value[24:32], 'little')
-    return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:])
+    return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:-MAC_SIZE])
 
 
 # A rejected boundary falls back to the next shallower one the Store holds: a bad state at 128
@@ -416,7 +416,7 @@ def test_store_config_errors_name_the_field(tiny_qwen3_next, mooncake_services):
     base = store_config(mooncake_services, num_gpu_blocks=64)
     with pytest.raises(ValueError, match='mooncake_metadata_server'):
         Engine(tiny_qwen3_next, PytorchEngineConfig(**dict(base, mooncake_metadata_server=None)))
-    largest = 16896 + HEADER_SIZE                   # the tiny model's state object
+    largest = 16896 + OBJECT_OVERHEAD               # the tiny model's state object (header + payload + MAC)
     need = buffer_bytes_needed(largest)
     assert need == 18432                            # Mooncake rounds an allocation up to 1/8 of its power of 2
     with pytest.raises(ValueError, match=f'mooncake_local_buffer_size.*{need}'):
@@ -456,7 +456,7 @@ def test_full_store_counts_put_failures_and_output_stays_correct(make_engine, co
     no_eviction = ('--eviction_ratio=0', '--eviction_high_watermark_ratio=1.0')
     with MooncakeServices(segment_size=SMALL_SEGMENT, master_args=no_eviction) as services:
         eng = make_engine(services=services)
-        kv_object = eng.cache_engine.kv_block_bytes + HEADER_SIZE       # the smallest object the engine puts
+        kv_object = eng.cache_engine.kv_block_bytes + OBJECT_OVERHEAD   # the smallest object the engine puts
         assert _fill(services, kv_object) == 16       # 16 x 1 MiB, then not one KV-sized object more
         seq = eng.generate(ids, GEN)
         assert eng.store.flush(timeout=30)
@@ -528,7 +528,7 @@ def test_state_is_not_put_when_a_queued_block_put_of_its_prefix_failed(make_engi
     assert turn2.output_ids == cold(longer) and eng.is_idle()
 
 
-def test_embedded_mode_starts_its_own_master_and_stops_it_on_close(tiny_qwen3_next, cold):
+def test_embedded_mode_starts_its_own_master_and_stops_it_on_close(tiny_qwen3_next, cold, tmp_path):
     from lmdeploy.pytorch.store.mooncake_client import tcp_reachable
     ids = prompt(150, seed=1200)
     cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,
@@ -540,7 +540,18 @@ def test_embedded_mode_starts_its_own_master_and_stops_it_on_close(tiny_qwen3_ne
         assert eng.generate(ids, GEN).output_ids == cold(ids)
         assert eng.store.flush(timeout=30)
         assert eng.stats()['store_put_objects'] == {'state': 2, 'kv': 8}
-        reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(services)))
+        assert eng.store.secret is not None and len(eng.store.secret) == 64     # made for this run
+        outsider = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(services)))
+        try:        # without the run's secret: another namespace, so no hit and nothing to reject
+            seq = outsider.generate(ids, GEN)
+            assert seq.stats.store_hit_tokens == 0 and seq.output_ids == cold(ids)
+            assert outsider.stats()['store_rejected_objects'] == 0
+        finally:
+            outsider.close()
+        secret_file = tmp_path / 'secret'
+        secret_file.write_bytes(eng.store.secret)
+        cfg = store_config(services, store_secret_file=str(secret_file))
+        reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg))
         try:
             seq = reader.generate(ids, GEN)
             assert seq.stats.store_hit_tokens == 128 and seq.output_ids == cold(ids)

@@ -1,5 +1,7 @@
-"""Store object format, keys and namespaces (SPEC §7), and the fake client used for fault tests."""
+"""Store object format (header, payload, HMAC), keys, namespaces, model identity and the Store
+secret (SPEC §7), and the fake client used for fault tests."""
 import hashlib
+import hmac
 import json
 import os
 import pickle
@@ -11,23 +13,30 @@ import pytest
 import torch
 
 from lmdeploy.pytorch.store.mooncake_client import FakeStoreClient
-from lmdeploy.pytorch.store.object_format import (FORMAT_VERSION, HEADER_SIZE, StoreObjectError, decode_object,
-                                                  encode_object, model_identity, namespace_digest, object_key)
+from lmdeploy.pytorch.store.identity import (engine_namespace, model_identity, resolve_secret, secret_key_id,
+                                             weight_digest)
+from lmdeploy.pytorch.store.object_format import (FORMAT_VERSION, HEADER_SIZE, MAC_SIZE, StoreObjectError,
+                                                  decode_object, encode_object, namespace_digest, object_key)
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
 
 
+SECRET = b'0123456789abcdef-shared-secret'
+
+
 def test_header_bytes_are_the_documented_layout():
-    value = encode_object('state', NS, 1024, b'abc')
-    assert HEADER_SIZE == 48 and len(value) == 51
+    value = encode_object('state', NS, 1024, b'abc', SECRET)
+    assert (HEADER_SIZE, MAC_SIZE, FORMAT_VERSION) == (48, 32, 2) and len(value) == 48 + 3 + 32
     assert value[:4] == b'LMDS'
     assert struct.unpack_from('<HBB', value, 4) == (FORMAT_VERSION, 2, 0)
     assert value[8:24] == NS
     assert struct.unpack_from('<QQI', value, 24) == (1024, 3, 0)
     assert struct.unpack_from('<I', value, 44)[0] == zlib.crc32(value[:44] + b'abc')
-    assert value[48:] == b'abc'
-    assert encode_object('kv', NS, 64, b'')[6] == 1
+    assert value[48:51] == b'abc'
+    assert value[51:] == hmac.new(SECRET, value[:51], hashlib.sha256).digest()      # HMAC over header + payload
+    unkeyed = encode_object('kv', NS, 64, b'')
+    assert unkeyed[6] == 1 and unkeyed[48:] == hmac.new(b'', unkeyed[:48], hashlib.sha256).digest()
 
 
 @pytest.mark.parametrize('make', [bytes, bytearray, memoryview,
@@ -44,9 +53,9 @@ def test_empty_payload_round_trips():
     assert bytes(decode_object(encode_object('state', NS, 0, b''), 'state', NS, 0)) == b''
 
 
-def _reason(data, kind='kv', ns=NS, tokens=64):
+def _reason(data, kind='kv', ns=NS, tokens=64, secret=None):
     with pytest.raises(StoreObjectError) as info:
-        decode_object(data, kind, ns, tokens)
+        decode_object(data, kind, ns, tokens, secret)
     assert isinstance(info.value, ValueError)
     return info.value.reason
 
@@ -66,16 +75,43 @@ def test_each_mismatch_is_rejected_with_its_reason():
     flipped = bytearray(good)
     flipped[HEADER_SIZE] ^= 0x01
     assert _reason(bytes(flipped)) == 'checksum'
+    assert _reason(good[:-MAC_SIZE]) == 'mac'                           # no MAC trailer at all
+    assert _reason(good, secret=SECRET) == 'mac'                        # made without the secret
+
+
+def _forge(value: bytes, payload: bytes, mac: bytes | None) -> bytes:
+    """``value`` with ``payload`` swapped in, a valid checksum, and ``mac`` (None: no trailer)."""
+    header = bytearray(value[:HEADER_SIZE])
+    struct.pack_into('<Q', header, 32, len(payload))
+    struct.pack_into('<I', header, 44, zlib.crc32(bytes(header[:44]) + payload))
+    return bytes(header) + payload + (mac if mac is not None else b'')
+
+
+@pytest.mark.parametrize('secret', [None, SECRET], ids=['no_secret', 'secret'])
+def test_an_object_forged_without_the_secret_is_rejected(secret):
+    good = encode_object('state', NS, 128, b'the true state' * 10, secret)
+    assert bytes(decode_object(good, 'state', NS, 128, secret)) == b'the true state' * 10
+    evil = b'garbage state!' * 10
+    attempts = [_forge(good, evil, None), _forge(good, evil, bytes(MAC_SIZE)), _forge(good, evil, good[-MAC_SIZE:]),
+                _forge(good, evil, hmac.new(b'wrong secret 0123', good[:48] + evil, hashlib.sha256).digest())]
+    for forged in attempts:
+        assert _reason(forged, 'state', tokens=128, secret=secret) == 'mac'
+    # without a secret anyone can compute the MAC: that is what the secret is for
+    keyed = encode_object('state', NS, 128, evil, None)
+    if secret is None:
+        assert bytes(decode_object(keyed, 'state', NS, 128)) == evil
+    else:
+        assert _reason(keyed, 'state', tokens=128, secret=secret) == 'mac'
 
 
 def test_every_single_bit_flip_is_rejected():
-    good = encode_object('state', NS, 2048, bytes(range(40)))
+    good = encode_object('state', NS, 2048, bytes(range(40)), SECRET)
     for i in range(len(good)):
         for bit in (0x01, 0x80):
             bad = bytearray(good)
             bad[i] ^= bit
             with pytest.raises(StoreObjectError):
-                decode_object(bytes(bad), 'state', NS, 2048)
+                decode_object(bytes(bad), 'state', NS, 2048, SECRET)
 
 
 def test_foreign_values_are_rejected_not_unpickled():
@@ -94,6 +130,8 @@ def test_encode_rejects_bad_arguments_naming_them():
         encode_object('kv', NS, 1, torch.zeros(4, dtype=torch.float32))
     with pytest.raises(ValueError, match='contiguous'):
         encode_object('kv', NS, 1, torch.zeros(4, 4, dtype=torch.uint8).t())
+    with pytest.raises(ValueError, match='secret'):
+        encode_object('kv', NS, 1, b'', 'a text secret')
 
 
 def test_object_key_format_and_validation():
@@ -151,32 +189,108 @@ def test_namespace_digest_rejects_bad_fields_by_name():
         namespace_digest(**dict(IDENTITY, format_version=2))
 
 
-def _write_model(folder, weight: bytes):
+def _write_model(folder, weight: bytes, config=None):
     folder.mkdir()
-    (folder / 'config.json').write_text(json.dumps({'model_type': 'qwen3', 'hidden_size': 8}))
+    (folder / 'config.json').write_text(json.dumps(config or {'model_type': 'qwen3', 'hidden_size': 8,
+                                                             '_name_or_path': str(folder),
+                                                             'transformers_version': '4.57.0'}))
     (folder / 'model.safetensors').write_bytes(weight)
     (folder / 'tokenizer.json').write_text('{}')       # not part of the identity
 
 
-def test_model_identity_ignores_location_and_mtime_but_sees_content(tmp_path):
-    weight = bytes(range(256)) * 4096                   # 1 MiB
-    _write_model(tmp_path / 'a', weight)
-    ident = model_identity(tmp_path / 'a')
-    assert ident['config'] == {'model_type': 'qwen3', 'hidden_size': 8}
-    assert list(ident['weights']) == ['model.safetensors']
-    assert ident['weights']['model.safetensors']['size'] == 1 << 20
+WEIGHT = bytes(range(256)) * 4096                      # 1 MiB
+
+
+def test_model_identity_hashes_every_weight_byte_and_ignores_location_and_mtime(tmp_path):
+    cache = tmp_path / 'cache'
+    _write_model(tmp_path / 'a', WEIGHT)
+    ident = model_identity(tmp_path / 'a', cache_dir=cache)
+    assert ident['config'] == {'model_type': 'qwen3', 'hidden_size': 8}      # provenance fields dropped
+    assert ident['weights'] == {'model.safetensors': {'size': 1 << 20, 'sha256': hashlib.sha256(WEIGHT).hexdigest()}}
+    assert ident['adapter_configs'] == {}
 
     shutil.copytree(tmp_path / 'a', tmp_path / 'copy')
     os.utime(tmp_path / 'copy' / 'model.safetensors', (1, 1))
-    assert model_identity(tmp_path / 'copy') == ident
+    (tmp_path / 'copy' / 'config.json').write_text(json.dumps({'model_type': 'qwen3', 'hidden_size': 8,
+                                                               '_name_or_path': '/elsewhere'}))
+    assert model_identity(tmp_path / 'copy', cache_dir=cache) == ident
 
-    changed = bytearray(weight)
-    changed[len(weight) * 2 // 5 + 100] ^= 0xFF         # inside the second of the 64 KiB samples
-    _write_model(tmp_path / 'b', bytes(changed))
-    assert model_identity(tmp_path / 'b') != ident
+    # one byte anywhere (here: far from the file's start, middle and sampled windows) changes it
+    for offset in (70_000, len(WEIGHT) - 1):
+        changed = bytearray(WEIGHT)
+        changed[offset] ^= 0xFF
+        folder = tmp_path / f'changed{offset}'
+        _write_model(folder, bytes(changed))
+        assert model_identity(folder, cache_dir=cache)['weights'] != ident['weights'], offset
+
+    (tmp_path / 'a' / 'lora').mkdir()
+    (tmp_path / 'a' / 'lora' / 'adapter_config.json').write_text('{"r": 8}')
+    (tmp_path / 'a' / 'lora' / 'adapter_model.safetensors').write_bytes(b'adapter')
+    with_adapter = model_identity(tmp_path / 'a', cache_dir=cache)
+    assert with_adapter['adapter_configs'] == {'lora/adapter_config.json': {'r': 8}}
+    assert set(with_adapter['weights']) == {'model.safetensors', 'lora/adapter_model.safetensors'}
 
     with pytest.raises(ValueError, match='model_path'):
         model_identity(tmp_path / 'missing')
+
+
+def test_weight_digest_is_cached_until_the_file_changes(tmp_path):
+    path, cache = tmp_path / 'w.safetensors', tmp_path / 'cache'
+    path.write_bytes(WEIGHT)
+    calls = []
+    assert weight_digest(path, cache_dir=cache, progress=lambda done, total: calls.append((done, total))) == \
+        hashlib.sha256(WEIGHT).hexdigest()
+    assert calls[-1] == (1 << 20, 1 << 20)
+    calls.clear()
+    again = weight_digest(path, cache_dir=cache, progress=lambda *a: calls.append(a))
+    assert again == hashlib.sha256(WEIGHT).hexdigest()
+    assert calls == []                                       # served from the cache: nothing read
+    st = path.stat()
+    changed = bytearray(WEIGHT)
+    changed[12345] ^= 1
+    path.write_bytes(bytes(changed))                         # same size, mtime put back: ctime still moves
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weight_digest(path, cache_dir=cache) == hashlib.sha256(bytes(changed)).hexdigest()
+    unwritable = tmp_path / 'file-not-folder'
+    unwritable.write_text('x')
+    assert weight_digest(path, cache_dir=unwritable / 'sub') == hashlib.sha256(bytes(changed)).hexdigest()
+
+
+def test_engine_namespace_covers_model_layout_override_and_secret(tmp_path):
+    _write_model(tmp_path / 'm', WEIGHT)
+    base = dict(dtype='torch.float32', block_size=16, layers=['full', 'linear'], cache_dir=tmp_path / 'cache')
+    ns = engine_namespace(tmp_path / 'm', **base)
+    assert len(ns) == 16 and engine_namespace(tmp_path / 'm', **base) == ns
+    variants = [dict(base, dtype='torch.bfloat16'), dict(base, block_size=32), dict(base, layers=['full']),
+                dict(base, tp_rank=1, tp_size=2), dict(base, tp_size=2), dict(base, adapter='lora-a'),
+                dict(base, override='team-a/model-7'), dict(base, secret=SECRET)]
+    found = {engine_namespace(tmp_path / 'm', **v) for v in variants}
+    assert ns not in found and len(found) == len(variants)
+    # the override stands in for the model files: another checkpoint, same override, same namespace
+    _write_model(tmp_path / 'other', WEIGHT[::-1])
+    assert engine_namespace(tmp_path / 'other', **dict(base, override='team-a/model-7')) == \
+        engine_namespace(tmp_path / 'm', **dict(base, override='team-a/model-7'))
+    assert engine_namespace(tmp_path / 'other', **base) != ns
+    assert engine_namespace(tmp_path / 'm', **dict(base, secret=SECRET + b'2')) != \
+        engine_namespace(tmp_path / 'm', **dict(base, secret=SECRET))
+
+
+def test_secret_comes_from_the_file_then_the_environment(tmp_path):
+    secret_file = tmp_path / 'secret'
+    secret_file.write_bytes(SECRET + b'\n')
+    assert resolve_secret(secret_file, {'LMDEPLOY_STORE_SECRET': 'another secret value!'}) == SECRET
+    assert resolve_secret(None, {'LMDEPLOY_STORE_SECRET': 'another secret value!'}) == b'another secret value!'
+    assert resolve_secret(None, {}) is None and resolve_secret(None, {'LMDEPLOY_STORE_SECRET': ''}) is None
+    with pytest.raises(ValueError, match='store_secret_file.*cannot be read'):
+        resolve_secret(tmp_path / 'missing', {})
+    secret_file.write_bytes(b'short\n')
+    with pytest.raises(ValueError, match='store_secret_file.*at least 16 bytes'):
+        resolve_secret(secret_file, {})
+    with pytest.raises(ValueError, match='LMDEPLOY_STORE_SECRET.*at least 16 bytes'):
+        resolve_secret(None, {'LMDEPLOY_STORE_SECRET': 'short'})
+    key_id = secret_key_id(SECRET)
+    assert len(key_id) == 16 and key_id == secret_key_id(SECRET) != secret_key_id(SECRET + b'x')
+    assert SECRET.hex()[:16] != key_id and secret_key_id(None) is None
 
 
 def test_fake_client_injects_failures_and_keeps_first_value():

@@ -16,7 +16,8 @@ Save at boundary b (submitted right after the forward that ends at b)::
 
 so a visible state object implies its whole KV prefix is stored, and bytes are counted only for
 objects the Store did not already have (another engine may have put them). Bytes counted are
-payload bytes (headers excluded): a turn's put bytes are ``len(save_points)·S + new_blocks·K_blk``.
+payload bytes (the 48-byte header and 32-byte MAC of each object excluded): a turn's put bytes
+are ``len(save_points)·S + new_blocks·K_blk``.
 
 Beliefs are a cache of existence answers, never trusted for correctness: any failed Store
 operation (master down or restarted, an object evicted or missing at load or at the prefix
@@ -24,7 +25,7 @@ check) forgets every belief, so the next save of a prefix copies and puts what i
 
 Restore: the engine probes the Store once per admission attempt of a waiting sequence (one
 existence query for the state keys of its reusable boundaries, one for the KV keys below the
-deepest present state). Objects are verified (header, namespace, token count, checksum) at
+deepest present state). Objects are verified (header, namespace, token count, checksum, MAC) at
 load; a miss or a mismatch is counted, never an error to the user, and the engine falls back
 to a shallower boundary or computes the prefix.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -44,9 +46,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..paging.prefill_plan import ReuseRules
+from ..store.identity import engine_namespace, resolve_secret
 from ..store.mooncake_client import StoreClient, buffer_bytes_needed
-from ..store.object_format import (HEADER_SIZE, StoreObjectError, decode_object, encode_object, model_identity,
-                                   namespace_digest, object_key)
+from ..store.object_format import OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object, object_key
 from .plans import StoreLoad, StorePut
 
 __all__ = ['StoreTier', 'build_store_tier']
@@ -102,11 +104,13 @@ class StoreTier:
         block_size: tokens per block (B).
         queue_size: most pending save jobs; a full queue makes the save wait (back-pressure).
         services: embedded Mooncake services to stop on :meth:`close`, or None.
+        secret: the Store secret keying every object's MAC (None: unauthenticated objects).
     """
 
     def __init__(self, client: StoreClient, cache_engine, namespace: bytes, block_size: int,
-                 queue_size: int = 64, services=None):
+                 queue_size: int = 64, services=None, secret: bytes | None = None):
         self.client = client
+        self.secret = secret
         self.cache_engine = cache_engine
         self.namespace = namespace
         self.ns_hex = namespace.hex()
@@ -203,7 +207,7 @@ class StoreTier:
                 self.counters['store_get_failures'] += 1
             raise KeyError(f'{kind} object missing')
         try:
-            payload = decode_object(data, kind, self.namespace, num_tokens)
+            payload = decode_object(data, kind, self.namespace, num_tokens, self.secret)
         except StoreObjectError:
             with self._lock:
                 self.counters['store_rejected_objects'] += 1
@@ -270,7 +274,7 @@ class StoreTier:
 
     def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
         key = self._key(kind, h)
-        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes())
+        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes(), self.secret)
         ok = self.client.put(key, data)
         with self._lock:
             self._pending.discard(key)
@@ -351,22 +355,34 @@ def build_store_tier(engine) -> StoreTier:
     Raises:
         ValueError: an explicit ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
             state snapshot or KV block plus the header, rounded up to Mooncake's allocation
-            size), or ``mooncake_metadata_server`` is missing for an external master.
+            size), ``mooncake_metadata_server`` is missing for an external master, or
+            ``store_secret_file`` cannot be read or holds fewer than 16 bytes.
         StoreUnavailableError: the master is unreachable (the message names the address).
     """
     cfg = engine.config
-    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + HEADER_SIZE
+    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
     need = buffer_bytes_needed(largest)
     buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need)
     if buffer_size < need:
         raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
                          f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
                          f'{engine.cache_engine.state_bytes} or KV block {engine.cache_engine.kv_block_bytes} plus '
-                         f'the {HEADER_SIZE}-byte header), rounded up to Mooncake\'s allocation size')
+                         f'the {OBJECT_OVERHEAD}-byte header and MAC), rounded up to Mooncake\'s allocation size')
     master, metadata = cfg.mooncake_master, cfg.mooncake_metadata_server
     if master != 'local' and metadata is None:
         raise ValueError('mooncake_metadata_server is required with an external mooncake_master '
-                         '(e.g. http://HOST:PORT/metadata of the master\'s embedded HTTP metadata server)')
+                         '(e.g. http://HOST:PORT/metadata of the Store\'s HTTP metadata server)')
+    secret = resolve_secret(cfg.store_secret_file)       # a bad secret file fails before anything starts
+    if secret is None and master == 'local':
+        secret = secrets.token_hex(32).encode()   # embedded services die with this engine: a per-run secret
+    elif secret is None:
+        logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
+                       'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '
+                       'outputs. Give every engine sharing the Store the same secret.', master)
+    # the first start on a checkpoint hashes every weight byte (logged); later starts hit the digest cache
+    namespace = engine_namespace(engine.model_path, dtype=str(engine.dtype), block_size=cfg.block_size,
+                                 layers=[repr(s) for s in engine.specs], tp_rank=0, tp_size=1, adapter=None,
+                                 override=cfg.store_namespace, secret=secret)
     services = None
     if master == 'local':
         from ..store.services import MooncakeServices
@@ -381,7 +397,4 @@ def build_store_tier(engine) -> StoreTier:
         if services is not None:
             services.stop()
         raise
-    namespace = namespace_digest(model=model_identity(engine.model_path), dtype=str(engine.dtype),
-                                 block_size=cfg.block_size, layers=[repr(s) for s in engine.specs],
-                                 tp_rank=0, tp_size=1, adapter=None)
-    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size, services)
+    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size, services, secret)

@@ -11,6 +11,9 @@ its failure policy. Invariants:
 - A master that stops answering costs the engine at most one slow call: the first RPC failure
   opens a breaker, and until a TCP probe of the master succeeds (at most once per
   ``retry_interval_s``) operations fail at once.
+- On a loopback setup (advertised address or master on loopback) the transfer engine's own listeners,
+  which Mooncake binds to every interface, are pinned to the loopback interface right after
+  setup (:mod:`.listeners`); if that is impossible, connect refuses.
 
 Facts about ``mooncake-transfer-engine-non-cuda`` 0.3.13 this relies on (checked by
 tests/test_mooncake_store.py):
@@ -36,6 +39,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from .listeners import is_loopback, listening_fds, pin_new_listeners
 
 OK = 0
 ERR_INVALID_PARAMS = -600          # e.g. the value does not fit the local buffer
@@ -140,7 +145,9 @@ class StoreClient:
             metadata_server: metadata URL, e.g. ``'http://127.0.0.1:8080/metadata'``.
             protocol: ``'tcp'`` or ``'rdma'``.
             local_hostname: address this process's transfer engine advertises; also used as
-                ``MC_TCP_BIND_ADDRESS`` when that variable is unset.
+                ``MC_TCP_BIND_ADDRESS`` when that variable is unset. When the advertised address
+                (``MC_TCP_BIND_ADDRESS``) or the master is on loopback, the transfer engine's
+                listeners are pinned to the loopback interface.
             segment_size: bytes of memory this process contributes to the Store (0 allowed).
             local_buffer_size: bytes of the transfer buffer; a value larger than this cannot
                 be put (bytes).
@@ -153,6 +160,8 @@ class StoreClient:
             ValueError: a malformed argument (named).
             StoreUnavailableError: the master or metadata server does not accept connections,
                 the ``mooncake`` package is missing, or setup fails; names the address.
+            ExposedPortError: on a loopback setup a transfer port could not be pinned to
+                loopback (see :mod:`.listeners`).
         """
         master = parse_host_port(master_address, 'master_address')
         if protocol not in ('tcp', 'rdma'):
@@ -180,12 +189,21 @@ class StoreClient:
             raise StoreUnavailableError(f'cannot use Mooncake master {master_address}: the mooncake package is '
                                         f'not installed (pip install -r requirements/store.txt): {e}') from e
         native = MooncakeDistributedStore()
+        before = listening_fds()
         rc = native.setup(local_hostname, metadata_server, segment_size, local_buffer_size, protocol,
                           rdma_devices, master_address)
         if rc != OK:
             # A failed setup leaves nothing to close; the handle is dropped unused.
             raise StoreUnavailableError(f'Mooncake setup against master {master_address} (metadata '
                                         f'{metadata_server}) failed with code {rc}')
+        # a loopback master means every Store peer is on this machine, and local peers reach any
+        # of its addresses through the loopback interface: pinning can never cut one off
+        if is_loopback(os.environ['MC_TCP_BIND_ADDRESS']) or is_loopback(master[0]):
+            try:
+                pin_new_listeners(before, f'Mooncake client of master {master_address}')
+            except BaseException:
+                native.close()
+                raise
         return cls(native, master, local_buffer_size, retry_interval_s)
 
     # -- failure policy -------------------------------------------------------------------

@@ -1,23 +1,28 @@
-"""Local Mooncake Store services: one ``mooncake_master`` and one standalone ``mooncake_client``.
+"""Local Mooncake Store services: a ``mooncake_master``, a metadata server and a segment owner.
 
-This module owns the two child processes of the embedded mode (``--mooncake-master local``)
+This module owns the three child processes of the embedded mode (``--mooncake-master local``)
 and of the tests. Invariants:
 
-- Everything listens on, and advertises, ``host`` (default 127.0.0.1): the master's RPC,
-  embedded HTTP metadata and metrics ports and the client's service port are free ports picked
-  by binding port 0, and both processes run with ``MC_TCP_BIND_ADDRESS=host``.
-- The standalone client owns the memory segment, so objects put by an engine that contributes
-  no memory (segment size 0) stay readable after that engine exits, until :meth:`stop`.
-- :meth:`MooncakeServices.start` returns only when both processes accept connections, and
-  otherwise raises ``RuntimeError`` naming the address and quoting the last log lines.
+- Everything listens on, and advertises, ``host`` (default 127.0.0.1): the master's RPC and
+  metrics/admin ports (``--rpc_address``, ``--metrics_host``) and the HTTP metadata server
+  (:mod:`.metadata_server`) are free ports picked by binding port 0; all run with
+  ``MC_TCP_BIND_ADDRESS=host``. The master's own HTTP metadata server is off: Mooncake 0.3.13
+  ignores its host flag and would listen on every interface.
+- The segment owner (:mod:`.segment_owner`, a Python process) owns the memory segment, so
+  objects put by an engine that contributes no memory (segment size 0) stay readable after that
+  engine exits, until :meth:`stop`. On a loopback ``host`` its transfer listeners, which
+  Mooncake binds to every interface, are pinned to the loopback interface.
+- :meth:`MooncakeServices.start` returns only when every process is ready, and otherwise
+  raises ``RuntimeError`` naming the address and quoting the last log lines.
 - :meth:`MooncakeServices.restart_master` (fault tests) brings a fresh, empty master up on the
-  same ports and returns once the client's segment is mounted at it again.
+  same ports and returns once the owner's segment is mounted at it again.
 
 ::
 
-    engine (StoreClient, segment 0) --RPC--> mooncake_master (rpc_port, http metadata)
-            \\                                     ^
-             `--TCP transfer--> mooncake_client --'  (owns the segment_size-byte segment)
+    engine (StoreClient, segment 0) --RPC--> mooncake_master (rpc_port, metrics_port)
+        |   \\                                     ^
+        |    `--TCP transfer--> segment owner ---'  (owns the segment_size-byte segment)
+        `--HTTP--> metadata server (metadata_port) <--'  (where each transfer endpoint lives)
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ from collections import deque
 from pathlib import Path
 
 from .mooncake_client import tcp_reachable
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])     # the folder holding lmdeploy/
 
 
 def find_binary(name: str) -> str | None:
@@ -94,13 +101,13 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 class MooncakeServices:
-    """A ``mooncake_master`` (with its embedded HTTP metadata server) and a ``mooncake_client``
-    contributing ``segment_size`` bytes, on ``host``. Use as a context manager or call
+    """A ``mooncake_master``, an HTTP metadata server (:mod:`.metadata_server`) and a segment
+    owner (:mod:`.segment_owner`, ``segment_size`` bytes of memory), on ``host``. Use as a context manager or call
     :meth:`start` / :meth:`stop`.
 
     Args:
         segment_size: bytes of memory the standalone client contributes (>= 16 MiB, the
-            smallest segment ``mooncake_client`` 0.3.13 accepts; it aborts on less).
+            smallest segment Mooncake 0.3.13 accepts).
         host: the address every port binds to and advertises.
         start_timeout_s: how long each process may take to accept connections (seconds).
         log_dir: folder for ``master.log`` / ``client.log``; default: a new temp dir, removed by
@@ -127,9 +134,10 @@ class MooncakeServices:
         self._own_log_dir = log_dir is None
         self._keep_logs = keep_logs
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self.rpc_port = self.metadata_port = self.metrics_port = self.client_port = 0
+        self.rpc_port = self.metadata_port = self.metrics_port = 0
         self._master: subprocess.Popen | None = None
-        self._client: subprocess.Popen | None = None
+        self._client: subprocess.Popen | None = None       # the segment owner
+        self._metadata: subprocess.Popen | None = None
         self._logs: list = []
 
     @property
@@ -148,74 +156,89 @@ class MooncakeServices:
 
     @property
     def client_log(self) -> Path:
+        """Log of the segment owner."""
         return self.log_dir / 'client.log'
+
+    @property
+    def metadata_log(self) -> Path:
+        return self.log_dir / 'metadata.log'
+
+    @property
+    def _ready_file(self) -> Path:
+        return self.log_dir / 'owner.ready'
 
     def _spawn(self, binary: str, args: list[str], log: Path) -> subprocess.Popen:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=self.host)
+        # the segment owner imports this package: the same copy as this process
+        env['PYTHONPATH'] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get('PYTHONPATH')) if p)
         out = open(log, 'ab')
         self._logs.append(out)
         return subprocess.Popen([*_pdeathsig_prefix(), binary, *args], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, env=env, cwd=self.log_dir)
 
-    def _wait_ready(self, proc: subprocess.Popen, name: str, endpoints: list[tuple[str, int]], log: Path) -> None:
-        """Poll until every endpoint accepts TCP; raise RuntimeError on exit or timeout."""
+    def _wait_ready(self, proc: subprocess.Popen, name: str, endpoints: list[tuple[str, int]], log: Path,
+                    ready_file: Path | None = None) -> None:
+        """Poll until every endpoint accepts TCP (and ``ready_file`` exists); raise RuntimeError
+        on exit or timeout."""
         deadline = time.monotonic() + self.start_timeout_s
         pending = list(endpoints)
-        while pending:
+        where = '%s:%d' % endpoints[0] if endpoints else f'master {self.master_address}'
+        while pending or (ready_file is not None and not ready_file.exists()):
             if proc.poll() is not None:
                 tail = _tail(log)
                 self.stop()
-                raise RuntimeError(f'{name} for {self.host}:{endpoints[0][1]} exited with code {proc.returncode} '
-                                   f'before it was ready; last lines of {log}:\n{tail}')
-            if tcp_reachable(*pending[0], timeout_s=0.2):
+                raise RuntimeError(f'{name} for {where} exited with code {proc.returncode} before it was ready; '
+                                   f'last lines of {log}:\n{tail}')
+            if pending and tcp_reachable(*pending[0], timeout_s=0.2):
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
-                addr = '%s:%d' % pending[0]
+                what = 'did not accept connections at %s:%d' % pending[0] if pending else f'for {where} was not ready'
                 tail = _tail(log)
                 self.stop()
-                raise RuntimeError(f'{name} did not accept connections at {addr} within {self.start_timeout_s} s; '
-                                   f'last lines of {log}:\n{tail}')
+                raise RuntimeError(f'{name} {what} within {self.start_timeout_s} s; last lines of {log}:\n{tail}')
             time.sleep(0.05)
 
     def start(self) -> 'MooncakeServices':
-        """Start master then client and wait until both accept connections (a no-op while
+        """Start master then segment owner and wait until both are ready (a no-op while
         running; after :meth:`stop` it starts fresh processes on new ports).
 
         Raises:
-            RuntimeError: a binary is missing, or a process exits or is not ready in time
-                (names the address, quotes the log).
+            RuntimeError: the binary is missing, or a process exits or is not ready in time
+                (names the address, quotes the log; a segment owner that cannot keep its
+                transfer ports on loopback exits with the reason in its log).
         """
         if self._master is not None:
             return self
-        master_bin, client_bin = find_binary('mooncake_master'), find_binary('mooncake_client')
-        if master_bin is None or client_bin is None:
-            raise RuntimeError('mooncake_master / mooncake_client not found; install requirements/store.txt')
+        master_bin = find_binary('mooncake_master')
+        if master_bin is None:
+            raise RuntimeError('mooncake_master not found; install requirements/store.txt')
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix='lmdeploy-mooncake-'))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.rpc_port, self.metadata_port, self.metrics_port, self.client_port = free_ports(self.host, 4)
+        self.rpc_port, self.metadata_port, self.metrics_port = free_ports(self.host, 3)
         atexit.register(self.stop)
         self._start_master(master_bin)
-        self._client = self._spawn(client_bin, [
-            f'--master_server_address={self.master_address}', f'--metadata_server={self.metadata_server}',
-            f'--host={self.host}', f'--port={self.client_port}', f'--global_segment_size={self.segment_size}',
-            '--protocol=tcp',
+        self._metadata = self._spawn(sys.executable, [
+            '-m', 'lmdeploy.pytorch.store.metadata_server', f'--host={self.host}', f'--port={self.metadata_port}',
+        ], self.metadata_log)
+        self._wait_ready(self._metadata, 'metadata server', [(self.host, self.metadata_port)], self.metadata_log)
+        self._ready_file.unlink(missing_ok=True)
+        self._client = self._spawn(sys.executable, [
+            '-m', 'lmdeploy.pytorch.store.segment_owner', f'--host={self.host}', f'--metadata={self.metadata_server}',
+            f'--master={self.master_address}', f'--segment-size={self.segment_size}', f'--ready={self._ready_file}',
         ], self.client_log)
-        # The client opens its service port only after its segment is mounted at the master.
-        self._wait_ready(self._client, 'mooncake_client', [(self.host, self.client_port)], self.client_log)
+        # The owner writes the ready file only after its segment is mounted at the master.
+        self._wait_ready(self._client, 'segment owner', [], self.client_log, self._ready_file)
         return self
 
     def _start_master(self, binary: str) -> None:
         self._master = self._spawn(binary, [
-            f'--rpc_address={self.host}', f'--rpc_port={self.rpc_port}',
-            '--enable_http_metadata_server=true', f'--http_metadata_server_host={self.host}',
-            f'--http_metadata_server_port={self.metadata_port}',
+            f'--rpc_address={self.host}', f'--rpc_port={self.rpc_port}', '--enable_http_metadata_server=false',
             f'--metrics_host={self.host}', f'--metrics_port={self.metrics_port}', '--enable_metric_reporting=false',
             *self.master_args,
         ], self.master_log)
-        self._wait_ready(self._master, 'mooncake_master', [(self.host, self.rpc_port), (self.host, self.metadata_port)],
-                         self.master_log)
+        self._wait_ready(self._master, 'mooncake_master', [(self.host, self.rpc_port)], self.master_log)
 
     @staticmethod
     def _end(proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -236,11 +259,11 @@ class MooncakeServices:
 
     def restart_master(self) -> None:
         """SIGKILL the master and start a fresh one on the same RPC, metadata and metrics ports
-        (fault tests); returns once the standalone client has mounted its segment again.
+        (fault tests); returns once the segment owner has mounted its segment again.
 
         The new master starts empty: every object put before is gone (their bytes stay in the
         client's segment, but no master knows of them). Nothing needs re-registering by hand
-        (checked with mooncake 0.3.13): ``mooncake_client`` pings the master every second and,
+        (checked with mooncake 0.3.13): a Mooncake client pings the master every second and,
         finding it restarted, re-publishes its transfer metadata and remounts its segment
         (~1-2 s). An engine's client sees the first call after the restart fail (its connection
         to the old master broke), then reconnects once its failure breaker lets it retry.
@@ -257,7 +280,7 @@ class MooncakeServices:
         while self.mounted_bytes() < self.segment_size:
             if time.monotonic() > deadline:
                 tail = _tail(self.client_log)
-                raise RuntimeError(f'mooncake_client did not remount its segment at the restarted master '
+                raise RuntimeError(f'the segment owner did not remount its segment at the restarted master '
                                    f'{self.master_address} within {self.start_timeout_s} s; last lines of '
                                    f'{self.client_log}:\n{tail}')
             time.sleep(0.1)
@@ -276,11 +299,12 @@ class MooncakeServices:
         return 0
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Terminate client then master (SIGTERM, SIGKILL after ``timeout_s`` seconds each);
+        """Terminate segment owner, master, metadata server (SIGTERM, SIGKILL after ``timeout_s`` seconds each);
         idempotent. Removes a temp log dir unless ``keep_logs``."""
         self._end(self._client, timeout_s)
         self._end(self._master, timeout_s)
-        self._client = self._master = None
+        self._end(self._metadata, timeout_s)
+        self._client = self._master = self._metadata = None
         for f in self._logs:
             f.close()
         self._logs.clear()

@@ -7,6 +7,7 @@ Endpoints::
     POST /v1/completions        prompt(s) as text or token ids → continuation(s)
     GET  /health                200 while serving, 503 once shutting down
     GET  /metrics               Prometheus text (lmdeploy.metrics)
+    GET  /docs, /openapi.json   Swagger UI and the OpenAPI schema
     GET  /debug/ledger          the engine's resource ledger (idle checks in tests)
 
 Ownership and invariants:
@@ -21,7 +22,9 @@ Ownership and invariants:
 - Requests are validated (ranges by pydantic, prompt counts before tokenizing, messages / token
   ids / length by the pipeline and the engine) before anything is submitted, so a bad request
   is a 4xx with nothing to clean up.
-- ``/v1/*`` and ``/debug/*`` require ``Authorization: Bearer <key>`` when API keys are set.
+- With API keys set, ``/v1/*``, ``/debug/*``, ``/docs`` and ``/openapi.json`` require
+  ``Authorization: Bearer <key>``; ``/health`` is always open; ``/metrics`` is open unless
+  ``protect_metrics`` (so a plain Prometheus scrape works) — it holds counters, never text.
 - Decoding is greedy unless ``temperature`` > 0 (an absent temperature means greedy here, unlike
   OpenAI's default of 1.0), which makes served output reproducible by default.
 """
@@ -500,25 +503,37 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def _add_docs(app: FastAPI, auth: list) -> None:
+    """``/openapi.json`` and ``/docs`` behind ``auth`` (FastAPI's own routes would be open)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import JSONResponse
+
+    app.get('/openapi.json', dependencies=auth, include_in_schema=False)(lambda: JSONResponse(app.openapi()))
+    app.get('/docs', dependencies=auth, include_in_schema=False)(
+        lambda: get_swagger_ui_html(openapi_url='/openapi.json', title=f'{app.title} API'))
+
+
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
                reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> FastAPI:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
         pipe: the pipeline; the app does not close it.
         model_name: the name clients must send as ``model`` (others get 404).
-        api_keys: accepted bearer tokens; None or empty disables authentication.
+        api_keys: accepted bearer tokens; None or empty disables authentication. With keys,
+            ``/docs`` and ``/openapi.json`` need one too; ``/health`` never does.
         tool_call_parser: see :class:`_Server`.
         reasoning_parser: see :class:`_Server`.
         max_request_bytes: larger bodies get 413; 0 = no limit.
         shutdown_timeout: seconds in-flight requests may run after a shutdown signal.
+        protect_metrics: ``/metrics`` needs a key as well (when keys are set).
 
     Raises:
         ValueError: an unknown parser name.
     """
     server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout)
-    app = FastAPI(title='lmdeploy', version='0.1.0')
+    app = FastAPI(title='lmdeploy', version='0.1.0', docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     auth = [Depends(server.check_key)]
     generation = _errors(400, 401, 404, 413, 500, 503)
@@ -527,7 +542,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     app.post('/v1/completions', dependencies=auth, responses=generation)(server.completions)
     app.get('/debug/ledger', dependencies=auth, responses=_errors(401, 503))(server.ledger)
     app.get('/health', responses=_errors(503))(server.health)
-    app.get('/metrics')(server.prometheus)
+    app.get('/metrics', dependencies=auth if protect_metrics else [])(server.prometheus)
+    _add_docs(app, auth)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     # added last = outermost: 413s are counted too
     app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS)
@@ -548,7 +564,7 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
                api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None, *,
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False) -> None:
     """Load the model and serve it until SIGINT/SIGTERM (blocking).
 
     Either signal shuts down gracefully (see :mod:`.lifecycle`): the server stops accepting,
@@ -571,7 +587,8 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
     try:
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                         max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout)
+                         max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
+                         protect_metrics=protect_metrics)
         server = app.state.server
         logger.info('serving %s as %r on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
                     server.model_name, server_name, server_port, server.tool_parser_name, server.reasoning_parser_name)
