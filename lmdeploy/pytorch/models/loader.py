@@ -5,7 +5,9 @@ downloaded: a path that is not a model directory is a ``ValueError``.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from typing import Iterator
 
 import torch
@@ -16,6 +18,8 @@ from . import get_model_class
 from .config_audit import check_config
 
 __all__ = ['load_config', 'load_model', 'iter_safetensors', 'resolve_dtype']
+
+logger = logging.getLogger('lmdeploy')
 
 _DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
 
@@ -87,6 +91,11 @@ def load_model(model_path: str, dtype: str = 'auto', device: str | torch.device 
     with torch.device('meta'):
         model = cls(config)
     model = model.to_empty(device=device).to(torch_dtype)
+    files = weight_files(model_path)
+    started = time.perf_counter()
+    logger.info('loading weights: %s %s, %d file(s), %.1f MiB, to %s', config.model_type, torch_dtype, len(files),
+                sum(os.path.getsize(f) for f in files) / (1 << 20), device)
     model.load_weights(iter_safetensors(model_path, progress))
+    logger.info('weights loaded in %.1f s', time.perf_counter() - started)
     return model.eval(), config, torch_dtype
 
