@@ -25,7 +25,7 @@ OUT=${LMDEPLOY_QUICKSTART_DIR:-$ROOT/.quickstart}
 export MC_TCP_BIND_ADDRESS=127.0.0.1      # every Mooncake process stays on loopback
 
 step() { printf '\n==> %s\n' "$*"; }
-# `ldconfig -p | grep -q` fails now and then under pipefail (grep exits early, ldconfig gets
+# Piping `ldconfig -p` into `grep -q` fails now and then under pipefail (grep exits early, ldconfig gets
 # SIGPIPE); matching the captured output has no pipe.
 have_libibverbs() { [[ "$(ldconfig -p 2>/dev/null || true)" == *libibverbs.so.1* ]]; }
 pip_step() {  # pip_step "what" ARGS...: one line per install step, with its time

@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export MC_TCP_BIND_ADDRESS=127.0.0.1      # every Mooncake process stays on loopback
 
-# `ldconfig -p | grep -q` fails now and then under pipefail (grep exits early, ldconfig gets
+# Piping `ldconfig -p` into `grep -q` fails now and then under pipefail (grep exits early, ldconfig gets
 # SIGPIPE); matching the captured output has no pipe.
 have_libibverbs() { [[ "$(ldconfig -p 2>/dev/null || true)" == *libibverbs.so.1* ]]; }
 

@@ -393,4 +393,7 @@ def main(args: argparse.Namespace) -> str:
 if __name__ == '__main__':
     _parser = argparse.ArgumentParser(description='Write a tiny random Hugging Face checkpoint.')
     _add_arguments(_parser)
-    main(_parser.parse_args())
+    try:
+        main(_parser.parse_args())
+    except ValueError as err:
+        _parser.error(str(err))
