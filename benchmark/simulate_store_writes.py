@@ -1,8 +1,9 @@
-"""Simulate Mooncake Store write volume of the two checkpoint save policies (SPEC §4, §5).
+"""Simulate Mooncake Store write volume of the two checkpoint save policies
+(docs/en/advance/prefix_caching.md "Save policies", docs/en/advance/store.md "The byte formula").
 
 Owns the byte accounting of Store puts per conversation; it runs no model. For every turn
 of a scenario it plans the prefill with :func:`plan_prefill` under the default policy and
-under ``prefill_save_last_only`` and charges, per SPEC §5,
+under ``prefill_save_last_only`` and charges, as docs/en/advance/store.md "The byte formula" states,
 
     bytes(turn) = len(save_points) * S + (KV blocks newly covered) * K_blk
 
@@ -162,7 +163,7 @@ def _simulate_policy(lengths: Sequence[int], last_only: bool, state_bytes: int, 
 def simulate(scenario: Scenario | Sequence[int], state_bytes: int, kv_block_bytes: int, *, chunk_size: int,
              block_size: int, alignment: int, token_lookahead: int = 0,
              recompute_blocks: int = 0) -> SimulationResult:
-    """Store bytes and save points of every turn of ``scenario`` under both policies (SPEC §5).
+    """Store bytes and save points of every turn of ``scenario`` under both policies.
 
     Args:
         scenario: a :class:`Scenario` or the input lengths (tokens) of its turns, non-decreasing.

@@ -1,4 +1,4 @@
-"""Store write-volume simulator of the two save policies (SPEC §5)."""
+"""Store write-volume simulator of the two save policies."""
 import importlib.util
 import subprocess
 import sys
