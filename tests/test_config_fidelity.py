@@ -113,6 +113,25 @@ def test_each_rope_type_matches_transformers(arch, name):
     assert diff <= TOL, f'{arch} {name}: max abs diff {diff}'
 
 
+# implemented fields away from their defaults (the engine tests cover the defaults)
+IMPLEMENTED_CASES = [
+    ('qwen3', dict(attention_bias=True, tie_word_embeddings=True, rms_norm_eps=1e-3, head_dim=32)),
+    ('qwen3', dict(num_key_value_heads=4, attention_dropout=0.5, pad_token_id=5)),
+    ('qwen3_next', dict(attention_bias=True, tie_word_embeddings=True, rms_norm_eps=1e-3)),
+    ('qwen3_next', dict(decoder_sparse_step=2, norm_topk_prob=False, num_experts_per_tok=3, linear_conv_kernel_dim=3,
+                        mlp_only_layers=[1], linear_num_value_heads=2, linear_value_head_dim=16)),
+]
+
+
+@pytest.mark.parametrize('arch, overrides', IMPLEMENTED_CASES)
+def test_implemented_fields_match_transformers(arch, overrides):
+    config = _config(arch, rope_parameters=dict(ROPES['default'], **(
+        {'partial_rotary_factor': 0.25} if arch == 'qwen3_next' else {})), **overrides)
+    check_config(config)
+    diff, _ = _compare(arch, config)
+    assert diff <= TOL, f'{arch} {overrides}: max abs diff {diff}'
+
+
 @pytest.mark.parametrize('name', ['linear', 'yarn', 'llama3', 'proportional'])
 def test_rope_types_change_the_logits(name):
     """The cases above are not vacuous: each scaled type moves the logits away from plain RoPE."""

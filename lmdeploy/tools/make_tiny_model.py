@@ -301,6 +301,8 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
                 out[f'{prefix}{e}.down_proj.weight'] = tensor[e]
         else:
             out[name] = tensor
+    if getattr(model.config, 'tie_word_embeddings', False):
+        out.pop('lm_head.weight', None)  # tied: the embedding is stored once, as published checkpoints do
     return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
 
 
