@@ -398,16 +398,16 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
             model load), or a bad model path or engine configuration (from
             :class:`~lmdeploy.serve.pipeline.Pipeline`).
     """
-    import uvicorn
-
-    from ..pipeline import Pipeline
     logging.basicConfig(level=log_level.upper(), format='%(asctime)s %(levelname)s %(name)s: %(message)s')
     logger.setLevel(log_level.upper())
     check_port_free(server_name, server_port)
-    if threading.current_thread() is threading.main_thread():     # signal handlers: main thread only
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.perf_counter()
     logger.info('loading %s', model_path)
+    import uvicorn
+
+    from ..pipeline import Pipeline                               # imports torch: seconds
+    if threading.current_thread() is threading.main_thread():     # signal handlers: main thread only
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pipe = Pipeline(model_path, backend_config)
     logger.info('engine ready in %.1f s: %s', time.perf_counter() - started, _engine_summary(pipe.engine))
     try:
