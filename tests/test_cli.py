@@ -187,3 +187,20 @@ def test_serve_store_prints_the_api_server_flags_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert 'Mooncake Store stopped' in log.read_text()
+
+
+def test_native_stderr_goes_to_the_log_file_and_python_stderr_stays(tmp_path):
+    """What native code writes to fd 2 (the Mooncake client's glog lines) lands in the file;
+    Python's logging and messages stay on the terminal, after one line saying where."""
+    log = tmp_path / 'native.log'
+    code = ('import logging, os, sys\n'
+            'from lmdeploy.cli.serve import route_native_logs\n'
+            f'route_native_logs({str(log)!r})\n'
+            "os.write(2, b'E1201 transfer_metadata_plugin.cpp:292] metadata not found\\n')\n"
+            "logging.basicConfig(stream=sys.stderr); logging.getLogger('x').warning('python says hi')\n")
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=REPO_ROOT), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert f'Mooncake client logs: {log}' in proc.stderr and 'python says hi' in proc.stderr
+    assert 'metadata not found' not in proc.stderr
+    assert 'metadata not found' in log.read_text() and 'python says hi' not in log.read_text()
