@@ -1,9 +1,9 @@
 """End-to-end benchmark of the two checkpoint save policies through the api_server (issue 8).
 
 It owns the measurement protocol; the byte accounting it checks against is the simulator's
-(:mod:`simulate_store_writes`, docs/en/advance/store.md "The byte formula"). For every seed scenario, scaled by ``--scale``, it
-launches ``lmdeploy serve api_server`` (which starts its own embedded Mooncake master and
-segment for Store ON) in four configurations::
+(:mod:`simulate_store_writes`; docs/en/advance/store.md, "The byte formula"). For every seed
+scenario, scaled by ``--scale``, it launches ``lmdeploy serve api_server`` (which starts its
+own embedded Mooncake master and segment for Store ON) in four configurations::
 
     Store OFF / ON  x  default / last-only          (prefix caching always on)
 

@@ -1,4 +1,5 @@
-"""Store object format, keys and namespaces (docs/en/advance/store.md "Keys and value format"), and the fake client used for fault tests."""
+"""Store object format, keys and namespaces (docs/en/advance/store.md, "Keys and value format"),
+and the fake client used for fault tests."""
 import hashlib
 import json
 import os

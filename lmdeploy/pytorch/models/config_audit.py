@@ -118,7 +118,8 @@ def check_config(config) -> None:
             raise ValueError(f"layer_types must be 'full_attention' for all {config.num_hidden_layers} layers, "
                              f'got {bad or types} (use_sliding_window={getattr(config, "use_sliding_window", None)}, '
                              f'sliding_window={getattr(config, "sliding_window", None)}, max_window_layers='
-                             f'{getattr(config, "max_window_layers", None)}); sliding-window attention is not supported')
+                             f'{getattr(config, "max_window_layers", None)}); sliding-window attention is not '
+                             'supported')
     elif config.model_type == 'qwen3_next':
         from .qwen3_next import check_config as check_qwen3_next
         check_qwen3_next(config)
