@@ -1,9 +1,9 @@
 """End-to-end benchmark of the two checkpoint save policies through the api_server (issue 8).
 
 It owns the measurement protocol; the byte accounting it checks against is the simulator's
-(:mod:`simulate_store_writes`, SPEC §4–5). For every seed scenario, scaled by ``--scale``, it
-launches ``lmdeploy serve api_server`` (which starts its own embedded Mooncake master and
-segment for Store ON) in four configurations::
+(:mod:`simulate_store_writes`; docs/en/advance/store.md, "The byte formula"). For every seed
+scenario, scaled by ``--scale``, it launches ``lmdeploy serve api_server`` (which starts its
+own embedded Mooncake master and segment for Store ON) in four configurations::
 
     Store OFF / ON  x  default / last-only          (prefix caching always on)
 
@@ -15,7 +15,7 @@ Store put bytes are the per-sample delta of ``lmdeploy_store_put_bytes_total{kin
 from ``/metrics``, read once ``/debug/ledger`` reports no in-flight Store save.
 
 Invariants checked on every request (any failure aborts with an error):
-- every configuration's greedy reply to the same prompt is the same text (SPEC §8);
+- every configuration's greedy reply to the same prompt is the same text (caching never changes the output);
 - cached tokens equal the simulator's hit for that turn: 0 for single turns (every sample
   draws a fresh seeded random prompt, so nothing carries over between samples) and the
   previous turn's last save point for turns t >= 2 (so > 0 whenever one exists);

@@ -1,4 +1,5 @@
-"""Simulate Mooncake Store write volume and prefill recompute of the checkpoint save policies.
+"""Simulate Mooncake Store write volume and prefill recompute of the checkpoint save policies
+(docs/en/advance/prefix_caching.md "Save policies", docs/en/advance/store.md "The byte formula").
 
 Owns the byte accounting of Store puts per conversation; it runs no model. For every request
 of a scenario it plans the prefill with :func:`plan_prefill` under each policy and charges

@@ -1,7 +1,7 @@
 """lmdeploy: a PyTorch inference engine for hybrid-attention LLMs with prefix caching of
 recurrent-state checkpoints and a Mooncake Store tier.
 
-Entry points (SPEC §1): :func:`pipeline`, :class:`PytorchEngineConfig`,
+Entry points: :func:`pipeline`, :class:`PytorchEngineConfig`,
 :class:`GenerationConfig`, and the ``lmdeploy`` console script.
 """
 from .messages import GenerationConfig, PytorchEngineConfig, Response

@@ -2,7 +2,7 @@
 
 ``PytorchEngineConfig`` and ``GenerationConfig`` are pydantic models: a bad value raises a
 ``ValueError`` (pydantic's ``ValidationError`` subclasses it) whose message names the field.
-Every engine field has a CLI flag of the same name in kebab case (SPEC §1).
+Every engine field has a CLI flag of the same name in kebab case.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ MOONCAKE_MIN_SEGMENT = 16 << 20   # bytes; Mooncake 0.3.13 refuses a smaller mem
 
 
 class PytorchEngineConfig(BaseModel):
-    """Engine configuration (SPEC §1–2).
+    """Engine configuration (terms and defaults: docs/en/advance/prefix_caching.md).
 
     Units: token counts are tokens, sizes are bytes.
     """

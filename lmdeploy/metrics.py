@@ -1,4 +1,4 @@
-"""Prometheus metrics of the API server (SPEC §9), all prefixed ``lmdeploy_``.
+"""Prometheus metrics of the API server, all prefixed ``lmdeploy_``.
 
 Two sources:
 
@@ -29,7 +29,7 @@ ENGINE_SERIES = (
      'Prompt tokens looked up in the prefix cache.', None, ()),
     ('prefix_cache_hit_tokens', 'prefix_cache_hit_tokens',
      'Prompt tokens restored from the local prefix cache (Store hits: store_hit_tokens).', None, ()),
-    ('checkpoints_saved', 'checkpoints_saved', 'Recurrent-state checkpoints saved (SPEC §5).', None, ()),
+    ('checkpoints_saved', 'checkpoints_saved', 'Recurrent-state checkpoints saved.', None, ()),
     ('checkpoints_skipped', 'checkpoints_skipped', 'State checkpoint saves skipped, by reason.',
      'reason', ('no_free_slot',)),
     ('store_put_bytes', 'store_put_bytes', 'Bytes put into the Mooncake Store, by object kind.',
@@ -41,7 +41,7 @@ ENGINE_SERIES = (
      'Failed or unverifiable Mooncake Store gets (counted as misses).', None, ()),
     ('store_hit_tokens', 'store_hit_tokens', 'Prompt tokens restored from the Mooncake Store.', None, ()),
     ('store_rejected_objects', 'store_rejected_objects',
-     'Mooncake Store objects whose header or checksum did not verify (counted as misses, SPEC §7).', None, ()),
+     'Mooncake Store objects whose header or checksum did not verify (counted as misses).', None, ()),
     ('state_miss_tokens', 'state_miss_tokens',
      'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
 )
@@ -73,7 +73,7 @@ class EngineStatsCollector:
         return value
 
     def collect(self):
-        """Yield one counter family per SPEC §9 series (``lmdeploy_<name>_total``)."""
+        """Yield one counter family per engine series (``lmdeploy_<name>_total``)."""
         stats = self._read() or {}
         for key, name, doc, label, always in ENGINE_SERIES:
             value = stats.get(key)

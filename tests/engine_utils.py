@@ -8,7 +8,7 @@ What they provide:
   prove that continuous batching really mixed prefill and decode in one forward;
 - ``run_staggered`` / ``run_alone``: request drivers that add a new request every few steps
   while others run, or one request at a time;
-- ``assert_idle``: the exact idle ledger (SPEC §8) of an engine.
+- ``assert_idle``: the exact idle ledger (docs/en/advance/prefix_caching.md "Invariants") of an engine.
 
 Every driver runs on the engine's own thread-free API (``add_request`` / ``step`` / ``abort``).
 """
@@ -22,7 +22,7 @@ from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.sequence import Sequence
 
-TOL = 1e-4              # fp32 max abs logit difference allowed against transformers (SPEC §8)
+TOL = 1e-4              # fp32 max abs logit difference allowed against transformers
 FIRST_PLAIN_TOKEN = 3   # ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|> (eos)
 VOCAB = 1024            # tokenizer size of the tiny models
 

@@ -337,7 +337,7 @@ def test_metrics_move_with_the_conversation(servers):
     (_, n1, c1), (_, n2, c2) = turns
     assert delta('lmdeploy_prefix_cache_queried_tokens_total') == n1 + n2
     assert delta('lmdeploy_prefix_cache_hit_tokens_total') == c1 + c2 and c2 > 0
-    # default policy: the save points of each turn's plan (SPEC §4)
+    # default policy: the save points of each turn's plan (docs/en/advance/prefix_caching.md "Save policies")
     saves = sum(len(plan_prefill(n, c, 128, 16, ALIGN, False).save_points) for n, c in ((n1, c1), (n2, c2)))
     assert saves >= 3
     assert delta('lmdeploy_checkpoints_saved_total') == saves

@@ -147,3 +147,60 @@ def test_chat_subprocess_streams_replies_with_history(tiny_qwen3):
     # bytes, not text mode: a reply may contain '\r', which universal newlines would rewrite
     assert proc.stdout.decode() == f'>>> {replies[0]}\n>>> >>> {replies[1]}\n>>> \n'
     assert replies[0] != replies[1]
+
+
+def test_port_in_use_exits_2_before_loading_the_model(tmp_path, capsys):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(('127.0.0.1', 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            # the model directory does not exist: the port check must come first
+            main(['serve', 'api_server', str(tmp_path / 'not-loaded'), '--server-name', '127.0.0.1',
+                  '--server-port', str(port)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f'127.0.0.1:{port}' in err and '--server-port' in err and 'config.json' not in err
+
+
+def test_serve_store_prints_the_api_server_flags_and_stops_on_sigterm(tmp_path):
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, MC_TCP_BIND_ADDRESS='127.0.0.1')
+    log = tmp_path / 'store.out'
+    with open(log, 'w') as out:
+        proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'store',
+                                 '--segment-size', str(32 << 20), '--log-dir', str(tmp_path / 'logs')],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    try:
+        deadline = time.time() + 60
+        while 'metadata_server:' not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        text = log.read_text()
+        assert 'metadata_server: http://127.0.0.1:' in text, text
+        master = text.split('mooncake_master: ')[1].split()[0]
+        assert master.startswith('127.0.0.1:')
+        assert f'--mooncake-master {master} --mooncake-metadata-server http://127.0.0.1:' in text
+        assert str(tmp_path / 'logs') in text and (tmp_path / 'logs' / 'master.log').exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert 'Mooncake Store stopped' in log.read_text()
+
+
+def test_native_stderr_goes_to_the_log_file_and_python_stderr_stays(tmp_path):
+    """What native code writes to fd 2 (the Mooncake client's glog lines) lands in the file;
+    Python's logging and messages stay on the terminal, after one line saying where."""
+    log = tmp_path / 'native.log'
+    code = ('import logging, os, sys\n'
+            'from lmdeploy.cli.serve import route_native_logs\n'
+            f'route_native_logs({str(log)!r})\n'
+            "os.write(2, b'E1201 transfer_metadata_plugin.cpp:292] metadata not found\\n')\n"
+            "logging.basicConfig(stream=sys.stderr); logging.getLogger('x').warning('python says hi')\n")
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=REPO_ROOT), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert f'Mooncake client logs: {log}' in proc.stderr and 'python says hi' in proc.stderr
+    assert 'metadata not found' not in proc.stderr
+    assert 'metadata not found' in log.read_text() and 'python says hi' not in log.read_text()

@@ -1,4 +1,4 @@
-"""StoreClient and MooncakeServices against a real mooncake_master on 127.0.0.1 (SPEC §5-§7)."""
+"""StoreClient and MooncakeServices against a real mooncake_master on 127.0.0.1."""
 import os
 import socket
 import subprocess

@@ -1,4 +1,4 @@
-"""The pipeline (SPEC §1, issue 2): every prompt form gives the engine's greedy output, streaming
+"""The pipeline (issue 2): every prompt form gives the engine's greedy output, streaming
 and async deltas add up to the blocking result, stop strings cut the text before them, bad input
 gets a clear error while the pipeline keeps serving, and aborted streams free every block."""
 import asyncio

@@ -1,4 +1,4 @@
-"""Reusable boundaries, chunk plans and save points (SPEC §3, §4)."""
+"""Reusable boundaries, chunk plans and save points (docs/en/advance/prefix_caching.md)."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +10,7 @@ B, A, P = 64, 1024, 8192
 K = 1024
 
 
-# ---------------------------------------------------------------- SPEC §3 examples
+# ---------------------------------------------------------------- examples of "Which boundaries are reusable"
 @pytest.mark.parametrize('n, lookahead, recompute, spans, expected', [
     (2049, 0, 1, (), 1024),                # 2048 fails rule 3: 2048 + 64 > floor_64(2048)
     (2049, 1, 0, (), 2048),
@@ -67,7 +67,7 @@ def test_unaligned_or_nonpositive_boundary_is_not_reusable():
     assert not is_reusable(-1024, 5000, B, A)
 
 
-# ---------------------------------------------------------------- SPEC §4 examples
+# ---------------------------------------------------------------- examples of "Save policies"
 def test_16k_plus_64_default_saves_every_aligned_chunk_end():
     plan = plan_prefill(16 * K + 64, 0, P, B, A, last_only=False)
     assert plan.chunk_ends == [8192, 16384, 16448]

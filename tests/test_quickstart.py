@@ -1,11 +1,17 @@
-"""The README's first command, end to end: tiny hybrid model, api_server with prefix caching,
-last-only checkpoints and the embedded Store, a 5-turn OpenAI conversation, and the table.
+"""The README's two commands, as a new user runs them.
 
-The default run uses the current environment (``LMDEPLOY_SKIP_INSTALL=1``); with
+The quick start end to end: tiny hybrid model, a shared Mooncake Store, an api_server with
+prefix caching and last-only checkpoints driving a 5-turn OpenAI conversation (the table), then
+a fresh api_server restoring the conversation from the Store (Store hit tokens). The default run
+uses the current environment (``LMDEPLOY_SKIP_INSTALL=1``); with
 ``LMDEPLOY_TEST_QUICKSTART_FULL=1`` (set by .ci/run) the script also builds its own virtual
-environment from scratch, exactly as a new user runs it.
+environment from scratch, and the test then runs the activation line it printed and a
+single-file test run in that environment, exactly as a new user would.
+
+``scripts/run_tests.sh`` runs just the paths it is given.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -28,6 +34,25 @@ def parse_table(output: str) -> list[dict]:
     return rows
 
 
+def parse_restore(output: str) -> dict:
+    """The fresh server's row: ``{'prompt_tokens', 'cached_tokens', 'store_hit_tokens'}``."""
+    lines = output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ['restore', 'TTFT'])
+    parts = lines[header + 1].split()
+    assert parts[:2] == ['turn', '6'], lines[header + 1]
+    return {'ttft': float(parts[2]), 'prompt_tokens': int(parts[3]), 'cached_tokens': int(parts[4]),
+            'store_hit_tokens': int(parts[5])}
+
+
+def check_restore(row: dict, table: list[dict]) -> None:
+    """A fresh server restored the conversation from the Store: every cached token is a Store
+    hit, and the restore reaches at least as deep as the last turn's own cache hit."""
+    assert row['prompt_tokens'] > table[-1]['prompt_tokens']
+    assert row['store_hit_tokens'] > 0, row
+    assert row['cached_tokens'] == row['store_hit_tokens'], row
+    assert table[-1]['cached_tokens'] <= row['store_hit_tokens'] < row['prompt_tokens'], (row, table[-1])
+
+
 def check_table(rows: list[dict]) -> None:
     assert [r['turn'] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[0]['cached_tokens'] == 0
@@ -48,15 +73,71 @@ def _run(env_extra: dict, timeout: int) -> str:
     return proc.stdout
 
 
-def test_quickstart_prints_cached_tokens_and_store_bytes_per_turn():
-    check_table(parse_table(_run({'LMDEPLOY_SKIP_INSTALL': '1'}, timeout=600)))
+def test_quickstart_prints_cached_tokens_store_bytes_and_a_fresh_server_restoring_from_the_store(tmp_path):
+    out = _run({'LMDEPLOY_SKIP_INSTALL': '1', 'LMDEPLOY_QUICKSTART_DIR': str(tmp_path / 'qs')}, timeout=600)
+    table = parse_table(out)
+    check_table(table)
+    check_restore(parse_restore(out), table)
+    # the model whose path it prints is kept
+    assert os.path.isfile(tmp_path / 'qs' / 'model' / 'config.json')
+    assert 'source ' not in out    # no environment of its own to activate
 
 
 @pytest.mark.skipif(os.environ.get('LMDEPLOY_TEST_QUICKSTART_FULL') != '1',
                     reason='full install run only in CI (.ci/run sets LMDEPLOY_TEST_QUICKSTART_FULL=1)')
 def test_quickstart_from_a_fresh_virtual_environment(tmp_path):
-    out = _run({'LMDEPLOY_VENV': str(tmp_path / 'venv')}, timeout=1800)
-    check_table(parse_table(out))
+    venv = tmp_path / 'venv'
+    env = {'LMDEPLOY_VENV': str(venv), 'LMDEPLOY_QUICKSTART_DIR': str(tmp_path / 'qs')}
+    out = _run(env, timeout=1800)
+    table = parse_table(out)
+    check_table(table)
+    check_restore(parse_restore(out), table)
+    activate = out.strip().splitlines()[-1]
+    assert activate == f'source {venv}/bin/activate', activate
+    # what the user does next: activate, find the command and the package, run one test file
+    # (run_tests.sh adds the test extras to the same environment)
+    script = (f'{activate} && cd / && lmdeploy --version && python3 -c "import lmdeploy" && cd {ROOT} '
+              '&& bash scripts/run_tests.sh tests/test_prefill_plan.py')
+    clean = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+    proc = subprocess.run(['bash', '-c', script], env=dict(clean, LMDEPLOY_VENV=str(venv)), capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _only_file_ran(proc.stdout, 'tests/test_prefill_plan.py')
+
+
+def _only_file_ran(output: str, path: str) -> bool:
+    """pytest -q's summary says tests passed and every listed duration is in ``path``."""
+    passed = re.search(r'(\d+) passed', output)
+    files = set(re.findall(r'(tests/[\w/]+\.py)::', output))
+    return passed is not None and int(passed.group(1)) > 0 and files <= {path}
+
+
+def test_run_tests_runs_just_the_paths_and_options_it_is_given():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    one = subprocess.run(['bash', 'scripts/run_tests.sh', 'tests/test_prefill_plan.py', '--collect-only'],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    ids = [line for line in one.stdout.splitlines() if '::' in line]
+    assert ids and all(i.startswith('tests/test_prefill_plan.py::') for i in ids), ids[:5]
+    node = ids[0]
+    k = subprocess.run(['bash', 'scripts/run_tests.sh', node, '--collect-only'],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert [line for line in k.stdout.splitlines() if '::' in line] == [node], k.stdout[-2000:]
+    # options alone still apply to the whole suite
+    opt = subprocess.run(['bash', 'scripts/run_tests.sh', '-k', 'parse_table', '--collect-only'],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    ids = [line for line in opt.stdout.splitlines() if '::' in line]
+    assert 'tests/test_quickstart.py::test_parse_table_reads_the_printed_rows' in ids, opt.stdout[-2000:]
+
+
+@pytest.mark.parametrize('script', ['scripts/quickstart.sh', 'scripts/run_tests.sh', '.ci/run'])
+def test_no_ldconfig_pipe_into_grep_q_under_pipefail(script):
+    """``ldconfig -p | grep -q`` under pipefail fails when grep exits before ldconfig has written
+    everything (SIGPIPE): an apt-get (and a sudo prompt) for nothing, now and then."""
+    with open(os.path.join(ROOT, script)) as f:
+        text = f.read()
+    assert 'set -euo pipefail' in text
+    assert not re.search(r'ldconfig[^\n|]*\|\s*grep\s+-q', text)
 
 
 def test_parse_table_reads_the_printed_rows():
@@ -66,3 +147,10 @@ def test_parse_table_reads_the_printed_rows():
     assert parse_table(text) == [
         {'turn': 1, 'ttft': 0.208, 'prompt_tokens': 326, 'cached_tokens': 0, 'store_bytes': 98816},
         {'turn': 2, 'ttft': 0.062, 'prompt_tokens': 606, 'cached_tokens': 320, 'store_bytes': 82432}]
+
+
+def test_parse_restore_reads_the_fresh_servers_row():
+    text = ('restore   TTFT s  prompt tokens  cached tokens  Store hit tokens\n'
+            ' turn 6    0.255           1733           1408              1408\nStore hit tokens: ...\n')
+    assert parse_restore(text) == {'ttft': 0.255, 'prompt_tokens': 1733, 'cached_tokens': 1408,
+                                   'store_hit_tokens': 1408}

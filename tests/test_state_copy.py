@@ -1,4 +1,4 @@
-"""Checkpoint state slot copy: torch op, Triton kernel (interpreted on CPU) and dispatch (SPEC §5.1)."""
+"""Checkpoint state slot copy: torch op, Triton kernel (interpreted on CPU) and dispatch."""
 import os
 import subprocess
 import sys

@@ -1,5 +1,5 @@
 """Store object format (header, payload, HMAC), keys, namespaces, model identity and the Store
-secret (SPEC §7), and the fake client used for fault tests."""
+secret (docs/en/advance/store.md, "Keys and value format"), and the fake client used for fault tests."""
 import hashlib
 import hmac
 import json

@@ -228,3 +228,30 @@ def test_module_cli_prints_path_and_matches_in_process_files(models, tmp_path):
     assert res.stdout == f'{out}\n'
     # A separate process must reproduce the same bytes (tokenizer training included).
     assert _hashes(str(out)) == _hashes(models['qwen3'])
+
+
+def test_help_shows_every_default():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    add_parser(sub)
+    text = sub.choices['make-tiny-model'].format_help()
+    for default in ('(default: qwen3_next)', '(default: 0)', '(default: float32)', '--force'):
+        assert default in ' '.join(text.split()), (default, text)
+
+
+def test_non_empty_directory_is_refused_without_force(tmp_path, capsys):
+    from lmdeploy.cli.entrypoint import main
+    out = tmp_path / 'busy'
+    out.mkdir()
+    (out / 'notes.txt').write_text('mine')
+    with pytest.raises(SystemExit) as exc:
+        main(['make-tiny-model', str(out), '--arch', 'qwen3'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert 'not empty' in err and '--force' in err
+    assert os.listdir(out) == ['notes.txt']
+    assert main(['make-tiny-model', str(out), '--arch', 'qwen3', '--force']) == 0
+    assert sorted(os.listdir(out)) == sorted(FILES + ('notes.txt',))
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    assert main(['make-tiny-model', str(empty), '--arch', 'qwen3']) == 0

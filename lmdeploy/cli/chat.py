@@ -12,7 +12,9 @@ Diagnostics go to stderr. Flags: one per ``PytorchEngineConfig`` field and one p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from typing import TextIO
 
 from ..messages import GenerationConfig
@@ -82,8 +84,11 @@ def chat(args: argparse.Namespace) -> int:
 
     from ..messages import PytorchEngineConfig
     from ..serve.pipeline import Pipeline
-    logging.basicConfig(level=args.log_level, stream=sys.stderr)
     engine_config = model_from_args(args, PytorchEngineConfig)
+    if engine_config.mooncake_master and args.log_level != 'DEBUG':
+        from .serve import route_native_logs
+        route_native_logs(os.path.join(tempfile.gettempdir(), f'lmdeploy-{os.getpid()}-mooncake.log'))
+    logging.basicConfig(level=args.log_level, stream=sys.stderr)
     gen_config = model_from_args(args, GenerationConfig)
     with Pipeline(args.model_path, engine_config) as pipe:
         sys.stderr.write(f'lmdeploy chat: {args.model_path}; type "exit" to quit\n')

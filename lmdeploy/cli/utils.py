@@ -1,7 +1,7 @@
 """Command-line flags generated from pydantic config models.
 
 Every field of a config model (``PytorchEngineConfig``, ``GenerationConfig``) becomes the flag
-``--field-name`` (SPEC §1), derived from the field itself so a new field gets a flag with no
+``--field-name``, derived from the field itself so a new field gets a flag with no
 CLI change:
 
     bool              → ``--flag`` / ``--no-flag`` (argparse.BooleanOptionalAction)

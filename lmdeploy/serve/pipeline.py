@@ -1,4 +1,4 @@
-"""The user-facing pipeline: prompts in, responses out (SPEC §1).
+"""The user-facing pipeline: prompts in, responses out.
 
 It owns the tokenizer (chat template, incremental detokenization, stop strings) and an
 :class:`~lmdeploy.pytorch.engine.engine_loop.EngineLoop`. Accepted prompts: a string, an

@@ -301,6 +301,8 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
                 out[f'{prefix}{e}.down_proj.weight'] = tensor[e]
         else:
             out[name] = tensor
+    if getattr(model.config, 'tie_word_embeddings', False):
+        out.pop('lm_head.weight', None)  # tied: the embedding is stored once, as published checkpoints do
     return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
 
 
@@ -358,21 +360,33 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `make-tiny-model` sub-command to an argparse `subparsers`; sets `func=main`."""
-    parser = subparsers.add_parser('make-tiny-model', help='write a tiny random checkpoint for tests')
+    parser = subparsers.add_parser('make-tiny-model', help='write a tiny random checkpoint for tests',
+                                   description='Write a tiny, seeded, random Hugging Face checkpoint (config, '
+                                   'safetensors weights, a trained BPE tokenizer) into OUT_DIR.')
     _add_arguments(parser)
     parser.set_defaults(func=main)
     return parser
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('out_dir', help='directory to write the checkpoint into')
-    parser.add_argument('--arch', choices=ARCHS, default='qwen3_next', help='model architecture')
-    parser.add_argument('--seed', type=int, default=0, help='weight seed (the tokenizer is seed-independent)')
-    parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32', help='stored weight dtype')
+    parser.add_argument('out_dir', metavar='OUT_DIR', help='directory to write the checkpoint into')
+    parser.add_argument('--arch', choices=ARCHS, default='qwen3_next', help='model architecture (default: qwen3_next)')
+    parser.add_argument('--seed', type=int, default=0,
+                        help='weight seed; the tokenizer does not depend on it (default: 0)')
+    parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32',
+                        help='stored weight dtype (default: float32)')
+    parser.add_argument('--force', action='store_true',
+                        help='write into OUT_DIR even if it is not empty, replacing the checkpoint files '
+                        '(default: refuse a non-empty directory)')
 
 
 def main(args: argparse.Namespace) -> str:
-    """Run the CLI command for parsed `args`; prints and returns the written directory."""
+    """Run the CLI command for parsed `args`; prints and returns the written directory.
+
+    Raises ValueError when `out_dir` exists and is not empty, unless `args.force`.
+    """
+    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
+        raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')
     path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype)
     print(path)
     return path
@@ -381,4 +395,7 @@ def main(args: argparse.Namespace) -> str:
 if __name__ == '__main__':
     _parser = argparse.ArgumentParser(description='Write a tiny random Hugging Face checkpoint.')
     _add_arguments(_parser)
-    main(_parser.parse_args())
+    try:
+        main(_parser.parse_args())
+    except ValueError as err:
+        _parser.error(str(err))

@@ -1,4 +1,5 @@
-"""Checkpoint state copy: duplicate whole recurrent-state slots inside one byte buffer (SPEC §5.1).
+"""Checkpoint state copy: duplicate whole recurrent-state slots inside one byte buffer
+(the local save of docs/en/advance/prefix_caching.md, "Hybrid models: state checkpoints").
 
 The engine keeps all recurrent state (conv state and delta/SSM state of every
 linear-attention layer) belonging to one slot in one row of a byte buffer, so saving a

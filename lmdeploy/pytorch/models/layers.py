@@ -12,6 +12,7 @@ from torch import nn
 
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
+from .rope import RotaryEmbedding  # noqa: F401  (re-exported: models import it from here)
 
 __all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'apply_rotary', 'attention']
 
@@ -40,29 +41,6 @@ class RMSNorm(nn.Module):
         if self.zero_centered:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al., "RoFormer", 2021), half-rotation layout.
-
-    Args:
-        head_dim: channels per head.
-        base: ``rope_theta``.
-        partial_rotary_factor: fraction of each head's leading channels that are rotated.
-    """
-
-    def __init__(self, head_dim: int, base: float, partial_rotary_factor: float = 1.0):
-        super().__init__()
-        self.rotary_dim = int(head_dim * partial_rotary_factor)
-        self._base = base
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
-        self.register_buffer('inv_freq', inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T]`` → ``(cos, sin)`` each ``[T, rotary_dim]`` in ``dtype``."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

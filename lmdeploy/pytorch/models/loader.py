@@ -5,7 +5,9 @@ downloaded: a path that is not a model directory is a ``ValueError``.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from typing import Iterator
 
 import torch
@@ -13,8 +15,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from . import get_model_class
+from .config_audit import check_config
 
 __all__ = ['load_config', 'load_model', 'iter_safetensors', 'resolve_dtype']
+
+logger = logging.getLogger('lmdeploy')
 
 _DTYPES = {'float32': torch.float32, 'float16': torch.float16, 'bfloat16': torch.bfloat16}
 
@@ -75,25 +80,22 @@ def load_model(model_path: str, dtype: str = 'auto', device: str | torch.device 
         ``(model, config, torch_dtype)``; the model is in eval mode on ``device``.
 
     Raises:
-        ValueError: not a model directory, unsupported model type (lists supported ones),
-            or weights that do not fit the model.
+        ValueError: not a model directory, unsupported model type (lists supported ones), a
+            config field the engine cannot reproduce exactly (names the field, see
+            :mod:`.config_audit`), or weights that do not fit the model.
     """
     config = load_config(model_path)
     torch_dtype = resolve_dtype(dtype, config)
     cls = get_model_class(config.model_type)
+    check_config(config)
     with torch.device('meta'):
         model = cls(config)
     model = model.to_empty(device=device).to(torch_dtype)
+    files = weight_files(model_path)
+    started = time.perf_counter()
+    logger.info('loading weights: %s %s, %d file(s), %.1f MiB, to %s', config.model_type, torch_dtype, len(files),
+                sum(os.path.getsize(f) for f in files) / (1 << 20), device)
     model.load_weights(iter_safetensors(model_path, progress))
-    _reset_derived_buffers(model, device)
+    logger.info('weights loaded in %.1f s', time.perf_counter() - started)
     return model.eval(), config, torch_dtype
 
-
-def _reset_derived_buffers(model: torch.nn.Module, device) -> None:
-    """Recompute non-persistent buffers that ``to_empty`` left uninitialised."""
-    from .layers import RotaryEmbedding
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            rot = module.rotary_dim
-            base = module._base
-            module.inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float, device=device) / rot))

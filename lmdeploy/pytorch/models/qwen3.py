@@ -18,12 +18,6 @@ from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 __all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
 
 
-def rope_theta(config) -> float:
-    """``rope_theta`` from a transformers v5 ``rope_parameters`` dict or a v4 attribute."""
-    params = getattr(config, 'rope_parameters', None) or {}
-    return float(params.get('rope_theta', getattr(config, 'rope_theta', 10000.0)))
-
-
 class Qwen3Attention(nn.Module):
     """Self-attention with q/k RMSNorm and rotary embedding over the paged KV cache.
 
@@ -96,8 +90,7 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(head_dim, rope_theta(config))
+        self.rotary = RotaryEmbedding(config)
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's ``T`` flat tokens (``ctx.input_ids``)."""

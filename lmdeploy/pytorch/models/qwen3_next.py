@@ -27,7 +27,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .qwen3 import Qwen3Attention, rope_theta
+from .qwen3 import Qwen3Attention
 
 __all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config']
 
@@ -39,7 +39,7 @@ def check_config(config) -> None:
 
     Raises:
         ValueError: naming the field (``layer_types``, ``linear_num_value_heads``,
-            ``hidden_act``, ``rope_parameters``).
+            ``hidden_act``; rope fields: see :mod:`.rope`).
     """
     types = list(getattr(config, 'layer_types', None) or [])
     if len(types) != config.num_hidden_layers or any(t not in (LINEAR, FULL) for t in types):
@@ -50,14 +50,6 @@ def check_config(config) -> None:
                          f'linear_num_key_heads ({config.linear_num_key_heads})')
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
-    rope_type = (getattr(config, 'rope_parameters', None) or {}).get('rope_type', 'default')
-    if rope_type != 'default':
-        raise ValueError(f"rope_parameters.rope_type must be 'default', got {rope_type!r}")
-
-
-def _partial_rotary_factor(config) -> float:
-    params = getattr(config, 'rope_parameters', None) or {}
-    return float(params.get('partial_rotary_factor', getattr(config, 'partial_rotary_factor', 1.0)))
 
 
 def _head_dim(config) -> int:
@@ -243,7 +235,7 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.rotary = RotaryEmbedding(_head_dim(config), rope_theta(config), _partial_rotary_factor(config))
+        self.rotary = RotaryEmbedding(config)
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's ``T`` flat tokens (``ctx.input_ids``)."""

@@ -1,4 +1,4 @@
-"""The Mooncake Store tier, byte level (SPEC §5-§7).
+"""The Mooncake Store tier, byte level (docs/en/advance/store.md).
 
 - :mod:`.object_format` — the value format (header + raw payload + HMAC, never pickled), object
   keys ``{namespace}/{kind}/{hash}`` and namespace digests. Pure, no I/O.

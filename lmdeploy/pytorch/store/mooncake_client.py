@@ -1,4 +1,4 @@
-"""Byte-level client of the Mooncake Store (SPEC §5-§7), and a dict-backed fake for fault tests.
+"""Byte-level client of the Mooncake Store, and a dict-backed fake for fault tests.
 
 This module owns the one ``mooncake.store.MooncakeDistributedStore`` handle of a process and
 its failure policy. Invariants:

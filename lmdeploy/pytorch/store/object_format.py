@@ -1,4 +1,4 @@
-"""Byte format, keys and namespaces of Store objects (SPEC §7).
+"""Byte format, keys and namespaces of Store objects (docs/en/advance/store.md, "Keys and value format").
 
 This module owns everything that decides *which bytes* a Store object holds and *under which
 key*; it does no I/O. Invariants:
@@ -193,7 +193,7 @@ def decode_object(data, expect_kind: str, namespace_digest: bytes, num_tokens: i
 
 
 def object_key(namespace_hex: str, kind: str, prefix_hash_hex: str) -> str:
-    """The Store key ``f'{namespace_hex}/{kind}/{prefix_hash_hex}'`` (SPEC §7).
+    """The Store key ``f'{namespace_hex}/{kind}/{prefix_hash_hex}'``.
 
     Raises:
         ValueError: ``kind`` is not ``'kv'``/``'state'``, or a hex argument is empty or holds
@@ -229,7 +229,7 @@ def _canonical(field: str, value: Any) -> Any:
 
 
 def namespace_digest(**identity) -> bytes:
-    """The 16-byte namespace digest of everything that changes the stored bytes (SPEC §7).
+    """The 16-byte namespace digest of everything that changes the stored bytes.
 
     BLAKE2b-128 of the canonical JSON (sorted keys, no whitespace, torch dtypes as ``str``,
     tuples as lists) of ``identity`` plus ``format_version`` (:data:`FORMAT_VERSION`). Use

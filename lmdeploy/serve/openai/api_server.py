@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from contextlib import aclosing
@@ -552,6 +553,35 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     return app
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail fast, before the model loads, when ``host:port`` cannot be bound.
+
+    Raises:
+        ValueError: naming ``--server-port`` / ``--server-name`` and the OS error.
+    """
+    with socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise ValueError(f'cannot serve on {host}:{port} (--server-name/--server-port): {err.strerror}; '
+                             'is another server running there?') from None
+
+
+def _engine_summary(engine) -> str:
+    """One line on what the engine sized: KV blocks, state slots, Store."""
+    cfg = engine.config
+    parts = [f'{engine.block_manager.num_blocks} KV blocks x {cfg.block_size} tokens on {engine.device}']
+    if engine.cache_engine.num_slots:
+        parts.append(f'{engine.cache_engine.num_slots} state slots')
+    if engine.store is None:
+        parts.append('no Store')
+    else:
+        parts.append('embedded Mooncake Store' if cfg.mooncake_master == 'local' else
+                     f'Mooncake Store at {cfg.mooncake_master}')
+    return ', '.join(parts)
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     # uvicorn catches SIGTERM, shuts down, then raises the signal again under the handler it
     # found at startup; under the default disposition that kills the process before run_server's
@@ -574,16 +604,22 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
     ``KeyboardInterrupt``. Other arguments as :func:`create_app`.
 
     Raises:
-        ValueError: bad model path, engine configuration or parser name.
+        ValueError: ``server_port`` is already taken on ``server_name`` (checked before the slow
+            model load), or a bad model path, engine configuration (from
+            :class:`~lmdeploy.serve.pipeline.Pipeline`) or parser name.
     """
-    import uvicorn
-
-    from ..pipeline import Pipeline
     logging.basicConfig(level=log_level.upper(), format='%(asctime)s %(levelname)s %(name)s: %(message)s')
     logger.setLevel(log_level.upper())
+    check_port_free(server_name, server_port)
+    started = time.perf_counter()
+    logger.info('loading %s', model_path)
+    import uvicorn
+
+    from ..pipeline import Pipeline                               # imports torch: seconds
     if threading.current_thread() is threading.main_thread():     # signal handlers: main thread only
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pipe = Pipeline(model_path, backend_config)
+    logger.info('engine ready in %.1f s: %s', time.perf_counter() - started, _engine_summary(pipe.engine))
     try:
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,

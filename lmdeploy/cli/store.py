@@ -1,0 +1,72 @@
+"""``lmdeploy serve store [flags]``: run a Mooncake Store on this machine until interrupted.
+
+Starts one ``mooncake_master`` (with its embedded HTTP metadata server) and one
+``mooncake_client`` that owns the Store's memory, all on ``--host`` (default 127.0.0.1), and
+prints the two flags an api_server needs to use it::
+
+    --mooncake-master 127.0.0.1:PORT --mooncake-metadata-server http://127.0.0.1:PORT/metadata
+
+Unlike ``--mooncake-master local`` (services embedded in one api_server, gone with it), this
+Store outlives the servers that use it, so a second server can restore what a first one saved.
+The services' logs go to ``--log-dir`` (printed); they are noisy by design (glog prints
+"metadata not found" on every healthy start). SIGINT / SIGTERM stop both services.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+__all__ = ['add_parser', 'run_store']
+
+
+def add_parser(servers) -> argparse.ArgumentParser:
+    """Add ``store`` to the ``serve`` sub-command's ``servers``; returns its parser."""
+    parser = servers.add_parser(
+        'store', help='a Mooncake Store (master + memory segment) for api_servers to share',
+        description='Run mooncake_master and mooncake_client on HOST until interrupted; prints the '
+        '--mooncake-master / --mooncake-metadata-server flags for `lmdeploy serve api_server`.',
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('--host', default='127.0.0.1', help='address the services bind to and advertise')
+    parser.add_argument('--segment-size', type=int, default=256 << 20, metavar='BYTES',
+                        help='memory the Store holds, in bytes (at least 16 MiB)')
+    parser.add_argument('--log-dir', default=None,
+                        help='folder for master.log and client.log (default: a new temporary folder, kept)')
+    parser.set_defaults(func=run_store)
+    return parser
+
+
+def run_store(args: argparse.Namespace) -> int:
+    """Start the services, print how to use them, wait for SIGINT/SIGTERM, stop them.
+
+    Returns:
+        0 after a signal stopped the services.
+
+    Raises:
+        ValueError: ``--segment-size`` below 16 MiB.
+        RuntimeError: a Mooncake binary is missing or a service did not start (quotes its log).
+    """
+    import tempfile
+
+    from ..pytorch.store.services import MooncakeServices
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix='lmdeploy-store-')
+    os.environ.setdefault('MC_TCP_BIND_ADDRESS', args.host)
+    services = MooncakeServices(args.segment_size, host=args.host, log_dir=log_dir, keep_logs=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    services.start()
+    try:
+        print(f'Mooncake Store ready ({args.segment_size >> 20} MiB on {args.host}); service logs in {log_dir}')
+        print(f'mooncake_master: {services.master_address}')
+        print(f'metadata_server: {services.metadata_server}')
+        print(f'use: lmdeploy serve api_server MODEL --enable-prefix-caching --mooncake-master '
+              f'{services.master_address} --mooncake-metadata-server {services.metadata_server}', flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        services.stop()
+        print('Mooncake Store stopped', file=sys.stderr)
+    return 0

@@ -1,0 +1,127 @@
+"""Every checkpoint config field that ``transformers`` reads for a supported architecture, and
+what the engine does with it, so no field that changes the math is silently ignored.
+
+Each field of :data:`FIELDS` is one of:
+
+- ``implemented``: the engine computes what ``transformers`` computes, for any value;
+- ``checked``: implemented for some values; any other value is refused by :func:`check_config`
+  with a ``ValueError`` naming the field and the value;
+- ``inert``: cannot change inference outputs (dropout, initialisation, training losses,
+  the attention backend, cache bookkeeping).
+
+:data:`ROPE_FIELDS` does the same for the keys of ``rope_parameters`` (frequencies come from
+``transformers``' own functions, see :mod:`.rope`). The loader calls :func:`check_config`
+before it builds a model, so a model that loads is a model that matches ``transformers``;
+``tests/test_config_fidelity.py`` re-reads the ``transformers`` modeling source and fails
+when it reads a field these tables do not list.
+"""
+from __future__ import annotations
+
+__all__ = ['FIELDS', 'ROPE_FIELDS', 'check_config']
+
+IMPLEMENTED, CHECKED, INERT = 'implemented', 'checked', 'inert'
+
+_COMMON = {
+    'vocab_size': IMPLEMENTED,
+    'hidden_size': IMPLEMENTED,
+    'intermediate_size': IMPLEMENTED,
+    'num_hidden_layers': IMPLEMENTED,
+    'num_attention_heads': IMPLEMENTED,
+    'num_key_value_heads': IMPLEMENTED,
+    'head_dim': IMPLEMENTED,
+    'rms_norm_eps': IMPLEMENTED,
+    'attention_bias': IMPLEMENTED,
+    'tie_word_embeddings': IMPLEMENTED,       # read by PreTrainedModel, not the modeling file
+    'dtype': IMPLEMENTED,                     # the 'auto' dtype of the loader
+    'max_position_embeddings': IMPLEMENTED,   # an input of the rope scaling functions
+    'rope_parameters': CHECKED,               # see ROPE_FIELDS and .rope
+    'hidden_act': CHECKED,                    # 'silu' only
+    'layer_types': CHECKED,
+    'quantization_config': CHECKED,           # read by from_pretrained; must be absent
+    'attention_dropout': INERT,               # dropout is off at inference
+    'pad_token_id': INERT,                    # padding_idx only masks the embedding's gradient
+    '_attn_implementation': INERT,            # eager / sdpa compute the same attention
+    'initializer_range': INERT,
+    'use_cache': INERT,
+}
+
+FIELDS: dict[str, dict[str, str]] = {
+    'qwen3': {
+        **_COMMON,
+        'sliding_window': CHECKED,            # read for 'sliding_attention' layers, which are refused
+    },
+    'qwen3_next': {
+        **_COMMON,
+        'linear_conv_kernel_dim': IMPLEMENTED,
+        'linear_key_head_dim': IMPLEMENTED,
+        'linear_value_head_dim': IMPLEMENTED,
+        'linear_num_key_heads': IMPLEMENTED,
+        'linear_num_value_heads': CHECKED,    # a multiple of linear_num_key_heads
+        'decoder_sparse_step': IMPLEMENTED,
+        'mlp_only_layers': IMPLEMENTED,
+        'num_experts': IMPLEMENTED,
+        'num_experts_per_tok': IMPLEMENTED,
+        'moe_intermediate_size': IMPLEMENTED,
+        'shared_expert_intermediate_size': IMPLEMENTED,
+        'norm_topk_prob': IMPLEMENTED,
+        'output_router_logits': INERT,        # the training loss only
+        'router_aux_loss_coef': INERT,
+    },
+}
+
+# keys of transformers' RopeParameters; 'implemented' ones are read by transformers' own functions
+ROPE_FIELDS: dict[str, str] = {
+    'rope_type': CHECKED,                     # not 'dynamic' / 'longrope' / unknown
+    'type': CHECKED,                          # legacy spelling; transformers renames it rope_type
+    'rope_theta': IMPLEMENTED,
+    'partial_rotary_factor': CHECKED,         # Qwen3 rotates whole heads; Qwen3-Next a leading part
+    'factor': IMPLEMENTED,
+    'original_max_position_embeddings': IMPLEMENTED,
+    'attention_factor': IMPLEMENTED,
+    'beta_fast': IMPLEMENTED,
+    'beta_slow': IMPLEMENTED,
+    'mscale': IMPLEMENTED,
+    'mscale_all_dim': IMPLEMENTED,
+    'truncate': IMPLEMENTED,
+    'low_freq_factor': IMPLEMENTED,
+    'high_freq_factor': IMPLEMENTED,
+    'short_factor': CHECKED,                  # only 'longrope' reads it, and that type is refused
+    'long_factor': CHECKED,
+    'mrope_section': INERT,                   # multimodal rope; these text models never read it
+}
+
+
+def check_config(config) -> None:
+    """Refuse a config whose computation the engine would not reproduce exactly.
+
+    Args:
+        config: a ``transformers`` config of a supported ``model_type``.
+
+    Raises:
+        ValueError: naming the field and its value: ``quantization_config`` present,
+            ``hidden_act`` other than ``'silu'``, ``layer_types`` other than the architecture's
+            (Qwen3: all ``'full_attention'``; Qwen3-Next: ``'linear_attention'`` /
+            ``'full_attention'``), ``linear_num_value_heads`` not a multiple of
+            ``linear_num_key_heads``, or a ``rope_parameters`` entry (see :mod:`.rope`).
+    """
+    quant = getattr(config, 'quantization_config', None)
+    if quant:
+        method = quant.get('quant_method') if isinstance(quant, dict) else type(quant).__name__
+        raise ValueError(f'quantization_config (quant_method={method!r}) is not supported: '
+                         'the engine loads unquantized float weights only')
+    if config.model_type == 'qwen3':
+        if config.hidden_act != 'silu':
+            raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+        types = list(getattr(config, 'layer_types', None) or ['full_attention'] * config.num_hidden_layers)
+        bad = sorted({t for t in types if t != 'full_attention'})
+        if bad or len(types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types must be 'full_attention' for all {config.num_hidden_layers} layers, "
+                             f'got {bad or types} (use_sliding_window={getattr(config, "use_sliding_window", None)}, '
+                             f'sliding_window={getattr(config, "sliding_window", None)}, max_window_layers='
+                             f'{getattr(config, "max_window_layers", None)}); sliding-window attention is not '
+                             'supported')
+    elif config.model_type == 'qwen3_next':
+        from .qwen3_next import check_config as check_qwen3_next
+        check_qwen3_next(config)
+    from .rope import RotaryEmbedding
+    RotaryEmbedding(config)  # raises for rope parameters it cannot reproduce

@@ -1,0 +1,128 @@
+"""Rotary position embedding as the checkpoint's ``rope_parameters`` define it.
+
+The inverse frequencies and the cos/sin scale come from ``transformers``' own functions: the
+architecture's ``compute_default_rope_parameters`` for ``rope_type='default'`` and
+``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` for every other type, so a scaled
+context (YaRN, linear, Llama-3, proportional) rotates exactly as the reference does. What stays
+here is the table lookup ``cos/sin(position * inv_freq) * attention_scaling``::
+
+    inv_freq [R/2], attention_scaling  <- transformers(config)      (once, at construction)
+    positions [T] -> emb [T, R] = cat(p * inv_freq, p * inv_freq)
+    cos, sin [T, R] = cos(emb) * scaling, sin(emb) * scaling         (float32, then the model dtype)
+
+``R`` (the rotary width) is ``2 * len(inv_freq)``: the leading ``R`` channels of each head are
+rotated (Qwen3-Next's partial rotary), the rest pass through.
+
+Refused with a ``ValueError`` naming the field (an engine that loads a model matches it):
+
+- ``rope_type`` ``'dynamic'`` and ``'longrope'``: ``transformers`` recomputes their frequencies
+  from the longest position of each forward call and keeps them across calls, so the rotation
+  of a cached key depends on how the prompt was chunked and which requests ran before; an
+  engine with chunked prefill and a prefix cache cannot reproduce that.
+- a ``rope_type`` ``transformers`` does not define, and per-layer-type (nested) parameters;
+- a rotary width other than ``head_dim`` for an architecture that rotates whole heads (Qwen3's
+  ``transformers`` code cannot run one either).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+__all__ = ['RotaryEmbedding', 'rope_init_function', 'SEQUENCE_DEPENDENT_ROPE_TYPES']
+
+# rope types whose frequencies transformers recomputes per forward call from the current length
+SEQUENCE_DEPENDENT_ROPE_TYPES = ('dynamic', 'longrope')
+
+# model_type -> (transformers modeling module, rotary class, rotates only a leading fraction of each head)
+_ARCH = {
+    'qwen3': ('transformers.models.qwen3.modeling_qwen3', 'Qwen3RotaryEmbedding', False),
+    'qwen3_next': ('transformers.models.qwen3_next.modeling_qwen3_next', 'Qwen3NextRotaryEmbedding', True),
+}
+
+
+def _rope_parameters(config) -> dict:
+    """The flat ``rope_parameters`` dict of ``config`` (``transformers`` moves a ``rope_scaling``
+    of config.json there when it loads the config).
+
+    Raises:
+        ValueError: parameters nested per layer type, or no ``rope_type``.
+    """
+    params = getattr(config, 'rope_parameters', None)
+    if not isinstance(params, dict) or 'rope_type' not in params:
+        raise ValueError(f'rope_parameters must be one flat dict with a rope_type, got {params!r} '
+                         '(per-layer-type rope parameters are not supported)')
+    return params
+
+
+def rope_init_function(config):
+    """The ``transformers`` function computing ``(inv_freq [R/2] float32, attention_scaling)`` for
+    ``config``, and whether the architecture rotates only the leading channels of each head.
+
+    Returns:
+        ``(fn, partial)``: ``fn(config) -> (inv_freq, attention_scaling)``.
+
+    Raises:
+        ValueError: an architecture without a rope table here, or ``rope_parameters.rope_type``
+            that is sequence-dependent (``dynamic``, ``longrope``) or unknown to ``transformers``.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if config.model_type not in _ARCH:
+        raise ValueError(f'no rotary embedding for model_type {config.model_type!r}')
+    module, cls, partial = _ARCH[config.model_type]
+    rope_type = _rope_parameters(config)['rope_type']
+    if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES:
+        raise ValueError(f'rope_parameters.rope_type={rope_type!r} is not supported: transformers recomputes its '
+                         'frequencies from the length of each forward call, which chunked prefill and the prefix '
+                         'cache cannot reproduce')
+    if rope_type == 'default':
+        return getattr(importlib.import_module(module), cls).compute_default_rope_parameters, partial
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        known = ', '.join(['default', *sorted(set(ROPE_INIT_FUNCTIONS) - set(SEQUENCE_DEPENDENT_ROPE_TYPES))])
+        raise ValueError(f'rope_parameters.rope_type={rope_type!r} is not supported; supported: {known}')
+    return ROPE_INIT_FUNCTIONS[rope_type], partial
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al., "RoFormer", 2021), half-rotation layout, with the
+    frequencies and scale of the checkpoint's ``rope_parameters`` (see the module docstring).
+
+    Args:
+        config: the model's ``transformers`` config (``model_type``, ``rope_parameters``,
+            ``head_dim``/``hidden_size``/``num_attention_heads``, ``max_position_embeddings``).
+
+    Attributes:
+        inv_freq: ``[R/2]`` float32 on the CPU, as ``transformers`` computed it.
+        rotary_dim: ``R``, rotated channels per head (even, ``<= head_dim``).
+        attention_scaling: factor on cos and sin (1.0 except for YaRN-like types).
+
+    Raises:
+        ValueError: see :func:`rope_init_function`; or ``R != head_dim`` for an architecture that
+            rotates whole heads (field ``rope_parameters.partial_rotary_factor``).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        fn, partial = rope_init_function(config)
+        with torch.device('cpu'):  # real values even when the model is built on the meta device
+            inv_freq, scaling = fn(config)
+        # a plain float32 attribute, not a buffer: neither ``to_empty`` nor a dtype cast touches it
+        self.inv_freq = inv_freq.detach().to('cpu', torch.float32)
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+        self.rotary_dim = 2 * self.inv_freq.numel()
+        self.attention_scaling = float(scaling)
+        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        if self.rotary_dim > head_dim or (not partial and self.rotary_dim != head_dim):
+            raise ValueError(f'rope_parameters.partial_rotary_factor='
+                             f'{config.rope_parameters.get("partial_rotary_factor")!r} gives {self.rotary_dim} '
+                             f'rotary channels, but {config.model_type} rotates all {head_dim} channels of a head')
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` (int64 token positions) → ``(cos, sin)`` each ``[T, rotary_dim]`` in ``dtype``."""
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
