@@ -83,12 +83,14 @@ METADATA=$(sed -n 's/^metadata_server: //p' "$OUT/store.log")
 [ -n "$MASTER" ] && [ -n "$METADATA" ] || { echo "the Store did not start:" >&2; cat "$OUT/store.log" >&2; exit 1; }
 echo "    master $MASTER, metadata server $METADATA (service logs: $OUT/store-logs)"
 
+# One secret for both servers: they accept only Store objects written under it.
+"$PY" -c 'import secrets; print(secrets.token_hex(32))' > "$OUT/store.secret" && chmod 600 "$OUT/store.secret"
 PORT=${LMDEPLOY_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 # Small geometry so a CPU shows checkpoints within a few hundred tokens: 16-token blocks,
 # checkpoints every 64 tokens, 256-token prefill chunks (production defaults: 64 / 1024 / 8192).
 SERVER_FLAGS=(--server-name 127.0.0.1 --server-port "$PORT"
               --enable-prefix-caching --prefill-save-last-only
-              --mooncake-master "$MASTER" --mooncake-metadata-server "$METADATA"
+              --mooncake-master "$MASTER" --mooncake-metadata-server "$METADATA" --store-secret-file "$OUT/store.secret"
               --block-size 16 --prefill-save-alignment 64 --max-prefill-token-num 256 --log-level WARNING)
 
 run_server() {  # run_server LOG: start an api_server in the background

@@ -1,15 +1,17 @@
 """``lmdeploy serve store [flags]``: run a Mooncake Store on this machine until interrupted.
 
-Starts one ``mooncake_master`` (with its embedded HTTP metadata server) and one
-``mooncake_client`` that owns the Store's memory, all on ``--host`` (default 127.0.0.1), and
-prints the two flags an api_server needs to use it::
+Starts one ``mooncake_master``, an HTTP metadata server and a segment owner that holds the
+Store's memory (:class:`~lmdeploy.pytorch.store.services.MooncakeServices`), all on ``--host``
+(default 127.0.0.1), and prints the two flags an api_server needs to use it::
 
     --mooncake-master 127.0.0.1:PORT --mooncake-metadata-server http://127.0.0.1:PORT/metadata
 
 Unlike ``--mooncake-master local`` (services embedded in one api_server, gone with it), this
 Store outlives the servers that use it, so a second server can restore what a first one saved.
-The services' logs go to ``--log-dir`` (printed); they are noisy by design (glog prints
-"metadata not found" on every healthy start). SIGINT / SIGTERM stop both services.
+Servers sharing it should share a secret too (``--store-secret-file``, the same file for all):
+without one, anything that can reach the master can write objects the servers accept. The
+services' logs go to ``--log-dir`` (printed); they are noisy by design (glog prints "metadata
+not found" on every healthy start). SIGINT / SIGTERM stop the services.
 """
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ def add_parser(servers) -> argparse.ArgumentParser:
     """Add ``store`` to the ``serve`` sub-command's ``servers``; returns its parser."""
     parser = servers.add_parser(
         'store', help='a Mooncake Store (master + memory segment) for api_servers to share',
-        description='Run mooncake_master and mooncake_client on HOST until interrupted; prints the '
+        description='Run mooncake_master, a metadata server and the Store memory on HOST until interrupted; prints the '
         '--mooncake-master / --mooncake-metadata-server flags for `lmdeploy serve api_server`.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('--host', default='127.0.0.1', help='address the services bind to and advertise')
     parser.add_argument('--segment-size', type=int, default=256 << 20, metavar='BYTES',
                         help='memory the Store holds, in bytes (at least 16 MiB)')
     parser.add_argument('--log-dir', default=None,
-                        help='folder for master.log and client.log (default: a new temporary folder, kept)')
+                        help='folder for the services\' logs (default: a new temporary folder, kept)')
     parser.set_defaults(func=run_store)
     return parser
 
@@ -63,7 +65,9 @@ def run_store(args: argparse.Namespace) -> int:
         print(f'mooncake_master: {services.master_address}')
         print(f'metadata_server: {services.metadata_server}')
         print(f'use: lmdeploy serve api_server MODEL --enable-prefix-caching --mooncake-master '
-              f'{services.master_address} --mooncake-metadata-server {services.metadata_server}', flush=True)
+              f'{services.master_address} --mooncake-metadata-server {services.metadata_server}')
+        print('and give every server the same --store-secret-file (e.g. `openssl rand -hex 32 > FILE`), '
+              'so that they accept only objects written by each other', flush=True)
         while not stop.wait(0.5):
             pass
     finally:
