@@ -11,12 +11,23 @@ where each sequence's tokens are, which KV blocks and which state slot belong to
 
 A sequence whose ``history_len`` is 0 starts from a zero recurrent state; otherwise its
 state slot holds the state after exactly ``history_len`` tokens.
+
+Batched kernels take the same layout as tensors, built once per step on first use and then
+shared by every layer (so a layer never loops over sequences in Python to find its rows)::
+
+    cu_seqlens      [0, 5, 6]           int64 [N + 1], sequence i owns rows [cu[i], cu[i+1])
+    seq_ids         [0,0,0,0,0, 1]      int64 [T], the sequence of each flat token
+    slots           [slot0, slot1]      int64 [N]
+    has_history     [True, True]        bool  [N], history_len > 0 (else start from zeros)
+    block_table     [[b, b, b], [b, b, 0]]  int64 [N, max_blocks], short rows padded with 0
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 __all__ = ['StepContext']
 
@@ -60,6 +71,78 @@ class StepContext:
     def history_lens(self) -> list[int]:
         """Tokens already cached for each sequence before this forward."""
         return [kv - q for kv, q in zip(self.kv_seqlens, self.q_seqlens)]
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the flat batch."""
+        return self.input_ids.device
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 ``[N + 1]`` cumulative new-token counts: sequence ``i`` owns flat rows
+        ``[cu_seqlens[i], cu_seqlens[i + 1])``."""
+        starts = list(self.q_start_loc) + [self.q_start_loc[-1] + self.q_seqlens[-1] if self.q_seqlens else 0]
+        return torch.tensor(starts, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def seq_ids(self) -> torch.Tensor:
+        """int64 ``[T]``: index of the sequence each flat token belongs to."""
+        counts = torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
+        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.device), counts)
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """int64 ``[N]``: each sequence's runtime state slot (``-1`` for models without state)."""
+        return torch.tensor(self.state_slots, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def has_history(self) -> torch.Tensor:
+        """bool ``[N]``: the sequence has cached tokens (its slot holds a state to continue)."""
+        return torch.tensor([h > 0 for h in self.history_lens], dtype=torch.bool, device=self.device)
+
+    @cached_property
+    def kv_seqlens_t(self) -> torch.Tensor:
+        """int64 ``[N]``: :attr:`kv_seqlens` as a tensor."""
+        return torch.tensor(self.kv_seqlens, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def block_table(self) -> torch.Tensor:
+        """int64 ``[N, max_blocks]``: :attr:`block_tables` stacked, short rows padded with block 0
+        (padding is never read: every kernel masks positions ``>= kv_seqlen``)."""
+        if not any(len(t) for t in self.block_tables):
+            return torch.zeros(self.num_seqs, 1, dtype=torch.int64, device=self.device)
+        return pad_sequence([t.to(self.device, torch.int64) for t in self.block_tables], batch_first=True)
+
+    @cached_property
+    def kv_positions(self) -> torch.Tensor:
+        """int64 ``[T]``: cache position of each flat token (``history_len + j`` for its ``j``-th
+        new token), where its K/V is written."""
+        history = self.kv_seqlens_t - torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
+        rows = torch.arange(self.input_ids.shape[0], device=self.device)
+        return history[self.seq_ids] + rows - self.cu_seqlens[self.seq_ids]
+
+    @cached_property
+    def kv_write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block id, offset in block)``, each int64 ``[T]``: where each flat token's K/V goes."""
+        pos = self.kv_positions
+        return self.block_table[self.seq_ids, pos // self.block_size], pos % self.block_size
+
+    @cached_property
+    def kv_gather_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(block id, offset, valid)``, each ``[N, S]`` with ``S = max_blocks * block_size``: where
+        key position ``p`` of sequence ``i`` lives. Positions ``>= kv_seqlen`` point at position 0
+        of the sequence (always written, so finite) and are ``valid == False``: a cache slot never
+        written may hold NaN, and NaN survives masking (``0 * NaN``)."""
+        S = self.block_table.shape[1] * self.block_size
+        pos = torch.arange(S, device=self.device)[None, :]
+        valid = pos < self.kv_seqlens_t[:, None]
+        pos = torch.where(valid, pos, 0)
+        return self.block_table.gather(1, pos // self.block_size), pos % self.block_size, valid
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token to a non-empty history (a pure decode step)."""
+        return all(q == 1 for q in self.q_seqlens) and all(h > 0 for h in self.history_lens)
 
     def seq_slice(self, i: int) -> slice:
         """The slice of the flat token axis that belongs to sequence ``i``."""

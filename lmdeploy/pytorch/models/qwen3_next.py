@@ -133,31 +133,20 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
         device = hidden.device
-        conv_fn = get_kernel('causal_conv1d', device)
-        chunk_fn = get_kernel('chunk_gated_delta_rule', device)
-        step_fn = get_kernel('recurrent_gated_delta_rule', device)
-        weight = self.conv1d.weight.squeeze(1)
-        out = hidden.new_zeros(T, self.num_v_heads, self.head_v_dim)
-        for i, history in enumerate(ctx.history_lens):
-            sl, slot = ctx.seq_slice(i), ctx.state_slots[i]
-            n = ctx.q_seqlens[i]
-            if n == 0:
-                continue
-            fresh = history == 0  # the slot may hold another sequence's leftovers
-            y, conv_state = conv_fn(mixed[sl], weight, None, None if fresh else conv_cache[slot], 'silu')
-            conv_cache[slot].copy_(conv_state)
-            q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q = q.reshape(n, self.num_k_heads, self.head_k_dim)
-            k = k.reshape(n, self.num_k_heads, self.head_k_dim)
-            if self.heads_per_key > 1:
-                q = q.repeat_interleave(self.heads_per_key, dim=1)
-                k = k.repeat_interleave(self.heads_per_key, dim=1)
-            v = v.reshape(n, self.num_v_heads, self.head_v_dim)
-            initial = None if fresh else recurrent_cache[slot]
-            fn = step_fn if (n == 1 and not fresh) else chunk_fn
-            o, state = fn(q, k, v, g[sl], beta[sl], initial, use_qk_l2norm=True)
-            recurrent_cache[slot].copy_(state)
-            out[sl] = o
+        # One call per kernel for all sequences; a fresh sequence (history 0) starts from zeros
+        # inside the kernels, since its slot may hold another sequence's leftovers.
+        y = get_kernel('causal_conv1d_varlen', device)(mixed, self.conv1d.weight.squeeze(1), None, conv_cache,
+                                                         ctx.cu_seqlens, ctx.seq_ids, ctx.slots, ctx.has_history,
+                                                         'silu')
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        if self.heads_per_key > 1:
+            q = q.repeat_interleave(self.heads_per_key, dim=1)
+            k = k.repeat_interleave(self.heads_per_key, dim=1)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        out = get_kernel('gated_delta_rule_varlen', device)(q, k, v, g, beta, recurrent_cache, ctx.cu_seqlens,
+                                                              ctx.slots, ctx.has_history, use_qk_l2norm=True)
         return self.out_proj(self.norm(out, z).reshape(T, -1))
 
 
