@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 __all__ = ['StepContext']
 
@@ -109,9 +108,9 @@ class StepContext:
     def block_table(self) -> torch.Tensor:
         """int64 ``[N, max_blocks]``: :attr:`block_tables` stacked, short rows padded with block 0
         (padding is never read: every kernel masks positions ``>= kv_seqlen``)."""
-        if not any(len(t) for t in self.block_tables):
-            return torch.zeros(self.num_seqs, 1, dtype=torch.int64, device=self.device)
-        return pad_sequence([t.to(self.device, torch.int64) for t in self.block_tables], batch_first=True)
+        rows = [t.tolist() for t in self.block_tables]
+        width = max([len(r) for r in rows] + [1])
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device=self.device)
 
     @cached_property
     def kv_positions(self) -> torch.Tensor:
