@@ -193,10 +193,10 @@ class _CountingForward:
 
 
 def test_decode_step_op_count_does_not_grow_with_batch():
-    """A decode step issues the same torch ops for 2 or 6 sequences: no per-sequence Python loop
-    (dense MLPs here, since which experts a batch hits varies with the batch)."""
+    """A decode step issues the same torch ops for 2 or 6 sequences: no per-sequence Python loop,
+    and no per-expert loop in the MoE layers."""
     from test_qwen3_next_layers import _build, _config, _harness
-    config = _config(mlp_only_layers=[0, 1, 2, 3])
+    config = _config()
     _, ours = _build(config)
     counts = []
     for batch in (2, 6):
@@ -207,3 +207,18 @@ def test_decode_step_op_count_does_not_grow_with_batch():
         harness.step([(s, [4]) for s in seqs])
         counts.append(counter.ops)
     assert counts[0] > 100 and counts[0] == counts[1]
+
+
+@pytest.mark.parametrize('intermediate', [8, 6], ids=['grouped', 'unaligned-fallback'])
+def test_grouped_experts_equal_one_matmul_per_expert(intermediate):
+    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    gen = torch.Generator().manual_seed(5)
+    experts = FusedExperts(num_experts=5, hidden_size=8, intermediate_size=intermediate)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(7, 8, generator=gen)
+    index = torch.tensor([[0, 3], [3, 1], [4, 0], [3, 4], [1, 0], [0, 3], [4, 1]])   # expert 2 unused
+    weights = torch.rand(7, 2, generator=gen)
+    torch.testing.assert_close(experts(x, index, weights), experts._forward_per_expert(x, index, weights),
+                               atol=1e-5, rtol=0)
