@@ -52,9 +52,17 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     Returns:
         One token id per sequence.
     """
+    logits = logits.float().cpu()
+    # Plain greedy rows (no penalty) in one argmax: NaN -> -inf as in _finite; argmax already
+    # picks the first +inf, and an all -inf row gives 0 like _finite's zeroed fallback.
+    plain = [i for i, s in enumerate(seqs) if s.gen_config.greedy and s.gen_config.repetition_penalty == 1.0]
+    fast = torch.nan_to_num(logits, nan=float('-inf'), posinf=float('inf'), neginf=float('-inf')).argmax(-1).tolist() if plain else []
     out = []
-    for row, seq in zip(logits.float().cpu(), seqs):
+    for i, (row, seq) in enumerate(zip(logits, seqs)):
         cfg = seq.gen_config
+        if cfg.greedy and cfg.repetition_penalty == 1.0:
+            out.append(fast[i])
+            continue
         raw = row
         row = _finite(_process(row.clone(), seq), raw)
         if cfg.greedy:
