@@ -56,7 +56,10 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     # Plain greedy rows (no penalty) in one argmax: NaN -> -inf as in _finite; argmax already
     # picks the first +inf, and an all -inf row gives 0 like _finite's zeroed fallback.
     plain = [i for i, s in enumerate(seqs) if s.gen_config.greedy and s.gen_config.repetition_penalty == 1.0]
-    fast = torch.nan_to_num(logits, nan=float('-inf'), posinf=float('inf'), neginf=float('-inf')).argmax(-1).tolist() if plain else []
+    fast = []
+    if plain:
+        inf = float('inf')
+        fast = torch.nan_to_num(logits, nan=-inf, posinf=inf, neginf=-inf).argmax(-1).tolist()
     out = []
     for i, (row, seq) in enumerate(zip(logits, seqs)):
         cfg = seq.gen_config
