@@ -27,7 +27,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention, rope_theta
 
 __all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config']
@@ -107,8 +107,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel_size = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        # one matmul for the checkpoint's in_proj_qkvz and in_proj_ba
+        self.in_proj = PackedLinear(hidden, {'in_proj_qkvz': 2 * self.key_dim + 2 * self.value_dim,
+                                             'in_proj_ba': 2 * self.num_v_heads})
         # Only a weight holder ([conv_dim, 1, K], the checkpoint shape); the conv kernel runs it.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
@@ -119,9 +120,10 @@ class GatedDeltaNet(nn.Module):
     def _split_projections(self, hidden: torch.Tensor):
         """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
         T, r = hidden.shape[0], self.heads_per_key
-        qkvz = self.in_proj_qkvz(hidden).view(T, self.num_k_heads, -1)
+        qkvz, ba = self.in_proj.forward_split(hidden)
+        qkvz = qkvz.reshape(T, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], -1)
-        b, a = self.in_proj_ba(hidden).view(T, self.num_k_heads, 2 * r).split([r, r], -1)
+        b, a = ba.reshape(T, self.num_k_heads, 2 * r).split([r, r], -1)
         mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
         return (mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, self.num_v_heads),
                 a.reshape(T, self.num_v_heads))
@@ -181,7 +183,9 @@ class FusedExperts(nn.Module):
         gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
         y = y * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y                       # back to (token, k) order: each token's k rows adjacent
+        return unsorted.view(x.shape[0], k, -1).sum(1).to(x.dtype)
 
     def _forward_per_expert(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Same result as :meth:`forward`, one matmul pair per expert hit."""
@@ -322,44 +326,23 @@ class Qwen3NextForCausalLM(nn.Module):
             KeyError: a tensor has no matching parameter (or an expert index is out of range).
             ValueError: a shape mismatch, or parameters (or expert slices) left unfilled.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        expert_parts: dict[str, set] = {}
+        loader = WeightLoader(self)
+        params = loader.params
         for name, tensor in weights:
             if name.startswith('mtp.'):
                 continue
             match = _PER_EXPERT.match(name)
-            if match:
-                prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
-                target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
-                if target not in params or expert >= params[target].shape[0]:
-                    raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self).__name__}')
-                dst = params[target][expert]
-                if part != 'down_proj':
-                    half = dst.shape[0] // 2
-                    dst = dst[:half] if part == 'gate_proj' else dst[half:]
-                _copy(name, dst, tensor)
-                expert_parts.setdefault(target, set()).add((expert, part))
+            if not match:
+                loader.load(name, tensor)
                 continue
-            if name not in params:
+            prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+            target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
+            if target not in params or expert >= params[target].shape[0]:
                 raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self).__name__}')
-            _copy(name, params[name], tensor)
-            loaded.add(name)
-        for target, parts in expert_parts.items():
-            per_expert = 1 if target.endswith('down_proj') else 2
-            if len(parts) == per_expert * params[target].shape[0]:
-                loaded.add(target)
-        if getattr(self.config, 'tie_word_embeddings', False) and 'lm_head.weight' not in loaded:
-            with torch.no_grad():
-                params['lm_head.weight'].copy_(params['model.embed_tokens.weight'])
-            loaded.add('lm_head.weight')
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f'checkpoint is missing {len(missing)} parameters (or expert slices), e.g. {missing[:5]}')
-
-
-def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f'shape of {name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}')
-    with torch.no_grad():
-        dst.copy_(src.to(dst.dtype))
+            dst = params[target][expert]
+            if part != 'down_proj':
+                half = dst.shape[0] // 2
+                dst = dst[:half] if part == 'gate_proj' else dst[half:]
+            per_expert = 1 if part == 'down_proj' else 2
+            loader.copy_part(target, dst, (expert, part), per_expert * params[target].shape[0], name, tensor)
+        loader.finish(getattr(self.config, 'tie_word_embeddings', False))
