@@ -3,10 +3,12 @@ same process, side by side.
 
 What is measured (each configuration ``--repeats`` times; min / median / max reported):
 
-| measurement | engine | transformers |
-|---|---|---|
-| ``decode`` at batch N | N requests (prompt ``--prompt-len``, ``--decode-tokens`` new, greedy, ``ignore_eos``) stepped to completion | ``generate`` on the N prompts at once ("batched") and, for N > 1, one prompt after another ("one-at-a-time") |
-| ``prefill`` at length L | time to first token of one L-token request | one forward over L tokens (last-position logits only) |
+- ``decode`` at batch N: the engine steps N requests (prompt ``--prompt-len``,
+  ``--decode-tokens`` new, greedy, ``ignore_eos``) to completion; transformers runs
+  ``generate`` on the N prompts at once ("batched") and, for N > 1, one after another
+  ("one-at-a-time").
+- ``prefill`` at length L: the engine's time to first token of one L-token request against one
+  transformers forward over L tokens (last-position logits only).
 
 For each: wall seconds, tokens/s, tokens per CPU-second (process CPU time, all threads) and
 peak RSS growth during the run (a 2 ms sampler thread; the models and the engine's caches are

@@ -193,10 +193,10 @@ class _CountingForward:
 
 
 def test_decode_step_op_count_does_not_grow_with_batch():
-    """A decode step issues the same torch ops for 2 or 6 sequences: no per-sequence Python loop,
-    and no per-expert loop in the MoE layers."""
+    """A decode step issues the same torch ops for 2 or 6 sequences: no per-sequence Python loop
+    (dense MLPs here: on CPU the MoE runs one matmul pair per expert the batch hits)."""
     from test_qwen3_next_layers import _build, _config, _harness
-    config = _config()
+    config = _config(mlp_only_layers=[0, 1, 2, 3])
     _, ours = _build(config)
     counts = []
     for batch in (2, 6):
@@ -210,15 +210,33 @@ def test_decode_step_op_count_does_not_grow_with_batch():
 
 
 @pytest.mark.parametrize('intermediate', [8, 6], ids=['grouped', 'unaligned-fallback'])
-def test_grouped_experts_equal_one_matmul_per_expert(intermediate):
-    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+def test_swiglu_experts_grouped_equals_loop_and_per_token_reference(intermediate):
+    from lmdeploy.pytorch.kernels.moe import grouped_mm_usable, swiglu_experts_grouped, swiglu_experts_loop
     gen = torch.Generator().manual_seed(5)
-    experts = FusedExperts(num_experts=5, hidden_size=8, intermediate_size=intermediate)
+    E, H = 5, 8
+    gate_up = torch.randn(E, 2 * intermediate, H, generator=gen)
+    down = torch.randn(E, H, intermediate, generator=gen)
+    counts = torch.tensor([2, 0, 3, 1, 1])    # expert 1 unused
+    x = torch.randn(7, H, generator=gen)
+    expert_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    silu = torch.nn.functional.silu
+    ref = torch.stack([silu(x[r] @ gate_up[e, :intermediate].T) * (x[r] @ gate_up[e, intermediate:].T)
+                       for r, e in enumerate(expert_of_row.tolist())])
+    ref = torch.stack([ref[r] @ down[e].T for r, e in enumerate(expert_of_row.tolist())])
+    assert grouped_mm_usable(x, gate_up) == (intermediate == 8)
+    torch.testing.assert_close(swiglu_experts_loop(x, gate_up, down, counts), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(swiglu_experts_grouped(x, gate_up, down, counts), ref, atol=1e-5, rtol=0)
+
+
+def test_moe_experts_equal_one_token_at_a_time():
+    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    gen = torch.Generator().manual_seed(6)
+    experts = FusedExperts(num_experts=5, hidden_size=8, intermediate_size=8)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
     x = torch.randn(7, 8, generator=gen)
-    index = torch.tensor([[0, 3], [3, 1], [4, 0], [3, 4], [1, 0], [0, 3], [4, 1]])   # expert 2 unused
+    index = torch.tensor([[0, 3], [3, 1], [4, 0], [3, 4], [1, 0], [0, 3], [4, 1]])
     weights = torch.rand(7, 2, generator=gen)
-    torch.testing.assert_close(experts(x, index, weights), experts._forward_per_expert(x, index, weights),
-                               atol=1e-5, rtol=0)
+    ref = torch.stack([experts(x[t:t + 1], index[t:t + 1], weights[t:t + 1])[0] for t in range(7)])
+    torch.testing.assert_close(experts(x, index, weights), ref, atol=1e-5, rtol=0)

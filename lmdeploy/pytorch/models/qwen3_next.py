@@ -16,7 +16,6 @@ tensor per expert (published checkpoints) or fused (``transformers`` in-memory l
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Iterable
 
@@ -166,36 +165,19 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, chosen experts ``index [T, k]`` with ``weights [T, k]`` → ``[T, H]``.
 
-        The ``T * k`` (token, expert) pairs are sorted by expert and each projection runs as ONE
-        grouped matmul (``torch._grouped_mm``: expert ``e`` multiplies its contiguous run of
-        rows), so the op count does not depend on how many experts a batch hits. Torch builds
-        without it, and widths whose row strides are not multiples of 16 bytes (a
-        ``_grouped_mm`` requirement), fall back to one matmul per hit expert.
+        The ``T * k`` (token, expert) pairs are sorted by expert, run through the registry's
+        ``swiglu_experts`` kernel (a per-expert loop on CPU, grouped matmuls on CUDA), weighted,
+        and summed back per token.
         """
-        row_bytes = x.element_size() * math.gcd(x.shape[1], self.intermediate_size)
-        if not hasattr(torch, '_grouped_mm') or row_bytes % 16:
-            return self._forward_per_expert(x, index, weights)
         k = index.shape[1]
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
-        token = order // k
-        offsets = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        y = get_kernel('swiglu_experts', x.device)(x[order // k], self.gate_up_proj, self.down_proj, counts)
         y = y * weights.reshape(-1)[order, None]
         unsorted = torch.empty_like(y)
         unsorted[order] = y                       # back to (token, k) order: each token's k rows adjacent
         return unsorted.view(x.shape[0], k, -1).sum(1).to(x.dtype)
-
-    def _forward_per_expert(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Same result as :meth:`forward`, one matmul pair per expert hit."""
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, pick = (index == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, pick, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
 
 
 class SparseMoeBlock(nn.Module):
