@@ -11,8 +11,9 @@ Two paths, chosen per sequence by its number of new tokens:
 
 - **decode** (1 new token): all such sequences in ONE batched call. Their keys are gathered
   through the padded block table into ``[N, Hkv, S, D]`` (padding points at a written entry)
-  and each query group of a KV head becomes the "query length" axis of a 4-D ``scaled_dot_product_attention`` (GQA without
-  repeating keys); a padding mask hides positions ``>= kv_len``.
+  and each query group of a KV head becomes the "query length" axis of a 4-D
+  ``scaled_dot_product_attention`` (GQA without repeating keys); a padding mask hides
+  positions ``>= kv_len``.
 - **prefill** (several new tokens): one 4-D ``scaled_dot_product_attention`` per sequence,
   ``is_causal`` when there is no history. 4-D inputs matter on CPU: torch's flash kernel then
   runs in tiles and never materialises the ``[q_len, kv_len]`` score matrix (3-D inputs take the
