@@ -240,3 +240,45 @@ def test_moe_experts_equal_one_token_at_a_time():
     weights = torch.rand(7, 2, generator=gen)
     ref = torch.stack([experts(x[t:t + 1], index[t:t + 1], weights[t:t + 1])[0] for t in range(7)])
     torch.testing.assert_close(experts(x, index, weights), ref, atol=1e-5, rtol=0)
+
+
+# In a subprocess so TRITON_INTERPRET=1 is set before triton is imported and does not leak.
+_TRITON_DECODE_SCRIPT = '''
+import torch
+from lmdeploy.pytorch.kernels.attention import paged_decode_attention
+from lmdeploy.pytorch.kernels.attention_triton import paged_decode_attention_triton
+checked = 0
+for N, H, Hkv, D, block, lens in [(3, 4, 2, 8, 4, [1, 7, 12]), (2, 3, 3, 6, 5, [5, 11]), (4, 8, 1, 16, 8, [9, 1, 16, 3])]:
+    g = torch.Generator().manual_seed(N * 100 + D)
+    W = -(-max(lens) // block)
+    num_blocks = N * W + 3
+    buf = torch.full((num_blocks, block * Hkv * D * 2 + 8), float('nan'))   # strided views, NaN where unwritten
+    k_cache = buf[:, :block * Hkv * D].view(num_blocks, block, Hkv, D)
+    v_cache = buf[:, block * Hkv * D:2 * block * Hkv * D].view(num_blocks, block, Hkv, D)
+    table = torch.randperm(num_blocks, generator=g)[:N * W].view(N, W)
+    for n, L in enumerate(lens):
+        for p in range(L):
+            k_cache[table[n, p // block], p % block] = torch.randn(Hkv, D, generator=g)
+            v_cache[table[n, p // block], p % block] = torch.randn(Hkv, D, generator=g)
+    q = torch.randn(N, H, D, generator=g)
+    kv = torch.tensor(lens)
+    ref = paged_decode_attention(q, k_cache, v_cache, table, kv, 0.4)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, table, kv, 0.4)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    checked += 1
+print('checked', checked)
+'''
+
+
+def test_triton_paged_decode_attention_matches_torch_under_interpreter():
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip('triton')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONPATH=f'{root}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    proc = subprocess.run([sys.executable, '-c', _TRITON_DECODE_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ['checked', '3']

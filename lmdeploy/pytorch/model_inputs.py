@@ -28,7 +28,29 @@ from functools import cached_property
 
 import torch
 
-__all__ = ['StepContext']
+__all__ = ['StepContext', 'kv_gather_index']
+
+
+def kv_gather_index(block_table: torch.Tensor, kv_seqlens: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each key position of each sequence lives in a paged cache.
+
+    Args:
+        block_table: int64 ``[N, W]`` block ids per sequence (rows padded with any valid id).
+        kv_seqlens: int64 ``[N]`` keys per sequence (each ``>= 1``).
+        block_size: tokens per block.
+
+    Returns:
+        ``(block id, offset, valid)``, each ``[N, S]`` with ``S = W * block_size``. Positions
+        ``>= kv_seqlen`` point at position 0 of the sequence (always written, so finite) and are
+        ``valid == False``: a cache entry never written may hold NaN, and NaN survives masking
+        (``0 * NaN``).
+    """
+    S = block_table.shape[1] * block_size
+    pos = torch.arange(S, device=block_table.device)[None, :]
+    valid = pos < kv_seqlens[:, None]
+    pos = torch.where(valid, pos, 0)
+    return block_table.gather(1, pos // block_size), pos % block_size, valid
 
 
 @dataclass
@@ -128,15 +150,8 @@ class StepContext:
 
     @cached_property
     def kv_gather_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(block id, offset, valid)``, each ``[N, S]`` with ``S = max_blocks * block_size``: where
-        key position ``p`` of sequence ``i`` lives. Positions ``>= kv_seqlen`` point at position 0
-        of the sequence (always written, so finite) and are ``valid == False``: a cache slot never
-        written may hold NaN, and NaN survives masking (``0 * NaN``)."""
-        S = self.block_table.shape[1] * self.block_size
-        pos = torch.arange(S, device=self.device)[None, :]
-        valid = pos < self.kv_seqlens_t[:, None]
-        pos = torch.where(valid, pos, 0)
-        return self.block_table.gather(1, pos // self.block_size), pos % self.block_size, valid
+        """:func:`kv_gather_index` of this step's :attr:`block_table` (built once, shared by all layers)."""
+        return kv_gather_index(self.block_table, self.kv_seqlens_t, self.block_size)
 
     @property
     def is_decode(self) -> bool:

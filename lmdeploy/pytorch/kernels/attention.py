@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import register_kernel
-from ..model_inputs import StepContext
+from . import get_kernel, register_kernel
+from ..model_inputs import StepContext, kv_gather_index
 
 __all__ = ['fill_kv_cache', 'paged_decode_attention', 'paged_attention_torch', 'paged_attention_reference',
            'PREFILL_QUERY_TILE']
@@ -53,26 +53,30 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                           offsets: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+@register_kernel('paged_decode_attention', device_type='any')
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                           kv_seqlens: torch.Tensor, scale: float,
+                           gather_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence against its paged keys, all sequences in one call.
 
     Args:
         q: ``[N, num_heads, head_dim]``; the query of sequence ``i`` is its last token (its K/V
             already written).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        blocks, offsets: int64 ``[N, S]`` block id and in-block offset of key position ``p`` of
-            sequence ``i``; padding positions must point at a written (finite) entry.
-        valid: bool ``[N, S]``, False for padding positions (``p >= kv_seqlen``).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (may be strided).
+        block_table: int64 ``[N, W]`` block ids, rows padded with any valid id.
+        kv_seqlens: int64 ``[N]`` keys per sequence (``1 <= kv_seqlens[i] <= W * block_size``).
         scale: softmax scale.
+        gather_index: :func:`~lmdeploy.pytorch.model_inputs.kv_gather_index` of the two
+            above, if already built for the step (it is the same for every layer).
 
     Returns:
         ``[N, num_heads, head_dim]`` in ``q.dtype``.
-
-    See :attr:`StepContext.kv_gather_index` for how the indices are built once per step.
     """
     N, H, D = q.shape
     Hkv = k_cache.shape[2]
+    if gather_index is None:
+        gather_index = kv_gather_index(block_table, kv_seqlens, k_cache.shape[1])
+    blocks, offsets, valid = gather_index
     keys = k_cache[blocks, offsets].transpose(1, 2).to(q.dtype)      # [N, Hkv, S, D]
     values = v_cache[blocks, offsets].transpose(1, 2).to(q.dtype)
     grouped = q.view(N, Hkv, H // Hkv, D)   # heads of one KV group act as its query rows
@@ -123,15 +127,15 @@ def paged_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
         ``[T, num_heads, head_dim]`` attention output in ``q.dtype``.
     """
     fill_kv_cache(k, v, k_cache, v_cache, ctx)
+    decode_fn = get_kernel('paged_decode_attention', q.device)
     if all(n == 1 for n in ctx.q_seqlens):   # pure decode: rows are sequences
-        return paged_decode_attention(q, k_cache, v_cache, *ctx.kv_gather_index, scale)
+        return decode_fn(q, k_cache, v_cache, ctx.block_table, ctx.kv_seqlens_t, scale, ctx.kv_gather_index)
     out = torch.empty_like(q)
     decode = [i for i, n in enumerate(ctx.q_seqlens) if n == 1]
     if decode:
         idx = torch.tensor(decode, dtype=torch.int64, device=q.device)
         rows = ctx.cu_seqlens[idx]
-        blocks, offsets, valid = ctx.kv_gather_index
-        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, blocks[idx], offsets[idx], valid[idx], scale)
+        out[rows] = decode_fn(q[rows], k_cache, v_cache, ctx.block_table[idx], ctx.kv_seqlens_t[idx], scale)
     for i, (hist, kv_len) in enumerate(zip(ctx.history_lens, ctx.kv_seqlens)):
         if ctx.q_seqlens[i] == 1:
             continue
