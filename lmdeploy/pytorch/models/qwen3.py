@@ -2,7 +2,8 @@
 
 Per layer: RMSNorm → attention (per-head RMSNorm on q and k, rotary embedding, GQA over the
 paged KV cache) → residual → RMSNorm → SwiGLU MLP → residual. Weight names follow the
-Hugging Face checkpoint, so :meth:`load_weights` maps them one to one.
+Hugging Face checkpoint, except that q/k/v and gate/up run as packed projections
+(``qkv_proj``, ``gate_up_proj``) which :meth:`load_weights` fills from the separate tensors.
 """
 from __future__ import annotations
 

@@ -11,7 +11,9 @@
 All RMSNorms store ``w - 1`` (zero-centred) except the gated norm inside Gated DeltaNet.
 Invariant of the linear-attention layers: a sequence with ``history_len == 0`` starts from a
 zero state whatever its slot holds; after a forward the slot holds the state after exactly
-``kv_seqlen`` tokens. Weight names follow the Hugging Face checkpoint; experts may arrive one
+``kv_seqlen`` tokens. Weight names follow the Hugging Face checkpoint (packed projections —
+attention ``qkv_proj``, MLP ``gate_up_proj``, Gated DeltaNet ``in_proj`` — are filled from the
+separate tensors); experts may arrive one
 tensor per expert (published checkpoints) or fused (``transformers`` in-memory layout).
 """
 from __future__ import annotations
