@@ -13,8 +13,8 @@ Invariant of the linear-attention layers: a sequence with ``history_len == 0`` s
 zero state whatever its slot holds; after a forward the slot holds the state after exactly
 ``kv_seqlen`` tokens. Weight names follow the Hugging Face checkpoint (packed projections —
 attention ``qkv_proj``, MLP ``gate_up_proj``, Gated DeltaNet ``in_proj`` — are filled from the
-separate tensors); experts may arrive one
-tensor per expert (published checkpoints) or fused (``transformers`` in-memory layout).
+separate tensors); experts may arrive one tensor per expert (published checkpoints) or fused
+(``transformers`` in-memory layout).
 """
 from __future__ import annotations
 
