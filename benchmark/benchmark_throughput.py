@@ -271,7 +271,7 @@ def plot(results: dict, path: str) -> None:
                                  (axes[1], 'prefill', 'tokens', 'prompt tokens')):
         rows = results[kind]
         xs = [str(r[key]) for r in rows]
-        systems = [k for k in rows[0] if isinstance(rows[0][k], dict)] if rows else []
+        systems = list(dict.fromkeys(k for r in rows for k in r if isinstance(r[k], dict)))
         width = 0.8 / max(len(systems), 1)
         for j, system in enumerate(systems):
             meds = [r[system]['tok_s']['median'] if system in r else 0 for r in rows]
