@@ -11,14 +11,46 @@ where each sequence's tokens are, which KV blocks and which state slot belong to
 
 A sequence whose ``history_len`` is 0 starts from a zero recurrent state; otherwise its
 state slot holds the state after exactly ``history_len`` tokens.
+
+Batched kernels take the same layout as tensors, built once per step on first use and then
+shared by every layer (so a layer never loops over sequences in Python to find its rows)::
+
+    cu_seqlens      [0, 5, 6]           int64 [N + 1], sequence i owns rows [cu[i], cu[i+1])
+    seq_ids         [0,0,0,0,0, 1]      int64 [T], the sequence of each flat token
+    slots           [slot0, slot1]      int64 [N]
+    has_history     [True, True]        bool  [N], history_len > 0 (else start from zeros)
+    block_table     [[b, b, b], [b, b, 0]]  int64 [N, max_blocks], short rows padded with 0
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
-__all__ = ['StepContext']
+__all__ = ['StepContext', 'kv_gather_index']
+
+
+def kv_gather_index(block_table: torch.Tensor, kv_seqlens: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each key position of each sequence lives in a paged cache.
+
+    Args:
+        block_table: int64 ``[N, W]`` block ids per sequence (rows padded with any valid id).
+        kv_seqlens: int64 ``[N]`` keys per sequence (each ``>= 1``).
+        block_size: tokens per block.
+
+    Returns:
+        ``(block id, offset, valid)``, each ``[N, S]`` with ``S = W * block_size``. Positions
+        ``>= kv_seqlen`` point at position 0 of the sequence (always written, so finite) and are
+        ``valid == False``: a cache entry never written may hold NaN, and NaN survives masking
+        (``0 * NaN``).
+    """
+    S = block_table.shape[1] * block_size
+    pos = torch.arange(S, device=block_table.device)[None, :]
+    valid = pos < kv_seqlens[:, None]
+    pos = torch.where(valid, pos, 0)
+    return block_table.gather(1, pos // block_size), pos % block_size, valid
 
 
 @dataclass
@@ -60,6 +92,71 @@ class StepContext:
     def history_lens(self) -> list[int]:
         """Tokens already cached for each sequence before this forward."""
         return [kv - q for kv, q in zip(self.kv_seqlens, self.q_seqlens)]
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the flat batch."""
+        return self.input_ids.device
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 ``[N + 1]`` cumulative new-token counts: sequence ``i`` owns flat rows
+        ``[cu_seqlens[i], cu_seqlens[i + 1])``."""
+        starts = list(self.q_start_loc) + [self.q_start_loc[-1] + self.q_seqlens[-1] if self.q_seqlens else 0]
+        return torch.tensor(starts, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def seq_ids(self) -> torch.Tensor:
+        """int64 ``[T]``: index of the sequence each flat token belongs to."""
+        counts = torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
+        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.device), counts)
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """int64 ``[N]``: each sequence's runtime state slot (``-1`` for models without state)."""
+        return torch.tensor(self.state_slots, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def has_history(self) -> torch.Tensor:
+        """bool ``[N]``: the sequence has cached tokens (its slot holds a state to continue)."""
+        return torch.tensor([h > 0 for h in self.history_lens], dtype=torch.bool, device=self.device)
+
+    @cached_property
+    def kv_seqlens_t(self) -> torch.Tensor:
+        """int64 ``[N]``: :attr:`kv_seqlens` as a tensor."""
+        return torch.tensor(self.kv_seqlens, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def block_table(self) -> torch.Tensor:
+        """int64 ``[N, max_blocks]``: :attr:`block_tables` stacked, short rows padded with block 0
+        (padding is never read: every kernel masks positions ``>= kv_seqlen``)."""
+        rows = [t.tolist() for t in self.block_tables]
+        width = max([len(r) for r in rows] + [1])
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def kv_positions(self) -> torch.Tensor:
+        """int64 ``[T]``: cache position of each flat token (``history_len + j`` for its ``j``-th
+        new token), where its K/V is written."""
+        history = self.kv_seqlens_t - torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
+        rows = torch.arange(self.input_ids.shape[0], device=self.device)
+        return history[self.seq_ids] + rows - self.cu_seqlens[self.seq_ids]
+
+    @cached_property
+    def kv_write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block id, offset in block)``, each int64 ``[T]``: where each flat token's K/V goes."""
+        pos = self.kv_positions
+        return self.block_table[self.seq_ids, pos // self.block_size], pos % self.block_size
+
+    @cached_property
+    def kv_gather_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`kv_gather_index` of this step's :attr:`block_table` (built once, shared by all layers)."""
+        return kv_gather_index(self.block_table, self.kv_seqlens_t, self.block_size)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token to a non-empty history (a pure decode step)."""
+        return all(q == 1 for q in self.q_seqlens) and all(h > 0 for h in self.history_lens)
 
     def seq_slice(self, i: int) -> slice:
         """The slice of the flat token axis that belongs to sequence ``i``."""

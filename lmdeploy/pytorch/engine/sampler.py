@@ -77,6 +77,10 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return sample(logits, seqs)[0]
 
 
+def _plain_greedy(cfg) -> bool:
+    return cfg.greedy and cfg.repetition_penalty == 1.0 and cfg.logprobs is None
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick the next token of each sequence.
 
@@ -88,9 +92,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         One token id per sequence, and per sequence a :class:`TokenLogprob` when its
         ``gen_config.logprobs`` is set (None otherwise).
     """
+    logits = logits.float().cpu()
+    # Plain greedy rows (no penalty, no logprobs) in one argmax: NaN -> -inf as in _finite; argmax
+    # already picks the first +inf, and an all -inf row gives 0 like _finite's zeroed fallback.
+    plain = [i for i, s in enumerate(seqs) if _plain_greedy(s.gen_config)]
+    fast = []
+    if plain:
+        inf = float('inf')
+        fast = torch.nan_to_num(logits, nan=-inf, posinf=inf, neginf=-inf).argmax(-1).tolist()
     out, logprobs = [], []
-    for row, seq in zip(logits.float().cpu(), seqs):
+    for i, (row, seq) in enumerate(zip(logits, seqs)):
         cfg = seq.gen_config
+        if _plain_greedy(cfg):
+            out.append(fast[i])
+            logprobs.append(None)
+            continue
         raw = row
         row = _finite(_process(row.clone(), seq), raw)
         if cfg.greedy:

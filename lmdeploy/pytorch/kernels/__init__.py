@@ -58,7 +58,7 @@ def _import_builtin_kernels() -> None:
         return
     _IMPORTED = True
     import importlib
-    for mod in ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy'):
+    for mod in ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'attention_triton'):
         try:
             importlib.import_module(f'{__name__}.{mod}')
         except ModuleNotFoundError as err:  # a module another change has not added yet

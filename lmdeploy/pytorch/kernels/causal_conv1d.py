@@ -1,4 +1,4 @@
-"""Depthwise causal 1-D convolution with a carried state, for one sequence.
+"""Depthwise causal 1-D convolution with a carried state: one sequence, or a varlen batch.
 
 Gated DeltaNet layers run a short depthwise convolution (kernel ``K``, typically 4) over the
 q/k/v channels before the delta rule (Yang et al., "Gated Delta Networks", 2024, sec. 3.3).
@@ -10,6 +10,17 @@ Across forwards the only memory the convolution needs is its last ``K - 1`` inpu
 
 Invariant: the returned state is the last ``K - 1`` inputs seen, zero-filled where the
 sequence is shorter than ``K - 1``, so running a sequence in pieces equals one pass.
+
+:func:`causal_conv1d_varlen` runs every sequence of a step in one call. Each sequence's state
+rows are placed in front of its new inputs in one buffer, and a single grouped ``conv1d`` runs
+over the whole buffer; outputs whose window straddles two sequences are simply not gathered::
+
+    buffer  | s0 s0 s0 x0 x0 x0 x0 x0 | s1 s1 s1 x1 | s2 s2 s2 x2 x2 |   (K = 4)
+    kept    |          y0 y0 y0 y0 y0 |          y1 |          y2 y2 |
+    new state of sequence i = the last K - 1 rows of its segment
+
+A pure decode step (one token per sequence) takes a shorter path: ``[N, C, K]`` windows
+multiplied by the filters and summed.
 """
 from __future__ import annotations
 
@@ -18,7 +29,7 @@ import torch.nn.functional as F
 
 from . import register_kernel
 
-__all__ = ['causal_conv1d']
+__all__ = ['causal_conv1d', 'causal_conv1d_varlen']
 
 
 @register_kernel('causal_conv1d', device_type='any')
@@ -58,3 +69,58 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         y = F.silu(y)
     new_state = window[:, window.shape[1] - (K - 1):].contiguous()
     return y.t().to(x.dtype), new_state
+
+
+@register_kernel('causal_conv1d_varlen', device_type='any')
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_cache: torch.Tensor,
+                         cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, slots: torch.Tensor,
+                         has_history: torch.Tensor, activation: str | None = 'silu') -> torch.Tensor:
+    """Causal depthwise convolution of a flat batch of sequences, each continuing its state slot.
+
+    Args:
+        x: ``[T, C]`` new inputs of all sequences, concatenated (every sequence has >= 1 row).
+        weight: ``[C, K]``; the product runs in ``weight.dtype``.
+        bias: ``[C]`` or ``None``.
+        conv_cache: ``[num_slots, C, K - 1]`` states; rows ``slots`` are read and then
+            overwritten in place with each sequence's new state (may be a strided view).
+        cu_seqlens: int64 ``[N + 1]``, sequence ``i`` owns rows ``[cu_seqlens[i], cu_seqlens[i + 1])``.
+        seq_ids: int64 ``[T]``, the sequence of each row.
+        slots: int64 ``[N]`` distinct state slots.
+        has_history: bool ``[N]``; False starts that sequence from zeros whatever its slot holds.
+        activation: ``'silu'`` (alias ``'swish'``) or ``None``.
+
+    Returns:
+        ``y [T, C]`` in ``x.dtype``; equal to :func:`causal_conv1d` per sequence.
+
+    Raises:
+        ValueError: an unknown activation or inconsistent shapes.
+    """
+    if activation not in (None, 'silu', 'swish'):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    C, K = weight.shape
+    N, T, K1 = slots.shape[0], x.shape[0], K - 1
+    if x.dim() != 2 or x.shape[1] != C or conv_cache.shape[1:] != (C, K1) or cu_seqlens.shape != (N + 1,):
+        raise ValueError(f'x must be [T, C], conv_cache [S, C, K - 1], cu_seqlens [N + 1]; got x {tuple(x.shape)}, '
+                         f'weight {tuple(weight.shape)}, conv_cache {tuple(conv_cache.shape)}, '
+                         f'cu_seqlens {tuple(cu_seqlens.shape)}, slots {tuple(slots.shape)}')
+    state = torch.where(has_history[:, None, None], conv_cache[slots].to(x.dtype), 0)   # [N, C, K1]
+    if T == N:   # decode: one row per sequence
+        window = torch.cat((state, x[:, :, None]), dim=2)                              # [N, C, K]
+        y = (window.to(weight.dtype) * weight).sum(-1)
+        if bias is not None:
+            y = y + bias
+        conv_cache[slots] = window[:, :, 1:].to(conv_cache.dtype)
+    else:
+        seq_base = torch.arange(N, device=x.device) * K1
+        x_rows = torch.arange(T, device=x.device) + (seq_ids + 1) * K1     # row of x[t] in the buffer
+        state_rows = (cu_seqlens[:-1] + seq_base)[:, None] + torch.arange(K1, device=x.device)
+        buf = x.new_empty(T + N * K1, C)
+        buf[x_rows] = x
+        buf[state_rows.flatten()] = state.transpose(1, 2).reshape(N * K1, C)
+        full = F.conv1d(buf.t().to(weight.dtype)[None], weight[:, None, :], bias, groups=C)[0]  # [C, T + (N-1) K1]
+        y = full[:, x_rows - K1].t()
+        end_rows = (cu_seqlens[1:] + seq_base + K1)[:, None] - K1 + torch.arange(K1, device=x.device)
+        conv_cache[slots] = buf[end_rows].transpose(1, 2).to(conv_cache.dtype)
+    if activation is not None:
+        y = F.silu(y)
+    return y.to(x.dtype)

@@ -16,6 +16,10 @@ Rule", 2024, eq. 10), per head, with state ``S`` of shape ``[dk, dv]`` mapping k
   inside a chunk the updates are solved at once with a unit lower-triangular system, and only
   the state is carried sequentially from chunk to chunk.
 
+:func:`gated_delta_rule_varlen` runs a whole step's flat batch against the state slots in one
+call: every single-token sequence goes through one batched recurrent step (decode), longer
+ones through the chunked form.
+
 Invariants: the state is float32 and never modified in place (callers pass views of cache
 slots); running a sequence in pieces and carrying the returned state equals one pass. On CUDA
 the ``fla-core`` kernels are registered with higher priority when the package is installed.
@@ -27,9 +31,9 @@ from functools import lru_cache
 
 import torch
 
-from . import register_kernel
+from . import get_kernel, register_kernel
 
-__all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'l2norm']
+__all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'gated_delta_rule_varlen', 'l2norm']
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -163,6 +167,71 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = state * chunk_log_decay[:, n].exp()[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
     o = o.view(H, N * C, dv)[:, :L]
     return o.transpose(0, 1).to(out_dtype), state
+
+
+def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
+    """One token for each of ``N`` sequences: ``q, k [N, H, dk]``, ``v [N, H, dv]``, ``g, beta [N, H]``,
+    ``state [N, H, dk, dv]`` float32 → ``(o [N, H, dv] float32, new state)``."""
+    q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    state = state * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum('nhk,nhkv->nhv', k, state))
+    state = state + k[..., None] * delta[..., None, :]
+    return torch.einsum('nhk,nhkv->nhv', q, state), state
+
+
+@register_kernel('gated_delta_rule_varlen', device_type='any')
+def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                            has_history: torch.Tensor, use_qk_l2norm: bool = True,
+                            scale: float | None = None) -> torch.Tensor:
+    """Gated delta rule over a flat batch of sequences, each continuing its state slot.
+
+    Sequences with one new token share one batched recurrent step; each longer sequence runs
+    :func:`chunk_gated_delta_rule` (through the registry, so ``fla`` on CUDA).
+
+    Args:
+        q, k: ``[T, H, dk]``; v: ``[T, H, dv]``; g, beta: ``[T, H]`` — as in
+            :func:`recurrent_gated_delta_rule`, all sequences' rows concatenated.
+        state_cache: ``[num_slots, H, dk, dv]`` float32; rows ``slots`` are read and then
+            overwritten in place with the state after each sequence's last row.
+        cu_seqlens: int64 ``[N + 1]`` row offsets (every sequence has >= 1 row).
+        slots: int64 ``[N]`` distinct state slots.
+        has_history: bool ``[N]``; False starts from a zero state whatever the slot holds.
+        use_qk_l2norm, scale: as in :func:`recurrent_gated_delta_rule`.
+
+    Returns:
+        ``o [T, H, dv]`` in ``q.dtype``.
+    """
+    N, T = slots.shape[0], q.shape[0]
+    if T == N:   # pure decode: rows are sequences
+        initial = torch.where(has_history[:, None, None, None], state_cache[slots].to(torch.float32), 0)
+        o, state = _recurrent_step_batched(q, k, v, g, beta, initial, use_qk_l2norm, scale)
+        state_cache[slots] = state.to(state_cache.dtype)
+        return o.to(q.dtype)
+    out = q.new_empty(T, v.shape[1], v.shape[2])
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    single = [i for i, n in enumerate(lengths) if n == 1]
+    if single:
+        idx = torch.tensor(single, dtype=torch.int64, device=q.device)
+        rows = cu_seqlens[idx]
+        out[rows] = gated_delta_rule_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], state_cache,
+                                            torch.arange(len(single) + 1, device=q.device), slots[idx],
+                                            has_history[idx], use_qk_l2norm, scale)
+    chunk_fn = get_kernel('chunk_gated_delta_rule', q.device)
+    history = has_history.tolist()
+    for i, n in enumerate(lengths):
+        if n == 1:
+            continue
+        sl = slice(bounds[i], bounds[i + 1])
+        initial = state_cache[slots[i]] if history[i] else None
+        o, state = chunk_fn(q[sl], k[sl], v[sl], g[sl], beta[sl], initial, use_qk_l2norm=use_qk_l2norm, scale=scale)
+        state_cache[slots[i]] = state.to(state_cache.dtype)
+        out[sl] = o
+    return out
 
 
 @lru_cache(maxsize=None)

@@ -1,10 +1,20 @@
-"""Building blocks shared by the engine's models: norms, rotary embedding, MLP, attention.
+"""Building blocks shared by the engine's models: norms, rotary embedding, MLP, attention,
+packed projections and the weight loader that fills them.
 
 All layers take the flat token axis first (``[T, ...]``) as produced by
 :class:`~lmdeploy.pytorch.model_inputs.StepContext`; none of them keeps per-request state —
 caches live in the cache engine and arrive through the context.
+
+Projections that read the same input are packed into one :class:`PackedLinear` (one matmul
+instead of two or three), while checkpoints keep their separate tensors; :class:`WeightLoader`
+copies each checkpoint tensor into its rows::
+
+    checkpoint  self_attn.q_proj.weight  self_attn.k_proj.weight  self_attn.v_proj.weight
+    model       self_attn.qkv_proj.weight = [ q rows | k rows | v rows ]
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +24,7 @@ from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .rope import RotaryEmbedding  # noqa: F401  (re-exported: models import it from here)
 
-__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'apply_rotary', 'attention']
+__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'PackedLinear', 'WeightLoader', 'apply_rotary', 'attention']
 
 
 class RMSNorm(nn.Module):
@@ -53,18 +63,134 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
 
 
+class PackedLinear(nn.Linear):
+    """Several linear projections of one input as one matmul, their weights stacked by rows.
+
+    Args:
+        in_features: input channels.
+        shards: ``{checkpoint module name: output rows}`` in row order, e.g.
+            ``{'gate_proj': I, 'up_proj': I}``; the checkpoint's ``<parent>.gate_proj.weight``
+            fills rows ``[0, I)`` of ``<parent>.<this module>.weight``.
+        bias: with a bias (packed the same way).
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shard_sizes = list(shards.values())
+        self.shard_rows: dict[str, slice] = {}
+        start = 0
+        for name, rows in shards.items():
+            self.shard_rows[name] = slice(start, start + rows)
+            start += rows
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[T, in]`` → one ``[T, rows]`` view per shard, in order."""
+        return self(x).split(self.shard_sizes, dim=-1)
+
+
 class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` (Shazeer, "GLU Variants Improve Transformer", 2020)."""
+    """``down(silu(gate(x)) * up(x))`` (Shazeer, "GLU Variants Improve Transformer", 2020), with
+    gate and up packed into one matmul (loaded from ``gate_proj`` / ``up_proj``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size})
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class WeightLoader:
+    """Copies checkpoint tensors into a model's parameters and checks that all were filled.
+
+    A name is resolved, in order, as: a parameter of that exact name; or
+    ``<parent>.<shard>.<weight|bias>`` where ``<parent>.<packed>`` is a :class:`PackedLinear`
+    with that shard (copied into the shard's rows). Models with other layouts (per-expert
+    tensors) copy into parameter slices themselves through :meth:`copy_part`.
+
+    Args:
+        module: the model.
+
+    Raises (from the methods):
+        KeyError: a tensor has no matching parameter.
+        ValueError: a shape mismatch, or parameters (or parts of them) left unfilled.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.params = dict(module.named_parameters())
+        self._packed: dict[str, tuple[str, slice, int]] = {}   # '<parent>.<shard>' -> (packed path, rows, shards)
+        for path, sub in module.named_modules():
+            if isinstance(sub, PackedLinear):
+                parent = path.rsplit('.', 1)[0] + '.' if '.' in path else ''
+                for shard, rows in sub.shard_rows.items():
+                    self._packed[parent + shard] = (path, rows, len(sub.shard_rows))
+        self._parts: dict[str, tuple[set, int]] = {}   # param -> (parts copied, parts needed)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor to where it belongs."""
+        if name in self.params:
+            self.copy_part(name, self.params[name], None, 1, name, tensor)
+            return
+        stem, _, suffix = name.rpartition('.')
+        if stem in self._packed and suffix in ('weight', 'bias'):
+            path, rows, num = self._packed[stem]
+            target = f'{path}.{suffix}'
+            if target in self.params:
+                self.copy_part(target, self.params[target][rows], stem, num, name, tensor)
+                return
+        raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self.module).__name__}')
+
+    def copy_part(self, param: str, dst: torch.Tensor, part, num_parts: int, name: str, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` (checkpoint name ``name``) into ``dst``, a view of parameter ``param``
+        that is part ``part`` of ``num_parts``."""
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f'shape of {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}')
+        with torch.no_grad():
+            dst.copy_(tensor.to(dst.dtype))
+        self._parts.setdefault(param, (set(), num_parts))[0].add(part)
+
+    def finish(self, tie_word_embeddings: bool = False) -> None:
+        """Tie ``lm_head`` to the embedding if asked and not loaded; raise if anything is unfilled."""
+        if tie_word_embeddings and 'lm_head.weight' in self.params and 'lm_head.weight' not in self._parts:
+            with torch.no_grad():
+                self.params['lm_head.weight'].copy_(self.params['model.embed_tokens.weight'])
+            self._parts['lm_head.weight'] = ({None}, 1)
+        missing = []
+        for param in self.params:
+            done, needed = self._parts.get(param, (set(), 1))
+            if len(done) < needed:
+                missing.append(param)
+        if missing:
+            raise ValueError(f'checkpoint is missing {len(missing)} parameters (or parts of them), e.g. {missing[:5]}')
+
+
+def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool = False,
+                 rename=None) -> None:
+    """Load HF-named ``(name, tensor)`` pairs with a :class:`WeightLoader`.
+
+    Args:
+        module: the model.
+        weights: checkpoint tensors.
+        tie_word_embeddings: fill ``lm_head.weight`` from ``model.embed_tokens.weight`` when the
+            checkpoint has none.
+        rename: optional ``name -> name | None`` (``None`` drops the tensor).
+
+    Raises:
+        KeyError: a tensor has no matching parameter.
+        ValueError: a shape mismatch, or parameters the checkpoint did not provide.
+    """
+    loader = WeightLoader(module)
+    for name, tensor in weights:
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
+        loader.load(name, tensor)
+    loader.finish(tie_word_embeddings)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer_idx: int,

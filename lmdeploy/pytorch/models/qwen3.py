@@ -2,7 +2,8 @@
 
 Per layer: RMSNorm → attention (per-head RMSNorm on q and k, rotary embedding, GQA over the
 paged KV cache) → residual → RMSNorm → SwiGLU MLP → residual. Weight names follow the
-Hugging Face checkpoint, so :meth:`load_weights` maps them one to one.
+Hugging Face checkpoint, except that q/k/v and gate/up run as packed projections
+(``qkv_proj``, ``gate_up_proj``) which :meth:`load_weights` fills from the separate tensors.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
 
 __all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
 
@@ -39,9 +40,10 @@ class Qwen3Attention(nn.Module):
         self.output_gate = output_gate
         bias = getattr(config, 'attention_bias', False)
         q_out = self.num_heads * self.head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_out = self.num_kv_heads * self.head_dim
+        # one matmul for q, k and v; the checkpoint's q_proj / k_proj / v_proj fill its rows
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': q_out, 'k_proj': kv_out, 'v_proj': kv_out},
+                                     bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
@@ -50,14 +52,14 @@ class Qwen3Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
         T = hidden.shape[0]
-        q = self.q_proj(hidden)
+        q, k, v = self.qkv_proj.forward_split(hidden)
         gate = None
         if self.output_gate:
-            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(T, -1)
         q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1)
         if gate is not None:
@@ -129,49 +131,11 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into parameters; ties ``lm_head`` when the config says so.
+        """Copy HF-named tensors into parameters (``q/k/v_proj`` and ``gate/up_proj`` into their
+        packed rows); ties ``lm_head`` when the config says so.
 
         Raises:
             KeyError: a checkpoint tensor has no matching parameter.
             ValueError: a parameter is missing from the checkpoint or has the wrong shape.
         """
-        load_named_weights(self, weights, tie_word_embeddings=getattr(self.config, 'tie_word_embeddings', False))
-
-
-def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                       tie_word_embeddings: bool = False, rename=None) -> None:
-    """Copy ``(name, tensor)`` pairs into ``module``'s parameters by exact name.
-
-    Args:
-        module: the model.
-        weights: HF checkpoint tensors.
-        tie_word_embeddings: fill ``lm_head.weight`` from ``model.embed_tokens.weight``.
-        rename: optional ``name -> name | None`` mapping (``None`` drops the tensor, e.g.
-            MTP weights the engine does not use).
-
-    Raises:
-        KeyError: a tensor has no matching parameter.
-        ValueError: a shape mismatch, or parameters the checkpoint did not provide.
-    """
-    params = dict(module.named_parameters())
-    loaded = set()
-    for name, tensor in weights:
-        if rename is not None:
-            name = rename(name)
-            if name is None:
-                continue
-        if name not in params:
-            raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(module).__name__}')
-        param = params[name]
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f'shape of {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}')
-        with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
-    if tie_word_embeddings and 'lm_head.weight' in params and 'lm_head.weight' not in loaded:
-        with torch.no_grad():
-            params['lm_head.weight'].copy_(params['model.embed_tokens.weight'])
-        loaded.add('lm_head.weight')
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f'checkpoint is missing {len(missing)} parameters, e.g. {missing[:5]}')
+        load_weights(self, weights, tie_word_embeddings=getattr(self.config, 'tie_word_embeddings', False))

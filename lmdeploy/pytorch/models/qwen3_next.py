@@ -11,8 +11,10 @@
 All RMSNorms store ``w - 1`` (zero-centred) except the gated norm inside Gated DeltaNet.
 Invariant of the linear-attention layers: a sequence with ``history_len == 0`` starts from a
 zero state whatever its slot holds; after a forward the slot holds the state after exactly
-``kv_seqlen`` tokens. Weight names follow the Hugging Face checkpoint; experts may arrive one
-tensor per expert (published checkpoints) or fused (``transformers`` in-memory layout).
+``kv_seqlen`` tokens. Weight names follow the Hugging Face checkpoint (packed projections —
+attention ``qkv_proj``, MLP ``gate_up_proj``, Gated DeltaNet ``in_proj`` — are filled from the
+separate tensors); experts may arrive one tensor per expert (published checkpoints) or fused
+(``transformers`` in-memory layout).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
 
 __all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config']
@@ -98,8 +100,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel_size = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        # one matmul for the checkpoint's in_proj_qkvz and in_proj_ba
+        self.in_proj = PackedLinear(hidden, {'in_proj_qkvz': 2 * self.key_dim + 2 * self.value_dim,
+                                             'in_proj_ba': 2 * self.num_v_heads})
         # Only a weight holder ([conv_dim, 1, K], the checkpoint shape); the conv kernel runs it.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
@@ -110,9 +113,10 @@ class GatedDeltaNet(nn.Module):
     def _split_projections(self, hidden: torch.Tensor):
         """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
         T, r = hidden.shape[0], self.heads_per_key
-        qkvz = self.in_proj_qkvz(hidden).view(T, self.num_k_heads, -1)
+        qkvz, ba = self.in_proj.forward_split(hidden)
+        qkvz = qkvz.reshape(T, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], -1)
-        b, a = self.in_proj_ba(hidden).view(T, self.num_k_heads, 2 * r).split([r, r], -1)
+        b, a = ba.reshape(T, self.num_k_heads, 2 * r).split([r, r], -1)
         mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
         return (mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, self.num_v_heads),
                 a.reshape(T, self.num_v_heads))
@@ -125,31 +129,20 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
         device = hidden.device
-        conv_fn = get_kernel('causal_conv1d', device)
-        chunk_fn = get_kernel('chunk_gated_delta_rule', device)
-        step_fn = get_kernel('recurrent_gated_delta_rule', device)
-        weight = self.conv1d.weight.squeeze(1)
-        out = hidden.new_zeros(T, self.num_v_heads, self.head_v_dim)
-        for i, history in enumerate(ctx.history_lens):
-            sl, slot = ctx.seq_slice(i), ctx.state_slots[i]
-            n = ctx.q_seqlens[i]
-            if n == 0:
-                continue
-            fresh = history == 0  # the slot may hold another sequence's leftovers
-            y, conv_state = conv_fn(mixed[sl], weight, None, None if fresh else conv_cache[slot], 'silu')
-            conv_cache[slot].copy_(conv_state)
-            q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q = q.reshape(n, self.num_k_heads, self.head_k_dim)
-            k = k.reshape(n, self.num_k_heads, self.head_k_dim)
-            if self.heads_per_key > 1:
-                q = q.repeat_interleave(self.heads_per_key, dim=1)
-                k = k.repeat_interleave(self.heads_per_key, dim=1)
-            v = v.reshape(n, self.num_v_heads, self.head_v_dim)
-            initial = None if fresh else recurrent_cache[slot]
-            fn = step_fn if (n == 1 and not fresh) else chunk_fn
-            o, state = fn(q, k, v, g[sl], beta[sl], initial, use_qk_l2norm=True)
-            recurrent_cache[slot].copy_(state)
-            out[sl] = o
+        # One call per kernel for all sequences; a fresh sequence (history 0) starts from zeros
+        # inside the kernels, since its slot may hold another sequence's leftovers.
+        y = get_kernel('causal_conv1d_varlen', device)(mixed, self.conv1d.weight.squeeze(1), None, conv_cache,
+                                                         ctx.cu_seqlens, ctx.seq_ids, ctx.slots, ctx.has_history,
+                                                         'silu')
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        if self.heads_per_key > 1:
+            q = q.repeat_interleave(self.heads_per_key, dim=1)
+            k = k.repeat_interleave(self.heads_per_key, dim=1)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        out = get_kernel('gated_delta_rule_varlen', device)(q, k, v, g, beta, recurrent_cache, ctx.cu_seqlens,
+                                                              ctx.slots, ctx.has_history, use_qk_l2norm=True)
         return self.out_proj(self.norm(out, z).reshape(T, -1))
 
 
@@ -164,14 +157,21 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, chosen experts ``index [T, k]`` with ``weights [T, k]`` → ``[T, H]``."""
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, pick = (index == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, pick, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        """``x [T, H]``, chosen experts ``index [T, k]`` with ``weights [T, k]`` → ``[T, H]``.
+
+        The ``T * k`` (token, expert) pairs are sorted by expert, run through the registry's
+        ``swiglu_experts`` kernel (a per-expert loop on CPU, grouped matmuls on CUDA), weighted,
+        and summed back per token.
+        """
+        k = index.shape[1]
+        flat = index.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        y = get_kernel('swiglu_experts', x.device)(x[order // k], self.gate_up_proj, self.down_proj, counts)
+        y = y * weights.reshape(-1)[order, None]
+        unsorted = torch.empty_like(y)
+        unsorted[order] = y                       # back to (token, k) order: each token's k rows adjacent
+        return unsorted.view(x.shape[0], k, -1).sum(1).to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):
@@ -302,44 +302,23 @@ class Qwen3NextForCausalLM(nn.Module):
             KeyError: a tensor has no matching parameter (or an expert index is out of range).
             ValueError: a shape mismatch, or parameters (or expert slices) left unfilled.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        expert_parts: dict[str, set] = {}
+        loader = WeightLoader(self)
+        params = loader.params
         for name, tensor in weights:
             if name.startswith('mtp.'):
                 continue
             match = _PER_EXPERT.match(name)
-            if match:
-                prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
-                target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
-                if target not in params or expert >= params[target].shape[0]:
-                    raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self).__name__}')
-                dst = params[target][expert]
-                if part != 'down_proj':
-                    half = dst.shape[0] // 2
-                    dst = dst[:half] if part == 'gate_proj' else dst[half:]
-                _copy(name, dst, tensor)
-                expert_parts.setdefault(target, set()).add((expert, part))
+            if not match:
+                loader.load(name, tensor)
                 continue
-            if name not in params:
+            prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+            target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
+            if target not in params or expert >= params[target].shape[0]:
                 raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self).__name__}')
-            _copy(name, params[name], tensor)
-            loaded.add(name)
-        for target, parts in expert_parts.items():
-            per_expert = 1 if target.endswith('down_proj') else 2
-            if len(parts) == per_expert * params[target].shape[0]:
-                loaded.add(target)
-        if getattr(self.config, 'tie_word_embeddings', False) and 'lm_head.weight' not in loaded:
-            with torch.no_grad():
-                params['lm_head.weight'].copy_(params['model.embed_tokens.weight'])
-            loaded.add('lm_head.weight')
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f'checkpoint is missing {len(missing)} parameters (or expert slices), e.g. {missing[:5]}')
-
-
-def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f'shape of {name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}')
-    with torch.no_grad():
-        dst.copy_(src.to(dst.dtype))
+            dst = params[target][expert]
+            if part != 'down_proj':
+                half = dst.shape[0] // 2
+                dst = dst[:half] if part == 'gate_proj' else dst[half:]
+            per_expert = 1 if part == 'down_proj' else 2
+            loader.copy_part(target, dst, (expert, part), per_expert * params[target].shape[0], name, tensor)
+        loader.finish(getattr(self.config, 'tie_word_embeddings', False))

@@ -1,0 +1,315 @@
+"""Throughput of the engine against ``transformers`` (and llama.cpp when present), same weights,
+same process, side by side.
+
+What is measured (each configuration ``--repeats`` times; min / median / max reported):
+
+- ``decode`` at batch N: the engine steps N requests (prompt ``--prompt-len``,
+  ``--decode-tokens`` new, greedy, ``ignore_eos``) to completion; transformers runs
+  ``generate`` on the N prompts at once ("batched") and, for N > 1, one after another
+  ("one-at-a-time").
+- ``prefill`` at length L: the engine's time to first token of one L-token request against one
+  transformers forward over L tokens (last-position logits only).
+
+For each: wall seconds, tokens/s, tokens per CPU-second (process CPU time, all threads) and
+peak RSS growth during the run (a 2 ms sampler thread; the models and the engine's caches are
+allocated before, so the growth is the run's working memory). Greedy decode outputs are checked
+equal to ``transformers``' (fp32). The op profile counts the torch ops (dispatcher calls) of one
+batch-N decode step: one ``Engine.step`` against the difference between HF ``generate`` of
+``k + 1`` and ``k`` new tokens.
+
+Usage (CPU; a Qwen3-Next-shaped random model made on the fly)::
+
+    python3 benchmark/benchmark_throughput.py --preset small --threads 2 \\
+        --batches 1,4,16 --prefill 1024,2048,4096 --repeats 2
+    # the full run of issue 16 (about an hour on 2 cores):
+    python3 benchmark/benchmark_throughput.py --preset 99m --threads 2 \\
+        --batches 1,4,16,32 --prefill 1024,2048,4096,8192,16384 --repeats 3
+
+llama.cpp: pass ``--gguf MODEL.gguf`` (the same weights converted with llama.cpp's converter)
+and have ``llama-bench`` on ``PATH`` (or ``--llama-bench PATH``); otherwise it is skipped with a
+note. Results: ``<out>.json``, ``<out>.png`` and a table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+PRESETS = {
+    # fast enough to run on a shared 2-core machine
+    'small': dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                  linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                  shared_expert_intermediate_size=256, intermediate_size=512),
+    # ~99M parameters, Qwen3-Next proportions (3 Gated DeltaNet layers per attention layer)
+    '99m': dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+                linear_value_head_dim=128, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+                shared_expert_intermediate_size=512, intermediate_size=2048),
+}
+
+
+class PeakRSS:
+    """Samples this process's RSS every 2 ms between ``__enter__`` and ``__exit__``."""
+
+    def __enter__(self):
+        import psutil
+        self._proc = psutil.Process()
+        self.base = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def growth_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def measure(fn, tokens: int) -> dict:
+    """Run ``fn`` once; wall and CPU seconds, tokens/s, tokens per CPU-s, peak RSS growth."""
+    with PeakRSS() as mem:
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        result = fn()
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    return dict(wall_s=wall, cpu_s=cpu, tok_s=tokens / wall, tok_per_cpu_s=tokens / cpu, peak_mb=mem.growth_mb,
+                result=result)
+
+
+def summarize(runs: list[dict]) -> dict:
+    out = {}
+    for key in ('wall_s', 'tok_s', 'tok_per_cpu_s', 'peak_mb'):
+        values = [r[key] for r in runs]
+        out[key] = dict(min=min(values), median=statistics.median(values), max=max(values))
+    return out
+
+
+def count_ops(fn) -> int:
+    """Torch dispatcher calls made by ``fn()``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+# --- the two systems ------------------------------------------------------------------------
+def make_engine(model_path: str, max_batch: int, max_len: int):
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    blocks = max_batch * (-(-max_len // 64)) + 8
+    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', max_batch_size=max_batch, session_len=max_len + 1,
+                              num_gpu_blocks=blocks)
+    return Engine(model_path, cfg)
+
+
+def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from lmdeploy import GenerationConfig
+    gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    seqs = [engine.add_request(p, gen) for p in prompts]
+    while not all(s.is_finished for s in seqs):
+        engine.step()
+    return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
+
+
+@torch.inference_mode()
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    ids = torch.tensor(prompts)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def hf_prefill(hf, prompt: list[int]) -> None:
+    hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
+
+
+def engine_decode_step_ops(engine, prompts: list[list[int]]) -> int:
+    """Ops of one pure-decode ``Engine.step`` with ``len(prompts)`` running sequences."""
+    from lmdeploy import GenerationConfig
+    seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    while any(s.num_generated == 0 for s in seqs):
+        engine.step()
+    n = count_ops(engine.step)
+    while not all(s.is_finished for s in seqs):
+        engine.step()
+    return n
+
+
+def llama_bench(binary: str | None, gguf: str | None, threads: int, prefill: list[int], decode_tokens: int):
+    """llama.cpp tokens/s from ``llama-bench -o json``, or a note saying why it was skipped."""
+    binary = binary or shutil.which('llama-bench')
+    if not binary or not gguf or not os.path.isfile(gguf):
+        return {'skipped': 'llama-bench not found or --gguf not given'}
+    cmd = [binary, '-m', gguf, '-t', str(threads), '-o', 'json', '-n', str(decode_tokens),
+           '-p', ','.join(str(p) for p in prefill)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+    except (OSError, subprocess.SubprocessError) as err:
+        return {'skipped': f'llama-bench failed: {err}'}
+    return {'runs': [{k: r.get(k) for k in ('n_prompt', 'n_gen', 'avg_ts', 'stddev_ts')}
+                     for r in json.loads(proc.stdout)]}
+
+
+# --- driver ---------------------------------------------------------------------------------
+def prepare_model(args) -> str:
+    if args.model:
+        return args.model
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    out = os.path.join(tempfile.mkdtemp(prefix='bench_tp_'), args.preset)
+    return make_tiny_model(out, arch='qwen3_next', seed=0, **PRESETS[args.preset])
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+    model_path = prepare_model(args)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True).eval()
+    n_params = sum(p.numel() for p in hf.parameters())
+    batches = [int(b) for b in args.batches.split(',') if b]
+    prefill = [int(p) for p in args.prefill.split(',') if p]
+    max_len = max(prefill + [args.prompt_len + args.decode_tokens + 8])
+    engine = make_engine(model_path, max(batches), max_len)
+    vocab = hf.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(n, length):
+        return torch.randint(3, vocab, (n, length), generator=gen).tolist()
+
+    results = dict(model=model_path, params=n_params, threads=args.threads, repeats=args.repeats,
+                   decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, decode=[], prefill=[], ops=[])
+    engine_generate(engine, prompts(1, 8), 2)   # warm-up (first-call costs of both)
+    hf_generate(hf, prompts(1, 8), 2)
+    for batch in batches:
+        row = dict(batch=batch)
+        runs = {'engine': [], 'hf_batched': [], 'hf_one_at_a_time': []}
+        equal = True
+        tokens = batch * args.decode_tokens
+        for _ in range(args.repeats):
+            ps = prompts(batch, args.prompt_len)
+            e = measure(lambda: engine_generate(engine, ps, args.decode_tokens), tokens)
+            h = measure(lambda: hf_generate(hf, ps, args.decode_tokens), tokens)
+            equal &= e.pop('result') == h.pop('result')
+            runs['engine'].append(e)
+            runs['hf_batched'].append(h)
+            if batch > 1 and not args.skip_one_at_a_time:
+                o = measure(lambda: [hf_generate(hf, [p], args.decode_tokens)[0] for p in ps], tokens)
+                o.pop('result')
+                runs['hf_one_at_a_time'].append(o)
+        row.update({k: summarize(v) for k, v in runs.items() if v})
+        row['greedy_equal_to_hf'] = equal
+        results['decode'].append(row)
+        print_row('decode', batch, row, flush=True)
+    for length in prefill:
+        row = dict(tokens=length)
+        runs = {'engine': [], 'hf_forward': []}
+        for _ in range(args.repeats):
+            (p,) = prompts(1, length)
+            e = measure(lambda: engine_generate(engine, [p], 1), length)
+            h = measure(lambda: hf_prefill(hf, p), length)
+            for r in (e, h):
+                r.pop('result')
+            runs['engine'].append(e)
+            runs['hf_forward'].append(h)
+        row.update({k: summarize(v) for k, v in runs.items()})
+        results['prefill'].append(row)
+        print_row('prefill', length, row, flush=True)
+    for batch in batches:
+        ps = prompts(batch, args.prompt_len)
+        k = 3
+        hf_ops = count_ops(lambda: hf_generate(hf, ps, k + 1)) - count_ops(lambda: hf_generate(hf, ps, k))
+        results['ops'].append(dict(batch=batch, engine=engine_decode_step_ops(engine, ps), hf=hf_ops))
+        print(f'ops per decode step, batch {batch}: engine {results["ops"][-1]["engine"]}, hf {hf_ops}', flush=True)
+    results['llama_cpp'] = llama_bench(args.llama_bench, args.gguf, args.threads, prefill, args.decode_tokens)
+    return results
+
+
+def print_row(kind, key, row, flush=False):
+    others = [k for k in row if isinstance(row[k], dict) and k != 'engine']
+    eng = row['engine']['tok_s']['median']
+    parts = [f'{kind} {key:>6}: engine {eng:9.1f} tok/s (peak +{row["engine"]["peak_mb"]["max"]:.0f} MB)']
+    for k in others:
+        o = row[k]['tok_s']['median']
+        parts.append(f'{k} {o:9.1f} tok/s (x{eng / o:.2f}, peak +{row[k]["peak_mb"]["max"]:.0f} MB)')
+    if 'greedy_equal_to_hf' in row:
+        parts.append(f'greedy equal: {row["greedy_equal_to_hf"]}')
+    print(' | '.join(parts), flush=flush)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, kind, key, label in ((axes[0], 'decode', 'batch', 'concurrent requests'),
+                                 (axes[1], 'prefill', 'tokens', 'prompt tokens')):
+        rows = results[kind]
+        xs = [str(r[key]) for r in rows]
+        systems = list(dict.fromkeys(k for r in rows for k in r if isinstance(r[k], dict)))
+        width = 0.8 / max(len(systems), 1)
+        for j, system in enumerate(systems):
+            meds = [r[system]['tok_s']['median'] if system in r else 0 for r in rows]
+            lo = [m - r[system]['tok_s']['min'] if system in r else 0 for m, r in zip(meds, rows)]
+            hi = [r[system]['tok_s']['max'] - m if system in r else 0 for m, r in zip(meds, rows)]
+            ax.bar([i + j * width for i in range(len(xs))], meds, width, yerr=[lo, hi], label=system, capsize=2)
+        ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(xs))], xs)
+        ax.set_xlabel(label)
+        ax.set_ylabel('tokens/s (median, min-max bars)')
+        ax.set_title(kind)
+        ax.legend(fontsize=8)
+    fig.suptitle(f'{results["params"] / 1e6:.0f}M-param Qwen3-Next-shaped model, fp32, {results["threads"]} threads')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--model', help='model directory (default: a random model of --preset made in a temp dir)')
+    p.add_argument('--preset', choices=sorted(PRESETS), default='small')
+    p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--batches', default='1,4,16')
+    p.add_argument('--prefill', default='1024,2048,4096')
+    p.add_argument('--prompt-len', type=int, default=32)
+    p.add_argument('--decode-tokens', type=int, default=32)
+    p.add_argument('--repeats', type=int, default=2)
+    p.add_argument('--skip-one-at-a-time', action='store_true', help='skip HF one-request-at-a-time runs')
+    p.add_argument('--llama-bench', help='path of llama.cpp llama-bench (default: from PATH)')
+    p.add_argument('--gguf', help='the same weights as GGUF for llama.cpp')
+    p.add_argument('--out', default='benchmark/results/throughput')
+    args = p.parse_args(argv)
+    results = run(args)
+    os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
+    with open(args.out + '.json', 'w') as f:
+        json.dump(results, f, indent=1)
+    plot(results, args.out + '.png')
+    print(f'wrote {args.out}.json and {args.out}.png', file=sys.stderr)
+
+
+if __name__ == '__main__':
+    main()

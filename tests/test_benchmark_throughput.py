@@ -1,0 +1,38 @@
+"""benchmark/benchmark_throughput.py runs end to end on the tiny model: engine greedy outputs
+equal transformers' at every batch size, every measurement has min <= median <= max, the op
+profile is filled, llama.cpp is skipped cleanly without its binaries, and the files are written."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location('benchmark_throughput', ROOT / 'benchmark' / 'benchmark_throughput.py')
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules['benchmark_throughput'] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_small_run_writes_results_and_greedy_equals_transformers(tiny_qwen3_next, tmp_path):
+    bench = _load()
+    out = tmp_path / 'tp'
+    bench.main(['--model', tiny_qwen3_next, '--threads', '1', '--batches', '1,3', '--prefill', '80',
+                '--prompt-len', '9', '--decode-tokens', '5', '--repeats', '2', '--llama-bench', str(tmp_path / 'none'),
+                '--out', str(out)])
+    results = json.loads((tmp_path / 'tp.json').read_text())
+    assert (tmp_path / 'tp.png').stat().st_size > 0
+    assert [r['batch'] for r in results['decode']] == [1, 3]
+    assert all(r['greedy_equal_to_hf'] for r in results['decode'])
+    assert set(results['decode'][1]) >= {'engine', 'hf_batched', 'hf_one_at_a_time'}
+    for row in results['decode'] + results['prefill']:
+        for system, stats in row.items():
+            if isinstance(stats, dict):
+                for key in ('wall_s', 'tok_s', 'tok_per_cpu_s'):
+                    assert stats[key]['min'] <= stats[key]['median'] <= stats[key]['max'], (system, key)
+    assert [r['tokens'] for r in results['prefill']] == [80]
+    assert all(r['engine'] > 0 and r['hf'] > 0 for r in results['ops'])
+    assert 'skipped' in results['llama_cpp']

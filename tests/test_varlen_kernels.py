@@ -1,0 +1,284 @@
+"""Batched varlen kernels (one call per layer for every sequence of a step) equal the
+per-sequence reference: KV write + paged attention, causal conv update/prefill, gated delta
+rule; StepContext's batch tensors hold the exact offsets; decode op count does not grow with
+the batch."""
+import pytest
+import torch
+
+from lmdeploy.pytorch.kernels import attention as attn_mod
+from lmdeploy.pytorch.kernels.attention import paged_attention_reference, paged_attention_torch
+from lmdeploy.pytorch.kernels.causal_conv1d import causal_conv1d, causal_conv1d_varlen
+from lmdeploy.pytorch.kernels.gated_delta_rule import gated_delta_rule_varlen, recurrent_gated_delta_rule
+from lmdeploy.pytorch.model_inputs import StepContext
+
+BLOCK = 4
+NUM_BLOCKS = 40
+NUM_SLOTS = 6
+# (history, new tokens) per sequence: decodes, a continued prefill, fresh prefills, a 1-token prompt.
+MIXED = [(9, 1), (0, 7), (5, 6), (3, 1), (0, 1), (13, 1)]
+DECODE = [(9, 1), (1, 1), (3, 1), (16, 1), (5, 1)]
+
+
+def _byte_view(shape, dtype, fill_nan=True):
+    """A tensor that is a strided view into a wider byte buffer (as the cache engine hands out)."""
+    numel = 1
+    for s in shape[1:]:
+        numel *= s
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    buf = torch.full((shape[0], nbytes + 64), 0xFF if fill_nan else 0, dtype=torch.uint8)
+    return buf[:, 32:32 + nbytes].view(dtype).view(*shape)
+
+
+def _ctx(layout, slots=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    q_lens, starts, kv_lens, tables, pos = [], [], [], [], []
+    for hist, n in layout:
+        starts.append(sum(q_lens))
+        q_lens.append(n)
+        kv_lens.append(hist + n)
+        tables.append(torch.tensor([free.pop() for _ in range(-(-(hist + n) // BLOCK))], dtype=torch.int64))
+        pos.extend(range(hist, hist + n))
+    T = sum(q_lens)
+    return StepContext(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.tensor(pos), q_seqlens=q_lens,
+                       q_start_loc=starts, kv_seqlens=kv_lens, block_tables=tables,
+                       state_slots=slots if slots is not None else list(range(len(layout))), block_size=BLOCK)
+
+
+def test_step_context_batch_tensors_are_exact():
+    ctx = StepContext(input_ids=torch.zeros(4, dtype=torch.int64), positions=torch.tensor([5, 6, 7, 2]),
+                      q_seqlens=[3, 1], q_start_loc=[0, 3], kv_seqlens=[8, 3],
+                      block_tables=[torch.tensor([7, 2]), torch.tensor([5])], state_slots=[4, 1], block_size=4)
+    assert ctx.cu_seqlens.tolist() == [0, 3, 4]
+    assert ctx.seq_ids.tolist() == [0, 0, 0, 1]
+    assert ctx.slots.tolist() == [4, 1]
+    assert ctx.has_history.tolist() == [True, True]
+    assert ctx.block_table.tolist() == [[7, 2], [5, 0]]
+    assert ctx.kv_positions.tolist() == [5, 6, 7, 2]
+    blocks, offsets = ctx.kv_write_index
+    assert blocks.tolist() == [2, 2, 2, 5] and offsets.tolist() == [1, 2, 3, 2]
+    blocks, offsets, valid = ctx.kv_gather_index
+    assert blocks.tolist() == [[7, 7, 7, 7, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]]
+    assert offsets.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 0, 0, 0, 0, 0]]
+    assert valid.sum(1).tolist() == [8, 3]
+    assert not ctx.is_decode
+
+
+def _kv_setup(layout, num_heads, num_kv_heads, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ctx = _ctx(layout, seed=seed)
+    D = 8
+    T = sum(n for _, n in layout)
+    k_cache = _byte_view((NUM_BLOCKS, BLOCK, num_kv_heads, D), dtype)
+    v_cache = _byte_view((NUM_BLOCKS, BLOCK, num_kv_heads, D), dtype)
+    for i, (hist, _) in enumerate(layout):   # the history each sequence already cached
+        for p in range(hist):
+            block = int(ctx.block_tables[i][p // BLOCK])
+            k_cache[block, p % BLOCK] = torch.randn(num_kv_heads, D, generator=gen).to(dtype)
+            v_cache[block, p % BLOCK] = torch.randn(num_kv_heads, D, generator=gen).to(dtype)
+    q = torch.randn(T, num_heads, D, generator=gen)
+    k = torch.randn(T, num_kv_heads, D, generator=gen)
+    v = torch.randn(T, num_kv_heads, D, generator=gen)
+    return ctx, q, k, v, k_cache, v_cache
+
+
+@pytest.mark.parametrize('layout', [MIXED, DECODE], ids=['mixed', 'decode'])
+@pytest.mark.parametrize('heads', [(4, 2), (3, 3)], ids=['gqa', 'mha'])
+@pytest.mark.parametrize('tile', [1024, 2], ids=['one-tile', 'tiled'])
+def test_paged_attention_equals_per_sequence_reference(layout, heads, tile, monkeypatch):
+    monkeypatch.setattr(attn_mod, 'PREFILL_QUERY_TILE', tile)
+    ctx, q, k, v, k_cache, v_cache = _kv_setup(layout, *heads, torch.float32, seed=len(layout))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = paged_attention_torch(q, k, v, k_cache, v_cache, ctx, scale=0.3)
+    ref = paged_attention_reference(q, k, v, k_ref, v_ref, ctx, scale=0.3)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    # Same cache bytes, untouched entries (NaN) included.
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
+
+
+def test_paged_attention_bf16_cache_follows_reference():
+    ctx, q, k, v, k_cache, v_cache = _kv_setup(MIXED, 4, 2, torch.bfloat16, seed=3)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = paged_attention_torch(q, k, v, k_cache, v_cache, ctx, scale=0.3)
+    ref = paged_attention_reference(q, k, v, k_ref, v_ref, ctx, scale=0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)   # same bf16 K/V, fp32 arithmetic
+
+
+def _conv_setup(layout, seed):
+    gen = torch.Generator().manual_seed(seed)
+    C, K = 5, 4
+    slots = torch.randperm(NUM_SLOTS, generator=gen)[:len(layout)].tolist()
+    ctx = _ctx(layout, slots=slots, seed=seed)
+    cache = _byte_view((NUM_SLOTS, C, K - 1), torch.float32)   # NaN everywhere ...
+    for (hist, _), slot in zip(layout, slots):                  # ... but in live histories
+        if hist:
+            cache[slot] = torch.randn(C, K - 1, generator=gen)
+    x = torch.randn(sum(n for _, n in layout), C, generator=gen)
+    return ctx, x, torch.randn(C, K, generator=gen), torch.randn(C, generator=gen), cache
+
+
+@pytest.mark.parametrize('layout', [MIXED, DECODE, [(0, 2), (2, 1)]], ids=['mixed', 'decode', 'short'])
+@pytest.mark.parametrize('with_bias', [False, True])
+def test_causal_conv1d_varlen_equals_per_sequence(layout, with_bias):
+    ctx, x, weight, bias, cache = _conv_setup(layout, seed=len(layout))
+    bias = bias if with_bias else None
+    ref_cache = cache.clone()
+    expected = []
+    for i, (hist, _) in enumerate(layout):
+        slot = ctx.state_slots[i]
+        y, state = causal_conv1d(x[ctx.seq_slice(i)], weight, bias, ref_cache[slot] if hist else None)
+        ref_cache[slot] = state
+        expected.append(y)
+    y = causal_conv1d_varlen(x, weight, bias, cache, ctx.cu_seqlens, ctx.seq_ids, ctx.slots, ctx.has_history)
+    torch.testing.assert_close(y, torch.cat(expected), atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache, ref_cache, atol=1e-6, rtol=0, equal_nan=True)   # other slots untouched
+
+
+@pytest.mark.parametrize('layout', [MIXED, DECODE], ids=['mixed', 'decode'])
+def test_gated_delta_rule_varlen_equals_per_sequence(layout):
+    gen = torch.Generator().manual_seed(11)
+    H, dk, dv = 2, 4, 3
+    slots = torch.randperm(NUM_SLOTS, generator=gen)[:len(layout)].tolist()
+    ctx = _ctx(layout, slots=slots)
+    cache = _byte_view((NUM_SLOTS, H, dk, dv), torch.float32)
+    for (hist, _), slot in zip(layout, slots):
+        if hist:
+            cache[slot] = torch.randn(H, dk, dv, generator=gen)
+    T = sum(n for _, n in layout)
+    q, k = torch.randn(T, H, dk, generator=gen), torch.randn(T, H, dk, generator=gen)
+    v = torch.randn(T, H, dv, generator=gen)
+    g, beta = -2 * torch.rand(T, H, generator=gen), torch.rand(T, H, generator=gen)
+    ref_cache = cache.clone()
+    expected = []
+    for i, (hist, _) in enumerate(layout):
+        sl, slot = ctx.seq_slice(i), ctx.state_slots[i]
+        o, state = recurrent_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], ref_cache[slot] if hist else None)
+        ref_cache[slot] = state
+        expected.append(o)
+    o = gated_delta_rule_varlen(q, k, v, g, beta, cache, ctx.cu_seqlens, ctx.slots, ctx.has_history)
+    torch.testing.assert_close(o, torch.cat(expected), atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache, ref_cache, atol=1e-5, rtol=0, equal_nan=True)
+
+
+def _count_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+class _CountingForward:
+    """Stands in for the model inside the harness; counts the ops of ``forward`` only."""
+
+    def __init__(self, model):
+        self.model, self.ops = model, None
+
+    def forward(self, ctx):
+        out = []
+        self.ops = _count_ops(lambda: out.append(self.model.forward(ctx)))
+        return out[0]
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+def test_decode_step_op_count_does_not_grow_with_batch():
+    """A decode step issues the same torch ops for 2 or 6 sequences: no per-sequence Python loop
+    (dense MLPs here: on CPU the MoE runs one matmul pair per expert the batch hits)."""
+    from test_qwen3_next_layers import _build, _config, _harness
+    config = _config(mlp_only_layers=[0, 1, 2, 3])
+    _, ours = _build(config)
+    counts = []
+    for batch in (2, 6):
+        harness = _harness(config, ours, num_slots=batch)
+        seqs = [harness.add_sequence() for _ in range(batch)]
+        harness.step([(s, [1, 2, 3, 4, 5][:2 + s % 3]) for s in seqs])   # different lengths
+        harness.model = counter = _CountingForward(ours)
+        harness.step([(s, [4]) for s in seqs])
+        counts.append(counter.ops)
+    assert counts[0] > 100 and counts[0] == counts[1]
+
+
+@pytest.mark.parametrize('intermediate', [8, 6], ids=['grouped', 'unaligned-fallback'])
+def test_swiglu_experts_grouped_equals_loop_and_per_token_reference(intermediate):
+    from lmdeploy.pytorch.kernels.moe import grouped_mm_usable, swiglu_experts_grouped, swiglu_experts_loop
+    gen = torch.Generator().manual_seed(5)
+    E, H = 5, 8
+    gate_up = torch.randn(E, 2 * intermediate, H, generator=gen)
+    down = torch.randn(E, H, intermediate, generator=gen)
+    counts = torch.tensor([2, 0, 3, 1, 1])    # expert 1 unused
+    x = torch.randn(7, H, generator=gen)
+    expert_of_row = torch.repeat_interleave(torch.arange(E), counts)
+    silu = torch.nn.functional.silu
+    ref = torch.stack([silu(x[r] @ gate_up[e, :intermediate].T) * (x[r] @ gate_up[e, intermediate:].T)
+                       for r, e in enumerate(expert_of_row.tolist())])
+    ref = torch.stack([ref[r] @ down[e].T for r, e in enumerate(expert_of_row.tolist())])
+    assert grouped_mm_usable(x, gate_up) == (intermediate == 8)
+    torch.testing.assert_close(swiglu_experts_loop(x, gate_up, down, counts), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(swiglu_experts_grouped(x, gate_up, down, counts), ref, atol=1e-5, rtol=0)
+
+
+def test_moe_experts_equal_one_token_at_a_time():
+    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    gen = torch.Generator().manual_seed(6)
+    experts = FusedExperts(num_experts=5, hidden_size=8, intermediate_size=8)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(7, 8, generator=gen)
+    index = torch.tensor([[0, 3], [3, 1], [4, 0], [3, 4], [1, 0], [0, 3], [4, 1]])
+    weights = torch.rand(7, 2, generator=gen)
+    ref = torch.stack([experts(x[t:t + 1], index[t:t + 1], weights[t:t + 1])[0] for t in range(7)])
+    torch.testing.assert_close(experts(x, index, weights), ref, atol=1e-5, rtol=0)
+
+
+# In a subprocess so TRITON_INTERPRET=1 is set before triton is imported and does not leak.
+_TRITON_DECODE_SCRIPT = '''
+import torch
+from lmdeploy.pytorch.kernels.attention import paged_decode_attention
+from lmdeploy.pytorch.kernels.attention_triton import paged_decode_attention_triton
+checked = 0
+for N, H, Hkv, D, block, lens in [(3, 4, 2, 8, 4, [1, 7, 12]), (2, 3, 3, 6, 5, [5, 11]), (4, 8, 1, 16, 8, [9, 1, 16, 3])]:
+    g = torch.Generator().manual_seed(N * 100 + D)
+    W = -(-max(lens) // block)
+    num_blocks = N * W + 3
+    buf = torch.full((num_blocks, block * Hkv * D * 2 + 8), float('nan'))   # strided views, NaN where unwritten
+    k_cache = buf[:, :block * Hkv * D].view(num_blocks, block, Hkv, D)
+    v_cache = buf[:, block * Hkv * D:2 * block * Hkv * D].view(num_blocks, block, Hkv, D)
+    table = torch.randperm(num_blocks, generator=g)[:N * W].view(N, W)
+    for n, L in enumerate(lens):
+        for p in range(L):
+            k_cache[table[n, p // block], p % block] = torch.randn(Hkv, D, generator=g)
+            v_cache[table[n, p // block], p % block] = torch.randn(Hkv, D, generator=g)
+    q = torch.randn(N, H, D, generator=g)
+    kv = torch.tensor(lens)
+    ref = paged_decode_attention(q, k_cache, v_cache, table, kv, 0.4)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, table, kv, 0.4)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    checked += 1
+print('checked', checked)
+'''
+
+
+def test_triton_paged_decode_attention_matches_torch_under_interpreter():
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip('triton')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONPATH=f'{root}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    proc = subprocess.run([sys.executable, '-c', _TRITON_DECODE_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ['checked', '3']
