@@ -6,11 +6,13 @@ accelerated ones (Triton, ``fla-core``) registered for CUDA. Callers ask
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Callable
 
 import torch
 
-__all__ = ['register_kernel', 'get_kernel']
+__all__ = ['register_kernel', 'get_kernel', 'triton_available']
 
 # op name -> list of (priority, device type, availability check, fn); higher priority first.
 _REGISTRY: dict[str, list[tuple[int, str, Callable[[], bool], Callable]]] = {}
@@ -46,6 +48,19 @@ def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
         if dev in (device_type, 'any') and available():
             return fn
     raise KeyError(f'no kernel {name!r} for device {device_type!r}; registered: {sorted(_REGISTRY)}')
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``triton`` imports here (the availability check of Triton implementations)."""
+    if importlib.util.find_spec('triton') is None:
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 _IMPORTED = False

@@ -16,25 +16,12 @@ Registered for CUDA when triton imports; runs on CPU tensors under ``TRITON_INTE
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
-from . import register_kernel
+from . import register_kernel, triton_available
 
 __all__ = ['paged_decode_attention_triton']
-
-
-@functools.cache
-def _triton_available() -> bool:
-    if importlib.util.find_spec('triton') is None:
-        return False
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache
@@ -82,7 +69,7 @@ def _kernel():
     return triton, _decode
 
 
-@register_kernel('paged_decode_attention', device_type='cuda', priority=10, available=_triton_available)
+@register_kernel('paged_decode_attention', device_type='cuda', priority=10, available=triton_available)
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_table: torch.Tensor, kv_seqlens: torch.Tensor, scale: float,
                                   gather_index=None) -> torch.Tensor:

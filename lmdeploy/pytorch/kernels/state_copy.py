@@ -18,11 +18,10 @@ does not matter); it is not checked because checking would synchronise the devic
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
-from lmdeploy.pytorch.kernels import get_kernel, register_kernel
+from lmdeploy.pytorch.kernels import get_kernel, register_kernel, triton_available
 
 __all__ = ['copy_state_slots', 'copy_state_slots_torch', 'copy_state_slots_triton']
 
@@ -63,18 +62,6 @@ def copy_state_slots_torch(state_buf: torch.Tensor, src: torch.Tensor, dst: torc
 
 
 @functools.cache
-def _triton_available() -> bool:
-    if importlib.util.find_spec('triton') is None:
-        return False
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
 def _triton_kernel():
     """Build the Triton kernel on first use, so importing this module never needs triton."""
     import triton
@@ -95,7 +82,7 @@ def _triton_kernel():
     return triton, _copy_rows
 
 
-@register_kernel('copy_state_slots', device_type='cuda', priority=10, available=_triton_available)
+@register_kernel('copy_state_slots', device_type='cuda', priority=10, available=triton_available)
 def copy_state_slots_triton(state_buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """In place ``state_buf[dst[i]] = state_buf[src[i]]`` with one Triton launch.
 
