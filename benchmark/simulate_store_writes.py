@@ -231,7 +231,8 @@ class TurnResult:
     """Store writes of one turn (request) under one policy. Bytes are per rank.
 
     ``save_points`` are the prefill save points taken (a junction included), ``turn_end_point``
-    the turn-end checkpoint, ``junction`` the save point added at a branch point.
+    the turn-end checkpoint, ``junction`` the save point added at a branch point, ``local_only``
+    the save point kept in the local cache only (the turn-end put replaces its Store put).
     """
 
     num_tokens: int
@@ -243,6 +244,7 @@ class TurnResult:
     kv_bytes: int
     turn_end_point: int | None = None
     junction: int | None = None
+    local_only: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -250,7 +252,8 @@ class TurnResult:
 
     @property
     def num_saves(self) -> int:
-        return len(self.save_points) + (self.turn_end_point is not None)
+        """State snapshots put to the Store (a save point kept ``local_only`` is not one)."""
+        return len(self.save_points) + (self.turn_end_point is not None) - (self.local_only is not None)
 
     @property
     def recomputed_tokens(self) -> int:
@@ -337,12 +340,22 @@ def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: i
             # decode forwards end at every count in [n, done]; prompt forwards at the chunk ends
             if te >= n // B * B and (te >= n or te in chunk_ends) and te > max(save_points + [cached]):
                 turn_end = te
-        taken, new_blocks = [], 0
+        # with a turn-end checkpoint, the last prefill save point's Store put is dropped: the
+        # turn-end put covers its blocks; the checkpoint itself stays in the local cache
+        local_only = None
+        if turn_end is not None:
+            local_only = max((b for b in save_points if b != junction), default=None)
+        taken, new_blocks, puts = [], 0, 0
         for b in save_points + ([turn_end] if turn_end is not None else []):
+            if b == local_only:
+                taken.append(b)
+                checkpoints.append((i, b, False))
+                continue
             if (owner(b), b) in saved:
                 continue            # the object exists: the save is skipped
             saved.add((owner(b), b))
             taken.append(b)
+            puts += 1
             checkpoints.append((i, b, b == turn_end))
             for k in range(b // B):
                 block = (owner((k + 1) * B), k)
@@ -351,8 +364,9 @@ def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: i
                     new_blocks += 1
         computed.append(done)
         turns.append(TurnResult(n, cached, chunk_ends, [b for b in taken if b != turn_end], new_blocks,
-                                len(taken) * state_bytes, new_blocks * kv_block_bytes,
-                                turn_end if turn_end in taken else None, junction if junction in taken else None))
+                                puts * state_bytes, new_blocks * kv_block_bytes,
+                                turn_end if turn_end in taken else None, junction if junction in taken else None,
+                                local_only))
     return PolicyResult(turns)
 
 

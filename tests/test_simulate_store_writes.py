@@ -153,17 +153,19 @@ def _policies(scenario, *names, chunk_size=128, state=10, kv=1):
 def test_turn_end_checkpoint_toy_conversation():
     # B=16 A=64 P=128, S=10 K_blk=1; turns of 100 and 200 tokens, 20-token replies.
     # turn 1: b* = 64 (floor_16(99) = 96, aligned down to 64), chunks [64, 100]; computed 100 + 20 - 1 = 119,
-    #   te = floor_16(119) = 112 >= 100 (a decode forward ends there) -> save; bytes 2 S + 112/16 = 7 blocks = 27.
+    #   te = floor_16(119) = 112 >= 100 (a decode forward ends there) -> save; the turn-end put replaces b*'s
+    #   (b* stays local): bytes S + 112/16 = 7 blocks = 17.
     # turn 2: shares min(100 + 20, 200) = 120 tokens, 119 computed -> 7 blocks matched; te = 112 is a block boundary
     #   with 112/16 <= 7 and 112 <= floor_16(199) = 192 -> c = 112, recompute 88 = 80 new tokens + 8;
-    #   b* = 192, te = floor_16(219) = 208 -> 2 S + (13 - 7) blocks = 26.
+    #   b* = 192 (local), te = floor_16(219) = 208 -> S + (13 - 7) blocks = 16.
     # last-only alone: c = 64 at turn 2, recompute 136; bytes (10 + 4) + (10 + 12 - 4) = 32.
     scenario = sim.Scenario('toy', (100, 200), 20)
     res = _policies(scenario, 'default', 'last-only', 'last-only+turn-end')
     te = res['last-only+turn-end']
     assert [(t.cached_tokens, t.save_points, t.turn_end_point, t.new_kv_blocks, t.total_bytes) for t in te.turns] == [
-        (0, [64], 112, 7, 27), (112, [192], 208, 6, 26)]
-    assert [t.recomputed_tokens for t in te.turns] == [100, 88] and te.num_saves == 4
+        (0, [64], 112, 7, 17), (112, [192], 208, 6, 16)]
+    assert [t.local_only for t in te.turns] == [64, 192]
+    assert [t.recomputed_tokens for t in te.turns] == [100, 88] and te.num_saves == 2
     assert sim.extra_recomputed(scenario, te) == [8]
     last = res['last-only']
     assert [(t.cached_tokens, t.total_bytes) for t in last.turns] == [(0, 14), (64, 18)]
@@ -173,12 +175,13 @@ def test_turn_end_checkpoint_toy_conversation():
 def test_turn_end_needs_a_forward_ending_at_the_boundary():
     # 100 tokens, a 1-token reply: nothing decoded is computed, te = floor_16(100) = 96 < n.
     # P=128: chunks [64, 100] -> no forward ends at 96, no turn-end save.
-    # P=32: last-only chunks [32, 64, 96, 100] -> the prompt's chunk ends at 96, te saved (S + 6 blocks).
+    # P=32: last-only chunks [32, 64, 96, 100] -> the prompt's chunk ends at 96, te saved (S + 6 blocks; b* = 64
+    #   stays local).
     one = sim.Scenario('one', (100, ), 1)
     turn = _policies(one, 'last-only+turn-end').popitem()[1].turns[0]
     assert (turn.chunk_ends, turn.turn_end_point, turn.total_bytes) == ([64, 100], None, 10 + 4)
     turn = _policies(one, 'last-only+turn-end', chunk_size=32).popitem()[1].turns[0]
-    assert (turn.chunk_ends, turn.turn_end_point, turn.total_bytes) == ([32, 64, 96, 100], 96, 20 + 6)
+    assert (turn.chunk_ends, turn.turn_end_point, turn.local_only, turn.total_bytes) == ([32, 64, 96, 100], 96, 64, 16)
 
 
 def test_junction_toy_branching():
@@ -218,13 +221,14 @@ def test_seed_goal_turn_end_recomputes_new_tokens_plus_one_block():
     assert [t.recomputed_tokens for t in r4['last-only+turn-end'].turns[1:]] == [3584 + 64] * 4
     assert [t.recomputed_tokens for t in r4['last-only'].turns[1:]] == [4160] * 4
     assert sim.extra_recomputed(plus4k, r4['last-only+turn-end']) == [64] * 4
-    # bytes (S = 1435, K_blk = 2): 10 saves + 776 blocks = 15902, more than the default's 13016 on +4K
+    # bytes (S = 1435, K_blk = 2): one state put per turn (te; b* stays local) + 776 blocks = 8727, fewer than the
+    # default's 13016 on +4K, and last-only's 8711 plus the last reply's 8 blocks
     assert (r4['default'].total_bytes, r4['last-only'].total_bytes, r4['last-only+turn-end'].total_bytes) == (
-        13016, 8711, 10 * 1435 + 776 * 2)
+        13016, 8711, 5 * 1435 + 776 * 2)
     r16 = sim.simulate_policies(plus16k, 1435, 2, policies=['default', 'last-only+turn-end'], **SEED)
     assert [t.recomputed_tokens for t in r16['last-only+turn-end'].turns[1:]] == [16384 - 512 + 64] * 4
-    # +16K: 10 saves + floor_64(98368 + 511) / 64 = 1544 blocks = 17438 < 20292 (default)
-    assert (r16['default'].total_bytes, r16['last-only+turn-end'].total_bytes) == (20292, 10 * 1435 + 1544 * 2)
+    # +16K: 5 state puts + floor_64(98368 + 511) / 64 = 1544 blocks = 10263 < 20292 (default)
+    assert (r16['default'].total_bytes, r16['last-only+turn-end'].total_bytes) == (20292, 5 * 1435 + 1544 * 2)
 
 
 def test_seed_goal_junction_on_branching():

@@ -592,10 +592,47 @@ def test_turn_end_checkpoint_reaches_the_store_and_a_fresh_engine_restores_past_
     assert writer.store.flush(timeout=30)
     S, K = writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes
     stats = writer.stats()
-    assert stats['store_put_bytes'] == {'state': 2 * S, 'kv': 8 * K}      # 64: S + 4 blocks; 128: S + 4 more
+    # the turn-end put replaces the prefill checkpoint's: 128's state + its 8 blocks, 64 stays local
+    assert stats['store_put_bytes'] == {'state': S, 'kv': 8 * K}
     reader = make_engine(decode_save_last=True, prefill_save_last_only=True)
     ids = one.token_ids + prompt(40, seed=901)
     two = reader.generate(ids, gen)
     assert two.num_cached_tokens == 128 and two.stats.store_hit_tokens == 128
     assert two.output_ids == cold_engine.generate(ids, gen).output_ids
     assert reader.store.flush(timeout=30) and reader.is_idle()
+
+
+def test_turn_end_policy_puts_the_prefill_checkpoint_when_the_turn_end_is_not_reached(make_engine,
+                                                                                     tiny_qwen3_next):
+    """One new token: no forward ends on the turn's last block boundary (96 of 100 computed), so
+    the deferred put of the prefill checkpoint at 64 is made from its local copy at the end, and
+    a fresh engine restores it."""
+    gen = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+    cold_engine = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256))
+    writer = make_engine(decode_save_last=True, prefill_save_last_only=True)
+    ids = prompt(100, seed=910)
+    one = writer.generate(ids, gen)
+    assert one.stats.turn_end_point is None and one.stats.save_points == [64]
+    assert writer.store.flush(timeout=30)
+    S, K = writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes
+    assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 4 * K}
+    reader = make_engine(decode_save_last=True, prefill_save_last_only=True)
+    follow = ids + prompt(40, seed=911)
+    two = reader.generate(follow, GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    assert two.stats.store_hit_tokens == 64
+    assert two.output_ids == cold_engine.generate(follow, GenerationConfig(max_new_tokens=8, ignore_eos=True)).output_ids
+    assert reader.store.flush(timeout=30) and reader.is_idle() and writer.is_idle()
+
+
+def test_turn_end_policy_drops_the_deferred_put_of_an_aborted_request(make_engine):
+    """Aborted mid-decode: nothing is put (the prefill checkpoint stays local), and no slot stays pinned."""
+    eng = make_engine(decode_save_last=True, prefill_save_last_only=True)
+    seq = eng.add_request(prompt(100, seed=920), GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    while len(seq.output_ids) < 3:
+        eng.step()
+    assert seq.stats.save_points == [64] and eng.ledger()['checkpoints_pinned'] >= 1
+    eng.abort(seq)
+    eng.step()
+    assert eng.store.flush(timeout=30)
+    assert eng.stats()['store_put_bytes'] == {'state': 0, 'kv': 0}
+    assert eng.is_idle() and eng.ledger()['checkpoints_pinned'] == 0 and eng.ledger()['checkpoints_published'] >= 1

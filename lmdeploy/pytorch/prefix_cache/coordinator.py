@@ -21,6 +21,14 @@ tokens); when it finishes, the last copy is published at that boundary and put t
 with its unsaved KV blocks. Such a boundary is a multiple of B, not of A, so with the policy
 on, restores accept any block boundary that satisfies the other reusability rules.
 
+The turn-end put replaces the Store put of the request's last prefill save point: that
+checkpoint is kept locally at once (its slot pinned while the request runs), and its Store put
+is deferred to the end of the request, where it is dropped if the turn-end checkpoint was put
+(whose KV blocks cover it) and made from the pinned local copy otherwise (a turn-end boundary
+that was never reached, its slot unavailable, or already cached). So the policy writes one
+state snapshot per turn, like last-only, not two. A request aborted or preempted before it
+finishes drops the deferred put: its prefill checkpoint stays in the local cache only.
+
 A Store restore whose load fails is rolled back by the scheduler and retried below the failed
 boundary, at most :data:`STORE_RESTORE_ATTEMPTS` times per request.
 """
@@ -77,6 +85,7 @@ class PrefixCache:
         self._hashes: dict[int, list[bytes]] = {}
         self._store_views: dict[int, _StoreView] = {}
         self._staging: dict[int, _Staging] = {}
+        self._deferred: dict[int, StorePut] = {}   # a request's deferred prefill-checkpoint put
         self.counters: dict[str, int] = {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0,
                                          'checkpoints_saved': 0, 'state_miss_tokens': 0,
                                          'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0}
@@ -205,14 +214,24 @@ class PrefixCache:
             node = self.local.extend(seq, self.hashes(seq), full)
             if not save:
                 continue
-            if self.store is not None:
-                saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
             planned = self.local.plan_checkpoint(seq, node, end, taken)
             if isinstance(planned, str):
                 self._skip(seq, planned)
             else:
                 taken.add(id(node))
                 saves.checkpoints.append(planned)
+            if self.store is not None:
+                put = StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot)
+                if not isinstance(planned, str) and self._defers(seq, end):
+                    self._deferred[seq.seq_id] = StorePut(put.hashes, put.block_ids, end, planned.dst)
+                else:
+                    saves.store_puts.append(put)
+
+    def _defers(self, seq, boundary: int) -> bool:
+        """Whether the Store put of the save at ``boundary`` waits for the turn end (see the
+        module docstring): the plan's last save point, not a junction, with ``decode_save_last``."""
+        plan = seq.plan
+        return self.decode_save_last and boundary == plan.save_points[-1] and boundary != plan.junction
 
     def _stage(self, seq, boundary: int, saves: SavePlan) -> None:
         staging = self._staging.get(seq.seq_id)
@@ -229,6 +248,12 @@ class PrefixCache:
         slots unpublished and counts the skips. Staging copies record their boundary."""
         for save in saves.checkpoints:
             self.local.checkpoint_done(save, copied)
+            deferred = self._deferred.get(save.seq.seq_id)
+            if deferred is not None and deferred.slot == save.dst:
+                if copied:
+                    self.local.state_cache.pin(save.dst)    # kept until the turn ends
+                else:
+                    del self._deferred[save.seq.seq_id]
             if copied:
                 save.seq.stats.save_points.append(save.boundary)
                 self.counters['checkpoints_saved'] += 1
@@ -243,29 +268,44 @@ class PrefixCache:
 
     def finish_turn(self, seq, saves: SavePlan) -> None:
         """``seq`` finished: publish its turn-end checkpoint at the last block boundary of its
-        computed tokens (if a forward ended there) and plan its Store put."""
+        computed tokens (if a forward ended there) and plan its Store put; otherwise plan the
+        deferred put of its last prefill checkpoint."""
+        put_turn_end = self._publish_turn_end(seq, saves)
+        deferred = self._deferred.pop(seq.seq_id, None)
+        if deferred is not None:
+            if not put_turn_end:
+                saves.store_puts.append(deferred)   # read from the slot in this step, before any eviction
+            self.local.state_cache.unpin(deferred.slot)
+
+    def _publish_turn_end(self, seq, saves: SavePlan) -> bool:
+        """Publish ``seq``'s turn-end checkpoint; True when its Store put is planned."""
         staging = self._staging.get(seq.seq_id)
         boundary = seq.num_computed_tokens // self.block_size * self.block_size
         if staging is None or staging.boundary != boundary or boundary == 0:
-            return
+            return False
         node = self.local.extend(seq, self.hashes(seq), boundary // self.block_size)
         if node is None or node.checkpoint_slot is not None:
             self._skip(seq, 'hash_collision' if node is None else 'exists')
-            return
+            return False
         del self._staging[seq.seq_id]
         self.local.state_cache.unpin(staging.slot)
         self.local.state_cache.publish(staging.slot, node)
         seq.stats.turn_end_point = boundary
         self.counters['turn_end_checkpoints_saved'] += 1
-        if self.store is not None:
-            full = boundary // self.block_size
-            saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, staging.slot))
+        if self.store is None:
+            return False
+        full = boundary // self.block_size
+        saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, staging.slot))
+        return True
 
     def _drop_staging(self, seq) -> None:
         staging = self._staging.pop(seq.seq_id, None)
         if staging is not None:
             self.local.state_cache.unpin(staging.slot)
             self.local.state_cache.release_checkpoint(staging.slot)
+        deferred = self._deferred.pop(seq.seq_id, None)
+        if deferred is not None:        # aborted or preempted: the checkpoint stays local only
+            self.local.state_cache.unpin(deferred.slot)
 
     def _skip(self, seq, reason: str) -> None:
         seq.stats.skipped[reason] += 1

@@ -97,7 +97,7 @@ class StateSnapshot:
 
 @dataclass
 class StorePut:
-    """Put prefix ``[0, boundary)``: the state in runtime slot ``slot`` and the KV blocks
+    """Put prefix ``[0, boundary)``: the state in slot ``slot`` (runtime or checkpoint) and the KV blocks
     ``block_ids`` (one per hash in ``hashes``) that the Store does not hold yet."""
     hashes: list[bytes]
     block_ids: list[int]
