@@ -39,10 +39,13 @@ __all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput']
 
 @dataclass
 class ScheduledChunk:
-    """One sequence's tokens ``[start, end)`` in this step's forward."""
+    """One sequence's tokens ``[start, end)`` in this step's forward, followed by ``drafts``
+    (speculative tokens scored in the same forward, at positions ``end, end + 1, ...``; they are
+    not tokens of the sequence until accepted)."""
     seq: Sequence
     start: int
     end: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def sample(self) -> bool:
@@ -140,6 +143,7 @@ class Scheduler:
                 continue
             if not self._reserve_blocks(seq, chunk.end, out):
                 continue
+            chunk.drafts = self._drafts(seq, chunk)
             out.chunks.append(chunk)
             if chunk.is_prefill:
                 budget -= size
@@ -153,6 +157,19 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, start, end))
             budget -= end - start
         return out
+
+    def _drafts(self, seq: Sequence, chunk: ScheduledChunk) -> tuple[int, ...]:
+        """The sequence's draft tokens, when ``chunk`` is a decode chunk (past the prompt, up to
+        the last token) and their KV slots fit in free blocks now (drafts never evict or
+        preempt: without room the step decodes plainly)."""
+        if not seq.draft_ids or chunk.end != seq.num_tokens or chunk.start < seq.num_prompt_tokens:
+            return ()
+        need = self._blocks_for(seq, chunk.end + len(seq.draft_ids))
+        if need > self.block_manager.num_free:
+            return ()
+        if need > 0:
+            seq.block_ids.extend(self.block_manager.allocate(need))
+        return tuple(seq.draft_ids)
 
     def _blocks_for(self, seq: Sequence, end: int) -> int:
         return -(-end // self.block_size) - len(seq.block_ids)
@@ -269,7 +286,7 @@ class Scheduler:
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
-            if chunk.is_prefill or chunk.start < seq.num_prompt_tokens:
+            if chunk.start < seq.num_prompt_tokens or (chunk.is_prefill and not chunk.drafts):
                 seq.stats.prefill_forwards += 1
         if self.prefix_cache is not None:
             self.prefix_cache.plan_saves(out.chunks, saves)
