@@ -142,8 +142,9 @@ class Engine:
         self.spec = None
         if spec_config is not None:
             from ..spec_decode.decoder import SpecDecoder
+            turn_end = self.prefix_cache is not None and self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, scratch_base, self._finish_reason, self.mtp,
-                                    self.session_len)
+                                    self.session_len, block_align=cc.block_size if turn_end else None)
 
     def _derive_num_blocks(self, num_slots: int) -> int:
         cfg = self.cache_config

@@ -137,7 +137,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:       # preempted by an earlier sequence this step
                 continue
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, seq.next_chunk_end())
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, self._chunk_end(seq))
             size = chunk.end - chunk.start
             if chunk.is_prefill and any_prefill and size > budget:
                 continue
@@ -157,6 +157,16 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, start, end))
             budget -= end - start
         return out
+
+    def _chunk_end(self, seq: Sequence) -> int:
+        """End of a running sequence's next chunk. A decode catch-up (tokens accepted from
+        drafts whose state was rolled back) stops at the next block boundary when turn-end
+        checkpoints are kept, since those are copied when a forward ends on a block boundary."""
+        start, end = seq.num_computed_tokens, seq.next_chunk_end()
+        if (end - start > 1 and start >= seq.num_prompt_tokens and self.prefix_cache is not None
+                and self.prefix_cache.decode_save_last):
+            end = min(end, (start // self.block_size + 1) * self.block_size)
+        return end
 
     def _drafts(self, seq: Sequence, chunk: ScheduledChunk) -> tuple[int, ...]:
         """The sequence's draft tokens, when ``chunk`` is a decode chunk (past the prompt, up to

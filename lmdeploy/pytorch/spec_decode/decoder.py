@@ -52,10 +52,13 @@ class SpecDecoder:
             ``token`` was appended to ``seq``.
         mtp: the loaded MTP head (method ``qwen3_next_mtp``), else None.
         session_len: longest sequence in tokens.
+        block_align: block size B when turn-end checkpoints are kept (``decode_save_last``):
+            drafts then never carry a forward past the next block boundary, so decoding still
+            ends a forward on every boundary; None otherwise.
     """
 
     def __init__(self, config: SpeculativeConfig, runner, scratch_base: int | None, finish_reason,
-                 mtp=None, session_len: int = 1 << 30):
+                 mtp=None, session_len: int = 1 << 30, block_align: int | None = None):
         self.config = config
         self.runner = runner
         self.model = runner.model
@@ -64,6 +67,7 @@ class SpecDecoder:
         self.finish_reason = finish_reason
         self.mtp = mtp
         self.session_len = session_len
+        self.block_align = block_align
         self.finished: dict[int, str] = {}     # seq_id -> finish reason found in after_forward
         self._valid_end: dict[int, int] = {}   # seq_id -> end of the exact positions of its verify chunk
         self.counters = {'spec_decode_draft_tokens': 0, 'spec_decode_accepted_tokens': 0,
@@ -126,6 +130,9 @@ class SpecDecoder:
         if seq.is_finished or cfg.logprobs is not None:
             return 0
         room = min(cfg.max_new_tokens - seq.num_generated, self.session_len - seq.num_tokens) - 1 - pending
+        if self.block_align:
+            # the verify chunk ends at num_tokens; all K kept -> computed = num_tokens + K <= boundary
+            room = min(room, -(seq.num_tokens + pending) % self.block_align)
         return max(0, min(self.config.num_speculative_tokens, room))
 
     def propose(self, sched, new_tokens: dict[int, list[int]]) -> None:
