@@ -182,3 +182,50 @@ def test_mtp_last_only_saves_and_reuses_2048_of_a_2049_token_prompt(tiny_qwen3_n
     warm = eng.generate(ids, gen, token_lookahead=0, recompute_blocks=1)
     assert warm.num_cached_tokens == 1024 and warm.output_ids == expected
     assert_idle(eng)
+
+
+# ------------------------------------------------------------------ the Store
+def test_store_objects_carry_the_mtp_kv_and_a_fresh_engine_restores_them(tiny_qwen3_next, mooncake_services):
+    """K_blk includes the MTP layer's rows (the simulator's formula with ``mtp=True``); a second
+    engine with an empty local cache restores from the Store and decodes the same tokens."""
+    import json
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / 'benchmark'))
+    try:
+        import simulate_store_writes as sim
+    finally:
+        sys.path.pop(0)
+    store = dict(mooncake_master=mooncake_services.master_address,
+                 mooncake_metadata_server=mooncake_services.metadata_server, mooncake_local_buffer_size=1 << 20)
+    ids = random_prompt(150, 21)
+    expected = plain(tiny_qwen3_next, ids)
+    first = engine(tiny_qwen3_next, k=2, cache='on', **store)
+    config = json.loads((Path(tiny_qwen3_next) / 'config.json').read_text())
+    sizes = sim.sizes_from_config(config, block_size=B, mtp=True)
+    assert (first.cache_engine.state_bytes, first.cache_engine.kv_block_bytes) == (sizes.state_bytes,
+                                                                                  sizes.kv_block_bytes)
+    assert sizes.kv_block_bytes == 2 * sim.sizes_from_config(config, block_size=B).kv_block_bytes
+    first_calls = record_mtp(first)
+    try:
+        seq = first.generate(ids, GEN)
+        assert seq.output_ids == expected and seq.stats.save_points == [64, 128]
+    finally:
+        first.close()       # flushes the Store worker
+    stats = first.stats()
+    S, K = sizes.state_bytes, sizes.kv_block_bytes
+    assert stats['store_put_bytes'] == {'state': 2 * S, 'kv': (128 // B) * K}
+    fresh = engine(tiny_qwen3_next, k=2, cache='on', **store)
+    fresh_calls = record_mtp(fresh)
+    try:
+        warm = fresh.generate(ids, GEN)
+        assert warm.stats.store_hit_tokens == 128 and warm.output_ids == expected
+    finally:
+        fresh.close()
+    # the MTP rows came back too: from position 128 on, the MTP head attends to restored rows
+    # [0, 128) and gives the first engine's draft logits
+    assert int(fresh_calls[0][0][0]) == 128
+    tail = first_calls[len(first_calls) - len(fresh_calls):]
+    for (pos_a, a), (pos_b, b) in zip(tail, fresh_calls):
+        assert torch.equal(pos_a, pos_b) and (a - b).abs().max().item() <= 1e-5
