@@ -202,3 +202,71 @@ def test_ngram_on_a_copying_model_accepts_most_drafts(copying_model):
     # most steps emit K + 1 tokens: far fewer verify steps than tokens
     assert stats['spec_decode_verify_steps'] * 3 < 4 * 47
     assert_idle(eng)
+
+
+# ------------------------------------------------------------------ sampling keeps the distribution
+def test_sampling_with_drafts_keeps_the_plain_distribution(tiny_qwen3_next):
+    """Chi-square goodness of fit of (first, second) generated tokens over 600 seeds against the
+    exact plain-sampling law p(t1) p(t2 | t1), top-k 3: the second token always goes through
+    speculative sampling of a draft the target gives probability strictly between 0 and 1."""
+    from scipy.stats import chi2
+
+    from lmdeploy.pytorch.engine.sampler import target_distribution
+    gen = dict(do_sample=True, temperature=1.5, top_k=3, max_new_tokens=3, ignore_eos=True)
+    ids = random_prompt(8, 77)
+    ref = engine(tiny_qwen3_next)
+
+    def probs_after(tokens):
+        ref.generate(tokens, GenerationConfig(max_new_tokens=1))
+        row = ref.model_runner.last_logits[0]
+        return target_distribution(row, ref.make_sequence(tokens, GenerationConfig(**gen)))[1]
+
+    p1 = probs_after(ids)
+    support = p1.nonzero().flatten().tolist()
+    assert len(support) == 3
+    p2 = {t: probs_after(ids + [t]) for t in support}
+    # draft the target's second most likely token: accepted with probability p2[t1][draft]
+    draft = {t: int(p2[t].argsort(descending=True)[1]) for t in support}
+    assert all(0.1 < float(p2[t][draft[t]]) < 0.9 for t in support)
+    expected = {(a, b): float(p1[a] * p2[a][b]) for a in support for b in p2[a].nonzero().flatten().tolist()}
+
+    eng = engine(tiny_qwen3_next, 'ngram', k=1)
+
+    def propose(sched, new_tokens):
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            seq.draft_ids = [draft[seq.output_ids[0]]] if seq.num_generated == 1 and not seq.is_finished else []
+
+    eng.spec.propose = propose
+    n, counts = 600, {}
+    for start in range(0, n, 8):
+        seqs = [eng.add_request(ids, GenerationConfig(random_seed=s, **gen)) for s in range(start, start + 8)]
+        while not all(s.is_finished for s in seqs):
+            eng.step()
+        for s in seqs:
+            key = tuple(s.output_ids[:2])
+            counts[key] = counts.get(key, 0) + 1
+    stats = eng.stats()
+    assert stats['spec_decode_verify_steps'] == n
+    assert 0.1 * n < stats['spec_decode_accepted_tokens'] < 0.9 * n     # both paths taken
+    assert set(counts) <= set(expected)
+    keys = sorted(expected)
+    stat = sum((counts.get(k, 0) - n * expected[k]) ** 2 / (n * expected[k]) for k in keys)
+    assert chi2.sf(stat, len(keys) - 1) > 1e-3, (counts, expected)
+    assert_idle(eng)
+
+
+def test_draft_and_accepted_token_counters_are_exported(copying_model):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lmdeploy.metrics import EngineStatsCollector
+    path, chain = copying_model
+    eng = engine(path, 'ngram', k=4)
+    eng.generate(chain[:40] + chain[:4], GenerationConfig(max_new_tokens=20, ignore_eos=True))
+    stats = eng.stats()
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(eng.stats))
+    text = generate_latest(registry).decode()
+    assert f"lmdeploy_spec_decode_draft_tokens_total {float(stats['spec_decode_draft_tokens'])}" in text
+    assert f"lmdeploy_spec_decode_accepted_tokens_total {float(stats['spec_decode_accepted_tokens'])}" in text
+    assert 0 < stats['spec_decode_accepted_tokens'] <= stats['spec_decode_draft_tokens']
