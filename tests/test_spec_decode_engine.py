@@ -270,3 +270,29 @@ def test_draft_and_accepted_token_counters_are_exported(copying_model):
     assert f"lmdeploy_spec_decode_draft_tokens_total {float(stats['spec_decode_draft_tokens'])}" in text
     assert f"lmdeploy_spec_decode_accepted_tokens_total {float(stats['spec_decode_accepted_tokens'])}" in text
     assert 0 < stats['spec_decode_accepted_tokens'] <= stats['spec_decode_draft_tokens']
+
+
+def test_pipeline_with_drafts_streams_the_same_text_and_stops_at_stop_strings(copying_model):
+    """Several tokens per step reach the pipeline as one delta; text, ids, stop strings and
+    cached tokens are those of plain decoding."""
+    from lmdeploy import pipeline
+    path, chain = copying_model
+    base = dict(device_type='cpu', dtype='float32', session_len=512, block_size=16, num_gpu_blocks=128,
+                max_prefill_token_num=64, max_batch_size=4)
+    prompt = chain[:60] + chain[:5]
+    gen = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    with pipeline(path, backend_config=PytorchEngineConfig(**base)) as plain_pipe:
+        want = plain_pipe([prompt], gen_config=gen)[0]
+        stop_text = plain_pipe.tokenizer.decode(want.token_ids[12:14], skip_special_tokens=True)
+        want_stop = plain_pipe([prompt], gen_config=GenerationConfig(max_new_tokens=30, ignore_eos=True,
+                                                                     stop_words=[stop_text]))[0]
+    spec = dict(method='ngram', num_speculative_tokens=4)
+    with pipeline(path, backend_config=PytorchEngineConfig(speculative_config=spec, **base)) as p:
+        got = p([prompt], gen_config=gen)[0]
+        deltas = list(p.stream_infer([prompt], gen_config=gen))
+        got_stop = p([prompt], gen_config=GenerationConfig(max_new_tokens=30, ignore_eos=True,
+                                                           stop_words=[stop_text]))[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    assert sum((d.token_ids for d in deltas), []) == want.token_ids and ''.join(d.text for d in deltas) == want.text
+    assert len(deltas) < len(want.token_ids)            # drafts were accepted: fewer deltas than tokens
+    assert (got_stop.text, got_stop.finish_reason) == (want_stop.text, want_stop.finish_reason)
