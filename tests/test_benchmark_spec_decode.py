@@ -7,7 +7,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_benchmark_reports_identical_outputs_and_high_acceptance(tmp_path):
-    spec = importlib.util.spec_from_file_location('benchmark_spec_decode', ROOT / 'benchmark' / 'benchmark_spec_decode.py')
+    spec = importlib.util.spec_from_file_location('benchmark_spec_decode',
+                                                  ROOT / 'benchmark' / 'benchmark_spec_decode.py')
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / 'r.json'

@@ -27,8 +27,6 @@ buffer (one more slot per runtime slot, allocated only with speculative decoding
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ...messages import SpeculativeConfig
@@ -36,8 +34,6 @@ from ..model_inputs import StepContext
 from .ngram import propose_ngram
 
 __all__ = ['SpecDecoder']
-
-logger = logging.getLogger('lmdeploy')
 
 
 class SpecDecoder:
