@@ -439,8 +439,12 @@ def _dtype_bytes(name: str, field: str) -> int:
 
 
 def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BLOCK, kv_dtype: str | None = None,
-                      state_dtype: str | None = None) -> StoreSizes:
+                      state_dtype: str | None = None, mtp: bool = False) -> StoreSizes:
     """Per-rank state snapshot bytes S and KV block bytes K_blk of a hybrid HF config.
+
+    With ``mtp`` (the engine runs ``qwen3_next_mtp`` speculative decoding) K_blk also holds the
+    K/V rows of the ``num_nextn_predict_layers`` MTP layers (default 1), each a full-attention
+    layer of the model's geometry; S is unchanged.
 
     Layer kinds come from ``layer_types`` (``linear_attention``/``full_attention``) or else
     ``full_attention_interval`` (layer i is full when ``(i + 1) % interval == 0``). Conv state
@@ -476,6 +480,8 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
                                  recurrent_shape=(v_heads, k_dim, v_dim))
     full = FullAttentionSpec(max(1, kv_heads // tp), head_dim, kv_t)
     specs = [linear if t == 'linear_attention' else full for t in layers if t in ('linear_attention', 'full_attention')]
+    if mtp:
+        specs += [full] * int(config.get('num_nextn_predict_layers') or 1)
     return StoreSizes(state_bytes_per_slot(specs), kv_bytes_per_block(specs, block_size), tp)
 
 
@@ -502,6 +508,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--alignment', type=int, help='A (default 1024 * scale)')
     p.add_argument('--token-lookahead', type=int, default=0)
     p.add_argument('--recompute-blocks', type=int, default=0)
+    p.add_argument('--mtp', action='store_true', help='the engine runs qwen3_next_mtp speculative decoding: K_blk '
+                   'includes the MTP layer\'s KV (--config/--preset sizes); pair with --token-lookahead 1')
     p.add_argument('--scale', type=Fraction, default=Fraction(1), help='multiply scenario token counts, e.g. 1/16')
     p.add_argument('--turns', help='custom scenario: comma-separated input lengths of each turn')
     p.add_argument('--scenario', choices=['seed', 'branching'], help='seed: the six seed scenarios (default)')
@@ -547,7 +555,7 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
     else:
         config = json.loads(args.config.read_text())
     return sizes_from_config(config, tp=args.tp, block_size=block_size, kv_dtype=args.kv_dtype,
-                             state_dtype=args.state_dtype), 'bytes'
+                             state_dtype=args.state_dtype, mtp=args.mtp), 'bytes'
 
 
 def _policies(args: argparse.Namespace) -> list[Policy]:

@@ -11,9 +11,34 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ['PytorchEngineConfig', 'GenerationConfig', 'Response']
+__all__ = ['PytorchEngineConfig', 'SpeculativeConfig', 'GenerationConfig', 'Response']
 
 MOONCAKE_MIN_SEGMENT = 16 << 20   # bytes; Mooncake 0.3.13 refuses a smaller memory segment
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (docs/en/advance/spec_decoding.md).
+
+    Each decode step the target model scores the last token plus ``num_speculative_tokens``
+    drafted tokens in one forward and keeps the longest prefix it agrees with, plus one token of
+    its own; outputs are those of plain decoding (greedy: token for token; sampling: the same
+    distribution).
+    """
+    model_config = ConfigDict(extra='forbid', validate_assignment=True)
+
+    method: Literal['qwen3_next_mtp', 'ngram'] = Field(description='Draft source: the checkpoint\'s own '
+                                                     'multi-token-prediction head (Qwen3-Next mtp.* weights) or '
+                                                     'n-gram prompt lookup in the sequence\'s own tokens.')
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description='Draft tokens K verified per decode step.')
+    ngram_min: int = Field(1, ge=1, description='Shortest suffix n-gram looked up (method ngram).')
+    ngram_max: int = Field(4, ge=1, description='Longest suffix n-gram looked up (method ngram); the longest '
+                           'match wins.')
+
+    @model_validator(mode='after')
+    def _ngram_range(self):
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f'ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})')
+        return self
 
 
 class PytorchEngineConfig(BaseModel):
@@ -74,6 +99,9 @@ class PytorchEngineConfig(BaseModel):
                                           'keys every object\'s HMAC; default: the LMDEPLOY_STORE_SECRET variable; '
                                           'none: objects are unauthenticated (mooncake_master="local" then makes a '
                                           'per-run secret).')
+    speculative_config: SpeculativeConfig | None = Field(None, description='Speculative decoding; None = off. '
+                                                         'CLI: --speculative-algorithm, '
+                                                         '--speculative-num-draft-tokens.')
 
     @field_validator('mooncake_segment_size')
     @classmethod

@@ -44,6 +44,10 @@ ENGINE_SERIES = (
      'Mooncake Store objects whose header or checksum did not verify (counted as misses).', None, ()),
     ('state_miss_tokens', 'state_miss_tokens',
      'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
+    ('spec_decode_draft_tokens', 'spec_decode_draft_tokens',
+     'Speculative draft tokens verified by the target model.', None, ()),
+    ('spec_decode_accepted_tokens', 'spec_decode_accepted_tokens',
+     'Speculative draft tokens the target model accepted.', None, ()),
 )
 
 # TTFT spans queueing and a whole prefill; TPOT is one decode step

@@ -18,7 +18,7 @@ import tempfile
 from typing import TextIO
 
 from ..messages import GenerationConfig
-from .serve import add_engine_args
+from .serve import add_engine_args, engine_config_from_args
 from .utils import add_log_level_arg, add_model_args, model_from_args
 
 __all__ = ['add_parser', 'chat', 'chat_loop', 'PROMPT']
@@ -82,9 +82,8 @@ def chat(args: argparse.Namespace) -> int:
     """
     import logging
 
-    from ..messages import PytorchEngineConfig
     from ..serve.pipeline import Pipeline
-    engine_config = model_from_args(args, PytorchEngineConfig)
+    engine_config = engine_config_from_args(args)
     if engine_config.mooncake_master and args.log_level != 'DEBUG':
         from .serve import route_native_logs
         route_native_logs(os.path.join(tempfile.gettempdir(), f'lmdeploy-{os.getpid()}-mooncake.log'))

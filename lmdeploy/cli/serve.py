@@ -10,22 +10,72 @@ servers to share.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
+import typing
 
-from ..messages import PytorchEngineConfig
+from ..messages import PytorchEngineConfig, SpeculativeConfig
 from . import store
-from .utils import add_log_level_arg, add_model_args, model_from_args
+from .utils import add_log_level_arg, add_model_args, flag_name, model_from_args
 
-__all__ = ['add_parser', 'api_server', 'add_engine_args', 'STORE_GROUPS']
+__all__ = ['add_parser', 'api_server', 'add_engine_args', 'engine_config_from_args', 'STORE_GROUPS']
 
 STORE_GROUPS = {'mooncake_': 'Mooncake Store tier', 'store_': 'Mooncake Store tier (queue)'}
 
 
+# flag -> SpeculativeConfig field (LMDeploy's flag names)
+SPECULATIVE_FLAGS = {'speculative_algorithm': 'method', 'speculative_num_draft_tokens': 'num_speculative_tokens',
+                     'speculative_ngram_min': 'ngram_min', 'speculative_ngram_max': 'ngram_max'}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`PytorchEngineConfig` field."""
+    """One flag per :class:`PytorchEngineConfig` field, plus the speculative-decoding flags
+    that fill ``speculative_config`` (see :func:`engine_config_from_args`)."""
     add_model_args(parser, PytorchEngineConfig, 'engine (PytorchEngineConfig)', STORE_GROUPS)
+    fields = SpeculativeConfig.model_fields
+    group = parser.add_argument_group('speculative decoding (PytorchEngineConfig.speculative_config)')
+    group.add_argument(flag_name('speculative_config'), dest='speculative_config', type=_json_object,
+                       default=argparse.SUPPRESS, metavar='JSON',
+                       help='the whole SpeculativeConfig as a JSON object, e.g. \'{"method": "ngram", '
+                       '"num_speculative_tokens": 4}\'; the flags below override its fields (default: None)')
+    for flag, field in SPECULATIVE_FLAGS.items():
+        info = fields[field]
+        kwargs = dict(dest=flag, default=argparse.SUPPRESS, help=info.description.replace('%', '%%'))
+        if field == 'method':
+            kwargs.update(choices=typing.get_args(info.annotation))
+        else:
+            kwargs.update(type=int, metavar='N')
+            kwargs['help'] += f' (default: {info.default})'
+        group.add_argument(flag_name(flag), **kwargs)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f'not JSON: {err}') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('must be a JSON object')
+    return value
+
+
+def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
+    """The engine configuration from parsed flags (speculative flags folded into
+    ``speculative_config``).
+
+    Raises:
+        ValueError: invalid values (the message names the field), or a speculative flag without
+            ``--speculative-algorithm``.
+    """
+    spec = dict(getattr(args, 'speculative_config', None) or {})
+    spec.update({field: getattr(args, flag) for flag, field in SPECULATIVE_FLAGS.items() if hasattr(args, flag)})
+    if spec and 'method' not in spec:
+        raise ValueError('speculative_config.method (--speculative-algorithm) is required with '
+                         + ', '.join(flag_name(f) for f in SPECULATIVE_FLAGS if hasattr(args, f)))
+    flags = {f'speculative_config.{field}': flag_name(flag) for flag, field in SPECULATIVE_FLAGS.items()}
+    return model_from_args(args, PytorchEngineConfig, flags, speculative_config=spec or None)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -103,7 +153,7 @@ def api_server(args: argparse.Namespace) -> int:
         ValueError: an invalid engine configuration or model directory.
     """
     from ..serve.openai.api_server import run_server
-    config = model_from_args(args, PytorchEngineConfig)
+    config = engine_config_from_args(args)
     if config.mooncake_master and args.log_level != 'DEBUG':
         route_native_logs(os.path.join(tempfile.gettempdir(), f'lmdeploy-{os.getpid()}-mooncake.log'))
     run_server(args.model_path, config, server_name=args.server_name, server_port=args.server_port,

@@ -8,6 +8,9 @@ CLI change:
     Literal[a, b]     → ``choices=(a, b)``
     int | None, ...   → an optional value of the inner type (absent = the field's default)
     list[X]           → zero or more values of X
+    a nested model    → no generated flag: the command adds its own flags for it (e.g.
+                        ``--speculative-algorithm`` for ``speculative_config``) and passes the
+                        nested value to :func:`model_from_args`
 
 Invariant: a flag not given on the command line is absent from the parsed namespace
 (``argparse.SUPPRESS``), so the model's own default applies and the model validates the whole
@@ -22,7 +25,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ['add_model_args', 'model_from_args', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS']
+__all__ = ['add_model_args', 'model_from_args', 'is_nested_model', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS']
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 
@@ -85,24 +88,42 @@ def add_model_args(parser: argparse.ArgumentParser, model_cls: type[BaseModel], 
     for prefix, sub_title in (group_by_prefix or {}).items():
         groups[prefix] = parser.add_argument_group(sub_title)
     for name, field in model_cls.model_fields.items():
+        if is_nested_model(field):
+            continue
         prefix = next((p for p in (group_by_prefix or {}) if name.startswith(p)), None)
         groups[prefix].add_argument(flag_name(name), **_flag_kwargs(name, field))
 
 
-def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel]):
+def is_nested_model(field) -> bool:
+    """The field holds another pydantic model (its flags are added by the command itself)."""
+    try:
+        ann = _unwrap_optional(field.annotation)
+    except TypeError:
+        return False
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel], flag_names: dict[str, str] | None = None,
+                    **nested):
     """Build ``model_cls`` from the flags given on the command line (others keep their defaults).
+
+    ``nested`` gives values of nested-model fields (see :func:`is_nested_model`) the command
+    collected from its own flags; ``flag_names`` maps their dotted field paths
+    (``speculative_config.method``) to those flags for error messages.
 
     Raises:
         ValueError: the model rejects the values; the message names each field and its flag.
     """
     values = {name: getattr(args, name) for name in model_cls.model_fields if hasattr(args, name)}
+    values.update({name: value for name, value in nested.items() if value is not None})
     try:
         return model_cls(**values)
     except ValidationError as err:
         lines = []
         for e in err.errors():
             field = '.'.join(str(p) for p in e['loc'])
-            where = f'{field} ({flag_name(field)}): ' if field else ''
+            flag = (flag_names or {}).get(field) or flag_name(field)
+            where = f'{field} ({flag}): ' if field else ''
             lines.append(where + e['msg'])
         raise ValueError('; '.join(lines)) from None
 

@@ -18,6 +18,10 @@ Invariants:
 - MoE experts are stored one tensor per expert (`mlp.experts.{e}.gate_proj.weight` ...), as in the
   published Qwen3-Next checkpoints, not in transformers' fused in-memory layout.
 - Weights are far from HF's near-zero init so greedy decoding is not decided by ties.
+- Qwen3-Next checkpoints also hold a multi-token-prediction head under `mtp.*` (as published:
+  `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, one full-attention decoder layer
+  `layers.0` with the model's MoE, `norm`; config `num_nextn_predict_layers: 1`). transformers
+  ignores `mtp.*` on load; the engine's `qwen3_next_mtp` speculative decoding reads it.
 """
 
 import argparse
@@ -306,11 +310,39 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
 
 
+def _mtp_state_dict(config, seed: int, dtype: torch.dtype) -> dict:
+    """Seeded `mtp.*` tensors of a Qwen3-Next checkpoint in the published layout."""
+    import copy
+
+    from torch import nn
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    layer_config = copy.deepcopy(config)
+    layer_config.layer_types = list(config.layer_types) + ['full_attention']
+    H, eps = config.hidden_size, config.rms_norm_eps
+    mtp = nn.Module()
+    mtp.pre_fc_norm_embedding = Qwen3NextRMSNorm(H, eps=eps)
+    mtp.pre_fc_norm_hidden = Qwen3NextRMSNorm(H, eps=eps)
+    mtp.fc = nn.Linear(2 * H, H, bias=False)
+    torch_state = torch.random.get_rng_state()
+    try:
+        mtp.layers = nn.ModuleList([Qwen3NextDecoderLayer(layer_config, config.num_hidden_layers)])
+    finally:
+        torch.random.set_rng_state(torch_state)
+    mtp.norm = Qwen3NextRMSNorm(H, eps=eps)
+    holder = nn.Module()
+    holder.mtp = mtp.to(torch.float32)
+    holder.config = config
+    _randomize(holder, seed)
+    return _checkpoint_state_dict(holder, dtype)
+
+
 def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **overrides) -> str:
     """Write a seeded random tiny checkpoint of `arch` ('qwen3' | 'qwen3_next') into `out_dir`.
 
     `overrides` update config fields (e.g. num_hidden_layers=2); the special key `dtype`
-    ('float32' default | 'bfloat16' | 'float16') sets the stored weight dtype. Creates `out_dir`
+    ('float32' default | 'bfloat16' | 'float16') sets the stored weight dtype, and `mtp`
+    (default True; qwen3_next only) writes the `mtp.*` multi-token-prediction head. Creates `out_dir`
     if needed and overwrites the five files listed in the module docstring. Returns `out_dir`
     as an absolute path. Raises ValueError naming `arch`, `dtype` or an unknown config field.
     Takes ~0.1 s once transformers is imported (the import itself takes a few seconds).
@@ -319,6 +351,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     from transformers import Qwen3ForCausalLM, Qwen3NextForCausalLM
 
     dtype_name = overrides.pop('dtype', 'float32')
+    with_mtp = bool(overrides.pop('mtp', True)) and arch == 'qwen3_next'
     if dtype_name not in DTYPES:
         raise ValueError(f'dtype must be one of {tuple(DTYPES)}, got {dtype_name!r}')
     if arch not in ARCHS:
@@ -349,11 +382,15 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
     config_dict['architectures'] = [model_cls.__name__]
+    if with_mtp:
+        config_dict['num_nextn_predict_layers'] = 1
     _write_json(os.path.join(out_dir, 'config.json'), config_dict)
     _write_json(os.path.join(out_dir, 'generation_config.json'),
                 dict(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False))
-    save_file(_checkpoint_state_dict(model, DTYPES[dtype_name]), os.path.join(out_dir, 'model.safetensors'),
-              metadata={'format': 'pt'})
+    tensors = _checkpoint_state_dict(model, DTYPES[dtype_name])
+    if with_mtp:
+        tensors.update(_mtp_state_dict(config, seed, DTYPES[dtype_name]))
+    save_file(dict(sorted(tensors.items())), os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
     _write_tokenizer(tok, out_dir)
     return out_dir
 
@@ -375,6 +412,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='weight seed; the tokenizer does not depend on it (default: 0)')
     parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32',
                         help='stored weight dtype (default: float32)')
+    parser.add_argument('--mtp', action=argparse.BooleanOptionalAction, default=True,
+                        help='qwen3_next: also write the mtp.* multi-token-prediction head (default: on)')
     parser.add_argument('--force', action='store_true',
                         help='write into OUT_DIR even if it is not empty, replacing the checkpoint files '
                         '(default: refuse a non-empty directory)')
@@ -387,7 +426,8 @@ def main(args: argparse.Namespace) -> str:
     """
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
         raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')
-    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype)
+    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype,
+                           mtp=getattr(args, 'mtp', True))
     print(path)
     return path
 

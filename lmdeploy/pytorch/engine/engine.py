@@ -7,6 +7,7 @@ it, and nowhere in the scheduler::
     schedule       chunks + restores to run                            (scheduler.schedule)
     execute loads  checkpoint → runtime slot copies; Store gets        (cache_engine, store.load)
     forward        one flat forward over every chunk, sample           (model_runner.forward)
+    speculate      snapshot / accept / roll back drafts, draft via MTP   (spec_decode, when configured)
     execute saves  runtime slot → checkpoint copies, then publish      (scheduler.computed, cache_engine)
     submit puts    Store payloads copied out, put by the Store worker  (store.submit)
     update         append tokens, stop conditions, finish and release
@@ -36,7 +37,7 @@ from ..prefix_cache.state_cache import StateCache
 from .cache_engine import CacheEngine
 from .model_runner import ModelRunner
 from .sequence import Sequence
-from .strategy import AUTOREGRESSIVE, DecodingStrategy
+from .strategy import DecodingStrategy, strategy_for
 
 __all__ = ['Engine', 'StepOutput']
 
@@ -78,16 +79,18 @@ class Engine:
     Args:
         model_path: the model directory.
         config: engine configuration (defaults if None).
-        strategy: the decoding strategy; its ℓ and r reach every sequence's prefill plan.
+        strategy: the decoding strategy; its ℓ and r reach every sequence's prefill plan
+            (default: the one of ``config.speculative_config``'s method, else autoregressive).
 
     Raises:
         ValueError: bad path, unsupported model type, or a cache too small for one block.
     """
 
     def __init__(self, model_path: str, config: PytorchEngineConfig | None = None,
-                 strategy: DecodingStrategy = AUTOREGRESSIVE):
+                 strategy: DecodingStrategy | None = None):
         self.config = config = config or PytorchEngineConfig()
-        self.strategy = strategy
+        spec_config = config.speculative_config
+        self.strategy = strategy or strategy_for(spec_config)
         device = config.device_type
         if device == 'auto':
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -95,6 +98,11 @@ class Engine:
         self.model_path = model_path
         self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
         self.specs = self.model.cache_specs(self.hf_config, self.dtype)
+        self.mtp = None
+        if spec_config is not None and spec_config.method == 'qwen3_next_mtp':
+            from ..spec_decode.mtp import load_mtp, mtp_cache_spec
+            self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
+            self.specs = self.specs + [mtp_cache_spec(self.hf_config, self.dtype)]   # its own paged KV
         self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.specs)
         self.session_len = config.session_len or int(getattr(self.hf_config, 'max_position_embeddings', 32768))
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -103,6 +111,10 @@ class Engine:
         num_runtime = cc.num_state_slots or config.max_batch_size
         num_ckpt = cc.num_checkpoint_slots if (self.is_hybrid and cc.enable_prefix_caching) else 0
         num_slots = num_runtime + num_ckpt if self.is_hybrid else 0
+        # speculative decoding on a hybrid model: one scratch slot per runtime slot (rollback)
+        scratch_base = num_slots if (self.is_hybrid and spec_config is not None) else None
+        if scratch_base is not None:
+            num_slots += num_runtime
         num_blocks = cc.num_gpu_blocks or self._derive_num_blocks(num_slots)
         capacity = num_blocks * cc.block_size
         if self.session_len > capacity:
@@ -127,6 +139,12 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
         self.model_runner = ModelRunner(self.model, self.cache_engine)
+        self.spec = None
+        if spec_config is not None:
+            from ..spec_decode.decoder import SpecDecoder
+            turn_end = self.prefix_cache is not None and self.prefix_cache.decode_save_last
+            self.spec = SpecDecoder(spec_config, self.model_runner, scratch_base, self._finish_reason, self.mtp,
+                                    self.session_len, block_align=cc.block_size if turn_end else None)
 
     def _derive_num_blocks(self, num_slots: int) -> int:
         cfg = self.cache_config
@@ -222,10 +240,17 @@ class Engine:
         self._execute_loads(sched)
         if not sched.chunks:
             return []
+        if self.spec is not None:
+            self.spec.before_forward(sched)
         next_tokens = self.model_runner.forward(sched)
+        if self.spec is not None:
+            self.spec.after_forward(sched, next_tokens)
         saves = self.scheduler.computed(sched)
         self._execute_saves(saves)
-        return self._update(sched, next_tokens)
+        outputs = self._update(sched, next_tokens)
+        if self.spec is not None:
+            self.spec.propose(sched, next_tokens)
+        return outputs
 
     def _execute_loads(self, sched: SchedulerOutput) -> None:
         """Run the restores of admitted sequences before the forward: checkpoint → runtime slot
@@ -271,24 +296,33 @@ class Engine:
         finally:
             done(copied)
 
-    def _update(self, sched, next_tokens: dict[int, int]) -> list[StepOutput]:
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why ``seq`` stops after ``token`` (already appended), or None."""
+        cfg = seq.gen_config
+        if not cfg.ignore_eos and (token in seq.eos_token_ids or token in cfg.stop_token_ids):
+            return 'stop'
+        if token in cfg.stop_token_ids:
+            return 'stop'
+        if seq.num_generated >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
+            return 'length'
+        return None
+
+    def _update(self, sched, next_tokens: dict[int, list[int]]) -> list[StepOutput]:
         outputs = []
         for chunk in sched.chunks:
             seq = chunk.seq
-            token = next_tokens.get(seq.seq_id)
-            if token is None:
+            tokens = next_tokens.get(seq.seq_id)
+            if tokens is None:
                 continue
-            seq.token_ids.append(token)
-            out = StepOutput(seq, [token])
-            if seq.seq_id in self.model_runner.last_logprobs:
-                out.logprobs = [self.model_runner.last_logprobs[seq.seq_id]]
-            cfg = seq.gen_config
-            if not cfg.ignore_eos and (token in seq.eos_token_ids or token in cfg.stop_token_ids):
-                out.finish_reason = 'stop'
-            elif token in cfg.stop_token_ids:
-                out.finish_reason = 'stop'
-            elif seq.num_generated >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
-                out.finish_reason = 'length'
+            out = StepOutput(seq, list(tokens))
+            if chunk.drafts:     # verified drafts: appended and checked by the speculative decoder
+                out.finish_reason = self.spec.finished.get(seq.seq_id)
+            else:
+                (token,) = tokens
+                seq.token_ids.append(token)
+                if seq.seq_id in self.model_runner.last_logprobs:
+                    out.logprobs = [self.model_runner.last_logprobs[seq.seq_id]]
+                out.finish_reason = self._finish_reason(seq, token)
             if out.finish_reason:
                 self._execute_saves(self.scheduler.finish(seq, out.finish_reason))
             outputs.append(out)
@@ -328,12 +362,17 @@ class Engine:
 
     def stats(self) -> dict:
         """Cumulative counters: prefix-cache queried/hit tokens, checkpoints saved and skipped by
-        reason, tokens whose blocks matched without a state checkpoint, and the Store tier's put
-        bytes/objects by kind, failures and hit tokens."""
+        reason, tokens whose blocks matched without a state checkpoint, the Store tier's put
+        bytes/objects by kind, failures and hit tokens, and (speculative decoding) draft tokens
+        proposed / accepted."""
         if self.prefix_cache is not None:
-            return self.prefix_cache.stats()
-        return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
-                'state_miss_tokens': 0, 'checkpoints_skipped': {}}
+            out = self.prefix_cache.stats()
+        else:
+            out = {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
+                   'state_miss_tokens': 0, 'checkpoints_skipped': {}}
+        if self.spec is not None:
+            out.update(self.spec.stats())
+        return out
 
     def is_idle(self) -> bool:
         """No sequence holds a block, a runtime slot, a pin or an in-flight Store operation."""

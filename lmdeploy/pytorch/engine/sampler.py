@@ -23,7 +23,7 @@ import torch
 
 from .sequence import Sequence
 
-__all__ = ['sample_tokens', 'sample', 'TokenLogprob']
+__all__ = ['sample_tokens', 'sample', 'TokenLogprob', 'target_distribution', 'request_generator']
 
 
 @dataclass
@@ -41,10 +41,10 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-def _process(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _process(logits: torch.Tensor, seq: Sequence, extra_ids=()) -> torch.Tensor:
     cfg = seq.gen_config
     if cfg.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(seq.token_ids).union(extra_ids)), dtype=torch.long)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / cfg.repetition_penalty, vals * cfg.repetition_penalty)
     return logits
@@ -107,31 +107,53 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             out.append(fast[i])
             logprobs.append(None)
             continue
-        raw = row
-        row = _finite(_process(row.clone(), seq), raw)
-        if cfg.greedy:
-            token = int(row.argmax())
-            out.append(token)
-            logprobs.append(None if cfg.logprobs is None else
-                            _logprob(torch.log_softmax(row, dim=-1), token, cfg.logprobs))
-            continue
-        # shifted by the max first: the same distribution as row / T, but a temperature near 0
-        # sends the others to -inf instead of the max to +inf (inf - inf is NaN in the softmax)
-        row = _finite((row - row.max()) / cfg.temperature, raw)
-        if cfg.top_k > 0 and cfg.top_k < row.numel():
-            kth = torch.topk(row, cfg.top_k).values[-1]
-            row = row.masked_fill(row < kth, float('-inf'))
-        probs = torch.softmax(row, dim=-1)
-        if cfg.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            cum = sorted_p.cumsum(0)
-            drop = cum - sorted_p > cfg.top_p       # keep the smallest prefix whose mass reaches top_p
-            sorted_p[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-            probs = probs / probs.sum()
-        if seq.generator is None:
-            seq.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-        token = int(torch.multinomial(probs, 1, generator=seq.generator))
+        token, probs, logp = target_distribution(row, seq)
+        if token is None:
+            token = int(torch.multinomial(probs, 1, generator=request_generator(seq)))
         out.append(token)
-        logprobs.append(None if cfg.logprobs is None else _logprob(torch.log(probs), token, cfg.logprobs))
+        logprobs.append(None if cfg.logprobs is None else _logprob(logp, token, cfg.logprobs))
     return out, logprobs
+
+
+def request_generator(seq: Sequence) -> torch.Generator:
+    """The sequence's own CPU generator (made from a random seed on first use when the
+    request gave none)."""
+    if seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    return seq.generator
+
+
+def target_distribution(row: torch.Tensor, seq: Sequence, extra_ids=()):
+    """The distribution the sampler draws ``seq``'s next token from, given logits ``row``.
+
+    Args:
+        row: ``[vocab]`` float32 logits (not modified).
+        seq: the sequence (its ``gen_config`` and, for the repetition penalty, its tokens).
+        extra_ids: tokens counted as already in the sequence besides ``seq.token_ids`` (the
+            draft tokens before this position, when verifying speculative drafts).
+
+    Returns:
+        ``(token, None, logp)`` for greedy decoding (``token`` the argmax, ``logp`` the
+        ``[vocab]`` log-softmax of the penalised logits), or ``(None, probs, log(probs))`` for
+        sampling, ``probs`` ``[vocab]`` float32 after temperature, top-k and top-p.
+    """
+    cfg = seq.gen_config
+    raw = row
+    row = _finite(_process(row.clone(), seq, extra_ids), raw)
+    if cfg.greedy:
+        return int(row.argmax()), None, torch.log_softmax(row, dim=-1)
+    # shifted by the max first: the same distribution as row / T, but a temperature near 0
+    # sends the others to -inf instead of the max to +inf (inf - inf is NaN in the softmax)
+    row = _finite((row - row.max()) / cfg.temperature, raw)
+    if cfg.top_k > 0 and cfg.top_k < row.numel():
+        kth = torch.topk(row, cfg.top_k).values[-1]
+        row = row.masked_fill(row < kth, float('-inf'))
+    probs = torch.softmax(row, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        cum = sorted_p.cumsum(0)
+        drop = cum - sorted_p > cfg.top_p       # keep the smallest prefix whose mass reaches top_p
+        sorted_p[drop] = 0
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        probs = probs / probs.sum()
+    return None, probs, torch.log(probs)

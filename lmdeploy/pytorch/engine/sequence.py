@@ -71,6 +71,8 @@ class Sequence:
         token_lookahead: ℓ of the decoding strategy (MTP); 0 without speculative decoding.
         recompute_blocks: r of the decoding strategy; 0 by default.
         eos_token_ids: ids that end generation unless ``gen_config.ignore_eos``.
+        draft_ids: speculative tokens proposed for the next decode step (verified, never
+            trusted: see :mod:`lmdeploy.pytorch.spec_decode`); empty without speculation.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -88,6 +90,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: SequenceStats = field(default_factory=SequenceStats)
     generator: torch.Generator | None = None
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
@@ -120,6 +123,7 @@ class Sequence:
 
     def next_chunk_end(self) -> int:
         """End (exclusive, in tokens) of the next forward: the next plan chunk end while
-        prefilling, else one token past ``num_computed_tokens``."""
+        prefilling, else the last token (one token past ``num_computed_tokens`` in plain
+        decoding; more after speculative drafts were accepted without their state)."""
         end = next_chunk_end(self.plan, self.num_computed_tokens) if self.plan is not None else None
-        return self.num_computed_tokens + 1 if end is None else end
+        return max(self.num_tokens, self.num_computed_tokens + 1) if end is None else end

@@ -4,12 +4,20 @@ A strategy tells the planner two integers: ``token_lookahead`` (ℓ, input token
 a chunk's end its forward also reads, e.g. MTP's shifted inputs) and ``recompute_blocks`` (r,
 full cached blocks past a restored boundary that a restore must also match). Every sequence
 carries its strategy's values, so ``plan_prefill`` is called with real numbers, not constants.
+
+=================  ==  ==  ==========================================================
+strategy           ℓ   r   why
+=================  ==  ==  ==========================================================
+autoregressive     0   0   a forward reads only its own tokens
+n-gram drafts      0   0   drafts are verified by the target alone; nothing shifted
+qwen3_next_mtp     1   0   the MTP layer's KV at position t is computed from token t + 1
+=================  ==  ==  ==========================================================
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ['DecodingStrategy', 'AUTOREGRESSIVE']
+__all__ = ['DecodingStrategy', 'AUTOREGRESSIVE', 'QWEN3_NEXT_MTP', 'strategy_for']
 
 
 @dataclass(frozen=True)
@@ -35,3 +43,13 @@ class DecodingStrategy:
 
 
 AUTOREGRESSIVE = DecodingStrategy()
+
+
+QWEN3_NEXT_MTP = DecodingStrategy('qwen3_next_mtp', token_lookahead=1, recompute_blocks=0)
+
+
+def strategy_for(speculative_config) -> DecodingStrategy:
+    """The strategy of a :class:`~lmdeploy.messages.SpeculativeConfig` (None: autoregressive)."""
+    if speculative_config is not None and speculative_config.method == 'qwen3_next_mtp':
+        return QWEN3_NEXT_MTP
+    return AUTOREGRESSIVE

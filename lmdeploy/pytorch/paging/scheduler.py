@@ -39,10 +39,13 @@ __all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput']
 
 @dataclass
 class ScheduledChunk:
-    """One sequence's tokens ``[start, end)`` in this step's forward."""
+    """One sequence's tokens ``[start, end)`` in this step's forward, followed by ``drafts``
+    (speculative tokens scored in the same forward, at positions ``end, end + 1, ...``; they are
+    not tokens of the sequence until accepted)."""
     seq: Sequence
     start: int
     end: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def sample(self) -> bool:
@@ -134,12 +137,13 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:       # preempted by an earlier sequence this step
                 continue
-            chunk = ScheduledChunk(seq, seq.num_computed_tokens, seq.next_chunk_end())
+            chunk = ScheduledChunk(seq, seq.num_computed_tokens, self._chunk_end(seq))
             size = chunk.end - chunk.start
             if chunk.is_prefill and any_prefill and size > budget:
                 continue
             if not self._reserve_blocks(seq, chunk.end, out):
                 continue
+            chunk.drafts = self._drafts(seq, chunk)
             out.chunks.append(chunk)
             if chunk.is_prefill:
                 budget -= size
@@ -153,6 +157,29 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, start, end))
             budget -= end - start
         return out
+
+    def _chunk_end(self, seq: Sequence) -> int:
+        """End of a running sequence's next chunk. A decode catch-up (tokens accepted from
+        drafts whose state was rolled back) stops at the next block boundary when turn-end
+        checkpoints are kept, since those are copied when a forward ends on a block boundary."""
+        start, end = seq.num_computed_tokens, seq.next_chunk_end()
+        if (end - start > 1 and start >= seq.num_prompt_tokens and self.prefix_cache is not None
+                and self.prefix_cache.decode_save_last):
+            end = min(end, (start // self.block_size + 1) * self.block_size)
+        return end
+
+    def _drafts(self, seq: Sequence, chunk: ScheduledChunk) -> tuple[int, ...]:
+        """The sequence's draft tokens, when ``chunk`` is a decode chunk (past the prompt, up to
+        the last token) and their KV slots fit in free blocks now (drafts never evict or
+        preempt: without room the step decodes plainly)."""
+        if not seq.draft_ids or chunk.end != seq.num_tokens or chunk.start < seq.num_prompt_tokens:
+            return ()
+        need = self._blocks_for(seq, chunk.end + len(seq.draft_ids))
+        if need > self.block_manager.num_free:
+            return ()
+        if need > 0:
+            seq.block_ids.extend(self.block_manager.allocate(need))
+        return tuple(seq.draft_ids)
 
     def _blocks_for(self, seq: Sequence, end: int) -> int:
         return -(-end // self.block_size) - len(seq.block_ids)
@@ -269,7 +296,7 @@ class Scheduler:
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
-            if chunk.is_prefill or chunk.start < seq.num_prompt_tokens:
+            if chunk.start < seq.num_prompt_tokens or (chunk.is_prefill and not chunk.drafts):
                 seq.stats.prefill_forwards += 1
         if self.prefix_cache is not None:
             self.prefix_cache.plan_saves(out.chunks, saves)

@@ -1,0 +1,234 @@
+"""The engine side of speculative decoding: drafts in, accepted tokens out, state rolled back.
+
+:class:`SpecDecoder` owns everything speculative between the scheduler and the model runner;
+the engine calls it at three points of its step::
+
+    schedule()          decode chunks carry seq.draft_ids (the scheduler takes KV slots for them)
+    before_forward()    hybrid: copy each verifying sequence's runtime state → its scratch slot
+    forward()           target logits of last token + drafts; acceptance (model runner)
+    after_forward()     truncate at stop conditions, append the tokens, set how far the chunk
+                        really computed (rolling the state back where needed), run the MTP head
+    computed(), saves   the prefix cache sees only accepted tokens
+    propose()           n-gram drafts for the next step (MTP drafts were made in after_forward)
+
+Rollback (hybrid models). The verify forward leaves each linear-attention layer's conv and
+recurrent state after the *last draft*. If every draft was kept that is exactly the state the
+sequence needs. Otherwise the state is restored from the snapshot taken before the forward
+(the state after ``chunk.start`` tokens) and the sequence's computed tokens go back to
+``chunk.start``: the next forward recomputes the accepted tokens together with the new drafts
+(a few extra tokens in a decode forward; no kernel keeps per-position states). Full-attention
+layers need no rollback: KV of rejected drafts sits past the computed tokens, is never
+published to the prefix cache and is overwritten by the next forward. No checkpoint is taken at
+a draft position: save points and turn-end copies only see ``chunk.end`` after this step has
+moved it to a position whose state is exact.
+
+Scratch slots: runtime slot ``s`` has scratch slot ``scratch_base + s`` in the same state
+buffer (one more slot per runtime slot, allocated only with speculative decoding on).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...messages import SpeculativeConfig
+from ..model_inputs import StepContext
+from .ngram import propose_ngram
+
+__all__ = ['SpecDecoder']
+
+
+class SpecDecoder:
+    """Engine-side speculative decoding.
+
+    Args:
+        config: the speculative configuration.
+        runner: the :class:`~lmdeploy.pytorch.engine.model_runner.ModelRunner` (its model,
+            cache engine, and the hidden states of its last forward).
+        scratch_base: first scratch state slot (None for models without recurrent state).
+        finish_reason: ``(seq, token) -> str | None`` the engine's stop rule, applied after
+            ``token`` was appended to ``seq``.
+        mtp: the loaded MTP head (method ``qwen3_next_mtp``), else None.
+        session_len: longest sequence in tokens.
+        block_align: block size B when turn-end checkpoints are kept (``decode_save_last``):
+            drafts then never carry a forward past the next block boundary, so decoding still
+            ends a forward on every boundary; None otherwise.
+    """
+
+    def __init__(self, config: SpeculativeConfig, runner, scratch_base: int | None, finish_reason,
+                 mtp=None, session_len: int = 1 << 30, block_align: int | None = None):
+        self.config = config
+        self.runner = runner
+        self.model = runner.model
+        self.cache_engine = runner.cache_engine
+        self.scratch_base = scratch_base
+        self.finish_reason = finish_reason
+        self.mtp = mtp
+        self.session_len = session_len
+        self.block_align = block_align
+        self.finished: dict[int, str] = {}     # seq_id -> finish reason found in after_forward
+        self._valid_end: dict[int, int] = {}   # seq_id -> end of the exact positions of its verify chunk
+        self.counters = {'spec_decode_draft_tokens': 0, 'spec_decode_accepted_tokens': 0,
+                         'spec_decode_verify_steps': 0, 'spec_decode_rollbacks': 0}
+
+    # before the forward --------------------------------------------------------------------
+    def before_forward(self, sched) -> None:
+        """Snapshot the runtime state of every sequence that verifies drafts in this forward."""
+        self.finished, self._valid_end = {}, {}
+        if self.scratch_base is None:
+            return
+        slots = [c.seq.state_slot for c in sched.chunks if c.drafts]
+        if slots:
+            self.cache_engine.copy_states(slots, [self.scratch_base + s for s in slots])
+
+    # after the forward ---------------------------------------------------------------------
+    def after_forward(self, sched, new_tokens: dict[int, list[int]]) -> None:
+        """Book the verify chunks of ``sched`` (see the module docstring) and run the MTP head.
+
+        For each chunk with drafts, its tokens in ``new_tokens`` are cut at the first stop
+        condition and appended to the sequence here (the prefix cache must hash them when the
+        scheduler books the forward); the engine then only reports them.
+        """
+        restore = []
+        for chunk in sched.chunks:
+            if not chunk.drafts or chunk.seq.seq_id not in new_tokens:
+                continue
+            seq, K = chunk.seq, len(chunk.drafts)
+            tokens = new_tokens[chunk.seq.seq_id]
+            self.counters['spec_decode_verify_steps'] += 1
+            self.counters['spec_decode_draft_tokens'] += K
+            self.counters['spec_decode_accepted_tokens'] += len(tokens) - 1
+            kept = []
+            for token in tokens:
+                seq.token_ids.append(token)
+                kept.append(token)
+                reason = self.finish_reason(seq, token)
+                if reason:
+                    self.finished[seq.seq_id] = reason
+                    break
+            new_tokens[seq.seq_id] = kept
+            # the forward computed chunk.end + K positions; exact KV for the first end + len(kept) - 1
+            valid_end = self._valid_end[seq.seq_id] = chunk.end + len(kept) - 1
+            if self.scratch_base is None or len(kept) == K + 1:
+                chunk.end = valid_end
+            else:
+                restore.append(seq.state_slot)
+                chunk.end = chunk.start
+        if restore:
+            self.counters['spec_decode_rollbacks'] += len(restore)
+            self.cache_engine.copy_states([self.scratch_base + s for s in restore], restore)
+        if self.mtp is not None:
+            self._run_mtp(sched, new_tokens)
+
+    # drafts for the next step ------------------------------------------------------------
+    def _draft_room(self, seq, pending: int = 0) -> int:
+        """How many drafts ``seq`` may verify next step (0: none), ``pending`` tokens not yet
+        appended. Requests that asked for log-probabilities decode plainly."""
+        cfg = seq.gen_config
+        if seq.is_finished or cfg.logprobs is not None:
+            return 0
+        room = min(cfg.max_new_tokens - seq.num_generated, self.session_len - seq.num_tokens) - 1 - pending
+        if self.block_align:
+            # the verify chunk ends at num_tokens; all K kept -> computed = num_tokens + K <= boundary
+            room = min(room, -(seq.num_tokens + pending) % self.block_align)
+        return max(0, min(self.config.num_speculative_tokens, room))
+
+    def propose(self, sched, new_tokens: dict[int, list[int]]) -> None:
+        """Set ``draft_ids`` of the sequences that emitted tokens in this step, for their next
+        decode step (n-gram; called once the tokens are appended). MTP drafts were set by
+        :meth:`after_forward`."""
+        if self.mtp is not None:
+            return
+        cfg = self.config
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            seq.draft_ids = []
+            k = self._draft_room(seq) if seq.seq_id in new_tokens else 0
+            if k:
+                seq.draft_ids = propose_ngram(seq.token_ids, k, cfg.ngram_min, cfg.ngram_max)
+
+    # MTP ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run_mtp(self, sched, new_tokens: dict[int, list[int]]) -> None:
+        """Run the MTP head over every position whose target hidden state this forward computed
+        exactly (writing the MTP layer's KV there) and draft from the last one.
+
+        Position ``p`` reads token ``p + 1``: a prompt token (lookahead, for chunks that stop
+        inside the prompt) or a token emitted now. A sequence that emitted tokens gets
+        ``draft_ids`` from the MTP logits at its last such position (chained for K > 1 while
+        its blocks have room for the extra MTP KV)."""
+        runner_hidden, ctx = self._last_forward
+        rows, ids, pos, q_lens, starts, kv_lens, tables, seqs = [], [], [], [], [], [], [], []
+        for i, chunk in enumerate(sched.chunks):
+            seq = chunk.seq
+            seq.draft_ids = []
+            end = self._valid_end.get(seq.seq_id, chunk.end)
+            pending = [] if chunk.drafts else new_tokens.get(seq.seq_id, [])
+            tokens = seq.token_ids + pending
+            end = min(end, len(tokens) - 1)          # position p needs token p + 1
+            if end <= chunk.start:
+                continue
+            first = ctx.q_start_loc[i]
+            rows.extend(range(first, first + end - chunk.start))
+            ids.extend(tokens[chunk.start + 1:end + 1])
+            pos.extend(range(chunk.start, end))
+            starts.append(sum(q_lens))
+            q_lens.append(end - chunk.start)
+            kv_lens.append(end)
+            tables.append(torch.tensor(seq.block_ids, dtype=torch.long, device=ctx.device))
+            seqs.append((seq, chunk.seq.seq_id in new_tokens, tokens, len(pending)))
+        if not rows:
+            return
+        device = ctx.device
+        hidden = runner_hidden[torch.tensor(rows, device=device)]
+        positions = torch.tensor(pos, dtype=torch.long, device=device)
+        mctx = StepContext(input_ids=torch.tensor(ids, dtype=torch.long, device=device), positions=positions,
+                           q_seqlens=q_lens, q_start_loc=starts, kv_seqlens=kv_lens, block_tables=tables,
+                           state_slots=[-1] * len(q_lens), kv_caches=ctx.kv_caches, block_size=ctx.block_size)
+        out = self._mtp_step(hidden, mctx)
+        last_rows = [s + n - 1 for s, n in zip(starts, q_lens)]
+        drafting = [(j, seq, tokens, self._draft_room(seq, pending)) for j, (seq, emitted, tokens, pending)
+                    in enumerate(seqs) if emitted and seq.seq_id not in self.finished]
+        drafting = [d for d in drafting if d[3] > 0]
+        if not drafting:
+            return
+        sel = torch.tensor([last_rows[d[0]] for d in drafting], device=device)
+        draft = self.model.compute_logits(out[sel]).argmax(-1)
+        prev = out[sel]
+        chains = [[int(t)] for t in draft.tolist()]
+        for step in range(1, self.config.num_speculative_tokens):
+            live = [k for k, (_, seq, tokens, room) in enumerate(drafting)
+                    if len(chains[k]) == step and step < room
+                    and len(tokens) - 1 + step < len(seq.block_ids) * ctx.block_size]
+            if not live:
+                break
+            p = [len(drafting[k][2]) - 2 + step for k in live]
+            cctx = StepContext(input_ids=torch.tensor([chains[k][-1] for k in live], dtype=torch.long, device=device),
+                               positions=torch.tensor(p, dtype=torch.long, device=device),
+                               q_seqlens=[1] * len(live), q_start_loc=list(range(len(live))),
+                               kv_seqlens=[x + 1 for x in p],
+                               block_tables=[torch.tensor(drafting[k][1].block_ids, dtype=torch.long, device=device)
+                                             for k in live],
+                               state_slots=[-1] * len(live), kv_caches=ctx.kv_caches, block_size=ctx.block_size)
+            nxt = self._mtp_step(prev[torch.tensor(live, device=device)], cctx)
+            toks = self.model.compute_logits(nxt).argmax(-1).tolist()
+            new_prev = prev.clone()
+            for idx, k in enumerate(live):
+                chains[k].append(int(toks[idx]))
+                new_prev[k] = nxt[idx]
+            prev = new_prev
+        for k, (_, seq, _, room) in enumerate(drafting):
+            seq.draft_ids = chains[k][:room]
+
+    def _mtp_step(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """MTP hidden states for ``ctx``'s positions, whose next tokens are ``ctx.input_ids``."""
+        base = self.model.model
+        embeds = base.embed_tokens(ctx.input_ids)
+        cos, sin = base.rotary(ctx.positions, embeds.dtype)
+        return self.mtp(hidden, embeds, cos, sin, ctx)
+
+    @property
+    def _last_forward(self):
+        return self.runner.last_hidden, self.runner.last_context
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters: draft tokens proposed and accepted, verify steps, rollbacks."""
+        return dict(self.counters)
