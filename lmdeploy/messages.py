@@ -28,6 +28,8 @@ class PytorchEngineConfig(BaseModel):
     device_type: Literal['auto', 'cpu', 'cuda'] = Field('auto', description='auto = cuda if available, else cpu.')
     session_len: int | None = Field(None, ge=1, description='Longest sequence (prompt + output) in tokens; '
                                     'default: the model\'s max_position_embeddings.')
+    tp: int = Field(1, ge=1, description='Tensor-parallel size: the model is split over this many processes (one '
+                    'per GPU on CUDA, gloo on CPU); rank 0 is the engine process (docs/en/advance/parallelism.md).')
     max_batch_size: int = Field(16, ge=1, description='Most sequences running at once.')
     block_size: int = Field(64, ge=1, description='Tokens per KV block (B); the prefix-cache identity unit.')
     cache_max_entry_count: float = Field(0.8, gt=0, le=1, description='Fraction of free device memory (CUDA) or '
