@@ -199,3 +199,56 @@ def test_killing_a_worker_mid_request_ends_the_engine_with_an_error_naming_the_r
     finally:
         loop.close()
     assert not _pid_alive(pid)
+
+
+# Store: full-head objects, restorable across TP sizes --------------------------------------
+def test_store_layout_round_trips_rank_slices(tiny_qwen3_next):
+    from lmdeploy.pytorch.distributed.store_layout import StoreLayout
+    from lmdeploy.pytorch.models.qwen3_next import Qwen3NextForCausalLM
+    config = load_config(tiny_qwen3_next)
+    full = Qwen3NextForCausalLM.cache_specs(config, torch.float32)
+    local = Qwen3NextForCausalLM.cache_specs(TPLayout(config, 0, 2).local_config(), torch.float32)
+    layout = StoreLayout(config, 2, local, full, B)
+    for kv, size in ((True, layout.kv_block_bytes), (False, layout.state_bytes)):
+        payload = torch.randint(0, 256, (3, size), dtype=torch.uint8)
+        ranks = layout.to_ranks(payload, kv)
+        assert sum(r.shape[1] for r in ranks) == size          # no head replicated at TP2: bytes = sum over ranks
+        assert torch.equal(layout.to_full(ranks, kv), payload)
+        assert not torch.equal(ranks[0], payload[:, :ranks[0].shape[1]])    # interleaved per layer, not a prefix
+
+
+@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2)])
+def test_a_reader_with_another_tp_size_restores_the_writers_prefix_and_bytes_match_the_simulator(
+        writer_tp, reader_tp, tiny_qwen3_next, mooncake_services):
+    import json
+
+    from test_store_engine import sim, store_config
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 4000 + writer_tp)
+    cold = engine(tiny_qwen3_next)
+    expected = cold.generate(ids, gen).output_ids
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg, tp=writer_tp))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        with open(os.path.join(tiny_qwen3_next, 'config.json')) as f:
+            sizes = sim.sizes_from_config(json.load(f), tp=2, block_size=B)
+        S, K = sizes.charged
+        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
+        assert (S, K) == (2 * sizes.state_bytes, 2 * sizes.kv_block_bytes)     # the sum over the two ranks
+        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
+        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
+    finally:
+        writer.close()
+    reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg, tp=reader_tp))
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
+        assert again.output_ids == expected
+        assert reader.store.flush(timeout=30) and reader.is_idle()
+    finally:
+        reader.close()

@@ -39,6 +39,7 @@ from .comm import destroy_group, free_port, init_group
 from ..models.loader import load_config
 from .rank import RankRuntime, StepBatch
 from .sharding import TPLayout
+from .store_layout import StoreLayout
 
 __all__ = ['TPExecutor', 'TPCacheEngine', 'TPModelRunner', 'WorkerDiedError']
 
@@ -207,8 +208,8 @@ class TPExecutor:
 
     def start(self, block_size: int, num_blocks: int, num_slots: int) -> tuple['TPCacheEngine', 'TPModelRunner']:
         """Allocate every rank's caches; returns rank 0's cache engine and model runner facades."""
-        sizes = self.call('build_caches', block_size, num_blocks, num_slots, gather=True)
-        cache = TPCacheEngine(self, sizes)
+        self.call('build_caches', block_size, num_blocks, num_slots)
+        cache = TPCacheEngine(self, block_size)
         return cache, TPModelRunner(self, cache)
 
     def close(self) -> None:
@@ -247,28 +248,23 @@ class TPCacheEngine:
     """Rank 0's view of the caches of all ranks: block and slot ids are shared by every rank,
     each rank holds its heads' slice of every row.
 
-    Payloads (Store objects) are the ranks' slices concatenated in rank order, so
-    ``kv_block_bytes`` / ``state_bytes`` are the sums over ranks.
+    Payloads (Store objects) are in the full-head layout of a single-process engine
+    (:mod:`.store_layout`): reads gather the ranks' slices and assemble them, writes split a
+    payload back into slices. ``kv_block_bytes`` / ``state_bytes`` and ``object_specs`` are
+    therefore those of the single-process engine.
     """
 
-    def __init__(self, executor: TPExecutor, sizes: list[tuple[int, int]]):
+    def __init__(self, executor: TPExecutor, block_size: int):
         self.executor = executor
         self.local = executor.runtime.cache_engine
-        self.kv_sizes = [k for k, _ in sizes]
-        self.state_sizes = [s for _, s in sizes]
         for name in ('specs', 'block_size', 'num_blocks', 'num_slots', 'has_state', 'device', 'kv_caches',
                      'state_caches', 'kv_buf', 'state_buf'):
             setattr(self, name, getattr(self.local, name))
-
-    @property
-    def kv_block_bytes(self) -> int:
-        """K_blk summed over ranks."""
-        return sum(self.kv_sizes)
-
-    @property
-    def state_bytes(self) -> int:
-        """S summed over ranks."""
-        return sum(self.state_sizes)
+        rt = executor.runtime
+        self.object_specs = type(rt.model).cache_specs(rt.hf_config, rt.dtype)
+        self.layout = StoreLayout(rt.hf_config, executor.size, rt.specs, self.object_specs, block_size)
+        self.kv_block_bytes = self.layout.kv_block_bytes     # K_blk of all heads
+        self.state_bytes = self.layout.state_bytes if self.has_state else 0     # S of all heads
 
     def copy_states(self, src, dst) -> None:
         """Copy whole states ``src[i] → dst[i]`` on every rank."""
@@ -276,20 +272,23 @@ class TPCacheEngine:
             self.executor.call('copy_states', list(src), list(dst))
 
     def read_state(self, slot: int) -> torch.Tensor:
-        """``[S]`` uint8: every rank's state payload of ``slot``, in rank order."""
-        return torch.cat(self.executor.call('read_state', slot, gather=True))
+        """``[S]`` uint8: the state payload of ``slot`` over all heads."""
+        parts = self.executor.call('read_state', slot, gather=True)
+        return self.layout.to_full([p[None] for p in parts], kv=False)[0]
 
     def write_state(self, slot: int, payload: torch.Tensor) -> None:
-        """Write a ``[S]`` payload (rank-ordered slices) into ``slot`` on every rank."""
-        self.executor.call('write_state', slot, list(payload.split(self.state_sizes)))
+        """Write a ``[S]`` all-heads payload into ``slot``, each rank its slice."""
+        parts = self.layout.to_ranks(payload.reshape(1, -1), kv=False)
+        self.executor.call('write_state', slot, [p[0] for p in parts])
 
     def read_kv_blocks(self, block_ids) -> torch.Tensor:
-        """``[len(block_ids), K_blk]`` uint8: every rank's payloads, in rank order per block."""
-        return torch.cat(self.executor.call('read_kv_blocks', list(block_ids), gather=True), dim=1)
+        """``[len(block_ids), K_blk]`` uint8: the blocks' payloads over all heads."""
+        return self.layout.to_full(self.executor.call('read_kv_blocks', list(block_ids), gather=True), kv=True)
 
     def write_kv_block(self, block_id: int, payload: torch.Tensor) -> None:
-        """Write a ``[K_blk]`` payload (rank-ordered slices) into ``block_id`` on every rank."""
-        self.executor.call('write_kv_block', block_id, list(payload.split(self.kv_sizes)))
+        """Write a ``[K_blk]`` all-heads payload into ``block_id``, each rank its slice."""
+        parts = self.layout.to_ranks(payload.reshape(1, -1), kv=True)
+        self.executor.call('write_kv_block', block_id, [p[0] for p in parts])
 
 
 class TPModelRunner:
