@@ -38,9 +38,10 @@ with the engine's own layer cache specs (``lmdeploy.pytorch.cache_specs``, the o
 S and K_blk that the engine and its Store tier use): per linear-attention layer the state is
 ``conv_dim·(kernel-1)·dtype_bytes`` conv state plus ``v_heads·k_head_dim·v_head_dim·4`` fp32
 recurrent state (``conv_dim = 2·k_heads·k_head_dim + v_heads·v_head_dim``, heads divided by
-tp); ``K_blk = full_layers·2·B·kv_heads_per_rank·head_dim·dtype_bytes``. All sizes are per
-rank; every rank puts its own objects, so totals over ranks are ``tp`` times larger and the
-reduction is unchanged.
+tp); ``K_blk = full_layers·2·B·kv_heads_per_rank·head_dim·dtype_bytes`` per rank. With
+``--tp N`` the bytes charged are the sums over ranks (each rank's owned heads; a replicated KV
+head once), as a tensor-parallel engine's ``store_put_bytes`` counts them: its objects hold
+every head (docs/en/advance/parallelism.md). The reduction does not depend on tp.
 
 Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.01%: the seed
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
@@ -424,11 +425,25 @@ def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_byte
 
 @dataclass(frozen=True)
 class StoreSizes:
-    """Per-rank Store object sizes in bytes; ``tp`` ranks each put their own."""
+    """Per-rank state and KV block sizes in bytes, and what one Store object of each holds.
+
+    A tensor-parallel engine writes its objects in the full-head layout (every rank's slice
+    assembled, docs/en/advance/parallelism.md), so the Store is charged ``store_state_bytes`` /
+    ``store_kv_block_bytes``: the sums over ranks of the heads each owns (a KV head replicated
+    on several ranks counts once), equal to the ``tp = 1`` sizes.
+    """
 
     state_bytes: int
     kv_block_bytes: int
     tp: int = 1
+    store_state_bytes: int | None = None      # None: state_bytes * tp
+    store_kv_block_bytes: int | None = None   # None: kv_block_bytes * tp
+
+    @property
+    def charged(self) -> tuple[int, int]:
+        """``(S, K_blk)`` the Store is charged per object."""
+        return (self.state_bytes * self.tp if self.store_state_bytes is None else self.store_state_bytes,
+                self.kv_block_bytes * self.tp if self.store_kv_block_bytes is None else self.store_kv_block_bytes)
 
 
 def _dtype_bytes(name: str, field: str) -> int:
@@ -475,14 +490,18 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     state_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(state_dtype or model_dtype, 'state_dtype')])
     kv_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(kv_dtype or model_dtype, 'kv_dtype')])
     # the engine's own layer specs, sharded per rank: S and K_blk are computed in one place
-    k_heads, v_heads = k_heads // tp, v_heads // tp
-    linear = LinearAttentionSpec(conv_shape=(2 * k_heads * k_dim + v_heads * v_dim, kernel - 1), conv_dtype=state_t,
-                                 recurrent_shape=(v_heads, k_dim, v_dim))
-    full = FullAttentionSpec(max(1, kv_heads // tp), head_dim, kv_t)
-    specs = [linear if t == 'linear_attention' else full for t in layers if t in ('linear_attention', 'full_attention')]
-    if mtp:
-        specs += [full] * int(config.get('num_nextn_predict_layers') or 1)
-    return StoreSizes(state_bytes_per_slot(specs), kv_bytes_per_block(specs, block_size), tp)
+    def specs(n: int) -> list:
+        linear = LinearAttentionSpec(conv_shape=(2 * (k_heads // n) * k_dim + (v_heads // n) * v_dim, kernel - 1),
+                                     conv_dtype=state_t, recurrent_shape=(v_heads // n, k_dim, v_dim))
+        full = FullAttentionSpec(max(1, kv_heads // n), head_dim, kv_t)
+        out = [linear if t == 'linear_attention' else full for t in layers if t in ('linear_attention',
+                                                                                   'full_attention')]
+        if mtp:
+            out += [full] * int(config.get('num_nextn_predict_layers') or 1)
+        return out
+    rank, whole = specs(tp), specs(1)
+    charged = (state_bytes_per_slot(whole), kv_bytes_per_block(whole, block_size)) if tp > 1 else (None, None)
+    return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(rank, block_size), tp, *charged)
 
 
 def truncate_percent(x: Fraction) -> str:
@@ -639,10 +658,10 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
     scenarios = _scenarios(args)
     geometry = dict(chunk_size=chunk, block_size=block, alignment=align, token_lookahead=args.token_lookahead,
                     recompute_blocks=args.recompute_blocks)
-    results = [simulate(s, sizes.state_bytes, sizes.kv_block_bytes, **geometry) for s in scenarios]
+    results = [simulate(s, *sizes.charged, **geometry) for s in scenarios]
     policies = _policies(args)
     detailed = policies != [DEFAULT, LAST_ONLY] or isinstance(scenarios[0], Branching)
-    per_policy = [simulate_policies(s, sizes.state_bytes, sizes.kv_block_bytes, policies=policies, **geometry)
+    per_policy = [simulate_policies(s, *sizes.charged, policies=policies, **geometry)
                   for s in scenarios] if detailed else []
     if args.json:
         out = []
@@ -654,7 +673,8 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
             out.append(row)
         print(json.dumps(out, indent=1))
         return results
-    print(f'S = {sizes.state_bytes} {unit}, K_blk = {sizes.kv_block_bytes} {unit} per rank (tp={sizes.tp}); '
+    print(f'S = {sizes.state_bytes} {unit}, K_blk = {sizes.kv_block_bytes} {unit} per rank (tp={sizes.tp}; '
+          f'charged over ranks: S = {sizes.charged[0]}, K_blk = {sizes.charged[1]}); '
           f'S/K_blk = {float(Fraction(sizes.state_bytes, max(1, sizes.kv_block_bytes))):g}; '
           f'P={chunk} B={block} A={align} lookahead={args.token_lookahead} recompute={args.recompute_blocks}')
     print(f'{"scenario":<30} {"saves":>5} {"saves":>5} {"default " + unit:>18} {"last-only " + unit:>18} '

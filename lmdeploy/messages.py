@@ -53,6 +53,8 @@ class PytorchEngineConfig(BaseModel):
     device_type: Literal['auto', 'cpu', 'cuda'] = Field('auto', description='auto = cuda if available, else cpu.')
     session_len: int | None = Field(None, ge=1, description='Longest sequence (prompt + output) in tokens; '
                                     'default: the model\'s max_position_embeddings.')
+    tp: int = Field(1, ge=1, description='Tensor-parallel size: the model is split over this many processes (one '
+                    'per GPU on CUDA, gloo on CPU); rank 0 is the engine process (docs/en/advance/parallelism.md).')
     max_batch_size: int = Field(16, ge=1, description='Most sequences running at once.')
     block_size: int = Field(64, ge=1, description='Tokens per KV block (B); the prefix-cache identity unit.')
     cache_max_entry_count: float = Field(0.8, gt=0, le=1, description='Fraction of free device memory (CUDA) or '
@@ -124,6 +126,12 @@ class PytorchEngineConfig(BaseModel):
         if self.prefill_save_alignment % self.block_size != 0:
             raise ValueError(f'prefill_save_alignment ({self.prefill_save_alignment}) must be a positive multiple '
                              f'of block_size ({self.block_size})')
+        return self
+
+    @model_validator(mode='after')
+    def _speculative_needs_one_rank(self):
+        if self.speculative_config is not None and self.tp > 1:
+            raise ValueError(f'speculative_config: speculative decoding runs with tp=1 only (got tp={self.tp})')
         return self
 
 

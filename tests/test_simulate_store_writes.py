@@ -98,6 +98,8 @@ def test_qwen3_next_80b_sizes_per_rank():
     tp4 = sim.sizes_from_config(sim.QWEN3_NEXT_80B_CONFIG, tp=4)   # 2 KV heads replicated: 1 per rank
     assert (tp4.state_bytes, tp4.kv_block_bytes, tp4.tp) == (36 * (2048 * 3 * 2 + 8 * 128 * 128 * 4), 786432, 4)
     assert sim.sizes_from_config(sim.QWEN3_NEXT_80B_CONFIG, kv_dtype='float8_e4m3fn').kv_block_bytes == 786432
+    # charged over ranks: state slices sum to the whole state, a replicated KV head counts once
+    assert tp4.charged == (sizes.state_bytes, sizes.kv_block_bytes) == (4 * tp4.state_bytes, 2 * tp4.kv_block_bytes)
 
 
 def test_layer_types_override_interval():

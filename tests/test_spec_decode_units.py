@@ -159,3 +159,11 @@ def test_speculative_flags_on_serve_and_chat(command):
         engine_config_from_args(parser.parse_args(['MODEL', '--speculative-num-draft-tokens', '2']))
     with pytest.raises(SystemExit):
         parser.parse_args(['MODEL', '--speculative-algorithm', 'eagle'])
+
+
+def test_speculative_decoding_with_tensor_parallelism_is_refused_naming_the_field():
+    import pytest
+
+    from lmdeploy.messages import PytorchEngineConfig
+    with pytest.raises(ValueError, match='speculative_config'):
+        PytorchEngineConfig(tp=2, speculative_config={'method': 'ngram', 'num_speculative_tokens': 2})

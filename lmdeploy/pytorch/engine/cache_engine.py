@@ -120,6 +120,11 @@ class CacheEngine:
         return layout.row_bytes if layout.entries else 0
 
     @property
+    def object_specs(self) -> list[LayerCacheSpec]:
+        """The layer specs that describe a Store payload's layout (they join the Store namespace)."""
+        return self.specs
+
+    @property
     def kv_block_bytes(self) -> int:
         """K_blk: payload bytes of one KV block over all full-attention layers."""
         return self._kv_layout.payload_bytes

@@ -96,9 +96,16 @@ class Engine:
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
         self.device = torch.device(device)
         self.model_path = model_path
-        self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
-        self.specs = self.model.cache_specs(self.hf_config, self.dtype)
-        self.mtp = None
+        self.executor = None     # tensor parallelism: rank 0's handle on the worker ranks
+        if config.tp > 1:
+            from ..distributed.executor import TPExecutor
+            self.executor = TPExecutor(model_path, config.dtype, self.device, config.tp)
+            self.model, self.hf_config, self.dtype = self.executor.model, self.executor.hf_config, self.executor.dtype
+            self.specs = self.executor.specs     # this rank's heads
+        else:
+            self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
+            self.specs = self.model.cache_specs(self.hf_config, self.dtype)
+        self.mtp = None       # speculative decoding runs with tp=1 only (checked by the config)
         if spec_config is not None and spec_config.method == 'qwen3_next_mtp':
             from ..spec_decode.mtp import load_mtp, mtp_cache_spec
             self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
@@ -124,7 +131,10 @@ class Engine:
             logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
                            self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
-        self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
+        if self.executor is not None:
+            self.cache_engine, self.model_runner = self.executor.start(cc.block_size, num_blocks, num_slots)
+        else:
+            self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
         self.block_manager = BlockManager(num_blocks)
         self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
         if config.prefill_save_last_only and not self.is_hybrid:
@@ -138,7 +148,8 @@ class Engine:
                                             alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
-        self.model_runner = ModelRunner(self.model, self.cache_engine)
+        if self.executor is None:
+            self.model_runner = ModelRunner(self.model, self.cache_engine)
         self.spec = None
         if spec_config is not None:
             from ..spec_decode.decoder import SpecDecoder
@@ -381,6 +392,10 @@ class Engine:
                 and led['checkpoints_pinned'] == 0 and led['store_inflight'] == 0 and not self.has_work)
 
     def close(self) -> None:
-        """Stop the Store worker (flushing queued saves)."""
-        if self.store is not None:
-            self.store.close()
+        """Stop the Store worker (flushing queued saves), then the tensor-parallel workers."""
+        try:
+            if self.store is not None:
+                self.store.close()
+        finally:
+            if self.executor is not None:
+                self.executor.close()

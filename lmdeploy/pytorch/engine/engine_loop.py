@@ -74,6 +74,8 @@ class EngineLoop:
         self._handles: dict[int, RequestHandle] = {}
         self._wake = threading.Event()
         self._stop = False
+        self.fatal_error: BaseException | None = None   # set when a step failed for good; the loop ended
+        self.on_fatal = None    # called with that error on the loop thread (the server shuts down)
         self._thread = threading.Thread(target=self._run, name='lmdeploy-engine', daemon=True)
         self._thread.start()
 
@@ -84,6 +86,8 @@ class EngineLoop:
         Raises:
             ValueError: the request is invalid (see :meth:`Engine.validate`).
         """
+        if self.fatal_error is not None:
+            raise RuntimeError(f'the engine has stopped: {self.fatal_error}')
         seq = self.engine.make_sequence(token_ids, gen_config, **kwargs)   # immutable engine state only
         handle = RequestHandle(seq, loop)
         self._commands.put(('add', handle))
@@ -96,7 +100,10 @@ class EngineLoop:
         self._wake.set()
 
     def call(self, fn, timeout: float = 60.0):
-        """Run ``fn(engine)`` on the loop thread and return its result (e.g. the ledger)."""
+        """Run ``fn(engine)`` on the loop thread and return its result (e.g. the ledger); after a
+        fatal error, on the caller's thread (the loop has ended)."""
+        if self.fatal_error is not None:
+            return fn(self.engine)
         done, box = threading.Event(), {}
 
         def task(engine):
@@ -148,12 +155,18 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:   # a bug must not hang every client: fail the requests in flight
+            except Exception as err:   # a bug must not hang every client: fail the requests in flight
                 logger.exception('engine step failed; aborting requests in flight')
                 for handle in list(self._handles.values()):
                     self.engine.abort(handle.seq)
                     handle._push(self._output(handle.seq, [], 'error'))
                 self._handles.clear()
+                if getattr(err, 'fatal', False):    # e.g. a tensor-parallel worker died: stop serving
+                    self.fatal_error = err
+                    self._fail_queued()
+                    if self.on_fatal is not None:
+                        self.on_fatal(err)
+                    return
                 continue
             for out in outputs:
                 handle = self._handles.get(out.seq.seq_id)
@@ -162,6 +175,18 @@ class EngineLoop:
                 handle._push(self._output(out.seq, out.new_token_ids, out.finish_reason, out.logprobs))
                 if out.finish_reason:
                     del self._handles[out.seq.seq_id]
+
+    def _fail_queued(self) -> None:
+        """After a fatal error: end every request still in the command queue with 'error'."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == 'add':
+                arg._push(self._output(arg.seq, [], 'error'))
+            elif kind == 'call':
+                arg(self.engine)
 
     def close(self) -> None:
         """Stop the thread and the engine's background workers."""

@@ -619,6 +619,11 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
     if threading.current_thread() is threading.main_thread():     # signal handlers: main thread only
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     pipe = Pipeline(model_path, backend_config)
+
+    def engine_died(err):   # e.g. a tensor-parallel worker died: requests failed, end the server
+        logger.critical('engine stopped: %s; shutting the server down', err)
+        os.kill(os.getpid(), signal.SIGTERM)
+    pipe.loop.on_fatal = engine_died
     logger.info('engine ready in %.1f s: %s', time.perf_counter() - started, _engine_summary(pipe.engine))
     try:
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,

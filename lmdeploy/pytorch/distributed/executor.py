@@ -1,0 +1,341 @@
+"""The tensor-parallel executor: rank 0's handle on the worker processes.
+
+The engine process is rank 0: it runs the scheduler, the prefix cache and the API, and holds
+shard 0. Ranks ``1 .. N-1`` are worker processes (``torch.multiprocessing``, spawn) that hold
+the other shards and loop on commands::
+
+    rank 0 (engine)                                  rank r (worker)
+    TPModelRunner.forward(sched)                     wait for a command
+      └─ call('forward', StepBatch) ── broadcast ──▶ RankRuntime.forward(batch)
+         RankRuntime.forward(batch) ◀─ all-reduce / all-gather inside the layers ─▶
+      sample on rank 0
+    TPCacheEngine.copy_states / read_* / write_*     the same command on every rank's slice
+
+Every command is one object broadcast on the control channel; commands that return data
+(payload reads) gather the ranks' answers to rank 0.
+
+Failure: a worker that dies makes the next collective on rank 0 fail (gloo and NCCL notice the
+closed connection), or is found dead before a command is sent; either way rank 0 raises
+:class:`WorkerDiedError` naming the rank and its exit code, the engine stops, and
+:meth:`TPExecutor.close` kills the other workers. Workers ask the kernel to kill them when
+their parent dies (``PR_SET_PDEATHSIG``), so no worker outlives the engine process.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..engine.sampler import TokenLogprob, sample
+from ..paging.scheduler import SchedulerOutput
+from .comm import destroy_group, free_port, init_group
+from ..models.loader import load_config
+from .rank import RankRuntime, StepBatch
+from .sharding import TPLayout
+from .store_layout import StoreLayout
+
+__all__ = ['TPExecutor', 'TPCacheEngine', 'TPModelRunner', 'WorkerDiedError']
+
+logger = logging.getLogger('lmdeploy')
+
+TIMEOUT_S = 600.0       # collectives and the rendezvous; a dead worker is noticed far sooner
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited; the engine cannot continue.
+
+    Attributes:
+        rank: the worker's TP rank.
+        exitcode: its exit code (negative: killed by that signal), or None if unknown.
+        fatal: always True (the engine loop stops instead of retrying).
+    """
+    fatal = True
+
+    def __init__(self, rank: int, exitcode: int | None, pid: int | None = None):
+        self.rank, self.exitcode = rank, exitcode
+        how = f'killed by signal {-exitcode}' if exitcode is not None and exitcode < 0 else f'exit code {exitcode}'
+        super().__init__(f'tensor-parallel worker rank {rank} (pid {pid}) died ({how}); the engine stopped')
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphans)."""
+    try:
+        ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, device: str) -> None:
+    """Entry point of worker ``rank``: join the group, load the shard, run commands until 'stop'."""
+    _die_with_parent()
+    dev = torch.device(device, rank) if device == 'cuda' else torch.device(device)
+    if dev.type == 'cuda':
+        torch.cuda.set_device(dev)
+    group = init_group(rank, size, port, dev, TIMEOUT_S)
+    try:
+        runtime, error = RankRuntime(model_path, dtype, dev, rank, size), None
+    except Exception as err:       # reported to rank 0, which raises it
+        runtime, error = None, f'rank {rank}: {type(err).__name__}: {err}'
+    dist.gather_object(error, None, dst=0, group=group.control)
+    if runtime is None:
+        destroy_group()
+        return
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group.control)
+        name, args, gather = box[0]
+        if name == 'stop':
+            break
+        result = getattr(runtime, name)(*args)
+        if gather:
+            dist.gather_object(result, None, dst=0, group=group.control)
+    # Leave without tearing the group down: a teardown racing rank 0's can abort the process
+    # inside gloo; rank 0 destroys its side once every worker has exited.
+    logging.shutdown()
+    os._exit(0)
+
+
+class TPExecutor:
+    """Starts the workers, holds rank 0's shard, and sends commands to every rank.
+
+    Args:
+        model_path: the model directory.
+        dtype: ``PytorchEngineConfig.dtype``.
+        device: rank 0's device (CUDA ranks use devices ``0 .. N-1``).
+        size: the TP size (>= 2).
+
+    Raises:
+        ValueError: ``size`` does not divide a head or channel count (names the config field),
+            or a rank failed to load its shard (the message names the rank and the cause).
+        WorkerDiedError: a worker died during startup.
+    """
+
+    def __init__(self, model_path: str, dtype: str, device: torch.device, size: int):
+        self.size = size
+        self.device = device
+        self.dead: WorkerDiedError | None = None
+        self._closed = False
+        TPLayout(load_config(model_path), 0, size)     # a TP size the heads do not allow fails before any spawn
+        ctx = mp.get_context('spawn')
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker_main, args=(r, size, port, model_path, dtype, device.type),
+                                  name=f'lmdeploy-tp{r}', daemon=True) for r in range(1, size)]
+        for p in self.procs:
+            p.start()
+        try:
+            self._join_group(port)
+            try:
+                self.runtime, error = RankRuntime(model_path, dtype, device, 0, size), None
+            except Exception as err:
+                self.runtime, error = None, err
+            errors = [None] * size
+            self._collective(lambda: dist.gather_object(None, errors, dst=0, group=self.group.control))
+            if error is not None:
+                raise error
+            failed = [e for e in errors if e]
+            if failed:
+                raise ValueError('; '.join(failed))
+        except BaseException:
+            self.close()
+            raise
+        self.model, self.hf_config, self.dtype, self.specs = (self.runtime.model, self.runtime.hf_config,
+                                                              self.runtime.dtype, self.runtime.specs)
+        logger.info('tensor parallel: %d ranks (pids %s)', size, [os.getpid()] + [p.pid for p in self.procs])
+
+    def _join_group(self, port: int) -> None:
+        """Rendezvous on a helper thread so a worker that dies before joining is noticed now,
+        not after the rendezvous timeout."""
+        box = {}
+
+        def join():
+            try:
+                box['group'] = init_group(0, self.size, port, self.device, TIMEOUT_S)
+            except BaseException as err:
+                box['error'] = err
+        t = threading.Thread(target=join, name='lmdeploy-tp-rendezvous', daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.1)
+            self._check_workers(wait=0)
+        if 'error' in box:
+            raise box['error']
+        self.group = box['group']
+
+    def _check_workers(self, wait: float) -> None:
+        """Raise :class:`WorkerDiedError` for the first dead worker (polling up to ``wait`` s)."""
+        deadline = time.monotonic() + wait
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    self.dead = WorkerDiedError(rank, p.exitcode, p.pid)
+                    raise self.dead
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def _collective(self, fn):
+        """Run ``fn`` (a collective); a failure caused by a dead worker becomes WorkerDiedError."""
+        try:
+            return fn()
+        except RuntimeError as err:
+            self._check_workers(wait=5.0)
+            raise RuntimeError(f'tensor-parallel collective failed: {err}') from err
+
+    def call(self, name: str, *args, gather: bool = False):
+        """Run ``RankRuntime.<name>(*args)`` on every rank; returns rank 0's result, or every
+        rank's result in rank order when ``gather``.
+
+        Raises:
+            WorkerDiedError: a worker is dead (this and every later call).
+        """
+        if self.dead is not None:
+            raise self.dead
+        self._check_workers(wait=0)
+        self._collective(lambda: dist.broadcast_object_list([(name, args, gather)], src=0, group=self.group.control))
+        result = self._collective(lambda: getattr(self.runtime, name)(*args))
+        if not gather:
+            return result
+        results = [None] * self.size
+        self._collective(lambda: dist.gather_object(result, results, dst=0, group=self.group.control))
+        return results
+
+    def start(self, block_size: int, num_blocks: int, num_slots: int) -> tuple['TPCacheEngine', 'TPModelRunner']:
+        """Allocate every rank's caches; returns rank 0's cache engine and model runner facades."""
+        self.call('build_caches', block_size, num_blocks, num_slots)
+        cache = TPCacheEngine(self, block_size)
+        return cache, TPModelRunner(self, cache)
+
+    def close(self) -> None:
+        """Stop every worker (a clean 'stop' when all are alive, else kill), then leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        alive = all(p.exitcode is None for p in self.procs)
+        if alive and self.dead is None and getattr(self, 'group', None) is not None and \
+                getattr(self, 'runtime', None) is not None:
+            try:
+                dist.broadcast_object_list([('stop', (), False)], src=0, group=self.group.control)
+            except RuntimeError:
+                pass
+        for p in self.procs:
+            p.join(timeout=10 if alive else 0.5)
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=5)
+        if getattr(self, 'group', None) is not None and self.dead is None:
+            destroy_group()
+        elif self.dead is not None:
+            # the group is broken (a peer is gone); only drop our reference, a destroy may block
+            try:
+                destroy_group()
+            except Exception:   # noqa: BLE001 - best effort on a broken group
+                pass
+
+    @property
+    def pids(self) -> list[int]:
+        """Worker process ids (rank 1 first)."""
+        return [p.pid for p in self.procs]
+
+
+class TPCacheEngine:
+    """Rank 0's view of the caches of all ranks: block and slot ids are shared by every rank,
+    each rank holds its heads' slice of every row.
+
+    Payloads (Store objects) are in the full-head layout of a single-process engine
+    (:mod:`.store_layout`): reads gather the ranks' slices and assemble them, writes split a
+    payload back into slices. ``kv_block_bytes`` / ``state_bytes`` and ``object_specs`` are
+    therefore those of the single-process engine.
+    """
+
+    def __init__(self, executor: TPExecutor, block_size: int):
+        self.executor = executor
+        self.local = executor.runtime.cache_engine
+        for name in ('specs', 'block_size', 'num_blocks', 'num_slots', 'has_state', 'device', 'kv_caches',
+                     'state_caches', 'kv_buf', 'state_buf'):
+            setattr(self, name, getattr(self.local, name))
+        rt = executor.runtime
+        self.object_specs = type(rt.model).cache_specs(rt.hf_config, rt.dtype)
+        self.layout = StoreLayout(rt.hf_config, executor.size, rt.specs, self.object_specs, block_size)
+        self.kv_block_bytes = self.layout.kv_block_bytes     # K_blk of all heads
+        self.state_bytes = self.layout.state_bytes if self.has_state else 0     # S of all heads
+
+    def copy_states(self, src, dst) -> None:
+        """Copy whole states ``src[i] → dst[i]`` on every rank."""
+        if src:
+            self.executor.call('copy_states', list(src), list(dst))
+
+    def read_state(self, slot: int) -> torch.Tensor:
+        """``[S]`` uint8: the state payload of ``slot`` over all heads."""
+        parts = self.executor.call('read_state', slot, gather=True)
+        return self.layout.to_full([p[None] for p in parts], kv=False)[0]
+
+    def write_state(self, slot: int, payload: torch.Tensor) -> None:
+        """Write a ``[S]`` all-heads payload into ``slot``, each rank its slice."""
+        parts = self.layout.to_ranks(payload.reshape(1, -1), kv=False)
+        self.executor.call('write_state', slot, [p[0] for p in parts])
+
+    def read_kv_blocks(self, block_ids) -> torch.Tensor:
+        """``[len(block_ids), K_blk]`` uint8: the blocks' payloads over all heads."""
+        return self.layout.to_full(self.executor.call('read_kv_blocks', list(block_ids), gather=True), kv=True)
+
+    def write_kv_block(self, block_id: int, payload: torch.Tensor) -> None:
+        """Write a ``[K_blk]`` all-heads payload into ``block_id``, each rank its slice."""
+        parts = self.layout.to_ranks(payload.reshape(1, -1), kv=True)
+        self.executor.call('write_kv_block', block_id, [p[0] for p in parts])
+
+
+class TPModelRunner:
+    """The model runner of a tensor-parallel engine (same interface as
+    :class:`~lmdeploy.pytorch.engine.model_runner.ModelRunner`): broadcasts the step's
+    :class:`StepBatch`, runs rank 0's shard, samples on rank 0."""
+
+    def __init__(self, executor: TPExecutor, cache_engine: TPCacheEngine):
+        self.executor = executor
+        self.model = executor.model
+        self.cache_engine = cache_engine
+        self.device = cache_engine.device
+        self.last_logits: torch.Tensor | None = None
+        self.last_logprobs: dict[int, TokenLogprob] = {}
+
+    @staticmethod
+    def step_batch(out: SchedulerOutput, all_logits: bool = False) -> StepBatch:
+        """The plain-integer inputs of the step's chunks."""
+        b = StepBatch([], [], [], [], [], [], [], [], all_logits)
+        offset = 0
+        for chunk in out.chunks:
+            seq = chunk.seq
+            n = chunk.end - chunk.start
+            b.input_ids.extend(seq.token_ids[chunk.start:chunk.end])
+            b.positions.extend(range(chunk.start, chunk.end))
+            b.q_seqlens.append(n)
+            b.q_start_loc.append(offset)
+            offset += n
+            b.kv_seqlens.append(chunk.end)
+            b.block_tables.append(list(seq.block_ids))
+            b.state_slots.append(-1 if seq.state_slot is None else seq.state_slot)
+            if chunk.sample:
+                b.sample_rows.append(offset - 1)
+        return b
+
+    def forward(self, out: SchedulerOutput, return_all_logits: bool = False) -> dict[int, list[int]]:
+        """As :meth:`ModelRunner.forward`: ``{seq_id: [next token]}`` for sampled chunks (no drafts:
+        speculative decoding runs with tp=1 only)."""
+        self.last_logprobs = {}
+        logits, all_logits = self.executor.call('forward', self.step_batch(out, return_all_logits))
+        if return_all_logits:
+            self.all_logits = all_logits
+        if logits is None:
+            return {}
+        self.last_logits = logits
+        seqs = [c.seq for c in out.chunks if c.sample]
+        tokens, logprobs = sample(logits, seqs)
+        self.last_logprobs = {seq.seq_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
+        return {seq.seq_id: [tok] for seq, tok in zip(seqs, tokens)}
+

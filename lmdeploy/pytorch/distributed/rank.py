@@ -1,0 +1,111 @@
+"""What every tensor-parallel rank holds and does: its weight shard, its cache engine (its
+slice of every KV block and state slot), and the handful of commands rank 0 broadcasts.
+
+A step's inputs travel as one :class:`StepBatch` of plain integers (no tensors, no
+sequences), broadcast once per step; every rank builds the same
+:class:`~lmdeploy.pytorch.model_inputs.StepContext` from it and runs its shard of the forward.
+The collectives inside the sharded layers keep the ranks in lock step, and the vocab-parallel
+``lm_head`` leaves the full logits on every rank; only rank 0 samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.cache_engine import CacheEngine
+from ..model_inputs import StepContext
+from .loading import load_model_shard
+
+__all__ = ['StepBatch', 'RankRuntime']
+
+
+@dataclass
+class StepBatch:
+    """One forward's inputs, as plain lists (see :class:`StepContext` for their meaning).
+
+    Attributes:
+        input_ids, positions: flat token ids and positions, ``T`` each.
+        q_seqlens, q_start_loc, kv_seqlens, state_slots: one entry per sequence.
+        block_tables: one list of block ids per sequence.
+        sample_rows: flat rows whose logits are needed (each sampled chunk's last token).
+        all_logits: also compute the logits of every row (tests).
+    """
+    input_ids: list[int]
+    positions: list[int]
+    q_seqlens: list[int]
+    q_start_loc: list[int]
+    kv_seqlens: list[int]
+    block_tables: list[list[int]]
+    state_slots: list[int]
+    sample_rows: list[int]
+    all_logits: bool = False
+
+
+class RankRuntime:
+    """One rank's model shard and caches, and the commands it executes.
+
+    Args:
+        model_path: the model directory.
+        dtype: ``PytorchEngineConfig.dtype``.
+        device: this rank's device.
+        rank, size: this rank and the TP size.
+
+    Raises:
+        ValueError: see :func:`~lmdeploy.pytorch.distributed.loading.load_model_shard`.
+    """
+
+    def __init__(self, model_path: str, dtype: str, device: torch.device, rank: int, size: int):
+        self.rank, self.size, self.device = rank, size, device
+        self.model, self.hf_config, self.local_config, self.dtype = load_model_shard(model_path, dtype, device,
+                                                                                     rank, size)
+        self.specs = self.model.cache_specs(self.local_config, self.dtype)
+        self.cache_engine: CacheEngine | None = None
+
+    # commands (rank 0 calls them locally and broadcasts them to the workers) ------------------
+    def build_caches(self, block_size: int, num_blocks: int, num_slots: int) -> tuple[int, int]:
+        """Allocate this rank's caches; returns its ``(K_blk, S)`` payload bytes."""
+        self.cache_engine = CacheEngine(self.specs, block_size, num_blocks, num_slots, self.device)
+        return self.cache_engine.kv_block_bytes, self.cache_engine.state_bytes
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run this rank's shard of the forward.
+
+        Returns:
+            ``(logits [len(sample_rows), vocab] float32 or None, all logits [T, vocab] or None)``,
+            identical on every rank.
+        """
+        ce, dev = self.cache_engine, self.device
+        ctx = StepContext(input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
+                          positions=torch.tensor(batch.positions, dtype=torch.long, device=dev),
+                          q_seqlens=batch.q_seqlens, q_start_loc=batch.q_start_loc, kv_seqlens=batch.kv_seqlens,
+                          block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in batch.block_tables],
+                          state_slots=batch.state_slots, kv_caches=ce.kv_caches, state_caches=ce.state_caches,
+                          block_size=ce.block_size)
+        hidden = self.model(ctx)
+        all_logits = self.model.compute_logits(hidden).cpu() if batch.all_logits else None
+        logits = None
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=hidden.device)])
+        return logits, all_logits
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """This rank's slice of :meth:`CacheEngine.copy_states`."""
+        self.cache_engine.copy_states(src, dst)
+
+    def read_state(self, slot: int) -> torch.Tensor:
+        """This rank's ``[S_r]`` uint8 state payload of ``slot``."""
+        return self.cache_engine.read_state(slot)
+
+    def write_state(self, slot: int, payloads: list[torch.Tensor]) -> None:
+        """Write ``payloads[rank]`` into ``slot``."""
+        self.cache_engine.write_state(slot, payloads[self.rank])
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's ``[len(block_ids), K_blk_r]`` uint8 KV payloads."""
+        return self.cache_engine.read_kv_blocks(block_ids)
+
+    def write_kv_block(self, block_id: int, payloads: list[torch.Tensor]) -> None:
+        """Write ``payloads[rank]`` into block ``block_id``."""
+        self.cache_engine.write_kv_block(block_id, payloads[self.rank])

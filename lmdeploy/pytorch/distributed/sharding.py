@@ -1,0 +1,233 @@
+"""How a model is split over the tensor-parallel ranks (Megatron-LM's scheme: Shoeybi et al.,
+"Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", 2019).
+
+Each rank builds the model from a *local config* (head and channel counts divided by the TP
+size), so every layer, packed projection and cache spec of the engine's models comes out with
+this rank's sizes without the models knowing about parallelism. A few modules are then swapped
+for their parallel forms, and :meth:`TPLayout.shard` says which rows or columns of each
+checkpoint tensor the rank reads::
+
+    tensor (checkpoint name)                 split      on rank r (of N)
+    embed_tokens, lm_head                    vocab      rows [r*V/N, (r+1)*V/N)  (V padded up)
+    self_attn.q_proj                         column     query heads  r*H/N ...   (+ output gate rows)
+    self_attn.k_proj / v_proj                column     KV heads r*KV/N ...; replicated when KV < N
+    self_attn.o_proj                         row        input columns of its query heads, all-reduce
+    mlp.gate_proj / up_proj (dense MLP)      column     intermediate rows
+    mlp.down_proj (dense MLP)                row        intermediate columns, all-reduce
+    linear_attn.in_proj_qkvz / in_proj_ba    column     rows of its key heads (grouped per key head)
+    linear_attn.conv1d                       channel    its q | k | v channels (three pieces)
+    linear_attn.dt_bias / A_log              head       its value heads
+    linear_attn.out_proj                     row        its value channels, all-reduce
+    everything else (norms, MoE)             replicated
+
+MoE layers (router, experts, shared expert) are **replicated**: every rank runs the whole
+block on the full hidden state, so no expert routing crosses ranks and the block needs no
+communication. This costs expert memory on every rank; splitting experts is future work.
+
+Gated DeltaNet heads split by *key* head: key head ``k`` serves value heads
+``[k*r, (k+1)*r)`` (``r = Hv / Hk``), so a rank's value heads, its slice of the recurrent
+state ``[Hv/N, dk, dv]`` and its conv channels follow from its key heads.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import all_gather_last, all_reduce
+
+__all__ = ['TPLayout', 'Shard', 'RowParallelLinear', 'VocabParallelEmbedding', 'VocabParallelHead']
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of one checkpoint tensor a rank reads: ``ranges`` along ``dim``, concatenated."""
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+class RowParallelLinear(nn.Linear):
+    """``y = all_reduce(x_local @ W_local^T) + b``: the input channels are split over ranks, each
+    rank holds ``W[:, its columns]`` and the full bias (added once, after the sum)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, in / N]`` → ``[T, out]`` (identical on every rank)."""
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows ``[start, stop)`` of the vocabulary; ids outside give zeros, the sum over
+    ranks is the full lookup.
+
+    Args:
+        start, stop: this rank's vocabulary rows.
+        dim: embedding width.
+    """
+
+    def __init__(self, start: int, stop: int, dim: int):
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.weight = nn.Parameter(torch.empty(stop - start, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` → ``[T, dim]``."""
+        mine = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(mine, ids - self.start, 0)
+        out = F.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        return all_reduce(out)
+
+
+class VocabParallelHead(nn.Module):
+    """``lm_head`` over vocabulary rows ``[start, stop)``; the ranks' logits are gathered into
+    the full ``[N, vocab]`` on every rank (each rank pads its part to ``width`` columns).
+
+    Args:
+        start, stop: this rank's vocabulary rows.
+        width: padded columns per rank (``ceil(vocab / N)``).
+        dim: hidden width.
+        vocab: the full vocabulary size.
+    """
+
+    def __init__(self, start: int, stop: int, width: int, dim: int, vocab: int):
+        super().__init__()
+        self.start, self.stop, self.width, self.vocab = start, stop, width, vocab
+        self.weight = nn.Parameter(torch.empty(stop - start, dim))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, dim]`` → ``[N, vocab]`` in the weight dtype."""
+        local = F.linear(hidden, self.weight)
+        if local.shape[-1] < self.width:
+            local = F.pad(local, (0, self.width - local.shape[-1]))
+        return all_gather_last(local)[..., :self.vocab]
+
+
+def _split(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
+    if total % size:
+        raise ValueError(f'{what} ({total}) must be divisible by tp ({size})')
+    per = total // size
+    return rank * per, (rank + 1) * per
+
+
+_DENSE_MLP = re.compile(r'^model\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
+_ATTN = re.compile(r'^model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
+_GDN = re.compile(r'^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|in_proj_ba|conv1d|dt_bias|A_log|out_proj)'
+                  r'(\.weight)?$')
+
+
+class TPLayout:
+    """Rank ``rank``'s share of a model with config ``config`` under TP ``size``.
+
+    Args:
+        config: the full model's ``transformers`` config.
+        rank: this rank.
+        size: the TP size.
+
+    Raises:
+        ValueError: a head or channel count the TP size does not divide (names the field).
+    """
+
+    def __init__(self, config, rank: int, size: int):
+        self.config, self.rank, self.size = config, rank, size
+        self.model_type = config.model_type
+        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        self.q_heads = _split(config.num_attention_heads, rank, size, 'num_attention_heads')
+        kv = config.num_key_value_heads
+        if kv >= size:
+            self.kv_heads = _split(kv, rank, size, 'num_key_value_heads')
+        elif size % kv:
+            raise ValueError(f'num_key_value_heads ({kv}) must divide tp ({size}) when it is smaller')
+        else:
+            first = rank * kv // size        # KV heads replicated: size/kv ranks share one
+            self.kv_heads = (first, first + 1)
+        self.gated_q = self.model_type == 'qwen3_next'    # q_proj also emits the output gate
+        self.intermediate = (_split(config.intermediate_size, rank, size, 'intermediate_size')
+                             if self._has_dense_mlp() else (0, 0))
+        vocab = config.vocab_size
+        self.vocab_width = -(-vocab // size)
+        self.vocab = (min(vocab, rank * self.vocab_width), min(vocab, (rank + 1) * self.vocab_width))
+        if self.model_type == 'qwen3_next':
+            self.k_heads = _split(config.linear_num_key_heads, rank, size, 'linear_num_key_heads')
+            r = config.linear_num_value_heads // config.linear_num_key_heads
+            self.v_heads = (self.k_heads[0] * r, self.k_heads[1] * r)
+
+    def _has_dense_mlp(self) -> bool:
+        c = self.config
+        if self.model_type != 'qwen3_next' or c.num_experts == 0:
+            return True
+        return any(i in (c.mlp_only_layers or []) or (i + 1) % c.decoder_sparse_step
+                   for i in range(c.num_hidden_layers))
+
+    def local_config(self):
+        """A copy of the config with this rank's head and channel counts (``head_dim`` explicit)."""
+        c = copy.deepcopy(self.config)
+        c.head_dim = self.head_dim
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        if self.intermediate[1]:
+            c.intermediate_size = self.intermediate[1] - self.intermediate[0]
+        if self.model_type == 'qwen3_next':
+            c.linear_num_key_heads = self.k_heads[1] - self.k_heads[0]
+            c.linear_num_value_heads = self.v_heads[1] - self.v_heads[0]
+        return c
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Swap in the parallel modules (on the model's current device, e.g. meta); returns ``model``."""
+        c = self.config
+        model.model.embed_tokens = VocabParallelEmbedding(*self.vocab, c.hidden_size)
+        model.lm_head = VocabParallelHead(*self.vocab, self.vocab_width, c.hidden_size, c.vocab_size)
+        for layer in model.model.layers:
+            for owner, name in (('self_attn', 'o_proj'), ('linear_attn', 'out_proj'), ('mlp', 'down_proj')):
+                parent = getattr(layer, owner, None)
+                old = getattr(parent, name, None) if parent is not None else None
+                if isinstance(old, nn.Linear):
+                    setattr(parent, name, RowParallelLinear(old.in_features, old.out_features,
+                                                            bias=old.bias is not None))
+        return model
+
+    def shard(self, name: str) -> Shard | None:
+        """Which part of checkpoint tensor ``name`` this rank reads; None = the whole tensor."""
+        if name in ('model.embed_tokens.weight', 'lm_head.weight'):
+            return Shard(0, (self.vocab,))
+        m = _ATTN.match(name)
+        if m:
+            proj, kind = m.groups()
+            d = self.head_dim
+            if proj == 'q_proj':
+                rows = d * (2 if self.gated_q else 1)
+                return Shard(0, ((self.q_heads[0] * rows, self.q_heads[1] * rows),))
+            if proj in ('k_proj', 'v_proj'):
+                return Shard(0, ((self.kv_heads[0] * d, self.kv_heads[1] * d),))
+            return Shard(1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
+        m = _DENSE_MLP.match(name)
+        if m:
+            proj, kind = m.groups()
+            if proj == 'down_proj':
+                return Shard(1, (self.intermediate,)) if kind == 'weight' else None
+            return Shard(0, (self.intermediate,))
+        m = _GDN.match(name)
+        if m:
+            return self._gdn_shard(m.group(1))
+        return None
+
+    def _gdn_shard(self, part: str) -> Shard:
+        c = self.config
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        r = c.linear_num_value_heads // c.linear_num_key_heads
+        (k0, k1), (v0, v1) = self.k_heads, self.v_heads
+        if part == 'in_proj_qkvz':
+            per = 2 * dk + 2 * r * dv
+            return Shard(0, ((k0 * per, k1 * per),))
+        if part == 'in_proj_ba':
+            return Shard(0, ((k0 * 2 * r, k1 * 2 * r),))
+        if part == 'conv1d':
+            key_dim = c.linear_num_key_heads * dk
+            return Shard(0, ((k0 * dk, k1 * dk), (key_dim + k0 * dk, key_dim + k1 * dk),
+                             (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv)))
+        if part in ('dt_bias', 'A_log'):
+            return Shard(0, ((v0, v1),))
+        return Shard(1, ((v0 * dv, v1 * dv),))      # out_proj

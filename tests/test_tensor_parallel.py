@@ -1,0 +1,254 @@
+"""Tensor parallelism on CPU (gloo), TP2 against TP1 on the tiny models (issue 19).
+
+What is checked: each rank reads only its slices from safetensors; TP2 logits of every prompt
+position are within 1e-5 of TP1 and greedy tokens are equal (continuous batching, chunked
+prefill); outputs with the prefix cache off / on / last-only are identical; the ledger is idle
+after aborts; a killed worker ends the engine with an error naming its rank and leaves no
+process behind.
+
+Geometry: B = 16, A = 64, P = 48 (every prompt is chunked).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine_utils import assert_idle, engine_prompt_logits, make_engine, random_prompt, run_staggered
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.distributed.executor import WorkerDiedError
+from lmdeploy.pytorch.distributed.loading import iter_shard_tensors
+from lmdeploy.pytorch.distributed.sharding import TPLayout
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.engine.engine_loop import EngineLoop
+from lmdeploy.pytorch.models.loader import iter_safetensors, load_config
+
+B, A, P = 16, 64, 48
+TP_TOL = 1e-5       # fp32: TP only reorders the sums of row-parallel layers and the all-reduces
+GEN = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+SHARED = random_prompt(70, 100)
+PROMPTS = [SHARED + random_prompt(30, 1), random_prompt(90, 2), SHARED + random_prompt(12, 3)]
+
+
+def engine(path: str, **fields) -> Engine:
+    fields = dict(dict(block_size=B, prefill_save_alignment=A, max_prefill_token_num=P, num_gpu_blocks=64,
+                       max_batch_size=4, session_len=1024), **fields)
+    return make_engine(path, **fields)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f'/proc/{pid}/stat') as f:      # a zombie is gone for our purposes
+        return f.read().split()[2] != 'Z'
+
+
+# loading ---------------------------------------------------------------------------------
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next'])
+def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch, request, monkeypatch):
+    path = request.getfixturevalue(f'tiny_{arch}')
+    config = load_config(path)
+    full = dict(iter_safetensors(path, progress=False))
+    import safetensors
+    whole_reads = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name):
+            return self.f.get_slice(name)
+
+        def get_tensor(self, name):
+            whole_reads.append(name)
+            return self.f.get_tensor(name)
+    monkeypatch.setattr('lmdeploy.pytorch.distributed.loading.safe_open', Recording)
+    layouts = [TPLayout(config, r, 2) for r in range(2)]
+    parts = [dict(iter_shard_tensors(path, layout)) for layout in layouts]
+    split = [n for n in full if layouts[0].shard(n) is not None]
+    assert 'lm_head.weight' in split or config.tie_word_embeddings
+    assert any('k_proj' in n for n in split)
+    if arch == 'qwen3_next':
+        assert any('conv1d' in n for n in split) and any('in_proj_qkvz' in n for n in split)
+    assert not set(whole_reads) & set(split), 'a split tensor was read whole'
+    for name in split:
+        shard = layouts[0].shard(name)
+        if len(shard.ranges) == 1:
+            joined = torch.cat([p[name] for p in parts], dim=shard.dim)
+        else:   # conv1d: q | k | v channel groups, each split between the ranks
+            pieces = [p[name].split([b - a for a, b in layouts[i].shard(name).ranges]) for i, p in enumerate(parts)]
+            joined = torch.cat([pieces[r][g] for g in range(3) for r in range(2)])
+        if name.endswith(('k_proj.weight', 'v_proj.weight')) and config.num_key_value_heads < 2:
+            continue
+        assert torch.equal(joined, full[name]), name
+
+
+def test_a_tp_size_the_heads_do_not_allow_is_refused_naming_the_field(tiny_qwen3_next):
+    with pytest.raises(ValueError, match='linear_num_key_heads'):
+        Engine(tiny_qwen3_next, PytorchEngineConfig(tp=4, device_type='cpu', dtype='float32', num_gpu_blocks=16))
+    with pytest.raises(ValueError, match='tp'):
+        PytorchEngineConfig(tp=0)
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated(tiny_qwen3):
+    config = load_config(tiny_qwen3)        # 2 KV heads, 4 query heads
+    assert [TPLayout(config, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [TPLayout(config, r, 4).q_heads for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+# TP2 == TP1 ------------------------------------------------------------------------------
+def _run(eng: Engine) -> list[list[int]]:
+    seqs = run_staggered(eng, PROMPTS, GEN, every=2)
+    assert_idle_or_cached(eng)
+    return [s.output_ids for s in seqs]
+
+
+def assert_idle_or_cached(eng: Engine) -> None:
+    if eng.prefix_cache is None:
+        assert_idle(eng)
+    else:
+        assert eng.is_idle()
+
+
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next'])
+def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
+    path = request.getfixturevalue(f'tiny_{arch}')
+    ref = engine(path)
+    ref_logits, ref_forwards = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = _run(ref)
+    ref.close()
+    eng = engine(path, tp=2)
+    try:
+        assert len(eng.executor.pids) == 1
+        logits, forwards = engine_prompt_logits(eng, PROMPTS[1])
+        assert forwards == ref_forwards == 2     # 90 tokens in chunks of 48: the state crosses a chunk
+        diff = (logits - ref_logits).abs().max().item()
+        assert diff <= TP_TOL, diff
+        assert _run(eng) == ref_out
+        assert_idle(eng)
+    finally:
+        pids = eng.executor.pids
+        eng.close()
+    assert not any(_pid_alive(p) for p in pids)
+
+
+def test_tp2_prefix_cache_on_last_only_and_off_are_identical_and_aborts_leave_it_idle(tiny_qwen3_next):
+    off = engine(tiny_qwen3_next)
+    expected = _run(off)
+    off.close()
+    for last_only in (False, True):
+        eng = engine(tiny_qwen3_next, tp=2, enable_prefix_caching=True, prefill_save_last_only=last_only)
+        try:
+            assert _run(eng) == expected
+            assert _run(eng) == expected        # second pass restores from the checkpoints
+            stats = eng.stats()
+            assert stats['prefix_cache_hit_tokens'] >= 64 and stats['checkpoints_saved'] > 0
+            # aborts: one mid-prefill, one mid-decode
+            a = eng.add_request(random_prompt(100, 7), GEN)
+            b = eng.add_request(PROMPTS[0], GEN)
+            while b.num_generated < 2:
+                eng.step()
+            eng.abort(b)
+            eng.step()
+            eng.abort(a)
+            assert eng.is_idle()
+            led = eng.ledger()
+            assert led['blocks_in_use'] == 0 and led['checkpoints_pinned'] == 0
+            assert led['runtime_slots_free'] == led['runtime_slots_total']
+        finally:
+            eng.close()
+
+
+# failure ---------------------------------------------------------------------------------
+def test_killing_a_worker_mid_request_ends_the_engine_with_an_error_naming_the_rank(tiny_qwen3_next):
+    eng = engine(tiny_qwen3_next, tp=2)
+    pid = eng.executor.pids[0]
+    loop = EngineLoop(eng)
+    try:
+        handle = loop.submit(random_prompt(40, 9), GenerationConfig(max_new_tokens=200, ignore_eos=True))
+        assert handle.get(timeout=60).token_ids        # running: the first token arrived
+        os.kill(pid, signal.SIGKILL)
+        reason = None
+        deadline = time.monotonic() + 60
+        while reason is None and time.monotonic() < deadline:
+            reason = handle.get(timeout=60).finish_reason
+        assert reason == 'error'
+        loop._thread.join(timeout=30)
+        assert not loop._thread.is_alive()              # the loop ended instead of retrying
+        assert isinstance(loop.fatal_error, WorkerDiedError)
+        assert loop.fatal_error.rank == 1 and 'rank 1' in str(loop.fatal_error)
+        assert 'signal 9' in str(loop.fatal_error)
+        with pytest.raises(RuntimeError, match='rank 1'):
+            loop.submit([5, 6, 7], GEN)
+    finally:
+        loop.close()
+    assert not _pid_alive(pid)
+
+
+# Store: full-head objects, restorable across TP sizes --------------------------------------
+def test_store_layout_round_trips_rank_slices(tiny_qwen3_next):
+    from lmdeploy.pytorch.distributed.store_layout import StoreLayout
+    from lmdeploy.pytorch.models.qwen3_next import Qwen3NextForCausalLM
+    config = load_config(tiny_qwen3_next)
+    full = Qwen3NextForCausalLM.cache_specs(config, torch.float32)
+    local = Qwen3NextForCausalLM.cache_specs(TPLayout(config, 0, 2).local_config(), torch.float32)
+    layout = StoreLayout(config, 2, local, full, B)
+    for kv, size in ((True, layout.kv_block_bytes), (False, layout.state_bytes)):
+        payload = torch.randint(0, 256, (3, size), dtype=torch.uint8)
+        ranks = layout.to_ranks(payload, kv)
+        assert sum(r.shape[1] for r in ranks) == size          # no head replicated at TP2: bytes = sum over ranks
+        assert torch.equal(layout.to_full(ranks, kv), payload)
+        assert not torch.equal(ranks[0], payload[:, :ranks[0].shape[1]])    # interleaved per layer, not a prefix
+
+
+@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2)])
+def test_a_reader_with_another_tp_size_restores_the_writers_prefix_and_bytes_match_the_simulator(
+        writer_tp, reader_tp, tiny_qwen3_next, mooncake_services):
+    import json
+
+    from test_store_engine import sim, store_config
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 4000 + writer_tp)
+    cold = engine(tiny_qwen3_next)
+    expected = cold.generate(ids, gen).output_ids
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg, tp=writer_tp))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        with open(os.path.join(tiny_qwen3_next, 'config.json')) as f:
+            sizes = sim.sizes_from_config(json.load(f), tp=2, block_size=B)
+        S, K = sizes.charged
+        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
+        assert (S, K) == (2 * sizes.state_bytes, 2 * sizes.kv_block_bytes)     # the sum over the two ranks
+        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
+        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
+    finally:
+        writer.close()
+    reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg, tp=reader_tp))
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
+        assert again.output_ids == expected
+        assert reader.store.flush(timeout=30) and reader.is_idle()
+    finally:
+        reader.close()
