@@ -177,10 +177,11 @@ class Engine:
 
     def make_sequence(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                       multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int | None = None,
-                      recompute_blocks: int | None = None) -> Sequence:
+                      recompute_blocks: int | None = None, multimodal: tuple = ()) -> Sequence:
         """A validated :class:`Sequence` for a request (not yet queued).
 
         ``token_lookahead`` / ``recompute_blocks`` default to the engine's decoding strategy.
+        ``multimodal``: the prompt's images (:class:`~lmdeploy.pytorch.multimodal.MultimodalInput`).
 
         Raises:
             ValueError: see :meth:`validate`.
@@ -189,8 +190,10 @@ class Engine:
         self.validate(token_ids, gen_config)
         lookahead = self.strategy.token_lookahead if token_lookahead is None else token_lookahead
         recompute = self.strategy.recompute_blocks if recompute_blocks is None else recompute_blocks
+        if any(m.end > len(token_ids) for m in multimodal):
+            raise ValueError(f'a multimodal span ends past the prompt of {len(token_ids)} tokens')
         return Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
-                        self.eos_token_ids)
+                        self.eos_token_ids, tuple(multimodal))
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                     **kwargs) -> Sequence:
