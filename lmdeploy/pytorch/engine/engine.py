@@ -96,8 +96,9 @@ class Engine:
         self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
         self.specs = self.model.cache_specs(self.hf_config, self.dtype)
         self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.specs)
-        self.session_len = config.session_len or int(getattr(self.hf_config, 'max_position_embeddings', 32768))
-        self.vocab_size = int(self.hf_config.vocab_size)
+        text_config = self.hf_config.get_text_config()   # a vision-language config keeps these in text_config
+        self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))
+        self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         num_runtime = cc.num_state_slots or config.max_batch_size
@@ -190,6 +191,9 @@ class Engine:
         self.validate(token_ids, gen_config)
         lookahead = self.strategy.token_lookahead if token_lookahead is None else token_lookahead
         recompute = self.strategy.recompute_blocks if recompute_blocks is None else recompute_blocks
+        if any(m.data is not None for m in multimodal) and not getattr(self.model, 'supports_images', False):
+            # spans and content hashes alone only steer planning and cache keys; pixels need an encoder
+            raise ValueError(f'model_type {self.hf_config.model_type!r} does not accept images in this engine')
         if any(m.end > len(token_ids) for m in multimodal):
             raise ValueError(f'a multimodal span ends past the prompt of {len(token_ids)} tokens')
         return Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
