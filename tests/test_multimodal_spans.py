@@ -168,6 +168,22 @@ def test_same_text_different_image_never_hits_past_the_image_start(tiny_qwen3_ne
     assert same.num_cached_tokens == 192
 
 
+def test_store_keys_carry_the_image_from_its_block_on(tiny_qwen3_next):
+    # Store keys are built from the same chained hashes: equal below the image's block, different
+    # from it on (for another image), equal again for the same image
+    from lmdeploy.pytorch.store.object_format import object_key
+    eng = engine(tiny_qwen3_next)
+    ids = prompt(200, 4)
+    keys = {}
+    for tag in (b'cat', b'dog', b'cat2'):
+        seq = eng.make_sequence(ids, GEN, multimodal=(image(80, 140, tag[:3]),))
+        keys[tag] = [object_key('ab' * 16, 'state', h.hex()) for h in eng.prefix_cache.hashes(seq)]
+    first = 80 // B
+    assert keys[b'cat'][:first] == keys[b'dog'][:first]
+    assert not set(keys[b'cat'][first:]) & set(keys[b'dog'][first:])
+    assert keys[b'cat'] == keys[b'cat2']
+
+
 @pytest.mark.parametrize('last_only', [False, True])
 def test_incremental_multimodal_agent_turn_hits(tiny_qwen3_next, last_only):
     # turn 2 repeats turn 1 (same image) and its reply, then appends text: it restores turn 1's
