@@ -27,3 +27,11 @@ def tiny_qwen3_next(tmp_path_factory) -> str:
     """Path of a tiny hybrid Qwen3-Next checkpoint (float32)."""
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3_next')), arch='qwen3_next', seed=0)
+
+
+@pytest.fixture(scope='session')
+def tiny_qwen3_5(tmp_path_factory) -> str:
+    """Path of a tiny vision-language Qwen3.5 checkpoint (float32; hybrid text stack, tiny vision
+    tower, image special tokens in the tokenizer)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3_5')), arch='qwen3_5', seed=0)

@@ -196,6 +196,18 @@ def brute_reusable(b, n, bs, al, la, r, spans):
             and not any(s < b < e or s < b + la < e for s, e in spans))
 
 
+def brute_end_allowed(b, n, la, spans):
+    return b == n or not any(s < b < e or s < b + la < e for s, e in spans)
+
+
+def brute_chunk_end(start, budget_end, n, la, spans):
+    """The largest end in (start, budget_end] splitting no span, else the smallest one above."""
+    inside = [b for b in range(start + 1, budget_end + 1) if brute_end_allowed(b, n, la, spans)]
+    if inside:
+        return max(inside)
+    return min(b for b in range(budget_end + 1, n + 1) if brute_end_allowed(b, n, la, spans))
+
+
 def brute_last_reusable(n, bs, al, la, r, spans):
     found = [b for b in range(1, n + 1) if brute_reusable(b, n, bs, al, la, r, spans)]
     return max(found) if found else None
@@ -235,7 +247,12 @@ def test_plan_invariants(args, last_only):
     starts = [c] + plan.chunk_ends[:-1]
     assert plan.chunk_ends[-1] == n
     assert plan.chunk_starts == starts
-    assert all(0 < end - start <= chunk for start, end in zip(starts, plan.chunk_ends))
+    assert all(end > start for start, end in zip(starts, plan.chunk_ends))
+    for start, end in zip(starts, plan.chunk_ends):
+        # within the budget, or the first end that does not split a span when none within it does
+        assert end - start <= chunk or (brute_end_allowed(end, n, la, spans) and not any(
+            brute_end_allowed(b, n, la, spans) for b in range(start + 1, end)))
+    assert all(brute_end_allowed(end, n, la, spans) for end in plan.chunk_ends)
     assert set(plan.save_points) <= set(plan.chunk_ends)
     assert plan.save_points == sorted(plan.save_points)
     for b in plan.save_points:
@@ -250,7 +267,7 @@ def test_plan_invariants(args, last_only):
         for start, end in zip(starts, plan.chunk_ends):
             budget_end = min(start + chunk, n)
             inside = [b for b in range(start + 1, budget_end + 1) if brute_reusable(b, n, bs, al, la, r, spans)]
-            assert end == (max(inside) if inside else budget_end)
+            assert end == (max(inside) if inside else brute_chunk_end(start, budget_end, n, la, spans))
         if target is not None and target > c:
             assert plan.save_points[-1] == target
 
@@ -263,7 +280,7 @@ def test_last_only_chunks_are_plain_chunks_cut_once(args):
     expected, h = [], c
     cut = plan.save_points[0] if plan.save_points else None
     while h < n:
-        end = min(h + chunk, n)
+        end = brute_chunk_end(h, min(h + chunk, n), n, la, spans)
         if cut is not None and h < cut < end:
             end = cut
         expected.append(end)

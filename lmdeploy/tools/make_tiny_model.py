@@ -32,7 +32,9 @@ import os
 
 import torch
 
-ARCHS = ('qwen3', 'qwen3_next')
+ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5')
+# Qwen3.5's image tokens (ids 3, 4, 5 in its tokenizer; the other archs' tokenizers do not have them)
+IMAGE_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>')
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 TOKENIZER_VOCAB_SIZE = 1024
@@ -150,12 +152,12 @@ def _corpus() -> list[str]:
     return lines
 
 
-def train_tokenizer():
+def train_tokenizer(extra_special: tuple = ()):
     """Train the byte-level BPE tokenizer on the embedded corpus.
 
     Returns a `tokenizers.Tokenizer` with at most `TOKENIZER_VOCAB_SIZE` entries whose first ids
-    are `SPECIAL_TOKENS` (0, 1, 2). Deterministic: the corpus is fixed and BPE training breaks
-    ties by a fixed order.
+    are `SPECIAL_TOKENS` (0, 1, 2), then `extra_special` (3, ...). Deterministic: the corpus is
+    fixed and BPE training breaks ties by a fixed order.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -166,7 +168,7 @@ def train_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE,
                                   # The corpus is small; counting pairs seen once is what reaches ~1000 tokens.
                                   min_frequency=1,
-                                  special_tokens=list(SPECIAL_TOKENS),
+                                  special_tokens=list(SPECIAL_TOKENS) + list(extra_special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
@@ -178,14 +180,14 @@ def _write_json(path: str, obj: dict) -> None:
         f.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + '\n')
 
 
-def _write_tokenizer(tok, out_dir: str) -> None:
+def _write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
     tok.save(os.path.join(out_dir, 'tokenizer.json'), pretty=True)
     added = {
         str(tok.token_to_id(t)): {
             'content': t, 'lstrip': False, 'normalized': False, 'rstrip': False,
             'single_word': False, 'special': True
         }
-        for t in SPECIAL_TOKENS
+        for t in SPECIAL_TOKENS + tuple(extra_special)
     }
     _write_json(
         os.path.join(out_dir, 'tokenizer_config.json'), {
@@ -206,6 +208,12 @@ def _arch_defaults(arch: str) -> dict:
                   rope_theta=10000.0)
     if arch == 'qwen3':
         return dict(common, num_hidden_layers=2, intermediate_size=128)
+    if arch == 'qwen3_5':
+        # 6 rotary pairs per head (16 * 0.75 / 2) so each M-RoPE axis owns two of them
+        return dict(common, num_hidden_layers=4, intermediate_size=128, full_attention_interval=4,
+                    partial_rotary_factor=0.75, mrope_section=[2, 2, 2], linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4)
     return dict(common, num_hidden_layers=4, intermediate_size=128, full_attention_interval=4,
                 partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
@@ -221,11 +229,11 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     `num_hidden_layers` and `full_attention_interval` unless given. Raises ValueError naming the
     field for an unknown arch or an override that is not a field of the config class.
     """
-    from transformers import Qwen3Config, Qwen3NextConfig
+    from transformers import Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
 
     if arch not in ARCHS:
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
-    cls = Qwen3Config if arch == 'qwen3' else Qwen3NextConfig
+    cls = {'qwen3': Qwen3Config, 'qwen3_next': Qwen3NextConfig, 'qwen3_5': Qwen3_5TextConfig}[arch]
     fields = dict(_arch_defaults(arch))
     known = set(cls().to_dict()) | set(fields)
     for key in overrides:
@@ -234,7 +242,9 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     fields.update(overrides)
     interval = fields.pop('full_attention_interval', None)
     rope = dict(rope_type='default', rope_theta=fields.pop('rope_theta'))
-    if arch == 'qwen3_next':
+    if arch == 'qwen3_5':
+        rope.update(mrope_section=fields.pop('mrope_section'), mrope_interleaved=True)
+    if arch in ('qwen3_next', 'qwen3_5'):
         rope['partial_rotary_factor'] = fields.pop('partial_rotary_factor')
         if 'layer_types' not in overrides:
             n = fields['num_hidden_layers']
@@ -242,8 +252,18 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
                 'full_attention' if (i + 1) % interval == 0 else 'linear_attention' for i in range(n)
             ]
     fields.setdefault('rope_parameters', rope)
-    return cls(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
-               **fields)
+    config = cls(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
+                 **fields)
+    if arch != 'qwen3_5':
+        return config
+    from transformers import Qwen3_5Config
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=8,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=config.hidden_size,
+                  num_position_embeddings=16, hidden_act='gelu_pytorch_tanh')
+    start, end, pad = (3, 4, 5)     # IMAGE_TOKENS' ids in the qwen3_5 tokenizer
+    return Qwen3_5Config(text_config=config.to_dict(), vision_config=vision, image_token_id=pad,
+                         video_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
+                         tie_word_embeddings=config.tie_word_embeddings)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -348,7 +368,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     Takes ~0.1 s once transformers is imported (the import itself takes a few seconds).
     """
     from safetensors.torch import save_file
-    from transformers import Qwen3ForCausalLM, Qwen3NextForCausalLM
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM, Qwen3NextForCausalLM
 
     dtype_name = overrides.pop('dtype', 'float32')
     with_mtp = bool(overrides.pop('mtp', True)) and arch == 'qwen3_next'
@@ -358,13 +378,15 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f'seed must be a non-negative int, got {seed!r}')
-    tok = train_tokenizer()
+    extra_special = IMAGE_TOKENS if arch == 'qwen3_5' else ()
+    tok = train_tokenizer(extra_special)
     eos_id, pad_id = tok.token_to_id('<|im_end|>'), tok.token_to_id('<|endoftext|>')
     vocab_size = -(-tok.get_vocab_size() // 8) * 8
     config = build_config(arch, vocab_size, eos_id, pad_id, **overrides)
     config.dtype = dtype_name
 
-    model_cls = Qwen3ForCausalLM if arch == 'qwen3' else Qwen3NextForCausalLM
+    model_cls = {'qwen3': Qwen3ForCausalLM, 'qwen3_next': Qwen3NextForCausalLM,
+                 'qwen3_5': Qwen3_5ForConditionalGeneration}[arch]
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -378,7 +400,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     # The diff against PretrainedConfig keeps every model field but drops generic noise (id2label ...).
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
-    config_dict['rope_theta'] = config.rope_parameters['rope_theta']
+    # (published Qwen3.5 configs keep rope parameters inside text_config only)
+    if arch != 'qwen3_5':
+        config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
     config_dict['architectures'] = [model_cls.__name__]
@@ -391,7 +415,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     if with_mtp:
         tensors.update(_mtp_state_dict(config, seed, DTYPES[dtype_name]))
     save_file(dict(sorted(tensors.items())), os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
-    _write_tokenizer(tok, out_dir)
+    _write_tokenizer(tok, out_dir, extra_special)
     return out_dir
 
 

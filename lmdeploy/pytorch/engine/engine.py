@@ -111,8 +111,9 @@ class Engine:
             self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
             self.specs = self.specs + [mtp_cache_spec(self.hf_config, self.dtype)]   # its own paged KV
         self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.specs)
-        self.session_len = config.session_len or int(getattr(self.hf_config, 'max_position_embeddings', 32768))
-        self.vocab_size = int(self.hf_config.vocab_size)
+        text_config = self.hf_config.get_text_config()   # a vision-language config keeps these in text_config
+        self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))
+        self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         num_runtime = cc.num_state_slots or config.max_batch_size
@@ -206,10 +207,11 @@ class Engine:
 
     def make_sequence(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                       multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int | None = None,
-                      recompute_blocks: int | None = None) -> Sequence:
+                      recompute_blocks: int | None = None, multimodal: tuple = ()) -> Sequence:
         """A validated :class:`Sequence` for a request (not yet queued).
 
         ``token_lookahead`` / ``recompute_blocks`` default to the engine's decoding strategy.
+        ``multimodal``: the prompt's images (:class:`~lmdeploy.pytorch.multimodal.MultimodalInput`).
 
         Raises:
             ValueError: see :meth:`validate`.
@@ -218,8 +220,13 @@ class Engine:
         self.validate(token_ids, gen_config)
         lookahead = self.strategy.token_lookahead if token_lookahead is None else token_lookahead
         recompute = self.strategy.recompute_blocks if recompute_blocks is None else recompute_blocks
+        if any(m.data is not None for m in multimodal) and not getattr(self.model, 'supports_images', False):
+            # spans and content hashes alone only steer planning and cache keys; pixels need an encoder
+            raise ValueError(f'model_type {self.hf_config.model_type!r} does not accept images in this engine')
+        if any(m.end > len(token_ids) for m in multimodal):
+            raise ValueError(f'a multimodal span ends past the prompt of {len(token_ids)} tokens')
         return Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
-                        self.eos_token_ids)
+                        self.eos_token_ids, tuple(multimodal))
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                     **kwargs) -> Sequence:

@@ -73,6 +73,9 @@ class Sequence:
         eos_token_ids: ids that end generation unless ``gen_config.ignore_eos``.
         draft_ids: speculative tokens proposed for the next decode step (verified, never
             trusted: see :mod:`lmdeploy.pytorch.spec_decode`); empty without speculation.
+        multimodal: the request's images (:class:`~lmdeploy.pytorch.multimodal.MultimodalInput`),
+            in prompt order; their spans join ``multimodal_spans`` and their content hashes
+            the block hashes.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -80,6 +83,7 @@ class Sequence:
     token_lookahead: int = 0
     recompute_blocks: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    multimodal: tuple = ()
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
@@ -94,6 +98,8 @@ class Sequence:
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
+        if self.multimodal:
+            self.multimodal_spans = tuple(sorted(set(self.multimodal_spans) | {m.span for m in self.multimodal}))
         if self.gen_config.random_seed is not None:
             self.generator = torch.Generator().manual_seed(self.gen_config.random_seed)
 

@@ -9,6 +9,8 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 MODEL_REGISTRY = {
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
+    'qwen3_5': 'qwen3_5:Qwen3_5ForConditionalGeneration',
+    'qwen3_5_text': 'qwen3_5:Qwen3_5ForCausalLM',
 }
 
 

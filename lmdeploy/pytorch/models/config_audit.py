@@ -68,6 +68,30 @@ FIELDS: dict[str, dict[str, str]] = {
         'router_aux_loss_coef': INERT,
     },
 }
+_QWEN3_5_TEXT = {
+    **_COMMON,
+    'linear_conv_kernel_dim': IMPLEMENTED,
+    'linear_key_head_dim': IMPLEMENTED,
+    'linear_value_head_dim': IMPLEMENTED,
+    'linear_num_key_heads': IMPLEMENTED,
+    'linear_num_value_heads': CHECKED,        # a multiple of linear_num_key_heads
+}
+FIELDS['qwen3_5_text'] = _QWEN3_5_TEXT
+# the vision-language config: the text stack of text_config; the vision tower is not implemented
+# yet, so its fields cannot change what the engine computes (images are refused)
+FIELDS['qwen3_5'] = {
+    **_QWEN3_5_TEXT,
+    'text_config': IMPLEMENTED,
+    'vision_config': INERT,
+    'image_token_id': INERT,
+    'video_token_id': INERT,
+    'vision_start_token_id': INERT,
+    'vision_end_token_id': INERT,
+    # vision_config fields the modeling file reads (the vision tower, not run by this engine)
+    **{f: INERT for f in ('depth', 'num_heads', 'in_channels', 'patch_size', 'spatial_merge_size',
+                          'temporal_patch_size', 'out_hidden_size', 'num_position_embeddings',
+                          'deepstack_visual_indexes', 'text_config')},
+}
 
 # keys of transformers' RopeParameters; 'implemented' ones are read by transformers' own functions
 ROPE_FIELDS: dict[str, str] = {
@@ -87,7 +111,8 @@ ROPE_FIELDS: dict[str, str] = {
     'high_freq_factor': IMPLEMENTED,
     'short_factor': CHECKED,                  # only 'longrope' reads it, and that type is refused
     'long_factor': CHECKED,
-    'mrope_section': INERT,                   # multimodal rope; these text models never read it
+    'mrope_section': CHECKED,                 # Qwen3.5's interleaved M-RoPE: 3 pair counts; others never read it
+    'mrope_interleaved': INERT,               # transformers' Qwen3.5 always interleaves, whatever this says
 }
 
 
@@ -123,5 +148,9 @@ def check_config(config) -> None:
     elif config.model_type == 'qwen3_next':
         from .qwen3_next import check_config as check_qwen3_next
         check_qwen3_next(config)
+    elif config.model_type in ('qwen3_5', 'qwen3_5_text'):
+        from .qwen3_5 import check_config as check_qwen3_5
+        config = config.get_text_config()
+        check_qwen3_5(config)
     from .rope import RotaryEmbedding
     RotaryEmbedding(config)  # raises for rope parameters it cannot reproduce

@@ -39,6 +39,7 @@ SEQUENCE_DEPENDENT_ROPE_TYPES = ('dynamic', 'longrope')
 _ARCH = {
     'qwen3': ('transformers.models.qwen3.modeling_qwen3', 'Qwen3RotaryEmbedding', False),
     'qwen3_next': ('transformers.models.qwen3_next.modeling_qwen3_next', 'Qwen3NextRotaryEmbedding', True),
+    'qwen3_5_text': ('transformers.models.qwen3_5.modeling_qwen3_5', 'Qwen3_5TextRotaryEmbedding', True),
 }
 
 

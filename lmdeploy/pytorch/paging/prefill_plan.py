@@ -8,8 +8,13 @@ and ``benchmark/simulate_store_writes.py`` all share one definition.
 
 Invariants of every :class:`PrefillPlan` returned by :func:`plan_prefill`:
 
-* ``chunk_ends`` is strictly increasing, its last element is ``num_tokens``, the first
-  chunk starts at ``cached_tokens`` and every chunk holds at most ``chunk_size`` tokens;
+* ``chunk_ends`` is strictly increasing, its last element is ``num_tokens`` and the first
+  chunk starts at ``cached_tokens``;
+* no chunk end splits a multimodal span: no end ``b < num_tokens`` has ``s < b < e`` or
+  ``s < b + ℓ < e`` for a span ``[s, e)`` (see :func:`is_chunk_end_allowed`);
+* every chunk holds at most ``chunk_size`` tokens, except a chunk that no allowed end within
+  the budget can close (a span, widened by ℓ, longer than the budget): it ends at the first
+  allowed end past the budget, so an image is never split even if its forward is larger;
 * ``save_points`` is a subset of ``chunk_ends``; each one is reusable (§3) and greater
   than ``cached_tokens`` -- a state exists there because a forward ends exactly there;
 * last-only plans have at most one save point, equal to ``last_reusable(num_tokens)``.
@@ -22,9 +27,14 @@ Example, n = 16448 (16K + 64), c = 0, P = 8192, A = 1024, B = 64::
     default               S              S              save_points [8192, 16384]
     last-only                            S              save_points [16384]
 
-Chunk ends that are not save points carry no extra constraint: multimodal spans only
-restrict *boundaries* that may be saved (rule 4), so a plain chunk end may fall inside a
-span (the forward for a span is then split across chunks, which the model runner handles).
+Chunk ends obey the span rule too, not only save points: a chunk end that would fall inside
+an image's tokens (or, with lookahead ℓ, whose forward would read into them) moves down to
+the span's start edge (``s - ℓ``). So every image is embedded by exactly one forward, which
+runs its vision encoder once per request; no embedding needs to outlive a step::
+
+    tokens    ...text...  [ s ====== image ====== e )  ...text...
+    budget end                       ^ (inside)
+    moved to             ^ s - ℓ                      (or e, when nothing before fits)
 """
 from __future__ import annotations
 
@@ -32,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = ['PrefillPlan', 'ReuseRules', 'is_reusable', 'last_reusable', 'plan_prefill', 'with_junction',
-           'num_remaining_chunks', 'next_chunk_end']
+           'num_remaining_chunks', 'next_chunk_end', 'is_chunk_end_allowed', 'plain_chunk_ends']
 
 Span = tuple[int, int]
 
@@ -133,6 +143,52 @@ def _largest_reusable_at_most(limit: int, num_tokens: int, block_size: int, alig
     return None
 
 
+def is_chunk_end_allowed(b: int, num_tokens: int, token_lookahead: int = 0,
+                         multimodal_spans: Sequence[Span] = ()) -> bool:
+    """Whether a prefill forward may end after ``b`` tokens: ``b == num_tokens`` (the input's end
+    never splits anything), or no span ``[s, e)`` has ``s < b < e`` or ``s < b + ℓ < e``."""
+    return b == num_tokens or _span_conflict(b, token_lookahead, multimodal_spans) is None
+
+
+def _chunk_end(start: int, limit: int, num_tokens: int, token_lookahead: int, spans: Sequence[Span]) -> int:
+    """Where a chunk from ``start`` with budget end ``limit`` ends: the largest allowed end in
+    ``(start, limit]``; if there is none (a span wider than the budget), the smallest allowed
+    end above ``limit`` (at most ``num_tokens``)."""
+    b = limit
+    while b > start:
+        if b == num_tokens:
+            return b
+        clear_below = _span_conflict(b, token_lookahead, spans)
+        if clear_below is None:
+            return b
+        b = clear_below                        # < b: jump to the offending span's lower edge
+    b = limit + 1
+    while b < num_tokens:
+        # the lowest end that clears every span violated at b (each candidate only moves up)
+        up = b
+        for s, e in spans:
+            if s < b < e:
+                up = max(up, e)
+            elif s < b + token_lookahead < e:
+                up = max(up, e - token_lookahead)
+        if up == b:
+            return b
+        b = up
+    return num_tokens
+
+
+def plain_chunk_ends(start: int, num_tokens: int, chunk_size: int, token_lookahead: int = 0,
+                     multimodal_spans: Sequence[Span] = ()) -> list[int]:
+    """Chunk ends of tokens ``[start, num_tokens)`` without save points: chunks of ``chunk_size``
+    tokens, each end moved to a span edge as in :func:`plan_prefill` (empty when
+    ``start >= num_tokens``)."""
+    ends, h = [], start
+    while h < num_tokens:
+        h = _chunk_end(h, min(h + chunk_size, num_tokens), num_tokens, token_lookahead, multimodal_spans)
+        ends.append(h)
+    return ends
+
+
 def is_reusable(b: int, num_tokens: int, block_size: int, alignment: int, token_lookahead: int = 0,
                 recompute_blocks: int = 0, multimodal_spans: Sequence[Span] = ()) -> bool:
     """Whether boundary ``b`` (tokens) of an ``num_tokens``-token input is reusable.
@@ -185,13 +241,15 @@ def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_siz
             False for the default policy: save at every reusable chunk end.
         token_lookahead: ℓ, input tokens past a chunk end its forward also reads.
         recompute_blocks: r, full blocks past a restored boundary a restore must also match.
-        multimodal_spans: half-open ``(s, e)`` token ranges never split by a save point.
+        multimodal_spans: half-open ``(s, e)`` token ranges never split by a save point or a
+            chunk end.
 
     Returns:
         :class:`PrefillPlan`. Default policy: from h = c each chunk ends at min(h + P, n),
-        moved down to the largest reusable boundary in (h, end] if one exists. Last-only:
-        chunks of budget P from c, the chunk crossing b* is cut at b*; no save point when
-        b* is None or b* <= c.
+        moved down to the largest reusable boundary in (h, end] if one exists, else to the
+        largest allowed chunk end (:func:`is_chunk_end_allowed`) in (h, end], else up to the
+        first allowed end past it. Last-only: chunks of budget P from c with the same span
+        rule, the chunk crossing b* is cut at b*; no save point when b* is None or b* <= c.
 
     Raises:
         ValueError: an argument is out of range (the message names it).
@@ -213,7 +271,7 @@ def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_siz
         if target is not None and target > cached_tokens:
             save_points.append(target)
         while h < num_tokens:
-            end = min(h + chunk_size, num_tokens)
+            end = _chunk_end(h, min(h + chunk_size, num_tokens), num_tokens, token_lookahead, multimodal_spans)
             if save_points and h < target < end:
                 end = target
             chunk_ends.append(end)
@@ -225,6 +283,12 @@ def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_siz
             if boundary is not None and boundary > h:
                 end = boundary
                 save_points.append(end)
+            else:
+                # no reusable boundary within the budget: the plain end (which may run past the
+                # budget to the end of a span) is still saved if it happens to be reusable
+                end = _chunk_end(h, end, num_tokens, token_lookahead, multimodal_spans)
+                if end < num_tokens and is_reusable(end, *args):
+                    save_points.append(end)
             chunk_ends.append(end)
             h = end
     return PrefillPlan(chunk_ends=chunk_ends, save_points=save_points, cached_tokens=cached_tokens)

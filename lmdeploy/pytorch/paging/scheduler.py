@@ -32,7 +32,7 @@ from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.plans import LoadPlan, PrefixMatch, SavePlan
 from ..prefix_cache.state_cache import StateCache
 from .block_manager import BlockManager
-from .prefill_plan import PrefillPlan, ReuseRules, num_remaining_chunks, with_junction
+from .prefill_plan import PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction
 
 __all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput']
 
@@ -278,8 +278,8 @@ class Scheduler:
                 if junction is not None and junction > cached:
                     plan = with_junction(plan, junction)
             ends, saves, start, junction = list(plan.chunk_ends), list(plan.save_points), turn, plan.junction
-        if start < seq.num_tokens:
-            ends += list(range(start + P, seq.num_tokens, P)) + [seq.num_tokens]
+        # chunks without saves (the rest of the input) still never split a multimodal span
+        ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
         return PrefillPlan(ends, saves, cached, junction)
 
     def remaining_prefill_chunks(self, seq: Sequence) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..multimodal import block_extra_keys
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import chain_block_hashes
 from .local_tier import LocalTier
@@ -96,11 +97,13 @@ class PrefixCache:
         return self.local.is_hybrid
 
     def hashes(self, seq) -> list[bytes]:
-        """Chained hashes of ``seq``'s full blocks, computed incrementally."""
+        """Chained hashes of ``seq``'s full blocks, computed incrementally; an image's content hash
+        enters the hash of the block holding its first token (and so every later one)."""
         hashes = self._hashes.setdefault(seq.seq_id, [])
         full = seq.num_tokens // self.block_size
         if len(hashes) < full:
-            hashes[:] = chain_block_hashes(seq.token_ids, self.block_size, full, prefix=hashes)
+            extra = block_extra_keys(seq.multimodal, full, self.block_size) if seq.multimodal else None
+            hashes[:] = chain_block_hashes(seq.token_ids, self.block_size, full, extra_keys=extra, prefix=hashes)
         return hashes
 
     def _rules(self, seq) -> ReuseRules:

@@ -1,0 +1,229 @@
+"""Qwen3.5 (``transformers`` model types ``qwen3_5`` and ``qwen3_5_text``): Qwen3-Next's hybrid
+text stack with dense MLPs, unpacked Gated DeltaNet projections and multimodal rotary positions.
+
+What differs from :mod:`.qwen3_next` (everything else is the same layer, imported from there)::
+
+    Gated DeltaNet   checkpoint in_proj_qkv | in_proj_z | in_proj_b | in_proj_a (flat, not grouped
+                     per key head), packed here into one matmul; conv over q|k|v as stored
+    MLP              a dense SwiGLU in every layer (no experts)
+    rotary           M-RoPE: each token has a (temporal, height, width) position; the rotary
+                     channel pairs are assigned to the three axes interleaved
+                     (pair j uses axis j mod 3 while that axis has pairs left in mrope_section)
+
+For text tokens the three positions are equal, so M-RoPE is plain partial RoPE. An image's
+tokens get ``(p0, p0 + row, p0 + col)`` on its merged patch grid and the text after it resumes at
+``p0 + max(rows, cols)`` (:meth:`Qwen3_5TextModel.forward` takes such positions).
+``Qwen3_5ForCausalLM`` serves the text-only checkpoints; ``Qwen3_5ForConditionalGeneration``
+the vision-language ones (``text_config`` + ``vision_config``; weights under
+``model.language_model.*``, ``model.visual.*``, ``lm_head.*``); its vision encoder is not
+implemented yet (see :class:`Qwen3_5ForConditionalGeneration`).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
+from ..model_inputs import StepContext
+from .layers import PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .qwen3 import Qwen3Attention
+from .qwen3_next import FULL, LINEAR, GatedDeltaNet, _head_dim
+from .qwen3_next import check_config as _check_hybrid
+from .rope import RotaryEmbedding
+
+__all__ = ['Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'MRotaryEmbedding', 'check_config']
+
+
+def check_config(config) -> None:
+    """Reject a Qwen3.5 text config this implementation cannot run exactly.
+
+    Raises:
+        ValueError: naming the field (``layer_types``, ``linear_num_value_heads``, ``hidden_act``,
+            ``rope_parameters.mrope_section``; rope fields: see :mod:`.rope`).
+    """
+    _check_hybrid(config)
+    rope = MRotaryEmbedding(config)
+    sections = rope.mrope_section
+    if len(sections) != 3 or any(not isinstance(s, int) or s < 0 for s in sections):
+        raise ValueError(f'rope_parameters.mrope_section must be 3 non-negative pair counts '
+                         f'(temporal, height, width), got {sections}')
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding with interleaved sections (Qwen3-VL / Qwen3.5 M-RoPE).
+
+    Frequencies come from :class:`.rope.RotaryEmbedding` (``transformers``' functions). For rotary
+    pair ``j`` (of ``R/2``), the angle is ``position[axis(j)] * inv_freq[j]`` with ``axis(j) = 1``
+    if ``j % 3 == 1 and j < 3 * sections[1]``, ``2`` if ``j % 3 == 2 and j < 3 * sections[2]``,
+    else ``0`` (temporal); the layout is then the usual half-rotation ``cat(angles, angles)``.
+
+    Attributes:
+        mrope_section: pairs per axis, ``rope_parameters['mrope_section']`` (default [11, 11, 10]).
+        axis_of_pair: int64 ``[R/2]``, which position axis each pair reads.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.mrope_section = list(config.rope_parameters.get('mrope_section', [11, 11, 10]))
+        self.num_pairs = self.inv_freq.numel()
+        axis = torch.zeros(self.num_pairs, dtype=torch.long)
+        for a in (1, 2):
+            if a < len(self.mrope_section):
+                axis[a:3 * int(self.mrope_section[a]):3] = a
+        self.axis_of_pair = axis
+
+    def forward_mrope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` int64 ``[3, T]`` (temporal, height, width) → ``(cos, sin)`` each ``[T, R]``."""
+        inv_freq = self.inv_freq.to(positions.device)
+        axis = self.axis_of_pair.to(positions.device)
+        pos = positions.float().index_select(0, axis)            # [R/2, T]: each pair's axis
+        freqs = pos.t() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+class Qwen3_5GatedDeltaNet(GatedDeltaNet):
+    """Gated DeltaNet as in :class:`.qwen3_next.GatedDeltaNet`, with Qwen3.5's projections:
+    ``in_proj_qkv`` gives ``[q all heads | k all heads | v all heads]`` (the conv's channel order
+    directly), ``in_proj_z`` ``[Hv * dv]``, ``in_proj_b`` and ``in_proj_a`` ``[Hv]`` each; the
+    four are packed into one matmul."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.in_proj = PackedLinear(config.hidden_size, {'in_proj_qkv': self.conv_dim, 'in_proj_z': self.value_dim,
+                                                         'in_proj_b': self.num_v_heads,
+                                                         'in_proj_a': self.num_v_heads})
+
+    def _split_projections(self, hidden: torch.Tensor):
+        """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
+        mixed, z, b, a = self.in_proj.forward_split(hidden)
+        return mixed, z.reshape(hidden.shape[0], self.num_v_heads, self.head_v_dim), b, a
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    """Pre-norm layer: Gated DeltaNet or gated attention (by ``layer_types``), then a dense SwiGLU."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = Qwen3Attention(config, layer_idx, output_gate=True, zero_centered_norm=True)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, hidden, cos, sin, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``, each sub-block with a residual."""
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR:
+            hidden = hidden + self.linear_attn(normed, ctx)
+        else:
+            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3_5TextModel(nn.Module):
+    """Embedding, decoder layers, final zero-centred norm, M-RoPE.
+
+    ``forward`` reads ``ctx.input_ids`` unless ``inputs_embeds [T, hidden]`` is given (image rows
+    already replaced), and ``mrope_positions [3, T]`` when given (else every axis = ``ctx.positions``).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.rotary = MRotaryEmbedding(config)
+
+    def forward(self, ctx: StepContext, inputs_embeds: torch.Tensor | None = None,
+                mrope_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]``."""
+        hidden = self.embed_tokens(ctx.input_ids) if inputs_embeds is None else inputs_embeds
+        if mrope_positions is None:
+            cos, sin = self.rotary(ctx.positions, hidden.dtype)     # equal axes: plain partial RoPE
+        else:
+            cos, sin = self.rotary.forward_mrope(mrope_positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+
+def _text_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    check_config(config)
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+        config.linear_num_value_heads * config.linear_value_head_dim
+    linear = LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
+                                 recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
+                                                  config.linear_value_head_dim))
+    full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+    return [linear if t == LINEAR else full for t in config.layer_types]
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Text-only Qwen3.5 (``Qwen3_5ForCausalLM``, config ``Qwen3_5TextConfig``).
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = Qwen3_5TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise."""
+        return _text_cache_specs(config, dtype)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; drops ``mtp.*`` and ``model.visual.*`` (as ``transformers``
+        does for this class), and reads ``model.language_model.*`` as ``model.*``.
+
+        Raises:
+            KeyError / ValueError: see :func:`.layers.load_weights`.
+        """
+        def rename(name: str) -> str | None:
+            if name.startswith(('mtp.', 'model.visual.')):
+                return None
+            return name.replace('model.language_model.', 'model.', 1)
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The text stack of a vision-language Qwen3.5 checkpoint (config ``Qwen3_5Config`` with
+    ``text_config`` + ``vision_config``; weights ``model.language_model.*``, ``lm_head.*``).
+
+    The vision encoder is not implemented yet: ``model.visual.*`` is not loaded and the engine
+    refuses requests with images for this model (``supports_images`` is False), so text prompts
+    are served exactly and an image is never silently ignored.
+
+    Raises:
+        ValueError: see :func:`check_config` (on ``text_config``).
+    """
+    supports_images = False
+
+    def __init__(self, config):
+        text = config.get_text_config()
+        super().__init__(text)
+        self.config = config
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """The text stack's cache specs."""
+        return _text_cache_specs(config.get_text_config(), dtype)
