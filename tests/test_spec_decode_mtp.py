@@ -239,13 +239,16 @@ def test_store_restore_in_a_new_process_decodes_the_plain_tokens(tmp_path, tiny_
     import json
     import subprocess
     import sys
+    import uuid
     from pathlib import Path
     worker = Path(__file__).resolve().parent / 'store_worker.py'
     config = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A,
                   max_prefill_token_num=P, enable_prefix_caching=True, num_gpu_blocks=256, num_checkpoint_slots=16,
                   max_batch_size=4, mooncake_master=mooncake_services.master_address,
                   mooncake_metadata_server=mooncake_services.metadata_server, mooncake_local_buffer_size=1 << 20,
-                  speculative_config=dict(method=method, num_speculative_tokens=2))
+                  speculative_config=dict(method=method, num_speculative_tokens=2),
+                  # a namespace of this test's own: the shared Store may hold these prompts from other tests
+                  store_namespace=f'spec-restore-{method}-{uuid.uuid4().hex}')
     base = random_prompt(100, 31)
     ids = base + base[:40] + random_prompt(60, 32)
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
