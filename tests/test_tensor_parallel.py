@@ -217,14 +217,14 @@ def test_store_layout_round_trips_rank_slices(tiny_qwen3_next):
         assert not torch.equal(ranks[0], payload[:, :ranks[0].shape[1]])    # interleaved per layer, not a prefix
 
 
-@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2)])
+@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2), (2, 2)])
 def test_a_reader_with_another_tp_size_restores_the_writers_prefix_and_bytes_match_the_simulator(
         writer_tp, reader_tp, tiny_qwen3_next, mooncake_services):
     import json
 
     from test_store_engine import sim, store_config
     gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    ids = random_prompt(150, 4000 + writer_tp)
+    ids = random_prompt(150, 4000 + 10 * writer_tp + reader_tp)     # a prompt new to the shared Store
     cold = engine(tiny_qwen3_next)
     expected = cold.generate(ids, gen).output_ids
     cold.close()
