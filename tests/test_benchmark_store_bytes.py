@@ -81,6 +81,38 @@ def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, moon
     assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
 
 
+def test_engine_turn_end_policy_equals_simulator_prediction(tiny_qwen3_next, mooncake_services):
+    """last-only + turn-end on the scaled 3-turn conversation: restores at the turn-end boundary,
+    save points, turn-end points, Store bytes and object counts all as the simulator predicts
+    (the turn-end put replaces the prefill checkpoint's, which stays local)."""
+    geo = bench.Geometry.from_scale(SCALE)
+    (scenario, ) = bench.select_scenarios(['mt4k'], SCALE, max_turns=3)
+    engine = make_engine(tiny_qwen3_next, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=True, decode_save_last=True, num_gpu_blocks=512,
+                         mooncake_master=mooncake_services.master_address,
+                         mooncake_metadata_server=mooncake_services.metadata_server)
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    try:
+        before = engine.stats()
+        seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens, seed=885_000)
+        engine.store.flush()
+        after = engine.stats()
+    finally:
+        engine.close()
+    policy = sim.simulate_policies(scenario, S, K, policies=['last-only+turn-end'], chunk_size=geo.chunk_size,
+                                   block_size=geo.block_size, alignment=geo.alignment)['last-only+turn-end']
+    assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+    assert [t.cached_tokens for t in policy.turns][1:] == [t.turn_end_point for t in policy.turns][:-1]
+    assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
+    assert [s.stats.turn_end_point for s in seqs] == [t.turn_end_point for t in policy.turns]
+    put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+    assert put == {'state': sum(t.state_bytes for t in policy.turns), 'kv': sum(t.kv_bytes for t in policy.turns)}
+    objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in ('state', 'kv')}
+    assert objects == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
+    assert policy.num_saves == len(seqs)        # one state put per turn
+
+
 def test_scaled_seed_scenarios_predict_these_exact_bytes():
     # S and K_blk of the tiny model at B=16 (checked against the engine above)
     g = bench.Geometry.from_scale(SCALE)
