@@ -416,7 +416,22 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
         tensors.update(_mtp_state_dict(config, seed, DTYPES[dtype_name]))
     save_file(dict(sorted(tensors.items())), os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
     _write_tokenizer(tok, out_dir, extra_special)
+    if arch == 'qwen3_5':
+        _write_json(os.path.join(out_dir, 'preprocessor_config.json'), _image_processor_config(config.vision_config))
     return out_dir
+
+
+def _image_processor_config(vision) -> dict:
+    """``preprocessor_config.json`` of transformers' Qwen2-VL image processor (the one Qwen3.5
+    checkpoints ship) for the tiny vision tower: images resized to multiples of
+    ``patch_size * merge_size`` = 16 pixels, between 16x16 and 64x64 pixels in area."""
+    factor = vision.patch_size * vision.spatial_merge_size
+    return {'image_processor_type': 'Qwen2VLImageProcessor', 'do_convert_rgb': True, 'do_resize': True,
+            'do_rescale': True, 'rescale_factor': 1 / 255, 'do_normalize': True,
+            'image_mean': [0.5, 0.5, 0.5], 'image_std': [0.5, 0.5, 0.5], 'resample': 3,
+            'patch_size': vision.patch_size, 'merge_size': vision.spatial_merge_size,
+            'temporal_patch_size': vision.temporal_patch_size,
+            'size': {'shortest_edge': factor * factor, 'longest_edge': 4 * factor * 4 * factor}}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
