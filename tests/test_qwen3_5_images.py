@@ -91,3 +91,65 @@ def test_image_prompt_logits_match_transformers(tiny_qwen3_5, hf_vl, image_proce
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     for start, end in (m.span for m in mms):     # no forward ends strictly inside an image
         assert all(not start < e < end for s in rec.steps for _, _, e, _ in s.chunks)
+
+
+def _cached_engine(path):
+    return make_engine(path, block_size=16, max_prefill_token_num=64, prefill_save_alignment=16,
+                       enable_prefix_caching=True, num_checkpoint_slots=8)
+
+
+def test_greedy_equals_transformers_cold_and_after_prefix_cache_restore(tiny_qwen3_5, hf_vl, image_processor):
+    ids, mms, px, grid = _prompt(image_processor, hf_vl.config, _pieces(TWO))
+    expected = _hf_greedy(hf_vl, ids, px, grid, 10)
+    gen = GenerationConfig(max_new_tokens=10)
+    cold = make_engine(tiny_qwen3_5, block_size=16, max_prefill_token_num=48).generate(ids, gen, multimodal=mms)
+    eng = _cached_engine(tiny_qwen3_5)
+    first = eng.generate(ids, gen, multimodal=mms)
+    calls = []
+    inner = eng.model.visual.forward
+    eng.model.visual.forward = lambda *a: calls.append(1) or inner(*a)
+    again = eng.generate(ids, gen, multimodal=mms)
+    assert cold.output_ids == first.output_ids == again.output_ids == expected
+    # restored past the second image's start: the suffix after it needs no encoder run
+    assert again.num_cached_tokens > mms[1].start and len(calls) == 0
+    # a restore that stops before the second image: logits of the suffix still match
+    ref = _hf_logits(hf_vl, ids, px, grid)
+    eng2 = _cached_engine(tiny_qwen3_5)
+    eng2.generate(ids[:mms[1].start - 1], GenerationConfig(max_new_tokens=1), multimodal=mms[:1])
+    rec = StepRecorder(eng2, keep_logits=True)
+    seq = eng2.generate(ids, GenerationConfig(max_new_tokens=1, ignore_eos=True), multimodal=tuple(mms))
+    n = seq.num_cached_tokens
+    assert 0 < n < mms[1].start
+    parts = sorted(rec.logits[seq.seq_id], key=lambda p: p[0])
+    assert parts[0][0] == n
+    got = torch.cat([blk for _, blk in parts])[:len(ids) - n]
+    assert got.shape[0] == len(ids) - n and (got - ref[n:]).abs().max().item() <= TOL
+
+
+def test_same_text_other_image_misses_past_the_image_and_changes_output(tiny_qwen3_5, hf_vl, image_processor):
+    a = _prompt(image_processor, hf_vl.config, _pieces(ONE))
+    b = _prompt(image_processor, hf_vl.config, _pieces([ONE[0], (40, 56, 99), ONE[2]]))
+    assert a[0] == b[0] and a[1][0].content_hash != b[1][0].content_hash
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    eng = _cached_engine(tiny_qwen3_5)
+    out_a = eng.generate(a[0], gen, multimodal=a[1])
+    out_b = eng.generate(b[0], gen, multimodal=b[1])
+    out_a2 = eng.generate(a[0], gen, multimodal=a[1])
+    assert out_b.num_cached_tokens <= a[1][0].start
+    assert out_a2.num_cached_tokens > a[1][0].end
+    assert out_a.output_ids == out_a2.output_ids
+    ref_b = _hf_logits(hf_vl, b[0], b[2], b[3])
+    ref_a = _hf_logits(hf_vl, a[0], a[2], a[3])
+    assert (ref_a[-1] - ref_b[-1]).abs().max() > 1e-3      # the reference itself sees the image
+    assert out_a.output_ids != out_b.output_ids
+
+
+def test_images_are_validated(tiny_qwen3_5, hf_vl, image_processor):
+    ids, mms, _, _ = _prompt(image_processor, hf_vl.config, _pieces(ONE))
+    eng = make_engine(tiny_qwen3_5, block_size=16)
+    bad = MultimodalInput(mms[0].start, mms[0].end - 1, mms[0].content_hash, mms[0].data)
+    with pytest.raises(ValueError, match='span of'):
+        eng.make_sequence(ids, multimodal=(bad,))
+    shifted = MultimodalInput(mms[0].start - 1, mms[0].end - 1, mms[0].content_hash, mms[0].data)
+    with pytest.raises(ValueError, match='only the image token'):
+        eng.make_sequence(ids, multimodal=(shifted,))
