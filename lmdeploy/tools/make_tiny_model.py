@@ -8,6 +8,7 @@ This module owns the on-disk layout of the tiny models every CPU test loads:
       model.safetensors       one file, keys in the published checkpoint layout
       tokenizer.json          byte-level BPE trained here on an embedded corpus
       tokenizer_config.json   PreTrainedTokenizerFast + ChatML chat_template
+      preprocessor_config.json  (qwen3_5 only) transformers' Qwen2-VL image processor, tiny sizes
 
 Invariants:
 - Same (arch, seed, overrides, dtype) -> byte-identical files. The tokenizer does not depend on
