@@ -153,3 +153,66 @@ def test_images_are_validated(tiny_qwen3_5, hf_vl, image_processor):
     shifted = MultimodalInput(mms[0].start - 1, mms[0].end - 1, mms[0].content_hash, mms[0].data)
     with pytest.raises(ValueError, match='only the image token'):
         eng.make_sequence(ids, multimodal=(shifted,))
+
+
+def _data_url(image):
+    import base64
+    import io
+    buf = io.BytesIO()
+    image.save(buf, format='PNG')
+    return 'data:image/png;base64,' + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope='module')
+def vl_pipe(tiny_qwen3_5):
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.serve.pipeline import Pipeline
+    pipe = Pipeline(tiny_qwen3_5, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256,
+                                                      block_size=16, enable_prefix_caching=True,
+                                                      prefill_save_alignment=16, num_checkpoint_slots=8))
+    yield pipe
+    pipe.close()
+
+
+def test_pipeline_image_parts_pil_path_and_data_url(vl_pipe, hf_vl, image_processor, tmp_path):
+    a, b = _image(40, 56, 7), _image(64, 40, 9)
+    path = tmp_path / 'a.png'
+    a.save(path)
+    msgs = [{'role': 'user', 'content': [
+        {'type': 'text', 'text': 'Compare'}, {'type': 'image', 'image': a}, {'type': 'text', 'text': 'and'},
+        {'type': 'image_url', 'image_url': {'url': _data_url(b)}}, {'type': 'text', 'text': 'please.'}]}]
+    ids, mms = vl_pipe.encode_with_images(msgs)
+    assert len(mms) == 2 and all(set(ids[m.start:m.end]) == {hf_vl.config.image_token_id} for m in mms)
+    assert ids[mms[0].start - 1] == hf_vl.config.vision_start_token_id == ids[mms[1].start - 1]
+    assert ids[mms[0].end] == hf_vl.config.vision_end_token_id
+    px = torch.cat([m.data['pixel_values'] for m in mms])
+    grid = torch.cat([m.data['image_grid_thw'] for m in mms])
+    ref = image_processor(images=[a, b], return_tensors='pt')
+    assert torch.equal(px, ref['pixel_values']) and torch.equal(grid, ref['image_grid_thw'])
+    gen = GenerationConfig(max_new_tokens=8)
+    out = vl_pipe(msgs, gen)
+    assert out.token_ids == _hf_greedy(hf_vl, ids, px, grid, 8)
+    # the same picture as a file path and as a data URL: same content hash, so the cache hits
+    for src in (str(path), _data_url(a)):
+        same = [{'role': 'user', 'content': [dict(msgs[0]['content'][0]), {'type': 'image_url', 'image_url': src},
+                                             *msgs[0]['content'][2:]]}]
+        ids2, mms2 = vl_pipe.encode_with_images(same)
+        assert ids2 == ids and mms2[0].content_hash == mms[0].content_hash
+    again = vl_pipe(msgs, gen)
+    assert again.token_ids == out.token_ids and again.cached_tokens > mms[1].start
+
+
+def test_pipeline_rejects_bad_image_parts(vl_pipe, tiny_qwen3_next):
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.serve.pipeline import Pipeline
+    bad = [{'role': 'user', 'content': [{'type': 'text', 'text': 'x'},
+                                        {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,@@'}}]}]
+    with pytest.raises(ValueError, match=r'messages\[0\]\.content\[1\]'):
+        vl_pipe(bad, GenerationConfig(max_new_tokens=1))
+    missing = [{'role': 'user', 'content': [{'type': 'image', 'image': '/nonexistent.png'}]}]
+    with pytest.raises(ValueError, match=r'messages\[0\]\.content\[0\].*not found'):
+        vl_pipe(missing, GenerationConfig(max_new_tokens=1))
+    with Pipeline(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32',
+                                                       num_gpu_blocks=64)) as text_only:
+        with pytest.raises(ValueError, match='does not accept images'):
+            text_only([{'role': 'user', 'content': [{'type': 'image', 'image': _image(32, 32, 1)}]}])
