@@ -216,3 +216,71 @@ def test_pipeline_rejects_bad_image_parts(vl_pipe, tiny_qwen3_next):
                                                        num_gpu_blocks=64)) as text_only:
         with pytest.raises(ValueError, match='does not accept images'):
             text_only([{'role': 'user', 'content': [{'type': 'image', 'image': _image(32, 32, 1)}]}])
+
+
+@pytest.fixture(scope='module')
+def image_http(tmp_path_factory):
+    """A 127.0.0.1 HTTP server: /a.png (an image), /big (1 MiB), /slow (answers after 3 s),
+    /text (not an image)."""
+    import http.server
+    import threading
+    import time
+    png = tmp_path_factory.mktemp('http') / 'a.png'
+    _image(40, 56, 7).save(png)
+    bodies = {'/a.png': png.read_bytes(), '/big': b'\0' * (1 << 20), '/text': b'hello'}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == '/slow':
+                time.sleep(3)
+            body = bodies.get(self.path, b'')
+            self.send_response(200 if self.path in bodies or self.path == '/slow' else 404)
+            self.send_header('Content-Length', str(len(body)))
+            try:
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):      # the client gave up (/slow)
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f'http://127.0.0.1:{srv.server_address[1]}'
+    srv.shutdown()
+
+
+TAIL = {'type': 'text', 'text': ' in a few words, then list the colours you see in it, one per line.'}
+
+
+def test_api_server_image_url_parts(vl_pipe, hf_vl, image_http):
+    from starlette.testclient import TestClient
+    from lmdeploy.serve.images import ImageFetchLimits
+    from lmdeploy.serve.openai.api_server import create_app
+    app = create_app(vl_pipe, 'tiny', image_fetch=ImageFetchLimits(max_bytes=64 << 10, timeout_s=1.0))
+
+    def chat(url, n=6):
+        body = {'model': 'tiny', 'max_tokens': n, 'temperature': 0, 'messages': [{'role': 'user', 'content': [
+            {'type': 'text', 'text': 'Describe'}, {'type': 'image_url', 'image_url': {'url': url}}, TAIL]}]}
+        return client.post('/v1/chat/completions', json=body)
+
+    with TestClient(app) as client:
+        by_url, by_data = chat(image_http + '/a.png'), chat(_data_url(_image(40, 56, 7)))
+        assert by_url.status_code == by_data.status_code == 200, by_url.text
+        assert by_url.json()['choices'][0]['message'] == by_data.json()['choices'][0]['message']
+        msgs = [{'role': 'user', 'content': [{'type': 'text', 'text': 'Describe'},
+                                             {'type': 'image', 'image': _image(40, 56, 7)}, TAIL]}]
+        ids, mms = vl_pipe.encode_with_images(msgs)
+        expected = vl_pipe.tokenizer.decode(_hf_greedy(hf_vl, ids, mms[0].data['pixel_values'],
+                                                       mms[0].data['image_grid_thw'], 6), skip_special_tokens=True)
+        assert by_url.json()['choices'][0]['message']['content'] == expected
+        assert by_data.json()['usage']['prompt_tokens_details']['cached_tokens'] > mms[0].start
+        for url, words in [(image_http + '/big', 'over the limit'), (image_http + '/slow', 'fetch'),
+                           (image_http + '/text', 'not a readable image'), (image_http + '/missing', '404'),
+                           ('data:image/png;base64,@@', 'cannot decode')]:
+            r = chat(url)
+            assert r.status_code == 400, (url, r.text)
+            err = r.json()['error']
+            assert err['param'] == 'messages' and 'messages[0].content[1]' in err['message'] \
+                and words in err['message'], err

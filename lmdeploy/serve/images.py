@@ -21,11 +21,14 @@ import base64
 import binascii
 import io
 import os
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from ..pytorch.multimodal import MultimodalInput, tensor_content_hash
 
-__all__ = ['IMAGE_PART_TYPES', 'load_image', 'extract_images', 'has_images', 'ImageInputs']
+__all__ = ['IMAGE_PART_TYPES', 'load_image', 'extract_images', 'has_images', 'ImageInputs', 'ImageFetchLimits',
+           'fetch_http_images']
 
 IMAGE_PART_TYPES = ('image', 'image_url')
 
@@ -158,3 +161,73 @@ class ImageInputs:
             out += [self.image_token_id] * n
             prev = k + 1
         return out + ids[prev:], tuple(mms)
+
+
+@dataclass(frozen=True)
+class ImageFetchLimits:
+    """Limits on downloading an ``http(s)`` image (api_server only).
+
+    Attributes:
+        max_bytes: largest image body accepted (bytes).
+        timeout_s: wall-clock limit for one download (seconds), connection included.
+    """
+    max_bytes: int = 20 << 20
+    timeout_s: float = 10.0
+
+
+def _fetch(url: str, limits: ImageFetchLimits, where: str) -> bytes:
+    import urllib.error
+    import urllib.request
+    deadline = time.monotonic() + limits.timeout_s
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={'User-Agent': 'lmdeploy'}),
+                                    timeout=limits.timeout_s) as resp:
+            declared = resp.headers.get('Content-Length')
+            if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
+                raise ValueError(f'{where}: the image at {url!r} has {declared} bytes, over the limit of '
+                                 f'{limits.max_bytes}')
+            body = bytearray()
+            while True:
+                if time.monotonic() > deadline:
+                    raise ValueError(f'{where}: fetching {url!r} took longer than {limits.timeout_s} s')
+                piece = resp.read(1 << 16)
+                if not piece:
+                    return bytes(body)
+                body += piece
+                if len(body) > limits.max_bytes:
+                    raise ValueError(f'{where}: the image at {url!r} is over the limit of {limits.max_bytes} bytes')
+    except ValueError:
+        raise
+    except (OSError, urllib.error.URLError) as err:       # includes timeouts and HTTP errors
+        raise ValueError(f'{where}: cannot fetch {url!r} ({err})') from err
+
+
+def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[dict]:
+    """``messages`` with every ``image_url`` part whose URL is ``http(s)`` replaced by an
+    ``image`` part holding the downloaded picture (other parts unchanged).
+
+    Raises:
+        ValueError: naming ``messages[i].content[j]``: the download failed, ran past
+            ``limits.timeout_s`` or past ``limits.max_bytes``, or is not an image.
+    """
+    from PIL import Image
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get('content')
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            url = p.get('image_url', {}).get('url', '') if p.get('type') == 'image_url' else ''
+            if url.startswith(('http://', 'https://')):
+                where = f'messages[{i}].content[{j}]'
+                raw = _fetch(url, limits, where)
+                try:
+                    image = Image.open(io.BytesIO(raw)).convert('RGB')
+                except OSError as err:
+                    raise ValueError(f'{where}: {url!r} is not a readable image ({err})') from err
+                p = {'type': 'image', 'image': image}
+            parts.append(p)
+        out.append(dict(m, content=parts))
+    return out

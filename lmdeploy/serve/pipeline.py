@@ -199,6 +199,27 @@ class Pipeline:
         """Whether the model takes image content parts."""
         return bool(getattr(self.engine.model, 'supports_images', False))
 
+    def render_with_images(self, messages: list[dict], tools: list[dict] | None = None,
+                           chat_template_kwargs: dict | None = None) -> tuple[str, list]:
+        """The prompt text of a conversation with image parts (each rendered as the template's
+        placeholder) and its images (PIL, in order).
+
+        Raises:
+            ValueError: as :func:`render_chat`; the model does not accept images; an image part
+                that cannot be loaded (naming ``messages[i].content[j]``).
+        """
+        if not self.accepts_images:
+            raise ValueError(f'model_type {self.engine.hf_config.model_type!r} does not accept images')
+        messages, images = extract_images(list(messages))
+        return render_chat(self.tokenizer, messages, tools, chat_template_kwargs, allow_images=True), images
+
+    def expand_images(self, text: str, images: list) -> tuple[list[int], tuple]:
+        """Token ids of a rendered prompt with each image placeholder expanded to its image's
+        token run, and the images as ``MultimodalInput``s (:class:`~lmdeploy.serve.images.ImageInputs`)."""
+        if self._images is None:
+            self._images = ImageInputs(self.model_path, self.engine.hf_config)
+        return self._images.expand(self.tokenize(text), images)
+
     def encode_with_images(self, prompt, do_preprocess: bool = True) -> tuple[list[int], tuple]:
         """Token ids of one prompt and its images (``MultimodalInput``s, empty without images).
 
@@ -206,18 +227,11 @@ class Pipeline:
         placeholder and expanded to each image's token run.
 
         Raises:
-            ValueError: as :meth:`encode`; an image part for a model without images, or an
-                image that cannot be loaded (naming ``messages[i].content[j]``).
+            ValueError: as :meth:`encode` and :meth:`render_with_images`.
         """
         if not has_images(prompt):
             return self.encode(prompt, do_preprocess), ()
-        if not self.accepts_images:
-            raise ValueError(f'model_type {self.engine.hf_config.model_type!r} does not accept images')
-        messages, images = extract_images(list(prompt))
-        if self._images is None:
-            self._images = ImageInputs(self.model_path, self.engine.hf_config)
-        text = render_chat(self.tokenizer, messages, allow_images=True)
-        return self._images.expand(self.tokenize(text), images)
+        return self.expand_images(*self.render_with_images(prompt))
 
     def encode(self, prompt, do_preprocess: bool = True) -> list[int]:
         """Token ids of one prompt (text only: :meth:`encode_with_images` takes image parts).
@@ -248,9 +262,15 @@ class Pipeline:
         return ids
 
     def submit(self, prompt, gen_config: GenerationConfig | None = None, loop=None,
-               do_preprocess: bool = True) -> RequestHandle:
-        """Encode and queue one prompt; returns its handle."""
-        ids, images = self.encode_with_images(prompt, do_preprocess)
+               do_preprocess: bool = True, multimodal: tuple = ()) -> RequestHandle:
+        """Encode and queue one prompt; returns its handle. ``multimodal``: the images of a
+        token-id prompt already expanded by :meth:`encode_with_images`."""
+        if multimodal:
+            if not (prompt and all(isinstance(t, int) for t in prompt)):
+                raise ValueError('multimodal inputs go with a token-id prompt')
+            ids, images = list(prompt), tuple(multimodal)
+        else:
+            ids, images = self.encode_with_images(prompt, do_preprocess)
         return self.loop.submit(ids, gen_config or GenerationConfig(), loop=loop, multimodal=images)
 
     # sync API --------------------------------------------------------------------------
@@ -304,14 +324,15 @@ class Pipeline:
                 self.loop.abort(handles[i])
 
     async def generate(self, prompt, gen_config: GenerationConfig | None = None,
-                       do_preprocess: bool = True) -> AsyncIterator[Response]:
+                       do_preprocess: bool = True, multimodal: tuple = ()) -> AsyncIterator[Response]:
         """Async generator of :class:`Response` deltas for one prompt (used by the server, which
         passes token ids it encoded off the event loop).
 
         Cancelling the consumer aborts the request in the engine.
         """
         gen_config = gen_config or GenerationConfig()
-        handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess)
+        handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess,
+                             multimodal=multimodal)
         detok = _Detokenizer(self.tokenizer, gen_config.stop_words)
         finished = False
         try:
