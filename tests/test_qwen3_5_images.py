@@ -284,3 +284,65 @@ def test_api_server_image_url_parts(vl_pipe, hf_vl, image_http):
             err = r.json()['error']
             assert err['param'] == 'messages' and 'messages[0].content[1]' in err['message'] \
                 and words in err['message'], err
+
+
+def test_store_restore_with_images_matches_transformers(tiny_qwen3_5, hf_vl, image_processor, mooncake_services):
+    """An engine with an empty local cache restores from the Store past both images (same
+    logits/greedy as transformers); a different first image gets no Store hit past its start."""
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    cfg = dict(device_type='cpu', dtype='float32', block_size=16, prefill_save_alignment=16,
+               max_prefill_token_num=64, enable_prefix_caching=True, num_gpu_blocks=256, num_checkpoint_slots=16,
+               mooncake_master=mooncake_services.master_address,
+               mooncake_metadata_server=mooncake_services.metadata_server, mooncake_local_buffer_size=1 << 20)
+    ids, mms, px, grid = _prompt(image_processor, hf_vl.config, _pieces(TWO))
+    other = _prompt(image_processor, hf_vl.config, _pieces([TWO[0], (32, 32, 77), *TWO[2:]]))
+    assert other[0] == ids
+    expected = _hf_greedy(hf_vl, ids, px, grid, 8)
+    gen = GenerationConfig(max_new_tokens=8)
+    writer = Engine(tiny_qwen3_5, PytorchEngineConfig(**cfg))
+    try:
+        assert writer.generate(ids, gen, multimodal=mms).output_ids == expected
+    finally:
+        writer.close()
+    reader = Engine(tiny_qwen3_5, PytorchEngineConfig(**cfg))
+    try:
+        miss = reader.generate(other[0], gen, multimodal=other[1])
+        assert miss.stats.store_hit_tokens <= mms[0].start
+        ref = _hf_logits(hf_vl, ids, px, grid)
+        rec = StepRecorder(reader, keep_logits=True)
+        seq = reader.generate(ids, gen, multimodal=mms)
+        assert seq.stats.store_hit_tokens > mms[1].end and seq.output_ids == expected
+        n = seq.num_cached_tokens
+        got = torch.cat([blk for _, blk in sorted(rec.logits[seq.seq_id], key=lambda p: p[0])])[:len(ids) - n]
+        assert (got - ref[n:]).abs().max().item() <= TOL
+    finally:
+        reader.close()
+
+
+def test_batched_with_other_requests_equals_alone(tiny_qwen3_5, hf_vl, image_processor):
+    """Image and text requests sharing forwards (prefill chunks next to decode tokens): each
+    sequence's positions and image rows are its own, so outputs equal transformers alone."""
+    one = _prompt(image_processor, hf_vl.config, _pieces(ONE))
+    two = _prompt(image_processor, hf_vl.config, _pieces(TWO))
+    text = random_prompt(70, 12)
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    eng = make_engine(tiny_qwen3_5, block_size=16, max_prefill_token_num=32, max_batch_size=4)
+    rec = StepRecorder(eng)
+    seqs = []
+    for step in range(200):
+        if step == 0:
+            seqs.append(eng.add_request(two[0], gen, multimodal=two[1]))
+        if step == 1:
+            seqs.append(eng.add_request(text, gen))
+        if step == 2:
+            seqs.append(eng.add_request(one[0], gen, multimodal=one[1]))
+        eng.step()
+        if len(seqs) == 3 and all(s.is_finished for s in seqs):
+            break
+    assert rec.max_concurrent() >= 2 and rec.num_mixed_steps >= 1
+    alone = make_engine(tiny_qwen3_5, block_size=16)
+    assert seqs[0].output_ids == alone.generate(two[0], gen, multimodal=two[1]).output_ids
+    assert seqs[1].output_ids == alone.generate(text, gen).output_ids
+    assert seqs[2].output_ids == alone.generate(one[0], gen, multimodal=one[1]).output_ids
+    assert all(not s.encoder_cache for s in seqs)       # encoder outputs dropped once their spans were computed
