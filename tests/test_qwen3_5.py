@@ -120,10 +120,10 @@ def test_mrope_tables_equal_transformers_on_three_axis_positions():
         assert torch.allclose(same, plain, atol=1e-6)
 
 
-def test_images_are_refused_while_the_vision_encoder_is_missing(tiny_qwen3_5):
+def test_image_without_its_grid_is_rejected(tiny_qwen3_5):
     eng = make_engine(tiny_qwen3_5, block_size=16)
     image = MultimodalInput(2, 6, b'h' * 16, data={'pixel_values': torch.zeros(16, 384)})
-    with pytest.raises(ValueError, match='does not accept images'):
+    with pytest.raises(ValueError, match='image_grid_thw'):
         eng.add_request(random_prompt(10, 1), GenerationConfig(max_new_tokens=1), multimodal=(image,))
 
 

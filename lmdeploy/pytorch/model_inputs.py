@@ -71,6 +71,8 @@ class StepContext:
             recurrent_state [num_slots, num_v_heads, k_head_dim, v_head_dim] float32)`` for
             linear-attention layers, else ``None``.
         block_size: tokens per KV block.
+        sequences: per sequence, the engine's :class:`~lmdeploy.pytorch.engine.sequence.Sequence`
+            (models with images read its ``multimodal`` list); empty where the caller has none.
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -82,6 +84,7 @@ class StepContext:
     kv_caches: list = field(default_factory=list)
     state_caches: list = field(default_factory=list)
     block_size: int = 64
+    sequences: list = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -3,7 +3,8 @@
 It owns the tokenizer (chat template, incremental detokenization, stop strings) and an
 :class:`~lmdeploy.pytorch.engine.engine_loop.EngineLoop`. Accepted prompts: a string, an
 OpenAI-style message list (``[{"role": ..., "content": ...}]``, rendered with the model's chat
-template), or a list of token ids; or a list of any of those for a batch.
+template; for models with images, content may hold image parts: :mod:`lmdeploy.serve.images`),
+or a list of token ids; or a list of any of those for a batch.
 
 A plain string is a user message and goes through the chat template too, unless the call
 passes ``do_preprocess=False`` (then the string is tokenized as is: a raw continuation).
@@ -20,6 +21,7 @@ from typing import AsyncIterator, Iterator
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
+from .images import ImageInputs, extract_images, has_images
 
 __all__ = ['Pipeline', 'ChatSession', 'render_chat']
 
@@ -36,7 +38,7 @@ def _is_single(prompt) -> bool:
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                chat_template_kwargs: dict | None = None) -> str:
+                chat_template_kwargs: dict | None = None, allow_images: bool = False) -> str:
     """The prompt text of a conversation, ending with the assistant's generation prompt.
 
     Equal to ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
@@ -48,6 +50,8 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
             ``tool_calls``; tool ``tool_call_id`` / ``name``).
         tools: OpenAI ``tools`` entries handed to the template, or None.
         chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+        allow_images: accept ``{"type": "image"}`` parts (placeholders left by
+            :func:`~lmdeploy.serve.images.extract_images`; the template renders them).
 
     Raises:
         ValueError: an empty list, a message that is not a dict, an unknown role, no chat
@@ -61,9 +65,10 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
             raise ValueError(f'unknown message role {m.get("role")!r}; expected one of {VALID_ROLES}')
         content = m.get('content')
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get('type') == 'text' and isinstance(p.get('text'), str)
-                       for p in content):
-                raise ValueError('message content parts must be {"type": "text", "text": str}')
+            if not all(isinstance(p, dict) and (p.get('type') == 'text' and isinstance(p.get('text'), str)
+                                                or allow_images and p.get('type') == 'image') for p in content):
+                raise ValueError('message content parts must be {"type": "text", "text": str}'
+                                 + ('' if allow_images else ' (this model does not accept images)'))
         elif content is not None and not isinstance(content, str):
             raise ValueError('message content must be a string, a list of text parts or null')
         msgs.append(dict(m, role='system') if m['role'] == 'developer' else m)
@@ -152,6 +157,7 @@ class Pipeline:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model_path = model_path
         self.loop = EngineLoop(self.engine)
+        self._images: ImageInputs | None = None      # the image processor, loaded on first use
 
     # input -----------------------------------------------------------------------------
     @property
@@ -188,8 +194,47 @@ class Pipeline:
                              f'(at most {limit - 1} prompt tokens)')
         return list(enc.ids if ids is None else ids)
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model takes image content parts."""
+        return bool(getattr(self.engine.model, 'supports_images', False))
+
+    def render_with_images(self, messages: list[dict], tools: list[dict] | None = None,
+                           chat_template_kwargs: dict | None = None) -> tuple[str, list]:
+        """The prompt text of a conversation with image parts (each rendered as the template's
+        placeholder) and its images (PIL, in order).
+
+        Raises:
+            ValueError: as :func:`render_chat`; the model does not accept images; an image part
+                that cannot be loaded (naming ``messages[i].content[j]``).
+        """
+        if not self.accepts_images:
+            raise ValueError(f'model_type {self.engine.hf_config.model_type!r} does not accept images')
+        messages, images = extract_images(list(messages))
+        return render_chat(self.tokenizer, messages, tools, chat_template_kwargs, allow_images=True), images
+
+    def expand_images(self, text: str, images: list) -> tuple[list[int], tuple]:
+        """Token ids of a rendered prompt with each image placeholder expanded to its image's
+        token run, and the images as ``MultimodalInput``s (:class:`~lmdeploy.serve.images.ImageInputs`)."""
+        if self._images is None:
+            self._images = ImageInputs(self.model_path, self.engine.hf_config)
+        return self._images.expand(self.tokenize(text), images)
+
+    def encode_with_images(self, prompt, do_preprocess: bool = True) -> tuple[list[int], tuple]:
+        """Token ids of one prompt and its images (``MultimodalInput``s, empty without images).
+
+        Image parts (see :mod:`lmdeploy.serve.images`) are loaded, rendered as the template's
+        placeholder and expanded to each image's token run.
+
+        Raises:
+            ValueError: as :meth:`encode` and :meth:`render_with_images`.
+        """
+        if not has_images(prompt):
+            return self.encode(prompt, do_preprocess), ()
+        return self.expand_images(*self.render_with_images(prompt))
+
     def encode(self, prompt, do_preprocess: bool = True) -> list[int]:
-        """Token ids of one prompt.
+        """Token ids of one prompt (text only: :meth:`encode_with_images` takes image parts).
 
         Args:
             prompt: a string, a message list or a token-id list.
@@ -207,6 +252,8 @@ class Pipeline:
         elif prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         elif prompt and all(isinstance(m, dict) for m in prompt):
+            if has_images(prompt):
+                raise ValueError('a prompt with image parts needs encode_with_images')
             ids = self.tokenize(self.render(list(prompt)))
         else:
             raise ValueError('prompt must be a non-empty string, message list or token-id list')
@@ -215,9 +262,16 @@ class Pipeline:
         return ids
 
     def submit(self, prompt, gen_config: GenerationConfig | None = None, loop=None,
-               do_preprocess: bool = True) -> RequestHandle:
-        """Encode and queue one prompt; returns its handle."""
-        return self.loop.submit(self.encode(prompt, do_preprocess), gen_config or GenerationConfig(), loop=loop)
+               do_preprocess: bool = True, multimodal: tuple = ()) -> RequestHandle:
+        """Encode and queue one prompt; returns its handle. ``multimodal``: the images of a
+        token-id prompt already expanded by :meth:`encode_with_images`."""
+        if multimodal:
+            if not (prompt and all(isinstance(t, int) for t in prompt)):
+                raise ValueError('multimodal inputs go with a token-id prompt')
+            ids, images = list(prompt), tuple(multimodal)
+        else:
+            ids, images = self.encode_with_images(prompt, do_preprocess)
+        return self.loop.submit(ids, gen_config or GenerationConfig(), loop=loop, multimodal=images)
 
     # sync API --------------------------------------------------------------------------
     def __call__(self, prompts, gen_config: GenerationConfig | None = None, do_preprocess: bool = True):
@@ -248,10 +302,10 @@ class Pipeline:
         batch = [prompts] if _is_single(prompts) else list(prompts)
         # check every prompt before queueing any, so a bad one does not leave the others
         # running unattended in the engine
-        inputs = [self.encode(p, do_preprocess) for p in batch]
-        for ids in inputs:
-            self.engine.validate(ids, gen_config)
-        handles = [self.loop.submit(ids, gen_config) for ids in inputs]
+        inputs = [self.encode_with_images(p, do_preprocess) for p in batch]
+        for ids, images in inputs:
+            self.engine.make_sequence(ids, gen_config, multimodal=images)     # validates, queues nothing
+        handles = [self.loop.submit(ids, gen_config, multimodal=images) for ids, images in inputs]
         detoks = [_Detokenizer(self.tokenizer, gen_config.stop_words) for _ in batch]
         live = set(range(len(batch)))
         try:
@@ -270,14 +324,15 @@ class Pipeline:
                 self.loop.abort(handles[i])
 
     async def generate(self, prompt, gen_config: GenerationConfig | None = None,
-                       do_preprocess: bool = True) -> AsyncIterator[Response]:
+                       do_preprocess: bool = True, multimodal: tuple = ()) -> AsyncIterator[Response]:
         """Async generator of :class:`Response` deltas for one prompt (used by the server, which
         passes token ids it encoded off the event loop).
 
         Cancelling the consumer aborts the request in the engine.
         """
         gen_config = gen_config or GenerationConfig()
-        handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess)
+        handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess,
+                             multimodal=multimodal)
         detok = _Detokenizer(self.tokenizer, gen_config.stop_words)
         finished = False
         try:

@@ -8,6 +8,7 @@ This module owns the on-disk layout of the tiny models every CPU test loads:
       model.safetensors       one file, keys in the published checkpoint layout
       tokenizer.json          byte-level BPE trained here on an embedded corpus
       tokenizer_config.json   PreTrainedTokenizerFast + ChatML chat_template
+      preprocessor_config.json  (qwen3_5 only) transformers' Qwen2-VL image processor, tiny sizes
 
 Invariants:
 - Same (arch, seed, overrides, dtype) -> byte-identical files. The tokenizer does not depend on
@@ -59,9 +60,13 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
     "{%- elif message['content'] is none -%}{%- set text = '' -%}"
-    "{%- else -%}"
-    "{%- set text = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') -%}"
+    "{%- else -%}{%- set parts = namespace(text='') -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{%- set parts.text = parts.text + part['text'] -%}"
+    "{%- elif part['type'] in ['image', 'image_url'] -%}"
+    "{%- set parts.text = parts.text + '<|vision_start|><|image_pad|><|vision_end|>' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- set text = parts.text -%}"
     "{%- endif -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + text -}}"
     "{%- for call in message.tool_calls or [] -%}"
@@ -416,7 +421,22 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
         tensors.update(_mtp_state_dict(config, seed, DTYPES[dtype_name]))
     save_file(dict(sorted(tensors.items())), os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
     _write_tokenizer(tok, out_dir, extra_special)
+    if arch == 'qwen3_5':
+        _write_json(os.path.join(out_dir, 'preprocessor_config.json'), _image_processor_config(config.vision_config))
     return out_dir
+
+
+def _image_processor_config(vision) -> dict:
+    """``preprocessor_config.json`` of transformers' Qwen2-VL image processor (the one Qwen3.5
+    checkpoints ship) for the tiny vision tower: images resized to multiples of
+    ``patch_size * merge_size`` = 16 pixels, between 16x16 and 64x64 pixels in area."""
+    factor = vision.patch_size * vision.spatial_merge_size
+    return {'image_processor_type': 'Qwen2VLImageProcessor', 'do_convert_rgb': True, 'do_resize': True,
+            'do_rescale': True, 'rescale_factor': 1 / 255, 'do_normalize': True,
+            'image_mean': [0.5, 0.5, 0.5], 'image_std': [0.5, 0.5, 0.5], 'resample': 3,
+            'patch_size': vision.patch_size, 'merge_size': vision.spatial_merge_size,
+            'temporal_patch_size': vision.temporal_patch_size,
+            'size': {'shortest_edge': factor * factor, 'longest_edge': 4 * factor * 4 * factor}}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -225,6 +225,10 @@ class Engine:
             raise ValueError(f'model_type {self.hf_config.model_type!r} does not accept images in this engine')
         if any(m.end > len(token_ids) for m in multimodal):
             raise ValueError(f'a multimodal span ends past the prompt of {len(token_ids)} tokens')
+        if any(m.data is not None for m in multimodal):
+            if self.executor is not None or self.mtp is not None:
+                raise ValueError('images are not supported with tp > 1 or MTP speculative decoding')
+            self.model.check_multimodal(token_ids, multimodal)
         return Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
                         self.eos_token_ids, tuple(multimodal))
 

@@ -61,7 +61,7 @@ class ModelRunner:
                            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
                            q_seqlens=q_lens, q_start_loc=starts, kv_seqlens=kv_lens, block_tables=tables,
                            state_slots=slots, kv_caches=ce.kv_caches, state_caches=ce.state_caches,
-                           block_size=ce.block_size)
+                           block_size=ce.block_size, sequences=[c.seq for c in out.chunks])
 
     @torch.inference_mode()
     def forward(self, out: SchedulerOutput, return_all_logits: bool = False) -> dict[int, list[int]]:

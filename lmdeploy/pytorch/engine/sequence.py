@@ -76,6 +76,8 @@ class Sequence:
         multimodal: the request's images (:class:`~lmdeploy.pytorch.multimodal.MultimodalInput`),
             in prompt order; their spans join ``multimodal_spans`` and their content hashes
             the block hashes.
+        encoder_cache: the model's per-image encoder outputs kept between forwards of this
+            sequence (keyed by index in ``multimodal``); owned by the model.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -95,6 +97,7 @@ class Sequence:
     stats: SequenceStats = field(default_factory=SequenceStats)
     generator: torch.Generator | None = None
     draft_ids: list[int] = field(default_factory=list)
+    encoder_cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

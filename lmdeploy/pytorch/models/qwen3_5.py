@@ -15,8 +15,8 @@ tokens get ``(p0, p0 + row, p0 + col)`` on its merged patch grid and the text af
 ``p0 + max(rows, cols)`` (:meth:`Qwen3_5TextModel.forward` takes such positions).
 ``Qwen3_5ForCausalLM`` serves the text-only checkpoints; ``Qwen3_5ForConditionalGeneration``
 the vision-language ones (``text_config`` + ``vision_config``; weights under
-``model.language_model.*``, ``model.visual.*``, ``lm_head.*``); its vision encoder is not
-implemented yet (see :class:`Qwen3_5ForConditionalGeneration`).
+``model.language_model.*``, ``model.visual.*``, ``lm_head.*``), with the vision tower of
+:mod:`.qwen3_5_vision`.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from .layers import PackedLinear, RMSNorm, SwiGLUMLP, load_weights
 from .qwen3 import Qwen3Attention
 from .qwen3_next import FULL, LINEAR, GatedDeltaNet, _head_dim
 from .qwen3_next import check_config as _check_hybrid
+from .qwen3_5_vision import Qwen3_5VisionModel, merged_grid, mrope_positions
 from .rope import RotaryEmbedding
 
 __all__ = ['Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'MRotaryEmbedding', 'check_config']
@@ -68,7 +69,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         super().__init__(config)
         self.mrope_section = list(config.rope_parameters.get('mrope_section', [11, 11, 10]))
         self.num_pairs = self.inv_freq.numel()
-        axis = torch.zeros(self.num_pairs, dtype=torch.long)
+        axis = torch.zeros(self.num_pairs, dtype=torch.long, device='cpu')   # real even under a meta device
         for a in (1, 2):
             if a < len(self.mrope_section):
                 axis[a:3 * int(self.mrope_section[a]):3] = a
@@ -206,24 +207,102 @@ class Qwen3_5ForCausalLM(nn.Module):
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The text stack of a vision-language Qwen3.5 checkpoint (config ``Qwen3_5Config`` with
-    ``text_config`` + ``vision_config``; weights ``model.language_model.*``, ``lm_head.*``).
+    """Vision-language Qwen3.5 (config ``Qwen3_5Config`` with ``text_config`` + ``vision_config``;
+    weights ``model.language_model.*``, ``model.visual.*``, ``lm_head.*``).
 
-    The vision encoder is not implemented yet: ``model.visual.*`` is not loaded and the engine
-    refuses requests with images for this model (``supports_images`` is False), so text prompts
-    are served exactly and an image is never silently ignored.
+    A forward whose batch holds sequences with images (``ctx.sequences[i].multimodal``) embeds
+    the chunk's tokens, replaces the rows of ``<|image_pad|>`` tokens with the vision tower's
+    output for the matching image tokens, and rotates with M-RoPE positions derived from each
+    sequence's full image list (:func:`.qwen3_5_vision.mrope_positions`), so a chunk or a suffix
+    after a prefix-cache restore gets the same positions as a cold full prefill. The encoder runs
+    once per image per request: its output is kept in ``seq.encoder_cache`` until the sequence's
+    computed tokens pass the image's span (with the span rule an image sits in one chunk, so the
+    entry normally lives for one forward).
 
     Raises:
-        ValueError: see :func:`check_config` (on ``text_config``).
+        ValueError: see :func:`check_config` (on ``text_config``) and
+            :class:`.qwen3_5_vision.Qwen3_5VisionModel`.
     """
-    supports_images = False
+    supports_images = True
 
     def __init__(self, config):
         text = config.get_text_config()
         super().__init__(text)
         self.config = config
+        self.visual = Qwen3_5VisionModel(config.vision_config)
+        self.image_token_id = int(config.image_token_id)
+        self.merge = int(config.vision_config.spatial_merge_size)
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """The text stack's cache specs."""
         return _text_cache_specs(config.get_text_config(), dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in: ``model.language_model.*`` as ``model.*``, ``model.visual.*``
+        as ``visual.*``; drops ``mtp.*``.
+
+        Raises:
+            KeyError / ValueError: see :func:`.layers.load_weights`.
+        """
+        def rename(name: str) -> str | None:
+            if name.startswith('mtp.'):
+                return None
+            if name.startswith('model.visual.'):
+                return name[len('model.'):]
+            return name.replace('model.language_model.', 'model.', 1)
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename)
+
+    def check_multimodal(self, token_ids: list[int], multimodal) -> None:
+        """Reject images the forward could not place.
+
+        Raises:
+            ValueError: an input without ``data['pixel_values']`` / ``data['image_grid_thw']``,
+                a modality other than ``'image'``, a span whose tokens are not all the image
+                token (``config.image_token_id``), or a span length other than the image's
+                merged token count ``t * (h / m) * (w / m)``.
+        """
+        for j, mm in enumerate(multimodal):
+            if mm.data is None:
+                continue
+            if mm.modality != 'image':
+                raise ValueError(f'multimodal[{j}].modality: only images are supported, got {mm.modality!r}')
+            if 'pixel_values' not in mm.data or 'image_grid_thw' not in mm.data:
+                raise ValueError(f'multimodal[{j}].data needs pixel_values and image_grid_thw')
+            t, H, W = merged_grid(mm.data['image_grid_thw'], self.merge)
+            if mm.end - mm.start != t * H * W:
+                raise ValueError(f'multimodal[{j}]: span of {mm.end - mm.start} tokens, the image has {t * H * W}')
+            if any(tok != self.image_token_id for tok in token_ids[mm.start:mm.end]):
+                raise ValueError(f'multimodal[{j}]: span [{mm.start}, {mm.end}) must hold only the image token '
+                                 f'{self.image_token_id}')
+
+    def _image_embeds(self, seq, j: int, mm) -> torch.Tensor:
+        cache = seq.encoder_cache
+        if j not in cache:
+            dev = self.lm_head.weight.device
+            px = mm.data['pixel_values'].to(dev, self.visual.patch_embed.proj.weight.dtype)
+            grid = torch.as_tensor(mm.data['image_grid_thw']).reshape(-1, 3)
+            cache[j] = self.visual(px, grid)
+        return cache[j]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]`` (images as in the class docstring)."""
+        seqs = ctx.sequences
+        if not any(s is not None and any(m.data is not None for m in s.multimodal) for s in seqs):
+            return self.model(ctx)
+        embeds = self.model.embed_tokens(ctx.input_ids)
+        positions = []
+        for i, seq in enumerate(seqs):
+            start, n, row0 = ctx.history_lens[i], ctx.q_seqlens[i], ctx.q_start_loc[i]
+            images = [m for m in seq.multimodal if m.data is not None]
+            positions.append(mrope_positions(start, n, images, self.merge))
+            for j, mm in enumerate(seq.multimodal):
+                a, b = max(mm.start, start), min(mm.end, start + n)
+                if mm.data is None or a >= b:
+                    continue
+                emb = self._image_embeds(seq, j, mm)
+                embeds[row0 + a - start:row0 + b - start] = emb[a - mm.start:b - mm.start].to(embeds.dtype)
+                if start + n >= mm.end:
+                    seq.encoder_cache.pop(j, None)     # the span is computed: never needed again
+        pos = torch.cat(positions, dim=1).to(ctx.device)
+        return self.model(ctx, inputs_embeds=embeds, mrope_positions=pos)

@@ -50,6 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from ...messages import GenerationConfig
 from ...messages import Response as EngineResponse
 from ...metrics import HTTPMetricsMiddleware, ServerMetrics
+from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts, chat_logprobs, completion_logprobs
 from .errors import APIError, error_body, install_error_handlers
 from .lifecycle import BodySizeLimit, Drain, GracefulServer, ShuttingDown
@@ -120,9 +121,11 @@ class _Generation:
         n: choices per prompt.
     """
 
-    def __init__(self, server: _Server, jobs: list[tuple[list[int], GenerationConfig]], n: int):
+    def __init__(self, server: _Server, jobs: list[tuple[list[int], GenerationConfig]], n: int,
+                 multimodal: tuple = ()):
         self.server = server
         self.jobs = jobs
+        self.multimodal = multimodal        # the prompt's images (chat requests: one prompt)
         self.n = n
         self.start = time.perf_counter()
         self.choices = [_Choice(len(ids)) for ids, _ in jobs]
@@ -144,7 +147,7 @@ class _Generation:
 
         async def run(index: int, ids: list[int], cfg: GenerationConfig):
             try:
-                async with aclosing(pipe.generate(ids, cfg)) as gen:
+                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal)) as gen:
                     async for r in gen:
                         queue.put_nowait((index, r))
             except Exception as err:      # handed to the consumer, which answers with an error
@@ -263,6 +266,7 @@ class _ChatPlan:
     """What the worker thread prepared for a chat request: the jobs and per-choice output parsers."""
     jobs: list[tuple[list[int], GenerationConfig]]
     outputs: list[ChatOutput]
+    multimodal: tuple = ()
 
 
 class _Server:
@@ -296,6 +300,7 @@ class _Server:
             get_reasoning_parser(self.reasoning_parser_name)
         self.texts = TokenTexts(pipe.tokenizer)
         self.drain = Drain(shutdown_timeout)
+        self.image_fetch = ImageFetchLimits()     # http(s) image_url parts: size and time limits
 
     # request checks ---------------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -355,9 +360,19 @@ class _Server:
             prefix = parser.forced_prefix(None)
         elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
             prefix = parser.forced_prefix(req.tool_choice.function.name)
+        messages = [m.for_template() for m in req.messages]
+        images = ()
         try:
-            text = self.pipe.render([m.for_template() for m in req.messages], tools, req.chat_template_kwargs)
-            ids = self.pipe.tokenize(text + prefix)
+            if any(m.has_images() for m in req.messages):
+                if not self.pipe.accepts_images:
+                    raise ValueError(f'model {self.model_name!r} does not accept image_url parts')
+                text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch),
+                                                         tools, req.chat_template_kwargs)
+                ids, images = self.pipe.expand_images(text + prefix, pil)
+                self.pipe.engine.make_sequence(ids, multimodal=images)      # checks the images; queues nothing
+            else:
+                text = self.pipe.render(messages, tools, req.chat_template_kwargs)
+                ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
             raise APIError(400, f'messages: {err}', param='messages') from err
         reasoning = None
@@ -367,7 +382,7 @@ class _Server:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
-        return _ChatPlan(jobs, outputs)
+        return _ChatPlan(jobs, outputs, images)
 
     # endpoints ------------------------------------------------------------------------------
     async def models(self) -> dict:
@@ -377,7 +392,7 @@ class _Server:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req.model)
         plan = await run_in_threadpool(self._plan_chat, req)
-        gen = _Generation(self, plan.jobs, req.n)
+        gen = _Generation(self, plan.jobs, req.n, plan.multimodal)
         rid, created = new_id('chatcmpl'), now()
         head = {'id': rid, 'object': 'chat.completion', 'created': created, 'model': self.model_name}
         top = req.top_logprobs or 0
@@ -516,7 +531,8 @@ def _add_docs(app: FastAPI, auth: list) -> None:
 
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
                reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False) -> FastAPI:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
+               image_fetch: ImageFetchLimits | None = None) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
@@ -529,11 +545,15 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
         max_request_bytes: larger bodies get 413; 0 = no limit.
         shutdown_timeout: seconds in-flight requests may run after a shutdown signal.
         protect_metrics: ``/metrics`` needs a key as well (when keys are set).
+        image_fetch: size and time limits for ``http(s)`` ``image_url`` parts (default
+            :class:`~lmdeploy.serve.images.ImageFetchLimits`: 20 MiB, 10 s).
 
     Raises:
         ValueError: an unknown parser name.
     """
     server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout)
+    if image_fetch is not None:
+        server.image_fetch = image_fetch
     app = FastAPI(title='lmdeploy', version='0.1.0', docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     auth = [Depends(server.check_key)]

@@ -56,9 +56,24 @@ class _Strict(BaseModel):
 
 
 class TextPart(_Strict):
-    """One part of a multi-part message content; only ``text`` parts are served."""
+    """A text part of a multi-part message content."""
     type: Literal['text']
     text: Text
+
+
+class ImageURL(_Strict):
+    """``image_url`` of an image part: a ``data:`` URL (base64) or an ``http(s)`` URL."""
+    url: Text
+    detail: Text | None = None
+
+
+class ImageURLPart(_Strict):
+    """An image part of a user message (served by models that take images, else a 400)."""
+    type: Literal['image_url']
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator='type')]
 
 
 class FunctionCall(_Strict):
@@ -81,7 +96,7 @@ class ChatMessage(_Strict):
     ``reasoning_content``); tool messages ``tool_call_id`` and ``name``.
     """
     role: Literal['system', 'developer', 'user', 'assistant', 'tool']
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
@@ -91,14 +106,20 @@ class ChatMessage(_Strict):
         """The content as one string (text parts joined), or None when null."""
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return ''.join(p.text for p in self.content)
+        return ''.join(p.text for p in self.content if p.type == 'text')
+
+    def has_images(self) -> bool:
+        """Whether the content has image parts."""
+        return isinstance(self.content, list) and any(p.type == 'image_url' for p in self.content)
 
     def for_template(self) -> dict:
         """The message as the chat template sees it: ``developer`` as ``system``, text parts
-        joined into one string, absent optional fields left out, ``content`` always present."""
+        joined into one string (kept as parts when there are image parts), absent optional fields
+        left out, ``content`` always present."""
         out = self.model_dump(exclude_none=True)
         out['role'] = 'system' if self.role == 'developer' else self.role
-        out['content'] = self.text()
+        out['content'] = [p.model_dump(exclude_none=True) for p in self.content] if self.has_images() \
+            else self.text()
         return out
 
 

@@ -1,0 +1,233 @@
+"""Images in chat messages: from OpenAI-style content parts to the engine's multimodal inputs.
+
+A user message may mix text and image parts::
+
+    {"role": "user", "content": [
+        {"type": "text", "text": "What is in"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},   # or a local path
+        {"type": "image", "image": <PIL.Image | path | data: URL>}]}
+
+:func:`extract_images` loads every image part (in order) and leaves ``{"type": "image"}`` in its
+place, which the model's chat template renders as its placeholder (``<|vision_start|>
+<|image_pad|><|vision_end|>`` for Qwen3.5). :class:`ImageInputs` then runs the checkpoint's own
+``transformers`` image processor on each image, expands the i-th ``<|image_pad|>`` to the image's
+token count and describes it as a :class:`~lmdeploy.pytorch.multimodal.MultimodalInput` whose
+content hash is taken over the processed pixels (so the same picture from a file or a data URL
+is the same cache key).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..pytorch.multimodal import MultimodalInput, tensor_content_hash
+
+__all__ = ['IMAGE_PART_TYPES', 'load_image', 'extract_images', 'has_images', 'ImageInputs', 'ImageFetchLimits',
+           'fetch_http_images']
+
+IMAGE_PART_TYPES = ('image', 'image_url')
+
+
+def load_image(src: Any, where: str):
+    """A PIL RGB image from a PIL image, a local file path or a ``data:`` URL (base64).
+
+    Args:
+        src: the image source.
+        where: the part's location (e.g. ``messages[0].content[1]``) for error messages.
+
+    Raises:
+        ValueError: naming ``where``: an unsupported source (e.g. an http(s) URL, which only the
+            api_server fetches), a missing file, bad base64 or bytes PIL cannot decode.
+    """
+    from PIL import Image
+    if isinstance(src, Image.Image):
+        return src.convert('RGB')
+    if not isinstance(src, str) or not src:
+        raise ValueError(f'{where}: an image must be a PIL image, a local path or a data: URL')
+    try:
+        if src.startswith('data:'):
+            head, _, payload = src.partition(',')
+            if ';base64' not in head:
+                raise ValueError(f'{where}: a data: URL image must be base64-encoded')
+            raw = base64.b64decode(payload, validate=True)
+            return Image.open(io.BytesIO(raw)).convert('RGB')
+        if src.startswith(('http://', 'https://')):
+            raise ValueError(f'{where}: http(s) image URLs are not fetched here; pass a local path, a data: URL '
+                             f'or a PIL image')
+        path = src[len('file://'):] if src.startswith('file://') else src
+        if not os.path.isfile(path):
+            raise ValueError(f'{where}: image file {path!r} not found')
+        with Image.open(path) as im:
+            return im.convert('RGB')
+    except (OSError, binascii.Error) as err:      # binascii.Error is a ValueError: caught first
+        raise ValueError(f'{where}: cannot decode the image ({err})') from err
+
+
+def _image_source(part: dict, where: str):
+    if part['type'] == 'image':
+        if 'image' not in part:
+            raise ValueError(f'{where}: an image part needs an "image" field')
+        return part['image']
+    ref = part.get('image_url')
+    url = ref.get('url') if isinstance(ref, dict) else ref
+    if not url:
+        raise ValueError(f'{where}.image_url.url is missing')
+    return url
+
+
+def has_images(messages) -> bool:
+    """Whether any message has an image content part."""
+    return isinstance(messages, (list, tuple)) and any(
+        isinstance(m, dict) and isinstance(m.get('content'), list)
+        and any(isinstance(p, dict) and p.get('type') in IMAGE_PART_TYPES for p in m['content'])
+        for m in messages)
+
+
+def extract_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """Load the image parts of ``messages``.
+
+    Returns:
+        ``(messages with each image part replaced by {"type": "image"}, PIL images in order)``.
+
+    Raises:
+        ValueError: see :func:`load_image`, naming ``messages[i].content[j]``.
+    """
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get('content') if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            if isinstance(p, dict) and p.get('type') in IMAGE_PART_TYPES:
+                where = f'messages[{i}].content[{j}]'
+                images.append(load_image(_image_source(p, where), where))
+                parts.append({'type': 'image'})
+            else:
+                parts.append(p)
+        out.append(dict(m, content=parts))
+    return out, images
+
+
+class ImageInputs:
+    """The checkpoint's image processor and placeholder ids.
+
+    Args:
+        model_path: the checkpoint directory (with ``preprocessor_config.json``).
+        hf_config: its ``transformers`` config (``image_token_id``, ``vision_config.spatial_merge_size``).
+
+    Raises:
+        ValueError: the checkpoint has no image processor.
+    """
+
+    def __init__(self, model_path: str, hf_config):
+        from transformers import AutoImageProcessor
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(model_path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(f'{model_path}: no image processor (preprocessor_config.json): {err}') from err
+        self.image_token_id = int(hf_config.image_token_id)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+
+    def expand(self, ids: list[int], images: list) -> tuple[list[int], tuple[MultimodalInput, ...]]:
+        """Expand the i-th image token of ``ids`` to image i's token run.
+
+        Returns:
+            ``(token ids, one MultimodalInput per image)``; ``data`` holds ``pixel_values`` float
+            ``[patches, C * tp * p * p]`` and ``image_grid_thw`` int64 ``[1, 3]``.
+
+        Raises:
+            ValueError: the rendered prompt has a different number of image placeholders than
+                there are images (e.g. a chat template that drops image parts).
+        """
+        slots = [k for k, t in enumerate(ids) if t == self.image_token_id]
+        if len(slots) != len(images):
+            raise ValueError(f'the rendered prompt has {len(slots)} image placeholders for {len(images)} images '
+                             f'(does the chat template render image parts?)')
+        out, mms, prev = [], [], 0
+        for k, image in zip(slots, images):
+            data = dict(self.processor(images=[image], return_tensors='pt'))
+            px, grid = data['pixel_values'], data['image_grid_thw'].reshape(1, 3)
+            n = int(grid.prod()) // self.merge ** 2
+            out += ids[prev:k]
+            mms.append(MultimodalInput(len(out), len(out) + n, tensor_content_hash(px, grid),
+                                       {'pixel_values': px, 'image_grid_thw': grid}))
+            out += [self.image_token_id] * n
+            prev = k + 1
+        return out + ids[prev:], tuple(mms)
+
+
+@dataclass(frozen=True)
+class ImageFetchLimits:
+    """Limits on downloading an ``http(s)`` image (api_server only).
+
+    Attributes:
+        max_bytes: largest image body accepted (bytes).
+        timeout_s: wall-clock limit for one download (seconds), connection included.
+    """
+    max_bytes: int = 20 << 20
+    timeout_s: float = 10.0
+
+
+def _fetch(url: str, limits: ImageFetchLimits, where: str) -> bytes:
+    import urllib.error
+    import urllib.request
+    deadline = time.monotonic() + limits.timeout_s
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={'User-Agent': 'lmdeploy'}),
+                                    timeout=limits.timeout_s) as resp:
+            declared = resp.headers.get('Content-Length')
+            if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
+                raise ValueError(f'{where}: the image at {url!r} has {declared} bytes, over the limit of '
+                                 f'{limits.max_bytes}')
+            body = bytearray()
+            while True:
+                if time.monotonic() > deadline:
+                    raise ValueError(f'{where}: fetching {url!r} took longer than {limits.timeout_s} s')
+                piece = resp.read(1 << 16)
+                if not piece:
+                    return bytes(body)
+                body += piece
+                if len(body) > limits.max_bytes:
+                    raise ValueError(f'{where}: the image at {url!r} is over the limit of {limits.max_bytes} bytes')
+    except ValueError:
+        raise
+    except (OSError, urllib.error.URLError) as err:       # includes timeouts and HTTP errors
+        raise ValueError(f'{where}: cannot fetch {url!r} ({err})') from err
+
+
+def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[dict]:
+    """``messages`` with every ``image_url`` part whose URL is ``http(s)`` replaced by an
+    ``image`` part holding the downloaded picture (other parts unchanged).
+
+    Raises:
+        ValueError: naming ``messages[i].content[j]``: the download failed, ran past
+            ``limits.timeout_s`` or past ``limits.max_bytes``, or is not an image.
+    """
+    from PIL import Image
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get('content')
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            url = p.get('image_url', {}).get('url', '') if p.get('type') == 'image_url' else ''
+            if url.startswith(('http://', 'https://')):
+                where = f'messages[{i}].content[{j}]'
+                raw = _fetch(url, limits, where)
+                try:
+                    image = Image.open(io.BytesIO(raw)).convert('RGB')
+                except OSError as err:
+                    raise ValueError(f'{where}: {url!r} is not a readable image ({err})') from err
+                p = {'type': 'image', 'image': image}
+            parts.append(p)
+        out.append(dict(m, content=parts))
+    return out
