@@ -346,3 +346,54 @@ def test_batched_with_other_requests_equals_alone(tiny_qwen3_5, hf_vl, image_pro
     assert seqs[1].output_ids == alone.generate(text, gen).output_ids
     assert seqs[2].output_ids == alone.generate(one[0], gen, multimodal=one[1]).output_ids
     assert all(not s.encoder_cache for s in seqs)       # encoder outputs dropped once their spans were computed
+
+
+_WRITER = r'''
+import json, sys
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.serve.pipeline import Pipeline
+model, cfg, msgs = json.loads(sys.argv[1])
+with Pipeline(model, PytorchEngineConfig(**cfg)) as pipe:
+    out = pipe(msgs, GenerationConfig(max_new_tokens=8))
+    assert pipe.engine.store.flush(timeout=60)
+    print(json.dumps(out.token_ids))
+'''
+
+
+def test_store_restore_with_images_in_a_fresh_process(tiny_qwen3_5, hf_vl, mooncake_services, tmp_path):
+    """A writer process serves a 2-image prompt (image files) through the pipeline; this process,
+    with an empty local cache, restores it from the Store past both images and decodes the
+    tokens transformers decodes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.serve.pipeline import Pipeline
+    paths = []
+    for i, (h, w, seed) in enumerate([(32, 32, 8), (64, 40, 9)]):
+        paths.append(str(tmp_path / f'{i}.png'))
+        _image(h, w, seed).save(paths[-1])
+    msgs = [{'role': 'user', 'content': [{'type': 'text', 'text': 'Look at'}, {'type': 'image', 'image': paths[0]},
+                                         {'type': 'text', 'text': 'and then at'},
+                                         {'type': 'image', 'image': paths[1]},
+                                         {'type': 'text', 'text': 'and say what differs between the two.'}]}]
+    cfg = dict(device_type='cpu', dtype='float32', block_size=16, prefill_save_alignment=16, max_prefill_token_num=64,
+               enable_prefix_caching=True, num_gpu_blocks=256, num_checkpoint_slots=16,
+               mooncake_master=mooncake_services.master_address,
+               mooncake_metadata_server=mooncake_services.metadata_server, mooncake_local_buffer_size=1 << 20,
+               store_namespace=f'images-{uuid.uuid4().hex}')      # prompts new to the shared Store
+    proc = subprocess.run([sys.executable, '-c', _WRITER, json.dumps([tiny_qwen3_5, cfg, msgs])], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1'))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(proc.stdout.strip().splitlines()[-1])
+    with Pipeline(tiny_qwen3_5, PytorchEngineConfig(**cfg)) as pipe:
+        ids, mms = pipe.encode_with_images(msgs)
+        px = torch.cat([m.data['pixel_values'] for m in mms])
+        grid = torch.cat([m.data['image_grid_thw'] for m in mms])
+        expected = _hf_greedy(hf_vl, ids, px, grid, 8)
+        out = pipe(msgs, GenerationConfig(max_new_tokens=8))
+        assert pipe.engine.stats()['store_hit_tokens'] > mms[1].end
+        assert out.cached_tokens > mms[1].end and out.token_ids == written == expected
