@@ -25,11 +25,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
+from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .layers import PackedLinear, RMSNorm, SwiGLUMLP, load_weights
 from .qwen3 import Qwen3Attention
-from .qwen3_next import FULL, LINEAR, GatedDeltaNet, _head_dim
+from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
 from .qwen3_next import check_config as _check_hybrid
 from .qwen3_5_vision import Qwen3_5VisionModel, merged_grid, mrope_positions
 from .rope import RotaryEmbedding
@@ -156,13 +156,7 @@ class Qwen3_5TextModel(nn.Module):
 
 def _text_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
     check_config(config)
-    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-        config.linear_num_value_heads * config.linear_value_head_dim
-    linear = LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
-                                 recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
-                                                  config.linear_value_head_dim))
-    full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
-    return [linear if t == LINEAR else full for t in config.layer_types]
+    return hybrid_cache_specs(config, dtype)
 
 
 class Qwen3_5ForCausalLM(nn.Module):

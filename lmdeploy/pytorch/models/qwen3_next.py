@@ -246,6 +246,20 @@ class Qwen3NextModel(nn.Module):
         return self.norm(hidden)
 
 
+def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    """The cache spec of each layer of a Gated DeltaNet + full-attention stack (Qwen3-Next,
+    Qwen3.5 text): conv ``[conv_dim, kernel-1]`` in ``dtype`` and float32 recurrent state
+    ``[num_v_heads, k_head_dim, v_head_dim]`` per linear-attention layer, paged KV per
+    full-attention layer. ``config`` is not checked here."""
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+        config.linear_num_value_heads * config.linear_value_head_dim
+    linear = LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
+                                 recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
+                                                  config.linear_value_head_dim))
+    full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+    return [linear if t == LINEAR else full for t in config.layer_types]
+
+
 _PER_EXPERT = re.compile(r'^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$')
 
 
@@ -274,13 +288,7 @@ class Qwen3NextForCausalLM(nn.Module):
             ValueError: see :func:`check_config`.
         """
         check_config(config)
-        conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-            config.linear_num_value_heads * config.linear_value_head_dim
-        linear = LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
-                                     recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
-                                                      config.linear_value_head_dim))
-        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
-        return [linear if t == LINEAR else full for t in config.layer_types]
+        return hybrid_cache_specs(config, dtype)
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
         """Flat batch → final hidden states ``[T, hidden_size]``."""
