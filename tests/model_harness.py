@@ -125,3 +125,22 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def randomize_hybrid_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Overwrite a ``transformers`` hybrid model's parameters in place with seeded values whose
+    scale keeps activations O(1) through a few layers: ``A_log`` so that ``exp(A_log)`` lies in
+    [1, 16), ``dt_bias`` in [-4.5, 0), norms near their init, other weights N(0, 0.2²).
+    Returns ``model``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('A_log'):
+                p.copy_(torch.log(1 + 15 * torch.rand(p.shape, generator=gen)))
+            elif name.endswith('dt_bias'):
+                p.copy_(torch.empty(p.shape).uniform_(-4.5, 0.0, generator=gen))
+            elif 'norm' in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model

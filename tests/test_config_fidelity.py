@@ -19,7 +19,7 @@ import torch
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, ROPE_FIELDS, check_config
 from lmdeploy.pytorch.models.rope import SEQUENCE_DEPENDENT_ROPE_TYPES
-from model_harness import ModelHarness
+from model_harness import ModelHarness, randomize_hybrid_
 
 TOL = 1e-4
 PROMPT, CHUNK, DECODE = 90, 40, 3
@@ -70,17 +70,7 @@ def _hf_model(config, seed=0):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(config).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith('A_log'):
-                p.copy_(torch.log(1 + 15 * torch.rand(p.shape, generator=gen)))
-            elif name.endswith('dt_bias'):
-                p.copy_(torch.empty(p.shape).uniform_(-4.5, 0.0, generator=gen))
-            elif 'norm' in name:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    randomize_hybrid_(hf, seed)
     return hf
 
 

@@ -14,7 +14,7 @@ from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import FIELDS, ROPE_FIELDS, check_config
 from lmdeploy.pytorch.multimodal import MultimodalInput
-from model_harness import ModelHarness
+from model_harness import ModelHarness, randomize_hybrid_
 
 
 @pytest.fixture(scope='module')
@@ -61,18 +61,7 @@ def _text_config(**overrides):
 
 
 def _randomized(hf, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith('A_log'):
-                p.copy_(torch.log(1 + 15 * torch.rand(p.shape, generator=gen)))
-            elif name.endswith('dt_bias'):
-                p.copy_(torch.empty(p.shape).uniform_(-4.5, 0.0, generator=gen))
-            elif 'norm' in name:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    return hf
+    return randomize_hybrid_(hf, seed)
 
 
 # rms_norm_eps=1e-3 is compared with transformers run in float64: on this random model
