@@ -397,3 +397,36 @@ def test_store_restore_with_images_in_a_fresh_process(tiny_qwen3_5, hf_vl, moonc
         out = pipe(msgs, GenerationConfig(max_new_tokens=8))
         assert pipe.engine.stats()['store_hit_tokens'] > mms[1].end
         assert out.cached_tokens > mms[1].end and out.token_ids == written == expected
+
+
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_incremental_agent_turn_repeating_the_image_hits(tiny_qwen3_5, last_only):
+    """Turn 2 = turn 1's messages (with the same image) + the reply + new text: it restores at
+    turn 1's last checkpoint, past the image, under both save policies; a different image in the
+    same conversation gets no hit past the image start."""
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.paging.prefill_plan import last_reusable
+    from lmdeploy.serve.pipeline import Pipeline
+    image = _data_url(_image(40, 56, 7))
+    turn1 = [{'role': 'user', 'content': [{'type': 'text', 'text': 'What is in this picture?'},
+                                          {'type': 'image_url', 'image_url': {'url': image}},
+                                          {'type': 'text', 'text': 'Describe every part of it in detail, please.'}]}]
+    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256, block_size=16,
+                              enable_prefix_caching=True, prefill_save_alignment=16, max_prefill_token_num=32,
+                              num_checkpoint_slots=8, prefill_save_last_only=last_only)
+    with Pipeline(tiny_qwen3_5, cfg) as pipe:
+        ids1, mms = pipe.encode_with_images(turn1)
+        first = pipe(turn1, GenerationConfig(max_new_tokens=12, ignore_eos=True))
+        turn2 = turn1 + [{'role': 'assistant', 'content': first.text},
+                         {'role': 'user', 'content': 'And what colour is the top left corner?'}]
+        ids2, _ = pipe.encode_with_images(turn2)
+        assert ids2[:len(ids1)] == ids1
+        # the deepest checkpoint of turn 1 (16-token boundaries, never inside the image span)
+        expected = last_reusable(len(ids1), 16, 16, 0, 0, [(m.start, m.end) for m in mms])
+        assert expected > mms[0].end
+        second = pipe(turn2, GenerationConfig(max_new_tokens=4, ignore_eos=True))
+        assert second.cached_tokens == expected
+        other = [dict(turn2[0], content=[turn2[0]['content'][0],
+                                         {'type': 'image_url', 'image_url': {'url': _data_url(_image(40, 56, 99))}},
+                                         turn2[0]['content'][2]]), *turn2[1:]]
+        assert pipe(other, GenerationConfig(max_new_tokens=4, ignore_eos=True)).cached_tokens <= mms[0].start
