@@ -397,3 +397,27 @@ def test_store_restore_with_images_in_a_fresh_process(tiny_qwen3_5, hf_vl, moonc
         out = pipe(msgs, GenerationConfig(max_new_tokens=8))
         assert pipe.engine.stats()['store_hit_tokens'] > mms[1].end
         assert out.cached_tokens > mms[1].end and out.token_ids == written == expected
+
+
+def test_api_server_refuses_local_image_paths(vl_pipe, tmp_path):
+    """An ``image_url`` that is a local path or a ``file://`` URL is a 400 naming the part: a
+    remote client must not make the server open its files (nor learn which exist); the server
+    keeps serving."""
+    from starlette.testclient import TestClient
+    from lmdeploy.serve.openai.api_server import create_app
+    png = tmp_path / 'local.png'
+    _image(40, 56, 7).save(png)
+
+    def chat(url):
+        body = {'model': 'tiny', 'max_tokens': 2, 'temperature': 0, 'messages': [{'role': 'user', 'content': [
+            {'type': 'text', 'text': 'Describe'}, {'type': 'image_url', 'image_url': {'url': url}}]}]}
+        return client.post('/v1/chat/completions', json=body)
+
+    with TestClient(create_app(vl_pipe, 'tiny')) as client:
+        for url in [str(png), 'file://' + str(png), '/etc/hostname', str(tmp_path / 'missing.png'), 'ftp://x/a.png']:
+            r = chat(url)
+            assert r.status_code == 400, (url, r.text)
+            err = r.json()['error']
+            assert err['param'] == 'messages' and 'messages[0].content[1]' in err['message'] \
+                and 'data: URL or an http(s) URL' in err['message'], err
+        assert chat(_data_url(_image(40, 56, 7))).status_code == 200

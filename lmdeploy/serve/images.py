@@ -207,7 +207,9 @@ def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[di
     ``image`` part holding the downloaded picture (other parts unchanged).
 
     Raises:
-        ValueError: naming ``messages[i].content[j]``: the download failed, ran past
+        ValueError: naming ``messages[i].content[j]``: an ``image_url`` that is neither a
+            ``data:`` nor an ``http(s)`` URL (a local path or ``file://`` URL, which a remote
+            client must not make the server read), or the download failed, ran past
             ``limits.timeout_s`` or past ``limits.max_bytes``, or is not an image.
     """
     from PIL import Image
@@ -220,8 +222,12 @@ def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[di
         parts = []
         for j, p in enumerate(content):
             url = p.get('image_url', {}).get('url', '') if p.get('type') == 'image_url' else ''
-            if url.startswith(('http://', 'https://')):
-                where = f'messages[{i}].content[{j}]'
+            where = f'messages[{i}].content[{j}]'
+            scheme = url.partition(':')[0].lower()
+            if p.get('type') == 'image_url' and not (url.startswith('data:') or scheme in ('http', 'https')):
+                # a client must not make the server open its own files (a path or file:// URL)
+                raise ValueError(f'{where}: an image_url must be a data: URL or an http(s) URL, got {url[:64]!r}')
+            if scheme in ('http', 'https'):
                 raw = _fetch(url, limits, where)
                 try:
                     image = Image.open(io.BytesIO(raw)).convert('RGB')
