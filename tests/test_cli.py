@@ -72,6 +72,11 @@ def test_bad_config_names_the_field_and_exits_2(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert 'prefill_save_alignment' in err and '96' in err
+    assert 'Value error' not in err       # pydantic's prefix of a validator's ValueError is not shown
+    with pytest.raises(SystemExit):
+        main(['serve', 'api_server', '/nonexistent', '--mooncake-segment-size', '100'])
+    err = capsys.readouterr().err
+    assert 'mooncake_segment_size (--mooncake-segment-size): mooncake_segment_size must be' in err, err
     with pytest.raises(SystemExit):
         main(['serve', 'api_server', '/nonexistent', '--block-size', '0'])
     assert 'block_size (--block-size)' in capsys.readouterr().err
