@@ -421,3 +421,20 @@ def test_api_server_refuses_local_image_paths(vl_pipe, tmp_path):
             assert err['param'] == 'messages' and 'messages[0].content[1]' in err['message'] \
                 and 'data: URL or an http(s) URL' in err['message'], err
         assert chat(_data_url(_image(40, 56, 7))).status_code == 200
+
+
+def test_api_server_image_the_processor_refuses_names_its_part(vl_pipe):
+    """An image the checkpoint's image processor refuses (aspect ratio over 200) is a 400 whose
+    message names that image's part, not only the processor's complaint."""
+    from starlette.testclient import TestClient
+    from lmdeploy.serve.openai.api_server import create_app
+    with TestClient(create_app(vl_pipe, 'tiny')) as client:
+        body = {'model': 'tiny', 'max_tokens': 2, 'messages': [{'role': 'user', 'content': [
+            {'type': 'image_url', 'image_url': {'url': _data_url(_image(40, 56, 7))}},
+            {'type': 'text', 'text': 'and'},
+            {'type': 'image_url', 'image_url': {'url': _data_url(_image(4, 1000, 8))}}]}]}
+        r = client.post('/v1/chat/completions', json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()['error']
+        assert err['param'] == 'messages' and 'messages[0].content[2]: ' in err['message'] \
+            and 'aspect ratio' in err['message'], err

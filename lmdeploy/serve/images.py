@@ -135,7 +135,8 @@ class ImageInputs:
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
 
-    def expand(self, ids: list[int], images: list) -> tuple[list[int], tuple[MultimodalInput, ...]]:
+    def expand(self, ids: list[int], images: list,
+               wheres: list[str] | None = None) -> tuple[list[int], tuple[MultimodalInput, ...]]:
         """Expand the i-th image token of ``ids`` to image i's token run.
 
         Returns:
@@ -144,15 +145,21 @@ class ImageInputs:
 
         Raises:
             ValueError: the rendered prompt has a different number of image placeholders than
-                there are images (e.g. a chat template that drops image parts).
+                there are images (e.g. a chat template that drops image parts); the image
+                processor refuses an image (e.g. an extreme aspect ratio), naming ``wheres[i]``
+                (the image's part, e.g. ``messages[0].content[1]``) or else ``image i``.
         """
         slots = [k for k, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != len(images):
             raise ValueError(f'the rendered prompt has {len(slots)} image placeholders for {len(images)} images '
                              f'(does the chat template render image parts?)')
         out, mms, prev = [], [], 0
-        for k, image in zip(slots, images):
-            data = dict(self.processor(images=[image], return_tensors='pt'))
+        for n, (k, image) in enumerate(zip(slots, images)):
+            try:
+                data = dict(self.processor(images=[image], return_tensors='pt'))
+            except ValueError as err:
+                where = wheres[n] if wheres is not None and n < len(wheres) else f'image {n}'
+                raise ValueError(f'{where}: {err}') from err
             px, grid = data['pixel_values'], data['image_grid_thw'].reshape(1, 3)
             n = int(grid.prod()) // self.merge ** 2
             out += ids[prev:k]
