@@ -106,6 +106,13 @@ def test_a_tp_size_the_heads_do_not_allow_is_refused_naming_the_field(tiny_qwen3
         PytorchEngineConfig(tp=0)
 
 
+def test_a_model_type_without_a_split_is_refused_naming_tp(tiny_qwen3_5):
+    """Qwen3.5 has no tensor-parallel split (its gated query and Gated DeltaNet heads are not
+    sharded): tp > 1 is a ValueError naming tp and the model type, before any worker spawns."""
+    with pytest.raises(ValueError, match=r"tp \(2\).*'qwen3_5'"):
+        Engine(tiny_qwen3_5, PytorchEngineConfig(tp=2, device_type='cpu', dtype='float32', num_gpu_blocks=16))
+
+
 def test_kv_heads_fewer_than_ranks_are_replicated(tiny_qwen3):
     config = load_config(tiny_qwen3)        # 2 KV heads, 4 query heads
     assert [TPLayout(config, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
