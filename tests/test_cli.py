@@ -82,6 +82,14 @@ def test_bad_config_names_the_field_and_exits_2(capsys):
     assert 'block_size (--block-size)' in capsys.readouterr().err
 
 
+def test_serve_store_with_a_host_it_cannot_bind_exits_2_naming_it(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'store', '--host', '256.1.1.1'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "host '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
+
+
 def test_missing_model_directory_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(['serve', 'api_server', str(tmp_path / 'nothing')])
