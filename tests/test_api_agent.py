@@ -554,3 +554,20 @@ def test_issue_sigterm_drains_then_ends_requests_cleanly(tiny_qwen3):
     assert json.loads(events[-2][len('data: '):])['error']['code'] == 'shutting_down'
     assert all(json.loads(e[len('data: '):]).get('object') == 'chat.completion.chunk' for e in events[:-2])
     assert 'Traceback' not in log and 'Cancel' not in log, log
+
+
+def test_a_validator_error_is_a_400_with_its_own_message():
+    """A request a model validator refuses (``tool_choice`` naming no tool) is a 400 whose
+    message is the validator's text, without pydantic's ``Value error, `` prefix."""
+    import asyncio
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+    from lmdeploy.serve.openai.errors import _validation_error
+    from lmdeploy.serve.openai.protocol import ChatCompletionRequest
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest(model='m', messages=[{'role': 'user', 'content': 'hi'}], tools=TOOLS,
+                              tool_choice={'type': 'function', 'function': {'name': 'rm'}})
+    response = asyncio.run(_validation_error(None, RequestValidationError(exc.value.errors())))
+    assert response.status_code == 400
+    message = json.loads(response.body)['error']['message']
+    assert message.startswith("request body: tool_choice names 'rm'") and 'Value error' not in message, message

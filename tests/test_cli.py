@@ -72,9 +72,22 @@ def test_bad_config_names_the_field_and_exits_2(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert 'prefill_save_alignment' in err and '96' in err
+    assert 'Value error' not in err       # pydantic's prefix of a validator's ValueError is not shown
+    with pytest.raises(SystemExit):
+        main(['serve', 'api_server', '/nonexistent', '--mooncake-segment-size', '100'])
+    err = capsys.readouterr().err
+    assert 'mooncake_segment_size (--mooncake-segment-size): mooncake_segment_size must be' in err, err
     with pytest.raises(SystemExit):
         main(['serve', 'api_server', '/nonexistent', '--block-size', '0'])
     assert 'block_size (--block-size)' in capsys.readouterr().err
+
+
+def test_serve_store_with_a_host_it_cannot_bind_exits_2_naming_it(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'store', '--host', '256.1.1.1'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "host '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
 
 
 def test_missing_model_directory_exits_2(tmp_path, capsys):

@@ -430,3 +430,44 @@ def test_incremental_agent_turn_repeating_the_image_hits(tiny_qwen3_5, last_only
                                          {'type': 'image_url', 'image_url': {'url': _data_url(_image(40, 56, 99))}},
                                          turn2[0]['content'][2]]), *turn2[1:]]
         assert pipe(other, GenerationConfig(max_new_tokens=4, ignore_eos=True)).cached_tokens <= mms[0].start
+
+
+def test_api_server_refuses_local_image_paths(vl_pipe, tmp_path):
+    """An ``image_url`` that is a local path or a ``file://`` URL is a 400 naming the part: a
+    remote client must not make the server open its files (nor learn which exist); the server
+    keeps serving."""
+    from starlette.testclient import TestClient
+    from lmdeploy.serve.openai.api_server import create_app
+    png = tmp_path / 'local.png'
+    _image(40, 56, 7).save(png)
+
+    def chat(url):
+        body = {'model': 'tiny', 'max_tokens': 2, 'temperature': 0, 'messages': [{'role': 'user', 'content': [
+            {'type': 'text', 'text': 'Describe'}, {'type': 'image_url', 'image_url': {'url': url}}]}]}
+        return client.post('/v1/chat/completions', json=body)
+
+    with TestClient(create_app(vl_pipe, 'tiny')) as client:
+        for url in [str(png), 'file://' + str(png), '/etc/hostname', str(tmp_path / 'missing.png'), 'ftp://x/a.png']:
+            r = chat(url)
+            assert r.status_code == 400, (url, r.text)
+            err = r.json()['error']
+            assert err['param'] == 'messages' and 'messages[0].content[1]' in err['message'] \
+                and 'data: URL or an http(s) URL' in err['message'], err
+        assert chat(_data_url(_image(40, 56, 7))).status_code == 200
+
+
+def test_api_server_image_the_processor_refuses_names_its_part(vl_pipe):
+    """An image the checkpoint's image processor refuses (aspect ratio over 200) is a 400 whose
+    message names that image's part, not only the processor's complaint."""
+    from starlette.testclient import TestClient
+    from lmdeploy.serve.openai.api_server import create_app
+    with TestClient(create_app(vl_pipe, 'tiny')) as client:
+        body = {'model': 'tiny', 'max_tokens': 2, 'messages': [{'role': 'user', 'content': [
+            {'type': 'image_url', 'image_url': {'url': _data_url(_image(40, 56, 7))}},
+            {'type': 'text', 'text': 'and'},
+            {'type': 'image_url', 'image_url': {'url': _data_url(_image(4, 1000, 8))}}]}]}
+        r = client.post('/v1/chat/completions', json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()['error']
+        assert err['param'] == 'messages' and 'messages[0].content[2]: ' in err['message'] \
+            and 'aspect ratio' in err['message'], err

@@ -106,6 +106,13 @@ def test_a_tp_size_the_heads_do_not_allow_is_refused_naming_the_field(tiny_qwen3
         PytorchEngineConfig(tp=0)
 
 
+def test_a_model_type_without_a_split_is_refused_naming_tp(tiny_qwen3_5):
+    """Qwen3.5 has no tensor-parallel split (its gated query and Gated DeltaNet heads are not
+    sharded): tp > 1 is a ValueError naming tp and the model type, before any worker spawns."""
+    with pytest.raises(ValueError, match=r"tp \(2\).*'qwen3_5'"):
+        Engine(tiny_qwen3_5, PytorchEngineConfig(tp=2, device_type='cpu', dtype='float32', num_gpu_blocks=16))
+
+
 def test_kv_heads_fewer_than_ranks_are_replicated(tiny_qwen3):
     config = load_config(tiny_qwen3)        # 2 KV heads, 4 query heads
     assert [TPLayout(config, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
@@ -252,3 +259,22 @@ def test_a_reader_with_another_tp_size_restores_the_writers_prefix_and_bytes_mat
         assert reader.store.flush(timeout=30) and reader.is_idle()
     finally:
         reader.close()
+
+
+def test_the_rendezvous_listens_on_loopback_only():
+    """Rank 0's TCPStore listens on 127.0.0.1, not on every interface (a ``tcp://127.0.0.1``
+    init method leaves torch's store server on the wildcard address)."""
+    import subprocess
+    import sys
+    psutil = pytest.importorskip('psutil')
+    code = ("import os, json, psutil, torch\n"
+            "from lmdeploy.pytorch.distributed.comm import init_group, destroy_group, free_port\n"
+            "port = free_port()\n"
+            "init_group(0, 1, port, torch.device('cpu'), 20.0)\n"
+            "print(json.dumps([c.laddr.ip for c in psutil.Process().net_connections(kind='inet')\n"
+            "                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port]))\n"
+            "destroy_group()\n")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == '["127.0.0.1"]', out.stdout

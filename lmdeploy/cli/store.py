@@ -47,7 +47,7 @@ def run_store(args: argparse.Namespace) -> int:
         0 after a signal stopped the services.
 
     Raises:
-        ValueError: ``--segment-size`` below 16 MiB.
+        ValueError: ``--segment-size`` below 16 MiB, or a ``--host`` this machine cannot bind.
         RuntimeError: a Mooncake binary is missing or a service did not start (quotes its log).
     """
     import tempfile

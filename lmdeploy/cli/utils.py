@@ -124,7 +124,9 @@ def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel], flag_n
             field = '.'.join(str(p) for p in e['loc'])
             flag = (flag_names or {}).get(field) or flag_name(field)
             where = f'{field} ({flag}): ' if field else ''
-            lines.append(where + e['msg'])
+            # a validator's ValueError: its own message, without pydantic's 'Value error, ' prefix
+            err_ = e.get('ctx', {}).get('error') if e['type'] == 'value_error' else None
+            lines.append(where + (str(err_) if err_ is not None else e['msg']))
         raise ValueError('; '.join(lines)) from None
 
 

@@ -135,7 +135,8 @@ class ImageInputs:
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
 
-    def expand(self, ids: list[int], images: list) -> tuple[list[int], tuple[MultimodalInput, ...]]:
+    def expand(self, ids: list[int], images: list,
+               wheres: list[str] | None = None) -> tuple[list[int], tuple[MultimodalInput, ...]]:
         """Expand the i-th image token of ``ids`` to image i's token run.
 
         Returns:
@@ -144,15 +145,21 @@ class ImageInputs:
 
         Raises:
             ValueError: the rendered prompt has a different number of image placeholders than
-                there are images (e.g. a chat template that drops image parts).
+                there are images (e.g. a chat template that drops image parts); the image
+                processor refuses an image (e.g. an extreme aspect ratio), naming ``wheres[i]``
+                (the image's part, e.g. ``messages[0].content[1]``) or else ``image i``.
         """
         slots = [k for k, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != len(images):
             raise ValueError(f'the rendered prompt has {len(slots)} image placeholders for {len(images)} images '
                              f'(does the chat template render image parts?)')
         out, mms, prev = [], [], 0
-        for k, image in zip(slots, images):
-            data = dict(self.processor(images=[image], return_tensors='pt'))
+        for n, (k, image) in enumerate(zip(slots, images)):
+            try:
+                data = dict(self.processor(images=[image], return_tensors='pt'))
+            except ValueError as err:
+                where = wheres[n] if wheres is not None and n < len(wheres) else f'image {n}'
+                raise ValueError(f'{where}: {err}') from err
             px, grid = data['pixel_values'], data['image_grid_thw'].reshape(1, 3)
             n = int(grid.prod()) // self.merge ** 2
             out += ids[prev:k]
@@ -207,7 +214,9 @@ def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[di
     ``image`` part holding the downloaded picture (other parts unchanged).
 
     Raises:
-        ValueError: naming ``messages[i].content[j]``: the download failed, ran past
+        ValueError: naming ``messages[i].content[j]``: an ``image_url`` that is neither a
+            ``data:`` nor an ``http(s)`` URL (a local path or ``file://`` URL, which a remote
+            client must not make the server read), or the download failed, ran past
             ``limits.timeout_s`` or past ``limits.max_bytes``, or is not an image.
     """
     from PIL import Image
@@ -220,8 +229,12 @@ def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[di
         parts = []
         for j, p in enumerate(content):
             url = p.get('image_url', {}).get('url', '') if p.get('type') == 'image_url' else ''
-            if url.startswith(('http://', 'https://')):
-                where = f'messages[{i}].content[{j}]'
+            where = f'messages[{i}].content[{j}]'
+            scheme = url.partition(':')[0].lower()
+            if p.get('type') == 'image_url' and not (url.startswith('data:') or scheme in ('http', 'https')):
+                # a client must not make the server open its own files (a path or file:// URL)
+                raise ValueError(f'{where}: an image_url must be a data: URL or an http(s) URL, got {url[:64]!r}')
+            if scheme in ('http', 'https'):
                 raw = _fetch(url, limits, where)
                 try:
                     image = Image.open(io.BytesIO(raw)).convert('RGB')

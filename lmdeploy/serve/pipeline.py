@@ -213,12 +213,13 @@ class Pipeline:
         messages, images = extract_images(list(messages))
         return render_chat(self.tokenizer, messages, tools, chat_template_kwargs, allow_images=True), images
 
-    def expand_images(self, text: str, images: list) -> tuple[list[int], tuple]:
+    def expand_images(self, text: str, images: list, wheres: list[str] | None = None) -> tuple[list[int], tuple]:
         """Token ids of a rendered prompt with each image placeholder expanded to its image's
-        token run, and the images as ``MultimodalInput``s (:class:`~lmdeploy.serve.images.ImageInputs`)."""
+        token run, and the images as ``MultimodalInput``s (:class:`~lmdeploy.serve.images.ImageInputs`;
+        ``wheres`` names each image's part in errors)."""
         if self._images is None:
             self._images = ImageInputs(self.model_path, self.engine.hf_config)
-        return self._images.expand(self.tokenize(text), images)
+        return self._images.expand(self.tokenize(text), images, wheres)
 
     def encode_with_images(self, prompt, do_preprocess: bool = True) -> tuple[list[int], tuple]:
         """Token ids of one prompt and its images (``MultimodalInput``s, empty without images).

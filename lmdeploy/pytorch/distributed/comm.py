@@ -51,11 +51,14 @@ def free_port() -> int:
 def init_group(rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> TPGroup:
     """Join the group (every rank calls this with the same ``port`` and ``size``).
 
-    The rendezvous listens on 127.0.0.1 only: all ranks run on this machine.
+    The rendezvous listens on 127.0.0.1 only: all ranks run on this machine. (A ``tcp://``
+    init method would not do: torch's TCPStore server then listens on every interface
+    whatever host the URL names, so rank 0 binds the socket itself and hands it over.)
 
     Raises:
         RuntimeError: a process group already exists in this process (one TP engine per
             process), or the rendezvous timed out.
+        OSError: rank 0 cannot bind 127.0.0.1:``port``.
     """
     global _GROUP
     if dist.is_initialized():
@@ -63,8 +66,13 @@ def init_group(rank: int, size: int, port: int, device: torch.device, timeout_s:
                            'tensor-parallel engine can run per process (close the other engine first)')
     backend = 'nccl' if device.type == 'cuda' else 'gloo'
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=size,
-                            timeout=timeout)
+    if rank == 0:
+        listener = socket.create_server(('127.0.0.1', port), backlog=max(64, size))
+        store = dist.TCPStore('127.0.0.1', port, size, is_master=True, timeout=timeout,
+                              master_listen_fd=listener.detach())       # the store owns the socket now
+    else:
+        store = dist.TCPStore('127.0.0.1', port, size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     _GROUP = TPGroup(rank, size, device, control)
     return _GROUP

@@ -128,12 +128,18 @@ class TPLayout:
         size: the TP size.
 
     Raises:
-        ValueError: a head or channel count the TP size does not divide (names the field).
+        ValueError: a head or channel count the TP size does not divide (names the field); a
+            model type whose split is not implemented (only ``qwen3`` and ``qwen3_next`` split).
     """
+
+    SPLIT_MODEL_TYPES = ('qwen3', 'qwen3_next')
 
     def __init__(self, config, rank: int, size: int):
         self.config, self.rank, self.size = config, rank, size
         self.model_type = config.model_type
+        if self.model_type not in self.SPLIT_MODEL_TYPES:
+            raise ValueError(f'tp ({size}): tensor parallelism supports model_type '
+                             f'{" and ".join(self.SPLIT_MODEL_TYPES)}, not {self.model_type!r}; use tp=1')
         self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         self.q_heads = _split(config.num_attention_heads, rank, size, 'num_attention_heads')
         kv = config.num_key_value_heads

@@ -118,7 +118,8 @@ class MooncakeServices:
             instead of evicting objects (its default).
 
     Raises:
-        ValueError: ``segment_size`` below 16 MiB, or a non-positive ``start_timeout_s``.
+        ValueError: ``segment_size`` below 16 MiB, a non-positive ``start_timeout_s``, or a
+            ``host`` this machine cannot bind (not one of its IPv4 addresses).
     """
 
     def __init__(self, segment_size: int = 256 << 20, *, host: str = '127.0.0.1', start_timeout_s: float = 30.0,
@@ -127,6 +128,11 @@ class MooncakeServices:
             raise ValueError(f'segment_size must be an int >= 16 MiB (bytes), got {segment_size!r}')
         if start_timeout_s <= 0:
             raise ValueError(f'start_timeout_s must be positive, got {start_timeout_s!r}')
+        try:
+            free_ports(host, 1)
+        except OSError as err:
+            raise ValueError(f'host {host!r} cannot be bound on this machine ({err}); give one of its IPv4 '
+                             f'addresses, e.g. 127.0.0.1') from err
         self.segment_size = segment_size
         self.master_args = tuple(master_args)
         self.host = host

@@ -368,7 +368,10 @@ class _Server:
                     raise ValueError(f'model {self.model_name!r} does not accept image_url parts')
                 text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch),
                                                          tools, req.chat_template_kwargs)
-                ids, images = self.pipe.expand_images(text + prefix, pil)
+                wheres = [f'messages[{i}].content[{j}]' for i, m in enumerate(messages)
+                          if isinstance(m.get('content'), list)
+                          for j, p in enumerate(m['content']) if p.get('type') == 'image_url']
+                ids, images = self.pipe.expand_images(text + prefix, pil, wheres)
                 self.pipe.engine.make_sequence(ids, multimodal=images)      # checks the images; queues nothing
             else:
                 text = self.pipe.render(messages, tools, req.chat_template_kwargs)

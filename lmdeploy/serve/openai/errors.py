@@ -83,7 +83,9 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         return _response(APIError(400, f'malformed JSON body: {ctx.get("error", first["msg"])}',
                                   code='invalid_json'))
     param = _param(first.get('loc', ()))
-    message = f'{param or "request body"}: {first["msg"]}'
+    # a validator's ValueError: its own message, without pydantic's 'Value error, ' prefix
+    own = (first.get('ctx') or {}).get('error') if first.get('type') == 'value_error' else None
+    message = f'{param or "request body"}: {own if own is not None else first["msg"]}'
     if len(errors) > 1:
         message += f' (and {len(errors) - 1} more error(s))'
     return _response(APIError(400, message, param=param, code='invalid_value'))
