@@ -96,3 +96,13 @@ def test_junction_checkpoint_gives_later_siblings_the_branch_point(tiny_qwen3_ne
     assert eng.stats()['junction_checkpoints_saved'] == (1 if junction else 0)
     assert eng.stats()['state_miss_tokens'] == (144 + 16 if junction else 144 * 2)
     assert eng.is_idle()
+
+
+@pytest.mark.parametrize('name', ['prefill_save_last_only', 'decode_save_last', 'save_junction'])
+def test_a_save_policy_without_prefix_caching_warns_that_it_has_no_effect(tiny_qwen3_next, caplog, name):
+    import logging
+    with caplog.at_level(logging.WARNING, logger='lmdeploy'):
+        eng = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=32,
+                                                          **{name: True}))
+    assert any(name in r.getMessage() and 'enable_prefix_caching' in r.getMessage() for r in caplog.records)
+    eng.close()

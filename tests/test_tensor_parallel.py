@@ -278,3 +278,19 @@ def test_the_rendezvous_listens_on_loopback_only():
                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == '["127.0.0.1"]', out.stdout
+
+
+def test_every_listener_of_a_tp2_engine_and_its_workers_is_on_loopback(tiny_qwen3_next):
+    """Rendezvous, gloo pairs and anything else the ranks open listen on 127.0.0.1 only (gloo
+    binds to the hostname's address unless pinned to an interface; where the hostname resolves
+    to 127.0.0.1 this passes without the pinning too, elsewhere it needs it)."""
+    psutil = pytest.importorskip('psutil')
+    eng = engine(tiny_qwen3_next, tp=2)
+    try:
+        eng.generate(PROMPTS[0], GenerationConfig(max_new_tokens=2, ignore_eos=True))
+        procs = [psutil.Process()] + [psutil.Process(pid) for pid in eng.executor.pids]
+        listening = [(p.pid, c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind='inet')
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and all(ip == '127.0.0.1' for _, ip, _ in listening), listening
+    finally:
+        eng.close()

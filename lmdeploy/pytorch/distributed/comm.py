@@ -12,6 +12,7 @@ the single-process path calls none of these functions.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 
@@ -48,6 +49,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _loopback_interface() -> str | None:
+    """Name of the loopback network interface (``lo`` on Linux), or None if there is none."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return 'lo' if 'lo' in names else None
+
+
 def init_group(rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> TPGroup:
     """Join the group (every rank calls this with the same ``port`` and ``size``).
 
@@ -72,6 +82,10 @@ def init_group(rank: int, size: int, port: int, device: torch.device, timeout_s:
                               master_listen_fd=listener.detach())       # the store owns the socket now
     else:
         store = dist.TCPStore('127.0.0.1', port, size, is_master=False, timeout=timeout)
+    # gloo's own pair sockets bind to whatever the hostname resolves to (a LAN address on many
+    # machines) unless told an interface: all ranks are local, so use the loopback one
+    if _loopback_interface() and 'GLOO_SOCKET_IFNAME' not in os.environ:
+        os.environ['GLOO_SOCKET_IFNAME'] = _loopback_interface()
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend='gloo', timeout=timeout) if backend != 'gloo' else dist.group.WORLD
     _GROUP = TPGroup(rank, size, device, control)

@@ -138,6 +138,9 @@ class Engine:
             self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
         self.block_manager = BlockManager(num_blocks)
         self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
+        for name in ('prefill_save_last_only', 'decode_save_last', 'save_junction'):
+            if getattr(config, name) and not cc.enable_prefix_caching:
+                logger.warning('%s has no effect without enable_prefix_caching (--enable-prefix-caching)', name)
         if config.prefill_save_last_only and not self.is_hybrid:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
