@@ -140,8 +140,12 @@ def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[l
 @torch.inference_mode()
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     ids = torch.tensor(prompts)
+    # eos_token_id=None: never stop early and never mask EOS, like the engine's ignore_eos
+    # (min_new_tokens would instead forbid EOS and change the greedy choice when it is the argmax).
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                      do_sample=False, pad_token_id=0, eos_token_id=None)
+    if out.shape[1] != ids.shape[1] + new_tokens:
+        raise RuntimeError(f'transformers generated {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}')
     return out[:, ids.shape[1]:].tolist()
 
 

@@ -284,3 +284,27 @@ def test_triton_paged_decode_attention_matches_torch_under_interpreter():
                           cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ['checked', '3']
+
+
+def test_swiglu_experts_loop_two_matmuls_per_hit_expert_and_few_other_ops():
+    """Batched decode on CPU is bound by the number of small torch ops: the expert loop may
+    spend only its two ``mm`` per expert with rows plus a constant, whatever ``E``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmdeploy.pytorch.kernels.moe import swiglu_experts_loop
+
+    class Count(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    E, H, inner = 16, 8, 4
+    counts = torch.tensor([2, 1, 0, 3] * 4)   # 12 experts with rows
+    x, gate_up, down = torch.randn(int(counts.sum()), H), torch.randn(E, 2 * inner, H), torch.randn(E, H, inner)
+    with torch.no_grad(), Count():
+        out = swiglu_experts_loop(x, gate_up, down, counts)
+    assert out.shape == x.shape
+    assert sum('aten.mm' in op for op in Count.ops) == 2 * 12
+    assert len(Count.ops) <= 2 * 12 + 12, Count.ops

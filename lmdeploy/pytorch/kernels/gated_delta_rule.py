@@ -171,14 +171,18 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
     """One token for each of ``N`` sequences: ``q, k [N, H, dk]``, ``v [N, H, dv]``, ``g, beta [N, H]``,
-    ``state [N, H, dk, dv]`` float32 → ``(o [N, H, dv] float32, new state)``."""
+    ``state [N, H, dk, dv]`` float32, updated IN PLACE → ``(o [N, H, dv] float32, state)``.
+
+    The state is the large operand (``N * H * dk * dv``), so it is updated in place: decay, then
+    the rank-1 delta update without materialising the outer product ``k delta^T``.
+    """
     q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
-    state = state * g.exp()[..., None, None]
+    state.mul_(g.exp()[..., None, None])
     delta = beta[..., None] * (v - torch.einsum('nhk,nhkv->nhv', k, state))
-    state = state + k[..., None] * delta[..., None, :]
+    state.addcmul_(k[..., None], delta[..., None, :])
     return torch.einsum('nhk,nhkv->nhv', q, state), state
 
 
@@ -207,7 +211,8 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """
     N, T = slots.shape[0], q.shape[0]
     if T == N:   # pure decode: rows are sequences
-        initial = torch.where(has_history[:, None, None, None], state_cache[slots].to(torch.float32), 0)
+        initial = state_cache[slots].to(torch.float32)          # a gathered copy: safe to update in place
+        initial.masked_fill_(~has_history[:, None, None, None], 0)
         o, state = _recurrent_step_batched(q, k, v, g, beta, initial, use_qk_l2norm, scale)
         state_cache[slots] = state.to(state_cache.dtype)
         return o.to(q.dtype)
