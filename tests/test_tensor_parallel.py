@@ -285,12 +285,16 @@ def test_every_listener_of_a_tp2_engine_and_its_workers_is_on_loopback(tiny_qwen
     binds to the hostname's address unless pinned to an interface; where the hostname resolves
     to 127.0.0.1 this passes without the pinning too, elsewhere it needs it)."""
     psutil = pytest.importorskip('psutil')
+
+    def listening(procs) -> set:
+        return {(p.pid, c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind='inet')
+                if c.status == psutil.CONN_LISTEN}
+
+    before = listening([psutil.Process()])      # earlier tests in this process may have left their own
     eng = engine(tiny_qwen3_next, tp=2)
     try:
         eng.generate(PROMPTS[0], GenerationConfig(max_new_tokens=2, ignore_eos=True))
-        procs = [psutil.Process()] + [psutil.Process(pid) for pid in eng.executor.pids]
-        listening = [(p.pid, c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind='inet')
-                     if c.status == psutil.CONN_LISTEN]
-        assert listening and all(ip == '127.0.0.1' for _, ip, _ in listening), listening
+        new = listening([psutil.Process()] + [psutil.Process(pid) for pid in eng.executor.pids]) - before
+        assert new and all(ip == '127.0.0.1' for _, ip, _ in new), new
     finally:
         eng.close()
