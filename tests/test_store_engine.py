@@ -367,7 +367,7 @@ def test_store_restore_uses_only_reusable_boundaries(make_engine, cold, spans, r
 
 
 # faults -----------------------------------------------------------------------------------
-def test_conversation_completes_after_the_master_is_killed(make_engine, cold):
+def test_conversation_completes_after_the_master_is_killed(make_engine, cold, caplog):
     users = [prompt(150, seed=700), prompt(150, seed=701), prompt(100, seed=702)]
     replies = cold_conversation(cold, users)
     with MooncakeServices(segment_size=SMALL_SEGMENT) as services:
@@ -394,6 +394,9 @@ def test_conversation_completes_after_the_master_is_killed(make_engine, cold):
         assert stats['store_put_objects'] == healthy['store_put_objects']
         assert stats['store_put_bytes'] == healthy['store_put_bytes']
         assert eng.is_idle()
+        # the operator is told once (rate-limited), not once per failure
+        warned = [r for r in caplog.records if r.levelname == 'WARNING' and 'Store operation failed' in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in warned]
         start = time.monotonic()
         eng.close()
         eng.close()         # idempotent: a second close neither hangs nor touches the closed client

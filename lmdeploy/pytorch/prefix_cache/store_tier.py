@@ -51,7 +51,10 @@ from ..store.mooncake_client import StoreClient, buffer_bytes_needed
 from ..store.object_format import OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object, object_key
 from .plans import StoreLoad, StorePut
 
-__all__ = ['StoreTier', 'build_store_tier']
+__all__ = ['StoreTier', 'build_store_tier', 'FAILURE_LOG_INTERVAL_S']
+
+FAILURE_LOG_INTERVAL_S = 60     # seconds between two warnings about failed Store operations
+_FAILURES = ('existence query failed', 'put failed', 'restore failed')
 
 logger = logging.getLogger('lmdeploy')
 
@@ -119,6 +122,7 @@ class StoreTier:
         self._stored = _KeySet(STORED_KEYS_CAPACITY)   # keys believed to be in the Store (bounded)
         self._pending: set[str] = set()     # keys queued for a put
         self._lock = threading.Lock()
+        self._last_failure_log = -float('inf')
         self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self._inflight = 0
         self._idle = threading.Condition(self._lock)   # notified when _inflight drops to 0
@@ -132,10 +136,19 @@ class StoreTier:
         return object_key(self.ns_hex, kind, h.hex())
 
     def _forget_all(self, why: str) -> None:
-        """Drop every belief about stored keys (called with the lock held)."""
+        """Drop every belief about stored keys (called with the lock held). A failed Store
+        operation is also logged as a warning, at most once per :data:`FAILURE_LOG_INTERVAL_S`."""
         if len(self._stored):
             logger.info('Store: forgetting %d keys believed stored (%s)', len(self._stored), why)
         self._stored.clear()
+        if why in _FAILURES:
+            now = time.monotonic()
+            if now - self._last_failure_log >= FAILURE_LOG_INTERVAL_S:
+                self._last_failure_log = now
+                logger.warning('Store operation failed (%s): is the Mooncake master reachable? Requests are '
+                               'still served (prefixes not found locally are computed); the counters '
+                               'lmdeploy_store_get_failures_total / lmdeploy_store_put_failures_total count '
+                               'the failures. Next warning in %d s at the earliest.', why, FAILURE_LOG_INTERVAL_S)
 
     # restore -------------------------------------------------------------------------------
     def probe(self, hashes: list[bytes], rules: ReuseRules, below: int | None = None) -> list[int]:
