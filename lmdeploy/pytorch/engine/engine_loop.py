@@ -120,12 +120,16 @@ class EngineLoop:
             raise box['error']
         return box['value']
 
-    def _apply_commands(self) -> None:
+    def _queued_commands(self):
+        """Yield ``(kind, arg)`` of every command queued now, removing each (never blocks)."""
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for kind, arg in self._queued_commands():
             if kind == 'add':
                 seq = arg.seq
                 if seq.gen_config.max_new_tokens == 0:
@@ -178,11 +182,7 @@ class EngineLoop:
 
     def _fail_queued(self) -> None:
         """After a fatal error: end every request still in the command queue with 'error'."""
-        while True:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._queued_commands():
             if kind == 'add':
                 arg._push(self._output(arg.seq, [], 'error'))
             elif kind == 'call':
