@@ -65,6 +65,39 @@ def test_chunked_equals_recurrent(L, with_state):
     torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize('decay_scale', [2.0, 20.0, 200.0])
+def test_chunked_strong_decay_flush_changes_nothing_and_leaves_no_subnormals(decay_scale, monkeypatch):
+    """Strong decays (``g`` down to -200 per token) drive the chunk's decay factors far below
+    float32's normal range. Flushing factors under exp(-60) to 0 gives the same output and state
+    as not flushing, none of the factors is subnormal, and (where the chunked form itself is
+    within 1e-5 of the token-by-token form, i.e. up to g = -20) it still equals that form."""
+    from lmdeploy.pytorch.kernels import gated_delta_rule as gdr
+    q, k, v, _, beta = _inputs(200, seed=3)
+    g = -decay_scale * torch.rand(200, H, generator=torch.Generator().manual_seed(4))
+    factors = []
+    real_decay = gdr._decay
+
+    def recording_decay(x):
+        out = real_decay(x)
+        factors.append(out)
+        return out
+
+    monkeypatch.setattr(gdr, '_decay', recording_decay)
+    o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, _state())
+    tiny = torch.finfo(torch.float32).tiny
+    assert factors and all(not ((f != 0) & (f.abs() < tiny)).any() for f in factors)
+    if decay_scale > 2:
+        assert any((f == 0).any() for f in factors)   # the flush did happen
+    monkeypatch.setattr(gdr, '_DECAY_FLOOR', float('-inf'))   # no flush
+    o_u, s_u = chunk_gated_delta_rule(q, k, v, g, beta, _state())
+    torch.testing.assert_close(o_c, o_u, atol=1e-7, rtol=0)
+    torch.testing.assert_close(s_c, s_u, atol=1e-7, rtol=0)
+    if decay_scale <= 20:
+        o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, _state())
+        torch.testing.assert_close(o_c, o_r, atol=1e-5, rtol=0)
+        torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=0)
+
+
 def test_chunk_size_does_not_change_result():
     q, k, v, g, beta = _inputs(50, seed=3)
     o16, s16 = chunk_gated_delta_rule(q, k, v, g, beta, _state(), chunk_size=16)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmdeploy.pytorch.kernels import attention as attn_mod
 from lmdeploy.pytorch.kernels.attention import paged_attention_reference, paged_attention_torch
@@ -162,6 +164,46 @@ def test_gated_delta_rule_varlen_equals_per_sequence(layout):
         ref_cache[slot] = state
         expected.append(o)
     o = gated_delta_rule_varlen(q, k, v, g, beta, cache, ctx.cu_seqlens, ctx.slots, ctx.has_history)
+    torch.testing.assert_close(o, torch.cat(expected), atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache, ref_cache, atol=1e-5, rtol=0, equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_gated_delta_rule_decode_any_slot_arrangement(data):
+    """Pure decode steps update the cache in place when the slots form one range (sorted or
+    not) and through a gather otherwise; every arrangement equals the per-sequence reference,
+    fresh (history 0) one-token prompts start from zeros, and slots outside the batch are
+    untouched (NaN there stays NaN)."""
+    num_slots = 8
+    n = data.draw(st.integers(1, 6), label='batch')
+    kind = data.draw(st.sampled_from(['range', 'shuffled range', 'any']), label='kind')
+    if kind == 'any':
+        slots = data.draw(st.permutations(range(num_slots)), label='perm')[:n]
+    else:
+        lo = data.draw(st.integers(0, num_slots - n), label='lo')
+        slots = list(range(lo, lo + n))
+        if kind == 'shuffled range':
+            slots = data.draw(st.permutations(slots), label='perm')
+    history = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label='history')
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16), label='seed'))
+    H, dk, dv = 2, 4, 3
+    cache = _byte_view((num_slots, H, dk, dv), torch.float32)   # NaN everywhere
+    for slot, hist in zip(slots, history):
+        if hist:
+            cache[slot] = torch.randn(H, dk, dv, generator=gen)
+    q, k = torch.randn(n, H, dk, generator=gen), torch.randn(n, H, dk, generator=gen)
+    v = torch.randn(n, H, dv, generator=gen)
+    g, beta = -2 * torch.rand(n, H, generator=gen), torch.rand(n, H, generator=gen)
+    ref_cache = cache.clone()
+    expected = []
+    for i, slot in enumerate(slots):
+        o, state = recurrent_gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
+                                              ref_cache[slot] if history[i] else None)
+        ref_cache[slot] = state
+        expected.append(o)
+    o = gated_delta_rule_varlen(q, k, v, g, beta, cache, torch.arange(n + 1), torch.tensor(slots),
+                                torch.tensor(history))
     torch.testing.assert_close(o, torch.cat(expected), atol=1e-5, rtol=0)
     torch.testing.assert_close(cache, ref_cache, atol=1e-5, rtol=0, equal_nan=True)
 

@@ -12,8 +12,9 @@ Invariant: the returned state is the last ``K - 1`` inputs seen, zero-filled whe
 sequence is shorter than ``K - 1``, so running a sequence in pieces equals one pass.
 
 :func:`causal_conv1d_varlen` runs every sequence of a step in one call. Each sequence's state
-rows are placed in front of its new inputs in one buffer, and a single grouped ``conv1d`` runs
-over the whole buffer; outputs whose window straddles two sequences are simply not gathered::
+rows are placed in front of its new inputs in one row-major buffer, and the convolution runs over
+the whole buffer as ``K`` shifted multiply-adds; outputs whose window straddles two sequences
+are simply not gathered::
 
     buffer  | s0 s0 s0 x0 x0 x0 x0 x0 | s1 s1 s1 x1 | s2 s2 s2 x2 x2 |   (K = 4)
     kept    |          y0 y0 y0 y0 y0 |          y1 |          y2 y2 |
@@ -71,6 +72,24 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.t().to(x.dtype), new_state
 
 
+def _shifted_sum(buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out[r] = bias + sum_j weight[:, j] * buf[r + j]`` for ``r < R - (K - 1)``: the depthwise
+    convolution of a row-major ``buf [R, C]`` as ``K`` shifted multiply-adds (no transposes; on
+    CPU a grouped ``conv1d`` over ``[C, R]`` runs about twice as slow). Returns ``[R - K + 1, C]``
+    in ``weight.dtype``."""
+    K = weight.shape[1]
+    rows = buf.shape[0] - (K - 1)
+    # accumulate in float32 and round once, as conv1d does for half types
+    acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+    taps = weight.t().to(acc)                                                        # [K, C]
+    out = buf[:rows].to(acc) * taps[0]
+    for j in range(1, K):
+        out.addcmul_(buf[j:j + rows].to(acc), taps[j])
+    if bias is not None:
+        out += bias.to(acc)
+    return out.to(weight.dtype)
+
+
 @register_kernel('causal_conv1d_varlen', device_type='any')
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_cache: torch.Tensor,
                          cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, slots: torch.Tensor,
@@ -103,24 +122,31 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f'x must be [T, C], conv_cache [S, C, K - 1], cu_seqlens [N + 1]; got x {tuple(x.shape)}, '
                          f'weight {tuple(weight.shape)}, conv_cache {tuple(conv_cache.shape)}, '
                          f'cu_seqlens {tuple(cu_seqlens.shape)}, slots {tuple(slots.shape)}')
-    state = torch.where(has_history[:, None, None], conv_cache[slots].to(x.dtype), 0)   # [N, C, K1]
+    state = conv_cache.index_select(0, slots).to(x.dtype)                             # [N, C, K1]
+    if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
+        state = torch.where(has_history[:, None, None], state, 0)
     if T == N:   # decode: one row per sequence
         window = torch.cat((state, x[:, :, None]), dim=2)                              # [N, C, K]
         y = (window.to(weight.dtype) * weight).sum(-1)
         if bias is not None:
             y = y + bias
-        conv_cache[slots] = window[:, :, 1:].to(conv_cache.dtype)
+        conv_cache.index_copy_(0, slots, window[:, :, 1:].to(conv_cache.dtype))
     else:
-        seq_base = torch.arange(N, device=x.device) * K1
-        x_rows = torch.arange(T, device=x.device) + (seq_ids + 1) * K1     # row of x[t] in the buffer
-        state_rows = (cu_seqlens[:-1] + seq_base)[:, None] + torch.arange(K1, device=x.device)
-        buf = x.new_empty(T + N * K1, C)
-        buf[x_rows] = x
-        buf[state_rows.flatten()] = state.transpose(1, 2).reshape(N * K1, C)
-        full = F.conv1d(buf.t().to(weight.dtype)[None], weight[:, None, :], bias, groups=C)[0]  # [C, T + (N-1) K1]
-        y = full[:, x_rows - K1].t()
-        end_rows = (cu_seqlens[1:] + seq_base + K1)[:, None] - K1 + torch.arange(K1, device=x.device)
-        conv_cache[slots] = buf[end_rows].transpose(1, 2).to(conv_cache.dtype)
+        if N == 1:   # one sequence: its state rows, then its inputs
+            buf = torch.cat((state[0].t(), x))                                     # [K1 + T, C]
+        else:
+            seq_base = torch.arange(N, device=x.device) * K1
+            x_rows = torch.arange(T, device=x.device) + (seq_ids + 1) * K1     # row of x[t] in the buffer
+            state_rows = (cu_seqlens[:-1] + seq_base)[:, None] + torch.arange(K1, device=x.device)
+            buf = x.new_empty(T + N * K1, C)
+            buf.index_copy_(0, x_rows, x)
+            buf.index_copy_(0, state_rows.flatten(), state.transpose(1, 2).reshape(N * K1, C))
+        full = _shifted_sum(buf.to(weight.dtype), weight, bias)                    # [T + (N-1) K1, C]
+        y = full if N == 1 else full.index_select(0, x_rows - K1)
+        end_rows = (cu_seqlens[1:] + (torch.arange(N, device=x.device) + 1) * K1)[:, None] - K1 \
+            + torch.arange(K1, device=x.device)
+        conv_cache.index_copy_(0, slots, buf.index_select(0, end_rows.flatten()).view(N, K1, C).transpose(1, 2)
+                               .to(conv_cache.dtype))
     if activation is not None:
         y = F.silu(y)
     return y.to(x.dtype)

@@ -20,9 +20,11 @@ Rule", 2024, eq. 10), per head, with state ``S`` of shape ``[dk, dv]`` mapping k
 call: every single-token sequence goes through one batched recurrent step (decode), longer
 ones through the chunked form.
 
-Invariants: the state is float32 and never modified in place (callers pass views of cache
-slots); running a sequence in pieces and carrying the returned state equals one pass. On CUDA
-the ``fla-core`` kernels are registered with higher priority when the package is installed.
+Invariants: the state is float32; the single-sequence functions never modify their initial
+state in place (callers pass views of cache slots), :func:`gated_delta_rule_varlen` rewrites
+the cache slots it is given and no others; running a sequence in pieces and carrying the
+returned state equals one pass. On CUDA the ``fla-core`` kernels are registered with higher
+priority when the package is installed.
 """
 from __future__ import annotations
 
@@ -62,6 +64,19 @@ def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
     else:
         state = initial_state.to(torch.float32)
     return q, k, v, g, beta, state
+
+
+# Decay factors below exp(-60) ~ 8.7e-27 are set to exactly 0. They are far below float32's
+# resolution next to the O(1) terms they are summed with (the diagonal of every intra-chunk decay
+# is 1), so the result does not change, but left alone their products with small values fall
+# into float32's subnormal range (< 1.2e-38), where x86 CPUs run matmuls over 100x slower
+# (microcode assists). Random and trained checkpoints both reach such decays within a chunk.
+_DECAY_FLOOR = -60.0
+
+
+def _decay(log_factor: torch.Tensor) -> torch.Tensor:
+    """``exp(log_factor)`` with factors below ``exp(_DECAY_FLOOR)`` flushed to 0 (float32)."""
+    return log_factor.masked_fill(log_factor < _DECAY_FLOOR, float('-inf')).exp()
 
 
 @register_kernel('recurrent_gated_delta_rule', device_type='any')
@@ -147,43 +162,72 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     ratio = log_decay[..., :, None] - log_decay[..., None, :]  # log(G_i / G_j), row i, column j
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # Mask before exp: for j > i the ratio is positive and could overflow.
-    decay = ratio.masked_fill(~causal, float('-inf')).exp()    # [H, N, C, C], zero above diagonal
+    decay = _decay(ratio.masked_fill(~causal, float('-inf')))  # [H, N, C, C], zero above diagonal
 
     system = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
     system = system + torch.eye(C, dtype=system.dtype, device=system.device)
-    rhs = torch.cat((beta[..., None] * v, (beta * log_decay.exp())[..., None] * k), dim=-1)
+    rhs = torch.cat((beta[..., None] * v, (beta * _decay(log_decay))[..., None] * k), dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_base, u_from_state = solved[..., :dv], solved[..., dv:]  # U = u_base - u_from_state @ S0
 
     attn = (q @ k.transpose(-1, -2)) * decay                   # intra-chunk scores, j <= i
-    q_decayed = q * log_decay.exp()[..., None]
+    q_decayed = q * _decay(log_decay)[..., None]
     chunk_log_decay = log_decay[..., -1]                       # [H, N]
-    k_to_end = k * (chunk_log_decay[..., None] - log_decay).exp()[..., None]
+    k_to_end = k * _decay(chunk_log_decay[..., None] - log_decay)[..., None]
 
     o = torch.empty(H, N, C, dv, dtype=torch.float32, device=q.device)
     for n in range(N):
         u = u_base[:, n] - u_from_state[:, n] @ state
         o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
-        state = state * chunk_log_decay[:, n].exp()[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
+        state = state * _decay(chunk_log_decay[:, n])[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
     o = o.view(H, N * C, dv)[:, :L]
     return o.transpose(0, 1).to(out_dtype), state
 
 
 def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
     """One token for each of ``N`` sequences: ``q, k [N, H, dk]``, ``v [N, H, dv]``, ``g, beta [N, H]``,
-    ``state [N, H, dk, dv]`` float32, updated IN PLACE → ``(o [N, H, dv] float32, state)``.
+    ``state [N, H, dk, dv]`` float32 (may be a view of the cache), updated IN PLACE →
+    ``o [N, H, dv]`` float32.
 
-    The state is the large operand (``N * H * dk * dv``), so it is updated in place: decay, then
-    the rank-1 delta update without materialising the outer product ``k delta^T``.
+    The state is the large operand (``N * H * dk * dv``), so it is touched three times only:
+    decay in place, one batched product that reads it for both ``k`` and ``q``, and the rank-1
+    delta update in place (no outer product materialised). The output uses
+    ``q^T S_new = q^T (g S) + (q . k) delta``, the same value as reading the updated state.
     """
     q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
     state.mul_(g.exp()[..., None, None])
-    delta = beta[..., None] * (v - torch.einsum('nhk,nhkv->nhv', k, state))
+    kq = torch.stack((k, q), dim=2)                                                 # [N, H, 2, dk]
+    if state.is_contiguous():
+        kq_state = torch.matmul(kq, state)                                          # [N, H, 2, dv]
+    else:
+        # slots of the cache's row layout: [N, H] cannot merge into one batch dim (the slot
+        # stride is a whole row), and a batched matmul would copy the state first; per head
+        # the batch dim is the slot alone, read in place (H products, whatever N is)
+        kq_state = torch.stack([torch.bmm(kq[:, h], state[:, h]) for h in range(state.shape[1])], dim=1)
+    k_state, q_state = kq_state.unbind(2)                                           # [N, H, dv] each
+    delta = beta[..., None] * (v - k_state)
     state.addcmul_(k[..., None], delta[..., None, :])
-    return torch.einsum('nhk,nhkv->nhv', q, state), state
+    return q_state + (q * k).sum(-1, keepdim=True) * delta
+
+
+def _slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
+    """``(lo, order)`` when ``slots`` are exactly ``lo .. lo + N - 1`` (``order`` the permutation
+    sorting them, ``None`` if already sorted) and every sequence has history, else ``None``.
+
+    Checked on CPU tensors only (reading a device tensor would synchronise).
+    """
+    if slots.device.type != 'cpu' or not bool(has_history.all()):
+        return None
+    ids = slots.tolist()
+    lo = min(ids)
+    if ids == list(range(lo, lo + len(ids))):
+        return lo, None
+    if sorted(ids) == list(range(lo, lo + len(ids))):
+        return lo, torch.argsort(slots)
+    return None
 
 
 @register_kernel('gated_delta_rule_varlen', device_type='any')
@@ -211,10 +255,20 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """
     N, T = slots.shape[0], q.shape[0]
     if T == N:   # pure decode: rows are sequences
-        initial = state_cache[slots].to(torch.float32)          # a gathered copy: safe to update in place
-        initial.masked_fill_(~has_history[:, None, None, None], 0)
-        o, state = _recurrent_step_batched(q, k, v, g, beta, initial, use_qk_l2norm, scale)
-        state_cache[slots] = state.to(state_cache.dtype)
+        span = _slot_range(slots, has_history) if state_cache.dtype == torch.float32 else None
+        if span is not None:   # the slots are one contiguous range: update the cache in place
+            lo, order = span
+            state = state_cache[lo:lo + N]
+            if order is None:
+                return _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale).to(q.dtype)
+            o = _recurrent_step_batched(q[order], k[order], v[order], g[order], beta[order], state,
+                                        use_qk_l2norm, scale)
+            return o.new_empty(o.shape).index_copy_(0, order, o).to(q.dtype)
+        state = state_cache.index_select(0, slots).to(torch.float32)   # a gathered copy
+        if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
+            state.masked_fill_(~has_history[:, None, None, None], 0)    # a slot's leftovers may be anything
+        o = _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale)
+        state_cache.index_copy_(0, slots, state.to(state_cache.dtype))
         return o.to(q.dtype)
     out = q.new_empty(T, v.shape[1], v.shape[2])
     bounds = cu_seqlens.tolist()

@@ -13,6 +13,7 @@ the slot (restore at admission, save after a forward).
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Any
 
@@ -30,7 +31,9 @@ class StateCache:
     def __init__(self, num_runtime_slots: int, num_checkpoint_slots: int):
         self.num_runtime_slots = num_runtime_slots
         self.num_checkpoint_slots = num_checkpoint_slots
-        self._free_runtime = list(range(num_runtime_slots - 1, -1, -1))
+        # a min-heap: the lowest free slot first, so running sequences hold one compact range of
+        # slots as long as they can (a decode step then updates those slots in place)
+        self._free_runtime = list(range(num_runtime_slots))
         self._free_ckpt = list(range(num_runtime_slots + num_checkpoint_slots - 1, num_runtime_slots - 1, -1))
         self._pins: dict[int, int] = {}
         # published checkpoint slot -> trie node, in LRU order (oldest first)
@@ -48,13 +51,13 @@ class StateCache:
         return len(self._free_runtime)
 
     def alloc_runtime(self) -> int | None:
-        """A free runtime slot, or None."""
-        return self._free_runtime.pop() if self._free_runtime else None
+        """The lowest free runtime slot, or None."""
+        return heapq.heappop(self._free_runtime) if self._free_runtime else None
 
     def free_runtime(self, slot: int) -> None:
         """Return runtime ``slot`` (held by a sequence until now) to the free list."""
         assert 0 <= slot < self.num_runtime_slots and slot not in self._free_runtime
-        self._free_runtime.append(slot)
+        heapq.heappush(self._free_runtime, slot)
 
     # checkpoint slots ---------------------------------------------------------------
     @property
