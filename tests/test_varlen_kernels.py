@@ -18,7 +18,7 @@ from lmdeploy.pytorch.kernels.gated_delta_rule import gated_delta_rule_varlen, r
 from lmdeploy.pytorch.model_inputs import StepContext
 
 BLOCK = 4
-NUM_BLOCKS = 40
+NUM_BLOCKS = 160
 NUM_SLOTS = 6
 # (history, new tokens) per sequence: decodes, a continued prefill, fresh prefills, a 1-token prompt.
 MIXED = [(9, 1), (0, 7), (5, 6), (3, 1), (0, 1), (13, 1)]
@@ -142,8 +142,14 @@ def test_causal_conv1d_varlen_equals_per_sequence(layout, with_bias):
     torch.testing.assert_close(cache, ref_cache, atol=1e-6, rtol=0, equal_nan=True)   # other slots untouched
 
 
-@pytest.mark.parametrize('layout', [MIXED, DECODE], ids=['mixed', 'decode'])
+# Multi-chunk prefills: 70 and 100 tokens share a chunk count (2), 5 and 64 another (1), 130 alone.
+LONG = [(0, 70), (3, 100), (0, 5), (9, 64), (2, 1), (0, 130)]
+
+
+@pytest.mark.parametrize('layout', [MIXED, DECODE, LONG], ids=['mixed', 'decode', 'long'])
 def test_gated_delta_rule_varlen_equals_per_sequence(layout):
+    """Per-sequence reference for every layout; prefills with the same chunk count run as one
+    padded batch in the torch form, and the padding must not leak into outputs or states."""
     gen = torch.Generator().manual_seed(11)
     H, dk, dv = 2, 4, 3
     slots = torch.randperm(NUM_SLOTS, generator=gen)[:len(layout)].tolist()

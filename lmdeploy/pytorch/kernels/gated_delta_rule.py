@@ -147,9 +147,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         raise ValueError(f'chunk_size must be positive, got {chunk_size}')
     out_dtype = q.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
-    H, L, dk = q.shape
+    o, state = _chunk_core(q, k, v, g, beta, state, chunk_size)
+    return o.transpose(0, 1).to(out_dtype), state
+
+
+def _chunk_core(q, k, v, g, beta, state, C: int):
+    """The WY chunk algorithm of :func:`chunk_gated_delta_rule` over ``B`` independent rows
+    (heads, or sequences x heads): prepared float32 ``q, k [B, L, dk]``, ``v [B, L, dv]``,
+    ``g, beta [B, L]``, ``state [B, dk, dv]`` → ``(o [B, L, dv], final state [B, dk, dv])``."""
+    H, L, dk = q.shape   # H: the batch of independent rows
     dv = v.shape[-1]
-    C = chunk_size
     pad = (-L) % C
     if pad:
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -180,8 +187,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         u = u_base[:, n] - u_from_state[:, n] @ state
         o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
         state = state * _decay(chunk_log_decay[:, n])[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
-    o = o.view(H, N * C, dv)[:, :L]
-    return o.transpose(0, 1).to(out_dtype), state
+    return o.view(H, N * C, dv)[:, :L], state
 
 
 def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
@@ -228,6 +234,43 @@ def _slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, to
     if sorted(ids) == list(range(lo, lo + len(ids))):
         return lo, torch.argsort(slots)
     return None
+
+
+_CHUNK = 64   # tokens per chunk of the torch chunked form
+
+
+def _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members: list[int], starts: list[int],
+                 lengths: list[int], use_qk_l2norm: bool, scale: float | None, out: torch.Tensor) -> None:
+    """Run sequences ``members`` (flat rows ``[starts[i], starts[i] + lengths[i])`` of ``q, k,
+    v, g, beta``) through :func:`_chunk_core` as one batch of ``len(members) * H`` rows, each
+    padded at its end to the same length with ``g = beta = 0`` tokens (no decay, no write, so
+    the final state is the one after the sequence's last real token). Writes their outputs into
+    ``out`` and their final states into ``state_cache``."""
+    device, T, H, dk, dv = q.device, q.shape[0], q.shape[1], q.shape[2], v.shape[2]
+    longest = max(lengths)
+    # one chunk when all fit (the chunk size does not change the result): pad to 16, not 64
+    chunk = _CHUNK if longest > _CHUNK else -(-longest // 16) * 16
+    m, width = len(members), -(-longest // chunk) * chunk
+    pos = torch.arange(width, device=device)
+    valid = pos[None, :] < torch.tensor(lengths, device=device)[:, None]                 # [m, width]
+    rows = torch.where(valid, torch.tensor(starts, device=device)[:, None] + pos[None, :], T)  # T: a zero row
+
+    def batch(x):   # [T, H, ...] -> float32 [m * H, width, ...], padding rows zero
+        padded = torch.cat((x, x.new_zeros((1,) + x.shape[1:])))[rows]                 # [m, width, H, ...]
+        return padded.transpose(1, 2).reshape((m * H, width) + x.shape[2:]).to(torch.float32)
+
+    qb, kb, vb, gb, bb = (batch(x) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        qb, kb = l2norm(qb), l2norm(kb)
+    qb = qb * (dk ** -0.5 if scale is None else scale)
+    idx = torch.tensor(members, device=device)
+    group_slots = slots[idx]
+    initial = state_cache.index_select(0, group_slots).to(torch.float32)
+    initial.masked_fill_(~has_history[idx][:, None, None, None], 0)
+    o, state = _chunk_core(qb, kb, vb, gb, bb, initial.reshape(m * H, dk, dv), chunk)
+    o = o.view(m, H, width, dv).transpose(1, 2)[valid]                                  # [sum(lengths), H, dv]
+    out.index_copy_(0, rows[valid], o.to(out.dtype))
+    state_cache.index_copy_(0, group_slots, state.view(m, H, dk, dv).to(state_cache.dtype))
 
 
 @register_kernel('gated_delta_rule_varlen', device_type='any')
@@ -281,10 +324,21 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                                             torch.arange(len(single) + 1, device=q.device), slots[idx],
                                             has_history[idx], use_qk_l2norm, scale)
     chunk_fn = get_kernel('chunk_gated_delta_rule', q.device)
+    multi = [i for i, n in enumerate(lengths) if n > 1]
+    if chunk_fn is chunk_gated_delta_rule:
+        # the torch form: sequences with the same number of chunks run as one batch
+        groups: dict[int, list[int]] = {}
+        for i in multi:
+            groups.setdefault(-(-lengths[i] // _CHUNK), []).append(i)
+        multi = []
+        for members in groups.values():
+            if len(members) == 1:
+                multi.extend(members)
+                continue
+            _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members,
+                         [bounds[i] for i in members], [lengths[i] for i in members], use_qk_l2norm, scale, out)
     history = has_history.tolist()
-    for i, n in enumerate(lengths):
-        if n == 1:
-            continue
+    for i in multi:
         sl = slice(bounds[i], bounds[i + 1])
         initial = state_cache[slots[i]] if history[i] else None
         o, state = chunk_fn(q[sl], k[sl], v[sl], g[sl], beta[sl], initial, use_qk_l2norm=use_qk_l2norm, scale=scale)
