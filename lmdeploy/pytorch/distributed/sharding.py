@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.linear import linear
 from .comm import all_gather_last, all_reduce
 
 __all__ = ['TPLayout', 'Shard', 'RowParallelLinear', 'VocabParallelEmbedding', 'VocabParallelHead']
@@ -56,7 +57,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, in / N]`` → ``[T, out]`` (identical on every rank)."""
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -100,7 +101,7 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, dim]`` → ``[N, vocab]`` in the weight dtype."""
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         if local.shape[-1] < self.width:
             local = F.pad(local, (0, self.width - local.shape[-1]))
         return all_gather_last(local)[..., :self.vocab]

@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import get_kernel
+from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .rope import RotaryEmbedding  # noqa: F401  (re-exported: models import it from here)
 
-__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'PackedLinear', 'WeightLoader', 'apply_rotary', 'attention']
+__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'Linear', 'PackedLinear', 'WeightLoader', 'apply_rotary', 'attention']
 
 
 class RMSNorm(nn.Module):
@@ -63,7 +64,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
 
 
-class PackedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """:class:`torch.nn.Linear` whose product picks the faster GEMM orientation for the batch
+    shape (:func:`~lmdeploy.pytorch.kernels.linear.linear`); same parameters and state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in_features]`` → ``[..., out_features]``."""
+        return linear(x, self.weight, self.bias)
+
+
+class PackedLinear(Linear):
     """Several linear projections of one input as one matmul, their weights stacked by rows.
 
     Args:
@@ -95,7 +105,7 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size})
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
-from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
 
 __all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
 
@@ -44,7 +44,7 @@ class Qwen3Attention(nn.Module):
         # one matmul for q, k and v; the checkpoint's q_proj / k_proj / v_proj fill its rows
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': q_out, 'k_proj': kv_out, 'v_proj': kv_out},
                                      bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
         self.scale = self.head_dim ** -0.5
@@ -114,7 +114,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

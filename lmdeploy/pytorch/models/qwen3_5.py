@@ -27,7 +27,7 @@ from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
-from .layers import PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
 from .qwen3 import Qwen3Attention
 from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
 from .qwen3_next import check_config as _check_hybrid
@@ -171,7 +171,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         check_config(config)
         self.config = config
         self.model = Qwen3_5TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

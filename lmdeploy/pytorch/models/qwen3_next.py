@@ -28,7 +28,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
-from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
 
 __all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config']
@@ -108,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def _split_projections(self, hidden: torch.Tensor):
         """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
@@ -185,10 +185,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
@@ -278,7 +278,7 @@ class Qwen3NextForCausalLM(nn.Module):
         check_config(config)
         self.config = config
         self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

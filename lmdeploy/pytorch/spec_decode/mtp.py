@@ -27,7 +27,7 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec
 from ..model_inputs import StepContext
-from ..models.layers import RMSNorm, WeightLoader
+from ..models.layers import Linear, RMSNorm, WeightLoader
 from ..models.qwen3_next import FULL, Qwen3NextDecoderLayer, _head_dim
 
 __all__ = ['Qwen3NextMTP', 'mtp_cache_spec', 'load_mtp', 'MTP_PREFIX']
@@ -62,7 +62,7 @@ class Qwen3NextMTP(nn.Module):
         self.layer_idx = config.num_hidden_layers
         self.pre_fc_norm_embedding = RMSNorm(H, eps, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(H, eps, zero_centered=True)
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H, bias=False)
         self.layers = nn.ModuleList([Qwen3NextDecoderLayer(mtp_config(config), self.layer_idx)])
         self.norm = RMSNorm(H, eps, zero_centered=True)
 

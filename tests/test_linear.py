@@ -1,0 +1,55 @@
+"""The dense projection kernel equals ``F.linear`` for every row count (skinny batches take the
+transposed GEMM on CPU), with and without bias, for 2-D and 3-D inputs and other dtypes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmdeploy.pytorch.kernels import linear as linear_mod
+from lmdeploy.pytorch.kernels.linear import SKINNY_ROWS, linear
+from lmdeploy.pytorch.models.layers import Linear
+
+
+@pytest.mark.parametrize('rows', [0, 1, 4, 7, 8, 9, 16, 33, 63, 64, 100])
+@pytest.mark.parametrize('with_bias', [False, True])
+def test_linear_equals_f_linear(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(130, 96, generator=gen)
+    b = torch.randn(130, generator=gen) if with_bias else None
+    y = linear(x, w, b)
+    assert y.shape == (rows, 130) and y.is_contiguous() and y.dtype == torch.float32
+    # same dot products, MKL's summation order may differ: float32 rounding of sums of 96 terms
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_3d_input_and_bf16_pass_through():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 64, generator=gen)
+    w = torch.randn(48, 64, generator=gen)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(linear(xb, wb), F.linear(xb, wb))   # not float32: F.linear itself
+
+
+def test_skinny_rows_take_the_transposed_product(monkeypatch):
+    """Inside ``SKINNY_ROWS`` the product is ``weight @ x^T`` (an ``mm`` with the weight first);
+    outside it, ``F.linear``. The module form calls the same kernel."""
+    calls = []
+    real_mm = torch.mm
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def mm(a, b):
+            calls.append(tuple(a.shape))
+            return real_mm(a, b)
+
+    monkeypatch.setattr(linear_mod, 'torch', Spy())
+    layer = Linear(32, 40, bias=False)
+    layer(torch.randn(SKINNY_ROWS.start, 32))
+    assert calls == [(40, 32)]
+    layer(torch.randn(SKINNY_ROWS.start - 1, 32))
+    layer(torch.randn(SKINNY_ROWS.stop, 32))
+    assert calls == [(40, 32)]
