@@ -212,7 +212,7 @@ def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
         # slots of the cache's row layout: [N, H] cannot merge into one batch dim (the slot
         # stride is a whole row), and a batched matmul would copy the state first; per head
         # the batch dim is the slot alone, read in place (H products, whatever N is)
-        kq_state = torch.stack([torch.bmm(kq[:, h], state[:, h]) for h in range(state.shape[1])], dim=1)
+        kq_state = torch.stack([torch.bmm(a, s) for a, s in zip(kq.unbind(1), state.unbind(1))], dim=1)
     k_state, q_state = kq_state.unbind(2)                                           # [N, H, dv] each
     delta = beta[..., None] * (v - k_state)
     state.addcmul_(k[..., None], delta[..., None, :])

@@ -35,8 +35,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows in SKINNY_ROWS and x.device.type == 'cpu' and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2):
-        y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+        x2 = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
+        y = torch.mm(weight, x2.t()).t().contiguous()
         if bias is not None:
             y += bias
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
