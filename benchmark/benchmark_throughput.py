@@ -50,8 +50,8 @@ PRESETS = {
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
                   linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                   shared_expert_intermediate_size=256, intermediate_size=512),
-    # Qwen3-Next proportions (3 Gated DeltaNet layers per attention layer); named for its ~99M
-    # non-expert-weighted size, it holds 281M parameters in all (227M in 16 experts per layer)
+    # Qwen3-Next proportions (3 Gated DeltaNet layers per attention layer). The name is historical:
+    # it holds 281M parameters in all, 227M of them in the 16 experts per layer (~1.1 GB in fp32)
     '99m': dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                 linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
                 linear_value_head_dim=128, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
