@@ -70,7 +70,7 @@ def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
 # resolution next to the O(1) terms they are summed with (the diagonal of every intra-chunk decay
 # is 1), so the result does not change, but left alone their products with small values fall
 # into float32's subnormal range (< 1.2e-38), where x86 CPUs run matmuls over 100x slower
-# (microcode assists). Random and trained checkpoints both reach such decays within a chunk.
+# (microcode assists). A head decaying by about exp(-1) per token reaches them within one chunk.
 _DECAY_FLOOR = -60.0
 
 
