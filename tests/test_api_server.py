@@ -218,6 +218,12 @@ BAD_REQUESTS = [
      None, 400, 'max_tokens'),
     ('negative max_completion_tokens', '/v1/chat/completions',
      {'model': 'tiny', 'messages': MSG, 'max_completion_tokens': -5}, None, 400, 'max_completion_tokens'),
+    ('max_tokens 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'max_tokens': 0},
+     None, 400, 'max_tokens'),
+    ('max_completion_tokens 0', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'max_completion_tokens': 0}, None, 400, 'max_completion_tokens'),
+    ('completions max_tokens 0', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'max_tokens': 0},
+     None, 400, 'max_tokens'),
     ('temperature < 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'temperature': -0.5},
      None, 400, 'temperature'),
     ('top_p 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'top_p': 0}, None, 400, 'top_p'),
@@ -249,6 +255,8 @@ def test_bad_request_gets_openai_error(servers, name, path, body, headers, statu
     assert err['param'] == param
     if name == 'prompt too long':
         assert '4100' in err['message'] and '4096' in err['message']
+    if name in ('token id >= vocab', 'negative token id', 'prompt too long'):
+        assert err['message'].startswith('prompt: '), err   # the message names its field too
     if name == 'token id >= vocab':
         assert '1024' in err['message']
 

@@ -278,12 +278,14 @@ def test_api_server_image_url_parts(vl_pipe, hf_vl, image_http):
         assert by_data.json()['usage']['prompt_tokens_details']['cached_tokens'] > mms[0].start
         for url, words in [(image_http + '/big', 'over the limit'), (image_http + '/slow', 'fetch'),
                            (image_http + '/text', 'not a readable image'), (image_http + '/missing', '404'),
-                           ('data:image/png;base64,@@', 'cannot decode')]:
+                           ('data:image/png;base64,@@', 'invalid base64'),
+                           ('data:image/png;base64,aGVsbG8=', 'not an image format')]:
             r = chat(url)
             assert r.status_code == 400, (url, r.text)
             err = r.json()['error']
             assert err['param'] == 'messages' and 'messages[0].content[1]' in err['message'] \
                 and words in err['message'], err
+            assert 'BytesIO' not in err['message'] and ' at 0x' not in err['message'], err   # no object reprs
 
 
 def test_store_restore_with_images_matches_transformers(tiny_qwen3_5, hf_vl, image_processor, mooncake_services):

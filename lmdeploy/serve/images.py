@@ -65,7 +65,17 @@ def load_image(src: Any, where: str):
         with Image.open(path) as im:
             return im.convert('RGB')
     except (OSError, binascii.Error) as err:      # binascii.Error is a ValueError: caught first
-        raise ValueError(f'{where}: cannot decode the image ({err})') from err
+        raise ValueError(f'{where}: cannot decode the image ({_reason(err)})') from err
+
+
+def _reason(err: Exception) -> str:
+    """A decoding error in words, without PIL's ``<_io.BytesIO object at 0x...>`` repr."""
+    from PIL import UnidentifiedImageError
+    if isinstance(err, UnidentifiedImageError):
+        return 'not an image format PIL can read'
+    if isinstance(err, binascii.Error):
+        return f'invalid base64: {err}'
+    return str(err)
 
 
 def _image_source(part: dict, where: str):
@@ -239,7 +249,7 @@ def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[di
                 try:
                     image = Image.open(io.BytesIO(raw)).convert('RGB')
                 except OSError as err:
-                    raise ValueError(f'{where}: {url!r} is not a readable image ({err})') from err
+                    raise ValueError(f'{where}: {url!r} is not a readable image ({_reason(err)})') from err
                 p = {'type': 'image', 'image': image}
             parts.append(p)
         out.append(dict(m, content=parts))

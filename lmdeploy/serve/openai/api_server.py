@@ -337,7 +337,7 @@ class _Server:
             try:
                 self.pipe.engine.validate(ids, GenerationConfig())
             except ValueError as err:
-                raise APIError(400, str(err), param=param) from err
+                raise APIError(400, f'{param}: {err}', param=param) from err
             room = max(0, session_len - len(ids))
             for j in range(req.n):
                 seed = None if req.seed is None else (req.seed + j) % (1 << 63)

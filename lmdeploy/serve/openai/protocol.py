@@ -159,7 +159,7 @@ class _Sampling(_Strict):
     of 1.0 sampling is not applied). ``top_p``/``top_k`` only matter when sampling.
     """
     model: Text
-    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description='Most tokens to generate; clamped to '
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description='Most tokens to generate; clamped to '
                                    'what the session has left after the prompt.')
     temperature: float | None = Field(None, ge=0, le=100, **_Float, description='0 or absent: greedy.')
     top_p: float = Field(1.0, gt=0, le=1, **_Float)
@@ -190,7 +190,7 @@ class ChatCompletionRequest(_Sampling):
     into the prompt). ``top_logprobs`` needs ``logprobs: true``.
     """
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     tools: list[Tool] | None = None
     tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -225,7 +225,7 @@ class CompletionRequest(_Sampling):
     returns each token's log-probability and its k most likely alternatives.
     """
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def prompts(self) -> list:
