@@ -72,6 +72,7 @@ def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
 # into float32's subnormal range (< 1.2e-38), where x86 CPUs run matmuls over 100x slower
 # (microcode assists). A head decaying by about exp(-1) per token reaches them within one chunk.
 _DECAY_FLOOR = -60.0
+_CHUNK = 64   # tokens per chunk of the torch chunked form (default chunk_size)
 
 
 def _decay(log_factor: torch.Tensor) -> torch.Tensor:
@@ -116,7 +117,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 @register_kernel('chunk_gated_delta_rule', device_type='any')
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+                           beta: torch.Tensor, initial_state: torch.Tensor | None = None, chunk_size: int = _CHUNK,
                            use_qk_l2norm: bool = True,
                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule in chunkwise-parallel (WY) form; same contract as the recurrent form.
@@ -235,8 +236,6 @@ def _slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, to
         return lo, torch.argsort(slots)
     return None
 
-
-_CHUNK = 64   # tokens per chunk of the torch chunked form
 
 
 def _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members: list[int], starts: list[int],
