@@ -78,6 +78,9 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
     dev = torch.device(device, rank) if device == 'cuda' else torch.device(device)
     if dev.type == 'cuda':
         torch.cuda.set_device(dev)
+    else:
+        from ..engine.host_allocator import tune_host_allocator
+        tune_host_allocator()
     group = init_group(rank, size, port, dev, TIMEOUT_S)
     try:
         runtime, error = RankRuntime(model_path, dtype, dev, rank, size), None

@@ -35,6 +35,7 @@ from ..prefix_cache.local_tier import LocalTier
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
 from .cache_engine import CacheEngine
+from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
 from .sequence import Sequence
 from .strategy import DecodingStrategy, strategy_for
@@ -95,6 +96,8 @@ class Engine:
         if device == 'auto':
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
         self.device = torch.device(device)
+        if self.device.type == 'cpu':
+            tune_host_allocator()   # before the weights and caches are allocated
         self.model_path = model_path
         self.executor = None     # tensor parallelism: rank 0's handle on the worker ranks
         if config.tp > 1:
