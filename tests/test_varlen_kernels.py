@@ -176,8 +176,8 @@ def test_gated_delta_rule_varlen_equals_per_sequence(layout):
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_gated_delta_rule_decode_any_slot_arrangement(data):
-    """Pure decode steps update the cache in place when the slots form one range (sorted or
+def test_decode_kernels_any_slot_arrangement(data):
+    """Pure decode steps (delta rule and causal conv) update the cache in place when the slots form one range (sorted or
     not) and through a gather otherwise; every arrangement equals the per-sequence reference,
     fresh (history 0) one-token prompts start from zeros, and slots outside the batch are
     untouched (NaN there stays NaN)."""
@@ -212,6 +212,24 @@ def test_gated_delta_rule_decode_any_slot_arrangement(data):
                                 torch.tensor(history))
     torch.testing.assert_close(o, torch.cat(expected), atol=1e-5, rtol=0)
     torch.testing.assert_close(cache, ref_cache, atol=1e-5, rtol=0, equal_nan=True)
+
+    # the causal conv's decode path, same arrangement (in place for one sorted range)
+    C, K = 5, 4
+    conv_cache = _byte_view((num_slots, C, K - 1), torch.float32)
+    for slot, hist in zip(slots, history):
+        if hist:
+            conv_cache[slot] = torch.randn(C, K - 1, generator=gen)
+    x, weight, bias = torch.randn(n, C, generator=gen), torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
+    ref_conv = conv_cache.clone()
+    expected = []
+    for i, slot in enumerate(slots):
+        y, state = causal_conv1d(x[i:i + 1], weight, bias, ref_conv[slot] if history[i] else None)
+        ref_conv[slot] = state
+        expected.append(y)
+    y = causal_conv1d_varlen(x, weight, bias, conv_cache, torch.arange(n + 1), torch.arange(n), torch.tensor(slots),
+                             torch.tensor(history))
+    torch.testing.assert_close(y, torch.cat(expected), atol=1e-6, rtol=0)
+    torch.testing.assert_close(conv_cache, ref_conv, atol=1e-6, rtol=0, equal_nan=True)
 
 
 def _count_ops(fn) -> int:
@@ -348,11 +366,23 @@ def test_swiglu_experts_loop_two_matmuls_per_hit_expert_and_few_other_ops():
             Count.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    E, H, inner = 16, 8, 4
-    counts = torch.tensor([2, 1, 0, 3] * 4)   # 12 experts with rows
-    x, gate_up, down = torch.randn(int(counts.sum()), H), torch.randn(E, 2 * inner, H), torch.randn(E, H, inner)
+    H, inner = 8, 4
+    totals = []
+    for E in (16, 64):   # 12 experts with rows either way
+        counts = torch.tensor([2, 1, 0, 3] * 4 + [0] * (E - 16))
+        x, gate_up, down = torch.randn(int(counts.sum()), H), torch.randn(E, 2 * inner, H), torch.randn(E, H, inner)
+        Count.ops = []
+        with torch.no_grad(), Count():
+            out = swiglu_experts_loop(x, gate_up, down, counts)
+        assert out.shape == x.shape
+        assert sum('aten.mm' in op for op in Count.ops) == 2 * 12
+        # per hit expert: its two matmuls and a view of each weight; the rest is a constant
+        assert len(Count.ops) <= 4 * 12 + 12, Count.ops
+        totals.append(len(Count.ops))
+    assert totals[0] == totals[1]   # experts without rows cost nothing
+    # one hit expert (a single decode token's top-1): no split, no concatenation
+    one_row, one_hit = x[:1], torch.eye(E, dtype=torch.long)[5]
+    Count.ops = []
     with torch.no_grad(), Count():
-        out = swiglu_experts_loop(x, gate_up, down, counts)
-    assert out.shape == x.shape
-    assert sum('aten.mm' in op for op in Count.ops) == 2 * 12
-    assert len(Count.ops) <= 2 * 12 + 12, Count.ops
+        swiglu_experts_loop(one_row, gate_up, down, one_hit)
+    assert sum('aten.mm' in op for op in Count.ops) == 2 and len(Count.ops) <= 10, Count.ops

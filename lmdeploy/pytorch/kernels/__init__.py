@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ['register_kernel', 'get_kernel', 'triton_available']
+__all__ = ['register_kernel', 'get_kernel', 'triton_available', 'slot_range']
 
 # op name -> list of (priority, device type, availability check, fn); higher priority first.
 _REGISTRY: dict[str, list[tuple[int, str, Callable[[], bool], Callable]]] = {}
@@ -32,8 +32,13 @@ def register_kernel(name: str, device_type: str = 'any', priority: int = 0,
     def wrap(fn: Callable) -> Callable:
         _REGISTRY.setdefault(name, []).append((priority, device_type, available, fn))
         _REGISTRY[name].sort(key=lambda item: -item[0])
+        _CHOSEN.clear()
         return fn
     return wrap
+
+
+# (op name, device type) -> the implementation chosen; models ask several times per layer and step
+_CHOSEN: dict[tuple[str, str], Callable] = {}
 
 
 def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
@@ -42,12 +47,40 @@ def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
     Raises:
         KeyError: no implementation of ``name`` is registered for the device.
     """
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    chosen = _CHOSEN.get((name, device_type))
+    if chosen is not None:
+        return chosen
     _import_builtin_kernels()
-    device_type = torch.device(device).type
     for _, dev, available, fn in _REGISTRY.get(name, []):
         if dev in (device_type, 'any') and available():
+            _CHOSEN[(name, device_type)] = fn
             return fn
     raise KeyError(f'no kernel {name!r} for device {device_type!r}; registered: {sorted(_REGISTRY)}')
+
+
+def slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
+    """Whether a decode step's state slots can be updated in place as one slice of the cache.
+
+    Args:
+        slots: int64 ``[N]`` distinct state slots of the step's sequences.
+        has_history: bool ``[N]``.
+
+    Returns:
+        ``(lo, order)`` when ``slots`` are exactly ``lo .. lo + N - 1`` in some order and every
+        sequence has history (``order`` the permutation sorting them, ``None`` when already
+        sorted); otherwise ``None``. Always ``None`` for device tensors (reading them would
+        synchronise).
+    """
+    if slots.device.type != 'cpu' or not bool(has_history.all()):
+        return None
+    ids = slots.tolist()
+    lo = min(ids)
+    if ids == list(range(lo, lo + len(ids))):
+        return lo, None
+    if sorted(ids) == list(range(lo, lo + len(ids))):
+        return lo, torch.argsort(slots)
+    return None
 
 
 @functools.cache

@@ -21,14 +21,16 @@ are simply not gathered::
     new state of sequence i = the last K - 1 rows of its segment
 
 A pure decode step (one token per sequence) takes a shorter path: ``[N, C, K]`` windows
-multiplied by the filters and summed.
+multiplied by the filters and summed; when the step's slots are one sorted range of the cache
+(the usual case: runtime slots are handed out lowest first) the states are read and rewritten
+in place as one slice instead of gathered and scattered.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import register_kernel
+from . import register_kernel, slot_range
 
 __all__ = ['causal_conv1d', 'causal_conv1d_varlen']
 
@@ -122,6 +124,19 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f'x must be [T, C], conv_cache [S, C, K - 1], cu_seqlens [N + 1]; got x {tuple(x.shape)}, '
                          f'weight {tuple(weight.shape)}, conv_cache {tuple(conv_cache.shape)}, '
                          f'cu_seqlens {tuple(cu_seqlens.shape)}, slots {tuple(slots.shape)}')
+    span = slot_range(slots, has_history) if T == N else None
+    if span is not None and span[1] is None:
+        # decode with the slots one sorted range: read and rewrite that slice of the cache in place
+        lo = span[0]
+        rows = conv_cache[lo:lo + N]                                                   # [N, C, K1] view
+        window = torch.cat((rows.to(x.dtype), x[:, :, None]), dim=2)                   # [N, C, K]
+        y = (window.to(weight.dtype) * weight).sum(-1)
+        if bias is not None:
+            y = y + bias
+        rows.copy_(window[:, :, 1:])
+        if activation is not None:
+            y = F.silu(y)
+        return y.to(x.dtype)
     state = conv_cache.index_select(0, slots).to(x.dtype)                             # [N, C, K1]
     if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
         state = torch.where(has_history[:, None, None], state, 0)

@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import torch
 
-from . import get_kernel, register_kernel
+from . import get_kernel, register_kernel, slot_range
 
 __all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'gated_delta_rule_varlen', 'l2norm']
 
@@ -201,12 +201,16 @@ def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
     delta update in place (no outer product materialised). The output uses
     ``q^T S_new = q^T (g S) + (q . k) delta``, the same value as reading the updated state.
     """
-    q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
-    state.mul_(g.exp()[..., None, None])
+    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
     kq = torch.stack((k, q), dim=2)                                                 # [N, H, 2, dk]
+    if kq.dtype != torch.float32:
+        kq = kq.float()
+    if use_qk_l2norm:
+        kq = l2norm(kq)
+    # scale q only (k times exactly 1.0): one op for both rows
+    kq = kq * kq.new_tensor([[1.0], [q.shape[-1] ** -0.5 if scale is None else scale]])
+    k, q = kq.unbind(2)
+    state.mul_(g.exp()[..., None, None])
     if state.is_contiguous():
         kq_state = torch.matmul(kq, state)                                          # [N, H, 2, dv]
     else:
@@ -218,24 +222,6 @@ def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
     delta = beta[..., None] * (v - k_state)
     state.addcmul_(k[..., None], delta[..., None, :])
     return q_state + (q * k).sum(-1, keepdim=True) * delta
-
-
-def _slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
-    """``(lo, order)`` when ``slots`` are exactly ``lo .. lo + N - 1`` (``order`` the permutation
-    sorting them, ``None`` if already sorted) and every sequence has history, else ``None``.
-
-    Checked on CPU tensors only (reading a device tensor would synchronise).
-    """
-    if slots.device.type != 'cpu' or not bool(has_history.all()):
-        return None
-    ids = slots.tolist()
-    lo = min(ids)
-    if ids == list(range(lo, lo + len(ids))):
-        return lo, None
-    if sorted(ids) == list(range(lo, lo + len(ids))):
-        return lo, torch.argsort(slots)
-    return None
-
 
 
 def _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members: list[int], starts: list[int],
@@ -297,7 +283,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """
     N, T = slots.shape[0], q.shape[0]
     if T == N:   # pure decode: rows are sequences
-        span = _slot_range(slots, has_history) if state_cache.dtype == torch.float32 else None
+        span = slot_range(slots, has_history) if state_cache.dtype == torch.float32 else None
         if span is not None:   # the slots are one contiguous range: update the cache in place
             lo, order = span
             state = state_cache[lo:lo + N]

@@ -50,20 +50,20 @@ def swiglu_experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     """
     _check(x, gate_up, down, counts)
     rows = counts.tolist()
-    inner = gate_up.shape[1] // 2
-    # Few torch ops per expert (what costs on CPU at decode sizes): the weights and row runs are
-    # split once into per-expert views, each hit expert is one ``mm`` per projection, and the
-    # SwiGLU activation runs once over all rows. (No ``out=``: it would break autograd.)
-    gate_up_t = gate_up.transpose(1, 2).unbind(0)          # E x [H, 2I]
-    down_t = down.transpose(1, 2).unbind(0)                # E x [I, H]
+    # Few torch ops per expert (what costs on CPU at decode sizes): views of the hit experts'
+    # weights only, one ``mm`` per projection per hit expert, and the SwiGLU activation once
+    # over all rows. (No ``out=``: it would break autograd.)
     hit = [e for e, n in enumerate(rows) if n]
     if not hit:
         return torch.empty_like(x)
+    gate_up_t, down_t = gate_up.transpose(1, 2), down.transpose(1, 2)   # [E, H, 2I], [E, I, H] views
+    if len(hit) == 1:
+        gate, up = torch.mm(x, gate_up_t[hit[0]]).chunk(2, dim=-1)
+        return torch.mm(F.silu(gate) * up, down_t[hit[0]])
     x_runs = x.split(rows)
     gate, up = torch.cat([torch.mm(x_runs[e], gate_up_t[e]) for e in hit]).chunk(2, dim=-1)
     act_runs = (F.silu(gate) * up).split(rows)
-    out = torch.cat([torch.mm(act_runs[e], down_t[e]) for e in hit])
-    return out
+    return torch.cat([torch.mm(act_runs[e], down_t[e]) for e in hit])
 
 
 def grouped_mm_usable(x: torch.Tensor, gate_up: torch.Tensor) -> bool:

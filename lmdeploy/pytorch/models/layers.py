@@ -47,11 +47,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
         dtype = x.dtype
-        h = x.float()
+        h = x if dtype == torch.float32 else x.float()   # (a no-op cast is still a dispatched op)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+            w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+            h = h * (1.0 + w)
+            return h if dtype == torch.float32 else h.to(dtype)
+        return self.weight * (h if dtype == torch.float32 else h.to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

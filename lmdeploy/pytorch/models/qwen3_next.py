@@ -68,6 +68,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
+        if x.dtype == torch.float32 and z.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * F.silu(z)
         dtype = x.dtype
         h = x.float()
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
@@ -126,7 +128,10 @@ class GatedDeltaNet(nn.Module):
         T = hidden.shape[0]
         mixed, z, b, a = self._split_projections(hidden)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if a.dtype == self.A_log.dtype == self.dt_bias.dtype == torch.float32:
+            g = -self.A_log.exp() * F.softplus(a + self.dt_bias)
+        else:
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
         device = hidden.device
         # One call per kernel for all sequences; a fresh sequence (history 0) starts from zeros
