@@ -367,6 +367,7 @@ def test_swiglu_experts_loop_two_matmuls_per_hit_expert_and_few_other_ops():
             return func(*args, **(kwargs or {}))
 
     H, inner = 8, 4
+    MATMULS = ('aten.mm.default', 'aten.linear.default')   # `linear` picks the orientation by row count
     totals = []
     for E in (16, 64):   # 12 experts with rows either way
         counts = torch.tensor([2, 1, 0, 3] * 4 + [0] * (E - 16))
@@ -375,9 +376,10 @@ def test_swiglu_experts_loop_two_matmuls_per_hit_expert_and_few_other_ops():
         with torch.no_grad(), Count():
             out = swiglu_experts_loop(x, gate_up, down, counts)
         assert out.shape == x.shape
-        assert sum('aten.mm' in op for op in Count.ops) == 2 * 12
-        # per hit expert: its two matmuls and a view of each weight; the rest is a constant
-        assert len(Count.ops) <= 4 * 12 + 12, Count.ops
+        assert sum(op in MATMULS for op in Count.ops) == 2 * 12
+        # per hit expert: its two matmuls and two views of each weight (the expert, its
+        # transpose); the rest is a constant
+        assert len(Count.ops) <= 6 * 12 + 12, Count.ops
         totals.append(len(Count.ops))
     assert totals[0] == totals[1]   # experts without rows cost nothing
     # one hit expert (a single decode token's top-1): no split, no concatenation
@@ -385,4 +387,4 @@ def test_swiglu_experts_loop_two_matmuls_per_hit_expert_and_few_other_ops():
     Count.ops = []
     with torch.no_grad(), Count():
         swiglu_experts_loop(one_row, gate_up, down, one_hit)
-    assert sum('aten.mm' in op for op in Count.ops) == 2 and len(Count.ops) <= 10, Count.ops
+    assert sum(op in MATMULS for op in Count.ops) == 2 and len(Count.ops) <= 12, Count.ops
