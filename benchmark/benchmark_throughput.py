@@ -17,6 +17,10 @@ equal to ``transformers``' (fp32). The op profile counts the torch ops (dispatch
 batch-N decode step: one ``Engine.step`` against the difference between HF ``generate`` of
 ``k + 1`` and ``k`` new tokens.
 
+Both systems share the process, so they share its allocator: a CPU engine raises glibc
+``malloc``'s mmap and trim thresholds when it is created (see ``docs/en/supported_models.md``,
+"Running on CPU"), and transformers runs with the same settings.
+
 Usage (CPU; a Qwen3-Next-shaped random model made on the fly)::
 
     python3 benchmark/benchmark_throughput.py --preset small --threads 2 \\

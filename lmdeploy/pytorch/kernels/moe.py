@@ -54,13 +54,12 @@ def swiglu_experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     _check(x, gate_up, down, counts)
     rows = counts.tolist()
     # Few torch ops per expert (what costs on CPU at decode sizes): views of the hit experts'
-    # weights only, one ``mm`` per projection per hit expert, and the SwiGLU activation once
-    # over all rows. (No ``out=``: it would break autograd.)
+    # weights only, one matmul per projection per hit expert (through `linear`, which picks the
+    # faster GEMM orientation for the run's row count), and the SwiGLU activation once over all
+    # rows. (No ``out=``: it would break autograd.)
     hit = [e for e, n in enumerate(rows) if n]
     if not hit:
         return torch.empty_like(x)
-    # each product through `linear`, which picks the faster GEMM orientation for the run's row
-    # count on CPU (an expert's run of 8-63 rows: prefill, or decode of a large batch)
     if len(hit) == 1:
         gate, up = linear(x, gate_up[hit[0]]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, down[hit[0]])
