@@ -78,9 +78,6 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
     dev = torch.device(device, rank) if device == 'cuda' else torch.device(device)
     if dev.type == 'cuda':
         torch.cuda.set_device(dev)
-    else:
-        from ..engine.host_allocator import tune_host_allocator
-        tune_host_allocator()
     group = init_group(rank, size, port, dev, TIMEOUT_S)
     try:
         runtime, error = RankRuntime(model_path, dtype, dev, rank, size), None
@@ -90,6 +87,9 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
     if runtime is None:
         destroy_group()
         return
+    if dev.type == 'cpu':   # as the engine does, once this rank's weights are loaded
+        from ..engine.host_allocator import tune_host_allocator
+        tune_host_allocator()
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group.control)

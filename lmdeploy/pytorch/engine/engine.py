@@ -96,8 +96,6 @@ class Engine:
         if device == 'auto':
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
         self.device = torch.device(device)
-        if self.device.type == 'cpu':
-            tune_host_allocator()   # before the weights and caches are allocated
         self.model_path = model_path
         self.executor = None     # tensor parallelism: rank 0's handle on the worker ranks
         if config.tp > 1:
@@ -113,6 +111,10 @@ class Engine:
             from ..spec_decode.mtp import load_mtp, mtp_cache_spec
             self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
             self.specs = self.specs + [mtp_cache_spec(self.hf_config, self.dtype)]   # its own paged KV
+        if self.device.type == 'cpu':
+            # after the weights are loaded, so that they keep their own mappings and the heap
+            # only recycles the steps' activations
+            tune_host_allocator()
         self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.specs)
         text_config = self.hf_config.get_text_config()   # a vision-language config keeps these in text_config
         self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))

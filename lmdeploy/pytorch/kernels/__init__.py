@@ -26,8 +26,9 @@ def register_kernel(name: str, device_type: str = 'any', priority: int = 0,
         name: op name, e.g. ``'paged_attention'``.
         device_type: ``'cuda'``, ``'cpu'`` or ``'any'`` (the torch fallback).
         priority: higher wins among implementations usable on a device.
-        available: called lazily at selection; False hides the implementation (e.g. an
-            optional dependency is not installed).
+        available: called at the first selection for a device type (the choice is then kept
+            until the next registration); False hides the implementation (e.g. an optional
+            dependency is not installed).
     """
     def wrap(fn: Callable) -> Callable:
         _REGISTRY.setdefault(name, []).append((priority, device_type, available, fn))
@@ -42,7 +43,9 @@ _CHOSEN: dict[tuple[str, str], Callable] = {}
 
 
 def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
-    """The best registered implementation of ``name`` for ``device``.
+    """The best registered implementation of ``name`` for ``device``, chosen once per device
+    type (models ask several times per layer and step) and chosen afresh after any
+    :func:`register_kernel`.
 
     Raises:
         KeyError: no implementation of ``name`` is registered for the device.
@@ -75,6 +78,8 @@ def slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, tor
     if slots.device.type != 'cpu' or not bool(has_history.all()):
         return None
     ids = slots.tolist()
+    if not ids:
+        return None
     lo = min(ids)
     if ids == list(range(lo, lo + len(ids))):
         return lo, None

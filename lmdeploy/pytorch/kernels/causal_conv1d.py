@@ -22,7 +22,7 @@ are simply not gathered::
 
 A pure decode step (one token per sequence) takes a shorter path: ``[N, C, K]`` windows
 multiplied by the filters and summed; when the step's slots are one sorted range of the cache
-(the usual case: runtime slots are handed out lowest first) the states are read and rewritten
+(common: runtime slots are handed out lowest first) the states are read and rewritten
 in place as one slice instead of gathered and scattered.
 """
 from __future__ import annotations

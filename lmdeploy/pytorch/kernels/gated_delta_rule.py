@@ -207,8 +207,7 @@ def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
         kq = kq.float()
     if use_qk_l2norm:
         kq = l2norm(kq)
-    # scale q only (k times exactly 1.0): one op for both rows
-    kq = kq * kq.new_tensor([[1.0], [q.shape[-1] ** -0.5 if scale is None else scale]])
+    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
     k, q = kq.unbind(2)
     state.mul_(g.exp()[..., None, None])
     if state.is_contiguous():

@@ -1,7 +1,8 @@
 """Dense projections ``y = x W^T + b`` with the GEMM orientation chosen by shape.
 
 On CPU, MKL's single-precision GEMM for ``x [M, K] @ W^T`` with ``W [N, K]`` row-major is slow
-for a *skinny* ``x`` (8 <= M < 64 rows: a decode step of 8-63 sequences): it runs about as fast
+for a *skinny* ``x`` (8 <= M < 64 rows: a decode step of 8-63 sequences, or one MoE expert's
+run of 8-63 routed rows, see :mod:`.moe`): it runs about as fast
 as ``M = 64``. The same product computed the other way round, ``(W @ x^T)^T``, takes MKL's
 matrix-times-few-columns path, which streams ``W`` once at memory speed. Measured on the 2-core
 benchmark machine (fp32, one weight of 3088 x 1024): 1031 us vs 507 us at M = 16, 794 us vs

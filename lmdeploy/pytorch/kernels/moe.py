@@ -9,8 +9,8 @@ contiguous run of rows::
 Two implementations with one contract:
 
 - torch (any device): one pair of matmuls per expert that has rows (and a handful of ops per
-  call around them), each through :func:`~lmdeploy.pytorch.kernels.linear.linear`, which on CPU
-  computes runs of 8-63 rows as ``(W x^T)^T`` (an expert layer with 16-row runs: 10.5 -> 8.2 ms
+  call around them), each through :func:`~lmdeploy.pytorch.kernels.linear.linear`, which for
+  float32 on CPU computes runs of 8-63 rows as ``(W x^T)^T`` (an expert layer with 16-row runs: 10.5 -> 8.2 ms
   on the benchmark machine). On CPU this is the fast one: ``torch._grouped_mm`` exists on CPU
   but measured 3-5x slower than the loop here.
 - grouped (CUDA, when ``torch._grouped_mm`` exists and row strides are 16-byte multiples):
@@ -60,9 +60,6 @@ def swiglu_experts_loop(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     hit = [e for e, n in enumerate(rows) if n]
     if not hit:
         return torch.empty_like(x)
-    if len(hit) == 1:
-        gate, up = linear(x, gate_up[hit[0]]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, down[hit[0]])
     x_runs = x.split(rows)
     gate, up = torch.cat([linear(x_runs[e], gate_up[e]) for e in hit]).chunk(2, dim=-1)
     act_runs = (F.silu(gate) * up).split(rows)
