@@ -188,6 +188,22 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]
 
 
 @torch.inference_mode()
+def greedy_divergences(hf, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]) -> list[dict]:
+    """Where greedy outputs differ, the first differing token of each sequence and how close the
+    choice was: transformers' logits (one forward over the prompt and the common prefix) of its
+    token minus ours. A margin at float32 rounding level (well under the 1e-4 logit tolerance) is a
+    near-tie that the two systems' different summation orders broke differently, not an error."""
+    out = []
+    for i, (p, a, b) in enumerate(zip(prompts, ours, theirs)):
+        if a == b:
+            continue
+        j = next(t for t in range(min(len(a), len(b))) if a[t] != b[t])
+        logits = hf(input_ids=torch.tensor([p + a[:j]]), logits_to_keep=1).logits[0, -1].float()
+        out.append(dict(seq=i, token=j, engine=a[j], hf=b[j], hf_margin=float(logits[b[j]] - logits[a[j]])))
+    return out
+
+
+@torch.inference_mode()
 def hf_prefill(hf, prompt: list[int]) -> None:
     hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
 
@@ -251,13 +267,16 @@ def run(args) -> dict:
     for batch in batches:
         row = dict(batch=batch)
         runs = {'engine': [], 'hf_batched': [], 'hf_one_at_a_time': []}
-        equal = True
+        equal, divergences = True, []
         tokens = batch * args.decode_tokens
         for _ in range(args.repeats):
             ps = prompts(batch, args.prompt_len)
             e = measure(lambda: engine_generate(engine, ps, args.decode_tokens), tokens)
             h = measure(lambda: hf_generate(hf, ps, args.decode_tokens), tokens)
-            equal &= e.pop('result') == h.pop('result')
+            ours, theirs = e.pop('result'), h.pop('result')
+            if ours != theirs:
+                equal = False
+                divergences += greedy_divergences(hf, ps, ours, theirs)
             runs['engine'].append(e)
             runs['hf_batched'].append(h)
             if batch > 1 and not args.skip_one_at_a_time:
@@ -266,6 +285,8 @@ def run(args) -> dict:
                 runs['hf_one_at_a_time'].append(o)
         row.update({k: summarize(v) for k, v in runs.items() if v})
         row['greedy_equal_to_hf'] = equal
+        if divergences:
+            row['greedy_divergences'] = divergences
         results['decode'].append(row)
         print_row('decode', batch, row, flush=True)
     for length in prefill:
@@ -301,6 +322,10 @@ def print_row(kind, key, row, flush=False):
         parts.append(f'{k} {o:9.1f} tok/s (x{eng / o:.2f}, peak +{row[k]["peak_mb"]["max"]:.0f} MB)')
     if 'greedy_equal_to_hf' in row:
         parts.append(f'greedy equal: {row["greedy_equal_to_hf"]}')
+        if row.get('greedy_divergences'):
+            worst = max(abs(d['hf_margin']) for d in row['greedy_divergences'])
+            parts.append(f'({len(row["greedy_divergences"])} sequences diverge; largest transformers logit '
+                         f'margin at the first differing token {worst:.1e})')
     print(' | '.join(parts), flush=flush)
 
 

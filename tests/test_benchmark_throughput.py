@@ -36,3 +36,21 @@ def test_small_run_writes_results_and_greedy_equals_transformers(tiny_qwen3_next
     assert [r['tokens'] for r in results['prefill']] == [80]
     assert all(r['engine'] > 0 and r['hf'] > 0 for r in results['ops'])
     assert 'skipped' in results['llama_cpp']
+
+
+def test_greedy_divergences_locate_the_first_differing_token_and_its_margin(tiny_qwen3_next):
+    """A divergence report names each differing sequence's first differing token and transformers'
+    logit margin of its own choice over ours there (>= 0: its choice is its argmax)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    bench = _load()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_next, dtype=torch.float32).eval()
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8, 1, 4]]
+    theirs = bench.hf_generate(hf, prompts, 6)
+    ours = [list(t) for t in theirs]
+    ours[1][3] = (theirs[1][3] + 1) % hf.config.vocab_size     # sequence 1 differs from token 3 on
+    ours[1][4] = theirs[1][4]
+    report = bench.greedy_divergences(hf, prompts, ours, theirs)
+    assert [(d['seq'], d['token'], d['engine'], d['hf']) for d in report] == [(1, 3, ours[1][3], theirs[1][3])]
+    assert report[0]['hf_margin'] > 0
+    assert bench.greedy_divergences(hf, prompts, theirs, theirs) == []
