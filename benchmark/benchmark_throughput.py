@@ -14,9 +14,12 @@ For each: wall seconds, tokens/s, tokens per CPU-second (process CPU time, all t
 peak RSS growth during the run (the kernel's high-water mark, reset at the start of each run, on
 Linux; elsewhere a 2 ms sampler thread; the models and the engine's caches are
 allocated before, so the growth is the run's working memory). Greedy decode outputs are checked
-equal to ``transformers``' (fp32). The op profile counts the torch ops (dispatcher calls) of one
-batch-N decode step: one ``Engine.step`` against the difference between HF ``generate`` of
-``k + 1`` and ``k`` new tokens.
+equal to ``transformers``' (fp32); where they differ, the first differing token and transformers'
+logit margin there are reported, next to a precision block that puts such near-ties in scale
+(:func:`logit_precision`: the engine's logits and transformers' own incremental ``generate``,
+alone and batched, against transformers' full forward). The op profile counts the torch ops
+(dispatcher calls) of one batch-N decode step: one ``Engine.step`` against the difference
+between HF ``generate`` of ``k + 1`` and ``k`` new tokens.
 
 Both systems share the process, so they share its allocator: a CPU engine raises glibc
 ``malloc``'s mmap and trim thresholds when it is created (see ``docs/en/supported_models.md``,
@@ -204,6 +207,48 @@ def greedy_divergences(hf, prompts: list[list[int]], ours: list[list[int]], thei
 
 
 @torch.inference_mode()
+def logit_precision(engine, hf, prompts: list[list[int]], new_tokens: int) -> dict:
+    """The float32 logit differences that decide near-ties, all against transformers' full forward
+    over prompt + generated tokens (batch 1, teacher-forced):
+
+    - ``engine_batch1``: the engine's logits of each of its greedy tokens, one request at a time;
+    - ``hf_incremental_batch1`` / ``hf_incremental_batchN``: transformers' own ``generate``
+      (KV cache, one token per step), alone and with all ``prompts`` batched.
+
+    Returns max abs differences (logit units) and the largest logit magnitude seen.
+    """
+    from lmdeploy import GenerationConfig
+    out = dict(max_abs_logit=0.0)
+
+    def full(ids):
+        logits = hf(input_ids=torch.tensor([ids])).logits[0].float()
+        out['max_abs_logit'] = max(out['max_abs_logit'], float(logits.abs().max()))
+        return logits
+
+    worst = 0.0
+    for p in prompts[:2]:
+        seq = engine.add_request(p, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True))
+        rows = []
+        while not seq.is_finished:
+            engine.step()
+            if engine.model_runner.last_logits is not None and len(rows) < seq.num_generated:
+                rows.append(engine.model_runner.last_logits[0].float())
+        ref = full(seq.token_ids)[len(p) - 1:len(p) - 1 + len(rows)]
+        worst = max(worst, float((torch.stack(rows) - ref).abs().max()))
+    out['engine_batch1'] = worst
+    for name, batch in (('hf_incremental_batch1', prompts[:1]), (f'hf_incremental_batch{len(prompts)}', prompts)):
+        ids = torch.tensor(batch)
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        worst = 0.0
+        for i in range(len(batch)):
+            ref = full(gen.sequences[i].tolist())[len(batch[i]) - 1:len(batch[i]) - 1 + new_tokens]
+            worst = max(worst, float((torch.stack([s[i].float() for s in gen.logits]) - ref).abs().max()))
+        out[name] = worst
+    return out
+
+
+@torch.inference_mode()
 def hf_prefill(hf, prompt: list[int]) -> None:
     hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
 
@@ -309,6 +354,11 @@ def run(args) -> dict:
         hf_ops = count_ops(lambda: hf_generate(hf, ps, k + 1)) - count_ops(lambda: hf_generate(hf, ps, k))
         results['ops'].append(dict(batch=batch, engine=engine_decode_step_ops(engine, ps), hf=hf_ops))
         print(f'ops per decode step, batch {batch}: engine {results["ops"][-1]["engine"]}, hf {hf_ops}', flush=True)
+    precision = logit_precision(engine, hf, prompts(max(batches), args.prompt_len), 16)
+    results['precision'] = precision
+    print('float32 max |logit difference| vs transformers full forward (teacher-forced): '
+          + ', '.join(f'{k} {v:.1e}' for k, v in precision.items() if k != 'max_abs_logit')
+          + f' (logits up to {precision["max_abs_logit"]:.1f})', flush=True)
     results['llama_cpp'] = llama_bench(args.llama_bench, args.gguf, args.threads, prefill, args.decode_tokens)
     return results
 

@@ -36,6 +36,10 @@ def test_small_run_writes_results_and_greedy_equals_transformers(tiny_qwen3_next
     assert [r['tokens'] for r in results['prefill']] == [80]
     assert all(r['engine'] > 0 and r['hf'] > 0 for r in results['ops'])
     assert 'skipped' in results['llama_cpp']
+    precision = results['precision']
+    assert set(precision) == {'max_abs_logit', 'engine_batch1', 'hf_incremental_batch1', 'hf_incremental_batch3'}
+    assert precision['max_abs_logit'] > 0
+    assert precision['engine_batch1'] <= 1e-4     # the documented float32 bound on the test model
 
 
 def test_greedy_divergences_locate_the_first_differing_token_and_its_margin(tiny_qwen3_next):
