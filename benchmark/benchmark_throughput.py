@@ -29,7 +29,7 @@ Usage (CPU; a Qwen3-Next-shaped random model made on the fly)::
 
     python3 benchmark/benchmark_throughput.py --preset small --threads 2 \\
         --batches 1,4,16 --prefill 1024,2048,4096 --repeats 2
-    # the full run of issue 16 (about an hour on 2 cores):
+    # the full run of issue 16 (about 7 minutes on 2 quiet cores):
     python3 benchmark/benchmark_throughput.py --preset 99m --threads 2 \\
         --batches 1,4,16,32 --prefill 1024,2048,4096,8192,16384 --repeats 3
 
@@ -59,7 +59,7 @@ PRESETS = {
                   linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                   shared_expert_intermediate_size=256, intermediate_size=512),
     # Qwen3-Next proportions (3 Gated DeltaNet layers per attention layer). The name is historical:
-    # it holds 281M parameters in all, 227M of them in the 16 experts per layer (~1.1 GB in fp32)
+    # it holds 249M parameters in all, 201M of them in the 16 experts per layer (~1.0 GB in fp32)
     '99m': dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                 linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
                 linear_value_head_dim=128, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,

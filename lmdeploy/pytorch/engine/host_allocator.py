@@ -5,7 +5,7 @@ glibc ``malloc`` gives memory back to the kernel in two ways: a block above its 
 on ``free``, and free space at the top of the heap beyond the trim threshold (twice the mmap
 threshold by default) is released. A CPU forward allocates and frees many activation tensors of
 0.1-30 MB per step, so the next step faults those pages in again, one fault per 4 KiB page: on
-the 2-core benchmark machine a 32-token prefill of the 281M-parameter test model spent about a
+the 2-core benchmark machine a 32-token prefill of the 249M-parameter test model spent about a
 quarter of its time (103 ms -> 76 ms) on it — e.g. filling a fresh 512 KiB state took 720 us
 instead of ~20 us.
 
