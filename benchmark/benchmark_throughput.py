@@ -96,13 +96,13 @@ class PeakRSS:
     cores); otherwise a thread sampling RSS every 2 ms."""
 
     def __enter__(self):
+        self._kernel = _reset_peak_rss()
+        if self._kernel:
+            self.base = self.peak = _status_kb('VmRSS') * 1024
+            return self
         import psutil
         self._proc = psutil.Process()
         self.base = self.peak = self._proc.memory_info().rss
-        self._kernel = _reset_peak_rss()
-        if self._kernel:
-            self.base = _status_kb('VmRSS') * 1024
-            return self
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

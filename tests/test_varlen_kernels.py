@@ -68,6 +68,23 @@ def test_step_context_batch_tensors_are_exact():
     assert offsets.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 0, 0, 0, 0, 0]]
     assert valid.sum(1).tolist() == [8, 3]
     assert not ctx.is_decode
+    assert ctx.slot_span is None          # a prefill chunk in the step: no in-place decode
+
+
+@pytest.mark.parametrize('slots,history,span', [
+    ([3, 4, 5], [4, 1, 9], (3, None)),
+    ([5, 3, 4], [4, 1, 9], (3, [1, 2, 0])),
+    ([3, 5, 6], [4, 1, 9], None),          # a gap
+    ([3, 4, 5], [4, 0, 9], None),          # a fresh one-token prompt starts from zeros
+])
+def test_step_context_slot_span(slots, history, span):
+    """Decode steps compute the slot range once for every layer's conv and delta-rule kernels."""
+    ctx = StepContext(input_ids=torch.zeros(3, dtype=torch.int64), positions=torch.tensor(history),
+                      q_seqlens=[1, 1, 1], q_start_loc=[0, 1, 2], kv_seqlens=[h + 1 for h in history],
+                      block_tables=[torch.tensor([0])] * 3, state_slots=slots, block_size=64)
+    got = ctx.slot_span
+    assert (got if got is None else (got[0], None if got[1] is None else got[1].tolist())) == span
+    assert ctx.slot_span is got           # cached for the step
 
 
 def _kv_setup(layout, num_heads, num_kv_heads, dtype, seed):

@@ -19,6 +19,7 @@ shared by every layer (so a layer never loops over sequences in Python to find i
     seq_ids         [0,0,0,0,0, 1]      int64 [T], the sequence of each flat token
     slots           [slot0, slot1]      int64 [N]
     has_history     [True, True]        bool  [N], history_len > 0 (else start from zeros)
+    slot_span       (lo, order) | None  decode only: the slots as one range of the state caches
     block_table     [[b, b, b], [b, b, 0]]  int64 [N, max_blocks], short rows padded with 0
 """
 from __future__ import annotations
@@ -123,6 +124,16 @@ class StepContext:
     def has_history(self) -> torch.Tensor:
         """bool ``[N]``: the sequence has cached tokens (its slot holds a state to continue)."""
         return torch.tensor([h > 0 for h in self.history_lens], dtype=torch.bool, device=self.device)
+
+    @cached_property
+    def slot_span(self) -> tuple[int, torch.Tensor | None] | None:
+        """For a step of one new token per sequence, :func:`~lmdeploy.pytorch.kernels.slot_range`
+        of its slots (the decode kernels then update that slice of the state caches in place);
+        ``None`` otherwise. Computed once per step for all layers."""
+        if not self.q_seqlens or any(q != 1 for q in self.q_seqlens):
+            return None
+        from .kernels import slot_range
+        return slot_range(self.slots, self.has_history)
 
     @cached_property
     def kv_seqlens_t(self) -> torch.Tensor:

@@ -95,7 +95,8 @@ def _shifted_sum(buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 @register_kernel('causal_conv1d_varlen', device_type='any')
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_cache: torch.Tensor,
                          cu_seqlens: torch.Tensor, seq_ids: torch.Tensor, slots: torch.Tensor,
-                         has_history: torch.Tensor, activation: str | None = 'silu') -> torch.Tensor:
+                         has_history: torch.Tensor, activation: str | None = 'silu',
+                         slot_span=...) -> torch.Tensor:
     """Causal depthwise convolution of a flat batch of sequences, each continuing its state slot.
 
     Args:
@@ -109,6 +110,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         slots: int64 ``[N]`` distinct state slots.
         has_history: bool ``[N]``; False starts that sequence from zeros whatever its slot holds.
         activation: ``'silu'`` (alias ``'swish'``) or ``None``.
+        slot_span: :func:`~lmdeploy.pytorch.kernels.slot_range` of ``slots`` when the caller has
+            it (``StepContext.slot_span``, shared by all layers of a step); ``...`` computes it.
 
     Returns:
         ``y [T, C]`` in ``x.dtype``; equal to :func:`causal_conv1d` per sequence.
@@ -124,7 +127,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise ValueError(f'x must be [T, C], conv_cache [S, C, K - 1], cu_seqlens [N + 1]; got x {tuple(x.shape)}, '
                          f'weight {tuple(weight.shape)}, conv_cache {tuple(conv_cache.shape)}, '
                          f'cu_seqlens {tuple(cu_seqlens.shape)}, slots {tuple(slots.shape)}')
-    span = slot_range(slots, has_history) if T == N else None
+    span = None if T != N else slot_range(slots, has_history) if slot_span is ... else slot_span
     if span is not None and span[1] is None:
         # decode with the slots one sorted range: read and rewrite that slice of the cache in place
         lo = span[0]

@@ -261,7 +261,7 @@ def _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members: lis
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                             has_history: torch.Tensor, use_qk_l2norm: bool = True,
-                            scale: float | None = None) -> torch.Tensor:
+                            scale: float | None = None, slot_span=...) -> torch.Tensor:
     """Gated delta rule over a flat batch of sequences, each continuing its state slot.
 
     Sequences with one new token share one batched recurrent step; each longer sequence runs
@@ -276,13 +276,16 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         slots: int64 ``[N]`` distinct state slots.
         has_history: bool ``[N]``; False starts from a zero state whatever the slot holds.
         use_qk_l2norm, scale: as in :func:`recurrent_gated_delta_rule`.
+        slot_span: :func:`~lmdeploy.pytorch.kernels.slot_range` of ``slots`` when the caller has
+            it (``StepContext.slot_span``, shared by all layers of a step); ``...`` computes it.
 
     Returns:
         ``o [T, H, dv]`` in ``q.dtype``.
     """
     N, T = slots.shape[0], q.shape[0]
     if T == N:   # pure decode: rows are sequences
-        span = slot_range(slots, has_history) if state_cache.dtype == torch.float32 else None
+        span = None if state_cache.dtype != torch.float32 else \
+            slot_range(slots, has_history) if slot_span is ... else slot_span
         if span is not None:   # the slots are one contiguous range: update the cache in place
             lo, order = span
             state = state_cache[lo:lo + N]

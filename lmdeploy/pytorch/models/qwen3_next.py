@@ -138,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         # inside the kernels, since its slot may hold another sequence's leftovers.
         y = get_kernel('causal_conv1d_varlen', device)(mixed, self.conv1d.weight.squeeze(1), None, conv_cache,
                                                          ctx.cu_seqlens, ctx.seq_ids, ctx.slots, ctx.has_history,
-                                                         'silu')
+                                                         'silu', slot_span=ctx.slot_span)
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -147,7 +147,8 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.heads_per_key, dim=1)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
         out = get_kernel('gated_delta_rule_varlen', device)(q, k, v, g, beta, recurrent_cache, ctx.cu_seqlens,
-                                                              ctx.slots, ctx.has_history, use_qk_l2norm=True)
+                                                              ctx.slots, ctx.has_history, use_qk_l2norm=True,
+                                                              slot_span=ctx.slot_span)
         return self.out_proj(self.norm(out, z).reshape(T, -1))
 
 
