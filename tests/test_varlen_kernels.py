@@ -245,8 +245,9 @@ def test_decode_kernels_any_slot_arrangement(data):
         expected.append(y)
     y = causal_conv1d_varlen(x, weight, bias, conv_cache, torch.arange(n + 1), torch.arange(n), torch.tensor(slots),
                              torch.tensor(history))
-    torch.testing.assert_close(y, torch.cat(expected), atol=1e-6, rtol=0)
-    torch.testing.assert_close(conv_cache, ref_conv, atol=1e-6, rtol=0, equal_nan=True)
+    # conv1d vs multiply-and-sum: float32 summation order (relative ~3e-7 on outputs up to ~5)
+    torch.testing.assert_close(y, torch.cat(expected), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(conv_cache, ref_conv, atol=0, rtol=0, equal_nan=True)   # copies: exact
 
 
 @pytest.mark.parametrize('x_dtype,cache_dtype', [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
