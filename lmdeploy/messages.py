@@ -129,9 +129,11 @@ class PytorchEngineConfig(BaseModel):
         return self
 
     @model_validator(mode='after')
-    def _speculative_needs_one_rank(self):
-        if self.speculative_config is not None and self.tp > 1:
-            raise ValueError(f'speculative_config: speculative decoding runs with tp=1 only (got tp={self.tp})')
+    def _mtp_needs_one_rank(self):
+        spec = self.speculative_config
+        if spec is not None and spec.method == 'qwen3_next_mtp' and self.tp > 1:
+            raise ValueError(f'speculative_config.method: qwen3_next_mtp runs with tp=1 only (got tp={self.tp}); '
+                             f'n-gram drafts (method=ngram) run with any tp')
         return self
 
 

@@ -161,9 +161,11 @@ def test_speculative_flags_on_serve_and_chat(command):
         parser.parse_args(['MODEL', '--speculative-algorithm', 'eagle'])
 
 
-def test_speculative_decoding_with_tensor_parallelism_is_refused_naming_the_field():
+def test_mtp_with_tensor_parallelism_is_refused_naming_the_field_and_ngram_is_accepted():
     import pytest
 
     from lmdeploy.messages import PytorchEngineConfig
-    with pytest.raises(ValueError, match='speculative_config'):
-        PytorchEngineConfig(tp=2, speculative_config={'method': 'ngram', 'num_speculative_tokens': 2})
+    with pytest.raises(ValueError, match='speculative_config.method'):
+        PytorchEngineConfig(tp=2, speculative_config={'method': 'qwen3_next_mtp', 'num_speculative_tokens': 2})
+    cfg = PytorchEngineConfig(tp=2, speculative_config={'method': 'ngram', 'num_speculative_tokens': 2})
+    assert cfg.speculative_config.method == 'ngram' and cfg.tp == 2

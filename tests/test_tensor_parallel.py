@@ -2,7 +2,8 @@
 
 What is checked: each rank reads only its slices from safetensors; TP2 logits of every prompt
 position are within 1e-5 of TP1 and greedy tokens are equal (continuous batching, chunked
-prefill); outputs with the prefix cache off / on / last-only are identical; the ledger is idle
+prefill); outputs with the prefix cache off / on / last-only are identical; n-gram speculative
+decoding accepts exactly the right drafts and rolls back every rank's state; the ledger is idle
 after aborts; a killed worker ends the engine with an error naming its rank and leaves no
 process behind.
 
@@ -180,6 +181,56 @@ def test_tp2_prefix_cache_on_last_only_and_off_are_identical_and_aborts_leave_it
             assert led['runtime_slots_free'] == led['runtime_slots_total']
         finally:
             eng.close()
+
+
+# speculative decoding -----------------------------------------------------------------------
+@pytest.mark.parametrize('wrong_at', [None, 1])
+def test_tp2_ngram_speculative_decoding_accepts_exactly_and_rolls_back_every_rank(tiny_qwen3_next, wrong_at):
+    """Drafts scripted from the plain TP1 output (all right, or wrong at index 1): TP2 verifies
+    them in one forward per step on both ranks, emits exactly the accepted prefix plus one token,
+    and — when a draft is rejected — restores every rank's slice of the recurrent state, so the
+    output equals plain TP1 decoding with the prefix cache on."""
+    K = 3
+    gen = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    ref = engine(tiny_qwen3_next)
+    expected = [ref.generate(p, gen).output_ids for p in PROMPTS]
+    ref.close()
+    eng = engine(tiny_qwen3_next, tp=2, enable_prefix_caching=True,
+                 speculative_config=dict(method='ngram', num_speculative_tokens=K))
+    try:
+        spec = eng.spec
+        truth: dict[int, list[int]] = {}
+
+        def propose(sched, new_tokens):     # the true continuation, one draft corrupted
+            for chunk in sched.chunks:
+                seq = chunk.seq
+                room = spec._draft_room(seq) if seq.seq_id in new_tokens else 0
+                drafts = list(truth[seq.seq_id][seq.num_generated:seq.num_generated + room])
+                if wrong_at is not None and wrong_at < len(drafts):
+                    drafts[wrong_at] = 3 + (drafts[wrong_at] - 2) % 1000
+                seq.draft_ids = drafts
+        spec.propose = propose
+
+        def run() -> tuple[list[list[int]], list[int]]:
+            seqs = [eng.add_request(p, gen) for p in PROMPTS]
+            truth.update({s.seq_id: e for s, e in zip(seqs, expected)})
+            emitted = []
+            while not all(s.is_finished for s in seqs):
+                emitted.extend(len(o.new_token_ids) for o in eng.step())
+            return [s.output_ids for s in seqs], emitted
+
+        outputs, emitted = run()
+        assert outputs == expected
+        stats = eng.stats()
+        assert max(emitted) == (K + 1 if wrong_at is None else 2)   # accepted drafts + the target's token
+        assert stats['spec_decode_verify_steps'] > 0
+        assert (stats['spec_decode_rollbacks'] == 0) == (wrong_at is None)
+        assert eng.is_idle()
+        # a second pass restores the prefixes saved while drafting and decodes the same tokens
+        assert run()[0] == expected
+        assert eng.stats()['prefix_cache_hit_tokens'] > 0
+    finally:
+        eng.close()
 
 
 # failure ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..engine.sampler import TokenLogprob, sample
+from ..spec_decode.acceptance import verify_drafts
 from ..paging.scheduler import SchedulerOutput
 from .comm import destroy_group, free_port, init_group
 from ..models.loader import load_config
@@ -309,36 +310,49 @@ class TPModelRunner:
 
     @staticmethod
     def step_batch(out: SchedulerOutput, all_logits: bool = False) -> StepBatch:
-        """The plain-integer inputs of the step's chunks."""
+        """The plain-integer inputs of the step's chunks. A chunk with drafts (speculative
+        decoding) is scored as one longer chunk, its drafts after its tokens; its logits rows are
+        its last ``1 + K`` positions."""
         b = StepBatch([], [], [], [], [], [], [], [], all_logits)
         offset = 0
         for chunk in out.chunks:
             seq = chunk.seq
-            n = chunk.end - chunk.start
+            n = chunk.end - chunk.start + len(chunk.drafts)
             b.input_ids.extend(seq.token_ids[chunk.start:chunk.end])
-            b.positions.extend(range(chunk.start, chunk.end))
+            b.input_ids.extend(chunk.drafts)
+            b.positions.extend(range(chunk.start, chunk.start + n))
             b.q_seqlens.append(n)
             b.q_start_loc.append(offset)
             offset += n
-            b.kv_seqlens.append(chunk.end)
+            b.kv_seqlens.append(chunk.start + n)
             b.block_tables.append(list(seq.block_ids))
             b.state_slots.append(-1 if seq.state_slot is None else seq.state_slot)
             if chunk.sample:
-                b.sample_rows.append(offset - 1)
+                b.sample_rows.extend(range(offset - 1 - len(chunk.drafts), offset))
         return b
 
     def forward(self, out: SchedulerOutput, return_all_logits: bool = False) -> dict[int, list[int]]:
-        """As :meth:`ModelRunner.forward`: ``{seq_id: [next token]}`` for sampled chunks (no drafts:
-        speculative decoding runs with tp=1 only)."""
+        """As :meth:`ModelRunner.forward`: ``{seq_id: new tokens}`` for sampled chunks — one
+        sampled token, or for a chunk with drafts its accepted drafts plus one token."""
         self.last_logprobs = {}
         logits, all_logits = self.executor.call('forward', self.step_batch(out, return_all_logits))
         if return_all_logits:
             self.all_logits = all_logits
         if logits is None:
             return {}
-        self.last_logits = logits
-        seqs = [c.seq for c in out.chunks if c.sample]
-        tokens, logprobs = sample(logits, seqs)
-        self.last_logprobs = {seq.seq_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
-        return {seq.seq_id: [tok] for seq, tok in zip(seqs, tokens)}
-
+        plain, verify, row = [], [], 0
+        for c in out.chunks:
+            if c.sample:
+                (verify if c.drafts else plain).append((c, row))
+                row += 1 + len(c.drafts)
+        new_tokens = {}
+        if plain:
+            plain_logits = logits[torch.tensor([r for _, r in plain], device=logits.device)]
+            self.last_logits = plain_logits
+            seqs = [c.seq for c, _ in plain]
+            tokens, logprobs = sample(plain_logits, seqs)
+            self.last_logprobs = {seq.seq_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
+            new_tokens = {seq.seq_id: [tok] for seq, tok in zip(seqs, tokens)}
+        for c, r in verify:
+            new_tokens[c.seq.seq_id] = verify_drafts(logits[r:r + len(c.drafts) + 1], list(c.drafts), c.seq)
+        return new_tokens

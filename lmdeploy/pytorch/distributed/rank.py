@@ -28,7 +28,8 @@ class StepBatch:
         input_ids, positions: flat token ids and positions, ``T`` each.
         q_seqlens, q_start_loc, kv_seqlens, state_slots: one entry per sequence.
         block_tables: one list of block ids per sequence.
-        sample_rows: flat rows whose logits are needed (each sampled chunk's last token).
+        sample_rows: flat rows whose logits are needed (each sampled chunk's last token, and
+            with speculative decoding the positions of its drafts before it).
         all_logits: also compute the logits of every row (tests).
     """
     input_ids: list[int]

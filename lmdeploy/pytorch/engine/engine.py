@@ -106,7 +106,7 @@ class Engine:
         else:
             self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
             self.specs = self.model.cache_specs(self.hf_config, self.dtype)
-        self.mtp = None       # speculative decoding runs with tp=1 only (checked by the config)
+        self.mtp = None       # the MTP head runs with tp=1 only (checked by the config)
         if spec_config is not None and spec_config.method == 'qwen3_next_mtp':
             from ..spec_decode.mtp import load_mtp, mtp_cache_spec
             self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
