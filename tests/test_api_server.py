@@ -240,6 +240,48 @@ BAD_REQUESTS = [
     ('wrong key', '/v1/completions', {'model': 'tiny', 'prompt': 'x'}, {'Authorization': 'Bearer nope'}, 401,
      None),
     ('unknown endpoint', '/v1/embeddings', {'model': 'tiny', 'input': 'x'}, None, 404, None),
+    # no coercion: a string or a boolean is not a number, a number is not a boolean
+    ('max_tokens a string', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'max_tokens': '3'},
+     None, 400, 'max_tokens'),
+    ('max_tokens a boolean', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'max_tokens': True},
+     None, 400, 'max_tokens'),
+    ('stream a string', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'stream': 'yes'},
+     None, 400, 'stream'),
+    ('temperature a string', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'temperature': '0.5'},
+     None, 400, 'temperature'),
+    # the failing element of a field that takes several shapes
+    ('stop list of numbers', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'stop': ['a', 5]},
+     None, 400, 'stop.1'),
+    ('unknown content part', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': [{'role': 'user', 'content': [{'type': 'input_audio', 'input_audio': {}}]}]},
+     None, 400, 'messages.0.content.0'),
+    ('text part without text', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': [{'role': 'user', 'content': [{'type': 'text', 'text': 'a'}, {'type': 'text'}]}]},
+     None, 400, 'messages.0.content.1.text'),
+    ('image part to a text model', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': [{'role': 'user', 'content': [
+         {'type': 'text', 'text': 'see'}, {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,AA=='}}]}]},
+     None, 400, 'messages'),
+    # messages OpenAI refuses
+    ('tool message without tool_call_id', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG + [{'role': 'tool', 'content': '42'}]}, None, 400, 'messages.1'),
+    ('tool message without content', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG + [{'role': 'tool', 'tool_call_id': 'c1'}]}, None, 400, 'messages.1'),
+    ('tool call without arguments', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG + [{'role': 'assistant', 'tool_calls': [
+         {'id': 'c1', 'type': 'function', 'function': {'name': 'ls'}}]}]},
+     None, 400, 'messages.1.tool_calls.0.function.arguments'),
+    # options that cannot be honoured are refused, not ignored
+    ('top_logprobs without logprobs', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'top_logprobs': 3},
+     None, 400, 'top_logprobs'),
+    ('stream_options without stream', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'stream_options': {'include_usage': True}}, None, 400, 'stream_options'),
+    ('response_format json_object', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'response_format': {'type': 'json_object'}}, None, 400, 'response_format'),
+    ('echo with logprobs', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'logprobs': 1, 'echo': True},
+     None, 400, 'echo'),
+    ('suffix', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'suffix': 'end'}, None, 400, 'suffix'),
+    ('best_of above n', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'best_of': 3}, None, 400, 'best_of'),
 ]
 
 
@@ -253,12 +295,57 @@ def test_bad_request_gets_openai_error(servers, name, path, body, headers, statu
     assert set(err) == {'message', 'type', 'param', 'code'} and err['message']
     assert err['type'] == 'invalid_request_error'
     assert err['param'] == param
+    if status == 400 and param:
+        assert err['code'] == 'invalid_value', err
+        assert err['message'].startswith(param.split('.')[0]), err      # the message names its field
+    if name == 'image part to a text model':
+        assert err['message'].startswith('messages[0].content[1]: '), err
     if name == 'prompt too long':
         assert '4100' in err['message'] and '4096' in err['message']
     if name in ('token id >= vocab', 'negative token id', 'prompt too long'):
         assert err['message'].startswith('prompt: '), err   # the message names its field too
     if name == 'token id >= vocab':
         assert '1024' in err['message']
+
+
+def test_null_means_the_default_and_echo_and_model_retrieval(servers, tiny_qwen3):
+    """Explicit nulls (sent by SDKs and proxies) behave as the omitted field; completions'
+    ``max_tokens: null`` is its default 16; ``echo`` puts the prompt first (plain and streamed);
+    ``GET /v1/models/{id}`` returns the card or a 404 naming the model."""
+    s = servers['qwen3']
+    c = client(s)
+    nulls = {k: None for k in ('top_p', 'n', 'stream', 'logprobs', 'parallel_tool_calls', 'presence_penalty',
+                               'frequency_penalty', 'top_k', 'repetition_penalty', 'ignore_eos', 'temperature',
+                               'stop', 'seed', 'max_completion_tokens', 'tools', 'tool_choice', 'stream_options',
+                               'separate_reasoning', 'response_format')}
+    plain = raw_post(s, '/v1/chat/completions', json.dumps({'model': 'tiny', 'messages': MSG, 'max_tokens': 6}).encode(),
+                     s.auth)
+    code, resp = raw_post(s, '/v1/chat/completions',
+                          json.dumps({'model': 'tiny', 'messages': MSG, 'max_tokens': 6, **nulls}).encode(), s.auth)
+    assert code == 200 == plain[0], resp
+    assert resp['choices'][0]['message']['content'] == plain[1]['choices'][0]['message']['content']
+    code, resp = raw_post(s, '/v1/completions', json.dumps({'model': 'tiny', 'prompt': 'hi', 'max_tokens': None,
+                                                            'ignore_eos': True, 'top_p': None, 'n': None,
+                                                            'stream': None}).encode(), s.auth)
+    assert code == 200 and resp['usage']['completion_tokens'] == 16, resp
+    # echo
+    want = c.completions.create(model='tiny', prompt='Once upon a time', max_tokens=4).choices[0].text
+    got = c.completions.create(model='tiny', prompt='Once upon a time', max_tokens=4, echo=True, n=2, best_of=2)
+    assert [ch.text for ch in got.choices] == ['Once upon a time' + want] * 2
+    streamed = ''.join(ch.choices[0].text for ch in c.completions.create(
+        model='tiny', prompt='Once upon a time', max_tokens=4, echo=True, stream=True) if ch.choices)
+    assert streamed == 'Once upon a time' + want
+    from transformers import AutoTokenizer
+    prompt_text = AutoTokenizer.from_pretrained(tiny_qwen3).decode([300, 301, 302])
+    want = c.completions.create(model='tiny', prompt=[300, 301, 302], max_tokens=2).choices[0].text
+    got = c.completions.create(model='tiny', prompt=[300, 301, 302], max_tokens=2, echo=True).choices[0].text
+    assert prompt_text and got == prompt_text + want
+    # retrieval
+    card = c.models.retrieve('tiny')
+    assert card.id == 'tiny' and card.object == 'model'
+    with pytest.raises(openai.NotFoundError) as err:
+        c.models.retrieve('gpt-9')
+    assert err.value.body['param'] == 'model' and 'gpt-9' in err.value.body['message']
 
 
 def test_server_serves_normally_after_bad_requests(servers):

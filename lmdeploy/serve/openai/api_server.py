@@ -326,7 +326,7 @@ class _Server:
         try:
             return self.pipe.encode(prompt, do_preprocess=False)
         except Exception as err:   # ValueError, or the tokenizer refusing the text
-            raise APIError(400, f'{param}: {err}', param=param) from err
+            raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
 
     def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None):
         """One ``(ids, GenerationConfig)`` per choice (worker thread); 400 if the engine would
@@ -337,7 +337,7 @@ class _Server:
             try:
                 self.pipe.engine.validate(ids, GenerationConfig())
             except ValueError as err:
-                raise APIError(400, f'{param}: {err}', param=param) from err
+                raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
             room = max(0, session_len - len(ids))
             for j in range(req.n):
                 seed = None if req.seed is None else (req.seed + j) % (1 << 63)
@@ -365,7 +365,10 @@ class _Server:
         try:
             if any(m.has_images() for m in req.messages):
                 if not self.pipe.accepts_images:
-                    raise ValueError(f'model {self.model_name!r} does not accept image_url parts')
+                    i, j = next((i, j) for i, m in enumerate(req.messages) if m.has_images()
+                                for j, p in enumerate(m.content) if p.type == 'image_url')
+                    raise APIError(400, f'messages[{i}].content[{j}]: model {self.model_name!r} does not accept '
+                                   f'image_url parts', param='messages', code='invalid_value')
                 text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch),
                                                          tools, req.chat_template_kwargs)
                 wheres = [f'messages[{i}].content[{j}]' for i, m in enumerate(messages)
@@ -377,7 +380,7 @@ class _Server:
                 text = self.pipe.render(messages, tools, req.chat_template_kwargs)
                 ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
-            raise APIError(400, f'messages: {err}', param='messages') from err
+            raise APIError(400, f'messages: {err}', param='messages', code='invalid_value') from err
         reasoning = None
         if self.reasoning_parser_name and req.separate_reasoning:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
@@ -388,9 +391,16 @@ class _Server:
         return _ChatPlan(jobs, outputs, images)
 
     # endpoints ------------------------------------------------------------------------------
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, max_model_len=self.pipe.engine.session_len)
+
     async def models(self) -> dict:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.pipe.engine.session_len)]
-                         ).model_dump()
+        return ModelList(data=[self._card()]).model_dump()
+
+    async def model(self, model_id: str) -> dict:
+        """``GET /v1/models/{model_id}``: the served model's card, or 404 naming the id."""
+        self._check_model(model_id)
+        return self._card().model_dump()
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req.model)
@@ -446,29 +456,38 @@ class _Server:
         self._check_model(req.model)
         prompts = req.prompts()
         if not prompts:
-            raise APIError(400, 'prompt must not be empty', param='prompt')
+            raise APIError(400, 'prompt: must not be empty', param='prompt', code='invalid_value')
         if len(prompts) * req.n > MAX_CHOICES:       # before any tokenization
             raise APIError(400, f'{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices',
-                           param='prompt' if len(prompts) > 1 else 'n')
+                           param='prompt' if len(prompts) > 1 else 'n', code='invalid_value')
 
         def plan():
             ids = [self._encode(p, 'prompt') for p in prompts]
-            return self._jobs(req, ids, req.max_tokens, 'prompt', req.logprobs)
-        gen = _Generation(self, await run_in_threadpool(plan), req.n)
+            # echo: each choice's text starts with its prompt's text (token ids decoded)
+            echo = [p if isinstance(p, str) else self.pipe.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
+                if req.echo else None
+            return self._jobs(req, ids, req.max_tokens, 'prompt', req.logprobs), echo
+        jobs, echo = await run_in_threadpool(plan)
+        echoed = [echo[i // req.n] for i in range(len(jobs))] if echo else None
+        gen = _Generation(self, jobs, req.n)
         head = {'id': new_id('cmpl'), 'object': 'text_completion', 'created': now(), 'model': self.model_name}
         top = req.logprobs or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._completion_events(gen, head, include_usage, req.logprobs is not None, top))
+            return _SSEResponse(self._completion_events(gen, head, include_usage, req.logprobs is not None, top,
+                                                        echoed))
         await gen.collect(request)
-        choices = [{'index': i, 'text': c.text,
+        choices = [{'index': i, 'text': (echoed[i] if echoed else '') + c.text,
                     'logprobs': completion_logprobs(self.texts, c.logprobs, top) if req.logprobs is not None
                     else None, 'finish_reason': c.finish_reason} for i, c in enumerate(gen.choices)]
         return dict(head, choices=choices, usage=gen.usage())
 
     async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
-                                 top: int):
+                                 top: int, echoed: list[str] | None = None):
         offsets = [0] * len(gen.choices)
+        for i, text in enumerate(echoed or []):     # echo: the prompt first, as each choice's first text
+            choice = {'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}
+            yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
         try:
             async with aclosing(gen.deltas()) as stream:
                 async for i, r in stream:
@@ -562,6 +581,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     auth = [Depends(server.check_key)]
     generation = _errors(400, 401, 404, 413, 500, 503)
     app.get('/v1/models', dependencies=auth, responses=_errors(401, 503))(server.models)
+    app.get('/v1/models/{model_id:path}', dependencies=auth, responses=_errors(401, 404, 503))(server.model)
     app.post('/v1/chat/completions', dependencies=auth, responses=generation)(server.chat)
     app.post('/v1/completions', dependencies=auth, responses=generation)(server.completions)
     app.get('/debug/ledger', dependencies=auth, responses=_errors(401, 503))(server.ledger)

@@ -58,17 +58,43 @@ def _response(err: APIError) -> JSONResponse:
 
 
 _TYPE_TAGS = frozenset({'str', 'int', 'float', 'bool', 'list', 'dict', 'none'})
+_MISSING = object()
 
 
-def _param(loc) -> str | None:
-    """``('body', 'messages', 0, 'content', 'str')`` → ``messages.0.content``: pydantic appends the
-    union member it tried (``str``, ``list[int]`` ...) to the location; the client wants the field."""
-    parts = []
-    for p in loc[1:] if loc and loc[0] == 'body' else loc:
-        if isinstance(p, str) and (p in _TYPE_TAGS or not p.isidentifier()):
-            break
+def _param(loc, body=_MISSING) -> str | None:
+    """The request field an error's location points at, e.g. ``messages.0.content.1``.
+
+    Pydantic puts the union member it tried into the location (``'str'``,
+    ``'list[tagged-union[...]]'``, a model name, a tag value). With the request ``body`` the
+    location is walked through the actual JSON and such entries are skipped (a final key the
+    object lacks is kept: a missing field); without it, type-like entries are skipped.
+    """
+    loc = tuple(loc[1:] if loc and loc[0] == 'body' else loc)
+    parts, node = [], body
+    for i, p in enumerate(loc):
+        if body is not _MISSING:
+            if isinstance(node, dict) and isinstance(p, str) and p in node:
+                node = node[p]
+            elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
+                node = node[p]
+            elif i == len(loc) - 1 and isinstance(p, str) and p.isidentifier():
+                pass            # a required key the object lacks
+            else:
+                continue        # a union member's tag
+        elif isinstance(p, str) and (p in _TYPE_TAGS or not p.isidentifier()):
+            continue
         parts.append(str(p))
     return '.'.join(parts) or None
+
+
+def _describe(error: dict) -> str:
+    ctx = error.get('ctx') or {}
+    if error.get('type') == 'value_error' and 'error' in ctx:
+        return str(ctx['error'])          # a validator's own message, without 'Value error, '
+    if error.get('type') == 'union_tag_invalid':
+        key = str(ctx.get('discriminator', 'type')).strip("'")
+        return f'unsupported {key} {ctx.get("tag")!r}; expected one of {ctx.get("expected_tags")}'
+    return error['msg']
 
 
 async def _api_error(request: Request, err: APIError) -> JSONResponse:
@@ -82,10 +108,12 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         ctx = first.get('ctx') or {}
         return _response(APIError(400, f'malformed JSON body: {ctx.get("error", first["msg"])}',
                                   code='invalid_json'))
-    param = _param(first.get('loc', ()))
-    # a validator's ValueError: its own message, without pydantic's 'Value error, ' prefix
-    own = (first.get('ctx') or {}).get('error') if first.get('type') == 'value_error' else None
-    message = f'{param or "request body"}: {own if own is not None else first["msg"]}'
+    body = getattr(err, 'body', _MISSING)
+    located = [(_param(e.get('loc', ()), body), e) for e in errors] or [(None, first)]
+    # the deepest location: of the errors a union produces (one per member tried), the member
+    # whose shape the value has gets furthest (a list of parts rather than the string branch)
+    param, chosen = max(located, key=lambda pe: len(pe[0].split('.')) if pe[0] else 0)
+    message = f'{param or "request body"}: {_describe(chosen)}'
     if len(errors) > 1:
         message += f' (and {len(errors) - 1} more error(s))'
     return _response(APIError(400, message, param=param, code='invalid_value'))

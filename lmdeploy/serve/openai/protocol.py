@@ -1,10 +1,14 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Requests validate their own ranges, so a bad value is a pydantic error that the server turns
-into a 400 naming the field. Every numeric field has a finite range (see the ``Field`` bounds
-and docs/en/api_server.md); infinities and NaN are refused. Every string must be valid Unicode
-(a lone UTF-16 surrogate such as ``"\\ud800"`` is refused). Unknown request fields are ignored
-(OpenAI clients send options this engine does not implement, e.g. ``logit_bias``, ``user``).
+into a 400 naming the field. Types are strict (no coercion: ``"3"`` or ``true`` is not an
+integer, ``1`` or ``"yes"`` is not a boolean; an integer is accepted where a number is). An
+explicit ``null`` means "the default" for every optional field (SDKs and proxies send nulls).
+Every numeric field has a finite range (see the ``Field`` bounds and docs/en/api_server.md);
+infinities and NaN are refused. Every string must be valid Unicode (a lone UTF-16 surrogate
+such as ``"\\ud800"`` is refused). Unknown request fields are ignored (OpenAI clients send
+options this engine does not implement, e.g. ``logit_bias``, ``user``); known options it cannot
+honour (``response_format`` other than text, ``suffix``, ``best_of`` > ``n``) are refused.
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
 ``chat_template_kwargs``, ``separate_reasoning``.
 """
@@ -14,7 +18,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo,
+                      field_validator, model_validator)
 
 __all__ = ['ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'StreamOptions', 'Usage', 'Tool',
            'ToolCall', 'FunctionCall', 'PromptTokensDetails', 'ModelCard', 'ModelList', 'ErrorBody', 'new_id', 'now',
@@ -52,7 +57,18 @@ _Float = dict(allow_inf_nan=False)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra='ignore')
+    """Request models: strict types, unknown fields ignored, ``null`` = the field's default."""
+    model_config = ConfigDict(extra='ignore', strict=True)
+
+    @model_validator(mode='before')
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict):
+            nulls = [k for k, v in data.items() if v is None and k in cls.model_fields
+                     and not cls.model_fields[k].is_required() and cls.model_fields[k].get_default() is not None]
+            if nulls:
+                data = {k: v for k, v in data.items() if k not in nulls}
+        return data
 
 
 class TextPart(_Strict):
@@ -77,9 +93,10 @@ ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator='type')]
 
 
 class FunctionCall(_Strict):
-    """``tool_calls[].function``: the function's name and its arguments as a JSON string."""
+    """``tool_calls[].function``: the function's name and its arguments as a JSON string
+    (required, as in OpenAI's API: ``"{}"`` for a call without arguments)."""
     name: Text
-    arguments: Text = '{}'
+    arguments: Text
 
 
 class ToolCall(_Strict):
@@ -101,6 +118,19 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
     reasoning_content: Text | None = None
+
+    @model_validator(mode='after')
+    def _tool_message(self):
+        if self.role == 'tool':
+            if self.tool_call_id is None:
+                raise ValueError('a tool message needs "tool_call_id" (the id of the call it answers)')
+            if self.content is None:
+                raise ValueError('a tool message needs "content" (the tool\'s result)')
+        elif self.tool_call_id is not None:
+            raise ValueError(f'"tool_call_id" belongs to tool messages, not {self.role!r}')
+        if self.tool_calls is not None and self.role != 'assistant':
+            raise ValueError(f'"tool_calls" belongs to assistant messages, not {self.role!r}')
+        return self
 
     def text(self) -> str | None:
         """The content as one string (text parts joined), or None when null."""
@@ -152,6 +182,13 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """``response_format``: only ``{"type": "text"}`` is served (no constrained decoding); JSON
+    modes are refused rather than silently ignored."""
+    type: Literal['text', 'json_object', 'json_schema']
+    json_schema: dict[str, Any] | None = None
+
+
 class _Sampling(_Strict):
     """Sampling fields shared by both generation endpoints.
 
@@ -173,6 +210,13 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Accepted, not applied.')
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator('stream_options')
+    @classmethod
+    def _only_when_streaming(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get('stream', False):
+            raise ValueError('only allowed with "stream": true')
+        return v
 
     def stop_words(self) -> list[str]:
         """``stop`` as a list of non-empty strings."""
@@ -198,20 +242,40 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = Field(True, description='Split <think> reasoning into reasoning_content.')
+    response_format: ResponseFormat | None = None
 
-    @model_validator(mode='after')
-    def _consistent(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError('top_logprobs needs "logprobs": true')
-        bad = _RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or {})
+    @field_validator('top_logprobs')
+    @classmethod
+    def _needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get('logprobs', False):
+            raise ValueError('needs "logprobs": true')
+        return v
+
+    @field_validator('chat_template_kwargs')
+    @classmethod
+    def _not_reserved(cls, v):
+        bad = _RESERVED_TEMPLATE_KWARGS.intersection(v or {})
         if bad:
-            raise ValueError(f'chat_template_kwargs may not set {sorted(bad)}')
-        names = [t.function.name for t in self.tools or []]
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f'tool_choice names {self.tool_choice.function.name!r}, which is not in tools')
-        if self.tool_choice == 'required' and not names:
-            raise ValueError('tool_choice "required" needs a non-empty tools list')
-        return self
+            raise ValueError(f'may not set {sorted(bad)}')
+        return v
+
+    @field_validator('tool_choice')
+    @classmethod
+    def _choice_in_tools(cls, v, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get('tools') or []]
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f'names {v.function.name!r}, which is not in tools')
+        if v == 'required' and not names:
+            raise ValueError('"required" needs a non-empty tools list')
+        return v
+
+    @field_validator('response_format')
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.type != 'text':
+            raise ValueError(f'type {v.type!r} is not supported (this server has no constrained decoding); '
+                             f'omit response_format or use {{"type": "text"}}')
+        return v
 
     def max_new(self) -> int | None:
         """The requested output budget (``max_completion_tokens`` over ``max_tokens``)."""
@@ -221,12 +285,38 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a string, strings, token ids, or token-id lists.
 
-    ``max_tokens`` defaults to 16, as in OpenAI's legacy completions API. ``logprobs`` = k
-    returns each token's log-probability and its k most likely alternatives.
+    ``max_tokens`` defaults to 16 (also when sent as null), as in OpenAI's legacy completions
+    API. ``logprobs`` = k returns each token's log-probability and its k most likely
+    alternatives. ``echo`` puts the prompt's text before each choice's text.
     """
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = Field(False, description='Return the prompt text before each completion.')
+    suffix: Text | None = Field(None, description='Refused unless empty: no insertion (fill-in-the-middle) mode.')
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description='Accepted when equal to n.')
+
+    @field_validator('echo')
+    @classmethod
+    def _echo_without_logprobs(cls, v, info: ValidationInfo):
+        if v and info.data.get('logprobs') is not None:
+            raise ValueError('echo with logprobs is not supported (no prompt log-probabilities)')
+        return v
+
+    @field_validator('suffix')
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError('not supported (no insertion / fill-in-the-middle mode)')
+        return v
+
+    @field_validator('best_of')
+    @classmethod
+    def _best_of_is_n(cls, v, info: ValidationInfo):
+        n = info.data.get('n', 1)
+        if v is not None and v != n:
+            raise ValueError(f'best_of ({v}) other than n ({n}) is not supported: every generated choice is returned')
+        return v
 
     def prompts(self) -> list:
         """The prompt as a list of single prompts (a string or a token-id list each)."""
