@@ -95,8 +95,8 @@ class PytorchEngineConfig(BaseModel):
     store_namespace: str | None = Field(None, min_length=1, max_length=256, pattern=r'^[\x21-\x7e]+$',
                                         description='Operator-managed model identity for the Store namespace '
                                         '(printable ASCII, no spaces); replaces hashing config.json and every '
-                                        'weight byte. Dtype, block size, layer layout, TP layout and the secret '
-                                        'still join the namespace. None = derive it from the model files.')
+                                        'weight byte. Dtype, block size, layer layout and the secret still join '
+                                        'the namespace (the TP size never does: objects hold all heads). None = derive it from the model files.')
     store_secret_file: str | None = Field(None, description='File holding the Store secret (at least 16 bytes) that '
                                           'keys every object\'s HMAC; default: the LMDEPLOY_STORE_SECRET variable; '
                                           'none: objects are unauthenticated (mooncake_master="local" then makes a '

@@ -4,8 +4,8 @@
 #  1. installs what is needed (libibverbs1 for Mooncake, a virtual environment, torch, this
 #     project with its Store extra, the openai client), one timed line per step;
 #  2. makes a tiny hybrid Qwen3-Next model with the project's maker (kept, see below);
-#  3. starts a Mooncake Store (`lmdeploy serve store`: mooncake_master + mooncake_client on
-#     127.0.0.1) that outlives the servers using it;
+#  3. starts a Mooncake Store (`lmdeploy serve store`: mooncake_master, a metadata server and
+#     the segment owner holding the Store's memory, on 127.0.0.1) that outlives the servers;
 #  4. starts `lmdeploy serve api_server` with prefix caching and last-only checkpoints on that
 #     Store, drives a 5-turn agent conversation through the OpenAI API and prints, per turn,
 #     TTFT, prompt tokens, cached tokens and Store bytes written; then stops that server;

@@ -58,7 +58,13 @@ def test_flags_set_engine_fields_with_their_types():
 
 @pytest.mark.parametrize('flags,shown', [(['--dtype', 'int8'], '--dtype'), (['--block-size', 'x'], '--block-size'),
                                          (['--mooncake-protocol', 'udp'], '--mooncake-protocol'),
-                                         (['--enable-prefix-caching', 'yes'], 'unrecognized arguments: yes')])
+                                         (['--enable-prefix-caching', 'yes'], 'unrecognized arguments: yes'),
+                                         (['--server-port', '99999'], '--server-port'),
+                                         (['--server-port', '-5'], '--server-port'),
+                                         (['--server-port', 'http'], '--server-port'),
+                                         (['--api-keys', ''], '--api-keys'),
+                                         (['--api-keys', 'k1', ' '], '--api-keys'),
+                                         (['--api-keys', 'a b'], '--api-keys')])
 def test_bad_flag_value_exits_2(flags, shown, capsys):
     with pytest.raises(SystemExit) as exc:
         serve_args(*flags)
@@ -88,6 +94,25 @@ def test_serve_store_with_a_host_it_cannot_bind_exits_2_naming_it(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "host '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
+
+
+@pytest.mark.parametrize('flag', ['--master-port', '--metadata-port', '--metrics-port'])
+def test_serve_store_port_flags_refuse_non_ports_naming_the_flag(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'store', flag, '70000'])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_cuda_device_without_cuda_names_the_field(tiny_qwen3, capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip('this machine has CUDA')
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', tiny_qwen3, '--server-name', '127.0.0.1', '--server-port', '0',
+              '--device-type', 'cuda'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert 'device_type (--device-type) is cuda' in err and 'Traceback' not in err, err
 
 
 def test_missing_model_directory_exits_2(tmp_path, capsys):
@@ -183,17 +208,20 @@ def test_serve_store_prints_the_api_server_flags_and_stops_on_sigterm(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, MC_TCP_BIND_ADDRESS='127.0.0.1')
     log = tmp_path / 'store.out'
     with open(log, 'w') as out:
+        from lmdeploy.pytorch.store.services import free_ports
+        master_port, metadata_port = free_ports('127.0.0.1', 2)
         proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy.cli.entrypoint', 'serve', 'store',
-                                 '--segment-size', str(32 << 20), '--log-dir', str(tmp_path / 'logs')],
+                                 '--segment-size', str(32 << 20), '--log-dir', str(tmp_path / 'logs'),
+                                 '--master-port', str(master_port), '--metadata-port', str(metadata_port)],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
     try:
         deadline = time.time() + 60
         while 'metadata_server:' not in log.read_text() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
         text = log.read_text()
-        assert 'metadata_server: http://127.0.0.1:' in text, text
+        assert f'metadata_server: http://127.0.0.1:{metadata_port}/metadata' in text, text
         master = text.split('mooncake_master: ')[1].split()[0]
-        assert master.startswith('127.0.0.1:')
+        assert master == f'127.0.0.1:{master_port}'      # the ports asked for
         assert f'--mooncake-master {master} --mooncake-metadata-server http://127.0.0.1:' in text
         assert str(tmp_path / 'logs') in text and (tmp_path / 'logs' / 'master.log').exists()
     finally:

@@ -205,6 +205,9 @@ def test_chat_keeps_the_history_and_reuses_its_prefix(tiny_qwen3_next):
         assert [m['role'] for m in session.messages] == ['system', 'user', 'assistant', 'user', 'assistant']
         assert session.messages[2]['content'] == first.text
         assert first.cached_tokens == 0 and session.response.cached_tokens > 0
+        stats = pipe.stats()        # the engine's counters, read on its thread
+        assert stats['prefix_cache_hit_tokens'] == session.response.cached_tokens
+        assert stats['checkpoints_saved'] >= 1
         # the same turn as one stateless call gives the same reply
         again = pipe(session.messages[:-1], gen_config=gen)
         assert again.text == session.response.text

@@ -260,6 +260,22 @@ def test_killing_a_worker_mid_request_ends_the_engine_with_an_error_naming_the_r
 
 
 # Store: full-head objects, restorable across TP sizes --------------------------------------
+def test_a_script_without_a_main_guard_gets_a_worker_error_that_says_so(tiny_qwen3, tmp_path):
+    """Workers are spawned and import the main module: a script that builds a tp > 1 pipeline at
+    top level makes each worker start it again; the error names the fix, not just the exit."""
+    import subprocess
+    import sys
+    script = tmp_path / 'unguarded.py'
+    script.write_text('from lmdeploy import pipeline, PytorchEngineConfig\n'
+                      f'pipe = pipeline({tiny_qwen3!r}, backend_config=PytorchEngineConfig(tp=2, device_type="cpu"))\n'
+                      'print(pipe("hi").text)\n')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1'))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert 'WorkerDiedError' in last and 'if __name__ == "__main__":' in last, proc.stderr[-2000:]
+
+
 def test_store_layout_round_trips_rank_slices(tiny_qwen3_next):
     from lmdeploy.pytorch.distributed.store_layout import StoreLayout
     from lmdeploy.pytorch.models.qwen3_next import Qwen3NextForCausalLM

@@ -18,7 +18,7 @@ import typing
 
 from ..messages import PytorchEngineConfig, SpeculativeConfig
 from . import store
-from .utils import add_log_level_arg, add_model_args, flag_name, model_from_args
+from .utils import add_log_level_arg, add_model_args, api_key, flag_name, model_from_args, port_number
 
 __all__ = ['add_parser', 'api_server', 'add_engine_args', 'engine_config_from_args', 'STORE_GROUPS']
 
@@ -88,8 +88,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument('--server-name', default='0.0.0.0',
                         help='address to bind (default: 0.0.0.0, every interface: use 127.0.0.1 for this machine '
                         'only, or set --api-keys)')
-    parser.add_argument('--server-port', type=int, default=23333, help='port to bind (default: 23333)')
-    parser.add_argument('--api-keys', nargs='+', default=None, metavar='KEY',
+    parser.add_argument('--server-port', type=port_number, default=23333, help='port to bind (default: 23333)')
+    parser.add_argument('--api-keys', nargs='+', type=api_key, default=None, metavar='KEY',
                         help='accepted bearer tokens; none = no authentication (default: None). With keys, '
                         '/v1/*, /docs and /openapi.json need one; /health and /metrics stay open')
     parser.add_argument('--protect-metrics', action='store_true',

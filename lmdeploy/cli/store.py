@@ -21,6 +21,8 @@ import signal
 import sys
 import threading
 
+from .utils import port_number
+
 __all__ = ['add_parser', 'run_store']
 
 
@@ -35,7 +37,13 @@ def add_parser(servers) -> argparse.ArgumentParser:
     parser.add_argument('--segment-size', type=int, default=256 << 20, metavar='BYTES',
                         help='memory the Store holds, in bytes (at least 16 MiB)')
     parser.add_argument('--log-dir', default=None,
-                        help='folder for the services\' logs (default: a new temporary folder, kept)')
+                        help='folder for the services\' logs; unset: a new temporary folder, kept')
+    parser.add_argument('--master-port', type=port_number, default=0, metavar='PORT',
+                        help='mooncake_master RPC port (what --mooncake-master points at); 0 = a free port')
+    parser.add_argument('--metadata-port', type=port_number, default=0, metavar='PORT',
+                        help='metadata server port (what --mooncake-metadata-server points at); 0 = a free port')
+    parser.add_argument('--metrics-port', type=port_number, default=0, metavar='PORT',
+                        help='mooncake_master metrics port; 0 = a free port')
     parser.set_defaults(func=run_store)
     return parser
 
@@ -55,7 +63,9 @@ def run_store(args: argparse.Namespace) -> int:
     from ..pytorch.store.services import MooncakeServices
     log_dir = args.log_dir or tempfile.mkdtemp(prefix='lmdeploy-store-')
     os.environ.setdefault('MC_TCP_BIND_ADDRESS', args.host)
-    services = MooncakeServices(args.segment_size, host=args.host, log_dir=log_dir, keep_logs=True)
+    services = MooncakeServices(args.segment_size, host=args.host, log_dir=log_dir, keep_logs=True,
+                                master_port=args.master_port, metadata_port=args.metadata_port,
+                                metrics_port=args.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -25,7 +25,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ['add_model_args', 'model_from_args', 'is_nested_model', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS']
+__all__ = ['add_model_args', 'model_from_args', 'is_nested_model', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS',
+           'port_number', 'api_key']
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 
@@ -134,3 +135,34 @@ def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
     """``--log-level`` (default INFO) for the ``lmdeploy`` logger and the HTTP server."""
     parser.add_argument('--log-level', type=str.upper, choices=LOG_LEVELS, default='INFO',
                         help='log level (default: INFO)')
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port flag: an integer 0-65535 (0 = let the system or the service
+    pick one where the flag allows it).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or out of range (argparse names the flag).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'must be a port number, got {text!r}') from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f'must be a port number 0-65535, got {value}')
+    return value
+
+
+def api_key(text: str) -> str:
+    """argparse type of ``--api-keys``: a non-empty token without whitespace (an empty key would
+    silently turn authentication off).
+
+    Raises:
+        argparse.ArgumentTypeError: empty, or containing whitespace.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError('an API key must not be empty (omit --api-keys to serve without '
+                                         'authentication)')
+    if any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError('an API key must not contain whitespace')
+    return text

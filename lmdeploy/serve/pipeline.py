@@ -398,6 +398,12 @@ class Pipeline:
         """The engine's resource ledger, read on the engine thread."""
         return self.loop.call(lambda engine: engine.ledger())
 
+    def stats(self) -> dict[str, int]:
+        """The engine's cumulative counters (:meth:`~lmdeploy.pytorch.engine.engine.Engine.stats`:
+        prefix-cache hit tokens, checkpoints saved, Store bytes and operations, speculative
+        decoding ...), read on the engine thread."""
+        return self.loop.call(lambda engine: engine.stats())
+
     def close(self) -> None:
         """Stop the engine thread and Store workers."""
         self.loop.close()

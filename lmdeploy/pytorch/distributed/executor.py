@@ -59,10 +59,17 @@ class WorkerDiedError(RuntimeError):
     """
     fatal = True
 
-    def __init__(self, rank: int, exitcode: int | None, pid: int | None = None):
+    def __init__(self, rank: int, exitcode: int | None, pid: int | None = None, hint: str = ''):
         self.rank, self.exitcode = rank, exitcode
         how = f'killed by signal {-exitcode}' if exitcode is not None and exitcode < 0 else f'exit code {exitcode}'
-        super().__init__(f'tensor-parallel worker rank {rank} (pid {pid}) died ({how}); the engine stopped')
+        super().__init__(f'tensor-parallel worker rank {rank} (pid {pid}) died ({how}); the engine stopped{hint}')
+
+
+# why a worker exits before it joined the group, most often: the script that built the engine
+# has no main guard, and the spawned worker, importing it, tries to start the engine again
+_STARTUP_HINT = ('. It exited while starting: its traceback is printed above. A script that creates a '
+                 'tp > 1 engine must do so under `if __name__ == "__main__":` (workers are spawned '
+                 'processes that import the main module)')
 
 
 def _die_with_parent() -> None:
@@ -167,7 +174,12 @@ class TPExecutor:
         t.start()
         while t.is_alive():
             t.join(0.1)
-            self._check_workers(wait=0)
+            try:
+                self._check_workers(wait=0)
+            except WorkerDiedError as err:
+                p = self.procs[err.rank - 1]
+                self.dead = WorkerDiedError(err.rank, err.exitcode, p.pid, _STARTUP_HINT)
+                raise self.dead from None
         if 'error' in box:
             raise box['error']
         self.group = box['group']

@@ -84,7 +84,8 @@ class Engine:
             (default: the one of ``config.speculative_config``'s method, else autoregressive).
 
     Raises:
-        ValueError: bad path, unsupported model type, or a cache too small for one block.
+        ValueError: bad path, unsupported model type, ``device_type`` cuda without a CUDA device,
+            or a cache too small for one block.
     """
 
     def __init__(self, model_path: str, config: PytorchEngineConfig | None = None,
@@ -95,6 +96,9 @@ class Engine:
         device = config.device_type
         if device == 'auto':
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
+        elif device == 'cuda' and not torch.cuda.is_available():
+            raise ValueError(f'device_type (--device-type) is cuda, but this torch ({torch.__version__}) sees no '
+                             f'CUDA device; use cpu or auto')
         self.device = torch.device(device)
         self.model_path = model_path
         self.executor = None     # tensor parallelism: rank 0's handle on the worker ranks

@@ -116,14 +116,27 @@ class MooncakeServices:
         master_args: extra ``mooncake_master`` flags, e.g. ``('--eviction_ratio=0',
             '--eviction_high_watermark_ratio=1.0')`` for a store that refuses puts when full
             instead of evicting objects (its default).
+        master_port, metadata_port, metrics_port: fixed ports for the master's RPC, the metadata
+            server and the master's metrics endpoint (1-65535, distinct); 0 (default) = a free
+            port picked at :meth:`start`.
 
     Raises:
-        ValueError: ``segment_size`` below 16 MiB, a non-positive ``start_timeout_s``, or a
-            ``host`` this machine cannot bind (not one of its IPv4 addresses).
+        ValueError: ``segment_size`` below 16 MiB, a non-positive ``start_timeout_s``, a
+            ``host`` this machine cannot bind (not one of its IPv4 addresses), or a port out of
+            range or given twice (names the argument).
     """
 
     def __init__(self, segment_size: int = 256 << 20, *, host: str = '127.0.0.1', start_timeout_s: float = 30.0,
-                 log_dir: str | os.PathLike | None = None, keep_logs: bool = False, master_args: tuple[str, ...] = ()):
+                 log_dir: str | os.PathLike | None = None, keep_logs: bool = False, master_args: tuple[str, ...] = (),
+                 master_port: int = 0, metadata_port: int = 0, metrics_port: int = 0):
+        fixed = {'master_port': master_port, 'metadata_port': metadata_port, 'metrics_port': metrics_port}
+        for name, port in fixed.items():
+            if not isinstance(port, int) or not 0 <= port <= 65535:
+                raise ValueError(f'{name} must be a port number 1-65535 (0 = pick a free one), got {port!r}')
+        chosen = [p for p in fixed.values() if p]
+        if len(set(chosen)) != len(chosen):
+            raise ValueError(f'master_port, metadata_port and metrics_port must differ, got {fixed}')
+        self._fixed_ports = (master_port, metadata_port, metrics_port)
         if not isinstance(segment_size, int) or segment_size < 16 << 20:
             raise ValueError(f'segment_size must be an int >= 16 MiB (bytes), got {segment_size!r}')
         if start_timeout_s <= 0:
@@ -222,7 +235,8 @@ class MooncakeServices:
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix='lmdeploy-mooncake-'))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.rpc_port, self.metadata_port, self.metrics_port = free_ports(self.host, 3)
+        picked = iter(free_ports(self.host, 3))
+        self.rpc_port, self.metadata_port, self.metrics_port = (p or next(picked) for p in self._fixed_ports)
         atexit.register(self.stop)
         self._start_master(master_bin)
         self._metadata = self._spawn(sys.executable, [

@@ -571,8 +571,11 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
             :class:`~lmdeploy.serve.images.ImageFetchLimits`: 20 MiB, 10 s).
 
     Raises:
-        ValueError: an unknown parser name.
+        ValueError: an unknown parser name, or an empty API key.
     """
+    if api_keys and any(not k or not k.strip() for k in api_keys):
+        raise ValueError('api_keys (--api-keys): a key must not be empty; pass no keys to serve without '
+                         'authentication')
     server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout)
     if image_fetch is not None:
         server.image_fetch = image_fetch
@@ -606,6 +609,8 @@ def check_port_free(host: str, port: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
         try:
             sock.bind((host, port))
+        except OverflowError:
+            raise ValueError(f'--server-port must be a port number 0-65535, got {port}') from None
         except OSError as err:
             raise ValueError(f'cannot serve on {host}:{port} (--server-name/--server-port): {err.strerror}; '
                              'is another server running there?') from None
