@@ -5,8 +5,9 @@ position are within 1e-5 of TP1 and greedy tokens are equal (continuous batching
 prefill); outputs with the prefix cache off / on / last-only are identical; n-gram speculative
 decoding accepts exactly the right drafts and rolls back every rank's state; Qwen3-Next MTP
 drafting at TP2 loads only slices of the split ``mtp.*`` tensors, drafts exactly TP1's tokens and
-decodes plain TP1's, and its Store objects restore across TP sizes; the ledger is idle after aborts; a killed worker ends the engine with an error naming its rank and leaves no
-process behind.
+decodes plain TP1's, and its Store objects restore across TP sizes; the ledger is idle after
+aborts; a killed worker ends the engine with an error naming its rank and leaves no process
+behind.
 
 Geometry: B = 16, A = 64, P = 48 (every prompt is chunked).
 """
