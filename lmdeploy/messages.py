@@ -128,14 +128,6 @@ class PytorchEngineConfig(BaseModel):
                              f'of block_size ({self.block_size})')
         return self
 
-    @model_validator(mode='after')
-    def _mtp_needs_one_rank(self):
-        spec = self.speculative_config
-        if spec is not None and spec.method == 'qwen3_next_mtp' and self.tp > 1:
-            raise ValueError(f'speculative_config.method: qwen3_next_mtp runs with tp=1 only (got tp={self.tp}); '
-                             f'n-gram drafts (method=ngram) run with any tp')
-        return self
-
 
 class GenerationConfig(BaseModel):
     """Per-request sampling and stopping options."""

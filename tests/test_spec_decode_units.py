@@ -161,11 +161,14 @@ def test_speculative_flags_on_serve_and_chat(command):
         parser.parse_args(['MODEL', '--speculative-algorithm', 'eagle'])
 
 
-def test_mtp_with_tensor_parallelism_is_refused_naming_the_field_and_ngram_is_accepted():
+def test_mtp_and_ngram_with_tensor_parallelism_are_accepted_and_bad_speculative_fields_name_the_field():
     import pytest
 
     from lmdeploy.messages import PytorchEngineConfig
-    with pytest.raises(ValueError, match='speculative_config.method'):
-        PytorchEngineConfig(tp=2, speculative_config={'method': 'qwen3_next_mtp', 'num_speculative_tokens': 2})
-    cfg = PytorchEngineConfig(tp=2, speculative_config={'method': 'ngram', 'num_speculative_tokens': 2})
-    assert cfg.speculative_config.method == 'ngram' and cfg.tp == 2
+    for method in ('qwen3_next_mtp', 'ngram'):
+        cfg = PytorchEngineConfig(tp=2, speculative_config={'method': method, 'num_speculative_tokens': 2})
+        assert cfg.speculative_config.method == method and cfg.tp == 2
+    with pytest.raises(ValueError, match='num_speculative_tokens'):
+        PytorchEngineConfig(tp=2, speculative_config={'method': 'qwen3_next_mtp', 'num_speculative_tokens': 0})
+    with pytest.raises(ValueError, match='method'):
+        PytorchEngineConfig(tp=2, speculative_config={'method': 'eagle'})

@@ -80,7 +80,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, device: str) -> None:
+def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, device: str, mtp: bool) -> None:
     """Entry point of worker ``rank``: join the group, load the shard, run commands until 'stop'."""
     _die_with_parent()
     dev = torch.device(device, rank) if device == 'cuda' else torch.device(device)
@@ -88,7 +88,7 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
         torch.cuda.set_device(dev)
     group = init_group(rank, size, port, dev, TIMEOUT_S)
     try:
-        runtime, error = RankRuntime(model_path, dtype, dev, rank, size), None
+        runtime, error = RankRuntime(model_path, dtype, dev, rank, size, mtp), None
     except Exception as err:       # reported to rank 0, which raises it
         runtime, error = None, f'rank {rank}: {type(err).__name__}: {err}'
     dist.gather_object(error, None, dst=0, group=group.control)
@@ -121,29 +121,36 @@ class TPExecutor:
         dtype: ``PytorchEngineConfig.dtype``.
         device: rank 0's device (CUDA ranks use devices ``0 .. N-1``).
         size: the TP size (>= 2).
+        mtp: every rank also loads its shard of the Qwen3-Next MTP head (speculative decoding
+            method ``qwen3_next_mtp``).
 
     Raises:
         ValueError: ``size`` does not divide a head or channel count (names the config field),
-            or a rank failed to load its shard (the message names the rank and the cause).
+            ``mtp`` on a model that is not Qwen3-Next (names ``speculative_config.method``), or a
+            rank failed to load its shard (the message names the rank and the cause).
         WorkerDiedError: a worker died during startup.
     """
 
-    def __init__(self, model_path: str, dtype: str, device: torch.device, size: int):
+    def __init__(self, model_path: str, dtype: str, device: torch.device, size: int, mtp: bool = False):
         self.size = size
         self.device = device
         self.dead: WorkerDiedError | None = None
         self._closed = False
-        TPLayout(load_config(model_path), 0, size)     # a TP size the heads do not allow fails before any spawn
+        config = load_config(model_path)
+        TPLayout(config, 0, size)     # a TP size the heads do not allow fails before any spawn
+        if mtp:
+            from ..spec_decode.mtp import check_mtp_model
+            check_mtp_model(config)
         ctx = mp.get_context('spawn')
         port = free_port()
-        self.procs = [ctx.Process(target=_worker_main, args=(r, size, port, model_path, dtype, device.type),
+        self.procs = [ctx.Process(target=_worker_main, args=(r, size, port, model_path, dtype, device.type, mtp),
                                   name=f'lmdeploy-tp{r}', daemon=True) for r in range(1, size)]
         for p in self.procs:
             p.start()
         try:
             self._join_group(port)
             try:
-                self.runtime, error = RankRuntime(model_path, dtype, device, 0, size), None
+                self.runtime, error = RankRuntime(model_path, dtype, device, 0, size, mtp), None
             except Exception as err:
                 self.runtime, error = None, err
             errors = [None] * size
@@ -277,7 +284,7 @@ class TPCacheEngine:
                      'state_caches', 'kv_buf', 'state_buf'):
             setattr(self, name, getattr(self.local, name))
         rt = executor.runtime
-        self.object_specs = type(rt.model).cache_specs(rt.hf_config, rt.dtype)
+        self.object_specs = rt.full_specs      # with the MTP layer's KV when the engine drafts with it
         self.layout = StoreLayout(rt.hf_config, executor.size, rt.specs, self.object_specs, block_size)
         self.kv_block_bytes = self.layout.kv_block_bytes     # K_blk of all heads
         self.state_bytes = self.layout.state_bytes if self.has_state else 0     # S of all heads
@@ -319,6 +326,7 @@ class TPModelRunner:
         self.device = cache_engine.device
         self.last_logits: torch.Tensor | None = None
         self.last_logprobs: dict[int, TokenLogprob] = {}
+        self.last_batch: StepBatch | None = None      # the last forward's inputs (MTP drafts)
 
     @staticmethod
     def step_batch(out: SchedulerOutput, all_logits: bool = False) -> StepBatch:
@@ -347,7 +355,8 @@ class TPModelRunner:
         """As :meth:`ModelRunner.forward`: ``{seq_id: new tokens}`` for sampled chunks — one
         sampled token, or for a chunk with drafts its accepted drafts plus one token."""
         self.last_logprobs = {}
-        logits, all_logits = self.executor.call('forward', self.step_batch(out, return_all_logits))
+        self.last_batch = batch = self.step_batch(out, return_all_logits)
+        logits, all_logits = self.executor.call('forward', batch)
         if return_all_logits:
             self.all_logits = all_logits
         if logits is None:
@@ -368,3 +377,8 @@ class TPModelRunner:
         for c, r in verify:
             new_tokens[c.seq.seq_id] = verify_drafts(logits[r:r + len(c.drafts) + 1], list(c.drafts), c.seq)
         return new_tokens
+
+    def mtp_step(self, batch) -> list[int]:
+        """Run an MTP step (:class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch`) on every rank;
+        returns rank 0's draft token ids (every rank computes the same)."""
+        return self.executor.call('mtp_step', batch)

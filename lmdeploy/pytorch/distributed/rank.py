@@ -6,6 +6,11 @@ sequences), broadcast once per step; every rank builds the same
 :class:`~lmdeploy.pytorch.model_inputs.StepContext` from it and runs its shard of the forward.
 The collectives inside the sharded layers keep the ranks in lock step, and the vocab-parallel
 ``lm_head`` leaves the full logits on every rank; only rank 0 samples.
+
+With the Qwen3-Next MTP head (speculative decoding) each rank also holds its shard of the head
+and keeps its own last forward's hidden states; :meth:`RankRuntime.mtp_step` runs a draft step
+from an :class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch` of integers, so no hidden state
+crosses ranks.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from ..engine.cache_engine import CacheEngine
 from ..model_inputs import StepContext
 from .loading import load_model_shard
+from .sharding import TPLayout
 
 __all__ = ['StepBatch', 'RankRuntime']
 
@@ -51,16 +57,34 @@ class RankRuntime:
         dtype: ``PytorchEngineConfig.dtype``.
         device: this rank's device.
         rank, size: this rank and the TP size.
+        mtp: also load this rank's shard of the Qwen3-Next MTP head (``mtp.*``); its KV spec
+            (this rank's KV heads) is appended to :attr:`specs`, the full-head one to
+            :attr:`full_specs`.
+
+    Attributes:
+        specs: this rank's layer cache specs (its heads).
+        full_specs: the single-process specs (the Store payload layout).
 
     Raises:
-        ValueError: see :func:`~lmdeploy.pytorch.distributed.loading.load_model_shard`.
+        ValueError: see :func:`~lmdeploy.pytorch.distributed.loading.load_model_shard` and
+            :func:`~lmdeploy.pytorch.spec_decode.mtp.load_mtp`.
     """
 
-    def __init__(self, model_path: str, dtype: str, device: torch.device, rank: int, size: int):
+    def __init__(self, model_path: str, dtype: str, device: torch.device, rank: int, size: int, mtp: bool = False):
         self.rank, self.size, self.device = rank, size, device
         self.model, self.hf_config, self.local_config, self.dtype = load_model_shard(model_path, dtype, device,
                                                                                      rank, size)
-        self.specs = self.model.cache_specs(self.local_config, self.dtype)
+        self.specs = list(self.model.cache_specs(self.local_config, self.dtype))
+        self.full_specs = list(type(self.model).cache_specs(self.hf_config, self.dtype))
+        self.mtp = self.drafter = None
+        self.last_hidden: torch.Tensor | None = None    # [T, hidden] of the last forward (MTP only)
+        if mtp:
+            from ..spec_decode.mtp import MTPDrafter, load_mtp, mtp_cache_spec
+            self.mtp = load_mtp(model_path, self.hf_config, self.dtype, device, layout=TPLayout(self.hf_config,
+                                                                                                 rank, size))
+            self.drafter = MTPDrafter(self.model, self.mtp)
+            self.specs.append(mtp_cache_spec(self.local_config, self.dtype))
+            self.full_specs.append(mtp_cache_spec(self.hf_config, self.dtype))
         self.cache_engine: CacheEngine | None = None
 
     # commands (rank 0 calls them locally and broadcasts them to the workers) ------------------
@@ -85,6 +109,8 @@ class RankRuntime:
                           state_slots=batch.state_slots, kv_caches=ce.kv_caches, state_caches=ce.state_caches,
                           block_size=ce.block_size)
         hidden = self.model(ctx)
+        if self.mtp is not None:
+            self.last_hidden = hidden
         all_logits = self.model.compute_logits(hidden).cpu() if batch.all_logits else None
         logits = None
         if batch.sample_rows:
@@ -110,3 +136,19 @@ class RankRuntime:
     def write_kv_block(self, block_id: int, payloads: list[torch.Tensor]) -> None:
         """Write ``payloads[rank]`` into block ``block_id``."""
         self.cache_engine.write_kv_block(block_id, payloads[self.rank])
+
+    def mtp_step(self, batch) -> list[int]:
+        """Run one MTP step (:class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch`) on this rank's
+        shard, over its own last forward's hidden states (first step) or its own chain state;
+        writes this rank's slice of the MTP KV.
+
+        Returns:
+            ``len(batch.draft_rows)`` draft token ids, identical on every rank.
+
+        Raises:
+            RuntimeError: this rank has no MTP head (the engine was not started with it).
+        """
+        if self.drafter is None:
+            raise RuntimeError(f'rank {self.rank}: mtp_step without an MTP head')
+        ce = self.cache_engine
+        return self.drafter.run(batch, self.last_hidden, ce.kv_caches, ce.block_size)

@@ -20,6 +20,11 @@ checkpoint tensor the rank reads::
     linear_attn.out_proj                     row        its value channels, all-reduce
     everything else (norms, MoE)             replicated
 
+The Qwen3-Next MTP head (``mtp.*``, :mod:`lmdeploy.pytorch.spec_decode.mtp`) splits the same
+way: its full-attention layer's ``mtp.layers.0.self_attn.*`` like the target's attention
+(its KV cache holds this rank's KV heads), a dense MLP there like the target's; ``fc``, its
+norms and its MoE are replicated. :meth:`TPLayout.apply_mtp` swaps its row-parallel modules.
+
 MoE layers (router, experts, shared expert) are **replicated**: every rank runs the whole
 block on the full hidden state, so no expert routing crosses ranks and the block needs no
 communication. This costs expert memory on every rank; splitting experts is future work.
@@ -114,8 +119,9 @@ def _split(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-_DENSE_MLP = re.compile(r'^model\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
-_ATTN = re.compile(r'^model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
+# ``model.layers.*`` (the target) and ``mtp.layers.*`` (the MTP head's decoder layer)
+_DENSE_MLP = re.compile(r'^(?:model|mtp)\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
+_ATTN = re.compile(r'^(?:model|mtp)\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
 _GDN = re.compile(r'^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|in_proj_ba|conv1d|dt_bias|A_log|out_proj)'
                   r'(\.weight)?$')
 
@@ -187,14 +193,29 @@ class TPLayout:
         c = self.config
         model.model.embed_tokens = VocabParallelEmbedding(*self.vocab, c.hidden_size)
         model.lm_head = VocabParallelHead(*self.vocab, self.vocab_width, c.hidden_size, c.vocab_size)
-        for layer in model.model.layers:
-            for owner, name in (('self_attn', 'o_proj'), ('linear_attn', 'out_proj'), ('mlp', 'down_proj')):
+        self._swap_row_parallel(model.model.layers)
+        return model
+
+    def apply_mtp(self, mtp: nn.Module) -> nn.Module:
+        """Swap the row-parallel modules of an MTP head built from :meth:`local_config` (its
+        attention's ``o_proj``; a dense MLP's ``down_proj`` when :attr:`intermediate` is split);
+        ``fc``, norms and MoE stay replicated. Returns ``mtp``."""
+        self._swap_row_parallel(mtp.layers)
+        return mtp
+
+    def _swap_row_parallel(self, layers) -> None:
+        """Replace each layer's output projections (attention, Gated DeltaNet, a split dense MLP)
+        with :class:`RowParallelLinear` of the same shape."""
+        parts = [('self_attn', 'o_proj'), ('linear_attn', 'out_proj')]
+        if self.intermediate[1]:
+            parts.append(('mlp', 'down_proj'))
+        for layer in layers:
+            for owner, name in parts:
                 parent = getattr(layer, owner, None)
                 old = getattr(parent, name, None) if parent is not None else None
                 if isinstance(old, nn.Linear):
                     setattr(parent, name, RowParallelLinear(old.in_features, old.out_features,
                                                             bias=old.bias is not None))
-        return model
 
     def shard(self, name: str) -> Shard | None:
         """Which part of checkpoint tensor ``name`` this rank reads; None = the whole tensor."""
@@ -211,7 +232,7 @@ class TPLayout:
                 return Shard(0, ((self.kv_heads[0] * d, self.kv_heads[1] * d),))
             return Shard(1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
         m = _DENSE_MLP.match(name)
-        if m:
+        if m and self.intermediate[1]:      # unsplit (all-MoE target): a dense MTP MLP is replicated
             proj, kind = m.groups()
             if proj == 'down_proj':
                 return Shard(1, (self.intermediate,)) if kind == 'weight' else None

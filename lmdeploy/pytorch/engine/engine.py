@@ -102,19 +102,21 @@ class Engine:
         self.device = torch.device(device)
         self.model_path = model_path
         self.executor = None     # tensor parallelism: rank 0's handle on the worker ranks
+        use_mtp = spec_config is not None and spec_config.method == 'qwen3_next_mtp'
+        self.mtp = None          # the MTP head (tp > 1: rank 0's shard; every rank holds its own)
         if config.tp > 1:
             from ..distributed.executor import TPExecutor
-            self.executor = TPExecutor(model_path, config.dtype, self.device, config.tp)
+            self.executor = TPExecutor(model_path, config.dtype, self.device, config.tp, mtp=use_mtp)
             self.model, self.hf_config, self.dtype = self.executor.model, self.executor.hf_config, self.executor.dtype
-            self.specs = self.executor.specs     # this rank's heads
+            self.specs = self.executor.specs     # this rank's heads (with the MTP layer's KV when drafting with it)
+            self.mtp = self.executor.runtime.mtp
         else:
             self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
             self.specs = self.model.cache_specs(self.hf_config, self.dtype)
-        self.mtp = None       # the MTP head runs with tp=1 only (checked by the config)
-        if spec_config is not None and spec_config.method == 'qwen3_next_mtp':
-            from ..spec_decode.mtp import load_mtp, mtp_cache_spec
-            self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
-            self.specs = self.specs + [mtp_cache_spec(self.hf_config, self.dtype)]   # its own paged KV
+            if use_mtp:
+                from ..spec_decode.mtp import load_mtp, mtp_cache_spec
+                self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
+                self.specs = self.specs + [mtp_cache_spec(self.hf_config, self.dtype)]   # its own paged KV
         if self.device.type == 'cpu':
             # after the weights are loaded, so that they keep their own mappings and the heap
             # only recycles the steps' activations

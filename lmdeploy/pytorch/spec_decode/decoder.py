@@ -31,6 +31,7 @@ import torch
 
 from ...messages import SpeculativeConfig
 from ..model_inputs import StepContext
+from .mtp import MTPBatch, MTPDrafter
 from .ngram import propose_ngram
 
 __all__ = ['SpecDecoder']
@@ -46,7 +47,8 @@ class SpecDecoder:
         scratch_base: first scratch state slot (None for models without recurrent state).
         finish_reason: ``(seq, token) -> str | None`` the engine's stop rule, applied after
             ``token`` was appended to ``seq``.
-        mtp: the loaded MTP head (method ``qwen3_next_mtp``), else None.
+        mtp: the loaded MTP head (method ``qwen3_next_mtp``; with tensor parallelism rank 0's
+            shard, the steps then run on every rank through ``runner.mtp_step``), else None.
         session_len: longest sequence in tokens.
         block_align: block size B when turn-end checkpoints are kept (``decode_save_last``):
             drafts then never carry a forward past the next block boundary, so decoding still
@@ -62,6 +64,11 @@ class SpecDecoder:
         self.scratch_base = scratch_base
         self.finish_reason = finish_reason
         self.mtp = mtp
+        # tensor parallelism: MTP steps run on every rank through the runner (TPModelRunner)
+        self._tp = hasattr(runner, 'executor')
+        self.drafter = None
+        if mtp is not None and not self._tp:
+            self.drafter = MTPDrafter(self.model, mtp, step=lambda hidden, ctx: self._mtp_step(hidden, ctx))
         self.session_len = session_len
         self.block_align = block_align
         self.finished: dict[int, str] = {}     # seq_id -> finish reason found in after_forward
@@ -154,8 +161,9 @@ class SpecDecoder:
         Position ``p`` reads token ``p + 1``: a prompt token (lookahead, for chunks that stop
         inside the prompt) or a token emitted now. A sequence that emitted tokens gets
         ``draft_ids`` from the MTP logits at its last such position (chained for K > 1 while
-        its blocks have room for the extra MTP KV)."""
-        runner_hidden, ctx = self._last_forward
+        its blocks have room for the extra MTP KV). Only integers go into the steps
+        (:class:`~.mtp.MTPBatch`); this method alone decides the drafts."""
+        fwd_starts = self._forward_starts()
         rows, ids, pos, q_lens, starts, kv_lens, tables, seqs = [], [], [], [], [], [], [], []
         for i, chunk in enumerate(sched.chunks):
             seq = chunk.seq
@@ -166,68 +174,61 @@ class SpecDecoder:
             end = min(end, len(tokens) - 1)          # position p needs token p + 1
             if end <= chunk.start:
                 continue
-            first = ctx.q_start_loc[i]
+            first = fwd_starts[i]
             rows.extend(range(first, first + end - chunk.start))
             ids.extend(tokens[chunk.start + 1:end + 1])
             pos.extend(range(chunk.start, end))
             starts.append(sum(q_lens))
             q_lens.append(end - chunk.start)
             kv_lens.append(end)
-            tables.append(torch.tensor(seq.block_ids, dtype=torch.long, device=ctx.device))
+            tables.append(list(seq.block_ids))
             seqs.append((seq, chunk.seq.seq_id in new_tokens, tokens, len(pending)))
         if not rows:
             return
-        device = ctx.device
-        hidden = runner_hidden[torch.tensor(rows, device=device)]
-        positions = torch.tensor(pos, dtype=torch.long, device=device)
-        mctx = StepContext(input_ids=torch.tensor(ids, dtype=torch.long, device=device), positions=positions,
-                           q_seqlens=q_lens, q_start_loc=starts, kv_seqlens=kv_lens, block_tables=tables,
-                           state_slots=[-1] * len(q_lens), kv_caches=ctx.kv_caches, block_size=ctx.block_size)
-        out = self._mtp_step(hidden, mctx)
+        block_size = self.cache_engine.block_size
         last_rows = [s + n - 1 for s, n in zip(starts, q_lens)]
         drafting = [(j, seq, tokens, self._draft_room(seq, pending)) for j, (seq, emitted, tokens, pending)
                     in enumerate(seqs) if emitted and seq.seq_id not in self.finished]
         drafting = [d for d in drafting if d[3] > 0]
+        first_drafts = self._mtp_run(MTPBatch(False, rows, ids, pos, q_lens, starts, kv_lens, tables,
+                                              [last_rows[d[0]] for d in drafting]))
         if not drafting:
             return
-        sel = torch.tensor([last_rows[d[0]] for d in drafting], device=device)
-        draft = self.model.compute_logits(out[sel]).argmax(-1)
-        prev = out[sel]
-        chains = [[int(t)] for t in draft.tolist()]
+        chains = [[int(t)] for t in first_drafts]
         for step in range(1, self.config.num_speculative_tokens):
             live = [k for k, (_, seq, tokens, room) in enumerate(drafting)
                     if len(chains[k]) == step and step < room
-                    and len(tokens) - 1 + step < len(seq.block_ids) * ctx.block_size]
+                    and len(tokens) - 1 + step < len(seq.block_ids) * block_size]
             if not live:
                 break
             p = [len(drafting[k][2]) - 2 + step for k in live]
-            cctx = StepContext(input_ids=torch.tensor([chains[k][-1] for k in live], dtype=torch.long, device=device),
-                               positions=torch.tensor(p, dtype=torch.long, device=device),
-                               q_seqlens=[1] * len(live), q_start_loc=list(range(len(live))),
-                               kv_seqlens=[x + 1 for x in p],
-                               block_tables=[torch.tensor(drafting[k][1].block_ids, dtype=torch.long, device=device)
-                                             for k in live],
-                               state_slots=[-1] * len(live), kv_caches=ctx.kv_caches, block_size=ctx.block_size)
-            nxt = self._mtp_step(prev[torch.tensor(live, device=device)], cctx)
-            toks = self.model.compute_logits(nxt).argmax(-1).tolist()
-            new_prev = prev.clone()
+            n = len(live)
+            toks = self._mtp_run(MTPBatch(True, live, [chains[k][-1] for k in live], p, [1] * n, list(range(n)),
+                                          [x + 1 for x in p], [list(drafting[k][1].block_ids) for k in live],
+                                          list(range(n))))
             for idx, k in enumerate(live):
                 chains[k].append(int(toks[idx]))
-                new_prev[k] = nxt[idx]
-            prev = new_prev
         for k, (_, seq, _, room) in enumerate(drafting):
             seq.draft_ids = chains[k][:room]
 
-    def _mtp_step(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """MTP hidden states for ``ctx``'s positions, whose next tokens are ``ctx.input_ids``."""
-        base = self.model.model
-        embeds = base.embed_tokens(ctx.input_ids)
-        cos, sin = base.rotary(ctx.positions, embeds.dtype)
-        return self.mtp(hidden, embeds, cos, sin, ctx)
+    def _mtp_run(self, batch: MTPBatch) -> list[int]:
+        """Run one MTP step: here (tp=1, over the runner's last hidden states) or on every
+        tensor-parallel rank (each over its own); returns the draft ids of ``batch.draft_rows``."""
+        if self._tp:
+            return self.runner.mtp_step(batch)
+        ce = self.cache_engine
+        return self.drafter.run(batch, self.runner.last_hidden, ce.kv_caches, ce.block_size)
 
-    @property
-    def _last_forward(self):
-        return self.runner.last_hidden, self.runner.last_context
+    def _forward_starts(self) -> list[int]:
+        """First flat row of each chunk in the last forward."""
+        if self._tp:
+            return self.runner.last_batch.q_start_loc
+        return self.runner.last_context.q_start_loc
+
+    def _mtp_step(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """MTP hidden states for ``ctx``'s positions, whose next tokens are ``ctx.input_ids``
+        (tp=1; tests wrap this)."""
+        return self.drafter.step(hidden, ctx)
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters: draft tokens proposed and accepted, verify steps, rollbacks."""

@@ -15,11 +15,18 @@ checkpointed with the prefix cache and put to the Store with the other layers (`
 includes them). The MTP KV at position ``t`` needs token ``t + 1``: the chunk that ends at a
 boundary ``b`` reads token ``b`` (lookahead ℓ = 1), which is why the MTP strategy restores only
 at ``b <= n - 1``.
+
+Tensor parallelism: every rank holds its shard of the head (attention split by head like the
+target's attention layers, the rest replicated; :meth:`TPLayout.apply_mtp`) and its slice of
+the MTP KV. Steps travel as :class:`MTPBatch` (plain integers); each rank runs them with its
+own :class:`MTPDrafter` over its own last forward's hidden states and chain state, and every
+rank returns the same draft ids (the logits are gathered over the ranks before the argmax).
 """
 from __future__ import annotations
 
 import copy
 import re
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -30,7 +37,8 @@ from ..model_inputs import StepContext
 from ..models.layers import Linear, RMSNorm, WeightLoader
 from ..models.qwen3_next import FULL, Qwen3NextDecoderLayer, _head_dim
 
-__all__ = ['Qwen3NextMTP', 'mtp_cache_spec', 'load_mtp', 'MTP_PREFIX']
+__all__ = ['Qwen3NextMTP', 'MTPBatch', 'MTPDrafter', 'mtp_cache_spec', 'check_mtp_model', 'load_mtp',
+           'MTP_PREFIX']
 
 MTP_PREFIX = 'mtp.'
 _PER_EXPERT = re.compile(r'^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$')
@@ -127,9 +135,25 @@ class Qwen3NextMTP(nn.Module):
         return count
 
 
-def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device | str) -> Qwen3NextMTP:
+def check_mtp_model(config) -> None:
+    """Raise ValueError (naming ``speculative_config.method``) unless ``config`` is Qwen3-Next."""
+    if getattr(config, 'model_type', None) != 'qwen3_next':
+        raise ValueError(f'speculative_config.method=qwen3_next_mtp needs a qwen3_next model, got '
+                         f'{getattr(config, "model_type", None)!r}')
+
+
+def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device | str,
+             layout=None) -> Qwen3NextMTP:
     """Build the MTP head of the checkpoint in ``model_path`` and load its ``mtp.*`` tensors
     (reading only those).
+
+    Args:
+        model_path: the model directory.
+        config: the full model's config.
+        dtype, device: of the parameters.
+        layout: a :class:`~lmdeploy.pytorch.distributed.sharding.TPLayout` to load that rank's
+            shard (built from its local config, row-parallel modules swapped in, split tensors
+            read as slices); None for the whole head.
 
     Raises:
         ValueError: the model is not Qwen3-Next, or the checkpoint has no (or incomplete)
@@ -138,11 +162,9 @@ def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device |
     from safetensors import safe_open
 
     from ..models.loader import weight_files
-    if getattr(config, 'model_type', None) != 'qwen3_next':
-        raise ValueError(f'speculative_config.method=qwen3_next_mtp needs a qwen3_next model, got '
-                         f'{getattr(config, "model_type", None)!r}')
+    check_mtp_model(config)
     with torch.device('meta'):
-        mtp = Qwen3NextMTP(config)
+        mtp = Qwen3NextMTP(config) if layout is None else layout.apply_mtp(Qwen3NextMTP(layout.local_config()))
     mtp = mtp.to_empty(device=device).to(dtype)
 
     def tensors():
@@ -152,5 +174,93 @@ def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device |
                     if name.startswith(MTP_PREFIX):
                         yield name, f.get_tensor(name)
 
-    mtp.load_weights(tensors())
+    if layout is None:
+        mtp.load_weights(tensors())
+    else:
+        from ..distributed.loading import iter_shard_tensors
+        mtp.load_weights(iter_shard_tensors(model_path, layout, prefix=MTP_PREFIX))
     return mtp.eval()
+
+
+@dataclass
+class MTPBatch:
+    """One MTP step's inputs as plain integers (what rank 0 broadcasts to every TP rank).
+
+    Attributes:
+        chained: False: the first step, whose input hidden states are rows of the target's last
+            forward; True: a chained step, whose inputs are rows of the previous step's kept
+            outputs (:attr:`MTPDrafter.prev`).
+        hidden_rows: ``T`` rows of the input hidden states, one per position.
+        input_ids: ``T`` token ids: the token after each position.
+        positions: ``T`` positions.
+        q_seqlens, q_start_loc, kv_seqlens: one entry per sequence (as in ``StepContext``).
+        block_tables: one list of block ids per sequence.
+        draft_rows: rows of the step's ``T`` outputs to draft from (argmax of their logits).
+            The first step keeps these outputs as ``prev``; a chained step writes them back into
+            ``prev`` at ``hidden_rows`` (it drafts from all its rows).
+    """
+    chained: bool
+    hidden_rows: list[int]
+    input_ids: list[int]
+    positions: list[int]
+    q_seqlens: list[int]
+    q_start_loc: list[int]
+    kv_seqlens: list[int]
+    block_tables: list[list[int]]
+    draft_rows: list[int]
+
+
+class MTPDrafter:
+    """Runs MTP steps from :class:`MTPBatch` es and keeps the chain's hidden states.
+
+    Args:
+        model: the target model (its ``embed_tokens``, ``rotary`` and ``compute_logits``).
+        mtp: the MTP head (whole, or this rank's shard).
+        step: ``(hidden [T, H], ctx) -> [T, H]`` override of :meth:`step` (tests wrap it).
+    """
+
+    def __init__(self, model, mtp: Qwen3NextMTP, step=None):
+        self.model, self.mtp = model, mtp
+        self._step = step or self.step
+        self.prev: torch.Tensor | None = None      # [num drafting sequences, H]: the chain's last outputs
+
+    def step(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """MTP hidden states ``[T, H]`` for ``ctx``'s positions, whose next tokens are ``ctx.input_ids``."""
+        base = self.model.model
+        embeds = base.embed_tokens(ctx.input_ids)
+        cos, sin = base.rotary(ctx.positions, embeds.dtype)
+        return self.mtp(hidden, embeds, cos, sin, ctx)
+
+    @torch.inference_mode()
+    def run(self, batch: MTPBatch, last_hidden: torch.Tensor, kv_caches, block_size: int) -> list[int]:
+        """Run one step (writing the MTP layer's KV at ``batch.positions``).
+
+        Args:
+            batch: the step.
+            last_hidden: ``[T_fwd, H]`` the target's last forward hidden states (first step).
+            kv_caches, block_size: the cache engine's KV caches and block size.
+
+        Returns:
+            ``len(batch.draft_rows)`` draft token ids (greedy), identical on every TP rank.
+        """
+        dev = last_hidden.device
+        source = self.prev if batch.chained else last_hidden
+        hidden = source[torch.tensor(batch.hidden_rows, device=dev)]
+        ctx = StepContext(input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
+                          positions=torch.tensor(batch.positions, dtype=torch.long, device=dev),
+                          q_seqlens=batch.q_seqlens, q_start_loc=batch.q_start_loc, kv_seqlens=batch.kv_seqlens,
+                          block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in batch.block_tables],
+                          state_slots=[-1] * len(batch.q_seqlens), kv_caches=kv_caches, block_size=block_size)
+        out = self._step(hidden, ctx)
+        if not batch.draft_rows:
+            if not batch.chained:
+                self.prev = None
+            return []
+        kept = out[torch.tensor(batch.draft_rows, device=dev)]
+        if batch.chained:
+            prev = self.prev.clone()
+            prev[torch.tensor(batch.hidden_rows, device=dev)] = kept
+            self.prev = prev
+        else:
+            self.prev = kept
+        return self.model.compute_logits(kept).argmax(-1).tolist()
