@@ -147,7 +147,8 @@ def test_chat_template_rerenders_a_generated_tool_call_reply_token_for_token(mod
 
     from lmdeploy.serve.openai.tool_parser import get_tool_parser
     tok = AutoTokenizer.from_pretrained(models['qwen3'])
-    tools = [{'type': 'function', 'function': {'name': n, 'parameters': {'type': 'object'}}} for n in ('ls', 'read_file')]
+    tools = [{'type': 'function', 'function': {'name': n, 'parameters': {'type': 'object'}}}
+             for n in ('ls', 'read_file')]
     history = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'What is in a.txt?'}]
     prompt = tok.apply_chat_template(history, tools=tools, add_generation_prompt=True, return_dict=True)['input_ids']
     generated = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]

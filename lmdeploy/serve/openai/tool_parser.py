@@ -231,8 +231,9 @@ class ToolCallStream:
     :meth:`feed` takes the next text delta and returns ``(content_delta, tool_call_fragments)``;
     :meth:`finish` flushes what was held back. A call is emitted once its block is complete, as
     one fragment ``{index, id, type, function: {name, arguments}}`` (OpenAI never repeats an
-    ``index`` inside one chunk; see :func:`merge_tool_call_fragments`). Whitespace at the end of the content so far is held
-    back until more content follows, so that it can be dropped if the reply ends with calls.
+    ``index`` inside one chunk; see :func:`merge_tool_call_fragments`). Whitespace at the end
+    of the content so far is held back until more content follows, so that it can be dropped if
+    the reply ends with calls.
     """
 
     def __init__(self, parser: ToolParser):
