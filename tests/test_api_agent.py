@@ -51,7 +51,14 @@ CALL_LS = '<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>
 CALL_READ = ('<think>\nThe listing has a.txt; read it.\n</think>\n\nLet me read it.\n'
              '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>')
 BROKEN = '<tool_call>\n{"name": "ls", "arguments": {oops}\n</tool_call>'
+UNICODE = 'héllo 世界 🌍'
+CALL_READ_PLAIN = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
+CALL_REPLIES = {'one call please': CALL_LS, 'two calls please': CALL_LS + '\n' + CALL_READ_PLAIN,
+                'look first please': 'Let me look.\n' + CALL_LS,
+                'look then two please': 'Two things.\n' + CALL_READ_PLAIN + '\n' + CALL_LS}
 SCRIPT = [  # first match wins: a substring of the prompt, its ending, or the assistant turn index
+    {'contains': 'greet the world', 'reply': UNICODE},
+    *({'contains': key, 'reply': reply} for key, reply in CALL_REPLIES.items()),
     {'contains': 'break the call', 'reply': BROKEN},
     {'contains': 'think aloud', 'reply': '<think>\nhmm\n</think>\n\nDone.'},
     {'contains': 'answer plainly', 'reply': 'Done.'},
@@ -142,6 +149,42 @@ def test_chat_output_reasoning_then_calls_and_parallel_switch():
         assert [n for n, _ in _merge_fragments([f for d in deltas for f in d.get('tool_calls', [])])] == names
         assert ''.join(d.get('reasoning_content', '') for d in deltas) == msg['reasoning_content']
         assert ''.join(d.get('content', '') for d in deltas) == msg['content']
+
+
+def test_chat_output_deltas_never_repeat_an_index_and_first_call_stop():
+    from lmdeploy.serve.openai.chat_output import ChatOutput
+    text = CALL_READ + '\n' + CALL_LS
+    for size in (1, 5, 40, len(text)):
+        out = ChatOutput(get_reasoning_parser('think'), False, get_tool_parser('hermes'), '', True)
+        deltas = [out.feed(text[i:i + size]) for i in range(0, len(text), size)]
+        deltas[-1] = ChatOutput.merge_deltas(deltas[-1], out.finish())
+        for d in deltas:
+            indices = [f['index'] for f in d.get('tool_calls', [])]
+            assert len(indices) == len(set(indices)), d
+        frags = [f for d in deltas for f in d.get('tool_calls', [])]
+        assert [(f['function']['name'], f['function']['arguments']) for f in frags] == \
+            [('read_file', '{"path": "a.txt"}'), ('ls', '{"path": "."}')]
+    # the first complete call ends the reply with parallel_tool_calls false; calls in the
+    # reasoning block and malformed blocks do not count
+    cases = [(CALL_READ + '\n' + CALL_LS, get_reasoning_parser('think'), len(CALL_READ)),
+             ('<think>\n' + CALL_LS + '\n</think>\n\n' + BROKEN + '\n' + CALL_LS + 'more',
+              get_reasoning_parser('think'), None),
+             (BROKEN + '\n' + CALL_LS + '\n' + CALL_LS, None, len(BROKEN) + 1 + len(CALL_LS))]
+    cases[1] = (cases[1][0], cases[1][1], len(cases[1][0]) - len('more'))
+    for text, reasoning, want in cases:
+        for size in (1, 7, len(text)):
+            stop = ChatOutput(reasoning, False, get_tool_parser('hermes'), '', False).first_call_stop()
+            got, seen = None, ''
+            for i in range(0, len(text), size):
+                seen += text[i:i + size]
+                got = stop(seen)
+                if got is not None:
+                    break
+            assert got == want, (text, size)
+    prefix = get_tool_parser('hermes').forced_prefix('ls')
+    stop = ChatOutput(None, False, get_tool_parser('hermes'), prefix, False).first_call_stop()
+    assert stop('{"path": "."}}\n</tool_call>\n<tool_call>') == len('{"path": "."}}\n</tool_call>')
+    assert ChatOutput(None, False, get_tool_parser('hermes'), '', True).first_call_stop() is None
 
 
 # history rendering (no server) --------------------------------------------------------------------------------
@@ -365,6 +408,136 @@ def test_logprobs_are_real_values(servers, reference_loop):
     assert ''.join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 5
     assert all(len(top) <= 3 and max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_logprobs_bytes_rebuild_multibyte_text_streamed_and_not(servers):
+    """``bytes`` are each token's raw UTF-8 bytes: joined, they are the reply's bytes even where a
+    token holds part of a character (its ``token`` shows U+FFFD); top_logprobs likewise."""
+    kw = dict(model='model', messages=[{'role': 'user', 'content': 'Please greet the world.'}], max_tokens=40,
+              logprobs=True, top_logprobs=3)
+    r = client(servers['off']).chat.completions.create(**kw)
+    assert r.choices[0].message.content == UNICODE
+    whole = [e.model_dump() for e in r.choices[0].logprobs.content]
+    assert r.usage.completion_tokens == len(whole) + 1          # the EOS is generated (billed), not an entry
+    fields, _, streamed = _stream_message(client(servers['off']).chat.completions.create(**kw, stream=True))
+    assert fields['content'] == UNICODE
+    for entries in (whole, streamed):
+        assert b''.join(bytes(e['bytes']) for e in entries) == UNICODE.encode()
+        assert any(e['token'] == '\ufffd' for e in entries)
+        for e in entries:
+            assert e['top_logprobs'][0]['token'] == e['token'] and e['top_logprobs'][0]['bytes'] == e['bytes']
+            for t in [e] + e['top_logprobs']:
+                assert bytes(t['bytes']).decode('utf-8', 'replace') == t['token'], t
+    assert [e['bytes'] for e in streamed] == [e['bytes'] for e in whole]
+
+
+def _raw_chunks(server, body: dict) -> list[dict]:
+    with httpx.Client(timeout=120) as c:
+        with c.stream('POST', server.base_url + '/v1/chat/completions', json=dict(body, stream=True)) as r:
+            return [json.loads(line[len('data: '):]) for line in r.iter_lines() if line.startswith('data: {')]
+
+
+@pytest.mark.parametrize('key', list(CALL_REPLIES))
+def test_streamed_tool_calls_one_entry_per_index_and_equal_to_non_streamed(servers, key):
+    s = servers['off']
+    body = {'model': 'model', 'messages': [{'role': 'user', 'content': f'Now, {key}.'}], 'tools': TOOLS,
+            'max_tokens': 200}
+    code, whole = post(s, '/v1/chat/completions', body)
+    assert code == 200
+    message = whole['choices'][0]['message']
+    calls = message['tool_calls']
+    assert len(calls) == CALL_REPLIES[key].count('<tool_call>')
+    merged, content = {}, ''
+    for chunk in _raw_chunks(s, body):
+        for choice in chunk['choices']:
+            content += choice['delta'].get('content') or ''
+            frags = choice['delta'].get('tool_calls') or []
+            assert len({f['index'] for f in frags}) == len(frags), chunk          # OpenAI: one entry per index
+            for f in frags:
+                m = merged.setdefault(f['index'], {'function': {'name': '', 'arguments': ''}})
+                for field in ('id', 'type'):
+                    if field in f:
+                        assert field not in m
+                        m[field] = f[field]
+                m['function']['name'] += f['function'].get('name', '')
+                m['function']['arguments'] += f['function'].get('arguments', '')
+    assert sorted(merged) == list(range(len(calls)))
+    for i, call in enumerate(calls):
+        got = merged[i]
+        assert got['id'].startswith('call_') and got['type'] == call['type'] == 'function'
+        assert got['function'] == call['function']
+    assert (content or None) == message['content']
+    # the openai client's own stream accumulation
+    with client(s).chat.completions.stream(model='model', messages=body['messages'], tools=TOOLS,
+                                           max_tokens=200) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c['function']['name'], c['function']['arguments']) for c in calls]
+    assert (final.message.content or None) == message['content'] and final.finish_reason == 'tool_calls'
+
+
+@pytest.mark.parametrize('stream', [False, True], ids=['whole', 'stream'])
+@pytest.mark.parametrize('key', ['two calls please', 'look then two please'])
+def test_parallel_tool_calls_false_stops_generating_after_the_first_call(servers, thinking_model, key, stream):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    reply = CALL_REPLIES[key]
+    ids = tok.encode(reply, add_special_tokens=False)
+    first_end = reply.index('</tool_call>') + len('</tool_call>')
+    upto = next(k for k in range(1, len(ids) + 1) if len(tok.decode(ids[:k])) >= first_end)
+    want = get_tool_parser('hermes').parse(reply)
+    for parallel in (True, False):
+        kw = dict(model='model', messages=[{'role': 'user', 'content': f'Now, {key}.'}], tools=TOOLS,
+                  max_tokens=200, logprobs=True, parallel_tool_calls=parallel)
+        if stream:
+            chunks = list(client(servers['off']).chat.completions.create(
+                **kw, stream=True, stream_options={'include_usage': True}))
+            fields, reason, lps = _stream_message(chunks)
+            usage, calls, content = chunks[-1].usage, fields['tool_calls'], fields['content']
+        else:
+            r = client(servers['off']).chat.completions.create(**kw)
+            choice, usage = r.choices[0], r.usage
+            calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            reason, lps, content = choice.finish_reason, choice.logprobs.content, choice.message.content
+        assert reason == 'tool_calls' and content == want.content
+        if parallel:
+            assert calls == [(c.name, c.arguments) for c in want.calls] and len(calls) == 2
+            assert usage.completion_tokens == len(ids) + 1 and len(lps) == len(ids)
+        else:       # generation ended at the first call's closing tag: nothing after it was generated or billed
+            assert calls == [(want.calls[0].name, want.calls[0].arguments)]
+            assert usage.completion_tokens == upto == len(lps) < len(ids)
+
+
+@pytest.fixture(scope='module')
+def chatml_cache(tiny_qwen3):
+    """Tiny full-attention Qwen3 with make-tiny-model's own chat template, prefix caching on."""
+    server = scripted(tiny_qwen3, '--enable-prefix-caching')
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def test_next_turn_reuses_the_cached_tool_call_reply(chatml_cache):
+    """The tool-call reply sent back as the server returned it (arguments a JSON string, content
+    null) re-renders to the generated tokens, so turn 2 restores turn 1's prompt and reply."""
+    messages = [{'role': 'user', 'content': 'What is in a.txt?'}]
+    first = client(chatml_cache).chat.completions.create(model=name(chatml_cache), messages=messages, tools=TOOLS,
+                                                          max_tokens=100)
+    msg = first.choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [('ls', '{"path": "."}')]
+    messages.append({'role': 'assistant', 'content': msg.content, 'tool_calls': [c.model_dump() for c in
+                                                                               msg.tool_calls]})
+    messages.append({'role': 'tool', 'tool_call_id': msg.tool_calls[0].id, 'content': RESULTS['ls']})
+    second = client(chatml_cache).chat.completions.create(model=name(chatml_cache), messages=messages, tools=TOOLS,
+                                                           max_tokens=100)
+    # KV exists for the prompt and every generated token but the final EOS (sampled, never fed)
+    computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    block = 16
+    assert computed // block * block > first.usage.prompt_tokens            # the reply spans a block boundary
+    assert second.usage.prompt_tokens_details.cached_tokens == computed // block * block
 
 
 def test_tool_choice_none_required_and_named(servers, thinking_model):

@@ -563,3 +563,31 @@ def test_engine_collector_exports_store_series_and_stays_monotonic():
     assert sorted((s.labels['kind'], s.value) for s in families['lmdeploy_store_put_bytes'].samples) == \
         [('kv', 5.0), ('state', 0.0)]
 
+
+
+def _documented_series(path: str) -> set[str]:
+    """Series names in the first column of the Metrics table of a docs page."""
+    import re
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)).read()
+    return set(re.findall(r'^\| `(lmdeploy_[a-z_]+)`', text, re.M))
+
+
+def test_every_exported_series_is_in_the_docs_metrics_table(servers):
+    """Each family /metrics exports (prefix caching on, hybrid model: state slots and checkpoints;
+    Store and speculative-decoding counters are exported at 0 when off) has a row in the
+    Metrics table of docs/en and docs/zh_cn (counters under their ``_total`` name)."""
+    with httpx.Client() as c:
+        text = c.get(servers['cache'].base_url + '/metrics').text
+    exported = set()
+    for line in text.splitlines():
+        if line.startswith('# TYPE '):
+            _, _, family, kind = line.split()
+            if family.endswith('_created'):       # prometheus_client's creation timestamps
+                continue
+            exported.add(family + '_total' if kind == 'counter' and not family.endswith('_total') else family)
+    assert {'lmdeploy_kv_blocks_in_use', 'lmdeploy_scheduler_requests_running',
+            'lmdeploy_spec_decode_accepted_tokens_total', 'lmdeploy_requests_running'} <= exported
+    for page in ('docs/en/api_server.md', 'docs/zh_cn/api_server.md'):
+        documented = _documented_series(page)
+        assert exported - documented == set(), page
+        assert documented - exported == set(), page          # no stale rows either

@@ -245,3 +245,25 @@ def test_native_stderr_goes_to_the_log_file_and_python_stderr_stays(tmp_path):
     assert f'Mooncake client logs: {log}' in proc.stderr and 'python says hi' in proc.stderr
     assert 'metadata not found' not in proc.stderr
     assert 'metadata not found' in log.read_text() and 'python says hi' not in log.read_text()
+
+
+def test_api_keys_help_names_every_protected_path():
+    """``--api-keys`` help lists the paths that need a key (as a ``/prefix/*`` or the path itself)
+    and the ones that stay open, read from the app's routes."""
+    import types
+
+    from lmdeploy.cli import serve
+    from lmdeploy.serve.openai.api_server import create_app
+    api = serve.add_parser(argparse.ArgumentParser().add_subparsers())
+    help_text = next(a.help for a in api._actions if '--api-keys' in a.option_strings)
+    pipe = types.SimpleNamespace(tokenizer=types.SimpleNamespace(chat_template=''), loop=None)
+    app = create_app(pipe, 'm', ['k'], protect_metrics=False)
+    for route in app.routes:
+        if not getattr(route, 'methods', None) or not route.path.startswith('/'):
+            continue
+        protected = bool(getattr(route, 'dependencies', None))
+        top = '/' + route.path.split('/')[1] + '/*'        # /v1/chat/completions -> /v1/*
+        named = route.path in help_text or (route.path.count('/') > 1 and top in help_text)
+        assert named, (route.path, help_text)
+        if not protected:
+            assert route.path in help_text.split('need one')[1], (route.path, help_text)

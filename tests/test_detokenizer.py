@@ -40,3 +40,61 @@ def test_stop_string_cuts_the_text_before_its_first_occurrence(tokenizer, seed):
     ids = tokenizer.encode('first part; then stop here, then more text stop here', add_special_tokens=False)
     streamed, detok = _stream(tokenizer, ids, ['stop here', 'never'], rng)
     assert detok.stopped and streamed == 'first part; then '
+
+
+# logprobs ``bytes`` ------------------------------------------------------------------------------------------
+TEXT = 'héllo 世界 🌍 ok'
+
+
+def _joined(texts, ids):
+    return bytes(b for i in ids for b in texts.raw_bytes(i))
+
+
+def test_byte_level_token_bytes_rebuild_multibyte_text(tokenizer):
+    """Byte-level BPE (the tiny models' Qwen-style tokenizer): each token's bytes are its raw
+    bytes, so tokens that split a character still concatenate to the text's UTF-8 bytes."""
+    from lmdeploy.serve.openai.chat_output import TokenTexts
+    texts = TokenTexts(tokenizer)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert any(texts(i) == '\ufffd' for i in ids)                 # some tokens hold part of a character
+    assert _joined(texts, ids) == TEXT.encode()
+    assert texts.raw_bytes(2) == list(b'<|im_end|>')              # special tokens: their text
+    every = range(len(tokenizer))
+    assert all(bytes(texts.raw_bytes(i)).decode('utf-8', 'replace') == texts(i) for i in every)
+
+
+def test_byte_fallback_token_bytes_rebuild_multibyte_text():
+    """A sentencepiece-style tokenizer with ``<0xNN>`` byte-fallback tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lmdeploy.serve.openai.chat_output import TokenTexts
+    vocab = {'<unk>': 0, '<s>': 1, '</s>': 2, **{f'<0x{b:02X}>': 3 + b for b in range(256)}}
+    for piece in ('▁h', 'é', 'llo', '▁ok', '▁', 'l', 'o', 'h'):
+        vocab.setdefault(piece, len(vocab))
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token='<unk>', byte_fallback=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend('▁'), normalizers.Replace(' ', '▁')])
+    model.decoder = decoders.Sequence([decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(' ', 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token='<unk>', bos_token='<s>', eos_token='</s>')
+    texts = TokenTexts(tok)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert '<0xF0>' in tok.convert_ids_to_tokens(ids) and tok.decode(ids) == TEXT
+    assert texts.raw_bytes(vocab['<0xE4>']) == [0xE4] and texts(vocab['<0xE4>']) == '\ufffd'
+    # sentencepiece adds a leading '▁' to the text; its bytes are a space the decoded text strips
+    assert _joined(texts, ids) == b' ' + TEXT.encode()
+
+
+def test_unknown_vocabularies_keep_the_decoded_text():
+    from lmdeploy.serve.openai.chat_output import TokenTexts
+
+    class Plain:
+        added_tokens_decoder = {}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return {5: 'é', 6: '<0xE4>'}[ids[0]]
+
+        def convert_ids_to_tokens(self, i):
+            return {5: 'Ã©', 6: 'x'}[i]
+    texts = TokenTexts(Plain())
+    assert texts.raw_bytes(5) == list('é'.encode()) and texts.raw_bytes(6) == list(b'<0xE4>')

@@ -125,8 +125,41 @@ def test_chat_template_renders_tools_and_tool_calls(models):
     text = tok.apply_chat_template(msgs, tools=tools, tokenize=False)
     assert text == ('<|im_start|>system\nYou may call these tools:\n'
                     '{"type": "function", "function": {"name": "add", "parameters": {}}}\n<|im_end|>\n'
-                    '<|im_start|>user\nAdd<|im_end|>\n<|im_start|>assistant\n\n<tool_call>\n'
+                    '<|im_start|>user\nAdd<|im_end|>\n<|im_start|>assistant\n<tool_call>\n'
                     '{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>\n')
+
+
+CALL_LS = '<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>'
+CALL_READ = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt", "lines": [1, 2]}}\n</tool_call>'
+
+
+@pytest.mark.parametrize('reply', [CALL_LS, 'Let me look.\n' + CALL_LS, CALL_LS + '\n' + CALL_READ,
+                                   'Two files.\n' + CALL_LS + '\n' + CALL_READ],
+                         ids=['call', 'content_then_call', 'two_calls', 'content_then_two_calls'])
+@pytest.mark.parametrize('as_string', [True, False], ids=['json_string_args', 'mapping_args'])
+def test_chat_template_rerenders_a_generated_tool_call_reply_token_for_token(models, reply, as_string):
+    """The reply appended to the history as the server returns it (content outside the calls,
+    tool_calls with arguments as a JSON string, or as a mapping) renders to exactly the tokens
+    the model generated, so the next turn's prompt extends prompt + reply (prefix-cache reuse)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from lmdeploy.serve.openai.tool_parser import get_tool_parser
+    tok = AutoTokenizer.from_pretrained(models['qwen3'])
+    tools = [{'type': 'function', 'function': {'name': n, 'parameters': {'type': 'object'}}}
+             for n in ('ls', 'read_file')]
+    history = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'What is in a.txt?'}]
+    prompt = tok.apply_chat_template(history, tools=tools, add_generation_prompt=True, return_dict=True)['input_ids']
+    generated = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+    parsed = get_tool_parser('hermes').parse(reply)
+    calls = [c.to_openai() for c in parsed.calls]
+    if not as_string:
+        calls = [dict(c, function=dict(c['function'], arguments=json.loads(c['function']['arguments']))) for c in calls]
+    turn = history + [{'role': 'assistant', 'content': parsed.content, 'tool_calls': calls}] + [
+        {'role': 'tool', 'tool_call_id': c['id'], 'content': 'ok'} for c in calls]
+    following = tok.apply_chat_template(turn, tools=tools, add_generation_prompt=True, return_dict=True)['input_ids']
+    assert following[:len(prompt) + len(generated)] == prompt + generated, tok.decode(following[len(prompt):])
 
 
 def test_same_seed_gives_byte_identical_files(models, tmp_path):

@@ -91,7 +91,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument('--server-port', type=port_number, default=23333, help='port to bind (default: 23333)')
     parser.add_argument('--api-keys', nargs='+', type=api_key, default=None, metavar='KEY',
                         help='accepted bearer tokens; none = no authentication (default: None). With keys, '
-                        '/v1/*, /docs and /openapi.json need one; /health and /metrics stay open')
+                        '/v1/*, /debug/*, /docs and /openapi.json need one; /health and /metrics stay open '
+                        '(see --protect-metrics)')
     parser.add_argument('--protect-metrics', action='store_true',
                         help='/metrics needs an API key too (default: open, for plain Prometheus scrapes)')
     parser.add_argument('--model-name', default=None,

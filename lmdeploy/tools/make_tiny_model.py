@@ -43,6 +43,10 @@ MATRIX_STD = 0.1
 NORM_JITTER_STD = 0.05
 
 # ChatML; roles are checked so a typo fails loudly instead of producing an unseen prompt shape.
+# Assistant tool calls render as the model writes them (Qwen3's layout): `<tool_call>\n{"name": ...,
+# "arguments": ...}\n</tool_call>`, arguments given as a JSON string (as OpenAI clients send them)
+# verbatim and a mapping with tojson, a newline before a call only after non-empty content or
+# between calls; so a reply appended to the history re-renders to the tokens that were generated.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(start=0) -%}"
     "{%- if tools -%}"
@@ -71,8 +75,11 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + text -}}"
     "{%- for call in message.tool_calls or [] -%}"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}"
-    "{{- '\\n<tool_call>\\n' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson)"
-    " + '\\n</tool_call>' -}}"
+    "{%- if text or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' -}}"
+    "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}"
+    "{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"

@@ -119,12 +119,18 @@ class _Generation:
         server: the owning server.
         jobs: ``(token_ids, gen_config)`` per choice, prompt-major (choice i = prompt i // n).
         n: choices per prompt.
+        multimodal: the prompt's images (chat requests: one prompt).
+        stops: per choice, None or a function of the choice's text so far that returns how many
+            characters to keep once the reply must end (``parallel_tool_calls: false``: just after
+            the first call); the choice then ends with ``"stop"`` and its engine request is
+            aborted, so no further token is generated or billed.
     """
 
     def __init__(self, server: _Server, jobs: list[tuple[list[int], GenerationConfig]], n: int,
-                 multimodal: tuple = ()):
+                 multimodal: tuple = (), stops: list | None = None):
         self.server = server
         self.jobs = jobs
+        self.stops = stops or [None] * len(jobs)
         self.multimodal = multimodal        # the prompt's images (chat requests: one prompt)
         self.n = n
         self.start = time.perf_counter()
@@ -146,9 +152,18 @@ class _Generation:
         pipe, metrics, drain = self.server.pipe, self.server.metrics, self.server.drain
 
         async def run(index: int, ids: list[int], cfg: GenerationConfig):
+            stop, text = self.stops[index], ''
             try:
                 async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal)) as gen:
                     async for r in gen:
+                        if stop is not None and r.text:
+                            text += r.text
+                            keep = stop(text)
+                            if keep is not None:        # closing `gen` aborts the engine request
+                                r.text = r.text[:len(r.text) - (len(text) - keep)]
+                                r.finish_reason = 'stop'
+                                queue.put_nowait((index, r))
+                                return
                         queue.put_nowait((index, r))
             except Exception as err:      # handed to the consumer, which answers with an error
                 queue.put_nowait((index, err))
@@ -239,14 +254,6 @@ def _stream_error(err: Exception) -> str:
         return _sse(error_body('the server is shutting down; the reply is incomplete', 'server_error',
                                code='shutting_down'))
     return _sse(error_body('the engine failed while generating', 'server_error', code='engine_error'))
-
-
-def _merge(a: dict, b: dict) -> dict:
-    """Two chat ``delta`` dicts as one (strings concatenated, tool-call fragments appended)."""
-    out = dict(a)
-    for key, value in b.items():
-        out[key] = out[key] + value if key in out else value
-    return out
 
 
 class _SSEResponse(StreamingResponse):
@@ -405,7 +412,7 @@ class _Server:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req.model)
         plan = await run_in_threadpool(self._plan_chat, req)
-        gen = _Generation(self, plan.jobs, req.n, plan.multimodal)
+        gen = _Generation(self, plan.jobs, req.n, plan.multimodal, [out.first_call_stop() for out in plan.outputs])
         rid, created = new_id('chatcmpl'), now()
         head = {'id': rid, 'object': 'chat.completion', 'created': created, 'model': self.model_name}
         top = req.top_logprobs or 0
@@ -441,7 +448,7 @@ class _Server:
                     delta = out.feed(r.text) if r.text else {}
                     reason = None
                     if r.finish_reason:
-                        delta = _merge(delta, out.finish())
+                        delta = ChatOutput.merge_deltas(delta, out.finish())
                         reason = out.finish_reason(r.finish_reason)
                     lp = chat_logprobs(self.texts, r.logprobs, top) if logprobs and r.logprobs else None
                     if delta or reason or lp:

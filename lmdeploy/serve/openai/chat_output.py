@@ -8,8 +8,10 @@ into text and tool calls. A reply with at least one call finishes with ``"tool_c
 """
 from __future__ import annotations
 
+import re
+
 from .reasoning_parser import ThinkReasoningParser
-from .tool_parser import ToolParser
+from .tool_parser import ToolParser, merge_tool_call_fragments
 
 __all__ = ['ChatOutput', 'TokenTexts', 'chat_logprobs', 'completion_logprobs']
 
@@ -47,8 +49,19 @@ class ChatOutput:
             frags = [f for f in frags if f['index'] == 0]
         if frags:
             self.has_calls = True
-            delta['tool_calls'] = frags
+            delta['tool_calls'] = merge_tool_call_fragments(frags)
         return delta
+
+    @staticmethod
+    def merge_deltas(a: dict, b: dict) -> dict:
+        """Two ``delta`` dicts of one chunk as one: strings concatenated, tool-call fragments
+        merged so that each ``index`` appears once (:func:`merge_tool_call_fragments`)."""
+        out = dict(a)
+        for key, value in b.items():
+            out[key] = out[key] + value if key in out else value
+        if 'tool_calls' in out:
+            out['tool_calls'] = merge_tool_call_fragments(out['tool_calls'])
+        return out
 
     def feed(self, text: str) -> dict:
         """The next generated text in; the chunk's ``delta`` fields out (may be empty)."""
@@ -87,6 +100,14 @@ class ChatOutput:
                 msg['tool_calls'] = [c.to_openai() for c in calls]
         return msg
 
+    def first_call_stop(self) -> _FirstCallStop | None:
+        """With ``parallel_tool_calls`` false and tools in use: a :class:`_FirstCallStop` that
+        tells where the reply should end (just after its first complete call, so the server
+        stops generating there); None otherwise."""
+        if self.tools is None or self.parallel:
+            return None
+        return _FirstCallStop(self)
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """``"tool_calls"`` when the reply made a call and ended normally, else the engine's."""
         if self.has_calls and engine_reason in ('stop', 'length'):
@@ -94,12 +115,100 @@ class ChatOutput:
         return engine_reason
 
 
+class _FirstCallStop:
+    """Finds the end of the first complete tool call in a growing reply (content only: a call
+    inside the reasoning block does not count, as in :meth:`ChatOutput.message`)."""
+
+    def __init__(self, output: ChatOutput):
+        self.out = output
+        self.content_from: int | None = None    # offset in prefix + text where the content starts
+        self.resume = 0
+
+    def _content_start(self, full: str) -> int | None:
+        reasoning = self.out.reasoning
+        if reasoning is None:
+            return 0
+        if not self.out.started:
+            lead = full.lstrip()
+            if not lead.startswith(reasoning.start_tag):
+                return None if reasoning.start_tag.startswith(lead) else 0
+        end = full.find(reasoning.end_tag)
+        return None if end == -1 else end + len(reasoning.end_tag)
+
+    def __call__(self, text: str) -> int | None:
+        """The reply so far (without the server's prefix) in; how many of its characters to
+        keep out, once it holds a complete call (None before)."""
+        full = self.out.prefix + text
+        if self.content_from is None:
+            self.content_from = self._content_start(full)
+            if self.content_from is None:
+                return None
+            self.resume = self.content_from
+        end, self.resume = self.out.tools.first_call_end(full, max(self.resume, self.content_from))
+        return None if end is None else end - len(self.out.prefix)
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's byte -> character table, inverted (character -> byte value).
+
+    Byte-level BPE vocabularies spell every byte as one printable character: the bytes that are
+    printable Latin-1 characters (``!``..``~``, ``\xa1``..``\xac``, ``\xae``..``\xff``) stand
+    for themselves; each of the other 68 bytes (controls, space, DEL, NBSP, soft hyphen) is
+    written as the character ``U+0100 + k`` where k counts those bytes in increasing order.
+    """
+    printable = set(range(0x21, 0x7f)) | set(range(0xa1, 0xad)) | set(range(0xae, 0x100))
+    table, k = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[chr(byte)] = byte
+        else:
+            table[chr(0x100 + k)] = byte
+            k += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_TOKEN = re.compile(r'<0x([0-9A-Fa-f]{2})>')
+
+
+def _decoder_kind(tokenizer) -> str:
+    """``'byte_level'`` (GPT-2 / Qwen style byte-level BPE), ``'metaspace'`` (sentencepiece
+    style, ``▁`` for a space) or ``''`` (unknown), read from the tokenizer's decoder."""
+    if getattr(tokenizer, 'byte_decoder', None):        # transformers' slow GPT-2 tokenizers
+        return 'byte_level'
+    if getattr(tokenizer, 'sp_model', None) is not None:    # slow sentencepiece tokenizers
+        return 'metaspace'
+    decoder = getattr(getattr(tokenizer, 'backend_tokenizer', None), 'decoder', None)
+    try:
+        state = decoder.__getstate__()
+    except Exception:       # no Rust backend, or a decoder that cannot be serialised
+        return ''
+    state = state.decode() if isinstance(state, bytes) else str(state)
+    if '"ByteLevel"' in state:
+        return 'byte_level'
+    if '"Metaspace"' in state or '\u2581' in state:      # Metaspace, or Replace('▁', ' ')
+        return 'metaspace'
+    return ''
+
+
 class TokenTexts:
-    """Token id → its text (decoded alone, special tokens kept), memoised per server."""
+    """Token id → its text (decoded alone, special tokens kept) and its raw UTF-8 bytes,
+    memoised per server.
+
+    The text of a token that holds only part of a multi-byte character decodes to ``\ufffd``;
+    its bytes are the token's own bytes, so that the bytes of consecutive tokens concatenate to
+    the bytes of the text they generate. Bytes come from the vocabulary entry: byte-level BPE
+    characters mapped back through the byte table, a byte-fallback token ``<0xNN>``, or a
+    sentencepiece piece with ``▁`` read as a space; any other token (added/special tokens,
+    unknown vocabularies) gives the UTF-8 bytes of its text.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._kind = _decoder_kind(tokenizer)
+        self._added = set(getattr(tokenizer, 'added_tokens_decoder', None) or ())
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -107,10 +216,32 @@ class TokenTexts:
             text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
+    def raw_bytes(self, token_id: int) -> list[int]:
+        """The token's raw UTF-8 bytes (``logprobs.content[i].bytes``)."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._raw_bytes(token_id)
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> list[int]:
+        if token_id not in self._added:
+            try:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            except Exception:       # an id outside the vocabulary (padded embedding rows)
+                piece = None
+            if isinstance(piece, str) and piece:
+                if self._kind == 'byte_level' and all(c in _BYTE_LEVEL for c in piece):
+                    return [_BYTE_LEVEL[c] for c in piece]
+                match = _BYTE_TOKEN.fullmatch(piece)
+                if match:
+                    return [int(match.group(1), 16)]
+                if self._kind == 'metaspace':
+                    return list(piece.replace('\u2581', ' ').encode('utf-8'))
+        return list(self(token_id).encode('utf-8'))
+
 
 def _entry(texts: TokenTexts, token_id: int, logprob: float) -> dict:
-    text = texts(token_id)
-    return {'token': text, 'logprob': logprob, 'bytes': list(text.encode('utf-8'))}
+    return {'token': texts(token_id), 'logprob': logprob, 'bytes': texts.raw_bytes(token_id)}
 
 
 def chat_logprobs(texts: TokenTexts, logprobs: list, top: int) -> dict:

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 
 __all__ = ['ParsedCall', 'ParseResult', 'ToolParser', 'ToolCallStream', 'HermesToolParser', 'register_tool_parser',
-           'get_tool_parser', 'TOOL_PARSERS']
+           'get_tool_parser', 'merge_tool_call_fragments', 'TOOL_PARSERS']
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 
@@ -110,6 +110,16 @@ class ToolParser:
         """A new incremental parser for one reply."""
         return ToolCallStream(self)
 
+    def first_call_end(self, text: str, start: int = 0) -> tuple[int | None, int]:
+        """Where the first well-formed call at or after ``start`` ends in ``text``.
+
+        Returns ``(end, resume)``: ``end`` is the offset just past the first complete call that
+        :meth:`parse` would return (None while there is none yet); ``resume`` is an offset from
+        which a later search of the same text grown longer can start (what lies before it holds
+        no call, and no unfinished block starts there).
+        """
+        raise NotImplementedError
+
 
 @register_tool_parser('hermes')
 class HermesToolParser(ToolParser):
@@ -141,6 +151,20 @@ class HermesToolParser(ToolParser):
             return None
         return ParsedCall(obj['name'], json.dumps(args, ensure_ascii=False))
 
+    def first_call_end(self, text: str, start: int = 0) -> tuple[int | None, int]:
+        pos = start
+        while True:
+            begin = text.find(self.start_tag, pos)
+            if begin == -1:     # a start tag may still be forming at the very end
+                return None, max(pos, len(text) - len(self.start_tag) + 1)
+            end = text.find(self.end_tag, begin + len(self.start_tag))
+            if end == -1:
+                return None, begin
+            block_end = end + len(self.end_tag)
+            if self._call(text[begin + len(self.start_tag):end]) is not None:
+                return block_end, begin
+            pos = block_end     # malformed: stays text, as in segments()
+
     def segments(self, text: str, final: bool):
         out, pos = [], 0
         while True:
@@ -169,6 +193,30 @@ class HermesToolParser(ToolParser):
         return out, pos + len(rest)
 
 
+def merge_tool_call_fragments(frags: list[dict]) -> list[dict]:
+    """``delta.tool_calls`` fragments with at most one entry per ``index``, in first-seen order.
+
+    Fragments of one index are merged as a client merges them across chunks: ``id``, ``type``
+    and ``function.name`` from the first fragment that has them, ``function.arguments``
+    concatenated. The input is not modified.
+    """
+    merged: dict[int, dict] = {}
+    for frag in frags:
+        into = merged.get(frag['index'])
+        if into is None:
+            merged[frag['index']] = dict(frag, function=dict(frag.get('function') or {}))
+            continue
+        for key in ('id', 'type'):
+            if key in frag and key not in into:
+                into[key] = frag[key]
+        fn, into_fn = frag.get('function') or {}, into['function']
+        if 'name' in fn and 'name' not in into_fn:
+            into_fn['name'] = fn['name']
+        if 'arguments' in fn:
+            into_fn['arguments'] = into_fn.get('arguments', '') + fn['arguments']
+    return list(merged.values())
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -182,9 +230,10 @@ class ToolCallStream:
 
     :meth:`feed` takes the next text delta and returns ``(content_delta, tool_call_fragments)``;
     :meth:`finish` flushes what was held back. A call is emitted once its block is complete, as
-    two fragments: ``{index, id, type, function: {name, arguments: ""}}`` and
-    ``{index, function: {arguments}}``. Whitespace at the end of the content so far is held
-    back until more content follows, so that it can be dropped if the reply ends with calls.
+    one fragment ``{index, id, type, function: {name, arguments}}`` (OpenAI never repeats an
+    ``index`` inside one chunk; see :func:`merge_tool_call_fragments`). Whitespace at the end
+    of the content so far is held back until more content follows, so that it can be dropped if
+    the reply ends with calls.
     """
 
     def __init__(self, parser: ToolParser):
@@ -210,8 +259,7 @@ class ToolCallStream:
                 self.num_calls += 1
                 self.calls.append(value)
                 frags.append({'index': i, 'id': value.id, 'type': 'function',
-                              'function': {'name': value.name, 'arguments': ''}})
-                frags.append({'index': i, 'function': {'arguments': value.arguments}})
+                              'function': {'name': value.name, 'arguments': value.arguments}})
         return content, frags
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
