@@ -123,6 +123,39 @@ def test_stop_string_spanning_two_tokens_ends_text_before_it(pipe):
     assert_idle(pipe)
 
 
+def test_a_stop_string_ends_a_completed_turn_that_the_cache_keeps(tiny_qwen3_next):
+    """A reply cut by a stop string is a completed turn, not an abort: with turn-end checkpoints
+    on, it is published (sync and async paths), and the next turn, which appends the visible
+    reply, is served from the cache past the prompt."""
+    cfg = PytorchEngineConfig(device_type='cpu', num_gpu_blocks=128, block_size=16, prefill_save_alignment=64,
+                              enable_prefix_caching=True, prefill_save_last_only=True, decode_save_last=True)
+    prompt = random_prompt(150, 5)
+    full = make_engine(tiny_qwen3_next).generate(prompt, GenerationConfig(max_new_tokens=40,
+                                                                          ignore_eos=True)).output_ids
+    for mode in ('sync', 'async'):
+        with pipeline(tiny_qwen3_next, backend_config=cfg) as pipe:
+            tok = pipe.tokenizer
+            word, _ = _stop_string_across_tokens(tok, full[20:])
+            gen = GenerationConfig(max_new_tokens=40, ignore_eos=True, stop_words=[word])
+            if mode == 'sync':
+                stopped = pipe(prompt, gen_config=gen)
+                reason, text, n = stopped.finish_reason, stopped.text, stopped.generate_token_len
+            else:
+                async def run():
+                    return [r async for r in pipe.generate(prompt, gen)]
+                deltas = asyncio.run(run())
+                reason, text, n = deltas[-1].finish_reason, ''.join(d.text for d in deltas), deltas[-1].generate_token_len
+            assert reason == 'stop' and 20 < n < 40, (mode, reason, n)
+            assert pipe.stats()['turn_end_checkpoints_saved'] == 1, mode     # an abort publishes none
+            assert text == tok.decode(full, skip_special_tokens=True)[:len(text)]
+            # the next turn re-sends the reply's tokens before the stop string: served from the turn end
+            follow = prompt + full[:n - 1] + random_prompt(10, 6)
+            turn_end = (len(prompt) + n - 1) // 16 * 16      # last block boundary of the computed tokens
+            assert pipe(follow, gen_config=GREEDY).cached_tokens == turn_end > len(prompt), mode
+            led = pipe.ledger()
+            assert led['blocks_in_use'] == 0 and led['checkpoints_pinned'] == 0
+
+
 def test_stop_token_id_ends_output_before_it(pipe):
     full = pipe(PROMPT, gen_config=GREEDY)
     stop = full.token_ids[5]

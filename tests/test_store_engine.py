@@ -201,6 +201,37 @@ def test_every_turn_puts_save_points_times_S_plus_new_blocks_times_K_blk(make_en
     assert eng.is_idle()
 
 
+@pytest.mark.parametrize('decode_save_last', [False, True], ids=['last_only', 'last_only+turn_end'])
+def test_a_turn_ended_early_by_its_caller_is_put_like_a_completed_one(make_engine, decode_save_last):
+    """A stop string (or the server's end after the first tool call) ends a request from
+    outside the engine. ``finish_early`` books it as a completed turn: with ``decode_save_last``
+    the turn-end checkpoint is published and put with its blocks (an abort drops that put and
+    the deferred prefill-checkpoint put with it, keeping the turn local); without it, the
+    last-only prefill checkpoint is put either way."""
+    results = {}
+    for how in ('abort', 'finish_early', 'complete'):
+        eng = make_engine(prefill_save_last_only=True, decode_save_last=decode_save_last,
+                          store_namespace=f'early-{how}-{decode_save_last}')
+        ids = prompt(150, seed=71)
+        seq = eng.add_request(ids, GenerationConfig(max_new_tokens=20 if how == 'complete' else 40,
+                                                    ignore_eos=True))
+        while seq.num_generated < 20 and not seq.is_finished:
+            eng.step()
+        if how != 'complete':
+            getattr(eng, how)(seq)
+        assert seq.is_finished and eng.store.flush(timeout=30)
+        results[how] = (eng.stats()['store_put_objects'], seq.finish_reason, seq.stats.turn_end_point)
+        assert eng.is_idle(), how
+    # 150 prompt tokens: last-only saves at 128 (8 blocks); 150 + 19 computed: the turn ends at 160
+    if decode_save_last:
+        assert results['finish_early'] == ({'state': 1, 'kv': 10}, 'stop', 160)
+        assert results['abort'] == ({'state': 0, 'kv': 0}, 'abort', None)
+    else:
+        assert results['finish_early'] == ({'state': 1, 'kv': 8}, 'stop', None)
+    assert results['finish_early'][0] == results['complete'][0]
+    assert results['finish_early'][2] == results['complete'][2]
+
+
 def test_last_only_cuts_16k_plus_64_store_bytes_by_the_planned_fraction(make_engine, cold):
     scenario = next(s for s in sim.seed_scenarios() if s.name == '16K+64').scaled(Fraction(1, 16))
     assert scenario.input_lengths == (1028,)

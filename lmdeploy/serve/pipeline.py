@@ -315,7 +315,7 @@ class Pipeline:
                     out = handles[i].get()
                     resp = self._delta(out, detoks[i], gen_config, i)
                     if detoks[i].stopped and out.finish_reason is None:
-                        self.loop.abort(handles[i])
+                        self.loop.finish(handles[i])     # a completed turn: cached and put to the Store
                         resp.finish_reason = 'stop'
                     if resp.finish_reason is not None:
                         live.discard(i)
@@ -325,24 +325,36 @@ class Pipeline:
                 self.loop.abort(handles[i])
 
     async def generate(self, prompt, gen_config: GenerationConfig | None = None,
-                       do_preprocess: bool = True, multimodal: tuple = ()) -> AsyncIterator[Response]:
+                       do_preprocess: bool = True, multimodal: tuple = (),
+                       stop_at=None) -> AsyncIterator[Response]:
         """Async generator of :class:`Response` deltas for one prompt (used by the server, which
         passes token ids it encoded off the event loop).
 
-        Cancelling the consumer aborts the request in the engine.
+        ``stop_at``: None, or a function of the reply's text so far returning None or how many
+        characters to keep: the reply then ends there with ``'stop'`` as a completed turn (like
+        a stop string; e.g. just after the first tool call). Cancelling the consumer aborts the
+        request in the engine.
         """
         gen_config = gen_config or GenerationConfig()
         handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess,
                              multimodal=multimodal)
         detok = _Detokenizer(self.tokenizer, gen_config.stop_words)
         finished = False
+        text = ''
         try:
             while True:
                 out = await handle.aget()
                 resp = self._delta(out, detok, gen_config, 0)
-                if detok.stopped and out.finish_reason is None:
-                    self.loop.abort(handle)
-                    resp.finish_reason = 'stop'
+                if stop_at is not None and resp.text:
+                    text += resp.text
+                    keep = stop_at(text)
+                    if keep is not None:        # the caller's end of the reply: cut the text there
+                        resp.text = resp.text[:len(resp.text) - (len(text) - keep)]
+                        resp.finish_reason = 'stop'
+                if resp.finish_reason is not None and out.finish_reason is None:
+                    # ended here (a stop string, or stop_at): a completed turn for the engine,
+                    # cached and put to the Store like one it ended itself
+                    self.loop.finish(handle)
                 if resp.finish_reason is not None:
                     finished = True
                 yield resp

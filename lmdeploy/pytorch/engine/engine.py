@@ -263,6 +263,22 @@ class Engine:
             self.scheduler.abort(seq)
             seq.finish_reason = 'abort'
 
+    def finish_early(self, seq: Sequence, reason: str = 'stop') -> None:
+        """End ``seq`` now as a *completed* request (the caller found a stop string in its text,
+        or it ended a reply after its first tool call): unlike :meth:`abort`, the turn's end
+        is booked as when the engine itself stops it — its turn-end checkpoint is published and
+        the Store puts of the turn (the deferred prefill checkpoint of ``prefill_save_last_only``,
+        the turn-end checkpoint) are made, so the next turn and other instances reuse it. Tokens
+        generated past the caller's cut stay in the cache under their own hashes (a next turn
+        without them simply matches less). A sequence that has not generated yet is aborted.
+        """
+        if seq.is_finished:
+            return
+        if seq.num_generated == 0 or seq not in self.scheduler.running:
+            self.abort(seq)
+            return
+        self._execute_saves(self.scheduler.finish(seq, reason))
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work

@@ -99,6 +99,13 @@ class EngineLoop:
         self._commands.put(('abort', handle))
         self._wake.set()
 
+    def finish(self, handle: RequestHandle) -> None:
+        """End a request as completed with ``'stop'`` (:meth:`Engine.finish_early`: its turn is
+        cached and put to the Store as if the engine had stopped it; no-op if it already
+        finished). For callers that found a stop string or another end in the text."""
+        self._commands.put(('finish', handle))
+        self._wake.set()
+
     def call(self, fn, timeout: float = 60.0):
         """Run ``fn(engine)`` on the loop thread and return its result (e.g. the ledger); after a
         fatal error, on the caller's thread (the loop has ended)."""
@@ -137,11 +144,14 @@ class EngineLoop:
                     continue
                 self._handles[seq.seq_id] = arg
                 self.engine.scheduler.add(seq)
-            elif kind == 'abort':
+            elif kind in ('abort', 'finish'):
                 handle = self._handles.pop(arg.seq.seq_id, None)
                 if handle is not None:
-                    self.engine.abort(handle.seq)
-                    handle._push(self._output(handle.seq, [], 'abort'))
+                    if kind == 'abort':
+                        self.engine.abort(handle.seq)
+                    else:
+                        self.engine.finish_early(handle.seq)
+                    handle._push(self._output(handle.seq, [], handle.seq.finish_reason or kind))
             elif kind == 'call':
                 arg(self.engine)
 

@@ -123,7 +123,8 @@ class _Generation:
         stops: per choice, None or a function of the choice's text so far that returns how many
             characters to keep once the reply must end (``parallel_tool_calls: false``: just after
             the first call); the choice then ends with ``"stop"`` and its engine request is
-            aborted, so no further token is generated or billed.
+            finished as a completed turn (cached, put to the Store), so no further token is
+            generated or billed.
     """
 
     def __init__(self, server: _Server, jobs: list[tuple[list[int], GenerationConfig]], n: int,
@@ -152,18 +153,10 @@ class _Generation:
         pipe, metrics, drain = self.server.pipe, self.server.metrics, self.server.drain
 
         async def run(index: int, ids: list[int], cfg: GenerationConfig):
-            stop, text = self.stops[index], ''
             try:
-                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal)) as gen:
+                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal,
+                                                  stop_at=self.stops[index])) as gen:
                     async for r in gen:
-                        if stop is not None and r.text:
-                            text += r.text
-                            keep = stop(text)
-                            if keep is not None:        # closing `gen` aborts the engine request
-                                r.text = r.text[:len(r.text) - (len(text) - keep)]
-                                r.finish_reason = 'stop'
-                                queue.put_nowait((index, r))
-                                return
                         queue.put_nowait((index, r))
             except Exception as err:      # handed to the consumer, which answers with an error
                 queue.put_nowait((index, err))
