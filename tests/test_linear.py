@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from lmdeploy.pytorch.kernels import linear as linear_mod
-from lmdeploy.pytorch.kernels.linear import SKINNY_ROWS, linear
+from lmdeploy.pytorch.kernels.linear import SKINNY_ROWS, SKINNY_ROWS_NARROW, linear, transposed_rows
 from lmdeploy.pytorch.models.layers import Linear
 
 
-@pytest.mark.parametrize('rows', [0, 1, 4, 7, 8, 9, 16, 33, 63, 64, 100])
+@pytest.mark.parametrize('rows', [0, 1, 4, 7, 8, 9, 16, 32, 33, 47, 48, 63, 64, 100])
 @pytest.mark.parametrize('with_bias', [False, True])
 def test_linear_equals_f_linear(rows, with_bias):
     gen = torch.Generator().manual_seed(rows)
@@ -31,9 +31,12 @@ def test_linear_3d_input_and_bf16_pass_through():
     assert torch.equal(linear(xb, wb), F.linear(xb, wb))   # not float32: F.linear itself
 
 
-def test_skinny_rows_take_the_transposed_product(monkeypatch):
-    """Inside ``SKINNY_ROWS`` the product is ``weight @ x^T`` (an ``mm`` with the weight first);
-    outside it, ``F.linear``. The module form calls the same kernel."""
+@pytest.mark.parametrize('in_features, window', [(1024, SKINNY_ROWS), (2048, SKINNY_ROWS), (512, SKINNY_ROWS_NARROW),
+                                                 (32, SKINNY_ROWS_NARROW)])
+def test_skinny_rows_take_the_transposed_product(monkeypatch, in_features, window):
+    """Inside the window for the weight's inner size the product is ``weight @ x^T`` (an ``mm``
+    with the weight first); outside it, ``F.linear``. The module form calls the same kernel."""
+    assert transposed_rows(in_features) is window
     calls = []
     real_mm = torch.mm
 
@@ -47,9 +50,10 @@ def test_skinny_rows_take_the_transposed_product(monkeypatch):
             return real_mm(a, b)
 
     monkeypatch.setattr(linear_mod, 'torch', Spy())
-    layer = Linear(32, 40, bias=False)
-    layer(torch.randn(SKINNY_ROWS.start, 32))
-    assert calls == [(40, 32)]
-    layer(torch.randn(SKINNY_ROWS.start - 1, 32))
-    layer(torch.randn(SKINNY_ROWS.stop, 32))
-    assert calls == [(40, 32)]
+    layer = Linear(in_features, 40, bias=False)
+    for rows in (window.start, window.stop - 1):
+        layer(torch.randn(rows, in_features))
+    assert calls == [(40, in_features)] * 2
+    layer(torch.randn(window.start - 1, in_features))
+    layer(torch.randn(window.stop, in_features))
+    assert calls == [(40, in_features)] * 2

@@ -1,12 +1,21 @@
 """Dense projections ``y = x W^T + b`` with the GEMM orientation chosen by shape.
 
 On CPU, MKL's single-precision GEMM for ``x [M, K] @ W^T`` with ``W [N, K]`` row-major is slow
-for a *skinny* ``x`` (8 <= M < 64 rows: a decode step of 8-63 sequences, or one MoE expert's
-run of 8-63 routed rows, see :mod:`.moe`): it runs about as fast
-as ``M = 64``. The same product computed the other way round, ``(W @ x^T)^T``, takes MKL's
-matrix-times-few-columns path, which streams ``W`` once at memory speed. Measured on the 2-core
-benchmark machine (fp32, one weight of 3088 x 1024): 1031 us vs 507 us at M = 16, 794 us vs
-526 us at M = 8, equal at M = 64; at M <= 4 the direct form is the faster one (matrix-vector).
+for a *skinny* ``x`` (a decode step of 8-47 sequences, or one MoE expert's run of that many
+routed rows, see :mod:`.moe`): it runs about as fast as ``M = 64``. The same product computed
+the other way round, ``(W @ x^T)^T``, takes MKL's matrix-times-few-columns path, which streams
+``W`` once at memory speed. Which is faster depends on M and on the inner size K; measured on
+the 2-core benchmark machine (fp32, weights streamed from memory, not cache; direct vs
+transposed, us):
+
+    K = 1024, N = 3088:  M = 16: 1487 vs 896   M = 48: 1742 vs 1371   M = 56: 1774 vs 1850
+    K = 1024, N = 1024:  M = 8: 281 vs 283     M = 46: 506 vs 454     M = 50: 528 vs 636
+    K = 2048, N = 1024:  M = 8: 693 vs 610     M = 16: 849 vs 588     M = 50: 1079 vs 1343
+    K = 512,  N = 1024:  M = 8: 151 vs 196     M = 16: 220 vs 201     M = 32: 267 vs 233
+                         M = 40: 245 vs 314    M = 56: 299 vs 423
+
+so the transposed form is used for ``8 <= M < 48`` when ``K >= 1024`` and for ``16 <= M <= 32``
+below (:func:`transposed_rows`); at M <= 4 the direct form is the faster one (matrix-vector).
 
 Both orientations compute the same dot products; only the summation order inside MKL differs,
 so results agree to float32 rounding (relative ~1e-7), not bit for bit.
@@ -16,10 +25,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ['linear', 'SKINNY_ROWS']
+__all__ = ['linear', 'transposed_rows', 'SKINNY_ROWS']
 
-# rows for which (W x^T)^T is used on CPU (float32); outside it F.linear is as fast or faster
-SKINNY_ROWS = range(8, 64)
+# rows for which (W x^T)^T is used on CPU (float32) when K >= 1024; outside it F.linear is as
+# fast or faster. Narrower inputs (K < 1024) gain only in SKINNY_ROWS_NARROW.
+SKINNY_ROWS = range(8, 48)
+SKINNY_ROWS_NARROW = range(16, 33)
+
+
+def transposed_rows(in_features: int) -> range:
+    """Row counts M for which :func:`linear` computes ``(W x^T)^T`` on CPU in float32, for a
+    weight with ``in_features`` (K) columns (see the module docstring for the measurements)."""
+    return SKINNY_ROWS if in_features >= 1024 else SKINNY_ROWS_NARROW
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,7 +51,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``[..., N]`` contiguous, in ``x.dtype``.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows in SKINNY_ROWS and x.device.type == 'cpu' and x.dtype == torch.float32
+    if (rows in transposed_rows(x.shape[-1]) and x.device.type == 'cpu' and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.dim() == 2):
         x2 = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
         y = torch.mm(weight, x2.t()).t().contiguous()

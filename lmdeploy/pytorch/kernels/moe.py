@@ -10,7 +10,7 @@ Two implementations with one contract:
 
 - torch (any device): one pair of matmuls per expert that has rows (and a handful of ops per
   call around them), each through :func:`~lmdeploy.pytorch.kernels.linear.linear`, which for
-  float32 on CPU computes runs of 8-63 rows as ``(W x^T)^T`` (an expert layer with 16-row
+  float32 on CPU computes skinny runs (8-47 rows; 16-32 for the narrower down projection) as ``(W x^T)^T`` (an expert layer with 16-row
   runs: 10.5 -> 8.2 ms on the benchmark machine). On CPU this is the fast one:
   ``torch._grouped_mm`` exists on CPU but measured 3-5x slower than the loop here.
 - grouped (CUDA, when ``torch._grouped_mm`` exists and row strides are 16-byte multiples):
