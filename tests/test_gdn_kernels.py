@@ -65,6 +65,17 @@ def test_chunked_equals_recurrent(L, with_state):
     torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize('L', [1, 40, 64, 130])
+def test_chunked_without_a_state_is_bitwise_the_zero_state_run(L):
+    """``initial_state=None`` skips the first chunk's products with the (zero) state; the result
+    is the explicit zero state's exactly (x - 0, 0 + x and 0 * d + x are exact)."""
+    q, k, v, g, beta = _inputs(L, seed=10 + L)
+    zero = torch.zeros(H, DK, DV)
+    o0, s0 = chunk_gated_delta_rule(q, k, v, g, beta, None, chunk_size=32)
+    o1, s1 = chunk_gated_delta_rule(q, k, v, g, beta, zero, chunk_size=32)
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)
+
+
 @pytest.mark.parametrize('decay_scale', [2.0, 20.0, 200.0])
 def test_chunked_strong_decay_flush_changes_nothing_and_leaves_no_subnormals(decay_scale, monkeypatch):
     """Strong decays (``g`` down to -200 per token) drive the chunk's decay factors far below

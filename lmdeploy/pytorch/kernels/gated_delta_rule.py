@@ -148,14 +148,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         raise ValueError(f'chunk_size must be positive, got {chunk_size}')
     out_dtype = q.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
-    o, state = _chunk_core(q, k, v, g, beta, state, chunk_size)
+    o, state = _chunk_core(q, k, v, g, beta, None if initial_state is None else state, chunk_size)
     return o.transpose(0, 1).to(out_dtype), state
 
 
 def _chunk_core(q, k, v, g, beta, state, C: int):
     """The WY chunk algorithm of :func:`chunk_gated_delta_rule` over ``B`` independent rows
     (heads, or sequences x heads): prepared float32 ``q, k [B, L, dk]``, ``v [B, L, dv]``,
-    ``g, beta [B, L]``, ``state [B, dk, dv]`` → ``(o [B, L, dv], final state [B, dk, dv])``."""
+    ``g, beta [B, L]``, ``state [B, dk, dv]`` or None for zero states (the first chunk then
+    skips every product with the state) → ``(o [B, L, dv], final state [B, dk, dv])``."""
     H, L, dk = q.shape   # H: the batch of independent rows
     dv = v.shape[-1]
     pad = (-L) % C
@@ -185,6 +186,11 @@ def _chunk_core(q, k, v, g, beta, state, C: int):
 
     o = torch.empty(H, N, C, dv, dtype=torch.float32, device=q.device)
     for n in range(N):
+        if state is None:   # a zero state: S0 terms vanish (exactly: x @ 0 and 0 * d are +0)
+            u = u_base[:, n]
+            torch.bmm(attn[:, n], u, out=o[:, n])
+            state = k_to_end[:, n].transpose(-1, -2) @ u
+            continue
         u = u_base[:, n] - u_from_state[:, n] @ state
         o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
         state = state * _decay(chunk_log_decay[:, n])[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
@@ -249,9 +255,13 @@ def _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members: lis
     qb = qb * (dk ** -0.5 if scale is None else scale)
     idx = torch.tensor(members, device=device)
     group_slots = slots[idx]
-    initial = state_cache.index_select(0, group_slots).to(torch.float32)
-    initial.masked_fill_(~has_history[idx][:, None, None, None], 0)
-    o, state = _chunk_core(qb, kb, vb, gb, bb, initial.reshape(m * H, dk, dv), chunk)
+    history = has_history[idx]
+    initial = None          # all fresh prompts: no gather, and the first chunk skips the state terms
+    if bool(history.any()):
+        initial = state_cache.index_select(0, group_slots).to(torch.float32)
+        initial.masked_fill_(~history[:, None, None, None], 0)
+        initial = initial.reshape(m * H, dk, dv)
+    o, state = _chunk_core(qb, kb, vb, gb, bb, initial, chunk)
     o = o.view(m, H, width, dv).transpose(1, 2)[valid]                                  # [sum(lengths), H, dv]
     out.index_copy_(0, rows[valid], o.to(out.dtype))
     state_cache.index_copy_(0, group_slots, state.view(m, H, dk, dv).to(state_cache.dtype))
