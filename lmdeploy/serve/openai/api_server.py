@@ -560,8 +560,10 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     Args:
         pipe: the pipeline; the app does not close it.
         model_name: the name clients must send as ``model`` (others get 404).
-        api_keys: accepted bearer tokens; None or empty disables authentication. With keys,
-            ``/docs`` and ``/openapi.json`` need one too; ``/health`` never does.
+        api_keys: accepted bearer tokens; None or an empty list disables authentication (an
+            empty key is refused). With keys, ``/v1/*``, ``/debug/*``, ``/docs`` and
+            ``/openapi.json`` need one; ``/metrics`` too with ``protect_metrics``; ``/health``
+            never does.
         tool_call_parser: see :class:`_Server`.
         reasoning_parser: see :class:`_Server`.
         max_request_bytes: larger bodies get 413; 0 = no limit.
