@@ -230,6 +230,15 @@ def test_serve_store_prints_the_api_server_flags_and_stops_on_sigterm(tmp_path):
     assert 'Mooncake Store stopped' in log.read_text()
 
 
+def test_the_mooncake_log_is_routed_only_when_a_store_client_will_run(tiny_qwen3, tiny_qwen3_next):
+    from lmdeploy.cli.serve import _uses_store
+    from lmdeploy.messages import PytorchEngineConfig
+    on = PytorchEngineConfig(enable_prefix_caching=True, mooncake_master='local')
+    assert _uses_store(tiny_qwen3_next, on)
+    assert not _uses_store(tiny_qwen3, on)                    # no recurrent state: no Store tier
+    assert not _uses_store(tiny_qwen3_next, PytorchEngineConfig(mooncake_master='local'))   # caching off
+
+
 def test_native_stderr_goes_to_the_log_file_and_python_stderr_stays(tmp_path):
     """What native code writes to fd 2 (the Mooncake client's glog lines) lands in the file;
     Python's logging and messages stay on the terminal, after one line saying where."""

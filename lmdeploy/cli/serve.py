@@ -147,6 +147,21 @@ def route_native_logs(path: str) -> None:
     print(f'Mooncake client logs: {path} (--log-level DEBUG prints them here)', file=sys.stderr)
 
 
+def _uses_store(model_path: str, config: PytorchEngineConfig) -> bool:
+    """Whether the engine will start a Mooncake client: the Store tier needs prefix caching and
+    a model with recurrent layers (its config lists ``linear_attention`` layers). An unreadable
+    config counts as yes; loading reports it."""
+    if not config.enable_prefix_caching:
+        return False
+    try:
+        from ..pytorch.models.loader import load_config
+        hf_config = load_config(model_path)
+    except Exception:   # noqa: BLE001 - the engine raises the real error when it loads
+        return True
+    text = hf_config.get_text_config()
+    return 'linear_attention' in (getattr(text, 'layer_types', None) or [])
+
+
 def api_server(args: argparse.Namespace) -> int:
     """Run the server for parsed ``args`` until interrupted; returns the exit code.
 
@@ -155,7 +170,7 @@ def api_server(args: argparse.Namespace) -> int:
     """
     from ..serve.openai.api_server import run_server
     config = engine_config_from_args(args)
-    if config.mooncake_master and args.log_level != 'DEBUG':
+    if config.mooncake_master and args.log_level != 'DEBUG' and _uses_store(args.model_path, config):
         route_native_logs(os.path.join(tempfile.gettempdir(), f'lmdeploy-{os.getpid()}-mooncake.log'))
     run_server(args.model_path, config, server_name=args.server_name, server_port=args.server_port,
                api_keys=args.api_keys, log_level=args.log_level, model_name=args.model_name,
