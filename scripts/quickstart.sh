@@ -14,7 +14,9 @@
 #  6. stops everything it started, and prints the line that activates its environment.
 #
 # Environment: LMDEPLOY_VENV (default .venv), LMDEPLOY_QUICKSTART_DIR (model, conversation and
-# logs; default .quickstart, kept), LMDEPLOY_PORT (default: a free port), LMDEPLOY_TORCH_INDEX
+# logs; default .quickstart, kept), LMDEPLOY_PORT (default: a free port),
+# LMDEPLOY_STORE_MASTER_PORT / LMDEPLOY_STORE_METADATA_PORT / LMDEPLOY_STORE_METRICS_PORT (the
+# Store's ports, default: free ones), LMDEPLOY_TORCH_INDEX
 # (pip index for torch, e.g. PyTorch's CPU-only index on a machine without a GPU),
 # LMDEPLOY_SKIP_INSTALL=1 to use the current python3 as is.
 set -euo pipefail
@@ -71,7 +73,9 @@ step "tiny hybrid model (Qwen3-Next layout, random weights, trained BPE tokenize
 $LMDEPLOY make-tiny-model "$OUT/model" --arch qwen3_next --force
 
 step "Mooncake Store on 127.0.0.1 (lmdeploy serve store), shared by the two servers below"
-$LMDEPLOY serve store --segment-size $((256 << 20)) --log-dir "$OUT/store-logs" > "$OUT/store.log" 2>&1 &
+$LMDEPLOY serve store --segment-size $((256 << 20)) --log-dir "$OUT/store-logs" \
+    --master-port "${LMDEPLOY_STORE_MASTER_PORT:-0}" --metadata-port "${LMDEPLOY_STORE_METADATA_PORT:-0}" \
+    --metrics-port "${LMDEPLOY_STORE_METRICS_PORT:-0}" > "$OUT/store.log" 2>&1 &
 STORE_PID=$!
 for _ in $(seq 300); do
     grep -q '^metadata_server:' "$OUT/store.log" 2>/dev/null && break

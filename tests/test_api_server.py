@@ -106,7 +106,20 @@ def test_models_health_and_auth(servers):
     with httpx.Client() as c:
         assert c.get(s.base_url + '/health').status_code == 200          # no key needed
         r = c.get(s.base_url + '/v1/models')
-    assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key'
+        assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key'
+        # without a key nothing else is answered: no route probing (404/405), no size limit (413),
+        # no validation (400); with the key the same requests get their own status
+        big = json.dumps({'model': 'tiny', 'prompt': 'x' * (17 << 20)})
+        probes = [('GET', '/v1/nonexistent', None, 404), ('GET', '/v1/chat/completions', None, 405),
+                  ('POST', '/v1/completions', big, 413), ('POST', '/v1/completions', '{"model": 5}', 400),
+                  ('GET', '/debug/ledger', None, 200), ('GET', '/openapi.json', None, 200)]
+        for method, path, body, with_key in probes:
+            r = c.request(method, s.base_url + path, content=body, headers={'Content-Type': 'application/json'})
+            assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key', (path, r.text[:200])
+            r = c.request(method, s.base_url + path, content=body,
+                          headers={'Content-Type': 'application/json', **s.auth})
+            assert r.status_code == with_key, (path, r.text[:200])
+        assert c.get(s.base_url + '/nonexistent').status_code == 404     # outside the protected paths
 
 
 def test_stream_equals_non_stream_chat(servers):

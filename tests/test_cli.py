@@ -161,6 +161,9 @@ def test_make_tiny_model_subcommand(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == out
     with open(os.path.join(out, 'config.json')) as f:
         assert json.load(f)['model_type'] == 'qwen3'
+    with pytest.raises(SystemExit) as exc:        # an MTP head only exists for qwen3_next
+        main(['make-tiny-model', str(tmp_path / 'v'), '--arch', 'qwen3_5', '--mtp'])
+    assert exc.value.code == 2 and '--mtp' in capsys.readouterr().err
 
 
 def test_chat_subprocess_streams_replies_with_history(tiny_qwen3):

@@ -463,8 +463,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='weight seed; the tokenizer does not depend on it (default: 0)')
     parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32',
                         help='stored weight dtype (default: float32)')
-    parser.add_argument('--mtp', action=argparse.BooleanOptionalAction, default=True,
-                        help='qwen3_next: also write the mtp.* multi-token-prediction head (default: on)')
+    parser.add_argument('--mtp', action=argparse.BooleanOptionalAction, default=None,
+                        help='qwen3_next: also write the mtp.* multi-token-prediction head (default: on for '
+                        'qwen3_next; other architectures have none)')
     parser.add_argument('--force', action='store_true',
                         help='write into OUT_DIR even if it is not empty, replacing the checkpoint files '
                         '(default: refuse a non-empty directory)')
@@ -473,12 +474,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> str:
     """Run the CLI command for parsed `args`; prints and returns the written directory.
 
-    Raises ValueError when `out_dir` exists and is not empty, unless `args.force`.
+    Raises ValueError when `out_dir` exists and is not empty, unless `args.force`, or for `--mtp`
+    with an architecture other than qwen3_next.
     """
+    mtp = getattr(args, 'mtp', None)
+    if mtp and args.arch != 'qwen3_next':
+        raise ValueError(f'--mtp: only qwen3_next checkpoints have an MTP head, not --arch {args.arch}')
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
         raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')
     path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                           mtp=getattr(args, 'mtp', True))
+                           mtp=True if mtp is None else mtp)
     print(path)
     return path
 

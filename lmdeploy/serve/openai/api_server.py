@@ -53,7 +53,7 @@ from ...metrics import HTTPMetricsMiddleware, ServerMetrics
 from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts, chat_logprobs, completion_logprobs
 from .errors import APIError, error_body, install_error_handlers
-from .lifecycle import BodySizeLimit, Drain, GracefulServer, ShuttingDown
+from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingDown
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
     NamedToolChoice, Usage, new_id, now
 from .reasoning_parser import get_reasoning_parser
@@ -308,13 +308,18 @@ class _Server:
         keys (when keys are set)."""
         if self.drain.draining:
             raise _shutting_down()
-        if not self.api_keys:
-            return
-        scheme, _, token = request.headers.get('authorization', '').partition(' ')
-        token = token.strip().encode()
-        if scheme.lower() != 'bearer' or not any(hmac.compare_digest(token, k.encode()) for k in self.api_keys):
+        if not self.key_valid(request.headers.get('authorization', '')):
             raise APIError(401, 'missing or invalid API key: send "Authorization: Bearer <key>"',
                            code='invalid_api_key')
+
+    def key_valid(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header value carries one of the keys (always True without
+        keys); compared in constant time."""
+        if not self.api_keys:
+            return True
+        scheme, _, token = authorization.partition(' ')
+        token = token.strip().encode()
+        return scheme.lower() == 'bearer' and any(hmac.compare_digest(token, k.encode()) for k in self.api_keys)
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -594,6 +599,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     app.get('/metrics', dependencies=auth if protect_metrics else [])(server.prometheus)
     _add_docs(app, auth)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    if server.api_keys:     # outside the size limit and routing: keyless requests learn nothing
+        protected = ('/v1/', '/debug/', '/docs', '/openapi.json') + (('/metrics',) if protect_metrics else ())
+        app.add_middleware(KeyCheck, check=server.key_valid, prefixes=protected)
     # added last = outermost: 413s are counted too
     app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS)
     app.openapi = lambda: _openapi(app)

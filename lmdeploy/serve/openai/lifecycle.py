@@ -27,7 +27,7 @@ import uvicorn
 
 from .errors import error_body
 
-__all__ = ['BodySizeLimit', 'Drain', 'GracefulServer', 'ShuttingDown']
+__all__ = ['BodySizeLimit', 'Drain', 'GracefulServer', 'KeyCheck', 'ShuttingDown']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -44,6 +44,36 @@ async def _send_json(send, status: int, body: dict) -> None:
     await send({'type': 'http.response.body', 'body': raw})
 
 
+class KeyCheck:
+    """ASGI middleware: a request to a protected path without a valid bearer key gets 401 before
+    anything else looks at it — routing (so a keyless client cannot tell an existing route from
+    a missing one, 401 rather than 404/405), the body size limit (401 rather than 413) and
+    validation.
+
+    Args:
+        app: the wrapped ASGI app.
+        check: ``(authorization header value) -> bool``, True for a valid key.
+        prefixes: paths needing a key: exact paths, or prefixes ending in ``/``.
+    """
+
+    def __init__(self, app, check, prefixes: tuple[str, ...]):
+        self.app = app
+        self.check = check
+        self.prefixes = prefixes
+
+    def _protected(self, path: str) -> bool:
+        return any(path.startswith(p) if p.endswith('/') else path == p for p in self.prefixes)
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] == 'http' and self._protected(scope.get('path', '')):
+            header = dict(scope.get('headers') or []).get(b'authorization', b'').decode('latin-1')
+            if not self.check(header):
+                return await _send_json(send, 401, error_body(
+                    'missing or invalid API key: send "Authorization: Bearer <key>"', 'invalid_request_error',
+                    code='invalid_api_key'))
+        return await self.app(scope, receive, send)
+
+
 class BodySizeLimit:
     """ASGI middleware: 413 with an OpenAI error body for bodies over ``max_bytes``.
 
@@ -57,9 +87,9 @@ class BodySizeLimit:
         self.max_bytes = max_bytes
 
     def _too_large(self, size: int | None) -> dict:
-        got = f'{size} bytes' if size is not None else 'more'
-        return error_body(f'the request body ({got}) exceeds the limit of {self.max_bytes} bytes '
-                          '(--max-request-bytes)', 'invalid_request_error', code='request_too_large')
+        got = f'the request body ({size} bytes)' if size is not None else 'the request body'
+        return error_body(f'{got} exceeds the limit of {self.max_bytes} bytes (--max-request-bytes)',
+                          'invalid_request_error', code='request_too_large')
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http' or self.max_bytes <= 0:
