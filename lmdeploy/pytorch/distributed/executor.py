@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..engine.sampler import TokenLogprob, sample
-from ..spec_decode.acceptance import verify_drafts
+from ..engine.model_runner import tokens_from_logits
+from ..engine.sampler import TokenLogprob
 from ..paging.scheduler import SchedulerOutput
 from .comm import destroy_group, free_port, init_group
 from ..models.loader import load_config
@@ -366,17 +366,7 @@ class TPModelRunner:
             if c.sample:
                 (verify if c.drafts else plain).append((c, row))
                 row += 1 + len(c.drafts)
-        new_tokens = {}
-        if plain:
-            plain_logits = logits[torch.tensor([r for _, r in plain], device=logits.device)]
-            self.last_logits = plain_logits
-            seqs = [c.seq for c, _ in plain]
-            tokens, logprobs = sample(plain_logits, seqs)
-            self.last_logprobs = {seq.seq_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
-            new_tokens = {seq.seq_id: [tok] for seq, tok in zip(seqs, tokens)}
-        for c, r in verify:
-            new_tokens[c.seq.seq_id] = verify_drafts(logits[r:r + len(c.drafts) + 1], list(c.drafts), c.seq)
-        return new_tokens
+        return tokens_from_logits(self, logits, plain, verify)
 
     def mtp_step(self, batch) -> list[int]:
         """Run an MTP step (:class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch`) on every rank;

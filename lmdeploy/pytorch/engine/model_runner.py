@@ -19,7 +19,7 @@ from .cache_engine import CacheEngine
 from ..spec_decode.acceptance import verify_drafts
 from .sampler import TokenLogprob, sample
 
-__all__ = ['ModelRunner']
+__all__ = ['ModelRunner', 'tokens_from_logits']
 
 
 class ModelRunner:
@@ -93,14 +93,31 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        new_tokens = {}
-        if plain:
-            plain_logits = logits[torch.tensor([r for _, r in plain], device=logits.device)]
-            self.last_logits = plain_logits
-            seqs = [c.seq for c, _ in plain]
-            tokens, logprobs = sample(plain_logits, seqs)
-            self.last_logprobs = {seq.seq_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
-            new_tokens = {seq.seq_id: [tok] for seq, tok in zip(seqs, tokens)}
-        for c, r in verify:
-            new_tokens[c.seq.seq_id] = verify_drafts(logits[r:r + len(c.drafts) + 1], list(c.drafts), c.seq)
-        return new_tokens
+        return tokens_from_logits(self, logits, plain, verify)
+
+
+def tokens_from_logits(runner, logits: torch.Tensor, plain: list, verify: list) -> dict[int, list[int]]:
+    """The new tokens of a forward's sampled chunks, from their logits rows.
+
+    Args:
+        runner: the model runner; its ``last_logits`` (the plain chunks' rows) and
+            ``last_logprobs`` are set here.
+        logits: ``[rows, vocab]`` float32: one row per plain chunk, ``1 + K`` per chunk with K drafts.
+        plain: ``(chunk, row)`` of chunks without drafts: one token sampled from ``logits[row]``.
+        verify: ``(chunk, first row)`` of chunks with drafts: accepted drafts plus one token
+            (:func:`~lmdeploy.pytorch.spec_decode.acceptance.verify_drafts`).
+
+    Returns:
+        ``{seq_id: new tokens}``.
+    """
+    new_tokens = {}
+    if plain:
+        plain_logits = logits[torch.tensor([r for _, r in plain], device=logits.device)]
+        runner.last_logits = plain_logits
+        seqs = [c.seq for c, _ in plain]
+        tokens, logprobs = sample(plain_logits, seqs)
+        runner.last_logprobs = {seq.seq_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
+        new_tokens = {seq.seq_id: [tok] for seq, tok in zip(seqs, tokens)}
+    for c, r in verify:
+        new_tokens[c.seq.seq_id] = verify_drafts(logits[r:r + len(c.drafts) + 1], list(c.drafts), c.seq)
+    return new_tokens
