@@ -52,10 +52,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 # loading ---------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5'])
 def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch, request, monkeypatch):
     path = request.getfixturevalue(f'tiny_{arch}')
     config = load_config(path)
+    text = getattr(config, 'text_config', None) or config
     full = dict(iter_safetensors(path, progress=False))
     import safetensors
     whole_reads = []
@@ -90,15 +91,23 @@ def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch,
     if arch == 'qwen3_next':
         assert any('conv1d' in n for n in split) and any('in_proj_qkvz' in n for n in split)
         assert any(n.startswith('mtp.') and 'k_proj' in n for n in split)      # the MTP head's attention
+    if arch == 'qwen3_5':      # flat Gated DeltaNet projections, under model.language_model.*
+        for part in ('in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'conv1d', 'dt_bias', 'A_log',
+                     'out_proj', 'q_proj', 'o_proj', 'down_proj', 'gate_proj'):
+            assert any(f'.{part}.' in n or n.endswith(f'.{part}') for n in split), part
+        assert 'model.language_model.embed_tokens.weight' in split
+        visual = {n for n in full if n.startswith('model.visual.')}
+        assert visual and visual <= set(parts[0]) and not visual & set(parts[1])   # the tower: rank 0 only
+        assert not visual & set(split)
     assert not set(whole_reads) & set(split), 'a split tensor was read whole'
     for name in split:
         shard = layouts[0].shard(name)
         if len(shard.ranges) == 1:
             joined = torch.cat([p[name] for p in parts], dim=shard.dim)
-        else:   # conv1d: q | k | v channel groups, each split between the ranks
+        else:   # conv1d, in_proj_qkv: q | k | v channel groups, each split between the ranks
             pieces = [p[name].split([b - a for a, b in layouts[i].shard(name).ranges]) for i, p in enumerate(parts)]
             joined = torch.cat([pieces[r][g] for g in range(3) for r in range(2)])
-        if name.endswith(('k_proj.weight', 'v_proj.weight')) and config.num_key_value_heads < 2:
+        if name.endswith(('k_proj.weight', 'v_proj.weight')) and text.num_key_value_heads < 2:
             continue
         assert torch.equal(joined, full[name]), name
 
@@ -110,11 +119,31 @@ def test_a_tp_size_the_heads_do_not_allow_is_refused_naming_the_field(tiny_qwen3
         PytorchEngineConfig(tp=0)
 
 
-def test_a_model_type_without_a_split_is_refused_naming_tp(tiny_qwen3_5):
-    """Qwen3.5 has no tensor-parallel split (its gated query and Gated DeltaNet heads are not
-    sharded): tp > 1 is a ValueError naming tp and the model type, before any worker spawns."""
-    with pytest.raises(ValueError, match=r"tp \(2\).*'qwen3_5'"):
-        Engine(tiny_qwen3_5, PytorchEngineConfig(tp=2, device_type='cpu', dtype='float32', num_gpu_blocks=16))
+def test_a_model_type_without_a_split_is_refused_naming_tp(tiny_qwen3):
+    """Every registered model type splits; a config of any other type (here the tiny Qwen3's
+    relabelled) is a ValueError naming tp and the model type."""
+    config = load_config(tiny_qwen3)
+    config.model_type = 'llama'
+    with pytest.raises(ValueError, match=r"tp \(2\).*'llama'"):
+        TPLayout(config, 0, 2)
+
+
+def test_qwen3_5_local_config_splits_the_text_config(tiny_qwen3_5):
+    """The vision-language config's ``text_config`` gets this rank's counts (the vision config
+    and the full config are untouched), and a TP size the Gated DeltaNet key heads do not allow
+    names ``linear_num_key_heads``."""
+    config = load_config(tiny_qwen3_5)
+    local = TPLayout(config, 1, 2).local_config()
+    t, full = local.text_config, config.text_config
+    assert (t.num_attention_heads, t.num_key_value_heads) == (full.num_attention_heads // 2, 1)
+    assert (t.linear_num_key_heads, t.linear_num_value_heads) == (1, 2)
+    assert t.intermediate_size == full.intermediate_size // 2
+    assert local.vision_config.to_dict() == config.vision_config.to_dict()
+    assert full.linear_num_key_heads == 2
+    layout = TPLayout(config, 1, 2)
+    assert (layout.k_heads, layout.v_heads) == ((1, 2), (2, 4))
+    with pytest.raises(ValueError, match='linear_num_key_heads'):
+        TPLayout(config, 0, 4)
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(tiny_qwen3):
@@ -137,7 +166,7 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert eng.is_idle()
 
 
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5'])
 def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
     path = request.getfixturevalue(f'tiny_{arch}')
     ref = engine(path)
