@@ -581,3 +581,60 @@ def test_mtp_store_objects_restore_across_tp_sizes_with_tp1_bytes(writer_tp, rea
         assert reader.store.flush(timeout=30) and reader.is_idle()
     finally:
         reader.close()
+
+
+# Qwen3.5 with images -----------------------------------------------------------------------
+def _image_prompts(path: str):
+    """The image tests' one-image and two-image prompts: ``[(token ids, MultimodalInputs)]``."""
+    from transformers import AutoImageProcessor
+
+    from test_qwen3_5_images import ONE, TWO, _pieces, _prompt
+    config, proc = load_config(path), AutoImageProcessor.from_pretrained(path)
+    return [_prompt(proc, config, _pieces(spec))[:2] for spec in (ONE, TWO)]
+
+
+def _vl_engine(path: str, **fields) -> Engine:
+    return engine(path, max_prefill_token_num=32, prefill_save_alignment=16, num_checkpoint_slots=8, **fields)
+
+
+@pytest.mark.parametrize('cache', ['off', 'on'])
+def test_tp2_qwen3_5_with_images_equals_tp1(tiny_qwen3_5, cache):
+    """Images at TP2 (the vision tower on rank 0, its output and the M-RoPE positions broadcast
+    with the step): prompt logits of a two-image prompt prefilled in 32-token chunks (images in
+    later chunks, no chunk ending inside one) within 1e-5 of TP1, and greedy tokens of a one-
+    and a two-image prompt decoded together equal TP1's; with the prefix cache on, a warm second
+    pass restores past the images and decodes the same tokens."""
+    from engine_utils import StepRecorder
+    prompts = _image_prompts(tiny_qwen3_5)
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+
+    def run(tp: int):
+        eng = _vl_engine(tiny_qwen3_5, tp=tp, enable_prefix_caching=cache == 'on')
+        try:
+            ids, mms = prompts[1]
+            rec = StepRecorder(eng, keep_logits=True)
+            seq = eng.generate(ids, GenerationConfig(max_new_tokens=1, ignore_eos=True), multimodal=tuple(mms))
+            logits, steps = rec.prompt_logits(seq), rec.steps
+            del eng.model_runner.forward        # stop recording
+            passes = []
+            for _ in range(2 if cache == 'on' else 1):
+                seqs = [eng.add_request(i, gen, multimodal=tuple(m)) for i, m in prompts]
+                while not all(s.is_finished for s in seqs):
+                    eng.step()
+                passes.append(([s.output_ids for s in seqs], [s.num_cached_tokens for s in seqs]))
+            assert eng.is_idle()
+            return logits, steps, passes
+        finally:
+            eng.close()
+    ref_logits, ref_steps, ref_passes = run(1)
+    logits, steps, passes = run(2)
+    ids, mms = prompts[1]
+    assert len(steps) >= 3 and any(s.chunks[0][1] >= mms[0].end for s in steps)   # text after an image, later
+    for start, end in (m.span for m in mms):     # no forward ends strictly inside an image
+        assert all(not start < e < end for s in steps for _, _, e, _ in s.chunks)
+    diff = (logits - ref_logits).abs().max().item()
+    assert diff <= TP_TOL, diff
+    assert [p[0] for p in passes] == [p[0] for p in ref_passes]
+    if cache == 'on':
+        (_, cached), (i, m) = passes[1], prompts[1]
+        assert cached[1] > m[1].end and passes[1][0] == ref_passes[0][0]
