@@ -5,9 +5,11 @@ position are within 1e-5 of TP1 and greedy tokens are equal (continuous batching
 prefill); outputs with the prefix cache off / on / last-only are identical; n-gram speculative
 decoding accepts exactly the right drafts and rolls back every rank's state; Qwen3-Next MTP
 drafting at TP2 loads only slices of the split ``mtp.*`` tensors, drafts exactly TP1's tokens and
-decodes plain TP1's, and its Store objects restore across TP sizes; the ledger is idle after
-aborts; a killed worker ends the engine with an error naming its rank and leaves no process
-behind.
+decodes plain TP1's, and its Store objects restore across TP sizes; Qwen3.5 (flat Gated DeltaNet
+projections read as q | k | v slices, the vision tower on rank 0 only) equals TP1 text-only and
+with images (chunked, prefix cache off / on) and its Store objects restore across TP sizes; the
+ledger is idle after aborts; a killed worker ends the engine with an error naming its rank and
+leaves no process behind.
 
 Geometry: B = 16, A = 64, P = 48 (every prompt is chunked).
 """
@@ -638,3 +640,34 @@ def test_tp2_qwen3_5_with_images_equals_tp1(tiny_qwen3_5, cache):
     if cache == 'on':
         (_, cached), (i, m) = passes[1], prompts[1]
         assert cached[1] > m[1].end and passes[1][0] == ref_passes[0][0]
+
+
+@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2)])
+def test_qwen3_5_store_objects_restore_across_tp_sizes(writer_tp, reader_tp, tiny_qwen3_5, mooncake_services):
+    """Qwen3.5's Store objects are in the full-head layout (KV heads; conv channels as q | k | v
+    ranges; recurrent state by value head): a TP2 writer's K_blk and S are TP1's, and a reader
+    of the other TP size restores the prefix and decodes cold TP1's tokens."""
+    from test_store_engine import store_config
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 6000 + 10 * writer_tp + reader_tp)     # a prompt new to the shared Store
+    cold = engine(tiny_qwen3_5)
+    expected = cold.generate(ids, gen).output_ids
+    sizes = (cold.cache_engine.state_bytes, cold.cache_engine.kv_block_bytes)
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(tiny_qwen3_5, PytorchEngineConfig(**cfg, tp=writer_tp))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        assert (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes) == sizes
+    finally:
+        writer.close()
+    reader = Engine(tiny_qwen3_5, PytorchEngineConfig(**cfg, tp=reader_tp))
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
+        assert again.output_ids == expected
+        assert reader.store.flush(timeout=30) and reader.is_idle()
+    finally:
+        reader.close()
