@@ -54,7 +54,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 # loading ---------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
 def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch, request, monkeypatch):
     path = request.getfixturevalue(f'tiny_{arch}')
     config = load_config(path)
@@ -93,11 +93,12 @@ def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch,
     if arch == 'qwen3_next':
         assert any('conv1d' in n for n in split) and any('in_proj_qkvz' in n for n in split)
         assert any(n.startswith('mtp.') and 'k_proj' in n for n in split)      # the MTP head's attention
-    if arch == 'qwen3_5':      # flat Gated DeltaNet projections, under model.language_model.*
+    if arch.startswith('qwen3_5'):      # flat Gated DeltaNet projections, under model.language_model.*
         for part in ('in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'conv1d', 'dt_bias', 'A_log',
                      'out_proj', 'q_proj', 'o_proj', 'down_proj', 'gate_proj'):
             assert any(f'.{part}.' in n or n.endswith(f'.{part}') for n in split), part
         assert 'model.language_model.embed_tokens.weight' in split
+    if arch == 'qwen3_5':
         visual = {n for n in full if n.startswith('model.visual.')}
         assert visual and visual <= set(parts[0]) and not visual & set(parts[1])   # the tower: rank 0 only
         assert not visual & set(split)
@@ -154,6 +155,29 @@ def test_kv_heads_fewer_than_ranks_are_replicated(tiny_qwen3):
     assert [TPLayout(config, r, 4).q_heads for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
+@pytest.fixture(scope='module')
+def tiny_qwen3_5_text(tiny_qwen3_5, tmp_path_factory) -> str:
+    """The tiny Qwen3.5's text stack as a ``qwen3_5_text`` checkpoint (``Qwen3_5ForCausalLM``):
+    its ``text_config`` as the config, its tensors less ``model.visual.*`` (names kept under
+    ``model.language_model.*``)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    dst = str(tmp_path_factory.mktemp('tiny_qwen3_5_text'))
+    for name in os.listdir(tiny_qwen3_5):
+        if name not in ('config.json', 'model.safetensors', 'preprocessor_config.json'):
+            shutil.copy(os.path.join(tiny_qwen3_5, name), dst)
+    text = load_config(tiny_qwen3_5).text_config.to_dict()
+    with open(os.path.join(dst, 'config.json'), 'w') as f:
+        json.dump(dict(text, architectures=['Qwen3_5ForCausalLM']), f)
+    tensors = load_file(os.path.join(tiny_qwen3_5, 'model.safetensors'))
+    save_file({n: t for n, t in tensors.items() if not n.startswith('model.visual.')},
+              os.path.join(dst, 'model.safetensors'), metadata={'format': 'pt'})
+    assert load_config(dst).model_type == 'qwen3_5_text'
+    return dst
+
+
 # TP2 == TP1 ------------------------------------------------------------------------------
 def _run(eng: Engine) -> list[list[int]]:
     seqs = run_staggered(eng, PROMPTS, GEN, every=2)
@@ -168,7 +192,7 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert eng.is_idle()
 
 
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
 def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
     path = request.getfixturevalue(f'tiny_{arch}')
     ref = engine(path)
