@@ -5,9 +5,11 @@ position are within 1e-5 of TP1 and greedy tokens are equal (continuous batching
 prefill); outputs with the prefix cache off / on / last-only are identical; n-gram speculative
 decoding accepts exactly the right drafts and rolls back every rank's state; Qwen3-Next MTP
 drafting at TP2 loads only slices of the split ``mtp.*`` tensors, drafts exactly TP1's tokens and
-decodes plain TP1's, and its Store objects restore across TP sizes; the ledger is idle after
-aborts; a killed worker ends the engine with an error naming its rank and leaves no process
-behind.
+decodes plain TP1's, and its Store objects restore across TP sizes; Qwen3.5 (flat Gated DeltaNet
+projections read as q | k | v slices, the vision tower on rank 0 only) equals TP1 text-only and
+with images (chunked, prefix cache off / on) and its Store objects restore across TP sizes; the
+ledger is idle after aborts; a killed worker ends the engine with an error naming its rank and
+leaves no process behind.
 
 Geometry: B = 16, A = 64, P = 48 (every prompt is chunked).
 """
@@ -52,10 +54,11 @@ def _pid_alive(pid: int) -> bool:
 
 
 # loading ---------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
 def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch, request, monkeypatch):
     path = request.getfixturevalue(f'tiny_{arch}')
     config = load_config(path)
+    text = getattr(config, 'text_config', None) or config
     full = dict(iter_safetensors(path, progress=False))
     import safetensors
     whole_reads = []
@@ -90,15 +93,24 @@ def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch,
     if arch == 'qwen3_next':
         assert any('conv1d' in n for n in split) and any('in_proj_qkvz' in n for n in split)
         assert any(n.startswith('mtp.') and 'k_proj' in n for n in split)      # the MTP head's attention
+    if arch.startswith('qwen3_5'):      # flat Gated DeltaNet projections, under model.language_model.*
+        for part in ('in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'conv1d', 'dt_bias', 'A_log',
+                     'out_proj', 'q_proj', 'o_proj', 'down_proj', 'gate_proj'):
+            assert any(f'.{part}.' in n or n.endswith(f'.{part}') for n in split), part
+        assert 'model.language_model.embed_tokens.weight' in split
+    if arch == 'qwen3_5':
+        visual = {n for n in full if n.startswith('model.visual.')}
+        assert visual and visual <= set(parts[0]) and not visual & set(parts[1])   # the tower: rank 0 only
+        assert not visual & set(split)
     assert not set(whole_reads) & set(split), 'a split tensor was read whole'
     for name in split:
         shard = layouts[0].shard(name)
         if len(shard.ranges) == 1:
             joined = torch.cat([p[name] for p in parts], dim=shard.dim)
-        else:   # conv1d: q | k | v channel groups, each split between the ranks
+        else:   # conv1d, in_proj_qkv: q | k | v channel groups, each split between the ranks
             pieces = [p[name].split([b - a for a, b in layouts[i].shard(name).ranges]) for i, p in enumerate(parts)]
             joined = torch.cat([pieces[r][g] for g in range(3) for r in range(2)])
-        if name.endswith(('k_proj.weight', 'v_proj.weight')) and config.num_key_value_heads < 2:
+        if name.endswith(('k_proj.weight', 'v_proj.weight')) and text.num_key_value_heads < 2:
             continue
         assert torch.equal(joined, full[name]), name
 
@@ -110,17 +122,60 @@ def test_a_tp_size_the_heads_do_not_allow_is_refused_naming_the_field(tiny_qwen3
         PytorchEngineConfig(tp=0)
 
 
-def test_a_model_type_without_a_split_is_refused_naming_tp(tiny_qwen3_5):
-    """Qwen3.5 has no tensor-parallel split (its gated query and Gated DeltaNet heads are not
-    sharded): tp > 1 is a ValueError naming tp and the model type, before any worker spawns."""
-    with pytest.raises(ValueError, match=r"tp \(2\).*'qwen3_5'"):
-        Engine(tiny_qwen3_5, PytorchEngineConfig(tp=2, device_type='cpu', dtype='float32', num_gpu_blocks=16))
+def test_a_model_type_without_a_split_is_refused_naming_tp(tiny_qwen3):
+    """Every registered model type splits; a config of any other type (here the tiny Qwen3's
+    relabelled) is a ValueError naming tp and the model type."""
+    config = load_config(tiny_qwen3)
+    config.model_type = 'llama'
+    with pytest.raises(ValueError, match=r"tp \(2\).*'llama'"):
+        TPLayout(config, 0, 2)
+
+
+def test_qwen3_5_local_config_splits_the_text_config(tiny_qwen3_5):
+    """The vision-language config's ``text_config`` gets this rank's counts (the vision config
+    and the full config are untouched), and a TP size the Gated DeltaNet key heads do not allow
+    names ``linear_num_key_heads``."""
+    config = load_config(tiny_qwen3_5)
+    local = TPLayout(config, 1, 2).local_config()
+    t, full = local.text_config, config.text_config
+    assert (t.num_attention_heads, t.num_key_value_heads) == (full.num_attention_heads // 2, 1)
+    assert (t.linear_num_key_heads, t.linear_num_value_heads) == (1, 2)
+    assert t.intermediate_size == full.intermediate_size // 2
+    assert local.vision_config.to_dict() == config.vision_config.to_dict()
+    assert full.linear_num_key_heads == 2
+    layout = TPLayout(config, 1, 2)
+    assert (layout.k_heads, layout.v_heads) == ((1, 2), (2, 4))
+    with pytest.raises(ValueError, match='linear_num_key_heads'):
+        TPLayout(config, 0, 4)
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(tiny_qwen3):
     config = load_config(tiny_qwen3)        # 2 KV heads, 4 query heads
     assert [TPLayout(config, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [TPLayout(config, r, 4).q_heads for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.fixture(scope='module')
+def tiny_qwen3_5_text(tiny_qwen3_5, tmp_path_factory) -> str:
+    """The tiny Qwen3.5's text stack as a ``qwen3_5_text`` checkpoint (``Qwen3_5ForCausalLM``):
+    its ``text_config`` as the config, its tensors less ``model.visual.*`` (names kept under
+    ``model.language_model.*``)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    dst = str(tmp_path_factory.mktemp('tiny_qwen3_5_text'))
+    for name in os.listdir(tiny_qwen3_5):
+        if name not in ('config.json', 'model.safetensors', 'preprocessor_config.json'):
+            shutil.copy(os.path.join(tiny_qwen3_5, name), dst)
+    text = load_config(tiny_qwen3_5).text_config.to_dict()
+    with open(os.path.join(dst, 'config.json'), 'w') as f:
+        json.dump(dict(text, architectures=['Qwen3_5ForCausalLM']), f)
+    tensors = load_file(os.path.join(tiny_qwen3_5, 'model.safetensors'))
+    save_file({n: t for n, t in tensors.items() if not n.startswith('model.visual.')},
+              os.path.join(dst, 'model.safetensors'), metadata={'format': 'pt'})
+    assert load_config(dst).model_type == 'qwen3_5_text'
+    return dst
 
 
 # TP2 == TP1 ------------------------------------------------------------------------------
@@ -137,7 +192,7 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert eng.is_idle()
 
 
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
 def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
     path = request.getfixturevalue(f'tiny_{arch}')
     ref = engine(path)
@@ -549,6 +604,94 @@ def test_mtp_store_objects_restore_across_tp_sizes_with_tp1_bytes(writer_tp, rea
         assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
         assert again.output_ids == expected
         assert [d for d in drafts if d[0]] == [d for d in cold_drafts if d[0]]
+        assert reader.store.flush(timeout=30) and reader.is_idle()
+    finally:
+        reader.close()
+
+
+# Qwen3.5 with images -----------------------------------------------------------------------
+def _image_prompts(path: str):
+    """The image tests' one-image and two-image prompts: ``[(token ids, MultimodalInputs)]``."""
+    from transformers import AutoImageProcessor
+
+    from test_qwen3_5_images import ONE, TWO, _pieces, _prompt
+    config, proc = load_config(path), AutoImageProcessor.from_pretrained(path)
+    return [_prompt(proc, config, _pieces(spec))[:2] for spec in (ONE, TWO)]
+
+
+def _vl_engine(path: str, **fields) -> Engine:
+    return engine(path, max_prefill_token_num=32, prefill_save_alignment=16, num_checkpoint_slots=8, **fields)
+
+
+@pytest.mark.parametrize('cache', ['off', 'on'])
+def test_tp2_qwen3_5_with_images_equals_tp1(tiny_qwen3_5, cache):
+    """Images at TP2 (the vision tower on rank 0, its output and the M-RoPE positions broadcast
+    with the step): prompt logits of a two-image prompt prefilled in 32-token chunks (images in
+    later chunks, no chunk ending inside one) within 1e-5 of TP1, and greedy tokens of a one-
+    and a two-image prompt decoded together equal TP1's; with the prefix cache on, a warm second
+    pass restores past the images and decodes the same tokens."""
+    from engine_utils import StepRecorder
+    prompts = _image_prompts(tiny_qwen3_5)
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+
+    def run(tp: int):
+        eng = _vl_engine(tiny_qwen3_5, tp=tp, enable_prefix_caching=cache == 'on')
+        try:
+            ids, mms = prompts[1]
+            rec = StepRecorder(eng, keep_logits=True)
+            seq = eng.generate(ids, GenerationConfig(max_new_tokens=1, ignore_eos=True), multimodal=tuple(mms))
+            logits, steps = rec.prompt_logits(seq), rec.steps
+            del eng.model_runner.forward        # stop recording
+            passes = []
+            for _ in range(2 if cache == 'on' else 1):
+                seqs = [eng.add_request(i, gen, multimodal=tuple(m)) for i, m in prompts]
+                while not all(s.is_finished for s in seqs):
+                    eng.step()
+                passes.append(([s.output_ids for s in seqs], [s.num_cached_tokens for s in seqs]))
+            assert eng.is_idle()
+            return logits, steps, passes
+        finally:
+            eng.close()
+    ref_logits, ref_steps, ref_passes = run(1)
+    logits, steps, passes = run(2)
+    ids, mms = prompts[1]
+    assert len(steps) >= 3 and any(s.chunks[0][1] >= mms[0].end for s in steps)   # text after an image, later
+    for start, end in (m.span for m in mms):     # no forward ends strictly inside an image
+        assert all(not start < e < end for s in steps for _, _, e, _ in s.chunks)
+    diff = (logits - ref_logits).abs().max().item()
+    assert diff <= TP_TOL, diff
+    assert [p[0] for p in passes] == [p[0] for p in ref_passes]
+    if cache == 'on':
+        (_, cached), (i, m) = passes[1], prompts[1]
+        assert cached[1] > m[1].end and passes[1][0] == ref_passes[0][0]
+
+
+@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2)])
+def test_qwen3_5_store_objects_restore_across_tp_sizes(writer_tp, reader_tp, tiny_qwen3_5, mooncake_services):
+    """Qwen3.5's Store objects are in the full-head layout (KV heads; conv channels as q | k | v
+    ranges; recurrent state by value head): a TP2 writer's K_blk and S are TP1's, and a reader
+    of the other TP size restores the prefix and decodes cold TP1's tokens."""
+    from test_store_engine import store_config
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 6000 + 10 * writer_tp + reader_tp)     # a prompt new to the shared Store
+    cold = engine(tiny_qwen3_5)
+    expected = cold.generate(ids, gen).output_ids
+    sizes = (cold.cache_engine.state_bytes, cold.cache_engine.kv_block_bytes)
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(tiny_qwen3_5, PytorchEngineConfig(**cfg, tp=writer_tp))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        assert (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes) == sizes
+    finally:
+        writer.close()
+    reader = Engine(tiny_qwen3_5, PytorchEngineConfig(**cfg, tp=reader_tp))
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
+        assert again.output_ids == expected
         assert reader.store.flush(timeout=30) and reader.is_idle()
     finally:
         reader.close()

@@ -351,11 +351,22 @@ class TPModelRunner:
                 b.sample_rows.extend(range(offset - 1 - len(chunk.drafts), offset))
         return b
 
+    def image_inputs(self, out: SchedulerOutput, batch: StepBatch):
+        """Rank 0's image inputs of the step (the vision tower runs here, on rank 0 only), on
+        the CPU for the broadcast; ``None`` for a model without images or a step without any."""
+        fn = getattr(self.model, 'image_inputs', None)
+        if fn is None:
+            return None
+        images = fn([c.seq for c in out.chunks], [kv - q for kv, q in zip(batch.kv_seqlens, batch.q_seqlens)],
+                    batch.q_seqlens, batch.q_start_loc)
+        return None if images is None else images.cpu()
+
     def forward(self, out: SchedulerOutput, return_all_logits: bool = False) -> dict[int, list[int]]:
         """As :meth:`ModelRunner.forward`: ``{seq_id: new tokens}`` for sampled chunks — one
         sampled token, or for a chunk with drafts its accepted drafts plus one token."""
         self.last_logprobs = {}
         self.last_batch = batch = self.step_batch(out, return_all_logits)
+        batch.images = self.image_inputs(out, batch)
         logits, all_logits = self.executor.call('forward', batch)
         if return_all_logits:
             self.all_logits = all_logits

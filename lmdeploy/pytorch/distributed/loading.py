@@ -25,12 +25,13 @@ logger = logging.getLogger('lmdeploy')
 
 def iter_shard_tensors(model_path: str, layout: TPLayout, prefix: str | None = None
                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, this rank's part)`` for every checkpoint tensor, or only for those whose
-    name starts with ``prefix`` (the others are not read at all)."""
+    """Yield ``(name, this rank's part)`` for every checkpoint tensor the rank reads
+    (:meth:`TPLayout.reads`), or only for those whose name starts with ``prefix`` (the others
+    are not read at all)."""
     for path in weight_files(model_path):
         with safe_open(path, framework='pt') as f:
             for name in f.keys():
-                if prefix is not None and not name.startswith(prefix):
+                if (prefix is not None and not name.startswith(prefix)) or not layout.reads(name):
                     continue
                 shard = layout.shard(name)
                 if shard is None:

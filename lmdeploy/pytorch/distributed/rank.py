@@ -2,7 +2,10 @@
 slice of every KV block and state slot), and the handful of commands rank 0 broadcasts.
 
 A step's inputs travel as one :class:`StepBatch` of plain integers (no tensors, no
-sequences), broadcast once per step; every rank builds the same
+sequences), broadcast once per step — except a Qwen3.5 step whose batch holds images: rank 0
+runs the vision tower and adds its output and the M-RoPE positions
+(:class:`~lmdeploy.pytorch.models.qwen3_5.ImageInputs`, CPU tensors) to the batch. Every rank
+builds the same
 :class:`~lmdeploy.pytorch.model_inputs.StepContext` from it and runs its shard of the forward.
 The collectives inside the sharded layers keep the ranks in lock step, and the vocab-parallel
 ``lm_head`` leaves the full logits on every rank; only rank 0 samples.
@@ -37,6 +40,10 @@ class StepBatch:
         sample_rows: flat rows whose logits are needed (each sampled chunk's last token, and
             with speculative decoding the positions of its drafts before it).
         all_logits: also compute the logits of every row (tests).
+        images: only for a step of a model with images whose batch holds an image (Qwen3.5):
+            rank 0's :class:`~lmdeploy.pytorch.models.qwen3_5.ImageInputs` on the CPU —
+            M-RoPE positions int64 ``[3, T]``, image rows int64 ``[R]`` and the vision tower's
+            ``[R, hidden]`` output in the model dtype; ``None`` otherwise (plain integers only).
     """
     input_ids: list[int]
     positions: list[int]
@@ -47,6 +54,7 @@ class StepBatch:
     state_slots: list[int]
     sample_rows: list[int]
     all_logits: bool = False
+    images: object = None
 
 
 class RankRuntime:
@@ -108,7 +116,10 @@ class RankRuntime:
                           block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in batch.block_tables],
                           state_slots=batch.state_slots, kv_caches=ce.kv_caches, state_caches=ce.state_caches,
                           block_size=ce.block_size)
-        hidden = self.model(ctx)
+        if batch.images is not None:      # every rank: the same image rows and positions as rank 0
+            hidden = self.model.forward_images(ctx, batch.images)
+        else:
+            hidden = self.model(ctx)
         if self.mtp is not None:
             self.last_hidden = hidden
         all_logits = self.model.compute_logits(hidden).cpu() if batch.all_logits else None

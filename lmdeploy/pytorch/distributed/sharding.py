@@ -15,10 +15,18 @@ checkpoint tensor the rank reads::
     mlp.gate_proj / up_proj (dense MLP)      column     intermediate rows
     mlp.down_proj (dense MLP)                row        intermediate columns, all-reduce
     linear_attn.in_proj_qkvz / in_proj_ba    column     rows of its key heads (grouped per key head)
+    linear_attn.in_proj_qkv (Qwen3.5)        column     its q | k | v rows (three pieces, flat layout)
+    linear_attn.in_proj_z / in_proj_b / _a   column     rows of its value heads (Qwen3.5)
     linear_attn.conv1d                       channel    its q | k | v channels (three pieces)
     linear_attn.dt_bias / A_log              head       its value heads
     linear_attn.out_proj                     row        its value channels, all-reduce
     everything else (norms, MoE)             replicated
+    model.visual.* (Qwen3.5 vision tower)    rank 0 only (whole); other ranks neither build nor read it
+
+Qwen3.5 (``qwen3_5`` with its ``text_config``, ``qwen3_5_text``) splits its text stack like
+Qwen3-Next (gated ``q_proj``, dense MLPs split); its checkpoint names under
+``model.language_model.*`` are matched as ``model.*``. Its image embeddings are computed on rank 0
+and broadcast with the step (:class:`~lmdeploy.pytorch.distributed.rank.StepBatch`).
 
 The Qwen3-Next MTP head (``mtp.*``, :mod:`lmdeploy.pytorch.spec_decode.mtp`) splits the same
 way: its full-attention layer's ``mtp.layers.0.self_attn.*`` like the target's attention
@@ -119,37 +127,54 @@ def _split(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-# ``model.layers.*`` (the target) and ``mtp.layers.*`` (the MTP head's decoder layer)
+# ``model.layers.*`` (the target; Qwen3.5's ``model.language_model.layers.*`` is renamed to it
+# first) and ``mtp.layers.*`` (the MTP head's decoder layer)
 _DENSE_MLP = re.compile(r'^(?:model|mtp)\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
 _ATTN = re.compile(r'^(?:model|mtp)\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
-_GDN = re.compile(r'^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|in_proj_ba|conv1d|dt_bias|A_log|out_proj)'
-                  r'(\.weight)?$')
+_GDN = re.compile(r'^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|'
+                  r'in_proj_a|conv1d|dt_bias|A_log|out_proj)(\.weight)?$')
+_QWEN3_5 = ('qwen3_5', 'qwen3_5_text')
+_HYBRID = ('qwen3_next',) + _QWEN3_5
+
+
+def _text_config(config):
+    """The config of the text stack: ``text_config`` of a vision-language config, else ``config``."""
+    return getattr(config, 'text_config', None) or config
 
 
 class TPLayout:
     """Rank ``rank``'s share of a model with config ``config`` under TP ``size``.
 
     Args:
-        config: the full model's ``transformers`` config.
+        config: the full model's ``transformers`` config (for ``qwen3_5`` the composite config;
+            head and channel counts are read from its ``text_config``).
         rank: this rank.
         size: the TP size.
 
+    Attributes:
+        q_heads, kv_heads: this rank's query / KV heads ``(first, stop)``.
+        intermediate: its dense-MLP intermediate rows ``(first, stop)``; ``(0, 0)`` = unsplit.
+        vocab: its vocabulary rows ``(first, stop)``; ``vocab_width`` the padded rows per rank.
+        k_heads, v_heads: its Gated DeltaNet key / value heads (hybrid models only).
+
     Raises:
         ValueError: a head or channel count the TP size does not divide (names the field); a
-            model type whose split is not implemented (only ``qwen3`` and ``qwen3_next`` split).
+            model type whose split is not implemented (names ``tp`` and the model type; split:
+            ``qwen3``, ``qwen3_next``, ``qwen3_5``, ``qwen3_5_text``).
     """
 
-    SPLIT_MODEL_TYPES = ('qwen3', 'qwen3_next')
+    SPLIT_MODEL_TYPES = ('qwen3',) + _HYBRID
 
     def __init__(self, config, rank: int, size: int):
         self.config, self.rank, self.size = config, rank, size
         self.model_type = config.model_type
         if self.model_type not in self.SPLIT_MODEL_TYPES:
             raise ValueError(f'tp ({size}): tensor parallelism supports model_type '
-                             f'{" and ".join(self.SPLIT_MODEL_TYPES)}, not {self.model_type!r}; use tp=1')
-        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
-        self.q_heads = _split(config.num_attention_heads, rank, size, 'num_attention_heads')
-        kv = config.num_key_value_heads
+                             f'{", ".join(self.SPLIT_MODEL_TYPES)}, not {self.model_type!r}; use tp=1')
+        text = self.text = _text_config(config)
+        self.head_dim = getattr(text, 'head_dim', None) or text.hidden_size // text.num_attention_heads
+        self.q_heads = _split(text.num_attention_heads, rank, size, 'num_attention_heads')
+        kv = text.num_key_value_heads
         if kv >= size:
             self.kv_heads = _split(kv, rank, size, 'num_key_value_heads')
         elif size % kv:
@@ -157,43 +182,65 @@ class TPLayout:
         else:
             first = rank * kv // size        # KV heads replicated: size/kv ranks share one
             self.kv_heads = (first, first + 1)
-        self.gated_q = self.model_type == 'qwen3_next'    # q_proj also emits the output gate
-        self.intermediate = (_split(config.intermediate_size, rank, size, 'intermediate_size')
+        self.gated_q = self.model_type in _HYBRID    # q_proj also emits the output gate
+        self.flat_gdn = self.model_type in _QWEN3_5   # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
+        self.intermediate = (_split(text.intermediate_size, rank, size, 'intermediate_size')
                              if self._has_dense_mlp() else (0, 0))
-        vocab = config.vocab_size
+        vocab = text.vocab_size
         self.vocab_width = -(-vocab // size)
         self.vocab = (min(vocab, rank * self.vocab_width), min(vocab, (rank + 1) * self.vocab_width))
-        if self.model_type == 'qwen3_next':
-            self.k_heads = _split(config.linear_num_key_heads, rank, size, 'linear_num_key_heads')
-            r = config.linear_num_value_heads // config.linear_num_key_heads
+        if self.model_type in _HYBRID:
+            self.k_heads = _split(text.linear_num_key_heads, rank, size, 'linear_num_key_heads')
+            if text.linear_num_value_heads % text.linear_num_key_heads:
+                raise ValueError(f'linear_num_value_heads ({text.linear_num_value_heads}) must be a multiple of '
+                                 f'linear_num_key_heads ({text.linear_num_key_heads})')
+            r = text.linear_num_value_heads // text.linear_num_key_heads
             self.v_heads = (self.k_heads[0] * r, self.k_heads[1] * r)
 
     def _has_dense_mlp(self) -> bool:
-        c = self.config
+        c = self.text
         if self.model_type != 'qwen3_next' or c.num_experts == 0:
             return True
         return any(i in (c.mlp_only_layers or []) or (i + 1) % c.decoder_sparse_step
                    for i in range(c.num_hidden_layers))
 
     def local_config(self):
-        """A copy of the config with this rank's head and channel counts (``head_dim`` explicit)."""
+        """A copy of the config with this rank's head and channel counts (``head_dim`` explicit);
+        for ``qwen3_5`` the counts are changed in the copy's ``text_config``."""
         c = copy.deepcopy(self.config)
-        c.head_dim = self.head_dim
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        t = _text_config(c)
+        t.head_dim = self.head_dim
+        t.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        t.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
         if self.intermediate[1]:
-            c.intermediate_size = self.intermediate[1] - self.intermediate[0]
-        if self.model_type == 'qwen3_next':
-            c.linear_num_key_heads = self.k_heads[1] - self.k_heads[0]
-            c.linear_num_value_heads = self.v_heads[1] - self.v_heads[0]
+            t.intermediate_size = self.intermediate[1] - self.intermediate[0]
+        if self.model_type in _HYBRID:
+            t.linear_num_key_heads = self.k_heads[1] - self.k_heads[0]
+            t.linear_num_value_heads = self.v_heads[1] - self.v_heads[0]
         return c
+
+    def reads(self, name: str) -> bool:
+        """Whether this rank reads checkpoint tensor ``name`` at all: ranks other than 0 skip
+        Qwen3.5's vision tower (``model.visual.*``, run on rank 0 only) and its unused ``mtp.*``."""
+        if self.model_type in _QWEN3_5:
+            if name.startswith('mtp.'):
+                return False
+            if name.startswith('model.visual.'):
+                return self.rank == 0
+        return True
+
+    def conv_ranges(self) -> tuple[tuple[int, int], ...]:
+        """This rank's Gated DeltaNet conv channels (q | k | v pieces), as in its conv1d rows."""
+        return self._gdn_shard('conv1d').ranges
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Swap in the parallel modules (on the model's current device, e.g. meta); returns ``model``."""
-        c = self.config
+        c = self.text
         model.model.embed_tokens = VocabParallelEmbedding(*self.vocab, c.hidden_size)
         model.lm_head = VocabParallelHead(*self.vocab, self.vocab_width, c.hidden_size, c.vocab_size)
         self._swap_row_parallel(model.model.layers)
+        if self.rank != 0 and getattr(model, 'visual', None) is not None:
+            model.visual = None      # the vision tower runs on rank 0; its output is broadcast
         return model
 
     def apply_mtp(self, mtp: nn.Module) -> nn.Module:
@@ -219,6 +266,8 @@ class TPLayout:
 
     def shard(self, name: str) -> Shard | None:
         """Which part of checkpoint tensor ``name`` this rank reads; None = the whole tensor."""
+        if self.model_type in _QWEN3_5 and name.startswith('model.language_model.'):
+            name = 'model.' + name[len('model.language_model.'):]
         if name in ('model.embed_tokens.weight', 'lm_head.weight'):
             return Shard(0, (self.vocab,))
         m = _ATTN.match(name)
@@ -243,7 +292,13 @@ class TPLayout:
         return None
 
     def _gdn_shard(self, part: str) -> Shard:
-        c = self.config
+        """Rows (columns for ``out_proj``) of Gated DeltaNet tensor ``part`` this rank reads.
+
+        Qwen3-Next groups ``in_proj_qkvz`` / ``in_proj_ba`` per key head (one contiguous range);
+        Qwen3.5's flat ``in_proj_qkv`` is ``[q all | k all | v all]`` like the conv channels
+        (three ranges), ``in_proj_z`` ``[Hv * dv]`` and ``in_proj_b`` / ``in_proj_a`` ``[Hv]``
+        follow the value heads."""
+        c = self.text
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         r = c.linear_num_value_heads // c.linear_num_key_heads
         (k0, k1), (v0, v1) = self.k_heads, self.v_heads
@@ -252,10 +307,12 @@ class TPLayout:
             return Shard(0, ((k0 * per, k1 * per),))
         if part == 'in_proj_ba':
             return Shard(0, ((k0 * 2 * r, k1 * 2 * r),))
-        if part == 'conv1d':
+        if part in ('conv1d', 'in_proj_qkv'):
             key_dim = c.linear_num_key_heads * dk
             return Shard(0, ((k0 * dk, k1 * dk), (key_dim + k0 * dk, key_dim + k1 * dk),
                              (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv)))
-        if part in ('dt_bias', 'A_log'):
+        if part == 'in_proj_z':
+            return Shard(0, ((v0 * dv, v1 * dv),))
+        if part in ('dt_bias', 'A_log', 'in_proj_b', 'in_proj_a'):
             return Shard(0, ((v0, v1),))
         return Shard(1, ((v0 * dv, v1 * dv),))      # out_proj

@@ -56,7 +56,7 @@ class StoreLayout:
     @staticmethod
     def _conv_ranges(layout: TPLayout) -> tuple[tuple[int, int], ...]:
         """The rank's conv channels: the same q | k | v ranges as its conv1d weight rows."""
-        return layout.shard('model.layers.0.linear_attn.conv1d.weight').ranges
+        return layout.conv_ranges()
 
     def _pairs(self, full: CacheEngine, ranks: list[CacheEngine], kv: bool):
         """Yield ``(full view, rank view)`` pairs that hold the same elements."""

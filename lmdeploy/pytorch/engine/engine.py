@@ -240,8 +240,9 @@ class Engine:
         if any(m.end > len(token_ids) for m in multimodal):
             raise ValueError(f'a multimodal span ends past the prompt of {len(token_ids)} tokens')
         if any(m.data is not None for m in multimodal):
-            if self.executor is not None or self.mtp is not None:
-                raise ValueError('images are not supported with tp > 1 or MTP speculative decoding')
+            if self.mtp is not None:
+                raise ValueError('images are not supported with MTP speculative decoding '
+                                 '(speculative_config.method=qwen3_next_mtp)')
             self.model.check_multimodal(token_ids, multimodal)
         return Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
                         self.eos_token_ids, tuple(multimodal))

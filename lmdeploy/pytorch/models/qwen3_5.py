@@ -20,6 +20,7 @@ the vision-language ones (``text_config`` + ``vision_config``; weights under
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -34,7 +35,7 @@ from .qwen3_next import check_config as _check_hybrid
 from .qwen3_5_vision import Qwen3_5VisionModel, merged_grid, mrope_positions
 from .rope import RotaryEmbedding
 
-__all__ = ['Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'MRotaryEmbedding', 'check_config']
+__all__ = ['Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'MRotaryEmbedding', 'ImageInputs', 'check_config']
 
 
 def check_config(config) -> None:
@@ -159,6 +160,24 @@ def _text_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
     return hybrid_cache_specs(config, dtype)
 
 
+@dataclass
+class ImageInputs:
+    """A forward's image inputs (:meth:`Qwen3_5ForConditionalGeneration.image_inputs`).
+
+    Attributes:
+        positions: int64 ``[3, T]`` M-RoPE (temporal, height, width) position of every flat row.
+        rows: int64 ``[R]`` flat rows that are image tokens, in order.
+        embeds: ``[R, hidden_size]`` in the model dtype, the vision tower's output for those rows.
+    """
+    positions: torch.Tensor
+    rows: torch.Tensor
+    embeds: torch.Tensor
+
+    def cpu(self) -> 'ImageInputs':
+        """A copy on the CPU (to broadcast to other tensor-parallel ranks)."""
+        return ImageInputs(self.positions.cpu(), self.rows.cpu(), self.embeds.cpu())
+
+
 class Qwen3_5ForCausalLM(nn.Module):
     """Text-only Qwen3.5 (``Qwen3_5ForCausalLM``, config ``Qwen3_5TextConfig``).
 
@@ -279,15 +298,23 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
             cache[j] = self.visual(px, grid)
         return cache[j]
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]`` (images as in the class docstring)."""
-        seqs = ctx.sequences
+    def image_inputs(self, seqs, history_lens: list[int], q_seqlens: list[int], q_start_loc: list[int]
+                     ) -> ImageInputs | None:
+        """What a forward over these chunks needs from the images: ``None`` when no sequence
+        has an image (plain positions then), else the M-RoPE positions of every flat row and the
+        vision tower's output for the rows that are image tokens. Runs the vision tower (needs
+        :attr:`visual`: under tensor parallelism, rank 0) and keeps / drops ``seq.encoder_cache``
+        entries as described in the class docstring.
+
+        Args:
+            seqs: per chunk, its :class:`~lmdeploy.pytorch.engine.sequence.Sequence`.
+            history_lens, q_seqlens, q_start_loc: per chunk, as in :class:`StepContext`.
+        """
         if not any(s is not None and any(m.data is not None for m in s.multimodal) for s in seqs):
-            return self.model(ctx)
-        embeds = self.model.embed_tokens(ctx.input_ids)
-        positions = []
+            return None
+        positions, rows, embeds = [], [], []
         for i, seq in enumerate(seqs):
-            start, n, row0 = ctx.history_lens[i], ctx.q_seqlens[i], ctx.q_start_loc[i]
+            start, n, row0 = history_lens[i], q_seqlens[i], q_start_loc[i]
             images = [m for m in seq.multimodal if m.data is not None]
             positions.append(mrope_positions(start, n, images, self.merge))
             for j, mm in enumerate(seq.multimodal):
@@ -295,8 +322,30 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
                 if mm.data is None or a >= b:
                     continue
                 emb = self._image_embeds(seq, j, mm)
-                embeds[row0 + a - start:row0 + b - start] = emb[a - mm.start:b - mm.start].to(embeds.dtype)
+                rows.append(torch.arange(row0 + a - start, row0 + b - start, dtype=torch.long))
+                embeds.append(emb[a - mm.start:b - mm.start])
                 if start + n >= mm.end:
                     seq.encoder_cache.pop(j, None)     # the span is computed: never needed again
-        pos = torch.cat(positions, dim=1).to(ctx.device)
-        return self.model(ctx, inputs_embeds=embeds, mrope_positions=pos)
+        hidden = self.config.get_text_config().hidden_size
+        dtype = self.lm_head.weight.dtype
+        return ImageInputs(
+            positions=torch.cat(positions, dim=1),
+            rows=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
+            embeds=(torch.cat(embeds).to(dtype) if embeds
+                    else torch.zeros(0, hidden, dtype=dtype, device=self.lm_head.weight.device)))
+
+    def forward_images(self, ctx: StepContext, images: ImageInputs) -> torch.Tensor:
+        """The text stack over ``ctx`` with image rows replaced and M-RoPE positions
+        (:meth:`image_inputs`' output, on any device): ``[T, hidden_size]``. Needs no vision
+        tower, so every tensor-parallel rank runs it with rank 0's ``images``."""
+        embeds = self.model.embed_tokens(ctx.input_ids)
+        if images.rows.numel():
+            embeds[images.rows.to(embeds.device)] = images.embeds.to(embeds.device, embeds.dtype)
+        return self.model(ctx, inputs_embeds=embeds, mrope_positions=images.positions.to(ctx.device))
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]`` (images as in the class docstring)."""
+        images = self.image_inputs(ctx.sequences, ctx.history_lens, ctx.q_seqlens, ctx.q_start_loc)
+        if images is None:
+            return self.model(ctx)
+        return self.forward_images(ctx, images)
