@@ -53,15 +53,10 @@ def _pid_alive(pid: int) -> bool:
         return f.read().split()[2] != 'Z'
 
 
-# loading ---------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
-def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch, request, monkeypatch):
-    path = request.getfixturevalue(f'tiny_{arch}')
-    config = load_config(path)
-    text = getattr(config, 'text_config', None) or config
-    full = dict(iter_safetensors(path, progress=False))
+def record_safetensors_reads(monkeypatch) -> list[tuple[str, str]]:
+    """Make shard loading record every tensor it reads: ``(name, 'slice' | 'whole')`` in order."""
     import safetensors
-    whole_reads = []
+    reads: list[tuple[str, str]] = []
     real_open = safetensors.safe_open
 
     class Recording:
@@ -79,12 +74,37 @@ def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch,
             return self.f.keys()
 
         def get_slice(self, name):
+            reads.append((name, 'slice'))
             return self.f.get_slice(name)
 
         def get_tensor(self, name):
-            whole_reads.append(name)
+            reads.append((name, 'whole'))
             return self.f.get_tensor(name)
     monkeypatch.setattr('lmdeploy.pytorch.distributed.loading.safe_open', Recording)
+    return reads
+
+
+def assert_reader_restores(path: str, cfg: dict, tp: int, ids: list[int], gen, expected: list[int]) -> None:
+    """A fresh engine of size ``tp`` on the Store of ``cfg`` restores the 128-token prefix of
+    ``ids`` and decodes ``expected``; it ends idle."""
+    reader = Engine(path, PytorchEngineConfig(**cfg, tp=tp))
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
+        assert again.output_ids == expected
+        assert reader.store.flush(timeout=30) and reader.is_idle()
+    finally:
+        reader.close()
+
+
+# loading ---------------------------------------------------------------------------------
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
+def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch, request, monkeypatch):
+    path = request.getfixturevalue(f'tiny_{arch}')
+    config = load_config(path)
+    text = getattr(config, 'text_config', None) or config
+    full = dict(iter_safetensors(path, progress=False))
+    reads = record_safetensors_reads(monkeypatch)
     layouts = [TPLayout(config, r, 2) for r in range(2)]
     parts = [dict(iter_shard_tensors(path, layout)) for layout in layouts]
     split = [n for n in full if layouts[0].shard(n) is not None]
@@ -102,7 +122,7 @@ def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch,
         visual = {n for n in full if n.startswith('model.visual.')}
         assert visual and visual <= set(parts[0]) and not visual & set(parts[1])   # the tower: rank 0 only
         assert not visual & set(split)
-    assert not set(whole_reads) & set(split), 'a split tensor was read whole'
+    assert not {n for n, how in reads if how == 'whole'} & set(split), 'a split tensor was read whole'
     for name in split:
         shard = layouts[0].shard(name)
         if len(shard.ranges) == 1:
@@ -376,14 +396,7 @@ def test_a_reader_with_another_tp_size_restores_the_writers_prefix_and_bytes_mat
         assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
     finally:
         writer.close()
-    reader = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg, tp=reader_tp))
-    try:
-        again = reader.generate(ids, gen)
-        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
-        assert again.output_ids == expected
-        assert reader.store.flush(timeout=30) and reader.is_idle()
-    finally:
-        reader.close()
+    assert_reader_restores(tiny_qwen3_next, cfg, reader_tp, ids, gen, expected)
 
 
 def test_the_rendezvous_listens_on_loopback_only():
@@ -468,38 +481,12 @@ def test_each_rank_loads_its_mtp_shard_reading_only_slices_of_the_split_mtp_tens
     """Rank r's MTP head: its attention built from the local config (query / KV heads halved,
     ``o_proj`` row-parallel), the q/k/v/o tensors read as slices (never whole) and tiling the
     whole head's; ``fc``, norms and MoE replicated; only ``mtp.*`` tensors read."""
-    import safetensors
-
     from lmdeploy.pytorch.distributed.sharding import RowParallelLinear
     from lmdeploy.pytorch.spec_decode.mtp import load_mtp
     config = load_config(tiny_qwen3_next)
     names = {n for n, _ in iter_safetensors(tiny_qwen3_next, progress=False) if n.startswith('mtp.')}
     whole = load_mtp(tiny_qwen3_next, config, torch.float32, 'cpu')
-    reads: list[tuple[str, str]] = []
-    real_open = safetensors.safe_open
-
-    class Recording:
-        def __init__(self, *a, **k):
-            self.f = real_open(*a, **k)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.f.keys()
-
-        def get_slice(self, name):
-            reads.append((name, 'slice'))
-            return self.f.get_slice(name)
-
-        def get_tensor(self, name):
-            reads.append((name, 'whole'))
-            return self.f.get_tensor(name)
-    monkeypatch.setattr('lmdeploy.pytorch.distributed.loading.safe_open', Recording)
+    reads = record_safetensors_reads(monkeypatch)
     shards = []
     for rank in range(2):
         reads.clear()
@@ -687,11 +674,4 @@ def test_qwen3_5_store_objects_restore_across_tp_sizes(writer_tp, reader_tp, tin
         assert (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes) == sizes
     finally:
         writer.close()
-    reader = Engine(tiny_qwen3_5, PytorchEngineConfig(**cfg, tp=reader_tp))
-    try:
-        again = reader.generate(ids, gen)
-        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
-        assert again.output_ids == expected
-        assert reader.store.flush(timeout=30) and reader.is_idle()
-    finally:
-        reader.close()
+    assert_reader_restores(tiny_qwen3_5, cfg, reader_tp, ids, gen, expected)
