@@ -461,7 +461,8 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     K/V rows of the ``num_nextn_predict_layers`` MTP layers (default 1), each a full-attention
     layer of the model's geometry; S is unchanged.
 
-    Layer kinds come from ``layer_types`` (``linear_attention``/``full_attention``) or else
+    A vision-language config (Qwen3.5) is read from its ``text_config``. Layer kinds come from
+    ``layer_types`` (``linear_attention``/``full_attention``) or else
     ``full_attention_interval`` (layer i is full when ``(i + 1) % interval == 0``). Conv state
     uses ``state_dtype`` (default: the model dtype); the recurrent state is fp32.
 
@@ -470,6 +471,10 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     """
     if tp < 1:
         raise ValueError(f'tp must be >= 1, got {tp}')
+    if 'num_hidden_layers' not in config and isinstance(config.get('text_config'), dict):
+        # a vision-language config (Qwen3.5): the decoder's fields are nested; its dtype may be top-level
+        config = dict(config['text_config'], dtype=config['text_config'].get('dtype') or config.get('dtype')
+                      or config.get('torch_dtype'))
     try:
         layers = config.get('layer_types') or [
             'full_attention' if (i + 1) % config['full_attention_interval'] == 0 else 'linear_attention'

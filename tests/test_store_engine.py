@@ -156,6 +156,17 @@ def test_specs_give_the_simulators_S_and_K_blk(make_engine, tiny_qwen3_next):
     assert (S, K) == (16896, 4096)
 
 
+def test_the_simulator_reads_a_vision_language_config_from_its_text_config(tiny_qwen3_5):
+    """Qwen3.5's config nests the decoder's fields in ``text_config``: the simulator's S and K_blk
+    equal the engine's, at tp 1 and per rank at tp 2."""
+    config = json.loads((Path(tiny_qwen3_5) / 'config.json').read_text())
+    eng = Engine(tiny_qwen3_5, PytorchEngineConfig(device_type='cpu', block_size=B, num_gpu_blocks=16))
+    sizes = sim.sizes_from_config(config, tp=1, block_size=B)
+    assert (sizes.state_bytes, sizes.kv_block_bytes) == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
+    half = sim.sizes_from_config(config, tp=2, block_size=B)
+    assert half.state_bytes * 2 == sizes.state_bytes
+
+
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
 def test_every_turn_puts_save_points_times_S_plus_new_blocks_times_K_blk(make_engine, cold, mooncake_store,
                                                                            last_only):
