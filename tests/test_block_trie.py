@@ -265,6 +265,7 @@ def test_a_pinned_checkpoint_keeps_its_node_from_eviction():
 # ------------------------------------------------------------------ StateCache
 class _Node:
     checkpoint_slot = None
+    parent = object()       # a node in some trie
 
 
 def test_state_slots_runtime_then_checkpoint_ids():
@@ -297,6 +298,20 @@ def test_no_checkpoint_slots_means_no_checkpoint():
     sc = StateCache(2, 0)
     assert sc.alloc_checkpoint() is None
     assert sc.num_free_checkpoints == 0
+
+
+def test_a_node_is_published_once_and_only_while_in_the_trie():
+    """A second slot for a node that has a checkpoint, or a slot for a node the trie dropped, is
+    refused (the caller releases it): a node never points at two slots."""
+    sc = StateCache(1, 3)
+    node, gone = _Node(), _Node()
+    gone.parent = None
+    a, b, c = sc.alloc_checkpoint(), sc.alloc_checkpoint(), sc.alloc_checkpoint()
+    assert sc.publish(a, node) and node.checkpoint_slot == a
+    assert sc.publish(a, node)                      # the same slot again: a no-op
+    assert not sc.publish(b, node) and node.checkpoint_slot == a
+    assert not sc.publish(c, gone) and gone.checkpoint_slot is None
+    assert sc.num_published == 1
 
 
 def test_releasing_a_pinned_checkpoint_raises():

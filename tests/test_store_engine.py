@@ -390,6 +390,29 @@ def test_store_restore_is_kept_in_the_local_prefix_cache(make_engine, cold):
     assert reader.store.flush(timeout=30) and reader.is_idle()
 
 
+def test_two_restores_of_one_prefix_in_one_step_keep_one_local_checkpoint(make_engine, cold):
+    """Two waiting requests restore the same boundary from the Store in the same step: each
+    reserves a slot to keep the restore locally, only the first is published, the other slot is
+    released (no node pointing at two slots, no slot published for a node it is not in)."""
+    ids = prompt(150, seed=81)
+    gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    writer = make_engine(store_namespace='two-restores')
+    writer.generate(ids, gen)
+    assert writer.store.flush(timeout=30)
+    reader = make_engine(store_namespace='two-restores', num_checkpoint_slots=4)
+    a, b = reader.add_request(ids, gen), reader.add_request(ids, gen)
+    while not (a.is_finished and b.is_finished):
+        reader.step()
+    assert a.output_ids == b.output_ids == cold(ids)[:4]
+    assert a.stats.store_hit_tokens == b.stats.store_hit_tokens == 128
+    published = reader.state_cache._published
+    assert all(node.checkpoint_slot == slot and node.parent is not None for slot, node in published.items())
+    assert reader.ledger()['checkpoints_published'] == 1
+    reader.prefix_cache.evict(10 ** 6)
+    assert reader.ledger()['checkpoints_published'] == 0 and reader.ledger()['blocks_cached'] == 0
+    assert reader.is_idle()
+
+
 @pytest.mark.parametrize('spans,recompute_blocks,num_tokens,expected', [
     ((), 0, 144, 128),
     (((120, 136), ), 0, 144, 64),     # reusability rule 4: 128 lies inside the span

@@ -194,11 +194,10 @@ class PrefixCache:
         return self.local.cache_restored(seq, self.hashes(seq), load.boundary)
 
     def restored_kept(self, node, slot: int, copied: bool) -> None:
-        """Publish the local copy of a Store restore (or release it if the copy raised)."""
+        """Publish the local copy of a Store restore (or release it if the copy raised, or if
+        another restore of the same prefix in this step published its copy first)."""
         self.local.state_cache.unpin(slot)
-        if copied:
-            self.local.state_cache.publish(slot, node)
-        else:
+        if not (copied and self.local.state_cache.publish(slot, node)):
             self.local.state_cache.release_checkpoint(slot)
 
     # after the forward (scheduler) -------------------------------------------------------
@@ -292,7 +291,9 @@ class PrefixCache:
             return False
         del self._staging[seq.seq_id]
         self.local.state_cache.unpin(staging.slot)
-        self.local.state_cache.publish(staging.slot, node)
+        if not self.local.state_cache.publish(staging.slot, node):     # (checked above: cannot happen)
+            self.local.state_cache.release_checkpoint(staging.slot)
+            return False
         seq.stats.turn_end_point = boundary
         self.counters['turn_end_checkpoints_saved'] += 1
         if self.store is None:

@@ -132,11 +132,10 @@ class LocalTier:
         return CheckpointSave(seq, seq.state_slot, dst, node, boundary)
 
     def checkpoint_done(self, save: CheckpointSave, copied: bool) -> None:
-        """Publish a planned checkpoint whose copy ran; release it unpublished if it did not."""
+        """Publish a planned checkpoint whose copy ran; release it unpublished if it did not (or
+        its node has a checkpoint already / left the trie)."""
         self.state_cache.unpin(save.dst)
-        if copied:
-            self.state_cache.publish(save.dst, save.node)
-        else:
+        if not (copied and self.state_cache.publish(save.dst, save.node)):
             self.state_cache.release_checkpoint(save.dst)
 
     def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, int] | None:

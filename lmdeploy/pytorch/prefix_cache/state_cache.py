@@ -80,10 +80,19 @@ class StateCache:
                     break
         return self._free_ckpt.pop() if self._free_ckpt else None
 
-    def publish(self, slot: int, node: Any) -> None:
-        """Attach checkpoint ``slot`` to trie ``node`` (sets ``node.checkpoint_slot``)."""
+    def publish(self, slot: int, node: Any) -> bool:
+        """Attach checkpoint ``slot`` to trie ``node`` (sets ``node.checkpoint_slot``); returns True.
+
+        Returns False, and changes nothing, when ``node`` already holds another checkpoint or has
+        left the trie (``node.parent`` is None): e.g. two Store restores of one prefix in the
+        same step each reserved a slot for it. The caller releases ``slot`` then; a node never
+        points at two slots, and every published slot is the checkpoint of a node in the trie.
+        """
+        if (node.checkpoint_slot is not None and node.checkpoint_slot != slot) or node.parent is None:
+            return False
         node.checkpoint_slot = slot
         self._published[slot] = node
+        return True
 
     def release_checkpoint(self, slot: int) -> None:
         """Return an allocated checkpoint slot; detaches it from its node if published.
