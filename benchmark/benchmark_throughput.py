@@ -21,6 +21,12 @@ alone and batched, against transformers' full forward). The op profile counts th
 (dispatcher calls) of one batch-N decode step: one ``Engine.step`` against the difference
 between HF ``generate`` of ``k + 1`` and ``k`` new tokens.
 
+``--dtype bfloat16`` runs both systems in bf16 (the precision of published checkpoints): the
+speeds compare like for like, but greedy outputs are not expected to be token-equal (both round
+at different points; the documented bf16 bound is on logits, see ``docs/en/supported_models.md``),
+so only ``greedy_equal_to_hf`` is reported, without the divergence report and the float32
+precision block.
+
 Both systems share the process, so they share its allocator: a CPU engine raises glibc
 ``malloc``'s mmap and trim thresholds when it is created (see ``docs/en/supported_models.md``,
 "Running on CPU"), and transformers runs with the same settings.
@@ -160,11 +166,11 @@ def count_ops(fn) -> int:
 
 
 # --- the two systems ------------------------------------------------------------------------
-def make_engine(model_path: str, max_batch: int, max_len: int):
+def make_engine(model_path: str, max_batch: int, max_len: int, dtype: str = 'float32'):
     from lmdeploy import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
     blocks = max_batch * (-(-max_len // 64)) + 8
-    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', max_batch_size=max_batch, session_len=max_len + 1,
+    cfg = PytorchEngineConfig(device_type='cpu', dtype=dtype, max_batch_size=max_batch, session_len=max_len + 1,
                               num_gpu_blocks=blocks)
     return Engine(model_path, cfg)
 
@@ -293,19 +299,19 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
     model_path = prepare_model(args)
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype), local_files_only=True).eval()
     n_params = sum(p.numel() for p in hf.parameters())
     batches = [int(b) for b in args.batches.split(',') if b]
     prefill = [int(p) for p in args.prefill.split(',') if p]
     max_len = max(prefill + [args.prompt_len + args.decode_tokens + 8])
-    engine = make_engine(model_path, max(batches), max_len)
+    engine = make_engine(model_path, max(batches), max_len, args.dtype)
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def prompts(n, length):
         return torch.randint(3, vocab, (n, length), generator=gen).tolist()
 
-    results = dict(model=model_path, params=n_params, threads=args.threads, repeats=args.repeats,
+    results = dict(model=model_path, params=n_params, dtype=args.dtype, threads=args.threads, repeats=args.repeats,
                    decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, decode=[], prefill=[], ops=[])
     engine_generate(engine, prompts(1, 8), 2)   # warm-up (first-call costs of both)
     hf_generate(hf, prompts(1, 8), 2)
@@ -321,7 +327,8 @@ def run(args) -> dict:
             ours, theirs = e.pop('result'), h.pop('result')
             if ours != theirs:
                 equal = False
-                divergences += greedy_divergences(hf, ps, ours, theirs)
+                if args.dtype == 'float32':   # in bf16 divergence is expected (see --dtype)
+                    divergences += greedy_divergences(hf, ps, ours, theirs)
             runs['engine'].append(e)
             runs['hf_batched'].append(h)
             if batch > 1 and not args.skip_one_at_a_time:
@@ -354,11 +361,12 @@ def run(args) -> dict:
         hf_ops = count_ops(lambda: hf_generate(hf, ps, k + 1)) - count_ops(lambda: hf_generate(hf, ps, k))
         results['ops'].append(dict(batch=batch, engine=engine_decode_step_ops(engine, ps), hf=hf_ops))
         print(f'ops per decode step, batch {batch}: engine {results["ops"][-1]["engine"]}, hf {hf_ops}', flush=True)
-    precision = logit_precision(engine, hf, prompts(max(batches), args.prompt_len), 16)
-    results['precision'] = precision
-    print('float32 max |logit difference| vs transformers full forward (teacher-forced): '
-          + ', '.join(f'{k} {v:.1e}' for k, v in precision.items() if k != 'max_abs_logit')
-          + f' (logits up to {precision["max_abs_logit"]:.1f})', flush=True)
+    if args.dtype == 'float32':
+        precision = logit_precision(engine, hf, prompts(max(batches), args.prompt_len), 16)
+        results['precision'] = precision
+        print('float32 max |logit difference| vs transformers full forward (teacher-forced): '
+              + ', '.join(f'{k} {v:.1e}' for k, v in precision.items() if k != 'max_abs_logit')
+              + f' (logits up to {precision["max_abs_logit"]:.1f})', flush=True)
     results['llama_cpp'] = llama_bench(args.llama_bench, args.gguf, args.threads, prefill, args.decode_tokens)
     return results
 
@@ -400,7 +408,8 @@ def plot(results: dict, path: str) -> None:
         ax.set_ylabel('tokens/s (median, min-max bars)')
         ax.set_title(kind)
         ax.legend(fontsize=8)
-    fig.suptitle(f'{results["params"] / 1e6:.0f}M-param Qwen3-Next-shaped model, fp32, {results["threads"]} threads')
+    fig.suptitle(f'{results["params"] / 1e6:.0f}M-param Qwen3-Next-shaped model, {results.get("dtype", "float32")}, '
+                 f'{results["threads"]} threads')
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -410,6 +419,9 @@ def main(argv=None):
     p.add_argument('--model', help='model directory (default: a random model of --preset made in a temp dir)')
     p.add_argument('--preset', choices=sorted(PRESETS), default='small')
     p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32',
+                   help='weights and activations of both systems; bfloat16 outputs are not expected to be '
+                        'token-equal to transformers (no divergence report, no float32 precision block)')
     p.add_argument('--batches', default='1,4,16')
     p.add_argument('--prefill', default='1024,2048,4096')
     p.add_argument('--prompt-len', type=int, default=32)

@@ -58,3 +58,20 @@ def test_greedy_divergences_locate_the_first_differing_token_and_its_margin(tiny
     assert [(d['seq'], d['token'], d['engine'], d['hf']) for d in report] == [(1, 3, ours[1][3], theirs[1][3])]
     assert report[0]['hf_margin'] > 0
     assert bench.greedy_divergences(hf, prompts, theirs, theirs) == []
+
+
+def test_bfloat16_run_compares_both_systems_in_bf16(tiny_qwen3_next, tmp_path):
+    """--dtype bfloat16 runs the engine and transformers in bf16 (both report speeds), records the
+    dtype, and leaves out the float32-only parts (divergence report, precision block)."""
+    bench = _load()
+    out = tmp_path / 'bf'
+    bench.main(['--model', tiny_qwen3_next, '--dtype', 'bfloat16', '--threads', '1', '--batches', '2',
+                '--prefill', '40', '--prompt-len', '7', '--decode-tokens', '4', '--repeats', '1',
+                '--skip-one-at-a-time', '--llama-bench', str(tmp_path / 'none'), '--out', str(out)])
+    results = json.loads((tmp_path / 'bf.json').read_text())
+    assert results['dtype'] == 'bfloat16'
+    assert 'precision' not in results
+    (row,) = results['decode']
+    assert 'greedy_divergences' not in row and isinstance(row['greedy_equal_to_hf'], bool)
+    assert row['engine']['tok_s']['median'] > 0 and row['hf_batched']['tok_s']['median'] > 0
+    assert results['prefill'][0]['engine']['tok_s']['median'] > 0
