@@ -98,3 +98,34 @@ def test_unknown_vocabularies_keep_the_decoded_text():
             return {5: 'Ã©', 6: 'x'}[i]
     texts = TokenTexts(Plain())
     assert texts.raw_bytes(5) == list('é'.encode()) and texts.raw_bytes(6) == list(b'<0xE4>')
+
+
+def _first_completed_cut(text: str, words: list[str]) -> str:
+    """Reference: generate ``text`` one character at a time and stop at the first stop string
+    that is complete (of several completing at once, the longest); cut before it."""
+    for end in range(1, len(text) + 1):
+        done = [w for w in words if w and text[:end].endswith(w)]
+        if done:
+            return text[:end - len(max(done, key=len))]
+    return text
+
+
+@pytest.mark.parametrize('seed', range(40))
+def test_overlapping_stop_strings_cut_where_the_first_completed_one_starts(tokenizer, seed):
+    """Any list order and any token chunking: the cut equals the character-by-character
+    reference, including stop strings that overlap or contain one another."""
+    rng = random.Random(seed)
+    text = ''.join(rng.choice(['ab', 'ba', 'abc', ' ', 'cab', 'é', 'x']) for _ in range(25))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    words = []
+    for _ in range(rng.randint(1, 4)):
+        i = rng.randrange(len(full))
+        words.append(full[i:i + rng.randint(1, 6)])
+    if rng.random() < 0.3:
+        words.append('never-in-text')
+    expected = _first_completed_cut(full, words)
+    for order in (words, words[::-1], rng.sample(words, len(words))):
+        streamed, detok = _stream(tokenizer, ids, order, rng)
+        assert streamed == expected, (words, order)
+        assert detok.stopped

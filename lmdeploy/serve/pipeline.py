@@ -115,10 +115,13 @@ class _Detokenizer:
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             tail_start = max(0, before - self.hold)
-            for word in self.stop_words:
-                pos = self.text.find(word, tail_start)
-                if pos != -1:
-                    self.text, final, self.stopped = self.text[:pos], True, True
+            # the stop string completed first ends the text (as if generated one character at a
+            # time; ties: the longer one, which starts first), whatever the list order or the
+            # token boundaries
+            hits = [(pos + len(word), pos) for word in self.stop_words
+                    if (pos := self.text.find(word, tail_start)) != -1]
+            if hits:
+                self.text, final, self.stopped = self.text[:min(hits)[1]], True, True
         end = len(self.text)
         if not final:
             end = max(self.emitted, end - self.hold)
