@@ -151,6 +151,32 @@ def test_chat_output_reasoning_then_calls_and_parallel_switch():
         assert ''.join(d.get('content', '') for d in deltas) == msg['content']
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([None, 'ls', 'read_file', '']), st.booleans(),
+       st.lists(st.sampled_from(['', '{"path": "."}}', '\n</tool_call>', 'oops', '{"name": "ls", "arguments": {}}',
+                                 '<think>x</think>', ' text ']), max_size=4),
+       st.lists(st.integers(0, 60), max_size=6))
+def test_streamed_chat_deltas_equal_the_whole_reply_with_a_forced_prefix(forced, reasoning, parts, cuts):
+    """Any forced opening (``tool_choice`` required / named, or none), any reply (empty
+    included: a reply that ends at once) and any chunking, fed as the server feeds it (only
+    non-empty text, then ``finish``): the streamed content, reasoning and calls equal the
+    non-streamed message."""
+    from lmdeploy.serve.openai.chat_output import ChatOutput
+    tools = get_tool_parser('hermes')
+    prefix = '' if forced == '' else tools.forced_prefix(forced)
+    text = ''.join(parts)
+    parser = get_reasoning_parser('think') if reasoning else None
+    msg = ChatOutput(parser, False, tools, prefix, True).message(text)
+    stream = ChatOutput(parser, False, tools, prefix, True)
+    bounds = [0] + sorted(c for c in cuts if c < len(text)) + [len(text)]
+    deltas = [stream.feed(text[a:b]) for a, b in zip(bounds, bounds[1:]) if text[a:b]] + [stream.finish()]
+    assert (''.join(d.get('content', '') for d in deltas) or None) == (msg['content'] or None)
+    if reasoning:
+        assert (''.join(d.get('reasoning_content', '') for d in deltas) or None) == msg['reasoning_content']
+    calls = _merge_fragments([f for d in deltas for f in d.get('tool_calls', [])])
+    assert calls == [(c['function']['name'], c['function']['arguments']) for c in msg.get('tool_calls', [])]
+
+
 def test_chat_output_deltas_never_repeat_an_index_and_first_call_stop():
     from lmdeploy.serve.openai.chat_output import ChatOutput
     text = CALL_READ + '\n' + CALL_LS

@@ -25,7 +25,8 @@ class ChatOutput:
         tools: the tool-call parser, or None when the request has no tools (or ``tool_choice``
             is ``"none"``).
         prefix: text the server wrote after the generation prompt (a forced call's opening);
-            it is parsed as the start of the reply but never sent as content.
+            it is parsed as the start of the reply: part of the call when the call completes,
+            content otherwise (the same streamed or not).
         parallel_tool_calls: False keeps only the first call.
     """
 
@@ -74,14 +75,16 @@ class ChatOutput:
         return self._split(reasoning, content, frags)
 
     def finish(self) -> dict:
-        """End of the reply: the last ``delta`` fields (what was held back)."""
+        """End of the reply: the last ``delta`` fields (what was held back; and the prefix when
+        no text was fed, e.g. a reply that ended at once)."""
+        head = {} if self._fed_prefix else self.feed('')
         reasoning, content = self._rs.finish() if self._rs else ('', '')
         frags = []
         if self._ts is not None:
             c1, f1 = self._ts.feed(content)
             c2, f2 = self._ts.finish()
             content, frags = c1 + c2, f1 + f2
-        return self._split(reasoning, content, frags)
+        return self.merge_deltas(head, self._split(reasoning, content, frags))
 
     # whole reply ------------------------------------------------------------------------
     def message(self, text: str) -> dict:
