@@ -433,7 +433,9 @@ def test_logprobs_are_real_values(servers, reference_loop):
     lp = c.choices[0].logprobs
     assert ''.join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 5
     assert all(len(top) <= 3 and max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # each token's offset: where its text starts in the choice's text (a lone byte shows U+FFFD)
+    text = c.choices[0].text
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
 
 
 def test_logprobs_bytes_rebuild_multibyte_text_streamed_and_not(servers):

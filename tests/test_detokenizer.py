@@ -129,3 +129,46 @@ def test_overlapping_stop_strings_cut_where_the_first_completed_one_starts(token
         streamed, detok = _stream(tokenizer, ids, order, rng)
         assert streamed == expected, (words, order)
         assert detok.stopped
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize('seed', range(15))
+def test_completion_text_offsets_index_the_decoded_text(tokenizer, seed):
+    """``text_offset`` of each generated token = the characters of the whole decoded output
+    (special tokens skipped) that precede it, also when tokens split a multi-byte character
+    or leave bytes that never form one, and when the offsets run across stream chunks: the
+    decoded prefix before token i equals the text up to its offset, but for a character still
+    incomplete there."""
+    from types import SimpleNamespace
+
+    from lmdeploy.serve.openai.chat_output import TextOffsets, TokenTexts, completion_logprobs
+    rng = random.Random(seed)
+    text = ''.join(rng.choice(['héllo ', '世界', '🌍', ' ok', 'ȥ', '\n']) for _ in range(12))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for _ in range(3):                                 # special tokens the text skips
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(tokenizer.all_special_ids))
+    for _ in range(8):                                 # any vocabulary entry: lone or invalid UTF-8 bytes too
+        ids.insert(rng.randrange(len(ids) + 1), rng.randrange(len(tokenizer)))
+    texts = TokenTexts(tokenizer)
+    assert any(texts(i) == '\ufffd' for i in ids)      # some tokens hold part of a character
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    lps = [SimpleNamespace(token_id=i, logprob=-1.0, top=[]) for i in ids]
+    offsets, got, i = TextOffsets(texts), [], 0
+    while i < len(lps):                                # stream chunks of 1-4 tokens
+        step = rng.randint(1, 4)
+        got += completion_logprobs(texts, lps[i:i + step], 0, offsets)['text_offset']
+        i += step
+    assert got == sorted(got) and got[-1] <= len(full)
+    for k, off in enumerate(got):
+        before = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if not before.endswith('\ufffd'):             # a clean character boundary before token k
+            assert off == len(before) and full.startswith(before), (k, off)
+        else:   # bytes held at the boundary: the token starts at their character or after it
+            assert len(before.rstrip('\ufffd')) <= off <= _common_prefix(full, before), (k, off)
+    assert got == completion_logprobs(texts, lps, 0)['text_offset']

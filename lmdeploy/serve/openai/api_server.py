@@ -51,7 +51,7 @@ from ...messages import GenerationConfig
 from ...messages import Response as EngineResponse
 from ...metrics import HTTPMetricsMiddleware, ServerMetrics
 from ..images import ImageFetchLimits, fetch_http_images
-from .chat_output import ChatOutput, TokenTexts, chat_logprobs, completion_logprobs
+from .chat_output import ChatOutput, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from .errors import APIError, error_body, install_error_handlers
 from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingDown
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
@@ -489,7 +489,7 @@ class _Server:
 
     async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
                                  top: int, echoed: list[str] | None = None):
-        offsets = [0] * len(gen.choices)
+        offsets = [TextOffsets(self.texts) for _ in gen.choices]
         for i, text in enumerate(echoed or []):     # echo: the prompt first, as each choice's first text
             choice = {'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}
             yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
@@ -502,7 +502,6 @@ class _Server:
                     lp = None
                     if logprobs and r.logprobs:
                         lp = completion_logprobs(self.texts, r.logprobs, top, offsets[i])
-                        offsets[i] += sum(len(t) for t in lp['tokens'])
                     if r.text or r.finish_reason or lp:
                         choice = {'index': i, 'text': r.text, 'logprobs': lp, 'finish_reason': r.finish_reason}
                         yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))

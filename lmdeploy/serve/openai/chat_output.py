@@ -8,12 +8,13 @@ into text and tool calls. A reply with at least one call finishes with ``"tool_c
 """
 from __future__ import annotations
 
+import codecs
 import re
 
 from .reasoning_parser import ThinkReasoningParser
 from .tool_parser import ToolParser, merge_tool_call_fragments
 
-__all__ = ['ChatOutput', 'TokenTexts', 'chat_logprobs', 'completion_logprobs']
+__all__ = ['ChatOutput', 'TokenTexts', 'TextOffsets', 'chat_logprobs', 'completion_logprobs']
 
 
 class ChatOutput:
@@ -212,6 +213,7 @@ class TokenTexts:
         self._bytes: dict[int, list[int]] = {}
         self._kind = _decoder_kind(tokenizer)
         self._added = set(getattr(tokenizer, 'added_tokens_decoder', None) or ())
+        self.special = set(getattr(tokenizer, 'all_special_ids', None) or ())
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -259,13 +261,53 @@ def chat_logprobs(texts: TokenTexts, logprobs: list, top: int) -> dict:
                              top_logprobs=[_entry(texts, t, v) for t, v in lp.top[:top]]) for lp in logprobs]}
 
 
-def completion_logprobs(texts: TokenTexts, logprobs: list, top: int, offset: int = 0) -> dict:
+class TextOffsets:
+    """Character offsets of generated tokens in the completion text, kept across stream chunks.
+
+    The text is the output decoded as a whole (special tokens skipped), so a token's offset is
+    the number of characters of complete characters before it: the bytes of the earlier tokens
+    (:meth:`TokenTexts.raw_bytes`) run through one incremental UTF-8 decoder, which holds back a
+    character split over tokens until its last byte arrives (the token that completes it starts
+    at that character). Special tokens add no characters; with a sentencepiece (``▁``)
+    vocabulary the space that opens the output is not counted (decoding strips it).
+
+    Args:
+        texts: the server's token lookup.
+        start: characters before the first token (0).
+    """
+
+    def __init__(self, texts: TokenTexts, start: int = 0):
+        self.texts, self.chars = texts, start
+        self._utf8 = codecs.getincrementaldecoder('utf-8')(errors='replace')
+        self._opening = texts._kind == 'metaspace'
+
+    def next(self, token_id: int) -> int:
+        """The offset of ``token_id`` (the next generated token), then advance past it."""
+        offset = self.chars
+        if token_id in self.texts.special:
+            return offset
+        raw = bytes(self.texts.raw_bytes(token_id))
+        held = self._utf8.getstate()[0]
+        text = self._utf8.decode(raw)
+        if held:
+            # bytes held from earlier tokens that this token shows are not a character: their
+            # U+FFFD come before this token in the text
+            alone = codecs.getincrementaldecoder('utf-8')(errors='replace').decode(raw)
+            head = len(text) - len(alone)
+            if head > 0 and text.endswith(alone) and text[:head] == '\ufffd' * head:
+                offset += head
+        if self._opening and text:
+            text, self._opening = (text[1:] if text[0] == ' ' else text), False
+        self.chars += len(text)
+        return offset
+
+
+def completion_logprobs(texts: TokenTexts, logprobs: list, top: int, offsets: TextOffsets | None = None) -> dict:
     """Completions ``choices[i].logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``
-    (``{token text: logprob}`` per token) and ``text_offset`` (characters, from ``offset``)."""
-    tokens, offsets = [], []
-    for lp in logprobs:
-        offsets.append(offset)
-        tokens.append(texts(lp.token_id))
-        offset += len(tokens[-1])
-    return {'tokens': tokens, 'token_logprobs': [lp.logprob for lp in logprobs],
-            'top_logprobs': [{texts(t): v for t, v in lp.top[:top]} for lp in logprobs], 'text_offset': offsets}
+    (``{token text: logprob}`` per token) and ``text_offset`` (characters of the choice's text
+    before each token, see :class:`TextOffsets`; pass the choice's ``offsets`` to continue
+    across stream chunks)."""
+    offsets = offsets or TextOffsets(texts)
+    return {'tokens': [texts(lp.token_id) for lp in logprobs], 'token_logprobs': [lp.logprob for lp in logprobs],
+            'top_logprobs': [{texts(t): v for t, v in lp.top[:top]} for lp in logprobs],
+            'text_offset': [offsets.next(lp.token_id) for lp in logprobs]}
