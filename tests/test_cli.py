@@ -103,6 +103,25 @@ def test_serve_store_port_flags_refuse_non_ports_naming_the_flag(flag, capsys):
     assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('flag', ['--master-port', '--metadata-port', '--metrics-port'])
+def test_serve_store_refuses_a_port_another_process_listens_on(flag, capsys, tmp_path):
+    """A fixed port someone else listens on is refused before anything starts (it used to pass
+    the readiness check, since the other process accepts connections, and the command said
+    'ready' while pointing at the other process's service)."""
+    import socket
+    with socket.socket() as other:
+        other.bind(('127.0.0.1', 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(['serve', 'store', flag, str(port), '--log-dir', str(tmp_path / 'logs')])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    field = flag[2:].replace('-', '_')
+    assert f'{field}={port}' in err and 'already in use' in err and 'Traceback' not in err, err
+    assert not (tmp_path / 'logs').exists()          # nothing was started
+
+
 def test_cuda_device_without_cuda_names_the_field(tiny_qwen3, capsys):
     import torch
     if torch.cuda.is_available():

@@ -55,8 +55,11 @@ def run_store(args: argparse.Namespace) -> int:
         0 after a signal stopped the services.
 
     Raises:
-        ValueError: ``--segment-size`` below 16 MiB, or a ``--host`` this machine cannot bind.
-        RuntimeError: a Mooncake binary is missing or a service did not start (quotes its log).
+        ValueError: ``--segment-size`` below 16 MiB, a ``--host`` this machine cannot bind, or
+            a fixed port already in use (names the flag's field).
+
+    A Mooncake binary that is missing or a service that does not start is reported on stderr
+    (quoting its log) with exit code 1.
     """
     import tempfile
 
@@ -69,7 +72,11 @@ def run_store(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    services.start()
+    try:
+        services.start()
+    except RuntimeError as err:
+        print(f'lmdeploy: error: the Mooncake Store did not start: {err}', file=sys.stderr)
+        return 1
     try:
         print(f'Mooncake Store ready ({args.segment_size >> 20} MiB on {args.host}); service logs in {log_dir}')
         print(f'mooncake_master: {services.master_address}')

@@ -77,6 +77,18 @@ def free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a process listens on TCP ``host:port`` (a bind with ``SO_REUSEADDR`` fails; a
+    port left in TIME_WAIT by an ended process counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _pdeathsig_prefix() -> list[str]:
     """``setpriv --pdeathsig TERM`` where available, so the services end with their owner even
     when it is killed with SIGKILL (no atexit or finally runs then).
@@ -223,6 +235,7 @@ class MooncakeServices:
         running; after :meth:`stop` it starts fresh processes on new ports).
 
         Raises:
+            ValueError: a fixed port is already in use (names the argument).
             RuntimeError: the binary is missing, or a process exits or is not ready in time
                 (names the address, quotes the log; a segment owner that cannot keep its
                 transfer ports on loopback exits with the reason in its log).
@@ -232,6 +245,12 @@ class MooncakeServices:
         master_bin = find_binary('mooncake_master')
         if master_bin is None:
             raise RuntimeError('mooncake_master not found; install requirements/store.txt')
+        # a fixed port another process listens on would pass the readiness check (it accepts
+        # connections) while our service exits at once: refuse it up front, naming it
+        for name, port in zip(('master_port', 'metadata_port', 'metrics_port'), self._fixed_ports):
+            if port and port_in_use(self.host, port):
+                raise ValueError(f'{name}={port}: {self.host}:{port} is already in use by another process '
+                                 f'(another Mooncake Store?); pick a free port or 0')
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix='lmdeploy-mooncake-'))
         self.log_dir.mkdir(parents=True, exist_ok=True)
