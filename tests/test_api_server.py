@@ -295,6 +295,19 @@ BAD_REQUESTS = [
      None, 400, 'echo'),
     ('suffix', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'suffix': 'end'}, None, 400, 'suffix'),
     ('best_of above n', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'best_of': 3}, None, 400, 'best_of'),
+    # the body cannot be read as JSON at all: code invalid_json
+    ('body not UTF-8', '/v1/chat/completions', b'{"model": "tiny", "messages": "\xff\xfe"}', None, 400, None),
+    ('body nested too deeply', '/v1/chat/completions', b'[' * 100000 + b']' * 100000, None, 400, None),
+    ('trailing slash', '/v1/chat/completions/', {'model': 'tiny', 'messages': MSG}, None, 404, None),
+    ('tool_choice string not a choice', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'tool_choice': 'always'}, None, 400, 'tool_choice'),
+    ('tool without a name', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'tools': [{'type': 'function', 'function': {'name': ' '}}]},
+     None, 400, 'tools.0.function'),
+    ('two tools with one name', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'tools': [{'type': 'function', 'function': {'name': 'ls'}}] * 2},
+     None, 400, 'tools'),
+    ('empty token-id list', '/v1/completions', {'model': 'tiny', 'prompt': [[5, 6], []]}, None, 400, 'prompt'),
 ]
 
 
@@ -311,6 +324,12 @@ def test_bad_request_gets_openai_error(servers, name, path, body, headers, statu
     if status == 400 and param:
         assert err['code'] == 'invalid_value', err
         assert err['message'].startswith(param.split('.')[0]), err      # the message names its field
+    if name in ('malformed json', 'body not UTF-8', 'body nested too deeply'):
+        assert err['code'] == 'invalid_json' and err['message'].startswith('malformed JSON body'), err
+    if name == 'empty token-id list':
+        assert 'message' not in err['message'], err
+    if name == 'trailing slash':
+        assert '/v1/chat/completions/' in err['message'], err
     if name == 'image part to a text model':
         assert err['message'].startswith('messages[0].content[1]: '), err
     if name == 'prompt too long':

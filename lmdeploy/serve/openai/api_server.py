@@ -345,7 +345,7 @@ class _Server:
                 raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
             room = max(0, session_len - len(ids))
             for j in range(req.n):
-                seed = None if req.seed is None else (req.seed + j) % (1 << 63)
+                seed = None if req.seed is None else (req.seed + j) % (1 << 64)   # torch's 64-bit seed space
                 sampling = bool(req.temperature)
                 cfg = GenerationConfig(
                     max_new_tokens=room if max_new is None else min(max_new, room),
@@ -585,7 +585,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout)
     if image_fetch is not None:
         server.image_fetch = image_fetch
-    app = FastAPI(title='lmdeploy', version='0.1.0', docs_url=None, redoc_url=None, openapi_url=None)
+    # redirect_slashes off: '/v1/chat/completions/' is a 404 with an error body, not a bare 307
+    app = FastAPI(title='lmdeploy', version='0.1.0', docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     install_error_handlers(app)
     auth = [Depends(server.check_key)]
     generation = _errors(400, 401, 404, 413, 500, 503)

@@ -77,7 +77,7 @@ def _param(loc, body=_MISSING) -> str | None:
                 node = node[p]
             elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
                 node = node[p]
-            elif i == len(loc) - 1 and isinstance(p, str) and p.isidentifier():
+            elif i == len(loc) - 1 and isinstance(node, dict) and isinstance(p, str) and p.isidentifier():
                 pass            # a required key the object lacks
             else:
                 continue        # a union member's tag
@@ -108,7 +108,8 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         ctx = first.get('ctx') or {}
         return _response(APIError(400, f'malformed JSON body: {ctx.get("error", first["msg"])}',
                                   code='invalid_json'))
-    body = getattr(err, 'body', _MISSING)
+    body = getattr(err, 'body', None)
+    body = _MISSING if body is None else body
     located = [(_param(e.get('loc', ()), body), e) for e in errors] or [(None, first)]
     # the deepest location: of the errors a union produces (one per member tried), the member
     # whose shape the value has gets furthest (a list of parts rather than the string branch)
@@ -125,11 +126,14 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResp
     except ValueError:
         phrase = 'error'
     message = err.detail if isinstance(err.detail, str) else phrase
+    code = None
+    if err.status_code == 400:      # only the framework's body parsing raises these (ours are APIError)
+        message, code = f'malformed JSON body: {message} (not UTF-8, or nested too deeply)', 'invalid_json'
     if err.status_code == 404:
         message = f'no such endpoint: {request.method} {request.url.path}'
     elif err.status_code == 405:
         message = f'method {request.method} is not allowed on {request.url.path}'
-    response = _response(APIError(err.status_code, message))
+    response = _response(APIError(err.status_code, message, code=code))
     for key, value in (err.headers or {}).items():
         response.headers[key] = value
     return response

@@ -166,6 +166,13 @@ class Tool(_Strict):
     type: Literal['function'] = 'function'
     function: FunctionDefinition
 
+    @field_validator('function')
+    @classmethod
+    def _named(cls, v):
+        if not v.name.strip():
+            raise ValueError('name must not be empty')
+        return v
+
 
 class _NamedFunction(_Strict):
     name: Text
@@ -259,6 +266,15 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f'may not set {sorted(bad)}')
         return v
 
+    @field_validator('tools')
+    @classmethod
+    def _distinct_names(cls, v):
+        names = [t.function.name for t in v or []]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f'function names must be distinct; {twice} appear more than once')
+        return v
+
     @field_validator('tool_choice')
     @classmethod
     def _choice_in_tools(cls, v, info: ValidationInfo):
@@ -295,6 +311,13 @@ class CompletionRequest(_Sampling):
     echo: bool = Field(False, description='Return the prompt text before each completion.')
     suffix: Text | None = Field(None, description='Refused unless empty: no insertion (fill-in-the-middle) mode.')
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description='Accepted when equal to n.')
+
+    @field_validator('prompt')
+    @classmethod
+    def _not_empty(cls, v):
+        if v == [] or isinstance(v, list) and any(p == [] for p in v):
+            raise ValueError('must not be empty: give a string, strings, or token-id lists of at least 1 token')
+        return v
 
     @field_validator('echo')
     @classmethod
