@@ -128,6 +128,15 @@ class PytorchEngineConfig(BaseModel):
                              f'of block_size ({self.block_size})')
         return self
 
+    @model_validator(mode='after')
+    def _external_master_needs_metadata(self):
+        # checked here, before any weight is loaded, not when the engine connects
+        if self.mooncake_master not in (None, 'local') and self.mooncake_metadata_server is None:
+            raise ValueError(f'mooncake_metadata_server is required with an external mooncake_master '
+                             f'({self.mooncake_master!r}): the URL of the Store\'s HTTP metadata server, e.g. '
+                             f'http://HOST:PORT/metadata (`lmdeploy serve store` prints both)')
+        return self
+
 
 class GenerationConfig(BaseModel):
     """Per-request sampling and stopping options."""

@@ -122,6 +122,17 @@ def test_serve_store_refuses_a_port_another_process_listens_on(flag, capsys, tmp
     assert not (tmp_path / 'logs').exists()          # nothing was started
 
 
+def test_external_master_without_metadata_server_is_refused_before_loading(capsys, monkeypatch):
+    """The config itself refuses it (exit 2 naming the field), so no weights are read first."""
+    from lmdeploy.pytorch.models import loader
+    monkeypatch.setattr(loader, 'weight_files', lambda *a, **k: pytest.fail('weights were read'))
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', '/nonexistent', '--enable-prefix-caching', '--mooncake-master', '127.0.0.1:5'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert 'mooncake_metadata_server' in err and 'Traceback' not in err, err
+
+
 def test_cuda_device_without_cuda_names_the_field(tiny_qwen3, capsys):
     import torch
     if torch.cuda.is_available():
