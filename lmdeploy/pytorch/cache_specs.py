@@ -1,6 +1,6 @@
 """Layer-type cache specs: what each decoder layer caches.
 
-Every layer of a model declares one spec (STYLE lesson 7); the cache engine sizes and lays
+Every layer of a model declares one spec; the cache engine sizes and lays
 out memory from the list of specs alone, with no model-specific branches:
 
 - :class:`FullAttentionSpec` — keys and values per token, stored in paged blocks of

@@ -1,5 +1,5 @@
 """Cache engine: the memory behind KV blocks and recurrent-state slots, laid out from the
-model's layer cache specs alone (STYLE lesson 7).
+model's layer cache specs alone (no branch on the model type).
 
 Two byte buffers, one row per block / per slot, with typed per-layer views into them::
 

@@ -1,6 +1,6 @@
 """Sequences: one request's tokens and the resources it holds.
 
-A sequence counts tokens, not phases (STYLE lesson 8)::
+A sequence counts tokens, not phases (prefill and decode are the same step with other counts)::
 
     token_ids        [ prompt ............................ | generated ... ]
     num_computed     ----------------------^  KV/state exist for these tokens

@@ -2,7 +2,7 @@
 
 Each op has a plain-torch implementation that runs anywhere (CPU tests, CI) and may have
 accelerated ones (Triton, ``fla-core``) registered for CUDA. Callers ask
-:func:`get_kernel` by name and device; no caller branches on the backend (STYLE lesson 9).
+:func:`get_kernel` by name and device; no caller branches on the backend.
 """
 from __future__ import annotations
 
@@ -114,6 +114,6 @@ def _import_builtin_kernels() -> None:
     for mod in ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'attention_triton'):
         try:
             importlib.import_module(f'{__name__}.{mod}')
-        except ModuleNotFoundError as err:  # a module another change has not added yet
+        except ModuleNotFoundError as err:  # only a missing kernel module is skipped, not its imports
             if err.name != f'{__name__}.{mod}':
                 raise

@@ -15,7 +15,7 @@ Invariants of every :class:`PrefillPlan` returned by :func:`plan_prefill`:
 * every chunk holds at most ``chunk_size`` tokens, except a chunk that no allowed end within
   the budget can close (a span, widened by ℓ, longer than the budget): it ends at the first
   allowed end past the budget, so an image is never split even if its forward is larger;
-* ``save_points`` is a subset of ``chunk_ends``; each one is reusable (§3) and greater
+* ``save_points`` is a subset of ``chunk_ends``; each one is reusable (:func:`is_reusable`) and greater
   than ``cached_tokens`` -- a state exists there because a forward ends exactly there;
 * last-only plans have at most one save point, equal to ``last_reusable(num_tokens)``.
 
