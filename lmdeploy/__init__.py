@@ -10,11 +10,30 @@ __version__ = '0.1.0'
 __all__ = ['pipeline', 'PytorchEngineConfig', 'GenerationConfig', 'Response', '__version__']
 
 
-def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None, **kwargs):
+_LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
+
+
+def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None, *, log_level: str | None = None,
+             **kwargs):
     """Build a :class:`lmdeploy.serve.pipeline.Pipeline` serving ``model_path`` (a local HF directory).
 
+    Args:
+        model_path: the model directory.
+        backend_config: engine configuration (default: :class:`PytorchEngineConfig` defaults).
+        log_level: level of the ``lmdeploy`` logger (``'DEBUG'`` ... ``'CRITICAL'``); None
+            leaves it as configured.
+
     Raises:
-        ValueError: ``model_path`` is not a model directory, or the model type is unsupported.
+        ValueError: ``model_path`` is not a model directory, the model type is unsupported, an
+            unknown ``log_level``, or a keyword argument this engine does not take (named).
     """
+    if kwargs:
+        raise ValueError(f'pipeline() does not take {sorted(kwargs)}; it takes model_path, backend_config '
+                         f'(a PytorchEngineConfig) and log_level')
+    if log_level is not None:
+        if not isinstance(log_level, str) or log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(f'log_level must be one of {list(_LOG_LEVELS)}, got {log_level!r}')
+        import logging
+        logging.getLogger('lmdeploy').setLevel(log_level.upper())
     from .serve.pipeline import Pipeline
-    return Pipeline(model_path, backend_config=backend_config, **kwargs)
+    return Pipeline(model_path, backend_config=backend_config)

@@ -199,6 +199,24 @@ def test_a_path_that_is_not_a_model_is_a_clear_error(tmp_path):
         pipeline(str(other))
 
 
+def test_pipeline_arguments_it_does_not_take_are_a_value_error_naming_them(tiny_qwen3):
+    """Other engines' pipeline keywords (e.g. ``chat_template_config``) are refused by name
+    before anything loads, not a TypeError; ``log_level`` sets the lmdeploy logger."""
+    import logging
+    with pytest.raises(ValueError, match='chat_template_config'):
+        pipeline(tiny_qwen3, chat_template_config=None)
+    with pytest.raises(ValueError, match='log_level'):
+        pipeline(tiny_qwen3, log_level='LOUD')
+    before = logging.getLogger('lmdeploy').level
+    try:
+        cfg = PytorchEngineConfig(device_type='cpu', num_gpu_blocks=16, block_size=16)
+        with pipeline(tiny_qwen3, backend_config=cfg, log_level='error') as pipe:
+            assert logging.getLogger('lmdeploy').level == logging.ERROR
+            assert pipe('hi', gen_config=GenerationConfig(max_new_tokens=1, ignore_eos=True)).generate_token_len == 1
+    finally:
+        logging.getLogger('lmdeploy').setLevel(before)
+
+
 def test_abandoned_stream_and_cancelled_async_generator_free_every_block(pipe):
     long_cfg = GenerationConfig(max_new_tokens=200, ignore_eos=True)
     stream = pipe.stream_infer([PROMPT, random_prompt(100, seed=3)], long_cfg)
