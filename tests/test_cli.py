@@ -133,6 +133,15 @@ def test_external_master_without_metadata_server_is_refused_before_loading(capsy
     assert 'mooncake_metadata_server' in err and 'Traceback' not in err, err
 
 
+def test_a_speculative_config_check_names_the_flags_the_user_typed(capsys):
+    """A check across two speculative fields names their flags, not the JSON flag."""
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', '/nonexistent', '--speculative-algorithm', 'ngram', '--speculative-ngram-min', '5'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert '--speculative-ngram-min' in err and '--speculative-config' not in err, err
+
+
 def test_cuda_device_without_cuda_names_the_field(tiny_qwen3, capsys):
     import torch
     if torch.cuda.is_available():

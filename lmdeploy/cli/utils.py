@@ -19,6 +19,7 @@ configuration; the CLI never duplicates a default or a range check.
 from __future__ import annotations
 
 import argparse
+import re
 import types
 import typing
 from typing import Literal, Union
@@ -123,11 +124,18 @@ def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel], flag_n
         lines = []
         for e in err.errors():
             field = '.'.join(str(p) for p in e['loc'])
-            flag = (flag_names or {}).get(field) or flag_name(field)
-            where = f'{field} ({flag}): ' if field else ''
             # a validator's ValueError: its own message, without pydantic's 'Value error, ' prefix
             err_ = e.get('ctx', {}).get('error') if e['type'] == 'value_error' else None
-            lines.append(where + (str(err_) if err_ is not None else e['msg']))
+            message = str(err_) if err_ is not None else e['msg']
+            flag = (flag_names or {}).get(field) or flag_name(field)
+            # a nested model's own validator (loc = the nested field): name the flags of the
+            # sub-fields its message mentions, which are what the user typed
+            subs = [f for path, f in (flag_names or {}).items() if field and path.startswith(field + '.')
+                    and re.search(rf'\b{re.escape(path.rsplit(".", 1)[1])}\b', message)]
+            if subs:
+                flag = ', '.join(subs)
+            where = f'{field} ({flag}): ' if field else ''
+            lines.append(where + message)
         raise ValueError('; '.join(lines)) from None
 
 
