@@ -13,8 +13,9 @@ This module owns the two inputs that decide whether two engines may share a Stor
   to disjoint keys instead of rejecting each other's objects.
 
 :func:`engine_namespace` combines them with the engine's own layout (dtype, block size, layer
-cache specs, tensor-parallel rank/size, adapter) into the 16-byte namespace digest of
-:func:`.object_format.namespace_digest`.
+cache specs, adapter) into the 16-byte namespace digest of
+:func:`.object_format.namespace_digest`. Objects are tensor-parallel independent: they hold every
+head, and the engine always passes ``tp_rank=0, tp_size=1``, so engines of any ``tp`` share them.
 """
 from __future__ import annotations
 
@@ -222,7 +223,8 @@ def engine_namespace(model_path: str | os.PathLike, *, dtype: str, block_size: i
     Digest of the model identity (:func:`model_identity`; replaced by ``override`` when the
     operator manages identity with ``store_namespace``), ``dtype``, ``block_size``, the layer
     cache specs ``layers``, ``tp_rank``/``tp_size``, ``adapter``, the secret's key id and the
-    object format version.
+    object format version. The engine always passes ``tp_rank=0, tp_size=1`` (objects hold every
+    head, in the single-process layout), so its namespace does not depend on its ``tp``.
 
     Raises:
         ValueError: see :func:`model_identity` and :func:`.object_format.namespace_digest`.

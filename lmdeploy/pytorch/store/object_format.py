@@ -8,9 +8,10 @@ key*; it does no I/O. Invariants:
 - :func:`decode_object` returns a payload only when magic, format version, kind, namespace
   digest, token count, payload length, checksum and MAC all match; anything else raises
   :class:`StoreObjectError` (the caller counts it as a miss).
-- Two engines whose bytes could differ (model, dtypes, block size, layer layout, TP rank/size,
-  adapter, format version) get different namespace digests, hence disjoint keys
-  (:mod:`.identity` builds the identity).
+- Two engines whose bytes could differ (model, dtypes, block size, layer layout, adapter,
+  format version) get different namespace digests, hence disjoint keys (:mod:`.identity` builds
+  the identity). Objects are tensor-parallel independent: they hold every head, and the engine
+  always passes TP rank 0 and size 1 to the digest, so engines of any ``tp`` share them.
 
 Value layout (offsets in bytes, all integers little-endian)::
 
