@@ -3,14 +3,16 @@
 Sub-commands::
 
     lmdeploy serve api_server MODEL_PATH [flags]   OpenAI-compatible HTTP server
+    lmdeploy serve store [flags]                   a Mooncake Store (master + segment) for servers to share
     lmdeploy chat MODEL_PATH [flags]               interactive terminal chat
     lmdeploy make-tiny-model OUT_DIR [--arch ...]  tiny random checkpoint for tests and demos
 
 Each sub-command module exposes ``add_parser(subparsers)`` and sets ``func`` on its parser;
 ``main`` only dispatches. Exit codes: 0 success, 2 a bad command line, configuration or model
 directory (argparse convention; the message names the field), 1 the Mooncake Store is
-unreachable, 130 interrupted (SIGINT), 143 terminated (SIGTERM: the server shuts down
-gracefully first).
+unreachable (``StoreUnavailableError``) or ``serve store`` could not start a service, 130
+interrupted (SIGINT), 143 terminated (SIGTERM: the server shuts down gracefully first);
+``serve store`` returns 0 after SIGINT/SIGTERM stopped its services.
 """
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])     # the folder holdin
 
 
 def find_binary(name: str) -> str | None:
-    """Path of the Mooncake executable ``name`` (``mooncake_master`` / ``mooncake_client``).
+    """Path of the Mooncake executable ``name`` (``mooncake_master``, the only one used; the
+    segment is held by :mod:`.segment_owner`, a Python process).
 
     Prefers the binary shipped inside the installed ``mooncake`` package (the console script on
     PATH is a Python wrapper that execs it), then PATH. None when neither exists.
@@ -178,11 +179,12 @@ class MooncakeServices:
 
     @property
     def metadata_server(self) -> str:
-        """URL of the master's embedded HTTP metadata server."""
+        """URL of the HTTP metadata server (:mod:`.metadata_server`; the master's embedded one is off)."""
         return f'http://{self.host}:{self.metadata_port}/metadata'
 
     @property
     def master_log(self) -> Path:
+        """Log of ``mooncake_master``."""
         return self.log_dir / 'master.log'
 
     @property
@@ -192,6 +194,7 @@ class MooncakeServices:
 
     @property
     def metadata_log(self) -> Path:
+        """Log of the HTTP metadata server."""
         return self.log_dir / 'metadata.log'
 
     @property
