@@ -43,6 +43,7 @@ class CacheConfig:
 
     @classmethod
     def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'CacheConfig':
+        """The cache fields of ``cfg`` (block size, KV and state budgets, prefix caching)."""
         return cls(cfg.block_size, cfg.num_gpu_blocks, cfg.cache_max_entry_count, cfg.num_state_slots,
                    cfg.num_checkpoint_slots, cfg.enable_prefix_caching, cfg.prefill_save_alignment,
                    cfg.decode_save_last)
@@ -69,5 +70,6 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'SchedulerConfig':
+        """The scheduling fields of ``cfg`` (batch and prefill limits, save policy)."""
         return cls(cfg.block_size, cfg.max_batch_size, cfg.max_prefill_token_num, cfg.prefill_save_alignment,
                    cfg.prefill_save_last_only, cfg.save_junction)

@@ -135,7 +135,8 @@ class ChatSession:
     """A multi-turn conversation kept by :meth:`Pipeline.chat`.
 
     Attributes:
-        messages: the OpenAI-style history, user and assistant turns alternating.
+        messages: the OpenAI-style history: an optional system message first (``system`` of
+            :meth:`Pipeline.chat`), then user and assistant turns alternating.
         response: the last turn's :class:`Response` (None before the first turn).
     """
     messages: list[dict] = field(default_factory=list)

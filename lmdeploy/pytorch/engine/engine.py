@@ -282,6 +282,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
+        """Some sequence is waiting or running in the scheduler."""
         return self.scheduler.has_work
 
     # the step ---------------------------------------------------------------------------
@@ -415,9 +416,11 @@ class Engine:
 
     def stats(self) -> dict:
         """Cumulative counters: prefix-cache queried/hit tokens, checkpoints saved and skipped by
-        reason, tokens whose blocks matched without a state checkpoint, the Store tier's put
-        bytes/objects by kind, failures and hit tokens, and (speculative decoding) draft tokens
-        proposed / accepted."""
+        reason, turn-end and junction checkpoints saved (``turn_end_checkpoints_saved``,
+        ``junction_checkpoints_saved``), tokens whose blocks matched without a state checkpoint,
+        the Store tier's put bytes/objects by kind, failures, rejected objects, hit tokens and
+        objects a save found already stored (``store_existing_objects``), and (speculative
+        decoding) draft tokens proposed / accepted."""
         if self.prefix_cache is not None:
             out = self.prefix_cache.stats()
         else:

@@ -128,6 +128,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
+        """The sequence has ended: finished normally or aborted."""
         return self.status in (SeqStatus.FINISHED, SeqStatus.ABORTED)
 
     def next_chunk_end(self) -> int:

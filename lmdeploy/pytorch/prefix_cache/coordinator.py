@@ -94,6 +94,7 @@ class PrefixCache:
 
     @property
     def is_hybrid(self) -> bool:
+        """The model has recurrent state (linear-attention layers), so checkpoints are kept."""
         return self.local.is_hybrid
 
     def hashes(self, seq) -> list[bytes]:
@@ -340,9 +341,11 @@ class PrefixCache:
     # capacity ----------------------------------------------------------------------------
     @property
     def num_evictable_blocks(self) -> int:
+        """Cached KV blocks the local tier can free now (see :meth:`LocalTier.num_evictable_blocks`)."""
         return self.local.num_evictable_blocks
 
     def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` cached blocks of the local tier; returns how many were freed."""
         return self.local.evict(num_blocks)
 
     def stats(self) -> dict:

@@ -52,6 +52,7 @@ class LocalTier:
 
     @property
     def is_hybrid(self) -> bool:
+        """The tier has a state cache (the model has linear-attention layers)."""
         return self.state_cache is not None
 
     # admission ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class Listener:
 
     @property
     def wildcard(self) -> bool:
+        """The socket listens on every interface (``0.0.0.0`` or ``::``)."""
         return ipaddress.ip_address(self.ip).is_unspecified
 
 

@@ -140,10 +140,12 @@ class Drain:
         self._idle.set()
 
     def add(self, gen) -> None:
+        """Track the running generation ``gen`` (the drain is no longer idle)."""
         self.running.add(gen)
         self._idle.clear()
 
     def discard(self, gen) -> None:
+        """Stop tracking ``gen`` (a no-op if untracked); idle again when none is left."""
         self.running.discard(gen)
         if not self.running:
             self._idle.set()
@@ -181,10 +183,12 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
+        """Remember the running event loop (for :meth:`handle_exit`), then start uvicorn."""
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig, frame) -> None:
+        """On a shutdown signal, start the drain on the event loop, then let uvicorn shut down."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.drain.start)
         super().handle_exit(sig, frame)

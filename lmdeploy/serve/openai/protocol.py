@@ -8,7 +8,7 @@ Every numeric field has a finite range (see the ``Field`` bounds and docs/en/api
 infinities and NaN are refused. Every string must be valid Unicode (a lone UTF-16 surrogate
 such as ``"\\ud800"`` is refused). Unknown request fields are ignored (OpenAI clients send
 options this engine does not implement, e.g. ``logit_bias``, ``user``); known options it cannot
-honour (``response_format`` other than text, ``suffix``, ``best_of`` > ``n``) are refused.
+honour (``response_format`` other than text, ``suffix``, any ``best_of`` other than ``n``) are refused.
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
 ``chat_template_kwargs``, ``separate_reasoning``.
 """
