@@ -3,6 +3,7 @@ and async deltas add up to the blocking result, stop strings cut the text before
 gets a clear error while the pipeline keeps serving, and aborted streams free every block."""
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -215,6 +216,29 @@ def test_pipeline_arguments_it_does_not_take_are_a_value_error_naming_them(tiny_
             assert pipe('hi', gen_config=GenerationConfig(max_new_tokens=1, ignore_eos=True)).generate_token_len == 1
     finally:
         logging.getLogger('lmdeploy').setLevel(before)
+
+
+def test_close_ends_requests_in_flight_and_later_calls_fail_clearly(tiny_qwen3_next):
+    """close() while another thread waits on a long request: that call returns with 'abort';
+    calls after close raise RuntimeError at once (they used to block forever)."""
+    import threading
+    cfg = PytorchEngineConfig(device_type='cpu', num_gpu_blocks=64, block_size=16)
+    p = pipeline(tiny_qwen3_next, backend_config=cfg)
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(r=p('hello', gen_config=GenerationConfig(
+        max_new_tokens=100000, ignore_eos=True))))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not p.loop.call(lambda engine: engine.has_work) and time.monotonic() < deadline:   # it is running
+        time.sleep(0.05)
+    time.sleep(0.3)                                        # a few decode steps
+    p.close()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and got['r'].finish_reason == 'abort' and got['r'].generate_token_len > 0
+    for call in (lambda: p('hello'), p.stats):
+        with pytest.raises(RuntimeError, match='closed'):
+            call()
+    p.close()                                              # idempotent
 
 
 def test_abandoned_stream_and_cancelled_async_generator_free_every_block(pipe):

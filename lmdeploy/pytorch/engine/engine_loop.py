@@ -74,6 +74,8 @@ class EngineLoop:
         self._handles: dict[int, RequestHandle] = {}
         self._wake = threading.Event()
         self._stop = False
+        self._closed = False
+        self._close_lock = threading.Lock()     # submit/call against close: nothing queued after the drain
         self.fatal_error: BaseException | None = None   # set when a step failed for good; the loop ended
         self.on_fatal = None    # called with that error on the loop thread (the server shuts down)
         self._thread = threading.Thread(target=self._run, name='lmdeploy-engine', daemon=True)
@@ -85,12 +87,16 @@ class EngineLoop:
 
         Raises:
             ValueError: the request is invalid (see :meth:`Engine.validate`).
+            RuntimeError: the loop was closed, or the engine stopped after a fatal error.
         """
         if self.fatal_error is not None:
             raise RuntimeError(f'the engine has stopped: {self.fatal_error}')
         seq = self.engine.make_sequence(token_ids, gen_config, **kwargs)   # immutable engine state only
         handle = RequestHandle(seq, loop)
-        self._commands.put(('add', handle))
+        with self._close_lock:
+            if self._closed:
+                raise RuntimeError('the engine is closed (close() was called); create a new pipeline')
+            self._commands.put(('add', handle))
         self._wake.set()
         return handle
 
@@ -108,7 +114,12 @@ class EngineLoop:
 
     def call(self, fn, timeout: float = 60.0):
         """Run ``fn(engine)`` on the loop thread and return its result (e.g. the ledger); after a
-        fatal error, on the caller's thread (the loop has ended)."""
+        fatal error, on the caller's thread (the loop has ended).
+
+        Raises:
+            RuntimeError: the loop was closed.
+            TimeoutError: the loop did not run it within ``timeout`` seconds.
+        """
         if self.fatal_error is not None:
             return fn(self.engine)
         done, box = threading.Event(), {}
@@ -119,7 +130,10 @@ class EngineLoop:
             except BaseException as err:   # handed back to the caller
                 box['error'] = err
             done.set()
-        self._commands.put(('call', task))
+        with self._close_lock:
+            if self._closed:
+                raise RuntimeError('the engine is closed (close() was called)')
+            self._commands.put(('call', task))
         self._wake.set()
         if not done.wait(timeout):
             raise TimeoutError('engine loop did not answer')
@@ -199,8 +213,24 @@ class EngineLoop:
                 arg(self.engine)
 
     def close(self) -> None:
-        """Stop the thread and the engine's background workers."""
+        """Stop the thread and the engine's background workers. Requests in flight or still
+        queued end with ``'abort'`` (their callers return); later :meth:`submit` / :meth:`call`
+        raise RuntimeError. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():        # the loop thread is gone: the engine is ours now
+            for handle in list(self._handles.values()):
+                self.engine.abort(handle.seq)
+                handle._push(self._output(handle.seq, [], 'abort'))
+            self._handles.clear()
+            for kind, arg in self._queued_commands():
+                if kind == 'add':
+                    arg._push(self._output(arg.seq, [], 'abort'))
+                elif kind == 'call':
+                    arg(self.engine)
         self.engine.close()
