@@ -13,13 +13,14 @@ __all__ = ['pipeline', 'PytorchEngineConfig', 'GenerationConfig', 'Response', '_
 _LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 
 
-def pipeline(model_path: str, backend_config: PytorchEngineConfig | None = None, *, log_level: str | None = None,
+def pipeline(model_path: str, backend_config: PytorchEngineConfig | dict | None = None, *, log_level: str | None = None,
              **kwargs):
     """Build a :class:`lmdeploy.serve.pipeline.Pipeline` serving ``model_path`` (a local HF directory).
 
     Args:
         model_path: the model directory.
-        backend_config: engine configuration (default: :class:`PytorchEngineConfig` defaults).
+        backend_config: engine configuration, a :class:`PytorchEngineConfig` or a dict of its fields
+            (default: the defaults).
         log_level: level of the ``lmdeploy`` logger (``'DEBUG'`` ... ``'CRITICAL'``); None
             leaves it as configured.
 

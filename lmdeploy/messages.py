@@ -7,7 +7,7 @@ Every engine field has a CLI flag of the same name in kebab case.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -140,18 +140,21 @@ class PytorchEngineConfig(BaseModel):
 
 class GenerationConfig(BaseModel):
     """Per-request sampling and stopping options."""
-    model_config = ConfigDict(extra='forbid')
+    model_config = ConfigDict(extra='forbid', validate_assignment=True)
 
     max_new_tokens: int = Field(512, ge=0, description='Most tokens to generate.')
     do_sample: bool = Field(False, description='Sample; False = greedy.')
-    temperature: float = Field(1.0, ge=0, description='Softmax temperature; 0 = greedy.')
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description='Softmax temperature; 0 = greedy.')
     top_p: float = Field(1.0, gt=0, le=1, description='Nucleus sampling mass.')
-    top_k: int = Field(0, ge=0, description='Keep the k most likely tokens; 0 = all.')
-    repetition_penalty: float = Field(1.0, gt=0, description='CTRL-style penalty on seen tokens.')
+    top_k: int = Field(0, ge=0, le=(1 << 31) - 1, description='Keep the k most likely tokens; 0 = all.')
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False, description='CTRL-style penalty on seen '
+                                      'tokens.')
     stop_words: list[str] = Field(default_factory=list, description='Stop strings; the text ends before them.')
-    stop_token_ids: list[int] = Field(default_factory=list, description='Extra token ids that end generation.')
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description='Extra token ids '
+                                                              'that end generation (inside the vocabulary).')
     ignore_eos: bool = Field(False, description='Do not stop at the model\'s EOS tokens.')
-    random_seed: int | None = Field(None, description='Per-request sampling seed (same seed, same output).')
+    random_seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1, description='Per-request sampling seed '
+                                    '(same seed, same output); -2^63 to 2^64-1, the range of torch\'s generator.')
     logprobs: int | None = Field(None, ge=0, le=20, description='Return each generated token\'s log-probability '
                                  'and this many most likely alternatives (0-20); None = off.')
 

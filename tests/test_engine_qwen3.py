@@ -176,6 +176,12 @@ def test_sampler_maps_overflowed_logits_to_their_limit():
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [float('nan')] * 4, [0.5, float('nan'), 2.5, 1.0]])
     seqs = [Sequence([0], GenerationConfig(do_sample=True, temperature=1e-40, random_seed=s)) for s in range(3)]
     assert sample_tokens(logits, seqs) == [1, 0, 2]   # argmax; all-NaN row: no crash; NaN entry never drawn
+    # temperatures below float32's range (they round to 0 in a float32 division) are still the
+    # T -> 0 limit, the argmax, for every seed (they used to fall back to temperature 1)
+    rows = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    for t in (1e-40, 1e-46, 5e-324):
+        seqs = [Sequence([0], GenerationConfig(do_sample=True, temperature=t, random_seed=s)) for s in range(16)]
+        assert sample_tokens(rows, seqs) == rows.argmax(-1).tolist(), t
     # seen tokens 0 and 2 overflow to +inf under a near-zero penalty: one of them is drawn
     seqs = [Sequence([0, 2], GenerationConfig(do_sample=True, repetition_penalty=1e-45, random_seed=s))
             for s in range(8)]

@@ -241,6 +241,33 @@ def test_close_ends_requests_in_flight_and_later_calls_fail_clearly(tiny_qwen3_n
     p.close()                                              # idempotent
 
 
+@pytest.mark.parametrize('fields, name', [
+    (dict(random_seed=2 ** 64), 'random_seed'), (dict(random_seed=-2 ** 63 - 1), 'random_seed'),
+    (dict(temperature=float('inf')), 'temperature'), (dict(repetition_penalty=float('nan')), 'repetition_penalty'),
+    (dict(top_k=2 ** 70), 'top_k'), (dict(stop_token_ids=[-1]), 'stop_token_ids'),
+])
+def test_generation_config_out_of_range_names_the_field(fields, name):
+    with pytest.raises(ValueError, match=name):
+        GenerationConfig(**fields)
+    cfg = GenerationConfig()
+    with pytest.raises(ValueError, match=name):                # assignment is validated too
+        setattr(cfg, name, next(iter(fields.values())))
+
+
+def test_config_dicts_and_ids_outside_the_vocabulary(pipe, reference):
+    """``gen_config`` as a dict of fields works like the model; a stop token id outside the
+    vocabulary is refused naming the field; the pipeline keeps serving."""
+    ids = pipe.tokenizer.encode(PROMPT)
+    got = pipe(ids, gen_config=dict(max_new_tokens=16, ignore_eos=True), do_preprocess=False)
+    assert got.token_ids == reference(ids)
+    with pytest.raises(ValueError, match='stop_token_ids'):
+        pipe(PROMPT, gen_config=GenerationConfig(stop_token_ids=[10 ** 9]))
+    with pytest.raises(ValueError, match='gen_config'):
+        pipe(PROMPT, gen_config=[('max_new_tokens', 2)])
+    assert pipe(ids, gen_config=GREEDY, do_preprocess=False).token_ids == reference(ids)
+    assert_idle(pipe)
+
+
 def test_abandoned_stream_and_cancelled_async_generator_free_every_block(pipe):
     long_cfg = GenerationConfig(max_new_tokens=200, ignore_eos=True)
     stream = pipe.stream_infer([PROMPT, random_prompt(100, seed=3)], long_cfg)

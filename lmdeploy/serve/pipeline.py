@@ -130,6 +130,21 @@ class _Detokenizer:
         return delta
 
 
+def _as_config(value, cls, name: str):
+    """``value`` as a ``cls`` instance: None = the defaults, a dict = its fields (validated).
+
+    Raises:
+        ValueError: an invalid field (named), or a value of another type (names ``name``).
+    """
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise ValueError(f'{name} must be a {cls.__name__} or a dict of its fields, got {type(value).__name__}')
+
+
 @dataclass
 class ChatSession:
     """A multi-turn conversation kept by :meth:`Pipeline.chat`.
@@ -148,15 +163,17 @@ class Pipeline:
 
     Args:
         model_path: local Hugging Face model directory.
-        backend_config: engine configuration.
+        backend_config: engine configuration (a :class:`PytorchEngineConfig` or a dict of its
+            fields; every ``gen_config`` argument below likewise takes a
+            :class:`GenerationConfig` or a dict).
 
     Raises:
-        ValueError: bad path / unsupported model / bad config.
+        ValueError: bad path / unsupported model / bad config (names the field).
     """
 
-    def __init__(self, model_path: str, backend_config: PytorchEngineConfig | None = None):
+    def __init__(self, model_path: str, backend_config: PytorchEngineConfig | dict | None = None):
         from transformers import AutoTokenizer
-        self.backend_config = backend_config or PytorchEngineConfig()
+        self.backend_config = _as_config(backend_config, PytorchEngineConfig, 'backend_config')
         self.engine = Engine(model_path, self.backend_config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model_path = model_path
@@ -266,7 +283,7 @@ class Pipeline:
             raise ValueError('the prompt is empty: at least 1 token is required')
         return ids
 
-    def submit(self, prompt, gen_config: GenerationConfig | None = None, loop=None,
+    def submit(self, prompt, gen_config: GenerationConfig | dict | None = None, loop=None,
                do_preprocess: bool = True, multimodal: tuple = ()) -> RequestHandle:
         """Encode and queue one prompt; returns its handle. ``multimodal``: the images of a
         token-id prompt already expanded by :meth:`encode_with_images`."""
@@ -276,10 +293,11 @@ class Pipeline:
             ids, images = list(prompt), tuple(multimodal)
         else:
             ids, images = self.encode_with_images(prompt, do_preprocess)
-        return self.loop.submit(ids, gen_config or GenerationConfig(), loop=loop, multimodal=images)
+        return self.loop.submit(ids, _as_config(gen_config, GenerationConfig, 'gen_config'), loop=loop,
+                                multimodal=images)
 
     # sync API --------------------------------------------------------------------------
-    def __call__(self, prompts, gen_config: GenerationConfig | None = None, do_preprocess: bool = True):
+    def __call__(self, prompts, gen_config: GenerationConfig | dict | None = None, do_preprocess: bool = True):
         """Generate to completion. ``do_preprocess=False``: strings are raw continuations.
 
         Returns:
@@ -299,11 +317,11 @@ class Pipeline:
         results = [final[i] for i in range(len(batch))]
         return results[0] if single else results
 
-    def stream_infer(self, prompts, gen_config: GenerationConfig | None = None,
+    def stream_infer(self, prompts, gen_config: GenerationConfig | dict | None = None,
                      do_preprocess: bool = True) -> Iterator[Response]:
         """Yield :class:`Response` deltas (``index`` = the prompt's position) as tokens arrive.
         ``do_preprocess=False``: strings are raw continuations."""
-        gen_config = gen_config or GenerationConfig()
+        gen_config = _as_config(gen_config, GenerationConfig, 'gen_config')
         batch = [prompts] if _is_single(prompts) else list(prompts)
         # check every prompt before queueing any, so a bad one does not leave the others
         # running unattended in the engine
@@ -328,7 +346,7 @@ class Pipeline:
             for i in live:
                 self.loop.abort(handles[i])
 
-    async def generate(self, prompt, gen_config: GenerationConfig | None = None,
+    async def generate(self, prompt, gen_config: GenerationConfig | dict | None = None,
                        do_preprocess: bool = True, multimodal: tuple = (),
                        stop_at=None) -> AsyncIterator[Response]:
         """Async generator of :class:`Response` deltas for one prompt (used by the server, which
@@ -339,7 +357,7 @@ class Pipeline:
         a stop string; e.g. just after the first tool call). Cancelling the consumer aborts the
         request in the engine.
         """
-        gen_config = gen_config or GenerationConfig()
+        gen_config = _as_config(gen_config, GenerationConfig, 'gen_config')
         handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess,
                              multimodal=multimodal)
         detok = _Detokenizer(self.tokenizer, gen_config.stop_words)
@@ -384,7 +402,7 @@ class Pipeline:
                         cached_tokens=out.cached_tokens, index=index,
                         logprobs=None if logprobs is None else list(logprobs))
 
-    def chat(self, prompt: str, session: ChatSession | None = None, gen_config: GenerationConfig | None = None,
+    def chat(self, prompt: str, session: ChatSession | None = None, gen_config: GenerationConfig | dict | None = None,
              system: str | None = None) -> ChatSession:
         """One turn of a multi-turn conversation: append ``prompt`` as a user message, generate
         the reply from the whole history (so, with prefix caching, the previous turns' prefix

@@ -144,7 +144,9 @@ def target_distribution(row: torch.Tensor, seq: Sequence, extra_ids=()):
         return int(row.argmax()), None, torch.log_softmax(row, dim=-1)
     # shifted by the max first: the same distribution as row / T, but a temperature near 0
     # sends the others to -inf instead of the max to +inf (inf - inf is NaN in the softmax)
-    row = _finite((row - row.max()) / cfg.temperature, raw)
+    # (a temperature below float32's smallest normal would round to 0 and make 0/0: the
+    # smallest normal gives the same one-hot distribution)
+    row = _finite((row - row.max()) / max(cfg.temperature, torch.finfo(row.dtype).tiny), raw)
     if cfg.top_k > 0 and cfg.top_k < row.numel():
         kth = torch.topk(row, cfg.top_k).values[-1]
         row = row.masked_fill(row < kth, float('-inf'))
