@@ -142,6 +142,20 @@ def test_a_speculative_config_check_names_the_flags_the_user_typed(capsys):
     assert '--speculative-ngram-min' in err and '--speculative-config' not in err, err
 
 
+@pytest.mark.parametrize('flags, names', [
+    (['--num-gpu-blocks', str(2 ** 40)], ['num_gpu_blocks']),
+    (['--max-batch-size', str(10 ** 9)], ['max_batch_size', 'num_state_slots']),
+])
+def test_caches_that_cannot_fit_in_memory_name_the_fields(tiny_qwen3_next, flags, names, capsys):
+    """Asking for more cache than the machine has is a configuration error naming the fields
+    (exit 2), not an allocator traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(['chat', tiny_qwen3_next, '--device-type', 'cpu', *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names) and 'Traceback' not in err, err
+
+
 def test_cuda_device_without_cuda_names_the_field(tiny_qwen3, capsys):
     import torch
     if torch.cuda.is_available():

@@ -143,10 +143,17 @@ class Engine:
             logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
                            self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
-        if self.executor is not None:
-            self.cache_engine, self.model_runner = self.executor.start(cc.block_size, num_blocks, num_slots)
-        else:
-            self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
+        self._check_cache_fits(num_blocks, num_slots)
+        try:
+            if self.executor is not None:
+                self.cache_engine, self.model_runner = self.executor.start(cc.block_size, num_blocks, num_slots)
+            else:
+                self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
+        except (RuntimeError, MemoryError) as err:
+            if 'alloc' not in str(err).lower() and not isinstance(err, MemoryError):
+                raise
+            raise ValueError(f'the KV cache ({num_blocks} blocks, num_gpu_blocks) and {num_slots} state slots '
+                             f'could not be allocated: {err}') from None
         self.block_manager = BlockManager(num_blocks)
         self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
         for name in ('prefill_save_last_only', 'decode_save_last', 'save_junction'):
@@ -172,6 +179,27 @@ class Engine:
             self.spec = SpecDecoder(spec_config, self.model_runner, scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
 
+    def _memory_bytes(self) -> int:
+        """Memory the caches may take at most: free device memory (CUDA) or physical RAM (CPU)."""
+        if self.device.type == 'cuda':
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        try:
+            return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+        except (ValueError, OSError, AttributeError):    # not a POSIX system: no check
+            return 1 << 62
+
+    def _check_cache_fits(self, num_blocks: int, num_slots: int) -> None:
+        """Raise ValueError naming the fields when the caches cannot fit in memory at all."""
+        kv = num_blocks * CacheEngine.bytes_per_block(self.specs, self.cache_config.block_size)
+        state = num_slots * CacheEngine.bytes_per_slot(self.specs)
+        memory = self._memory_bytes()
+        if kv + state > memory:
+            what = 'num_gpu_blocks' if self.cache_config.num_gpu_blocks else 'the derived block count'
+            raise ValueError(f'the caches need {kv + state} bytes ({num_blocks} KV blocks of {what}: {kv} bytes; '
+                             f'{num_slots} recurrent-state slots (max_batch_size / num_state_slots, '
+                             f'num_checkpoint_slots): {state} bytes), more than the {memory} bytes of '
+                             f'{"free device memory" if self.device.type == "cuda" else "RAM"}')
+
     def _derive_num_blocks(self, num_slots: int) -> int:
         cfg = self.cache_config
         if self.device.type == 'cuda':
@@ -179,12 +207,17 @@ class Engine:
             budget = int(free * cfg.cache_max_entry_count)
         else:
             budget = int(_CPU_CACHE_BUDGET * cfg.cache_max_entry_count)
-        budget -= num_slots * CacheEngine.bytes_per_slot(self.specs)
+        slots = num_slots * CacheEngine.bytes_per_slot(self.specs)
         per_block = CacheEngine.bytes_per_block(self.specs, cfg.block_size)
         # no point in more blocks than every running sequence at full session length needs, twice
         cap = 2 * self.config.max_batch_size * (-(-self.session_len // cfg.block_size))
-        num_blocks = min(budget // per_block, cap)
+        num_blocks = min((budget - slots) // per_block, cap)
         if num_blocks < 1:
+            if slots >= budget:
+                raise ValueError(f'the {num_slots} recurrent-state slots ({slots} bytes; max_batch_size / '
+                                 f'num_state_slots, num_checkpoint_slots) take the whole cache budget of {budget} '
+                                 f'bytes (cache_max_entry_count={cfg.cache_max_entry_count}): lower them, raise '
+                                 f'cache_max_entry_count or set num_gpu_blocks')
             raise ValueError('cache_max_entry_count leaves no memory for even one KV block')
         return num_blocks
 
