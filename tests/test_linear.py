@@ -22,13 +22,47 @@ def test_linear_equals_f_linear(rows, with_bias):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_3d_input_and_bf16_pass_through():
+def test_linear_3d_input_and_other_dtypes_pass_through():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 8, 64, generator=gen)
     w = torch.randn(48, 64, generator=gen)
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    xb, wb = x.bfloat16(), w.bfloat16()
-    assert torch.equal(linear(xb, wb), F.linear(xb, wb))   # not float32: F.linear itself
+    xh, wh = x.half(), w.half()
+    assert torch.equal(linear(xh, wh), F.linear(xh, wh))   # float16: F.linear itself
+
+
+@pytest.mark.parametrize('rows', [1, 2, 5, 16, 64, 65, 200])
+@pytest.mark.parametrize('with_bias', [False, True])
+def test_bf16_linear_equals_f_linear_and_takes_the_measured_form(rows, with_bias, monkeypatch):
+    """bfloat16 on CPU: one row is ``torch.mv``, 2-64 rows ``weight @ x^T``, more rows
+    ``F.linear``; all equal ``F.linear`` to bf16 rounding (both accumulate in float32 and
+    round once; 2 bf16 ulps allowed for a different summation order)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=gen).bfloat16()
+    w = torch.randn(96, 256, generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16() if with_bias else None
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def mm(a, b_):
+            calls.append('mm')
+            return torch.mm(a, b_)
+
+        @staticmethod
+        def mv(a, b_):
+            calls.append('mv')
+            return torch.mv(a, b_)
+
+    monkeypatch.setattr(linear_mod, 'torch', Spy())
+    y = linear(x[None], w, b)[0]
+    assert y.shape == (rows, 96) and y.dtype == torch.bfloat16
+    assert calls == (['mv'] if rows == 1 else ['mm'] if rows <= 64 else [])
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), ref, rtol=2 * 2 ** -8, atol=2 * 2 ** -8 * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize('in_features, window', [(1024, SKINNY_ROWS), (2048, SKINNY_ROWS), (512, SKINNY_ROWS_NARROW),

@@ -19,18 +19,30 @@ below (:func:`transposed_rows`); at M <= 4 the direct form is the faster one (ma
 
 Both orientations compute the same dot products; only the summation order inside MKL differs,
 so results agree to float32 rounding (relative ~1e-7), not bit for bit.
+
+bfloat16 on CPU: the direct product of a few rows reads bf16 weights at only ~14 GB/s; the
+transposed form is faster from 2 to 64 rows and ``torch.mv`` for one row (same machine, weights
+streamed from memory, direct / transposed / mv, us)::
+
+    K = 1024, N = 1024:  M = 1: 141 / 142 / 106   M = 4: 148 / 109   M = 16: 144 / 111   M = 64: 201 / 154
+    K = 512,  N = 1024:  M = 1: 96 / 97 / 72      M = 8: 97 / 70     M = 64: 134 / 81
+    K = 1024, N = 3088:  M = 1: 375 / 348 / 284   M = 16: 385 / 285  M = 64: 678 / 355
+
+(:data:`BF16_TRANSPOSED_ROWS`); longer inputs (prefill) keep the direct form (AMX tiles).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ['linear', 'transposed_rows', 'SKINNY_ROWS']
+__all__ = ['linear', 'transposed_rows', 'SKINNY_ROWS', 'BF16_TRANSPOSED_ROWS']
 
 # rows for which (W x^T)^T is used on CPU (float32) when K >= 1024; outside it F.linear is as
 # fast or faster. Narrower inputs (K < 1024) gain only in SKINNY_ROWS_NARROW.
 SKINNY_ROWS = range(8, 48)
 SKINNY_ROWS_NARROW = range(16, 33)
+# bfloat16 on CPU: rows computed as (W x^T)^T; one row is a matrix-vector product (torch.mv)
+BF16_TRANSPOSED_ROWS = range(2, 65)
 
 
 def transposed_rows(in_features: int) -> range:
@@ -40,7 +52,8 @@ def transposed_rows(in_features: int) -> range:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, computed as ``(weight @ x^T)^T`` for skinny float32 ``x`` on CPU.
+    """``F.linear(x, weight, bias)``, computed as ``(weight @ x^T)^T`` for skinny float32 or bfloat16
+    ``x`` on CPU (one bfloat16 row: ``torch.mv``).
 
     Args:
         x: ``[..., K]``.
@@ -51,8 +64,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``[..., N]`` contiguous, in ``x.dtype``.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows in transposed_rows(x.shape[-1]) and x.device.type == 'cpu' and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.dim() == 2):
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == 'cpu'
+            and weight.dim() == 2 and rows == 1):
+        y = torch.mv(weight, x.reshape(-1))
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
+    fast = x.dtype == weight.dtype and (
+        rows in transposed_rows(x.shape[-1]) if x.dtype == torch.float32 else
+        rows in BF16_TRANSPOSED_ROWS if x.dtype == torch.bfloat16 else False)
+    if fast and x.device.type == 'cpu' and weight.dim() == 2:
         x2 = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
         y = torch.mm(weight, x2.t()).t().contiguous()
         if bias is not None:
