@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ['PytorchEngineConfig', 'SpeculativeConfig', 'GenerationConfig', 'Response']
 
@@ -157,6 +157,14 @@ class GenerationConfig(BaseModel):
                                     '(same seed, same output); -2^63 to 2^64-1, the range of torch\'s generator.')
     logprobs: int | None = Field(None, ge=0, le=20, description='Return each generated token\'s log-probability '
                                  'and this many most likely alternatives (0-20); None = off.')
+
+    @field_validator('max_new_tokens', 'top_k', 'random_seed', 'logprobs', 'stop_token_ids', mode='before')
+    @classmethod
+    def _no_bools(cls, v, info: ValidationInfo):
+        # True would pass as 1 (pydantic's lax mode): an integer field takes integers only
+        if isinstance(v, bool) or isinstance(v, list) and any(isinstance(t, bool) for t in v):
+            raise ValueError(f'{info.field_name} takes integers, not booleans (got {v!r})')
+        return v
 
     @property
     def greedy(self) -> bool:

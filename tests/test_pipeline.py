@@ -245,6 +245,7 @@ def test_close_ends_requests_in_flight_and_later_calls_fail_clearly(tiny_qwen3_n
     (dict(random_seed=2 ** 64), 'random_seed'), (dict(random_seed=-2 ** 63 - 1), 'random_seed'),
     (dict(temperature=float('inf')), 'temperature'), (dict(repetition_penalty=float('nan')), 'repetition_penalty'),
     (dict(top_k=2 ** 70), 'top_k'), (dict(stop_token_ids=[-1]), 'stop_token_ids'),
+    (dict(logprobs=True), 'logprobs'), (dict(max_new_tokens=True), 'max_new_tokens'),
 ])
 def test_generation_config_out_of_range_names_the_field(fields, name):
     with pytest.raises(ValueError, match=name):
