@@ -200,6 +200,16 @@ def test_a_path_that_is_not_a_model_is_a_clear_error(tmp_path):
         pipeline(str(other))
 
 
+def test_a_model_directory_without_tokenizer_files_is_a_clear_error(tiny_qwen3, tmp_path):
+    import shutil
+    bare = tmp_path / 'bare'
+    shutil.copytree(tiny_qwen3, bare)
+    for name in ('tokenizer.json', 'tokenizer_config.json'):
+        (bare / name).unlink()
+    with pytest.raises(ValueError, match='no tokenizer files'):
+        pipeline(str(bare))
+
+
 def test_pipeline_arguments_it_does_not_take_are_a_value_error_naming_them(tiny_qwen3):
     """Other engines' pipeline keywords (e.g. ``chat_template_config``) are refused by name
     before anything loads, not a TypeError; ``log_level`` sets the lmdeploy logger."""

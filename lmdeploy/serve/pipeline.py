@@ -15,6 +15,7 @@ token for token (``developer`` messages are rendered as ``system``).
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
@@ -130,6 +131,9 @@ class _Detokenizer:
         return delta
 
 
+_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'vocab.json', 'spiece.model', 'vocab.txt')
+
+
 def _as_config(value, cls, name: str):
     """``value`` as a ``cls`` instance: None = the defaults, a dict = its fields (validated).
 
@@ -174,7 +178,12 @@ class Pipeline:
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | dict | None = None):
         from transformers import AutoTokenizer
         self.backend_config = _as_config(backend_config, PytorchEngineConfig, 'backend_config')
-        self.engine = Engine(model_path, self.backend_config)
+        self.engine = Engine(model_path, self.backend_config)   # checks the path and the model type first
+        if not any(os.path.exists(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
+            # transformers would build an empty tokenizer, and every prompt would then fail
+            self.engine.close()
+            raise ValueError(f'{model_path} has no tokenizer files (one of {list(_TOKENIZER_FILES)}); copy them '
+                             f'from the original checkpoint')
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model_path = model_path
         self.loop = EngineLoop(self.engine)
