@@ -288,3 +288,25 @@ def test_tiny_checkpoint_from_disk_matches_hf(tmp_path):
     assert math.isfinite(ref.abs().max().item()) and ref.std().item() > 0.1
     h = _harness(config, ours)
     _check(h.run_chunks(h.add_sequence(), ids[0].tolist(), 30), ref)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('seed', range(6))
+def test_one_token_experts_equal_the_sorted_path_bit_for_bit(dtype, seed):
+    """A batch-1 decode step runs its k experts directly; the result is bit for bit that of the
+    sort-by-expert path (same products, same weighting, one reduction over k)."""
+    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    gen = torch.Generator().manual_seed(seed)
+    num_experts, hidden, inter = 16, 64, 32
+    k = [1, 2, 3, 4, 8, 16][seed]
+    m = FusedExperts(num_experts, hidden, inter)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(torch.randn(m.gate_up_proj.shape, generator=gen))
+        m.down_proj.copy_(torch.randn(m.down_proj.shape, generator=gen))
+    m = m.to(dtype)
+    x = torch.randn(1, hidden, generator=gen).to(dtype)
+    index = torch.randperm(num_experts, generator=gen)[:k][None]
+    weights = torch.rand(1, k, generator=gen).to(dtype)
+    fast = m(x, index, weights)                      # one token on CPU: the direct path
+    assert torch.equal(fast, m.forward_sorted(x, index, weights))
+    assert fast.shape == (1, hidden) and fast.dtype == dtype

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
+from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
@@ -167,8 +168,25 @@ class FusedExperts(nn.Module):
 
         The ``T * k`` (token, expert) pairs are sorted by expert, run through the registry's
         ``swiglu_experts`` kernel (a per-expert loop on CPU, grouped matmuls on CUDA), weighted,
-        and summed back per token.
+        and summed back per token. One token on CPU (a batch-1 decode step) runs its ``k``
+        experts directly, without the sort and scatter: the same products, weights and
+        summation order.
         """
+        if x.shape[0] == 1 and x.device.type == 'cpu':
+            return self.forward_one_token(x, index, weights)
+        return self.forward_sorted(x, index, weights)
+
+    def forward_one_token(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for ``x [1, H]``: each chosen expert in turn, weighted, summed in one
+        reduction as :meth:`forward_sorted` does (bit for bit the same result)."""
+        outs = []
+        for e, w in zip(index[0].tolist(), weights[0].unbind()):
+            gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(linear(F.silu(gate) * up, self.down_proj[e]) * w)
+        return (outs[0] if len(outs) == 1 else torch.stack(outs, dim=1).sum(1)).to(x.dtype)
+
+    def forward_sorted(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for any ``T``: the pairs sorted by expert, one kernel call."""
         k = index.shape[1]
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)
