@@ -144,16 +144,10 @@ class Engine:
                            self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
         self._check_cache_fits(num_blocks, num_slots)
-        try:
-            if self.executor is not None:
-                self.cache_engine, self.model_runner = self.executor.start(cc.block_size, num_blocks, num_slots)
-            else:
-                self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
-        except (RuntimeError, MemoryError) as err:
-            if 'alloc' not in str(err).lower() and not isinstance(err, MemoryError):
-                raise
-            raise ValueError(f'the KV cache ({num_blocks} blocks, num_gpu_blocks) and {num_slots} state slots '
-                             f'could not be allocated: {err}') from None
+        if self.executor is not None:
+            self.cache_engine, self.model_runner = self.executor.start(cc.block_size, num_blocks, num_slots)
+        else:
+            self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
         self.block_manager = BlockManager(num_blocks)
         self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
         for name in ('prefill_save_last_only', 'decode_save_last', 'save_junction'):

@@ -64,19 +64,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``[..., N]`` contiguous, in ``x.dtype``.
     """
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == 'cpu'
-            and weight.dim() == 2 and rows == 1):
-        y = torch.mv(weight, x.reshape(-1))
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], weight.shape[0])
-    fast = x.dtype == weight.dtype and (
-        rows in transposed_rows(x.shape[-1]) if x.dtype == torch.float32 else
-        rows in BF16_TRANSPOSED_ROWS if x.dtype == torch.bfloat16 else False)
-    if fast and x.device.type == 'cpu' and weight.dim() == 2:
-        x2 = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
-        y = torch.mm(weight, x2.t()).t().contiguous()
-        if bias is not None:
-            y += bias
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    if x.device.type != 'cpu' or weight.dim() != 2 or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16 and rows == 1:
+        y = torch.mv(weight, x.reshape(-1))[None]
+    elif (x.dtype == torch.float32 and rows in transposed_rows(x.shape[-1])
+          or x.dtype == torch.bfloat16 and rows in BF16_TRANSPOSED_ROWS):
+        y = torch.mm(weight, (x if x.dim() == 2 else x.reshape(rows, x.shape[-1])).t()).t().contiguous()
+    else:
+        return F.linear(x, weight, bias)
+    if bias is not None:
+        y += bias
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])   # (no extra view op per call)

@@ -213,7 +213,8 @@ class TokenTexts:
         self._bytes: dict[int, list[int]] = {}
         self._kind = _decoder_kind(tokenizer)
         self._added = set(getattr(tokenizer, 'added_tokens_decoder', None) or ())
-        self.special = set(getattr(tokenizer, 'all_special_ids', None) or ())
+        self.special = set(getattr(tokenizer, 'all_special_ids', None) or ())   # ids the text skips
+        self.metaspace = self._kind == 'metaspace'     # sentencepiece: decoding strips the opening space
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -273,13 +274,12 @@ class TextOffsets:
 
     Args:
         texts: the server's token lookup.
-        start: characters before the first token (0).
     """
 
-    def __init__(self, texts: TokenTexts, start: int = 0):
-        self.texts, self.chars = texts, start
+    def __init__(self, texts: TokenTexts):
+        self.texts, self.chars = texts, 0
         self._utf8 = codecs.getincrementaldecoder('utf-8')(errors='replace')
-        self._opening = texts._kind == 'metaspace'
+        self._opening = texts.metaspace
 
     def next(self, token_id: int) -> int:
         """The offset of ``token_id`` (the next generated token), then advance past it."""
