@@ -39,14 +39,22 @@ Usage (CPU; a Qwen3-Next-shaped random model made on the fly)::
     python3 benchmark/benchmark_throughput.py --preset 99m --threads 2 \\
         --batches 1,4,16,32 --prefill 1024,2048,4096,8192,16384 --repeats 3
 
-llama.cpp: pass ``--gguf MODEL.gguf`` (the same weights converted with llama.cpp's converter)
-and have ``llama-bench`` on ``PATH`` (or ``--llama-bench PATH``); otherwise it is skipped with a
-note. Results: ``<out>.json``, ``<out>.png`` and a table on stdout.
+llama.cpp: pass ``--gguf MODEL.gguf`` (the same weights converted with llama.cpp's
+``convert_hf_to_gguf.py``, ``--outtype f32`` for the float32 comparison) and have
+``llama-batched-bench`` on ``PATH`` (or ``--llama-batched-bench PATH``); otherwise it is skipped
+with a note. Each repeat then also runs llama.cpp right after the two systems, as a third system
+(``llama_cpp`` in the rows): at batch N, ``-npl N -npp <prompt-len> -ntg <decode-tokens - 1>``,
+the same forward passes as the engine's (one prefill, then one decode step per further token),
+timed by llama.cpp itself (model loading excluded), tokens/s counted the same way (N x
+``--decode-tokens`` over prefill plus decode); at prefill length L, ``-npl 1 -npp L -ntg 1`` and
+the prompt-processing seconds. Its CPU time and memory are not separable from its model loading,
+so they are not reported. Results: ``<out>.json``, ``<out>.png`` and a table on stdout.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -142,10 +150,13 @@ def measure(fn, tokens: int) -> dict:
 
 
 def summarize(runs: list[dict]) -> dict:
+    """min / median / max of each measurement over the runs (None where a system does not
+    report it: llama.cpp's CPU time and memory)."""
     out = {}
     for key in ('wall_s', 'tok_s', 'tok_per_cpu_s', 'peak_mb'):
         values = [r[key] for r in runs]
-        out[key] = dict(min=min(values), median=statistics.median(values), max=max(values))
+        out[key] = None if None in values else dict(min=min(values), median=statistics.median(values),
+                                                    max=max(values))
     return out
 
 
@@ -271,19 +282,69 @@ def engine_decode_step_ops(engine, prompts: list[list[int]]) -> int:
     return n
 
 
-def llama_bench(binary: str | None, gguf: str | None, threads: int, prefill: list[int], decode_tokens: int):
-    """llama.cpp tokens/s from ``llama-bench -o json``, or a note saying why it was skipped."""
-    binary = binary or shutil.which('llama-bench')
-    if not binary or not gguf or not os.path.isfile(gguf):
-        return {'skipped': 'llama-bench not found or --gguf not given'}
-    cmd = [binary, '-m', gguf, '-t', str(threads), '-o', 'json', '-n', str(decode_tokens),
-           '-p', ','.join(str(p) for p in prefill)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
-    except (OSError, subprocess.SubprocessError) as err:
-        return {'skipped': f'llama-bench failed: {err}'}
-    return {'runs': [{k: r.get(k) for k in ('n_prompt', 'n_gen', 'avg_ts', 'stddev_ts')}
-                     for r in json.loads(proc.stdout)]}
+class LlamaCpp:
+    """llama.cpp's ``llama-batched-bench`` on the same weights (GGUF), run once per measurement.
+
+    Args:
+        binary: path of ``llama-batched-bench``, or None to look it up on ``PATH``.
+        gguf: the GGUF file, or None.
+        threads: ``-t`` and ``-tb`` (generation and batch threads).
+
+    ``available`` is False (and ``note`` says why) when either is missing; after a failed run it
+    turns False too, so one failure does not repeat at every measurement.
+    """
+
+    def __init__(self, binary: str | None, gguf: str | None, threads: int):
+        self.binary = binary or shutil.which('llama-batched-bench')
+        self.gguf, self.threads = gguf, threads
+        self.note = None
+        if not self.binary or not os.path.isfile(self.binary) or not gguf or not os.path.isfile(gguf):
+            self.note = 'llama-batched-bench not found or --gguf not given'
+
+    @property
+    def available(self) -> bool:
+        return self.note is None
+
+    def info(self) -> dict:
+        return {'skipped': self.note} if self.note else {'binary': self.binary, 'gguf': self.gguf,
+                                                          'threads': self.threads}
+
+    def _run(self, batch: int, prompt_len: int, new_tokens: int) -> dict | None:
+        """One jsonl record of ``llama-batched-bench`` (seconds ``t_pp``, ``t_tg``, ``t``), or None
+        after a failure (recorded in ``note``)."""
+        ctx = batch * (prompt_len + new_tokens) + 16
+        cmd = [self.binary, '-m', self.gguf, '-t', str(self.threads), '-tb', str(self.threads), '-c', str(ctx),
+               '-b', '2048', '-ub', '512', '-npp', str(prompt_len), '-ntg', str(new_tokens), '-npl', str(batch),
+               '--output-format', 'jsonl']
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+            records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{')]
+            record = records[-1]
+            if not all(math.isfinite(record[k]) and record[k] > 0 for k in ('t_pp', 't')):
+                raise ValueError(f'unexpected timings {record}')
+        except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as err:
+            tail = getattr(err, 'stderr', None) or ''
+            self.note = f'llama-batched-bench failed: {err} {tail[-300:]}'.strip()
+            return None
+        return record
+
+    def decode(self, batch: int, prompt_len: int, new_tokens: int) -> dict | None:
+        """``batch`` prompts of ``prompt_len`` tokens and ``new_tokens`` new tokens each, counted as
+        :func:`measure` counts the engine's (the first comes from the prefill, so llama.cpp runs
+        ``new_tokens - 1`` decode steps). None when unavailable or ``new_tokens < 2``."""
+        record = self._run(batch, prompt_len, new_tokens - 1) if self.available and new_tokens >= 2 else None
+        if record is None:
+            return None
+        return dict(wall_s=record['t'], cpu_s=None, tok_s=batch * new_tokens / record['t'], tok_per_cpu_s=None,
+                    peak_mb=None)
+
+    def prefill(self, length: int) -> dict | None:
+        """Prompt processing of one ``length``-token prompt: tokens/s over its seconds."""
+        record = self._run(1, length, 1) if self.available else None
+        if record is None:
+            return None
+        return dict(wall_s=record['t_pp'], cpu_s=None, tok_s=length / record['t_pp'], tok_per_cpu_s=None,
+                    peak_mb=None)
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -315,9 +376,10 @@ def run(args) -> dict:
                    decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, decode=[], prefill=[], ops=[])
     engine_generate(engine, prompts(1, 8), 2)   # warm-up (first-call costs of both)
     hf_generate(hf, prompts(1, 8), 2)
+    llama = LlamaCpp(args.llama_batched_bench, args.gguf, args.threads)
     for batch in batches:
         row = dict(batch=batch)
-        runs = {'engine': [], 'hf_batched': [], 'hf_one_at_a_time': []}
+        runs = {'engine': [], 'hf_batched': [], 'hf_one_at_a_time': [], 'llama_cpp': []}
         equal, divergences = True, []
         tokens = batch * args.decode_tokens
         for _ in range(args.repeats):
@@ -335,7 +397,9 @@ def run(args) -> dict:
                 o = measure(lambda: [hf_generate(hf, [p], args.decode_tokens)[0] for p in ps], tokens)
                 o.pop('result')
                 runs['hf_one_at_a_time'].append(o)
-        row.update({k: summarize(v) for k, v in runs.items() if v})
+            if (lc := llama.decode(batch, args.prompt_len, args.decode_tokens)) is not None:
+                runs['llama_cpp'].append(lc)
+        row.update({k: summarize(v) for k, v in runs.items() if v and len(v) == args.repeats})
         row['greedy_equal_to_hf'] = equal
         if divergences:
             row['greedy_divergences'] = divergences
@@ -343,7 +407,7 @@ def run(args) -> dict:
         print_row('decode', batch, row, flush=True)
     for length in prefill:
         row = dict(tokens=length)
-        runs = {'engine': [], 'hf_forward': []}
+        runs = {'engine': [], 'hf_forward': [], 'llama_cpp': []}
         for _ in range(args.repeats):
             (p,) = prompts(1, length)
             e = measure(lambda: engine_generate(engine, [p], 1), length)
@@ -352,7 +416,9 @@ def run(args) -> dict:
                 r.pop('result')
             runs['engine'].append(e)
             runs['hf_forward'].append(h)
-        row.update({k: summarize(v) for k, v in runs.items()})
+            if (lc := llama.prefill(length)) is not None:
+                runs['llama_cpp'].append(lc)
+        row.update({k: summarize(v) for k, v in runs.items() if v and len(v) == args.repeats})
         results['prefill'].append(row)
         print_row('prefill', length, row, flush=True)
     for batch in batches:
@@ -367,7 +433,7 @@ def run(args) -> dict:
         print('float32 max |logit difference| vs transformers full forward (teacher-forced): '
               + ', '.join(f'{k} {v:.1e}' for k, v in precision.items() if k != 'max_abs_logit')
               + f' (logits up to {precision["max_abs_logit"]:.1f})', flush=True)
-    results['llama_cpp'] = llama_bench(args.llama_bench, args.gguf, args.threads, prefill, args.decode_tokens)
+    results['llama_cpp'] = llama.info()
     return results
 
 
@@ -377,7 +443,8 @@ def print_row(kind, key, row, flush=False):
     parts = [f'{kind} {key:>6}: engine {eng:9.1f} tok/s (peak +{row["engine"]["peak_mb"]["max"]:.0f} MB)']
     for k in others:
         o = row[k]['tok_s']['median']
-        parts.append(f'{k} {o:9.1f} tok/s (x{eng / o:.2f}, peak +{row[k]["peak_mb"]["max"]:.0f} MB)')
+        peak = f', peak +{row[k]["peak_mb"]["max"]:.0f} MB' if row[k]['peak_mb'] else ''
+        parts.append(f'{k} {o:9.1f} tok/s (x{eng / o:.2f}{peak})')
     if 'greedy_equal_to_hf' in row:
         parts.append(f'greedy equal: {row["greedy_equal_to_hf"]}')
         if row.get('greedy_divergences'):
@@ -428,7 +495,8 @@ def main(argv=None):
     p.add_argument('--decode-tokens', type=int, default=32)
     p.add_argument('--repeats', type=int, default=2)
     p.add_argument('--skip-one-at-a-time', action='store_true', help='skip HF one-request-at-a-time runs')
-    p.add_argument('--llama-bench', help='path of llama.cpp llama-bench (default: from PATH)')
+    p.add_argument('--llama-batched-bench', '--llama-bench', dest='llama_batched_bench',
+                   help="path of llama.cpp's llama-batched-bench (default: from PATH)")
     p.add_argument('--gguf', help='the same weights as GGUF for llama.cpp')
     p.add_argument('--out', default='benchmark/results/throughput')
     args = p.parse_args(argv)

@@ -75,3 +75,58 @@ def test_bfloat16_run_compares_both_systems_in_bf16(tiny_qwen3_next, tmp_path):
     assert 'greedy_divergences' not in row and isinstance(row['greedy_equal_to_hf'], bool)
     assert row['engine']['tok_s']['median'] > 0 and row['hf_batched']['tok_s']['median'] > 0
     assert results['prefill'][0]['engine']['tok_s']['median'] > 0
+
+
+FAKE_BATCHED_BENCH = '''#!{python}
+"""Stands in for llama.cpp's llama-batched-bench: checks the arguments and prints one jsonl
+record whose seconds grow with the work asked for (1 ms per prompt token, 10 ms per decode step)."""
+import json, sys
+args = sys.argv[1:]
+opt = {{args[i]: args[i + 1] for i in range(0, len(args) - 1) if args[i].startswith('-')}}
+assert opt['--output-format'] == 'jsonl' and opt['-t'] == opt['-tb'] == '1', args
+pp, tg, pl = int(opt['-npp']), int(opt['-ntg']), int(opt['-npl'])
+assert int(opt['-c']) >= pl * (pp + tg), args
+with open({log!r}, 'a') as f:
+    f.write(json.dumps([pp, tg, pl]) + '\\n')
+t_pp, t_tg = 0.001 * pl * pp, 0.01 * tg
+print('| some markdown line |')
+print(json.dumps(dict(pp=pp, tg=tg, pl=pl, t_pp=t_pp, t_tg=t_tg, t=t_pp + t_tg)))
+'''
+
+
+def test_llama_cpp_runs_as_a_third_system_with_the_engines_token_count(tiny_qwen3_next, tmp_path):
+    """With llama-batched-bench and a GGUF file, every repeat also runs llama.cpp: at batch N the
+    same forward passes as the engine (N prompts, decode-tokens - 1 decode steps), tokens/s over
+    its own seconds counted like the engine's; at prefill length L, L over its prompt seconds. A
+    binary that fails is recorded once as skipped, and the run still completes."""
+    bench = _load()
+    log = tmp_path / 'calls.jsonl'
+    fake = tmp_path / 'llama-batched-bench'
+    fake.write_text(FAKE_BATCHED_BENCH.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    gguf = tmp_path / 'm.gguf'
+    gguf.write_bytes(b'GGUF')
+    out = tmp_path / 'lc'
+    bench.main(['--model', tiny_qwen3_next, '--threads', '1', '--batches', '1,3', '--prefill', '40',
+                '--prompt-len', '7', '--decode-tokens', '5', '--repeats', '2', '--skip-one-at-a-time',
+                '--llama-batched-bench', str(fake), '--gguf', str(gguf), '--out', str(out)])
+    results = json.loads((tmp_path / 'lc.json').read_text())
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [[7, 4, 1]] * 2 + [[7, 4, 3]] * 2 + [[40, 1, 1]] * 2
+    assert results['llama_cpp'] == {'binary': str(fake), 'gguf': str(gguf), 'threads': 1}
+    for row in results['decode']:
+        lc = row['llama_cpp']
+        seconds = 0.001 * row['batch'] * 7 + 0.01 * 4
+        assert abs(lc['tok_s']['median'] - row['batch'] * 5 / seconds) < 1e-6 * lc['tok_s']['median']
+        assert lc['wall_s']['min'] <= lc['wall_s']['median'] <= lc['wall_s']['max']
+        assert lc['tok_per_cpu_s'] is None and lc['peak_mb'] is None
+    (pre,) = results['prefill']
+    assert abs(pre['llama_cpp']['tok_s']['median'] - 40 / 0.04) < 1e-6
+    fake.write_text('#!/bin/sh\necho broken >&2\nexit 3\n')
+    bench.main(['--model', tiny_qwen3_next, '--threads', '1', '--batches', '2', '--prefill', '30',
+                '--prompt-len', '5', '--decode-tokens', '3', '--repeats', '1', '--skip-one-at-a-time',
+                '--llama-batched-bench', str(fake), '--gguf', str(gguf), '--out', str(out)])
+    results = json.loads((tmp_path / 'lc.json').read_text())
+    assert 'broken' in results['llama_cpp']['skipped']
+    assert 'llama_cpp' not in results['decode'][0] and 'llama_cpp' not in results['prefill'][0]
+    assert results['decode'][0]['engine']['tok_s']['median'] > 0
