@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmdeploy.pytorch.paging.prefill_plan import (PrefillPlan, is_reusable, last_reusable, next_chunk_end,
-                                                  num_remaining_chunks, plan_prefill)
+                                                  num_remaining_chunks, plan_prefill, with_last_block_end)
 
 B, A, P = 64, 1024, 8192
 K = 1024
@@ -286,3 +286,24 @@ def test_last_only_chunks_are_plain_chunks_cut_once(args):
         expected.append(end)
         h = end
     assert plan.chunk_ends == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(plan_args(), st.booleans())
+def test_last_block_end_split_keeps_the_plan_invariants(args, last_only):
+    """with_last_block_end (decode_save_last) adds floor_B(n) as a chunk end whenever a forward may
+    end there (above the cached tokens, below n, ℓ tokens after it, no span split) and changes
+    nothing else: the same save points, every other chunk end kept, chunks only shorter."""
+    n, c, chunk, bs, al, la, r, spans = args
+    plan = plan_prefill(n, c, chunk, bs, al, last_only, la, r, spans)
+    cut = with_last_block_end(plan, bs, la, spans)
+    t = n // bs * bs
+    wanted = c < t < n and t + la <= n and brute_end_allowed(t, n, la, spans)
+    assert set(cut.chunk_ends) == set(plan.chunk_ends) | ({t} if wanted else set())
+    assert cut.chunk_ends == sorted(set(cut.chunk_ends)) and cut.chunk_ends[-1] == n
+    assert (cut.save_points, cut.cached_tokens, cut.junction) == (plan.save_points, plan.cached_tokens, plan.junction)
+    assert all(brute_end_allowed(end, n, la, spans) for end in cut.chunk_ends)
+    longest = max(b - a for a, b in zip(plan.chunk_starts, plan.chunk_ends))
+    assert max(b - a for a, b in zip(cut.chunk_starts, cut.chunk_ends)) <= longest
+    if not wanted:
+        assert cut is plan

@@ -72,12 +72,38 @@ def test_an_identical_follow_up_restores_at_the_turn_end_boundary(tiny_qwen3_nex
     assert again.output_ids == reference(tiny_qwen3_next, one.token_ids, gen)
 
 
-def test_a_short_reply_that_crosses_no_block_boundary_saves_no_turn_end(tiny_qwen3_next):
+def test_a_short_reply_that_crosses_no_block_boundary_still_saves_the_turn_end(tiny_qwen3_next):
+    """The prompt's last block boundary (96 of 100) lies inside its last prefill chunk; with
+    decode_save_last a forward ends there too, so a 3-token reply (computed 102) still gets its
+    turn-end checkpoint at 96 and the next turn restores there."""
     gen = GenerationConfig(max_new_tokens=3, ignore_eos=True)
     eng = engine(tiny_qwen3_next, decode_save_last=True)
-    seq = eng.generate(prompt(100, 4), gen)                 # computed 102: boundary 96 is inside the prefill
-    assert seq.stats.turn_end_point is None
-    assert eng.is_idle() and eng.ledger()['checkpoints_published'] == 1     # the prefill save at 64
+    seq = eng.generate(prompt(100, 4), gen)
+    assert seq.stats.plans[0].chunk_ends == [64, 96, 100] and seq.stats.prefill_forwards == 3
+    assert seq.stats.turn_end_point == 96
+    assert eng.is_idle() and eng.ledger()['checkpoints_published'] == 2     # the prefill save at 64, 96
+    follow = seq.token_ids + prompt(20, 5)
+    two = eng.generate(follow, gen)
+    assert two.num_cached_tokens == 96 and two.output_ids == reference(tiny_qwen3_next, follow, gen)
+
+
+@pytest.mark.parametrize('n,out', [(100, 1), (100, 4), (100, 5), (95, 2), (96, 1), (96, 3), (130, 1), (130, 15),
+                                   (130, 30), (10, 3), (20, 1), (64, 1), (200, 9), (257, 2)])
+def test_the_next_turn_restores_at_the_last_block_boundary_of_what_the_turn_computed(tiny_qwen3_next, n, out):
+    """For any prompt length n and reply length out, the next turn of the conversation (the whole
+    turn plus new text) restores at floor_B(n + out - 1), the last block boundary of the tokens
+    the turn computed (0 below one block), and outputs equal a cache-off run."""
+    gen = GenerationConfig(max_new_tokens=out, ignore_eos=True)
+    eng = engine(tiny_qwen3_next, decode_save_last=True)
+    first = prompt(n, 40 + n + out)
+    one = eng.generate(first, gen)
+    assert one.output_ids == reference(tiny_qwen3_next, first, gen)
+    assert all(b - a <= P for a, b in zip(one.stats.plans[0].chunk_starts, one.stats.plans[0].chunk_ends))
+    follow = one.token_ids + prompt(7, 41)
+    two = eng.generate(follow, GenerationConfig(max_new_tokens=2, ignore_eos=True))
+    assert two.num_cached_tokens == (n + out - 1) // B * B
+    assert two.output_ids == reference(tiny_qwen3_next, follow, GenerationConfig(max_new_tokens=2, ignore_eos=True))
+    assert eng.is_idle() and eng.ledger()['checkpoints_pinned'] == 0
 
 
 @pytest.mark.parametrize('junction', [False, True])
@@ -106,3 +132,19 @@ def test_a_save_policy_without_prefix_caching_warns_that_it_has_no_effect(tiny_q
                                                           **{name: True}))
     assert any(name in r.getMessage() and 'enable_prefix_caching' in r.getMessage() for r in caplog.records)
     eng.close()
+
+
+def test_stats_keys_are_the_same_whatever_is_enabled(tiny_qwen3_next):
+    """Engine.stats() returns every prefix-cache and Store key in every configuration (0 for a
+    disabled tier), so code reading them works unchanged when a tier is turned off."""
+    off = engine(tiny_qwen3_next, enable_prefix_caching=False)
+    on = engine(tiny_qwen3_next, decode_save_last=True, save_junction=True)
+    for eng in (off, on):
+        eng.generate(prompt(80, 7), GenerationConfig(max_new_tokens=2, ignore_eos=True))
+    assert set(off.stats()) == set(on.stats())
+    assert {'turn_end_checkpoints_saved', 'junction_checkpoints_saved', 'store_put_bytes',
+            'store_hit_tokens'} <= set(off.stats())
+    zeros = off.stats()
+    assert zeros['checkpoints_skipped'] == {} and zeros['store_put_bytes'] == {'state': 0, 'kv': 0}
+    assert all(v == 0 for k, v in zeros.items() if not isinstance(v, dict))
+    assert on.stats()['checkpoints_saved'] >= 1

@@ -672,13 +672,14 @@ def test_turn_end_checkpoint_reaches_the_store_and_a_fresh_engine_restores_past_
 
 def test_turn_end_policy_puts_the_prefill_checkpoint_when_the_turn_end_is_not_reached(make_engine,
                                                                                      tiny_qwen3_next):
-    """One new token: no forward ends on the turn's last block boundary (96 of 100 computed), so
-    the deferred put of the prefill checkpoint at 64 is made from its local copy at the end, and
-    a fresh engine restores it."""
+    """One new token after a 65-token prompt: the turn's last block boundary (64 of 65 computed)
+    is the prefill save point itself, so no turn-end checkpoint is published there; the deferred
+    put of the prefill checkpoint at 64 is made from its local copy at the end, and a fresh
+    engine restores it."""
     gen = GenerationConfig(max_new_tokens=1, ignore_eos=True)
     cold_engine = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256))
     writer = make_engine(decode_save_last=True, prefill_save_last_only=True)
-    ids = prompt(100, seed=910)
+    ids = prompt(65, seed=910)
     one = writer.generate(ids, gen)
     assert one.stats.turn_end_point is None and one.stats.save_points == [64]
     assert writer.store.flush(timeout=30)

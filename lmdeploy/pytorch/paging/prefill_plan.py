@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = ['PrefillPlan', 'ReuseRules', 'is_reusable', 'last_reusable', 'plan_prefill', 'with_junction',
-           'num_remaining_chunks', 'next_chunk_end', 'is_chunk_end_allowed', 'plain_chunk_ends']
+           'with_last_block_end', 'num_remaining_chunks', 'next_chunk_end', 'is_chunk_end_allowed', 'plain_chunk_ends']
 
 Span = tuple[int, int]
 
@@ -371,6 +371,26 @@ def with_junction(plan: PrefillPlan, junction: int) -> PrefillPlan:
         return plan
     return PrefillPlan(sorted(set(plan.chunk_ends) | {junction}), sorted(plan.save_points + [junction]),
                        plan.cached_tokens, junction)
+
+
+def with_last_block_end(plan: PrefillPlan, block_size: int, token_lookahead: int = 0,
+                        multimodal_spans: Sequence[Span] = ()) -> PrefillPlan:
+    """``plan`` with a forward also ending at the input's last block boundary ``t = floor_B(n)``,
+    so the recurrent state there exists even when the reply then crosses no block boundary: the
+    turn-end checkpoint (``decode_save_last``) is taken at ``floor_B(n + output - 1)``, which is
+    ``t`` for a reply shorter than ``B - (n - t) + 1`` tokens. The chunk holding ``t`` is split
+    there (one more forward of ``n - t < B`` tokens), so chunks only get shorter.
+
+    Unchanged when ``t`` is already a chunk end, is not above ``cached_tokens``, equals ``n``,
+    leaves fewer than ``ℓ`` tokens after it, or is not an allowed chunk end (inside a multimodal
+    span, :func:`is_chunk_end_allowed`). Save points are kept as they are.
+    """
+    n = plan.num_tokens
+    t = n // block_size * block_size
+    if (t in plan.chunk_ends or not plan.cached_tokens < t < n or t + token_lookahead > n
+            or not is_chunk_end_allowed(t, n, token_lookahead, multimodal_spans)):
+        return plan
+    return PrefillPlan(sorted(plan.chunk_ends + [t]), list(plan.save_points), plan.cached_tokens, plan.junction)
 
 
 def num_remaining_chunks(plan: PrefillPlan, num_computed: int) -> int:

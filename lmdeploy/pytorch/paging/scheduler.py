@@ -32,7 +32,8 @@ from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.plans import LoadPlan, PrefixMatch, SavePlan
 from ..prefix_cache.state_cache import StateCache
 from .block_manager import BlockManager
-from .prefill_plan import PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction
+from .prefill_plan import (PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction,
+                           with_last_block_end)
 
 __all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput']
 
@@ -264,7 +265,9 @@ class Scheduler:
         it never takes more checkpoints than its first admission planned. With ``save_junction``
         a prompt whose cached blocks reach ``matched`` tokens, deeper than its restorable
         checkpoint, also saves at the deepest reusable boundary up to ``matched`` (the branch
-        point of two conversations), so the next sibling restores there.
+        point of two conversations), so the next sibling restores there. With ``decode_save_last``
+        a forward also ends at the input's last block boundary (:func:`with_last_block_end`), where
+        the turn-end checkpoint falls when the reply crosses no block boundary.
         """
         P = self.config.max_prefill_token_num
         ends, saves, start, junction = [], [], cached, None
@@ -280,7 +283,10 @@ class Scheduler:
             ends, saves, start, junction = list(plan.chunk_ends), list(plan.save_points), turn, plan.junction
         # chunks without saves (the rest of the input) still never split a multimodal span
         ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
-        return PrefillPlan(ends, saves, cached, junction)
+        plan = PrefillPlan(ends, saves, cached, junction)
+        if self.is_hybrid and self.prefix_cache is not None and self.prefix_cache.decode_save_last:
+            plan = with_last_block_end(plan, self.block_size, seq.token_lookahead, tuple(seq.multimodal_spans))
+        return plan
 
     def remaining_prefill_chunks(self, seq: Sequence) -> int:
         """The scheduler's estimate of a sequence's remaining prefill forwards (from its plan)."""

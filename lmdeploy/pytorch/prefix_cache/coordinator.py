@@ -15,9 +15,9 @@ progress and the resources the forward needs::
     finish_turn                      publish the turn-end checkpoint (decode_save_last)
     release / forget                 cache computed blocks; drop bookkeeping
 
-Turn-end checkpoints (``decode_save_last``): while a request decodes, the state at each block
-boundary it reaches is copied into one staging slot of that request (one row copy per B
-tokens); when it finishes, the last copy is published at that boundary and put to the Store
+Turn-end checkpoints (``decode_save_last``): the state at each block boundary a request reaches
+from its prompt's last one on (the scheduler ends a prefill forward there) is copied into one
+staging slot of that request (one row copy per B tokens); when it finishes, the last copy is published at that boundary and put to the Store
 with its unsaved KV blocks. Such a boundary is a multiple of B, not of A, so with the policy
 on, restores accept any block boundary that satisfies the other reusability rules.
 
@@ -42,10 +42,17 @@ from .block_trie import chain_block_hashes
 from .local_tier import LocalTier
 from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
 
-__all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS']
+__all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS', 'zero_counters']
 
 STORE_RESTORE_ATTEMPTS = 3   # failed Store loads per request before it stops asking the Store
 _PROBES_PER_STEP = 64        # waiting sequences probed per step at most (each once per attempt)
+
+
+def zero_counters() -> dict[str, int]:
+    """The prefix cache's cumulative counters (tokens, checkpoints), all 0: what
+    :meth:`PrefixCache.stats` starts from, and what an engine without a prefix cache reports."""
+    return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
+            'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0}
 
 
 @dataclass
@@ -87,9 +94,7 @@ class PrefixCache:
         self._store_views: dict[int, _StoreView] = {}
         self._staging: dict[int, _Staging] = {}
         self._deferred: dict[int, StorePut] = {}   # a request's deferred prefill-checkpoint put
-        self.counters: dict[str, int] = {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0,
-                                         'checkpoints_saved': 0, 'state_miss_tokens': 0,
-                                         'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0}
+        self.counters: dict[str, int] = zero_counters()
         self.skipped: dict[str, int] = {}
 
     @property
