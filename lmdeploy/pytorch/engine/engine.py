@@ -451,12 +451,13 @@ class Engine:
         ``junction_checkpoints_saved``), tokens whose blocks matched without a state checkpoint,
         the Store tier's put bytes/objects by kind, failures, rejected objects, hit tokens and
         objects a save found already stored (``store_existing_objects``), and (speculative
-        decoding) draft tokens proposed / accepted."""
+        decoding) draft tokens proposed / accepted. Every key but the speculative-decoding ones
+        is present whatever is enabled (0 for a disabled tier), so one reader fits every config."""
+        from ..prefix_cache.coordinator import zero_counters
+        from ..prefix_cache.store_tier import zero_store_counters
+        out = {**zero_counters(), 'checkpoints_skipped': {}, **zero_store_counters()}
         if self.prefix_cache is not None:
-            out = self.prefix_cache.stats()
-        else:
-            out = {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
-                   'state_miss_tokens': 0, 'checkpoints_skipped': {}}
+            out.update(self.prefix_cache.stats())
         if self.spec is not None:
             out.update(self.spec.stats())
         return out

@@ -51,12 +51,21 @@ from ..store.mooncake_client import StoreClient, buffer_bytes_needed
 from ..store.object_format import OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object, object_key
 from .plans import StoreLoad, StorePut
 
-__all__ = ['StoreTier', 'build_store_tier', 'FAILURE_LOG_INTERVAL_S']
+__all__ = ['StoreTier', 'build_store_tier', 'zero_store_counters', 'FAILURE_LOG_INTERVAL_S']
 
 FAILURE_LOG_INTERVAL_S = 60     # seconds between two warnings about failed Store operations
 _FAILURES = ('existence query failed', 'put failed', 'restore failed')
 
 logger = logging.getLogger('lmdeploy')
+
+
+def zero_store_counters() -> dict:
+    """The Store tier's cumulative counters, all 0 (put bytes and objects by kind ``state`` /
+    ``kv``; failures, hit tokens, rejected and already-existing objects): what
+    :meth:`StoreTier.stats` starts from, and what an engine without a Store reports."""
+    return {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
+            'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
+            'store_rejected_objects': 0, 'store_existing_objects': 0}
 
 
 @dataclass
@@ -126,9 +135,7 @@ class StoreTier:
         self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self._inflight = 0
         self._idle = threading.Condition(self._lock)   # notified when _inflight drops to 0
-        self.counters = {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
-                         'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
-                         'store_rejected_objects': 0, 'store_existing_objects': 0}
+        self.counters = zero_store_counters()
         self._worker = threading.Thread(target=self._run, name='lmdeploy-store', daemon=True)
         self._worker.start()
 
