@@ -22,7 +22,9 @@ def pipeline(model_path: str, backend_config: PytorchEngineConfig | dict | None 
         backend_config: engine configuration, a :class:`PytorchEngineConfig` or a dict of its fields
             (default: the defaults).
         log_level: level of the ``lmdeploy`` logger (``'DEBUG'`` ... ``'CRITICAL'``); None
-            leaves it as configured.
+            leaves it as configured. When neither that logger nor the root logger has a handler
+            yet (an application that has not configured logging), a stderr handler is added,
+            so INFO and DEBUG lines are shown, not only warnings.
 
     Raises:
         ValueError: ``model_path`` is not a model directory, the model type is unsupported, an
@@ -35,6 +37,11 @@ def pipeline(model_path: str, backend_config: PytorchEngineConfig | dict | None 
         if not isinstance(log_level, str) or log_level.upper() not in _LOG_LEVELS:
             raise ValueError(f'log_level must be one of {list(_LOG_LEVELS)}, got {log_level!r}')
         import logging
-        logging.getLogger('lmdeploy').setLevel(log_level.upper())
+        logger = logging.getLogger('lmdeploy')
+        logger.setLevel(log_level.upper())
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter('%(asctime)s %(levelname)s %(name)s: %(message)s'))
+            logger.addHandler(handler)
     from .serve.pipeline import Pipeline
     return Pipeline(model_path, backend_config=backend_config)

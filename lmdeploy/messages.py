@@ -6,14 +6,41 @@ Every engine field has a CLI flag of the same name in kebab case.
 """
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ['PytorchEngineConfig', 'SpeculativeConfig', 'GenerationConfig', 'Response']
 
 MOONCAKE_MIN_SEGMENT = 16 << 20   # bytes; Mooncake 0.3.13 refuses a smaller memory segment
+
+
+def _scalar_types(annotation) -> set:
+    """The plain types a field annotation admits (``int | None`` -> {int, NoneType})."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return {t for a in typing.get_args(annotation) for t in _scalar_types(a)}
+    if typing.get_origin(annotation) is Annotated:
+        return _scalar_types(typing.get_args(annotation)[0])
+    return {annotation}
+
+
+def _no_lax_scalar(model: type[BaseModel], value, name: str):
+    """Refuse what pydantic's lax mode would silently convert for a bool, int or float field:
+    a bool field takes only True/False (not 1, 'yes'), a number field no bool and no string."""
+    admitted = _scalar_types(model.model_fields[name].annotation)
+    if value is None or not admitted & {bool, int, float}:
+        return value
+    if bool in admitted:
+        if not isinstance(value, bool):
+            raise ValueError(f'{name} takes True or False, got {value!r}')
+    elif isinstance(value, (bool, str, bytes)):
+        kind = 'an integer' if int in admitted else 'a number'
+        raise ValueError(f'{name} takes {kind}, got {value!r}')
+    return value
 
 
 class SpeculativeConfig(BaseModel):
@@ -33,6 +60,11 @@ class SpeculativeConfig(BaseModel):
     ngram_min: int = Field(1, ge=1, description='Shortest suffix n-gram looked up (method ngram).')
     ngram_max: int = Field(4, ge=1, description='Longest suffix n-gram looked up (method ngram); the longest '
                            'match wins.')
+
+    @field_validator('*', mode='before')
+    @classmethod
+    def _strict_scalars(cls, v, info: ValidationInfo):
+        return _no_lax_scalar(cls, v, info.field_name)
 
     @model_validator(mode='after')
     def _ngram_range(self):
@@ -105,6 +137,44 @@ class PytorchEngineConfig(BaseModel):
                                                          'CLI: --speculative-algorithm, '
                                                          '--speculative-num-draft-tokens.')
 
+    @field_validator('*', mode='before')
+    @classmethod
+    def _strict_scalars(cls, v, info: ValidationInfo):
+        return _no_lax_scalar(cls, v, info.field_name)
+
+    @field_validator('mooncake_master')
+    @classmethod
+    def _master_address(cls, v: str | None) -> str | None:
+        if v is None or v == 'local':
+            return v
+        host, sep, port = v.rpartition(':')
+        if not sep or not host.strip('[]') or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f'mooncake_master must be "host:port" (port 1-65535) or "local" (lower case: start '
+                             f'an embedded Store), got {v!r}')
+        return v
+
+    @field_validator('mooncake_metadata_server')
+    @classmethod
+    def _metadata_url(cls, v: str | None) -> str | None:
+        # what Mooncake's transfer engine accepts: an HTTP metadata server, etcd (with or without
+        # the scheme), redis, or peer-to-peer handshake; anything else it retries for ~30 s
+        # before failing with a bare code, so it is refused here
+        if v is None or v == 'P2PHANDSHAKE':
+            return v
+        url = urlsplit(v if '://' in v else 'etcd://' + v)
+        try:
+            port_ok = url.port is None or 0 < url.port < 65536
+        except ValueError:
+            port_ok = False
+        bare = '://' not in v
+        if (url.scheme not in ('http', 'https', 'etcd', 'redis') or not url.hostname or not port_ok
+                or bare and (url.port is None or url.path or url.query)):
+            hint = (f' (did you mean http://{v}?)' if bare and url.hostname and url.path else '')
+            raise ValueError(f'mooncake_metadata_server must be the URL of the Store\'s HTTP metadata server, '
+                             f'http://HOST:PORT/metadata (`lmdeploy serve store` prints it), or etcd://HOST:PORT, '
+                             f'redis://HOST:PORT, a bare etcd HOST:PORT or P2PHANDSHAKE; got {v!r}{hint}')
+        return v
+
     @field_validator('mooncake_segment_size')
     @classmethod
     def _segment_zero_or_large(cls, v: int) -> int:
@@ -147,8 +217,9 @@ class GenerationConfig(BaseModel):
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description='Softmax temperature; 0 = greedy.')
     top_p: float = Field(1.0, gt=0, le=1, description='Nucleus sampling mass.')
     top_k: int = Field(0, ge=0, le=(1 << 31) - 1, description='Keep the k most likely tokens; 0 = all.')
-    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False, description='CTRL-style penalty on seen '
-                                      'tokens.')
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100, allow_inf_nan=False, description='CTRL-style penalty '
+                                      'on seen tokens (0.01-100, the API server\'s range; 1.0 = off): beyond it the '
+                                      'scaled logits overflow float32.')
     stop_words: list[str] = Field(default_factory=list, description='Stop strings; the text ends before them.')
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description='Extra token ids '
                                                               'that end generation (inside the vocabulary).')
@@ -158,13 +229,13 @@ class GenerationConfig(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20, description='Return each generated token\'s log-probability '
                                  'and this many most likely alternatives (0-20); None = off.')
 
-    @field_validator('max_new_tokens', 'top_k', 'random_seed', 'logprobs', 'stop_token_ids', mode='before')
+    @field_validator('*', mode='before')
     @classmethod
-    def _no_bools(cls, v, info: ValidationInfo):
-        # True would pass as 1 (pydantic's lax mode): an integer field takes integers only
-        if isinstance(v, bool) or isinstance(v, list) and any(isinstance(t, bool) for t in v):
-            raise ValueError(f'{info.field_name} takes integers, not booleans (got {v!r})')
-        return v
+    def _strict_scalars(cls, v, info: ValidationInfo):
+        # True would pass as 1 and 'yes' as True (pydantic's lax mode): a field takes its own type
+        if info.field_name == 'stop_token_ids' and isinstance(v, list) and any(isinstance(t, (bool, str)) for t in v):
+            raise ValueError(f'stop_token_ids takes integers, got {v!r}')
+        return _no_lax_scalar(cls, v, info.field_name)
 
     @property
     def greedy(self) -> bool:

@@ -418,7 +418,7 @@ class Pipeline:
         is reused), and append the reply.
 
         Args:
-            prompt: the user's message.
+            prompt: the user's message (may be empty: the chat template still renders the turn).
             session: the conversation so far (a new one if None).
             gen_config: sampling options.
             system: system message of a new session.
@@ -427,7 +427,7 @@ class Pipeline:
             The session, with the reply in ``session.response``.
 
         Raises:
-            ValueError: an empty prompt or a history too long for ``session_len``.
+            ValueError: a history too long for ``session_len``.
         """
         if session is None:
             session = ChatSession([{'role': 'system', 'content': system}] if system else [])
