@@ -11,6 +11,7 @@ turns (the model's own greedy reply otherwise), so the random tiny model emits t
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -53,6 +54,8 @@ CALL_READ = ('<think>\nThe listing has a.txt; read it.\n</think>\n\nLet me read 
 BROKEN = '<tool_call>\n{"name": "ls", "arguments": {oops}\n</tool_call>'
 UNICODE = 'héllo 世界 🌍'
 CALL_READ_PLAIN = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
+COMPACT_ARGS = '{"path":".","deep":true,"note":"\\u00fc 1e3"}'       # not json.dumps' spacing, an escape
+CALL_COMPACT = '<tool_call>\n{"name": "ls", "arguments": ' + COMPACT_ARGS + '}\n</tool_call>'
 CALL_REPLIES = {'one call please': CALL_LS, 'two calls please': CALL_LS + '\n' + CALL_READ_PLAIN,
                 'look first please': 'Let me look.\n' + CALL_LS,
                 'look then two please': 'Two things.\n' + CALL_READ_PLAIN + '\n' + CALL_LS}
@@ -60,6 +63,7 @@ SCRIPT = [  # first match wins: a substring of the prompt, its ending, or the as
     {'contains': 'greet the world', 'reply': UNICODE},
     *({'contains': key, 'reply': reply} for key, reply in CALL_REPLIES.items()),
     {'contains': 'break the call', 'reply': BROKEN},
+    {'contains': 'compact call please', 'reply': CALL_COMPACT},
     {'contains': 'think aloud', 'reply': '<think>\nhmm\n</think>\n\nDone.'},
     {'contains': 'answer plainly', 'reply': 'Done.'},
     {'endswith': '"arguments": ', 'reply': '{"path": "b.txt"}}\n</tool_call>'},
@@ -103,6 +107,54 @@ def test_streamed_tool_calls_reassemble_to_the_parsed_reply(pieces, cuts):
     out = _feed(parser.stream(), text, [c for c in cuts if c < len(text)])
     assert ''.join(c for c, _ in out) == (whole.content or '')
     assert _merge_fragments([f for _, fs in out for f in fs]) == [(c.name, c.arguments) for c in whole.calls]
+
+
+_JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6),
+                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
+_JSON = st.recursive(_JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                         st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                     max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=6), _JSON, max_size=4), st.sampled_from([(',', ':'), (', ', ': '), (' ,', ' : ')]),
+       st.booleans(), st.sampled_from([None, 1]), st.sampled_from(['', ' ', '\n']))
+def test_call_arguments_are_the_models_own_text(tiny_qwen3, args, separators, ascii_only, indent, pad):
+    """Whatever spacing, escaping and layout the model used for an arguments object, the parsed
+    call returns exactly that text (JSON equal to the object), so a client that sends the reply
+    back gets the model's own text from a template that prints string arguments verbatim
+    (make-tiny-model's, like Qwen's)."""
+    raw = json.dumps(args, separators=separators, ensure_ascii=ascii_only, indent=indent)
+    text = f'<tool_call>\n{{"name": "ls",{pad}"arguments": {pad}{raw}{pad}}}\n</tool_call>'
+    (call,) = get_tool_parser('hermes').parse(text).calls
+    assert (call.name, call.arguments) == ('ls', raw) and json.loads(call.arguments) == args
+    generated = f'<tool_call>\n{{"name": "ls", "arguments": {raw}}}\n</tool_call>'     # the template's layout
+    (call,) = get_tool_parser('hermes').parse(generated).calls
+    history = [{'role': 'user', 'content': 'x'},
+               {'role': 'assistant', 'content': None, 'tool_calls': [call.to_openai()]}]
+    assert '<|im_start|>assistant\n' + generated + '<|im_end|>' in render_chat(_tokenizer(tiny_qwen3), history)
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_JSON.map(json.dumps), st.text(alphabet='{}[]":, \n0aen\\', max_size=24)))
+def test_object_member_scan_agrees_with_json_loads(text):
+    from lmdeploy.serve.openai.tool_parser import _top_level_members
+    try:
+        ref = json.loads(text)
+    except ValueError:
+        ref = None
+    got = _top_level_members(text)
+    if not isinstance(ref, dict):
+        assert got is None
+    else:
+        assert {k: v for k, (v, _) in got.items()} == ref
+        assert all(json.loads(raw) == v for v, raw in got.values())
 
 
 def test_tool_parser_reads_calls_and_keeps_malformed_blocks_as_text():
@@ -548,14 +600,17 @@ def chatml_cache(tiny_qwen3):
         server.stop()
 
 
-def test_next_turn_reuses_the_cached_tool_call_reply(chatml_cache):
+@pytest.mark.parametrize('ask, arguments', [('What is in a.txt?', '{"path": "."}'),
+                                             ('A compact call please.', COMPACT_ARGS)])
+def test_next_turn_reuses_the_cached_tool_call_reply(chatml_cache, ask, arguments):
     """The tool-call reply sent back as the server returned it (arguments a JSON string, content
-    null) re-renders to the generated tokens, so turn 2 restores turn 1's prompt and reply."""
-    messages = [{'role': 'user', 'content': 'What is in a.txt?'}]
+    null) re-renders to the generated tokens, so turn 2 restores turn 1's prompt and reply. The
+    arguments are the model's own text (here also compact, with an escape), not re-serialised."""
+    messages = [{'role': 'user', 'content': ask}]
     first = client(chatml_cache).chat.completions.create(model=name(chatml_cache), messages=messages, tools=TOOLS,
                                                           max_tokens=100)
     msg = first.choices[0].message
-    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [('ls', '{"path": "."}')]
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [('ls', arguments)]
     messages.append({'role': 'assistant', 'content': msg.content, 'tool_calls': [c.model_dump() for c in
                                                                                msg.tool_calls]})
     messages.append({'role': 'tool', 'tool_call_id': msg.tool_calls[0].id, 'content': RESULTS['ls']})

@@ -134,22 +134,27 @@ class HermesToolParser(ToolParser):
 
     @staticmethod
     def _call(body: str) -> ParsedCall | None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
+        """The call a block's JSON body holds, or None when it is not one. An object of
+        arguments is returned as the model wrote it (its exact text: spacing, key order,
+        escapes), so that the reply sent back in the history renders to the tokens the model
+        generated (chat templates print a string ``arguments`` as it is) and the next turn
+        reuses the cached prefix past the reply."""
+        members = _top_level_members(body)
+        if members is None:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get('name'), str) or not obj['name']:
+        name = members.get('name', (None, ''))[0]
+        if not isinstance(name, str) or not name:
             return None
-        args = obj.get('arguments', obj.get('parameters', {}))
+        args, raw = members.get('arguments', members.get('parameters', ({}, '{}')))
         if isinstance(args, str):
             try:
                 json.loads(args)
             except ValueError:
                 return None
-            return ParsedCall(obj['name'], args)
+            return ParsedCall(name, args)
         if not isinstance(args, dict):
             return None
-        return ParsedCall(obj['name'], json.dumps(args, ensure_ascii=False))
+        return ParsedCall(name, raw)
 
     def first_call_end(self, text: str, start: int = 0) -> tuple[int | None, int]:
         pos = start
@@ -191,6 +196,47 @@ class HermesToolParser(ToolParser):
         if rest:
             out.append(('text', rest))
         return out, pos + len(rest)
+
+
+_DECODER = json.JSONDecoder()
+_WHITESPACE = ' \t\n\r'
+
+
+def _top_level_members(text: str) -> dict[str, tuple[object, str]] | None:
+    """``{key: (value, value's exact source text)}`` of a JSON object, or None when ``text``
+    (surrounding whitespace aside) is not exactly one JSON object. A repeated key keeps its last
+    value, as ``json.loads`` does."""
+    def skip(i: int) -> int:
+        while i < len(text) and text[i] in _WHITESPACE:
+            i += 1
+        return i
+
+    i = skip(0)
+    if i >= len(text) or text[i] != '{':
+        return None
+    members, i = {}, skip(i + 1)
+    try:
+        if i < len(text) and text[i] == '}':
+            return members if skip(i + 1) == len(text) else None
+        while True:
+            if i >= len(text) or text[i] != '"':
+                return None
+            key, i = json.decoder.scanstring(text, i + 1)
+            i = skip(i)
+            if i >= len(text) or text[i] != ':':
+                return None
+            start = skip(i + 1)
+            value, end = _DECODER.raw_decode(text, start)
+            members[key] = (value, text[start:end])
+            i = skip(end)
+            if i < len(text) and text[i] == ',':
+                i = skip(i + 1)
+                continue
+            if i < len(text) and text[i] == '}':
+                return members if skip(i + 1) == len(text) else None
+            return None
+    except ValueError:      # json.JSONDecodeError: a malformed key or value
+        return None
 
 
 def merge_tool_call_fragments(frags: list[dict]) -> list[dict]:
