@@ -160,7 +160,10 @@ def test_extreme_sampling_settings_neither_fail_the_batch_nor_leave_the_limit(ti
     extreme = dict(do_sample=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, random_seed=1)
     seqs = [engine.add_request(prompt, GREEDY),
             engine.add_request(prompt, GenerationConfig(temperature=1e-40, **extreme)),   # float32 overflow
-            engine.add_request(prompt, GenerationConfig(temperature=1.0, repetition_penalty=1e-45, **extreme))]
+            # GenerationConfig refuses a penalty below 0.01; the sampler still guards a request built
+            # without validation (model_construct), whose penalised logits overflow float32
+            engine.add_request(prompt, GenerationConfig.model_construct(
+                **{**GenerationConfig().model_dump(), **extreme, 'temperature': 1.0, 'repetition_penalty': 1e-45}))]
     step_until(engine, lambda: all(s.is_finished for s in seqs))
     assert [s.finish_reason for s in seqs] == ['length'] * 3        # not 'error' for the whole batch
     assert seqs[0].output_ids == hf_continuations[2]
@@ -182,7 +185,9 @@ def test_sampler_maps_overflowed_logits_to_their_limit():
     for t in (1e-40, 1e-46, 5e-324):
         seqs = [Sequence([0], GenerationConfig(do_sample=True, temperature=t, random_seed=s)) for s in range(16)]
         assert sample_tokens(rows, seqs) == rows.argmax(-1).tolist(), t
-    # seen tokens 0 and 2 overflow to +inf under a near-zero penalty: one of them is drawn
-    seqs = [Sequence([0, 2], GenerationConfig(do_sample=True, repetition_penalty=1e-45, random_seed=s))
+    # seen tokens 0 and 2 overflow to +inf under a near-zero penalty (refused by GenerationConfig,
+    # below 0.01; the sampler still guards a request built without validation): one of them is drawn
+    seqs = [Sequence([0, 2], GenerationConfig.model_construct(**{**GenerationConfig().model_dump(), 'do_sample': True,
+                                                                  'repetition_penalty': 1e-45, 'random_seed': s}))
             for s in range(8)]
     assert set(sample_tokens(torch.tensor([[1.0, 3.0, 2.0, -1.0]] * 8), seqs)) <= {0, 2}
