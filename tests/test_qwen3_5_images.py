@@ -258,7 +258,9 @@ def test_api_server_image_url_parts(vl_pipe, hf_vl, image_http):
     from starlette.testclient import TestClient
     from lmdeploy.serve.images import ImageFetchLimits
     from lmdeploy.serve.openai.api_server import create_app
-    app = create_app(vl_pipe, 'tiny', image_fetch=ImageFetchLimits(max_bytes=64 << 10, timeout_s=1.0))
+    # the image server is on this machine: loopback URLs are allowed for this app only (refused by default)
+    app = create_app(vl_pipe, 'tiny', image_fetch=ImageFetchLimits(max_bytes=64 << 10, timeout_s=1.0,
+                                                                   allow_private=True))
 
     def chat(url, n=6):
         body = {'model': 'tiny', 'max_tokens': n, 'temperature': 0, 'messages': [{'role': 'user', 'content': [

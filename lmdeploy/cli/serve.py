@@ -95,8 +95,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         '(see --protect-metrics)')
     parser.add_argument('--protect-metrics', action='store_true',
                         help='/metrics needs an API key too (default: open, for plain Prometheus scrapes)')
-    parser.add_argument('--model-name', default=None,
+    parser.add_argument('--model-name', default=None, type=_model_name,
                         help='name clients send as "model" (default: the model directory\'s basename)')
+    parser.add_argument('--allowed-media-domains', nargs='+', type=_host_name, default=(), metavar='HOST',
+                        help='image_url http(s) URLs may name only these hosts (exact names, redirects included); '
+                        'default: any public host')
+    parser.add_argument('--allow-private-media-urls', action='store_true',
+                        help='also fetch image URLs that reach loopback, private or link-local addresses (default: '
+                        'refused, so that clients cannot make the server probe its own network)')
     from ..serve.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
     from ..serve.openai.reasoning_parser import REASONING_PARSERS
     from ..serve.openai.tool_parser import TOOL_PARSERS
@@ -117,6 +123,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.set_defaults(func=api_server)
     store.add_parser(servers)
     return parser
+
+
+def _model_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError('must not be empty (leave the flag out to use the directory name)')
+    return text
+
+
+def _host_name(text: str) -> str:
+    host = text.strip().lower().rstrip('.')
+    if not host or any(c in host for c in '/:@ ') and not host.startswith('['):
+        raise argparse.ArgumentTypeError(f'a host name, without scheme, port or path, got {text!r}')
+    return host
 
 
 def _non_negative_int(text: str) -> int:
@@ -168,6 +187,7 @@ def api_server(args: argparse.Namespace) -> int:
     Raises:
         ValueError: an invalid engine configuration or model directory.
     """
+    from ..serve.images import ImageFetchLimits
     from ..serve.openai.api_server import run_server
     config = engine_config_from_args(args)
     if config.mooncake_master and args.log_level != 'DEBUG' and _uses_store(args.model_path, config):
@@ -176,5 +196,7 @@ def api_server(args: argparse.Namespace) -> int:
                api_keys=args.api_keys, log_level=args.log_level, model_name=args.model_name,
                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-               protect_metrics=args.protect_metrics)
+               protect_metrics=args.protect_metrics,
+               image_fetch=ImageFetchLimits(allowed_domains=tuple(args.allowed_media_domains),
+                                            allow_private=args.allow_private_media_urls))
     return 0

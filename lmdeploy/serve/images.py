@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
 import os
 import time
 from dataclasses import dataclass
@@ -187,18 +188,78 @@ class ImageFetchLimits:
     Attributes:
         max_bytes: largest image body accepted (bytes).
         timeout_s: wall-clock limit for one download (seconds), connection included.
+        allowed_domains: host names an image URL may name (lower case, exact match; redirects
+            included); empty: any host.
+        allow_private: also fetch from hosts that resolve to loopback, private, link-local or
+            otherwise non-public addresses. Off by default, so that a client cannot make the
+            server reach into its own network (checked on the address each connection, redirects
+            included, actually reaches).
     """
     max_bytes: int = 20 << 20
     timeout_s: float = 10.0
+    allowed_domains: tuple[str, ...] = ()
+    allow_private: bool = False
+
+
+class _RefusedURL(OSError):
+    """An image URL the server's policy refuses (its message is the client's answer)."""
+
+
+def _non_public(ip: str) -> bool:
+    """True for an address a client-supplied URL must not reach: not globally routable
+    (loopback, private, link-local, shared, reserved, unspecified) or multicast."""
+    addr = ipaddress.ip_address(ip.split('%', 1)[0])
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return not addr.is_global or addr.is_multicast
+
+
+def _check_host(host: str | None, limits: ImageFetchLimits) -> None:
+    host = (host or '').lower().rstrip('.')
+    if limits.allowed_domains and host not in limits.allowed_domains:
+        raise _RefusedURL(f'image host {host!r} is not one of the allowed media domains')
+
+
+def _guarded_opener(limits: ImageFetchLimits):
+    """A ``urllib`` opener whose every connection (the first and each redirect) is checked:
+    the host against ``allowed_domains`` before connecting, the peer address against
+    ``allow_private`` once connected, before any request byte is sent."""
+    import http.client
+    import urllib.request
+
+    def checked(conn_class):
+        class Checked(conn_class):
+            def connect(self):
+                _check_host(self.host, limits)
+                super().connect()
+                if not limits.allow_private and _non_public(self.sock.getpeername()[0]):
+                    self.close()
+                    raise _RefusedURL('image URLs may not point to loopback, private or link-local addresses '
+                                      '(the server allows this with --allow-private-media-urls)')
+        return Checked
+
+    plain, tls = checked(http.client.HTTPConnection), checked(http.client.HTTPSConnection)
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(plain, req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(tls, req, context=self._context)
+
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), HTTP, HTTPS)
 
 
 def _fetch(url: str, limits: ImageFetchLimits, where: str) -> bytes:
     import urllib.error
+    import urllib.parse
     import urllib.request
     deadline = time.monotonic() + limits.timeout_s
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={'User-Agent': 'lmdeploy'}),
-                                    timeout=limits.timeout_s) as resp:
+        _check_host(urllib.parse.urlsplit(url).hostname, limits)
+        with _guarded_opener(limits).open(urllib.request.Request(url, headers={'User-Agent': 'lmdeploy'}),
+                                          timeout=limits.timeout_s) as resp:
             declared = resp.headers.get('Content-Length')
             if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
                 raise ValueError(f'{where}: the image at {url!r} has {declared} bytes, over the limit of '
@@ -216,6 +277,9 @@ def _fetch(url: str, limits: ImageFetchLimits, where: str) -> bytes:
     except ValueError:
         raise
     except (OSError, urllib.error.URLError) as err:       # includes timeouts and HTTP errors
+        refused = err if isinstance(err, _RefusedURL) else getattr(err, 'reason', None)
+        if isinstance(refused, _RefusedURL):
+            raise ValueError(f'{where}: {refused}') from None
         raise ValueError(f'{where}: cannot fetch {url!r} ({err})') from err
 
 

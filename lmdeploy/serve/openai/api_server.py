@@ -31,6 +31,7 @@ Ownership and invariants:
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
@@ -65,7 +66,7 @@ __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUES
 logger = logging.getLogger('lmdeploy')
 
 _KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/health', '/metrics',
-                          '/debug/ledger'})
+                          '/debug/ledger', '/docs', '/openapi.json', '/v1/models/{model}'})
 _DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -573,8 +574,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
         max_request_bytes: larger bodies get 413; 0 = no limit.
         shutdown_timeout: seconds in-flight requests may run after a shutdown signal.
         protect_metrics: ``/metrics`` needs a key as well (when keys are set).
-        image_fetch: size and time limits for ``http(s)`` ``image_url`` parts (default
-            :class:`~lmdeploy.serve.images.ImageFetchLimits`: 20 MiB, 10 s).
+        image_fetch: limits and host policy for ``http(s)`` ``image_url`` parts (default
+            :class:`~lmdeploy.serve.images.ImageFetchLimits`: 20 MiB, 10 s, public hosts only).
 
     Raises:
         ValueError: an unknown parser name, or an empty API key.
@@ -622,9 +623,14 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OverflowError:
             raise ValueError(f'--server-port must be a port number 0-65535, got {port}') from None
+        except socket.gaierror as err:
+            raise ValueError(f'cannot serve on {host}:{port}: --server-name {host!r} is not an address or a '
+                             f'name this machine resolves ({err.strerror})') from None
         except OSError as err:
-            raise ValueError(f'cannot serve on {host}:{port} (--server-name/--server-port): {err.strerror}; '
-                             'is another server running there?') from None
+            hint = {errno.EADDRINUSE: '; is another server running there?',
+                    errno.EADDRNOTAVAIL: f'; {host} is not an address of this machine'}.get(err.errno, '')
+            raise ValueError(f'cannot serve on {host}:{port} (--server-name/--server-port): {err.strerror}'
+                             f'{hint}') from None
 
 
 def _engine_summary(engine) -> str:
@@ -653,7 +659,8 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
                api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None, *,
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False) -> None:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
+               image_fetch: ImageFetchLimits | None = None) -> None:
     """Load the model and serve it until SIGINT/SIGTERM (blocking).
 
     Either signal shuts down gracefully (see :mod:`.lifecycle`): the server stops accepting,
@@ -688,7 +695,7 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                          max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
-                         protect_metrics=protect_metrics)
+                         protect_metrics=protect_metrics, image_fetch=image_fetch)
         server = app.state.server
         logger.info('serving %s as %r on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
                     server.model_name, server_name, server_port, server.tool_parser_name, server.reasoning_parser_name)
