@@ -187,7 +187,8 @@ class ServerMetrics:
 class HTTPMetricsMiddleware:
     """Pure ASGI middleware counting responses by path and status (no body buffering, so
     streaming and client-disconnect detection are unaffected). Paths outside ``known_paths``
-    are counted as ``other`` to keep label cardinality bounded."""
+    are counted as ``other`` to keep label cardinality bounded; ``/v1/models/<id>`` counts as
+    ``/v1/models/{model}`` when that template is known."""
 
     def __init__(self, app, metrics: ServerMetrics, known_paths: frozenset[str]):
         self.app = app
@@ -198,7 +199,11 @@ class HTTPMetricsMiddleware:
         if scope['type'] != 'http':
             return await self.app(scope, receive, send)
         path = scope.get('path', '')
-        path = path if path in self.known_paths else 'other'
+        if path not in self.known_paths:
+            # one model's path (/v1/models/{model}, the model id may hold slashes) is its template
+            template = '/v1/models/{model}'
+            path = template if path.startswith('/v1/models/') and len(path) > 11 and template in self.known_paths \
+                else 'other'
 
         async def counting_send(message):
             if message['type'] == 'http.response.start':

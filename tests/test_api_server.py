@@ -392,6 +392,37 @@ def test_server_serves_normally_after_bad_requests(servers):
     assert after[key] - before.get(key, 0) == 3
 
 
+@pytest.mark.parametrize('content_type', [None, 'text/plain', 'application/x-www-form-urlencoded'])
+def test_a_json_body_without_a_json_content_type_says_so(servers, content_type):
+    s = servers['qwen3']
+    body = json.dumps({'model': model_name(s), 'messages': MSG, 'max_tokens': 1}).encode()
+    headers = dict(s.auth)
+    if content_type:
+        headers['Content-Type'] = content_type
+    with httpx.Client(timeout=60) as c:
+        r = c.post(s.base_url + '/v1/chat/completions', content=body, headers=headers)
+    err = r.json()['error']
+    assert r.status_code == 400 and err['code'] == 'invalid_content_type', err
+    assert 'Content-Type: application/json' in err['message'] and (content_type or 'no Content-Type') in err['message']
+    assert chat(s, MSG, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_http_metrics_label_one_models_path_and_the_docs(servers):
+    s = servers['qwen3']
+    before = metrics(s)
+    with httpx.Client(timeout=60, headers=s.auth) as c:
+        for path in (f'/v1/models/{model_name(s)}', '/v1/models/other/model', '/openapi.json', '/no/such/path'):
+            c.get(s.base_url + path)
+    after = metrics(s)
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+    assert delta('lmdeploy_http_requests_total{path="/v1/models/{model}",status="200"}') == 1
+    assert delta('lmdeploy_http_requests_total{path="/v1/models/{model}",status="404"}') == 1
+    assert delta('lmdeploy_http_requests_total{path="/openapi.json",status="200"}') == 1
+    assert delta('lmdeploy_http_requests_total{path="other",status="404"}') == 1
+
+
 # client disconnect --------------------------------------------------------------------------------------
 @pytest.mark.parametrize('name', ['qwen3', 'cache'])
 def test_closed_stream_frees_resources(servers, name):

@@ -64,12 +64,42 @@ def test_flags_set_engine_fields_with_their_types():
                                          (['--server-port', 'http'], '--server-port'),
                                          (['--api-keys', ''], '--api-keys'),
                                          (['--api-keys', 'k1', ' '], '--api-keys'),
-                                         (['--api-keys', 'a b'], '--api-keys')])
+                                         (['--api-keys', 'a b'], '--api-keys'),
+                                         (['--model-name', ''], '--model-name: must not be empty'),
+                                         (['--model-name', '  '], '--model-name: must not be empty'),
+                                         (['--allowed-media-domains', 'http://x.org'], '--allowed-media-domains'),
+                                         (['--allowed-media-domains', 'x.org:443'], '--allowed-media-domains'),
+                                         (['--allowed-media-domains', 'x.org/p'], '--allowed-media-domains')])
 def test_bad_flag_value_exits_2(flags, shown, capsys):
     with pytest.raises(SystemExit) as exc:
         serve_args(*flags)
     assert exc.value.code == 2
     assert shown in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('command', [['serve', 'api_server', '/m'], ['serve', 'store'], ['chat', '/m'],
+                                     ['make-tiny-model', '/out']])
+def test_an_unknown_flag_is_reported_with_the_commands_own_usage(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, '--bogus', '1'])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and 'unrecognized arguments: --bogus 1' in err
+    assert err.startswith(f'usage: lmdeploy {" ".join(c for c in command if not c.startswith("/"))} '), err
+
+
+def test_media_url_flags_reach_the_server_policy():
+    args = serve_args('--allowed-media-domains', 'Images.Example.COM.', 'cdn.example.com', '--allow-private-media-urls')
+    assert args.allowed_media_domains == ['images.example.com', 'cdn.example.com'] and args.allow_private_media_urls
+    defaults = serve_args()
+    assert list(defaults.allowed_media_domains) == [] and not defaults.allow_private_media_urls
+
+
+def test_server_name_that_does_not_resolve_says_so():
+    from lmdeploy.serve.openai.api_server import check_port_free
+    with pytest.raises(ValueError, match="--server-name 'no-such-host.invalid' is not an address or a name"):
+        check_port_free('no-such-host.invalid', 0)
+    with pytest.raises(ValueError, match='is not an address of this machine'):
+        check_port_free('192.0.2.1', 0)          # TEST-NET-1: never assigned to this machine
 
 
 def test_bad_config_names_the_field_and_exits_2(capsys):

@@ -33,14 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(subparsers)
     chat.add_parser(subparsers)
     make_tiny_model.add_parser(subparsers)
+    for leaf in _command_parsers(parser):
+        leaf.set_defaults(_command_parser=leaf)
     return parser
+
+
+def _command_parsers(parser: argparse.ArgumentParser):
+    """The parsers of the runnable commands under ``parser`` (those without sub-commands)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield parser
+    for action in subs:
+        for child in dict.fromkeys(action.choices.values()):    # aliases share a parser
+            yield from _command_parsers(child)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return the exit code."""
     from ..pytorch.store.mooncake_client import StoreUnavailableError
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:     # reported with the command's own usage line, not the top-level one
+        getattr(args, '_command_parser', parser).error(f'unrecognized arguments: {" ".join(unknown)}')
     try:
         rc = args.func(args)
     except ValueError as err:       # configuration mistakes: say which field, no traceback

@@ -109,6 +109,13 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         return _response(APIError(400, f'malformed JSON body: {ctx.get("error", first["msg"])}',
                                   code='invalid_json'))
     body = getattr(err, 'body', None)
+    content_type = request.headers.get('content-type', '') if request is not None else 'application/json'
+    if first.get('loc') == ('body',) and first.get('type') in ('model_attributes_type', 'dict_type') \
+            and 'json' not in content_type.lower():
+        # FastAPI reads a body as JSON only when it is declared so; anything else arrives as text
+        return _response(APIError(400, f'the request body must be a JSON object sent with "Content-Type: '
+                                  f'application/json" (got {content_type or "no Content-Type"!r})',
+                                  code='invalid_content_type'))
     body = _MISSING if body is None else body
     located = [(_param(e.get('loc', ()), body), e) for e in errors] or [(None, first)]
     # the deepest location: of the errors a union produces (one per member tried), the member
