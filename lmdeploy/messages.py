@@ -6,6 +6,7 @@ Every engine field has a CLI flag of the same name in kebab case.
 """
 from __future__ import annotations
 
+import ipaddress
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,17 +31,37 @@ def _scalar_types(annotation) -> set:
 
 def _no_lax_scalar(model: type[BaseModel], value, name: str):
     """Refuse what pydantic's lax mode would silently convert for a bool, int or float field:
-    a bool field takes only True/False (not 1, 'yes'), a number field no bool and no string."""
+    a bool field takes only True/False (numpy's bool too; not 1, 'yes'), an integer field no
+    bool, float or string (2.0 is not taken for 2), a number field no bool and no string."""
     admitted = _scalar_types(model.model_fields[name].annotation)
     if value is None or not admitted & {bool, int, float}:
         return value
+    numpy_bool = type(value).__module__ == 'numpy' and type(value).__name__ in ('bool_', 'bool')
     if bool in admitted:
-        if not isinstance(value, bool):
+        if not isinstance(value, bool) and not numpy_bool:
             raise ValueError(f'{name} takes True or False, got {value!r}')
-    elif isinstance(value, (bool, str, bytes)):
-        kind = 'an integer' if int in admitted else 'a number'
+        return bool(value)
+    if isinstance(value, (bool, str, bytes)) or numpy_bool or float not in admitted and isinstance(value, float):
+        kind = 'an integer' if float not in admitted else 'a number'
         raise ValueError(f'{name} takes {kind}, got {value!r}')
     return value
+
+
+def _host_port(value: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``'host:port'`` (an IPv6 host in brackets), or None when malformed:
+    a scheme, a path, spaces, an empty host, a port outside 1-65535 or an unbracketed IPv6."""
+    host, sep, port = value.rpartition(':')
+    if not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host.startswith('[') and host.endswith(']'):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return None
+        return host[1:-1], int(port)
+    if not host or not host.isascii() or any(c in host for c in ':/@[] \t\r\n'):
+        return None
+    return host, int(port)
 
 
 class SpeculativeConfig(BaseModel):
@@ -147,33 +168,43 @@ class PytorchEngineConfig(BaseModel):
     def _master_address(cls, v: str | None) -> str | None:
         if v is None or v == 'local':
             return v
-        host, sep, port = v.rpartition(':')
-        if not sep or not host.strip('[]') or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f'mooncake_master must be "host:port" (port 1-65535) or "local" (lower case: start '
-                             f'an embedded Store), got {v!r}')
+        if _host_port(v) is None:
+            raise ValueError(f'mooncake_master must be "host:port" (no scheme; port 1-65535; an IPv6 host in '
+                             f'brackets) or "local" (lower case: start an embedded Store), got {v!r}')
         return v
 
     @field_validator('mooncake_metadata_server')
     @classmethod
     def _metadata_url(cls, v: str | None) -> str | None:
         # what Mooncake's transfer engine accepts: an HTTP metadata server, etcd (with or without
-        # the scheme), redis, or peer-to-peer handshake; anything else it retries for ~30 s
-        # before failing with a bare code, so it is refused here
+        # the scheme), redis, or peer-to-peer handshake. Anything else it retries for ~30 s before
+        # failing with a bare code, or (an upper-case scheme) aborts the process, so it is refused
+        # here; a scheme is taken in any case and written in lower case.
         if v is None or v == 'P2PHANDSHAKE':
             return v
-        url = urlsplit(v if '://' in v else 'etcd://' + v)
-        try:
-            port_ok = url.port is None or 0 < url.port < 65536
-        except ValueError:
-            port_ok = False
-        bare = '://' not in v
-        if (url.scheme not in ('http', 'https', 'etcd', 'redis') or not url.hostname or not port_ok
-                or bare and (url.port is None or url.path or url.query)):
-            hint = (f' (did you mean http://{v}?)' if bare and url.hostname and url.path else '')
+        scheme, sep, rest = v.partition('://')
+        scheme = scheme.lower() if sep else ''
+        ok = v.isascii() and not any(c.isspace() for c in v)
+        if ok and scheme in ('http', 'https'):
+            url = urlsplit(f'{scheme}://{rest}')
+            try:
+                ok = bool(url.hostname) and (url.port is None or 0 < url.port < 65536) and url.path not in ('', '/')
+            except ValueError:
+                ok = False
+        elif ok and scheme in ('etcd', 'redis'):
+            ok = _host_port(rest) is not None
+        elif ok and not sep:
+            ok = _host_port(v) is not None                       # a bare etcd endpoint
+        else:
+            ok = False
+        if not ok:
+            head = v.split('/', 1)[0]
+            hint = f' (did you mean http://{v}?)' if not sep and '/' in v and _host_port(head) else ''
             raise ValueError(f'mooncake_metadata_server must be the URL of the Store\'s HTTP metadata server, '
-                             f'http://HOST:PORT/metadata (`lmdeploy serve store` prints it), or etcd://HOST:PORT, '
-                             f'redis://HOST:PORT, a bare etcd HOST:PORT or P2PHANDSHAKE; got {v!r}{hint}')
-        return v
+                             f'http://HOST:PORT/metadata with its path (`lmdeploy serve store` prints it), or '
+                             f'etcd://HOST:PORT, redis://HOST:PORT, a bare etcd HOST:PORT or P2PHANDSHAKE; got '
+                             f'{v!r}{hint}')
+        return f'{scheme}://{rest}' if sep else v
 
     @field_validator('mooncake_segment_size')
     @classmethod

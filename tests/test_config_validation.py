@@ -84,14 +84,18 @@ def test_repetition_penalty_outside_the_api_range_is_refused(value):
 
 
 @pytest.mark.parametrize('master', ['127.0.0.1:notaport', 'LOCAL', 'Local', '127.0.0.1', ':50051', '127.0.0.1:0',
-                                    '127.0.0.1:65536', 'host:-1', ''])
+                                    '127.0.0.1:65536', 'host:-1', '', 'http://127.0.0.1:50051', 'tcp://h:1',
+                                    ' 127.0.0.1:50051', 'a b:50051', '::1:50051', '[nope]:50051',
+                                    '127.0.0.1:\uff15\uff10', 'h/x:50051'])
 def test_a_malformed_mooncake_master_is_refused_by_name(master):
     with pytest.raises(ValueError, match='mooncake_master'):
         PytorchEngineConfig(mooncake_master=master, mooncake_metadata_server='http://127.0.0.1:8080/metadata')
 
 
 @pytest.mark.parametrize('url', ['127.0.0.1:24101/metadata', 'not a url', 'http://:80/metadata', 'ftp://h:1/x',
-                                 'http://h:99999/metadata', 'localhost', '127.0.0.1', ''])
+                                 'http://h:99999/metadata', 'localhost', '127.0.0.1', '', 'http://127.0.0.1:8080',
+                                 'http://127.0.0.1:8080/', 'http://127.0.0.1:8080/metadata ', 'etcd://h',
+                                 'etcd://h:2379/x', 'p2phandshake'])
 def test_a_malformed_metadata_server_is_refused_by_name_before_any_connection(url):
     with pytest.raises(ValueError, match='mooncake_metadata_server') as err:
         PytorchEngineConfig(mooncake_master='127.0.0.1:50051', mooncake_metadata_server=url)
@@ -106,6 +110,25 @@ def test_a_malformed_metadata_server_is_refused_by_name_before_any_connection(ur
 def test_store_addresses_mooncake_accepts_are_kept(master, url):
     cfg = PytorchEngineConfig(mooncake_master=master, mooncake_metadata_server=url)
     assert (cfg.mooncake_master, cfg.mooncake_metadata_server) == (master, url)
+
+
+def test_a_metadata_scheme_in_upper_case_is_written_in_lower_case():
+    # Mooncake's native client aborts the process on an unknown (upper-case) scheme
+    cfg = PytorchEngineConfig(mooncake_master='h:1', mooncake_metadata_server='HTTP://127.0.0.1:8080/metadata')
+    assert cfg.mooncake_metadata_server == 'http://127.0.0.1:8080/metadata'
+    cfg = PytorchEngineConfig(mooncake_master='h:1', mooncake_metadata_server='Etcd://h:2379')
+    assert cfg.mooncake_metadata_server == 'etcd://h:2379'
+
+
+def test_numpy_scalars_of_the_fields_own_kind_are_taken():
+    import numpy as np
+    cfg = PytorchEngineConfig(enable_prefix_caching=np.bool_(True), max_batch_size=np.int64(3),
+                              cache_max_entry_count=np.float32(0.5))
+    assert cfg.enable_prefix_caching is True and cfg.max_batch_size == 3 and cfg.cache_max_entry_count == 0.5
+    for fields, name in ((dict(max_new_tokens=2.0), 'max_new_tokens'), (dict(top_k=np.float64(2)), 'top_k'),
+                         (dict(ignore_eos=np.int64(1)), 'ignore_eos')):
+        with pytest.raises(ValueError, match=name):
+            GenerationConfig(**fields)
 
 
 def test_log_level_shows_info_lines_in_a_program_without_logging_configured(tiny_qwen3):

@@ -95,6 +95,8 @@ def parse_host_port(value: str, field_name: str) -> tuple[str, int]:
     host, sep, port = str(value).rpartition(':')
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f'{field_name} must be "host:port", got {value!r}')
+    if host.startswith('[') and host.endswith(']'):       # an IPv6 address in brackets
+        host = host[1:-1]
     return host, int(port)
 
 
