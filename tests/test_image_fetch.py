@@ -74,3 +74,47 @@ def test_a_host_outside_the_allowed_domains_is_refused_without_connecting():
     with pytest.raises(ValueError, match="image host 'example.org' is not one of the allowed media domains"):
         _fetch('http://example.org:9/x.png', ImageFetchLimits(allowed_domains=('images.example.com',), timeout_s=30),
                'part')
+
+
+def test_a_closed_and_an_open_private_port_get_the_same_answer(local_http):
+    """The host is checked before connecting, so a client cannot tell an open port from a closed
+    one (and no TLS hello reaches a private host either)."""
+    port, _ = local_http
+    answers = set()
+    for url in (f'http://127.0.0.1:{port}/img', 'http://127.0.0.1:1/img', f'https://127.0.0.1:{port}/img',
+                'https://127.0.0.1:1/img', 'http://10.255.255.1:81/img'):
+        with pytest.raises(ValueError) as err:
+            _fetch(url, ImageFetchLimits(timeout_s=30), 'part')
+        answers.add(str(err.value))
+    assert answers == {'part: image URLs may not point to loopback, private or link-local addresses (the server '
+                       'allows this with --allow-private-media-urls)'}
+
+
+def test_a_tls_hello_never_reaches_a_private_host():
+    import socket
+    with socket.socket() as listener:
+        listener.bind(('127.0.0.1', 0))
+        listener.listen(1)
+        listener.settimeout(0.5)
+        with pytest.raises(ValueError, match='loopback'):
+            _fetch(f'https://127.0.0.1:{listener.getsockname()[1]}/x.png', ImageFetchLimits(), 'part')
+        with pytest.raises(socket.timeout):
+            listener.accept()
+
+
+@pytest.mark.parametrize('url, words', [('http://user:pw@127.0.0.1:1/a.png', 'user name or password'),
+                                        ('http://127.0.0.1:99999/a.png', 'invalid port')])
+def test_urls_with_credentials_or_a_bad_port_are_refused_clearly(url, words):
+    with pytest.raises(ValueError, match=words):
+        _fetch(url, ImageFetchLimits(allow_private=True), 'part')
+
+
+def test_an_ipv6_literal_can_be_an_allowed_domain():
+    from lmdeploy.cli.serve import _host_name
+    assert _host_name('[::1]') == _host_name('::1') == '::1'
+    assert _host_name('Images.Example.COM.') == 'images.example.com'
+    with pytest.raises(ValueError, match="image host 'x.org' is not one"):
+        _fetch('http://x.org/a.png', ImageFetchLimits(allowed_domains=('::1',)), 'part')
+    # [::1] passes the domain list and reaches the private-address rule
+    with pytest.raises(ValueError, match='loopback'):
+        _fetch('http://[::1]:1/a.png', ImageFetchLimits(allowed_domains=('::1',)), 'part')

@@ -132,9 +132,17 @@ def _model_name(text: str) -> str:
 
 
 def _host_name(text: str) -> str:
+    """A host name (lower case, no trailing dot) or an IP address (IPv6 with or without brackets,
+    kept without them, as URLs' host names are compared)."""
+    import ipaddress
     host = text.strip().lower().rstrip('.')
-    if not host or any(c in host for c in '/:@ ') and not host.startswith('['):
-        raise argparse.ArgumentTypeError(f'a host name, without scheme, port or path, got {text!r}')
+    bare = host[1:-1] if host.startswith('[') and host.endswith(']') else host
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if not host or any(c in host for c in '/:@[] '):
+        raise argparse.ArgumentTypeError(f'a host name or IP address, without scheme, port or path, got {text!r}')
     return host
 
 

@@ -22,6 +22,7 @@ import binascii
 import io
 import ipaddress
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -214,28 +215,49 @@ def _non_public(ip: str) -> bool:
     return not addr.is_global or addr.is_multicast
 
 
-def _check_host(host: str | None, limits: ImageFetchLimits) -> None:
-    host = (host or '').lower().rstrip('.')
+_PRIVATE_REFUSED = ('image URLs may not point to loopback, private or link-local addresses (the server allows '
+                    'this with --allow-private-media-urls)')
+
+
+def _check_host(host: str | None, port: int | None, limits: ImageFetchLimits) -> None:
+    """Refuse, before connecting, a host outside ``allowed_domains`` and (unless
+    ``allow_private``) a host with any non-public address: the answer is the same whether or
+    not anything listens there, so refusals reveal nothing about the server's network."""
+    host = (host or '').lower().rstrip('.').strip('[]')
     if limits.allowed_domains and host not in limits.allowed_domains:
         raise _RefusedURL(f'image host {host!r} is not one of the allowed media domains')
+    if not limits.allow_private:
+        try:
+            infos = socket.getaddrinfo(host, port or 80, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return                  # unresolvable: the connection attempt reports it
+        if any(_non_public(info[4][0]) for info in infos):
+            raise _RefusedURL(_PRIVATE_REFUSED)
 
 
 def _guarded_opener(limits: ImageFetchLimits):
     """A ``urllib`` opener whose every connection (the first and each redirect) is checked:
-    the host against ``allowed_domains`` before connecting, the peer address against
-    ``allow_private`` once connected, before any request byte is sent."""
+    the host (:func:`_check_host`) before connecting, and the address the TCP connection reached
+    (the name may resolve differently a moment later) before TLS or any request byte."""
     import http.client
     import urllib.request
 
+    def create_connection(address, *args, **kwargs):
+        sock = socket.create_connection(address, *args, **kwargs)
+        if not limits.allow_private and _non_public(sock.getpeername()[0]):
+            sock.close()
+            raise _RefusedURL(_PRIVATE_REFUSED)
+        return sock
+
     def checked(conn_class):
         class Checked(conn_class):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self._create_connection = create_connection      # http.client's connection hook
+
             def connect(self):
-                _check_host(self.host, limits)
+                _check_host(self.host, self.port, limits)
                 super().connect()
-                if not limits.allow_private and _non_public(self.sock.getpeername()[0]):
-                    self.close()
-                    raise _RefusedURL('image URLs may not point to loopback, private or link-local addresses '
-                                      '(the server allows this with --allow-private-media-urls)')
         return Checked
 
     plain, tls = checked(http.client.HTTPConnection), checked(http.client.HTTPSConnection)
@@ -257,7 +279,14 @@ def _fetch(url: str, limits: ImageFetchLimits, where: str) -> bytes:
     import urllib.request
     deadline = time.monotonic() + limits.timeout_s
     try:
-        _check_host(urllib.parse.urlsplit(url).hostname, limits)
+        parts = urllib.parse.urlsplit(url)
+        if '@' in parts.netloc:
+            raise _RefusedURL('image URLs with a user name or password are not fetched')
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f'{where}: {url!r} has an invalid port') from None
+        _check_host(parts.hostname, port, limits)
         with _guarded_opener(limits).open(urllib.request.Request(url, headers={'User-Agent': 'lmdeploy'}),
                                           timeout=limits.timeout_s) as resp:
             declared = resp.headers.get('Content-Length')
