@@ -66,7 +66,7 @@ SCRIPT = [  # first match wins: a substring of the prompt, its ending, or the as
     {'contains': 'compact call please', 'reply': CALL_COMPACT},
     {'contains': 'think aloud', 'reply': '<think>\nhmm\n</think>\n\nDone.'},
     {'contains': 'answer plainly', 'reply': 'Done.'},
-    {'endswith': '"arguments": ', 'reply': '{"path": "b.txt"}}\n</tool_call>'},
+    {'endswith': '"arguments":', 'reply': ' {"path": "b.txt"}}\n</tool_call>'},
     {'endswith': '<tool_call>\n', 'reply': '{"name": "ls", "arguments": {"path": "/"}}\n</tool_call>'},
     {'turn': 0, 'reply': CALL_LS},
     {'turn': 1, 'reply': CALL_READ},
@@ -145,8 +145,10 @@ def _tokenizer(path):
 @given(st.one_of(_JSON.map(json.dumps), st.text(alphabet='{}[]":, \n0aen\\', max_size=24)))
 def test_object_member_scan_agrees_with_json_loads(text):
     from lmdeploy.serve.openai.tool_parser import _top_level_members
+    def refuse(name):
+        raise ValueError(name)
     try:
-        ref = json.loads(text)
+        ref = json.loads(text, parse_constant=refuse)        # strict JSON: no NaN / Infinity
     except ValueError:
         ref = None
     got = _top_level_members(text)
@@ -155,6 +157,14 @@ def test_object_member_scan_agrees_with_json_loads(text):
     else:
         assert {k: v for k, (v, _) in got.items()} == ref
         assert all(json.loads(raw) == v for v, raw in got.values())
+
+
+@pytest.mark.parametrize('body', ['{"name": "ls", "arguments": {"x": NaN}}', '{"name": "ls", "arguments": {"x": -Infinity}}',
+                                  '{"name": "ls", "arguments": "{\\"x\\": Infinity}"}'])
+def test_arguments_that_are_not_strict_json_leave_the_block_as_text(body):
+    text = f'<tool_call>\n{body}\n</tool_call>'
+    got = get_tool_parser('hermes').parse(text)
+    assert got.calls == [] and got.content == text
 
 
 def test_tool_parser_reads_calls_and_keeps_malformed_blocks_as_text():
@@ -600,17 +610,20 @@ def chatml_cache(tiny_qwen3):
         server.stop()
 
 
-@pytest.mark.parametrize('ask, arguments', [('What is in a.txt?', '{"path": "."}'),
-                                             ('A compact call please.', COMPACT_ARGS)])
-def test_next_turn_reuses_the_cached_tool_call_reply(chatml_cache, ask, arguments):
+@pytest.mark.parametrize('ask, choice, call', [
+    ('What is in a.txt?', 'auto', ('ls', '{"path": "."}')),
+    ('A compact call please.', 'auto', ('ls', COMPACT_ARGS)),
+    ('Read it.', {'type': 'function', 'function': {'name': 'read_file'}}, ('read_file', '{"path": "b.txt"}'))])
+def test_next_turn_reuses_the_cached_tool_call_reply(chatml_cache, ask, choice, call):
     """The tool-call reply sent back as the server returned it (arguments a JSON string, content
     null) re-renders to the generated tokens, so turn 2 restores turn 1's prompt and reply. The
-    arguments are the model's own text (here also compact, with an escape), not re-serialised."""
+    arguments are the model's own text (here also compact, with an escape), not re-serialised;
+    a named tool_choice's opening written by the server re-tokenizes the same way too."""
     messages = [{'role': 'user', 'content': ask}]
     first = client(chatml_cache).chat.completions.create(model=name(chatml_cache), messages=messages, tools=TOOLS,
-                                                          max_tokens=100)
+                                                          max_tokens=100, tool_choice=choice)
     msg = first.choices[0].message
-    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [('ls', arguments)]
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [call]
     messages.append({'role': 'assistant', 'content': msg.content, 'tool_calls': [c.model_dump() for c in
                                                                                msg.tool_calls]})
     messages.append({'role': 'tool', 'tool_call_id': msg.tool_calls[0].id, 'content': RESULTS['ls']})

@@ -392,7 +392,8 @@ def test_server_serves_normally_after_bad_requests(servers):
     assert after[key] - before.get(key, 0) == 3
 
 
-@pytest.mark.parametrize('content_type', [None, 'text/plain', 'application/x-www-form-urlencoded'])
+@pytest.mark.parametrize('content_type', [None, 'text/plain', 'application/x-www-form-urlencoded', 'text/json',
+                                          'application/jsonp'])
 def test_a_json_body_without_a_json_content_type_says_so(servers, content_type):
     s = servers['qwen3']
     body = json.dumps({'model': model_name(s), 'messages': MSG, 'max_tokens': 1}).encode()
@@ -405,6 +406,15 @@ def test_a_json_body_without_a_json_content_type_says_so(servers, content_type):
     assert r.status_code == 400 and err['code'] == 'invalid_content_type', err
     assert 'Content-Type: application/json' in err['message'] and (content_type or 'no Content-Type') in err['message']
     assert chat(s, MSG, max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize('content_type', ['application/json; charset=utf-8', 'application/vnd.api+json'])
+def test_json_media_types_with_parameters_or_a_suffix_are_read_as_json(servers, content_type):
+    s = servers['qwen3']
+    body = json.dumps({'model': model_name(s), 'messages': MSG, 'max_tokens': 1}).encode()
+    with httpx.Client(timeout=60) as c:
+        r = c.post(s.base_url + '/v1/chat/completions', content=body, headers={**s.auth, 'Content-Type': content_type})
+    assert r.status_code == 200, r.text
 
 
 def test_http_metrics_label_one_models_path_and_the_docs(servers):

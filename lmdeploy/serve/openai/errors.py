@@ -10,6 +10,8 @@ exception escape, so the server keeps serving after any bad request.
 """
 from __future__ import annotations
 
+import email.message
+
 import logging
 from http import HTTPStatus
 
@@ -101,6 +103,17 @@ async def _api_error(request: Request, err: APIError) -> JSONResponse:
     return _response(err)
 
 
+def _is_json_media_type(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this ``Content-Type`` as JSON: ``application/json`` or
+    ``application/*+json`` (parameters such as ``charset`` allowed)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message['content-type'] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == 'application' and (subtype == 'json' or subtype.endswith('+json'))
+
+
 async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     errors = err.errors()
     first = errors[0] if errors else {'loc': (), 'msg': 'invalid request', 'type': 'invalid'}
@@ -111,7 +124,7 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
     body = getattr(err, 'body', None)
     content_type = request.headers.get('content-type', '') if request is not None else 'application/json'
     if first.get('loc') == ('body',) and first.get('type') in ('model_attributes_type', 'dict_type') \
-            and 'json' not in content_type.lower():
+            and not _is_json_media_type(content_type):
         # FastAPI reads a body as JSON only when it is declared so; anything else arrives as text
         return _response(APIError(400, f'the request body must be a JSON object sent with "Content-Type: '
                                   f'application/json" (got {content_type or "no Content-Type"!r})',

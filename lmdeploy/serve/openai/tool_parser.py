@@ -130,7 +130,9 @@ class HermesToolParser(ToolParser):
     def forced_prefix(self, name: str | None) -> str:
         if name is None:
             return self.start_tag + '\n'
-        return self.start_tag + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+        # ends at the colon, not after the space: a prompt ending in a lone space token would not
+        # re-tokenize as the history's ' {' (one token), and the next turn would miss the cache
+        return self.start_tag + '\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
 
     @staticmethod
     def _call(body: str) -> ParsedCall | None:
@@ -148,7 +150,7 @@ class HermesToolParser(ToolParser):
         args, raw = members.get('arguments', members.get('parameters', ({}, '{}')))
         if isinstance(args, str):
             try:
-                json.loads(args)
+                _DECODER.decode(args)
             except ValueError:
                 return None
             return ParsedCall(name, args)
@@ -198,7 +200,11 @@ class HermesToolParser(ToolParser):
         return out, pos + len(rest)
 
 
-_DECODER = json.JSONDecoder()
+def _no_constant(name: str):
+    raise ValueError(f'{name} is not JSON')      # NaN / Infinity: Python's json takes them, clients do not
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 _WHITESPACE = ' \t\n\r'
 
 
