@@ -298,8 +298,14 @@ class LlamaCpp:
         self.binary = binary or shutil.which('llama-batched-bench')
         self.gguf, self.threads = gguf, threads
         self.note = None
-        if not self.binary or not os.path.isfile(self.binary) or not gguf or not os.path.isfile(gguf):
-            self.note = 'llama-batched-bench not found or --gguf not given'
+        if not self.binary:
+            self.note = 'llama-batched-bench not on PATH and --llama-batched-bench not given'
+        elif not os.path.isfile(self.binary):
+            self.note = f'--llama-batched-bench {self.binary}: no such file'
+        elif not gguf:
+            self.note = '--gguf not given'
+        elif not os.path.isfile(gguf):
+            self.note = f'--gguf {gguf}: no such file'
 
     @property
     def available(self) -> bool:
@@ -434,6 +440,8 @@ def run(args) -> dict:
               + ', '.join(f'{k} {v:.1e}' for k, v in precision.items() if k != 'max_abs_logit')
               + f' (logits up to {precision["max_abs_logit"]:.1f})', flush=True)
     results['llama_cpp'] = llama.info()
+    if llama.note:
+        print(f'llama.cpp skipped: {llama.note}', flush=True)
     return results
 
 
@@ -482,23 +490,30 @@ def plot(results: dict, path: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p = argparse.ArgumentParser(description='Throughput of the engine against transformers (and llama.cpp when '
+                                'present) on the same weights, side by side in one run.')
     p.add_argument('--model', help='model directory (default: a random model of --preset made in a temp dir)')
-    p.add_argument('--preset', choices=sorted(PRESETS), default='small')
-    p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--preset', choices=sorted(PRESETS), default='small',
+                   help='geometry of the random Qwen3-Next-shaped model made when --model is not given '
+                        '(default: small; 99m is the 249M-parameter model of the recorded runs)')
+    p.add_argument('--threads', type=int, default=2, help='torch (and llama.cpp) threads (default: 2)')
     p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32',
                    help='weights and activations of both systems; bfloat16 outputs are not expected to be '
                         'token-equal to transformers (no divergence report, no float32 precision block)')
-    p.add_argument('--batches', default='1,4,16')
-    p.add_argument('--prefill', default='1024,2048,4096')
-    p.add_argument('--prompt-len', type=int, default=32)
-    p.add_argument('--decode-tokens', type=int, default=32)
-    p.add_argument('--repeats', type=int, default=2)
+    p.add_argument('--batches', default='1,4,16', help='concurrent requests of each decode measurement, '
+                   'comma-separated (default: 1,4,16)')
+    p.add_argument('--prefill', default='1024,2048,4096', help='prompt lengths (tokens) of the prefill '
+                   'measurements, comma-separated; empty for none (default: 1024,2048,4096)')
+    p.add_argument('--prompt-len', type=int, default=32, help='prompt tokens of each decode request (default: 32)')
+    p.add_argument('--decode-tokens', type=int, default=32, help='new tokens of each decode request (default: 32)')
+    p.add_argument('--repeats', type=int, default=2, help='runs of each measurement (min / median / max; '
+                   'default: 2)')
     p.add_argument('--skip-one-at-a-time', action='store_true', help='skip HF one-request-at-a-time runs')
     p.add_argument('--llama-batched-bench', '--llama-bench', dest='llama_batched_bench',
                    help="path of llama.cpp's llama-batched-bench (default: from PATH)")
-    p.add_argument('--gguf', help='the same weights as GGUF for llama.cpp')
-    p.add_argument('--out', default='benchmark/results/throughput')
+    p.add_argument('--gguf', help='the same weights as GGUF for llama.cpp (benchmark/make_gguf.py)')
+    p.add_argument('--out', default='benchmark/results/throughput',
+                   help='results path prefix: <out>.json and <out>.png (default: benchmark/results/throughput)')
     args = p.parse_args(argv)
     results = run(args)
     os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
