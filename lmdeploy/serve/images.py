@@ -193,8 +193,8 @@ class ImageFetchLimits:
             included); empty: any host.
         allow_private: also fetch from hosts that resolve to loopback, private, link-local or
             otherwise non-public addresses. Off by default, so that a client cannot make the
-            server reach into its own network (checked on the address each connection, redirects
-            included, actually reaches).
+            server reach into its own network (checked on the host's addresses before connecting
+            and on the address each connection reaches, redirects included).
     """
     max_bytes: int = 20 << 20
     timeout_s: float = 10.0
