@@ -266,3 +266,21 @@ def test_store_restore_in_a_new_process_decodes_the_plain_tokens(tmp_path, tiny_
     assert ta['output_ids'] == tb['output_ids'] == plain(tiny_qwen3_next, ids, gen)
     if method == 'qwen3_next_mtp':
         assert results[1]['stats']['spec_decode_verify_steps'] > 0
+
+
+@pytest.mark.parametrize('n, out', [(100, 1), (100, 3), (95, 2), (130, 15), (64, 5), (200, 9)])
+def test_mtp_with_turn_end_checkpoints_restores_past_short_replies(tiny_qwen3_next, n, out):
+    """MTP drafting with decode_save_last: the prompt's last block boundary is a forward end
+    (ℓ tokens after it permitting), so even a reply that crosses no block boundary leaves a
+    turn-end checkpoint; the next turn restores at floor_B(n + out - 1) and both turns' outputs
+    equal plain decoding without a cache."""
+    gen = GenerationConfig(max_new_tokens=out, ignore_eos=True)
+    eng = engine(tiny_qwen3_next, k=2, cache='last_only', decode_save_last=True)
+    first = torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n * 7 + out)).tolist()
+    one = eng.generate(first, gen)
+    assert one.output_ids == plain(tiny_qwen3_next, first, gen)
+    follow = one.token_ids + [5, 9, 13, 2, 7, 11, 3]
+    two = eng.generate(follow, GEN)
+    assert two.output_ids == plain(tiny_qwen3_next, follow, GEN)
+    assert two.num_cached_tokens == (n + out - 1) // B * B
+    assert_idle(eng)
