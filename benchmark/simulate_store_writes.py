@@ -66,7 +66,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, LinearAttentionSpec, kv_bytes_per_block,  # noqa: E402
                                           state_bytes_per_slot)
-from lmdeploy.pytorch.paging.prefill_plan import is_reusable, plan_prefill  # noqa: E402
+from lmdeploy.pytorch.paging.prefill_plan import PrefillPlan, is_reusable, plan_prefill, with_last_block_end  # noqa: E402
 
 KTOK = 1024
 DEFAULT_CHUNK, DEFAULT_BLOCK, DEFAULT_ALIGNMENT = 8192, 64, 1024
@@ -337,6 +337,9 @@ def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: i
         done = n + req.output_tokens - 1        # the last sampled token is never computed
         turn_end = None
         if policy.decode_save_last:
+            # as the engine plans it: a prompt forward also ends at floor_B(n) (with_last_block_end)
+            chunk_ends = with_last_block_end(PrefillPlan(chunk_ends, save_points, cached, junction), B,
+                                             token_lookahead).chunk_ends
             te = done // B * B
             # decode forwards end at every count in [n, done]; prompt forwards at the chunk ends
             if te >= n // B * B and (te >= n or te in chunk_ends) and te > max(save_points + [cached]):

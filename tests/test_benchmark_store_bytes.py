@@ -81,12 +81,18 @@ def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, moon
     assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
 
 
-def test_engine_turn_end_policy_equals_simulator_prediction(tiny_qwen3_next, mooncake_services):
+@pytest.mark.parametrize('reply', [None, 2], ids=['scenario_reply', 'two_token_reply'])
+def test_engine_turn_end_policy_equals_simulator_prediction(tiny_qwen3_next, mooncake_services, reply):
     """last-only + turn-end on the scaled 3-turn conversation: restores at the turn-end boundary,
     save points, turn-end points, Store bytes and object counts all as the simulator predicts
-    (the turn-end put replaces the prefill checkpoint's, which stays local)."""
+    (the turn-end put replaces the prefill checkpoint's, which stays local); also with replies
+    too short to cross a block boundary (the turn end is then the prompt's last block boundary)."""
+    import dataclasses
     geo = bench.Geometry.from_scale(SCALE)
     (scenario, ) = bench.select_scenarios(['mt4k'], SCALE, max_turns=3)
+    if reply is not None:       # prompts 40 tokens past the scenario's, so the turn end is not b* itself
+        scenario = dataclasses.replace(scenario, output_tokens=reply,
+                                       input_lengths=tuple(n + 40 for n in scenario.input_lengths))
     engine = make_engine(tiny_qwen3_next, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
                          max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
                          prefill_save_last_only=True, decode_save_last=True, num_gpu_blocks=512,
@@ -95,7 +101,8 @@ def test_engine_turn_end_policy_equals_simulator_prediction(tiny_qwen3_next, moo
     S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
     try:
         before = engine.stats()
-        seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens, seed=885_000)
+        seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                 seed=885_000 if reply is None else 886_000)    # no blocks shared with the other run
         engine.store.flush()
         after = engine.stats()
     finally:

@@ -174,14 +174,15 @@ def test_turn_end_checkpoint_toy_conversation():
     assert [(t.cached_tokens, t.total_bytes) for t in res['default'].turns] == [(0, 14), (64, 18)]
 
 
-def test_turn_end_needs_a_forward_ending_at_the_boundary():
+def test_turn_end_forward_ends_at_the_prompts_last_block_boundary():
     # 100 tokens, a 1-token reply: nothing decoded is computed, te = floor_16(100) = 96 < n.
-    # P=128: chunks [64, 100] -> no forward ends at 96, no turn-end save.
-    # P=32: last-only chunks [32, 64, 96, 100] -> the prompt's chunk ends at 96, te saved (S + 6 blocks; b* = 64
-    #   stays local).
+    # P=128: last-only chunks [64, 100], split at 96 as the engine does with decode_save_last -> [64, 96, 100],
+    #   te saved (S + 6 blocks; b* = 64 stays local). Without turn-end the chunks stay [64, 100].
+    # P=32: last-only chunks [32, 64, 96, 100] already end at 96.
     one = sim.Scenario('one', (100, ), 1)
     turn = _policies(one, 'last-only+turn-end').popitem()[1].turns[0]
-    assert (turn.chunk_ends, turn.turn_end_point, turn.total_bytes) == ([64, 100], None, 10 + 4)
+    assert (turn.chunk_ends, turn.turn_end_point, turn.local_only, turn.total_bytes) == ([64, 96, 100], 96, 64, 16)
+    assert _policies(one, 'last-only').popitem()[1].turns[0].chunk_ends == [64, 100]
     turn = _policies(one, 'last-only+turn-end', chunk_size=32).popitem()[1].turns[0]
     assert (turn.chunk_ends, turn.turn_end_point, turn.local_only, turn.total_bytes) == ([32, 64, 96, 100], 96, 64, 16)
 
