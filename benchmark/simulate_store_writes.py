@@ -18,8 +18,9 @@ cached); it then recomputes ``n - c`` prompt tokens, the figure that drives TTFT
 Policies (engine config fields): ``default``; ``last-only`` (``prefill_save_last_only``: one
 save per turn, at b* = ``last_reusable(n)``); ``+turn-end`` (``decode_save_last``: when a
 request finishes, one more checkpoint at ``te = floor_B(n + output - 1)``, the last block
-boundary of its computed tokens, if a forward ended there; restores then accept any block
-boundary, not only multiples of A); ``+junction`` (``save_junction``: a request whose cached
+boundary of its computed tokens, if a forward ended there (a prompt forward also ends at
+``floor_B(n)``, so one does unless it is a save point or falls inside an image); restores then
+accept any block boundary, not only multiples of A); ``+junction`` (``save_junction``: a request whose cached
 full blocks reach ``m`` tokens, deeper than its hit ``c``, also saves at the largest reusable
 boundary ``j`` with ``c < j <= m``, splitting the chunk that contains ``j``)::
 
