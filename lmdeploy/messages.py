@@ -251,6 +251,12 @@ class GenerationConfig(BaseModel):
     repetition_penalty: float = Field(1.0, ge=0.01, le=100, allow_inf_nan=False, description='CTRL-style penalty '
                                       'on seen tokens (0.01-100, the API server\'s range; 1.0 = off): beyond it the '
                                       'scaled logits overflow float32.')
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False, description='Subtracted from the '
+                                    'logit of every token the reply has generated so far (OpenAI\'s definition; '
+                                    '-2 to 2, 0 = off).')
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False, description='Times the number of '
+                                     'times a token was generated in the reply so far, subtracted from its logit '
+                                     '(OpenAI\'s definition; -2 to 2, 0 = off).')
     stop_words: list[str] = Field(default_factory=list, description='Stop strings; the text ends before them.')
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description='Extra token ids '
                                                               'that end generation (inside the vocabulary).')

@@ -392,6 +392,29 @@ def test_server_serves_normally_after_bad_requests(servers):
     assert after[key] - before.get(key, 0) == 3
 
 
+def test_presence_and_frequency_penalties_reach_the_sampler(servers, tiny_qwen3):
+    """The API's presence / frequency penalties give the engine's penalised greedy tokens."""
+    from lmdeploy import GenerationConfig, PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    s = servers['qwen3']
+    c = openai.OpenAI(base_url=s.base_url + '/v1', api_key=KEY)
+    prompt = [300, 301, 302, 303, 304]
+    eng = Engine(tiny_qwen3, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=32,
+                                                 block_size=16))
+    texts = {}
+    for presence, frequency in ((0.0, 0.0), (-1.0, -0.5), (-2.0, 1.0)):
+        r = c.completions.create(model='tiny', prompt=prompt, max_tokens=12, presence_penalty=presence,
+                                 frequency_penalty=frequency, extra_body={'ignore_eos': True})
+        want = eng.generate(prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True, presence_penalty=presence,
+                                                     frequency_penalty=frequency))
+        assert r.usage.completion_tokens == len(want.output_ids) == 12
+        from transformers import AutoTokenizer
+        assert r.choices[0].text == AutoTokenizer.from_pretrained(tiny_qwen3).decode(want.output_ids,
+                                                                                     skip_special_tokens=True)
+        texts[(presence, frequency)] = r.choices[0].text
+    assert len(set(texts.values())) == 3           # each setting changes the reply
+
+
 @pytest.mark.parametrize('content_type', [None, 'text/plain', 'application/x-www-form-urlencoded', 'text/json',
                                           'application/jsonp'])
 def test_a_json_body_without_a_json_content_type_says_so(servers, content_type):

@@ -1,7 +1,10 @@
 """Token sampling: greedy, or temperature / top-k / top-p with a per-request seed.
 
 Order of logit processing: repetition penalty (Keskar et al., "CTRL", 2019: divide positive
-logits, multiply negative ones, for tokens already in the sequence) → temperature → top-k →
+logits, multiply negative ones, for tokens already in the sequence) → presence and frequency
+penalties (OpenAI's definition: subtract ``presence_penalty`` from the logit of every token the
+reply has generated so far and ``frequency_penalty`` times the number of times it did; the
+prompt does not count) → temperature → top-k →
 top-p (Holtzman et al., "The Curious Case of Neural Text Degeneration", 2020) → sample with
 the request's own ``torch.Generator`` so the same seed gives the same output regardless of
 batching.
@@ -42,11 +45,18 @@ class TokenLogprob:
 
 
 def _process(logits: torch.Tensor, seq: Sequence, extra_ids=()) -> torch.Tensor:
+    """Apply ``seq``'s penalties to its ``[vocab]`` float32 ``logits`` in place; ``extra_ids``
+    count as tokens after ``seq.token_ids`` (drafts being verified)."""
     cfg = seq.gen_config
     if cfg.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.token_ids).union(extra_ids)), dtype=torch.long)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / cfg.repetition_penalty, vals * cfg.repetition_penalty)
+    if cfg.presence_penalty or cfg.frequency_penalty:
+        generated = seq.token_ids[seq.num_prompt_tokens:] + list(extra_ids)
+        if generated:
+            ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+            logits[ids] -= cfg.presence_penalty + cfg.frequency_penalty * counts.to(logits.dtype)
     return logits
 
 
@@ -78,7 +88,8 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 
 def _plain_greedy(cfg) -> bool:
-    return cfg.greedy and cfg.repetition_penalty == 1.0 and cfg.logprobs is None
+    return (cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.presence_penalty and not cfg.frequency_penalty
+            and cfg.logprobs is None)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -128,7 +139,7 @@ def target_distribution(row: torch.Tensor, seq: Sequence, extra_ids=()):
 
     Args:
         row: ``[vocab]`` float32 logits (not modified).
-        seq: the sequence (its ``gen_config`` and, for the repetition penalty, its tokens).
+        seq: the sequence (its ``gen_config`` and, for the penalties, its tokens).
         extra_ids: tokens counted as already in the sequence besides ``seq.token_ids`` (the
             draft tokens before this position, when verifying speculative drafts).
 

@@ -352,6 +352,7 @@ class _Server:
                     max_new_tokens=room if max_new is None else min(max_new, room),
                     do_sample=sampling, temperature=req.temperature if sampling else 1.0, top_p=req.top_p,
                     top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs)
                 jobs.append((ids, cfg))
         return jobs

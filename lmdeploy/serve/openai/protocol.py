@@ -213,8 +213,10 @@ class _Sampling(_Strict):
     stop: Text | list[Text] | None = None
     ignore_eos: bool = False
     repetition_penalty: float = Field(1.0, ge=0.01, le=100, **_Float)
-    presence_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Accepted, not applied.')
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Accepted, not applied.')
+    presence_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Subtracted from the logit of '
+                                    'every token generated so far in this choice.')
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Times the number of times a token '
+                                     'was generated so far in this choice, subtracted from its logit.')
     stream: bool = False
     stream_options: StreamOptions | None = None
 
