@@ -257,6 +257,9 @@ class GenerationConfig(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False, description='Times the number of '
                                      'times a token was generated in the reply so far, subtracted from its logit '
                                      '(OpenAI\'s definition; -2 to 2, 0 = off).')
+    logit_bias: dict[int, float] = Field(default_factory=dict, description='Token id -> bias added to its logit '
+                                         'before sampling or argmax (-100 to 100; OpenAI\'s logit_bias: -100 in '
+                                         'effect bans a token, 100 forces it). Ids inside the vocabulary.')
     stop_words: list[str] = Field(default_factory=list, description='Stop strings; the text ends before them.')
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description='Extra token ids '
                                                               'that end generation (inside the vocabulary).')
@@ -273,6 +276,18 @@ class GenerationConfig(BaseModel):
         if info.field_name == 'stop_token_ids' and isinstance(v, list) and any(isinstance(t, (bool, str)) for t in v):
             raise ValueError(f'stop_token_ids takes integers, got {v!r}')
         return _no_lax_scalar(cls, v, info.field_name)
+
+    @field_validator('logit_bias', mode='before')
+    @classmethod
+    def _bias_entries(cls, v):
+        if isinstance(v, dict):
+            for token, bias in v.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f'logit_bias keys are token ids (integers >= 0), got {token!r}')
+                if isinstance(bias, (bool, str)) or not isinstance(bias, (int, float)) \
+                        or not -100 <= bias <= 100:          # (NaN fails the comparison too)
+                    raise ValueError(f'logit_bias values are numbers from -100 to 100, got {bias!r} for {token}')
+        return v
 
     @property
     def greedy(self) -> bool:

@@ -415,6 +415,21 @@ def test_presence_and_frequency_penalties_reach_the_sampler(servers, tiny_qwen3)
     assert len(set(texts.values())) == 3           # each setting changes the reply
 
 
+def test_logit_bias_forces_a_token_and_bad_entries_are_400s(servers):
+    s = servers['qwen3']
+    c = openai.OpenAI(base_url=s.base_url + '/v1', api_key=KEY)
+    r = c.chat.completions.create(model='tiny', messages=MSG, max_tokens=5, logit_bias={'77': 100},
+                                  extra_body={'ignore_eos': True}, logprobs=True)
+    assert [lp.token for lp in r.choices[0].logprobs.content] == [r.choices[0].logprobs.content[0].token] * 5
+    assert r.usage.completion_tokens == 5
+    for bias, words in (({'99999999': 1}, 'outside the vocabulary'), ({'abc': 1}, 'decimal strings'),
+                        ({'5': 101}, 'less than or equal to 100'), ({'-3': 1}, 'decimal strings')):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model='tiny', messages=MSG, max_tokens=2, logit_bias=bias)
+        assert err.value.body['param'].startswith('logit_bias') and words in err.value.body['message'], err.value.body
+    assert chat(s, MSG, max_tokens=2).usage.completion_tokens == 2
+
+
 @pytest.mark.parametrize('content_type', [None, 'text/plain', 'application/x-www-form-urlencoded', 'text/json',
                                           'application/jsonp'])
 def test_a_json_body_without_a_json_content_type_says_so(servers, content_type):

@@ -362,3 +362,12 @@ def test_api_keys_help_names_every_protected_path():
         assert named, (route.path, help_text)
         if not protected:
             assert route.path in help_text.split('need one')[1], (route.path, help_text)
+
+
+def test_logit_bias_flag_takes_a_json_object_with_integer_keys(capsys):
+    args = build_parser().parse_args(['chat', '/m', '--logit-bias', '{"7": 1.5, "50": -100}'])
+    assert args.logit_bias == {7: 1.5, 50: -100}
+    for bad in ('{"a": 1}', '[1, 2]', 'not json'):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(['chat', '/m', '--logit-bias', bad])
+        assert exc.value.code == 2 and '--logit-bias' in capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""Presence and frequency penalties (OpenAI's definition): against a direct computation over
-random logits and replies, on greedy decoding and in the sampled distribution, the prompt not
-counted, drafts counted while they are verified, and through the API against a cache-off engine."""
+"""Presence and frequency penalties and logit_bias (OpenAI's definitions): against a direct
+computation over random logits and replies, on greedy decoding and in the sampled distribution,
+the prompt not counted, drafts counted while they are verified, and in the engine against a
+token-by-token transformers reference."""
 import random
 
 import pytest
@@ -22,29 +23,35 @@ def _seq(prompt, generated, **gen):
     return seq
 
 
-def _expected(logits, generated, presence, frequency):
+def _expected(logits, generated, presence, frequency, bias=None):
     out = logits.clone()
     for t in set(generated):
         out[t] -= presence + frequency * generated.count(t)
+    for t, b in (bias or {}).items():
+        out[t] += b
     return out
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, V - 1), max_size=6), st.lists(st.integers(0, V - 1), max_size=10),
-       st.floats(-2, 2), st.floats(-2, 2), st.integers(0, 2 ** 31))
-def test_penalised_logits_are_openais(prompt, generated, presence, frequency, seed):
+       st.floats(-2, 2), st.floats(-2, 2), st.dictionaries(st.integers(0, V - 1), st.floats(-100, 100), max_size=4),
+       st.integers(0, 2 ** 31))
+def test_penalised_logits_are_openais(prompt, generated, presence, frequency, bias, seed):
     logits = torch.randn(V, generator=torch.Generator().manual_seed(seed))
-    seq = _seq(prompt or [0], generated, presence_penalty=presence, frequency_penalty=frequency, logprobs=V)
-    want = _expected(logits, generated, presence, frequency)          # the prompt's tokens are not penalised
+    seq = _seq(prompt or [0], generated, presence_penalty=presence, frequency_penalty=frequency, logit_bias=bias,
+               logprobs=V)
+    want = _expected(logits, generated, presence, frequency, bias)   # the prompt's tokens are not penalised
     token, _, logp = target_distribution(logits, seq)
     assert token == int(want.argmax())
     assert torch.allclose(logp, torch.log_softmax(want, -1), atol=1e-6)
     (got,), (lp,) = sample(logits[None], [seq])
     assert got == token and abs(lp.logprob - float(torch.log_softmax(want, -1)[token])) < 1e-6
     sampled = _seq(prompt or [0], generated, presence_penalty=presence, frequency_penalty=frequency,
-                   do_sample=True, temperature=0.7)
+                   logit_bias=bias, do_sample=True, temperature=0.7)
     _, probs, _ = target_distribution(logits, sampled)
-    assert torch.allclose(probs, torch.softmax((want - want.max()) / 0.7, -1), atol=1e-6)
+    # 1e-5, not 1e-6: biases reach 100, and float32 rounding of logits that large (ulp ~1e-5 at
+    # 100) differs between the sampler's in-place updates and this reference's
+    assert torch.allclose(probs, torch.softmax((want - want.max()) / 0.7, -1), atol=1e-5)
 
 
 def test_no_penalty_is_the_plain_argmax_and_the_prompt_never_counts():
@@ -92,3 +99,19 @@ def test_engine_penalties_follow_a_step_by_step_reference(tiny_qwen3_next, prese
     assert got == out
     plain = eng.generate(prompt, GenerationConfig(max_new_tokens=16, ignore_eos=True)).output_ids
     assert got != plain         # the penalties matter on this prompt, so the comparison above can fail
+
+
+def test_logit_bias_of_100_forces_and_minus_100_bans_a_token(tiny_qwen3_next):
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    eng = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=64,
+                                                      block_size=16))
+    prompt = [random.Random(3).randrange(3, 1000) for _ in range(20)]
+    plain = eng.generate(prompt, GenerationConfig(max_new_tokens=8, ignore_eos=True)).output_ids
+    forced = eng.generate(prompt, GenerationConfig(max_new_tokens=8, ignore_eos=True, logit_bias={77: 100}))
+    assert forced.output_ids == [77] * 8
+    banned = eng.generate(prompt, GenerationConfig(max_new_tokens=8, ignore_eos=True,
+                                                   logit_bias={plain[0]: -100}))
+    assert banned.output_ids[0] != plain[0] and plain[0] not in banned.output_ids
+    with pytest.raises(ValueError, match='logit_bias: token id 5000 is outside the vocabulary'):
+        eng.generate(prompt, GenerationConfig(max_new_tokens=2, logit_bias={5000: 1.0}))

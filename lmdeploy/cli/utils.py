@@ -19,6 +19,7 @@ configuration; the CLI never duplicates a default or a range check.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import types
 import typing
@@ -65,9 +66,23 @@ def _flag_kwargs(name: str, field) -> dict:
         kwargs.update(type=_unwrap_optional(item), nargs='*', metavar=name.upper())
     elif ann in (int, float, str):
         kwargs.update(type=ann, metavar=name.upper())
+    elif typing.get_origin(ann) is dict and typing.get_args(ann)[0] is int:
+        kwargs.update(type=_int_keyed_json, metavar='JSON')
+        kwargs['help'] += ", as a JSON object, e.g. '{\"50256\": -100}'"
     else:
         raise TypeError(f'no flag type for field {name!r} of type {field.annotation}')
     return kwargs
+
+
+def _int_keyed_json(text: str) -> dict:
+    """A JSON object whose keys are integers written as strings (``'{"7": 1.5}'`` -> ``{7: 1.5}``)."""
+    try:
+        obj = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f'not JSON: {err}') from None
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and k.strip().lstrip('-').isdigit() for k in obj):
+        raise argparse.ArgumentTypeError(f'a JSON object with integer keys, e.g. \'{{"7": 1.5}}\', got {text!r}')
+    return {int(k): v for k, v in obj.items()}
 
 
 def add_model_args(parser: argparse.ArgumentParser, model_cls: type[BaseModel], title: str,

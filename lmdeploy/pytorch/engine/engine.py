@@ -235,8 +235,8 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, a prompt of ``session_len`` tokens or more (the message
-                gives both numbers), or a token id (of the prompt or ``stop_token_ids``)
-                outside ``[0, vocab_size)``.
+                gives both numbers), or a token id (of the prompt, ``stop_token_ids`` or
+                ``logit_bias``) outside ``[0, vocab_size)``.
         """
         if not token_ids:
             raise ValueError('the prompt is empty: at least 1 token is required')
@@ -249,6 +249,9 @@ class Engine:
         bad = [t for t in gen_config.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f'stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
+        bad = [t for t in gen_config.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f'logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
 
     def make_sequence(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                       multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int | None = None,

@@ -4,7 +4,7 @@ Order of logit processing: repetition penalty (Keskar et al., "CTRL", 2019: divi
 logits, multiply negative ones, for tokens already in the sequence) → presence and frequency
 penalties (OpenAI's definition: subtract ``presence_penalty`` from the logit of every token the
 reply has generated so far and ``frequency_penalty`` times the number of times it did; the
-prompt does not count) → temperature → top-k →
+prompt does not count) → ``logit_bias`` (added to the listed tokens' logits) → temperature → top-k →
 top-p (Holtzman et al., "The Curious Case of Neural Text Degeneration", 2020) → sample with
 the request's own ``torch.Generator`` so the same seed gives the same output regardless of
 batching.
@@ -57,6 +57,9 @@ def _process(logits: torch.Tensor, seq: Sequence, extra_ids=()) -> torch.Tensor:
         if generated:
             ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
             logits[ids] -= cfg.presence_penalty + cfg.frequency_penalty * counts.to(logits.dtype)
+    if cfg.logit_bias:
+        ids = torch.tensor(list(cfg.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(cfg.logit_bias.values()), dtype=logits.dtype)
     return logits
 
 
@@ -89,7 +92,7 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 def _plain_greedy(cfg) -> bool:
     return (cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.presence_penalty and not cfg.frequency_penalty
-            and cfg.logprobs is None)
+            and not cfg.logit_bias and cfg.logprobs is None)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -339,6 +339,11 @@ class _Server:
         refuse one. ``max_new`` is clamped to what the session has left after the prompt."""
         session_len = self.pipe.engine.session_len
         jobs = []
+        bias = req.token_bias()
+        try:
+            self.pipe.engine.validate([0], GenerationConfig(logit_bias=bias))
+        except ValueError as err:
+            raise APIError(400, str(err), param='logit_bias', code='invalid_value') from err
         for ids in prompts_ids:
             try:
                 self.pipe.engine.validate(ids, GenerationConfig())
@@ -352,7 +357,7 @@ class _Server:
                     max_new_tokens=room if max_new is None else min(max_new, room),
                     do_sample=sampling, temperature=req.temperature if sampling else 1.0, top_p=req.top_p,
                     top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
-                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
                     stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs)
                 jobs.append((ids, cfg))
         return jobs

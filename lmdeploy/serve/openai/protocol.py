@@ -7,7 +7,7 @@ explicit ``null`` means "the default" for every optional field (SDKs and proxies
 Every numeric field has a finite range (see the ``Field`` bounds and docs/en/api_server.md);
 infinities and NaN are refused. Every string must be valid Unicode (a lone UTF-16 surrogate
 such as ``"\\ud800"`` is refused). Unknown request fields are ignored (OpenAI clients send
-options this engine does not implement, e.g. ``logit_bias``, ``user``); known options it cannot
+options this engine does not implement, e.g. ``user``, ``metadata``); known options it cannot
 honour (``response_format`` other than text, ``suffix``, any ``best_of`` other than ``n``) are refused.
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
 ``chat_template_kwargs``, ``separate_reasoning``.
@@ -217,8 +217,23 @@ class _Sampling(_Strict):
                                     'every token generated so far in this choice.')
     frequency_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Times the number of times a token '
                                      'was generated so far in this choice, subtracted from its logit.')
+    logit_bias: dict[Text, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
+        None, max_length=4096, description='Token id (a decimal string) -> bias added to its logit, -100 to 100.')
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator('logit_bias')
+    @classmethod
+    def _token_id_keys(cls, v):
+        if v is not None:
+            for key in v:
+                if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                    raise ValueError(f'keys are token ids as decimal strings, e.g. "50256"; got {key!r}')
+        return v
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids (empty when absent)."""
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
     @field_validator('stream_options')
     @classmethod
