@@ -47,7 +47,7 @@ def _no_lax_scalar(model: type[BaseModel], value, name: str):
     return value
 
 
-def _host_port(value: str) -> tuple[str, int] | None:
+def split_host_port(value: str) -> tuple[str, int] | None:
     """``(host, port)`` of ``'host:port'`` (an IPv6 host in brackets), or None when malformed:
     a scheme, a path, spaces, an empty host, a port outside 1-65535 or an unbracketed IPv6."""
     host, sep, port = value.rpartition(':')
@@ -168,7 +168,7 @@ class PytorchEngineConfig(BaseModel):
     def _master_address(cls, v: str | None) -> str | None:
         if v is None or v == 'local':
             return v
-        if _host_port(v) is None:
+        if split_host_port(v) is None:
             raise ValueError(f'mooncake_master must be "host:port" (no scheme; port 1-65535; an IPv6 host in '
                              f'brackets) or "local" (lower case: start an embedded Store), got {v!r}')
         return v
@@ -192,14 +192,14 @@ class PytorchEngineConfig(BaseModel):
             except ValueError:
                 ok = False
         elif ok and scheme in ('etcd', 'redis'):
-            ok = _host_port(rest) is not None
+            ok = split_host_port(rest) is not None
         elif ok and not sep:
-            ok = _host_port(v) is not None                       # a bare etcd endpoint
+            ok = split_host_port(v) is not None                       # a bare etcd endpoint
         else:
             ok = False
         if not ok:
             head = v.split('/', 1)[0]
-            hint = f' (did you mean http://{v}?)' if not sep and '/' in v and _host_port(head) else ''
+            hint = f' (did you mean http://{v}?)' if not sep and '/' in v and split_host_port(head) else ''
             raise ValueError(f'mooncake_metadata_server must be the URL of the Store\'s HTTP metadata server, '
                              f'http://HOST:PORT/metadata with its path (`lmdeploy serve store` prints it), or '
                              f'etcd://HOST:PORT, redis://HOST:PORT, a bare etcd HOST:PORT or P2PHANDSHAKE; got '

@@ -187,23 +187,23 @@ class ServerMetrics:
 class HTTPMetricsMiddleware:
     """Pure ASGI middleware counting responses by path and status (no body buffering, so
     streaming and client-disconnect detection are unaffected). Paths outside ``known_paths``
-    are counted as ``other`` to keep label cardinality bounded; ``/v1/models/<id>`` counts as
-    ``/v1/models/{model}`` when that template is known."""
+    are counted as ``other`` to keep label cardinality bounded, except paths under a prefix of
+    ``path_templates`` (``{'/v1/models/': '/v1/models/{model}'}``), counted as its template."""
 
-    def __init__(self, app, metrics: ServerMetrics, known_paths: frozenset[str]):
+    def __init__(self, app, metrics: ServerMetrics, known_paths: frozenset[str],
+                 path_templates: dict[str, str] | None = None):
         self.app = app
         self.metrics = metrics
         self.known_paths = known_paths
+        self.path_templates = path_templates or {}
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http':
             return await self.app(scope, receive, send)
         path = scope.get('path', '')
         if path not in self.known_paths:
-            # one model's path (/v1/models/{model}, the model id may hold slashes) is its template
-            template = '/v1/models/{model}'
-            path = template if path.startswith('/v1/models/') and len(path) > 11 and template in self.known_paths \
-                else 'other'
+            path = next((label for prefix, label in self.path_templates.items()
+                         if path.startswith(prefix) and len(path) > len(prefix)), 'other')
 
         async def counting_send(message):
             if message['type'] == 'http.response.start':

@@ -30,7 +30,7 @@ from ..config import CacheConfig, SchedulerConfig
 from ..models.loader import load_model
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import Scheduler, SchedulerOutput
-from ..prefix_cache.coordinator import PrefixCache
+from ..prefix_cache.coordinator import PrefixCache, zero_counters
 from ..prefix_cache.local_tier import LocalTier
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
@@ -456,8 +456,7 @@ class Engine:
         objects a save found already stored (``store_existing_objects``), and (speculative
         decoding) draft tokens proposed / accepted. Every key but the speculative-decoding ones
         is present whatever is enabled (0 for a disabled tier), so one reader fits every config."""
-        from ..prefix_cache.coordinator import zero_counters
-        from ..prefix_cache.store_tier import zero_store_counters
+        from ..prefix_cache.store_tier import zero_store_counters     # (the Store tier is imported lazily)
         out = {**zero_counters(), 'checkpoints_skipped': {}, **zero_store_counters()}
         if self.prefix_cache is not None:
             out.update(self.prefix_cache.stats())

@@ -17,8 +17,8 @@ progress and the resources the forward needs::
 
 Turn-end checkpoints (``decode_save_last``): the state at each block boundary a request reaches
 from its prompt's last one on (the scheduler ends a prefill forward there) is copied into one
-staging slot of that request (one row copy per B tokens); when it finishes, the last copy is published at that boundary and put to the Store
-with its unsaved KV blocks. Such a boundary is a multiple of B, not of A, so with the policy
+staging slot of that request (one row copy per B tokens); when it finishes, the last copy is
+published at that boundary and put to the Store with its unsaved KV blocks. Such a boundary is a multiple of B, not of A, so with the policy
 on, restores accept any block boundary that satisfies the other reusability rules.
 
 The turn-end put replaces the Store put of the request's last prefill save point: that

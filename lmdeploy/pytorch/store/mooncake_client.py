@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from ...messages import split_host_port
 from .listeners import is_loopback, listening_fds, pin_new_listeners
 
 OK = 0
@@ -92,12 +93,10 @@ def buffer_bytes_needed(object_bytes: int) -> int:
 
 def parse_host_port(value: str, field_name: str) -> tuple[str, int]:
     """Split ``'host:port'``; raises ``ValueError`` naming ``field_name`` when malformed."""
-    host, sep, port = str(value).rpartition(':')
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f'{field_name} must be "host:port", got {value!r}')
-    if host.startswith('[') and host.endswith(']'):       # an IPv6 address in brackets
-        host = host[1:-1]
-    return host, int(port)
+    parsed = split_host_port(str(value))
+    if parsed is None:
+        raise ValueError(f'{field_name} must be "host:port" (an IPv6 host in brackets), got {value!r}')
+    return parsed
 
 
 def tcp_reachable(host: str, port: int, timeout_s: float) -> bool:

@@ -66,7 +66,8 @@ __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUES
 logger = logging.getLogger('lmdeploy')
 
 _KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/health', '/metrics',
-                          '/debug/ledger', '/docs', '/openapi.json', '/v1/models/{model}'})
+                          '/debug/ledger', '/docs', '/openapi.json'})
+_PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}'}      # one model's path (its id may hold slashes)
 _DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -611,7 +612,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
         protected = ('/v1/', '/debug/', '/docs', '/openapi.json') + (('/metrics',) if protect_metrics else ())
         app.add_middleware(KeyCheck, check=server.key_valid, prefixes=protected)
     # added last = outermost: 413s are counted too
-    app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=server.metrics, known_paths=_KNOWN_PATHS,
+                       path_templates=_PATH_TEMPLATES)
     app.openapi = lambda: _openapi(app)
     app.state.server = server
     return app
