@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import register_kernel, slot_range
+from .cpu_native import conv_decode_step_native
 
 __all__ = ['causal_conv1d', 'causal_conv1d_varlen']
 
@@ -132,6 +133,9 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         # decode with the slots one sorted range: read and rewrite that slice of the cache in place
         lo = span[0]
         rows = conv_cache[lo:lo + N]                                                   # [N, C, K1] view
+        y = conv_decode_step_native(x, rows, weight, bias, activation is not None)
+        if y is not None:
+            return y
         window = torch.cat((rows.to(x.dtype), x[:, :, None]), dim=2)                   # [N, C, K]
         y = (window.to(weight.dtype) * weight).sum(-1)
         if bias is not None:

@@ -34,6 +34,7 @@ from functools import lru_cache
 import torch
 
 from . import get_kernel, register_kernel, slot_range
+from .cpu_native import gated_delta_step_native
 
 __all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'gated_delta_rule_varlen', 'l2norm']
 
@@ -214,6 +215,9 @@ def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
     if use_qk_l2norm:
         kq = l2norm(kq)
     kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
+    o = gated_delta_step_native(kq, v, g.exp(), beta, state)
+    if o is not None:
+        return o
     k, q = kq.unbind(2)
     state.mul_(g.exp()[..., None, None])
     if state.is_contiguous():

@@ -6,13 +6,16 @@ contiguous run of rows::
     rows      | e0 e0 e0 | e2 | e3 e3 | ...        counts = [3, 0, 1, 2, ...]
     y[run_e]  = down_e( silu(gate_e(x[run_e])) * up_e(x[run_e]) )
 
-Two implementations with one contract:
+Implementations with one contract:
 
 - torch (any device): one pair of matmuls per expert that has rows (and a handful of ops per
   call around them), each through :func:`~lmdeploy.pytorch.kernels.linear.linear`, which for
   float32 on CPU computes skinny runs (8-47 rows; 16-32 for the narrower down projection) as ``(W x^T)^T`` (an expert layer with 16-row
   runs: 10.5 -> 8.2 ms on the benchmark machine). On CPU this is the fast one:
   ``torch._grouped_mm`` exists on CPU but measured 3-5x slower than the loop here.
+- native (CPU, float32 decode steps): :func:`~.cpu_native.swiglu_experts_native` runs a whole
+  layer (sort, both projections, SwiGLU, weighted sum per token) in one call; ``FusedExperts``
+  calls it before this registry's kernel (it takes the routing, not sorted rows).
 - grouped (CUDA, when ``torch._grouped_mm`` exists and row strides are 16-byte multiples):
   each projection is ONE grouped matmul over all experts, whatever the batch hits.
 """

@@ -28,6 +28,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
 from ..kernels.linear import linear
+from ..kernels.cpu_native import swiglu_experts_native
 from ..model_inputs import StepContext
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
@@ -168,12 +169,18 @@ class FusedExperts(nn.Module):
 
         The ``T * k`` (token, expert) pairs are sorted by expert, run through the registry's
         ``swiglu_experts`` kernel (a per-expert loop on CPU, grouped matmuls on CUDA), weighted,
-        and summed back per token. One token on CPU (a batch-1 decode step) runs its ``k``
-        experts directly, without the sort and scatter: the same products, weights and
-        summation order.
+        and summed back per token. On CPU, float32 steps of up to 64 tokens outside autograd run
+        the whole layer as one native call (:func:`~lmdeploy.pytorch.kernels.cpu_native.swiglu_experts_native`,
+        when built; equal to float32 rounding); otherwise one token (a batch-1 decode step) runs
+        its ``k`` experts directly, without the sort and scatter: the same products, weights
+        and summation order.
         """
-        if x.shape[0] == 1 and x.device.type == 'cpu':
-            return self.forward_one_token(x, index, weights)
+        if x.device.type == 'cpu':
+            out = swiglu_experts_native(x, index, weights, self.gate_up_proj, self.down_proj)
+            if out is not None:
+                return out
+            if x.shape[0] == 1:
+                return self.forward_one_token(x, index, weights)
         return self.forward_sorted(x, index, weights)
 
     def forward_one_token(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

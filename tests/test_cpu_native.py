@@ -1,0 +1,257 @@
+"""The native CPU decode kernels equal their torch implementations over their whole input class
+(row counts, widths not a multiple of the vector length, strided rows and cache views, expert
+routings, convolution widths), refuse what they do not cover, and fall back cleanly when they
+cannot be built or are switched off."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmdeploy.pytorch.kernels import causal_conv1d as conv_mod
+from lmdeploy.pytorch.kernels import cpu_native
+from lmdeploy.pytorch.kernels import gated_delta_rule as gdr_mod
+from lmdeploy.pytorch.kernels.cpu_native import (conv_decode_step_native, gated_delta_step_native, matmul_rows,
+                                                 native_library, swiglu_experts_native)
+from lmdeploy.pytorch.kernels.linear import linear
+from lmdeploy.pytorch.kernels.moe import swiglu_experts_loop
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU kernels could not be built here '
+                                '(no C compiler with OpenMP, or LMDEPLOY_CPU_KERNELS=0)')
+
+# float32 sums of up to a few hundred products in a different order: the error bound scales with
+# the sum of |terms| (not the result), about K * 2^-24 relative to it; 1e-5 of that sum is loose
+# enough for every K used here and ~100x tighter than any real error (a wrong index, a missed term).
+
+
+def _close(actual, expected, scale):
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    assert err <= 1e-5 * scale + 1e-6, f'max error {err} for a term scale of {scale}'
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(1, 70), st.integers(0, 9), st.integers(0, 2 ** 31))
+def test_matmul_rows_equals_f_linear(rows, inner, outputs, pad, seed):
+    """Every row count, inner sizes with a tail past the last 16 columns, output counts that do not
+    fill the last 4-row block, and inputs whose rows are spaced wider than they are."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(rows, inner + pad, generator=gen)
+    x = base[:, :inner]                                   # row stride inner + pad
+    w = torch.randn(outputs, inner, generator=gen)
+    y = matmul_rows(x, w)
+    assert y.shape == (rows, outputs) and y.is_contiguous() and y.dtype == torch.float32
+    _close(y, F.linear(x, w), float((x.abs() @ w.abs().t()).max()))
+
+
+@pytest.mark.parametrize('rows', [1, 3, 4, 16, 24, 25, 64])
+def test_linear_takes_the_native_product_for_its_row_window_only(rows, monkeypatch):
+    calls = []
+    real = cpu_native.matmul_rows
+
+    def spy(x, w):
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    from lmdeploy.pytorch.kernels import linear as linear_mod
+    monkeypatch.setattr(linear_mod, 'matmul_rows', spy)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 64, generator=gen)           # 3-D input: flattened rows
+    w, b = torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    with torch.inference_mode():
+        y = linear(x, w, b)
+    assert calls == ([rows] if rows in cpu_native.NATIVE_ROWS else [])
+    assert y.shape == (1, rows, 40)
+    _close(y, F.linear(x, w, b), float((x.abs() @ w.abs().t()).max() + b.abs().max()))
+
+
+def test_native_paths_refuse_autograd_other_dtypes_and_bad_shapes():
+    w = torch.randn(8, 32, requires_grad=True)
+    x = torch.randn(4, 32)
+    from lmdeploy.pytorch.kernels.cpu_native import native_rows
+    assert not native_rows(x, w)                                        # autograd graph: torch path
+    with torch.no_grad():
+        assert native_rows(x, w)
+        assert not native_rows(x.bfloat16(), w.bfloat16())
+        assert not native_rows(x.t().contiguous().t(), w)               # column-major rows
+        with pytest.raises(ValueError, match='matmul_rows needs float32'):
+            matmul_rows(x[:, :16], w)
+        gate_up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+        idx, wts = torch.tensor([[0, 5]]), torch.ones(1, 2)
+        with pytest.raises(ValueError, match=r'expert index out of range \[0, 4\)'):
+            swiglu_experts_native(torch.randn(1, 8), idx, wts, gate_up, down)
+        many = torch.zeros(cpu_native.NATIVE_EXPERT_TOKENS + 1, 2, dtype=torch.int64)
+        assert swiglu_experts_native(torch.randn(many.shape[0], 8), many, torch.ones(many.shape), gate_up,
+                                     down) is None                      # a prefill chunk: torch's GEMMs
+        assert swiglu_experts_native(torch.randn(1, 8).bfloat16(), idx.clamp(max=3), wts.bfloat16(),
+                                     gate_up.bfloat16(), down.bfloat16()) is None
+
+
+def _experts_reference(x, index, weights, gate_up, down):
+    """The torch path of FusedExperts: sort by expert, per-expert loop, weight, unsort, sum."""
+    k = index.shape[1]
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    y = swiglu_experts_loop(x[order // k], gate_up, down, counts) * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y
+    return unsorted.view(x.shape[0], k, -1).sum(1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, cpu_native.NATIVE_EXPERT_TOKENS), st.integers(1, 6), st.integers(1, 12),
+       st.sampled_from([16, 40, 64]), st.sampled_from([8, 24, 32]), st.integers(0, 2 ** 31))
+def test_swiglu_experts_native_equals_the_torch_path(tokens, k, num_experts, hidden, inter, seed):
+    """Any routing: experts hit by many tokens, by one, or by none; top-k up to 6."""
+    k = min(k, num_experts)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    index = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    out = swiglu_experts_native(x, index, weights, gate_up, down)
+    ref = _experts_reference(x, index, weights, gate_up, down)
+    assert out.shape == (tokens, hidden) and out.dtype == torch.float32
+    _close(out, ref, float(ref.abs().max()) + 1.0)
+
+
+def test_fused_experts_module_uses_the_native_kernel_under_inference_mode():
+    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    gen = torch.Generator().manual_seed(0)
+    m = FusedExperts(8, 32, 16)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(torch.randn(m.gate_up_proj.shape, generator=gen))
+        m.down_proj.copy_(torch.randn(m.down_proj.shape, generator=gen))
+    x = torch.randn(5, 32, generator=gen)
+    index = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
+    with torch.inference_mode():
+        native = m(x, index, weights)
+        torch_path = m.forward_sorted(x, index, weights)
+    _close(native, torch_path, float(torch_path.abs().max()) + 1.0)
+
+
+def _gdn_inputs(gen, n, heads, dk, dv):
+    q, k = torch.randn(n, heads, dk, generator=gen), torch.randn(n, heads, dk, generator=gen)
+    v = torch.randn(n, heads, dv, generator=gen)
+    g = -torch.rand(n, heads, generator=gen) * 3          # log decay <= 0
+    beta = torch.rand(n, heads, generator=gen)
+    return q, k, v, g, beta
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 4), st.sampled_from([8, 16, 33]), st.sampled_from([8, 24, 40]),
+       st.booleans(), st.integers(0, 2 ** 31))
+def test_gated_delta_step_native_equals_torch_and_updates_cache_rows_in_place(n, heads, dk, dv, row_layout, seed):
+    """The decode step against the torch form (same inputs, native disabled) and against the
+    token-by-token reference, on a contiguous state and on a view into cache rows that hold
+    more than the state (the engine's layout), with the rows around it untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta = _gdn_inputs(gen, n, heads, dk, dv)
+    size = heads * dk * dv
+    cache = torch.randn(n + 3, size + (7 if row_layout else 0), generator=gen)
+    before = cache.clone()
+    state = cache[1:1 + n, :size].view(n, heads, dk, dv)
+    expected_state = state.clone()
+    o = gdr_mod._recurrent_step_batched(q, k, v, g, beta, state, True, None)
+    # the torch form on a copy
+    saved = gdr_mod.gated_delta_step_native
+    gdr_mod.gated_delta_step_native = lambda *args: None
+    try:
+        o_torch = gdr_mod._recurrent_step_batched(q, k, v, g, beta, expected_state, True, None)
+    finally:
+        gdr_mod.gated_delta_step_native = saved
+    _close(o, o_torch, float(o_torch.abs().max()) + 1.0)
+    _close(state, expected_state, float(expected_state.abs().max()) + 1.0)
+    for i in range(n):   # the per-sequence reference
+        o_ref, s_ref = gdr_mod.recurrent_gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1],
+                                                          beta[i:i + 1], before[1 + i, :size].view(heads, dk, dv))
+        _close(o[i], o_ref[0], float(o_ref.abs().max()) + 1.0)
+        _close(state[i], s_ref, float(s_ref.abs().max()) + 1.0)
+    assert torch.equal(cache[0], before[0]) and torch.equal(cache[1 + n:], before[1 + n:])
+    if row_layout:
+        assert torch.equal(cache[:, size:], before[:, size:])
+
+
+def test_gated_delta_step_native_refuses_what_it_does_not_cover():
+    state = torch.zeros(2, 1, 4, 4)
+    kq, v, d, b = torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 4), torch.ones(2, 1), torch.ones(2, 1)
+    assert gated_delta_step_native(kq, v, d, b, state) is not None
+    assert gated_delta_step_native(kq, v, d, b, state.transpose(2, 3)) is None      # dv not unit stride
+    assert gated_delta_step_native(kq.bfloat16(), v, d, b, state) is None
+    assert gated_delta_step_native(kq[:, :, :1], v, d, b, state) is None             # shape mismatch
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 70), st.integers(1, 5), st.booleans(), st.booleans(), st.integers(0, 2 ** 31))
+def test_conv_decode_step_native_equals_the_torch_path(n, channels, width, with_bias, silu, seed):
+    """The varlen convolution's in-place decode path with the native step and with torch: same
+    outputs, same cache (the window shifted by the new input), rows outside the slice untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    bias = torch.randn(channels, generator=gen) if with_bias else None
+    cache = torch.randn(n + 4, channels, width - 1, generator=gen)
+    cache_torch = cache.clone()
+    args = (torch.arange(n + 1), torch.arange(n), torch.arange(2, 2 + n), torch.ones(n, dtype=torch.bool),
+            'silu' if silu else None)
+    y = conv_mod.causal_conv1d_varlen(x, weight, bias, cache, *args)
+    saved = conv_mod.conv_decode_step_native
+    conv_mod.conv_decode_step_native = lambda *a: None
+    try:
+        y_torch = conv_mod.causal_conv1d_varlen(x, weight, bias, cache_torch, *args)
+    finally:
+        conv_mod.conv_decode_step_native = saved
+    _close(y, y_torch, float(y_torch.abs().max()) + 1.0)
+    assert torch.equal(cache, cache_torch)          # the window is moved, not computed: exact
+
+
+def test_conv_decode_step_native_refuses_what_it_does_not_cover():
+    x, w = torch.zeros(2, 3), torch.zeros(3, 4)
+    state = torch.zeros(2, 3, 3)
+    assert conv_decode_step_native(x, state, w, None, True) is not None
+    assert conv_decode_step_native(x, state.transpose(1, 2).contiguous().transpose(1, 2), w, None, True) is None
+    assert conv_decode_step_native(x.double(), state.double(), w.double(), None, True) is None
+    assert conv_decode_step_native(x, state[:, :, :2], w, None, True) is None
+
+
+def _in_subprocess(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+_PROBE = """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from lmdeploy.pytorch.kernels import cpu_native
+from lmdeploy.pytorch.kernels.linear import linear
+print('library', cpu_native.native_library() is not None)
+x, w = torch.randn(8, 64), torch.randn(32, 64)
+with torch.inference_mode():
+    print('close', bool(torch.allclose(linear(x, w), torch.nn.functional.linear(x, w), atol=1e-4)))
+"""
+
+
+@pytest.mark.parametrize('env, reason', [({'LMDEPLOY_CPU_KERNELS': '0'}, 'LMDEPLOY_CPU_KERNELS=0'),
+                                         ({'CC': '/nonexistent/cc'}, 'No such file'),
+                                         ({'CC': 'false'}, 'failed')])
+def test_switched_off_or_unbuildable_falls_back_to_torch_with_the_reason_logged(env, reason, tmp_path):
+    done = _in_subprocess(_PROBE, LMDEPLOY_CACHE_DIR=str(tmp_path), **env)
+    assert done.returncode == 0, done.stderr
+    assert 'library False' in done.stdout and 'close True' in done.stdout
+    assert reason in done.stdout and 'torch kernels run' in done.stdout
+
+
+def test_build_is_cached_per_source_and_reused(tmp_path):
+    first = _in_subprocess(_PROBE, LMDEPLOY_CACHE_DIR=str(tmp_path))
+    assert first.returncode == 0 and 'library True' in first.stdout, first.stderr + first.stdout
+    built = sorted(p.name for p in (tmp_path / 'kernels').iterdir())
+    assert len(built) == 1 and built[0].startswith('cpu_native_') and built[0].endswith('.so')
+    again = _in_subprocess(_PROBE, LMDEPLOY_CACHE_DIR=str(tmp_path), CC='false')   # cached: no compile
+    assert 'library True' in again.stdout, again.stderr + again.stdout
+    assert sorted(p.name for p in (tmp_path / 'kernels').iterdir()) == built
