@@ -18,8 +18,9 @@ equal to ``transformers``' (fp32); where they differ, the first differing token 
 logit margin there are reported, next to a precision block that puts such near-ties in scale
 (:func:`logit_precision`: the engine's logits and transformers' own incremental ``generate``,
 alone and batched, against transformers' full forward). The op profile counts the torch ops
-(dispatcher calls) of one batch-N decode step: one ``Engine.step`` against the difference
-between HF ``generate`` of ``k + 1`` and ``k`` new tokens.
+(dispatcher calls) of one batch-N decode step: one ``Engine.step`` (plus its native CPU kernel
+calls, each counted as one op) against the difference between HF ``generate`` of ``k + 1`` and
+``k`` new tokens.
 
 ``--dtype bfloat16`` runs both systems in bf16 (the precision of published checkpoints): the
 speeds compare like for like, but greedy outputs are not expected to be token-equal (both round
@@ -270,16 +271,20 @@ def hf_prefill(hf, prompt: list[int]) -> None:
     hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
 
 
-def engine_decode_step_ops(engine, prompts: list[list[int]]) -> int:
-    """Ops of one pure-decode ``Engine.step`` with ``len(prompts)`` running sequences."""
+def engine_decode_step_ops(engine, prompts: list[list[int]]) -> tuple[int, int]:
+    """``(torch ops, native kernel calls)`` of one pure-decode ``Engine.step`` with
+    ``len(prompts)`` running sequences (native: :data:`lmdeploy.pytorch.kernels.cpu_native.CALLS`)."""
     from lmdeploy import GenerationConfig
+    from lmdeploy.pytorch.kernels.cpu_native import CALLS
     seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=8, ignore_eos=True)) for p in prompts]
     while any(s.num_generated == 0 for s in seqs):
         engine.step()
+    before = sum(CALLS.values())
     n = count_ops(engine.step)
+    native = sum(CALLS.values()) - before
     while not all(s.is_finished for s in seqs):
         engine.step()
-    return n
+    return n, native
 
 
 class LlamaCpp:
@@ -431,8 +436,12 @@ def run(args) -> dict:
         ps = prompts(batch, args.prompt_len)
         k = 3
         hf_ops = count_ops(lambda: hf_generate(hf, ps, k + 1)) - count_ops(lambda: hf_generate(hf, ps, k))
-        results['ops'].append(dict(batch=batch, engine=engine_decode_step_ops(engine, ps), hf=hf_ops))
-        print(f'ops per decode step, batch {batch}: engine {results["ops"][-1]["engine"]}, hf {hf_ops}', flush=True)
+        torch_ops, native_calls = engine_decode_step_ops(engine, ps)
+        # the engine's count includes its native kernel calls: each replaces several torch ops
+        results['ops'].append(dict(batch=batch, engine=torch_ops + native_calls, engine_native=native_calls,
+                                   hf=hf_ops))
+        print(f'ops per decode step, batch {batch}: engine {torch_ops + native_calls} ({native_calls} of them '
+              f'native kernel calls), hf {hf_ops}', flush=True)
     if args.dtype == 'float32':
         precision = logit_precision(engine, hf, prompts(max(batches), args.prompt_len), 16)
         results['precision'] = precision

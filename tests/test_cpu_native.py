@@ -255,3 +255,88 @@ def test_build_is_cached_per_source_and_reused(tmp_path):
     again = _in_subprocess(_PROBE, LMDEPLOY_CACHE_DIR=str(tmp_path), CC='false')   # cached: no compile
     assert 'library True' in again.stdout, again.stderr + again.stdout
     assert sorted(p.name for p in (tmp_path / 'kernels').iterdir()) == built
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 300), st.booleans(), st.booleans(), st.integers(0, 2 ** 31))
+def test_rms_norm_native_equals_the_torch_layers(rows, dim, zero_centered, gated, seed):
+    """RMSNorm (both weight conventions) and the gated norm against the layers' torch forms, on
+    inputs that are views with a row stride wider than the row."""
+    from lmdeploy.pytorch.models.layers import RMSNorm
+    from lmdeploy.pytorch.models.qwen3_next import GatedRMSNorm
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, dim + 3, generator=gen)[:, 1:1 + dim] * 3
+    z = torch.randn(rows, dim, generator=gen)
+    m = GatedRMSNorm(dim, 1e-6) if gated else RMSNorm(dim, 1e-6, zero_centered)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(dim, generator=gen))
+    args = (x, z) if gated else (x,)
+    expected = m(*args).detach()                # parameters require grad: the torch form
+    with torch.inference_mode():
+        native = m(*args)
+    assert native.shape == x.shape and native.dtype == torch.float32
+    _close(native, expected, float(expected.abs().max()) + 1.0)
+    assert cpu_native.rms_norm_native(x, m.weight.detach(), 1e-6, zero_centered) is not None
+    assert cpu_native.rms_norm_native(x.double(), m.weight.detach().double(), 1e-6, zero_centered) is None
+    assert cpu_native.rms_norm_native(x, torch.ones(dim + 1), 1e-6, zero_centered) is None   # weight of another width
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([(1, 1), (4, 1), (4, 2), (6, 3), (8, 2)]), st.sampled_from([8, 32, 40]),
+       st.sampled_from([1, 4, 16]), st.integers(1, 5), st.integers(0, 2 ** 31))
+def test_paged_decode_attention_native_equals_the_torch_kernel(n, heads, dim, block_size, width, seed):
+    """Grouped heads, lengths from 1 key to a full block table, blocks in any order, K and V
+    as views into one byte row per block (the engine's layout)."""
+    from lmdeploy.pytorch.kernels.attention import paged_decode_attention, paged_decode_attention_cpu
+    H, Hkv = heads
+    gen = torch.Generator().manual_seed(seed)
+    blocks = n * width + 2
+    kv_row = block_size * Hkv * dim
+    rows = torch.randn(blocks, 2 * kv_row + 5, generator=gen)
+    k_cache = rows[:, :kv_row].view(blocks, block_size, Hkv, dim)
+    v_cache = rows[:, kv_row:2 * kv_row].view(blocks, block_size, Hkv, dim)
+    table = torch.stack([torch.randperm(blocks, generator=gen)[:width] for _ in range(n)])
+    kv_seqlens = torch.randint(1, width * block_size + 1, (n,), generator=gen)
+    kv_seqlens[0] = width * block_size                    # one full table, one single key where n > 1
+    if n > 1:
+        kv_seqlens[1] = 1
+    q = torch.randn(n, H, dim, generator=gen) * 2
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, table, kv_seqlens, dim ** -0.5)
+    ref = paged_decode_attention(q, k_cache, v_cache, table, kv_seqlens, dim ** -0.5)
+    assert cpu_native.paged_decode_attention_native(q, k_cache, v_cache, table, kv_seqlens, dim ** -0.5) is not None
+    _close(out, ref, float(ref.abs().max()) + 1.0)
+
+
+def test_paged_decode_attention_native_refuses_bad_lengths_and_other_layouts():
+    k_cache = torch.randn(4, 8, 2, 16)
+    q, table = torch.randn(2, 4, 16), torch.tensor([[0, 1], [2, 3]])
+    for bad in ([0, 3], [17, 3]):
+        with pytest.raises(ValueError, match=r'kv_seqlens must be in \[1, 16\]'):
+            cpu_native.paged_decode_attention_native(q, k_cache, k_cache, table, torch.tensor(bad), 0.25)
+    ok = torch.tensor([16, 1])
+    assert cpu_native.paged_decode_attention_native(q.bfloat16(), k_cache.bfloat16(), k_cache.bfloat16(), table,
+                                                    ok, 0.25) is None
+    assert cpu_native.paged_decode_attention_native(q, k_cache, k_cache.clone().transpose(0, 1).contiguous()
+                                                    .transpose(0, 1), table, ok, 0.25) is None   # unequal strides
+    assert cpu_native.paged_decode_attention_native(torch.randn(2, 3, 16), k_cache, k_cache, table, ok,
+                                                    0.25) is None                                 # 3 heads over 2 KV heads
+
+
+def test_cache_folder_others_can_write_is_never_used(tmp_path, monkeypatch):
+    """A library loaded from the cache runs in the server: a cache folder another user could
+    write (or one that is not a folder) is passed over for a private one, never used."""
+    shared = tmp_path / 'shared'
+    (shared / 'kernels').mkdir(parents=True)
+    (shared / 'kernels').chmod(0o777)
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(shared))
+    chosen = cpu_native._cache_dir()
+    assert chosen is not None and chosen != str(shared / 'kernels')
+    st = os.stat(chosen)
+    assert st.st_uid == os.getuid() and not st.st_mode & 0o022
+    private = tmp_path / 'private'
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(private))
+    assert cpu_native._cache_dir() == str(private / 'kernels')
+    assert not os.stat(private / 'kernels').st_mode & 0o077        # created 0700
+    (tmp_path / 'file').write_text('')
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'file'))   # kernels/ cannot be made under a file
+    assert cpu_native._cache_dir() != str(tmp_path / 'file' / 'kernels')

@@ -32,7 +32,11 @@ from lmdeploy.pytorch.engine.engine_loop import EngineLoop
 from lmdeploy.pytorch.models.loader import iter_safetensors, load_config
 
 B, A, P = 16, 64, 48
-TP_TOL = 1e-5       # fp32: TP only reorders the sums of row-parallel layers and the all-reduces
+# fp32: TP only reorders sums (row-parallel layers, all-reduces, and inside the native CPU kernels,
+# which see other widths per rank). Observed max |logit diff| TP2 vs TP1 on the tiny models (logits
+# up to ~10): torch kernels 2.5e-6 / 7.0e-6 / 8.8e-6 (qwen3 / qwen3_next / qwen3_5), native kernels
+# 2.4e-6 / 9.3e-6 / 1.35e-5 (the native RMS norm's sum of squares rounds differently).
+TP_TOL = 2e-5
 GEN = GenerationConfig(max_new_tokens=8, ignore_eos=True)
 SHARED = random_prompt(70, 100)
 PROMPTS = [SHARED + random_prompt(30, 1), random_prompt(90, 2), SHARED + random_prompt(12, 3)]

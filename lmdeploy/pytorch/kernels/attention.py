@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import get_kernel, register_kernel
+from .cpu_native import native_library, paged_decode_attention_native
 from ..model_inputs import StepContext, kv_gather_index
 
 __all__ = ['fill_kv_cache', 'paged_decode_attention', 'paged_attention_torch', 'paged_attention_reference',
@@ -82,6 +83,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grouped = q.view(N, Hkv, H // Hkv, D)   # heads of one KV group act as its query rows
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(N, H, D)
+
+
+@register_kernel('paged_decode_attention', device_type='cpu', priority=5,
+                 available=lambda: native_library() is not None)
+def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_table: torch.Tensor, kv_seqlens: torch.Tensor, scale: float,
+                               gather_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                               ) -> torch.Tensor:
+    """:func:`paged_decode_attention` on CPU: the native kernel for float32
+    (:func:`~.cpu_native.paged_decode_attention_native`: each cached row read once per KV
+    group, no gathered copy of the keys), else the torch form."""
+    out = paged_decode_attention_native(q, k_cache, v_cache, block_table, kv_seqlens, scale)
+    if out is not None:
+        return out
+    return paged_decode_attention(q, k_cache, v_cache, block_table, kv_seqlens, scale, gather_index)
 
 
 def _prefill_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, history: int,

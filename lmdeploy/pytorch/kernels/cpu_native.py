@@ -1,27 +1,39 @@
-"""Native CPU kernels for float32 decode steps: few-row matrix products and the fused MoE experts.
+"""Native CPU kernels for float32 decode steps.
 
-Why: a decode step of a few sequences is memory-bound on CPU; the weights stream from memory
-once per step (this machine: 27-28 GB/s with both cores reading). MKL's single-precision GEMM
-reads a weight at that speed for 1-3 input rows, but at 14-17 GB/s from 4 to 48 rows (it
-packs the weight before multiplying), and each MoE expert costs a dozen small torch ops
-around its two products. The kernels here compute the products as blocked dot products that
-read each weight row once for all input rows (4 weight rows x 4 input rows per register
-block), and run a whole MoE layer (sort by expert, gate/up, SwiGLU, down, weighted sum per
-token) in one call, one OpenMP region, with no barrier between experts.
+Why: a decode step of a few sequences is memory-bound on CPU (the weights stream from memory
+once per step; this machine reads 27-28 GB/s with both cores) and pays a few microseconds per
+torch op, of which a hybrid MoE layer issues dozens. MKL's single-precision GEMM reads a weight
+at full speed for 1-3 input rows but at 14-17 GB/s from 4 to 48 rows (it packs the weight
+first), and each MoE expert costs a dozen small torch ops around its two products. The kernels
+here, each one call per layer per step:
 
-Measured on the 2-core benchmark machine (weights streamed from memory, not cache):
+- :func:`matmul_rows`: ``x W^T`` as blocked dot products that read each weight row once for all
+  input rows (4 weight rows x 4 input rows per register block), used by
+  :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
+- :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
+  weighted sum per token) in one OpenMP region with no barrier between experts;
+- :func:`gated_delta_step_native`: the delta-rule decode step in one pass over the state;
+- :func:`conv_decode_step_native`: the causal-conv decode step (window shift in place);
+- :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
+- :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
+  once per KV head group, online softmax, no gathered copy.
 
-    dense decode projections of the 99M benchmark model, 185 MB:
-        rows  1 / 2 / 3 / 4 / 8 / 16 / 32: torch 6.7 / 6.9 / 7.1 / 10.7 / 13.3 / 13.0 / 16.0 ms
-                                            native 7.9 / 7.6 / 7.5 / 7.2 / 9.3 / 11.6 / 17.3 ms
-    MoE experts of a batch-16 step (8 layers, 16 experts, top-2; 672 MB): torch 30.8 ms, native 28.3 ms
+Measured on the 2-core benchmark machine (weights streamed from memory, not cache, best of 3):
+
+    dense decode projections of the 99M benchmark model, 185 MB, by input rows:
+        rows     1     2     3     4     8    16    32
+        torch  6.5   6.8   6.9  10.6  11.8  12.6  16.0 ms   (MKL, in the faster orientation)
+        native 6.5   6.9   7.5   7.5   8.5  11.7  17.4 ms
+    MoE experts of a batch-16 step (8 layers, 16 experts, top-2; ~670 MB): torch 33.5, native 29.0 ms
+    a whole batch-16 decode step: torch kernels 67 ms, native 55 ms (same process, interleaved)
 
 so :func:`native_rows` selects 4-24 rows for the dense products (MKL keeps 1-3 and more).
 
 Built from the C source below on first use with the system C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``; ``-O3 -march=native -fopenmp``) into
-``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``; the system temporary
-folder when that is not writable), one file per source and CPU. The library links
+``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``; a folder of the user's
+in the system temporary folder when that is not usable), one file per source and CPU. A folder
+another user can write is never used (a library loaded from it would run in this process). The library links
 the OpenMP runtime by its standard name, so in a process where ``torch`` is imported it shares
 torch's own thread pool. Without a compiler, on a build error, or with
 ``LMDEPLOY_CPU_KERNELS=0`` the torch implementations run (:func:`native_library` returns
@@ -32,6 +44,7 @@ float32 rounding (relative ~1e-7), not bit for bit.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import logging
@@ -44,9 +57,10 @@ import threading
 
 import torch
 
-__all__ = ['native_library', 'native_rows', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+__all__ = ['CALLS', 'native_library', 'native_rows', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'gated_delta_step_native',
-           'conv_decode_step_native']
+           'conv_decode_step_native', 'rms_norm_native',
+           'paged_decode_attention_native']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -257,25 +271,115 @@ void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_sl
     }
   }
 }
+
+/* Root-mean-square norm of R rows of D channels: h = x / sqrt(mean(x^2) + eps), then
+   out = h * (1 + w) (zero_centered), or w * h, times silu(z) when z is given (the gated form).
+   x, z rows at stride ldx, ldz; out [R, D] contiguous. */
+void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, float eps, int zero_centered,
+                 const float* z, int64_t ldz, float* out, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) if (R * D >= 4096)
+  for (int64_t r = 0; r < R; r++) {
+    const float* xr = x + r * ldx;
+    float* o = out + r * (int64_t)D;
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int c = 0; c < D; c++) ss += xr[c] * xr[c];
+    float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    if (zero_centered)
+      for (int c = 0; c < D; c++) o[c] = xr[c] * inv * (1.0f + w[c]);
+    else
+      for (int c = 0; c < D; c++) o[c] = w[c] * (xr[c] * inv);
+    if (z) {
+      const float* zr = z + r * ldz;
+      for (int c = 0; c < D; c++) o[c] *= zr[c] / (1.0f + expf(-zr[c]));
+    }
+  }
+}
+
+/* One query token per sequence against its paged keys: for each sequence n and KV head, the G =
+   H / Hkv query heads of the group read each cached key and value row once, with a running
+   (online) softmax: m = max score so far, l = sum exp(score - m), acc = sum exp(score - m) v.
+   q, out [N, H, D] contiguous; cache element (block, pos, head, d) at block * s_block + pos *
+   s_pos + head * s_head + d; block_table [N, W] (row stride ld_table); kv_seqlens [N]. Returns -1
+   (and computes nothing) when a length is outside [1, W * block_size]. */
+int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,
+                               int64_t s_pos, int64_t s_head, const int64_t* block_table, int64_t ld_table,
+                               const int64_t* kv_seqlens, int N, int H, int Hkv, int D, int block_size, int W,
+                               float scale, float* out, int threads) {
+  for (int n = 0; n < N; n++)
+    if (kv_seqlens[n] < 1 || kv_seqlens[n] > (int64_t)W * block_size) return -1;
+  int G = H / Hkv;
+  #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int task = 0; task < N * Hkv; task++) {
+    int n = task / Hkv, kh = task % Hkv;
+    const float* qn = q + ((ptrdiff_t)n * H + (ptrdiff_t)kh * G) * D;
+    float acc[G][D], m[G], l[G], sc[G];
+    for (int g = 0; g < G; g++) {
+      m[g] = -INFINITY;
+      l[g] = 0.0f;
+      for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
+    }
+    int64_t len = kv_seqlens[n];
+    for (int64_t t = 0; t < len; t++) {
+      int64_t block = block_table[(ptrdiff_t)n * ld_table + t / block_size];
+      ptrdiff_t at = block * s_block + (t % block_size) * s_pos + (ptrdiff_t)kh * s_head;
+      const float* kr = k_cache + at;
+      const float* vr = v_cache + at;
+      for (int g = 0; g < G; g++) {
+        const float* qg = qn + (ptrdiff_t)g * D;
+        float dot = 0.0f;
+        #pragma omp simd reduction(+:dot)
+        for (int d = 0; d < D; d++) dot += qg[d] * kr[d];
+        float score = dot * scale;
+        if (score > m[g]) {
+          float correction = expf(m[g] - score);   /* 0 for the first key (m = -inf) */
+          l[g] *= correction;
+          for (int d = 0; d < D; d++) acc[g][d] *= correction;
+          m[g] = score;
+        }
+        sc[g] = expf(score - m[g]);
+        l[g] += sc[g];
+        for (int d = 0; d < D; d++) acc[g][d] += sc[g] * vr[d];
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      float* o = out + ((ptrdiff_t)n * H + (ptrdiff_t)kh * G + g) * D;
+      float inv = 1.0f / l[g];
+      for (int d = 0; d < D; d++) o[d] = acc[g][d] * inv;
+    }
+  }
+  return 0;
+}
 """
+
+# native kernel calls made in this process, by kernel (the benchmark's op profile reads it)
+CALLS: collections.Counter = collections.Counter()
 
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 
 
-def _cache_dir() -> str:
-    root = os.environ.get('LMDEPLOY_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'lmdeploy')
-    path = os.path.join(root, 'kernels')
+def _private_dir(path: str) -> bool:
+    """Create ``path`` (mode 0700) if needed; True when it is a folder this user owns, can write,
+    and nobody else can write (a library loaded from it runs in this process)."""
     try:
-        os.makedirs(path, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
     except OSError:
-        pass
-    path = os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')
-    os.makedirs(path, exist_ok=True)
-    return path
+        return False
+    return os.path.isdir(path) and st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(path, os.W_OK)
+
+
+def _cache_dir() -> str | None:
+    """``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``), else a folder of
+    this user's in the system temporary folder; None when neither is private (see
+    :func:`_private_dir`)."""
+    root = os.environ.get('LMDEPLOY_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'lmdeploy')
+    for path in (os.path.join(root, 'kernels'), os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')):
+        if _private_dir(path):
+            return path
+    return None
 
 
 def _cpu_flags() -> str:
@@ -299,8 +403,13 @@ def _build() -> ctypes.CDLL | None:
     # the library depends on the source and the CPU it is tuned for, not on which compiler built it
     key = hashlib.sha256('\0'.join([_SOURCE, ' '.join(flags), platform.machine(), _cpu_flags()]).encode()
                          ).hexdigest()[:20]
+    folder = _cache_dir()
+    if folder is None:
+        logger.info('native CPU kernels unavailable (no private writable cache folder: set LMDEPLOY_CACHE_DIR): '
+                    'torch kernels run')
+        return None
     try:
-        path = os.path.join(_cache_dir(), f'cpu_native_{key}.so')
+        path = os.path.join(folder, f'cpu_native_{key}.so')
         if not os.path.exists(path):
             cc = os.environ.get('CC') or next((c for c in ('cc', 'gcc', 'clang') if shutil.which(c)), None)
             if cc is None:
@@ -337,6 +446,11 @@ def _build() -> ctypes.CDLL | None:
     lib.lm_gated_delta_step.restype = None
     lib.lm_conv_decode_step.argtypes = [p, i64, p, i64, i64, p, p, i32, i32, i32, i32, p, i32]
     lib.lm_conv_decode_step.restype = None
+    lib.lm_rms_norm.argtypes = [p, i64, i32, i64, p, ctypes.c_float, i32, p, i64, p, i32]
+    lib.lm_rms_norm.restype = None
+    lib.lm_paged_decode_attention.argtypes = [p, p, p, i64, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32,
+                                              ctypes.c_float, p, i32]
+    lib.lm_paged_decode_attention.restype = i32
     logger.info('native CPU kernels loaded from %s', path)
     return lib
 
@@ -391,6 +505,7 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
     if M and N:
+        CALLS['matmul_rows'] += 1
         lib.lm_matmul_rows(x.data_ptr(), M, K, x.stride(0), weight.data_ptr(), N, weight.stride(0), y.data_ptr(),
                            N, torch.get_num_threads())
     return y
@@ -433,6 +548,7 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
     h = torch.empty(S, two_i, dtype=torch.float32)
     ys = torch.empty(S, H, dtype=torch.float32)
     out = torch.empty(T, H, dtype=torch.float32)
+    CALLS['swiglu_experts'] += 1
     if lib.lm_swiglu_experts(x.data_ptr(), T, H, two_i // 2, topk, index.data_ptr(), weights.data_ptr(),
                              gate_up.data_ptr(), down.data_ptr(), E, pos.data_ptr(), xs.data_ptr(), h.data_ptr(),
                              ys.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
@@ -470,6 +586,7 @@ def gated_delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tens
     kq, v, decay, beta = (t.contiguous() for t in (kq, v, decay, beta))
     out = torch.empty(N, H, dv, dtype=torch.float32)
     if N:
+        CALLS['gated_delta_step'] += 1
         lib.lm_gated_delta_step(kq.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), state.data_ptr(), N,
                                 H, dk, dv, state.stride(0), state.stride(1), state.stride(2), out.data_ptr(),
                                 torch.get_num_threads())
@@ -505,7 +622,95 @@ def conv_decode_step_native(x: torch.Tensor, state: torch.Tensor, weight: torch.
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(N, C, dtype=torch.float32)
     if N and C:
+        CALLS['conv_decode_step'] += 1
         lib.lm_conv_decode_step(x.data_ptr(), x.stride(0), state.data_ptr(), state.stride(0), state.stride(1),
                                 weight.data_ptr(), None if bias is None else bias.data_ptr(), N, C, K, int(silu),
                                 y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+                    gate: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Root-mean-square norm (Zhang & Sennrich, 2019) over the last dim in one native pass, or
+    ``None`` when it does not apply.
+
+    ``h = x / sqrt(mean(x^2) + eps)``; the result is ``h * (1 + weight)`` when ``zero_centered``
+    (Qwen3-Next's stored ``w - 1``), else ``weight * h``; times ``silu(gate)`` when a gate is given
+    (the gated norm of Gated DeltaNet's output).
+
+    Args:
+        x: float32 ``[..., D]``.
+        weight: float32 ``[D]``.
+        eps: added to the mean square.
+        zero_centered: the weight convention above.
+        gate: float32, the shape of ``x``, or ``None``.
+
+    Returns:
+        float32 tensor of ``x``'s shape (contiguous), or ``None`` (dtype, device, autograd, shape,
+        or no library).
+    """
+    D = x.shape[-1]
+    if not (x.dim() >= 1 and D and weight.shape == (D,) and _plain(x) and _plain(weight)
+            and (gate is None or (gate.shape == x.shape and _plain(gate)))):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    x2 = x.reshape(-1, D)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    g2 = None
+    if gate is not None:
+        g2 = gate.reshape(-1, D)
+        if g2.stride(1) != 1:
+            g2 = g2.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if x2.shape[0]:
+        CALLS['rms_norm'] += 1
+        lib.lm_rms_norm(x2.data_ptr(), x2.shape[0], D, x2.stride(0), weight.data_ptr(), eps, int(zero_centered),
+                        None if g2 is None else g2.data_ptr(), 0 if g2 is None else g2.stride(0), out.data_ptr(),
+                        torch.get_num_threads())
+    return out
+
+
+def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_table: torch.Tensor, kv_seqlens: torch.Tensor,
+                                  scale: float) -> torch.Tensor | None:
+    """One query token per sequence against its paged keys (softmax attention with an online
+    softmax, Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018), or
+    ``None`` when the native kernel does not apply.
+
+    Args:
+        q: float32 ``[N, H, D]``.
+        k_cache, v_cache: float32 ``[num_blocks, block_size, Hkv, D]`` with unit stride along D
+            and equal strides (views into the cache's byte rows are fine).
+        block_table: int64 ``[N, W]``; kv_seqlens: int64 ``[N]``, each in ``[1, W * block_size]``.
+        scale: softmax scale.
+
+    Returns:
+        float32 ``[N, H, D]``, or ``None`` (dtype, device, strides, shapes, or no library).
+
+    Raises:
+        ValueError: a ``kv_seqlens`` entry outside ``[1, W * block_size]``.
+    """
+    N, H, D = q.shape
+    nb, bs, Hkv, Dk = k_cache.shape
+    if not (all(_plain(t) for t in (q, k_cache, v_cache)) and Dk == D and v_cache.shape == k_cache.shape
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and Hkv and H % Hkv == 0
+            and block_table.dtype == kv_seqlens.dtype == torch.int64 and block_table.dim() == 2
+            and block_table.shape[0] == N and kv_seqlens.shape == (N,) and block_table.device.type == 'cpu'
+            and kv_seqlens.device.type == 'cpu'):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    q, block_table, kv_seqlens = q.contiguous(), block_table.contiguous(), kv_seqlens.contiguous()
+    out = torch.empty(N, H, D, dtype=torch.float32)
+    CALLS['paged_decode_attention'] += bool(N)
+    if N and lib.lm_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                                           k_cache.stride(1), k_cache.stride(2), block_table.data_ptr(),
+                                           block_table.stride(0), kv_seqlens.data_ptr(), N, H, Hkv, D, bs,
+                                           block_table.shape[1], scale, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f'kv_seqlens must be in [1, {block_table.shape[1] * bs}]; got {kv_seqlens.tolist()}')
+    return out

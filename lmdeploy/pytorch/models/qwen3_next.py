@@ -28,7 +28,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
 from ..kernels.linear import linear
-from ..kernels.cpu_native import swiglu_experts_native
+from ..kernels.cpu_native import rms_norm_native, swiglu_experts_native
 from ..model_inputs import StepContext
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
@@ -69,8 +69,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
+        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype`` (float32 on CPU: one native pass when
+        :mod:`~lmdeploy.pytorch.kernels.cpu_native` is built)."""
         if x.dtype == torch.float32 and z.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if x.device.type == 'cpu':
+                out = rms_norm_native(x, self.weight, self.eps, False, gate=z)
+                if out is not None:
+                    return out
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * F.silu(z)
         dtype = x.dtype
         h = x.float()
