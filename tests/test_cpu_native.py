@@ -83,6 +83,10 @@ def test_native_paths_refuse_autograd_other_dtypes_and_bad_shapes():
         idx, wts = torch.tensor([[0, 5]]), torch.ones(1, 2)
         with pytest.raises(ValueError, match=r'expert index out of range \[0, 4\)'):
             swiglu_experts_native(torch.randn(1, 8), idx, wts, gate_up, down)
+        with pytest.raises(ValueError, match=r'expected x \[T, H\], index and weights \[T, k\]'):
+            swiglu_experts_native(torch.randn(1, 8), idx, torch.ones(1, 3), gate_up, down)
+        with pytest.raises(ValueError, match=r'down \[E, H, I\]'):
+            swiglu_experts_native(torch.randn(1, 8), idx.clamp(max=3), wts, gate_up, down[:, :, :4])
         many = torch.zeros(cpu_native.NATIVE_EXPERT_TOKENS + 1, 2, dtype=torch.int64)
         assert swiglu_experts_native(torch.randn(many.shape[0], 8), many, torch.ones(many.shape), gate_up,
                                      down) is None                      # a prefill chunk: torch's GEMMs
@@ -239,7 +243,8 @@ with torch.inference_mode():
 
 @pytest.mark.parametrize('env, reason', [({'LMDEPLOY_CPU_KERNELS': '0'}, 'LMDEPLOY_CPU_KERNELS=0'),
                                          ({'CC': '/nonexistent/cc'}, 'No such file'),
-                                         ({'CC': 'false'}, 'failed')])
+                                         ({'CC': 'false'}, 'failed'),
+                                         ({'CC': '', 'PATH': '/nonexistent'}, 'no C compiler')])
 def test_switched_off_or_unbuildable_falls_back_to_torch_with_the_reason_logged(env, reason, tmp_path):
     done = _in_subprocess(_PROBE, LMDEPLOY_CACHE_DIR=str(tmp_path), **env)
     assert done.returncode == 0, done.stderr
@@ -314,6 +319,11 @@ def test_paged_decode_attention_native_refuses_bad_lengths_and_other_layouts():
         with pytest.raises(ValueError, match=r'kv_seqlens must be in \[1, 16\]'):
             cpu_native.paged_decode_attention_native(q, k_cache, k_cache, table, torch.tensor(bad), 0.25)
     ok = torch.tensor([16, 1])
+    for bad_table in ([[0, 4], [2, 3]], [[0, 1], [-1, 3]]):      # a block id the lengths reach is out of range
+        with pytest.raises(ValueError, match=r'block id outside \[0, 4\)'):
+            cpu_native.paged_decode_attention_native(q, k_cache, k_cache, torch.tensor(bad_table), ok, 0.25)
+    beyond = torch.tensor([[0, 1], [2, 99]])                     # sequence 1 has 1 key: its 2nd block is unused
+    assert cpu_native.paged_decode_attention_native(q, k_cache, k_cache, beyond, ok, 0.25) is not None
     assert cpu_native.paged_decode_attention_native(q.bfloat16(), k_cache.bfloat16(), k_cache.bfloat16(), table,
                                                     ok, 0.25) is None
     assert cpu_native.paged_decode_attention_native(q, k_cache, k_cache.clone().transpose(0, 1).contiguous()

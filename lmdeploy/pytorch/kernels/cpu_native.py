@@ -301,13 +301,19 @@ void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, 
    (online) softmax: m = max score so far, l = sum exp(score - m), acc = sum exp(score - m) v.
    q, out [N, H, D] contiguous; cache element (block, pos, head, d) at block * s_block + pos *
    s_pos + head * s_head + d; block_table [N, W] (row stride ld_table); kv_seqlens [N]. Returns -1
-   (and computes nothing) when a length is outside [1, W * block_size]. */
+   (and computes nothing) when a length is outside [1, W * block_size], -2 when a block id the
+   lengths reach is outside [0, num_blocks). */
 int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,
                                int64_t s_pos, int64_t s_head, const int64_t* block_table, int64_t ld_table,
                                const int64_t* kv_seqlens, int N, int H, int Hkv, int D, int block_size, int W,
-                               float scale, float* out, int threads) {
-  for (int n = 0; n < N; n++)
+                               int64_t num_blocks, float scale, float* out, int threads) {
+  for (int n = 0; n < N; n++) {
     if (kv_seqlens[n] < 1 || kv_seqlens[n] > (int64_t)W * block_size) return -1;
+    for (int64_t b = 0; b < (kv_seqlens[n] + block_size - 1) / block_size; b++) {
+      int64_t id = block_table[(ptrdiff_t)n * ld_table + b];
+      if (id < 0 || id >= num_blocks) return -2;
+    }
+  }
   int G = H / Hkv;
   #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int task = 0; task < N * Hkv; task++) {
@@ -448,7 +454,7 @@ def _build() -> ctypes.CDLL | None:
     lib.lm_conv_decode_step.restype = None
     lib.lm_rms_norm.argtypes = [p, i64, i32, i64, p, ctypes.c_float, i32, p, i64, p, i32]
     lib.lm_rms_norm.restype = None
-    lib.lm_paged_decode_attention.argtypes = [p, p, p, i64, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32,
+    lib.lm_paged_decode_attention.argtypes = [p, p, p, i64, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i64,
                                               ctypes.c_float, p, i32]
     lib.lm_paged_decode_attention.restype = i32
     logger.info('native CPU kernels loaded from %s', path)
@@ -530,7 +536,7 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
         ``1 <= T <= NATIVE_EXPERT_TOKENS``, and the library is available.
 
     Raises:
-        ValueError: an expert id out of range.
+        ValueError: an expert id out of range, or inconsistent shapes.
     """
     T = x.shape[0]
     if not (1 <= T <= NATIVE_EXPERT_TOKENS and all(_plain(t) for t in (x, weights, gate_up, down))
@@ -540,7 +546,12 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
     if lib is None:
         return None
     E, two_i, H = gate_up.shape
-    topk = index.shape[1]
+    topk = index.shape[1] if index.dim() == 2 else 0
+    if (x.shape != (T, H) or index.shape != (T, topk) or weights.shape != (T, topk) or not topk or two_i % 2
+            or down.shape != (E, H, two_i // 2)):
+        raise ValueError(f'expected x [T, H], index and weights [T, k], gate_up [E, 2I, H], down [E, H, I]; got '
+                         f'{tuple(x.shape)}, {tuple(index.shape)}, {tuple(weights.shape)}, {tuple(gate_up.shape)}, '
+                         f'{tuple(down.shape)}')
     x, index, weights, gate_up, down = (t.contiguous() for t in (x, index, weights, gate_up, down))
     S = T * topk
     pos = torch.empty(S, dtype=torch.int64)
@@ -692,7 +703,8 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         float32 ``[N, H, D]``, or ``None`` (dtype, device, strides, shapes, or no library).
 
     Raises:
-        ValueError: a ``kv_seqlens`` entry outside ``[1, W * block_size]``.
+        ValueError: a ``kv_seqlens`` entry outside ``[1, W * block_size]``, or a block id outside
+            ``[0, num_blocks)`` among the blocks the lengths reach.
     """
     N, H, D = q.shape
     nb, bs, Hkv, Dk = k_cache.shape
@@ -708,9 +720,13 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     q, block_table, kv_seqlens = q.contiguous(), block_table.contiguous(), kv_seqlens.contiguous()
     out = torch.empty(N, H, D, dtype=torch.float32)
     CALLS['paged_decode_attention'] += bool(N)
-    if N and lib.lm_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                                           k_cache.stride(1), k_cache.stride(2), block_table.data_ptr(),
-                                           block_table.stride(0), kv_seqlens.data_ptr(), N, H, Hkv, D, bs,
-                                           block_table.shape[1], scale, out.data_ptr(), torch.get_num_threads()):
+    status = N and lib.lm_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                                 block_table.data_ptr(), block_table.stride(0), kv_seqlens.data_ptr(),
+                                                 N, H, Hkv, D, bs, block_table.shape[1], nb, scale, out.data_ptr(),
+                                                 torch.get_num_threads())
+    if status == -1:
         raise ValueError(f'kv_seqlens must be in [1, {block_table.shape[1] * bs}]; got {kv_seqlens.tolist()}')
+    if status == -2:
+        raise ValueError(f'block_table holds a block id outside [0, {nb}) within kv_seqlens')
     return out
