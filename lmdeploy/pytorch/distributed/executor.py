@@ -97,7 +97,9 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
         return
     if dev.type == 'cpu':   # as the engine does, once this rank's weights are loaded
         from ..engine.host_allocator import tune_host_allocator
+        from ..kernels.cpu_native import native_library
         tune_host_allocator()
+        native_library()   # load (rank 0 built it) or build the native decode kernels before serving
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group.control)
