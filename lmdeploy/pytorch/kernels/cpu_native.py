@@ -82,13 +82,27 @@ typedef float v4 __attribute__((vector_size(16)));
 
 static inline v16 load16(const float* p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define LM_HAVE_SHUFFLE 1
+#endif
+#endif
+
 static inline float hsum16(v16 v) {
+#ifdef LM_HAVE_SHUFFLE   /* halving tree in vector registers (GCC >= 12, clang) */
   v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   a += b;
   v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
   c += d;
   return (c[0] + c[2]) + (c[1] + c[3]);
+#else                    /* the same tree on the elements */
+  float t[16];
+  memcpy(t, &v, sizeof t);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; i++) t[i] += t[i + w];
+  return t[0];
+#endif
 }
 
 enum { NB = 4, MB = 4 };   /* weight rows x input rows per register block */
