@@ -350,3 +350,73 @@ def test_cache_folder_others_can_write_is_never_used(tmp_path, monkeypatch):
     (tmp_path / 'file').write_text('')
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'file'))   # kernels/ cannot be made under a file
     assert cpu_native._cache_dir() != str(tmp_path / 'file' / 'kernels')
+
+
+_WHERE = _PROBE + """
+print('loaded', cpu_native._LIB is not None and cpu_native._LIB._name)
+"""
+
+
+def test_a_symlinked_cache_folder_is_never_used(tmp_path):
+    """A folder reached through a symlink could be swapped between the check and the load."""
+    target = tmp_path / 'target'
+    target.mkdir(mode=0o700)
+    root = tmp_path / 'root'
+    root.mkdir()
+    (root / 'kernels').symlink_to(target)
+    assert not cpu_native._trusted_folder(str(root / 'kernels'))
+    done = _in_subprocess(_WHERE, LMDEPLOY_CACHE_DIR=str(root))
+    assert 'library True' in done.stdout, done.stdout + done.stderr
+    assert not list(target.iterdir())                              # built elsewhere (the temp folder)
+
+
+def test_a_library_others_can_write_or_of_another_version_is_not_loaded(tmp_path):
+    """A cached file others could have written is refused, as is a file without the kernels'
+    entry points (another version): the next folder is used (built there), and the engine
+    never fails over it."""
+    root = tmp_path / 'cache'
+    (root / 'kernels').mkdir(parents=True, mode=0o700)
+    lib = root / 'kernels' / cpu_native._library_name()
+    lib.write_bytes(b'not a library')
+    lib.chmod(0o666)
+    done = _in_subprocess(_WHERE, LMDEPLOY_CACHE_DIR=str(root))
+    assert 'library True' in done.stdout and 'not a private file' in done.stdout, done.stdout + done.stderr   # reason logged
+    loaded_from = [line for line in done.stdout.splitlines() if line.startswith('loaded ')][-1]
+    assert str(lib) not in loaded_from                               # the other folder's build
+    foreign = tmp_path / 'foreign.c'
+    foreign.write_text('int lm_unrelated(void) { return 0; }\n')
+    lib.unlink()
+    subprocess.run(['cc', '-shared', '-fPIC', str(foreign), '-o', str(lib)], check=True)
+    lib.chmod(0o700)
+    done = _in_subprocess(_WHERE + "\nprint('calls ok', cpu_native.native_library() is cpu_native._LIB)",
+                          LMDEPLOY_CACHE_DIR=str(root))
+    assert done.returncode == 0 and 'library True' in done.stdout and 'close True' in done.stdout, done.stderr
+    assert 'undefined symbol' in done.stdout or 'lm_matmul_rows' in done.stdout   # the reason, logged
+
+
+def test_a_read_only_cache_with_the_library_is_used_without_a_compiler(tmp_path):
+    root = tmp_path / 'cache'
+    first = _in_subprocess(_PROBE, LMDEPLOY_CACHE_DIR=str(root))
+    assert 'library True' in first.stdout, first.stdout + first.stderr
+    (root / 'kernels').chmod(0o500)
+    try:
+        again = _in_subprocess(_WHERE, LMDEPLOY_CACHE_DIR=str(root), CC='', PATH='/nonexistent')
+    finally:
+        (root / 'kernels').chmod(0o700)
+    assert 'library True' in again.stdout and str(root / 'kernels') in again.stdout, again.stdout + again.stderr
+
+
+def test_attention_gives_a_key_with_an_infinite_negative_score_zero_weight():
+    """A score of -inf (here: finite values whose product overflows) weighs nothing, first
+    key or not, as in torch; no NaN."""
+    from lmdeploy.pytorch.kernels.attention import paged_decode_attention
+    k_cache = torch.randn(2, 4, 1, 8)
+    k_cache[0, 0] = -3e38                                    # the first key of sequence 0
+    k_cache[1, 2] = -3e38                                    # a later key of sequence 1
+    v_cache = torch.randn(2, 4, 1, 8)
+    q = torch.full((2, 2, 8), 10.0)
+    table, lengths = torch.tensor([[0], [1]]), torch.tensor([4, 4])
+    out = cpu_native.paged_decode_attention_native(q, k_cache, v_cache, table, lengths, 1.0)
+    ref = paged_decode_attention(q, k_cache, v_cache, table, lengths, 1.0)
+    assert not out.isnan().any() and not ref.isnan().any()
+    _close(out, ref, float(ref.abs().max()) + 1.0)

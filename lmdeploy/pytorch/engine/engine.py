@@ -122,8 +122,7 @@ class Engine:
             # after the weights are loaded, so that they keep their own mappings and the heap
             # only recycles the steps' activations
             tune_host_allocator()
-            if self.dtype == torch.float32:
-                native_library()   # build the native decode kernels now, not in the first request
+            native_library()   # build the native decode kernels now, not in the first request
         self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.specs)
         text_config = self.hf_config.get_text_config()   # a vision-language config keeps these in text_config
         self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))

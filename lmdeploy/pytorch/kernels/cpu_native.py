@@ -29,15 +29,16 @@ Measured on the 2-core benchmark machine (weights streamed from memory, not cach
 
 so :func:`native_rows` selects 4-24 rows for the dense products (MKL keeps 1-3 and more).
 
-Built from the C source below on first use with the system C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``; ``-O3 -march=native -fopenmp``) into
-``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``; a folder of the user's
-in the system temporary folder when that is not usable), one file per source and CPU. A folder
-another user can write is never used (a library loaded from it would run in this process). The library links
-the OpenMP runtime by its standard name, so in a process where ``torch`` is imported it shares
-torch's own thread pool. Without a compiler, on a build error, or with
-``LMDEPLOY_CPU_KERNELS=0`` the torch implementations run (:func:`native_library` returns
-``None``, logged once at INFO).
+Built from the C source below with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
+``clang``; ``-O3 -march=native -fopenmp``) when a CPU engine starts (and on first use elsewhere),
+into ``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``), else a folder of
+the user's in the system temporary folder; one file per source and CPU. The library runs in
+this process, so only a :func:`_trusted_folder` is used and only a private file is loaded
+(:func:`_load`). It links the OpenMP runtime by its standard name, so in a process where
+``torch`` is imported it shares torch's own thread pool. Without a compiler, on a build error,
+or with ``LMDEPLOY_CPU_KERNELS=0`` the torch implementations run (:func:`native_library`
+returns ``None``; the reason is logged once at INFO). float32 only, except the delta-rule step,
+whose state is float32 in every model dtype.
 
 The dot products sum in a different order than MKL: results agree with the torch path to
 float32 rounding (relative ~1e-7), not bit for bit.
@@ -51,6 +52,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -351,6 +353,7 @@ int lm_paged_decode_attention(const float* q, const float* k_cache, const float*
         #pragma omp simd reduction(+:dot)
         for (int d = 0; d < D; d++) dot += qg[d] * kr[d];
         float score = dot * scale;
+        if (fmaxf(m[g], score) == -INFINITY) continue;   /* weight exp(-inf) = 0 so far: skip it (no -inf - -inf) */
         if (score > m[g]) {
           float correction = expf(m[g] - score);   /* 0 for the first key (m = -inf) */
           l[g] *= correction;
@@ -380,26 +383,51 @@ _LIB: ctypes.CDLL | None = None
 _TRIED = False
 
 
-def _private_dir(path: str) -> bool:
-    """Create ``path`` (mode 0700) if needed; True when it is a folder this user owns, can write,
-    and nobody else can write (a library loaded from it runs in this process)."""
+def _trusted_folder(path: str) -> bool:
+    """True when ``path`` is a real folder (not a symlink) owned by this user that nobody else
+    can write, below ancestors that no other user can rename it out of (each ancestor is owned
+    by this user or root, or is not writable by others, or has the sticky bit). A library loaded
+    from it runs in this process, so nobody else may be able to put one there."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return False
-    return os.path.isdir(path) and st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(path, os.W_OK)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return False
+    parent = os.path.dirname(os.path.realpath(path))
+    while True:
+        try:
+            pst = os.stat(parent)
+        except OSError:
+            return False
+        if pst.st_uid not in (0, os.getuid()) and pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            return False
+        up = os.path.dirname(parent)
+        if up == parent:
+            return True
+        parent = up
+
+
+def _candidate_folders() -> list[str]:
+    """``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``), then a folder of
+    this user's in the system temporary folder; each is created (mode 0700) if missing and kept
+    only when :func:`_trusted_folder`."""
+    root = os.environ.get('LMDEPLOY_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'lmdeploy')
+    folders = []
+    for path in (os.path.join(root, 'kernels'), os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')):
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError:
+            pass
+        if _trusted_folder(path):
+            folders.append(path)
+    return folders
 
 
 def _cache_dir() -> str | None:
-    """``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``), else a folder of
-    this user's in the system temporary folder; None when neither is private (see
-    :func:`_private_dir`)."""
-    root = os.environ.get('LMDEPLOY_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'lmdeploy')
-    for path in (os.path.join(root, 'kernels'), os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')):
-        if _private_dir(path):
-            return path
-    return None
+    """The first usable folder of :func:`_candidate_folders` (None when there is none)."""
+    folders = _candidate_folders()
+    return folders[0] if folders else None
 
 
 def _cpu_flags() -> str:
@@ -413,66 +441,110 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> ctypes.CDLL | None:
-    """Load the library from the cache, compiling it first when absent; None with the reason
-    logged at INFO."""
-    if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
-        logger.info('native CPU kernels off (LMDEPLOY_CPU_KERNELS=0): torch kernels run')
-        return None
-    flags = ['-O3', '-march=native', '-fopenmp', '-shared', '-fPIC', '-std=gnu11']
-    # the library depends on the source and the CPU it is tuned for, not on which compiler built it
-    key = hashlib.sha256('\0'.join([_SOURCE, ' '.join(flags), platform.machine(), _cpu_flags()]).encode()
-                         ).hexdigest()[:20]
-    folder = _cache_dir()
-    if folder is None:
-        logger.info('native CPU kernels unavailable (no private writable cache folder: set LMDEPLOY_CACHE_DIR): '
-                    'torch kernels run')
-        return None
+_ARGTYPES = {   # C signature of each entry point: (argument types, result type)
+    'lm_matmul_rows': ('p i32 i32 i64 p i32 i64 p i64 i32', None),
+    'lm_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
+    'lm_gated_delta_step': ('p p p p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
+    'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
+    'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
+    'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
+}
+_CTYPES = {'p': ctypes.c_void_p, 'i32': ctypes.c_int, 'i64': ctypes.c_int64, 'f32': ctypes.c_float}
+_FLAGS = ['-O3', '-march=native', '-fopenmp', '-shared', '-fPIC', '-std=gnu11']
+
+
+def _library_name() -> str:
+    """File name of this source's library: it depends on the source, the flags and the CPU it is
+    tuned for, not on which compiler built it."""
+    key = hashlib.sha256('\0'.join([_SOURCE, ' '.join(_FLAGS), platform.machine(), _cpu_flags()]).encode())
+    return f'cpu_native_{key.hexdigest()[:20]}.so'
+
+
+def _compile(path: str) -> str | None:
+    """Compile the source to ``path`` (atomically: concurrent builders each install a whole
+    file); the reason on failure, None on success. Other versions' libraries in the folder are
+    removed (a process that loaded one keeps its mapping)."""
+    cc = os.environ.get('CC') or next((c for c in ('cc', 'gcc', 'clang') if shutil.which(c)), None)
+    if cc is None:
+        return 'no C compiler: set CC or install gcc'
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(suffix='.so', dir=folder)
+    os.close(fd)
+    src = tmp[:-3] + '.c'
     try:
-        path = os.path.join(folder, f'cpu_native_{key}.so')
-        if not os.path.exists(path):
-            cc = os.environ.get('CC') or next((c for c in ('cc', 'gcc', 'clang') if shutil.which(c)), None)
-            if cc is None:
-                logger.info('native CPU kernels unavailable (no C compiler: set CC or install gcc): '
-                            'torch kernels run')
-                return None
-            fd, tmp = tempfile.mkstemp(suffix='.so', dir=os.path.dirname(path))
-            os.close(fd)
-            src = tmp[:-3] + '.c'
+        with open(src, 'w') as f:
+            f.write(_SOURCE)
+        try:
+            done = subprocess.run([cc, *_FLAGS, src, '-o', tmp, '-lm'], capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as err:
+            return f'{cc}: {err}'
+        if done.returncode != 0:
+            return f'{cc} failed: {done.stderr.strip()[:800]}'   # the first errors are the telling ones
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, path)
+    finally:
+        for leftover in (src, tmp):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    for name in os.listdir(folder):
+        if name.startswith('cpu_native_') and name.endswith('.so') and name != os.path.basename(path):
             try:
-                with open(src, 'w') as f:
-                    f.write(_SOURCE)
-                done = subprocess.run([cc, *flags, src, '-o', tmp, '-lm'], capture_output=True, text=True,
-                                      timeout=300)
-                if done.returncode != 0:
-                    logger.info('native CPU kernels unavailable (%s failed: %s): torch kernels run', cc,
-                                done.stderr.strip()[-500:])
-                    return None
-                os.replace(tmp, path)   # atomic: concurrent builders each install a whole file
-            finally:
-                for leftover in (src, tmp):
-                    if os.path.exists(leftover):
-                        os.unlink(leftover)
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as err:
-        logger.info('native CPU kernels unavailable (%s): torch kernels run', err)
-        return None
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.lm_matmul_rows.argtypes = [p, i32, i32, i64, p, i32, i64, p, i64, i32]
-    lib.lm_matmul_rows.restype = None
-    lib.lm_swiglu_experts.argtypes = [p, i32, i32, i32, i32, p, p, p, p, i32, p, p, p, p, p, i32]
-    lib.lm_swiglu_experts.restype = i32
-    lib.lm_gated_delta_step.argtypes = [p, p, p, p, p, i32, i32, i32, i32, i64, i64, i64, p, i32]
-    lib.lm_gated_delta_step.restype = None
-    lib.lm_conv_decode_step.argtypes = [p, i64, p, i64, i64, p, p, i32, i32, i32, i32, p, i32]
-    lib.lm_conv_decode_step.restype = None
-    lib.lm_rms_norm.argtypes = [p, i64, i32, i64, p, ctypes.c_float, i32, p, i64, p, i32]
-    lib.lm_rms_norm.restype = None
-    lib.lm_paged_decode_attention.argtypes = [p, p, p, i64, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i64,
-                                              ctypes.c_float, p, i32]
-    lib.lm_paged_decode_attention.restype = i32
-    logger.info('native CPU kernels loaded from %s', path)
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+    return None
+
+
+def _load(path: str) -> ctypes.CDLL:
+    """Load ``path`` when it is a regular file (not a symlink) of this user's that nobody else
+    can write; it lies in a :func:`_trusted_folder`, so nobody else can replace it between this
+    check and the load."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f'{path} is not a private file of this user')
+    lib = ctypes.CDLL(path)
+    for name, (args, result) in _ARGTYPES.items():
+        fn = getattr(lib, name)    # AttributeError: a library of another version
+        fn.argtypes = [_CTYPES[a] for a in args.split()]
+        fn.restype = _CTYPES[result] if result else None
     return lib
+
+
+def _build() -> ctypes.CDLL | None:
+    """Load the library from the first cache folder that has it, else compile it into the first
+    folder where it then loads (a folder mounted noexec does not); None with the reasons logged
+    once at INFO."""
+    if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
+        logger.info('native CPU kernels unavailable (switched off: LMDEPLOY_CPU_KERNELS=0): torch kernels run')
+        return None
+    folders = _candidate_folders()
+    if not folders:
+        logger.info('native CPU kernels unavailable (no private cache folder: set LMDEPLOY_CACHE_DIR to a folder '
+                    'only you can write): torch kernels run')
+        return None
+    reasons = []
+    for folder in folders:
+        path = os.path.join(folder, _library_name())
+        try:
+            if os.path.exists(path):
+                lib = _load(path)
+            elif not os.access(folder, os.W_OK):
+                reasons.append(f'{folder}: not writable')
+                continue
+            else:
+                failure = _compile(path)
+                if failure is not None:
+                    reasons.append(failure)
+                    break          # a compiler problem: another folder would not help
+                lib = _load(path)
+        except Exception as err:   # noqa: BLE001  (a broken or foreign library: next folder, then torch)
+            reasons.append(f'{path}: {err}')
+            continue
+        logger.info('native CPU kernels loaded from %s%s', path,
+                    f' (passed over: {"; ".join(reasons)})' if reasons else '')
+        return lib
+    logger.info('native CPU kernels unavailable (%s): torch kernels run', '; '.join(reasons))
+    return None
 
 
 def native_library() -> ctypes.CDLL | None:
@@ -482,7 +554,11 @@ def native_library() -> ctypes.CDLL | None:
     if not _TRIED:
         with _LOCK:
             if not _TRIED:
-                _LIB = _build()
+                try:
+                    _LIB = _build()
+                except Exception as err:   # noqa: BLE001  (never fail the engine over an optional speed-up)
+                    logger.info('native CPU kernels unavailable (%s): torch kernels run', err)
+                    _LIB = None
                 _TRIED = True
     return _LIB
 
