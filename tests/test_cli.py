@@ -87,6 +87,21 @@ def test_an_unknown_flag_is_reported_with_the_commands_own_usage(command, capsys
     assert err.startswith(f'usage: lmdeploy {" ".join(c for c in command if not c.startswith("/"))} '), err
 
 
+@pytest.mark.parametrize('command, known', [(['serve', 'api_server'], ['--prefill-save-last', '--tp=2']),
+                                            (['chat'], ['--temperature=-0.5']),
+                                            (['make-tiny-model'], ['--arch', 'qwen3'])])
+def test_an_unknown_flag_is_reported_also_when_the_path_is_missing(command, known, capsys):
+    """argparse stops at the first error: a mistyped flag next to a missing path went unreported.
+    Known flags (also a unique abbreviation, as argparse accepts) and negative numbers are not
+    reported."""
+    with pytest.raises(SystemExit) as exc:
+        main([*command, *known, '--bogus', '--prefil-save-last-only=1'])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert 'the following arguments are required' in err
+    assert err.rstrip().endswith('unrecognized arguments: --bogus --prefil-save-last-only=1'), err
+
+
 def test_media_url_flags_reach_the_server_policy():
     args = serve_args('--allowed-media-domains', 'Images.Example.COM.', 'cdn.example.com', '--allow-private-media-urls')
     assert args.allowed_media_domains == ['images.example.com', 'cdn.example.com'] and args.allow_private_media_urls

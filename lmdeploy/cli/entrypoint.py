@@ -22,12 +22,45 @@ import sys
 __all__ = ['build_parser', 'main']
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose "required" error also names the flags it does not know (plain
+    argparse stops at the first error, so a mistyped flag went unreported until the missing
+    argument was given). Sub-command parsers inherit the class."""
+
+    argv: list[str] = []
+
+    def error(self, message: str):
+        if message.startswith('the following arguments are required'):
+            unknown = [tok for tok in self.argv if tok.startswith('-') and tok != '-' and not _is_number(tok)
+                       and not self._knows(tok.split('=', 1)[0])]
+            if unknown:
+                message += f'; unrecognized arguments: {" ".join(unknown)}'
+        super().error(message)
+
+    def _knows(self, flag: str) -> bool:
+        """``flag`` is one of this parser's options, or (as argparse accepts) a unique prefix of
+        a long one."""
+        known = self._option_string_actions
+        if flag in known:
+            return True
+        return (self.allow_abbrev and flag.startswith('--')
+                and len({known[o] for o in known if o.startswith(flag)}) == 1)
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full ``lmdeploy`` argument parser."""
     from .. import __version__
     from ..tools import make_tiny_model
     from . import chat, serve
-    parser = argparse.ArgumentParser(prog='lmdeploy', description='Inference engine for hybrid-attention LLMs.')
+    parser = _Parser(prog='lmdeploy', description='Inference engine for hybrid-attention LLMs.')
     parser.add_argument('--version', action='version', version=f'lmdeploy {__version__}')
     subparsers = parser.add_subparsers(dest='command', metavar='COMMAND', required=True)
     serve.add_parser(subparsers)
@@ -52,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return the exit code."""
     from ..pytorch.store.mooncake_client import StoreUnavailableError
     parser = build_parser()
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:     # reported with the command's own usage line, not the top-level one
         getattr(args, '_command_parser', parser).error(f'unrecognized arguments: {" ".join(unknown)}')
