@@ -329,7 +329,7 @@ def test_paged_decode_attention_native_refuses_bad_lengths_and_other_layouts():
     assert cpu_native.paged_decode_attention_native(q, k_cache, k_cache.clone().transpose(0, 1).contiguous()
                                                     .transpose(0, 1), table, ok, 0.25) is None   # unequal strides
     assert cpu_native.paged_decode_attention_native(torch.randn(2, 3, 16), k_cache, k_cache, table, ok,
-                                                    0.25) is None                                 # 3 heads over 2 KV heads
+                                                    0.25) is None                  # 3 heads over 2 KV heads
 
 
 def test_cache_folder_others_can_write_is_never_used(tmp_path, monkeypatch):
@@ -380,7 +380,8 @@ def test_a_library_others_can_write_or_of_another_version_is_not_loaded(tmp_path
     lib.write_bytes(b'not a library')
     lib.chmod(0o666)
     done = _in_subprocess(_WHERE, LMDEPLOY_CACHE_DIR=str(root))
-    assert 'library True' in done.stdout and 'not a private file' in done.stdout, done.stdout + done.stderr   # reason logged
+    # built in the next folder, the reason logged
+    assert 'library True' in done.stdout and 'not a private file' in done.stdout, done.stdout + done.stderr
     loaded_from = [line for line in done.stdout.splitlines() if line.startswith('loaded ')][-1]
     assert str(lib) not in loaded_from                               # the other folder's build
     foreign = tmp_path / 'foreign.c'

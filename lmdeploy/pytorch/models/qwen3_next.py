@@ -27,8 +27,8 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
-from ..kernels.linear import linear
 from ..kernels.cpu_native import rms_norm_native, swiglu_experts_native
+from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
