@@ -71,14 +71,12 @@ def test_linear_takes_the_native_product_for_its_row_window_only(rows, monkeypat
 def test_native_paths_refuse_autograd_other_dtypes_and_bad_shapes():
     w = torch.randn(8, 32, requires_grad=True)
     x = torch.randn(4, 32)
-    from lmdeploy.pytorch.kernels.cpu_native import native_rows
-    assert not native_rows(x, w)                                        # autograd graph: torch path
+    assert matmul_rows(x, w) is None                                    # autograd graph: torch path
     with torch.no_grad():
-        assert native_rows(x, w)
-        assert not native_rows(x.bfloat16(), w.bfloat16())
-        assert not native_rows(x.t().contiguous().t(), w)               # column-major rows
-        with pytest.raises(ValueError, match='matmul_rows needs float32'):
-            matmul_rows(x[:, :16], w)
+        assert matmul_rows(x, w) is not None
+        assert matmul_rows(x.bfloat16(), w.bfloat16()) is None
+        assert matmul_rows(x.t().contiguous().t(), w) is None          # column-major rows
+        assert matmul_rows(x[:, :16], w) is None                        # inner sizes differ
         gate_up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
         idx, wts = torch.tensor([[0, 5]]), torch.ones(1, 2)
         with pytest.raises(ValueError, match=r'expert index out of range \[0, 4\)'):
@@ -339,17 +337,22 @@ def test_cache_folder_others_can_write_is_never_used(tmp_path, monkeypatch):
     (shared / 'kernels').mkdir(parents=True)
     (shared / 'kernels').chmod(0o777)
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(shared))
-    chosen = cpu_native._cache_dir()
-    assert chosen is not None and chosen != str(shared / 'kernels')
+    chosen = cpu_native._candidate_folders()[0]
+    assert chosen != str(shared / 'kernels')
     st = os.stat(chosen)
     assert st.st_uid == os.getuid() and not st.st_mode & 0o022
     private = tmp_path / 'private'
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(private))
-    assert cpu_native._cache_dir() == str(private / 'kernels')
+    assert cpu_native._candidate_folders()[0] == str(private / 'kernels')
     assert not os.stat(private / 'kernels').st_mode & 0o077        # created 0700
     (tmp_path / 'file').write_text('')
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'file'))   # kernels/ cannot be made under a file
-    assert cpu_native._cache_dir() != str(tmp_path / 'file' / 'kernels')
+    assert cpu_native._candidate_folders()[0] != str(tmp_path / 'file' / 'kernels')
+    monkeypatch.delenv('LMDEPLOY_CACHE_DIR')                 # the same root as the weight digests' cache
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+    assert cpu_native._candidate_folders()[0] == str(tmp_path / 'xdg' / 'lmdeploy' / 'kernels')
+    from lmdeploy.pytorch.store.identity import digest_cache_dir
+    assert digest_cache_dir() == tmp_path / 'xdg' / 'lmdeploy' / 'weight-digests'
 
 
 _WHERE = _PROBE + """

@@ -11,11 +11,13 @@ are plain views of validated values.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..messages import PytorchEngineConfig
 
-__all__ = ['CacheConfig', 'SchedulerConfig']
+__all__ = ['CacheConfig', 'SchedulerConfig', 'cache_root']
 
 
 @dataclass(frozen=True)
@@ -73,3 +75,12 @@ class SchedulerConfig:
         """The scheduling fields of ``cfg`` (batch and prefill limits, save policy)."""
         return cls(cfg.block_size, cfg.max_batch_size, cfg.max_prefill_token_num, cfg.prefill_save_alignment,
                    cfg.prefill_save_last_only, cfg.save_junction)
+
+
+def cache_root() -> Path:
+    """The folder under which lmdeploy keeps caches of its own (weight digests, built kernels):
+    ``$LMDEPLOY_CACHE_DIR``, else ``$XDG_CACHE_HOME/lmdeploy``, else ``~/.cache/lmdeploy``."""
+    root = os.environ.get('LMDEPLOY_CACHE_DIR')
+    if root:
+        return Path(root)
+    return Path(os.environ.get('XDG_CACHE_HOME') or str(Path.home() / '.cache')) / 'lmdeploy'

@@ -27,12 +27,13 @@ Measured on the 2-core benchmark machine (weights streamed from memory, not cach
     MoE experts of a batch-16 step (8 layers, 16 experts, top-2; ~670 MB): torch 33.5, native 29.0 ms
     a whole batch-16 decode step: torch kernels 67 ms, native 55 ms (same process, interleaved)
 
-so :func:`native_rows` selects 4-24 rows for the dense products (MKL keeps 1-3 and more).
+so :func:`~.linear.linear` uses it for 4-24 rows (:data:`NATIVE_ROWS`) (MKL keeps 1-3 and more).
 
 Built from the C source below with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
 ``clang``; ``-O3 -march=native -fopenmp``) when a CPU engine starts (and on first use elsewhere),
-into ``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``), else a folder of
-the user's in the system temporary folder; one file per source and CPU. The library runs in
+into ``kernels`` under :func:`~lmdeploy.pytorch.config.cache_root` (``$LMDEPLOY_CACHE_DIR``, else
+``$XDG_CACHE_HOME/lmdeploy``, else ``~/.cache/lmdeploy``), else a folder of the user's in the
+system temporary folder; one file per source and CPU. The library runs in
 this process, so only a :func:`_trusted_folder` is used and only a private file is loaded
 (:func:`_load`). It links the OpenMP runtime by its standard name, so in a process where
 ``torch`` is imported it shares torch's own thread pool. Without a compiler, on a build error,
@@ -59,7 +60,9 @@ import threading
 
 import torch
 
-__all__ = ['CALLS', 'native_library', 'native_rows', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+from ..config import cache_root
+
+__all__ = ['CALLS', 'native_library', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'gated_delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
@@ -409,12 +412,11 @@ def _trusted_folder(path: str) -> bool:
 
 
 def _candidate_folders() -> list[str]:
-    """``$LMDEPLOY_CACHE_DIR/kernels`` (default ``~/.cache/lmdeploy/kernels``), then a folder of
-    this user's in the system temporary folder; each is created (mode 0700) if missing and kept
+    """``kernels`` under :func:`~lmdeploy.pytorch.config.cache_root`, then a folder of this
+    user's in the system temporary folder; each is created (mode 0700) if missing and kept
     only when :func:`_trusted_folder`."""
-    root = os.environ.get('LMDEPLOY_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache', 'lmdeploy')
     folders = []
-    for path in (os.path.join(root, 'kernels'), os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')):
+    for path in (str(cache_root() / 'kernels'), os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')):
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError:
@@ -422,12 +424,6 @@ def _candidate_folders() -> list[str]:
         if _trusted_folder(path):
             folders.append(path)
     return folders
-
-
-def _cache_dir() -> str | None:
-    """The first usable folder of :func:`_candidate_folders` (None when there is none)."""
-    folders = _candidate_folders()
-    return folders[0] if folders else None
 
 
 def _cpu_flags() -> str:
@@ -568,35 +564,23 @@ def _plain(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == 'cpu' and not (torch.is_grad_enabled() and t.requires_grad)
 
 
-def native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`matmul_rows` runs ``x @ weight^T`` (:data:`NATIVE_ROWS` rows of float32 on
-    CPU, unit stride along K, the library available)."""
-    return (x.dim() == 2 and x.shape[0] in NATIVE_ROWS and weight.dim() == 2 and _plain(x) and _plain(weight)
-            and x.stride(1) == 1 and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]
-            and native_library() is not None)
-
-
-def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` by the native kernel.
+def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight^T`` by the native kernel, or ``None`` when it does not apply.
 
     Args:
         x: float32 ``[M, K]``, unit stride along K (any row stride).
         weight: float32 ``[N, K]``, unit stride along K.
 
     Returns:
-        float32 ``[M, N]``, contiguous.
-
-    Raises:
-        ValueError: inputs :func:`native_rows` would refuse (wrong dtype, device, shape or
-            strides) or the library is unavailable.
+        float32 ``[M, N]``, contiguous; ``None`` for other dtypes, devices, shapes or strides,
+        inside autograd, or without the library.
     """
     if not (x.dim() == 2 and weight.dim() == 2 and _plain(x) and _plain(weight) and x.stride(1) == 1
             and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]):
-        raise ValueError(f'matmul_rows needs float32 CPU x [M, K] and weight [N, K] with unit K stride; got '
-                         f'x {tuple(x.shape)} {x.dtype} {x.device}, weight {tuple(weight.shape)} {weight.dtype}')
+        return None
     lib = native_library()
     if lib is None:
-        raise ValueError('native CPU kernels are unavailable')
+        return None
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)

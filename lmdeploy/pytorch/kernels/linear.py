@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_native import NATIVE_ROWS, matmul_rows, native_rows
+from .cpu_native import NATIVE_ROWS, matmul_rows
 
 __all__ = ['linear', 'transposed_rows', 'SKINNY_ROWS', 'BF16_TRANSPOSED_ROWS']
 
@@ -74,15 +74,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != 'cpu' or weight.dim() != 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if x.dtype == torch.float32 and rows in NATIVE_ROWS and native_rows(x2d := x.reshape(rows, x.shape[-1]), weight):
-        y = matmul_rows(x2d, weight)
-    elif x.dtype == torch.bfloat16 and rows == 1:
-        y = torch.mv(weight, x.reshape(-1))[None]
-    elif (x.dtype == torch.float32 and rows in transposed_rows(x.shape[-1])
-          or x.dtype == torch.bfloat16 and rows in BF16_TRANSPOSED_ROWS):
-        y = torch.mm(weight, (x if x.dim() == 2 else x.reshape(rows, x.shape[-1])).t()).t().contiguous()
-    else:
-        return F.linear(x, weight, bias)
+    x2d = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
+    y = matmul_rows(x2d, weight) if x.dtype == torch.float32 and rows in NATIVE_ROWS else None
+    if y is None:
+        if x.dtype == torch.bfloat16 and rows == 1:
+            y = torch.mv(weight, x.reshape(-1))[None]
+        elif (x.dtype == torch.float32 and rows in transposed_rows(x.shape[-1])
+              or x.dtype == torch.bfloat16 and rows in BF16_TRANSPOSED_ROWS):
+            y = torch.mm(weight, x2d.t()).t().contiguous()
+        else:
+            return F.linear(x, weight, bias)
     if bias is not None:
         y += bias
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])   # (no extra view op per call)

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from ..config import cache_root
 from .object_format import namespace_digest
 
 __all__ = ['SECRET_ENV', 'MIN_SECRET_BYTES', 'WEIGHT_SUFFIXES', 'digest_cache_dir', 'engine_namespace',
@@ -48,11 +49,7 @@ _PROGRESS_EVERY_S = 5.0
 def digest_cache_dir() -> Path:
     """Folder of cached weight digests: ``$LMDEPLOY_CACHE_DIR/weight-digests``, else
     ``$XDG_CACHE_HOME/lmdeploy/weight-digests``, else ``~/.cache/lmdeploy/weight-digests``."""
-    root = os.environ.get('LMDEPLOY_CACHE_DIR')
-    if root:
-        return Path(root) / 'weight-digests'
-    xdg = os.environ.get('XDG_CACHE_HOME') or str(Path.home() / '.cache')
-    return Path(xdg) / 'lmdeploy' / 'weight-digests'
+    return cache_root() / 'weight-digests'
 
 
 def _stat_key(path: Path) -> dict:
