@@ -424,3 +424,20 @@ def test_attention_gives_a_key_with_an_infinite_negative_score_zero_weight():
     ref = paged_decode_attention(q, k_cache, v_cache, table, lengths, 1.0)
     assert not out.isnan().any() and not ref.isnan().any()
     _close(out, ref, float(ref.abs().max()) + 1.0)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_a_cpu_engine_builds_the_kernels_when_it_starts(tiny_qwen3_next, dtype, tmp_path):
+    """The build (about a second) happens at engine start, not in the first request; bf16 too
+    (its float32 recurrent state uses the delta-rule kernel)."""
+    code = f"""
+from lmdeploy import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.kernels import cpu_native
+assert not cpu_native._TRIED
+engine = Engine({tiny_qwen3_next!r}, PytorchEngineConfig(device_type='cpu', dtype={dtype!r}, num_gpu_blocks=16))
+print('tried', cpu_native._TRIED, 'loaded', cpu_native._LIB is not None, 'calls', sum(cpu_native.CALLS.values()))
+"""
+    done = _in_subprocess(code, LMDEPLOY_CACHE_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert 'tried True loaded True calls 0' in done.stdout, done.stdout
