@@ -322,13 +322,18 @@ class _CountingForward:
 
 
 def test_decode_step_op_count_does_not_grow_with_batch():
-    """A decode step issues the same torch ops for 2 or 6 sequences: no per-sequence Python loop
-    (dense MLPs here: on CPU the MoE runs one matmul pair per expert the batch hits)."""
+    """A decode step issues the same torch ops for 5 or 12 sequences: no per-sequence Python loop
+    (dense MLPs here: on CPU the MoE runs one matmul pair per expert the batch hits). Both batch
+    sizes take the same product kernel (the native few-row product when it is built, MKL's direct
+    form otherwise), which issue different numbers of torch ops."""
+    from lmdeploy.pytorch.kernels.cpu_native import NATIVE_ROWS
+    from lmdeploy.pytorch.kernels.linear import transposed_rows
     from test_qwen3_next_layers import _build, _config, _harness
     config = _config(mlp_only_layers=[0, 1, 2, 3])
     _, ours = _build(config)
+    assert {5, 12} <= set(NATIVE_ROWS) and not {5, 12} & set(transposed_rows(config.hidden_size))
     counts = []
-    for batch in (2, 6):
+    for batch in (5, 12):
         harness = _harness(config, ours, num_slots=batch)
         seqs = [harness.add_sequence() for _ in range(batch)]
         harness.step([(s, [1, 2, 3, 4, 5][:2 + s % 3]) for s in seqs])   # different lengths
