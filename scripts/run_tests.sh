@@ -5,30 +5,36 @@
 #   bash scripts/run_tests.sh tests/test_block_trie.py      # just these files / node ids
 #   bash scripts/run_tests.sh -k restore                    # pytest options apply to tests/
 #
-# Uses python3 when it already has the project's dependencies (as in CI, after .ci/run's
-# installs); otherwise installs them into the quick start's virtual environment
-# (LMDEPLOY_VENV, default .venv; LMDEPLOY_TORCH_INDEX picks torch's pip index) first, so the
-# command also works on a fresh machine.
+# The tests always run in the project's own virtual environment (LMDEPLOY_VENV, default .venv,
+# made with `python3 -m venv`, so nothing of the system's site-packages is seen): only what the
+# project's files install counts, as on a fresh machine. The environment is installed on the
+# first call and again only when requirements/*.txt or setup.py change (a stamp file in the
+# venv records their digest); later calls start the tests at once. LMDEPLOY_TORCH_INDEX picks
+# torch's pip index.
 # pytest exits non-zero on failures and with 5 when no test ran; both fail this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 export MC_TCP_BIND_ADDRESS=127.0.0.1      # every Mooncake process stays on loopback
 
 # Piping `ldconfig -p` into `grep -q` fails now and then under pipefail (grep exits early, ldconfig gets
 # SIGPIPE); matching the captured output has no pipe.
 have_libibverbs() { [[ "$(ldconfig -p 2>/dev/null || true)" == *libibverbs.so.1* ]]; }
 
-NEEDED='import torch, transformers, fastapi, openai, pytest, hypothesis, triton, mooncake.store'
-PY=python3
-if ! python3 -c "$NEEDED" 2>/dev/null; then
-    VENV=${LMDEPLOY_VENV:-$(pwd)/.venv}
-    echo "==> installing the test environment into $VENV" >&2
+VENV=${LMDEPLOY_VENV:-$ROOT/.venv}
+TORCH_SPEC=torch==2.13.0
+# what the environment is made from: a change to any of these reinstalls it
+DIGEST=$( (echo "$TORCH_SPEC ${LMDEPLOY_TORCH_INDEX:-}"; cat setup.py requirements/*.txt) | sha256sum | cut -d' ' -f1)
+STAMP="$VENV/.lmdeploy-test-env"
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$DIGEST" ]; then
+    echo "==> installing the test environment into $VENV (a few minutes the first time)" >&2
     if ! have_libibverbs; then
         SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
         $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
     fi
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-    TORCH_ARGS=(torch==2.13.0)
+    rm -f "$STAMP"
+    TORCH_ARGS=("$TORCH_SPEC")
     [ -z "${LMDEPLOY_TORCH_INDEX:-}" ] || TORCH_ARGS+=(--index-url "$LMDEPLOY_TORCH_INDEX")
     t0=$SECONDS
     echo "    torch 2.13.0 ..." >&2
@@ -36,9 +42,10 @@ if ! python3 -c "$NEEDED" 2>/dev/null; then
     echo "    lmdeploy[test,store] (editable) ... ($((SECONDS - t0)) s so far)" >&2
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,store]"
     echo "    installed in $((SECONDS - t0)) s" >&2
-    PY="$VENV/bin/python"
-    export PATH="$VENV/bin:$PATH"         # mooncake_master / mooncake_client of the venv
+    echo "$DIGEST" > "$STAMP"
 fi
+PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"             # lmdeploy, mooncake_master / mooncake_client of the venv
 
 # Paths or node ids among the arguments replace the default `tests`; options alone apply to it.
 TARGETS=(tests)
