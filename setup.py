@@ -22,7 +22,7 @@ setup(
         'test': _reqs('test.txt'),
         'store': _reqs('store.txt') if os.path.exists(os.path.join(os.path.dirname(__file__), 'requirements',
                                                                     'store.txt')) else [],
-        'cuda': ['fla-core'],
+        'cuda': _reqs('cuda.txt'),
     },
     entry_points={'console_scripts': ['lmdeploy=lmdeploy.cli.entrypoint:main']},
 )
