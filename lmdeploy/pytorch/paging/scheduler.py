@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from ..config import SchedulerConfig
 from ..engine.sequence import SeqStatus, Sequence
 from ..prefix_cache.coordinator import PrefixCache
-from ..prefix_cache.plans import LoadPlan, PrefixMatch, SavePlan
+from ..prefix_cache.null_cache import NullPrefixCache
+from ..prefix_cache.plans import LoadPlan, SavePlan
 from ..prefix_cache.state_cache import StateCache
 from .block_manager import BlockManager
 from .prefill_plan import (PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction,
@@ -73,17 +74,18 @@ class Scheduler:
         config: scheduler configuration.
         block_manager: the KV block pool.
         state_cache: state slots (runtime slots are taken here), or None for full-attention models.
-        prefix_cache: the prefix-cache tiers, or None when prefix caching is off.
+        prefix_cache: the prefix-cache tiers; None (prefix caching off) stands for a
+            :class:`NullPrefixCache`, which matches, keeps and saves nothing.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, state_cache: StateCache | None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | NullPrefixCache | None = None):
         self.config = config
         self.block_size = config.block_size
         self.block_manager = block_manager
         self.state_cache = state_cache
         self.is_hybrid = state_cache is not None
-        self.prefix_cache = prefix_cache
+        self.prefix_cache = prefix_cache if prefix_cache is not None else NullPrefixCache()
         self.last_only = config.prefill_save_last_only and self.is_hybrid
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -116,8 +118,7 @@ class Scheduler:
             for the engine to execute in this step, before any block is reused.
         """
         saves = SavePlan()
-        if self.prefix_cache is not None:
-            self.prefix_cache.finish_turn(seq, saves)
+        self.prefix_cache.finish_turn(seq, saves)
         self.running.remove(seq)
         self._release(seq)
         self._forget(seq)
@@ -126,8 +127,7 @@ class Scheduler:
         return saves
 
     def _forget(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget(seq)
+        self.prefix_cache.forget(seq)
 
     # scheduling ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -164,8 +164,7 @@ class Scheduler:
         drafts whose state was rolled back) stops at the next block boundary when turn-end
         checkpoints are kept, since those are copied when a forward ends on a block boundary."""
         start, end = seq.num_computed_tokens, seq.next_chunk_end()
-        if (end - start > 1 and start >= seq.num_prompt_tokens and self.prefix_cache is not None
-                and self.prefix_cache.decode_save_last):
+        if end - start > 1 and start >= seq.num_prompt_tokens and self.prefix_cache.decode_save_last:
             end = min(end, (start // self.block_size + 1) * self.block_size)
         return end
 
@@ -189,14 +188,13 @@ class Scheduler:
         """Whether ``n`` blocks can be had now, free or by eviction (no side effects)."""
         if n <= self.block_manager.num_free:
             return True
-        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache is not None else 0
-        return n <= self.block_manager.num_free + evictable
+        return n <= self.block_manager.num_free + self.prefix_cache.num_evictable_blocks
 
     def _allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks, evicting cached ones first if the free list is short (callers
         check :meth:`_can_allocate` first)."""
         short = n - self.block_manager.num_free
-        if short > 0 and self.prefix_cache is not None:
+        if short > 0:
             self.prefix_cache.evict(short)
         return self.block_manager.allocate(n)
 
@@ -219,8 +217,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        if self.prefix_cache is not None:
-            self.prefix_cache.requeued(seq)
+        self.prefix_cache.requeued(seq)
 
     def rollback(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Undo the admission of ``seq`` in this step (its Store restore failed): drop its chunk,
@@ -236,14 +233,12 @@ class Scheduler:
         """Admission transaction (module docstring); False with nothing held on failure."""
         if self.is_hybrid and self.state_cache.num_free_runtime == 0:
             return False
-        match = self.prefix_cache.match(seq) if self.prefix_cache is not None else PrefixMatch()
-        if self.prefix_cache is not None:
-            self.prefix_cache.pin(match)
+        match = self.prefix_cache.match(seq)
+        self.prefix_cache.pin(match)
         plan = self._plan(seq, match.cached_tokens, match.matched_tokens)
         need = -(-plan.chunk_ends[0] // self.block_size) - match.num_shared_blocks
         if not self._can_allocate(need):
-            if self.prefix_cache is not None:
-                self.prefix_cache.unpin(match)
+            self.prefix_cache.unpin(match)
             return False
         # commit
         seq.state_slot = self.state_cache.alloc_runtime() if self.is_hybrid else None
@@ -253,8 +248,7 @@ class Scheduler:
         seq.stats.plans.append(plan)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        if self.prefix_cache is not None:
-            self.prefix_cache.plan_load(seq, match, out.loads)
+        self.prefix_cache.plan_load(seq, match, out.loads)
         return True
 
     def _plan(self, seq: Sequence, cached: int, matched: int = 0) -> PrefillPlan:
@@ -272,7 +266,7 @@ class Scheduler:
         P = self.config.max_prefill_token_num
         ends, saves, start, junction = [], [], cached, None
         turn = seq.num_prompt_tokens
-        if self.is_hybrid and self.prefix_cache is not None and cached < turn:
+        if self.is_hybrid and self.prefix_cache.caches_prefixes and cached < turn:
             rules = ReuseRules(turn, self.block_size, self.config.prefill_save_alignment, seq.token_lookahead,
                                seq.recompute_blocks, tuple(seq.multimodal_spans))
             plan = rules.plan(cached, P, self.last_only)
@@ -284,7 +278,7 @@ class Scheduler:
         # chunks without saves (the rest of the input) still never split a multimodal span
         ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
         plan = PrefillPlan(ends, saves, cached, junction)
-        if self.is_hybrid and self.prefix_cache is not None and self.prefix_cache.decode_save_last:
+        if self.is_hybrid and self.prefix_cache.decode_save_last:
             plan = with_last_block_end(plan, self.block_size, seq.token_lookahead, tuple(seq.multimodal_spans))
         return plan
 
@@ -304,14 +298,13 @@ class Scheduler:
             seq.num_computed_tokens = chunk.end
             if chunk.start < seq.num_prompt_tokens or (chunk.is_prefill and not chunk.drafts):
                 seq.stats.prefill_forwards += 1
-        if self.prefix_cache is not None:
-            self.prefix_cache.plan_saves(out.chunks, saves)
+        self.prefix_cache.plan_saves(out.chunks, saves)
         return saves
 
     # resources ---------------------------------------------------------------------------
     def _release(self, seq: Sequence, cache_blocks: bool = True) -> None:
         """Give back blocks (caching computed full blocks first) and the runtime slot."""
-        if self.prefix_cache is not None and seq.block_ids:
+        if seq.block_ids:
             self.prefix_cache.release(seq, cache_blocks)
         self.block_manager.free_all(seq.block_ids)
         seq.block_ids = []

@@ -5,6 +5,7 @@ Folder map (where to look)::
     ../paging/prefill_plan.py   where a save point is chosen (ReuseRules, plan_prefill: pure)
     plans.py                    the plans the engine executes (restores, saves, Store puts)
     coordinator.py              PrefixCache: local tier first, then the Store; per-request bookkeeping
+    null_cache.py               NullPrefixCache: what the scheduler holds with prefix caching off
     local_tier.py               LocalTier: block trie + checkpoint slots, pins, node ↔ slot links
     block_trie.py               chained block hashes, verified match, LRU eviction
     state_cache.py              runtime and checkpoint state slots
@@ -17,7 +18,8 @@ save it, release it — and the scheduler sees them only through :class:`PrefixC
 """
 from .coordinator import STORE_RESTORE_ATTEMPTS, PrefixCache
 from .local_tier import LocalTier
+from .null_cache import NullPrefixCache
 from .plans import (CheckpointRestore, CheckpointSave, LoadPlan, PrefixMatch, SavePlan, StoreLoad, StorePut)
 
-__all__ = ['PrefixCache', 'LocalTier', 'STORE_RESTORE_ATTEMPTS', 'PrefixMatch', 'CheckpointRestore', 'StoreLoad',
+__all__ = ['PrefixCache', 'NullPrefixCache', 'LocalTier', 'STORE_RESTORE_ATTEMPTS', 'PrefixMatch', 'CheckpointRestore', 'StoreLoad',
            'LoadPlan', 'CheckpointSave', 'StorePut', 'SavePlan']

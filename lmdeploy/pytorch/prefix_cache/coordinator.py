@@ -81,6 +81,8 @@ class PrefixCache:
         decode_save_last: keep a turn-end checkpoint of every finished request (hybrid models).
     """
 
+    caches_prefixes = True    # the scheduler plans save points (see NullPrefixCache for off)
+
     def __init__(self, local: LocalTier, store=None, *, block_size: int, alignment: int,
                  decode_save_last: bool = False):
         self.local = local
