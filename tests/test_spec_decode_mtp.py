@@ -99,15 +99,17 @@ def reference_mtp_logits(path: str, ids: list[int], next_ids: list[int]) -> torc
 
 
 def record_mtp(eng: Engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Wrap the engine's MTP step: records ``(positions, draft logits)`` of every call."""
-    calls, inner = [], eng.spec._mtp_step
+    """Wrap the MTP step of the engine's (tp=1: in-process) worker: records ``(positions, draft
+    logits)`` of every call."""
+    drafter = eng.executor.worker.drafter
+    calls, inner = [], drafter._step
 
     def step(hidden, ctx):
         out = inner(hidden, ctx)
         calls.append((ctx.positions.clone(), eng.model.compute_logits(out)))
         return out
 
-    eng.spec._mtp_step = step
+    drafter._step = step
     return calls
 
 
@@ -122,7 +124,10 @@ def test_mtp_head_matches_a_plain_torch_reference(tiny_qwen3_next, chunk):
     assert positions.tolist() == list(range(len(ids)))      # every prompt position once, chunk after chunk
     got = torch.cat([c[1] for c in prefill])
     want = reference_mtp_logits(tiny_qwen3_next, ids, ids[1:] + seq.output_ids[:1])
-    assert (got - want).abs().max().item() <= 1e-5
+    # 2e-5, not 1e-5: on an AMD EPYC (AVX-512) machine the 16-token chunks gave 1.11e-5 with the
+    # native CPU kernels (9.1e-6 with LMDEPLOY_CPU_KERNELS=0; 64-token chunks 4.4e-6): fp32
+    # rounding of a different summation order, half the engine's 1e-4 logit bound
+    assert (got - want).abs().max().item() <= 2e-5
 
 
 def test_mtp_needs_a_qwen3_next_checkpoint_with_mtp_weights(tiny_qwen3, tmp_path):

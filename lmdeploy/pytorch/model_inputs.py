@@ -55,6 +55,50 @@ def kv_gather_index(block_table: torch.Tensor, kv_seqlens: torch.Tensor,
 
 
 @dataclass
+class StepBatch:
+    """One forward's inputs as plain lists: what the engine builds from the scheduled chunks
+    (:meth:`~lmdeploy.pytorch.engine.model_runner.ModelRunner.step_batch`, or the shifted
+    positions of an MTP step) and broadcasts to every tensor-parallel rank. See
+    :class:`StepContext` for the meaning of the fields; :meth:`context` is the one place a
+    :class:`StepContext` is made from them.
+
+    Attributes:
+        input_ids, positions: flat token ids and positions, ``T`` each.
+        q_seqlens, q_start_loc, kv_seqlens, state_slots: one entry per sequence (state slot
+            ``-1``: no recurrent state, e.g. an MTP step).
+        block_tables: one list of block ids per sequence.
+        sample_rows: flat rows whose logits are needed (each sampled chunk's last token, and
+            with speculative decoding the positions of its drafts before it).
+        all_logits: also compute the logits of every row (tests).
+        images: only for a step of a model with images whose batch holds an image (Qwen3.5):
+            rank 0's :class:`~lmdeploy.pytorch.models.qwen3_5.ImageInputs` — M-RoPE positions
+            int64 ``[3, T]``, image rows int64 ``[R]`` and the vision tower's ``[R, hidden]``
+            output in the model dtype (on the CPU when other ranks receive them); ``None``
+            otherwise (plain integers only).
+    """
+    input_ids: list[int]
+    positions: list[int]
+    q_seqlens: list[int]
+    q_start_loc: list[int]
+    kv_seqlens: list[int]
+    block_tables: list[list[int]]
+    state_slots: list[int]
+    sample_rows: list[int] = field(default_factory=list)
+    all_logits: bool = False
+    images: object = None
+
+    def context(self, device: torch.device, kv_caches, state_caches, block_size: int) -> 'StepContext':
+        """The :class:`StepContext` of this batch on ``device`` over the given caches (a rank's
+        :class:`~lmdeploy.pytorch.engine.cache_engine.CacheEngine` tensors)."""
+        return StepContext(input_ids=torch.tensor(self.input_ids, dtype=torch.long, device=device),
+                           positions=torch.tensor(self.positions, dtype=torch.long, device=device),
+                           q_seqlens=self.q_seqlens, q_start_loc=self.q_start_loc, kv_seqlens=self.kv_seqlens,
+                           block_tables=[torch.tensor(t, dtype=torch.long, device=device) for t in self.block_tables],
+                           state_slots=self.state_slots, kv_caches=kv_caches, state_caches=state_caches,
+                           block_size=block_size)
+
+
+@dataclass
 class StepContext:
     """One forward's batch (all sequences' new tokens concatenated).
 

@@ -1,24 +1,33 @@
-"""The tensor-parallel executor: rank 0's handle on the worker processes.
+"""Executors: how the engine reaches the workers (:class:`~.rank.Worker`, one per rank).
 
-The engine process is rank 0: it runs the scheduler, the prefix cache and the API, and holds
-shard 0. Ranks ``1 .. N-1`` are worker processes (``torch.multiprocessing``, spawn) that hold
-the other shards and loop on commands::
+The engine talks to one protocol — ``call(name, *args, gather=False)`` runs
+``Worker.<name>(*args)`` on every rank and returns rank 0's result (or every rank's, in rank
+order, with ``gather``), ``worker`` is rank 0's worker, ``size`` the rank count, ``close()``
+stops them — with two implementations:
 
-    rank 0 (engine)                                  rank r (worker)
-    TPModelRunner.forward(sched)                     wait for a command
-      └─ call('forward', StepBatch) ── broadcast ──▶ RankRuntime.forward(batch)
-         RankRuntime.forward(batch) ◀─ all-reduce / all-gather inside the layers ─▶
+* :class:`LocalExecutor` (tp=1): rank 0's worker in the engine process; a call is a method call.
+* :class:`MultiProcessExecutor` (tp>1): the engine process is rank 0 and holds shard 0; ranks
+  ``1 .. N-1`` are worker processes (``torch.multiprocessing``, spawn) that loop on commands::
+
+    rank 0 (engine)                                  rank r (worker process)
+    ModelRunner.forward(sched)                       wait for a command
+      └─ call('forward', StepBatch) ── broadcast ──▶ Worker.forward(batch)
+         Worker.forward(batch)     ◀─ all-reduce / all-gather inside the layers ─▶
       sample on rank 0
-    TPCacheEngine.copy_states / read_* / write_*     the same command on every rank's slice
+    ExecutorCaches.copy_states / read_* / write_*    the same command on every rank's slice
 
-Every command is one object broadcast on the control channel; commands that return data
-(payload reads) gather the ranks' answers to rank 0.
+  Every command is one object broadcast on the control channel; commands that return data
+  (payload reads) gather the ranks' answers to rank 0.
 
-Failure: a worker that dies makes the next collective on rank 0 fail (gloo and NCCL notice the
-closed connection), or is found dead before a command is sent; either way rank 0 raises
-:class:`WorkerDiedError` naming the rank and its exit code, the engine stops, and
-:meth:`TPExecutor.close` kills the other workers. Workers ask the kernel to kill them when
-their parent dies (``PR_SET_PDEATHSIG``), so no worker outlives the engine process.
+:class:`ExecutorCaches` is the engine's view of every rank's caches (block and slot ids are
+shared by all ranks); its payloads are in the full-head layout of a single-process engine
+(:mod:`.store_layout`), so Store objects do not depend on the TP size.
+
+Failure: a worker process that dies makes the next collective on rank 0 fail (gloo and NCCL
+notice the closed connection), or is found dead before a command is sent; either way rank 0
+raises :class:`WorkerDiedError` naming the rank and its exit code, the engine stops, and
+:meth:`MultiProcessExecutor.close` kills the other workers. Workers ask the kernel to kill them
+when their parent dies (``PR_SET_PDEATHSIG``), so no worker outlives the engine process.
 """
 from __future__ import annotations
 
@@ -33,16 +42,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..engine.model_runner import tokens_from_logits
-from ..engine.sampler import TokenLogprob
-from ..paging.scheduler import SchedulerOutput
 from .comm import destroy_group, free_port, init_group
 from ..models.loader import load_config
-from .rank import RankRuntime, StepBatch
+from .rank import Worker
 from .sharding import TPLayout
 from .store_layout import StoreLayout
 
-__all__ = ['TPExecutor', 'TPCacheEngine', 'TPModelRunner', 'WorkerDiedError']
+__all__ = ['LocalExecutor', 'MultiProcessExecutor', 'ExecutorCaches', 'WorkerDiedError', 'make_executor']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -88,11 +94,11 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
         torch.cuda.set_device(dev)
     group = init_group(rank, size, port, dev, TIMEOUT_S)
     try:
-        runtime, error = RankRuntime(model_path, dtype, dev, rank, size, mtp), None
+        worker, error = Worker(model_path, dtype, dev, rank, size, mtp), None
     except Exception as err:       # reported to rank 0, which raises it
-        runtime, error = None, f'rank {rank}: {type(err).__name__}: {err}'
+        worker, error = None, f'rank {rank}: {type(err).__name__}: {err}'
     dist.gather_object(error, None, dst=0, group=group.control)
-    if runtime is None:
+    if worker is None:
         destroy_group()
         return
     if dev.type == 'cpu':   # as the engine does, once this rank's weights are loaded
@@ -106,7 +112,7 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
         name, args, gather = box[0]
         if name == 'stop':
             break
-        result = getattr(runtime, name)(*args)
+        result = getattr(worker, name)(*args)
         if gather:
             dist.gather_object(result, None, dst=0, group=group.control)
     # Leave without tearing the group down: a teardown racing rank 0's can abort the process
@@ -115,8 +121,55 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
     os._exit(0)
 
 
-class TPExecutor:
-    """Starts the workers, holds rank 0's shard, and sends commands to every rank.
+def make_executor(model_path: str, dtype: str, device: torch.device, size: int, mtp: bool = False):
+    """The executor of a ``size``-rank engine: :class:`LocalExecutor` for 1, else
+    :class:`MultiProcessExecutor` (arguments and errors as theirs)."""
+    if size == 1:
+        return LocalExecutor(model_path, dtype, device, mtp)
+    return MultiProcessExecutor(model_path, dtype, device, size, mtp)
+
+
+class _Executor:
+    """What both executors share: rank 0's worker and the cache allocation on every rank."""
+    size: int
+    worker: Worker
+
+    def call(self, name: str, *args, gather: bool = False):
+        raise NotImplementedError
+
+    def start(self, block_size: int, num_blocks: int, num_slots: int) -> 'ExecutorCaches':
+        """Allocate every rank's caches; returns the engine's view of them."""
+        self.call('build_caches', block_size, num_blocks, num_slots)
+        return ExecutorCaches(self, block_size)
+
+
+class LocalExecutor(_Executor):
+    """tp=1: rank 0's :class:`~.rank.Worker` runs in the engine process.
+
+    Args:
+        model_path, dtype, device, mtp: as :class:`~.rank.Worker`.
+
+    Raises:
+        ValueError: as :class:`~.rank.Worker`.
+    """
+
+    def __init__(self, model_path: str, dtype: str, device: torch.device, mtp: bool = False):
+        self.size = 1
+        self.device = device
+        self.worker = Worker(model_path, dtype, device, 0, 1, mtp)
+        self.pids: list[int] = []
+
+    def call(self, name: str, *args, gather: bool = False):
+        """Run ``Worker.<name>(*args)``; ``[result]`` when ``gather``."""
+        result = getattr(self.worker, name)(*args)
+        return [result] if gather else result
+
+    def close(self) -> None:
+        """Nothing to stop: the worker is this process."""
+
+
+class MultiProcessExecutor(_Executor):
+    """Starts the worker processes, holds rank 0's shard, and sends commands to every rank.
 
     Args:
         model_path: the model directory.
@@ -152,9 +205,9 @@ class TPExecutor:
         try:
             self._join_group(port)
             try:
-                self.runtime, error = RankRuntime(model_path, dtype, device, 0, size, mtp), None
+                self.worker, error = Worker(model_path, dtype, device, 0, size, mtp), None
             except Exception as err:
-                self.runtime, error = None, err
+                self.worker, error = None, err
             errors = [None] * size
             self._collective(lambda: dist.gather_object(None, errors, dst=0, group=self.group.control))
             if error is not None:
@@ -165,8 +218,6 @@ class TPExecutor:
         except BaseException:
             self.close()
             raise
-        self.model, self.hf_config, self.dtype, self.specs = (self.runtime.model, self.runtime.hf_config,
-                                                              self.runtime.dtype, self.runtime.specs)
         logger.info('tensor parallel: %d ranks (pids %s)', size, [os.getpid()] + [p.pid for p in self.procs])
 
     def _join_group(self, port: int) -> None:
@@ -214,7 +265,7 @@ class TPExecutor:
             raise RuntimeError(f'tensor-parallel collective failed: {err}') from err
 
     def call(self, name: str, *args, gather: bool = False):
-        """Run ``RankRuntime.<name>(*args)`` on every rank; returns rank 0's result, or every
+        """Run ``Worker.<name>(*args)`` on every rank; returns rank 0's result, or every
         rank's result in rank order when ``gather``.
 
         Raises:
@@ -224,18 +275,12 @@ class TPExecutor:
             raise self.dead
         self._check_workers(wait=0)
         self._collective(lambda: dist.broadcast_object_list([(name, args, gather)], src=0, group=self.group.control))
-        result = self._collective(lambda: getattr(self.runtime, name)(*args))
+        result = self._collective(lambda: getattr(self.worker, name)(*args))
         if not gather:
             return result
         results = [None] * self.size
         self._collective(lambda: dist.gather_object(result, results, dst=0, group=self.group.control))
         return results
-
-    def start(self, block_size: int, num_blocks: int, num_slots: int) -> tuple['TPCacheEngine', 'TPModelRunner']:
-        """Allocate every rank's caches; returns rank 0's cache engine and model runner facades."""
-        self.call('build_caches', block_size, num_blocks, num_slots)
-        cache = TPCacheEngine(self, block_size)
-        return cache, TPModelRunner(self, cache)
 
     def close(self) -> None:
         """Stop every worker (a clean 'stop' when all are alive, else kill), then leave the group."""
@@ -244,7 +289,7 @@ class TPExecutor:
         self._closed = True
         alive = all(p.exitcode is None for p in self.procs)
         if alive and self.dead is None and getattr(self, 'group', None) is not None and \
-                getattr(self, 'runtime', None) is not None:
+                getattr(self, 'worker', None) is not None:
             try:
                 dist.broadcast_object_list([('stop', (), False)], src=0, group=self.group.control)
             except RuntimeError:
@@ -269,27 +314,43 @@ class TPExecutor:
         return [p.pid for p in self.procs]
 
 
-class TPCacheEngine:
-    """Rank 0's view of the caches of all ranks: block and slot ids are shared by every rank,
-    each rank holds its heads' slice of every row.
+class ExecutorCaches:
+    """The engine's view of the caches of every rank: block and slot ids are shared by all
+    ranks, each rank holds its heads' slice of every row (at tp=1, all of it).
 
     Payloads (Store objects) are in the full-head layout of a single-process engine
     (:mod:`.store_layout`): reads gather the ranks' slices and assemble them, writes split a
-    payload back into slices. ``kv_block_bytes`` / ``state_bytes`` and ``object_specs`` are
-    therefore those of the single-process engine.
+    payload back into slices (at tp=1 both are the rank's own bytes, unconverted).
+    ``kv_block_bytes`` / ``state_bytes`` and ``object_specs`` are therefore those of the
+    single-process engine whatever the TP size.
+
+    Args:
+        executor: a :class:`LocalExecutor` or :class:`MultiProcessExecutor` whose ranks built
+            their caches.
+        block_size: tokens per KV block.
     """
 
-    def __init__(self, executor: TPExecutor, block_size: int):
+    def __init__(self, executor: _Executor, block_size: int):
         self.executor = executor
-        self.local = executor.runtime.cache_engine
+        self.local = executor.worker.cache_engine
         for name in ('specs', 'block_size', 'num_blocks', 'num_slots', 'has_state', 'device', 'kv_caches',
                      'state_caches', 'kv_buf', 'state_buf'):
             setattr(self, name, getattr(self.local, name))
-        rt = executor.runtime
-        self.object_specs = rt.full_specs      # with the MTP layer's KV when the engine drafts with it
-        self.layout = StoreLayout(rt.hf_config, executor.size, rt.specs, self.object_specs, block_size)
-        self.kv_block_bytes = self.layout.kv_block_bytes     # K_blk of all heads
-        self.state_bytes = self.layout.state_bytes if self.has_state else 0     # S of all heads
+        worker = executor.worker
+        self.object_specs = worker.full_specs      # with the MTP layer's KV when the engine drafts with it
+        self.layout = None
+        if executor.size > 1:
+            self.layout = StoreLayout(worker.hf_config, executor.size, worker.specs, self.object_specs, block_size)
+            self.kv_block_bytes = self.layout.kv_block_bytes     # K_blk of all heads
+            self.state_bytes = self.layout.state_bytes if self.has_state else 0     # S of all heads
+        else:
+            self.kv_block_bytes, self.state_bytes = self.local.kv_block_bytes, self.local.state_bytes
+
+    def _to_full(self, parts: list[torch.Tensor], kv: bool) -> torch.Tensor:
+        return parts[0] if self.layout is None else self.layout.to_full(parts, kv=kv)
+
+    def _to_ranks(self, payload: torch.Tensor, kv: bool) -> list[torch.Tensor]:
+        return [payload] if self.layout is None else self.layout.to_ranks(payload, kv=kv)
 
     def copy_states(self, src, dst) -> None:
         """Copy whole states ``src[i] → dst[i]`` on every rank."""
@@ -299,89 +360,18 @@ class TPCacheEngine:
     def read_state(self, slot: int) -> torch.Tensor:
         """``[S]`` uint8: the state payload of ``slot`` over all heads."""
         parts = self.executor.call('read_state', slot, gather=True)
-        return self.layout.to_full([p[None] for p in parts], kv=False)[0]
+        return self._to_full([p[None] for p in parts], kv=False)[0]
 
     def write_state(self, slot: int, payload: torch.Tensor) -> None:
         """Write a ``[S]`` all-heads payload into ``slot``, each rank its slice."""
-        parts = self.layout.to_ranks(payload.reshape(1, -1), kv=False)
+        parts = self._to_ranks(payload.reshape(1, -1), kv=False)
         self.executor.call('write_state', slot, [p[0] for p in parts])
 
     def read_kv_blocks(self, block_ids) -> torch.Tensor:
         """``[len(block_ids), K_blk]`` uint8: the blocks' payloads over all heads."""
-        return self.layout.to_full(self.executor.call('read_kv_blocks', list(block_ids), gather=True), kv=True)
+        return self._to_full(self.executor.call('read_kv_blocks', list(block_ids), gather=True), kv=True)
 
     def write_kv_block(self, block_id: int, payload: torch.Tensor) -> None:
         """Write a ``[K_blk]`` all-heads payload into ``block_id``, each rank its slice."""
-        parts = self.layout.to_ranks(payload.reshape(1, -1), kv=True)
+        parts = self._to_ranks(payload.reshape(1, -1), kv=True)
         self.executor.call('write_kv_block', block_id, [p[0] for p in parts])
-
-
-class TPModelRunner:
-    """The model runner of a tensor-parallel engine (same interface as
-    :class:`~lmdeploy.pytorch.engine.model_runner.ModelRunner`): broadcasts the step's
-    :class:`StepBatch`, runs rank 0's shard, samples on rank 0."""
-
-    def __init__(self, executor: TPExecutor, cache_engine: TPCacheEngine):
-        self.executor = executor
-        self.model = executor.model
-        self.cache_engine = cache_engine
-        self.device = cache_engine.device
-        self.last_logits: torch.Tensor | None = None
-        self.last_logprobs: dict[int, TokenLogprob] = {}
-        self.last_batch: StepBatch | None = None      # the last forward's inputs (MTP drafts)
-
-    @staticmethod
-    def step_batch(out: SchedulerOutput, all_logits: bool = False) -> StepBatch:
-        """The plain-integer inputs of the step's chunks. A chunk with drafts (speculative
-        decoding) is scored as one longer chunk, its drafts after its tokens; its logits rows are
-        its last ``1 + K`` positions."""
-        b = StepBatch([], [], [], [], [], [], [], [], all_logits)
-        offset = 0
-        for chunk in out.chunks:
-            seq = chunk.seq
-            n = chunk.end - chunk.start + len(chunk.drafts)
-            b.input_ids.extend(seq.token_ids[chunk.start:chunk.end])
-            b.input_ids.extend(chunk.drafts)
-            b.positions.extend(range(chunk.start, chunk.start + n))
-            b.q_seqlens.append(n)
-            b.q_start_loc.append(offset)
-            offset += n
-            b.kv_seqlens.append(chunk.start + n)
-            b.block_tables.append(list(seq.block_ids))
-            b.state_slots.append(-1 if seq.state_slot is None else seq.state_slot)
-            if chunk.sample:
-                b.sample_rows.extend(range(offset - 1 - len(chunk.drafts), offset))
-        return b
-
-    def image_inputs(self, out: SchedulerOutput, batch: StepBatch):
-        """Rank 0's image inputs of the step (the vision tower runs here, on rank 0 only), on
-        the CPU for the broadcast; ``None`` for a model without images or a step without any."""
-        fn = getattr(self.model, 'image_inputs', None)
-        if fn is None:
-            return None
-        images = fn([c.seq for c in out.chunks], [kv - q for kv, q in zip(batch.kv_seqlens, batch.q_seqlens)],
-                    batch.q_seqlens, batch.q_start_loc)
-        return None if images is None else images.cpu()
-
-    def forward(self, out: SchedulerOutput, return_all_logits: bool = False) -> dict[int, list[int]]:
-        """As :meth:`ModelRunner.forward`: ``{seq_id: new tokens}`` for sampled chunks — one
-        sampled token, or for a chunk with drafts its accepted drafts plus one token."""
-        self.last_logprobs = {}
-        self.last_batch = batch = self.step_batch(out, return_all_logits)
-        batch.images = self.image_inputs(out, batch)
-        logits, all_logits = self.executor.call('forward', batch)
-        if return_all_logits:
-            self.all_logits = all_logits
-        if logits is None:
-            return {}
-        plain, verify, row = [], [], 0
-        for c in out.chunks:
-            if c.sample:
-                (verify if c.drafts else plain).append((c, row))
-                row += 1 + len(c.drafts)
-        return tokens_from_logits(self, logits, plain, verify)
-
-    def mtp_step(self, batch) -> list[int]:
-        """Run an MTP step (:class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch`) on every rank;
-        returns rank 0's draft token ids (every rank computes the same)."""
-        return self.executor.call('mtp_step', batch)

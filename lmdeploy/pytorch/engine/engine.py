@@ -28,7 +28,7 @@ from ...messages import GenerationConfig, PytorchEngineConfig
 from ..cache_specs import LinearAttentionSpec
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
-from ..models.loader import load_model
+from ..distributed.executor import make_executor
 from ..paging.block_manager import BlockManager
 from ..paging.scheduler import Scheduler, SchedulerOutput
 from ..prefix_cache.coordinator import PrefixCache, zero_counters
@@ -102,22 +102,14 @@ class Engine:
                              f'CUDA device; use cpu or auto')
         self.device = torch.device(device)
         self.model_path = model_path
-        self.executor = None     # tensor parallelism: rank 0's handle on the worker ranks
         use_mtp = spec_config is not None and spec_config.method == 'qwen3_next_mtp'
-        self.mtp = None          # the MTP head (tp > 1: rank 0's shard; every rank holds its own)
-        if config.tp > 1:
-            from ..distributed.executor import TPExecutor
-            self.executor = TPExecutor(model_path, config.dtype, self.device, config.tp, mtp=use_mtp)
-            self.model, self.hf_config, self.dtype = self.executor.model, self.executor.hf_config, self.executor.dtype
-            self.specs = self.executor.specs     # this rank's heads (with the MTP layer's KV when drafting with it)
-            self.mtp = self.executor.runtime.mtp
-        else:
-            self.model, self.hf_config, self.dtype = load_model(model_path, config.dtype, self.device)
-            self.specs = self.model.cache_specs(self.hf_config, self.dtype)
-            if use_mtp:
-                from ..spec_decode.mtp import load_mtp, mtp_cache_spec
-                self.mtp = load_mtp(model_path, self.hf_config, self.dtype, self.device)
-                self.specs = self.specs + [mtp_cache_spec(self.hf_config, self.dtype)]   # its own paged KV
+        # one worker per rank (tp=1: rank 0's, in this process); the MTP head, when drafting
+        # with it, is loaded by every worker (its part on each rank)
+        self.executor = make_executor(model_path, config.dtype, self.device, config.tp, mtp=use_mtp)
+        worker = self.executor.worker
+        self.model, self.hf_config, self.dtype = worker.model, worker.hf_config, worker.dtype
+        self.specs = worker.specs     # rank 0's heads (with the MTP layer's KV when drafting with it)
+        self.mtp = worker.mtp
         if self.device.type == 'cpu':
             # after the weights are loaded, so that they keep their own mappings and the heap
             # only recycles the steps' activations
@@ -146,10 +138,8 @@ class Engine:
                            self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
         self._check_cache_fits(num_blocks, num_slots)
-        if self.executor is not None:
-            self.cache_engine, self.model_runner = self.executor.start(cc.block_size, num_blocks, num_slots)
-        else:
-            self.cache_engine = CacheEngine(self.specs, cc.block_size, num_blocks, num_slots, self.device)
+        self.cache_engine = self.executor.start(cc.block_size, num_blocks, num_slots)
+        self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
         self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
         for name in ('prefill_save_last_only', 'decode_save_last', 'save_junction'):
@@ -166,8 +156,6 @@ class Engine:
                                             alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
-        if self.executor is None:
-            self.model_runner = ModelRunner(self.model, self.cache_engine)
         self.spec = None
         if spec_config is not None:
             from ..spec_decode.decoder import SpecDecoder
@@ -478,5 +466,4 @@ class Engine:
             if self.store is not None:
                 self.store.close()
         finally:
-            if self.executor is not None:
-                self.executor.close()
+            self.executor.close()

@@ -1,8 +1,10 @@
-"""Model runner: turns scheduled chunks into one flat forward and samples new tokens.
+"""Model runner: turns scheduled chunks into one flat batch, runs it on every rank, samples.
 
-It builds the :class:`~lmdeploy.pytorch.model_inputs.StepContext` from the chunks (token ids,
-positions, block tables, state slots), runs the model, computes logits only for chunks that
-reach their sequence's last token, and samples them.
+:meth:`ModelRunner.step_batch` is the engine's one flat-batch builder: the step's chunks become
+a :class:`~lmdeploy.pytorch.model_inputs.StepBatch` of plain integers (token ids,
+positions, block tables, state slots, the rows whose logits are needed). The executor runs
+:meth:`~lmdeploy.pytorch.distributed.rank.Worker.forward` on every rank (at tp=1 rank 0's
+worker, in this process); the logits come back to rank 0, which samples them here.
 
 A chunk with draft tokens (speculative decoding, :mod:`lmdeploy.pytorch.spec_decode`) is
 scored as one longer chunk of its sequence: its drafts follow its tokens in the flat batch
@@ -13,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model_inputs import StepContext
+from ..model_inputs import StepBatch
 from ..paging.scheduler import SchedulerOutput
-from .cache_engine import CacheEngine
 from ..spec_decode.acceptance import verify_drafts
 from .sampler import TokenLogprob, sample
 
@@ -23,49 +24,69 @@ __all__ = ['ModelRunner', 'tokens_from_logits']
 
 
 class ModelRunner:
-    """Executes forwards of ``model`` against ``cache_engine``.
+    """Executes forwards through ``executor`` and samples on rank 0.
 
     Args:
-        model: an engine model (``forward(ctx)``, ``compute_logits(hidden)``).
-        cache_engine: KV blocks and state slots.
+        executor: a :class:`~lmdeploy.pytorch.distributed.executor.LocalExecutor` or
+            :class:`~lmdeploy.pytorch.distributed.executor.MultiProcessExecutor`.
+        cache_engine: the executor's :class:`~lmdeploy.pytorch.distributed.executor.ExecutorCaches`.
+
+    Attributes:
+        model: rank 0's model (its vision tower computes the step's image inputs).
+        last_batch: the last forward's :class:`StepBatch` (MTP drafting reads its row starts).
+        last_logits: ``[plain sampled chunks, vocab]`` float32 logits of the last forward (tests).
+        last_logprobs: ``{seq_id: TokenLogprob}`` of the last forward, for sequences that asked.
+        all_logits: ``[T, vocab]`` logits of every row of the last forward with
+            ``return_all_logits`` (tests).
     """
 
-    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine):
-        self.model = model
+    def __init__(self, executor, cache_engine):
+        self.executor = executor
+        self.model = executor.worker.model
         self.cache_engine = cache_engine
         self.device = cache_engine.device
-        self.last_logits: torch.Tensor | None = None   # [num sampled, vocab], for tests
-        # {seq_id: TokenLogprob} of the last forward, for sequences that asked for logprobs
+        self.last_logits: torch.Tensor | None = None
         self.last_logprobs: dict[int, TokenLogprob] = {}
-        self.last_hidden: torch.Tensor | None = None   # [T, hidden] of the last forward (MTP drafts)
-        self.last_context: StepContext | None = None
+        self.last_batch: StepBatch | None = None
 
-    def build_context(self, out: SchedulerOutput) -> StepContext:
-        """The flat batch of this step's chunks."""
-        ids, pos, q_lens, starts, kv_lens, tables, slots = [], [], [], [], [], [], []
+    @staticmethod
+    def step_batch(out: SchedulerOutput, all_logits: bool = False) -> StepBatch:
+        """The plain-integer inputs of the step's chunks. A chunk with drafts (speculative
+        decoding) is scored as one longer chunk, its drafts after its tokens; its logits rows are
+        its last ``1 + K`` positions."""
+        b = StepBatch([], [], [], [], [], [], [], [], all_logits)
         offset = 0
         for chunk in out.chunks:
             seq = chunk.seq
             n = chunk.end - chunk.start + len(chunk.drafts)
-            ids.extend(seq.token_ids[chunk.start:chunk.end])
-            ids.extend(chunk.drafts)
-            pos.extend(range(chunk.start, chunk.start + n))
-            q_lens.append(n)
-            starts.append(offset)
+            b.input_ids.extend(seq.token_ids[chunk.start:chunk.end])
+            b.input_ids.extend(chunk.drafts)
+            b.positions.extend(range(chunk.start, chunk.start + n))
+            b.q_seqlens.append(n)
+            b.q_start_loc.append(offset)
             offset += n
-            kv_lens.append(chunk.start + n)
-            tables.append(torch.tensor(seq.block_ids, dtype=torch.long, device=self.device))
-            slots.append(-1 if seq.state_slot is None else seq.state_slot)
-        ce = self.cache_engine
-        return StepContext(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-                           positions=torch.tensor(pos, dtype=torch.long, device=self.device),
-                           q_seqlens=q_lens, q_start_loc=starts, kv_seqlens=kv_lens, block_tables=tables,
-                           state_slots=slots, kv_caches=ce.kv_caches, state_caches=ce.state_caches,
-                           block_size=ce.block_size, sequences=[c.seq for c in out.chunks])
+            b.kv_seqlens.append(chunk.start + n)
+            b.block_tables.append(list(seq.block_ids))
+            b.state_slots.append(-1 if seq.state_slot is None else seq.state_slot)
+            if chunk.sample:
+                b.sample_rows.extend(range(offset - 1 - len(chunk.drafts), offset))
+        return b
 
-    @torch.inference_mode()
+    def image_inputs(self, out: SchedulerOutput, batch: StepBatch):
+        """Rank 0's image inputs of the step (the vision tower runs here, on rank 0 only);
+        ``None`` for a model without images or a step without any. Moved to the CPU when other
+        ranks receive them (the broadcast pickles them)."""
+        fn = getattr(self.model, 'image_inputs', None)
+        if fn is None:
+            return None
+        images = fn([c.seq for c in out.chunks], [kv - q for kv, q in zip(batch.kv_seqlens, batch.q_seqlens)],
+                    batch.q_seqlens, batch.q_start_loc)
+        if images is None or self.executor.size == 1:
+            return images
+        return images.cpu()
+
     def forward(self, out: SchedulerOutput, return_all_logits: bool = False) -> dict[int, list[int]]:
-        """Run the step's forward.
+        """Run the step's forward on every rank.
 
         Args:
             out: the scheduled chunks.
@@ -78,22 +99,25 @@ class ModelRunner:
             ``self.last_logprobs``.
         """
         self.last_logprobs = {}
-        ctx = self.build_context(out)
-        hidden = self.model(ctx)
-        self.last_hidden, self.last_context = hidden, ctx
+        self.last_batch = batch = self.step_batch(out, return_all_logits)
+        batch.images = self.image_inputs(out, batch)
+        logits, all_logits = self.executor.call('forward', batch)
         if return_all_logits:
-            self.all_logits = self.model.compute_logits(hidden).cpu()
-        rows, plain, verify = [], [], []
-        for i, c in enumerate(out.chunks):
-            if not c.sample:
-                continue
-            last = ctx.q_start_loc[i] + ctx.q_seqlens[i] - 1
-            (verify if c.drafts else plain).append((c, len(rows)))
-            rows.extend(range(last - len(c.drafts), last + 1))
-        if not rows:
+            self.all_logits = all_logits
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        plain, verify, row = [], [], 0
+        for c in out.chunks:
+            if c.sample:
+                (verify if c.drafts else plain).append((c, row))
+                row += 1 + len(c.drafts)
         return tokens_from_logits(self, logits, plain, verify)
+
+    def mtp_step(self, batch) -> list[int]:
+        """Run an MTP step (:class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch`) on every rank,
+        each over its own last forward's hidden states; returns rank 0's draft token ids (every
+        rank computes the same)."""
+        return self.executor.call('mtp_step', batch)
 
 
 def tokens_from_logits(runner, logits: torch.Tensor, plain: list, verify: list) -> dict[int, list[int]]:

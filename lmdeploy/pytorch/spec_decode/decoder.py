@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from ...messages import SpeculativeConfig
-from ..model_inputs import StepContext
-from .mtp import MTPBatch, MTPDrafter
+from ..model_inputs import StepBatch
+from .mtp import MTPBatch
 from .ngram import propose_ngram
 
 __all__ = ['SpecDecoder']
@@ -47,8 +47,8 @@ class SpecDecoder:
         scratch_base: first scratch state slot (None for models without recurrent state).
         finish_reason: ``(seq, token) -> str | None`` the engine's stop rule, applied after
             ``token`` was appended to ``seq``.
-        mtp: the loaded MTP head (method ``qwen3_next_mtp``; with tensor parallelism rank 0's
-            shard, the steps then run on every rank through ``runner.mtp_step``), else None.
+        mtp: rank 0's MTP head (method ``qwen3_next_mtp``; every rank's worker holds its part
+            and runs the steps, through ``runner.mtp_step``), else None.
         session_len: longest sequence in tokens.
         block_align: block size B when turn-end checkpoints are kept (``decode_save_last``):
             drafts then never carry a forward past the next block boundary, so decoding still
@@ -64,11 +64,6 @@ class SpecDecoder:
         self.scratch_base = scratch_base
         self.finish_reason = finish_reason
         self.mtp = mtp
-        # tensor parallelism: MTP steps run on every rank through the runner (TPModelRunner)
-        self._tp = hasattr(runner, 'executor')
-        self.drafter = None
-        if mtp is not None and not self._tp:
-            self.drafter = MTPDrafter(self.model, mtp, step=lambda hidden, ctx: self._mtp_step(hidden, ctx))
         self.session_len = session_len
         self.block_align = block_align
         self.finished: dict[int, str] = {}     # seq_id -> finish reason found in after_forward
@@ -190,8 +185,8 @@ class SpecDecoder:
         drafting = [(j, seq, tokens, self._draft_room(seq, pending)) for j, (seq, emitted, tokens, pending)
                     in enumerate(seqs) if emitted and seq.seq_id not in self.finished]
         drafting = [d for d in drafting if d[3] > 0]
-        first_drafts = self._mtp_run(MTPBatch(False, rows, ids, pos, q_lens, starts, kv_lens, tables,
-                                              [last_rows[d[0]] for d in drafting]))
+        flat = StepBatch(ids, pos, q_lens, starts, kv_lens, tables, [-1] * len(q_lens))
+        first_drafts = self._mtp_run(MTPBatch(False, rows, flat, [last_rows[d[0]] for d in drafting]))
         if not drafting:
             return
         chains = [[int(t)] for t in first_drafts]
@@ -203,32 +198,22 @@ class SpecDecoder:
                 break
             p = [len(drafting[k][2]) - 2 + step for k in live]
             n = len(live)
-            toks = self._mtp_run(MTPBatch(True, live, [chains[k][-1] for k in live], p, [1] * n, list(range(n)),
-                                          [x + 1 for x in p], [list(drafting[k][1].block_ids) for k in live],
-                                          list(range(n))))
+            flat = StepBatch([chains[k][-1] for k in live], p, [1] * n, list(range(n)), [x + 1 for x in p],
+                             [list(drafting[k][1].block_ids) for k in live], [-1] * n)
+            toks = self._mtp_run(MTPBatch(True, live, flat, list(range(n))))
             for idx, k in enumerate(live):
                 chains[k].append(int(toks[idx]))
         for k, (_, seq, _, room) in enumerate(drafting):
             seq.draft_ids = chains[k][:room]
 
     def _mtp_run(self, batch: MTPBatch) -> list[int]:
-        """Run one MTP step: here (tp=1, over the runner's last hidden states) or on every
-        tensor-parallel rank (each over its own); returns the draft ids of ``batch.draft_rows``."""
-        if self._tp:
-            return self.runner.mtp_step(batch)
-        ce = self.cache_engine
-        return self.drafter.run(batch, self.runner.last_hidden, ce.kv_caches, ce.block_size)
+        """Run one MTP step on every rank (each over its own last forward's hidden states);
+        returns the draft ids of ``batch.draft_rows``."""
+        return self.runner.mtp_step(batch)
 
     def _forward_starts(self) -> list[int]:
         """First flat row of each chunk in the last forward."""
-        if self._tp:
-            return self.runner.last_batch.q_start_loc
-        return self.runner.last_context.q_start_loc
-
-    def _mtp_step(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """MTP hidden states for ``ctx``'s positions, whose next tokens are ``ctx.input_ids``
-        (tp=1; tests wrap this)."""
-        return self.drafter.step(hidden, ctx)
+        return self.runner.last_batch.q_start_loc
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters: draft tokens proposed and accepted, verify steps, rollbacks."""

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..cache_specs import FullAttentionSpec
-from ..model_inputs import StepContext
+from ..model_inputs import StepBatch, StepContext
 from ..models.layers import Linear, RMSNorm, WeightLoader
 from ..models.qwen3_next import FULL, Qwen3NextDecoderLayer, _head_dim
 
@@ -191,22 +191,16 @@ class MTPBatch:
             forward; True: a chained step, whose inputs are rows of the previous step's kept
             outputs (:attr:`MTPDrafter.prev`).
         hidden_rows: ``T`` rows of the input hidden states, one per position.
-        input_ids: ``T`` token ids: the token after each position.
-        positions: ``T`` positions.
-        q_seqlens, q_start_loc, kv_seqlens: one entry per sequence (as in ``StepContext``).
-        block_tables: one list of block ids per sequence.
+        batch: the step's flat batch (:class:`~lmdeploy.pytorch.model_inputs.StepBatch`): for
+            each position the token after it, its position, and per sequence the usual lengths
+            and block table (no state slots: the MTP layer is a full-attention layer).
         draft_rows: rows of the step's ``T`` outputs to draft from (argmax of their logits).
             The first step keeps these outputs as ``prev``; a chained step writes them back into
             ``prev`` at ``hidden_rows`` (it drafts from all its rows).
     """
     chained: bool
     hidden_rows: list[int]
-    input_ids: list[int]
-    positions: list[int]
-    q_seqlens: list[int]
-    q_start_loc: list[int]
-    kv_seqlens: list[int]
-    block_tables: list[list[int]]
+    batch: StepBatch
     draft_rows: list[int]
 
 
@@ -246,11 +240,7 @@ class MTPDrafter:
         dev = last_hidden.device
         source = self.prev if batch.chained else last_hidden
         hidden = source[torch.tensor(batch.hidden_rows, device=dev)]
-        ctx = StepContext(input_ids=torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
-                          positions=torch.tensor(batch.positions, dtype=torch.long, device=dev),
-                          q_seqlens=batch.q_seqlens, q_start_loc=batch.q_start_loc, kv_seqlens=batch.kv_seqlens,
-                          block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in batch.block_tables],
-                          state_slots=[-1] * len(batch.q_seqlens), kv_caches=kv_caches, block_size=block_size)
+        ctx = batch.batch.context(dev, kv_caches, [], block_size)
         out = self._step(hidden, ctx)
         if not batch.draft_rows:
             if not batch.chained:
