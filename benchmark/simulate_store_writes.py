@@ -65,8 +65,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, LinearAttentionSpec, kv_bytes_per_block,  # noqa: E402
-                                          state_bytes_per_slot)
+from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
 from lmdeploy.pytorch.paging.prefill_plan import PrefillPlan, is_reusable, plan_prefill, with_last_block_end  # noqa: E402
 
 KTOK = 1024
@@ -457,58 +456,78 @@ def _dtype_bytes(name: str, field: str) -> int:
     return DTYPE_BYTES[key]
 
 
+def _engine_config(config: dict):
+    """The ``transformers`` config object of a ``config.json`` dict (its ``model_type``), as the
+    engine loads it: a field the dict leaves out takes transformers' default."""
+    from transformers import AutoConfig
+    fields = dict(config)
+    model_type = fields.pop('model_type', None)
+    if model_type is None:
+        raise ValueError("config is missing field 'model_type'")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as err:
+        raise ValueError(f'config: model_type {model_type!r}: {err}') from None
+
+
+def _with_dtypes(specs: list, model_dtype, kv_dtype, state_dtype) -> list:
+    """``specs`` with every paged tensor stored in ``kv_dtype`` and every state tensor kept in
+    the model dtype stored in ``state_dtype`` (float32 recurrent states stay float32)."""
+    from dataclasses import replace
+
+    from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec
+    out = []
+    for spec in specs:
+        if spec.paged:
+            out.append(PagedSpec(tuple(replace(t, dtype=kv_dtype) for t in spec.tensors())))
+        else:
+            out.append(StateSpec(tuple(replace(t, dtype=state_dtype) if t.dtype == model_dtype else t
+                                       for t in spec.tensors())))
+    return out
+
+
 def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BLOCK, kv_dtype: str | None = None,
                       state_dtype: str | None = None, mtp: bool = False) -> StoreSizes:
-    """Per-rank state snapshot bytes S and KV block bytes K_blk of a hybrid HF config.
+    """Per-rank state snapshot bytes S and KV block bytes K_blk of a hybrid HF config, from the
+    engine model's own cache specs (the model registry's ``cache_specs`` of this rank's local
+    config, :class:`~lmdeploy.pytorch.distributed.sharding.TPLayout`): the same specs and row
+    layout the engine's cache and Store payloads use, so no layer geometry is re-derived here.
 
     With ``mtp`` (the engine runs ``qwen3_next_mtp`` speculative decoding) K_blk also holds the
-    K/V rows of the ``num_nextn_predict_layers`` MTP layers (default 1), each a full-attention
-    layer of the model's geometry; S is unchanged.
-
-    A vision-language config (Qwen3.5) is read from its ``text_config``. Layer kinds come from
-    ``layer_types`` (``linear_attention``/``full_attention``) or else
-    ``full_attention_interval`` (layer i is full when ``(i + 1) % interval == 0``). Conv state
-    uses ``state_dtype`` (default: the model dtype); the recurrent state is fp32.
+    K/V rows of the ``num_nextn_predict_layers`` MTP layers (default 1); S is unchanged. Paged
+    tensors use ``kv_dtype`` and state tensors ``state_dtype`` (default: the model dtype, else
+    bfloat16); a float32 recurrent state stays float32.
 
     Raises:
-        ValueError: ``tp`` does not divide the head counts, a field is missing, or a dtype is unknown.
+        ValueError: no or an unknown ``model_type``, ``tp`` does not divide a head count (names
+            the field), or a dtype is unknown.
     """
     if tp < 1:
         raise ValueError(f'tp must be >= 1, got {tp}')
-    if 'num_hidden_layers' not in config and isinstance(config.get('text_config'), dict):
-        # a vision-language config (Qwen3.5): the decoder's fields are nested; its dtype may be top-level
-        config = dict(config['text_config'], dtype=config['text_config'].get('dtype') or config.get('dtype')
-                      or config.get('torch_dtype'))
-    try:
-        layers = config.get('layer_types') or [
-            'full_attention' if (i + 1) % config['full_attention_interval'] == 0 else 'linear_attention'
-            for i in range(config['num_hidden_layers'])]
-        model_dtype = config.get('dtype') or config.get('torch_dtype') or 'bfloat16'
-        k_heads, v_heads = config['linear_num_key_heads'], config['linear_num_value_heads']
-        k_dim, v_dim = config['linear_key_head_dim'], config['linear_value_head_dim']
-        kernel = config['linear_conv_kernel_dim']
-        kv_heads = config['num_key_value_heads']
-        head_dim = config.get('head_dim') or config['hidden_size'] // config['num_attention_heads']
-    except KeyError as err:
-        raise ValueError(f'config is missing field {err.args[0]!r}') from None
-    if k_heads % tp or v_heads % tp:
-        raise ValueError(f'tp={tp} must divide linear_num_key_heads={k_heads} and linear_num_value_heads={v_heads}')
-    if kv_heads > tp and kv_heads % tp:
-        raise ValueError(f'tp={tp} must divide num_key_value_heads={kv_heads}')
     import torch
-    state_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(state_dtype or model_dtype, 'state_dtype')])
-    kv_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(kv_dtype or model_dtype, 'kv_dtype')])
-    # the engine's own layer specs, sharded per rank: S and K_blk are computed in one place
-    def specs(n: int) -> list:
-        linear = LinearAttentionSpec(conv_shape=(2 * (k_heads // n) * k_dim + (v_heads // n) * v_dim, kernel - 1),
-                                     conv_dtype=state_t, recurrent_shape=(v_heads // n, k_dim, v_dim))
-        full = FullAttentionSpec(max(1, kv_heads // n), head_dim, kv_t)
-        out = [linear if t == 'linear_attention' else full for t in layers if t in ('linear_attention',
-                                                                                   'full_attention')]
+
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    from lmdeploy.pytorch.models import get_model_class
+    from lmdeploy.pytorch.spec_decode.mtp import mtp_cache_spec
+    cfg = _engine_config(config)
+    text = cfg.get_text_config()
+    name = str(getattr(text, 'dtype', None) or config.get('dtype') or config.get('torch_dtype') or 'bfloat16')
+    model_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(name, 'dtype')])
+    state_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(state_dtype or name, 'state_dtype')])
+    kv_t = getattr(torch, _TORCH_DTYPE[_dtype_bytes(kv_dtype or name, 'kv_dtype')])
+    cls = get_model_class(cfg.model_type)
+
+    def specs(local) -> list:
+        out = list(cls.cache_specs(local, model_t))
         if mtp:
-            out += [full] * int(config.get('num_nextn_predict_layers') or 1)
-        return out
-    rank, whole = specs(tp), specs(1)
+            out += [mtp_cache_spec(local.get_text_config(), model_t)] * int(
+                getattr(text, 'num_nextn_predict_layers', None) or 1)
+        return _with_dtypes(out, model_t, kv_t, state_t)
+    try:
+        rank = specs(TPLayout(cfg, 0, tp).local_config() if tp > 1 else cfg)
+    except ValueError as err:
+        raise ValueError(f'tp={tp}: {err}') from None
+    whole = specs(cfg)
     charged = (state_bytes_per_slot(whole), kv_bytes_per_block(whole, block_size)) if tp > 1 else (None, None)
     return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(rank, block_size), tp, *charged)
 

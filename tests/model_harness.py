@@ -48,9 +48,9 @@ class ModelHarness:
         for spec in specs:
             if isinstance(spec, LinearAttentionSpec):
                 layer_offsets = []
-                for shape, dtype in spec.tensors():
+                for t in spec.tensors():
                     layer_offsets.append(slot_bytes)
-                    slot_bytes += -(-_numel(shape) * dtype_nbytes(dtype) // _ALIGN) * _ALIGN
+                    slot_bytes += -(-_numel(t.shape) * dtype_nbytes(t.dtype) // _ALIGN) * _ALIGN
                 offsets.append(layer_offsets)
             else:
                 offsets.append(None)
@@ -63,9 +63,9 @@ class ModelHarness:
                 self.state_caches.append(None)
             else:
                 views = []
-                for (shape, dtype), off in zip(spec.tensors(), layer_offsets):
-                    nbytes = _numel(shape) * dtype_nbytes(dtype)
-                    views.append(self.state_buffer[:, off:off + nbytes].view(dtype).view(num_slots, *shape))
+                for t, off in zip(spec.tensors(), layer_offsets):
+                    nbytes = _numel(t.shape) * dtype_nbytes(t.dtype)
+                    views.append(self.state_buffer[:, off:off + nbytes].view(t.dtype).view(num_slots, *t.shape))
                 self.kv_caches.append(None)
                 self.state_caches.append(tuple(views))
         gen = torch.Generator().manual_seed(1234)

@@ -33,6 +33,7 @@ GEN = GenerationConfig(max_new_tokens=2, ignore_eos=True)
 class RecordingTier:
     """A stand-in for PrefixCache that offers a fixed match and records every call in order."""
     decode_save_last = False
+    caches_prefixes = True
 
     def __init__(self, block_manager: BlockManager, match: PrefixMatch, evictable: int = 0):
         self.bm, self._match, self.evictable, self.calls = block_manager, match, evictable, []

@@ -6,6 +6,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'benchmark' / 'simulate_store_writes.py'
@@ -132,8 +133,10 @@ def test_simulate_rejects_bad_input(kwargs, name):
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match='tp'):
         sim.sizes_from_config(sim.TINY_CONFIG, tp=3)
-    with pytest.raises(ValueError, match='linear_conv_kernel_dim'):
-        sim.sizes_from_config({k: v for k, v in sim.TINY_CONFIG.items() if k != 'linear_conv_kernel_dim'})
+    with pytest.raises(ValueError, match='model_type'):
+        sim.sizes_from_config({k: v for k, v in sim.TINY_CONFIG.items() if k != 'model_type'})
+    with pytest.raises(ValueError, match='model_type'):
+        sim.sizes_from_config(dict(sim.TINY_CONFIG, model_type='no_such_model'))
     with pytest.raises(ValueError, match='kv_dtype'):
         sim.sizes_from_config(sim.TINY_CONFIG, kv_dtype='float13')
 
@@ -271,3 +274,21 @@ def test_branching_preset_cli():
     proc = subprocess.run([sys.executable, str(SCRIPT), '--preset', 'seed-table', '--policies', 'sometimes'],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and 'policies' in proc.stderr
+
+
+def test_sizes_come_from_the_engine_models_specs():
+    """The simulator reads the model's own cache specs (as the engine loads the config): a field
+    the config leaves out takes transformers' default, exactly as in the engine (the conv
+    kernel of Qwen3-Next defaults to 4), and S / K_blk equal the engine cache's payload bytes."""
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.engine.cache_engine import CacheEngine
+    from lmdeploy.pytorch.models import get_model_class
+    missing = {k: v for k, v in sim.TINY_CONFIG.items() if k != 'linear_conv_kernel_dim'}
+    assert sim.sizes_from_config(missing) == sim.sizes_from_config(sim.TINY_CONFIG)
+    fields = {k: v for k, v in sim.TINY_CONFIG.items() if k != 'model_type'}
+    cfg = AutoConfig.for_model('qwen3_next', **fields)
+    specs = get_model_class('qwen3_next').cache_specs(cfg, torch.float32)
+    engine = CacheEngine(specs, 16, 1, 1)
+    assert sim.sizes_from_config(sim.TINY_CONFIG, block_size=16) == sim.StoreSizes(engine.state_bytes,
+                                                                                   engine.kv_block_bytes)

@@ -1,15 +1,29 @@
-"""Layer-type cache specs: what each decoder layer caches.
+"""Layer cache specs: what each decoder layer caches, declared as data.
 
-Every layer of a model declares one spec; the cache engine sizes and lays
-out memory from the list of specs alone, with no model-specific branches:
+Every layer of a model declares one spec. A spec is a list of named tensors and one placement:
 
-- :class:`FullAttentionSpec` — keys and values per token, stored in paged blocks of
-  ``block_size`` tokens (``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V).
-- :class:`LinearAttentionSpec` — a fixed-size recurrent state per sequence (conv state and
-  delta-rule state), stored in state slots (``[num_slots, *shape]`` per tensor).
+- **paged** (``spec.paged``): each tensor is stored *per token*, in paged blocks of
+  ``block_size`` tokens — full-attention K and V, an MLA latent, an indexer's keys. A tensor of
+  per-token shape ``s`` is ``[num_blocks, block_size, *s]`` in the cache.
+- **state** (not paged): each tensor is one fixed-size value *per sequence*, stored in state
+  slots — a conv state, a delta-rule or SSM state. A tensor of shape ``s`` is
+  ``[num_slots, *s]`` in the cache.
 
-Byte sizes derived here are the ones the Store byte accounting uses (docs/en/advance/store.md):
-``S`` = :func:`state_bytes_per_slot`, ``K_blk`` = :func:`kv_bytes_per_block`.
+Each tensor also says how it splits under tensor parallelism (``tp_split``: which of the
+rank's ranges — KV heads, conv channels, value heads — cuts its axis ``tp_axis``; ``None``:
+every rank holds all of it, e.g. a latent shared by all heads).
+
+The cache engine, the Store payload layout, checkpoint copies and the Store byte simulator
+all read these specs and nothing else; :class:`CacheRowLayout` is the one place the bytes of a
+block row and of a state row are laid out, so ``K_blk`` (:func:`kv_bytes_per_block`) and ``S``
+(:func:`state_bytes_per_slot`) are computed once, here::
+
+    KV block row   L0.k | L0.v | L3.k | L3.v | ...      (paged specs, in layer order)
+    state row      L0.conv | L0.recurrent | L1.conv ...  (state specs, in layer order)
+
+:class:`FullAttentionSpec` and :class:`LinearAttentionSpec` are the two kinds the Qwen3 /
+Qwen3-Next / Qwen3.5 families use; a new kind is a :class:`PagedSpec` or :class:`StateSpec`
+with its own tensors, declared in the model file.
 """
 from __future__ import annotations
 
@@ -18,8 +32,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ['FullAttentionSpec', 'LinearAttentionSpec', 'LayerCacheSpec', 'kv_bytes_per_block',
-           'state_bytes_per_slot', 'dtype_nbytes']
+__all__ = ['CacheTensor', 'LayerCacheSpec', 'PagedSpec', 'StateSpec', 'FullAttentionSpec', 'LinearAttentionSpec',
+           'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot', 'has_state', 'dtype_nbytes']
+
+_ALIGN = 16      # bytes: every row starts (and ends) on this boundary
 
 
 def dtype_nbytes(dtype: torch.dtype) -> int:
@@ -27,9 +43,84 @@ def dtype_nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """A full-attention layer: K and V per token in paged blocks.
+class CacheTensor:
+    """One cached tensor of a layer.
+
+    Attributes:
+        name: what it holds (``'k'``, ``'v'``, ``'conv'``, ``'recurrent'``, ...).
+        shape: per token (paged specs) or per sequence (state specs), this rank's sizes.
+        dtype: storage dtype.
+        tp_split: the tensor-parallel range family that cuts axis ``tp_axis`` of ``shape``
+            (``'kv_heads'``, ``'conv_channels'``, ``'v_heads'``: see
+            :meth:`~lmdeploy.pytorch.distributed.sharding.TPLayout.cache_ranges`), or None when
+            every rank holds the whole tensor.
+        tp_axis: the axis of ``shape`` that ``tp_split`` cuts.
+    """
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tp_split: str | None = None
+    tp_axis: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one value (one token's, or one sequence's)."""
+        return _numel(self.shape) * dtype_nbytes(self.dtype)
+
+
+class LayerCacheSpec:
+    """What one layer caches: :meth:`tensors`, all paged (per token) or all per sequence."""
+
+    paged: bool
+
+    def tensors(self) -> tuple[CacheTensor, ...]:
+        raise NotImplementedError
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes of this layer's paged tensors for ``block_size`` tokens (0 for a state spec)."""
+        return block_size * sum(t.nbytes for t in self.tensors()) if self.paged else 0
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of this layer's state for one sequence (0 for a paged spec)."""
+        return 0 if self.paged else sum(t.nbytes for t in self.tensors())
+
+
+@dataclass(frozen=True)
+class PagedSpec(LayerCacheSpec):
+    """A layer whose tensors are per token, in paged blocks (any kind: give its tensors)."""
+    cached: tuple[CacheTensor, ...]
+    paged = True
+
+    def tensors(self) -> tuple[CacheTensor, ...]:
+        return self.cached
+
+
+@dataclass(frozen=True)
+class StateSpec(LayerCacheSpec):
+    """A layer whose tensors are one value per sequence, in state slots (any kind)."""
+    cached: tuple[CacheTensor, ...]
+    paged = False
+
+    def tensors(self) -> tuple[CacheTensor, ...]:
+        return self.cached
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(LayerCacheSpec):
+    """A full-attention layer: K and V per token in paged blocks, ``[num_kv_heads, head_dim]``
+    each per token, split by KV head under tensor parallelism.
 
     Attributes:
         num_kv_heads: key/value heads on this rank.
@@ -39,20 +130,23 @@ class FullAttentionSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    paged = True
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """Bytes of K plus V for ``block_size`` tokens of this layer."""
-        return 2 * block_size * self.num_kv_heads * self.head_dim * dtype_nbytes(self.dtype)
+    def tensors(self) -> tuple[CacheTensor, ...]:
+        shape = (self.num_kv_heads, self.head_dim)
+        return CacheTensor('k', shape, self.dtype, 'kv_heads'), CacheTensor('v', shape, self.dtype, 'kv_heads')
 
 
 @dataclass(frozen=True)
-class LinearAttentionSpec:
-    """A linear-attention (recurrent) layer: a fixed-size state per sequence.
+class LinearAttentionSpec(LayerCacheSpec):
+    """A Gated DeltaNet layer: a conv state and a delta-rule state per sequence.
 
     Attributes:
-        conv_shape: causal conv1d state ``(conv_dim, kernel_size - 1)``.
+        conv_shape: causal conv1d state ``(conv_dim, kernel_size - 1)``; its channels are the
+            q | k | v channels, split as the rank's conv1d weight rows.
         conv_dtype: dtype of the conv state (the activation dtype).
-        recurrent_shape: delta-rule state ``(num_v_heads, k_head_dim, v_head_dim)``.
+        recurrent_shape: delta-rule state ``(num_v_heads, k_head_dim, v_head_dim)``, split by
+            value head.
         recurrent_dtype: dtype of the recurrent state (float32: it accumulates over the
             whole sequence, so low precision would drift).
     """
@@ -60,30 +154,68 @@ class LinearAttentionSpec:
     conv_dtype: torch.dtype
     recurrent_shape: tuple[int, ...]
     recurrent_dtype: torch.dtype = torch.float32
+    paged = False
 
-    def tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The (shape, dtype) of each state tensor, in slot layout order."""
-        return [(tuple(self.conv_shape), self.conv_dtype), (tuple(self.recurrent_shape), self.recurrent_dtype)]
-
-    def bytes_per_slot(self) -> int:
-        """Bytes of this layer's state for one sequence."""
-        total = 0
-        for shape, dtype in self.tensors():
-            n = 1
-            for s in shape:
-                n *= s
-            total += n * dtype_nbytes(dtype)
-        return total
+    def tensors(self) -> tuple[CacheTensor, ...]:
+        return (CacheTensor('conv', tuple(self.conv_shape), self.conv_dtype, 'conv_channels'),
+                CacheTensor('recurrent', tuple(self.recurrent_shape), self.recurrent_dtype, 'v_heads'))
 
 
-LayerCacheSpec = FullAttentionSpec | LinearAttentionSpec
+class CacheRowLayout:
+    """Byte offsets of typed tensors packed into one row (a KV block row or a state slot row).
+
+    Each tensor starts at a multiple of its element size; the row is padded to 16 bytes.
+    ``payload_bytes`` (the row without its end padding) is what a Store object of the row
+    holds: ``K_blk`` for a block row, ``S`` for a state row.
+
+    Args:
+        specs: the model's layer specs (this rank's).
+        paged: lay out the paged tensors (a block row of ``block_size`` tokens) or the state
+            tensors (a slot row).
+        block_size: tokens per block (paged rows only).
+
+    Attributes:
+        entries: ``(layer index, CacheTensor, byte offset, row shape)`` in row order; the row
+            shape is ``(block_size, *shape)`` for a paged tensor, ``shape`` for a state one.
+    """
+
+    def __init__(self, specs: Sequence[LayerCacheSpec], paged: bool, block_size: int = 0):
+        self.entries: list[tuple[int, CacheTensor, int, tuple[int, ...]]] = []
+        self.payload_bytes = 0
+        for i, spec in enumerate(specs):
+            if spec.paged != paged:
+                continue
+            for t in spec.tensors():
+                shape = (block_size, *t.shape) if paged else tuple(t.shape)
+                offset = _round_up(self.payload_bytes, dtype_nbytes(t.dtype))
+                self.entries.append((i, t, offset, shape))
+                self.payload_bytes = offset + _numel(shape) * dtype_nbytes(t.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row, padding included (at least 16)."""
+        return max(_round_up(self.payload_bytes, _ALIGN), _ALIGN)
+
+    def views(self, buf: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
+        """``{layer index: typed views}`` into ``buf`` (``[rows, row_bytes]`` uint8): each view
+        is ``[rows, *row shape]`` of its tensor's dtype, in the spec's tensor order."""
+        out: dict[int, list[torch.Tensor]] = {}
+        for i, t, offset, shape in self.entries:
+            nbytes = _numel(shape) * dtype_nbytes(t.dtype)
+            out.setdefault(i, []).append(buf[:, offset:offset + nbytes].view(t.dtype).view(buf.shape[0], *shape))
+        return {i: tuple(v) for i, v in out.items()}
 
 
 def kv_bytes_per_block(specs: Sequence[LayerCacheSpec], block_size: int) -> int:
-    """``K_blk``: KV bytes of one block over all full-attention layers (this rank)."""
-    return sum(s.bytes_per_block(block_size) for s in specs if isinstance(s, FullAttentionSpec))
+    """``K_blk``: payload bytes of one block over every paged layer (this rank)."""
+    return CacheRowLayout(specs, True, block_size).payload_bytes
 
 
 def state_bytes_per_slot(specs: Sequence[LayerCacheSpec]) -> int:
-    """``S`` before slot padding: state bytes of one sequence over all linear layers."""
-    return sum(s.bytes_per_slot() for s in specs if isinstance(s, LinearAttentionSpec))
+    """``S``: payload bytes of one sequence's state over every state layer (this rank)."""
+    return CacheRowLayout(specs, False).payload_bytes
+
+
+def has_state(specs: Sequence[LayerCacheSpec]) -> bool:
+    """Some layer keeps a per-sequence state (a hybrid model: prefixes need state checkpoints)."""
+    return any(not s.paged for s in specs)

@@ -233,6 +233,22 @@ class TPLayout:
         """This rank's Gated DeltaNet conv channels (q | k | v pieces), as in its conv1d rows."""
         return self._gdn_shard('conv1d').ranges
 
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """This rank's ranges of a cached tensor's split axis (``CacheTensor.tp_split``), in the
+        order the rank's tensor holds them: ``'kv_heads'``, ``'v_heads'`` (one range each) or
+        ``'conv_channels'`` (the q | k | v pieces).
+
+        Raises:
+            ValueError: an unknown split name.
+        """
+        if split == 'kv_heads':
+            return (self.kv_heads,)
+        if split == 'v_heads':
+            return (self.v_heads,)
+        if split == 'conv_channels':
+            return self.conv_ranges()
+        raise ValueError(f"CacheTensor.tp_split: unknown split {split!r} (kv_heads, v_heads, conv_channels)")
+
     def apply(self, model: nn.Module) -> nn.Module:
         """Swap in the parallel modules (on the model's current device, e.g. meta); returns ``model``."""
         c = self.text

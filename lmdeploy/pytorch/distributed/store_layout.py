@@ -9,6 +9,9 @@ snapshot covers *every* head, each rank's slice placed at its head range::
     state (per linear-attention layer)
         conv      [conv_dim, K-1]   rank r's q | k | v channels → its three channel ranges
         recurrent [Hv, dk, dv]      rank r's value heads → value heads v_heads(r)
+    a tensor the spec does not split (e.g. a latent shared by every head): stored once
+
+Which range cuts which axis is data of the cache spec (``CacheTensor.tp_split``), not code here.
 
 So the keys and bytes do not depend on the TP size: a TP2 engine restores what a TP1 engine
 saved and the reverse, and the objects dedupe across TP sizes (the namespace needs no TP
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache_specs import FullAttentionSpec, LinearAttentionSpec
+from ..cache_specs import has_state, kv_bytes_per_block, state_bytes_per_slot
 from ..engine.cache_engine import CacheEngine
 from .sharding import TPLayout
 
@@ -31,7 +34,10 @@ __all__ = ['StoreLayout']
 
 
 class StoreLayout:
-    """Converts between rank payloads and full-head payloads.
+    """Converts between rank payloads and full-head payloads, from the cache specs alone: each
+    cached tensor says which of a rank's ranges (:meth:`TPLayout.cache_ranges`) cut which axis
+    (``CacheTensor.tp_split`` / ``tp_axis``); a tensor without a split is held whole by every
+    rank (the same bytes) and stored once.
 
     Args:
         config: the full model config.
@@ -39,13 +45,25 @@ class StoreLayout:
         local_specs: one rank's layer specs (every rank's are equal: heads split evenly).
         full_specs: the single-process specs (the Store payload layout).
         block_size: tokens per block.
+
+    Raises:
+        ValueError: a rank's ranges of a tensor do not add up to the rank's size of its axis.
     """
 
     def __init__(self, config, size: int, local_specs, full_specs, block_size: int):
         self.layouts = [TPLayout(config, r, size) for r in range(size)]
         self.local_specs, self.full_specs, self.block_size = list(local_specs), list(full_specs), block_size
         self.config = config
-        self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.full_specs)
+        self.is_hybrid = has_state(self.full_specs)
+        for layout in self.layouts:
+            for spec in self.local_specs:
+                for t in spec.tensors():
+                    if t.tp_split is None:
+                        continue
+                    covered = sum(b - a for a, b in layout.cache_ranges(t.tp_split))
+                    if covered != t.shape[t.tp_axis]:
+                        raise ValueError(f'cache tensor {t.name!r}: rank {layout.rank} holds {t.shape[t.tp_axis]} '
+                                         f'of axis {t.tp_axis}, its {t.tp_split} ranges cover {covered}')
 
     def _engines(self, rows: int, kv: bool):
         n_blocks, n_slots = (rows, 0) if kv else (0, rows)
@@ -53,28 +71,23 @@ class StoreLayout:
         ranks = [CacheEngine(self.local_specs, self.block_size, n_blocks, n_slots) for _ in self.layouts]
         return full, ranks
 
-    @staticmethod
-    def _conv_ranges(layout: TPLayout) -> tuple[tuple[int, int], ...]:
-        """The rank's conv channels: the same q | k | v ranges as its conv1d weight rows."""
-        return layout.conv_ranges()
-
     def _pairs(self, full: CacheEngine, ranks: list[CacheEngine], kv: bool):
         """Yield ``(full view, rank view)`` pairs that hold the same elements."""
         for i, spec in enumerate(self.full_specs):
-            for r, (layout, eng) in enumerate(zip(self.layouts, ranks)):
-                if kv and isinstance(spec, FullAttentionSpec):
-                    h0, h1 = layout.kv_heads
-                    for j in range(2):
-                        yield full.kv_caches[i][j][:, :, h0:h1], eng.kv_caches[i][j]
-                elif not kv and isinstance(spec, LinearAttentionSpec):
-                    conv_full, rec_full = full.state_caches[i]
-                    conv_rank, rec_rank = eng.state_caches[i]
-                    start = 0
-                    for a, b in self._conv_ranges(layout):
-                        yield conv_full[:, a:b], conv_rank[:, start:start + b - a]
+            if spec.paged != kv:
+                continue
+            full_views = full.kv_caches[i] if kv else full.state_caches[i]
+            lead = 2 if kv else 1        # [rows, block_size, *shape] or [rows, *shape]
+            for layout, eng in zip(self.layouts, ranks):
+                rank_views = eng.kv_caches[i] if kv else eng.state_caches[i]
+                for t, f, r in zip(spec.tensors(), full_views, rank_views):
+                    if t.tp_split is None:
+                        yield f, r
+                        continue
+                    axis, start = lead + t.tp_axis, 0
+                    for a, b in layout.cache_ranges(t.tp_split):
+                        yield f.narrow(axis, a, b - a), r.narrow(axis, start, b - a)
                         start += b - a
-                    v0, v1 = layout.v_heads
-                    yield rec_full[:, v0:v1], rec_rank
 
     def to_full(self, rank_payloads: list[torch.Tensor], kv: bool) -> torch.Tensor:
         """Rank payloads (``[n, bytes_r]`` uint8 per rank) → full-head payloads ``[n, bytes]``."""
@@ -105,9 +118,9 @@ class StoreLayout:
     @property
     def kv_block_bytes(self) -> int:
         """K_blk of the full-head layout."""
-        return CacheEngine(self.full_specs, self.block_size, 0, 0)._kv_layout.payload_bytes
+        return kv_bytes_per_block(self.full_specs, self.block_size)
 
     @property
     def state_bytes(self) -> int:
         """S of the full-head layout."""
-        return CacheEngine(self.full_specs, self.block_size, 0, 0)._state_layout.payload_bytes
+        return state_bytes_per_slot(self.full_specs)

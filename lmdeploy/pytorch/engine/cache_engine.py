@@ -3,11 +3,14 @@ model's layer cache specs alone (no branch on the model type).
 
 Two byte buffers, one row per block / per slot, with typed per-layer views into them::
 
-    kv_buf    [num_blocks, block_row]  row = L0.K | L0.V | L3.K | L3.V ...  (full-attn layers)
-    state_buf [num_slots,  slot_row]   row = L0.conv | L0.ssm | L1.conv | L1.ssm ... (linear layers)
+    kv_buf    [num_blocks, block_row]  row = L0.k | L0.v | L3.k | L3.v ...  (paged specs)
+    state_buf [num_slots,  slot_row]   row = L0.conv | L0.recurrent | L1.conv ... (state specs)
+
+(the row layout is :class:`~lmdeploy.pytorch.cache_specs.CacheRowLayout`, the same one the Store
+byte accounting uses).
 
 Because a block's (or a slot's) bytes for every layer sit in one row, one copy moves a whole
-block or a whole recurrent state (all linear-attention layers at once): the checkpoint save and
+block or a whole recurrent state (all state layers at once): the checkpoint save and
 restore op (:func:`~lmdeploy.pytorch.kernels.state_copy.copy_state_slots`) and the Store
 payloads are plain row copies. Payload bytes exclude the row padding: a state payload is
 ``S = state_bytes`` and a KV payload ``K_blk = kv_block_bytes``.
@@ -18,46 +21,10 @@ from typing import Sequence
 
 import torch
 
-from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec, dtype_nbytes
+from ..cache_specs import CacheRowLayout, LayerCacheSpec
 from ..kernels.state_copy import copy_state_slots
 
 __all__ = ['CacheEngine']
-
-_ALIGN = 16
-
-
-def _round_up(x: int, a: int = _ALIGN) -> int:
-    return (x + a - 1) // a * a
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-class _RowLayout:
-    """Byte offsets of typed tensors packed into one row."""
-
-    def __init__(self):
-        self.entries: list[tuple[int, tuple[int, ...], torch.dtype]] = []
-        self.payload_bytes = 0
-
-    def add(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        offset = _round_up(self.payload_bytes, dtype_nbytes(dtype))
-        self.entries.append((offset, tuple(shape), dtype))
-        self.payload_bytes = offset + _numel(shape) * dtype_nbytes(dtype)
-        return len(self.entries) - 1
-
-    @property
-    def row_bytes(self) -> int:
-        return max(_round_up(self.payload_bytes), _ALIGN)
-
-    def view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
-        offset, shape, dtype = self.entries[index]
-        nbytes = _numel(shape) * dtype_nbytes(dtype)
-        return buf[:, offset:offset + nbytes].view(dtype).view(buf.shape[0], *shape)
 
 
 class CacheEngine:
@@ -69,6 +36,12 @@ class CacheEngine:
         num_blocks: KV blocks to allocate.
         num_slots: state slots (runtime + checkpoint) to allocate; 0 when no layer has state.
         device: where the buffers live.
+
+    Attributes:
+        kv_caches: per layer, the views of its paged tensors (``[num_blocks, block_size,
+            *shape]`` each, in the spec's tensor order: ``(k, v)`` for full attention), or None.
+        state_caches: per layer, the views of its state tensors (``[num_slots, *shape]`` each:
+            ``(conv, recurrent)`` for Gated DeltaNet), or None.
     """
 
     def __init__(self, specs: Sequence[LayerCacheSpec], block_size: int, num_blocks: int, num_slots: int,
@@ -77,15 +50,9 @@ class CacheEngine:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self._kv_layout, self._state_layout = _RowLayout(), _RowLayout()
-        kv_index, state_index = {}, {}
-        for i, spec in enumerate(self.specs):
-            if isinstance(spec, FullAttentionSpec):
-                shape = (block_size, spec.num_kv_heads, spec.head_dim)
-                kv_index[i] = (self._kv_layout.add(shape, spec.dtype), self._kv_layout.add(shape, spec.dtype))
-            elif isinstance(spec, LinearAttentionSpec):
-                state_index[i] = tuple(self._state_layout.add(shape, dtype) for shape, dtype in spec.tensors())
-        self.has_state = bool(state_index)
+        self._kv_layout = CacheRowLayout(self.specs, True, block_size)
+        self._state_layout = CacheRowLayout(self.specs, False)
+        self.has_state = bool(self._state_layout.entries)
         self.num_slots = num_slots if self.has_state else 0
         # KV rows are written before they are read (attention reads only positions < kv_len), so
         # they need no zeroing; untouched pages then cost no resident memory on CPU.
@@ -94,29 +61,20 @@ class CacheEngine:
                                      device=self.device)
         self.kv_caches = [None] * len(self.specs)
         self.state_caches = [None] * len(self.specs)
-        for i, (ki, vi) in kv_index.items():
-            self.kv_caches[i] = (self._kv_layout.view(self.kv_buf, ki), self._kv_layout.view(self.kv_buf, vi))
-        for i, idx in state_index.items():
-            self.state_caches[i] = tuple(self._state_layout.view(self.state_buf, j) for j in idx)
+        for i, views in self._kv_layout.views(self.kv_buf).items():
+            self.kv_caches[i] = views
+        for i, views in self._state_layout.views(self.state_buf).items():
+            self.state_caches[i] = views
 
     @staticmethod
     def bytes_per_block(specs: Sequence[LayerCacheSpec], block_size: int) -> int:
         """Bytes one KV block row takes (including alignment padding)."""
-        layout = _RowLayout()
-        for spec in specs:
-            if isinstance(spec, FullAttentionSpec):
-                for _ in range(2):
-                    layout.add((block_size, spec.num_kv_heads, spec.head_dim), spec.dtype)
-        return layout.row_bytes
+        return CacheRowLayout(specs, True, block_size).row_bytes
 
     @staticmethod
     def bytes_per_slot(specs: Sequence[LayerCacheSpec]) -> int:
         """Bytes one state slot row takes (including alignment padding); 0 without state."""
-        layout = _RowLayout()
-        for spec in specs:
-            if isinstance(spec, LinearAttentionSpec):
-                for shape, dtype in spec.tensors():
-                    layout.add(shape, dtype)
+        layout = CacheRowLayout(specs, False)
         return layout.row_bytes if layout.entries else 0
 
     @property

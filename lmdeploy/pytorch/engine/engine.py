@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_specs import LinearAttentionSpec
+from ..cache_specs import has_state
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..distributed.executor import make_executor
@@ -115,7 +115,7 @@ class Engine:
             # only recycles the steps' activations
             tune_host_allocator()
             native_library()   # build the native decode kernels now, not in the first request
-        self.is_hybrid = any(isinstance(s, LinearAttentionSpec) for s in self.specs)
+        self.is_hybrid = has_state(self.specs)
         text_config = self.hf_config.get_text_config()   # a vision-language config keeps these in text_config
         self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))
         self.vocab_size = int(text_config.vocab_size)
