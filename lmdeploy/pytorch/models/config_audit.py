@@ -92,6 +92,18 @@ FIELDS['qwen3_5'] = {
                           'temporal_patch_size', 'out_hidden_size', 'num_position_embeddings',
                           'deepstack_visual_indexes', 'text_config')},
 }
+_MOE = {
+    'num_experts': IMPLEMENTED,
+    'num_experts_per_tok': IMPLEMENTED,
+    'moe_intermediate_size': IMPLEMENTED,
+    'shared_expert_intermediate_size': IMPLEMENTED,
+    'output_router_logits': INERT,            # the training loss only
+    'router_aux_loss_coef': INERT,
+}
+# Qwen3.5-MoE: the Qwen3.5 text stack with a MoE block in every layer (the router always
+# renormalises its top-k; the config has no norm_topk_prob / decoder_sparse_step / mlp_only_layers)
+FIELDS['qwen3_5_moe_text'] = {**_QWEN3_5_TEXT, **_MOE}
+FIELDS['qwen3_5_moe'] = {**FIELDS['qwen3_5'], **_MOE}
 
 # keys of transformers' RopeParameters; 'implemented' ones are read by transformers' own functions
 ROPE_FIELDS: dict[str, str] = {
@@ -148,7 +160,7 @@ def check_config(config) -> None:
     elif config.model_type == 'qwen3_next':
         from .qwen3_next import check_config as check_qwen3_next
         check_qwen3_next(config)
-    elif config.model_type in ('qwen3_5', 'qwen3_5_text'):
+    elif config.model_type in ('qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'):
         from .qwen3_5 import check_config as check_qwen3_5
         config = config.get_text_config()
         check_qwen3_5(config)

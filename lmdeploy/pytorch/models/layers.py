@@ -187,7 +187,7 @@ class WeightLoader:
 
 
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool = False,
-                 rename=None) -> None:
+                 rename=None, special=None) -> None:
     """Load HF-named ``(name, tensor)`` pairs with a :class:`WeightLoader`.
 
     Args:
@@ -196,6 +196,8 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         tie_word_embeddings: fill ``lm_head.weight`` from ``model.embed_tokens.weight`` when the
             checkpoint has none.
         rename: optional ``name -> name | None`` (``None`` drops the tensor).
+        special: optional ``(loader, name, tensor) -> bool`` tried first on each (renamed)
+            tensor; True means it copied the tensor itself (e.g. one expert of fused experts).
 
     Raises:
         KeyError: a tensor has no matching parameter.
@@ -207,7 +209,8 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             name = rename(name)
             if name is None:
                 continue
-        loader.load(name, tensor)
+        if special is None or not special(loader, name, tensor):
+            loader.load(name, tensor)
     loader.finish(tie_word_embeddings)
 
 
