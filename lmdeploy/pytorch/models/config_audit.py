@@ -37,7 +37,7 @@ _COMMON = {
     'rope_parameters': CHECKED,               # see ROPE_FIELDS and .rope
     'hidden_act': CHECKED,                    # 'silu' only
     'layer_types': CHECKED,
-    'quantization_config': CHECKED,           # read by from_pretrained; must be absent
+    'quantization_config': CHECKED,           # read by from_pretrained; FP8 block-wise only (.quantization)
     'attention_dropout': INERT,               # dropout is off at inference
     'pad_token_id': INERT,                    # padding_idx only masks the embedding's gradient
     '_attn_implementation': INERT,            # eager / sdpa compute the same attention
@@ -135,17 +135,15 @@ def check_config(config) -> None:
         config: a ``transformers`` config of a supported ``model_type``.
 
     Raises:
-        ValueError: naming the field and its value: ``quantization_config`` present,
+        ValueError: naming the field and its value: a ``quantization_config`` other than FP8
+            block-wise (see :mod:`.quantization`),
             ``hidden_act`` other than ``'silu'``, ``layer_types`` other than the architecture's
             (Qwen3: all ``'full_attention'``; Qwen3-Next: ``'linear_attention'`` /
             ``'full_attention'``), ``linear_num_value_heads`` not a multiple of
             ``linear_num_key_heads``, or a ``rope_parameters`` entry (see :mod:`.rope`).
     """
-    quant = getattr(config, 'quantization_config', None)
-    if quant:
-        method = quant.get('quant_method') if isinstance(quant, dict) else type(quant).__name__
-        raise ValueError(f'quantization_config (quant_method={method!r}) is not supported: '
-                         'the engine loads unquantized float weights only')
+    from .quantization import parse_quantization_config
+    parse_quantization_config(config)     # FP8 block-wise only; other methods are refused by name
     if config.model_type == 'qwen3':
         if config.hidden_act != 'silu':
             raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")

@@ -187,11 +187,13 @@ def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device |
                     if name.startswith(MTP_PREFIX):
                         yield name, f.get_tensor(name)
 
+    from ..distributed.loading import shard_fp8
+    fp8 = shard_fp8(model_path, config, dtype)     # FP8 checkpoint: the head is dequantized at load
     if layout is None:
-        mtp.load_weights(tensors())
+        mtp.load_weights(tensors() if fp8 is None else fp8.stream(tensors(), complete=False))
     else:
         from ..distributed.loading import iter_shard_tensors
-        mtp.load_weights(iter_shard_tensors(model_path, layout, prefix=MTP_PREFIX))
+        mtp.load_weights(iter_shard_tensors(model_path, layout, prefix=MTP_PREFIX, fp8=fp8))
     return mtp.eval()
 
 
