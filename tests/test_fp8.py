@@ -253,3 +253,22 @@ def test_make_tiny_model_cli_writes_fp8(tmp_path):
     assert main(['make-tiny-model', str(out), '--arch', 'qwen3_5_moe_text', '--fp8']) == 0
     assert json.loads((out / 'config.json').read_text())['quantization_config']['quant_method'] == 'fp8'
     assert any(t.dtype == torch.float8_e4m3fn for t in load_file(str(out / 'model.safetensors')).values())
+
+
+def test_tp2_on_an_fp8_checkpoint_equals_tp1(fp8_models):
+    """Each rank dequantizes a quantized weight read whole, then takes its slice: TP2 logits
+    within the TP tolerance of TP1 and greedy tokens equal."""
+    from test_tensor_parallel import PROMPTS, TP_TOL, engine
+    path, _ = fp8_models['qwen3_5_moe_text']
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    ref = engine(path)
+    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = [ref.generate(p, gen).output_ids for p in PROMPTS]
+    ref.close()
+    eng = engine(path, tp=2)
+    try:
+        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
+        assert (logits - ref_logits).abs().max().item() <= TP_TOL
+        assert [eng.generate(p, gen).output_ids for p in PROMPTS] == ref_out
+    finally:
+        eng.close()

@@ -173,9 +173,11 @@ def keep_fp8_linears(model: torch.nn.Module, weights: set[str], block: tuple[int
     """Switch each plain :class:`~.layers.Linear` of ``model`` whose weight is one quantized
     checkpoint tensor of ``weights`` to FP8 storage (:meth:`~.layers.Linear.to_fp8`); returns
     those checkpoint names. Checkpoint names under ``model.language_model.`` (Qwen3.5) are
-    matched as ``model.``."""
+    matched as ``model.``. Only decoder-layer projections switch (``lm_head`` and the vision
+    tower keep the compute dtype: their weight dtype is read as the model's)."""
     from .layers import Linear
-    plain = {f'{path}.weight': module for path, module in model.named_modules() if type(module) is Linear}
+    plain = {f'{path}.weight': module for path, module in model.named_modules()
+             if type(module) is Linear and path.startswith('model.layers.')}
     kept = set()
     for name in weights:
         module = plain.get(name) or plain.get(name.replace('model.language_model.', 'model.', 1))
