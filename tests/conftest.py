@@ -35,3 +35,18 @@ def tiny_qwen3_5(tmp_path_factory) -> str:
     tower, image special tokens in the tokenizer)."""
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3_5')), arch='qwen3_5', seed=0)
+
+
+@pytest.fixture(scope='session')
+def tiny_qwen3_5_moe(tmp_path_factory) -> str:
+    """Path of a tiny vision-language Qwen3.5-MoE checkpoint (float32; experts stored per expert,
+    an ``mtp.*`` head)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3_5_moe')), arch='qwen3_5_moe', seed=0)
+
+
+@pytest.fixture(scope='session')
+def tiny_qwen3_5_moe_text(tmp_path_factory) -> str:
+    """Path of a tiny text-only Qwen3.5-MoE checkpoint (float32; experts per expert, ``mtp.*`` head)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3_5_moe_text')), arch='qwen3_5_moe_text', seed=0)

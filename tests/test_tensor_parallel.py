@@ -102,7 +102,7 @@ def assert_reader_restores(path: str, cfg: dict, tp: int, ids: list[int], gen, e
 
 
 # loading ---------------------------------------------------------------------------------
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'])
 def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch, request, monkeypatch):
     path = request.getfixturevalue(f'tiny_{arch}')
     config = load_config(path)
@@ -119,10 +119,15 @@ def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch,
         assert any(n.startswith('mtp.') and 'k_proj' in n for n in split)      # the MTP head's attention
     if arch.startswith('qwen3_5'):      # flat Gated DeltaNet projections, under model.language_model.*
         for part in ('in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a', 'conv1d', 'dt_bias', 'A_log',
-                     'out_proj', 'q_proj', 'o_proj', 'down_proj', 'gate_proj'):
+                     'out_proj', 'q_proj', 'o_proj') + (() if 'moe' in arch else ('down_proj', 'gate_proj')):
             assert any(f'.{part}.' in n or n.endswith(f'.{part}') for n in split), part
-        assert 'model.language_model.embed_tokens.weight' in split
-    if arch == 'qwen3_5':
+        # the text-only MoE checkpoint is written by transformers' Qwen3_5MoeForCausalLM: model.* names
+        assert ('model.embed_tokens.weight' if arch == 'qwen3_5_moe_text'
+                else 'model.language_model.embed_tokens.weight') in split
+    if 'moe' in arch:      # MoE (experts, router, shared expert) replicated; the MTP head's attention split
+        assert not any('.mlp.' in n for n in split)
+        assert any(n.startswith('mtp.') and 'k_proj' in n for n in split)
+    if arch in ('qwen3_5', 'qwen3_5_moe'):
         visual = {n for n in full if n.startswith('model.visual.')}
         assert visual and visual <= set(parts[0]) and not visual & set(parts[1])   # the tower: rank 0 only
         assert not visual & set(split)
@@ -216,7 +221,7 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert eng.is_idle()
 
 
-@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text'])
+@pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'])
 def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
     path = request.getfixturevalue(f'tiny_{arch}')
     ref = engine(path)

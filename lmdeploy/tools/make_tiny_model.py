@@ -8,7 +8,7 @@ This module owns the on-disk layout of the tiny models every CPU test loads:
       model.safetensors       one file, keys in the published checkpoint layout
       tokenizer.json          byte-level BPE trained here on an embedded corpus
       tokenizer_config.json   PreTrainedTokenizerFast + ChatML chat_template
-      preprocessor_config.json  (qwen3_5 only) transformers' Qwen2-VL image processor, tiny sizes
+      preprocessor_config.json  (qwen3_5, qwen3_5_moe) transformers' Qwen2-VL image processor, tiny sizes
 
 Invariants:
 - Same (arch, seed, overrides, dtype) -> byte-identical files. The tokenizer does not depend on
@@ -19,10 +19,11 @@ Invariants:
 - MoE experts are stored one tensor per expert (`mlp.experts.{e}.gate_proj.weight` ...), as in the
   published Qwen3-Next checkpoints, not in transformers' fused in-memory layout.
 - Weights are far from HF's near-zero init so greedy decoding is not decided by ties.
-- Qwen3-Next checkpoints also hold a multi-token-prediction head under `mtp.*` (as published:
-  `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, one full-attention decoder layer
-  `layers.0` with the model's MoE, `norm`; config `num_nextn_predict_layers: 1`). transformers
-  ignores `mtp.*` on load; the engine's `qwen3_next_mtp` speculative decoding reads it.
+- Qwen3-Next and Qwen3.5-MoE checkpoints also hold a multi-token-prediction head under `mtp.*`
+  (as published: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, one full-attention decoder
+  layer `layers.0` with the model's MoE, `norm`; config `num_nextn_predict_layers: 1`).
+  transformers ignores `mtp.*` on load; the engine's `qwen3_next_mtp` speculative decoding reads it.
+- `fp8=True` stores the matrices as FP8 block-quantized (see :mod:`.fp8_checkpoint`).
 """
 
 import argparse
@@ -33,8 +34,10 @@ import os
 
 import torch
 
-ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5')
-# Qwen3.5's image tokens (ids 3, 4, 5 in its tokenizer; the other archs' tokenizers do not have them)
+ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text')
+VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
+MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
+# Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
 IMAGE_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>')
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
@@ -220,18 +223,17 @@ def _arch_defaults(arch: str) -> dict:
                   rope_theta=10000.0)
     if arch == 'qwen3':
         return dict(common, num_hidden_layers=2, intermediate_size=128)
+    gdn = dict(num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    # Qwen3.5: 6 rotary pairs per head (16 * 0.75 / 2) so each M-RoPE axis owns two of them
+    mrope = dict(partial_rotary_factor=0.75, mrope_section=[2, 2, 2])
     if arch == 'qwen3_5':
-        # 6 rotary pairs per head (16 * 0.75 / 2) so each M-RoPE axis owns two of them
-        return dict(common, num_hidden_layers=4, intermediate_size=128, full_attention_interval=4,
-                    partial_rotary_factor=0.75, mrope_section=[2, 2, 2], linear_num_key_heads=2,
-                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                    linear_conv_kernel_dim=4)
-    return dict(common, num_hidden_layers=4, intermediate_size=128, full_attention_interval=4,
-                partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-                norm_topk_prob=True)
+        return dict(common, **gdn, **mrope, intermediate_size=128)
+    if arch in ('qwen3_5_moe', 'qwen3_5_moe_text'):
+        return dict(common, **gdn, **mrope, **moe)
+    return dict(common, **gdn, **moe, intermediate_size=128, partial_rotary_factor=0.25, decoder_sparse_step=1,
+                mlp_only_layers=[], norm_topk_prob=True)
 
 
 def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: int, **overrides):
@@ -241,11 +243,12 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     `num_hidden_layers` and `full_attention_interval` unless given. Raises ValueError naming the
     field for an unknown arch or an override that is not a field of the config class.
     """
-    from transformers import Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
 
     if arch not in ARCHS:
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
-    cls = {'qwen3': Qwen3Config, 'qwen3_next': Qwen3NextConfig, 'qwen3_5': Qwen3_5TextConfig}[arch]
+    cls = {'qwen3': Qwen3Config, 'qwen3_next': Qwen3NextConfig, 'qwen3_5': Qwen3_5TextConfig,
+           'qwen3_5_moe': Qwen3_5MoeTextConfig, 'qwen3_5_moe_text': Qwen3_5MoeTextConfig}[arch]
     fields = dict(_arch_defaults(arch))
     known = set(cls().to_dict()) | set(fields)
     for key in overrides:
@@ -254,9 +257,9 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     fields.update(overrides)
     interval = fields.pop('full_attention_interval', None)
     rope = dict(rope_type='default', rope_theta=fields.pop('rope_theta'))
-    if arch == 'qwen3_5':
+    if 'mrope_section' in fields:
         rope.update(mrope_section=fields.pop('mrope_section'), mrope_interleaved=True)
-    if arch in ('qwen3_next', 'qwen3_5'):
+    if arch != 'qwen3':
         rope['partial_rotary_factor'] = fields.pop('partial_rotary_factor')
         if 'layer_types' not in overrides:
             n = fields['num_hidden_layers']
@@ -266,14 +269,15 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     fields.setdefault('rope_parameters', rope)
     config = cls(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
                  **fields)
-    if arch != 'qwen3_5':
+    if arch not in VL_ARCHS:
         return config
-    from transformers import Qwen3_5Config
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=8,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=config.hidden_size,
                   num_position_embeddings=16, hidden_act='gelu_pytorch_tanh')
     start, end, pad = (3, 4, 5)     # IMAGE_TOKENS' ids in the qwen3_5 tokenizer
-    return Qwen3_5Config(text_config=config.to_dict(), vision_config=vision, image_token_id=pad,
+    vl_cls = Qwen3_5Config if arch == 'qwen3_5' else Qwen3_5MoeConfig
+    return vl_cls(text_config=config.to_dict(), vision_config=vision, image_token_id=pad,
                          video_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
                          tie_word_embeddings=config.tie_word_embeddings)
 
@@ -343,10 +347,12 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
 
 
 def _mtp_state_dict(config, seed: int, dtype: torch.dtype) -> dict:
-    """Seeded `mtp.*` tensors of a Qwen3-Next checkpoint in the published layout."""
+    """Seeded `mtp.*` tensors of a Qwen3-Next / Qwen3.5-MoE checkpoint (text `config`) in the
+    published layout."""
     import copy
 
     from torch import nn
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
     layer_config = copy.deepcopy(config)
@@ -358,7 +364,8 @@ def _mtp_state_dict(config, seed: int, dtype: torch.dtype) -> dict:
     mtp.fc = nn.Linear(2 * H, H, bias=False)
     torch_state = torch.random.get_rng_state()
     try:
-        mtp.layers = nn.ModuleList([Qwen3NextDecoderLayer(layer_config, config.num_hidden_layers)])
+        layer_cls = Qwen3NextDecoderLayer if config.model_type == 'qwen3_next' else Qwen3_5MoeDecoderLayer
+        mtp.layers = nn.ModuleList([layer_cls(layer_config, config.num_hidden_layers)])
     finally:
         torch.random.set_rng_state(torch_state)
     mtp.norm = Qwen3NextRMSNorm(H, eps=eps)
@@ -370,35 +377,39 @@ def _mtp_state_dict(config, seed: int, dtype: torch.dtype) -> dict:
 
 
 def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **overrides) -> str:
-    """Write a seeded random tiny checkpoint of `arch` ('qwen3' | 'qwen3_next') into `out_dir`.
+    """Write a seeded random tiny checkpoint of `arch` (one of `ARCHS`) into `out_dir`.
 
     `overrides` update config fields (e.g. num_hidden_layers=2); the special key `dtype`
-    ('float32' default | 'bfloat16' | 'float16') sets the stored weight dtype, and `mtp`
-    (default True; qwen3_next only) writes the `mtp.*` multi-token-prediction head. Creates `out_dir`
+    ('float32' default | 'bfloat16' | 'float16') sets the stored weight dtype, `mtp`
+    (default True; `MTP_ARCHS` only) writes the `mtp.*` multi-token-prediction head, and `fp8`
+    (default False) stores the matrices FP8 block-quantized (:mod:`.fp8_checkpoint`). Creates `out_dir`
     if needed and overwrites the five files listed in the module docstring. Returns `out_dir`
     as an absolute path. Raises ValueError naming `arch`, `dtype` or an unknown config field.
     Takes ~0.1 s once transformers is imported (the import itself takes a few seconds).
     """
     from safetensors.torch import save_file
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM, Qwen3NextForCausalLM
+    import transformers
 
     dtype_name = overrides.pop('dtype', 'float32')
-    with_mtp = bool(overrides.pop('mtp', True)) and arch == 'qwen3_next'
+    with_mtp = bool(overrides.pop('mtp', True)) and arch in MTP_ARCHS
+    fp8 = bool(overrides.pop('fp8', False))
     if dtype_name not in DTYPES:
         raise ValueError(f'dtype must be one of {tuple(DTYPES)}, got {dtype_name!r}')
     if arch not in ARCHS:
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f'seed must be a non-negative int, got {seed!r}')
-    extra_special = IMAGE_TOKENS if arch == 'qwen3_5' else ()
+    extra_special = IMAGE_TOKENS if arch in VL_ARCHS else ()
     tok = train_tokenizer(extra_special)
     eos_id, pad_id = tok.token_to_id('<|im_end|>'), tok.token_to_id('<|endoftext|>')
     vocab_size = -(-tok.get_vocab_size() // 8) * 8
     config = build_config(arch, vocab_size, eos_id, pad_id, **overrides)
     config.dtype = dtype_name
 
-    model_cls = {'qwen3': Qwen3ForCausalLM, 'qwen3_next': Qwen3NextForCausalLM,
-                 'qwen3_5': Qwen3_5ForConditionalGeneration}[arch]
+    model_cls = getattr(transformers, {'qwen3': 'Qwen3ForCausalLM', 'qwen3_next': 'Qwen3NextForCausalLM',
+                                       'qwen3_5': 'Qwen3_5ForConditionalGeneration',
+                                       'qwen3_5_moe': 'Qwen3_5MoeForConditionalGeneration',
+                                       'qwen3_5_moe_text': 'Qwen3_5MoeForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -413,22 +424,27 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
-    if arch != 'qwen3_5':
+    if arch not in VL_ARCHS:
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
     config_dict['architectures'] = [model_cls.__name__]
     if with_mtp:
-        config_dict['num_nextn_predict_layers'] = 1
+        # the key the published configs use: Qwen3-Next's top level, Qwen3.5's text config
+        key = 'num_nextn_predict_layers' if arch == 'qwen3_next' else 'mtp_num_hidden_layers'
+        config_dict.get('text_config', config_dict)[key] = 1
+    tensors = _checkpoint_state_dict(model, DTYPES[dtype_name])
+    if with_mtp:
+        tensors.update(_mtp_state_dict(config.get_text_config(), seed, DTYPES[dtype_name]))
+    if fp8:
+        from .fp8_checkpoint import quantize_state_dict
+        tensors, config_dict['quantization_config'] = quantize_state_dict(tensors)
     _write_json(os.path.join(out_dir, 'config.json'), config_dict)
     _write_json(os.path.join(out_dir, 'generation_config.json'),
                 dict(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False))
-    tensors = _checkpoint_state_dict(model, DTYPES[dtype_name])
-    if with_mtp:
-        tensors.update(_mtp_state_dict(config, seed, DTYPES[dtype_name]))
     save_file(dict(sorted(tensors.items())), os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
     _write_tokenizer(tok, out_dir, extra_special)
-    if arch == 'qwen3_5':
+    if arch in VL_ARCHS:
         _write_json(os.path.join(out_dir, 'preprocessor_config.json'), _image_processor_config(config.vision_config))
     return out_dir
 
@@ -464,8 +480,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32',
                         help='stored weight dtype (default: float32)')
     parser.add_argument('--mtp', action=argparse.BooleanOptionalAction, default=None,
-                        help='qwen3_next: also write the mtp.* multi-token-prediction head (default: on for '
-                        'qwen3_next; other architectures have none)')
+                        help=f'also write the mtp.* multi-token-prediction head (default: on for {", ".join(MTP_ARCHS)}; '
+                        'other architectures have none)')
+    parser.add_argument('--fp8', action='store_true',
+                        help='store the matrices FP8 (e4m3) block-quantized with 128x128 inverse scales, as the '
+                        'official FP8 checkpoints (default: off)')
     parser.add_argument('--force', action='store_true',
                         help='write into OUT_DIR even if it is not empty, replacing the checkpoint files '
                         '(default: refuse a non-empty directory)')
@@ -475,15 +494,15 @@ def main(args: argparse.Namespace) -> str:
     """Run the CLI command for parsed `args`; prints and returns the written directory.
 
     Raises ValueError when `out_dir` exists and is not empty, unless `args.force`, or for `--mtp`
-    with an architecture other than qwen3_next.
+    with an architecture outside `MTP_ARCHS`.
     """
     mtp = getattr(args, 'mtp', None)
-    if mtp and args.arch != 'qwen3_next':
-        raise ValueError(f'--mtp: only qwen3_next checkpoints have an MTP head, not --arch {args.arch}')
+    if mtp and args.arch not in MTP_ARCHS:
+        raise ValueError(f'--mtp: only {", ".join(MTP_ARCHS)} checkpoints have an MTP head, not --arch {args.arch}')
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
         raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')
     path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                           mtp=True if mtp is None else mtp)
+                           mtp=True if mtp is None else mtp, fp8=getattr(args, 'fp8', False))
     print(path)
     return path
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from ..models import get_model_class
 from ..models.config_audit import check_config
 from ..models.loader import load_config, resolve_dtype, weight_files
+from ..models.quantization import SCALE_SUFFIX, Fp8Weights, parse_quantization_config
 from .sharding import TPLayout
 
 __all__ = ['iter_shard_tensors', 'load_model_shard']
@@ -23,23 +24,42 @@ __all__ = ['iter_shard_tensors', 'load_model_shard']
 logger = logging.getLogger('lmdeploy')
 
 
-def iter_shard_tensors(model_path: str, layout: TPLayout, prefix: str | None = None
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_shard_tensors(model_path: str, layout: TPLayout, prefix: str | None = None,
+                       fp8: Fp8Weights | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, this rank's part)`` for every checkpoint tensor the rank reads
     (:meth:`TPLayout.reads`), or only for those whose name starts with ``prefix`` (the others
-    are not read at all)."""
+    are not read at all). With ``fp8`` (an FP8 checkpoint) a quantized weight is read whole,
+    dequantized (:meth:`~lmdeploy.pytorch.models.quantization.Fp8Weights.convert`) and then
+    sliced, and the scales are not yielded."""
+    quantized = fp8.weight_names() if fp8 is not None else set()
     for path in weight_files(model_path):
         with safe_open(path, framework='pt') as f:
             for name in f.keys():
                 if (prefix is not None and not name.startswith(prefix)) or not layout.reads(name):
                     continue
                 shard = layout.shard(name)
+                if fp8 is not None and (name in quantized or name.endswith(SCALE_SUFFIX)):
+                    tensor = fp8.convert(name, f.get_tensor(name))
+                    if tensor is not None:
+                        yield name, tensor if shard is None else _slice(tensor, shard)
+                    continue
                 if shard is None:
                     yield name, f.get_tensor(name)
                     continue
                 view = f.get_slice(name)
                 pieces = [view[a:b] if shard.dim == 0 else view[:, a:b] for a, b in shard.ranges]
                 yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
+
+
+def _slice(tensor: torch.Tensor, shard) -> torch.Tensor:
+    pieces = [tensor.narrow(shard.dim, a, b - a) for a, b in shard.ranges]
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)).contiguous()
+
+
+def shard_fp8(model_path: str, config, torch_dtype: torch.dtype) -> Fp8Weights | None:
+    """The FP8 weights of an FP8 checkpoint (dequantized on every rank), else None."""
+    quant = parse_quantization_config(config)
+    return None if quant is None else Fp8Weights.from_checkpoint(model_path, quant, torch_dtype)
 
 
 def load_model_shard(model_path: str, dtype: str, device: torch.device, rank: int, size: int):
@@ -63,6 +83,6 @@ def load_model_shard(model_path: str, dtype: str, device: torch.device, rank: in
         model = layout.apply(cls(local))
     model = model.to_empty(device=device).to(torch_dtype)
     started = time.perf_counter()
-    model.load_weights(iter_shard_tensors(model_path, layout))
+    model.load_weights(iter_shard_tensors(model_path, layout, fp8=shard_fp8(model_path, config, torch_dtype)))
     logger.info('rank %d/%d: weight shard loaded in %.1f s', rank, size, time.perf_counter() - started)
     return model.eval(), config, local, torch_dtype

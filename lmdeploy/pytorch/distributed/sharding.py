@@ -24,7 +24,8 @@ checkpoint tensor the rank reads::
     model.visual.* (Qwen3.5 vision tower)    rank 0 only (whole); other ranks neither build nor read it
 
 Qwen3.5 (``qwen3_5`` with its ``text_config``, ``qwen3_5_text``) splits its text stack like
-Qwen3-Next (gated ``q_proj``, dense MLPs split); its checkpoint names under
+Qwen3-Next (gated ``q_proj``, dense MLPs split; Qwen3.5-MoE, ``qwen3_5_moe`` / ``qwen3_5_moe_text``,
+has MoE in every layer, replicated, and an ``mtp.*`` head split as Qwen3-Next's); its checkpoint names under
 ``model.language_model.*`` are matched as ``model.*``. Its image embeddings are computed on rank 0
 and broadcast with the step (:class:`~lmdeploy.pytorch.model_inputs.StepBatch`).
 
@@ -133,7 +134,8 @@ _DENSE_MLP = re.compile(r'^(?:model|mtp)\.layers\.\d+\.mlp\.(gate_proj|up_proj|d
 _ATTN = re.compile(r'^(?:model|mtp)\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
 _GDN = re.compile(r'^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|'
                   r'in_proj_a|conv1d|dt_bias|A_log|out_proj)(\.weight)?$')
-_QWEN3_5 = ('qwen3_5', 'qwen3_5_text')
+_QWEN3_5_MOE = ('qwen3_5_moe', 'qwen3_5_moe_text')     # MoE in every layer, an mtp.* head
+_QWEN3_5 = ('qwen3_5', 'qwen3_5_text') + _QWEN3_5_MOE
 _HYBRID = ('qwen3_next',) + _QWEN3_5
 
 
@@ -160,7 +162,7 @@ class TPLayout:
     Raises:
         ValueError: a head or channel count the TP size does not divide (names the field); a
             model type whose split is not implemented (names ``tp`` and the model type; split:
-            ``qwen3``, ``qwen3_next``, ``qwen3_5``, ``qwen3_5_text``).
+            ``qwen3``, ``qwen3_next``, ``qwen3_5``, ``qwen3_5_text``, ``qwen3_5_moe``, ``qwen3_5_moe_text``).
     """
 
     SPLIT_MODEL_TYPES = ('qwen3',) + _HYBRID
@@ -199,6 +201,8 @@ class TPLayout:
 
     def _has_dense_mlp(self) -> bool:
         c = self.text
+        if self.model_type in _QWEN3_5_MOE:
+            return False
         if self.model_type != 'qwen3_next' or c.num_experts == 0:
             return True
         return any(i in (c.mlp_only_layers or []) or (i + 1) % c.decoder_sparse_step
@@ -223,7 +227,7 @@ class TPLayout:
         """Whether this rank reads checkpoint tensor ``name`` at all: ranks other than 0 skip
         Qwen3.5's vision tower (``model.visual.*``, run on rank 0 only) and its unused ``mtp.*``."""
         if self.model_type in _QWEN3_5:
-            if name.startswith('mtp.'):
+            if name.startswith('mtp.') and self.model_type not in _QWEN3_5_MOE:
                 return False
             if name.startswith('model.visual.'):
                 return self.rank == 0

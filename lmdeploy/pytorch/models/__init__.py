@@ -11,6 +11,8 @@ MODEL_REGISTRY = {
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
     'qwen3_5': 'qwen3_5:Qwen3_5ForConditionalGeneration',
     'qwen3_5_text': 'qwen3_5:Qwen3_5ForCausalLM',
+    'qwen3_5_moe': 'qwen3_5_moe:Qwen3_5MoeForConditionalGeneration',
+    'qwen3_5_moe_text': 'qwen3_5_moe:Qwen3_5MoeForCausalLM',
 }
 
 

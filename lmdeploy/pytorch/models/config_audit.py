@@ -37,7 +37,7 @@ _COMMON = {
     'rope_parameters': CHECKED,               # see ROPE_FIELDS and .rope
     'hidden_act': CHECKED,                    # 'silu' only
     'layer_types': CHECKED,
-    'quantization_config': CHECKED,           # read by from_pretrained; must be absent
+    'quantization_config': CHECKED,           # read by from_pretrained; FP8 block-wise only (.quantization)
     'attention_dropout': INERT,               # dropout is off at inference
     'pad_token_id': INERT,                    # padding_idx only masks the embedding's gradient
     '_attn_implementation': INERT,            # eager / sdpa compute the same attention
@@ -92,6 +92,18 @@ FIELDS['qwen3_5'] = {
                           'temporal_patch_size', 'out_hidden_size', 'num_position_embeddings',
                           'deepstack_visual_indexes', 'text_config')},
 }
+_MOE = {
+    'num_experts': IMPLEMENTED,
+    'num_experts_per_tok': IMPLEMENTED,
+    'moe_intermediate_size': IMPLEMENTED,
+    'shared_expert_intermediate_size': IMPLEMENTED,
+    'output_router_logits': INERT,            # the training loss only
+    'router_aux_loss_coef': INERT,
+}
+# Qwen3.5-MoE: the Qwen3.5 text stack with a MoE block in every layer (the router always
+# renormalises its top-k; the config has no norm_topk_prob / decoder_sparse_step / mlp_only_layers)
+FIELDS['qwen3_5_moe_text'] = {**_QWEN3_5_TEXT, **_MOE}
+FIELDS['qwen3_5_moe'] = {**FIELDS['qwen3_5'], **_MOE}
 
 # keys of transformers' RopeParameters; 'implemented' ones are read by transformers' own functions
 ROPE_FIELDS: dict[str, str] = {
@@ -123,17 +135,15 @@ def check_config(config) -> None:
         config: a ``transformers`` config of a supported ``model_type``.
 
     Raises:
-        ValueError: naming the field and its value: ``quantization_config`` present,
+        ValueError: naming the field and its value: a ``quantization_config`` other than FP8
+            block-wise (see :mod:`.quantization`),
             ``hidden_act`` other than ``'silu'``, ``layer_types`` other than the architecture's
             (Qwen3: all ``'full_attention'``; Qwen3-Next: ``'linear_attention'`` /
             ``'full_attention'``), ``linear_num_value_heads`` not a multiple of
             ``linear_num_key_heads``, or a ``rope_parameters`` entry (see :mod:`.rope`).
     """
-    quant = getattr(config, 'quantization_config', None)
-    if quant:
-        method = quant.get('quant_method') if isinstance(quant, dict) else type(quant).__name__
-        raise ValueError(f'quantization_config (quant_method={method!r}) is not supported: '
-                         'the engine loads unquantized float weights only')
+    from .quantization import parse_quantization_config
+    parse_quantization_config(config)     # FP8 block-wise only; other methods are refused by name
     if config.model_type == 'qwen3':
         if config.hidden_act != 'silu':
             raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
@@ -148,7 +158,7 @@ def check_config(config) -> None:
     elif config.model_type == 'qwen3_next':
         from .qwen3_next import check_config as check_qwen3_next
         check_qwen3_next(config)
-    elif config.model_type in ('qwen3_5', 'qwen3_5_text'):
+    elif config.model_type in ('qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'):
         from .qwen3_5 import check_config as check_qwen3_5
         config = config.get_text_config()
         check_qwen3_5(config)

@@ -74,11 +74,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Linear(nn.Linear):
     """:class:`torch.nn.Linear` whose product picks the faster GEMM orientation for the batch
-    shape (:func:`~lmdeploy.pytorch.kernels.linear.linear`); same parameters and state dict."""
+    shape (:func:`~lmdeploy.pytorch.kernels.linear.linear`); same parameters and state dict.
+
+    After :meth:`to_fp8` the weight is FP8 block-quantized (``weight`` float8_e4m3fn, float32
+    ``weight_scale_inv``) and the product is the registry's ``fp8_block_linear``."""
+
+    fp8_block: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` → ``[..., out_features]``."""
+        if self.fp8_block is not None:
+            return get_kernel('fp8_block_linear', x.device)(x, self.weight, self.weight_scale_inv, self.fp8_block,
+                                                            self.bias)
         return linear(x, self.weight, self.bias)
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the weight as float8_e4m3fn ``[N, K]`` with float32 inverse scales
+        ``weight_scale_inv [ceil(N / bn), ceil(K / bk)]`` (both unfilled: the loader copies the
+        checkpoint's in, see :mod:`.quantization`)."""
+        n, k = self.weight.shape
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(-(-n // block[0]), -(-k // block[1]), dtype=torch.float32,
+                                                         device=dev), requires_grad=False)
+        self.fp8_block = tuple(block)
 
 
 class PackedLinear(Linear):
@@ -187,7 +206,7 @@ class WeightLoader:
 
 
 def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings: bool = False,
-                 rename=None) -> None:
+                 rename=None, special=None) -> None:
     """Load HF-named ``(name, tensor)`` pairs with a :class:`WeightLoader`.
 
     Args:
@@ -196,6 +215,8 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         tie_word_embeddings: fill ``lm_head.weight`` from ``model.embed_tokens.weight`` when the
             checkpoint has none.
         rename: optional ``name -> name | None`` (``None`` drops the tensor).
+        special: optional ``(loader, name, tensor) -> bool`` tried first on each (renamed)
+            tensor; True means it copied the tensor itself (e.g. one expert of fused experts).
 
     Raises:
         KeyError: a tensor has no matching parameter.
@@ -207,7 +228,8 @@ def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             name = rename(name)
             if name is None:
                 continue
-        loader.load(name, tensor)
+        if special is None or not special(loader, name, tensor):
+            loader.load(name, tensor)
     loader.finish(tie_word_embeddings)
 
 

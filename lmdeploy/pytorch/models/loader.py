@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from . import get_model_class
 from .config_audit import check_config
+from .quantization import Fp8Weights, keep_fp8_linears, parse_quantization_config
 
 __all__ = ['load_config', 'load_model', 'iter_safetensors', 'resolve_dtype']
 
@@ -73,8 +74,13 @@ def iter_safetensors(model_path: str, progress: bool = True) -> Iterator[tuple[s
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_path: str, dtype: str = 'auto', device: str | torch.device = 'cpu', progress: bool = True):
+def load_model(model_path: str, dtype: str = 'auto', device: str | torch.device = 'cpu', progress: bool = True,
+               keep_fp8: bool | None = None):
     """Build the engine model for ``model_path`` and load its weights.
+
+    An FP8 checkpoint (:mod:`.quantization`) is dequantized into ``dtype`` at load, except the
+    plain projections when ``keep_fp8`` (default: on CUDA), which keep FP8 weights and run the
+    block-scaled FP8 GEMM.
 
     Returns:
         ``(model, config, torch_dtype)``; the model is in eval mode on ``device``.
@@ -95,7 +101,16 @@ def load_model(model_path: str, dtype: str = 'auto', device: str | torch.device 
     started = time.perf_counter()
     logger.info('loading weights: %s %s, %d file(s), %.1f MiB, to %s', config.model_type, torch_dtype, len(files),
                 sum(os.path.getsize(f) for f in files) / (1 << 20), device)
-    model.load_weights(iter_safetensors(model_path, progress))
+    weights = iter_safetensors(model_path, progress)
+    quant = parse_quantization_config(config)
+    if quant is not None:
+        fp8 = Fp8Weights.from_checkpoint(model_path, quant, torch_dtype)
+        if keep_fp8 if keep_fp8 is not None else torch.device(device).type == 'cuda':
+            fp8.keep = keep_fp8_linears(model, fp8.weight_names(), quant.block)
+        logger.info('FP8 checkpoint (block %s): %d quantized weights, %d kept FP8', list(quant.block),
+                    len(fp8.scales), len(fp8.keep))
+        weights = fp8.stream(weights)
+    model.load_weights(weights)
     logger.info('weights loaded in %.1f s', time.perf_counter() - started)
     return model.eval(), config, torch_dtype
 

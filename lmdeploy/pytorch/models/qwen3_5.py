@@ -135,10 +135,12 @@ class Qwen3_5TextModel(nn.Module):
     already replaced), and ``mrope_positions [3, T]`` when given (else every axis = ``ctx.positions``).
     """
 
+    layer_cls = Qwen3_5DecoderLayer     # Qwen3.5-MoE swaps in its MoE layer
+
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
         self.rotary = MRotaryEmbedding(config)
 
@@ -184,12 +186,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    text_model_cls = Qwen3_5TextModel
+    # ``(loader, name, tensor) -> bool`` for checkpoint tensors with their own layout (experts)
+    load_tensor = None
 
     def __init__(self, config):
         super().__init__()
         check_config(config)
         self.config = config
-        self.model = Qwen3_5TextModel(config)
+        self.model = self.text_model_cls(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
@@ -216,7 +221,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             if name.startswith(('mtp.', 'model.visual.')):
                 return None
             return name.replace('model.language_model.', 'model.', 1)
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename)
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename, self.load_tensor)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
@@ -264,7 +269,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
             if name.startswith('model.visual.'):
                 return name[len('model.'):]
             return name.replace('model.language_model.', 'model.', 1)
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename)
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename, self.load_tensor)
 
     def check_multimodal(self, token_ids: list[int], multimodal) -> None:
         """Reject images the forward could not place.

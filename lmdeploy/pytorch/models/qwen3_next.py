@@ -33,7 +33,7 @@ from ..model_inputs import StepContext
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
 
-__all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config']
+__all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config', 'load_expert_tensor']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 
@@ -215,12 +215,19 @@ class SparseMoeBlock(nn.Module):
 
     Router (Qwen-MoE style): ``p = softmax(gate(x))`` in float32, keep the top ``k``,
     renormalise them to sum 1 when ``norm_topk_prob``.
+
+    Args:
+        config: reads ``hidden_size``, ``num_experts``, ``num_experts_per_tok``,
+            ``moe_intermediate_size``, ``shared_expert_intermediate_size`` and, unless
+            ``norm_topk_prob`` is given, ``config.norm_topk_prob``.
+        norm_topk_prob: overrides the config (Qwen3.5-MoE's router always renormalises and its
+            config has no such field).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, norm_topk_prob: bool | None = None):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
+        self.norm_topk_prob = config.norm_topk_prob if norm_topk_prob is None else norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
@@ -299,6 +306,31 @@ def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
 _PER_EXPERT = re.compile(r'^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$')
 
 
+def load_expert_tensor(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+    """Copy a per-expert checkpoint tensor (``<prefix>.mlp.experts.{e}.{gate,up,down}_proj.weight``)
+    into its slice of the fused :class:`FusedExperts` parameters; False for any other name.
+
+    Raises:
+        KeyError: no such experts parameter, or the expert index is out of range.
+        ValueError: a shape mismatch.
+    """
+    match = _PER_EXPERT.match(name)
+    if not match:
+        return False
+    params = loader.params
+    prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+    target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
+    if target not in params or expert >= params[target].shape[0]:
+        raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(loader.module).__name__}')
+    dst = params[target][expert]
+    if part != 'down_proj':
+        half = dst.shape[0] // 2
+        dst = dst[:half] if part == 'gate_proj' else dst[half:]
+    per_expert = 1 if part == 'down_proj' else 2
+    loader.copy_part(target, dst, (expert, part), per_expert * params[target].shape[0], name, tensor)
+    return True
+
+
 class Qwen3NextForCausalLM(nn.Module):
     """Qwen3-Next causal LM in the engine's layers.
 
@@ -347,22 +379,7 @@ class Qwen3NextForCausalLM(nn.Module):
             ValueError: a shape mismatch, or parameters (or expert slices) left unfilled.
         """
         loader = WeightLoader(self)
-        params = loader.params
         for name, tensor in weights:
-            if name.startswith('mtp.'):
-                continue
-            match = _PER_EXPERT.match(name)
-            if not match:
+            if not name.startswith('mtp.') and not load_expert_tensor(loader, name, tensor):
                 loader.load(name, tensor)
-                continue
-            prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
-            target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
-            if target not in params or expert >= params[target].shape[0]:
-                raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(self).__name__}')
-            dst = params[target][expert]
-            if part != 'down_proj':
-                half = dst.shape[0] // 2
-                dst = dst[:half] if part == 'gate_proj' else dst[half:]
-            per_expert = 1 if part == 'down_proj' else 2
-            loader.copy_part(target, dst, (expert, part), per_expert * params[target].shape[0], name, tensor)
         loader.finish(getattr(self.config, 'tie_word_embeddings', False))

@@ -1,6 +1,9 @@
-"""Qwen3-Next multi-token prediction (MTP) head: one extra decoder layer that drafts a token.
+"""Qwen3-Next / Qwen3.5-MoE multi-token prediction (MTP) head: one extra decoder layer that
+drafts a token.
 
-Published Qwen3-Next checkpoints ship ``mtp.*`` weights (``transformers`` ignores them). For
+Published Qwen3-Next and Qwen3.5-MoE checkpoints ship ``mtp.*`` weights (``transformers`` ignores
+them); the layer is the model's own full-attention decoder layer (Qwen3.5-MoE: its MoE layer
+with the always-renormalising router), built from the text config. For
 position ``t`` the head reads the target model's final hidden state at ``t`` and the token at
 ``t + 1`` (the *shifted* input) and predicts the token at ``t + 2``::
 
@@ -52,7 +55,9 @@ def mtp_config(config):
 
 
 def mtp_cache_spec(config, dtype: torch.dtype) -> FullAttentionSpec:
-    """The cache spec of the MTP layer (a full-attention layer of the target's geometry)."""
+    """The cache spec of the MTP layer (a full-attention layer of the target's geometry; a
+    vision-language config is read through its text config)."""
+    config = config.get_text_config()
     return FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
 
 
@@ -60,18 +65,22 @@ class Qwen3NextMTP(nn.Module):
     """The ``mtp.*`` module of a Qwen3-Next checkpoint (parameter names without ``mtp.``).
 
     Args:
-        config: the target's ``Qwen3NextConfig``; the MTP layer gets layer index
-            ``num_hidden_layers`` (its KV cache in ``StepContext.kv_caches``).
+        config: the target's text config (``Qwen3NextConfig`` / ``Qwen3_5MoeTextConfig``); the
+            MTP layer gets layer index ``num_hidden_layers`` (its KV cache in ``StepContext.kv_caches``).
     """
 
     def __init__(self, config):
         super().__init__()
+        config = config.get_text_config()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = config.num_hidden_layers
         self.pre_fc_norm_embedding = RMSNorm(H, eps, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(H, eps, zero_centered=True)
         self.fc = Linear(2 * H, H, bias=False)
-        self.layers = nn.ModuleList([Qwen3NextDecoderLayer(mtp_config(config), self.layer_idx)])
+        layer_cls = Qwen3NextDecoderLayer
+        if config.model_type == 'qwen3_5_moe_text':
+            from ..models.qwen3_5_moe import Qwen3_5MoeDecoderLayer as layer_cls
+        self.layers = nn.ModuleList([layer_cls(mtp_config(config), self.layer_idx)])
         self.norm = RMSNorm(H, eps, zero_centered=True)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -135,11 +144,15 @@ class Qwen3NextMTP(nn.Module):
         return count
 
 
+MTP_MODEL_TYPES = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')
+
+
 def check_mtp_model(config) -> None:
-    """Raise ValueError (naming ``speculative_config.method``) unless ``config`` is Qwen3-Next."""
-    if getattr(config, 'model_type', None) != 'qwen3_next':
-        raise ValueError(f'speculative_config.method=qwen3_next_mtp needs a qwen3_next model, got '
-                         f'{getattr(config, "model_type", None)!r}')
+    """Raise ValueError (naming ``speculative_config.method``) unless ``config`` is one of
+    :data:`MTP_MODEL_TYPES`."""
+    if getattr(config, 'model_type', None) not in MTP_MODEL_TYPES:
+        raise ValueError(f'speculative_config.method=qwen3_next_mtp needs a qwen3_next model or a Qwen3.5-MoE one '
+                         f'({", ".join(MTP_MODEL_TYPES[1:])}), got {getattr(config, "model_type", None)!r}')
 
 
 def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device | str,
@@ -156,7 +169,7 @@ def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device |
             read as slices); None for the whole head.
 
     Raises:
-        ValueError: the model is not Qwen3-Next, or the checkpoint has no (or incomplete)
+        ValueError: the model is not one of :data:`MTP_MODEL_TYPES`, or the checkpoint has no (or incomplete)
             ``mtp.*`` weights.
     """
     from safetensors import safe_open
@@ -174,11 +187,13 @@ def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device |
                     if name.startswith(MTP_PREFIX):
                         yield name, f.get_tensor(name)
 
+    from ..distributed.loading import shard_fp8
+    fp8 = shard_fp8(model_path, config, dtype)     # FP8 checkpoint: the head is dequantized at load
     if layout is None:
-        mtp.load_weights(tensors())
+        mtp.load_weights(tensors() if fp8 is None else fp8.stream(tensors(), complete=False))
     else:
         from ..distributed.loading import iter_shard_tensors
-        mtp.load_weights(iter_shard_tensors(model_path, layout, prefix=MTP_PREFIX))
+        mtp.load_weights(iter_shard_tensors(model_path, layout, prefix=MTP_PREFIX, fp8=fp8))
     return mtp.eval()
 
 

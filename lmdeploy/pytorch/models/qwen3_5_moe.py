@@ -1,0 +1,75 @@
+"""Qwen3.5-MoE (``transformers`` model types ``qwen3_5_moe`` and ``qwen3_5_moe_text``): the
+Qwen3.5 hybrid stack of :mod:`.qwen3_5` with Qwen3-Next's sparse MoE block in every layer.
+
+What differs from :mod:`.qwen3_5` (everything else is the same layer, imported from there)::
+
+    MLP     every layer: top-k softmax router that always renormalises its k weights, fused
+            SwiGLU experts, plus a shared SwiGLU expert scaled by sigmoid(shared_expert_gate(x))
+            (:class:`.qwen3_next.SparseMoeBlock` with ``norm_topk_prob=True``; the config has
+            no ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers`` or dense
+            ``intermediate_size``)
+    experts checkpoint tensors either per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``)
+            or fused (``mlp.experts.gate_up_proj [E, 2I, H]`` gate rows first,
+            ``mlp.experts.down_proj [E, H, I]``, the layout transformers' conversion mapping
+            merges the per-expert tensors into); both load
+
+``Qwen3_5MoeForCausalLM`` serves ``qwen3_5_moe_text`` checkpoints, ``Qwen3_5MoeForConditionalGeneration``
+the vision-language ``qwen3_5_moe`` ones (images exactly as :class:`.qwen3_5.Qwen3_5ForConditionalGeneration`).
+The multi-token-prediction head (``mtp.*``) is :class:`~lmdeploy.pytorch.spec_decode.mtp.Qwen3NextMTP`
+built with :class:`Qwen3_5MoeDecoderLayer`.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .layers import RMSNorm
+from .qwen3 import Qwen3Attention
+from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, \
+    Qwen3_5GatedDeltaNet, Qwen3_5TextModel
+from .qwen3_next import LINEAR, SparseMoeBlock, load_expert_tensor
+
+__all__ = ['Qwen3_5MoeForCausalLM', 'Qwen3_5MoeForConditionalGeneration', 'Qwen3_5MoeDecoderLayer']
+
+
+class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
+    """Pre-norm layer: Gated DeltaNet or gated attention (by ``layer_types``), then the sparse
+    MoE block (renormalised top-k, sigmoid-gated shared expert)."""
+
+    def __init__(self, config, layer_idx: int):
+        nn.Module.__init__(self)
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = Qwen3Attention(config, layer_idx, output_gate=True, zero_centered_norm=True)
+        self.mlp = SparseMoeBlock(config, norm_topk_prob=True)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+
+class Qwen3_5MoeTextModel(Qwen3_5TextModel):
+    """:class:`.qwen3_5.Qwen3_5TextModel` with :class:`Qwen3_5MoeDecoderLayer` layers."""
+    layer_cls = Qwen3_5MoeDecoderLayer
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Text-only Qwen3.5-MoE (config ``Qwen3_5MoeTextConfig``); weights as
+    :meth:`.qwen3_5.Qwen3_5ForCausalLM.load_weights`, experts per expert or fused.
+
+    Raises:
+        ValueError: see :func:`.qwen3_5.check_config`.
+    """
+    text_model_cls = Qwen3_5MoeTextModel
+    load_tensor = staticmethod(load_expert_tensor)
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    """Vision-language Qwen3.5-MoE (config ``Qwen3_5MoeConfig``: ``text_config`` +
+    ``vision_config``); images, M-RoPE positions and weight names as
+    :class:`.qwen3_5.Qwen3_5ForConditionalGeneration`, experts per expert or fused.
+
+    Raises:
+        ValueError: see :func:`.qwen3_5.check_config` (on ``text_config``).
+    """
+    text_model_cls = Qwen3_5MoeTextModel
+    load_tensor = staticmethod(load_expert_tensor)

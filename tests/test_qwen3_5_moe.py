@@ -1,0 +1,191 @@
+"""Qwen3.5-MoE served exactly like transformers: the text-only ``qwen3_5_moe_text`` and the
+vision-language ``qwen3_5_moe`` checkpoints on text prompts (logits <= 1e-4 in fp32 at every
+prompt position, cold and in 32-token chunks; greedy tokens equal cold, chunked, after a local
+prefix-cache restore and after a Store restore in a fresh process), experts loaded from
+per-expert tensors and from transformers' fused layout alike, a 4-turn chat identical with the
+prefix cache off / on / last-only / turn-end (hits on later turns), and the config audit
+covering the fields transformers reads. Images: tests/test_qwen3_5_moe_images.py."""
+import inspect
+import re
+
+import pytest
+import torch
+
+from engine_utils import TOL, engine_prompt_logits, hf_greedy, hf_prompt_logits, make_engine, random_prompt
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.models import get_model_class
+from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
+from model_harness import ModelHarness, randomize_hybrid_
+
+ARCHS = ['qwen3_5_moe_text', 'qwen3_5_moe']
+
+
+@pytest.fixture(scope='module')
+def models(tiny_qwen3_5_moe_text, tiny_qwen3_5_moe):
+    """arch -> (checkpoint path, transformers float32 reference)."""
+    import transformers
+    out = {}
+    for arch, path in (('qwen3_5_moe_text', tiny_qwen3_5_moe_text), ('qwen3_5_moe', tiny_qwen3_5_moe)):
+        cls = transformers.Qwen3_5MoeForConditionalGeneration if arch == 'qwen3_5_moe' \
+            else transformers.Qwen3_5MoeForCausalLM
+        out[arch] = path, cls.from_pretrained(path, dtype=torch.float32).eval()
+    return out
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32)])
+def test_prompt_logits_match_transformers_cold_and_chunked(models, arch, n, chunk):
+    path, hf = models[arch]
+    ids = random_prompt(n, seed=n)
+    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
+    ref = hf_prompt_logits(hf, ids)
+    assert forwards == -(-n // chunk)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(models, arch):
+    path, hf = models[arch]
+    ids = random_prompt(200, seed=11)
+    expected = hf_greedy(hf, ids, 12)
+    gen = GenerationConfig(max_new_tokens=12)
+    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
+    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
+    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
+                         enable_prefix_caching=True, num_checkpoint_slots=8)
+    first = cached.generate(ids, gen)
+    again = cached.generate(ids, gen)
+    assert cold == chunked == first.output_ids == again.output_ids == expected
+    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+
+
+def test_fused_expert_checkpoint_loads_the_same_weights(tiny_qwen3_5_moe_text, tmp_path):
+    """The checkpoint rewritten with transformers' fused ``mlp.experts.gate_up_proj [E, 2I, H]``
+    / ``down_proj [E, H, I]`` (also for the MTP layer) gives bit-identical parameters."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lmdeploy.pytorch.models.loader import load_model
+    fused = tmp_path / 'fused'
+    shutil.copytree(tiny_qwen3_5_moe_text, fused)
+    tensors = load_file(str(fused / 'model.safetensors'))
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r'^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$', name)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        else:
+            out[name] = t
+    assert experts
+    for prefix, parts in experts.items():
+        num = 1 + max(e for e, _ in parts)
+        out[f'{prefix}.gate_up_proj'] = torch.stack([torch.cat((parts[(e, 'gate_proj')], parts[(e, 'up_proj')]))
+                                                     for e in range(num)])
+        out[f'{prefix}.down_proj'] = torch.stack([parts[(e, 'down_proj')] for e in range(num)])
+    save_file(out, str(fused / 'model.safetensors'), metadata={'format': 'pt'})
+    a, _, _ = load_model(tiny_qwen3_5_moe_text, 'float32', progress=False)
+    b, _, _ = load_model(str(fused), 'float32', progress=False)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    ids = random_prompt(40, seed=5)
+    assert make_engine(str(fused)).generate(ids, GenerationConfig(max_new_tokens=6)).output_ids == \
+        make_engine(tiny_qwen3_5_moe_text).generate(ids, GenerationConfig(max_new_tokens=6)).output_ids
+
+
+POLICIES = {
+    'off': dict(enable_prefix_caching=False),
+    'on': dict(enable_prefix_caching=True),
+    'last_only': dict(enable_prefix_caching=True, prefill_save_last_only=True),
+    'turn_end': dict(enable_prefix_caching=True, decode_save_last=True),
+}
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_four_turn_chat_is_identical_under_every_cache_policy(models, arch):
+    path, _ = models[arch]
+    users = [random_prompt(n, seed=40 + i) for i, n in enumerate((90, 50, 70, 40))]
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    replies, hits = {}, {}
+    for name, fields in POLICIES.items():
+        eng = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
+                          num_checkpoint_slots=16, **fields)
+        ids, replies[name], hits[name] = [], [], []
+        for user in users:
+            ids = ids + user
+            seq = eng.generate(ids, gen)
+            replies[name].append(seq.output_ids)
+            hits[name].append(seq.num_cached_tokens)
+            ids = list(seq.token_ids)
+    assert all(r == replies['off'] for r in replies.values()), replies
+    assert hits['off'] == [0, 0, 0, 0]
+    for name in ('on', 'last_only', 'turn_end'):
+        assert hits[name][0] == 0 and all(h > 0 for h in hits[name][1:]), (name, hits[name])
+
+
+def test_store_restore_in_a_fresh_process(tiny_qwen3_5_moe_text, mooncake_services, tmp_path):
+    """A writer process saves a prompt to the Store; a second fresh process restores 256 tokens
+    from it and decodes what an engine with caching off decodes."""
+    from test_store_engine import GEN, P, run_worker
+    ids = random_prompt(300, seed=301)
+    a = run_worker(tmp_path, 'a', tiny_qwen3_5_moe_text, mooncake_services, [], [ids])
+    b = run_worker(tmp_path, 'b', tiny_qwen3_5_moe_text, mooncake_services, [], [ids])
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
+    cold = make_engine(tiny_qwen3_5_moe_text, max_prefill_token_num=P).generate(ids, GEN).output_ids
+    assert ta['output_ids'] == tb['output_ids'] == cold
+
+
+def _text_config(**overrides):
+    from transformers import Qwen3_5MoeTextConfig
+    fields = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_hidden_layers=3, layer_types=['linear_attention', 'full_attention', 'linear_attention'],
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                  linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+                  shared_expert_intermediate_size=40,
+                  rope_parameters=dict(rope_type='default', rope_theta=1e4, partial_rotary_factor=0.75,
+                                       mrope_section=[2, 2, 2]))
+    fields.update(overrides)
+    return Qwen3_5MoeTextConfig(**fields)
+
+
+@pytest.mark.parametrize('overrides', [{}, dict(tie_word_embeddings=True, attention_bias=True, num_experts_per_tok=1)])
+def test_random_config_matches_transformers_chunked_and_decoded(overrides):
+    """Model level, other shapes (k = 1 and 3 of 6 experts, tied embeddings, attention bias):
+    prompt in 40-token chunks then 3 decode steps, logits <= 1e-4 of transformers."""
+    from transformers import Qwen3_5MoeForCausalLM
+    config = _text_config(**overrides)
+    check_config(config)
+    torch.manual_seed(0)
+    hf = randomize_hybrid_(Qwen3_5MoeForCausalLM(config).float().eval())
+    ours = get_model_class('qwen3_5_moe_text')(config).eval()
+    ours.load_weights(hf.state_dict().items())
+    ids = torch.randint(0, 96, (93,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None], use_cache=False).logits[0].float()
+    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32))
+    seq = h.add_sequence()
+    got = torch.cat([h.run_chunks(seq, ids[:90].tolist(), 40)] + [h.step([(seq, [t])])[0] for t in ids[90:].tolist()])
+    assert (got - ref).abs().max().item() <= TOL
+
+
+def test_router_always_renormalises_its_top_k():
+    """The MoE block of every layer renormalises (the config has no norm_topk_prob field)."""
+    config = _text_config()
+    assert not hasattr(config, 'norm_topk_prob')
+    model = get_model_class('qwen3_5_moe_text')(config)
+    assert all(layer.mlp.norm_topk_prob for layer in model.model.layers)
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+def test_audit_lists_every_field_transformers_reads_for_qwen3_5_moe(arch):
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as modeling
+    source = inspect.getsource(modeling)
+    read = (set(re.findall(r'config\.(\w+)', source))
+            | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)', source))) - {
+                'get_text_config', 'standardize_rope_params', 'per_layer_config'}
+    if arch == 'qwen3_5_moe_text':      # the text classes only
+        read -= set(FIELDS['qwen3_5_moe']) - set(FIELDS['qwen3_5_moe_text'])
+    assert not read - set(FIELDS[arch]), sorted(read - set(FIELDS[arch]))
