@@ -148,3 +148,19 @@ def test_log_level_shows_info_lines_in_a_program_without_logging_configured(tiny
         lines = [line for line in proc.stderr.splitlines() if 'marker line' in line]
         assert len(lines) == 1, proc.stderr
         assert (' INFO lmdeploy: marker line' in lines[0]) if mode == 'fresh' else lines[0] == 'ROOT marker line'
+
+
+def test_every_registered_model_owns_its_config_audit():
+    """Config checks dispatch through the model registry: each model class declares the fields
+    transformers reads (``config_fields``) and its ``check_config``, so adding a family touches
+    no shared ladder."""
+    from lmdeploy.pytorch.models import MODEL_REGISTRY, get_model_class
+    from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, IMPLEMENTED, INERT
+    assert set(FIELDS) == set(MODEL_REGISTRY)
+    for model_type in MODEL_REGISTRY:
+        cls = get_model_class(model_type)
+        assert callable(cls.check_config), model_type
+        assert FIELDS[model_type] is cls.config_fields
+        assert set(cls.config_fields.values()) <= {CHECKED, IMPLEMENTED, INERT}, model_type
+    source = open(__import__('lmdeploy.pytorch.models.config_audit', fromlist=['x']).__file__).read()
+    assert 'model_type ==' not in source and 'model_type in' not in source

@@ -13,15 +13,19 @@ Each field of :data:`FIELDS` is one of:
 ``transformers``' own functions, see :mod:`.rope`). The loader calls :func:`check_config`
 before it builds a model, so a model that loads is a model that matches ``transformers``;
 ``tests/test_config_fidelity.py`` re-reads the ``transformers`` modeling source and fails
-when it reads a field these tables do not list.
+when it reads a field these tables do not list. Each model class declares its own table
+(``config_fields``, built from :data:`COMMON_FIELDS` and friends) and its ``check_config``
+beside its layers; :data:`FIELDS` reads them through the model registry.
 """
 from __future__ import annotations
 
-__all__ = ['FIELDS', 'ROPE_FIELDS', 'check_config']
+from collections.abc import Mapping
+
+__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config']
 
 IMPLEMENTED, CHECKED, INERT = 'implemented', 'checked', 'inert'
 
-_COMMON = {
+COMMON_FIELDS = {
     'vocab_size': IMPLEMENTED,
     'hidden_size': IMPLEMENTED,
     'intermediate_size': IMPLEMENTED,
@@ -45,54 +49,7 @@ _COMMON = {
     'use_cache': INERT,
 }
 
-FIELDS: dict[str, dict[str, str]] = {
-    'qwen3': {
-        **_COMMON,
-        'sliding_window': CHECKED,            # read for 'sliding_attention' layers, which are refused
-    },
-    'qwen3_next': {
-        **_COMMON,
-        'linear_conv_kernel_dim': IMPLEMENTED,
-        'linear_key_head_dim': IMPLEMENTED,
-        'linear_value_head_dim': IMPLEMENTED,
-        'linear_num_key_heads': IMPLEMENTED,
-        'linear_num_value_heads': CHECKED,    # a multiple of linear_num_key_heads
-        'decoder_sparse_step': IMPLEMENTED,
-        'mlp_only_layers': IMPLEMENTED,
-        'num_experts': IMPLEMENTED,
-        'num_experts_per_tok': IMPLEMENTED,
-        'moe_intermediate_size': IMPLEMENTED,
-        'shared_expert_intermediate_size': IMPLEMENTED,
-        'norm_topk_prob': IMPLEMENTED,
-        'output_router_logits': INERT,        # the training loss only
-        'router_aux_loss_coef': INERT,
-    },
-}
-_QWEN3_5_TEXT = {
-    **_COMMON,
-    'linear_conv_kernel_dim': IMPLEMENTED,
-    'linear_key_head_dim': IMPLEMENTED,
-    'linear_value_head_dim': IMPLEMENTED,
-    'linear_num_key_heads': IMPLEMENTED,
-    'linear_num_value_heads': CHECKED,        # a multiple of linear_num_key_heads
-}
-FIELDS['qwen3_5_text'] = _QWEN3_5_TEXT
-# the vision-language config: the text stack of text_config; the vision tower is not implemented
-# yet, so its fields cannot change what the engine computes (images are refused)
-FIELDS['qwen3_5'] = {
-    **_QWEN3_5_TEXT,
-    'text_config': IMPLEMENTED,
-    'vision_config': INERT,
-    'image_token_id': INERT,
-    'video_token_id': INERT,
-    'vision_start_token_id': INERT,
-    'vision_end_token_id': INERT,
-    # vision_config fields the modeling file reads (the vision tower, not run by this engine)
-    **{f: INERT for f in ('depth', 'num_heads', 'in_channels', 'patch_size', 'spatial_merge_size',
-                          'temporal_patch_size', 'out_hidden_size', 'num_position_embeddings',
-                          'deepstack_visual_indexes', 'text_config')},
-}
-_MOE = {
+MOE_FIELDS = {
     'num_experts': IMPLEMENTED,
     'num_experts_per_tok': IMPLEMENTED,
     'moe_intermediate_size': IMPLEMENTED,
@@ -100,10 +57,28 @@ _MOE = {
     'output_router_logits': INERT,            # the training loss only
     'router_aux_loss_coef': INERT,
 }
-# Qwen3.5-MoE: the Qwen3.5 text stack with a MoE block in every layer (the router always
-# renormalises its top-k; the config has no norm_topk_prob / decoder_sparse_step / mlp_only_layers)
-FIELDS['qwen3_5_moe_text'] = {**_QWEN3_5_TEXT, **_MOE}
-FIELDS['qwen3_5_moe'] = {**FIELDS['qwen3_5'], **_MOE}
+
+
+class _RegistryFields(Mapping):
+    """``FIELDS[model_type]``: the ``config_fields`` table the model class declares beside its
+    layers (the model file owns its config audit; this reads it through the registry)."""
+
+    def __getitem__(self, model_type: str) -> dict[str, str]:
+        from . import MODEL_REGISTRY, get_model_class
+        if model_type not in MODEL_REGISTRY:
+            raise KeyError(model_type)
+        return get_model_class(model_type).config_fields
+
+    def __iter__(self):
+        from . import MODEL_REGISTRY
+        return iter(MODEL_REGISTRY)
+
+    def __len__(self) -> int:
+        from . import MODEL_REGISTRY
+        return len(MODEL_REGISTRY)
+
+
+FIELDS: Mapping[str, dict[str, str]] = _RegistryFields()
 
 # keys of transformers' RopeParameters; 'implemented' ones are read by transformers' own functions
 ROPE_FIELDS: dict[str, str] = {
@@ -129,38 +104,22 @@ ROPE_FIELDS: dict[str, str] = {
 
 
 def check_config(config) -> None:
-    """Refuse a config whose computation the engine would not reproduce exactly.
+    """Refuse a config whose computation the engine would not reproduce exactly: the
+    quantization (:mod:`.quantization`), then the model class's own ``check_config`` (found
+    through the registry; the model file knows its architecture), then the rope parameters of
+    the text config (:mod:`.rope`).
 
     Args:
         config: a ``transformers`` config of a supported ``model_type``.
 
     Raises:
         ValueError: naming the field and its value: a ``quantization_config`` other than FP8
-            block-wise (see :mod:`.quantization`),
-            ``hidden_act`` other than ``'silu'``, ``layer_types`` other than the architecture's
-            (Qwen3: all ``'full_attention'``; Qwen3-Next: ``'linear_attention'`` /
-            ``'full_attention'``), ``linear_num_value_heads`` not a multiple of
-            ``linear_num_key_heads``, or a ``rope_parameters`` entry (see :mod:`.rope`).
+            block-wise, what the model's ``check_config`` refuses (e.g. ``hidden_act``,
+            ``layer_types``), an unsupported ``model_type``, or a ``rope_parameters`` entry.
     """
+    from . import get_model_class
     from .quantization import parse_quantization_config
-    parse_quantization_config(config)     # FP8 block-wise only; other methods are refused by name
-    if config.model_type == 'qwen3':
-        if config.hidden_act != 'silu':
-            raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
-        types = list(getattr(config, 'layer_types', None) or ['full_attention'] * config.num_hidden_layers)
-        bad = sorted({t for t in types if t != 'full_attention'})
-        if bad or len(types) != config.num_hidden_layers:
-            raise ValueError(f"layer_types must be 'full_attention' for all {config.num_hidden_layers} layers, "
-                             f'got {bad or types} (use_sliding_window={getattr(config, "use_sliding_window", None)}, '
-                             f'sliding_window={getattr(config, "sliding_window", None)}, max_window_layers='
-                             f'{getattr(config, "max_window_layers", None)}); sliding-window attention is not '
-                             'supported')
-    elif config.model_type == 'qwen3_next':
-        from .qwen3_next import check_config as check_qwen3_next
-        check_qwen3_next(config)
-    elif config.model_type in ('qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'):
-        from .qwen3_5 import check_config as check_qwen3_5
-        config = config.get_text_config()
-        check_qwen3_5(config)
     from .rope import RotaryEmbedding
-    RotaryEmbedding(config)  # raises for rope parameters it cannot reproduce
+    parse_quantization_config(config)     # FP8 block-wise only; other methods are refused by name
+    get_model_class(config.model_type).check_config(config)
+    RotaryEmbedding(config.get_text_config())  # raises for rope parameters it cannot reproduce

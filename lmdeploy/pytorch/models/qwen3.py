@@ -14,6 +14,7 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
 
 __all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
@@ -103,12 +104,37 @@ class Qwen3Model(nn.Module):
         return self.norm(hidden)
 
 
+def check_config(config) -> None:
+    """Reject a Qwen3 config this implementation cannot run exactly.
+
+    Raises:
+        ValueError: ``hidden_act`` other than ``'silu'``, or ``layer_types`` other than
+            ``'full_attention'`` for every layer (sliding-window attention is not supported).
+    """
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    types = list(getattr(config, 'layer_types', None) or ['full_attention'] * config.num_hidden_layers)
+    bad = sorted({t for t in types if t != 'full_attention'})
+    if bad or len(types) != config.num_hidden_layers:
+        raise ValueError(f"layer_types must be 'full_attention' for all {config.num_hidden_layers} layers, "
+                         f'got {bad or types} (use_sliding_window={getattr(config, "use_sliding_window", None)}, '
+                         f'sliding_window={getattr(config, "sliding_window", None)}, max_window_layers='
+                         f'{getattr(config, "max_window_layers", None)}); sliding-window attention is not '
+                         'supported')
+
+
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3 causal LM in the engine's layers.
 
     Args:
         config: a ``transformers`` ``Qwen3Config``.
     """
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'sliding_window': CHECKED,            # read for 'sliding_attention' layers, which are refused
+    }
+    check_config = staticmethod(check_config)
 
     def __init__(self, config):
         super().__init__()

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
 from .qwen3 import Qwen3Attention
 from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
@@ -189,6 +190,16 @@ class Qwen3_5ForCausalLM(nn.Module):
     text_model_cls = Qwen3_5TextModel
     # ``(loader, name, tensor) -> bool`` for checkpoint tensors with their own layout (experts)
     load_tensor = None
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'linear_conv_kernel_dim': IMPLEMENTED,
+        'linear_key_head_dim': IMPLEMENTED,
+        'linear_value_head_dim': IMPLEMENTED,
+        'linear_num_key_heads': IMPLEMENTED,
+        'linear_num_value_heads': CHECKED,    # a multiple of linear_num_key_heads
+    }
+    check_config = staticmethod(check_config)
 
     def __init__(self, config):
         super().__init__()
@@ -242,6 +253,25 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
             :class:`.qwen3_5_vision.Qwen3_5VisionModel`.
     """
     supports_images = True
+    # the text stack of text_config, plus the vision-language config's own fields
+    config_fields = {
+        **Qwen3_5ForCausalLM.config_fields,
+        'text_config': IMPLEMENTED,
+        'vision_config': IMPLEMENTED,
+        'image_token_id': IMPLEMENTED,
+        'video_token_id': INERT,
+        'vision_start_token_id': INERT,
+        'vision_end_token_id': INERT,
+        # vision_config fields the vision tower reads (Qwen3_5VisionModel runs them)
+        **{f: IMPLEMENTED for f in ('depth', 'num_heads', 'in_channels', 'patch_size', 'spatial_merge_size',
+                              'temporal_patch_size', 'out_hidden_size', 'num_position_embeddings',
+                              'deepstack_visual_indexes', 'text_config')},
+    }
+
+    @staticmethod
+    def check_config(config) -> None:
+        """:func:`check_config` of the ``text_config``."""
+        check_config(config.get_text_config())
 
     def __init__(self, config):
         text = config.get_text_config()

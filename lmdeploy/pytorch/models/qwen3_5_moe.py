@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .config_audit import MOE_FIELDS
 from .layers import RMSNorm
 from .qwen3 import Qwen3Attention
 from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, \
@@ -61,6 +62,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """
     text_model_cls = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
+    # the router always renormalises its top-k: no norm_topk_prob / decoder_sparse_step / mlp_only_layers
+    config_fields = {**Qwen3_5ForCausalLM.config_fields, **MOE_FIELDS}
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
@@ -73,3 +76,4 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     """
     text_model_cls = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
+    config_fields = {**Qwen3_5ForConditionalGeneration.config_fields, **MOE_FIELDS}

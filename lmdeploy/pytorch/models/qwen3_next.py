@@ -30,6 +30,7 @@ from ..kernels import get_kernel
 from ..kernels.cpu_native import rms_norm_native, swiglu_experts_native
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .qwen3 import Qwen3Attention
 
@@ -340,6 +341,25 @@ class Qwen3NextForCausalLM(nn.Module):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'linear_conv_kernel_dim': IMPLEMENTED,
+        'linear_key_head_dim': IMPLEMENTED,
+        'linear_value_head_dim': IMPLEMENTED,
+        'linear_num_key_heads': IMPLEMENTED,
+        'linear_num_value_heads': CHECKED,    # a multiple of linear_num_key_heads
+        'decoder_sparse_step': IMPLEMENTED,
+        'mlp_only_layers': IMPLEMENTED,
+        'num_experts': IMPLEMENTED,
+        'num_experts_per_tok': IMPLEMENTED,
+        'moe_intermediate_size': IMPLEMENTED,
+        'shared_expert_intermediate_size': IMPLEMENTED,
+        'norm_topk_prob': IMPLEMENTED,
+        'output_router_logits': INERT,        # the training loss only
+        'router_aux_loss_coef': INERT,
+    }
+    check_config = staticmethod(check_config)
 
     def __init__(self, config):
         super().__init__()
