@@ -1,6 +1,11 @@
 """How a model is split over the tensor-parallel ranks (Megatron-LM's scheme: Shoeybi et al.,
 "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", 2019).
 
+What splits how is the model's own declaration: its class's ``parallel_plan``
+(:class:`~lmdeploy.pytorch.models.parallel_plan.ParallelPlan`: gated query, Gated DeltaNet,
+dense MLPs, checkpoint renames, rank-0-only tensors); this module applies any plan and never
+branches on the model type.
+
 Each rank builds the model from a *local config* (head and channel counts divided by the TP
 size), so every layer, packed projection and cache spec of the engine's models comes out with
 this rank's sizes without the models knowing about parallelism. A few modules are then swapped
@@ -53,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.linear import linear
+from ..models import MODEL_REGISTRY, get_model_class
 from .comm import all_gather_last, all_reduce
 
 __all__ = ['TPLayout', 'Shard', 'RowParallelLinear', 'VocabParallelEmbedding', 'VocabParallelHead']
@@ -134,10 +140,6 @@ _DENSE_MLP = re.compile(r'^(?:model|mtp)\.layers\.\d+\.mlp\.(gate_proj|up_proj|d
 _ATTN = re.compile(r'^(?:model|mtp)\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
 _GDN = re.compile(r'^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|'
                   r'in_proj_a|conv1d|dt_bias|A_log|out_proj)(\.weight)?$')
-_QWEN3_5_MOE = ('qwen3_5_moe', 'qwen3_5_moe_text')     # MoE in every layer, an mtp.* head
-_QWEN3_5 = ('qwen3_5', 'qwen3_5_text') + _QWEN3_5_MOE
-_HYBRID = ('qwen3_next',) + _QWEN3_5
-
 
 def _text_config(config):
     """The config of the text stack: ``text_config`` of a vision-language config, else ``config``."""
@@ -159,20 +161,26 @@ class TPLayout:
         vocab: its vocabulary rows ``(first, stop)``; ``vocab_width`` the padded rows per rank.
         k_heads, v_heads: its Gated DeltaNet key / value heads (hybrid models only).
 
+    The split itself is the model's: its class's ``parallel_plan``
+    (:class:`~lmdeploy.pytorch.models.parallel_plan.ParallelPlan`), found through the model registry.
+
     Raises:
         ValueError: a head or channel count the TP size does not divide (names the field); a
-            model type whose split is not implemented (names ``tp`` and the model type; split:
-            ``qwen3``, ``qwen3_next``, ``qwen3_5``, ``qwen3_5_text``, ``qwen3_5_moe``, ``qwen3_5_moe_text``).
+            model whose class declares no parallel plan (names ``tp``, the model type and the
+            model types that split).
     """
-
-    SPLIT_MODEL_TYPES = ('qwen3',) + _HYBRID
 
     def __init__(self, config, rank: int, size: int):
         self.config, self.rank, self.size = config, rank, size
         self.model_type = config.model_type
-        if self.model_type not in self.SPLIT_MODEL_TYPES:
+        try:
+            self.plan = getattr(get_model_class(self.model_type), 'parallel_plan', None)
+        except ValueError:      # not a registered model type
+            self.plan = None
+        if self.plan is None:
+            split = [t for t in MODEL_REGISTRY if getattr(get_model_class(t), 'parallel_plan', None) is not None]
             raise ValueError(f'tp ({size}): tensor parallelism supports model_type '
-                             f'{", ".join(self.SPLIT_MODEL_TYPES)}, not {self.model_type!r}; use tp=1')
+                             f'{", ".join(split)}, not {self.model_type!r}; use tp=1')
         text = self.text = _text_config(config)
         self.head_dim = getattr(text, 'head_dim', None) or text.hidden_size // text.num_attention_heads
         self.q_heads = _split(text.num_attention_heads, rank, size, 'num_attention_heads')
@@ -184,29 +192,19 @@ class TPLayout:
         else:
             first = rank * kv // size        # KV heads replicated: size/kv ranks share one
             self.kv_heads = (first, first + 1)
-        self.gated_q = self.model_type in _HYBRID    # q_proj also emits the output gate
-        self.flat_gdn = self.model_type in _QWEN3_5   # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
+        self.gated_q = self.plan.gated_q    # q_proj also emits the output gate
         self.intermediate = (_split(text.intermediate_size, rank, size, 'intermediate_size')
-                             if self._has_dense_mlp() else (0, 0))
+                             if self.plan.dense_mlp(text) else (0, 0))
         vocab = text.vocab_size
         self.vocab_width = -(-vocab // size)
         self.vocab = (min(vocab, rank * self.vocab_width), min(vocab, (rank + 1) * self.vocab_width))
-        if self.model_type in _HYBRID:
+        if self.plan.gated_delta_net:
             self.k_heads = _split(text.linear_num_key_heads, rank, size, 'linear_num_key_heads')
             if text.linear_num_value_heads % text.linear_num_key_heads:
                 raise ValueError(f'linear_num_value_heads ({text.linear_num_value_heads}) must be a multiple of '
                                  f'linear_num_key_heads ({text.linear_num_key_heads})')
             r = text.linear_num_value_heads // text.linear_num_key_heads
             self.v_heads = (self.k_heads[0] * r, self.k_heads[1] * r)
-
-    def _has_dense_mlp(self) -> bool:
-        c = self.text
-        if self.model_type in _QWEN3_5_MOE:
-            return False
-        if self.model_type != 'qwen3_next' or c.num_experts == 0:
-            return True
-        return any(i in (c.mlp_only_layers or []) or (i + 1) % c.decoder_sparse_step
-                   for i in range(c.num_hidden_layers))
 
     def local_config(self):
         """A copy of the config with this rank's head and channel counts (``head_dim`` explicit);
@@ -218,19 +216,18 @@ class TPLayout:
         t.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
         if self.intermediate[1]:
             t.intermediate_size = self.intermediate[1] - self.intermediate[0]
-        if self.model_type in _HYBRID:
+        if self.plan.gated_delta_net:
             t.linear_num_key_heads = self.k_heads[1] - self.k_heads[0]
             t.linear_num_value_heads = self.v_heads[1] - self.v_heads[0]
         return c
 
     def reads(self, name: str) -> bool:
-        """Whether this rank reads checkpoint tensor ``name`` at all: ranks other than 0 skip
-        Qwen3.5's vision tower (``model.visual.*``, run on rank 0 only) and its unused ``mtp.*``."""
-        if self.model_type in _QWEN3_5:
-            if name.startswith('mtp.') and self.model_type not in _QWEN3_5_MOE:
-                return False
-            if name.startswith('model.visual.'):
-                return self.rank == 0
+        """Whether this rank reads checkpoint tensor ``name`` at all (the plan's ``skipped``
+        prefixes: never; its ``rank0_only`` ones, e.g. a vision tower: rank 0 only)."""
+        if name.startswith(self.plan.skipped):
+            return False
+        if name.startswith(self.plan.rank0_only):
+            return self.rank == 0
         return True
 
     def conv_ranges(self) -> tuple[tuple[int, int], ...]:
@@ -259,8 +256,9 @@ class TPLayout:
         model.model.embed_tokens = VocabParallelEmbedding(*self.vocab, c.hidden_size)
         model.lm_head = VocabParallelHead(*self.vocab, self.vocab_width, c.hidden_size, c.vocab_size)
         self._swap_row_parallel(model.model.layers)
-        if self.rank != 0 and getattr(model, 'visual', None) is not None:
-            model.visual = None      # the vision tower runs on rank 0; its output is broadcast
+        if self.rank != 0:
+            for name in self.plan.rank0_modules:     # e.g. a vision tower: its output is broadcast
+                setattr(model, name, None)
         return model
 
     def apply_mtp(self, mtp: nn.Module) -> nn.Module:
@@ -286,8 +284,9 @@ class TPLayout:
 
     def shard(self, name: str) -> Shard | None:
         """Which part of checkpoint tensor ``name`` this rank reads; None = the whole tensor."""
-        if self.model_type in _QWEN3_5 and name.startswith('model.language_model.'):
-            name = 'model.' + name[len('model.language_model.'):]
+        for prefix, replacement in self.plan.renames:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
         if name in ('model.embed_tokens.weight', 'lm_head.weight'):
             return Shard(0, (self.vocab,))
         m = _ATTN.match(name)

@@ -16,6 +16,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
+from .parallel_plan import ParallelPlan
 
 __all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
 
@@ -135,6 +136,7 @@ class Qwen3ForCausalLM(nn.Module):
         'sliding_window': CHECKED,            # read for 'sliding_attention' layers, which are refused
     }
     check_config = staticmethod(check_config)
+    parallel_plan = ParallelPlan()        # heads, dense MLP and vocabulary split (Megatron-LM)
 
     def __init__(self, config):
         super().__init__()

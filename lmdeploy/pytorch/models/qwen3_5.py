@@ -30,6 +30,7 @@ from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
 from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
 from .qwen3_next import check_config as _check_hybrid
@@ -200,6 +201,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         'linear_num_value_heads': CHECKED,    # a multiple of linear_num_key_heads
     }
     check_config = staticmethod(check_config)
+    # as Qwen3-Next (flat Gated DeltaNet projections); checkpoint names under
+    # model.language_model.* read as model.*; the dense model's mtp.* head is not run (unread)
+    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True,
+                                 renames=(('model.language_model.', 'model.'),), skipped=('mtp.',))
 
     def __init__(self, config):
         super().__init__()
@@ -267,6 +272,10 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
                               'temporal_patch_size', 'out_hidden_size', 'num_position_embeddings',
                               'deepstack_visual_indexes', 'text_config')},
     }
+
+    # the vision tower runs on rank 0 only (its output is broadcast with the step)
+    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, renames=(('model.language_model.', 'model.'),),
+                                 skipped=('mtp.',), rank0_only=('model.visual.',), rank0_modules=('visual',))
 
     @staticmethod
     def check_config(config) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from .config_audit import MOE_FIELDS
 from .layers import RMSNorm
+from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
 from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, \
     Qwen3_5GatedDeltaNet, Qwen3_5TextModel
@@ -64,6 +65,9 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     load_tensor = staticmethod(load_expert_tensor)
     # the router always renormalises its top-k: no norm_topk_prob / decoder_sparse_step / mlp_only_layers
     config_fields = {**Qwen3_5ForCausalLM.config_fields, **MOE_FIELDS}
+    # MoE in every layer (replicated, no dense MLP to split); its mtp.* head is read
+    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=lambda config: False,
+                                 renames=(('model.language_model.', 'model.'),))
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
@@ -77,3 +81,6 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     text_model_cls = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
     config_fields = {**Qwen3_5ForConditionalGeneration.config_fields, **MOE_FIELDS}
+    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=lambda config: False,
+                                 renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),
+                                 rank0_modules=('visual',))

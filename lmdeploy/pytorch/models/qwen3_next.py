@@ -32,6 +32,7 @@ from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
+from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
 
 __all__ = ['Qwen3NextForCausalLM', 'GatedDeltaNet', 'SparseMoeBlock', 'check_config', 'load_expert_tensor']
@@ -55,6 +56,15 @@ def check_config(config) -> None:
                          f'linear_num_key_heads ({config.linear_num_key_heads})')
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+
+
+def has_dense_mlp(config) -> bool:
+    """Some layer of a Qwen3-Next config has a dense MLP (no experts, ``mlp_only_layers``, or
+    layers off ``decoder_sparse_step``)."""
+    if config.num_experts == 0:
+        return True
+    return any(i in (config.mlp_only_layers or []) or (i + 1) % config.decoder_sparse_step
+               for i in range(config.num_hidden_layers))
 
 
 def _head_dim(config) -> int:
@@ -360,6 +370,8 @@ class Qwen3NextForCausalLM(nn.Module):
         'router_aux_loss_coef': INERT,
     }
     check_config = staticmethod(check_config)
+    # gated q_proj, Gated DeltaNet by key head, dense MLPs split, MoE blocks replicated
+    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=has_dense_mlp)
 
     def __init__(self, config):
         super().__init__()
