@@ -154,6 +154,7 @@ class EngineLoop:
             if kind == 'add':
                 seq = arg.seq
                 if seq.gen_config.max_new_tokens == 0:
+                    self.engine.release(seq)
                     arg._push(EngineOutput([], 'length', seq.num_prompt_tokens, 0, 0))
                     continue
                 self._handles[seq.seq_id] = arg

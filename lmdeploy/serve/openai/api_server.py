@@ -58,6 +58,7 @@ from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingD
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
     NamedToolChoice, Usage, new_id, now
 from .reasoning_parser import get_reasoning_parser
+from .structured import from_response_format, from_tool_choice, grammar_tool_format
 from .tool_parser import get_tool_parser
 
 __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUEST_BYTES',
@@ -335,9 +336,12 @@ class _Server:
         except Exception as err:   # ValueError, or the tokenizer refusing the text
             raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
 
-    def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None):
+    def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None,
+              structured=None, structured_param: str = 'response_format'):
         """One ``(ids, GenerationConfig)`` per choice (worker thread); 400 if the engine would
-        refuse one. ``max_new`` is clamped to what the session has left after the prompt."""
+        refuse one. ``max_new`` is clamped to what the session has left after the prompt.
+        ``structured``: the :class:`~lmdeploy.messages.StructuredOutput` of the request (an
+        invalid schema is a 400 naming ``structured_param``)."""
         session_len = self.pipe.engine.session_len
         jobs = []
         bias = req.token_bias()
@@ -345,6 +349,12 @@ class _Server:
             self.pipe.engine.validate([0], GenerationConfig(logit_bias=bias))
         except ValueError as err:
             raise APIError(400, str(err), param='logit_bias', code='invalid_value') from err
+        if structured is not None:
+            try:
+                self.pipe.engine.validate([0], GenerationConfig(structured_output=structured))
+            except ValueError as err:
+                raise APIError(400, f'{structured_param}: {err}', param=structured_param,
+                               code='invalid_value') from err
         for ids in prompts_ids:
             try:
                 self.pipe.engine.validate(ids, GenerationConfig())
@@ -359,7 +369,9 @@ class _Server:
                     do_sample=sampling, temperature=req.temperature if sampling else 1.0, top_p=req.top_p,
                     top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
-                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs)
+                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs,
+                    min_tokens=req.min_tokens, structured_output=structured, cache_salt=req.cache_salt,
+                    prompt_logprobs=req.prompt_logprobs)
                 jobs.append((ids, cfg))
         return jobs
 
@@ -369,7 +381,17 @@ class _Server:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
         parser = get_tool_parser(self.tool_parser_name) if use_tools and self.tool_parser_name else None
         prefix = ''
-        if parser is not None and req.tool_choice == 'required':
+        structured, structured_param = self._structured(req.response_format), 'response_format'
+        forced = use_tools and (req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice))
+        tool_format = grammar_tool_format(self.tool_parser_name) if forced else None
+        if forced and structured is not None:
+            raise APIError(400, 'response_format: cannot be combined with a tool_choice that forces a call',
+                           param='response_format', code='invalid_value')
+        if tool_format is not None:       # the grammar writes the whole call; its parser reads it back
+            structured = from_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
+            structured_param = 'tools'
+            parser = get_tool_parser(self.tool_parser_name or tool_format)
+        elif parser is not None and req.tool_choice == 'required':
             prefix = parser.forced_prefix(None)
         elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
             prefix = parser.forced_prefix(req.tool_choice.function.name)
@@ -398,10 +420,23 @@ class _Server:
         if self.reasoning_parser_name and req.separate_reasoning:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
         started = reasoning is not None and not prefix and text.rstrip().endswith(reasoning.start_tag)
+        if structured is not None and text.rstrip().endswith('<think>') and not images:
+            # the template opened a reasoning block: close it empty, so that the grammar's output
+            # is the reply itself (constrained replies have no reasoning)
+            ids = self.pipe.tokenize(text + '\n\n</think>\n\n')
+            started = False
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs)
+        jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
         return _ChatPlan(jobs, outputs, images)
+
+    @staticmethod
+    def _structured(response_format):
+        """The engine constraint of a ``response_format`` (None for text); 400 naming it."""
+        try:
+            return from_response_format(response_format)
+        except ValueError as err:
+            raise APIError(400, f'response_format: {err}', param='response_format', code='invalid_value') from err
 
     # endpoints ------------------------------------------------------------------------------
     def _card(self) -> ModelCard:
@@ -479,7 +514,8 @@ class _Server:
             # echo: each choice's text starts with its prompt's text (token ids decoded)
             echo = [p if isinstance(p, str) else self.pipe.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
                 if req.echo else None
-            return self._jobs(req, ids, req.max_tokens, 'prompt', req.logprobs), echo
+            return self._jobs(req, ids, req.max_tokens, 'prompt', req.logprobs,
+                              self._structured(req.response_format)), echo
         jobs, echo = await run_in_threadpool(plan)
         echoed = [echo[i // req.n] for i in range(len(jobs))] if echo else None
         gen = _Generation(self, jobs, req.n)

@@ -1,0 +1,150 @@
+"""Per-token cost of a grammar token mask on CPU: xgrammar vs llguidance.
+
+For each library the script compiles one JSON schema, then walks a valid instance of it token
+by token (the tokens a model would emit) and times, at every position, what a decode step does
+for a guided sequence: compute the next-token bitmask, apply it to a ``[vocab]`` float32 logits
+row, and advance the matcher by the emitted token. ``--batch 16`` runs 16 matchers side by side
+(one step = 16 masks, the sampler's per-row loop). Numbers are microseconds per token and per
+step; compile time is reported once (it is cached per schema in the engine).
+
+Usage::
+
+    python benchmark/benchmark_grammar_mask.py [--model DIR] [--batch 1 16] [--repeat 20]
+
+Without ``--model`` it makes the tiny Qwen3 checkpoint (``lmdeploy.tools.make_tiny_model``) and
+uses its tokenizer. Results: benchmark/README.md ("Grammar mask").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+SCHEMA = {
+    'type': 'object',
+    'properties': {
+        'name': {'type': 'string'},
+        'age': {'type': 'integer'},
+        'tags': {'type': 'array', 'items': {'type': 'string', 'enum': ['a', 'bb', 'ccc']}},
+        'address': {'type': 'object', 'properties': {'city': {'type': 'string'}, 'zip': {'type': 'string'}},
+                    'required': ['city', 'zip']},
+        'score': {'type': 'number'},
+    },
+    'required': ['name', 'age', 'tags', 'address', 'score'],
+    'additionalProperties': False,
+}
+INSTANCE = {'name': 'the quick brown fox jumps over the lazy dog', 'age': 42, 'tags': ['a', 'ccc', 'bb', 'a'],
+            'address': {'city': 'Paris', 'zip': '75001'}, 'score': 3.25}
+
+
+class _XGrammar:
+    name = 'xgrammar'
+
+    def __init__(self, tokenizer, vocab_size):
+        import xgrammar as xgr
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self.vocab_size = vocab_size
+
+    def compile(self, schema):
+        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(',', ':'))
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def bitmask(self, n):
+        return self.xgr.allocate_token_bitmask(n, self.vocab_size)
+
+    def step(self, m, bitmask, i, row, token):
+        m.fill_next_token_bitmask(bitmask, i)
+        self.xgr.apply_token_bitmask_inplace(row, bitmask[i])
+        assert torch.isfinite(row[token]), 'the instance left the grammar'
+        assert m.accept_token(token)
+
+
+class _LLGuidance:
+    name = 'llguidance'
+
+    def __init__(self, tokenizer, vocab_size):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+        self.ll, self.lt = llguidance, llguidance.torch
+        self.tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.vocab_size = vocab_size
+
+    def compile(self, schema):
+        return self.ll.LLMatcher.grammar_from_json_schema(schema, defaults={'whitespace_flexible': False})
+
+    def matcher(self, compiled):
+        return self.ll.LLMatcher(self.tok, compiled)
+
+    def bitmask(self, n):
+        return self.lt.allocate_token_bitmask(n, self.vocab_size)
+
+    def step(self, m, bitmask, i, row, token):
+        self.lt.fill_next_token_bitmask(m, bitmask, i)
+        self.lt.apply_token_bitmask_inplace(row, bitmask[i])
+        assert torch.isfinite(row[token]), 'the instance left the grammar'
+        assert m.consume_token(token), m.get_error()
+
+
+def measure(lib, tokens: list[int], batch: int, repeat: int) -> dict:
+    """Median microseconds per step (``batch`` masks) and per token; compile time in ms."""
+    t0 = time.perf_counter()
+    compiled = lib.compile(SCHEMA)
+    compile_ms = (time.perf_counter() - t0) * 1e3
+    steps = []
+    logits = torch.zeros(batch, lib.vocab_size)
+    for _ in range(repeat):
+        matchers = [lib.matcher(compiled) for _ in range(batch)]
+        bitmask = lib.bitmask(batch)
+        for token in tokens:
+            logits.zero_()
+            t0 = time.perf_counter()
+            for i, m in enumerate(matchers):
+                lib.step(m, bitmask, i, logits[i], token)
+            steps.append(time.perf_counter() - t0)
+    step_us = statistics.median(steps) * 1e6
+    return {'library': lib.name, 'batch': batch, 'compile_ms': round(compile_ms, 2),
+            'us_per_step': round(step_us, 1), 'us_per_token': round(step_us / batch, 1),
+            'tokens': len(tokens), 'vocab': lib.vocab_size}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--model', help='model directory (its tokenizer and vocab_size); default: the tiny Qwen3')
+    ap.add_argument('--batch', type=int, nargs='+', default=[1, 16])
+    ap.add_argument('--repeat', type=int, default=20)
+    ap.add_argument('--json', help='write the results here')
+    args = ap.parse_args(argv)
+    model = args.model
+    if model is None:
+        from lmdeploy.tools.make_tiny_model import make_tiny_model
+        model = make_tiny_model(tempfile.mkdtemp(prefix='tiny_qwen3_'), arch='qwen3', seed=0)
+    from transformers import AutoConfig, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab_size = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+    text = json.dumps(INSTANCE, separators=(',', ':'))
+    tokens = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    torch.set_num_threads(1)
+    results = []
+    for cls in (_XGrammar, _LLGuidance):
+        lib = cls(tokenizer, vocab_size)
+        for b in args.batch:
+            r = measure(lib, tokens, b, args.repeat)
+            results.append(r)
+            print(json.dumps(r))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == '__main__':
+    main()
