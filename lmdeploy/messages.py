@@ -274,6 +274,9 @@ class StructuredOutput(BaseModel):
     tool_format: str = Field('hermes', description='type tool_calls: the call syntax (a name registered in '
                              'lmdeploy.pytorch.engine.guided.TOOL_CALL_FORMATS).')
     parallel_tool_calls: bool = Field(True, description='type tool_calls: False = exactly one call.')
+    prefix: str = Field('', description='Text at the end of the prompt that the constrained reply continues '
+                        '(e.g. a forced tool call\'s opening the server wrote into the prompt); the grammar '
+                        'starts after it. It must be a prefix of what the grammar admits.')
 
     @model_validator(mode='after')
     def _fields_of_type(self):

@@ -257,7 +257,11 @@ class Engine:
             raise ValueError(f'logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
         if gen_config.structured_output is not None:
             try:
-                self.grammar().compile(gen_config.structured_output)
+                spec = gen_config.structured_output
+                if spec.prefix:
+                    self.grammar().guide(spec).close()     # also checks the prefix
+                else:
+                    self.grammar().compile(spec)
             except ValueError as err:
                 raise ValueError(f'structured_output.{err}') from None
 
@@ -298,7 +302,10 @@ class Engine:
         seq = Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
                        self.eos_token_ids, tuple(multimodal))
         if gen_config.structured_output is not None:
-            seq.guide = self.grammar().guide(gen_config.structured_output)
+            try:
+                seq.guide = self.grammar().guide(gen_config.structured_output)
+            except ValueError as err:
+                raise ValueError(f'structured_output.{err}') from None
         return seq
 
     @staticmethod

@@ -180,11 +180,17 @@ class GrammarBackend:
         return self._compiler.compile_grammar(text, root_rule_name=_CALLS_RULE)
 
     def guide(self, spec: StructuredOutput) -> Guide:
-        """A new matcher for one sequence (compiles ``spec``; raises as :meth:`compile`)."""
-        compiled = self.compile(spec)
+        """A new matcher for one sequence, past ``spec.prefix``.
+
+        Raises:
+            ValueError: as :meth:`compile`, or the grammar does not admit ``spec.prefix``.
+        """
+        matcher = self._xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self.stop_token_ids or None)
+        if spec.prefix and not matcher.accept_string(spec.prefix):
+            raise ValueError(f'prefix: the grammar does not admit {spec.prefix!r} as the start of the reply')
         with self._lock:
             self.num_live += 1
-        return Guide(self, self._xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None))
+        return Guide(self, matcher)
 
     def _closed(self) -> None:
         with self._lock:

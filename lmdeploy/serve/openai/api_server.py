@@ -387,14 +387,18 @@ class _Server:
         if forced and structured is not None:
             raise APIError(400, 'response_format: cannot be combined with a tool_choice that forces a call',
                            param='response_format', code='invalid_value')
-        if tool_format is not None:       # the grammar writes the whole call; its parser reads it back
-            structured = from_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
-            structured_param = 'tools'
+        if tool_format is not None:       # the grammar writes the call; its parser reads it back
             parser = get_tool_parser(self.tool_parser_name or tool_format)
-        elif parser is not None and req.tool_choice == 'required':
+        if parser is not None and req.tool_choice == 'required':
             prefix = parser.forced_prefix(None)
         elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
             prefix = parser.forced_prefix(req.tool_choice.function.name)
+        if tool_format is not None:
+            # the opening goes into the prompt (it re-tokenizes as the history will); the grammar
+            # continues after it
+            structured = from_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
+            structured = structured.model_copy(update={'prefix': prefix})
+            structured_param = 'tools'
         messages = [m.for_template() for m in req.messages]
         images = ()
         try:
@@ -413,6 +417,10 @@ class _Server:
                 self.pipe.engine.make_sequence(ids, multimodal=images)      # checks the images; queues nothing
             else:
                 text = self.pipe.render(messages, tools, req.chat_template_kwargs)
+                if structured is not None and text.rstrip().endswith('<think>'):
+                    # the template opened a reasoning block: close it empty, so that the grammar's
+                    # output is the reply itself (constrained replies have no reasoning)
+                    text += '\n\n</think>\n\n'
                 ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
             raise APIError(400, f'messages: {err}', param='messages', code='invalid_value') from err
@@ -420,11 +428,6 @@ class _Server:
         if self.reasoning_parser_name and req.separate_reasoning:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
         started = reasoning is not None and not prefix and text.rstrip().endswith(reasoning.start_tag)
-        if structured is not None and text.rstrip().endswith('<think>') and not images:
-            # the template opened a reasoning block: close it empty, so that the grammar's output
-            # is the reply itself (constrained replies have no reasoning)
-            ids = self.pipe.tokenize(text + '\n\n</think>\n\n')
-            started = False
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
