@@ -121,3 +121,22 @@ def test_min_tokens_through_the_api(client):
     assert r.status_code == 200 and r.json()['usage']['completion_tokens'] == 7, r.text
     r = _chat(client, max_tokens=20, logit_bias={str(eos): 100})
     assert r.json()['usage']['completion_tokens'] == 1
+
+
+def test_cache_salt_through_the_api(client):
+    """Chat and completions: salt 2 gets no cached tokens of salt 1's prompt; the same salt does."""
+    prompt = 'salted ' * 40
+
+    def cached(path, salt):
+        body = {'model': 'tiny', 'max_tokens': 2, 'cache_salt': salt}
+        body.update({'prompt': prompt} if path == '/v1/completions' else
+                    {'messages': [{'role': 'user', 'content': prompt}]})
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()['usage']['prompt_tokens_details']['cached_tokens']
+    for path in ('/v1/completions', '/v1/chat/completions'):
+        cached(path, f'one{path}')
+        assert cached(path, f'one{path}') > 0
+        assert cached(path, f'two{path}') == 0
+    r = client.post('/v1/completions', json={'model': 'tiny', 'prompt': 'x', 'cache_salt': ''})
+    assert r.status_code == 400 and r.json()['error']['param'] == 'cache_salt'
