@@ -369,6 +369,8 @@ class Response:
         index: the prompt's position in a batch call.
         logprobs: one :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per token of
             ``token_ids`` when ``GenerationConfig.logprobs`` was set, else None.
+        prompt_logprobs: with ``GenerationConfig.prompt_logprobs``, one ``TokenLogprob`` per
+            prompt token after the first (in the first delta when streaming), else None.
     """
     text: str = ''
     token_ids: list[int] = field(default_factory=list)
@@ -378,3 +380,4 @@ class Response:
     cached_tokens: int = 0
     index: int = 0
     logprobs: list | None = None
+    prompt_logprobs: list | None = None

@@ -55,6 +55,7 @@ class StepOutput:
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list | None = None    # one sampler.TokenLogprob per new token, when the request asked
+    prompt_logprobs: list | None = None   # with the first token: one TokenLogprob per prompt token after the first
 
 
 def _eos_ids(model_path: str, config) -> frozenset[int]:
@@ -255,6 +256,8 @@ class Engine:
         bad = [t for t in gen_config.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f'logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
+        if gen_config.prompt_logprobs is not None and self.executor is not None:
+            raise ValueError('prompt_logprobs is not supported with tensor parallelism (tp > 1)')
         if gen_config.structured_output is not None:
             try:
                 spec = gen_config.structured_output
@@ -450,6 +453,8 @@ class Engine:
                 if seq.seq_id in self.model_runner.last_logprobs:
                     out.logprobs = [self.model_runner.last_logprobs[seq.seq_id]]
                 out.finish_reason = self._finish_reason(seq, token)
+            if seq.gen_config.prompt_logprobs is not None and seq.num_generated == len(out.new_token_ids):
+                out.prompt_logprobs = list(seq.prompt_logprobs)      # the request's first output
             if out.finish_reason:
                 self._execute_saves(self.scheduler.finish(seq, out.finish_reason))
                 self.release(seq)

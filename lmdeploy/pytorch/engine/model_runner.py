@@ -17,7 +17,7 @@ from ..model_inputs import StepContext
 from ..paging.scheduler import SchedulerOutput
 from .cache_engine import CacheEngine
 from ..spec_decode.acceptance import verify_drafts
-from .sampler import TokenLogprob, sample
+from .sampler import TokenLogprob, prompt_token_logprobs, sample
 
 __all__ = ['ModelRunner', 'tokens_from_logits']
 
@@ -83,6 +83,7 @@ class ModelRunner:
         self.last_hidden, self.last_context = hidden, ctx
         if return_all_logits:
             self.all_logits = self.model.compute_logits(hidden).cpu()
+        self._prompt_logprobs(out, ctx, hidden)
         rows, plain, verify = [], [], []
         for i, c in enumerate(out.chunks):
             if not c.sample:
@@ -94,6 +95,24 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         return tokens_from_logits(self, logits, plain, verify)
+
+
+    def _prompt_logprobs(self, out: SchedulerOutput, ctx: StepContext, hidden: torch.Tensor) -> None:
+        """Append the log-probabilities of the prompt tokens this forward predicts to the
+        ``prompt_logprobs`` of the sequences that asked (position p predicts prompt token p + 1;
+        positions already recorded, e.g. recomputed after preemption, are skipped)."""
+        for i, c in enumerate(out.chunks):
+            seq = c.seq
+            k = seq.gen_config.prompt_logprobs
+            if k is None:
+                continue
+            first = max(c.start, len(seq.prompt_logprobs))
+            last = min(c.end, seq.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            rows = torch.arange(first - c.start, last - c.start, device=hidden.device) + ctx.q_start_loc[i]
+            logits = self.model.compute_logits(hidden[rows])
+            seq.prompt_logprobs.extend(prompt_token_logprobs(logits, seq.token_ids[first + 1:last + 1], k))
 
 
 def tokens_from_logits(runner, logits: torch.Tensor, plain: list, verify: list) -> dict[int, list[int]]:

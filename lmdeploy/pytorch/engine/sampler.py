@@ -28,7 +28,8 @@ import torch
 
 from .sequence import Sequence
 
-__all__ = ['sample_tokens', 'sample', 'TokenLogprob', 'target_distribution', 'request_generator']
+__all__ = ['sample_tokens', 'sample', 'TokenLogprob', 'target_distribution', 'request_generator',
+           'prompt_token_logprobs']
 
 
 @dataclass
@@ -44,6 +45,33 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None     # prompt tokens: 1 + how many tokens were more likely
+
+
+def prompt_token_logprobs(logits: torch.Tensor, next_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """Log-probabilities of prompt tokens under the model's raw distribution (no penalty, bias
+    or temperature: what the model itself assigns, as ``log_softmax`` of its logits).
+
+    Args:
+        logits: ``[n, vocab]`` logits at n prompt positions.
+        next_ids: the n prompt tokens that follow those positions.
+        num_top: alternatives kept per token (most likely first).
+
+    Returns:
+        One :class:`TokenLogprob` per position, with its ``rank``.
+    """
+    logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    ids = torch.tensor(next_ids, dtype=torch.long)
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    out = []
+    for row, token, value, rank in zip(logp, next_ids, chosen.tolist(), ranks.tolist()):
+        top = []
+        if num_top > 0:
+            vals, idx = torch.topk(row, min(num_top, row.numel()))
+            top = [(int(i), float(v)) for v, i in zip(vals, idx)]
+        out.append(TokenLogprob(int(token), value, top, int(rank)))
+    return out
 
 
 def _process(logits: torch.Tensor, seq: Sequence, extra_ids=()) -> torch.Tensor:

@@ -236,7 +236,10 @@ class Scheduler:
         """Admission transaction (module docstring); False with nothing held on failure."""
         if self.is_hybrid and self.state_cache.num_free_runtime == 0:
             return False
-        match = self.prefix_cache.match(seq) if self.prefix_cache is not None else PrefixMatch()
+        # a cached prefix has no logits: prompt log-probabilities recompute the whole prompt
+        # (its blocks still enter the cache)
+        recompute = seq.gen_config.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1
+        match = self.prefix_cache.match(seq) if self.prefix_cache is not None and not recompute else PrefixMatch()
         if self.prefix_cache is not None:
             self.prefix_cache.pin(match)
         plan = self._plan(seq, match.cached_tokens, match.matched_tokens)
