@@ -7,9 +7,13 @@ row, and advance the matcher by the emitted token. ``--batch 16`` runs 16 matche
 (one step = 16 masks, the sampler's per-row loop). Numbers are microseconds per token and per
 step; compile time is reported once (it is cached per schema in the engine).
 
+``--throughput`` also measures the engine's decode throughput (generated tokens per second,
+CPU, float32, greedy) at each batch size for requests guided by a JSON schema (xgrammar, as the
+engine uses it) and for the same requests unguided with the same number of tokens each.
+
 Usage::
 
-    python benchmark/benchmark_grammar_mask.py [--model DIR] [--batch 1 16] [--repeat 20]
+    python benchmark/benchmark_grammar_mask.py [--model DIR] [--batch 1 16] [--repeat 20] [--throughput]
 
 Without ``--model`` it makes the tiny Qwen3 checkpoint (``lmdeploy.tools.make_tiny_model``) and
 uses its tokenizer. Results: benchmark/README.md ("Grammar mask").
@@ -116,11 +120,49 @@ def measure(lib, tokens: list[int], batch: int, repeat: int) -> dict:
             'tokens': len(tokens), 'vocab': lib.vocab_size}
 
 
+# a schema whose instances are long (64 bounded integers), so decode dominates
+LONG_SCHEMA = {'type': 'array', 'items': {'type': 'integer', 'minimum': 0, 'maximum': 999},
+               'minItems': 64, 'maxItems': 64}
+
+
+def measure_throughput(model: str, batch: int, prompt_len: int = 64) -> dict:
+    """Decode tokens/s of ``batch`` requests guided by :data:`LONG_SCHEMA`, and unguided with the
+    same token counts (the engine's step loop, prefill excluded by timing after the first token)."""
+    from lmdeploy import GenerationConfig, PytorchEngineConfig
+    from lmdeploy.messages import StructuredOutput
+    from lmdeploy.pytorch.engine.engine import Engine
+    eng = Engine(model, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=512,
+                                            max_batch_size=max(batch, 1)))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    guided = GenerationConfig(max_new_tokens=1000, structured_output=StructuredOutput(type='json_schema',
+                                                                                      json_schema=LONG_SCHEMA))
+
+    def run(cfgs):
+        seqs = [eng.add_request(p, c) for p, c in zip(prompts, cfgs)]
+        while any(s.num_generated == 0 for s in seqs):     # prefill and the first token: not timed
+            eng.step()
+        start, first = time.perf_counter(), sum(s.num_generated for s in seqs)
+        while eng.has_work:
+            eng.step()
+        return sum(s.num_generated for s in seqs) - first, time.perf_counter() - start, seqs
+    try:
+        run([guided] * batch)                                   # warm-up (compiles the grammar once)
+        tokens, secs, seqs = run([guided] * batch)
+        plain = [GenerationConfig(max_new_tokens=s.num_generated, ignore_eos=True) for s in seqs]
+        p_tokens, p_secs, _ = run(plain)
+    finally:
+        eng.close()
+    return {'batch': batch, 'guided_tok_s': round(tokens / secs, 1), 'unguided_tok_s': round(p_tokens / p_secs, 1),
+            'guided_tokens': tokens, 'slowdown': round((p_tokens / p_secs) / (tokens / secs), 3)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--model', help='model directory (its tokenizer and vocab_size); default: the tiny Qwen3')
     ap.add_argument('--batch', type=int, nargs='+', default=[1, 16])
     ap.add_argument('--repeat', type=int, default=20)
+    ap.add_argument('--throughput', action='store_true', help='also measure engine decode throughput')
     ap.add_argument('--json', help='write the results here')
     args = ap.parse_args(argv)
     model = args.model
@@ -138,6 +180,11 @@ def main(argv=None):
         lib = cls(tokenizer, vocab_size)
         for b in args.batch:
             r = measure(lib, tokens, b, args.repeat)
+            results.append(r)
+            print(json.dumps(r))
+    if args.throughput:
+        for b in args.batch:
+            r = measure_throughput(model, b)
             results.append(r)
             print(json.dumps(r))
     if args.json:

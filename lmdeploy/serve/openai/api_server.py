@@ -353,6 +353,11 @@ class _Server:
             self.pipe.engine.validate([0], GenerationConfig(logit_bias=bias))
         except ValueError as err:
             raise APIError(400, str(err), param='logit_bias', code='invalid_value') from err
+        if prompt_logprobs is not None:
+            try:
+                self.pipe.engine.validate([0], GenerationConfig(prompt_logprobs=prompt_logprobs))
+            except ValueError as err:
+                raise APIError(400, str(err), param='prompt_logprobs', code='invalid_value') from err
         if structured is not None:
             try:
                 self.pipe.engine.validate([0], GenerationConfig(structured_output=structured))
