@@ -141,11 +141,16 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return sample(logits, seqs)[0]
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def _greedy_argmax(seq: Sequence) -> bool:
+    """The next token is the argmax of the (grammar-masked) raw logits: greedy, no penalty,
+    bias, logprobs or pending min_tokens."""
     cfg = seq.gen_config
     return (cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.presence_penalty and not cfg.frequency_penalty
-            and not cfg.logit_bias and cfg.logprobs is None and seq.guide is None
-            and seq.num_generated >= cfg.min_tokens)
+            and not cfg.logit_bias and cfg.logprobs is None and seq.num_generated >= cfg.min_tokens)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    return seq.guide is None and _greedy_argmax(seq)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -174,6 +179,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             out.append(fast[i])
             logprobs.append(None)
             continue
+        if _greedy_argmax(seq):      # guided greedy: the argmax of the masked row (as _finite would pick)
+            masked = seq.guide.mask_(torch.nan_to_num(row, nan=float('-inf')))
+            if bool(torch.isfinite(masked).any()) or bool(torch.isposinf(masked).any()):
+                out.append(int(masked.argmax()))
+                logprobs.append(None)
+                continue
         token, probs, logp = target_distribution(row, seq)
         if token is None:
             token = int(torch.multinomial(probs, 1, generator=request_generator(seq)))
