@@ -140,3 +140,20 @@ def test_cache_salt_through_the_api(client):
         assert cached(path, f'two{path}') == 0
     r = client.post('/v1/completions', json={'model': 'tiny', 'prompt': 'x', 'cache_salt': ''})
     assert r.status_code == 400 and r.json()['error']['param'] == 'cache_salt'
+
+
+def test_grammar_format_of_a_parser():
+    """A parser's grammar: its grammar_format attribute, else its name; none registered -> None."""
+    from lmdeploy.serve.openai.structured import grammar_tool_format
+    from lmdeploy.serve.openai.tool_parser import TOOL_PARSERS, ToolParser, register_tool_parser
+    assert grammar_tool_format(None) == grammar_tool_format('hermes') == 'hermes'
+
+    @register_tool_parser('test_xml_calls')
+    class _XML(ToolParser):
+        grammar_format = 'qwen_xml'
+    try:
+        assert grammar_tool_format('test_xml_calls') == 'qwen_xml'
+        _XML.grammar_format = None
+        assert grammar_tool_format('test_xml_calls') is None
+    finally:
+        TOOL_PARSERS.pop('test_xml_calls')

@@ -279,3 +279,19 @@ def test_min_tokens_counts_drafts_under_verification(tiny_qwen3):
         plain.close()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize('prompt_seed', [0, 1, 2])
+def test_qwen_xml_call_has_the_schema_parameters(engine, prompt_seed):
+    """The qwen_xml grammar: one <function=NAME> block whose <parameter=KEY> values are the
+    schema's required keys, the integer in its range."""
+    import re
+    spec = StructuredOutput(type='tool_calls', tool_format='qwen_xml', tools=TOOLS[:1], parallel_tool_calls=False)
+    seq = engine.generate(random_prompt(16, prompt_seed), GenerationConfig(max_new_tokens=200, structured_output=spec))
+    assert seq.finish_reason == 'stop'
+    text = _decode(engine, seq.output_ids)
+    m = re.fullmatch(r'<tool_call>\n<function=get_weather>\n(.*)\n</function>\n</tool_call>', text, re.S)
+    assert m, text
+    params = dict(re.findall(r'<parameter=(\w+)>(.*?)</parameter>', m.group(1), re.S))
+    assert set(params) == {'city', 'days'} and 1 <= int(params['days'].strip()) <= 7
+    assert_idle(engine)

@@ -96,6 +96,7 @@ class EngineLoop:
         handle = RequestHandle(seq, loop)
         with self._close_lock:
             if self._closed:
+                self.engine.release(seq)
                 raise RuntimeError('the engine is closed (close() was called); create a new pipeline')
             self._commands.put(('add', handle))
         self._wake.set()

@@ -397,7 +397,7 @@ class _Server:
             raise APIError(400, 'response_format: cannot be combined with a tool_choice that forces a call',
                            param='response_format', code='invalid_value')
         if tool_format is not None:       # the grammar writes the call; its parser reads it back
-            parser = get_tool_parser(self.tool_parser_name or tool_format)
+            parser = get_tool_parser(self.tool_parser_name or 'hermes')
         if parser is not None and req.tool_choice == 'required':
             prefix = parser.forced_prefix(None)
         elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):

@@ -13,8 +13,9 @@ function)::
     parallel_tool_calls false                               -> exactly one call
 
 A call's syntax is the server's tool-call parser's format when a grammar is registered for it
-(:data:`~lmdeploy.pytorch.engine.guided.TOOL_CALL_FORMATS`), so what the grammar forces is what
-the parser reads back.
+(:data:`~lmdeploy.pytorch.engine.guided.TOOL_CALL_FORMATS`, under the parser's name or the
+name in its class attribute ``grammar_format``), so what the grammar forces is what the parser
+reads back.
 """
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ def from_tool_choice(tools, tool_choice, parallel_tool_calls: bool, tool_format:
 
 
 def grammar_tool_format(parser_name: str | None) -> str | None:
-    """The grammar format of tool-call parser ``parser_name`` (None without a parser: hermes),
-    or None when no grammar is registered for that parser's format."""
+    """The grammar format of tool-call parser ``parser_name`` (None without a parser: hermes):
+    the parser class's ``grammar_format`` attribute if it has one, else its own name; None when
+    no grammar is registered under that format."""
     from ...pytorch.engine.guided import TOOL_CALL_FORMATS
+    from .tool_parser import TOOL_PARSERS
     name = parser_name or 'hermes'
-    return name if name in TOOL_CALL_FORMATS else None
+    fmt = getattr(TOOL_PARSERS.get(name), 'grammar_format', None) or name
+    return fmt if fmt in TOOL_CALL_FORMATS else None
