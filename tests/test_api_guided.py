@@ -157,3 +157,19 @@ def test_grammar_format_of_a_parser():
         assert grammar_tool_format('test_xml_calls') is None
     finally:
         TOOL_PARSERS.pop('test_xml_calls')
+
+
+def test_mapping_takes_chat_responses_and_anthropic_shapes():
+    """The request-to-config mapping the other endpoints reuse: chat's nested json_schema,
+    Responses' flat text.format, dict tools and a named choice."""
+    from lmdeploy.serve.openai.structured import from_response_format, from_tool_choice
+    nested = from_response_format({'type': 'json_schema', 'json_schema': {'name': 'p', 'schema': SCHEMA}})
+    flat = from_response_format({'type': 'json_schema', 'name': 'p', 'schema': SCHEMA, 'strict': False})
+    assert nested.json_schema == flat.json_schema == SCHEMA and nested.strict and not flat.strict
+    assert from_response_format({'type': 'text'}) is None and from_response_format(None) is None
+    with pytest.raises(ValueError, match='schema'):
+        from_response_format({'type': 'json_schema', 'json_schema': {'name': 'p'}})
+    named = from_tool_choice(TOOLS, {'type': 'function', 'function': {'name': 'ls'}}, False, 'hermes')
+    assert [t.name for t in named.tools] == ['ls'] and not named.parallel_tool_calls
+    assert [t.name for t in from_tool_choice(TOOLS, 'required', True, 'hermes').tools] == ['get_weather', 'ls']
+    assert from_tool_choice(TOOLS, 'auto', True, 'hermes') is None and from_tool_choice([], 'required', True, 'x') is None

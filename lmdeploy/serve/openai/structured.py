@@ -8,6 +8,8 @@ function)::
     response_format {"type": "json_object"}                 -> json_object
     response_format {"type": "json_schema", "json_schema":
                      {"name", "schema", "strict"}}          -> json_schema
+    text.format {"type": "json_schema", "name", "schema",
+                 "strict"} (Responses: flat)                -> json_schema
     tool_choice "required" (+ tools)                        -> tool_calls, every tool
     tool_choice {"type": "function", "function": {name}}    -> tool_calls, that tool only
     parallel_tool_calls false                               -> exactly one call
@@ -44,7 +46,10 @@ def from_response_format(response_format) -> StructuredOutput | None:
     if kind == 'json_object':
         return StructuredOutput(type='json_object')
     if kind == 'json_schema':
+        # chat nests {"name", "schema", "strict"} under json_schema; Responses' text.format has them flat
         spec = _get(response_format, 'json_schema')
+        if spec is None and isinstance(response_format, dict):
+            spec = response_format
         schema = _get(spec, 'schema_', None) if not isinstance(spec, dict) else spec.get('schema')
         if not isinstance(schema, dict):
             raise ValueError('json_schema.schema must be a JSON schema object')
