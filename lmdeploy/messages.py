@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-__all__ = ['PytorchEngineConfig', 'SpeculativeConfig', 'GenerationConfig', 'Response']
+__all__ = ['PytorchEngineConfig', 'SpeculativeConfig', 'GenerationConfig', 'StructuredOutput', 'ToolSchema', 'Response']
 
 MOONCAKE_MIN_SEGMENT = 16 << 20   # bytes; Mooncake 0.3.13 refuses a smaller memory segment
 
@@ -239,6 +239,54 @@ class PytorchEngineConfig(BaseModel):
         return self
 
 
+class ToolSchema(BaseModel):
+    """One function a constrained tool call may name (:class:`StructuredOutput`)."""
+    model_config = ConfigDict(extra='forbid')
+
+    name: str = Field(min_length=1, description='The function\'s name, written into the call.')
+    parameters: dict | None = Field(None, description='JSON schema of its arguments; None = any JSON object.')
+
+
+class StructuredOutput(BaseModel):
+    """What the reply must be; the engine masks every token that would leave it (constrained
+    decoding, docs/en/api_server.md "Structured output").
+
+    ``type``:
+        ``json_object``  any JSON object;
+        ``json_schema``  a JSON document valid against ``json_schema``;
+        ``tool_calls``   one or more tool calls in ``tool_format`` (``hermes``:
+                         ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``;
+                         ``qwen_xml``: ``<tool_call>\n<function=NAME>\n<parameter=KEY>...``),
+                         each naming one of ``tools`` with arguments valid against its
+                         parameters; at most one call when ``parallel_tool_calls`` is False.
+
+    The reply ends (``'stop'``) when the grammar is complete. An invalid schema is a ValueError
+    when the request is validated (:meth:`Engine.validate`).
+    """
+    model_config = ConfigDict(extra='forbid')
+
+    type: Literal['json_object', 'json_schema', 'tool_calls']
+    json_schema: dict | None = Field(None, description='The schema (type json_schema).')
+    strict: bool = Field(True, description='json_schema: objects take only the properties the schema lists '
+                         'unless it says otherwise (additionalProperties).')
+    tools: list[ToolSchema] = Field(default_factory=list, description='type tool_calls: the callable functions '
+                                    '(one for a named tool_choice).')
+    tool_format: str = Field('hermes', description='type tool_calls: the call syntax (a name registered in '
+                             'lmdeploy.pytorch.engine.guided.TOOL_CALL_FORMATS).')
+    parallel_tool_calls: bool = Field(True, description='type tool_calls: False = exactly one call.')
+    prefix: str = Field('', description='Text at the end of the prompt that the constrained reply continues '
+                        '(e.g. a forced tool call\'s opening the server wrote into the prompt); the grammar '
+                        'starts after it. It must be a prefix of what the grammar admits.')
+
+    @model_validator(mode='after')
+    def _fields_of_type(self):
+        if self.type == 'json_schema' and self.json_schema is None:
+            raise ValueError('structured_output of type json_schema needs json_schema')
+        if self.type == 'tool_calls' and not self.tools:
+            raise ValueError('structured_output of type tool_calls needs at least one entry in tools')
+        return self
+
+
 class GenerationConfig(BaseModel):
     """Per-request sampling and stopping options."""
     model_config = ConfigDict(extra='forbid', validate_assignment=True)
@@ -268,6 +316,17 @@ class GenerationConfig(BaseModel):
                                     '(same seed, same output); -2^63 to 2^64-1, the range of torch\'s generator.')
     logprobs: int | None = Field(None, ge=0, le=20, description='Return each generated token\'s log-probability '
                                  'and this many most likely alternatives (0-20); None = off.')
+    min_tokens: int = Field(0, ge=0, description='EOS and stop_token_ids are masked until this many tokens were '
+                            'generated (a grammar that can only end wins over it).')
+    structured_output: StructuredOutput | None = Field(None, description='Constrain the reply to a JSON schema, '
+                                                       'any JSON object or tool calls (grammar-masked decoding; '
+                                                       'decodes without speculative drafts).')
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024, description='Enters the hash of the '
+                                   'prompt\'s first block: requests with another salt (or none) never share a '
+                                   'cached block, locally or in the Store.')
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description='Return the log-probability of every '
+                                        'prompt token after the first, and this many most likely alternatives '
+                                        '(0-20); the prompt is recomputed (no prefix-cache hit); None = off.')
 
     @field_validator('*', mode='before')
     @classmethod
@@ -310,6 +369,8 @@ class Response:
         index: the prompt's position in a batch call.
         logprobs: one :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per token of
             ``token_ids`` when ``GenerationConfig.logprobs`` was set, else None.
+        prompt_logprobs: with ``GenerationConfig.prompt_logprobs``, one ``TokenLogprob`` per
+            prompt token after the first (in the first delta when streaming), else None.
     """
     text: str = ''
     token_ids: list[int] = field(default_factory=list)
@@ -319,3 +380,4 @@ class Response:
     cached_tokens: int = 0
     index: int = 0
     logprobs: list | None = None
+    prompt_logprobs: list | None = None

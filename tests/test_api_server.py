@@ -289,10 +289,9 @@ BAD_REQUESTS = [
      None, 400, 'top_logprobs'),
     ('stream_options without stream', '/v1/chat/completions',
      {'model': 'tiny', 'messages': MSG, 'stream_options': {'include_usage': True}}, None, 400, 'stream_options'),
-    ('response_format json_object', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'response_format': {'type': 'json_object'}}, None, 400, 'response_format'),
-    ('echo with logprobs', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'logprobs': 1, 'echo': True},
-     None, 400, 'echo'),
+    ('response_format with a schema that cannot be compiled', '/v1/chat/completions',
+     {'model': 'tiny', 'messages': MSG, 'response_format': {'type': 'json_schema', 'json_schema': {
+         'name': 'x', 'schema': {'type': 'objectx'}}}}, None, 400, 'response_format'),
     ('suffix', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'suffix': 'end'}, None, 400, 'suffix'),
     ('best_of above n', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'best_of': 3}, None, 400, 'best_of'),
     # the body cannot be read as JSON at all: code invalid_json

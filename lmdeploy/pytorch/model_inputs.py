@@ -70,6 +70,7 @@ class StepBatch:
         sample_rows: flat rows whose logits are needed (each sampled chunk's last token, and
             with speculative decoding the positions of its drafts before it).
         all_logits: also compute the logits of every row (tests).
+        prompt_rows: flat rows whose logits predict prompt tokens (prompt log-probabilities).
         images: only for a step of a model with images whose batch holds an image (Qwen3.5):
             rank 0's :class:`~lmdeploy.pytorch.models.qwen3_5.ImageInputs` — M-RoPE positions
             int64 ``[3, T]``, image rows int64 ``[R]`` and the vision tower's ``[R, hidden]``
@@ -86,6 +87,7 @@ class StepBatch:
     sample_rows: list[int] = field(default_factory=list)
     all_logits: bool = False
     images: object = None
+    prompt_rows: list[int] = field(default_factory=list)
 
     def context(self, device: torch.device, kv_caches, state_caches, block_size: int) -> 'StepContext':
         """The :class:`StepContext` of this batch on ``device`` over the given caches (a rank's

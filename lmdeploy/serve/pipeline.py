@@ -321,6 +321,8 @@ class Pipeline:
             acc.token_ids += r.token_ids
             if r.logprobs is not None:
                 acc.logprobs = (acc.logprobs or []) + r.logprobs
+            if r.prompt_logprobs is not None:
+                acc.prompt_logprobs = r.prompt_logprobs
             acc.input_token_len, acc.generate_token_len = r.input_token_len, r.generate_token_len
             acc.cached_tokens, acc.finish_reason = r.cached_tokens, r.finish_reason or acc.finish_reason
         results = [final[i] for i in range(len(batch))]
@@ -409,7 +411,8 @@ class Pipeline:
         return Response(text=text, token_ids=list(ids), input_token_len=out.num_prompt_tokens,
                         generate_token_len=out.num_generated, finish_reason=reason,
                         cached_tokens=out.cached_tokens, index=index,
-                        logprobs=None if logprobs is None else list(logprobs))
+                        logprobs=None if logprobs is None else list(logprobs),
+                        prompt_logprobs=getattr(out, 'prompt_logprobs', None))
 
     def chat(self, prompt: str, session: ChatSession | None = None, gen_config: GenerationConfig | dict | None = None,
              system: str | None = None) -> ChatSession:

@@ -89,8 +89,8 @@ class Worker:
         """Run this rank's shard of the forward.
 
         Returns:
-            ``(logits [len(sample_rows), vocab] float32 or None, all logits [T, vocab] or None)``,
-            identical on every rank.
+            ``(logits [len(sample_rows), vocab] float32 or None, all logits [T, vocab] or None,
+            prompt logits [len(prompt_rows), vocab] or None)``, identical on every rank.
         """
         ce = self.cache_engine
         ctx = batch.context(self.device, ce.kv_caches, ce.state_caches, ce.block_size)
@@ -101,10 +101,12 @@ class Worker:
         if self.mtp is not None:
             self.last_hidden = hidden
         all_logits = self.model.compute_logits(hidden).cpu() if batch.all_logits else None
-        logits = None
+        logits = prompt_logits = None
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=hidden.device)])
-        return logits, all_logits
+        if batch.prompt_rows:
+            prompt_logits = self.model.compute_logits(hidden[torch.tensor(batch.prompt_rows, device=hidden.device)])
+        return logits, all_logits, prompt_logits
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """This rank's slice of :meth:`CacheEngine.copy_states`."""

@@ -55,6 +55,7 @@ class StepOutput:
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list | None = None    # one sampler.TokenLogprob per new token, when the request asked
+    prompt_logprobs: list | None = None   # with the first token: one TokenLogprob per prompt token after the first
 
 
 def _eos_ids(model_path: str, config) -> frozenset[int]:
@@ -120,6 +121,7 @@ class Engine:
         self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
+        self._grammar = None      # constrained decoding, built with the first guided request
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         num_runtime = cc.num_state_slots or config.max_batch_size
         num_ckpt = cc.num_checkpoint_slots if (self.is_hybrid and cc.enable_prefix_caching) else 0
@@ -242,6 +244,24 @@ class Engine:
         bad = [t for t in gen_config.logit_bias if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f'logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
+        if gen_config.structured_output is not None:
+            try:
+                spec = gen_config.structured_output
+                if spec.prefix:
+                    self.grammar().guide(spec).close()     # also checks the prefix
+                else:
+                    self.grammar().compile(spec)
+            except ValueError as err:
+                raise ValueError(f'structured_output.{err}') from None
+
+    def grammar(self):
+        """The :class:`~.guided.GrammarBackend` of this model's tokenizer (built on first use)."""
+        if self._grammar is None:
+            from transformers import AutoTokenizer
+            from .guided import GrammarBackend
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            self._grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar
 
     def make_sequence(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                       multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int | None = None,
@@ -268,8 +288,20 @@ class Engine:
                 raise ValueError('images are not supported with MTP speculative decoding '
                                  '(speculative_config.method=qwen3_next_mtp)')
             self.model.check_multimodal(token_ids, multimodal)
-        return Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
-                        self.eos_token_ids, tuple(multimodal))
+        seq = Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
+                       self.eos_token_ids, tuple(multimodal))
+        if gen_config.structured_output is not None:
+            try:
+                seq.guide = self.grammar().guide(gen_config.structured_output)
+            except ValueError as err:
+                raise ValueError(f'structured_output.{err}') from None
+        return seq
+
+    @staticmethod
+    def release(seq: Sequence) -> None:
+        """Free what a sequence holds outside the caches (its grammar matcher); idempotent."""
+        if seq.guide is not None:
+            seq.guide.close()
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                     **kwargs) -> Sequence:
@@ -287,6 +319,7 @@ class Engine:
         if not seq.is_finished:
             self.scheduler.abort(seq)
             seq.finish_reason = 'abort'
+        self.release(seq)
 
     def finish_early(self, seq: Sequence, reason: str = 'stop') -> None:
         """End ``seq`` now as a *completed* request (the caller found a stop string in its text,
@@ -303,6 +336,7 @@ class Engine:
             self.abort(seq)
             return
         self._execute_saves(self.scheduler.finish(seq, reason))
+        self.release(seq)
 
     @property
     def has_work(self) -> bool:
@@ -377,6 +411,8 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` stops after ``token`` (already appended), or None."""
         cfg = seq.gen_config
+        if seq.guide is not None and seq.guide.done:      # the grammar is complete (or was left)
+            return 'stop'
         if not cfg.ignore_eos and (token in seq.eos_token_ids or token in cfg.stop_token_ids):
             return 'stop'
         if token in cfg.stop_token_ids:
@@ -398,11 +434,16 @@ class Engine:
             else:
                 (token,) = tokens
                 seq.token_ids.append(token)
+                if seq.guide is not None:
+                    seq.guide.accept(token)
                 if seq.seq_id in self.model_runner.last_logprobs:
                     out.logprobs = [self.model_runner.last_logprobs[seq.seq_id]]
                 out.finish_reason = self._finish_reason(seq, token)
+            if seq.gen_config.prompt_logprobs is not None and seq.num_generated == len(out.new_token_ids):
+                out.prompt_logprobs = list(seq.prompt_logprobs)      # the request's first output
             if out.finish_reason:
                 self._execute_saves(self.scheduler.finish(seq, out.finish_reason))
+                self.release(seq)
             outputs.append(out)
         return outputs
 
@@ -436,6 +477,7 @@ class Engine:
             'store_inflight': self.store.num_inflight if self.store is not None else 0,
             'requests_running': len(self.scheduler.running),
             'requests_waiting': len(self.scheduler.waiting),
+            'grammar_matchers': self._grammar.num_live if self._grammar is not None else 0,
         }
 
     def stats(self) -> dict:
@@ -458,7 +500,8 @@ class Engine:
         """No sequence holds a block, a runtime slot, a pin or an in-flight Store operation."""
         led = self.ledger()
         return (led['blocks_in_use'] == 0 and led['runtime_slots_free'] == led['runtime_slots_total']
-                and led['checkpoints_pinned'] == 0 and led['store_inflight'] == 0 and not self.has_work)
+                and led['checkpoints_pinned'] == 0 and led['store_inflight'] == 0 and not self.has_work
+                and led['grammar_matchers'] == 0)
 
     def close(self) -> None:
         """Stop the Store worker (flushing queued saves), then the tensor-parallel workers."""

@@ -31,6 +31,7 @@ class EngineOutput:
     cached_tokens: int = 0
     num_generated: int = 0
     logprobs: list | None = None    # one sampler.TokenLogprob per token in token_ids, when requested
+    prompt_logprobs: list | None = None   # first delta: one TokenLogprob per prompt token after the first
 
 
 class RequestHandle:
@@ -95,6 +96,7 @@ class EngineLoop:
         handle = RequestHandle(seq, loop)
         with self._close_lock:
             if self._closed:
+                self.engine.release(seq)
                 raise RuntimeError('the engine is closed (close() was called); create a new pipeline')
             self._commands.put(('add', handle))
         self._wake.set()
@@ -154,6 +156,7 @@ class EngineLoop:
             if kind == 'add':
                 seq = arg.seq
                 if seq.gen_config.max_new_tokens == 0:
+                    self.engine.release(seq)
                     arg._push(EngineOutput([], 'length', seq.num_prompt_tokens, 0, 0))
                     continue
                 self._handles[seq.seq_id] = arg
@@ -170,9 +173,10 @@ class EngineLoop:
                 arg(self.engine)
 
     @staticmethod
-    def _output(seq: Sequence, tokens: list[int], reason: str | None, logprobs: list | None = None) -> EngineOutput:
+    def _output(seq: Sequence, tokens: list[int], reason: str | None, logprobs: list | None = None,
+                prompt_logprobs: list | None = None) -> EngineOutput:
         return EngineOutput(tokens, reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_generated,
-                            logprobs)
+                            logprobs, prompt_logprobs)
 
     def _run(self) -> None:
         while not self._stop:
@@ -200,7 +204,8 @@ class EngineLoop:
                 handle = self._handles.get(out.seq.seq_id)
                 if handle is None:
                     continue
-                handle._push(self._output(out.seq, out.new_token_ids, out.finish_reason, out.logprobs))
+                handle._push(self._output(out.seq, out.new_token_ids, out.finish_reason, out.logprobs,
+                                          out.prompt_logprobs))
                 if out.finish_reason:
                     del self._handles[out.seq.seq_id]
 

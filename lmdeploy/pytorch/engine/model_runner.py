@@ -18,7 +18,7 @@ import torch
 from ..model_inputs import StepBatch
 from ..paging.scheduler import SchedulerOutput
 from ..spec_decode.acceptance import verify_drafts
-from .sampler import TokenLogprob, sample
+from .sampler import TokenLogprob, prompt_token_logprobs, sample
 
 __all__ = ['ModelRunner', 'tokens_from_logits']
 
@@ -101,9 +101,11 @@ class ModelRunner:
         self.last_logprobs = {}
         self.last_batch = batch = self.step_batch(out, return_all_logits)
         batch.images = self.image_inputs(out, batch)
-        logits, all_logits = self.executor.call('forward', batch)
+        spans = self._prompt_rows(out, batch)
+        logits, all_logits, prompt_logits = self.executor.call('forward', batch)
         if return_all_logits:
             self.all_logits = all_logits
+        self._record_prompt_logprobs(spans, prompt_logits)
         if logits is None:
             return {}
         plain, verify, row = [], [], 0
@@ -118,6 +120,38 @@ class ModelRunner:
         each over its own last forward's hidden states; returns rank 0's draft token ids (every
         rank computes the same)."""
         return self.executor.call('mtp_step', batch)
+
+
+    @staticmethod
+    def _prompt_rows(out: SchedulerOutput, batch: StepBatch) -> list[tuple]:
+        """Add to ``batch.prompt_rows`` the flat rows whose logits predict prompt tokens of the
+        sequences that asked for prompt log-probabilities (position p predicts token p + 1;
+        positions already recorded, e.g. recomputed after preemption, are skipped). Returns
+        ``(seq, first position, stop position)`` per such chunk, in row order."""
+        spans = []
+        for i, c in enumerate(out.chunks):
+            seq = c.seq
+            if seq.gen_config.prompt_logprobs is None:
+                continue
+            first = max(c.start, len(seq.prompt_logprobs))
+            last = min(c.end, seq.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            row0 = batch.q_start_loc[i] - c.start
+            batch.prompt_rows.extend(range(row0 + first, row0 + last))
+            spans.append((seq, first, last))
+        return spans
+
+    @staticmethod
+    def _record_prompt_logprobs(spans: list[tuple], logits: torch.Tensor | None) -> None:
+        """Append each span's prompt-token log-probabilities (from ``logits``, the rows of
+        :meth:`_prompt_rows` in order) to its sequence's ``prompt_logprobs``."""
+        row = 0
+        for seq, first, last in spans:
+            n = last - first
+            k = seq.gen_config.prompt_logprobs
+            seq.prompt_logprobs.extend(prompt_token_logprobs(logits[row:row + n], seq.token_ids[first + 1:last + 1], k))
+            row += n
 
 
 def tokens_from_logits(runner, logits: torch.Tensor, plain: list, verify: list) -> dict[int, list[int]]:

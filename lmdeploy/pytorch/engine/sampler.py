@@ -4,7 +4,9 @@ Order of logit processing: repetition penalty (Keskar et al., "CTRL", 2019: divi
 logits, multiply negative ones, for tokens already in the sequence) → presence and frequency
 penalties (OpenAI's definition: subtract ``presence_penalty`` from the logit of every token the
 reply has generated so far and ``frequency_penalty`` times the number of times it did; the
-prompt does not count) → ``logit_bias`` (added to the listed tokens' logits) → temperature → top-k →
+prompt does not count) → ``logit_bias`` (added to the listed tokens' logits) → the grammar mask of
+a guided request (:mod:`.guided`: -inf for every token that would leave it; after the bias, so no
+bias can unban a token) → ``min_tokens`` (EOS and stop ids -inf until reached) → temperature → top-k →
 top-p (Holtzman et al., "The Curious Case of Neural Text Degeneration", 2020) → sample with
 the request's own ``torch.Generator`` so the same seed gives the same output regardless of
 batching.
@@ -26,7 +28,8 @@ import torch
 
 from .sequence import Sequence
 
-__all__ = ['sample_tokens', 'sample', 'TokenLogprob', 'target_distribution', 'request_generator']
+__all__ = ['sample_tokens', 'sample', 'TokenLogprob', 'target_distribution', 'request_generator',
+           'prompt_token_logprobs']
 
 
 @dataclass
@@ -42,6 +45,33 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None     # prompt tokens: 1 + how many tokens were more likely
+
+
+def prompt_token_logprobs(logits: torch.Tensor, next_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """Log-probabilities of prompt tokens under the model's raw distribution (no penalty, bias
+    or temperature: what the model itself assigns, as ``log_softmax`` of its logits).
+
+    Args:
+        logits: ``[n, vocab]`` logits at n prompt positions.
+        next_ids: the n prompt tokens that follow those positions.
+        num_top: alternatives kept per token (most likely first).
+
+    Returns:
+        One :class:`TokenLogprob` per position, with its ``rank``.
+    """
+    logp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    ids = torch.tensor(next_ids, dtype=torch.long)
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    out = []
+    for row, token, value, rank in zip(logp, next_ids, chosen.tolist(), ranks.tolist()):
+        top = []
+        if num_top > 0:
+            vals, idx = torch.topk(row, min(num_top, row.numel()))
+            top = [(int(i), float(v)) for v, i in zip(vals, idx)]
+        out.append(TokenLogprob(int(token), value, top, int(rank)))
+    return out
 
 
 def _process(logits: torch.Tensor, seq: Sequence, extra_ids=()) -> torch.Tensor:
@@ -60,7 +90,28 @@ def _process(logits: torch.Tensor, seq: Sequence, extra_ids=()) -> torch.Tensor:
     if cfg.logit_bias:
         ids = torch.tensor(list(cfg.logit_bias), dtype=torch.long)
         logits[ids] += torch.tensor(list(cfg.logit_bias.values()), dtype=logits.dtype)
+    if seq.guide is not None:
+        if extra_ids:
+            raise ValueError('a guided sequence is never verified with drafts (no grammar state at a draft)')
+        seq.guide.mask_(logits)
+    if cfg.min_tokens and seq.num_generated + len(extra_ids) < cfg.min_tokens:
+        _ban_stops(logits, seq)
     return logits
+
+
+def _ban_stops(logits: torch.Tensor, seq: Sequence) -> None:
+    """``min_tokens`` not reached: EOS (unless ignored) and ``stop_token_ids`` to -inf in the
+    ``[vocab]`` ``logits`` — unless nothing else is left (a grammar that can only end here wins)."""
+    cfg = seq.gen_config
+    stops = set(cfg.stop_token_ids) | (set() if cfg.ignore_eos else set(seq.eos_token_ids))
+    stops = [t for t in stops if t < logits.numel()]
+    if not stops:
+        return
+    ids = torch.tensor(stops, dtype=torch.long)
+    kept = logits[ids].clone()
+    logits[ids] = float('-inf')
+    if not bool((logits > float('-inf')).any()):
+        logits[ids] = kept
 
 
 def _finite(row: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -90,9 +141,16 @@ def sample_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return sample(logits, seqs)[0]
 
 
-def _plain_greedy(cfg) -> bool:
+def _greedy_argmax(seq: Sequence) -> bool:
+    """The next token is the argmax of the (grammar-masked) raw logits: greedy, no penalty,
+    bias, logprobs or pending min_tokens."""
+    cfg = seq.gen_config
     return (cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.presence_penalty and not cfg.frequency_penalty
-            and not cfg.logit_bias and cfg.logprobs is None)
+            and not cfg.logit_bias and cfg.logprobs is None and seq.num_generated >= cfg.min_tokens)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    return seq.guide is None and _greedy_argmax(seq)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -109,7 +167,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     logits = logits.float().cpu()
     # Plain greedy rows (no penalty, no logprobs) in one argmax: NaN -> -inf as in _finite; argmax
     # already picks the first +inf, and an all -inf row gives 0 like _finite's zeroed fallback.
-    plain = [i for i, s in enumerate(seqs) if _plain_greedy(s.gen_config)]
+    plain = [i for i, s in enumerate(seqs) if _plain_greedy(s)]
     fast = []
     if plain:
         inf = float('inf')
@@ -117,10 +175,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     out, logprobs = [], []
     for i, (row, seq) in enumerate(zip(logits, seqs)):
         cfg = seq.gen_config
-        if _plain_greedy(cfg):
+        if _plain_greedy(seq):
             out.append(fast[i])
             logprobs.append(None)
             continue
+        if _greedy_argmax(seq):      # guided greedy: the argmax of the masked row (as _finite would pick)
+            masked = seq.guide.mask_(torch.nan_to_num(row, nan=float('-inf')))
+            if bool(torch.isfinite(masked).any()) or bool(torch.isposinf(masked).any()):
+                out.append(int(masked.argmax()))
+                logprobs.append(None)
+                continue
         token, probs, logp = target_distribution(row, seq)
         if token is None:
             token = int(torch.multinomial(probs, 1, generator=request_generator(seq)))

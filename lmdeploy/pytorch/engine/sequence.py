@@ -78,6 +78,12 @@ class Sequence:
             the block hashes.
         encoder_cache: the model's per-image encoder outputs kept between forwards of this
             sequence (keyed by index in ``multimodal``); owned by the model.
+        guide: the grammar matcher of a request with ``gen_config.structured_output``
+            (:class:`~lmdeploy.pytorch.engine.guided.Guide`), advanced by every appended token and
+            closed when the sequence ends; None otherwise.
+        prompt_logprobs: with ``gen_config.prompt_logprobs``, one
+            :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per prompt token after the first
+            (filled as the prefill chunks run).
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -98,6 +104,8 @@ class Sequence:
     generator: torch.Generator | None = None
     draft_ids: list[int] = field(default_factory=list)
     encoder_cache: dict = field(default_factory=dict, repr=False)
+    guide: object | None = field(default=None, repr=False)
+    prompt_logprobs: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -30,7 +30,7 @@ from ..config import SchedulerConfig
 from ..engine.sequence import SeqStatus, Sequence
 from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.null_cache import NullPrefixCache
-from ..prefix_cache.plans import LoadPlan, SavePlan
+from ..prefix_cache.plans import LoadPlan, PrefixMatch, SavePlan
 from ..prefix_cache.state_cache import StateCache
 from .block_manager import BlockManager
 from .prefill_plan import (PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction,
@@ -233,7 +233,11 @@ class Scheduler:
         """Admission transaction (module docstring); False with nothing held on failure."""
         if self.is_hybrid and self.state_cache.num_free_runtime == 0:
             return False
-        match = self.prefix_cache.match(seq)
+        # a cached prefix has no logits: prompt log-probabilities recompute the whole prompt
+        # (its blocks still enter the cache)
+        recompute = (seq.gen_config.prompt_logprobs is not None
+                     and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1)
+        match = PrefixMatch() if recompute else self.prefix_cache.match(seq)
         self.prefix_cache.pin(match)
         plan = self._plan(seq, match.cached_tokens, match.matched_tokens)
         need = -(-plan.chunk_ends[0] // self.block_size) - match.num_shared_blocks

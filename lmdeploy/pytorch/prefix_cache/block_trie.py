@@ -36,19 +36,30 @@ from typing import Sequence
 from ..paging.block_manager import BlockManager
 from .state_cache import StateCache
 
-__all__ = ['BlockTrie', 'TrieNode', 'chain_block_hashes']
+__all__ = ['BlockTrie', 'TrieNode', 'chain_block_hashes', 'salted_root']
 
 _ROOT_HASH = b'\x00' * 16
 _CLOCK = itertools.count(1)
 
 
+def salted_root(salt: str | None) -> bytes:
+    """``hash_{-1}`` of a chain: all zeros without a salt, else a 16-byte digest of the salt
+    (domain-separated, so no salt equals "no salt")."""
+    if not salt:
+        return _ROOT_HASH
+    return hashlib.blake2b(b'lmdeploy/cache_salt\0' + salt.encode('utf-8'), digest_size=16).digest()
+
+
 def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
-                       extra_keys: Sequence[bytes] | None = None, prefix: Sequence[bytes] = ()) -> list[bytes]:
+                       extra_keys: Sequence[bytes] | None = None, prefix: Sequence[bytes] = (),
+                       salt: str | None = None) -> list[bytes]:
     """Chained 16-byte hashes of the full blocks of ``token_ids``.
 
     ``hash_i = blake2b(hash_{i-1} ‖ token ids of block i as little-endian uint32 ‖ extra_keys[i])``
-    so equal hashes imply (up to collisions, which callers rule out by comparing tokens) equal
-    prefixes.
+    with ``hash_{-1}`` = :func:`salted_root` of ``salt``, so equal hashes imply (up to
+    collisions, which callers rule out by comparing tokens) equal prefixes under the same salt,
+    and a request's ``cache_salt`` changes its first block's hash and so every later one (local
+    trie keys and Store keys alike).
 
     Args:
         token_ids: the tokens (ids in ``[0, 2**32)``).
@@ -57,6 +68,7 @@ def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: in
         extra_keys: per-block extra bytes (e.g. multimodal content hashes), or None.
         prefix: hashes of the leading blocks from an earlier call on the same tokens; hashing
             continues after them, so a growing sequence costs O(new blocks), not O(all blocks).
+        salt: the request's ``cache_salt`` (None or empty: unsalted).
 
     Returns:
         One digest per full block, in order (``prefix`` included, cut to ``num_blocks``).
@@ -64,7 +76,7 @@ def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: in
     full = len(token_ids) // block_size
     n = full if num_blocks is None else min(num_blocks, full)
     hashes = list(prefix[:n])
-    prev = hashes[-1] if hashes else _ROOT_HASH
+    prev = hashes[-1] if hashes else salted_root(salt)
     for i in range(len(hashes), n):
         h = hashlib.blake2b(prev, digest_size=16)
         block = token_ids[i * block_size:(i + 1) * block_size]

@@ -106,12 +106,14 @@ class PrefixCache:
 
     def hashes(self, seq) -> list[bytes]:
         """Chained hashes of ``seq``'s full blocks, computed incrementally; an image's content hash
-        enters the hash of the block holding its first token (and so every later one)."""
+        enters the hash of the block holding its first token (and so every later one), the
+        request's ``cache_salt`` the first block's (so every one)."""
         hashes = self._hashes.setdefault(seq.seq_id, [])
         full = seq.num_tokens // self.block_size
         if len(hashes) < full:
             extra = block_extra_keys(seq.multimodal, full, self.block_size) if seq.multimodal else None
-            hashes[:] = chain_block_hashes(seq.token_ids, self.block_size, full, extra_keys=extra, prefix=hashes)
+            hashes[:] = chain_block_hashes(seq.token_ids, self.block_size, full, extra_keys=extra, prefix=hashes,
+                                           salt=seq.gen_config.cache_salt)
         return hashes
 
     def _rules(self, seq) -> ReuseRules:

@@ -123,9 +123,10 @@ class SpecDecoder:
     # drafts for the next step ------------------------------------------------------------
     def _draft_room(self, seq, pending: int = 0) -> int:
         """How many drafts ``seq`` may verify next step (0: none), ``pending`` tokens not yet
-        appended. Requests that asked for log-probabilities decode plainly."""
+        appended. Requests that asked for log-probabilities, and guided requests (a grammar
+        state exists only at the sequence's last token), decode plainly."""
         cfg = seq.gen_config
-        if seq.is_finished or cfg.logprobs is not None:
+        if seq.is_finished or cfg.logprobs is not None or seq.guide is not None:
             return 0
         room = min(cfg.max_new_tokens - seq.num_generated, self.session_len - seq.num_tokens) - 1 - pending
         if self.block_align:

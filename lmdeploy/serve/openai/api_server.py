@@ -53,11 +53,13 @@ from ...messages import Response as EngineResponse
 from ...metrics import HTTPMetricsMiddleware, ServerMetrics
 from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
+from .prompt_logprobs import echo_logprobs, merge_completion_logprobs, vllm_prompt_logprobs
 from .errors import APIError, error_body, install_error_handlers
 from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingDown
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
     NamedToolChoice, Usage, new_id, now
 from .reasoning_parser import get_reasoning_parser
+from .structured import from_response_format, from_tool_choice, grammar_tool_format
 from .tool_parser import get_tool_parser
 
 __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUEST_BYTES',
@@ -95,6 +97,7 @@ class _Choice:
         self.prompt_len = prompt_len
         self.text = ''
         self.logprobs: list = []
+        self.prompt_logprobs: list | None = None    # TokenLogprob per prompt token after the first
         self.num_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -108,6 +111,8 @@ class _Choice:
             self.last = t
         self.text += r.text
         self.logprobs += r.logprobs or []
+        if r.prompt_logprobs is not None:
+            self.prompt_logprobs = r.prompt_logprobs
         self.num_tokens = max(self.num_tokens, r.generate_token_len)
         self.cached_tokens = max(self.cached_tokens, r.cached_tokens)
         self.finish_reason = r.finish_reason or self.finish_reason
@@ -335,9 +340,12 @@ class _Server:
         except Exception as err:   # ValueError, or the tokenizer refusing the text
             raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
 
-    def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None):
+    def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None,
+              structured=None, structured_param: str = 'response_format', prompt_logprobs: int | None = None):
         """One ``(ids, GenerationConfig)`` per choice (worker thread); 400 if the engine would
-        refuse one. ``max_new`` is clamped to what the session has left after the prompt."""
+        refuse one. ``max_new`` is clamped to what the session has left after the prompt.
+        ``structured``: the :class:`~lmdeploy.messages.StructuredOutput` of the request (an
+        invalid schema is a 400 naming ``structured_param``)."""
         session_len = self.pipe.engine.session_len
         jobs = []
         bias = req.token_bias()
@@ -345,6 +353,17 @@ class _Server:
             self.pipe.engine.validate([0], GenerationConfig(logit_bias=bias))
         except ValueError as err:
             raise APIError(400, str(err), param='logit_bias', code='invalid_value') from err
+        if prompt_logprobs is not None:
+            try:
+                self.pipe.engine.validate([0], GenerationConfig(prompt_logprobs=prompt_logprobs))
+            except ValueError as err:
+                raise APIError(400, str(err), param='prompt_logprobs', code='invalid_value') from err
+        if structured is not None:
+            try:
+                self.pipe.engine.validate([0], GenerationConfig(structured_output=structured))
+            except ValueError as err:
+                raise APIError(400, f'{structured_param}: {err}', param=structured_param,
+                               code='invalid_value') from err
         for ids in prompts_ids:
             try:
                 self.pipe.engine.validate(ids, GenerationConfig())
@@ -359,7 +378,9 @@ class _Server:
                     do_sample=sampling, temperature=req.temperature if sampling else 1.0, top_p=req.top_p,
                     top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
-                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs)
+                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs,
+                    min_tokens=req.min_tokens, structured_output=structured, cache_salt=req.cache_salt,
+                    prompt_logprobs=prompt_logprobs)
                 jobs.append((ids, cfg))
         return jobs
 
@@ -369,10 +390,24 @@ class _Server:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
         parser = get_tool_parser(self.tool_parser_name) if use_tools and self.tool_parser_name else None
         prefix = ''
+        structured, structured_param = self._structured(req.response_format), 'response_format'
+        forced = use_tools and (req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice))
+        tool_format = grammar_tool_format(self.tool_parser_name) if forced else None
+        if forced and structured is not None:
+            raise APIError(400, 'response_format: cannot be combined with a tool_choice that forces a call',
+                           param='response_format', code='invalid_value')
+        if tool_format is not None:       # the grammar writes the call; its parser reads it back
+            parser = get_tool_parser(self.tool_parser_name or 'hermes')
         if parser is not None and req.tool_choice == 'required':
             prefix = parser.forced_prefix(None)
         elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
             prefix = parser.forced_prefix(req.tool_choice.function.name)
+        if tool_format is not None:
+            # the opening goes into the prompt (it re-tokenizes as the history will); the grammar
+            # continues after it
+            structured = from_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
+            structured = structured.model_copy(update={'prefix': prefix})
+            structured_param = 'tools'
         messages = [m.for_template() for m in req.messages]
         images = ()
         try:
@@ -391,6 +426,10 @@ class _Server:
                 self.pipe.engine.make_sequence(ids, multimodal=images)      # checks the images; queues nothing
             else:
                 text = self.pipe.render(messages, tools, req.chat_template_kwargs)
+                if structured is not None and text.rstrip().endswith('<think>'):
+                    # the template opened a reasoning block: close it empty, so that the grammar's
+                    # output is the reply itself (constrained replies have no reasoning)
+                    text += '\n\n</think>\n\n'
                 ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
             raise APIError(400, f'messages: {err}', param='messages', code='invalid_value') from err
@@ -399,9 +438,18 @@ class _Server:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
         started = reasoning is not None and not prefix and text.rstrip().endswith(reasoning.start_tag)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs)
+        jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param,
+                          req.prompt_logprobs)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
         return _ChatPlan(jobs, outputs, images)
+
+    @staticmethod
+    def _structured(response_format):
+        """The engine constraint of a ``response_format`` (None for text); 400 naming it."""
+        try:
+            return from_response_format(response_format)
+        except ValueError as err:
+            raise APIError(400, f'response_format: {err}', param='response_format', code='invalid_value') from err
 
     # endpoints ------------------------------------------------------------------------------
     def _card(self) -> ModelCard:
@@ -425,19 +473,23 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _SSEResponse(self._chat_events(gen, plan.outputs, dict(head, object='chat.completion.chunk'),
-                                                  include_usage, req.logprobs, top))
+                                                  include_usage, req.logprobs, top, req.prompt_logprobs))
         await gen.collect(request)
         choices = []
         for i, (c, out) in enumerate(zip(gen.choices, plan.outputs)):
             choices.append({'index': i, 'message': out.message(c.text),
                             'logprobs': chat_logprobs(self.texts, c.logprobs, top) if req.logprobs else None,
                             'finish_reason': out.finish_reason(c.finish_reason)})
-        return dict(head, choices=choices, usage=gen.usage())
+        extra = {}
+        if req.prompt_logprobs is not None:
+            extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, gen.choices[0].prompt_logprobs,
+                                                            req.prompt_logprobs)
+        return dict(head, choices=choices, usage=gen.usage(), **extra)
 
     async def _chat_events(self, gen: _Generation, outputs: list[ChatOutput], head: dict, include_usage: bool,
-                           logprobs: bool, top: int):
-        def chunk(choices, usage=None):
-            body = dict(head, choices=choices)
+                           logprobs: bool, top: int, prompt_logprobs: int | None = None):
+        def chunk(choices, usage=None, **extra):
+            body = dict(head, choices=choices, **extra)
             if include_usage:
                 body['usage'] = usage
             return _sse(body)
@@ -457,8 +509,11 @@ class _Server:
                         delta = ChatOutput.merge_deltas(delta, out.finish())
                         reason = out.finish_reason(r.finish_reason)
                     lp = chat_logprobs(self.texts, r.logprobs, top) if logprobs and r.logprobs else None
-                    if delta or reason or lp:
-                        yield chunk([{'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}])
+                    extra = {}
+                    if prompt_logprobs is not None and r.prompt_logprobs is not None and i == 0:
+                        extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs, prompt_logprobs)
+                    if delta or reason or lp or extra:
+                        yield chunk([{'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}], **extra)
         except ShuttingDown as err:
             yield _stream_error(err)
         if include_usage:
@@ -479,7 +534,10 @@ class _Server:
             # echo: each choice's text starts with its prompt's text (token ids decoded)
             echo = [p if isinstance(p, str) else self.pipe.tokenizer.decode(i) for p, i in zip(prompts, ids)] \
                 if req.echo else None
-            return self._jobs(req, ids, req.max_tokens, 'prompt', req.logprobs), echo
+            # echo with logprobs: the prompt's tokens get theirs too (as many alternatives)
+            wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+            return self._jobs(req, ids, req.max_tokens, 'prompt', req.logprobs, self._structured(req.response_format),
+                              prompt_logprobs=max(wanted) if wanted else None), echo
         jobs, echo = await run_in_threadpool(plan)
         echoed = [echo[i // req.n] for i in range(len(jobs))] if echo else None
         gen = _Generation(self, jobs, req.n)
@@ -488,31 +546,57 @@ class _Server:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _SSEResponse(self._completion_events(gen, head, include_usage, req.logprobs is not None, top,
-                                                        echoed))
+                                                        echoed, [ids for ids, _ in jobs], req.prompt_logprobs))
         await gen.collect(request)
-        choices = [{'index': i, 'text': (echoed[i] if echoed else '') + c.text,
-                    'logprobs': completion_logprobs(self.texts, c.logprobs, top) if req.logprobs is not None
-                    else None, 'finish_reason': c.finish_reason} for i, c in enumerate(gen.choices)]
+        choices = []
+        for i, c in enumerate(gen.choices):
+            choice = {'index': i, 'text': (echoed[i] if echoed else '') + c.text, 'logprobs': None,
+                      'finish_reason': c.finish_reason}
+            if req.logprobs is not None:
+                offsets = TextOffsets(self.texts)
+                head_lp = echo_logprobs(self.texts, jobs[i][0], c.prompt_logprobs, top, offsets) if echoed else None
+                choice['logprobs'] = merge_completion_logprobs(head_lp, completion_logprobs(self.texts, c.logprobs,
+                                                                                           top, offsets))
+            if req.prompt_logprobs is not None:
+                choice['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, c.prompt_logprobs, req.prompt_logprobs)
+            choices.append(choice)
         return dict(head, choices=choices, usage=gen.usage())
 
     async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
-                                 top: int, echoed: list[str] | None = None):
+                                 top: int, echoed: list[str] | None = None, prompts: list | None = None,
+                                 prompt_logprobs: int | None = None):
         offsets = [TextOffsets(self.texts) for _ in gen.choices]
-        for i, text in enumerate(echoed or []):     # echo: the prompt first, as each choice's first text
-            choice = {'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}
-            yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
+        usage = {'usage': None} if include_usage else {}
+        # echo: the prompt first, as each choice's first text; with logprobs (which come with the
+        # choice's first output) it waits for them
+        pending_echo = dict(enumerate(echoed or []))
+        if not logprobs:
+            for i, text in pending_echo.items():
+                yield _sse(dict(head, choices=[{'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}],
+                                **usage))
+            pending_echo = {}
         try:
             async with aclosing(gen.deltas()) as stream:
                 async for i, r in stream:
                     if r.finish_reason == 'error':
                         yield _stream_error(RuntimeError())
                         break
+                    extra = {}
+                    if prompt_logprobs is not None and r.prompt_logprobs is not None:
+                        extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs,
+                                                                        prompt_logprobs)
+                    if i in pending_echo:
+                        lp = echo_logprobs(self.texts, prompts[i], r.prompt_logprobs, top, offsets[i])
+                        choice = {'index': i, 'text': pending_echo.pop(i), 'logprobs': lp, 'finish_reason': None}
+                        yield _sse(dict(head, choices=[dict(choice, **extra)], **usage))
+                        extra = {}
                     lp = None
                     if logprobs and r.logprobs:
                         lp = completion_logprobs(self.texts, r.logprobs, top, offsets[i])
-                    if r.text or r.finish_reason or lp:
-                        choice = {'index': i, 'text': r.text, 'logprobs': lp, 'finish_reason': r.finish_reason}
-                        yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
+                    if r.text or r.finish_reason or lp or extra:
+                        choice = {'index': i, 'text': r.text, 'logprobs': lp, 'finish_reason': r.finish_reason,
+                                  **extra}
+                        yield _sse(dict(head, choices=[choice], **usage))
         except ShuttingDown as err:
             yield _stream_error(err)
         if include_usage:

@@ -8,9 +8,10 @@ Every numeric field has a finite range (see the ``Field`` bounds and docs/en/api
 infinities and NaN are refused. Every string must be valid Unicode (a lone UTF-16 surrogate
 such as ``"\\ud800"`` is refused). Unknown request fields are ignored (OpenAI clients send
 options this engine does not implement, e.g. ``user``, ``metadata``); known options it cannot
-honour (``response_format`` other than text, ``suffix``, any ``best_of`` other than ``n``) are refused.
+honour (``suffix``, any ``best_of`` other than ``n``) are refused.
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
-``chat_template_kwargs``, ``separate_reasoning``.
+``chat_template_kwargs``, ``separate_reasoning``, ``min_tokens``, ``cache_salt``, ``prompt_logprobs``
+(vLLM's names).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, S
                       field_validator, model_validator)
 
 __all__ = ['ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'StreamOptions', 'Usage', 'Tool',
+           'ResponseFormat', 'JSONSchemaFormat', 'NamedToolChoice',
            'ToolCall', 'FunctionCall', 'PromptTokensDetails', 'ModelCard', 'ModelList', 'ErrorBody', 'new_id', 'now',
            'MAX_CHOICES', 'MAX_TOKENS', 'MAX_TOP_LOGPROBS']
 
@@ -189,11 +191,29 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the reply must match (``schema``), under a
+    ``name``; ``strict`` (default true here) refuses properties the schema does not list unless it
+    says otherwise."""
+    model_config = ConfigDict(extra='ignore', strict=True, populate_by_name=True)
+    name: Text = Field('response', max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias='schema')
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    """``response_format``: only ``{"type": "text"}`` is served (no constrained decoding); JSON
-    modes are refused rather than silently ignored."""
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (a JSON document valid against ``json_schema.schema``); both JSON modes are
+    enforced by constrained decoding (the engine masks every token that would leave the format)."""
     type: Literal['text', 'json_object', 'json_schema']
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode='after')
+    def _schema_given(self):
+        if self.type == 'json_schema' and self.json_schema is None:
+            raise ValueError('type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
+        return self
 
 
 class _Sampling(_Strict):
@@ -221,6 +241,13 @@ class _Sampling(_Strict):
         None, max_length=4096, description='Token id (a decimal string) -> bias added to its logit, -100 to 100.')
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description='EOS and stop tokens are masked until this many '
+                            'tokens were generated.')
+    cache_salt: Text | None = Field(None, min_length=1, max_length=1024, description='Requests with different '
+                                    'salts (or none) never share a cached prefix.')
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description='Log-probabilities of the '
+                                        'prompt tokens and this many alternatives (the prompt is recomputed).')
 
     @field_validator('logit_bias')
     @classmethod
@@ -254,8 +281,9 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``.
 
     ``tools`` / ``tool_choice`` reach the chat template; ``tool_choice`` ``"required"`` or a
-    named function makes the reply start with a tool call (the server writes the call's opening
-    into the prompt). ``top_logprobs`` needs ``logprobs: true``.
+    named function makes the reply one or more tool calls (exactly one with
+    ``parallel_tool_calls: false``) whose arguments match the function's parameters (constrained
+    decoding). ``top_logprobs`` needs ``logprobs: true``.
     """
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
@@ -266,7 +294,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = Field(True, description='Split <think> reasoning into reasoning_content.')
-    response_format: ResponseFormat | None = None
 
     @field_validator('top_logprobs')
     @classmethod
@@ -302,14 +329,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError('"required" needs a non-empty tools list')
         return v
 
-    @field_validator('response_format')
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.type != 'text':
-            raise ValueError(f'type {v.type!r} is not supported (this server has no constrained decoding); '
-                             f'omit response_format or use {{"type": "text"}}')
-        return v
-
     def max_new(self) -> int | None:
         """The requested output budget (``max_completion_tokens`` over ``max_tokens``)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -320,7 +339,8 @@ class CompletionRequest(_Sampling):
 
     ``max_tokens`` defaults to 16 (also when sent as null), as in OpenAI's legacy completions
     API. ``logprobs`` = k returns each token's log-probability and its k most likely
-    alternatives. ``echo`` puts the prompt's text before each choice's text.
+    alternatives. ``echo`` puts the prompt's text before each choice's text; with ``logprobs``
+    also the prompt tokens' log-probabilities (the first token's is null), as OpenAI's legacy API.
     """
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
@@ -334,13 +354,6 @@ class CompletionRequest(_Sampling):
     def _not_empty(cls, v):
         if v == [] or isinstance(v, list) and any(p == [] for p in v):
             raise ValueError('must not be empty: give a string, strings, or token-id lists of at least 1 token')
-        return v
-
-    @field_validator('echo')
-    @classmethod
-    def _echo_without_logprobs(cls, v, info: ValidationInfo):
-        if v and info.data.get('logprobs') is not None:
-            raise ValueError('echo with logprobs is not supported (no prompt log-probabilities)')
         return v
 
     @field_validator('suffix')

@@ -1,0 +1,240 @@
+"""Constrained decoding: a grammar per guided request masks the tokens that would leave it.
+
+A request's :class:`~lmdeploy.messages.StructuredOutput` is compiled once (cached by the
+grammar library, keyed by the grammar text) into a grammar over the tokenizer's vocabulary;
+each guided sequence owns one :class:`Guide`, a matcher that walks the tokens it generated::
+
+    sample step     logits -> penalties -> logit_bias -> Guide.mask_ (-inf outside the grammar)
+                    -> temperature / top-k / top-p -> token
+    update          Guide.accept(token)   exactly once per appended token
+    finish/abort    Guide.close()         (the ledger's grammar_matchers returns to 0)
+
+The matcher only moves forward with tokens the sequence keeps, so a preempted sequence (its
+tokens recomputed, none re-sampled) keeps its matcher as it is. Guided sequences decode without
+speculative drafts (a draft would need the matcher at every draft position): the speculative
+decoder gives them no draft room.
+
+Grammar library: xgrammar (Dong et al., "XGrammar: Flexible and Efficient Structured Generation
+Engine for Large Language Models", 2024), picked over llguidance by its per-token mask cost on
+CPU (benchmark/benchmark_grammar_mask.py; numbers in benchmark/README.md). JSON is generated
+without free whitespace (``", "`` and ``": "`` separators), so a weak model cannot loop on
+spaces.
+
+Tool-call formats are data: :data:`TOOL_CALL_FORMATS` maps a format name to a function that
+turns one tool (name, parameters schema) into the xgrammar ``Grammar`` of one whole call (its
+opening text, its arguments, its closing text); the backend unites the tools and repeats the
+call (newline-separated) unless ``parallel_tool_calls`` is False. A new format registers one
+(:func:`register_tool_call_format`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ...messages import StructuredOutput
+
+__all__ = ['GrammarBackend', 'Guide', 'TOOL_CALL_FORMATS', 'register_tool_call_format']
+
+logger = logging.getLogger('lmdeploy')
+
+_SEPARATORS = (', ', ': ')
+_ANY_OBJECT = {'type': 'object'}
+
+
+def _plain_bounded_strings(schema):
+    """``schema`` with each length-bounded string (``minLength`` / ``maxLength``, no pattern,
+    format, enum or const) as the equivalent pattern of plain characters.
+
+    Why: xgrammar 0.2.9 compiles a length-bounded string to "any characters but quote,
+    backslash, CR and LF", which admits raw control characters that JSON forbids (a reply no
+    JSON parser reads); the pattern excludes them (and escapes, so characters = length)."""
+    if isinstance(schema, list):
+        return [_plain_bounded_strings(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _plain_bounded_strings(v) for k, v in schema.items()}
+    if out.get('type') == 'string' and ('minLength' in out or 'maxLength' in out) \
+            and not any(k in out for k in ('pattern', 'format', 'enum', 'const')):
+        lo, hi = out.pop('minLength', 0), out.pop('maxLength', '')
+        if isinstance(lo, int) and (hi == '' or isinstance(hi, int)):
+            out['pattern'] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo, hi)
+    return out
+
+
+def _json_grammar(xgr, schema: dict, strict: bool = True):
+    """The compact-JSON grammar of ``schema``."""
+    return xgr.Grammar.from_json_schema(json.dumps(_plain_bounded_strings(schema)), any_whitespace=False,
+                                        separators=_SEPARATORS, strict_mode=strict)
+
+
+def _literal(xgr, text: str):
+    """A grammar matching exactly ``text``."""
+    return xgr.Grammar.from_ebnf('root ::= ' + json.dumps(text, ensure_ascii=False))
+
+
+def _hermes(xgr, name: str, parameters: dict):
+    """``<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>``, ARGS compact JSON."""
+    begin = '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+    args = _json_grammar(xgr, parameters)
+    return xgr.Grammar.concat(_literal(xgr, begin), args, _literal(xgr, '}\n</tool_call>'))
+
+
+def _qwen_xml(xgr, name: str, parameters: dict):
+    """``<tool_call>\n<function=NAME>\n<parameter=KEY>VALUE</parameter>...\n</function>\n</tool_call>``
+    (xgrammar's ``qwen_xml`` argument style; at most one whitespace character between parts)."""
+    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat
+    tag = TagFormat(begin=f'<tool_call>\n<function={name}>\n',
+                    content=JSONSchemaFormat(json_schema=parameters, style='qwen_xml', max_whitespace_cnt=1),
+                    end='\n</function>\n</tool_call>')
+    return xgr.Grammar.from_structural_tag(StructuralTag(format=tag))
+
+
+TOOL_CALL_FORMATS = {'hermes': _hermes, 'qwen_xml': _qwen_xml}
+_CALLS_RULE = 'lmdeploy_tool_calls'     # root of "one or more calls"
+_CACHE_ENTRIES = 256                     # compiled grammars kept (a few hundred KB each at most)
+
+
+def register_tool_call_format(name: str, grammar_of):
+    """Make ``grammar_of(xgrammar, function_name, parameters_schema) -> xgrammar.Grammar`` (one
+    whole call of that function) the grammar of tool-call format ``name``
+    (``StructuredOutput.tool_format``)."""
+    TOOL_CALL_FORMATS[name] = grammar_of
+
+
+class GrammarBackend:
+    """Compiles structured-output requests for one tokenizer and counts live matchers.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: rows of the logits (``config.vocab_size``; may exceed the tokenizer's size).
+        stop_token_ids: ids that end a reply once the grammar is complete (the model's EOS).
+
+    Thread safety: :meth:`compile` may run on any thread (request validation); matchers are
+    used on the engine thread only.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+        import xgrammar as xgr
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=self.stop_token_ids or None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict = OrderedDict()       # spec JSON -> compiled grammar (LRU)
+        self._lock = threading.Lock()
+        self.num_live = 0       # matchers created and not yet closed (the ledger's grammar_matchers)
+
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar of ``spec`` (the last :data:`_CACHE_ENTRIES` are kept).
+
+        Raises:
+            ValueError: the schema (or a tool's parameters) cannot be compiled; the message
+                names the part and the library's reason.
+        """
+        key = spec.model_dump_json()
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiled = self._compile(spec)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput):
+        try:
+            if spec.type in ('json_object', 'json_schema'):
+                schema = _ANY_OBJECT if spec.type == 'json_object' else spec.json_schema
+                return self._compiler.compile_grammar(_json_grammar(self._xgr, schema, spec.strict))
+            return self._compile_calls(spec)
+        except (RuntimeError, ValueError, TypeError) as err:
+            what = 'json_schema' if spec.type != 'tool_calls' else 'tools'
+            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise ValueError(f'{what}: the schema cannot be used for constrained decoding: {reason}') from None
+
+    def _compile_calls(self, spec: StructuredOutput):
+        """One call of any of ``spec.tools`` (``parallel_tool_calls`` False), or one or more
+        separated by newlines."""
+        xgr = self._xgr
+        grammar_of = TOOL_CALL_FORMATS.get(spec.tool_format)
+        if grammar_of is None:
+            raise ValueError(f'unknown tool_format {spec.tool_format!r}; known: {sorted(TOOL_CALL_FORMATS)}')
+        calls = []
+        for tool in spec.tools:
+            try:
+                calls.append(grammar_of(xgr, tool.name, tool.parameters if tool.parameters else _ANY_OBJECT))
+            except RuntimeError as err:     # names the function whose parameters fail
+                raise ValueError(f'function {tool.name!r}: {str(err).strip().splitlines()[-1]}') from None
+        one = xgr.Grammar.union(*calls) if len(calls) > 1 else calls[0]
+        if not spec.parallel_tool_calls:
+            return self._compiler.compile_grammar(one)
+        text = f'{one}\n{_CALLS_RULE} ::= root ("\\n" root)*\n'
+        return self._compiler.compile_grammar(text, root_rule_name=_CALLS_RULE)
+
+    def guide(self, spec: StructuredOutput) -> Guide:
+        """A new matcher for one sequence, past ``spec.prefix``.
+
+        Raises:
+            ValueError: as :meth:`compile`, or the grammar does not admit ``spec.prefix``.
+        """
+        matcher = self._xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=self.stop_token_ids or None)
+        if spec.prefix and not matcher.accept_string(spec.prefix):
+            raise ValueError(f'prefix: the grammar does not admit {spec.prefix!r} as the start of the reply')
+        with self._lock:
+            self.num_live += 1
+        return Guide(self, matcher)
+
+    def _closed(self) -> None:
+        with self._lock:
+            self.num_live -= 1
+
+
+class Guide:
+    """One sequence's grammar state (a matcher over the tokens it generated)."""
+
+    def __init__(self, backend: GrammarBackend, matcher):
+        self._backend = backend
+        self._matcher = matcher
+        self._bitmask = backend._xgr.allocate_token_bitmask(1, backend.vocab_size)
+        self.failed = False      # a token the grammar refused was appended (the reply is ended)
+
+    def mask_(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set the ``[vocab]`` float32 CPU ``logits`` of every token the grammar refuses next to
+        -inf, in place; returns ``logits``."""
+        if self._matcher is None or self._matcher.is_terminated():
+            return logits
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        self._backend._xgr.apply_token_bitmask_inplace(logits.view(1, -1), self._bitmask)
+        return logits
+
+    def accept(self, token: int) -> None:
+        """Advance by one appended token; a refused token sets :attr:`failed`."""
+        if self._matcher is None or self._matcher.is_terminated():
+            return
+        if not self._matcher.accept_token(int(token)):
+            logger.warning('token %d does not continue the grammar; ending the reply', token)
+            self.failed = True
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and took its stop token, or a refused token ended it."""
+        return self.failed or (self._matcher is not None and self._matcher.is_terminated())
+
+    @property
+    def can_stop(self) -> bool:
+        """The text so far is a complete reply: a stop token is allowed next."""
+        return self._matcher is not None and self._matcher.is_completed()
+
+    def close(self) -> None:
+        """Free the matcher (idempotent)."""
+        if self._matcher is not None:
+            self._matcher = None
+            self._backend._closed()
