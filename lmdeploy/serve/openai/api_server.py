@@ -58,7 +58,7 @@ from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingD
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
     NamedToolChoice, Usage, new_id, now
 from .reasoning_parser import get_reasoning_parser
-from .tool_parser import get_tool_parser
+from .tool_parser import detect_tool_format, get_tool_parser
 
 __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUEST_BYTES',
            'DEFAULT_SHUTDOWN_TIMEOUT']
@@ -278,8 +278,9 @@ class _Server:
         pipe: the pipeline.
         model_name: the served name.
         api_keys: accepted bearer tokens (empty: no authentication).
-        tool_call_parser: ``auto`` (``hermes`` when the chat template mentions ``<tool_call>``),
-            ``none``, or a registered parser name.
+        tool_call_parser: ``auto`` (``qwen_xml`` when the chat template writes ``<function=NAME>``
+            calls, else ``hermes`` when it mentions ``<tool_call>``), ``none``, or a registered
+            parser name.
         reasoning_parser: ``auto`` (``think`` when the chat template mentions ``<think>``),
             ``none``, or a registered parser name.
         shutdown_timeout: seconds in-flight requests may run after SIGTERM.
@@ -294,7 +295,8 @@ class _Server:
                                      lambda: pipe.loop.call(lambda engine: engine.ledger(), timeout=30))
         template = getattr(pipe.tokenizer, 'chat_template', None) or ''
         template = template if isinstance(template, str) else json.dumps(template)
-        self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>', 'hermes')
+        self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>',
+                                                detect_tool_format(template) or 'hermes')
         self.reasoning_parser_name = _resolve_parser(reasoning_parser, template, '<think>', 'think')
         if self.tool_parser_name:           # an unknown name fails now, not at the first request
             get_tool_parser(self.tool_parser_name)
@@ -367,13 +369,16 @@ class _Server:
         """Render, tokenize and check a chat request (worker thread)."""
         use_tools = bool(req.tools) and req.tool_choice != 'none'
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
-        parser = get_tool_parser(self.tool_parser_name) if use_tools and self.tool_parser_name else None
+        parser = get_tool_parser(self.tool_parser_name, tools) if use_tools and self.tool_parser_name else None
         prefix = ''
         if parser is not None and req.tool_choice == 'required':
             prefix = parser.forced_prefix(None)
         elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
             prefix = parser.forced_prefix(req.tool_choice.function.name)
         messages = [m.for_template() for m in req.messages]
+        if self.tool_parser_name:       # history calls as this format's template wants them
+            history = parser or get_tool_parser(self.tool_parser_name)
+            messages = [history.history_message(m) for m in messages]
         images = ()
         try:
             if any(m.has_images() for m in req.messages):
@@ -397,7 +402,9 @@ class _Server:
         reasoning = None
         if self.reasoning_parser_name and req.separate_reasoning:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
-        started = reasoning is not None and not prefix and text.rstrip().endswith(reasoning.start_tag)
+        # the prompt ends inside an open <think>: also when reasoning is not split out (the
+        # tool-call parser must skip it either way)
+        started = not prefix and text.rstrip().endswith('<think>')
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
