@@ -5,6 +5,8 @@ Endpoints::
     GET  /v1/models             the served model (its name defaults to the model directory's basename)
     POST /v1/chat/completions   messages (+ tools) → reply, reasoning, tool calls; SSE stream when "stream": true
     POST /v1/completions        prompt(s) as text or token ids → continuation(s)
+    POST /v1/responses          the OpenAI Responses API (.responses); GET / DELETE /v1/responses/{id}
+    POST /v1/messages           the Anthropic Messages API (.anthropic); POST /v1/messages/count_tokens
     GET  /health                200 while serving, 503 once shutting down
     GET  /metrics               Prometheus text (lmdeploy.metrics)
     GET  /docs, /openapi.json   Swagger UI and the OpenAPI schema
@@ -65,9 +67,10 @@ __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUES
 
 logger = logging.getLogger('lmdeploy')
 
-_KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/health', '/metrics',
+_KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/v1/responses', '/v1/messages',
+                          '/v1/messages/count_tokens', '/health', '/metrics',
                           '/debug/ledger', '/docs', '/openapi.json'})
-_PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}'}      # one model's path (its id may hold slashes)
+_PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}', '/v1/responses/': '/v1/responses/{id}'}      # one model's path (its id may hold slashes)
 _DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -312,9 +315,11 @@ class _Server:
         keys (when keys are set)."""
         if self.drain.draining:
             raise _shutting_down()
-        if not self.key_valid(request.headers.get('authorization', '')):
-            raise APIError(401, 'missing or invalid API key: send "Authorization: Bearer <key>"',
-                           code='invalid_api_key')
+        anthropic = request.headers.get('x-api-key')        # Anthropic clients send the key this way
+        if not self.key_valid(request.headers.get('authorization', '')) and \
+                not (anthropic and self.key_valid('Bearer ' + anthropic)):
+            raise APIError(401, 'missing or invalid API key: send "Authorization: Bearer <key>" (or "x-api-key: '
+                           '<key>")', code='invalid_api_key')
 
     def key_valid(self, authorization: str) -> bool:
         """Whether an ``Authorization`` header value carries one of the keys (always True without
@@ -573,7 +578,7 @@ def _add_docs(app: FastAPI, auth: list) -> None:
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
                reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
-               image_fetch: ImageFetchLimits | None = None) -> FastAPI:
+               image_fetch: ImageFetchLimits | None = None, response_store=None) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
@@ -590,6 +595,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
         protect_metrics: ``/metrics`` needs a key as well (when keys are set).
         image_fetch: limits and host policy for ``http(s)`` ``image_url`` parts (default
             :class:`~lmdeploy.serve.images.ImageFetchLimits`: 20 MiB, 10 s, public hosts only).
+        response_store: bounds of the ``/v1/responses`` store
+            (:class:`~lmdeploy.serve.openai.response_store.ResponseStoreLimits`; default 1024
+            entries, 256 MiB, one hour).
 
     Raises:
         ValueError: an unknown parser name, or an empty API key.
@@ -610,6 +618,17 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     app.get('/v1/models/{model_id:path}', dependencies=auth, responses=_errors(401, 404, 503))(server.model)
     app.post('/v1/chat/completions', dependencies=auth, responses=generation)(server.chat)
     app.post('/v1/completions', dependencies=auth, responses=generation)(server.completions)
+    from .anthropic import MessagesAPI
+    from .response_store import ResponseStore
+    from .responses import ResponsesAPI
+    responses = ResponsesAPI(server, ResponseStore(response_store))
+    app.post('/v1/responses', dependencies=auth, responses=generation)(responses.create)
+    app.get('/v1/responses/{response_id}', dependencies=auth, responses=_errors(401, 404, 503))(responses.get)
+    app.delete('/v1/responses/{response_id}', dependencies=auth, responses=_errors(401, 404, 503))(responses.delete)
+    messages = MessagesAPI(server)
+    app.post('/v1/messages', dependencies=auth, responses=generation)(messages.create)
+    app.post('/v1/messages/count_tokens', dependencies=auth, responses=_errors(400, 401, 404, 413, 503))(
+        messages.count_tokens)
     app.get('/debug/ledger', dependencies=auth, responses=_errors(401, 503))(server.ledger)
     app.get('/health', responses=_errors(503))(server.health)
     app.get('/metrics', dependencies=auth if protect_metrics else [])(server.prometheus)
@@ -675,7 +694,7 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
-               image_fetch: ImageFetchLimits | None = None) -> None:
+               image_fetch: ImageFetchLimits | None = None, response_store=None) -> None:
     """Load the model and serve it until SIGINT/SIGTERM (blocking).
 
     Either signal shuts down gracefully (see :mod:`.lifecycle`): the server stops accepting,
@@ -710,7 +729,7 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                          max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
-                         protect_metrics=protect_metrics, image_fetch=image_fetch)
+                         protect_metrics=protect_metrics, image_fetch=image_fetch, response_store=response_store)
         server = app.state.server
         logger.info('serving %s as %r on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
                     server.model_name, server_name, server_port, server.tool_parser_name, server.reasoning_parser_name)
