@@ -60,10 +60,12 @@ def test_tool_use_then_tool_result_reuses_the_cached_reply(server):
     count = c.messages.count_tokens(model='model', system=SYSTEM, messages=messages, tools=TOOLS)
     assert count.input_tokens == first.usage.input_tokens
     messages += [{'role': 'assistant', 'content': [b.model_dump(exclude_none=True) for b in first.content]},
-                 {'role': 'user', 'content': [{'type': 'tool_result', 'tool_use_id': use.id, 'content': 'a.txt\nb.txt'}]}]
+                 {'role': 'user', 'content': [{'type': 'tool_result', 'tool_use_id': use.id,
+                                              'content': 'a.txt\nb.txt'}]}]
     second = c.messages.create(model='model', system=SYSTEM, messages=messages, tools=TOOLS, max_tokens=100)
     assert second.stop_reason == 'end_turn' and [b.type for b in second.content] == ['thinking', 'text']
-    assert (second.content[0].thinking, second.content[1].text) == ('The listing has a.txt.', 'It holds a.txt and b.txt.')
+    assert (second.content[0].thinking, second.content[1].text) == \
+        ('The listing has a.txt.', 'It holds a.txt and b.txt.')
     computed = first.usage.input_tokens + first.usage.output_tokens - 1      # the final EOS is never fed
     assert computed // 16 * 16 > first.usage.input_tokens
     assert second.usage.cache_read_input_tokens == computed // 16 * 16

@@ -1,6 +1,9 @@
 """``/v1/responses`` with the real ``openai`` client: items in and out, tools, reasoning, the
 streamed events (reassembled = non-streamed), the bounded response store and
-``previous_response_id`` reusing the cached previous reply, errors naming the Responses field.
+``previous_response_id`` reusing the cached previous reply, errors naming the Responses field;
+and, on the same server, fixes of the chat / completions fields the Responses path shares
+(``tool_choice`` without tools, completions ``top_logprobs`` holding the sampled token, streamed
+logprobs in step with the text when ``stop`` holds text back).
 
 Server: tiny full-attention Qwen3 with the Qwen3-style tools + thinking template, B=16, prefix
 caching on, sampler scripted (tests/scripted_server.py) so the random model emits tool calls.
@@ -26,10 +29,12 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 TOOLS = [{'type': 'function', 'name': 'ls', 'description': 'List a directory.',
           'parameters': {'type': 'object', 'properties': {'path': {'type': 'string'}}, 'required': ['path']}}]
 CALL_LS = '<tool_call>\n{"name": "ls", "arguments": {"path": "."}}\n</tool_call>'
+COUNT = ' one two three four five six seven eight nine ten.'
 ANSWER = '<think>\nThe listing has a.txt.\n</think>\n\nIt holds a.txt and b.txt.'
 SCRIPT = [{'contains': 'What is here?', 'turn': 0, 'reply': 'Let me look.\n' + CALL_LS},
           {'contains': 'What is here?', 'turn': 1, 'reply': ANSWER},
-          {'contains': 'Think first.', 'reply': ANSWER}]
+          {'contains': 'Think first.', 'reply': ANSWER},
+          {'contains': 'Count aloud', 'reply': COUNT}]
 SYSTEM = 'You are a careful agent. Look before you answer and keep answers short. ' * 4
 
 
@@ -137,7 +142,8 @@ def test_two_turns_with_previous_response_id_reuse_the_cached_reply(server):
     assert (call.name, json.loads(call.arguments), call.status) == ('ls', {'path': '.'}, 'completed')
     assert first.usage.input_tokens_details.cached_tokens == 0
     second = c.responses.create(model='model', instructions=SYSTEM, previous_response_id=first.id, tools=TOOLS,
-                                input=[{'type': 'function_call_output', 'call_id': call.call_id, 'output': 'a.txt\nb.txt'}],
+                                input=[{'type': 'function_call_output', 'call_id': call.call_id,
+                                        'output': 'a.txt\nb.txt'}],
                                 max_output_tokens=100)
     assert [o.type for o in second.output] == ['reasoning', 'message']
     assert second.output[0].content[0].text == 'The listing has a.txt.'
@@ -218,3 +224,48 @@ def test_max_output_tokens_cut_is_incomplete(server):
     r = client(server).responses.create(model='model', input='Think first.', max_output_tokens=3, store=False)
     assert r.status == 'incomplete' and r.incomplete_details.reason == 'max_output_tokens'
     assert r.usage.output_tokens == 3
+
+
+# chat / completions fields shared with the Responses path -----------------------------------------------------------
+def test_tool_choice_without_tools_is_a_400_everywhere(server):
+    c = client(server)
+    for choice in ('auto', 'none', 'required', {'type': 'function', 'function': {'name': 'ls'}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model='model', messages=[{'role': 'user', 'content': 'hi'}], tool_choice=choice)
+        assert err.value.body['param'] == 'tool_choice' and 'tools' in err.value.body['message']
+    with pytest.raises(openai.BadRequestError) as err:
+        c.responses.create(model='model', input='hi', tool_choice='required')
+    assert err.value.body['param'] == 'tool_choice'
+
+
+@pytest.mark.parametrize('k', [0, 2])
+def test_completion_top_logprobs_hold_the_sampled_token(server, k):
+    r = client(server).completions.create(model='model', prompt='The model speaks:', max_tokens=6, logprobs=k,
+                                          extra_body={'ignore_eos': True})       # the model's own greedy reply
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 6
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and max(top.values()) == value     # greedy: the sampled token is the top one
+        assert len(top) == 1 if k == 0 else 1 <= len(top) <= k
+
+
+@pytest.mark.parametrize('stop', [['seven e'], ['nine', 'ght n']])
+def test_streamed_logprobs_describe_exactly_their_chunk(server, stop):
+    """The text waits while it may become a stop string; each chunk's entries are the tokens of
+    its own text (the last chunk also carries the tokens the stop string cut off), and all
+    chunks together equal the non-streamed logprobs."""
+    c = client(server)
+    kw = dict(model='model', prompt='Count aloud:', max_tokens=40, logprobs=1, stop=stop)
+    whole = c.completions.create(**kw).choices[0]
+    assert whole.text == COUNT[:min(COUNT.find(w) for w in stop)]
+    chunks = [ch.choices[0] for ch in c.completions.create(**kw, stream=True) if ch.choices]
+    with_text = [ch for ch in chunks if ch.text]
+    assert len(with_text) > 3
+    for ch in chunks[:-1]:
+        assert ''.join(ch.logprobs.tokens if ch.logprobs else []) == ch.text
+    last = chunks[-1]
+    assert ''.join(last.logprobs.tokens).startswith(last.text)
+    tokens = [t for ch in chunks if ch.logprobs for t in ch.logprobs.tokens]
+    offsets = [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset]
+    assert (tokens, offsets) == (whole.logprobs.tokens, whole.logprobs.text_offset)
+    assert ''.join(ch.text for ch in chunks) == whole.text

@@ -54,7 +54,7 @@ from ...messages import GenerationConfig
 from ...messages import Response as EngineResponse
 from ...metrics import HTTPMetricsMiddleware, ServerMetrics
 from ..images import ImageFetchLimits, fetch_http_images
-from .chat_output import ChatOutput, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
+from .chat_output import ChatOutput, StreamedLogprobs, TokenTexts, chat_logprobs, completion_logprobs
 from .errors import APIError, error_body, install_error_handlers
 from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingDown
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
@@ -70,7 +70,8 @@ logger = logging.getLogger('lmdeploy')
 _KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/v1/responses', '/v1/messages',
                           '/v1/messages/count_tokens', '/health', '/metrics',
                           '/debug/ledger', '/docs', '/openapi.json'})
-_PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}', '/v1/responses/': '/v1/responses/{id}'}      # one model's path (its id may hold slashes)
+# one model's path (its id may hold slashes), one stored response's
+_PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}', '/v1/responses/': '/v1/responses/{id}'}
 _DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -456,6 +457,7 @@ class _Server:
         for i in range(len(gen.choices)):
             yield chunk([{'index': i, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
                           'finish_reason': None}])
+        aligned = [StreamedLogprobs(self.texts) for _ in gen.choices]     # entries in step with the text
         try:
             async with aclosing(gen.deltas()) as stream:
                 async for i, r in stream:
@@ -463,12 +465,15 @@ class _Server:
                         yield _stream_error(RuntimeError())
                         break
                     out = outputs[i]
-                    delta = out.feed(r.text) if r.text else {}
+                    text, lp = r.text, None
+                    if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
+                        text, ready, _ = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
+                        lp = chat_logprobs(self.texts, ready, top) if ready else None
+                    delta = out.feed(text) if text else {}
                     reason = None
                     if r.finish_reason:
                         delta = ChatOutput.merge_deltas(delta, out.finish())
                         reason = out.finish_reason(r.finish_reason)
-                    lp = chat_logprobs(self.texts, r.logprobs, top) if logprobs and r.logprobs else None
                     if delta or reason or lp:
                         yield chunk([{'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}])
         except ShuttingDown as err:
@@ -509,7 +514,7 @@ class _Server:
 
     async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
                                  top: int, echoed: list[str] | None = None):
-        offsets = [TextOffsets(self.texts) for _ in gen.choices]
+        aligned = [StreamedLogprobs(self.texts) for _ in gen.choices]     # entries in step with the text
         for i, text in enumerate(echoed or []):     # echo: the prompt first, as each choice's first text
             choice = {'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}
             yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
@@ -519,11 +524,12 @@ class _Server:
                     if r.finish_reason == 'error':
                         yield _stream_error(RuntimeError())
                         break
-                    lp = None
-                    if logprobs and r.logprobs:
-                        lp = completion_logprobs(self.texts, r.logprobs, top, offsets[i])
-                    if r.text or r.finish_reason or lp:
-                        choice = {'index': i, 'text': r.text, 'logprobs': lp, 'finish_reason': r.finish_reason}
+                    text, lp = r.text, None
+                    if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
+                        text, ready, starts = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
+                        lp = completion_logprobs(self.texts, ready, top, starts=starts) if ready else None
+                    if text or r.finish_reason or lp:
+                        choice = {'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason}
                         yield _sse(dict(head, choices=[choice], **({'usage': None} if include_usage else {})))
         except ShuttingDown as err:
             yield _stream_error(err)

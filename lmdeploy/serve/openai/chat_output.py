@@ -14,7 +14,7 @@ import re
 from .reasoning_parser import ThinkGuard, ThinkReasoningParser
 from .tool_parser import ToolParser, merge_tool_call_fragments
 
-__all__ = ['ChatOutput', 'TokenTexts', 'TextOffsets', 'chat_logprobs', 'completion_logprobs']
+__all__ = ['ChatOutput', 'TokenTexts', 'TextOffsets', 'StreamedLogprobs', 'chat_logprobs', 'completion_logprobs']
 
 
 class ChatOutput:
@@ -314,12 +314,61 @@ class TextOffsets:
         return offset
 
 
-def completion_logprobs(texts: TokenTexts, logprobs: list, top: int, offsets: TextOffsets | None = None) -> dict:
+def _top_with_sampled(texts: TokenTexts, lp, top: int) -> dict:
+    """``{token text: logprob}`` of the ``top`` alternatives and, as OpenAI's completions do,
+    the sampled token (one more entry when it is not among them; alone when ``top`` is 0)."""
+    out = {texts(t): v for t, v in lp.top[:top]}
+    out.setdefault(texts(lp.token_id), lp.logprob)
+    return out
+
+
+def completion_logprobs(texts: TokenTexts, logprobs: list, top: int, offsets: TextOffsets | None = None,
+                        starts: list[int] | None = None) -> dict:
     """Completions ``choices[i].logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``
-    (``{token text: logprob}`` per token) and ``text_offset`` (characters of the choice's text
-    before each token, see :class:`TextOffsets`; pass the choice's ``offsets`` to continue
-    across stream chunks)."""
-    offsets = offsets or TextOffsets(texts)
+    (``{token text: logprob}`` per token: the ``top`` alternatives and the sampled token) and
+    ``text_offset`` (characters of the choice's text before each token, see
+    :class:`TextOffsets`; pass the choice's ``offsets`` to continue across stream chunks, or the
+    ``starts`` a :class:`StreamedLogprobs` computed)."""
+    if starts is None:
+        offsets = offsets or TextOffsets(texts)
+        starts = [offsets.next(lp.token_id) for lp in logprobs]
     return {'tokens': [texts(lp.token_id) for lp in logprobs], 'token_logprobs': [lp.logprob for lp in logprobs],
-            'top_logprobs': [{texts(t): v for t, v in lp.top[:top]} for lp in logprobs],
-            'text_offset': [offsets.next(lp.token_id) for lp in logprobs]}
+            'top_logprobs': [_top_with_sampled(texts, lp, top) for lp in logprobs], 'text_offset': list(starts)}
+
+
+class StreamedLogprobs:
+    """Keeps a streamed choice's text and its log-probability entries in step.
+
+    The server holds generated text back (a possible stop string, an unfinished UTF-8
+    character) while the tokens' log-probabilities arrive at once. With logprobs requested, a
+    chunk's text ends at a token boundary: the end (from :class:`TextOffsets`) of the last token
+    whose text has arrived in full, and the chunk carries exactly the entries of those tokens.
+    The last chunk carries all text and every entry left (tokens a stop string cut off
+    included, as in the non-streamed response).
+
+    Args:
+        texts: the server's token lookup.
+    """
+
+    def __init__(self, texts: TokenTexts):
+        self.offsets = TextOffsets(texts)
+        self.pending: list[tuple[object, int, int]] = []     # (TokenLogprob, start, end) in characters
+        self.held = ''          # text received but not sent
+        self.sent = 0           # characters sent
+
+    def feed(self, logprobs: list | None, text: str, final: bool) -> tuple[str, list, list[int]]:
+        """A step's entries and text in; ``(text to send, its entries, their start offsets)``."""
+        for lp in logprobs or []:
+            start = self.offsets.next(lp.token_id)
+            self.pending.append((lp, start, self.offsets.chars))
+        self.held += text
+        if final:
+            k, upto = len(self.pending), self.sent + len(self.held)
+        else:
+            have = self.sent + len(self.held)
+            k = next((j for j, (_, _, end) in enumerate(self.pending) if end > have), len(self.pending))
+            upto = max([self.sent] + [end for _, _, end in self.pending[:k]])
+        ready, self.pending = self.pending[:k], self.pending[k:]
+        out, self.held = self.held[:upto - self.sent], self.held[upto - self.sent:]
+        self.sent = upto
+        return out, [lp for lp, _, _ in ready], [start for _, start, _ in ready]
