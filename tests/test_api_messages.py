@@ -32,6 +32,32 @@ SCRIPT = [{'contains': 'What is here?', 'turn': 0, 'reply': 'Let me look.\n' + C
 SYSTEM = [{'type': 'text', 'text': 'You are a careful agent.'}, {'type': 'text', 'text': 'Keep answers short. ' * 8}]
 
 
+def test_blocks_translate_into_chat_messages():
+    from lmdeploy.serve.openai.anthropic import MessagesRequest, to_chat
+    req = MessagesRequest.model_validate({
+        'model': 'm', 'max_tokens': 9, 'system': SYSTEM, 'stop_sequences': ['END'], 'tools': TOOLS,
+        'tool_choice': {'type': 'any', 'disable_parallel_tool_use': True}, 'thinking': {'type': 'disabled'},
+        'messages': [
+            {'role': 'user', 'content': [{'type': 'text', 'text': 'look '}, {'type': 'text', 'text': 'here'}]},
+            {'role': 'assistant', 'content': [{'type': 'thinking', 'thinking': 'plan', 'signature': ''},
+                                              {'type': 'text', 'text': 'Looking.'},
+                                              {'type': 'tool_use', 'id': 't1', 'name': 'ls', 'input': {'path': '.'}}]},
+            {'role': 'user', 'content': [{'type': 'tool_result', 'tool_use_id': 't1', 'content': 'a.txt'},
+                                         {'type': 'image', 'source': {'type': 'url', 'url': 'https://x/y.png'}}]}]})
+    chat = to_chat(req)
+    assert chat['messages'] == [
+        {'role': 'system', 'content': SYSTEM[0]['text'] + '\n' + SYSTEM[1]['text']},
+        {'role': 'user', 'content': 'look here'},
+        {'role': 'assistant', 'content': 'Looking.', 'reasoning_content': 'plan', 'tool_calls': [
+            {'id': 't1', 'type': 'function', 'function': {'name': 'ls', 'arguments': '{"path": "."}'}}]},
+        {'role': 'tool', 'tool_call_id': 't1', 'content': 'a.txt'},
+        {'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': 'https://x/y.png'}}]}]
+    assert (chat['tool_choice'], chat['parallel_tool_calls'], chat['stop'], chat['max_completion_tokens']) == \
+        ('required', False, ['END'], 9)
+    assert chat['chat_template_kwargs'] == {'enable_thinking': False}
+    assert chat['tools'][0]['function']['parameters'] == TOOLS[0]['input_schema']
+
+
 @pytest.fixture(scope='module')
 def server(tiny_qwen3, tmp_path_factory):
     model = with_template(tiny_qwen3, str(tmp_path_factory.mktemp('messages') / 'model'), THINKING_TOOLS_TEMPLATE)
