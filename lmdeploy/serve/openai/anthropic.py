@@ -278,8 +278,11 @@ class MessagesAPI:
         if msg.get('content'):
             content.append({'type': 'text', 'text': msg['content']})
         for call in msg.get('tool_calls') or []:
+            args = json.loads(call['function']['arguments'])
+            # tool_use.input must be an object; a model that wrote another JSON value as its
+            # arguments string gets it wrapped rather than an invalid block
             content.append({'type': 'tool_use', 'id': call['id'], 'name': call['function']['name'],
-                            'input': json.loads(call['function']['arguments'])})
+                            'input': args if isinstance(args, dict) else {'arguments': args}})
         return {'id': mid, 'type': 'message', 'role': 'assistant', 'model': self.server.model_name,
                 'content': content, 'stop_reason': _stop_reason(reason), 'stop_sequence': None,
                 'usage': _usage(usage)}
