@@ -44,7 +44,7 @@ from .protocol import MAX_TOKENS, Text, _Float, _Strict
 
 __all__ = ['MessagesAPI', 'MessagesRequest', 'CountTokensRequest', 'to_chat']
 
-_RENAMES = {'messages': 'messages', 'max_completion_tokens': 'max_tokens', 'stop': 'stop_sequences'}
+_RENAMES = {'max_completion_tokens': 'max_tokens', 'stop': 'stop_sequences'}
 _PASSTHROUGH = ('cache_salt',)
 
 

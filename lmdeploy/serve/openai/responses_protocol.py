@@ -34,8 +34,7 @@ __all__ = ['ResponsesRequest', 'input_messages', 'chat_fields', 'CHAT_RENAMES', 
 # extensions a client may send to any generation endpoint; passed to the chat request when it has
 # the field, a 400 naming it while it does not (never silently dropped)
 PASSTHROUGH = ('cache_salt', 'min_tokens')
-CHAT_RENAMES = {'messages': 'input', 'max_completion_tokens': 'max_output_tokens', 'response_format': 'text.format',
-                'top_logprobs': 'top_logprobs'}
+CHAT_RENAMES = {'messages': 'input', 'max_completion_tokens': 'max_output_tokens', 'response_format': 'text.format'}
 
 
 class _InputText(_Strict):
