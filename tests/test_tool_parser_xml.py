@@ -193,7 +193,8 @@ def test_the_reply_sent_back_renders_to_the_generated_text(tiny_qwen3, tmp_path)
 # served (a scripted tiny Qwen3 with the XML template, prefix caching on) ----------------------------------------
 XML_CALL = render_call('read_file', {'path': 'a.txt', 'n': 3})
 XML_SCRIPT = [{'contains': 'read a.txt', 'turn': 0, 'reply': 'It is in a.txt.\n</think>\n\nReading.\n\n' + XML_CALL},
-              {'contains': 'read a.txt', 'turn': 1, 'reply': 'Done\n</think>\n\nIt holds salt.'}]
+              {'contains': 'read a.txt', 'turn': 1, 'reply': 'Done\n</think>\n\nIt holds salt.'},
+              {'contains': 'Draft only', 'reply': 'I might call\n' + XML_CALL + '\nbut no.\n</think>\n\nNo call.'}]
 
 
 @pytest.fixture(scope='module')
@@ -239,3 +240,22 @@ def test_served_xml_calls_stream_and_the_next_turn_reuses_the_reply(xml_server):
     computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1     # the final EOS is never fed
     assert computed // 16 * 16 > first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens == computed // 16 * 16
+
+
+@pytest.mark.parametrize('stream', [False, True])
+def test_served_call_drafted_while_thinking_is_not_a_call_with_reasoning_unsplit(xml_server, stream):
+    """The generation prompt opens <think>; with separate_reasoning false the reply is raw text,
+    and the call drafted inside the reasoning is not returned as a tool call."""
+    import openai
+    client = openai.OpenAI(base_url=xml_server.base_url + '/v1', api_key='unused', max_retries=0, timeout=120)
+    kw = dict(model='model', messages=[{'role': 'user', 'content': 'Draft only.'}], tools=TOOLS, max_tokens=120,
+              extra_body={'separate_reasoning': False})
+    reply = 'I might call\n' + XML_CALL + '\nbut no.\n</think>\n\nNo call.'
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
+        assert ''.join(ch.choices[0].delta.content or '' for ch in chunks if ch.choices) == reply
+        assert chunks[-1].choices[0].finish_reason == 'stop'
+    else:
+        r = client.chat.completions.create(**kw).choices[0]
+        assert (r.message.content, r.message.tool_calls, r.finish_reason) == (reply, None, 'stop')
