@@ -5,6 +5,8 @@ Endpoints::
     GET  /v1/models             the served model (its name defaults to the model directory's basename)
     POST /v1/chat/completions   messages (+ tools) → reply, reasoning, tool calls; SSE stream when "stream": true
     POST /v1/completions        prompt(s) as text or token ids → continuation(s)
+    POST /v1/responses          the OpenAI Responses API (.responses); GET / DELETE /v1/responses/{id}
+    POST /v1/messages           the Anthropic Messages API (.anthropic); POST /v1/messages/count_tokens
     GET  /health                200 while serving, 503 once shutting down
     GET  /metrics               Prometheus text (lmdeploy.metrics)
     GET  /docs, /openapi.json   Swagger UI and the OpenAPI schema
@@ -52,7 +54,7 @@ from ...messages import GenerationConfig
 from ...messages import Response as EngineResponse
 from ...metrics import HTTPMetricsMiddleware, ServerMetrics
 from ..images import ImageFetchLimits, fetch_http_images
-from .chat_output import ChatOutput, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
+from .chat_output import ChatOutput, StreamedLogprobs, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from .prompt_logprobs import echo_logprobs, merge_completion_logprobs, vllm_prompt_logprobs
 from .errors import APIError, error_body, install_error_handlers
 from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingDown
@@ -60,16 +62,18 @@ from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, Err
     NamedToolChoice, Usage, new_id, now
 from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
-from .tool_parser import get_tool_parser
+from .tool_parser import detect_tool_format, get_tool_parser
 
 __all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUEST_BYTES',
            'DEFAULT_SHUTDOWN_TIMEOUT']
 
 logger = logging.getLogger('lmdeploy')
 
-_KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/health', '/metrics',
+_KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions', '/v1/responses', '/v1/messages',
+                          '/v1/messages/count_tokens', '/health', '/metrics',
                           '/debug/ledger', '/docs', '/openapi.json'})
-_PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}'}      # one model's path (its id may hold slashes)
+# one model's path (its id may hold slashes), one stored response's
+_PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}', '/v1/responses/': '/v1/responses/{id}'}
 _DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -283,8 +287,9 @@ class _Server:
         pipe: the pipeline.
         model_name: the served name.
         api_keys: accepted bearer tokens (empty: no authentication).
-        tool_call_parser: ``auto`` (``hermes`` when the chat template mentions ``<tool_call>``),
-            ``none``, or a registered parser name.
+        tool_call_parser: ``auto`` (``qwen_xml`` when the chat template writes ``<function=NAME>``
+            calls, else ``hermes`` when it mentions ``<tool_call>``), ``none``, or a registered
+            parser name.
         reasoning_parser: ``auto`` (``think`` when the chat template mentions ``<think>``),
             ``none``, or a registered parser name.
         shutdown_timeout: seconds in-flight requests may run after SIGTERM.
@@ -299,7 +304,8 @@ class _Server:
                                      lambda: pipe.loop.call(lambda engine: engine.ledger(), timeout=30))
         template = getattr(pipe.tokenizer, 'chat_template', None) or ''
         template = template if isinstance(template, str) else json.dumps(template)
-        self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>', 'hermes')
+        self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>',
+                                                detect_tool_format(template) or 'hermes')
         self.reasoning_parser_name = _resolve_parser(reasoning_parser, template, '<think>', 'think')
         if self.tool_parser_name:           # an unknown name fails now, not at the first request
             get_tool_parser(self.tool_parser_name)
@@ -315,9 +321,11 @@ class _Server:
         keys (when keys are set)."""
         if self.drain.draining:
             raise _shutting_down()
-        if not self.key_valid(request.headers.get('authorization', '')):
-            raise APIError(401, 'missing or invalid API key: send "Authorization: Bearer <key>"',
-                           code='invalid_api_key')
+        anthropic = request.headers.get('x-api-key')        # Anthropic clients send the key this way
+        if not self.key_valid(request.headers.get('authorization', '')) and \
+                not (anthropic and self.key_valid('Bearer ' + anthropic)):
+            raise APIError(401, 'missing or invalid API key: send "Authorization: Bearer <key>" (or "x-api-key: '
+                           '<key>")', code='invalid_api_key')
 
     def key_valid(self, authorization: str) -> bool:
         """Whether an ``Authorization`` header value carries one of the keys (always True without
@@ -388,7 +396,7 @@ class _Server:
         """Render, tokenize and check a chat request (worker thread)."""
         use_tools = bool(req.tools) and req.tool_choice != 'none'
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
-        parser = get_tool_parser(self.tool_parser_name) if use_tools and self.tool_parser_name else None
+        parser = get_tool_parser(self.tool_parser_name, tools) if use_tools and self.tool_parser_name else None
         prefix = ''
         structured, structured_param = self._structured(req.response_format), 'response_format'
         forced = use_tools and (req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice))
@@ -409,6 +417,9 @@ class _Server:
             structured = structured.model_copy(update={'prefix': prefix})
             structured_param = 'tools'
         messages = [m.for_template() for m in req.messages]
+        if self.tool_parser_name:       # history calls as this format's template wants them
+            history = parser or get_tool_parser(self.tool_parser_name)
+            messages = [history.history_message(m) for m in messages]
         images = ()
         try:
             if any(m.has_images() for m in req.messages):
@@ -436,7 +447,9 @@ class _Server:
         reasoning = None
         if self.reasoning_parser_name and req.separate_reasoning:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
-        started = reasoning is not None and not prefix and text.rstrip().endswith(reasoning.start_tag)
+        # the prompt ends inside an open <think>: also when reasoning is not split out (the
+        # tool-call parser must skip it either way)
+        started = not prefix and text.rstrip().endswith('<think>')
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param,
                           req.prompt_logprobs)
@@ -496,6 +509,7 @@ class _Server:
         for i in range(len(gen.choices)):
             yield chunk([{'index': i, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
                           'finish_reason': None}])
+        aligned = [StreamedLogprobs(self.texts) for _ in gen.choices]     # entries in step with the text
         try:
             async with aclosing(gen.deltas()) as stream:
                 async for i, r in stream:
@@ -503,12 +517,15 @@ class _Server:
                         yield _stream_error(RuntimeError())
                         break
                     out = outputs[i]
-                    delta = out.feed(r.text) if r.text else {}
+                    text, lp = r.text, None
+                    if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
+                        text, ready, _ = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
+                        lp = chat_logprobs(self.texts, ready, top) if ready else None
+                    delta = out.feed(text) if text else {}
                     reason = None
                     if r.finish_reason:
                         delta = ChatOutput.merge_deltas(delta, out.finish())
                         reason = out.finish_reason(r.finish_reason)
-                    lp = chat_logprobs(self.texts, r.logprobs, top) if logprobs and r.logprobs else None
                     extra = {}
                     if prompt_logprobs is not None and r.prompt_logprobs is not None and i == 0:
                         extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs, prompt_logprobs)
@@ -565,7 +582,7 @@ class _Server:
     async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
                                  top: int, echoed: list[str] | None = None, prompts: list | None = None,
                                  prompt_logprobs: int | None = None):
-        offsets = [TextOffsets(self.texts) for _ in gen.choices]
+        aligned = [StreamedLogprobs(self.texts) for _ in gen.choices]     # entries in step with the text
         usage = {'usage': None} if include_usage else {}
         # echo: the prompt first, as each choice's first text; with logprobs (which come with the
         # choice's first output) it waits for them
@@ -586,15 +603,17 @@ class _Server:
                         extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs,
                                                                         prompt_logprobs)
                     if i in pending_echo:
-                        lp = echo_logprobs(self.texts, prompts[i], r.prompt_logprobs, top, offsets[i])
+                        lp = echo_logprobs(self.texts, prompts[i], r.prompt_logprobs, top, aligned[i].offsets)
+                        aligned[i].sent = aligned[i].offsets.chars     # generated text starts after the echo
                         choice = {'index': i, 'text': pending_echo.pop(i), 'logprobs': lp, 'finish_reason': None}
                         yield _sse(dict(head, choices=[dict(choice, **extra)], **usage))
                         extra = {}
-                    lp = None
-                    if logprobs and r.logprobs:
-                        lp = completion_logprobs(self.texts, r.logprobs, top, offsets[i])
-                    if r.text or r.finish_reason or lp or extra:
-                        choice = {'index': i, 'text': r.text, 'logprobs': lp, 'finish_reason': r.finish_reason,
+                    text, lp = r.text, None
+                    if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
+                        text, ready, starts = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
+                        lp = completion_logprobs(self.texts, ready, top, starts=starts) if ready else None
+                    if text or r.finish_reason or lp or extra:
+                        choice = {'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason,
                                   **extra}
                         yield _sse(dict(head, choices=[choice], **usage))
         except ShuttingDown as err:
@@ -650,7 +669,7 @@ def _add_docs(app: FastAPI, auth: list) -> None:
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
                reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
-               image_fetch: ImageFetchLimits | None = None) -> FastAPI:
+               image_fetch: ImageFetchLimits | None = None, response_store=None) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
@@ -667,6 +686,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
         protect_metrics: ``/metrics`` needs a key as well (when keys are set).
         image_fetch: limits and host policy for ``http(s)`` ``image_url`` parts (default
             :class:`~lmdeploy.serve.images.ImageFetchLimits`: 20 MiB, 10 s, public hosts only).
+        response_store: bounds of the ``/v1/responses`` store
+            (:class:`~lmdeploy.serve.openai.response_store.ResponseStoreLimits`; default 1024
+            entries, 256 MiB, one hour).
 
     Raises:
         ValueError: an unknown parser name, or an empty API key.
@@ -687,6 +709,17 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     app.get('/v1/models/{model_id:path}', dependencies=auth, responses=_errors(401, 404, 503))(server.model)
     app.post('/v1/chat/completions', dependencies=auth, responses=generation)(server.chat)
     app.post('/v1/completions', dependencies=auth, responses=generation)(server.completions)
+    from .anthropic import MessagesAPI
+    from .response_store import ResponseStore
+    from .responses import ResponsesAPI
+    responses = ResponsesAPI(server, ResponseStore(response_store))
+    app.post('/v1/responses', dependencies=auth, responses=generation)(responses.create)
+    app.get('/v1/responses/{response_id}', dependencies=auth, responses=_errors(401, 404, 503))(responses.get)
+    app.delete('/v1/responses/{response_id}', dependencies=auth, responses=_errors(401, 404, 503))(responses.delete)
+    messages = MessagesAPI(server)
+    app.post('/v1/messages', dependencies=auth, responses=generation)(messages.create)
+    app.post('/v1/messages/count_tokens', dependencies=auth, responses=_errors(400, 401, 404, 413, 503))(
+        messages.count_tokens)
     app.get('/debug/ledger', dependencies=auth, responses=_errors(401, 503))(server.ledger)
     app.get('/health', responses=_errors(503))(server.health)
     app.get('/metrics', dependencies=auth if protect_metrics else [])(server.prometheus)
@@ -752,7 +785,7 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
-               image_fetch: ImageFetchLimits | None = None) -> None:
+               image_fetch: ImageFetchLimits | None = None, response_store=None) -> None:
     """Load the model and serve it until SIGINT/SIGTERM (blocking).
 
     Either signal shuts down gracefully (see :mod:`.lifecycle`): the server stops accepting,
@@ -787,7 +820,7 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                          max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
-                         protect_metrics=protect_metrics, image_fetch=image_fetch)
+                         protect_metrics=protect_metrics, image_fetch=image_fetch, response_store=response_store)
         server = app.state.server
         logger.info('serving %s as %r on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
                     server.model_name, server_name, server_port, server.tool_parser_name, server.reasoning_parser_name)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import codecs
 import re
 
-from .reasoning_parser import ThinkReasoningParser
+from .reasoning_parser import ThinkGuard, ThinkReasoningParser
 from .tool_parser import ToolParser, merge_tool_call_fragments
 
-__all__ = ['ChatOutput', 'TokenTexts', 'TextOffsets', 'chat_logprobs', 'completion_logprobs']
+__all__ = ['ChatOutput', 'TokenTexts', 'TextOffsets', 'StreamedLogprobs', 'chat_logprobs', 'completion_logprobs']
 
 
 class ChatOutput:
@@ -29,6 +29,10 @@ class ChatOutput:
             it is parsed as the start of the reply: part of the call when the call completes,
             content otherwise (the same streamed or not).
         parallel_tool_calls: False keeps only the first call.
+
+    With tools but no reasoning parser, a leading ``<think>`` block is still found
+    (:class:`~.reasoning_parser.ThinkGuard`) and passed to the content as it is, never to the
+    tool-call parser: a call the model drafts while thinking is not a call.
     """
 
     def __init__(self, reasoning: ThinkReasoningParser | None, thinking_started: bool, tools: ToolParser | None,
@@ -37,6 +41,7 @@ class ChatOutput:
         self.tools, self.prefix, self.parallel = tools, prefix, parallel_tool_calls
         self._rs = reasoning.stream(thinking_started) if reasoning else None
         self._ts = tools.stream() if tools else None
+        self._guard = ThinkGuard(thinking_started) if tools and not reasoning else None
         self._fed_prefix = False
         self.has_calls = False
 
@@ -70,22 +75,26 @@ class ChatOutput:
         if not self._fed_prefix:
             text, self._fed_prefix = self.prefix + text, True
         reasoning, content = self._rs.feed(text) if self._rs else ('', text)
-        frags = []
+        frags, block = [], ''
+        if self._guard is not None:
+            block, content = self._guard.feed(content)
         if self._ts is not None:
             content, frags = self._ts.feed(content)
-        return self._split(reasoning, content, frags)
+        return self._split(reasoning, block + content, frags)
 
     def finish(self) -> dict:
         """End of the reply: the last ``delta`` fields (what was held back; and the prefix when
         no text was fed, e.g. a reply that ended at once)."""
         head = {} if self._fed_prefix else self.feed('')
         reasoning, content = self._rs.finish() if self._rs else ('', '')
-        frags = []
+        frags, block = [], ''
+        if self._guard is not None:
+            block, content = self._guard.finish()
         if self._ts is not None:
             c1, f1 = self._ts.feed(content)
             c2, f2 = self._ts.finish()
             content, frags = c1 + c2, f1 + f2
-        return self.merge_deltas(head, self._split(reasoning, content, frags))
+        return self.merge_deltas(head, self._split(reasoning, block + content, frags))
 
     # whole reply ------------------------------------------------------------------------
     def message(self, text: str) -> dict:
@@ -96,11 +105,16 @@ class ChatOutput:
         if self.reasoning:
             msg['reasoning_content'] = reasoning
         if self.tools is not None:
+            block = ''
+            if not self.reasoning:
+                guard = ThinkGuard(self.started)
+                (b1, r1), (b2, r2) = guard.feed(content or ''), guard.finish()
+                block, content = b1 + b2, r1 + r2
             parsed = self.tools.parse(content or '')
             calls = parsed.calls[:1] if not self.parallel else parsed.calls
             if calls:
                 self.has_calls = True
-                msg['content'] = parsed.content
+                msg['content'] = (block + (parsed.content or '')) or None
                 msg['tool_calls'] = [c.to_openai() for c in calls]
         return msg
 
@@ -129,9 +143,7 @@ class _FirstCallStop:
         self.resume = 0
 
     def _content_start(self, full: str) -> int | None:
-        reasoning = self.out.reasoning
-        if reasoning is None:
-            return 0
+        reasoning = self.out.reasoning or ThinkGuard     # unsplit reasoning is not searched either
         if not self.out.started:
             lead = full.lstrip()
             if not lead.startswith(reasoning.start_tag):
@@ -302,12 +314,61 @@ class TextOffsets:
         return offset
 
 
-def completion_logprobs(texts: TokenTexts, logprobs: list, top: int, offsets: TextOffsets | None = None) -> dict:
+def _top_with_sampled(texts: TokenTexts, lp, top: int) -> dict:
+    """``{token text: logprob}`` of the ``top`` alternatives and, as OpenAI's completions do,
+    the sampled token (one more entry when it is not among them; alone when ``top`` is 0)."""
+    out = {texts(t): v for t, v in lp.top[:top]}
+    out.setdefault(texts(lp.token_id), lp.logprob)
+    return out
+
+
+def completion_logprobs(texts: TokenTexts, logprobs: list, top: int, offsets: TextOffsets | None = None,
+                        starts: list[int] | None = None) -> dict:
     """Completions ``choices[i].logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``
-    (``{token text: logprob}`` per token) and ``text_offset`` (characters of the choice's text
-    before each token, see :class:`TextOffsets`; pass the choice's ``offsets`` to continue
-    across stream chunks)."""
-    offsets = offsets or TextOffsets(texts)
+    (``{token text: logprob}`` per token: the ``top`` alternatives and the sampled token) and
+    ``text_offset`` (characters of the choice's text before each token, see
+    :class:`TextOffsets`; pass the choice's ``offsets`` to continue across stream chunks, or the
+    ``starts`` a :class:`StreamedLogprobs` computed)."""
+    if starts is None:
+        offsets = offsets or TextOffsets(texts)
+        starts = [offsets.next(lp.token_id) for lp in logprobs]
     return {'tokens': [texts(lp.token_id) for lp in logprobs], 'token_logprobs': [lp.logprob for lp in logprobs],
-            'top_logprobs': [{texts(t): v for t, v in lp.top[:top]} for lp in logprobs],
-            'text_offset': [offsets.next(lp.token_id) for lp in logprobs]}
+            'top_logprobs': [_top_with_sampled(texts, lp, top) for lp in logprobs], 'text_offset': list(starts)}
+
+
+class StreamedLogprobs:
+    """Keeps a streamed choice's text and its log-probability entries in step.
+
+    The server holds generated text back (a possible stop string, an unfinished UTF-8
+    character) while the tokens' log-probabilities arrive at once. With logprobs requested, a
+    chunk's text ends at a token boundary: the end (from :class:`TextOffsets`) of the last token
+    whose text has arrived in full, and the chunk carries exactly the entries of those tokens.
+    The last chunk carries all text and every entry left (tokens a stop string cut off
+    included, as in the non-streamed response).
+
+    Args:
+        texts: the server's token lookup.
+    """
+
+    def __init__(self, texts: TokenTexts):
+        self.offsets = TextOffsets(texts)
+        self.pending: list[tuple[object, int, int]] = []     # (TokenLogprob, start, end) in characters
+        self.held = ''          # text received but not sent
+        self.sent = 0           # characters sent
+
+    def feed(self, logprobs: list | None, text: str, final: bool) -> tuple[str, list, list[int]]:
+        """A step's entries and text in; ``(text to send, its entries, their start offsets)``."""
+        for lp in logprobs or []:
+            start = self.offsets.next(lp.token_id)
+            self.pending.append((lp, start, self.offsets.chars))
+        self.held += text
+        if final:
+            k, upto = len(self.pending), self.sent + len(self.held)
+        else:
+            have = self.sent + len(self.held)
+            k = next((j for j, (_, _, end) in enumerate(self.pending) if end > have), len(self.pending))
+            upto = max([self.sent] + [end for _, _, end in self.pending[:k]])
+        ready, self.pending = self.pending[:k], self.pending[k:]
+        out, self.held = self.held[:upto - self.sent], self.held[upto - self.sent:]
+        self.sent = upto
+        return out, [lp for lp, _, _ in ready], [start for _, start, _ in ready]

@@ -4,6 +4,10 @@ Every error the server returns has the body::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
 
+except under ``/v1/messages`` (the Anthropic Messages API), whose errors have Anthropic's shape::
+
+    {"type": "error", "error": {"type": "invalid_request_error" | "authentication_error" | ..., "message": str}}
+
 Invariant: a client mistake maps to a 4xx (pydantic validation errors and malformed JSON
 become 400, not FastAPI's 422); only a server bug produces a 5xx, and no handler lets an
 exception escape, so the server keeps serving after any bad request.
@@ -20,7 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ['APIError', 'error_body', 'install_error_handlers']
+__all__ = ['APIError', 'error_body', 'error_body_for', 'api_error_from_validation', 'install_error_handlers',
+           'ANTHROPIC_PREFIX']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -55,8 +60,41 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return {'error': {'message': message, 'type': type, 'param': param, 'code': code}}
 
 
-def _response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
+ANTHROPIC_PREFIX = '/v1/messages'
+_ANTHROPIC_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 403: 'permission_error',
+                    404: 'not_found_error', 405: 'invalid_request_error', 413: 'request_too_large',
+                    429: 'rate_limit_error', 503: 'overloaded_error'}
+
+
+def error_body_for(path: str, status: int, message: str, type: str, param: str | None = None,
+                   code: str | int | None = None) -> dict:
+    """The error body a client of ``path`` expects: Anthropic's shape under ``/v1/messages``
+    (its error type derived from ``status``), OpenAI's elsewhere."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + '/'):
+        return {'type': 'error', 'error': {'type': _ANTHROPIC_TYPES.get(status, 'api_error'), 'message': message}}
+    return error_body(message, type, param, code)
+
+
+def _response(err: APIError, request: Request | None = None) -> JSONResponse:
+    path = request.url.path if request is not None else ''
+    return JSONResponse(error_body_for(path, err.status, err.message, err.type, err.param, err.code),
+                        status_code=err.status)
+
+
+def api_error_from_validation(errors: list[dict], body=None, rename: dict[str, str] | None = None) -> APIError:
+    """A 400 for pydantic ``errors`` (``ValidationError.errors()``) of a request body, naming the
+    field as :func:`install_error_handlers` does; ``rename`` maps a field's first path element to
+    the name the client used (a request translated into another API's fields)."""
+    first = errors[0] if errors else {'loc': (), 'msg': 'invalid request', 'type': 'invalid'}
+    located = [(_param(e.get('loc', ()), _MISSING if body is None else body), e) for e in errors] or [(None, first)]
+    param, chosen = max(located, key=lambda pe: len(pe[0].split('.')) if pe[0] else 0)
+    if param and rename:
+        head, _, rest = param.partition('.')
+        param = rename.get(head, head) + ('.' + rest if rest else '')
+    message = f'{param or "request body"}: {_describe(chosen)}'
+    if len(errors) > 1:
+        message += f' (and {len(errors) - 1} more error(s))'
+    return APIError(400, message, param=param, code='invalid_value')
 
 
 _TYPE_TAGS = frozenset({'str', 'int', 'float', 'bool', 'list', 'dict', 'none'})
@@ -100,7 +138,7 @@ def _describe(error: dict) -> str:
 
 
 async def _api_error(request: Request, err: APIError) -> JSONResponse:
-    return _response(err)
+    return _response(err, request)
 
 
 def _is_json_media_type(content_type: str) -> bool:
@@ -120,7 +158,7 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
     if first.get('type') == 'json_invalid':
         ctx = first.get('ctx') or {}
         return _response(APIError(400, f'malformed JSON body: {ctx.get("error", first["msg"])}',
-                                  code='invalid_json'))
+                                  code='invalid_json'), request)
     body = getattr(err, 'body', None)
     content_type = request.headers.get('content-type', '') if request is not None else 'application/json'
     if first.get('loc') == ('body',) and first.get('type') in ('model_attributes_type', 'dict_type') \
@@ -128,7 +166,7 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         # FastAPI reads a body as JSON only when it is declared so; anything else arrives as text
         return _response(APIError(400, f'the request body must be a JSON object sent with "Content-Type: '
                                   f'application/json" (got {content_type or "no Content-Type"!r})',
-                                  code='invalid_content_type'))
+                                  code='invalid_content_type'), request)
     body = _MISSING if body is None else body
     located = [(_param(e.get('loc', ()), body), e) for e in errors] or [(None, first)]
     # the deepest location: of the errors a union produces (one per member tried), the member
@@ -137,7 +175,7 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
     message = f'{param or "request body"}: {_describe(chosen)}'
     if len(errors) > 1:
         message += f' (and {len(errors) - 1} more error(s))'
-    return _response(APIError(400, message, param=param, code='invalid_value'))
+    return _response(APIError(400, message, param=param, code='invalid_value'), request)
 
 
 async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -153,7 +191,7 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResp
         message = f'no such endpoint: {request.method} {request.url.path}'
     elif err.status_code == 405:
         message = f'method {request.method} is not allowed on {request.url.path}'
-    response = _response(APIError(err.status_code, message, code=code))
+    response = _response(APIError(err.status_code, message, code=code), request)
     for key, value in (err.headers or {}).items():
         response.headers[key] = value
     return response
@@ -161,7 +199,7 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResp
 
 async def _unexpected_error(request: Request, err: Exception) -> JSONResponse:
     logger.exception('unhandled error serving %s %s', request.method, request.url.path)
-    return _response(APIError(500, f'internal server error: {type(err).__name__}', code='internal_error'))
+    return _response(APIError(500, f'internal server error: {type(err).__name__}', code='internal_error'), request)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -25,7 +25,7 @@ import logging
 
 import uvicorn
 
-from .errors import error_body
+from .errors import error_body_for
 
 __all__ = ['BodySizeLimit', 'Drain', 'GracefulServer', 'KeyCheck', 'ShuttingDown']
 
@@ -45,7 +45,8 @@ async def _send_json(send, status: int, body: dict) -> None:
 
 
 class KeyCheck:
-    """ASGI middleware: a request to a protected path without a valid bearer key gets 401 before
+    """ASGI middleware: a request to a protected path without a valid key (``Authorization:
+    Bearer <key>``, or Anthropic's ``x-api-key: <key>``) gets 401 before
     anything else looks at it — routing (so a keyless client cannot tell an existing route from
     a missing one, 401 rather than 404/405), the body size limit (401 rather than 413) and
     validation.
@@ -66,11 +67,13 @@ class KeyCheck:
 
     async def __call__(self, scope, receive, send):
         if scope['type'] == 'http' and self._protected(scope.get('path', '')):
-            header = dict(scope.get('headers') or []).get(b'authorization', b'').decode('latin-1')
-            if not self.check(header):
-                return await _send_json(send, 401, error_body(
-                    'missing or invalid API key: send "Authorization: Bearer <key>"', 'invalid_request_error',
-                    code='invalid_api_key'))
+            headers = dict(scope.get('headers') or [])
+            header = headers.get(b'authorization', b'').decode('latin-1')
+            anthropic = headers.get(b'x-api-key')      # Anthropic clients send the key this way
+            if not self.check(header) and not (anthropic and self.check('Bearer ' + anthropic.decode('latin-1'))):
+                return await _send_json(send, 401, error_body_for(
+                    scope.get('path', ''), 401, 'missing or invalid API key: send "Authorization: Bearer <key>" '
+                    '(or "x-api-key: <key>")', 'invalid_request_error', code='invalid_api_key'))
         return await self.app(scope, receive, send)
 
 
@@ -86,17 +89,17 @@ class BodySizeLimit:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self, size: int | None) -> dict:
+    def _too_large(self, size: int | None, path: str = '') -> dict:
         got = f'the request body ({size} bytes)' if size is not None else 'the request body'
-        return error_body(f'{got} exceeds the limit of {self.max_bytes} bytes (--max-request-bytes)',
-                          'invalid_request_error', code='request_too_large')
+        return error_body_for(path, 413, f'{got} exceeds the limit of {self.max_bytes} bytes (--max-request-bytes)',
+                              'invalid_request_error', code='request_too_large')
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http' or self.max_bytes <= 0:
             return await self.app(scope, receive, send)
         length = dict(scope.get('headers') or []).get(b'content-length')
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_json(send, 413, self._too_large(int(length)))
+            return await _send_json(send, 413, self._too_large(int(length), scope.get('path', '')))
         # read the body here (the app reads it whole anyway) so an over-long chunked body is
         # refused before the app sees it
         chunks, size = [], 0
@@ -107,7 +110,7 @@ class BodySizeLimit:
             chunks.append(message)
             size += len(message.get('body', b''))
             if size > self.max_bytes:
-                return await _send_json(send, 413, self._too_large(None))
+                return await _send_json(send, 413, self._too_large(None, scope.get('path', '')))
             if not message.get('more_body', False):
                 break
         await self.app(scope, _replay(chunks, receive), send)

@@ -323,6 +323,8 @@ class ChatCompletionRequest(_Sampling):
     @classmethod
     def _choice_in_tools(cls, v, info: ValidationInfo):
         names = [t.function.name for t in info.data.get('tools') or []]
+        if v is not None and 'tools' in info.data and not names:
+            raise ValueError('needs a non-empty "tools" list')      # as OpenAI answers
         if isinstance(v, NamedToolChoice) and v.function.name not in names:
             raise ValueError(f'names {v.function.name!r}, which is not in tools')
         if v == 'required' and not names:

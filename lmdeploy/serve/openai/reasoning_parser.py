@@ -19,7 +19,7 @@ concatenate to exactly what :meth:`ThinkReasoningParser.parse` returns for the w
 """
 from __future__ import annotations
 
-__all__ = ['ThinkReasoningParser', 'ReasoningStream', 'REASONING_PARSERS', 'get_reasoning_parser']
+__all__ = ['ThinkReasoningParser', 'ReasoningStream', 'ThinkGuard', 'REASONING_PARSERS', 'get_reasoning_parser']
 
 
 class ThinkReasoningParser:
@@ -137,3 +137,56 @@ def _hold(text: str, tag: str) -> int:
             break
     body = text[:len(text) - k]
     return k + (len(body) - len(body.rstrip('\n')))
+
+
+class ThinkGuard:
+    """Finds a reply's leading reasoning block when it is *not* split out (``--reasoning-parser
+    none``, ``separate_reasoning: false``), so that the tool-call parser never reads it: a call
+    drafted while thinking is reasoning, not a call to run.
+
+    :meth:`feed` returns ``(block text, rest)``: the block (``<think>`` through ``</think>``, or
+    from the start when the prompt ended inside an open block) exactly as generated, and the text
+    after it; both concatenate back to the reply. A reply that does not start (after whitespace)
+    with ``<think>`` has no block. Any cutting into deltas gives the same split.
+
+    Args:
+        started: the prompt ended inside an open ``<think>`` block.
+    """
+    start_tag, end_tag = ThinkReasoningParser.start_tag, ThinkReasoningParser.end_tag
+
+    def __init__(self, started: bool = False):
+        self.state = 'inside' if started else 'start'
+        self.buf = ''
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """Next text delta in; ``(block text delta, rest delta)`` out."""
+        self.buf += delta
+        block = ''
+        while True:
+            if self.state == 'start':
+                lead = self.buf.lstrip()
+                if lead.startswith(self.start_tag):
+                    self.state = 'inside'
+                    continue
+                if self.start_tag.startswith(lead):      # undecided
+                    return block, ''
+                self.state = 'after'
+                continue
+            if self.state == 'inside':
+                end = self.buf.find(self.end_tag)
+                if end != -1:
+                    end += len(self.end_tag)
+                    block += self.buf[:end]
+                    self.buf, self.state = self.buf[end:], 'after'
+                    continue
+                keep = _hold(self.buf, self.end_tag)
+                block += self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                return block, ''
+            rest, self.buf = self.buf, ''
+            return block, rest
+
+    def finish(self) -> tuple[str, str]:
+        """End of the reply: flush what was held."""
+        buf, self.buf = self.buf, ''
+        return (buf, '') if self.state == 'inside' else ('', buf)

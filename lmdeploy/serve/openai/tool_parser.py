@@ -21,7 +21,12 @@ Format ``hermes`` (Qwen2.5 / Qwen3 / Hermes chat templates)::
     <tool_call>...</tool_call>
 
 Content is the text outside the call blocks; when the reply has at least one call, trailing
-whitespace of the content is dropped and whitespace-only content becomes None.
+whitespace of the content is dropped and whitespace-only content becomes None. A ``<tool_call>``
+tag that is not followed (after whitespace) by ``{`` is prose: it is released as content at once,
+so a model that writes the tag in a sentence never stalls the stream.
+
+Format ``qwen_xml`` (Qwen3.5 / Qwen3.6 / Qwen3-Coder templates) lives in :mod:`.qwen_xml_parser`;
+:func:`detect_tool_format` picks the format a chat template renders.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 
 __all__ = ['ParsedCall', 'ParseResult', 'ToolParser', 'ToolCallStream', 'HermesToolParser', 'register_tool_parser',
-           'get_tool_parser', 'merge_tool_call_fragments', 'TOOL_PARSERS']
+           'get_tool_parser', 'merge_tool_call_fragments', 'detect_tool_format', 'TOOL_PARSERS']
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 
@@ -44,15 +49,29 @@ def register_tool_parser(name: str):
     return wrap
 
 
-def get_tool_parser(name: str) -> ToolParser:
+def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
     """A new parser instance by registry name.
+
+    Args:
+        name: a registered format (``hermes``, ``qwen_xml``).
+        tools: the request's ``tools`` (OpenAI shape, dicts); formats that write argument values
+            as untyped text (``qwen_xml``) type them by each function's parameter schema.
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
     if name not in TOOL_PARSERS:
         raise ValueError(f'unknown tool-call parser {name!r}; known: {sorted(TOOL_PARSERS)}')
-    return TOOL_PARSERS[name]()
+    return TOOL_PARSERS[name](tools)
+
+
+def detect_tool_format(template: str) -> str | None:
+    """The tool-call format a chat template renders: ``qwen_xml`` when it writes
+    ``<function=NAME>`` blocks, ``hermes`` when it mentions ``<tool_call>`` otherwise, else None."""
+    template = template or ''
+    if '<tool_call>' not in template:
+        return None
+    return 'qwen_xml' if '<function=' in template else 'hermes'
 
 
 @dataclass
@@ -75,22 +94,50 @@ class ParseResult:
 
 
 class ToolParser:
-    """Base class of a tool-call output format (see the module docstring for the contract)."""
+    """Base class of a tool-call output format (see the module docstring for the contract).
+
+    Segments are ``('text', str)``, ``('call', ParsedCall)`` (a whole call), or, for formats
+    that stream a call's arguments, ``('open', ParsedCall)`` (name and id known, ``arguments``
+    empty) followed by ``('args', str)`` pieces of the open call's arguments JSON.
+
+    Args:
+        tools: the request's ``tools`` (OpenAI shape); see :func:`get_tool_parser`.
+    """
     name = ''
     start_tag = ''       # text that may open a call; used by the streaming hold-back
+
+    def __init__(self, tools: list[dict] | None = None):
+        self.schemas: dict[str, dict] = {}
+        for tool in tools or []:
+            fn = tool.get('function') or {}
+            if fn.get('name'):
+                self.schemas[fn['name']] = fn.get('parameters') or {}
 
     def parse(self, text: str) -> ParseResult:
         """Split a whole reply into content and calls."""
         pieces, calls = [], []
-        for kind, value in self.segments(text, final=True)[0]:
+        for kind, value in self.segmenter().feed(text, final=True):
             if kind == 'text':
                 pieces.append(value)
+            elif kind == 'args':
+                calls[-1].arguments += value
             else:
                 calls.append(value)
         content = ''.join(pieces)
         if calls:
             content = content.rstrip()
         return ParseResult(content or None, calls)
+
+    def segmenter(self):
+        """A new incremental segmenter: ``feed(delta, final) -> segments`` of the text fed so far
+        (what may still change is held back until ``final``). The default one re-runs the
+        stateless :meth:`segments` on the unconsumed text."""
+        return _BufferedSegmenter(self)
+
+    def history_message(self, message: dict) -> dict:
+        """A chat message as this format's chat template wants it in the history (the default:
+        unchanged; templates that iterate ``arguments`` as a mapping get a dict)."""
+        return message
 
     def forced_prefix(self, name: str | None) -> str:
         """Text that opens a call (of function ``name``, or of any function when None); the
@@ -158,12 +205,26 @@ class HermesToolParser(ToolParser):
             return None
         return ParsedCall(name, raw)
 
+    def _opening(self, text: str, start: int) -> bool | None:
+        """Whether the tag at ``start`` opens a call: its next non-space character is ``{``
+        (None while only whitespace follows)."""
+        i = start + len(self.start_tag)
+        while i < len(text) and text[i] in _WHITESPACE:
+            i += 1
+        return None if i == len(text) else text[i] == '{'
+
     def first_call_end(self, text: str, start: int = 0) -> tuple[int | None, int]:
         pos = start
         while True:
             begin = text.find(self.start_tag, pos)
             if begin == -1:     # a start tag may still be forming at the very end
                 return None, max(pos, len(text) - len(self.start_tag) + 1)
+            opening = self._opening(text, begin)
+            if opening is None:
+                return None, begin
+            if not opening:         # prose: the tag is text
+                pos = begin + len(self.start_tag)
+                continue
             end = text.find(self.end_tag, begin + len(self.start_tag))
             if end == -1:
                 return None, begin
@@ -178,6 +239,12 @@ class HermesToolParser(ToolParser):
             start = text.find(self.start_tag, pos)
             if start == -1:
                 break
+            opening = self._opening(text, start)
+            if opening is False:    # the tag in prose: text now, the search goes on after it
+                after = start + len(self.start_tag)
+                out.append(('text', text[pos:after]))
+                pos = after
+                continue
             end = text.find(self.end_tag, start + len(self.start_tag))
             if end == -1:
                 if not final:
@@ -277,6 +344,19 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+class _BufferedSegmenter:
+    """Incremental segmentation over a stateless :meth:`ToolParser.segments`."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser, self.buffer = parser, ''
+
+    def feed(self, delta: str, final: bool) -> list:
+        self.buffer += delta
+        segments, used = self.parser.segments(self.buffer, final)
+        self.buffer = '' if final else self.buffer[used:]
+        return segments
+
+
 class ToolCallStream:
     """Incremental form of :meth:`ToolParser.parse` for one streamed reply.
 
@@ -290,7 +370,7 @@ class ToolCallStream:
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
-        self.buffer = ''          # text not yet segmented
+        self.segmenter = parser.segmenter()
         self.pending_ws = ''      # content whitespace held back
         self.num_calls = 0
         self.calls: list[ParsedCall] = []
@@ -306,27 +386,28 @@ class ToolCallStream:
         for kind, value in segments:
             if kind == 'text':
                 content += self._content(value)
+            elif kind == 'args':
+                self.calls[-1].arguments += value
+                frags.append({'index': self.num_calls - 1, 'function': {'arguments': value}})
             else:
                 i = self.num_calls
                 self.num_calls += 1
-                self.calls.append(value)
+                self.calls.append(ParsedCall(value.name, value.arguments, value.id))
                 frags.append({'index': i, 'id': value.id, 'type': 'function',
                               'function': {'name': value.name, 'arguments': value.arguments}})
         return content, frags
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         """Next text delta in; ``(content delta, tool-call fragments)`` out."""
-        self.buffer += delta
-        segments, used = self.parser.segments(self.buffer, final=False)
-        self.buffer = self.buffer[used:]
-        return self._emit(segments)
+        return self._emit(self.segmenter.feed(delta, False))
 
     def finish(self) -> tuple[str, list[dict]]:
         """End of the reply: flush held text (trailing whitespace is dropped after a call)."""
-        segments, _ = self.parser.segments(self.buffer, final=True)
-        self.buffer = ''
-        content, frags = self._emit(segments)
+        content, frags = self._emit(self.segmenter.feed('', True))
         if not self.num_calls:
             content += self.pending_ws
         self.pending_ws = ''
         return content, frags
+
+
+from . import qwen_xml_parser  # noqa: E402,F401  (registers 'qwen_xml'; it builds on this module)

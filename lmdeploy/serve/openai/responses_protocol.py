@@ -1,0 +1,283 @@
+"""Request bodies of ``POST /v1/responses`` (the OpenAI Responses API) and their translation into
+the chat-completion request the server already serves.
+
+A Responses request is served as one chat completion: ``instructions`` become the system
+message, the stored conversation of ``previous_response_id`` follows, then the ``input`` items
+as chat messages (:func:`input_messages`), and the generation fields map onto their chat names
+(``max_output_tokens`` → ``max_completion_tokens``, ``text.format`` → ``response_format``,
+``tools[]`` → ``tools[].function``, ``{"type": "function", "name"}`` → a named ``tool_choice``).
+Every check, limit and feature of the chat path (tool parsing, reasoning, forced calls, and what
+the chat request will learn to enforce) therefore holds here too; a chat field's error is reported
+under the Responses field's name.
+
+Input items::
+
+    "text"                                  → a user message
+    {"role", "content"} / {"type": "message"} → a message (input_text / output_text / input_image parts)
+    {"type": "reasoning", "content" | "summary"} → reasoning_content of the next assistant message
+    {"type": "function_call", "call_id", "name", "arguments"} → a tool call of the assistant message
+    {"type": "function_call_output", "call_id", "output"}     → a tool message
+
+Consecutive assistant items (reasoning, message, function calls) form one assistant message, as
+the model produced them in one turn, so the history renders to the generated tokens.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from .protocol import MAX_TOKENS, Text, _Float, _Strict
+
+__all__ = ['ResponsesRequest', 'input_messages', 'chat_fields', 'CHAT_RENAMES', 'PASSTHROUGH']
+
+# extensions a client may send to any generation endpoint; passed to the chat request when it has
+# the field, a 400 naming it while it does not (never silently dropped)
+PASSTHROUGH = ('cache_salt', 'min_tokens')
+CHAT_RENAMES = {'messages': 'input', 'max_completion_tokens': 'max_output_tokens', 'response_format': 'text.format'}
+
+
+class _InputText(_Strict):
+    type: Literal['input_text', 'output_text']
+    text: Text
+
+
+class _Refusal(_Strict):
+    type: Literal['refusal']
+    refusal: Text
+
+
+class _InputImage(_Strict):
+    type: Literal['input_image']
+    image_url: Text | None = None
+    file_id: Text | None = None
+    detail: Text | None = None
+
+
+_Part = Annotated[_InputText | _Refusal | _InputImage, Field(discriminator='type')]
+
+
+class _Message(_Strict):
+    type: Literal['message'] = 'message'
+    role: Literal['user', 'assistant', 'system', 'developer']
+    content: Text | list[_Part]
+
+
+class _FunctionCall(_Strict):
+    type: Literal['function_call']
+    call_id: Text
+    name: Text
+    arguments: Text
+    id: Text | None = None
+
+
+class _FunctionCallOutput(_Strict):
+    type: Literal['function_call_output']
+    call_id: Text
+    output: Text | list[_Part]
+
+
+class _ReasoningText(_Strict):
+    type: Literal['reasoning_text', 'summary_text']
+    text: Text
+
+
+class _Reasoning(_Strict):
+    type: Literal['reasoning']
+    id: Text | None = None
+    summary: list[_ReasoningText] = []
+    content: list[_ReasoningText] | None = None
+    encrypted_content: Text | None = None
+
+
+InputItem = Annotated[_Message | _FunctionCall | _FunctionCallOutput | _Reasoning, Field(discriminator='type')]
+
+
+class FunctionTool(_Strict):
+    """``tools[]``: a function (the only tool type served)."""
+    type: Literal['function']
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _NamedFunction(_Strict):
+    type: Literal['function']
+    name: Text
+
+
+class _Format(_Strict):
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal['text', 'json_object', 'json_schema']
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias='schema')
+    strict: bool | None = None
+
+
+class _TextConfig(_Strict):
+    format: _Format | None = None
+    verbosity: Literal['low', 'medium', 'high'] | None = None
+
+
+class _ReasoningConfig(_Strict):
+    effort: Literal['none', 'minimal', 'low', 'medium', 'high', 'xhigh'] | None = None
+    summary: Literal['auto', 'concise', 'detailed'] | None = None
+    generate_summary: Literal['auto', 'concise', 'detailed'] | None = None
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``. Fields this server cannot honour (``background``, ``conversation``,
+    ``prompt``, ``top_logprobs``) are refused rather than ignored; see docs/en/api_server.md."""
+    model_config = ConfigDict(extra='allow')     # extras: read for PASSTHROUGH, else ignored
+    model: Text
+    input: Text | list[InputItem] = Field(min_length=1)
+    instructions: Text | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal['none', 'auto', 'required'] | _NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    temperature: float | None = Field(None, ge=0, le=2, **_Float)
+    top_p: float | None = Field(None, gt=0, le=1, **_Float)
+    reasoning: _ReasoningConfig | None = None
+    text: _TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    truncation: Literal['auto', 'disabled'] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[Text] | None = None
+    user: Text | None = None
+
+    @model_validator(mode='before')
+    @classmethod
+    def _typed_items(cls, data):
+        """An input item without ``type`` is a message (the SDKs' ``EasyInputMessage``)."""
+        if isinstance(data, dict) and isinstance(data.get('input'), list):
+            data = dict(data, input=[dict(i, type='message') if isinstance(i, dict) and 'type' not in i else i
+                                     for i in data['input']])
+        return data
+
+    def refused(self) -> tuple[str, str] | None:
+        """``(field, why)`` of the first field set that this server cannot honour, else None."""
+        if self.background:
+            return 'background', 'background responses are not supported; omit it or send false'
+        if self.conversation is not None:
+            return 'conversation', 'conversations are not supported; use previous_response_id'
+        if self.prompt is not None:
+            return 'prompt', 'stored prompt templates are not supported'
+        if self.top_logprobs:
+            return 'top_logprobs', 'log-probabilities are served by /v1/chat/completions only'
+        return None
+
+
+def _text_of(parts) -> str:
+    if isinstance(parts, str):
+        return parts
+    return ''.join(p.text if p.type != 'refusal' else p.refusal for p in parts if p.type != 'input_image')
+
+
+def _chat_content(content, where: str):
+    """A message's content as chat content: a string, or text / image_url parts."""
+    if isinstance(content, str):
+        return content
+    if not any(p.type == 'input_image' for p in content):
+        return _text_of(content)
+    parts = []
+    for j, p in enumerate(content):
+        if p.type == 'input_image':
+            if not p.image_url:
+                raise ValueError(f'{where}.content[{j}]: an input_image needs "image_url" (file_id is not '
+                                 'supported)')
+            parts.append({'type': 'image_url', 'image_url': {'url': p.image_url}})
+        else:
+            parts.append({'type': 'text', 'text': p.text if p.type != 'refusal' else p.refusal})
+    return parts
+
+
+def input_messages(items: str | list) -> list[dict]:
+    """Chat messages (``ChatMessage`` input dicts) of a request's ``input``.
+
+    Raises:
+        ValueError: an item that has no chat form (message names the item).
+    """
+    if isinstance(items, str):
+        return [{'role': 'user', 'content': items}]
+    msgs: list[dict] = []
+    reasoning: list[str] = []
+    open_turn = False           # the last message is an assistant message of the current model turn
+
+    def assistant() -> dict:
+        nonlocal open_turn
+        if not open_turn:
+            msgs.append({'role': 'assistant', 'content': None})
+            open_turn = True
+        if reasoning:
+            msg = msgs[-1]
+            msg['reasoning_content'] = (msg.get('reasoning_content') or '') + ''.join(reasoning)
+            reasoning.clear()
+        return msgs[-1]
+
+    for i, item in enumerate(items):
+        where = f'input[{i}]'
+        if item.type == 'reasoning':
+            reasoning.append(''.join(p.text for p in (item.content or item.summary)))
+        elif item.type == 'function_call':
+            msg = assistant()
+            msg.setdefault('tool_calls', []).append(
+                {'id': item.call_id, 'type': 'function', 'function': {'name': item.name, 'arguments': item.arguments}})
+        elif item.type == 'function_call_output':
+            open_turn = False
+            msgs.append({'role': 'tool', 'tool_call_id': item.call_id, 'content': _text_of(item.output)})
+        elif item.role == 'assistant':
+            if open_turn and (msgs[-1].get('content') or msgs[-1].get('tool_calls')):
+                open_turn = False       # a second assistant message: its own turn
+            msg = assistant()
+            msg['content'] = (msg['content'] or '') + _text_of(item.content)
+        else:
+            open_turn = False
+            msgs.append({'role': item.role, 'content': _chat_content(item.content, where)})
+    if reasoning:
+        assistant()
+    return msgs
+
+
+def chat_fields(req: ResponsesRequest) -> dict:
+    """The chat-completion request fields (other than ``model`` and ``messages``) of ``req``.
+
+    Raises:
+        ValueError: ``(field, message)`` as its args: a pass-through extension the chat request
+            does not have yet.
+    """
+    out: dict[str, Any] = {'parallel_tool_calls': req.parallel_tool_calls}
+    if req.max_output_tokens is not None:
+        out['max_completion_tokens'] = req.max_output_tokens
+    if req.temperature is not None:
+        out['temperature'] = req.temperature
+    if req.top_p is not None:
+        out['top_p'] = req.top_p
+    if req.tools:
+        out['tools'] = [{'type': 'function', 'function': t.model_dump(exclude_none=True, exclude={'type'})}
+                        for t in req.tools]
+    if isinstance(req.tool_choice, str):
+        out['tool_choice'] = req.tool_choice
+    elif req.tool_choice is not None:
+        out['tool_choice'] = {'type': 'function', 'function': {'name': req.tool_choice.name}}
+    fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type == 'json_object':
+        out['response_format'] = {'type': 'json_object'}
+    elif fmt is not None and fmt.type == 'json_schema':
+        schema = {'name': fmt.name or 'output', 'schema': fmt.json_schema or {}}
+        schema.update({k: v for k, v in (('description', fmt.description), ('strict', fmt.strict)) if v is not None})
+        out['response_format'] = {'type': 'json_schema', 'json_schema': schema}
+    if req.reasoning is not None and req.reasoning.effort in ('none', 'minimal'):
+        out['chat_template_kwargs'] = {'enable_thinking': False}
+    for key in PASSTHROUGH:
+        if key in (req.model_extra or {}):
+            out[key] = req.model_extra[key]
+    return out
