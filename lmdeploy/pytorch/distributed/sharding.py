@@ -26,7 +26,7 @@ checkpoint tensor the rank reads::
 Qwen3.5 (``qwen3_5`` with its ``text_config``, ``qwen3_5_text``) splits its text stack like
 Qwen3-Next (gated ``q_proj``, dense MLPs split); its checkpoint names under
 ``model.language_model.*`` are matched as ``model.*``. Its image embeddings are computed on rank 0
-and broadcast with the step (:class:`~lmdeploy.pytorch.distributed.rank.StepBatch`).
+and broadcast with the step (:class:`~lmdeploy.pytorch.engine.rank.StepBatch`).
 
 The Qwen3-Next MTP head (``mtp.*``, :mod:`lmdeploy.pytorch.spec_decode.mtp`) splits the same
 way: its full-attention layer's ``mtp.layers.0.self_attn.*`` like the target's attention

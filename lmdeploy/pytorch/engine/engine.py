@@ -30,16 +30,16 @@ from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..models.loader import load_model
 from ..paging.block_manager import BlockManager
-from ..paging.scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
 from ..prefix_cache.coordinator import PrefixCache, zero_counters
 from ..prefix_cache.local_tier import LocalTier
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
-from .cache_engine import CacheEngine
+from ..cache_engine import CacheEngine
 from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
-from .sequence import Sequence
-from .strategy import DecodingStrategy, strategy_for
+from ..paging.sequence import Sequence
+from ..spec_decode.strategy import DecodingStrategy, strategy_for
 
 __all__ = ['Engine', 'StepOutput']
 
@@ -106,7 +106,7 @@ class Engine:
         use_mtp = spec_config is not None and spec_config.method == 'qwen3_next_mtp'
         self.mtp = None          # the MTP head (tp > 1: rank 0's shard; every rank holds its own)
         if config.tp > 1:
-            from ..distributed.executor import TPExecutor
+            from .executor import TPExecutor
             self.executor = TPExecutor(model_path, config.dtype, self.device, config.tp, mtp=use_mtp)
             self.model, self.hf_config, self.dtype = self.executor.model, self.executor.hf_config, self.executor.dtype
             self.specs = self.executor.specs     # this rank's heads (with the MTP layer's KV when drafting with it)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from ..model_inputs import StepContext
-from ..paging.scheduler import SchedulerOutput
-from .cache_engine import CacheEngine
+from .scheduler import SchedulerOutput
+from ..cache_engine import CacheEngine
 from ..spec_decode.acceptance import verify_drafts
-from .sampler import TokenLogprob, sample
+from ..sampling.sampler import TokenLogprob, sample
 
 __all__ = ['ModelRunner', 'tokens_from_logits']
 

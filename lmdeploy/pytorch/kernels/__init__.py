@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from ..model_inputs import slot_range
+
 __all__ = ['register_kernel', 'get_kernel', 'triton_available', 'slot_range']
 
 # op name -> list of (priority, device type, availability check, fn); higher priority first.
@@ -60,32 +62,6 @@ def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
             _CHOSEN[(name, device_type)] = fn
             return fn
     raise KeyError(f'no kernel {name!r} for device {device_type!r}; registered: {sorted(_REGISTRY)}')
-
-
-def slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
-    """Whether a decode step's state slots can be updated in place as one slice of the cache.
-
-    Args:
-        slots: int64 ``[N]`` distinct state slots of the step's sequences.
-        has_history: bool ``[N]``.
-
-    Returns:
-        ``(lo, order)`` when ``slots`` are exactly ``lo .. lo + N - 1`` in some order and every
-        sequence has history (``order`` the permutation sorting them, ``None`` when already
-        sorted); otherwise ``None``. Always ``None`` for device tensors (reading them would
-        synchronise).
-    """
-    if slots.device.type != 'cpu' or not bool(has_history.all()):
-        return None
-    ids = slots.tolist()
-    if not ids:
-        return None
-    lo = min(ids)
-    if ids == list(range(lo, lo + len(ids))):
-        return lo, None
-    if sorted(ids) == list(range(lo, lo + len(ids))):
-        return lo, torch.argsort(slots)
-    return None
 
 
 @functools.cache

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.cache_engine import CacheEngine
+from ..cache_engine import CacheEngine
 from ..model_inputs import StepContext
-from .loading import load_model_shard
-from .sharding import TPLayout
+from ..distributed.loading import load_model_shard
+from ..distributed.sharding import TPLayout
 
 __all__ = ['StepBatch', 'RankRuntime']
 

@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..engine.model_runner import tokens_from_logits
-from ..engine.sampler import TokenLogprob
-from ..paging.scheduler import SchedulerOutput
-from .comm import destroy_group, free_port, init_group
+from .model_runner import tokens_from_logits
+from ..sampling.sampler import TokenLogprob
+from .scheduler import SchedulerOutput
+from ..distributed.comm import destroy_group, free_port, init_group
 from ..models.loader import load_config
 from .rank import RankRuntime, StepBatch
-from .sharding import TPLayout
-from .store_layout import StoreLayout
+from ..distributed.sharding import TPLayout
+from ..store.layout import StoreLayout
 
 __all__ = ['TPExecutor', 'TPCacheEngine', 'TPModelRunner', 'WorkerDiedError']
 
@@ -96,7 +96,7 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
         destroy_group()
         return
     if dev.type == 'cpu':   # as the engine does, once this rank's weights are loaded
-        from ..engine.host_allocator import tune_host_allocator
+        from .host_allocator import tune_host_allocator
         from ..kernels.cpu_native import native_library
         tune_host_allocator()
         native_library()   # load (rank 0 built it) or build the native decode kernels before serving
@@ -274,7 +274,7 @@ class TPCacheEngine:
     each rank holds its heads' slice of every row.
 
     Payloads (Store objects) are in the full-head layout of a single-process engine
-    (:mod:`.store_layout`): reads gather the ranks' slices and assemble them, writes split a
+    (:mod:`~lmdeploy.pytorch.store.layout`): reads gather the ranks' slices and assemble them, writes split a
     payload back into slices. ``kv_block_bytes`` / ``state_bytes`` and ``object_specs`` are
     therefore those of the single-process engine.
     """

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import torch
 
-from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec, dtype_nbytes
-from ..kernels.state_copy import copy_state_slots
+from .cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec, dtype_nbytes
+from .kernels.state_copy import copy_state_slots
 
 __all__ = ['CacheEngine']
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..cache_specs import FullAttentionSpec, LinearAttentionSpec
-from ..engine.cache_engine import CacheEngine
-from .sharding import TPLayout
+from ..cache_engine import CacheEngine
+from ..distributed.sharding import TPLayout
 
 __all__ = ['StoreLayout']
 

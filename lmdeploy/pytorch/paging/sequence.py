@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig
-from ..paging.prefill_plan import PrefillPlan, next_chunk_end
+from .prefill_plan import PrefillPlan, next_chunk_end
 
 __all__ = ['SeqStatus', 'Sequence', 'SequenceStats']
 
