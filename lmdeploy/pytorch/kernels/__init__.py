@@ -118,7 +118,7 @@ def triton_available() -> bool:
     return True
 
 
-_BUILTIN = ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'attention_triton')
+_BUILTIN = ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'norm', 'attention_triton')
 _IMPORTED = False
 _IMPORTING: int | None = None     # the thread importing them now
 
