@@ -71,3 +71,13 @@ def test_every_package_is_in_a_layer():
     found.discard('lmdeploy.pytorch')   # the container of the lower layers, not a layer itself
     assert found - listed == set(), f'not in any layer of .importlinter: {sorted(found - listed)}'
     assert listed - found == set(), f'layers that do not exist: {sorted(listed - found)}'
+
+
+def test_architecture_docs_show_the_contract():
+    """docs/en and docs/zh_cn list the same layers, in the same order, as the contract."""
+    for page in ('docs/en/architecture.md', 'docs/zh_cn/architecture.md'):
+        text = (ROOT / page).read_text()
+        block = text.split('\n```\nlmdeploy.cli\n', 1)[1].split('```', 1)[0]
+        shown = [['lmdeploy.cli']] + [[m.strip() for m in line.split('  ')[0].split('|')]
+                                      for line in block.splitlines() if line.strip()]
+        assert shown == _layers(), page
