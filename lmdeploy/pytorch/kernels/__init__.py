@@ -1,8 +1,19 @@
 """Kernel registry: the one place where an op's implementation is chosen per device.
 
 Each op has a plain-torch implementation that runs anywhere (CPU tests, CI) and may have
-accelerated ones (Triton, ``fla-core``) registered for CUDA. Callers ask
-:func:`get_kernel` by name and device; no caller branches on the backend.
+accelerated ones: Triton and ``fla-core`` registered for CUDA, the native C kernels
+(:mod:`.cpu_native`, source in ``csrc/``) registered for CPU. Callers ask :func:`get_kernel` by
+name and device; no caller branches on the backend, the device or a library's availability (a
+CPU implementation falls back to torch by itself where its native kernel does not apply).
+
+Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attention_triton),
+``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
+(gated_delta_rule), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
+``copy_state_slots`` (state_copy), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
+``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
+row count (MKL or the native few-row product) and is called directly.
+
+Thread-safe: see the comment at the locks below.
 """
 from __future__ import annotations
 

@@ -18,6 +18,12 @@ here, each one call per layer per step:
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
   once per KV head group, online softmax, no gathered copy.
 
+Models never call these: the registry's CPU implementations do (``rms_norm`` and
+``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
+:mod:`.attention`), as do the decode steps inside the ``gated_delta_rule_varlen`` and
+``causal_conv1d_varlen`` implementations and :func:`~.linear.linear`; each returns ``None``
+here when it does not apply and the caller runs torch.
+
 Measured on the 2-core benchmark machine (weights streamed from memory, not cache, best of 3):
 
     dense decode projections of the 99M benchmark model, 185 MB, by input rows:
