@@ -16,6 +16,9 @@ setup(
     description='PyTorch inference engine for hybrid-attention LLMs with recurrent-state prefix caching '
                 'and a Mooncake Store tier',
     packages=find_packages(include=['lmdeploy', 'lmdeploy.*']),
+    # the native CPU kernels are compiled from their C source when an engine starts
+    package_data={'lmdeploy.pytorch.kernels': ['csrc/*.c', 'csrc/*.h']},
+    include_package_data=True,
     python_requires='>=3.10',
     install_requires=_reqs('runtime.txt'),
     extras_require={

@@ -367,7 +367,7 @@ class Response:
             engine logged it and keeps serving), or None while running.
         cached_tokens: prompt tokens served from the prefix cache or the Store.
         index: the prompt's position in a batch call.
-        logprobs: one :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per token of
+        logprobs: one :class:`~lmdeploy.pytorch.sampling.sampler.TokenLogprob` per token of
             ``token_ids`` when ``GenerationConfig.logprobs`` was set, else None.
         prompt_logprobs: with ``GenerationConfig.prompt_logprobs``, one ``TokenLogprob`` per
             prompt token after the first (in the first delta when streaming), else None.

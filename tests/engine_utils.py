@@ -20,7 +20,7 @@ import torch
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.paging.sequence import Sequence
 
 TOL = 1e-4              # fp32 max abs logit difference allowed against transformers
 FIRST_PLAIN_TOKEN = 3   # ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|> (eos)

@@ -345,8 +345,8 @@ def test_logprobs_equal_transformers_for_greedy(tiny_qwen3):
         assert lp.top[0][0] == lp.token_id                   # greedy picks the most likely token
 
 def test_sampler_logprobs_are_those_of_the_processed_distribution():
-    from lmdeploy.pytorch.engine.sampler import sample
-    from lmdeploy.pytorch.engine.sequence import Sequence
+    from lmdeploy.pytorch.sampling.sampler import sample
+    from lmdeploy.pytorch.paging.sequence import Sequence
     row = torch.tensor([[2.0, 0.8, 0.5, -1.0, 3.0]])
     # greedy with a repetition penalty on tokens 0 and 4: log-softmax of the penalised logits
     seq = Sequence([0, 4], GenerationConfig(repetition_penalty=2.0, logprobs=5))

@@ -8,8 +8,8 @@ from transformers import AutoConfig
 from lmdeploy.pytorch.cache_specs import (CacheTensor, FullAttentionSpec, LinearAttentionSpec, PagedSpec, StateSpec,
                                           has_state, kv_bytes_per_block, state_bytes_per_slot)
 from lmdeploy.pytorch.distributed.sharding import TPLayout
-from lmdeploy.pytorch.distributed.store_layout import StoreLayout
-from lmdeploy.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy.pytorch.store.layout import StoreLayout
+from lmdeploy.pytorch.cache_engine import CacheEngine
 from lmdeploy.pytorch.models import get_model_class
 
 # a latent KV shared by every query head (one tensor per token, replicated under TP), and a

@@ -174,8 +174,8 @@ def test_extreme_sampling_settings_neither_fail_the_batch_nor_leave_the_limit(ti
 def test_sampler_maps_overflowed_logits_to_their_limit():
     import torch
 
-    from lmdeploy.pytorch.engine.sampler import sample_tokens
-    from lmdeploy.pytorch.engine.sequence import Sequence
+    from lmdeploy.pytorch.sampling.sampler import sample_tokens
+    from lmdeploy.pytorch.paging.sequence import Sequence
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [float('nan')] * 4, [0.5, float('nan'), 2.5, 1.0]])
     seqs = [Sequence([0], GenerationConfig(do_sample=True, temperature=1e-40, random_seed=s)) for s in range(3)]
     assert sample_tokens(logits, seqs) == [1, 0, 2]   # argmax; all-NaN row: no crash; NaN entry never drawn

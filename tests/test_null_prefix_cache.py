@@ -2,7 +2,7 @@
 import ast
 import inspect
 
-from lmdeploy.pytorch.paging import scheduler as scheduler_mod
+from lmdeploy.pytorch.engine import scheduler as scheduler_mod
 from lmdeploy.pytorch.prefix_cache import NullPrefixCache, PrefixCache
 
 

@@ -201,9 +201,9 @@ def test_admission_that_cannot_get_its_first_chunk_holds_nothing():
     """Scheduler + tiers only (no model): match → pin → can-allocate fails and rolls back, with
     nothing evicted; once blocks free up the same admission commits and plans its restore."""
     from lmdeploy.pytorch.config import SchedulerConfig
-    from lmdeploy.pytorch.engine.sequence import SeqStatus, Sequence
+    from lmdeploy.pytorch.paging.sequence import SeqStatus, Sequence
     from lmdeploy.pytorch.paging.block_manager import BlockManager
-    from lmdeploy.pytorch.paging.scheduler import Scheduler
+    from lmdeploy.pytorch.engine.scheduler import Scheduler
     from lmdeploy.pytorch.prefix_cache import LocalTier, PrefixCache
     from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
     cfg = PytorchEngineConfig(block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,

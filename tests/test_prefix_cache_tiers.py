@@ -14,10 +14,10 @@ from engine_utils import random_prompt as prompt
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.metrics import LEDGER_SERIES, ServerMetrics
 from lmdeploy.pytorch.config import SchedulerConfig
-from lmdeploy.pytorch.engine.sequence import SeqStatus, Sequence
+from lmdeploy.pytorch.paging.sequence import SeqStatus, Sequence
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.prefill_plan import ReuseRules, is_reusable, last_reusable, plan_prefill
-from lmdeploy.pytorch.paging.scheduler import Scheduler
+from lmdeploy.pytorch.engine.scheduler import Scheduler
 from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.prefix_cache.plans import PrefixMatch, StoreLoad, StorePut
 from lmdeploy.pytorch.prefix_cache.state_cache import StateCache

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.engine.sampler import sample, target_distribution
-from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.sampling.sampler import sample, target_distribution
+from lmdeploy.pytorch.paging.sequence import Sequence
 from lmdeploy.pytorch.spec_decode.acceptance import verify_drafts
 
 V = 12

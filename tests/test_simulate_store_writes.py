@@ -282,7 +282,7 @@ def test_sizes_come_from_the_engine_models_specs():
     kernel of Qwen3-Next defaults to 4), and S / K_blk equal the engine cache's payload bytes."""
     from transformers import AutoConfig
 
-    from lmdeploy.pytorch.engine.cache_engine import CacheEngine
+    from lmdeploy.pytorch.cache_engine import CacheEngine
     from lmdeploy.pytorch.models import get_model_class
     missing = {k: v for k, v in sim.TINY_CONFIG.items() if k != 'linear_conv_kernel_dim'}
     assert sim.sizes_from_config(missing) == sim.sizes_from_config(sim.TINY_CONFIG)

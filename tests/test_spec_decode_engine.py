@@ -225,7 +225,7 @@ def test_sampling_with_drafts_keeps_the_plain_distribution(tiny_qwen3_next):
     speculative sampling of a draft the target gives probability strictly between 0 and 1."""
     from scipy.stats import chi2
 
-    from lmdeploy.pytorch.engine.sampler import target_distribution
+    from lmdeploy.pytorch.sampling.sampler import target_distribution
     gen = dict(do_sample=True, temperature=1.5, top_k=3, max_new_tokens=3, ignore_eos=True)
     ids = random_prompt(8, 77)
     ref = engine(tiny_qwen3_next)

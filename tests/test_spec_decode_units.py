@@ -14,7 +14,7 @@ from scipy.stats import chi2
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.messages import SpeculativeConfig
-from lmdeploy.pytorch.engine.sequence import Sequence
+from lmdeploy.pytorch.paging.sequence import Sequence
 from lmdeploy.pytorch.spec_decode.acceptance import speculative_sample, verify_drafts
 from lmdeploy.pytorch.spec_decode.ngram import propose_ngram
 

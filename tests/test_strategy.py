@@ -3,7 +3,7 @@ import pytest
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.engine.strategy import AUTOREGRESSIVE, DecodingStrategy
+from lmdeploy.pytorch.spec_decode.strategy import AUTOREGRESSIVE, DecodingStrategy
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
 
 from engine_utils import random_prompt

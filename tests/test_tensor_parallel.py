@@ -24,7 +24,7 @@ import torch
 
 from engine_utils import assert_idle, engine_prompt_logits, make_engine, random_prompt, run_staggered
 from lmdeploy import GenerationConfig, PytorchEngineConfig
-from lmdeploy.pytorch.distributed.executor import WorkerDiedError
+from lmdeploy.pytorch.engine.executor import WorkerDiedError
 from lmdeploy.pytorch.distributed.loading import iter_shard_tensors
 from lmdeploy.pytorch.distributed.sharding import TPLayout
 from lmdeploy.pytorch.engine.engine import Engine
@@ -364,7 +364,7 @@ def test_a_script_without_a_main_guard_gets_a_worker_error_that_says_so(tiny_qwe
 
 
 def test_store_layout_round_trips_rank_slices(tiny_qwen3_next):
-    from lmdeploy.pytorch.distributed.store_layout import StoreLayout
+    from lmdeploy.pytorch.store.layout import StoreLayout
     from lmdeploy.pytorch.models.qwen3_next import Qwen3NextForCausalLM
     config = load_config(tiny_qwen3_next)
     full = Qwen3NextForCausalLM.cache_specs(config, torch.float32)

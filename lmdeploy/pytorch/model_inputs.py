@@ -29,7 +29,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ['StepContext', 'kv_gather_index']
+__all__ = ['StepContext', 'kv_gather_index', 'slot_range']
 
 
 def kv_gather_index(block_table: torch.Tensor, kv_seqlens: torch.Tensor,
@@ -91,7 +91,7 @@ class StepBatch:
 
     def context(self, device: torch.device, kv_caches, state_caches, block_size: int) -> 'StepContext':
         """The :class:`StepContext` of this batch on ``device`` over the given caches (a rank's
-        :class:`~lmdeploy.pytorch.engine.cache_engine.CacheEngine` tensors)."""
+        :class:`~lmdeploy.pytorch.cache_engine.CacheEngine` tensors)."""
         return StepContext(input_ids=torch.tensor(self.input_ids, dtype=torch.long, device=device),
                            positions=torch.tensor(self.positions, dtype=torch.long, device=device),
                            q_seqlens=self.q_seqlens, q_start_loc=self.q_start_loc, kv_seqlens=self.kv_seqlens,
@@ -118,7 +118,7 @@ class StepContext:
             recurrent_state [num_slots, num_v_heads, k_head_dim, v_head_dim] float32)`` for
             linear-attention layers, else ``None``.
         block_size: tokens per KV block.
-        sequences: per sequence, the engine's :class:`~lmdeploy.pytorch.engine.sequence.Sequence`
+        sequences: per sequence, the engine's :class:`~lmdeploy.pytorch.paging.sequence.Sequence`
             (models with images read its ``multimodal`` list); empty where the caller has none.
     """
     input_ids: torch.Tensor
@@ -173,12 +173,11 @@ class StepContext:
 
     @cached_property
     def slot_span(self) -> tuple[int, torch.Tensor | None] | None:
-        """For a step of one new token per sequence, :func:`~lmdeploy.pytorch.kernels.slot_range`
+        """For a step of one new token per sequence, :func:`slot_range`
         of its slots (the decode kernels then update that slice of the state caches in place);
         ``None`` otherwise. Computed once per step for all layers."""
         if not self.q_seqlens or any(q != 1 for q in self.q_seqlens):
             return None
-        from .kernels import slot_range
         return slot_range(self.slots, self.has_history)
 
     @cached_property
@@ -222,3 +221,29 @@ class StepContext:
         """The slice of the flat token axis that belongs to sequence ``i``."""
         start = self.q_start_loc[i]
         return slice(start, start + self.q_seqlens[i])
+
+
+def slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
+    """Whether a decode step's state slots can be updated in place as one slice of the cache.
+
+    Args:
+        slots: int64 ``[N]`` distinct state slots of the step's sequences.
+        has_history: bool ``[N]``.
+
+    Returns:
+        ``(lo, order)`` when ``slots`` are exactly ``lo .. lo + N - 1`` in some order and every
+        sequence has history (``order`` the permutation sorting them, ``None`` when already
+        sorted); otherwise ``None``. Always ``None`` for device tensors (reading them would
+        synchronise).
+    """
+    if slots.device.type != 'cpu' or not bool(has_history.all()):
+        return None
+    ids = slots.tolist()
+    if not ids:
+        return None
+    lo = min(ids)
+    if ids == list(range(lo, lo + len(ids))):
+        return lo, None
+    if sorted(ids) == list(range(lo, lo + len(ids))):
+        return lo, torch.argsort(slots)
+    return None

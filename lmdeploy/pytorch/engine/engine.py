@@ -25,21 +25,21 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
+from ..cache_engine import CacheEngine
 from ..cache_specs import has_state
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
-from ..distributed.executor import make_executor
 from ..paging.block_manager import BlockManager
-from ..paging.scheduler import Scheduler, SchedulerOutput
+from ..paging.sequence import Sequence
 from ..prefix_cache.coordinator import PrefixCache, zero_counters
 from ..prefix_cache.local_tier import LocalTier
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
-from .cache_engine import CacheEngine
+from ..spec_decode.strategy import DecodingStrategy, strategy_for
+from .executor import make_executor
 from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
-from .sequence import Sequence
-from .strategy import DecodingStrategy, strategy_for
+from .scheduler import Scheduler, SchedulerOutput
 
 __all__ = ['Engine', 'StepOutput']
 

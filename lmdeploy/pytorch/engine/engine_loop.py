@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ...messages import GenerationConfig
 from .engine import Engine
-from .sequence import Sequence
+from ..paging.sequence import Sequence
 
 __all__ = ['EngineLoop', 'RequestHandle', 'EngineOutput']
 

@@ -3,7 +3,7 @@
 :meth:`ModelRunner.step_batch` is the engine's one flat-batch builder: the step's chunks become
 a :class:`~lmdeploy.pytorch.model_inputs.StepBatch` of plain integers (token ids,
 positions, block tables, state slots, the rows whose logits are needed). The executor runs
-:meth:`~lmdeploy.pytorch.distributed.rank.Worker.forward` on every rank (at tp=1 rank 0's
+:meth:`~lmdeploy.pytorch.engine.rank.Worker.forward` on every rank (at tp=1 rank 0's
 worker, in this process); the logits come back to rank 0, which samples them here.
 
 A chunk with draft tokens (speculative decoding, :mod:`lmdeploy.pytorch.spec_decode`) is
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..model_inputs import StepBatch
-from ..paging.scheduler import SchedulerOutput
+from ..sampling.sampler import TokenLogprob, prompt_token_logprobs, sample
 from ..spec_decode.acceptance import verify_drafts
-from .sampler import TokenLogprob, prompt_token_logprobs, sample
+from .scheduler import SchedulerOutput
 
 __all__ = ['ModelRunner', 'tokens_from_logits']
 
@@ -27,9 +27,9 @@ class ModelRunner:
     """Executes forwards through ``executor`` and samples on rank 0.
 
     Args:
-        executor: a :class:`~lmdeploy.pytorch.distributed.executor.LocalExecutor` or
-            :class:`~lmdeploy.pytorch.distributed.executor.MultiProcessExecutor`.
-        cache_engine: the executor's :class:`~lmdeploy.pytorch.distributed.executor.ExecutorCaches`.
+        executor: a :class:`~lmdeploy.pytorch.engine.executor.LocalExecutor` or
+            :class:`~lmdeploy.pytorch.engine.executor.MultiProcessExecutor`.
+        cache_engine: the executor's :class:`~lmdeploy.pytorch.engine.executor.ExecutorCaches`.
 
     Attributes:
         model: rank 0's model (its vision tower computes the step's image inputs).

@@ -1,94 +1,122 @@
 """Kernel registry: the one place where an op's implementation is chosen per device.
 
 Each op has a plain-torch implementation that runs anywhere (CPU tests, CI) and may have
-accelerated ones (Triton, ``fla-core``) registered for CUDA. Callers ask
-:func:`get_kernel` by name and device; no caller branches on the backend.
+accelerated ones: Triton and ``fla-core`` registered for CUDA, the native C kernels
+(:mod:`.cpu_native`, source in ``csrc/``) registered for CPU. Callers ask :func:`get_kernel` by
+name and device; no caller branches on the backend, the device or a library's availability (a
+CPU implementation falls back to torch by itself where its native kernel does not apply).
+
+Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attention_triton),
+``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
+(gated_delta_rule), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
+``copy_state_slots`` (state_copy), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
+``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
+row count (MKL or the native few-row product) and is called directly.
+
+Thread-safe: see the comment at the locks below.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
-from typing import Callable
+import threading
+from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ['register_kernel', 'get_kernel', 'triton_available', 'slot_range']
+from ..model_inputs import slot_range
 
-# op name -> list of (priority, device type, availability check, fn); higher priority first.
-_REGISTRY: dict[str, list[tuple[int, str, Callable[[], bool], Callable]]] = {}
+__all__ = ['register_kernel', 'get_kernel', 'triton_available', 'slot_range', 'once']
+
+T = TypeVar('T')
+
+# Thread safety (two engines in one process, or the server's threads, may make their first
+# forward at once): the registry and the choices change only under _REGISTRY_LOCK, held for a
+# few dict operations and never while importing or calling user code, so a kernel module that
+# registers while another thread imports the built-in modules cannot deadlock with it. The
+# built-in modules are imported under _IMPORT_LOCK and marked imported only after every import
+# returned (marking first let a second thread look up an empty registry: KeyError).
+_REGISTRY_LOCK = threading.Lock()
+_IMPORT_LOCK = threading.RLock()
+
+# op name -> tuple of (priority, device type, availability check, fn), higher priority first;
+# replaced (never mutated) by a registration, so a lookup iterates a consistent snapshot.
+_REGISTRY: dict[str, tuple[tuple[int, str, Callable[[], bool], Callable], ...]] = {}
+# (op name, device type) -> the implementation chosen; models ask several times per layer and step
+_CHOSEN: dict[tuple[str, str], Callable] = {}
+_GENERATION = 0          # registrations so far: a choice made against an older registry is not kept
+
+
+def once(fn: Callable[[], T]) -> Callable[[], T]:
+    """Memoise a function of no arguments, run at most once per process even when threads call
+    it together (``functools.cache`` would run it in each of them): the lazy builders of the
+    Triton kernels and the availability checks. An exception is not memoised (the next call
+    tries again)."""
+    lock = threading.Lock()
+    done: list = []
+
+    @functools.wraps(fn)
+    def wrapper() -> T:
+        if not done:
+            with lock:
+                if not done:
+                    done.append(fn())
+        return done[0]
+    return wrapper
 
 
 def register_kernel(name: str, device_type: str = 'any', priority: int = 0,
                     available: Callable[[], bool] = lambda: True) -> Callable[[Callable], Callable]:
-    """Decorator registering ``fn`` as an implementation of op ``name``.
+    """Decorator registering ``fn`` as an implementation of op ``name`` (thread-safe).
 
     Args:
         name: op name, e.g. ``'paged_attention'``.
         device_type: ``'cuda'``, ``'cpu'`` or ``'any'`` (the torch fallback).
-        priority: higher wins among implementations usable on a device.
+        priority: higher wins among implementations usable on a device; equal priorities keep
+            the order of registration.
         available: called at the first selection for a device type (the choice is then kept
             until the next registration); False hides the implementation (e.g. an optional
             dependency is not installed).
     """
     def wrap(fn: Callable) -> Callable:
-        _REGISTRY.setdefault(name, []).append((priority, device_type, available, fn))
-        _REGISTRY[name].sort(key=lambda item: -item[0])
-        _CHOSEN.clear()
+        global _GENERATION
+        with _REGISTRY_LOCK:
+            impls = _REGISTRY.get(name, ()) + ((priority, device_type, available, fn),)
+            _REGISTRY[name] = tuple(sorted(impls, key=lambda item: -item[0]))
+            _GENERATION += 1
+            _CHOSEN.clear()
         return fn
     return wrap
-
-
-# (op name, device type) -> the implementation chosen; models ask several times per layer and step
-_CHOSEN: dict[tuple[str, str], Callable] = {}
 
 
 def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
     """The best registered implementation of ``name`` for ``device``, chosen once per device
     type (models ask several times per layer and step) and chosen afresh after any
-    :func:`register_kernel`.
+    :func:`register_kernel`. Thread-safe: the first call of a process imports the built-in
+    kernel modules, and a concurrent first call waits until they are all imported.
 
     Raises:
         KeyError: no implementation of ``name`` is registered for the device.
     """
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-    chosen = _CHOSEN.get((name, device_type))
+    key = (name, device_type)
+    chosen = _CHOSEN.get(key)
     if chosen is not None:
         return chosen
     _import_builtin_kernels()
-    for _, dev, available, fn in _REGISTRY.get(name, []):
+    with _REGISTRY_LOCK:
+        impls, generation = _REGISTRY.get(name, ()), _GENERATION
+    for _, dev, available, fn in impls:       # availability checks run outside the lock (they may import)
         if dev in (device_type, 'any') and available():
-            _CHOSEN[(name, device_type)] = fn
+            with _REGISTRY_LOCK:
+                if generation == _GENERATION:
+                    _CHOSEN[key] = fn
             return fn
     raise KeyError(f'no kernel {name!r} for device {device_type!r}; registered: {sorted(_REGISTRY)}')
 
 
-def slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, torch.Tensor | None] | None:
-    """Whether a decode step's state slots can be updated in place as one slice of the cache.
-
-    Args:
-        slots: int64 ``[N]`` distinct state slots of the step's sequences.
-        has_history: bool ``[N]``.
-
-    Returns:
-        ``(lo, order)`` when ``slots`` are exactly ``lo .. lo + N - 1`` in some order and every
-        sequence has history (``order`` the permutation sorting them, ``None`` when already
-        sorted); otherwise ``None``. Always ``None`` for device tensors (reading them would
-        synchronise).
-    """
-    if slots.device.type != 'cpu' or not bool(has_history.all()):
-        return None
-    ids = slots.tolist()
-    if not ids:
-        return None
-    lo = min(ids)
-    if ids == list(range(lo, lo + len(ids))):
-        return lo, None
-    if sorted(ids) == list(range(lo, lo + len(ids))):
-        return lo, torch.argsort(slots)
-    return None
-
-
-@functools.cache
+@once
 def triton_available() -> bool:
     """Whether ``triton`` imports here (the availability check of Triton implementations)."""
     if importlib.util.find_spec('triton') is None:
@@ -101,19 +129,28 @@ def triton_available() -> bool:
     return True
 
 
+_BUILTIN = ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'norm', 'attention_triton', 'fp8')
 _IMPORTED = False
+_IMPORTING: int | None = None     # the thread importing them now
 
 
 def _import_builtin_kernels() -> None:
-    """Import the kernel modules so their ``register_kernel`` decorators run."""
-    global _IMPORTED
+    """Import the kernel modules so their ``register_kernel`` decorators run; once per process,
+    every other thread waiting until all are imported."""
+    global _IMPORTED, _IMPORTING
     if _IMPORTED:
         return
-    _IMPORTED = True
-    import importlib
-    for mod in ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'attention_triton', 'fp8'):
+    with _IMPORT_LOCK:
+        if _IMPORTED or _IMPORTING == threading.get_ident():   # done, or a lookup made by a module being imported
+            return
+        _IMPORTING = threading.get_ident()
         try:
-            importlib.import_module(f'{__name__}.{mod}')
-        except ModuleNotFoundError as err:  # only a missing kernel module is skipped, not its imports
-            if err.name != f'{__name__}.{mod}':
-                raise
+            for mod in _BUILTIN:
+                try:
+                    importlib.import_module(f'{__name__}.{mod}')
+                except ModuleNotFoundError as err:  # only a missing kernel module is skipped, not its imports
+                    if err.name != f'{__name__}.{mod}':
+                        raise
+            _IMPORTED = True
+        finally:
+            _IMPORTING = None

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import get_kernel, register_kernel
-from .cpu_native import native_library, paged_decode_attention_native
+from .cpu_native import native_available, paged_decode_attention_native
 from ..model_inputs import StepContext, kv_gather_index
 
 __all__ = ['fill_kv_cache', 'paged_decode_attention', 'paged_attention_torch', 'paged_attention_reference',
@@ -86,7 +86,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 @register_kernel('paged_decode_attention', device_type='cpu', priority=5,
-                 available=lambda: native_library() is not None)
+                 available=native_available)
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_table: torch.Tensor, kv_seqlens: torch.Tensor, scale: float,
                                gather_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

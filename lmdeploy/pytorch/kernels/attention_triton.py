@@ -15,16 +15,14 @@ Registered for CUDA when triton imports; runs on CPU tensors under ``TRITON_INTE
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import register_kernel, triton_available
+from . import once, register_kernel, triton_available
 
 __all__ = ['paged_decode_attention_triton']
 
 
-@functools.cache
+@once
 def _kernel():
     import triton
     import triton.language as tl

@@ -18,6 +18,12 @@ here, each one call per layer per step:
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
   once per KV head group, online softmax, no gathered copy.
 
+Models never call these: the registry's CPU implementations do (``rms_norm`` and
+``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
+:mod:`.attention`), as do the decode steps inside the ``gated_delta_rule_varlen`` and
+``causal_conv1d_varlen`` implementations and :func:`~.linear.linear`; each returns ``None``
+here when it does not apply and the caller runs torch.
+
 Measured on the 2-core benchmark machine (weights streamed from memory, not cache, best of 3):
 
     dense decode projections of the 99M benchmark model, 185 MB, by input rows:
@@ -29,8 +35,9 @@ Measured on the 2-core benchmark machine (weights streamed from memory, not cach
 
 so :func:`~.linear.linear` uses it for 4-24 rows (:data:`NATIVE_ROWS`) (MKL keeps 1-3 and more).
 
-Built from the C source below with the system C compiler (``$CC``, else ``cc``, ``gcc`` or
-``clang``; ``-O3 -march=native -fopenmp``) when a CPU engine starts (and on first use elsewhere),
+Built from ``csrc/cpu_native.c`` (prototypes in ``csrc/cpu_native.h``; :data:`_ARGTYPES` binds them
+and tests/test_cpu_native.py checks the two agree) with the system C compiler (``$CC``, else
+``cc``, ``gcc`` or ``clang``; ``-O3 -march=native -fopenmp -Wall -Wextra``) when a CPU engine starts (and on first use elsewhere),
 into ``kernels`` under :func:`~lmdeploy.pytorch.config.cache_root` (``$LMDEPLOY_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/lmdeploy``, else ``~/.cache/lmdeploy``), else a folder of the user's in the
 system temporary folder; one file per source and CPU. The library runs in
@@ -62,7 +69,7 @@ import torch
 
 from ..config import cache_root
 
-__all__ = ['CALLS', 'native_library', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+__all__ = ['CALLS', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'gated_delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
@@ -75,308 +82,10 @@ NATIVE_ROWS = range(4, 25)
 # have many rows per expert, where MKL's packed GEMM is the faster one)
 NATIVE_EXPERT_TOKENS = 64
 
-_SOURCE = r"""
-#include <math.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline v16 load16(const float* p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define LM_HAVE_SHUFFLE 1
-#endif
-#endif
-
-static inline float hsum16(v16 v) {
-#ifdef LM_HAVE_SHUFFLE   /* halving tree in vector registers (GCC >= 12, clang) */
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  a += b;
-  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  c += d;
-  return (c[0] + c[2]) + (c[1] + c[3]);
-#else                    /* the same tree on the elements */
-  float t[16];
-  memcpy(t, &v, sizeof t);
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; i++) t[i] += t[i + w];
-  return t[0];
-#endif
-}
-
-enum { NB = 4, MB = 4 };   /* weight rows x input rows per register block */
-
-/* y[j * ldy + i] = sum_k x[j * ldx + k] * w[i * ldw + k] for j < mb, i < nb (nb, mb <= 4); always
-   inlined with constant nb and mb (see dot_block), so the accumulators stay in registers */
-static inline __attribute__((always_inline)) void dot_block_nm(const float* x, ptrdiff_t ldx, const float* w,
-                                                               ptrdiff_t ldw, int K, float* y, ptrdiff_t ldy,
-                                                               const int nb, const int mb) {
-  v16 acc[NB][MB];
-  for (int i = 0; i < nb; i++)
-    for (int j = 0; j < mb; j++) acc[i][j] = (v16){0};
-  int k = 0;
-  for (; k + 16 <= K; k += 16) {
-    v16 wv[NB], xv[MB];
-    for (int i = 0; i < nb; i++) wv[i] = load16(w + i * ldw + k);
-    for (int j = 0; j < mb; j++) xv[j] = load16(x + j * ldx + k);
-    for (int i = 0; i < nb; i++)
-      for (int j = 0; j < mb; j++) acc[i][j] += wv[i] * xv[j];
-  }
-  for (int i = 0; i < nb; i++)
-    for (int j = 0; j < mb; j++) {
-      float s = hsum16(acc[i][j]);
-      for (int kk = k; kk < K; kk++) s += w[i * ldw + kk] * x[j * ldx + kk];
-      y[j * ldy + i] = s;
-    }
-}
-
-#define DOT_CASE(n, m) case (n) * 8 + (m): dot_block_nm(x, ldx, w, ldw, K, y, ldy, n, m); break;
-#define DOT_ROW(n) DOT_CASE(n, 1) DOT_CASE(n, 2) DOT_CASE(n, 3) DOT_CASE(n, 4)
-
-/* dot_block_nm for 1 <= nb, mb <= 4, one specialised body per shape */
-static void dot_block(const float* x, ptrdiff_t ldx, int mb, const float* w, ptrdiff_t ldw, int nb, int K,
-                      float* y, ptrdiff_t ldy) {
-  switch (nb * 8 + mb) {
-    DOT_ROW(1) DOT_ROW(2) DOT_ROW(3) DOT_ROW(4)
-  }
-}
-
-/* inside a parallel region: y [M, N] = x [M, K] w[N, K]^T, weight rows split over the threads,
-   no barrier at the end */
-static void matmul_rows_nowait(const float* x, int M, int K, ptrdiff_t ldx, const float* w, int N, ptrdiff_t ldw,
-                               float* y, ptrdiff_t ldy) {
-  #pragma omp for schedule(static) nowait
-  for (int n0 = 0; n0 < N; n0 += NB) {
-    int nb = N - n0 < NB ? N - n0 : NB;
-    for (int m0 = 0; m0 < M; m0 += MB) {
-      int mb = M - m0 < MB ? M - m0 : MB;
-      dot_block(x + m0 * ldx, ldx, mb, w + n0 * ldw, ldw, nb, K, y + m0 * ldy + n0, ldy);
-    }
-  }
-}
-
-void lm_matmul_rows(const float* x, int M, int K, int64_t ldx, const float* w, int N, int64_t ldw,
-                    float* y, int64_t ldy, int threads) {
-  #pragma omp parallel num_threads(threads)
-  matmul_rows_nowait(x, M, K, ldx, w, N, ldw, y, ldy);
-}
-
-/* A MoE layer of SwiGLU experts for T tokens, each routed to topk experts.
-   x [T, H]; index, weights [T, topk]; gate_up [E, 2I, H] (gate rows first); down [E, H, I];
-   scratch: pos [T * topk] int64, xs [S, H], h [S, 2I], ys [S, H] with S = T * topk; out [T, H].
-   Pairs (token, slot) are placed by a stable counting sort on the expert; out[t] is the sum over
-   the slots in order of weights[t, j] * expert_j(x[t]). Returns -1 on an expert id out of range. */
-int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
-                      const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
-                      float* out, int threads) {
-  int S = T * topk;
-  int64_t offsets[E + 1];
-  for (int e = 0; e <= E; e++) offsets[e] = 0;
-  for (int p = 0; p < S; p++) {
-    if (index[p] < 0 || index[p] >= E) return -1;
-    offsets[index[p] + 1]++;
-  }
-  for (int e = 0; e < E; e++) offsets[e + 1] += offsets[e];
-  int64_t fill[E];
-  for (int e = 0; e < E; e++) fill[e] = offsets[e];
-  for (int p = 0; p < S; p++) pos[p] = fill[index[p]]++;
-  ptrdiff_t H2 = 2 * (ptrdiff_t)I;
-  #pragma omp parallel num_threads(threads)
-  {
-    #pragma omp for schedule(static)
-    for (int p = 0; p < S; p++) memcpy(xs + pos[p] * H, x + (ptrdiff_t)(p / topk) * H, sizeof(float) * H);
-    for (int e = 0; e < E; e++) {
-      int rows = (int)(offsets[e + 1] - offsets[e]);
-      if (rows)
-        matmul_rows_nowait(xs + offsets[e] * H, rows, H, H, gate_up + (ptrdiff_t)e * H2 * H, (int)H2, H,
-                           h + offsets[e] * H2, H2);
-    }
-    #pragma omp barrier
-    #pragma omp for schedule(static)
-    for (int s = 0; s < S; s++) {
-      float* row = h + s * H2;
-      for (int i = 0; i < I; i++) {
-        float g = row[i];
-        row[i] = g / (1.0f + expf(-g)) * row[I + i];
-      }
-    }
-    for (int e = 0; e < E; e++) {
-      int rows = (int)(offsets[e + 1] - offsets[e]);
-      if (rows)
-        matmul_rows_nowait(h + offsets[e] * H2, rows, I, H2, down + (ptrdiff_t)e * H * I, H, I,
-                           ys + offsets[e] * H, H);
-    }
-    #pragma omp barrier
-    #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) {
-      float* o = out + (ptrdiff_t)t * H;
-      const float* first = ys + pos[(ptrdiff_t)t * topk] * H;
-      float w0 = weights[(ptrdiff_t)t * topk];
-      for (int c = 0; c < H; c++) o[c] = first[c] * w0;
-      for (int j = 1; j < topk; j++) {
-        const float* y = ys + pos[(ptrdiff_t)t * topk + j] * H;
-        float wj = weights[(ptrdiff_t)t * topk + j];
-        for (int c = 0; c < H; c++) o[c] += y[c] * wj;
-      }
-    }
-  }
-  return 0;
-}
-
-/* One decode token of the gated delta rule for each of N sequences x H heads, state updated in
-   place: S <- g S + k (beta (v - g S^T k))^T, o = (g S + k delta^T)^T q = g S^T q + (q . k) delta.
-   kq [N, H, 2, dk]: the key row, then the (scaled) query row; v, out [N, H, dv]; decay (= exp(g)),
-   beta [N, H]; state element (n, h, i, c) at n * s_slot + h * s_head + i * s_row + c. The state is
-   read once from memory; the update pass finds it in cache (one head's dk x dv block). */
-void lm_gated_delta_step(const float* kq, const float* v, const float* decay, const float* beta, float* state,
-                         int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row, float* out,
-                         int threads) {
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int p = 0; p < N * H; p++) {
-    float* S = state + (ptrdiff_t)(p / H) * s_slot + (ptrdiff_t)(p % H) * s_head;
-    const float* k = kq + (ptrdiff_t)p * 2 * dk;
-    const float* q = k + dk;
-    const float* vp = v + (ptrdiff_t)p * dv;
-    float* o = out + (ptrdiff_t)p * dv;
-    float g = decay[p], b = beta[p];
-    float kv[dv], qv[dv], delta[dv];
-    for (int c = 0; c < dv; c++) kv[c] = qv[c] = 0.0f;
-    float qk = 0.0f;
-    for (int i = 0; i < dk; i++) {
-      const float* row = S + (ptrdiff_t)i * s_row;
-      float ki = k[i], qi = q[i];
-      qk += qi * ki;
-      for (int c = 0; c < dv; c++) {
-        kv[c] += row[c] * ki;
-        qv[c] += row[c] * qi;
-      }
-    }
-    for (int c = 0; c < dv; c++) delta[c] = b * (vp[c] - g * kv[c]);
-    for (int i = 0; i < dk; i++) {
-      float* row = S + (ptrdiff_t)i * s_row;
-      float ki = k[i];
-      for (int c = 0; c < dv; c++) row[c] = g * row[c] + ki * delta[c];
-    }
-    for (int c = 0; c < dv; c++) o[c] = g * qv[c] + qk * delta[c];
-  }
-}
-
-/* One decode token of a depthwise causal convolution for N sequences x C channels, the window
-   state (the last K - 1 inputs) updated in place: y = act(bias + sum_j w[c, j] window[j]) over the
-   window (state, x). x [N, C] (row stride ldx); state element (n, c, j) at n * s_slot + c * s_chan
-   + j; weight [C, K]; bias [C] or NULL; y [N, C]; silu != 0 applies x * sigmoid(x). */
-void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_slot, int64_t s_chan,
-                         const float* weight, const float* bias, int N, int C, int K, int silu, float* y,
-                         int threads) {
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int n = 0; n < N; n++) {
-    for (int c = 0; c < C; c++) {
-      float* s = state + (ptrdiff_t)n * s_slot + (ptrdiff_t)c * s_chan;
-      const float* w = weight + (ptrdiff_t)c * K;
-      float xv = x[(ptrdiff_t)n * ldx + c];
-      float acc = 0.0f;
-      for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
-      acc += w[K - 1] * xv;
-      for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
-      if (K > 1) s[K - 2] = xv;
-      if (bias) acc += bias[c];
-      y[(ptrdiff_t)n * C + c] = silu ? acc / (1.0f + expf(-acc)) : acc;
-    }
-  }
-}
-
-/* Root-mean-square norm of R rows of D channels: h = x / sqrt(mean(x^2) + eps), then
-   out = h * (1 + w) (zero_centered), or w * h, times silu(z) when z is given (the gated form).
-   x, z rows at stride ldx, ldz; out [R, D] contiguous. */
-void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, float eps, int zero_centered,
-                 const float* z, int64_t ldz, float* out, int threads) {
-  #pragma omp parallel for num_threads(threads) schedule(static) if (R * D >= 4096)
-  for (int64_t r = 0; r < R; r++) {
-    const float* xr = x + r * ldx;
-    float* o = out + r * (int64_t)D;
-    float ss = 0.0f;
-    #pragma omp simd reduction(+:ss)
-    for (int c = 0; c < D; c++) ss += xr[c] * xr[c];
-    float inv = 1.0f / sqrtf(ss / (float)D + eps);
-    if (zero_centered)
-      for (int c = 0; c < D; c++) o[c] = xr[c] * inv * (1.0f + w[c]);
-    else
-      for (int c = 0; c < D; c++) o[c] = w[c] * (xr[c] * inv);
-    if (z) {
-      const float* zr = z + r * ldz;
-      for (int c = 0; c < D; c++) o[c] *= zr[c] / (1.0f + expf(-zr[c]));
-    }
-  }
-}
-
-/* One query token per sequence against its paged keys: for each sequence n and KV head, the G =
-   H / Hkv query heads of the group read each cached key and value row once, with a running
-   (online) softmax: m = max score so far, l = sum exp(score - m), acc = sum exp(score - m) v.
-   q, out [N, H, D] contiguous; cache element (block, pos, head, d) at block * s_block + pos *
-   s_pos + head * s_head + d; block_table [N, W] (row stride ld_table); kv_seqlens [N]. Returns -1
-   (and computes nothing) when a length is outside [1, W * block_size], -2 when a block id the
-   lengths reach is outside [0, num_blocks). */
-int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,
-                               int64_t s_pos, int64_t s_head, const int64_t* block_table, int64_t ld_table,
-                               const int64_t* kv_seqlens, int N, int H, int Hkv, int D, int block_size, int W,
-                               int64_t num_blocks, float scale, float* out, int threads) {
-  for (int n = 0; n < N; n++) {
-    if (kv_seqlens[n] < 1 || kv_seqlens[n] > (int64_t)W * block_size) return -1;
-    for (int64_t b = 0; b < (kv_seqlens[n] + block_size - 1) / block_size; b++) {
-      int64_t id = block_table[(ptrdiff_t)n * ld_table + b];
-      if (id < 0 || id >= num_blocks) return -2;
-    }
-  }
-  int G = H / Hkv;
-  #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int task = 0; task < N * Hkv; task++) {
-    int n = task / Hkv, kh = task % Hkv;
-    const float* qn = q + ((ptrdiff_t)n * H + (ptrdiff_t)kh * G) * D;
-    float acc[G][D], m[G], l[G], sc[G];
-    for (int g = 0; g < G; g++) {
-      m[g] = -INFINITY;
-      l[g] = 0.0f;
-      for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
-    }
-    int64_t len = kv_seqlens[n];
-    for (int64_t t = 0; t < len; t++) {
-      int64_t block = block_table[(ptrdiff_t)n * ld_table + t / block_size];
-      ptrdiff_t at = block * s_block + (t % block_size) * s_pos + (ptrdiff_t)kh * s_head;
-      const float* kr = k_cache + at;
-      const float* vr = v_cache + at;
-      for (int g = 0; g < G; g++) {
-        const float* qg = qn + (ptrdiff_t)g * D;
-        float dot = 0.0f;
-        #pragma omp simd reduction(+:dot)
-        for (int d = 0; d < D; d++) dot += qg[d] * kr[d];
-        float score = dot * scale;
-        if (fmaxf(m[g], score) == -INFINITY) continue;   /* weight exp(-inf) = 0 so far: skip it (no -inf - -inf) */
-        if (score > m[g]) {
-          float correction = expf(m[g] - score);   /* 0 for the first key (m = -inf) */
-          l[g] *= correction;
-          for (int d = 0; d < D; d++) acc[g][d] *= correction;
-          m[g] = score;
-        }
-        sc[g] = expf(score - m[g]);
-        l[g] += sc[g];
-        for (int d = 0; d < D; d++) acc[g][d] += sc[g] * vr[d];
-      }
-    }
-    for (int g = 0; g < G; g++) {
-      float* o = out + ((ptrdiff_t)n * H + (ptrdiff_t)kh * G + g) * D;
-      float inv = 1.0f / l[g];
-      for (int d = 0; d < D; d++) o[d] = acc[g][d] * inv;
-    }
-  }
-  return 0;
-}
-"""
+# the C source (a real file, compiled with warnings on; shipped as package data, see setup.py)
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
+SOURCE = os.path.join(SOURCE_DIR, 'cpu_native.c')
+HEADER = os.path.join(SOURCE_DIR, 'cpu_native.h')
 
 # native kernel calls made in this process, by kernel (the benchmark's op profile reads it)
 CALLS: collections.Counter = collections.Counter()
@@ -446,14 +155,32 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
 }
 _CTYPES = {'p': ctypes.c_void_p, 'i32': ctypes.c_int, 'i64': ctypes.c_int64, 'f32': ctypes.c_float}
-_FLAGS = ['-O3', '-march=native', '-fopenmp', '-shared', '-fPIC', '-std=gnu11']
+# -Wall -Wextra -Wmissing-prototypes: warnings (with real line numbers) surface when the source is
+# edited; tests/test_cpu_native.py builds with -Werror so none is committed
+_FLAGS = ['-O3', '-march=native', '-fopenmp', '-shared', '-fPIC', '-std=gnu11', '-Wall', '-Wextra',
+          '-Wmissing-prototypes']
+
+
+def _source_text() -> str:
+    """The C source and its header (what the library is built from)."""
+    parts = []
+    for path in (SOURCE, HEADER):
+        with open(path) as f:
+            parts.append(f.read())
+    return '\0'.join(parts)
 
 
 def _library_name() -> str:
     """File name of this source's library: it depends on the source, the flags and the CPU it is
     tuned for, not on which compiler built it."""
-    key = hashlib.sha256('\0'.join([_SOURCE, ' '.join(_FLAGS), platform.machine(), _cpu_flags()]).encode())
+    key = hashlib.sha256('\0'.join([_source_text(), ' '.join(_FLAGS), platform.machine(), _cpu_flags()]).encode())
     return f'cpu_native_{key.hexdigest()[:20]}.so'
+
+
+def compile_command(cc: str, out: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The compiler command that builds :data:`SOURCE` into ``out`` (``extra`` flags last, e.g.
+    ``-Werror`` in the tests)."""
+    return [cc, *_FLAGS, *extra, '-I', SOURCE_DIR, SOURCE, '-o', out, '-lm']
 
 
 def _compile(path: str) -> str | None:
@@ -466,22 +193,20 @@ def _compile(path: str) -> str | None:
     folder = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(suffix='.so', dir=folder)
     os.close(fd)
-    src = tmp[:-3] + '.c'
     try:
-        with open(src, 'w') as f:
-            f.write(_SOURCE)
         try:
-            done = subprocess.run([cc, *_FLAGS, src, '-o', tmp, '-lm'], capture_output=True, text=True, timeout=300)
+            done = subprocess.run(compile_command(cc, tmp), capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as err:
             return f'{cc}: {err}'
         if done.returncode != 0:
             return f'{cc} failed: {done.stderr.strip()[:800]}'   # the first errors are the telling ones
+        if done.stderr.strip():
+            logger.debug('native CPU kernels: compiler warnings:\n%s', done.stderr.strip())
         os.chmod(tmp, 0o700)
         os.replace(tmp, path)
     finally:
-        for leftover in (src, tmp):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     for name in os.listdir(folder):
         if name.startswith('cpu_native_') and name.endswith('.so') and name != os.path.basename(path):
             try:
@@ -557,6 +282,12 @@ def native_library() -> ctypes.CDLL | None:
                     _LIB = None
                 _TRIED = True
     return _LIB
+
+
+def native_available() -> bool:
+    """Whether the native library is loaded (built on the first call): the availability check of
+    the registry's native CPU implementations."""
+    return native_library() is not None
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -29,11 +29,10 @@ priority when the package is installed.
 from __future__ import annotations
 
 import importlib.util
-from functools import lru_cache
 
 import torch
 
-from . import get_kernel, register_kernel, slot_range
+from . import get_kernel, once, register_kernel, slot_range
 from .cpu_native import gated_delta_step_native
 
 __all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'gated_delta_rule_varlen', 'l2norm']
@@ -348,7 +347,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return out
 
 
-@lru_cache(maxsize=None)
+@once
 def _fla_installed() -> bool:
     return importlib.util.find_spec('fla') is not None
 

@@ -14,20 +14,28 @@ Implementations with one contract:
   runs: 10.5 -> 8.2 ms on the benchmark machine). On CPU this is the fast one:
   ``torch._grouped_mm`` exists on CPU but measured 3-5x slower than the loop here.
 - native (CPU, float32 decode steps): :func:`~.cpu_native.swiglu_experts_native` runs a whole
-  layer (sort, both projections, SwiGLU, weighted sum per token) in one call; ``FusedExperts``
-  calls it before this registry's kernel (it takes the routing, not sorted rows).
+  layer (sort, both projections, SwiGLU, weighted sum per token) in one call; it takes the
+  routing, not sorted rows, so it is an implementation of ``moe_experts`` below.
 - grouped (CUDA, when ``torch._grouped_mm`` exists and row strides are 16-byte multiples):
   each projection is ONE grouped matmul over all experts, whatever the batch hits.
+
+``moe_experts`` is the layer-level op a model calls (``x``, the routing, the stacked weights):
+the torch implementation sorts the ``T * k`` pairs by expert, runs ``swiglu_experts`` and sums
+back per token (:func:`moe_experts_sorted`); the CPU one runs the native layer when it applies,
+else one token's ``k`` experts directly (:func:`moe_experts_one_token`, a batch-1 decode step:
+no sort or scatter, the same products, weights and summation order), else the sorted form.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import register_kernel
+from . import get_kernel, register_kernel
+from .cpu_native import swiglu_experts_native
 from .linear import linear
 
-__all__ = ['swiglu_experts_loop', 'swiglu_experts_grouped', 'grouped_mm_usable']
+__all__ = ['swiglu_experts_loop', 'swiglu_experts_grouped', 'grouped_mm_usable', 'moe_experts_sorted',
+           'moe_experts_one_token', 'moe_experts_cpu']
 
 
 def _check(x, gate_up, down, counts):
@@ -87,3 +95,52 @@ def swiglu_experts_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
     offsets = counts.cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+
+
+@register_kernel('moe_experts', device_type='any')
+def moe_experts_sorted(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's experts for any ``T``: the pairs sorted by expert, one ``swiglu_experts`` call.
+
+    Args:
+        x: ``[T, H]``.
+        index: int64 ``[T, k]`` chosen experts; weights: ``[T, k]`` their routing weights.
+        gate_up: ``[E, 2I, H]`` (gate rows first); down: ``[E, H, I]``.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype``: ``sum_j weights[t, j] * expert_{index[t, j]}(x[t])``.
+    """
+    k = index.shape[1]
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    y = get_kernel('swiglu_experts', x.device)(x[order // k], gate_up, down, counts)
+    y = y * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y                       # back to (token, k) order: each token's k rows adjacent
+    return unsorted.view(x.shape[0], k, -1).sum(1).to(x.dtype)
+
+
+def moe_experts_one_token(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                          down: torch.Tensor) -> torch.Tensor:
+    """:func:`moe_experts_sorted` for ``x [1, H]``: each chosen expert in turn, weighted, summed in
+    one reduction as the sorted form does (bit for bit the same result)."""
+    outs = []
+    for e, w in zip(index[0].tolist(), weights[0].unbind()):
+        gate, up = linear(x, gate_up[e]).chunk(2, dim=-1)
+        outs.append(linear(F.silu(gate) * up, down[e]) * w)
+    return (outs[0] if len(outs) == 1 else torch.stack(outs, dim=1).sum(1)).to(x.dtype)
+
+
+@register_kernel('moe_experts', device_type='cpu', priority=5)
+def moe_experts_cpu(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """:func:`moe_experts_sorted` on CPU: the native layer (float32, up to
+    :data:`~.cpu_native.NATIVE_EXPERT_TOKENS` tokens, outside autograd; equal to float32
+    rounding), else :func:`moe_experts_one_token` for one token, else the sorted form."""
+    out = swiglu_experts_native(x, index, weights, gate_up, down)
+    if out is not None:
+        return out
+    if x.shape[0] == 1:
+        return moe_experts_one_token(x, index, weights, gate_up, down)
+    return moe_experts_sorted(x, index, weights, gate_up, down)

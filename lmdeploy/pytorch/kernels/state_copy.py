@@ -17,11 +17,9 @@ does not matter); it is not checked because checking would synchronise the devic
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from lmdeploy.pytorch.kernels import get_kernel, register_kernel, triton_available
+from . import get_kernel, once, register_kernel, triton_available
 
 __all__ = ['copy_state_slots', 'copy_state_slots_torch', 'copy_state_slots_triton']
 
@@ -61,7 +59,7 @@ def copy_state_slots_torch(state_buf: torch.Tensor, src: torch.Tensor, dst: torc
     state_buf.index_copy_(0, dst, state_buf.index_select(0, src))
 
 
-@functools.cache
+@once
 def _triton_kernel():
     """Build the Triton kernel on first use, so importing this module never needs triton."""
     import triton

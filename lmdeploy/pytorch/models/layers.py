@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import get_kernel
-from ..kernels.cpu_native import rms_norm_native
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .rope import RotaryEmbedding  # noqa: F401  (re-exported: models import it from here)
@@ -46,20 +45,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., dim]`` → ``[..., dim]`` in ``x.dtype`` (float32 on CPU: one native pass when
-        :mod:`~lmdeploy.pytorch.kernels.cpu_native` is built)."""
-        dtype = x.dtype
-        if dtype == torch.float32 and x.device.type == 'cpu':
-            out = rms_norm_native(x, self.weight, self.eps, self.zero_centered)
-            if out is not None:
-                return out
-        h = x if dtype == torch.float32 else x.float()   # (a no-op cast is still a dispatched op)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
-            h = h * (1.0 + w)
-            return h if dtype == torch.float32 else h.to(dtype)
-        return self.weight * (h if dtype == torch.float32 else h.to(dtype))
+        """``[..., dim]`` → ``[..., dim]`` in ``x.dtype`` (the registry's ``rms_norm``: one native
+        pass for float32 on CPU, see :mod:`~lmdeploy.pytorch.kernels.norm`)."""
+        return get_kernel('rms_norm', x.device)(x, self.weight, self.eps, self.zero_centered)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -351,7 +351,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         entries as described in the class docstring.
 
         Args:
-            seqs: per chunk, its :class:`~lmdeploy.pytorch.engine.sequence.Sequence`.
+            seqs: per chunk, its :class:`~lmdeploy.pytorch.paging.sequence.Sequence`.
             history_lens, q_seqlens, q_start_loc: per chunk, as in :class:`StepContext`.
         """
         if not any(s is not None and any(m.data is not None for m in s.multimodal) for s in seqs):

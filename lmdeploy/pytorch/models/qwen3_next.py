@@ -27,8 +27,7 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
-from ..kernels.cpu_native import rms_norm_native, swiglu_experts_native
-from ..kernels.linear import linear
+from ..kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
@@ -80,18 +79,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype`` (float32 on CPU: one native pass when
-        :mod:`~lmdeploy.pytorch.kernels.cpu_native` is built)."""
-        if x.dtype == torch.float32 and z.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if x.device.type == 'cpu':
-                out = rms_norm_native(x, self.weight, self.eps, False, gate=z)
-                if out is not None:
-                    return out
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * F.silu(z)
-        dtype = x.dtype
-        h = x.float()
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (self.weight * h * F.silu(z.float())).to(dtype)
+        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype`` (the registry's ``gated_rms_norm``:
+        one native pass for float32 on CPU, see :mod:`~lmdeploy.pytorch.kernels.norm`)."""
+        return get_kernel('gated_rms_norm', x.device)(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -181,44 +171,18 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, chosen experts ``index [T, k]`` with ``weights [T, k]`` → ``[T, H]``.
-
-        The ``T * k`` (token, expert) pairs are sorted by expert, run through the registry's
-        ``swiglu_experts`` kernel (a per-expert loop on CPU, grouped matmuls on CUDA), weighted,
-        and summed back per token. On CPU, float32 steps of up to 64 tokens outside autograd run
-        the whole layer as one native call (:func:`~lmdeploy.pytorch.kernels.cpu_native.swiglu_experts_native`,
-        when built; equal to float32 rounding); otherwise one token (a batch-1 decode step) runs
-        its ``k`` experts directly, without the sort and scatter: the same products, weights
-        and summation order.
-        """
-        if x.device.type == 'cpu':
-            out = swiglu_experts_native(x, index, weights, self.gate_up_proj, self.down_proj)
-            if out is not None:
-                return out
-            if x.shape[0] == 1:
-                return self.forward_one_token(x, index, weights)
-        return self.forward_sorted(x, index, weights)
+        """``x [T, H]``, chosen experts ``index [T, k]`` with ``weights [T, k]`` → ``[T, H]``, by
+        the registry's ``moe_experts`` (:mod:`~lmdeploy.pytorch.kernels.moe`: the whole layer
+        natively for float32 decode steps on CPU, grouped matmuls on CUDA)."""
+        return get_kernel('moe_experts', x.device)(x, index, weights, self.gate_up_proj, self.down_proj)
 
     def forward_one_token(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for ``x [1, H]``: each chosen expert in turn, weighted, summed in one
-        reduction as :meth:`forward_sorted` does (bit for bit the same result)."""
-        outs = []
-        for e, w in zip(index[0].tolist(), weights[0].unbind()):
-            gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(linear(F.silu(gate) * up, self.down_proj[e]) * w)
-        return (outs[0] if len(outs) == 1 else torch.stack(outs, dim=1).sum(1)).to(x.dtype)
+        """:meth:`forward` for ``x [1, H]`` by :func:`~lmdeploy.pytorch.kernels.moe.moe_experts_one_token`."""
+        return moe_experts_one_token(x, index, weights, self.gate_up_proj, self.down_proj)
 
     def forward_sorted(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for any ``T``: the pairs sorted by expert, one kernel call."""
-        k = index.shape[1]
-        flat = index.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-        y = get_kernel('swiglu_experts', x.device)(x[order // k], self.gate_up_proj, self.down_proj, counts)
-        y = y * weights.reshape(-1)[order, None]
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y                       # back to (token, k) order: each token's k rows adjacent
-        return unsorted.view(x.shape[0], k, -1).sum(1).to(x.dtype)
+        """:meth:`forward` for any ``T`` by :func:`~lmdeploy.pytorch.kernels.moe.moe_experts_sorted`."""
+        return moe_experts_sorted(x, index, weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):

@@ -2,7 +2,7 @@
 
 :class:`PrefixCache` asks each tier the same questions and keeps the per-sequence cache
 bookkeeping (block hashes, the Store's answer for a waiting sequence, how many Store restores
-failed for it), so :class:`~lmdeploy.pytorch.engine.sequence.Sequence` holds only tokens,
+failed for it), so :class:`~lmdeploy.pytorch.paging.sequence.Sequence` holds only tokens,
 progress and the resources the forward needs::
 
     probe (engine, before schedule)  Store existence queries for newly waiting sequences

@@ -401,7 +401,7 @@ def build_store_tier(engine) -> StoreTier:
                        'outputs. Give every engine sharing the Store the same secret.', master)
     # the first start on a checkpoint hashes every weight byte (logged); later starts hit the digest cache
     namespace = engine_namespace(engine.model_path, dtype=str(engine.dtype), block_size=cfg.block_size,
-                                 # payloads hold every head whatever the TP size (see distributed/store_layout)
+                                 # payloads hold every head whatever the TP size (see store/layout.py)
                                  layers=[repr(s) for s in engine.cache_engine.object_specs], tp_rank=0, tp_size=1,
                                  adapter=None,
                                  override=cfg.store_namespace, secret=secret)

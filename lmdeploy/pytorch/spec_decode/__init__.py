@@ -11,5 +11,6 @@ One decode step with drafts (docs/en/advance/spec_decoding.md)::
                 snapshot and recompute the accepted tokens in the next forward          (decoder)
 
 Modules: :mod:`.ngram` (prompt lookup), :mod:`.mtp` (the MTP head), :mod:`.acceptance`
-(greedy and rejection-sampling acceptance), :mod:`.decoder` (the engine-side steps).
+(greedy and rejection-sampling acceptance), :mod:`.decoder` (the engine-side steps),
+:mod:`.strategy` (what a decoding method requires of the planner: lookahead ℓ, recompute r).
 """

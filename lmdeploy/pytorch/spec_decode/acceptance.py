@@ -16,7 +16,7 @@ exactly the target distribution. Our drafters propose deterministically (n-gram 
 argmax of the MTP head), so ``q_i`` is a point mass on ``d_i``: accept with probability
 ``p_i(d_i)``, and a rejected row draws from ``p_i`` with ``d_i`` removed, renormalised.
 
-``p_i`` is the sampler's own distribution (:func:`~lmdeploy.pytorch.engine.sampler.target_distribution`:
+``p_i`` is the sampler's own distribution (:func:`~lmdeploy.pytorch.sampling.sampler.target_distribution`:
 repetition penalty, temperature, top-k, top-p), with the drafts before position ``i`` counted
 as already generated.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.sampler import request_generator, target_distribution
+from ..sampling.sampler import request_generator, target_distribution
 
 __all__ = ['verify_drafts', 'speculative_sample']
 
@@ -69,7 +69,7 @@ def verify_drafts(logits: torch.Tensor, drafts: list[int], seq) -> list[int]:
     Args:
         logits: ``[K + 1, vocab]`` float32 target logits (row 0 at the last real token).
         drafts: the ``K`` draft tokens scored by that forward.
-        seq: the :class:`~lmdeploy.pytorch.engine.sequence.Sequence` (sampling options, tokens).
+        seq: the :class:`~lmdeploy.pytorch.paging.sequence.Sequence` (sampling options, tokens).
 
     Returns:
         Accepted drafts plus one target token (``1..K + 1`` tokens). Greedy: exactly the tokens

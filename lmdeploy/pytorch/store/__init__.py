@@ -8,9 +8,11 @@
   ``connect`` raises, every later failure is returned and counted.
 - :mod:`.services` — :class:`MooncakeServices`, a local ``mooncake_master`` + segment owner
   (with the HTTP metadata server) for the embedded mode and the tests; every port on its host.
+- :mod:`.layout` — :class:`~.layout.StoreLayout`, the TP-independent (full-head) payload layout
+  a tensor-parallel engine converts its rank slices to and from (imported only with ``tp > 1``).
 
 The engine-facing tier (what to save at a save point, how deep a stored prefix reaches) builds
-on these; nothing here knows about blocks, sequences or tensors' meaning.
+on these; apart from :mod:`.layout`, nothing here knows about blocks, sequences or tensors' meaning.
 """
 from .mooncake_client import FakeStoreClient, StoreClient, StoreClientStats, StoreUnavailableError
 from .identity import engine_namespace, model_identity, resolve_secret

@@ -267,7 +267,7 @@ def chat_logprobs(texts: TokenTexts, logprobs: list, top: int) -> dict:
 
     Args:
         texts: token-text lookup.
-        logprobs: :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per generated token.
+        logprobs: :class:`~lmdeploy.pytorch.sampling.sampler.TokenLogprob` per generated token.
         top: alternatives per token (``top_logprobs``; 0 = none).
     """
     return {'content': [dict(_entry(texts, lp.token_id, lp.logprob),

@@ -1,6 +1,6 @@
 """Prompt log-probabilities in the API's shapes.
 
-The engine returns one :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per prompt token
+The engine returns one :class:`~lmdeploy.pytorch.sampling.sampler.TokenLogprob` per prompt token
 after the first (``GenerationConfig.prompt_logprobs``: the model's own ``log_softmax``, no
 penalty or temperature); the first token has no context and so no value. Two shapes:
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sequence import Sequence
+from ..paging.sequence import Sequence
 
 __all__ = ['sample_tokens', 'sample', 'TokenLogprob', 'target_distribution', 'request_generator',
            'prompt_token_logprobs']

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.cache_engine import CacheEngine
+from ..cache_engine import CacheEngine
+from ..distributed.loading import load_model_shard
+from ..distributed.sharding import TPLayout
 from ..model_inputs import StepBatch
 from ..models.loader import load_model
-from .loading import load_model_shard
-from .sharding import TPLayout
 
 __all__ = ['Worker']
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig
-from ..paging.prefill_plan import PrefillPlan, next_chunk_end
+from .prefill_plan import PrefillPlan, next_chunk_end
 
 __all__ = ['SeqStatus', 'Sequence', 'SequenceStats']
 
@@ -82,7 +82,7 @@ class Sequence:
             (:class:`~lmdeploy.pytorch.engine.guided.Guide`), advanced by every appended token and
             closed when the sequence ends; None otherwise.
         prompt_logprobs: with ``gen_config.prompt_logprobs``, one
-            :class:`~lmdeploy.pytorch.engine.sampler.TokenLogprob` per prompt token after the first
+            :class:`~lmdeploy.pytorch.sampling.sampler.TokenLogprob` per prompt token after the first
             (filled as the prefill chunks run).
     """
     token_ids: list[int]

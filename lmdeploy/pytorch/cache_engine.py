@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from ..cache_specs import CacheRowLayout, LayerCacheSpec
-from ..kernels.state_copy import copy_state_slots
+from .cache_specs import CacheRowLayout, LayerCacheSpec
+from .kernels.state_copy import copy_state_slots
 
 __all__ = ['CacheEngine']
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from ..cache_engine import CacheEngine
 from ..cache_specs import has_state, kv_bytes_per_block, state_bytes_per_slot
-from ..engine.cache_engine import CacheEngine
-from .sharding import TPLayout
+from ..distributed.sharding import TPLayout
 
 __all__ = ['StoreLayout']
 

@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .comm import destroy_group, free_port, init_group
+from ..distributed.comm import destroy_group, free_port, init_group
+from ..distributed.sharding import TPLayout
 from ..models.loader import load_config
+from ..store.layout import StoreLayout
 from .rank import Worker
-from .sharding import TPLayout
-from .store_layout import StoreLayout
 
 __all__ = ['LocalExecutor', 'MultiProcessExecutor', 'ExecutorCaches', 'WorkerDiedError', 'make_executor']
 
@@ -102,7 +102,7 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
         destroy_group()
         return
     if dev.type == 'cpu':   # as the engine does, once this rank's weights are loaded
-        from ..engine.host_allocator import tune_host_allocator
+        from .host_allocator import tune_host_allocator
         from ..kernels.cpu_native import native_library
         tune_host_allocator()
         native_library()   # load (rank 0 built it) or build the native decode kernels before serving
@@ -319,7 +319,7 @@ class ExecutorCaches:
     ranks, each rank holds its heads' slice of every row (at tp=1, all of it).
 
     Payloads (Store objects) are in the full-head layout of a single-process engine
-    (:mod:`.store_layout`): reads gather the ranks' slices and assemble them, writes split a
+    (:mod:`~lmdeploy.pytorch.store.layout`): reads gather the ranks' slices and assemble them, writes split a
     payload back into slices (at tp=1 both are the rank's own bytes, unconverted).
     ``kv_block_bytes`` / ``state_bytes`` and ``object_specs`` are therefore those of the
     single-process engine whatever the TP size.

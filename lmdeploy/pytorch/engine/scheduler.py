@@ -27,13 +27,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
-from ..engine.sequence import SeqStatus, Sequence
+from ..paging.sequence import SeqStatus, Sequence
 from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.null_cache import NullPrefixCache
 from ..prefix_cache.plans import LoadPlan, PrefixMatch, SavePlan
 from ..prefix_cache.state_cache import StateCache
-from .block_manager import BlockManager
-from .prefill_plan import (PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction,
+from ..paging.block_manager import BlockManager
+from ..paging.prefill_plan import (PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction,
                            with_last_block_end)
 
 __all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput']

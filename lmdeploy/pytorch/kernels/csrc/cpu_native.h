@@ -1,0 +1,43 @@
+/* Entry points of the native CPU kernels (lmdeploy/pytorch/kernels/cpu_native.py binds them).
+ *
+ * Every exported function is declared here and only here; cpu_native.c includes this header, so
+ * the compiler checks each definition against its prototype, and tests/test_cpu_native.py
+ * checks each prototype against the ctypes argument types cpu_native.py binds (_ARGTYPES).
+ * Types used: pointers (const or not), int, int64_t, float; results void or int.
+ * Each function's contract is documented at its definition in cpu_native.c.
+ */
+#ifndef LMDEPLOY_CPU_NATIVE_H
+#define LMDEPLOY_CPU_NATIVE_H
+
+#include <stdint.h>
+
+/* y [M, N] = x [M, K] w [N, K]^T */
+void lm_matmul_rows(const float* x, int M, int K, int64_t ldx, const float* w, int N, int64_t ldw,
+                    float* y, int64_t ldy, int threads);
+
+/* a whole MoE layer of SwiGLU experts; -1 on an expert id out of range */
+int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
+                      const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
+                      float* out, int threads);
+
+/* one decode token of the gated delta rule, state updated in place */
+void lm_gated_delta_step(const float* kq, const float* v, const float* decay, const float* beta, float* state,
+                         int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row, float* out,
+                         int threads);
+
+/* one decode token of a depthwise causal convolution, window state updated in place */
+void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_slot, int64_t s_chan,
+                         const float* weight, const float* bias, int N, int C, int K, int silu, float* y,
+                         int threads);
+
+/* RMS norm of R rows: plain, zero-centred, or gated by silu(z) */
+void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, float eps, int zero_centered,
+                 const float* z, int64_t ldz, float* out, int threads);
+
+/* decode attention over paged keys; -1: a length out of range, -2: a block id out of range */
+int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,
+                              int64_t s_pos, int64_t s_head, const int64_t* block_table, int64_t ld_table,
+                              const int64_t* kv_seqlens, int N, int H, int Hkv, int D, int block_size, int W,
+                              int64_t num_blocks, float scale, float* out, int threads);
+
+#endif

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one short run (under 8 minutes on one H200):
+#   1. environment report (env.json, nvidia-smi.txt): python, torch + its CUDA, triton, fla-core, gcc
+#   2. missing Python dependencies installed (torch is never touched: the machine's CUDA build is used)
+#   3. every CUDA test (the test files that skip without CUDA; CUDA_TESTS below)
+#   4. the kernel suites (their registry checks for CUDA and the Triton interpreter tests)
+#   5. the kernel and decode-throughput benchmark on the GPU (benchmark/benchmark_cuda.py)
+# Results go to one folder: $OUT if set, else ./gpu_check_out (or --out DIR): a log and a JUnit XML
+# per step, bench_cuda.json, summary.json (each step's exit status and seconds). Exits non-zero when
+# any step fails, when CUDA is not visible, or when a CUDA test was skipped on the CUDA machine.
+#
+#   bash scripts/gpu_check.sh                  # on the GPU machine, from a copy of the repository
+#   bash scripts/gpu_check.sh --list           # the tests and benchmarks it runs (no GPU needed)
+#   bash scripts/gpu_check.sh --dry-run        # print every command instead of running it
+#
+# Options: --out DIR, --python PY (default: $PYTHON, else python3), --no-install, --no-bench, --budget SECONDS
+# (default 480: the steps' time limits are cut to what is left of it), --list, --dry-run, -h.
+# The project is not installed: PYTHONPATH points at this checkout. A machine without network needs
+# its missing dependencies as wheels: PIP_FIND_LINKS=DIR PIP_NO_INDEX=1 bash scripts/gpu_check.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+# every test file that skips without CUDA (tests/test_gpu_check.py keeps this list complete)
+CUDA_TESTS=(tests/test_cuda.py)
+# suites of the kernels the GPU runs: registry choices per device, Triton under the interpreter
+KERNEL_TESTS=(tests/test_state_copy.py tests/test_varlen_kernels.py tests/test_gdn_kernels.py tests/test_thread_safety.py)
+BENCH=(benchmark/benchmark_cuda.py --device cuda --preset 99m)
+
+OUT_DIR=${OUT:-$ROOT/gpu_check_out}
+PY=${PYTHON:-python3}
+INSTALL=1
+RUN_BENCH=1
+DRY=0
+BUDGET=480
+
+usage() { sed -n '2,/^set -uo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a folder" >&2; exit 2; }; OUT_DIR=$2; shift 2 ;;
+        --python) [ $# -ge 2 ] || { echo "gpu_check: --python needs an interpreter" >&2; exit 2; }; PY=$2; shift 2 ;;
+        --budget)
+            [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget needs whole seconds" >&2; exit 2; }
+            BUDGET=$2; shift 2 ;;
+        --no-install) INSTALL=0; shift ;;
+        --no-bench) RUN_BENCH=0; shift ;;
+        --dry-run) DRY=1; shift ;;
+        --list)
+            printf 'cuda-test %s\n' "${CUDA_TESTS[@]}"
+            printf 'kernel-test %s\n' "${KERNEL_TESTS[@]}"
+            echo "bench ${BENCH[*]}"
+            exit 0 ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+mkdir -p "$OUT_DIR" || exit 2
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" MC_TCP_BIND_ADDRESS=127.0.0.1
+LOG="$OUT_DIR/gpu_check.log"
+: > "$LOG"
+SUMMARY=()
+FAILED=0
+
+say() { echo "==> $*" | tee -a "$LOG" >&2; }
+
+# step NAME LIMIT_SECONDS CMD...: run CMD (output in NAME.log) within LIMIT, cut to the budget left
+step() {
+    local name=$1 limit=$2; shift 2
+    local left=$((BUDGET - SECONDS))
+    [ "$limit" -le "$left" ] || limit=$left
+    if [ "$DRY" = 1 ]; then
+        echo "[$name] timeout $limit $*"
+        return 0
+    fi
+    if [ "$limit" -le 10 ]; then
+        say "$name: skipped, the ${BUDGET}s budget is spent"
+        SUMMARY+=("\"$name\": {\"rc\": null, \"seconds\": 0, \"note\": \"budget spent\"}")
+        FAILED=1
+        return 1
+    fi
+    say "$name (limit ${limit}s): $*"
+    local t0=$SECONDS rc=0
+    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
+    tail -n 5 "$OUT_DIR/$name.log" | tee -a "$LOG" >&2
+    SUMMARY+=("\"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - t0))}")
+    [ "$rc" = 0 ] || { say "$name FAILED (exit $rc; 124 = time limit), see $OUT_DIR/$name.log"; FAILED=1; }
+    return "$rc"
+}
+
+write_summary() {
+    [ "$DRY" = 1 ] && return
+    local IFS=,
+    echo "{\"out\": \"$OUT_DIR\", \"failed\": $FAILED, \"seconds\": $SECONDS, \"steps\": {${SUMMARY[*]}}}" \
+        > "$OUT_DIR/summary.json"
+    say "summary: $OUT_DIR/summary.json (failed: $FAILED, ${SECONDS}s)"
+}
+
+# 1. environment -----------------------------------------------------------------------------
+ENV_PY='
+import importlib.util, json, platform, shutil, sys
+info = {"python": sys.version.split()[0], "platform": platform.platform(), "gcc": shutil.which("gcc")}
+try:
+    import torch
+    info.update(torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
+                devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+except Exception as err:
+    info.update(torch=None, cuda_available=False, torch_error=repr(err))
+for mod in ("triton", "fla", "transformers"):
+    try:
+        m = __import__(mod) if importlib.util.find_spec(mod) else None
+        info[mod] = getattr(m, "__version__", "present") if m else None
+    except Exception as err:
+        info[mod] = "import failed: %r" % (err,)
+print(json.dumps(info, indent=1))
+sys.exit(0 if info.get("cuda_available") else 3)
+'
+if [ "$DRY" = 1 ]; then
+    echo "[env] $PY -c <environment report> > $OUT_DIR/env.json"
+else
+    (nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1) || true
+    "$PY" -c "$ENV_PY" > "$OUT_DIR/env.json" 2>>"$LOG"
+    env_rc=$?
+    cat "$OUT_DIR/env.json" | tee -a "$LOG" >&2
+    if [ "$env_rc" != 0 ]; then
+        say "torch sees no CUDA device (or torch is missing): nothing to check here"
+        SUMMARY+=("\"env\": {\"rc\": $env_rc, \"seconds\": $SECONDS}")
+        FAILED=1
+        write_summary
+        exit 3
+    fi
+fi
+
+# 2. dependencies (never torch) --------------------------------------------------------------
+REQS="$OUT_DIR/requirements-without-torch.txt"
+if [ "$DRY" = 0 ]; then
+    cat requirements/runtime.txt requirements/test.txt | sed 's/#.*//' | grep -v -E '^\s*(torch)\b' \
+        | grep -v -E '^\s*$' > "$REQS"
+fi
+MISSING_PY='
+import importlib.metadata as md, re, sys
+missing = []
+for line in open(sys.argv[1]):
+    name = re.split(r"[<>=!~\[; ]", line.strip(), maxsplit=1)[0]
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        missing.append(name)
+print(" ".join(missing))
+'
+if [ "$INSTALL" = 1 ]; then
+    if [ "$DRY" = 1 ]; then
+        echo "[install] $PY -m pip install -r $REQS   (only when a requirement is missing)"
+    else
+        missing=$("$PY" -c "$MISSING_PY" "$REQS")
+        if [ -n "$missing" ]; then
+            step install 240 "$PY" -m pip install -r "$REQS" \
+                || say "install failed (no network? see the header for PIP_FIND_LINKS); missing: $missing"
+        else
+            say "every requirement is installed"
+        fi
+    fi
+fi
+
+# 3-4. tests -----------------------------------------------------------------------------------
+PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
+step cuda_tests 240 "${PYTEST[@]}" --junitxml="$OUT_DIR/cuda_tests.xml" "${CUDA_TESTS[@]}"
+if [ "$DRY" = 0 ] && [ -f "$OUT_DIR/cuda_tests.xml" ]; then
+    skipped=$("$PY" -c "import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot()
+s = r if r.tag == 'testsuite' else r.find('testsuite'); print(s.get('skipped', '0'))" "$OUT_DIR/cuda_tests.xml")
+    if [ "$skipped" != 0 ]; then
+        say "$skipped CUDA test(s) skipped on a CUDA machine (reasons in cuda_tests.log): counted as a failure"
+        FAILED=1
+    fi
+fi
+step kernel_tests 150 "${PYTEST[@]}" --junitxml="$OUT_DIR/kernel_tests.xml" "${KERNEL_TESTS[@]}"
+
+# 5. benchmarks --------------------------------------------------------------------------------
+if [ "$RUN_BENCH" = 1 ]; then
+    step bench_cuda 180 "$PY" "${BENCH[@]}" --out "$OUT_DIR/bench_cuda.json"
+fi
+
+write_summary
+exit "$FAILED"

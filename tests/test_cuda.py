@@ -1,0 +1,172 @@
+"""CUDA: the kernels the registry picks on a GPU equal the torch implementations, and the engine on
+a GPU equals the CPU engine, transformers, and itself with the prefix cache on.
+
+Every test here skips without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine).
+Tolerances: the Triton and torch kernels compute in float32 with the same formulas, so they
+agree to 1e-5 per element (1e-4 on logits, as on CPU). ``fla-core``'s chunked kernels, when
+installed, multiply in TF32 inside their chunks (10-bit mantissa), which moves a float32 logit
+by up to ~1e-3 on these tiny models; with fla the bounds are 5e-3 and say so in the message.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from lmdeploy import GenerationConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+
+FLA = importlib.util.find_spec('fla') is not None
+# see the module docstring: fla's chunk kernels multiply in TF32
+LOGIT_TOL = 5e-3 if FLA else 1e-4
+KERNEL_TOL = 5e-3 if FLA else 1e-5
+
+
+def _varlen_batch(lengths: list[int], history: list[bool], num_slots: int, seed: int):
+    """cu_seqlens, seq_ids, slots, has_history of a mixed batch (lengths 1 = decode rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    slots = torch.randperm(num_slots, generator=gen)[:len(lengths)]
+    return cu, seq_ids, slots, torch.tensor(history)
+
+
+def test_registry_picks_the_cuda_implementations():
+    from lmdeploy.pytorch.kernels import get_kernel, triton_available
+    from lmdeploy.pytorch.kernels.attention_triton import paged_decode_attention_triton
+    from lmdeploy.pytorch.kernels.state_copy import copy_state_slots_triton
+    if triton_available():
+        assert get_kernel('copy_state_slots', 'cuda') is copy_state_slots_triton
+        assert get_kernel('paged_decode_attention', 'cuda') is paged_decode_attention_triton
+    for op in ('rms_norm', 'gated_rms_norm', 'moe_experts', 'paged_attention', 'gated_delta_rule_varlen',
+               'causal_conv1d_varlen', 'swiglu_experts'):
+        get_kernel(op, 'cuda')     # every op the models use has an implementation on CUDA
+
+
+def test_state_copy_triton_equals_torch():
+    from lmdeploy.pytorch.kernels.state_copy import copy_state_slots_torch, copy_state_slots_triton
+    pytest.importorskip('triton')
+    for num_slots, slot_bytes, pairs in [(2, 16, 1), (9, 17600, 4), (64, 1 << 20, 20)]:
+        gen = torch.Generator().manual_seed(num_slots)
+        buf = torch.randint(0, 256, (num_slots, slot_bytes), dtype=torch.uint8, generator=gen).cuda()
+        perm = torch.randperm(num_slots, generator=gen)
+        src, dst = perm[:pairs].cuda(), perm[pairs:2 * pairs].cuda()
+        ref = buf.clone()
+        copy_state_slots_torch(ref, src, dst)
+        copy_state_slots_triton(buf, src, dst)
+        assert torch.equal(buf, ref)
+
+
+@pytest.mark.parametrize('H, Hkv, D, block', [(4, 2, 64, 16), (8, 1, 128, 64), (6, 6, 32, 8)])
+def test_paged_decode_attention_triton_equals_torch(H, Hkv, D, block):
+    pytest.importorskip('triton')
+    from lmdeploy.pytorch.kernels.attention import paged_decode_attention
+    from lmdeploy.pytorch.kernels.attention_triton import paged_decode_attention_triton
+    gen = torch.Generator().manual_seed(H * D)
+    lens = [1, 7, 300, 64]
+    W = -(-max(lens) // block)
+    nb = len(lens) * W + 2
+    k_cache, v_cache = (torch.randn(nb, block, Hkv, D, generator=gen).cuda() for _ in range(2))
+    table = torch.randperm(nb, generator=gen)[:len(lens) * W].view(len(lens), W).cuda()
+    q = torch.randn(len(lens), H, D, generator=gen).cuda()
+    kv = torch.tensor(lens).cuda()
+    ref = paged_decode_attention(q, k_cache, v_cache, table, kv, D ** -0.5)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, table, kv, D ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_gated_delta_rule_varlen_cuda_equals_cpu():
+    """A mixed batch (decode rows, a short and a long prefill, with and without history): the
+    CUDA choice of the registry against the CPU torch implementation, outputs and states."""
+    from lmdeploy.pytorch.kernels import get_kernel
+    from lmdeploy.pytorch.kernels.gated_delta_rule import gated_delta_rule_varlen
+    lengths, history = [1, 1, 37, 200], [True, True, False, True]
+    H, dk, dv, S = 4, 32, 64, 8
+    cu, _, slots, has_history = _varlen_batch(lengths, history, S, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    T = sum(lengths)
+    q, k = (torch.randn(T, H, dk, generator=gen) for _ in range(2))
+    v = torch.randn(T, H, dv, generator=gen)
+    g = -torch.rand(T, H, generator=gen)
+    beta = torch.rand(T, H, generator=gen)
+    cache = torch.randn(S, H, dk, dv, generator=gen) * 0.1
+    cpu_cache = cache.clone()
+    ref = gated_delta_rule_varlen(q, k, v, g, beta, cpu_cache, cu, slots, has_history)
+    gpu_cache = cache.cuda()
+    args = [t.cuda() for t in (q, k, v, g, beta)]
+    out = get_kernel('gated_delta_rule_varlen', 'cuda')(*args, gpu_cache, cu.cuda(), slots.cuda(), has_history.cuda())
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=KERNEL_TOL, rtol=KERNEL_TOL,
+                               msg=lambda m: f'{m} (fla installed: {FLA}, TF32 inside its chunks)')
+    torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=KERNEL_TOL, rtol=KERNEL_TOL)
+
+
+def test_causal_conv1d_varlen_cuda_equals_cpu():
+    from lmdeploy.pytorch.kernels import get_kernel
+    from lmdeploy.pytorch.kernels.causal_conv1d import causal_conv1d_varlen
+    lengths, history = [1, 9, 1, 120], [True, False, True, True]
+    C, K, S = 96, 4, 6
+    cu, seq_ids, slots, has_history = _varlen_batch(lengths, history, S, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(lengths), C, generator=gen)
+    w = torch.randn(C, K, generator=gen)
+    cache = torch.randn(S, C, K - 1, generator=gen)
+    cpu_cache, gpu_cache = cache.clone(), cache.cuda()
+    ref = causal_conv1d_varlen(x, w, None, cpu_cache, cu, seq_ids, slots, has_history)
+    out = get_kernel('causal_conv1d_varlen', 'cuda')(x.cuda(), w.cuda(), None, gpu_cache, cu.cuda(), seq_ids.cuda(),
+                                                     slots.cuda(), has_history.cuda())
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_experts_cuda_equals_cpu():
+    from lmdeploy.pytorch.kernels import get_kernel
+    from lmdeploy.pytorch.kernels.moe import moe_experts_sorted
+    gen = torch.Generator().manual_seed(5)
+    T, H, I, E, k = 33, 64, 48, 8, 2
+    x = torch.randn(T, H, generator=gen)
+    index = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=gen) * 0.1, torch.randn(E, H, I, generator=gen) * 0.1
+    ref = moe_experts_sorted(x, index, weights, gate_up, down)
+    out = get_kernel('moe_experts', 'cuda')(*(t.cuda() for t in (x, index, weights, gate_up, down)))
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def _engine(path, device, **fields):
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    fields.setdefault('num_gpu_blocks', 256)
+    return Engine(path, PytorchEngineConfig(device_type=device, dtype='float32', **fields))
+
+
+@pytest.mark.parametrize('model', ['tiny_qwen3_next', 'tiny_qwen3'])
+def test_engine_on_cuda_equals_transformers_and_the_cpu_engine(model, request):
+    from engine_utils import engine_prompt_logits, hf_prompt_logits, load_hf, random_prompt
+    path = request.getfixturevalue(model)
+    prompt = random_prompt(300, seed=7)
+    logits, _ = engine_prompt_logits(_engine(path, 'cuda', max_prefill_token_num=128), prompt)
+    ref = hf_prompt_logits(load_hf(path), prompt)
+    err = (logits.float().cpu() - ref).abs().max().item()
+    assert err <= LOGIT_TOL, f'max |logit diff| {err} vs transformers (fla installed: {FLA})'
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prompts = [random_prompt(n, seed=n) for n in (5, 64, 130)]
+    on_gpu = _engine(path, 'cuda')
+    on_cpu = _engine(path, 'cpu')
+    for p in prompts:
+        assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids
+
+
+def test_engine_on_cuda_prefix_cache_restore_equals_cold(tiny_qwen3_next):
+    """Checkpoints saved and restored on the GPU (Triton state copies) give the cold output."""
+    from engine_utils import random_prompt
+    gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    prompt = random_prompt(200, seed=11)
+    cold = _engine(tiny_qwen3_next, 'cuda').generate(prompt, gen).token_ids
+    cached = _engine(tiny_qwen3_next, 'cuda', enable_prefix_caching=True, block_size=16,
+                     prefill_save_alignment=64, max_prefill_token_num=64)
+    first = cached.generate(prompt, gen)
+    second = cached.generate(prompt, gen)
+    assert first.token_ids == second.token_ids == cold
+    assert second.num_cached_tokens >= 192     # restored from the checkpoint at 192 (64-aligned)

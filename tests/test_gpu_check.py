@@ -1,0 +1,94 @@
+"""scripts/gpu_check.sh, the one GPU run, checked where there is no GPU: it parses, lists every
+test file that skips without CUDA, prints its commands in a dry run, refuses bad options, fails
+cleanly without CUDA, and its benchmark runs (on CPU, tiny sizes)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / 'scripts' / 'gpu_check.sh'
+
+
+def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(['bash', str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+
+
+def _cuda_only_test_files() -> set[str]:
+    """Test files whose tests all skip without CUDA (a module-level skip on CUDA's absence)."""
+    pattern = re.compile(r'pytestmark\s*=\s*pytest\.mark\.skipif\(\s*not torch\.cuda\.is_available\(\)')
+    return {f'tests/{p.name}' for p in (ROOT / 'tests').glob('test_*.py') if pattern.search(p.read_text())}
+
+
+def test_script_parses():
+    done = subprocess.run(['bash', '-n', str(SCRIPT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_list_names_every_cuda_test_file_and_the_benchmark():
+    done = _run('--list')
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(' ', 1) for line in done.stdout.splitlines()]
+    cuda = {rest for kind, rest in rows if kind == 'cuda-test'}
+    assert cuda == _cuda_only_test_files() and 'tests/test_cuda.py' in cuda
+    kernel = [rest for kind, rest in rows if kind == 'kernel-test']
+    assert kernel
+    for path in cuda | set(kernel):
+        assert (ROOT / path).is_file(), path
+    bench = [rest for kind, rest in rows if kind == 'bench']
+    assert bench == ['benchmark/benchmark_cuda.py --device cuda --preset 99m']
+
+
+def test_dry_run_prints_each_step_into_the_out_folder(tmp_path):
+    out = tmp_path / 'results'
+    done = _run('--dry-run', env={'OUT': str(out)})
+    assert done.returncode == 0, done.stderr
+    steps = re.findall(r'^\[(\w+)\]', done.stdout, re.M)
+    assert steps == ['env', 'install', 'cuda_tests', 'kernel_tests', 'bench_cuda']
+    assert f'--junitxml={out}/cuda_tests.xml tests/test_cuda.py' in done.stdout
+    assert f'--out {out}/bench_cuda.json' in done.stdout
+    assert out.is_dir()
+    done = _run('--dry-run', '--no-install', '--no-bench', '--out', str(tmp_path / 'other'), '--budget', '100')
+    assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'cuda_tests', 'kernel_tests']
+    assert 'timeout 100 ' in done.stdout          # a step's limit is cut to the budget
+
+
+@pytest.mark.parametrize('args, message', [(['--frobnicate'], 'unknown option --frobnicate'),
+                                           (['--budget', 'soon'], '--budget needs whole seconds'),
+                                           (['--out'], '--out needs a folder')])
+def test_bad_options_exit_2(args, message):
+    done = _run(*args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='this machine has CUDA')
+def test_without_cuda_it_fails_with_a_report(tmp_path):
+    done = _run('--no-install', '--python', sys.executable, env={'OUT': str(tmp_path)}, timeout=300)
+    assert done.returncode == 3
+    assert 'sees no CUDA device' in done.stderr
+    env = json.loads((tmp_path / 'env.json').read_text())
+    assert env['cuda_available'] is False and env['torch'] == torch.__version__
+    summary = json.loads((tmp_path / 'summary.json').read_text())
+    assert summary['failed'] == 1 and summary['steps']['env']['rc'] == 3
+
+
+def test_benchmark_runs_on_cpu_with_tiny_sizes(tmp_path):
+    out = tmp_path / 'bench.json'
+    env = dict(os.environ, PYTHONPATH=f'{ROOT}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    done = subprocess.run([sys.executable, str(ROOT / 'benchmark' / 'benchmark_cuda.py'), '--device', 'cpu',
+                           '--kernel-scale', '1', '--repeats', '1', '--skip-decode', '--out', str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result['kernels']) == {'paged_decode_attention', 'copy_state_slots', 'gated_delta_rule_decode',
+                                      'gated_delta_rule_prefill', 'causal_conv1d_decode', 'moe_experts_batch16',
+                                      'rms_norm'}
+    assert all(row['registry_ms'] > 0 for row in result['kernels'].values())
