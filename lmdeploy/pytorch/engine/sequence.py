@@ -78,6 +78,11 @@ class Sequence:
             the block hashes.
         encoder_cache: the model's per-image encoder outputs kept between forwards of this
             sequence (keyed by index in ``multimodal``); owned by the model.
+        stop_strings: the :class:`~lmdeploy.pytorch.engine.stop_strings.Detokenizer` that
+            watches the output for ``gen_config.stop_words`` (None without stop strings).
+        num_kept_tokens: once a stop string ended the reply, the tokens (prompt included)
+            whose text lies wholly before it — what a next turn re-sending the visible reply
+            shares with this sequence; None otherwise.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -98,6 +103,8 @@ class Sequence:
     generator: torch.Generator | None = None
     draft_ids: list[int] = field(default_factory=list)
     encoder_cache: dict = field(default_factory=dict, repr=False)
+    stop_strings: object = field(default=None, repr=False)
+    num_kept_tokens: int | None = None
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

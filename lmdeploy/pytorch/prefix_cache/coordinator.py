@@ -57,9 +57,15 @@ def zero_counters() -> dict[str, int]:
 
 @dataclass
 class _Staging:
-    """A request's turn-end staging slot and the boundary whose state it holds (0: none yet)."""
-    slot: int
-    boundary: int = 0
+    """A request's turn-end staging slots and the boundary whose state each holds (0: none
+    yet). One slot; two for a request with stop strings, copied into alternately, so the state
+    one block before the last boundary survives for a stop string whose tokens cross it."""
+    slots: list[int]
+    boundaries: list[int]
+
+    def next_slot(self) -> int:
+        """Index of the slot the next copy overwrites: the one holding the older boundary."""
+        return self.boundaries.index(min(self.boundaries))
 
 
 @dataclass
@@ -248,8 +254,14 @@ class PrefixCache:
             if slot is None:
                 return          # no slot now; a later boundary tries again
             self.local.state_cache.pin(slot)
-            staging = self._staging[seq.seq_id] = _Staging(slot)
-        saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slot, boundary))
+            staging = self._staging[seq.seq_id] = _Staging([slot], [0])
+        if len(staging.slots) == 1 and staging.boundaries[0] and seq.stop_strings is not None:
+            slot = self.local.state_cache.alloc_checkpoint()    # none free: one slot, as without stop strings
+            if slot is not None:
+                self.local.state_cache.pin(slot)
+                staging.slots.append(slot)
+                staging.boundaries.append(0)
+        saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slots[staging.next_slot()], boundary))
 
     def saves_done(self, saves: SavePlan, copied: bool) -> None:
         """Publish checkpoints whose copy ran (never before); ``copied=False`` releases their
@@ -271,13 +283,15 @@ class PrefixCache:
                 self._skip(save.seq, 'copy_failed')
         for snap in saves.snapshots:
             staging = self._staging.get(snap.seq.seq_id)
-            if staging is not None:
-                staging.boundary = snap.boundary if copied else 0
+            if staging is not None and snap.dst in staging.slots:
+                staging.boundaries[staging.slots.index(snap.dst)] = snap.boundary if copied else 0
 
     def finish_turn(self, seq, saves: SavePlan) -> None:
         """``seq`` finished: publish its turn-end checkpoint at the last block boundary of its
         computed tokens (if a forward ended there) and plan its Store put; otherwise plan the
-        deferred put of its last prefill checkpoint."""
+        deferred put of its last prefill checkpoint. A reply ended by a stop string counts only
+        the tokens wholly before the stop string (``seq.num_kept_tokens``): a checkpoint past
+        the cut would hold text no next turn sends."""
         put_turn_end = self._publish_turn_end(seq, saves)
         deferred = self._deferred.pop(seq.seq_id, None)
         if deferred is not None:
@@ -288,31 +302,35 @@ class PrefixCache:
     def _publish_turn_end(self, seq, saves: SavePlan) -> bool:
         """Publish ``seq``'s turn-end checkpoint; True when its Store put is planned."""
         staging = self._staging.get(seq.seq_id)
-        boundary = seq.num_computed_tokens // self.block_size * self.block_size
-        if staging is None or staging.boundary != boundary or boundary == 0:
+        tokens = seq.num_computed_tokens
+        if seq.num_kept_tokens is not None:
+            tokens = min(tokens, seq.num_kept_tokens)
+        boundary = tokens // self.block_size * self.block_size
+        if staging is None or boundary not in staging.boundaries or boundary == 0:
             return False
         node = self.local.extend(seq, self.hashes(seq), boundary // self.block_size)
         if node is None or node.checkpoint_slot is not None:
             self._skip(seq, 'hash_collision' if node is None else 'exists')
             return False
-        del self._staging[seq.seq_id]
-        self.local.state_cache.unpin(staging.slot)
-        if not self.local.state_cache.publish(staging.slot, node):     # (checked above: cannot happen)
-            self.local.state_cache.release_checkpoint(staging.slot)
+        slot = staging.slots[staging.boundaries.index(boundary)]
+        staging.slots.remove(slot)      # the others are released with the request (_drop_staging)
+        self.local.state_cache.unpin(slot)
+        if not self.local.state_cache.publish(slot, node):     # (checked above: cannot happen)
+            self.local.state_cache.release_checkpoint(slot)
             return False
         seq.stats.turn_end_point = boundary
         self.counters['turn_end_checkpoints_saved'] += 1
         if self.store is None:
             return False
         full = boundary // self.block_size
-        saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, staging.slot))
+        saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, slot))
         return True
 
     def _drop_staging(self, seq) -> None:
         staging = self._staging.pop(seq.seq_id, None)
-        if staging is not None:
-            self.local.state_cache.unpin(staging.slot)
-            self.local.state_cache.release_checkpoint(staging.slot)
+        for slot in staging.slots if staging is not None else ():
+            self.local.state_cache.unpin(slot)
+            self.local.state_cache.release_checkpoint(slot)
         deferred = self._deferred.pop(seq.seq_id, None)
         if deferred is not None:        # aborted or preempted: the checkpoint stays local only
             self.local.state_cache.unpin(deferred.slot)
