@@ -320,8 +320,7 @@ class Engine:
         """End ``seq`` now as a *completed* request (the caller found a stop string in its text,
         or it ended a reply after its first tool call): unlike :meth:`abort`, the turn's end
         is booked as when the engine itself stops it — its turn-end checkpoint is published and
-        the Store puts of the turn (the deferred prefill checkpoint of ``prefill_save_last_only``,
-        the turn-end checkpoint) are made, so the next turn and other instances reuse it. Tokens
+        put to the Store, so the next turn and other instances reuse it. Tokens
         generated past the caller's cut stay in the cache under their own hashes (a next turn
         without them simply matches less). A sequence that has not generated yet is aborted.
         """
