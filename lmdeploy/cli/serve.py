@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import typing
 
 from ..messages import PytorchEngineConfig, SpeculativeConfig
@@ -160,6 +159,17 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def native_log_path() -> str:
+    """Where a server or chat process writes the Mooncake client's native log:
+    ``logs/mooncake-PID.log`` under the lmdeploy cache root (``$LMDEPLOY_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/lmdeploy``, else ``~/.cache/lmdeploy``), not the temporary folder, which a
+    clean stop leaves as it found it."""
+    from ..pytorch.config import cache_root
+    folder = cache_root() / 'logs'
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f'mooncake-{os.getpid()}.log')
+
+
 def route_native_logs(path: str) -> None:
     """Send what native libraries write to file descriptor 2 (the Mooncake client's glog lines,
     which include ERROR/WARNING lines on every healthy start) to ``path``, and keep Python's
@@ -199,7 +209,7 @@ def api_server(args: argparse.Namespace) -> int:
     from ..serve.openai.api_server import run_server
     config = engine_config_from_args(args)
     if config.mooncake_master and args.log_level != 'DEBUG' and _uses_store(args.model_path, config):
-        route_native_logs(os.path.join(tempfile.gettempdir(), f'lmdeploy-{os.getpid()}-mooncake.log'))
+        route_native_logs(native_log_path())
     code = 0
     try:
         run_server(args.model_path, config, server_name=args.server_name, server_port=args.server_port,

@@ -412,9 +412,10 @@ def _trusted_folder(path: str) -> bool:
 
 
 def _candidate_folders() -> list[str]:
-    """``kernels`` under :func:`~lmdeploy.pytorch.config.cache_root`, then a folder of this
-    user's in the system temporary folder; each is created (mode 0700) if missing and kept
-    only when :func:`_trusted_folder`."""
+    """``kernels`` under :func:`~lmdeploy.pytorch.config.cache_root`, then — only when that one
+    is not a writable trusted folder, so a normal run leaves nothing in /tmp — a folder of this
+    user's in the system temporary folder; each is created (mode 0700) if missing and kept only
+    when :func:`_trusted_folder`."""
     folders = []
     for path in (str(cache_root() / 'kernels'), os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')):
         try:
@@ -423,6 +424,8 @@ def _candidate_folders() -> list[str]:
             pass
         if _trusted_folder(path):
             folders.append(path)
+            if os.access(path, os.W_OK):
+                break
     return folders
 
 
