@@ -71,7 +71,20 @@ def test_health_answers_within_100_ms_during_a_4_mb_token_id_body(tiny_qwen3):
     print(f'/health during a {len(body)}-byte body ({took:.2f} s): {len(latencies)} polls, '
           f'max {max(latencies) * 1000:.0f} ms')
     assert took < 4 and len(latencies) >= 3
-    # 0.3 s, not the 0.1 s goal: what is left on the loop is pydantic validating the million
-    # ids (one C call, ~30 ms idle, 80-110 ms with the 2 cores loaded 3x over) and freeing the
-    # lists; measured 110-260 ms at load 5-9 (before: 0.55 s and more)
-    assert max(latencies) <= 0.300, sorted(latencies)[-5:]
+    # 0.2 s, not the 0.1 s goal: on this shared 2-core machine at load 6-10 the max over the ~30
+    # polls was 98-143 ms (before: 0.55 s and more); what is left is the regex scan of the body
+    # and the thread pool's own Python work contending for the GIL with the event loop
+    assert max(latencies) <= 0.200, sorted(latencies)[-5:]
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompt=st.one_of(st.lists(st.integers(-5, 10**6), min_size=1, max_size=80),
+                        st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=40), min_size=1, max_size=3),
+                        st.lists(st.text(max_size=3), min_size=1, max_size=3), st.text(max_size=5)))
+def test_validating_the_sliced_decoding_equals_validating_json_loads(prompt):
+    """The pass-through of decoded integer arrays changes no accepted value and no prompt."""
+    from lmdeploy.serve.openai.protocol import CompletionRequest
+    body = json.dumps({'model': 'm', 'prompt': prompt}).encode()
+    fast = CompletionRequest.model_validate(decode_json(body, 4))
+    plain = CompletionRequest.model_validate(json.loads(body))
+    assert fast.prompts() == plain.prompts() and fast.model_dump() == plain.model_dump()
