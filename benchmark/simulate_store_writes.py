@@ -204,23 +204,31 @@ class Policy:
     last_only: bool = False           # prefill_save_last_only
     decode_save_last: bool = False    # turn-end checkpoint when a request finishes
     save_junction: bool = False       # one save at a branch point
+    # the former turn-end rule, for comparison only (no engine config): the turn-end put replaced
+    # the Store put of the last prefill save point, which then served no regenerate or edit
+    replacing: bool = False
 
     @property
     def name(self) -> str:
-        extras = ['turn-end'] * self.decode_save_last + ['junction'] * self.save_junction
+        extras = (['turn-end-replacing' if self.replacing else 'turn-end'] * self.decode_save_last
+                  + ['junction'] * self.save_junction)
         return '+'.join(['last-only' if self.last_only else 'default'] + extras)
 
     @classmethod
     def parse(cls, name: str) -> 'Policy':
-        """``'default'``, ``'last-only'``, optionally followed by ``+turn-end`` and/or ``+junction``.
+        """``'default'``, ``'last-only'``, optionally followed by ``+turn-end`` (or the former
+        rule, ``+turn-end-replacing``) and/or ``+junction``.
 
         Raises:
             ValueError (``policies``): an unknown name.
         """
         base, *extras = name.strip().split('+')
-        if base not in ('default', 'last-only') or not set(extras) <= {'turn-end', 'junction'}:
-            raise ValueError(f'policies: unknown policy {name!r} (want default|last-only[+turn-end][+junction])')
-        return cls(base == 'last-only', 'turn-end' in extras, 'junction' in extras)
+        turn_end = {'turn-end', 'turn-end-replacing'} & set(extras)
+        if base not in ('default', 'last-only') or not set(extras) <= {'turn-end', 'turn-end-replacing', 'junction'} \
+                or len(turn_end) > 1:
+            raise ValueError(f'policies: unknown policy {name!r} '
+                             f'(want default|last-only[+turn-end|+turn-end-replacing][+junction])')
+        return cls(base == 'last-only', bool(turn_end), 'junction' in extras, 'turn-end-replacing' in extras)
 
 
 DEFAULT, LAST_ONLY = Policy(), Policy(last_only=True)
@@ -233,7 +241,7 @@ class TurnResult:
 
     ``save_points`` are the prefill save points taken (a junction included), ``turn_end_point``
     the turn-end checkpoint, ``junction`` the save point added at a branch point, ``local_only``
-    the save point kept in the local cache only (the turn-end put replaces its Store put).
+    the save point kept in the local cache only (the former ``+turn-end-replacing`` rule: the turn-end put replaced its Store put).
     """
 
     num_tokens: int
@@ -344,10 +352,11 @@ def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: i
             # decode forwards end at every count in [n, done]; prompt forwards at the chunk ends
             if te >= n // B * B and (te >= n or te in chunk_ends) and te > max(save_points + [cached]):
                 turn_end = te
-        # with a turn-end checkpoint, the last prefill save point's Store put is dropped: the
-        # turn-end put covers its blocks; the checkpoint itself stays in the local cache
+        # every save point is put, the turn end too: the turn-end state serves only the exact
+        # continuation, the prompt's own one a regenerate or an edited reply. (The former rule,
+        # ``replacing``, kept the last prefill save point local only.)
         local_only = None
-        if turn_end is not None:
+        if turn_end is not None and policy.replacing:
             local_only = max((b for b in save_points if b != junction), default=None)
         taken, new_blocks, puts = [], 0, 0
         for b in save_points + ([turn_end] if turn_end is not None else []):
@@ -568,6 +577,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--decode-save-last', action='store_true', help='add the policy last-only+turn-end')
     p.add_argument('--save-junction', action='store_true', help='add the policy last-only+junction')
     p.add_argument('--json', action='store_true', help='print per-turn results as JSON')
+    p.add_argument('--follow-ups', action='store_true', help='also print, for one turn (the first of --turns, '
+                   'default 16K+64 * scale), its Store bytes and what a fresh engine restores for a continue, '
+                   'a regenerate and an edit of it under last-only, +turn-end-replacing and +turn-end')
+    p.add_argument('--reply', type=int, help='--follow-ups: reply tokens of the turn (default 512 * scale)')
     return p.parse_args(argv)
 
 
@@ -715,6 +728,12 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
     for s, res in zip(scenarios, per_policy):
         if isinstance(s, Branching) or len(s.input_lengths) > 1 or args.turns:
             _print_turns(s, res, unit, block)
+    if args.follow_ups:
+        from benchmark.store_follow_ups import follow_ups, print_follow_ups
+        n = int(args.turns.split(',')[0]) if args.turns else _scaled_default(None, 16 * KTOK + 64, args.scale, 'turns')
+        reply = args.reply or _scaled_default(None, 512, args.scale, 'reply')
+        print(f'\none turn of {n} tokens and a {reply}-token reply; Store hits of a fresh engine (tokens):')
+        print_follow_ups(follow_ups(n, reply, *sizes.charged, **geometry), unit)
     return results
 
 if __name__ == '__main__':

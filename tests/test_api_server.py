@@ -179,6 +179,27 @@ def test_stop_string_cuts_the_reply(servers):
     assert cut.message.content == full[:full.find(stop)] and cut.finish_reason == 'stop'
 
 
+def test_a_stop_string_ends_the_reply_on_the_token_completing_it(servers):
+    """The engine checks stop strings itself: completion_tokens counts exactly the tokens up to
+    the one completing the stop string, blocking and streaming (the server used to end the
+    request when its own detokenizer saw the match, 2-3 tokens later)."""
+    s = servers['qwen3']
+    messages = [{'role': 'user', 'content': 'Describe the harbour at dawn.'}]
+    full = chat(s, messages, max_tokens=24, logprobs=True, extra_body={'ignore_eos': True}).choices[0]
+    pieces = [bytes(t.bytes) for t in full.logprobs.content]
+    text = b''.join(pieces).decode('utf-8', 'replace')
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if '\ufffd' not in text[i:i + 3]
+                and text[i:i + 3].strip() and text.find(text[i:i + 3]) == i)
+    done = next(m for m in range(1, len(pieces) + 1) if stop in b''.join(pieces[:m]).decode('utf-8', 'ignore'))
+    kw = dict(max_tokens=24, stop=[stop], extra_body={'ignore_eos': True})
+    cut = chat(s, messages, **kw)
+    assert (cut.choices[0].finish_reason, cut.usage.completion_tokens) == ('stop', done)
+    events = list(client(s).chat.completions.create(model=model_name(s), messages=messages, stream=True,
+                                                    stream_options={'include_usage': True}, **kw))
+    assert ''.join(e.choices[0].delta.content or '' for e in events if e.choices) == cut.choices[0].message.content
+    assert events[-1].usage.completion_tokens == done
+
+
 def test_seeded_sampling_is_reproducible(servers):
     s = servers['qwen3']
     messages = [{'role': 'user', 'content': 'Pick any words.'}]

@@ -99,7 +99,31 @@ def test_an_unknown_flag_is_reported_also_when_the_path_is_missing(command, know
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert 'the following arguments are required' in err
-    assert err.rstrip().endswith('unrecognized arguments: --bogus --prefil-save-last-only=1'), err
+    hint = ' (did you mean --prefill-save-last-only?)' if command != ['make-tiny-model'] else ''
+    assert err.rstrip().endswith('unrecognized arguments: --bogus --prefil-save-last-only=1' + hint), err
+
+
+@pytest.mark.parametrize('command, typo, meant', [
+    (['serve', 'api_server', '/m'], '--enable-prefix-cachng', '--enable-prefix-caching'),
+    (['serve', 'api_server', '/m'], '--blok-size=16', '--block-size'),
+    (['serve', 'store'], '--segmnt-size', '--segment-size'),
+    (['chat', '/m'], '--max-new-tokes', '--max-new-tokens'),
+    (['chat', '/m'], '--temprature', '--temperature'),
+    (['serve', 'api_server'], '--decode-save-lst', '--decode-save-last')])
+def test_a_mistyped_flag_says_which_flag_was_meant(command, typo, meant, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, typo, '--qqqq'])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert f'{typo} (did you mean {meant}?)' in err, err
+    assert '--qqqq (did you mean' not in err and '--qqqq' in err      # nothing close: no suggestion
+
+
+def test_native_logs_live_under_the_cache_root_not_the_temporary_folder(tmp_path, monkeypatch):
+    from lmdeploy.cli.serve import native_log_path
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'cache'))
+    assert native_log_path() == str(tmp_path / 'cache' / 'logs' / f'mooncake-{os.getpid()}.log')
+    assert (tmp_path / 'cache' / 'logs').is_dir()
 
 
 def test_media_url_flags_reach_the_server_policy():

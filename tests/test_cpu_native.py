@@ -337,20 +337,20 @@ def test_cache_folder_others_can_write_is_never_used(tmp_path, monkeypatch):
     (shared / 'kernels').mkdir(parents=True)
     (shared / 'kernels').chmod(0o777)
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(shared))
-    chosen = cpu_native._candidate_folders()[0]
+    chosen = next(cpu_native._candidate_folders())
     assert chosen != str(shared / 'kernels')
     st = os.stat(chosen)
     assert st.st_uid == os.getuid() and not st.st_mode & 0o022
     private = tmp_path / 'private'
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(private))
-    assert cpu_native._candidate_folders()[0] == str(private / 'kernels')
+    assert next(cpu_native._candidate_folders()) == str(private / 'kernels')
     assert not os.stat(private / 'kernels').st_mode & 0o077        # created 0700
     (tmp_path / 'file').write_text('')
     monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path / 'file'))   # kernels/ cannot be made under a file
-    assert cpu_native._candidate_folders()[0] != str(tmp_path / 'file' / 'kernels')
+    assert next(cpu_native._candidate_folders()) != str(tmp_path / 'file' / 'kernels')
     monkeypatch.delenv('LMDEPLOY_CACHE_DIR')                 # the same root as the weight digests' cache
     monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
-    assert cpu_native._candidate_folders()[0] == str(tmp_path / 'xdg' / 'lmdeploy' / 'kernels')
+    assert next(cpu_native._candidate_folders()) == str(tmp_path / 'xdg' / 'lmdeploy' / 'kernels')
     from lmdeploy.pytorch.store.identity import digest_cache_dir
     assert digest_cache_dir() == tmp_path / 'xdg' / 'lmdeploy' / 'weight-digests'
 

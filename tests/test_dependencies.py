@@ -88,7 +88,7 @@ def _imports(path: Path):
 
 
 def _local_modules() -> set[str]:
-    names = {'lmdeploy'}
+    names = {'lmdeploy', *LOCAL_DIRS}     # the folders too: `from benchmark import ...`
     for d in LOCAL_DIRS:
         names |= {p.stem for p in (ROOT / d).rglob('*.py')}
     return names

@@ -158,20 +158,23 @@ def _policies(scenario, *names, chunk_size=128, state=10, kv=1):
 def test_turn_end_checkpoint_toy_conversation():
     # B=16 A=64 P=128, S=10 K_blk=1; turns of 100 and 200 tokens, 20-token replies.
     # turn 1: b* = 64 (floor_16(99) = 96, aligned down to 64), chunks [64, 100]; computed 100 + 20 - 1 = 119,
-    #   te = floor_16(119) = 112 >= 100 (a decode forward ends there) -> save; the turn-end put replaces b*'s
-    #   (b* stays local): bytes S + 112/16 = 7 blocks = 17.
+    #   te = floor_16(119) = 112 >= 100 (a decode forward ends there) -> save; b* is put too:
+    #   bytes 2 S + 112/16 = 7 blocks = 27 (the former rule, b* kept local: S + 7 = 17).
     # turn 2: shares min(100 + 20, 200) = 120 tokens, 119 computed -> 7 blocks matched; te = 112 is a block boundary
     #   with 112/16 <= 7 and 112 <= floor_16(199) = 192 -> c = 112, recompute 88 = 80 new tokens + 8;
-    #   b* = 192 (local), te = floor_16(219) = 208 -> S + (13 - 7) blocks = 16.
+    #   b* = 192, te = floor_16(219) = 208 -> 2 S + (13 - 7) blocks = 26 (replacing: 16).
     # last-only alone: c = 64 at turn 2, recompute 136; bytes (10 + 4) + (10 + 12 - 4) = 32.
     scenario = sim.Scenario('toy', (100, 200), 20)
-    res = _policies(scenario, 'default', 'last-only', 'last-only+turn-end')
+    res = _policies(scenario, 'default', 'last-only', 'last-only+turn-end', 'last-only+turn-end-replacing')
     te = res['last-only+turn-end']
     assert [(t.cached_tokens, t.save_points, t.turn_end_point, t.new_kv_blocks, t.total_bytes) for t in te.turns] == [
-        (0, [64], 112, 7, 17), (112, [192], 208, 6, 16)]
-    assert [t.local_only for t in te.turns] == [64, 192]
-    assert [t.recomputed_tokens for t in te.turns] == [100, 88] and te.num_saves == 2
+        (0, [64], 112, 7, 27), (112, [192], 208, 6, 26)]
+    assert [t.local_only for t in te.turns] == [None, None]
+    assert [t.recomputed_tokens for t in te.turns] == [100, 88] and te.num_saves == 4
     assert sim.extra_recomputed(scenario, te) == [8]
+    old = res['last-only+turn-end-replacing']
+    assert [(t.cached_tokens, t.local_only, t.total_bytes) for t in old.turns] == [(0, 64, 17), (112, 192, 16)]
+    assert old.num_saves == 2
     last = res['last-only']
     assert [(t.cached_tokens, t.total_bytes) for t in last.turns] == [(0, 14), (64, 18)]
     assert [(t.cached_tokens, t.total_bytes) for t in res['default'].turns] == [(0, 14), (64, 18)]
@@ -180,14 +183,14 @@ def test_turn_end_checkpoint_toy_conversation():
 def test_turn_end_forward_ends_at_the_prompts_last_block_boundary():
     # 100 tokens, a 1-token reply: nothing decoded is computed, te = floor_16(100) = 96 < n.
     # P=128: last-only chunks [64, 100], split at 96 as the engine does with decode_save_last -> [64, 96, 100],
-    #   te saved (S + 6 blocks; b* = 64 stays local). Without turn-end the chunks stay [64, 100].
+    #   te saved (2 S + 6 blocks: b* = 64 is put too). Without turn-end the chunks stay [64, 100].
     # P=32: last-only chunks [32, 64, 96, 100] already end at 96.
     one = sim.Scenario('one', (100, ), 1)
     turn = _policies(one, 'last-only+turn-end').popitem()[1].turns[0]
-    assert (turn.chunk_ends, turn.turn_end_point, turn.local_only, turn.total_bytes) == ([64, 96, 100], 96, 64, 16)
+    assert (turn.chunk_ends, turn.turn_end_point, turn.local_only, turn.total_bytes) == ([64, 96, 100], 96, None, 26)
     assert _policies(one, 'last-only').popitem()[1].turns[0].chunk_ends == [64, 100]
     turn = _policies(one, 'last-only+turn-end', chunk_size=32).popitem()[1].turns[0]
-    assert (turn.chunk_ends, turn.turn_end_point, turn.local_only, turn.total_bytes) == ([32, 64, 96, 100], 96, 64, 16)
+    assert (turn.chunk_ends, turn.turn_end_point, turn.local_only, turn.total_bytes) == ([32, 64, 96, 100], 96, None, 26)
 
 
 def test_junction_toy_branching():
@@ -227,14 +230,16 @@ def test_seed_goal_turn_end_recomputes_new_tokens_plus_one_block():
     assert [t.recomputed_tokens for t in r4['last-only+turn-end'].turns[1:]] == [3584 + 64] * 4
     assert [t.recomputed_tokens for t in r4['last-only'].turns[1:]] == [4160] * 4
     assert sim.extra_recomputed(plus4k, r4['last-only+turn-end']) == [64] * 4
-    # bytes (S = 1435, K_blk = 2): one state put per turn (te; b* stays local) + 776 blocks = 8727, fewer than the
-    # default's 13016 on +4K, and last-only's 8711 plus the last reply's 8 blocks
-    assert (r4['default'].total_bytes, r4['last-only'].total_bytes, r4['last-only+turn-end'].total_bytes) == (
-        13016, 8711, 5 * 1435 + 776 * 2)
+    # bytes (S = 1435, K_blk = 2): two state puts per turn (b*, so a regenerate or an edit still restores, and te)
+    # + 776 blocks = 15902, more than the default's 13016 on +4K; the former rule (b* kept local) put one:
+    # 8727 = last-only's 8711 plus the last reply's 8 blocks
+    r4 = {**r4, **sim.simulate_policies(plus4k, 1435, 2, policies=['last-only+turn-end-replacing'], **SEED)}
+    assert (r4['default'].total_bytes, r4['last-only'].total_bytes, r4['last-only+turn-end'].total_bytes,
+            r4['last-only+turn-end-replacing'].total_bytes) == (13016, 8711, 10 * 1435 + 776 * 2, 5 * 1435 + 776 * 2)
     r16 = sim.simulate_policies(plus16k, 1435, 2, policies=['default', 'last-only+turn-end'], **SEED)
     assert [t.recomputed_tokens for t in r16['last-only+turn-end'].turns[1:]] == [16384 - 512 + 64] * 4
-    # +16K: 5 state puts + floor_64(98368 + 511) / 64 = 1544 blocks = 10263 < 20292 (default)
-    assert (r16['default'].total_bytes, r16['last-only+turn-end'].total_bytes) == (20292, 5 * 1435 + 1544 * 2)
+    # +16K: 10 state puts + floor_64(98368 + 511) / 64 = 1544 blocks = 17438 < 20292 (default)
+    assert (r16['default'].total_bytes, r16['last-only+turn-end'].total_bytes) == (20292, 10 * 1435 + 1544 * 2)
 
 
 def test_seed_goal_junction_on_branching():

@@ -216,9 +216,8 @@ def test_every_turn_puts_save_points_times_S_plus_new_blocks_times_K_blk(make_en
 def test_a_turn_ended_early_by_its_caller_is_put_like_a_completed_one(make_engine, decode_save_last):
     """A stop string (or the server's end after the first tool call) ends a request from
     outside the engine. ``finish_early`` books it as a completed turn: with ``decode_save_last``
-    the turn-end checkpoint is published and put with its blocks (an abort drops that put and
-    the deferred prefill-checkpoint put with it, keeping the turn local); without it, the
-    last-only prefill checkpoint is put either way."""
+    the turn-end checkpoint is published and put with its blocks (an abort has none); the
+    last-only prefill checkpoint is put either way, at its save point."""
     results = {}
     for how in ('abort', 'finish_early', 'complete'):
         eng = make_engine(prefill_save_last_only=True, decode_save_last=decode_save_last,
@@ -235,8 +234,8 @@ def test_a_turn_ended_early_by_its_caller_is_put_like_a_completed_one(make_engin
         assert eng.is_idle(), how
     # 150 prompt tokens: last-only saves at 128 (8 blocks); 150 + 19 computed: the turn ends at 160
     if decode_save_last:
-        assert results['finish_early'] == ({'state': 1, 'kv': 10}, 'stop', 160)
-        assert results['abort'] == ({'state': 0, 'kv': 0}, 'abort', None)
+        assert results['finish_early'] == ({'state': 2, 'kv': 10}, 'stop', 160)
+        assert results['abort'] == ({'state': 1, 'kv': 8}, 'abort', None)
     else:
         assert results['finish_early'] == ({'state': 1, 'kv': 8}, 'stop', None)
     assert results['finish_early'][0] == results['complete'][0]
@@ -660,8 +659,8 @@ def test_turn_end_checkpoint_reaches_the_store_and_a_fresh_engine_restores_past_
     assert writer.store.flush(timeout=30)
     S, K = writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes
     stats = writer.stats()
-    # the turn-end put replaces the prefill checkpoint's: 128's state + its 8 blocks, 64 stays local
-    assert stats['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+    # the prefill checkpoint at 64 and the turn end at 128 are both put (a regenerate needs 64), with 8 blocks
+    assert stats['store_put_bytes'] == {'state': 2 * S, 'kv': 8 * K}
     reader = make_engine(decode_save_last=True, prefill_save_last_only=True)
     ids = one.token_ids + prompt(40, seed=901)
     two = reader.generate(ids, gen)
@@ -673,9 +672,8 @@ def test_turn_end_checkpoint_reaches_the_store_and_a_fresh_engine_restores_past_
 def test_turn_end_policy_puts_the_prefill_checkpoint_when_the_turn_end_is_not_reached(make_engine,
                                                                                      tiny_qwen3_next):
     """One new token after a 65-token prompt: the turn's last block boundary (64 of 65 computed)
-    is the prefill save point itself, so no turn-end checkpoint is published there; the deferred
-    put of the prefill checkpoint at 64 is made from its local copy at the end, and a fresh
-    engine restores it."""
+    is the prefill save point itself, so no turn-end checkpoint is published there; the put of
+    the prefill checkpoint at 64 is made, and a fresh engine restores it."""
     gen = GenerationConfig(max_new_tokens=1, ignore_eos=True)
     cold_engine = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256))
     writer = make_engine(decode_save_last=True, prefill_save_last_only=True)
@@ -693,8 +691,9 @@ def test_turn_end_policy_puts_the_prefill_checkpoint_when_the_turn_end_is_not_re
     assert reader.store.flush(timeout=30) and reader.is_idle() and writer.is_idle()
 
 
-def test_turn_end_policy_drops_the_deferred_put_of_an_aborted_request(make_engine):
-    """Aborted mid-decode: nothing is put (the prefill checkpoint stays local), and no slot stays pinned."""
+def test_turn_end_policy_keeps_the_prefill_put_of_an_aborted_request(make_engine):
+    """Aborted mid-decode: the prefill checkpoint's put (made at its save point) stays, as with
+    last-only alone; no turn-end put, and no slot stays pinned."""
     eng = make_engine(decode_save_last=True, prefill_save_last_only=True)
     seq = eng.add_request(prompt(100, seed=920), GenerationConfig(max_new_tokens=30, ignore_eos=True))
     while len(seq.output_ids) < 3:
@@ -703,5 +702,6 @@ def test_turn_end_policy_drops_the_deferred_put_of_an_aborted_request(make_engin
     eng.abort(seq)
     eng.step()
     assert eng.store.flush(timeout=30)
-    assert eng.stats()['store_put_bytes'] == {'state': 0, 'kv': 0}
+    S, K = eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes
+    assert eng.stats()['store_put_bytes'] == {'state': S, 'kv': 4 * K}
     assert eng.is_idle() and eng.ledger()['checkpoints_pinned'] == 0 and eng.ledger()['checkpoints_published'] >= 1

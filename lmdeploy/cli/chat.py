@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from typing import TextIO
 
 from ..messages import GenerationConfig
@@ -85,8 +84,8 @@ def chat(args: argparse.Namespace) -> int:
     from ..serve.pipeline import Pipeline
     engine_config = engine_config_from_args(args)
     if engine_config.mooncake_master and args.log_level != 'DEBUG':
-        from .serve import route_native_logs
-        route_native_logs(os.path.join(tempfile.gettempdir(), f'lmdeploy-{os.getpid()}-mooncake.log'))
+        from .serve import native_log_path, route_native_logs
+        route_native_logs(native_log_path())
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
     gen_config = model_from_args(args, GenerationConfig)
     with Pipeline(args.model_path, engine_config) as pipe:

@@ -17,6 +17,8 @@ interrupted (SIGINT), 143 terminated (SIGTERM: the server shuts down gracefully 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 
 __all__ = ['build_parser', 'main']
@@ -34,8 +36,20 @@ class _Parser(argparse.ArgumentParser):
             unknown = [tok for tok in self.argv if tok.startswith('-') and tok != '-' and not _is_number(tok)
                        and not self._knows(tok.split('=', 1)[0])]
             if unknown:
-                message += f'; unrecognized arguments: {" ".join(unknown)}'
+                message += f'; {self.unrecognized(unknown)}'
         super().error(message)
+
+    def unrecognized(self, unknown: list[str]) -> str:
+        """"unrecognized arguments: ..." naming, for each mistyped flag, the closest flag of this
+        command (difflib's ratio >= 0.6 between the names without their dashes, which every
+        flag shares) as "did you mean --X?"."""
+        names = {o[2:]: o for o in self._option_string_actions if o.startswith('--')}
+        parts = []
+        for token in unknown:
+            name = token.split('=', 1)[0]
+            close = difflib.get_close_matches(name.lstrip('-'), names, n=1, cutoff=0.6) if name.startswith('-') else []
+            parts.append(f'{token} (did you mean {names[close[0]]}?)' if close else token)
+        return f'unrecognized arguments: {" ".join(parts)}'
 
     def _knows(self, flag: str) -> bool:
         """``flag`` is one of this parser's options, or (as argparse accepts) a unique prefix of
@@ -83,12 +97,18 @@ def _command_parsers(parser: argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the sub-command, return the exit code."""
+    from ..pytorch.config import cache_root
     from ..pytorch.store.mooncake_client import StoreUnavailableError
+    # torch creates its compiler cache folder in the temporary folder as soon as torch._dynamo is
+    # imported (transformers does); keep it with lmdeploy's own caches, so a clean stop leaves
+    # /tmp as it found it
+    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', str(cache_root() / 'torchinductor'))
     parser = build_parser()
     _Parser.argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:     # reported with the command's own usage line, not the top-level one
-        getattr(args, '_command_parser', parser).error(f'unrecognized arguments: {" ".join(unknown)}')
+        command = getattr(args, '_command_parser', parser)
+        command.error(command.unrecognized(unknown))
     try:
         rc = args.func(args)
     except ValueError as err:       # configuration mistakes: say which field, no traceback

@@ -22,6 +22,7 @@ from typing import AsyncIterator, Iterator
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
+from ..pytorch.engine.stop_strings import Detokenizer as _Detokenizer
 from .images import ImageInputs, extract_images, has_images
 
 __all__ = ['Pipeline', 'ChatSession', 'render_chat']
@@ -82,55 +83,6 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
         raise ValueError(f'the chat template rejected the conversation: {err}') from err
 
 
-class _Detokenizer:
-    """Turns a growing list of output ids into text deltas, holding back text that may be the
-    start of a stop string or an incomplete UTF-8 character.
-
-    Incremental: each call decodes only the tokens since the last stable point plus the tokens
-    of the previous delta as context (so a token whose text depends on its neighbours decodes
-    as in the full string), and searches for stop strings only in the new tail — O(delta)
-    per call instead of re-decoding the whole output.
-    """
-
-    def __init__(self, tokenizer, stop_words: list[str]):
-        self.tokenizer = tokenizer
-        self.stop_words = [w for w in stop_words if w]
-        self.hold = max((len(w) for w in self.stop_words), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ''              # decoded text of ids[:read_offset]
-        self.prefix_offset = 0      # ids[prefix_offset:read_offset]: context re-decoded each call
-        self.read_offset = 0
-        self.emitted = 0            # characters of self.text already returned
-        self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def add(self, ids: list[int], final: bool) -> str:
-        """Append ids; return the new text that is safe to emit."""
-        self.ids.extend(ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and (final or not full.endswith('\ufffd')):
-            before = len(self.text)
-            self.text += full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            tail_start = max(0, before - self.hold)
-            # the stop string completed first ends the text (as if generated one character at a
-            # time; ties: the longer one, which starts first), whatever the list order or the
-            # token boundaries
-            hits = [(pos + len(word), pos) for word in self.stop_words
-                    if (pos := self.text.find(word, tail_start)) != -1]
-            if hits:
-                self.text, final, self.stopped = self.text[:min(hits)[1]], True, True
-        end = len(self.text)
-        if not final:
-            end = max(self.emitted, end - self.hold)
-        delta = self.text[self.emitted:end]
-        self.emitted = end
-        return delta
-
-
 _TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'vocab.json', 'spiece.model', 'vocab.txt')
 
 
@@ -185,6 +137,7 @@ class Pipeline:
             raise ValueError(f'{model_path} has no tokenizer files (one of {list(_TOKENIZER_FILES)}); copy them '
                              f'from the original checkpoint')
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        self.engine.tokenizer = self.tokenizer      # the engine ends replies at stop strings itself
         self.model_path = model_path
         self.loop = EngineLoop(self.engine)
         self._images: ImageInputs | None = None      # the image processor, loaded on first use

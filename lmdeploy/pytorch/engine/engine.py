@@ -10,7 +10,7 @@ it, and nowhere in the scheduler::
     speculate      snapshot / accept / roll back drafts, draft via MTP   (spec_decode, when configured)
     execute saves  runtime slot → checkpoint copies, then publish      (scheduler.computed, cache_engine)
     submit puts    Store payloads copied out, put by the Store worker  (store.submit)
-    update         append tokens, stop conditions, finish and release
+    update         append tokens, stop conditions (stop strings on the decoded text), finish
 
 :class:`Engine` is synchronous and single-threaded (tests drive it step by step);
 :class:`~lmdeploy.pytorch.engine.engine_loop.EngineLoop` runs it on a background thread for
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ from .executor import make_executor
 from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
+from .stop_strings import Detokenizer
 
 __all__ = ['Engine', 'StepOutput']
 
@@ -122,6 +124,8 @@ class Engine:
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
         self._grammar = None      # constrained decoding, built with the first guided request
+        self.tokenizer = None       # decodes outputs for stop strings (the pipeline sets its own; else loaded)
+        self._tokenizer_lock = threading.Lock()
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         num_runtime = cc.num_state_slots or config.max_batch_size
         num_ckpt = cc.num_checkpoint_slots if (self.is_hybrid and cc.enable_prefix_caching) else 0
@@ -295,7 +299,18 @@ class Engine:
                 seq.guide = self.grammar().guide(gen_config.structured_output)
             except ValueError as err:
                 raise ValueError(f'structured_output.{err}') from None
+        if any(gen_config.stop_words):
+            seq.stop_strings = Detokenizer(self._output_tokenizer(), gen_config.stop_words)
         return seq
+
+    def _output_tokenizer(self):
+        """The tokenizer that decodes outputs for stop strings: the one set by the caller (the
+        pipeline's), else the model directory's, loaded once."""
+        with self._tokenizer_lock:
+            if self.tokenizer is None:
+                from transformers import AutoTokenizer
+                self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            return self.tokenizer
 
     @staticmethod
     def release(seq: Sequence) -> None:
@@ -325,8 +340,7 @@ class Engine:
         """End ``seq`` now as a *completed* request (the caller found a stop string in its text,
         or it ended a reply after its first tool call): unlike :meth:`abort`, the turn's end
         is booked as when the engine itself stops it — its turn-end checkpoint is published and
-        the Store puts of the turn (the deferred prefill checkpoint of ``prefill_save_last_only``,
-        the turn-end checkpoint) are made, so the next turn and other instances reuse it. Tokens
+        put to the Store, so the next turn and other instances reuse it. Tokens
         generated past the caller's cut stay in the cache under their own hashes (a next turn
         without them simply matches less). A sequence that has not generated yet is aborted.
         """
@@ -409,13 +423,19 @@ class Engine:
             done(copied)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Why ``seq`` stops after ``token`` (already appended), or None."""
+        """Why ``seq`` stops after ``token`` (already appended), or None. A stop string is
+        checked on the decoded output in this same step (so no forward runs past it, and it
+        wins over ``max_new_tokens`` on the same token); ``seq.num_kept_tokens`` then marks
+        the tokens wholly before it."""
         cfg = seq.gen_config
         if seq.guide is not None and seq.guide.done:      # the grammar is complete (or was left)
             return 'stop'
         if not cfg.ignore_eos and (token in seq.eos_token_ids or token in cfg.stop_token_ids):
             return 'stop'
         if token in cfg.stop_token_ids:
+            return 'stop'
+        if seq.stop_strings is not None and seq.stop_strings.feed(token):
+            seq.num_kept_tokens = seq.num_prompt_tokens + seq.stop_strings.kept_tokens
             return 'stop'
         if seq.num_generated >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
             return 'length'

@@ -120,19 +120,18 @@ def _trusted_folder(path: str) -> bool:
         parent = up
 
 
-def _candidate_folders() -> list[str]:
-    """``kernels`` under :func:`~lmdeploy.pytorch.config.cache_root`, then a folder of this
-    user's in the system temporary folder; each is created (mode 0700) if missing and kept
-    only when :func:`_trusted_folder`."""
-    folders = []
+def _candidate_folders():
+    """Yield ``kernels`` under :func:`~lmdeploy.pytorch.config.cache_root`, then a folder of
+    this user's in the system temporary folder — created (mode 0700) only when the caller asks
+    for it, that is when the first one did not serve, so a normal run leaves nothing in /tmp —
+    each kept only when :func:`_trusted_folder`."""
     for path in (str(cache_root() / 'kernels'), os.path.join(tempfile.gettempdir(), f'lmdeploy-kernels-{os.getuid()}')):
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError:
             pass
         if _trusted_folder(path):
-            folders.append(path)
-    return folders
+            yield path
 
 
 def _cpu_flags() -> str:
@@ -238,13 +237,9 @@ def _build() -> ctypes.CDLL | None:
     if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
         logger.info('native CPU kernels unavailable (switched off: LMDEPLOY_CPU_KERNELS=0): torch kernels run')
         return None
-    folders = _candidate_folders()
-    if not folders:
-        logger.info('native CPU kernels unavailable (no private cache folder: set LMDEPLOY_CACHE_DIR to a folder '
-                    'only you can write): torch kernels run')
-        return None
-    reasons = []
-    for folder in folders:
+    reasons, tried = [], False
+    for folder in _candidate_folders():
+        tried = True
         path = os.path.join(folder, _library_name())
         try:
             if os.path.exists(path):
@@ -264,6 +259,10 @@ def _build() -> ctypes.CDLL | None:
         logger.info('native CPU kernels loaded from %s%s', path,
                     f' (passed over: {"; ".join(reasons)})' if reasons else '')
         return lib
+    if not tried:
+        logger.info('native CPU kernels unavailable (no private cache folder: set LMDEPLOY_CACHE_DIR to a folder '
+                    'only you can write): torch kernels run')
+        return None
     logger.info('native CPU kernels unavailable (%s): torch kernels run', '; '.join(reasons))
     return None
 

@@ -84,6 +84,11 @@ class Sequence:
         prompt_logprobs: with ``gen_config.prompt_logprobs``, one
             :class:`~lmdeploy.pytorch.sampling.sampler.TokenLogprob` per prompt token after the first
             (filled as the prefill chunks run).
+        stop_strings: the :class:`~lmdeploy.pytorch.engine.stop_strings.Detokenizer` that
+            watches the output for ``gen_config.stop_words`` (None without stop strings).
+        num_kept_tokens: once a stop string ended the reply, the tokens (prompt included)
+            whose text lies wholly before it — what a next turn re-sending the visible reply
+            shares with this sequence; None otherwise.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -106,6 +111,8 @@ class Sequence:
     encoder_cache: dict = field(default_factory=dict, repr=False)
     guide: object | None = field(default=None, repr=False)
     prompt_logprobs: list = field(default_factory=list, repr=False)
+    stop_strings: object = field(default=None, repr=False)
+    num_kept_tokens: int | None = None
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -21,13 +21,12 @@ staging slot of that request (one row copy per B tokens); when it finishes, the 
 published at that boundary and put to the Store with its unsaved KV blocks. Such a boundary is a multiple of B, not of A, so with the policy
 on, restores accept any block boundary that satisfies the other reusability rules.
 
-The turn-end put replaces the Store put of the request's last prefill save point: that
-checkpoint is kept locally at once (its slot pinned while the request runs), and its Store put
-is deferred to the end of the request, where it is dropped if the turn-end checkpoint was put
-(whose KV blocks cover it) and made from the pinned local copy otherwise (a turn-end boundary
-that was never reached, its slot unavailable, or already cached). So the policy writes one
-state snapshot per turn, like last-only, not two. A request aborted or preempted before it
-finishes drops the deferred put: its prefill checkpoint stays in the local cache only.
+The turn-end put comes on top of the Store puts of the prefill save points, which are made at
+once as without the policy: the turn-end state serves only the exact continuation of the reply,
+while the prompt's last save point serves a regenerate of the same prompt, another conversation
+asking it, or an edited reply — so ``decode_save_last`` never restores less from the Store than
+``prefill_save_last_only`` alone, for one more state snapshot per turn
+(benchmark/store_follow_ups.py compares it with putting the turn end instead).
 
 A Store restore whose load fails is rolled back by the scheduler and retried below the failed
 boundary, at most :data:`STORE_RESTORE_ATTEMPTS` times per request.
@@ -57,9 +56,15 @@ def zero_counters() -> dict[str, int]:
 
 @dataclass
 class _Staging:
-    """A request's turn-end staging slot and the boundary whose state it holds (0: none yet)."""
-    slot: int
-    boundary: int = 0
+    """A request's turn-end staging slots and the boundary whose state each holds (0: none
+    yet). One slot; two for a request with stop strings, copied into alternately, so the state
+    one block before the last boundary survives for a stop string whose tokens cross it."""
+    slots: list[int]
+    boundaries: list[int]
+
+    def next_slot(self) -> int:
+        """Index of the slot the next copy overwrites: the one holding the older boundary."""
+        return self.boundaries.index(min(self.boundaries))
 
 
 @dataclass
@@ -95,7 +100,6 @@ class PrefixCache:
         self._hashes: dict[int, list[bytes]] = {}
         self._store_views: dict[int, _StoreView] = {}
         self._staging: dict[int, _Staging] = {}
-        self._deferred: dict[int, StorePut] = {}   # a request's deferred prefill-checkpoint put
         self.counters: dict[str, int] = zero_counters()
         self.skipped: dict[str, int] = {}
 
@@ -233,17 +237,7 @@ class PrefixCache:
                 taken.add(id(node))
                 saves.checkpoints.append(planned)
             if self.store is not None:
-                put = StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot)
-                if not isinstance(planned, str) and self._defers(seq, end):
-                    self._deferred[seq.seq_id] = StorePut(put.hashes, put.block_ids, end, planned.dst)
-                else:
-                    saves.store_puts.append(put)
-
-    def _defers(self, seq, boundary: int) -> bool:
-        """Whether the Store put of the save at ``boundary`` waits for the turn end (see the
-        module docstring): the plan's last save point, not a junction, with ``decode_save_last``."""
-        plan = seq.plan
-        return self.decode_save_last and boundary == plan.save_points[-1] and boundary != plan.junction
+                saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
 
     def _stage(self, seq, boundary: int, saves: SavePlan) -> None:
         staging = self._staging.get(seq.seq_id)
@@ -252,20 +246,20 @@ class PrefixCache:
             if slot is None:
                 return          # no slot now; a later boundary tries again
             self.local.state_cache.pin(slot)
-            staging = self._staging[seq.seq_id] = _Staging(slot)
-        saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slot, boundary))
+            staging = self._staging[seq.seq_id] = _Staging([slot], [0])
+        if len(staging.slots) == 1 and staging.boundaries[0] and seq.stop_strings is not None:
+            slot = self.local.state_cache.alloc_checkpoint()    # none free: one slot, as without stop strings
+            if slot is not None:
+                self.local.state_cache.pin(slot)
+                staging.slots.append(slot)
+                staging.boundaries.append(0)
+        saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slots[staging.next_slot()], boundary))
 
     def saves_done(self, saves: SavePlan, copied: bool) -> None:
         """Publish checkpoints whose copy ran (never before); ``copied=False`` releases their
         slots unpublished and counts the skips. Staging copies record their boundary."""
         for save in saves.checkpoints:
             self.local.checkpoint_done(save, copied)
-            deferred = self._deferred.get(save.seq.seq_id)
-            if deferred is not None and deferred.slot == save.dst:
-                if copied:
-                    self.local.state_cache.pin(save.dst)    # kept until the turn ends
-                else:
-                    del self._deferred[save.seq.seq_id]
             if copied:
                 save.seq.stats.save_points.append(save.boundary)
                 self.counters['checkpoints_saved'] += 1
@@ -275,51 +269,48 @@ class PrefixCache:
                 self._skip(save.seq, 'copy_failed')
         for snap in saves.snapshots:
             staging = self._staging.get(snap.seq.seq_id)
-            if staging is not None:
-                staging.boundary = snap.boundary if copied else 0
+            if staging is not None and snap.dst in staging.slots:
+                staging.boundaries[staging.slots.index(snap.dst)] = snap.boundary if copied else 0
 
     def finish_turn(self, seq, saves: SavePlan) -> None:
         """``seq`` finished: publish its turn-end checkpoint at the last block boundary of its
-        computed tokens (if a forward ended there) and plan its Store put; otherwise plan the
-        deferred put of its last prefill checkpoint."""
-        put_turn_end = self._publish_turn_end(seq, saves)
-        deferred = self._deferred.pop(seq.seq_id, None)
-        if deferred is not None:
-            if not put_turn_end:
-                saves.store_puts.append(deferred)   # read from the slot in this step, before any eviction
-            self.local.state_cache.unpin(deferred.slot)
+        computed tokens (if a forward ended there) and plan its Store put. A reply ended by a stop string counts only
+        the tokens wholly before the stop string (``seq.num_kept_tokens``): a checkpoint past
+        the cut would hold text no next turn sends."""
+        self._publish_turn_end(seq, saves)
 
     def _publish_turn_end(self, seq, saves: SavePlan) -> bool:
         """Publish ``seq``'s turn-end checkpoint; True when its Store put is planned."""
         staging = self._staging.get(seq.seq_id)
-        boundary = seq.num_computed_tokens // self.block_size * self.block_size
-        if staging is None or staging.boundary != boundary or boundary == 0:
+        tokens = seq.num_computed_tokens
+        if seq.num_kept_tokens is not None:
+            tokens = min(tokens, seq.num_kept_tokens)
+        boundary = tokens // self.block_size * self.block_size
+        if staging is None or boundary not in staging.boundaries or boundary == 0:
             return False
         node = self.local.extend(seq, self.hashes(seq), boundary // self.block_size)
         if node is None or node.checkpoint_slot is not None:
             self._skip(seq, 'hash_collision' if node is None else 'exists')
             return False
-        del self._staging[seq.seq_id]
-        self.local.state_cache.unpin(staging.slot)
-        if not self.local.state_cache.publish(staging.slot, node):     # (checked above: cannot happen)
-            self.local.state_cache.release_checkpoint(staging.slot)
+        slot = staging.slots[staging.boundaries.index(boundary)]
+        staging.slots.remove(slot)      # the others are released with the request (_drop_staging)
+        self.local.state_cache.unpin(slot)
+        if not self.local.state_cache.publish(slot, node):     # (checked above: cannot happen)
+            self.local.state_cache.release_checkpoint(slot)
             return False
         seq.stats.turn_end_point = boundary
         self.counters['turn_end_checkpoints_saved'] += 1
         if self.store is None:
             return False
         full = boundary // self.block_size
-        saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, staging.slot))
+        saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, slot))
         return True
 
     def _drop_staging(self, seq) -> None:
         staging = self._staging.pop(seq.seq_id, None)
-        if staging is not None:
-            self.local.state_cache.unpin(staging.slot)
-            self.local.state_cache.release_checkpoint(staging.slot)
-        deferred = self._deferred.pop(seq.seq_id, None)
-        if deferred is not None:        # aborted or preempted: the checkpoint stays local only
-            self.local.state_cache.unpin(deferred.slot)
+        for slot in staging.slots if staging is not None else ():
+            self.local.state_cache.unpin(slot)
+            self.local.state_cache.release_checkpoint(slot)
 
     def _skip(self, seq, reason: str) -> None:
         seq.stats.skipped[reason] += 1

@@ -98,13 +98,16 @@ class LocalTier:
         """Cache the first ``num_blocks`` full blocks of running ``seq`` (O(new blocks)).
 
         Returns:
-            The node at depth ``num_blocks``, or None when a hash collision stopped the path.
+            The node at depth ``num_blocks`` (also below blocks already cached: a turn end cut
+            back by a stop string), or None when a hash collision stopped the path.
         """
         path = self._paths.setdefault(seq.seq_id, _Path())
         if num_blocks > path.num_blocks or path.node is None or path.node.parent is None:
             path.node = self.trie.extend(path.node, seq.token_ids, seq.block_ids, num_blocks, hashes)
             path.num_blocks = num_blocks
         node = path.node
+        while node is not None and node.depth > num_blocks:     # a shallower boundary of the path
+            node = node.parent
         return node if node is not None and node.depth == num_blocks else None
 
     def needs_extend(self, seq, num_blocks: int) -> bool:

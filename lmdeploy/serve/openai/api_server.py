@@ -57,6 +57,7 @@ from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, StreamedLogprobs, TextOffsets, TokenTexts, chat_logprobs, completion_logprobs
 from .prompt_logprobs import echo_logprobs, merge_completion_logprobs, vllm_prompt_logprobs
 from .errors import APIError, error_body, install_error_handlers
+from .large_body import OffLoopJSONRoute
 from .lifecycle import BodySizeLimit, Drain, GracefulServer, KeyCheck, ShuttingDown
 from .protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorBody, ModelCard, ModelList, \
     NamedToolChoice, Usage, new_id, now
@@ -702,6 +703,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
     # redirect_slashes off: '/v1/chat/completions/' is a 404 with an error body, not a bare 307
     app = FastAPI(title='lmdeploy', version='0.1.0', docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
+    app.router.route_class = OffLoopJSONRoute      # multi-megabyte bodies are decoded off the event loop
     install_error_handlers(app)
     auth = [Depends(server.check_key)]
     generation = _errors(400, 401, 404, 413, 500, 503)
