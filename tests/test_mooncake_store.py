@@ -28,10 +28,10 @@ def test_one_mib_object_round_trips(mooncake_store):
     payload = os.urandom(1 << 20)
     key = _key('state', 'ab' * 16)
     puts_before = mooncake_store.stats.puts
-    assert mooncake_store.put(key, encode_object('state', NS, 2048, payload)) is True
+    assert mooncake_store.put(key, encode_object('state', NS, 2048, payload, key=key)) is True
     value = mooncake_store.get(key)
     assert len(value) == (1 << 20) + OBJECT_OVERHEAD
-    assert bytes(decode_object(value, 'state', NS, 2048)) == payload
+    assert bytes(decode_object(value, 'state', NS, 2048, key=key)) == payload
     assert mooncake_store.stats.puts == puts_before + 1
 
 
@@ -71,7 +71,7 @@ def test_object_put_by_an_exited_process_is_readable(mooncake_services, mooncake
               'from lmdeploy.pytorch.store.mooncake_client import StoreClient\n'
               'from lmdeploy.pytorch.store.object_format import encode_object\n'
               'c = StoreClient.connect(sys.argv[1], sys.argv[2])\n'
-              'ok = c.put(sys.argv[3], encode_object("kv", bytes(range(16)), 64, bytes(range(256)) * 1024))\n'
+              'ok = c.put(sys.argv[3], encode_object("kv", bytes(range(16)), 64, bytes(range(256)) * 1024, key=sys.argv[3]))\n'
               'c.close()\n'
               'sys.exit(0 if ok else 3)\n')
     env = dict(os.environ, PYTHONPATH=str(REPO), MC_TCP_BIND_ADDRESS='127.0.0.1')
@@ -80,23 +80,24 @@ def test_object_put_by_an_exited_process_is_readable(mooncake_services, mooncake
                           timeout=60)
     assert proc.returncode == 0, proc.stderr.decode(errors='replace')[-2000:]
     value = mooncake_store.get(key)
-    assert bytes(decode_object(value, 'kv', NS, 64)) == bytes(range(256)) * 1024
+    assert bytes(decode_object(value, 'kv', NS, 64, key=key)) == bytes(range(256)) * 1024
 
 
 def test_corrupt_and_foreign_objects_read_back_are_rejected(mooncake_store):
-    good = encode_object('kv', NS, 64, b'block bytes' * 100)
+    keys = [_key() for _ in range(4)]
+    good = encode_object('kv', NS, 64, b'block bytes' * 100, key=keys[0])
     corrupt = bytearray(good)
     corrupt[-OBJECT_OVERHEAD] ^= 0x40          # a payload byte
-    foreign = encode_object('kv', bytes(16), 64, b'block bytes' * 100)
-    keys = [_key() for _ in range(3)]
-    for key, value in zip(keys, (bytes(corrupt), foreign, b'not a store object at all, but long enough' * 2)):
+    foreign = encode_object('kv', bytes(16), 64, b'block bytes' * 100, key=keys[1])
+    values = (bytes(corrupt), foreign, b'not a store object at all, but long enough' * 2, good)  # good: copied
+    for key, value in zip(keys, values):
         assert mooncake_store.put(key, value) is True
     reasons = []
     for key in keys:
         with pytest.raises(StoreObjectError) as info:
-            decode_object(mooncake_store.get(key), 'kv', NS, 64)
+            decode_object(mooncake_store.get(key), 'kv', NS, 64, key=key)
         reasons.append(info.value.reason)
-    assert reasons == ['checksum', 'namespace', 'magic']
+    assert reasons == ['checksum', 'namespace', 'magic', 'key']
 
 
 def test_unreachable_master_raises_naming_the_address_within_seconds():

@@ -205,8 +205,8 @@ def test_every_turn_puts_save_points_times_S_plus_new_blocks_times_K_blk(make_en
     assert len(puts) == len(set(puts)) and set(puts) == expected
     assert all(mooncake_store.exists(k) for k in expected)
     assert not mooncake_store.exists(key(eng, 'kv', ids, max(saves) + B))   # full block past the last save
-    value = mooncake_store.get(key(eng, 'state', ids, max(saves)))
-    assert len(decode_object(value, 'state', eng.store.namespace, max(saves))) == S
+    deepest = key(eng, 'state', ids, max(saves))
+    assert len(decode_object(mooncake_store.get(deepest), 'state', eng.store.namespace, max(saves), key=deepest)) == S
     stats = eng.stats()
     assert (stats['store_put_failures'], stats['store_get_failures'], stats['store_rejected_objects']) == (0, 0, 0)
     assert eng.is_idle()
@@ -330,17 +330,17 @@ def test_engines_with_another_dtype_or_block_size_get_no_store_hits(make_engine,
     assert seq.stats.store_hit_tokens == 128 and seq.output_ids == cold(ids)
 
 
-def _flip_payload_byte(value: bytes) -> bytes:
+def _flip_payload_byte(value: bytes, target: str) -> bytes:
     data = bytearray(value)
     data[HEADER_SIZE + 5] ^= 0x40
     return bytes(data)
 
 
-def _foreign_namespace(value: bytes) -> bytes:
+def _foreign_namespace(value: bytes, target: str) -> bytes:
     """The same payload, re-encoded under another engine's namespace (valid checksum and MAC)."""
     kind = 'state' if value[6] == 2 else 'kv'
     tokens = int.from_bytes(value[24:32], 'little')
-    return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:-MAC_SIZE])
+    return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:-MAC_SIZE], key=target)
 
 
 # A rejected boundary falls back to the next shallower one the Store holds: a bad state at 128
@@ -358,11 +358,11 @@ def test_tampered_object_is_a_counted_miss_and_output_stays_correct(make_engine,
     target = key(writer, kind, ids, boundary)
     put = writer.store.client.put
     # the writer's put of ``target`` carries a modified copy: the first value of a key is kept
-    writer.store.client.put = lambda k, v: put(k, tamper(bytes(v)) if k == target else v)
+    writer.store.client.put = lambda k, v: put(k, tamper(bytes(v), target) if k == target else v)
     assert writer.generate(ids, GEN).output_ids == cold(ids)
     assert writer.store.flush(timeout=30)
     with pytest.raises(StoreObjectError) as err:
-        decode_object(mooncake_store.get(target), kind, writer.store.namespace, boundary)
+        decode_object(mooncake_store.get(target), kind, writer.store.namespace, boundary, key=target)
     assert err.value.reason == reason
 
     reader = make_engine()

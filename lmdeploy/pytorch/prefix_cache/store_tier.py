@@ -16,7 +16,7 @@ Save at boundary b (submitted right after the forward that ends at b)::
 
 so a visible state object implies its whole KV prefix is stored, and bytes are counted only for
 objects the Store did not already have (another engine may have put them). Bytes counted are
-payload bytes (the 48-byte header and 32-byte MAC of each object excluded): a turn's put bytes
+payload bytes (the 64-byte header and 32-byte MAC of each object excluded): a turn's put bytes
 are ``len(save_points)·S + new_blocks·K_blk``.
 
 Beliefs are a cache of existence answers, never trusted for correctness: any failed Store
@@ -128,6 +128,7 @@ class StoreTier:
         self.ns_hex = namespace.hex()
         self.block_size = block_size
         self.services = services
+        self.writer_id = secrets.randbits(64)   # makes this engine's values differ from any other writer's
         self._stored = _KeySet(STORED_KEYS_CAPACITY)   # keys believed to be in the Store (bounded)
         self._pending: set[str] = set()     # keys queued for a put
         self._lock = threading.Lock()
@@ -221,13 +222,14 @@ class StoreTier:
             self.counters['store_hit_tokens'] += tokens
 
     def _get(self, kind: str, h: bytes, num_tokens: int) -> torch.Tensor:
-        data = self.client.get(self._key(kind, h))
+        key = self._key(kind, h)
+        data = self.client.get(key)
         if data is None:
             with self._lock:
                 self.counters['store_get_failures'] += 1
             raise KeyError(f'{kind} object missing')
         try:
-            payload = decode_object(data, kind, self.namespace, num_tokens, self.secret)
+            payload = decode_object(data, kind, self.namespace, num_tokens, self.secret, key=key)
         except StoreObjectError:
             with self._lock:
                 self.counters['store_rejected_objects'] += 1
@@ -294,7 +296,8 @@ class StoreTier:
 
     def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
         key = self._key(kind, h)
-        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes(), self.secret)
+        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes(), self.secret, key=key,
+                             writer=self.writer_id)
         ok = self.client.put(key, data)
         with self._lock:
             self._pending.discard(key)
