@@ -12,11 +12,13 @@ import zlib
 import pytest
 import torch
 
+from lmdeploy.pytorch.store.backend import PutResult
 from lmdeploy.pytorch.store.mooncake_client import FakeStoreClient
 from lmdeploy.pytorch.store.identity import (engine_namespace, model_identity, resolve_secret, secret_key_id,
                                              weight_digest)
-from lmdeploy.pytorch.store.object_format import (FORMAT_VERSION, HEADER_SIZE, MAC_SIZE, WRITER_OFFSET, StoreObjectError,
-                                                  decode_object, encode_object, namespace_digest, object_key)
+from lmdeploy.pytorch.store.object_format import (FORMAT_VERSION, HEADER_SIZE, MAC_SIZE, WRITER_OFFSET,
+                                                  StoreObjectError, decode_object, encode_object, namespace_digest,
+                                                  object_key)
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
@@ -345,13 +347,16 @@ def test_secret_comes_from_the_file_then_the_environment(tmp_path):
 
 def test_fake_client_injects_failures_and_keeps_first_value():
     fake = FakeStoreClient(fail_puts=1)
-    assert fake.put('k', b'one') is False
-    assert fake.put('k', b'one') is True
-    assert fake.put('k', b'two') is True                # already exists: success, value kept
+    assert fake.put('k', b'one') is PutResult.FAILED
+    assert fake.put('k', b'one') is PutResult.STORED
+    assert fake.put('k', b'two') is PutResult.EXISTS    # already exists: nothing gained, value kept
     assert fake.get('k') == b'one'
     assert fake.batch_exists(['k', 'x']) == [True, False]
     assert fake.put_keys == ['k', 'k', 'k']
-    assert (fake.stats.puts, fake.stats.put_failures, fake.stats.put_bytes) == (2, 1, 6)
+    assert (fake.stats.puts, fake.stats.put_failures, fake.stats.put_bytes) == (1, 1, 3)
+    assert fake.put('k', b'new', replace=True) is PutResult.REPAIRED and fake.get('k') == b'new'
+    assert fake.remove('k') and not fake.exists('k')
     fake.down = True
-    assert (fake.get('k'), fake.exists('k'), fake.put('z', b'1')) == (None, False, False)
-    assert (fake.stats.get_failures, fake.stats.exists_failures, fake.stats.put_failures) == (1, 1, 2)
+    assert (fake.get('k'), fake.exists('k'), fake.put('z', b'1')) == (None, False, PutResult.FAILED)
+    assert fake.batch_exists(['k']) is None              # a failed query is not "absent"
+    assert (fake.stats.get_failures, fake.stats.exists_failures, fake.stats.put_failures) == (1, 2, 2)
