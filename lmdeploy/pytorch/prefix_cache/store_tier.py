@@ -401,18 +401,36 @@ def _namespace(engine, secret: bytes | None) -> bytes:
                             adapter=None, override=cfg.store_namespace, secret=secret)
 
 
+def _build_file_tier(engine) -> StoreTier:
+    """The Store tier over a local folder (``store_backend='file:DIR'``)."""
+    from ..store.file_backend import FileStore, parse_store_backend
+    cfg = engine.config
+    _, folder = parse_store_backend(cfg.store_backend)
+    secret = resolve_secret(cfg.store_secret_file)
+    if secret is None:
+        logger.warning('Store objects in %s are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
+                       'Anyone who can write that folder can put objects that change this engine\'s outputs.', folder)
+    client = FileStore(folder, cfg.store_file_max_bytes)
+    return StoreTier(client, engine.cache_engine, _namespace(engine, secret), cfg.block_size, cfg.store_queue_size,
+                     None, secret)
+
+
 def build_store_tier(engine) -> StoreTier:
-    """Connect the engine to the Mooncake Store named by its config (starting embedded services
-    for ``mooncake_master='local'``, stopped again if the connection fails).
+    """Connect the engine to the Store named by its config: a local folder for
+    ``store_backend='file:DIR'``, else the Mooncake Store (starting embedded services for
+    ``mooncake_master='local'``, stopped again if the connection fails).
 
     Raises:
         ValueError: an explicit ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
             state snapshot or KV block plus the header, rounded up to Mooncake's allocation
             size), ``mooncake_metadata_server`` is missing for an external master, or
-            ``store_secret_file`` cannot be read or holds fewer than 16 bytes.
+            ``store_secret_file`` cannot be read or holds fewer than 16 bytes, or the
+            ``store_backend`` folder cannot be created or written.
         StoreUnavailableError: the master is unreachable (the message names the address).
     """
     cfg = engine.config
+    if (cfg.store_backend or '').startswith('file:'):
+        return _build_file_tier(engine)
     largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
     need = buffer_bytes_needed(largest)
     buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need)
