@@ -133,7 +133,8 @@ def _metadata_endpoint(metadata_server: str) -> tuple[str, int] | None:
 
 
 PROBE_BYTES = 64         # how much of a stored value a put reads back to see whose value it is
-REPAIR_WAIT_S = 2.0      # how long a put waits for another writer's put of the key to complete
+REPAIR_WAIT_S = 2.0      # how long a put waits for another writer's put of the key to complete,
+SLOW_BYTES_PER_S = 100e6  # plus the time a slow writer takes for a value of this size
 _POLL_S = 0.05
 
 
@@ -149,8 +150,9 @@ class StoreClient:
     :data:`PROBE_BYTES` bytes of the stored value (one small ranged read) and compares them
     with its own. Values whose leading bytes are unique per writer (the object header carries a
     random writer id) therefore answer ``STORED`` for exactly one writer, ``EXISTS`` for the
-    others. A key that stays absent for :data:`REPAIR_WAIT_S` seconds after a successful put
-    holds a half-written object (its writer died mid-put); the client replaces it with
+    others. A key that stays absent for :data:`REPAIR_WAIT_S` seconds (plus its size at
+    :data:`SLOW_BYTES_PER_S`, so a live writer of a large value is not cut off) after a
+    successful put holds a half-written object (its writer died mid-put); the client replaces it with
     ``upsert`` and answers ``REPAIRED`` (``stats.incomplete_found``, ``stats.repaired``).
     """
 
@@ -299,7 +301,7 @@ class StoreClient:
             if rc not in _PUT_SUCCESS:
                 return self._put_failed(rc, f'put {key}')
             holder = self._holder(key, view)
-        deadline = time.monotonic() + self.repair_wait_s
+        deadline = time.monotonic() + self.repair_wait_s + size / SLOW_BYTES_PER_S
         while holder == 'absent' and time.monotonic() < deadline:
             time.sleep(_POLL_S)              # another writer's put may still be transferring
             with self._lock:
