@@ -144,6 +144,13 @@ class PytorchEngineConfig(BaseModel):
     mooncake_embedded_segment_size: int = Field(512 << 20, ge=MOONCAKE_MIN_SEGMENT, description='Bytes of the '
                                                 'segment the embedded mode (mooncake_master="local") starts '
                                                 '(at least 16 MiB).')
+    store_backend: str | None = Field(None, description='Where Store objects live: "mooncake" (the default: '
+                                      'the Mooncake Store named by mooncake_master) or "file:DIR" (a local folder '
+                                      'that keeps checkpoints across restarts without a Mooncake master; '
+                                      'atomic writes, LRU eviction beyond store_file_max_bytes).')
+    store_file_max_bytes: int = Field(32 << 30, ge=0, description='Most bytes of objects a "file:DIR" Store '
+                                      'backend keeps; the least recently used are removed beyond it. 0 = no '
+                                      'limit.')
     store_queue_size: int = Field(64, ge=1, description='Bounded queue of pending Store saves.')
     store_namespace: str | None = Field(None, min_length=1, max_length=256, pattern=r'^[\x21-\x7e]+$',
                                         description='Operator-managed model identity for the Store namespace '
@@ -227,6 +234,20 @@ class PytorchEngineConfig(BaseModel):
         if self.prefill_save_alignment % self.block_size != 0:
             raise ValueError(f'prefill_save_alignment ({self.prefill_save_alignment}) must be a positive multiple '
                              f'of block_size ({self.block_size})')
+        return self
+
+    @field_validator('store_backend')
+    @classmethod
+    def _store_backend_form(cls, value):
+        if value is None or value == 'mooncake' or (value.startswith('file:') and value[5:].strip()):
+            return value
+        raise ValueError(f'store_backend must be "mooncake" or "file:DIR" (a folder), got {value!r}')
+
+    @model_validator(mode='after')
+    def _file_store_excludes_mooncake(self):
+        if self.store_backend and self.store_backend.startswith('file:') and self.mooncake_master is not None:
+            raise ValueError(f'store_backend={self.store_backend!r} and mooncake_master={self.mooncake_master!r} '
+                             f'name two Stores: give one of them')
         return self
 
     @model_validator(mode='after')

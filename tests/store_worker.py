@@ -4,7 +4,11 @@ Usage: ``python3 tests/store_worker.py JOB.json RESULT.json``
 
 The job names a model, an engine config (passed to :class:`PytorchEngineConfig` as is, so it
 carries the Mooncake master and metadata server) and a conversation: ``history`` (token ids
-already said, may be empty) followed by ``turns``, each a list of new user token ids. Turn
+already said, may be empty) followed by ``turns``, each a list of new user token ids. Fault and
+race tests add: ``barrier`` ({"dir", "parties"}: start the turns only once that many workers
+have built their engines), ``hold_puts_s`` (every Store put waits until that many seconds after
+the start, so workers that all found a key absent put it at once) and ``die_at_put`` (kill the
+process by SIGKILL in the middle of its n-th Store put, 0-based). Turn
 ``t``'s input is the previous turn's input plus its greedy reply plus ``turns[t]``. One new
 engine (so an empty local cache) serves the turns in order, waiting for its Store puts after
 each, and the worker writes one record per turn plus the engine's counters to RESULT.json::
@@ -20,11 +24,53 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault('MC_TCP_BIND_ADDRESS', '127.0.0.1')   # before Mooncake is imported
+
+
+def _die_mid_put(client, n: int) -> None:
+    """Make the ``n``-th Store put (0-based) start and then kill this process (SIGKILL) before
+    it ends: what a writer killed mid-put leaves behind. Mooncake: a started, never ended put
+    (the key stays incomplete); a folder: half of the value in a temporary file."""
+    put, count = client.put, [0]
+
+    def put_then_die(key, value, **kw):
+        if count[0] == n:
+            if hasattr(client, 'begin_torn_write'):
+                client.begin_torn_write(key, value)
+            else:
+                client._store.batch_put_session_start([key], [memoryview(value).nbytes])
+            os.kill(os.getpid(), signal.SIGKILL)
+        count[0] += 1
+        return put(key, value, **kw)
+
+    client.put = put_then_die
+
+
+def _barrier(folder: Path, parties: int, timeout_s: float = 300.0) -> None:
+    """Wait until ``parties`` workers have reached this point (one ready file each)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f'{os.getpid()}.ready').touch()
+    deadline = time.time() + timeout_s
+    while len(list(folder.glob('*.ready'))) < parties and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def _hold_puts(client, until: float) -> None:
+    """Make the first Store put wait until the Unix time ``until``: the save's existence check has
+    run by then, so workers held to one moment put the keys they all found absent at once."""
+    put = client.put
+
+    def held_put(key, value, **kw):
+        time.sleep(max(0.0, until - time.time()))
+        return put(key, value, **kw)
+
+    client.put = held_put
 
 
 def serve(job: dict) -> dict:
@@ -36,6 +82,12 @@ def serve(job: dict) -> dict:
 
     torch.set_num_threads(1)   # tiny model on a shared machine: extra threads only spin
     engine = Engine(job['model'], PytorchEngineConfig(**job['config']))
+    if job.get('barrier'):              # {"dir", "parties"}: start together with the other workers
+        _barrier(Path(job['barrier']['dir']), job['barrier']['parties'])
+    if job.get('hold_puts_s'):
+        _hold_puts(engine.store.client, time.time() + job['hold_puts_s'])
+    if job.get('die_at_put') is not None:
+        _die_mid_put(engine.store.client, job['die_at_put'])
     gen = GenerationConfig(max_new_tokens=job['max_new_tokens'], ignore_eos=True)
     ids = list(job['history'])
     turns = []

@@ -1,7 +1,8 @@
 """The engine's measured Store put bytes equal the simulator's prediction to the byte (issue 8).
 
 Two seed scenarios scaled by 1/16 (16K+64 and the first 3 turns of "32K+64, +4K per turn") run
-on the tiny hybrid model against the real Mooncake Store, under both save policies, with the
+on the tiny hybrid model against the real Mooncake Store and a ``file:`` Store, under both save
+policies, with the
 benchmark's own geometry (B=16, A=64, P=512) and ``simulate()`` fed the engine's real object
 sizes ``S = cache_engine.state_bytes`` and ``K_blk = cache_engine.kv_block_bytes``.
 """
@@ -42,8 +43,17 @@ def _run_conversation(engine, lengths: list[int], output_tokens: int, seed: int)
     return seqs
 
 
+def _store_fields(backend: str, request, tmp_path) -> dict:
+    """Engine fields for the Mooncake Store of the session, or a ``file:`` Store in ``tmp_path``."""
+    if backend == 'file':
+        return dict(store_backend=f'file:{tmp_path / "store"}')
+    services = request.getfixturevalue('mooncake_services')
+    return dict(mooncake_master=services.master_address, mooncake_metadata_server=services.metadata_server)
+
+
+@pytest.mark.parametrize('backend', ['mooncake', 'file'])
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
-def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, mooncake_services, last_only):
+def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, request, tmp_path, backend, last_only):
     geo = bench.Geometry.from_scale(SCALE)
     assert (geo.block_size, geo.alignment, geo.chunk_size) == (16, 64, 512)
     scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
@@ -51,8 +61,7 @@ def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, moon
     engine = make_engine(tiny_qwen3_next, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
                          max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
                          prefill_save_last_only=last_only, num_gpu_blocks=512,
-                         mooncake_master=mooncake_services.master_address,
-                         mooncake_metadata_server=mooncake_services.metadata_server)
+                         **_store_fields(backend, request, tmp_path))
     S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
     try:
         for i, scenario in enumerate(scenarios):

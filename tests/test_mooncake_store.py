@@ -1,4 +1,5 @@
 """StoreClient and MooncakeServices against a real mooncake_master on 127.0.0.1."""
+import ctypes
 import os
 import socket
 import subprocess
@@ -6,9 +7,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest_store import unique_namespace
+from lmdeploy.pytorch.store.backend import PutResult
 from lmdeploy.pytorch.store.mooncake_client import ERR_RPC_FAIL, StoreClient, StoreUnavailableError
 from lmdeploy.pytorch.store.object_format import (OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object,
                                                   object_key)
@@ -28,17 +31,17 @@ def test_one_mib_object_round_trips(mooncake_store):
     payload = os.urandom(1 << 20)
     key = _key('state', 'ab' * 16)
     puts_before = mooncake_store.stats.puts
-    assert mooncake_store.put(key, encode_object('state', NS, 2048, payload)) is True
+    assert mooncake_store.put(key, encode_object('state', NS, 2048, payload, key=key)) is PutResult.STORED
     value = mooncake_store.get(key)
     assert len(value) == (1 << 20) + OBJECT_OVERHEAD
-    assert bytes(decode_object(value, 'state', NS, 2048)) == payload
+    assert bytes(decode_object(value, 'state', NS, 2048, key=key)) == payload
     assert mooncake_store.stats.puts == puts_before + 1
 
 
 def test_exists_and_batch_exists_report_exactly_the_stored_keys(mooncake_store):
     stored, missing = _key(), _key()
     assert mooncake_store.exists(stored) is False
-    assert mooncake_store.put(stored, b'x' * 100) is True
+    assert mooncake_store.put(stored, b'x' * 100) is PutResult.STORED
     assert mooncake_store.exists(stored) is True
     assert mooncake_store.batch_exists([stored, missing, stored]) == [True, False, True]
     assert mooncake_store.batch_exists([]) == []
@@ -52,15 +55,17 @@ def test_missing_key_is_a_counted_miss_not_a_failure(mooncake_store):
 
 def test_put_of_existing_key_succeeds_and_keeps_the_first_value(mooncake_store):
     key = _key()
-    assert mooncake_store.put(key, b'first') is True
-    assert mooncake_store.put(key, b'second value') is True
+    assert mooncake_store.put(key, b'first') is PutResult.STORED
+    assert mooncake_store.put(key, b'second value') is PutResult.EXISTS      # nothing gained
+    # equal bytes cannot be told apart, which is why every Store object carries its writer's id
+    assert mooncake_store.put(key, b'first') is PutResult.STORED
     assert mooncake_store.get(key) == b'first'
 
 
 def test_value_larger_than_local_buffer_fails_without_raising(mooncake_store):
     failures = mooncake_store.stats.put_failures
     key = _key()
-    assert mooncake_store.put(key, bytes((16 << 20) + 1)) is False
+    assert mooncake_store.put(key, bytes((16 << 20) + 1)) is PutResult.FAILED
     assert mooncake_store.stats.put_failures == failures + 1
     assert mooncake_store.exists(key) is False
 
@@ -71,7 +76,8 @@ def test_object_put_by_an_exited_process_is_readable(mooncake_services, mooncake
               'from lmdeploy.pytorch.store.mooncake_client import StoreClient\n'
               'from lmdeploy.pytorch.store.object_format import encode_object\n'
               'c = StoreClient.connect(sys.argv[1], sys.argv[2])\n'
-              'ok = c.put(sys.argv[3], encode_object("kv", bytes(range(16)), 64, bytes(range(256)) * 1024))\n'
+              'v = encode_object("kv", bytes(range(16)), 64, bytes(range(256)) * 1024, key=sys.argv[3])\n'
+              'ok = c.put(sys.argv[3], v).gained\n'
               'c.close()\n'
               'sys.exit(0 if ok else 3)\n')
     env = dict(os.environ, PYTHONPATH=str(REPO), MC_TCP_BIND_ADDRESS='127.0.0.1')
@@ -80,23 +86,24 @@ def test_object_put_by_an_exited_process_is_readable(mooncake_services, mooncake
                           timeout=60)
     assert proc.returncode == 0, proc.stderr.decode(errors='replace')[-2000:]
     value = mooncake_store.get(key)
-    assert bytes(decode_object(value, 'kv', NS, 64)) == bytes(range(256)) * 1024
+    assert bytes(decode_object(value, 'kv', NS, 64, key=key)) == bytes(range(256)) * 1024
 
 
 def test_corrupt_and_foreign_objects_read_back_are_rejected(mooncake_store):
-    good = encode_object('kv', NS, 64, b'block bytes' * 100)
+    keys = [_key() for _ in range(4)]
+    good = encode_object('kv', NS, 64, b'block bytes' * 100, key=keys[0])
     corrupt = bytearray(good)
     corrupt[-OBJECT_OVERHEAD] ^= 0x40          # a payload byte
-    foreign = encode_object('kv', bytes(16), 64, b'block bytes' * 100)
-    keys = [_key() for _ in range(3)]
-    for key, value in zip(keys, (bytes(corrupt), foreign, b'not a store object at all, but long enough' * 2)):
-        assert mooncake_store.put(key, value) is True
+    foreign = encode_object('kv', bytes(16), 64, b'block bytes' * 100, key=keys[1])
+    values = (bytes(corrupt), foreign, b'not a store object at all, but long enough' * 2, good)  # good: copied
+    for key, value in zip(keys, values):
+        assert mooncake_store.put(key, value) is PutResult.STORED
     reasons = []
     for key in keys:
         with pytest.raises(StoreObjectError) as info:
-            decode_object(mooncake_store.get(key), 'kv', NS, 64)
+            decode_object(mooncake_store.get(key), 'kv', NS, 64, key=key)
         reasons.append(info.value.reason)
-    assert reasons == ['checksum', 'namespace', 'magic']
+    assert reasons == ['checksum', 'namespace', 'magic', 'key']
 
 
 def test_unreachable_master_raises_naming_the_address_within_seconds():
@@ -124,32 +131,38 @@ def test_killed_master_turns_operations_into_fast_failures():
         client = StoreClient.connect(services.master_address, services.metadata_server,
                                      local_buffer_size=1 << 20, retry_interval_s=30.0)
         key = _key()
-        assert client.put(key, b'before') is True
+        assert client.put(key, b'before') is PutResult.STORED
         services.kill_master()
         start = time.monotonic()
-        assert client.put(_key(), b'after') is False        # Mooncake: -900 (RPC failure), at once
+        assert client.put(_key(), b'after') is PutResult.FAILED   # Mooncake: -900 (RPC failure), at once
         assert time.monotonic() - start < 6.0
         assert client.available is False
         assert client.stats.last_error.endswith(f'code {ERR_RPC_FAIL}')
         start = time.monotonic()                            # breaker open: no native call at all
         results = (client.get(key), client.exists(key), client.batch_exists([key, key]), client.put(key, b'x'))
         assert time.monotonic() - start < 0.5
-        assert results == (None, False, [False, False], False)
+        assert results == (None, False, None, PutResult.FAILED)
         assert (client.stats.put_failures, client.stats.get_failures, client.stats.exists_failures) == (2, 1, 3)
         client.close()
         client.close()
-        assert client.put(key, b'x') is False               # closed: no native call (it would segfault)
+        assert client.put(key, b'x') is PutResult.FAILED    # closed: no native call (it would segfault)
 
 
 class _NativeStub:
     """Answers like the native store with a scripted put code; counts calls."""
 
     def __init__(self, codes):
-        self.codes, self.calls = list(codes), 0
+        self.codes, self.calls, self.value = list(codes), 0, b''
 
     def put(self, key, value):
         self.calls += 1
+        self.value = bytes(value)
         return self.codes.pop(0)
+
+    def get_into_ranges(self, ptrs, keys, dst, src, sizes):     # the read-back of a put
+        n = sizes[0][0][0]
+        ctypes.memmove(ptrs[0], self.value[:n], n)
+        return [[[n]]]
 
     def close(self):
         return 0
@@ -159,17 +172,19 @@ def test_breaker_probes_the_master_before_calling_again():
     listener = socket.create_server(('127.0.0.1', 0))     # stands for a master that is back
     port = listener.getsockname()[1]
     native = _NativeStub([ERR_RPC_FAIL, 0])
-    client = StoreClient(native, ('127.0.0.1', port), local_buffer_size=1024, retry_interval_s=0.2)
-    assert client.put('k', b'v') is False and native.calls == 1
-    assert client.put('k', b'v') is False and native.calls == 1   # inside the retry interval
+    client = StoreClient(native, ('127.0.0.1', port), local_buffer_size=1024, retry_interval_s=0.2,
+                         probe=np.zeros(64, dtype=np.uint8))
+    failed, stored = PutResult.FAILED, PutResult.STORED
+    assert client.put('k', b'v') is failed and native.calls == 1
+    assert client.put('k', b'v') is failed and native.calls == 1   # inside the retry interval
     time.sleep(0.25)
-    assert client.put('k', b'v') is True and native.calls == 2    # probe succeeded, called again
+    assert client.put('k', b'v') is stored and native.calls == 2    # probe succeeded, called again
     assert client.available is True
     native.codes.append(ERR_RPC_FAIL)
-    assert client.put('k', b'v') is False and native.calls == 3
-    listener.close()                                              # master gone for good
+    assert client.put('k', b'v') is failed and native.calls == 3
+    listener.close()                                               # master gone for good
     time.sleep(0.25)
-    assert client.put('k', b'v') is False and native.calls == 3   # probe refused, no native call
+    assert client.put('k', b'v') is failed and native.calls == 3   # probe refused, no native call
     client.close()
 
 
@@ -200,7 +215,7 @@ def test_stop_ends_every_process_and_frees_the_ports():
 
 def test_value_larger_than_the_readers_local_buffer_is_a_failure_not_a_miss(mooncake_services, mooncake_store):
     key = _key()
-    assert mooncake_store.put(key, bytes(8 << 20)) is True
+    assert mooncake_store.put(key, bytes(8 << 20)) is PutResult.STORED
     small = StoreClient.connect(mooncake_services.master_address, mooncake_services.metadata_server,
                                 local_buffer_size=4 << 20)
     try:

@@ -205,7 +205,7 @@ def test_probe_answers_from_existence_only_and_load_verifies():
     assert client.stats.gets == gets[1]                  # no object was read
     assert tier.probe(chain_block_hashes(ids, B), rules, below=128) == []
     key = object_key(NS.hex(), 'kv', hashes[3].hex())
-    client.objects[key] = encode_object('kv', NS, 4 * B, b'\xff' * 4)[:-1] + b'\x00'   # corrupt payload
+    client.objects[key] = encode_object('kv', NS, 4 * B, b'\xff' * 4, key=key)[:-1] + b'\x00'   # corrupt payload
     assert not tier.load(StoreLoad(None, 128, hashes, list(range(8)), 0, 1))
     assert tier.stats()['store_rejected_objects'] == 1
     tier.close()

@@ -194,12 +194,12 @@ class PutAudit:
         self.reputs: list[str] = []
 
     def _wrap(self, put):
-        def audited_put(key, value):
+        def audited_put(key, value, **kw):
             present = self.probe.exists(key)
-            ok = put(key, value)
+            ok = put(key, value, **kw)
             if present:
                 self.reputs.append(key)
-            elif ok:
+            elif ok.ok:
                 self.new_bytes['state' if '/state/' in key else 'kv'] += memoryview(value).nbytes - OBJECT_OVERHEAD
             return ok
         return audited_put

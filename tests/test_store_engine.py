@@ -32,6 +32,7 @@ from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slo
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
+from lmdeploy.pytorch.store.backend import PutResult
 from lmdeploy.pytorch.store.mooncake_client import StoreClient, StoreUnavailableError, buffer_bytes_needed
 from lmdeploy.pytorch.store.object_format import (HEADER_SIZE, MAC_SIZE, OBJECT_OVERHEAD, StoreObjectError,
                                                   decode_object, encode_object, object_key)
@@ -116,9 +117,9 @@ def record_puts(eng: Engine) -> list[str]:
     """Wrap the engine's Store client so that every attempted put's key is recorded, in order."""
     keys, put = [], eng.store.client.put
 
-    def recording_put(key, value):
+    def recording_put(key, value, **kw):
         keys.append(key)
-        return put(key, value)
+        return put(key, value, **kw)
 
     eng.store.client.put = recording_put
     return keys
@@ -205,8 +206,8 @@ def test_every_turn_puts_save_points_times_S_plus_new_blocks_times_K_blk(make_en
     assert len(puts) == len(set(puts)) and set(puts) == expected
     assert all(mooncake_store.exists(k) for k in expected)
     assert not mooncake_store.exists(key(eng, 'kv', ids, max(saves) + B))   # full block past the last save
-    value = mooncake_store.get(key(eng, 'state', ids, max(saves)))
-    assert len(decode_object(value, 'state', eng.store.namespace, max(saves))) == S
+    deepest = key(eng, 'state', ids, max(saves))
+    assert len(decode_object(mooncake_store.get(deepest), 'state', eng.store.namespace, max(saves), key=deepest)) == S
     stats = eng.stats()
     assert (stats['store_put_failures'], stats['store_get_failures'], stats['store_rejected_objects']) == (0, 0, 0)
     assert eng.is_idle()
@@ -329,24 +330,25 @@ def test_engines_with_another_dtype_or_block_size_get_no_store_hits(make_engine,
     assert seq.stats.store_hit_tokens == 128 and seq.output_ids == cold(ids)
 
 
-def _flip_payload_byte(value: bytes) -> bytes:
+def _flip_payload_byte(value: bytes, target: str) -> bytes:
     data = bytearray(value)
     data[HEADER_SIZE + 5] ^= 0x40
     return bytes(data)
 
 
-def _foreign_namespace(value: bytes) -> bytes:
+def _foreign_namespace(value: bytes, target: str) -> bytes:
     """The same payload, re-encoded under another engine's namespace (valid checksum and MAC)."""
     kind = 'state' if value[6] == 2 else 'kv'
     tokens = int.from_bytes(value[24:32], 'little')
-    return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:-MAC_SIZE])
+    return encode_object(kind, bytes(16), tokens, value[HEADER_SIZE:-MAC_SIZE], key=target)
 
 
 # A rejected boundary falls back to the next shallower one the Store holds: a bad state at 128
-# leaves the intact prefix at 64; a bad KV block below 64 spoils both boundaries (two misses).
+# leaves the intact prefix at 64; a bad KV block below 64 spoils both boundaries (one miss: the
+# rejected block's key then counts as absent, so the boundary at 64 is not even tried).
 @pytest.mark.parametrize('kind,boundary,tamper,reason,seed,cached,rejected', [
     ('state', 128, _flip_payload_byte, 'checksum', 500, 64, 1),
-    ('kv', 48, _flip_payload_byte, 'checksum', 501, 0, 2),
+    ('kv', 48, _flip_payload_byte, 'checksum', 501, 0, 1),
     ('state', 128, _foreign_namespace, 'namespace', 502, 64, 1),
 ], ids=['state_bit_flip', 'kv_bit_flip', 'foreign_state'])
 def test_tampered_object_is_a_counted_miss_and_output_stays_correct(make_engine, cold, mooncake_store, kind,
@@ -357,11 +359,11 @@ def test_tampered_object_is_a_counted_miss_and_output_stays_correct(make_engine,
     target = key(writer, kind, ids, boundary)
     put = writer.store.client.put
     # the writer's put of ``target`` carries a modified copy: the first value of a key is kept
-    writer.store.client.put = lambda k, v: put(k, tamper(bytes(v)) if k == target else v)
+    writer.store.client.put = lambda k, v, **kw: put(k, tamper(bytes(v), target) if k == target else v, **kw)
     assert writer.generate(ids, GEN).output_ids == cold(ids)
     assert writer.store.flush(timeout=30)
     with pytest.raises(StoreObjectError) as err:
-        decode_object(mooncake_store.get(target), kind, writer.store.namespace, boundary)
+        decode_object(mooncake_store.get(target), kind, writer.store.namespace, boundary, key=target)
     assert err.value.reason == reason
 
     reader = make_engine()
@@ -509,7 +511,7 @@ def _fill(services: MooncakeServices, object_bytes: int) -> int:
     try:
         for size in (1 << 20, object_bytes):
             for _ in range(SMALL_SEGMENT // size + 1):
-                if not client.put(f'filler/{size}/{count}', bytes(size)):
+                if not client.put(f'filler/{size}/{count}', bytes(size)).ok:
                     break
                 count += 1
     finally:
@@ -542,11 +544,11 @@ def test_failed_block_put_is_retried_by_the_next_save_of_the_prefix(make_engine,
     eng = make_engine()
     put, failed = eng.store.client.put, []
 
-    def first_kv_put_fails(k, v):
+    def first_kv_put_fails(k, v, **kw):
         if '/kv/' in k and not failed:
             failed.append(k)
-            return False
-        return put(k, v)
+            return PutResult.FAILED
+        return put(k, v, **kw)
 
     eng.store.client.put = first_kv_put_fails
     seq = eng.add_request(ids, GEN)
@@ -571,12 +573,12 @@ def test_state_is_not_put_when_a_queued_block_put_of_its_prefix_failed(make_engi
     eng = make_engine()
     put, release, failed = eng.store.client.put, threading.Event(), []
 
-    def slow_failing_first_put(k, v):
+    def slow_failing_first_put(k, v, **kw):
         if not failed:      # the save at 64 stalls until the save at 128 has been queued, then fails
             failed.append(k)
             release.wait(30)
-            return False
-        return put(k, v)
+            return PutResult.FAILED
+        return put(k, v, **kw)
 
     eng.store.client.put = slow_failing_first_put
     seq = eng.generate(ids, GEN)

@@ -12,57 +12,76 @@ import zlib
 import pytest
 import torch
 
+from lmdeploy.pytorch.store.backend import PutResult
 from lmdeploy.pytorch.store.mooncake_client import FakeStoreClient
 from lmdeploy.pytorch.store.identity import (engine_namespace, model_identity, resolve_secret, secret_key_id,
                                              weight_digest)
-from lmdeploy.pytorch.store.object_format import (FORMAT_VERSION, HEADER_SIZE, MAC_SIZE, StoreObjectError,
-                                                  decode_object, encode_object, namespace_digest, object_key)
+from lmdeploy.pytorch.store.object_format import (FORMAT_VERSION, HEADER_SIZE, MAC_SIZE, WRITER_OFFSET,
+                                                  StoreObjectError, decode_object, encode_object, namespace_digest,
+                                                  object_key)
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
 
 
 SECRET = b'0123456789abcdef-shared-secret'
+KEY = object_key(NS.hex(), 'kv', 'ab' * 8)
+SKEY = object_key(NS.hex(), 'state', 'ab' * 8)
+
+
+def enc(kind, ns, tokens, payload, secret=None, key=None, writer=0):
+    return encode_object(kind, ns, tokens, payload, secret, key=key or (SKEY if kind == 'state' else KEY),
+                         writer=writer)
+
+
+def dec(data, kind, ns, tokens, secret=None, key=None):
+    return decode_object(data, kind, ns, tokens, secret, key=key or (SKEY if kind == 'state' else KEY))
+
+
+def _key_mac(secret: bytes, key: str, covered: bytes) -> bytes:
+    return hmac.new(secret, struct.pack('<H', len(key)) + key.encode() + covered, hashlib.sha256).digest()
 
 
 def test_header_bytes_are_the_documented_layout():
-    value = encode_object('state', NS, 1024, b'abc', SECRET)
-    assert (HEADER_SIZE, MAC_SIZE, FORMAT_VERSION) == (48, 32, 2) and len(value) == 48 + 3 + 32
+    value = enc('state', NS, 1024, b'abc', SECRET, writer=0x0102030405060708)
+    assert (HEADER_SIZE, MAC_SIZE, FORMAT_VERSION) == (64, 32, 3) and len(value) == 64 + 3 + 32
     assert value[:4] == b'LMDS'
     assert struct.unpack_from('<HBB', value, 4) == (FORMAT_VERSION, 2, 0)
     assert value[8:24] == NS
-    assert struct.unpack_from('<QQI', value, 24) == (1024, 3, 0)
-    assert struct.unpack_from('<I', value, 44)[0] == zlib.crc32(value[:44] + b'abc')
-    assert value[48:51] == b'abc'
-    assert value[51:] == hmac.new(SECRET, value[:51], hashlib.sha256).digest()      # HMAC over header + payload
-    unkeyed = encode_object('kv', NS, 64, b'')
-    assert unkeyed[6] == 1 and unkeyed[48:] == hmac.new(b'', unkeyed[:48], hashlib.sha256).digest()
+    assert struct.unpack_from('<QQQ', value, 24) == (1024, 3, 0x0102030405060708)
+    assert value[48:56] == hashlib.blake2b(SKEY.encode(), digest_size=8).digest()      # the key's digest
+    assert struct.unpack_from('<I', value, 56)[0] == 0
+    assert struct.unpack_from('<I', value, 60)[0] == zlib.crc32(value[:60] + b'abc')
+    assert value[64:67] == b'abc'
+    assert value[67:] == _key_mac(SECRET, SKEY, value[:67])          # HMAC over key + header + payload
+    unkeyed = enc('kv', NS, 64, b'')
+    assert unkeyed[6] == 1 and unkeyed[64:] == _key_mac(b'', KEY, unkeyed[:64])
 
 
 @pytest.mark.parametrize('make', [bytes, bytearray, memoryview,
                                   lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(4, -1)])
 def test_round_trip_returns_the_payload_bytes(make):
     payload = bytes(range(256)) * 4
-    value = encode_object('kv', NS, 128, make(payload))
-    out = decode_object(value, 'kv', NS, 128)
+    value = enc('kv', NS, 128, make(payload))
+    out = dec(value, 'kv', NS, 128)
     assert isinstance(out, memoryview) and out.readonly
     assert bytes(out) == payload
 
 
 def test_empty_payload_round_trips():
-    assert bytes(decode_object(encode_object('state', NS, 0, b''), 'state', NS, 0)) == b''
+    assert bytes(dec(enc('state', NS, 0, b''), 'state', NS, 0)) == b''
 
 
-def _reason(data, kind='kv', ns=NS, tokens=64, secret=None):
+def _reason(data, kind='kv', ns=NS, tokens=64, secret=None, key=None):
     with pytest.raises(StoreObjectError) as info:
-        decode_object(data, kind, ns, tokens, secret)
+        dec(data, kind, ns, tokens, secret, key)
     assert isinstance(info.value, ValueError)
     return info.value.reason
 
 
 def test_each_mismatch_is_rejected_with_its_reason():
-    good = encode_object('kv', NS, 64, b'payload-bytes')
-    assert _reason(good[:47]) == 'truncated'
+    good = enc('kv', NS, 64, b'payload-bytes')
+    assert _reason(good[:63]) == 'truncated'
     assert _reason(b'') == 'truncated'
     assert _reason(b'XXXX' + good[4:]) == 'magic'
     assert _reason(good[:4] + struct.pack('<H', FORMAT_VERSION + 1) + good[6:]) == 'version'
@@ -70,6 +89,7 @@ def test_each_mismatch_is_rejected_with_its_reason():
     assert _reason(good, kind='state') == 'kind'
     assert _reason(good, ns=OTHER_NS) == 'namespace'
     assert _reason(good, tokens=128) == 'tokens'
+    assert _reason(good, key=object_key(NS.hex(), 'kv', 'cd' * 8)) == 'key'   # copied under another key
     assert _reason(good[:-1]) == 'length'
     assert _reason(good + b'\0') == 'length'
     flipped = bytearray(good)
@@ -83,35 +103,63 @@ def _forge(value: bytes, payload: bytes, mac: bytes | None) -> bytes:
     """``value`` with ``payload`` swapped in, a valid checksum, and ``mac`` (None: no trailer)."""
     header = bytearray(value[:HEADER_SIZE])
     struct.pack_into('<Q', header, 32, len(payload))
-    struct.pack_into('<I', header, 44, zlib.crc32(bytes(header[:44]) + payload))
+    struct.pack_into('<I', header, 60, zlib.crc32(bytes(header[:60]) + payload))
     return bytes(header) + payload + (mac if mac is not None else b'')
 
 
 @pytest.mark.parametrize('secret', [None, SECRET], ids=['no_secret', 'secret'])
 def test_an_object_forged_without_the_secret_is_rejected(secret):
-    good = encode_object('state', NS, 128, b'the true state' * 10, secret)
-    assert bytes(decode_object(good, 'state', NS, 128, secret)) == b'the true state' * 10
+    good = enc('state', NS, 128, b'the true state' * 10, secret)
+    assert bytes(dec(good, 'state', NS, 128, secret)) == b'the true state' * 10
     evil = b'garbage state!' * 10
     attempts = [_forge(good, evil, None), _forge(good, evil, bytes(MAC_SIZE)), _forge(good, evil, good[-MAC_SIZE:]),
-                _forge(good, evil, hmac.new(b'wrong secret 0123', good[:48] + evil, hashlib.sha256).digest())]
+                _forge(good, evil, _key_mac(b'wrong secret 0123', SKEY, good[:64] + evil))]
     for forged in attempts:
         assert _reason(forged, 'state', tokens=128, secret=secret) == 'mac'
     # without a secret anyone can compute the MAC: that is what the secret is for
-    keyed = encode_object('state', NS, 128, evil, None)
+    keyed = enc('state', NS, 128, evil, None)
     if secret is None:
-        assert bytes(decode_object(keyed, 'state', NS, 128)) == evil
+        assert bytes(dec(keyed, 'state', NS, 128)) == evil
     else:
         assert _reason(keyed, 'state', tokens=128, secret=secret) == 'mac'
 
 
 def test_every_single_bit_flip_is_rejected():
-    good = encode_object('state', NS, 2048, bytes(range(40)), SECRET)
+    good = enc('state', NS, 2048, bytes(range(40)), SECRET)
     for i in range(len(good)):
         for bit in (0x01, 0x80):
             bad = bytearray(good)
             bad[i] ^= bit
             with pytest.raises(StoreObjectError):
-                decode_object(bytes(bad), 'state', NS, 2048, SECRET)
+                dec(bytes(bad), 'state', NS, 2048, SECRET)
+    writer = bytearray(good)
+    writer[WRITER_OFFSET] ^= 1                 # the writer id is covered like every header byte
+    assert _reason(bytes(writer), 'state', tokens=2048, secret=SECRET) == 'checksum'
+
+
+def test_a_genuine_object_under_any_other_key_is_rejected_with_and_without_a_secret():
+    """A value made for one key never verifies under another (other prefix hash, kind or
+    namespace spelled in the key), whether or not a secret keys the MAC; with a secret, fixing
+    up the key digest and the checksum still fails the MAC."""
+    keys = [object_key(NS.hex(), kind, h) for kind in ('kv', 'state') for h in ('00' * 8, '01' * 8, 'ff' * 8)]
+    keys.append(object_key(OTHER_NS.hex(), 'kv', '00' * 8))
+    for secret in (None, SECRET):
+        for made_for in keys:
+            kind = made_for.split('/')[1]
+            value = encode_object(kind, NS, 64, b'genuine bytes', secret, key=made_for)
+            assert bytes(decode_object(value, kind, NS, 64, secret, key=made_for)) == b'genuine bytes'
+            for other in keys:
+                if other != made_for:
+                    with pytest.raises(StoreObjectError) as info:
+                        decode_object(value, kind, NS, 64, secret, key=other)
+                    assert info.value.reason == 'key'
+                    fixed = bytearray(value)
+                    fixed[48:56] = hashlib.blake2b(other.encode(), digest_size=8).digest()
+                    struct.pack_into('<I', fixed, 60, zlib.crc32(bytes(fixed[:60]) + b'genuine bytes'))
+                    if secret is not None:          # the copier cannot recompute the MAC
+                        with pytest.raises(StoreObjectError) as info:
+                            decode_object(bytes(fixed), kind, NS, 64, secret, key=other)
+                        assert info.value.reason == 'mac'
 
 
 def test_foreign_values_are_rejected_not_unpickled():
@@ -121,17 +169,21 @@ def test_foreign_values_are_rejected_not_unpickled():
 
 def test_encode_rejects_bad_arguments_naming_them():
     with pytest.raises(ValueError, match='kind'):
-        encode_object('blob', NS, 1, b'')
+        enc('blob', NS, 1, b'')
     with pytest.raises(ValueError, match='namespace_digest'):
-        encode_object('kv', NS[:15], 1, b'')
+        enc('kv', NS[:15], 1, b'')
     with pytest.raises(ValueError, match='num_tokens'):
-        encode_object('kv', NS, -1, b'')
+        enc('kv', NS, -1, b'')
     with pytest.raises(ValueError, match='uint8'):
-        encode_object('kv', NS, 1, torch.zeros(4, dtype=torch.float32))
+        enc('kv', NS, 1, torch.zeros(4, dtype=torch.float32))
     with pytest.raises(ValueError, match='contiguous'):
-        encode_object('kv', NS, 1, torch.zeros(4, 4, dtype=torch.uint8).t())
+        enc('kv', NS, 1, torch.zeros(4, 4, dtype=torch.uint8).t())
     with pytest.raises(ValueError, match='secret'):
-        encode_object('kv', NS, 1, b'', 'a text secret')
+        enc('kv', NS, 1, b'', 'a text secret')
+    with pytest.raises(ValueError, match='key'):
+        encode_object('kv', NS, 1, b'', key='')
+    with pytest.raises(ValueError, match='writer'):
+        enc('kv', NS, 1, b'', writer=-1)
 
 
 def test_object_key_format_and_validation():
@@ -295,13 +347,16 @@ def test_secret_comes_from_the_file_then_the_environment(tmp_path):
 
 def test_fake_client_injects_failures_and_keeps_first_value():
     fake = FakeStoreClient(fail_puts=1)
-    assert fake.put('k', b'one') is False
-    assert fake.put('k', b'one') is True
-    assert fake.put('k', b'two') is True                # already exists: success, value kept
+    assert fake.put('k', b'one') is PutResult.FAILED
+    assert fake.put('k', b'one') is PutResult.STORED
+    assert fake.put('k', b'two') is PutResult.EXISTS    # already exists: nothing gained, value kept
     assert fake.get('k') == b'one'
     assert fake.batch_exists(['k', 'x']) == [True, False]
     assert fake.put_keys == ['k', 'k', 'k']
-    assert (fake.stats.puts, fake.stats.put_failures, fake.stats.put_bytes) == (2, 1, 6)
+    assert (fake.stats.puts, fake.stats.put_failures, fake.stats.put_bytes) == (1, 1, 3)
+    assert fake.put('k', b'new', replace=True) is PutResult.REPAIRED and fake.get('k') == b'new'
+    assert fake.remove('k') and not fake.exists('k')
     fake.down = True
-    assert (fake.get('k'), fake.exists('k'), fake.put('z', b'1')) == (None, False, False)
-    assert (fake.stats.get_failures, fake.stats.exists_failures, fake.stats.put_failures) == (1, 1, 2)
+    assert (fake.get('k'), fake.exists('k'), fake.put('z', b'1')) == (None, False, PutResult.FAILED)
+    assert fake.batch_exists(['k']) is None              # a failed query is not "absent"
+    assert (fake.stats.get_failures, fake.stats.exists_failures, fake.stats.put_failures) == (1, 2, 2)

@@ -8,7 +8,7 @@ objects, loopback-only listeners, and what ``--api-keys`` covers.
   with the correct output.
 - Engines sharing a secret (file or environment) restore each other's prefixes; Store bytes stay
   ``len(save_points)·S + new_blocks·K_blk`` (payload only), the values put are that plus
-  ``OBJECT_OVERHEAD`` (48-byte header + 32-byte MAC) per object.
+  ``OBJECT_OVERHEAD`` (64-byte header + 32-byte MAC) per object.
 - Every listening socket of ``lmdeploy serve api_server --server-name 127.0.0.1
   --mooncake-master local`` and its children is on loopback: bound to 127.0.0.1, or (the ports
   Mooncake binds to every interface with no setting to change it) pinned to the ``lo`` interface.
@@ -142,16 +142,18 @@ def test_forged_objects_are_rejected_counted_and_never_restored(tiny_qwen3_next,
     hashes = chain_block_hashes(ids, B, 128 // B)
     ns = bytes.fromhex(ns_hex)
 
-    def forged(kind: str, tokens: int, size: int) -> bytes:
+    def forged(kind: str, tokens: int, size: int, key: str) -> bytes:
         payload = torch.randn(size // 4, generator=torch.Generator().manual_seed(tokens)).numpy().tobytes()
         if forgery == 'no_mac':             # valid header and checksum, no MAC trailer
-            return encode_object(kind, ns, tokens, payload)[:-MAC_SIZE]
-        return encode_object(kind, ns, tokens, payload, b'attacker-guessed-secret-value')
+            return encode_object(kind, ns, tokens, payload, key=key)[:-MAC_SIZE]
+        return encode_object(kind, ns, tokens, payload, b'attacker-guessed-secret-value', key=key)
 
     for i, h in enumerate(hashes):
-        assert mooncake_store.put(object_key(ns_hex, 'kv', h.hex()), forged('kv', (i + 1) * B, K))
+        k = object_key(ns_hex, 'kv', h.hex())
+        assert mooncake_store.put(k, forged('kv', (i + 1) * B, K, k))
     for b in (64, 128):
-        assert mooncake_store.put(object_key(ns_hex, 'state', hashes[b // B - 1].hex()), forged('state', b, S))
+        k = object_key(ns_hex, 'state', hashes[b // B - 1].hex())
+        assert mooncake_store.put(k, forged('state', b, S, k))
 
     cold = cold_output(tiny_qwen3_next, ids)
     before = victim.stats()
@@ -161,10 +163,15 @@ def test_forged_objects_are_rejected_counted_and_never_restored(tiny_qwen3_next,
     assert after['store_rejected_objects'] - before['store_rejected_objects'] == 2
     assert seq.num_cached_tokens == 0 and after['store_hit_tokens'] == before['store_hit_tokens']
     assert seq.output_ids == cold
-    # a second engine with the secret and an empty local cache is not fooled either
+    # the victim's own saves replaced the two forged states it rejected (it never read the forged
+    # KV blocks below them, which stay until an engine rejects them)
+    assert victim.store.flush(timeout=30)
+    assert victim.stats()['store_repaired_objects'] - before['store_repaired_objects'] == 2
+    # a second engine with the secret and an empty local cache is not fooled either: the state at
+    # 128 is genuine now, the first KV block below it is forged (rejected, then absent to it)
     other = engines(tiny_qwen3_next, store_secret_file=secret_file)
     seq = other.generate(ids, GEN)
-    assert other.stats()['store_rejected_objects'] == 2 and seq.num_cached_tokens == 0 and seq.output_ids == cold
+    assert other.stats()['store_rejected_objects'] == 1 and seq.num_cached_tokens == 0 and seq.output_ids == cold
     assert victim.store.flush(timeout=30) and other.store.flush(timeout=30) and victim.is_idle() and other.is_idle()
 
 
@@ -182,7 +189,7 @@ def test_engines_sharing_a_secret_restore_each_other_and_others_stay_apart(tiny_
     assert stats['store_put_bytes'] == {'state': 2 * S, 'kv': 8 * K}
     assert stats['store_put_objects'] == {'state': 2, 'kv': 8}
     assert writer.store.client.stats.put_bytes == 2 * S + 8 * K + 10 * OBJECT_OVERHEAD
-    assert OBJECT_OVERHEAD == 48 + 32
+    assert OBJECT_OVERHEAD == 64 + 32
 
     monkeypatch.setenv('LMDEPLOY_STORE_SECRET', SECRET.decode())       # the same secret, from the environment
     reader = engines(tiny_qwen3_next)

@@ -212,11 +212,13 @@ class Engine:
         return num_blocks
 
     def _build_store(self):
-        if not self.config.mooncake_master:
+        uses_file = (self.config.store_backend or '').startswith('file:')
+        if not self.config.mooncake_master and not uses_file:
             return None
         if not self.config.enable_prefix_caching:
-            logger.warning('the Mooncake Store tier is not used: mooncake_master=%r needs enable_prefix_caching '
-                           '(--enable-prefix-caching)', self.config.mooncake_master)
+            logger.warning('the Store tier is not used: %s needs enable_prefix_caching (--enable-prefix-caching)',
+                           f'store_backend={self.config.store_backend!r}' if uses_file
+                           else f'mooncake_master={self.config.mooncake_master!r}')
             return None
         if not self.is_hybrid:
             logger.info('the Mooncake Store tier is not used: %s has no recurrent-state checkpoints to save',

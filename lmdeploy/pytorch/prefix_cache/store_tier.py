@@ -15,8 +15,9 @@ Save at boundary b (submitted right after the forward that ends at b)::
                    → put state/{hash_b} (unless it exists)
 
 so a visible state object implies its whole KV prefix is stored, and bytes are counted only for
-objects the Store did not already have (another engine may have put them). Bytes counted are
-payload bytes (the 48-byte header and 32-byte MAC of each object excluded): a turn's put bytes
+objects the Store gained from this engine's put (the backend's :class:`PutResult`; another engine
+may have put them first, or at the same moment). Bytes counted are
+payload bytes (the 64-byte header and 32-byte MAC of each object excluded): a turn's put bytes
 are ``len(save_points)·S + new_blocks·K_blk``.
 
 Beliefs are a cache of existence answers, never trusted for correctness: any failed Store
@@ -25,12 +26,13 @@ check) forgets every belief, so the next save of a prefix copies and puts what i
 
 Restore: the engine probes the Store once per admission attempt of a waiting sequence (one
 existence query for the state keys of its reusable boundaries, one for the KV keys below the
-deepest present state). Objects are verified (header, namespace, token count, checksum, MAC) at
-load; a miss or a mismatch is counted, never an error to the user, and the engine falls back
-to a shallower boundary or computes the prefix.
+deepest present state). Objects are verified (header, namespace, token count, key digest,
+checksum, MAC) at load; a miss or a mismatch is counted, never an error to the user, and the
+engine falls back to a shallower boundary or computes the prefix.
 
-Known limit: Mooncake never overwrites a key, so a corrupt object stays a (counted) miss until
-the Store evicts it.
+Repair: a key whose object failed verification here is remembered as bad: lookups treat it as
+absent, and the next save of that prefix overwrites it (``store_repaired_objects``). A
+half-written object (a writer killed mid-put) is replaced by the backend's put itself.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import torch
 
 from ..paging.prefill_plan import ReuseRules
 from ..store.identity import engine_namespace, resolve_secret
+from ..store.backend import PutResult, StoreBackend
 from ..store.mooncake_client import StoreClient, buffer_bytes_needed
 from ..store.object_format import OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object, object_key
 from .plans import StoreLoad, StorePut
@@ -65,7 +68,7 @@ def zero_store_counters() -> dict:
     :meth:`StoreTier.stats` starts from, and what an engine without a Store reports."""
     return {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
             'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
-            'store_rejected_objects': 0, 'store_existing_objects': 0}
+            'store_rejected_objects': 0, 'store_existing_objects': 0, 'store_repaired_objects': 0}
 
 
 @dataclass
@@ -76,6 +79,7 @@ class _SaveJob:
 
 
 STORED_KEYS_CAPACITY = 1 << 18   # keys remembered as stored (~40 MB); older ones are asked again
+BAD_KEYS_CAPACITY = 1 << 12      # rejected keys remembered for repair; older ones are rejected again first
 
 
 class _KeySet:
@@ -102,6 +106,9 @@ class _KeySet:
         for key in keys:
             self.add(key)
 
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
+
     def clear(self) -> None:
         self._keys.clear()
 
@@ -110,7 +117,7 @@ class StoreTier:
     """Store-backed prefix tier for one engine.
 
     Args:
-        client: a connected :class:`StoreClient` (or a test double with the same methods).
+        client: an open :class:`.backend.StoreBackend` (Mooncake, a folder, or a test double).
         cache_engine: where payloads are read from and written to.
         namespace: 16-byte namespace digest.
         block_size: tokens per block (B).
@@ -119,7 +126,7 @@ class StoreTier:
         secret: the Store secret keying every object's MAC (None: unauthenticated objects).
     """
 
-    def __init__(self, client: StoreClient, cache_engine, namespace: bytes, block_size: int,
+    def __init__(self, client: StoreBackend, cache_engine, namespace: bytes, block_size: int,
                  queue_size: int = 64, services=None, secret: bytes | None = None):
         self.client = client
         self.secret = secret
@@ -128,7 +135,9 @@ class StoreTier:
         self.ns_hex = namespace.hex()
         self.block_size = block_size
         self.services = services
+        self.writer_id = secrets.randbits(64)   # makes this engine's values differ from any other writer's
         self._stored = _KeySet(STORED_KEYS_CAPACITY)   # keys believed to be in the Store (bounded)
+        self._bad = _KeySet(BAD_KEYS_CAPACITY)         # keys whose object failed verification here
         self._pending: set[str] = set()     # keys queued for a put
         self._lock = threading.Lock()
         self._last_failure_log = -float('inf')
@@ -187,13 +196,14 @@ class StoreTier:
         missing = [k for k, ok in zip(keys, known) if not ok]
         if not missing:
             return known
-        failures = self.client.stats.exists_failures
-        found = dict(zip(missing, self.client.batch_exists(missing)))
+        answer = self.client.batch_exists(missing)
         with self._lock:
-            if self.client.stats.exists_failures != failures:    # the query failed, not "absent"
+            if answer is None:               # the query failed, not "absent"
                 self.counters['store_get_failures'] += 1
                 self._forget_all('existence query failed')
                 return None
+            # an object this engine rejected is a miss until a save replaces it
+            found = {k: ok and k not in self._bad for k, ok in zip(missing, answer)}
             self._stored.update(k for k, ok in found.items() if ok)
         return [ok or found.get(k, False) for k, ok in zip(keys, known)]
 
@@ -210,8 +220,8 @@ class StoreTier:
             self.cache_engine.write_state(load.slot, state)
         except (KeyError, StoreObjectError) as err:
             logger.info('Store restore at %d tokens failed: %s', load.boundary, err)
-            with self._lock:
-                self._forget_all('restore failed')
+            with self._lock:    # a rejected object is not a Store outage: no warning about the master
+                self._forget_all('object rejected' if isinstance(err, StoreObjectError) else 'restore failed')
             return False
         return True
 
@@ -221,16 +231,18 @@ class StoreTier:
             self.counters['store_hit_tokens'] += tokens
 
     def _get(self, kind: str, h: bytes, num_tokens: int) -> torch.Tensor:
-        data = self.client.get(self._key(kind, h))
+        key = self._key(kind, h)
+        data = self.client.get(key)
         if data is None:
             with self._lock:
                 self.counters['store_get_failures'] += 1
             raise KeyError(f'{kind} object missing')
         try:
-            payload = decode_object(data, kind, self.namespace, num_tokens, self.secret)
+            payload = decode_object(data, kind, self.namespace, num_tokens, self.secret, key=key)
         except StoreObjectError:
             with self._lock:
                 self.counters['store_rejected_objects'] += 1
+                self._bad.add(key)           # the next save of this prefix replaces it
             raise
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
@@ -280,32 +292,44 @@ class StoreTier:
                 self._idle.notify_all()
 
     def _present(self, keys: list[str]) -> list[bool] | None:
-        """Ask the Store (not the beliefs) which ``keys`` exist; None if the query failed."""
-        failures = self.client.stats.exists_failures
+        """Ask the Store (not the beliefs) which ``keys`` hold a usable object (one this engine
+        rejected does not); None if the query failed."""
         present = self.client.batch_exists(keys)
-        if self.client.stats.exists_failures != failures:
-            with self._lock:
+        with self._lock:
+            if present is None:
                 self.counters['store_put_failures'] += 1
                 self._forget_all('existence query failed')
-            return None
-        with self._lock:
+                return None
+            present = [ok and k not in self._bad for k, ok in zip(keys, present)]
             self._stored.update(k for k, ok in zip(keys, present) if ok)
         return present
 
     def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
+        """Put one object; counts bytes and objects only when the Store gained this value
+        (:class:`PutResult`), so concurrent writers of one key count it once. A key this
+        engine rejected is overwritten. True when the key now holds a complete object."""
         key = self._key(kind, h)
-        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes(), self.secret)
-        ok = self.client.put(key, data)
+        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes(), self.secret, key=key,
+                             writer=self.writer_id)
+        with self._lock:
+            replace = key in self._bad
+        result = self.client.put(key, data, replace=replace)
         with self._lock:
             self._pending.discard(key)
-            if ok:
-                self._stored.add(key)
+            if result.gained:
                 self.counters['store_put_bytes'][kind] += payload.numel()
                 self.counters['store_put_objects'][kind] += 1
+                if result is PutResult.REPAIRED:
+                    self.counters['store_repaired_objects'] += 1
+            elif result is PutResult.EXISTS:
+                self.counters['store_existing_objects'] += 1
+            if result.ok:
+                self._stored.add(key)
+                self._bad.discard(key)
             else:
                 self.counters['store_put_failures'] += 1
                 self._forget_all('put failed')
-        return ok
+        return result.ok
 
     def _execute(self, job: _SaveJob) -> None:
         h_state, b, state_payload = job.state
@@ -368,18 +392,45 @@ class StoreTier:
             self.services.stop()
 
 
+def _namespace(engine, secret: bytes | None) -> bytes:
+    cfg = engine.config
+    # the first start on a checkpoint hashes every weight byte (logged); later starts hit the digest cache
+    return engine_namespace(engine.model_path, dtype=str(engine.dtype), block_size=cfg.block_size,
+                            # payloads hold every head whatever the TP size (see store/layout.py)
+                            layers=[repr(s) for s in engine.cache_engine.object_specs], tp_rank=0, tp_size=1,
+                            adapter=None, override=cfg.store_namespace, secret=secret)
+
+
+def _build_file_tier(engine) -> StoreTier:
+    """The Store tier over a local folder (``store_backend='file:DIR'``)."""
+    from ..store.file_backend import FileStore, parse_store_backend
+    cfg = engine.config
+    _, folder = parse_store_backend(cfg.store_backend)
+    secret = resolve_secret(cfg.store_secret_file)
+    if secret is None:
+        logger.warning('Store objects in %s are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
+                       'Anyone who can write that folder can put objects that change this engine\'s outputs.', folder)
+    client = FileStore(folder, cfg.store_file_max_bytes)
+    return StoreTier(client, engine.cache_engine, _namespace(engine, secret), cfg.block_size, cfg.store_queue_size,
+                     None, secret)
+
+
 def build_store_tier(engine) -> StoreTier:
-    """Connect the engine to the Mooncake Store named by its config (starting embedded services
-    for ``mooncake_master='local'``, stopped again if the connection fails).
+    """Connect the engine to the Store named by its config: a local folder for
+    ``store_backend='file:DIR'``, else the Mooncake Store (starting embedded services for
+    ``mooncake_master='local'``, stopped again if the connection fails).
 
     Raises:
         ValueError: an explicit ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
             state snapshot or KV block plus the header, rounded up to Mooncake's allocation
             size), ``mooncake_metadata_server`` is missing for an external master, or
-            ``store_secret_file`` cannot be read or holds fewer than 16 bytes.
+            ``store_secret_file`` cannot be read or holds fewer than 16 bytes, or the
+            ``store_backend`` folder cannot be created or written.
         StoreUnavailableError: the master is unreachable (the message names the address).
     """
     cfg = engine.config
+    if (cfg.store_backend or '').startswith('file:'):
+        return _build_file_tier(engine)
     largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
     need = buffer_bytes_needed(largest)
     buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need)
@@ -399,12 +450,7 @@ def build_store_tier(engine) -> StoreTier:
         logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
                        'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '
                        'outputs. Give every engine sharing the Store the same secret.', master)
-    # the first start on a checkpoint hashes every weight byte (logged); later starts hit the digest cache
-    namespace = engine_namespace(engine.model_path, dtype=str(engine.dtype), block_size=cfg.block_size,
-                                 # payloads hold every head whatever the TP size (see store/layout.py)
-                                 layers=[repr(s) for s in engine.cache_engine.object_specs], tp_rank=0, tp_size=1,
-                                 adapter=None,
-                                 override=cfg.store_namespace, secret=secret)
+    namespace = _namespace(engine, secret)
     services = None
     if master == 'local':
         from ..store.services import MooncakeServices

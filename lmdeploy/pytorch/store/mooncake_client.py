@@ -24,10 +24,20 @@ tests/test_mooncake_store.py):
   segments, e.g. a standalone ``mooncake_client``). Against an unreachable master it retries
   for ~90 s (20 tries x ~4.4 s), hence the TCP probe before it.
 - ``put(key, value)`` returns 0 on success, **also when the key already exists** (the first
-  value is kept); -600 when the value does not fit the local buffer (``local_buffer_size``
-  bounds the largest object); -900 (RPC failure) when the master is gone.
+  value is kept, nothing is transferred) and when another put of the key is still in progress
+  or died half-way (the key then stays absent); -600 when the value does not fit the local
+  buffer (``local_buffer_size`` bounds the largest object); -900 (RPC failure) when the master
+  is gone. There is no put-if-absent: ``batch_put_session_start`` reserves a key atomically
+  but offers no way to fill it from Python.
+- ``upsert(key, value)`` overwrites, also a half-written object (whose own end then fails).
+- ``get_into_ranges`` reads a byte range of an object into a registered buffer: the range
+  length on success, -704 for a missing key, -703 while the object is incomplete, -600 for a
+  range past the value's end.
+- ``remove(key, force)`` returns 0, or -704 for a missing key; -703 for an incomplete object.
 - ``get(key)`` returns ``bytes``; ``b''`` both for a missing key and for a failure.
 - ``is_exist(key)`` returns 1 / 0 / negative error; ``batch_is_exist(keys)`` a list of those.
+- A put of an incomplete key (a writer killed mid-put) succeeds after the master's
+  ``put_start_discard_timeout_sec`` (30 s by default); ``upsert`` succeeds at once.
 - With the master killed, the first call fails at once and later ones take ~4.3 s each
   (an internal reconnect loop); the native calls release the GIL.
 """
@@ -41,10 +51,12 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ...messages import split_host_port
+from .backend import PutResult
 from .listeners import is_loopback, listening_fds, pin_new_listeners
 
 OK = 0
 ERR_INVALID_PARAMS = -600          # e.g. the value does not fit the local buffer
+ERR_OBJECT_NOT_READY = -703        # a put of the key has started and not ended (or died)
 ERR_OBJECT_NOT_FOUND = -704
 ERR_OBJECT_ALREADY_EXISTS = -705   # not observed from put() in 0.3.13 (it returns 0), kept as success
 ERR_RPC_FAIL = -900                # the master does not answer
@@ -67,6 +79,10 @@ class StoreClientStats:
     get_misses: int = 0
     get_failures: int = 0
     exists_failures: int = 0
+    existing: int = 0            # puts that found a complete value (another writer's or an earlier one)
+    incomplete_found: int = 0    # keys a put reported stored that stayed absent (half-written objects)
+    repaired: int = 0            # half-written or unusable objects replaced
+    evicted: int = 0             # values a size-limited backend removed (least recently used first)
     last_error: str = ''
 
 
@@ -116,15 +132,35 @@ def _metadata_endpoint(metadata_server: str) -> tuple[str, int] | None:
     return url.hostname, url.port or (443 if url.scheme == 'https' else 80)
 
 
+PROBE_BYTES = 64         # how much of a stored value a put reads back to see whose value it is
+REPAIR_WAIT_S = 2.0      # how long a put waits for another writer's put of the key to complete,
+SLOW_BYTES_PER_S = 100e6  # plus the time a slow writer takes for a value of this size
+_POLL_S = 0.05
+
+
 class StoreClient:
-    """A connected Mooncake Store client (bytes in, bytes out); create with :meth:`connect`.
+    """A connected Mooncake Store client (bytes in, bytes out), a :class:`.backend.StoreBackend`;
+    create with :meth:`connect`.
 
     All native calls are serialized by one lock (they block; the GIL is released meanwhile),
     so the client may be shared between threads.
+
+    Exact put results with concurrent writers: Mooncake's put keeps the first value of a key
+    and reports success either way, so after a successful put the client reads back the first
+    :data:`PROBE_BYTES` bytes of the stored value (one small ranged read) and compares them
+    with its own. Values whose leading bytes are unique per writer (the object header carries a
+    random writer id) therefore answer ``STORED`` for exactly one writer, ``EXISTS`` for the
+    others. A key that stays absent for :data:`REPAIR_WAIT_S` seconds (plus its size at
+    :data:`SLOW_BYTES_PER_S`, so a live writer of a large value is not cut off) after a
+    successful put holds a half-written object (its writer died mid-put); the client replaces it with
+    ``upsert`` and answers ``REPAIRED`` (``stats.incomplete_found``, ``stats.repaired``).
     """
 
-    def __init__(self, native, master: tuple[str, int], local_buffer_size: int, retry_interval_s: float):
+    def __init__(self, native, master: tuple[str, int], local_buffer_size: int, retry_interval_s: float,
+                 probe=None, repair_wait_s: float = REPAIR_WAIT_S):
         self._store = native
+        self._probe = probe                  # registered numpy buffer for ranged reads
+        self.repair_wait_s = repair_wait_s
         self._master = master
         self._local_buffer_size = local_buffer_size
         self._retry_interval_s = retry_interval_s
@@ -205,7 +241,14 @@ class StoreClient:
             except BaseException:
                 native.close()
                 raise
-        return cls(native, master, local_buffer_size, retry_interval_s)
+        import numpy as np
+        probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
+        rc = native.register_buffer(probe.ctypes.data, probe.nbytes)
+        if rc != OK:
+            native.close()
+            raise StoreUnavailableError(f'Mooncake client of master {master_address}: registering a '
+                                        f'{PROBE_BYTES}-byte read buffer failed with code {rc}')
+        return cls(native, master, local_buffer_size, retry_interval_s, probe)
 
     # -- failure policy -------------------------------------------------------------------
 
@@ -239,26 +282,85 @@ class StoreClient:
 
     # -- operations -----------------------------------------------------------------------
 
-    def put(self, key: str, value) -> bool:
-        """Store ``value`` (bytes-like) under ``key``. True on success, including "already
-        exists" (the existing value is kept). False on any failure, counted in
-        ``stats.put_failures``; a value larger than ``local_buffer_size`` fails without I/O."""
-        size = memoryview(value).nbytes
+    def put(self, key: str, value, *, replace: bool = False) -> PutResult:
+        """Store ``value`` (bytes-like) under ``key``; see the class docstring for what each
+        :class:`PutResult` means. ``replace=True`` overwrites a complete value (``upsert``).
+        ``FAILED`` is counted in ``stats.put_failures``; a value larger than
+        ``local_buffer_size`` fails without I/O."""
+        view = memoryview(value).cast('B')
+        size = view.nbytes
         with self._lock:
             if size > self._local_buffer_size:
                 self.stats.put_failures += 1
                 self.stats.last_error = f'put {key}: {size} bytes exceed local_buffer_size {self._local_buffer_size}'
-                return False
+                return PutResult.FAILED
             if not self._usable():
                 self.stats.put_failures += 1
-                return False
-            rc = self._store.put(key, value)
-            if rc in _PUT_SUCCESS:
+                return PutResult.FAILED
+            rc = self._store.upsert(key, value) if replace else self._store.put(key, value)
+            if rc not in _PUT_SUCCESS:
+                return self._put_failed(rc, f'put {key}')
+            holder = self._holder(key, view)
+        deadline = time.monotonic() + self.repair_wait_s + size / SLOW_BYTES_PER_S
+        while holder == 'absent' and time.monotonic() < deadline:
+            time.sleep(_POLL_S)              # another writer's put may still be transferring
+            with self._lock:
+                holder = self._holder(key, view) if self._usable() else 'failed'
+        if holder == 'absent':               # put said yes, the key says no: a half-written object
+            with self._lock:
+                self.stats.incomplete_found += 1
+                if not self._usable():
+                    return self._put_failed(ERR_RPC_FAIL, f'repair {key}')
+                rc = self._store.upsert(key, value)
+                if rc not in _PUT_SUCCESS:
+                    return self._put_failed(rc, f'repair {key}')
+                holder = self._holder(key, view)
+                replace = True
+        with self._lock:
+            if holder == 'ours':
                 self.stats.puts += 1
                 self.stats.put_bytes += size
+                if replace:
+                    self.stats.repaired += 1
+                return PutResult.REPAIRED if replace else PutResult.STORED
+            if holder == 'other':
+                self.stats.existing += 1
+                return PutResult.EXISTS
+            return self._put_failed(ERR_RPC_FAIL if holder == 'failed' else ERR_OBJECT_NOT_READY, f'put {key}')
+
+    def _put_failed(self, rc: int, what: str) -> PutResult:
+        """Count a failed put (lock held)."""
+        self._note(rc, what)
+        self.stats.put_failures += 1
+        return PutResult.FAILED
+
+    def _holder(self, key: str, view: memoryview) -> str:
+        """Whose value ``key`` holds: ``'ours'`` (its first bytes equal ``view``'s), ``'other'``,
+        ``'absent'`` (missing or incomplete) or ``'failed'`` (the read failed). Lock held."""
+        n = min(PROBE_BYTES, view.nbytes)
+        if n == 0:
+            rc = self._store.is_exist(key)
+            return 'ours' if rc == 1 else 'absent' if rc == 0 else 'failed'
+        rc = self._store.get_into_ranges([self._probe.ctypes.data], [[key]], [[[0]]], [[[0]]], [[[n]]])[0][0][0]
+        if rc == n:
+            return 'ours' if self._probe[:n].tobytes() == view[:n].tobytes() else 'other'
+        if rc in (ERR_OBJECT_NOT_FOUND, ERR_OBJECT_NOT_READY):
+            return 'absent'
+        if rc == ERR_INVALID_PARAMS:         # the stored value is shorter than ours: not ours
+            return 'other'
+        self._note(rc, f'read back {key}')
+        return 'failed'
+
+    def remove(self, key: str) -> bool:
+        """Remove ``key`` (forced: leases and replication tasks are skipped); True when it is
+        gone afterwards (also when it was missing). An incomplete object cannot be removed."""
+        with self._lock:
+            if not self._usable():
+                return False
+            rc = self._store.remove(key, True)
+            if rc in (OK, ERR_OBJECT_NOT_FOUND):
                 return True
-            self._note(rc, f'put {key}')
-            self.stats.put_failures += 1
+            self._note(rc, f'remove {key}')
             return False
 
     def get(self, key: str) -> bytes | None:
@@ -287,23 +389,24 @@ class StoreClient:
             return None
 
     def exists(self, key: str) -> bool:
-        """True when ``key`` is stored; False when it is not or the query fails (counted in
-        ``stats.exists_failures``)."""
-        return self.batch_exists([key])[0]
+        """True when ``key`` holds a complete value; False when it does not or the query failed."""
+        return bool((self.batch_exists([key]) or [False])[0])
 
-    def batch_exists(self, keys: list[str]) -> list[bool]:
-        """Per key: True when stored; False when not stored or the query failed (counted)."""
+    def batch_exists(self, keys: list[str]) -> list[bool] | None:
+        """Per key: True when a complete value is stored, False when not; None when the query
+        failed for any key (counted in ``stats.exists_failures``)."""
         if not keys:
             return []
         with self._lock:
             if not self._usable():
                 self.stats.exists_failures += len(keys)
-                return [False] * len(keys)
+                return None
             codes = self._store.batch_is_exist(list(keys)) if len(keys) > 1 else [self._store.is_exist(keys[0])]
             failed = [c for c in codes if c < 0]
             if failed:
                 self._note(failed[0], f'exists ({len(failed)} of {len(keys)} keys)')
                 self.stats.exists_failures += len(failed)
+                return None
             return [c == 1 for c in codes]
 
     def close(self) -> None:
@@ -344,15 +447,24 @@ class FakeStoreClient:
             return True
         return False
 
-    def put(self, key: str, value) -> bool:
+    def put(self, key: str, value, *, replace: bool = False) -> PutResult:
         self.put_keys.append(key)
         if self._fail('fail_puts'):
             self.stats.put_failures += 1
-            return False
+            return PutResult.FAILED
         data = bytes(value)
-        self.objects.setdefault(key, data)      # "already exists" keeps the first value
+        if key in self.objects and not replace:     # "already exists" keeps the first value
+            self.stats.existing += 1
+            return PutResult.EXISTS
+        self.objects[key] = data
         self.stats.puts += 1
         self.stats.put_bytes += len(data)
+        return PutResult.REPAIRED if replace else PutResult.STORED
+
+    def remove(self, key: str) -> bool:
+        if not self.available:
+            return False
+        self.objects.pop(key, None)
         return True
 
     def get(self, key: str) -> bytes | None:
@@ -368,12 +480,12 @@ class FakeStoreClient:
         return data
 
     def exists(self, key: str) -> bool:
-        return self.batch_exists([key])[0]
+        return bool((self.batch_exists([key]) or [False])[0])
 
-    def batch_exists(self, keys: list[str]) -> list[bool]:
+    def batch_exists(self, keys: list[str]) -> list[bool] | None:
         if self._fail('fail_exists'):
             self.stats.exists_failures += len(keys)
-            return [False] * len(keys)
+            return None
         return [k in self.objects for k in keys]
 
     def close(self) -> None:

@@ -3,11 +3,18 @@
 This module owns everything that decides *which bytes* a Store object holds and *under which
 key*; it does no I/O. Invariants:
 
-- A value is a fixed 48-byte little-endian header, the raw payload, then a 32-byte MAC;
+- A value is a fixed 64-byte little-endian header, the raw payload, then a 32-byte MAC;
   nothing is pickled, so reading a foreign or corrupt object can never run code.
+- A value is bound to its key: the header holds a digest of the full key (namespace, kind,
+  prefix hash), covered by the checksum, and the MAC covers the key itself. A genuine object
+  copied under another key (another prompt at the same depth) is rejected (``key``, or ``mac``
+  when the copier also rewrote the digest), never restored.
 - :func:`decode_object` returns a payload only when magic, format version, kind, namespace
-  digest, token count, payload length, checksum and MAC all match; anything else raises
-  :class:`StoreObjectError` (the caller counts it as a miss).
+  digest, token count, key digest, payload length, checksum and MAC all match; anything else
+  raises :class:`StoreObjectError` (the caller counts it as a miss).
+- Every value carries its writer's 64-bit id, so two writers of one key never produce the same
+  bytes: a Store that keeps the first value of a key can tell whose value it kept
+  (:mod:`.backend`, exact byte counts with concurrent writers).
 - Two engines whose bytes could differ (model, dtypes, block size, layer layout, adapter,
   format version) get different namespace digests, hence disjoint keys (:mod:`.identity` builds
   the identity). Objects are tensor-parallel independent: they hold every head, and the engine
@@ -15,19 +22,25 @@ key*; it does no I/O. Invariants:
 
 Value layout (offsets in bytes, all integers little-endian)::
 
-    0      4      6    7    8                 24        32         40        44     48         48+n
-    +------+------+----+----+-----------------+---------+----------+---------+------+----------+--------+
-    | LMDS | ver  |kind| 0  | namespace (16)  | tokens  | pay. len | 0 (u32) | crc  | payload  | MAC 32 |
-    +------+------+----+----+-----------------+---------+----------+---------+------+----------+--------+
-     magic  u16    u8   u8   digest bytes      u64       u64 (= n)  reserved  u32    n bytes    HMAC-SHA256
+    0      4     6    7    8               24       32        40       48         56   60    64        64+n
+    +------+-----+----+----+---------------+--------+---------+--------+----------+----+-----+---------+--------+
+    | LMDS | ver |kind| 0  | namespace(16) | tokens | pay.len | writer | key dig. | 0  | crc | payload | MAC 32 |
+    +------+-----+----+----+---------------+--------+---------+--------+----------+----+-----+---------+--------+
+     magic  u16   u8   u8   digest bytes    u64      u64 (=n)  u64      BLAKE2b-64 u32  u32   n bytes   HMAC-SHA256
 
-Checksum: CRC-32 (``zlib.crc32``) over header bytes [0, 44) followed by the payload. It tells
+Key digest: BLAKE2b with an 8-byte digest of the key's UTF-8 bytes.
+
+Checksum: CRC-32 (``zlib.crc32``) over header bytes [0, 60) followed by the payload. It tells
 accidental corruption (truncation, bit flips, torn writes) apart from forgery, at ~2.6 GB/s.
+Because the key digest is among the bytes it covers, a value copied under another key fails
+without a secret too (reason ``key``), unless whoever copied it also rewrote digest and checksum.
 
 MAC: HMAC-SHA256 (RFC 2104 with SHA-256, Python's :mod:`hmac`) keyed with the Store secret over
-header bytes [0, 48) (checksum included) followed by the payload. Without the secret nobody can
-make an object this engine accepts. With no secret configured the key is empty: the MAC then
-only repeats the checksum's job, and anyone who can reach the Store can forge objects.
+the key's length (u16) and UTF-8 bytes, header bytes [0, 64) (checksum included), then the
+payload. Without the secret nobody can make an object this engine accepts under any key, and a
+genuine object moved to another key fails the MAC. With no secret configured the key is empty:
+the MAC then only repeats the checksum's job, and anyone who can reach the Store can forge
+objects (or copy one under another key and fix its digest and checksum).
 """
 from __future__ import annotations
 
@@ -42,13 +55,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 2                    # 2: the HMAC-SHA256 trailer
+FORMAT_VERSION = 3                    # 2: the HMAC-SHA256 trailer; 3: key binding and writer id
 MAGIC = b'LMDS'
 KINDS = ('kv', 'state')
 _KIND_CODE = {'kv': 1, 'state': 2}
-_HEADER = struct.Struct('<4sHBB16sQQII')
-HEADER_SIZE = _HEADER.size            # 48 bytes: the payload starts 16-byte aligned
+_HEADER = struct.Struct('<4sHBB16sQQQ8sII')
+HEADER_SIZE = _HEADER.size            # 64 bytes: the payload starts 16-byte aligned
 _CRC_COVERED = HEADER_SIZE - 4        # the checksum covers every header byte before itself
+WRITER_OFFSET = 40                    # where the writer id sits (see :mod:`.backend`)
+KEY_DIGEST_SIZE = 8
 MAC_SIZE = 32                         # HMAC-SHA256 trailer after the payload
 OBJECT_OVERHEAD = HEADER_SIZE + MAC_SIZE   # bytes a value holds beyond its payload
 DIGEST_SIZE = 16
@@ -56,9 +71,10 @@ DIGEST_SIZE = 16
 
 class StoreObjectError(ValueError):
     """A Store value that must not be used; ``reason`` is one of ``truncated``, ``magic``,
-    ``version``, ``kind``, ``namespace``, ``tokens``, ``length``, ``checksum``, ``mac`` (usable
-    as a metric label). ``mac`` means forged, written under another secret, or tampered with
-    after its checksum was recomputed."""
+    ``version``, ``kind``, ``namespace``, ``tokens``, ``key``, ``length``, ``checksum``, ``mac``
+    (usable as a metric label). ``key`` means a value made for another key (copied there);
+    ``mac`` means forged, written under another secret, or tampered with after its checksum was
+    recomputed."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f'bad Store object ({reason}): {detail}')
@@ -105,14 +121,36 @@ def _check_secret(secret) -> bytes:
     return bytes(secret)
 
 
-def _mac(secret: bytes, header: memoryview | bytes, payload: memoryview) -> bytes:
-    h = hmac.new(secret, header, hashlib.sha256)
+def _key_bytes(key: str) -> bytes:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f'key must be a non-empty str, got {key!r}')
+    data = key.encode()
+    if len(data) >= 1 << 16:
+        raise ValueError(f'key must be shorter than 65536 UTF-8 bytes, got {len(data)}')
+    return data
+
+
+def key_digest(key: str) -> bytes:
+    """The 8-byte BLAKE2b digest of ``key`` that a value's header holds."""
+    return hashlib.blake2b(_key_bytes(key), digest_size=KEY_DIGEST_SIZE).digest()
+
+
+def _check_writer(writer: int) -> int:
+    if not isinstance(writer, int) or isinstance(writer, bool) or not 0 <= writer < 1 << 64:
+        raise ValueError(f'writer must be an int in [0, 2**64), got {writer!r}')
+    return writer
+
+
+def _mac(secret: bytes, key: bytes, header: memoryview | bytes, payload: memoryview) -> bytes:
+    h = hmac.new(secret, struct.pack('<H', len(key)) + key, hashlib.sha256)
+    h.update(header)
     h.update(payload)
     return h.digest()
 
 
-def encode_object(kind: str, namespace_digest: bytes, num_tokens: int, payload, secret: bytes | None = None) -> bytes:
-    """Build one Store value: the 48-byte header, ``payload``, then the 32-byte MAC.
+def encode_object(kind: str, namespace_digest: bytes, num_tokens: int, payload, secret: bytes | None = None, *,
+                  key: str, writer: int = 0) -> bytes:
+    """Build one Store value for ``key``: the 64-byte header, ``payload``, then the 32-byte MAC.
 
     Args:
         kind: ``'kv'`` (the KV bytes of one block) or ``'state'`` (a state snapshot).
@@ -122,27 +160,34 @@ def encode_object(kind: str, namespace_digest: bytes, num_tokens: int, payload, 
         payload: bytes, bytearray, memoryview or a contiguous CPU ``torch.uint8`` tensor; its
             bytes are copied verbatim.
         secret: the Store secret the MAC is keyed with; None = no secret (empty key).
+        key: the Store key the value is put under (:func:`object_key`); the value verifies
+            under this key only.
+        writer: the writer's 64-bit id (random per engine), so that two writers' values of one
+            key differ.
 
     Returns:
-        ``OBJECT_OVERHEAD + len(payload)`` bytes (header 48 + payload + MAC 32).
+        ``OBJECT_OVERHEAD + len(payload)`` bytes (header 64 + payload + MAC 32).
 
     Raises:
-        ValueError: a bad ``kind``, digest length, token count, payload or secret type.
+        ValueError: a bad ``kind``, digest length, token count, payload, secret type, key or
+            writer id.
     """
-    key = _check_secret(secret)
+    mac_key = _check_secret(secret)
     code = _check_kind(kind)
     digest = _check_digest(namespace_digest)
     _check_tokens(num_tokens)
+    key_data = _key_bytes(key)
     view = _payload_view(payload)
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, code, 0, digest, num_tokens, view.nbytes, 0, 0)
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, code, 0, digest, num_tokens, view.nbytes, _check_writer(writer),
+                          key_digest(key), 0, 0)
     crc = zlib.crc32(view, zlib.crc32(header[:_CRC_COVERED]))
     header = header[:_CRC_COVERED] + struct.pack('<I', crc)
-    return b''.join((header, view, _mac(key, header, view)))
+    return b''.join((header, view, _mac(mac_key, key_data, header, view)))
 
 
 def decode_object(data, expect_kind: str, namespace_digest: bytes, num_tokens: int,
-                  secret: bytes | None = None) -> memoryview:
-    """Verify a Store value and return its payload.
+                  secret: bytes | None = None, *, key: str) -> memoryview:
+    """Verify a Store value read from ``key`` and return its payload.
 
     Args:
         data: the value as read from the Store (bytes-like).
@@ -150,6 +195,7 @@ def decode_object(data, expect_kind: str, namespace_digest: bytes, num_tokens: i
         namespace_digest: this engine's 16-byte namespace digest.
         num_tokens: the token count the caller expects (see :func:`encode_object`).
         secret: the Store secret; None = no secret (empty key).
+        key: the key the value was read from; a value made for another key is rejected.
 
     Returns:
         A zero-copy read-only ``memoryview`` of the payload bytes inside ``data``.
@@ -158,16 +204,17 @@ def decode_object(data, expect_kind: str, namespace_digest: bytes, num_tokens: i
         StoreObjectError: the value is truncated, any header field, the checksum or the MAC
             does not match (``.reason`` says which, checked in layout order; a value without
             its MAC trailer is ``mac``).
-        ValueError: bad arguments (kind, digest length, token count, secret type).
+        ValueError: bad arguments (kind, digest length, token count, secret type, key).
     """
-    key = _check_secret(secret)
+    mac_key = _check_secret(secret)
     code = _check_kind(expect_kind)
     digest = _check_digest(namespace_digest)
     _check_tokens(num_tokens)
+    key_data = _key_bytes(key)
     view = memoryview(data).cast('B')
     if view.nbytes < HEADER_SIZE:
         raise StoreObjectError('truncated', f'{view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header')
-    magic, version, got_code, reserved8, got_digest, got_tokens, length, reserved32, crc = \
+    magic, version, got_code, reserved8, got_digest, got_tokens, length, _writer, got_key, reserved32, crc = \
         _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise StoreObjectError('magic', f'magic {magic!r} != {MAGIC!r}')
@@ -180,6 +227,8 @@ def decode_object(data, expect_kind: str, namespace_digest: bytes, num_tokens: i
         raise StoreObjectError('namespace', f'namespace {got_digest.hex()} != {digest.hex()}')
     if got_tokens != num_tokens:
         raise StoreObjectError('tokens', f'token count {got_tokens} != {num_tokens}')
+    if got_key != key_digest(key):
+        raise StoreObjectError('key', f'the value was made for another key than {key!r} (copied here?)')
     if view.nbytes == HEADER_SIZE + length:
         raise StoreObjectError('mac', 'the value has no MAC trailer')
     if length != view.nbytes - OBJECT_OVERHEAD:
@@ -188,7 +237,7 @@ def decode_object(data, expect_kind: str, namespace_digest: bytes, num_tokens: i
     payload = view[HEADER_SIZE:HEADER_SIZE + length]
     if zlib.crc32(payload, zlib.crc32(view[:_CRC_COVERED])) != crc:
         raise StoreObjectError('checksum', 'payload checksum mismatch')
-    if not hmac.compare_digest(_mac(key, view[:HEADER_SIZE], payload), view[HEADER_SIZE + length:]):
+    if not hmac.compare_digest(_mac(mac_key, key_data, view[:HEADER_SIZE], payload), view[HEADER_SIZE + length:]):
         raise StoreObjectError('mac', 'MAC mismatch: forged, written under another secret, or tampered with')
     return payload.toreadonly()
 
