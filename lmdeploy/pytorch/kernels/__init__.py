@@ -111,7 +111,8 @@ def _import_builtin_kernels() -> None:
         return
     _IMPORTED = True
     import importlib
-    for mod in ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'attention_triton', 'fp8'):
+    for mod in ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'causal_conv1d', 'state_copy', 'moe',
+                'attention_triton', 'fp8'):
         try:
             importlib.import_module(f'{__name__}.{mod}')
         except ModuleNotFoundError as err:  # only a missing kernel module is skipped, not its imports
