@@ -162,5 +162,9 @@ def check_config(config) -> None:
         from .qwen3_5 import check_config as check_qwen3_5
         config = config.get_text_config()
         check_qwen3_5(config)
+    elif config.model_type == 'kimi_linear':
+        from .kimi_linear import check_config as check_kimi_linear
+        check_kimi_linear(config)
+        return                # no rotary embedding: its rope fields are never read
     from .rope import RotaryEmbedding
     RotaryEmbedding(config)  # raises for rope parameters it cannot reproduce
