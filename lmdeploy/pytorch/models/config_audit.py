@@ -104,6 +104,28 @@ _MOE = {
 # renormalises its top-k; the config has no norm_topk_prob / decoder_sparse_step / mlp_only_layers)
 FIELDS['qwen3_5_moe_text'] = {**_QWEN3_5_TEXT, **_MOE}
 FIELDS['qwen3_5_moe'] = {**FIELDS['qwen3_5'], **_MOE}
+# Kimi-Linear: KDA + MLA (no rotary embedding, so no rope field is read) + a grouped sigmoid-routed MoE
+FIELDS['kimi_linear'] = {
+    **{k: v for k, v in _COMMON.items() if k not in ('head_dim', 'rope_parameters', 'max_position_embeddings')},
+    'num_key_value_heads': CHECKED,           # must equal num_attention_heads (one K/V per query head)
+    'mlp_layer_types': CHECKED,               # 'dense' / 'sparse' per layer
+    'linear_conv_kernel_dim': IMPLEMENTED,
+    'linear_head_dim': IMPLEMENTED,
+    'linear_num_heads': IMPLEMENTED,
+    'kv_lora_rank': IMPLEMENTED,
+    'q_lora_rank': IMPLEMENTED,               # None: one q_proj; else q_a_proj / norm / q_b_proj
+    'qk_nope_head_dim': IMPLEMENTED,
+    'qk_rope_head_dim': IMPLEMENTED,
+    'v_head_dim': IMPLEMENTED,
+    'moe_intermediate_size': IMPLEMENTED,
+    'n_shared_experts': IMPLEMENTED,
+    'num_local_experts': IMPLEMENTED,
+    'num_experts_per_tok': IMPLEMENTED,
+    'n_group': CHECKED,                       # divides num_local_experts into groups of >= 2
+    'topk_group': CHECKED,                    # in [1, n_group]
+    'norm_topk_prob': IMPLEMENTED,
+    'routed_scaling_factor': IMPLEMENTED,
+}
 
 # keys of transformers' RopeParameters; 'implemented' ones are read by transformers' own functions
 ROPE_FIELDS: dict[str, str] = {

@@ -1,0 +1,185 @@
+"""Kimi-Linear served exactly like transformers: logits <= 1e-4 in fp32 at every prompt
+position (5-700 tokens, cold and in 32-token chunks), greedy tokens equal cold, chunked and after
+a local prefix-cache restore, a 4-turn chat identical with the prefix cache off / on / last-only /
+turn-end (hits on later turns), a checkpoint in transformers' in-memory names (stacked conv,
+fused experts, q LoRA, attention bias) loading the same model, the layer cache specs, and the
+config audit covering every field transformers reads."""
+import inspect
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from engine_utils import (TOL, StepRecorder, engine_prompt_logits, hf_greedy, hf_prompt_logits, load_hf, make_engine,
+                          random_prompt, run_alone, run_staggered)
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
+from lmdeploy.pytorch.models import get_model_class
+from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    """(checkpoint path in the published layout, transformers float32 reference)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_kimi_linear')), arch='kimi_linear', seed=0)
+    return path, load_hf(path)
+
+
+@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
+def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
+    path, hf = tiny
+    ids = random_prompt(n, seed=n)
+    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
+    ref = hf_prompt_logits(hf, ids)
+    assert forwards == -(-n // chunk)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
+    path, hf = tiny
+    ids = random_prompt(200, seed=11)
+    expected = hf_greedy(hf, ids, 12)
+    gen = GenerationConfig(max_new_tokens=12)
+    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
+    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
+    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
+                         enable_prefix_caching=True, num_checkpoint_slots=8)
+    first = cached.generate(ids, gen)
+    again = cached.generate(ids, gen)
+    assert cold == chunked == first.output_ids == again.output_ids == expected
+    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+
+
+def test_continuous_batching_equals_each_request_alone(tiny):
+    """Requests added while others run (mixed prefill + decode forwards: batched KDA decode
+    steps, per-sequence MLA over the latent blocks) decode what each decodes alone."""
+    path, _ = tiny
+    prompts = [random_prompt(n, seed=70 + n) for n in (9, 45, 17, 70)]
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    alone = run_alone(make_engine(path, block_size=16), prompts, gen)
+    rec_engine = make_engine(path, block_size=16, max_prefill_token_num=32)
+    rec = StepRecorder(rec_engine)
+    together = run_staggered(rec_engine, prompts, gen, every=2)
+    assert [s.output_ids for s in together] == alone
+    assert rec.num_mixed_steps > 0 and rec.max_concurrent() >= 3
+
+
+POLICIES = {
+    'off': dict(enable_prefix_caching=False),
+    'on': dict(enable_prefix_caching=True),
+    'last_only': dict(enable_prefix_caching=True, prefill_save_last_only=True),
+    'turn_end': dict(enable_prefix_caching=True, decode_save_last=True),
+}
+
+
+def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
+    path, _ = tiny
+    users = [random_prompt(n, seed=40 + i) for i, n in enumerate((90, 50, 70, 40))]
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    replies, hits = {}, {}
+    for name, fields in POLICIES.items():
+        eng = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
+                          num_checkpoint_slots=16, **fields)
+        ids, replies[name], hits[name] = [], [], []
+        for user in users:
+            ids = ids + user
+            seq = eng.generate(ids, gen)
+            replies[name].append(seq.output_ids)
+            hits[name].append(seq.num_cached_tokens)
+            ids = list(seq.token_ids)
+    assert all(r == replies['off'] for r in replies.values()), replies
+    assert hits['off'] == [0, 0, 0, 0]
+    for name in ('on', 'last_only', 'turn_end'):
+        assert hits[name][0] == 0 and all(h > 0 for h in hits[name][1:]), (name, hits[name])
+
+
+def test_transformers_named_checkpoint_with_q_lora_and_bias_matches(tiny, tmp_path):
+    """Other shapes (q LoRA, attention bias, v_head_dim != qk dims, 3 of 12 experts in 4 groups,
+    two shared experts, no renormalisation) saved under transformers' in-memory names."""
+    from safetensors.torch import save_file
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from lmdeploy.tools.make_tiny_model import _randomize
+    src, _ = tiny
+    base = json.load(open(os.path.join(src, 'config.json')))
+    lin, full = 'linear_attention', 'full_attention'
+    config = KimiLinearConfig(vocab_size=base['vocab_size'], hidden_size=48, num_attention_heads=3,
+                              num_key_value_heads=3, num_hidden_layers=3, layer_types=[full, lin, lin],
+                              mlp_layer_types=['sparse', 'dense', 'sparse'], intermediate_size=64,
+                              moe_intermediate_size=16, num_local_experts=12, num_experts_per_tok=3, n_group=4,
+                              topk_group=2, n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.7,
+                              kv_lora_rank=24, q_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                              v_head_dim=12, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=3,
+                              attention_bias=True, eos_token_id=base['eos_token_id'],
+                              pad_token_id=base['pad_token_id'], bos_token_id=None)
+    torch_state = torch.random.get_rng_state()
+    hf = KimiLinearForCausalLM(config).float().eval()
+    torch.random.set_rng_state(torch_state)
+    _randomize(hf, 3)
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith('e_score_correction_bias'):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(1)))
+    path = tmp_path / 'hf_names'
+    shutil.copytree(src, path)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith('self_attn.conv1d.weight') for k in sd) and any('forget_gate' in k for k in sd)
+    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
+    cfg = config.to_diff_dict()
+    cfg['architectures'] = ['KimiLinearForCausalLM']
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    ids = random_prompt(120, seed=7)
+    got, _ = engine_prompt_logits(make_engine(str(path), max_prefill_token_num=40, block_size=16), ids)
+    ref = hf_prompt_logits(hf, ids)
+    assert (got - ref).abs().max().item() <= TOL
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    assert make_engine(str(path), block_size=16).generate(ids, gen).output_ids == hf_greedy(hf, ids, 8)
+
+
+def test_cache_specs_are_a_latent_row_and_a_four_tensor_state(tiny):
+    path, _ = tiny
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    specs = get_model_class('kimi_linear').cache_specs(config, torch.float32)
+    kda, mla = specs[0], specs[2]
+    assert isinstance(kda, StateSpec) and isinstance(mla, PagedSpec)
+    assert [t.name for t in kda.tensors()] == ['q_conv', 'k_conv', 'v_conv', 'recurrent']
+    assert all(t.tp_split == 'v_heads' for t in kda.tensors())
+    (latent,) = mla.tensors()
+    assert latent.shape == (config.kv_lora_rank + config.qk_rope_head_dim,) and latent.tp_split is None
+    H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
+    assert state_bytes_per_slot(specs) == 3 * 4 * (3 * H * d * (K - 1) + H * d * d)
+    assert kv_bytes_per_block(specs, 16) == 1 * 16 * 4 * (config.kv_lora_rank + config.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize('change, field', [
+    (dict(hidden_act='gelu'), 'hidden_act'),
+    (dict(num_key_value_heads=2), 'num_key_value_heads'),
+    (dict(layer_types=['full_attention'] * 3), 'layer_types'),
+    (dict(mlp_layer_types=['moe'] * 4), 'mlp_layer_types'),
+    (dict(n_group=3), 'n_group'),
+    (dict(topk_group=5), 'topk_group'),
+])
+def test_refused_fields_name_themselves(tiny, change, field):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(ValueError, match=field):
+        check_config(config)
+    checked = {f for f, how in FIELDS['kimi_linear'].items() if how == CHECKED}
+    assert checked <= {'hidden_act', 'num_key_value_heads', 'layer_types', 'mlp_layer_types', 'n_group',
+                       'topk_group', 'quantization_config'}
+
+
+def test_audit_lists_every_field_transformers_reads_for_kimi_linear():
+    import transformers.models.kimi_linear.modeling_kimi_linear as modeling
+    source = inspect.getsource(modeling)
+    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
+                                                                       source))
+    assert read and not read - set(FIELDS['kimi_linear']), sorted(read - set(FIELDS['kimi_linear']))
