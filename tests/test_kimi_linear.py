@@ -183,3 +183,19 @@ def test_audit_lists_every_field_transformers_reads_for_kimi_linear():
     read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
                                                                        source))
     assert read and not read - set(FIELDS['kimi_linear']), sorted(read - set(FIELDS['kimi_linear']))
+
+
+def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
+    """A writer process saves a prompt (KDA state checkpoints + MLA latent blocks) to the Store;
+    a second fresh process restores 256 tokens from it and decodes what an engine with caching
+    off decodes."""
+    from test_store_engine import GEN, P, run_worker
+    path, _ = tiny
+    ids = random_prompt(300, seed=301)
+    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
+    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
+    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
+    assert ta['output_ids'] == tb['output_ids'] == cold
