@@ -159,7 +159,6 @@ def test_cache_specs_are_a_latent_row_and_a_four_tensor_state(tiny):
 
 @pytest.mark.parametrize('change, field', [
     (dict(hidden_act='gelu'), 'hidden_act'),
-    (dict(num_key_value_heads=2), 'num_key_value_heads'),
     (dict(layer_types=['full_attention'] * 3), 'layer_types'),
     (dict(mlp_layer_types=['moe'] * 4), 'mlp_layer_types'),
     (dict(n_group=3), 'n_group'),
@@ -173,7 +172,7 @@ def test_refused_fields_name_themselves(tiny, change, field):
     with pytest.raises(ValueError, match=field):
         check_config(config)
     checked = {f for f, how in FIELDS['kimi_linear'].items() if how == CHECKED}
-    assert checked <= {'hidden_act', 'num_key_value_heads', 'layer_types', 'mlp_layer_types', 'n_group',
+    assert checked <= {'hidden_act', 'layer_types', 'mlp_layer_types', 'n_group',
                        'topk_group', 'quantization_config'}
 
 

@@ -107,7 +107,9 @@ FIELDS['qwen3_5_moe'] = {**FIELDS['qwen3_5'], **_MOE}
 # Kimi-Linear: KDA + MLA (no rotary embedding, so no rope field is read) + a grouped sigmoid-routed MoE
 FIELDS['kimi_linear'] = {
     **{k: v for k, v in _COMMON.items() if k not in ('head_dim', 'rope_parameters', 'max_position_embeddings')},
-    'num_key_value_heads': CHECKED,           # must equal num_attention_heads (one K/V per query head)
+    # MLA up-projects a K and V per query head whatever this says; transformers' repeat_kv only
+    # runs when it equals num_attention_heads (the engine does not need that)
+    'num_key_value_heads': INERT,
     'mlp_layer_types': CHECKED,               # 'dense' / 'sparse' per layer
     'linear_conv_kernel_dim': IMPLEMENTED,
     'linear_head_dim': IMPLEMENTED,

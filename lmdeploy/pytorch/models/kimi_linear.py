@@ -41,7 +41,8 @@ def check_config(config) -> None:
 
     Raises:
         ValueError: naming the field (``layer_types``, ``mlp_layer_types``, ``hidden_act``,
-            ``num_key_value_heads``, ``n_group`` / ``topk_group``).
+            ``n_group`` / ``topk_group``). ``num_key_value_heads`` is not read: ``kv_b_proj``
+            up-projects a key and a value for every query head.
     """
     n = config.num_hidden_layers
     types = list(getattr(config, 'layer_types', None) or [])
@@ -52,9 +53,6 @@ def check_config(config) -> None:
         raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {mlp}")
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
-    if config.num_key_value_heads != config.num_attention_heads:
-        raise ValueError(f'num_key_value_heads ({config.num_key_value_heads}) must equal num_attention_heads '
-                         f'({config.num_attention_heads}): MLA up-projects a key and value per query head')
     if 'sparse' in mlp and (config.num_local_experts % config.n_group
                             or config.num_local_experts // config.n_group < 2
                             or not 1 <= config.topk_group <= config.n_group):
