@@ -198,3 +198,48 @@ def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
     assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
     cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
     assert ta['output_ids'] == tb['output_ids'] == cold
+
+
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services, last_only):
+    """Two seed scenarios scaled by 1/16 against the real Store: the engine's put bytes and
+    objects equal ``simulate()`` fed the engine's S and K_blk, and ``sizes_from_config`` of the
+    checkpoint's config.json gives those same S and K_blk (specs alone, no model branch)."""
+    from test_benchmark_store_bytes import SCALE, _run_conversation, bench, sim
+    path, _ = tiny
+    geo = bench.Geometry.from_scale(SCALE)
+    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
+    engine = make_engine(path, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=last_only, num_gpu_blocks=512,
+                         mooncake_master=mooncake_services.master_address,
+                         mooncake_metadata_server=mooncake_services.metadata_server)
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    try:
+        for i, scenario in enumerate(scenarios):
+            before = engine.stats()
+            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                     seed=770_000 + 1000 * i + 100 * last_only)
+            engine.store.flush()
+            after = engine.stats()
+            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
+                                alignment=geo.alignment)
+            policy = pred.last_only if last_only else pred.default
+            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+            assert put == {'state': sum(t.state_bytes for t in policy.turns),
+                           'kv': sum(t.kv_bytes for t in policy.turns)}
+            assert after['store_put_failures'] == before['store_put_failures']
+    finally:
+        engine.close()
+    config = json.loads(open(os.path.join(path, 'config.json')).read())
+    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+
+
+def test_kimi_linear_48b_preset_sizes():
+    """The published Kimi-Linear-48B geometry (bf16): S = 20 KDA layers x (3 convs
+    32 x 128 x 3 bf16 + a 32 x 128 x 128 float32 state); K_blk = 7 MLA layers x 64 tokens x
+    (512 + 64) bf16 — the latent once, not once per head."""
+    from test_benchmark_store_bytes import sim
+    sizes = sim.sizes_from_config(sim.KIMI_LINEAR_48B_CONFIG, block_size=64)
+    assert sizes == sim.StoreSizes(20 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4), 7 * 64 * 576 * 2)
