@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from engine_utils import (TOL, StepRecorder, engine_prompt_logits, hf_greedy, hf_prompt_logits, load_hf, make_engine,
                           random_prompt, run_alone, run_staggered)
@@ -243,3 +244,48 @@ def test_kimi_linear_48b_preset_sizes():
     from test_benchmark_store_bytes import sim
     sizes = sim.sizes_from_config(sim.KIMI_LINEAR_48B_CONFIG, block_size=64)
     assert sizes == sim.StoreSizes(20 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4), 7 * 64 * 576 * 2)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
+    """Model level, random geometry (layer and MLP patterns, q LoRA or not, head dims, conv
+    kernel, expert groups) and a random prefill chunking then 3 decode steps: logits <= 1e-4
+    of transformers' full forward, through NaN-poisoned scrambled blocks and slots."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from lmdeploy.tools.make_tiny_model import _randomize
+    from model_harness import ModelHarness
+    lin, full = 'linear_attention', 'full_attention'
+    n_layers = data.draw(st.integers(1, 3))
+    types = data.draw(st.lists(st.sampled_from([lin, full]), min_size=n_layers, max_size=n_layers))
+    mlp = data.draw(st.lists(st.sampled_from(['dense', 'sparse']), min_size=n_layers, max_size=n_layers))
+    heads = data.draw(st.integers(1, 3))
+    n_group = data.draw(st.sampled_from([1, 2, 4]))
+    config = KimiLinearConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=n_layers, layer_types=types, mlp_layer_types=mlp, intermediate_size=48,
+        moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=data.draw(st.integers(1, 3)),
+        n_group=n_group, topk_group=data.draw(st.integers(1, n_group)), n_shared_experts=1,
+        norm_topk_prob=data.draw(st.booleans()), routed_scaling_factor=2.0,
+        kv_lora_rank=data.draw(st.sampled_from([8, 16])), q_lora_rank=data.draw(st.sampled_from([None, 12])),
+        qk_nope_head_dim=8, qk_rope_head_dim=data.draw(st.sampled_from([4, 8])),
+        v_head_dim=data.draw(st.sampled_from([4, 8])),
+        linear_num_heads=data.draw(st.integers(1, 3)), linear_head_dim=data.draw(st.sampled_from([4, 8])),
+        linear_conv_kernel_dim=data.draw(st.integers(2, 4)), pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    seed = data.draw(st.integers(0, 1000))
+    torch_state = torch.random.get_rng_state()
+    hf = KimiLinearForCausalLM(config).float().eval()
+    torch.random.set_rng_state(torch_state)
+    _randomize(hf, seed)
+    ours = get_model_class('kimi_linear')(config).eval()
+    ours.load_weights(hf.state_dict().items())
+    n = data.draw(st.integers(5, 80))
+    ids = torch.randint(0, 64, (n + 3,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32), num_blocks=32, block_size=8)
+    seq = h.add_sequence()
+    chunk = data.draw(st.integers(1, 40))
+    got = torch.cat([h.run_chunks(seq, ids[:n], chunk)] + [h.step([(seq, [t])])[0] for t in ids[n:]])
+    assert (got - ref).abs().max().item() <= TOL
