@@ -16,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 from engine_utils import (TOL, StepRecorder, engine_prompt_logits, hf_greedy, hf_prompt_logits, load_hf, make_engine,
                           random_prompt, run_alone, run_staggered)
-from lmdeploy import GenerationConfig
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
@@ -289,3 +290,76 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     chunk = data.draw(st.integers(1, 40))
     got = torch.cat([h.run_chunks(seq, ids[:n], chunk)] + [h.step([(seq, [t])])[0] for t in ids[n:]])
     assert (got - ref).abs().max().item() <= TOL
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
+    """KDA split by head, MLA by query head with the latent replicated; MoE replicated."""
+    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, engine as tp_engine
+    path, _ = tiny
+    ref = tp_engine(path)
+    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
+    ref.close()
+    eng = tp_engine(path, tp=2)
+    try:
+        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
+        assert (logits - ref_logits).abs().max().item() <= TP_TOL
+        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
+    finally:
+        eng.close()
+
+
+def test_tp_plan_slices_tile_every_split_tensor(tiny):
+    """Over the ranks, each split tensor's ranges tile its axis exactly once; the latent's
+    producers (q_a / kv_a projections and norms) are read whole by every rank."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    path, _ = tiny
+    config = AutoConfig.from_pretrained(path)
+    layouts = [TPLayout(config, r, 2) for r in range(2)]
+    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
+        for name in f.keys():
+            shards = [lay.shard(name) for lay in layouts]
+            shape = f.get_slice(name).get_shape()
+            if shards[0] is None:
+                assert all(s is None for s in shards)
+                continue
+            covered = sorted(r for s in shards for r in s.ranges)
+            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    for name in ('model.layers.2.self_attn.kv_a_proj_with_mqa.weight', 'model.layers.2.self_attn.kv_a_layernorm.weight'):
+        assert layouts[0].shard(name) is None and layouts[1].shard(name) is None
+
+
+@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2)])
+def test_store_across_tp_sizes_holds_the_latent_once_and_bytes_match_the_simulator(tiny, mooncake_services,
+                                                                                  writer_tp, reader_tp):
+    """A TP2 writer's Store objects are the TP-independent payloads: S is the sum of the ranks'
+    KDA head slices, K_blk the latent of ONE rank (replicated, stored once, charged once by the
+    simulator); a reader of the other TP size restores the prefix and decodes the same tokens."""
+    from test_store_engine import sim, store_config
+    from test_tensor_parallel import A, B, P, assert_reader_restores, engine as tp_engine
+    path, _ = tiny
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 5000 + 10 * writer_tp + reader_tp)
+    cold = tp_engine(path)
+    expected = cold.generate(ids, gen).output_ids
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(path, PytorchEngineConfig(**cfg, tp=writer_tp))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2, block_size=B)
+        S, K = sizes.charged
+        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
+        assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes     # the latent once, not per rank
+        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
+        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
+    finally:
+        writer.close()
+    assert_reader_restores(path, cfg, reader_tp, ids, gen, expected)

@@ -139,6 +139,18 @@ _QWEN3_5 = ('qwen3_5', 'qwen3_5_text') + _QWEN3_5_MOE
 _HYBRID = ('qwen3_next',) + _QWEN3_5
 
 
+def _model_tp_plan(model_type: str):
+    """The ``tp_plan(config, rank, size)`` staticmethod of the registry's class for
+    ``model_type``, or None (the families split by the tables of this module). A plan has
+    ``local_config()``, ``shard(name) -> (dim, ranges) | None`` (checkpoint names other than the
+    embedding and ``lm_head``, which split by vocabulary here), ``cache_ranges(split)`` and
+    ``row_parallel`` (``(owner, name)`` output projections swapped for :class:`RowParallelLinear`)."""
+    from ..models import MODEL_REGISTRY, get_model_class
+    if model_type not in MODEL_REGISTRY:
+        return None
+    return getattr(get_model_class(model_type), 'tp_plan', None)
+
+
 def _text_config(config):
     """The config of the text stack: ``text_config`` of a vision-language config, else ``config``."""
     return getattr(config, 'text_config', None) or config
@@ -170,6 +182,15 @@ class TPLayout:
     def __init__(self, config, rank: int, size: int):
         self.config, self.rank, self.size = config, rank, size
         self.model_type = config.model_type
+        self.plan = None
+        plan_fn = _model_tp_plan(self.model_type)
+        if plan_fn is not None:     # the model file says how it splits (see _model_tp_plan)
+            self.plan = plan_fn(config, rank, size)
+            self.text, self.intermediate = _text_config(config), (0, 0)
+            vocab = self.text.vocab_size
+            self.vocab_width = -(-vocab // size)
+            self.vocab = (min(vocab, rank * self.vocab_width), min(vocab, (rank + 1) * self.vocab_width))
+            return
         if self.model_type not in self.SPLIT_MODEL_TYPES:
             raise ValueError(f'tp ({size}): tensor parallelism supports model_type '
                              f'{", ".join(self.SPLIT_MODEL_TYPES)}, not {self.model_type!r}; use tp=1')
@@ -211,6 +232,8 @@ class TPLayout:
     def local_config(self):
         """A copy of the config with this rank's head and channel counts (``head_dim`` explicit);
         for ``qwen3_5`` the counts are changed in the copy's ``text_config``."""
+        if self.plan is not None:
+            return self.plan.local_config()
         c = copy.deepcopy(self.config)
         t = _text_config(c)
         t.head_dim = self.head_dim
@@ -226,6 +249,8 @@ class TPLayout:
     def reads(self, name: str) -> bool:
         """Whether this rank reads checkpoint tensor ``name`` at all: ranks other than 0 skip
         Qwen3.5's vision tower (``model.visual.*``, run on rank 0 only) and its unused ``mtp.*``."""
+        if self.plan is not None:
+            return True
         if self.model_type in _QWEN3_5:
             if name.startswith('mtp.') and self.model_type not in _QWEN3_5_MOE:
                 return False
@@ -245,6 +270,8 @@ class TPLayout:
         Raises:
             ValueError: an unknown split name.
         """
+        if self.plan is not None:
+            return self.plan.cache_ranges(split)
         if split == 'kv_heads':
             return (self.kv_heads,)
         if split == 'v_heads':
@@ -274,6 +301,8 @@ class TPLayout:
         """Replace each layer's output projections (attention, Gated DeltaNet, a split dense MLP)
         with :class:`RowParallelLinear` of the same shape."""
         parts = [('self_attn', 'o_proj'), ('linear_attn', 'out_proj')]
+        if self.plan is not None:
+            parts = list(self.plan.row_parallel)
         if self.intermediate[1]:
             parts.append(('mlp', 'down_proj'))
         for layer in layers:
@@ -290,6 +319,9 @@ class TPLayout:
             name = 'model.' + name[len('model.language_model.'):]
         if name in ('model.embed_tokens.weight', 'lm_head.weight'):
             return Shard(0, (self.vocab,))
+        if self.plan is not None:
+            part = self.plan.shard(name)
+            return None if part is None else Shard(*part)
         m = _ATTN.match(name)
         if m:
             proj, kind = m.groups()

@@ -271,6 +271,86 @@ class KimiLinearModel(nn.Module):
         return self.norm(hidden)
 
 
+_KDA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?'
+                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|b_proj|dt_bias|A_log|'
+                       r'o_proj)(?:\.weight)?$')
+_MLA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj)\.weight$')
+
+
+class KimiLinearTPPlan:
+    """How Kimi-Linear splits over ``size`` tensor-parallel ranks (Megatron-style).
+
+    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj``, ``dt_bias`` rows of
+    the rank's heads, ``b_proj`` rows and ``A_log`` entries of its heads, ``o_proj`` columns
+    (row-parallel, all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its
+    four state tensors hold the rank's heads (``tp_split='v_heads'``). MLA: by query head —
+    ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` rows, ``o_proj`` columns; the down-projections
+    ``q_a_proj`` / ``kv_a_proj_with_mqa``, their norms and so the cached latent are the same on
+    every rank (``tp_split=None``: the Store holds it once). MoE and dense MLPs are replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
+    """
+
+    row_parallel = (('self_attn', 'o_proj'),)
+
+    def __init__(self, config, rank: int, size: int):
+        self.config, self.rank, self.size = config, rank, size
+        for field in ('linear_num_heads', 'num_attention_heads'):
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+        per = config.linear_num_heads // size
+        self.heads = (rank * per, (rank + 1) * per)
+        q_per = config.num_attention_heads // size
+        self.q_heads = (rank * q_per, (rank + 1) * q_per)
+
+    def local_config(self):
+        """A copy of the config with this rank's KDA and MLA head counts."""
+        import copy
+        c = copy.deepcopy(self.config)
+        c.linear_num_heads = self.heads[1] - self.heads[0]
+        c.num_attention_heads = c.num_key_value_heads = self.q_heads[1] - self.q_heads[0]
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KDA heads for ``'v_heads'`` (the latent is not split).
+
+        Raises:
+            ValueError: another split name.
+        """
+        if split == 'v_heads':
+            return (self.heads,)
+        raise ValueError(f"CacheTensor.tp_split: kimi_linear splits only 'v_heads', not {split!r}")
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        c = self.config
+        m = _KDA_ROWS.match(name)
+        if m and c.layer_types[int(m.group(1))] == LINEAR:
+            part, d, D = m.group(2), c.linear_head_dim, c.linear_num_heads * c.linear_head_dim
+            (h0, h1) = self.heads
+            if part == 'conv1d':                # transformers stacks q | k | v
+                return 0, tuple((i * D + h0 * d, i * D + h1 * d) for i in range(3))
+            if part == 'b_proj':
+                return 0, ((h0, h1),)
+            if part == 'A_log':                 # [1, 1, H, 1]
+                return 2, ((h0, h1),)
+            if part == 'o_proj':
+                return 1, ((h0 * d, h1 * d),)
+            return 0, ((h0 * d, h1 * d),)
+        m = _MLA_ROWS.match(name)
+        if m and c.layer_types[int(m.group(1))] == FULL:
+            (q0, q1), part = self.q_heads, m.group(2)
+            if part == 'kv_b_proj':
+                per = c.qk_nope_head_dim + c.v_head_dim
+            elif part == 'o_proj':
+                return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
+            else:
+                per = c.qk_nope_head_dim + c.qk_rope_head_dim
+            return 0, ((q0 * per, q1 * per),)
+        return None
+
+
 _RENAMES = [
     (re.compile(r'\.self_attn\.forget_gate\.'), '.self_attn.'),            # transformers -> published
     (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
@@ -296,6 +376,12 @@ class KimiLinearForCausalLM(nn.Module):
         self.config = config
         self.model = KimiLinearModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def tp_plan(config, rank: int, size: int) -> KimiLinearTPPlan:
+        """This rank's split under tensor parallelism (:class:`KimiLinearTPPlan`)."""
+        check_config(config)
+        return KimiLinearTPPlan(config, rank, size)
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
