@@ -34,6 +34,12 @@ way: its full-attention layer's ``mtp.layers.0.self_attn.*`` like the target's a
 (its KV cache holds this rank's KV heads), a dense MLP there like the target's; ``fc``, its
 norms and its MoE are replicated. :meth:`TPLayout.apply_mtp` swaps its row-parallel modules.
 
+A model family may instead say how it splits in its own file: a ``tp_plan(config, rank, size)``
+staticmethod on its registry class (Kimi-Linear's :class:`~lmdeploy.pytorch.models.kimi_linear.KimiLinearTPPlan`)
+gives the local config, the slice of each checkpoint tensor, the ranges of its cache tensors'
+splits and its row-parallel projections; :class:`TPLayout` then uses it instead of the table
+above (the vocabulary split of the embedding and ``lm_head`` stays here).
+
 MoE layers (router, experts, shared expert) are **replicated**: every rank runs the whole
 block on the full hidden state, so no expert routing crosses ranks and the block needs no
 communication. This costs expert memory on every rank; splitting experts is future work.
