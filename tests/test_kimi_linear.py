@@ -363,3 +363,15 @@ def test_store_across_tp_sizes_holds_the_latent_once_and_bytes_match_the_simulat
     finally:
         writer.close()
     assert_reader_restores(path, cfg, reader_tp, ids, gen, expected)
+
+
+def test_a_refused_config_stops_the_loader_before_weights(tiny, tmp_path):
+    from lmdeploy.pytorch.models.loader import load_model
+    path = tmp_path / 'bad'
+    shutil.copytree(tiny[0], path)
+    cfg = json.load(open(path / 'config.json'))
+    cfg['topk_group'] = 5     # the tiny model has 2 expert groups
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    os.remove(path / 'model.safetensors')      # the check must come first
+    with pytest.raises(ValueError, match='topk_group'):
+        load_model(str(path))

@@ -186,9 +186,12 @@ def check_config(config) -> None:
         from .qwen3_5 import check_config as check_qwen3_5
         config = config.get_text_config()
         check_qwen3_5(config)
-    elif config.model_type == 'kimi_linear':
-        from .kimi_linear import check_config as check_kimi_linear
-        check_kimi_linear(config)
-        return                # no rotary embedding: its rope fields are never read
+    else:
+        from . import MODEL_REGISTRY, get_model_class
+        own = getattr(get_model_class(config.model_type), 'audit_config', None) \
+            if config.model_type in MODEL_REGISTRY else None
+        if own is not None:   # a family that checks its own fields (rope included, if it has any)
+            own(config)
+            return
     from .rope import RotaryEmbedding
     RotaryEmbedding(config)  # raises for rope parameters it cannot reproduce

@@ -378,6 +378,12 @@ class KimiLinearForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
+    def audit_config(config) -> None:
+        """The config audit's check of this family (:func:`check_config`; no rotary embedding,
+        so no rope field is read). Raises ValueError naming the field."""
+        check_config(config)
+
+    @staticmethod
     def tp_plan(config, rank: int, size: int) -> KimiLinearTPPlan:
         """This rank's split under tensor parallelism (:class:`KimiLinearTPPlan`)."""
         check_config(config)
