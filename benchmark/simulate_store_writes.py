@@ -48,7 +48,7 @@ Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
-(``--preset tiny|qwen3-next-80b [--tp N]``, ``--config config.json``, ``--scale 1/16
+(``--preset tiny|qwen3-next-80b|kimi-linear-48b [--tp N]``, ``--config config.json``, ``--scale 1/16
 --block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
 ``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
@@ -83,6 +83,17 @@ QWEN3_NEXT_80B_CONFIG = dict(model_type='qwen3_next', num_hidden_layers=48, full
                              linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                              linear_value_head_dim=128, linear_conv_kernel_dim=4, num_key_value_heads=2,
                              head_dim=256, dtype='bfloat16')
+
+# the published Kimi-Linear-48B-A3B config.json's cache-shaping fields: 20 KDA layers (32 heads of
+# 128, short convs of 4) and 7 MLA layers (latent 512 + rope 64 per token, one row for all heads)
+KIMI_LINEAR_48B_CONFIG = dict(model_type='kimi_linear', num_hidden_layers=27, hidden_size=2304,
+                              num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None,
+                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
+                              linear_attn_config=dict(
+                                  full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+                                  kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                                  num_heads=32, head_dim=128, short_conv_kernel_size=4),
+                              dtype='bfloat16')
 
 
 @dataclass(frozen=True)
@@ -550,7 +561,7 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'branching'],
+    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'branching'],
                    help='sizes (branching: the seed sizes, the branching scenario and the junction policy)')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
     p.add_argument('--state-bytes', type=int)
@@ -612,6 +623,8 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         config = TINY_CONFIG
     elif args.preset == 'qwen3-next-80b':
         config = QWEN3_NEXT_80B_CONFIG
+    elif args.preset == 'kimi-linear-48b':
+        config = KIMI_LINEAR_48B_CONFIG
     else:
         config = json.loads(args.config.read_text())
     return sizes_from_config(config, tp=args.tp, block_size=block_size, kv_dtype=args.kv_dtype,

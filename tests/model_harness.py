@@ -3,7 +3,7 @@
 Allocates caches from a model's layer specs and turns "these sequences get these new tokens"
 into :class:`StepContext` forwards:
 
-- KV caches ``[num_blocks, block_size, Hkv, D]`` per full-attention layer, filled with NaN so
+- paged tensors ``[num_blocks, block_size, *shape]`` (K and V, a latent, ...), filled with NaN so
   a read of a never-written position poisons the logits;
 - state slots as strided views into ONE shared byte buffer ``[num_slots, slot_bytes]`` (each
   slot row contiguous, the tensors as a whole not), filled with 0xFF bytes (NaN), so a layer
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmdeploy.pytorch.cache_specs import FullAttentionSpec, LinearAttentionSpec, dtype_nbytes
+from lmdeploy.pytorch.cache_specs import dtype_nbytes
 from lmdeploy.pytorch.model_inputs import StepContext
 
 _ALIGN = 64  # bytes; keeps every view's storage offset a multiple of its element size
@@ -45,8 +45,8 @@ class ModelHarness:
         self.block_size = block_size
         self.kv_caches, self.state_caches = [], []
         offsets, slot_bytes = [], 0
-        for spec in specs:
-            if isinstance(spec, LinearAttentionSpec):
+        for spec in specs:   # any spec kind: only its tensors and placement are read
+            if not spec.paged:
                 layer_offsets = []
                 for t in spec.tensors():
                     layer_offsets.append(slot_bytes)
@@ -56,10 +56,9 @@ class ModelHarness:
                 offsets.append(None)
         self.state_buffer = torch.full((num_slots, max(slot_bytes, _ALIGN)), 0xFF, dtype=torch.uint8)
         for spec, layer_offsets in zip(specs, offsets):
-            if isinstance(spec, FullAttentionSpec):
-                shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-                self.kv_caches.append((torch.full(shape, float('nan'), dtype=spec.dtype),
-                                       torch.full(shape, float('nan'), dtype=spec.dtype)))
+            if spec.paged:
+                self.kv_caches.append(tuple(torch.full((num_blocks, block_size, *t.shape), float('nan'), dtype=t.dtype)
+                                            for t in spec.tensors()))
                 self.state_caches.append(None)
             else:
                 views = []

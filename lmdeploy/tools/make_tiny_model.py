@@ -31,10 +31,11 @@ import hashlib
 import json
 import math
 import os
+import re
 
 import torch
 
-ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text')
+ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear')
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
@@ -218,6 +219,15 @@ def _write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
 
 
 def _arch_defaults(arch: str) -> dict:
+    if arch == 'kimi_linear':   # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
+        lin, full = 'linear_attention', 'full_attention'
+        return dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
+                    layer_types=[lin, lin, full, lin], mlp_layer_types=['dense', 'sparse', 'sparse', 'sparse'],
+                    intermediate_size=128, moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.446, kv_lora_rank=32,
+                    q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=2,
+                    linear_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=32768,
+                    tie_word_embeddings=False, rms_norm_eps=1e-6)
     common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
                   rope_theta=10000.0)
@@ -243,10 +253,19 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     `num_hidden_layers` and `full_attention_interval` unless given. Raises ValueError naming the
     field for an unknown arch or an override that is not a field of the config class.
     """
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
+    from transformers import KimiLinearConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
 
     if arch not in ARCHS:
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
+    if arch == 'kimi_linear':
+        fields = dict(_arch_defaults(arch))
+        known = set(KimiLinearConfig().to_dict()) | set(fields)
+        for key in overrides:
+            if key not in known:
+                raise ValueError(f'{key}: not a KimiLinearConfig field')
+        fields.update(overrides)
+        return KimiLinearConfig(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                bos_token_id=None, **fields)
     cls = {'qwen3': Qwen3Config, 'qwen3_next': Qwen3NextConfig, 'qwen3_5': Qwen3_5TextConfig,
            'qwen3_5_moe': Qwen3_5MoeTextConfig, 'qwen3_5_moe_text': Qwen3_5MoeTextConfig}[arch]
     fields = dict(_arch_defaults(arch))
@@ -341,9 +360,34 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
                 out[f'{prefix}{e}.down_proj.weight'] = tensor[e]
         else:
             out[name] = tensor
+    if getattr(model.config, 'model_type', None) == 'kimi_linear':
+        out = _kimi_published_names(out)
     if getattr(model.config, 'tie_word_embeddings', False):
         out.pop('lm_head.weight', None)  # tied: the embedding is stored once, as published checkpoints do
     return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
+
+
+def _kimi_published_names(tensors: dict) -> dict:
+    """transformers' Kimi-Linear names → the published checkpoint's: the forget-gate tensors
+    directly under `self_attn`, the stacked `conv1d` as `q_conv1d` / `k_conv1d` / `v_conv1d`, MoE
+    layers under `block_sparse_moe` with per-expert `w1` (gate) / `w3` (up) / `w2` (down)."""
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace('.self_attn.forget_gate.', '.self_attn.')
+        if name.endswith('.self_attn.conv1d.weight'):
+            for part, piece in zip('qkv', t.chunk(3, dim=0)):
+                out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
+            continue
+        m = re.match(r'^(.*)\.mlp\.(experts\.\d+\.(gate|up|down)_proj\.weight|gate\..*|shared_experts\..*)$', name)
+        if m:
+            rest = m.group(2)
+            for hf, pub in (('gate_proj.weight', 'w1.weight'), ('up_proj.weight', 'w3.weight'),
+                            ('down_proj.weight', 'w2.weight')):
+                if rest.startswith('experts.') and rest.endswith(hf):
+                    rest = rest[:-len(hf)] + pub
+            name = f'{m.group(1)}.block_sparse_moe.{rest}'
+        out[name] = t
+    return out
 
 
 def _mtp_state_dict(config, seed: int, dtype: torch.dtype) -> dict:
@@ -409,7 +453,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     model_cls = getattr(transformers, {'qwen3': 'Qwen3ForCausalLM', 'qwen3_next': 'Qwen3NextForCausalLM',
                                        'qwen3_5': 'Qwen3_5ForConditionalGeneration',
                                        'qwen3_5_moe': 'Qwen3_5MoeForConditionalGeneration',
-                                       'qwen3_5_moe_text': 'Qwen3_5MoeForCausalLM'}[arch])
+                                       'qwen3_5_moe_text': 'Qwen3_5MoeForCausalLM',
+                                       'kimi_linear': 'KimiLinearForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -417,6 +462,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
         # HF init draws from the global RNG; leave the caller's RNG as we found it.
         torch.random.set_rng_state(torch_state)
     _randomize(model, seed)
+    for name, buf in model.named_buffers():
+        if name.endswith('e_score_correction_bias'):   # a nonzero bias, so choosing by it is tested
+            buf.copy_(0.1 * torch.randn(buf.shape, generator=_generator(seed, name)))
 
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -424,7 +472,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
-    if arch not in VL_ARCHS:
+    if arch not in VL_ARCHS and arch != 'kimi_linear':
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']

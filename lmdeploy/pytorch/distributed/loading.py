@@ -47,7 +47,7 @@ def iter_shard_tensors(model_path: str, layout: TPLayout, prefix: str | None = N
                     yield name, f.get_tensor(name)
                     continue
                 view = f.get_slice(name)
-                pieces = [view[a:b] if shard.dim == 0 else view[:, a:b] for a, b in shard.ranges]
+                pieces = [view[(slice(None),) * shard.dim + (slice(a, b),)] for a, b in shard.ranges]
                 yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
 
 

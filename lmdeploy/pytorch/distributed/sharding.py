@@ -39,6 +39,13 @@ way: its full-attention layer's ``mtp.layers.0.self_attn.*`` like the target's a
 (its KV cache holds this rank's KV heads), a dense MLP there like the target's; ``fc``, its
 norms and its MoE are replicated. :meth:`TPLayout.apply_mtp` swaps its row-parallel modules.
 
+A family whose layers are not these kinds gives its plan a ``custom`` split
+(``ParallelPlan.custom(config, rank, size)``, e.g. Kimi-Linear's
+:class:`~lmdeploy.pytorch.models.kimi_linear.KimiLinearTPPlan`, in its model file): the local
+config, the slice of each checkpoint tensor, the ranges of its cache tensors' splits and its
+row-parallel projections; :class:`TPLayout` then uses it instead of the table above (the
+vocabulary split of the embedding and ``lm_head`` stays here).
+
 MoE layers (router, experts, shared expert) are **replicated**: every rank runs the whole
 block on the full hidden state, so no expert routing crosses ranks and the block needs no
 communication. This costs expert memory on every rank; splitting experts is future work.
@@ -181,6 +188,14 @@ class TPLayout:
             split = [t for t in MODEL_REGISTRY if getattr(get_model_class(t), 'parallel_plan', None) is not None]
             raise ValueError(f'tp ({size}): tensor parallelism supports model_type '
                              f'{", ".join(split)}, not {self.model_type!r}; use tp=1')
+        self.custom = None
+        if self.plan.custom is not None:     # the model file splits its own layers
+            self.custom = self.plan.custom(config, rank, size)
+            self.text, self.intermediate = _text_config(config), (0, 0)
+            vocab = self.text.vocab_size
+            self.vocab_width = -(-vocab // size)
+            self.vocab = (min(vocab, rank * self.vocab_width), min(vocab, (rank + 1) * self.vocab_width))
+            return
         text = self.text = _text_config(config)
         self.head_dim = getattr(text, 'head_dim', None) or text.hidden_size // text.num_attention_heads
         self.q_heads = _split(text.num_attention_heads, rank, size, 'num_attention_heads')
@@ -209,6 +224,8 @@ class TPLayout:
     def local_config(self):
         """A copy of the config with this rank's head and channel counts (``head_dim`` explicit);
         for ``qwen3_5`` the counts are changed in the copy's ``text_config``."""
+        if self.custom is not None:
+            return self.custom.local_config()
         c = copy.deepcopy(self.config)
         t = _text_config(c)
         t.head_dim = self.head_dim
@@ -242,6 +259,8 @@ class TPLayout:
         Raises:
             ValueError: an unknown split name.
         """
+        if self.custom is not None:
+            return self.custom.cache_ranges(split)
         if split == 'kv_heads':
             return (self.kv_heads,)
         if split == 'v_heads':
@@ -272,6 +291,8 @@ class TPLayout:
         """Replace each layer's output projections (attention, Gated DeltaNet, a split dense MLP)
         with :class:`RowParallelLinear` of the same shape."""
         parts = [('self_attn', 'o_proj'), ('linear_attn', 'out_proj')]
+        if self.custom is not None:
+            parts = list(self.custom.row_parallel)
         if self.intermediate[1]:
             parts.append(('mlp', 'down_proj'))
         for layer in layers:
@@ -289,6 +310,9 @@ class TPLayout:
                 name = replacement + name[len(prefix):]
         if name in ('model.embed_tokens.weight', 'lm_head.weight'):
             return Shard(0, (self.vocab,))
+        if self.custom is not None:
+            part = self.custom.shard(name)
+            return None if part is None else Shard(*part)
         m = _ATTN.match(name)
         if m:
             proj, kind = m.groups()

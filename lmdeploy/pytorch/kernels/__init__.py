@@ -129,7 +129,8 @@ def triton_available() -> bool:
     return True
 
 
-_BUILTIN = ('attention', 'gated_delta_rule', 'causal_conv1d', 'state_copy', 'moe', 'norm', 'attention_triton', 'fp8')
+_BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'causal_conv1d', 'state_copy', 'moe', 'norm',
+            'attention_triton', 'fp8')
 _IMPORTED = False
 _IMPORTING: int | None = None     # the thread importing them now
 

@@ -121,5 +121,7 @@ def check_config(config) -> None:
     from .quantization import parse_quantization_config
     from .rope import RotaryEmbedding
     parse_quantization_config(config)     # FP8 block-wise only; other methods are refused by name
-    get_model_class(config.model_type).check_config(config)
-    RotaryEmbedding(config.get_text_config())  # raises for rope parameters it cannot reproduce
+    cls = get_model_class(config.model_type)
+    cls.check_config(config)
+    if getattr(cls, 'rotary', True):     # a family without rotary embeddings reads no rope field
+        RotaryEmbedding(config.get_text_config())  # raises for rope parameters it cannot reproduce

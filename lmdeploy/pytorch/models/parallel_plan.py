@@ -42,6 +42,10 @@ class ParallelPlan:
         rank0_only: name prefixes read by rank 0 only (its module is dropped on other ranks).
         skipped: name prefixes no rank reads.
         rank0_modules: attribute names of the model set to None on ranks other than 0.
+        custom: ``(config, rank, size) -> split`` for layers of other kinds: an object with
+            ``local_config()``, ``shard(name) -> (dim, ranges) | None``, ``cache_ranges(split)``
+            and ``row_parallel`` (``(owner, name)`` output projections); the flags above are
+            then unused (only the vocabulary split stays generic).
     """
     gated_q: bool = False
     gated_delta_net: bool = False
@@ -50,3 +54,4 @@ class ParallelPlan:
     rank0_only: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     rank0_modules: tuple[str, ...] = ()
+    custom: Callable | None = None

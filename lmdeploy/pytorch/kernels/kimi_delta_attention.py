@@ -1,0 +1,212 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with a decay per key channel.
+
+Recurrence (Kimi Team, "Kimi Linear: An Expressive, Efficient Attention Architecture", 2025),
+per head, with state ``S [dk, dv]`` mapping keys to values and a log decay ``g_t [dk]`` (one
+per key channel, where Gated DeltaNet has one per head)::
+
+    S_t = diag(exp(g_t)) S_{t-1}                      # per-channel decay, g_t <= 0
+    S_t = S_t + k_t (beta_t * (v_t - S_t^T k_t))^T    # delta rule
+    o_t = S_t^T q_t
+
+``q`` and ``k`` are optionally L2-normalised (eps 1e-6 inside the root) and ``q`` is scaled by
+``dk ** -0.5``. Implementations:
+
+- :func:`recurrent_kda` steps token by token (the reference, and decode);
+- :func:`chunk_kda` is the chunkwise WY form: within a chunk with cumulative log decays
+  ``G_i = sum_{j<=i} g_j`` (a vector per token), the written rows ``U`` solve one unit
+  lower-triangular system whose coefficients use ``exp(G_i - G_j)`` channel by channel;
+- :func:`kda_varlen` runs a step's flat batch against the state slots (decode sequences in
+  one batched step, longer ones through the chunked form).
+
+Invariants as in :mod:`.gated_delta_rule`: states are float32; the single-sequence forms never
+modify their initial state; :func:`kda_varlen` rewrites exactly the slots it is given, and a
+sequence without history starts from a zero state whatever its slot holds.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import get_kernel, register_kernel
+from .gated_delta_rule import l2norm
+
+__all__ = ['recurrent_kda', 'chunk_kda', 'kda_varlen']
+
+_DECAY_FLOOR = -60.0   # exp below this flushed to 0 (see gated_delta_rule: avoids float32 subnormals)
+_CHUNK = 32            # tokens per chunk: the intra-chunk decay is [C, C, dk] per head
+
+
+def _decay(log_factor: torch.Tensor) -> torch.Tensor:
+    return log_factor.masked_fill(log_factor < _DECAY_FLOOR, float('-inf')).exp()
+
+
+def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
+    """Check shapes; float32 head-major ``q, k, g [H, L, dk]``, ``v [H, L, dv]``, ``beta [H, L]``."""
+    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f'q, k, g must be [L, H, dk] and v [L, H, dv]; got q {tuple(q.shape)}, k {tuple(k.shape)}, '
+                         f'g {tuple(g.shape)}, v {tuple(v.shape)}')
+    L, H, dk = q.shape
+    dv = v.shape[-1]
+    if beta.shape != (L, H):
+        raise ValueError(f'beta must be [L, H] = {(L, H)}; got {tuple(beta.shape)}')
+    if initial_state is not None and initial_state.shape != (H, dk, dv):
+        raise ValueError(f'initial_state must be [H, dk, dv] = {(H, dk, dv)}; got {tuple(initial_state.shape)}')
+    q, k, v, g = (x.transpose(0, 1).to(torch.float32) for x in (q, k, v, g))
+    beta = beta.transpose(0, 1).to(torch.float32)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (dk ** -0.5 if scale is None else scale)
+    state = None if initial_state is None else initial_state.to(torch.float32)
+    return q, k, v, g, beta, state
+
+
+@register_kernel('recurrent_kda', device_type='any')
+def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA one token at a time.
+
+    Args:
+        q, k: ``[L, H, dk]``; v: ``[L, H, dv]``.
+        g: ``[L, H, dk]`` log decay per key channel (``<= 0``).
+        beta: ``[L, H]`` write strength.
+        initial_state: ``[H, dk, dv]`` or None (zeros). Read only.
+        use_qk_l2norm, scale: as in :func:`~.gated_delta_rule.recurrent_gated_delta_rule`.
+
+    Returns:
+        ``(o [L, H, dv] in q.dtype, final state [H, dk, dv] float32)``.
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
+    out_dtype = q.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    H, L, dk = q.shape
+    if state is None:
+        state = q.new_zeros(H, dk, v.shape[-1])
+    o = torch.empty_like(v)
+    for t in range(L):
+        state = state * g[:, t].exp()[:, :, None]
+        delta = beta[:, t, None] * (v[:, t] - torch.einsum('hk,hkv->hv', k[:, t], state))
+        state = state + k[:, t, :, None] * delta[:, None, :]
+        o[:, t] = torch.einsum('hk,hkv->hv', q[:, t], state)
+    return o.transpose(0, 1).to(out_dtype), state
+
+
+def _chunk_core(q, k, v, g, beta, state, C: int):
+    """WY chunk form over ``B`` independent rows: float32 ``q, k, g [B, L, dk]``, ``v [B, L, dv]``,
+    ``beta [B, L]``, ``state [B, dk, dv]`` or None → ``(o [B, L, dv], final state)``.
+
+    Per chunk from state ``S0`` (``G_i`` cumulative log decay vectors, ``⊙`` per channel)::
+
+        (I + A) U = diag(beta) V - diag(beta) (K ⊙ exp(G)) S0,  A_ij = beta_i k_i.(k_j ⊙ exp(G_i - G_j)), j < i
+        O   = (Q ⊙ exp(G)) S0 + (q_i.(k_j ⊙ exp(G_i - G_j)), j <= i) U
+        S_C = diag(exp(G_C)) S0 + sum_i (k_i ⊙ exp(G_C - G_i)) u_i^T
+
+    Padding tokens get ``g = beta = 0`` (no decay, no write)."""
+    B, L, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-L) % C
+    if pad:
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, pad))
+    N = (L + pad) // C
+    q, k, g, v = q.view(B, N, C, dk), k.view(B, N, C, dk), g.view(B, N, C, dk), v.view(B, N, C, dv)
+    beta = beta.view(B, N, C)
+    G = g.cumsum(2)                                                    # [B, N, C, dk]
+    ratio = G[:, :, :, None, :] - G[:, :, None, :, :]                  # [B, N, Ci, Cj, dk]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = _decay(ratio.masked_fill(~causal[:, :, None], float('-inf')))
+    kk = torch.einsum('bnic,bnjc,bnijc->bnij', k, k, decay)
+    system = (beta[..., None] * kk).tril(-1) + torch.eye(C, dtype=q.dtype, device=q.device)
+    rhs = torch.cat((beta[..., None] * v, beta[..., None] * k * _decay(G)), dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_base, u_from_state = solved[..., :dv], solved[..., dv:]
+    attn = torch.einsum('bnic,bnjc,bnijc->bnij', q, k, decay)          # zero above the diagonal
+    q_decayed = q * _decay(G)
+    G_end = G[:, :, -1]                                                # [B, N, dk]
+    k_to_end = k * _decay(G_end[:, :, None] - G)
+    o = torch.empty(B, N, C, dv, dtype=torch.float32, device=q.device)
+    for n in range(N):
+        if state is None:
+            u = u_base[:, n]
+            o[:, n] = attn[:, n] @ u
+            state = k_to_end[:, n].transpose(-1, -2) @ u
+            continue
+        u = u_base[:, n] - u_from_state[:, n] @ state
+        o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
+        state = state * _decay(G_end[:, n])[:, :, None] + k_to_end[:, n].transpose(-1, -2) @ u
+    return o.view(B, N * C, dv)[:, :L], state
+
+
+@register_kernel('chunk_kda', device_type='any')
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              initial_state: torch.Tensor | None = None, chunk_size: int = _CHUNK, use_qk_l2norm: bool = True,
+              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA in chunkwise WY form; the contract of :func:`recurrent_kda`.
+
+    Memory: ``H * L * chunk_size * dk`` float32 for the intra-chunk decays.
+
+    Raises:
+        ValueError: inconsistent shapes or a non-positive ``chunk_size``.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f'chunk_size must be positive, got {chunk_size}')
+    out_dtype = q.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    o, state = _chunk_core(q, k, v, g, beta, state, chunk_size)
+    if state is None:   # L == 0 cannot happen (shapes checked), kept for clarity
+        state = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
+    return o.transpose(0, 1).to(out_dtype), state
+
+
+def _decode_step(q, k, v, g, beta, state, use_qk_l2norm, scale):
+    """One token for each of ``N`` sequences: ``q, k, g [N, H, dk]``, ``v [N, H, dv]``,
+    ``beta [N, H]``, float32 ``state [N, H, dk, dv]`` updated in place → ``o [N, H, dv]`` float32."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    state.mul_(g.exp()[..., None])
+    delta = beta[..., None] * (v - torch.einsum('nhk,nhkv->nhv', k, state))
+    state.add_(k[..., None] * delta[..., None, :])
+    return torch.einsum('nhk,nhkv->nhv', q, state)
+
+
+@register_kernel('kda_varlen', device_type='any')
+def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, has_history: torch.Tensor,
+               use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+    """KDA over a flat batch of sequences, each continuing its state slot.
+
+    Args:
+        q, k, g: ``[T, H, dk]``; v: ``[T, H, dv]``; beta: ``[T, H]`` (all sequences' rows).
+        state_cache: ``[num_slots, H, dk, dv]`` float32 (may be a strided view); rows ``slots``
+            are read, then overwritten with the state after each sequence's last row.
+        cu_seqlens: int64 ``[N + 1]`` row offsets; slots: int64 ``[N]``; has_history: bool ``[N]``.
+
+    Returns:
+        ``o [T, H, dv]`` in ``q.dtype``.
+    """
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    out = q.new_empty(q.shape[0], v.shape[1], v.shape[2])
+    single = [i for i, n in enumerate(lengths) if n == 1]
+    if single:
+        idx = torch.tensor(single, dtype=torch.int64, device=q.device)
+        rows = cu_seqlens[idx]
+        state = state_cache.index_select(0, slots[idx]).to(torch.float32)
+        state.masked_fill_(~has_history[idx][:, None, None, None], 0)
+        out[rows] = _decode_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state, use_qk_l2norm,
+                                 scale).to(out.dtype)
+        state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
+    chunk_fn = get_kernel('chunk_kda', q.device)
+    history = has_history.tolist()
+    for i, n in enumerate(lengths):
+        if n == 1:
+            continue
+        sl = slice(bounds[i], bounds[i + 1])
+        initial = state_cache[slots[i]] if history[i] else None
+        o, state = chunk_fn(q[sl], k[sl], v[sl], g[sl], beta[sl], initial, use_qk_l2norm=use_qk_l2norm, scale=scale)
+        state_cache[slots[i]] = state.to(state_cache.dtype)
+        out[sl] = o
+    return out

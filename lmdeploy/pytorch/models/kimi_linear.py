@@ -1,0 +1,466 @@
+"""Kimi-Linear (``transformers`` model type ``kimi_linear``): KDA recurrent layers interleaved
+with MLA full-attention layers, a DeepSeek-style MoE after each.
+
+``config.layer_types`` picks each layer's token mixer, ``config.mlp_layer_types`` its MLP::
+
+    layer i:  x + mixer(RMSNorm(x))  ->  h + mlp(RMSNorm(h))
+      mixer = Kimi Delta Attention ('linear_attention': conv + recurrent states in a slot)
+            | MLA                  ('full_attention':   one latent row per token in paged blocks)
+      mlp   = sigmoid-routed experts * routed_scaling_factor + shared experts ('sparse'),
+              or a dense SwiGLU ('dense')
+
+MLA here has no rotary embedding at all (transformers' Kimi-Linear is NoPE): per token it caches
+``[kv_a_layernorm(c_kv) (kv_lora_rank) | k_rope (qk_rope_head_dim)]``, one row shared by every
+head; attention gathers a sequence's rows and up-projects them through ``kv_b_proj``
+(non-absorbed). Weight names: the published checkpoint's (``self_attn.q_conv1d`` ...,
+``block_sparse_moe.experts.{e}.w1``) and transformers' in-memory ones
+(``self_attn.conv1d`` stacked, ``self_attn.forget_gate.*``, ``mlp.experts.gate_up_proj``) both load.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
+from ..kernels import get_kernel
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .parallel_plan import ParallelPlan
+from .qwen3_next import FusedExperts, load_expert_tensor
+
+__all__ = ['KimiLinearForCausalLM', 'KimiDeltaAttention', 'KimiMLA', 'KimiMoE', 'check_config']
+
+LINEAR, FULL = 'linear_attention', 'full_attention'
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field (``layer_types``, ``mlp_layer_types``, ``hidden_act``,
+            ``n_group`` / ``topk_group``). ``num_key_value_heads`` is not read: ``kv_b_proj``
+            up-projects a key and a value for every query head.
+    """
+    n = config.num_hidden_layers
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != n or any(t not in (LINEAR, FULL) for t in types):
+        raise ValueError(f'layer_types must list {LINEAR!r} or {FULL!r} for each of the {n} layers, got {types}')
+    mlp = list(getattr(config, 'mlp_layer_types', None) or [])
+    if len(mlp) != n or any(t not in ('dense', 'sparse') for t in mlp):
+        raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {mlp}")
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    if 'sparse' in mlp and (config.num_local_experts % config.n_group
+                            or config.num_local_experts // config.n_group < 2
+                            or not 1 <= config.topk_group <= config.n_group):
+        raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
+                         f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """``w * RMSNorm(x) * sigmoid(z)`` per head, in float32 (the KDA output gate)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
+        h = x.float()
+        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (h * torch.sigmoid(z.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer (Kimi Linear, 2025): per-channel-decay gated delta rule.
+
+    ``q, k, v = silu(conv_x(x_proj(h)))`` (three depthwise causal convs, each with its own
+    state); decay ``g = -exp(A_log[h]) * softplus(f_b(f_a(h)) + dt_bias)`` per channel
+    ``[T, H, d]``; ``beta = sigmoid(b_proj(h))``; output ``o_proj(norm(o) * sigmoid(g_b(g_a(h))))``.
+    The six projections of the input run as one packed matmul.
+
+    Args:
+        config: HF ``KimiLinearConfig``.
+        layer_idx: index into ``StepContext.state_caches`` (``(q_conv, k_conv, v_conv, recurrent)``).
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
+        D, hidden, K = self.num_heads * self.head_dim, config.hidden_size, config.linear_conv_kernel_dim
+        self.dim = D
+        self.in_proj = PackedLinear(hidden, {'q_proj': D, 'k_proj': D, 'v_proj': D, 'f_a_proj': self.head_dim,
+                                             'b_proj': self.num_heads, 'g_a_proj': self.head_dim})
+        # weight holders [D, 1, K] (the checkpoint shape); the conv kernel runs them
+        self.q_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
+        self.k_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
+        self.v_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
+        self.f_b_proj = Linear(self.head_dim, D, bias=False)
+        self.g_b_proj = Linear(self.head_dim, D, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(D))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, self.num_heads, 1))
+        self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = Linear(D, hidden, bias=False)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        T, H, d = hidden.shape[0], self.num_heads, self.head_dim
+        q, k, v, fa, b, ga = self.in_proj.forward_split(hidden)
+        caches = ctx.state_caches[self.layer_idx]
+        conv = get_kernel('causal_conv1d_varlen', hidden.device)
+        mixed = []
+        for x, layer, cache in zip((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), caches[:3]):
+            mixed.append(conv(x, layer.weight.squeeze(1), None, cache.flatten(1, 2), ctx.cu_seqlens, ctx.seq_ids,
+                              ctx.slots, ctx.has_history, 'silu', slot_span=ctx.slot_span).reshape(T, H, d))
+        g = (self.f_b_proj(fa).float() + self.dt_bias.float()).view(T, H, d)
+        g = -self.A_log.float().view(H, 1).exp() * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        beta = torch.sigmoid(b)
+        o = get_kernel('kda_varlen', hidden.device)(*mixed, g, beta, caches[3], ctx.cu_seqlens, ctx.slots,
+                                                    ctx.has_history, use_qk_l2norm=True)
+        return self.o_proj(self.o_norm(o, self.g_b_proj(ga).view(T, H, d)).reshape(T, -1))
+
+
+def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, history: int,
+                      scale: float) -> torch.Tensor:
+    """``q [L, H, Dq]`` at positions ``history..`` over ``keys [S, H, Dq]``, ``values [S, H, Dv]``
+    (``S = history + L``) → ``[L, H, Dv]``."""
+    q4, k4, v4 = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    if history == 0:
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    else:
+        pos = torch.arange(history, history + q.shape[0], device=q.device)[:, None]
+        mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= pos
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+class KimiMLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, 2024) without rotary, over a paged latent cache.
+
+    Per token the cache holds ``latent = [kv_a_layernorm(c) | k_rope]``
+    (``kv_lora_rank + qk_rope_head_dim`` values, one row for all heads). Keys are
+    ``[kv_b_proj(c) nope part | k_rope]`` per head, values the ``kv_b_proj`` value part; the
+    softmax scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``.
+
+    Args:
+        config: HF ``KimiLinearConfig``.
+        layer_idx: index into ``StepContext.kv_caches`` (``(latent [blocks, block_size, R + P],)``).
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank = config.kv_lora_rank, config.q_lora_rank
+        qk = self.nope + self.rope
+        hidden, bias = config.hidden_size, config.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(hidden, self.num_heads * qk, bias=False)
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)   # transformers' default eps, not the config's
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.scale = qk ** -0.5
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; writes the new tokens' latents into their blocks."""
+        T, H = hidden.shape[0], self.num_heads
+        q = self.q_proj(hidden) if self.q_lora_rank is None else \
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(T, H, self.nope + self.rope)
+        c, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
+        (cache,) = ctx.kv_caches[self.layer_idx]
+        blocks, offsets = ctx.kv_write_index
+        cache[blocks, offsets] = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1).to(cache.dtype)
+        out = q.new_empty(T, H, self.v_dim)
+        for i, (hist, kv_len) in enumerate(zip(ctx.history_lens, ctx.kv_seqlens)):
+            table = ctx.block_tables[i].to(hidden.device)
+            latent = cache[table[:-(-kv_len // cache.shape[1])]].flatten(0, 1)[:kv_len].to(q.dtype)
+            kv = self.kv_b_proj(latent[:, :self.kv_lora_rank]).view(kv_len, H, self.nope + self.v_dim)
+            k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
+            keys = torch.cat((k_nope, latent[:, None, self.kv_lora_rank:].expand(kv_len, H, self.rope)), dim=-1)
+            sl = ctx.seq_slice(i)
+            out[sl] = _causal_attention(q[sl], keys, values, hist, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class KimiMoE(nn.Module):
+    """DeepSeek-V3-style MoE: sigmoid router with a score-correction bias and group-limited
+    top-k, weights renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``,
+    plus always-on shared experts.
+
+    Router (float32): ``s = sigmoid(x W^T)``; choose with ``s + bias``: keep the ``topk_group``
+    groups with the largest sum of their two best scores, then the top ``k`` experts there;
+    weight each chosen expert by its ``s`` (not the biased score).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.num_local_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+        self.experts = FusedExperts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = SwiGLUMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` → ``(weights [T, k] float32, expert index [T, k])``."""
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias.float()
+        T = x.shape[0]
+        group_scores = choice.view(T, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)
+        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+        choice = choice.masked_fill(~mask.repeat_interleave(self.num_experts // self.n_group, dim=1), float('-inf'))
+        index = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        weights, index = self.route(x)
+        return self.experts(x, index, weights.to(x.dtype)) + self.shared_experts(x)
+
+
+class KimiLinearDecoderLayer(nn.Module):
+    """Pre-norm layer: KDA or MLA (``layer_types``), then MoE or dense MLP (``mlp_layer_types``)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = KimiDeltaAttention(config, layer_idx) if config.layer_types[layer_idx] == LINEAR \
+            else KimiMLA(config, layer_idx)
+        self.mlp = KimiMoE(config) if config.mlp_layer_types[layer_idx] == 'sparse' \
+            else SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class KimiLinearModel(nn.Module):
+    """Embedding, decoder layers, final norm (no positional embedding anywhere)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        return self.norm(hidden)
+
+
+_KDA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?'
+                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|b_proj|dt_bias|A_log|'
+                       r'o_proj)(?:\.weight)?$')
+_MLA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj)\.weight$')
+
+
+class KimiLinearTPPlan:
+    """How Kimi-Linear splits over ``size`` tensor-parallel ranks (Megatron-style).
+
+    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj``, ``dt_bias`` rows of
+    the rank's heads, ``b_proj`` rows and ``A_log`` entries of its heads, ``o_proj`` columns
+    (row-parallel, all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its
+    four state tensors hold the rank's heads (``tp_split='v_heads'``). MLA: by query head —
+    ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` rows, ``o_proj`` columns; the down-projections
+    ``q_a_proj`` / ``kv_a_proj_with_mqa``, their norms and so the cached latent are the same on
+    every rank (``tp_split=None``: the Store holds it once). MoE and dense MLPs are replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
+    """
+
+    row_parallel = (('self_attn', 'o_proj'),)
+
+    def __init__(self, config, rank: int, size: int):
+        self.config, self.rank, self.size = config, rank, size
+        for field in ('linear_num_heads', 'num_attention_heads'):
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+        per = config.linear_num_heads // size
+        self.heads = (rank * per, (rank + 1) * per)
+        q_per = config.num_attention_heads // size
+        self.q_heads = (rank * q_per, (rank + 1) * q_per)
+
+    def local_config(self):
+        """A copy of the config with this rank's KDA and MLA head counts."""
+        import copy
+        c = copy.deepcopy(self.config)
+        c.linear_num_heads = self.heads[1] - self.heads[0]
+        c.num_attention_heads = c.num_key_value_heads = self.q_heads[1] - self.q_heads[0]
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KDA heads for ``'v_heads'`` (the latent is not split).
+
+        Raises:
+            ValueError: another split name.
+        """
+        if split == 'v_heads':
+            return (self.heads,)
+        raise ValueError(f"CacheTensor.tp_split: kimi_linear splits only 'v_heads', not {split!r}")
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        c = self.config
+        m = _KDA_ROWS.match(name)
+        if m and c.layer_types[int(m.group(1))] == LINEAR:
+            part, d, D = m.group(2), c.linear_head_dim, c.linear_num_heads * c.linear_head_dim
+            (h0, h1) = self.heads
+            if part == 'conv1d':                # transformers stacks q | k | v
+                return 0, tuple((i * D + h0 * d, i * D + h1 * d) for i in range(3))
+            if part == 'b_proj':
+                return 0, ((h0, h1),)
+            if part == 'A_log':                 # [1, 1, H, 1]
+                return 2, ((h0, h1),)
+            if part == 'o_proj':
+                return 1, ((h0 * d, h1 * d),)
+            return 0, ((h0 * d, h1 * d),)
+        m = _MLA_ROWS.match(name)
+        if m and c.layer_types[int(m.group(1))] == FULL:
+            (q0, q1), part = self.q_heads, m.group(2)
+            if part == 'kv_b_proj':
+                per = c.qk_nope_head_dim + c.v_head_dim
+            elif part == 'o_proj':
+                return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
+            else:
+                per = c.qk_nope_head_dim + c.qk_rope_head_dim
+            return 0, ((q0 * per, q1 * per),)
+        return None
+
+
+_RENAMES = [
+    (re.compile(r'\.self_attn\.forget_gate\.'), '.self_attn.'),            # transformers -> published
+    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+]
+
+
+def _tp_split(config, rank: int, size: int) -> KimiLinearTPPlan:
+    """This rank's split under tensor parallelism (:class:`KimiLinearTPPlan`), after the
+    config checks (ValueError naming the field)."""
+    check_config(config)
+    return KimiLinearTPPlan(config, rank, size)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """Kimi-Linear causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``KimiLinearConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = KimiLinearModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # every config field transformers reads, and what the engine does with it (.config_audit);
+    # Kimi's MLA has no rotary embedding, so no rope field is read
+    config_fields = {
+        **{k: v for k, v in COMMON_FIELDS.items() if k not in ('head_dim', 'rope_parameters', 'max_position_embeddings')},
+        # MLA up-projects a K and V per query head whatever this says; transformers' repeat_kv only
+        # runs when it equals num_attention_heads (the engine does not need that)
+        'num_key_value_heads': INERT,
+        'mlp_layer_types': CHECKED,               # 'dense' / 'sparse' per layer
+        'linear_conv_kernel_dim': IMPLEMENTED,
+        'linear_head_dim': IMPLEMENTED,
+        'linear_num_heads': IMPLEMENTED,
+        'kv_lora_rank': IMPLEMENTED,
+        'q_lora_rank': IMPLEMENTED,               # None: one q_proj; else q_a_proj / norm / q_b_proj
+        'qk_nope_head_dim': IMPLEMENTED,
+        'qk_rope_head_dim': IMPLEMENTED,
+        'v_head_dim': IMPLEMENTED,
+        'moe_intermediate_size': IMPLEMENTED,
+        'n_shared_experts': IMPLEMENTED,
+        'num_local_experts': IMPLEMENTED,
+        'num_experts_per_tok': IMPLEMENTED,
+        'n_group': CHECKED,                       # divides num_local_experts into groups of >= 2
+        'topk_group': CHECKED,                    # in [1, n_group]
+        'norm_topk_prob': IMPLEMENTED,
+        'routed_scaling_factor': IMPLEMENTED,
+    }
+    rotary = False
+    check_config = staticmethod(check_config)
+    # KDA by head, MLA by query head with the latent replicated (KimiLinearTPPlan)
+    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: a KDA :class:`StateSpec` (``q_conv``, ``k_conv``, ``v_conv``
+        ``[H, d, kernel - 1]`` in ``dtype``, ``recurrent [H, d, d]`` float32, all split by head)
+        or an MLA :class:`PagedSpec` (``latent [kv_lora_rank + qk_rope_head_dim]`` per token,
+        the same on every rank: ``tp_split=None``).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
+        kda = StateSpec(tuple(CacheTensor(name, (H, d, K - 1), dtype, 'v_heads') for name in
+                              ('q_conv', 'k_conv', 'v_conv')) +
+                        (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+        mla = PagedSpec((CacheTensor('latent', (config.kv_lora_rank + config.qk_rope_head_dim,), dtype, None),))
+        return [kda if t == LINEAR else mla for t in config.layer_types]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (published or transformers names, see the module docstring).
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        def rename(name: str) -> str:
+            for pattern, repl in _RENAMES:
+                name = pattern.sub(repl, name)
+            return name
+
+        def special(loader, name: str, tensor: torch.Tensor) -> bool:
+            if name.endswith('.self_attn.conv1d.weight'):   # transformers stacks q | k | v convs
+                stem = name[:-len('conv1d.weight')]
+                for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
+                    loader.load(f'{stem}{part}_conv1d.weight', piece)
+                return True
+            return load_expert_tensor(loader, name, tensor)
+
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename,
+                     special=special)

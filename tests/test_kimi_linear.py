@@ -1,0 +1,377 @@
+"""Kimi-Linear served exactly like transformers: logits <= 1e-4 in fp32 at every prompt
+position (5-700 tokens, cold and in 32-token chunks), greedy tokens equal cold, chunked and after
+a local prefix-cache restore, a 4-turn chat identical with the prefix cache off / on / last-only /
+turn-end (hits on later turns), a checkpoint in transformers' in-memory names (stacked conv,
+fused experts, q LoRA, attention bias) loading the same model, the layer cache specs, and the
+config audit covering every field transformers reads."""
+import inspect
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine_utils import (TOL, StepRecorder, engine_prompt_logits, hf_greedy, hf_prompt_logits, load_hf, make_engine,
+                          random_prompt, run_alone, run_staggered)
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
+from lmdeploy.pytorch.models import get_model_class
+from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    """(checkpoint path in the published layout, transformers float32 reference)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_kimi_linear')), arch='kimi_linear', seed=0)
+    return path, load_hf(path)
+
+
+@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
+def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
+    path, hf = tiny
+    ids = random_prompt(n, seed=n)
+    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
+    ref = hf_prompt_logits(hf, ids)
+    assert forwards == -(-n // chunk)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
+    path, hf = tiny
+    ids = random_prompt(200, seed=11)
+    expected = hf_greedy(hf, ids, 12)
+    gen = GenerationConfig(max_new_tokens=12)
+    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
+    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
+    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
+                         enable_prefix_caching=True, num_checkpoint_slots=8)
+    first = cached.generate(ids, gen)
+    again = cached.generate(ids, gen)
+    assert cold == chunked == first.output_ids == again.output_ids == expected
+    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+
+
+def test_continuous_batching_equals_each_request_alone(tiny):
+    """Requests added while others run (mixed prefill + decode forwards: batched KDA decode
+    steps, per-sequence MLA over the latent blocks) decode what each decodes alone."""
+    path, _ = tiny
+    prompts = [random_prompt(n, seed=70 + n) for n in (9, 45, 17, 70)]
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    alone = run_alone(make_engine(path, block_size=16), prompts, gen)
+    rec_engine = make_engine(path, block_size=16, max_prefill_token_num=32)
+    rec = StepRecorder(rec_engine)
+    together = run_staggered(rec_engine, prompts, gen, every=2)
+    assert [s.output_ids for s in together] == alone
+    assert rec.num_mixed_steps > 0 and rec.max_concurrent() >= 3
+
+
+POLICIES = {
+    'off': dict(enable_prefix_caching=False),
+    'on': dict(enable_prefix_caching=True),
+    'last_only': dict(enable_prefix_caching=True, prefill_save_last_only=True),
+    'turn_end': dict(enable_prefix_caching=True, decode_save_last=True),
+}
+
+
+def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
+    path, _ = tiny
+    users = [random_prompt(n, seed=40 + i) for i, n in enumerate((90, 50, 70, 40))]
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    replies, hits = {}, {}
+    for name, fields in POLICIES.items():
+        eng = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
+                          num_checkpoint_slots=16, **fields)
+        ids, replies[name], hits[name] = [], [], []
+        for user in users:
+            ids = ids + user
+            seq = eng.generate(ids, gen)
+            replies[name].append(seq.output_ids)
+            hits[name].append(seq.num_cached_tokens)
+            ids = list(seq.token_ids)
+    assert all(r == replies['off'] for r in replies.values()), replies
+    assert hits['off'] == [0, 0, 0, 0]
+    for name in ('on', 'last_only', 'turn_end'):
+        assert hits[name][0] == 0 and all(h > 0 for h in hits[name][1:]), (name, hits[name])
+
+
+def test_transformers_named_checkpoint_with_q_lora_and_bias_matches(tiny, tmp_path):
+    """Other shapes (q LoRA, attention bias, v_head_dim != qk dims, 3 of 12 experts in 4 groups,
+    two shared experts, no renormalisation) saved under transformers' in-memory names."""
+    from safetensors.torch import save_file
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from lmdeploy.tools.make_tiny_model import _randomize
+    src, _ = tiny
+    base = json.load(open(os.path.join(src, 'config.json')))
+    lin, full = 'linear_attention', 'full_attention'
+    config = KimiLinearConfig(vocab_size=base['vocab_size'], hidden_size=48, num_attention_heads=3,
+                              num_key_value_heads=3, num_hidden_layers=3, layer_types=[full, lin, lin],
+                              mlp_layer_types=['sparse', 'dense', 'sparse'], intermediate_size=64,
+                              moe_intermediate_size=16, num_local_experts=12, num_experts_per_tok=3, n_group=4,
+                              topk_group=2, n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.7,
+                              kv_lora_rank=24, q_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                              v_head_dim=12, linear_num_heads=3, linear_head_dim=8, linear_conv_kernel_dim=3,
+                              attention_bias=True, eos_token_id=base['eos_token_id'],
+                              pad_token_id=base['pad_token_id'], bos_token_id=None)
+    torch_state = torch.random.get_rng_state()
+    hf = KimiLinearForCausalLM(config).float().eval()
+    torch.random.set_rng_state(torch_state)
+    _randomize(hf, 3)
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith('e_score_correction_bias'):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(1)))
+    path = tmp_path / 'hf_names'
+    shutil.copytree(src, path)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith('self_attn.conv1d.weight') for k in sd) and any('forget_gate' in k for k in sd)
+    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
+    cfg = config.to_diff_dict()
+    cfg['architectures'] = ['KimiLinearForCausalLM']
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    ids = random_prompt(120, seed=7)
+    got, _ = engine_prompt_logits(make_engine(str(path), max_prefill_token_num=40, block_size=16), ids)
+    ref = hf_prompt_logits(hf, ids)
+    assert (got - ref).abs().max().item() <= TOL
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    assert make_engine(str(path), block_size=16).generate(ids, gen).output_ids == hf_greedy(hf, ids, 8)
+
+
+def test_cache_specs_are_a_latent_row_and_a_four_tensor_state(tiny):
+    path, _ = tiny
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    specs = get_model_class('kimi_linear').cache_specs(config, torch.float32)
+    kda, mla = specs[0], specs[2]
+    assert isinstance(kda, StateSpec) and isinstance(mla, PagedSpec)
+    assert [t.name for t in kda.tensors()] == ['q_conv', 'k_conv', 'v_conv', 'recurrent']
+    assert all(t.tp_split == 'v_heads' for t in kda.tensors())
+    (latent,) = mla.tensors()
+    assert latent.shape == (config.kv_lora_rank + config.qk_rope_head_dim,) and latent.tp_split is None
+    H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
+    assert state_bytes_per_slot(specs) == 3 * 4 * (3 * H * d * (K - 1) + H * d * d)
+    assert kv_bytes_per_block(specs, 16) == 1 * 16 * 4 * (config.kv_lora_rank + config.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize('change, field', [
+    (dict(hidden_act='gelu'), 'hidden_act'),
+    (dict(layer_types=['full_attention'] * 3), 'layer_types'),
+    (dict(mlp_layer_types=['moe'] * 4), 'mlp_layer_types'),
+    (dict(n_group=3), 'n_group'),
+    (dict(topk_group=5), 'topk_group'),
+])
+def test_refused_fields_name_themselves(tiny, change, field):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(ValueError, match=field):
+        check_config(config)
+    checked = {f for f, how in FIELDS['kimi_linear'].items() if how == CHECKED}
+    assert checked <= {'hidden_act', 'layer_types', 'mlp_layer_types', 'n_group',
+                       'topk_group', 'quantization_config'}
+
+
+def test_audit_lists_every_field_transformers_reads_for_kimi_linear():
+    import transformers.models.kimi_linear.modeling_kimi_linear as modeling
+    source = inspect.getsource(modeling)
+    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
+                                                                       source))
+    assert read and not read - set(FIELDS['kimi_linear']), sorted(read - set(FIELDS['kimi_linear']))
+
+
+def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
+    """A writer process saves a prompt (KDA state checkpoints + MLA latent blocks) to the Store;
+    a second fresh process restores 256 tokens from it and decodes what an engine with caching
+    off decodes."""
+    from test_store_engine import GEN, P, run_worker
+    path, _ = tiny
+    ids = random_prompt(300, seed=301)
+    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
+    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
+    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
+    assert ta['output_ids'] == tb['output_ids'] == cold
+
+
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services, last_only):
+    """Two seed scenarios scaled by 1/16 against the real Store: the engine's put bytes and
+    objects equal ``simulate()`` fed the engine's S and K_blk, and ``sizes_from_config`` of the
+    checkpoint's config.json gives those same S and K_blk (specs alone, no model branch)."""
+    from test_benchmark_store_bytes import SCALE, _run_conversation, bench, sim
+    path, _ = tiny
+    geo = bench.Geometry.from_scale(SCALE)
+    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
+    engine = make_engine(path, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=last_only, num_gpu_blocks=512,
+                         mooncake_master=mooncake_services.master_address,
+                         mooncake_metadata_server=mooncake_services.metadata_server)
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    try:
+        for i, scenario in enumerate(scenarios):
+            before = engine.stats()
+            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                     seed=770_000 + 1000 * i + 100 * last_only)
+            engine.store.flush()
+            after = engine.stats()
+            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
+                                alignment=geo.alignment)
+            policy = pred.last_only if last_only else pred.default
+            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+            assert put == {'state': sum(t.state_bytes for t in policy.turns),
+                           'kv': sum(t.kv_bytes for t in policy.turns)}
+            assert after['store_put_failures'] == before['store_put_failures']
+    finally:
+        engine.close()
+    config = json.loads(open(os.path.join(path, 'config.json')).read())
+    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+
+
+def test_kimi_linear_48b_preset_sizes():
+    """The published Kimi-Linear-48B geometry (bf16): S = 20 KDA layers x (3 convs
+    32 x 128 x 3 bf16 + a 32 x 128 x 128 float32 state); K_blk = 7 MLA layers x 64 tokens x
+    (512 + 64) bf16 — the latent once, not once per head."""
+    from test_benchmark_store_bytes import sim
+    sizes = sim.sizes_from_config(sim.KIMI_LINEAR_48B_CONFIG, block_size=64)
+    assert sizes == sim.StoreSizes(20 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4), 7 * 64 * 576 * 2)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
+    """Model level, random geometry (layer and MLP patterns, q LoRA or not, head dims, conv
+    kernel, expert groups) and a random prefill chunking then 3 decode steps: logits <= 1e-4
+    of transformers' full forward, through NaN-poisoned scrambled blocks and slots."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from lmdeploy.tools.make_tiny_model import _randomize
+    from model_harness import ModelHarness
+    lin, full = 'linear_attention', 'full_attention'
+    n_layers = data.draw(st.integers(1, 3))
+    types = data.draw(st.lists(st.sampled_from([lin, full]), min_size=n_layers, max_size=n_layers))
+    mlp = data.draw(st.lists(st.sampled_from(['dense', 'sparse']), min_size=n_layers, max_size=n_layers))
+    heads = data.draw(st.integers(1, 3))
+    n_group = data.draw(st.sampled_from([1, 2, 4]))
+    config = KimiLinearConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=n_layers, layer_types=types, mlp_layer_types=mlp, intermediate_size=48,
+        moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=data.draw(st.integers(1, 3)),
+        n_group=n_group, topk_group=data.draw(st.integers(1, n_group)), n_shared_experts=1,
+        norm_topk_prob=data.draw(st.booleans()), routed_scaling_factor=2.0,
+        kv_lora_rank=data.draw(st.sampled_from([8, 16])), q_lora_rank=data.draw(st.sampled_from([None, 12])),
+        qk_nope_head_dim=8, qk_rope_head_dim=data.draw(st.sampled_from([4, 8])),
+        v_head_dim=data.draw(st.sampled_from([4, 8])),
+        linear_num_heads=data.draw(st.integers(1, 3)), linear_head_dim=data.draw(st.sampled_from([4, 8])),
+        linear_conv_kernel_dim=data.draw(st.integers(2, 4)), pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    seed = data.draw(st.integers(0, 1000))
+    torch_state = torch.random.get_rng_state()
+    hf = KimiLinearForCausalLM(config).float().eval()
+    torch.random.set_rng_state(torch_state)
+    _randomize(hf, seed)
+    ours = get_model_class('kimi_linear')(config).eval()
+    ours.load_weights(hf.state_dict().items())
+    n = data.draw(st.integers(5, 80))
+    ids = torch.randint(0, 64, (n + 3,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32), num_blocks=32, block_size=8)
+    seq = h.add_sequence()
+    chunk = data.draw(st.integers(1, 40))
+    got = torch.cat([h.run_chunks(seq, ids[:n], chunk)] + [h.step([(seq, [t])])[0] for t in ids[n:]])
+    assert (got - ref).abs().max().item() <= TOL
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
+    """KDA split by head, MLA by query head with the latent replicated; MoE replicated."""
+    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, engine as tp_engine
+    path, _ = tiny
+    ref = tp_engine(path)
+    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
+    ref.close()
+    eng = tp_engine(path, tp=2)
+    try:
+        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
+        assert (logits - ref_logits).abs().max().item() <= TP_TOL
+        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
+    finally:
+        eng.close()
+
+
+def test_tp_plan_slices_tile_every_split_tensor(tiny):
+    """Over the ranks, each split tensor's ranges tile its axis exactly once; the latent's
+    producers (q_a / kv_a projections and norms) are read whole by every rank."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    path, _ = tiny
+    config = AutoConfig.from_pretrained(path)
+    layouts = [TPLayout(config, r, 2) for r in range(2)]
+    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
+        for name in f.keys():
+            shards = [lay.shard(name) for lay in layouts]
+            shape = f.get_slice(name).get_shape()
+            if shards[0] is None:
+                assert all(s is None for s in shards)
+                continue
+            covered = sorted(r for s in shards for r in s.ranges)
+            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    for name in ('model.layers.2.self_attn.kv_a_proj_with_mqa.weight', 'model.layers.2.self_attn.kv_a_layernorm.weight'):
+        assert layouts[0].shard(name) is None and layouts[1].shard(name) is None
+
+
+@pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2)])
+def test_store_across_tp_sizes_holds_the_latent_once_and_bytes_match_the_simulator(tiny, mooncake_services,
+                                                                                  writer_tp, reader_tp):
+    """A TP2 writer's Store objects are the TP-independent payloads: S is the sum of the ranks'
+    KDA head slices, K_blk the latent of ONE rank (replicated, stored once, charged once by the
+    simulator); a reader of the other TP size restores the prefix and decodes the same tokens."""
+    from test_store_engine import sim, store_config
+    from test_tensor_parallel import A, B, P, assert_reader_restores, engine as tp_engine
+    path, _ = tiny
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 5000 + 10 * writer_tp + reader_tp)
+    cold = tp_engine(path)
+    expected = cold.generate(ids, gen).output_ids
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(path, PytorchEngineConfig(**cfg, tp=writer_tp))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2, block_size=B)
+        S, K = sizes.charged
+        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
+        assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes     # the latent once, not per rank
+        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
+        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
+    finally:
+        writer.close()
+    assert_reader_restores(path, cfg, reader_tp, ids, gen, expected)
+
+
+def test_a_refused_config_stops_the_loader_before_weights(tiny, tmp_path):
+    from lmdeploy.pytorch.models.loader import load_model
+    path = tmp_path / 'bad'
+    shutil.copytree(tiny[0], path)
+    cfg = json.load(open(path / 'config.json'))
+    cfg['topk_group'] = 5     # the tiny model has 2 expert groups
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    os.remove(path / 'model.safetensors')      # the check must come first
+    with pytest.raises(ValueError, match='topk_group'):
+        load_model(str(path))
