@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config']
+__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'GATED_DELTANET_FIELDS', 'MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config']
 
 IMPLEMENTED, CHECKED, INERT = 'implemented', 'checked', 'inert'
 
@@ -49,6 +49,13 @@ COMMON_FIELDS = {
     'use_cache': INERT,
 }
 
+GATED_DELTANET_FIELDS = {      # the Gated DeltaNet layers of Qwen3-Next and Qwen3.5
+    'linear_conv_kernel_dim': IMPLEMENTED,
+    'linear_key_head_dim': IMPLEMENTED,
+    'linear_value_head_dim': IMPLEMENTED,
+    'linear_num_key_heads': IMPLEMENTED,
+    'linear_num_value_heads': CHECKED,        # a multiple of linear_num_key_heads
+}
 MOE_FIELDS = {
     'num_experts': IMPLEMENTED,
     'num_experts_per_tok': IMPLEMENTED,

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
 from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
@@ -194,11 +194,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
-        'linear_conv_kernel_dim': IMPLEMENTED,
-        'linear_key_head_dim': IMPLEMENTED,
-        'linear_value_head_dim': IMPLEMENTED,
-        'linear_num_key_heads': IMPLEMENTED,
-        'linear_num_value_heads': CHECKED,    # a multiple of linear_num_key_heads
+        **GATED_DELTANET_FIELDS,
     }
     check_config = staticmethod(check_config)
     # as Qwen3-Next (flat Gated DeltaNet projections); checkpoint names under

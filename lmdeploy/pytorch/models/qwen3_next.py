@@ -29,7 +29,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ..kernels import get_kernel
 from ..kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..model_inputs import StepContext
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
@@ -318,11 +318,7 @@ class Qwen3NextForCausalLM(nn.Module):
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
-        'linear_conv_kernel_dim': IMPLEMENTED,
-        'linear_key_head_dim': IMPLEMENTED,
-        'linear_value_head_dim': IMPLEMENTED,
-        'linear_num_key_heads': IMPLEMENTED,
-        'linear_num_value_heads': CHECKED,    # a multiple of linear_num_key_heads
+        **GATED_DELTANET_FIELDS,
         'decoder_sparse_step': IMPLEMENTED,
         'mlp_only_layers': IMPLEMENTED,
         'num_experts': IMPLEMENTED,
