@@ -191,3 +191,35 @@ def assert_idle(engine: Engine) -> None:
     """Every block and runtime state slot is free and nothing is queued."""
     assert engine.ledger() == idle_ledger(engine)
     assert engine.is_idle()
+
+
+# the prefix-cache policies every hybrid family must serve identically
+CACHE_POLICIES = {
+    'off': dict(enable_prefix_caching=False),
+    'on': dict(enable_prefix_caching=True),
+    'last_only': dict(enable_prefix_caching=True, prefill_save_last_only=True),
+    'turn_end': dict(enable_prefix_caching=True, decode_save_last=True),
+}
+
+
+def check_four_turn_chat_under_every_cache_policy(model_path: str) -> None:
+    """A 4-turn chat (90/50/70/40-token user turns, 8 new tokens each, B=16, 32-token chunks,
+    A=16) gives identical replies with the prefix cache off, on, last-only and turn-end, no hit
+    on turn 1 and a hit on every later turn whenever the cache is on."""
+    users = [random_prompt(n, seed=40 + i) for i, n in enumerate((90, 50, 70, 40))]
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    replies, hits = {}, {}
+    for name, fields in CACHE_POLICIES.items():
+        eng = make_engine(model_path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
+                          num_checkpoint_slots=16, **fields)
+        ids, replies[name], hits[name] = [], [], []
+        for user in users:
+            ids = ids + user
+            seq = eng.generate(ids, gen)
+            replies[name].append(seq.output_ids)
+            hits[name].append(seq.num_cached_tokens)
+            ids = list(seq.token_ids)
+    assert all(r == replies['off'] for r in replies.values()), replies
+    assert hits['off'] == [0, 0, 0, 0]
+    for name in ('on', 'last_only', 'turn_end'):
+        assert hits[name][0] == 0 and all(h > 0 for h in hits[name][1:]), (name, hits[name])

@@ -14,8 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, StepRecorder, engine_prompt_logits, hf_greedy, hf_prompt_logits, load_hf, make_engine,
-                          random_prompt, run_alone, run_staggered)
+from engine_utils import (TOL, StepRecorder, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits,
+                          hf_greedy, hf_prompt_logits, load_hf, make_engine, random_prompt, run_alone, run_staggered)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
@@ -71,33 +71,11 @@ def test_continuous_batching_equals_each_request_alone(tiny):
     assert rec.num_mixed_steps > 0 and rec.max_concurrent() >= 3
 
 
-POLICIES = {
-    'off': dict(enable_prefix_caching=False),
-    'on': dict(enable_prefix_caching=True),
-    'last_only': dict(enable_prefix_caching=True, prefill_save_last_only=True),
-    'turn_end': dict(enable_prefix_caching=True, decode_save_last=True),
-}
 
 
 def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
     path, _ = tiny
-    users = [random_prompt(n, seed=40 + i) for i, n in enumerate((90, 50, 70, 40))]
-    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    replies, hits = {}, {}
-    for name, fields in POLICIES.items():
-        eng = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
-                          num_checkpoint_slots=16, **fields)
-        ids, replies[name], hits[name] = [], [], []
-        for user in users:
-            ids = ids + user
-            seq = eng.generate(ids, gen)
-            replies[name].append(seq.output_ids)
-            hits[name].append(seq.num_cached_tokens)
-            ids = list(seq.token_ids)
-    assert all(r == replies['off'] for r in replies.values()), replies
-    assert hits['off'] == [0, 0, 0, 0]
-    for name in ('on', 'last_only', 'turn_end'):
-        assert hits[name][0] == 0 and all(h > 0 for h in hits[name][1:]), (name, hits[name])
+    check_four_turn_chat_under_every_cache_policy(path)
 
 
 def test_transformers_named_checkpoint_with_q_lora_and_bias_matches(tiny, tmp_path):

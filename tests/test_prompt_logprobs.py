@@ -104,3 +104,20 @@ def test_prompt_logprobs_extension_on_chat_and_completions(client, tiny_qwen3):
     assert r.status_code == 200 and body['prompt_logprobs'][0] is None
     assert len(body['prompt_logprobs']) == body['usage']['prompt_tokens']
     assert body['usage']['prompt_tokens_details']['cached_tokens'] == 0
+
+
+def test_prompt_logprobs_at_tp2_equal_transformers(tiny_qwen3_next):
+    """The one worker path computes prompt logits on every rank: tp=2 serves prompt
+    log-probabilities too, equal to transformers'."""
+    hf = load_hf(tiny_qwen3_next)
+    eng = make_engine(tiny_qwen3_next, tp=2, num_gpu_blocks=64, block_size=16, max_prefill_token_num=32)
+    try:
+        ids = random_prompt(70, 9)
+        chosen, ranks, _ = _reference(hf, ids, 2)
+        seq = eng.generate(ids, GenerationConfig(max_new_tokens=2, prompt_logprobs=2))
+        lps = seq.prompt_logprobs
+        assert [lp.token_id for lp in lps] == ids[1:]
+        assert torch.allclose(torch.tensor([lp.logprob for lp in lps]), chosen, atol=TOL)
+        assert [lp.rank for lp in lps] == ranks.tolist()
+    finally:
+        eng.close()

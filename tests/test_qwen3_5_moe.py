@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from engine_utils import TOL, engine_prompt_logits, hf_greedy, hf_prompt_logits, make_engine, random_prompt
+from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, hf_greedy,
+                          hf_prompt_logits, make_engine, random_prompt)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
@@ -94,34 +95,12 @@ def test_fused_expert_checkpoint_loads_the_same_weights(tiny_qwen3_5_moe_text, t
         make_engine(tiny_qwen3_5_moe_text).generate(ids, GenerationConfig(max_new_tokens=6)).output_ids
 
 
-POLICIES = {
-    'off': dict(enable_prefix_caching=False),
-    'on': dict(enable_prefix_caching=True),
-    'last_only': dict(enable_prefix_caching=True, prefill_save_last_only=True),
-    'turn_end': dict(enable_prefix_caching=True, decode_save_last=True),
-}
 
 
 @pytest.mark.parametrize('arch', ARCHS)
 def test_four_turn_chat_is_identical_under_every_cache_policy(models, arch):
     path, _ = models[arch]
-    users = [random_prompt(n, seed=40 + i) for i, n in enumerate((90, 50, 70, 40))]
-    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    replies, hits = {}, {}
-    for name, fields in POLICIES.items():
-        eng = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
-                          num_checkpoint_slots=16, **fields)
-        ids, replies[name], hits[name] = [], [], []
-        for user in users:
-            ids = ids + user
-            seq = eng.generate(ids, gen)
-            replies[name].append(seq.output_ids)
-            hits[name].append(seq.num_cached_tokens)
-            ids = list(seq.token_ids)
-    assert all(r == replies['off'] for r in replies.values()), replies
-    assert hits['off'] == [0, 0, 0, 0]
-    for name in ('on', 'last_only', 'turn_end'):
-        assert hits[name][0] == 0 and all(h > 0 for h in hits[name][1:]), (name, hits[name])
+    check_four_turn_chat_under_every_cache_policy(path)
 
 
 def test_store_restore_in_a_fresh_process(tiny_qwen3_5_moe_text, mooncake_services, tmp_path):

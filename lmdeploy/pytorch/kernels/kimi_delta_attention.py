@@ -154,7 +154,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     out_dtype = q.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
     o, state = _chunk_core(q, k, v, g, beta, state, chunk_size)
-    if state is None:   # L == 0 cannot happen (shapes checked), kept for clarity
+    if state is None:   # no tokens and no initial state: the state stays zero
         state = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
     return o.transpose(0, 1).to(out_dtype), state
 
