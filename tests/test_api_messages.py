@@ -28,7 +28,8 @@ SCRIPT = [{'contains': 'What is here?', 'turn': 0, 'reply': 'Let me look.\n' + C
           {'contains': 'What is here?', 'turn': 1, 'reply': ANSWER},
           {'endswith': '"arguments":', 'reply': ' {"path": "b"}}\n</tool_call>'},
           {'endswith': '<tool_call>\n', 'reply': '{"name": "ls", "arguments": {"path": "/"}}\n</tool_call>'},
-          {'contains': 'Think first.', 'reply': ANSWER}]
+          {'contains': 'Think first.', 'reply': ANSWER},
+          {'contains': 'Count aloud', 'reply': ' one two three four five six seven eight nine ten.'}]
 SYSTEM = [{'type': 'text', 'text': 'You are a careful agent.'}, {'type': 'text', 'text': 'Keep answers short. ' * 8}]
 
 
@@ -165,3 +166,25 @@ def test_errors_have_anthropics_shape_and_the_key_is_checked(server):
         got = r.json()
         assert got['type'] == 'error' and got['error']['type'] == 'invalid_request_error'
         assert got['error']['message'].startswith(where), got
+
+
+def test_a_stop_sequence_is_named_in_the_reply(server):
+    c = client(server)
+    kw = dict(model='model', messages=[{'role': 'user', 'content': 'Count aloud.'}], max_tokens=60)
+    for stops, want in [(['nine', 'five'], 'five'), (['five', 'fiv', 'ten'], 'fiv')]:
+        r = c.messages.create(**kw, stop_sequences=stops)
+        assert (r.stop_reason, r.stop_sequence, r.content[0].text) == ('stop_sequence', want, ' one two three four ')
+        with c.messages.stream(**kw, stop_sequences=stops) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        delta = next(e for e in events if e.type == 'message_delta').delta
+        assert (delta.stop_reason, delta.stop_sequence) == ('stop_sequence', want)
+        assert final.content[0].text == r.content[0].text
+    # ended by end-of-sequence, by the budget, or by a call: no stop sequence, whatever was asked
+    done = c.messages.create(**kw, stop_sequences=['eleven'])
+    assert (done.stop_reason, done.stop_sequence) == ('end_turn', None)
+    cut = c.messages.create(**dict(kw, max_tokens=3), stop_sequences=['ten'])
+    assert (cut.stop_reason, cut.stop_sequence) == ('max_tokens', None)
+    call = c.messages.create(**dict(kw, messages=[{'role': 'user', 'content': 'What is here?'}]), tools=TOOLS,
+                             stop_sequences=['Never'])
+    assert (call.stop_reason, call.stop_sequence) == ('tool_use', None)

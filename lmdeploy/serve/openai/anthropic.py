@@ -16,8 +16,9 @@ A request is translated into a chat completion and served through the chat path
 
 The reply's content blocks are, in order: ``thinking`` (the ``<think>`` text; ``signature`` is
 empty), ``text``, then one ``tool_use`` per call. ``stop_reason``: ``tool_use`` after calls,
-``max_tokens`` when the budget ran out, else ``end_turn`` (a stop sequence is reported as
-``end_turn`` too; ``stop_sequence`` is always null). Usage follows Anthropic's accounting:
+``max_tokens`` when the budget ran out, ``stop_sequence`` when one of ``stop_sequences`` ended
+the reply (``stop_sequence`` then holds it; the text ends before it, as Anthropic's does), else
+``end_turn``. Usage follows Anthropic's accounting:
 ``input_tokens`` are the prompt tokens *not* read from the prefix cache, which are
 ``cache_read_input_tokens``; ``cache_creation_input_tokens`` is 0.
 
@@ -236,8 +237,13 @@ def _usage(chat: dict, output: bool = True) -> dict:
     return usage
 
 
-def _stop_reason(reason: str | None) -> str:
-    return {'tool_calls': 'tool_use', 'length': 'max_tokens'}.get(reason, 'end_turn')
+def _stop(reason: str | None, sequence: str | None) -> dict:
+    """``stop_reason`` and ``stop_sequence`` of a reply with chat finish ``reason`` that the stop
+    string ``sequence`` (or None) ended; calls win over a stop string (the client must run them)."""
+    if reason == 'stop' and sequence is not None:
+        return {'stop_reason': 'stop_sequence', 'stop_sequence': sequence}
+    return {'stop_reason': {'tool_calls': 'tool_use', 'length': 'max_tokens'}.get(reason, 'end_turn'),
+            'stop_sequence': None}
 
 
 def _sse(type: str, body: dict) -> str:
@@ -284,8 +290,7 @@ class MessagesAPI:
             content.append({'type': 'tool_use', 'id': call['id'], 'name': call['function']['name'],
                             'input': args if isinstance(args, dict) else {'arguments': args}})
         return {'id': mid, 'type': 'message', 'role': 'assistant', 'model': self.server.model_name,
-                'content': content, 'stop_reason': _stop_reason(reason), 'stop_sequence': None,
-                'usage': _usage(usage)}
+                'content': content, **_stop(reason, run.stop_sequence()), 'usage': _usage(usage)}
 
     async def _events(self, run: ChatRun, mid: str):
         blocks: list[str] = []          # block kinds in index order; the last one is open
@@ -305,7 +310,7 @@ class MessagesAPI:
             yield _sse('content_block_start', {'index': len(blocks) - 1, 'content_block': block})
 
         try:
-            async for delta, finish in run.deltas():
+            async for delta, finish, _ in run.deltas():
                 if not started:
                     started = True
                     yield start()
@@ -342,6 +347,5 @@ class MessagesAPI:
         if blocks:
             yield _sse('content_block_stop', {'index': len(blocks) - 1})
         usage = run.usage()
-        yield _sse('message_delta', {'delta': {'stop_reason': _stop_reason(reason), 'stop_sequence': None},
-                                     'usage': _usage(usage)})
+        yield _sse('message_delta', {'delta': _stop(reason, run.stop_sequence()), 'usage': _usage(usage)})
         yield _sse('message_stop', {})

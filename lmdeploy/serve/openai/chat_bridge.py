@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from .api_server import _Generation, _Server
-from .chat_output import ChatOutput
+from .chat_output import ChatOutput, StreamedLogprobs, TextOffsets, chat_logprobs
 from .errors import APIError, api_error_from_validation
 from .lifecycle import ShuttingDown
 from .protocol import ChatCompletionRequest
@@ -49,6 +49,23 @@ def chat_request(fields: dict, rename: dict[str, str], passthrough: tuple[str, .
         raise api_error_from_validation(err.errors(), fields, rename) from None
 
 
+class _Recorded(_Generation):
+    """A generation that also keeps each choice's raw text and output token ids (the end-of-
+    sequence token excluded), so a caller can tell which stop string ended it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.texts = [''] * len(self.jobs)
+        self.token_ids: list[list[int]] = [[] for _ in self.jobs]
+
+    async def deltas(self):
+        async with aclosing(super().deltas()) as stream:
+            async for index, item in stream:
+                self.texts[index] += item.text or ''
+                self.token_ids[index] += item.token_ids or []
+                yield index, item
+
+
 class ChatRun:
     """One translated request (one choice) on the chat path.
 
@@ -59,7 +76,7 @@ class ChatRun:
 
     def __init__(self, server: _Server, chat: ChatCompletionRequest):
         self.server, self.chat = server, chat
-        self.gen: _Generation | None = None
+        self.gen: _Recorded | None = None
         self.output: ChatOutput | None = None
 
     async def start(self) -> None:
@@ -71,7 +88,7 @@ class ChatRun:
         self.server._check_model(self.chat.model)
         plan = await run_in_threadpool(self.server._plan_chat, self.chat)
         self.output = plan.outputs[0]
-        self.gen = _Generation(self.server, plan.jobs, 1, plan.multimodal, [self.output.first_call_stop()])
+        self.gen = _Recorded(self.server, plan.jobs, 1, plan.multimodal, [self.output.first_call_stop()])
 
     async def collect(self, request: Request) -> tuple[dict, str | None, dict]:
         """Generate the whole reply: ``(chat message, finish reason, chat usage)``.
@@ -84,25 +101,72 @@ class ChatRun:
         return self.output.message(choice.text), self.output.finish_reason(choice.finish_reason), self.gen.usage()
 
     async def deltas(self):
-        """Async generator of ``(delta, finish_reason)``: the chat ``delta`` fields of each engine
-        step (``reasoning_content``, ``content``, ``tool_calls`` fragments; may be empty) and, on
-        the last, the chat finish reason.
+        """Async generator of ``(delta, finish_reason, logprobs)``: the chat ``delta`` fields of
+        each engine step (``reasoning_content``, ``content``, ``tool_calls`` fragments; may be
+        empty), on the last the chat finish reason, and, when the request asked for logprobs, the
+        chat ``logprobs.content`` entries of exactly the tokens whose text this delta parsed
+        (:class:`~.chat_output.StreamedLogprobs`; else None).
 
         Raises:
             ShuttingDown: the shutdown deadline ended the reply.
             EngineFailed: the engine failed.
         """
         out = self.output
+        aligned = StreamedLogprobs(self.server.texts) if self.chat.logprobs else None
+        top = self.chat.top_logprobs or 0
         async with aclosing(self.gen.deltas()) as stream:
             async for _, r in stream:
                 if r.finish_reason == 'error':
                     raise EngineFailed()
-                delta = out.feed(r.text) if r.text else {}
+                text, entries = r.text, None
+                if aligned is not None:
+                    text, ready, _ = aligned.feed(r.logprobs, r.text, bool(r.finish_reason))
+                    entries = chat_logprobs(self.server.texts, ready, top)['content']
+                delta = out.feed(text) if text else {}
                 reason = None
                 if r.finish_reason:
                     delta = ChatOutput.merge_deltas(delta, out.finish())
                     reason = out.finish_reason(r.finish_reason)
-                yield delta, reason
+                yield delta, reason, entries
+
+    def content_logprobs(self, content: str | None) -> list[dict]:
+        """Chat ``logprobs.content`` entries of the finished reply's tokens that make up its
+        message ``content`` (not its reasoning or calls): the tokens whose text overlaps where
+        ``content`` lies in the generated text (after the reasoning's ``</think>``), so a token
+        that also holds a bit of the markup around it is included. Empty without content or when
+        logprobs were not asked for."""
+        choice = self.gen.choices[0]
+        if not content or not self.chat.logprobs:
+            return []
+        raw = self.gen.texts[0]
+        think = raw.find('</think>')
+        pos = raw.find(content, think + len('</think>') if think >= 0 else 0)
+        if pos < 0:
+            pos = raw.find(content)
+        offsets, picked = TextOffsets(self.server.texts), []
+        for lp in choice.logprobs:
+            start = offsets.next(lp.token_id)
+            if pos < 0 or (start < pos + len(content) and offsets.chars > pos):
+                picked.append(lp)
+        return chat_logprobs(self.server.texts, picked, self.chat.top_logprobs or 0)['content']
+
+    def stop_sequence(self) -> str | None:
+        """The stop string (of the request's ``stop``) that ended the finished reply, else None
+        (it ended on end-of-sequence, its budget, a call, or was cut by ``parallel_tool_calls``).
+
+        The text the client saw ends just before the stop string; the generated tokens go on
+        to the token that completed it, so the decoded output continues with the stop string
+        (the shortest of those it starts with: the first one completed)."""
+        stops = self.chat.stop
+        stops = [stops] if isinstance(stops, str) else list(stops or [])
+        if not stops or self.gen is None or self.gen.choices[0].finish_reason != 'stop':
+            return None
+        text = self.gen.texts[0]
+        full = self.server.pipe.tokenizer.decode(self.gen.token_ids[0], skip_special_tokens=True)
+        if not full.startswith(text):
+            return None
+        tail = full[len(text):]
+        return min((w for w in stops if w and tail.startswith(w)), key=len, default=None)
 
     def usage(self) -> dict:
         """The chat usage so far (``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details``)."""
