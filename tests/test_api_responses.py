@@ -34,7 +34,9 @@ ANSWER = '<think>\nThe listing has a.txt.\n</think>\n\nIt holds a.txt and b.txt.
 SCRIPT = [{'contains': 'What is here?', 'turn': 0, 'reply': 'Let me look.\n' + CALL_LS},
           {'contains': 'What is here?', 'turn': 1, 'reply': ANSWER},
           {'contains': 'Think first.', 'reply': ANSWER},
-          {'contains': 'Count aloud', 'reply': COUNT}]
+          {'contains': 'Count aloud', 'reply': COUNT},
+          {'contains': 'Namespace please', 'turn': 0, 'reply': CALL_LS.replace('"ls"', '"fs.ls"')},
+          {'contains': 'Namespace please', 'turn': 1, 'reply': 'Listed.'}]
 SYSTEM = 'You are a careful agent. Look before you answer and keep answers short. ' * 4
 
 
@@ -65,14 +67,15 @@ def test_the_store_never_exceeds_its_bounds_and_forgets_expired_entries(max_entr
             got = store.get(rid)
             assert got is None or got.body['id'] == rid
             if got is not None:
-                assert clock.t - alive[rid] < 10.0          # never served past its ttl
+                assert alive[rid] > clock.t - 10.0          # never served past its ttl (the store's arithmetic:
+                #                                              10.1 - 0.1 >= 10 but 0.1 > 10.1 - 10 in floats)
         elif op == 'del':
             store.delete(rid)
             alive.pop(rid, None)
         else:
             clock.t += n / 10
         assert len(store) <= max_entries and store.bytes <= max_bytes
-        assert all(store.get(r) is None for r, t in alive.items() if clock.t - t >= 10.0)
+        assert all(store.get(r) is None for r, t in alive.items() if t <= clock.t - 10.0)
 
 
 def test_the_store_evicts_least_recently_used_first():
@@ -197,9 +200,12 @@ def test_streamed_events_rebuild_the_non_streamed_response(server, prompt):
 
 def test_fields_the_server_cannot_honour_are_refused_by_name(server):
     c = client(server)
-    for kw, field in [(dict(tools=[{'type': 'web_search'}]), 'tools.0'),
+    for kw, field in [(dict(tools=[*TOOLS, {'type': 'code_interpreter', 'container': {'type': 'auto'}}]), 'tools.1'),
+                      (dict(tools=[{'type': 'custom', 'name': 'apply_patch'}]), 'tools.0'),
+                      (dict(tools=[{'type': 'namespace', 'name': 'fs', 'description': 'x',
+                                    'tools': [{'type': 'custom', 'name': 'p'}]}]), 'tools.0.tools.0'),
+                      (dict(tools=[{'type': 'web_search'}], tool_choice='required'), 'tool_choice'),
                       (dict(background=True), 'background'),
-                      (dict(top_logprobs=2), 'top_logprobs'),
                       (dict(tools=TOOLS, tool_choice={'type': 'function', 'name': 'rm'}), 'tool_choice'),
                       (dict(input=[{'type': 'item_reference', 'id': 'x'}]), 'input.0')]:
         kw = dict(dict(model='model', input='hi'), **kw)
@@ -279,3 +285,93 @@ def test_streamed_logprobs_describe_exactly_their_chunk(server, stop):
     offsets = [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset]
     assert (tokens, offsets) == (whole.logprobs.tokens, whole.logprobs.text_offset)
     assert ''.join(ch.text for ch in chunks) == whole.text
+
+
+# tool types, log-probabilities ---------------------------------------------------------------------------------
+NAMESPACE = {'type': 'namespace', 'name': 'fs', 'description': 'The file system.',
+             'tools': [dict(TOOLS[0], description='List a directory.')]}
+
+
+def test_namespaced_functions_are_called_by_namespace_and_name(server):
+    c = client(server)
+    kw = dict(model='model', instructions=SYSTEM, tools=[NAMESPACE, {'type': 'web_search'}], max_output_tokens=60)
+    first = c.responses.create(**kw, input='Namespace please.')
+    call = first.output[-1]
+    assert (call.type, call.namespace, call.name, json.loads(call.arguments)) == ('function_call', 'fs', 'ls',
+                                                                                 {'path': '.'})
+    assert [t['type'] for t in first.model_dump()['tools']] == ['namespace', 'web_search']      # echoed as sent
+    streamed = [e for e in c.responses.create(**kw, input='Namespace please.', stream=True, store=False)
+                if e.type == 'response.output_item.done']
+    assert (streamed[-1].item.namespace, streamed[-1].item.name) == ('fs', 'ls')
+    second = c.responses.create(**kw, previous_response_id=first.id,
+                                input=[{'type': 'function_call_output', 'call_id': call.call_id, 'output': 'a.txt'}])
+    assert second.output_text == 'Listed.'
+    computed = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens == computed // 16 * 16     # the call re-rendered alike
+    replay = c.responses.create(**kw, store=False, input=[
+        {'role': 'user', 'content': 'Namespace please.'}, call.model_dump(exclude_none=True),
+        {'type': 'function_call_output', 'call_id': call.call_id, 'output': 'a.txt', 'namespace': 'fs'}])
+    assert replay.usage.input_tokens == second.usage.input_tokens and replay.output_text == 'Listed.'
+    # web_search alone: accepted, never called (auto means the model may decline it)
+    plain = c.responses.create(model='model', input='Think first.', tools=[{'type': 'web_search'}], tool_choice='auto',
+                               max_output_tokens=60, store=False)
+    assert plain.output_text == 'It holds a.txt and b.txt.'
+
+
+def _chat_logprobs(server, top: int) -> list[dict]:
+    with httpx.Client(timeout=120) as h:
+        r = h.post(server.base_url + '/v1/chat/completions', json={
+            'model': 'model', 'messages': [{'role': 'user', 'content': 'Speak freely.'}], 'max_tokens': 12,
+            'temperature': 0, 'logprobs': True, 'top_logprobs': top,
+            'chat_template_kwargs': {'enable_thinking': False}})
+    choice = r.json()['choices'][0]
+    return choice['message']['content'], choice['logprobs']['content']
+
+
+def _same_entries(got: list[dict], want: list[dict]):
+    # the same tokens; values within 1e-4 (the later request reads the earlier one's prompt from
+    # the prefix cache, and logits of a cached prefix differ from a cold prefill in float32 rounding)
+    strip = lambda es: [(e['token'], e['bytes'], [(t['token'], t['bytes']) for t in e['top_logprobs']])  # noqa: E731
+                        for e in es]
+    assert strip(got) == strip(want)
+    for g, w in zip(got, want):
+        assert abs(g['logprob'] - w['logprob']) <= 1e-4
+        assert all(abs(a['logprob'] - b['logprob']) <= 1e-4 for a, b in zip(g['top_logprobs'], w['top_logprobs']))
+
+
+@pytest.mark.parametrize('top', [0, 3])
+def test_output_text_logprobs_equal_the_chat_ones(server, top):
+    """The model's own greedy reply: the output_text's entries are the chat completion's for the
+    same prompt, streamed deltas together are the whole list, and nothing comes without include."""
+    text, want = _chat_logprobs(server, top)
+    assert text and ''.join(e['token'] for e in want) == text
+    c = client(server)
+    kw = dict(model='model', input='Speak freely.', max_output_tokens=12, temperature=0, store=False,
+              reasoning={'effort': 'none'}, top_logprobs=top)
+    r = c.responses.create(**kw, include=['message.output_text.logprobs']).model_dump()
+    part = r['output'][-1]['content'][0]
+    assert part['text'] == text
+    _same_entries(part['logprobs'], want)
+    assert all(len(e['top_logprobs']) == top for e in part['logprobs'])
+    events = list(c.responses.create(**kw, include=['message.output_text.logprobs'], stream=True))
+    deltas = [lp.model_dump() for e in events if e.type == 'response.output_text.delta' for lp in e.logprobs]
+    done = next(e for e in events if e.type == 'response.output_text.done')
+    assert deltas == [lp.model_dump() for lp in done.logprobs]
+    assert ''.join(e.delta for e in events if e.type == 'response.output_text.delta') == text
+    _same_entries(deltas, want)
+    assert events[-1].response.model_dump()['output'][-1]['content'][0]['logprobs'] == deltas
+    plain = c.responses.create(**kw).model_dump()
+    assert plain['output'][-1]['content'][0]['logprobs'] == []
+
+
+def test_output_text_logprobs_skip_the_reasoning_and_the_call(server):
+    c = client(server)
+    r = c.responses.create(model='model', input='What is here?', tools=TOOLS, max_output_tokens=100, store=False,
+                           include=['message.output_text.logprobs'], top_logprobs=1)
+    msg = next(o for o in r.output if o.type == 'message')
+    tokens = ''.join(lp.token for lp in msg.content[0].logprobs)
+    assert msg.content[0].text == 'Let me look.' and tokens.strip() == 'Let me look.'
+    r = c.responses.create(model='model', input='Think first.', max_output_tokens=100, store=False,
+                           include=['message.output_text.logprobs'])
+    tokens = ''.join(lp.token for lp in r.output[-1].content[0].logprobs)
+    assert tokens.endswith('It holds a.txt and b.txt.') and 'listing' not in tokens

@@ -310,7 +310,7 @@ class MessagesAPI:
             yield _sse('content_block_start', {'index': len(blocks) - 1, 'content_block': block})
 
         try:
-            async for delta, finish, _ in run.deltas():
+            async for delta, finish in run.deltas():
                 if not started:
                     started = True
                     yield start()

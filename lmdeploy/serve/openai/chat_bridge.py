@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from .api_server import _Generation, _Server
-from .chat_output import ChatOutput, StreamedLogprobs, TextOffsets, chat_logprobs
+from .chat_output import ChatOutput, TextOffsets, chat_logprobs
 from .errors import APIError, api_error_from_validation
 from .lifecycle import ShuttingDown
 from .protocol import ChatCompletionRequest
@@ -101,40 +101,33 @@ class ChatRun:
         return self.output.message(choice.text), self.output.finish_reason(choice.finish_reason), self.gen.usage()
 
     async def deltas(self):
-        """Async generator of ``(delta, finish_reason, logprobs)``: the chat ``delta`` fields of
-        each engine step (``reasoning_content``, ``content``, ``tool_calls`` fragments; may be
-        empty), on the last the chat finish reason, and, when the request asked for logprobs, the
-        chat ``logprobs.content`` entries of exactly the tokens whose text this delta parsed
-        (:class:`~.chat_output.StreamedLogprobs`; else None).
+        """Async generator of ``(delta, finish_reason)``: the chat ``delta`` fields of each engine
+        step (``reasoning_content``, ``content``, ``tool_calls`` fragments; may be empty) and, on
+        the last, the chat finish reason.
 
         Raises:
             ShuttingDown: the shutdown deadline ended the reply.
             EngineFailed: the engine failed.
         """
         out = self.output
-        aligned = StreamedLogprobs(self.server.texts) if self.chat.logprobs else None
-        top = self.chat.top_logprobs or 0
         async with aclosing(self.gen.deltas()) as stream:
             async for _, r in stream:
                 if r.finish_reason == 'error':
                     raise EngineFailed()
-                text, entries = r.text, None
-                if aligned is not None:
-                    text, ready, _ = aligned.feed(r.logprobs, r.text, bool(r.finish_reason))
-                    entries = chat_logprobs(self.server.texts, ready, top)['content']
-                delta = out.feed(text) if text else {}
+                delta = out.feed(r.text) if r.text else {}
                 reason = None
                 if r.finish_reason:
                     delta = ChatOutput.merge_deltas(delta, out.finish())
                     reason = out.finish_reason(r.finish_reason)
-                yield delta, reason, entries
+                yield delta, reason
 
     def content_logprobs(self, content: str | None) -> list[dict]:
-        """Chat ``logprobs.content`` entries of the finished reply's tokens that make up its
+        """Chat ``logprobs.content`` entries of the reply's tokens (so far) that make up its
         message ``content`` (not its reasoning or calls): the tokens whose text overlaps where
         ``content`` lies in the generated text (after the reasoning's ``</think>``), so a token
-        that also holds a bit of the markup around it is included. Empty without content or when
-        logprobs were not asked for."""
+        that also holds a bit of the markup around it is included. As the content grows, the
+        list only grows (a streamed reply's entries so far are a prefix of the final ones).
+        Empty without content or when logprobs were not asked for."""
         choice = self.gen.choices[0]
         if not content or not self.chat.logprobs:
             return []

@@ -19,6 +19,13 @@ Streaming (``"stream": true``) sends server-sent events named by their ``type``:
 
 An item is closed when the next one opens. ``sequence_number`` counts every event from 0.
 
+With ``include: ["message.output_text.logprobs"]`` the ``output_text`` part's ``logprobs`` holds
+``{token, logprob, bytes, top_logprobs}`` per token of its text (``top_logprobs`` alternatives
+each); streamed, each ``response.output_text.delta`` carries the entries of the tokens its text
+added (so the deltas' entries together are the done event's), and entries left when the text is
+complete (a token that only ends a character) come in one last delta with empty text before
+``response.output_text.done``.
+
 ``store`` (default true, as OpenAI's) keeps the response and its conversation in the bounded
 :class:`~.response_store.ResponseStore`; ``previous_response_id`` continues it: the stored
 conversation (without the earlier ``instructions``, which are not carried over) is followed by
@@ -36,7 +43,7 @@ from fastapi import Request
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
 from .response_store import ResponseStore
-from .responses_protocol import CHAT_RENAMES, PASSTHROUGH, ResponsesRequest, chat_fields, input_messages
+from .responses_protocol import CHAT_RENAMES, PASSTHROUGH, ResponsesRequest, chat_fields, input_messages, split_call_name
 
 __all__ = ['ResponsesAPI']
 
@@ -57,18 +64,22 @@ def _reasoning_item(text: str, status: str = 'completed', rid: str | None = None
             'content': [{'type': 'reasoning_text', 'text': text}] if status == 'completed' else [], 'status': status}
 
 
-def _text_part(text: str) -> dict:
-    return {'type': 'output_text', 'text': text, 'annotations': [], 'logprobs': []}
+def _text_part(text: str, logprobs: list | None = None) -> dict:
+    return {'type': 'output_text', 'text': text, 'annotations': [], 'logprobs': logprobs or []}
 
 
-def _message_item(text: str, status: str = 'completed', mid: str | None = None) -> dict:
+def _message_item(text: str, status: str = 'completed', mid: str | None = None, logprobs: list | None = None) -> dict:
     return {'id': mid or _id('msg'), 'type': 'message', 'role': 'assistant', 'status': status,
-            'content': [_text_part(text)] if status != 'in_progress' else []}
+            'content': [_text_part(text, logprobs)] if status != 'in_progress' else []}
 
 
-def _call_item(call_id: str, name: str, arguments: str, status: str = 'completed', fid: str | None = None) -> dict:
-    return {'id': fid or _id('fc'), 'type': 'function_call', 'call_id': call_id, 'name': name,
+def _call_item(call_id: str, name: str, arguments: str, status: str = 'completed', fid: str | None = None,
+               namespace: str | None = None) -> dict:
+    item = {'id': fid or _id('fc'), 'type': 'function_call', 'call_id': call_id, 'name': name,
             'arguments': arguments, 'status': status}
+    if namespace is not None:
+        item['namespace'] = namespace
+    return item
 
 
 def _assistant_message(items: list[dict]) -> dict:
@@ -80,20 +91,23 @@ def _assistant_message(items: list[dict]) -> dict:
         elif item['type'] == 'message':
             msg['content'] = (msg['content'] or '') + item['content'][0]['text']
         else:
+            name = f"{item['namespace']}.{item['name']}" if item.get('namespace') else item['name']
             msg.setdefault('tool_calls', []).append({'id': item['call_id'], 'type': 'function', 'function': {
-                'name': item['name'], 'arguments': item['arguments']}})
+                'name': name, 'arguments': item['arguments']}})
     return msg
 
 
 class _Events:
     """Builds the output items of a streamed reply and the events that announce them."""
 
-    def __init__(self):
+    def __init__(self, req: ResponsesRequest, run: ChatRun):
+        self.req, self.run = req, run
         self.seq = 0
         self.items: list[dict] = []
         self.open: dict | None = None       # the item being streamed
         self.text = ''                      # its text (reasoning / message)
         self.calls: dict[int, dict] = {}    # tool-call index -> its item
+        self.sent_logprobs = 0              # entries of the open message item's text sent so far
 
     def event(self, type: str, **fields) -> str:
         body = {'type': type, 'sequence_number': self.seq, **fields}
@@ -116,9 +130,12 @@ class _Events:
                              part=part)
             item.update(content=[part], status='completed')
         elif item['type'] == 'message':
-            part = _text_part(self.text)
+            part = _text_part(self.text, self.run.content_logprobs(self.text))
+            if len(part['logprobs']) > self.sent_logprobs:
+                yield self.event('response.output_text.delta', item_id=item['id'], output_index=i, content_index=0,
+                                 delta='', logprobs=part['logprobs'][self.sent_logprobs:])
             yield self.event('response.output_text.done', item_id=item['id'], output_index=i, content_index=0,
-                             text=self.text, logprobs=[])
+                             text=self.text, logprobs=part['logprobs'])
             yield self.event('response.content_part.done', item_id=item['id'], output_index=i, content_index=0,
                              part=part)
             item.update(content=[part], status=status)
@@ -131,7 +148,7 @@ class _Events:
     def _open(self, item: dict):
         yield from self.close()
         self.items.append(item)
-        self.open, self.text = item, ''
+        self.open, self.text, self.sent_logprobs = item, '', 0
         yield self.event('response.output_item.added', output_index=self._index(), item=dict(item))
         part = {'reasoning': {'type': 'reasoning_text', 'text': ''}, 'message': _text_part('')}.get(item['type'])
         if part is not None:
@@ -150,14 +167,17 @@ class _Events:
             if self.open is None or self.open['type'] != 'message':
                 yield from self._open(_message_item('', 'in_progress'))
             self.text += delta['content']
+            entries = self.run.content_logprobs(self.text)[self.sent_logprobs:] if self.req.logprobs else []
+            self.sent_logprobs += len(entries)
             yield self.event('response.output_text.delta', item_id=self.open['id'], output_index=self._index(),
-                             content_index=0, delta=delta['content'], logprobs=[])
+                             content_index=0, delta=delta['content'], logprobs=entries)
         for frag in delta.get('tool_calls') or []:
             fn = frag.get('function') or {}
             item = self.calls.get(frag['index'])
             if item is None:
-                item = self.calls[frag['index']] = _call_item(frag.get('id') or _id('call'), fn.get('name', ''), '',
-                                                              'in_progress')
+                namespace, name = split_call_name(self.req, fn.get('name', ''))
+                item = self.calls[frag['index']] = _call_item(frag.get('id') or _id('call'), name, '', 'in_progress',
+                                                              namespace=namespace)
                 yield from self._open(item)
             if fn.get('arguments'):
                 item['arguments'] += fn['arguments']
@@ -227,9 +247,11 @@ class ResponsesAPI:
         if msg.get('reasoning_content'):
             output.append(_reasoning_item(msg['reasoning_content']))
         if msg.get('content'):
-            output.append(_message_item(msg['content'], 'incomplete' if incomplete else 'completed'))
+            output.append(_message_item(msg['content'], 'incomplete' if incomplete else 'completed',
+                                        logprobs=run.content_logprobs(msg['content'])))
         for call in msg.get('tool_calls') or []:
-            output.append(_call_item(call['id'], call['function']['name'], call['function']['arguments']))
+            namespace, name = split_call_name(req, call['function']['name'])
+            output.append(_call_item(call['id'], name, call['function']['arguments'], namespace=namespace))
         body = self._body(req, rid, created, output, 'incomplete' if incomplete else 'completed', _usage(usage),
                           incomplete)
         self._keep(req, body, conversation, output)
@@ -240,7 +262,7 @@ class ResponsesAPI:
             self.store.put(body['id'], body, conversation + [_assistant_message(output)])
 
     async def _events(self, req: ResponsesRequest, run: ChatRun, rid: str, created: float, conversation: list[dict]):
-        ev = _Events()
+        ev = _Events(req, run)
         head = self._body(req, rid, created, [], 'in_progress', None)
         yield ev.event('response.created', response=head)
         yield ev.event('response.in_progress', response=head)

@@ -16,20 +16,46 @@ Input items::
     {"role", "content"} / {"type": "message"} → a message (input_text / output_text / input_image parts)
     {"type": "reasoning", "content" | "summary"} → reasoning_content of the next assistant message
     {"type": "function_call", "call_id", "name", "arguments"} → a tool call of the assistant message
+                                            (``namespace`` + ``name``: the call ``NAMESPACE.NAME``)
     {"type": "function_call_output", "call_id", "output"}     → a tool message
 
 Consecutive assistant items (reasoning, message, function calls) form one assistant message, as
 the model produced them in one turn, so the history renders to the generated tokens.
+
+Tools (``tools[]`` by ``type``)::
+
+    function                 → a chat function
+    namespace {name, tools}  → its function tools, offered as ``NAMESPACE.NAME`` (OpenAI function
+                               names cannot hold a dot, so it names no plain function); a call of
+                               one comes back as a function_call item with ``namespace`` and
+                               ``name``
+    web_search, web_search_preview (and their dated names)
+                             → accepted and not offered to the model: a search is a tool OpenAI's
+                               servers run, which a model may always decline to call, and this
+                               server never calls it (a tool_choice naming it is a 400)
+    any other type           → a 400 naming tools[i] and the type (file_search, code_interpreter,
+                               image_generation, mcp, computer_use_preview, local_shell, shell,
+                               apply_patch, custom ...: hosted tools this server cannot run, or
+                               client tools whose call items it does not produce)
+
+Log-probabilities: ``include: ["message.output_text.logprobs"]`` adds the entries of the tokens of
+each ``output_text`` (``top_logprobs`` alternatives each, 0-20, default 0); ``top_logprobs``
+without that ``include`` returns none, as OpenAI's API does.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from .protocol import MAX_TOKENS, Text, _Float, _Strict
 
-__all__ = ['ResponsesRequest', 'input_messages', 'chat_fields', 'CHAT_RENAMES', 'PASSTHROUGH']
+__all__ = ['ResponsesRequest', 'input_messages', 'chat_fields', 'split_call_name', 'CHAT_RENAMES', 'PASSTHROUGH',
+           'LOGPROBS_INCLUDE']
+
+LOGPROBS_INCLUDE = 'message.output_text.logprobs'
+# hosted tools a model may always decline to call: accepted, never offered (see the module doc)
+DECLINABLE_TOOLS = ('web_search', 'web_search_preview', 'web_search_preview_2025_03_11', 'web_search_2025_08_26')
 
 # extensions a client may send to any generation endpoint; passed to the chat request when it has
 # the field, a 400 naming it while it does not (never silently dropped)
@@ -69,12 +95,17 @@ class _FunctionCall(_Strict):
     name: Text
     arguments: Text
     id: Text | None = None
+    namespace: Text | None = None
+    status: Text | None = None
 
 
 class _FunctionCallOutput(_Strict):
     type: Literal['function_call_output']
     call_id: Text
     output: Text | list[_Part]
+    id: Text | None = None
+    namespace: Text | None = None
+    status: Text | None = None
 
 
 class _ReasoningText(_Strict):
@@ -100,6 +131,30 @@ class FunctionTool(_Strict):
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class NamespaceTool(_Strict):
+    """``tools[]``: function tools grouped under a namespace (called as ``NAMESPACE.NAME``)."""
+    type: Literal['namespace']
+    name: Text = Field(min_length=1, pattern=r'^[^.]+$')
+    description: Text | None = None
+    tools: list[FunctionTool]
+
+
+class OtherTool(_Strict):
+    """``tools[]`` of any other type: kept for :meth:`ResponsesRequest.refused` (a 400 naming it,
+    or accepted and not offered for :data:`DECLINABLE_TOOLS`)."""
+    model_config = ConfigDict(extra='allow')
+    type: Text
+
+
+def _tool_kind(tool) -> str:
+    kind = tool.get('type') if isinstance(tool, dict) else getattr(tool, 'type', None)
+    return kind if kind in ('function', 'namespace') else 'other'
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag('function')] | Annotated[NamespaceTool, Tag('namespace')]
+                 | Annotated[OtherTool, Tag('other')], Discriminator(_tool_kind)]
 
 
 class _NamedFunction(_Strict):
@@ -129,12 +184,13 @@ class _ReasoningConfig(_Strict):
 
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``. Fields this server cannot honour (``background``, ``conversation``,
-    ``prompt``, ``top_logprobs``) are refused rather than ignored; see docs/en/api_server.md."""
+    ``prompt``, tool types other than function / namespace / web_search) are refused rather than
+    ignored; see docs/en/api_server.md."""
     model_config = ConfigDict(extra='allow')     # extras: read for PASSTHROUGH, else ignored
     model: Text
     input: Text | list[InputItem] = Field(min_length=1)
     instructions: Text | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal['none', 'auto', 'required'] | _NamedFunction | None = None
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
@@ -171,9 +227,30 @@ class ResponsesRequest(_Strict):
             return 'conversation', 'conversations are not supported; use previous_response_id'
         if self.prompt is not None:
             return 'prompt', 'stored prompt templates are not supported'
-        if self.top_logprobs:
-            return 'top_logprobs', 'log-probabilities are served by /v1/chat/completions only'
+        for i, tool in enumerate(self.tools or []):
+            if tool.type not in ('function', 'namespace') + DECLINABLE_TOOLS:
+                return f'tools.{i}', (f'tool type {tool.type!r} is not served: this server runs only "function" '
+                                       'tools (also grouped in a "namespace"); "web_search" is accepted and never '
+                                       'called')
+        if self.tool_choice == 'required' and self.tools and not self.functions():
+            return 'tool_choice', ('"required" with only web_search tools: this server never calls web_search; '
+                                   'send a function tool or tool_choice "auto"')
         return None
+
+    def functions(self) -> list[tuple[str | None, FunctionTool]]:
+        """``(namespace or None, function)`` of every function the model is offered."""
+        out = []
+        for tool in self.tools or []:
+            if tool.type == 'function':
+                out.append((None, tool))
+            elif tool.type == 'namespace':
+                out += [(tool.name, f) for f in tool.tools]
+        return out
+
+    @property
+    def logprobs(self) -> bool:
+        """The reply's output_text log-probabilities were asked for (``include``)."""
+        return LOGPROBS_INCLUDE in (self.include or [])
 
 
 def _text_of(parts) -> str:
@@ -229,8 +306,9 @@ def input_messages(items: str | list) -> list[dict]:
             reasoning.append(''.join(p.text for p in (item.content or item.summary)))
         elif item.type == 'function_call':
             msg = assistant()
+            name = f'{item.namespace}.{item.name}' if item.namespace else item.name
             msg.setdefault('tool_calls', []).append(
-                {'id': item.call_id, 'type': 'function', 'function': {'name': item.name, 'arguments': item.arguments}})
+                {'id': item.call_id, 'type': 'function', 'function': {'name': name, 'arguments': item.arguments}})
         elif item.type == 'function_call_output':
             open_turn = False
             msgs.append({'role': 'tool', 'tool_call_id': item.call_id, 'content': _text_of(item.output)})
@@ -261,11 +339,14 @@ def chat_fields(req: ResponsesRequest) -> dict:
         out['temperature'] = req.temperature
     if req.top_p is not None:
         out['top_p'] = req.top_p
-    if req.tools:
-        out['tools'] = [{'type': 'function', 'function': t.model_dump(exclude_none=True, exclude={'type'})}
-                        for t in req.tools]
+    functions = req.functions()
+    if functions:
+        out['tools'] = [{'type': 'function', 'function': dict(t.model_dump(exclude_none=True, exclude={'type'}),
+                                                                name=f'{ns}.{t.name}' if ns else t.name)}
+                        for ns, t in functions]
     if isinstance(req.tool_choice, str):
-        out['tool_choice'] = req.tool_choice
+        if functions or req.tool_choice not in ('auto', 'none') or not req.tools:
+            out['tool_choice'] = req.tool_choice    # (only web_search tools: auto / none mean no call)
     elif req.tool_choice is not None:
         out['tool_choice'] = {'type': 'function', 'function': {'name': req.tool_choice.name}}
     fmt = req.text.format if req.text else None
@@ -275,9 +356,21 @@ def chat_fields(req: ResponsesRequest) -> dict:
         schema = {'name': fmt.name or 'output', 'schema': fmt.json_schema or {}}
         schema.update({k: v for k, v in (('description', fmt.description), ('strict', fmt.strict)) if v is not None})
         out['response_format'] = {'type': 'json_schema', 'json_schema': schema}
+    if req.logprobs:
+        out['logprobs'] = True
+        out['top_logprobs'] = req.top_logprobs or 0
     if req.reasoning is not None and req.reasoning.effort in ('none', 'minimal'):
         out['chat_template_kwargs'] = {'enable_thinking': False}
     for key in PASSTHROUGH:
         if key in (req.model_extra or {}):
             out[key] = req.model_extra[key]
     return out
+
+
+def split_call_name(req: ResponsesRequest, name: str) -> tuple[str | None, str]:
+    """``(namespace, name)`` of a parsed call's chat name: a namespaced function of ``req``'s tools
+    is called ``NAMESPACE.NAME``; any other name has no namespace."""
+    ns, dot, rest = name.partition('.')
+    if dot and any(n == ns and t.name == rest for n, t in req.functions()):
+        return ns, rest
+    return None, name
