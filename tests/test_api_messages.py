@@ -57,6 +57,13 @@ def test_blocks_translate_into_chat_messages():
         ('required', False, ['END'], 9)
     assert chat['chat_template_kwargs'] == {'enable_thinking': False}
     assert chat['tools'][0]['function']['parameters'] == TOOLS[0]['input_schema']
+    # a system message inside messages (Claude Code sends one) is a user turn with its text
+    later = MessagesRequest.model_validate({'model': 'm', 'max_tokens': 9, 'system': 'S', 'messages': [
+        {'role': 'user', 'content': 'hi'}, {'role': 'system', 'content': [{'type': 'text', 'text': 'Agents: a, b.'}]},
+        {'role': 'user', 'content': 'go'}]})
+    assert to_chat(later)['messages'] == [{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'hi'},
+                                          {'role': 'user', 'content': 'Agents: a, b.'},
+                                          {'role': 'user', 'content': 'go'}]
 
 
 @pytest.fixture(scope='module')
@@ -146,6 +153,8 @@ def test_thinking_disabled_and_max_tokens(server):
 
 
 def test_errors_have_anthropics_shape_and_the_key_is_checked(server):
+    with httpx.Client(timeout=60) as h:       # Claude Code's reachability probe of its base URL
+        assert h.head(server.base_url + '/').status_code == 200
     with pytest.raises(anthropic.AuthenticationError) as err:
         client(server, 'wrong').messages.create(model='model', messages=[{'role': 'user', 'content': 'x'}],
                                                 max_tokens=5)

@@ -8,6 +8,10 @@ A request is translated into a chat completion and served through the chat path
     user: tool_result blocks              → tool messages (before the user's other blocks)
     assistant: thinking / text / tool_use → one assistant message: reasoning_content, content,
                                             tool_calls (input as JSON arguments)
+    system (inside messages): text blocks → a user message holding the text (Claude Code sends
+                                            one after the first user turn; chat templates take a
+                                            system message only first, and a user turn keeps
+                                            the earlier prefix, so the cache, as it was)
     tools[] {name, description, input_schema} → functions
     tool_choice auto / any / tool / none  → "auto" / "required" / the named function / "none";
                                             disable_parallel_tool_use → parallel_tool_calls false
@@ -96,7 +100,7 @@ _Block = Annotated[_Text | _Image | _ToolUse | _ToolResult | _Thinking | _Redact
 
 
 class _Message(_Strict):
-    role: Literal['user', 'assistant']
+    role: Literal['user', 'assistant', 'system']
     content: Text | list[_Block]
 
 
@@ -169,6 +173,11 @@ def to_chat(req: CountTokensRequest) -> dict:
         msgs.append({'role': 'system', 'content': text})
     for i, m in enumerate(req.messages):
         blocks = [_Text(type='text', text=m.content)] if isinstance(m.content, str) else m.content
+        if m.role == 'system':
+            if any(b.type != 'text' for b in blocks):
+                raise ValueError(f'messages[{i}].content: a system message holds text blocks only')
+            msgs.append({'role': 'user', 'content': ''.join(b.text for b in blocks)})
+            continue
         if m.role == 'assistant':
             msg: dict = {'role': 'assistant', 'content': None}
             for j, b in enumerate(blocks):

@@ -724,6 +724,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
         messages.count_tokens)
     app.get('/debug/ledger', dependencies=auth, responses=_errors(401, 503))(server.ledger)
     app.get('/health', responses=_errors(503))(server.health)
+    # the root answers (no data, no key): Claude Code probes its base URL with HEAD / before the first request
+    app.api_route('/', methods=['GET', 'HEAD'], include_in_schema=False)(lambda: {'status': 'ok'})
     app.get('/metrics', dependencies=auth if protect_metrics else [])(server.prometheus)
     _add_docs(app, auth)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
