@@ -32,8 +32,9 @@ from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
 from ..paging.sequence import Sequence
-from ..prefix_cache.coordinator import PrefixCache, zero_counters
+from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.local_tier import LocalTier
+from ..prefix_cache.null_cache import NullPrefixCache
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
 from ..spec_decode.strategy import DecodingStrategy, strategy_for
@@ -155,7 +156,8 @@ class Engine:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
         self.store = self._build_store()
-        self.prefix_cache = None
+        # with caching off a NullPrefixCache answers every question: no caller branches on it
+        self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache)
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
@@ -165,7 +167,7 @@ class Engine:
         self.spec = None
         if spec_config is not None:
             from ..spec_decode.decoder import SpecDecoder
-            turn_end = self.prefix_cache is not None and self.prefix_cache.decode_save_last
+            turn_end = self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
 
@@ -362,8 +364,7 @@ class Engine:
     # the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one forward over the scheduled chunks; returns per-sequence progress."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.probe(self.scheduler.waiting)
+        self.prefix_cache.probe(self.scheduler.waiting)
         sched = self.scheduler.schedule()
         self._execute_loads(sched)
         if not sched.chunks:
@@ -390,16 +391,21 @@ class Engine:
         cache = self.prefix_cache
         self._copy_states([r.src for r in loads.restores], [r.dst for r in loads.restores],
                           lambda ok: cache.loads_done(loads, ok))
-        kept = []
-        for load in loads.store_loads:
-            ok = self.store.load(load)
-            keep = cache.store_loaded(load, ok)
-            if not ok:
-                self.scheduler.rollback(load.seq, sched)
-            elif keep is not None:
-                kept.append((load.slot, *keep))
-        self._copy_states([k[0] for k in kept], [k[2] for k in kept],
-                          lambda ok: [cache.restored_kept(node, slot, ok) for _, node, slot in kept])
+        kept = []       # (runtime slot, node, lease of the checkpoint slot to keep the restore in)
+        try:
+            for load in loads.store_loads:
+                ok = self.store.load(load)
+                keep = cache.store_loaded(load, ok)
+                if not ok:
+                    self.scheduler.rollback(load.seq, sched)
+                elif keep is not None:
+                    kept.append((load.slot, *keep))
+        except BaseException:
+            for _, node, lease in kept:      # a load raised: the kept copies never run
+                cache.restored_kept(node, lease, False)
+            raise
+        self._copy_states([k[0] for k in kept], [k[2].slot for k in kept],
+                          lambda ok: [cache.restored_kept(node, lease, ok) for _, node, lease in kept])
 
     def _execute_saves(self, saves: SavePlan) -> None:
         """Run the saves planned after the forward: runtime → checkpoint slot copies (published
@@ -485,7 +491,7 @@ class Engine:
         """Resource counters; the ``*_in_use``, pinned, in-flight, running and waiting ones return
         to 0 (and free ones to their totals) when no request is in flight."""
         bm = self.block_manager
-        cached = self.prefix_cache.local.trie.num_nodes if self.prefix_cache is not None else 0
+        cached = self.prefix_cache.num_cached_blocks
         sc = self.state_cache
         return {
             'blocks_total': bm.num_blocks,
@@ -511,9 +517,7 @@ class Engine:
         decoding) draft tokens proposed / accepted. Every key but the speculative-decoding ones
         is present whatever is enabled (0 for a disabled tier), so one reader fits every config."""
         from ..prefix_cache.store_tier import zero_store_counters     # (the Store tier is imported lazily)
-        out = {**zero_counters(), 'checkpoints_skipped': {}, **zero_store_counters()}
-        if self.prefix_cache is not None:
-            out.update(self.prefix_cache.stats())
+        out = {**zero_store_counters(), **self.prefix_cache.stats()}
         if self.spec is not None:
             out.update(self.spec.stats())
         return out
