@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_engine import CacheEngine
 from ..cache_specs import has_state
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
@@ -38,6 +37,7 @@ from ..prefix_cache.null_cache import NullPrefixCache
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
 from ..spec_decode.strategy import DecodingStrategy, strategy_for
+from .cache_sizing import check_cache_fits, derive_num_blocks
 from .executor import make_executor
 from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
@@ -47,9 +47,6 @@ from .stop_strings import Detokenizer
 __all__ = ['Engine', 'StepOutput']
 
 logger = logging.getLogger('lmdeploy')
-
-_CPU_CACHE_BUDGET = 4 << 30   # bytes; CPU has no "free device memory" to take a fraction of
-
 
 @dataclass
 class StepOutput:
@@ -135,7 +132,8 @@ class Engine:
         scratch_base = num_slots if (self.is_hybrid and spec_config is not None) else None
         if scratch_base is not None:
             num_slots += num_runtime
-        num_blocks = cc.num_gpu_blocks or self._derive_num_blocks(num_slots)
+        num_blocks = cc.num_gpu_blocks or derive_num_blocks(self.specs, cc, num_slots, self.device,
+                                                            config.max_batch_size, self.session_len)
         capacity = num_blocks * cc.block_size
         if self.session_len > capacity:
             # a sequence longer than the whole cache could never be (re)admitted and would spin
@@ -144,7 +142,7 @@ class Engine:
             logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
                            self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
-        self._check_cache_fits(num_blocks, num_slots)
+        check_cache_fits(self.specs, cc, num_blocks, num_slots, self.device)
         self.cache_engine = self.executor.start(cc.block_size, num_blocks, num_slots)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
@@ -170,48 +168,6 @@ class Engine:
             turn_end = self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
-
-    def _memory_bytes(self) -> int:
-        """Memory the caches may take at most: free device memory (CUDA) or physical RAM (CPU)."""
-        if self.device.type == 'cuda':
-            return int(torch.cuda.mem_get_info(self.device)[0])
-        try:
-            return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-        except (ValueError, OSError, AttributeError):    # not a POSIX system: no check
-            return 1 << 62
-
-    def _check_cache_fits(self, num_blocks: int, num_slots: int) -> None:
-        """Raise ValueError naming the fields when the caches cannot fit in memory at all."""
-        kv = num_blocks * CacheEngine.bytes_per_block(self.specs, self.cache_config.block_size)
-        state = num_slots * CacheEngine.bytes_per_slot(self.specs)
-        memory = self._memory_bytes()
-        if kv + state > memory:
-            what = 'num_gpu_blocks' if self.cache_config.num_gpu_blocks else 'the derived block count'
-            raise ValueError(f'the caches need {kv + state} bytes ({num_blocks} KV blocks of {what}: {kv} bytes; '
-                             f'{num_slots} recurrent-state slots (max_batch_size / num_state_slots, '
-                             f'num_checkpoint_slots): {state} bytes), more than the {memory} bytes of '
-                             f'{"free device memory" if self.device.type == "cuda" else "RAM"}')
-
-    def _derive_num_blocks(self, num_slots: int) -> int:
-        cfg = self.cache_config
-        if self.device.type == 'cuda':
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.cache_max_entry_count)
-        else:
-            budget = int(_CPU_CACHE_BUDGET * cfg.cache_max_entry_count)
-        slots = num_slots * CacheEngine.bytes_per_slot(self.specs)
-        per_block = CacheEngine.bytes_per_block(self.specs, cfg.block_size)
-        # no point in more blocks than every running sequence at full session length needs, twice
-        cap = 2 * self.config.max_batch_size * (-(-self.session_len // cfg.block_size))
-        num_blocks = min((budget - slots) // per_block, cap)
-        if num_blocks < 1:
-            if slots >= budget:
-                raise ValueError(f'the {num_slots} recurrent-state slots ({slots} bytes; max_batch_size / '
-                                 f'num_state_slots, num_checkpoint_slots) take the whole cache budget of {budget} '
-                                 f'bytes (cache_max_entry_count={cfg.cache_max_entry_count}): lower them, raise '
-                                 f'cache_max_entry_count or set num_gpu_blocks')
-            raise ValueError('cache_max_entry_count leaves no memory for even one KV block')
-        return num_blocks
 
     def _build_store(self):
         uses_file = (self.config.store_backend or '').startswith('file:')
