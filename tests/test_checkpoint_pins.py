@@ -1,7 +1,8 @@
 """Checkpoint pins have one owner (``prefix_cache/pins.py``): a property test drives the real
 scheduler and prefix cache (no model: copies are simulated) through random interleavings of
 admission, restore (local checkpoint and Store), save, turn-end staging, finish, abort,
-preemption, failed copies and failed Store loads, and checks after every step that
+preemption, and errors (copies, Store loads and forwards that fail or raise; a step that raises
+fails every request, as the engine loop does), and checks after every step that
 
 * no checkpoint slot is evicted or released while pinned;
 * every pin is a lease of the one :class:`CheckpointPins` (the state cache's pin counts equal
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.config import SchedulerConfig
+from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.scheduler import Scheduler
 from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.sequence import Sequence
@@ -36,19 +38,26 @@ B, A = 4, 8
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+class InjectedFailure(RuntimeError):
+    """An error the harness injects (a failed copy, Store load or forward)."""
+
+
 class FakeStore:
-    """Remembers which prefixes were put (by their block hashes); loads fail on request."""
+    """Remembers which prefixes were put (by their block hashes); a load fails (False) or
+    raises at ``fail_rate`` each."""
 
     def __init__(self, rng: random.Random, fail_rate: float):
         self.rng, self.fail_rate, self.states, self.hits = rng, fail_rate, set(), 0
-        self.num_inflight = 0
 
     def probe(self, hashes, rules, below=None):
         return [b for b in rules.restore_candidates(0, len(hashes))
                 if (below is None or b < below) and tuple(hashes[:b // B]) in self.states]
 
     def load(self, load) -> bool:
-        return self.rng.random() >= self.fail_rate
+        r = self.rng.random()
+        if r < self.fail_rate / 4:
+            raise InjectedFailure('store load')
+        return r >= self.fail_rate
 
     def record_hit(self, tokens: int) -> None:
         self.hits += 1
@@ -60,10 +69,22 @@ class FakeStore:
         return {}
 
 
+class FakeCopies:
+    """The cache engine's state copies: raise at ``fail_rate`` (Engine._copy_states then
+    reports the copy as not done and re-raises)."""
+
+    def __init__(self, rng: random.Random, fail_rate: float):
+        self.rng, self.fail_rate, self.copies = rng, fail_rate, 0
+
+    def copy_states(self, src, dst) -> None:
+        if self.rng.random() < self.fail_rate:
+            raise InjectedFailure('copy')
+        self.copies += len(src)
+
+
 class GuardedStateCache(StateCache):
     """A StateCache that fails the test if a pinned checkpoint is ever evicted or released
     (LRU eviction in ``alloc_checkpoint`` and trie eviction both go through release)."""
-
 
     def release_checkpoint(self, slot: int) -> None:
         assert not self.is_pinned(slot), f'checkpoint slot {slot} released while pinned'
@@ -71,7 +92,9 @@ class GuardedStateCache(StateCache):
 
 
 class Harness:
-    """Scheduler + prefix cache of one engine with simulated copies (what Engine.step runs)."""
+    """Scheduler + prefix cache of one engine, stepped through the engine's own load / save
+    execution (``Engine._execute_loads`` / ``_execute_saves`` on a model-free engine: copies and
+    Store are fakes that fail); a step that raises fails every request, as the engine loop does."""
 
     def __init__(self, rng: random.Random, num_blocks: int, runtime: int, ckpt: int, decode_save_last: bool,
                  store: bool, fail_rate: float):
@@ -83,47 +106,38 @@ class Harness:
         self.cache = PrefixCache(local, self.store, block_size=B, alignment=A, decode_save_last=decode_save_last)
         self.pins: CheckpointPins = local.pins
         self.sched = Scheduler(SchedulerConfig(B, runtime, 16, A, False), self.bm, self.sc, self.cache)
+        eng = self.eng = Engine.__new__(Engine)        # only what the load / save execution uses
+        eng.prefix_cache, eng.scheduler, eng.store = self.cache, self.sched, self.store
+        eng.cache_engine = FakeCopies(rng, fail_rate)
         self.live: list[Sequence] = []
-
-    def copy(self, done) -> None:
-        """A batch of state copies that fails (raises inside, like cache_engine.copy_states) at
-        ``fail_rate``; ``done`` is called either way, as by Engine._copy_states."""
-        done(self.rng.random() >= self.fail_rate)
+        self.errors = 0
 
     def step(self) -> None:
-        cache, sched = self.cache, self.sched
-        cache.probe(sched.waiting)
+        try:
+            self._step()
+        except InjectedFailure:             # what EngineLoop does when a step raises
+            self.errors += 1
+            for seq in self.live:
+                if not seq.is_finished:
+                    self.eng.abort(seq)
+
+    def _step(self) -> None:
+        eng, sched = self.eng, self.sched
+        self.cache.probe(sched.waiting)
         out = sched.schedule()
-        loads = out.loads
-        if loads.restores:
-            self.copy(lambda ok: cache.loads_done(loads, ok))
-        kept = []
-        for load in loads.store_loads:
-            ok = self.store.load(load)
-            keep = cache.store_loaded(load, ok)
-            if not ok:
-                sched.rollback(load.seq, out)
-            elif keep is not None:
-                kept.append(keep)
-        if kept:
-            self.copy(lambda ok: [cache.restored_kept(node, lease, ok) for node, lease in kept])
+        eng._execute_loads(out)
         if not out.chunks:
             return
-        saves = sched.computed(out)
-        self.execute(saves)
+        if self.rng.random() < self.fail_rate / 4:
+            raise InjectedFailure('forward')
+        eng._execute_saves(sched.computed(out))
         for chunk in out.chunks:
             seq = chunk.seq
             if chunk.end < seq.num_tokens:
                 continue                          # a prefill chunk short of the last token
             seq.token_ids.append(self.rng.randrange(100))
             if seq.num_generated >= seq.gen_config.max_new_tokens:
-                self.execute(sched.finish(seq, 'length'))
-
-    def execute(self, saves) -> None:
-        if saves.checkpoints or saves.snapshots:
-            self.copy(lambda ok: self.cache.saves_done(saves, ok))
-        for put in saves.store_puts:
-            self.store.submit(put)
+                eng._execute_saves(sched.finish(seq, 'length'))
 
     def check_between_steps(self) -> None:
         held = self.pins.held()
@@ -187,8 +201,8 @@ def test_random_interleavings_return_every_pin_and_never_evict_a_pinned_checkpoi
 
 def test_the_interleavings_reach_every_pin_purpose_and_preemption():
     """The property above is not vacuous: over fixed seeds every kind of pin is taken,
-    requests are preempted, restores come from both tiers, and copies fail."""
-    taken, preempted, restored = Counter(), 0, Counter()
+    requests are preempted, restores come from both tiers, and steps fail."""
+    taken, preempted, restored, errors = Counter(), 0, Counter(), 0
     for seed in range(30):
         rng_cfg = random.Random(seed)
         h = None
@@ -206,8 +220,9 @@ def test_the_interleavings_reach_every_pin_purpose_and_preemption():
         for seq in h.live:
             preempted += max(0, len(seq.stats.plans) - 1)
         restored['store'] += h.store.hits
+        errors += h.errors
     assert set(taken) == {'restore_source', 'save_target', 'store_keep', 'staging'}, taken
-    assert preempted > 0 and restored['store'] > 0, (preempted, restored)
+    assert preempted > 0 and restored['store'] > 0 and errors > 0, (preempted, restored, errors)
 
 
 def test_only_the_pin_owner_changes_pin_counts():
@@ -242,3 +257,38 @@ def test_a_lease_is_released_exactly_once():
     assert pins.release_owner(8) == 1 and pins.num_reclaimed == 1 and sc.num_pinned == 0
     with pytest.raises(ValueError, match='purpose'):
         pins.take(slot, 'whatever')
+
+
+def test_a_store_load_that_raises_releases_the_kept_restores_of_its_step():
+    """Two Store restores in one step: the first is kept as a local checkpoint (pinned while
+    its copy is pending), the second load raises. The step's error path releases the first's
+    pin itself; the requests then fail (aborted), and nothing is left to reclaim."""
+    h = Harness(random.Random(0), num_blocks=40, runtime=3, ckpt=4, decode_save_last=False, store=True,
+                fail_rate=0.0)
+    first = [7 + i % 50 for i in range(33)]
+    seq = Sequence(first, GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    h.sched.add(seq)
+    h.live.append(seq)
+    while not seq.is_finished:
+        h.step()
+    assert h.store.states, 'the first request put its prefix'
+    h.cache.evict(10 ** 6)                 # the local tier forgets it: the next restores come from the Store
+    assert h.cache.num_cached_blocks == 0
+    calls = []
+
+    def load(load):
+        calls.append(load.seq.seq_id)
+        if len(calls) == 2:
+            raise InjectedFailure('second store load')
+        return True
+    h.store.load = load
+    twins = [Sequence(first + [60 + k], GenerationConfig(max_new_tokens=1, ignore_eos=True)) for k in range(2)]
+    for s in twins:
+        h.sched.add(s)
+        h.live.append(s)
+    taken = h.pins.num_taken
+    h.step()
+    assert len(calls) == 2 and h.errors == 1
+    assert h.pins.num_taken > taken, 'the first restore was kept (a store_keep pin was taken)'
+    assert all(s.is_finished for s in twins)
+    assert h.pins.num_held == 0 and h.sc.num_pinned == 0 and h.pins.num_reclaimed == 0
