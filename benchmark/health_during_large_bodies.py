@@ -144,8 +144,9 @@ def main() -> None:
               f"answers {r['status_codes']}: {r['polls']} /health polls, p50 {r['p50_ms']} ms, "
               f"p99 {r['p99_ms']} ms, max {r['max_ms']} ms")
     if args.out:
-        with open(args.out, 'w') as f:
-            json.dump({'load_avg': os.getloadavg(), 'results': results}, f, indent=1)
+        with open(args.out, 'w') as f:       # one line per kind
+            f.write('{"load_avg": %s, "results": [\n%s\n]}\n' % (
+                json.dumps(os.getloadavg()), ',\n'.join(json.dumps(r) for r in results)))
 
 
 if __name__ == '__main__':
