@@ -41,9 +41,9 @@ MAX_STEPS = 300
 
 
 # engine internals ----------------------------------------------------------------------------
-def _trie(engine: Engine):
-    """The local prefix cache's trie (None with caching off)."""
-    return engine.prefix_cache.local.trie if engine.prefix_cache is not None else None
+def _nodes(engine: Engine) -> list:
+    """The local prefix cache's trie nodes (none with caching off)."""
+    return engine.prefix_cache.cached_nodes()
 
 
 def _store_client(engine: Engine):
@@ -60,15 +60,14 @@ def assert_cache_evictable(engine: Engine) -> None:
     """No cache node is both unreferenced and unevictable: the engine's count of evictable blocks
     equals the cache nodes only the cache references (block refcount 1; no pin outlives a step),
     and evicting everything from a copy of the cache frees exactly those blocks."""
-    trie = _trie(engine)
-    if trie is None:            # caching off
-        return
+    cache = engine.prefix_cache                 # a NullPrefixCache with caching off: no node
     refcount = engine.block_manager.refcount
-    unreferenced = [n.block_id for n in trie.iter_nodes() if refcount[n.block_id] == 1]
-    assert trie.num_evictable_blocks == len(unreferenced), (trie.num_evictable_blocks, unreferenced)
-    clone = copy.deepcopy(trie)                 # copies the block pool and the slots with it
+    unreferenced = [n.block_id for n in _nodes(engine) if refcount[n.block_id] == 1]
+    assert cache.num_evictable_blocks == len(unreferenced), (cache.num_evictable_blocks, unreferenced)
+    # copies the block pool and the slots with the cache; the Store tier (if any) is shared, not copied
+    pool, clone = copy.deepcopy((engine.block_manager, cache), {id(cache.store): cache.store})
     freed = clone.evict(len(unreferenced) + 1)
-    left = [n.block_id for n in clone.iter_nodes() if clone.block_manager.refcount[n.block_id] == 1]
+    left = [n.block_id for n in clone.cached_nodes() if pool.refcount[n.block_id] == 1]
     assert freed == len(unreferenced) and not left, (
         f'cache blocks {left} are referenced only by the cache but eviction cannot free them')
 

@@ -50,13 +50,13 @@ def assert_idle(eng: Engine) -> None:
     assert led['blocks_in_use'] == 0 and led['checkpoints_pinned'] == 0
     assert led['runtime_slots_free'] == led['runtime_slots_total']
     assert led['blocks_free'] + led['blocks_cached'] == led['blocks_total']
-    trie = eng.prefix_cache.local.trie if eng.prefix_cache is not None else None
-    if trie is not None:
-        assert all(eng.block_manager.refcount[n.block_id] == 1 for n in trie.iter_nodes())
-        on_nodes = sorted(n.checkpoint_slot for n in trie.iter_nodes() if n.checkpoint_slot is not None)
-        published = sorted(eng.state_cache._published) if eng.state_cache is not None else []
-        assert on_nodes == published
-        assert led['checkpoints_published'] == len(published)
+    nodes = eng.prefix_cache.cached_nodes()     # none with caching off
+    assert len(nodes) == led['blocks_cached']
+    assert all(eng.block_manager.refcount[n.block_id] == 1 for n in nodes)
+    on_nodes = sorted(n.checkpoint_slot for n in nodes if n.checkpoint_slot is not None)
+    published = sorted(eng.state_cache._published) if eng.state_cache is not None else []
+    assert on_nodes == published
+    assert led['checkpoints_published'] == len(published)
 
 
 def expected_plan(eng: Engine, seq):

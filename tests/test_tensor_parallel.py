@@ -215,10 +215,9 @@ def _run(eng: Engine) -> list[list[int]]:
 
 
 def assert_idle_or_cached(eng: Engine) -> None:
-    if eng.prefix_cache is None:
+    assert eng.is_idle()
+    if not eng.prefix_cache.caches_prefixes:
         assert_idle(eng)
-    else:
-        assert eng.is_idle()
 
 
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'])

@@ -159,7 +159,10 @@ class Pipeline:
 
         The Rust tokenizer's batch call is used because it releases the GIL while it works,
         so other threads (the server's event loop) keep running during a long prompt; a prompt
-        over the session length is refused before its ids are copied into Python.
+        over the session length is refused before its ids are copied into Python. Its fast
+        variant (``encode_batch_fast``, same ids, no character offsets) is preferred: freeing
+        the offsets and token strings of a 2.7M-token encoding held the GIL for 0.17 s (7 ms
+        without them), stalling the event loop once per refused long prompt.
 
         Raises:
             ValueError: with ``check_length``, ``session_len`` tokens or more (both numbers given).
@@ -169,7 +172,8 @@ class Pipeline:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             num = len(ids)
         else:
-            enc = backend.encode_batch([text], add_special_tokens=False)[0]
+            encode = getattr(backend, 'encode_batch_fast', None) or backend.encode_batch   # (tokenizers < 0.21)
+            enc = encode([text], add_special_tokens=False)[0]
             num, ids = len(enc), None
         limit = self.engine.session_len
         if check_length and num >= limit:

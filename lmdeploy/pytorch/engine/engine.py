@@ -26,17 +26,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_engine import CacheEngine
 from ..cache_specs import has_state
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
 from ..paging.sequence import Sequence
-from ..prefix_cache.coordinator import PrefixCache, zero_counters
+from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.local_tier import LocalTier
+from ..prefix_cache.null_cache import NullPrefixCache
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
 from ..spec_decode.strategy import DecodingStrategy, strategy_for
+from .cache_sizing import check_cache_fits, derive_num_blocks
 from .executor import make_executor
 from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
@@ -46,9 +47,6 @@ from .stop_strings import Detokenizer
 __all__ = ['Engine', 'StepOutput']
 
 logger = logging.getLogger('lmdeploy')
-
-_CPU_CACHE_BUDGET = 4 << 30   # bytes; CPU has no "free device memory" to take a fraction of
-
 
 @dataclass
 class StepOutput:
@@ -134,7 +132,8 @@ class Engine:
         scratch_base = num_slots if (self.is_hybrid and spec_config is not None) else None
         if scratch_base is not None:
             num_slots += num_runtime
-        num_blocks = cc.num_gpu_blocks or self._derive_num_blocks(num_slots)
+        num_blocks = cc.num_gpu_blocks or derive_num_blocks(self.specs, cc, num_slots, self.device,
+                                                            config.max_batch_size, self.session_len)
         capacity = num_blocks * cc.block_size
         if self.session_len > capacity:
             # a sequence longer than the whole cache could never be (re)admitted and would spin
@@ -143,7 +142,7 @@ class Engine:
             logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
                            self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
-        self._check_cache_fits(num_blocks, num_slots)
+        check_cache_fits(self.specs, cc, num_blocks, num_slots, self.device)
         self.cache_engine = self.executor.start(cc.block_size, num_blocks, num_slots)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
@@ -155,7 +154,8 @@ class Engine:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
         self.store = self._build_store()
-        self.prefix_cache = None
+        # with caching off a NullPrefixCache answers every question: no caller branches on it
+        self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache)
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
@@ -165,51 +165,9 @@ class Engine:
         self.spec = None
         if spec_config is not None:
             from ..spec_decode.decoder import SpecDecoder
-            turn_end = self.prefix_cache is not None and self.prefix_cache.decode_save_last
+            turn_end = self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
-
-    def _memory_bytes(self) -> int:
-        """Memory the caches may take at most: free device memory (CUDA) or physical RAM (CPU)."""
-        if self.device.type == 'cuda':
-            return int(torch.cuda.mem_get_info(self.device)[0])
-        try:
-            return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-        except (ValueError, OSError, AttributeError):    # not a POSIX system: no check
-            return 1 << 62
-
-    def _check_cache_fits(self, num_blocks: int, num_slots: int) -> None:
-        """Raise ValueError naming the fields when the caches cannot fit in memory at all."""
-        kv = num_blocks * CacheEngine.bytes_per_block(self.specs, self.cache_config.block_size)
-        state = num_slots * CacheEngine.bytes_per_slot(self.specs)
-        memory = self._memory_bytes()
-        if kv + state > memory:
-            what = 'num_gpu_blocks' if self.cache_config.num_gpu_blocks else 'the derived block count'
-            raise ValueError(f'the caches need {kv + state} bytes ({num_blocks} KV blocks of {what}: {kv} bytes; '
-                             f'{num_slots} recurrent-state slots (max_batch_size / num_state_slots, '
-                             f'num_checkpoint_slots): {state} bytes), more than the {memory} bytes of '
-                             f'{"free device memory" if self.device.type == "cuda" else "RAM"}')
-
-    def _derive_num_blocks(self, num_slots: int) -> int:
-        cfg = self.cache_config
-        if self.device.type == 'cuda':
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.cache_max_entry_count)
-        else:
-            budget = int(_CPU_CACHE_BUDGET * cfg.cache_max_entry_count)
-        slots = num_slots * CacheEngine.bytes_per_slot(self.specs)
-        per_block = CacheEngine.bytes_per_block(self.specs, cfg.block_size)
-        # no point in more blocks than every running sequence at full session length needs, twice
-        cap = 2 * self.config.max_batch_size * (-(-self.session_len // cfg.block_size))
-        num_blocks = min((budget - slots) // per_block, cap)
-        if num_blocks < 1:
-            if slots >= budget:
-                raise ValueError(f'the {num_slots} recurrent-state slots ({slots} bytes; max_batch_size / '
-                                 f'num_state_slots, num_checkpoint_slots) take the whole cache budget of {budget} '
-                                 f'bytes (cache_max_entry_count={cfg.cache_max_entry_count}): lower them, raise '
-                                 f'cache_max_entry_count or set num_gpu_blocks')
-            raise ValueError('cache_max_entry_count leaves no memory for even one KV block')
-        return num_blocks
 
     def _build_store(self):
         uses_file = (self.config.store_backend or '').startswith('file:')
@@ -362,8 +320,7 @@ class Engine:
     # the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one forward over the scheduled chunks; returns per-sequence progress."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.probe(self.scheduler.waiting)
+        self.prefix_cache.probe(self.scheduler.waiting)
         sched = self.scheduler.schedule()
         self._execute_loads(sched)
         if not sched.chunks:
@@ -390,16 +347,21 @@ class Engine:
         cache = self.prefix_cache
         self._copy_states([r.src for r in loads.restores], [r.dst for r in loads.restores],
                           lambda ok: cache.loads_done(loads, ok))
-        kept = []
-        for load in loads.store_loads:
-            ok = self.store.load(load)
-            keep = cache.store_loaded(load, ok)
-            if not ok:
-                self.scheduler.rollback(load.seq, sched)
-            elif keep is not None:
-                kept.append((load.slot, *keep))
-        self._copy_states([k[0] for k in kept], [k[2] for k in kept],
-                          lambda ok: [cache.restored_kept(node, slot, ok) for _, node, slot in kept])
+        kept = []       # (runtime slot, node, lease of the checkpoint slot to keep the restore in)
+        try:
+            for load in loads.store_loads:
+                ok = self.store.load(load)
+                keep = cache.store_loaded(load, ok)
+                if not ok:
+                    self.scheduler.rollback(load.seq, sched)
+                elif keep is not None:
+                    kept.append((load.slot, *keep))
+        except BaseException:
+            for _, node, lease in kept:      # a load raised: the kept copies never run
+                cache.restored_kept(node, lease, False)
+            raise
+        self._copy_states([k[0] for k in kept], [k[2].slot for k in kept],
+                          lambda ok: [cache.restored_kept(node, lease, ok) for _, node, lease in kept])
 
     def _execute_saves(self, saves: SavePlan) -> None:
         """Run the saves planned after the forward: runtime → checkpoint slot copies (published
@@ -485,7 +447,7 @@ class Engine:
         """Resource counters; the ``*_in_use``, pinned, in-flight, running and waiting ones return
         to 0 (and free ones to their totals) when no request is in flight."""
         bm = self.block_manager
-        cached = self.prefix_cache.local.trie.num_nodes if self.prefix_cache is not None else 0
+        cached = self.prefix_cache.num_cached_blocks
         sc = self.state_cache
         return {
             'blocks_total': bm.num_blocks,
@@ -511,9 +473,7 @@ class Engine:
         decoding) draft tokens proposed / accepted. Every key but the speculative-decoding ones
         is present whatever is enabled (0 for a disabled tier), so one reader fits every config."""
         from ..prefix_cache.store_tier import zero_store_counters     # (the Store tier is imported lazily)
-        out = {**zero_counters(), 'checkpoints_skipped': {}, **zero_store_counters()}
-        if self.prefix_cache is not None:
-            out.update(self.prefix_cache.stats())
+        out = {**zero_store_counters(), **self.prefix_cache.stats()}
         if self.spec is not None:
             out.update(self.spec.stats())
         return out

@@ -74,12 +74,13 @@ class Scheduler:
         config: scheduler configuration.
         block_manager: the KV block pool.
         state_cache: state slots (runtime slots are taken here), or None for full-attention models.
-        prefix_cache: the prefix-cache tiers; None (prefix caching off) stands for a
-            :class:`NullPrefixCache`, which matches, keeps and saves nothing.
+        prefix_cache: the prefix-cache tiers, or a :class:`NullPrefixCache` (prefix caching
+            off), which matches, keeps and saves nothing; omitted, a NullPrefixCache.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, state_cache: StateCache | None,
                  prefix_cache: PrefixCache | NullPrefixCache | None = None):
+        # (None is only the default of the argument: the attribute is always a cache object)
         self.config = config
         self.block_size = config.block_size
         self.block_manager = block_manager

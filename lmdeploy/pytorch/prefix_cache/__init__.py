@@ -7,6 +7,7 @@ Folder map (where to look)::
     coordinator.py              PrefixCache: local tier first, then the Store; per-request bookkeeping
     null_cache.py               NullPrefixCache: what the scheduler holds with prefix caching off
     local_tier.py               LocalTier: block trie + checkpoint slots, pins, node ↔ slot links
+    pins.py                     CheckpointPins: the one owner of checkpoint pins (leases, released once)
     block_trie.py               chained block hashes, verified match, LRU eviction
     state_cache.py              runtime and checkpoint state slots
     store_tier.py               StoreTier: probe / load / put of Store objects, the put worker

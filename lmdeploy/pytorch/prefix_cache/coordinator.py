@@ -9,7 +9,7 @@ progress and the resources the forward needs::
     match                            local trie + checkpoints, then the probed Store boundaries
     pin / unpin                      shared blocks + checkpoint   (unpin: the one rollback path)
     plan_load                        CheckpointRestore | StoreLoad          ─┐ executed by the
-    loads_done / store_loads_done    unpin; keep a Store restore locally     │ engine, which
+    loads_done / store_loaded        unpin; keep a Store restore locally     │ engine, which
     plan_saves                       new full blocks → trie; save points →   │ reports back
                                      CheckpointSave + StorePut              ─┘
     finish_turn                      publish the turn-end checkpoint (decode_save_last)
@@ -27,6 +27,10 @@ while the prompt's last save point serves a regenerate of the same prompt, anoth
 asking it, or an edited reply — so ``decode_save_last`` never restores less from the Store than
 ``prefill_save_last_only`` alone, for one more state snapshot per turn
 (benchmark/store_follow_ups.py compares it with putting the turn end instead).
+
+Checkpoint pins are leases of the local tier's :class:`~.pins.CheckpointPins` (its module
+lists who takes and releases each); a request leaving (:meth:`PrefixCache.release`,
+:meth:`PrefixCache.forget`) has any lease it still owns reclaimed.
 
 A Store restore whose load fails is rolled back by the scheduler and retried below the failed
 boundary, at most :data:`STORE_RESTORE_ATTEMPTS` times per request.
@@ -61,6 +65,7 @@ class _Staging:
     one block before the last boundary survives for a stop string whose tokens cross it."""
     slots: list[int]
     boundaries: list[int]
+    leases: list      # the staging pin of each slot (PinLease)
 
     def next_slot(self) -> int:
         """Index of the slot the next copy overwrites: the one holding the older boundary."""
@@ -169,7 +174,8 @@ class PrefixCache:
                                                match.num_shared_blocks, seq.state_slot, match.matched_tokens))
             return      # counted once the load succeeded
         if match.checkpoint_slot is not None:
-            loads.restores.append(CheckpointRestore(seq, match.checkpoint_slot, seq.state_slot))
+            loads.restores.append(CheckpointRestore(seq, match.checkpoint_slot, seq.state_slot, match.lease))
+            match.lease.owner, match.lease = seq.seq_id, None    # the restore (of seq) owns the pin now
         self._count(seq, match.cached_tokens, match.source, match.matched_tokens)
 
     def _count(self, seq, cached: int, source: str | None, matched: int) -> None:
@@ -190,12 +196,12 @@ class PrefixCache:
     def loads_done(self, loads: LoadPlan, copied: bool) -> None:
         """The checkpoint → runtime copies of ``loads`` ran (or raised): drop their pins."""
         for restore in loads.restores:
-            self.local.restore_done(restore.src)
+            restore.lease.release()
 
     def store_loaded(self, load: StoreLoad, ok: bool) -> tuple | None:
         """Book a Store load's result. On success count the hit (first admission only) and
-        return ``(node, checkpoint slot)`` when the restored state should also become a local
-        checkpoint (the engine copies ``load.slot`` there, then calls :meth:`restored_kept`).
+        return ``(node, lease)`` when the restored state should also become a local checkpoint
+        (the engine copies ``load.slot`` into ``lease.slot``, then calls :meth:`restored_kept`).
         On failure only boundaries below the failed one are tried again."""
         seq = load.seq
         view = self._store_views.setdefault(seq.seq_id, _StoreView())
@@ -207,10 +213,11 @@ class PrefixCache:
         self._count(seq, load.boundary, 'store', load.matched_tokens)
         return self.local.cache_restored(seq, self.hashes(seq), load.boundary)
 
-    def restored_kept(self, node, slot: int, copied: bool) -> None:
+    def restored_kept(self, node, lease, copied: bool) -> None:
         """Publish the local copy of a Store restore (or release it if the copy raised, or if
         another restore of the same prefix in this step published its copy first)."""
-        self.local.state_cache.unpin(slot)
+        lease.release()
+        slot = lease.slot
         if not (copied and self.local.state_cache.publish(slot, node)):
             self.local.state_cache.release_checkpoint(slot)
 
@@ -245,15 +252,17 @@ class PrefixCache:
             slot = self.local.state_cache.alloc_checkpoint()
             if slot is None:
                 return          # no slot now; a later boundary tries again
-            self.local.state_cache.pin(slot)
-            staging = self._staging[seq.seq_id] = _Staging([slot], [0])
+            staging = self._staging[seq.seq_id] = _Staging([slot], [0], [self._stage_lease(seq, slot)])
         if len(staging.slots) == 1 and staging.boundaries[0] and seq.stop_strings is not None:
             slot = self.local.state_cache.alloc_checkpoint()    # none free: one slot, as without stop strings
             if slot is not None:
-                self.local.state_cache.pin(slot)
                 staging.slots.append(slot)
                 staging.boundaries.append(0)
+                staging.leases.append(self._stage_lease(seq, slot))
         saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slots[staging.next_slot()], boundary))
+
+    def _stage_lease(self, seq, slot: int):
+        return self.local.pins.take(slot, 'staging', seq.seq_id)
 
     def saves_done(self, saves: SavePlan, copied: bool) -> None:
         """Publish checkpoints whose copy ran (never before); ``copied=False`` releases their
@@ -292,9 +301,10 @@ class PrefixCache:
         if node is None or node.checkpoint_slot is not None:
             self._skip(seq, 'hash_collision' if node is None else 'exists')
             return False
-        slot = staging.slots[staging.boundaries.index(boundary)]
-        staging.slots.remove(slot)      # the others are released with the request (_drop_staging)
-        self.local.state_cache.unpin(slot)
+        i = staging.boundaries.index(boundary)
+        slot = staging.slots.pop(i)     # the others are released with the request (_drop_staging)
+        staging.boundaries.pop(i)
+        staging.leases.pop(i).release()
         if not self.local.state_cache.publish(slot, node):     # (checked above: cannot happen)
             self.local.state_cache.release_checkpoint(slot)
             return False
@@ -308,8 +318,8 @@ class PrefixCache:
 
     def _drop_staging(self, seq) -> None:
         staging = self._staging.pop(seq.seq_id, None)
-        for slot in staging.slots if staging is not None else ():
-            self.local.state_cache.unpin(slot)
+        for slot, lease in zip(staging.slots, staging.leases) if staging is not None else ():
+            lease.release()
             self.local.state_cache.release_checkpoint(slot)
 
     def _skip(self, seq, reason: str) -> None:
@@ -321,6 +331,7 @@ class PrefixCache:
         """``seq`` gives its blocks back: cache its computed full blocks first (unless they hold
         no valid data, e.g. a failed Store load)."""
         self._drop_staging(seq)
+        self.local.pins.release_owner(seq.seq_id)
         if cache_blocks:
             full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
             self.local.release(seq, self.hashes(seq) if full else [], full)
@@ -328,7 +339,9 @@ class PrefixCache:
             self.local.forget(seq)
 
     def forget(self, seq) -> None:
-        """``seq`` is finished or aborted: drop its bookkeeping."""
+        """``seq`` is finished or aborted: drop its bookkeeping (and any pin it still owns)."""
+        self._drop_staging(seq)
+        self.local.pins.release_owner(seq.seq_id)
         self._hashes.pop(seq.seq_id, None)
         self._store_views.pop(seq.seq_id, None)
 
@@ -339,6 +352,15 @@ class PrefixCache:
             view.boundaries = None
 
     # capacity ----------------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks held by the local tier's trie (referenced by running sequences or not)."""
+        return self.local.trie.num_nodes
+
+    def cached_nodes(self) -> list:
+        """Every node of the local tier's trie (introspection, tests)."""
+        return list(self.local.trie.iter_nodes())
+
     @property
     def num_evictable_blocks(self) -> int:
         """Cached KV blocks the local tier can free now (see :meth:`LocalTier.num_evictable_blocks`)."""

@@ -1,7 +1,8 @@
 """The local tier of the prefix cache: the block trie plus the checkpoint slots.
 
-It owns the node ↔ checkpoint-slot links, the pins taken while a checkpoint is copied, and
-where each running sequence's path in the trie has reached. It answers the tier questions
+It owns the node ↔ checkpoint-slot links, the checkpoint pins (:attr:`LocalTier.pins`, the one
+:class:`~.pins.CheckpointPins` of the engine: every pin is a lease carried by the plan that needs
+it), and where each running sequence's path in the trie has reached. It answers the tier questions
 for this process's memory:
 
 * :meth:`LocalTier.match` — how deep a prefix is cached (full blocks, verified token by token)
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from ..paging.block_manager import BlockManager
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import BlockTrie, TrieNode
+from .pins import CheckpointPins, PinLease
 from .plans import CheckpointSave, PrefixMatch
 from .state_cache import StateCache
 
@@ -48,6 +50,7 @@ class LocalTier:
         self.block_size = block_size
         self.state_cache = state_cache
         self.trie = BlockTrie(block_manager, block_size, state_cache)
+        self.pins = CheckpointPins(state_cache)     # (never takes a pin without a state cache)
         self._paths: dict[int, _Path] = {}
 
     @property
@@ -75,23 +78,21 @@ class LocalTier:
 
     def pin(self, match: PrefixMatch) -> None:
         """Reference the shared blocks and pin the checkpoint of ``match`` (so eviction can take
-        neither while the admission allocates)."""
+        neither while the admission allocates); the pin's lease is ``match.lease``, handed on to
+        the restore by :meth:`PrefixCache.plan_load`."""
         for node in match.nodes[:match.num_shared_blocks]:
             self.block_manager.incref(node.block_id)
         if match.checkpoint_slot is not None:
-            self.state_cache.pin(match.checkpoint_slot)
+            match.lease = self.pins.take(match.checkpoint_slot, 'restore_source')
             self.state_cache.touch(match.checkpoint_slot)
 
     def unpin(self, match: PrefixMatch) -> None:
         """Undo :meth:`pin` (an admission that did not commit)."""
         for node in match.nodes[:match.num_shared_blocks]:
             self.block_manager.decref(node.block_id)
-        if match.checkpoint_slot is not None:
-            self.state_cache.unpin(match.checkpoint_slot)
-
-    def restore_done(self, checkpoint_slot: int) -> None:
-        """The restore copy out of ``checkpoint_slot`` ran (or failed): drop its pin."""
-        self.state_cache.unpin(checkpoint_slot)
+        if match.lease is not None:
+            match.lease.release()
+            match.lease = None
 
     # running sequences -------------------------------------------------------------------
     def extend(self, seq, hashes: list[bytes], num_blocks: int) -> TrieNode | None:
@@ -132,27 +133,26 @@ class LocalTier:
         dst = self.state_cache.alloc_checkpoint()
         if dst is None:
             return 'no_free_slot'
-        self.state_cache.pin(dst)
-        return CheckpointSave(seq, seq.state_slot, dst, node, boundary)
+        return CheckpointSave(seq, seq.state_slot, dst, node, boundary, self.pins.take(dst, 'save_target', seq.seq_id))
 
     def checkpoint_done(self, save: CheckpointSave, copied: bool) -> None:
         """Publish a planned checkpoint whose copy ran; release it unpublished if it did not (or
         its node has a checkpoint already / left the trie)."""
-        self.state_cache.unpin(save.dst)
+        save.lease.release()
         if not (copied and self.state_cache.publish(save.dst, save.node)):
             self.state_cache.release_checkpoint(save.dst)
 
-    def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, int] | None:
+    def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, PinLease] | None:
         """Keep a Store restore locally: insert its blocks and reserve a pinned checkpoint slot
-        for the restored state; returns ``(node, slot)`` to copy into and publish, or None."""
+        for the restored state; returns ``(node, lease)`` (``lease.slot``: the slot to copy into
+        and publish), or None."""
         nodes = self.trie.insert(seq.token_ids, seq.block_ids, boundary // self.block_size, hashes)
         if len(nodes) != boundary // self.block_size or nodes[-1].checkpoint_slot is not None:
             return None
         dst = self.state_cache.alloc_checkpoint()
         if dst is None:
             return None
-        self.state_cache.pin(dst)
-        return nodes[-1], dst
+        return nodes[-1], self.pins.take(dst, 'store_keep', seq.seq_id)
 
     def release(self, seq, hashes: list[bytes], num_computed_blocks: int) -> None:
         """``seq`` leaves (finish, abort, preemption): cache its computed full blocks first."""

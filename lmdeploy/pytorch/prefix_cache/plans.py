@@ -31,6 +31,8 @@ class PrefixMatch:
         num_shared_blocks: leading ``nodes`` whose blocks the sequence attaches read-only.
         matched_tokens: tokens whose full-attention blocks are cached locally (capped so one
             token is left to compute); ``matched_tokens - cached_tokens`` lacked a checkpoint.
+        lease: the pin on ``checkpoint_slot`` once the admission pinned it (a
+            :class:`~.pins.PinLease`), handed on to the :class:`CheckpointRestore`.
     """
     nodes: list = field(default_factory=list)
     cached_tokens: int = 0
@@ -38,14 +40,17 @@ class PrefixMatch:
     checkpoint_slot: int | None = None
     num_shared_blocks: int = 0
     matched_tokens: int = 0
+    lease: object = None
 
 
 @dataclass
 class CheckpointRestore:
-    """Copy checkpoint slot ``src`` into the runtime slot ``dst`` of ``seq`` (before its forward)."""
+    """Copy checkpoint slot ``src`` into the runtime slot ``dst`` of ``seq`` (before its forward);
+    ``lease`` pins ``src`` until the copy ran."""
     seq: object
     src: int
     dst: int
+    lease: object = None
 
 
 @dataclass
@@ -76,12 +81,14 @@ class LoadPlan:
 @dataclass
 class CheckpointSave:
     """Copy runtime slot ``src`` into the (pinned, unpublished) checkpoint slot ``dst``, then
-    publish it on trie ``node`` — the state of ``seq`` after exactly ``boundary`` tokens."""
+    publish it on trie ``node`` — the state of ``seq`` after exactly ``boundary`` tokens.
+    ``lease`` pins ``dst`` until the copy ran."""
     seq: object
     src: int
     dst: int
     node: object
     boundary: int
+    lease: object = None
 
 
 @dataclass

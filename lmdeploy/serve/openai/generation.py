@@ -1,0 +1,210 @@
+"""One HTTP request's generation: its engine requests, the merging of their deltas, and how it ends.
+
+:class:`_Generation` runs each choice (``n`` per prompt) as one engine request in its own asyncio
+task feeding one queue. Whatever ends the response early — the client disconnecting, a
+non-streaming client going away, an error, the shutdown deadline — cancels those tasks, and
+cancelling a task aborts its engine request (``Pipeline.generate``), which frees its blocks,
+slots and pins before the next engine step. Also here: the SSE framing shared by the streaming
+endpoints (:func:`_sse`, :func:`_stream_error`, :class:`_SSEResponse`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ...messages import GenerationConfig
+from ...messages import Response as EngineResponse
+from .errors import APIError, error_body
+from .lifecycle import ShuttingDown
+from .protocol import Usage
+
+__all__ = ['_Choice', '_Generation', '_SSEResponse', '_failed', '_shutting_down', '_sse', '_stream_error']
+
+logger = logging.getLogger('lmdeploy')
+
+_DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its client is still there
+_END = object()             # queue sentinel: the shutdown deadline ended this generation
+
+
+class _Choice:
+    """Accumulates one choice's deltas and timings (``time.perf_counter()`` seconds)."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len = prompt_len
+        self.text = ''
+        self.logprobs: list = []
+        self.prompt_logprobs: list | None = None    # TokenLogprob per prompt token after the first
+        self.num_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def add(self, r) -> None:
+        t = time.perf_counter()
+        if r.token_ids:
+            self.first = self.first or t
+            self.last = t
+        self.text += r.text
+        self.logprobs += r.logprobs or []
+        if r.prompt_logprobs is not None:
+            self.prompt_logprobs = r.prompt_logprobs
+        self.num_tokens = max(self.num_tokens, r.generate_token_len)
+        self.cached_tokens = max(self.cached_tokens, r.cached_tokens)
+        self.finish_reason = r.finish_reason or self.finish_reason
+
+
+class _Generation:
+    """The choices of one HTTP request: submission, merging of their deltas, cancellation,
+    usage and metrics.
+
+    Args:
+        server: the owning server (:class:`~.api_server._Server`: its pipe, metrics, drain).
+        jobs: ``(token_ids, gen_config)`` per choice, prompt-major (choice i = prompt i // n).
+        n: choices per prompt.
+        multimodal: the prompt's images (chat requests: one prompt).
+        stops: per choice, None or a function of the choice's text so far that returns how many
+            characters to keep once the reply must end (``parallel_tool_calls: false``: just after
+            the first call); the choice then ends with ``"stop"`` and its engine request is
+            finished as a completed turn (cached, put to the Store), so no further token is
+            generated or billed.
+    """
+
+    def __init__(self, server, jobs: list[tuple[list[int], GenerationConfig]], n: int,
+                 multimodal: tuple = (), stops: list | None = None):
+        self.server = server
+        self.jobs = jobs
+        self.stops = stops or [None] * len(jobs)
+        self.multimodal = multimodal        # the prompt's images (chat requests: one prompt)
+        self.n = n
+        self.start = time.perf_counter()
+        self.choices = [_Choice(len(ids)) for ids, _ in jobs]
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def end(self) -> None:
+        """End this generation now (the shutdown deadline): :meth:`deltas` raises ShuttingDown."""
+        self.queue.put_nowait((None, _END))
+
+    async def deltas(self):
+        """Async generator of ``(choice_index, Response)`` in arrival order until every choice
+        finished. Closing it early aborts the unfinished choices.
+
+        Raises:
+            ShuttingDown: the shutdown deadline passed before every choice finished.
+        """
+        queue = self.queue
+        pipe, metrics, drain = self.server.pipe, self.server.metrics, self.server.drain
+
+        async def run(index: int, ids: list[int], cfg: GenerationConfig):
+            try:
+                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal,
+                                                  stop_at=self.stops[index])) as gen:
+                    async for r in gen:
+                        queue.put_nowait((index, r))
+            except Exception as err:      # handed to the consumer, which answers with an error
+                queue.put_nowait((index, err))
+
+        metrics.requests_running.inc(len(self.jobs))
+        metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in self.jobs))
+        tasks = [asyncio.create_task(run(i, ids, cfg)) for i, (ids, cfg) in enumerate(self.jobs)]
+        drain.add(self)
+        live = len(tasks)
+        try:
+            while live:
+                index, item = await queue.get()
+                if item is _END:
+                    raise ShuttingDown()
+                if isinstance(item, Exception):
+                    logger.error('generation failed: %r', item)
+                    item = _failed()
+                choice = self.choices[index]
+                choice.add(item)
+                if item.finish_reason is not None:
+                    live -= 1
+                    self._finished(choice)
+                yield index, item
+        finally:
+            drain.discard(self)
+            for task in tasks:
+                task.cancel()       # no await: this may run inside a cancelled scope
+            for choice in self.choices:
+                if choice.finish_reason is None:
+                    choice.finish_reason = 'abort'
+                    self._finished(choice)
+
+    def _finished(self, choice: _Choice) -> None:
+        metrics = self.server.metrics
+        metrics.requests_running.dec()
+        metrics.observe_choice(self.start, choice.first, choice.last, choice.num_tokens, choice.finish_reason)
+
+    def usage(self) -> dict:
+        """Usage over all choices; each prompt's tokens (and cached tokens) count once."""
+        heads = self.choices[::self.n]
+        prompt = sum(c.prompt_len for c in heads)
+        completion = sum(c.num_tokens for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details={'cached_tokens': sum(c.cached_tokens for c in heads)}).model_dump()
+
+    async def collect(self, request: Request) -> None:
+        """Run every choice to the end; aborts them if the client disconnects meanwhile.
+
+        Raises:
+            APIError: 503 when the shutdown deadline ended the request, 500 when the engine failed.
+        """
+        async def drain():
+            async with aclosing(self.deltas()) as stream:
+                async for _ in stream:
+                    pass
+        task = asyncio.create_task(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    logger.info('client left %s; aborting its request', request.url.path)
+                    break
+        finally:
+            task.cancel()
+        if task.done() and not task.cancelled():
+            if isinstance(task.exception(), ShuttingDown):
+                raise _shutting_down()
+            task.result()       # re-raise a bug in the merge loop as a 500
+        if any(c.finish_reason == 'error' for c in self.choices):
+            raise APIError(500, 'the engine failed while generating; see the server log', code='engine_error')
+
+
+def _failed() -> EngineResponse:
+    return EngineResponse(finish_reason='error')
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, 'the server is shutting down; retry on another instance', code='shutting_down',
+                    type='server_error')
+
+
+def _sse(body: dict | str) -> str:
+    return f'data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n'
+
+
+def _stream_error(err: Exception) -> str:
+    if isinstance(err, ShuttingDown):
+        return _sse(error_body('the server is shutting down; the reply is incomplete', 'server_error',
+                               code='shutting_down'))
+    return _sse(error_body('the engine failed while generating', 'server_error', code='engine_error'))
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose body generator is always closed when the response ends, however it ends,
+    so abandoned choices are aborted now rather than whenever the generator is collected."""
+    media_type = 'text/event-stream'
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()

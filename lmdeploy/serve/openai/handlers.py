@@ -1,0 +1,262 @@
+"""The request handlers shared by every endpoint: API keys, the model name, prompt encoding,
+per-choice generation configs, chat planning (template, tools, images, constraints), and the
+small endpoints (models, health, metrics, ledger).
+
+Chat-template rendering, tokenization and request checks run in worker threads (the ``_plan_*``
+and ``_jobs`` methods say "worker thread"), so one huge prompt never stalls other clients or
+``/health``. The chat and completions endpoints are in :mod:`.chat_route` and
+:mod:`.completions_route`; :class:`~.api_server._Server` joins them.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from ...messages import GenerationConfig
+from ...metrics import ServerMetrics
+from ..images import ImageFetchLimits, fetch_http_images
+from .chat_output import ChatOutput, TokenTexts
+from .errors import APIError
+from .generation import _shutting_down
+from .lifecycle import Drain
+from .protocol import ChatCompletionRequest, DecodedInts, ModelCard, ModelList, NamedToolChoice
+from .reasoning_parser import get_reasoning_parser
+from .structured import from_response_format, from_tool_choice, grammar_tool_format
+from .tool_parser import detect_tool_format, get_tool_parser
+
+__all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT']
+
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+
+def _resolve_parser(choice: str, template: str, marker: str, default: str) -> str | None:
+    """``auto`` → ``default`` when the chat template mentions ``marker``; ``none`` → None."""
+    if choice == 'none':
+        return None
+    if choice == 'auto':
+        return default if marker in (template or '') else None
+    return choice
+
+
+@dataclass
+class _ChatPlan:
+    """What the worker thread prepared for a chat request: the jobs and per-choice output parsers."""
+    jobs: list[tuple[list[int], GenerationConfig]]
+    outputs: list[ChatOutput]
+    multimodal: tuple = ()
+
+
+class ServerBase:
+    """Request handlers bound to one pipeline (the endpoints' shared part).
+
+    Args:
+        pipe: the pipeline.
+        model_name: the served name.
+        api_keys: accepted bearer tokens (empty: no authentication).
+        tool_call_parser: ``auto`` (``qwen_xml`` when the chat template writes ``<function=NAME>``
+            calls, else ``hermes`` when it mentions ``<tool_call>``), ``none``, or a registered
+            parser name.
+        reasoning_parser: ``auto`` (``think`` when the chat template mentions ``<think>``),
+            ``none``, or a registered parser name.
+        shutdown_timeout: seconds in-flight requests may run after SIGTERM.
+    """
+
+    def __init__(self, pipe, model_name: str, api_keys: list[str] | None, tool_call_parser: str = 'auto',
+                 reasoning_parser: str = 'auto', shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
+        self.pipe = pipe
+        self.model_name = model_name
+        self.api_keys = [k for k in (api_keys or []) if k]
+        self.metrics = ServerMetrics(lambda: pipe.loop.call(lambda engine: engine.stats(), timeout=30),
+                                     lambda: pipe.loop.call(lambda engine: engine.ledger(), timeout=30))
+        template = getattr(pipe.tokenizer, 'chat_template', None) or ''
+        template = template if isinstance(template, str) else json.dumps(template)
+        self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>',
+                                                detect_tool_format(template) or 'hermes')
+        self.reasoning_parser_name = _resolve_parser(reasoning_parser, template, '<think>', 'think')
+        if self.tool_parser_name:           # an unknown name fails now, not at the first request
+            get_tool_parser(self.tool_parser_name)
+        if self.reasoning_parser_name:
+            get_reasoning_parser(self.reasoning_parser_name)
+        self.texts = TokenTexts(pipe.tokenizer)
+        self.drain = Drain(shutdown_timeout)
+        self.image_fetch = ImageFetchLimits()     # http(s) image_url parts: size and time limits
+
+    # request checks ---------------------------------------------------------------------
+    def check_key(self, request: Request) -> None:
+        """FastAPI dependency: 503 once shutting down; 401 unless the bearer token is one of the
+        keys (when keys are set)."""
+        if self.drain.draining:
+            raise _shutting_down()
+        anthropic = request.headers.get('x-api-key')        # Anthropic clients send the key this way
+        if not self.key_valid(request.headers.get('authorization', '')) and \
+                not (anthropic and self.key_valid('Bearer ' + anthropic)):
+            raise APIError(401, 'missing or invalid API key: send "Authorization: Bearer <key>" (or "x-api-key: '
+                           '<key>")', code='invalid_api_key')
+
+    def key_valid(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header value carries one of the keys (always True without
+        keys); compared in constant time."""
+        if not self.api_keys:
+            return True
+        scheme, _, token = authorization.partition(' ')
+        token = token.strip().encode()
+        return scheme.lower() == 'bearer' and any(hmac.compare_digest(token, k.encode()) for k in self.api_keys)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f'the model {name!r} does not exist; this server serves {self.model_name!r}',
+                           param='model', code='model_not_found')
+
+    def _encode(self, prompt, param: str) -> list[int]:
+        """Raw token ids of a completions prompt (worker thread)."""
+        if type(prompt) is DecodedInts:     # a non-empty int array (large-body decoder, validation):
+            return list(prompt)             # no Python pass over a million ids contending for the GIL
+        try:
+            return self.pipe.encode(prompt, do_preprocess=False)
+        except Exception as err:   # ValueError, or the tokenizer refusing the text
+            raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
+
+    def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None,
+              structured=None, structured_param: str = 'response_format', prompt_logprobs: int | None = None):
+        """One ``(ids, GenerationConfig)`` per choice (worker thread); 400 if the engine would
+        refuse one. ``max_new`` is clamped to what the session has left after the prompt.
+        ``structured``: the :class:`~lmdeploy.messages.StructuredOutput` of the request (an
+        invalid schema is a 400 naming ``structured_param``)."""
+        session_len = self.pipe.engine.session_len
+        jobs = []
+        bias = req.token_bias()
+        try:
+            self.pipe.engine.validate([0], GenerationConfig(logit_bias=bias))
+        except ValueError as err:
+            raise APIError(400, str(err), param='logit_bias', code='invalid_value') from err
+        if prompt_logprobs is not None:
+            try:
+                self.pipe.engine.validate([0], GenerationConfig(prompt_logprobs=prompt_logprobs))
+            except ValueError as err:
+                raise APIError(400, str(err), param='prompt_logprobs', code='invalid_value') from err
+        if structured is not None:
+            try:
+                self.pipe.engine.validate([0], GenerationConfig(structured_output=structured))
+            except ValueError as err:
+                raise APIError(400, f'{structured_param}: {err}', param=structured_param,
+                               code='invalid_value') from err
+        for ids in prompts_ids:
+            try:
+                self.pipe.engine.validate(ids, GenerationConfig())
+            except ValueError as err:
+                raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
+            room = max(0, session_len - len(ids))
+            for j in range(req.n):
+                seed = None if req.seed is None else (req.seed + j) % (1 << 64)   # torch's 64-bit seed space
+                sampling = bool(req.temperature)
+                cfg = GenerationConfig(
+                    max_new_tokens=room if max_new is None else min(max_new, room),
+                    do_sample=sampling, temperature=req.temperature if sampling else 1.0, top_p=req.top_p,
+                    top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
+                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs,
+                    min_tokens=req.min_tokens, structured_output=structured, cache_salt=req.cache_salt,
+                    prompt_logprobs=prompt_logprobs)
+                jobs.append((ids, cfg))
+        return jobs
+
+    def _plan_chat(self, req: ChatCompletionRequest) -> _ChatPlan:
+        """Render, tokenize and check a chat request (worker thread)."""
+        use_tools = bool(req.tools) and req.tool_choice != 'none'
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
+        parser = get_tool_parser(self.tool_parser_name, tools) if use_tools and self.tool_parser_name else None
+        prefix = ''
+        structured, structured_param = self._structured(req.response_format), 'response_format'
+        forced = use_tools and (req.tool_choice == 'required' or isinstance(req.tool_choice, NamedToolChoice))
+        tool_format = grammar_tool_format(self.tool_parser_name) if forced else None
+        if forced and structured is not None:
+            raise APIError(400, 'response_format: cannot be combined with a tool_choice that forces a call',
+                           param='response_format', code='invalid_value')
+        if tool_format is not None:       # the grammar writes the call; its parser reads it back
+            parser = get_tool_parser(self.tool_parser_name or 'hermes')
+        if parser is not None and req.tool_choice == 'required':
+            prefix = parser.forced_prefix(None)
+        elif parser is not None and isinstance(req.tool_choice, NamedToolChoice):
+            prefix = parser.forced_prefix(req.tool_choice.function.name)
+        if tool_format is not None:
+            # the opening goes into the prompt (it re-tokenizes as the history will); the grammar
+            # continues after it
+            structured = from_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
+            structured = structured.model_copy(update={'prefix': prefix})
+            structured_param = 'tools'
+        messages = [m.for_template() for m in req.messages]
+        if self.tool_parser_name:       # history calls as this format's template wants them
+            history = parser or get_tool_parser(self.tool_parser_name)
+            messages = [history.history_message(m) for m in messages]
+        images = ()
+        try:
+            if any(m.has_images() for m in req.messages):
+                if not self.pipe.accepts_images:
+                    i, j = next((i, j) for i, m in enumerate(req.messages) if m.has_images()
+                                for j, p in enumerate(m.content) if p.type == 'image_url')
+                    raise APIError(400, f'messages[{i}].content[{j}]: model {self.model_name!r} does not accept '
+                                   f'image_url parts', param='messages', code='invalid_value')
+                text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch),
+                                                         tools, req.chat_template_kwargs)
+                wheres = [f'messages[{i}].content[{j}]' for i, m in enumerate(messages)
+                          if isinstance(m.get('content'), list)
+                          for j, p in enumerate(m['content']) if p.get('type') == 'image_url']
+                ids, images = self.pipe.expand_images(text + prefix, pil, wheres)
+                self.pipe.engine.make_sequence(ids, multimodal=images)      # checks the images; queues nothing
+            else:
+                text = self.pipe.render(messages, tools, req.chat_template_kwargs)
+                if structured is not None and text.rstrip().endswith('<think>'):
+                    # the template opened a reasoning block: close it empty, so that the grammar's
+                    # output is the reply itself (constrained replies have no reasoning)
+                    text += '\n\n</think>\n\n'
+                ids = self.pipe.tokenize(text + prefix)
+        except ValueError as err:
+            raise APIError(400, f'messages: {err}', param='messages', code='invalid_value') from err
+        reasoning = None
+        if self.reasoning_parser_name and req.separate_reasoning:
+            reasoning = get_reasoning_parser(self.reasoning_parser_name)
+        # the prompt ends inside an open <think>: also when reasoning is not split out (the
+        # tool-call parser must skip it either way)
+        started = not prefix and text.rstrip().endswith('<think>')
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param,
+                          req.prompt_logprobs)
+        outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
+        return _ChatPlan(jobs, outputs, images)
+
+    @staticmethod
+    def _structured(response_format):
+        """The engine constraint of a ``response_format`` (None for text); 400 naming it."""
+        try:
+            return from_response_format(response_format)
+        except ValueError as err:
+            raise APIError(400, f'response_format: {err}', param='response_format', code='invalid_value') from err
+
+    # endpoints ------------------------------------------------------------------------------
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, max_model_len=self.pipe.engine.session_len)
+
+    async def models(self) -> dict:
+        return ModelList(data=[self._card()]).model_dump()
+
+    async def model(self, model_id: str) -> dict:
+        """``GET /v1/models/{model_id}``: the served model's card, or 404 naming the id."""
+        self._check_model(model_id)
+        return self._card().model_dump()
+    async def health(self):
+        if self.drain.draining:
+            raise _shutting_down()
+        return {'status': 'ok'}
+
+    def prometheus(self) -> Response:
+        # a plain def: FastAPI runs it in a worker thread, since reading engine stats waits for a step
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def ledger(self) -> dict:
+        return await run_in_threadpool(self.pipe.ledger)
