@@ -1,0 +1,217 @@
+"""GLM-5.3-Flash (``glm5_next``) served exactly like transformers on a tiny random model
+(8 index heads, pools of 8, top 64 tokens, so prompts past ~70 tokens are sparse): logits
+<= 1e-4 in fp32 at every position (5-700 tokens, cold and in 32-token chunks) and the same
+indexer selection chunked as in one forward (chunk 2's indexer reads chunk 1's cached
+``index_keys``); greedy tokens equal cold, chunked and after a local prefix-cache restore; a
+4-turn chat identical under every cache policy; a Store restore in a fresh process; Store put
+bytes equal the simulator from the specs alone; TP2 = TP1 with the latent and the indexer
+keys replicated and stored once; the cache specs and refused config fields."""
+import json
+import os
+
+import pytest
+import torch
+
+from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, make_engine,
+                          random_prompt, run_staggered)
+from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block
+from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy.pytorch.models import get_model_class
+from lmdeploy.pytorch.models.config_audit import check_config
+from lmdeploy.pytorch.models.glm5_next_layers import DSAIndexer
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    """(checkpoint path in the published layout, transformers float32 reference)."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_glm5_next')), arch='glm5_next', seed=0)
+    return path, Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _hf_logits(hf, ids):
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def _hf_greedy(hf, ids, n):
+    return hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+
+
+class _Selections:
+    """Records every indexer selection: ``rows[layer id][position] = visible key positions``."""
+
+    def __init__(self, monkeypatch):
+        self.rows = {}
+        original = DSAIndexer.select
+
+        def select(indexer, hidden, q_resid, entries, history):
+            mask = original(indexer, hidden, q_resid, entries, history)
+            for j, row in enumerate(mask):
+                self.rows.setdefault(id(indexer), {})[history + j] = tuple(row.nonzero().flatten().tolist())
+            return mask
+        monkeypatch.setattr(DSAIndexer, 'select', select)
+
+
+@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
+def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
+    path, hf = tiny
+    ids = random_prompt(n, seed=n)
+    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
+    ref = _hf_logits(hf, ids)
+    assert forwards == -(-n // chunk)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_chunked_prefill_selects_the_same_keys_as_one_forward(tiny, monkeypatch):
+    """Per position the indexer keeps the same keys in 32-token chunks (re-pooling the cached
+    keys of earlier chunks) as in one forward; past index_topk + a pool the selection is
+    strictly sparser than causal attention, so the sparse path is what is compared."""
+    path, _ = tiny
+    ids = random_prompt(400, seed=41)
+    full, chunked = _Selections(monkeypatch), None
+    engine_prompt_logits(make_engine(path, block_size=16), ids)
+    full_rows = list(full.rows.values())
+    chunked = _Selections(monkeypatch)
+    engine_prompt_logits(make_engine(path, block_size=16, max_prefill_token_num=32), ids)
+    chunked_rows = list(chunked.rows.values())
+    assert len(full_rows) == len(chunked_rows) == 1      # one 'full' indexer layer (layer 2 shares it)
+    assert full_rows[0] == chunked_rows[0] and len(full_rows[0]) == 400
+    sizes = [len(full_rows[0][p]) for p in range(400)]
+    assert sizes[:64] == list(range(1, 65))                # all pools fit the budget: causal
+    assert max(sizes[80:]) <= 64 + 7 < min(p + 1 for p in range(80, 400))
+
+
+def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
+    path, hf = tiny
+    ids = random_prompt(200, seed=11)
+    expected = _hf_greedy(hf, ids, 12)
+    gen = GenerationConfig(max_new_tokens=12)
+    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
+    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
+    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
+                         enable_prefix_caching=True, num_checkpoint_slots=8)
+    first = cached.generate(ids, gen)
+    again = cached.generate(ids, gen)
+    assert cold == chunked == first.output_ids == again.output_ids == expected
+    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+
+
+def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
+    check_four_turn_chat_under_every_cache_policy(tiny[0])
+
+
+def test_cache_specs_add_the_indexer_keys_beside_the_latent(tiny):
+    """KDA: Kimi's four-tensor state; a 'full' DSA layer: latent + index_keys per token; the
+    'shared' DSA layer: the latent only (no indexer); all DSA tensors replicated under TP."""
+    path, _ = tiny
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config()
+    specs = get_model_class('glm5_next').cache_specs(config, torch.float32)
+    assert [type(s) for s in specs] == [StateSpec, PagedSpec, PagedSpec, StateSpec]
+    assert [(t.name, t.shape, t.tp_split) for t in specs[1].tensors()] == [
+        ('latent', (text.kv_lora_rank,), None), ('index_keys', (2 * text.index_head_dim,), None)]
+    assert [t.name for t in specs[2].tensors()] == ['latent']
+    assert kv_bytes_per_block(specs, 16) == 16 * 4 * (2 * text.kv_lora_rank + 2 * text.index_head_dim)
+
+
+@pytest.mark.parametrize('change, field', [
+    (dict(hidden_act='gelu'), 'hidden_act'),
+    (dict(layer_types=['full_attention'] * 4), 'layer_types'),
+    (dict(indexer_types=['full', 'shared', 'full', 'full']), 'indexer_types'),
+    (dict(qk_rope_head_dim=8), 'qk_rope_head_dim'),
+    (dict(topk_group=5), 'topk_group'),
+])
+def test_refused_fields_name_themselves(tiny, change, field):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    for k, v in change.items():
+        setattr(config.text_config, k, v)
+    with pytest.raises(ValueError, match=field):
+        check_config(config)
+
+
+def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
+    """A writer process saves a prompt (KDA checkpoints + latent and indexer-key blocks) to
+    the Store; a fresh process restores 256 tokens and decodes what caching off decodes."""
+    from test_store_engine import GEN, P, run_worker
+    path, _ = tiny
+    ids = random_prompt(300, seed=301)
+    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
+    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
+    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
+    assert ta['output_ids'] == tb['output_ids'] == cold
+
+
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services, last_only):
+    """Two seed scenarios scaled by 1/16 against the real Store: put bytes equal ``simulate()``
+    fed the engine's S and K_blk, and ``sizes_from_config`` of config.json (specs alone, the
+    indexer keys included) gives those same S and K_blk."""
+    from test_benchmark_store_bytes import SCALE, _run_conversation, bench, sim
+    path, _ = tiny
+    geo = bench.Geometry.from_scale(SCALE)
+    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
+    engine = make_engine(path, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=last_only, num_gpu_blocks=512,
+                         mooncake_master=mooncake_services.master_address,
+                         mooncake_metadata_server=mooncake_services.metadata_server)
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    try:
+        for i, scenario in enumerate(scenarios):
+            before = engine.stats()
+            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                     seed=880_000 + 1000 * i + 100 * last_only)
+            engine.store.flush()
+            after = engine.stats()
+            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
+                                alignment=geo.alignment)
+            policy = pred.last_only if last_only else pred.default
+            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+            assert put == {'state': sum(t.state_bytes for t in policy.turns),
+                           'kv': sum(t.kv_bytes for t in policy.turns)}
+    finally:
+        engine.close()
+    config = json.loads(open(os.path.join(path, 'config.json')).read())
+    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+    text = config['text_config']
+    assert K == geo.block_size * 4 * (2 * text['kv_lora_rank'] + 2 * text['index_head_dim'])
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_once(tiny, mooncake_services):
+    """KDA split by head, DSA by query head with the latent and the indexer keys replicated:
+    TP2 = TP1; a TP2 writer's K_blk is one rank's (stored and charged once), S the sum."""
+    from test_store_engine import sim, store_config
+    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, B, engine as tp_engine
+    path, _ = tiny
+    ref = tp_engine(path)
+    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
+    ref.close()
+    eng = tp_engine(path, tp=2)
+    try:
+        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
+        assert (logits - ref_logits).abs().max().item() <= TP_TOL
+        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
+    finally:
+        eng.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(path, PytorchEngineConfig(**cfg, tp=2))
+    try:
+        sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2, block_size=B)
+        S, K = sizes.charged
+        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
+        assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes
+    finally:
+        writer.close()
