@@ -215,3 +215,17 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_
         assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes
     finally:
         writer.close()
+
+
+def test_audit_lists_every_field_transformers_reads_for_glm5_next():
+    import inspect
+    import re
+
+    import transformers.models.glm5_next.modeling_glm5_next as modeling
+
+    from lmdeploy.pytorch.models.config_audit import FIELDS
+    source = inspect.getsource(modeling)
+    read = (set(re.findall(r'config\.(\w+)', source))
+            | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)', source))) - {'get_text_config'}
+    assert read and not read - set(FIELDS['glm5_next']), sorted(read - set(FIELDS['glm5_next']))
+    assert set(FIELDS['glm5_next_text']) <= set(FIELDS['glm5_next'])

@@ -339,6 +339,10 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
         'image_end_token_id': INERT,
         'video_start_token_id': INERT,
         'video_end_token_id': INERT,
+        # what transformers' vision tower reads (vision_config; its axial rope_parameters)
+        **{f: INERT for f in ('depth', 'in_channels', 'num_heads', 'out_hidden_size', 'patch_size',
+                              'projection_intermediate_size', 'spatial_merge_size', 'temporal_patch_size',
+                              'rope_parameters')},
     }
     parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size),
                                  renames=(('model.language_model.', 'model.'),), skipped=('model.visual.',))
