@@ -229,3 +229,22 @@ def test_audit_lists_every_field_transformers_reads_for_glm5_next():
             | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)', source))) - {'get_text_config'}
     assert read and not read - set(FIELDS['glm5_next']), sorted(read - set(FIELDS['glm5_next']))
     assert set(FIELDS['glm5_next_text']) <= set(FIELDS['glm5_next'])
+
+
+def test_fp8_checkpoint_matches_transformers_dequantized_model(tmp_path):
+    """``make_tiny_model(fp8=True)``: e4m3 KDA projections, attention outputs, dense and expert
+    MLPs with 128 x 128 inverse scales load to transformers' dequantized model (<= 1e-4)."""
+    from safetensors.torch import load_file
+    from transformers import Glm5NextForConditionalGeneration
+
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path / 'fp8'), arch='glm5_next', seed=0, fp8=True)
+    tensors = load_file(os.path.join(path, 'model.safetensors'))
+    fp8 = [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    assert any('.mlp.experts.' in n for n in fp8) and any('.self_attn.q_proj.' in n for n in fp8)
+    hf = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids = random_prompt(150, seed=7)
+    got, _ = engine_prompt_logits(make_engine(path, max_prefill_token_num=32, block_size=16), ids)
+    ref = _hf_logits(hf, ids)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
