@@ -248,3 +248,47 @@ def test_fp8_checkpoint_matches_transformers_dequantized_model(tmp_path):
     ref = _hf_logits(hf, ids)
     assert (got - ref).abs().max().item() <= TOL
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def _image_prompt(config, before, grid, after, seed, text_seed=0):
+    """Token ids with one image of ``grid`` (t, h, w) patches between ``before`` and ``after``
+    text tokens, its MultimodalInput and the transformers inputs."""
+    from lmdeploy.pytorch.multimodal import MultimodalInput, tensor_content_hash
+    v = config.vision_config
+    px = torch.randn(grid[0] * grid[1] * grid[2], v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                     generator=torch.Generator().manual_seed(seed))
+    thw = torch.tensor([grid])
+    n = grid[0] * grid[1] * grid[2] // v.spatial_merge_size ** 2
+    ids = random_prompt(before, text_seed) + [config.image_start_token_id]
+    mm = MultimodalInput(len(ids), len(ids) + n, tensor_content_hash(px, thw), dict(pixel_values=px, image_grid_thw=thw))
+    ids += [config.image_token_id] * n + [config.image_end_token_id] + random_prompt(after, text_seed + 1)
+    return ids, mm, dict(input_ids=torch.tensor([ids]), pixel_values=px, image_grid_thw=thw)
+
+
+def test_one_image_matches_transformers_cold_chunked_and_after_a_restore(tiny):
+    """The vision tower + merger replace the image tokens' embeddings: logits <= 1e-4 cold and
+    in 32-token chunks (no chunk ends inside the image), greedy equal cold and after a
+    prefix-cache restore past the image; another image changes the output."""
+    from engine_utils import StepRecorder
+    path, hf = tiny
+    ids, mm, hf_in = _image_prompt(hf.config, 20, (1, 8, 12), 60, seed=5)
+    with torch.no_grad():
+        ref = hf(**hf_in).logits[0].float()
+        expected = hf.generate(**hf_in, max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    for chunk in (8192, 32):
+        eng = make_engine(path, block_size=16, max_prefill_token_num=chunk)
+        rec = StepRecorder(eng, keep_logits=True)
+        seq = eng.generate(ids, GenerationConfig(max_new_tokens=1, ignore_eos=True), multimodal=(mm,))
+        got = rec.prompt_logits(seq)
+        assert (got - ref).abs().max().item() <= TOL and torch.equal(got.argmax(-1), ref.argmax(-1))
+        assert all(not mm.start < e < mm.end for s in rec.steps for _, _, e, _ in s.chunks)
+    gen = GenerationConfig(max_new_tokens=8)
+    eng = make_engine(path, block_size=16, max_prefill_token_num=64, prefill_save_alignment=16,
+                      enable_prefix_caching=True, num_checkpoint_slots=8)
+    first = eng.generate(ids, gen, multimodal=(mm,))
+    again = eng.generate(ids, gen, multimodal=(mm,))
+    assert first.output_ids == again.output_ids == expected and again.num_cached_tokens > mm.end
+    other_ids, other, _ = _image_prompt(hf.config, 20, (1, 8, 12), 60, seed=6)
+    assert other_ids == ids and other.content_hash != mm.content_hash     # same tokens, another image
+    miss = eng.generate(other_ids, gen, multimodal=(other,))
+    assert miss.num_cached_tokens <= mm.start

@@ -329,7 +329,11 @@ def _glm5_next_config(vocab_size: int, eos_token_id: int, pad_token_id: int, **o
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
                   temporal_patch_size=2, image_size=32, out_hidden_size=text.hidden_size,
                   projection_intermediate_size=64)
-    return Glm5NextConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
+    start, end, pad = (3, 4, 5)     # IMAGE_TOKENS' ids; videos start and end at the unused last id
+    return Glm5NextConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False,
+                          image_token_id=pad, video_token_id=pad, image_start_token_id=start,
+                          image_end_token_id=end, video_start_token_id=vocab_size - 1,
+                          video_end_token_id=vocab_size - 1)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -492,7 +496,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f'seed must be a non-negative int, got {seed!r}')
-    extra_special = IMAGE_TOKENS if arch in VL_ARCHS else ()
+    extra_special = IMAGE_TOKENS if arch in VL_ARCHS or arch == 'glm5_next' else ()
     tok = train_tokenizer(extra_special)
     eos_id, pad_id = tok.token_to_id('<|im_end|>'), tok.token_to_id('<|endoftext|>')
     vocab_size = -(-tok.get_vocab_size() // 8) * 8

@@ -17,8 +17,9 @@ MoE with clamped SwiGLU experts.
 Caches: a KDA layer keeps Kimi's four-tensor state; a DSA layer a :class:`PagedSpec` of the
 latent and, when it runs its own indexer, the indexer's per-token keys (``index_keys``), both
 replicated under tensor parallelism. Weights: transformers' names (``model.language_model.*``
-for the vision-language class, ``model.*`` for the text one); the vision tower
-(``model.visual.*``) and the NextN layer (``model.layers.{num_hidden_layers}.*``) are not read.
+for the vision-language class, ``model.*`` for the text one) or the published ones; the vision
+tower (``model.visual.*``, :mod:`.glm5_next_vision`) is read by the vision-language class; the
+NextN layer (``model.layers.{num_hidden_layers}.*``) is not read.
 """
 from __future__ import annotations
 
@@ -325,24 +326,114 @@ class Glm5NextForCausalLM(nn.Module):
 
 class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
     """GLM-5.3-Flash with its ``Glm5NextConfig`` (``text_config`` + ``vision_config``; text
-    weights under ``model.language_model.*``). The text path only: the vision tower's weights
-    are not read."""
+    weights under ``model.language_model.*``, the vision tower under ``model.visual.*``).
 
+    Images (:mod:`.glm5_next_vision`): a request's ``multimodal`` entries carry
+    ``data = {'pixel_values', 'image_grid_thw'}`` and a span of ``t * (h / m) * (w / m)``
+    image tokens (``config.image_token_id``); the tower runs once per image (kept in
+    ``seq.encoder_cache`` until its span is computed) and its rows replace those tokens'
+    embeddings. The engine keeps spans whole across chunk ends and checkpoints and puts each
+    image's content hash in the block hashes.
+    """
+
+    supports_images = True
     weight_prefix = 'model.language_model.'
     config_fields = {
         **Glm5NextForCausalLM.config_fields,
         'text_config': IMPLEMENTED,
-        'vision_config': INERT,                   # the vision tower is not run
-        'image_token_id': INERT,
-        'video_token_id': INERT,
+        'vision_config': IMPLEMENTED,
+        'image_token_id': IMPLEMENTED,
+        'video_token_id': INERT,                  # videos are refused
         'image_start_token_id': INERT,
         'image_end_token_id': INERT,
         'video_start_token_id': INERT,
         'video_end_token_id': INERT,
-        # what transformers' vision tower reads (vision_config; its axial rope_parameters)
-        **{f: INERT for f in ('depth', 'in_channels', 'num_heads', 'out_hidden_size', 'patch_size',
-                              'projection_intermediate_size', 'spatial_merge_size', 'temporal_patch_size',
-                              'rope_parameters')},
+        # vision_config fields the tower reads (.glm5_next_vision); rope_parameters: 'axial' only
+        **{f: IMPLEMENTED for f in ('depth', 'in_channels', 'num_heads', 'out_hidden_size', 'patch_size',
+                                    'projection_intermediate_size', 'spatial_merge_size', 'temporal_patch_size')},
+        'rope_parameters': CHECKED,
     }
+    # the vision tower runs on rank 0 only (its output is broadcast with the step)
     parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size),
-                                 renames=(('model.language_model.', 'model.'),), skipped=('model.visual.',))
+                                 renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),
+                                 rank0_modules=('visual',))
+
+    def __init__(self, config):
+        super().__init__(config)
+        from .glm5_next_vision import Glm5NextVisionModel
+        self.visual = Glm5NextVisionModel(config.vision_config)
+        self.image_token_id = int(config.image_token_id)
+        self.merge = int(config.vision_config.spatial_merge_size)
+
+    def _rename(self, name: str) -> str | None:
+        if name.startswith('model.visual.'):
+            return name[len('model.'):]
+        return super()._rename(name)
+
+    def check_multimodal(self, token_ids: list[int], multimodal) -> None:
+        """Reject images the forward could not place.
+
+        Raises:
+            ValueError: a modality other than ``'image'``, data without ``pixel_values`` /
+                ``image_grid_thw``, a span length other than the image's token count, or a span
+                not made only of ``config.image_token_id``.
+        """
+        from .qwen3_5_vision import merged_grid
+        for j, mm in enumerate(multimodal):
+            if mm.data is None:
+                continue
+            if mm.modality != 'image':
+                raise ValueError(f'multimodal[{j}].modality: only images are supported, got {mm.modality!r}')
+            if 'pixel_values' not in mm.data or 'image_grid_thw' not in mm.data:
+                raise ValueError(f'multimodal[{j}].data needs pixel_values and image_grid_thw')
+            t, H, W = merged_grid(mm.data['image_grid_thw'], self.merge)
+            if mm.end - mm.start != t * H * W:
+                raise ValueError(f'multimodal[{j}]: span of {mm.end - mm.start} tokens, the image has {t * H * W}')
+            if any(tok != self.image_token_id for tok in token_ids[mm.start:mm.end]):
+                raise ValueError(f'multimodal[{j}]: span [{mm.start}, {mm.end}) must hold only the image token '
+                                 f'{self.image_token_id}')
+
+    def image_inputs(self, seqs, history_lens: list[int], q_seqlens: list[int], q_start_loc: list[int]):
+        """None when no chunk has an image, else :class:`.glm5_next_vision.ImageRows`: the flat
+        rows of this forward that are image tokens and the tower's output for them (runs the
+        tower: rank 0).
+
+        Args:
+            seqs: per chunk, its :class:`~lmdeploy.pytorch.paging.sequence.Sequence`.
+            history_lens, q_seqlens, q_start_loc: per chunk, as in :class:`StepContext`.
+        """
+        from .glm5_next_vision import ImageRows
+        if not any(s is not None and any(m.data is not None for m in s.multimodal) for s in seqs):
+            return None
+        rows, embeds = [], []
+        dev, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        for i, seq in enumerate(seqs):
+            start, n, row0 = history_lens[i], q_seqlens[i], q_start_loc[i]
+            for j, mm in enumerate(seq.multimodal):
+                a, b = max(mm.start, start), min(mm.end, start + n)
+                if mm.data is None or a >= b:
+                    continue
+                if j not in seq.encoder_cache:
+                    px = mm.data['pixel_values'].to(dev, self.visual.patch_embed.proj.weight.dtype)
+                    seq.encoder_cache[j] = self.visual(px, torch.as_tensor(mm.data['image_grid_thw']).reshape(-1, 3))
+                rows.append(torch.arange(row0 + a - start, row0 + b - start, dtype=torch.long))
+                embeds.append(seq.encoder_cache[j][a - mm.start:b - mm.start])
+                if start + n >= mm.end:
+                    seq.encoder_cache.pop(j, None)     # the span is computed: never needed again
+        hidden = self.config.get_text_config().hidden_size
+        return ImageRows(torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
+                         torch.cat(embeds).to(dtype) if embeds else torch.zeros(0, hidden, dtype=dtype, device=dev))
+
+    def forward_images(self, ctx: StepContext, images) -> torch.Tensor:
+        """The text stack over ``ctx`` with the image rows' embeddings replaced
+        (:meth:`image_inputs`' output, any device): ``[T, hidden_size]``. Needs no tower, so
+        every tensor-parallel rank runs it with rank 0's ``images``."""
+        embeds = self.model.embed_tokens(ctx.input_ids)
+        if images.rows.numel():
+            embeds[images.rows.to(embeds.device)] = images.embeds.to(embeds.device, embeds.dtype)
+        return self.model(ctx, inputs_embeds=embeds)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]`` (images as in the class docstring)."""
+        images = self.image_inputs(ctx.sequences, ctx.history_lens, ctx.q_seqlens, ctx.q_start_loc)
+        return self.model(ctx) if images is None else self.forward_images(ctx, images)
