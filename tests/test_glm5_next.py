@@ -14,9 +14,8 @@ import torch
 
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, make_engine,
                           random_prompt, run_staggered)
-from lmdeploy import GenerationConfig, PytorchEngineConfig
+from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block
-from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import check_config
 from lmdeploy.pytorch.models.glm5_next_layers import DSAIndexer
@@ -189,10 +188,11 @@ def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services
     assert K == geo.block_size * 4 * (2 * text['kv_lora_rank'] + 2 * text['index_head_dim'])
 
 
-def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_once(tiny, mooncake_services):
+def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_once(tiny):
     """KDA split by head, DSA by query head with the latent and the indexer keys replicated:
-    TP2 = TP1; a TP2 writer's K_blk is one rank's (stored and charged once), S the sum."""
-    from test_store_engine import sim, store_config
+    TP2 = TP1; a TP2 engine's K_blk is one rank's (stored and charged once), S the ranks' sum,
+    as the simulator computes them from the specs."""
+    from test_store_engine import sim
     from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, B, engine as tp_engine
     path, _ = tiny
     ref = tp_engine(path)
@@ -204,17 +204,13 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_
         logits, _ = engine_prompt_logits(eng, PROMPTS[1])
         assert (logits - ref_logits).abs().max().item() <= TP_TOL
         assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
-    finally:
-        eng.close()
-    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
-    writer = Engine(path, PytorchEngineConfig(**cfg, tp=2))
-    try:
-        sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2, block_size=B)
+        sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2,
+                                      block_size=eng.cache_engine.block_size)
         S, K = sizes.charged
-        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
+        assert (S, K) == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
         assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes
     finally:
-        writer.close()
+        eng.close()
 
 
 def test_audit_lists_every_field_transformers_reads_for_glm5_next():
