@@ -256,7 +256,8 @@ def _image_prompt(config, before, grid, after, seed, text_seed=0):
     thw = torch.tensor([grid])
     n = grid[0] * grid[1] * grid[2] // v.spatial_merge_size ** 2
     ids = random_prompt(before, text_seed) + [config.image_start_token_id]
-    mm = MultimodalInput(len(ids), len(ids) + n, tensor_content_hash(px, thw), dict(pixel_values=px, image_grid_thw=thw))
+    mm = MultimodalInput(len(ids), len(ids) + n, tensor_content_hash(px, thw),
+                         dict(pixel_values=px, image_grid_thw=thw))
     ids += [config.image_token_id] * n + [config.image_end_token_id] + random_prompt(after, text_seed + 1)
     return ids, mm, dict(input_ids=torch.tensor([ids]), pixel_values=px, image_grid_thw=thw)
 
