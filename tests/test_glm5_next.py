@@ -289,3 +289,32 @@ def test_one_image_matches_transformers_cold_chunked_and_after_a_restore(tiny):
     assert other_ids == ids and other.content_hash != mm.content_hash     # same tokens, another image
     miss = eng.generate(other_ids, gen, multimodal=(other,))
     assert miss.num_cached_tokens <= mm.start
+
+
+def test_a_flat_text_only_checkpoint_loads_without_a_vision_tower(tiny, tmp_path):
+    """config.json with the text fields at the top level (model_type glm5_next) and weights
+    under ``model.*`` without ``model.visual.*``: the same text logits, and images refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lmdeploy.pytorch.multimodal import MultimodalInput
+    src, hf = tiny
+    path = tmp_path / 'flat'
+    shutil.copytree(src, path)
+    cfg = json.load(open(path / 'config.json'))
+    text = cfg.pop('text_config')
+    cfg.pop('vision_config')
+    cfg.update(text, model_type='glm5_next')
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    tensors = load_file(str(path / 'model.safetensors'))
+    save_file({k.replace('model.language_model.', 'model.'): v for k, v in tensors.items()
+               if not k.startswith('model.visual.')}, str(path / 'model.safetensors'), metadata={'format': 'pt'})
+    ids = random_prompt(90, seed=9)
+    eng = make_engine(str(path), block_size=16)
+    got, _ = engine_prompt_logits(eng, ids)
+    assert eng.model.visual is None and (got - _hf_logits(hf, ids)).abs().max().item() <= TOL
+    image = MultimodalInput(3, 7, b'x' * 16, dict(pixel_values=torch.zeros(16, 384),
+                                                  image_grid_thw=torch.tensor([[1, 4, 4]])))
+    with pytest.raises(ValueError):
+        eng.generate(ids, GenerationConfig(max_new_tokens=1), multimodal=(image,))

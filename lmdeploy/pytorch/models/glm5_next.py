@@ -326,7 +326,9 @@ class Glm5NextForCausalLM(nn.Module):
 
 class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
     """GLM-5.3-Flash with its ``Glm5NextConfig`` (``text_config`` + ``vision_config``; text
-    weights under ``model.language_model.*``, the vision tower under ``model.visual.*``).
+    weights under ``model.language_model.*`` or ``model.*``, the vision tower under
+    ``model.visual.*``). A flat config (the text fields at the top level, as in the text-only
+    published checkpoints) builds no vision tower and refuses images.
 
     Images (:mod:`.glm5_next_vision`): a request's ``multimodal`` entries carry
     ``data = {'pixel_values', 'image_grid_thw'}`` and a span of ``t * (h / m) * (w / m)``
@@ -361,9 +363,12 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         from .glm5_next_vision import Glm5NextVisionModel
-        self.visual = Glm5NextVisionModel(config.vision_config)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
+        # a flat (text-only) checkpoint keeps the text fields at the top level of config.json
+        # (transformers copies them into text_config) and ships no vision tower
+        self.supports_images = 'num_hidden_layers' not in config.to_dict()
+        self.visual = Glm5NextVisionModel(config.vision_config) if self.supports_images else None
 
     def _rename(self, name: str) -> str | None:
         if name.startswith('model.visual.'):
