@@ -35,7 +35,7 @@ import re
 
 import torch
 
-ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear')
+ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next')
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
@@ -228,6 +228,17 @@ def _arch_defaults(arch: str) -> dict:
                     q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=2,
                     linear_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=32768,
                     tie_word_embeddings=False, rms_norm_eps=1e-6)
+    if arch == 'glm5_next':     # KDA, DSA (own indexer), DSA (shared selection), KDA; 8 index heads
+        lin, idx = 'linear_attention', 'indexed_attention'
+        return dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=4,
+                    layer_types=[lin, idx, idx, lin], indexer_types=['full', 'full', 'shared', 'full'],
+                    mlp_layer_types=['dense', 'sparse', 'sparse', 'sparse'], intermediate_size=128,
+                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                    n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24,
+                    qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, index_topk=64, index_head_dim=16,
+                    index_n_heads=8, index_kpool=8, linear_num_heads=2, linear_head_dim=16,
+                    linear_conv_kernel_dim=4, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=1.0,
+                    max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
     common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
                   rope_theta=10000.0)
@@ -257,6 +268,8 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
 
     if arch not in ARCHS:
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
+    if arch == 'glm5_next':
+        return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
     if arch == 'kimi_linear':
         fields = dict(_arch_defaults(arch))
         known = set(KimiLinearConfig().to_dict()) | set(fields)
@@ -299,6 +312,28 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     return vl_cls(text_config=config.to_dict(), vision_config=vision, image_token_id=pad,
                          video_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
                          tie_word_embeddings=config.tie_word_embeddings)
+
+
+def _glm5_next_config(vocab_size: int, eos_token_id: int, pad_token_id: int, **overrides):
+    """The tiny ``Glm5NextConfig``: the text config of :func:`_arch_defaults` and a one-block
+    vision tower."""
+    from transformers import Glm5NextConfig, Glm5NextTextConfig
+    fields = dict(_arch_defaults('glm5_next'))
+    known = set(Glm5NextTextConfig().to_dict()) | set(fields)
+    for key in overrides:
+        if key not in known:
+            raise ValueError(f'{key}: not a Glm5NextTextConfig field')
+    fields.update(overrides)
+    text = Glm5NextTextConfig(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              bos_token_id=None, **fields)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2, image_size=32, out_hidden_size=text.hidden_size,
+                  projection_intermediate_size=64)
+    start, end, pad = (3, 4, 5)     # IMAGE_TOKENS' ids; videos start and end at the unused last id
+    return Glm5NextConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False,
+                          image_token_id=pad, video_token_id=pad, image_start_token_id=start,
+                          image_end_token_id=end, video_start_token_id=vocab_size - 1,
+                          video_end_token_id=vocab_size - 1)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -362,6 +397,8 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
             out[name] = tensor
     if getattr(model.config, 'model_type', None) == 'kimi_linear':
         out = _kimi_published_names(out)
+    if getattr(model.config, 'model_type', None) == 'glm5_next':
+        out = _glm5_next_published_names(out)
     if getattr(model.config, 'tie_word_embeddings', False):
         out.pop('lm_head.weight', None)  # tied: the embedding is stored once, as published checkpoints do
     return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
@@ -386,6 +423,22 @@ def _kimi_published_names(tensors: dict) -> dict:
                 if rest.startswith('experts.') and rest.endswith(hf):
                     rest = rest[:-len(hf)] + pub
             name = f'{m.group(1)}.block_sparse_moe.{rest}'
+        out[name] = t
+    return out
+
+
+def _glm5_next_published_names(tensors: dict) -> dict:
+    """transformers' GLM-5.3-Flash names → the published layout (transformers' conversion
+    mapping reversed): forget-gate tensors directly under `self_attn`, the stacked `conv1d` as
+    `q_conv1d` / `k_conv1d` / `v_conv1d`, `attn_hc.fn` as `hc_attn_fn` (and base, scale, ffn)."""
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace('.self_attn.forget_gate.', '.self_attn.')
+        name = re.sub(r'\.(attn|ffn)_hc\.(fn|base|scale)$', r'.hc_\1_\2', name)
+        if name.endswith('.self_attn.conv1d.weight'):
+            for part, piece in zip('qkv', t.chunk(3, dim=0)):
+                out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
+            continue
         out[name] = t
     return out
 
@@ -443,7 +496,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f'seed must be a non-negative int, got {seed!r}')
-    extra_special = IMAGE_TOKENS if arch in VL_ARCHS else ()
+    extra_special = IMAGE_TOKENS if arch in VL_ARCHS or arch == 'glm5_next' else ()
     tok = train_tokenizer(extra_special)
     eos_id, pad_id = tok.token_to_id('<|im_end|>'), tok.token_to_id('<|endoftext|>')
     vocab_size = -(-tok.get_vocab_size() // 8) * 8
@@ -454,7 +507,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'qwen3_5': 'Qwen3_5ForConditionalGeneration',
                                        'qwen3_5_moe': 'Qwen3_5MoeForConditionalGeneration',
                                        'qwen3_5_moe_text': 'Qwen3_5MoeForCausalLM',
-                                       'kimi_linear': 'KimiLinearForCausalLM'}[arch])
+                                       'kimi_linear': 'KimiLinearForCausalLM',
+                                       'glm5_next': 'Glm5NextForConditionalGeneration'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -472,7 +526,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
-    if arch not in VL_ARCHS and arch != 'kimi_linear':
+    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next'):
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']

@@ -7,6 +7,8 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 
 # model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
 MODEL_REGISTRY = {
+    'glm5_next': 'glm5_next:Glm5NextForConditionalGeneration',
+    'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',

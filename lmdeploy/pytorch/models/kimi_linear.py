@@ -85,14 +85,20 @@ class KimiDeltaAttention(nn.Module):
     ``[T, H, d]``; ``beta = sigmoid(b_proj(h))``; output ``o_proj(norm(o) * sigmoid(g_b(g_a(h))))``.
     The six projections of the input run as one packed matmul.
 
+    With ``gate_lower_bound = b`` (GLM-5.3-Flash's "safe gate") the decay is instead
+    ``g = b * sigmoid(exp(A_log[h]) * (f_b(f_a(h)) + dt_bias))``, so each step's log-decay lies in
+    ``(b, 0)``.
+
     Args:
-        config: HF ``KimiLinearConfig``.
+        config: HF ``KimiLinearConfig`` (or any config with the ``linear_*`` fields).
         layer_idx: index into ``StepContext.state_caches`` (``(q_conv, k_conv, v_conv, recurrent)``).
+        gate_lower_bound: None for Kimi-Linear's softplus decay, else the bound ``b < 0``.
     """
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, gate_lower_bound: float | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.gate_lower_bound = gate_lower_bound
         self.num_heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
         D, hidden, K = self.num_heads * self.head_dim, config.hidden_size, config.linear_conv_kernel_dim
         self.dim = D
@@ -120,7 +126,10 @@ class KimiDeltaAttention(nn.Module):
             mixed.append(conv(x, layer.weight.squeeze(1), None, cache.flatten(1, 2), ctx.cu_seqlens, ctx.seq_ids,
                               ctx.slots, ctx.has_history, 'silu', slot_span=ctx.slot_span).reshape(T, H, d))
         g = (self.f_b_proj(fa).float() + self.dt_bias.float()).view(T, H, d)
-        g = -self.A_log.float().view(H, 1).exp() * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        if self.gate_lower_bound is None:
+            g = -self.A_log.float().view(H, 1).exp() * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+        else:
+            g = self.gate_lower_bound * torch.sigmoid(self.A_log.float().view(H, 1).exp() * g)
         beta = torch.sigmoid(b)
         o = get_kernel('kda_varlen', hidden.device)(*mixed, g, beta, caches[3], ctx.cu_seqlens, ctx.slots,
                                                     ctx.has_history, use_qk_l2norm=True)

@@ -1,0 +1,444 @@
+"""GLM-5.3-Flash (``transformers`` model types ``glm5_next`` / ``glm5_next_text``): Kimi Delta
+Attention layers with, at ``'indexed_attention'`` layers, DSA attention (NoPE MLA restricted
+to a lightning indexer's selection), all wrapped in mHC residual streams, and a sigmoid-routed
+MoE with clamped SwiGLU experts.
+
+::
+
+    x = embed(ids) copied into hc_mult streams               [T, N, D]
+    layer i:  (post, comb, h) = attn_hc(x); x = post * mixer(RMSNorm(h)) + comb^T x
+              (post, comb, h) = ffn_hc(x);  x = post * mlp(RMSNorm(h))   + comb^T x
+      mixer = KDA with the safe gate ('linear_attention', :class:`.kimi_linear.KimiDeltaAttention`)
+            | DSA ('indexed_attention', :class:`.glm5_next_layers.DSAAttention`); an
+              indexer_types 'shared' layer reuses the previous 'full' layer's selection
+      mlp   = KimiMoE router + clamped experts + clamped shared experts ('sparse') | clamped SwiGLU
+    out = RMSNorm(mean over the streams)
+
+Caches: a KDA layer keeps Kimi's four-tensor state; a DSA layer a :class:`PagedSpec` of the
+latent and, when it runs its own indexer, the indexer's per-token keys (``index_keys``), both
+replicated under tensor parallelism. Weights: transformers' names (``model.language_model.*``
+for the vision-language class, ``model.*`` for the text one) or the published ones; the vision
+tower (``model.visual.*``, :mod:`.glm5_next_vision`) is read by the vision-language class; the
+NextN layer (``model.layers.{num_hidden_layers}.*``) is not read.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .glm5_next_layers import ClampedExperts, ClampedSwiGLUMLP, DSAAttention, HyperConnection
+from .kimi_linear import KimiDeltaAttention, KimiLinearTPPlan, KimiMoE
+from .layers import Linear, RMSNorm, load_weights
+from .parallel_plan import ParallelPlan
+from .qwen3_next import load_expert_tensor
+
+__all__ = ['Glm5NextForCausalLM', 'Glm5NextForConditionalGeneration', 'check_config']
+
+LINEAR, INDEXED = 'linear_attention', 'indexed_attention'
+
+
+def check_config(config) -> None:
+    """Refuse text configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field (``layer_types``, ``mlp_layer_types``, ``indexer_types``,
+            ``hidden_act``, ``qk_rope_head_dim``, ``q_lora_rank``, ``index_topk``,
+            ``n_group`` / ``topk_group``).
+    """
+    config = config.get_text_config()
+    n = config.num_hidden_layers
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != n or any(t not in (LINEAR, INDEXED) for t in types):
+        raise ValueError(f'layer_types must list {LINEAR!r} or {INDEXED!r} for each of the {n} layers, got {types}')
+    mlp = list(getattr(config, 'mlp_layer_types', None) or [])
+    if len(mlp) != n or any(t not in ('dense', 'sparse') for t in mlp):
+        raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {mlp}")
+    idx = list(getattr(config, 'indexer_types', None) or [])
+    if len(idx) != n or any(t not in ('full', 'shared') for t in idx):
+        raise ValueError(f"indexer_types must list 'full' or 'shared' for each of the {n} layers, got {idx}")
+    for i in range(n):      # transformers hands a selection only from a 'full' DSA layer to the next layer
+        if types[i] == INDEXED and idx[i] == 'shared' and not (i and types[i - 1] == INDEXED and idx[i - 1] == 'full'):
+            raise ValueError(f"indexer_types: layer {i} is 'shared' but layer {i - 1} is not a 'full' DSA layer")
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    if config.qk_rope_head_dim:
+        raise ValueError(f'qk_rope_head_dim must be 0 (NoPE DSA), got {config.qk_rope_head_dim}')
+    if not config.q_lora_rank:
+        raise ValueError(f'q_lora_rank is required by the DSA indexer, got {config.q_lora_rank}')
+    if config.index_kpool < 1 or config.index_topk % config.index_kpool:
+        raise ValueError(f'index_topk ({config.index_topk}) must be a multiple of index_kpool ({config.index_kpool})')
+    if 'sparse' in mlp and (config.num_local_experts % config.n_group
+                            or config.num_local_experts // config.n_group < 2
+                            or not 1 <= config.topk_group <= config.n_group):
+        raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
+                         f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
+
+
+class Glm5NextMoE(KimiMoE):
+    """Kimi-Linear's router (sigmoid + correction bias, group-limited top-k, renormalised,
+    scaled) over experts and shared experts whose SwiGLU clamps at ``swiglu_limit``."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        limit = config.swiglu_limit
+        self.experts = ClampedExperts(self.num_experts, config.hidden_size, config.moe_intermediate_size, limit)
+        self.shared_experts = ClampedSwiGLUMLP(config.hidden_size,
+                                               config.moe_intermediate_size * config.n_shared_experts, limit)
+
+
+class Glm5NextDecoderLayer(nn.Module):
+    """mHC around a pre-norm token mixer (KDA or DSA) and a pre-norm MLP (MoE or dense)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.is_linear = config.layer_types[layer_idx] == LINEAR
+        self.self_attn = KimiDeltaAttention(config, layer_idx, gate_lower_bound=config.linear_lower_bound) \
+            if self.is_linear else DSAAttention(config, layer_idx)
+        nxt = config.indexer_types[min(layer_idx + 1, config.num_hidden_layers - 1)]
+        self.hands_on = (not self.is_linear and self.self_attn.indexer is not None and nxt == 'shared')
+        self.mlp = Glm5NextMoE(config) if config.mlp_layer_types[layer_idx] == 'sparse' \
+            else ClampedSwiGLUMLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, masks):
+        """``x [T, N, D]`` streams → (streams ``[T, N, D]``, the DSA selection for the next
+        layer or None)."""
+        post, comb, h = self.attn_hc(x)
+        h = self.input_layernorm(h)
+        if self.is_linear:
+            h, out_masks = self.self_attn(h, ctx), None
+        else:
+            h, out_masks = self.self_attn(h, ctx, masks)
+        x = HyperConnection.merge(post, comb, h, x)
+        post, comb, h = self.ffn_hc(x)
+        x = HyperConnection.merge(post, comb, self.mlp(self.post_attention_layernorm(h)), x)
+        return x, (out_masks if self.hands_on else None)
+
+
+class Glm5NextModel(nn.Module):
+    """Embedding copied into ``hc_mult`` streams, decoder layers, stream mean, final norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.hc_mult = config.hc_mult
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Glm5NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, ctx: StepContext, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        h = self.embed_tokens(ctx.input_ids) if inputs_embeds is None else inputs_embeds
+        x = h.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        masks = None
+        for layer in self.layers:
+            x, masks = layer(x, ctx, masks)
+        return self.norm(x.mean(dim=1))
+
+
+_A_LOG = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?A_log$')
+_DSA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_b_proj|kv_b_proj|o_proj)\.weight$')
+
+
+class Glm5NextTPPlan(KimiLinearTPPlan):
+    """Tensor-parallel split: KDA by head as :class:`.kimi_linear.KimiLinearTPPlan` (``A_log``
+    is ``[H]`` here); DSA by query head (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj``
+    columns) with its latent producers and the whole indexer replicated, so the cached
+    ``latent`` and ``index_keys`` are the same on every rank (stored once); mHC, MoE and dense
+    MLPs replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
+    """
+
+    def __init__(self, config, rank: int, size: int):
+        super().__init__(config.get_text_config(), rank, size)
+        self.full_config = config
+
+    def local_config(self):
+        """A copy of the (possibly vision-language) config with this rank's head counts."""
+        c = copy.deepcopy(self.full_config)
+        t = c.get_text_config()
+        t.linear_num_heads = self.heads[1] - self.heads[0]
+        t.num_attention_heads = t.num_key_value_heads = self.q_heads[1] - self.q_heads[0]
+        return c
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` (``model.*`` names) this rank reads, or None."""
+        c = self.config
+        m = re.match(r'^model\.layers\.(\d+)\.', name)
+        if m and int(m.group(1)) >= c.num_hidden_layers:
+            return None                           # the NextN layer (not read)
+        m = _A_LOG.match(name)
+        if m and c.layer_types[int(m.group(1))] == LINEAR:
+            return 0, (self.heads,)
+        m = _DSA_ROWS.match(name)
+        if m and c.layer_types[int(m.group(1))] == INDEXED:
+            (q0, q1), part = self.q_heads, m.group(2)
+            if part == 'o_proj':
+                return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
+            per = c.qk_nope_head_dim + (c.v_head_dim if part == 'kv_b_proj' else 0)
+            return 0, ((q0 * per, q1 * per),)
+        return super().shard(name)
+
+
+def _tp_split(config, rank: int, size: int) -> Glm5NextTPPlan:
+    check_config(config)
+    return Glm5NextTPPlan(config, rank, size)
+
+
+def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    config = config.get_text_config()
+    check_config(config)
+    H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
+    kda = StateSpec(tuple(CacheTensor(name, (H, d, K - 1), dtype, 'v_heads') for name in
+                          ('q_conv', 'k_conv', 'v_conv')) +
+                    (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+    latent = CacheTensor('latent', (config.kv_lora_rank,), dtype, None)
+    keys = CacheTensor('index_keys', (2 * config.index_head_dim,), dtype, None)
+    full, shared = PagedSpec((latent, keys)), PagedSpec((latent,))
+    return [kda if t == LINEAR else (full if i == 'full' else shared)
+            for t, i in zip(config.layer_types, config.indexer_types)]
+
+
+class Glm5NextForCausalLM(nn.Module):
+    """GLM-5.3-Flash text model in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``Glm5NextTextConfig`` (or a ``Glm5NextConfig``: its text config).
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    weight_prefix = 'model.'
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        text = config.get_text_config()
+        self.model = Glm5NextModel(text)
+        self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
+
+    # every text config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **{k: v for k, v in COMMON_FIELDS.items() if k not in ('rope_parameters', 'max_position_embeddings')},
+        'head_dim': INERT,                        # forced to qk_rope_head_dim (0) by the config
+        'num_key_value_heads': INERT,             # equal to num_attention_heads (transformers checks)
+        'mlp_layer_types': CHECKED,
+        'indexer_types': CHECKED,                 # 'full' / 'shared' (after a 'full' DSA layer)
+        'linear_conv_kernel_dim': IMPLEMENTED,
+        'linear_head_dim': IMPLEMENTED,
+        'linear_num_heads': IMPLEMENTED,
+        'linear_lower_bound': IMPLEMENTED,        # None: softplus decay; else the safe gate
+        'kv_lora_rank': IMPLEMENTED,
+        'q_lora_rank': CHECKED,                   # required
+        'qk_nope_head_dim': IMPLEMENTED,
+        'qk_rope_head_dim': CHECKED,              # 0 only
+        'v_head_dim': IMPLEMENTED,
+        'index_topk': CHECKED,                    # a multiple of index_kpool
+        'index_head_dim': IMPLEMENTED,
+        'index_n_heads': IMPLEMENTED,
+        'index_kpool': CHECKED,
+        'index_kpool_always_select_tail': IMPLEMENTED,
+        'hc_mult': IMPLEMENTED,
+        'hc_eps': IMPLEMENTED,
+        'hc_sinkhorn_iters': IMPLEMENTED,
+        'swiglu_limit': IMPLEMENTED,
+        'moe_intermediate_size': IMPLEMENTED,
+        'n_shared_experts': IMPLEMENTED,
+        'num_local_experts': IMPLEMENTED,
+        'num_experts_per_tok': IMPLEMENTED,
+        'n_group': CHECKED,
+        'topk_group': CHECKED,
+        'norm_topk_prob': IMPLEMENTED,
+        'routed_scaling_factor': IMPLEMENTED,
+        'router_aux_loss_coef': INERT,            # a training loss
+        'output_router_logits': INERT,
+    }
+    rotary = False
+    check_config = staticmethod(check_config)
+    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: a KDA :class:`StateSpec` (``q_conv``, ``k_conv``, ``v_conv``
+        ``[H, d, kernel - 1]`` in ``dtype``, ``recurrent [H, d, d]`` float32, split by head) or
+        a DSA :class:`PagedSpec`: ``latent [kv_lora_rank]`` and, for an ``indexer_types``
+        ``'full'`` layer, ``index_keys [2 * index_head_dim]`` per token, both in ``dtype`` and
+        the same on every rank (``tp_split=None``).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        return _cache_specs(config, dtype)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def _rename(self, name: str) -> str | None:
+        if name.startswith('model.visual.') or name.startswith('mtp.'):
+            return None
+        if self.weight_prefix != 'model.' and name.startswith(self.weight_prefix):
+            name = 'model.' + name[len(self.weight_prefix):]
+        m = re.match(r'^model\.layers\.(\d+)\.', name)
+        if m and int(m.group(1)) >= self.config.get_text_config().num_hidden_layers:
+            return None                           # the NextN (MTP) layer
+        name = re.sub(r'\.hc_(attn|ffn)_(fn|base|scale)$', r'.\1_hc.\2', name)     # published -> ours
+        return name.replace('.self_attn.forget_gate.', '.self_attn.')
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers names, see the module docstring).
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        def special(loader, name: str, tensor: torch.Tensor) -> bool:
+            if name.endswith('.self_attn.conv1d.weight'):   # q | k | v convs stacked
+                stem = name[:-len('conv1d.weight')]
+                for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
+                    loader.load(f'{stem}{part}_conv1d.weight', piece)
+                return True
+            if name.endswith('.self_attn.A_log'):            # [H] -> the KDA layer's [1, 1, H, 1]
+                loader.load(name, tensor.reshape(1, 1, -1, 1))
+                return True
+            return load_expert_tensor(loader, name, tensor)
+
+        load_weights(self, weights, getattr(self.config.get_text_config(), 'tie_word_embeddings', False),
+                     rename=self._rename, special=special)
+
+
+class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
+    """GLM-5.3-Flash with its ``Glm5NextConfig`` (``text_config`` + ``vision_config``; text
+    weights under ``model.language_model.*`` or ``model.*``, the vision tower under
+    ``model.visual.*``). A flat config (the text fields at the top level, as in the text-only
+    published checkpoints) builds no vision tower and refuses images.
+
+    Images (:mod:`.glm5_next_vision`): a request's ``multimodal`` entries carry
+    ``data = {'pixel_values', 'image_grid_thw'}`` and a span of ``t * (h / m) * (w / m)``
+    image tokens (``config.image_token_id``); the tower runs once per image (kept in
+    ``seq.encoder_cache`` until its span is computed) and its rows replace those tokens'
+    embeddings. The engine keeps spans whole across chunk ends and checkpoints and puts each
+    image's content hash in the block hashes.
+    """
+
+    supports_images = True
+    weight_prefix = 'model.language_model.'
+    config_fields = {
+        **Glm5NextForCausalLM.config_fields,
+        'text_config': IMPLEMENTED,
+        'vision_config': IMPLEMENTED,
+        'image_token_id': IMPLEMENTED,
+        'video_token_id': INERT,                  # videos are refused
+        'image_start_token_id': INERT,
+        'image_end_token_id': INERT,
+        'video_start_token_id': INERT,
+        'video_end_token_id': INERT,
+        # vision_config fields the tower reads (.glm5_next_vision); rope_parameters: 'axial' only
+        **{f: IMPLEMENTED for f in ('depth', 'in_channels', 'num_heads', 'out_hidden_size', 'patch_size',
+                                    'projection_intermediate_size', 'spatial_merge_size', 'temporal_patch_size')},
+        'rope_parameters': CHECKED,
+    }
+    # the vision tower runs on rank 0 only (its output is broadcast with the step)
+    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size),
+                                 renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),
+                                 rank0_modules=('visual',))
+
+    def __init__(self, config):
+        super().__init__(config)
+        from .glm5_next_vision import Glm5NextVisionModel
+        self.image_token_id = int(config.image_token_id)
+        self.merge = int(config.vision_config.spatial_merge_size)
+        # a flat (text-only) checkpoint keeps the text fields at the top level of config.json
+        # (transformers copies them into text_config) and ships no vision tower
+        self.supports_images = 'num_hidden_layers' not in config.to_dict()
+        self.visual = Glm5NextVisionModel(config.vision_config) if self.supports_images else None
+
+    def _rename(self, name: str) -> str | None:
+        if name.startswith('model.visual.'):
+            return name[len('model.'):]
+        return super()._rename(name)
+
+    def check_multimodal(self, token_ids: list[int], multimodal) -> None:
+        """Reject images the forward could not place.
+
+        Raises:
+            ValueError: a modality other than ``'image'``, data without ``pixel_values`` /
+                ``image_grid_thw``, a span length other than the image's token count, or a span
+                not made only of ``config.image_token_id``.
+        """
+        from .qwen3_5_vision import merged_grid
+        for j, mm in enumerate(multimodal):
+            if mm.data is None:
+                continue
+            if mm.modality != 'image':
+                raise ValueError(f'multimodal[{j}].modality: only images are supported, got {mm.modality!r}')
+            if 'pixel_values' not in mm.data or 'image_grid_thw' not in mm.data:
+                raise ValueError(f'multimodal[{j}].data needs pixel_values and image_grid_thw')
+            t, H, W = merged_grid(mm.data['image_grid_thw'], self.merge)
+            if mm.end - mm.start != t * H * W:
+                raise ValueError(f'multimodal[{j}]: span of {mm.end - mm.start} tokens, the image has {t * H * W}')
+            if any(tok != self.image_token_id for tok in token_ids[mm.start:mm.end]):
+                raise ValueError(f'multimodal[{j}]: span [{mm.start}, {mm.end}) must hold only the image token '
+                                 f'{self.image_token_id}')
+
+    def image_inputs(self, seqs, history_lens: list[int], q_seqlens: list[int], q_start_loc: list[int]):
+        """None when no chunk has an image, else :class:`.glm5_next_vision.ImageRows`: the flat
+        rows of this forward that are image tokens and the tower's output for them (runs the
+        tower: rank 0).
+
+        Args:
+            seqs: per chunk, its :class:`~lmdeploy.pytorch.paging.sequence.Sequence`.
+            history_lens, q_seqlens, q_start_loc: per chunk, as in :class:`StepContext`.
+        """
+        from .glm5_next_vision import ImageRows
+        if not any(s is not None and any(m.data is not None for m in s.multimodal) for s in seqs):
+            return None
+        rows, embeds = [], []
+        dev, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
+        for i, seq in enumerate(seqs):
+            start, n, row0 = history_lens[i], q_seqlens[i], q_start_loc[i]
+            for j, mm in enumerate(seq.multimodal):
+                a, b = max(mm.start, start), min(mm.end, start + n)
+                if mm.data is None or a >= b:
+                    continue
+                if j not in seq.encoder_cache:
+                    px = mm.data['pixel_values'].to(dev, self.visual.patch_embed.proj.weight.dtype)
+                    seq.encoder_cache[j] = self.visual(px, torch.as_tensor(mm.data['image_grid_thw']).reshape(-1, 3))
+                rows.append(torch.arange(row0 + a - start, row0 + b - start, dtype=torch.long))
+                embeds.append(seq.encoder_cache[j][a - mm.start:b - mm.start])
+                if start + n >= mm.end:
+                    seq.encoder_cache.pop(j, None)     # the span is computed: never needed again
+        hidden = self.config.get_text_config().hidden_size
+        return ImageRows(torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
+                         torch.cat(embeds).to(dtype) if embeds else torch.zeros(0, hidden, dtype=dtype, device=dev))
+
+    def forward_images(self, ctx: StepContext, images) -> torch.Tensor:
+        """The text stack over ``ctx`` with the image rows' embeddings replaced
+        (:meth:`image_inputs`' output, any device): ``[T, hidden_size]``. Needs no tower, so
+        every tensor-parallel rank runs it with rank 0's ``images``."""
+        embeds = self.model.embed_tokens(ctx.input_ids)
+        if images.rows.numel():
+            embeds[images.rows.to(embeds.device)] = images.embeds.to(embeds.device, embeds.dtype)
+        return self.model(ctx, inputs_embeds=embeds)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]`` (images as in the class docstring)."""
+        images = self.image_inputs(ctx.sequences, ctx.history_lens, ctx.q_seqlens, ctx.q_start_loc)
+        return self.model(ctx) if images is None else self.forward_images(ctx, images)
