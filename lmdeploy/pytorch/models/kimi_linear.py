@@ -123,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
         g = -self.A_log.float().view(H, 1).exp() * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
         beta = torch.sigmoid(b)
         o = get_kernel('kda_varlen', hidden.device)(*mixed, g, beta, caches[3], ctx.cu_seqlens, ctx.slots,
-                                                    ctx.has_history, use_qk_l2norm=True)
+                                                    ctx.has_history, use_qk_l2norm=True, slot_span=ctx.slot_span)
         return self.o_proj(self.o_norm(o, self.g_b_proj(ga).view(T, H, d)).reshape(T, -1))
 
 
