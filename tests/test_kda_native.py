@@ -87,6 +87,8 @@ def test_registry_picks_the_native_step_on_cpu():
     assert {'any', 'cpu'} <= devices
     assert get_kernel('kda_decode_step', 'cpu') is kda_decode_step_cpu
     assert get_kernel('kda_decode_step', 'meta') is kda_decode_step_torch
+    for op in ('chunk_kda', 'recurrent_kda', 'kda_decode_step'):     # fla-core's, chosen on CUDA when installed
+        assert 'cuda' in {dev for _, dev, _, _ in _REGISTRY[op]}
 
 
 @needs_library

@@ -20,15 +20,20 @@ per key channel, where Gated DeltaNet has one per head)::
 - :func:`kda_varlen` runs a step's flat batch against the state slots (decode sequences in
   one batched step through ``kda_decode_step``, longer ones through the chunked form).
 
+On CUDA, with ``fla-core`` >= 0.6 installed, ``chunk_kda``, ``recurrent_kda`` and
+``kda_decode_step`` are fla's Triton kernels (``fla.ops.kda``, imported only when chosen).
+
 Invariants as in :mod:`.gated_delta_rule`: states are float32; the single-sequence forms never
 modify their initial state; :func:`kda_varlen` rewrites exactly the slots it is given, and a
 sequence without history starts from a zero state whatever its slot holds.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from . import get_kernel, register_kernel, slot_range
+from . import get_kernel, once, register_kernel, slot_range
 from .gated_delta_rule import l2norm
 from .kda_native import kda_native_available, kda_step_native
 
@@ -263,3 +268,51 @@ def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         state_cache[slots[i]] = state.to(state_cache.dtype)
         out[sl] = o
     return out
+
+
+@once
+def _fla_kda_installed() -> bool:
+    """Whether ``fla-core`` with its KDA ops (``fla.ops.kda``, fla-core >= 0.6) is importable
+    (checked at the first CUDA selection only: importing fla imports triton)."""
+    if importlib.util.find_spec('fla') is None:
+        return False
+    try:
+        return importlib.util.find_spec('fla.ops.kda') is not None
+    except ImportError:        # fla present but its ops package does not import (no triton)
+        return False
+
+
+@register_kernel('chunk_kda', device_type='cuda', priority=10, available=_fla_kda_installed)
+def chunk_kda_fla(q, k, v, g, beta, initial_state=None, chunk_size: int = _CHUNK, use_qk_l2norm: bool = True,
+                  scale: float | None = None):
+    """``fla-core``'s Triton KDA chunk kernel with the contract of :func:`chunk_kda` (``g`` the
+    precomputed per-channel log decay; its gate fusion is not used). ``chunk_size`` is ignored:
+    fla fixes its own. fla multiplies in TF32 inside its chunks."""
+    from fla.ops.kda import chunk_kda as fla_chunk
+    o, state = fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
+                         initial_state=None if initial_state is None else initial_state[None].float(),
+                         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o[0], state[0].float()
+
+
+@register_kernel('recurrent_kda', device_type='cuda', priority=10, available=_fla_kda_installed)
+def recurrent_kda_fla(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = True,
+                      scale: float | None = None):
+    """``fla-core``'s fused recurrent KDA kernel with the contract of :func:`recurrent_kda`."""
+    from fla.ops.kda import fused_recurrent_kda as fla_recurrent
+    o, state = fla_recurrent(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
+                             initial_state=None if initial_state is None else initial_state[None].float(),
+                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o[0], state[0].float()
+
+
+@register_kernel('kda_decode_step', device_type='cuda', priority=10, available=_fla_kda_installed)
+def kda_decode_step_fla(q, k, v, g, beta, state, use_qk_l2norm: bool = True, scale: float | None = None):
+    """:func:`kda_decode_step_torch` by ``fla-core``'s fused recurrent kernel: the ``N``
+    sequences as a batch of one-token sequences, the state written back in place."""
+    from fla.ops.kda import fused_recurrent_kda as fla_recurrent
+    o, final = fla_recurrent(q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].to(q.dtype),
+                             scale=scale, initial_state=state.float(), output_final_state=True,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm)
+    state.copy_(final)
+    return o[:, 0].float()

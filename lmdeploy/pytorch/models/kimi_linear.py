@@ -205,9 +205,10 @@ class KimiMLA(nn.Module):
         ``q_c[h] = W_uk[h]^T q_nope[h]`` scores the latent rows directly and the attended latent
         is up-projected once by ``W_uv[h]`` (``kv_b_proj = [W_uk; W_uv]`` per head). The same
         value as up-projecting every row (the prefill path), at ``H * L * (R + rope)`` instead
-        of ``L * R * H * (nope + v)`` multiply-adds per step: 17.6x faster at 1K cached tokens
-        and 38.6x at 4K for Kimi-Linear-48B's layer on the 2-core CPU (benchmark/benchmark_mla.py,
-        benchmark/README.md). Softmax in float32."""
+        of ``L * R * H * (nope + v)`` multiply-adds per step: 13.6x faster at 256 cached tokens,
+        33x at 1K and 72x at 4K for Kimi-Linear-48B's layer on the 2-core CPU
+        (benchmark/benchmark_mla.py; benchmark/results/mla_decode_kimi48b_*.json). Softmax in
+        float32."""
         H, R = self.num_heads, self.kv_lora_rank
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, R).to(q.dtype)
         q_c = torch.einsum('hd,hdr->hr', q[0, :, :self.nope], w[:, :self.nope])
