@@ -132,3 +132,23 @@ def test_native_step_refuses_what_it_does_not_cover():
     o = kda_decode_step_cpu(q, k, v, g, beta, s_native)
     assert kda_native.cpu_native.CALLS['kda_step'] == calls
     assert torch.equal(o, kda_decode_step_torch(q, k, v, g, beta, s_torch)) and torch.equal(s_native, s_torch)
+
+
+_PROBE = """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from lmdeploy.pytorch.kernels import get_kernel
+from lmdeploy.pytorch.kernels.kimi_delta_attention import kda_decode_step_torch
+print('torch step', get_kernel('kda_decode_step', 'cpu') is kda_decode_step_torch)
+"""
+
+
+@pytest.mark.parametrize('env, reason', [({'LMDEPLOY_CPU_KERNELS': '0'}, 'LMDEPLOY_CPU_KERNELS=0'),
+                                         ({'CC': 'false'}, 'failed')])
+def test_switched_off_or_unbuildable_runs_the_torch_step(env, reason, tmp_path):
+    import os
+    import sys
+    done = subprocess.run([sys.executable, '-c', _PROBE], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, 'LMDEPLOY_CACHE_DIR': str(tmp_path), **env})
+    assert done.returncode == 0, done.stderr
+    assert 'torch step True' in done.stdout and reason in done.stdout and 'native KDA kernel unavailable' in done.stdout
