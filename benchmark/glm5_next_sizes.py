@@ -87,8 +87,8 @@ def glm5_next_specs(config: dict, *, tp: int = 1, state_dtype: torch.dtype = tor
     d, K = int(_field(config, 'linear_head_dim')), int(_field(config, 'linear_conv_kernel_dim'))
     latent = int(_field(config, 'kv_lora_rank')) + int(config.get('qk_rope_head_dim', 0))
     index_dim = int(_field(config, 'index_head_dim'))
-    kda = StateSpec(tuple(CacheTensor(name, (H, d, K - 1), state_dtype, 'v_heads') for name in
-                          ('q_conv', 'k_conv', 'v_conv')) + (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+    convs = tuple(CacheTensor(name, (H, d, K - 1), state_dtype, 'v_heads') for name in ('q_conv', 'k_conv', 'v_conv'))
+    kda = StateSpec(convs + (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
 
     def dsa(with_indexer: bool) -> PagedSpec:
         tensors = (CacheTensor('latent', (latent,), kv_dtype, None),)

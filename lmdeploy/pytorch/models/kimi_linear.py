@@ -13,7 +13,8 @@ MLA here has no rotary embedding at all (transformers' Kimi-Linear is NoPE): per
 ``[kv_a_layernorm(c_kv) (kv_lora_rank) | k_rope (qk_rope_head_dim)]``, one row shared by every
 head; attention gathers a sequence's rows and, for a prefill chunk, up-projects them through
 ``kv_b_proj`` (non-absorbed); a decode token uses the absorbed form instead (the up-projections
-folded into the query and the output; measured in benchmark/benchmark_mla.py). Weight names: the published checkpoint's (``self_attn.q_conv1d`` ...,
+folded into the query and the output; measured in benchmark/benchmark_mla.py). Weight names:
+the published checkpoint's (``self_attn.q_conv1d`` ...,
 ``block_sparse_moe.experts.{e}.w1``) and transformers' in-memory ones
 (``self_attn.conv1d`` stacked, ``self_attn.forget_gate.*``, ``mlp.experts.gate_up_proj``) both load.
 """
