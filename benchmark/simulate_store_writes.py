@@ -50,7 +50,8 @@ table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
 (``--preset tiny|qwen3-next-80b|kimi-linear-48b|glm-5.3-flash [--tp N]``; glm-5.3-flash: sizes from
 :mod:`benchmark.glm5_next_sizes`, the seed deployment TP8 / FP8 KV / MTP unless ``--tp``,
-``--kv-dtype``, ``--no-mtp``; ``--config config.json``, ``--scale 1/16 --block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
+``--kv-dtype``, ``--no-mtp``; ``--config config.json``, ``--scale 1/16 --block-size 16``,
+``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
 ``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
 """
