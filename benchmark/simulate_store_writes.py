@@ -48,8 +48,10 @@ Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
-(``--preset tiny|qwen3-next-80b|kimi-linear-48b [--tp N]``, ``--config config.json``, ``--scale 1/16
---block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
+(``--preset tiny|qwen3-next-80b|kimi-linear-48b|glm-5.3-flash [--tp N]``; glm-5.3-flash: sizes from
+:mod:`benchmark.glm5_next_sizes`, the seed deployment TP8 / FP8 KV / MTP unless ``--tp``,
+``--kv-dtype``, ``--no-mtp``; ``--config config.json``, ``--scale 1/16 --block-size 16``,
+``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
 ``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
 """
@@ -561,13 +563,15 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'branching'],
-                   help='sizes (branching: the seed sizes, the branching scenario and the junction policy)')
+    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'glm-5.3-flash',
+                                        'branching'],
+                   help='sizes (branching: the seed sizes, the branching scenario and the junction policy; '
+                   'glm-5.3-flash: the seed deployment, TP8, FP8 KV, MTP on, unless --tp/--kv-dtype/--no-mtp)')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
     p.add_argument('--state-bytes', type=int)
     p.add_argument('--kv-block-bytes', type=int)
     p.add_argument('--state-to-block-ratio', type=Fraction, help='S / K_blk; sizes in relative units')
-    p.add_argument('--tp', type=int, default=1)
+    p.add_argument('--tp', type=int, help='tensor-parallel ranks (default 1; glm-5.3-flash: 8)')
     p.add_argument('--kv-dtype')
     p.add_argument('--state-dtype')
     p.add_argument('--chunk-size', type=int, help='P (default 8192 * scale)')
@@ -575,8 +579,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--alignment', type=int, help='A (default 1024 * scale)')
     p.add_argument('--token-lookahead', type=int, default=0)
     p.add_argument('--recompute-blocks', type=int, default=0)
-    p.add_argument('--mtp', action='store_true', help='the engine runs qwen3_next_mtp speculative decoding: K_blk '
-                   'includes the MTP layer\'s KV (--config/--preset sizes); pair with --token-lookahead 1')
+    p.add_argument('--mtp', action=argparse.BooleanOptionalAction,
+                   help='the engine runs qwen3_next_mtp speculative decoding: K_blk '
+                   'includes the MTP layer\'s KV (--config/--preset sizes; on by default for glm-5.3-flash); pair '
+                   'with --token-lookahead 1')
     p.add_argument('--scale', type=Fraction, default=Fraction(1), help='multiply scenario token counts, e.g. 1/16')
     p.add_argument('--turns', help='custom scenario: comma-separated input lengths of each turn')
     p.add_argument('--scenario', choices=['seed', 'branching'], help='seed: the six seed scenarios (default)')
@@ -625,10 +631,28 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         config = QWEN3_NEXT_80B_CONFIG
     elif args.preset == 'kimi-linear-48b':
         config = KIMI_LINEAR_48B_CONFIG
+    elif args.preset == 'glm-5.3-flash':
+        return _glm_5_3_flash_sizes(args, block_size), 'bytes'
     else:
         config = json.loads(args.config.read_text())
-    return sizes_from_config(config, tp=args.tp, block_size=block_size, kv_dtype=args.kv_dtype,
-                             state_dtype=args.state_dtype, mtp=args.mtp), 'bytes'
+    return sizes_from_config(config, tp=args.tp or 1, block_size=block_size, kv_dtype=args.kv_dtype,
+                             state_dtype=args.state_dtype, mtp=bool(args.mtp)), 'bytes'
+
+
+def _glm_5_3_flash_sizes(args: argparse.Namespace, block_size: int) -> StoreSizes:
+    """The GLM-5.3-Flash preset (benchmark/glm5_next_sizes.py): the seed deployment's TP, KV
+    dtype and MTP unless given."""
+    import torch
+
+    from benchmark.glm5_next_sizes import GLM_5_3_FLASH_CONFIG, GLM_5_3_FLASH_DEPLOYMENT, glm5_next_sizes
+    deploy = GLM_5_3_FLASH_DEPLOYMENT
+    tp = args.tp or deploy['tp']
+    kv = getattr(torch, _TORCH_DTYPE[_dtype_bytes(args.kv_dtype or deploy['kv_dtype'], 'kv_dtype')])
+    state = getattr(torch, _TORCH_DTYPE[_dtype_bytes(args.state_dtype or 'bfloat16', 'state_dtype')])
+    mtp = deploy['mtp'] if args.mtp is None else args.mtp
+    s, k, s_all, k_all = glm5_next_sizes(GLM_5_3_FLASH_CONFIG, tp=tp, block_size=block_size, kv_dtype=kv,
+                                         state_dtype=state, mtp=mtp)
+    return StoreSizes(s, k, tp, s_all, k_all)
 
 
 def _policies(args: argparse.Namespace) -> list[Policy]:

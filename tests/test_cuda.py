@@ -41,7 +41,7 @@ def test_registry_picks_the_cuda_implementations():
         assert get_kernel('copy_state_slots', 'cuda') is copy_state_slots_triton
         assert get_kernel('paged_decode_attention', 'cuda') is paged_decode_attention_triton
     for op in ('rms_norm', 'gated_rms_norm', 'moe_experts', 'paged_attention', 'gated_delta_rule_varlen',
-               'causal_conv1d_varlen', 'swiglu_experts'):
+               'causal_conv1d_varlen', 'swiglu_experts', 'kda_varlen', 'kda_decode_step', 'chunk_kda'):
         get_kernel(op, 'cuda')     # every op the models use has an implementation on CUDA
 
 
@@ -97,6 +97,34 @@ def test_gated_delta_rule_varlen_cuda_equals_cpu():
     gpu_cache = cache.cuda()
     args = [t.cuda() for t in (q, k, v, g, beta)]
     out = get_kernel('gated_delta_rule_varlen', 'cuda')(*args, gpu_cache, cu.cuda(), slots.cuda(), has_history.cuda())
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=KERNEL_TOL, rtol=KERNEL_TOL,
+                               msg=lambda m: f'{m} (fla installed: {FLA}, TF32 inside its chunks)')
+    torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=KERNEL_TOL, rtol=KERNEL_TOL)
+
+
+def test_kda_varlen_cuda_equals_cpu():
+    """Kimi Delta Attention over a mixed batch (decode rows through ``kda_decode_step``, prefills
+    through ``chunk_kda``; fla's kernels when fla-core >= 0.6 is installed) against the CPU torch
+    implementation, outputs and states."""
+    from lmdeploy.pytorch.kernels import get_kernel
+    from lmdeploy.pytorch.kernels import kimi_delta_attention as kda
+    if kda._fla_kda_installed():
+        assert get_kernel('chunk_kda', 'cuda') is kda.chunk_kda_fla
+        assert get_kernel('kda_decode_step', 'cuda') is kda.kda_decode_step_fla
+    lengths, history = [1, 1, 45, 130, 1], [True, True, False, True, False]
+    H, dk, dv, S = 4, 32, 64, 8
+    cu, _, slots, has_history = _varlen_batch(lengths, history, S, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    T = sum(lengths)
+    q, k = (torch.randn(T, H, dk, generator=gen) for _ in range(2))
+    v = torch.randn(T, H, dv, generator=gen)
+    g = -torch.rand(T, H, dk, generator=gen) * 2.0
+    beta = torch.rand(T, H, generator=gen)
+    cache = torch.randn(S, H, dk, dv, generator=gen) * 0.1
+    cpu_cache, gpu_cache = cache.clone(), cache.cuda()
+    ref = kda.kda_varlen(q, k, v, g, beta, cpu_cache, cu, slots, has_history)
+    out = get_kernel('kda_varlen', 'cuda')(*[t.cuda() for t in (q, k, v, g, beta)], gpu_cache, cu.cuda(),
+                                           slots.cuda(), has_history.cuda())
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=KERNEL_TOL, rtol=KERNEL_TOL,
                                msg=lambda m: f'{m} (fla installed: {FLA}, TF32 inside its chunks)')
     torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=KERNEL_TOL, rtol=KERNEL_TOL)

@@ -297,3 +297,63 @@ def test_sizes_come_from_the_engine_models_specs():
     engine = CacheEngine(specs, 16, 1, 1)
     assert sim.sizes_from_config(sim.TINY_CONFIG, block_size=16) == sim.StoreSizes(engine.state_bytes,
                                                                                    engine.kv_block_bytes)
+
+
+def _first_line_sizes(out: str) -> tuple[int, int, int, int]:
+    import re
+    m = re.match(r'S = (\d+) bytes, K_blk = (\d+) bytes per rank \(tp=\d+; charged over ranks: S = (\d+), '
+                 r'K_blk = (\d+)\)', out)
+    assert m, out.splitlines()[0]
+    return tuple(int(x) for x in m.groups())
+
+
+def test_glm_5_3_flash_preset_prints_the_seed_deployment_sizes():
+    """S and K_blk of the seed deployment (TP8, FP8 KV, MTP on) worked out here from the
+    published config's numbers: 45 layers, every fourth (11) DSA, 34 KDA of 64 heads x 128 (8 per
+    rank) with three bf16 convs of kernel 4 and a float32 state; per token per DSA layer a
+    512-value latent and 2 x 128 indexer values, FP8, replicated; the MTP layer one more DSA row."""
+    kda_layers, dsa_layers, mtp_layers, tp = 34, 11, 1, 8
+    heads, d, kernel = 64 // tp, 128, 4
+    per_rank_state = kda_layers * (3 * heads * d * (kernel - 1) * 2 + heads * d * d * 4)
+    kv_block = (dsa_layers + mtp_layers) * 64 * (512 + 2 * 128) * 1
+    done = subprocess.run([sys.executable, str(SCRIPT), '--preset', 'glm-5.3-flash'], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _first_line_sizes(done.stdout) == (per_rank_state, kv_block, tp * per_rank_state, kv_block)
+    reductions = [line.split()[-1] for line in done.stdout.splitlines() if line.endswith('%')]
+    assert len(reductions) == 6 and reductions[0] == '0.00%'
+    expected = [sim.truncate_percent(r.reduction) for r in
+                (sim.simulate(s, tp * per_rank_state, kv_block, **SEED) for s in sim.seed_scenarios())]
+    assert reductions == expected
+    # without MTP and in bf16 the KV block changes as the config says; tp=1 holds every head
+    done = subprocess.run([sys.executable, str(SCRIPT), '--preset', 'glm-5.3-flash', '--no-mtp', '--kv-dtype',
+                           'bfloat16', '--tp', '1'], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    whole = tp * per_rank_state
+    assert _first_line_sizes(done.stdout) == (whole, dsa_layers * 64 * 768 * 2, whole, dsa_layers * 64 * 768 * 2)
+
+
+def test_glm_5_3_flash_sizes_refuse_bad_config():
+    from benchmark.glm5_next_sizes import GLM_5_3_FLASH_CONFIG, glm5_next_specs
+    with pytest.raises(ValueError, match='linear_num_heads'):
+        glm5_next_specs(GLM_5_3_FLASH_CONFIG, tp=3)
+    with pytest.raises(ValueError, match='indexer_types'):
+        glm5_next_specs(dict(GLM_5_3_FLASH_CONFIG, indexer_types=['full']))
+    shared = ['full' if i % 8 == 3 else 'shared' for i in range(45)]     # a 'shared' layer keeps no indexer keys
+    specs = glm5_next_specs(dict(GLM_5_3_FLASH_CONFIG, indexer_types=shared))
+    assert sum(len(s.tensors()) for s in specs if s.paged) == 11 + 6
+
+
+def test_glm_5_3_flash_preset_matches_the_engine_model_when_there_is_one():
+    """Once a glm5_next model file exists, its own cache specs must give the preset's sizes."""
+    from lmdeploy.pytorch.models import get_model_class
+    try:
+        get_model_class('glm5_next')
+    except (KeyError, ValueError):
+        pytest.skip('no glm5_next model in the engine on this branch')
+    from benchmark.glm5_next_sizes import GLM_5_3_FLASH_CONFIG, glm5_next_sizes
+    fields = {k: v for k, v in GLM_5_3_FLASH_CONFIG.items() if k != 'num_nextn_predict_layers'}
+    engine = sim.sizes_from_config(fields, tp=8, kv_dtype='float8_e4m3fn')
+    s, k, s_all, k_all = glm5_next_sizes(GLM_5_3_FLASH_CONFIG, tp=8, block_size=64, kv_dtype=torch.float8_e4m3fn,
+                                         state_dtype=torch.bfloat16, mtp=False)
+    assert (engine.state_bytes, engine.kv_block_bytes, *engine.charged) == (s, k, s_all, k_all)

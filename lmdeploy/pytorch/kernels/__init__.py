@@ -8,7 +8,8 @@ CPU implementation falls back to torch by itself where its native kernel does no
 
 Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attention_triton),
 ``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
-(gated_delta_rule), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
+(gated_delta_rule), ``kda_varlen``, ``chunk_kda``, ``recurrent_kda``, ``kda_decode_step``
+(kimi_delta_attention; the native CPU step in kda_native), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
 ``copy_state_slots`` (state_copy), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
 ``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
 row count (MKL or the native few-row product) and is called directly.

@@ -15,8 +15,13 @@ per key channel, where Gated DeltaNet has one per head)::
 - :func:`chunk_kda` is the chunkwise WY form: within a chunk with cumulative log decays
   ``G_i = sum_{j<=i} g_j`` (a vector per token), the written rows ``U`` solve one unit
   lower-triangular system whose coefficients use ``exp(G_i - G_j)`` channel by channel;
+- ``kda_decode_step`` (:func:`kda_decode_step_torch`; on CPU :func:`kda_decode_step_cpu`, the
+  native kernel of :mod:`.kda_native`) is one token of every decode sequence, batched;
 - :func:`kda_varlen` runs a step's flat batch against the state slots (decode sequences in
-  one batched step, longer ones through the chunked form).
+  one batched step through ``kda_decode_step``, longer ones through the chunked form).
+
+On CUDA, with ``fla-core`` >= 0.6 installed, ``chunk_kda``, ``recurrent_kda`` and
+``kda_decode_step`` are fla's Triton kernels (``fla.ops.kda``, imported only when chosen).
 
 Invariants as in :mod:`.gated_delta_rule`: states are float32; the single-sequence forms never
 modify their initial state; :func:`kda_varlen` rewrites exactly the slots it is given, and a
@@ -24,12 +29,15 @@ sequence without history starts from a zero state whatever its slot holds.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from . import get_kernel, register_kernel
+from . import get_kernel, once, register_kernel, slot_range
 from .gated_delta_rule import l2norm
+from .kda_native import kda_native_available, kda_step_native
 
-__all__ = ['recurrent_kda', 'chunk_kda', 'kda_varlen']
+__all__ = ['recurrent_kda', 'chunk_kda', 'kda_decode_step_torch', 'kda_decode_step_cpu', 'kda_varlen']
 
 _DECAY_FLOOR = -60.0   # exp below this flushed to 0 (see gated_delta_rule: avoids float32 subnormals)
 _CHUNK = 32            # tokens per chunk: the intra-chunk decay is [C, C, dk] per head
@@ -159,23 +167,57 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return o.transpose(0, 1).to(out_dtype), state
 
 
-def _decode_step(q, k, v, g, beta, state, use_qk_l2norm, scale):
-    """One token for each of ``N`` sequences: ``q, k, g [N, H, dk]``, ``v [N, H, dv]``,
-    ``beta [N, H]``, float32 ``state [N, H, dk, dv]`` updated in place → ``o [N, H, dv]`` float32."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+def _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale):
+    """float32 ``kq [N, H, 2, dk]`` (key, then scaled query; normalised), ``v``, ``g``, ``beta``."""
+    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
+    kq = torch.stack((k, q), dim=2)
+    if kq.dtype != torch.float32:
+        kq = kq.float()
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+        kq = l2norm(kq)
+    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
+    return kq, v, g, beta
+
+
+@register_kernel('kda_decode_step', device_type='any')
+def kda_decode_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor, use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+    """One KDA token for each of ``N`` sequences (the recurrence of the module docstring).
+
+    Args:
+        q, k, g: ``[N, H, dk]`` (``g`` the log decay per key channel); v: ``[N, H, dv]``;
+            beta: ``[N, H]``; any float dtype.
+        state: float32 ``[N, H, dk, dv]`` (may be a view), updated IN PLACE.
+        use_qk_l2norm, scale: as in :func:`recurrent_kda`.
+
+    Returns:
+        float32 ``o [N, H, dv]``.
+    """
+    kq, v, g, beta = _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    k, q = kq.unbind(2)
     state.mul_(g.exp()[..., None])
     delta = beta[..., None] * (v - torch.einsum('nhk,nhkv->nhv', k, state))
     state.add_(k[..., None] * delta[..., None, :])
     return torch.einsum('nhk,nhkv->nhv', q, state)
 
 
+@register_kernel('kda_decode_step', device_type='cpu', priority=10, available=kda_native_available)
+def kda_decode_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+    """:func:`kda_decode_step_torch` by the native kernel (:func:`~.kda_native.kda_step_native`,
+    one call, the state read twice and written once) where it applies (float32 state with unit
+    stride along ``dv``, outside autograd), else the torch form. Equal to float32 rounding."""
+    kq, v32, g32, beta32 = _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    o = kda_step_native(kq, v32, g32.exp(), beta32, state)
+    if o is not None:
+        return o
+    return kda_decode_step_torch(q, k, v, g, beta, state, use_qk_l2norm, scale)
+
+
 @register_kernel('kda_varlen', device_type='any')
 def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, has_history: torch.Tensor,
-               use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+               use_qk_l2norm: bool = True, scale: float | None = None, slot_span=...) -> torch.Tensor:
     """KDA over a flat batch of sequences, each continuing its state slot.
 
     Args:
@@ -183,10 +225,26 @@ def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         state_cache: ``[num_slots, H, dk, dv]`` float32 (may be a strided view); rows ``slots``
             are read, then overwritten with the state after each sequence's last row.
         cu_seqlens: int64 ``[N + 1]`` row offsets; slots: int64 ``[N]``; has_history: bool ``[N]``.
+        slot_span: :func:`~lmdeploy.pytorch.kernels.slot_range` of ``slots`` when the caller has
+            it (``StepContext.slot_span``); ``...`` computes it.
+
+    A pure decode step (one row per sequence) whose slots are one contiguous range with history
+    updates that slice of a float32 cache in place (no gathered copy of the states).
 
     Returns:
         ``o [T, H, dv]`` in ``q.dtype``.
     """
+    N, T = slots.shape[0], q.shape[0]
+    if T == N and state_cache.dtype == torch.float32:
+        span = slot_range(slots, has_history) if slot_span is ... else slot_span
+        if span is not None:
+            lo, order = span
+            step = get_kernel('kda_decode_step', q.device)
+            state = state_cache[lo:lo + N]
+            if order is None:
+                return step(q, k, v, g, beta, state, use_qk_l2norm, scale).to(q.dtype)
+            o = step(q[order], k[order], v[order], g[order], beta[order], state, use_qk_l2norm, scale)
+            return o.new_empty(o.shape).index_copy_(0, order, o).to(q.dtype)
     bounds = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     out = q.new_empty(q.shape[0], v.shape[1], v.shape[2])
@@ -196,8 +254,8 @@ def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         rows = cu_seqlens[idx]
         state = state_cache.index_select(0, slots[idx]).to(torch.float32)
         state.masked_fill_(~has_history[idx][:, None, None, None], 0)
-        out[rows] = _decode_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state, use_qk_l2norm,
-                                 scale).to(out.dtype)
+        step = get_kernel('kda_decode_step', q.device)
+        out[rows] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], state, use_qk_l2norm, scale).to(out.dtype)
         state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
     chunk_fn = get_kernel('chunk_kda', q.device)
     history = has_history.tolist()
@@ -210,3 +268,51 @@ def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         state_cache[slots[i]] = state.to(state_cache.dtype)
         out[sl] = o
     return out
+
+
+@once
+def _fla_kda_installed() -> bool:
+    """Whether ``fla-core`` with its KDA ops (``fla.ops.kda``, fla-core >= 0.6) is importable
+    (checked at the first CUDA selection only: importing fla imports triton)."""
+    if importlib.util.find_spec('fla') is None:
+        return False
+    try:
+        return importlib.util.find_spec('fla.ops.kda') is not None
+    except ImportError:        # fla present but its ops package does not import (no triton)
+        return False
+
+
+@register_kernel('chunk_kda', device_type='cuda', priority=10, available=_fla_kda_installed)
+def chunk_kda_fla(q, k, v, g, beta, initial_state=None, chunk_size: int = _CHUNK, use_qk_l2norm: bool = True,
+                  scale: float | None = None):
+    """``fla-core``'s Triton KDA chunk kernel with the contract of :func:`chunk_kda` (``g`` the
+    precomputed per-channel log decay; its gate fusion is not used). ``chunk_size`` is ignored:
+    fla fixes its own. fla multiplies in TF32 inside its chunks."""
+    from fla.ops.kda import chunk_kda as fla_chunk
+    o, state = fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
+                         initial_state=None if initial_state is None else initial_state[None].float(),
+                         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o[0], state[0].float()
+
+
+@register_kernel('recurrent_kda', device_type='cuda', priority=10, available=_fla_kda_installed)
+def recurrent_kda_fla(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = True,
+                      scale: float | None = None):
+    """``fla-core``'s fused recurrent KDA kernel with the contract of :func:`recurrent_kda`."""
+    from fla.ops.kda import fused_recurrent_kda as fla_recurrent
+    o, state = fla_recurrent(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
+                             initial_state=None if initial_state is None else initial_state[None].float(),
+                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o[0], state[0].float()
+
+
+@register_kernel('kda_decode_step', device_type='cuda', priority=10, available=_fla_kda_installed)
+def kda_decode_step_fla(q, k, v, g, beta, state, use_qk_l2norm: bool = True, scale: float | None = None):
+    """:func:`kda_decode_step_torch` by ``fla-core``'s fused recurrent kernel: the ``N``
+    sequences as a batch of one-token sequences, the state written back in place."""
+    from fla.ops.kda import fused_recurrent_kda as fla_recurrent
+    o, final = fla_recurrent(q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].to(q.dtype),
+                             scale=scale, initial_state=state.float(), output_final_state=True,
+                             use_qk_l2norm_in_kernel=use_qk_l2norm)
+    state.copy_(final)
+    return o[:, 0].float()
