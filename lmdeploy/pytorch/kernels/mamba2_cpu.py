@@ -1,0 +1,64 @@
+"""The CPU implementation of the Mamba-2 decode step ``ssd_step``: one native pass over the state
+(:func:`ssd_step_native`, C source ``lm_ssd_step`` in ``csrc/cpu_native.c``, built and loaded with
+the other native kernels by :mod:`.cpu_native`), else the torch step.
+
+A decode step reads and writes each sequence's whole SSM state ``[H, P, Dn]`` once; the torch
+form issues about ten ops (exp, broadcasts, an outer product, a multiply-add, a batched
+matrix-vector product, the skip) that each stream it or a same-sized temporary, so the native
+pass — update each state row and dot it with ``C`` while it is in registers — moves about a
+third of the bytes and makes one call.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import register_kernel
+from .cpu_native import CALLS, _plain, native_available, native_library
+
+__all__ = ['ssd_step_native', 'ssd_step_cpu']
+
+
+def ssd_step_native(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    D: torch.Tensor | None, state: torch.Tensor) -> torch.Tensor | None:
+    """One decode token of the Mamba-2 recurrence for ``N`` sequences, the state updated in
+    place, or ``None`` when the native kernel does not apply (the caller runs torch).
+
+    ``a = exp(dt A)``; ``S <- a S + dt x B^T``; ``y = S C + D x`` per head, heads split into
+    ``G`` equal groups that share ``B`` and ``C`` (Dao & Gu, "Transformers are SSMs:
+    Generalized Models and Efficient Algorithms Through Structured State Space Duality",
+    ICML 2024, the SSD recurrence).
+
+    Args:
+        x: float32 ``[N, H, P]``.
+        dt: float32 ``[N, H]``, the step sizes (already ``softplus(dt + dt_bias)``, clamped).
+        A: float32 ``[H]`` (negative).
+        B, C: float32 ``[N, G, Dn]`` with ``H % G == 0``.
+        D: float32 ``[H]`` skip weights, or ``None`` (no skip).
+        state: float32 ``[N, H, P, Dn]`` with unit stride along ``Dn`` (a view of the cache's
+            rows is fine); updated in place.
+
+    Returns:
+        float32 ``y [N, H, P]``, or ``None`` (dtype, device, shapes, strides, autograd, or no
+        library).
+    """
+    if state.dim() != 4:
+        return None
+    N, H, P, Dn = state.shape
+    G = B.shape[1] if B.dim() == 3 else 0
+    tensors = (x, dt, A, B, C, state) + (() if D is None else (D,))
+    if not (all(_plain(t) for t in tensors) and state.stride(-1) == 1 and G and H % G == 0
+            and x.shape == (N, H, P) and dt.shape == (N, H) and A.shape == (H,) and B.shape == C.shape == (N, G, Dn)
+            and (D is None or D.shape == (H,))):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    D = None if D is None else D.contiguous()
+    y = torch.empty(N, H, P, dtype=torch.float32)
+    if N and H and P:
+        CALLS['ssd_step'] += 1
+        lib.lm_ssd_step(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
+                        None if D is None else D.data_ptr(), state.data_ptr(), N, H, P, G, Dn, state.stride(0),
+                        state.stride(1), state.stride(2), y.data_ptr(), torch.get_num_threads())
+    return y
