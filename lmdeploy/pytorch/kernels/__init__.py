@@ -9,7 +9,8 @@ CPU implementation falls back to torch by itself where its native kernel does no
 Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attention_triton),
 ``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
 (gated_delta_rule), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
-``copy_state_slots`` (state_copy), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
+``copy_state_slots`` (state_copy), ``ssd_chunk_scan``, ``ssd_step``, ``mamba2_ssd_varlen``,
+``grouped_gated_rms_norm`` (mamba2), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
 ``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
 row count (MKL or the native few-row product) and is called directly.
 
@@ -129,8 +130,8 @@ def triton_available() -> bool:
     return True
 
 
-_BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'causal_conv1d', 'state_copy', 'moe', 'norm',
-            'attention_triton', 'fp8')
+_BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'mamba2', 'causal_conv1d', 'state_copy', 'moe',
+            'norm', 'attention_triton', 'fp8')
 _IMPORTED = False
 _IMPORTING: int | None = None     # the thread importing them now
 
