@@ -120,6 +120,34 @@ def test_causal_conv1d_varlen_cuda_equals_cpu():
     torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=1e-5, rtol=1e-5)
 
 
+def test_mamba2_ssd_varlen_cuda_equals_cpu():
+    """Decode rows (the Triton ``ssd_step``) and prefills of one, several and a partial SSD chunk
+    with and without history (the Triton ``ssd_chunk_scan``) against the CPU torch path."""
+    from lmdeploy.pytorch.kernels import get_kernel, triton_available
+    from lmdeploy.pytorch.kernels.mamba2 import mamba2_ssd_varlen
+    from lmdeploy.pytorch.kernels.mamba2_triton import ssd_chunk_scan_triton, ssd_step_triton
+    if triton_available():
+        assert get_kernel('ssd_step', 'cuda') is ssd_step_triton
+        assert get_kernel('ssd_chunk_scan', 'cuda') is ssd_chunk_scan_triton
+    lengths, history = [1, 1, 37, 150, 1], [True, False, False, True, True]
+    H, P, G, Dn, S = 8, 64, 2, 128, 8
+    cu, _, slots, has_history = _varlen_batch(lengths, history, S, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    T = sum(lengths)
+    x = torch.randn(T, H, P, generator=gen)
+    dt = torch.rand(T, H, generator=gen) * 0.2 + 0.01
+    A = -torch.rand(H, generator=gen) * 4
+    B, C = (torch.randn(T, G, Dn, generator=gen) for _ in range(2))
+    D = torch.randn(H, generator=gen)
+    cache = torch.randn(S, H, P, Dn, generator=gen) * 0.1
+    cpu_cache, gpu_cache = cache.clone(), cache.cuda()
+    ref = mamba2_ssd_varlen(x, dt, A, B, C, D, cpu_cache, cu, slots, has_history, 64)
+    out = get_kernel('mamba2_ssd_varlen', 'cuda')(*(t.cuda() for t in (x, dt, A, B, C, D)), gpu_cache, cu.cuda(),
+                                                  slots.cuda(), has_history.cuda(), 64)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=1e-5, rtol=1e-5)
+
+
 def test_moe_experts_cuda_equals_cpu():
     from lmdeploy.pytorch.kernels import get_kernel
     from lmdeploy.pytorch.kernels.moe import moe_experts_sorted

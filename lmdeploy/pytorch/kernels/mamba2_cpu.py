@@ -2,11 +2,16 @@
 (:func:`ssd_step_native`, C source ``lm_ssd_step`` in ``csrc/cpu_native.c``, built and loaded with
 the other native kernels by :mod:`.cpu_native`), else the torch step.
 
-A decode step reads and writes each sequence's whole SSM state ``[H, P, Dn]`` once; the torch
+A decode step reads and writes each sequence's whole SSM state ``[H, P, Dn]`` once. The torch
 form issues about ten ops (exp, broadcasts, an outer product, a multiply-add, a batched
-matrix-vector product, the skip) that each stream it or a same-sized temporary, so the native
-pass — update each state row and dot it with ``C`` while it is in registers — moves about a
-third of the bytes and makes one call.
+matrix-vector product, the skip), each streaming the state or a temporary of its size; the
+native pass updates each state row and dots it with ``C`` while the row is in registers, in one
+call. Measured on the 2-core machine (Granite-4.0-H-Small's layer: 128 heads x 64 x 128 state,
+float32, one thread, best of 5, the machine shared with other jobs, load ~3):
+
+    sequences      1          16
+    torch        1.6 ms     141 ms
+    native       0.10 ms    8.1 ms
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 
 from . import register_kernel
 from .cpu_native import CALLS, _plain, native_available, native_library
+from .mamba2 import ssd_step as ssd_step_torch
 
 __all__ = ['ssd_step_native', 'ssd_step_cpu']
 
@@ -62,3 +68,12 @@ def ssd_step_native(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
                         None if D is None else D.data_ptr(), state.data_ptr(), N, H, P, G, Dn, state.stride(0),
                         state.stride(1), state.stride(2), y.data_ptr(), torch.get_num_threads())
     return y
+
+
+@register_kernel('ssd_step', device_type='cpu', priority=5, available=native_available)
+def ssd_step_cpu(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                 D: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """:func:`~.mamba2.ssd_step` on CPU (same contract: float32 ``y [N, H, P]``, the state
+    updated in place): one native pass for float32 inputs, else the torch step."""
+    y = ssd_step_native(x, dt, A, B, C, D, state)
+    return ssd_step_torch(x, dt, A, B, C, D, state) if y is None else y
