@@ -35,7 +35,7 @@ import re
 
 import torch
 
-ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear')
+ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'granitemoehybrid')
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
@@ -219,6 +219,16 @@ def _write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
 
 
 def _arch_defaults(arch: str) -> dict:
+    if arch == 'granitemoehybrid':   # Mamba-2, attention, Mamba-2, Mamba-2; MoE + shared MLP; NoPE
+        # µP multipliers off 1 (and a softmax scale off head_dim ** -0.5) so each is exercised; an SSD
+        # chunk of 24 so 32-token prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
+        return dict(hidden_size=64, num_hidden_layers=4, layer_types=['mamba', 'attention', 'mamba', 'mamba'],
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=64,
+                    num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                    mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=3.0,
+                    position_embedding_type=None, max_position_embeddings=32768, tie_word_embeddings=False,
+                    rms_norm_eps=1e-6)
     if arch == 'kimi_linear':   # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
         lin, full = 'linear_attention', 'full_attention'
         return dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
@@ -257,6 +267,16 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
 
     if arch not in ARCHS:
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
+    if arch == 'granitemoehybrid':
+        from transformers import GraniteMoeHybridConfig
+        fields = dict(_arch_defaults(arch))
+        known = set(GraniteMoeHybridConfig().to_dict()) | set(fields)
+        for key in overrides:
+            if key not in known:
+                raise ValueError(f'{key}: not a GraniteMoeHybridConfig field')
+        fields.update(overrides)
+        return GraniteMoeHybridConfig(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                      bos_token_id=None, **fields)
     if arch == 'kimi_linear':
         fields = dict(_arch_defaults(arch))
         known = set(KimiLinearConfig().to_dict()) | set(fields)
@@ -362,6 +382,8 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
             out[name] = tensor
     if getattr(model.config, 'model_type', None) == 'kimi_linear':
         out = _kimi_published_names(out)
+    if getattr(model.config, 'model_type', None) == 'granitemoehybrid':
+        out = _granite_published_names(out)
     if getattr(model.config, 'tie_word_embeddings', False):
         out.pop('lm_head.weight', None)  # tied: the embedding is stored once, as published checkpoints do
     return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
@@ -387,6 +409,18 @@ def _kimi_published_names(tensors: dict) -> dict:
                     rest = rest[:-len(hf)] + pub
             name = f'{m.group(1)}.block_sparse_moe.{rest}'
         out[name] = t
+    return out
+
+
+def _granite_published_names(tensors: dict) -> dict:
+    """transformers' Granite-4.0-H names → the published checkpoint's: stacked experts as
+    `block_sparse_moe.input_linear.weight` [E, 2I, H] / `output_linear.weight` [E, H, I], the router
+    as `block_sparse_moe.router.layer.weight`."""
+    out = {}
+    for name, t in tensors.items():
+        name = re.sub(r'\.block_sparse_moe\.experts\.gate_up_proj$', '.block_sparse_moe.input_linear.weight', name)
+        name = re.sub(r'\.block_sparse_moe\.experts\.down_proj$', '.block_sparse_moe.output_linear.weight', name)
+        out[re.sub(r'\.block_sparse_moe\.router\.weight$', '.block_sparse_moe.router.layer.weight', name)] = t
     return out
 
 
@@ -454,7 +488,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'qwen3_5': 'Qwen3_5ForConditionalGeneration',
                                        'qwen3_5_moe': 'Qwen3_5MoeForConditionalGeneration',
                                        'qwen3_5_moe_text': 'Qwen3_5MoeForCausalLM',
-                                       'kimi_linear': 'KimiLinearForCausalLM'}[arch])
+                                       'kimi_linear': 'KimiLinearForCausalLM',
+                                       'granitemoehybrid': 'GraniteMoeHybridForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -477,6 +512,11 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
     config_dict['architectures'] = [model_cls.__name__]
+    if arch == 'granitemoehybrid':   # the published spelling; transformers renames them on load
+        config_dict['layer_types'] = [{'linear_attention': 'mamba', 'full_attention': 'attention'}.get(t, t)
+                                      for t in config_dict['layer_types']]
+        if tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
+            del config_dict['time_step_limit']      # the default; JSON has no infinity
     if with_mtp:
         # the key the published configs use: Qwen3-Next's top level, Qwen3.5's text config
         key = 'num_nextn_predict_layers' if arch == 'qwen3_next' else 'mtp_num_hidden_layers'
