@@ -48,7 +48,7 @@ Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
-(``--preset tiny|qwen3-next-80b|kimi-linear-48b [--tp N]``, ``--config config.json``, ``--scale 1/16
+(``--preset tiny|qwen3-next-80b|kimi-linear-48b|granite-4.0-h-small [--tp N]``, ``--config config.json``, ``--scale 1/16
 --block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
 ``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
@@ -94,6 +94,20 @@ KIMI_LINEAR_48B_CONFIG = dict(model_type='kimi_linear', num_hidden_layers=27, hi
                                   kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
                                   num_heads=32, head_dim=128, short_conv_kernel_size=4),
                               dtype='bfloat16')
+
+# ibm-granite/granite-4.0-h-small's cache-shaping fields: hidden 4096, 40 layers, 32 query / 8 KV
+# heads, mamba_d_state 128, mamba_d_conv 4, mamba_expand 2, bf16 as quoted from its published
+# config.json (huggingface.co/ibm-granite/granite-4.0-h-small/blob/main/config.json) in public
+# notes; the 4 attention layers at 5, 15, 25, 35 (the family's 40-layer layout, as in
+# granite-4.0-h-tiny's config), 128 Mamba heads of 64 and one B/C group are the family's values,
+# not seen in that file here. S: 36 x (conv (8192 + 2 x 128) x 3 bf16 + SSM 128 x 64 x 128 float32).
+GRANITE_4_0_H_SMALL_CONFIG = dict(model_type='granitemoehybrid', num_hidden_layers=40, hidden_size=4096,
+                                  num_attention_heads=32, num_key_value_heads=8,
+                                  layer_types=['attention' if i in (5, 15, 25, 35) else 'mamba' for i in range(40)],
+                                  mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+                                  mamba_d_conv=4, mamba_expand=2, num_local_experts=72, num_experts_per_tok=10,
+                                  intermediate_size=768, shared_intermediate_size=1536, vocab_size=100352,
+                                  dtype='bfloat16')
 
 
 @dataclass(frozen=True)
@@ -561,7 +575,8 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'branching'],
+    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'granite-4.0-h-small',
+                                        'branching'],
                    help='sizes (branching: the seed sizes, the branching scenario and the junction policy)')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
     p.add_argument('--state-bytes', type=int)
@@ -625,6 +640,8 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         config = QWEN3_NEXT_80B_CONFIG
     elif args.preset == 'kimi-linear-48b':
         config = KIMI_LINEAR_48B_CONFIG
+    elif args.preset == 'granite-4.0-h-small':
+        config = GRANITE_4_0_H_SMALL_CONFIG
     else:
         config = json.loads(args.config.read_text())
     return sizes_from_config(config, tp=args.tp, block_size=block_size, kv_dtype=args.kv_dtype,

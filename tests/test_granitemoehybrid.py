@@ -17,7 +17,7 @@ import torch
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, hf_greedy,
                           hf_prompt_logits, load_hf, make_engine, random_prompt, run_staggered)
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
+from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
@@ -85,7 +85,7 @@ def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
 
 def test_transformers_named_checkpoint_with_rope_no_experts_and_bias_matches(tiny, tmp_path):
     """Granite's other switches (RoPE, the dense form with ``num_local_experts=0``, attention
-    bias, projection biases, one B/C group, a dt floor) saved under transformers' in-memory
+    bias, projection biases, one B/C group, a width-3 conv, tied embeddings) saved under transformers' in-memory
     names."""
     from safetensors.torch import save_file
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
@@ -99,8 +99,8 @@ def test_transformers_named_checkpoint_with_rope_no_experts_and_bias_matches(tin
         shared_intermediate_size=40, intermediate_size=16, position_embedding_type='rope',
         rope_parameters=dict(rope_type='default', rope_theta=5000.0), attention_bias=True, mamba_proj_bias=True,
         mamba_conv_bias=True, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=3,
-        mamba_chunk_size=16, time_step_limit=(0.01, 10.0), embedding_multiplier=6.0, residual_multiplier=0.5,
-        attention_multiplier=0.2, logits_scaling=2.5, eos_token_id=base['eos_token_id'],
+        mamba_chunk_size=16, embedding_multiplier=6.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=2.5, tie_word_embeddings=True, eos_token_id=base['eos_token_id'],
         pad_token_id=base['pad_token_id'], bos_token_id=None)
     torch_state = torch.random.get_rng_state()
     hf = GraniteMoeHybridForCausalLM(config).float().eval()
@@ -108,7 +108,7 @@ def test_transformers_named_checkpoint_with_rope_no_experts_and_bias_matches(tin
     _randomize(hf, 3)
     path = tmp_path / 'hf_names'
     shutil.copytree(src, path)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}   # tied, as published
     save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
     cfg = config.to_diff_dict()
     cfg['architectures'] = ['GraniteMoeHybridForCausalLM']
@@ -125,7 +125,7 @@ def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny[0])
     specs = get_model_class('granitemoehybrid').cache_specs(config, torch.float32)
-    kinds = ['attention' if isinstance(s, PagedSpec) else 'mamba' for s in specs]
+    kinds = ['attention' if s.paged else 'mamba' for s in specs]
     assert kinds == json.load(open(os.path.join(tiny[0], 'config.json')))['layer_types']
     mamba = next(s for s in specs if isinstance(s, StateSpec))
     H, P, N, G, K = (config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state, config.mamba_n_groups,
@@ -134,7 +134,7 @@ def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
     assert state_bytes_per_slot(specs) == kinds.count('mamba') * 4 * (conv_dim * (K - 1) + H * P * N)
     head_dim = config.hidden_size // config.num_attention_heads
     assert kv_bytes_per_block(specs, 16) == kinds.count('attention') * 2 * 16 * config.num_key_value_heads * head_dim * 4
-    assert {t.name for t in mamba.tensors()} >= {'conv'}
+    assert [t.name for t in mamba.tensors()] == ['conv', 'ssm'] and mamba.tensors()[1].dtype == torch.float32
 
 
 @pytest.mark.parametrize('change, field', [
@@ -144,6 +144,7 @@ def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
     (dict(num_experts_per_tok=9), 'num_experts_per_tok'),
     (dict(mamba_n_groups=3), 'mamba_n_groups'),
     (dict(mamba_d_head=7), 'mamba_d_head'),
+    (dict(time_step_limit=(0.01, 10.0)), 'time_step_limit'),
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
@@ -154,7 +155,8 @@ def test_refused_fields_name_themselves(tiny, change, field):
         check_config(config)
     checked = {f for f, how in FIELDS['granitemoehybrid'].items() if how == CHECKED}
     assert checked <= {'hidden_act', 'layer_types', 'layers_block_type', 'position_embedding_type', 'rope_parameters',
-                       'num_experts_per_tok', 'mamba_n_groups', 'mamba_d_head', 'quantization_config'}
+                       'num_experts_per_tok', 'mamba_n_groups', 'mamba_d_head', 'time_step_limit',
+                       'quantization_config'}
 
 
 def test_audit_lists_every_field_transformers_reads_for_granitemoehybrid():
