@@ -8,6 +8,7 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 # model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
 MODEL_REGISTRY = {
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
+    'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
     'qwen3_5': 'qwen3_5:Qwen3_5ForConditionalGeneration',
