@@ -48,7 +48,7 @@ Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
-(``--preset tiny|qwen3-next-80b|kimi-linear-48b|granite-4.0-h-small [--tp N]``, ``--config config.json``, ``--scale 1/16
+(``--preset tiny|qwen3-next-80b|kimi-linear-48b|nemotron-3-nano-30b|granite-4.0-h-small [--tp N]``, ``--config config.json``, ``--scale 1/16
 --block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
 ``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
@@ -94,6 +94,19 @@ KIMI_LINEAR_48B_CONFIG = dict(model_type='kimi_linear', num_hidden_layers=27, hi
                                   kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
                                   num_heads=32, head_dim=128, short_conv_kernel_size=4),
                               dtype='bfloat16')
+
+# NVIDIA-Nemotron-3-Nano-30B-A3B (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json, as reproduced
+# in public test fixtures of several repositories): 52 blocks 'MEMEM*EMEMEM*...' = 23 Mamba-2 (64 heads
+# of 64, 8 groups, state 128, conv 4), 23 MoE (128 experts, top 6), 6 GQA attention (32 heads, 2 KV
+# heads of 128, no RoPE); only the Mamba-2 and attention blocks cache anything
+NEMOTRON_3_NANO_30B_CONFIG = dict(model_type='nemotron_h', hidden_size=2688, vocab_size=131072,
+                                  hybrid_override_pattern='MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME',
+                                  num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                                  mamba_num_heads=64, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+                                  conv_kernel=4, chunk_size=128, n_routed_experts=128, num_experts_per_tok=6,
+                                  moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+                                  intermediate_size=1856, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                                  dtype='bfloat16')
 
 # ibm-granite/granite-4.0-h-small's cache-shaping fields: hidden 4096, 40 layers, 32 query / 8 KV
 # heads, mamba_d_state 128, mamba_d_conv 4, mamba_expand 2, bf16 as quoted from its published
@@ -575,8 +588,8 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'granite-4.0-h-small',
-                                        'branching'],
+    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'nemotron-3-nano-30b',
+                                        'granite-4.0-h-small', 'branching'],
                    help='sizes (branching: the seed sizes, the branching scenario and the junction policy)')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
     p.add_argument('--state-bytes', type=int)
@@ -640,6 +653,8 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         config = QWEN3_NEXT_80B_CONFIG
     elif args.preset == 'kimi-linear-48b':
         config = KIMI_LINEAR_48B_CONFIG
+    elif args.preset == 'nemotron-3-nano-30b':
+        config = NEMOTRON_3_NANO_30B_CONFIG
     elif args.preset == 'granite-4.0-h-small':
         config = GRANITE_4_0_H_SMALL_CONFIG
     else:

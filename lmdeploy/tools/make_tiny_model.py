@@ -35,7 +35,8 @@ import re
 
 import torch
 
-ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'granitemoehybrid')
+ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'nemotron_h',
+         'granitemoehybrid')
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
@@ -219,6 +220,19 @@ def _write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
 
 
 def _arch_defaults(arch: str) -> dict:
+    if arch == 'nemotron_h':    # Mamba-2, MoE, attention, Mamba-2, MLP (pattern 'ME*M-'); SSD chunks of 48
+        return dict(hidden_size=64, layers_block_type=['linear_attention', 'moe', 'full_attention',
+                                                       'linear_attention', 'mlp'],
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                    mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                    chunk_size=48, use_conv_bias=True, mamba_hidden_act='silu', mlp_hidden_act='relu2',
+                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    moe_shared_expert_intermediate_size=64, n_group=2, topk_group=1, norm_topk_prob=True,
+                    routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, max_position_embeddings=32768,
+                    tie_word_embeddings=False,
+                    # transformers clamps dt at time_step_min when prefilling but not when decoding;
+                    # a floor no random dt reaches keeps its generate() consistent with its forward
+                    time_step_min=1e-5)
     if arch == 'granitemoehybrid':   # Mamba-2, attention, Mamba-2, Mamba-2; MoE + shared MLP; NoPE
         # µP multipliers off 1 (and a softmax scale off head_dim ** -0.5) so each is exercised; an SSD
         # chunk of 24 so 32-token prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
@@ -267,25 +281,18 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
 
     if arch not in ARCHS:
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
-    if arch == 'granitemoehybrid':
-        from transformers import GraniteMoeHybridConfig
+    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid'):
+        from transformers import GraniteMoeHybridConfig, NemotronHConfig
+        named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
+                 'granitemoehybrid': GraniteMoeHybridConfig}[arch]
         fields = dict(_arch_defaults(arch))
-        known = set(GraniteMoeHybridConfig().to_dict()) | set(fields)
+        known = set(named().to_dict()) | set(fields)
         for key in overrides:
             if key not in known:
-                raise ValueError(f'{key}: not a GraniteMoeHybridConfig field')
+                raise ValueError(f'{key}: not a {named.__name__} field')
         fields.update(overrides)
-        return GraniteMoeHybridConfig(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                      bos_token_id=None, **fields)
-    if arch == 'kimi_linear':
-        fields = dict(_arch_defaults(arch))
-        known = set(KimiLinearConfig().to_dict()) | set(fields)
-        for key in overrides:
-            if key not in known:
-                raise ValueError(f'{key}: not a KimiLinearConfig field')
-        fields.update(overrides)
-        return KimiLinearConfig(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                bos_token_id=None, **fields)
+        return named(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                     bos_token_id=None, **fields)
     cls = {'qwen3': Qwen3Config, 'qwen3_next': Qwen3NextConfig, 'qwen3_5': Qwen3_5TextConfig,
            'qwen3_5_moe': Qwen3_5MoeTextConfig, 'qwen3_5_moe_text': Qwen3_5MoeTextConfig}[arch]
     fields = dict(_arch_defaults(arch))
@@ -382,6 +389,8 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
             out[name] = tensor
     if getattr(model.config, 'model_type', None) == 'kimi_linear':
         out = _kimi_published_names(out)
+    if getattr(model.config, 'model_type', None) == 'nemotron_h':
+        out = _nemotron_published_names(out)
     if getattr(model.config, 'model_type', None) == 'granitemoehybrid':
         out = _granite_published_names(out)
     if getattr(model.config, 'tie_word_embeddings', False):
@@ -408,6 +417,22 @@ def _kimi_published_names(tensors: dict) -> dict:
                 if rest.startswith('experts.') and rest.endswith(hf):
                     rest = rest[:-len(hf)] + pub
             name = f'{m.group(1)}.block_sparse_moe.{rest}'
+        out[name] = t
+    return out
+
+
+def _nemotron_published_names(tensors: dict) -> dict:
+    """transformers' Nemotron-H names → the published checkpoint's: `backbone.*` for `model.*`,
+    the stacked experts `mixer.experts.{up,down}_proj [E, ...]` one tensor per expert
+    (`mixer.experts.{e}.up_proj.weight`)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith('model.'):
+            name = 'backbone.' + name[len('model.'):]
+        if re.search(r'\.mixer\.experts\.(up|down)_proj$', name):
+            for e in range(t.shape[0]):
+                out[f'{name.rsplit(".", 1)[0]}.{e}.{name.rsplit(".", 1)[1]}.weight'] = t[e]
+            continue
         out[name] = t
     return out
 
@@ -489,6 +514,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'qwen3_5_moe': 'Qwen3_5MoeForConditionalGeneration',
                                        'qwen3_5_moe_text': 'Qwen3_5MoeForCausalLM',
                                        'kimi_linear': 'KimiLinearForCausalLM',
+                                       'nemotron_h': 'NemotronHForCausalLM',
                                        'granitemoehybrid': 'GraniteMoeHybridForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
@@ -507,7 +533,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
-    if arch not in VL_ARCHS and arch != 'kimi_linear':
+    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'nemotron_h'):
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
