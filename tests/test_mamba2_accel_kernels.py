@@ -133,7 +133,7 @@ assert y.shape == (3, 6, 40)
 
 # prefill: one chunk, several chunks with a tail, with and without an initial state and skip
 for L, H, P, G, Dn, init, skip in [(5, 2, 8, 1, 16, False, True), (2 * CHUNK + 21, 4, 40, 2, 19, True, True),
-                                   (CHUNK, 2, 32, 2, 32, True, False)]:
+                                   (CHUNK, 2, 32, 2, 32, True, False), (40, 1, 8, 1, 200, True, True)]:
     x, dt, A, B, C, D = _inputs(L, H, P, G, Dn, seed=L)
     D = D if skip else None
     s0 = torch.randn(H, P, Dn, generator=torch.Generator().manual_seed(4)) if init else None

@@ -19,7 +19,8 @@ three matrix products per chunk (``C S^T``, ``C B^T`` then its masked product wi
 ``x^T B``), run at full float32 precision (``input_precision='ieee'``: no TF32, whose 10-bit
 mantissa would cost the model's 1e-4 logit agreement). The chunk length only changes the
 rounding, not the result: the kernel uses its own (:data:`CHUNK`), whatever ``chunk_size`` the
-caller's torch path would use.
+caller's torch path would use. The state tile ``[32, Dn]`` stays in registers across chunks
+(8 warps per program).
 
 Registered for CUDA when triton imports; runs on CPU tensors under ``TRITON_INTERPRET=1`` (how
 tests/test_mamba2_triton.py checks them against the torch versions). Importing this module never
@@ -33,7 +34,8 @@ from . import once, register_kernel, triton_available
 
 __all__ = ['ssd_step_triton', 'ssd_chunk_scan_triton', 'CHUNK']
 
-CHUNK = 64          # tokens per chunk of the scan kernel (a power of two >= 16: tl.dot's smallest side)
+CHUNK = 64          # tokens per chunk of the scan kernel (a power of two >= 16: tl.dot's smallest side);
+                    # 32 for state sizes over 128, so a chunk's B and C tiles stay as large
 _BLOCK_P_STEP = 32  # head-dim rows per decode program
 _BLOCK_P_SCAN = 32  # head-dim rows per scan program
 
@@ -80,7 +82,6 @@ def _kernels():
         p_ok, j_ok = p < P, j < Dn
         g = h // per_group
         A = tl.load(a_ptr + h).to(tl.float32)
-        skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
         tile = p_ok[:, None] & j_ok[None, :]
         state_at = h.to(tl.int64) * P * Dn + p[:, None] * Dn + j[None, :]
         if HAS_INIT:
@@ -104,7 +105,7 @@ def _kernels():
             mix = tl.where(causal, cb * tl.exp(gap) * dt[None, :], 0.0)
             y += tl.dot(mix, x, input_precision='ieee')
             if HAS_D:
-                y += skip * x
+                y += tl.load(d_ptr + h).to(tl.float32) * x
             tl.store(y_ptr + pos[:, None] * sy_l + h * sy_h + p[None, :], y, mask=t_ok[:, None] & p_ok[None, :])
             total = tl.sum(dt * A, axis=0)
             w = tl.exp(total - cs) * dt                          # [CH], 0 past L (dt = 0 there)
@@ -197,8 +198,9 @@ def ssd_chunk_scan_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     dt = dt.contiguous()
     init = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     grid = (H, triton.cdiv(P, _BLOCK_P_SCAN))
+    block_n = max(16, triton.next_power_of_2(Dn))
     scan[grid](x, dt, A.contiguous(), B, C, A if D is None else D.contiguous(), final if init is None else init, y,
                final, L, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-               y.stride(0), y.stride(1), H // G, P, Dn, HAS_INIT=init is not None, HAS_D=D is not None, CH=CHUNK,
-               BLOCK_P=_BLOCK_P_SCAN, BLOCK_N=max(16, triton.next_power_of_2(Dn)))
+               y.stride(0), y.stride(1), H // G, P, Dn, HAS_INIT=init is not None, HAS_D=D is not None,
+               CH=CHUNK if block_n <= 128 else CHUNK // 2, BLOCK_P=_BLOCK_P_SCAN, BLOCK_N=block_n, num_warps=8)
     return y, final
