@@ -328,3 +328,23 @@ def test_tp_plan_slices_tile_every_split_tensor(tiny):
     config.n_groups = 1
     with pytest.raises(ValueError, match='n_groups'):
         TPLayout(config, 0, 2)
+
+
+def test_api_server_flag_gives_the_second_conversation_64_cached_tokens(tiny):
+    """The same through ``lmdeploy serve api_server --prefill-save-alignment 64``: two chats
+    with one system message of about 100 tokens (103 with the template's role header); the second
+    reports 64 cached prompt tokens."""
+    from server_utils import ApiServer, http_json
+    path, _ = tiny
+    system = ' '.join(f'rule {i}: answer briefly and check the facts.' for i in range(6))
+    with ApiServer(path, '--enable-prefix-caching', '--prefill-save-alignment', '64', '--block-size', '64',
+                   '--dtype', 'float32', '--session-len', '2048') as server:
+        usage = []
+        for user in ('Hi.', 'Hello!'):     # prompts under 128 tokens: 64 is their one reusable boundary
+            status, body = http_json(server.base_url + '/v1/chat/completions', {
+                'model': os.path.basename(path), 'max_tokens': 4, 'temperature': 0,
+                'messages': [{'role': 'system', 'content': system}, {'role': 'user', 'content': user}]})
+            assert status == 200, body
+            usage.append(body['usage'])
+    assert all(100 < u['prompt_tokens'] < 128 for u in usage)
+    assert [u['prompt_tokens_details']['cached_tokens'] for u in usage] == [0, 64]
