@@ -198,3 +198,19 @@ def test_engine_on_cuda_prefix_cache_restore_equals_cold(tiny_qwen3_next):
     second = cached.generate(prompt, gen)
     assert first.token_ids == second.token_ids == cold
     assert second.num_cached_tokens >= 192     # restored from the checkpoint at 192 (64-aligned)
+
+
+def test_granite_engine_on_cuda_equals_transformers_and_the_cpu_engine(tmp_path):
+    """Granite-4.0-H on the GPU: the Triton SSD scan in prefill chunks (32 tokens, SSD chunk 24),
+    the Triton SSD step in decode; logits vs transformers, greedy tokens vs the CPU engine."""
+    from engine_utils import engine_prompt_logits, hf_prompt_logits, load_hf, random_prompt
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path / 'tiny_granite'), arch='granitemoehybrid', seed=0)
+    prompt = random_prompt(300, seed=7)
+    logits, _ = engine_prompt_logits(_engine(path, 'cuda', max_prefill_token_num=32), prompt)
+    err = (logits.float().cpu() - hf_prompt_logits(load_hf(path), prompt)).abs().max().item()
+    assert err <= LOGIT_TOL, f'max |logit diff| {err} vs transformers'
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    on_gpu, on_cpu = _engine(path, 'cuda'), _engine(path, 'cpu')
+    for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
+        assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids
