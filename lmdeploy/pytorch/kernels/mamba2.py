@@ -141,7 +141,9 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     Bh, Ch = _per_head(B, H), _per_head(C, H)                                 # [N, H, Dn]
     state.mul_((dtf * A.float()).exp()[..., None, None])
     state.add_((xf * dtf[..., None])[..., :, None] * Bh[..., None, :])
-    return (state @ Ch[..., None])[..., 0] + D.float()[:, None] * xf
+    # a multiply-and-sum, not ``state @ C``: a batched matmul of [P, Dn] x [Dn, 1] pieces measured
+    # ~1000x slower on CPU (12 ms vs 12 us per call at N=1, H=8, P=32, Dn=64)
+    return (state * Ch[..., None, :]).sum(-1) + D.float()[:, None] * xf
 
 
 def ssd_recurrent_reference(x, dt, A, B, C, D, initial_state=None):
