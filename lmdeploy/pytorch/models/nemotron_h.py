@@ -433,7 +433,7 @@ class NemotronHForCausalLM(nn.Module):
     rotary = False
     check_config = staticmethod(check_config)
     # Mamba-2 by head and group, attention by head, dense MLPs by row; MoE replicated (NemotronHTPPlan)
-    parallel_plan = ParallelPlan(renames=_RENAMES, custom=lambda config, rank, size: NemotronHTPPlan(config, rank, size))
+    parallel_plan = ParallelPlan(renames=_RENAMES, custom=NemotronHTPPlan)
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
