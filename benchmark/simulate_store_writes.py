@@ -48,8 +48,8 @@ Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
-(``--preset tiny|qwen3-next-80b|kimi-linear-48b|nemotron-3-nano-30b|granite-4.0-h-small [--tp N]``, ``--config config.json``, ``--scale 1/16
---block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
+(``--preset tiny|qwen3-next-80b|kimi-linear-48b|nemotron-3-nano-30b|granite-4.0-h-small [--tp N]``,
+``--config config.json``, ``--scale 1/16 --block-size 16``, ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
 ``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
 """
@@ -588,8 +588,8 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'nemotron-3-nano-30b',
-                                        'granite-4.0-h-small', 'branching'],
+    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b',
+                                        'nemotron-3-nano-30b', 'granite-4.0-h-small', 'branching'],
                    help='sizes (branching: the seed sizes, the branching scenario and the junction policy)')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
     p.add_argument('--state-bytes', type=int)

@@ -134,7 +134,8 @@ def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
     conv_dim = H * P + 2 * G * N
     assert state_bytes_per_slot(specs) == kinds.count('mamba') * 4 * (conv_dim * (K - 1) + H * P * N)
     head_dim = config.hidden_size // config.num_attention_heads
-    assert kv_bytes_per_block(specs, 16) == kinds.count('attention') * 2 * 16 * config.num_key_value_heads * head_dim * 4
+    kv_row = 2 * config.num_key_value_heads * head_dim * 4                  # K and V of one token, float32
+    assert kv_bytes_per_block(specs, 16) == kinds.count('attention') * 16 * kv_row
     assert [t.name for t in mamba.tensors()] == ['conv', 'ssm'] and mamba.tensors()[1].dtype == torch.float32
 
 

@@ -18,7 +18,8 @@ from hypothesis import given, settings, strategies as st
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, hf_greedy,
                           hf_prompt_logits, load_hf, make_engine, random_prompt, run_alone, run_staggered)
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.cache_specs import FullAttentionSpec, PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
+from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, PagedSpec, StateSpec, kv_bytes_per_block,
+                                          state_bytes_per_slot)
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
