@@ -48,8 +48,8 @@ Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
-(``--preset tiny|qwen3-next-80b|kimi-linear-48b|glm-5.3-flash [--tp N]``; glm-5.3-flash: sizes from
-:mod:`benchmark.glm5_next_sizes`, the seed deployment TP8 / FP8 KV / MTP unless ``--tp``,
+(``--preset tiny|qwen3-next-80b|kimi-linear-48b|nemotron-3-nano-30b|granite-4.0-h-small|glm-5.3-flash [--tp N]``;
+glm-5.3-flash: sizes from :mod:`benchmark.glm5_next_sizes`, the seed deployment TP8 / FP8 KV / MTP unless ``--tp``,
 ``--kv-dtype``, ``--no-mtp``; ``--config config.json``, ``--scale 1/16 --block-size 16``,
 ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
@@ -96,6 +96,33 @@ KIMI_LINEAR_48B_CONFIG = dict(model_type='kimi_linear', num_hidden_layers=27, hi
                                   kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
                                   num_heads=32, head_dim=128, short_conv_kernel_size=4),
                               dtype='bfloat16')
+
+# NVIDIA-Nemotron-3-Nano-30B-A3B (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json, as reproduced
+# in public test fixtures of several repositories): 52 blocks 'MEMEM*EMEMEM*...' = 23 Mamba-2 (64 heads
+# of 64, 8 groups, state 128, conv 4), 23 MoE (128 experts, top 6), 6 GQA attention (32 heads, 2 KV
+# heads of 128, no RoPE); only the Mamba-2 and attention blocks cache anything
+NEMOTRON_3_NANO_30B_CONFIG = dict(model_type='nemotron_h', hidden_size=2688, vocab_size=131072,
+                                  hybrid_override_pattern='MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME',
+                                  num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                                  mamba_num_heads=64, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+                                  conv_kernel=4, chunk_size=128, n_routed_experts=128, num_experts_per_tok=6,
+                                  moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+                                  intermediate_size=1856, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                                  dtype='bfloat16')
+
+# ibm-granite/granite-4.0-h-small's cache-shaping fields: hidden 4096, 40 layers, 32 query / 8 KV
+# heads, mamba_d_state 128, mamba_d_conv 4, mamba_expand 2, bf16 as quoted from its published
+# config.json (huggingface.co/ibm-granite/granite-4.0-h-small/blob/main/config.json) in public
+# notes; the 4 attention layers at 5, 15, 25, 35 (the family's 40-layer layout, as in
+# granite-4.0-h-tiny's config), 128 Mamba heads of 64 and one B/C group are the family's values,
+# not seen in that file here. S: 36 x (conv (8192 + 2 x 128) x 3 bf16 + SSM 128 x 64 x 128 float32).
+GRANITE_4_0_H_SMALL_CONFIG = dict(model_type='granitemoehybrid', num_hidden_layers=40, hidden_size=4096,
+                                  num_attention_heads=32, num_key_value_heads=8,
+                                  layer_types=['attention' if i in (5, 15, 25, 35) else 'mamba' for i in range(40)],
+                                  mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+                                  mamba_d_conv=4, mamba_expand=2, num_local_experts=72, num_experts_per_tok=10,
+                                  intermediate_size=768, shared_intermediate_size=1536, vocab_size=100352,
+                                  dtype='bfloat16')
 
 
 @dataclass(frozen=True)
@@ -563,7 +590,8 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'glm-5.3-flash',
+    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b',
+                                        'nemotron-3-nano-30b', 'granite-4.0-h-small', 'glm-5.3-flash',
                                         'branching'],
                    help='sizes (branching: the seed sizes, the branching scenario and the junction policy; '
                    'glm-5.3-flash: the seed deployment, TP8, FP8 KV, MTP on, unless --tp/--kv-dtype/--no-mtp)')
@@ -633,6 +661,10 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         config = KIMI_LINEAR_48B_CONFIG
     elif args.preset == 'glm-5.3-flash':
         return _glm_5_3_flash_sizes(args, block_size), 'bytes'
+    elif args.preset == 'nemotron-3-nano-30b':
+        config = NEMOTRON_3_NANO_30B_CONFIG
+    elif args.preset == 'granite-4.0-h-small':
+        config = GRANITE_4_0_H_SMALL_CONFIG
     else:
         config = json.loads(args.config.read_text())
     return sizes_from_config(config, tp=args.tp or 1, block_size=block_size, kv_dtype=args.kv_dtype,

@@ -25,7 +25,7 @@ ROOT=$(pwd)
 CUDA_TESTS=(tests/test_cuda.py)
 # suites of the kernels the GPU runs: registry choices per device, Triton under the interpreter
 KERNEL_TESTS=(tests/test_state_copy.py tests/test_varlen_kernels.py tests/test_gdn_kernels.py tests/test_kda_kernels.py
-              tests/test_thread_safety.py)
+              tests/test_thread_safety.py tests/test_mamba2_accel_kernels.py)
 BENCH=(benchmark/benchmark_cuda.py --device cuda --preset 99m)
 
 OUT_DIR=${OUT:-$ROOT/gpu_check_out}

@@ -148,6 +148,34 @@ def test_causal_conv1d_varlen_cuda_equals_cpu():
     torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=1e-5, rtol=1e-5)
 
 
+def test_mamba2_ssd_varlen_cuda_equals_cpu():
+    """Decode rows (the Triton ``ssd_step``) and prefills of one, several and a partial SSD chunk
+    with and without history (the Triton ``ssd_chunk_scan``) against the CPU torch path."""
+    from lmdeploy.pytorch.kernels import get_kernel, triton_available
+    from lmdeploy.pytorch.kernels.mamba2 import mamba2_ssd_varlen
+    from lmdeploy.pytorch.kernels.mamba2_triton import ssd_chunk_scan_triton, ssd_step_triton
+    if triton_available():
+        assert get_kernel('ssd_step', 'cuda') is ssd_step_triton
+        assert get_kernel('ssd_chunk_scan', 'cuda') is ssd_chunk_scan_triton
+    lengths, history = [1, 1, 37, 150, 1], [True, False, False, True, True]
+    H, P, G, Dn, S = 8, 64, 2, 128, 8
+    cu, _, slots, has_history = _varlen_batch(lengths, history, S, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    T = sum(lengths)
+    x = torch.randn(T, H, P, generator=gen)
+    dt = torch.rand(T, H, generator=gen) * 0.2 + 0.01
+    A = -torch.rand(H, generator=gen) * 4
+    B, C = (torch.randn(T, G, Dn, generator=gen) for _ in range(2))
+    D = torch.randn(H, generator=gen)
+    cache = torch.randn(S, H, P, Dn, generator=gen) * 0.1
+    cpu_cache, gpu_cache = cache.clone(), cache.cuda()
+    ref = mamba2_ssd_varlen(x, dt, A, B, C, D, cpu_cache, cu, slots, has_history, 64)
+    out = get_kernel('mamba2_ssd_varlen', 'cuda')(*(t.cuda() for t in (x, dt, A, B, C, D)), gpu_cache, cu.cuda(),
+                                                  slots.cuda(), has_history.cuda(), 64)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gpu_cache.cpu(), cpu_cache, atol=1e-5, rtol=1e-5)
+
+
 def test_moe_experts_cuda_equals_cpu():
     from lmdeploy.pytorch.kernels import get_kernel
     from lmdeploy.pytorch.kernels.moe import moe_experts_sorted
@@ -198,3 +226,19 @@ def test_engine_on_cuda_prefix_cache_restore_equals_cold(tiny_qwen3_next):
     second = cached.generate(prompt, gen)
     assert first.token_ids == second.token_ids == cold
     assert second.num_cached_tokens >= 192     # restored from the checkpoint at 192 (64-aligned)
+
+
+def test_granite_engine_on_cuda_equals_transformers_and_the_cpu_engine(tmp_path):
+    """Granite-4.0-H on the GPU: the Triton SSD scan in prefill chunks (32 tokens, SSD chunk 24),
+    the Triton SSD step in decode; logits vs transformers, greedy tokens vs the CPU engine."""
+    from engine_utils import engine_prompt_logits, hf_prompt_logits, load_hf, random_prompt
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path / 'tiny_granite'), arch='granitemoehybrid', seed=0)
+    prompt = random_prompt(300, seed=7)
+    logits, _ = engine_prompt_logits(_engine(path, 'cuda', max_prefill_token_num=32), prompt)
+    err = (logits.float().cpu() - hf_prompt_logits(load_hf(path), prompt)).abs().max().item()
+    assert err <= LOGIT_TOL, f'max |logit diff| {err} vs transformers'
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    on_gpu, on_cpu = _engine(path, 'cuda'), _engine(path, 'cpu')
+    for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
+        assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids

@@ -228,6 +228,15 @@ def test_every_identity_field_changes_the_namespace(change):
     assert namespace_digest(**dict(IDENTITY, **change)) != namespace_digest(**IDENTITY)
 
 
+def test_a_config_with_infinite_or_nan_floats_has_a_namespace():
+    """Nemotron-H configs hold ``time_step_limit = (0.0, inf)``: inf and nan get a tagged form
+    that differs from every finite number and from the plain strings."""
+    def with_limit(value):
+        return namespace_digest(**dict(IDENTITY, model_identity={'config': {'time_step_limit': [0.0, value]}}))
+    digests = [with_limit(v) for v in (float('inf'), float('-inf'), float('nan'), 1e30, 'inf')]
+    assert len(set(digests)) == 5 and with_limit(float('inf')) == with_limit(float('inf'))
+
+
 def test_namespace_digest_rejects_bad_fields_by_name():
     with pytest.raises(ValueError, match='tp_rank'):
         namespace_digest(**dict(IDENTITY, tp_rank=2, tp_size=2))

@@ -35,7 +35,8 @@ import re
 
 import torch
 
-ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next')
+ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next', 'nemotron_h',
+         'granitemoehybrid')
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
@@ -219,6 +220,29 @@ def _write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
 
 
 def _arch_defaults(arch: str) -> dict:
+    if arch == 'nemotron_h':    # Mamba-2, MoE, attention, Mamba-2, MLP (pattern 'ME*M-'); SSD chunks of 48
+        return dict(hidden_size=64, layers_block_type=['linear_attention', 'moe', 'full_attention',
+                                                       'linear_attention', 'mlp'],
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                    mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                    chunk_size=48, use_conv_bias=True, mamba_hidden_act='silu', mlp_hidden_act='relu2',
+                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    moe_shared_expert_intermediate_size=64, n_group=2, topk_group=1, norm_topk_prob=True,
+                    routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, max_position_embeddings=32768,
+                    tie_word_embeddings=False,
+                    # transformers clamps dt at time_step_min when prefilling but not when decoding;
+                    # a floor no random dt reaches keeps its generate() consistent with its forward
+                    time_step_min=1e-5)
+    if arch == 'granitemoehybrid':   # Mamba-2, attention, Mamba-2, Mamba-2; MoE + shared MLP; NoPE
+        # µP multipliers off 1 (and a softmax scale off head_dim ** -0.5) so each is exercised; an SSD
+        # chunk of 24 so 32-token prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
+        return dict(hidden_size=64, num_hidden_layers=4, layer_types=['mamba', 'attention', 'mamba', 'mamba'],
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=64,
+                    num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                    mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=3.0,
+                    position_embedding_type=None, max_position_embeddings=32768, tie_word_embeddings=False,
+                    rms_norm_eps=1e-6)
     if arch == 'kimi_linear':   # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
         lin, full = 'linear_attention', 'full_attention'
         return dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
@@ -270,15 +294,18 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if arch == 'glm5_next':
         return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
-    if arch == 'kimi_linear':
+    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid'):
+        from transformers import GraniteMoeHybridConfig, NemotronHConfig
+        named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
+                 'granitemoehybrid': GraniteMoeHybridConfig}[arch]
         fields = dict(_arch_defaults(arch))
-        known = set(KimiLinearConfig().to_dict()) | set(fields)
+        known = set(named().to_dict()) | set(fields)
         for key in overrides:
             if key not in known:
-                raise ValueError(f'{key}: not a KimiLinearConfig field')
+                raise ValueError(f'{key}: not a {named.__name__} field')
         fields.update(overrides)
-        return KimiLinearConfig(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                bos_token_id=None, **fields)
+        return named(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                     bos_token_id=None, **fields)
     cls = {'qwen3': Qwen3Config, 'qwen3_next': Qwen3NextConfig, 'qwen3_5': Qwen3_5TextConfig,
            'qwen3_5_moe': Qwen3_5MoeTextConfig, 'qwen3_5_moe_text': Qwen3_5MoeTextConfig}[arch]
     fields = dict(_arch_defaults(arch))
@@ -399,6 +426,10 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
         out = _kimi_published_names(out)
     if getattr(model.config, 'model_type', None) == 'glm5_next':
         out = _glm5_next_published_names(out)
+    if getattr(model.config, 'model_type', None) == 'nemotron_h':
+        out = _nemotron_published_names(out)
+    if getattr(model.config, 'model_type', None) == 'granitemoehybrid':
+        out = _granite_published_names(out)
     if getattr(model.config, 'tie_word_embeddings', False):
         out.pop('lm_head.weight', None)  # tied: the embedding is stored once, as published checkpoints do
     return {k: v.to(dtype).contiguous() for k, v in sorted(out.items())}
@@ -440,6 +471,34 @@ def _glm5_next_published_names(tensors: dict) -> dict:
                 out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
             continue
         out[name] = t
+    return out
+
+
+def _nemotron_published_names(tensors: dict) -> dict:
+    """transformers' Nemotron-H names → the published checkpoint's: `backbone.*` for `model.*`,
+    the stacked experts `mixer.experts.{up,down}_proj [E, ...]` one tensor per expert
+    (`mixer.experts.{e}.up_proj.weight`)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith('model.'):
+            name = 'backbone.' + name[len('model.'):]
+        if re.search(r'\.mixer\.experts\.(up|down)_proj$', name):
+            for e in range(t.shape[0]):
+                out[f'{name.rsplit(".", 1)[0]}.{e}.{name.rsplit(".", 1)[1]}.weight'] = t[e]
+            continue
+        out[name] = t
+    return out
+
+
+def _granite_published_names(tensors: dict) -> dict:
+    """transformers' Granite-4.0-H names → the published checkpoint's: stacked experts as
+    `block_sparse_moe.input_linear.weight` [E, 2I, H] / `output_linear.weight` [E, H, I], the router
+    as `block_sparse_moe.router.layer.weight`."""
+    out = {}
+    for name, t in tensors.items():
+        name = re.sub(r'\.block_sparse_moe\.experts\.gate_up_proj$', '.block_sparse_moe.input_linear.weight', name)
+        name = re.sub(r'\.block_sparse_moe\.experts\.down_proj$', '.block_sparse_moe.output_linear.weight', name)
+        out[re.sub(r'\.block_sparse_moe\.router\.weight$', '.block_sparse_moe.router.layer.weight', name)] = t
     return out
 
 
@@ -508,7 +567,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'qwen3_5_moe': 'Qwen3_5MoeForConditionalGeneration',
                                        'qwen3_5_moe_text': 'Qwen3_5MoeForCausalLM',
                                        'kimi_linear': 'KimiLinearForCausalLM',
-                                       'glm5_next': 'Glm5NextForConditionalGeneration'}[arch])
+                                       'glm5_next': 'Glm5NextForConditionalGeneration',
+                                       'nemotron_h': 'NemotronHForCausalLM',
+                                       'granitemoehybrid': 'GraniteMoeHybridForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -526,11 +587,16 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
-    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next'):
+    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next', 'nemotron_h'):
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
     config_dict['architectures'] = [model_cls.__name__]
+    if arch == 'granitemoehybrid':   # the published spelling; transformers renames them on load
+        config_dict['layer_types'] = [{'linear_attention': 'mamba', 'full_attention': 'attention'}.get(t, t)
+                                      for t in config_dict['layer_types']]
+        if tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
+            del config_dict['time_step_limit']      # the default; JSON has no infinity
     if with_mtp:
         # the key the published configs use: Qwen3-Next's top level, Qwen3.5's text config
         key = 'num_nextn_predict_layers' if arch == 'qwen3_next' else 'mtp_num_hidden_layers'

@@ -9,7 +9,9 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 MODEL_REGISTRY = {
     'glm5_next': 'glm5_next:Glm5NextForConditionalGeneration',
     'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
+    'granitemoehybrid': 'granitemoehybrid:GraniteMoeHybridForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
+    'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
     'qwen3_5': 'qwen3_5:Qwen3_5ForConditionalGeneration',

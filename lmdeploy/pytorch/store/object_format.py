@@ -261,9 +261,9 @@ def _canonical(field: str, value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f'{field} must be finite, got {value!r}')
-        return value
+        # JSON has no inf / nan; a config may hold them (Nemotron-H's time_step_limit = (0, inf)),
+        # so they get a tagged form no finite number or plain string serializes to
+        return value if math.isfinite(value) else {'__nonfinite_float__': repr(value)}
     if isinstance(value, enum.Enum):
         return _canonical(field, value.value)
     if isinstance(value, Path):

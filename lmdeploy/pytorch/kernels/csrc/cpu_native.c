@@ -194,6 +194,46 @@ void lm_gated_delta_step(const float* kq, const float* v, const float* decay, co
   }
 }
 
+/* One decode token of the Mamba-2 selective state space recurrence (Dao & Gu, "Transformers are
+   SSMs", ICML 2024, the SSD recurrence) for N sequences x H heads, state updated in place:
+   a = exp(dt A_h); S <- a S + (dt x) B^T; y = S C + D_h x, head h reading B and C of group
+   h / (H / G). x, y [N, H, P]; dt [N, H]; A, D [H] (D may be NULL: no skip); B, C [N, G, Dn];
+   state element (n, h, p, j) at n * s_slot + h * s_head + p * s_row + j. One pass over the state:
+   each row is updated and read against C while it is in registers. */
+void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B, const float* C, const float* D,
+                 float* state, int N, int H, int P, int G, int Dn, int64_t s_slot, int64_t s_head, int64_t s_row,
+                 float* y, int threads) {
+  int per_group = H / G;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int q = 0; q < N * H; q++) {
+    int n = q / H, h = q % H;
+    float* S = state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head;
+    const float* b = B + ((ptrdiff_t)n * G + h / per_group) * Dn;
+    const float* c = C + ((ptrdiff_t)n * G + h / per_group) * Dn;
+    const float* xp = x + (ptrdiff_t)q * P;
+    float* yp = y + (ptrdiff_t)q * P;
+    float d = dt[q], a = expf(d * A[h]), skip = D ? D[h] : 0.0f;
+    for (int p = 0; p < P; p++) {
+      float* row = S + (ptrdiff_t)p * s_row;
+      float u = d * xp[p];
+      v16 acc = (v16){0};
+      int j = 0;
+      for (; j + 16 <= Dn; j += 16) {
+        v16 s = load16(row + j) * a + load16(b + j) * u;
+        memcpy(row + j, &s, sizeof s);
+        acc += s * load16(c + j);
+      }
+      float tot = hsum16(acc);
+      for (; j < Dn; j++) {
+        float s = row[j] * a + b[j] * u;
+        row[j] = s;
+        tot += s * c[j];
+      }
+      yp[p] = tot + skip * xp[p];
+    }
+  }
+}
+
 /* One decode token of a depthwise causal convolution for N sequences x C channels, the window
    state (the last K - 1 inputs) updated in place: y = act(bias + sum_j w[c, j] window[j]) over the
    window (state, x). x [N, C] (row stride ldx); state element (n, c, j) at n * s_slot + c * s_chan

@@ -1,0 +1,389 @@
+"""IBM Granite-4.0-H (``transformers`` model type ``granitemoehybrid``): Mamba-2 layers and a few
+attention layers, each followed by a softmax-routed MoE plus an always-on shared MLP.
+
+``config.layer_types`` picks each layer's token mixer (``'mamba'`` / ``'attention'`` in the
+published configs, which ``transformers`` renames ``'linear_attention'`` / ``'full_attention'``)::
+
+    h = embed(ids) * embedding_multiplier
+    layer i:  h = h + residual_multiplier * mixer(RMSNorm(h))
+              h = h + residual_multiplier * (moe(RMSNorm(h)) + shared_mlp(RMSNorm(h)))
+      mixer = Mamba-2 ('mamba':     conv + SSM states in a slot, Mamba2Mixer)
+            | GQA     ('attention': K/V in paged blocks; softmax scale attention_multiplier,
+                                    RoPE only when position_embedding_type == 'rope')
+      moe   = top-k of the router logits, softmax over those k (num_local_experts = 0: none,
+              the shared MLP alone is the layer's MLP)
+    logits = lm_head(RMSNorm(h)) / logits_scaling
+
+The four multipliers are Granite's µP scalings (Yang et al., "Tensor Programs V", 2022). Weight
+names: the published checkpoint's (``block_sparse_moe.input_linear`` ``[E, 2I, H]``,
+``output_linear`` ``[E, H, I]``, ``router.layer``; ``shared_mlp.input_linear`` /
+``output_linear``) and ``transformers``' in-memory ones (``block_sparse_moe.experts.gate_up_proj``
+/ ``down_proj``, ``router.weight``) both load.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, mamba2_state_spec
+from .parallel_plan import ParallelPlan
+from .qwen3_next import FusedExperts
+
+__all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
+
+MAMBA, ATTENTION = 'mamba', 'attention'
+# transformers renames the published layer types on load; both spellings mean the same
+_LAYER_TYPES = {'mamba': MAMBA, 'linear_attention': MAMBA, 'attention': ATTENTION, 'full_attention': ATTENTION}
+
+
+def layer_kinds(config) -> list[str]:
+    """Each layer's mixer, ``'mamba'`` or ``'attention'`` (either spelling of ``layer_types``).
+
+    Raises:
+        ValueError: ``layer_types`` is not one known type per layer.
+    """
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != config.num_hidden_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types must list 'mamba' or 'attention' for each of the {config.num_hidden_layers} "
+                         f'layers, got {types}')
+    return [_LAYER_TYPES[t] for t in types]
+
+
+def _rope(config) -> bool:
+    return getattr(config, 'position_embedding_type', None) == 'rope'
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``layer_types``, ``hidden_act`` (``'silu'`` only),
+            ``position_embedding_type`` (``None`` or ``'rope'``; with RoPE the ``rope_parameters``
+            of :mod:`.rope`), ``num_experts_per_tok`` (``1..num_local_experts`` when there are
+            experts), or the Mamba-2 geometry (``mamba_n_heads`` x ``mamba_d_head`` must be
+            ``mamba_expand`` x ``hidden_size``, ``mamba_n_groups`` must divide ``mamba_n_heads``),
+            ``time_step_limit`` other than ``(0, inf)``.
+    """
+    kinds = layer_kinds(config)
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    pe = getattr(config, 'position_embedding_type', None)
+    if pe not in (None, 'rope'):
+        raise ValueError(f"position_embedding_type must be None or 'rope', got {pe!r}")
+    if pe == 'rope' and ATTENTION in kinds:
+        RotaryEmbedding(config)            # raises for rope parameters it cannot reproduce
+    E, k = config.num_local_experts, config.num_experts_per_tok
+    if E < 0 or (E > 0 and not 1 <= k <= E):
+        raise ValueError(f'num_experts_per_tok ({k}) must be in [1, num_local_experts = {E}]')
+    if MAMBA in kinds:
+        inner = round(config.mamba_expand * config.hidden_size)
+        if config.mamba_n_heads * config.mamba_d_head != inner:
+            raise ValueError(f'mamba_n_heads ({config.mamba_n_heads}) x mamba_d_head ({config.mamba_d_head}) must '
+                             f'equal mamba_expand x hidden_size ({inner})')
+        if config.mamba_n_heads % config.mamba_n_groups:
+            raise ValueError(f'mamba_n_groups ({config.mamba_n_groups}) must divide mamba_n_heads '
+                             f'({config.mamba_n_heads})')
+        limit = tuple(config.time_step_limit) if config.time_step_limit is not None else (0.0, float('inf'))
+        if limit != (0.0, float('inf')):
+            # transformers clamps dt in its chunked (prefill) path only, not in its decode step, so
+            # the same token would see another dt in a prefill chunk than in a decode step
+            raise ValueError(f'time_step_limit must be (0.0, inf), got {limit}: transformers clamps dt only when '
+                             'it prefills, which chunked prefill and decode cannot reproduce')
+
+
+def mamba_dims(config) -> Mamba2Dims:
+    """The Mamba-2 mixer sizes of a Granite-4.0-H config (``mamba_*`` fields; the norm's eps is
+    ``rms_norm_eps``; ``dt`` unclamped, see :func:`check_config`): this rank's heads and groups in
+    a tensor-parallel local config (``mamba_tp_size``, set by :meth:`GraniteMoeHybridTPPlan.local_config`)."""
+    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
+                      n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
+                      conv_kernel=config.mamba_d_conv, chunk_size=config.mamba_chunk_size,
+                      conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias), dt_min=0.0,
+                      dt_max=float('inf'), norm_eps=config.rms_norm_eps)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+class GraniteAttention(nn.Module):
+    """Grouped-query attention over the paged KV cache with softmax scale
+    ``attention_multiplier`` (not ``head_dim ** -0.5``) and RoPE only when the config asks.
+
+    Args:
+        config: HF ``GraniteMoeHybridConfig``.
+        layer_idx: index into ``StepContext.kv_caches``.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        bias = config.attention_bias
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
+                                                          'v_proj': kv}, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.scale = float(config.attention_multiplier)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (no RoPE);
+        writes this layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+
+
+class GraniteMoE(nn.Module):
+    """Softmax-routed experts (GraniteMoE): the router's ``k`` largest logits (float32), a
+    softmax over those ``k`` as the weights; SwiGLU experts, gate rows first."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        logits, index = self.router(x).float().topk(self.top_k, dim=-1)
+        return self.experts(x, index, torch.softmax(logits, dim=-1).to(x.dtype))
+
+
+class GraniteDecoderLayer(nn.Module):
+    """Pre-norm layer with µP residual scaling: Mamba-2 or attention, then MoE + shared MLP."""
+
+    def __init__(self, config, layer_idx: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == MAMBA:
+            self.mamba = Mamba2Mixer(mamba_dims(config), layer_idx)
+        else:
+            self.self_attn = GraniteAttention(config, layer_idx)
+        self.block_sparse_moe = GraniteMoE(config) if config.num_local_experts > 0 else None
+        self.shared_mlp = SwiGLUMLP(config.hidden_size, config.shared_intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = float(config.residual_multiplier)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        normed = self.input_layernorm(hidden)
+        mixed = self.mamba(normed, ctx) if self.kind == MAMBA else self.self_attn(normed, rotary, ctx)
+        hidden = hidden + mixed * self.residual_multiplier
+        normed = self.post_attention_layernorm(hidden)
+        mlp = self.shared_mlp(normed)
+        if self.block_sparse_moe is not None:
+            mlp = self.block_sparse_moe(normed) + mlp
+        return hidden + mlp * self.residual_multiplier
+
+
+class GraniteMoeHybridModel(nn.Module):
+    """Scaled embedding, decoder layers, final norm; the rotary table only with RoPE."""
+
+    def __init__(self, config):
+        super().__init__()
+        kinds = layer_kinds(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GraniteDecoderLayer(config, i, kind) for i, kind in enumerate(kinds))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        self.rotary = RotaryEmbedding(config) if _rope(config) and ATTENTION in kinds else None
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids) * self.embedding_multiplier
+        rotary = None if self.rotary is None else self.rotary(ctx.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, ctx)
+        return self.norm(hidden)
+
+
+_RENAMES = [   # published -> the engine's module names
+    (re.compile(r'\.block_sparse_moe\.input_linear\.weight$'), '.block_sparse_moe.experts.gate_up_proj'),
+    (re.compile(r'\.block_sparse_moe\.output_linear\.weight$'), '.block_sparse_moe.experts.down_proj'),
+    (re.compile(r'\.block_sparse_moe\.router\.layer\.weight$'), '.block_sparse_moe.router.weight'),
+    (re.compile(r'\.shared_mlp\.input_linear\.weight$'), '.shared_mlp.gate_up_proj.weight'),
+    (re.compile(r'\.shared_mlp\.output_linear\.weight$'), '.shared_mlp.down_proj.weight'),
+]
+_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
+_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
+_SHARED_ROWS = re.compile(r'^model\.layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.weight$')
+
+
+class GraniteMoeHybridTPPlan:
+    """How Granite-4.0-H splits over ``size`` tensor-parallel ranks (Megatron-style).
+
+    Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
+    its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV heads.
+    Mamba-2 by head and group (:class:`~.mamba2.Mamba2TPSplit`). The shared MLP by intermediate
+    rows (``input_linear``'s gate and up rows, ``output_linear``'s columns, all-reduce). The
+    routed experts and their router are replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
+            ``shared_intermediate_size``, ``mamba_n_heads`` or ``mamba_n_groups`` (names the
+            field; a Mamba-2 group is never split over ranks).
+    """
+
+    row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'), ('mamba', 'out_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.rank, self.size = config, rank, size
+        self.kinds = layer_kinds(config)
+        for field in ('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'):
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+
+        def part(total: int) -> tuple[int, int]:
+            return rank * total // size, (rank + 1) * total // size
+
+        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
+        self.shared = part(config.shared_intermediate_size)
+        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'mamba_n_heads', 'mamba_n_groups') \
+            if MAMBA in self.kinds else None
+
+    def local_config(self):
+        """A copy of the config with this rank's head, group and intermediate counts."""
+        c = copy.deepcopy(self.config)
+        c.head_dim = _head_dim(self.config)
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        c.shared_intermediate_size = self.shared[1] - self.shared[0]
+        c.mamba_tp_size = self.size      # the mamba_* fields stay whole; mamba_dims divides them
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads for ``'kv_heads'``; the Mamba-2 state splits otherwise."""
+        ranges = (self.kv_heads,) if split == 'kv_heads' else \
+            None if self.mamba is None else self.mamba.cache_ranges(split)
+        if ranges is None:
+            raise ValueError(f"CacheTensor.tp_split: granitemoehybrid splits 'kv_heads' and the Mamba-2 states, not "
+                             f'{split!r}')
+        return ranges
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        m = _ATTN_ROWS.match(name)
+        if m and self.kinds[int(m.group(1))] == ATTENTION:
+            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
+            if proj == 'o_proj':
+                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
+            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
+            return 0, ((heads[0] * d, heads[1] * d),)
+        m = _SHARED_ROWS.match(name)
+        if m:
+            (s0, s1), S = self.shared, self.config.shared_intermediate_size
+            return (0, ((s0, s1), (S + s0, S + s1))) if m.group(2) == 'input_linear' else (1, ((s0, s1),))
+        m = _MAMBA_ROWS.match(name)
+        if m and self.kinds[int(m.group(1))] == MAMBA:
+            return self.mamba.shard(m.group(2))
+        return None
+
+
+def _tp_split(config, rank: int, size: int) -> GraniteMoeHybridTPPlan:
+    return GraniteMoeHybridTPPlan(config, rank, size)
+
+
+class GraniteMoeHybridForCausalLM(nn.Module):
+    """Granite-4.0-H causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``GraniteMoeHybridConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'rope_parameters': CHECKED,               # read only with position_embedding_type='rope'
+        'position_embedding_type': CHECKED,       # None (no positions) or 'rope'
+        'embedding_multiplier': IMPLEMENTED,
+        'residual_multiplier': IMPLEMENTED,
+        'attention_multiplier': IMPLEMENTED,      # the softmax scale
+        'logits_scaling': IMPLEMENTED,            # logits are divided by it
+        'num_local_experts': IMPLEMENTED,         # 0: no routed experts, the shared MLP alone
+        'num_experts_per_tok': CHECKED,           # in [1, num_local_experts]
+        'shared_intermediate_size': IMPLEMENTED,
+        'mamba_n_heads': IMPLEMENTED,
+        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
+        'mamba_d_state': IMPLEMENTED,
+        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_expand x hidden_size
+        'mamba_d_conv': IMPLEMENTED,
+        'mamba_expand': IMPLEMENTED,
+        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
+        'mamba_conv_bias': IMPLEMENTED,
+        'mamba_proj_bias': IMPLEMENTED,
+        'time_step_limit': CHECKED,               # (0, inf) only: see check_config
+        'layers_block_type': CHECKED,             # transformers' alias of layer_types
+        'output_router_logits': INERT,            # the training loss only
+        'router_aux_loss_coef': INERT,
+    }
+    rotary = False       # check_config builds the rotary table itself, only with RoPE
+    check_config = staticmethod(check_config)
+    # attention and shared MLP by head / rows, Mamba-2 by head and group, experts replicated
+    parallel_plan = ParallelPlan(custom=_tp_split)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = GraniteMoeHybridModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_scaling = float(config.logits_scaling)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: the Mamba-2 state (:func:`~.mamba2.mamba2_state_spec`: conv
+        ``[conv_dim, d_conv - 1]`` in ``dtype``, SSM ``[heads, d_head, d_state]`` float32) or a
+        :class:`FullAttentionSpec` (KV heads x head_dim per token).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        mamba = mamba2_state_spec(mamba_dims(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
+        return self.lm_head(hidden).float() / self.logits_scaling
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (published or transformers names, see the module docstring);
+        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        def rename(name: str) -> str:
+            for pattern, repl in _RENAMES:
+                name = pattern.sub(repl, name)
+            return name
+
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename)

@@ -1,0 +1,208 @@
+"""The Mamba-2 token mixer (Dao & Gu, "Transformers are SSMs", ICML 2024), shared by the Mamba-2
+hybrids (Nemotron-H, Granite-4.0-H): the layer, its cached state, and its tensor-parallel split.
+
+One layer, per token (``H`` heads of ``P`` channels, ``d_inner = H * P``, ``G`` groups of
+state size ``Dn``)::
+
+    in_proj(h) = [ z (d_inner) | x (d_inner) | B (G*Dn) | C (G*Dn) | dt (H) ]
+    x, B, C    = silu(causal_conv1d(x | B | C))      conv state: the last K - 1 inputs
+    dt         = clamp(softplus(dt + dt_bias), dt_min, dt_max)
+    y          = SSD(x, dt, A = -exp(A_log), B, C) + D * x   SSM state [H, P, Dn] float32
+    out        = out_proj(norm(y * silu(z)))   RMS norm over each of the G groups of d_inner / G
+
+Both states live in the engine's per-sequence state slots (:func:`mamba2_state_spec`): the conv
+state ``[conv_dim = d_inner + 2 G Dn, K - 1]`` in the activation dtype and the SSM state
+``[H, P, Dn]`` in float32 (it accumulates over the whole sequence). The kernels come from the
+registry (``causal_conv1d_varlen``, ``mamba2_ssd_varlen``, ``grouped_gated_rms_norm``), so the
+layer never looks at the device.
+
+Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
+``norm``, ``out_proj``). Under tensor parallelism (:class:`Mamba2TPSplit`) a rank holds whole
+heads and whole groups: it needs ``H`` and ``G`` divisible by the TP size, because a group's
+norm and its ``B`` / ``C`` are shared by the group's heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import CacheTensor, StateSpec
+from ..kernels import get_kernel
+from ..model_inputs import StepContext
+from .layers import Linear
+
+__all__ = ['Mamba2Dims', 'Mamba2Mixer', 'Mamba2TPSplit', 'mamba2_state_spec']
+
+# CacheTensor.tp_split names of the two state tensors (ranges from Mamba2TPSplit.cache_ranges)
+CONV_SPLIT, HEAD_SPLIT = 'mamba_conv_channels', 'mamba_heads'
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """The sizes and constants of one Mamba-2 mixer (each family maps its config fields here).
+
+    Attributes:
+        hidden_size: model width.
+        num_heads, head_dim: ``H``, ``P``.
+        n_groups, state_size: ``G`` (dividing ``H``), ``Dn``.
+        conv_kernel: ``K`` of the depthwise causal conv.
+        chunk_size: tokens per SSD chunk (a speed knob; the outputs do not depend on it).
+        conv_bias, proj_bias: the conv has a bias; ``in_proj`` / ``out_proj`` have biases.
+        dt_min, dt_max: ``dt`` is clamped to ``[dt_min, dt_max]`` after the softplus.
+        norm_eps: epsilon of the grouped gated RMS norm.
+    """
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_min: float
+    dt_max: float
+    norm_eps: float
+
+    def __post_init__(self):
+        if self.n_groups <= 0 or self.num_heads % self.n_groups:
+            raise ValueError(f'n_groups ({self.n_groups}) must divide the number of Mamba heads ({self.num_heads})')
+        if self.conv_kernel < 2:
+            raise ValueError(f'conv_kernel must be at least 2, got {self.conv_kernel}')
+        if self.chunk_size <= 0:
+            raise ValueError(f'chunk_size must be positive, got {self.chunk_size}')
+
+    @property
+    def d_inner(self) -> int:
+        """``H * P``: the channels of ``x``, ``z`` and the norm."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """``d_inner + 2 G Dn``: the conv channels ``x | B | C``."""
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    def local(self, size: int) -> 'Mamba2Dims':
+        """This rank's dims at TP size ``size`` (heads and groups divided evenly)."""
+        import dataclasses
+        return dataclasses.replace(self, num_heads=self.num_heads // size, n_groups=self.n_groups // size)
+
+
+def mamba2_state_spec(dims: Mamba2Dims, dtype: torch.dtype) -> StateSpec:
+    """A Mamba-2 layer's per-sequence state: ``conv [conv_dim, K - 1]`` in ``dtype`` (split by
+    the rank's ``x | B | C`` channels) and ``ssm [H, P, Dn]`` float32 (split by head)."""
+    return StateSpec((CacheTensor('conv', (dims.conv_dim, dims.conv_kernel - 1), dtype, CONV_SPLIT, 0),
+                      CacheTensor('ssm', (dims.num_heads, dims.head_dim, dims.state_size), torch.float32,
+                                  HEAD_SPLIT, 0)))
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 mixer over the step's flat tokens (see the module docstring).
+
+    Args:
+        dims: its sizes (this rank's, under tensor parallelism).
+        layer_idx: index into ``StepContext.state_caches`` (``(conv, ssm)``).
+    """
+
+    def __init__(self, dims: Mamba2Dims, layer_idx: int):
+        super().__init__()
+        self.dims, self.layer_idx = dims, layer_idx
+        d = dims
+        self.in_proj = Linear(d.hidden_size, d.d_inner + d.conv_dim + d.num_heads, bias=d.proj_bias)
+        # weight holder [conv_dim, 1, K] (the checkpoint shape); the conv kernel runs it
+        self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim, bias=d.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(d.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(d.num_heads))
+        self.D = nn.Parameter(torch.ones(d.num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(d.d_inner))
+        self.out_proj = Linear(d.d_inner, d.hidden_size, bias=d.proj_bias)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        d, T = self.dims, hidden.shape[0]
+        H, P, G, Dn = d.num_heads, d.head_dim, d.n_groups, d.state_size
+        z, xbc, dt = self.in_proj(hidden).split([d.d_inner, d.conv_dim, H], dim=-1)
+        conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
+        xbc = get_kernel('causal_conv1d_varlen', hidden.device)(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids,
+            ctx.slots, ctx.has_history, 'silu', slot_span=ctx.slot_span)
+        x, B, C = xbc.split([d.d_inner, G * Dn, G * Dn], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(d.dt_min, d.dt_max)
+        A = -torch.exp(self.A_log.float())
+        y = get_kernel('mamba2_ssd_varlen', hidden.device)(
+            x.view(T, H, P), dt, A, B.view(T, G, Dn), C.view(T, G, Dn), self.D, ssm_cache, ctx.cu_seqlens,
+            ctx.slots, ctx.has_history, d.chunk_size)
+        y = get_kernel('grouped_gated_rms_norm', hidden.device)(
+            y.view(T, d.d_inner), z, self.norm.weight, d.d_inner // G, d.norm_eps)
+        return self.out_proj(y.to(hidden.dtype))
+
+
+class Mamba2TPSplit:
+    """Which rows of a Mamba-2 layer's tensors one rank reads, and its state ranges.
+
+    A rank holds heads ``[h0, h1)`` and groups ``[g0, g1)`` (``H / size`` and ``G / size`` of
+    them): ``in_proj`` rows of its ``z``, ``x``, ``B``, ``C`` and ``dt`` pieces; ``conv1d`` rows
+    of its ``x | B | C`` channels; ``dt_bias``, ``A_log``, ``D`` of its heads; ``norm`` of its
+    channels (its groups are whole, so the grouped norm needs no communication); ``out_proj``
+    columns (row-parallel: the layout all-reduces its output).
+
+    Args:
+        dims: the full (single-process) dims.
+        rank, size: this rank, the TP size.
+
+    Raises:
+        ValueError: ``size`` does not divide the head count or the group count (a group split
+            over ranks would need a cross-rank norm).
+    """
+
+    def __init__(self, dims: Mamba2Dims, rank: int, size: int, heads_field: str = 'num_heads',
+                 groups_field: str = 'n_groups'):
+        if dims.num_heads % size:
+            raise ValueError(f'{heads_field} ({dims.num_heads}) must be divisible by tp ({size})')
+        if dims.n_groups % size:
+            raise ValueError(f'{groups_field} ({dims.n_groups}) must be divisible by tp ({size}): a Mamba-2 group '
+                             f'(its B, C and its norm) is not split over ranks')
+        self.dims, self.rank, self.size = dims, rank, size
+        h, g = dims.num_heads // size, dims.n_groups // size
+        self.heads, self.groups = (rank * h, (rank + 1) * h), (rank * g, (rank + 1) * g)
+
+    def _channels(self) -> tuple[tuple[int, int], ...]:
+        """The rank's ``x | B | C`` channel ranges within ``conv_dim``."""
+        d, (h0, h1), (g0, g1) = self.dims, self.heads, self.groups
+        P, Dn, gdn = d.head_dim, d.state_size, d.n_groups * d.state_size
+        return ((h0 * P, h1 * P), (d.d_inner + g0 * Dn, d.d_inner + g1 * Dn),
+                (d.d_inner + gdn + g0 * Dn, d.d_inner + gdn + g1 * Dn))
+
+    def shard(self, part: str) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+        """``(dim, ranges)`` of the layer's checkpoint tensor ``part`` (``'in_proj.weight'``,
+        ``'conv1d.bias'``, ``'A_log'`` ...) this rank reads; None for a tensor every rank reads
+        whole (``out_proj.bias``)."""
+        d, (h0, h1) = self.dims, self.heads
+        P = d.head_dim
+        module = part.split('.')[0]
+        if module == 'in_proj':
+            x_rows = tuple((d.d_inner + a, d.d_inner + b) for a, b in self._channels())
+            dt0 = d.d_inner + d.conv_dim
+            return 0, ((h0 * P, h1 * P),) + x_rows + ((dt0 + h0, dt0 + h1),)
+        if module == 'conv1d':
+            return 0, self._channels()
+        if module in ('dt_bias', 'A_log', 'D'):
+            return 0, ((h0, h1),)
+        if module == 'norm':
+            return 0, ((h0 * P, h1 * P),)
+        if part == 'out_proj.weight':
+            return 1, ((h0 * P, h1 * P),)
+        return None
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...] | None:
+        """The rank's ranges of a Mamba-2 state tensor (:func:`mamba2_state_spec`), or None for
+        a split name that is not Mamba-2's."""
+        if split == CONV_SPLIT:
+            return self._channels()
+        if split == HEAD_SPLIT:
+            return (self.heads,)
+        return None

@@ -1,0 +1,474 @@
+"""Nemotron-H / Nemotron-3 (``transformers`` model type ``nemotron_h``): a stack of single-mixer
+blocks, each Mamba-2, attention, a dense MLP or a mixture of experts.
+
+``config.layers_block_type`` (built by ``transformers`` from the published
+``hybrid_override_pattern``, ``M`` / ``*`` / ``-`` / ``E``) picks each block's mixer::
+
+    block i:  x + mixer(RMSNorm(x))
+      mixer = Mamba-2        ('linear_attention': conv + SSM state in a slot, .mamba2)
+            | attention      ('full_attention': GQA over paged K/V, no positional encoding at all)
+            | relu^2 MLP     ('mlp': down(relu(up(x))^2))
+            | MoE            ('moe': sigmoid-routed relu^2 experts with a score-correction bias,
+                              optional latent projections around them, plus one shared relu^2 MLP)
+
+Every block declares a cache spec: Mamba-2 blocks a :class:`StateSpec`, attention blocks a
+:class:`FullAttentionSpec`, MLP and MoE blocks an empty :class:`PagedSpec` (nothing cached).
+
+Weight names: the published checkpoint's (``backbone.*``, ``backbone.embeddings``, one tensor
+per expert ``mixer.experts.{e}.up_proj.weight``) and transformers' in-memory ones
+(``model.*``, stacked ``mixer.experts.up_proj [E, I, H]``) both load.
+
+Deviation kept on purpose: ``transformers`` clamps ``dt`` at ``time_step_min`` in its chunked
+(prefill) path only, not in its one-token decode step; the engine clamps in both, so a token's
+state does not depend on whether it was prefilled or decoded (cache on = cache off).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
+from ..kernels.linear import linear
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention, load_weights
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, mamba2_state_spec
+from .parallel_plan import ParallelPlan
+
+__all__ = ['NemotronHForCausalLM', 'NemotronHAttention', 'NemotronHMoE', 'check_config', 'mamba2_dims']
+
+MAMBA, ATTN, MLP, MOE = 'linear_attention', 'full_attention', 'mlp', 'moe'
+BLOCK_TYPES = (MAMBA, ATTN, MLP, MOE)
+
+
+def _block_types(config) -> list[str]:
+    return list(getattr(config, 'layers_block_type', None) or [])
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``layers_block_type`` (a type other than the four),
+            ``mamba_hidden_act`` (not ``'silu'``), ``mlp_hidden_act`` (not ``'relu2'``),
+            ``n_groups`` (must divide ``mamba_num_heads``), ``n_group`` / ``topk_group``
+            (expert groups of >= 2, ``topk_group`` in ``[1, n_group]``).
+    """
+    types = _block_types(config)
+    if not types or any(t not in BLOCK_TYPES for t in types):
+        raise ValueError(f'layers_block_type must list one of {BLOCK_TYPES} per layer (hybrid_override_pattern '
+                         f'M / * / - / E), got {types}')
+    if MAMBA in types:
+        if config.mamba_hidden_act != 'silu':
+            raise ValueError(f"mamba_hidden_act must be 'silu', got {config.mamba_hidden_act!r}")
+        if config.n_groups <= 0 or config.mamba_num_heads % config.n_groups:
+            raise ValueError(f'n_groups ({config.n_groups}) must divide mamba_num_heads ({config.mamba_num_heads})')
+    if (MLP in types or MOE in types) and config.mlp_hidden_act != 'relu2':
+        raise ValueError(f"mlp_hidden_act must be 'relu2', got {config.mlp_hidden_act!r}")
+    if MOE in types:
+        E, groups = config.n_routed_experts, config.n_group
+        if groups <= 0 or E % groups or E // groups < 2 or not 1 <= config.topk_group <= groups:
+            raise ValueError(f'n_group ({groups}) must divide n_routed_experts ({E}) into groups of >= 2 and '
+                             f'topk_group ({config.topk_group}) be in [1, n_group]')
+
+
+def mamba2_dims(config) -> Mamba2Dims:
+    """The Mamba-2 mixer sizes of a ``NemotronHConfig`` (``dt`` clamped below at
+    ``time_step_min`` and not above, as ``transformers`` does)."""
+    return Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_num_heads,
+                      head_dim=config.mamba_head_dim, n_groups=config.n_groups, state_size=config.ssm_state_size,
+                      conv_kernel=config.conv_kernel, chunk_size=config.chunk_size, conv_bias=config.use_conv_bias,
+                      proj_bias=config.use_bias, dt_min=float(config.time_step_min), dt_max=float('inf'),
+                      norm_eps=config.layer_norm_epsilon)
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+class Relu2MLP(nn.Module):
+    """``down(relu(up(x))^2)`` (no gate), optionally with biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        return self.down_proj(_relu2(self.up_proj(x)))
+
+
+class NemotronHAttention(nn.Module):
+    """GQA self-attention without any positional encoding, over the paged K/V cache; q, k, v
+    packed into one matmul (loaded from ``q_proj`` / ``k_proj`` / ``v_proj``), no biases.
+
+    Args:
+        config: ``NemotronHConfig`` (this rank's head counts under tensor parallelism).
+        layer_idx: index into ``StepContext.kv_caches``.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': q, 'k_proj': kv, 'v_proj': kv})
+        self.o_proj = Linear(q, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; writes the layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        out = attention(q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+                        v.view(T, self.num_kv_heads, self.head_dim), ctx, self.layer_idx, self.scale)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class Relu2Experts(nn.Module):
+    """Non-gated experts as stacked weights ``up_proj [E, I, D]`` and ``down_proj [E, D, I]``
+    (transformers' in-memory layout, ``D`` the hidden or latent width)."""
+
+    def __init__(self, num_experts: int, dim: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.zeros(num_experts, intermediate_size, dim))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, dim, intermediate_size))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, D]``, chosen experts ``index [T, k]`` with float32 ``weights [T, k]`` → ``[T, D]``:
+        the ``T * k`` (token, expert) pairs sorted by expert, one matmul pair per expert with rows,
+        weighted and summed over each token's ``k`` choices in float32."""
+        T, k = index.shape
+        flat = index.flatten()
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
+        rows = x.index_select(0, token)
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                sl = slice(start, start + n)
+                out[sl] = linear(_relu2(linear(rows[sl], self.up_proj[e])), self.down_proj[e])
+                start += n
+        # back to (token, choice) order and summed over the k choices: index_add_ measured ~150x
+        # slower on CPU for these few rows (1.8 ms vs 12 us per call)
+        pairs = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
+        pairs[order] = out.float() * weights.flatten().index_select(0, order)[:, None]
+        return pairs.view(T, k, -1).sum(1).to(x.dtype)
+
+
+class NemotronHMoE(nn.Module):
+    """Routed relu^2 experts plus one shared relu^2 MLP.
+
+    Router (float32, DeepSeek-V3 style): ``s = sigmoid(x W^T)``; choose with
+    ``s + e_score_correction_bias``: keep the ``topk_group`` expert groups with the largest sum of
+    their two best scores, then the top ``k`` experts there; weight each chosen expert by its
+    ``s``, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``. With
+    ``moe_latent_size`` the experts run in a latent space: ``fc2(experts(fc1(x)))``.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.n_routed_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        H, latent, bias = config.hidden_size, config.moe_latent_size, config.mlp_bias
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(self.num_experts, H))
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+        self.experts = Relu2Experts(self.num_experts, latent or H, config.moe_intermediate_size)
+        self.shared_experts = Relu2MLP(H, config.moe_shared_expert_intermediate_size, bias)
+        self.fc1_latent_proj = Linear(H, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = Linear(latent, H, bias=bias) if latent else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` → ``(weights [T, k] float32, expert index [T, k])``."""
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias.float()
+        T = x.shape[0]
+        best_two = choice.view(T, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)            # [T, groups]
+        kept = torch.zeros_like(best_two).scatter_(1, best_two.topk(self.topk_group, dim=-1)[1], 1).bool()
+        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1), float('-inf'))
+        index = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        weights, index = self.route(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        h = self.experts(h, index, weights)
+        if self.fc2_latent_proj is not None:
+            h = self.fc2_latent_proj(h)
+        return h + self.shared_experts(x)
+
+
+class NemotronHBlock(nn.Module):
+    """``x + mixer(RMSNorm(x))`` with the mixer of ``layers_block_type[layer_idx]``."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        kind = self.kind = _block_types(config)[layer_idx]
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(mamba2_dims(config), layer_idx)
+        elif kind == ATTN:
+            self.mixer = NemotronHAttention(config, layer_idx)
+        elif kind == MLP:
+            self.mixer = Relu2MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        else:
+            self.mixer = NemotronHMoE(config)
+        self.needs_ctx = kind in (MAMBA, ATTN)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        h = self.norm(hidden)
+        return hidden + (self.mixer(h, ctx) if self.needs_ctx else self.mixer(h))
+
+
+class NemotronHModel(nn.Module):
+    """Embedding, blocks, final norm (``norm_f``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(config, i) for i in range(len(_block_types(config))))
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        return self.norm_f(hidden)
+
+
+_LAYER = re.compile(r'^model\.layers\.(\d+)\.mixer\.(.+)$')
+
+
+class NemotronHTPPlan:
+    """How Nemotron-H splits over ``size`` tensor-parallel ranks (Megatron-style).
+
+    Mamba-2 blocks by head and group (:class:`~.mamba2.Mamba2TPSplit`: ``in_proj`` rows,
+    ``conv1d`` channels, per-head parameters, ``norm`` channels, ``out_proj`` columns);
+    attention by query head (``q_proj`` rows, ``o_proj`` columns) and KV head (``k_proj`` /
+    ``v_proj`` rows; fewer KV heads than ranks are replicated, ``size / kv`` ranks sharing one);
+    dense MLPs by intermediate row (``up_proj`` rows, ``down_proj`` columns). MoE blocks are
+    replicated. Row-parallel outputs (``out_proj``, ``o_proj``, ``down_proj``) all-reduce.
+
+    Raises:
+        ValueError: ``size`` does not divide ``mamba_num_heads``, ``n_groups``,
+            ``num_attention_heads``, ``num_key_value_heads`` (or is not a multiple of it),
+            or ``intermediate_size`` (with dense MLP blocks).
+    """
+
+    row_parallel = (('mixer', 'out_proj'), ('mixer', 'o_proj'), ('mixer', 'down_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.rank, self.size = config, rank, size
+        self.types = _block_types(config)
+        self.mamba = Mamba2TPSplit(mamba2_dims(config), rank, size, 'mamba_num_heads', 'n_groups') \
+            if MAMBA in self.types else None
+        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        self.q_heads = self.kv_heads = self.intermediate = (0, 0)
+        if ATTN in self.types:
+            self.q_heads = _even(config.num_attention_heads, rank, size, 'num_attention_heads')
+            kv = config.num_key_value_heads
+            if kv >= size:
+                self.kv_heads = _even(kv, rank, size, 'num_key_value_heads')
+            elif size % kv:
+                raise ValueError(f'num_key_value_heads ({kv}) must divide tp ({size}) when it is smaller')
+            else:
+                self.kv_heads = (rank * kv // size, rank * kv // size + 1)
+        if MLP in self.types:
+            self.intermediate = _even(config.intermediate_size, rank, size, 'intermediate_size')
+
+    def local_config(self):
+        """A copy of the config with this rank's head, group and intermediate counts."""
+        c = copy.deepcopy(self.config)
+        if self.mamba is not None:
+            c.mamba_num_heads, c.n_groups = self.config.mamba_num_heads // self.size, self.config.n_groups // self.size
+        if ATTN in self.types:
+            c.head_dim = self.head_dim
+            c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+            c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        if MLP in self.types:
+            c.intermediate_size = self.intermediate[1] - self.intermediate[0]
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads for ``'kv_heads'``, its Mamba-2 ranges for the Mamba-2 splits.
+
+        Raises:
+            ValueError: another split name.
+        """
+        if split == 'kv_heads':
+            return (self.kv_heads,)
+        ranges = self.mamba.cache_ranges(split) if self.mamba is not None else None
+        if ranges is None:
+            raise ValueError(f'CacheTensor.tp_split: nemotron_h has no split {split!r}')
+        return ranges
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` (after the plan's renames) this rank
+        reads, or None (the whole tensor)."""
+        m = _LAYER.match(name)
+        if not m:
+            return None
+        kind, part = self.types[int(m.group(1))], m.group(2)
+        if kind == MAMBA:
+            return self.mamba.shard(part)
+        d = self.head_dim
+        if kind == ATTN:
+            if part.startswith('q_proj.'):
+                return 0, ((self.q_heads[0] * d, self.q_heads[1] * d),)
+            if part.startswith(('k_proj.', 'v_proj.')):
+                return 0, ((self.kv_heads[0] * d, self.kv_heads[1] * d),)
+            if part == 'o_proj.weight':
+                return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
+        if kind == MLP:
+            if part.startswith('up_proj.'):
+                return 0, (self.intermediate,)
+            if part == 'down_proj.weight':
+                return 1, (self.intermediate,)
+        return None
+
+
+def _even(total: int, rank: int, size: int, field: str) -> tuple[int, int]:
+    if total % size:
+        raise ValueError(f'{field} ({total}) must be divisible by tp ({size})')
+    per = total // size
+    return rank * per, (rank + 1) * per
+
+
+_RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'))
+_PER_EXPERT = re.compile(r'^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$')
+
+
+def _rename(name: str) -> str | None:
+    for prefix, repl in _RENAMES:
+        if name.startswith(prefix):
+            name = repl + name[len(prefix):]
+    return None if name.startswith('mtp.') else name     # the MTP head is not served (transformers skips it too)
+
+
+def _load_expert(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+    """Copy a per-expert tensor of the published layout into its row of the stacked experts."""
+    m = _PER_EXPERT.match(name)
+    if not m:
+        return False
+    target = f'{m.group(1)}.{m.group(3)}'
+    param = loader.params.get(target)
+    expert = int(m.group(2))
+    if param is None or expert >= param.shape[0]:
+        raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(loader.module).__name__}')
+    loader.copy_part(target, param[expert], expert, param.shape[0], name, tensor)
+    return True
+
+
+class NemotronHForCausalLM(nn.Module):
+    """Nemotron-H causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``NemotronHConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = NemotronHModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # every config field transformers' modeling file reads, and what the engine does with it
+    # (.config_audit); the attention has no rotary embedding, so no rope field is read
+    config_fields = {
+        **{k: v for k, v in COMMON_FIELDS.items()
+           if k not in ('rope_parameters', 'max_position_embeddings', 'rms_norm_eps', 'hidden_act',
+                        'attention_bias')},
+        'layers_block_type': CHECKED,             # mamba / attention / mlp / moe per block
+        'layer_norm_epsilon': IMPLEMENTED,
+        'mamba_num_heads': IMPLEMENTED,
+        'mamba_head_dim': IMPLEMENTED,
+        'mamba_hidden_act': CHECKED,              # 'silu'
+        'ssm_state_size': IMPLEMENTED,
+        'n_groups': CHECKED,                      # divides mamba_num_heads
+        'conv_kernel': IMPLEMENTED,
+        'use_conv_bias': IMPLEMENTED,
+        'use_bias': IMPLEMENTED,                  # in_proj / out_proj biases
+        'chunk_size': IMPLEMENTED,                # the SSD chunk length (outputs do not depend on it)
+        'time_step_min': IMPLEMENTED,             # dt's lower clamp (transformers: prefill only; see module doc)
+        'time_step_max': INERT,                   # initialisation only (no upper clamp)
+        'time_step_floor': INERT,                 # initialisation only
+        'use_mamba_kernels': INERT,               # deprecated, no effect
+        'rescale_prenorm_residual': INERT,        # initialisation only
+        'num_logits_to_keep': INERT,              # generation bookkeeping
+        'mlp_hidden_act': CHECKED,                # 'relu2'
+        'mlp_bias': IMPLEMENTED,
+        'n_routed_experts': IMPLEMENTED,
+        'num_local_experts': IMPLEMENTED,         # alias of n_routed_experts
+        'num_experts_per_tok': IMPLEMENTED,
+        'moe_intermediate_size': IMPLEMENTED,
+        'moe_shared_expert_intermediate_size': IMPLEMENTED,
+        'moe_latent_size': IMPLEMENTED,           # None: experts in the hidden space
+        'n_group': CHECKED,                       # divides n_routed_experts into groups of >= 2
+        'topk_group': CHECKED,                    # in [1, n_group]
+        'norm_topk_prob': IMPLEMENTED,
+        'routed_scaling_factor': IMPLEMENTED,
+    }
+    rotary = False
+    check_config = staticmethod(check_config)
+    # Mamba-2 by head and group, attention by head, dense MLPs by row; MoE replicated (NemotronHTPPlan)
+    parallel_plan = ParallelPlan(renames=_RENAMES, custom=NemotronHTPPlan)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per block: Mamba-2 a state spec (:func:`~.mamba2.mamba2_state_spec`), attention a
+        :class:`FullAttentionSpec`, MLP / MoE an empty :class:`PagedSpec` (nothing cached).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        out = []
+        for kind in _block_types(config):
+            if kind == MAMBA:
+                out.append(mamba2_state_spec(mamba2_dims(config), dtype))
+            elif kind == ATTN:
+                out.append(FullAttentionSpec(config.num_key_value_heads, head_dim, dtype))
+            else:
+                out.append(PagedSpec(()))
+        return out
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (published or transformers names, see the module docstring).
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename,
+                     special=_load_expert)

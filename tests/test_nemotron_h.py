@@ -1,0 +1,351 @@
+"""Nemotron-H served exactly like transformers: logits <= 1e-4 in fp32 at every prompt position
+(5-700 tokens, cold and in 32-token chunks whose ends are not multiples of the SSD chunk of 48),
+greedy tokens equal cold, chunked and after a local prefix-cache restore, a 4-turn chat identical
+with the prefix cache off / on / last-only / turn-end, a 64-token checkpoint shared by two
+conversations (no large state-block floor), Store restore in a fresh process and Store bytes equal
+to the simulator, TP2 = TP1, transformers-named checkpoints of other shapes, random geometries
+(including a binding dt floor), the layer cache specs and the config audit."""
+import inspect
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, hf_greedy,
+                          hf_prompt_logits, load_hf, make_engine, random_prompt, run_alone, run_staggered)
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, PagedSpec, StateSpec, kv_bytes_per_block,
+                                          state_bytes_per_slot)
+from lmdeploy.pytorch.models import get_model_class
+from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
+
+MAMBA, ATTN, MLP, MOE = 'linear_attention', 'full_attention', 'mlp', 'moe'
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    """(checkpoint path in the published layout, transformers float32 reference)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_nemotron_h')), arch='nemotron_h', seed=0)
+    return path, load_hf(path)
+
+
+@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
+def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
+    path, hf = tiny
+    ids = random_prompt(n, seed=n)
+    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
+    ref = hf_prompt_logits(hf, ids)
+    assert forwards == -(-n // chunk)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
+    path, hf = tiny
+    ids = random_prompt(200, seed=11)
+    expected = hf_greedy(hf, ids, 12)
+    gen = GenerationConfig(max_new_tokens=12)
+    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
+    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
+    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
+                         enable_prefix_caching=True, num_checkpoint_slots=8)
+    first = cached.generate(ids, gen)
+    again = cached.generate(ids, gen)
+    assert cold == chunked == first.output_ids == again.output_ids == expected
+    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+
+
+def test_continuous_batching_equals_each_request_alone(tiny):
+    """Requests added while others run (mixed prefill + decode forwards: batched SSD decode steps
+    beside chunked scans) decode what each decodes alone."""
+    path, _ = tiny
+    prompts = [random_prompt(n, seed=70 + n) for n in (9, 45, 17, 70)]
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    alone = run_alone(make_engine(path, block_size=16), prompts, gen)
+    together = run_staggered(make_engine(path, block_size=16, max_prefill_token_num=32), prompts, gen, every=2)
+    assert [s.output_ids for s in together] == alone
+
+
+def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
+    path, _ = tiny
+    check_four_turn_chat_under_every_cache_policy(path)
+
+
+def test_a_64_token_checkpoint_serves_a_shared_system_prompt(tiny):
+    """Two conversations share a 100-token system prompt; with A = B = 64 the first one saves a
+    Mamba-2 state checkpoint at 64 and the second restores exactly those 64 tokens, giving the
+    output an engine without caching gives."""
+    path, _ = tiny
+    system = random_prompt(100, seed=640)
+    first, second = system + random_prompt(20, seed=641), system + random_prompt(30, seed=642)
+    gen = GenerationConfig(max_new_tokens=5, ignore_eos=True)
+    eng = make_engine(path, block_size=64, prefill_save_alignment=64, enable_prefix_caching=True,
+                      num_checkpoint_slots=4)
+    a = eng.generate(first, gen)
+    b = eng.generate(second, gen)
+    assert a.stats.save_points == [64] and a.num_cached_tokens == 0
+    assert b.num_cached_tokens == 64
+    assert b.output_ids == make_engine(path, block_size=64).generate(second, gen).output_ids
+
+
+def _hf_nemotron(config, seed):
+    from transformers import NemotronHForCausalLM
+
+    from lmdeploy.tools.make_tiny_model import _randomize
+    torch_state = torch.random.get_rng_state()
+    hf = NemotronHForCausalLM(config).float().eval()
+    torch.random.set_rng_state(torch_state)
+    _randomize(hf, seed)
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith('e_score_correction_bias'):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)))
+    return hf
+
+
+def test_transformers_named_checkpoint_of_other_shapes_matches(tiny, tmp_path):
+    """Other shapes (one Mamba group, no conv bias, in/out projection biases, latent MoE with MLP
+    biases, 3 of 12 experts in 4 groups, no renormalisation, MHA) saved under transformers'
+    in-memory names (``model.*``, stacked experts)."""
+    from safetensors.torch import save_file
+    from transformers import NemotronHConfig
+    src, _ = tiny
+    base = json.load(open(os.path.join(src, 'config.json')))
+    config = NemotronHConfig(
+        vocab_size=base['vocab_size'], hidden_size=48, layers_block_type=[ATTN, MAMBA, MOE, MAMBA, MLP],
+        num_attention_heads=3, num_key_value_heads=3, head_dim=16, intermediate_size=40, mamba_num_heads=6,
+        mamba_head_dim=4, n_groups=1, ssm_state_size=8, conv_kernel=3, chunk_size=16, use_conv_bias=False,
+        use_bias=True, mlp_bias=True, moe_latent_size=24, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
+        topk_group=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=20, norm_topk_prob=False,
+        routed_scaling_factor=1.7, time_step_min=1e-5, eos_token_id=base['eos_token_id'],
+        pad_token_id=base['pad_token_id'], bos_token_id=None)
+    hf = _hf_nemotron(config, 3)
+    path = tmp_path / 'hf_names'
+    shutil.copytree(src, path)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert 'model.embeddings.weight' in sd and 'model.layers.2.mixer.experts.up_proj' in sd
+    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
+    cfg = config.to_diff_dict()
+    cfg['architectures'] = ['NemotronHForCausalLM']
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    ids = random_prompt(120, seed=7)
+    got, _ = engine_prompt_logits(make_engine(str(path), max_prefill_token_num=40, block_size=16), ids)
+    assert (got - hf_prompt_logits(hf, ids)).abs().max().item() <= TOL
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    assert make_engine(str(path), block_size=16).generate(ids, gen).output_ids == hf_greedy(hf, ids, 8)
+
+
+def test_cache_specs_are_a_mamba2_state_kv_blocks_and_nothing_for_mlps(tiny):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    specs = get_model_class('nemotron_h').cache_specs(config, torch.float32)
+    assert [type(s) for s in specs] == [StateSpec, PagedSpec, FullAttentionSpec, StateSpec, PagedSpec]
+    conv, ssm = specs[0].tensors()
+    d_inner, gdn = config.mamba_num_heads * config.mamba_head_dim, config.n_groups * config.ssm_state_size
+    assert conv.shape == (d_inner + 2 * gdn, config.conv_kernel - 1) and conv.dtype == torch.float32
+    assert ssm.shape == (config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size)
+    assert ssm.dtype == torch.float32 and specs[1].tensors() == () and specs[4].tensors() == ()
+    assert state_bytes_per_slot(specs) == 2 * 4 * ((d_inner + 2 * gdn) * 3 + 8 * 8 * 16)
+    assert kv_bytes_per_block(specs, 16) == 16 * 2 * 4 * config.num_key_value_heads * config.head_dim
+    bf16 = get_model_class('nemotron_h').cache_specs(config, torch.bfloat16)[0].tensors()
+    assert bf16[0].dtype == torch.bfloat16 and bf16[1].dtype == torch.float32    # the SSM state stays fp32
+
+
+@pytest.mark.parametrize('change, field', [
+    (dict(layers_block_type=['mamba'] * 5), 'layers_block_type'),
+    (dict(mamba_hidden_act='gelu'), 'mamba_hidden_act'),
+    (dict(mlp_hidden_act='silu'), 'mlp_hidden_act'),
+    (dict(n_groups=3), 'n_groups'),
+    (dict(n_group=3), 'n_group'),
+    (dict(topk_group=5), 'topk_group'),
+])
+def test_refused_fields_name_themselves(tiny, change, field):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(ValueError, match=field):
+        check_config(config)
+    checked = {f for f, how in FIELDS['nemotron_h'].items() if how == CHECKED}
+    assert checked <= {'layers_block_type', 'layer_types', 'mamba_hidden_act', 'mlp_hidden_act', 'n_groups',
+                       'n_group', 'topk_group', 'quantization_config'}
+
+
+def test_audit_lists_every_field_transformers_reads_for_nemotron_h():
+    import transformers.models.nemotron_h.modeling_nemotron_h as modeling
+    source = inspect.getsource(modeling)
+    read = (set(re.findall(r'config\.(\w+)', source))
+            | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)', source))) - {'get_text_config'}
+    assert read and not read - set(FIELDS['nemotron_h']), sorted(read - set(FIELDS['nemotron_h']))
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
+    """Model level, random geometry (block pattern, Mamba heads / groups / state / conv kernel /
+    SSD chunk, a dt floor that binds or not, latent MoE or not) and a random prefill chunking
+    then 3 decode steps: logits <= 1e-4 of transformers' full forward (which clamps dt at the
+    floor everywhere), through NaN-poisoned scrambled blocks and slots."""
+    from transformers import NemotronHConfig
+
+    from model_harness import ModelHarness
+    n_layers = data.draw(st.integers(1, 4))
+    types = data.draw(st.lists(st.sampled_from([MAMBA, ATTN, MLP, MOE]), min_size=n_layers, max_size=n_layers))
+    heads, groups = data.draw(st.sampled_from([(2, 1), (4, 2), (4, 4), (6, 3)]))
+    config = NemotronHConfig(
+        vocab_size=64, hidden_size=32, layers_block_type=types, num_attention_heads=2,
+        num_key_value_heads=data.draw(st.sampled_from([1, 2])), head_dim=8, intermediate_size=24,
+        mamba_num_heads=heads, mamba_head_dim=data.draw(st.sampled_from([4, 8])), n_groups=groups,
+        ssm_state_size=data.draw(st.sampled_from([4, 8])), conv_kernel=data.draw(st.integers(2, 4)),
+        chunk_size=data.draw(st.sampled_from([3, 8, 64])), time_step_min=data.draw(st.sampled_from([1e-5, 0.05])),
+        use_conv_bias=data.draw(st.booleans()), moe_latent_size=data.draw(st.sampled_from([None, 16])),
+        n_routed_experts=4, num_experts_per_tok=2, n_group=data.draw(st.sampled_from([1, 2])), topk_group=1,
+        moe_intermediate_size=8, moe_shared_expert_intermediate_size=12, routed_scaling_factor=2.0,
+        pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    seed = data.draw(st.integers(0, 1000))
+    hf = _hf_nemotron(config, seed)
+    ours = get_model_class('nemotron_h')(config).eval()
+    ours.load_weights(hf.state_dict().items())
+    n = data.draw(st.integers(5, 80))
+    ids = torch.randint(0, 64, (n + 3,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32), num_blocks=32, block_size=8)
+    seq = h.add_sequence()
+    got = torch.cat([h.run_chunks(seq, ids[:n], data.draw(st.integers(1, 40)))]
+                    + [h.step([(seq, [t])])[0] for t in ids[n:]])
+    assert (got - ref).abs().max().item() <= TOL
+
+
+def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
+    """A writer process saves a prompt (Mamba-2 state checkpoints + attention KV blocks) to the
+    Store; a second fresh process restores 256 tokens from it and decodes what an engine with
+    caching off decodes."""
+    from test_store_engine import GEN, P, run_worker
+    path, _ = tiny
+    ids = random_prompt(300, seed=301)
+    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
+    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
+    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
+    assert ta['output_ids'] == tb['output_ids'] == cold
+
+
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services, last_only):
+    """Two seed scenarios scaled by 1/16 against the real Store: the engine's put bytes and
+    objects equal ``simulate()`` fed the engine's S and K_blk, and ``sizes_from_config`` of the
+    checkpoint's config.json gives those same S and K_blk (specs alone, no model branch)."""
+    from test_benchmark_store_bytes import SCALE, _run_conversation, bench, sim
+    path, _ = tiny
+    geo = bench.Geometry.from_scale(SCALE)
+    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=2)
+    engine = make_engine(path, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=last_only, num_gpu_blocks=512,
+                         mooncake_master=mooncake_services.master_address,
+                         mooncake_metadata_server=mooncake_services.metadata_server)
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    try:
+        for i, scenario in enumerate(scenarios):
+            before = engine.stats()
+            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                     seed=880_000 + 1000 * i + 100 * last_only)
+            engine.store.flush()
+            after = engine.stats()
+            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
+                                alignment=geo.alignment)
+            policy = pred.last_only if last_only else pred.default
+            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+            assert put == {'state': sum(t.state_bytes for t in policy.turns),
+                           'kv': sum(t.kv_bytes for t in policy.turns)}
+            assert after['store_put_failures'] == before['store_put_failures']
+    finally:
+        engine.close()
+    config = json.loads(open(os.path.join(path, 'config.json')).read())
+    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+
+
+def test_nemotron_3_nano_preset_sizes():
+    """The published Nemotron-3-Nano-30B-A3B geometry (bf16): S = 23 Mamba-2 layers x (conv
+    (4096 + 2 x 8 x 128) x 3 bf16 + SSM 64 x 64 x 128 float32); K_blk = 6 attention layers x
+    64 tokens x K and V x 2 KV heads x 128 bf16."""
+    from test_benchmark_store_bytes import sim
+    sizes = sim.sizes_from_config(sim.NEMOTRON_3_NANO_30B_CONFIG, block_size=64)
+    assert sizes == sim.StoreSizes(23 * (6144 * 3 * 2 + 64 * 64 * 128 * 4), 6 * 64 * 2 * 2 * 128 * 2)
+    tp2 = sim.sizes_from_config(sim.NEMOTRON_3_NANO_30B_CONFIG, block_size=64, tp=2)
+    assert tp2.charged == (sizes.state_bytes, sizes.kv_block_bytes) and tp2.state_bytes == sizes.state_bytes // 2
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
+    """Mamba-2 split by head and group, attention by head, the dense MLP by row; MoE replicated."""
+    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, engine as tp_engine
+    path, _ = tiny
+    ref = tp_engine(path)
+    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
+    ref.close()
+    eng = tp_engine(path, tp=2)
+    try:
+        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
+        assert (logits - ref_logits).abs().max().item() <= TP_TOL
+        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
+    finally:
+        eng.close()
+
+
+def test_tp_plan_slices_tile_every_split_tensor(tiny):
+    """Over the ranks, each split tensor's ranges tile its axis exactly once; MoE tensors, norms
+    and out_proj biases are read whole by every rank; a group count TP does not divide is refused."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    path, _ = tiny
+    config = AutoConfig.from_pretrained(path)
+    layouts = [TPLayout(config, r, 2) for r in range(2)]
+    split = 0
+    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
+        for name in f.keys():
+            shards = [lay.shard(name) for lay in layouts]
+            shape = f.get_slice(name).get_shape()
+            if shards[0] is None:
+                assert all(s is None for s in shards), name
+                continue
+            split += 1
+            covered = sorted(r for s in shards for r in s.ranges)
+            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    assert split >= 20
+    assert layouts[0].shard('backbone.layers.1.mixer.experts.0.up_proj.weight') is None
+    config.n_groups = 1
+    with pytest.raises(ValueError, match='n_groups'):
+        TPLayout(config, 0, 2)
+
+
+def test_api_server_flag_gives_the_second_conversation_64_cached_tokens(tiny):
+    """The same through ``lmdeploy serve api_server --prefill-save-alignment 64``: two chats
+    with one system message of about 100 tokens (103 with the template's role header); the second
+    reports 64 cached prompt tokens."""
+    from server_utils import ApiServer, http_json
+    path, _ = tiny
+    system = ' '.join(f'rule {i}: answer briefly and check the facts.' for i in range(6))
+    with ApiServer(path, '--enable-prefix-caching', '--prefill-save-alignment', '64', '--block-size', '64',
+                   '--dtype', 'float32', '--session-len', '2048') as server:
+        usage = []
+        for user in ('Hi.', 'Hello!'):     # prompts under 128 tokens: 64 is their one reusable boundary
+            status, body = http_json(server.base_url + '/v1/chat/completions', {
+                'model': os.path.basename(path), 'max_tokens': 4, 'temperature': 0,
+                'messages': [{'role': 'system', 'content': system}, {'role': 'user', 'content': user}]})
+            assert status == 200, body
+            usage.append(body['usage'])
+    assert all(100 < u['prompt_tokens'] < 128 for u in usage)
+    assert [u['prompt_tokens_details']['cached_tokens'] for u in usage] == [0, 64]
