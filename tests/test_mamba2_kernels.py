@@ -114,3 +114,24 @@ def test_bad_shapes_are_refused():
         ssd_chunk_scan(x, dt, A, B[:, :1].expand(4, 3, 5), C[:, :1].expand(4, 3, 5), D, None, 8)
     with pytest.raises(ValueError, match='group_size'):
         grouped_gated_rms_norm(x[0], x[0], torch.ones(3), 2, 1e-5)
+
+
+@pytest.mark.parametrize('slots', [[2, 3, 4], [4, 2, 3], [0, 5, 2]], ids=['sorted-range', 'range-unsorted', 'scattered'])
+def test_a_decode_step_updates_its_slots_in_place_or_gathered_alike(slots):
+    """One token per sequence, every sequence with history: the slots of a sorted range are
+    updated in place as one slice, others gathered and scattered; both equal the recurrence and
+    leave every other (NaN) slot alone."""
+    H, P, Dn = 4, 3, 5
+    cache = torch.full((7, H, P, Dn), float('nan'))
+    gen = torch.Generator().manual_seed(21)
+    states = [torch.randn(H, P, Dn, generator=gen) for _ in slots]
+    for s, st_ in zip(slots, states):
+        cache[s] = st_
+    x, dt, A, B, C, D = _inputs(len(slots), H, P, 2, Dn, seed=22)
+    cu = torch.arange(len(slots) + 1)
+    history = torch.ones(len(slots), dtype=torch.bool)
+    out = mamba2_ssd_varlen(x, dt, A, B, C, D, cache, cu, torch.tensor(slots), history, 16)
+    for i, s in enumerate(slots):
+        y_ref, s_ref = ssd_recurrent_reference(x[i:i + 1], dt[i:i + 1], A, B[i:i + 1], C[i:i + 1], D, states[i])
+        assert _close(out[i:i + 1], y_ref) and _close(cache[s], s_ref)
+    assert torch.isnan(cache[[s for s in range(7) if s not in slots]]).all()
