@@ -19,7 +19,10 @@ latent and, when it runs its own indexer, the indexer's per-token keys (``index_
 replicated under tensor parallelism. Weights: transformers' names (``model.language_model.*``
 for the vision-language class, ``model.*`` for the text one) or the published ones; the vision
 tower (``model.visual.*``, :mod:`.glm5_next_vision`) is read by the vision-language class; the
-NextN layer (``model.layers.{num_hidden_layers}.*``) is not read.
+NextN layer (``model.layers.{num_hidden_layers}.*``) is not read here: it is the MTP head
+(:mod:`.glm5_next_mtp`, ``mtp_head``) that speculative decoding loads, where its block kind
+(DSA with its own indexer) and its mHC streams (the eh_proj output copied into ``hc_mult``
+streams, reduced by the mean) are explained.
 """
 from __future__ import annotations
 
@@ -221,6 +224,8 @@ class Glm5NextForCausalLM(nn.Module):
     """
 
     weight_prefix = 'model.'
+    # the NextN layer model.layers.{num_hidden_layers}.* (speculative decoding; not read by load_weights)
+    mtp_head = 'glm5_next_mtp:Glm5NextMTP'
 
     def __init__(self, config):
         super().__init__()
