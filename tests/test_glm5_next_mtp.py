@@ -149,6 +149,17 @@ def test_the_head_is_a_dsa_block_with_its_own_paged_rows_and_lookahead(tiny):
     assert kv_bytes_per_block(eng.specs, B) == kv_bytes_per_block(ref.specs, B) + kv_bytes_per_block([full_dsa], B)
     assert state_bytes_per_slot(eng.specs) == state_bytes_per_slot(ref.specs)
     assert (eng.strategy.token_lookahead, eng.strategy.recompute_blocks) == (1, 0)
+    # the Store simulator's MTP sizes come from the same head spec
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'benchmark'))
+    try:
+        import simulate_store_writes as sim
+    finally:
+        sys.path.pop(0)
+    sizes = sim.sizes_from_config(json.loads((Path(tiny) / 'config.json').read_text()), block_size=B, mtp=True)
+    assert (sizes.state_bytes, sizes.kv_block_bytes) == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
 
 
 def test_mtp_needs_the_nextn_layer_and_tp1(tmp_path):

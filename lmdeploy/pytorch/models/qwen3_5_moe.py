@@ -15,7 +15,7 @@ What differs from :mod:`.qwen3_5` (everything else is the same layer, imported f
 
 ``Qwen3_5MoeForCausalLM`` serves ``qwen3_5_moe_text`` checkpoints, ``Qwen3_5MoeForConditionalGeneration``
 the vision-language ``qwen3_5_moe`` ones (images exactly as :class:`.qwen3_5.Qwen3_5ForConditionalGeneration`).
-The multi-token-prediction head (``mtp.*``) is :class:`~lmdeploy.pytorch.spec_decode.mtp.Qwen3NextMTP`
+The multi-token-prediction head (``mtp.*``) is :class:`~lmdeploy.pytorch.models.qwen3_next_mtp.Qwen3NextMTP`
 built with :class:`Qwen3_5MoeDecoderLayer`.
 """
 from __future__ import annotations
