@@ -3,7 +3,8 @@ on a tiny ``glm5_next`` checkpoint written with its NextN layer): the head's dra
 against a plain-torch reference (the DSA decoder block taken from ``transformers``, the rest of
 the NextN composition written here from the published layout), greedy outputs equal plain
 decoding (prompts past ``index_topk``, 4 concurrent, prefix cache off and on, a multi-turn
-chat), the restore requirements ℓ = 1, r = 0 in the prefill plan, and accepted drafts counted.
+chat, TP2 against plain TP1), the restore requirements ℓ = 1, r = 0 in the prefill plan, the
+head's cache spec in K_blk (and in the Store simulator), and accepted drafts counted.
 
 The tiny head is random, so its own drafts are (almost) never accepted; the acceptance test
 replaces the head's drafts by the plain continuation (the head still runs and writes its
@@ -162,15 +163,25 @@ def test_the_head_is_a_dsa_block_with_its_own_paged_rows_and_lookahead(tiny):
     assert (sizes.state_bytes, sizes.kv_block_bytes) == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
 
 
-def test_mtp_needs_the_nextn_layer_and_tp1(tmp_path):
+def test_mtp_needs_the_nextn_layer(tmp_path):
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     bare = make_tiny_model(str(tmp_path / 'bare'), arch='glm5_next', seed=0)     # no NextN layer by default
     with pytest.raises(ValueError, match=r'model\.layers\.4'):
         engine(bare)
-    from lmdeploy.pytorch.models.loader import load_config
-    from lmdeploy.pytorch.spec_decode.mtp import check_mtp_model
-    with pytest.raises(ValueError, match='speculative_config.method.*tp=1'):
-        check_mtp_model(load_config(bare), tp=2)
+
+
+def test_tp2_mtp_greedy_equals_plain_tp1(tiny):
+    from test_tensor_parallel import engine as tp_engine
+    prompts = PROMPTS[1:]
+    expected = [plain(tiny, p) for p in prompts]
+    eng = tp_engine(tiny, tp=2, speculative_config=dict(method='qwen3_next_mtp', num_speculative_tokens=2))
+    try:
+        attn = eng.mtp.layers[0].self_attn          # rank 0's shard: 1 of the 2 query heads, o_proj all-reduced
+        assert attn.num_heads == 1 and type(attn.o_proj).__name__ == 'RowParallelLinear'
+        assert run_batch(eng, prompts) == expected
+        assert eng.stats()['spec_decode_draft_tokens'] > 0
+    finally:
+        eng.close()
 
 
 # ------------------------------------------------------------------ outputs

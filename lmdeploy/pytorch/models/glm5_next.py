@@ -180,18 +180,24 @@ class Glm5NextTPPlan(KimiLinearTPPlan):
         c = self.config
         m = re.match(r'^model\.layers\.(\d+)\.', name)
         if m and int(m.group(1)) >= c.num_hidden_layers:
-            return None                           # the NextN layer (not read)
+            # the NextN layer (read by the MTP head only): its DSA block splits by query head
+            # like the target's DSA layers, the rest (norms, eh_proj, indexer, MoE) is whole
+            m = _DSA_ROWS.match(name)
+            return self._dsa_rows(m.group(2)) if m and int(m.group(1)) == c.num_hidden_layers else None
         m = _A_LOG.match(name)
         if m and c.layer_types[int(m.group(1))] == LINEAR:
             return 0, (self.heads,)
         m = _DSA_ROWS.match(name)
         if m and c.layer_types[int(m.group(1))] == INDEXED:
-            (q0, q1), part = self.q_heads, m.group(2)
-            if part == 'o_proj':
-                return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
-            per = c.qk_nope_head_dim + (c.v_head_dim if part == 'kv_b_proj' else 0)
-            return 0, ((q0 * per, q1 * per),)
+            return self._dsa_rows(m.group(2))
         return super().shard(name)
+
+    def _dsa_rows(self, part: str):
+        c, (q0, q1) = self.config, self.q_heads
+        if part == 'o_proj':
+            return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
+        per = c.qk_nope_head_dim + (c.v_head_dim if part == 'kv_b_proj' else 0)
+        return 0, ((q0 * per, q1 * per),)
 
 
 def _tp_split(config, rank: int, size: int) -> Glm5NextTPPlan:

@@ -29,7 +29,10 @@ Decisions (the published layer fixes the tensors, not the streams or the block k
 The layer's cache is the DSA :class:`~lmdeploy.pytorch.cache_specs.PagedSpec` (``latent``,
 ``index_keys``) at layer index ``num_hidden_layers``: its rows sit in every KV block and count
 in ``K_blk``. Its rows at position ``t`` need token ``t + 1``: lookahead ℓ = 1, no recompute
-blocks, as Qwen3-Next's MTP. Tensor parallelism is not supported for this head.
+blocks, as Qwen3-Next's MTP. Tensor parallelism: the block's DSA attention splits by query
+head like the target's (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj`` columns,
+:class:`.glm5_next.Glm5NextTPPlan`), the rest of the head is replicated, and its cached rows
+(latent, indexer keys) are the same on every rank.
 """
 from __future__ import annotations
 
@@ -76,7 +79,7 @@ class Glm5NextMTP(nn.Module):
     when the checkpoint has it, ``shared_head.head`` (``[vocab, H]``).
     """
 
-    supports_tp = False
+    supports_tp = True      # built from the rank's local config; Glm5NextTPPlan.shard splits layer n's DSA rows
 
     def __init__(self, config):
         super().__init__()

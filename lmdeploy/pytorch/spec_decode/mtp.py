@@ -122,7 +122,7 @@ def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device |
         mtp.load_weights(tensors() if fp8 is None else fp8.stream(tensors(), complete=False))
     else:
         from ..distributed.loading import iter_shard_tensors
-        mtp.load_weights(iter_shard_tensors(model_path, layout, prefix=MTP_PREFIX, fp8=fp8))
+        mtp.load_weights(iter_shard_tensors(model_path, layout, fp8=fp8, keep=lambda name: head_cls.wants(name, config)))
     return mtp.eval()
 
 
