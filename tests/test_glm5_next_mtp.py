@@ -253,3 +253,19 @@ def test_accepted_drafts_are_kept_and_counted(tiny):
     assert stats['spec_decode_draft_tokens'] > 0
     assert stats['spec_decode_accepted_tokens'] == stats['spec_decode_draft_tokens']
     assert stats['spec_decode_rollbacks'] == 0
+
+
+def test_spec_decode_has_no_model_type_branch():
+    """A family's MTP head comes from its model class (``mtp_head``): the speculative-decoding
+    package compares no model type and names no family's model type."""
+    import ast
+    from pathlib import Path
+
+    from lmdeploy.pytorch.models import MODEL_REGISTRY
+    from lmdeploy.pytorch.spec_decode.mtp import mtp_model_types
+    root = Path(__file__).resolve().parents[1] / 'lmdeploy' / 'pytorch' / 'spec_decode'
+    for path in root.glob('*.py'):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in MODEL_REGISTRY, (path.name, node.value)
+    assert {'glm5_next', 'glm5_next_text', 'qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text'} == set(mtp_model_types())
