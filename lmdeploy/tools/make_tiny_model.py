@@ -512,7 +512,8 @@ def _nextn_state_dict(config, seed: int, dtype: torch.dtype, prefix: str) -> dic
     tensors = _glm5_next_published_names(_checkpoint_state_dict(holder, dtype))
     for name, buf in block.named_buffers():
         if name.endswith('e_score_correction_bias'):
-            tensors[f'nextn.{name}'] = (0.1 * torch.randn(buf.shape, generator=_generator(seed, f'nextn.{name}'))).to(dtype)
+            bias = 0.1 * torch.randn(buf.shape, generator=_generator(seed, f'nextn.{name}'))
+            tensors[f'nextn.{name}'] = bias.to(dtype)
     return {f'{prefix}layers.{n}.' + k[len('nextn.'):]: v for k, v in tensors.items()}
 
 
@@ -630,8 +631,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32',
                         help='stored weight dtype (default: float32)')
     parser.add_argument('--mtp', action=argparse.BooleanOptionalAction, default=None,
-                        help=f'also write the mtp.* multi-token-prediction head (default: on for {", ".join(MTP_ARCHS)}; '
-                        'other architectures have none)')
+                        help=f'also write the multi-token-prediction head: mtp.* (default: on for '
+                        f'{", ".join(MTP_ARCHS)}) or the NextN layer ({", ".join(NEXTN_ARCHS)}: off by default); '
+                        'other architectures have none')
     parser.add_argument('--fp8', action='store_true',
                         help='store the matrices FP8 (e4m3) block-quantized with 128x128 inverse scales, as the '
                         'official FP8 checkpoints (default: off)')

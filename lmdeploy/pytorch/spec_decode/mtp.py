@@ -1,8 +1,9 @@
 """Multi-token prediction (MTP) drafting: the checkpoint's own extra layer drafts a token.
 
 A model family that ships such a layer names its head class as the model class's
-``mtp_head`` (``'module:Class'`` under :mod:`lmdeploy.pytorch.models`, in its model file); this module builds, loads and runs any family's head through
-that class's small interface, with no per-family branches:
+``mtp_head`` (``'module:Class'`` under :mod:`lmdeploy.pytorch.models`, in its model file); this
+module builds, loads and runs any family's head through that class's small interface, with no
+per-family branches:
 
 =====================================  =================================================
 ``Head(config)``                       the head of the (possibly vision-language) config
@@ -122,7 +123,8 @@ def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device |
         mtp.load_weights(tensors() if fp8 is None else fp8.stream(tensors(), complete=False))
     else:
         from ..distributed.loading import iter_shard_tensors
-        mtp.load_weights(iter_shard_tensors(model_path, layout, fp8=fp8, keep=lambda name: head_cls.wants(name, config)))
+        mtp.load_weights(iter_shard_tensors(model_path, layout, fp8=fp8,
+                                            keep=lambda name: head_cls.wants(name, config)))
     return mtp.eval()
 
 
