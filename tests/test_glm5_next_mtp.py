@@ -269,3 +269,12 @@ def test_spec_decode_has_no_model_type_branch():
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert node.value not in MODEL_REGISTRY, (path.name, node.value)
     assert {'glm5_next', 'glm5_next_text', 'qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text'} == set(mtp_model_types())
+
+
+def test_fp8_checkpoint_head_is_dequantized_and_decodes_the_plain_tokens(tmp_path):
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path / 'fp8'), arch='glm5_next', seed=0, mtp=True, fp8=True)
+    eng = engine(path)
+    assert eng.mtp.eh_proj.weight.dtype == torch.float32
+    assert eng.generate(PROMPTS[3], GEN).output_ids == plain(path, PROMPTS[3])
+    assert eng.stats()['spec_decode_draft_tokens'] > 0
