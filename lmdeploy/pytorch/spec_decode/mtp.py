@@ -64,8 +64,8 @@ def mtp_head_class(config):
     model_type = getattr(config, 'model_type', None)
     head = getattr(get_model_class(model_type), 'mtp_head', None) if model_type in MODEL_REGISTRY else None
     if not head:
-        raise ValueError(f'speculative_config.method=qwen3_next_mtp needs a model with an MTP head '
-                         f'({", ".join(mtp_model_types())}), got {model_type!r}')
+        raise ValueError(f'speculative_config.method=qwen3_next_mtp needs a qwen3_next model or another with an '
+                         f'MTP head ({", ".join(mtp_model_types())}), got {model_type!r}')
     module, name = head.split(':')
     return getattr(importlib.import_module(f'lmdeploy.pytorch.models.{module}'), name)
 
