@@ -75,7 +75,8 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra='forbid', validate_assignment=True)
 
     method: Literal['qwen3_next_mtp', 'ngram'] = Field(description='Draft source: the checkpoint\'s own '
-                                                     'multi-token-prediction head (Qwen3-Next mtp.* weights) or '
+                                                     'multi-token-prediction head (Qwen3-Next / Qwen3.5-MoE mtp.*, '
+                                                     'GLM-5.3-Flash NextN layer) or '
                                                      'n-gram prompt lookup in the sequence\'s own tokens.')
     num_speculative_tokens: int = Field(3, ge=1, le=16, description='Draft tokens K verified per decode step.')
     ngram_min: int = Field(1, ge=1, description='Shortest suffix n-gram looked up (method ngram).')

@@ -23,6 +23,10 @@ Invariants:
   (as published: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, one full-attention decoder
   layer `layers.0` with the model's MoE, `norm`; config `num_nextn_predict_layers: 1`).
   transformers ignores `mtp.*` on load; the engine's `qwen3_next_mtp` speculative decoding reads it.
+- GLM-5.3-Flash (`glm5_next`) with `mtp=True` (opt-in; off by default) also holds the NextN layer
+  `model.language_model.layers.{num_hidden_layers}.*` (`enorm`, `hnorm`, `eh_proj`, one DSA
+  decoder block with its own indexer and the last layer's MLP kind, `shared_head.norm`,
+  `shared_head.head`; config `num_nextn_predict_layers: 1`), in the published names.
 - `fp8=True` stores the matrices as FP8 block-quantized (see :mod:`.fp8_checkpoint`).
 """
 
@@ -39,6 +43,7 @@ ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'k
          'granitemoehybrid')
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
+NEXTN_ARCHS = ('glm5_next',)    # the NextN layer model.layers.{num_hidden_layers}.*, written with mtp=True only
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
 IMAGE_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>')
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -532,6 +537,45 @@ def _mtp_state_dict(config, seed: int, dtype: torch.dtype) -> dict:
     return _checkpoint_state_dict(holder, dtype)
 
 
+def _nextn_state_dict(config, seed: int, dtype: torch.dtype, prefix: str) -> dict:
+    """Seeded NextN-layer tensors of a GLM-5.3-Flash checkpoint (text `config`) under
+    `prefix` + `layers.{num_hidden_layers}.`, in the published names."""
+    import copy
+
+    from torch import nn
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextDecoderLayer, Glm5NextTextRMSNorm
+
+    n, H, eps = config.num_hidden_layers, config.hidden_size, config.rms_norm_eps
+    layer_config = copy.deepcopy(config)
+    layer_config.layer_types = list(config.layer_types) + ['indexed_attention']
+    layer_config.indexer_types = list(config.indexer_types) + ['full']
+    layer_config.mlp_layer_types = list(config.mlp_layer_types) + [config.mlp_layer_types[-1]]
+    nextn = nn.Module()
+    torch_state = torch.random.get_rng_state()
+    try:
+        block = Glm5NextTextDecoderLayer(layer_config, n)
+    finally:
+        torch.random.set_rng_state(torch_state)
+    for name, child in block.named_children():
+        nextn.add_module(name, child)
+    nextn.enorm = Glm5NextTextRMSNorm(H, eps=eps)
+    nextn.hnorm = Glm5NextTextRMSNorm(H, eps=eps)
+    nextn.eh_proj = nn.Linear(2 * H, H, bias=False)
+    nextn.shared_head = nn.Module()
+    nextn.shared_head.norm = Glm5NextTextRMSNorm(H, eps=eps)
+    nextn.shared_head.head = nn.Linear(H, config.vocab_size, bias=False)
+    holder = nn.Module()
+    holder.nextn = nextn.to(torch.float32)
+    holder.config = config
+    _randomize(holder, seed)
+    tensors = _glm5_next_published_names(_checkpoint_state_dict(holder, dtype))
+    for name, buf in block.named_buffers():
+        if name.endswith('e_score_correction_bias'):
+            bias = 0.1 * torch.randn(buf.shape, generator=_generator(seed, f'nextn.{name}'))
+            tensors[f'nextn.{name}'] = bias.to(dtype)
+    return {f'{prefix}layers.{n}.' + k[len('nextn.'):]: v for k, v in tensors.items()}
+
+
 def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **overrides) -> str:
     """Write a seeded random tiny checkpoint of `arch` (one of `ARCHS`) into `out_dir`.
 
@@ -547,7 +591,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     import transformers
 
     dtype_name = overrides.pop('dtype', 'float32')
-    with_mtp = bool(overrides.pop('mtp', True)) and arch in MTP_ARCHS
+    mtp_flag = overrides.pop('mtp', None)
+    with_mtp = (True if mtp_flag is None else bool(mtp_flag)) and arch in MTP_ARCHS
+    with_nextn = bool(mtp_flag) and arch in NEXTN_ARCHS
     fp8 = bool(overrides.pop('fp8', False))
     if dtype_name not in DTYPES:
         raise ValueError(f'dtype must be one of {tuple(DTYPES)}, got {dtype_name!r}')
@@ -604,6 +650,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     tensors = _checkpoint_state_dict(model, DTYPES[dtype_name])
     if with_mtp:
         tensors.update(_mtp_state_dict(config.get_text_config(), seed, DTYPES[dtype_name]))
+    if with_nextn:
+        config_dict['text_config']['num_nextn_predict_layers'] = 1
+        tensors.update(_nextn_state_dict(config.get_text_config(), seed, DTYPES[dtype_name], 'model.language_model.'))
     if fp8:
         from .fp8_checkpoint import quantize_state_dict
         tensors, config_dict['quantization_config'] = quantize_state_dict(tensors)
@@ -648,8 +697,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32',
                         help='stored weight dtype (default: float32)')
     parser.add_argument('--mtp', action=argparse.BooleanOptionalAction, default=None,
-                        help=f'also write the mtp.* multi-token-prediction head (default: on for {", ".join(MTP_ARCHS)}; '
-                        'other architectures have none)')
+                        help=f'also write the multi-token-prediction head: mtp.* (default: on for '
+                        f'{", ".join(MTP_ARCHS)}) or the NextN layer ({", ".join(NEXTN_ARCHS)}: off by default); '
+                        'other architectures have none')
     parser.add_argument('--fp8', action='store_true',
                         help='store the matrices FP8 (e4m3) block-quantized with 128x128 inverse scales, as the '
                         'official FP8 checkpoints (default: off)')
@@ -665,12 +715,13 @@ def main(args: argparse.Namespace) -> str:
     with an architecture outside `MTP_ARCHS`.
     """
     mtp = getattr(args, 'mtp', None)
-    if mtp and args.arch not in MTP_ARCHS:
-        raise ValueError(f'--mtp: only {", ".join(MTP_ARCHS)} checkpoints have an MTP head, not --arch {args.arch}')
+    if mtp and args.arch not in MTP_ARCHS + NEXTN_ARCHS:
+        raise ValueError(f'--mtp: only {", ".join(MTP_ARCHS + NEXTN_ARCHS)} checkpoints have an MTP head, '
+                         f'not --arch {args.arch}')
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
         raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')
     path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                           mtp=True if mtp is None else mtp, fp8=getattr(args, 'fp8', False))
+                           mtp=(args.arch not in NEXTN_ARCHS) if mtp is None else mtp, fp8=getattr(args, 'fp8', False))
     print(path)
     return path
 

@@ -25,17 +25,19 @@ logger = logging.getLogger('lmdeploy')
 
 
 def iter_shard_tensors(model_path: str, layout: TPLayout, prefix: str | None = None,
-                       fp8: Fp8Weights | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       fp8: Fp8Weights | None = None, keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, this rank's part)`` for every checkpoint tensor the rank reads
     (:meth:`TPLayout.reads`), or only for those whose name starts with ``prefix`` (the others
-    are not read at all). With ``fp8`` (an FP8 checkpoint) a quantized weight is read whole,
-    dequantized (:meth:`~lmdeploy.pytorch.models.quantization.Fp8Weights.convert`) and then
-    sliced, and the scales are not yielded."""
+    are not read at all), or only for those ``keep(name)`` accepts. With ``fp8`` (an FP8
+    checkpoint) a quantized weight is read whole, dequantized
+    (:meth:`~lmdeploy.pytorch.models.quantization.Fp8Weights.convert`) and then sliced, and the
+    scales are not yielded."""
     quantized = fp8.weight_names() if fp8 is not None else set()
     for path in weight_files(model_path):
         with safe_open(path, framework='pt') as f:
             for name in f.keys():
-                if (prefix is not None and not name.startswith(prefix)) or not layout.reads(name):
+                if (prefix is not None and not name.startswith(prefix)) or (keep is not None and not keep(name)) \
+                        or not layout.reads(name):
                     continue
                 shard = layout.shard(name)
                 if fp8 is not None and (name in quantized or name.endswith(SCALE_SUFFIX)):

@@ -176,12 +176,12 @@ class MultiProcessExecutor(_Executor):
         dtype: ``PytorchEngineConfig.dtype``.
         device: rank 0's device (CUDA ranks use devices ``0 .. N-1``).
         size: the TP size (>= 2).
-        mtp: every rank also loads its shard of the Qwen3-Next MTP head (speculative decoding
+        mtp: every rank also loads its shard of the model's MTP head (speculative decoding
             method ``qwen3_next_mtp``).
 
     Raises:
         ValueError: ``size`` does not divide a head or channel count (names the config field),
-            ``mtp`` on a model that is not Qwen3-Next (names ``speculative_config.method``), or a
+            ``mtp`` on a model without an MTP head that TP can split (names ``speculative_config.method``), or a
             rank failed to load its shard (the message names the rank and the cause).
         WorkerDiedError: a worker died during startup.
     """
@@ -195,7 +195,7 @@ class MultiProcessExecutor(_Executor):
         TPLayout(config, 0, size)     # a TP size the heads do not allow fails before any spawn
         if mtp:
             from ..spec_decode.mtp import check_mtp_model
-            check_mtp_model(config)
+            check_mtp_model(config, size)
         ctx = mp.get_context('spawn')
         port = free_port()
         self.procs = [ctx.Process(target=_worker_main, args=(r, size, port, model_path, dtype, device.type, mtp),

@@ -13,7 +13,7 @@ builds the same :class:`~lmdeploy.pytorch.model_inputs.StepContext` from it and 
 of the forward. The collectives inside the sharded layers keep the ranks in lock step, and the
 vocab-parallel ``lm_head`` leaves the full logits on every rank; only rank 0 samples.
 
-With the Qwen3-Next MTP head (speculative decoding) each rank also holds its shard of the head
+With the model's MTP head (speculative decoding) each rank also holds its shard of the head
 and keeps its own last forward's hidden states; :meth:`Worker.mtp_step` runs a draft step
 from an :class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch` of integers, so no hidden state
 crosses ranks.
@@ -40,7 +40,7 @@ class Worker:
         device: this rank's device.
         rank, size: this rank and the TP size (``size == 1``: the whole model, loaded by
             :func:`~lmdeploy.pytorch.models.loader.load_model`; else this rank's shard).
-        mtp: also load this rank's part of the Qwen3-Next MTP head (``mtp.*``); its KV spec
+        mtp: also load this rank's part of the model's MTP head (its class's ``mtp_head``); its cache spec
             (this rank's KV heads) is appended to :attr:`specs`, the full-head one to
             :attr:`full_specs`.
 

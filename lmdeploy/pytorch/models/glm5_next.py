@@ -19,7 +19,10 @@ latent and, when it runs its own indexer, the indexer's per-token keys (``index_
 replicated under tensor parallelism. Weights: transformers' names (``model.language_model.*``
 for the vision-language class, ``model.*`` for the text one) or the published ones; the vision
 tower (``model.visual.*``, :mod:`.glm5_next_vision`) is read by the vision-language class; the
-NextN layer (``model.layers.{num_hidden_layers}.*``) is not read.
+NextN layer (``model.layers.{num_hidden_layers}.*``) is not read here: it is the MTP head
+(:mod:`.glm5_next_mtp`, ``mtp_head``) that speculative decoding loads, where its block kind
+(DSA with its own indexer) and its mHC streams (the eh_proj output copied into ``hc_mult``
+streams, reduced by the mean) are explained.
 """
 from __future__ import annotations
 
@@ -177,18 +180,24 @@ class Glm5NextTPPlan(KimiLinearTPPlan):
         c = self.config
         m = re.match(r'^model\.layers\.(\d+)\.', name)
         if m and int(m.group(1)) >= c.num_hidden_layers:
-            return None                           # the NextN layer (not read)
+            # the NextN layer (read by the MTP head only): its DSA block splits by query head
+            # like the target's DSA layers, the rest (norms, eh_proj, indexer, MoE) is whole
+            m = _DSA_ROWS.match(name)
+            return self._dsa_rows(m.group(2)) if m and int(m.group(1)) == c.num_hidden_layers else None
         m = _A_LOG.match(name)
         if m and c.layer_types[int(m.group(1))] == LINEAR:
             return 0, (self.heads,)
         m = _DSA_ROWS.match(name)
         if m and c.layer_types[int(m.group(1))] == INDEXED:
-            (q0, q1), part = self.q_heads, m.group(2)
-            if part == 'o_proj':
-                return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
-            per = c.qk_nope_head_dim + (c.v_head_dim if part == 'kv_b_proj' else 0)
-            return 0, ((q0 * per, q1 * per),)
+            return self._dsa_rows(m.group(2))
         return super().shard(name)
+
+    def _dsa_rows(self, part: str):
+        c, (q0, q1) = self.config, self.q_heads
+        if part == 'o_proj':
+            return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
+        per = c.qk_nope_head_dim + (c.v_head_dim if part == 'kv_b_proj' else 0)
+        return 0, ((q0 * per, q1 * per),)
 
 
 def _tp_split(config, rank: int, size: int) -> Glm5NextTPPlan:
@@ -221,6 +230,8 @@ class Glm5NextForCausalLM(nn.Module):
     """
 
     weight_prefix = 'model.'
+    # the NextN layer model.layers.{num_hidden_layers}.* (speculative decoding; not read by load_weights)
+    mtp_head = 'glm5_next_mtp:Glm5NextMTP'
 
     def __init__(self, config):
         super().__init__()

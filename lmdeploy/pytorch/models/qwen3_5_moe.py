@@ -15,7 +15,7 @@ What differs from :mod:`.qwen3_5` (everything else is the same layer, imported f
 
 ``Qwen3_5MoeForCausalLM`` serves ``qwen3_5_moe_text`` checkpoints, ``Qwen3_5MoeForConditionalGeneration``
 the vision-language ``qwen3_5_moe`` ones (images exactly as :class:`.qwen3_5.Qwen3_5ForConditionalGeneration`).
-The multi-token-prediction head (``mtp.*``) is :class:`~lmdeploy.pytorch.spec_decode.mtp.Qwen3NextMTP`
+The multi-token-prediction head (``mtp.*``) is :class:`~lmdeploy.pytorch.models.qwen3_next_mtp.Qwen3NextMTP`
 built with :class:`Qwen3_5MoeDecoderLayer`.
 """
 from __future__ import annotations
@@ -63,6 +63,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """
     text_model_cls = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
+    mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
     # the router always renormalises its top-k: no norm_topk_prob / decoder_sparse_step / mlp_only_layers
     config_fields = {**Qwen3_5ForCausalLM.config_fields, **MOE_FIELDS}
     # MoE in every layer (replicated, no dense MLP to split); its mtp.* head is read
@@ -80,6 +81,7 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     """
     text_model_cls = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
+    mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
     config_fields = {**Qwen3_5ForConditionalGeneration.config_fields, **MOE_FIELDS}
     parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=lambda config: False,
                                  renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),

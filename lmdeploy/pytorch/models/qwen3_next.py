@@ -333,6 +333,8 @@ class Qwen3NextForCausalLM(nn.Module):
     # gated q_proj, Gated DeltaNet by key head, dense MLPs split, MoE blocks replicated
     parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=has_dense_mlp)
 
+    mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
+
     def __init__(self, config):
         super().__init__()
         check_config(config)

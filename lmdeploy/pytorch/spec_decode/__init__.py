@@ -2,7 +2,7 @@
 
 One decode step with drafts (docs/en/advance/spec_decoding.md)::
 
-    propose     n-gram lookup in the sequence's own tokens, or the Qwen3-Next MTP head  (drafter)
+    propose     n-gram lookup in the sequence's own tokens, or the model's MTP head     (drafter)
     schedule    the decode chunk carries K drafts; KV slots for them are taken if free  (scheduler)
     snapshot    hybrid models: runtime state slot → the sequence's scratch slot         (decoder)
     forward     last token + K drafts scored as one chunk of the sequence               (model runner)

@@ -10,7 +10,9 @@ strategy           ℓ   r   why
 =================  ==  ==  ==========================================================
 autoregressive     0   0   a forward reads only its own tokens
 n-gram drafts      0   0   drafts are verified by the target alone; nothing shifted
-qwen3_next_mtp     1   0   the MTP layer's KV at position t is computed from token t + 1
+qwen3_next_mtp     1   0   the MTP layer's rows at position t are computed from token t + 1
+                           (every family's MTP head: Qwen3-Next / Qwen3.5-MoE ``mtp.*``,
+                           GLM-5.3-Flash's NextN DSA block)
 =================  ==  ==  ==========================================================
 """
 from __future__ import annotations
