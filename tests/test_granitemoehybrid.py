@@ -15,8 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, hf_greedy,
-                          hf_prompt_logits, load_hf, make_engine, random_prompt, run_staggered)
+from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
+                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
+                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process,
+                          engine_prompt_logits, hf_greedy, hf_prompt_logits, make_engine, random_prompt, run_staggered,
+                          tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
@@ -26,9 +29,7 @@ from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 @pytest.fixture(scope='module')
 def tiny(tmp_path_factory):
     """(checkpoint path in the published layout, transformers float32 reference)."""
-    from lmdeploy.tools.make_tiny_model import make_tiny_model
-    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_granitemoehybrid')), arch='granitemoehybrid', seed=0)
-    return path, load_hf(path)
+    return tiny_checkpoint_and_reference(tmp_path_factory, 'granitemoehybrid')
 
 
 def test_tiny_model_is_a_hybrid_with_mup_multipliers_and_an_ssd_chunk_off_the_prefill_chunks(tiny):
@@ -41,28 +42,11 @@ def test_tiny_model_is_a_hybrid_with_mup_multipliers_and_an_ssd_chunk_off_the_pr
 
 @pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
 def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    path, hf = tiny
-    ids = random_prompt(n, seed=n)
-    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
-    ref = hf_prompt_logits(hf, ids)
-    assert forwards == -(-n // chunk)
-    assert (got - ref).abs().max().item() <= TOL
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    check_prompt_logits_match_transformers(*tiny, n, chunk)
 
 
 def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    path, hf = tiny
-    ids = random_prompt(200, seed=11)
-    expected = hf_greedy(hf, ids, 12)
-    gen = GenerationConfig(max_new_tokens=12)
-    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
-    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
-    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
-                         enable_prefix_caching=True, num_checkpoint_slots=8)
-    first = cached.generate(ids, gen)
-    again = cached.generate(ids, gen)
-    assert cold == chunked == first.output_ids == again.output_ids == expected
-    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
 
 
 def test_a_64_token_checkpoint_of_a_shared_system_prompt_is_reused(tiny):
@@ -173,16 +157,7 @@ def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
     """A writer process saves a prompt (Mamba-2 state checkpoints + attention KV blocks) to the
     Store; a second fresh process restores 256 tokens from it and decodes what an engine with
     caching off decodes."""
-    from test_store_engine import GEN, P, run_worker
-    path, _ = tiny
-    ids = random_prompt(300, seed=301)
-    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
-    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
-    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
-    assert ta['output_ids'] == tb['output_ids'] == cold
+    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
