@@ -15,7 +15,7 @@ import torch
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
                           check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process,
-                          engine_prompt_logits, hf_prompt_logits, make_engine, random_prompt, run_staggered,
+                          engine_prompt_logits, hf_prompt_logits, make_engine, random_prompt,
                           tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block
@@ -135,24 +135,16 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_
     TP2 = TP1; a TP2 engine's K_blk is one rank's (stored and charged once), S the ranks' sum,
     as the simulator computes them from the specs."""
     from test_store_engine import sim
-    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, B, engine as tp_engine
+    from test_tensor_parallel import check_tp2_equals_tp1
     path, _ = tiny
-    ref = tp_engine(path)
-    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
-    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
-    ref.close()
-    eng = tp_engine(path, tp=2)
-    try:
-        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
-        assert (logits - ref_logits).abs().max().item() <= TP_TOL
-        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
+
+    def store_sizes_are_the_simulators(eng):
         sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2,
                                       block_size=eng.cache_engine.block_size)
         S, K = sizes.charged
         assert (S, K) == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
         assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes
-    finally:
-        eng.close()
+    check_tp2_equals_tp1(path, then=store_sizes_are_the_simulators)
 
 
 def test_audit_lists_every_field_transformers_reads_for_glm5_next():

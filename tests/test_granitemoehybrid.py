@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
                           check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process,
-                          engine_prompt_logits, hf_greedy, hf_prompt_logits, make_engine, random_prompt, run_staggered,
+                          engine_prompt_logits, hf_greedy, hf_prompt_logits, make_engine, random_prompt,
                           tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
@@ -162,19 +162,8 @@ def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
     """Attention by head, Mamba-2 by head and group, the shared MLP by rows; experts replicated."""
-    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, engine as tp_engine
-    path, _ = tiny
-    ref = tp_engine(path)
-    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
-    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
-    ref.close()
-    eng = tp_engine(path, tp=2)
-    try:
-        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
-        assert (logits - ref_logits).abs().max().item() <= TP_TOL
-        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
-    finally:
-        eng.close()
+    from test_tensor_parallel import check_tp2_equals_tp1
+    check_tp2_equals_tp1(tiny[0])
 
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):

@@ -237,19 +237,8 @@ def test_nemotron_3_nano_preset_sizes():
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
     """Mamba-2 split by head and group, attention by head, the dense MLP by row; MoE replicated."""
-    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, engine as tp_engine
-    path, _ = tiny
-    ref = tp_engine(path)
-    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
-    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
-    ref.close()
-    eng = tp_engine(path, tp=2)
-    try:
-        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
-        assert (logits - ref_logits).abs().max().item() <= TP_TOL
-        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
-    finally:
-        eng.close()
+    from test_tensor_parallel import check_tp2_equals_tp1
+    check_tp2_equals_tp1(tiny[0])
 
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):

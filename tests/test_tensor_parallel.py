@@ -220,6 +220,25 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert_idle(eng)
 
 
+def check_tp2_equals_tp1(path: str, then=None) -> None:
+    """A TP2 engine's prompt logits of ``PROMPTS[1]`` are within ``TP_TOL`` of a TP1 engine's and
+    its staggered greedy outputs of ``PROMPTS`` equal TP1's; ``then(tp2_engine)``, when given,
+    runs the caller's further checks before the TP2 engine closes."""
+    ref = engine(path)
+    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, GEN, every=2)]
+    ref.close()
+    eng = engine(path, tp=2)
+    try:
+        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
+        assert (logits - ref_logits).abs().max().item() <= TP_TOL
+        assert [s.output_ids for s in run_staggered(eng, PROMPTS, GEN, every=2)] == ref_out
+        if then is not None:
+            then(eng)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'])
 def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
     path = request.getfixturevalue(f'tiny_{arch}')
