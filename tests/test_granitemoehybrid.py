@@ -208,8 +208,7 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     and slots."""
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    from lmdeploy.tools.make_tiny_model import _randomize
-    from model_harness import ModelHarness
+    from model_harness import check_random_model_in_random_chunks_then_decode
     n_layers = data.draw(st.integers(1, 3))
     types = data.draw(st.lists(st.sampled_from(['mamba', 'attention']), min_size=n_layers, max_size=n_layers))
     groups = data.draw(st.sampled_from([1, 2]))
@@ -225,19 +224,4 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
         position_embedding_type=data.draw(st.sampled_from([None, 'rope'])), embedding_multiplier=4.0,
         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0, pad_token_id=0, bos_token_id=None,
         eos_token_id=1)
-    seed = data.draw(st.integers(0, 1000))
-    torch_state = torch.random.get_rng_state()
-    hf = GraniteMoeHybridForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, seed)
-    ours = get_model_class('granitemoehybrid')(config).eval()
-    ours.load_weights(hf.state_dict().items())
-    n = data.draw(st.integers(5, 70))
-    ids = torch.randint(0, 64, (n + 3,), generator=torch.Generator().manual_seed(seed)).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
-    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32), num_blocks=32, block_size=8)
-    seq = h.add_sequence()
-    chunk = data.draw(st.integers(1, 40))
-    got = torch.cat([h.run_chunks(seq, ids[:n], chunk)] + [h.step([(seq, [t])])[0] for t in ids[n:]])
-    assert (got - ref).abs().max().item() <= TOL
+    check_random_model_in_random_chunks_then_decode(data, GraniteMoeHybridForCausalLM, 'granitemoehybrid', config, 70, TOL)

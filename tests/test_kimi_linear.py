@@ -183,8 +183,7 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     of transformers' full forward, through NaN-poisoned scrambled blocks and slots."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    from lmdeploy.tools.make_tiny_model import _randomize
-    from model_harness import ModelHarness
+    from model_harness import check_random_model_in_random_chunks_then_decode
     lin, full = 'linear_attention', 'full_attention'
     n_layers = data.draw(st.integers(1, 3))
     types = data.draw(st.lists(st.sampled_from([lin, full]), min_size=n_layers, max_size=n_layers))
@@ -202,22 +201,7 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
         v_head_dim=data.draw(st.sampled_from([4, 8])),
         linear_num_heads=data.draw(st.integers(1, 3)), linear_head_dim=data.draw(st.sampled_from([4, 8])),
         linear_conv_kernel_dim=data.draw(st.integers(2, 4)), pad_token_id=0, bos_token_id=None, eos_token_id=1)
-    seed = data.draw(st.integers(0, 1000))
-    torch_state = torch.random.get_rng_state()
-    hf = KimiLinearForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, seed)
-    ours = get_model_class('kimi_linear')(config).eval()
-    ours.load_weights(hf.state_dict().items())
-    n = data.draw(st.integers(5, 80))
-    ids = torch.randint(0, 64, (n + 3,), generator=torch.Generator().manual_seed(seed)).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
-    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32), num_blocks=32, block_size=8)
-    seq = h.add_sequence()
-    chunk = data.draw(st.integers(1, 40))
-    got = torch.cat([h.run_chunks(seq, ids[:n], chunk)] + [h.step([(seq, [t])])[0] for t in ids[n:]])
-    assert (got - ref).abs().max().item() <= TOL
+    check_random_model_in_random_chunks_then_decode(data, KimiLinearForCausalLM, 'kimi_linear', config, 80, TOL)
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
