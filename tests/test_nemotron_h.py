@@ -244,25 +244,9 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
 def test_tp_plan_slices_tile_every_split_tensor(tiny):
     """Over the ranks, each split tensor's ranges tile its axis exactly once; MoE tensors, norms
     and out_proj biases are read whole by every rank; a group count TP does not divide is refused."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
     from lmdeploy.pytorch.distributed.sharding import TPLayout
-    path, _ = tiny
-    config = AutoConfig.from_pretrained(path)
-    layouts = [TPLayout(config, r, 2) for r in range(2)]
-    split = 0
-    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
-        for name in f.keys():
-            shards = [lay.shard(name) for lay in layouts]
-            shape = f.get_slice(name).get_shape()
-            if shards[0] is None:
-                assert all(s is None for s in shards), name
-                continue
-            split += 1
-            covered = sorted(r for s in shards for r in s.ranges)
-            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
-            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    from test_tensor_parallel import check_tp_slices_tile_every_split_tensor
+    config, layouts, split = check_tp_slices_tile_every_split_tensor(tiny[0])
     assert split >= 20
     assert layouts[0].shard('backbone.layers.1.mixer.experts.0.up_proj.weight') is None
     config.n_groups = 1

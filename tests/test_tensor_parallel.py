@@ -220,6 +220,34 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert_idle(eng)
 
 
+def check_tp_slices_tile_every_split_tensor(path: str):
+    """Over 2 ranks' ``TPLayout``, each split tensor of the checkpoint at ``path`` has ranges that
+    tile its axis exactly once, and a tensor one rank reads whole every rank reads whole.
+
+    Returns:
+        ``(config, [layout of rank 0, of rank 1], number of split tensors)``.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    config = AutoConfig.from_pretrained(path)
+    layouts = [TPLayout(config, r, 2) for r in range(2)]
+    split = 0
+    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
+        for name in f.keys():
+            shards = [lay.shard(name) for lay in layouts]
+            shape = f.get_slice(name).get_shape()
+            if shards[0] is None:
+                assert all(s is None for s in shards), name
+                continue
+            split += 1
+            covered = sorted(r for s in shards for r in s.ranges)
+            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    return config, layouts, split
+
+
 def check_tp2_equals_tp1(path: str, then=None) -> None:
     """A TP2 engine's prompt logits of ``PROMPTS[1]`` are within ``TP_TOL`` of a TP1 engine's and
     its staggered greedy outputs of ``PROMPTS`` equal TP1's; ``then(tp2_engine)``, when given,
