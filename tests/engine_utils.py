@@ -275,3 +275,13 @@ def check_store_restore_in_a_fresh_process(model_path: str, services, tmp_path) 
     assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
     cold = make_engine(model_path, max_prefill_token_num=P).generate(ids, GEN).output_ids
     assert ta['output_ids'] == tb['output_ids'] == cold
+
+
+def check_checkpoint_matches_transformers(model_path: str, hf_model) -> None:
+    """A 120-token prompt in 40-token chunks (B=16): fp32 logits within ``TOL`` of ``hf_model``'s
+    at every position; 8 greedy tokens (eos ignored) equal ``transformers`` ``generate``."""
+    ids = random_prompt(120, seed=7)
+    got, _ = engine_prompt_logits(make_engine(model_path, max_prefill_token_num=40, block_size=16), ids)
+    assert (got - hf_prompt_logits(hf_model, ids)).abs().max().item() <= TOL
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    assert make_engine(model_path, block_size=16).generate(ids, gen).output_ids == hf_greedy(hf_model, ids, 8)

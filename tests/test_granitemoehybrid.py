@@ -15,11 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
+from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process,
-                          engine_prompt_logits, hf_greedy, hf_prompt_logits, make_engine, random_prompt,
-                          tiny_checkpoint_and_reference)
+                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          random_prompt, tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
@@ -98,12 +97,7 @@ def test_transformers_named_checkpoint_with_rope_no_experts_and_bias_matches(tin
     cfg = config.to_diff_dict()
     cfg['architectures'] = ['GraniteMoeHybridForCausalLM']
     json.dump(cfg, open(path / 'config.json', 'w'))
-    ids = random_prompt(120, seed=7)
-    got, _ = engine_prompt_logits(make_engine(str(path), max_prefill_token_num=40, block_size=16), ids)
-    ref = hf_prompt_logits(hf, ids)
-    assert (got - ref).abs().max().item() <= TOL
-    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    assert make_engine(str(path), block_size=16).generate(ids, gen).output_ids == hf_greedy(hf, ids, 8)
+    check_checkpoint_matches_transformers(str(path), hf)
 
 
 def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
@@ -207,4 +201,5 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
         position_embedding_type=data.draw(st.sampled_from([None, 'rope'])), embedding_multiplier=4.0,
         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0, pad_token_id=0, bos_token_id=None,
         eos_token_id=1)
-    check_random_model_in_random_chunks_then_decode(data, GraniteMoeHybridForCausalLM, 'granitemoehybrid', config, 70, TOL)
+    check_random_model_in_random_chunks_then_decode(data, GraniteMoeHybridForCausalLM, 'granitemoehybrid', config, 70,
+                                                    TOL)
