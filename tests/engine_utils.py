@@ -223,3 +223,65 @@ def check_four_turn_chat_under_every_cache_policy(model_path: str) -> None:
     assert hits['off'] == [0, 0, 0, 0]
     for name in ('on', 'last_only', 'turn_end'):
         assert hits[name][0] == 0 and all(h > 0 for h in hits[name][1:]), (name, hits[name])
+
+
+# checks every hybrid family runs against its transformers reference ------------------------
+def tiny_checkpoint_and_reference(tmp_path_factory, arch: str, load=load_hf):
+    """``make_tiny_model(arch, seed=0)`` in a fresh temporary folder; ``(path, load(path))``, the
+    checkpoint in the published layout and the float32 ``transformers`` reference."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp(f'tiny_{arch}')), arch=arch, seed=0)
+    return path, load(path)
+
+
+def check_prompt_logits_match_transformers(model_path: str, hf_model, n: int, chunk: int) -> None:
+    """A random ``n``-token prompt prefilled in ``chunk``-token forwards (B=16): one forward per
+    chunk, fp32 logits within ``TOL`` of ``transformers`` at every position, argmax equal."""
+    ids = random_prompt(n, seed=n)
+    got, forwards = engine_prompt_logits(make_engine(model_path, max_prefill_token_num=chunk, block_size=16), ids)
+    ref = hf_prompt_logits(hf_model, ids)
+    assert forwards == -(-n // chunk)
+    assert (got - ref).abs().max().item() <= TOL
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def check_greedy_equals_transformers_cold_chunked_and_after_restore(model_path: str, hf_model) -> None:
+    """12 greedy tokens of a 200-token prompt equal ``transformers`` cold, in 32-token chunks, and
+    with the prefix cache (A=64) on both the first run (save points 64/128/192) and a rerun
+    that restores 192 tokens."""
+    ids = random_prompt(200, seed=11)
+    expected = hf_greedy(hf_model, ids, 12)
+    gen = GenerationConfig(max_new_tokens=12)
+    cold = make_engine(model_path, block_size=16).generate(ids, gen).output_ids
+    chunked = make_engine(model_path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
+    cached = make_engine(model_path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
+                         enable_prefix_caching=True, num_checkpoint_slots=8)
+    first = cached.generate(ids, gen)
+    again = cached.generate(ids, gen)
+    assert cold == chunked == first.output_ids == again.output_ids == expected
+    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+
+
+def check_store_restore_in_a_fresh_process(model_path: str, services, tmp_path) -> None:
+    """A writer process saves a 300-token prompt to the Store (save points 64..256); a second
+    fresh process restores 256 tokens from the Store (none locally) and both decode what an
+    engine with caching off decodes."""
+    from test_store_engine import GEN, P, run_worker
+    ids = random_prompt(300, seed=301)
+    a = run_worker(tmp_path, 'a', model_path, services, [], [ids])
+    b = run_worker(tmp_path, 'b', model_path, services, [], [ids])
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
+    cold = make_engine(model_path, max_prefill_token_num=P).generate(ids, GEN).output_ids
+    assert ta['output_ids'] == tb['output_ids'] == cold
+
+
+def check_checkpoint_matches_transformers(model_path: str, hf_model) -> None:
+    """A 120-token prompt in 40-token chunks (B=16): fp32 logits within ``TOL`` of ``hf_model``'s
+    at every position; 8 greedy tokens (eos ignored) equal ``transformers`` ``generate``."""
+    ids = random_prompt(120, seed=7)
+    got, _ = engine_prompt_logits(make_engine(model_path, max_prefill_token_num=40, block_size=16), ids)
+    assert (got - hf_prompt_logits(hf_model, ids)).abs().max().item() <= TOL
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    assert make_engine(model_path, block_size=16).generate(ids, gen).output_ids == hf_greedy(hf_model, ids, 8)

@@ -7,6 +7,7 @@ benchmark's own geometry (B=16, A=64, P=512) and ``simulate()`` fed the engine's
 sizes ``S = cache_engine.state_bytes`` and ``K_blk = cache_engine.kv_block_bytes``.
 """
 import importlib.util
+import json
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -51,6 +52,53 @@ def _store_fields(backend: str, request, tmp_path) -> dict:
     return dict(mooncake_master=services.master_address, mooncake_metadata_server=services.metadata_server)
 
 
+def check_store_put_bytes_equal_the_simulator(model_path: str, last_only: bool, store_fields: dict, max_turns: int,
+                                              seed: int, saves_and_objects: bool = False) -> tuple[dict, int, int]:
+    """The seed scenarios '16k' and 'mt4k' (first ``max_turns`` turns) scaled by 1/16, run on
+    ``model_path`` with the benchmark's geometry against the Store of ``store_fields``: per turn
+    the restored tokens, and per scenario the put bytes, equal ``simulate()`` fed the engine's S
+    and K_blk, with no failed put; with ``saves_and_objects`` also the save points and the put
+    object counts. ``sizes_from_config`` of the checkpoint's config.json gives the same S and
+    K_blk. Prompts are seeded ``seed + 1000 * scenario + 100 * last_only`` (the Store is shared
+    by the session, so each caller passes its own ``seed``).
+
+    Returns:
+        ``(config.json as a dict, S, K_blk)`` for the caller's own extra checks.
+    """
+    geo = bench.Geometry.from_scale(SCALE)
+    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=max_turns)
+    engine = make_engine(model_path, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=last_only, num_gpu_blocks=512, **store_fields)
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    try:
+        for i, scenario in enumerate(scenarios):
+            before = engine.stats()
+            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
+                                     seed=seed + 1000 * i + 100 * last_only)
+            engine.store.flush()
+            after = engine.stats()
+            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
+                                alignment=geo.alignment)
+            policy = pred.last_only if last_only else pred.default
+            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+            if saves_and_objects:
+                assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
+            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
+            assert put == {'state': sum(t.state_bytes for t in policy.turns),
+                           'kv': sum(t.kv_bytes for t in policy.turns)}
+            if saves_and_objects:
+                objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in ('state', 'kv')}
+                assert objects == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
+            assert after['store_put_failures'] == before['store_put_failures']
+    finally:
+        engine.close()
+    # the sizes the server-side benchmark derives from config.json are the engine's own
+    config = json.loads((Path(model_path) / 'config.json').read_text())
+    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+    return config, S, K
+
+
 @pytest.mark.parametrize('backend', ['mooncake', 'file'])
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
 def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, request, tmp_path, backend, last_only):
@@ -58,36 +106,9 @@ def test_engine_store_put_bytes_equal_simulator_prediction(tiny_qwen3_next, requ
     assert (geo.block_size, geo.alignment, geo.chunk_size) == (16, 64, 512)
     scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
     assert [s.input_lengths for s in scenarios] == [(1028, ), (2052, 2308, 2564)]
-    engine = make_engine(tiny_qwen3_next, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
-                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
-                         prefill_save_last_only=last_only, num_gpu_blocks=512,
-                         **_store_fields(backend, request, tmp_path))
-    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
-    try:
-        for i, scenario in enumerate(scenarios):
-            before = engine.stats()
-            # prompts unique to this test and policy: the Store is shared by the session
-            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
-                                     seed=880_000 + 1000 * i + 100 * last_only)
-            engine.store.flush()
-            after = engine.stats()
-            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
-                                alignment=geo.alignment)
-            policy = pred.last_only if last_only else pred.default
-            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
-            assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
-            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
-            assert put == {'state': sum(t.state_bytes for t in policy.turns),
-                           'kv': sum(t.kv_bytes for t in policy.turns)}
-            objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in ('state', 'kv')}
-            assert objects == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
-            assert after['store_put_failures'] == before['store_put_failures']
-    finally:
-        engine.close()
-    # the sizes the server-side benchmark derives from config.json are the engine's own
-    import json
-    config = json.loads((Path(tiny_qwen3_next) / 'config.json').read_text())
-    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+    # prompts unique to this test and policy: the Store is shared by the session
+    check_store_put_bytes_equal_the_simulator(tiny_qwen3_next, last_only, _store_fields(backend, request, tmp_path),
+                                              max_turns=3, seed=880_000, saves_and_objects=True)
 
 
 @pytest.mark.parametrize('reply', [None, 2], ids=['scenario_reply', 'two_token_reply'])

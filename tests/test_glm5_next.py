@@ -12,8 +12,11 @@ import os
 import pytest
 import torch
 
-from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, make_engine,
-                          random_prompt, run_staggered)
+from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
+                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
+                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process,
+                          engine_prompt_logits, hf_prompt_logits, make_engine, random_prompt,
+                          tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block
 from lmdeploy.pytorch.models import get_model_class
@@ -25,20 +28,9 @@ from lmdeploy.pytorch.models.glm5_next_layers import DSAIndexer
 def tiny(tmp_path_factory):
     """(checkpoint path in the published layout, transformers float32 reference)."""
     from transformers import Glm5NextForConditionalGeneration
-
-    from lmdeploy.tools.make_tiny_model import make_tiny_model
-    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_glm5_next')), arch='glm5_next', seed=0)
-    return path, Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids):
-    return hf(torch.tensor([ids])).logits[0].float()
-
-
-@torch.no_grad()
-def _hf_greedy(hf, ids, n):
-    return hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    return tiny_checkpoint_and_reference(
+        tmp_path_factory, 'glm5_next',
+        load=lambda path: Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval())
 
 
 class _Selections:
@@ -58,13 +50,7 @@ class _Selections:
 
 @pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
 def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    path, hf = tiny
-    ids = random_prompt(n, seed=n)
-    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
-    ref = _hf_logits(hf, ids)
-    assert forwards == -(-n // chunk)
-    assert (got - ref).abs().max().item() <= TOL
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    check_prompt_logits_match_transformers(*tiny, n, chunk)
 
 
 def test_chunked_prefill_selects_the_same_keys_as_one_forward(tiny, monkeypatch):
@@ -87,18 +73,7 @@ def test_chunked_prefill_selects_the_same_keys_as_one_forward(tiny, monkeypatch)
 
 
 def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    path, hf = tiny
-    ids = random_prompt(200, seed=11)
-    expected = _hf_greedy(hf, ids, 12)
-    gen = GenerationConfig(max_new_tokens=12)
-    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
-    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
-    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
-                         enable_prefix_caching=True, num_checkpoint_slots=8)
-    first = cached.generate(ids, gen)
-    again = cached.generate(ids, gen)
-    assert cold == chunked == first.output_ids == again.output_ids == expected
-    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
 
 
 def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
@@ -139,16 +114,7 @@ def test_refused_fields_name_themselves(tiny, change, field):
 def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
     """A writer process saves a prompt (KDA checkpoints + latent and indexer-key blocks) to
     the Store; a fresh process restores 256 tokens and decodes what caching off decodes."""
-    from test_store_engine import GEN, P, run_worker
-    path, _ = tiny
-    ids = random_prompt(300, seed=301)
-    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
-    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
-    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
-    assert ta['output_ids'] == tb['output_ids'] == cold
+    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
 
 
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
@@ -156,36 +122,12 @@ def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services
     """Two seed scenarios scaled by 1/16 against the real Store: put bytes equal ``simulate()``
     fed the engine's S and K_blk, and ``sizes_from_config`` of config.json (specs alone, the
     indexer keys included) gives those same S and K_blk."""
-    from test_benchmark_store_bytes import SCALE, _run_conversation, bench, sim
-    path, _ = tiny
-    geo = bench.Geometry.from_scale(SCALE)
-    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
-    engine = make_engine(path, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
-                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
-                         prefill_save_last_only=last_only, num_gpu_blocks=512,
-                         mooncake_master=mooncake_services.master_address,
-                         mooncake_metadata_server=mooncake_services.metadata_server)
-    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
-    try:
-        for i, scenario in enumerate(scenarios):
-            before = engine.stats()
-            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
-                                     seed=880_000 + 1000 * i + 100 * last_only)
-            engine.store.flush()
-            after = engine.stats()
-            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
-                                alignment=geo.alignment)
-            policy = pred.last_only if last_only else pred.default
-            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
-            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
-            assert put == {'state': sum(t.state_bytes for t in policy.turns),
-                           'kv': sum(t.kv_bytes for t in policy.turns)}
-    finally:
-        engine.close()
-    config = json.loads(open(os.path.join(path, 'config.json')).read())
-    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
-    text = config['text_config']
-    assert K == geo.block_size * 4 * (2 * text['kv_lora_rank'] + 2 * text['index_head_dim'])
+    from test_benchmark_store_bytes import SCALE, bench, check_store_put_bytes_equal_the_simulator
+    store = dict(mooncake_master=mooncake_services.master_address,
+                 mooncake_metadata_server=mooncake_services.metadata_server)
+    config, _, K = check_store_put_bytes_equal_the_simulator(tiny[0], last_only, store, max_turns=3, seed=880_000)
+    text, block_size = config['text_config'], bench.Geometry.from_scale(SCALE).block_size
+    assert K == block_size * 4 * (2 * text['kv_lora_rank'] + 2 * text['index_head_dim'])
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_once(tiny):
@@ -193,24 +135,16 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_
     TP2 = TP1; a TP2 engine's K_blk is one rank's (stored and charged once), S the ranks' sum,
     as the simulator computes them from the specs."""
     from test_store_engine import sim
-    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, B, engine as tp_engine
+    from test_tensor_parallel import check_tp2_equals_tp1
     path, _ = tiny
-    ref = tp_engine(path)
-    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
-    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
-    ref.close()
-    eng = tp_engine(path, tp=2)
-    try:
-        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
-        assert (logits - ref_logits).abs().max().item() <= TP_TOL
-        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
+
+    def store_sizes_are_the_simulators(eng):
         sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2,
                                       block_size=eng.cache_engine.block_size)
         S, K = sizes.charged
         assert (S, K) == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
         assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes
-    finally:
-        eng.close()
+    check_tp2_equals_tp1(path, then=store_sizes_are_the_simulators)
 
 
 def test_audit_lists_every_field_transformers_reads_for_glm5_next():
@@ -241,7 +175,7 @@ def test_fp8_checkpoint_matches_transformers_dequantized_model(tmp_path):
     hf = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     ids = random_prompt(150, seed=7)
     got, _ = engine_prompt_logits(make_engine(path, max_prefill_token_num=32, block_size=16), ids)
-    ref = _hf_logits(hf, ids)
+    ref = hf_prompt_logits(hf, ids)
     assert (got - ref).abs().max().item() <= TOL
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -313,7 +247,7 @@ def test_a_flat_text_only_checkpoint_loads_without_a_vision_tower(tiny, tmp_path
     ids = random_prompt(90, seed=9)
     eng = make_engine(str(path), block_size=16)
     got, _ = engine_prompt_logits(eng, ids)
-    assert eng.model.visual is None and (got - _hf_logits(hf, ids)).abs().max().item() <= TOL
+    assert eng.model.visual is None and (got - hf_prompt_logits(hf, ids)).abs().max().item() <= TOL
     image = MultimodalInput(3, 7, b'x' * 16, dict(pixel_values=torch.zeros(16, 384),
                                                   image_grid_thw=torch.tensor([[1, 4, 4]])))
     with pytest.raises(ValueError):

@@ -15,8 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, hf_greedy,
-                          hf_prompt_logits, load_hf, make_engine, random_prompt, run_staggered)
+from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
+                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
+                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          random_prompt, tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
@@ -26,9 +28,7 @@ from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 @pytest.fixture(scope='module')
 def tiny(tmp_path_factory):
     """(checkpoint path in the published layout, transformers float32 reference)."""
-    from lmdeploy.tools.make_tiny_model import make_tiny_model
-    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_granitemoehybrid')), arch='granitemoehybrid', seed=0)
-    return path, load_hf(path)
+    return tiny_checkpoint_and_reference(tmp_path_factory, 'granitemoehybrid')
 
 
 def test_tiny_model_is_a_hybrid_with_mup_multipliers_and_an_ssd_chunk_off_the_prefill_chunks(tiny):
@@ -41,28 +41,11 @@ def test_tiny_model_is_a_hybrid_with_mup_multipliers_and_an_ssd_chunk_off_the_pr
 
 @pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
 def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    path, hf = tiny
-    ids = random_prompt(n, seed=n)
-    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
-    ref = hf_prompt_logits(hf, ids)
-    assert forwards == -(-n // chunk)
-    assert (got - ref).abs().max().item() <= TOL
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    check_prompt_logits_match_transformers(*tiny, n, chunk)
 
 
 def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    path, hf = tiny
-    ids = random_prompt(200, seed=11)
-    expected = hf_greedy(hf, ids, 12)
-    gen = GenerationConfig(max_new_tokens=12)
-    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
-    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
-    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
-                         enable_prefix_caching=True, num_checkpoint_slots=8)
-    first = cached.generate(ids, gen)
-    again = cached.generate(ids, gen)
-    assert cold == chunked == first.output_ids == again.output_ids == expected
-    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
 
 
 def test_a_64_token_checkpoint_of_a_shared_system_prompt_is_reused(tiny):
@@ -114,12 +97,7 @@ def test_transformers_named_checkpoint_with_rope_no_experts_and_bias_matches(tin
     cfg = config.to_diff_dict()
     cfg['architectures'] = ['GraniteMoeHybridForCausalLM']
     json.dump(cfg, open(path / 'config.json', 'w'))
-    ids = random_prompt(120, seed=7)
-    got, _ = engine_prompt_logits(make_engine(str(path), max_prefill_token_num=40, block_size=16), ids)
-    ref = hf_prompt_logits(hf, ids)
-    assert (got - ref).abs().max().item() <= TOL
-    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    assert make_engine(str(path), block_size=16).generate(ids, gen).output_ids == hf_greedy(hf, ids, 8)
+    check_checkpoint_matches_transformers(str(path), hf)
 
 
 def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
@@ -173,56 +151,19 @@ def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
     """A writer process saves a prompt (Mamba-2 state checkpoints + attention KV blocks) to the
     Store; a second fresh process restores 256 tokens from it and decodes what an engine with
     caching off decodes."""
-    from test_store_engine import GEN, P, run_worker
-    path, _ = tiny
-    ids = random_prompt(300, seed=301)
-    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
-    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
-    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
-    assert ta['output_ids'] == tb['output_ids'] == cold
+    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
     """Attention by head, Mamba-2 by head and group, the shared MLP by rows; experts replicated."""
-    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, engine as tp_engine
-    path, _ = tiny
-    ref = tp_engine(path)
-    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
-    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
-    ref.close()
-    eng = tp_engine(path, tp=2)
-    try:
-        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
-        assert (logits - ref_logits).abs().max().item() <= TP_TOL
-        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
-    finally:
-        eng.close()
+    from test_tensor_parallel import check_tp2_equals_tp1
+    check_tp2_equals_tp1(tiny[0])
 
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):
     """Over the ranks, each split tensor's ranges tile its axis exactly once (groups split too)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from lmdeploy.pytorch.distributed.sharding import TPLayout
-    path, _ = tiny
-    config = AutoConfig.from_pretrained(path)
-    layouts = [TPLayout(config, r, 2) for r in range(2)]
-    split = 0
-    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
-        for name in f.keys():
-            shards = [lay.shard(name) for lay in layouts]
-            shape = f.get_slice(name).get_shape()
-            if shards[0] is None:
-                assert all(s is None for s in shards), name
-                continue
-            split += 1
-            covered = sorted(r for s in shards for r in s.ranges)
-            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
-            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    from test_tensor_parallel import check_tp_slices_tile_every_split_tensor
+    _, _, split = check_tp_slices_tile_every_split_tensor(tiny[0])
     assert split > 0
 
 
@@ -244,8 +185,7 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     and slots."""
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    from lmdeploy.tools.make_tiny_model import _randomize
-    from model_harness import ModelHarness
+    from model_harness import check_random_model_in_random_chunks_then_decode
     n_layers = data.draw(st.integers(1, 3))
     types = data.draw(st.lists(st.sampled_from(['mamba', 'attention']), min_size=n_layers, max_size=n_layers))
     groups = data.draw(st.sampled_from([1, 2]))
@@ -261,19 +201,5 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
         position_embedding_type=data.draw(st.sampled_from([None, 'rope'])), embedding_multiplier=4.0,
         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0, pad_token_id=0, bos_token_id=None,
         eos_token_id=1)
-    seed = data.draw(st.integers(0, 1000))
-    torch_state = torch.random.get_rng_state()
-    hf = GraniteMoeHybridForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, seed)
-    ours = get_model_class('granitemoehybrid')(config).eval()
-    ours.load_weights(hf.state_dict().items())
-    n = data.draw(st.integers(5, 70))
-    ids = torch.randint(0, 64, (n + 3,), generator=torch.Generator().manual_seed(seed)).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
-    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32), num_blocks=32, block_size=8)
-    seq = h.add_sequence()
-    chunk = data.draw(st.integers(1, 40))
-    got = torch.cat([h.run_chunks(seq, ids[:n], chunk)] + [h.step([(seq, [t])])[0] for t in ids[n:]])
-    assert (got - ref).abs().max().item() <= TOL
+    check_random_model_in_random_chunks_then_decode(data, GraniteMoeHybridForCausalLM, 'granitemoehybrid', config, 70,
+                                                    TOL)

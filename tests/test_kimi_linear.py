@@ -14,8 +14,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, StepRecorder, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits,
-                          hf_greedy, hf_prompt_logits, load_hf, make_engine, random_prompt, run_alone, run_staggered)
+from engine_utils import (TOL, StepRecorder, check_checkpoint_matches_transformers,
+                          check_four_turn_chat_under_every_cache_policy,
+                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
+                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          random_prompt, run_alone, run_staggered, tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
@@ -26,35 +29,16 @@ from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 @pytest.fixture(scope='module')
 def tiny(tmp_path_factory):
     """(checkpoint path in the published layout, transformers float32 reference)."""
-    from lmdeploy.tools.make_tiny_model import make_tiny_model
-    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_kimi_linear')), arch='kimi_linear', seed=0)
-    return path, load_hf(path)
+    return tiny_checkpoint_and_reference(tmp_path_factory, 'kimi_linear')
 
 
 @pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
 def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    path, hf = tiny
-    ids = random_prompt(n, seed=n)
-    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
-    ref = hf_prompt_logits(hf, ids)
-    assert forwards == -(-n // chunk)
-    assert (got - ref).abs().max().item() <= TOL
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    check_prompt_logits_match_transformers(*tiny, n, chunk)
 
 
 def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    path, hf = tiny
-    ids = random_prompt(200, seed=11)
-    expected = hf_greedy(hf, ids, 12)
-    gen = GenerationConfig(max_new_tokens=12)
-    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
-    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
-    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
-                         enable_prefix_caching=True, num_checkpoint_slots=8)
-    first = cached.generate(ids, gen)
-    again = cached.generate(ids, gen)
-    assert cold == chunked == first.output_ids == again.output_ids == expected
-    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
 
 
 def test_continuous_batching_equals_each_request_alone(tiny):
@@ -113,12 +97,7 @@ def test_transformers_named_checkpoint_with_q_lora_and_bias_matches(tiny, tmp_pa
     cfg = config.to_diff_dict()
     cfg['architectures'] = ['KimiLinearForCausalLM']
     json.dump(cfg, open(path / 'config.json', 'w'))
-    ids = random_prompt(120, seed=7)
-    got, _ = engine_prompt_logits(make_engine(str(path), max_prefill_token_num=40, block_size=16), ids)
-    ref = hf_prompt_logits(hf, ids)
-    assert (got - ref).abs().max().item() <= TOL
-    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    assert make_engine(str(path), block_size=16).generate(ids, gen).output_ids == hf_greedy(hf, ids, 8)
+    check_checkpoint_matches_transformers(str(path), hf)
 
 
 def test_cache_specs_are_a_latent_row_and_a_four_tensor_state(tiny):
@@ -168,16 +147,7 @@ def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
     """A writer process saves a prompt (KDA state checkpoints + MLA latent blocks) to the Store;
     a second fresh process restores 256 tokens from it and decodes what an engine with caching
     off decodes."""
-    from test_store_engine import GEN, P, run_worker
-    path, _ = tiny
-    ids = random_prompt(300, seed=301)
-    a = run_worker(tmp_path, 'a', path, mooncake_services, [], [ids])
-    b = run_worker(tmp_path, 'b', path, mooncake_services, [], [ids])
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
-    cold = make_engine(path, max_prefill_token_num=P).generate(ids, GEN).output_ids
-    assert ta['output_ids'] == tb['output_ids'] == cold
+    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
 
 
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
@@ -185,35 +155,10 @@ def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services
     """Two seed scenarios scaled by 1/16 against the real Store: the engine's put bytes and
     objects equal ``simulate()`` fed the engine's S and K_blk, and ``sizes_from_config`` of the
     checkpoint's config.json gives those same S and K_blk (specs alone, no model branch)."""
-    from test_benchmark_store_bytes import SCALE, _run_conversation, bench, sim
-    path, _ = tiny
-    geo = bench.Geometry.from_scale(SCALE)
-    scenarios = bench.select_scenarios(['16k', 'mt4k'], SCALE, max_turns=3)
-    engine = make_engine(path, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
-                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
-                         prefill_save_last_only=last_only, num_gpu_blocks=512,
-                         mooncake_master=mooncake_services.master_address,
-                         mooncake_metadata_server=mooncake_services.metadata_server)
-    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
-    try:
-        for i, scenario in enumerate(scenarios):
-            before = engine.stats()
-            seqs = _run_conversation(engine, list(scenario.input_lengths), scenario.output_tokens,
-                                     seed=770_000 + 1000 * i + 100 * last_only)
-            engine.store.flush()
-            after = engine.stats()
-            pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
-                                alignment=geo.alignment)
-            policy = pred.last_only if last_only else pred.default
-            assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
-            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
-            assert put == {'state': sum(t.state_bytes for t in policy.turns),
-                           'kv': sum(t.kv_bytes for t in policy.turns)}
-            assert after['store_put_failures'] == before['store_put_failures']
-    finally:
-        engine.close()
-    config = json.loads(open(os.path.join(path, 'config.json')).read())
-    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+    from test_benchmark_store_bytes import check_store_put_bytes_equal_the_simulator
+    store = dict(mooncake_master=mooncake_services.master_address,
+                 mooncake_metadata_server=mooncake_services.metadata_server)
+    check_store_put_bytes_equal_the_simulator(tiny[0], last_only, store, max_turns=3, seed=770_000)
 
 
 def test_kimi_linear_48b_preset_sizes():
@@ -233,8 +178,7 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     of transformers' full forward, through NaN-poisoned scrambled blocks and slots."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    from lmdeploy.tools.make_tiny_model import _randomize
-    from model_harness import ModelHarness
+    from model_harness import check_random_model_in_random_chunks_then_decode
     lin, full = 'linear_attention', 'full_attention'
     n_layers = data.draw(st.integers(1, 3))
     types = data.draw(st.lists(st.sampled_from([lin, full]), min_size=n_layers, max_size=n_layers))
@@ -252,61 +196,20 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
         v_head_dim=data.draw(st.sampled_from([4, 8])),
         linear_num_heads=data.draw(st.integers(1, 3)), linear_head_dim=data.draw(st.sampled_from([4, 8])),
         linear_conv_kernel_dim=data.draw(st.integers(2, 4)), pad_token_id=0, bos_token_id=None, eos_token_id=1)
-    seed = data.draw(st.integers(0, 1000))
-    torch_state = torch.random.get_rng_state()
-    hf = KimiLinearForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, seed)
-    ours = get_model_class('kimi_linear')(config).eval()
-    ours.load_weights(hf.state_dict().items())
-    n = data.draw(st.integers(5, 80))
-    ids = torch.randint(0, 64, (n + 3,), generator=torch.Generator().manual_seed(seed)).tolist()
-    with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
-    h = ModelHarness(ours, type(ours).cache_specs(config, torch.float32), num_blocks=32, block_size=8)
-    seq = h.add_sequence()
-    chunk = data.draw(st.integers(1, 40))
-    got = torch.cat([h.run_chunks(seq, ids[:n], chunk)] + [h.step([(seq, [t])])[0] for t in ids[n:]])
-    assert (got - ref).abs().max().item() <= TOL
+    check_random_model_in_random_chunks_then_decode(data, KimiLinearForCausalLM, 'kimi_linear', config, 80, TOL)
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
     """KDA split by head, MLA by query head with the latent replicated; MoE replicated."""
-    from test_tensor_parallel import GEN as TP_GEN, PROMPTS, TP_TOL, engine as tp_engine
-    path, _ = tiny
-    ref = tp_engine(path)
-    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
-    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, TP_GEN, every=2)]
-    ref.close()
-    eng = tp_engine(path, tp=2)
-    try:
-        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
-        assert (logits - ref_logits).abs().max().item() <= TP_TOL
-        assert [s.output_ids for s in run_staggered(eng, PROMPTS, TP_GEN, every=2)] == ref_out
-    finally:
-        eng.close()
+    from test_tensor_parallel import check_tp2_equals_tp1
+    check_tp2_equals_tp1(tiny[0])
 
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):
     """Over the ranks, each split tensor's ranges tile its axis exactly once; the latent's
     producers (q_a / kv_a projections and norms) are read whole by every rank."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    from lmdeploy.pytorch.distributed.sharding import TPLayout
-    path, _ = tiny
-    config = AutoConfig.from_pretrained(path)
-    layouts = [TPLayout(config, r, 2) for r in range(2)]
-    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
-        for name in f.keys():
-            shards = [lay.shard(name) for lay in layouts]
-            shape = f.get_slice(name).get_shape()
-            if shards[0] is None:
-                assert all(s is None for s in shards)
-                continue
-            covered = sorted(r for s in shards for r in s.ranges)
-            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
-            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    from test_tensor_parallel import check_tp_slices_tile_every_split_tensor
+    _, layouts, _ = check_tp_slices_tile_every_split_tensor(tiny[0])
     for name in ('model.layers.2.self_attn.kv_a_proj_with_mqa.weight', 'model.layers.2.self_attn.kv_a_layernorm.weight'):
         assert layouts[0].shard(name) is None and layouts[1].shard(name) is None
 

@@ -11,8 +11,10 @@ import re
 import pytest
 import torch
 
-from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, engine_prompt_logits, hf_greedy,
-                          hf_prompt_logits, make_engine, random_prompt)
+from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
+                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
+                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          random_prompt)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
@@ -36,29 +38,12 @@ def models(tiny_qwen3_5_moe_text, tiny_qwen3_5_moe):
 @pytest.mark.parametrize('arch', ARCHS)
 @pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32)])
 def test_prompt_logits_match_transformers_cold_and_chunked(models, arch, n, chunk):
-    path, hf = models[arch]
-    ids = random_prompt(n, seed=n)
-    got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=chunk, block_size=16), ids)
-    ref = hf_prompt_logits(hf, ids)
-    assert forwards == -(-n // chunk)
-    assert (got - ref).abs().max().item() <= TOL
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    check_prompt_logits_match_transformers(*models[arch], n, chunk)
 
 
 @pytest.mark.parametrize('arch', ARCHS)
 def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(models, arch):
-    path, hf = models[arch]
-    ids = random_prompt(200, seed=11)
-    expected = hf_greedy(hf, ids, 12)
-    gen = GenerationConfig(max_new_tokens=12)
-    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
-    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
-    cached = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=64,
-                         enable_prefix_caching=True, num_checkpoint_slots=8)
-    first = cached.generate(ids, gen)
-    again = cached.generate(ids, gen)
-    assert cold == chunked == first.output_ids == again.output_ids == expected
-    assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
+    check_greedy_equals_transformers_cold_chunked_and_after_restore(*models[arch])
 
 
 def test_fused_expert_checkpoint_loads_the_same_weights(tiny_qwen3_5_moe_text, tmp_path):
@@ -106,15 +91,7 @@ def test_four_turn_chat_is_identical_under_every_cache_policy(models, arch):
 def test_store_restore_in_a_fresh_process(tiny_qwen3_5_moe_text, mooncake_services, tmp_path):
     """A writer process saves a prompt to the Store; a second fresh process restores 256 tokens
     from it and decodes what an engine with caching off decodes."""
-    from test_store_engine import GEN, P, run_worker
-    ids = random_prompt(300, seed=301)
-    a = run_worker(tmp_path, 'a', tiny_qwen3_5_moe_text, mooncake_services, [], [ids])
-    b = run_worker(tmp_path, 'b', tiny_qwen3_5_moe_text, mooncake_services, [], [ids])
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
-    cold = make_engine(tiny_qwen3_5_moe_text, max_prefill_token_num=P).generate(ids, GEN).output_ids
-    assert ta['output_ids'] == tb['output_ids'] == cold
+    check_store_restore_in_a_fresh_process(tiny_qwen3_5_moe_text, mooncake_services, tmp_path)
 
 
 def _text_config(**overrides):

@@ -220,6 +220,53 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert_idle(eng)
 
 
+def check_tp_slices_tile_every_split_tensor(path: str):
+    """Over 2 ranks' ``TPLayout``, each split tensor of the checkpoint at ``path`` has ranges that
+    tile its axis exactly once, and a tensor one rank reads whole every rank reads whole.
+
+    Returns:
+        ``(config, [layout of rank 0, of rank 1], number of split tensors)``.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    config = AutoConfig.from_pretrained(path)
+    layouts = [TPLayout(config, r, 2) for r in range(2)]
+    split = 0
+    with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
+        for name in f.keys():
+            shards = [lay.shard(name) for lay in layouts]
+            shape = f.get_slice(name).get_shape()
+            if shards[0] is None:
+                assert all(s is None for s in shards), name
+                continue
+            split += 1
+            covered = sorted(r for s in shards for r in s.ranges)
+            assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
+    return config, layouts, split
+
+
+def check_tp2_equals_tp1(path: str, then=None) -> None:
+    """A TP2 engine's prompt logits of ``PROMPTS[1]`` are within ``TP_TOL`` of a TP1 engine's and
+    its staggered greedy outputs of ``PROMPTS`` equal TP1's; ``then(tp2_engine)``, when given,
+    runs the caller's further checks before the TP2 engine closes."""
+    ref = engine(path)
+    ref_logits, _ = engine_prompt_logits(ref, PROMPTS[1])
+    ref_out = [s.output_ids for s in run_staggered(ref, PROMPTS, GEN, every=2)]
+    ref.close()
+    eng = engine(path, tp=2)
+    try:
+        logits, _ = engine_prompt_logits(eng, PROMPTS[1])
+        assert (logits - ref_logits).abs().max().item() <= TP_TOL
+        assert [s.output_ids for s in run_staggered(eng, PROMPTS, GEN, every=2)] == ref_out
+        if then is not None:
+            then(eng)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize('arch', ['qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_text', 'qwen3_5_moe', 'qwen3_5_moe_text'])
 def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
     path = request.getfixturevalue(f'tiny_{arch}')

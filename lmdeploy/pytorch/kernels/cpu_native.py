@@ -60,15 +60,14 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import stat
-import subprocess
 import tempfile
 import threading
 
 import torch
 
 from ..config import cache_root
+from . import native_build
 
 __all__ = ['CALLS', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'gated_delta_step_native',
@@ -155,7 +154,7 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
 }
-_CTYPES = {'p': ctypes.c_void_p, 'i32': ctypes.c_int, 'i64': ctypes.c_int64, 'f32': ctypes.c_float}
+_CTYPES = native_build.CTYPES
 # -Wall -Wextra -Wmissing-prototypes: warnings (with real line numbers) surface when the source is
 # edited; tests/test_cpu_native.py builds with -Werror so none is committed
 _FLAGS = ['-O3', '-march=native', '-fopenmp', '-shared', '-fPIC', '-std=gnu11', '-Wall', '-Wextra',
@@ -185,88 +184,22 @@ def compile_command(cc: str, out: str, extra: tuple[str, ...] = ()) -> list[str]
 
 
 def _compile(path: str) -> str | None:
-    """Compile the source to ``path`` (atomically: concurrent builders each install a whole
-    file); the reason on failure, None on success. Other versions' libraries in the folder are
-    removed (a process that loaded one keeps its mapping)."""
-    cc = os.environ.get('CC') or next((c for c in ('cc', 'gcc', 'clang') if shutil.which(c)), None)
-    if cc is None:
-        return 'no C compiler: set CC or install gcc'
-    folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(suffix='.so', dir=folder)
-    os.close(fd)
-    try:
-        try:
-            done = subprocess.run(compile_command(cc, tmp), capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as err:
-            return f'{cc}: {err}'
-        if done.returncode != 0:
-            return f'{cc} failed: {done.stderr.strip()[:800]}'   # the first errors are the telling ones
-        if done.stderr.strip():
-            logger.debug('native CPU kernels: compiler warnings:\n%s', done.stderr.strip())
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for name in os.listdir(folder):
-        if name.startswith('cpu_native_') and name.endswith('.so') and name != os.path.basename(path):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
-    return None
+    """Compile the source to ``path`` (:func:`~.native_build.compile_library`); the reason on
+    failure, None on success."""
+    return native_build.compile_library(path, compile_command, 'cpu_native_', 'native CPU kernels')
 
 
 def _load(path: str) -> ctypes.CDLL:
-    """Load ``path`` when it is a regular file (not a symlink) of this user's that nobody else
-    can write; it lies in a :func:`_trusted_folder`, so nobody else can replace it between this
-    check and the load."""
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(f'{path} is not a private file of this user')
-    lib = ctypes.CDLL(path)
-    for name, (args, result) in _ARGTYPES.items():
-        fn = getattr(lib, name)    # AttributeError: a library of another version
-        fn.argtypes = [_CTYPES[a] for a in args.split()]
-        fn.restype = _CTYPES[result] if result else None
-    return lib
+    """Load ``path`` when it is a private file of this user's, its entry points bound
+    (:func:`~.native_build.load_private`)."""
+    return native_build.load_private(path, _ARGTYPES)
 
 
 def _build() -> ctypes.CDLL | None:
-    """Load the library from the first cache folder that has it, else compile it into the first
-    folder where it then loads (a folder mounted noexec does not); None with the reasons logged
-    once at INFO."""
-    if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
-        logger.info('native CPU kernels unavailable (switched off: LMDEPLOY_CPU_KERNELS=0): torch kernels run')
-        return None
-    reasons, tried = [], False
-    for folder in _candidate_folders():
-        tried = True
-        path = os.path.join(folder, _library_name())
-        try:
-            if os.path.exists(path):
-                lib = _load(path)
-            elif not os.access(folder, os.W_OK):
-                reasons.append(f'{folder}: not writable')
-                continue
-            else:
-                failure = _compile(path)
-                if failure is not None:
-                    reasons.append(failure)
-                    break          # a compiler problem: another folder would not help
-                lib = _load(path)
-        except Exception as err:   # noqa: BLE001  (a broken or foreign library: next folder, then torch)
-            reasons.append(f'{path}: {err}')
-            continue
-        logger.info('native CPU kernels loaded from %s%s', path,
-                    f' (passed over: {"; ".join(reasons)})' if reasons else '')
-        return lib
-    if not tried:
-        logger.info('native CPU kernels unavailable (no private cache folder: set LMDEPLOY_CACHE_DIR to a folder '
-                    'only you can write): torch kernels run')
-        return None
-    logger.info('native CPU kernels unavailable (%s): torch kernels run', '; '.join(reasons))
-    return None
+    """The library from the first cache folder that has it or can build it
+    (:func:`~.native_build.build_library`); None with the reasons logged once at INFO."""
+    return native_build.build_library(_candidate_folders(), _library_name(), _compile, _load,
+                                      'native CPU kernels', 'torch kernels run')
 
 
 def native_library() -> ctypes.CDLL | None:

@@ -23,15 +23,11 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
-import stat
-import subprocess
-import tempfile
 import threading
 
 import torch
 
-from . import cpu_native
+from . import cpu_native, native_build
 
 __all__ = ['SOURCE', 'HEADER', 'compile_command', 'kda_native_library', 'kda_native_available', 'kda_step_native']
 
@@ -71,72 +67,19 @@ def compile_command(cc: str, out: str, extra: tuple[str, ...] = ()) -> list[str]
 
 
 def _compile(path: str) -> str | None:
-    """Compile to ``path`` atomically; the reason on failure, None on success. Older versions of
-    this library in the folder are removed."""
-    cc = os.environ.get('CC') or next((c for c in ('cc', 'gcc', 'clang') if shutil.which(c)), None)
-    if cc is None:
-        return 'no C compiler: set CC or install gcc'
-    folder = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(suffix='.so', dir=folder)
-    os.close(fd)
-    try:
-        try:
-            done = subprocess.run(compile_command(cc, tmp), capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as err:
-            return f'{cc}: {err}'
-        if done.returncode != 0:
-            return f'{cc} failed: {done.stderr.strip()[:800]}'
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for name in os.listdir(folder):
-        if name.startswith(_PREFIX) and name.endswith('.so') and name != os.path.basename(path):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
-    return None
+    """Compile to ``path`` (:func:`~.native_build.compile_library`); the reason on failure, None
+    on success. Older versions of this library in the folder are removed."""
+    return native_build.compile_library(path, compile_command, _PREFIX, 'native KDA kernel')
 
 
 def _load(path: str) -> ctypes.CDLL:
     """Load ``path`` when it is a regular private file of this user's (in a trusted folder)."""
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise OSError(f'{path} is not a private file of this user')
-    lib = ctypes.CDLL(path)
-    for name, (args, result) in _ARGTYPES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = [cpu_native._CTYPES[a] for a in args.split()]
-        fn.restype = cpu_native._CTYPES[result] if result else None
-    return lib
+    return native_build.load_private(path, _ARGTYPES)
 
 
 def _build() -> ctypes.CDLL | None:
-    if os.environ.get('LMDEPLOY_CPU_KERNELS', '1') == '0':
-        logger.info('native KDA kernel unavailable (switched off: LMDEPLOY_CPU_KERNELS=0): torch runs')
-        return None
-    reasons = []
-    for folder in cpu_native._candidate_folders():
-        path = os.path.join(folder, _library_name())
-        try:
-            if not os.path.exists(path):
-                if not os.access(folder, os.W_OK):
-                    reasons.append(f'{folder}: not writable')
-                    continue
-                failure = _compile(path)
-                if failure is not None:
-                    reasons.append(failure)
-                    break          # a compiler problem: another folder would not help
-            lib = _load(path)
-        except Exception as err:   # noqa: BLE001  (a broken or foreign library: next folder, then torch)
-            reasons.append(f'{path}: {err}')
-            continue
-        logger.info('native KDA kernel loaded from %s', path)
-        return lib
-    logger.info('native KDA kernel unavailable (%s): torch runs', '; '.join(reasons) or 'no private cache folder')
-    return None
+    return native_build.build_library(cpu_native._candidate_folders(), _library_name(), _compile, _load,
+                                      'native KDA kernel', 'torch runs')
 
 
 def kda_native_library() -> ctypes.CDLL | None:
