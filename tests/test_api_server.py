@@ -14,24 +14,15 @@ import asyncio
 import json
 import os
 import time
-import uuid
 
 import httpx
 import openai
 import pytest
 from server_utils import ApiServer
+from api_server_helpers import (ALIGN, BAD_REQUESTS, HYBRID, KEY, MSG, SYSTEM_A, SYSTEM_B, TURNS, chat, client,
+                                conversation, is_idle, metrics, model_name, raw_post)
 
-from lmdeploy.metrics import EngineStatsCollector, ServerMetrics
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
-
-KEY = 'sk-test-key'
-HYBRID = ('--block-size', '16', '--prefill-save-alignment', '64', '--max-prefill-token-num', '128',
-          '--session-len', '2048')
-ALIGN = 64
-SYSTEM_A = 'You are a careful assistant who answers in short sentences about rivers and towns. ' * 12
-SYSTEM_B = 'You keep ledgers of salt, wool, copper, glass, paper and tea for the old library. ' * 12
-TURNS = ['Where is the library?', 'What did the ships carry?', 'Who keeps the ledgers?', 'Tell me more.',
-         'Thanks, goodbye.']
 
 
 @pytest.fixture(scope='module')
@@ -51,50 +42,6 @@ def servers(tiny_qwen3, tiny_qwen3_next):
     finally:
         for p in procs.values():
             p.stop()
-
-
-def client(server: ApiServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + '/v1', api_key=server.api_key or 'unused', max_retries=0,
-                         timeout=120)
-
-
-def model_name(server: ApiServer) -> str:
-    return 'tiny' if server.api_key else server.model_path.rstrip('/').split('/')[-1]
-
-
-def chat(server, messages, max_tokens=8, **kw):
-    return client(server).chat.completions.create(model=model_name(server), messages=messages,
-                                                  max_tokens=max_tokens, **kw)
-
-
-def metrics(server: ApiServer) -> dict[str, float]:
-    """Parse /metrics into {'name{labels}': value}."""
-    with httpx.Client() as c:
-        text = c.get(server.base_url + '/metrics').text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith('#'):
-            key, value = line.rsplit(' ', 1)
-            out[key] = float(value)
-    return out
-
-
-def is_idle(ledger: dict) -> bool:
-    return (ledger['blocks_in_use'] == 0 and ledger['runtime_slots_free'] == ledger['runtime_slots_total']
-            and ledger['checkpoints_pinned'] == 0 and ledger['store_inflight'] == 0)
-
-
-def conversation(server, system: str, turns=TURNS, max_tokens=8):
-    """Run a multi-turn chat; returns [(reply, prompt_tokens, cached_tokens)] per turn."""
-    messages = [{'role': 'system', 'content': system}]
-    out = []
-    for turn in turns:
-        messages.append({'role': 'user', 'content': turn})
-        r = chat(server, messages, max_tokens=max_tokens)
-        reply = r.choices[0].message.content
-        out.append((reply, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
-        messages.append({'role': 'assistant', 'content': reply})
-    return out
 
 
 # basic endpoints ----------------------------------------------------------------------------------------
@@ -210,6 +157,7 @@ def test_seeded_sampling_is_reproducible(servers):
     assert texts[0] != texts[1]                                     # choice j samples with seed + j
     assert texts[0] != chat(s, messages, max_tokens=10).choices[0].message.content     # not greedy
 
+
 def test_sixteen_concurrent_streams_equal_alone(servers):
     s = servers['qwen3']
     prompts = [[{'role': 'user', 'content': f'Question {i}: what did ship {i} carry?'}] for i in range(16)]
@@ -227,108 +175,6 @@ def test_sixteen_concurrent_streams_equal_alone(servers):
             await c.close()
     assert asyncio.run(run_all()) == alone
     assert len(set(alone)) > 1                   # the prompts really differ
-
-
-# errors ---------------------------------------------------------------------------------------------------
-def raw_post(server, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
-    with httpx.Client(timeout=60) as c:
-        r = c.post(server.base_url + path, content=body, headers={'Content-Type': 'application/json', **headers})
-    return r.status_code, r.json()
-
-
-MSG = [{'role': 'user', 'content': 'hi'}]
-BAD_REQUESTS = [
-    # (name, path, body (dict or raw bytes), headers override, status, param or None)
-    ('malformed json', '/v1/chat/completions', b'{"model": "tiny", "messages": [', None, 400, None),
-    ('body not an object', '/v1/chat/completions', b'[1, 2]', None, 400, None),
-    ('no model', '/v1/chat/completions', {'messages': MSG}, None, 400, 'model'),
-    ('empty messages', '/v1/chat/completions', {'model': 'tiny', 'messages': []}, None, 400, 'messages'),
-    ('messages not a list', '/v1/chat/completions', {'model': 'tiny', 'messages': 'hi'}, None, 400, 'messages'),
-    ('unknown role', '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'wizard', 'content': 'x'}]},
-     None, 400, 'messages.0.role'),
-    ('content not text', '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'user', 'content': 5}]},
-     None, 400, 'messages.0.content'),
-    ('negative max_tokens', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'max_tokens': -1},
-     None, 400, 'max_tokens'),
-    ('negative max_completion_tokens', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'max_completion_tokens': -5}, None, 400, 'max_completion_tokens'),
-    ('max_tokens 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'max_tokens': 0},
-     None, 400, 'max_tokens'),
-    ('max_completion_tokens 0', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'max_completion_tokens': 0}, None, 400, 'max_completion_tokens'),
-    ('completions max_tokens 0', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'max_tokens': 0},
-     None, 400, 'max_tokens'),
-    ('temperature < 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'temperature': -0.5},
-     None, 400, 'temperature'),
-    ('top_p 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'top_p': 0}, None, 400, 'top_p'),
-    ('top_p > 1', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'top_p': 1.5}, None, 400, 'top_p'),
-    ('n 0', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'n': 0}, None, 400, 'n'),
-    ('stop not text', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'stop': 7}, None, 400, 'stop'),
-    ('token id >= vocab', '/v1/completions', {'model': 'tiny', 'prompt': [1, 2, 1024]}, None, 400, 'prompt'),
-    ('negative token id', '/v1/completions', {'model': 'tiny', 'prompt': [[3, -1]]}, None, 400, 'prompt'),
-    ('empty prompt', '/v1/completions', {'model': 'tiny', 'prompt': []}, None, 400, 'prompt'),
-    ('empty string prompt', '/v1/completions', {'model': 'tiny', 'prompt': ''}, None, 400, 'prompt'),
-    ('prompt too long', '/v1/completions', {'model': 'tiny', 'prompt': [5] * 4100}, None, 400, 'prompt'),
-    ('unknown model', '/v1/chat/completions', {'model': 'gpt-9', 'messages': MSG}, None, 404, 'model'),
-    ('missing key', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG}, {'Authorization': ''}, 401, None),
-    ('wrong key', '/v1/completions', {'model': 'tiny', 'prompt': 'x'}, {'Authorization': 'Bearer nope'}, 401,
-     None),
-    ('unknown endpoint', '/v1/embeddings', {'model': 'tiny', 'input': 'x'}, None, 404, None),
-    # no coercion: a string or a boolean is not a number, a number is not a boolean
-    ('max_tokens a string', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'max_tokens': '3'},
-     None, 400, 'max_tokens'),
-    ('max_tokens a boolean', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'max_tokens': True},
-     None, 400, 'max_tokens'),
-    ('stream a string', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'stream': 'yes'},
-     None, 400, 'stream'),
-    ('temperature a string', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'temperature': '0.5'},
-     None, 400, 'temperature'),
-    # the failing element of a field that takes several shapes
-    ('stop list of numbers', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'stop': ['a', 5]},
-     None, 400, 'stop.1'),
-    ('unknown content part', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': [{'role': 'user', 'content': [{'type': 'input_audio', 'input_audio': {}}]}]},
-     None, 400, 'messages.0.content.0'),
-    ('text part without text', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': [{'role': 'user', 'content': [{'type': 'text', 'text': 'a'}, {'type': 'text'}]}]},
-     None, 400, 'messages.0.content.1.text'),
-    ('image part to a text model', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': [{'role': 'user', 'content': [
-         {'type': 'text', 'text': 'see'}, {'type': 'image_url', 'image_url': {'url': 'data:image/png;base64,AA=='}}]}]},
-     None, 400, 'messages'),
-    # messages OpenAI refuses
-    ('tool message without tool_call_id', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG + [{'role': 'tool', 'content': '42'}]}, None, 400, 'messages.1'),
-    ('tool message without content', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG + [{'role': 'tool', 'tool_call_id': 'c1'}]}, None, 400, 'messages.1'),
-    ('tool call without arguments', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG + [{'role': 'assistant', 'tool_calls': [
-         {'id': 'c1', 'type': 'function', 'function': {'name': 'ls'}}]}]},
-     None, 400, 'messages.1.tool_calls.0.function.arguments'),
-    # options that cannot be honoured are refused, not ignored
-    ('top_logprobs without logprobs', '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'top_logprobs': 3},
-     None, 400, 'top_logprobs'),
-    ('stream_options without stream', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'stream_options': {'include_usage': True}}, None, 400, 'stream_options'),
-    ('response_format with a schema that cannot be compiled', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'response_format': {'type': 'json_schema', 'json_schema': {
-         'name': 'x', 'schema': {'type': 'objectx'}}}}, None, 400, 'response_format'),
-    ('suffix', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'suffix': 'end'}, None, 400, 'suffix'),
-    ('best_of above n', '/v1/completions', {'model': 'tiny', 'prompt': 'x', 'best_of': 3}, None, 400, 'best_of'),
-    # the body cannot be read as JSON at all: code invalid_json
-    ('body not UTF-8', '/v1/chat/completions', b'{"model": "tiny", "messages": "\xff\xfe"}', None, 400, None),
-    ('body nested too deeply', '/v1/chat/completions', b'[' * 100000 + b']' * 100000, None, 400, None),
-    ('trailing slash', '/v1/chat/completions/', {'model': 'tiny', 'messages': MSG}, None, 404, None),
-    ('tool_choice string not a choice', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'tool_choice': 'always'}, None, 400, 'tool_choice'),
-    ('tool without a name', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'tools': [{'type': 'function', 'function': {'name': ' '}}]},
-     None, 400, 'tools.0.function'),
-    ('two tools with one name', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG, 'tools': [{'type': 'function', 'function': {'name': 'ls'}}] * 2},
-     None, 400, 'tools'),
-    ('empty token-id list', '/v1/completions', {'model': 'tiny', 'prompt': [[5, 6], []]}, None, 400, 'prompt'),
-]
 
 
 @pytest.mark.parametrize('name,path,body,headers,status,param', BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
@@ -578,122 +424,6 @@ def test_metrics_move_with_the_conversation(servers):
                    'lmdeploy_store_hit_tokens_total'):
         assert series in after and delta(series) >= 0
     assert after['lmdeploy_store_put_bytes_total{kind="kv"}'] == 0       # this server has no Store
-
-
-# the Mooncake Store tier through the server ------------------------------------------------------------------
-@pytest.fixture(scope='module')
-def store_servers(mooncake_services, tiny_qwen3_next):
-    """Two hybrid servers sharing one external Mooncake Store (each with an empty local cache)."""
-    flags = (*HYBRID, '--enable-prefix-caching', '--mooncake-master', mooncake_services.master_address,
-             '--mooncake-metadata-server', mooncake_services.metadata_server,
-             '--mooncake-local-buffer-size', str(16 << 20))
-    pair = [ApiServer(tiny_qwen3_next, *flags), ApiServer(tiny_qwen3_next, *flags)]
-    try:
-        for p in pair:
-            p.launch()
-        for p in pair:
-            p.wait_ready()
-        yield pair
-    finally:
-        for p in pair:
-            p.stop()
-
-
-def wait_idle(server, timeout=20) -> dict:
-    deadline = time.monotonic() + timeout
-    while not is_idle(ledger := server.get('/debug/ledger')[1]):
-        assert time.monotonic() < deadline, ledger
-        time.sleep(0.05)
-    return ledger
-
-
-def test_store_series_move_and_a_fresh_server_restores_from_the_store(store_servers):
-    writer, reader = store_servers
-    # a system prompt no other test (or earlier session run) has stored
-    messages = [{'role': 'system', 'content': f'Ledger {uuid.uuid4().hex}. ' + SYSTEM_B},
-                {'role': 'user', 'content': TURNS[0]}]
-    first = chat(writer, messages)
-    n = first.usage.prompt_tokens
-    wait_idle(writer)                                   # the Store worker finished its puts
-    put = metrics(writer)
-    plan = plan_prefill(n, 0, 128, 16, ALIGN, False)
-    last = plan.save_points[-1]
-    assert put['lmdeploy_store_put_objects_total{kind="state"}'] == len(plan.save_points)
-    assert put['lmdeploy_store_put_objects_total{kind="kv"}'] == last // 16       # full blocks below b*
-    state_bytes = put['lmdeploy_store_put_bytes_total{kind="state"}']
-    kv_bytes = put['lmdeploy_store_put_bytes_total{kind="kv"}']
-    assert state_bytes > 0 and state_bytes % len(plan.save_points) == 0 and kv_bytes % (last // 16) == 0
-    assert put['lmdeploy_store_put_failures_total'] == 0
-
-    again = chat(reader, messages)
-    assert again.choices[0].message.content == first.choices[0].message.content
-    assert again.usage.prompt_tokens_details.cached_tokens == last
-    got = metrics(reader)
-    assert got['lmdeploy_store_hit_tokens_total'] == last
-    assert got['lmdeploy_prefix_cache_hit_tokens_total'] == 0          # local hits only; its cache was empty
-    assert got['lmdeploy_store_get_failures_total'] == 0 and got['lmdeploy_store_rejected_objects_total'] == 0
-
-def _mooncake_children(pid: int) -> list[int]:
-    """Pids of the ``mooncake_*`` processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    comm, rest = f.read().split(' (', 1)[1].rsplit(')', 1)
-            except (OSError, ValueError):
-                continue
-            if int(rest.split()[1]) == pid and comm.startswith('mooncake'):
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-    except OSError:
-        return False
-
-
-def test_sigterm_stops_the_embedded_store_services(tiny_qwen3_next):
-    server = ApiServer(tiny_qwen3_next, *HYBRID, '--enable-prefix-caching', '--mooncake-master', 'local',
-                       '--mooncake-embedded-segment-size', str(16 << 20)).start()
-    try:
-        children = _mooncake_children(server.proc.pid)      # mooncake_master, mooncake_meta, mooncake_owner
-        assert len(children) == 3, children
-        assert chat(server, [{'role': 'user', 'content': SYSTEM_A}]).usage.prompt_tokens > ALIGN
-        server.proc.terminate()
-        assert server.proc.wait(timeout=30) == 143     # a graceful exit, not death by the re-raised signal
-        deadline = time.monotonic() + 10
-        while any(_alive(c) for c in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(c) for c in children), 'embedded Mooncake processes outlived the server'
-    finally:
-        server.stop()
-
-
-# metrics unit (no server) ----------------------------------------------------------------------------------
-def test_engine_collector_exports_store_series_and_stays_monotonic():
-    from prometheus_client import generate_latest
-    stats = {'prefix_cache_queried_tokens': 100, 'checkpoints_skipped': {'no_free_slot': 2, 'exists': 1},
-             'store_put_bytes': {'state': 4096, 'kv': 8192}, 'store_put_objects': {'state': 1, 'kv': 2},
-             'store_hit_tokens': 64}
-    m = ServerMetrics(lambda: stats)
-    text = generate_latest(m.registry).decode()
-    assert 'lmdeploy_store_put_bytes_total{kind="kv"} 8192.0' in text
-    assert 'lmdeploy_store_put_objects_total{kind="state"} 1.0' in text
-    assert 'lmdeploy_checkpoints_skipped_total{reason="exists"} 1.0' in text
-    assert 'lmdeploy_store_get_failures_total 0.0' in text                      # missing key = 0
-    stats = {'prefix_cache_queried_tokens': 40}                                  # a lower reading ...
-    text = generate_latest(m.registry).decode()
-    assert 'lmdeploy_prefix_cache_queried_tokens_total 100.0' in text           # ... never lowers a counter
-    assert 'lmdeploy_checkpoints_skipped_total{reason="exists"} 1.0' in text
-    collector = EngineStatsCollector(lambda: {'store_put_bytes': {'kv': 5}})
-    families = {f.name: f for f in collector.collect()}
-    assert sorted((s.labels['kind'], s.value) for s in families['lmdeploy_store_put_bytes'].samples) == \
-        [('kv', 5.0), ('state', 0.0)]
-
 
 
 def _documented_series(path: str) -> set[str]:

@@ -1,0 +1,69 @@
+"""The TP test geometry (B = 16, A = 64, P = 48), TP2-vs-TP1 logit tolerance, shared prompts, the
+engine factory, the safetensors read recorder and the cross-TP Store restore check used by
+tests/test_tensor_parallel.py and tests/test_tensor_parallel_mtp_vision.py.
+"""
+from __future__ import annotations
+
+from engine_utils import make_engine, random_prompt
+from lmdeploy import PytorchEngineConfig
+from lmdeploy.pytorch.engine.engine import Engine
+
+
+B, A, P = 16, 64, 48
+# fp32: TP only reorders sums (row-parallel layers, all-reduces, and inside the native CPU kernels,
+# which see other widths per rank). Observed max |logit diff| TP2 vs TP1 on the tiny models (logits
+# up to ~10): torch kernels 2.5e-6 / 7.0e-6 / 8.8e-6 (qwen3 / qwen3_next / qwen3_5), native kernels
+# 2.4e-6 / 9.3e-6 / 1.35e-5 (the native RMS norm's sum of squares rounds differently).
+TP_TOL = 2e-5
+SHARED = random_prompt(70, 100)
+PROMPTS = [SHARED + random_prompt(30, 1), random_prompt(90, 2), SHARED + random_prompt(12, 3)]
+
+
+def engine(path: str, **fields) -> Engine:
+    fields = dict(dict(block_size=B, prefill_save_alignment=A, max_prefill_token_num=P, num_gpu_blocks=64,
+                       max_batch_size=4, session_len=1024), **fields)
+    return make_engine(path, **fields)
+
+
+def record_safetensors_reads(monkeypatch) -> list[tuple[str, str]]:
+    """Make shard loading record every tensor it reads: ``(name, 'slice' | 'whole')`` in order."""
+    import safetensors
+    reads: list[tuple[str, str]] = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name):
+            reads.append((name, 'slice'))
+            return self.f.get_slice(name)
+
+        def get_tensor(self, name):
+            reads.append((name, 'whole'))
+            return self.f.get_tensor(name)
+    monkeypatch.setattr('lmdeploy.pytorch.distributed.loading.safe_open', Recording)
+    return reads
+
+
+def assert_reader_restores(path: str, cfg: dict, tp: int, ids: list[int], gen, expected: list[int]) -> None:
+    """A fresh engine of size ``tp`` on the Store of ``cfg`` restores the 128-token prefix of
+    ``ids`` and decodes ``expected``; it ends idle."""
+    reader = Engine(path, PytorchEngineConfig(**cfg, tp=tp))
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == 128 and again.stats.store_hit_tokens == 128
+        assert again.output_ids == expected
+        assert reader.store.flush(timeout=30) and reader.is_idle()
+    finally:
+        reader.close()
