@@ -218,9 +218,10 @@ def test_one_group_tp2_equals_tp1_with_the_group_replicated_and_its_norm_all_red
     rows and conv channels (the only ranges both ranks read); TP2 = TP1 (the norm's sum of squares
     is all-reduced). Each rank's state holds its heads plus a copy of B / C; the Store (and the
     simulator) charges the single-process layout, B / C once."""
+    from safetensors import safe_open
+
     from test_store_engine import sim
     from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
-    from safetensors import safe_open
     _, _, split, repeated = check_tp_slices_tile_every_split_tensor(tiny_one_group, shared=True)
     cfg = json.load(open(os.path.join(tiny_one_group, 'config.json')))
     mamba = cfg['layer_types'].count('mamba')
