@@ -237,3 +237,34 @@ def test_one_group_tp2_equals_tp1_with_the_group_replicated_and_its_norm_all_red
         per_rank = mamba * 4 * ((H // 2 * P + 2 * Dn) * (K - 1) + H // 2 * P * Dn)     # float32
         assert two.state_bytes == per_rank and 2 * per_rank > one.state_bytes
     check_tp2_equals_tp1(tiny_one_group, then=store_sizes)
+
+
+def test_one_group_tp2_store_put_bytes_equal_the_simulator_and_a_tp1_reader_restores(tiny_one_group,
+                                                                                     mooncake_services):
+    """A TP2 writer of the ``mamba_n_groups = 1`` model (B / C copied on both ranks) puts the
+    single-process payload: its put bytes equal the simulator's (the group once), and a TP1
+    reader restores the 128-token prefix and decodes what a cold engine decodes."""
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    from test_store_engine import sim, store_config
+    from tp_utils import A, B, P, assert_reader_restores, engine as tp_engine
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 36_036)        # a prompt new to the session's Store
+    cold = tp_engine(tiny_one_group)
+    expected = cold.generate(ids, gen).output_ids
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(tiny_one_group, PytorchEngineConfig(**cfg, tp=2))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        sizes = sim.sizes_from_config(json.load(open(os.path.join(tiny_one_group, 'config.json'))), tp=2,
+                                      block_size=B)
+        S, K = sizes.charged
+        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
+        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
+    finally:
+        writer.close()
+    assert_reader_restores(tiny_one_group, cfg, 1, ids, gen, expected)
