@@ -114,6 +114,10 @@ class Mamba2Mixer(nn.Module):
     Args:
         dims: its sizes (this rank's, under tensor parallelism).
         layer_idx: index into ``StepContext.state_caches`` (``(conv, ssm)``).
+
+    Attributes:
+        cross_rank_norm: None, or the :class:`CrossRankGroupNorm` the tensor-parallel layout
+            sets (through the plan's ``attach_collectives``) when this rank's group spans ranks.
     """
 
     def __init__(self, dims: Mamba2Dims, layer_idx: int):
