@@ -203,3 +203,68 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
         eos_token_id=1)
     check_random_model_in_random_chunks_then_decode(data, GraniteMoeHybridForCausalLM, 'granitemoehybrid', config, 70,
                                                     TOL)
+
+
+@pytest.fixture(scope='module')
+def tiny_one_group(tmp_path_factory):
+    """The tiny model with the published ``mamba_n_groups = 1`` (fewer groups than TP ranks)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp('tiny_granite_g1')), arch='granitemoehybrid', seed=0,
+                           mamba_n_groups=1)
+
+
+def test_one_group_tp2_equals_tp1_with_the_group_replicated_and_its_norm_all_reduced(tiny_one_group):
+    """``mamba_n_groups = 1`` at TP2: each rank reads half the heads and the whole group's B / C
+    rows and conv channels (the only ranges both ranks read); TP2 = TP1 (the norm's sum of squares
+    is all-reduced). Each rank's state holds its heads plus a copy of B / C; the Store (and the
+    simulator) charges the single-process layout, B / C once."""
+    from safetensors import safe_open
+
+    from test_store_engine import sim
+    from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
+    _, _, split, repeated = check_tp_slices_tile_every_split_tensor(tiny_one_group, shared=True)
+    cfg = json.load(open(os.path.join(tiny_one_group, 'config.json')))
+    mamba = cfg['layer_types'].count('mamba')
+    with safe_open(os.path.join(tiny_one_group, 'model.safetensors'), framework='pt') as f:
+        bc = [n for n in f.keys() if re.search(r'\.mamba\.(in_proj|conv1d)\.', n)]
+    assert split > 0 and mamba > 0 and repeated == 2 * len(bc)     # each: the B range and the C range
+
+    def store_sizes(eng):
+        one, two = (sim.sizes_from_config(cfg, tp=tp, block_size=eng.cache_engine.block_size) for tp in (1, 2))
+        assert two.charged == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
+        assert two.charged[0] == one.state_bytes
+        H, P, Dn, K = cfg['mamba_n_heads'], cfg['mamba_d_head'], cfg['mamba_d_state'], cfg['mamba_d_conv']
+        per_rank = mamba * 4 * ((H // 2 * P + 2 * Dn) * (K - 1) + H // 2 * P * Dn)     # float32
+        assert two.state_bytes == per_rank and 2 * per_rank > one.state_bytes
+    check_tp2_equals_tp1(tiny_one_group, then=store_sizes)
+
+
+def test_one_group_tp2_store_put_bytes_equal_the_simulator_and_a_tp1_reader_restores(tiny_one_group,
+                                                                                     mooncake_services):
+    """A TP2 writer of the ``mamba_n_groups = 1`` model (B / C copied on both ranks) puts the
+    single-process payload: its put bytes equal the simulator's (the group once), and a TP1
+    reader restores the 128-token prefix and decodes what a cold engine decodes."""
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    from test_store_engine import sim, store_config
+    from tp_utils import A, B, P, assert_reader_restores, engine as tp_engine
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, 36_036)        # a prompt new to the session's Store
+    cold = tp_engine(tiny_one_group)
+    expected = cold.generate(ids, gen).output_ids
+    cold.close()
+    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(tiny_one_group, PytorchEngineConfig(**cfg, tp=2))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        sizes = sim.sizes_from_config(json.load(open(os.path.join(tiny_one_group, 'config.json'))), tp=2,
+                                      block_size=B)
+        S, K = sizes.charged
+        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
+        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
+    finally:
+        writer.close()
+    assert_reader_restores(tiny_one_group, cfg, 1, ids, gen, expected)

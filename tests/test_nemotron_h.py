@@ -238,15 +238,48 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):
     """Over the ranks, each split tensor's ranges tile its axis exactly once; MoE tensors, norms
-    and out_proj biases are read whole by every rank; a group count TP does not divide is refused."""
+    and out_proj biases are read whole by every rank; a group count TP neither divides nor is a
+    multiple of is refused (naming the field)."""
     from lmdeploy.pytorch.distributed.sharding import TPLayout
     from test_tensor_parallel import check_tp_slices_tile_every_split_tensor
     config, layouts, split = check_tp_slices_tile_every_split_tensor(tiny[0])
     assert split >= 20
     assert layouts[0].shard('backbone.layers.1.mixer.experts.0.up_proj.weight') is None
-    config.n_groups = 1
-    with pytest.raises(ValueError, match='n_groups'):
+    config.mamba_num_heads, config.n_groups = 12, 3
+    with pytest.raises(ValueError, match=r'n_groups \(3\) must be divisible by tp \(2\) or divide it'):
         TPLayout(config, 0, 2)
+
+
+@pytest.fixture(scope='module')
+def tiny_one_group(tmp_path_factory):
+    """The tiny model with ``n_groups = 1`` (fewer Mamba-2 groups than TP ranks)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp('tiny_nemotron_h_g1')), arch='nemotron_h', seed=0, n_groups=1)
+
+
+def test_one_group_tp2_equals_tp1_with_the_group_replicated_and_its_norm_all_reduced(tiny_one_group):
+    """``n_groups = 1`` at TP2: the ranks share the group's B / C rows and conv channels (the only
+    ranges both read) and all-reduce its norm; TP2 = TP1. Each rank's state holds its heads plus a
+    copy of B / C; the Store (and the simulator) charges the single-process layout."""
+    from safetensors import safe_open
+
+    from test_store_engine import sim
+    from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
+    _, _, split, repeated = check_tp_slices_tile_every_split_tensor(tiny_one_group, shared=True)
+    cfg = json.load(open(os.path.join(tiny_one_group, 'config.json')))
+    with safe_open(os.path.join(tiny_one_group, 'model.safetensors'), framework='pt') as f:
+        bc = [n for n in f.keys() if re.search(r'\.mixer\.(in_proj|conv1d)\.', n)]
+    assert split > 0 and bc and repeated == 2 * len(bc)       # each: the B range and the C range
+
+    def store_sizes(eng):
+        one, two = (sim.sizes_from_config(cfg, tp=tp, block_size=eng.cache_engine.block_size) for tp in (1, 2))
+        assert two.charged == (eng.cache_engine.state_bytes, eng.cache_engine.kv_block_bytes)
+        assert two.charged[0] == one.state_bytes
+        H, P, Dn, K = cfg['mamba_num_heads'], cfg['mamba_head_dim'], cfg['ssm_state_size'], cfg['conv_kernel']
+        mamba = sum(1 for n in bc if n.endswith('in_proj.weight'))
+        per_rank = mamba * 4 * ((H // 2 * P + 2 * Dn) * (K - 1) + H // 2 * P * Dn)     # float32
+        assert two.state_bytes == per_rank and 2 * per_rank > one.state_bytes
+    check_tp2_equals_tp1(tiny_one_group, then=store_sizes)
 
 
 def test_api_server_flag_gives_the_second_conversation_64_cached_tokens(tiny):

@@ -165,12 +165,15 @@ def assert_idle_or_cached(eng: Engine) -> None:
         assert_idle(eng)
 
 
-def check_tp_slices_tile_every_split_tensor(path: str):
+def check_tp_slices_tile_every_split_tensor(path: str, shared: bool = False):
     """Over 2 ranks' ``TPLayout``, each split tensor of the checkpoint at ``path`` has ranges that
-    tile its axis exactly once, and a tensor one rank reads whole every rank reads whole.
+    tile its axis exactly once, and a tensor one rank reads whole every rank reads whole. With
+    ``shared``, a range several ranks read identically (rows replicated on the ranks that share
+    them, e.g. a Mamba-2 group's ``B`` / ``C``) counts once; partial overlaps still fail.
 
     Returns:
-        ``(config, [layout of rank 0, of rank 1], number of split tensors)``.
+        ``(config, [layout of rank 0, of rank 1], number of split tensors)``; with ``shared``,
+        also the number of ranges read by more than one rank.
     """
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -178,7 +181,7 @@ def check_tp_slices_tile_every_split_tensor(path: str):
     from lmdeploy.pytorch.distributed.sharding import TPLayout
     config = AutoConfig.from_pretrained(path)
     layouts = [TPLayout(config, r, 2) for r in range(2)]
-    split = 0
+    split = repeated = 0
     with safe_open(os.path.join(path, 'model.safetensors'), framework='pt') as f:
         for name in f.keys():
             shards = [lay.shard(name) for lay in layouts]
@@ -188,9 +191,12 @@ def check_tp_slices_tile_every_split_tensor(path: str):
                 continue
             split += 1
             covered = sorted(r for s in shards for r in s.ranges)
+            if shared:
+                repeated += len(covered) - len(set(covered))
+                covered = sorted(set(covered))
             assert covered[0][0] == 0 and covered[-1][1] == shape[shards[0].dim], name
             assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), name
-    return config, layouts, split
+    return (config, layouts, split, repeated) if shared else (config, layouts, split)
 
 
 def check_tp2_equals_tp1(path: str, then=None) -> None:

@@ -275,6 +275,9 @@ class TPLayout:
         model.model.embed_tokens = VocabParallelEmbedding(*self.vocab, c.hidden_size)
         model.lm_head = VocabParallelHead(*self.vocab, self.vocab_width, c.hidden_size, c.vocab_size)
         self._swap_row_parallel(model.model.layers)
+        attach = getattr(self.custom, 'attach_collectives', None)
+        if attach is not None:      # layers that talk across ranks besides the row-parallel sum
+            attach(model, all_reduce)
         if self.rank != 0:
             for name in self.plan.rank0_modules:     # e.g. a vision tower: its output is broadcast
                 setattr(model, name, None)

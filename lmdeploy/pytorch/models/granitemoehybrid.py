@@ -232,14 +232,16 @@ class GraniteMoeHybridTPPlan:
 
     Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
     its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV heads.
-    Mamba-2 by head and group (:class:`~.mamba2.Mamba2TPSplit`). The shared MLP by intermediate
+    Mamba-2 by head and group (:class:`~.mamba2.Mamba2TPSplit`; fewer groups than ranks, as in
+    the published ``mamba_n_groups = 1``: the group's ``B`` / ``C`` copied to every rank of its
+    heads, its norm all-reduced). The shared MLP by intermediate
     rows (``input_linear``'s gate and up rows, ``output_linear``'s columns, all-reduce). The
     routed experts and their router are replicated.
 
     Raises:
         ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
-            ``shared_intermediate_size``, ``mamba_n_heads`` or ``mamba_n_groups`` (names the
-            field; a Mamba-2 group is never split over ranks).
+            ``shared_intermediate_size`` or ``mamba_n_heads``, or neither divides nor is a
+            multiple of ``mamba_n_groups`` (names the field).
     """
 
     row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'), ('mamba', 'out_proj'))
@@ -269,6 +271,13 @@ class GraniteMoeHybridTPPlan:
         c.shared_intermediate_size = self.shared[1] - self.shared[0]
         c.mamba_tp_size = self.size      # the mamba_* fields stay whole; mamba_dims divides them
         return c
+
+    def attach_collectives(self, model, all_reduce) -> None:
+        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
+        norm = self.mamba.norm(all_reduce) if self.mamba is not None else None
+        for layer in model.model.layers:
+            if isinstance(getattr(layer, 'mamba', None), Mamba2Mixer):
+                layer.mamba.cross_rank_norm = norm
 
     def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
         """The rank's KV heads for ``'kv_heads'``; the Mamba-2 state splits otherwise."""

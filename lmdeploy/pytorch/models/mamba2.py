@@ -18,8 +18,10 @@ layer never looks at the device.
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
 ``norm``, ``out_proj``). Under tensor parallelism (:class:`Mamba2TPSplit`) a rank holds whole
-heads and whole groups: it needs ``H`` and ``G`` divisible by the TP size, because a group's
-norm and its ``B`` / ``C`` are shared by the group's heads.
+heads. With ``G`` divisible by the TP size it also holds whole groups; with the TP size a
+multiple of ``G`` (Granite-4.0-H: ``G = 1``) a group's heads span ``size / G`` ranks, each of
+which holds a copy of the group's ``B`` / ``C`` rows and conv channels, and the group's norm
+sums its squares over those ranks (:class:`CrossRankGroupNorm`).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .layers import Linear
 
-__all__ = ['Mamba2Dims', 'Mamba2Mixer', 'Mamba2TPSplit', 'mamba2_state_spec']
+__all__ = ['Mamba2Dims', 'Mamba2Mixer', 'Mamba2TPSplit', 'CrossRankGroupNorm', 'mamba2_state_spec']
 
 # CacheTensor.tp_split names of the two state tensors (ranges from Mamba2TPSplit.cache_ranges)
 CONV_SPLIT, HEAD_SPLIT = 'mamba_conv_channels', 'mamba_heads'
@@ -86,9 +88,16 @@ class Mamba2Dims:
         return self.d_inner + 2 * self.n_groups * self.state_size
 
     def local(self, size: int) -> 'Mamba2Dims':
-        """This rank's dims at TP size ``size`` (heads and groups divided evenly)."""
+        """This rank's dims at TP size ``size``: heads divided evenly; groups divided evenly when
+        ``size`` divides ``G``, else one group (a share of a group that spans ``size / G`` ranks)."""
         import dataclasses
-        return dataclasses.replace(self, num_heads=self.num_heads // size, n_groups=self.n_groups // size)
+        return dataclasses.replace(self, num_heads=self.num_heads // size, n_groups=local_groups(self.n_groups, size))
+
+
+def local_groups(n_groups: int, size: int) -> int:
+    """A rank's Mamba-2 group count at TP size ``size``: ``G / size``, or 1 when ``size`` is a
+    multiple of ``G`` (the rank holds part of one group's heads and a copy of its ``B`` / ``C``)."""
+    return n_groups // size if n_groups >= size else 1
 
 
 def mamba2_state_spec(dims: Mamba2Dims, dtype: torch.dtype) -> StateSpec:
@@ -105,6 +114,10 @@ class Mamba2Mixer(nn.Module):
     Args:
         dims: its sizes (this rank's, under tensor parallelism).
         layer_idx: index into ``StepContext.state_caches`` (``(conv, ssm)``).
+
+    Attributes:
+        cross_rank_norm: None, or the :class:`CrossRankGroupNorm` the tensor-parallel layout
+            sets (through the plan's ``attach_collectives``) when this rank's group spans ranks.
     """
 
     def __init__(self, dims: Mamba2Dims, layer_idx: int):
@@ -120,6 +133,8 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(d.d_inner))
         self.out_proj = Linear(d.d_inner, d.hidden_size, bias=d.proj_bias)
+        # set by the tensor-parallel layout when this rank's group spans ranks
+        self.cross_rank_norm: CrossRankGroupNorm | None = None
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
@@ -136,39 +151,62 @@ class Mamba2Mixer(nn.Module):
         y = get_kernel('mamba2_ssd_varlen', hidden.device)(
             x.view(T, H, P), dt, A, B.view(T, G, Dn), C.view(T, G, Dn), self.D, ssm_cache, ctx.cu_seqlens,
             ctx.slots, ctx.has_history, d.chunk_size)
-        y = get_kernel('grouped_gated_rms_norm', hidden.device)(
-            y.view(T, d.d_inner), z, self.norm.weight, d.d_inner // G, d.norm_eps)
+        if self.cross_rank_norm is not None:
+            y = self.cross_rank_norm(y.view(T, d.d_inner), z, self.norm.weight, d.norm_eps)
+        else:
+            y = get_kernel('grouped_gated_rms_norm', hidden.device)(
+                y.view(T, d.d_inner), z, self.norm.weight, d.d_inner // G, d.norm_eps)
         return self.out_proj(y.to(hidden.dtype))
 
 
 class Mamba2TPSplit:
     """Which rows of a Mamba-2 layer's tensors one rank reads, and its state ranges.
 
-    A rank holds heads ``[h0, h1)`` and groups ``[g0, g1)`` (``H / size`` and ``G / size`` of
-    them): ``in_proj`` rows of its ``z``, ``x``, ``B``, ``C`` and ``dt`` pieces; ``conv1d`` rows
-    of its ``x | B | C`` channels; ``dt_bias``, ``A_log``, ``D`` of its heads; ``norm`` of its
-    channels (its groups are whole, so the grouped norm needs no communication); ``out_proj``
-    columns (row-parallel: the layout all-reduces its output).
+    A rank holds heads ``[h0, h1)`` (``H / size``) and groups ``[g0, g1)``: ``in_proj`` rows of
+    its ``z``, ``x``, ``B``, ``C`` and ``dt`` pieces; ``conv1d`` rows of its ``x | B | C``
+    channels; ``dt_bias``, ``A_log``, ``D`` of its heads; ``norm`` of its channels; ``out_proj``
+    columns (row-parallel: the layout all-reduces its output). Two cases:
+
+    - ``size`` divides ``G``: ``G / size`` whole groups; the grouped norm needs no communication.
+    - ``size`` is a multiple of ``G``: the one group its heads belong to, ``g0 = h0 / (H / G)``;
+      the ``size / G`` ranks of a group each read (and cache) the same ``B`` / ``C`` rows, and
+      :meth:`norm` gives the norm that all-reduces the group's sum of squares.
 
     Args:
         dims: the full (single-process) dims.
         rank, size: this rank, the TP size.
+        heads_field, groups_field: the config field names the errors name.
 
     Raises:
-        ValueError: ``size`` does not divide the head count or the group count (a group split
-            over ranks would need a cross-rank norm).
+        ValueError: ``size`` does not divide the head count, or neither divides the group count
+            nor is a multiple of it.
     """
 
     def __init__(self, dims: Mamba2Dims, rank: int, size: int, heads_field: str = 'num_heads',
                  groups_field: str = 'n_groups'):
         if dims.num_heads % size:
             raise ValueError(f'{heads_field} ({dims.num_heads}) must be divisible by tp ({size})')
-        if dims.n_groups % size:
-            raise ValueError(f'{groups_field} ({dims.n_groups}) must be divisible by tp ({size}): a Mamba-2 group '
-                             f'(its B, C and its norm) is not split over ranks')
+        if dims.n_groups % size and size % dims.n_groups:
+            raise ValueError(f'{groups_field} ({dims.n_groups}) must be divisible by tp ({size}) or divide it: a '
+                             f'rank holds whole Mamba-2 groups or part of one group')
         self.dims, self.rank, self.size = dims, rank, size
-        h, g = dims.num_heads // size, dims.n_groups // size
-        self.heads, self.groups = (rank * h, (rank + 1) * h), (rank * g, (rank + 1) * g)
+        h = dims.num_heads // size
+        self.heads = (rank * h, (rank + 1) * h)
+        if dims.n_groups >= size:
+            g = dims.n_groups // size
+            self.groups = (rank * g, (rank + 1) * g)
+        else:       # size / G ranks share a group
+            g0 = self.heads[0] // (dims.num_heads // dims.n_groups)
+            self.groups = (g0, g0 + 1)
+        self.group_ranks = max(1, size // dims.n_groups)
+
+    def norm(self, all_reduce) -> 'CrossRankGroupNorm | None':
+        """The rank's grouped norm when its group spans ranks (``all_reduce``: the sum over all
+        ranks, in place), else None (the local kernel is exact)."""
+        if self.group_ranks == 1:
+            return None
+        return CrossRankGroupNorm(all_reduce, self.groups[0], self.dims.n_groups,
+                                  self.dims.d_inner // self.dims.n_groups)
 
     def _channels(self) -> tuple[tuple[int, int], ...]:
         """The rank's ``x | B | C`` channel ranges within ``conv_dim``."""
@@ -206,3 +244,31 @@ class Mamba2TPSplit:
         if split == HEAD_SPLIT:
             return (self.heads,)
         return None
+
+
+class CrossRankGroupNorm:
+    """Mamba-2's grouped gated RMS norm (``grouped_gated_rms_norm``: ``h = x * silu(z)`` in
+    float32, ``h * rsqrt(mean(h^2) + eps)`` over the group, then ``weight * h``) for a rank that
+    holds ``D_local`` channels of one group of ``group_size`` channels spread over several ranks.
+
+    Each rank puts its partial sum of squares ``[T]`` into column ``group`` of a zero
+    ``[T, n_groups]`` float32 tensor and all ranks sum it (one all-reduce of ``T * G`` floats;
+    ranks of other groups fill other columns), so every rank divides by its group's full sum.
+
+    Args:
+        all_reduce: sums a tensor over all ranks in place and returns it.
+        group: the rank's group index; n_groups: ``G`` of the full model.
+        group_size: the full group's channels (``d_inner / G``).
+    """
+
+    def __init__(self, all_reduce, group: int, n_groups: int, group_size: int):
+        self.all_reduce, self.group, self.n_groups, self.group_size = all_reduce, group, n_groups, group_size
+
+    def __call__(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x``, ``z`` ``[T, D_local]``, ``weight [D_local]`` → ``[T, D_local]`` (dtype as the kernel's)."""
+        h = x.float() * F.silu(z.float())
+        sums = h.new_zeros(h.shape[0], self.n_groups)
+        sums[:, self.group] = h.pow(2).sum(-1)
+        sums = self.all_reduce(sums)[:, self.group:self.group + 1]
+        h = h * torch.rsqrt(sums / self.group_size + eps)
+        return weight * h.to(x.dtype)

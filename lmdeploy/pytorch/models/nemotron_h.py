@@ -37,7 +37,7 @@ from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention, load_weights
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, mamba2_state_spec
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, local_groups, mamba2_state_spec
 from .parallel_plan import ParallelPlan
 
 __all__ = ['NemotronHForCausalLM', 'NemotronHAttention', 'NemotronHMoE', 'check_config', 'mamba2_dims']
@@ -259,7 +259,8 @@ _LAYER = re.compile(r'^model\.layers\.(\d+)\.mixer\.(.+)$')
 class NemotronHTPPlan:
     """How Nemotron-H splits over ``size`` tensor-parallel ranks (Megatron-style).
 
-    Mamba-2 blocks by head and group (:class:`~.mamba2.Mamba2TPSplit`: ``in_proj`` rows,
+    Mamba-2 blocks by head and group (:class:`~.mamba2.Mamba2TPSplit`; fewer groups than ranks:
+    a group's ``B`` / ``C`` copied to the ranks of its heads, its norm all-reduced): ``in_proj`` rows,
     ``conv1d`` channels, per-head parameters, ``norm`` channels, ``out_proj`` columns);
     attention by query head (``q_proj`` rows, ``o_proj`` columns) and KV head (``k_proj`` /
     ``v_proj`` rows; fewer KV heads than ranks are replicated, ``size / kv`` ranks sharing one);
@@ -267,7 +268,8 @@ class NemotronHTPPlan:
     replicated. Row-parallel outputs (``out_proj``, ``o_proj``, ``down_proj``) all-reduce.
 
     Raises:
-        ValueError: ``size`` does not divide ``mamba_num_heads``, ``n_groups``,
+        ValueError: ``size`` does not divide ``mamba_num_heads``, divides neither ``n_groups``
+            nor is a multiple of it,
             ``num_attention_heads``, ``num_key_value_heads`` (or is not a multiple of it),
             or ``intermediate_size`` (with dense MLP blocks).
     """
@@ -298,7 +300,8 @@ class NemotronHTPPlan:
         """A copy of the config with this rank's head, group and intermediate counts."""
         c = copy.deepcopy(self.config)
         if self.mamba is not None:
-            c.mamba_num_heads, c.n_groups = self.config.mamba_num_heads // self.size, self.config.n_groups // self.size
+            c.mamba_num_heads = self.config.mamba_num_heads // self.size
+            c.n_groups = local_groups(self.config.n_groups, self.size)
         if ATTN in self.types:
             c.head_dim = self.head_dim
             c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
@@ -306,6 +309,13 @@ class NemotronHTPPlan:
         if MLP in self.types:
             c.intermediate_size = self.intermediate[1] - self.intermediate[0]
         return c
+
+    def attach_collectives(self, model, all_reduce) -> None:
+        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
+        norm = self.mamba.norm(all_reduce) if self.mamba is not None else None
+        for layer in model.model.layers:
+            if isinstance(getattr(layer, 'mixer', None), Mamba2Mixer):
+                layer.mixer.cross_rank_norm = norm
 
     def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
         """The rank's KV heads for ``'kv_heads'``, its Mamba-2 ranges for the Mamba-2 splits.

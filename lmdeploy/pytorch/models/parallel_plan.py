@@ -44,8 +44,10 @@ class ParallelPlan:
         rank0_modules: attribute names of the model set to None on ranks other than 0.
         custom: ``(config, rank, size) -> split`` for layers of other kinds: an object with
             ``local_config()``, ``shard(name) -> (dim, ranges) | None``, ``cache_ranges(split)``
-            and ``row_parallel`` (``(owner, name)`` output projections); the flags above are
-            then unused (only the vocabulary split stays generic).
+            and ``row_parallel`` (``(owner, name)`` output projections), and optionally
+            ``attach_collectives(model, all_reduce)`` (hands the in-place sum over ranks to
+            layers that need it, e.g. a Mamba-2 norm whose group spans ranks); the flags above
+            are then unused (only the vocabulary split stays generic).
     """
     gated_q: bool = False
     gated_delta_net: bool = False
