@@ -225,6 +225,15 @@ def test_one_image_matches_transformers_cold_chunked_and_after_a_restore(tiny):
     assert miss.num_cached_tokens <= mm.start
 
 
+def test_store_restore_with_an_image_in_a_fresh_process(tiny, mooncake_services, tmp_path):
+    """A writer process saves a prompt with one image (a 24-token span before the first save
+    point) to the Store; a fresh process restores past the image and decodes what caching off
+    decodes."""
+    from engine_utils import check_store_restore_with_images_in_a_fresh_process
+    ids, mm, _ = _image_prompt(tiny[1].config, 20, (1, 8, 12), 120, seed=5)
+    check_store_restore_with_images_in_a_fresh_process(tiny[0], mooncake_services, tmp_path, ids, (mm,))
+
+
 def test_a_flat_text_only_checkpoint_loads_without_a_vision_tower(tiny, tmp_path):
     """config.json with the text fields at the top level (model_type glm5_next) and weights
     under ``model.*`` without ``model.visual.*``: the same text logits, and images refused."""
