@@ -147,6 +147,14 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_
     check_tp2_equals_tp1(path, then=store_sizes_are_the_simulators)
 
 
+def test_tp2_store_put_bytes_equal_the_simulator_with_the_dsa_tensors_once(tiny, mooncake_services):
+    """A TP2 writer's Store objects: S the sum of the ranks' KDA state, K_blk one rank's latent +
+    indexer-key blocks (replicated, stored and charged once); put bytes equal the simulator's
+    and a TP1 reader restores the prefix and decodes the same tokens."""
+    from tp_utils import check_store_across_tp_sizes
+    check_store_across_tp_sizes(tiny[0], mooncake_services, writer_tp=2, reader_tp=1, seed=8821, kv_replicated=True)
+
+
 def test_audit_lists_every_field_transformers_reads_for_glm5_next():
     import inspect
     import re
