@@ -3,9 +3,10 @@
 <= 1e-4 in fp32 at every position (5-700 tokens, cold and in 32-token chunks) and the same
 indexer selection chunked as in one forward (chunk 2's indexer reads chunk 1's cached
 ``index_keys``); greedy tokens equal cold, chunked and after a local prefix-cache restore; a
-4-turn chat identical under every cache policy; a Store restore in a fresh process; Store put
-bytes equal the simulator from the specs alone; TP2 = TP1 with the latent and the indexer
-keys replicated and stored once; the cache specs and refused config fields."""
+4-turn chat identical under every cache policy; a Store restore in a fresh process, with and
+without an image; Store put bytes equal the simulator from the specs alone, at TP1 and TP2;
+TP2 = TP1 with the latent and the indexer keys replicated and stored once; the cache specs and
+refused config fields."""
 import json
 import os
 
