@@ -105,7 +105,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--token-lookahead', type=int, default=0)
     p.add_argument('--recompute-blocks', type=int, default=0)
     p.add_argument('--mtp', action=argparse.BooleanOptionalAction,
-                   help='the engine runs qwen3_next_mtp speculative decoding: K_blk '
+                   help='the engine runs mtp speculative decoding: K_blk '
                    'includes the MTP layer\'s KV (--config/--preset sizes; on by default for glm-5.3-flash); pair '
                    'with --token-lookahead 1')
     p.add_argument('--scale', type=Fraction, default=Fraction(1), help='multiply scenario token counts, e.g. 1/16')

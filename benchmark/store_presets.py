@@ -135,7 +135,7 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     config, :class:`~lmdeploy.pytorch.distributed.sharding.TPLayout`): the same specs and row
     layout the engine's cache and Store payloads use, so no layer geometry is re-derived here.
 
-    With ``mtp`` (the engine runs ``qwen3_next_mtp`` speculative decoding) K_blk also holds the
+    With ``mtp`` (the engine runs ``mtp`` speculative decoding) K_blk also holds the
     K/V rows of the ``num_nextn_predict_layers`` MTP layers (default 1); S is unchanged. Paged
     tensors use ``kv_dtype`` and state tensors ``state_dtype`` (default: the model dtype, else
     bfloat16); a float32 recurrent state stays float32.

@@ -64,6 +64,9 @@ def split_host_port(value: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+METHOD_ALIASES = {'qwen3_next_mtp': 'mtp'}   # speculative_config.method alias -> canonical name
+
+
 class SpeculativeConfig(BaseModel):
     """Speculative decoding (docs/en/advance/spec_decoding.md).
 
@@ -74,10 +77,10 @@ class SpeculativeConfig(BaseModel):
     """
     model_config = ConfigDict(extra='forbid', validate_assignment=True)
 
-    method: Literal['qwen3_next_mtp', 'ngram'] = Field(description='Draft source: the checkpoint\'s own '
-                                                     'multi-token-prediction head (Qwen3-Next / Qwen3.5-MoE mtp.*, '
-                                                     'GLM-5.3-Flash NextN layer) or '
-                                                     'n-gram prompt lookup in the sequence\'s own tokens.')
+    method: Literal['mtp', 'qwen3_next_mtp', 'ngram'] = Field(
+        description='Draft source: mtp = the checkpoint\'s own multi-token-prediction head (Qwen3-Next / '
+        'Qwen3.5-MoE mtp.*, GLM-5.3-Flash NextN layer; qwen3_next_mtp is accepted as an alias and read back as '
+        'mtp) or ngram = n-gram prompt lookup in the sequence\'s own tokens.')
     num_speculative_tokens: int = Field(3, ge=1, le=16, description='Draft tokens K verified per decode step.')
     ngram_min: int = Field(1, ge=1, description='Shortest suffix n-gram looked up (method ngram).')
     ngram_max: int = Field(4, ge=1, description='Longest suffix n-gram looked up (method ngram); the longest '
@@ -87,6 +90,12 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def _strict_scalars(cls, v, info: ValidationInfo):
         return _no_lax_scalar(cls, v, info.field_name)
+
+    @field_validator('method', mode='after')
+    @classmethod
+    def _canonical_method(cls, v: str) -> str:
+        # one name inside the engine: the older qwen3_next_mtp is an alias of mtp (every family's own head)
+        return METHOD_ALIASES.get(v, v)
 
     @model_validator(mode='after')
     def _ngram_range(self):

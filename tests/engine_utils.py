@@ -277,6 +277,28 @@ def check_store_restore_in_a_fresh_process(model_path: str, services, tmp_path) 
     assert ta['output_ids'] == tb['output_ids'] == cold
 
 
+def check_store_restore_with_images_in_a_fresh_process(model_path: str, services, tmp_path, ids: list[int],
+                                                       multimodal: tuple) -> None:
+    """A writer process saves ``ids`` with its images (``MultimodalInput``s) to the Store (a
+    namespace of its own); a second fresh process restores past the last image from the Store
+    (none locally) and both decode what an engine with caching off decodes from the same images."""
+    import uuid
+
+    import torch
+    from test_store_engine import GEN, P, run_worker
+    images = tmp_path / 'images.pt'
+    torch.save(tuple(multimodal), images)
+    namespace = f'images-{uuid.uuid4().hex}'            # image prompts new to the shared Store
+    a, b = (run_worker(tmp_path, name, model_path, services, [], [ids], multimodal=str(images),
+                       store_namespace=namespace) for name in 'ab')
+    (ta,), (tb,) = a['turns'], b['turns']
+    assert ta['cached_tokens'] == 0 and ta['save_points']
+    assert tb['cached_tokens'] == tb['store_hit_tokens'] == ta['save_points'][-1] and tb['local_hit_tokens'] == 0
+    assert tb['store_hit_tokens'] >= max(m.end for m in multimodal)
+    cold = make_engine(model_path, max_prefill_token_num=P).generate(ids, GEN, multimodal=tuple(multimodal))
+    assert ta['output_ids'] == tb['output_ids'] == cold.output_ids
+
+
 def check_checkpoint_matches_transformers(model_path: str, hf_model) -> None:
     """A 120-token prompt in 40-token chunks (B=16): fp32 logits within ``TOL`` of ``hf_model``'s
     at every position; 8 greedy tokens (eos ignored) equal ``transformers`` ``generate``."""

@@ -8,7 +8,9 @@ already said, may be empty) followed by ``turns``, each a list of new user token
 race tests add: ``barrier`` ({"dir", "parties"}: start the turns only once that many workers
 have built their engines), ``hold_puts_s`` (every Store put waits until that many seconds after
 the start, so workers that all found a key absent put it at once) and ``die_at_put`` (kill the
-process by SIGKILL in the middle of its n-th Store put, 0-based). Turn
+process by SIGKILL in the middle of its n-th Store put, 0-based). Image tests add ``multimodal``
+(a ``torch.save`` file of a tuple of :class:`MultimodalInput`, passed with every turn; their
+spans are absolute positions, so they stay valid as the conversation grows). Turn
 ``t``'s input is the previous turn's input plus its greedy reply plus ``turns[t]``. One new
 engine (so an empty local cache) serves the turns in order, waiting for its Store puts after
 each, and the worker writes one record per turn plus the engine's counters to RESULT.json::
@@ -90,11 +92,12 @@ def serve(job: dict) -> dict:
         _die_mid_put(engine.store.client, job['die_at_put'])
     gen = GenerationConfig(max_new_tokens=job['max_new_tokens'], ignore_eos=True)
     ids = list(job['history'])
+    multimodal = torch.load(job['multimodal'], weights_only=False) if job.get('multimodal') else ()
     turns = []
     try:
         for user in job['turns']:
             ids = ids + list(user)
-            seq = engine.generate(ids, gen)
+            seq = engine.generate(ids, gen, multimodal=multimodal)
             engine.store.flush()
             turns.append(dict(num_tokens=len(ids), cached_tokens=seq.num_cached_tokens,
                               store_hit_tokens=seq.stats.store_hit_tokens, local_hit_tokens=seq.stats.hit_tokens,

@@ -3,9 +3,10 @@
 <= 1e-4 in fp32 at every position (5-700 tokens, cold and in 32-token chunks) and the same
 indexer selection chunked as in one forward (chunk 2's indexer reads chunk 1's cached
 ``index_keys``); greedy tokens equal cold, chunked and after a local prefix-cache restore; a
-4-turn chat identical under every cache policy; a Store restore in a fresh process; Store put
-bytes equal the simulator from the specs alone; TP2 = TP1 with the latent and the indexer
-keys replicated and stored once; the cache specs and refused config fields."""
+4-turn chat identical under every cache policy; a Store restore in a fresh process, with and
+without an image; Store put bytes equal the simulator from the specs alone, at TP1 and TP2;
+TP2 = TP1 with the latent and the indexer keys replicated and stored once; the cache specs and
+refused config fields."""
 import json
 import os
 
@@ -147,6 +148,14 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_the_store_holds_dsa_tensors_
     check_tp2_equals_tp1(path, then=store_sizes_are_the_simulators)
 
 
+def test_tp2_store_put_bytes_equal_the_simulator_with_the_dsa_tensors_once(tiny, mooncake_services):
+    """A TP2 writer's Store objects: S the sum of the ranks' KDA state, K_blk one rank's latent +
+    indexer-key blocks (replicated, stored and charged once); put bytes equal the simulator's
+    and a TP1 reader restores the prefix and decodes the same tokens."""
+    from tp_utils import check_store_across_tp_sizes
+    check_store_across_tp_sizes(tiny[0], mooncake_services, writer_tp=2, reader_tp=1, seed=8821, kv_replicated=True)
+
+
 def test_audit_lists_every_field_transformers_reads_for_glm5_next():
     import inspect
     import re
@@ -223,6 +232,15 @@ def test_one_image_matches_transformers_cold_chunked_and_after_a_restore(tiny):
     assert other_ids == ids and other.content_hash != mm.content_hash     # same tokens, another image
     miss = eng.generate(other_ids, gen, multimodal=(other,))
     assert miss.num_cached_tokens <= mm.start
+
+
+def test_store_restore_with_an_image_in_a_fresh_process(tiny, mooncake_services, tmp_path):
+    """A writer process saves a prompt with one image (a 24-token span before the first save
+    point) to the Store; a fresh process restores past the image and decodes what caching off
+    decodes."""
+    from engine_utils import check_store_restore_with_images_in_a_fresh_process
+    ids, mm, _ = _image_prompt(tiny[1].config, 20, (1, 8, 12), 120, seed=5)
+    check_store_restore_with_images_in_a_fresh_process(tiny[0], mooncake_services, tmp_path, ids, (mm,))
 
 
 def test_a_flat_text_only_checkpoint_loads_without_a_vision_tower(tiny, tmp_path):

@@ -19,8 +19,7 @@ from engine_utils import (TOL, StepRecorder, check_checkpoint_matches_transforme
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
                           check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
                           random_prompt, run_alone, run_staggered, tiny_checkpoint_and_reference)
-from lmdeploy import GenerationConfig, PytorchEngineConfig
-from lmdeploy.pytorch.engine.engine import Engine
+from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
@@ -220,30 +219,9 @@ def test_store_across_tp_sizes_holds_the_latent_once_and_bytes_match_the_simulat
     """A TP2 writer's Store objects are the TP-independent payloads: S is the sum of the ranks'
     KDA head slices, K_blk the latent of ONE rank (replicated, stored once, charged once by the
     simulator); a reader of the other TP size restores the prefix and decodes the same tokens."""
-    from test_store_engine import sim, store_config
-    from test_tensor_parallel import A, B, P, assert_reader_restores, engine as tp_engine
-    path, _ = tiny
-    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    ids = random_prompt(150, 5000 + 10 * writer_tp + reader_tp)
-    cold = tp_engine(path)
-    expected = cold.generate(ids, gen).output_ids
-    cold.close()
-    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
-    writer = Engine(path, PytorchEngineConfig(**cfg, tp=writer_tp))
-    try:
-        seq = writer.generate(ids, gen)
-        assert seq.output_ids == expected and seq.stats.save_points == [128]
-        assert writer.store.flush(timeout=30)
-        sizes = sim.sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), tp=2, block_size=B)
-        S, K = sizes.charged
-        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
-        assert S == 2 * sizes.state_bytes and K == sizes.kv_block_bytes     # the latent once, not per rank
-        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
-        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
-        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
-    finally:
-        writer.close()
-    assert_reader_restores(path, cfg, reader_tp, ids, gen, expected)
+    from tp_utils import check_store_across_tp_sizes
+    check_store_across_tp_sizes(tiny[0], mooncake_services, writer_tp, reader_tp, 5000 + 10 * writer_tp + reader_tp,
+                                kv_replicated=True)
 
 
 def test_a_refused_config_stops_the_loader_before_weights(tiny, tmp_path):

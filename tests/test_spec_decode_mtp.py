@@ -28,14 +28,34 @@ CACHE = {'off': dict(enable_prefix_caching=False),
 _PLAIN: dict[tuple, list[int]] = {}
 
 
-def engine(path: str, mtp: bool = True, k: int = 1, cache: str = 'off', **fields) -> Engine:
+def engine(path: str, mtp: bool = True, k: int = 1, cache: str = 'off', method: str = 'qwen3_next_mtp',
+           **fields) -> Engine:
     cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,
                num_gpu_blocks=512, num_checkpoint_slots=16, max_batch_size=8)
     cfg.update(CACHE[cache])
     if mtp:
-        cfg['speculative_config'] = dict(method='qwen3_next_mtp', num_speculative_tokens=k)
+        cfg['speculative_config'] = dict(method=method, num_speculative_tokens=k)
     cfg.update(fields)
     return Engine(path, PytorchEngineConfig(**cfg))
+
+
+def test_mtp_and_its_alias_qwen3_next_mtp_run_the_same_engine(tiny_qwen3_next):
+    """``mtp`` (the generic name) and ``qwen3_next_mtp`` (its alias) are one method: the config
+    reads back ``mtp``, the strategy is MTP's (look-ahead 1), and both engines decode the same
+    tokens as plain decoding with the same draft/accept counters."""
+    from lmdeploy.pytorch.spec_decode.strategy import MTP
+    ids = random_prompt(70, 41)
+    gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    runs = []
+    for method in ('mtp', 'qwen3_next_mtp'):
+        eng = engine(tiny_qwen3_next, k=2, method=method)
+        assert eng.config.speculative_config.method == 'mtp' and eng.strategy == MTP
+        seq = eng.generate(ids, gen)
+        stats = eng.stats()
+        runs.append((seq.output_ids, {k: v for k, v in stats.items() if k.startswith('spec_decode_')}))
+        eng.close()
+    assert runs[0] == runs[1] and runs[0][0] == plain(tiny_qwen3_next, ids, gen)
+    assert runs[0][1]['spec_decode_verify_steps'] > 0
 
 
 def plain(path: str, ids: list[int], gen: GenerationConfig = GEN, **fields) -> list[int]:

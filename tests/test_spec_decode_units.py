@@ -165,10 +165,30 @@ def test_mtp_and_ngram_with_tensor_parallelism_are_accepted_and_bad_speculative_
     import pytest
 
     from lmdeploy.messages import PytorchEngineConfig
-    for method in ('qwen3_next_mtp', 'ngram'):
+    for method, canonical in (('mtp', 'mtp'), ('qwen3_next_mtp', 'mtp'), ('ngram', 'ngram')):
         cfg = PytorchEngineConfig(tp=2, speculative_config={'method': method, 'num_speculative_tokens': 2})
-        assert cfg.speculative_config.method == method and cfg.tp == 2
+        assert cfg.speculative_config.method == canonical and cfg.tp == 2
     with pytest.raises(ValueError, match='num_speculative_tokens'):
         PytorchEngineConfig(tp=2, speculative_config={'method': 'qwen3_next_mtp', 'num_speculative_tokens': 0})
     with pytest.raises(ValueError, match='method'):
         PytorchEngineConfig(tp=2, speculative_config={'method': 'eagle'})
+
+
+def test_mtp_is_the_method_name_and_qwen3_next_mtp_its_alias():
+    """Both names validate (in the config, on assignment and as ``--speculative-algorithm``) to
+    ``mtp`` and give the same decoding strategy; an unknown name is refused naming the field."""
+    from lmdeploy.cli import serve
+    from lmdeploy.cli.serve import engine_config_from_args
+    from lmdeploy.pytorch.spec_decode.strategy import MTP, strategy_for
+    a, b = SpeculativeConfig(method='mtp'), SpeculativeConfig(method='qwen3_next_mtp')
+    assert a == b and a.method == b.method == 'mtp' and b.model_dump()['method'] == 'mtp'
+    assert strategy_for(a) == strategy_for(b) == MTP and MTP.token_lookahead == 1
+    c = SpeculativeConfig(method='ngram')
+    c.method = 'qwen3_next_mtp'
+    assert c.method == 'mtp'
+    parser = serve.add_parser(argparse.ArgumentParser().add_subparsers())
+    for name in ('mtp', 'qwen3_next_mtp'):
+        args = parser.parse_args(['MODEL', '--speculative-algorithm', name])
+        assert engine_config_from_args(args).speculative_config.method == 'mtp'
+    with pytest.raises(ValueError, match='method'):
+        SpeculativeConfig(method='nextn')

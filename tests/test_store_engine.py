@@ -194,11 +194,12 @@ def test_last_only_cuts_16k_plus_64_store_bytes_by_the_planned_fraction(make_eng
 
 # restore in a fresh process ------------------------------------------------------------------
 def run_worker(tmp_path: Path, name: str, model: str, services: MooncakeServices, history: list[int],
-               turns: list[list[int]], **fields) -> dict:
-    """Serve a conversation in a new process (tests/store_worker.py); its RESULT.json."""
+               turns: list[list[int]], multimodal: str | None = None, **fields) -> dict:
+    """Serve a conversation in a new process (tests/store_worker.py); its RESULT.json.
+    ``multimodal``: a ``torch.save`` file of the images (``MultimodalInput``s) sent with every turn."""
     job, out = tmp_path / f'{name}.json', tmp_path / f'{name}.out.json'
     job.write_text(json.dumps(dict(model=model, config=store_config(services, **fields), history=history,
-                                   turns=turns, max_new_tokens=GEN.max_new_tokens)))
+                                   turns=turns, max_new_tokens=GEN.max_new_tokens, multimodal=multimodal)))
     env = dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1')
     proc = subprocess.run([sys.executable, str(WORKER), str(job), str(out)], env=env, capture_output=True,
                           text=True, timeout=180)

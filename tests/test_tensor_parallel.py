@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from engine_utils import assert_idle, engine_prompt_logits, random_prompt, run_staggered
-from tp_utils import A, B, P, PROMPTS, TP_TOL, assert_reader_restores, engine, record_safetensors_reads
+from tp_utils import B, PROMPTS, TP_TOL, check_store_across_tp_sizes, engine, record_safetensors_reads
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.executor import WorkerDiedError
 from lmdeploy.pytorch.distributed.loading import iter_shard_tensors
@@ -378,31 +378,8 @@ def test_store_layout_round_trips_rank_slices(tiny_qwen3_next):
 @pytest.mark.parametrize('writer_tp, reader_tp', [(2, 1), (1, 2), (2, 2)])
 def test_a_reader_with_another_tp_size_restores_the_writers_prefix_and_bytes_match_the_simulator(
         writer_tp, reader_tp, tiny_qwen3_next, mooncake_services):
-    import json
-
-    from test_store_engine import sim, store_config
-    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    ids = random_prompt(150, 4000 + 10 * writer_tp + reader_tp)     # a prompt new to the shared Store
-    cold = engine(tiny_qwen3_next)
-    expected = cold.generate(ids, gen).output_ids
-    cold.close()
-    cfg = store_config(mooncake_services, prefill_save_last_only=True, num_gpu_blocks=64)
-    writer = Engine(tiny_qwen3_next, PytorchEngineConfig(**cfg, tp=writer_tp))
-    try:
-        seq = writer.generate(ids, gen)
-        assert seq.output_ids == expected and seq.stats.save_points == [128]
-        assert writer.store.flush(timeout=30)
-        with open(os.path.join(tiny_qwen3_next, 'config.json')) as f:
-            sizes = sim.sizes_from_config(json.load(f), tp=2, block_size=B)
-        S, K = sizes.charged
-        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
-        assert (S, K) == (2 * sizes.state_bytes, 2 * sizes.kv_block_bytes)     # the sum over the two ranks
-        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
-        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
-        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
-    finally:
-        writer.close()
-    assert_reader_restores(tiny_qwen3_next, cfg, reader_tp, ids, gen, expected)
+    check_store_across_tp_sizes(tiny_qwen3_next, mooncake_services, writer_tp, reader_tp,
+                                4000 + 10 * writer_tp + reader_tp, kv_replicated=False)
 
 
 def test_the_rendezvous_listens_on_loopback_only():

@@ -95,7 +95,7 @@ def test_each_rank_loads_its_mtp_shard_reading_only_slices_of_the_split_mtp_tens
 
 
 def test_tp2_mtp_on_a_model_without_the_head_is_refused_naming_the_method(tiny_qwen3):
-    with pytest.raises(ValueError, match=r'speculative_config\.method=qwen3_next_mtp needs a qwen3_next model'):
+    with pytest.raises(ValueError, match=r'speculative_config\.method=mtp needs a model with an MTP head'):
         Engine(tiny_qwen3, PytorchEngineConfig(tp=2, device_type='cpu', dtype='float32', num_gpu_blocks=16,
                                                speculative_config=_mtp()))
 

@@ -67,3 +67,40 @@ def assert_reader_restores(path: str, cfg: dict, tp: int, ids: list[int], gen, e
         assert reader.store.flush(timeout=30) and reader.is_idle()
     finally:
         reader.close()
+
+
+def check_store_across_tp_sizes(path: str, services, writer_tp: int, reader_tp: int, seed: int,
+                                kv_replicated: bool) -> None:
+    """A last-only writer of size ``writer_tp`` saves a 150-token prompt (save point 128) to the
+    Store; its put bytes equal ``simulate()`` fed the S and K_blk that ``sizes_from_config``
+    computes for TP2 from config.json: S is the sum of the ranks' state, K_blk one rank's blocks
+    when ``kv_replicated`` (an MLA latent / indexer keys held whole by every rank, stored and
+    charged once), else the sum of the ranks'. A reader of size ``reader_tp`` then restores the
+    prefix and decodes what a TP1 engine with caching off decodes."""
+    import json
+    import os
+
+    from lmdeploy import GenerationConfig
+    from test_store_engine import sim, store_config
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    ids = random_prompt(150, seed)               # a prompt new to the shared Store
+    cold = engine(path)
+    expected = cold.generate(ids, gen).output_ids
+    cold.close()
+    cfg = store_config(services, prefill_save_last_only=True, num_gpu_blocks=64)
+    writer = Engine(path, PytorchEngineConfig(**cfg, tp=writer_tp))
+    try:
+        seq = writer.generate(ids, gen)
+        assert seq.output_ids == expected and seq.stats.save_points == [128]
+        assert writer.store.flush(timeout=30)
+        with open(os.path.join(path, 'config.json')) as f:
+            sizes = sim.sizes_from_config(json.load(f), tp=2, block_size=B)
+        S, K = sizes.charged
+        assert (S, K) == (writer.cache_engine.state_bytes, writer.cache_engine.kv_block_bytes)
+        assert (S, K) == (2 * sizes.state_bytes, (1 if kv_replicated else 2) * sizes.kv_block_bytes)
+        plan = sim.simulate([150], S, K, chunk_size=P, block_size=B, alignment=A)
+        assert writer.stats()['store_put_bytes'] == {'state': S, 'kv': 8 * K}
+        assert sum(writer.stats()['store_put_bytes'].values()) == plan.last_only.total_bytes
+    finally:
+        writer.close()
+    assert_reader_restores(path, cfg, reader_tp, ids, gen, expected)

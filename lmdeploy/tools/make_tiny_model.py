@@ -22,7 +22,7 @@ Invariants:
 - Qwen3-Next and Qwen3.5-MoE checkpoints also hold a multi-token-prediction head under `mtp.*`
   (as published: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, one full-attention decoder
   layer `layers.0` with the model's MoE, `norm`; config `num_nextn_predict_layers: 1`).
-  transformers ignores `mtp.*` on load; the engine's `qwen3_next_mtp` speculative decoding reads it.
+  transformers ignores `mtp.*` on load; the engine's `mtp` speculative decoding reads it.
 - GLM-5.3-Flash (`glm5_next`) with `mtp=True` (opt-in; off by default) also holds the NextN layer
   `model.language_model.layers.{num_hidden_layers}.*` (`enorm`, `hnorm`, `eh_proj`, one DSA
   decoder block with its own indexer and the last layer's MLP kind, `shared_head.norm`,

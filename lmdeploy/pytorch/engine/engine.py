@@ -103,7 +103,7 @@ class Engine:
                              f'CUDA device; use cpu or auto')
         self.device = torch.device(device)
         self.model_path = model_path
-        use_mtp = spec_config is not None and spec_config.method == 'qwen3_next_mtp'
+        use_mtp = spec_config is not None and spec_config.method == 'mtp'
         # one worker per rank (tp=1: rank 0's, in this process); the MTP head, when drafting
         # with it, is loaded by every worker (its part on each rank)
         self.executor = make_executor(model_path, config.dtype, self.device, config.tp, mtp=use_mtp)
@@ -250,7 +250,7 @@ class Engine:
         if any(m.data is not None for m in multimodal):
             if self.mtp is not None:
                 raise ValueError('images are not supported with MTP speculative decoding '
-                                 '(speculative_config.method=qwen3_next_mtp)')
+                                 '(speculative_config.method=mtp)')
             self.model.check_multimodal(token_ids, multimodal)
         seq = Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
                        self.eos_token_ids, tuple(multimodal))

@@ -177,7 +177,7 @@ class MultiProcessExecutor(_Executor):
         device: rank 0's device (CUDA ranks use devices ``0 .. N-1``).
         size: the TP size (>= 2).
         mtp: every rank also loads its shard of the model's MTP head (speculative decoding
-            method ``qwen3_next_mtp``).
+            method ``mtp``).
 
     Raises:
         ValueError: ``size`` does not divide a head or channel count (names the config field),

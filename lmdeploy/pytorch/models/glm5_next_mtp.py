@@ -150,7 +150,7 @@ class Glm5NextMTP(nn.Module):
             if m:
                 tensors[name[m.end():]] = tensor
         if not tensors:
-            raise ValueError(f'speculative_config.method=qwen3_next_mtp needs the checkpoint\'s NextN layer '
+            raise ValueError(f'speculative_config.method=mtp needs the checkpoint\'s NextN layer '
                              f'(model.layers.{self.layer_idx}.*); this checkpoint has none')
         head = tensors.pop('shared_head.head.weight', None)
         if head is not None:

@@ -115,7 +115,7 @@ class Qwen3NextMTP(nn.Module):
         Raises:
             KeyError: an ``mtp.*`` tensor has no parameter here.
             ValueError: a shape mismatch, or MTP parameters the checkpoint lacks (a checkpoint
-                without ``mtp.*`` weights cannot run the ``qwen3_next_mtp`` method).
+                without ``mtp.*`` weights cannot run the ``mtp`` method).
         """
         loader = WeightLoader(self)
         experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
@@ -140,7 +140,7 @@ class Qwen3NextMTP(nn.Module):
             loader.load(f'{prefix}.gate_up_proj', gate_up)
             loader.load(f'{prefix}.down_proj', down)
         if count == 0:
-            raise ValueError('speculative_config.method=qwen3_next_mtp needs the checkpoint\'s mtp.* weights; '
+            raise ValueError('speculative_config.method=mtp needs the checkpoint\'s mtp.* weights; '
                              'this checkpoint has none')
         loader.finish()
         return count

@@ -47,7 +47,7 @@ class SpecDecoder:
         scratch_base: first scratch state slot (None for models without recurrent state).
         finish_reason: ``(seq, token) -> str | None`` the engine's stop rule, applied after
             ``token`` was appended to ``seq``.
-        mtp: rank 0's MTP head (method ``qwen3_next_mtp``; every rank's worker holds its part
+        mtp: rank 0's MTP head (method ``mtp``; every rank's worker holds its part
             and runs the steps, through ``runner.mtp_step``), else None.
         session_len: longest sequence in tokens.
         block_align: block size B when turn-end checkpoints are kept (``decode_save_last``):

@@ -64,7 +64,7 @@ def mtp_head_class(config):
     model_type = getattr(config, 'model_type', None)
     head = getattr(get_model_class(model_type), 'mtp_head', None) if model_type in MODEL_REGISTRY else None
     if not head:
-        raise ValueError(f'speculative_config.method=qwen3_next_mtp needs a qwen3_next model or another with an '
+        raise ValueError(f'speculative_config.method=mtp needs a model with an '
                          f'MTP head ({", ".join(mtp_model_types())}), got {model_type!r}')
     module, name = head.split(':')
     return getattr(importlib.import_module(f'lmdeploy.pytorch.models.{module}'), name)
@@ -75,7 +75,7 @@ def check_mtp_model(config, tp: int = 1) -> None:
     MTP head, and one that tensor parallelism can shard when ``tp > 1``."""
     head = mtp_head_class(config)
     if tp > 1 and not head.supports_tp:
-        raise ValueError(f'speculative_config.method=qwen3_next_mtp: the {config.model_type} MTP head '
+        raise ValueError(f'speculative_config.method=mtp: the {config.model_type} MTP head '
                          f'({head.__name__}) is not split for tensor parallelism; use tp=1')
 
 

@@ -10,16 +10,16 @@ strategy           ℓ   r   why
 =================  ==  ==  ==========================================================
 autoregressive     0   0   a forward reads only its own tokens
 n-gram drafts      0   0   drafts are verified by the target alone; nothing shifted
-qwen3_next_mtp     1   0   the MTP layer's rows at position t are computed from token t + 1
+mtp                1   0   the MTP layer's rows at position t are computed from token t + 1
                            (every family's MTP head: Qwen3-Next / Qwen3.5-MoE ``mtp.*``,
-                           GLM-5.3-Flash's NextN DSA block)
+                           GLM-5.3-Flash's NextN DSA block; alias ``qwen3_next_mtp``)
 =================  ==  ==  ==========================================================
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ['DecodingStrategy', 'AUTOREGRESSIVE', 'QWEN3_NEXT_MTP', 'strategy_for']
+__all__ = ['DecodingStrategy', 'AUTOREGRESSIVE', 'MTP', 'QWEN3_NEXT_MTP', 'strategy_for']
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,12 @@ class DecodingStrategy:
 AUTOREGRESSIVE = DecodingStrategy()
 
 
-QWEN3_NEXT_MTP = DecodingStrategy('qwen3_next_mtp', token_lookahead=1, recompute_blocks=0)
+MTP = DecodingStrategy('mtp', token_lookahead=1, recompute_blocks=0)
+QWEN3_NEXT_MTP = MTP      # the older name of the same strategy
 
 
 def strategy_for(speculative_config) -> DecodingStrategy:
     """The strategy of a :class:`~lmdeploy.messages.SpeculativeConfig` (None: autoregressive)."""
-    if speculative_config is not None and speculative_config.method == 'qwen3_next_mtp':
-        return QWEN3_NEXT_MTP
+    if speculative_config is not None and speculative_config.method == 'mtp':   # aliases normalised on validation
+        return MTP
     return AUTOREGRESSIVE
