@@ -199,3 +199,24 @@ def test_incremental_multimodal_agent_turn_hits(tiny_qwen3_next, last_only):
     # the same conversation about another image restores nothing past the image's block
     seq3 = eng.generate(turn2, GEN, multimodal=(image(20, 100, b'dog'),))
     assert seq3.num_cached_tokens == 0
+
+
+def test_check_image_spans_accepts_a_well_placed_image_and_names_each_fault():
+    """The image-span check both vision-language families (Qwen3.5, GLM-5.3-Flash) call."""
+    import torch
+
+    from lmdeploy.pytorch.models.qwen3_5_vision import check_image_spans
+    from lmdeploy.pytorch.multimodal import MultimodalInput
+
+    img = 9
+    data = {'pixel_values': torch.zeros(16, 4), 'image_grid_thw': torch.tensor([[1, 4, 4]])}  # 1*2*2 = 4 tokens
+    ids = [1, 2, img, img, img, img, 3]
+    check_image_spans(ids, [MultimodalInput(2, 6, b'h', data)], img, merge=2)
+    check_image_spans(ids, [MultimodalInput(0, 3, b'h', None)], img, merge=2)     # no data: skipped
+    cases = [(MultimodalInput(2, 6, b'h', data, modality='video'), 'only images are supported'),
+             (MultimodalInput(2, 6, b'h', {'pixel_values': data['pixel_values']}), 'pixel_values and image_grid_thw'),
+             (MultimodalInput(2, 5, b'h', data), 'span of 3 tokens, the image has 4'),
+             (MultimodalInput(1, 5, b'h', data), r'span \[1, 5\) must hold only the image token 9')]
+    for mm, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_image_spans(ids, [mm], img, merge=2)

@@ -394,20 +394,8 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
                 ``image_grid_thw``, a span length other than the image's token count, or a span
                 not made only of ``config.image_token_id``.
         """
-        from .qwen3_5_vision import merged_grid
-        for j, mm in enumerate(multimodal):
-            if mm.data is None:
-                continue
-            if mm.modality != 'image':
-                raise ValueError(f'multimodal[{j}].modality: only images are supported, got {mm.modality!r}')
-            if 'pixel_values' not in mm.data or 'image_grid_thw' not in mm.data:
-                raise ValueError(f'multimodal[{j}].data needs pixel_values and image_grid_thw')
-            t, H, W = merged_grid(mm.data['image_grid_thw'], self.merge)
-            if mm.end - mm.start != t * H * W:
-                raise ValueError(f'multimodal[{j}]: span of {mm.end - mm.start} tokens, the image has {t * H * W}')
-            if any(tok != self.image_token_id for tok in token_ids[mm.start:mm.end]):
-                raise ValueError(f'multimodal[{j}]: span [{mm.start}, {mm.end}) must hold only the image token '
-                                 f'{self.image_token_id}')
+        from .qwen3_5_vision import check_image_spans
+        check_image_spans(token_ids, multimodal, self.image_token_id, self.merge)
 
     def image_inputs(self, seqs, history_lens: list[int], q_seqlens: list[int], q_start_loc: list[int]):
         """None when no chunk has an image, else :class:`.glm5_next_vision.ImageRows`: the flat

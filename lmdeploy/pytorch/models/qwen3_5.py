@@ -34,7 +34,7 @@ from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
 from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
 from .qwen3_next import check_config as _check_hybrid
-from .qwen3_5_vision import Qwen3_5VisionModel, merged_grid, mrope_positions
+from .qwen3_5_vision import Qwen3_5VisionModel, check_image_spans, mrope_positions
 from .rope import RotaryEmbedding
 
 __all__ = ['Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'MRotaryEmbedding', 'ImageInputs', 'check_config']
@@ -315,19 +315,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
                 token (``config.image_token_id``), or a span length other than the image's
                 merged token count ``t * (h / m) * (w / m)``.
         """
-        for j, mm in enumerate(multimodal):
-            if mm.data is None:
-                continue
-            if mm.modality != 'image':
-                raise ValueError(f'multimodal[{j}].modality: only images are supported, got {mm.modality!r}')
-            if 'pixel_values' not in mm.data or 'image_grid_thw' not in mm.data:
-                raise ValueError(f'multimodal[{j}].data needs pixel_values and image_grid_thw')
-            t, H, W = merged_grid(mm.data['image_grid_thw'], self.merge)
-            if mm.end - mm.start != t * H * W:
-                raise ValueError(f'multimodal[{j}]: span of {mm.end - mm.start} tokens, the image has {t * H * W}')
-            if any(tok != self.image_token_id for tok in token_ids[mm.start:mm.end]):
-                raise ValueError(f'multimodal[{j}]: span [{mm.start}, {mm.end}) must hold only the image token '
-                                 f'{self.image_token_id}')
+        check_image_spans(token_ids, multimodal, self.image_token_id, self.merge)
 
     def _image_embeds(self, seq, j: int, mm) -> torch.Tensor:
         cache = seq.encoder_cache

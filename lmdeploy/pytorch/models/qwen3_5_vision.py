@@ -34,6 +34,36 @@ def merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:
     return t, h // merge, w // merge
 
 
+def check_image_spans(token_ids: Sequence[int], multimodal, image_token_id: int, merge: int) -> None:
+    """Reject image inputs a Qwen2-VL-style vision tower could not place in the prompt.
+
+    Args:
+        token_ids: the prompt's token ids.
+        multimodal: its inputs (``modality``, ``data``, ``start``, ``end``); those whose ``data``
+            is ``None`` are skipped.
+        image_token_id: the token that fills an image's span.
+        merge: the tower's spatial merge size ``m``.
+
+    Raises:
+        ValueError: a modality other than ``'image'``, data without ``pixel_values`` /
+            ``image_grid_thw``, a span whose length is not the image's merged token count
+            ``t * (h / m) * (w / m)``, or a span not made only of ``image_token_id``.
+    """
+    for j, mm in enumerate(multimodal):
+        if mm.data is None:
+            continue
+        if mm.modality != 'image':
+            raise ValueError(f'multimodal[{j}].modality: only images are supported, got {mm.modality!r}')
+        if 'pixel_values' not in mm.data or 'image_grid_thw' not in mm.data:
+            raise ValueError(f'multimodal[{j}].data needs pixel_values and image_grid_thw')
+        t, H, W = merged_grid(mm.data['image_grid_thw'], merge)
+        if mm.end - mm.start != t * H * W:
+            raise ValueError(f'multimodal[{j}]: span of {mm.end - mm.start} tokens, the image has {t * H * W}')
+        if any(tok != image_token_id for tok in token_ids[mm.start:mm.end]):
+            raise ValueError(f'multimodal[{j}]: span [{mm.start}, {mm.end}) must hold only the image token '
+                             f'{image_token_id}')
+
+
 def mrope_positions(start: int, length: int, images: Sequence, merge: int) -> torch.Tensor:
     """M-RoPE positions int64 ``[3, length]`` of tokens ``[start, start + length)`` of a sequence.
 
