@@ -20,18 +20,15 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from engine_utils import random_prompt as prompt
+from store_engine_utils import (A, B, GEN, P, SMALL_SEGMENT, cold, key, make_engine,  # noqa: F401 (fixtures)
+                                store_config)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.engine.engine import Engine
-from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
 from lmdeploy.pytorch.store.mooncake_client import StoreClient
-from lmdeploy.pytorch.store.object_format import OBJECT_OVERHEAD, object_key
+from lmdeploy.pytorch.store.object_format import OBJECT_OVERHEAD
 from lmdeploy.pytorch.store.services import MooncakeServices
-
-B, A, P = 16, 64, 64
-GEN = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-SMALL_SEGMENT = 16 << 20    # the smallest segment Mooncake 0.3.13 accepts
 
 
 def _store(engine: Engine):
@@ -41,49 +38,6 @@ def _store(engine: Engine):
 def _flush(engine: Engine) -> bool:
     """Wait until the engine's queued Store saves ran."""
     return _store(engine).flush(timeout=30)
-
-
-def store_config(services: MooncakeServices, **fields) -> PytorchEngineConfig:
-    cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,
-               enable_prefix_caching=True, num_gpu_blocks=256, num_checkpoint_slots=32, max_batch_size=4,
-               mooncake_master=services.master_address, mooncake_metadata_server=services.metadata_server,
-               mooncake_local_buffer_size=1 << 20)
-    cfg.update(fields)
-    return PytorchEngineConfig(**cfg)
-
-
-@pytest.fixture
-def make_engine(tiny_qwen3_next, mooncake_services):
-    """Factory of Store-backed engines (the session's services unless ``services=``); closed at teardown."""
-    made = []
-
-    def make(services: MooncakeServices | None = None, **fields) -> Engine:
-        made.append(Engine(tiny_qwen3_next, store_config(services or mooncake_services, **fields)))
-        return made[-1]
-
-    yield make
-    for eng in made:
-        eng.close()
-
-
-@pytest.fixture(scope='module')
-def cold(tiny_qwen3_next):
-    """Greedy output ids with caching off, memoized per prompt."""
-    eng = Engine(tiny_qwen3_next, PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=256,
-                                                      max_prefill_token_num=P))
-    memo: dict[tuple, list[int]] = {}
-
-    def run(ids: list[int]) -> list[int]:
-        if tuple(ids) not in memo:
-            memo[tuple(ids)] = eng.generate(ids, GEN).output_ids
-        return memo[tuple(ids)]
-
-    return run
-
-
-def key(eng: Engine, kind: str, ids: list[int], num_tokens: int) -> str:
-    """Store key of the ``kind`` object of prefix ``ids[:num_tokens]`` (a block multiple)."""
-    return object_key(_store(eng).ns_hex, kind, chain_block_hashes(ids, B, num_tokens // B)[-1].hex())
 
 
 def put_bytes(eng: Engine) -> dict[str, int]:
@@ -216,7 +170,7 @@ def store_streams(draw):
 @pytest.fixture(scope='module')
 def audited_pair(tiny_qwen3_next, mooncake_services, mooncake_store):
     """Two engines on the session's Store, one default and one last-only, and their :class:`PutAudit`."""
-    pair = [Engine(tiny_qwen3_next, store_config(mooncake_services, prefill_save_last_only=last_only))
+    pair = [Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(mooncake_services, prefill_save_last_only=last_only)))
             for last_only in (False, True)]
     yield pair, PutAudit(mooncake_store, pair)
     for eng in pair:
