@@ -137,8 +137,16 @@ class PytorchEngineConfig(BaseModel):
                                 'restorable checkpoint (a branch point), save one checkpoint at the deepest '
                                 'aligned boundary before the branch point (hybrid models, prefix caching on).')
     num_state_slots: int = Field(0, ge=0, description='Runtime recurrent-state slots; 0 = max_batch_size.')
-    num_checkpoint_slots: int = Field(64, ge=0, description='Recurrent-state checkpoint slots of the prefix cache '
-                                      '(hybrid models); a save with none free is skipped and counted.')
+    num_checkpoint_slots: int | None = Field(None, ge=0, description='Most recurrent-state checkpoints the prefix '
+                                             'cache holds (hybrid models); None = as many as the memory budget '
+                                             'allows (checkpoints and KV blocks share it), or 64 with an explicit '
+                                             'num_gpu_blocks. A save with none free is skipped and counted.')
+    cache_bytes: int = Field(0, ge=0, description='Explicit byte budget of the caches (KV blocks, checkpoints and '
+                             'runtime state slots); 0 = cache_max_entry_count of free memory.')
+    cache_eviction: Literal['reuse', 'lru'] = Field('reuse', description='Which cached checkpoint goes first under '
+                                                    'memory pressure: "reuse" (prefill saved per byte held, weighted '
+                                                    'by evidence of reuse; blocks no checkpoint makes usable go '
+                                                    'first) or "lru" (least recently used).')
     mooncake_master: str | None = Field(None, description='Mooncake master "host:port", or "local" to start an '
                                         'embedded master and segment; None disables the Store.')
     mooncake_metadata_server: str | None = Field(None, description='Mooncake metadata server URL, e.g. '

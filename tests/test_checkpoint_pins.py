@@ -31,6 +31,7 @@ from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.sequence import Sequence
 from lmdeploy.pytorch.prefix_cache.coordinator import PrefixCache
 from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier
+from lmdeploy.pytorch.prefix_cache.eviction import make_policy
 from lmdeploy.pytorch.prefix_cache.pins import CheckpointPins
 from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
 
@@ -86,9 +87,9 @@ class GuardedStateCache(StateCache):
     """A StateCache that fails the test if a pinned checkpoint is ever evicted or released
     (LRU eviction in ``alloc_checkpoint`` and trie eviction both go through release)."""
 
-    def release_checkpoint(self, slot: int) -> None:
+    def release_checkpoint(self, slot: int, evicted: bool = False) -> None:
         assert not self.is_pinned(slot), f'checkpoint slot {slot} released while pinned'
-        super().release_checkpoint(slot)
+        super().release_checkpoint(slot, evicted)
 
 
 class Harness:
@@ -97,10 +98,14 @@ class Harness:
     Store are fakes that fail); a step that raises fails every request, as the engine loop does."""
 
     def __init__(self, rng: random.Random, num_blocks: int, runtime: int, ckpt: int, decode_save_last: bool,
-                 store: bool, fail_rate: float):
+                 store: bool, fail_rate: float, rows: int = 0, eviction: str = 'lru'):
         self.rng, self.fail_rate = rng, fail_rate
         self.bm = BlockManager(num_blocks)
-        self.sc = GuardedStateCache(runtime, ckpt)
+        if rows:        # one memory budget: each checkpoint takes `rows` KV block rows, `ckpt` at most
+            self.sc = GuardedStateCache(runtime, ckpt, block_manager=self.bm, rows_per_checkpoint=rows,
+                                        policy=make_policy(eviction))
+        else:
+            self.sc = GuardedStateCache(runtime, ckpt, policy=make_policy(eviction))
         self.store = FakeStore(rng, fail_rate) if store else None
         local = LocalTier(self.bm, B, self.sc)
         self.cache = PrefixCache(local, self.store, block_size=B, alignment=A, decode_save_last=decode_save_last)
@@ -161,9 +166,9 @@ def _prompt(rng: random.Random, shared: list[list[int]]) -> list[int]:
 
 
 def run_interleaving(seed: int, num_blocks: int, runtime: int, ckpt: int, decode_save_last: bool, store: bool,
-                     fail_rate: float, steps: int = 60) -> Harness:
+                     fail_rate: float, steps: int = 60, rows: int = 0, eviction: str = 'lru') -> Harness:
     rng = random.Random(seed)
-    h = Harness(rng, num_blocks, runtime, ckpt, decode_save_last, store, fail_rate)
+    h = Harness(rng, num_blocks, runtime, ckpt, decode_save_last, store, fail_rate, rows, eviction)
     shared: list[list[int]] = []
     for _ in range(steps):
         r = rng.random()
@@ -187,16 +192,23 @@ def run_interleaving(seed: int, num_blocks: int, runtime: int, ckpt: int, decode
     assert not h.sched.has_work
     assert h.pins.num_held == 0 and h.sc.num_pinned == 0, h.pins.held()
     assert h.pins.num_reclaimed == 0
+    # every block row is free, cached, or held by a published checkpoint (none leaked)
+    assert h.bm.num_free + h.cache.num_cached_blocks + h.sc.num_checkpoint_rows == num_blocks
+    assert h.sc.num_allocated == h.sc.num_published
     return h
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 32 - 1), num_blocks=st.integers(12, 40), runtime=st.integers(1, 4),
        ckpt=st.integers(1, 6), decode_save_last=st.booleans(), store=st.booleans(),
-       fail_rate=st.sampled_from([0.0, 0.2, 0.5]))
+       fail_rate=st.sampled_from([0.0, 0.2, 0.5]), rows=st.sampled_from([0, 0, 1, 3]),
+       eviction=st.sampled_from(['reuse', 'lru']))
 def test_random_interleavings_return_every_pin_and_never_evict_a_pinned_checkpoint(
-        seed, num_blocks, runtime, ckpt, decode_save_last, store, fail_rate):
-    run_interleaving(seed, num_blocks, runtime, ckpt, decode_save_last, store, fail_rate)
+        seed, num_blocks, runtime, ckpt, decode_save_last, store, fail_rate, rows, eviction):
+    """With fixed checkpoint slots or checkpoints in KV block rows (one memory budget), under
+    either eviction policy."""
+    run_interleaving(seed, num_blocks, runtime, ckpt, decode_save_last, store, fail_rate, rows=rows,
+                     eviction=eviction)
 
 
 def test_the_interleavings_reach_every_pin_purpose_and_preemption():

@@ -14,6 +14,15 @@ block or a whole recurrent state (all state layers at once): the checkpoint save
 restore op (:func:`~lmdeploy.pytorch.kernels.state_copy.copy_state_slots`) and the Store
 payloads are plain row copies. Payload bytes exclude the row padding: a state payload is
 ``S = state_bytes`` and a KV payload ``K_blk = kv_block_bytes``.
+
+With one memory budget a checkpoint lives in ``rows_per_state`` KV block rows instead of a
+state row: a *state reference* is then either a state-buffer row (an ``int``) or the tuple of
+block rows holding a checkpoint, and a save or restore copies the state row's bytes into or out
+of those rows in order (the last one partly)::
+
+    state_buf[slot] = | chunk 0 | chunk 1 | ... | chunk m-1 (partial) |
+                          ▼          ▼                 ▼
+    kv_buf rows       (r0)       (r1)      ...     (r_{m-1})
 """
 from __future__ import annotations
 
@@ -24,7 +33,23 @@ import torch
 from .cache_specs import CacheRowLayout, LayerCacheSpec
 from .kernels.state_copy import copy_state_slots
 
-__all__ = ['CacheEngine']
+__all__ = ['CacheEngine', 'StateRef', 'rows_per_state']
+
+StateRef = int | tuple    # a state-buffer row, or the KV block rows holding a checkpoint
+
+
+def rows_per_state(state_row_bytes: int, block_row_bytes: int) -> int:
+    """KV block rows one state row needs (``ceil(state / block)``); 0 without state.
+
+    Raises:
+        ValueError: the model has state but no KV block bytes (no full-attention layer), so
+            checkpoints cannot live in block rows.
+    """
+    if state_row_bytes == 0:
+        return 0
+    if block_row_bytes == 0:
+        raise ValueError('checkpoints in KV block rows need a model with full-attention layers')
+    return -(-state_row_bytes // block_row_bytes)
 
 
 class CacheEngine:
@@ -93,19 +118,67 @@ class CacheEngine:
         return self._state_layout.payload_bytes
 
     # state slots --------------------------------------------------------------------
-    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy whole states ``src[i] → dst[i]`` for every linear-attention layer in one op."""
+    def copy_states(self, src: Sequence[StateRef], dst: Sequence[StateRef]) -> None:
+        """Copy whole states ``src[i] → dst[i]`` for every linear-attention layer: state rows
+        to state rows in one op, state rows to and from block-row checkpoints in one gather or
+        scatter each (a checkpoint never copies to another checkpoint)."""
         if not src:
             return
-        idx = torch.tensor([list(src), list(dst)], dtype=torch.int64, device=self.device)
-        copy_state_slots(self.state_buf, idx[0], idx[1])
+        rows = [(s, d) for s, d in zip(src, dst) if isinstance(s, int) and isinstance(d, int)]
+        saves = [(s, d) for s, d in zip(src, dst) if isinstance(s, int) and not isinstance(d, int)]
+        loads = [(s, d) for s, d in zip(src, dst) if not isinstance(s, int) and isinstance(d, int)]
+        if len(rows) + len(saves) + len(loads) != len(src):
+            raise ValueError('a checkpoint in block rows copies only to or from a state row')
+        if rows:
+            idx = torch.tensor(list(zip(*rows)), dtype=torch.int64, device=self.device)
+            copy_state_slots(self.state_buf, idx[0], idx[1])
+        if saves:
+            slots, blocks = zip(*saves)
+            self._state_rows_to_blocks(list(slots), list(blocks))
+        if loads:
+            blocks, slots = zip(*loads)
+            self._blocks_to_state_rows(list(blocks), list(slots))
 
-    def read_state(self, slot: int) -> torch.Tensor:
-        """A CPU copy of slot ``slot``'s state payload, ``[S]`` uint8."""
-        return self.state_buf[slot, :self.state_bytes].to('cpu', copy=True)
+    def _split(self, blocks) -> tuple[torch.Tensor, int, int]:
+        """(block rows ``[n, m]`` on the device, full chunks, bytes of the last partial chunk)."""
+        chunk = self.kv_buf.shape[1]
+        full, rem = divmod(self.state_buf.shape[1], chunk)
+        idx = torch.tensor([list(b) for b in blocks], dtype=torch.int64, device=self.device)
+        if idx.shape[1] < full + (rem > 0):
+            raise ValueError(f'a checkpoint needs {full + (rem > 0)} block rows, got {idx.shape[1]}')
+        return idx, full, rem
+
+    def _state_rows_to_blocks(self, slots: list[int], blocks: list) -> None:
+        idx, full, rem = self._split(blocks)
+        chunk = self.kv_buf.shape[1]
+        data = self.state_buf[torch.tensor(slots, dtype=torch.int64, device=self.device)]
+        if full:
+            self.kv_buf[idx[:, :full].reshape(-1)] = data[:, :full * chunk].reshape(-1, chunk)
+        if rem:
+            self.kv_buf[idx[:, full], :rem] = data[:, full * chunk:]
+
+    def _blocks_to_state_rows(self, blocks: list, slots: list[int]) -> None:
+        idx, full, rem = self._split(blocks)
+        chunk = self.kv_buf.shape[1]
+        rows = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        n = len(slots)
+        if full:
+            self.state_buf[rows, :full * chunk] = self.kv_buf[idx[:, :full].reshape(-1)].reshape(n, full * chunk)
+        if rem:
+            self.state_buf[rows, full * chunk:] = self.kv_buf[idx[:, full], :rem]
+
+    def read_state(self, slot: StateRef) -> torch.Tensor:
+        """A CPU copy of the state payload at ``slot`` (a state row or a checkpoint's block
+        rows), ``[S]`` uint8."""
+        if isinstance(slot, int):
+            return self.state_buf[slot, :self.state_bytes].to('cpu', copy=True)
+        chunk = self.kv_buf.shape[1]
+        idx = torch.tensor(list(slot), dtype=torch.int64, device=self.device)
+        return self.kv_buf[idx].reshape(-1)[:self.state_bytes].to('cpu', copy=True) if chunk else \
+            torch.empty(0, dtype=torch.uint8)
 
     def write_state(self, slot: int, payload: torch.Tensor) -> None:
-        """Overwrite slot ``slot`` with a ``[S]`` uint8 payload."""
+        """Overwrite state row ``slot`` with a ``[S]`` uint8 payload."""
         self.state_buf[slot, :self.state_bytes].copy_(payload.to(self.device))
 
     # kv blocks ----------------------------------------------------------------------

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from ..messages import PytorchEngineConfig
 
-__all__ = ['CacheConfig', 'SchedulerConfig', 'cache_root']
+__all__ = ['CacheConfig', 'SchedulerConfig', 'cache_root', 'DEFAULT_CHECKPOINT_SLOTS']
+
+DEFAULT_CHECKPOINT_SLOTS = 64     # checkpoint slots when num_gpu_blocks fixes the KV pool and none are given
 
 
 @dataclass(frozen=True)
@@ -29,26 +31,41 @@ class CacheConfig:
         num_gpu_blocks: explicit KV block count, 0 = derive from memory.
         cache_max_entry_count: fraction of free memory given to the caches.
         num_state_slots: runtime state slots, 0 = ``max_batch_size``.
-        num_checkpoint_slots: checkpoint slots of the prefix cache (hybrid models).
+        num_checkpoint_slots: most checkpoints of the prefix cache (hybrid models); None = the budget's.
         enable_prefix_caching: whether the tiers exist at all.
         prefill_save_alignment: A, checkpoint boundaries are multiples of A (tokens).
         decode_save_last: also checkpoint the last block boundary of a finished request.
+        cache_bytes: explicit byte budget of the caches, 0 = ``cache_max_entry_count`` of memory.
+        cache_eviction: the eviction policy's name (``'reuse'`` or ``'lru'``).
     """
     block_size: int
     num_gpu_blocks: int
     cache_max_entry_count: float
     num_state_slots: int
-    num_checkpoint_slots: int
+    num_checkpoint_slots: int | None
     enable_prefix_caching: bool
     prefill_save_alignment: int
     decode_save_last: bool = False
+    cache_bytes: int = 0
+    cache_eviction: str = 'reuse'
+
+    @property
+    def checkpoints_in_block_rows(self) -> bool:
+        """Checkpoints share the KV block pool (one memory budget): unless ``num_gpu_blocks``
+        fixes the KV block count, in which case checkpoints keep slots of their own."""
+        return not self.num_gpu_blocks
+
+    @property
+    def fixed_checkpoint_slots(self) -> int:
+        """Checkpoint slots of their own with an explicit ``num_gpu_blocks`` (default 64)."""
+        return DEFAULT_CHECKPOINT_SLOTS if self.num_checkpoint_slots is None else self.num_checkpoint_slots
 
     @classmethod
     def from_engine_config(cls, cfg: PytorchEngineConfig) -> 'CacheConfig':
         """The cache fields of ``cfg`` (block size, KV and state budgets, prefix caching)."""
         return cls(cfg.block_size, cfg.num_gpu_blocks, cfg.cache_max_entry_count, cfg.num_state_slots,
                    cfg.num_checkpoint_slots, cfg.enable_prefix_caching, cfg.prefill_save_alignment,
-                   cfg.decode_save_last)
+                   cfg.decode_save_last, cfg.cache_bytes, cfg.cache_eviction)
 
 
 @dataclass(frozen=True)

@@ -47,15 +47,18 @@ def check_cache_fits(specs, cfg: CacheConfig, num_blocks: int, num_slots: int, d
 
 
 def derive_num_blocks(specs, cfg: CacheConfig, num_slots: int, device: torch.device, max_batch_size: int,
-                      session_len: int) -> int:
-    """KV blocks for a budget of ``cache_max_entry_count`` × free device memory (CUDA) or
-    × :data:`CPU_CACHE_BUDGET` (CPU), less the state slots; at most twice what
-    ``max_batch_size`` sequences of ``session_len`` tokens need.
+                      session_len: int, checkpoint_rows: int = 0) -> int:
+    """KV block rows for a budget of ``cache_bytes``, else ``cache_max_entry_count`` × free device
+    memory (CUDA) or × :data:`CPU_CACHE_BUDGET` (CPU), less the state slots; at most twice what
+    ``max_batch_size`` sequences of ``session_len`` tokens need, plus ``checkpoint_rows`` (the rows
+    checkpoints may take when they share the pool).
 
     Raises:
         ValueError: the state slots take the whole budget, or no block fits.
     """
-    if device.type == 'cuda':
+    if cfg.cache_bytes:
+        budget = cfg.cache_bytes
+    elif device.type == 'cuda':
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * cfg.cache_max_entry_count)
     else:
@@ -63,13 +66,13 @@ def derive_num_blocks(specs, cfg: CacheConfig, num_slots: int, device: torch.dev
     slots = num_slots * CacheEngine.bytes_per_slot(specs)
     per_block = CacheEngine.bytes_per_block(specs, cfg.block_size)
     # no point in more blocks than every running sequence at full session length needs, twice
-    cap = 2 * max_batch_size * (-(-session_len // cfg.block_size))
+    cap = 2 * max_batch_size * (-(-session_len // cfg.block_size)) + checkpoint_rows
     num_blocks = min((budget - slots) // per_block, cap)
     if num_blocks < 1:
+        what = f'cache_bytes={cfg.cache_bytes}' if cfg.cache_bytes else f'cache_max_entry_count={cfg.cache_max_entry_count}'
         if slots >= budget:
             raise ValueError(f'the {num_slots} recurrent-state slots ({slots} bytes; max_batch_size / '
                              f'num_state_slots, num_checkpoint_slots) take the whole cache budget of {budget} '
-                             f'bytes (cache_max_entry_count={cfg.cache_max_entry_count}): lower them, raise '
-                             f'cache_max_entry_count or set num_gpu_blocks')
-        raise ValueError('cache_max_entry_count leaves no memory for even one KV block')
+                             f'bytes ({what}): lower them, raise the budget or set num_gpu_blocks')
+        raise ValueError(f'the cache budget ({what}) leaves no memory for even one KV block')
     return num_blocks

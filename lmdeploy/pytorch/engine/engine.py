@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
+from ..cache_engine import CacheEngine, rows_per_state
 from ..cache_specs import has_state
-from ..config import CacheConfig, SchedulerConfig
+from ..config import DEFAULT_CHECKPOINT_SLOTS, CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
 from ..paging.sequence import Sequence
 from ..prefix_cache.coordinator import PrefixCache
+from ..prefix_cache.eviction import make_policy
 from ..prefix_cache.local_tier import LocalTier
 from ..prefix_cache.null_cache import NullPrefixCache
 from ..prefix_cache.plans import SavePlan
@@ -126,14 +128,21 @@ class Engine:
         self._tokenizer_lock = threading.Lock()
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         num_runtime = cc.num_state_slots or config.max_batch_size
-        num_ckpt = cc.num_checkpoint_slots if (self.is_hybrid and cc.enable_prefix_caching) else 0
+        keeps_checkpoints = self.is_hybrid and cc.enable_prefix_caching
+        # one memory budget: checkpoints take KV block rows (unless num_gpu_blocks fixes the pool)
+        block_rows = keeps_checkpoints and cc.checkpoints_in_block_rows
+        num_ckpt = cc.fixed_checkpoint_slots if (keeps_checkpoints and not block_rows) else 0
         num_slots = num_runtime + num_ckpt if self.is_hybrid else 0
         # speculative decoding on a hybrid model: one scratch slot per runtime slot (rollback)
         scratch_base = num_slots if (self.is_hybrid and spec_config is not None) else None
         if scratch_base is not None:
             num_slots += num_runtime
+        rows = rows_per_state(CacheEngine.bytes_per_slot(self.specs), CacheEngine.bytes_per_block(self.specs,
+                                                                                               cc.block_size))
+        extra = (cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else
+                 DEFAULT_CHECKPOINT_SLOTS) * rows if block_rows else 0
         num_blocks = cc.num_gpu_blocks or derive_num_blocks(self.specs, cc, num_slots, self.device,
-                                                            config.max_batch_size, self.session_len)
+                                                            config.max_batch_size, self.session_len, extra)
         capacity = num_blocks * cc.block_size
         if self.session_len > capacity:
             # a sequence longer than the whole cache could never be (re)admitted and would spin
@@ -146,7 +155,12 @@ class Engine:
         self.cache_engine = self.executor.start(cc.block_size, num_blocks, num_slots)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
-        self.state_cache = StateCache(num_runtime, num_ckpt) if self.is_hybrid else None
+        policy = make_policy(cc.cache_eviction)
+        if block_rows:
+            self.state_cache = StateCache(num_runtime, cc.num_checkpoint_slots, block_manager=self.block_manager,
+                                          rows_per_checkpoint=self.cache_engine.rows_per_state, policy=policy)
+        else:
+            self.state_cache = StateCache(num_runtime, num_ckpt, policy=policy) if self.is_hybrid else None
         for name in ('prefill_save_last_only', 'decode_save_last', 'save_junction'):
             if getattr(config, name) and not cc.enable_prefix_caching:
                 logger.warning('%s has no effect without enable_prefix_caching (--enable-prefix-caching)', name)
@@ -157,7 +171,8 @@ class Engine:
         # with caching off a NullPrefixCache answers every question: no caller branches on it
         self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
         if cc.enable_prefix_caching:
-            local = LocalTier(self.block_manager, cc.block_size, self.state_cache)
+            local = LocalTier(self.block_manager, cc.block_size, self.state_cache,
+                              state_bytes=self.cache_engine.state_bytes, block_bytes=self.cache_engine.kv_block_bytes)
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
                                             alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
@@ -379,6 +394,9 @@ class Engine:
         if not src:
             done(True)
             return
+        sc = self.scheduler.state_cache
+        if sc is not None:       # a checkpoint in block rows is copied by its rows
+            src, dst = [sc.locate(s) for s in src], [sc.locate(d) for d in dst]
         copied = False
         try:
             self.cache_engine.copy_states(src, dst)
@@ -449,11 +467,13 @@ class Engine:
         bm = self.block_manager
         cached = self.prefix_cache.num_cached_blocks
         sc = self.state_cache
+        ckpt_rows = sc.num_checkpoint_rows if sc else 0
         return {
             'blocks_total': bm.num_blocks,
             'blocks_free': bm.num_free,
             'blocks_cached': cached,
-            'blocks_in_use': bm.num_blocks - bm.num_free - cached,
+            'blocks_in_use': bm.num_blocks - bm.num_free - cached - ckpt_rows,
+            'checkpoint_rows': ckpt_rows,
             'runtime_slots_free': sc.num_free_runtime if sc else 0,
             'runtime_slots_total': sc.num_runtime_slots if sc else 0,
             'checkpoints_pinned': sc.num_pinned if sc else 0,

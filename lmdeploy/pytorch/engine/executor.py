@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..cache_engine import rows_per_state
 from ..distributed.comm import destroy_group, free_port, init_group
 from ..distributed.sharding import TPLayout
 from ..models.loader import load_config
@@ -139,8 +140,12 @@ class _Executor:
 
     def start(self, block_size: int, num_blocks: int, num_slots: int) -> 'ExecutorCaches':
         """Allocate every rank's caches; returns the engine's view of them."""
-        self.call('build_caches', block_size, num_blocks, num_slots)
-        return ExecutorCaches(self, block_size)
+        rows = self.call('build_caches', block_size, num_blocks, num_slots, gather=True)
+        caches = ExecutorCaches(self, block_size)
+        # a checkpoint in block rows takes the same rows on every rank: as many as the rank that
+        # needs the most
+        caches.rows_per_state = max(rows_per_state(state, block) if state else 0 for block, state in rows)
+        return caches
 
 
 class LocalExecutor(_Executor):
@@ -338,6 +343,7 @@ class ExecutorCaches:
             setattr(self, name, getattr(self.local, name))
         worker = executor.worker
         self.object_specs = worker.full_specs      # with the MTP layer's KV when the engine drafts with it
+        self.rows_per_state = 0     # block rows a checkpoint takes on every rank (set by start)
         self.layout = None
         if executor.size > 1:
             self.layout = StoreLayout(worker.hf_config, executor.size, worker.specs, self.object_specs, block_size)
@@ -353,12 +359,14 @@ class ExecutorCaches:
         return [payload] if self.layout is None else self.layout.to_ranks(payload, kv=kv)
 
     def copy_states(self, src, dst) -> None:
-        """Copy whole states ``src[i] → dst[i]`` on every rank."""
+        """Copy whole states ``src[i] → dst[i]`` on every rank (state rows, or the block rows of
+        a checkpoint: :class:`~lmdeploy.pytorch.cache_engine.StateRef`)."""
         if src:
             self.executor.call('copy_states', list(src), list(dst))
 
-    def read_state(self, slot: int) -> torch.Tensor:
-        """``[S]`` uint8: the state payload of ``slot`` over all heads."""
+    def read_state(self, slot) -> torch.Tensor:
+        """``[S]`` uint8: the state payload of ``slot`` (a state row or a checkpoint's block
+        rows) over all heads."""
         parts = self.executor.call('read_state', slot, gather=True)
         return self._to_full([p[None] for p in parts], kv=False)[0]
 

@@ -80,9 +80,10 @@ class Worker:
 
     # commands (rank 0 runs them in process; a tensor-parallel engine broadcasts them) ----------
     def build_caches(self, block_size: int, num_blocks: int, num_slots: int) -> tuple[int, int]:
-        """Allocate this rank's caches; returns its ``(K_blk, S)`` payload bytes."""
+        """Allocate this rank's caches; returns its ``(block row, state row)`` bytes (a
+        checkpoint in block rows needs ``ceil(state row / block row)`` of them on this rank)."""
         self.cache_engine = CacheEngine(self.specs, block_size, num_blocks, num_slots, self.device)
-        return self.cache_engine.kv_block_bytes, self.cache_engine.state_bytes
+        return self.cache_engine.kv_buf.shape[1], self.cache_engine.state_buf.shape[1]
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:

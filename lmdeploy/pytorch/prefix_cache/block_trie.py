@@ -90,7 +90,8 @@ def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: in
 
 class TrieNode:
     """One cached full block."""
-    __slots__ = ('parent', 'children', 'key', 'tokens', 'block_id', 'depth', 'last_access', 'checkpoint_slot')
+    __slots__ = ('parent', 'children', 'key', 'tokens', 'block_id', 'depth', 'last_access', 'checkpoint_slot',
+                 'ckpts_below')
 
     def __init__(self, parent, key: bytes, tokens: tuple, block_id: int, depth: int):
         self.parent = parent
@@ -101,6 +102,7 @@ class TrieNode:
         self.depth = depth
         self.last_access = next(_CLOCK)
         self.checkpoint_slot: int | None = None
+        self.ckpts_below = 0      # published checkpoints in this node's subtree, itself included
 
 
 class BlockTrie:
@@ -118,6 +120,7 @@ class BlockTrie:
         self.state_cache = state_cache
         self.root = TrieNode(None, _ROOT_HASH, (), -1, 0)
         self.num_nodes = 0
+        self.num_evicted = 0      # nodes (KV blocks) evicted so far
         # Leaves as (last_access, depth, tiebreak, node), lazily invalidated: an entry is stale when
         # its node is gone, got children, or was touched again (a newer entry exists). Eviction
         # then costs O((k + blocked leaves) log N) instead of a walk of the whole trie.
@@ -224,10 +227,13 @@ class BlockTrie:
     def _evictable(self, node: TrieNode) -> bool:
         return not node.children and self._unreferenced(node) and not self._pinned(node)
 
-    def evict(self, num_blocks: int) -> int:
+    def evict(self, num_blocks: int, dead_only: bool = False) -> int:
         """Free up to ``num_blocks`` blocks.
 
-        First least recently used unreferenced leaves (a parent becomes a candidate, at its own
+        With ``dead_only``, only *dead* leaves go (no published checkpoint at or below them:
+        no restore of a hybrid model can use them), least recently used first, and nothing else.
+
+        Otherwise: first least recently used unreferenced leaves (a parent becomes a candidate, at its own
         last-use time, as soon as its last child goes, so an old chain goes child then parent
         before newer leaves); leaves that cannot go now are kept as candidates. If that is not
         enough, unreferenced interior nodes go, least recently used first, each with its whole
@@ -242,7 +248,7 @@ class BlockTrie:
             if not self._is_current(entry):
                 continue
             leaf = entry[-1]
-            if not self._evictable(leaf):
+            if not self._evictable(leaf) or (dead_only and leaf.ckpts_below):
                 blocked.append(entry)
                 continue
             parent = leaf.parent
@@ -251,7 +257,7 @@ class BlockTrie:
                 self._push_leaf(parent)
         for entry in blocked:
             heapq.heappush(self._leaves, entry)
-        if freed < num_blocks:
+        if freed < num_blocks and not dead_only:
             freed += self._evict_subtrees(num_blocks - freed)
         return freed
 
@@ -295,15 +301,17 @@ class BlockTrie:
         return out
 
     def _remove(self, node: TrieNode) -> int:
-        """Drop ``node`` (its checkpoint too); returns 1 if its block went to the free list."""
+        """Drop ``node`` (its checkpoint too); returns the block rows that went to the free list
+        (its block, and a block-row checkpoint's rows)."""
+        before = self.block_manager.num_free
+        self.num_evicted += 1
         if node.checkpoint_slot is not None and self.state_cache is not None:
-            self.state_cache.release_checkpoint(node.checkpoint_slot)
+            self.state_cache.release_checkpoint(node.checkpoint_slot, evicted=True)
         del node.parent.children[node.key]
         node.parent = None
         self.num_nodes -= 1
-        freed = int(self._unreferenced(node))
         self.block_manager.uncache(node.block_id)
-        return freed
+        return self.block_manager.num_free - before
 
     def iter_nodes(self):
         """All nodes except the root (depth-first)."""

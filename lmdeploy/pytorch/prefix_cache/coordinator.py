@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from ..multimodal import block_extra_keys
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import chain_block_hashes
+from .eviction import SAVE_REASONS
 from .local_tier import LocalTier
 from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
 
@@ -51,11 +52,13 @@ STORE_RESTORE_ATTEMPTS = 3   # failed Store loads per request before it stops as
 _PROBES_PER_STEP = 64        # waiting sequences probed per step at most (each once per attempt)
 
 
-def zero_counters() -> dict[str, int]:
-    """The prefix cache's cumulative counters (tokens, checkpoints), all 0: what
+def zero_counters() -> dict:
+    """The prefix cache's cumulative counters (tokens, checkpoints, evictions), all 0: what
     :meth:`PrefixCache.stats` starts from, and what an engine without a prefix cache reports."""
     return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
-            'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0}
+            'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0,
+            'checkpoints_saved_by_reason': {r: 0 for r in SAVE_REASONS},
+            'prefix_cache_evictions': {'checkpoint': 0, 'kv': 0}}
 
 
 @dataclass
@@ -105,6 +108,7 @@ class PrefixCache:
         self._hashes: dict[int, list[bytes]] = {}
         self._store_views: dict[int, _StoreView] = {}
         self._staging: dict[int, _Staging] = {}
+        self._continuation: dict[int, bool] = {}      # seq_id -> its admission continued a cached prefix
         self.counters: dict[str, int] = zero_counters()
         self.skipped: dict[str, int] = {}
 
@@ -167,7 +171,9 @@ class PrefixCache:
 
     def plan_load(self, seq, match: PrefixMatch, loads: LoadPlan) -> None:
         """Add the restore of a committed admission to ``loads`` (``seq`` holds its slot and
-        blocks through the first chunk)."""
+        blocks through the first chunk), and tell the eviction policy which checkpoint it uses."""
+        continued = self.local.record_use(match, self.hashes(seq), self.alignment)
+        self._continuation[seq.seq_id] = bool(continued or match.matched_tokens or getattr(seq, 'continuation', False))
         if match.source == 'store':
             hashes = self.hashes(seq)[:match.cached_tokens // self.block_size]
             loads.store_loads.append(StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids,
@@ -218,8 +224,11 @@ class PrefixCache:
         another restore of the same prefix in this step published its copy first)."""
         lease.release()
         slot = lease.slot
-        if not (copied and self.local.state_cache.publish(slot, node)):
+        stats = self.local.checkpoint_stats(node, node.depth * self.block_size, 'restored') if copied else None
+        if not (copied and self.local.state_cache.publish(slot, node, stats)):
             self.local.state_cache.release_checkpoint(slot)
+        elif copied:
+            self._count_save('restored')
 
     # after the forward (scheduler) -------------------------------------------------------
     def plan_saves(self, chunks, saves: SavePlan) -> None:
@@ -237,7 +246,8 @@ class PrefixCache:
             node = self.local.extend(seq, self.hashes(seq), full)
             if not save:
                 continue
-            planned = self.local.plan_checkpoint(seq, node, end, taken)
+            planned = self.local.plan_checkpoint(seq, node, end, taken, self._save_reason(seq, end),
+                                                 self._continuation.get(seq.seq_id, False))
             if isinstance(planned, str):
                 self._skip(seq, planned)
             else:
@@ -246,15 +256,29 @@ class PrefixCache:
             if self.store is not None:
                 saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
 
+    @staticmethod
+    def _save_reason(seq, end: int) -> str:
+        """Why the plan of ``seq`` saves at ``end`` (one of :data:`~.eviction.SAVE_REASONS`)."""
+        plan = seq.plan
+        if end == plan.junction:
+            return 'junction'
+        if end == getattr(plan, 'shared_head', None):
+            return 'shared_head'
+        return 'prefill_last' if end == max(plan.save_points) else 'prefill'
+
+    def _count_save(self, reason: str) -> None:
+        by_reason = self.counters['checkpoints_saved_by_reason']
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+
     def _stage(self, seq, boundary: int, saves: SavePlan) -> None:
         staging = self._staging.get(seq.seq_id)
         if staging is None:
-            slot = self.local.state_cache.alloc_checkpoint()
+            slot = self.local.alloc_checkpoint()
             if slot is None:
                 return          # no slot now; a later boundary tries again
             staging = self._staging[seq.seq_id] = _Staging([slot], [0], [self._stage_lease(seq, slot)])
         if len(staging.slots) == 1 and staging.boundaries[0] and seq.stop_strings is not None:
-            slot = self.local.state_cache.alloc_checkpoint()    # none free: one slot, as without stop strings
+            slot = self.local.alloc_checkpoint()    # none free: one slot, as without stop strings
             if slot is not None:
                 staging.slots.append(slot)
                 staging.boundaries.append(0)
@@ -272,6 +296,7 @@ class PrefixCache:
             if copied:
                 save.seq.stats.save_points.append(save.boundary)
                 self.counters['checkpoints_saved'] += 1
+                self._count_save(save.reason)
                 if save.seq.plan is not None and save.boundary == save.seq.plan.junction:
                     self.counters['junction_checkpoints_saved'] += 1
             else:
@@ -305,15 +330,18 @@ class PrefixCache:
         slot = staging.slots.pop(i)     # the others are released with the request (_drop_staging)
         staging.boundaries.pop(i)
         staging.leases.pop(i).release()
-        if not self.local.state_cache.publish(slot, node):     # (checked above: cannot happen)
+        stats = self.local.checkpoint_stats(node, boundary, 'turn_end', True)
+        if not self.local.state_cache.publish(slot, node, stats):     # (checked above: cannot happen)
             self.local.state_cache.release_checkpoint(slot)
             return False
         seq.stats.turn_end_point = boundary
         self.counters['turn_end_checkpoints_saved'] += 1
+        self._count_save('turn_end')
         if self.store is None:
             return False
         full = boundary // self.block_size
-        saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, slot))
+        saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary,
+                                         self.local.state_cache.locate(slot)))
         return True
 
     def _drop_staging(self, seq) -> None:
@@ -342,6 +370,7 @@ class PrefixCache:
         """``seq`` is finished or aborted: drop its bookkeeping (and any pin it still owns)."""
         self._drop_staging(seq)
         self.local.pins.release_owner(seq.seq_id)
+        self._continuation.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
         self._store_views.pop(seq.seq_id, None)
 
@@ -374,6 +403,8 @@ class PrefixCache:
         """Cumulative counters: queried/hit tokens, checkpoints saved and skipped by reason,
         state-miss tokens, and the Store tier's counters."""
         out = dict(self.counters)
+        out['checkpoints_saved_by_reason'] = dict(self.counters['checkpoints_saved_by_reason'])
+        out['prefix_cache_evictions'] = self.local.num_evictions
         out['checkpoints_skipped'] = dict(self.skipped)
         if self.store is not None:
             out.update(self.store.stats())

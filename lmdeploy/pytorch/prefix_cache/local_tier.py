@@ -11,17 +11,24 @@ for this process's memory:
   checkpoint for an admission (and undo it: the one rollback path);
 * :meth:`LocalTier.extend` / :meth:`LocalTier.plan_checkpoint` — cache new full blocks of a
   running sequence and plan a checkpoint save at a save point;
-* :meth:`LocalTier.release` — cache a leaving sequence's computed blocks.
+* :meth:`LocalTier.release` — cache a leaving sequence's computed blocks;
+* :meth:`LocalTier.evict` — free block rows: dead KV blocks first, then the eviction policy's
+  checkpoints (:mod:`.eviction`), then (when nothing else is left) live blocks, LRU.
+
+With one memory budget (:attr:`StateCache.uses_block_rows`) checkpoints take KV block rows, so
+a checkpoint evicted frees rows for blocks and an admission counts them as evictable.
 
 Shared blocks are attached read-only: a sequence writes only blocks after its shared prefix.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..paging.block_manager import BlockManager
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import BlockTrie, TrieNode
+from .eviction import CheckpointStats
 from .pins import CheckpointPins, PinLease
 from .plans import CheckpointSave, PrefixMatch
 from .state_cache import StateCache
@@ -43,12 +50,20 @@ class LocalTier:
         block_manager: the KV block pool (reference counts).
         block_size: B, tokens per block.
         state_cache: the state slots (hybrid models), or None for full-attention-only models.
+        state_bytes: S, bytes of one checkpoint (what the policy weighs a checkpoint by).
+        block_bytes: K_blk, bytes of one KV block.
     """
 
-    def __init__(self, block_manager: BlockManager, block_size: int, state_cache: StateCache | None):
+    def __init__(self, block_manager: BlockManager, block_size: int, state_cache: StateCache | None,
+                 state_bytes: int = 1, block_bytes: int = 1):
         self.block_manager = block_manager
         self.block_size = block_size
         self.state_cache = state_cache
+        self.state_bytes, self.block_bytes = max(state_bytes, 1), max(block_bytes, 1)
+        # how many admitted requests reached each prefix (chained hash at an alignment boundary),
+        # remembered beyond eviction (bounded, oldest forgotten): evidence of reuse for a
+        # checkpoint saved there later
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
         self.trie = BlockTrie(block_manager, block_size, state_cache)
         self.pins = CheckpointPins(state_cache)     # (never takes a pin without a state cache)
         self._paths: dict[int, _Path] = {}
@@ -84,7 +99,42 @@ class LocalTier:
             self.block_manager.incref(node.block_id)
         if match.checkpoint_slot is not None:
             match.lease = self.pins.take(match.checkpoint_slot, 'restore_source')
-            self.state_cache.touch(match.checkpoint_slot)
+
+    SEEN_CAPACITY = 1 << 18     # prefixes whose reach counts are remembered
+
+    def record_use(self, match: PrefixMatch, hashes: list[bytes] = (), alignment: int = 0) -> bool:
+        """An admission committed: the checkpoint it restores counts a hit, and every other
+        checkpoint its match walked through counts as reached (evidence of a shared prefix); no
+        other node is touched. ``hashes`` (the request's block hashes) at every ``alignment``
+        boundary count as reached in the remembered history.
+
+        Returns:
+            Whether the request continues a prefix reached before (its first aligned prefix was
+            seen by an earlier request, even if the cache evicted it since).
+        """
+        if self.state_cache is None:
+            return False
+        continued = False
+        step = alignment // self.block_size if alignment else 0
+        for i in range(step - 1, len(hashes), step) if step else ():
+            h = hashes[i]
+            count = self._seen.pop(h, 0)
+            continued = continued or (i == step - 1 and count > 0)
+            self._seen[h] = count + 1
+        while len(self._seen) > self.SEEN_CAPACITY:
+            self._seen.popitem(last=False)
+        for node in match.nodes:
+            slot = node.checkpoint_slot
+            if slot is None:
+                continue
+            if slot == match.checkpoint_slot:
+                self.state_cache.touch(slot, hit=True)
+            else:
+                stats = self.state_cache.stats.get(slot)
+                if stats is not None:
+                    stats.reached += 1
+                    self.state_cache.touch(slot)
+        return continued
 
     def unpin(self, match: PrefixMatch) -> None:
         """Undo :meth:`pin` (an admission that did not commit)."""
@@ -116,7 +166,8 @@ class LocalTier:
         path = self._paths.get(seq.seq_id)
         return path is None or num_blocks > path.num_blocks
 
-    def plan_checkpoint(self, seq, node: TrieNode | None, boundary: int, taken: set) -> CheckpointSave | str:
+    def plan_checkpoint(self, seq, node: TrieNode | None, boundary: int, taken: set, reason: str = 'prefill',
+                        continuation: bool = False) -> CheckpointSave | str:
         """Plan the save of ``seq``'s state after ``boundary`` tokens on ``node``.
 
         Returns:
@@ -127,19 +178,44 @@ class LocalTier:
         if node is None:
             return 'hash_collision'
         if node.checkpoint_slot is not None or id(node) in taken:
-            if node.checkpoint_slot is not None:
-                self.state_cache.touch(node.checkpoint_slot)
             return 'exists'
-        dst = self.state_cache.alloc_checkpoint()
+        dst = self.alloc_checkpoint()
         if dst is None:
             return 'no_free_slot'
-        return CheckpointSave(seq, seq.state_slot, dst, node, boundary, self.pins.take(dst, 'save_target', seq.seq_id))
+        return CheckpointSave(seq, seq.state_slot, dst, node, boundary, self.pins.take(dst, 'save_target', seq.seq_id),
+                              reason, continuation)
+
+    def alloc_checkpoint(self) -> int | None:
+        """A checkpoint slot, evicting first when the slots or rows are short (None: nothing
+        left to evict, every checkpoint pinned, or no checkpoint slots at all)."""
+        sc = self.state_cache
+        if sc.uses_block_rows and not sc.at_capacity() and self.block_manager.num_free < sc.rows_per_checkpoint:
+            self.evict(sc.rows_per_checkpoint - self.block_manager.num_free, protect_checkpoints=True)
+        return sc.alloc_checkpoint()
+
+    def checkpoint_stats(self, node: TrieNode, boundary: int, reason: str, continuation: bool = False,
+                         key=None) -> CheckpointStats:
+        """What the eviction policy weighs a checkpoint about to be published on ``node`` by:
+        the tokens it saves beyond the next shallower checkpoint on its path, and its bytes plus
+        those of the blocks only it will make usable (O(depth))."""
+        exclusive, below, n = 0, 0, node
+        while n is not None and n.parent is not None:
+            if n is not node and n.checkpoint_slot is not None:
+                below = n.depth * self.block_size
+                break
+            if n.ckpts_below == 0:
+                exclusive += 1
+            n = n.parent
+        return CheckpointStats(-1, boundary, boundary - below, self.state_bytes + exclusive * self.block_bytes,
+                               reason, continuation, reached=max(self._seen.get(node.key, 0) - 1, 0),
+                               key=node.key if key is None else key)
 
     def checkpoint_done(self, save: CheckpointSave, copied: bool) -> None:
         """Publish a planned checkpoint whose copy ran; release it unpublished if it did not (or
         its node has a checkpoint already / left the trie)."""
         save.lease.release()
-        if not (copied and self.state_cache.publish(save.dst, save.node)):
+        stats = self.checkpoint_stats(save.node, save.boundary, save.reason, save.continuation) if copied else None
+        if not (copied and self.state_cache.publish(save.dst, save.node, stats)):
             self.state_cache.release_checkpoint(save.dst)
 
     def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, PinLease] | None:
@@ -149,7 +225,7 @@ class LocalTier:
         nodes = self.trie.insert(seq.token_ids, seq.block_ids, boundary // self.block_size, hashes)
         if len(nodes) != boundary // self.block_size or nodes[-1].checkpoint_slot is not None:
             return None
-        dst = self.state_cache.alloc_checkpoint()
+        dst = self.alloc_checkpoint()
         if dst is None:
             return None
         return nodes[-1], self.pins.take(dst, 'store_keep', seq.seq_id)
@@ -167,9 +243,58 @@ class LocalTier:
     # capacity ----------------------------------------------------------------------------
     @property
     def num_evictable_blocks(self) -> int:
-        """Blocks :meth:`evict` can free now (exact)."""
-        return self.trie.num_evictable_blocks
+        """Block rows :meth:`evict` can free now (exact): cached blocks no sequence references
+        (less those on the path to a pinned checkpoint) and, with one memory budget, the rows of
+        every unpinned checkpoint."""
+        rows = self.state_cache.num_evictable_rows if self.state_cache is not None else 0
+        return self.trie.num_evictable_blocks + rows
 
-    def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` cached blocks no sequence references; returns how many."""
-        return self.trie.evict(num_blocks)
+    @property
+    def dead_first(self) -> bool:
+        """Evict blocks no checkpoint makes usable before any checkpoint (every policy but LRU,
+        which keeps today's order for comparison)."""
+        return self.state_cache is not None and self.state_cache.policy.name != 'lru'
+
+    def evict(self, num_blocks: int, protect_checkpoints: bool = False) -> int:
+        """Free up to ``num_blocks`` block rows held by the cache alone; returns how many.
+
+        Hybrid models: dead blocks first, then (one memory budget) the policy's checkpoints, each
+        followed by the blocks it alone made usable; what is still short comes from live blocks,
+        least recently used first (their checkpoints go with them). ``protect_checkpoints``:
+        stop before live blocks (a save making room for itself must not evict the prefix it
+        saves on).
+        """
+        bm, sc = self.block_manager, self.state_cache
+        start = bm.num_free
+
+        def short() -> int:
+            return num_blocks - (bm.num_free - start)
+
+        rows = sc is not None and sc.uses_block_rows
+        if self.dead_first:
+            self.trie.evict(num_blocks, dead_only=True)
+            while rows and short() > 0 and self._evict_checkpoint():
+                if short() > 0:
+                    self.trie.evict(short(), dead_only=True)
+            if short() > 0 and not protect_checkpoints:
+                self.trie.evict(short())
+        else:       # LRU: blocks as before, then the least recently used checkpoints
+            if not protect_checkpoints:
+                self.trie.evict(num_blocks)
+            while rows and short() > 0 and self._evict_checkpoint():
+                pass
+        return bm.num_free - start
+
+    def _evict_checkpoint(self) -> bool:
+        """Release the policy's victim among unpinned checkpoints; False when there is none."""
+        victim = self.state_cache.victim()
+        if victim is None:
+            return False
+        self.state_cache.release_checkpoint(victim, evicted=True)
+        return True
+
+    @property
+    def num_evictions(self) -> dict[str, int]:
+        """Entries evicted so far, by kind (``checkpoint``, ``kv``)."""
+        return {'checkpoint': self.state_cache.num_evicted if self.state_cache is not None else 0,
+                'kv': self.trie.num_evicted}

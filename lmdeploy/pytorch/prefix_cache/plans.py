@@ -82,13 +82,16 @@ class LoadPlan:
 class CheckpointSave:
     """Copy runtime slot ``src`` into the (pinned, unpublished) checkpoint slot ``dst``, then
     publish it on trie ``node`` — the state of ``seq`` after exactly ``boundary`` tokens.
-    ``lease`` pins ``dst`` until the copy ran."""
+    ``lease`` pins ``dst`` until the copy ran; ``reason`` (why it is saved) and ``continuation``
+    (the request continued a cached prefix) are what the eviction policy learns of it."""
     seq: object
     src: int
     dst: int
     node: object
     boundary: int
     lease: object = None
+    reason: str = 'prefill'
+    continuation: bool = False
 
 
 @dataclass

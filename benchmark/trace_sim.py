@@ -1,0 +1,213 @@
+"""Cache-only trace replay: the engine's own scheduler and prefix-cache code, without a model.
+
+:func:`simulate_trace` feeds a request trace (``benchmark/traces.py``'s format: per request its
+prompt length, reply length and one hash id per 512-token block) through the real
+:class:`~lmdeploy.pytorch.engine.scheduler.Scheduler`, :class:`~lmdeploy.pytorch.prefix_cache.coordinator.PrefixCache`,
+block trie, state slots and eviction policy, at real model byte sizes: every step is scheduled,
+admitted, chunked, saved and evicted exactly as in the engine, while the forward, the copies and
+the sampling are skipped (each copy "succeeds"). A million-request trace runs in minutes, so eviction
+policies, save policies and memory budgets can be compared at full scale.
+
+Geometry: one KV block row is ``kv_block_bytes``; a checkpoint takes ``ceil(state_bytes /
+kv_block_bytes)`` rows of the same pool (one memory budget), so ``budget_bytes`` buys
+``budget_bytes // kv_block_bytes`` rows, shared by KV blocks and checkpoints as the workload asks.
+Runtime state slots are outside the budget. ``budget_bytes=None`` is an infinite cache: the
+ideal at the save policy's checkpoint granularity, and its ``peak_bytes`` is the working set.
+
+Simplifications (stated, not hidden): every request generates ``min(output_length, max_output)``
+tokens of its own (they are not the tokens the trace's next turn sends, which are in that turn's
+hash ids anyway); ``concurrency`` requests are in flight at once, admitted in trace order
+(timestamps are ignored); ``'optimal'`` is Belady's rule on checkpoints — the next use of a
+checkpoint is the next request whose prompt holds its prefix at a reusable boundary — with every
+other decision as in the engine.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence as Seq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lmdeploy.messages import GenerationConfig  # noqa: E402
+from lmdeploy.pytorch.config import SchedulerConfig  # noqa: E402
+from lmdeploy.pytorch.engine.scheduler import Scheduler  # noqa: E402
+from lmdeploy.pytorch.paging.block_manager import BlockManager  # noqa: E402
+from lmdeploy.pytorch.paging.sequence import Sequence  # noqa: E402
+from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes  # noqa: E402
+from lmdeploy.pytorch.prefix_cache.coordinator import PrefixCache  # noqa: E402
+from lmdeploy.pytorch.prefix_cache.eviction import OfflineOptimalPolicy, make_policy  # noqa: E402
+from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier  # noqa: E402
+from lmdeploy.pytorch.prefix_cache.state_cache import StateCache  # noqa: E402
+
+__all__ = ['SimResult', 'simulate_trace', 'request_tokens', 'TRACE_BLOCK_TOKENS']
+
+TRACE_BLOCK_TOKENS = 512      # tokens per hash id in the trace format
+_VOCAB_LO, _VOCAB_SPAN = 16, 150_000
+
+
+@dataclass
+class SimResult:
+    """What one replay measured.
+
+    Attributes:
+        prompt_tokens: prompt tokens of every request.
+        hit_tokens: prompt tokens restored from the cache (every tier).
+        hit_tokens_by_tier: ``device`` / ``host`` / ``store``.
+        checkpoints_saved: published checkpoints by reason.
+        evictions: entries evicted by kind (``checkpoint``, ``kv``).
+        peak_bytes: most bytes the device tier held (KV blocks + checkpoints).
+        per_request_hit_tokens: hit tokens of each request, in trace order.
+        budget_rows: block rows of the budget (None: unlimited).
+        rows_per_checkpoint: rows one checkpoint takes.
+    """
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: dict = field(default_factory=lambda: {'device': 0, 'host': 0, 'store': 0})
+    checkpoints_saved: dict = field(default_factory=dict)
+    evictions: dict = field(default_factory=dict)
+    peak_bytes: int = 0
+    per_request_hit_tokens: list = field(default_factory=list)
+    budget_rows: int | None = None
+    rows_per_checkpoint: int = 0
+
+
+def request_tokens(hash_ids: Seq[int], input_length: int, scale: int = 1) -> list[int]:
+    """Token ids of a trace prompt: each hash id stands for ``512 / scale`` tokens, a deterministic
+    function of (id, position), so equal ids give equal tokens; the last block is cut to
+    ``input_length / scale`` tokens in all.
+
+    Raises:
+        ValueError: ``scale`` does not divide 512.
+    """
+    if TRACE_BLOCK_TOKENS % scale:
+        raise ValueError(f'scale must divide {TRACE_BLOCK_TOKENS}, got {scale}')
+    per = TRACE_BLOCK_TOKENS // scale
+    n = max(1, input_length // scale)
+    out: list[int] = []
+    for h in hash_ids:
+        base = (h * 2654435761) & 0xFFFFFFFF
+        out.extend(_VOCAB_LO + (base + i * 40503) % _VOCAB_SPAN for i in range(per))
+        if len(out) >= n:
+            break
+    return out[:n]
+
+
+class _Oracle:
+    """Future uses of prefixes for Belady's rule: for each chained block hash at a reusable
+    aligned boundary, the indices of the requests whose prompt holds it."""
+
+    def __init__(self, hash_lists: list[list[bytes]], lengths: list[int], block_size: int, alignment: int):
+        step = alignment // block_size
+        self.uses: dict[bytes, list[int]] = {}
+        for r, (hashes, n) in enumerate(zip(hash_lists, lengths)):
+            for i in range(step - 1, min(len(hashes), (n - 1) // block_size), step):
+                self.uses.setdefault(hashes[i], []).append(r)
+        self.now = 0
+
+    def next_use(self, key, clock) -> float:
+        uses = self.uses.get(key)
+        if not uses:
+            return math.inf
+        i = bisect.bisect_right(uses, self.now)
+        return uses[i] if i < len(uses) else math.inf
+
+
+def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_policy: str = 'last_only',
+                   eviction: str = 'reuse', budget_bytes: int | None = None, host_bytes: int = 0,
+                   block_size: int = 64, alignment: int = 1024, chunk: int = 8192, concurrency: int = 4,
+                   scale: int = 1, max_output: int = 1) -> SimResult:
+    """Replay ``requests`` through the scheduler and prefix cache (module docstring).
+
+    Args:
+        requests: trace rows with ``input_length``, ``output_length``, ``hash_ids`` and optionally
+            ``shared_head_tokens`` and ``continuation``.
+        state_bytes: S, bytes of one checkpoint; kv_block_bytes: K_blk, bytes of one block.
+        save_policy: ``'default'`` (a checkpoint at every chunk end) or ``'last_only'``.
+        eviction: ``'reuse'``, ``'lru'`` or ``'optimal'`` (Belady, from the whole trace).
+        budget_bytes: device bytes for KV blocks and checkpoints; None = unlimited.
+        host_bytes: a host tier's bytes (not modelled yet: must be 0).
+        block_size, alignment, chunk: B, A and P in tokens (at the trace's scale).
+        concurrency: requests in flight at once.
+        scale: trace tokens per simulated token (512 / scale tokens per hash id).
+        max_output: generated tokens per request at most.
+
+    Raises:
+        ValueError: an unknown policy, or ``host_bytes`` > 0.
+    """
+    if save_policy not in ('default', 'last_only'):
+        raise ValueError(f'save_policy must be default or last_only, got {save_policy!r}')
+    if host_bytes:
+        raise ValueError('host_bytes: the host tier is not modelled by this simulator yet')
+    rows_per_ckpt = -(-state_bytes // kv_block_bytes)
+    token_lists = [request_tokens(r.hash_ids, r.input_length, scale) for r in requests]
+    lengths = [len(t) for t in token_lists]
+    if budget_bytes is None:
+        # room for every block of every prompt and a checkpoint at every aligned boundary
+        num_rows = sum(-(-n // block_size) + 1 + (n // alignment + 2) * rows_per_ckpt for n in lengths)
+    else:
+        num_rows = max(1, budget_bytes // kv_block_bytes)
+    oracle = None
+    if eviction == 'optimal':
+        hashes = [chain_block_hashes(t, block_size) for t in token_lists]
+        oracle = _Oracle(hashes, lengths, block_size, alignment)
+        policy = OfflineOptimalPolicy(oracle.next_use)
+    else:
+        policy = make_policy(eviction)
+    bm = BlockManager(num_rows)
+    sc = StateCache(concurrency, None, block_manager=bm, rows_per_checkpoint=rows_per_ckpt, policy=policy)
+    local = LocalTier(bm, block_size, sc, state_bytes=state_bytes, block_bytes=kv_block_bytes)
+    cache = PrefixCache(local, None, block_size=block_size, alignment=alignment)
+    sched = Scheduler(SchedulerConfig(block_size, concurrency, chunk, alignment, save_policy == 'last_only'),
+                      bm, sc, cache)
+    result = SimResult(budget_rows=None if budget_bytes is None else num_rows, rows_per_checkpoint=rows_per_ckpt)
+    seqs: list[Sequence | None] = [None] * len(requests)
+    nxt, in_flight, peak_rows = 0, 0, 0
+    while nxt < len(requests) or sched.has_work:
+        while nxt < len(requests) and in_flight < concurrency:
+            req = requests[nxt]
+            gen = GenerationConfig(max_new_tokens=max(1, min(req.output_length // scale, max_output)),
+                                   ignore_eos=True)
+            seq = Sequence(token_lists[nxt], gen)
+            head = getattr(req, 'shared_head_tokens', None)
+            if head:
+                seq.shared_head_tokens = head // scale
+            seq.continuation = bool(getattr(req, 'continuation', False))
+            seq.trace_index = nxt
+            sched.add(seq)
+            seqs[nxt] = seq
+            nxt += 1
+            in_flight += 1
+        if oracle is not None:
+            oracle.now = min((s.trace_index for s in sched.running + list(sched.waiting)), default=nxt)
+        out = sched.schedule()
+        if out.loads:
+            cache.loads_done(out.loads, True)
+        if not out.chunks:
+            if not sched.running and sched.waiting:
+                raise RuntimeError('the budget cannot admit the next request (too small for one prompt)')
+            continue
+        cache.saves_done(saves := sched.computed(out), True)
+        del saves
+        for c in out.chunks:
+            seq = c.seq
+            if c.end < seq.num_tokens:
+                continue
+            seq.token_ids.append(_VOCAB_LO + (seq.num_tokens * 7 + seq.seq_id) % _VOCAB_SPAN)
+            if seq.num_generated >= seq.gen_config.max_new_tokens:
+                cache.saves_done(sched.finish(seq, 'length'), True)
+                in_flight -= 1
+        used = bm.num_blocks - bm.num_free
+        peak_rows = max(peak_rows, used)
+    stats = cache.stats()
+    for i, seq in enumerate(seqs):
+        result.prompt_tokens += seq.num_prompt_tokens
+        result.per_request_hit_tokens.append(seq.num_cached_tokens)
+    result.hit_tokens = sum(result.per_request_hit_tokens)
+    result.hit_tokens_by_tier['device'] = stats['prefix_cache_hit_tokens']
+    result.checkpoints_saved = {k: v for k, v in stats['checkpoints_saved_by_reason'].items() if v}
+    result.evictions = dict(stats['prefix_cache_evictions'])
+    result.peak_bytes = peak_rows * kv_block_bytes
+    return result

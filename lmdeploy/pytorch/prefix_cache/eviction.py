@@ -1,0 +1,181 @@
+"""Which cached checkpoint goes first: pluggable, pure eviction policies.
+
+The local tier holds two kinds of entries: KV blocks (nodes of the block trie) and recurrent-state
+checkpoints (published on trie nodes). For a hybrid model a KV block is worth nothing on its own:
+a prefix is restorable only up to a checkpoint, so a block with no checkpoint at or below it in
+the trie (a *dead* block) cannot make any restore deeper. The tier therefore always evicts dead
+blocks first (least recently used first), and asks the policy only which **checkpoint** goes
+next; evicting a checkpoint turns the blocks only it made usable into dead blocks, which go next::
+
+    need room ─▶ dead KV leaf left? ──yes──▶ evict it (LRU)
+                      │ no
+                      ▼
+                 policy.victim(checkpoints) ─▶ release it; its exclusive blocks become dead
+
+A policy is a small object with one pure scoring function of an entry's statistics
+(:class:`CheckpointStats`); it never touches the trie. Lower scores go first.
+
+* :class:`LRUPolicy` (``cache_eviction='lru'``): the least recently used checkpoint.
+* :class:`ReuseAwarePolicy` (``cache_eviction='reuse'``, the default): GreedyDual-Size-Frequency
+  (L. Cherkasova, "Improving WWW proxies performance with Greedy-Dual-Size-Frequency caching
+  policy", HP Labs HPL-98-69, 1998) with the cost of an entry taken as the prefill it saves, as
+  Marconi does for hybrid models (R. Pan et al., "Marconi: Prefix Caching for the Era of Hybrid
+  LLMs", MLSys 2025: utility = recency + FLOP efficiency). The score is fixed when the entry is
+  published or consumed::
+
+      score = L + evidence · tokens_saved / bytes_held
+
+  ``L`` is the score of the last victim (so entries not used for a while age relative to new
+  ones), ``tokens_saved`` the prefill tokens a hit skips beyond the next shallower checkpoint on
+  its path, ``bytes_held`` the checkpoint plus the KV blocks only it makes usable, and
+  ``evidence`` grows with every hit and with signs that the prefix will be sent again: it was
+  reached by several requests (a shared head or a branch point), it is a shared-head or
+  junction checkpoint, or the request that saved it was itself a continuation of a conversation.
+  A turn-end checkpoint whose reply was cut by a stop string the client never echoes back
+  (``reason='turn_end_unshared'``) gets the lowest evidence.
+* :class:`OfflineOptimalPolicy` (``'optimal'``, benchmarks only): Belady's rule, evict the
+  checkpoint used farthest in the future, given an oracle of future uses.
+
+Only the checkpoint a hit consumes is touched (its hit count and recency); the other nodes a
+match walks are only counted as reached.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+__all__ = ['CheckpointStats', 'EvictionPolicy', 'LRUPolicy', 'ReuseAwarePolicy', 'OfflineOptimalPolicy',
+           'make_policy', 'EVICTION_POLICIES', 'SAVE_REASONS']
+
+EVICTION_POLICIES = ('reuse', 'lru')
+
+# why a checkpoint was saved (the `reason` of CheckpointStats; also the label of the
+# lmdeploy_checkpoints_saved_by_reason series)
+SAVE_REASONS = ('prefill', 'prefill_last', 'shared_head', 'junction', 'turn_end', 'restored')
+
+
+@dataclass
+class CheckpointStats:
+    """What a policy knows of one published checkpoint.
+
+    Attributes:
+        slot: the checkpoint's slot id.
+        boundary: tokens of the prefix it restores.
+        tokens_saved: prefill tokens a hit on it skips beyond the next shallower checkpoint on its
+            path (``boundary`` when there is none).
+        nbytes: bytes evicting it frees: the state plus the KV blocks only it makes usable.
+        reason: why it was saved (one of :data:`SAVE_REASONS`, or ``'turn_end_unshared'``).
+        continuation: the request that saved it continued an earlier prefix (a cache hit or a
+            chat with history), evidence that its conversation goes on.
+        hits: restores that consumed it.
+        reached: requests whose match walked through its node (consumed or not).
+        last_use: logical time of the last publish or hit (a counter, not seconds).
+        score: the policy's score, fixed at the last publish or hit.
+        key: an identity of its prefix the benchmark's oracle understands (opaque here).
+    """
+    slot: int
+    boundary: int
+    tokens_saved: int
+    nbytes: int
+    reason: str = 'prefill'
+    continuation: bool = False
+    hits: int = 0
+    reached: int = 0
+    last_use: int = 0
+    score: float = 0.0
+    key: object = None
+
+
+class EvictionPolicy:
+    """Base class: scores checkpoints; the lowest score is evicted first."""
+
+    name = 'base'
+
+    def rescore(self, stats: CheckpointStats, clock: int) -> None:
+        """Recompute ``stats.score`` after a publish or a hit at logical time ``clock``."""
+        stats.last_use = clock
+        stats.score = self.score(stats, clock)
+
+    def score(self, stats: CheckpointStats, clock: int) -> float:
+        raise NotImplementedError
+
+    def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
+        """The candidate to evict now (None when there is none)."""
+        return min(candidates, key=lambda s: (s.score, s.last_use, s.slot), default=None)
+
+    def evicted(self, stats: CheckpointStats) -> None:
+        """``stats`` was just evicted (a policy may age the others from it)."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first: the score is the time of the last publish or hit."""
+
+    name = 'lru'
+
+    def score(self, stats: CheckpointStats, clock: int) -> float:
+        return float(stats.last_use)
+
+
+class ReuseAwarePolicy(EvictionPolicy):
+    """GreedyDual-Size-Frequency over prefill saved per byte held (module docstring).
+
+    Args:
+        reached_weight: evidence added per request that reached the checkpoint's node.
+        continuation_weight: evidence added when the saving request was a continuation.
+    """
+
+    name = 'reuse'
+    # prior evidence per save reason: where a prefix is likely to be sent again
+    PRIOR = {'prefill': 0.5, 'prefill_last': 1.0, 'shared_head': 4.0, 'junction': 3.0, 'turn_end': 1.0,
+             'restored': 2.0, 'turn_end_unshared': 0.1}
+
+    def __init__(self, reached_weight: float = 0.5, continuation_weight: float = 1.0):
+        self.reached_weight = reached_weight
+        self.continuation_weight = continuation_weight
+        self.inflation = 0.0      # L: the score of the last victim
+
+    def evidence(self, stats: CheckpointStats) -> float:
+        """How strongly the entry is expected to be reused (≥ 0; grows with every hit)."""
+        return (self.PRIOR.get(stats.reason, 1.0) + stats.hits + self.reached_weight * stats.reached
+                + (self.continuation_weight if stats.continuation else 0.0))
+
+    def score(self, stats: CheckpointStats, clock: int) -> float:
+        return self.inflation + self.evidence(stats) * max(stats.tokens_saved, 1) / max(stats.nbytes, 1)
+
+    def evicted(self, stats: CheckpointStats) -> None:
+        self.inflation = max(self.inflation, stats.score)
+
+
+class OfflineOptimalPolicy(EvictionPolicy):
+    """Belady's offline optimum: evict the checkpoint whose next use is farthest away.
+
+    Args:
+        next_use: ``next_use(key, clock) -> float``, the logical time of the next request that
+            will restore from the prefix ``key`` after ``clock`` (``inf``: never). Benchmarks build
+            it from a whole trace; an engine serving live traffic cannot.
+    """
+
+    name = 'optimal'
+
+    def __init__(self, next_use: Callable[[object, int], float]):
+        self.next_use = next_use
+
+    def score(self, stats: CheckpointStats, clock: int) -> float:
+        return -self.next_use(stats.key, clock)
+
+    def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
+        # the next use moves as time passes: score every candidate now
+        return min(candidates, key=lambda s: (-self.next_use(s.key, clock), s.last_use, s.slot), default=None)
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """The policy named by ``cache_eviction``.
+
+    Raises:
+        ValueError: an unknown name (the message lists :data:`EVICTION_POLICIES`).
+    """
+    if name == 'lru':
+        return LRUPolicy()
+    if name == 'reuse':
+        return ReuseAwarePolicy()
+    raise ValueError(f'cache_eviction must be one of {list(EVICTION_POLICIES)}, got {name!r}')

@@ -1,0 +1,184 @@
+"""One memory budget and eviction that predicts reuse.
+
+- checkpoints in KV block rows: the cache engine moves a state row into and out of its block rows
+  byte for byte; the state cache takes and returns exactly ``rows_per_checkpoint`` rows;
+- the local tier evicts dead blocks (no checkpoint at or below them) first, then the policy's
+  checkpoint, then the blocks only it made usable — exact block ids;
+- the policies: LRU takes the oldest, the reuse-aware one keeps what was reached or hit, the
+  offline optimum what is used next;
+- engines on a tiny budget give the outputs of caching off under both policies, and the ledger
+  returns to idle.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.cache_engine import CacheEngine, rows_per_state
+from lmdeploy.pytorch.cache_specs import FullAttentionSpec, LinearAttentionSpec
+from lmdeploy.pytorch.paging.block_manager import BlockManager
+from lmdeploy.pytorch.prefix_cache.eviction import (CheckpointStats, LRUPolicy, OfflineOptimalPolicy,
+                                                    ReuseAwarePolicy, make_policy)
+from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier
+from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
+
+from engine_utils import assert_idle, make_engine, random_prompt
+
+B = 4
+
+
+# ------------------------------------------------------------------ cache engine
+def _specs():
+    attn = FullAttentionSpec(1, 3, torch.float32)
+    lin = LinearAttentionSpec((5, 3), torch.float32, (2, 7, 3))
+    return [lin, attn, lin]
+
+
+def test_state_rows_round_trip_through_block_rows_byte_for_byte():
+    specs = _specs()
+    eng = CacheEngine(specs, B, num_blocks=40, num_slots=3)
+    m = rows_per_state(eng.state_buf.shape[1], eng.kv_buf.shape[1])
+    assert m == -(-eng.state_buf.shape[1] // eng.kv_buf.shape[1]) and m > 1
+    gen = torch.Generator().manual_seed(0)
+    eng.state_buf.copy_(torch.randint(0, 256, eng.state_buf.shape, generator=gen, dtype=torch.uint8))
+    rows_a, rows_b = tuple(range(30, 30 - m, -1)), tuple(range(2, 2 + m))     # any rows, any order
+    before = eng.state_buf.clone()
+    eng.copy_states([0, 2], [rows_a, rows_b])
+    assert torch.equal(eng.read_state(rows_a), before[0, :eng.state_bytes])
+    eng.state_buf.zero_()
+    eng.copy_states([rows_b, rows_a], [1, 0])
+    assert torch.equal(eng.state_buf[1], before[2]) and torch.equal(eng.state_buf[0], before[0])
+    with pytest.raises(ValueError, match='block rows'):
+        eng.copy_states([rows_a], [rows_b])
+
+
+# ------------------------------------------------------------------ state cache in block rows
+def test_block_row_checkpoints_take_and_return_exact_rows():
+    bm = BlockManager(10)
+    sc = StateCache(2, 2, block_manager=bm, rows_per_checkpoint=3)
+    a, b = sc.alloc_checkpoint(), sc.alloc_checkpoint()
+    assert (a, b) == (2, 3) and sc.locate(a) == (0, 1, 2) and sc.locate(b) == (3, 4, 5)
+    assert bm.num_free == 4 and sc.num_checkpoint_rows == 6
+    assert sc.alloc_checkpoint() is None           # the count limit (2), though 4 rows are free
+    sc.release_checkpoint(a)
+    assert bm.num_free == 7 and sc.locate(a) == a
+    assert sc.alloc_checkpoint() == a              # ids are recycled, rows come from the pool
+    assert sc.num_free_checkpoints == 0
+
+
+class _Seq:
+    def __init__(self, tokens, blocks):
+        self.token_ids, self.block_ids, self.seq_id = tokens, blocks, id(self)
+        self.state_slot = 0
+
+
+def _tier(num_rows: int, policy: str, rows_per_ckpt: int = 2):
+    bm = BlockManager(num_rows)
+    sc = StateCache(1, None, block_manager=bm, rows_per_checkpoint=rows_per_ckpt, policy=make_policy(policy))
+    return bm, sc, LocalTier(bm, B, sc, state_bytes=2, block_bytes=1)
+
+
+def _cache_path(bm, tier, tokens, ckpt_depths, reason='prefill'):
+    """Insert a released sequence's blocks and publish checkpoints at ``ckpt_depths``."""
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
+    blocks = bm.allocate(len(tokens) // B)
+    seq = _Seq(tokens, blocks)
+    hashes = chain_block_hashes(tokens, B)
+    nodes = tier.trie.insert(tokens, blocks, len(blocks), hashes)
+    bm.free_all(blocks)          # the sequence leaves; the trie keeps them
+    for d in ckpt_depths:
+        slot = tier.alloc_checkpoint()
+        tier.state_cache.publish(slot, nodes[d - 1], tier.checkpoint_stats(nodes[d - 1], d * B, reason))
+    return nodes
+
+
+def test_dead_blocks_go_first_then_the_policy_checkpoint_with_the_blocks_it_alone_made_usable():
+    bm, sc, tier = _tier(20, 'reuse')
+    a = _cache_path(bm, tier, list(range(16)), [2])            # 4 blocks, a checkpoint at depth 2
+    b = _cache_path(bm, tier, list(range(100, 112)), [])       # 3 dead blocks
+    assert bm.num_free == 20 - 7 - 2
+    assert [n.ckpts_below for n in a] == [1, 1, 0, 0]
+    freed = tier.evict(5)
+    # every dead block went (b's 3, a's tail 2), the checkpoint and a's head stayed
+    assert freed == 5 and all(n.parent is None for n in b) and [n.parent is None for n in a] == [False, False,
+                                                                                                   True, True]
+    assert a[1].checkpoint_slot is not None
+    freed = tier.evict(3)
+    # then the checkpoint (2 rows) and the first block it alone made usable
+    assert freed == 3 and a[1].checkpoint_slot is None and sc.num_published == 0
+    assert tier.num_evictions == {'checkpoint': 1, 'kv': 6}
+
+
+def test_lru_policy_evicts_blocks_least_recently_used_first_as_before():
+    bm, sc, tier = _tier(20, 'lru')
+    a = _cache_path(bm, tier, list(range(16)), [2])
+    b = _cache_path(bm, tier, list(range(100, 112)), [])
+    tier.evict(2)
+    assert [n.parent is None for n in a] == [False, False, True, True] and all(n.parent is not None for n in b)
+
+
+def test_reuse_policy_keeps_a_reached_shared_head_over_newer_cold_checkpoints():
+    pol = ReuseAwarePolicy()
+    head = CheckpointStats(1, 1024, 1024, 10, 'shared_head')
+    cold = [CheckpointStats(i, 1024, 1024, 10, 'prefill_last') for i in range(2, 6)]
+    pol.rescore(head, 1)
+    for i, s in enumerate(cold):
+        pol.rescore(s, 2 + i)
+    assert pol.victim(cold + [head], 10) is cold[0]
+    lru = LRUPolicy()
+    for i, s in enumerate([head] + cold):
+        lru.rescore(s, i + 1)
+    assert lru.victim(cold + [head], 10) is head
+    # a hit raises a checkpoint above every entry scored at the same inflation
+    cold[0].hits += 1
+    pol.rescore(cold[0], 11)
+    assert pol.victim(cold, 12) is cold[1]
+
+
+def test_offline_optimum_evicts_the_checkpoint_used_farthest_in_the_future():
+    uses = {'a': 5, 'b': 50, 'c': float('inf')}
+    pol = OfflineOptimalPolicy(lambda key, clock: uses[key])
+    stats = [CheckpointStats(i, 64, 64, 1, key=k) for i, k in enumerate('abc')]
+    assert pol.victim(stats, 0).key == 'c'
+    assert pol.victim(stats[:2], 0).key == 'b'
+
+
+def test_make_policy_names_the_field():
+    with pytest.raises(ValueError, match='cache_eviction'):
+        make_policy('fifo')
+
+
+# ------------------------------------------------------------------ engines on a tiny budget
+@pytest.mark.parametrize('eviction', ['reuse', 'lru'])
+def test_tiny_budget_outputs_equal_cache_off_and_ledger_idle(tiny_qwen3_next, eviction):
+    """Random conversations (shared heads, continuations, branches) on a budget of a few prompts:
+    checkpoints and blocks are evicted, greedy outputs equal caching off, the ledger idles."""
+    rng = random.Random(7)
+    gen = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    head = random_prompt(40, seed=1)
+    prompts, convs = [], []
+    for i in range(8):
+        if convs and rng.random() < 0.5:
+            ids = rng.choice(convs) + random_prompt(rng.randrange(5, 30), seed=100 + i)
+        else:
+            ids = head[:rng.randrange(8, 40)] + random_prompt(rng.randrange(10, 50), seed=200 + i)
+        convs.append(ids)
+        prompts.append(ids)
+    off = make_engine(tiny_qwen3_next, block_size=8, max_prefill_token_num=32)
+    expected = [off.generate(p, gen).output_ids for p in prompts]
+    row, state = CacheEngine.bytes_per_block(off.specs, 8), CacheEngine.bytes_per_slot(off.specs)
+    budget = 2 * state + 40 * row       # 2 runtime slots + 40 rows for blocks and checkpoints
+    eng = make_engine(tiny_qwen3_next, block_size=8, max_prefill_token_num=32, enable_prefix_caching=True,
+                      prefill_save_alignment=16, num_gpu_blocks=0, cache_bytes=budget, cache_eviction=eviction, max_batch_size=2)
+    assert eng.state_cache.uses_block_rows and eng.block_manager.num_blocks == 40
+    got = [eng.generate(p, gen).output_ids for p in prompts]
+    assert got == expected
+    stats = eng.stats()
+    assert stats['prefix_cache_evictions']['kv'] > 0 and stats['prefix_cache_hit_tokens'] > 0
+    led = eng.ledger()
+    assert led['blocks_in_use'] == 0 and led['checkpoint_rows'] == led['checkpoints_published'] * \
+        eng.state_cache.rows_per_checkpoint
+    assert eng.is_idle()
