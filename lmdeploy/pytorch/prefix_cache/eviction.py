@@ -28,11 +28,9 @@ A policy is a small object with one pure scoring function of an entry's statisti
   ``L`` is the score of the last victim (so entries not used for a while age relative to new
   ones), ``tokens_saved`` the prefill tokens a hit skips beyond the next shallower checkpoint on
   its path, ``bytes_held`` the checkpoint plus the KV blocks only it makes usable, and
-  ``evidence`` grows with every hit and with signs that the prefix will be sent again: it was
-  reached by several requests (a shared head or a branch point), it is a shared-head or
-  junction checkpoint, or the request that saved it was itself a continuation of a conversation.
-  A turn-end checkpoint whose reply was cut by a stop string the client never echoes back
-  (``reason='turn_end_unshared'``) gets the lowest evidence.
+  ``evidence`` is the reuse rate the policy has measured for checkpoints of the same class (why it
+  was saved, whether its request continued an earlier prefix, how many earlier requests reached
+  its exact prefix), plus one per hit of the checkpoint itself.
 * :class:`OfflineOptimalPolicy` (``'optimal'``, benchmarks only): Belady's rule, evict the
   checkpoint used farthest in the future, given an oracle of future uses.
 
@@ -71,6 +69,7 @@ class CheckpointStats:
         reached: requests whose match walked through its node (consumed or not).
         last_use: logical time of the last publish or hit (a counter, not seconds).
         score: the policy's score, fixed at the last publish or hit.
+        cls: the class the policy filed it under at publish (its own business).
         key: an identity of its prefix the benchmark's oracle understands (opaque here).
     """
     slot: int
@@ -84,6 +83,7 @@ class CheckpointStats:
     last_use: int = 0
     score: float = 0.0
     key: object = None
+    cls: tuple | None = None
 
 
 class EvictionPolicy:
@@ -106,6 +106,12 @@ class EvictionPolicy:
     def evicted(self, stats: CheckpointStats) -> None:
         """``stats`` was just evicted (a policy may age the others from it)."""
 
+    def published(self, stats: CheckpointStats) -> None:
+        """``stats`` was just published (before its first score)."""
+
+    def hit(self, stats: CheckpointStats) -> None:
+        """A restore just consumed ``stats`` (``stats.hits`` already counts it)."""
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first: the score is the time of the last publish or hit."""
@@ -117,27 +123,56 @@ class LRUPolicy(EvictionPolicy):
 
 
 class ReuseAwarePolicy(EvictionPolicy):
-    """GreedyDual-Size-Frequency over prefill saved per byte held (module docstring).
+    """GreedyDual-Size-Frequency over prefill saved per byte held (module docstring), with the
+    evidence of reuse learned online.
+
+    A checkpoint falls, when it is published, into a class: why it was saved, whether the request
+    that saved it continued an earlier prefix, and how many earlier requests reached its exact
+    prefix (0, 1, 2 or more). The policy counts, per class, checkpoints published and checkpoints
+    hit at least once, and takes the class's hit rate (smoothed towards a prior, so a new class
+    starts from the prior) as the evidence that a new checkpoint of that class will be reused;
+    each hit of the checkpoint itself adds one. Workloads differ in which of these signals
+    predicts reuse (a shared head, a continued conversation, a regenerate, a branch), so the
+    weights are measured on the traffic, not fixed.
 
     Args:
-        reached_weight: evidence added per request that reached the checkpoint's node.
-        continuation_weight: evidence added when the saving request was a continuation.
+        smoothing: pseudo-counts of the prior in each class's rate.
     """
 
     name = 'reuse'
-    # prior evidence per save reason: where a prefix is likely to be sent again
-    PRIOR = {'prefill': 0.5, 'prefill_last': 1.0, 'shared_head': 4.0, 'junction': 3.0, 'turn_end': 1.0,
-             'restored': 2.0, 'turn_end_unshared': 0.1}
+    # prior reuse rates per save reason (before a class has data): where a prefix is likely to
+    # be sent again
+    PRIOR = {'prefill': 0.2, 'prefill_last': 0.4, 'shared_head': 0.9, 'junction': 0.8, 'turn_end': 0.5,
+             'restored': 0.6, 'turn_end_unshared': 0.02}
 
-    def __init__(self, reached_weight: float = 0.5, continuation_weight: float = 1.0):
-        self.reached_weight = reached_weight
-        self.continuation_weight = continuation_weight
+    def __init__(self, smoothing: float = 4.0):
+        self.smoothing = smoothing
         self.inflation = 0.0      # L: the score of the last victim
+        self._published: dict[tuple, int] = {}
+        self._hit: dict[tuple, int] = {}
+
+    @staticmethod
+    def reuse_class(stats: CheckpointStats) -> tuple:
+        """The class a checkpoint's reuse rate is learned in."""
+        return stats.reason, stats.continuation, min(stats.reached, 2)
+
+    def reuse_rate(self, cls: tuple) -> float:
+        """Smoothed share of the class's checkpoints that were hit at least once."""
+        prior = self.PRIOR.get(cls[0], 0.3)
+        return (self._hit.get(cls, 0) + self.smoothing * prior) / (self._published.get(cls, 0) + self.smoothing)
+
+    def published(self, stats: CheckpointStats) -> None:
+        stats.cls = self.reuse_class(stats)
+        self._published[stats.cls] = self._published.get(stats.cls, 0) + 1
+
+    def hit(self, stats: CheckpointStats) -> None:
+        if stats.hits == 1 and stats.cls is not None:
+            self._hit[stats.cls] = self._hit.get(stats.cls, 0) + 1
 
     def evidence(self, stats: CheckpointStats) -> float:
-        """How strongly the entry is expected to be reused (≥ 0; grows with every hit)."""
-        return (self.PRIOR.get(stats.reason, 1.0) + stats.hits + self.reached_weight * stats.reached
-                + (self.continuation_weight if stats.continuation else 0.0))
+        """How strongly the entry is expected to be reused (> 0; grows with every hit)."""
+        cls = stats.cls if stats.cls is not None else self.reuse_class(stats)
+        return self.reuse_rate(cls) + stats.hits
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         return self.inflation + self.evidence(stats) * max(stats.tokens_saved, 1) / max(stats.nbytes, 1)

@@ -189,6 +189,7 @@ class StateCache:
             stats = CheckpointStats(slot, 0, 0, 1)
         stats.slot = slot
         self.stats[slot] = stats
+        self.policy.published(stats)
         self.policy.rescore(stats, self.now())
         return True
 
@@ -218,7 +219,9 @@ class StateCache:
         """A published checkpoint was used (``hit``: a restore consumed it): rescore it now."""
         stats = self.stats.get(slot)
         if stats is not None:
-            stats.hits += int(hit)
+            if hit:
+                stats.hits += 1
+                self.policy.hit(stats)
             self.policy.rescore(stats, self.now())
 
     def pin(self, slot: int) -> None:
