@@ -224,7 +224,7 @@ def _block(seed: int, hash_id: int, length: int, lo: int, hi: int) -> tuple[int,
     with np.errstate(over='ignore'):
         key = _mix(np.uint64(seed & 0xFFFFFFFF) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(hash_id))
         x = _mix(key + np.arange(1, length + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    return tuple((x % np.uint64(hi - lo)).astype(np.int64) + lo)
+    return tuple(((x % np.uint64(hi - lo)).astype(np.int64) + lo).tolist())
 
 
 def prompt_tokens(req: TraceRequest, scale: int = 1, vocab_size: int = 32000, seed: int = 0,
