@@ -117,14 +117,16 @@ def run_sim(args: argparse.Namespace, rows: list[TraceRequest]) -> list[dict]:
     evictions = [e.strip() for e in args.evictions.split(',') if e.strip()]
     budgets, hosts = _floats(args.budgets, 'budgets'), [0.0] + (_floats(args.host_fractions, 'host-fractions')
                                                                  if args.host_fractions else [])
-    if args.state_bytes and args.kv_block_bytes:
-        state_bytes, kv_bytes = args.state_bytes, args.kv_block_bytes
+    if (args.state_bytes is None) != (args.kv_block_bytes is None):
+        raise ValueError('--state-bytes and --kv-block-bytes go together')
+    if args.state_bytes is not None:
+        state_bytes, kv_bytes, source = args.state_bytes, args.kv_block_bytes, 'given'
     else:
-        state_bytes, kv_bytes = model_sizes(args.model, args.block_size)
+        (state_bytes, kv_bytes), source = model_sizes(args.model, args.block_size), args.model
     common = dict(state_bytes=state_bytes, kv_block_bytes=kv_bytes, block_size=args.block_size,
                   alignment=args.alignment, chunk=args.chunk, concurrency=args.concurrency, scale=args.scale)
-    print(f'{len(rows)} requests; S = {state_bytes} B, K_blk = {kv_bytes} B per rank ({args.model if not args.state_bytes else "given"}); '
-          f'B={args.block_size} A={args.alignment} P={args.chunk} concurrency={args.concurrency} scale={args.scale}')
+    print(f'{len(rows)} requests; S = {state_bytes} B, K_blk = {kv_bytes} B per rank ({source}); B={args.block_size}'
+          f' A={args.alignment} P={args.chunk} concurrency={args.concurrency} scale={args.scale}')
     print(f'assumption: prefill {args.prefill_tok_per_s:g} tok/s (--prefill-tok-per-s), so seconds saved = '
           f'hit tokens x {args.scale} / {args.prefill_tok_per_s:g}')
     out = []
@@ -253,14 +255,15 @@ def complete(url: str, ids: list[int], max_tokens: int, timeout_s: float) -> dic
 
 
 def scrape(url: str) -> dict[str, float]:
-    """``{'name{labels}': value}`` of the ``/metrics`` samples named by :data:`METRIC_PREFIXES`."""
+    """``{'name{labels}': value}`` of the ``/metrics`` counter samples (``*_total``) named by
+    :data:`METRIC_PREFIXES`."""
     from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(url + '/metrics', timeout=60) as r:
         text = r.read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.startswith(METRIC_PREFIXES) and not s.name.endswith('_created'):
+            if s.name.startswith(METRIC_PREFIXES) and s.name.endswith('_total'):
                 labels = ','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))
                 out[s.name + (f'{{{labels}}}' if labels else '')] = s.value
     return out
@@ -362,7 +365,7 @@ def run_server(args: argparse.Namespace, rows: list[TraceRequest]) -> dict:
     errors = [r['error'] for r in results if r and 'error' in r]
     ttft = [r['ttft_s'] for r in done]
     hit = sum(r['cached_tokens'] for r in done)
-    deltas = {k: after[k] - before.get(k, 0.0) for k in sorted(after) if k.endswith('_total')}
+    deltas = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
     report = dict(requests=len(rows), completed=len(done), errors=len(errors), first_errors=errors[:3],
                   not_sent=sum(r is None for r in results), prompt_tokens=sum(r['prompt_tokens'] for r in done),
                   hit_tokens=hit, ideal_hit_tokens=ideal, ideal_kind=ideal_kind,
@@ -406,7 +409,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sim.add_argument('--prefill-tok-per-s', type=float, default=10_000.0,
                      help='assumed prefill throughput (default: an 80B-class hybrid model on one H200)')
     srv = p.add_argument_group('server mode')
-    srv.add_argument('--server-args', default=DEFAULT_SERVER_ARGS, help=f'api_server flags (default: {DEFAULT_SERVER_ARGS!r})')
+    srv.add_argument('--server-args', default=DEFAULT_SERVER_ARGS,
+                     help=f'api_server flags (default: {DEFAULT_SERVER_ARGS!r})')
     srv.add_argument('--model-path', help='model directory (default: a tiny Qwen3-Next made on the fly)')
     srv.add_argument('--honor-timestamps', action='store_true', help='send each request at its arrival time')
     srv.add_argument('--seed', type=int, default=0, help='seed of the block token ids')

@@ -31,33 +31,41 @@ timestamp). The committed traces in ``benchmark/traces/`` are written by
 ``python3 benchmark/traces.py --write benchmark/traces`` with the defaults below (seed 0):
 
 ======================== ===================================================================
-``claude_code.jsonl``     :func:`claude_code_sessions`: 100 sessions of a coding agent. Every
+``claude_code.jsonl``     :func:`claude_code_sessions`: 130 sessions of a coding agent. Every
                           session starts with the same 40,000-token head (system prompt + tool
                           definitions), then its own first prompt (300-3,000 tokens: the
-                          task, project notes). Then 6-40 turns; each appends the previous
-                          reply (50-800 tokens) and a tool result (200-8,000 tokens; 15 % of
-                          turns a user message of 20-1,500 tokens instead). 4 % of turns are a
-                          branch (a retry / edit): the prompt is one of the session's last 5
-                          requests cut inside its new content plus a 50-2,000-token edited
-                          message; the session goes on from the branch. A context past 120,000
-                          tokens is compacted: head + a 2,000-6,000-token summary + the next
-                          message. Sessions start uniformly over 12 minutes; the gap after a
-                          tool turn is decode time (reply / 60 tok/s) + 0.5-20 s of tool run,
-                          after a user turn 5-90 s of think time.
-``codex.jsonl``           :func:`codex_sessions`: 120 sessions, the same shape with a
+                          task, project notes). Then 6-40 requests; each next one appends the
+                          previous reply (50-800 tokens) and a tool result (200-8,000 tokens;
+                          15 % of turns a user message of 20-1,500 tokens instead). 4 % of
+                          turns are a branch (a retry / edit): the prompt is one of the
+                          session's last 5 requests cut inside its new content plus a
+                          50-2,000-token edited message; the session goes on from the branch.
+                          A context past 120,000 tokens is compacted: head + a
+                          2,000-6,000-token summary + a user message. Sessions start uniformly
+                          over 9 minutes; the gap after a tool turn is decode time
+                          (reply / 60 tok/s) + 0.5-20 s of tool run, after a user turn 5-90 s
+                          of think time. 3,009 requests over 1,282 s (2.3/s), 196 M prompt
+                          tokens, 14,820 distinct blocks; ideal block hit 96.5 %.
+``codex.jsonl``           :func:`codex_sessions`: 140 sessions, the same shape with a
                           12,000-token head, first prompts of 200-2,000 tokens, tool outputs of
-                          500-16,000 tokens (10 % user messages), 5-35 turns, branches 3 %,
-                          compaction past 150,000 tokens, starts over 15 minutes.
-``short_chats.jsonl``     :func:`many_short_chats`: 1,800 chat sessions; 12 system prompts of
+                          500-16,000 tokens (10 % user messages), 5-35 requests, branches 3 %,
+                          compaction past 150,000 tokens, starts over 10 minutes, tool runs
+                          0.5-30 s. 2,586 requests over 1,187 s (2.2/s), 145 M prompt tokens,
+                          23,102 distinct blocks; ideal block hit 92.3 %.
+``short_chats.jsonl``     :func:`many_short_chats`: 2,000 chat sessions; 12 system prompts of
                           300-6,000 tokens picked by a Zipf law (s = 1.1); 1-6 turns (weights
-                          35/25/15/10/8/7 %); user messages 20-2,000 tokens, replies 50-1,500;
-                          5 % of turns are regenerations (the identical prompt again). Sessions
-                          start as a Poisson process over 17 minutes, the user thinks 30-600 s
-                          between turns, so hundreds of requests separate two turns of a session.
+                          35/25/15/10/8/7 %); user messages 20-2,000 tokens, replies
+                          50-1,500; 5 % of turns are regenerations (the identical prompt
+                          again). Sessions start as a Poisson process over 12 minutes and the
+                          user thinks 30-600 s between turns, so a median of ~500 requests
+                          separates two turns of a session. 4,941 requests over 2,298 s
+                          (2.2/s), 16.8 M prompt tokens, 11,004 distinct blocks; ideal block
+                          hit 73.4 %.
 ======================== ===================================================================
 
-Ranges "a-b" are log-uniform (a value's logarithm is uniform), as lengths of real tool output
-and messages are closer to log-normal than uniform. The shapes follow what agent clients send:
+"Ideal block hit" is :func:`working_set`'s ``ideal_hit_fraction``. Ranges "a-b" are log-uniform
+(a value's logarithm is uniform), as lengths of real tool output and messages are closer to
+log-normal than uniform. The shapes follow what agent clients send:
 a long fixed head, append-only turns carrying the reply and a tool result, occasional
 retries/edits and context compaction.
 

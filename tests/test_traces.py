@@ -14,8 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmark import benchmark_trace  # noqa: E402
-from benchmark.traces import (BLOCK_TOKENS, GENERATORS, TraceRequest, claude_code_sessions, codex_sessions,  # noqa: E402
-                              load_trace, many_short_chats, prompt_tokens, working_set, write_trace)
+from benchmark.traces import (BLOCK_TOKENS, GENERATORS, TraceRequest, claude_code_sessions,  # noqa: E402
+                              codex_sessions, load_trace, many_short_chats, prompt_tokens, working_set, write_trace)
 
 GOOD = {'timestamp': 0, 'input_length': 1000, 'output_length': 5, 'hash_ids': [7, 8]}
 
@@ -48,7 +48,8 @@ def _common(a: list, b: list) -> int:
 ])
 def test_load_trace_rejects_a_bad_field_naming_line_and_field(tmp_path, change, field_name):
     path = tmp_path / 't.jsonl'
-    path.write_text(json.dumps({**GOOD, 'timestamp': 0}) + '\n' + json.dumps({**GOOD, 'timestamp': 10, **change}) + '\n')
+    lines = [json.dumps({**GOOD, 'timestamp': 0}), json.dumps({**GOOD, 'timestamp': 10, **change})]
+    path.write_text('\n'.join(lines) + '\n')
     with pytest.raises(ValueError, match=rf't\.jsonl:2: field {field_name!r}'):
         load_trace(path)
 
@@ -283,4 +284,5 @@ def test_server_mode_replays_a_trace_slice_through_a_tiny_model(tiny_qwen3_next,
     assert report['hit_tokens'] == sum(report['per_request_cached_tokens'])
     assert report['metrics_delta']['lmdeploy_prefix_cache_queried_tokens_total'] == report['prompt_tokens']
     assert report['metrics_delta']['lmdeploy_prefix_cache_hit_tokens_total'] == report['hit_tokens']
+    assert report['metrics_delta']['lmdeploy_store_put_bytes_total{kind=state}'] == 0     # no Store
     assert 'TTFT p50' in capsys.readouterr().out
