@@ -129,15 +129,16 @@ def run_sim(args: argparse.Namespace, rows: list[TraceRequest]) -> list[dict]:
           f' A={args.alignment} P={args.chunk} concurrency={args.concurrency} scale={args.scale}')
     print(f'assumption: prefill {args.prefill_tok_per_s:g} tok/s (--prefill-tok-per-s), so seconds saved = '
           f'hit tokens x {args.scale} / {args.prefill_tok_per_s:g}')
-    out = []
+    out: list[dict] = []
     for policy in policies:
         ideal = sim.simulate_trace(rows, save_policy=policy, budget_bytes=None, **common)
         peak = ideal.peak_bytes
         print(f'policy {policy}: unlimited cache hits {ideal.hit_tokens} of {ideal.prompt_tokens} tokens, '
               f'working set {peak} B')
+        print(SIM_HEADER)
         for f in budgets:
             for h in hosts:
-                by_eviction = {}
+                first, by_eviction = len(out), {}
                 for ev in evictions:
                     r = sim.simulate_trace(rows, save_policy=policy, eviction=ev, budget_bytes=int(f * peak),
                                            host_bytes=int(h * peak), **common)
@@ -153,6 +154,8 @@ def run_sim(args: argparse.Namespace, rows: list[TraceRequest]) -> list[dict]:
                         pct_optimal=_ratio(r.hit_tokens, opt.hit_tokens if opt else None, 100),
                         checkpoints_saved=dict(r.checkpoints_saved), evictions=dict(r.evictions),
                         peak_bytes=r.peak_bytes, prefill_s_saved=r.hit_tokens * args.scale / args.prefill_tok_per_s))
+                print('\n'.join(sim_rows_text(out[first:])), flush=True)
+    print(SIM_FOOTER)
     return out
 
 
@@ -160,20 +163,25 @@ def _ratio(a: int, b: int | None, times: float = 1.0) -> float | None:
     return None if not b else a / b * times
 
 
-def print_sim_table(results: list[dict]) -> None:
-    """The sim-mode table (one line per combination)."""
+SIM_HEADER = (f'{"policy":<10}{"budget":>7}{"host":>6} {"eviction":<9}{"hit tokens":>13}{"% ideal":>9}{"x LRU":>7}'
+              f'{"% opt":>8}{"ckpt saved":>11}{"ckpt evict":>11}{"kv evict":>10}{"prefill s saved":>16}')
+SIM_FOOTER = ('budget, host: fractions of the unlimited run\'s peak bytes; % ideal: of the unlimited cache, same '
+              'policy; x LRU / % opt: against lru / optimal eviction at the same policy, budget and host')
+
+
+def sim_rows_text(results: list[dict]) -> list[str]:
+    """Table lines (under :data:`SIM_HEADER`) of sim-mode results."""
     def num(x, fmt):
         return '-' if x is None else format(x, fmt)
-    head = (f'{"policy":<10}{"budget":>7}{"host":>6} {"eviction":<9}{"hit tokens":>13}{"% ideal":>9}{"x LRU":>7}'
-            f'{"% opt":>8}{"ckpt saved":>11}{"ckpt evict":>11}{"kv evict":>10}{"prefill s saved":>16}')
-    print(head)
-    for r in results:
-        print(f'{r["policy"]:<10}{r["budget"]:>7g}{r["host"]:>6g} {r["eviction"]:<9}{r["hit_tokens"]:>13}'
-              f'{num(r["pct_ideal"], ".1f"):>9}{num(r["x_lru"], ".2f"):>7}{num(r["pct_optimal"], ".1f"):>8}'
-              f'{sum(r["checkpoints_saved"].values()):>11}{r["evictions"].get("checkpoint", 0):>11}'
-              f'{r["evictions"].get("kv", 0):>10}{r["prefill_s_saved"]:>16.1f}')
-    print('budget, host: fractions of the unlimited run\'s peak bytes; % ideal: of the unlimited cache, same policy; '
-          'x LRU / % opt: against lru / optimal eviction at the same policy, budget and host')
+    return [f'{r["policy"]:<10}{r["budget"]:>7g}{r["host"]:>6g} {r["eviction"]:<9}{r["hit_tokens"]:>13}'
+            f'{num(r["pct_ideal"], ".1f"):>9}{num(r["x_lru"], ".2f"):>7}{num(r["pct_optimal"], ".1f"):>8}'
+            f'{sum(r["checkpoints_saved"].values()):>11}{r["evictions"].get("checkpoint", 0):>11}'
+            f'{r["evictions"].get("kv", 0):>10}{r["prefill_s_saved"]:>16.1f}' for r in results]
+
+
+def print_sim_table(results: list[dict]) -> None:
+    """The whole sim-mode table (one line per combination)."""
+    print('\n'.join([SIM_HEADER, *sim_rows_text(results), SIM_FOOTER]))
 
 
 # server mode -----------------------------------------------------------------------------------
@@ -218,7 +226,7 @@ def block_level_ideal(rows: Sequence[TraceRequest], scale: int) -> int:
             if h not in node:
                 break
             node, j = node[h], j + 1
-        hit += min(j * per, max(1, (r.input_length + scale // 2) // scale) - 1)
+        hit += min(j * per, max(1, r.input_length // scale) - 1)
         node = root
         for h in r.hash_ids:
             node = node.setdefault(h, {})
@@ -436,8 +444,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | dict:
           f'{ws["distinct_blocks"]} distinct blocks; block-level ideal hit {ws["ideal_block_hit_tokens"]} '
           f'({ws["ideal_hit_fraction"]:.1%})')
     if args.mode == 'sim':
-        result = run_sim(args, rows)
-        print_sim_table(result)
+        result = run_sim(args, rows)      # prints the table as it goes
     else:
         result = run_server(args, rows)
     if args.json:

@@ -241,12 +241,12 @@ def prompt_tokens(req: TraceRequest, scale: int = 1, vocab_size: int = 32000, se
 
     Each 512-token block becomes ``512 / scale`` tokens, token j of block ``h`` being a
     deterministic function of (``seed``, ``h``, j) drawn from ``[lo, vocab_size)`` (so special
-    tokens outside that range never appear). The prompt is ``round(input_length / scale)`` tokens
-    (at least 1, halves rounded up): its last block is cut there, so it may be partial or, when
-    the last block has fewer than ``scale / 2`` tokens, empty.
+    tokens outside that range never appear). The prompt is ``input_length // scale`` tokens (at
+    least 1; rounded down, as ``benchmark/trace_sim.py`` sizes its prompts): its last block is cut
+    there, so it may be partial or, when the last block has fewer than ``scale`` tokens, empty.
 
     Returns:
-        A list of ``max(1, round(input_length / scale))`` ints in ``[lo, vocab_size)``.
+        A list of ``max(1, input_length // scale)`` ints in ``[lo, vocab_size)``.
 
     Raises:
         ValueError: ``scale`` is not a positive divisor of 512, or ``not 0 <= lo < vocab_size``.
@@ -256,7 +256,7 @@ def prompt_tokens(req: TraceRequest, scale: int = 1, vocab_size: int = 32000, se
     if not (_is_int(lo) and _is_int(vocab_size) and 0 <= lo < vocab_size):
         raise ValueError(f'token range [lo={lo!r}, vocab_size={vocab_size!r}) is empty or negative')
     per = BLOCK_TOKENS // scale
-    total = max(1, (req.input_length + scale // 2) // scale)
+    total = max(1, req.input_length // scale)
     out: list[int] = []
     for i, h in enumerate(req.hash_ids):
         take = min(per, total - i * per)

@@ -83,7 +83,8 @@ def test_write_then_load_round_trips_and_optional_fields_default(tmp_path):
 def test_prompt_tokens_length_range_and_equal_ids_give_equal_tokens():
     a = TraceRequest(0, 1000, 1, (1, 2))
     toks = prompt_tokens(a, scale=32, vocab_size=1024, seed=0, lo=3)
-    assert len(toks) == 31                           # round(1000 / 32): 16 + 15 tokens
+    assert len(toks) == 31                           # 1000 // 32: 16 + 15 tokens
+    assert len(prompt_tokens(TraceRequest(0, 1023, 1, (1, 2)), scale=32, vocab_size=1024)) == 31
     assert all(3 <= t < 1024 and type(t) is int for t in toks)
     b = TraceRequest(5, 2048, 1, (9, 1, 2, 4))       # the same blocks at other positions
     other = prompt_tokens(b, scale=32, vocab_size=1024, seed=0, lo=3)
@@ -279,7 +280,7 @@ def test_server_mode_replays_a_trace_slice_through_a_tiny_model(tiny_qwen3_next,
                                    '--timeout-s', '120', '--model-path', tiny_qwen3_next, '--json',
                                    str(tmp_path / 'r.json')])
     assert report['completed'] == 8 and report['errors'] == 0
-    assert report['prompt_tokens'] == sum(max(1, (r.input_length + 16) // 32) for r in rows)
+    assert report['prompt_tokens'] == sum(max(1, r.input_length // 32) for r in rows)
     assert report['ideal_hit_tokens'] == benchmark_trace.block_level_ideal(rows, 32)
     assert report['hit_tokens'] == sum(report['per_request_cached_tokens'])
     assert report['metrics_delta']['lmdeploy_prefix_cache_queried_tokens_total'] == report['prompt_tokens']
