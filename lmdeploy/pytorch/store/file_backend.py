@@ -48,12 +48,13 @@ import struct
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .backend import PutResult
 from .mooncake_client import StoreClientStats
-from .safe_fs import (FILE_MODE, FileState, UnsafeEntryError, create_file, entry_state, lock_file_is_held, open_dir,
-                      open_dir_chain, open_private_root, read_regular, remove_entry)
+from .safe_fs import (FILE_MODE, FileState, UnsafeEntryError, create_file, describe, entry_state, lock_file_is_held,
+                      open_dir, open_dir_chain, open_private_root, read_regular, remove_entry)
 
 __all__ = ['FileStore', 'EVICT_TO', 'DEFAULT_MAX_OBJECT_BYTES', 'STALE_PART_S']
 
@@ -66,6 +67,33 @@ _USAGE = struct.Struct('<Q')
 _PART = re.compile(r'([0-9a-f]{16})-[0-9a-f]{16}\.part')
 _WRITER_LOCK = re.compile(r'([0-9a-f]{16})\.lock')
 _MAX_DEPTH = 32         # deeper folders under objects/ are never ours (keys have a few parts)
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_THREADS = 8
+
+
+def _map(fn, writes: list, parts: dict) -> list:
+    """``[fn(w, parts) for w in writes]``, on a thread pool when there is more than one (the
+    pool is made again in a forked child: its parent's threads do not exist there)."""
+    global _POOL
+    if len(writes) <= 1:
+        return [fn(w, parts) for w in writes]
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix='file-store-write'))
+    return list(_POOL[1].map(fn, writes, [parts] * len(writes)))
+
+
+def _listing(fd: int) -> list[tuple[str, os.stat_result]]:
+    """``(name, lstat)`` of each entry of the folder ``fd`` (entries gone meanwhile left out)."""
+    out = []
+    with os.scandir(fd) as it:
+        for entry in it:
+            try:
+                out.append((entry.name, entry.stat(follow_symlinks=False)))
+            except FileNotFoundError:
+                pass
+    return out
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -118,10 +146,16 @@ class FileStore:
         try:
             self._root_fd = open_private_root(str(self.root))
             fds.append(self._root_fd)
-            for name in ('objects', 'tmp', 'writers'):
-                fd, _ = open_dir(self._root_fd, name, create=True)
-                fds.append(fd)
-                setattr(self, f'_{name}_fd', fd)
+            subs: dict[str, int] = {}
+            for create in (False, True):     # check those there before creating any
+                for name in ('objects', 'tmp', 'writers'):
+                    if name not in subs:
+                        try:
+                            subs[name], _ = open_dir(self._root_fd, name, create=create, repair=False)
+                        except FileNotFoundError:
+                            continue
+                        fds.append(subs[name])
+            self._objects_fd, self._tmp_fd, self._writers_fd = subs['objects'], subs['tmp'], subs['writers']
             self._lock_fd = self._open_folder_lock()
             fds.append(self._lock_fd)
             with self._folder():
@@ -145,27 +179,29 @@ class FileStore:
 
     # folder-wide state ---------------------------------------------------------------------
     def _open_folder_lock(self) -> int:
-        """``DIR/.lock`` (created 0600): the folder lock and the shared byte count. Anything
-        but a regular file of ours there is replaced."""
+        """``DIR/.lock`` (created 0600): the folder lock and the shared byte count.
+
+        Raises:
+            UnsafeEntryError: it is not a regular file of ours (a symbolic link, FIFO...).
+        """
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         for _ in range(3):
             try:
-                fd = os.open('.lock', os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._root_fd)
+                fd = os.open('.lock', flags, dir_fd=self._root_fd)
             except FileNotFoundError:
                 try:
                     fd = create_file(self._root_fd, '.lock')
                 except FileExistsError:
                     continue
-            except OSError:       # a symbolic link (ELOOP), a directory (EISDIR), a FIFO without reader...
-                remove_entry(self._root_fd, '.lock')
-                continue
+            except OSError as err:       # a symbolic link (ELOOP), a directory (EISDIR), a FIFO (ENXIO)...
+                st = os.stat('.lock', dir_fd=self._root_fd, follow_symlinks=False)
+                raise UnsafeEntryError('.lock', describe(st)) from err
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            reason = (describe(st) if not stat.S_ISREG(st.st_mode) else
+                      f'is owned by uid {st.st_uid}' if st.st_uid != os.geteuid() else None)
+            if reason:
                 os.close(fd)
-                remove_entry(self._root_fd, '.lock')
-                continue
-            if st.st_uid != os.geteuid():
-                os.close(fd)
-                raise UnsafeEntryError('.lock', f'is owned by uid {st.st_uid}')
+                raise UnsafeEntryError('.lock', reason)
             if stat.S_IMODE(st.st_mode) != FILE_MODE:
                 os.fchmod(fd, FILE_MODE)
             return fd
@@ -205,9 +241,7 @@ class FileStore:
 
         def walk(fd: int, prefix: tuple[str, ...]) -> None:
             nonlocal total
-            with os.scandir(fd) as it:
-                listing = [(e.name, e.stat(follow_symlinks=False)) for e in it]
-            for name, st in listing:
+            for name, st in _listing(fd):
                 if stat.S_ISDIR(st.st_mode):
                     if len(prefix) >= _MAX_DEPTH:
                         continue
@@ -269,9 +303,7 @@ class FileStore:
             return alive[owner]
 
         for fd, pattern, keep_fresh in ((self._tmp_fd, _PART, True), (self._writers_fd, _WRITER_LOCK, False)):
-            with os.scandir(fd) as it:
-                listing = [(e.name, e.stat(follow_symlinks=False)) for e in it]
-            for name, st in listing:
+            for name, st in _listing(fd):
                 m = pattern.fullmatch(name)
                 if m and stat.S_ISREG(st.st_mode) and held(m.group(1)) and \
                         not (keep_fresh and now - st.st_mtime > self.stale_part_s):
@@ -339,7 +371,7 @@ class FileStore:
             with self._lock:
                 self.stats.put_failures += len(items)
             return results
-        cache, fresh, parts, pending = {}, set(), {}, []
+        cache, fresh, parts, pending, writes = {}, set(), {}, [], []
         sizes = [0] * len(items)
         try:
             for i, (key, value, replace) in enumerate(items):
@@ -353,11 +385,17 @@ class FileStore:
                     if not replace and entry_state(parent, name, self.max_object_bytes)[0] is FileState.OK:
                         results[i] = PutResult.EXISTS       # skip the write; the link below would fail too
                         continue
-                    part = f'{self._writer}-{secrets.token_hex(8)}.part'
-                    create_file(self._tmp_fd, part, data)
-                    parts[i] = part
-                    pending.append((i, key, parent, name, bool(replace)))
+                    parts[i] = f'{self._writer}-{secrets.token_hex(8)}.part'
+                    writes.append((i, key, parent, name, bool(replace), data))
                 except (OSError, ValueError, TypeError) as err:
+                    self._fail(f'put {key}', 'put_failures', err)
+            # concurrent fsyncs share the file system's journal commits (ext4: 256 x 64 KiB
+            # files in 66 ms with 8 threads against 866 ms one after the other)
+            for (i, key, parent, name, replace, _), err in zip(writes, _map(self._write_part, writes, parts)):
+                if err is None:
+                    pending.append((i, key, parent, name, replace))
+                else:
+                    del parts[i]
                     self._fail(f'put {key}', 'put_failures', err)
             touched: dict[int, list[int]] = {}
             if pending:
@@ -372,9 +410,13 @@ class FileStore:
                         delta += change
                         if results[i].gained:
                             touched.setdefault(parent, []).append(i)
-                    if time.monotonic() - self._last_clean >= CLEAN_EVERY_S:
-                        self._clean_tmp()
-                    self._account(delta)
+                    try:
+                        if time.monotonic() - self._last_clean >= CLEAN_EVERY_S:
+                            self._clean_tmp()
+                        self._account(delta)
+                    except OSError as err:      # the values are in; only the bookkeeping failed
+                        with self._lock:
+                            self.stats.last_error = f'put: accounting: {err}'
             for fd in set(touched) | fresh:
                 try:
                     os.fsync(fd)
@@ -398,6 +440,14 @@ class FileStore:
                 elif result is PutResult.EXISTS:
                     self.stats.existing += 1
         return results
+
+    def _write_part(self, write: tuple, parts: dict[int, str]) -> OSError | None:
+        """Write one item's temporary file; the error instead of raising it."""
+        try:
+            create_file(self._tmp_fd, parts[write[0]], write[-1])
+        except OSError as err:
+            return err
+        return None
 
     def _install(self, part: str, parent: int, name: str, size: int, replace: bool) -> tuple[PutResult, int]:
         """Give the temporary file ``part`` the name ``name`` in ``parent`` (folder lock held);

@@ -24,8 +24,8 @@ import fcntl
 import os
 import stat
 
-__all__ = ['UnsafeEntryError', 'FileState', 'open_private_root', 'open_dir', 'open_dir_chain', 'entry_state',
-           'read_regular', 'create_file', 'remove_entry', 'lock_file_is_held', 'DIR_MODE', 'FILE_MODE']
+__all__ = ['UnsafeEntryError', 'FileState', 'describe', 'open_private_root', 'open_dir', 'open_dir_chain',
+           'entry_state', 'read_regular', 'create_file', 'remove_entry', 'lock_file_is_held', 'DIR_MODE', 'FILE_MODE']
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -74,7 +74,8 @@ def _check_ancestors(path: str) -> None:
             st = None
         if st is not None:
             if st.st_uid not in (0, euid):
-                raise UnsafeEntryError(parent, f'(an ancestor) is owned by uid {st.st_uid}, who could replace the folder')
+                raise UnsafeEntryError(parent, f'(an ancestor) is owned by uid {st.st_uid}, '
+                                               'who could replace the folder')
             if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
                 raise UnsafeEntryError(parent, '(an ancestor) is writable by everyone without the sticky bit')
         up = os.path.dirname(parent)
@@ -122,17 +123,18 @@ def open_private_root(path: str) -> int:
     return fd
 
 
-def open_dir(parent_fd: int, name: str, create: bool) -> tuple[int, bool]:
+def open_dir(parent_fd: int, name: str, create: bool, repair: bool = True) -> tuple[int, bool]:
     """Open the sub-folder ``name`` of ``parent_fd``; returns ``(fd, created)``.
 
-    With ``create``, a missing folder is made (0700) and anything else at the name (a symbolic
-    link, file, FIFO, device) is removed and replaced by a folder; a folder of ours whose mode
-    is not 0700 is set to 0700.
+    With ``create`` a missing folder is made (0700). With ``repair`` anything else at the name
+    (a symbolic link, file, FIFO, device) is removed and replaced by a folder (``create``), and
+    a folder of ours writable by group or others is set to 0700; without it both are refused.
+    A folder of ours with another mode (a world-readable 0755 of an older version) is set to 0700.
 
     Raises:
-        FileNotFoundError: nothing usable at ``name`` and not ``create``.
-        UnsafeEntryError: the folder there is another user's (never touched), or (without
-            ``create``) the entry is not a directory.
+        FileNotFoundError: nothing at ``name`` and not ``create``.
+        UnsafeEntryError: the folder there is another user's (never touched), or something
+            there is refused as said above.
     """
     created = False
     for _ in range(3):
@@ -150,14 +152,18 @@ def open_dir(parent_fd: int, name: str, create: bool) -> tuple[int, bool]:
         except OSError as err:
             if err.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
-            if not create:
-                raise UnsafeEntryError(name, 'is not a directory') from err
+            if not (create and repair):
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+                raise UnsafeEntryError(name, describe(st)) from err
             remove_entry(parent_fd, name)
             continue
         try:
             st = os.fstat(fd)
             if st.st_uid != os.geteuid():
-                raise UnsafeEntryError(name, f'is owned by uid {st.st_uid}')
+                raise UnsafeEntryError(name, f'is owned by uid {st.st_uid}, not by this process\'s user '
+                                             f'(uid {os.geteuid()})')
+            if st.st_mode & 0o022 and not repair:
+                raise UnsafeEntryError(name, f'is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})')
             if stat.S_IMODE(st.st_mode) != DIR_MODE:
                 os.fchmod(fd, DIR_MODE)
         except BaseException:
@@ -211,7 +217,7 @@ def read_regular(dir_fd: int, name: str, max_size: int, touch: bool = True) -> t
     """
     state, st = entry_state(dir_fd, name, max_size)
     if state is not FileState.OK:
-        return state, None, '' if st is None else _describe(st, max_size)
+        return state, None, '' if st is None else describe(st, max_size)
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -223,7 +229,7 @@ def read_regular(dir_fd: int, name: str, max_size: int, touch: bool = True) -> t
     try:
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode) or fst.st_size > max_size:
-            return FileState.BAD, None, _describe(fst, max_size)
+            return FileState.BAD, None, describe(fst, max_size)
         size = fst.st_size
         chunks, got = [], 0
         while got < size:
@@ -243,7 +249,9 @@ def read_regular(dir_fd: int, name: str, max_size: int, touch: bool = True) -> t
     return FileState.OK, data, ''
 
 
-def _describe(st: os.stat_result, max_size: int) -> str:
+def describe(st: os.stat_result, max_size: int = 0) -> str:
+    """What a ``stat`` result shows, for error texts: ``'is a FIFO'``, ``'holds N bytes, more
+    than the M-byte bound'`` (a regular file)..."""
     if stat.S_ISREG(st.st_mode):
         return f'holds {st.st_size} bytes, more than the {max_size}-byte bound'
     kinds = [(stat.S_ISDIR, 'a directory'), (stat.S_ISLNK, 'a symbolic link'), (stat.S_ISFIFO, 'a FIFO'),
