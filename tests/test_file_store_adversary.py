@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from pathlib import Path
@@ -297,6 +298,20 @@ def test_a_file_that_shrinks_while_read_is_a_miss(tmp_path, monkeypatch):
     assert store.get(key(1)) is None
     monkeypatch.undo()
     assert 'ends after 100 of its 4096 bytes' in store.stats.last_error
+
+
+@pytest.mark.parametrize('count', [b'', b'junk', b'\xff' * 8, struct.pack('<Qd', 0, time.time() - 120),
+                                   struct.pack('<Qd', 0, time.time() + 3600), struct.pack('<Qd', (1 << 64) - 1, 0)],
+                         ids=['empty', 'short', 'old_format', 'zero_scanned_long_ago', 'zero_scanned_in_future', 'max'])
+def test_a_forged_byte_count_is_corrected_by_the_next_put(tmp_path, count):
+    root = tmp_path / 'store'
+    store = FileStore(root, max_bytes=1000)
+    assert store.put_many([(key(i), b'x' * 100, False) for i in range(5)]) == [PutResult.STORED] * 5
+    (root / '.lock').write_bytes(count)
+    assert store.put(key(5), b'y' * 100).gained and store.num_bytes == _folder_bytes(root) == 600
+    for i in range(6, 12):
+        assert store.put(key(i), b'y' * 100).gained
+    assert store.num_bytes == _folder_bytes(root) <= 1000
 
 
 # temporary files ------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ could block, nothing truncated) are in :mod:`.safe_fs`. Invariants:
   without blocking, ``batch_exists`` says absent, and the next put of the key replaces it
   (``REPAIRED``); a file that ends early while read is a miss too.
 - ``max_bytes`` bounds the folder, not one process: ``DIR/.lock`` holds the bytes of stored
-  values, updated under the lock by every writer. After a put takes it over the limit, the
+  values, updated under the lock by every writer and rebuilt by a scan of the folder at open,
+  at each eviction and at least once a minute while written. After a put takes it over the limit, the
   folder is rescanned and the least recently used values (modification time; a read touches
   it) of all writers are removed until it holds at most 90 % of the limit.
 - Temporary files of a writer that is gone are removed: every open :class:`FileStore` holds an
@@ -31,7 +32,8 @@ could block, nothing truncated) are in :mod:`.safe_fs`. Invariants:
 
 Layout::
 
-    DIR/.lock                                            folder lock; u64 LE bytes of stored values
+    DIR/.lock                                            folder lock; bytes of stored values (u64 LE),
+                                                         time of the last scan (f64 LE, Unix seconds)
     DIR/objects/{namespace}/{kind}/{hash[:2]}/{hash}     one complete value per key
     DIR/tmp/{writer}-{random}.part                       values being written
     DIR/writers/{writer}.lock                            held by each open FileStore
@@ -62,8 +64,10 @@ EVICT_TO = 0.9          # an eviction brings the folder down to this fraction of
 DEFAULT_MAX_OBJECT_BYTES = 4 << 30    # larger than any KV block or state checkpoint the engine writes
 STALE_PART_S = 600.0    # a temporary file older than this is a stuck write: removed even if its writer lives
 CLEAN_EVERY_S = 1.0     # how often a writer looks for temporary files of writers that are gone
+RESCAN_EVERY_S = 60.0   # the folder's byte count is rebuilt by a scan at least this often while written
 _KEY_CHARS = frozenset('0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_')
-_USAGE = struct.Struct('<Q')
+_COUNT = struct.Struct('<Qd')      # DIR/.lock: bytes of stored values, Unix time of the last full scan
+_COUNT_MAX = (1 << 64) - 1
 _PART = re.compile(r'([0-9a-f]{16})-[0-9a-f]{16}\.part')
 _WRITER_LOCK = re.compile(r'([0-9a-f]{16})\.lock')
 _MAX_DEPTH = 32         # deeper folders under objects/ are never ours (keys have a few parts)
@@ -164,7 +168,7 @@ class FileStore:
                 fds.append(self._writer_fd)
                 fcntl.flock(self._writer_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self._clean_tmp()
-                self._set_usage(self._scan()[1])
+                self._set_count(self._scan()[1], time.time())
         except UnsafeEntryError as err:
             _close_fds(fds)
             raise ValueError(f'store_backend folder {str(self.root)!r} refused: {err.strerror}') from err
@@ -217,21 +221,29 @@ class FileStore:
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def _usage(self) -> int:
-        raw = os.pread(self._lock_fd, _USAGE.size, 0)
-        return _USAGE.unpack(raw)[0] if len(raw) == _USAGE.size else 0
+    def _count(self) -> tuple[int, float]:
+        """The folder's byte count and the time of its last full scan (0 when unreadable)."""
+        raw = os.pread(self._lock_fd, _COUNT.size, 0)
+        return _COUNT.unpack(raw) if len(raw) == _COUNT.size else (0, 0.0)
 
-    def _set_usage(self, used: int) -> None:
-        os.pwrite(self._lock_fd, _USAGE.pack(max(0, used)), 0)
+    def _set_count(self, used: int, scanned: float) -> None:
+        os.pwrite(self._lock_fd, _COUNT.pack(min(max(0, used), _COUNT_MAX), scanned), 0)
 
     def _account(self, delta: int) -> None:
-        """Add ``delta`` bytes to the shared count and evict if it is now over the limit
-        (folder lock held)."""
-        used = max(0, self._usage() + delta)
+        """Add ``delta`` bytes to the folder's count (folder lock held), evicting if it is now
+        over the limit. A count whose last scan is more than ``RESCAN_EVERY_S`` old (or in the
+        future) is replaced by a scan: a writer killed between its link and its count update,
+        or a hand-edited count, leaves the count wrong for at most that long."""
+        used, scanned = self._count()
+        now = time.time()
+        if not 0.0 <= now - scanned <= RESCAN_EVERY_S:
+            used, scanned = self._scan()[1], now          # the scan sees this batch's links
+        else:
+            used = max(0, used + delta)
         if self.max_bytes and used > self.max_bytes:
             self._evict()
         else:
-            self._set_usage(used)
+            self._set_count(used, scanned)
 
     def _scan(self) -> tuple[list[tuple[int, int, tuple[str, ...], int]], int]:
         """Every value in the folder as ``(mtime_ns, bytes, path parts, inode)`` and their total
@@ -288,7 +300,7 @@ class FileStore:
                     evicted += 1
         finally:
             _close_fds(list(cache.values()))
-        self._set_usage(total)
+        self._set_count(total, time.time())
         with self._lock:
             self.stats.evicted += evicted
 
@@ -557,8 +569,8 @@ class FileStore:
     @property
     def num_bytes(self) -> int:
         """Bytes of stored values in the folder, all writers together (the shared count,
-        made exact by the scan at open and at each eviction)."""
-        return self._usage()
+        rebuilt by a scan at open, at each eviction and at least every ``RESCAN_EVERY_S``)."""
+        return self._count()[0]
 
     def close(self) -> None:
         """Stop serving (idempotent): later calls fail, and this writer's lock is released so
