@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
+import random
 import socket
 import stat
 import struct
@@ -459,7 +460,9 @@ def _run_writers(root: Path, max_bytes: int, ranges: list[tuple[int, int]], size
 
 
 def _folder_bytes(root: Path) -> int:
-    return sum(p.lstat().st_size for p in (root / 'objects').rglob('*') if p.is_file())
+    """Bytes of the regular files under ``objects`` (links not followed)."""
+    sizes = [p.lstat() for p in (root / 'objects').rglob('*')]
+    return sum(st.st_size for st in sizes if stat.S_ISREG(st.st_mode))
 
 
 @pytest.mark.parametrize('writers', [2, 3])
@@ -487,3 +490,50 @@ def test_processes_writing_the_same_keys_store_each_exactly_once(tmp_path):
         assert sum(r[i] == 'stored' for r in results) == 1
         assert sum(r[i] == 'exists' for r in results) == 2
     assert _folder_bytes(root) == 24 * 64 == FileStore(root).num_bytes
+
+
+# a random walk over operations and attacks ------------------------------------------------------
+def test_random_operations_and_plantings_keep_every_invariant(tmp_path, victim):
+    """Seeded random puts (single, batched, replacing), reads, existence checks, removals and
+    entries planted at value paths (FIFO, links to the victim and to /dev/zero, a char device,
+    a socket, an empty directory). After every step: a read returns the last value stored
+    under the key or None (evicted), never blocks, and a planted key reads absent until the
+    next put repairs it; the folder's count equals its bytes and stays within the limit."""
+    rng = random.Random(1234)
+    root, budget = tmp_path / 'store', 2000
+    store = FileStore(root, max_bytes=budget, max_object_bytes=1000)
+    keys = [key(i) for i in range(12)]
+    model: dict[str, bytes | None] = {}         # last value stored; None: something planted there
+    planters = [_fifo, _dev_zero_link, _char_device, _socket, _victim_link, lambda p, v: p.mkdir()]
+    for step in range(300):
+        op, k = rng.random(), rng.choice(keys)
+        if op < 0.35:
+            batch = rng.sample(keys, rng.randint(1, 4))
+            items = [(b, rng.randbytes(rng.randint(50, 300)), rng.random() < 0.2) for b in batch]
+            for (b, v, replace), r in zip(items, store.put_many(items)):
+                if replace:
+                    assert r is PutResult.REPAIRED
+                elif model.get(b, b'') is None:          # planted: replaced by this put (or gone
+                    assert r in (PutResult.REPAIRED, PutResult.STORED)   # with an eviction scan)
+                else:
+                    assert r in (PutResult.STORED, PutResult.EXISTS)
+                    if r is PutResult.EXISTS:
+                        continue
+                model[b] = v
+            assert store.num_bytes == _folder_bytes(root) <= budget, step
+        elif op < 0.65:
+            got = call_with_timeout(lambda: store.get(k))
+            assert got is None if model.get(k) is None else got in (model[k], None), step
+        elif op < 0.8:
+            assert store.batch_exists([k]) == [bool(model.get(k)) and obj_path(root, k).is_file()], step
+        elif op < 0.9:
+            assert store.remove(k)
+            model.pop(k, None)
+            assert store.num_bytes == _folder_bytes(root), step
+        else:
+            store.remove(k)
+            path = obj_path(root, k)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rng.choice(planters)(path, victim)
+            model[k] = None
+    store.close()
