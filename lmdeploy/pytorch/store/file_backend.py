@@ -374,9 +374,11 @@ class FileStore:
         oversized file) sat at the key's path and was replaced. ``FAILED``: an I/O error (disk
         full, permissions) or a bad key, counted in ``stats.put_failures``; never raises.
 
-        Each value is written and ``fsync``-ed to its own temporary file, the batch is linked
-        under the folder lock (one lock, one byte-count update and at most one eviction per
-        batch), then each folder that gained names is ``fsync``-ed once.
+        Each value is written and ``fsync``-ed to its own temporary file (up to 8 at once, on a
+        thread pool), the batch is linked under the folder lock (one lock, one byte-count
+        update and at most one eviction per batch), then each folder that gained names is
+        ``fsync``-ed once. A key given twice in one batch is stored once (the second is
+        ``EXISTS``, or ``REPAIRED`` with ``replace``).
         """
         results = [PutResult.FAILED] * len(items)
         if self._closed:
