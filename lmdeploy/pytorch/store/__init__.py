@@ -9,7 +9,9 @@
 - :mod:`.mooncake_client` — :class:`StoreClient`, the Mooncake backend over ``mooncake.store``;
   only ``connect`` raises, every later failure is returned and counted.
 - :mod:`.file_backend` — :class:`FileStore`, the local-folder backend (``store_backend='file:DIR'``):
-  atomic writes, LRU eviction beyond a size limit.
+  atomic writes, LRU eviction beyond a size limit shared by every process on the folder; its
+  file-system primitives that hold against a hostile folder (no link followed, no blocking
+  open, nothing truncated) are in :mod:`.safe_fs`.
 - :mod:`.services` — :class:`MooncakeServices`, a local ``mooncake_master`` + segment owner
   (with the HTTP metadata server) for the embedded mode and the tests; every port on its host.
 - :mod:`.layout` — :class:`~.layout.StoreLayout`, the TP-independent (full-head) payload layout
