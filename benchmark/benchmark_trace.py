@@ -140,8 +140,11 @@ def run_sim(args: argparse.Namespace, rows: list[TraceRequest]) -> list[dict]:
             for h in hosts:
                 first, by_eviction = len(out), {}
                 for ev in evictions:
+                    extra = {}
+                    if ev == 'legacy':      # the old fixed split, at the unlimited run's checkpoint share
+                        extra['checkpoint_share'] = getattr(ideal, 'peak_checkpoint_bytes', 0) / max(peak, 1)
                     r = sim.simulate_trace(rows, save_policy=policy, eviction=ev, budget_bytes=int(f * peak),
-                                           host_bytes=int(h * peak), **common)
+                                           host_bytes=int(h * peak), **common, **extra)
                     by_eviction[ev] = r
                 for ev, r in by_eviction.items():
                     lru, opt = by_eviction.get('lru'), by_eviction.get('optimal')
@@ -405,7 +408,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--json', type=Path, help='write every result here')
     sim = p.add_argument_group('sim mode')
     sim.add_argument('--policies', default='default,last_only')
-    sim.add_argument('--evictions', default='lru,reuse,optimal')
+    sim.add_argument('--evictions', default='legacy,lru,reuse,optimal')
     sim.add_argument('--budgets', default='1,0.5,0.125', help='fractions of the unlimited run\'s peak bytes')
     sim.add_argument('--host-fractions', default='', help='host tier sizes as fractions of it (0 is always run)')
     sim.add_argument('--model', default='qwen3-next-80b', help='qwen3-next-80b | glm-5.3-flash (S and K_blk)')

@@ -62,6 +62,7 @@ class SimResult:
         per_request_hit_tokens: hit tokens of each request, in trace order.
         budget_rows: block rows of the budget (None: unlimited).
         rows_per_checkpoint: rows one checkpoint takes.
+        peak_checkpoint_bytes: most bytes checkpoints held at once.
     """
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -72,6 +73,7 @@ class SimResult:
     per_request_hit_tokens: list = field(default_factory=list)
     budget_rows: int | None = None
     rows_per_checkpoint: int = 0
+    peak_checkpoint_bytes: int = 0
 
 
 def request_tokens(hash_ids: Seq[int], input_length: int, scale: int = 1) -> list[int]:
@@ -118,7 +120,7 @@ class _Oracle:
 def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_policy: str = 'last_only',
                    eviction: str = 'reuse', budget_bytes: int | None = None, host_bytes: int = 0,
                    block_size: int = 64, alignment: int = 1024, chunk: int = 8192, concurrency: int = 4,
-                   scale: int = 1, max_output: int = 1) -> SimResult:
+                   scale: int = 1, max_output: int = 1, checkpoint_share: float | None = None) -> SimResult:
     """Replay ``requests`` through the scheduler and prefix cache (module docstring).
 
     Args:
@@ -126,7 +128,11 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
             ``shared_head_tokens`` and ``continuation``.
         state_bytes: S, bytes of one checkpoint; kv_block_bytes: K_blk, bytes of one block.
         save_policy: ``'default'`` (a checkpoint at every chunk end) or ``'last_only'``.
-        eviction: ``'reuse'``, ``'lru'`` or ``'optimal'`` (Belady, from the whole trace).
+        eviction: ``'reuse'``, ``'lru'``, ``'optimal'`` (Belady, from the whole trace) or
+            ``'legacy'``: the engine before one memory budget — a fixed split (``checkpoint_share``
+            of the budget in checkpoint slots of their own, the rest KV blocks) and LRU for both.
+        checkpoint_share: with ``'legacy'``, the budget share of checkpoint slots (default 0.25;
+            the benchmark passes the unlimited run's share).
         budget_bytes: device bytes for KV blocks and checkpoints; None = unlimited.
         host_bytes: a host tier's bytes (not modelled yet: must be 0).
         block_size, alignment, chunk: B, A and P in tokens (at the trace's scale).
@@ -150,21 +156,32 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
     else:
         num_rows = max(1, budget_bytes // kv_block_bytes)
     oracle = None
-    if eviction == 'optimal':
+    legacy_slots = None
+    if eviction == 'legacy':
+        if budget_bytes is None:
+            raise ValueError("eviction='legacy' needs a budget")
+        share = 0.25 if checkpoint_share is None else checkpoint_share
+        legacy_slots = max(1, int(budget_bytes * share) // state_bytes)
+        num_rows = max(1, (budget_bytes - legacy_slots * state_bytes) // kv_block_bytes)
+        policy = make_policy('lru')
+    elif eviction == 'optimal':
         hashes = [chain_block_hashes(t, block_size) for t in token_lists]
         oracle = _Oracle(hashes, lengths, block_size, alignment)
         policy = OfflineOptimalPolicy(oracle.next_use)
     else:
         policy = make_policy(eviction)
     bm = BlockManager(num_rows)
-    sc = StateCache(concurrency, None, block_manager=bm, rows_per_checkpoint=rows_per_ckpt, policy=policy)
+    if legacy_slots is not None:
+        sc = StateCache(concurrency, legacy_slots, policy=policy)
+    else:
+        sc = StateCache(concurrency, None, block_manager=bm, rows_per_checkpoint=rows_per_ckpt, policy=policy)
     local = LocalTier(bm, block_size, sc, state_bytes=state_bytes, block_bytes=kv_block_bytes)
     cache = PrefixCache(local, None, block_size=block_size, alignment=alignment)
     sched = Scheduler(SchedulerConfig(block_size, concurrency, chunk, alignment, save_policy == 'last_only'),
                       bm, sc, cache)
     result = SimResult(budget_rows=None if budget_bytes is None else num_rows, rows_per_checkpoint=rows_per_ckpt)
     seqs: list[Sequence | None] = [None] * len(requests)
-    nxt, in_flight, peak_rows = 0, 0, 0
+    nxt, in_flight, peak_rows, peak_ckpt = 0, 0, 0, 0
     while nxt < len(requests) or sched.has_work:
         while nxt < len(requests) and in_flight < concurrency:
             req = requests[nxt]
@@ -201,6 +218,7 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
                 in_flight -= 1
         used = bm.num_blocks - bm.num_free
         peak_rows = max(peak_rows, used)
+        peak_ckpt = max(peak_ckpt, sc.num_allocated)
     stats = cache.stats()
     for i, seq in enumerate(seqs):
         result.prompt_tokens += seq.num_prompt_tokens
@@ -209,5 +227,7 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
     result.hit_tokens_by_tier['device'] = stats['prefix_cache_hit_tokens']
     result.checkpoints_saved = {k: v for k, v in stats['checkpoints_saved_by_reason'].items() if v}
     result.evictions = dict(stats['prefix_cache_evictions'])
-    result.peak_bytes = peak_rows * kv_block_bytes
+    result.peak_bytes = peak_rows * kv_block_bytes + (peak_ckpt * state_bytes if legacy_slots is not None else 0)
+    result.peak_checkpoint_bytes = peak_ckpt * (state_bytes if legacy_slots is not None
+                                                else rows_per_ckpt * kv_block_bytes)
     return result
