@@ -39,6 +39,7 @@ from lmdeploy.pytorch.paging.sequence import Sequence  # noqa: E402
 from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes  # noqa: E402
 from lmdeploy.pytorch.prefix_cache.coordinator import PrefixCache  # noqa: E402
 from lmdeploy.pytorch.prefix_cache.eviction import OfflineOptimalPolicy, make_policy  # noqa: E402
+from lmdeploy.pytorch.prefix_cache.host_tier import HostTier  # noqa: E402
 from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier  # noqa: E402
 from lmdeploy.pytorch.prefix_cache.state_cache import StateCache  # noqa: E402
 
@@ -134,19 +135,18 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
         checkpoint_share: with ``'legacy'``, the budget share of checkpoint slots (default 0.25;
             the benchmark passes the unlimited run's share).
         budget_bytes: device bytes for KV blocks and checkpoints; None = unlimited.
-        host_bytes: a host tier's bytes (not modelled yet: must be 0).
+        host_bytes: bytes of a host tier that keeps what the device evicts (0: none); its
+            promotions count as ``hit_tokens_by_tier['host']``.
         block_size, alignment, chunk: B, A and P in tokens (at the trace's scale).
         concurrency: requests in flight at once.
         scale: trace tokens per simulated token (512 / scale tokens per hash id).
         max_output: generated tokens per request at most.
 
     Raises:
-        ValueError: an unknown policy, or ``host_bytes`` > 0.
+        ValueError: an unknown policy.
     """
     if save_policy not in ('default', 'last_only'):
         raise ValueError(f'save_policy must be default or last_only, got {save_policy!r}')
-    if host_bytes:
-        raise ValueError('host_bytes: the host tier is not modelled by this simulator yet')
     rows_per_ckpt = -(-state_bytes // kv_block_bytes)
     token_lists = [request_tokens(r.hash_ids, r.input_length, scale) for r in requests]
     lengths = [len(t) for t in token_lists]
@@ -176,7 +176,8 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
     else:
         sc = StateCache(concurrency, None, block_manager=bm, rows_per_checkpoint=rows_per_ckpt, policy=policy)
     local = LocalTier(bm, block_size, sc, state_bytes=state_bytes, block_bytes=kv_block_bytes)
-    cache = PrefixCache(local, None, block_size=block_size, alignment=alignment)
+    host = HostTier(None, host_bytes, block_size, state_bytes, kv_block_bytes) if host_bytes else None
+    cache = PrefixCache(local, None, block_size=block_size, alignment=alignment, host=host)
     sched = Scheduler(SchedulerConfig(block_size, concurrency, chunk, alignment, save_policy == 'last_only'),
                       bm, sc, cache)
     result = SimResult(budget_rows=None if budget_bytes is None else num_rows, rows_per_checkpoint=rows_per_ckpt)
@@ -200,6 +201,13 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
         if oracle is not None:
             oracle.now = min((s.trace_index for s in sched.running + list(sched.waiting)), default=nxt)
         out = sched.schedule()
+        for load in list(out.loads.host_loads):
+            ok = host.load(load)
+            keep = cache.host_loaded(load, ok)
+            if not ok:
+                sched.rollback(load.seq, out)
+            elif keep is not None:
+                cache.restored_kept(*keep, True)
         if out.loads:
             cache.loads_done(out.loads, True)
         if not out.chunks:
@@ -225,6 +233,7 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
         result.per_request_hit_tokens.append(seq.num_cached_tokens)
     result.hit_tokens = sum(result.per_request_hit_tokens)
     result.hit_tokens_by_tier['device'] = stats['prefix_cache_hit_tokens']
+    result.hit_tokens_by_tier['host'] = stats.get('host_hit_tokens', 0)
     result.checkpoints_saved = {k: v for k, v in stats['checkpoints_saved_by_reason'].items() if v}
     result.evictions = dict(stats['prefix_cache_evictions'])
     result.peak_bytes = peak_rows * kv_block_bytes + (peak_ckpt * state_bytes if legacy_slots is not None else 0)

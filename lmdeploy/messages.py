@@ -143,6 +143,9 @@ class PytorchEngineConfig(BaseModel):
                                              'num_gpu_blocks. A save with none free is skipped and counted.')
     cache_bytes: int = Field(0, ge=0, description='Explicit byte budget of the caches (KV blocks, checkpoints and '
                              'runtime state slots); 0 = cache_max_entry_count of free memory.')
+    host_cache_bytes: int = Field(0, ge=0, description='Bytes of host memory for checkpoints and KV blocks the '
+                                  'device cache evicts (hybrid models, prefix caching on); promoted back on a '
+                                  'hit before the Store is asked. 0 = no host tier.')
     cache_eviction: Literal['reuse', 'lru'] = Field('reuse', description='Which cached checkpoint goes first under '
                                                     'memory pressure: "reuse" (prefill saved per byte held, weighted '
                                                     'by evidence of reuse; blocks no checkpoint makes usable go '

@@ -152,10 +152,12 @@ def test_make_policy_names_the_field():
 
 
 # ------------------------------------------------------------------ engines on a tiny budget
-@pytest.mark.parametrize('eviction', ['reuse', 'lru'])
-def test_tiny_budget_outputs_equal_cache_off_and_ledger_idle(tiny_qwen3_next, eviction):
+@pytest.mark.parametrize('eviction,host', [('reuse', False), ('lru', False), ('reuse', True)])
+def test_tiny_budget_outputs_equal_cache_off_and_ledger_idle(tiny_qwen3_next, eviction, host):
     """Random conversations (shared heads, continuations, branches) on a budget of a few prompts:
-    checkpoints and blocks are evicted, greedy outputs equal caching off, the ledger idles."""
+    checkpoints and blocks are evicted, greedy outputs equal caching off, the ledger idles. With a
+    host tier, evicted checkpoints are promoted back from host memory (host hits > 0), and the
+    outputs are still those of caching off."""
     rng = random.Random(7)
     gen = GenerationConfig(max_new_tokens=3, ignore_eos=True)
     head = random_prompt(40, seed=1)
@@ -167,18 +169,53 @@ def test_tiny_budget_outputs_equal_cache_off_and_ledger_idle(tiny_qwen3_next, ev
             ids = head[:rng.randrange(8, 40)] + random_prompt(rng.randrange(10, 50), seed=200 + i)
         convs.append(ids)
         prompts.append(ids)
+    prompts += prompts[:3]          # long-gone prefixes again: evicted from the device by now
     off = make_engine(tiny_qwen3_next, block_size=8, max_prefill_token_num=32)
     expected = [off.generate(p, gen).output_ids for p in prompts]
     row, state = CacheEngine.bytes_per_block(off.specs, 8), CacheEngine.bytes_per_slot(off.specs)
     budget = 2 * state + 40 * row       # 2 runtime slots + 40 rows for blocks and checkpoints
     eng = make_engine(tiny_qwen3_next, block_size=8, max_prefill_token_num=32, enable_prefix_caching=True,
-                      prefill_save_alignment=16, num_gpu_blocks=0, cache_bytes=budget, cache_eviction=eviction, max_batch_size=2)
+                      prefill_save_alignment=16, num_gpu_blocks=0, cache_bytes=budget, cache_eviction=eviction,
+                      max_batch_size=2, host_cache_bytes=(1 << 24) if host else 0)
     assert eng.state_cache.uses_block_rows and eng.block_manager.num_blocks == 40
     got = [eng.generate(p, gen).output_ids for p in prompts]
     assert got == expected
     stats = eng.stats()
     assert stats['prefix_cache_evictions']['kv'] > 0 and stats['prefix_cache_hit_tokens'] > 0
+    if host:
+        assert stats['host_demotions'] > 0 and stats['host_promotions'] > 0 and stats['host_hit_tokens'] > 0
+    else:
+        assert stats['host_demotions'] == 0
     led = eng.ledger()
     assert led['blocks_in_use'] == 0 and led['checkpoint_rows'] == led['checkpoints_published'] * \
         eng.state_cache.rows_per_checkpoint
     assert eng.is_idle()
+
+
+def test_host_tier_probe_and_load_need_the_state_and_every_block_not_shared():
+    from lmdeploy.pytorch.paging.prefill_plan import ReuseRules
+    from lmdeploy.pytorch.prefix_cache.host_tier import HostTier
+    from lmdeploy.pytorch.prefix_cache.plans import StoreLoad
+
+    class Node:
+        def __init__(self, parent, key, block_id):
+            self.parent, self.key, self.block_id = parent, key, block_id
+
+    root = Node(None, b'r', -1)
+    path = [root]
+    for i in range(4):
+        path.append(Node(path[-1], bytes([i]), 10 + i))
+    host = HostTier(None, capacity_bytes=100, block_size=B, state_bytes=10, kv_block_bytes=1)
+    host.demote(path[2], 7)                  # a checkpoint at 2 blocks: state + blocks 0, 1
+    hashes = [n.key for n in path[1:]]
+    rules = ReuseRules(17, B, B)
+    assert host.probe(hashes, rules, 0) == 2 * B
+    assert host.probe(hashes, rules, 0, above=2 * B) == 0
+    host.demote(path[4], 9)                  # adds blocks 2, 3 and the state at 4 blocks
+    assert host.probe(hashes, rules, 0) == 4 * B and host.bytes_held == 2 * 10 + 4
+    load = StoreLoad(None, 4 * B, hashes, [0] * 4, 1, 0)
+    assert host.load(load) and host.counters['host_promotions'] == 1
+    small = HostTier(None, capacity_bytes=12, block_size=B, state_bytes=10, kv_block_bytes=1)
+    small.demote(path[2], 7)
+    small.demote(path[4], 9)                 # LRU out: the older state and blocks
+    assert small.bytes_held <= 12 and small.probe(hashes, rules, 0) == 0

@@ -173,8 +173,14 @@ class Engine:
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache,
                               state_bytes=self.cache_engine.state_bytes, block_bytes=self.cache_engine.kv_block_bytes)
+            host = None
+            if config.host_cache_bytes and self.is_hybrid:
+                from ..prefix_cache.host_tier import HostTier
+                host = HostTier(self.cache_engine, config.host_cache_bytes, cc.block_size, self.cache_engine.state_bytes,
+                                self.cache_engine.kv_block_bytes)
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
-                                            alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last)
+                                            alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last,
+                                            host=host)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
         self.spec = None
@@ -364,6 +370,13 @@ class Engine:
                           lambda ok: cache.loads_done(loads, ok))
         kept = []       # (runtime slot, node, lease of the checkpoint slot to keep the restore in)
         try:
+            for load in loads.host_loads:           # promotions from host memory
+                ok = cache.host.load(load)
+                keep = cache.host_loaded(load, ok)
+                if not ok:
+                    self.scheduler.rollback(load.seq, sched)
+                elif keep is not None:
+                    kept.append((load.slot, *keep))
             for load in loads.store_loads:
                 ok = self.store.load(load)
                 keep = cache.store_loaded(load, ok)
@@ -492,8 +505,9 @@ class Engine:
         objects a save found already stored (``store_existing_objects``), and (speculative
         decoding) draft tokens proposed / accepted. Every key but the speculative-decoding ones
         is present whatever is enabled (0 for a disabled tier), so one reader fits every config."""
+        from ..prefix_cache.host_tier import zero_host_counters
         from ..prefix_cache.store_tier import zero_store_counters     # (the Store tier is imported lazily)
-        out = {**zero_store_counters(), **self.prefix_cache.stats()}
+        out = {**zero_store_counters(), **zero_host_counters(), **self.prefix_cache.stats()}
         if self.spec is not None:
             out.update(self.spec.stats())
         return out

@@ -97,9 +97,12 @@ class PrefixCache:
     caches_prefixes = True    # the scheduler plans save points (see NullPrefixCache for off)
 
     def __init__(self, local: LocalTier, store=None, *, block_size: int, alignment: int,
-                 decode_save_last: bool = False):
+                 decode_save_last: bool = False, host=None):
         self.local = local
         self.store = store
+        self.host = host if local.is_hybrid else None
+        if self.host is not None:
+            local.state_cache.on_evict = self.host.demote
         self.block_size = block_size
         self.alignment = alignment
         self.decode_save_last = decode_save_last and local.is_hybrid
@@ -153,6 +156,11 @@ class PrefixCache:
     def match(self, seq) -> PrefixMatch:
         """The deepest prefix the tiers can restore for ``seq`` (metadata only)."""
         match = self.local.match(seq, self.hashes(seq), self._rules(seq))
+        if self.host is not None:
+            b = self.host.probe(self.hashes(seq), self._rules(seq), len(match.nodes), match.cached_tokens)
+            if b > match.cached_tokens:
+                match = PrefixMatch(match.nodes, b, 'host', None, min(len(match.nodes), b // self.block_size),
+                                    match.matched_tokens)
         view = self._store_views.get(seq.seq_id)
         if view is not None and view.boundaries and view.failures < STORE_RESTORE_ATTEMPTS:
             b = view.boundaries[0]
@@ -174,10 +182,11 @@ class PrefixCache:
         blocks through the first chunk), and tell the eviction policy which checkpoint it uses."""
         continued = self.local.record_use(match, self.hashes(seq), self.alignment)
         self._continuation[seq.seq_id] = bool(continued or match.matched_tokens or getattr(seq, 'continuation', False))
-        if match.source == 'store':
+        if match.source in ('store', 'host'):
             hashes = self.hashes(seq)[:match.cached_tokens // self.block_size]
-            loads.store_loads.append(StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids,
-                                               match.num_shared_blocks, seq.state_slot, match.matched_tokens))
+            load = StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids, match.num_shared_blocks,
+                             seq.state_slot, match.matched_tokens)
+            (loads.store_loads if match.source == 'store' else loads.host_loads).append(load)
             return      # counted once the load succeeded
         if match.checkpoint_slot is not None:
             loads.restores.append(CheckpointRestore(seq, match.checkpoint_slot, seq.state_slot, match.lease))
@@ -196,6 +205,9 @@ class PrefixCache:
         elif source == 'store':
             seq.stats.store_hit_tokens = cached
             self.store.record_hit(cached)
+        elif source == 'host':
+            seq.stats.hit_tokens = cached
+            self.host.counters['host_hit_tokens'] += cached
         if self.is_hybrid:
             self.counters['state_miss_tokens'] += max(0, matched - cached)
 
@@ -203,6 +215,14 @@ class PrefixCache:
         """The checkpoint → runtime copies of ``loads`` ran (or raised): drop their pins."""
         for restore in loads.restores:
             restore.lease.release()
+
+    def host_loaded(self, load: StoreLoad, ok: bool) -> tuple | None:
+        """Book a host-tier load's result as :meth:`store_loaded` does (a failed one — an entry
+        the host tier dropped since the probe — just rolls back; the next admission asks again)."""
+        if not ok:
+            return None
+        self._count(load.seq, load.boundary, 'host', load.matched_tokens)
+        return self.local.cache_restored(load.seq, self.hashes(load.seq), load.boundary)
 
     def store_loaded(self, load: StoreLoad, ok: bool) -> tuple | None:
         """Book a Store load's result. On success count the hit (first admission only) and
@@ -408,4 +428,6 @@ class PrefixCache:
         out['checkpoints_skipped'] = dict(self.skipped)
         if self.store is not None:
             out.update(self.store.stats())
+        if self.host is not None:
+            out.update(self.host.stats())
         return out

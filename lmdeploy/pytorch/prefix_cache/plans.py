@@ -70,12 +70,14 @@ class StoreLoad:
 
 @dataclass
 class LoadPlan:
-    """The restores one step runs before its forward."""
+    """The restores one step runs before its forward: from device checkpoints, from the host
+    tier (:class:`StoreLoad` values read from host memory), and from the Store."""
     restores: list[CheckpointRestore] = field(default_factory=list)
     store_loads: list[StoreLoad] = field(default_factory=list)
+    host_loads: list[StoreLoad] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.restores or self.store_loads)
+        return bool(self.restores or self.store_loads or self.host_loads)
 
 
 @dataclass

@@ -78,6 +78,9 @@ class StateCache:
         self.stats: dict[int, CheckpointStats] = {}       # published checkpoint slot -> its statistics
         self.num_allocated = 0                             # checkpoint slots allocated (published or not)
         self.num_evicted = 0                               # published checkpoints evicted
+        # called as on_evict(node, state_ref) before an evicted checkpoint's memory is freed (the
+        # host tier demotes it); None: nothing to keep
+        self.on_evict = None
 
     @property
     def uses_block_rows(self) -> bool:
@@ -201,6 +204,8 @@ class StateCache:
         """
         if self._pins.get(slot):
             raise RuntimeError(f'checkpoint slot {slot} is pinned')
+        if evicted and self.on_evict is not None and slot in self._published:
+            self.on_evict(self._published[slot], self.locate(slot))     # the rows still hold it
         node = self._published.pop(slot, None)
         if node is not None:
             node.checkpoint_slot = None

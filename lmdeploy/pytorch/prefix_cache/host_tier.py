@@ -1,0 +1,143 @@
+"""The host tier of the prefix cache: checkpoints (and their KV blocks) the device tier evicted,
+kept in host memory and promoted back on a hit, before the Store is asked.
+
+Order of the tiers a restore asks: device (the block trie), host (this), Store. The host tier
+answers the same questions as the others — how deep a prefix does it hold (:meth:`HostTier.probe`),
+load it (:meth:`HostTier.load`), keep it (:meth:`HostTier.demote`) — and owns its bytes::
+
+    device evicts checkpoint at b ──▶ demote: state payload under state/{hash_b}, and the KV
+                                      payloads of blocks [0, b) not held yet under kv/{hash_i}
+    admission (no deeper device hit) ─▶ probe: deepest b with state/{hash_b} held and every KV
+                                      block the device does not share held too
+    engine, before the forward ──────▶ load: host payloads → fresh device blocks + runtime slot
+
+Payloads are plain CPU tensors (pinned memory on CUDA, so the copies back are asynchronous-capable;
+a separate pool on CPU so the path is tested there), least recently used first out when the
+tier's ``capacity_bytes`` is exceeded. A demotion happens while the device rows still hold the
+evicted data (eviction only frees rows; they are written by a later forward). Without a cache
+engine (the benchmark's simulator) only the keys and sizes are kept.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..paging.prefill_plan import ReuseRules
+from .plans import StoreLoad
+
+__all__ = ['HostTier', 'zero_host_counters']
+
+
+def zero_host_counters() -> dict:
+    """The host tier's counters, all 0 (what an engine without a host tier reports)."""
+    return {'host_demotions': 0, 'host_promotions': 0, 'host_evictions': 0, 'host_hit_tokens': 0,
+            'host_bytes_held': 0}
+
+
+class HostTier:
+    """Host-memory tier of evicted checkpoints and KV blocks.
+
+    Args:
+        cache_engine: the device caches payloads are read from and written to (None: bookkeeping
+            only, for simulation).
+        capacity_bytes: the most payload bytes held.
+        block_size: B, tokens per block.
+        state_bytes, kv_block_bytes: S and K_blk (the sizes charged per entry).
+    """
+
+    def __init__(self, cache_engine, capacity_bytes: int, block_size: int, state_bytes: int, kv_block_bytes: int):
+        self.cache_engine = cache_engine
+        self.capacity_bytes = capacity_bytes
+        self.block_size = block_size
+        self.state_bytes, self.kv_block_bytes = state_bytes, kv_block_bytes
+        self._entries: OrderedDict[tuple[str, bytes], torch.Tensor | None] = OrderedDict()
+        self.bytes_held = 0
+        self.pin_memory = cache_engine is not None and cache_engine.device.type == 'cuda'
+        self.counters = zero_host_counters()
+        del self.counters['host_bytes_held']
+
+    def _size(self, kind: str) -> int:
+        return self.state_bytes if kind == 'state' else self.kv_block_bytes
+
+    def __contains__(self, key: tuple[str, bytes]) -> bool:
+        return key in self._entries
+
+    def _put(self, key: tuple[str, bytes], payload: torch.Tensor | None) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        if self.pin_memory and payload is not None:
+            payload = payload.pin_memory()
+        self._entries[key] = payload
+        self.bytes_held += self._size(key[0])
+        while self.bytes_held > self.capacity_bytes and self._entries:
+            old, _ = self._entries.popitem(last=False)
+            self.bytes_held -= self._size(old[0])
+            self.counters['host_evictions'] += 1
+
+    # save -----------------------------------------------------------------------------------
+    def demote(self, node, state_ref) -> None:
+        """The device tier is evicting the checkpoint on trie ``node`` (its state at
+        ``state_ref``): keep the state and the KV blocks of its path the tier lacks. A state
+        larger than the whole tier is not kept."""
+        if self.state_bytes + self.kv_block_bytes > self.capacity_bytes:
+            return
+        path = []
+        n = node
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        missing = [p for p in path if ('kv', p.key) not in self._entries]
+        eng = self.cache_engine
+        if eng is not None and missing:
+            payloads = eng.read_kv_blocks([p.block_id for p in missing])
+            for p, payload in zip(missing, payloads):
+                self._put(('kv', p.key), payload)
+        else:
+            for p in missing:
+                self._put(('kv', p.key), None)
+        for p in path:          # the whole path is as recent as the state it serves
+            self._entries.move_to_end(('kv', p.key))
+        self._put(('state', node.key), eng.read_state(state_ref) if eng is not None else None)
+        self.counters['host_demotions'] += 1
+
+    # restore --------------------------------------------------------------------------------
+    def probe(self, hashes: list[bytes], rules: ReuseRules, shared_blocks: int, above: int = 0) -> int:
+        """The deepest restorable boundary ``b > above`` (tokens) the tier holds for an input
+        whose first ``shared_blocks`` blocks the device shares (the KV of blocks ``[0, b/B + r)``
+        held here or there), or 0. Metadata only."""
+        B, r = self.block_size, rules.recompute_blocks
+        if not self._entries:
+            return 0
+        for b in rules.restore_candidates(above, len(hashes)):
+            if ('state', hashes[b // B - 1]) not in self._entries:
+                continue
+            if all(('kv', h) in self._entries for h in hashes[shared_blocks:b // B + r]):
+                return b
+        return 0
+
+    def load(self, load: StoreLoad) -> bool:
+        """Copy a held prefix into the device: KV blocks ``[first_block, b/B)`` into
+        ``load.block_ids`` and the state into runtime slot ``load.slot``. False when an entry left
+        the tier since the probe (the caller rolls the admission back)."""
+        B, hashes = self.block_size, load.hashes
+        keys = [('kv', hashes[i]) for i in range(load.first_block, load.boundary // B)]
+        state_key = ('state', hashes[load.boundary // B - 1])
+        if state_key not in self._entries or any(k not in self._entries for k in keys):
+            return False
+        eng = self.cache_engine
+        for i, key in zip(range(load.first_block, load.boundary // B), keys):
+            if eng is not None:
+                eng.write_kv_block(load.block_ids[i], self._entries[key])
+            self._entries.move_to_end(key)
+        if eng is not None:
+            eng.write_state(load.slot, self._entries[state_key])
+        self._entries.move_to_end(state_key)
+        self.counters['host_promotions'] += 1
+        return True
+
+    def stats(self) -> dict:
+        """Counters (demotions, promotions, evictions, hit tokens) and bytes held."""
+        return {**self.counters, 'host_bytes_held': self.bytes_held}
