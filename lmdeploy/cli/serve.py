@@ -102,7 +102,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument('--allow-private-media-urls', action='store_true',
                         help='also fetch image URLs that reach loopback, private or link-local addresses (default: '
                         'refused, so that clients cannot make the server probe its own network)')
-    from ..serve.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+    from ..serve.openai.defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
     from ..serve.openai.reasoning_parser import REASONING_PARSERS
     from ..serve.openai.tool_parser import TOOL_PARSERS
     parser.add_argument('--tool-call-parser', default='auto', choices=['auto', 'none', *sorted(TOOL_PARSERS)],

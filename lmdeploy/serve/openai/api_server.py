@@ -52,8 +52,9 @@ from ..images import ImageFetchLimits
 from .chat_route import ChatRoutes
 from .completions_route import CompletionRoutes
 from .errors import install_error_handlers
+from .defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
 from .generation import _Generation, _SSEResponse   # noqa: F401  (imported from here by responses, anthropic, chat_bridge)
-from .handlers import DEFAULT_SHUTDOWN_TIMEOUT, ServerBase
+from .handlers import ServerBase
 from .large_body import OffLoopJSONRoute
 from .lifecycle import BodySizeLimit, GracefulServer, KeyCheck
 from .protocol import ErrorBody
@@ -68,7 +69,6 @@ _KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions
                           '/debug/ledger', '/docs', '/openapi.json'})
 # one model's path (its id may hold slashes), one stored response's
 _PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}', '/v1/responses/': '/v1/responses/{id}'}
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # How long a thread running Python may keep the GIL while another waits (CPython's default: 5 ms).
 # The event loop needs the GIL a dozen times or more to answer one request; with the worker
 # threads decoding, validating or tokenizing a large body it waited a full interval each time:

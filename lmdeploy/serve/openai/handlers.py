@@ -27,11 +27,10 @@ from .lifecycle import Drain
 from .protocol import ChatCompletionRequest, DecodedInts, ModelCard, ModelList, NamedToolChoice
 from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
+from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .tool_parser import detect_tool_format, get_tool_parser
 
 __all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT']
-
-DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 
 def _resolve_parser(choice: str, template: str, marker: str, default: str) -> str | None:
