@@ -74,3 +74,61 @@ def test_an_editable_install_builds_without_setuptools_warnings(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'Warning' not in done.stderr, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].endswith('.whl')
+
+
+@pytest.mark.parametrize('config, in_use, line', [
+    (dict(store_backend='file:/srv/ckpt'), True, 'file Store in /srv/ckpt'),
+    (dict(mooncake_master='local'), True, 'embedded Mooncake Store'),
+    (dict(mooncake_master='10.0.0.7:50051', mooncake_metadata_server='http://10.0.0.7:8080/metadata'), True,
+     'Mooncake Store at 10.0.0.7:50051'),
+    (dict(store_backend='file:/srv/ckpt'), False, 'no Store'),
+    (dict(), False, 'no Store')])
+def test_the_startup_line_names_the_store_backend_really_used(config, in_use, line):
+    """``--store-backend file:DIR`` was announced as 'Mooncake Store at None'."""
+    from types import SimpleNamespace
+
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.serve.openai.api_server import _engine_summary
+    cfg = PytorchEngineConfig(enable_prefix_caching=True, block_size=16, **config)
+    engine = SimpleNamespace(config=cfg, device='cpu', block_manager=SimpleNamespace(num_blocks=64),
+                             cache_engine=SimpleNamespace(num_slots=4), store=object() if in_use else None)
+    assert _engine_summary(engine) == f'64 KV blocks x 16 tokens on cpu, 4 state slots, {line}'
+
+
+def test_mooncake_client_logs_keep_the_latest_few_and_never_a_running_process(tmp_path, monkeypatch):
+    """One ``logs/mooncake-PID.log`` per server or chat run used to pile up without end."""
+    from lmdeploy.cli.serve import KEPT_NATIVE_LOGS, native_log_path
+    monkeypatch.setenv('LMDEPLOY_CACHE_DIR', str(tmp_path))
+    logs = tmp_path / 'logs'
+    logs.mkdir()
+    dead = [4_194_304 + i for i in range(8)]        # above Linux's largest pid: no such process
+    for i, pid in enumerate(dead):                  # dead[0] written last
+        (logs / f'mooncake-{pid}.log').write_text('x')
+        os.utime(logs / f'mooncake-{pid}.log', (1e9 + 10 * (8 - i), 1e9 + 10 * (8 - i)))
+    running = logs / f'mooncake-{os.getppid()}.log'
+    running.write_text('x')
+    os.utime(running, (1e9, 1e9))                   # the oldest of all, but its process runs
+    (logs / 'notes.txt').write_text('x')            # not a Mooncake log: left alone
+    path = native_log_path()
+    assert path == str(logs / f'mooncake-{os.getpid()}.log')
+    kept = {p.name for p in logs.iterdir()}
+    assert kept == {'notes.txt', running.name} | {f'mooncake-{pid}.log' for pid in dead[:KEPT_NATIVE_LOGS - 1]}
+
+
+def test_an_unreachable_master_fails_before_any_warning_about_authentication(tiny_qwen3_next, caplog):
+    """The fatal 'master unreachable' is what stops the server; the unauthenticated-objects warning
+    used to print first (it is only true of a Store that was reached)."""
+    import logging
+
+    from lmdeploy import PytorchEngineConfig
+    from lmdeploy.pytorch.engine.engine import Engine
+    from lmdeploy.pytorch.store.mooncake_client import StoreUnavailableError
+    from lmdeploy.pytorch.store.services import free_ports
+    rpc, http = free_ports('127.0.0.1', 2)
+    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', block_size=16, prefill_save_alignment=64,
+                              num_gpu_blocks=64, enable_prefix_caching=True, mooncake_master=f'127.0.0.1:{rpc}',
+                              mooncake_metadata_server=f'http://127.0.0.1:{http}/metadata')
+    caplog.set_level(logging.WARNING, logger='lmdeploy')
+    with pytest.raises(StoreUnavailableError, match=f'127.0.0.1:{rpc}'):
+        Engine(tiny_qwen3_next, cfg)
+    assert 'NOT authenticated' not in caplog.text, caplog.text

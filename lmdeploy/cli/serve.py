@@ -168,15 +168,44 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def native_log_path() -> str:
+KEPT_NATIVE_LOGS = 5     # Mooncake client logs kept for debugging: this run's and the 4 latest before it
+
+
+def native_log_path(keep: int = KEPT_NATIVE_LOGS) -> str:
     """Where a server or chat process writes the Mooncake client's native log:
     ``logs/mooncake-PID.log`` under the lmdeploy cache root (``$LMDEPLOY_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/lmdeploy``, else ``~/.cache/lmdeploy``), not the temporary folder, which a
-    clean stop leaves as it found it."""
+    clean stop leaves as it found it.
+
+    One file per run would pile up, so the older logs of processes that have ended are removed,
+    keeping ``keep`` in all (this run's and the ``keep - 1`` most recently written before it);
+    the log of a process still running is never removed."""
     from ..pytorch.config import cache_root
     folder = cache_root() / 'logs'
     folder.mkdir(parents=True, exist_ok=True)
-    return str(folder / f'mooncake-{os.getpid()}.log')
+    path = folder / f'mooncake-{os.getpid()}.log'
+    old = []
+    for log in folder.glob('mooncake-*.log'):
+        pid = log.stem[len('mooncake-'):]
+        if log == path or not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        try:
+            old.append((log.stat().st_mtime, log))
+        except FileNotFoundError:       # another process pruned it meanwhile
+            pass
+    for _, log in sorted(old, reverse=True)[max(keep - 1, 0):]:
+        log.unlink(missing_ok=True)
+    return str(path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # another user's process
+        return True
+    return True
 
 
 def route_native_logs(path: str) -> None:

@@ -214,17 +214,28 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def _engine_summary(engine) -> str:
-    """One line on what the engine sized: KV blocks, state slots, Store."""
+    """One line on what the engine sized: KV blocks, state slots, and the Store backend really in
+    use (its folder for ``file:DIR``, the master's address for an external Mooncake master)."""
     cfg = engine.config
     parts = [f'{engine.block_manager.num_blocks} KV blocks x {cfg.block_size} tokens on {engine.device}']
     if engine.cache_engine.num_slots:
         parts.append(f'{engine.cache_engine.num_slots} state slots')
-    if engine.store is None:
-        parts.append('no Store')
-    else:
-        parts.append('embedded Mooncake Store' if cfg.mooncake_master == 'local' else
-                     f'Mooncake Store at {cfg.mooncake_master}')
+    parts.append(store_summary(cfg, engine.store is not None))
     return ', '.join(parts)
+
+
+def store_summary(cfg, in_use: bool) -> str:
+    """The Store part of the startup line for an engine config (``PytorchEngineConfig``):
+    ``'no Store'`` when ``in_use`` is False (none configured, or the engine did not use it),
+    ``'file Store in DIR'``, ``'embedded Mooncake Store'`` or ``'Mooncake Store at HOST:PORT'``."""
+    if not in_use:
+        return 'no Store'
+    if (cfg.store_backend or '').startswith('file:'):
+        from ...pytorch.store.file_backend import parse_store_backend
+        return f'file Store in {os.path.abspath(parse_store_backend(cfg.store_backend)[1])}'
+    if cfg.mooncake_master == 'local':
+        return 'embedded Mooncake Store'
+    return f'Mooncake Store at {cfg.mooncake_master}'
 
 
 def _exit_on_sigterm(signum, frame) -> None:
