@@ -132,3 +132,18 @@ def test_an_unreachable_master_fails_before_any_warning_about_authentication(tin
     with pytest.raises(StoreUnavailableError, match=f'127.0.0.1:{rpc}'):
         Engine(tiny_qwen3_next, cfg)
     assert 'NOT authenticated' not in caplog.text, caplog.text
+
+
+def test_model_name_takes_several_names_as_peers_served_model_name(capsys):
+    from lmdeploy.cli.entrypoint import build_parser
+    args = build_parser().parse_args(['serve', 'api_server', '/m', '--model-name', 'local', 'claude-opus-4-8'])
+    assert args.model_name == ['local', 'claude-opus-4-8']
+    assert build_parser().parse_args(['serve', 'api_server', '/m']).model_name is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(['serve', 'api_server', '/m', '--model-name', 'a', ' '])
+    assert '--model-name' in capsys.readouterr().err
+    from lmdeploy.serve.openai.handlers import served_names
+    assert served_names('a') == ('a',) and served_names(['b', 'a', 'b']) == ('b', 'a')
+    for bad in ([], [''], None):
+        with pytest.raises(ValueError, match='model_name'):
+            served_names(bad)

@@ -94,8 +94,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         '(see --protect-metrics)')
     parser.add_argument('--protect-metrics', action='store_true',
                         help='/metrics needs an API key too (default: open, for plain Prometheus scrapes)')
-    parser.add_argument('--model-name', default=None, type=_model_name,
-                        help='name clients send as "model" (default: the model directory\'s basename)')
+    parser.add_argument('--model-name', nargs='+', default=None, type=_model_name, metavar='NAME',
+                        help='names clients may send as "model", e.g. the default model names of agent CLIs '
+                        '(/v1/models lists them all; replies name the first; default: the model directory\'s '
+                        'basename)')
     parser.add_argument('--allowed-media-domains', nargs='+', type=_host_name, default=(), metavar='HOST',
                         help='image_url http(s) URLs may name only these hosts (exact names, redirects included); '
                         'default: any public host')

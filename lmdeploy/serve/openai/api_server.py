@@ -118,7 +118,7 @@ def _add_docs(app: FastAPI, auth: list) -> None:
         lambda: get_swagger_ui_html(openapi_url='/openapi.json', title=f'{app.title} API'))
 
 
-def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
+def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
                reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
                image_fetch: ImageFetchLimits | None = None, response_store=None) -> FastAPI:
@@ -126,7 +126,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool
 
     Args:
         pipe: the pipeline; the app does not close it.
-        model_name: the name clients must send as ``model`` (others get 404).
+        model_name: the name clients must send as ``model``, or a list of names any of which
+            they may send (``/v1/models`` lists them all; replies name the first); others get a
+            404 listing the served names.
         api_keys: accepted bearer tokens; None or an empty list disables authentication (an
             empty key is refused). With keys, ``/v1/*``, ``/debug/*``, ``/docs`` and
             ``/openapi.json`` need one; ``/metrics`` too with ``protect_metrics``; ``/health``
@@ -247,7 +249,8 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0', server_port: int = 23333,
-               api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None, *,
+               api_keys: list[str] | None = None, log_level: str = 'info',
+               model_name: str | list[str] | None = None, *,
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
@@ -292,8 +295,9 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
                          max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
                          protect_metrics=protect_metrics, image_fetch=image_fetch, response_store=response_store)
         server = app.state.server
-        logger.info('serving %s as %r on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
-                    server.model_name, server_name, server_port, server.tool_parser_name, server.reasoning_parser_name)
+        logger.info('serving %s as %s on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
+                    ', '.join(repr(n) for n in server.model_names), server_name, server_port,
+                    server.tool_parser_name, server.reasoning_parser_name)
         # uvicorn's own deadline comes after ours, so the drain (not a task cancellation) ends late requests
         config = uvicorn.Config(app, host=server_name, port=server_port, log_level=log_level.lower(),
                                 timeout_graceful_shutdown=shutdown_timeout + 5)
