@@ -144,7 +144,8 @@ class DSAIndexer(nn.Module):
     A query at position ``p`` with ``q = wq_b(q_resid)`` (``index_n_heads`` heads) scores pool
     ``m`` as ``sum_h w_h relu(q_h . key_m / sqrt(d))``, ``w = weights_proj(h) / sqrt(heads)``;
     pools not wholly at or before ``p`` are excluded. The best ``index_topk / P`` pools are
-    kept (:func:`top_pools`: among equal scores the earlier pool), and, with ``index_kpool_always_select_tail``, the ``(p + 1) mod P``
+    kept (:func:`top_pools`: among equal scores the earlier pool), and, with
+    ``index_kpool_always_select_tail``, the ``(p + 1) mod P``
     tokens of ``p``'s incomplete pool. Scores are float32.
     """
 

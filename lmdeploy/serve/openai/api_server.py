@@ -51,8 +51,8 @@ from ...metrics import HTTPMetricsMiddleware
 from ..images import ImageFetchLimits
 from .chat_route import ChatRoutes
 from .completions_route import CompletionRoutes
-from .errors import install_error_handlers
 from .defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+from .errors import install_error_handlers
 from .generation import _Generation, _SSEResponse   # noqa: F401  (imported from here by responses, anthropic, chat_bridge)
 from .handlers import ServerBase
 from .large_body import OffLoopJSONRoute
@@ -118,8 +118,9 @@ def _add_docs(app: FastAPI, auth: list) -> None:
         lambda: get_swagger_ui_html(openapi_url='/openapi.json', title=f'{app.title} API'))
 
 
-def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
-               reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = None, *,
+               tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
                image_fetch: ImageFetchLimits | None = None, response_store=None) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).

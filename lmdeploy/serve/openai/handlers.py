@@ -21,13 +21,13 @@ from ...messages import GenerationConfig
 from ...metrics import ServerMetrics
 from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts
+from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import APIError
 from .generation import _shutting_down
 from .lifecycle import Drain
 from .protocol import ChatCompletionRequest, DecodedInts, ModelCard, ModelList, NamedToolChoice
 from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
-from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .tool_parser import detect_tool_format, get_tool_parser
 
 __all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT', 'served_names']
