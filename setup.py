@@ -15,10 +15,16 @@ setup(
     version='0.1.0',
     description='PyTorch inference engine for hybrid-attention LLMs with recurrent-state prefix caching '
                 'and a Mooncake Store tier',
-    packages=find_packages(include=['lmdeploy', 'lmdeploy.*']),
-    # the native CPU kernels are compiled from their C source when an engine starts
-    package_data={'lmdeploy.pytorch.kernels': ['csrc/*.c', 'csrc/*.h']},
+    # csrc holds the native CPU kernels' C source, compiled when an engine starts; it is listed
+    # as a (data-only) package of its own, which setuptools requires of an importable folder
+    # (otherwise a 40-line BuildBackendWarning on every install)
+    packages=find_packages(include=['lmdeploy', 'lmdeploy.*']) + ['lmdeploy.pytorch.kernels.csrc'],
+    package_data={'lmdeploy.pytorch.kernels.csrc': ['*.c', '*.h']},
     include_package_data=True,
+    # the root folder as the packages' folder: `pip install -e .` then puts the checkout on
+    # sys.path with a .pth file (as `setup.py develop` did) instead of setuptools' import hook,
+    # which prints an "Editable installation" warning on every install
+    package_dir={'': '.'},
     python_requires='>=3.10',
     install_requires=_reqs('runtime.txt'),
     extras_require={

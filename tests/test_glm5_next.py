@@ -270,3 +270,48 @@ def test_a_flat_text_only_checkpoint_loads_without_a_vision_tower(tiny, tmp_path
                                                   image_grid_thw=torch.tensor([[1, 4, 4]])))
     with pytest.raises(ValueError):
         eng.generate(ids, GenerationConfig(max_new_tokens=1), multimodal=(image,))
+
+
+def test_tied_indexer_scores_select_the_earliest_pools_in_any_chunking(tiny, tmp_path, monkeypatch):
+    """A checkpoint whose indexer weights_proj is zero scores every pool 0: torch.topk picked
+    among the tie by a rule depending on the row length, so the kept pools, and the logits (by up
+    to 0.63), depended on the prefill chunk size. Ties now go to the earliest pools: every
+    position past index_topk keeps pools 0..7 (tokens 0-63) and the tokens of its incomplete pool."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path, _ = tiny
+    degenerate = tmp_path / 'zero_indexer'
+    shutil.copytree(path, degenerate)
+    weights = degenerate / 'model.safetensors'
+    tensors = load_file(weights)
+    zeroed = [name for name in tensors if name.endswith('indexer.weights_proj.weight')]
+    assert zeroed
+    tensors.update({name: torch.zeros_like(tensors[name]) for name in zeroed})
+    save_file(tensors, weights, metadata={'format': 'pt'})
+    ids = random_prompt(300, seed=43)
+    full = _Selections(monkeypatch)
+    one_forward, _ = engine_prompt_logits(make_engine(str(degenerate), block_size=16), ids)
+    (full_rows,) = full.rows.values()                   # one 'full' indexer layer (layer 2 shares it)
+    chunked = _Selections(monkeypatch)
+    in_chunks, forwards = engine_prompt_logits(make_engine(str(degenerate), block_size=16, max_prefill_token_num=32),
+                                               ids)
+    (chunked_rows,) = chunked.rows.values()
+    assert forwards == 10
+    assert full_rows == chunked_rows
+    for p in range(72, 300):
+        assert full_rows[p] == tuple(range(64)) + tuple(range(p + 1 - (p + 1) % 8, p + 1)), p
+    assert (one_forward - in_chunks).abs().max().item() <= TOL
+
+
+def test_top_pools_breaks_ties_by_the_lower_index_and_otherwise_equals_topk():
+    from lmdeploy.pytorch.models.glm5_next_layers import top_pools
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 33, 100):
+        for k in {0, 1, min(8, n), n}:
+            tied = torch.randint(0, 3, (16, n), generator=gen).float()      # many exact ties
+            got = top_pools(tied, k)
+            for row, picks in zip(tied.tolist(), got.tolist()):
+                assert picks == sorted(range(n), key=lambda i: (-row[i], i))[:k]
+            distinct = torch.randn(16, n, generator=gen)
+            assert torch.equal(top_pools(distinct, k), distinct.topk(k, dim=-1).indices)

@@ -25,9 +25,11 @@ __all__ = ['build_parser', 'main']
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose "required" error also names the flags it does not know (plain
-    argparse stops at the first error, so a mistyped flag went unreported until the missing
-    argument was given). Sub-command parsers inherit the class."""
+    """An ``ArgumentParser`` whose errors are two lines: the error (a "required" error also names
+    the flags it does not know, since plain argparse stops at the first error, so a mistyped flag
+    went unreported until the missing argument was given), then where the flags are listed.
+    Plain argparse printed the whole usage first (about 45 lines for ``serve api_server``), which
+    pushed the "did you mean" off the screen. Sub-command parsers inherit the class."""
 
     argv: list[str] = []
 
@@ -37,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
                        and not self._knows(tok.split('=', 1)[0])]
             if unknown:
                 message += f'; {self.unrecognized(unknown)}'
-        super().error(message)
+        self.exit(2, f'{self.prog}: error: {message}\nsee `{self.prog} --help`\n')
 
     def unrecognized(self, unknown: list[str]) -> str:
         """"unrecognized arguments: ..." naming, for each mistyped flag, the closest flag of this
@@ -72,14 +74,14 @@ def _is_number(token: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     """The full ``lmdeploy`` argument parser."""
     from .. import __version__
-    from ..tools import make_tiny_model
+    from ..tools import tiny_args
     from . import chat, serve
     parser = _Parser(prog='lmdeploy', description='Inference engine for hybrid-attention LLMs.')
     parser.add_argument('--version', action='version', version=f'lmdeploy {__version__}')
     subparsers = parser.add_subparsers(dest='command', metavar='COMMAND', required=True)
     serve.add_parser(subparsers)
     chat.add_parser(subparsers)
-    make_tiny_model.add_parser(subparsers)
+    tiny_args.add_parser(subparsers)
     for leaf in _command_parsers(parser):
         leaf.set_defaults(_command_parser=leaf)
     return parser

@@ -94,15 +94,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         '(see --protect-metrics)')
     parser.add_argument('--protect-metrics', action='store_true',
                         help='/metrics needs an API key too (default: open, for plain Prometheus scrapes)')
-    parser.add_argument('--model-name', default=None, type=_model_name,
-                        help='name clients send as "model" (default: the model directory\'s basename)')
+    parser.add_argument('--model-name', nargs='+', default=None, type=_model_name, metavar='NAME',
+                        help='names clients may send as "model", e.g. the default model names of agent CLIs '
+                        '(/v1/models lists them all; replies name the first; default: the model directory\'s '
+                        'basename)')
     parser.add_argument('--allowed-media-domains', nargs='+', type=_host_name, default=(), metavar='HOST',
                         help='image_url http(s) URLs may name only these hosts (exact names, redirects included); '
                         'default: any public host')
     parser.add_argument('--allow-private-media-urls', action='store_true',
                         help='also fetch image URLs that reach loopback, private or link-local addresses (default: '
                         'refused, so that clients cannot make the server probe its own network)')
-    from ..serve.openai.api_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
+    from ..serve.openai.defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
     from ..serve.openai.reasoning_parser import REASONING_PARSERS
     from ..serve.openai.tool_parser import TOOL_PARSERS
     parser.add_argument('--tool-call-parser', default='auto', choices=['auto', 'none', *sorted(TOOL_PARSERS)],
@@ -168,15 +170,44 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def native_log_path() -> str:
+KEPT_NATIVE_LOGS = 5     # Mooncake client logs kept for debugging: this run's and the 4 latest before it
+
+
+def native_log_path(keep: int = KEPT_NATIVE_LOGS) -> str:
     """Where a server or chat process writes the Mooncake client's native log:
     ``logs/mooncake-PID.log`` under the lmdeploy cache root (``$LMDEPLOY_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/lmdeploy``, else ``~/.cache/lmdeploy``), not the temporary folder, which a
-    clean stop leaves as it found it."""
+    clean stop leaves as it found it.
+
+    One file per run would pile up, so the older logs of processes that have ended are removed,
+    keeping ``keep`` in all (this run's and the ``keep - 1`` most recently written before it);
+    the log of a process still running is never removed."""
     from ..pytorch.config import cache_root
     folder = cache_root() / 'logs'
     folder.mkdir(parents=True, exist_ok=True)
-    return str(folder / f'mooncake-{os.getpid()}.log')
+    path = folder / f'mooncake-{os.getpid()}.log'
+    old = []
+    for log in folder.glob('mooncake-*.log'):
+        pid = log.stem[len('mooncake-'):]
+        if log == path or not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        try:
+            old.append((log.stat().st_mtime, log))
+        except FileNotFoundError:       # another process pruned it meanwhile
+            pass
+    for _, log in sorted(old, reverse=True)[max(keep - 1, 0):]:
+        log.unlink(missing_ok=True)
+    return str(path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # another user's process
+        return True
+    return True
 
 
 def route_native_logs(path: str) -> None:

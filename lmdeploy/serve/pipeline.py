@@ -177,8 +177,7 @@ class Pipeline:
             num, ids = len(enc), None
         limit = self.engine.session_len
         if check_length and num >= limit:
-            raise ValueError(f'the prompt has {num} tokens, which does not fit session_len={limit} '
-                             f'(at most {limit - 1} prompt tokens)')
+            raise ValueError(self.engine.prompt_too_long(num))
         return list(enc.ids if ids is None else ids)
 
     @property

@@ -37,18 +37,17 @@ import os
 
 import torch
 
+# the command line (arguments, architecture names) lives in a module without torch, so that
+# `lmdeploy --help` does not pay torch's import
+from .tiny_args import (ARCHS, DTYPE_NAMES, MTP_ARCHS, NEXTN_ARCHS, VL_ARCHS, _add_arguments,  # noqa: F401 (re-exported)
+                        add_parser, main)
 from .tiny_published_names import PUBLISHED_NAMES, _glm5_next_published_names
 from .tiny_tokenizer import (CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_VOCAB_SIZE, _write_json,  # noqa: F401 (re-exported)
                              _write_tokenizer, train_tokenizer)
 
-ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next', 'nemotron_h',
-         'granitemoehybrid')
-VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
-MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
-NEXTN_ARCHS = ('glm5_next',)    # the NextN layer model.layers.{num_hidden_layers}.*, written with mtp=True only
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
 IMAGE_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>')
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 MATRIX_STD = 0.1
 NORM_JITTER_STD = 0.05
 
@@ -433,53 +432,6 @@ def _image_processor_config(vision) -> dict:
             'patch_size': vision.patch_size, 'merge_size': vision.spatial_merge_size,
             'temporal_patch_size': vision.temporal_patch_size,
             'size': {'shortest_edge': factor * factor, 'longest_edge': 4 * factor * 4 * factor}}
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the `make-tiny-model` sub-command to an argparse `subparsers`; sets `func=main`."""
-    parser = subparsers.add_parser('make-tiny-model', help='write a tiny random checkpoint for tests',
-                                   description='Write a tiny, seeded, random Hugging Face checkpoint (config, '
-                                   'safetensors weights, a trained BPE tokenizer) into OUT_DIR.')
-    _add_arguments(parser)
-    parser.set_defaults(func=main)
-    return parser
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('out_dir', metavar='OUT_DIR', help='directory to write the checkpoint into')
-    parser.add_argument('--arch', choices=ARCHS, default='qwen3_next', help='model architecture (default: qwen3_next)')
-    parser.add_argument('--seed', type=int, default=0,
-                        help='weight seed; the tokenizer does not depend on it (default: 0)')
-    parser.add_argument('--dtype', choices=tuple(DTYPES), default='float32',
-                        help='stored weight dtype (default: float32)')
-    parser.add_argument('--mtp', action=argparse.BooleanOptionalAction, default=None,
-                        help=f'also write the multi-token-prediction head: mtp.* (default: on for '
-                        f'{", ".join(MTP_ARCHS)}) or the NextN layer ({", ".join(NEXTN_ARCHS)}: off by default); '
-                        'other architectures have none')
-    parser.add_argument('--fp8', action='store_true',
-                        help='store the matrices FP8 (e4m3) block-quantized with 128x128 inverse scales, as the '
-                        'official FP8 checkpoints (default: off)')
-    parser.add_argument('--force', action='store_true',
-                        help='write into OUT_DIR even if it is not empty, replacing the checkpoint files '
-                        '(default: refuse a non-empty directory)')
-
-
-def main(args: argparse.Namespace) -> str:
-    """Run the CLI command for parsed `args`; prints and returns the written directory.
-
-    Raises ValueError when `out_dir` exists and is not empty, unless `args.force`, or for `--mtp`
-    with an architecture outside `MTP_ARCHS`.
-    """
-    mtp = getattr(args, 'mtp', None)
-    if mtp and args.arch not in MTP_ARCHS + NEXTN_ARCHS:
-        raise ValueError(f'--mtp: only {", ".join(MTP_ARCHS + NEXTN_ARCHS)} checkpoints have an MTP head, '
-                         f'not --arch {args.arch}')
-    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
-        raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')
-    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                           mtp=(args.arch not in NEXTN_ARCHS) if mtp is None else mtp, fp8=getattr(args, 'fp8', False))
-    print(path)
-    return path
 
 
 if __name__ == '__main__':

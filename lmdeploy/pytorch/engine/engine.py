@@ -121,6 +121,8 @@ class Engine:
         self.is_hybrid = has_state(self.specs)
         text_config = self.hf_config.get_text_config()   # a vision-language config keeps these in text_config
         self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))
+        # what set session_len, for the message that refuses a prompt too long for it
+        self._session_len_source = 'session_len' if config.session_len else 'max_position_embeddings'
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
         self._grammar = None      # constrained decoding, built with the first guided request
@@ -151,6 +153,7 @@ class Engine:
             logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
                            self.session_len, num_blocks, cc.block_size, capacity)
             self.session_len = capacity
+            self._session_len_source = f'kv_cache:{num_blocks}'
         check_cache_fits(self.specs, cc, num_blocks, num_slots, self.device)
         self.cache_engine = self.executor.start(cc.block_size, num_blocks, num_slots)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
@@ -206,6 +209,25 @@ class Engine:
         from ..prefix_cache.store_tier import build_store_tier
         return build_store_tier(self)
 
+    def prompt_too_long(self, num_tokens: int) -> str:
+        """The message refusing a prompt of ``num_tokens`` (``>= session_len``) tokens: both
+        numbers, what set ``session_len`` and the flag that raises it (``--session-len``; its
+        default is the model's ``max_position_embeddings``, e.g. 32768 for the tiny models, less
+        than an agent CLI's first prompt; or the KV cache, when it holds fewer tokens)."""
+        text = (f'the prompt has {num_tokens} tokens, which does not fit session_len={self.session_len} '
+                f'(at most {self.session_len - 1} prompt tokens); ')
+        source = self._session_len_source
+        if source == 'max_position_embeddings':
+            return text + ('session_len defaults to max_position_embeddings of the model\'s config.json; start the '
+                           'server with a larger --session-len (session_len), e.g. --session-len '
+                           f'{_next_power_of_two(num_tokens)}')
+        if source == 'session_len':
+            return text + ('start the server with a larger --session-len (session_len), e.g. --session-len '
+                           f'{_next_power_of_two(num_tokens)}')
+        blocks = int(source.split(':')[1])
+        return text + (f'the KV cache holds only {blocks} blocks x {self.config.block_size} tokens: give it more '
+                       'with --num-gpu-blocks (num_gpu_blocks) or --cache-max-entry-count (cache_max_entry_count)')
+
     # requests ---------------------------------------------------------------------------
     def validate(self, token_ids: list[int], gen_config: GenerationConfig) -> None:
         """Reject a request the engine cannot serve.
@@ -218,8 +240,7 @@ class Engine:
         if not token_ids:
             raise ValueError('the prompt is empty: at least 1 token is required')
         if len(token_ids) >= self.session_len:
-            raise ValueError(f'the prompt has {len(token_ids)} tokens, which does not fit session_len='
-                             f'{self.session_len} (at most {self.session_len - 1} prompt tokens)')
+            raise ValueError(self.prompt_too_long(len(token_ids)))
         bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f'token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
@@ -526,3 +547,8 @@ class Engine:
                 self.store.close()
         finally:
             self.executor.close()
+
+
+def _next_power_of_two(n: int) -> int:
+    """The smallest power of two above ``n`` (a session length that fits an ``n``-token prompt)."""
+    return 1 << n.bit_length()

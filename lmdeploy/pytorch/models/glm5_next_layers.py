@@ -23,7 +23,8 @@ from ..model_inputs import StepContext
 from .layers import Linear, PackedLinear, RMSNorm
 from .qwen3_next import FusedExperts
 
-__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'ClampedSwiGLUMLP', 'ClampedExperts', 'clamped_swiglu']
+__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'ClampedSwiGLUMLP', 'ClampedExperts', 'clamped_swiglu',
+           'top_pools']
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -114,6 +115,25 @@ class HyperConnection(nn.Module):
                                                                               residual)
 
 
+def top_pools(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest scores of each row, ties going to the lower index.
+
+    ``torch.topk`` picks among exactly equal scores by an unspecified rule that depends on the
+    row length, i.e. on how many pools a prefill chunk sees, so the kept pools (and the logits)
+    changed with the chunk size wherever scores tie (e.g. all of them, on a checkpoint whose
+    indexer projections are zero). A stable descending sort keeps equal scores in index order.
+    Where the scores of the kept pools are distinct from the rest, the set equals ``topk``'s.
+
+    Args:
+        scores: ``[L, n]`` float scores.
+        k: pools to keep, ``0 <= k <= n``.
+
+    Returns:
+        ``[L, k]`` int64 indices, best first.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
 class DSAIndexer(nn.Module):
     """DeepSeek Sparse Attention lightning indexer (DeepSeek-V3.2, 2025) over key pools.
 
@@ -124,7 +144,8 @@ class DSAIndexer(nn.Module):
     A query at position ``p`` with ``q = wq_b(q_resid)`` (``index_n_heads`` heads) scores pool
     ``m`` as ``sum_h w_h relu(q_h . key_m / sqrt(d))``, ``w = weights_proj(h) / sqrt(heads)``;
     pools not wholly at or before ``p`` are excluded. The best ``index_topk / P`` pools are
-    kept (``torch.topk``), and, with ``index_kpool_always_select_tail``, the ``(p + 1) mod P``
+    kept (:func:`top_pools`: among equal scores the earlier pool), and, with
+    ``index_kpool_always_select_tail``, the ``(p + 1) mod P``
     tokens of ``p``'s incomplete pool. Scores are float32.
     """
 
@@ -176,7 +197,7 @@ class DSAIndexer(nn.Module):
             ends = torch.arange(n_pools, device=hidden.device) * P + (P - 1)
             valid = ends[None, :] <= pos[:, None]
             index_scores = index_scores.masked_fill(~valid, torch.finfo(index_scores.dtype).min)
-            chosen = index_scores.topk(min(self.topk // P, n_pools), dim=-1).indices
+            chosen = top_pools(index_scores, min(self.topk // P, n_pools))
             pools = torch.zeros(L, n_pools, dtype=torch.bool, device=hidden.device)
             pools.scatter_(1, chosen, valid.gather(1, chosen))
             allowed[:, :n_pools * P] = pools.repeat_interleave(P, dim=1)

@@ -446,10 +446,6 @@ def build_store_tier(engine) -> StoreTier:
     secret = resolve_secret(cfg.store_secret_file)       # a bad secret file fails before anything starts
     if secret is None and master == 'local':
         secret = secrets.token_hex(32).encode()   # embedded services die with this engine: a per-run secret
-    elif secret is None:
-        logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
-                       'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '
-                       'outputs. Give every engine sharing the Store the same secret.', master)
     namespace = _namespace(engine, secret)
     services = None
     if master == 'local':
@@ -465,4 +461,10 @@ def build_store_tier(engine) -> StoreTier:
         if services is not None:
             services.stop()
         raise
+    # warned only once the Store is reached: before an unreachable master's fatal error, the
+    # warning was the line a user read first, and it is not what stopped the server
+    if secret is None:
+        logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
+                       'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '
+                       'outputs. Give every engine sharing the Store the same secret.', master)
     return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size, services, secret)

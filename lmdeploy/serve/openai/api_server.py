@@ -51,9 +51,10 @@ from ...metrics import HTTPMetricsMiddleware
 from ..images import ImageFetchLimits
 from .chat_route import ChatRoutes
 from .completions_route import CompletionRoutes
+from .defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import install_error_handlers
 from .generation import _Generation, _SSEResponse   # noqa: F401  (imported from here by responses, anthropic, chat_bridge)
-from .handlers import DEFAULT_SHUTDOWN_TIMEOUT, ServerBase
+from .handlers import ServerBase
 from .large_body import OffLoopJSONRoute
 from .lifecycle import BodySizeLimit, GracefulServer, KeyCheck
 from .protocol import ErrorBody
@@ -68,7 +69,6 @@ _KNOWN_PATHS = frozenset({'/v1/models', '/v1/chat/completions', '/v1/completions
                           '/debug/ledger', '/docs', '/openapi.json'})
 # one model's path (its id may hold slashes), one stored response's
 _PATH_TEMPLATES = {'/v1/models/': '/v1/models/{model}', '/v1/responses/': '/v1/responses/{id}'}
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # How long a thread running Python may keep the GIL while another waits (CPython's default: 5 ms).
 # The event loop needs the GIL a dozen times or more to answer one request; with the worker
 # threads decoding, validating or tokenizing a large body it waited a full interval each time:
@@ -118,15 +118,18 @@ def _add_docs(app: FastAPI, auth: list) -> None:
         lambda: get_swagger_ui_html(openapi_url='/openapi.json', title=f'{app.title} API'))
 
 
-def create_app(pipe, model_name: str, api_keys: list[str] | None = None, *, tool_call_parser: str = 'auto',
-               reasoning_parser: str = 'auto', max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = None, *,
+               tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
                image_fetch: ImageFetchLimits | None = None, response_store=None) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
         pipe: the pipeline; the app does not close it.
-        model_name: the name clients must send as ``model`` (others get 404).
+        model_name: the name clients must send as ``model``, or a list of names any of which
+            they may send (``/v1/models`` lists them all; replies name the first); others get a
+            404 listing the served names.
         api_keys: accepted bearer tokens; None or an empty list disables authentication (an
             empty key is refused). With keys, ``/v1/*``, ``/debug/*``, ``/docs`` and
             ``/openapi.json`` need one; ``/metrics`` too with ``protect_metrics``; ``/health``
@@ -214,17 +217,28 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def _engine_summary(engine) -> str:
-    """One line on what the engine sized: KV blocks, state slots, Store."""
+    """One line on what the engine sized: KV blocks, state slots, and the Store backend really in
+    use (its folder for ``file:DIR``, the master's address for an external Mooncake master)."""
     cfg = engine.config
     parts = [f'{engine.block_manager.num_blocks} KV blocks x {cfg.block_size} tokens on {engine.device}']
     if engine.cache_engine.num_slots:
         parts.append(f'{engine.cache_engine.num_slots} state slots')
-    if engine.store is None:
-        parts.append('no Store')
-    else:
-        parts.append('embedded Mooncake Store' if cfg.mooncake_master == 'local' else
-                     f'Mooncake Store at {cfg.mooncake_master}')
+    parts.append(store_summary(cfg, engine.store is not None))
     return ', '.join(parts)
+
+
+def store_summary(cfg, in_use: bool) -> str:
+    """The Store part of the startup line for an engine config (``PytorchEngineConfig``):
+    ``'no Store'`` when ``in_use`` is False (none configured, or the engine did not use it),
+    ``'file Store in DIR'``, ``'embedded Mooncake Store'`` or ``'Mooncake Store at HOST:PORT'``."""
+    if not in_use:
+        return 'no Store'
+    if (cfg.store_backend or '').startswith('file:'):
+        from ...pytorch.store.file_backend import parse_store_backend
+        return f'file Store in {os.path.abspath(parse_store_backend(cfg.store_backend)[1])}'
+    if cfg.mooncake_master == 'local':
+        return 'embedded Mooncake Store'
+    return f'Mooncake Store at {cfg.mooncake_master}'
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -236,7 +250,8 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0', server_port: int = 23333,
-               api_keys: list[str] | None = None, log_level: str = 'info', model_name: str | None = None, *,
+               api_keys: list[str] | None = None, log_level: str = 'info',
+               model_name: str | list[str] | None = None, *,
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
@@ -281,8 +296,9 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
                          max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
                          protect_metrics=protect_metrics, image_fetch=image_fetch, response_store=response_store)
         server = app.state.server
-        logger.info('serving %s as %r on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
-                    server.model_name, server_name, server_port, server.tool_parser_name, server.reasoning_parser_name)
+        logger.info('serving %s as %s on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
+                    ', '.join(repr(n) for n in server.model_names), server_name, server_port,
+                    server.tool_parser_name, server.reasoning_parser_name)
         # uvicorn's own deadline comes after ours, so the drain (not a task cancellation) ends late requests
         config = uvicorn.Config(app, host=server_name, port=server_port, log_level=log_level.lower(),
                                 timeout_graceful_shutdown=shutdown_timeout + 5)

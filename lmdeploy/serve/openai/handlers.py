@@ -21,6 +21,7 @@ from ...messages import GenerationConfig
 from ...metrics import ServerMetrics
 from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts
+from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import APIError
 from .generation import _shutting_down
 from .lifecycle import Drain
@@ -29,9 +30,19 @@ from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
 from .tool_parser import detect_tool_format, get_tool_parser
 
-__all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT']
+__all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT', 'served_names']
 
-DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+def served_names(model_name: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The served model names, in order, without repeats.
+
+    Raises:
+        ValueError: no name, or an empty or non-string one (names ``model_name``).
+    """
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name or ())
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f'model_name (--model-name): one or more non-empty names, got {model_name!r}')
+    return tuple(dict.fromkeys(names))
 
 
 def _resolve_parser(choice: str, template: str, marker: str, default: str) -> str | None:
@@ -56,7 +67,8 @@ class ServerBase:
 
     Args:
         pipe: the pipeline.
-        model_name: the served name.
+        model_name: the served name, or several (a list): a request may name any of them as
+            ``model``; replies name the first (:attr:`model_name`).
         api_keys: accepted bearer tokens (empty: no authentication).
         tool_call_parser: ``auto`` (``qwen_xml`` when the chat template writes ``<function=NAME>``
             calls, else ``hermes`` when it mentions ``<tool_call>``), ``none``, or a registered
@@ -66,10 +78,11 @@ class ServerBase:
         shutdown_timeout: seconds in-flight requests may run after SIGTERM.
     """
 
-    def __init__(self, pipe, model_name: str, api_keys: list[str] | None, tool_call_parser: str = 'auto',
+    def __init__(self, pipe, model_name: str | list[str], api_keys: list[str] | None, tool_call_parser: str = 'auto',
                  reasoning_parser: str = 'auto', shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
         self.pipe = pipe
-        self.model_name = model_name
+        self.model_names = served_names(model_name)
+        self.model_name = self.model_names[0]
         self.api_keys = [k for k in (api_keys or []) if k]
         self.metrics = ServerMetrics(lambda: pipe.loop.call(lambda engine: engine.stats(), timeout=30),
                                      lambda: pipe.loop.call(lambda engine: engine.ledger(), timeout=30))
@@ -108,9 +121,10 @@ class ServerBase:
         return scheme.lower() == 'bearer' and any(hmac.compare_digest(token, k.encode()) for k in self.api_keys)
 
     def _check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(404, f'the model {name!r} does not exist; this server serves {self.model_name!r}',
-                           param='model', code='model_not_found')
+        if name not in self.model_names:
+            served = ', '.join(repr(n) for n in self.model_names)
+            raise APIError(404, f'the model {name!r} does not exist; this server serves {served} (start it with '
+                           '--model-name NAME [NAME ...] to serve more names)', param='model', code='model_not_found')
 
     def _encode(self, prompt, param: str) -> list[int]:
         """Raw token ids of a completions prompt (worker thread)."""
@@ -238,16 +252,17 @@ class ServerBase:
             raise APIError(400, f'response_format: {err}', param='response_format', code='invalid_value') from err
 
     # endpoints ------------------------------------------------------------------------------
-    def _card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, max_model_len=self.pipe.engine.session_len)
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, max_model_len=self.pipe.engine.session_len)
 
     async def models(self) -> dict:
-        return ModelList(data=[self._card()]).model_dump()
+        """``GET /v1/models``: one card per served name, the first first."""
+        return ModelList(data=[self._card(name) for name in self.model_names]).model_dump()
 
     async def model(self, model_id: str) -> dict:
-        """``GET /v1/models/{model_id}``: the served model's card, or 404 naming the id."""
+        """``GET /v1/models/{model_id}``: the card of a served name, or 404 naming the id."""
         self._check_model(model_id)
-        return self._card().model_dump()
+        return self._card(model_id).model_dump()
     async def health(self):
         if self.drain.draining:
             raise _shutting_down()
