@@ -508,6 +508,10 @@ class Engine:
             'blocks_cached': cached,
             'blocks_in_use': bm.num_blocks - bm.num_free - cached - ckpt_rows,
             'checkpoint_rows': ckpt_rows,
+            # bytes the prefix cache holds per tier (payload bytes: cached KV blocks and checkpoints)
+            'device_cache_bytes': cached * self.cache_engine.kv_block_bytes
+            + (sc.num_published * self.cache_engine.state_bytes if sc else 0),
+            'host_cache_bytes': getattr(getattr(self.prefix_cache, 'host', None), 'bytes_held', 0),
             'runtime_slots_free': sc.num_free_runtime if sc else 0,
             'runtime_slots_total': sc.num_runtime_slots if sc else 0,
             'checkpoints_pinned': sc.num_pinned if sc else 0,
