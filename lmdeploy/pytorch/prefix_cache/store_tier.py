@@ -639,7 +639,8 @@ def build_store_tier(engine) -> StoreTier:
         return _build_file_tier(engine)
     largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
     need = buffer_bytes_needed(largest)
-    buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need)
+    # each writer's put and the engine's read take room in the buffer at once (auto: all of them)
+    buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need * (cfg.store_writers + 1))
     if buffer_size < need:
         raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
                          f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
@@ -666,7 +667,7 @@ def build_store_tier(engine) -> StoreTier:
     try:
         client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
                                      segment_size=cfg.mooncake_segment_size,
-                                     local_buffer_size=buffer_size)
+                                     local_buffer_size=buffer_size, max_transfers=buffer_size // need)
     except BaseException:
         if services is not None:
             services.stop()

@@ -169,7 +169,8 @@ class StoreClient:
     """
 
     def __init__(self, native, master: tuple[str, int], local_buffer_size: int, retry_interval_s: float,
-                 probe=None, repair_wait_s: float = REPAIR_WAIT_S, probe_timeout_s: float = PROBE_TIMEOUT_S):
+                 probe=None, repair_wait_s: float = REPAIR_WAIT_S, probe_timeout_s: float = PROBE_TIMEOUT_S,
+                 max_transfers: int = 1):
         self._store = native
         self._probe = probe                  # registered numpy buffer for ranged reads
         self.repair_wait_s = repair_wait_s
@@ -179,6 +180,9 @@ class StoreClient:
         self._probe_timeout_s = probe_timeout_s
         self._lock = threading.Lock()        # breaker, counters, _active; never held across a native call
         self._read_lock = threading.Lock()   # the registered read-back buffer
+        # puts and gets each take room in the local buffer: at most this many at once, so that
+        # concurrent writers never fail for want of buffer space
+        self._transfers = threading.BoundedSemaphore(max(1, max_transfers))
         self._drained = threading.Condition(self._lock)
         self._active = 0                     # native calls in progress
         self._prober: threading.Thread | None = None
@@ -191,7 +195,8 @@ class StoreClient:
     def connect(cls, master_address: str, metadata_server: str, protocol: str = 'tcp',
                 local_hostname: str = '127.0.0.1', segment_size: int = 0,
                 local_buffer_size: int = 64 << 20, *, rdma_devices: str = '',
-                connect_timeout_s: float = 2.0, retry_interval_s: float = 5.0) -> 'StoreClient':
+                connect_timeout_s: float = 2.0, retry_interval_s: float = 5.0,
+                max_transfers: int = 1) -> 'StoreClient':
         """Set up a Mooncake Store client in this process.
 
         Args:
@@ -209,6 +214,8 @@ class StoreClient:
             connect_timeout_s: bound on each TCP probe of master/metadata server (seconds).
             retry_interval_s: after an RPC failure, operations fail fast for this long before
                 the master is probed again (seconds).
+            max_transfers: most puts and gets in progress at once (each takes room in the
+                local buffer): ``local_buffer_size`` divided by the buffer one object needs.
 
         Raises:
             ValueError: a malformed argument (named).
@@ -265,7 +272,7 @@ class StoreClient:
             native.close()
             raise StoreUnavailableError(f'Mooncake client of master {master_address}: registering a '
                                         f'{PROBE_BYTES}-byte read buffer failed with code {rc}')
-        return cls(native, master, local_buffer_size, retry_interval_s, probe)
+        return cls(native, master, local_buffer_size, retry_interval_s, probe, max_transfers=max_transfers)
 
     # -- failure policy -------------------------------------------------------------------
 
@@ -364,7 +371,8 @@ class StoreClient:
                 self.stats.put_failures += 1
             return PutResult.FAILED
         try:
-            rc = self._store.upsert(key, value) if replace else self._store.put(key, value)
+            with self._transfers:
+                rc = self._store.upsert(key, value) if replace else self._store.put(key, value)
             holder = self._holder(key, view) if rc in _PUT_SUCCESS else None
         finally:
             self._exit()
@@ -386,7 +394,8 @@ class StoreClient:
             if not self._enter():
                 return self._put_failed(ERR_RPC_FAIL, f'repair {key}')
             try:
-                rc = self._store.upsert(key, value)
+                with self._transfers:
+                    rc = self._store.upsert(key, value)
                 holder = self._holder(key, view) if rc in _PUT_SUCCESS else None
             finally:
                 self._exit()
@@ -457,7 +466,8 @@ class StoreClient:
                 self.stats.get_failures += 1
             return None
         try:
-            data = self._store.get(key)
+            with self._transfers:
+                data = self._store.get(key)
             # get() returns b'' for a miss and for a failure alike; ask which one.
             rc = None if data else self._store.is_exist(key)
         finally:
