@@ -60,23 +60,26 @@ class _Payloads:
         return torch.randint(0, 256, (self.state_bytes, ), dtype=torch.uint8)
 
 
-def _open_backend(kind: str, folder: Path, buffer_bytes: int):
-    """``(client, services)`` for ``'file'`` or ``'mooncake'`` (embedded services)."""
+def _open_backend(kind: str, folder: Path, object_bytes: int, writers: int):
+    """``(client, services)`` for ``'file'`` or ``'mooncake'`` (embedded services; the local
+    buffer sized as the engine sizes it: room for every writer's put plus one read)."""
     if kind == 'file':
         from lmdeploy.pytorch.store.file_backend import FileStore
         return FileStore(folder), None
     from lmdeploy.pytorch.store.mooncake_client import StoreClient, buffer_bytes_needed
     from lmdeploy.pytorch.store.services import MooncakeServices
     services = MooncakeServices(segment_size=1 << 30).start()
-    client = StoreClient.connect(services.master_address, services.metadata_server,
-                                 local_buffer_size=max(64 << 20, buffer_bytes_needed(buffer_bytes)))
+    need = buffer_bytes_needed(object_bytes)
+    buffer = max(64 << 20, need * (writers + 1))
+    client = StoreClient.connect(services.master_address, services.metadata_server, local_buffer_size=buffer,
+                                 max_transfers=buffer // need)
     return client, services
 
 
 def measure_puts(kind: str, writers: int, saves: int, blocks: int, kv_bytes: int, state_bytes: int) -> dict:
     """One puts-per-second row (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix='lmdeploy-store-bench-') as tmp:
-        client, services = _open_backend(kind, Path(tmp), max(kv_bytes, state_bytes) + OBJECT_OVERHEAD)
+        client, services = _open_backend(kind, Path(tmp), max(kv_bytes, state_bytes) + OBJECT_OVERHEAD, writers)
         tier = StoreTier(client, _Payloads(kv_bytes, state_bytes), os.urandom(16), B, queue_size=saves + 1,
                          services=services, writers=writers)
         try:
