@@ -12,8 +12,10 @@ Two measurements, printed as tables (and written as JSON with ``--out``):
    :meth:`StoreTier.flush`. objects/s = objects put / that time.
 2. **Engine step time** (p50 / p99 of ``Engine.step()``, milliseconds) over a workload of
    ``--requests`` requests of ``--prompt`` tokens (two save points each) on the tiny hybrid
-   Qwen3-Next (CPU), without the Store, and with a ``file:DIR`` Store with 1 and N writers,
-   plus the saves the engine dropped (``store_dropped_puts``) and restored-from-Store hits.
+   Qwen3-Next (CPU), without the Store, and with a ``file:DIR`` Store with 1 and N writers;
+   also the time per step the engine thread spent inside the Store tier (``submit``, ``probe``,
+   ``load``: p50 and max, milliseconds), the saves it dropped (``store_dropped_puts``) and the
+   objects put.
 
 Usage::
 
@@ -117,23 +119,36 @@ def measure_steps(model: str, label: str, store: str | None, writers: int, reque
         if store == 'file':
             cfg.update(store_backend=f'file:{tmp}', store_writers=writers, store_queue_size=queue_size)
         eng = Engine(model, PytorchEngineConfig(**cfg))
-        steps = []
+        steps, in_store = [], []
+        spent = [0.0]
+        if eng.store is not None:       # time the engine thread spends inside the Store tier
+            for name in ('submit', 'probe', 'load'):
+                def timed(*a, _f=getattr(eng.store, name), **kw):
+                    t = time.perf_counter()
+                    try:
+                        return _f(*a, **kw)
+                    finally:
+                        spent[0] += time.perf_counter() - t
+                setattr(eng.store, name, timed)
         try:
             g = torch.Generator().manual_seed(0)
             for _ in range(requests):
                 eng.add_request(torch.randint(10, 200, (prompt, ), generator=g).tolist(), gen)
             while eng.has_work:
-                start = time.perf_counter()
+                start, spent[0] = time.perf_counter(), 0.0
                 eng.step()
                 steps.append((time.perf_counter() - start) * 1e3)
+                in_store.append(spent[0] * 1e3)
             stats = eng.stats()
             if eng.store is not None:
                 eng.store.flush(timeout=600)
         finally:
             eng.close()
     steps.sort()
+    in_store.sort()
     return dict(config=label, steps=len(steps), p50_ms=statistics.median(steps),
                 p99_ms=steps[min(len(steps) - 1, int(0.99 * len(steps)))], max_ms=steps[-1],
+                store_p50_ms=statistics.median(in_store), store_max_ms=in_store[-1],
                 dropped=stats['store_dropped_puts'], put_objects=sum(stats['store_put_objects'].values()))
 
 
@@ -157,17 +172,20 @@ def main(argv=None) -> None:
     p.add_argument('--queue-size', type=int, default=64, help='store_queue_size of the step-time engines')
     p.add_argument('--skip-mooncake', action='store_true', help='only the file:DIR rows')
     p.add_argument('--skip-steps', action='store_true', help='only the puts/s table')
+    p.add_argument('--skip-puts', action='store_true', help='only the step-time table')
     p.add_argument('--out', help='write both tables as JSON here')
     args = p.parse_args(argv)
 
     kinds = ['file'] + ([] if args.skip_mooncake else ['mooncake'])
-    puts = [measure_puts(kind, w, args.saves, args.blocks, args.kv_bytes, args.state_bytes)
-            for kind in kinds for w in (1, args.writers)]
-    print(f'\nStore puts ({args.saves} saves x ({args.blocks} KV blocks of {args.kv_bytes} B + 1 state of '
-          f'{args.state_bytes} B))\n')
-    print(_table(puts, [('backend', 'backend', ''), ('writers', 'writers', 'd'), ('put_many', 'put_many', ''),
-                        ('objects', 'objects', 'd'), ('s', 'seconds', '.2f'), ('objects/s', 'objects_per_s', '.0f'),
-                        ('MB/s', 'mb_per_s', '.1f'), ('failures', 'failures', 'd')]))
+    puts = [] if args.skip_puts else [measure_puts(kind, w, args.saves, args.blocks, args.kv_bytes, args.state_bytes)
+                                      for kind in kinds for w in (1, args.writers)]
+    if puts:
+        print(f'\nStore puts ({args.saves} saves x ({args.blocks} KV blocks of {args.kv_bytes} B + 1 state of '
+              f'{args.state_bytes} B))\n')
+        print(_table(puts, [('backend', 'backend', ''), ('writers', 'writers', 'd'), ('put_many', 'put_many', ''),
+                            ('objects', 'objects', 'd'), ('s', 'seconds', '.2f'),
+                            ('objects/s', 'objects_per_s', '.0f'), ('MB/s', 'mb_per_s', '.1f'),
+                            ('failures', 'failures', 'd')]))
     steps = []
     if not args.skip_steps:
         from lmdeploy.tools.make_tiny_model import make_tiny_model
@@ -179,7 +197,9 @@ def main(argv=None) -> None:
         print(f'\nEngine step time (tiny Qwen3-Next, CPU, {args.requests} requests of {args.prompt} tokens, '
               f'store_queue_size {args.queue_size})\n')
         print(_table(steps, [('config', 'config', ''), ('steps', 'steps', 'd'), ('p50 ms', 'p50_ms', '.2f'),
-                             ('p99 ms', 'p99_ms', '.2f'), ('max ms', 'max_ms', '.2f'), ('dropped', 'dropped', 'd'),
+                             ('p99 ms', 'p99_ms', '.2f'), ('max ms', 'max_ms', '.2f'),
+                             ('in Store p50 ms', 'store_p50_ms', '.3f'), ('in Store max ms', 'store_max_ms', '.3f'),
+                             ('dropped', 'dropped', 'd'),
                              ('objects put', 'put_objects', 'd')]))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(args=vars(args), puts=puts, steps=steps), indent=1))
