@@ -32,7 +32,6 @@ from lmdeploy.pytorch.paging.prefill_plan import ReuseRules
 from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
 from lmdeploy.pytorch.prefix_cache.plans import StoreLoad, StorePut
 from lmdeploy.pytorch.prefix_cache.store_tier import StoreTier
-from lmdeploy.pytorch.store.backend import PutResult
 from lmdeploy.pytorch.store.mooncake_client import FakeStoreClient
 from lmdeploy.pytorch.store.object_format import object_key
 
