@@ -172,7 +172,13 @@ class PytorchEngineConfig(BaseModel):
     store_file_max_bytes: int = Field(32 << 30, ge=0, description='Most bytes of objects a "file:DIR" Store '
                                       'backend keeps; the least recently used are removed beyond it. 0 = no '
                                       'limit.')
-    store_queue_size: int = Field(64, ge=1, description='Bounded queue of pending Store saves.')
+    store_queue_size: int = Field(64, ge=1, description='Bounded queue of pending Store saves; a save that finds '
+                                  'it full is dropped and counted (store_dropped_puts), never waited for.')
+    store_writers: int = Field(4, ge=1, le=64, description='Threads putting Store objects in parallel.')
+    store_timeout_s: float = Field(0.5, gt=0, le=60, allow_inf_nan=False, description='Deadline in seconds of '
+                                   'each Store call the engine thread makes (existence queries; an object read '
+                                   'gets 1 s more per 100 MB): a call past it is a miss, and the engine skips the '
+                                   'Store until a background check finds it answering again (every 5 s).')
     store_namespace: str | None = Field(None, min_length=1, max_length=256, pattern=r'^[\x21-\x7e]+$',
                                         description='Operator-managed model identity for the Store namespace '
                                         '(printable ASCII, no spaces); replaces hashing config.json and every '

@@ -53,6 +53,8 @@ ENGINE_SERIES = (
      'Store objects whose header, checksum or MAC did not verify (counted as misses).', None, ()),
     ('store_repaired_objects', 'store_repaired_objects',
      'Half-written or rejected Store objects a save replaced.', None, ()),
+    ('store_dropped_puts', 'store_dropped_puts',
+     'Store saves dropped because the save queue was full (a later save of the prefix retries).', None, ()),
     ('state_miss_tokens', 'state_miss_tokens',
      'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
     ('spec_decode_draft_tokens', 'spec_decode_draft_tokens',
@@ -130,6 +132,8 @@ LEDGER_SERIES = (
     ('scheduler_requests_running', 'Sequences the scheduler is running.', lambda led: led['requests_running']),
     ('scheduler_requests_waiting', 'Sequences waiting for admission.', lambda led: led['requests_waiting']),
     ('store_operations_inflight', 'Store save jobs queued or running.', lambda led: led['store_inflight']),
+    ('store_queue_depth', 'Store save jobs waiting in the queue (not yet taken by a writer).',
+     lambda led: led['store_queue_depth']),
 )
 
 

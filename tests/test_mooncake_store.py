@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -153,6 +154,8 @@ class _NativeStub:
 
     def __init__(self, codes):
         self.codes, self.calls, self.value = list(codes), 0, b''
+        self.answering = threading.Event()      # cleared: existence queries hang (a stopped master)
+        self.answering.set()
 
     def put(self, key, value):
         self.calls += 1
@@ -163,6 +166,10 @@ class _NativeStub:
         n = sizes[0][0][0]
         ctypes.memmove(ptrs[0], self.value[:n], n)
         return [[[n]]]
+
+    def is_exist(self, key):                # the breaker's health probe
+        self.answering.wait(30)
+        return 0
 
     def close(self):
         return 0
@@ -186,6 +193,31 @@ def test_breaker_probes_the_master_before_calling_again():
     time.sleep(0.25)
     assert client.put('k', b'v') is failed and native.calls == 3   # probe refused, no native call
     client.close()
+
+
+def test_breaker_stays_open_for_a_master_that_accepts_tcp_but_never_answers():
+    """A stopped master (SIGSTOP) keeps accepting TCP connections: the health probe is a native
+    existence query that must answer within probe_timeout_s, so the breaker stays open and each
+    call fails within that bound instead of hanging; once the master answers, it closes."""
+    listener = socket.create_server(('127.0.0.1', 0))
+    native = _NativeStub([0, 0])
+    client = StoreClient(native, ('127.0.0.1', listener.getsockname()[1]), local_buffer_size=1024,
+                         retry_interval_s=0.2, probe=np.zeros(64, dtype=np.uint8), probe_timeout_s=0.2)
+    native.answering.clear()
+    client.trip()                                                  # e.g. a call missed the tier's deadline
+    assert client.available is False
+    time.sleep(0.25)
+    start = time.monotonic()
+    assert client.put('k', b'v') is PutResult.FAILED and native.calls == 0
+    assert time.monotonic() - start < 0.2 + 0.15                   # one bounded probe, no put
+    time.sleep(0.25)
+    start = time.monotonic()                                       # the stuck probe is not repeated
+    assert client.put('k', b'v') is PutResult.FAILED and time.monotonic() - start < 0.1
+    native.answering.set()
+    time.sleep(0.25)
+    assert client.put('k', b'v') is PutResult.STORED and native.calls == 1 and client.available
+    client.close()
+    listener.close()
 
 
 @needs_mooncake

@@ -62,7 +62,9 @@ def test_a_writer_killed_mid_put_never_blocks_the_prefix(trial, tiny_qwen3_next,
     print(f'trial {trial}: the writer dies in its put #{die_at}')
     ids = prompt(150, seed=4200 + trial)
     config = store_config(mooncake_services, f'repair-{uuid.uuid4().hex}')
-    kill_writer_mid_put(tmp_path, tiny_qwen3_next, config, ids, die_at)
+    # one writer, so exactly one put is in progress when the process dies (with N writers up to
+    # N objects are left half-written, each repaired and counted the same way)
+    kill_writer_mid_put(tmp_path, tiny_qwen3_next, dict(config, store_writers=1), ids, die_at)
 
     fixer = Engine(tiny_qwen3_next, PytorchEngineConfig(**config))
     try:

@@ -517,6 +517,7 @@ class Engine:
             'checkpoints_pinned': sc.num_pinned if sc else 0,
             'checkpoints_published': sc.num_published if sc else 0,
             'store_inflight': self.store.num_inflight if self.store is not None else 0,
+            'store_queue_depth': self.store.queue_depth if self.store is not None else 0,
             'requests_running': len(self.scheduler.running),
             'requests_waiting': len(self.scheduler.waiting),
             'grammar_matchers': self._grammar.num_live if self._grammar is not None else 0,

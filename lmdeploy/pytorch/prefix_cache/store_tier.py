@@ -3,22 +3,34 @@
 It answers the same questions as the local tier — how deep a prefix does the Store hold
 (:meth:`StoreTier.probe`, metadata only), load it (:meth:`StoreTier.load`), save it
 (:meth:`StoreTier.submit`) — and is the one owner of what this engine knows about Store
-objects: which keys are believed stored, the background put worker and the Store counters.
+objects: which keys are believed stored, which are being put (the in-flight index), the
+writer threads and the Store counters.
 The byte-level pieces (object format, client, services) live in :mod:`lmdeploy.pytorch.store`.
 
 Save at boundary b (submitted right after the forward that ends at b)::
 
     engine step:   copy out the state payload (runtime slot) and the KV payloads of blocks in
-                   [0, b) neither believed stored nor queued by an earlier job
-    worker later:  ask the Store which of those KV keys exist   → put only the missing ones
-                   all ok? ask the Store that every KV key of [0, b) exists
+                   [0, b) neither believed stored nor queued by an earlier job; queue the job,
+                   or drop it (counted) when the queue is full: the engine never waits
+    a writer:      ask the Store which of those KV keys exist   → put only the missing ones
+                   (one ``put_many`` batch when the backend has it)
+                   all ok? wait for the earlier jobs that put blocks of [0, b), then
+                   ask the Store that every KV key of [0, b) exists
                    → put state/{hash_b} (unless it exists)
 
-so a visible state object implies its whole KV prefix is stored, and bytes are counted only for
-objects the Store gained from this engine's put (the backend's :class:`PutResult`; another engine
-may have put them first, or at the same moment). Bytes counted are
-payload bytes (the 64-byte header and 32-byte MAC of each object excluded): a turn's put bytes
-are ``len(save_points)·S + new_blocks·K_blk``.
+so a visible state object implies its whole KV prefix is stored, whatever the number of writers
+(``store_writers`` threads take jobs in queue order; a job waits only for earlier ones, so they
+cannot wait for each other in a cycle), and bytes are counted only for objects the Store gained
+from this engine's put (the backend's :class:`PutResult`; another engine may have put them
+first, or at the same moment). Bytes counted are payload bytes (the 64-byte header and 32-byte
+MAC of each object excluded): a turn's put bytes are ``len(save_points)·S + new_blocks·K_blk``.
+A dropped save releases its keys, so the next save of the same prefix copies and puts them.
+
+In-flight index: every key a queued or running job will put maps to that job, which holds its
+copied-out payload. :meth:`probe` counts such keys as present and :meth:`load` reads their
+payloads from memory (no Store round trip, nothing to verify: it is this engine's own copy);
+a key leaves the index, under the lock, only after its put was booked (believed stored) or
+failed, so a load that misses the index reads the Store.
 
 Beliefs are a cache of existence answers, never trusted for correctness: any failed Store
 operation (master down or restarted, an object evicted or missing at load or at the prefix
@@ -29,6 +41,14 @@ existence query for the state keys of its reusable boundaries, one for the KV ke
 deepest present state). Objects are verified (header, namespace, token count, key digest,
 checksum, MAC) at load; a miss or a mismatch is counted, never an error to the user, and the
 engine falls back to a shallower boundary or computes the prefix.
+
+Deadline: every Store call the engine thread makes (existence queries, object reads) runs on a
+small pool of caller threads and is waited for at most ``timeout_s`` seconds (reads: plus the
+object's size at :data:`SLOW_READ_BYTES_PER_S`). A call past its deadline is a counted miss and
+opens a breaker: the engine then skips the Store (misses, counted) while a background
+existence query, at most one every :data:`STORE_COOLDOWN_S` seconds, checks whether the Store
+answers again; the backend's own breaker is tripped too (``trip()``), so the writers fail fast
+instead of waiting on it. No lock is held across a backend call.
 
 Repair: a key whose object failed verification here is remembered as bad: lookups treat it as
 absent, and the next save of that prefix overwrites it (``store_repaired_objects``). A
@@ -43,6 +63,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -54,28 +76,38 @@ from ..store.mooncake_client import StoreClient, buffer_bytes_needed
 from ..store.object_format import OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object, object_key
 from .plans import StoreLoad, StorePut
 
-__all__ = ['StoreTier', 'build_store_tier', 'zero_store_counters', 'FAILURE_LOG_INTERVAL_S']
+__all__ = ['StoreTier', 'build_store_tier', 'zero_store_counters', 'FAILURE_LOG_INTERVAL_S', 'STORE_COOLDOWN_S',
+           'SLOW_READ_BYTES_PER_S']
 
 FAILURE_LOG_INTERVAL_S = 60     # seconds between two warnings about failed Store operations
-_FAILURES = ('existence query failed', 'put failed', 'restore failed')
+STORE_COOLDOWN_S = 5.0          # seconds between two background checks while the breaker is open
+SLOW_READ_BYTES_PER_S = 100e6   # an object read's deadline grows by its size at this rate (bytes/s)
+_DEADLINE = 'a Store call missed its deadline'
+_FAILURES = ('existence query failed', 'put failed', 'restore failed', _DEADLINE)
+_CALLERS = 2    # threads running the engine thread's Store calls (a stuck one is replaced by the other)
 
 logger = logging.getLogger('lmdeploy')
 
 
 def zero_store_counters() -> dict:
-    """The Store tier's cumulative counters, all 0 (put bytes and objects by kind ``state`` /
-    ``kv``; failures, hit tokens, rejected and already-existing objects): what
+    """The Store tier's counters, all 0 (put bytes and objects by kind ``state`` / ``kv``;
+    failures, hit tokens, rejected, already-existing and repaired objects, saves dropped on a full
+    queue, cumulative; and ``store_queue_depth``, the save jobs waiting in the queue now): what
     :meth:`StoreTier.stats` starts from, and what an engine without a Store reports."""
     return {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
             'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
-            'store_rejected_objects': 0, 'store_existing_objects': 0, 'store_repaired_objects': 0}
+            'store_rejected_objects': 0, 'store_existing_objects': 0, 'store_repaired_objects': 0,
+            'store_dropped_puts': 0, 'store_queue_depth': 0}
 
 
-@dataclass
+@dataclass(eq=False)
 class _SaveJob:
     kv: list[tuple[bytes, int, torch.Tensor]]     # (block hash, end token, payload) copied out
     state: tuple[bytes, int, torch.Tensor]        # (prefix hash, boundary, payload)
     prefix_keys: list[str] = field(default_factory=list)   # KV keys of every block in [0, b)
+    deps: list['_SaveJob'] = field(default_factory=list)   # earlier jobs putting blocks of [0, b)
+    payloads: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> payload of what this job puts
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 STORED_KEYS_CAPACITY = 1 << 18   # keys remembered as stored (~40 MB); older ones are asked again
@@ -121,13 +153,26 @@ class StoreTier:
         cache_engine: where payloads are read from and written to.
         namespace: 16-byte namespace digest.
         block_size: tokens per block (B).
-        queue_size: most pending save jobs; a full queue makes the save wait (back-pressure).
+        queue_size: most queued save jobs; a save that finds the queue full is dropped and
+            counted (``store_dropped_puts``), never waited for.
         services: embedded Mooncake services to stop on :meth:`close`, or None.
         secret: the Store secret keying every object's MAC (None: unauthenticated objects).
+        writers: threads putting objects in parallel (>= 1).
+        timeout_s: deadline of each Store call made on the engine thread (seconds, > 0).
+        cooldown_s: seconds between two background checks of a Store that missed a deadline.
+
+    Raises:
+        ValueError: ``writers`` < 1, or ``timeout_s`` / ``cooldown_s`` not > 0.
     """
 
     def __init__(self, client: StoreBackend, cache_engine, namespace: bytes, block_size: int,
-                 queue_size: int = 64, services=None, secret: bytes | None = None):
+                 queue_size: int = 64, services=None, secret: bytes | None = None, writers: int = 4,
+                 timeout_s: float = 0.5, cooldown_s: float = STORE_COOLDOWN_S):
+        if not isinstance(writers, int) or writers < 1:
+            raise ValueError(f'store_writers must be an int >= 1, got {writers!r}')
+        for name, value in (('store_timeout_s', timeout_s), ('cooldown_s', cooldown_s)):
+            if not value > 0:
+                raise ValueError(f'{name} must be > 0 seconds, got {value!r}')
         self.client = client
         self.secret = secret
         self.cache_engine = cache_engine
@@ -135,18 +180,32 @@ class StoreTier:
         self.ns_hex = namespace.hex()
         self.block_size = block_size
         self.services = services
+        self.timeout_s = float(timeout_s)
+        self.cooldown_s = float(cooldown_s)
         self.writer_id = secrets.randbits(64)   # makes this engine's values differ from any other writer's
         self._stored = _KeySet(STORED_KEYS_CAPACITY)   # keys believed to be in the Store (bounded)
         self._bad = _KeySet(BAD_KEYS_CAPACITY)         # keys whose object failed verification here
-        self._pending: set[str] = set()     # keys queued for a put
+        # the in-flight index: key -> the queued or running job putting it (None while being copied)
+        self._pending: dict[str, _SaveJob | None] = {}
         self._lock = threading.Lock()
         self._last_failure_log = -float('inf')
         self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self._inflight = 0
         self._idle = threading.Condition(self._lock)   # notified when _inflight drops to 0
         self.counters = zero_store_counters()
-        self._worker = threading.Thread(target=self._run, name='lmdeploy-store', daemon=True)
-        self._worker.start()
+        self._closed = False
+        # the engine thread's Store calls: a caller pool and a breaker
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._callers_busy = 0
+        self._skip_until: float | None = None    # breaker open: skip the Store (monotonic s of the next check)
+        self._health: Future | None = None       # the background check in progress
+        self._health_key = self._key('state', b'\0' * 32)
+        self._callers = [threading.Thread(target=self._serve_calls, name=f'lmdeploy-store-call-{i}', daemon=True)
+                         for i in range(_CALLERS)]
+        self._writers = [threading.Thread(target=self._run, name=f'lmdeploy-store-{i}', daemon=True)
+                         for i in range(writers)]
+        for thread in self._callers + self._writers:
+            thread.start()
 
     def _key(self, kind: str, h: bytes) -> str:
         return object_key(self.ns_hex, kind, h.hex())
@@ -166,13 +225,93 @@ class StoreTier:
                                'lmdeploy_store_get_failures_total / lmdeploy_store_put_failures_total count '
                                'the failures. Next warning in %d s at the earliest.', why, FAILURE_LOG_INTERVAL_S)
 
+    # engine-thread calls: deadline and breaker ----------------------------------------------
+    def _serve_calls(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as err:     # a backend never raises; if one does, it is a failure
+                        fut.set_exception(err)
+            finally:
+                with self._lock:
+                    self._callers_busy -= 1
+
+    def _spawn(self, fn, *args) -> Future | None:
+        """Hand ``fn(*args)`` to an idle caller thread (lock held); None when every caller is
+        still stuck in an earlier call."""
+        if self._closed or self._callers_busy >= len(self._callers):
+            return None
+        self._callers_busy += 1
+        fut: Future = Future()
+        self._calls.put((fut, fn, args))
+        return fut
+
+    def _healthy(self) -> bool:
+        return self.client.batch_exists([self._health_key]) is not None
+
+    def _breaker_closed(self) -> bool:
+        """Whether the engine thread may call the Store now (lock held). While open, starts a
+        background check at most every ``cooldown_s`` seconds and closes when one succeeded."""
+        if self._skip_until is None:
+            return True
+        health = self._health
+        if health is not None and health.done():
+            self._health = None
+            if health.exception() is None and health.result():
+                self._skip_until = None
+                logger.warning('Store answers again: the engine uses it again')
+                return True
+        if self._health is None and time.monotonic() >= self._skip_until:
+            self._health = self._spawn(self._healthy)
+            self._skip_until = time.monotonic() + self.cooldown_s
+        return False
+
+    def _trip(self) -> None:
+        """Open the breaker (lock held): the engine thread skips the Store for a cool-down."""
+        if self._skip_until is None:
+            logger.warning('Store: a call missed its %.2f s deadline; the engine skips the Store (prefixes are '
+                           'computed) until it answers again', self.timeout_s)
+        self._skip_until = time.monotonic() + self.cooldown_s
+        self._forget_all(_DEADLINE)
+
+    def _call(self, fn, *args, deadline_s: float) -> tuple[bool, object]:
+        """``(True, fn(*args))``, or ``(False, None)`` when the breaker is open or the call did
+        not return within ``deadline_s`` seconds (counted in ``store_get_failures``; the latter
+        opens the breaker and trips the backend's). Never waits longer than ``deadline_s``."""
+        with self._lock:
+            fut = self._spawn(fn, *args) if self._breaker_closed() else None
+            if fut is None and self._skip_until is not None:
+                self.counters['store_get_failures'] += 1
+                return False, None
+        if fut is not None:
+            try:
+                return True, fut.result(timeout=deadline_s)
+            except FutureTimeout:
+                pass
+            except Exception:
+                logger.exception('Store call raised')
+        with self._lock:
+            self.counters['store_get_failures'] += 1
+            self._trip()
+        trip = getattr(self.client, 'trip', None)
+        if trip is not None:
+            trip()
+        return False, None
+
     # restore -------------------------------------------------------------------------------
     def probe(self, hashes: list[bytes], rules: ReuseRules, below: int | None = None) -> list[int]:
         """Boundaries ``b < below`` the Store can restore for an input, deepest first.
 
         ``b`` is restorable for ``rules`` (reusable, and its r recompute blocks among
         ``hashes``); the state object at ``b`` and the KV objects of blocks ``[0, b/B + r)``
-        exist. Metadata only: two batched existence queries at most.
+        exist or are being put by this engine (the in-flight index). Metadata only: two batched
+        existence queries at most, each waited for at most ``timeout_s`` seconds.
         """
         B, r = self.block_size, rules.recompute_blocks
         candidates = [b for b in rules.restore_candidates(0, len(hashes)) if below is None or b < below]
@@ -189,15 +328,18 @@ class StoreTier:
         return [b for b in candidates if b // B + r <= covered]
 
     def _exists(self, keys: list[str]) -> list[bool] | None:
-        """Per key, whether it is stored (beliefs first, then one batched query); None when the
-        query failed (counted as a get failure: a lookup that fails is a miss)."""
+        """Per key, whether it is stored or being put (the in-flight index and beliefs first,
+        then one batched query with a deadline); None when the query failed or missed its
+        deadline (counted as a get failure: a lookup that fails is a miss)."""
         with self._lock:
-            known = [k in self._stored for k in keys]
+            known = [k in self._stored or self._pending.get(k) is not None for k in keys]
         missing = [k for k, ok in zip(keys, known) if not ok]
         if not missing:
             return known
-        answer = self.client.batch_exists(missing)
+        called, answer = self._call(self.client.batch_exists, missing, deadline_s=self.timeout_s)
         with self._lock:
+            if not called:
+                return None
             if answer is None:               # the query failed, not "absent"
                 self.counters['store_get_failures'] += 1
                 self._forget_all('existence query failed')
@@ -209,8 +351,9 @@ class StoreTier:
 
     def load(self, load: StoreLoad) -> bool:
         """Execute a :class:`StoreLoad`: fetch, verify and write its objects into the KV blocks
-        and the runtime slot. False (counted; beliefs forgotten) if any object is missing or
-        fails verification; the caller then rolls the admission back."""
+        and the runtime slot (objects still being put by this engine come from their copied-out
+        payloads). False (counted; beliefs forgotten) if any object is missing, fails
+        verification or is not read within its deadline; the caller then rolls the admission back."""
         B, hashes = self.block_size, load.hashes
         try:
             state = self._get('state', hashes[load.boundary // B - 1], load.boundary)
@@ -232,7 +375,15 @@ class StoreTier:
 
     def _get(self, kind: str, h: bytes, num_tokens: int) -> torch.Tensor:
         key = self._key(kind, h)
-        data = self.client.get(key)
+        with self._lock:     # taken under the lock: a put that ends now leaves the key believed stored
+            job = self._pending.get(key)
+            payload = job.payloads.get(key) if job is not None else None
+        if payload is not None:
+            return payload
+        size = getattr(self.cache_engine, 'state_bytes' if kind == 'state' else 'kv_block_bytes', 0)
+        called, data = self._call(self.client.get, key, deadline_s=self.timeout_s + size / SLOW_READ_BYTES_PER_S)
+        if not called:
+            raise KeyError(f'{kind} object not read: the Store missed its deadline or is being skipped')
         if data is None:
             with self._lock:
                 self.counters['store_get_failures'] += 1
@@ -248,27 +399,42 @@ class StoreTier:
 
     # save ----------------------------------------------------------------------------------
     def submit(self, put: StorePut) -> None:
-        """Queue a :class:`StorePut`. Payloads are copied out before returning (the slot and
-        blocks may change after this step); the puts run on the worker. Blocks believed stored
-        or queued by an earlier job are not copied again."""
+        """Queue a :class:`StorePut`; never waits for the writers. Payloads are copied out
+        before returning (the slot and blocks may change after this step). Blocks believed
+        stored or queued by an earlier job are not copied again. When the queue is full the
+        save is dropped (``store_dropped_puts``) and its keys released, so a later save of the
+        same prefix copies and puts them."""
         B, hashes = self.block_size, put.hashes
         state_key = self._key('state', hashes[-1])
         keys = [self._key('kv', h) for h in hashes]
         with self._lock:
-            if state_key in self._stored or state_key in self._pending:
+            if self._closed or state_key in self._stored or state_key in self._pending:
                 return
             new = [i for i, k in enumerate(keys) if k not in self._stored and k not in self._pending]
-            self._pending.update(keys[i] for i in new)
-            self._pending.add(state_key)
+            deps = {id(j): j for j in (self._pending.get(k) for k in keys) if j is not None}
+            mine = [keys[i] for i in new] + [state_key]
+            self._pending.update(dict.fromkeys(mine))
             self._inflight += 1
+        job = None
         try:
             payloads = self.cache_engine.read_kv_blocks([put.block_ids[i] for i in new]) if new else []
             kv = [(hashes[i], (i + 1) * B, payloads[j]) for j, i in enumerate(new)]
-            job = _SaveJob(kv, (hashes[-1], put.boundary, self.cache_engine.read_state(put.slot)), keys)
+            state = self.cache_engine.read_state(put.slot)
+            job = _SaveJob(kv, (hashes[-1], put.boundary, state), keys, list(deps.values()))
+            job.payloads = {keys[i]: payloads[j] for j, i in enumerate(new)}
+            job.payloads[state_key] = state
         except BaseException:
-            self._job_done([keys[i] for i in new] + [state_key])
+            self._job_done(mine, None)
             raise
-        self._jobs.put(job)
+        with self._lock:
+            for k in mine:
+                self._pending[k] = job
+            try:
+                self._jobs.put_nowait(job)
+                return
+            except queue.Full:
+                self.counters['store_dropped_puts'] += 1
+        self._job_done(mine, job)
 
     def _run(self) -> None:
         while True:
@@ -277,19 +443,23 @@ class StoreTier:
                 return
             try:
                 self._execute(job)
-            except Exception:       # never let one job kill the worker (flush would wait forever)
+            except Exception:       # never let one job kill a writer (flush would wait forever)
                 logger.exception('Store save job failed')
             finally:
-                self._job_done([self._key('kv', h) for h, _, _ in job.kv] + [self._key('state', job.state[0])])
-                self._jobs.task_done()
+                self._job_done(list(job.payloads), job)
 
-    def _job_done(self, keys: list[str]) -> None:
-        """Release a job's pending keys (those not put stay unstored) and its in-flight count."""
+    def _job_done(self, keys: list[str], job: _SaveJob | None) -> None:
+        """Release a job's keys still in the in-flight index (those not put stay unstored), its
+        in-flight count, and the jobs waiting for it."""
         with self._lock:
-            self._pending.difference_update(keys)
+            for k in keys:
+                if k in self._pending and self._pending[k] is job:
+                    del self._pending[k]
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.notify_all()
+        if job is not None:
+            job.done.set()
 
     def _present(self, keys: list[str]) -> list[bool] | None:
         """Ask the Store (not the beliefs) which ``keys`` hold a usable object (one this engine
@@ -304,32 +474,46 @@ class StoreTier:
             self._stored.update(k for k, ok in zip(keys, present) if ok)
         return present
 
-    def _put(self, kind: str, h: bytes, num_tokens: int, payload: torch.Tensor) -> bool:
-        """Put one object; counts bytes and objects only when the Store gained this value
-        (:class:`PutResult`), so concurrent writers of one key count it once. A key this
-        engine rejected is overwritten. True when the key now holds a complete object."""
-        key = self._key(kind, h)
-        data = encode_object(kind, self.namespace, num_tokens, payload.numpy().tobytes(), self.secret, key=key,
-                             writer=self.writer_id)
+    def _put(self, job: _SaveJob, kind: str, items: list[tuple[bytes, int, torch.Tensor]]) -> bool:
+        """Put objects of one kind: one ``put_many`` batch when the backend offers it, else one
+        put each, stopping at the first failure. Bytes and objects are counted only when the
+        Store gained this value (:class:`PutResult`), so concurrent writers of one key count it
+        once; a key this engine rejected is overwritten. Each key leaves the in-flight index in
+        the same lock section that books it. True when every key now holds a complete object."""
+        keys = [self._key(kind, h) for h, _, _ in items]
         with self._lock:
-            replace = key in self._bad
-        result = self.client.put(key, data, replace=replace)
+            replace = [k in self._bad for k in keys]
+        values = [encode_object(kind, self.namespace, end, payload.numpy().tobytes(), self.secret, key=k,
+                                writer=self.writer_id) for k, (_, end, payload) in zip(keys, items)]
+        put_many = getattr(self.client, 'put_many', None)
+        if put_many is not None and len(items) > 1:
+            results = list(put_many(list(zip(keys, values, replace))))[:len(items)]
+        else:
+            results = []
+            for k, v, r in zip(keys, values, replace):
+                results.append(self.client.put(k, v, replace=r))
+                if not results[-1].ok:
+                    break       # leave the rest, and the state, to a later save of this prefix
         with self._lock:
-            self._pending.discard(key)
-            if result.gained:
-                self.counters['store_put_bytes'][kind] += payload.numel()
-                self.counters['store_put_objects'][kind] += 1
-                if result is PutResult.REPAIRED:
-                    self.counters['store_repaired_objects'] += 1
-            elif result is PutResult.EXISTS:
-                self.counters['store_existing_objects'] += 1
-            if result.ok:
-                self._stored.add(key)
-                self._bad.discard(key)
-            else:
-                self.counters['store_put_failures'] += 1
+            for k, (_, _, payload), result in zip(keys, items, results):
+                if result.gained:
+                    self.counters['store_put_bytes'][kind] += payload.numel()
+                    self.counters['store_put_objects'][kind] += 1
+                    if result is PutResult.REPAIRED:
+                        self.counters['store_repaired_objects'] += 1
+                elif result is PutResult.EXISTS:
+                    self.counters['store_existing_objects'] += 1
+                if result.ok:
+                    self._stored.add(k)
+                    self._bad.discard(k)
+                else:
+                    self.counters['store_put_failures'] += 1
+                if self._pending.get(k) is job:
+                    del self._pending[k]
+            ok = len(results) == len(items) and all(r.ok for r in results)
+            if not ok:
                 self._forget_all('put failed')
-        return result.ok
+        return ok
 
     def _execute(self, job: _SaveJob) -> None:
         h_state, b, state_payload = job.state
@@ -340,13 +524,16 @@ class StoreTier:
         state_present = present.pop()
         with self._lock:
             self.counters['store_existing_objects'] += sum(present) + state_present
-        for (h, end, payload), exists in zip(job.kv, present):
-            if not exists and not self._put('kv', h, end, payload):
-                return      # leave the rest, and the state, to a later save of this prefix
+        missing = [item for item, exists in zip(job.kv, present) if not exists]
+        if missing and not self._put(job, 'kv', missing):
+            return      # leave the state to a later save of this prefix
         if state_present:
             return
-        # the state is visible only above a complete prefix: ask the Store, not the beliefs
-        # (a restarted master or an evicting Store may have lost blocks put earlier)
+        # blocks of this prefix that earlier jobs put: wait for those jobs (earlier in the queue,
+        # so they never wait for this one), then ask the Store, not the beliefs (a restarted
+        # master or an evicting Store may have lost blocks put earlier)
+        for dep in job.deps:
+            dep.done.wait()
         prefix = self._present(job.prefix_keys)
         if prefix is None:
             return
@@ -356,7 +543,7 @@ class StoreTier:
             logger.info('Store save at %d tokens: state not put, %d of its blocks are not stored', b,
                         prefix.count(False))
             return
-        self._put('state', h_state, b, state_payload)
+        self._put(job, 'state', [(h_state, b, state_payload)])
 
     # lifecycle ----------------------------------------------------------------------------
     @property
@@ -364,6 +551,11 @@ class StoreTier:
         """Save jobs queued or running."""
         with self._lock:
             return self._inflight
+
+    @property
+    def queue_depth(self) -> int:
+        """Save jobs waiting in the queue (not yet taken by a writer)."""
+        return self._jobs.qsize()
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait up to ``timeout`` seconds until every queued save has been attempted; True when
@@ -373,20 +565,34 @@ class StoreTier:
             return self._idle.wait_for(lambda: self._inflight == 0, max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> dict:
-        """Store counters (put bytes/objects by kind, failures, hit tokens, rejected and
-        already-existing objects)."""
+        """Store counters (put bytes/objects by kind, failures, hit tokens, rejected,
+        already-existing and repaired objects, dropped saves) and the queue depth now."""
         with self._lock:
-            return json.loads(json.dumps(self.counters))
+            out = json.loads(json.dumps(self.counters))
+        out['store_queue_depth'] = self.queue_depth
+        return out
 
     def close(self, timeout: float = 60.0) -> None:
-        """Flush (at most ``timeout`` seconds), stop the worker, disconnect, and stop embedded
-        services. Idempotent."""
-        if not self._worker.is_alive():
-            return
+        """Flush (at most ``timeout`` seconds), stop the writers and callers, disconnect, and
+        stop embedded services. Idempotent. Writers stuck in a backend call (daemon threads)
+        are waited for at most 10 s in all."""
+        with self._lock:
+            if self._closed:
+                return
         if not self.flush(timeout):
             logger.warning('Store: %d save jobs still in flight at close', self.num_inflight)
-        self._jobs.put(None)
-        self._worker.join(timeout=10)
+        with self._lock:
+            self._closed = True
+        for _ in self._writers:
+            try:
+                self._jobs.put(None, timeout=1)
+            except queue.Full:
+                break
+        for _ in self._callers:
+            self._calls.put(None)
+        end = time.monotonic() + 10
+        for thread in self._writers + self._callers:
+            thread.join(timeout=max(0.0, end - time.monotonic()))
         self.client.close()
         if self.services is not None:
             self.services.stop()
@@ -412,7 +618,7 @@ def _build_file_tier(engine) -> StoreTier:
                        'Anyone who can write that folder can put objects that change this engine\'s outputs.', folder)
     client = FileStore(folder, cfg.store_file_max_bytes)
     return StoreTier(client, engine.cache_engine, _namespace(engine, secret), cfg.block_size, cfg.store_queue_size,
-                     None, secret)
+                     None, secret, cfg.store_writers, cfg.store_timeout_s)
 
 
 def build_store_tier(engine) -> StoreTier:
@@ -433,7 +639,8 @@ def build_store_tier(engine) -> StoreTier:
         return _build_file_tier(engine)
     largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
     need = buffer_bytes_needed(largest)
-    buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need)
+    # each writer's put and the engine's read take room in the buffer at once (auto: all of them)
+    buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need * (cfg.store_writers + 1))
     if buffer_size < need:
         raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
                          f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
@@ -456,7 +663,7 @@ def build_store_tier(engine) -> StoreTier:
     try:
         client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
                                      segment_size=cfg.mooncake_segment_size,
-                                     local_buffer_size=buffer_size)
+                                     local_buffer_size=buffer_size, max_transfers=buffer_size // need)
     except BaseException:
         if services is not None:
             services.stop()
@@ -467,4 +674,5 @@ def build_store_tier(engine) -> StoreTier:
         logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
                        'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '
                        'outputs. Give every engine sharing the Store the same secret.', master)
-    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size, services, secret)
+    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size, services, secret,
+                     cfg.store_writers, cfg.store_timeout_s)

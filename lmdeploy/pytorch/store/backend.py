@@ -17,6 +17,20 @@ never sees a backend's own error codes or counters: every operation returns a ty
 - :meth:`StoreBackend.batch_exists` returns None when the query failed (never "absent"), so
   a failure is never mistaken for a miss and nothing diffs shared counters.
 
+Optional methods, used when a backend has them (``hasattr``), so a backend without them keeps
+working:
+
+- ``put_many(items: list[tuple[str, bytes, bool]]) -> list[PutResult]``: put several
+  ``(key, value, replace)`` at once, one result per item in order, each with the meaning of
+  :meth:`StoreBackend.put` (e.g. the folder backend syncs a whole batch once). Without it the
+  tier calls ``put`` per item, stopping at the first failure.
+- ``trip() -> None``: the caller saw a call miss its deadline; fail operations at once until
+  the backend's own health probe finds the Store answering again.
+
+Every method may block (a Store that stopped answering); the tier bounds the calls made on the
+engine thread with a deadline and lets only its writer threads wait on puts. A backend is called
+from several threads at once.
+
 Implementations: :class:`.mooncake_client.StoreClient` (Mooncake), :class:`.file_backend.FileStore`
 (a local folder), :class:`.mooncake_client.FakeStoreClient` (a dict, for fault tests).
 """

@@ -8,9 +8,15 @@ its failure policy. Invariants:
   never raised into the engine.
 - The native handle is never touched after :meth:`StoreClient.close` or before a successful
   setup: mooncake 0.3.13 segfaults on an operation against a closed or never-set-up store.
-- A master that stops answering costs the engine at most one slow call: the first RPC failure
-  opens a breaker, and until a TCP probe of the master succeeds (at most once per
-  ``retry_interval_s``) operations fail at once.
+- A master that stops answering costs at most one slow call per caller: the first RPC failure
+  (or a caller's :meth:`StoreClient.trip`, e.g. after a call missed the Store tier's deadline)
+  opens a breaker, and until a health probe succeeds (at most once per ``retry_interval_s``)
+  operations fail at once. The probe is a TCP connect and then a real native existence query
+  that must answer within ``probe_timeout_s``: a stopped master (SIGSTOP) still accepts TCP
+  connections, so a connect alone would close the breaker again.
+- No lock is held across a native call: the native client is called from several threads at
+  once (the Store tier's writers and its engine-side callers), so one stuck call never
+  queues the others behind a lock. The one registered read-back buffer has its own lock.
 - On a loopback setup (advertised address or master on loopback) the transfer engine's own listeners,
   which Mooncake binds to every interface, are pinned to the loopback interface right after
   setup (:mod:`.listeners`); if that is impossible, connect refuses.
@@ -43,6 +49,7 @@ tests/test_mooncake_store.py):
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -53,6 +60,8 @@ from urllib.parse import urlsplit
 from ...messages import split_host_port
 from .backend import PutResult
 from .listeners import is_loopback, listening_fds, pin_new_listeners
+
+logger = logging.getLogger('lmdeploy')
 
 OK = 0
 ERR_INVALID_PARAMS = -600          # e.g. the value does not fit the local buffer
@@ -136,14 +145,17 @@ PROBE_BYTES = 64         # how much of a stored value a put reads back to see wh
 REPAIR_WAIT_S = 2.0      # how long a put waits for another writer's put of the key to complete,
 SLOW_BYTES_PER_S = 100e6  # plus the time a slow writer takes for a value of this size
 _POLL_S = 0.05
+PROBE_TIMEOUT_S = 0.5    # a breaker health probe's native call must answer within this (seconds)
+CLOSE_WAIT_S = 5.0       # close waits this long for native calls in progress (seconds)
+HEALTH_KEY = 'lmdeploy-store-health'   # the key a health probe asks about (never stored)
 
 
 class StoreClient:
     """A connected Mooncake Store client (bytes in, bytes out), a :class:`.backend.StoreBackend`;
     create with :meth:`connect`.
 
-    All native calls are serialized by one lock (they block; the GIL is released meanwhile),
-    so the client may be shared between threads.
+    The client may be shared between threads: native calls run concurrently (they block; the
+    GIL is released meanwhile); only the breaker and counters are under a lock.
 
     Exact put results with concurrent writers: Mooncake's put keeps the first value of a key
     and reports success either way, so after a successful put the client reads back the first
@@ -157,14 +169,23 @@ class StoreClient:
     """
 
     def __init__(self, native, master: tuple[str, int], local_buffer_size: int, retry_interval_s: float,
-                 probe=None, repair_wait_s: float = REPAIR_WAIT_S):
+                 probe=None, repair_wait_s: float = REPAIR_WAIT_S, probe_timeout_s: float = PROBE_TIMEOUT_S,
+                 max_transfers: int = 1):
         self._store = native
         self._probe = probe                  # registered numpy buffer for ranged reads
         self.repair_wait_s = repair_wait_s
         self._master = master
         self._local_buffer_size = local_buffer_size
         self._retry_interval_s = retry_interval_s
-        self._lock = threading.Lock()
+        self._probe_timeout_s = probe_timeout_s
+        self._lock = threading.Lock()        # breaker, counters, _active; never held across a native call
+        self._read_lock = threading.Lock()   # the registered read-back buffer
+        # puts and gets each take room in the local buffer: at most this many at once, so that
+        # concurrent writers never fail for want of buffer space
+        self._transfers = threading.BoundedSemaphore(max(1, max_transfers))
+        self._drained = threading.Condition(self._lock)
+        self._active = 0                     # native calls in progress
+        self._prober: threading.Thread | None = None
         self._closed = False
         self._down_since: float | None = None     # breaker open since (monotonic s)
         self._next_probe = 0.0
@@ -174,7 +195,8 @@ class StoreClient:
     def connect(cls, master_address: str, metadata_server: str, protocol: str = 'tcp',
                 local_hostname: str = '127.0.0.1', segment_size: int = 0,
                 local_buffer_size: int = 64 << 20, *, rdma_devices: str = '',
-                connect_timeout_s: float = 2.0, retry_interval_s: float = 5.0) -> 'StoreClient':
+                connect_timeout_s: float = 2.0, retry_interval_s: float = 5.0,
+                max_transfers: int = 1) -> 'StoreClient':
         """Set up a Mooncake Store client in this process.
 
         Args:
@@ -192,6 +214,8 @@ class StoreClient:
             connect_timeout_s: bound on each TCP probe of master/metadata server (seconds).
             retry_interval_s: after an RPC failure, operations fail fast for this long before
                 the master is probed again (seconds).
+            max_transfers: most puts and gets in progress at once (each takes room in the
+                local buffer): ``local_buffer_size`` divided by the buffer one object needs.
 
         Raises:
             ValueError: a malformed argument (named).
@@ -248,32 +272,80 @@ class StoreClient:
             native.close()
             raise StoreUnavailableError(f'Mooncake client of master {master_address}: registering a '
                                         f'{PROBE_BYTES}-byte read buffer failed with code {rc}')
-        return cls(native, master, local_buffer_size, retry_interval_s, probe)
+        return cls(native, master, local_buffer_size, retry_interval_s, probe, max_transfers=max_transfers)
 
     # -- failure policy -------------------------------------------------------------------
 
-    def _usable(self) -> bool:
-        """False while closed or while the breaker is open and the master still refuses TCP.
-        Called with the lock held."""
-        if self._closed:
+    def _enter(self) -> bool:
+        """Admit one native call (counted in ``_active`` until :meth:`_exit`): False while
+        closed, or while the breaker is open and the master has not passed a health probe (at
+        most one every ``retry_interval_s``). The lock is never held across a native call."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._down_since is None:
+                self._active += 1
+                return True
+            now = time.monotonic()
+            if now < self._next_probe or (self._prober is not None and self._prober.is_alive()):
+                return False
+            self._next_probe = now + self._retry_interval_s
+        if not self._health_probe():
             return False
-        if self._down_since is None:
-            return True
-        now = time.monotonic()
-        if now < self._next_probe:
-            return False
-        if tcp_reachable(*self._master, timeout_s=min(0.5, self._retry_interval_s)):
+        with self._lock:
+            if self._closed:
+                return False
             self._down_since = None
+            self._active += 1
             return True
-        self._next_probe = now + self._retry_interval_s
-        return False
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._drained.notify_all()
+
+    def _health_probe(self) -> bool:
+        """Whether the master answers: a TCP connect (a killed master fails it at once), then
+        one native existence query on its own thread that must answer within
+        ``probe_timeout_s`` (a stopped master accepts TCP but never answers). A probe still
+        stuck from an earlier attempt makes the next attempts fail without starting another."""
+        if not tcp_reachable(*self._master, timeout_s=min(0.5, self._retry_interval_s)):
+            return False
+        answer: list[int] = []
+
+        def ask():
+            try:
+                answer.append(self._store.is_exist(HEALTH_KEY))
+            finally:
+                self._exit()
+
+        with self._lock:
+            if self._closed:
+                return False
+            self._active += 1
+            self._prober = threading.Thread(target=ask, name='lmdeploy-store-health', daemon=True)
+            prober = self._prober
+        prober.start()
+        prober.join(self._probe_timeout_s)
+        return bool(answer) and answer[0] >= 0
 
     def _note(self, rc: int, what: str) -> None:
-        """Record a failed native call; an RPC failure opens the breaker."""
+        """Record a failed native call; an RPC failure opens the breaker. Lock held."""
         self.stats.last_error = f'{what}: code {rc}'
         if rc == ERR_RPC_FAIL and self._down_since is None:
             self._down_since = time.monotonic()
             self._next_probe = self._down_since + self._retry_interval_s
+
+    def trip(self) -> None:
+        """Open the breaker now, e.g. because a caller saw a call miss its deadline: operations
+        fail at once until a health probe (a native call answered within ``probe_timeout_s``)
+        succeeds, at most one every ``retry_interval_s`` seconds."""
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                self._next_probe = self._down_since + self._retry_interval_s
+                self.stats.last_error = 'breaker tripped: a call missed its deadline'
 
     @property
     def available(self) -> bool:
@@ -289,33 +361,47 @@ class StoreClient:
         ``local_buffer_size`` fails without I/O."""
         view = memoryview(value).cast('B')
         size = view.nbytes
-        with self._lock:
-            if size > self._local_buffer_size:
+        if size > self._local_buffer_size:
+            with self._lock:
                 self.stats.put_failures += 1
                 self.stats.last_error = f'put {key}: {size} bytes exceed local_buffer_size {self._local_buffer_size}'
-                return PutResult.FAILED
-            if not self._usable():
+            return PutResult.FAILED
+        if not self._enter():
+            with self._lock:
                 self.stats.put_failures += 1
-                return PutResult.FAILED
-            rc = self._store.upsert(key, value) if replace else self._store.put(key, value)
-            if rc not in _PUT_SUCCESS:
-                return self._put_failed(rc, f'put {key}')
-            holder = self._holder(key, view)
+            return PutResult.FAILED
+        try:
+            with self._transfers:
+                rc = self._store.upsert(key, value) if replace else self._store.put(key, value)
+            holder = self._holder(key, view) if rc in _PUT_SUCCESS else None
+        finally:
+            self._exit()
+        if holder is None:
+            return self._put_failed(rc, f'put {key}')
         deadline = time.monotonic() + self.repair_wait_s + size / SLOW_BYTES_PER_S
         while holder == 'absent' and time.monotonic() < deadline:
             time.sleep(_POLL_S)              # another writer's put may still be transferring
-            with self._lock:
-                holder = self._holder(key, view) if self._usable() else 'failed'
+            if not self._enter():
+                holder = 'failed'
+                break
+            try:
+                holder = self._holder(key, view)
+            finally:
+                self._exit()
         if holder == 'absent':               # put said yes, the key says no: a half-written object
             with self._lock:
                 self.stats.incomplete_found += 1
-                if not self._usable():
-                    return self._put_failed(ERR_RPC_FAIL, f'repair {key}')
-                rc = self._store.upsert(key, value)
-                if rc not in _PUT_SUCCESS:
-                    return self._put_failed(rc, f'repair {key}')
-                holder = self._holder(key, view)
-                replace = True
+            if not self._enter():
+                return self._put_failed(ERR_RPC_FAIL, f'repair {key}')
+            try:
+                with self._transfers:
+                    rc = self._store.upsert(key, value)
+                holder = self._holder(key, view) if rc in _PUT_SUCCESS else None
+            finally:
+                self._exit()
+            if holder is None:
+                return self._put_failed(rc, f'repair {key}')
+            replace = True
         with self._lock:
             if holder == 'ours':
                 self.stats.puts += 1
@@ -326,58 +412,71 @@ class StoreClient:
             if holder == 'other':
                 self.stats.existing += 1
                 return PutResult.EXISTS
-            return self._put_failed(ERR_RPC_FAIL if holder == 'failed' else ERR_OBJECT_NOT_READY, f'put {key}')
+        return self._put_failed(ERR_RPC_FAIL if holder == 'failed' else ERR_OBJECT_NOT_READY, f'put {key}')
 
     def _put_failed(self, rc: int, what: str) -> PutResult:
-        """Count a failed put (lock held)."""
-        self._note(rc, what)
-        self.stats.put_failures += 1
+        """Count a failed put."""
+        with self._lock:
+            self._note(rc, what)
+            self.stats.put_failures += 1
         return PutResult.FAILED
 
     def _holder(self, key: str, view: memoryview) -> str:
         """Whose value ``key`` holds: ``'ours'`` (its first bytes equal ``view``'s), ``'other'``,
-        ``'absent'`` (missing or incomplete) or ``'failed'`` (the read failed). Lock held."""
+        ``'absent'`` (missing or incomplete) or ``'failed'`` (the read failed). Inside
+        :meth:`_enter`; the one registered read-back buffer is used by one thread at a time."""
         n = min(PROBE_BYTES, view.nbytes)
         if n == 0:
             rc = self._store.is_exist(key)
             return 'ours' if rc == 1 else 'absent' if rc == 0 else 'failed'
-        rc = self._store.get_into_ranges([self._probe.ctypes.data], [[key]], [[[0]]], [[[0]]], [[[n]]])[0][0][0]
+        with self._read_lock:
+            rc = self._store.get_into_ranges([self._probe.ctypes.data], [[key]], [[[0]]], [[[0]]], [[[n]]])[0][0][0]
+            head = self._probe[:n].tobytes() if rc == n else b''
         if rc == n:
-            return 'ours' if self._probe[:n].tobytes() == view[:n].tobytes() else 'other'
+            return 'ours' if head == view[:n].tobytes() else 'other'
         if rc in (ERR_OBJECT_NOT_FOUND, ERR_OBJECT_NOT_READY):
             return 'absent'
         if rc == ERR_INVALID_PARAMS:         # the stored value is shorter than ours: not ours
             return 'other'
-        self._note(rc, f'read back {key}')
+        with self._lock:
+            self._note(rc, f'read back {key}')
         return 'failed'
 
     def remove(self, key: str) -> bool:
         """Remove ``key`` (forced: leases and replication tasks are skipped); True when it is
         gone afterwards (also when it was missing). An incomplete object cannot be removed."""
-        with self._lock:
-            if not self._usable():
-                return False
-            rc = self._store.remove(key, True)
-            if rc in (OK, ERR_OBJECT_NOT_FOUND):
-                return True
-            self._note(rc, f'remove {key}')
+        if not self._enter():
             return False
+        try:
+            rc = self._store.remove(key, True)
+        finally:
+            self._exit()
+        if rc in (OK, ERR_OBJECT_NOT_FOUND):
+            return True
+        with self._lock:
+            self._note(rc, f'remove {key}')
+        return False
 
     def get(self, key: str) -> bytes | None:
         """The value stored under ``key``, or None when it is missing (``stats.get_misses``)
         or cannot be read (``stats.get_failures``: master down, value larger than the local
         buffer, transfer error)."""
-        with self._lock:
-            if not self._usable():
+        if not self._enter():
+            with self._lock:
                 self.stats.get_failures += 1
-                return None
-            data = self._store.get(key)
+            return None
+        try:
+            with self._transfers:
+                data = self._store.get(key)
+            # get() returns b'' for a miss and for a failure alike; ask which one.
+            rc = None if data else self._store.is_exist(key)
+        finally:
+            self._exit()
+        with self._lock:
             if data:
                 self.stats.gets += 1
                 self.stats.get_bytes += len(data)
                 return data
-            # get() returns b'' for a miss and for a failure alike; ask which one.
-            rc = self._store.is_exist(key)
             if rc == 0:
                 self.stats.get_misses += 1
             elif rc < 0:
@@ -397,25 +496,37 @@ class StoreClient:
         failed for any key (counted in ``stats.exists_failures``)."""
         if not keys:
             return []
-        with self._lock:
-            if not self._usable():
+        if not self._enter():
+            with self._lock:
                 self.stats.exists_failures += len(keys)
-                return None
+            return None
+        try:
             codes = self._store.batch_is_exist(list(keys)) if len(keys) > 1 else [self._store.is_exist(keys[0])]
-            failed = [c for c in codes if c < 0]
-            if failed:
+        finally:
+            self._exit()
+        failed = [c for c in codes if c < 0]
+        if failed:
+            with self._lock:
                 self._note(failed[0], f'exists ({len(failed)} of {len(keys)} keys)')
                 self.stats.exists_failures += len(failed)
-                return None
-            return [c == 1 for c in codes]
+            return None
+        return [c == 1 for c in codes]
 
     def close(self) -> None:
-        """Release the native client (idempotent); later operations fail without I/O."""
+        """Release the native client (idempotent); later operations fail without I/O. Waits
+        up to :data:`CLOSE_WAIT_S` seconds for native calls in progress; if one is still stuck
+        (a master that stopped answering), the handle is left open rather than closed under
+        a running call (which would crash the process)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._store.close()
+            drained = self._drained.wait_for(lambda: self._active == 0, CLOSE_WAIT_S)
+        if not drained:
+            logger.warning('Mooncake client: %d native calls still running after %d s; the handle is left open',
+                           self._active, CLOSE_WAIT_S)
+            return
+        self._store.close()
 
 
 @dataclass
@@ -434,6 +545,8 @@ class FakeStoreClient:
     put_keys: list = field(default_factory=list)
     stats: StoreClientStats = field(default_factory=StoreClientStats)
     closed: bool = False
+    # one put at a time: concurrent writers of a key get one STORED, as from the real Store
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def available(self) -> bool:
@@ -448,6 +561,10 @@ class FakeStoreClient:
         return False
 
     def put(self, key: str, value, *, replace: bool = False) -> PutResult:
+        with self._lock:
+            return self._put(key, value, replace)
+
+    def _put(self, key: str, value, replace: bool) -> PutResult:
         self.put_keys.append(key)
         if self._fail('fail_puts'):
             self.stats.put_failures += 1
