@@ -178,3 +178,30 @@ def test_a_torn_write_is_never_restored(tiny_qwen3_next, tmp_path, cold, die_at)
         assert seq.stats.store_hit_tokens == 128 and seq.output_ids == cold(ids)
     finally:
         again.close()
+
+
+def test_one_engine_repairs_every_bad_object_of_a_prefix(tiny_qwen3_next, tmp_path, cold):
+    """Three KV objects of one prefix hand-edited: the first engine that tries the prefix rejects it,
+    marks all three bad (not only the first it read) and its save replaces all three, so the next
+    engine restores the whole prefix with the cold output."""
+    folder = tmp_path / 'store'
+    ids = prompt(150, seed=5200)
+    a = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(folder)))
+    a.generate(ids, GEN)
+    a.close()
+    kv_files = sorted(p for p in folder.rglob('*') if p.is_file() and '/kv/' in str(p).replace(os.sep, '/'))
+    assert len(kv_files) == 8
+    for path in kv_files[1:4]:
+        data = bytearray(path.read_bytes())
+        data[-40] ^= 0xFF             # inside the payload or MAC: the checksum or MAC fails
+        path.write_bytes(bytes(data))
+    b = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(folder)))
+    out_b = b.generate(ids, GEN).output_ids
+    b.store.flush()
+    stats = b.stats()
+    b.close()
+    assert stats['store_rejected_objects'] == 3 and stats['store_repaired_objects'] == 3
+    c = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(folder)))
+    seq = c.generate(ids, GEN)
+    c.close()
+    assert seq.stats.store_hit_tokens == 128 and seq.output_ids == out_b == cold(ids)

@@ -363,10 +363,26 @@ class StoreTier:
             self.cache_engine.write_state(load.slot, state)
         except (KeyError, StoreObjectError) as err:
             logger.info('Store restore at %d tokens failed: %s', load.boundary, err)
+            if isinstance(err, StoreObjectError):
+                self._find_every_bad_object(load)
             with self._lock:    # a rejected object is not a Store outage: no warning about the master
                 self._forget_all('object rejected' if isinstance(err, StoreObjectError) else 'restore failed')
             return False
         return True
+
+    def _find_every_bad_object(self, load: StoreLoad) -> None:
+        """One object of the prefix failed verification: verify the others too, so every bad one is
+        marked and the next save of the prefix repairs them all (not one per engine that tries)."""
+        B, hashes = self.block_size, load.hashes
+        objects = [('state', hashes[load.boundary // B - 1], load.boundary)]
+        objects += [('kv', hashes[i], (i + 1) * B) for i in range(load.first_block, load.boundary // B)]
+        for kind, h, tokens in objects:
+            if self._key(kind, h) in self._bad:
+                continue
+            try:
+                self._get(kind, h, tokens)
+            except (KeyError, StoreObjectError):
+                pass        # _get marked a rejected object bad; a missing one is put again anyway
 
     def record_hit(self, tokens: int) -> None:
         """Count ``tokens`` prompt tokens served from the Store (once per request)."""
@@ -616,7 +632,8 @@ def _build_file_tier(engine) -> StoreTier:
     if secret is None:
         logger.warning('Store objects in %s are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
                        'Anyone who can write that folder can put objects that change this engine\'s outputs.', folder)
-    client = FileStore(folder, cfg.store_file_max_bytes)
+    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
+    client = FileStore(folder, cfg.store_file_max_bytes, max_object_bytes=largest)
     return StoreTier(client, engine.cache_engine, _namespace(engine, secret), cfg.block_size, cfg.store_queue_size,
                      None, secret, cfg.store_writers, cfg.store_timeout_s)
 
