@@ -196,10 +196,11 @@ def test_turn_end_forward_ends_at_the_prompts_last_block_boundary():
 def test_junction_toy_branching():
     # 3 siblings of 150 shared + 60 own tokens (n = 210), 8-token replies; B=16 A=64 P=100, S=10 K_blk=1.
     # sibling 1 default: chunk ends 64 | 128 | 192 | 210 (each moved down to a multiple of 64), saves [64, 128, 192],
-    #   3 S + 12 blocks = 42; last-only: chunks [100, 192, 210], save [192], S + 12 = 22.
+    #   3 S + 12 blocks = 42; last-only: the same chunks (the grid depends on the prompt alone), save [192],
+    #   S + 12 = 22.
     # sibling 2: 150 shared tokens -> 9 full blocks matched (144 tokens). default restores 128, saves 192 of its own
     #   prefix: S + 3 blocks past the shared 9 = 13. last-only: 192 > 150 is not shared -> c = 0, S + 3 = 13.
-    #   junction: matched 144 > c = 0, largest reusable <= 144 is 128 -> chunk (100, 192] split at 128, saves
+    #   junction: matched 144 > c = 0, largest reusable <= 144 is 128, already a chunk end -> saves
     #   [128, 192]: 2 S + 3 = 23.
     # sibling 3: junction restores 128 (as default does); (128, 144] holds no multiple of 64 -> no second junction.
     scenario = sim.Branching('toy', 150, 60, 3, 8)
@@ -210,7 +211,7 @@ def test_junction_toy_branching():
     assert [(t.cached_tokens, t.save_points, t.total_bytes) for t in lo.turns] == [
         (0, [192], 22), (0, [192], 13), (0, [192], 13)]
     assert [(t.cached_tokens, t.chunk_ends, t.save_points, t.junction, t.total_bytes) for t in j.turns] == [
-        (0, [100, 192, 210], [192], None, 22), (0, [100, 128, 192, 210], [128, 192], 128, 23),
+        (0, [64, 128, 192, 210], [192], None, 22), (0, [64, 128, 192, 210], [128, 192], 128, 23),
         (128, [192, 210], [192], None, 13)]
     assert (d.total_bytes, lo.total_bytes, j.total_bytes) == (68, 48, 58)
 
