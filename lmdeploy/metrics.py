@@ -44,6 +44,8 @@ ENGINE_SERIES = (
      'Store objects whose header, checksum or MAC did not verify (counted as misses).', None, ()),
     ('store_repaired_objects', 'store_repaired_objects',
      'Half-written or rejected Store objects a save replaced.', None, ()),
+    ('shared_head_checkpoints_saved', 'shared_head_checkpoints_saved',
+     'Checkpoints saved at the end of a chat request\'s shared head (system prompt and tools).', None, ()),
     ('state_miss_tokens', 'state_miss_tokens',
      'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
     ('spec_decode_draft_tokens', 'spec_decode_draft_tokens',

@@ -55,7 +55,8 @@ def zero_counters() -> dict[str, int]:
     """The prefix cache's cumulative counters (tokens, checkpoints), all 0: what
     :meth:`PrefixCache.stats` starts from, and what an engine without a prefix cache reports."""
     return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
-            'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0}
+            'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0,
+            'shared_head_checkpoints_saved': 0}
 
 
 @dataclass
@@ -274,6 +275,8 @@ class PrefixCache:
                 self.counters['checkpoints_saved'] += 1
                 if save.seq.plan is not None and save.boundary == save.seq.plan.junction:
                     self.counters['junction_checkpoints_saved'] += 1
+                if save.seq.plan is not None and save.boundary == save.seq.plan.shared_head:
+                    self.counters['shared_head_checkpoints_saved'] += 1
             else:
                 self._skip(save.seq, 'copy_failed')
         for snap in saves.snapshots:
