@@ -358,3 +358,44 @@ def test_glm_5_3_flash_preset_matches_the_engine_model_when_there_is_one():
     s, k, s_all, k_all = glm5_next_sizes(GLM_5_3_FLASH_CONFIG, tp=8, block_size=64, kv_dtype=torch.float8_e4m3fn,
                                          state_dtype=torch.bfloat16, mtp=False)
     assert (engine.state_bytes, engine.kv_block_bytes, *engine.charged) == (s, k, s_all, k_all)
+
+
+def test_shared_head_toy_branching():
+    # 3 agent sessions: 150 shared tokens (a 140-token head of system prompt and tools, then the same
+    # first words), 60 of their own (n = 210), 8-token replies; B=16 A=64 P=128, S=10 K_blk=1.
+    # session 1, either policy: the head's boundary is 128 (a grid end), b* = 192: chunks [128, 192, 210],
+    #   saves [128, 192]: 2 S + 12 blocks = 32.
+    # sessions 2, 3: 9 full blocks matched (144 tokens); restore 128, save their own 192: S + 3 blocks = 13.
+    # Without the head, last-only's only checkpoint (192) lies past the divergence: they restore nothing.
+    with_head = sim.Branching('toy agent', 150, 60, 3, 8, head_tokens=140)
+    res = _policies(with_head, 'default', 'last-only')
+    for name in ('default', 'last-only'):
+        assert [(t.cached_tokens, t.chunk_ends, t.save_points, t.shared_head, t.total_bytes)
+                for t in res[name].turns] == [(0, [128, 192, 210], [128, 192], 128, 32),
+                                              (128, [192, 210], [192], None, 13), (128, [192, 210], [192], None, 13)]
+        assert res[name].num_saves == 4 and res[name].total_bytes == 58
+    plain = _policies(sim.Branching('toy agent', 150, 60, 3, 8), 'last-only')['last-only']
+    assert [t.cached_tokens for t in plain.turns] == [0, 0, 0]
+    # a head shorter than A has no boundary: the same as no head
+    short = _policies(sim.Branching('toy agent', 150, 60, 3, 8, head_tokens=60), 'last-only')['last-only']
+    assert short == plain
+
+
+def test_shared_head_scenario_checks_and_scaling():
+    with pytest.raises(ValueError, match='head_tokens'):
+        sim.Branching('x', 150, 60, 3, 8, head_tokens=151).requests()
+    with pytest.raises(ValueError, match='head_tokens'):
+        sim.Scenario('x', (100, 200), 8, head_tokens=101).requests()
+    assert sim.Branching('x', 1600, 320, 2, 16, head_tokens=1280).scaled(Fraction(1, 16)).head_tokens == 80
+    # every turn of a conversation carries the head; restores deeper than it skip its save
+    turns = _policies(sim.Scenario('chat', (200, 400), 20, head_tokens=140), 'last-only')['last-only'].turns
+    assert [(t.cached_tokens, t.save_points, t.shared_head) for t in turns] == [(0, [128, 192], 128),
+                                                                                (192, [384], None)]
+
+
+def test_cli_head_tokens_names_the_scenario(capsys):
+    sim.main(['--preset', 'branching', '--head-tokens', '16384'])
+    out = capsys.readouterr().out
+    assert '4 siblings 20K+320 +2K head 16384' in out
+    # last-only: sessions 2-4 restore the head's 16384 instead of nothing
+    assert '      2   22848 |   16384   6464     1         1489 |   16384   6464     1         1489 |' in out
