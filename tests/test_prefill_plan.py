@@ -360,6 +360,17 @@ def test_shared_head_examples(n, c, chunk, la, r, spans, head, ends, default, la
     assert [p.save_points for p in plans] == [default, last]
 
 
+@pytest.mark.parametrize('head, ends, default, last', [
+    (200, [128, 192, 256, 300], [128, 192, 256], [192, 256]),     # head 192 splits the second chunk
+    (140, [128, 256, 300], [128, 256], [128, 256]),                # head 128 is already a chunk end
+    (None, [128, 256, 300], [128, 256], [256]),
+])
+def test_shared_head_examples_small_blocks(head, ends, default, last):
+    # B = 16, A = 64, P = 128, n = 300
+    plans = [plan_prefill(300, 0, 128, 16, 64, last_only, shared_head_tokens=head) for last_only in (False, True)]
+    assert [(p.chunk_ends, p.save_points) for p in plans] == [(ends, default), (ends, last)]
+
+
 def test_shared_head_none_changes_nothing():
     for last_only in (False, True):
         assert plan_prefill(40039, 0, P, B, A, last_only, shared_head_tokens=None) == \
