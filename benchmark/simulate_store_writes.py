@@ -32,6 +32,11 @@ boundary ``j`` with ``c < j <= m``, splitting the chunk that contains ``j``)::
 Scenarios: :class:`Scenario` (an append-only conversation: turn t+1's input = turn t's input
 + its reply + new user text) and :class:`Branching` (N siblings that share a prefix and then
 diverge, sent one after another; each finds every earlier sibling's blocks and checkpoints).
+Either may start with a shared head of ``head_tokens`` (``--head-tokens``: a chat's system prompt
+and tool definitions): under every policy the plan also ends a forward and saves at the head's
+last reusable boundary (when above the hit), as the engine does for chat requests, and that save
+is charged like any other (one S, plus the blocks below it not yet put). Without a head the
+printed tables are the ones below.
 
 Sizes: explicit (``--state-bytes``/``--kv-block-bytes``), a ratio S/K_blk (sizes in
 relative units), a preset, or an HF ``config.json`` of a hybrid (``qwen3_next``) model, sized
@@ -114,6 +119,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--shared-tokens', type=int, help='branching: tokens all siblings share (default 20K+320)')
     p.add_argument('--suffix-tokens', type=int, help='branching: tokens of each sibling\'s own suffix (default 2K)')
     p.add_argument('--siblings', type=int, help='branching: number of siblings (default 4)')
+    p.add_argument('--head-tokens', type=int, help='tokens of the shared head (system prompt + tools) every request '
+                   'of the scenario starts with; the engine also saves at its last reusable boundary (default: none)')
     p.add_argument('--policies', help='comma-separated, e.g. default,last-only,last-only+turn-end,last-only+junction; '
                    'prints a per-turn table per scenario')
     p.add_argument('--decode-save-last', action='store_true', help='add the policy last-only+turn-end')
@@ -182,6 +189,13 @@ def _policies(args: argparse.Namespace) -> list[Policy]:
 
 
 def _scenarios(args: argparse.Namespace) -> list[Scenario | Branching]:
+    scenarios = _base_scenarios(args)
+    if args.head_tokens is None:
+        return scenarios
+    return [replace(s, name=f'{s.name} head {args.head_tokens}', head_tokens=args.head_tokens) for s in scenarios]
+
+
+def _base_scenarios(args: argparse.Namespace) -> list[Scenario | Branching]:
     if args.turns:
         return [Scenario('custom', tuple(int(x) for x in args.turns.split(',')))]
     if args.scenario == 'branching' or (args.preset == 'branching' and args.scenario is None):

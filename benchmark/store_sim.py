@@ -30,20 +30,25 @@ class Request:
         output_tokens: tokens of its reply (>= 1; the last one is sampled, never computed).
         common_prefix: for each earlier request, in order, how many leading tokens the two
             share (tokens).
+        head_tokens: tokens of its shared head (a chat's system prompt and tools; the engine
+            saves at its last reusable boundary too), or None.
     """
 
     num_tokens: int
     output_tokens: int
     common_prefix: tuple[int, ...] = ()
+    head_tokens: int | None = None
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """An append-only conversation: ``input_lengths[t]`` tokens are the input of turn t."""
+    """An append-only conversation: ``input_lengths[t]`` tokens are the input of turn t; each
+    turn starts with the same ``head_tokens`` tokens of system prompt and tools (None: no head)."""
 
     name: str
     input_lengths: tuple[int, ...]
     output_tokens: int = 16
+    head_tokens: int | None = None
 
     def scaled(self, factor: Fraction) -> 'Scenario':
         """The scenario with every token count multiplied by ``factor`` (exactly).
@@ -58,7 +63,8 @@ class Scenario:
             return int(y)
         # the reply length is informational (already inside the next input): round it leniently
         return Scenario(self.name, tuple(one(n) for n in self.input_lengths),
-                        max(1, math.floor(self.output_tokens * factor)))
+                        max(1, math.floor(self.output_tokens * factor)),
+                        None if self.head_tokens is None else one(self.head_tokens))
 
     def requests(self) -> list[Request]:
         """The turns as requests: turn t shares with turn j < t its input and reply (as far as
@@ -66,27 +72,32 @@ class Scenario:
 
         Raises:
             ValueError (``input_lengths``): empty or decreasing turns, a turn < 1 token, or
-            ``output_tokens`` < 1.
+            ``output_tokens`` < 1; (``head_tokens``) negative or longer than the first turn.
         """
         lengths = self.input_lengths
         if not lengths or any(b < a for a, b in zip(lengths, lengths[1:])) or lengths[0] < 1:
             raise ValueError(f'scenario input_lengths must be non-empty, positive and non-decreasing, got {lengths}')
         if self.output_tokens < 1:
             raise ValueError(f'scenario output_tokens must be >= 1, got {self.output_tokens}')
-        return [Request(n, self.output_tokens, tuple(min(m + self.output_tokens, n) for m in lengths[:t]))
-                for t, n in enumerate(lengths)]
+        if self.head_tokens is not None and not 0 <= self.head_tokens <= lengths[0]:
+            raise ValueError(f'scenario head_tokens must be in [0, {lengths[0]}] (the first turn), got {self.head_tokens}')
+        return [Request(n, self.output_tokens, tuple(min(m + self.output_tokens, n) for m in lengths[:t]),
+                        self.head_tokens) for t, n in enumerate(lengths)]
 
 
 @dataclass(frozen=True)
 class Branching:
     """``siblings`` requests sent one after another; each is ``shared_tokens`` tokens common to
-    all of them followed by ``suffix_tokens`` tokens of its own (they differ from the first one)."""
+    all of them followed by ``suffix_tokens`` tokens of its own (they differ from the first one).
+    The first ``head_tokens`` of the shared tokens are a chat's shared head (system prompt and
+    tools, where the engine also saves), or None: sessions of one agent."""
 
     name: str
     shared_tokens: int
     suffix_tokens: int
     siblings: int = 4
     output_tokens: int = 512
+    head_tokens: int | None = None
 
     @property
     def input_lengths(self) -> tuple[int, ...]:
@@ -104,20 +115,26 @@ class Branching:
                 raise ValueError(f'scale {factor} makes {x} tokens of {self.name!r} non-integral')
             return int(y)
         return Branching(self.name, one(self.shared_tokens), one(self.suffix_tokens), self.siblings,
-                         max(1, math.floor(self.output_tokens * factor)))
+                         max(1, math.floor(self.output_tokens * factor)),
+                         None if self.head_tokens is None else one(self.head_tokens))
 
     def requests(self) -> list[Request]:
         """The siblings as requests; any two share exactly ``shared_tokens`` tokens.
 
         Raises:
             ValueError (``branching``): ``shared_tokens`` < 0, ``suffix_tokens`` < 1,
-            ``siblings`` < 1 or ``output_tokens`` < 1.
+            ``siblings`` < 1 or ``output_tokens`` < 1; (``head_tokens``) negative or more than
+            ``shared_tokens``.
         """
         if self.shared_tokens < 0 or self.suffix_tokens < 1 or self.siblings < 1 or self.output_tokens < 1:
             raise ValueError(f'branching scenario needs shared_tokens >= 0, suffix_tokens >= 1, siblings >= 1 and '
                              f'output_tokens >= 1, got {self}')
+        if self.head_tokens is not None and not 0 <= self.head_tokens <= self.shared_tokens:
+            raise ValueError(f'branching head_tokens must be in [0, shared_tokens={self.shared_tokens}], '
+                             f'got {self.head_tokens}')
         n = self.shared_tokens + self.suffix_tokens
-        return [Request(n, self.output_tokens, (self.shared_tokens, ) * i) for i in range(self.siblings)]
+        return [Request(n, self.output_tokens, (self.shared_tokens, ) * i, self.head_tokens)
+                for i in range(self.siblings)]
 
 
 def seed_scenarios() -> list[Scenario]:
@@ -175,8 +192,9 @@ TURN_END, JUNCTION = Policy(True, decode_save_last=True), Policy(True, save_junc
 class TurnResult:
     """Store writes of one turn (request) under one policy. Bytes are per rank.
 
-    ``save_points`` are the prefill save points taken (a junction included), ``turn_end_point``
-    the turn-end checkpoint, ``junction`` the save point added at a branch point, ``local_only``
+    ``save_points`` are the prefill save points taken (a junction and the shared head's included),
+    ``turn_end_point`` the turn-end checkpoint, ``junction`` the save point added at a branch point,
+    ``shared_head`` the save point at the end of the shared head (taken), ``local_only``
     the save point kept in the local cache only (the former ``+turn-end-replacing`` rule: the turn-end put replaced its Store put).
     """
 
@@ -190,6 +208,7 @@ class TurnResult:
     turn_end_point: int | None = None
     junction: int | None = None
     local_only: int | None = None
+    shared_head: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -271,7 +290,8 @@ def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: i
                                                                 token_lookahead, r)
 
         cached = max((b for j, b, turn_end in checkpoints if b <= common[j] and restorable(b, turn_end)), default=0)
-        plan = plan_prefill(n, cached, chunk_size, B, alignment, policy.last_only, token_lookahead, r)
+        plan = plan_prefill(n, cached, chunk_size, B, alignment, policy.last_only, token_lookahead, r,
+                            shared_head_tokens=req.head_tokens)
         chunk_ends, save_points, junction = list(plan.chunk_ends), list(plan.save_points), None
         if policy.save_junction and matched_blocks * B > cached:
             j = _junction(n, cached, matched_blocks * B, B, alignment, token_lookahead, r)
@@ -315,7 +335,7 @@ def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: i
         turns.append(TurnResult(n, cached, chunk_ends, [b for b in taken if b != turn_end], new_blocks,
                                 puts * state_bytes, new_blocks * kv_block_bytes,
                                 turn_end if turn_end in taken else None, junction if junction in taken else None,
-                                local_only))
+                                local_only, plan.shared_head if plan.shared_head in taken else None))
     return PolicyResult(turns)
 
 

@@ -55,6 +55,8 @@ ENGINE_SERIES = (
      'Half-written or rejected Store objects a save replaced.', None, ()),
     ('store_dropped_puts', 'store_dropped_puts',
      'Store saves dropped because the save queue was full (a later save of the prefix retries).', None, ()),
+    ('shared_head_checkpoints_saved', 'shared_head_checkpoints_saved',
+     'Checkpoints saved at the end of a chat request\'s shared head (system prompt and tools).', None, ()),
     ('state_miss_tokens', 'state_miss_tokens',
      'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
     ('spec_decode_draft_tokens', 'spec_decode_draft_tokens',

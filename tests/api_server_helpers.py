@@ -20,6 +20,19 @@ TURNS = ['Where is the library?', 'What did the ships carry?', 'Who keeps the le
          'Thanks, goodbye.']
 
 
+def shared_head(server: ApiServer, messages: list[dict], tools: list[dict] | None = None) -> int | None:
+    """The shared head (tokens: system messages + tools) the server computes for a chat request,
+    from the model's own tokenizer (:func:`lmdeploy.serve.pipeline.shared_head_tokens`)."""
+    from transformers import AutoTokenizer
+
+    from lmdeploy.serve.pipeline import render_chat, shared_head_tokens
+    tok = AutoTokenizer.from_pretrained(server.model_path, local_files_only=True)
+
+    def tokenize(text):
+        return tok.encode(text, add_special_tokens=False)
+    return shared_head_tokens(tok, tokenize, messages, tokenize(render_chat(tok, messages, tools)), tools)
+
+
 def client(server: ApiServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + '/v1', api_key=server.api_key or 'unused', max_retries=0,
                          timeout=120)

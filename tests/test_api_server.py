@@ -20,9 +20,9 @@ import openai
 import pytest
 from server_utils import ApiServer
 from api_server_helpers import (ALIGN, BAD_REQUESTS, HYBRID, KEY, MSG, SYSTEM_A, SYSTEM_B, TURNS, chat, client,
-                                conversation, is_idle, metrics, model_name, raw_post)
+                                conversation, is_idle, metrics, model_name, raw_post, shared_head)
 
-from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
+from lmdeploy.pytorch.paging.prefill_plan import plan_prefill, shared_head_boundary
 
 
 @pytest.fixture(scope='module')
@@ -409,8 +409,11 @@ def test_metrics_move_with_the_conversation(servers):
     (_, n1, c1), (_, n2, c2) = turns
     assert delta('lmdeploy_prefix_cache_queried_tokens_total') == n1 + n2
     assert delta('lmdeploy_prefix_cache_hit_tokens_total') == c1 + c2 and c2 > 0
-    # default policy: the save points of each turn's plan (docs/en/advance/prefix_caching.md "Save policies")
-    saves = sum(len(plan_prefill(n, c, 128, 16, ALIGN, False).save_points) for n, c in ((n1, c1), (n2, c2)))
+    # default policy: the save points of each turn's plan (docs/en/advance/prefix_caching.md "Save policies"),
+    # the system prompt's end (the shared head) among them
+    head = shared_head(s, [{'role': 'system', 'content': SYSTEM_B}, {'role': 'user', 'content': TURNS[0]}])
+    saves = sum(len(plan_prefill(n, c, 128, 16, ALIGN, False, shared_head_tokens=head).save_points)
+                for n, c in ((n1, c1), (n2, c2)))
     assert saves >= 3
     assert delta('lmdeploy_checkpoints_saved_total') == saves
     assert delta('lmdeploy_time_to_first_token_seconds_count') == 2
@@ -424,6 +427,29 @@ def test_metrics_move_with_the_conversation(servers):
                    'lmdeploy_store_hit_tokens_total'):
         assert series in after and delta(series) >= 0
     assert after['lmdeploy_store_put_bytes_total{kind="kv"}'] == 0       # this server has no Store
+
+
+def test_a_second_agent_session_restores_the_system_prompt_and_tools_with_last_only(servers):
+    """Two sessions of one agent: the same long system prompt and tool definitions, different
+    first user messages (each longer than A, so the first session's last-only checkpoint lies past
+    the point where they diverge). The second restores the head's last multiple of A, with the
+    output of caching off."""
+    system = 'You are a coding agent working in a repository of river-town ledgers. ' * 8
+    tools = [{'type': 'function', 'function': {
+        'name': f'tool_{name}', 'description': f'{name.capitalize()} files in the repository, carefully.',
+        'parameters': {'type': 'object', 'properties': {'path': {'type': 'string'}}, 'required': ['path']}}}
+        for name in ('read', 'edit', 'grep', 'glob', 'write', 'list')]
+    sessions = [[{'role': 'system', 'content': system}, {'role': 'user', 'content': task * 6}]
+                for task in ('Fix the failing ledger test. ', 'Explain how the salt ledger is kept. ')]
+    replies = {name: [chat(servers[name], m, max_tokens=4, tools=tools) for m in sessions] for name in ('off', 'last')}
+    head = shared_head(servers['last'], sessions[0], tools)
+    assert head == shared_head(servers['last'], sessions[1], tools) and head > 5 * ALIGN
+    n = replies['last'][1].usage.prompt_tokens
+    boundary = shared_head_boundary(head, n, 16, ALIGN)
+    assert boundary == head // ALIGN * ALIGN
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in replies['last']] == [0, boundary]
+    assert [r.choices[0].message.content for r in replies['last']] == \
+        [r.choices[0].message.content for r in replies['off']]
 
 
 def _documented_series(path: str) -> set[str]:

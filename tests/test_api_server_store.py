@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 from server_utils import ApiServer
-from api_server_helpers import ALIGN, HYBRID, SYSTEM_A, SYSTEM_B, TURNS, chat, is_idle, metrics
+from api_server_helpers import ALIGN, HYBRID, SYSTEM_A, SYSTEM_B, TURNS, chat, is_idle, metrics, shared_head
 
 from lmdeploy.metrics import EngineStatsCollector, ServerMetrics
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
@@ -53,7 +53,8 @@ def test_store_series_move_and_a_fresh_server_restores_from_the_store(store_serv
     n = first.usage.prompt_tokens
     wait_idle(writer)                                   # the Store worker finished its puts
     put = metrics(writer)
-    plan = plan_prefill(n, 0, 128, 16, ALIGN, False)
+    # the system prompt's end (the shared head) is one of the save points
+    plan = plan_prefill(n, 0, 128, 16, ALIGN, False, shared_head_tokens=shared_head(writer, messages))
     last = plan.save_points[-1]
     assert put['lmdeploy_store_put_objects_total{kind="state"}'] == len(plan.save_points)
     assert put['lmdeploy_store_put_objects_total{kind="kv"}'] == last // 16       # full blocks below b*

@@ -150,6 +150,41 @@ def test_engine_turn_end_policy_equals_simulator_prediction(tiny_qwen3_next, moo
     assert policy.num_saves == sum(len(s.stats.save_points) + (s.stats.turn_end_point is not None) for s in seqs)
 
 
+@pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
+def test_engine_shared_head_saves_equal_simulator_prediction(tiny_qwen3_next, tmp_path, last_only):
+    """Three agent sessions sharing a 600-token prefix whose first 560 tokens are the shared head
+    (given to the engine as ``shared_head_tokens``), 200 tokens of their own, against a ``file:``
+    Store: restored tokens, save points, Store bytes and objects as the simulator predicts with
+    ``head_tokens`` (the head's save point at 512 is charged like any other)."""
+    geo = bench.Geometry.from_scale(SCALE)
+    scenario = sim.Branching('agent sessions', 600, 200, 3, 4, head_tokens=560)
+    engine = make_engine(tiny_qwen3_next, block_size=geo.block_size, prefill_save_alignment=geo.alignment,
+                         max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
+                         prefill_save_last_only=last_only, num_gpu_blocks=512,
+                         store_backend=f'file:{tmp_path / "store"}')
+    S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    shared = random_prompt(scenario.shared_tokens, 887_000 + last_only)
+    own = [random_prompt(scenario.suffix_tokens, 887_100 + 10 * last_only + i) for i in range(scenario.siblings)]
+    assert len({o[0] for o in own}) == scenario.siblings          # they diverge right after the shared tokens
+    try:
+        seqs = [engine.generate(shared + o, GenerationConfig(max_new_tokens=scenario.output_tokens, ignore_eos=True),
+                                shared_head_tokens=scenario.head_tokens) for o in own]
+        engine.store.flush()
+        stats = engine.stats()
+    finally:
+        engine.close()
+    name = 'last-only' if last_only else 'default'
+    policy = sim.simulate_policies(scenario, S, K, policies=[name], chunk_size=geo.chunk_size,
+                                   block_size=geo.block_size, alignment=geo.alignment)[name]
+    assert [t.cached_tokens for t in policy.turns] == [0, 512, 512]
+    assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
+    assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
+    assert stats['store_put_bytes'] == {'state': sum(t.state_bytes for t in policy.turns),
+                                        'kv': sum(t.kv_bytes for t in policy.turns)}
+    assert stats['store_put_objects'] == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
+    assert stats['shared_head_checkpoints_saved'] == 1 and stats['store_put_failures'] == 0
+
+
 def test_scaled_seed_scenarios_predict_these_exact_bytes():
     # S and K_blk of the tiny model at B=16 (checked against the engine above)
     g = bench.Geometry.from_scale(SCALE)

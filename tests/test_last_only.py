@@ -136,16 +136,17 @@ def test_remaining_prefill_chunks_follow_the_last_only_plan(tiny_qwen3_next):
     eng = engine(tiny_qwen3_next, prefill_save_last_only=True, max_prefill_token_num=100)
     seq = eng.add_request(prompt(300, 3), GEN)
     eng.step()
-    # chunks of 100 from 0, the one crossing b* = 256 cut there: 100, 200, 256, 300
-    assert seq.plan.chunk_ends == [100, 200, 256, 300] and seq.plan.save_points == [256]
+    # the default policy's grid (each end at the largest multiple of A within 100 tokens), which
+    # last-only shares so that both compute the same numbers; b* = 256 is one of its ends
+    assert seq.plan.chunk_ends == [64, 128, 192, 256, 300] and seq.plan.save_points == [256]
     remaining = [eng.scheduler.remaining_prefill_chunks(seq)]
     while seq.is_prefill:
         eng.step()
         remaining.append(eng.scheduler.remaining_prefill_chunks(seq))
-    assert remaining == [3, 2, 1, 0]
+    assert remaining == [4, 3, 2, 1, 0]
     while eng.has_work:
         eng.step()
-    assert seq.stats.prefill_forwards == 4 and seq.stats.save_points == [256]
+    assert seq.stats.prefill_forwards == 5 and seq.stats.save_points == [256]
     assert_idle(eng)
 
 

@@ -3,8 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmdeploy.pytorch.paging.prefill_plan import (PrefillPlan, is_reusable, last_reusable, next_chunk_end,
-                                                  num_remaining_chunks, plan_prefill, with_last_block_end)
+from lmdeploy.pytorch.paging.prefill_plan import (PrefillPlan, ReuseRules, is_reusable, last_reusable, next_chunk_end,
+                                                  num_remaining_chunks, plain_chunk_ends, plan_prefill, prefill_grid,
+                                                  shared_head_boundary, with_junction, with_last_block_end)
 
 B, A, P = 64, 1024, 8192
 K = 1024
@@ -121,9 +122,11 @@ def test_last_only_cuts_the_chunk_crossing_target():
     assert plan.save_points == [8192, 9216]
 
 
-def test_last_only_keeps_unaligned_chunks_before_target():
+def test_last_only_chunks_follow_the_default_grid():
+    # last-only ends its forwards where the default policy does (the grid is a function of the
+    # prompt alone, so both policies compute the same numbers); it saves only at b* = 4096
     plan = plan_prefill(5000, 100, 1500, B, A, last_only=True)
-    assert plan.chunk_ends == [1600, 3100, 4096, 5000]
+    assert plan.chunk_ends == [1024, 2048, 3072, 4096, 5000]
     assert plan.save_points == [4096]
     plan = plan_prefill(5000, 100, 1500, B, A, last_only=False)
     assert plan.chunk_ends == [1024, 2048, 3072, 4096, 5000]
@@ -274,18 +277,130 @@ def test_plan_invariants(args, last_only):
 
 @settings(max_examples=200, deadline=None)
 @given(plan_args())
-def test_last_only_chunks_are_plain_chunks_cut_once(args):
+def test_chunk_ends_are_the_same_grid_under_every_policy(args):
+    """The chunk grid is a function of the prompt alone: caching off (prefill_grid from 0) and
+    on (either policy, with or without a junction save point that the grid already has), and a
+    restore at a grid end continues on the cold grid."""
     n, c, chunk, bs, al, la, r, spans = args
-    plan = plan_prefill(n, c, chunk, bs, al, True, la, r, spans)
-    expected, h = [], c
-    cut = plan.save_points[0] if plan.save_points else None
-    while h < n:
-        end = brute_chunk_end(h, min(h + chunk, n), n, la, spans)
-        if cut is not None and h < cut < end:
-            end = cut
-        expected.append(end)
-        h = end
-    assert plan.chunk_ends == expected
+    cold = prefill_grid(n, 0, chunk, bs, al, la, r, spans)
+    for last_only in (False, True):
+        assert plan_prefill(n, 0, chunk, bs, al, last_only, la, r, spans).chunk_ends == cold
+        assert plan_prefill(n, c, chunk, bs, al, last_only, la, r, spans).chunk_ends == \
+            prefill_grid(n, c, chunk, bs, al, la, r, spans)
+    target = brute_last_reusable(n, bs, al, la, r, spans)
+    assert target is None or target in cold          # last-only's save point is a grid end
+    for g in cold[:-1][-3:]:                         # a restore at a grid end: the rest of the cold grid
+        last_only = g % 2 == 0
+        assert plan_prefill(n, g, chunk, bs, al, last_only, la, r, spans).chunk_ends == [e for e in cold if e > g]
+
+
+@st.composite
+def head_plan_args(draw):
+    n, c, chunk, bs, al, la, r, spans = draw(plan_args())
+    head = draw(st.integers(0, n + al))
+    return n, c, chunk, bs, al, la, r, spans, head
+
+
+@settings(max_examples=200, deadline=None)
+@given(head_plan_args(), st.booleans())
+def test_shared_head_save_point_is_reusable_and_within_the_head(args, last_only):
+    n, c, chunk, bs, al, la, r, spans, head = args
+    plan = plan_prefill(n, c, chunk, bs, al, last_only, la, r, spans, shared_head_tokens=head)
+    wanted = max((b for b in range(1, min(head, n) + 1) if brute_reusable(b, n, bs, al, la, r, spans)), default=None)
+    assert shared_head_boundary(head, n, bs, al, la, r, spans) == wanted
+    # the chunk ends are the grid with the head, the same under both policies and with caching off
+    assert plan.chunk_ends == prefill_grid(n, c, chunk, bs, al, la, r, spans, shared_head_tokens=head)
+    assert plan.chunk_ends == plan_prefill(n, c, chunk, bs, al, not last_only, la, r, spans, head).chunk_ends
+    assert all(end - start <= chunk or brute_end_allowed(end, n, la, spans) and not any(
+        brute_end_allowed(b, n, la, spans) for b in range(start + 1, end))
+        for start, end in zip(plan.chunk_starts, plan.chunk_ends))
+    assert set(plan.save_points) <= set(plan.chunk_ends)
+    if wanted is not None and wanted > c:
+        assert plan.shared_head == wanted and wanted in plan.save_points and wanted <= head
+        assert brute_reusable(plan.shared_head, n, bs, al, la, r, spans)
+    else:   # no head boundary, or the cache hit already reaches it: no head save point
+        assert plan.shared_head is None
+        assert plan.save_points == plan_prefill(n, c, chunk, bs, al, last_only, la, r, spans).save_points
+    target = brute_last_reusable(n, bs, al, la, r, spans)
+    if last_only:
+        assert plan.save_points == sorted({b for b in (target, wanted) if b is not None and b > c})
+    # a second session sharing the head restores at the head's boundary: it continues on the grid
+    if wanted is not None and wanted > 0:
+        cold = prefill_grid(n, 0, chunk, bs, al, la, r, spans, shared_head_tokens=head)
+        assert wanted in cold
+        assert plan_prefill(n, wanted, chunk, bs, al, last_only, la, r, spans, head).chunk_ends == \
+            [e for e in cold if e > wanted]
+
+
+# ---------------------------------------------------------------- the shared head's save point
+@pytest.mark.parametrize('n, c, chunk, la, r, spans, head, ends, default, last', [
+    # Claude Code-shaped: 40,039 tokens, 37,120 shared (boundary 36864), P = 8192
+    (40039, 0, P, 0, 0, (), 37120, [8192, 16384, 24576, 32768, 36864, 39936, 40039],
+     [8192, 16384, 24576, 32768, 36864, 39936], [36864, 39936]),
+    # the second session restored the head: no head save point, the grid continues from 36864
+    (40039, 36864, P, 0, 0, (), 37120, [39936, 40039], [39936], [39936]),
+    # the head is inside the first chunk
+    (16448, 0, P, 0, 0, (), 3000, [2048, 10240, 16384, 16448], [2048, 10240, 16384], [2048, 16384]),
+    # the head's boundary is b* itself: one save point under last-only
+    (3000, 0, P, 0, 0, (), 2900, [2048, 3000], [2048], [2048]),
+    # ℓ = 1: 2048 needs token 2048 after it (rule 2 allows it); r = 1 moves it to 1024
+    (2049, 0, P, 1, 0, (), 2048, [2048, 2049], [2048], [2048]),
+    (2049, 0, P, 0, 1, (), 2048, [1024, 2049], [1024], [1024]),
+    # an image [2000, 2100) covers 2048: the head's boundary moves below it
+    (5000, 0, P, 0, 0, ((2000, 2100),), 2500, [1024, 4096, 5000], [1024, 4096], [1024, 4096]),
+    # a head shorter than A has no boundary
+    (5000, 0, P, 0, 0, (), 1000, [4096, 5000], [4096], [4096]),
+    # small chunks: the head's forward ends at 3072, the next starts there
+    (5000, 0, 1500, 0, 0, (), 3500, [1024, 2048, 3072, 4096, 5000], [1024, 2048, 3072, 4096], [3072, 4096]),
+])
+def test_shared_head_examples(n, c, chunk, la, r, spans, head, ends, default, last):
+    plans = [plan_prefill(n, c, chunk, B, A, last_only, la, r, spans, shared_head_tokens=head)
+             for last_only in (False, True)]
+    assert [p.chunk_ends for p in plans] == [ends, ends]
+    assert [p.save_points for p in plans] == [default, last]
+
+
+@pytest.mark.parametrize('head, ends, default, last', [
+    (200, [128, 192, 256, 300], [128, 192, 256], [192, 256]),     # head 192 splits the second chunk
+    (140, [128, 256, 300], [128, 256], [128, 256]),                # head 128 is already a chunk end
+    (None, [128, 256, 300], [128, 256], [256]),
+])
+def test_shared_head_examples_small_blocks(head, ends, default, last):
+    # B = 16, A = 64, P = 128, n = 300
+    plans = [plan_prefill(300, 0, 128, 16, 64, last_only, shared_head_tokens=head) for last_only in (False, True)]
+    assert [(p.chunk_ends, p.save_points) for p in plans] == [(ends, default), (ends, last)]
+
+
+def test_shared_head_none_changes_nothing():
+    for last_only in (False, True):
+        assert plan_prefill(40039, 0, P, B, A, last_only, shared_head_tokens=None) == \
+            plan_prefill(40039, 0, P, B, A, last_only)
+
+
+def test_shared_head_rejects_negative_lengths():
+    with pytest.raises(ValueError, match='shared_head_tokens'):
+        plan_prefill(5000, 0, P, B, A, True, shared_head_tokens=-1)
+
+
+def test_junction_and_turn_end_keep_the_shared_head():
+    plan = plan_prefill(40039, 0, P, B, A, True, shared_head_tokens=37120)
+    assert with_junction(plan, 20480).shared_head == 36864
+    assert with_last_block_end(plan, B).shared_head == 36864
+    # a junction at the head's boundary adds nothing: it is already a save point
+    assert with_junction(plan, 36864) is plan
+
+
+def test_reuse_rules_plan_and_grid_take_the_head():
+    rules = ReuseRules(40039, B, A)
+    assert rules.plan(0, P, True, 37120).save_points == [36864, 39936]
+    assert rules.grid(0, P, 37120) == [8192, 16384, 24576, 32768, 36864, 39936, 40039]
+    assert rules.grid(0, P) == [8192, 16384, 24576, 32768, 39936, 40039]
+
+
+def test_grid_differs_from_plain_chunks_only_where_a_boundary_moves_an_end():
+    # P a multiple of A, no spans: the hybrid grid is the plain one until b* cuts the last chunk
+    assert prefill_grid(16448, 0, P, B, A) == plain_chunk_ends(0, 16448, P) == [8192, 16384, 16448]
+    assert prefill_grid(10000, 0, P, B, A) == [8192, 9216, 10000] != plain_chunk_ends(0, 10000, P)
 
 
 @settings(max_examples=300, deadline=None)

@@ -262,15 +262,18 @@ def test_restored_checkpoint_equals_a_cold_prefill_of_that_many_tokens(tiny_qwen
     assert [s.num_cached_tokens for s in seqs] == [0, 128, 192]
     assert len(restored) == 2
     assert len(_linear_layers(eng)) == 3 and len(restored[0][1]) == 6
-    full = seqs[-1].token_ids
-    for seq, (_, state) in zip(seqs[1:], restored):
+    for saver, seq, (_, state) in zip(seqs, seqs[1:], restored):
         b = seq.num_cached_tokens
         cold = engine(tiny_qwen3_next, enable_prefix_caching=False)
-        probe = cold.add_request(full[:b], GenerationConfig(max_new_tokens=2, ignore_eos=True))
+        # the cold prefill of the prompt that saved b: with caching off its forwards end where
+        # they ended with caching on (the chunk grid depends on the prompt alone), b among them,
+        # so the kernels add in the same order
+        prompt_ids = saver.token_ids[:saver.num_prompt_tokens]
+        probe = cold.add_request(prompt_ids, GenerationConfig(max_new_tokens=2, ignore_eos=True))
         while probe.num_computed_tokens < b:
             cold.step()
+        assert probe.num_computed_tokens == b
         expected = _slot_state(cold, probe.state_slot)
-        # chunk ends are multiples of 64 on both sides, so the kernels add in the same order
         assert all(torch.equal(x, y) for x, y in zip(state, expected))
         assert any(x.abs().max() > 0 for x in expected)
         cold.abort(probe)

@@ -196,10 +196,11 @@ def test_turn_end_forward_ends_at_the_prompts_last_block_boundary():
 def test_junction_toy_branching():
     # 3 siblings of 150 shared + 60 own tokens (n = 210), 8-token replies; B=16 A=64 P=100, S=10 K_blk=1.
     # sibling 1 default: chunk ends 64 | 128 | 192 | 210 (each moved down to a multiple of 64), saves [64, 128, 192],
-    #   3 S + 12 blocks = 42; last-only: chunks [100, 192, 210], save [192], S + 12 = 22.
+    #   3 S + 12 blocks = 42; last-only: the same chunks (the grid depends on the prompt alone), save [192],
+    #   S + 12 = 22.
     # sibling 2: 150 shared tokens -> 9 full blocks matched (144 tokens). default restores 128, saves 192 of its own
     #   prefix: S + 3 blocks past the shared 9 = 13. last-only: 192 > 150 is not shared -> c = 0, S + 3 = 13.
-    #   junction: matched 144 > c = 0, largest reusable <= 144 is 128 -> chunk (100, 192] split at 128, saves
+    #   junction: matched 144 > c = 0, largest reusable <= 144 is 128, already a chunk end -> saves
     #   [128, 192]: 2 S + 3 = 23.
     # sibling 3: junction restores 128 (as default does); (128, 144] holds no multiple of 64 -> no second junction.
     scenario = sim.Branching('toy', 150, 60, 3, 8)
@@ -210,7 +211,7 @@ def test_junction_toy_branching():
     assert [(t.cached_tokens, t.save_points, t.total_bytes) for t in lo.turns] == [
         (0, [192], 22), (0, [192], 13), (0, [192], 13)]
     assert [(t.cached_tokens, t.chunk_ends, t.save_points, t.junction, t.total_bytes) for t in j.turns] == [
-        (0, [100, 192, 210], [192], None, 22), (0, [100, 128, 192, 210], [128, 192], 128, 23),
+        (0, [64, 128, 192, 210], [192], None, 22), (0, [64, 128, 192, 210], [128, 192], 128, 23),
         (128, [192, 210], [192], None, 13)]
     assert (d.total_bytes, lo.total_bytes, j.total_bytes) == (68, 48, 58)
 
@@ -357,3 +358,44 @@ def test_glm_5_3_flash_preset_matches_the_engine_model_when_there_is_one():
     s, k, s_all, k_all = glm5_next_sizes(GLM_5_3_FLASH_CONFIG, tp=8, block_size=64, kv_dtype=torch.float8_e4m3fn,
                                          state_dtype=torch.bfloat16, mtp=False)
     assert (engine.state_bytes, engine.kv_block_bytes, *engine.charged) == (s, k, s_all, k_all)
+
+
+def test_shared_head_toy_branching():
+    # 3 agent sessions: 150 shared tokens (a 140-token head of system prompt and tools, then the same
+    # first words), 60 of their own (n = 210), 8-token replies; B=16 A=64 P=128, S=10 K_blk=1.
+    # session 1, either policy: the head's boundary is 128 (a grid end), b* = 192: chunks [128, 192, 210],
+    #   saves [128, 192]: 2 S + 12 blocks = 32.
+    # sessions 2, 3: 9 full blocks matched (144 tokens); restore 128, save their own 192: S + 3 blocks = 13.
+    # Without the head, last-only's only checkpoint (192) lies past the divergence: they restore nothing.
+    with_head = sim.Branching('toy agent', 150, 60, 3, 8, head_tokens=140)
+    res = _policies(with_head, 'default', 'last-only')
+    for name in ('default', 'last-only'):
+        assert [(t.cached_tokens, t.chunk_ends, t.save_points, t.shared_head, t.total_bytes)
+                for t in res[name].turns] == [(0, [128, 192, 210], [128, 192], 128, 32),
+                                              (128, [192, 210], [192], None, 13), (128, [192, 210], [192], None, 13)]
+        assert res[name].num_saves == 4 and res[name].total_bytes == 58
+    plain = _policies(sim.Branching('toy agent', 150, 60, 3, 8), 'last-only')['last-only']
+    assert [t.cached_tokens for t in plain.turns] == [0, 0, 0]
+    # a head shorter than A has no boundary: the same as no head
+    short = _policies(sim.Branching('toy agent', 150, 60, 3, 8, head_tokens=60), 'last-only')['last-only']
+    assert short == plain
+
+
+def test_shared_head_scenario_checks_and_scaling():
+    with pytest.raises(ValueError, match='head_tokens'):
+        sim.Branching('x', 150, 60, 3, 8, head_tokens=151).requests()
+    with pytest.raises(ValueError, match='head_tokens'):
+        sim.Scenario('x', (100, 200), 8, head_tokens=101).requests()
+    assert sim.Branching('x', 1600, 320, 2, 16, head_tokens=1280).scaled(Fraction(1, 16)).head_tokens == 80
+    # every turn of a conversation carries the head; restores deeper than it skip its save
+    turns = _policies(sim.Scenario('chat', (200, 400), 20, head_tokens=140), 'last-only')['last-only'].turns
+    assert [(t.cached_tokens, t.save_points, t.shared_head) for t in turns] == [(0, [128, 192], 128),
+                                                                                (192, [384], None)]
+
+
+def test_cli_head_tokens_names_the_scenario(capsys):
+    sim.main(['--preset', 'branching', '--head-tokens', '16384'])
+    out = capsys.readouterr().out
+    assert '4 siblings 20K+320 +2K head 16384' in out
+    # last-only: sessions 2-4 restore the head's 16384 instead of nothing
+    assert '      2   22848 |   16384   6464     1         1489 |   16384   6464     1         1489 |' in out

@@ -11,6 +11,13 @@ passes ``do_preprocess=False`` (then the string is tokenized as is: a raw contin
 Token-id lists are never changed. Rendering a message list equals
 ``tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True, **kwargs)``
 token for token (``developer`` messages are rendered as ``system``).
+
+A message-list prompt also tells the engine where its *shared head* ends
+(:func:`shared_head_tokens`): the rendered system/developer messages and tool definitions that
+every session of the same agent sends before its first user words. The engine ends a prefill
+forward and saves a checkpoint at the head's last reusable boundary, so a new session restores
+the head even with ``prefill_save_last_only`` (whose only other checkpoint lies past the point
+where sessions diverge).
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
 from ..pytorch.engine.stop_strings import Detokenizer as _Detokenizer
 from .images import ImageInputs, extract_images, has_images
 
-__all__ = ['Pipeline', 'ChatSession', 'render_chat']
+__all__ = ['Pipeline', 'ChatSession', 'render_chat', 'shared_head_tokens']
 
 VALID_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
 
@@ -81,6 +88,59 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
                                              **(chat_template_kwargs or {}))
     except Exception as err:     # jinja2 TemplateError / raise_exception in the template
         raise ValueError(f'the chat template rejected the conversation: {err}') from err
+
+
+def shared_head_tokens(tokenizer, tokenize, messages: list[dict], token_ids: list[int],
+                       tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> int | None:
+    """Tokens of a chat prompt's shared head: its leading system/developer messages and tool
+    definitions as the chat template renders them, up to where the first user or assistant
+    message begins. Every session of one agent sends the same head, so a checkpoint there is
+    reusable across sessions.
+
+    Found by rendering only the head (the leading system/developer messages and ``tools``, no
+    generation prompt) with ``tokenizer.apply_chat_template``, tokenizing it with ``tokenize``
+    and taking the length of its common token prefix with ``token_ids`` (the full prompt's ids):
+    robust to templates that append text after the last message or tokenize across the seam.
+    A template that refuses a conversation without a user message (some raise "no user query")
+    is asked again with an empty user message appended; its header then counts as head, which
+    every session whose first message is a user message shares too.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        tokenize: ``str -> list[int]``, tokenizing as the full prompt was (no special tokens added).
+        messages: the request's OpenAI-style messages (as given to :func:`render_chat`).
+        token_ids: the full prompt's token ids.
+        tools: the ``tools`` handed to the template, or None.
+        chat_template_kwargs: the extra template variables of the request.
+
+    Returns:
+        The head's length in tokens, or None when there is no head (no leading system message
+        and no tools), nothing follows it, or the template cannot render it.
+    """
+    lead = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get('role') not in ('system', 'developer'):
+            break
+        lead.append(dict(m, role='system'))
+    if not lead and not tools or len(lead) == len(messages):
+        return None
+    text = None
+    for head in (lead, lead + [{'role': 'user', 'content': ''}]):
+        try:
+            text = tokenizer.apply_chat_template(head, tools=tools or None, add_generation_prompt=False,
+                                                 tokenize=False, **(chat_template_kwargs or {}))
+            break
+        except Exception:       # jinja2 TemplateError / raise_exception: try the next form
+            continue
+    if not text:
+        return None
+    head_ids = tokenize(text)
+    k = 0
+    for a, b in zip(head_ids, token_ids):
+        if a != b:
+            break
+        k += 1
+    return k or None
 
 
 _TOKENIZER_FILES = ('tokenizer.json', 'tokenizer.model', 'vocab.json', 'spiece.model', 'vocab.txt')
@@ -152,6 +212,17 @@ class Pipeline:
                chat_template_kwargs: dict | None = None) -> str:
         """The prompt text of a conversation (see :func:`render_chat`)."""
         return render_chat(self.tokenizer, messages, tools, chat_template_kwargs)
+
+    def shared_head(self, prompt, token_ids: list[int], tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> int | None:
+        """The shared head's length (tokens) of a message-list ``prompt`` whose full ids are
+        ``token_ids`` (:func:`shared_head_tokens`); None for strings, token ids, or a model
+        without a chat template."""
+        if not (isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt)) \
+                or not self.has_chat_template:
+            return None
+        return shared_head_tokens(self.tokenizer, lambda text: self.tokenize(text, check_length=False), list(prompt),
+                                  token_ids, tools, chat_template_kwargs)
 
     def tokenize(self, text: str, check_length: bool = True) -> list[int]:
         """Token ids of ``text`` as is (no special tokens added), as ``apply_chat_template``
@@ -249,17 +320,22 @@ class Pipeline:
         return ids
 
     def submit(self, prompt, gen_config: GenerationConfig | dict | None = None, loop=None,
-               do_preprocess: bool = True, multimodal: tuple = ()) -> RequestHandle:
+               do_preprocess: bool = True, multimodal: tuple = (),
+               shared_head_tokens: int | None = None) -> RequestHandle:
         """Encode and queue one prompt; returns its handle. ``multimodal``: the images of a
-        token-id prompt already expanded by :meth:`encode_with_images`."""
+        token-id prompt already expanded by :meth:`encode_with_images`. ``shared_head_tokens``:
+        the head length of a token-id prompt rendered from a chat (:func:`shared_head_tokens`);
+        a message-list prompt's is found here."""
         if multimodal:
             if not (prompt and all(isinstance(t, int) for t in prompt)):
                 raise ValueError('multimodal inputs go with a token-id prompt')
             ids, images = list(prompt), tuple(multimodal)
         else:
             ids, images = self.encode_with_images(prompt, do_preprocess)
+        if shared_head_tokens is None:
+            shared_head_tokens = self.shared_head(prompt, ids)
         return self.loop.submit(ids, _as_config(gen_config, GenerationConfig, 'gen_config'), loop=loop,
-                                multimodal=images)
+                                multimodal=images, shared_head_tokens=shared_head_tokens)
 
     # sync API --------------------------------------------------------------------------
     def __call__(self, prompts, gen_config: GenerationConfig | dict | None = None, do_preprocess: bool = True):
@@ -293,9 +369,11 @@ class Pipeline:
         # check every prompt before queueing any, so a bad one does not leave the others
         # running unattended in the engine
         inputs = [self.encode_with_images(p, do_preprocess) for p in batch]
+        heads = [self.shared_head(p, ids) for p, (ids, _) in zip(batch, inputs)]
         for ids, images in inputs:
             self.engine.make_sequence(ids, gen_config, multimodal=images)     # validates, queues nothing
-        handles = [self.loop.submit(ids, gen_config, multimodal=images) for ids, images in inputs]
+        handles = [self.loop.submit(ids, gen_config, multimodal=images, shared_head_tokens=head)
+                   for (ids, images), head in zip(inputs, heads)]
         detoks = [_Detokenizer(self.tokenizer, gen_config.stop_words) for _ in batch]
         live = set(range(len(batch)))
         try:
@@ -315,9 +393,9 @@ class Pipeline:
 
     async def generate(self, prompt, gen_config: GenerationConfig | dict | None = None,
                        do_preprocess: bool = True, multimodal: tuple = (),
-                       stop_at=None) -> AsyncIterator[Response]:
+                       stop_at=None, shared_head_tokens: int | None = None) -> AsyncIterator[Response]:
         """Async generator of :class:`Response` deltas for one prompt (used by the server, which
-        passes token ids it encoded off the event loop).
+        passes token ids it encoded off the event loop, with the chat's ``shared_head_tokens``).
 
         ``stop_at``: None, or a function of the reply's text so far returning None or how many
         characters to keep: the reply then ends there with ``'stop'`` as a completed turn (like
@@ -326,7 +404,7 @@ class Pipeline:
         """
         gen_config = _as_config(gen_config, GenerationConfig, 'gen_config')
         handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess,
-                             multimodal=multimodal)
+                             multimodal=multimodal, shared_head_tokens=shared_head_tokens)
         detok = _Detokenizer(self.tokenizer, gen_config.stop_words)
         finished = False
         text = ''

@@ -271,14 +271,18 @@ class Engine:
 
     def make_sequence(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                       multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int | None = None,
-                      recompute_blocks: int | None = None, multimodal: tuple = ()) -> Sequence:
+                      recompute_blocks: int | None = None, multimodal: tuple = (),
+                      shared_head_tokens: int | None = None) -> Sequence:
         """A validated :class:`Sequence` for a request (not yet queued).
 
         ``token_lookahead`` / ``recompute_blocks`` default to the engine's decoding strategy.
         ``multimodal``: the prompt's images (:class:`~lmdeploy.pytorch.multimodal.MultimodalInput`).
+        ``shared_head_tokens``: tokens of the prompt's shared head (a chat request's system prompt
+        and tools, see :attr:`Sequence.shared_head_tokens`), or None; a hybrid model ends a
+        prefill forward and, with prefix caching, saves a checkpoint at its last reusable boundary.
 
         Raises:
-            ValueError: see :meth:`validate`.
+            ValueError: see :meth:`validate`; ``shared_head_tokens`` not None nor an int >= 0.
         """
         gen_config = gen_config or GenerationConfig()
         self.validate(token_ids, gen_config)
@@ -294,8 +298,12 @@ class Engine:
                 raise ValueError('images are not supported with MTP speculative decoding '
                                  '(speculative_config.method=mtp)')
             self.model.check_multimodal(token_ids, multimodal)
+        if shared_head_tokens is not None and (isinstance(shared_head_tokens, bool)
+                                               or not isinstance(shared_head_tokens, int) or shared_head_tokens < 0):
+            raise ValueError(f'shared_head_tokens must be None or an int >= 0, got {shared_head_tokens!r}')
         seq = Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
                        self.eos_token_ids, tuple(multimodal))
+        seq.shared_head_tokens = shared_head_tokens
         if gen_config.structured_output is not None:
             try:
                 seq.guide = self.grammar().guide(gen_config.structured_output)

@@ -259,30 +259,40 @@ class Scheduler:
     def _plan(self, seq: Sequence, cached: int, matched: int = 0) -> PrefillPlan:
         """The turn's chunk plan; saves only when a hybrid model caches prefixes.
 
-        The input turn is the prompt: a sequence re-admitted after preemption plans its save
+        A hybrid model's prompt is chunked on :func:`~..paging.prefill_plan.prefill_grid`, whether
+        prefixes are cached or not and under every save policy, so that caching never changes
+        where a forward ends (and so, in floating point, what it computes); the save points are
+        chosen among those ends, the shared head's boundary (``seq.shared_head_tokens``) among
+        them. The input turn is the prompt: a sequence re-admitted after preemption plans its save
         points over the prompt alone, then recomputes its generated tokens in plain chunks, so
         it never takes more checkpoints than its first admission planned. With ``save_junction``
         a prompt whose cached blocks reach ``matched`` tokens, deeper than its restorable
         checkpoint, also saves at the deepest reusable boundary up to ``matched`` (the branch
         point of two conversations), so the next sibling restores there. With ``decode_save_last``
         a forward also ends at the input's last block boundary (:func:`with_last_block_end`), where
-        the turn-end checkpoint falls when the reply crosses no block boundary.
+        the turn-end checkpoint falls when the reply crosses no block boundary. Those two add chunk
+        ends of their own.
         """
         P = self.config.max_prefill_token_num
-        ends, saves, start, junction = [], [], cached, None
+        ends, saves, start, junction, head = [], [], cached, None, None
         turn = seq.num_prompt_tokens
-        if self.is_hybrid and self.prefix_cache.caches_prefixes and cached < turn:
+        if self.is_hybrid and cached < turn:
             rules = ReuseRules(turn, self.block_size, self.config.prefill_save_alignment, seq.token_lookahead,
                                seq.recompute_blocks, tuple(seq.multimodal_spans))
-            plan = rules.plan(cached, P, self.last_only)
-            if self.config.save_junction and matched > cached:
-                junction = rules.last_reusable_at_most(matched)
-                if junction is not None and junction > cached:
-                    plan = with_junction(plan, junction)
-            ends, saves, start, junction = list(plan.chunk_ends), list(plan.save_points), turn, plan.junction
+            if self.prefix_cache.caches_prefixes:
+                plan = rules.plan(cached, P, self.last_only, seq.shared_head_tokens)
+                if self.config.save_junction and matched > cached:
+                    junction = rules.last_reusable_at_most(matched)
+                    if junction is not None and junction > cached:
+                        plan = with_junction(plan, junction)
+                ends, saves, junction, head = list(plan.chunk_ends), list(plan.save_points), plan.junction, \
+                    plan.shared_head
+            else:
+                ends = rules.grid(cached, P, seq.shared_head_tokens)
+            start = turn
         # chunks without saves (the rest of the input) still never split a multimodal span
         ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
-        plan = PrefillPlan(ends, saves, cached, junction)
+        plan = PrefillPlan(ends, saves, cached, junction, head)
         if self.is_hybrid and self.prefix_cache.decode_save_last:
             plan = with_last_block_end(plan, self.block_size, seq.token_lookahead, tuple(seq.multimodal_spans))
         return plan

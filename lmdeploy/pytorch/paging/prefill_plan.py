@@ -6,6 +6,12 @@ turn ends, and at which chunk ends the state is saved. Everything here is a pure
 of integers (no torch, no engine objects), so the scheduler, the cache engine, the tests
 and ``benchmark/simulate_store_writes.py`` all share one definition.
 
+Chunk ends are a function of the input alone (:func:`prefill_grid`): the same with prefix
+caching off and on and under every save policy, so a prefill computes the same floating-point
+numbers whatever is cached (each forward's rounding depends on where it starts and ends). Save
+points are chosen among those ends; only a junction (which depends on the cache's contents) and
+the turn-end block boundary (``decode_save_last``) add ends of their own.
+
 Invariants of every :class:`PrefillPlan` returned by :func:`plan_prefill`:
 
 * ``chunk_ends`` is strictly increasing, its last element is ``num_tokens`` and the first
@@ -17,7 +23,9 @@ Invariants of every :class:`PrefillPlan` returned by :func:`plan_prefill`:
   allowed end past the budget, so an image is never split even if its forward is larger;
 * ``save_points`` is a subset of ``chunk_ends``; each one is reusable (:func:`is_reusable`) and greater
   than ``cached_tokens`` -- a state exists there because a forward ends exactly there;
-* last-only plans have at most one save point, equal to ``last_reusable(num_tokens)``.
+* ``chunk_ends == prefill_grid(num_tokens, cached_tokens, ...)`` under either policy;
+* last-only plans save at ``last_reusable(num_tokens)`` and, given a shared head, at its
+  boundary (:func:`shared_head_boundary`), each only when above ``cached_tokens``.
 
 Example, n = 16448 (16K + 64), c = 0, P = 8192, A = 1024, B = 64::
 
@@ -26,6 +34,12 @@ Example, n = 16448 (16K + 64), c = 0, P = 8192, A = 1024, B = 64::
     chunks   [  chunk 0   ][   chunk 1   ][ c2  ]       chunk_ends  [8192, 16384, 16448]
     default               S              S              save_points [8192, 16384]
     last-only                            S              save_points [16384]
+
+With a shared head of 9500 tokens (system prompt + tools; its boundary is 9216) a forward also
+ends at 9216 and saves there under both policies, and the next forward starts from it::
+
+    chunk_ends  [8192, 9216, 16384, 16448]
+    default     save_points [8192, 9216, 16384]      last-only  save_points [9216, 16384]
 
 Chunk ends obey the span rule too, not only save points: a chunk end that would fall inside
 an image's tokens (or, with lookahead ℓ, whose forward would read into them) moves down to
@@ -41,8 +55,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ['PrefillPlan', 'ReuseRules', 'is_reusable', 'last_reusable', 'plan_prefill', 'with_junction',
-           'with_last_block_end', 'num_remaining_chunks', 'next_chunk_end', 'is_chunk_end_allowed', 'plain_chunk_ends']
+__all__ = ['PrefillPlan', 'ReuseRules', 'is_reusable', 'last_reusable', 'plan_prefill', 'prefill_grid',
+           'shared_head_boundary', 'with_junction', 'with_last_block_end', 'num_remaining_chunks', 'next_chunk_end',
+           'is_chunk_end_allowed', 'plain_chunk_ends']
 
 Span = tuple[int, int]
 
@@ -57,12 +72,15 @@ class PrefillPlan:
         save_points: the chunk ends after which the recurrent state is checkpointed.
         cached_tokens: tokens restored at admission; the first chunk starts here.
         junction: the save point added at a branch point (``save_junction``), or None.
+        shared_head: the save point at the end of the request's shared head (its system prompt
+            and tool definitions, :func:`shared_head_boundary`), or None.
     """
 
     chunk_ends: list[int]
     save_points: list[int]
     cached_tokens: int = 0
     junction: int | None = None
+    shared_head: int | None = None
     _saves: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -226,9 +244,86 @@ def last_reusable(num_tokens: int, block_size: int, alignment: int, token_lookah
                                      recompute_blocks, multimodal_spans)
 
 
+def shared_head_boundary(shared_head_tokens: int | None, num_tokens: int, block_size: int, alignment: int,
+                         token_lookahead: int = 0, recompute_blocks: int = 0,
+                         multimodal_spans: Sequence[Span] = ()) -> int | None:
+    """The checkpoint boundary (tokens) of a request's shared head: the largest reusable boundary
+    ``<= shared_head_tokens``, or None (no head given, or no reusable boundary in it).
+
+    The shared head is the part of a chat prompt every session of the same agent sends: the
+    rendered system/developer messages and tool definitions, up to the first user or assistant
+    message (``shared_head_tokens``, computed by the serving layer from the chat template).
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+    """
+    _validate_boundary_args(num_tokens, block_size, alignment, token_lookahead, recompute_blocks,
+                            multimodal_spans)
+    if shared_head_tokens is None:
+        return None
+    if shared_head_tokens < 0:
+        raise ValueError(f'shared_head_tokens must be >= 0 or None, got {shared_head_tokens}')
+    return _largest_reusable_at_most(shared_head_tokens, num_tokens, block_size, alignment, token_lookahead,
+                                     recompute_blocks, multimodal_spans)
+
+
+def _grid(start: int, chunk_size: int, head: int | None, args: tuple) -> list[int]:
+    """The chunk ends of :func:`prefill_grid` from ``start`` (validated arguments; ``head`` is
+    the shared head's boundary or None)."""
+    num_tokens, _, _, token_lookahead, _, spans = args
+    ends, h = [], start
+    while h < num_tokens:
+        end = min(h + chunk_size, num_tokens)
+        if head is not None and h < head < end:
+            end = head                          # the head's boundary is reusable: an allowed end
+        else:
+            boundary = _largest_reusable_at_most(end, *args)
+            if boundary is not None and boundary > h:
+                end = boundary
+            else:
+                # no reusable boundary within the budget: the plain end, off any span (which may
+                # run past the budget to the end of a span)
+                end = _chunk_end(h, end, num_tokens, token_lookahead, spans)
+        ends.append(end)
+        h = end
+    return ends
+
+
+def prefill_grid(num_tokens: int, start: int, chunk_size: int, block_size: int, alignment: int,
+                 token_lookahead: int = 0, recompute_blocks: int = 0, multimodal_spans: Sequence[Span] = (),
+                 shared_head_tokens: int | None = None) -> list[int]:
+    """Where the prefill forwards of a hybrid model's input end, from token ``start`` on: the
+    same ends with prefix caching off and on, under every save policy.
+
+    From h = ``start`` each forward ends at ``min(h + P, n)``, moved down to the largest reusable
+    boundary in ``(h, end]`` if there is one, else to the largest allowed chunk end
+    (:func:`is_chunk_end_allowed`) in ``(h, end]``, else up to the first allowed end past it;
+    a forward that would cross the shared head's boundary (:func:`shared_head_boundary`) ends
+    there instead. Each end depends only on h and the input (n, P, A, B, ℓ, r, spans, head), so
+    a restore at an end of the cold grid continues on that grid, and in floating point every
+    forward after it computes the same numbers as the cold prefill. The largest reusable
+    boundary b* is always an end (no step can pass it: it is the largest reusable boundary at
+    most any budget end at or past it).
+
+    Returns:
+        The chunk ends (tokens, absolute), strictly increasing, the last one ``num_tokens``;
+        empty when ``start >= num_tokens``.
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+    """
+    _validate_boundary_args(num_tokens, block_size, alignment, token_lookahead, recompute_blocks,
+                            multimodal_spans)
+    if chunk_size < 1:
+        raise ValueError(f'chunk_size must be >= 1, got {chunk_size}')
+    args = (num_tokens, block_size, alignment, token_lookahead, recompute_blocks, tuple(multimodal_spans))
+    head = shared_head_boundary(shared_head_tokens, *args)
+    return _grid(start, chunk_size, head, args)
+
+
 def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_size: int, alignment: int,
                  last_only: bool, token_lookahead: int = 0, recompute_blocks: int = 0,
-                 multimodal_spans: Sequence[Span] = ()) -> PrefillPlan:
+                 multimodal_spans: Sequence[Span] = (), shared_head_tokens: int | None = None) -> PrefillPlan:
     """Plan one turn's prefill chunks and state save points.
 
     Args:
@@ -237,19 +332,22 @@ def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_siz
         chunk_size: P, most tokens per prefill chunk (``max_prefill_token_num``).
         block_size: B, tokens per KV block.
         alignment: A, checkpoint boundaries are multiples of A (a positive multiple of B).
-        last_only: True for ``prefill_save_last_only``: save only at ``b* = last_reusable(n)``;
-            False for the default policy: save at every reusable chunk end.
+        last_only: True for ``prefill_save_last_only``: save only at ``b* = last_reusable(n)``
+            (and at the shared head's boundary); False for the default policy: save at every
+            reusable chunk end.
         token_lookahead: ℓ, input tokens past a chunk end its forward also reads.
         recompute_blocks: r, full blocks past a restored boundary a restore must also match.
         multimodal_spans: half-open ``(s, e)`` token ranges never split by a save point or a
             chunk end.
+        shared_head_tokens: tokens of the request's shared head (system prompt and tools), or
+            None: its boundary (:func:`shared_head_boundary`) is a chunk end and, when above c,
+            a save point under either policy.
 
     Returns:
-        :class:`PrefillPlan`. Default policy: from h = c each chunk ends at min(h + P, n),
-        moved down to the largest reusable boundary in (h, end] if one exists, else to the
-        largest allowed chunk end (:func:`is_chunk_end_allowed`) in (h, end], else up to the
-        first allowed end past it. Last-only: chunks of budget P from c with the same span
-        rule, the chunk crossing b* is cut at b*; no save point when b* is None or b* <= c.
+        :class:`PrefillPlan` whose chunk ends are :func:`prefill_grid` from c, under either
+        policy. Default: every reusable chunk end is a save point. Last-only: b* (always a
+        chunk end of the grid) is the save point, plus the shared head's boundary; no save
+        point at or below c.
 
     Raises:
         ValueError: an argument is out of range (the message names it).
@@ -261,37 +359,16 @@ def plan_prefill(num_tokens: int, cached_tokens: int, chunk_size: int, block_siz
                          f'got {cached_tokens}')
     if chunk_size < 1:
         raise ValueError(f'chunk_size must be >= 1, got {chunk_size}')
-    args = (num_tokens, block_size, alignment, token_lookahead, recompute_blocks, multimodal_spans)
-
-    chunk_ends: list[int] = []
-    save_points: list[int] = []
-    h = cached_tokens
+    args = (num_tokens, block_size, alignment, token_lookahead, recompute_blocks, tuple(multimodal_spans))
+    head = shared_head_boundary(shared_head_tokens, *args)
+    chunk_ends = _grid(cached_tokens, chunk_size, head, args)
     if last_only:
         target = _largest_reusable_at_most(num_tokens, *args)
-        if target is not None and target > cached_tokens:
-            save_points.append(target)
-        while h < num_tokens:
-            end = _chunk_end(h, min(h + chunk_size, num_tokens), num_tokens, token_lookahead, multimodal_spans)
-            if save_points and h < target < end:
-                end = target
-            chunk_ends.append(end)
-            h = end
+        save_points = sorted({b for b in (target, head) if b is not None and b > cached_tokens})
     else:
-        while h < num_tokens:
-            end = min(h + chunk_size, num_tokens)
-            boundary = _largest_reusable_at_most(end, *args)
-            if boundary is not None and boundary > h:
-                end = boundary
-                save_points.append(end)
-            else:
-                # no reusable boundary within the budget: the plain end (which may run past the
-                # budget to the end of a span) is still saved if it happens to be reusable
-                end = _chunk_end(h, end, num_tokens, token_lookahead, multimodal_spans)
-                if end < num_tokens and is_reusable(end, *args):
-                    save_points.append(end)
-            chunk_ends.append(end)
-            h = end
-    return PrefillPlan(chunk_ends=chunk_ends, save_points=save_points, cached_tokens=cached_tokens)
+        save_points = [b for b in chunk_ends if b < num_tokens and is_reusable(b, *args)]
+    return PrefillPlan(chunk_ends=chunk_ends, save_points=save_points, cached_tokens=cached_tokens,
+                       shared_head=head if head is not None and head > cached_tokens else None)
 
 
 @dataclass(frozen=True)
@@ -357,10 +434,16 @@ class ReuseRules:
         top = top // self.alignment * self.alignment
         return [b for b in range(top, above, -self.alignment) if b > 0 and self.is_reusable(b)]
 
-    def plan(self, cached_tokens: int, chunk_size: int, last_only: bool) -> PrefillPlan:
+    def plan(self, cached_tokens: int, chunk_size: int, last_only: bool,
+             shared_head_tokens: int | None = None) -> PrefillPlan:
         """:func:`plan_prefill` for this input."""
         return plan_prefill(self.num_tokens, cached_tokens, chunk_size, self.block_size, self.alignment, last_only,
-                            self.token_lookahead, self.recompute_blocks, self.multimodal_spans)
+                            self.token_lookahead, self.recompute_blocks, self.multimodal_spans, shared_head_tokens)
+
+    def grid(self, start: int, chunk_size: int, shared_head_tokens: int | None = None) -> list[int]:
+        """:func:`prefill_grid` for this input: the chunk ends without any save point."""
+        return prefill_grid(self.num_tokens, start, chunk_size, self.block_size, self.alignment, self.token_lookahead,
+                            self.recompute_blocks, self.multimodal_spans, shared_head_tokens)
 
 
 def with_junction(plan: PrefillPlan, junction: int) -> PrefillPlan:
@@ -370,7 +453,7 @@ def with_junction(plan: PrefillPlan, junction: int) -> PrefillPlan:
     if junction in plan.save_points or not plan.cached_tokens < junction < plan.num_tokens:
         return plan
     return PrefillPlan(sorted(set(plan.chunk_ends) | {junction}), sorted(plan.save_points + [junction]),
-                       plan.cached_tokens, junction)
+                       plan.cached_tokens, junction, plan.shared_head)
 
 
 def with_last_block_end(plan: PrefillPlan, block_size: int, token_lookahead: int = 0,
@@ -390,7 +473,8 @@ def with_last_block_end(plan: PrefillPlan, block_size: int, token_lookahead: int
     if (t in plan.chunk_ends or not plan.cached_tokens < t < n or t + token_lookahead > n
             or not is_chunk_end_allowed(t, n, token_lookahead, multimodal_spans)):
         return plan
-    return PrefillPlan(sorted(plan.chunk_ends + [t]), list(plan.save_points), plan.cached_tokens, plan.junction)
+    return PrefillPlan(sorted(plan.chunk_ends + [t]), list(plan.save_points), plan.cached_tokens, plan.junction,
+                       plan.shared_head)
 
 
 def num_remaining_chunks(plan: PrefillPlan, num_computed: int) -> int:

@@ -89,6 +89,10 @@ class Sequence:
         num_kept_tokens: once a stop string ended the reply, the tokens (prompt included)
             whose text lies wholly before it — what a next turn re-sending the visible reply
             shares with this sequence; None otherwise.
+        shared_head_tokens: tokens of the prompt's shared head — a chat request's rendered
+            system/developer messages and tool definitions, which every session of the same
+            agent sends — or None (raw prompts): the planner adds a forward end and a save
+            point at its last reusable boundary.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -113,6 +117,7 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list, repr=False)
     stop_strings: object = field(default=None, repr=False)
     num_kept_tokens: int | None = None
+    shared_head_tokens: int | None = None
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

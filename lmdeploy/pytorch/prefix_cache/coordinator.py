@@ -57,6 +57,7 @@ def zero_counters() -> dict:
     :meth:`PrefixCache.stats` starts from, and what an engine without a prefix cache reports."""
     return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
             'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0,
+            'shared_head_checkpoints_saved': 0,
             'checkpoints_saved_by_reason': {r: 0 for r in SAVE_REASONS},
             'prefix_cache_evictions': {'checkpoint': 0, 'kv': 0}}
 
@@ -319,6 +320,8 @@ class PrefixCache:
                 self._count_save(save.reason)
                 if save.seq.plan is not None and save.boundary == save.seq.plan.junction:
                     self.counters['junction_checkpoints_saved'] += 1
+                if save.seq.plan is not None and save.boundary == save.seq.plan.shared_head:
+                    self.counters['shared_head_checkpoints_saved'] += 1
             else:
                 self._skip(save.seq, 'copy_failed')
         for snap in saves.snapshots:

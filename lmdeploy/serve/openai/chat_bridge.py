@@ -88,7 +88,8 @@ class ChatRun:
         self.server._check_model(self.chat.model)
         plan = await run_in_threadpool(self.server._plan_chat, self.chat)
         self.output = plan.outputs[0]
-        self.gen = _Recorded(self.server, plan.jobs, 1, plan.multimodal, [self.output.first_call_stop()])
+        self.gen = _Recorded(self.server, plan.jobs, 1, plan.multimodal, [self.output.first_call_stop()],
+                             shared_head=plan.shared_head)
 
     async def collect(self, request: Request) -> tuple[dict, str | None, dict]:
         """Generate the whole reply: ``(chat message, finish reason, chat usage)``.

@@ -21,7 +21,8 @@ class ChatRoutes:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req.model)
         plan = await run_in_threadpool(self._plan_chat, req)
-        gen = _Generation(self, plan.jobs, req.n, plan.multimodal, [out.first_call_stop() for out in plan.outputs])
+        gen = _Generation(self, plan.jobs, req.n, plan.multimodal, [out.first_call_stop() for out in plan.outputs],
+                          shared_head=plan.shared_head)
         rid, created = new_id('chatcmpl'), now()
         head = {'id': rid, 'object': 'chat.completion', 'created': created, 'model': self.model_name}
         top = req.top_logprobs or 0

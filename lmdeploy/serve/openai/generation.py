@@ -69,6 +69,7 @@ class _Generation:
         jobs: ``(token_ids, gen_config)`` per choice, prompt-major (choice i = prompt i // n).
         n: choices per prompt.
         multimodal: the prompt's images (chat requests: one prompt).
+        shared_head: tokens of the chat prompt's shared head (system messages and tools), or None.
         stops: per choice, None or a function of the choice's text so far that returns how many
             characters to keep once the reply must end (``parallel_tool_calls: false``: just after
             the first call); the choice then ends with ``"stop"`` and its engine request is
@@ -77,11 +78,12 @@ class _Generation:
     """
 
     def __init__(self, server, jobs: list[tuple[list[int], GenerationConfig]], n: int,
-                 multimodal: tuple = (), stops: list | None = None):
+                 multimodal: tuple = (), stops: list | None = None, shared_head: int | None = None):
         self.server = server
         self.jobs = jobs
         self.stops = stops or [None] * len(jobs)
         self.multimodal = multimodal        # the prompt's images (chat requests: one prompt)
+        self.shared_head = shared_head      # the chat prompt's head length, for its checkpoint
         self.n = n
         self.start = time.perf_counter()
         self.choices = [_Choice(len(ids)) for ids, _ in jobs]
@@ -103,8 +105,8 @@ class _Generation:
 
         async def run(index: int, ids: list[int], cfg: GenerationConfig):
             try:
-                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal,
-                                                  stop_at=self.stops[index])) as gen:
+                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal, stop_at=self.stops[index],
+                                                  shared_head_tokens=self.shared_head)) as gen:
                     async for r in gen:
                         queue.put_nowait((index, r))
             except Exception as err:      # handed to the consumer, which answers with an error

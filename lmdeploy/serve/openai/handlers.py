@@ -56,10 +56,13 @@ def _resolve_parser(choice: str, template: str, marker: str, default: str) -> st
 
 @dataclass
 class _ChatPlan:
-    """What the worker thread prepared for a chat request: the jobs and per-choice output parsers."""
+    """What the worker thread prepared for a chat request: the jobs and per-choice output parsers,
+    the prompt's images and its shared head (tokens of the rendered system messages and tools,
+    :func:`~lmdeploy.serve.pipeline.shared_head_tokens`; None without one)."""
     jobs: list[tuple[list[int], GenerationConfig]]
     outputs: list[ChatOutput]
     multimodal: tuple = ()
+    shared_head: int | None = None
 
 
 class ServerBase:
@@ -231,6 +234,8 @@ class ServerBase:
                 ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
             raise APIError(400, f'messages: {err}', param='messages', code='invalid_value') from err
+        # where every session of this agent still sends the same tokens (system prompt + tools)
+        shared_head = self.pipe.shared_head(messages, ids, tools, req.chat_template_kwargs)
         reasoning = None
         if self.reasoning_parser_name and req.separate_reasoning:
             reasoning = get_reasoning_parser(self.reasoning_parser_name)
@@ -241,7 +246,7 @@ class ServerBase:
         jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param,
                           req.prompt_logprobs)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
-        return _ChatPlan(jobs, outputs, images)
+        return _ChatPlan(jobs, outputs, images, shared_head)
 
     @staticmethod
     def _structured(response_format):
