@@ -95,3 +95,90 @@ def test_prefix_cache_is_per_key(client, path):
         assert _cached(client, prompt + 'x', H2, path) > 0
     finally:
         client.server.share_prefix_cache_across_keys = False
+
+
+# limits -----------------------------------------------------------------------------------------------------
+def _nested(depth: int, kind: str):
+    """A JSON text nested ``depth`` deep: lists, objects, or both alternating."""
+    if kind == 'list':
+        return '[' * depth + ']' * depth
+    if kind == 'dict':
+        return '{"a":' * depth + '1' + '}' * depth
+    return '{"a":[' * (depth // 2) + '1' + ']}' * (depth // 2)
+
+
+def _deep_bodies():
+    """Bodies nested in several places and shapes, small (FastAPI parses them) and over the
+    256 KiB the server decodes off the event loop (padded with a long prompt)."""
+    pad = 'x' * (300 << 10)
+    for depth in (900, 5000, 100000):
+        for kind in ('list', 'dict', 'mixed'):
+            deep = _nested(depth, kind)
+            for where in ('top', 'kwargs', 'metadata', 'schema'):
+                if where == 'top':
+                    yield f'{where}-{kind}-{depth}', '/v1/chat/completions', deep
+                    continue
+                for big in (False, True):
+                    content = json.dumps(pad if big else 'hi')
+                    head = '{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": %s}]' % content
+                    field = {'kwargs': '"chat_template_kwargs": {"x": %s}',
+                             'metadata': '"metadata": %s',
+                             'schema': '"response_format": {"type": "json_schema", "json_schema": '
+                                       '{"name": "d", "schema": {"type": "object", "properties": {"a": %s}}}}'}[where]
+                    yield (f'{where}-{kind}-{depth}-{"big" if big else "small"}', '/v1/chat/completions',
+                           head + ', ' + field % deep + '}')
+    yield 'responses-input', '/v1/responses', '{"model": "tiny", "input": %s}' % _nested(5000, 'list')
+    yield 'messages-system', '/v1/messages', '{"model": "tiny", "max_tokens": 1, "messages": %s}' % _nested(5000, 'dict')
+    yield 'completions-prompt', '/v1/completions', '{"model": "tiny", "prompt": %s}' % _nested(5000, 'list')
+
+
+def test_deep_and_huge_bodies_are_4xx_never_500(client):
+    """Fuzz over nesting shapes, depths, places and body sizes: never a 5xx; a deep schema or
+    body is a 4xx with an error body (a deep value in an ignored field may be served); the
+    server then serves a normal request."""
+    failures = []
+    for name, path, body in _deep_bodies():
+        r = client.post(path, content=body.encode(), headers={**H1, 'Content-Type': 'application/json'})
+        refused = 400 <= r.status_code < 500 and 'error' in r.json()
+        if not refused and (r.status_code != 200 or not name.startswith(('metadata', 'kwargs'))):
+            failures.append((name, r.status_code, r.text[:200]))
+    assert not failures, failures
+    assert _chat(client, max_tokens=2).status_code == 200
+
+
+def _deep_schema(levels: int) -> dict:
+    schema = {'type': 'string'}
+    for _ in range(levels):
+        schema = {'type': 'object', 'properties': {'a': schema}, 'required': ['a']}
+    return schema
+
+
+@pytest.mark.parametrize('schema, limit', [
+    ({'type': 'object', 'properties': {'x': {'enum': [f'v{i}' for i in range(100_000)]}}}, 'enum/const values'),
+    ({'type': 'object', 'properties': {f'p{i}': {'type': 'integer'} for i in range(1000)}}, 'optional properties'),
+    (_deep_schema(40), 'nested more than 64'),
+    ({'type': 'object', 'properties': {f'p{i}': {'type': 'string', 'description': 'd' * 2000} for i in range(40)},
+      'required': [f'p{i}' for i in range(40)]}, 'bytes of JSON'),
+])
+def test_grammar_size_limits_are_400s_before_compiling(client, schema, limit):
+    """Each of these took seconds to minutes of compile time before the limits; now a 400 names
+    the field and the limit at once, for response_format, forced tools and Messages output."""
+    import time
+    start = time.perf_counter()
+    r = _chat(client, response_format={'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': schema}})
+    assert r.status_code == 400 and limit in r.json()['error']['message'], r.text
+    assert r.json()['error']['param'] == 'response_format'
+    tools = [{'type': 'function', 'function': {'name': 'f', 'parameters': schema}}]
+    r = _chat(client, tools=tools, tool_choice='required')
+    assert r.status_code == 400 and limit in r.json()['error']['message'], r.text
+    assert r.json()['error']['param'] == 'tools'
+    assert time.perf_counter() - start < 5
+    assert client.pipe.ledger()['grammar_matchers'] == 0
+
+
+def test_grammar_within_the_limits_compiles(client):
+    """The limits' own values are accepted: 64 optional properties, 1024 enum values in all."""
+    schema = {'type': 'object', 'properties': {f'p{i}': {'enum': [f'v{j}' for j in range(16)]} for i in range(64)}}
+    r = _chat(client, max_tokens=4, response_format={'type': 'json_schema', 'json_schema': {'name': 'x',
+                                                                                           'schema': schema}})
+    assert r.status_code == 200, r.text

@@ -238,6 +238,7 @@ class ServerBase:
             structured = from_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
             structured = structured.model_copy(update={'prefix': prefix})
             structured_param = 'tools'
+            self._check_grammar(structured, 'tools')     # before the tools are rendered into the prompt
         messages = [m.for_template() for m in req.messages]
         if self.tool_parser_name:       # history calls as this format's template wants them
             history = parser or get_tool_parser(self.tool_parser_name)
@@ -282,9 +283,23 @@ class ServerBase:
     def _structured(response_format):
         """The engine constraint of a ``response_format`` (None for text); 400 naming it."""
         try:
-            return from_response_format(response_format)
+            structured = from_response_format(response_format)
         except ValueError as err:
             raise APIError(400, f'response_format: {err}', param='response_format', code='invalid_value') from err
+        return ServerBase._check_grammar(structured, 'response_format')
+
+    @staticmethod
+    def _check_grammar(structured, param: str):
+        """``structured`` when its grammar is within the size limits
+        (:func:`~lmdeploy.pytorch.engine.guided.check_grammar_limits`), else a 400 naming ``param``;
+        checked before any rendering, tokenizing or compiling."""
+        if structured is not None:
+            from ...pytorch.engine.guided import check_grammar_limits
+            try:
+                check_grammar_limits(structured)
+            except ValueError as err:
+                raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
+        return structured
 
     # endpoints ------------------------------------------------------------------------------
     def _card(self) -> ModelCard:
