@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
@@ -28,6 +29,25 @@ from .images import ImageInputs, extract_images, has_images
 __all__ = ['Pipeline', 'ChatSession', 'render_chat']
 
 VALID_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
+
+# transformers resolves its names lazily on first use (``_LazyModule``); two threads doing that
+# first use at once can see a half-imported module ("cannot import name 'AutoTokenizer'": 8 of 8
+# concurrent builds failed). Pipelines therefore take this lock for what resolves transformers
+# modules: the first imports, the model's config class and its tokenizer class.
+_TRANSFORMERS_LOCK = threading.Lock()
+
+
+def _load_transformers(model_path: str):
+    """``AutoTokenizer``, after importing under :data:`_TRANSFORMERS_LOCK` the transformers names
+    (and the model type's configuration module) that building an engine resolves."""
+    with _TRANSFORMERS_LOCK:
+        import transformers.modeling_rope_utils  # noqa: F401  (the engine's RoPE functions)
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # noqa: F401
+        try:
+            AutoConfig.from_pretrained(model_path, local_files_only=True)   # imports its config module
+        except Exception:   # noqa: BLE001 - a bad directory: the engine names the problem
+            pass
+    return AutoTokenizer
 
 
 def _is_single(prompt) -> bool:
@@ -123,12 +143,14 @@ class Pipeline:
             fields; every ``gen_config`` argument below likewise takes a
             :class:`GenerationConfig` or a dict).
 
+    Pipelines may be built from several threads at once.
+
     Raises:
         ValueError: bad path / unsupported model / bad config (names the field).
     """
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | dict | None = None):
-        from transformers import AutoTokenizer
+        auto_tokenizer = _load_transformers(model_path)     # thread-safe: see _TRANSFORMERS_LOCK
         self.backend_config = _as_config(backend_config, PytorchEngineConfig, 'backend_config')
         self.engine = Engine(model_path, self.backend_config)   # checks the path and the model type first
         if not any(os.path.exists(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
@@ -136,7 +158,8 @@ class Pipeline:
             self.engine.close()
             raise ValueError(f'{model_path} has no tokenizer files (one of {list(_TOKENIZER_FILES)}); copy them '
                              f'from the original checkpoint')
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        with _TRANSFORMERS_LOCK:        # resolves (imports) the tokenizer class
+            self.tokenizer = auto_tokenizer.from_pretrained(model_path, local_files_only=True)
         self.engine.tokenizer = self.tokenizer      # the engine ends replies at stop strings itself
         self.model_path = model_path
         self.loop = EngineLoop(self.engine)
@@ -205,7 +228,9 @@ class Pipeline:
         token run, and the images as ``MultimodalInput``s (:class:`~lmdeploy.serve.images.ImageInputs`;
         ``wheres`` names each image's part in errors)."""
         if self._images is None:
-            self._images = ImageInputs(self.model_path, self.engine.hf_config)
+            with _TRANSFORMERS_LOCK:    # server worker threads may get their first images at once
+                if self._images is None:
+                    self._images = ImageInputs(self.model_path, self.engine.hf_config)
         return self._images.expand(self.tokenize(text), images, wheres)
 
     def encode_with_images(self, prompt, do_preprocess: bool = True) -> tuple[list[int], tuple]:
