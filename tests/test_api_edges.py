@@ -182,3 +182,45 @@ def test_grammar_within_the_limits_compiles(client):
     r = _chat(client, max_tokens=4, response_format={'type': 'json_schema', 'json_schema': {'name': 'x',
                                                                                            'schema': schema}})
     assert r.status_code == 200, r.text
+
+
+# Messages structured output ---------------------------------------------------------------------------------
+TITLE = {'type': 'object', 'properties': {'title': {'type': 'string', 'maxLength': 12},
+                                          'isNewTopic': {'type': 'boolean'}},
+         'required': ['title', 'isNewTopic'], 'additionalProperties': False}
+
+
+@pytest.mark.parametrize('field', ['output_config', 'output_format'])
+@pytest.mark.parametrize('stream', [False, True])
+def test_messages_output_format_is_enforced(client, field, stream):
+    """Claude Code's title request: the reply's text is JSON valid for the schema and ends there
+    (stop_reason end_turn), not a budget-long ramble."""
+    fmt = {'type': 'json_schema', 'schema': TITLE}
+    body = {'model': 'tiny', 'max_tokens': 300, 'stream': stream, 'temperature': 1.0,
+            'messages': [{'role': 'user', 'content': 'Write a title for: fix the parser'}],
+            field: {'format': fmt} if field == 'output_config' else fmt}
+    if stream:
+        text, reason = '', None
+        with client.stream('POST', '/v1/messages', json=body, headers={'x-api-key': K1}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith('data: '):
+                    ev = json.loads(line[6:])
+                    if ev['type'] == 'content_block_delta' and ev['delta']['type'] == 'text_delta':
+                        text += ev['delta']['text']
+                    if ev['type'] == 'message_delta':
+                        reason = ev['delta']['stop_reason']
+    else:
+        r = client.post('/v1/messages', json=body, headers={'x-api-key': K1})
+        assert r.status_code == 200, r.text
+        blocks = [b for b in r.json()['content'] if b['type'] == 'text']
+        text, reason = blocks[0]['text'], r.json()['stop_reason']
+    jsonschema.validate(json.loads(text), TITLE)
+    assert reason == 'end_turn'
+
+
+def test_messages_output_format_errors_name_the_field(client):
+    body = {'model': 'tiny', 'max_tokens': 10, 'messages': [{'role': 'user', 'content': 'hi'}],
+            'output_config': {'format': {'type': 'json_schema', 'schema': {'type': 'objectx'}}}}
+    r = client.post('/v1/messages', json=body, headers={'x-api-key': K1})
+    assert r.status_code == 400 and r.json()['error']['message'].startswith('output_config.format'), r.text
