@@ -224,3 +224,94 @@ def test_messages_output_format_errors_name_the_field(client):
             'output_config': {'format': {'type': 'json_schema', 'schema': {'type': 'objectx'}}}}
     r = client.post('/v1/messages', json=body, headers={'x-api-key': K1})
     assert r.status_code == 400 and r.json()['error']['message'].startswith('output_config.format'), r.text
+
+
+# streamed tool calls ----------------------------------------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6),
+                  st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6))
+_VALUE = st.recursive(_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                      max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.text(max_size=5), _VALUE, max_size=3), st.sampled_from([(',', ':'), (', ', ': ')]),
+       st.sampled_from(['hermes', 'qwen_xml']), st.floats(0, 1), st.lists(st.integers(1, 300), max_size=8))
+def test_streamed_call_cut_anywhere_equals_the_parsed_reply(args, separators, fmt, cut_at, cuts):
+    """A call cut at any character and streamed in any chunking: the streamed name and argument
+    fragments equal the non-streamed parse; once the name has gone out, the arguments are strict
+    JSON; uncut, they are the model's own text."""
+    from lmdeploy.serve.openai.tool_parser import get_tool_parser, merge_tool_call_fragments
+    schema = {'type': 'object', 'properties': {k: {} for k in args}}
+    parser = get_tool_parser(fmt, [{'type': 'function', 'function': {'name': 'ls', 'parameters': schema}}])
+    raw = json.dumps(args, separators=separators)
+    if fmt == 'hermes':
+        full = '<tool_call>\n{"name": "ls", "arguments": ' + raw + '}\n</tool_call>'
+    else:
+        full = '<tool_call>\n<function=ls>\n' + ''.join(
+            f'<parameter={k}>\n{json.dumps(v)}\n</parameter>\n' for k, v in args.items()) + '</function>\n</tool_call>'
+    text = full[:int(len(full) * cut_at)]
+    whole = parser.parse(text)
+    stream, frags, content, prev = parser.stream(), [], '', 0
+    for c in sorted({c for c in cuts if c < len(text)}) + [len(text)]:
+        piece, got = stream.feed(text[prev:c])
+        content, frags, prev = content + piece, frags + got, c
+    piece, got = stream.finish()
+    content, frags = content + piece, frags + got
+    merged = [(f['function']['name'], f['function'].get('arguments', '')) for f in merge_tool_call_fragments(frags)]
+    assert merged == [(c.name, c.arguments) for c in whole.calls]
+    assert content == (whole.content or '')
+    for call in whole.calls:
+        json.loads(call.arguments)
+    if text == full:
+        assert [c.name for c in whole.calls] == ['ls'] and json.loads(whole.calls[0].arguments) == args
+        if fmt == 'hermes':
+            assert whole.calls[0].arguments == raw
+
+
+TOOLS = [{'type': 'function', 'function': {'name': 'get_weather', 'parameters': {
+    'type': 'object', 'properties': {'city': {'type': 'string', 'maxLength': 12},
+                                     'days': {'type': 'integer', 'minimum': 1, 'maximum': 7}},
+    'required': ['city', 'days'], 'additionalProperties': False}}}]
+
+
+def _streamed(client, body) -> tuple[list[dict], str | None]:
+    frags, reason = [], None
+    with client.stream('POST', '/v1/chat/completions', json=dict(body, stream=True)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith('data: ') and line != 'data: [DONE]':
+                for c in json.loads(line[6:])['choices']:
+                    frags += c['delta'].get('tool_calls') or []
+                    reason = c['finish_reason'] or reason
+    return frags, reason
+
+
+@pytest.mark.parametrize('choice', ['required', {'type': 'function', 'function': {'name': 'get_weather'}}])
+def test_forced_tool_call_streams_its_name_and_arguments_also_when_cut(client, choice):
+    """Streamed, the name comes in the call's first fragment, the arguments in later ones, and
+    they add up to the non-streamed call; cut by max_tokens inside the arguments, the stream
+    still carries the call (name, partial arguments closed as strict JSON), equal to the
+    non-streamed reply, finish_reason "length"."""
+    body = {'model': 'tiny', 'messages': MSG, 'tools': TOOLS, 'tool_choice': choice, 'parallel_tool_calls': False,
+            'temperature': 1.0, 'seed': 3}
+    whole = client.post('/v1/chat/completions', json=dict(body, max_tokens=200)).json()
+    call = whole['choices'][0]['message']['tool_calls'][0]['function']
+    frags, reason = _streamed(client, dict(body, max_tokens=200))
+    assert reason == 'tool_calls' and frags[0]['function']['name'] == call['name']
+    assert len(frags) > 2 and all('name' not in f['function'] for f in frags[1:])
+    assert ''.join(f['function'].get('arguments', '') for f in frags) == call['arguments']
+    # a budget that ends inside the arguments: the tokens of the reply up to their middle
+    head = '' if isinstance(choice, dict) else '{"name": "get_weather", "arguments": '
+    cut = len(client.pipe.tokenize(head + call['arguments'][:len(call['arguments']) // 2]))
+    plain = client.post('/v1/chat/completions', json=dict(body, max_tokens=cut)).json()['choices'][0]
+    frags, reason = _streamed(client, dict(body, max_tokens=cut))
+    assert (plain['finish_reason'], reason) == ('length', 'length')
+    (partial,) = plain['message']['tool_calls']
+    assert frags[0]['function']['name'] == partial['function']['name'] == call['name']
+    assert ''.join(f['function'].get('arguments', '') for f in frags) == partial['function']['arguments']
+    assert partial['function']['arguments'] != call['arguments']
+    json.loads(partial['function']['arguments'])

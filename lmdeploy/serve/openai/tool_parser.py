@@ -25,12 +25,24 @@ whitespace of the content is dropped and whitespace-only content becomes None. A
 tag that is not followed (after whitespace) by ``{`` is prose: it is released as content at once,
 so a model that writes the tag in a sentence never stalls the stream.
 
+Streaming (:class:`_HermesSegmenter`): once ``{"name": NAME, "arguments": {`` and the first
+character of the arguments (``"`` or ``}``) have been read, the call is committed: its name goes
+out at once, then the arguments as the model writes them (its own text), each member once its
+value has begun (a key and its separators are held until then, a number until it ends). The
+arguments end at their closing ``}``; a reply cut off inside them (``max_tokens``) still makes
+the call, with the arguments closed where it ended (a cut string closed, open objects and arrays
+ended, a member whose value had not begun left out), so they are always strict JSON; so does a
+character JSON does not allow (``NaN``), where the text from the unfinished member on is
+content. Other shapes (``arguments`` first, arguments as a JSON string) are parsed once the
+block ends, as a whole.
+
 Format ``qwen_xml`` (Qwen3.5 / Qwen3.6 / Qwen3-Coder templates) lives in :mod:`.qwen_xml_parser`;
 :func:`detect_tool_format` picks the format a chat template renders.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -233,7 +245,13 @@ class HermesToolParser(ToolParser):
                 return block_end, begin
             pos = block_end     # malformed: stays text, as in segments()
 
-    def segments(self, text: str, final: bool):
+    def segmenter(self) -> _HermesSegmenter:
+        return _HermesSegmenter(self)
+
+    def segments(self, text: str, final: bool, stop_at_call: bool = False):
+        """As :meth:`ToolParser.segments`; with ``stop_at_call`` the text before the first block
+        that opens a call (``<tool_call>`` then ``{``) is returned and the count stops at its tag
+        (also while only whitespace follows the tag), for :class:`_HermesSegmenter`."""
         out, pos = [], 0
         while True:
             start = text.find(self.start_tag, pos)
@@ -245,6 +263,12 @@ class HermesToolParser(ToolParser):
                 out.append(('text', text[pos:after]))
                 pos = after
                 continue
+            if stop_at_call and (opening or not final):
+                if start > pos:
+                    out.append(('text', text[pos:start]))
+                return out, start
+            if stop_at_call:        # the text ends with the tag and whitespace: text
+                break
             end = text.find(self.end_tag, start + len(self.start_tag))
             if end == -1:
                 if not final:
@@ -408,6 +432,317 @@ class ToolCallStream:
             content += self.pending_ws
         self.pending_ws = ''
         return content, frags
+
+
+_NUMBER = re.compile(r'-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?')
+_NUMBER_PREFIX = re.compile(r'-?|-?(?:0|[1-9]\d*)(?:\.\d*)?|-?(?:0|[1-9]\d*)(?:\.\d+)?[eE][+-]?\d*')
+_LITERALS = ('true', 'false', 'null')
+_ESCAPES = '"\\/bfnrtu'
+
+
+class _JSONPrefix:
+    """Checks a JSON value character by character (strict RFC 8259: no NaN, no trailing commas)
+    and tells, at any point, the text that closes what is open (so a cut-off value becomes valid
+    JSON). Separators and keys are held back (:attr:`held`) until the next value begins, so a cut
+    never leaves a dangling ``,`` or a key without its value.
+
+    :meth:`push` takes one character and returns ``(text now final, state)``: state ``'ok'``,
+    ``'done'`` (the top-level value just closed) or ``'bad'`` (the character cannot continue JSON;
+    it was not taken).
+    """
+
+    def __init__(self):
+        self.stack: list[str] = []      # open containers: '{' or '['
+        self.expect = 'value'           # value | key | colon | after | first (just after '{' / '[')
+        self.token = ''                 # the scalar being read (string with quotes, number, literal)
+        self.kind = ''                  # '' | 'string' | 'key' | 'number' | 'literal'
+        self.escape = ''                # inside a string: '' | '\\' | '\\u' + hex digits so far
+        self.held = ''                  # separators and a key waiting for the next value
+
+    def _value_starts(self, ch: str) -> tuple[str, str]:     # the held text goes out with it
+        out, self.held = self.held + ch, ''
+        return out, 'ok'
+
+    def _end_value(self) -> str:
+        self.expect = 'after'
+        return 'done' if not self.stack else 'ok'
+
+    def push(self, ch: str) -> tuple[str, str]:
+        if self.kind in ('string', 'key'):
+            return self._string(ch)
+        if self.kind == 'number':       # held whole until it ends: a number cut short is left out
+            if _NUMBER_PREFIX.fullmatch(self.token + ch):
+                self.token += ch
+                return '', 'ok'
+            if not _NUMBER.fullmatch(self.token):
+                return '', 'bad'
+            flushed, self.held = self.held + self.token, ''
+            self.kind, self.token = '', ''
+            if self._end_value() == 'done':
+                return flushed, 'done'
+            text, state = self.push(ch)
+            return flushed + text, state
+        if self.kind == 'literal':
+            word = self.token + ch
+            if any(w.startswith(word) for w in _LITERALS):
+                self.token = word
+                if word in _LITERALS:
+                    self.kind, self.token = '', ''
+                    return ch, self._end_value()
+                return ch, 'ok'
+            return '', 'bad'
+        if ch in _WHITESPACE:
+            if self.expect in ('after', 'first') and self.held == '':
+                return ch, 'ok'
+            self.held += ch
+            return '', 'ok'
+        if self.expect in ('value', 'first'):
+            if self.expect == 'first' and ch == ('}' if self.stack[-1] == '{' else ']'):
+                self.stack.pop()
+                return ch, self._end_value()
+            if self.expect == 'first' and self.stack[-1] == '{':
+                if ch != '"':
+                    return '', 'bad'
+                self.kind, self.token, self.held = 'key', '"', self.held + ch
+                return '', 'ok'
+            if ch in '{[':
+                self.stack.append(ch)
+                self.expect = 'first'
+                return self._value_starts(ch)
+            if ch == '"':
+                self.kind, self.token = 'string', '"'
+                return self._value_starts(ch)
+            if ch == '-' or ch.isdigit() and ch.isascii():
+                self.kind, self.token = 'number', ch
+                return '', 'ok'
+            if any(w.startswith(ch) for w in _LITERALS):
+                self.kind, self.token = 'literal', ch
+                return self._value_starts(ch)
+            return '', 'bad'
+        if self.expect == 'key':
+            if ch != '"':
+                return '', 'bad'
+            self.kind, self.held = 'key', self.held + ch
+            return '', 'ok'
+        if self.expect == 'colon':
+            if ch != ':':
+                return '', 'bad'
+            self.held += ch
+            self.expect = 'value'
+            return '', 'ok'
+        # after a value: a separator or the end of the open container
+        if not self.stack:
+            return '', 'bad'
+        if ch == ',':
+            self.held += ch
+            self.expect = 'key' if self.stack[-1] == '{' else 'value'
+            return '', 'ok'
+        if ch == ('}' if self.stack[-1] == '{' else ']'):
+            self.stack.pop()
+            out, self.held = self.held + ch, ''
+            return out, self._end_value()
+        return '', 'bad'
+
+    def _string(self, ch: str) -> tuple[str, str]:
+        key = self.kind == 'key'
+        if self.escape == '\\':
+            if ch not in _ESCAPES:
+                return '', 'bad'
+            self.escape = '\\u' if ch == 'u' else ''
+        elif self.escape:
+            if ch not in '0123456789abcdefABCDEF':
+                return '', 'bad'
+            self.escape = '' if len(self.escape) == 5 else self.escape + ch
+        elif ch == '\\':
+            self.escape = '\\'
+        elif ch == '"':
+            self.kind = ''
+            if key:
+                self.held += ch
+                self.expect = 'colon'
+                return '', 'ok'
+            return ch, self._end_value()
+        elif ord(ch) < 0x20:
+            return '', 'bad'
+        if key:
+            self.held += ch
+            return '', 'ok'
+        return ch, 'ok'
+
+    def pending(self) -> str:
+        """The text taken but not given out yet (separators, a key, a number being read)."""
+        return self.held + (self.token if self.kind == 'number' else '')
+
+    def closing(self) -> str:
+        """The text that ends the value here as valid JSON: a complete number still held, the
+        rest of a cut string or literal, the open containers' ends (a held key or separator and
+        a number cut short are left out)."""
+        out = ''
+        if self.kind == 'string':
+            if self.escape == '\\':
+                out += '\\'
+            elif self.escape:
+                out += '0' * (6 - len(self.escape))
+            out += '"'
+        elif self.kind == 'number' and _NUMBER.fullmatch(self.token):
+            out += self.held + self.token
+        elif self.kind == 'literal':
+            out += next(w for w in _LITERALS if w.startswith(self.token))[len(self.token):]
+        for opened in reversed(self.stack):
+            out += '}' if opened == '{' else ']'
+        return out
+
+
+def _stream_head(text: str, i: int) -> tuple[str, str | None, int]:
+    """Reads ``{"name": NAME, "arguments": {`` (any whitespace; ``parameters`` for ``arguments``)
+    from ``text[i]`` (a ``{``) up to the first character of the arguments' content. Returns
+    ``('yes', name, index of the arguments' '{')``, ``('need', None, 0)`` when the text so far
+    could still become that, or ``('no', None, 0)``."""
+    def skip(j):
+        while j < len(text) and text[j] in _WHITESPACE:
+            j += 1
+        return j
+
+    j = skip(i + 1)
+    for step in ('"name"', ':', 'NAME', ',', 'ARGS', ':'):
+        j = skip(j)
+        if step == 'NAME':
+            if j == len(text):
+                return 'need', None, 0
+            if text[j] != '"':
+                return 'no', None, 0
+            try:
+                name, j = json.decoder.scanstring(text, j + 1)
+            except ValueError as err:
+                return ('need' if 'Unterminated' in str(err) else 'no'), None, 0
+            if not name:
+                return 'no', None, 0
+            continue
+        words = ('"arguments"', '"parameters"') if step == 'ARGS' else (step,)
+        rest = text[j:]
+        word = next((w for w in words if rest.startswith(w)), None)
+        if word is None:
+            return ('need' if any(w.startswith(rest) for w in words) else 'no'), None, 0
+        j += len(word)
+    j = skip(j)
+    if j == len(text):
+        return 'need', None, 0
+    if text[j] != '{':
+        return 'no', None, 0
+    k = skip(j + 1)         # the arguments' content must start like an object's
+    if k == len(text):
+        return 'need', None, 0
+    return ('yes', name, j) if text[k] in '"}' else ('no', None, 0)
+
+
+class _HermesSegmenter:
+    """The incremental segmenter of the hermes format (see :class:`HermesToolParser`). States:
+    ``text``; ``head`` (a ``<tool_call>`` and ``{`` read, the name not yet); ``args`` (the call
+    is open, its arguments stream through :class:`_JSONPrefix`); ``tail`` (the arguments closed:
+    ``}`` and ``</tool_call>`` expected); ``rest`` (the call object's other members, dropped up to
+    ``</tool_call>``); ``block`` (a block of another shape, parsed whole once it ends)."""
+
+    def __init__(self, parser: HermesToolParser):
+        self.p = parser
+        self.state, self.buf = 'text', ''
+        self.json: _JSONPrefix | None = None
+
+    def feed(self, delta: str, final: bool) -> list:
+        self.buf += delta
+        out: list = []
+        while self._step(out, final):
+            pass
+        return out
+
+    def _close_args(self, out: list) -> None:
+        closing = self.json.closing()
+        if closing:
+            out.append(('args', closing))
+        self.json = None
+
+    def _step(self, out: list, final: bool) -> bool:
+        p, buf = self.p, self.buf
+        if self.state == 'text':
+            segments, used = p.segments(buf, final, stop_at_call=True)
+            out.extend(segments)
+            self.buf = buf[used:]
+            if used < len(buf) and buf.startswith(p.start_tag, used) and p._opening(buf, used):
+                self.state = 'head'
+                return True
+            return False
+        if self.state == 'head':
+            brace = len(p.start_tag)
+            while buf[brace] in _WHITESPACE:    # the text state saw the '{' after the tag
+                brace += 1
+            status, name, at = _stream_head(buf, brace)
+            if status == 'yes':
+                out.append(('open', ParsedCall(name, '')))
+                self.json, self.buf, self.state = _JSONPrefix(), buf[at:], 'args'
+                return True
+            if status == 'need' and not final:
+                return False
+            self.state = 'block'
+            return True
+        if self.state == 'block':
+            end = buf.find(p.end_tag, len(p.start_tag))
+            if end == -1:
+                if final:
+                    out.append(('text', buf))
+                    self.buf, self.state = '', 'text'
+                return False
+            block_end = end + len(p.end_tag)
+            call = p._call(buf[len(p.start_tag):end])
+            out.append(('call', call) if call is not None else ('text', buf[:block_end]))
+            self.buf, self.state = buf[block_end:], 'text'
+            return True
+        if self.state == 'args':
+            piece = ''
+            for i, ch in enumerate(buf):
+                emitted, state = self.json.push(ch)
+                piece += emitted
+                if state == 'ok':
+                    continue
+                if piece:
+                    out.append(('args', piece))
+                if state == 'done':
+                    self.json, self.buf, self.state = None, buf[i + 1:], 'tail'
+                else:       # not JSON: the arguments end before it; the text from there is content
+                    held = self.json.pending()
+                    self._close_args(out)
+                    self.buf, self.state = held + buf[i:], 'text'
+                return True
+            if piece:
+                out.append(('args', piece))
+            self.buf = ''
+            if final:       # cut off: the arguments are closed where the reply ended
+                self._close_args(out)
+                self.state = 'text'
+            return False
+        if self.state == 'tail':
+            lead = buf.lstrip(_WHITESPACE)
+            if lead.startswith('}'):
+                lead = lead[1:].lstrip(_WHITESPACE)
+            if lead.startswith(p.end_tag):
+                self.buf, self.state = lead[len(p.end_tag):], 'text'
+                return True
+            if lead.startswith(','):
+                self.buf, self.state = lead, 'rest'
+                return True
+            if p.end_tag.startswith(lead):      # the call's closing so far ('' included)
+                if final:                       # cut off there: nothing of it is content
+                    self.buf, self.state = '', 'text'
+                return False
+            self.buf, self.state = lead, 'text'
+            return True
+        # rest: the call object's other members
+        end = buf.find(p.end_tag)
+        if end == -1:
+            self.buf = '' if final else buf[max(0, len(buf) - len(p.end_tag) + 1):]
+            if final:
+                self.state = 'text'
+            return False
+        self.buf, self.state = buf[end + len(p.end_tag):], 'text'
+        return True
 
 
 from . import qwen_xml_parser  # noqa: E402,F401  (registers 'qwen_xml'; it builds on this module)
