@@ -315,3 +315,98 @@ def test_forced_tool_call_streams_its_name_and_arguments_also_when_cut(client, c
     assert ''.join(f['function'].get('arguments', '') for f in frags) == partial['function']['arguments']
     assert partial['function']['arguments'] != call['arguments']
     json.loads(partial['function']['arguments'])
+
+
+# OpenAI-compatibility details -------------------------------------------------------------------------------
+EOS = 2             # <|im_end|> of the tiny tokenizer
+LEAD_BYTE = 163     # 'ä': the byte 0xE4 alone, the first byte of a three-byte UTF-8 character
+
+
+def test_model_card_has_root(client):
+    card = client.get('/v1/models').json()['data'][0]
+    assert card['id'] == 'tiny' and card['root'] == client.pipe.model_path.rstrip('/').split('/')[-1]
+    assert client.get('/v1/models/tiny').json()['root'] == card['root']
+
+
+def _events(client, path, body):
+    with client.stream('POST', path, json=dict(body, stream=True)) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith('data: ') and line != 'data: [DONE]']
+
+
+@pytest.mark.parametrize('path', ['/v1/chat/completions', '/v1/completions'])
+def test_matched_stop_names_the_stop_string_or_token(client, path):
+    def body(**kw):
+        b = {'model': 'tiny', 'max_tokens': 12, **kw}
+        b.update({'prompt': 'Rivers and towns'} if path == '/v1/completions' else {'messages': MSG})
+        return b
+
+    def answer(**kw):
+        whole = client.post(path, json=body(**kw)).json()['choices'][0]
+        last = [c for e in _events(client, path, body(**kw)) for c in e['choices'] if c['finish_reason']][-1]
+        assert last['matched_stop'] == whole['matched_stop']
+        return whole['finish_reason'], whole['matched_stop']
+    full = client.post(path, json=body()).json()['choices'][0]
+    text = full['text'] if path == '/v1/completions' else full['message']['content']
+    stop = text[3:6]
+    assert answer() == ('length', None)
+    assert answer(stop=['zzzz', stop]) == ('stop', stop)
+    assert answer(logit_bias={str(EOS): 100}) == ('stop', EOS)
+
+
+@pytest.mark.parametrize('path', ['/v1/chat/completions', '/v1/completions'])
+def test_continuous_usage_stats_puts_usage_on_every_chunk(client, path):
+    body = {'model': 'tiny', 'max_tokens': 5, 'stream_options': {'include_usage': True, 'continuous_usage_stats': True}}
+    body.update({'prompt': 'Rivers'} if path == '/v1/completions' else {'messages': MSG})
+    events = _events(client, path, body)
+    assert all(e['usage'] is not None for e in events)
+    done = [e['usage']['completion_tokens'] for e in events]
+    assert done == sorted(done) and done[-1] == 5 and events[-1]['choices'] == []
+    plain = _events(client, path, dict(body, stream_options={'include_usage': True}))
+    assert all(e['usage'] is None for e in plain[:-1]) and plain[-1]['usage']['completion_tokens'] == 5
+
+
+def test_a_chunk_with_only_logprobs_has_empty_content(client):
+    """Partial UTF-8 bytes: the token's entry is ready before any text; the chunk says content ""."""
+    events = _events(client, '/v1/chat/completions', {'model': 'tiny', 'messages': MSG, 'max_tokens': 2,
+                                                       'logprobs': True, 'logit_bias': {str(LEAD_BYTE): 100}})
+    with_lp = [c for e in events for c in e['choices'] if c['logprobs']]
+    assert with_lp and all(isinstance(c['delta'].get('content'), str) for c in with_lp)
+    assert any(c['delta']['content'] == '' for c in with_lp)
+
+
+def test_completions_logprobs_zero_returns_the_sampled_tokens_logprob(client):
+    r = client.post('/v1/completions', json={'model': 'tiny', 'prompt': 'Rivers', 'max_tokens': 3, 'logprobs': 0})
+    lp = r.json()['choices'][0]['logprobs']
+    assert len(lp['tokens']) == len(lp['token_logprobs']) == 3
+    assert all(isinstance(v, float) and v <= 0 for v in lp['token_logprobs'])
+    assert [list(t.values()) for t in lp['top_logprobs']] == [[v] for v in lp['token_logprobs']]
+
+
+@pytest.mark.parametrize('seed', [-(1 << 63) - 1, 1 << 64, 10 ** 30])
+def test_out_of_range_seed_is_a_400(client, seed):
+    for path, extra in (('/v1/chat/completions', {'messages': MSG}), ('/v1/completions', {'prompt': 'x'})):
+        r = client.post(path, json={'model': 'tiny', 'max_tokens': 1, 'seed': seed, **extra})
+        assert r.status_code == 400 and r.json()['error']['param'] == 'seed', r.text
+
+
+def test_custom_roles_are_the_templates_to_render_or_refuse(client):
+    msgs = [{'role': 'narrator', 'content': 'Once upon a time.'}, {'role': 'user', 'content': 'Go on.'}]
+    r = _chat(client, messages=msgs, max_tokens=2)        # this template refuses other roles
+    assert r.status_code == 400 and 'narrator' in r.json()['error']['message'], r.text
+    tok = client.pipe.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}<|im_start|>assistant\n")
+    try:
+        r = _chat(client, messages=msgs, max_tokens=2)
+        assert r.status_code == 200, r.text
+        want = len(tok.encode('<|im_start|>narrator\nOnce upon a time.<|im_end|>\n<|im_start|>user\nGo on.'
+                              '<|im_end|>\n<|im_start|>assistant', add_special_tokens=False))   # (Jinja drops
+        #                                                                   the template's last newline)
+        assert r.json()['usage']['prompt_tokens'] == want
+    finally:
+        tok.chat_template = saved
+    for bad in ('', 5, None):
+        r = _chat(client, messages=[{'role': bad, 'content': 'x'}])
+        assert r.status_code == 400 and r.json()['error']['param'].startswith('messages'), r.text

@@ -28,7 +28,6 @@ from .images import ImageInputs, extract_images, has_images
 
 __all__ = ['Pipeline', 'ChatSession', 'render_chat']
 
-VALID_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
 
 # transformers resolves its names lazily on first use (``_LazyModule``); two threads doing that
 # first use at once can see a half-imported module ("cannot import name 'AutoTokenizer'": 8 of 8
@@ -76,15 +75,17 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
             :func:`~lmdeploy.serve.images.extract_images`; the template renders them).
 
     Raises:
-        ValueError: an empty list, a message that is not a dict, an unknown role, no chat
-            template, or the template rejecting the conversation (its message is kept).
+        ValueError: an empty list, a message that is not a dict, a role that is not a non-empty
+            string, no chat template, or the template rejecting the conversation (an unknown
+            role among others; its message is kept).
     """
     if not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
     msgs = []
     for m in messages:
-        if m.get('role') not in VALID_ROLES:
-            raise ValueError(f'unknown message role {m.get("role")!r}; expected one of {VALID_ROLES}')
+        # other roles are the template's to render or refuse (custom roles of fine-tuned templates)
+        if not isinstance(m.get('role'), str) or not m['role']:
+            raise ValueError(f'a message role must be a non-empty string, got {m.get("role")!r}')
         content = m.get('content')
         if isinstance(content, list):
             if not all(isinstance(p, dict) and (p.get('type') == 'text' and isinstance(p.get('text'), str)
@@ -380,10 +381,10 @@ class Pipeline:
                 self.loop.abort(handle)
 
     def _delta(self, out, detok: _Detokenizer, gen_config: GenerationConfig, index: int) -> Response:
-        ids, logprobs = out.token_ids, out.logprobs
+        ids, logprobs, stop_token = out.token_ids, out.logprobs, None
         if out.finish_reason == 'stop' and ids and (ids[-1] in gen_config.stop_token_ids or (
                 not gen_config.ignore_eos and ids[-1] in self.engine.eos_token_ids)):
-            ids = ids[:-1]          # the stop token ends the text; it is not part of it (ignore_eos
+            stop_token, ids = ids[-1], ids[:-1]          # the stop token ends the text; it is not part of it (ignore_eos
             #                         only turns off EOS; stop_token_ids still stop, see Engine._update)
             logprobs = logprobs[:len(ids)] if logprobs is not None else None
         text = '' if detok.stopped else detok.add(ids, final=out.finish_reason is not None)
@@ -394,7 +395,7 @@ class Pipeline:
                         generate_token_len=out.num_generated, finish_reason=reason,
                         cached_tokens=out.cached_tokens, index=index,
                         logprobs=None if logprobs is None else list(logprobs),
-                        prompt_logprobs=getattr(out, 'prompt_logprobs', None))
+                        prompt_logprobs=getattr(out, 'prompt_logprobs', None), stop_token_id=stop_token)
 
     def chat(self, prompt: str, session: ChatSession | None = None, gen_config: GenerationConfig | dict | None = None,
              system: str | None = None) -> ChatSession:

@@ -303,7 +303,9 @@ class ServerBase:
 
     # endpoints ------------------------------------------------------------------------------
     def _card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, max_model_len=self.pipe.engine.session_len)
+        import os
+        root = os.path.basename(os.path.normpath(getattr(self.pipe, 'model_path', '') or '')) or self.model_name
+        return ModelCard(id=self.model_name, root=root, max_model_len=self.pipe.engine.session_len)
 
     async def models(self) -> dict:
         return ModelList(data=[self._card()]).model_dump()
