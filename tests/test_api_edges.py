@@ -128,7 +128,8 @@ def _deep_bodies():
                     yield (f'{where}-{kind}-{depth}-{"big" if big else "small"}', '/v1/chat/completions',
                            head + ', ' + field % deep + '}')
     yield 'responses-input', '/v1/responses', '{"model": "tiny", "input": %s}' % _nested(5000, 'list')
-    yield 'messages-system', '/v1/messages', '{"model": "tiny", "max_tokens": 1, "messages": %s}' % _nested(5000, 'dict')
+    yield 'messages-system', '/v1/messages', '{"model": "tiny", "max_tokens": 1, "messages": %s}' % _nested(5000,
+                                                                                                         'dict')
     yield 'completions-prompt', '/v1/completions', '{"model": "tiny", "prompt": %s}' % _nested(5000, 'list')
 
 

@@ -97,7 +97,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help='/metrics needs an API key too (default: open, for plain Prometheus scrapes)')
     parser.add_argument('--share-prefix-cache-across-keys', action='store_true',
                         help='with --api-keys, let requests of different keys share cached prefixes (default: each '
-                        'key\'s requests are cache-salted apart, so cached_tokens never reveals another key\'s prompts)')
+                        'key\'s requests are cache-salted apart, so cached_tokens never reveals another key\'s '
+                        'prompts)')
     parser.add_argument('--model-name', default=None, type=_model_name,
                         help='name clients send as "model" (default: the model directory\'s basename)')
     parser.add_argument('--allowed-media-domains', nargs='+', type=_host_name, default=(), metavar='HOST',

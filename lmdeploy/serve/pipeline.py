@@ -384,8 +384,9 @@ class Pipeline:
         ids, logprobs, stop_token = out.token_ids, out.logprobs, None
         if out.finish_reason == 'stop' and ids and (ids[-1] in gen_config.stop_token_ids or (
                 not gen_config.ignore_eos and ids[-1] in self.engine.eos_token_ids)):
-            stop_token, ids = ids[-1], ids[:-1]          # the stop token ends the text; it is not part of it (ignore_eos
-            #                         only turns off EOS; stop_token_ids still stop, see Engine._update)
+            # the stop token ends the text; it is not part of it (ignore_eos only turns off EOS;
+            # stop_token_ids still stop, see Engine._update)
+            stop_token, ids = ids[-1], ids[:-1]
             logprobs = logprobs[:len(ids)] if logprobs is not None else None
         text = '' if detok.stopped else detok.add(ids, final=out.finish_reason is not None)
         # a stop string found in the last delta ends the text even when the engine also hit

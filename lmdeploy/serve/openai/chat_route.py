@@ -30,7 +30,8 @@ class ChatRoutes:
             opts = req.stream_options
             return _SSEResponse(self._chat_events(gen, plan.outputs, dict(head, object='chat.completion.chunk'),
                                                   bool(opts and opts.include_usage), req.logprobs, top,
-                                                  req.prompt_logprobs, stops, bool(opts and opts.continuous_usage_stats)))
+                                                  req.prompt_logprobs, stops,
+                                                  bool(opts and opts.continuous_usage_stats)))
         await gen.collect(request)
         choices = []
         for i, (c, out) in enumerate(zip(gen.choices, plan.outputs)):
