@@ -127,6 +127,16 @@ def _deep_bodies():
                                        '{"name": "d", "schema": {"type": "object", "properties": {"a": %s}}}}'}[where]
                     yield (f'{where}-{kind}-{depth}-{"big" if big else "small"}', '/v1/chat/completions',
                            head + ', ' + field % deep + '}')
+    for depth in (900, 5000):
+        deep = _nested(depth, 'dict')
+        yield (f'tools-{depth}', '/v1/chat/completions', '{"model": "tiny", "max_tokens": 1, "messages": [{"role": '
+               '"user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": '
+               '{"a": %s}}}], "tool_choice": "required"}' % deep)
+        yield (f'metadata-responses-{depth}', '/v1/responses', '{"model": "tiny", "input": "hi", "max_output_tokens": '
+               '1, "metadata": {"a": %s}, "tools": [{"type": "function", "name": "f", "parameters": {"a": %s}}]}'
+               % (deep, deep))
+        yield (f'metadata-messages-{depth}', '/v1/messages', '{"model": "tiny", "max_tokens": 1, "messages": '
+               '[{"role": "user", "content": "hi"}], "metadata": {"a": %s}}' % deep)
     yield 'responses-input', '/v1/responses', '{"model": "tiny", "input": %s}' % _nested(5000, 'list')
     yield 'messages-system', '/v1/messages', '{"model": "tiny", "max_tokens": 1, "messages": %s}' % _nested(5000,
                                                                                                          'dict')
@@ -173,6 +183,12 @@ def test_grammar_size_limits_are_400s_before_compiling(client, schema, limit):
     r = _chat(client, tools=tools, tool_choice='required')
     assert r.status_code == 400 and limit in r.json()['error']['message'], r.text
     assert r.json()['error']['param'] == 'tools'
+    r = client.post('/v1/responses', json={'model': 'tiny', 'input': 'hi', 'max_output_tokens': 4, 'text': {
+        'format': {'type': 'json_schema', 'name': 'x', 'schema': schema}}}, headers=H1)
+    assert r.status_code == 400 and r.json()['error']['param'] == 'text.format' and limit in r.text, r.text
+    r = client.post('/v1/messages', json={'model': 'tiny', 'max_tokens': 4, 'messages': MSG, 'output_config': {
+        'format': {'type': 'json_schema', 'schema': schema}}}, headers=H1)
+    assert r.status_code == 400 and r.json()['error']['message'].startswith('output_config.format'), r.text
     assert time.perf_counter() - start < 5
     assert client.pipe.ledger()['grammar_matchers'] == 0
 

@@ -239,7 +239,12 @@ class ResponsesAPI:
         chat = chat_request(dict(chat_fields(req), model=req.model, messages=system + conversation), CHAT_RENAMES,
                             PASSTHROUGH)
         run = ChatRun(self.server, chat)
-        await run.start()
+        try:
+            await run.start()
+        except APIError as err:     # name the client's field (the chat path names its own)
+            if err.param == 'response_format':
+                err.param, err.message = 'text.format', err.message.replace('response_format', 'text.format', 1)
+            raise
         rid, created = _id('resp'), time.time()
         if req.stream:
             from .api_server import _SSEResponse
