@@ -289,6 +289,32 @@ def test_streamed_call_cut_anywhere_equals_the_parsed_reply(args, separators, fm
             assert whole.calls[0].arguments == raw
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.dictionaries(st.text(max_size=4), _VALUE, max_size=4).map(json.dumps),
+                 st.text(alphabet='{}[]":,. \n0123456789-eEtrufalsn\\x', max_size=30)), st.floats(0, 1))
+def test_json_prefix_closes_any_cut_as_strict_json(text, cut_at):
+    """Fed any text (JSON objects, or near-JSON noise) up to any cut: what went out plus
+    ``closing()`` is strict JSON, a prefix-preserving completion of what went out; a whole object
+    goes out unchanged and ends with 'done'; nothing is taken after 'bad' or 'done'."""
+    from lmdeploy.serve.openai.json_prefix import JSONPrefix
+    if not text.startswith('{'):
+        text = '{' + text
+    checker, out, state = JSONPrefix(), '', 'ok'
+    for ch in text[:max(1, int(len(text) * cut_at))]:
+        piece, state = checker.push(ch)
+        out += piece
+        if state != 'ok':
+            break
+    closed = out + ('' if state == 'done' else checker.closing())
+    json.loads(closed, parse_constant=lambda name: pytest.fail(f'{name} is not JSON'))
+    try:
+        whole = json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+    except ValueError:
+        whole = None
+    if isinstance(whole, dict) and cut_at == 1 and text == text.strip():
+        assert (out, state) == (text, 'done')
+
+
 TOOLS = [{'type': 'function', 'function': {'name': 'get_weather', 'parameters': {
     'type': 'object', 'properties': {'city': {'type': 'string', 'maxLength': 12},
                                      'days': {'type': 'integer', 'minimum': 1, 'maximum': 7}},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -303,7 +304,6 @@ class ServerBase:
 
     # endpoints ------------------------------------------------------------------------------
     def _card(self) -> ModelCard:
-        import os
         root = os.path.basename(os.path.normpath(getattr(self.pipe, 'model_path', '') or '')) or self.model_name
         return ModelCard(id=self.model_name, root=root, max_model_len=self.pipe.engine.session_len)
 
