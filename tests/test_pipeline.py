@@ -162,7 +162,8 @@ def test_stop_token_id_ends_output_before_it(pipe):
     stop = full.token_ids[5]
     k = full.token_ids.index(stop)
     r = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=16, stop_token_ids=[stop]))
-    assert (r.token_ids, r.finish_reason) == (full.token_ids[:k], 'stop')
+    assert (r.token_ids, r.finish_reason, r.stop_token_id) == (full.token_ids[:k], 'stop', stop)
+    assert full.stop_token_id is None           # ended by its length
     assert r.text == pipe.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True)
     # ignore_eos turns off EOS only: a stop token id still ends the output, before it
     r = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=16, stop_token_ids=[stop], ignore_eos=True))

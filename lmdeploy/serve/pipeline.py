@@ -308,6 +308,8 @@ class Pipeline:
                 acc.prompt_logprobs = r.prompt_logprobs
             acc.input_token_len, acc.generate_token_len = r.input_token_len, r.generate_token_len
             acc.cached_tokens, acc.finish_reason = r.cached_tokens, r.finish_reason or acc.finish_reason
+            if r.stop_token_id is not None:
+                acc.stop_token_id = r.stop_token_id
         results = [final[i] for i in range(len(batch))]
         return results[0] if single else results
 
