@@ -419,6 +419,8 @@ class Response:
             ``token_ids`` when ``GenerationConfig.logprobs`` was set, else None.
         prompt_logprobs: with ``GenerationConfig.prompt_logprobs``, one ``TokenLogprob`` per
             prompt token after the first (in the first delta when streaming), else None.
+        stop_token_id: the end-of-sequence or stop token that ended the reply (it is not in
+            ``token_ids``), else None.
     """
     text: str = ''
     token_ids: list[int] = field(default_factory=list)
@@ -429,3 +431,4 @@ class Response:
     index: int = 0
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    stop_token_id: int | None = None

@@ -92,7 +92,10 @@ BAD_REQUESTS = [
     ('no model', '/v1/chat/completions', {'messages': MSG}, None, 400, 'model'),
     ('empty messages', '/v1/chat/completions', {'model': 'tiny', 'messages': []}, None, 400, 'messages'),
     ('messages not a list', '/v1/chat/completions', {'model': 'tiny', 'messages': 'hi'}, None, 400, 'messages'),
+    # a role the chat template refuses (other roles are the template's to render)
     ('unknown role', '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'wizard', 'content': 'x'}]},
+     None, 400, 'messages'),
+    ('empty role', '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': '', 'content': 'x'}]},
      None, 400, 'messages.0.role'),
     ('content not text', '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'user', 'content': 5}]},
      None, 400, 'messages.0.content'),

@@ -98,10 +98,18 @@ def test_object_member_scan_agrees_with_json_loads(text):
 
 @pytest.mark.parametrize('body', ['{"name": "ls", "arguments": {"x": NaN}}', '{"name": "ls", "arguments": {"x": -Infinity}}',
                                   '{"name": "ls", "arguments": "{\\"x\\": Infinity}"}'])
-def test_arguments_that_are_not_strict_json_leave_the_block_as_text(body):
+def test_arguments_that_are_not_strict_json_end_before_it(body):
+    """An arguments object streams from its first member on, so the call stays a call; the
+    arguments end (closed, strict JSON) before what JSON does not allow, and that text is content.
+    Arguments given as a string are read whole, and a string that is not JSON leaves the block as
+    text."""
     text = f'<tool_call>\n{body}\n</tool_call>'
     got = get_tool_parser('hermes').parse(text)
-    assert got.calls == [] and got.content == text
+    if '"arguments": {' in body:
+        assert [(c.name, c.arguments) for c in got.calls] == [('ls', '{}')]
+        assert got.content == body[body.index('"x"'):] + '\n</tool_call>'
+    else:
+        assert got.calls == [] and got.content == text
 
 
 def test_tool_parser_reads_calls_and_keeps_malformed_blocks_as_text():
@@ -109,8 +117,10 @@ def test_tool_parser_reads_calls_and_keeps_malformed_blocks_as_text():
     got = parser.parse('Let me look.\n' + CALL_LS + '\n' + BROKEN + '\n')
     assert [(c.name, json.loads(c.arguments)) for c in got.calls] == [('ls', {'path': '.'})]
     assert got.content == 'Let me look.\n\n' + BROKEN
-    assert parser.parse(CALL_LS[:-3]).calls == []                       # cut off: plain text
-    assert parser.parse(CALL_LS[:-3]).content == CALL_LS[:-3]
+    cut = parser.parse(CALL_LS[:-3])            # cut off in the closing: still the call
+    assert ([(c.name, c.arguments) for c in cut.calls], cut.content) == ([('ls', '{"path": "."}')], None)
+    cut = parser.parse(CALL_LS[:CALL_LS.index('"path"') + 4])      # cut off in its arguments: closed there
+    assert ([(c.name, c.arguments) for c in cut.calls], cut.content) == ([('ls', '{}')], None)
     assert parser.parse('<tool_call>\n["ls"]\n</tool_call>').calls == []      # not an object
     with pytest.raises(ValueError, match='hermes'):
         get_tool_parser('nope')
@@ -187,8 +197,11 @@ def test_chat_output_deltas_never_repeat_an_index_and_first_call_stop():
             indices = [f['index'] for f in d.get('tool_calls', [])]
             assert len(indices) == len(set(indices)), d
         frags = [f for d in deltas for f in d.get('tool_calls', [])]
-        assert [(f['function']['name'], f['function']['arguments']) for f in frags] == \
-            [('read_file', '{"path": "a.txt"}'), ('ls', '{"path": "."}')]
+        assert _merge_fragments(frags) == [('read_file', '{"path": "a.txt"}'), ('ls', '{"path": "."}')]
+        firsts = {}
+        for f in frags:     # each call's first fragment names it; the later ones carry arguments only
+            assert ('name' in f['function']) == (f['index'] not in firsts), f
+            firsts.setdefault(f['index'], f)
     # the first complete call ends the reply with parallel_tool_calls false; calls in the
     # reasoning block and malformed blocks do not count
     cases = [(CALL_READ + '\n' + CALL_LS, get_reasoning_parser('think'), len(CALL_READ)),

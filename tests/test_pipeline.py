@@ -162,7 +162,8 @@ def test_stop_token_id_ends_output_before_it(pipe):
     stop = full.token_ids[5]
     k = full.token_ids.index(stop)
     r = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=16, stop_token_ids=[stop]))
-    assert (r.token_ids, r.finish_reason) == (full.token_ids[:k], 'stop')
+    assert (r.token_ids, r.finish_reason, r.stop_token_id) == (full.token_ids[:k], 'stop', stop)
+    assert full.stop_token_id is None           # ended by its length
     assert r.text == pipe.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True)
     # ignore_eos turns off EOS only: a stop token id still ends the output, before it
     r = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=16, stop_token_ids=[stop], ignore_eos=True))
@@ -324,3 +325,38 @@ def test_chat_keeps_the_history_and_reuses_its_prefix(tiny_qwen3_next):
         # the same turn as one stateless call gives the same reply
         again = pipe(session.messages[:-1], gen_config=gen)
         assert again.text == session.response.text
+
+
+_THREADED_BUILD = '''
+import sys, threading
+from lmdeploy import PytorchEngineConfig
+from lmdeploy.serve.pipeline import Pipeline
+errors, pipes = [], []
+def build():
+    try:
+        pipes.append(Pipeline(sys.argv[1], PytorchEngineConfig(device_type='cpu', dtype='float32', num_gpu_blocks=8,
+                                                               block_size=16)))
+    except Exception as err:
+        errors.append(repr(err))
+threads = [threading.Thread(target=build) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(len(pipes), errors)
+for p in pipes:
+    p.close()
+'''
+
+
+def test_pipelines_built_from_two_threads_at_once_both_load(tiny_qwen3):
+    """In a fresh interpreter (transformers not yet imported), two threads build a pipeline
+    at once: both succeed (before: transformers' lazy imports raced, ImportError)."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, '-c', _THREADED_BUILD, tiny_qwen3], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=repo))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == '2 []', out.stdout + out.stderr[-3000:]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
@@ -34,7 +35,25 @@ from .images import ImageInputs, extract_images, has_images
 
 __all__ = ['Pipeline', 'ChatSession', 'render_chat', 'shared_head_tokens']
 
-VALID_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
+
+# transformers resolves its names lazily on first use (``_LazyModule``); two threads doing that
+# first use at once can see a half-imported module ("cannot import name 'AutoTokenizer'": 8 of 8
+# concurrent builds failed). Pipelines therefore take this lock for what resolves transformers
+# modules: the first imports, the model's config class and its tokenizer class.
+_TRANSFORMERS_LOCK = threading.Lock()
+
+
+def _load_transformers(model_path: str):
+    """``AutoTokenizer``, after importing under :data:`_TRANSFORMERS_LOCK` the transformers names
+    (and the model type's configuration module) that building an engine resolves."""
+    with _TRANSFORMERS_LOCK:
+        import transformers.modeling_rope_utils  # noqa: F401  (the engine's RoPE functions)
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # noqa: F401
+        try:
+            AutoConfig.from_pretrained(model_path, local_files_only=True)   # imports its config module
+        except Exception:   # noqa: BLE001 - a bad directory: the engine names the problem
+            pass
+    return AutoTokenizer
 
 
 def _is_single(prompt) -> bool:
@@ -63,15 +82,17 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
             :func:`~lmdeploy.serve.images.extract_images`; the template renders them).
 
     Raises:
-        ValueError: an empty list, a message that is not a dict, an unknown role, no chat
-            template, or the template rejecting the conversation (its message is kept).
+        ValueError: an empty list, a message that is not a dict, a role that is not a non-empty
+            string, no chat template, or the template rejecting the conversation (an unknown
+            role among others; its message is kept).
     """
     if not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
     msgs = []
     for m in messages:
-        if m.get('role') not in VALID_ROLES:
-            raise ValueError(f'unknown message role {m.get("role")!r}; expected one of {VALID_ROLES}')
+        # other roles are the template's to render or refuse (custom roles of fine-tuned templates)
+        if not isinstance(m.get('role'), str) or not m['role']:
+            raise ValueError(f'a message role must be a non-empty string, got {m.get("role")!r}')
         content = m.get('content')
         if isinstance(content, list):
             if not all(isinstance(p, dict) and (p.get('type') == 'text' and isinstance(p.get('text'), str)
@@ -183,12 +204,14 @@ class Pipeline:
             fields; every ``gen_config`` argument below likewise takes a
             :class:`GenerationConfig` or a dict).
 
+    Pipelines may be built from several threads at once.
+
     Raises:
         ValueError: bad path / unsupported model / bad config (names the field).
     """
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | dict | None = None):
-        from transformers import AutoTokenizer
+        auto_tokenizer = _load_transformers(model_path)     # thread-safe: see _TRANSFORMERS_LOCK
         self.backend_config = _as_config(backend_config, PytorchEngineConfig, 'backend_config')
         self.engine = Engine(model_path, self.backend_config)   # checks the path and the model type first
         if not any(os.path.exists(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
@@ -196,7 +219,8 @@ class Pipeline:
             self.engine.close()
             raise ValueError(f'{model_path} has no tokenizer files (one of {list(_TOKENIZER_FILES)}); copy them '
                              f'from the original checkpoint')
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        with _TRANSFORMERS_LOCK:        # resolves (imports) the tokenizer class
+            self.tokenizer = auto_tokenizer.from_pretrained(model_path, local_files_only=True)
         self.engine.tokenizer = self.tokenizer      # the engine ends replies at stop strings itself
         self.model_path = model_path
         self.loop = EngineLoop(self.engine)
@@ -275,7 +299,9 @@ class Pipeline:
         token run, and the images as ``MultimodalInput``s (:class:`~lmdeploy.serve.images.ImageInputs`;
         ``wheres`` names each image's part in errors)."""
         if self._images is None:
-            self._images = ImageInputs(self.model_path, self.engine.hf_config)
+            with _TRANSFORMERS_LOCK:    # server worker threads may get their first images at once
+                if self._images is None:
+                    self._images = ImageInputs(self.model_path, self.engine.hf_config)
         return self._images.expand(self.tokenize(text), images, wheres)
 
     def encode_with_images(self, prompt, do_preprocess: bool = True) -> tuple[list[int], tuple]:
@@ -357,6 +383,8 @@ class Pipeline:
                 acc.prompt_logprobs = r.prompt_logprobs
             acc.input_token_len, acc.generate_token_len = r.input_token_len, r.generate_token_len
             acc.cached_tokens, acc.finish_reason = r.cached_tokens, r.finish_reason or acc.finish_reason
+            if r.stop_token_id is not None:
+                acc.stop_token_id = r.stop_token_id
         results = [final[i] for i in range(len(batch))]
         return results[0] if single else results
 
@@ -432,11 +460,12 @@ class Pipeline:
                 self.loop.abort(handle)
 
     def _delta(self, out, detok: _Detokenizer, gen_config: GenerationConfig, index: int) -> Response:
-        ids, logprobs = out.token_ids, out.logprobs
+        ids, logprobs, stop_token = out.token_ids, out.logprobs, None
         if out.finish_reason == 'stop' and ids and (ids[-1] in gen_config.stop_token_ids or (
                 not gen_config.ignore_eos and ids[-1] in self.engine.eos_token_ids)):
-            ids = ids[:-1]          # the stop token ends the text; it is not part of it (ignore_eos
-            #                         only turns off EOS; stop_token_ids still stop, see Engine._update)
+            # the stop token ends the text; it is not part of it (ignore_eos only turns off EOS;
+            # stop_token_ids still stop, see Engine._update)
+            stop_token, ids = ids[-1], ids[:-1]
             logprobs = logprobs[:len(ids)] if logprobs is not None else None
         text = '' if detok.stopped else detok.add(ids, final=out.finish_reason is not None)
         # a stop string found in the last delta ends the text even when the engine also hit
@@ -446,7 +475,7 @@ class Pipeline:
                         generate_token_len=out.num_generated, finish_reason=reason,
                         cached_tokens=out.cached_tokens, index=index,
                         logprobs=None if logprobs is None else list(logprobs),
-                        prompt_logprobs=getattr(out, 'prompt_logprobs', None))
+                        prompt_logprobs=getattr(out, 'prompt_logprobs', None), stop_token_id=stop_token)
 
     def chat(self, prompt: str, session: ChatSession | None = None, gen_config: GenerationConfig | dict | None = None,
              system: str | None = None) -> ChatSession:

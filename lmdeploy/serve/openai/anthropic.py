@@ -16,6 +16,9 @@ A request is translated into a chat completion and served through the chat path
     tool_choice auto / any / tool / none  → "auto" / "required" / the named function / "none";
                                             disable_parallel_tool_use → parallel_tool_calls false
     thinking {"type": "disabled"}         → the template's enable_thinking=false
+    output_config.format {"type": "json_schema", "schema"} (or the older top-level
+    output_format)                        → response_format json_schema: the reply's text is
+                                            JSON valid against the schema (constrained decoding)
     stop_sequences, max_tokens, temperature, top_p, top_k → their chat fields
 
 The reply's content blocks are, in order: ``thinking`` (the ``<think>`` text; ``signature`` is
@@ -49,7 +52,7 @@ from .protocol import MAX_TOKENS, Text, _Float, _Strict
 
 __all__ = ['MessagesAPI', 'MessagesRequest', 'CountTokensRequest', 'to_chat']
 
-_RENAMES = {'max_completion_tokens': 'max_tokens', 'stop': 'stop_sequences'}
+_RENAMES = {'max_completion_tokens': 'max_tokens', 'stop': 'stop_sequences', 'response_format': 'output_config.format'}
 _PASSTHROUGH = ('cache_salt',)
 
 
@@ -122,6 +125,18 @@ class _ThinkingConfig(_Strict):
     budget_tokens: int | None = Field(None, ge=0)
 
 
+class _OutputFormat(_Strict):
+    """``output_config.format``: structured output, a JSON document valid against ``schema``."""
+    model_config = ConfigDict(extra='ignore', strict=True, populate_by_name=True)
+    type: Literal['json_schema']
+    schema_: dict[str, Any] = Field(alias='schema')
+
+
+class _OutputConfig(_Strict):
+    """``output_config``: ``format`` is enforced; other members (``effort``) are ignored."""
+    format: _OutputFormat | None = None
+
+
 class CountTokensRequest(_Strict):
     """``POST /v1/messages/count_tokens``: the prompt part of a Messages request."""
     model_config = ConfigDict(extra='allow')     # extras: read for the pass-through fields, else ignored
@@ -131,6 +146,8 @@ class CountTokensRequest(_Strict):
     tools: list[_Tool] | None = None
     tool_choice: _ToolChoice | None = None
     thinking: _ThinkingConfig | None = None
+    output_config: _OutputConfig | None = None
+    output_format: _OutputFormat | None = None      # the structured-outputs beta's name of output_config.format
 
 
 class MessagesRequest(CountTokensRequest):
@@ -222,6 +239,10 @@ def to_chat(req: CountTokensRequest) -> dict:
             out['tool_choice'] = {'auto': 'auto', 'any': 'required', 'none': 'none'}[choice.type]
         if choice.disable_parallel_tool_use:
             out['parallel_tool_calls'] = False
+    fmt = (req.output_config.format if req.output_config else None) or req.output_format
+    if fmt is not None:
+        out['response_format'] = {'type': 'json_schema', 'json_schema': {'name': 'output', 'schema': fmt.schema_,
+                                                                         'strict': True}}
     if req.thinking is not None and req.thinking.type == 'disabled':
         out['chat_template_kwargs'] = {'enable_thinking': False}
     if isinstance(req, MessagesRequest):
@@ -281,7 +302,13 @@ class MessagesAPI:
 
     async def create(self, req: MessagesRequest, request: Request):
         run = ChatRun(self.server, self._chat(req))
-        await run.start()
+        try:
+            await run.start()
+        except APIError as err:     # name the client's field (the chat path names its own)
+            if err.param == 'response_format':
+                err.param, err.message = 'output_config.format', err.message.replace(
+                    'response_format', 'output_config.format', 1)
+            raise
         mid = f'msg_{uuid.uuid4().hex}'
         if req.stream:
             from .api_server import _SSEResponse

@@ -29,6 +29,9 @@ Ownership and invariants:
 - With API keys set, ``/v1/*``, ``/debug/*``, ``/docs`` and ``/openapi.json`` require
   ``Authorization: Bearer <key>``; ``/health`` is always open; ``/metrics`` is open unless
   ``protect_metrics`` (so a plain Prometheus scrape works) — it holds counters, never text.
+  Each key is a tenant: stored responses belong to the key that stored them (another key gets
+  404), and each key's requests are cache-salted apart (``cached_tokens`` tells a key nothing
+  of another's prompts) unless ``share_prefix_cache_across_keys``.
 - Decoding is greedy unless ``temperature`` > 0 (an absent temperature means greedy here, unlike
   OpenAI's default of 1.0), which makes served output reproducible by default.
 """
@@ -122,7 +125,8 @@ def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = N
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
-               image_fetch: ImageFetchLimits | None = None, response_store=None) -> FastAPI:
+               image_fetch: ImageFetchLimits | None = None, response_store=None,
+               share_prefix_cache_across_keys: bool = False) -> FastAPI:
     """Build the FastAPI app serving ``pipe`` (a :class:`~lmdeploy.serve.pipeline.Pipeline`).
 
     Args:
@@ -143,7 +147,10 @@ def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = N
             :class:`~lmdeploy.serve.images.ImageFetchLimits`: 20 MiB, 10 s, public hosts only).
         response_store: bounds of the ``/v1/responses`` store
             (:class:`~lmdeploy.serve.openai.response_store.ResponseStoreLimits`; default 1024
-            entries, 256 MiB, one hour).
+            entries, 256 MiB, one hour). Entries belong to the API key that stored them.
+        share_prefix_cache_across_keys: with API keys, requests of different keys may share
+            cached prefixes (default: each key's are cache-salted apart, see
+            :meth:`~.handlers.ServerBase.cache_salt`).
 
     Raises:
         ValueError: an unknown parser name, or an empty API key.
@@ -151,7 +158,8 @@ def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = N
     if api_keys and any(not k or not k.strip() for k in api_keys):
         raise ValueError('api_keys (--api-keys): a key must not be empty; pass no keys to serve without '
                          'authentication')
-    server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout)
+    server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout,
+                     share_prefix_cache_across_keys)
     if image_fetch is not None:
         server.image_fetch = image_fetch
     # redirect_slashes off: '/v1/chat/completions/' is a 404 with an error body, not a bare 307
@@ -255,7 +263,8 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
                tool_call_parser: str = 'auto', reasoning_parser: str = 'auto',
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, protect_metrics: bool = False,
-               image_fetch: ImageFetchLimits | None = None, response_store=None) -> None:
+               image_fetch: ImageFetchLimits | None = None, response_store=None,
+               share_prefix_cache_across_keys: bool = False) -> None:
     """Load the model and serve it until SIGINT/SIGTERM (blocking).
 
     Either signal shuts down gracefully (see :mod:`.lifecycle`): the server stops accepting,
@@ -294,7 +303,8 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                          max_request_bytes=max_request_bytes, shutdown_timeout=shutdown_timeout,
-                         protect_metrics=protect_metrics, image_fetch=image_fetch, response_store=response_store)
+                         protect_metrics=protect_metrics, image_fetch=image_fetch, response_store=response_store,
+                         share_prefix_cache_across_keys=share_prefix_cache_across_keys)
         server = app.state.server
         logger.info('serving %s as %s on http://%s:%d (tool calls: %s, reasoning: %s)', model_path,
                     ', '.join(repr(n) for n in server.model_names), server_name, server_port,

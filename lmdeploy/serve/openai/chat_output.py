@@ -4,7 +4,9 @@ splitting of chat replies, and ``logprobs`` objects.
 :class:`ChatOutput` owns one chat choice's parsers. The streamed deltas it produces and the
 message it builds for a non-streaming response follow the same rules (see
 :mod:`.tool_parser` and :mod:`.reasoning_parser`): reasoning first, then the content is split
-into text and tool calls. A reply with at least one call finishes with ``"tool_calls"``.
+into text and tool calls. A reply with at least one call finishes with ``"tool_calls"`` (with
+``"length"`` when ``max_tokens`` cut it). A call streams as soon as its name is read: its first
+fragment carries ``id`` and ``name``, the next ones pieces of ``arguments``.
 """
 from __future__ import annotations
 
@@ -127,8 +129,10 @@ class ChatOutput:
         return _FirstCallStop(self)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """``"tool_calls"`` when the reply made a call and ended normally, else the engine's."""
-        if self.has_calls and engine_reason in ('stop', 'length'):
+        """``"tool_calls"`` when the reply made a call and ended normally, else the engine's
+        (``"length"`` too: a call cut off by ``max_tokens`` has arguments closed where it
+        ended, and the client must know they are incomplete)."""
+        if self.has_calls and engine_reason == 'stop':
             return 'tool_calls'
         return engine_reason
 

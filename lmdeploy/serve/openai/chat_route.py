@@ -26,16 +26,20 @@ class ChatRoutes:
         rid, created = new_id('chatcmpl'), now()
         head = {'id': rid, 'object': 'chat.completion', 'created': created, 'model': self.model_name}
         top = req.top_logprobs or 0
+        stops = req.stop_words()
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            opts = req.stream_options
             return _SSEResponse(self._chat_events(gen, plan.outputs, dict(head, object='chat.completion.chunk'),
-                                                  include_usage, req.logprobs, top, req.prompt_logprobs))
+                                                  bool(opts and opts.include_usage), req.logprobs, top,
+                                                  req.prompt_logprobs, stops,
+                                                  bool(opts and opts.continuous_usage_stats)))
         await gen.collect(request)
         choices = []
         for i, (c, out) in enumerate(zip(gen.choices, plan.outputs)):
             choices.append({'index': i, 'message': out.message(c.text),
                             'logprobs': chat_logprobs(self.texts, c.logprobs, top) if req.logprobs else None,
-                            'finish_reason': out.finish_reason(c.finish_reason)})
+                            'finish_reason': out.finish_reason(c.finish_reason),
+                            'matched_stop': gen.matched_stop(i, stops)})
         extra = {}
         if req.prompt_logprobs is not None:
             extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, gen.choices[0].prompt_logprobs,
@@ -43,10 +47,13 @@ class ChatRoutes:
         return dict(head, choices=choices, usage=gen.usage(), **extra)
 
     async def _chat_events(self, gen: _Generation, outputs: list[ChatOutput], head: dict, include_usage: bool,
-                           logprobs: bool, top: int, prompt_logprobs: int | None = None):
+                           logprobs: bool, top: int, prompt_logprobs: int | None = None, stops: list[str] = (),
+                           continuous_usage: bool = False):
         def chunk(choices, usage=None, **extra):
             body = dict(head, choices=choices, **extra)
-            if include_usage:
+            if continuous_usage:        # every chunk: the usage so far
+                body['usage'] = usage or gen.usage()
+            elif include_usage:
                 body['usage'] = usage
             return _sse(body)
         for i in range(len(gen.choices)):
@@ -69,11 +76,16 @@ class ChatRoutes:
                     if r.finish_reason:
                         delta = ChatOutput.merge_deltas(delta, out.finish())
                         reason = out.finish_reason(r.finish_reason)
+                    if lp and not delta:        # entries whose text is not out yet: an empty content
+                        delta = {'content': ''}
                     extra = {}
                     if prompt_logprobs is not None and r.prompt_logprobs is not None and i == 0:
                         extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs, prompt_logprobs)
                     if delta or reason or lp or extra:
-                        yield chunk([{'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}], **extra)
+                        choice = {'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}
+                        if reason:
+                            choice['matched_stop'] = gen.matched_stop(i, stops)
+                        yield chunk([choice], **extra)
         except ShuttingDown as err:
             yield _stream_error(err)
         if include_usage:

@@ -42,15 +42,18 @@ class CompletionRoutes:
         gen = _Generation(self, jobs, req.n)
         head = {'id': new_id('cmpl'), 'object': 'text_completion', 'created': now(), 'model': self.model_name}
         top = req.logprobs or 0
+        stops = req.stop_words()
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._completion_events(gen, head, include_usage, req.logprobs is not None, top,
-                                                        echoed, [ids for ids, _ in jobs], req.prompt_logprobs))
+            opts = req.stream_options
+            return _SSEResponse(self._completion_events(gen, head, bool(opts and opts.include_usage),
+                                                        req.logprobs is not None, top, echoed,
+                                                        [ids for ids, _ in jobs], req.prompt_logprobs, stops,
+                                                        bool(opts and opts.continuous_usage_stats)))
         await gen.collect(request)
         choices = []
         for i, c in enumerate(gen.choices):
             choice = {'index': i, 'text': (echoed[i] if echoed else '') + c.text, 'logprobs': None,
-                      'finish_reason': c.finish_reason}
+                      'finish_reason': c.finish_reason, 'matched_stop': gen.matched_stop(i, stops)}
             if req.logprobs is not None:
                 offsets = TextOffsets(self.texts)
                 head_lp = echo_logprobs(self.texts, jobs[i][0], c.prompt_logprobs, top, offsets) if echoed else None
@@ -63,16 +66,18 @@ class CompletionRoutes:
 
     async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
                                  top: int, echoed: list[str] | None = None, prompts: list | None = None,
-                                 prompt_logprobs: int | None = None):
+                                 prompt_logprobs: int | None = None, stops: list[str] = (),
+                                 continuous_usage: bool = False):
         aligned = [StreamedLogprobs(self.texts) for _ in gen.choices]     # entries in step with the text
-        usage = {'usage': None} if include_usage else {}
+        def usage() -> dict:        # a chunk's usage field: the usage so far on every chunk, or null
+            return {'usage': gen.usage()} if continuous_usage else {'usage': None} if include_usage else {}
         # echo: the prompt first, as each choice's first text; with logprobs (which come with the
         # choice's first output) it waits for them
         pending_echo = dict(enumerate(echoed or []))
         if not logprobs:
             for i, text in pending_echo.items():
                 yield _sse(dict(head, choices=[{'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}],
-                                **usage))
+                                **usage()))
             pending_echo = {}
         try:
             async with aclosing(gen.deltas()) as stream:
@@ -88,7 +93,7 @@ class CompletionRoutes:
                         lp = echo_logprobs(self.texts, prompts[i], r.prompt_logprobs, top, aligned[i].offsets)
                         aligned[i].sent = aligned[i].offsets.chars     # generated text starts after the echo
                         choice = {'index': i, 'text': pending_echo.pop(i), 'logprobs': lp, 'finish_reason': None}
-                        yield _sse(dict(head, choices=[dict(choice, **extra)], **usage))
+                        yield _sse(dict(head, choices=[dict(choice, **extra)], **usage()))
                         extra = {}
                     text, lp = r.text, None
                     if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
@@ -97,7 +102,9 @@ class CompletionRoutes:
                     if text or r.finish_reason or lp or extra:
                         choice = {'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason,
                                   **extra}
-                        yield _sse(dict(head, choices=[choice], **usage))
+                        if r.finish_reason:
+                            choice['matched_stop'] = gen.matched_stop(i, stops)
+                        yield _sse(dict(head, choices=[choice], **usage()))
         except ShuttingDown as err:
             yield _stream_error(err)
         if include_usage:

@@ -38,6 +38,8 @@ class _Choice:
     def __init__(self, prompt_len: int):
         self.prompt_len = prompt_len
         self.text = ''
+        self.token_ids: list[int] = []     # generated, the stop token excluded
+        self.stop_token_id: int | None = None
         self.logprobs: list = []
         self.prompt_logprobs: list | None = None    # TokenLogprob per prompt token after the first
         self.num_tokens = 0
@@ -52,6 +54,9 @@ class _Choice:
             self.first = self.first or t
             self.last = t
         self.text += r.text
+        self.token_ids += r.token_ids or []
+        if getattr(r, 'stop_token_id', None) is not None:
+            self.stop_token_id = r.stop_token_id
         self.logprobs += r.logprobs or []
         if r.prompt_logprobs is not None:
             self.prompt_logprobs = r.prompt_logprobs
@@ -144,6 +149,22 @@ class _Generation:
         metrics = self.server.metrics
         metrics.requests_running.dec()
         metrics.observe_choice(self.start, choice.first, choice.last, choice.num_tokens, choice.finish_reason)
+
+    def matched_stop(self, index: int, stops: list[str]) -> str | int | None:
+        """What ended choice ``index`` (the ``matched_stop`` field): the stop token id, or the
+        stop string of ``stops`` (the first one completed) that ended it; None when it ended
+        otherwise (length, a grammar, a call) or is still running."""
+        choice = self.choices[index]
+        if choice.finish_reason != 'stop':
+            return None
+        if choice.stop_token_id is not None:
+            return choice.stop_token_id
+        if not stops:
+            return None
+        # the text ends just before the stop string; the tokens go on to the one that completed it
+        full = self.server.pipe.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        tail = full[len(choice.text):] if full.startswith(choice.text) else ''
+        return min((w for w in stops if w and tail.startswith(w)), key=len, default=None)
 
     def usage(self) -> dict:
         """Usage over all choices; each prompt's tokens (and cached tokens) count once."""

@@ -9,8 +9,11 @@ and ``_jobs`` methods say "worker thread"), so one huge prompt never stalls othe
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import os
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -30,7 +33,7 @@ from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
 from .tool_parser import detect_tool_format, get_tool_parser
 
-__all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT', 'served_names']
+__all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT', 'served_names', 'current_tenant', 'tenant_of']
 
 
 def served_names(model_name: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -43,6 +46,22 @@ def served_names(model_name: str | list[str] | tuple[str, ...]) -> tuple[str, ..
     if not names or not all(isinstance(n, str) and n.strip() for n in names):
         raise ValueError(f'model_name (--model-name): one or more non-empty names, got {model_name!r}')
     return tuple(dict.fromkeys(names))
+
+# The tenant (a digest of the API key) of the request being handled: set by ServerBase.check_key
+# (a FastAPI dependency, run in the request's task before its handler); worker threads started
+# with run_in_threadpool see it too (anyio copies the context into them). None without keys.
+_TENANT: ContextVar[str | None] = ContextVar('lmdeploy_tenant', default=None)
+
+
+def tenant_of(key: str) -> str:
+    """The tenant id of an API key: 32 hex digits of a SHA-256 digest, so neither stored entries
+    nor cache salts hold the key itself."""
+    return hashlib.sha256(b'lmdeploy/tenant\0' + key.encode('utf-8')).hexdigest()[:32]
+
+
+def current_tenant() -> str | None:
+    """The tenant of the request being handled (:func:`tenant_of` its key); None without keys."""
+    return _TENANT.get()
 
 
 def _resolve_parser(choice: str, template: str, marker: str, default: str) -> str | None:
@@ -79,11 +98,16 @@ class ServerBase:
         reasoning_parser: ``auto`` (``think`` when the chat template mentions ``<think>``),
             ``none``, or a registered parser name.
         shutdown_timeout: seconds in-flight requests may run after SIGTERM.
+        share_prefix_cache_across_keys: with API keys, let requests of different keys share cached
+            prefixes (default False: each key's requests are cache-salted with its tenant id, so
+            ``cached_tokens`` never tells one key what another sent).
     """
 
     def __init__(self, pipe, model_name: str | list[str], api_keys: list[str] | None, tool_call_parser: str = 'auto',
-                 reasoning_parser: str = 'auto', shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
+                 reasoning_parser: str = 'auto', shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+                 share_prefix_cache_across_keys: bool = False):
         self.pipe = pipe
+        self.share_prefix_cache_across_keys = share_prefix_cache_across_keys
         self.model_names = served_names(model_name)
         self.model_name = self.model_names[0]
         self.api_keys = [k for k in (api_keys or []) if k]
@@ -103,25 +127,51 @@ class ServerBase:
         self.image_fetch = ImageFetchLimits()     # http(s) image_url parts: size and time limits
 
     # request checks ---------------------------------------------------------------------
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:
         """FastAPI dependency: 503 once shutting down; 401 unless the bearer token is one of the
-        keys (when keys are set)."""
+        keys (when keys are set); then the request's tenant (:func:`current_tenant`) is its key's.
+        (async: the tenant is set in the request's own task, where its handler runs.)"""
         if self.drain.draining:
             raise _shutting_down()
+        if not self.api_keys:
+            return
         anthropic = request.headers.get('x-api-key')        # Anthropic clients send the key this way
-        if not self.key_valid(request.headers.get('authorization', '')) and \
-                not (anthropic and self.key_valid('Bearer ' + anthropic)):
+        key = self._matched_key(request.headers.get('authorization', ''))
+        if key is None and anthropic:
+            key = self._matched_key('Bearer ' + anthropic)
+        if key is None:
             raise APIError(401, 'missing or invalid API key: send "Authorization: Bearer <key>" (or "x-api-key: '
                            '<key>")', code='invalid_api_key')
+        _TENANT.set(tenant_of(key))
 
     def key_valid(self, authorization: str) -> bool:
         """Whether an ``Authorization`` header value carries one of the keys (always True without
         keys); compared in constant time."""
-        if not self.api_keys:
-            return True
+        return not self.api_keys or self._matched_key(authorization) is not None
+
+    def _matched_key(self, authorization: str) -> str | None:
+        """The key an ``Authorization`` header value carries, or None; every key is compared (in
+        constant time), so timing tells nothing of which one matched."""
         scheme, _, token = authorization.partition(' ')
         token = token.strip().encode()
-        return scheme.lower() == 'bearer' and any(hmac.compare_digest(token, k.encode()) for k in self.api_keys)
+        found = None
+        for k in self.api_keys:
+            if hmac.compare_digest(token, k.encode()) and scheme.lower() == 'bearer':
+                found = k
+        return found
+
+    def cache_salt(self, salt: str | None) -> str | None:
+        """The engine ``cache_salt`` of a request that sent ``salt`` (None: none): with API keys
+        (and without ``share_prefix_cache_across_keys``) the tenant's id enters it, so requests of
+        different keys never share a cached block (locally or in the Store); same key, same
+        salt, same prefix: shared as before."""
+        tenant = current_tenant()
+        if tenant is None or self.share_prefix_cache_across_keys:
+            return salt
+        if salt is None:
+            return f'tenant:{tenant}'
+        # a digest keeps the combined salt within the engine's length bound whatever the client sent
+        return 'tenant:' + hashlib.sha256(f'{tenant}\0{salt}'.encode('utf-8')).hexdigest()
 
     def _check_model(self, name: str) -> None:
         if name not in self.model_names:
@@ -177,7 +227,7 @@ class ServerBase:
                     top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
                     stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs,
-                    min_tokens=req.min_tokens, structured_output=structured, cache_salt=req.cache_salt,
+                    min_tokens=req.min_tokens, structured_output=structured, cache_salt=self.cache_salt(req.cache_salt),
                     prompt_logprobs=prompt_logprobs)
                 jobs.append((ids, cfg))
         return jobs
@@ -206,6 +256,7 @@ class ServerBase:
             structured = from_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
             structured = structured.model_copy(update={'prefix': prefix})
             structured_param = 'tools'
+            self._check_grammar(structured, 'tools')     # before the tools are rendered into the prompt
         messages = [m.for_template() for m in req.messages]
         if self.tool_parser_name:       # history calls as this format's template wants them
             history = parser or get_tool_parser(self.tool_parser_name)
@@ -252,13 +303,28 @@ class ServerBase:
     def _structured(response_format):
         """The engine constraint of a ``response_format`` (None for text); 400 naming it."""
         try:
-            return from_response_format(response_format)
+            structured = from_response_format(response_format)
         except ValueError as err:
             raise APIError(400, f'response_format: {err}', param='response_format', code='invalid_value') from err
+        return ServerBase._check_grammar(structured, 'response_format')
+
+    @staticmethod
+    def _check_grammar(structured, param: str):
+        """``structured`` when its grammar is within the size limits
+        (:func:`~lmdeploy.pytorch.engine.guided.check_grammar_limits`), else a 400 naming ``param``;
+        checked before any rendering, tokenizing or compiling."""
+        if structured is not None:
+            from ...pytorch.engine.guided import check_grammar_limits
+            try:
+                check_grammar_limits(structured)
+            except ValueError as err:
+                raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
+        return structured
 
     # endpoints ------------------------------------------------------------------------------
     def _card(self, name: str) -> ModelCard:
-        return ModelCard(id=name, max_model_len=self.pipe.engine.session_len)
+        root = os.path.basename(os.path.normpath(getattr(self.pipe, 'model_path', '') or '')) or self.model_name
+        return ModelCard(id=name, root=root, max_model_len=self.pipe.engine.session_len)
 
     async def models(self) -> dict:
         """``GET /v1/models``: one card per served name, the first first."""

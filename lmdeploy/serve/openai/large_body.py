@@ -16,6 +16,8 @@ parsed in one call::
 :class:`OffLoopJSONRoute` applies it to FastAPI routes: a body over :data:`LARGE_BODY` bytes is
 read, decoded in the thread pool, and handed to FastAPI as the request's JSON; its integer arrays
 are :class:`~.protocol.DecodedInts`, which validation passes through without visiting each item.
+A body nested deeper than the JSON decoder recurses (about ``sys.getrecursionlimit()`` levels) is a
+400 naming the body, as FastAPI answers a small one (never a 500).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from .errors import APIError
 from .protocol import DecodedInts
 
 __all__ = ['LARGE_BODY', 'OffLoopJSONRoute', 'decode_json']
@@ -135,5 +138,8 @@ class OffLoopJSONRoute(APIRoute):
                     request._json = await run_in_threadpool(decode_json, body)   # what request.json() returns
                 except ValueError:
                     pass        # FastAPI decodes it again and answers with its usual error
+                except RecursionError:
+                    raise APIError(400, 'request body: JSON nested too deeply to decode', param='body',
+                                   code='invalid_json') from None
             return await handler(request)
         return route

@@ -125,9 +125,10 @@ class ChatMessage(_Strict):
     """One conversation message. ``content`` may be a string, text parts, or null.
 
     ``developer`` is served as ``system``. Assistant messages may carry ``tool_calls`` (and
-    ``reasoning_content``); tool messages ``tool_call_id`` and ``name``.
+    ``reasoning_content``); tool messages ``tool_call_id`` and ``name``. Other roles go to the
+    chat template as they are: served when it renders them, a 400 when it refuses them.
     """
-    role: Literal['system', 'developer', 'user', 'assistant', 'tool']
+    role: Annotated[Text, Field(min_length=1, max_length=64)]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None
@@ -200,8 +201,10 @@ class NamedToolChoice(_Strict):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a final chunk with usage and no choices."""
+    """``stream_options``: ``include_usage`` adds a final chunk with usage and no choices;
+    ``continuous_usage_stats`` (vLLM's name) puts the usage so far on every chunk."""
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class JSONSchemaFormat(_Strict):
@@ -419,6 +422,8 @@ class ModelCard(BaseModel):
     object: Literal['model'] = 'model'
     created: int = Field(default_factory=now)
     owned_by: str = 'lmdeploy'
+    root: str | None = Field(None, description='The model the served one is (the model directory\'s name).')
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -11,6 +11,10 @@ JSON size of body and messages); an entry older than ``ttl`` seconds is gone. Ad
 bound evicts the least recently used entries first (a read refreshes recency, not age); an entry
 larger than ``max_bytes`` alone is not stored. ``max_entries`` 0 turns the store off. Nothing
 outlives the process.
+
+Tenants: an entry belongs to the tenant (API key digest, or None without keys) that stored it;
+a lookup by another tenant finds nothing, exactly as for an unknown id, so one key can neither
+read, continue nor delete another's responses, nor learn that an id exists.
 """
 from __future__ import annotations
 
@@ -51,11 +55,13 @@ class ResponseStoreLimits:
 @dataclass
 class StoredResponse:
     """One stored reply: ``body`` (the Response object as returned), ``messages`` (the chat
-    conversation it ends), ``created`` (``clock()`` seconds) and ``size`` (bytes)."""
+    conversation it ends), ``created`` (``clock()`` seconds), ``size`` (bytes) and ``owner`` (the
+    tenant that stored it; None without API keys)."""
     body: dict
     messages: list[dict]
     created: float
     size: int
+    owner: str | None = None
 
 
 class ResponseStore:
@@ -85,10 +91,14 @@ class ResponseStore:
             self._expire()
             return self._bytes
 
-    def put(self, rid: str, body: dict, messages: list[dict]) -> bool:
-        """Store (or replace) ``rid``; returns False when it does not fit at all."""
+    def put(self, rid: str, body: dict, messages: list[dict], owner: str | None = None) -> bool:
+        """Store (or replace) ``rid`` for tenant ``owner``; returns False when it does not fit at
+        all, or when ``rid`` is another tenant's (ids are random: only a forged id collides)."""
         size = len(json.dumps([body, messages], ensure_ascii=False).encode())
         with self._lock:
+            held = self._entries.get(rid)
+            if held is not None and held.owner != owner:
+                return False
             self._drop(rid)
             if self.limits.max_entries == 0 or size > self.limits.max_bytes:
                 return False
@@ -96,23 +106,27 @@ class ResponseStore:
             while self._entries and (len(self._entries) >= self.limits.max_entries
                                      or self._bytes + size > self.limits.max_bytes):
                 self._drop(next(iter(self._entries)))
-            self._entries[rid] = StoredResponse(body, messages, self.clock(), size)
+            self._entries[rid] = StoredResponse(body, messages, self.clock(), size, owner)
             self._bytes += size
             return True
 
-    def get(self, rid: str) -> StoredResponse | None:
-        """The entry, or None when unknown, evicted or expired."""
+    def get(self, rid: str, owner: str | None = None) -> StoredResponse | None:
+        """The entry, or None when unknown, evicted, expired or another tenant's."""
         with self._lock:
             self._expire()
             entry = self._entries.get(rid)
-            if entry is not None:
-                self._entries.move_to_end(rid)
+            if entry is None or entry.owner != owner:
+                return None
+            self._entries.move_to_end(rid)
             return entry
 
-    def delete(self, rid: str) -> bool:
-        """Remove ``rid``; False when it was not there."""
+    def delete(self, rid: str, owner: str | None = None) -> bool:
+        """Remove ``rid``; False when it was not there (or is another tenant's)."""
         with self._lock:
             self._expire()
+            entry = self._entries.get(rid)
+            if entry is None or entry.owner != owner:
+                return False
             return self._drop(rid)
 
     def _drop(self, rid: str) -> bool:

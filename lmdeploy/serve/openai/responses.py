@@ -30,7 +30,8 @@ complete (a token that only ends a character) come in one last delta with empty 
 :class:`~.response_store.ResponseStore`; ``previous_response_id`` continues it: the stored
 conversation (without the earlier ``instructions``, which are not carried over) is followed by
 the new ``input``, and renders to the same tokens as before, so the prefix cache covers the
-previous reply.
+previous reply. With API keys a stored response is its key's: another key's ``GET``, ``DELETE``
+and ``previous_response_id`` find nothing (404 / 400), as for an id never stored.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from fastapi import Request
 
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
+from .handlers import current_tenant
 from .response_store import ResponseStore
 from .responses_protocol import CHAT_RENAMES, PASSTHROUGH, ResponsesRequest, chat_fields, input_messages, split_call_name
 
@@ -216,7 +218,7 @@ class ResponsesAPI:
         """The chat messages before ``instructions``: the stored turns, then this input."""
         history = []
         if req.previous_response_id is not None:
-            entry = self.store.get(req.previous_response_id)
+            entry = self.store.get(req.previous_response_id, current_tenant())
             if entry is None:
                 raise APIError(400, f'previous_response_id: no stored response {req.previous_response_id!r} (never '
                                'stored, deleted, or evicted from the bounded store)', param='previous_response_id',
@@ -232,15 +234,21 @@ class ResponsesAPI:
         if refused:
             raise APIError(400, f'{refused[0]}: {refused[1]}', param=refused[0], code='unsupported_parameter')
         conversation = self._conversation(req)
+        owner = current_tenant()
         system = [{'role': 'system', 'content': req.instructions}] if req.instructions else []
         chat = chat_request(dict(chat_fields(req), model=req.model, messages=system + conversation), CHAT_RENAMES,
                             PASSTHROUGH)
         run = ChatRun(self.server, chat)
-        await run.start()
+        try:
+            await run.start()
+        except APIError as err:     # name the client's field (the chat path names its own)
+            if err.param == 'response_format':
+                err.param, err.message = 'text.format', err.message.replace('response_format', 'text.format', 1)
+            raise
         rid, created = _id('resp'), time.time()
         if req.stream:
             from .api_server import _SSEResponse
-            return _SSEResponse(self._events(req, run, rid, created, conversation))
+            return _SSEResponse(self._events(req, run, rid, created, conversation, owner))
         msg, reason, usage = await run.collect(request)
         incomplete = reason == 'length'
         output = []
@@ -254,14 +262,16 @@ class ResponsesAPI:
             output.append(_call_item(call['id'], name, call['function']['arguments'], namespace=namespace))
         body = self._body(req, rid, created, output, 'incomplete' if incomplete else 'completed', _usage(usage),
                           incomplete)
-        self._keep(req, body, conversation, output)
+        self._keep(req, body, conversation, output, owner)
         return body
 
-    def _keep(self, req: ResponsesRequest, body: dict, conversation: list[dict], output: list[dict]) -> None:
+    def _keep(self, req: ResponsesRequest, body: dict, conversation: list[dict], output: list[dict],
+              owner: str | None) -> None:
         if req.store:
-            self.store.put(body['id'], body, conversation + [_assistant_message(output)])
+            self.store.put(body['id'], body, conversation + [_assistant_message(output)], owner)
 
-    async def _events(self, req: ResponsesRequest, run: ChatRun, rid: str, created: float, conversation: list[dict]):
+    async def _events(self, req: ResponsesRequest, run: ChatRun, rid: str, created: float, conversation: list[dict],
+                      owner: str | None):
         ev = _Events(req, run)
         head = self._body(req, rid, created, [], 'in_progress', None)
         yield ev.event('response.created', response=head)
@@ -286,19 +296,19 @@ class ResponsesAPI:
             yield line
         body = self._body(req, rid, created, ev.items, 'incomplete' if incomplete else 'completed',
                           _usage(run.usage()), incomplete)
-        self._keep(req, body, conversation, ev.items)
+        self._keep(req, body, conversation, ev.items, owner)
         yield ev.event('response.incomplete' if incomplete else 'response.completed', response=body)
 
     async def get(self, response_id: str) -> dict:
         """``GET /v1/responses/{id}``: the stored response, or 404."""
-        entry = self.store.get(response_id)
+        entry = self.store.get(response_id, current_tenant())
         if entry is None:
             raise _not_found(response_id)
         return entry.body
 
     async def delete(self, response_id: str) -> dict:
         """``DELETE /v1/responses/{id}``: forget it, or 404."""
-        if not self.store.delete(response_id):
+        if not self.store.delete(response_id, current_tenant()):
             raise _not_found(response_id)
         return {'id': response_id, 'object': 'response', 'deleted': True}
 

@@ -25,6 +25,17 @@ whitespace of the content is dropped and whitespace-only content becomes None. A
 tag that is not followed (after whitespace) by ``{`` is prose: it is released as content at once,
 so a model that writes the tag in a sentence never stalls the stream.
 
+Streaming (:class:`_HermesSegmenter`): once ``{"name": NAME, "arguments": {`` and the first
+character of the arguments (``"`` or ``}``) have been read, the call is committed: its name goes
+out at once, then the arguments as the model writes them (its own text), each member once its
+value has begun (a key and its separators are held until then, a number until it ends). The
+arguments end at their closing ``}``; a reply cut off inside them (``max_tokens``) still makes
+the call, with the arguments closed where it ended (a cut string closed, open objects and arrays
+ended, a member whose value had not begun left out), so they are always strict JSON; so does a
+character JSON does not allow (``NaN``), where the text from the unfinished member on is
+content. Other shapes (``arguments`` first, arguments as a JSON string) are parsed once the
+block ends, as a whole.
+
 Format ``qwen_xml`` (Qwen3.5 / Qwen3.6 / Qwen3-Coder templates) lives in :mod:`.qwen_xml_parser`;
 :func:`detect_tool_format` picks the format a chat template renders.
 """
@@ -33,6 +44,8 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+
+from .json_prefix import JSONPrefix
 
 __all__ = ['ParsedCall', 'ParseResult', 'ToolParser', 'ToolCallStream', 'HermesToolParser', 'register_tool_parser',
            'get_tool_parser', 'merge_tool_call_fragments', 'detect_tool_format', 'TOOL_PARSERS']
@@ -233,7 +246,13 @@ class HermesToolParser(ToolParser):
                 return block_end, begin
             pos = block_end     # malformed: stays text, as in segments()
 
-    def segments(self, text: str, final: bool):
+    def segmenter(self) -> _HermesSegmenter:
+        return _HermesSegmenter(self)
+
+    def segments(self, text: str, final: bool, stop_at_call: bool = False):
+        """As :meth:`ToolParser.segments`; with ``stop_at_call`` the text before the first block
+        that opens a call (``<tool_call>`` then ``{``) is returned and the count stops at its tag
+        (also while only whitespace follows the tag), for :class:`_HermesSegmenter`."""
         out, pos = [], 0
         while True:
             start = text.find(self.start_tag, pos)
@@ -245,6 +264,12 @@ class HermesToolParser(ToolParser):
                 out.append(('text', text[pos:after]))
                 pos = after
                 continue
+            if stop_at_call and (opening or not final):
+                if start > pos:
+                    out.append(('text', text[pos:start]))
+                return out, start
+            if stop_at_call:        # the text ends with the tag and whitespace: text
+                break
             end = text.find(self.end_tag, start + len(self.start_tag))
             if end == -1:
                 if not final:
@@ -408,6 +433,158 @@ class ToolCallStream:
             content += self.pending_ws
         self.pending_ws = ''
         return content, frags
+
+
+def _stream_head(text: str, i: int) -> tuple[str, str | None, int]:
+    """Reads ``{"name": NAME, "arguments": {`` (any whitespace; ``parameters`` for ``arguments``)
+    from ``text[i]`` (a ``{``) up to the first character of the arguments' content. Returns
+    ``('yes', name, index of the arguments' '{')``, ``('need', None, 0)`` when the text so far
+    could still become that, or ``('no', None, 0)``."""
+    def skip(j):
+        while j < len(text) and text[j] in _WHITESPACE:
+            j += 1
+        return j
+
+    j = skip(i + 1)
+    for step in ('"name"', ':', 'NAME', ',', 'ARGS', ':'):
+        j = skip(j)
+        if step == 'NAME':
+            if j == len(text):
+                return 'need', None, 0
+            if text[j] != '"':
+                return 'no', None, 0
+            try:
+                name, j = json.decoder.scanstring(text, j + 1)
+            except ValueError as err:
+                return ('need' if 'Unterminated' in str(err) else 'no'), None, 0
+            if not name:
+                return 'no', None, 0
+            continue
+        words = ('"arguments"', '"parameters"') if step == 'ARGS' else (step,)
+        rest = text[j:]
+        word = next((w for w in words if rest.startswith(w)), None)
+        if word is None:
+            return ('need' if any(w.startswith(rest) for w in words) else 'no'), None, 0
+        j += len(word)
+    j = skip(j)
+    if j == len(text):
+        return 'need', None, 0
+    if text[j] != '{':
+        return 'no', None, 0
+    k = skip(j + 1)         # the arguments' content must start like an object's
+    if k == len(text):
+        return 'need', None, 0
+    return ('yes', name, j) if text[k] in '"}' else ('no', None, 0)
+
+
+class _HermesSegmenter:
+    """The incremental segmenter of the hermes format (see :class:`HermesToolParser`). States:
+    ``text``; ``head`` (a ``<tool_call>`` and ``{`` read, the name not yet); ``args`` (the call
+    is open, its arguments stream through :class:`JSONPrefix`); ``tail`` (the arguments closed:
+    ``}`` and ``</tool_call>`` expected); ``rest`` (the call object's other members, dropped up to
+    ``</tool_call>``); ``block`` (a block of another shape, parsed whole once it ends)."""
+
+    def __init__(self, parser: HermesToolParser):
+        self.p = parser
+        self.state, self.buf = 'text', ''
+        self.json: JSONPrefix | None = None
+
+    def feed(self, delta: str, final: bool) -> list:
+        self.buf += delta
+        out: list = []
+        while self._step(out, final):
+            pass
+        return out
+
+    def _close_args(self, out: list) -> None:
+        closing = self.json.closing()
+        if closing:
+            out.append(('args', closing))
+        self.json = None
+
+    def _step(self, out: list, final: bool) -> bool:
+        p, buf = self.p, self.buf
+        if self.state == 'text':
+            segments, used = p.segments(buf, final, stop_at_call=True)
+            out.extend(segments)
+            self.buf = buf[used:]
+            if used < len(buf) and buf.startswith(p.start_tag, used) and p._opening(buf, used):
+                self.state = 'head'
+                return True
+            return False
+        if self.state == 'head':
+            brace = len(p.start_tag)
+            while buf[brace] in _WHITESPACE:    # the text state saw the '{' after the tag
+                brace += 1
+            status, name, at = _stream_head(buf, brace)
+            if status == 'yes':
+                out.append(('open', ParsedCall(name, '')))
+                self.json, self.buf, self.state = JSONPrefix(), buf[at:], 'args'
+                return True
+            if status == 'need' and not final:
+                return False
+            self.state = 'block'
+            return True
+        if self.state == 'block':
+            end = buf.find(p.end_tag, len(p.start_tag))
+            if end == -1:
+                if final:
+                    out.append(('text', buf))
+                    self.buf, self.state = '', 'text'
+                return False
+            block_end = end + len(p.end_tag)
+            call = p._call(buf[len(p.start_tag):end])
+            out.append(('call', call) if call is not None else ('text', buf[:block_end]))
+            self.buf, self.state = buf[block_end:], 'text'
+            return True
+        if self.state == 'args':
+            piece = ''
+            for i, ch in enumerate(buf):
+                emitted, state = self.json.push(ch)
+                piece += emitted
+                if state == 'ok':
+                    continue
+                if piece:
+                    out.append(('args', piece))
+                if state == 'done':
+                    self.json, self.buf, self.state = None, buf[i + 1:], 'tail'
+                else:       # not JSON: the arguments end before it; the text from there is content
+                    held = self.json.pending()
+                    self._close_args(out)
+                    self.buf, self.state = held + buf[i:], 'text'
+                return True
+            if piece:
+                out.append(('args', piece))
+            self.buf = ''
+            if final:       # cut off: the arguments are closed where the reply ended
+                self._close_args(out)
+                self.state = 'text'
+            return False
+        if self.state == 'tail':
+            lead = buf.lstrip(_WHITESPACE)
+            if lead.startswith('}'):
+                lead = lead[1:].lstrip(_WHITESPACE)
+            if lead.startswith(p.end_tag):
+                self.buf, self.state = lead[len(p.end_tag):], 'text'
+                return True
+            if lead.startswith(','):
+                self.buf, self.state = lead, 'rest'
+                return True
+            if p.end_tag.startswith(lead):      # the call's closing so far ('' included)
+                if final:                       # cut off there: nothing of it is content
+                    self.buf, self.state = '', 'text'
+                return False
+            self.buf, self.state = lead, 'text'
+            return True
+        # rest: the call object's other members
+        end = buf.find(p.end_tag)
+        if end == -1:
+            self.buf = '' if final else buf[max(0, len(buf) - len(p.end_tag) + 1):]
+            if final:
+                self.state = 'text'
+            return False
+        self.buf, self.state = buf[end + len(p.end_tag):], 'text'
+        return True
 
 
 from . import qwen_xml_parser  # noqa: E402,F401  (registers 'qwen_xml'; it builds on this module)
