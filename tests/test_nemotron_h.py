@@ -4,9 +4,12 @@ greedy tokens equal cold, chunked and after a local prefix-cache restore, a 4-tu
 with the prefix cache off / on / last-only / turn-end, a 64-token checkpoint shared by two
 conversations (no large state-block floor), Store restore in a fresh process and Store bytes equal
 to the simulator, TP2 = TP1, transformers-named checkpoints of other shapes, random geometries
-(including a binding dt floor), the layer cache specs and the config audit."""
+(including a time_step_min that no longer clamps dt), the layer cache specs, the config audit
+and the refusal of a time_step_limit transformers applies in prefill only."""
 import inspect
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -142,6 +145,7 @@ def test_cache_specs_are_a_mamba2_state_kv_blocks_and_nothing_for_mlps(tiny):
     (dict(n_groups=3), 'n_groups'),
     (dict(n_group=3), 'n_group'),
     (dict(topk_group=5), 'topk_group'),
+    (dict(time_step_limit=(0.01, 10.0)), 'time_step_limit'),
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
@@ -152,7 +156,50 @@ def test_refused_fields_name_themselves(tiny, change, field):
         check_config(config)
     checked = {f for f, how in FIELDS['nemotron_h'].items() if how == CHECKED}
     assert checked <= {'layers_block_type', 'layer_types', 'mamba_hidden_act', 'mlp_hidden_act', 'n_groups',
-                       'n_group', 'topk_group', 'quantization_config'}
+                       'n_group', 'topk_group', 'time_step_limit', 'quantization_config'}
+
+
+def test_only_the_default_time_step_limit_is_served(tiny):
+    """``time_step_limit`` as a list (JSON) or a tuple: served when it is ``(0, inf)``, refused
+    naming the field for every other pair."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    assert tuple(config.time_step_limit) == (0.0, math.inf)
+    for limit in ([0.0, math.inf], (0.0, math.inf)):
+        config.time_step_limit = limit
+        check_config(config)
+    for low, high in itertools.product((0.0, 1e-4, 0.001, -1.0), (math.inf, 0.1, 1e30)):
+        for limit in ([low, high], (low, high)):
+            if (low, high) == (0.0, math.inf):
+                continue
+            config.time_step_limit = limit
+            with pytest.raises(ValueError, match=r'time_step_limit must be \(0\.0, inf\)'):
+                check_config(config)
+
+
+def test_transformers_clamps_dt_to_time_step_limit_in_prefill_only():
+    """Why only the default limit is served: transformers' full forward (a chunked scan) clamps
+    ``dt`` to ``time_step_limit``, its one-token decode step does not, so with a limit that binds
+    the last token's logits differ between the two. Should transformers clamp in both, this fails
+    and the limit can be implemented instead of refused."""
+    from transformers import NemotronHConfig
+
+    def full_minus_decoded(limit):
+        config = NemotronHConfig(
+            vocab_size=64, hidden_size=32, layers_block_type=[MAMBA, ATTN], num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, intermediate_size=24, mamba_num_heads=4, mamba_head_dim=8,
+            n_groups=2, ssm_state_size=8, conv_kernel=3, chunk_size=8, time_step_limit=limit, pad_token_id=0,
+            bos_token_id=None, eos_token_id=1)
+        hf = _hf_nemotron(config, 11)
+        ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(11))
+        with torch.no_grad():
+            full = hf(input_ids=ids, use_cache=False).logits[0, -1]
+            past = hf(input_ids=ids[:, :-1], use_cache=True).cache
+            step = hf(input_ids=ids[:, -1:], cache=past, use_cache=True).logits[0, -1]
+        return (full - step).abs().max().item()
+
+    assert full_minus_decoded((0.0, math.inf)) <= TOL
+    assert full_minus_decoded((0.5, math.inf)) > 100 * TOL
 
 
 def test_audit_lists_every_field_transformers_reads_for_nemotron_h():
@@ -167,9 +214,10 @@ def test_audit_lists_every_field_transformers_reads_for_nemotron_h():
 @given(data=st.data())
 def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     """Model level, random geometry (block pattern, Mamba heads / groups / state / conv kernel /
-    SSD chunk, a dt floor that binds or not, latent MoE or not) and a random prefill chunking
-    then 3 decode steps: logits <= 1e-4 of transformers' full forward (which clamps dt at the
-    floor everywhere), through NaN-poisoned scrambled blocks and slots."""
+    SSD chunk, latent MoE or not, a ``time_step_min`` of 0.05 that random dts fall under: it
+    initialises only, transformers >= 5.25 clamps dt to ``time_step_limit`` = (0, inf)) and a
+    random prefill chunking then 3 decode steps: logits <= 1e-4 of transformers' full forward,
+    through NaN-poisoned scrambled blocks and slots."""
     from transformers import NemotronHConfig
 
     from model_harness import ModelHarness

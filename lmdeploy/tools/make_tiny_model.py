@@ -61,10 +61,7 @@ def _arch_defaults(arch: str) -> dict:
                     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                     moe_shared_expert_intermediate_size=64, n_group=2, topk_group=1, norm_topk_prob=True,
                     routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, max_position_embeddings=32768,
-                    tie_word_embeddings=False,
-                    # transformers clamps dt at time_step_min when prefilling but not when decoding;
-                    # a floor no random dt reaches keeps its generate() consistent with its forward
-                    time_step_min=1e-5)
+                    tie_word_embeddings=False)
     if arch == 'granitemoehybrid':   # Mamba-2, attention, Mamba-2, Mamba-2; MoE + shared MLP; NoPE
         # µP multipliers off 1 (and a softmax scale off head_dim ** -0.5) so each is exercised; an SSD
         # chunk of 24 so 32-token prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them

@@ -33,7 +33,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, mamba2_state_spec
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
 from .parallel_plan import ParallelPlan
 from .qwen3_next import FusedExperts
 
@@ -91,12 +91,7 @@ def check_config(config) -> None:
         if config.mamba_n_heads % config.mamba_n_groups:
             raise ValueError(f'mamba_n_groups ({config.mamba_n_groups}) must divide mamba_n_heads '
                              f'({config.mamba_n_heads})')
-        limit = tuple(config.time_step_limit) if config.time_step_limit is not None else (0.0, float('inf'))
-        if limit != (0.0, float('inf')):
-            # transformers clamps dt in its chunked (prefill) path only, not in its decode step, so
-            # the same token would see another dt in a prefill chunk than in a decode step
-            raise ValueError(f'time_step_limit must be (0.0, inf), got {limit}: transformers clamps dt only when '
-                             'it prefills, which chunked prefill and decode cannot reproduce')
+        check_time_step_limit(config.time_step_limit)
 
 
 def mamba_dims(config) -> Mamba2Dims:

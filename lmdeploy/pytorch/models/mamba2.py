@@ -36,7 +36,8 @@ from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .layers import Linear
 
-__all__ = ['Mamba2Dims', 'Mamba2Mixer', 'Mamba2TPSplit', 'CrossRankGroupNorm', 'mamba2_state_spec']
+__all__ = ['Mamba2Dims', 'Mamba2Mixer', 'Mamba2TPSplit', 'CrossRankGroupNorm', 'check_time_step_limit',
+           'mamba2_state_spec']
 
 # CacheTensor.tp_split names of the two state tensors (ranges from Mamba2TPSplit.cache_ranges)
 CONV_SPLIT, HEAD_SPLIT = 'mamba_conv_channels', 'mamba_heads'
@@ -53,7 +54,8 @@ class Mamba2Dims:
         conv_kernel: ``K`` of the depthwise causal conv.
         chunk_size: tokens per SSD chunk (a speed knob; the outputs do not depend on it).
         conv_bias, proj_bias: the conv has a bias; ``in_proj`` / ``out_proj`` have biases.
-        dt_min, dt_max: ``dt`` is clamped to ``[dt_min, dt_max]`` after the softplus.
+        dt_min, dt_max: ``dt`` is clamped to ``[dt_min, dt_max]`` after the softplus
+            (``0, inf`` for Nemotron-H and Granite-4.0-H: see :func:`check_time_step_limit`).
         norm_eps: epsilon of the grouped gated RMS norm.
     """
     hidden_size: int
@@ -98,6 +100,28 @@ def local_groups(n_groups: int, size: int) -> int:
     """A rank's Mamba-2 group count at TP size ``size``: ``G / size``, or 1 when ``size`` is a
     multiple of ``G`` (the rank holds part of one group's heads and a copy of its ``B`` / ``C``)."""
     return n_groups // size if n_groups >= size else 1
+
+
+def check_time_step_limit(limit) -> None:
+    """Refuse a ``time_step_limit`` (``dt``'s clamp after the softplus) other than the default
+    ``(0.0, inf)``, which changes nothing (``softplus > 0``).
+
+    ``transformers`` (5.25; Nemotron-H and Granite-4.0-H alike) clamps ``dt`` to the limit in its
+    chunked scan only, not in its one-token decode step, so with any other limit the same token
+    gets another ``dt`` when decoded than when prefilled: no chunking of the engine's (prefill
+    chunks, prefix-cache restores, decode) reproduces that.
+
+    Args:
+        limit: ``config.time_step_limit``, a ``(low, high)`` pair (list or tuple) or None (the
+            default).
+
+    Raises:
+        ValueError: naming ``time_step_limit`` and the value, for any other limit.
+    """
+    got = (0.0, float('inf')) if limit is None else tuple(limit)
+    if got != (0.0, float('inf')):
+        raise ValueError(f'time_step_limit must be (0.0, inf), got {got}: transformers clamps dt to it only when '
+                         'it prefills, not in its decode step, which chunked prefill and decode cannot reproduce')
 
 
 def mamba2_state_spec(dims: Mamba2Dims, dtype: torch.dtype) -> StateSpec:

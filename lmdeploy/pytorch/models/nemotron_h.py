@@ -18,9 +18,12 @@ Weight names: the published checkpoint's (``backbone.*``, ``backbone.embeddings`
 per expert ``mixer.experts.{e}.up_proj.weight``) and transformers' in-memory ones
 (``model.*``, stacked ``mixer.experts.up_proj [E, I, H]``) both load.
 
-Deviation kept on purpose: ``transformers`` clamps ``dt`` at ``time_step_min`` in its chunked
-(prefill) path only, not in its one-token decode step; the engine clamps in both, so a token's
-state does not depend on whether it was prefilled or decoded (cache on = cache off).
+``dt = softplus(dt + dt_bias)`` is not clamped: ``transformers`` (from 5.25) clamps it to
+``time_step_limit`` in its chunked scan only, not in its one-token decode step, so only the
+default ``(0, inf)``, which clamps nothing, is served (:func:`check_config`); ``time_step_min`` /
+``time_step_max`` / ``time_step_floor`` initialise ``dt_bias`` and nothing else. (``transformers``
+5.17-5.24 ignored ``time_step_limit`` and clamped at ``time_step_min`` in its chunked scan; the
+engine follows the newer one.)
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention, load_weights
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, local_groups, mamba2_state_spec
+from .mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
+                     mamba2_state_spec)
 from .parallel_plan import ParallelPlan
 
 __all__ = ['NemotronHForCausalLM', 'NemotronHAttention', 'NemotronHMoE', 'check_config', 'mamba2_dims']
@@ -57,7 +61,8 @@ def check_config(config) -> None:
         ValueError: naming the field: ``layers_block_type`` (a type other than the four),
             ``mamba_hidden_act`` (not ``'silu'``), ``mlp_hidden_act`` (not ``'relu2'``),
             ``n_groups`` (must divide ``mamba_num_heads``), ``n_group`` / ``topk_group``
-            (expert groups of >= 2, ``topk_group`` in ``[1, n_group]``).
+            (expert groups of >= 2, ``topk_group`` in ``[1, n_group]``), ``time_step_limit``
+            (the default ``(0, inf)`` only, see :func:`~.mamba2.check_time_step_limit`).
     """
     types = _block_types(config)
     if not types or any(t not in BLOCK_TYPES for t in types):
@@ -68,6 +73,7 @@ def check_config(config) -> None:
             raise ValueError(f"mamba_hidden_act must be 'silu', got {config.mamba_hidden_act!r}")
         if config.n_groups <= 0 or config.mamba_num_heads % config.n_groups:
             raise ValueError(f'n_groups ({config.n_groups}) must divide mamba_num_heads ({config.mamba_num_heads})')
+        check_time_step_limit(config.time_step_limit)
     if (MLP in types or MOE in types) and config.mlp_hidden_act != 'relu2':
         raise ValueError(f"mlp_hidden_act must be 'relu2', got {config.mlp_hidden_act!r}")
     if MOE in types:
@@ -78,12 +84,12 @@ def check_config(config) -> None:
 
 
 def mamba2_dims(config) -> Mamba2Dims:
-    """The Mamba-2 mixer sizes of a ``NemotronHConfig`` (``dt`` clamped below at
-    ``time_step_min`` and not above, as ``transformers`` does)."""
+    """The Mamba-2 mixer sizes of a ``NemotronHConfig`` (``dt`` unclamped: the default
+    ``time_step_limit``, the only one :func:`check_config` accepts)."""
     return Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_num_heads,
                       head_dim=config.mamba_head_dim, n_groups=config.n_groups, state_size=config.ssm_state_size,
                       conv_kernel=config.conv_kernel, chunk_size=config.chunk_size, conv_bias=config.use_conv_bias,
-                      proj_bias=config.use_bias, dt_min=float(config.time_step_min), dt_max=float('inf'),
+                      proj_bias=config.use_bias, dt_min=0.0, dt_max=float('inf'),
                       norm_eps=config.layer_norm_epsilon)
 
 
@@ -421,8 +427,9 @@ class NemotronHForCausalLM(nn.Module):
         'use_conv_bias': IMPLEMENTED,
         'use_bias': IMPLEMENTED,                  # in_proj / out_proj biases
         'chunk_size': IMPLEMENTED,                # the SSD chunk length (outputs do not depend on it)
-        'time_step_min': IMPLEMENTED,             # dt's lower clamp (transformers: prefill only; see module doc)
-        'time_step_max': INERT,                   # initialisation only (no upper clamp)
+        'time_step_limit': CHECKED,               # (0, inf) only: see check_config
+        'time_step_min': INERT,                   # initialisation only (transformers >= 5.25)
+        'time_step_max': INERT,                   # initialisation only
         'time_step_floor': INERT,                 # initialisation only
         'use_mamba_kernels': INERT,               # deprecated, no effect
         'rescale_prenorm_residual': INERT,        # initialisation only
