@@ -52,6 +52,23 @@ def _die_mid_put(client, n: int) -> None:
         return put(key, value, **kw)
 
     client.put = put_then_die
+    put_many = getattr(client, 'put_many', None)
+    if put_many is None:
+        return
+
+    def put_many_then_die(items):
+        # the items before the n-th complete; the n-th starts and the process dies in it
+        if count[0] <= n < count[0] + len(items):
+            done = items[:n - count[0]]
+            if done:
+                put_many(done)
+            key, value, _ = items[n - count[0]]
+            count[0] = n
+            put_then_die(key, value)
+        count[0] += len(items)
+        return put_many(items)
+
+    client.put_many = put_many_then_die
 
 
 def _barrier(folder: Path, parties: int, timeout_s: float = 300.0) -> None:

@@ -159,8 +159,9 @@ def test_a_torn_write_is_never_restored(tiny_qwen3_next, tmp_path, cold, die_at)
     computes the rest with the cold output, and puts the missing object."""
     folder = tmp_path / 'store'
     ids = prompt(150, seed=5200 + die_at)
-    run_worker(tmp_path, 'w', tiny_qwen3_next, store_config(folder), [ids], expect_rc=-signal.SIGKILL,
-               die_at_put=die_at)
+    # one writer: the puts run in the order the docstring lists (several writers interleave them)
+    run_worker(tmp_path, 'w', tiny_qwen3_next, store_config(folder, store_writers=1), [ids],
+               expect_rc=-signal.SIGKILL, die_at_put=die_at)
     assert list((folder / 'tmp').glob('*.part'))          # the torn value is there, as a temporary file
     eng = Engine(tiny_qwen3_next, PytorchEngineConfig(**store_config(folder)))
     try:

@@ -90,6 +90,9 @@ class HostTier:
             n = n.parent
         path.reverse()
         missing = [p for p in path if ('kv', p.key) not in self._entries]
+        for p in path:          # the blocks held already are as recent as the state they serve now
+            if ('kv', p.key) in self._entries:
+                self._entries.move_to_end(('kv', p.key))
         eng = self.cache_engine
         if eng is not None and missing:
             payloads = eng.read_kv_blocks([p.block_id for p in missing])
@@ -98,8 +101,6 @@ class HostTier:
         else:
             for p in missing:
                 self._put(('kv', p.key), None)
-        for p in path:          # the whole path is as recent as the state it serves
-            self._entries.move_to_end(('kv', p.key))
         self._put(('state', node.key), eng.read_state(state_ref) if eng is not None else None)
         self.counters['host_demotions'] += 1
 
