@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import register_kernel, triton_available
+from . import register_kernel, static_loop_end, triton_available
 
 __all__ = ['dequantize_fp8_blocks', 'check_fp8_scale', 'fp8_block_linear_torch', 'fp8_block_linear_triton',
            'FP8_DTYPE']
@@ -78,13 +78,15 @@ def _kernel():
     @triton.jit
     def fp8_gemm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                  BLOCK_N_Q: tl.constexpr, BLOCK_K_Q: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STATIC_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        # STATIC_K: the loop end under the interpreter, -1 compiled (kernels.static_loop_end); not
+        # assigned to a name first: the interpreter would turn it back into a one-element array
+        for k0 in range(0, STATIC_K if STATIC_K >= 0 else K, BK):
             kk = k0 + rk
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                         other=0.0)
@@ -134,7 +136,8 @@ def fp8_block_linear_triton(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.T
     BM = 16 if M <= 16 else 64
     BN, BK = _pick_tile(block[0], 64), _pick_tile(block[1], 64)
     grid = ((M + BM - 1) // BM, (N + BN - 1) // BN)
-    _kernel()[grid](x2, w, s, bias if bias is not None else s, y, M, N, K, x2.stride(0), w.stride(0), s.stride(0),
-                    y.stride(0), BLOCK_N_Q=block[0], BLOCK_K_Q=block[1], HAS_BIAS=bias is not None,
-                    BM=BM, BN=BN, BK=BK)
+    kernel = _kernel()
+    kernel[grid](x2, w, s, bias if bias is not None else s, y, M, N, K, x2.stride(0), w.stride(0), s.stride(0),
+                 y.stride(0), BLOCK_N_Q=block[0], BLOCK_K_Q=block[1], HAS_BIAS=bias is not None,
+                 BM=BM, BN=BN, BK=BK, STATIC_K=static_loop_end(kernel, K))
     return y.view(*lead, N)
