@@ -17,10 +17,12 @@ ragged blocks).
 - torch (any device): dequantizes ``W`` into ``x.dtype`` and calls ``F.linear``;
 - Triton (CUDA): one program per ``[BM, BN]`` output tile walks K in ``BK`` steps, loads the
   e4m3 tile (as bytes, bit-cast), multiplies each row by its block's scale, rounds it to
-  ``x.dtype`` and accumulates ``x_tile @ W_tile^T`` in float32; ``BN`` and ``BK`` divide the
-  block, so a tile never straddles two scale blocks along K and reads one scale per row. The
-  weight stays FP8 in memory (one byte per element); only a tile is ever dequantized. Runs on
-  CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it against the torch version).
+  ``x.dtype`` and accumulates ``x_tile @ W_tile^T`` in float32 (float32 operands are multiplied
+  at full precision, as ``F.linear`` does, not in Triton's default TF32); ``BN`` and ``BK``
+  divide the block, so a tile never straddles two scale blocks along K and reads one scale per
+  row. The weight stays FP8 in memory (one byte per element); only a tile is ever dequantized.
+  Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it against the torch
+  version).
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def _kernel():
     @triton.jit
     def fp8_gemm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                  BLOCK_N_Q: tl.constexpr, BLOCK_K_Q: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STATIC_K: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STATIC_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -95,7 +98,7 @@ def _kernel():
             w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             s = tl.load(s_ptr + (rn // BLOCK_N_Q) * stride_sn + k0 // BLOCK_K_Q, mask=rn < N, other=0.0)
             w = (w * s[:, None]).to(x.dtype)
-            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -139,5 +142,8 @@ def fp8_block_linear_triton(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.T
     kernel = _kernel()
     kernel[grid](x2, w, s, bias if bias is not None else s, y, M, N, K, x2.stride(0), w.stride(0), s.stride(0),
                  y.stride(0), BLOCK_N_Q=block[0], BLOCK_K_Q=block[1], HAS_BIAS=bias is not None,
-                 BM=BM, BN=BN, BK=BK, STATIC_K=static_loop_end(kernel, K))
+                 BM=BM, BN=BN, BK=BK, STATIC_K=static_loop_end(kernel, K),
+                 # float32 operands: full precision, as F.linear (Triton's default for them is TF32,
+                 # a 10-bit mantissa); for 16-bit operands the setting does not apply
+                 DOT_PRECISION='ieee' if x2.dtype == torch.float32 else 'tf32')
     return y.view(*lead, N)

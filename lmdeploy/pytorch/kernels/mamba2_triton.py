@@ -23,7 +23,7 @@ caller's torch path would use. The state tile ``[32, Dn]`` stays in registers ac
 (8 warps per program).
 
 Registered for CUDA when triton imports; runs on CPU tensors under ``TRITON_INTERPRET=1`` (how
-tests/test_mamba2_triton.py checks them against the torch versions). Importing this module never
+tests/test_mamba2_accel_kernels.py checks them against the torch versions). Importing this module never
 needs triton or a GPU.
 """
 from __future__ import annotations
