@@ -42,9 +42,10 @@ def test_list_names_every_cuda_test_file_and_the_benchmark():
     kernel = [rest for kind, rest in rows if kind == 'kernel-test']
     assert kernel
     for path in cuda | set(kernel):
-        assert (ROOT / path).is_file(), path
+        assert (ROOT / path.split('::')[0]).is_file(), path       # a file or a test's node id
     bench = [rest for kind, rest in rows if kind == 'bench']
-    assert bench == ['benchmark/benchmark_cuda.py --device cuda --preset 99m']
+    assert bench == ['benchmark/benchmark_cuda.py --device cuda --preset small --batches 1,8 --decode-tokens 32 '
+                     '--repeats 10']
 
 
 def test_dry_run_prints_each_step_into_the_out_folder(tmp_path):
@@ -56,14 +57,26 @@ def test_dry_run_prints_each_step_into_the_out_folder(tmp_path):
     assert f'--junitxml={out}/cuda_tests.xml tests/test_cuda.py' in done.stdout
     assert f'--out {out}/bench_cuda.json' in done.stdout
     assert out.is_dir()
+    assert '--durations=15' in done.stdout        # the slowest tests are in each log
     done = _run('--dry-run', '--no-install', '--no-bench', '--out', str(tmp_path / 'other'), '--budget', '100')
     assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'cuda_tests', 'kernel_tests']
     assert 'timeout 100 ' in done.stdout          # a step's limit is cut to the budget
 
 
+def test_only_and_k_rerun_just_the_named_steps_and_tests(tmp_path):
+    done = _run('--dry-run', '--no-install', '--only', 'cuda_tests', '-k', 'granite or fp8', '--out', str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'cuda_tests']
+    assert '-k granite or fp8 ' in done.stdout
+    done = _run('--dry-run', '--no-install', '--only', 'kernel_tests,bench_cuda', '--no-bench', '--out', str(tmp_path))
+    assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'kernel_tests']
+
+
 @pytest.mark.parametrize('args, message', [(['--frobnicate'], 'unknown option --frobnicate'),
                                            (['--budget', 'soon'], '--budget needs whole seconds'),
-                                           (['--out'], '--out needs a folder')])
+                                           (['--out'], '--out needs a folder'),
+                                           (['--only', 'cuda_tests,tea'], '--only: unknown step tea'),
+                                           (['-k'], '-k needs a pytest expression')])
 def test_bad_options_exit_2(args, message):
     done = _run(*args)
     assert done.returncode == 2 and message in done.stderr
