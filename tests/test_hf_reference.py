@@ -97,9 +97,10 @@ def test_reference_runs_torch_where_kernel_packages_take_cpu_tensors(tiny_paths,
 
 
 def test_torch_function_unwraps_only_hub_wrappers():
-    from hf_reference import torch_function
+    from hf_reference import torch_function, use_torch_reference
     from transformers.models.qwen3_next import modeling_qwen3_next as qn
-    assert torch_function(qn.torch_chunk_gated_delta_rule) is None        # conftest rebound it already
+    use_torch_reference()
+    assert torch_function(qn.torch_chunk_gated_delta_rule) is None        # rebound to the torch function
     assert torch_function(qn.Qwen3NextRMSNorm) is None
     assert torch_function(torch.nn.functional.silu) is None
     from transformers.integrations import hub_kernels
