@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCHS = ('qwen3_next', 'kimi_linear', 'granitemoehybrid')
 
 _SCRIPT = r'''
-import sys, types
+import importlib.machinery, sys, types
 import torch
 sys.path.insert(0, {tests!r})
 
@@ -44,7 +44,9 @@ def fake(name):
 for path, names in FAKES.items():
     parts = path.split('.')
     for i in range(1, len(parts) + 1):
-        mod = sys.modules.setdefault('.'.join(parts[:i]), types.ModuleType('.'.join(parts[:i])))
+        name = '.'.join(parts[:i])
+        mod = sys.modules.setdefault(name, types.ModuleType(name))
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None)   # find_spec() sees an installed package
         if i > 1:
             setattr(sys.modules['.'.join(parts[:i - 1])], parts[i - 1], mod)
     for name in names:
