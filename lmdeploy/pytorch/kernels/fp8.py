@@ -107,6 +107,13 @@ def _kernel():
     return fp8_gemm
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``tl.dot`` input precision of the Triton GEMM for operands of ``dtype``: ``'ieee'``
+    (full precision, as ``F.linear``) for float32, whose Triton default is TF32 (a 10-bit
+    mantissa); ``'tf32'`` (the default, which 16-bit operands ignore) otherwise."""
+    return 'ieee' if dtype == torch.float32 else 'tf32'
+
+
 def _pick_tile(block: int, want: int) -> int:
     """The largest power of two <= ``want`` that divides ``block`` (at least 16, Triton's minimum)."""
     t = want
@@ -143,7 +150,5 @@ def fp8_block_linear_triton(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.T
     kernel[grid](x2, w, s, bias if bias is not None else s, y, M, N, K, x2.stride(0), w.stride(0), s.stride(0),
                  y.stride(0), BLOCK_N_Q=block[0], BLOCK_K_Q=block[1], HAS_BIAS=bias is not None,
                  BM=BM, BN=BN, BK=BK, STATIC_K=static_loop_end(kernel, K),
-                 # float32 operands: full precision, as F.linear (Triton's default for them is TF32,
-                 # a 10-bit mantissa); for 16-bit operands the setting does not apply
-                 DOT_PRECISION='ieee' if x2.dtype == torch.float32 else 'tf32')
+                 DOT_PRECISION=dot_precision(x2.dtype))
     return y.view(*lead, N)
