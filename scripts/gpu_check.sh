@@ -2,13 +2,13 @@
 # Everything that needs a GPU, in one short run (about 5 minutes on one H200):
 #   1. environment report (env.json, nvidia-smi.txt): python, torch + its CUDA, triton, fla-core, gcc
 #   2. missing Python dependencies installed (torch is never touched: the machine's CUDA build is used)
-#   3. every CUDA test (the test files that skip without CUDA; CUDA_TESTS below), and at the same
-#   4. time, in a second process, the kernel suites (their registry checks for CUDA and the Triton
-#      interpreter tests, mostly CPU work)
+#   3. every CUDA test (the test files that skip without CUDA; CUDA_TESTS below, in two processes),
+#   4. and at the same time, in a third, the kernel suites (their registry checks for CUDA, the
+#      Triton interpreter and sm_90 compile tests: CPU work)
 #   5. then alone on the GPU, the kernel and decode-throughput benchmark (benchmark/benchmark_cuda.py,
 #      a small model: the check that it runs, not the documented numbers)
 # Results go to one folder: $OUT if set, else ./gpu_check_out (or --out DIR): a log and a JUnit XML
-# per step (with the slowest tests), bench_cuda.json, summary.json (each step's exit status and
+# per step (with the slowest tests; cuda_tests_1 and _2 are the two CUDA processes), bench_cuda.json, summary.json (each step's exit status and
 # seconds). Exits non-zero when any step fails, when CUDA is not visible, or when a CUDA test was
 # skipped on the CUDA machine.
 #
@@ -29,6 +29,9 @@ ROOT=$(pwd)
 
 # every test file that skips without CUDA (tests/test_gpu_check.py keeps this list complete)
 CUDA_TESTS=(tests/test_cuda.py)
+# ... run as two processes at once, split by these complementary -k expressions: the engine tests
+# and the kernel tests, whose Triton compiling and fla autotuning (most of their time) then overlap
+CUDA_SHARDS=("engine" "not engine")
 # suites of the kernels the GPU runs: registry choices per device, Triton under the interpreter
 KERNEL_TESTS=(tests/test_state_copy.py tests/test_varlen_kernels.py tests/test_gdn_kernels.py tests/test_kda_kernels.py
               tests/test_thread_safety.py tests/test_mamba2_accel_kernels.py tests/test_hf_reference.py
@@ -218,20 +221,36 @@ fi
 
 # 3-4. tests, the two steps at once (the kernel suites are mostly CPU work) ------------------------
 PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider --durations=15)
-[ -z "$K_EXPR" ] || PYTEST+=(-k "$K_EXPR")
+SHARDS=()
 if wants cuda_tests; then
-    rm -f "$OUT_DIR/cuda_tests.xml"
-    start_step cuda_tests 270 "${PYTEST[@]}" --junitxml="$OUT_DIR/cuda_tests.xml" "${CUDA_TESTS[@]}"
+    for i in "${!CUDA_SHARDS[@]}"; do
+        name=cuda_tests_$((i + 1))
+        k=${CUDA_SHARDS[$i]}
+        [ -z "$K_EXPR" ] || k="($k) and ($K_EXPR)"
+        rm -f "$OUT_DIR/$name.xml"
+        start_step "$name" 270 "${PYTEST[@]}" -k "$k" --junitxml="$OUT_DIR/$name.xml" "${CUDA_TESTS[@]}" \
+            && SHARDS+=("$name")
+    done
 fi
 if wants kernel_tests; then
-    step kernel_tests 200 "${PYTEST[@]}" --junitxml="$OUT_DIR/kernel_tests.xml" "${KERNEL_TESTS[@]}"
+    step kernel_tests 200 "${PYTEST[@]}" ${K_EXPR:+-k "$K_EXPR"} --junitxml="$OUT_DIR/kernel_tests.xml" \
+        "${KERNEL_TESTS[@]}"
 fi
-finish_step cuda_tests
-if [ "$DRY" = 0 ] && wants cuda_tests && [ -f "$OUT_DIR/cuda_tests.xml" ]; then
-    skipped=$("$PY" -c "import sys, xml.etree.ElementTree as E; r = E.parse(sys.argv[1]).getroot()
-s = r if r.tag == 'testsuite' else r.find('testsuite'); print(s.get('skipped', '0'))" "$OUT_DIR/cuda_tests.xml")
+for name in "${SHARDS[@]}"; do
+    finish_step "$name"
+done
+if [ "$DRY" = 0 ] && [ "${#SHARDS[@]}" -gt 0 ]; then
+    skipped=$("$PY" -c "import os, sys, xml.etree.ElementTree as E
+n = 0
+for name in sys.argv[2:]:
+    path = os.path.join(sys.argv[1], name + '.xml')
+    if os.path.exists(path):
+        r = E.parse(path).getroot()
+        n += int((r if r.tag == 'testsuite' else r.find('testsuite')).get('skipped', '0'))
+print(n)" "$OUT_DIR" "${SHARDS[@]}")
+    skipped=${skipped:-0}
     if [ "$skipped" != 0 ]; then
-        say "$skipped CUDA test(s) skipped on a CUDA machine (reasons in cuda_tests.log): counted as a failure"
+        say "$skipped CUDA test(s) skipped on a CUDA machine (reasons in cuda_tests_*.log): counted as a failure"
         FAILED=1
     fi
 fi
