@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one short run (about 5 minutes on one H200):
+# Everything that needs a GPU, in one short run (meant to take under 5 minutes on one H200; the
+# first run, one process after another, took 7: most of it Triton compiling and fla autotuning):
 #   1. environment report (env.json, nvidia-smi.txt): python, torch + its CUDA, triton, fla-core, gcc
 #   2. missing Python dependencies installed (torch is never touched: the machine's CUDA build is used)
 #   3. every CUDA test (the test files that skip without CUDA; CUDA_TESTS below, in two processes),
@@ -8,9 +9,9 @@
 #   5. then alone on the GPU, the kernel and decode-throughput benchmark (benchmark/benchmark_cuda.py,
 #      a small model: the check that it runs, not the documented numbers)
 # Results go to one folder: $OUT if set, else ./gpu_check_out (or --out DIR): a log and a JUnit XML
-# per step (with the slowest tests; cuda_tests_1 and _2 are the two CUDA processes), bench_cuda.json, summary.json (each step's exit status and
-# seconds). Exits non-zero when any step fails, when CUDA is not visible, or when a CUDA test was
-# skipped on the CUDA machine.
+# per step (with the slowest tests; cuda_tests_1 and _2 are the two CUDA processes), bench_cuda.json,
+# summary.json (each step's exit status and seconds). Exits non-zero when any step fails, when CUDA
+# is not visible, or when a CUDA test was skipped on the CUDA machine.
 #
 #   bash scripts/gpu_check.sh                  # on the GPU machine, from a copy of the repository
 #   bash scripts/gpu_check.sh --list           # the tests and benchmarks it runs (no GPU needed)
@@ -19,8 +20,8 @@
 #
 # Options: --out DIR, --python PY (default: $PYTHON, else python3), --no-install, --no-bench,
 # --only STEPS (comma-separated of cuda_tests, kernel_tests, bench_cuda), -k EXPR (pytest's -k for
-# both test steps; a step it selects nothing from passes), --budget SECONDS (default 420: the steps'
-# time limits are cut to what is left of it), --list, --dry-run, -h.
+# the test steps; a process it selects nothing from passes), --budget SECONDS (default 420: the
+# steps' time limits are cut to what is left of it), --list, --dry-run, -h.
 # The project is not installed: PYTHONPATH points at this checkout. A machine without network needs
 # its missing dependencies as wheels: PIP_FIND_LINKS=DIR PIP_NO_INDEX=1 bash scripts/gpu_check.sh.
 set -uo pipefail
@@ -64,7 +65,8 @@ while [ $# -gt 0 ]; do
             [ $# -ge 2 ] || { echo "gpu_check: --only needs steps (${STEPS[*]})" >&2; exit 2; }
             ONLY=" "
             for s in ${2//,/ }; do
-                [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "gpu_check: --only: unknown step $s (${STEPS[*]})" >&2; exit 2; }
+                [[ " ${STEPS[*]} " == *" $s "* ]] \
+                    || { echo "gpu_check: --only: unknown step $s (${STEPS[*]})" >&2; exit 2; }
                 ONLY+="$s "
             done
             shift 2 ;;

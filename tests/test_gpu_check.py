@@ -136,8 +136,8 @@ exec {sys.executable} "$@"
 ''')
     fake.chmod(0o755)
     out = tmp_path / 'out'
-    done = _run('--python', str(fake), '--no-install', '--only', 'cuda_tests', '-k', 'registry_picks', '--out', str(out),
-                timeout=300)
+    done = _run('--python', str(fake), '--no-install', '--only', 'cuda_tests', '-k', 'registry_picks',
+                '--out', str(out), timeout=300)
     assert done.returncode == 1, done.stderr
     assert "cuda_tests_1: no test matches -k 'registry_picks'" in done.stderr
     assert '1 CUDA test(s) skipped on a CUDA machine' in done.stderr
