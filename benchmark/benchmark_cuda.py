@@ -12,7 +12,10 @@ Two parts, one JSON file:
   ``--preset`` (benchmark_throughput.py's presets), beside ``transformers`` ``generate`` with
   the same weights, batch and device (``ratio`` = ours / theirs).
 
-    python3 benchmark/benchmark_cuda.py --device cuda --preset 99m --out gpu_check_out/bench_cuda.json
+    python3 benchmark/benchmark_cuda.py --device cuda --preset 99m --out benchmark/results/cuda.json
+
+Each setup phase prints its seconds and each kernel case its first call's (``first_call_s``): on a
+fresh machine that is mostly Triton compiling and tuning.
 """
 from __future__ import annotations
 
@@ -47,6 +50,12 @@ def _timer(device: torch.device, fn, repeats: int) -> float:
             fn()
             times.append((time.perf_counter() - t) * 1e3)
     return round(statistics.median(times), 4)
+
+
+def _phase(what: str, since: float) -> None:
+    """Print how long a setup phase took (seconds since ``since``, a ``time.perf_counter()``): on a
+    fresh GPU machine most of a run is Triton compiling and tuning in the first calls."""
+    print(f'{what}: {time.perf_counter() - since:.1f} s', flush=True)
 
 
 def kernel_cases(device: torch.device, scale: int) -> dict:
@@ -122,6 +131,9 @@ def kernel_cases(device: torch.device, scale: int) -> dict:
 
 
 def bench_kernels(device: torch.device, scale: int, repeats: int) -> dict:
+    """``{case: {'impl', 'registry_ms', 'first_call_s'[, 'torch_ms']}}`` for :func:`kernel_cases`:
+    the registry's implementation (its dotted name), the median ms of ``repeats`` timed calls, the
+    seconds of its first call (compiling), and the torch form's median ms where it differs."""
     from lmdeploy.pytorch.kernels import get_kernel
     names = {'gated_delta_rule_decode': 'gated_delta_rule_varlen', 'gated_delta_rule_prefill': 'gated_delta_rule_varlen',
              'causal_conv1d_decode': 'causal_conv1d_varlen', 'moe_experts_batch16': 'moe_experts'}
@@ -129,7 +141,13 @@ def bench_kernels(device: torch.device, scale: int, repeats: int) -> dict:
     for case, (chosen, plain) in kernel_cases(device, scale).items():
         op = names.get(case, case)
         impl = get_kernel(op, device)
-        row = {'impl': f'{impl.__module__}.{impl.__name__}', 'registry_ms': _timer(device, chosen, repeats)}
+        t = time.perf_counter()
+        chosen()            # the first call compiles / tunes: its time is reported apart
+        if device.type == 'cuda':
+            torch.cuda.synchronize()
+        first_s = round(time.perf_counter() - t, 2)
+        row = {'impl': f'{impl.__module__}.{impl.__name__}', 'registry_ms': _timer(device, chosen, repeats),
+               'first_call_s': first_s}
         if plain is not None:
             row['torch_ms'] = _timer(device, plain, repeats)
         out[case] = row
@@ -139,21 +157,30 @@ def bench_kernels(device: torch.device, scale: int, repeats: int) -> dict:
 
 def bench_decode(model: str, device: torch.device, batches: list[int], prompt_len: int, new_tokens: int,
                  dtype: str) -> dict:
+    """``{batch: {'engine_tok_s', 'transformers_tok_s', 'ratio'}}``: decode tokens per second of
+    ``batch`` concurrent requests (``prompt_len`` prompt tokens, ``new_tokens`` new ones) through
+    the engine and through transformers' ``generate``, after one short warm-up each."""
     from transformers import AutoModelForCausalLM
 
     from lmdeploy import GenerationConfig, PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
+    t = time.perf_counter()
     engine = Engine(model, PytorchEngineConfig(device_type=device.type, dtype=dtype, max_batch_size=max(batches),
                                                session_len=prompt_len + new_tokens + 8,
                                                num_gpu_blocks=max(batches) * 4 + 8))
+    _phase('engine built', t)
+    t = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    _phase('transformers loaded', t)
     results = {}
     for batch in batches:
         prompts = [[3 + (7 * i + 31 * j) % 900 for i in range(prompt_len)] for j in range(batch)]
         gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+        t = time.perf_counter()
         engine.generate(prompts[0][:8], GenerationConfig(max_new_tokens=2, ignore_eos=True))   # warm-up
         if device.type == 'cuda':
             torch.cuda.synchronize()
+        _phase(f'engine warm-up (batch {batch})', t)
         t = time.perf_counter()
         seqs = [engine.add_request(p, gen) for p in prompts]
         while not all(s.is_finished for s in seqs):
@@ -163,9 +190,11 @@ def bench_decode(model: str, device: torch.device, batches: list[int], prompt_le
         ours = batch * new_tokens / (time.perf_counter() - t)
         ids = torch.tensor(prompts, device=device)
         with torch.no_grad():
+            t = time.perf_counter()
             hf.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=False)
             if device.type == 'cuda':
                 torch.cuda.synchronize()
+            _phase(f'transformers warm-up (batch {batch})', t)
             t = time.perf_counter()
             hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             if device.type == 'cuda':
@@ -206,8 +235,10 @@ def main(argv=None) -> int:
         from benchmark_throughput import PRESETS
 
         from lmdeploy.tools.make_tiny_model import make_tiny_model
+        t = time.perf_counter()
         model = args.model or make_tiny_model(os.path.join(tempfile.mkdtemp(prefix='bench_cuda_'), args.preset),
                                               arch='qwen3_next', seed=0, **PRESETS[args.preset])
+        _phase(f'model {args.model or args.preset} ready', t)
         result['decode'] = bench_decode(model, device, [int(b) for b in args.batches.split(',')], args.prompt_len,
                                         args.decode_tokens, args.dtype)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

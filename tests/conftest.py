@@ -12,6 +12,12 @@ os.environ.setdefault('MC_TCP_BIND_ADDRESS', '127.0.0.1')   # every Mooncake pro
 os.environ.setdefault('OMP_NUM_THREADS', '1')
 torch.set_num_threads(1)
 
+# transformers' reference is its torch code even where fla-core / mamba_ssm / causal_conv1d are
+# installed (they would otherwise take CPU or CUDA inputs): before any test imports a modeling module
+from hf_reference import use_torch_reference  # noqa: E402
+
+use_torch_reference()
+
 pytest_plugins = ['conftest_store']
 
 

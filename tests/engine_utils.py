@@ -126,8 +126,11 @@ def engine_prompt_logits(engine: Engine, token_ids: list[int]) -> tuple[torch.Te
 
 # transformers reference -------------------------------------------------------------------
 def load_hf(model_path: str):
-    """The ``transformers`` reference model in float32, eval mode."""
+    """The ``transformers`` reference model in float32, eval mode, running ``transformers``' torch
+    code even where fla-core / mamba_ssm / causal_conv1d are installed (tests/hf_reference.py)."""
+    from hf_reference import use_torch_reference
     from transformers import AutoModelForCausalLM
+    use_torch_reference()
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 

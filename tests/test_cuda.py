@@ -10,6 +10,8 @@ by up to ~1e-3 on these tiny models; with fla the bounds are 5e-3 and say so in 
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import warnings
 
 import pytest
 import torch
@@ -197,29 +199,43 @@ def _engine(path, device, **fields):
     return Engine(path, PytorchEngineConfig(device_type=device, dtype='float32', **fields))
 
 
+@pytest.fixture(scope='module')
+def engines():
+    """``engines(path, device, **fields)``: one engine per model, device and config for the module
+    (an idle engine serves the next test as a new one would; building one costs seconds on a GPU)."""
+    made = {}
+
+    def get(path, device, **fields):
+        key = (path, device, tuple(sorted(fields.items())))
+        if key not in made:
+            made[key] = _engine(path, device, **fields)
+        return made[key]
+    return get
+
+
 @pytest.mark.parametrize('model', ['tiny_qwen3_next', 'tiny_qwen3'])
-def test_engine_on_cuda_equals_transformers_and_the_cpu_engine(model, request):
+def test_engine_on_cuda_equals_transformers_and_the_cpu_engine(model, request, engines):
+    """Prompt logits in 128-token chunks vs transformers; greedy tokens vs the CPU engine (the
+    130-token prompt prefills in two chunks)."""
     from engine_utils import engine_prompt_logits, hf_prompt_logits, load_hf, random_prompt
     path = request.getfixturevalue(model)
     prompt = random_prompt(300, seed=7)
-    logits, _ = engine_prompt_logits(_engine(path, 'cuda', max_prefill_token_num=128), prompt)
+    on_gpu, on_cpu = engines(path, 'cuda', max_prefill_token_num=128), engines(path, 'cpu')
+    logits, _ = engine_prompt_logits(on_gpu, prompt)
     ref = hf_prompt_logits(load_hf(path), prompt)
     err = (logits.float().cpu() - ref).abs().max().item()
     assert err <= LOGIT_TOL, f'max |logit diff| {err} vs transformers (fla installed: {FLA})'
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    prompts = [random_prompt(n, seed=n) for n in (5, 64, 130)]
-    on_gpu = _engine(path, 'cuda')
-    on_cpu = _engine(path, 'cpu')
-    for p in prompts:
+    for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
         assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids
 
 
-def test_engine_on_cuda_prefix_cache_restore_equals_cold(tiny_qwen3_next):
+def test_engine_on_cuda_prefix_cache_restore_equals_cold(tiny_qwen3_next, engines):
     """Checkpoints saved and restored on the GPU (Triton state copies) give the cold output."""
     from engine_utils import random_prompt
     gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
     prompt = random_prompt(200, seed=11)
-    cold = _engine(tiny_qwen3_next, 'cuda').generate(prompt, gen).token_ids
+    cold = engines(tiny_qwen3_next, 'cuda', max_prefill_token_num=128).generate(prompt, gen).token_ids
     cached = _engine(tiny_qwen3_next, 'cuda', enable_prefix_caching=True, block_size=16,
                      prefill_save_alignment=64, max_prefill_token_num=64)
     first = cached.generate(prompt, gen)
@@ -228,17 +244,56 @@ def test_engine_on_cuda_prefix_cache_restore_equals_cold(tiny_qwen3_next):
     assert second.num_cached_tokens >= 192     # restored from the checkpoint at 192 (64-aligned)
 
 
-def test_granite_engine_on_cuda_equals_transformers_and_the_cpu_engine(tmp_path):
+def transformers_granite_norm_is_grouped() -> bool:
+    """Whether the installed transformers normalises Granite-4.0-H's gated RMSNorm per B/C group
+    (``mamba_d_inner / mamba_n_groups`` channels), as mamba_ssm and the engine do: from
+    transformers 5.23 on. Before, it normalised over all of ``d_inner`` at once, which differs
+    whenever ``mamba_n_groups > 1`` (the tiny model has 2; published checkpoints have 1): 0.15 on
+    the tiny model's logits with 5.17."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
+    return 'group_size' in inspect.signature(granite.GraniteMoeHybridRMSNormGated.__init__).parameters
+
+
+def test_granite_engine_on_cuda_equals_the_cpu_engine_and_transformers(tmp_path, engines):
     """Granite-4.0-H on the GPU: the Triton SSD scan in prefill chunks (32 tokens, SSD chunk 24),
-    the Triton SSD step in decode; logits vs transformers, greedy tokens vs the CPU engine."""
+    the Triton SSD step in decode; prompt logits vs the CPU engine (the CUDA kernels against the
+    torch / native ones, float32) and vs transformers, greedy tokens vs the CPU engine.
+
+    Where transformers predates the grouped norm (see
+    :func:`transformers_granite_norm_is_grouped`) its reference is not the model the engine
+    serves: the comparison with it is left out, with a warning, and the CPU engine (checked
+    against a current transformers by tests/test_granitemoehybrid.py) is the reference."""
     from engine_utils import engine_prompt_logits, hf_prompt_logits, load_hf, random_prompt
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     path = make_tiny_model(str(tmp_path / 'tiny_granite'), arch='granitemoehybrid', seed=0)
     prompt = random_prompt(300, seed=7)
-    logits, _ = engine_prompt_logits(_engine(path, 'cuda', max_prefill_token_num=32), prompt)
-    err = (logits.float().cpu() - hf_prompt_logits(load_hf(path), prompt)).abs().max().item()
-    assert err <= LOGIT_TOL, f'max |logit diff| {err} vs transformers'
+    on_gpu, on_cpu = (engines(path, device, max_prefill_token_num=32) for device in ('cuda', 'cpu'))
+    logits = engine_prompt_logits(on_gpu, prompt)[0].float().cpu()
+    err = (logits - engine_prompt_logits(on_cpu, prompt)[0].float()).abs().max().item()
+    assert err <= 1e-4, f'max |logit diff| {err} vs the CPU engine'
+    if transformers_granite_norm_is_grouped():
+        err = (logits - hf_prompt_logits(load_hf(path), prompt)).abs().max().item()
+        assert err <= LOGIT_TOL, f'max |logit diff| {err} vs transformers'
+    else:
+        import transformers
+        warnings.warn(f'transformers {transformers.__version__} normalises Granite-4.0-H\'s gated RMSNorm over all '
+                      'B/C groups at once (fixed in 5.23): compared with the CPU engine only')
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    on_gpu, on_cpu = _engine(path, 'cuda'), _engine(path, 'cpu')
     for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
         assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids
+
+
+@pytest.mark.parametrize('dtype, tol', [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fp8_gemm_triton_equals_torch(dtype, tol):
+    """The block-scaled FP8 GEMM on the GPU against the dequantize-then-F.linear fallback; float32
+    operands are multiplied at full precision there (Triton's default for them is TF32, ~1e-3)."""
+    pytest.importorskip('triton')
+    from lmdeploy.pytorch.kernels.fp8 import fp8_block_linear_torch, fp8_block_linear_triton
+    from lmdeploy.tools.fp8_checkpoint import quantize_fp8_blocks
+    gen = torch.Generator().manual_seed(3)
+    q, s = quantize_fp8_blocks(torch.randn(384, 640, generator=gen), (128, 128))
+    x = torch.randn(37, 640, generator=gen).to(dtype).cuda()
+    b = torch.randn(384, generator=gen).to(dtype).cuda()
+    got = fp8_block_linear_triton(x, q.cuda(), s.cuda(), (128, 128), b)
+    want = fp8_block_linear_torch(x.float(), q.cuda(), s.cuda(), (128, 128), b.float())
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

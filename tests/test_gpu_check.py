@@ -22,6 +22,19 @@ def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
                           env=dict(os.environ, **(env or {})))
 
 
+def test_the_two_cuda_processes_split_test_cuda_between_them():
+    """Every CUDA test runs in exactly one of the two processes (their -k expressions are 'engine'
+    and 'not engine'): collected here, where they skip."""
+    env = dict(os.environ, PYTHONPATH=f'{ROOT}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+
+    def collect(*k):
+        done = subprocess.run([sys.executable, '-m', 'pytest', '-q', '--collect-only', '-p', 'no:cacheprovider', *k,
+                               'tests/test_cuda.py'], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        return {line for line in done.stdout.splitlines() if line.startswith('tests/test_cuda.py::')}
+    every, engine, rest = collect(), collect('-k', 'engine'), collect('-k', 'not engine')
+    assert engine and rest and not engine & rest and engine | rest == every
+
+
 def _cuda_only_test_files() -> set[str]:
     """Test files whose tests all skip without CUDA (a module-level skip on CUDA's absence)."""
     pattern = re.compile(r'pytestmark\s*=\s*pytest\.mark\.skipif\(\s*not torch\.cuda\.is_available\(\)')
@@ -42,9 +55,10 @@ def test_list_names_every_cuda_test_file_and_the_benchmark():
     kernel = [rest for kind, rest in rows if kind == 'kernel-test']
     assert kernel
     for path in cuda | set(kernel):
-        assert (ROOT / path).is_file(), path
+        assert (ROOT / path.split('::')[0]).is_file(), path       # a file or a test's node id
     bench = [rest for kind, rest in rows if kind == 'bench']
-    assert bench == ['benchmark/benchmark_cuda.py --device cuda --preset 99m']
+    assert bench == ['benchmark/benchmark_cuda.py --device cuda --preset small --batches 1,8 --decode-tokens 32 '
+                     '--repeats 10']
 
 
 def test_dry_run_prints_each_step_into_the_out_folder(tmp_path):
@@ -52,18 +66,32 @@ def test_dry_run_prints_each_step_into_the_out_folder(tmp_path):
     done = _run('--dry-run', env={'OUT': str(out)})
     assert done.returncode == 0, done.stderr
     steps = re.findall(r'^\[(\w+)\]', done.stdout, re.M)
-    assert steps == ['env', 'install', 'cuda_tests', 'kernel_tests', 'bench_cuda']
-    assert f'--junitxml={out}/cuda_tests.xml tests/test_cuda.py' in done.stdout
+    assert steps == ['env', 'install', 'cuda_tests_1', 'cuda_tests_2', 'kernel_tests', 'bench_cuda']
+    # the CUDA tests in two processes, split by complementary -k expressions
+    assert f"-k engine --junitxml={out}/cuda_tests_1.xml tests/test_cuda.py" in done.stdout
+    assert f"-k not engine --junitxml={out}/cuda_tests_2.xml tests/test_cuda.py" in done.stdout
     assert f'--out {out}/bench_cuda.json' in done.stdout
     assert out.is_dir()
+    assert '--durations=15' in done.stdout        # the slowest tests are in each log
     done = _run('--dry-run', '--no-install', '--no-bench', '--out', str(tmp_path / 'other'), '--budget', '100')
-    assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'cuda_tests', 'kernel_tests']
+    assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'cuda_tests_1', 'cuda_tests_2', 'kernel_tests']
     assert 'timeout 100 ' in done.stdout          # a step's limit is cut to the budget
+
+
+def test_only_and_k_rerun_just_the_named_steps_and_tests(tmp_path):
+    done = _run('--dry-run', '--no-install', '--only', 'cuda_tests', '-k', 'granite or fp8', '--out', str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'cuda_tests_1', 'cuda_tests_2']
+    assert '-k (engine) and (granite or fp8) ' in done.stdout
+    done = _run('--dry-run', '--no-install', '--only', 'kernel_tests,bench_cuda', '--no-bench', '--out', str(tmp_path))
+    assert re.findall(r'^\[(\w+)\]', done.stdout, re.M) == ['env', 'kernel_tests']
 
 
 @pytest.mark.parametrize('args, message', [(['--frobnicate'], 'unknown option --frobnicate'),
                                            (['--budget', 'soon'], '--budget needs whole seconds'),
-                                           (['--out'], '--out needs a folder')])
+                                           (['--out'], '--out needs a folder'),
+                                           (['--only', 'cuda_tests,tea'], '--only: unknown step tea'),
+                                           (['-k'], '-k needs a pytest expression')])
 def test_bad_options_exit_2(args, message):
     done = _run(*args)
     assert done.returncode == 2 and message in done.stderr
@@ -92,3 +120,27 @@ def test_benchmark_runs_on_cpu_with_tiny_sizes(tmp_path):
                                       'gated_delta_rule_prefill', 'causal_conv1d_decode', 'moe_experts_batch16',
                                       'rms_norm'}
     assert all(row['registry_ms'] > 0 for row in result['kernels'].values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='this machine has CUDA')
+def test_a_cuda_test_skipped_in_either_process_fails_the_run(tmp_path):
+    """The two CUDA processes run at once; a test one of them skips (here: every one, CUDA being
+    faked only in the environment report) fails the run; a process -k leaves empty passes."""
+    fake = tmp_path / 'python'
+    fake.write_text(f'''#!/usr/bin/env bash
+if [ "$1" = "-c" ] && [[ "$2" == *'info = {{"python"'* ]]; then
+    exec {sys.executable} -c "import torch; torch.cuda.is_available = lambda: True
+$2" "${{@:3}}"
+fi
+exec {sys.executable} "$@"
+''')
+    fake.chmod(0o755)
+    out = tmp_path / 'out'
+    done = _run('--python', str(fake), '--no-install', '--only', 'cuda_tests', '-k', 'registry_picks',
+                '--out', str(out), timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "cuda_tests_1: no test matches -k 'registry_picks'" in done.stderr
+    assert '1 CUDA test(s) skipped on a CUDA machine' in done.stderr
+    summary = json.loads((out / 'summary.json').read_text())
+    assert summary['failed'] == 1 and set(summary['steps']) == {'cuda_tests_1', 'cuda_tests_2'}
+    assert all(step['rc'] == 0 for step in summary['steps'].values())

@@ -30,7 +30,8 @@ import torch
 
 from ..model_inputs import slot_range
 
-__all__ = ['register_kernel', 'get_kernel', 'triton_available', 'slot_range', 'once']
+__all__ = ['register_kernel', 'get_kernel', 'triton_available', 'triton_interpreted', 'static_loop_end', 'slot_range',
+           'once']
 
 T = TypeVar('T')
 
@@ -130,6 +131,33 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_interpreted(kernel) -> bool:
+    """Whether ``kernel`` (what ``triton.jit`` returned) runs in Triton's interpreter
+    (``TRITON_INTERPRET=1``: Python on CPU tensors) rather than compiled for a GPU."""
+    return type(kernel).__name__ == 'InterpretedFunction'
+
+
+def static_loop_end(kernel, end: int) -> int:
+    """The ``constexpr`` loop end a Triton kernel with a host-computed loop bound is launched with.
+
+    Triton 3.6's interpreter holds every runtime scalar (a kernel's int argument, a loaded
+    value) as a one-element array, and ``range()`` over one fails under NumPy 2 ("only
+    0-dimensional arrays can be converted to Python scalars"); a ``constexpr`` is a plain int
+    there. Such a kernel takes the bound twice, as a runtime int and as a ``constexpr``, and loops
+    to the ``constexpr`` when it is ``>= 0``: interpreted, that is ``end`` (nothing is compiled,
+    so a new value costs nothing); compiled, ``-1``, so the loop runs to the runtime bound, one
+    compiled kernel serves every bound and the loop stays a ``for`` (software-pipelined).
+
+    Args:
+        kernel: what ``triton.jit`` returned.
+        end: the loop bound (an int >= 0).
+
+    Returns:
+        ``end`` under the interpreter, else ``-1``.
+    """
+    return int(end) if triton_interpreted(kernel) else -1
 
 
 _BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'mamba2', 'causal_conv1d', 'state_copy', 'moe',

@@ -44,7 +44,12 @@ def _kernel():
         denom = tl.zeros((), tl.float32)
         acc = tl.zeros((BLOCK_D,), tl.float32)
         num_blocks = tl.cdiv(kv_len, block_size)
-        for j in range(0, num_blocks):
+        # a while loop, not range(num_blocks): Triton 3.6's interpreter cannot loop to a loaded
+        # value (a one-element array there; range() fails under NumPy 2). Compiled, both forms
+        # are the same loop: Triton software-pipelines a loop without tl.dot only when it is
+        # given num_stages, so this one never was.
+        j = tl.full((), 0, tl.int32)
+        while j < num_blocks:
             block = tl.load(table_ptr + n * stride_tn + j).to(tl.int64)
             pos = j * block_size + t
             t_ok = (t < block_size) & (pos < kv_len)
@@ -61,6 +66,7 @@ def _kernel():
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             denom = denom * alpha + tl.sum(p, axis=0)
             m = m_new
+            j += 1
         out = acc / denom
         tl.store(out_ptr + n * stride_on + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 

@@ -17,10 +17,12 @@ ragged blocks).
 - torch (any device): dequantizes ``W`` into ``x.dtype`` and calls ``F.linear``;
 - Triton (CUDA): one program per ``[BM, BN]`` output tile walks K in ``BK`` steps, loads the
   e4m3 tile (as bytes, bit-cast), multiplies each row by its block's scale, rounds it to
-  ``x.dtype`` and accumulates ``x_tile @ W_tile^T`` in float32; ``BN`` and ``BK`` divide the
-  block, so a tile never straddles two scale blocks along K and reads one scale per row. The
-  weight stays FP8 in memory (one byte per element); only a tile is ever dequantized. Runs on
-  CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it against the torch version).
+  ``x.dtype`` and accumulates ``x_tile @ W_tile^T`` in float32 (float32 operands are multiplied
+  at full precision, as ``F.linear`` does, not in Triton's default TF32); ``BN`` and ``BK``
+  divide the block, so a tile never straddles two scale blocks along K and reads one scale per
+  row. The weight stays FP8 in memory (one byte per element); only a tile is ever dequantized.
+  Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it against the torch
+  version).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import register_kernel, triton_available
+from . import register_kernel, static_loop_end, triton_available
 
 __all__ = ['dequantize_fp8_blocks', 'check_fp8_scale', 'fp8_block_linear_torch', 'fp8_block_linear_triton',
            'FP8_DTYPE']
@@ -78,13 +80,16 @@ def _kernel():
     @triton.jit
     def fp8_gemm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                  BLOCK_N_Q: tl.constexpr, BLOCK_K_Q: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STATIC_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        # STATIC_K: the loop end under the interpreter, -1 compiled (kernels.static_loop_end); not
+        # assigned to a name first: the interpreter would turn it back into a one-element array
+        for k0 in range(0, STATIC_K if STATIC_K >= 0 else K, BK):
             kk = k0 + rk
             x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                         other=0.0)
@@ -93,13 +98,20 @@ def _kernel():
             w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             s = tl.load(s_ptr + (rn // BLOCK_N_Q) * stride_sn + k0 // BLOCK_K_Q, mask=rn < N, other=0.0)
             w = (w * s[:, None]).to(x.dtype)
-            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     return fp8_gemm
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``tl.dot`` input precision of the Triton GEMM for operands of ``dtype``: ``'ieee'``
+    (full precision, as ``F.linear``) for float32, whose Triton default is TF32 (a 10-bit
+    mantissa); ``'tf32'`` (the default, which 16-bit operands ignore) otherwise."""
+    return 'ieee' if dtype == torch.float32 else 'tf32'
 
 
 def _pick_tile(block: int, want: int) -> int:
@@ -134,7 +146,9 @@ def fp8_block_linear_triton(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.T
     BM = 16 if M <= 16 else 64
     BN, BK = _pick_tile(block[0], 64), _pick_tile(block[1], 64)
     grid = ((M + BM - 1) // BM, (N + BN - 1) // BN)
-    _kernel()[grid](x2, w, s, bias if bias is not None else s, y, M, N, K, x2.stride(0), w.stride(0), s.stride(0),
-                    y.stride(0), BLOCK_N_Q=block[0], BLOCK_K_Q=block[1], HAS_BIAS=bias is not None,
-                    BM=BM, BN=BN, BK=BK)
+    kernel = _kernel()
+    kernel[grid](x2, w, s, bias if bias is not None else s, y, M, N, K, x2.stride(0), w.stride(0), s.stride(0),
+                 y.stride(0), BLOCK_N_Q=block[0], BLOCK_K_Q=block[1], HAS_BIAS=bias is not None,
+                 BM=BM, BN=BN, BK=BK, STATIC_K=static_loop_end(kernel, K),
+                 DOT_PRECISION=dot_precision(x2.dtype))
     return y.view(*lead, N)

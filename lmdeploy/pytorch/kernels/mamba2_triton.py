@@ -23,14 +23,14 @@ caller's torch path would use. The state tile ``[32, Dn]`` stays in registers ac
 (8 warps per program).
 
 Registered for CUDA when triton imports; runs on CPU tensors under ``TRITON_INTERPRET=1`` (how
-tests/test_mamba2_triton.py checks them against the torch versions). Importing this module never
+tests/test_mamba2_accel_kernels.py checks them against the torch versions). Importing this module never
 needs triton or a GPU.
 """
 from __future__ import annotations
 
 import torch
 
-from . import once, register_kernel, triton_available
+from . import once, register_kernel, static_loop_end, triton_available
 
 __all__ = ['ssd_step_triton', 'ssd_chunk_scan_triton', 'CHUNK']
 
@@ -74,7 +74,7 @@ def _kernels():
     def _scan(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, s0_ptr, y_ptr, sf_ptr, L,
               sx_l, sx_h, sdt_l, sb_l, sb_g, sc_l, sc_g, sy_l, sy_h, per_group, P, Dn,
               HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, CH: tl.constexpr, BLOCK_P: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, STATIC_L: tl.constexpr):
         h = tl.program_id(0)
         p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
         j = tl.arange(0, BLOCK_N)
@@ -89,7 +89,9 @@ def _kernels():
         else:
             state = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
         causal = t[:, None] >= t[None, :]
-        for c0 in range(0, L, CH):
+        # STATIC_L: the loop end under the interpreter, -1 compiled (kernels.static_loop_end); not
+        # assigned to a name first: the interpreter would turn it back into a one-element array
+        for c0 in range(0, STATIC_L if STATIC_L >= 0 else L, CH):
             pos = (c0 + t).to(tl.int64)
             t_ok = pos < L
             dt = tl.load(dt_ptr + pos * sdt_l + h, mask=t_ok, other=0.0).to(tl.float32)
@@ -202,5 +204,6 @@ def ssd_chunk_scan_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     scan[grid](x, dt, A.contiguous(), B, C, A if D is None else D.contiguous(), final if init is None else init, y,
                final, L, x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
                y.stride(0), y.stride(1), H // G, P, Dn, HAS_INIT=init is not None, HAS_D=D is not None,
-               CH=CHUNK if block_n <= 128 else CHUNK // 2, BLOCK_P=_BLOCK_P_SCAN, BLOCK_N=block_n, num_warps=8)
+               CH=CHUNK if block_n <= 128 else CHUNK // 2, BLOCK_P=_BLOCK_P_SCAN, BLOCK_N=block_n,
+               STATIC_L=static_loop_end(scan, L), num_warps=8)
     return y, final
