@@ -398,21 +398,18 @@ class Engine:
         self._copy_states([r.src for r in loads.restores], [r.dst for r in loads.restores],
                           lambda ok: cache.loads_done(loads, ok))
         kept = []       # (runtime slot, node, lease of the checkpoint slot to keep the restore in)
+        # promotions from host memory first, then Store loads: (plans, tier that reads, booking)
+        tiers = [(loads.host_loads, cache.host, cache.host_loaded) if loads.host_loads else None,
+                 (loads.store_loads, self.store, cache.store_loaded) if loads.store_loads else None]
         try:
-            for load in loads.host_loads:           # promotions from host memory
-                ok = cache.host.load(load)
-                keep = cache.host_loaded(load, ok)
-                if not ok:
-                    self.scheduler.rollback(load.seq, sched)
-                elif keep is not None:
-                    kept.append((load.slot, *keep))
-            for load in loads.store_loads:
-                ok = self.store.load(load)
-                keep = cache.store_loaded(load, ok)
-                if not ok:
-                    self.scheduler.rollback(load.seq, sched)
-                elif keep is not None:
-                    kept.append((load.slot, *keep))
+            for plans, tier, booked in filter(None, tiers):
+                for load in plans:
+                    ok = tier.load(load)
+                    keep = booked(load, ok)
+                    if not ok:
+                        self.scheduler.rollback(load.seq, sched)
+                    elif keep is not None:
+                        kept.append((load.slot, *keep))
         except BaseException:
             for _, node, lease in kept:      # a load raised: the kept copies never run
                 cache.restored_kept(node, lease, False)
