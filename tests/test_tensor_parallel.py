@@ -245,8 +245,11 @@ def test_tp2_prefix_cache_on_last_only_and_off_are_identical_and_aborts_leave_it
     expected = _run(off)
     off.close()
     for last_only in (False, True):
-        eng = engine(tiny_qwen3_next, tp=2, enable_prefix_caching=True, prefill_save_last_only=last_only)
+        # last-only runs with one memory budget: checkpoints in KV block rows, on every rank
+        budget = dict(num_gpu_blocks=0, cache_bytes=8 << 20) if last_only else {}
+        eng = engine(tiny_qwen3_next, tp=2, enable_prefix_caching=True, prefill_save_last_only=last_only, **budget)
         try:
+            assert eng.state_cache.uses_block_rows == last_only
             assert _run(eng) == expected
             assert _run(eng) == expected        # second pass restores from the checkpoints
             stats = eng.stats()
