@@ -159,19 +159,20 @@ def test_forged_objects_are_rejected_counted_and_never_restored(tiny_qwen3_next,
     before = victim.stats()
     seq = victim.generate(ids, GEN)
     after = victim.stats()
-    # both boundaries the Store seems to hold are tried; each state fails its MAC and is abandoned
-    assert after['store_rejected_objects'] - before['store_rejected_objects'] == 2
+    # the deepest boundary is tried: its state fails its MAC, so the load verifies every object of
+    # that prefix (the 8 forged KV blocks fail too) and marks all 9 bad; the boundary at 64 then has
+    # no usable KV below it and is not tried
+    assert after['store_rejected_objects'] - before['store_rejected_objects'] == 9
     assert seq.num_cached_tokens == 0 and after['store_hit_tokens'] == before['store_hit_tokens']
     assert seq.output_ids == cold
-    # the victim's own saves replaced the two forged states it rejected (it never read the forged
-    # KV blocks below them, which stay until an engine rejects them)
+    # the victim's own saves replaced every object it rejected (the forged state at 64, never read,
+    # stays until an engine rejects it)
     assert victim.store.flush(timeout=30)
-    assert victim.stats()['store_repaired_objects'] - before['store_repaired_objects'] == 2
-    # a second engine with the secret and an empty local cache is not fooled either: the state at
-    # 128 is genuine now, the first KV block below it is forged (rejected, then absent to it)
+    assert victim.stats()['store_repaired_objects'] - before['store_repaired_objects'] == 9
+    # a second engine with the secret and an empty local cache restores the repaired prefix
     other = engines(tiny_qwen3_next, store_secret_file=secret_file)
     seq = other.generate(ids, GEN)
-    assert other.stats()['store_rejected_objects'] == 1 and seq.num_cached_tokens == 0 and seq.output_ids == cold
+    assert other.stats()['store_rejected_objects'] == 0 and seq.num_cached_tokens == 128 and seq.output_ids == cold
     assert victim.store.flush(timeout=30) and other.store.flush(timeout=30) and victim.is_idle() and other.is_idle()
 
 

@@ -229,7 +229,9 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(arch, request):
     try:
         assert len(eng.executor.pids) == 1
         logits, forwards = engine_prompt_logits(eng, PROMPTS[1])
-        assert forwards == ref_forwards == 2     # 90 tokens in chunks of 48: the state crosses a chunk
+        # 90 tokens in chunks of 48: the state crosses a chunk; a hybrid model's chunk grid also ends
+        # a forward at the last reusable aligned boundary (48, 64, 90), caching on or off
+        assert forwards == ref_forwards == (2 if arch == 'qwen3' else 3)
         diff = (logits - ref_logits).abs().max().item()
         assert diff <= TP_TOL, diff
         assert _run(eng) == ref_out

@@ -224,7 +224,7 @@ def _stub_simulator(calls: list) -> types.ModuleType:
     lru 200 / reuse 500 / optimal 800 scaled by the budget's fraction of the peak."""
     def simulate_trace(requests, *, state_bytes, kv_block_bytes, save_policy='last_only', eviction='reuse',
                        budget_bytes=None, host_bytes=0, block_size=64, alignment=1024, chunk=8192, concurrency=4,
-                       scale=1):
+                       scale=1, **extra):
         calls.append(dict(n=len(requests), policy=save_policy, eviction=eviction, budget=budget_bytes,
                           host=host_bytes, S=state_bytes, K=kv_block_bytes))
         tokens = sum(r.input_length for r in requests)
@@ -240,7 +240,8 @@ def test_sim_mode_prints_the_table_from_simulate_trace(tmp_path, monkeypatch, ca
     monkeypatch.setitem(sys.modules, 'benchmark.trace_sim', _stub_simulator(calls))
     trace = ROOT / 'benchmark' / 'traces' / 'claude_code.jsonl'
     out = benchmark_trace.main(['--trace', str(trace), '--limit', '30', '--state-bytes', '100', '--kv-block-bytes',
-                                '10', '--budgets', '1,0.5', '--json', str(tmp_path / 'r.json')])
+                                '10', '--budgets', '1,0.5', '--evictions', 'lru,reuse,optimal', '--json',
+                                str(tmp_path / 'r.json')])
     text = capsys.readouterr().out
     assert 'policy' in text and 'x LRU' in text and 'assumption: prefill 10000 tok/s' in text
     assert len(out) == 2 * 2 * 3 and all(c['n'] == 30 and c['S'] == 100 and c['K'] == 10 for c in calls)
