@@ -62,7 +62,7 @@ class CheckpointStats:
         tokens_saved: prefill tokens a hit on it skips beyond the next shallower checkpoint on its
             path (``boundary`` when there is none).
         nbytes: bytes evicting it frees: the state plus the KV blocks only it makes usable.
-        reason: why it was saved (one of :data:`SAVE_REASONS`, or ``'turn_end_unshared'``).
+        reason: why it was saved (one of :data:`SAVE_REASONS`).
         continuation: the request that saved it continued an earlier prefix (a cache hit or a
             chat with history), evidence that its conversation goes on.
         hits: restores that consumed it.
@@ -143,7 +143,7 @@ class ReuseAwarePolicy(EvictionPolicy):
     # prior reuse rates per save reason (before a class has data): where a prefix is likely to
     # be sent again
     PRIOR = {'prefill': 0.2, 'prefill_last': 0.4, 'shared_head': 0.9, 'junction': 0.8, 'turn_end': 0.5,
-             'restored': 0.6, 'turn_end_unshared': 0.02}
+             'restored': 0.6}
 
     def __init__(self, smoothing: float = 4.0):
         self.smoothing = smoothing
