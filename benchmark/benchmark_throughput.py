@@ -20,7 +20,10 @@ logit margin there are reported, next to a precision block that puts such near-t
 alone and batched, against transformers' full forward). The op profile counts the torch ops
 (dispatcher calls) of one batch-N decode step: one ``Engine.step`` (plus its native CPU kernel
 calls, each counted as one op) against the difference between HF ``generate`` of ``k + 1`` and
-``k`` new tokens.
+``k`` new tokens. Beside it: the median wall time of a pure-decode engine step, the bytes such a
+step must move (:mod:`step_bytes`: weights, touched experts, state, KV) and, after a GEMV
+bandwidth measurement of this machine (``--bandwidth-mb``), the step time that bandwidth allows
+and the engine's fraction of it.
 
 ``--dtype bfloat16`` runs both systems in bf16 (the precision of published checkpoints): the
 speeds compare like for like, but greedy outputs are not expected to be token-equal (both round
@@ -62,6 +65,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_bytes import decode_step_bytes, measure_gemv_bandwidth  # noqa: E402
 from throughput_measure import LlamaCpp, PeakRSS, _reset_peak_rss, _status_kb, count_ops, measure, summarize  # noqa: E402,F401,E501
 
 PRESETS = {
@@ -173,20 +177,28 @@ def hf_prefill(hf, prompt: list[int]) -> None:
     hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
 
 
-def engine_decode_step_ops(engine, prompts: list[list[int]]) -> tuple[int, int]:
-    """``(torch ops, native kernel calls)`` of one pure-decode ``Engine.step`` with
-    ``len(prompts)`` running sequences (native: :data:`lmdeploy.pytorch.kernels.cpu_native.CALLS`)."""
+def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 8) -> tuple[int, int, float]:
+    """``(torch ops, native kernel calls, seconds)`` of pure-decode ``Engine.step`` calls with
+    ``len(prompts)`` running sequences (native: :data:`lmdeploy.pytorch.kernels.cpu_native.CALLS`):
+    the counts of one step, and the median wall time of the ``timed_steps`` steps after it."""
+    import time
     from lmdeploy import GenerationConfig
     from lmdeploy.pytorch.kernels.cpu_native import CALLS
-    seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=timed_steps + 3, ignore_eos=True))
+            for p in prompts]
     while any(s.num_generated == 0 for s in seqs):
         engine.step()
     before = sum(CALLS.values())
     n = count_ops(engine.step)
     native = sum(CALLS.values()) - before
+    times = []
+    for _ in range(timed_steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
     while not all(s.is_finished for s in seqs):
         engine.step()
-    return n, native
+    return n, native, sorted(times)[len(times) // 2]
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -263,16 +275,33 @@ def run(args) -> dict:
         row.update({k: summarize(v) for k, v in runs.items() if v and len(v) == args.repeats})
         results['prefill'].append(row)
         print_row('prefill', length, row, flush=True)
+    bandwidth = measure_gemv_bandwidth(args.threads, args.bandwidth_mb) if args.bandwidth_mb else None
+    results['gemv_bandwidth_gb_s'] = bandwidth and bandwidth / 1e9
+    if bandwidth:
+        print(f'GEMV read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)', flush=True)
+    with open(os.path.join(model_path, 'config.json')) as f:
+        config = json.load(f)
     for batch in batches:
         ps = prompts(batch, args.prompt_len)
         k = 3
         hf_ops = count_ops(lambda: hf_generate(hf, ps, k + 1)) - count_ops(lambda: hf_generate(hf, ps, k))
-        torch_ops, native_calls = engine_decode_step_ops(engine, ps)
+        torch_ops, native_calls, step_s = engine_decode_step_ops(engine, ps)
         # the engine's count includes its native kernel calls: each replaces several torch ops
-        results['ops'].append(dict(batch=batch, engine=torch_ops + native_calls, engine_native=native_calls,
-                                   hf=hf_ops))
-        print(f'ops per decode step, batch {batch}: engine {torch_ops + native_calls} ({native_calls} of them '
-              f'native kernel calls), hf {hf_ops}', flush=True)
+        row = dict(batch=batch, engine=torch_ops + native_calls, engine_native=native_calls, hf=hf_ops,
+                   engine_step_s=step_s)
+        # bytes at the context of the timed steps (the prompt plus the first few tokens)
+        need = decode_step_bytes(hf, config, batch, args.prompt_len + 4)
+        row['step_bytes'] = dict(dense=need.dense, experts=need.experts, state=need.state, kv=need.kv,
+                                 total=need.total)
+        line = (f'decode step, batch {batch}: {torch_ops + native_calls} ops ({native_calls} of them native '
+                f'kernel calls; hf {hf_ops}), {step_s * 1e3:.2f} ms, must move {need.total / 1e6:.1f} MB')
+        if bandwidth:
+            row['limit_step_s'] = need.total / bandwidth
+            row['fraction_of_limit'] = row['limit_step_s'] / step_s
+            line += (f' = {row["limit_step_s"] * 1e3:.2f} ms at the GEMV bandwidth: engine at '
+                     f'{row["fraction_of_limit"]:.0%} of the limit')
+        results['ops'].append(row)
+        print(line, flush=True)
     if args.dtype == 'float32':
         precision = logit_precision(engine, hf, prompts(max(batches), args.prompt_len), 16)
         results['precision'] = precision
@@ -352,6 +381,9 @@ def main(argv=None):
     p.add_argument('--llama-batched-bench', '--llama-bench', dest='llama_batched_bench',
                    help="path of llama.cpp's llama-batched-bench (default: from PATH)")
     p.add_argument('--gguf', help='the same weights as GGUF for llama.cpp (benchmark/make_gguf.py)')
+    p.add_argument('--bandwidth-mb', type=int, default=512,
+                   help='matrix size (MB) of the GEMV bandwidth measurement that the bytes a decode step must '
+                        'move are set against; 0 skips it (default: 512)')
     p.add_argument('--out', default='benchmark/results/throughput',
                    help='results path prefix: <out>.json and <out>.png (default: benchmark/results/throughput)')
     args = p.parse_args(argv)

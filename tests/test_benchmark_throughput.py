@@ -22,6 +22,7 @@ def test_small_run_writes_results_and_greedy_equals_transformers(tiny_qwen3_next
     out = tmp_path / 'tp'
     bench.main(['--model', tiny_qwen3_next, '--threads', '1', '--batches', '1,3', '--prefill', '80',
                 '--prompt-len', '9', '--decode-tokens', '5', '--repeats', '2', '--llama-bench', str(tmp_path / 'none'),
+                '--bandwidth-mb', '8',
                 '--out', str(out)])
     results = json.loads((tmp_path / 'tp.json').read_text())
     assert (tmp_path / 'tp.png').stat().st_size > 0
@@ -35,6 +36,13 @@ def test_small_run_writes_results_and_greedy_equals_transformers(tiny_qwen3_next
                     assert stats[key]['min'] <= stats[key]['median'] <= stats[key]['max'], (system, key)
     assert [r['tokens'] for r in results['prefill']] == [80]
     assert all(r['engine'] > 0 and r['hf'] > 0 for r in results['ops'])
+    # the step's bytes against the measured bandwidth: the limit is those bytes at that rate
+    assert results['gemv_bandwidth_gb_s'] > 0
+    for r in results['ops']:
+        assert r['engine_step_s'] > 0 and r['step_bytes']['total'] == sum(
+            r['step_bytes'][k] for k in ('dense', 'experts', 'state', 'kv'))
+        assert abs(r['limit_step_s'] * results['gemv_bandwidth_gb_s'] * 1e9 - r['step_bytes']['total']) < 1
+        assert r['fraction_of_limit'] == r['limit_step_s'] / r['engine_step_s']
     # native kernel calls are part of the engine's count (float32 CPU: the decode kernels run
     # when the library builds here)
     from lmdeploy.pytorch.kernels.cpu_native import native_library
@@ -135,3 +143,29 @@ def test_llama_cpp_runs_as_a_third_system_with_the_engines_token_count(tiny_qwen
     assert 'broken' in results['llama_cpp']['skipped']
     assert 'llama_cpp' not in results['decode'][0] and 'llama_cpp' not in results['prefill'][0]
     assert results['decode'][0]['engine']['tok_s']['median'] > 0
+
+
+def test_decode_step_bytes_count_weights_touched_experts_state_and_kv(tiny_qwen3_next):
+    """The bytes of a decode step on the tiny Qwen3-Next (float32), derived here from its config:
+    4 layers of 4 experts (k = 2, intermediate 32, hidden 64), 3 Gated DeltaNet layers (conv 128
+    channels x 3 taps, state 4 heads x 16 x 16) and 1 attention layer (2 KV heads x 16)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    _load()
+    from step_bytes import decode_step_bytes
+    config = json.loads((Path(tiny_qwen3_next) / 'config.json').read_text())
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_next, dtype=torch.float32).eval()
+    routed = 4 * 4 * (2 * 32 * 64 + 64 * 32) * 4             # layers x experts x (gate_up + down) x fp32
+    params = sum(p.numel() for p in hf.parameters()) * 4
+    state = 3 * (128 * 3 + 4 * 16 * 16) * 4                    # per sequence
+    kv_token = 1 * 2 * 2 * 16 * 4                                # per sequence and token
+    for batch, touched in ((1, routed // 2), (3, routed * 7 // 8)):    # 1 - (1 - 2/4) ** batch
+        got = decode_step_bytes(hf, config, batch, context=40)
+        assert got.experts == touched
+        assert got.dense == params - 1024 * 64 * 4 - routed + batch * 64 * 4    # embedding: batch rows
+        assert got.state == 2 * batch * state                   # read and written back
+        assert got.kv == batch * 41 * kv_token
+        assert got.total == got.dense + got.experts + got.state + got.kv
+    import pytest
+    with pytest.raises(ValueError, match='batch'):
+        decode_step_bytes(hf, config, 0, context=4)
