@@ -53,7 +53,7 @@ Reductions ``1 - bytes_last_only / bytes_default`` are printed *truncated* to 0.
 table lists 32K+64 as 63.64% while the exact value is 63.6458%.
 
 Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
-(``--preset tiny|qwen3-next-80b|kimi-linear-48b|nemotron-3-nano-30b|granite-4.0-h-small|glm-5.3-flash [--tp N]``;
+(``--preset tiny|qwen3-next-80b|kimi-linear-48b|nemotron-3-nano-30b|granite-4.0-h-small|lfm2-1.2b|glm-5.3-flash [--tp N]``;
 glm-5.3-flash: sizes from :mod:`benchmark.glm5_next_sizes`, the seed deployment TP8 / FP8 KV / MTP unless ``--tp``,
 ``--kv-dtype``, ``--no-mtp``; ``--config config.json``, ``--scale 1/16 --block-size 16``,
 ``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
@@ -74,7 +74,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # the simulator's model and the preset sizes live in two modules; every name stays importable from here
 from benchmark.store_presets import (DTYPE_BYTES, GRANITE_4_0_H_SMALL_CONFIG, KIMI_LINEAR_48B_CONFIG,  # noqa: E402,F401
-                                     NEMOTRON_3_NANO_30B_CONFIG, QWEN3_NEXT_80B_CONFIG, SEED_STATE_TO_BLOCK_RATIO,
+                                     LFM2_1_2B_CONFIG, NEMOTRON_3_NANO_30B_CONFIG, QWEN3_NEXT_80B_CONFIG, SEED_STATE_TO_BLOCK_RATIO,
                                      TINY_CONFIG, StoreSizes, _dtype_bytes, _engine_config,
                                      _glm_5_3_flash_sizes, _TORCH_DTYPE, _with_dtypes, sizes_from_config)
 from benchmark.store_sim import (DEFAULT, DEFAULT_ALIGNMENT, DEFAULT_BLOCK, DEFAULT_CHUNK, JUNCTION,  # noqa: E402,F401
@@ -93,8 +93,8 @@ def truncate_percent(x: Fraction) -> str:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b',
-                                        'nemotron-3-nano-30b', 'granite-4.0-h-small', 'glm-5.3-flash',
-                                        'branching'],
+                                        'nemotron-3-nano-30b', 'granite-4.0-h-small', 'lfm2-1.2b',
+                                        'glm-5.3-flash', 'branching'],
                    help='sizes (branching: the seed sizes, the branching scenario and the junction policy; '
                    'glm-5.3-flash: the seed deployment, TP8, FP8 KV, MTP on, unless --tp/--kv-dtype/--no-mtp)')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
@@ -169,6 +169,8 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         config = NEMOTRON_3_NANO_30B_CONFIG
     elif args.preset == 'granite-4.0-h-small':
         config = GRANITE_4_0_H_SMALL_CONFIG
+    elif args.preset == 'lfm2-1.2b':
+        config = LFM2_1_2B_CONFIG
     else:
         config = json.loads(args.config.read_text())
     return sizes_from_config(config, tp=args.tp or 1, block_size=block_size, kv_dtype=args.kv_dtype,

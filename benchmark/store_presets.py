@@ -67,6 +67,15 @@ GRANITE_4_0_H_SMALL_CONFIG = dict(model_type='granitemoehybrid', num_hidden_laye
                                   intermediate_size=768, shared_intermediate_size=1536, vocab_size=100352,
                                   dtype='bfloat16')
 
+# LiquidAI/LFM2-1.2B's cache-shaping fields as recalled from its published config.json (not seen in
+# that file here): hidden 2048, 16 layers of which 6 attend (2, 5, 8, 10, 12, 14; 32 query / 8 KV heads
+# of 64), the other 10 short convs of width 3 (conv_L_cache), bf16. S: 10 x 2048 x 2 bf16 conv states
+# and nothing else (no recurrent tensor), smaller than one KV block.
+LFM2_1_2B_CONFIG = dict(model_type='lfm2', num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                        num_key_value_heads=8, conv_L_cache=3, block_ff_dim=12288, vocab_size=65536,
+                        layer_types=['full_attention' if i in (2, 5, 8, 10, 12, 14) else 'conv' for i in range(16)],
+                        dtype='bfloat16')
+
 
 @dataclass(frozen=True)
 class StoreSizes:

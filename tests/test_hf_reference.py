@@ -5,8 +5,9 @@ Triton kernels. Here a child process simulates that machine: fake ``fla``, ``mam
 ``causal_conv1d`` packages whose kernels raise, and the device filter of newer transformers
 removed. It first shows the simulation bites (Qwen3-Next's chunk rule, imported before the fix,
 calls the fake), then that the references built after ``use_torch_reference`` run torch and equal
-this process's: Qwen3-Next (module imported before the fix: its globals are rebound), Kimi-Linear
-and Granite-4.0-H (imported after: the decorator resolves no package).
+this process's: Qwen3-Next (module imported before the fix: its globals are rebound), Kimi-Linear,
+Granite-4.0-H and LFM2 (its short conv's causal_conv1d fallback; imported after: the decorator
+resolves no package).
 """
 import os
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-ARCHS = ('qwen3_next', 'kimi_linear', 'granitemoehybrid')
+ARCHS = ('qwen3_next', 'kimi_linear', 'granitemoehybrid', 'lfm2')
 
 _SCRIPT = r'''
 import importlib.machinery, sys, types

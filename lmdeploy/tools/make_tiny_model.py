@@ -72,6 +72,18 @@ def _arch_defaults(arch: str) -> dict:
                     residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=3.0,
                     position_embedding_type=None, max_position_embeddings=32768, tie_word_embeddings=False,
                     rms_norm_eps=1e-6)
+    if arch in ('lfm2', 'lfm2_moe'):   # short conv, short conv, attention, short conv (LFM2-MoE: attention second)
+        conv, full = 'conv', 'full_attention'
+        common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      conv_L_cache=3, conv_bias=False, max_position_embeddings=32768, tie_word_embeddings=False,
+                      norm_eps=1e-5, rope_parameters=dict(rope_type='default', rope_theta=10000.0))
+        if arch == 'lfm2':      # block_ff_dim 192 auto-adjusted to 2/3, rounded up to 32: a 128-wide MLP
+            return dict(common, layer_types=[conv, conv, full, conv], intermediate_size=192,
+                        block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=32)
+        # one dense layer, then sigmoid-routed MoE with a nonzero expert bias and a scaling off 1
+        return dict(common, layer_types=[conv, full, conv, conv], intermediate_size=128, num_dense_layers=1,
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, use_expert_bias=True,
+                    routed_scaling_factor=1.5, norm_topk_prob=True)
     if arch == 'kimi_linear':   # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
         lin, full = 'linear_attention', 'full_attention'
         return dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
@@ -123,10 +135,10 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if arch == 'glm5_next':
         return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
-    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid'):
-        from transformers import GraniteMoeHybridConfig, NemotronHConfig
+    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'lfm2', 'lfm2_moe'):
+        from transformers import GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig, NemotronHConfig
         named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
-                 'granitemoehybrid': GraniteMoeHybridConfig}[arch]
+                 'granitemoehybrid': GraniteMoeHybridConfig, 'lfm2': Lfm2Config, 'lfm2_moe': Lfm2MoeConfig}[arch]
         fields = dict(_arch_defaults(arch))
         known = set(named().to_dict()) | set(fields)
         for key in overrides:
@@ -367,7 +379,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'kimi_linear': 'KimiLinearForCausalLM',
                                        'glm5_next': 'Glm5NextForConditionalGeneration',
                                        'nemotron_h': 'NemotronHForCausalLM',
-                                       'granitemoehybrid': 'GraniteMoeHybridForCausalLM'}[arch])
+                                       'granitemoehybrid': 'GraniteMoeHybridForCausalLM',
+                                       'lfm2': 'Lfm2ForCausalLM', 'lfm2_moe': 'Lfm2MoeForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -376,7 +389,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
         torch.random.set_rng_state(torch_state)
     _randomize(model, seed)
     for name, buf in model.named_buffers():
-        if name.endswith('e_score_correction_bias'):   # a nonzero bias, so choosing by it is tested
+        if name.endswith(('e_score_correction_bias', 'expert_bias')):   # nonzero, so choosing by it is tested
             buf.copy_(0.1 * torch.randn(buf.shape, generator=_generator(seed, name)))
 
     out_dir = os.path.abspath(out_dir)
@@ -387,6 +400,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
     if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next', 'nemotron_h'):
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
+    if arch == 'lfm2':   # the published spellings; transformers reads them as intermediate_size / tie_word_embeddings
+        config_dict['block_ff_dim'] = config_dict.pop('intermediate_size')
+        config_dict['tie_embedding'] = config_dict.pop('tie_word_embeddings')
     if arch == 'qwen3_next':
         config_dict['partial_rotary_factor'] = config.rope_parameters['partial_rotary_factor']
     config_dict['architectures'] = [model_cls.__name__]

@@ -73,9 +73,29 @@ def _granite_published_names(tensors: dict) -> dict:
     return out
 
 
+def _lfm2_moe_published_names(tensors: dict) -> dict:
+    """transformers' LFM2-MoE names → the published checkpoint's: the stacked experts
+    `feed_forward.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] one tensor per expert,
+    `feed_forward.experts.{e}.w1.weight` (gate), `w3` (up), `w2` (down)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith('.feed_forward.experts.gate_up_proj'):
+            prefix = name[:-len('gate_up_proj')]
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f'{prefix}{e}.w1.weight'], out[f'{prefix}{e}.w3.weight'] = gate, up
+        elif name.endswith('.feed_forward.experts.down_proj'):
+            prefix = name[:-len('down_proj')]
+            for e in range(t.shape[0]):
+                out[f'{prefix}{e}.w2.weight'] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
 PUBLISHED_NAMES = {
     'kimi_linear': _kimi_published_names,
     'glm5_next': _glm5_next_published_names,
     'nemotron_h': _nemotron_published_names,
     'granitemoehybrid': _granite_published_names,
+    'lfm2_moe': _lfm2_moe_published_names,
 }

@@ -11,6 +11,8 @@ MODEL_REGISTRY = {
     'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
     'granitemoehybrid': 'granitemoehybrid:GraniteMoeHybridForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
+    'lfm2': 'lfm2:Lfm2ForCausalLM',
+    'lfm2_moe': 'lfm2:Lfm2MoeForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',

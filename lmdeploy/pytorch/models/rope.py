@@ -40,6 +40,8 @@ _ARCH = {
     'qwen3': ('transformers.models.qwen3.modeling_qwen3', 'Qwen3RotaryEmbedding', False),
     'granitemoehybrid': ('transformers.models.granitemoehybrid.modeling_granitemoehybrid',
                          'GraniteMoeHybridRotaryEmbedding', False),
+    'lfm2': ('transformers.models.lfm2.modeling_lfm2', 'Lfm2RotaryEmbedding', False),
+    'lfm2_moe': ('transformers.models.lfm2_moe.modeling_lfm2_moe', 'Lfm2MoeRotaryEmbedding', False),
     'qwen3_next': ('transformers.models.qwen3_next.modeling_qwen3_next', 'Qwen3NextRotaryEmbedding', True),
     'qwen3_5_text': ('transformers.models.qwen3_5.modeling_qwen3_5', 'Qwen3_5TextRotaryEmbedding', True),
     'qwen3_5_moe_text': ('transformers.models.qwen3_5_moe.modeling_qwen3_5_moe', 'Qwen3_5MoeTextRotaryEmbedding', True),

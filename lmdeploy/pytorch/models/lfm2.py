@@ -1,0 +1,469 @@
+"""Liquid LFM2 (``lfm2``) and LFM2-MoE (``lfm2_moe``): gated short-convolution layers mixed with
+grouped-query attention layers, each followed by a SwiGLU MLP (LFM2) or, past the first
+``num_dense_layers``, a sigmoid-routed MoE (LFM2-MoE).
+
+``config.layer_types`` picks each layer's token mixer (``'conv'`` / ``'full_attention'``)::
+
+    h = embed(ids)
+    layer i:  h = h + mixer(RMSNorm(h))
+              h = h + ffn(RMSNorm(h))
+      mixer = short conv ('conv':           B, C, x = in_proj(h); y = C * conv(B * x); out_proj(y),
+                                            a depthwise causal conv of width conv_L_cache, no
+                                            activation; its state is the last conv_L_cache - 1
+                                            inputs B * x: one tensor per sequence, no recurrence)
+            | GQA        ('full_attention': per-head RMSNorm on q and k, RoPE, K/V in paged blocks)
+      ffn   = SwiGLU w2(silu(w1 h) * w3 h)  (LFM2: width from block_auto_adjust_ff_dim, see ffn_size)
+            | MoE  (LFM2-MoE layers >= num_dense_layers: s = sigmoid(gate h); the top k of
+                    s + expert_bias chosen, weighted by s, renormalised when norm_topk_prob,
+                    times routed_scaling_factor)
+    logits = lm_head(RMSNorm(h))       (the final norm is named embedding_norm)
+
+Weight names are the published checkpoints' (``LiquidAI/LFM2-*``: ``conv.in_proj`` /
+``conv.conv`` / ``conv.out_proj``, ``self_attn.out_proj`` / ``q_layernorm`` / ``k_layernorm``,
+``feed_forward.w1`` / ``w3`` / ``w2``; LFM2-MoE experts one tensor each,
+``feed_forward.experts.{e}.w1`` / ``w3`` / ``w2``, the router ``feed_forward.gate`` and
+``feed_forward.expert_bias``) and transformers' in-memory fused experts
+(``feed_forward.experts.gate_up_proj`` / ``down_proj``). The engine names the feed-forward
+``mlp`` (so the per-expert loader of :mod:`.qwen3_next` fills the fused experts).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import CacheTensor, FullAttentionSpec, LayerCacheSpec, StateSpec
+from ..kernels import get_kernel
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, WeightLoader, apply_rotary, attention
+from .parallel_plan import ParallelPlan
+from .qwen3_next import FusedExperts, load_expert_tensor
+
+__all__ = ['Lfm2ForCausalLM', 'Lfm2MoeForCausalLM', 'ShortConv', 'short_conv_state_spec', 'ffn_size', 'check_config']
+
+CONV, ATTENTION = 'conv', 'full_attention'
+CONV_SPLIT = 'short_conv_channels'      # CacheTensor.tp_split of the conv state: the rank's channels
+
+
+def layer_kinds(config) -> list[str]:
+    """Each layer's mixer, ``'conv'`` or ``'full_attention'``.
+
+    Raises:
+        ValueError: ``layer_types`` is not one of those per layer.
+    """
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != config.num_hidden_layers or any(t not in (CONV, ATTENTION) for t in types):
+        raise ValueError(f"layer_types must list 'conv' or 'full_attention' for each of the "
+                         f'{config.num_hidden_layers} layers, got {types}')
+    return types
+
+
+def _head_dim(config) -> int:
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+def ffn_size(config) -> int:
+    """Intermediate width of a dense SwiGLU layer: LFM2's ``intermediate_size`` adjusted as
+    transformers' ``Lfm2MLP`` does when ``block_auto_adjust_ff_dim`` (2/3 of it, times
+    ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``); LFM2-MoE's as is."""
+    size = config.intermediate_size
+    if getattr(config, 'block_auto_adjust_ff_dim', False):
+        size = int(2 * size / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            m = config.block_multiple_of
+            size = int(config.block_ffn_dim_multiplier * size)
+            size = m * ((size + m - 1) // m)
+    return size
+
+
+def _is_moe(config, layer_idx: int) -> bool:
+    return config.model_type == 'lfm2_moe' and layer_idx >= config.num_dense_layers
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``layer_types``, ``conv_L_cache`` (at least 2: a width-1
+            conv keeps no state, which transformers' cache cannot run either),
+            ``num_key_value_heads`` (must divide ``num_attention_heads``), LFM2-MoE's
+            ``num_experts_per_tok`` (``1..num_experts``); the rope parameters (:mod:`.rope`) when
+            there is an attention layer.
+    """
+    kinds = layer_kinds(config)
+    if config.conv_L_cache < 2:
+        raise ValueError(f'conv_L_cache must be at least 2, got {config.conv_L_cache}')
+    if ATTENTION in kinds:
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ValueError(f'num_key_value_heads ({config.num_key_value_heads}) must divide num_attention_heads '
+                             f'({config.num_attention_heads})')
+        RotaryEmbedding(config)            # raises for rope parameters it cannot reproduce
+    if config.model_type == 'lfm2_moe' and config.num_dense_layers < config.num_hidden_layers:
+        E, k = config.num_experts, config.num_experts_per_tok
+        if not 1 <= k <= E:
+            raise ValueError(f'num_experts_per_tok ({k}) must be in [1, num_experts = {E}]')
+
+
+def short_conv_state_spec(channels: int, kernel: int, dtype: torch.dtype) -> StateSpec:
+    """A short-conv layer's per-sequence state: one tensor, ``conv [channels, kernel - 1]`` in
+    ``dtype`` (the last ``kernel - 1`` conv inputs), split by channel under tensor parallelism.
+    No recurrent tensor: the conv window is the layer's whole memory."""
+    return StateSpec((CacheTensor('conv', (channels, kernel - 1), dtype, CONV_SPLIT, 0),))
+
+
+class ShortConv(nn.Module):
+    """LFM2's gated short convolution: ``B, C, x = in_proj(h)``, ``y = C * conv(B * x)``,
+    ``out_proj(y)``; the conv is depthwise, causal, without activation, continuing each
+    sequence's state slot (the registry's ``causal_conv1d_varlen``: torch anywhere, the native
+    decode step on CPU).
+
+    Args:
+        hidden_size: input and output width.
+        channels: conv channels on this rank (``hidden_size`` at tp=1).
+        kernel: ``conv_L_cache``.
+        bias: ``conv_bias`` (in_proj, conv and out_proj all take it).
+        layer_idx: index into ``StepContext.state_caches`` (``(conv,)``).
+    """
+
+    def __init__(self, hidden_size: int, channels: int, kernel: int, bias: bool, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.channels = layer_idx, channels
+        self.in_proj = Linear(hidden_size, 3 * channels, bias=bias)
+        # weight holder [channels, 1, K] (the checkpoint shape); the conv kernel runs it
+        self.conv = nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias)
+        self.out_proj = Linear(channels, hidden_size, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's conv state."""
+        b, c, x = self.in_proj(hidden).split(self.channels, dim=-1)
+        (conv_cache,) = ctx.state_caches[self.layer_idx]
+        y = get_kernel('causal_conv1d_varlen', hidden.device)(
+            b * x, self.conv.weight.squeeze(1), self.conv.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids, ctx.slots,
+            ctx.has_history, None, slot_span=ctx.slot_span)
+        return self.out_proj(c * y)
+
+
+class Lfm2Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (``q_layernorm`` /
+    ``k_layernorm``, eps ``norm_eps``) and rotary embedding over the paged KV cache."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
+                                                          'v_proj': kv})
+        self.out_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_layernorm = RMSNorm(self.head_dim, config.norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, config.norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)``; writes this layer's K/V."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = self.q_layernorm(q.reshape(T, self.num_heads, self.head_dim))
+        k = self.k_layernorm(k.reshape(T, self.num_kv_heads, self.head_dim))
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return self.out_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+
+
+class Lfm2MLP(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``, ``w1`` and ``w3`` packed into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden_size, {'w1': intermediate_size, 'w3': intermediate_size})
+        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.w2(F.silu(gate) * up)
+
+
+class Lfm2MoE(nn.Module):
+    """LFM2-MoE's sigmoid-routed experts: ``s = sigmoid(gate(x))`` in float32, the top ``k`` of
+    ``s + expert_bias`` (``use_expert_bias``; else of ``s``) chosen and weighted by ``s``,
+    divided by their sum + 1e-6 when ``norm_topk_prob``, times ``routed_scaling_factor``;
+    SwiGLU experts, gate rows first."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, bool(config.norm_topk_prob)
+        self.scale = float(config.routed_scaling_factor)
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.expert_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False) \
+            if config.use_expert_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        scores = torch.sigmoid(self.gate(x).float())
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        index = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, index)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        return self.experts(x, index, (weights * self.scale).to(x.dtype))
+
+
+class Lfm2DecoderLayer(nn.Module):
+    """Pre-norm layer: short conv or attention, then the dense MLP or the MoE, each with a residual."""
+
+    def __init__(self, config, layer_idx: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == CONV:
+            channels = config.hidden_size // getattr(config, 'conv_tp_size', 1)
+            self.conv = ShortConv(config.hidden_size, channels, config.conv_L_cache, bool(config.conv_bias),
+                                  layer_idx)
+        else:
+            self.self_attn = Lfm2Attention(config, layer_idx)
+        self.mlp = Lfm2MoE(config) if _is_moe(config, layer_idx) else Lfm2MLP(config.hidden_size, ffn_size(config))
+        self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        normed = self.operator_norm(hidden)
+        hidden = hidden + (self.conv(normed, ctx) if self.kind == CONV else self.self_attn(normed, rotary, ctx))
+        return hidden + self.mlp(self.ffn_norm(hidden))
+
+
+class Lfm2Model(nn.Module):
+    """Embedding, decoder layers, the final norm (``embedding_norm``); rotary tables only when
+    some layer attends."""
+
+    def __init__(self, config):
+        super().__init__()
+        kinds = layer_kinds(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i, kind) for i, kind in enumerate(kinds))
+        self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.rotary = RotaryEmbedding(config) if ATTENTION in kinds else None
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        rotary = None if self.rotary is None else self.rotary(ctx.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, ctx)
+        return self.embedding_norm(hidden)
+
+
+_RENAMES = [   # checkpoint -> the engine's module names
+    (re.compile(r'\.feed_forward\.'), '.mlp.'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+]
+_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|out_proj)\.weight$')
+_CONV_ROWS = re.compile(r'^model\.layers\.(\d+)\.conv\.(in_proj|conv|out_proj)\.(weight|bias)$')
+_MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.(?:feed_forward|mlp)\.(w1|w3|w2)\.weight$')
+
+
+class Lfm2TPPlan:
+    """How LFM2 / LFM2-MoE split over ``size`` tensor-parallel ranks (Megatron-style).
+
+    Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
+    its KV heads, ``out_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV
+    heads. Short conv by channel: the rank's channel range of each of ``in_proj``'s ``B``, ``C``
+    and ``x`` row blocks, those ``conv`` filters, ``out_proj`` columns (all-reduce); its conv state
+    holds those channels. Dense MLPs by intermediate rows (``w1`` / ``w3`` rows, ``w2`` columns,
+    all-reduce). LFM2-MoE's experts and router are replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
+            ``hidden_size`` (the conv channels) or the dense MLP width (``intermediate_size``;
+            names the field).
+    """
+
+    row_parallel = (('self_attn', 'out_proj'), ('conv', 'out_proj'), ('mlp', 'w2'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.rank, self.size = config, rank, size
+        self.kinds = layer_kinds(config)
+        counts = {'num_attention_heads': config.num_attention_heads,
+                  'num_key_value_heads': config.num_key_value_heads, 'hidden_size': config.hidden_size,
+                  'intermediate_size': ffn_size(config)}
+        for field, count in counts.items():
+            if count % size:
+                what = ' (the dense MLP width)' if field == 'intermediate_size' else ''
+                raise ValueError(f'{field}{what} ({count}) must be divisible by tp ({size})')
+
+        def part(total: int) -> tuple[int, int]:
+            return rank * total // size, (rank + 1) * total // size
+
+        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
+        self.channels, self.ffn = part(config.hidden_size), part(ffn_size(config))
+
+    def local_config(self):
+        """A copy of the config with this rank's head counts and MLP width (``conv_tp_size``:
+        the conv layers build ``hidden_size / tp`` channels)."""
+        c = copy.deepcopy(self.config)
+        c.head_dim = _head_dim(self.config)
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        c.intermediate_size = self.ffn[1] - self.ffn[0]
+        if hasattr(c, 'block_auto_adjust_ff_dim'):
+            c.block_auto_adjust_ff_dim = False        # intermediate_size is now the rank's width as is
+        c.conv_tp_size = self.size
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads for ``'kv_heads'``, its conv channels for the conv state."""
+        if split == 'kv_heads':
+            return (self.kv_heads,)
+        if split == CONV_SPLIT:
+            return (self.channels,)
+        raise ValueError(f"CacheTensor.tp_split: {self.config.model_type} splits 'kv_heads' and {CONV_SPLIT!r}, "
+                         f'not {split!r}')
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        m = _ATTN_ROWS.match(name)
+        if m and self.kinds[int(m.group(1))] == ATTENTION:
+            proj, d = m.group(2), _head_dim(self.config)
+            if proj == 'out_proj':
+                return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
+            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
+            return 0, ((heads[0] * d, heads[1] * d),)
+        m = _CONV_ROWS.match(name)
+        if m and self.kinds[int(m.group(1))] == CONV:
+            (c0, c1), H = self.channels, self.config.hidden_size
+            if m.group(2) == 'in_proj':
+                return 0, ((c0, c1), (H + c0, H + c1), (2 * H + c0, 2 * H + c1))
+            if m.group(2) == 'conv':
+                return 0, ((c0, c1),)
+            return (1, ((c0, c1),)) if m.group(3) == 'weight' else None
+        m = _MLP_ROWS.match(name)
+        if m and not _is_moe(self.config, int(m.group(1))):
+            return (1, (self.ffn,)) if m.group(2) == 'w2' else (0, (self.ffn,))
+        return None
+
+
+def _tp_split(config, rank: int, size: int) -> Lfm2TPPlan:
+    return Lfm2TPPlan(config, rank, size)
+
+
+class Lfm2ForCausalLM(nn.Module):
+    """LFM2 causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``Lfm2Config``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        'vocab_size': IMPLEMENTED,
+        'hidden_size': IMPLEMENTED,
+        'intermediate_size': IMPLEMENTED,         # block_ff_dim in the published config.json
+        'num_hidden_layers': IMPLEMENTED,
+        'num_attention_heads': IMPLEMENTED,
+        'num_key_value_heads': CHECKED,           # divides num_attention_heads
+        'head_dim': IMPLEMENTED,
+        'norm_eps': IMPLEMENTED,
+        'tie_word_embeddings': IMPLEMENTED,       # tie_embedding in the published config.json
+        'dtype': IMPLEMENTED,
+        'max_position_embeddings': IMPLEMENTED,   # an input of the rope scaling functions
+        'rope_parameters': CHECKED,               # see .rope
+        'layer_types': CHECKED,                   # 'conv' / 'full_attention'
+        'full_attn_idxs': IMPLEMENTED,            # transformers derives layer_types from it when absent
+        'conv_L_cache': CHECKED,                  # the conv width, at least 2
+        'conv_bias': IMPLEMENTED,
+        'block_auto_adjust_ff_dim': IMPLEMENTED,  # ffn_size
+        'block_ffn_dim_multiplier': IMPLEMENTED,
+        'block_multiple_of': IMPLEMENTED,
+        'quantization_config': CHECKED,           # FP8 block-wise only (.quantization)
+        'pad_token_id': INERT,                    # padding_idx only masks the embedding's gradient
+        '_attn_implementation': INERT,
+        'initializer_range': INERT,
+        'use_cache': INERT,
+    }
+    check_config = staticmethod(check_config)
+    rotary = False       # check_config builds the rotary table itself, only with attention layers
+    # attention by head, short conv by channel, dense MLP by rows; experts replicated
+    parallel_plan = ParallelPlan(custom=_tp_split)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = Lfm2Model(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: the short-conv state (:func:`short_conv_state_spec`: ``[channels,
+        conv_L_cache - 1]`` in ``dtype``, nothing else) or a :class:`FullAttentionSpec` (KV heads
+        x head_dim per token).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        conv = short_conv_state_spec(config.hidden_size // getattr(config, 'conv_tp_size', 1), config.conv_L_cache,
+                                     dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        return [conv if kind == CONV else full for kind in layer_kinds(config)]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (published or transformers names, see the module docstring);
+        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter (or an expert index is out of range).
+            ValueError: a shape mismatch, or parameters (or expert slices) left unfilled.
+        """
+        loader = WeightLoader(self)
+        for name, tensor in weights:
+            for pattern, repl in _RENAMES:
+                name = pattern.sub(repl, name)
+            if not load_expert_tensor(loader, name, tensor):
+                loader.load(name, tensor)
+        loader.finish(getattr(self.config, 'tie_word_embeddings', False))
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2-MoE causal LM: LFM2 with the MoE in layers ``>= num_dense_layers``.
+
+    Args:
+        config: a ``transformers`` ``Lfm2MoeConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    config_fields = {
+        **{k: v for k, v in Lfm2ForCausalLM.config_fields.items() if not k.startswith(('block_', 'full_attn'))},
+        'intermediate_size': IMPLEMENTED,         # the dense layers' width
+        'num_dense_layers': IMPLEMENTED,
+        'num_experts': IMPLEMENTED,
+        'num_experts_per_tok': CHECKED,           # in [1, num_experts]
+        'moe_intermediate_size': IMPLEMENTED,
+        'use_expert_bias': IMPLEMENTED,
+        'routed_scaling_factor': IMPLEMENTED,
+        'norm_topk_prob': IMPLEMENTED,
+        'output_router_logits': INERT,            # the training loss only
+    }
