@@ -72,6 +72,12 @@ def _arch_defaults(arch: str) -> dict:
                     residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=3.0,
                     position_embedding_type=None, max_position_embeddings=32768, tie_word_embeddings=False,
                     rms_norm_eps=1e-6)
+    if arch == 'bamba':   # Mamba-2, attention, Mamba-2, Mamba-2; SwiGLU MLPs; half-head RoPE
+        # an SSD chunk of 24 so 32-token prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
+        return dict(hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                    mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24,
+                    max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
     if arch == 'kimi_linear':   # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
         lin, full = 'linear_attention', 'full_attention'
         return dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
@@ -123,10 +129,10 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if arch == 'glm5_next':
         return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
-    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid'):
-        from transformers import GraniteMoeHybridConfig, NemotronHConfig
+    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'bamba'):
+        from transformers import BambaConfig, GraniteMoeHybridConfig, NemotronHConfig
         named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
-                 'granitemoehybrid': GraniteMoeHybridConfig}[arch]
+                 'granitemoehybrid': GraniteMoeHybridConfig, 'bamba': BambaConfig}[arch]
         fields = dict(_arch_defaults(arch))
         known = set(named().to_dict()) | set(fields)
         for key in overrides:
@@ -367,7 +373,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'kimi_linear': 'KimiLinearForCausalLM',
                                        'glm5_next': 'Glm5NextForConditionalGeneration',
                                        'nemotron_h': 'NemotronHForCausalLM',
-                                       'granitemoehybrid': 'GraniteMoeHybridForCausalLM'}[arch])
+                                       'granitemoehybrid': 'GraniteMoeHybridForCausalLM',
+                                       'bamba': 'BambaForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -393,8 +400,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     if arch == 'granitemoehybrid':   # the published spelling; transformers renames them on load
         config_dict['layer_types'] = [{'linear_attention': 'mamba', 'full_attention': 'attention'}.get(t, t)
                                       for t in config_dict['layer_types']]
-        if tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
-            del config_dict['time_step_limit']      # the default; JSON has no infinity
+    if arch in ('granitemoehybrid', 'bamba') and tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
+        del config_dict['time_step_limit']      # the default; JSON has no infinity
     if with_mtp:
         # the key the published configs use: Qwen3-Next's top level, Qwen3.5's text config
         key = 'num_nextn_predict_layers' if arch == 'qwen3_next' else 'mtp_num_hidden_layers'

@@ -40,6 +40,7 @@ _ARCH = {
     'qwen3': ('transformers.models.qwen3.modeling_qwen3', 'Qwen3RotaryEmbedding', False),
     'granitemoehybrid': ('transformers.models.granitemoehybrid.modeling_granitemoehybrid',
                          'GraniteMoeHybridRotaryEmbedding', False),
+    'bamba': ('transformers.models.bamba.modeling_bamba', 'BambaRotaryEmbedding', True),
     'qwen3_next': ('transformers.models.qwen3_next.modeling_qwen3_next', 'Qwen3NextRotaryEmbedding', True),
     'qwen3_5_text': ('transformers.models.qwen3_5.modeling_qwen3_5', 'Qwen3_5TextRotaryEmbedding', True),
     'qwen3_5_moe_text': ('transformers.models.qwen3_5_moe.modeling_qwen3_5_moe', 'Qwen3_5MoeTextRotaryEmbedding', True),
