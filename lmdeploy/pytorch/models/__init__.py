@@ -12,6 +12,7 @@ MODEL_REGISTRY = {
     'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
     'granitemoehybrid': 'granitemoehybrid:GraniteMoeHybridForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
+    'mamba2': 'mamba2_lm:Mamba2ForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
