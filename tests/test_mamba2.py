@@ -17,7 +17,8 @@ import torch
 
 from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, random_prompt, tiny_checkpoint_and_reference)
+                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
+                          random_prompt, tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
@@ -72,7 +73,6 @@ def test_the_caches_are_states_only_and_checkpoints_keep_slots_of_their_own(tiny
 def test_store_put_bytes_equal_the_simulator_and_a_new_engine_restores_from_state_objects_alone(tiny, tmp_path):
     """No KV objects are put or asked for; a new engine restores 256 tokens from the state object
     (this restore failed on a 0-byte KV payload before the Store tier knew K_blk can be 0)."""
-    from test_bamba import check_store_bytes_then_a_new_engine_restores
     check_store_bytes_then_a_new_engine_restores(tiny[0], tmp_path, seed=991_000)
 
 
