@@ -303,6 +303,40 @@ def check_store_restore_with_images_in_a_fresh_process(model_path: str, services
     assert ta['output_ids'] == tb['output_ids'] == cold.output_ids
 
 
+def check_store_bytes_then_a_new_engine_restores(model_path: str, tmp_path, seed: int) -> None:
+    """Against a ``file:`` Store: the '16k' / 'mt4k' seed scenarios scaled by 1/16 put exactly the
+    bytes ``simulate()`` predicts (default and last-only policies); then a new engine (empty local
+    cache, same Store) restores a 300-token prompt another engine saved (256 tokens, all from the
+    Store) and decodes what an engine with caching off decodes. The Store path is the one a fresh
+    process takes (each cache kind runs it once in a fresh process, e.g.
+    tests/test_granitemoehybrid.py), so a family whose cache kinds are not new runs it here, in
+    this one. A model with nothing paged (K_blk = 0) puts state objects only."""
+    from test_benchmark_store_bytes import check_store_put_bytes_equal_the_simulator
+    store = dict(store_backend=f'file:{tmp_path / "store"}')
+    for last_only in (False, True):
+        check_store_put_bytes_equal_the_simulator(model_path, last_only, store, max_turns=2, seed=seed)
+    ids = random_prompt(300, seed=seed + 301)
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    fields = dict(block_size=16, prefill_save_alignment=64, max_prefill_token_num=64, enable_prefix_caching=True,
+                  **store)
+    writer = make_engine(model_path, **fields)
+    first = writer.generate(ids, gen)
+    assert writer.store.flush(timeout=30)
+    # the 16 blocks below 256 tokens; none when nothing is paged (a prefix is its state objects alone)
+    kv_objects = 16 if writer.cache_engine.kv_block_bytes else 0
+    assert writer.stats()['store_put_objects'] == {'state': 4, 'kv': kv_objects}
+    writer.close()
+    reader = make_engine(model_path, **fields)
+    try:
+        again = reader.generate(ids, gen)
+        assert first.stats.save_points == [64, 128, 192, 256] and first.num_cached_tokens == 0
+        assert again.num_cached_tokens == again.stats.store_hit_tokens == 256
+    finally:
+        reader.close()
+    cold = make_engine(model_path, max_prefill_token_num=64).generate(ids, gen).output_ids
+    assert first.output_ids == again.output_ids == cold
+
+
 def check_checkpoint_matches_transformers(model_path: str, hf_model) -> None:
     """A 120-token prompt in 40-token chunks (B=16): fp32 logits within ``TOL`` of ``hf_model``'s
     at every position; 8 greedy tokens (eos ignored) equal ``transformers`` ``generate``."""

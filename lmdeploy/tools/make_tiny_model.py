@@ -84,6 +84,16 @@ def _arch_defaults(arch: str) -> dict:
         return dict(common, layer_types=[conv, full, conv, conv], intermediate_size=128, num_dense_layers=1,
                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, use_expert_bias=True,
                     routed_scaling_factor=1.5, norm_topk_prob=True)
+    if arch == 'bamba':   # Mamba-2, attention, Mamba-2, Mamba-2; SwiGLU MLPs; half-head RoPE
+        # an SSD chunk of 24 so 32-token prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
+        return dict(hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                    mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24,
+                    max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    if arch == 'mamba2':   # three Mamba-2 layers, nothing else; SSD chunks of 24, 2 B/C groups
+        return dict(hidden_size=64, num_hidden_layers=3, num_heads=4, head_dim=32, expand=2, n_groups=2,
+                    state_size=16, conv_kernel=4, chunk_size=24, use_conv_bias=True, use_bias=False,
+                    layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=False)
     if arch == 'kimi_linear':   # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
         lin, full = 'linear_attention', 'full_attention'
         return dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
@@ -135,10 +145,12 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if arch == 'glm5_next':
         return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
-    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'lfm2', 'lfm2_moe'):
-        from transformers import GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig, NemotronHConfig
+    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2'):
+        from transformers import (BambaConfig, GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig, Mamba2Config,
+                                  NemotronHConfig)
         named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
-                 'granitemoehybrid': GraniteMoeHybridConfig, 'lfm2': Lfm2Config, 'lfm2_moe': Lfm2MoeConfig}[arch]
+                 'granitemoehybrid': GraniteMoeHybridConfig, 'lfm2': Lfm2Config, 'lfm2_moe': Lfm2MoeConfig,
+                 'bamba': BambaConfig, 'mamba2': Mamba2Config}[arch]
         fields = dict(_arch_defaults(arch))
         known = set(named().to_dict()) | set(fields)
         for key in overrides:
@@ -380,7 +392,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'glm5_next': 'Glm5NextForConditionalGeneration',
                                        'nemotron_h': 'NemotronHForCausalLM',
                                        'granitemoehybrid': 'GraniteMoeHybridForCausalLM',
-                                       'lfm2': 'Lfm2ForCausalLM', 'lfm2_moe': 'Lfm2MoeForCausalLM'}[arch])
+                                       'lfm2': 'Lfm2ForCausalLM', 'lfm2_moe': 'Lfm2MoeForCausalLM',
+                                       'bamba': 'BambaForCausalLM',
+                                       'mamba2': 'Mamba2ForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -398,7 +412,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
-    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next', 'nemotron_h'):
+    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next', 'nemotron_h', 'mamba2'):
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'lfm2':   # the published spellings; transformers reads them as intermediate_size / tie_word_embeddings
         config_dict['block_ff_dim'] = config_dict.pop('intermediate_size')
@@ -409,8 +423,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     if arch == 'granitemoehybrid':   # the published spelling; transformers renames them on load
         config_dict['layer_types'] = [{'linear_attention': 'mamba', 'full_attention': 'attention'}.get(t, t)
                                       for t in config_dict['layer_types']]
-        if tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
-            del config_dict['time_step_limit']      # the default; JSON has no infinity
+    if arch in ('granitemoehybrid', 'bamba', 'mamba2') and tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
+        del config_dict['time_step_limit']      # the default; JSON has no infinity
     if with_mtp:
         # the key the published configs use: Qwen3-Next's top level, Qwen3.5's text config
         key = 'num_nextn_predict_layers' if arch == 'qwen3_next' else 'mtp_num_hidden_layers'

@@ -27,7 +27,7 @@ import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
 from ..cache_engine import CacheEngine, rows_per_state
-from ..cache_specs import has_state
+from ..cache_specs import has_state, kv_bytes_per_block
 from ..config import DEFAULT_CHECKPOINT_SLOTS, CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
@@ -131,8 +131,10 @@ class Engine:
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         num_runtime = cc.num_state_slots or config.max_batch_size
         keeps_checkpoints = self.is_hybrid and cc.enable_prefix_caching
-        # one memory budget: checkpoints take KV block rows (unless num_gpu_blocks fixes the pool)
-        block_rows = keeps_checkpoints and cc.checkpoints_in_block_rows
+        # one memory budget: checkpoints take KV block rows (unless num_gpu_blocks fixes the pool, or
+        # the model caches nothing per token, e.g. pure Mamba-2, whose block rows are padding only)
+        block_rows = keeps_checkpoints and cc.checkpoints_in_block_rows and kv_bytes_per_block(self.specs,
+                                                                                               cc.block_size) > 0
         num_ckpt = cc.fixed_checkpoint_slots if (keeps_checkpoints and not block_rows) else 0
         num_slots = num_runtime + num_ckpt if self.is_hybrid else 0
         # speculative decoding on a hybrid model: one scratch slot per runtime slot (rollback)

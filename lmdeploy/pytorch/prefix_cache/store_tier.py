@@ -179,6 +179,9 @@ class StoreTier:
         self.namespace = namespace
         self.ns_hex = namespace.hex()
         self.block_size = block_size
+        # a model that caches nothing per token (pure Mamba-2: K_blk = 0) has no KV objects; a
+        # prefix is its state object alone
+        self.has_kv = getattr(cache_engine, 'kv_block_bytes', 1) > 0
         self.services = services
         self.timeout_s = float(timeout_s)
         self.cooldown_s = float(cooldown_s)
@@ -319,8 +322,8 @@ class StoreTier:
             return []
         present = self._exists([self._key('state', hashes[b // B - 1]) for b in candidates])
         candidates = [b for b, ok in zip(candidates, present or ()) if ok]
-        if not candidates:
-            return []
+        if not candidates or not self.has_kv:
+            return candidates
         kv = self._exists([self._key('kv', h) for h in hashes[:candidates[0] // B + r]])
         if kv is None:
             return []
@@ -357,7 +360,7 @@ class StoreTier:
         B, hashes = self.block_size, load.hashes
         try:
             state = self._get('state', hashes[load.boundary // B - 1], load.boundary)
-            for i in range(load.first_block, load.boundary // B):
+            for i in range(load.first_block, load.boundary // B if self.has_kv else 0):
                 payload = self._get('kv', hashes[i], (i + 1) * B)
                 self.cache_engine.write_kv_block(load.block_ids[i], payload)
             self.cache_engine.write_state(load.slot, state)
@@ -375,7 +378,8 @@ class StoreTier:
         marked and the next save of the prefix repairs them all (not one per engine that tries)."""
         B, hashes = self.block_size, load.hashes
         objects = [('state', hashes[load.boundary // B - 1], load.boundary)]
-        objects += [('kv', hashes[i], (i + 1) * B) for i in range(load.first_block, load.boundary // B)]
+        objects += [('kv', hashes[i], (i + 1) * B)
+                    for i in range(load.first_block, load.boundary // B if self.has_kv else 0)]
         for kind, h, tokens in objects:
             if self._key(kind, h) in self._bad:
                 continue
@@ -422,7 +426,7 @@ class StoreTier:
         same prefix copies and puts them."""
         B, hashes = self.block_size, put.hashes
         state_key = self._key('state', hashes[-1])
-        keys = [self._key('kv', h) for h in hashes]
+        keys = [self._key('kv', h) for h in hashes] if self.has_kv else []
         with self._lock:
             if self._closed or state_key in self._stored or state_key in self._pending:
                 return
@@ -550,7 +554,7 @@ class StoreTier:
         # master or an evicting Store may have lost blocks put earlier)
         for dep in job.deps:
             dep.done.wait()
-        prefix = self._present(job.prefix_keys)
+        prefix = self._present(job.prefix_keys) if job.prefix_keys else []
         if prefix is None:
             return
         if not all(prefix):

@@ -1,0 +1,345 @@
+"""IBM Bamba (``transformers`` model type ``bamba``): Mamba-2 layers and a few attention layers,
+each followed by a SwiGLU MLP.
+
+``config.attn_layer_indices`` lists the attention layers; every other layer is Mamba-2
+(``transformers`` exposes the pattern as ``layers_block_type`` / ``layer_types``:
+``'full_attention'`` / ``'linear_attention'``)::
+
+    h = embed(ids)
+    layer i:  h = h + mixer(RMSNorm(h))
+              h = h + mlp(RMSNorm(h))                  mlp = down(silu(gate(h)) * up(h))
+      mixer = Mamba-2 ('linear_attention': conv + SSM states in a slot, Mamba2Mixer)
+            | GQA     ('full_attention':   K/V in paged blocks; RoPE on the leading half of
+                                           each head, softmax scale head_dim ** -0.5)
+    logits = lm_head(RMSNorm(h))
+
+``transformers`` fixes ``partial_rotary_factor = 0.5`` in the config itself, so the rotary
+table (from its own ``BambaRotaryEmbedding.compute_default_rope_parameters``, :mod:`.rope`)
+covers half of each head. Weight names are the published checkpoint's, which are also
+``transformers``' (``model.layers.{i}.mamba.*``, ``self_attn.{q,k,v,o}_proj``,
+``feed_forward.{gate,up,down}_proj``, ``input_layernorm``, ``pre_ff_layernorm``,
+``model.final_layernorm``).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, load_weights
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .parallel_plan import ParallelPlan
+
+__all__ = ['BambaForCausalLM', 'check_config', 'layer_kinds']
+
+MAMBA, ATTENTION = 'linear_attention', 'full_attention'
+
+
+def layer_kinds(config) -> list[str]:
+    """Each layer's mixer, ``'linear_attention'`` (Mamba-2) or ``'full_attention'``, from
+    ``attn_layer_indices`` as ``transformers`` reads it.
+
+    Raises:
+        ValueError: an ``attn_layer_indices`` entry outside ``[0, num_hidden_layers)``
+            (``transformers`` would silently drop it; the checkpoint was not made for this depth).
+    """
+    n = config.num_hidden_layers
+    indices = list(getattr(config, 'attn_layer_indices', None) or [])
+    if any(not isinstance(i, int) or not 0 <= i < n for i in indices):
+        raise ValueError(f'attn_layer_indices must be layer indices in [0, {n}), got {indices}')
+    return [ATTENTION if i in indices else MAMBA for i in range(n)]
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``attn_layer_indices`` (out of range), ``hidden_act``
+            (``'silu'`` only: the MLP and the Mamba-2 conv both use it), the Mamba-2 geometry
+            (``mamba_n_heads`` x ``mamba_d_head`` must be ``mamba_expand`` x ``hidden_size``,
+            ``mamba_n_groups`` must divide ``mamba_n_heads``), ``time_step_limit`` other than
+            ``(0, inf)``; the rope parameters are checked by :mod:`.rope`.
+    """
+    kinds = layer_kinds(config)
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    if MAMBA in kinds:
+        inner = round(config.mamba_expand * config.hidden_size)
+        if config.mamba_n_heads * config.mamba_d_head != inner:
+            raise ValueError(f'mamba_n_heads ({config.mamba_n_heads}) x mamba_d_head ({config.mamba_d_head}) must '
+                             f'equal mamba_expand x hidden_size ({inner})')
+        if config.mamba_n_groups <= 0 or config.mamba_n_heads % config.mamba_n_groups:
+            raise ValueError(f'mamba_n_groups ({config.mamba_n_groups}) must divide mamba_n_heads '
+                             f'({config.mamba_n_heads})')
+        check_time_step_limit(config.time_step_limit)
+
+
+def mamba_dims(config) -> Mamba2Dims:
+    """The Mamba-2 mixer sizes of a Bamba config (``mamba_*`` fields; the norm's eps is
+    ``rms_norm_eps``; ``dt`` unclamped, see :func:`check_config`): this rank's heads and groups in
+    a tensor-parallel local config (``mamba_tp_size``, set by :meth:`BambaTPPlan.local_config`)."""
+    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
+                      n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
+                      conv_kernel=config.mamba_d_conv, chunk_size=config.mamba_chunk_size,
+                      conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias), dt_min=0.0,
+                      dt_max=float('inf'), norm_eps=config.rms_norm_eps)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+class BambaAttention(nn.Module):
+    """Grouped-query attention over the paged KV cache, partial RoPE, scale ``head_dim ** -0.5``.
+
+    Args:
+        config: HF ``BambaConfig``.
+        layer_idx: index into ``StepContext.kv_caches``.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        bias = config.attention_bias
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
+                                                          'v_proj': kv}, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, rotary_dim]``;
+        writes this layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = apply_rotary(q.reshape(T, self.num_heads, self.head_dim), *rotary)
+        k = apply_rotary(k.reshape(T, self.num_kv_heads, self.head_dim), *rotary)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+
+
+class BambaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one matmul; biases when
+    ``mlp_bias``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size},
+                                         bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class BambaDecoderLayer(nn.Module):
+    """Pre-norm layer: Mamba-2 or attention, then the SwiGLU MLP."""
+
+    def __init__(self, config, layer_idx: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == MAMBA:
+            self.mamba = Mamba2Mixer(mamba_dims(config), layer_idx)
+        else:
+            self.self_attn = BambaAttention(config, layer_idx)
+        self.feed_forward = BambaMLP(config.hidden_size, config.intermediate_size, bool(config.mlp_bias))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        normed = self.input_layernorm(hidden)
+        hidden = hidden + (self.mamba(normed, ctx) if self.kind == MAMBA else self.self_attn(normed, rotary, ctx))
+        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+
+
+class BambaModel(nn.Module):
+    """Embedding, decoder layers, final norm; the rotary table when there are attention layers."""
+
+    def __init__(self, config):
+        super().__init__()
+        kinds = layer_kinds(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(BambaDecoderLayer(config, i, kind) for i, kind in enumerate(kinds))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config) if ATTENTION in kinds else None
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        rotary = None if self.rotary is None else self.rotary(ctx.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, ctx)
+        return self.final_layernorm(hidden)
+
+
+_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
+_MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
+_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
+
+
+class BambaTPPlan:
+    """How Bamba splits over ``size`` tensor-parallel ranks (Megatron-style).
+
+    Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
+    its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV heads.
+    Mamba-2 by head and group (:class:`~.mamba2.Mamba2TPSplit`; with fewer groups than ranks, as
+    in the published ``mamba_n_groups = 1``, the group's ``B`` / ``C`` are copied to every rank
+    of its heads and its norm is all-reduced). The MLP by intermediate rows (``gate_proj`` /
+    ``up_proj`` rows, ``down_proj`` columns, all-reduce).
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
+            ``intermediate_size`` or ``mamba_n_heads``, or neither divides nor is a multiple of
+            ``mamba_n_groups`` (names the field).
+    """
+
+    row_parallel = (('self_attn', 'o_proj'), ('feed_forward', 'down_proj'), ('mamba', 'out_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.rank, self.size = config, rank, size
+        self.kinds = layer_kinds(config)
+        fields = ['intermediate_size'] + (['num_attention_heads', 'num_key_value_heads'] if ATTENTION in self.kinds
+                                          else [])
+        for field in fields:
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+
+        def part(total: int) -> tuple[int, int]:
+            return rank * total // size, (rank + 1) * total // size
+
+        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
+        self.inter = part(config.intermediate_size)
+        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'mamba_n_heads', 'mamba_n_groups') \
+            if MAMBA in self.kinds else None
+
+    def local_config(self):
+        """A copy of the config with this rank's head and intermediate counts."""
+        c = copy.deepcopy(self.config)
+        c.head_dim = _head_dim(self.config)
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        c.intermediate_size = self.inter[1] - self.inter[0]
+        c.mamba_tp_size = self.size      # the mamba_* fields stay whole; mamba_dims divides them
+        return c
+
+    def attach_collectives(self, model, all_reduce) -> None:
+        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
+        norm = self.mamba.norm(all_reduce) if self.mamba is not None else None
+        for layer in model.model.layers:
+            if isinstance(getattr(layer, 'mamba', None), Mamba2Mixer):
+                layer.mamba.cross_rank_norm = norm
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads for ``'kv_heads'``; the Mamba-2 state splits otherwise."""
+        ranges = (self.kv_heads,) if split == 'kv_heads' else \
+            None if self.mamba is None else self.mamba.cache_ranges(split)
+        if ranges is None:
+            raise ValueError(f"CacheTensor.tp_split: bamba splits 'kv_heads' and the Mamba-2 states, not {split!r}")
+        return ranges
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        m = _ATTN_ROWS.match(name)
+        if m and self.kinds[int(m.group(1))] == ATTENTION:
+            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
+            if proj == 'o_proj':
+                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
+            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
+            return 0, ((heads[0] * d, heads[1] * d),)
+        m = _MLP_ROWS.match(name)
+        if m:
+            if m.group(2) == 'down_proj':
+                return (1, (self.inter,)) if m.group(3) == 'weight' else None
+            return 0, (self.inter,)
+        m = _MAMBA_ROWS.match(name)
+        if m and self.kinds[int(m.group(1))] == MAMBA:
+            return self.mamba.shard(m.group(2))
+        return None
+
+
+class BambaForCausalLM(nn.Module):
+    """Bamba causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``BambaConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'layers_block_type': IMPLEMENTED,         # derived from attn_layer_indices
+        'attn_layer_indices': CHECKED,            # indices in [0, num_hidden_layers)
+        'mlp_bias': IMPLEMENTED,
+        'mamba_n_heads': IMPLEMENTED,
+        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
+        'mamba_d_state': IMPLEMENTED,
+        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_expand x hidden_size
+        'mamba_d_conv': IMPLEMENTED,
+        'mamba_expand': IMPLEMENTED,
+        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
+        'mamba_conv_bias': IMPLEMENTED,
+        'mamba_proj_bias': IMPLEMENTED,
+        'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
+        'num_logits_to_keep': INERT,              # which positions generate() computes logits for
+        'z_loss_coefficient': INERT,              # the training loss only
+    }
+    check_config = staticmethod(check_config)
+    # attention and MLP by head / rows, Mamba-2 by head and group
+    parallel_plan = ParallelPlan(custom=BambaTPPlan)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = BambaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: the Mamba-2 state (:func:`~.mamba2.mamba2_state_spec`: conv
+        ``[conv_dim, mamba_d_conv - 1]`` in ``dtype``, SSM ``[heads, d_head, d_state]`` float32)
+        or a :class:`FullAttentionSpec` (KV heads x head_dim per token).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        mamba = mamba2_state_spec(mamba_dims(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (the names of the module docstring); ties ``lm_head`` to the
+        embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False))

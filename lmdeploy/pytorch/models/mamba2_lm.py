@@ -1,0 +1,244 @@
+"""Mamba-2 language models (``transformers`` model type ``mamba2``, e.g. Mamba-Codestral-7B and
+the state-spaces ``mamba2-*`` checkpoints): every layer is a Mamba-2 mixer, there is no
+attention and no MLP::
+
+    h = embed(ids)                          (float32 residual stream when residual_in_fp32)
+    layer i:  h = h + Mamba2Mixer(RMSNorm(h))
+    logits = lm_head(RMSNorm(h))
+
+The mixer is the shared :class:`~.mamba2.Mamba2Mixer` (conv + SSD scan, grouped gated RMS
+norm); its config fields are ``num_heads``, ``head_dim``, ``n_groups``, ``state_size``,
+``conv_kernel``, ``chunk_size``, ``use_bias``, ``use_conv_bias`` and ``layer_norm_epsilon``.
+
+Nothing is cached per token: each layer declares a state spec only, so a KV block holds zero
+bytes (``K_blk = 0``). The block table and the prefix-cache trie still count tokens in blocks
+of ``block_size`` (the trie's identity unit), so a prefix is reused exactly as in the hybrids:
+a state checkpoint at an aligned boundary, with nothing else to restore; the Store holds state
+objects only.
+
+Weight names: ``backbone.embeddings`` (or the original ``backbone.embedding``),
+``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*``, ``backbone.norm_f``,
+``lm_head`` (absent when tied).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import LayerCacheSpec
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, IMPLEMENTED, INERT
+from .layers import Linear, RMSNorm, load_weights
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .parallel_plan import ParallelPlan
+
+__all__ = ['Mamba2ForCausalLM', 'check_config']
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``hidden_act`` (``'silu'`` only), ``num_heads`` x
+            ``head_dim`` other than ``expand`` x ``hidden_size``, ``n_groups`` not dividing
+            ``num_heads``, ``time_step_limit`` other than ``(0, inf)``.
+    """
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    inner = round(config.expand * config.hidden_size)
+    if config.num_heads * config.head_dim != inner:
+        raise ValueError(f'num_heads ({config.num_heads}) x head_dim ({config.head_dim}) must equal expand x '
+                         f'hidden_size ({inner})')
+    if config.n_groups <= 0 or config.num_heads % config.n_groups:
+        raise ValueError(f'n_groups ({config.n_groups}) must divide num_heads ({config.num_heads})')
+    check_time_step_limit(config.time_step_limit)
+
+
+def mamba_dims(config) -> Mamba2Dims:
+    """The mixer sizes of a Mamba-2 config; this rank's heads and groups in a tensor-parallel
+    local config (``mamba_tp_size``, set by :meth:`Mamba2TPPlan.local_config`)."""
+    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.num_heads, head_dim=config.head_dim,
+                      n_groups=config.n_groups, state_size=config.state_size, conv_kernel=config.conv_kernel,
+                      chunk_size=config.chunk_size, conv_bias=bool(config.use_conv_bias),
+                      proj_bias=bool(config.use_bias), dt_min=0.0, dt_max=float('inf'),
+                      norm_eps=config.layer_norm_epsilon)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
+
+
+class Mamba2Block(nn.Module):
+    """``h + mixer(norm(h))``; the residual ``h`` stays float32 when ``residual_in_fp32``."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(mamba_dims(config), layer_idx)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` (float32 or the model dtype) → ``[T, hidden]``, same dtype."""
+        return hidden + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), ctx)
+
+
+class Mamba2Backbone(nn.Module):
+    """Embedding, Mamba-2 blocks, final norm (named ``model`` so the generic vocabulary split
+    finds ``model.embed_tokens``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Mamba2Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.residual_in_fp32 = bool(config.residual_in_fp32)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` (model dtype) of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        dtype = hidden.dtype
+        if self.residual_in_fp32:
+            hidden = hidden.float()
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        return self.norm_f(hidden.to(dtype))
+
+
+_RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'),
+            ('model.embedding.', 'model.embed_tokens.'))
+_MIXER = re.compile(r'^model\.layers\.\d+\.mixer\.(.+)$')
+
+
+def _rename(name: str) -> str:
+    for prefix, repl in _RENAMES:
+        if name.startswith(prefix):
+            name = repl + name[len(prefix):]
+    return name
+
+
+class Mamba2TPPlan:
+    """How a Mamba-2 model splits over ``size`` tensor-parallel ranks: every mixer by head and
+    group (:class:`~.mamba2.Mamba2TPSplit`: ``in_proj`` rows, conv channels, ``dt_bias`` /
+    ``A_log`` / ``D``, norm channels, ``out_proj`` columns, row-parallel), the vocabulary split
+    of the embedding and ``lm_head`` generic; norms replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_heads``, or neither divides nor is a multiple of
+            ``n_groups`` (names the field).
+    """
+
+    row_parallel = (('mixer', 'out_proj'),)
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.size = config, size
+        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'num_heads', 'n_groups')
+
+    def local_config(self):
+        """A copy of the config that :func:`mamba_dims` divides by the TP size."""
+        c = copy.deepcopy(self.config)
+        c.mamba_tp_size = self.size
+        return c
+
+    def attach_collectives(self, model, all_reduce) -> None:
+        """Give each mixer its cross-rank norm when its group spans ranks."""
+        norm = self.mamba.norm(all_reduce)
+        for layer in model.model.layers:
+            layer.mixer.cross_rank_norm = norm
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's ranges of the Mamba-2 state splits."""
+        ranges = self.mamba.cache_ranges(split)
+        if ranges is None:
+            raise ValueError(f'CacheTensor.tp_split: mamba2 splits the Mamba-2 states only, not {split!r}')
+        return ranges
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` (after the renames) this rank reads,
+        or None (whole)."""
+        m = _MIXER.match(name)
+        return self.mamba.shard(m.group(1)) if m else None
+
+
+class Mamba2ForCausalLM(nn.Module):
+    """A Mamba-2 causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``Mamba2Config``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        'vocab_size': IMPLEMENTED,
+        'hidden_size': IMPLEMENTED,
+        'num_hidden_layers': IMPLEMENTED,
+        'layer_types': IMPLEMENTED,               # every layer 'linear_attention' (a fixed property)
+        'num_heads': IMPLEMENTED,
+        'head_dim': CHECKED,                      # num_heads x head_dim = expand x hidden_size
+        'expand': IMPLEMENTED,
+        'n_groups': CHECKED,                      # divides num_heads
+        'state_size': IMPLEMENTED,
+        'conv_kernel': IMPLEMENTED,
+        'chunk_size': IMPLEMENTED,                # the SSD chunk: changes rounding only
+        'use_bias': IMPLEMENTED,
+        'use_conv_bias': IMPLEMENTED,
+        'layer_norm_epsilon': IMPLEMENTED,
+        'residual_in_fp32': IMPLEMENTED,          # the residual stream is kept in float32
+        'hidden_act': CHECKED,                    # 'silu' only
+        'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
+        'time_step_rank': INERT,                  # unused by the layer (no dt projection of its own)
+        'time_step_min': INERT,                   # dt_bias initialisation only
+        'time_step_max': INERT,
+        'time_step_floor': INERT,
+        'rescale_prenorm_residual': INERT,        # initialisation only
+        'initializer_range': INERT,
+        'tie_word_embeddings': IMPLEMENTED,
+        'dtype': IMPLEMENTED,
+        'quantization_config': CHECKED,           # FP8 block-wise only (.quantization)
+        'pad_token_id': INERT,
+        'use_cache': INERT,
+    }
+    rotary = False       # no positions at all
+    check_config = staticmethod(check_config)
+    parallel_plan = ParallelPlan(renames=_RENAMES, custom=Mamba2TPPlan)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = Mamba2Backbone(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer the Mamba-2 state (:func:`~.mamba2.mamba2_state_spec`: conv
+        ``[conv_dim, conv_kernel - 1]`` in ``dtype``, SSM ``[num_heads, head_dim, state_size]``
+        float32); nothing paged, so KV blocks are zero bytes.
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        return [mamba2_state_spec(mamba_dims(config), dtype)] * config.num_hidden_layers
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (names of the module docstring); ties ``lm_head`` to the
+        embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename)
