@@ -103,7 +103,7 @@ class PrefixCache:
         self.store = store
         self.host = host if local.is_hybrid else None
         if self.host is not None:
-            local.state_cache.on_evict = self.host.demote
+            local.on_checkpoint_evicted(self.host.demote)
         self.block_size = block_size
         self.alignment = alignment
         self.decode_save_last = decode_save_last and local.is_hybrid
@@ -246,9 +246,7 @@ class PrefixCache:
         lease.release()
         slot = lease.slot
         stats = self.local.checkpoint_stats(node, node.depth * self.block_size, 'restored') if copied else None
-        if not (copied and self.local.state_cache.publish(slot, node, stats)):
-            self.local.state_cache.release_checkpoint(slot)
-        elif copied:
+        if self.local.publish_checkpoint(slot, node, stats):
             self._count_save('restored')
 
     # after the forward (scheduler) -------------------------------------------------------
@@ -307,7 +305,7 @@ class PrefixCache:
         saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slots[staging.next_slot()], boundary))
 
     def _stage_lease(self, seq, slot: int):
-        return self.local.pins.take(slot, 'staging', seq.seq_id)
+        return self.local.take_pin(slot, 'staging', seq.seq_id)
 
     def saves_done(self, saves: SavePlan, copied: bool) -> None:
         """Publish checkpoints whose copy ran (never before); ``copied=False`` releases their
@@ -354,8 +352,7 @@ class PrefixCache:
         staging.boundaries.pop(i)
         staging.leases.pop(i).release()
         stats = self.local.checkpoint_stats(node, boundary, 'turn_end', True)
-        if not self.local.state_cache.publish(slot, node, stats):     # (checked above: cannot happen)
-            self.local.state_cache.release_checkpoint(slot)
+        if not self.local.publish_checkpoint(slot, node, stats):     # (checked above: cannot happen)
             return False
         seq.stats.turn_end_point = boundary
         self.counters['turn_end_checkpoints_saved'] += 1
@@ -364,14 +361,14 @@ class PrefixCache:
             return False
         full = boundary // self.block_size
         saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary,
-                                         self.local.state_cache.locate(slot)))
+                                         self.local.checkpoint_ref(slot)))
         return True
 
     def _drop_staging(self, seq) -> None:
         staging = self._staging.pop(seq.seq_id, None)
         for slot, lease in zip(staging.slots, staging.leases) if staging is not None else ():
             lease.release()
-            self.local.state_cache.release_checkpoint(slot)
+            self.local.release_checkpoint(slot)
 
     def _skip(self, seq, reason: str) -> None:
         seq.stats.skipped[reason] += 1
@@ -382,7 +379,7 @@ class PrefixCache:
         """``seq`` gives its blocks back: cache its computed full blocks first (unless they hold
         no valid data, e.g. a failed Store load)."""
         self._drop_staging(seq)
-        self.local.pins.release_owner(seq.seq_id)
+        self.local.release_pins(seq.seq_id)
         if cache_blocks:
             full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
             self.local.release(seq, self.hashes(seq) if full else [], full)
@@ -392,7 +389,7 @@ class PrefixCache:
     def forget(self, seq) -> None:
         """``seq`` is finished or aborted: drop its bookkeeping (and any pin it still owns)."""
         self._drop_staging(seq)
-        self.local.pins.release_owner(seq.seq_id)
+        self.local.release_pins(seq.seq_id)
         self._continuation.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
         self._store_views.pop(seq.seq_id, None)
@@ -407,11 +404,11 @@ class PrefixCache:
     @property
     def num_cached_blocks(self) -> int:
         """KV blocks held by the local tier's trie (referenced by running sequences or not)."""
-        return self.local.trie.num_nodes
+        return self.local.num_cached_blocks
 
     def cached_nodes(self) -> list:
         """Every node of the local tier's trie (introspection, tests)."""
-        return list(self.local.trie.iter_nodes())
+        return self.local.cached_nodes()
 
     @property
     def num_evictable_blocks(self) -> int:

@@ -215,8 +215,37 @@ class LocalTier:
         its node has a checkpoint already / left the trie)."""
         save.lease.release()
         stats = self.checkpoint_stats(save.node, save.boundary, save.reason, save.continuation) if copied else None
-        if not (copied and self.state_cache.publish(save.dst, save.node, stats)):
-            self.state_cache.release_checkpoint(save.dst)
+        self.publish_checkpoint(save.dst, save.node, stats)
+
+    def publish_checkpoint(self, slot: int, node: TrieNode, stats: CheckpointStats | None) -> bool:
+        """Publish checkpoint ``slot`` on ``node`` with its eviction ``stats``, or release it
+        unpublished when ``stats`` is None (its copy did not run) or ``node`` cannot take it (it
+        holds another checkpoint or left the trie). Returns whether it was published."""
+        if stats is not None and self.state_cache.publish(slot, node, stats):
+            return True
+        self.state_cache.release_checkpoint(slot)
+        return False
+
+    def release_checkpoint(self, slot: int) -> None:
+        """Return an unpinned checkpoint ``slot`` (published or not) to the free slots or rows."""
+        self.state_cache.release_checkpoint(slot)
+
+    def checkpoint_ref(self, slot: int) -> int | tuple[int, ...]:
+        """Where checkpoint ``slot``'s bytes are (a state-buffer row, or its KV block rows)."""
+        return self.state_cache.locate(slot)
+
+    def take_pin(self, slot: int, purpose: str, owner: int | None = None) -> PinLease:
+        """Pin checkpoint ``slot`` for ``purpose`` (owned by sequence ``owner``); see :mod:`.pins`."""
+        return self.pins.take(slot, purpose, owner)
+
+    def release_pins(self, owner: int) -> int:
+        """Release every pin sequence ``owner`` still holds (it is leaving); returns how many."""
+        return self.pins.release_owner(owner)
+
+    def on_checkpoint_evicted(self, keep) -> None:
+        """Call ``keep(node, state_ref)`` for each published checkpoint eviction takes, while its
+        memory still holds it (the host tier's demotion); None: nothing is kept."""
+        self.state_cache.on_evict = keep
 
     def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, PinLease] | None:
         """Keep a Store restore locally: insert its blocks and reserve a pinned checkpoint slot
@@ -241,6 +270,15 @@ class LocalTier:
         self._paths.pop(seq.seq_id, None)
 
     # capacity ----------------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks held by the trie (referenced by running sequences or not)."""
+        return self.trie.num_nodes
+
+    def cached_nodes(self) -> list[TrieNode]:
+        """Every node of the trie (introspection, tests)."""
+        return list(self.trie.iter_nodes())
+
     @property
     def num_evictable_blocks(self) -> int:
         """Block rows :meth:`evict` can free now (exact): cached blocks no sequence references
