@@ -45,6 +45,7 @@ from .block_trie import chain_block_hashes
 from .eviction import SAVE_REASONS
 from .local_tier import LocalTier
 from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
+from .tier import NullTier
 
 __all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS', 'zero_counters']
 
@@ -79,17 +80,19 @@ class _Staging:
 @dataclass
 class _StoreView:
     """The Store's answer for one waiting sequence."""
-    boundaries: list[int] | None = None   # restorable boundaries, deepest first (None: not probed)
+    boundary: int | None = None           # the deepest restorable boundary, 0 if none (None: not probed)
     below: int | None = None              # only boundaries below this (lowered by failed loads)
     failures: int = 0
 
 
 class PrefixCache:
-    """Coordinator of the local and Store tiers.
+    """Coordinator of the device, host and Store tiers (:mod:`.tier`): it asks each the same
+    questions and reaches inside none.
 
     Args:
-        local: the local tier.
+        local: the device tier.
         store: the Store tier, or None.
+        host: the host tier, or None (then a :class:`~.tier.NullTier` that holds nothing).
         block_size: B, tokens per block.
         alignment: A, prefill checkpoint boundaries are multiples of A.
         decode_save_last: keep a turn-end checkpoint of every finished request (hybrid models).
@@ -101,8 +104,9 @@ class PrefixCache:
                  decode_save_last: bool = False, host=None):
         self.local = local
         self.store = store
-        self.host = host if local.is_hybrid else None
-        if self.host is not None:
+        keeps_host = host is not None and local.is_hybrid
+        self.host = host if keeps_host else NullTier('host')      # (a tier not configured holds nothing)
+        if keeps_host:
             local.on_checkpoint_evicted(self.host.demote)
         self.block_size = block_size
         self.alignment = alignment
@@ -146,9 +150,9 @@ class PrefixCache:
         probed = 0
         for seq in waiting:
             view = self._store_views.setdefault(seq.seq_id, _StoreView())
-            if view.boundaries is not None or view.failures >= STORE_RESTORE_ATTEMPTS:
+            if view.boundary is not None or view.failures >= STORE_RESTORE_ATTEMPTS:
                 continue
-            view.boundaries = self.store.probe(self.hashes(seq), self._rules(seq), view.below)
+            view.boundary = self.store.depth(self.hashes(seq), self._rules(seq), below=view.below)
             probed += 1
             if probed >= _PROBES_PER_STEP:
                 break
@@ -157,14 +161,14 @@ class PrefixCache:
     def match(self, seq) -> PrefixMatch:
         """The deepest prefix the tiers can restore for ``seq`` (metadata only)."""
         match = self.local.match(seq, self.hashes(seq), self._rules(seq))
-        if self.host is not None:
-            b = self.host.probe(self.hashes(seq), self._rules(seq), len(match.nodes), match.cached_tokens)
-            if b > match.cached_tokens:
-                match = PrefixMatch(match.nodes, b, 'host', None, min(len(match.nodes), b // self.block_size),
-                                    match.matched_tokens)
+        b = self.host.depth(self.hashes(seq), self._rules(seq), shared_blocks=len(match.nodes),
+                            above=match.cached_tokens)
+        if b > match.cached_tokens:
+            match = PrefixMatch(match.nodes, b, self.host.name, None, min(len(match.nodes), b // self.block_size),
+                                match.matched_tokens)
         view = self._store_views.get(seq.seq_id)
-        if view is not None and view.boundaries and view.failures < STORE_RESTORE_ATTEMPTS:
-            b = view.boundaries[0]
+        if view is not None and view.boundary and view.failures < STORE_RESTORE_ATTEMPTS:
+            b = view.boundary
             if b > match.cached_tokens:
                 shared = min(len(match.nodes), b // self.block_size)
                 return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens)
@@ -208,7 +212,7 @@ class PrefixCache:
             self.store.record_hit(cached)
         elif source == 'host':
             seq.stats.hit_tokens = cached
-            self.host.counters['host_hit_tokens'] += cached
+            self.host.record_hit(cached)
         if self.is_hybrid:
             self.counters['state_miss_tokens'] += max(0, matched - cached)
 
@@ -234,7 +238,7 @@ class PrefixCache:
         view = self._store_views.setdefault(seq.seq_id, _StoreView())
         if not ok:
             view.failures += 1
-            view.below, view.boundaries = load.boundary, None
+            view.below, view.boundary = load.boundary, None
             return None
         self._store_views.pop(seq.seq_id, None)
         self._count(seq, load.boundary, 'store', load.matched_tokens)
@@ -398,7 +402,7 @@ class PrefixCache:
         """``seq`` went back to the waiting queue (preemption): ask the Store again."""
         view = self._store_views.get(seq.seq_id)
         if view is not None:
-            view.boundaries = None
+            view.boundary = None
 
     # capacity ----------------------------------------------------------------------------
     @property
@@ -428,6 +432,5 @@ class PrefixCache:
         out['checkpoints_skipped'] = dict(self.skipped)
         if self.store is not None:
             out.update(self.store.stats())
-        if self.host is not None:
-            out.update(self.host.stats())
+        out.update(self.host.stats())
         return out

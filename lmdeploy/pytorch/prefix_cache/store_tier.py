@@ -1,8 +1,8 @@
 """The Store tier of the prefix cache: recurrent-state snapshots and KV blocks in a Mooncake Store.
 
-It answers the same questions as the local tier — how deep a prefix does the Store hold
-(:meth:`StoreTier.probe`, metadata only), load it (:meth:`StoreTier.load`), save it
-(:meth:`StoreTier.submit`) — and is the one owner of what this engine knows about Store
+It answers the questions of every tier (:class:`~.tier.PrefixTier`) — how deep a prefix does the
+Store hold (:meth:`StoreTier.depth`, metadata only), load it (:meth:`StoreTier.load`), save it
+(:meth:`StoreTier.save`) — and is the one owner of what this engine knows about Store
 objects: which keys are believed stored, which are being put (the in-flight index), the
 writer threads and the Store counters.
 The byte-level pieces (object format, client, services) live in :mod:`lmdeploy.pytorch.store`.
@@ -163,6 +163,9 @@ class StoreTier:
     Raises:
         ValueError: ``writers`` < 1, or ``timeout_s`` / ``cooldown_s`` not > 0.
     """
+
+    name = 'store'
+    bytes_held = 0      # (payloads live in the Store, not in this process)
 
     def __init__(self, client: StoreBackend, cache_engine, namespace: bytes, block_size: int,
                  queue_size: int = 64, services=None, secret: bytes | None = None, writers: int = 4,
@@ -326,6 +329,12 @@ class StoreTier:
         covered = kv.index(False) if False in kv else len(kv)
         return [b for b in candidates if b // B + r <= covered]
 
+    def depth(self, hashes: list[bytes], rules: ReuseRules, *, shared_blocks: int = 0, above: int = 0,
+              below: int | None = None) -> int:
+        """The deepest boundary :meth:`probe` finds above ``above`` (tokens), or 0. Every KV block
+        below it is asked for, the device's shared ones too (``shared_blocks`` is not used)."""
+        return next((b for b in self.probe(hashes, rules, below) if b > above), 0)
+
     def _exists(self, keys: list[str]) -> list[bool] | None:
         """Per key, whether it is stored or being put (the in-flight index and beliefs first,
         then one batched query with a deadline); None when the query failed or missed its
@@ -413,6 +422,15 @@ class StoreTier:
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     # save ----------------------------------------------------------------------------------
+    def save(self, put: StorePut) -> None:
+        """:meth:`submit` (the tier's save)."""
+        self.submit(put)
+
+    def evict(self, num_bytes: int) -> int:
+        """Nothing: the Store's backend evicts by its own policy (Mooncake's, the folder's size
+        limit). Returns 0."""
+        return 0
+
     def submit(self, put: StorePut) -> None:
         """Queue a :class:`StorePut`; never waits for the writers. Payloads are copied out
         before returning (the slot and blocks may change after this step). Blocks believed
