@@ -295,3 +295,26 @@ def test_the_coordinator_asks_tiers_and_never_reaches_inside_one():
     source = pathlib.Path(coordinator.__file__).read_text()
     reaches = re.findall(r'(?:self\.)?(?:local|host|store)\.(?:state_cache|pins|trie|counters|_\w+)\b', source)
     assert not reaches, reaches
+
+
+def test_an_attention_only_local_tier_has_a_state_cache_with_no_slots():
+    """A model without recurrent state gets a state cache of zero slots: the tier's checkpoint
+    questions answer 'none' on the same code path (no slot to allocate, nothing evictable beyond
+    blocks, nothing evicted), and a host tier given to it never receives a demotion."""
+    from lmdeploy.pytorch.prefix_cache.coordinator import PrefixCache
+    from lmdeploy.pytorch.prefix_cache.host_tier import HostTier
+    from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier
+    bm = BlockManager(8)
+    local = LocalTier(bm, B, None)
+    assert not local.is_hybrid and local.state_cache.num_slots == 0
+    assert local.alloc_checkpoint() is None and local.num_evictable_blocks == 0
+    assert local.num_evictions == {'checkpoint': 0, 'kv': 0} and not local.dead_first
+    host = HostTier(None, 1 << 20, B, 10, 1)
+    cache = PrefixCache(local, None, block_size=B, alignment=A, decode_save_last=True, host=host)
+    assert cache.host is host and cache.decode_save_last is False
+    seq = Sequence(prompt(3 * B + 1, seed=5), GEN)
+    seq.block_ids = bm.allocate(4)
+    seq.num_computed_tokens = 3 * B
+    cache.release(seq, cache_blocks=True)
+    bm.free_all(seq.block_ids)            # (what the scheduler does next: the trie keeps its own refs)
+    assert cache.num_cached_blocks == 3 and cache.num_evictable_blocks == 3 and cache.evict(3) == 3 and host.counters['host_demotions'] == 0

@@ -1,4 +1,4 @@
-"""The prefix cache as the scheduler sees it: the local tier first, then the Store tier.
+"""The prefix cache as the scheduler sees it: the device tier first, then host memory, then the Store.
 
 :class:`PrefixCache` asks each tier the same questions and keeps the per-sequence cache
 bookkeeping (block hashes, the Store's answer for a waiting sequence, how many Store restores
@@ -6,7 +6,7 @@ failed for it), so :class:`~lmdeploy.pytorch.paging.sequence.Sequence` holds onl
 progress and the resources the forward needs::
 
     probe (engine, before schedule)  Store existence queries for newly waiting sequences
-    match                            local trie + checkpoints, then the probed Store boundaries
+    match                            local trie + checkpoints, then the host tier, then the probed Store boundaries
     pin / unpin                      shared blocks + checkpoint   (unpin: the one rollback path)
     plan_load                        CheckpointRestore | StoreLoad          ─┐ executed by the
     loads_done / store_loaded        unpin; keep a Store restore locally     │ engine, which
@@ -104,10 +104,9 @@ class PrefixCache:
                  decode_save_last: bool = False, host=None):
         self.local = local
         self.store = store
-        keeps_host = host is not None and local.is_hybrid
-        self.host = host if keeps_host else NullTier('host')      # (a tier not configured holds nothing)
-        if keeps_host:
-            local.on_checkpoint_evicted(self.host.demote)
+        self.host = host if host is not None else NullTier('host')     # (a tier not configured holds nothing)
+        if host is not None:
+            local.on_checkpoint_evicted(host.demote)
         self.block_size = block_size
         self.alignment = alignment
         self.decode_save_last = decode_save_last and local.is_hybrid
@@ -119,11 +118,6 @@ class PrefixCache:
         self._continuation: dict[int, bool] = {}      # seq_id -> its admission continued a cached prefix
         self.counters: dict[str, int] = zero_counters()
         self.skipped: dict[str, int] = {}
-
-    @property
-    def is_hybrid(self) -> bool:
-        """The model has recurrent state (linear-attention layers), so checkpoints are kept."""
-        return self.local.is_hybrid
 
     def hashes(self, seq) -> list[bytes]:
         """Chained hashes of ``seq``'s full blocks, computed incrementally; an image's content hash
@@ -213,8 +207,8 @@ class PrefixCache:
         elif source == 'host':
             seq.stats.hit_tokens = cached
             self.host.record_hit(cached)
-        if self.is_hybrid:
-            self.counters['state_miss_tokens'] += max(0, matched - cached)
+        # (0 for a model without state: its blocks need no checkpoint, so it restores all it matched)
+        self.counters['state_miss_tokens'] += max(0, matched - cached)
 
     def loads_done(self, loads: LoadPlan, copied: bool) -> None:
         """The checkpoint → runtime copies of ``loads`` ran (or raised): drop their pins."""
@@ -260,7 +254,8 @@ class PrefixCache:
         B, taken = self.block_size, set()
         for chunk in chunks:
             seq, end = chunk.seq, chunk.end
-            save = self.is_hybrid and seq.plan is not None and seq.plan.is_save_point(end)
+            # (a model without state has no save point: the scheduler plans none)
+            save = seq.plan is not None and seq.plan.is_save_point(end)
             full = end // B
             if self.decode_save_last and not save and end % B == 0 and end >= seq.num_prompt_tokens // B * B:
                 self._stage(seq, end, saves)

@@ -49,7 +49,8 @@ class LocalTier:
     Args:
         block_manager: the KV block pool (reference counts).
         block_size: B, tokens per block.
-        state_cache: the state slots (hybrid models), or None for full-attention-only models.
+        state_cache: the state slots (hybrid models), or None for full-attention-only models,
+            which then get a state cache with no slots: nothing is checkpointed, on the same code path.
         state_bytes: S, bytes of one checkpoint (what the policy weighs a checkpoint by).
         block_bytes: K_blk, bytes of one KV block.
     """
@@ -58,20 +59,17 @@ class LocalTier:
                  state_bytes: int = 1, block_bytes: int = 1):
         self.block_manager = block_manager
         self.block_size = block_size
-        self.state_cache = state_cache
+        # the model has recurrent state: a prefix is restorable only where a checkpoint holds it
+        self.is_hybrid = state_cache is not None
+        self.state_cache = state_cache if state_cache is not None else StateCache(0, 0)
         self.state_bytes, self.block_bytes = max(state_bytes, 1), max(block_bytes, 1)
         # how many admitted requests reached each prefix (chained hash at an alignment boundary),
         # remembered beyond eviction (bounded, oldest forgotten): evidence of reuse for a
         # checkpoint saved there later
         self._seen: OrderedDict[bytes, int] = OrderedDict()
-        self.trie = BlockTrie(block_manager, block_size, state_cache)
-        self.pins = CheckpointPins(state_cache)     # (never takes a pin without a state cache)
+        self.trie = BlockTrie(block_manager, block_size, self.state_cache)
+        self.pins = CheckpointPins(self.state_cache)
         self._paths: dict[int, _Path] = {}
-
-    @property
-    def is_hybrid(self) -> bool:
-        """The tier has a state cache (the model has linear-attention layers)."""
-        return self.state_cache is not None
 
     # admission ---------------------------------------------------------------------------
     def match(self, seq, hashes: list[bytes], rules: ReuseRules) -> PrefixMatch:
@@ -112,7 +110,7 @@ class LocalTier:
             Whether the request continues a prefix reached before (its first aligned prefix was
             seen by an earlier request, even if the cache evicted it since).
         """
-        if self.state_cache is None:
+        if not self.is_hybrid:     # no checkpoint to credit, no reuse evidence to keep
             return False
         continued = False
         step = alignment // self.block_size if alignment else 0
@@ -284,14 +282,13 @@ class LocalTier:
         """Block rows :meth:`evict` can free now (exact): cached blocks no sequence references
         (less those on the path to a pinned checkpoint) and, with one memory budget, the rows of
         every unpinned checkpoint."""
-        rows = self.state_cache.num_evictable_rows if self.state_cache is not None else 0
-        return self.trie.num_evictable_blocks + rows
+        return self.trie.num_evictable_blocks + self.state_cache.num_evictable_rows
 
     @property
     def dead_first(self) -> bool:
         """Evict blocks no checkpoint makes usable before any checkpoint (every policy but LRU,
         which keeps today's order for comparison)."""
-        return self.state_cache is not None and self.state_cache.policy.name != 'lru'
+        return self.state_cache.policy.name != 'lru'
 
     def evict(self, num_blocks: int, protect_checkpoints: bool = False) -> int:
         """Free up to ``num_blocks`` block rows held by the cache alone; returns how many.
@@ -308,7 +305,7 @@ class LocalTier:
         def short() -> int:
             return num_blocks - (bm.num_free - start)
 
-        rows = sc is not None and sc.uses_block_rows
+        rows = sc.uses_block_rows
         if self.dead_first:
             self.trie.evict(num_blocks, dead_only=True)
             while rows and short() > 0 and self._evict_checkpoint():
@@ -334,5 +331,4 @@ class LocalTier:
     @property
     def num_evictions(self) -> dict[str, int]:
         """Entries evicted so far, by kind (``checkpoint``, ``kv``)."""
-        return {'checkpoint': self.state_cache.num_evicted if self.state_cache is not None else 0,
-                'kv': self.trie.num_evicted}
+        return {'checkpoint': self.state_cache.num_evicted, 'kv': self.trie.num_evicted}
