@@ -317,4 +317,5 @@ def test_an_attention_only_local_tier_has_a_state_cache_with_no_slots():
     seq.num_computed_tokens = 3 * B
     cache.release(seq, cache_blocks=True)
     bm.free_all(seq.block_ids)            # (what the scheduler does next: the trie keeps its own refs)
-    assert cache.num_cached_blocks == 3 and cache.num_evictable_blocks == 3 and cache.evict(3) == 3 and host.counters['host_demotions'] == 0
+    assert cache.num_cached_blocks == 3 and cache.num_evictable_blocks == 3
+    assert cache.evict(3) == 3 and host.counters['host_demotions'] == 0
