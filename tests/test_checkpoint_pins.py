@@ -50,9 +50,9 @@ class FakeStore:
     def __init__(self, rng: random.Random, fail_rate: float):
         self.rng, self.fail_rate, self.states, self.hits = rng, fail_rate, set(), 0
 
-    def probe(self, hashes, rules, below=None):
-        return [b for b in rules.restore_candidates(0, len(hashes))
-                if (below is None or b < below) and tuple(hashes[:b // B]) in self.states]
+    def depth(self, hashes, rules, *, shared_blocks=0, above=0, below=None):
+        return next((b for b in rules.restore_candidates(above, len(hashes))
+                     if (below is None or b < below) and tuple(hashes[:b // B]) in self.states), 0)
 
     def load(self, load) -> bool:
         r = self.rng.random()

@@ -254,3 +254,68 @@ def test_metrics_export_the_ledger_as_gauges(tiny_qwen3_next):
         eng.step()
     text = generate_latest(ServerMetrics(eng.stats, eng.ledger).registry).decode()
     assert 'lmdeploy_kv_blocks_in_use 0.0' in text and 'lmdeploy_scheduler_requests_waiting 0.0' in text
+
+
+# ---------------------------------------------------------------- one interface for every tier
+def test_host_store_and_null_tiers_answer_the_same_questions():
+    """Host, Store and null tiers implement ``PrefixTier``: a prefix saved through ``save`` is
+    found by ``depth`` (above / below bounds respected), a tier not configured holds nothing, and
+    the host tier's ``evict`` frees exact bytes, least recently used first."""
+    from lmdeploy.pytorch.prefix_cache.host_tier import HostTier
+    from lmdeploy.pytorch.prefix_cache.tier import NullTier, PrefixTier
+    ids = prompt(200, seed=3)
+    hashes, rules = chain_block_hashes(ids, B), ReuseRules(200, B, A)
+    store, _ = _tier()
+    host = HostTier(None, capacity_bytes=1000, block_size=B, state_bytes=10, kv_block_bytes=1)
+    null = NullTier('store')
+    try:
+        for tier in (host, store, null):
+            assert isinstance(tier, PrefixTier)
+            assert tier.depth(hashes, rules) == 0
+            tier.save(StorePut(hashes[:8], list(range(8)), 128, 0))
+            tier.save(StorePut(hashes[:4], list(range(4)), 64, 0))
+            assert store.flush(timeout=10)
+            want = (128, 64, 0) if tier is not null else (0, 0, 0)
+            assert (tier.depth(hashes, rules), tier.depth(hashes, rules, below=128),
+                    tier.depth(hashes, rules, above=128)) == want, tier.name
+        assert host.bytes_held == 2 * 10 + 8 and store.bytes_held == null.bytes_held == 0
+        # LRU order now: kv 4..7, state@128, kv 0..3 (made recent by the save at 64), state@64
+        assert host.evict(11) == 4 + 10 and host.bytes_held == 10 + 4
+        assert host.depth(hashes, rules) == 64 and host.counters['host_evictions'] == 5
+    finally:
+        store.close()
+
+
+def test_the_coordinator_asks_tiers_and_never_reaches_inside_one():
+    """``PrefixCache`` calls tier methods only: no attribute path into the local tier's state
+    cache, pins or trie, nor into another tier's counters."""
+    import pathlib
+    import re
+    import lmdeploy.pytorch.prefix_cache.coordinator as coordinator
+    source = pathlib.Path(coordinator.__file__).read_text()
+    reaches = re.findall(r'(?:self\.)?(?:local|host|store)\.(?:state_cache|pins|trie|counters|_\w+)\b', source)
+    assert not reaches, reaches
+
+
+def test_an_attention_only_local_tier_has_a_state_cache_with_no_slots():
+    """A model without recurrent state gets a state cache of zero slots: the tier's checkpoint
+    questions answer 'none' on the same code path (no slot to allocate, nothing evictable beyond
+    blocks, nothing evicted), and a host tier given to it never receives a demotion."""
+    from lmdeploy.pytorch.prefix_cache.coordinator import PrefixCache
+    from lmdeploy.pytorch.prefix_cache.host_tier import HostTier
+    from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier
+    bm = BlockManager(8)
+    local = LocalTier(bm, B, None)
+    assert not local.is_hybrid and local.state_cache.num_slots == 0
+    assert local.alloc_checkpoint() is None and local.num_evictable_blocks == 0
+    assert local.num_evictions == {'checkpoint': 0, 'kv': 0} and not local.dead_first
+    host = HostTier(None, 1 << 20, B, 10, 1)
+    cache = PrefixCache(local, None, block_size=B, alignment=A, decode_save_last=True, host=host)
+    assert cache.host is host and cache.decode_save_last is False
+    seq = Sequence(prompt(3 * B + 1, seed=5), GEN)
+    seq.block_ids = bm.allocate(4)
+    seq.num_computed_tokens = 3 * B
+    cache.release(seq, cache_blocks=True)
+    bm.free_all(seq.block_ids)            # (what the scheduler does next: the trie keeps its own refs)
+    assert cache.num_cached_blocks == 3 and cache.num_evictable_blocks == 3
+    assert cache.evict(3) == 3 and host.counters['host_demotions'] == 0

@@ -107,6 +107,29 @@ def test_a_bad_folder_or_limit_is_a_config_error_naming_the_field(tmp_path):
         PytorchEngineConfig(store_backend='file:/tmp/x', mooncake_master='local')
 
 
+def test_the_backend_is_opened_by_its_scheme_and_named_as_opened(tmp_path):
+    """``store/open_backend.py`` maps a config to its scheme, opens that scheme's backend and
+    names it on the startup line; a config naming no Store has no scheme and opens nothing."""
+    from lmdeploy.pytorch.store.open_backend import describe_store, open_store, store_scheme
+    cfg = PytorchEngineConfig(store_backend=f'file:{tmp_path}/objects', store_file_max_bytes=1 << 20)
+    assert store_scheme(cfg) == 'file' and describe_store(cfg) == f'file Store in {tmp_path}/objects'
+    opened = open_store(cfg, state_bytes=100, kv_block_bytes=40)
+    try:
+        assert isinstance(opened.backend, FileStore) and opened.services is None
+        assert opened.description == f'file Store in {tmp_path}/objects'
+        assert (tmp_path / 'objects').is_dir()
+    finally:
+        opened.close()
+    remote = PytorchEngineConfig(mooncake_master='10.0.0.7:50051',
+                                 mooncake_metadata_server='http://10.0.0.7:8080/metadata')
+    assert store_scheme(remote) == 'mooncake' and describe_store(remote) == 'Mooncake Store at 10.0.0.7:50051'
+    assert store_scheme(PytorchEngineConfig(mooncake_master='local')) == 'mooncake'
+    none = PytorchEngineConfig()
+    assert store_scheme(none) is None and describe_store(none) == 'no Store'
+    with pytest.raises(ValueError, match='store_backend or mooncake_master'):
+        open_store(none, 100, 40)
+
+
 # engines -----------------------------------------------------------------------------------
 def store_config(folder: Path, **fields) -> dict:
     cfg = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A, max_prefill_token_num=P,

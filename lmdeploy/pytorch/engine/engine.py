@@ -196,12 +196,13 @@ class Engine:
                                     self.session_len, block_align=cc.block_size if turn_end else None)
 
     def _build_store(self):
-        uses_file = (self.config.store_backend or '').startswith('file:')
-        if not self.config.mooncake_master and not uses_file:
+        from ..store.open_backend import open_store, store_scheme
+        scheme = store_scheme(self.config)
+        if scheme is None:
             return None
         if not self.config.enable_prefix_caching:
             logger.warning('the Store tier is not used: %s needs enable_prefix_caching (--enable-prefix-caching)',
-                           f'store_backend={self.config.store_backend!r}' if uses_file
+                           f'store_backend={self.config.store_backend!r}' if scheme == 'file'
                            else f'mooncake_master={self.config.mooncake_master!r}')
             return None
         if not self.is_hybrid:
@@ -209,7 +210,8 @@ class Engine:
                         self.hf_config.model_type)
             return None
         from ..prefix_cache.store_tier import build_store_tier
-        return build_store_tier(self)
+        opened = open_store(self.config, self.cache_engine.state_bytes, self.cache_engine.kv_block_bytes)
+        return build_store_tier(self, opened)
 
     def prompt_too_long(self, num_tokens: int) -> str:
         """The message refusing a prompt of ``num_tokens`` (``>= session_len``) tokens: both

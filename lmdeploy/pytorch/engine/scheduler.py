@@ -293,7 +293,7 @@ class Scheduler:
         # chunks without saves (the rest of the input) still never split a multimodal span
         ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
         plan = PrefillPlan(ends, saves, cached, junction, head)
-        if self.is_hybrid and self.prefix_cache.decode_save_last:
+        if self.prefix_cache.decode_save_last:      # (never set for a model without state)
             plan = with_last_block_end(plan, self.block_size, seq.token_lookahead, tuple(seq.multimodal_spans))
         return plan
 

@@ -1,4 +1,4 @@
-"""The prefix cache as the scheduler sees it: the local tier first, then the Store tier.
+"""The prefix cache as the scheduler sees it: the device tier first, then host memory, then the Store.
 
 :class:`PrefixCache` asks each tier the same questions and keeps the per-sequence cache
 bookkeeping (block hashes, the Store's answer for a waiting sequence, how many Store restores
@@ -6,7 +6,7 @@ failed for it), so :class:`~lmdeploy.pytorch.paging.sequence.Sequence` holds onl
 progress and the resources the forward needs::
 
     probe (engine, before schedule)  Store existence queries for newly waiting sequences
-    match                            local trie + checkpoints, then the probed Store boundaries
+    match                            local trie + checkpoints, then the host tier, then the probed Store boundaries
     pin / unpin                      shared blocks + checkpoint   (unpin: the one rollback path)
     plan_load                        CheckpointRestore | StoreLoad          ─┐ executed by the
     loads_done / store_loaded        unpin; keep a Store restore locally     │ engine, which
@@ -45,6 +45,7 @@ from .block_trie import chain_block_hashes
 from .eviction import SAVE_REASONS
 from .local_tier import LocalTier
 from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
+from .tier import NullTier
 
 __all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS', 'zero_counters']
 
@@ -79,17 +80,19 @@ class _Staging:
 @dataclass
 class _StoreView:
     """The Store's answer for one waiting sequence."""
-    boundaries: list[int] | None = None   # restorable boundaries, deepest first (None: not probed)
+    boundary: int | None = None           # the deepest restorable boundary, 0 if none (None: not probed)
     below: int | None = None              # only boundaries below this (lowered by failed loads)
     failures: int = 0
 
 
 class PrefixCache:
-    """Coordinator of the local and Store tiers.
+    """Coordinator of the device, host and Store tiers (:mod:`.tier`): it asks each the same
+    questions and reaches inside none.
 
     Args:
-        local: the local tier.
+        local: the device tier.
         store: the Store tier, or None.
+        host: the host tier, or None (then a :class:`~.tier.NullTier` that holds nothing).
         block_size: B, tokens per block.
         alignment: A, prefill checkpoint boundaries are multiples of A.
         decode_save_last: keep a turn-end checkpoint of every finished request (hybrid models).
@@ -101,9 +104,9 @@ class PrefixCache:
                  decode_save_last: bool = False, host=None):
         self.local = local
         self.store = store
-        self.host = host if local.is_hybrid else None
-        if self.host is not None:
-            local.state_cache.on_evict = self.host.demote
+        self.host = host if host is not None else NullTier('host')     # (a tier not configured holds nothing)
+        if host is not None:
+            local.on_checkpoint_evicted(host.demote)
         self.block_size = block_size
         self.alignment = alignment
         self.decode_save_last = decode_save_last and local.is_hybrid
@@ -115,11 +118,6 @@ class PrefixCache:
         self._continuation: dict[int, bool] = {}      # seq_id -> its admission continued a cached prefix
         self.counters: dict[str, int] = zero_counters()
         self.skipped: dict[str, int] = {}
-
-    @property
-    def is_hybrid(self) -> bool:
-        """The model has recurrent state (linear-attention layers), so checkpoints are kept."""
-        return self.local.is_hybrid
 
     def hashes(self, seq) -> list[bytes]:
         """Chained hashes of ``seq``'s full blocks, computed incrementally; an image's content hash
@@ -146,9 +144,9 @@ class PrefixCache:
         probed = 0
         for seq in waiting:
             view = self._store_views.setdefault(seq.seq_id, _StoreView())
-            if view.boundaries is not None or view.failures >= STORE_RESTORE_ATTEMPTS:
+            if view.boundary is not None or view.failures >= STORE_RESTORE_ATTEMPTS:
                 continue
-            view.boundaries = self.store.probe(self.hashes(seq), self._rules(seq), view.below)
+            view.boundary = self.store.depth(self.hashes(seq), self._rules(seq), below=view.below)
             probed += 1
             if probed >= _PROBES_PER_STEP:
                 break
@@ -157,14 +155,14 @@ class PrefixCache:
     def match(self, seq) -> PrefixMatch:
         """The deepest prefix the tiers can restore for ``seq`` (metadata only)."""
         match = self.local.match(seq, self.hashes(seq), self._rules(seq))
-        if self.host is not None:
-            b = self.host.probe(self.hashes(seq), self._rules(seq), len(match.nodes), match.cached_tokens)
-            if b > match.cached_tokens:
-                match = PrefixMatch(match.nodes, b, 'host', None, min(len(match.nodes), b // self.block_size),
-                                    match.matched_tokens)
+        b = self.host.depth(self.hashes(seq), self._rules(seq), shared_blocks=len(match.nodes),
+                            above=match.cached_tokens)
+        if b > match.cached_tokens:
+            match = PrefixMatch(match.nodes, b, self.host.name, None, min(len(match.nodes), b // self.block_size),
+                                match.matched_tokens)
         view = self._store_views.get(seq.seq_id)
-        if view is not None and view.boundaries and view.failures < STORE_RESTORE_ATTEMPTS:
-            b = view.boundaries[0]
+        if view is not None and view.boundary and view.failures < STORE_RESTORE_ATTEMPTS:
+            b = view.boundary
             if b > match.cached_tokens:
                 shared = min(len(match.nodes), b // self.block_size)
                 return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens)
@@ -208,9 +206,9 @@ class PrefixCache:
             self.store.record_hit(cached)
         elif source == 'host':
             seq.stats.hit_tokens = cached
-            self.host.counters['host_hit_tokens'] += cached
-        if self.is_hybrid:
-            self.counters['state_miss_tokens'] += max(0, matched - cached)
+            self.host.record_hit(cached)
+        # (0 for a model without state: its blocks need no checkpoint, so it restores all it matched)
+        self.counters['state_miss_tokens'] += max(0, matched - cached)
 
     def loads_done(self, loads: LoadPlan, copied: bool) -> None:
         """The checkpoint → runtime copies of ``loads`` ran (or raised): drop their pins."""
@@ -234,7 +232,7 @@ class PrefixCache:
         view = self._store_views.setdefault(seq.seq_id, _StoreView())
         if not ok:
             view.failures += 1
-            view.below, view.boundaries = load.boundary, None
+            view.below, view.boundary = load.boundary, None
             return None
         self._store_views.pop(seq.seq_id, None)
         self._count(seq, load.boundary, 'store', load.matched_tokens)
@@ -246,9 +244,7 @@ class PrefixCache:
         lease.release()
         slot = lease.slot
         stats = self.local.checkpoint_stats(node, node.depth * self.block_size, 'restored') if copied else None
-        if not (copied and self.local.state_cache.publish(slot, node, stats)):
-            self.local.state_cache.release_checkpoint(slot)
-        elif copied:
+        if self.local.publish_checkpoint(slot, node, stats):
             self._count_save('restored')
 
     # after the forward (scheduler) -------------------------------------------------------
@@ -258,7 +254,8 @@ class PrefixCache:
         B, taken = self.block_size, set()
         for chunk in chunks:
             seq, end = chunk.seq, chunk.end
-            save = self.is_hybrid and seq.plan is not None and seq.plan.is_save_point(end)
+            # (a model without state has no save point: the scheduler plans none)
+            save = seq.plan is not None and seq.plan.is_save_point(end)
             full = end // B
             if self.decode_save_last and not save and end % B == 0 and end >= seq.num_prompt_tokens // B * B:
                 self._stage(seq, end, saves)
@@ -307,7 +304,7 @@ class PrefixCache:
         saves.snapshots.append(StateSnapshot(seq, seq.state_slot, staging.slots[staging.next_slot()], boundary))
 
     def _stage_lease(self, seq, slot: int):
-        return self.local.pins.take(slot, 'staging', seq.seq_id)
+        return self.local.take_pin(slot, 'staging', seq.seq_id)
 
     def saves_done(self, saves: SavePlan, copied: bool) -> None:
         """Publish checkpoints whose copy ran (never before); ``copied=False`` releases their
@@ -354,8 +351,7 @@ class PrefixCache:
         staging.boundaries.pop(i)
         staging.leases.pop(i).release()
         stats = self.local.checkpoint_stats(node, boundary, 'turn_end', True)
-        if not self.local.state_cache.publish(slot, node, stats):     # (checked above: cannot happen)
-            self.local.state_cache.release_checkpoint(slot)
+        if not self.local.publish_checkpoint(slot, node, stats):     # (checked above: cannot happen)
             return False
         seq.stats.turn_end_point = boundary
         self.counters['turn_end_checkpoints_saved'] += 1
@@ -364,14 +360,14 @@ class PrefixCache:
             return False
         full = boundary // self.block_size
         saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary,
-                                         self.local.state_cache.locate(slot)))
+                                         self.local.checkpoint_ref(slot)))
         return True
 
     def _drop_staging(self, seq) -> None:
         staging = self._staging.pop(seq.seq_id, None)
         for slot, lease in zip(staging.slots, staging.leases) if staging is not None else ():
             lease.release()
-            self.local.state_cache.release_checkpoint(slot)
+            self.local.release_checkpoint(slot)
 
     def _skip(self, seq, reason: str) -> None:
         seq.stats.skipped[reason] += 1
@@ -382,7 +378,7 @@ class PrefixCache:
         """``seq`` gives its blocks back: cache its computed full blocks first (unless they hold
         no valid data, e.g. a failed Store load)."""
         self._drop_staging(seq)
-        self.local.pins.release_owner(seq.seq_id)
+        self.local.release_pins(seq.seq_id)
         if cache_blocks:
             full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
             self.local.release(seq, self.hashes(seq) if full else [], full)
@@ -392,7 +388,7 @@ class PrefixCache:
     def forget(self, seq) -> None:
         """``seq`` is finished or aborted: drop its bookkeeping (and any pin it still owns)."""
         self._drop_staging(seq)
-        self.local.pins.release_owner(seq.seq_id)
+        self.local.release_pins(seq.seq_id)
         self._continuation.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
         self._store_views.pop(seq.seq_id, None)
@@ -401,17 +397,17 @@ class PrefixCache:
         """``seq`` went back to the waiting queue (preemption): ask the Store again."""
         view = self._store_views.get(seq.seq_id)
         if view is not None:
-            view.boundaries = None
+            view.boundary = None
 
     # capacity ----------------------------------------------------------------------------
     @property
     def num_cached_blocks(self) -> int:
         """KV blocks held by the local tier's trie (referenced by running sequences or not)."""
-        return self.local.trie.num_nodes
+        return self.local.num_cached_blocks
 
     def cached_nodes(self) -> list:
         """Every node of the local tier's trie (introspection, tests)."""
-        return list(self.local.trie.iter_nodes())
+        return self.local.cached_nodes()
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -431,6 +427,5 @@ class PrefixCache:
         out['checkpoints_skipped'] = dict(self.skipped)
         if self.store is not None:
             out.update(self.store.stats())
-        if self.host is not None:
-            out.update(self.host.stats())
+        out.update(self.host.stats())
         return out

@@ -2,12 +2,13 @@
 kept in host memory and promoted back on a hit, before the Store is asked.
 
 Order of the tiers a restore asks: device (the block trie), host (this), Store. The host tier
-answers the same questions as the others — how deep a prefix does it hold (:meth:`HostTier.probe`),
-load it (:meth:`HostTier.load`), keep it (:meth:`HostTier.demote`) — and owns its bytes::
+answers the questions of every tier (:class:`~.tier.PrefixTier`) — how deep a prefix does it hold
+(:meth:`HostTier.depth`), load it (:meth:`HostTier.load`), keep it (:meth:`HostTier.save`, which
+:meth:`HostTier.demote` calls for a checkpoint the device evicts), evict — and owns its bytes::
 
-    device evicts checkpoint at b ──▶ demote: state payload under state/{hash_b}, and the KV
-                                      payloads of blocks [0, b) not held yet under kv/{hash_i}
-    admission (no deeper device hit) ─▶ probe: deepest b with state/{hash_b} held and every KV
+    device evicts checkpoint at b ──▶ demote → save: state payload under state/{hash_b}, and the
+                                      KV payloads of blocks [0, b) not held yet under kv/{hash_i}
+    admission (no deeper device hit) ─▶ depth: deepest b with state/{hash_b} held and every KV
                                       block the device does not share held too
     engine, before the forward ──────▶ load: host payloads → fresh device blocks + runtime slot
 
@@ -24,7 +25,7 @@ from collections import OrderedDict
 import torch
 
 from ..paging.prefill_plan import ReuseRules
-from .plans import StoreLoad
+from .plans import StoreLoad, StorePut
 
 __all__ = ['HostTier', 'zero_host_counters']
 
@@ -45,6 +46,8 @@ class HostTier:
         block_size: B, tokens per block.
         state_bytes, kv_block_bytes: S and K_blk (the sizes charged per entry).
     """
+
+    name = 'host'
 
     def __init__(self, cache_engine, capacity_bytes: int, block_size: int, state_bytes: int, kv_block_bytes: int):
         self.cache_engine = cache_engine
@@ -71,49 +74,70 @@ class HostTier:
             payload = payload.pin_memory()
         self._entries[key] = payload
         self.bytes_held += self._size(key[0])
-        while self.bytes_held > self.capacity_bytes and self._entries:
+        if self.bytes_held > self.capacity_bytes:
+            self.evict(self.bytes_held - self.capacity_bytes)
+
+    def evict(self, num_bytes: int) -> int:
+        """Drop entries, least recently used first, until ``num_bytes`` payload bytes are freed
+        or none is left; returns the bytes freed."""
+        freed = 0
+        while freed < num_bytes and self._entries:
             old, _ = self._entries.popitem(last=False)
             self.bytes_held -= self._size(old[0])
+            freed += self._size(old[0])
             self.counters['host_evictions'] += 1
+        return freed
 
     # save -----------------------------------------------------------------------------------
     def demote(self, node, state_ref) -> None:
         """The device tier is evicting the checkpoint on trie ``node`` (its state at
-        ``state_ref``): keep the state and the KV blocks of its path the tier lacks. A state
-        larger than the whole tier is not kept."""
-        if self.state_bytes + self.kv_block_bytes > self.capacity_bytes:
-            return
+        ``state_ref``): :meth:`save` the prefix it ends."""
         path = []
         n = node
         while n is not None and n.parent is not None:
             path.append(n)
             n = n.parent
         path.reverse()
-        missing = [p for p in path if ('kv', p.key) not in self._entries]
-        for p in path:          # the blocks held already are as recent as the state they serve now
-            if ('kv', p.key) in self._entries:
-                self._entries.move_to_end(('kv', p.key))
+        self.save(StorePut([p.key for p in path], [p.block_id for p in path], len(path) * self.block_size, state_ref))
+
+    def save(self, put: StorePut) -> None:
+        """Keep prefix ``[0, put.boundary)``: the state at ``put.slot`` (read now) and the KV
+        blocks of ``put.block_ids`` the tier lacks (those it holds become as recent as the state
+        they serve). A state larger than the whole tier is not kept."""
+        if self.state_bytes + self.kv_block_bytes > self.capacity_bytes:
+            return
+        full = put.boundary // self.block_size
+        hashes, block_ids = put.hashes[:full], put.block_ids[:full]
+        missing = [i for i, h in enumerate(hashes) if ('kv', h) not in self._entries]
+        for h in hashes:
+            if ('kv', h) in self._entries:
+                self._entries.move_to_end(('kv', h))
         eng = self.cache_engine
         if eng is not None and missing:
-            payloads = eng.read_kv_blocks([p.block_id for p in missing])
-            for p, payload in zip(missing, payloads):
-                self._put(('kv', p.key), payload)
+            payloads = eng.read_kv_blocks([block_ids[i] for i in missing])
+            for i, payload in zip(missing, payloads):
+                self._put(('kv', hashes[i]), payload)
         else:
-            for p in missing:
-                self._put(('kv', p.key), None)
-        self._put(('state', node.key), eng.read_state(state_ref) if eng is not None else None)
+            for i in missing:
+                self._put(('kv', hashes[i]), None)
+        self._put(('state', hashes[-1]), eng.read_state(put.slot) if eng is not None else None)
         self.counters['host_demotions'] += 1
 
     # restore --------------------------------------------------------------------------------
     def probe(self, hashes: list[bytes], rules: ReuseRules, shared_blocks: int, above: int = 0) -> int:
-        """The deepest restorable boundary ``b > above`` (tokens) the tier holds for an input
-        whose first ``shared_blocks`` blocks the device shares (the KV of blocks ``[0, b/B + r)``
-        held here or there), or 0. Metadata only."""
+        """:meth:`depth` with the shared blocks given by position."""
+        return self.depth(hashes, rules, shared_blocks=shared_blocks, above=above)
+
+    def depth(self, hashes: list[bytes], rules: ReuseRules, *, shared_blocks: int = 0, above: int = 0,
+              below: int | None = None) -> int:
+        """The deepest restorable boundary ``above < b`` (``< below`` when given; tokens) the tier
+        holds for an input whose first ``shared_blocks`` blocks the device shares (the KV of
+        blocks ``[0, b/B + r)`` held here or there), or 0. Metadata only."""
         B, r = self.block_size, rules.recompute_blocks
         if not self._entries:
             return 0
         for b in rules.restore_candidates(above, len(hashes)):
-            if ('state', hashes[b // B - 1]) not in self._entries:
+            if ('state', hashes[b // B - 1]) not in self._entries or (below is not None and b >= below):
                 continue
             if all(('kv', h) in self._entries for h in hashes[shared_blocks:b // B + r]):
                 return b
@@ -138,6 +162,10 @@ class HostTier:
         self._entries.move_to_end(state_key)
         self.counters['host_promotions'] += 1
         return True
+
+    def record_hit(self, tokens: int) -> None:
+        """A restore of ``tokens`` tokens from this tier took effect (counted once per request)."""
+        self.counters['host_hit_tokens'] += tokens
 
     def stats(self) -> dict:
         """Counters (demotions, promotions, evictions, hit tokens) and bytes held."""

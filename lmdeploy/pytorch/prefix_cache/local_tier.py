@@ -49,7 +49,8 @@ class LocalTier:
     Args:
         block_manager: the KV block pool (reference counts).
         block_size: B, tokens per block.
-        state_cache: the state slots (hybrid models), or None for full-attention-only models.
+        state_cache: the state slots (hybrid models), or None for full-attention-only models,
+            which then get a state cache with no slots: nothing is checkpointed, on the same code path.
         state_bytes: S, bytes of one checkpoint (what the policy weighs a checkpoint by).
         block_bytes: K_blk, bytes of one KV block.
     """
@@ -58,20 +59,17 @@ class LocalTier:
                  state_bytes: int = 1, block_bytes: int = 1):
         self.block_manager = block_manager
         self.block_size = block_size
-        self.state_cache = state_cache
+        # the model has recurrent state: a prefix is restorable only where a checkpoint holds it
+        self.is_hybrid = state_cache is not None
+        self.state_cache = state_cache if state_cache is not None else StateCache(0, 0)
         self.state_bytes, self.block_bytes = max(state_bytes, 1), max(block_bytes, 1)
         # how many admitted requests reached each prefix (chained hash at an alignment boundary),
         # remembered beyond eviction (bounded, oldest forgotten): evidence of reuse for a
         # checkpoint saved there later
         self._seen: OrderedDict[bytes, int] = OrderedDict()
-        self.trie = BlockTrie(block_manager, block_size, state_cache)
-        self.pins = CheckpointPins(state_cache)     # (never takes a pin without a state cache)
+        self.trie = BlockTrie(block_manager, block_size, self.state_cache)
+        self.pins = CheckpointPins(self.state_cache)
         self._paths: dict[int, _Path] = {}
-
-    @property
-    def is_hybrid(self) -> bool:
-        """The tier has a state cache (the model has linear-attention layers)."""
-        return self.state_cache is not None
 
     # admission ---------------------------------------------------------------------------
     def match(self, seq, hashes: list[bytes], rules: ReuseRules) -> PrefixMatch:
@@ -112,7 +110,7 @@ class LocalTier:
             Whether the request continues a prefix reached before (its first aligned prefix was
             seen by an earlier request, even if the cache evicted it since).
         """
-        if self.state_cache is None:
+        if not self.is_hybrid:     # no checkpoint to credit, no reuse evidence to keep
             return False
         continued = False
         step = alignment // self.block_size if alignment else 0
@@ -215,8 +213,37 @@ class LocalTier:
         its node has a checkpoint already / left the trie)."""
         save.lease.release()
         stats = self.checkpoint_stats(save.node, save.boundary, save.reason, save.continuation) if copied else None
-        if not (copied and self.state_cache.publish(save.dst, save.node, stats)):
-            self.state_cache.release_checkpoint(save.dst)
+        self.publish_checkpoint(save.dst, save.node, stats)
+
+    def publish_checkpoint(self, slot: int, node: TrieNode, stats: CheckpointStats | None) -> bool:
+        """Publish checkpoint ``slot`` on ``node`` with its eviction ``stats``, or release it
+        unpublished when ``stats`` is None (its copy did not run) or ``node`` cannot take it (it
+        holds another checkpoint or left the trie). Returns whether it was published."""
+        if stats is not None and self.state_cache.publish(slot, node, stats):
+            return True
+        self.state_cache.release_checkpoint(slot)
+        return False
+
+    def release_checkpoint(self, slot: int) -> None:
+        """Return an unpinned checkpoint ``slot`` (published or not) to the free slots or rows."""
+        self.state_cache.release_checkpoint(slot)
+
+    def checkpoint_ref(self, slot: int) -> int | tuple[int, ...]:
+        """Where checkpoint ``slot``'s bytes are (a state-buffer row, or its KV block rows)."""
+        return self.state_cache.locate(slot)
+
+    def take_pin(self, slot: int, purpose: str, owner: int | None = None) -> PinLease:
+        """Pin checkpoint ``slot`` for ``purpose`` (owned by sequence ``owner``); see :mod:`.pins`."""
+        return self.pins.take(slot, purpose, owner)
+
+    def release_pins(self, owner: int) -> int:
+        """Release every pin sequence ``owner`` still holds (it is leaving); returns how many."""
+        return self.pins.release_owner(owner)
+
+    def on_checkpoint_evicted(self, keep) -> None:
+        """Call ``keep(node, state_ref)`` for each published checkpoint eviction takes, while its
+        memory still holds it (the host tier's demotion); None: nothing is kept."""
+        self.state_cache.on_evict = keep
 
     def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, PinLease] | None:
         """Keep a Store restore locally: insert its blocks and reserve a pinned checkpoint slot
@@ -242,18 +269,26 @@ class LocalTier:
 
     # capacity ----------------------------------------------------------------------------
     @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks held by the trie (referenced by running sequences or not)."""
+        return self.trie.num_nodes
+
+    def cached_nodes(self) -> list[TrieNode]:
+        """Every node of the trie (introspection, tests)."""
+        return list(self.trie.iter_nodes())
+
+    @property
     def num_evictable_blocks(self) -> int:
         """Block rows :meth:`evict` can free now (exact): cached blocks no sequence references
         (less those on the path to a pinned checkpoint) and, with one memory budget, the rows of
         every unpinned checkpoint."""
-        rows = self.state_cache.num_evictable_rows if self.state_cache is not None else 0
-        return self.trie.num_evictable_blocks + rows
+        return self.trie.num_evictable_blocks + self.state_cache.num_evictable_rows
 
     @property
     def dead_first(self) -> bool:
         """Evict blocks no checkpoint makes usable before any checkpoint (every policy but LRU,
         which keeps today's order for comparison)."""
-        return self.state_cache is not None and self.state_cache.policy.name != 'lru'
+        return self.state_cache.policy.name != 'lru'
 
     def evict(self, num_blocks: int, protect_checkpoints: bool = False) -> int:
         """Free up to ``num_blocks`` block rows held by the cache alone; returns how many.
@@ -270,7 +305,7 @@ class LocalTier:
         def short() -> int:
             return num_blocks - (bm.num_free - start)
 
-        rows = sc is not None and sc.uses_block_rows
+        rows = sc.uses_block_rows
         if self.dead_first:
             self.trie.evict(num_blocks, dead_only=True)
             while rows and short() > 0 and self._evict_checkpoint():
@@ -296,5 +331,4 @@ class LocalTier:
     @property
     def num_evictions(self) -> dict[str, int]:
         """Entries evicted so far, by kind (``checkpoint``, ``kv``)."""
-        return {'checkpoint': self.state_cache.num_evicted if self.state_cache is not None else 0,
-                'kv': self.trie.num_evicted}
+        return {'checkpoint': self.state_cache.num_evicted, 'kv': self.trie.num_evicted}

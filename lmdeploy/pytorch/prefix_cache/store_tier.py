@@ -1,8 +1,8 @@
 """The Store tier of the prefix cache: recurrent-state snapshots and KV blocks in a Mooncake Store.
 
-It answers the same questions as the local tier — how deep a prefix does the Store hold
-(:meth:`StoreTier.probe`, metadata only), load it (:meth:`StoreTier.load`), save it
-(:meth:`StoreTier.submit`) — and is the one owner of what this engine knows about Store
+It answers the questions of every tier (:class:`~.tier.PrefixTier`) — how deep a prefix does the
+Store hold (:meth:`StoreTier.depth`, metadata only), load it (:meth:`StoreTier.load`), save it
+(:meth:`StoreTier.save`) — and is the one owner of what this engine knows about Store
 objects: which keys are believed stored, which are being put (the in-flight index), the
 writer threads and the Store counters.
 The byte-level pieces (object format, client, services) live in :mod:`lmdeploy.pytorch.store`.
@@ -70,10 +70,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..paging.prefill_plan import ReuseRules
-from ..store.identity import engine_namespace, resolve_secret
+from ..store.identity import engine_namespace
 from ..store.backend import PutResult, StoreBackend
-from ..store.mooncake_client import StoreClient, buffer_bytes_needed
-from ..store.object_format import OBJECT_OVERHEAD, StoreObjectError, decode_object, encode_object, object_key
+from ..store.object_format import StoreObjectError, decode_object, encode_object, object_key
 from .plans import StoreLoad, StorePut
 
 __all__ = ['StoreTier', 'build_store_tier', 'zero_store_counters', 'FAILURE_LOG_INTERVAL_S', 'STORE_COOLDOWN_S',
@@ -164,6 +163,9 @@ class StoreTier:
     Raises:
         ValueError: ``writers`` < 1, or ``timeout_s`` / ``cooldown_s`` not > 0.
     """
+
+    name = 'store'
+    bytes_held = 0      # (payloads live in the Store, not in this process)
 
     def __init__(self, client: StoreBackend, cache_engine, namespace: bytes, block_size: int,
                  queue_size: int = 64, services=None, secret: bytes | None = None, writers: int = 4,
@@ -330,6 +332,12 @@ class StoreTier:
         covered = kv.index(False) if False in kv else len(kv)
         return [b for b in candidates if b // B + r <= covered]
 
+    def depth(self, hashes: list[bytes], rules: ReuseRules, *, shared_blocks: int = 0, above: int = 0,
+              below: int | None = None) -> int:
+        """The deepest boundary :meth:`probe` finds above ``above`` (tokens), or 0. Every KV block
+        below it is asked for, the device's shared ones too (``shared_blocks`` is not used)."""
+        return next((b for b in self.probe(hashes, rules, below) if b > above), 0)
+
     def _exists(self, keys: list[str]) -> list[bool] | None:
         """Per key, whether it is stored or being put (the in-flight index and beliefs first,
         then one batched query with a deadline); None when the query failed or missed its
@@ -418,6 +426,15 @@ class StoreTier:
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     # save ----------------------------------------------------------------------------------
+    def save(self, put: StorePut) -> None:
+        """:meth:`submit` (the tier's save)."""
+        self.submit(put)
+
+    def evict(self, num_bytes: int) -> int:
+        """Nothing: the Store's backend evicts by its own policy (Mooncake's, the folder's size
+        limit). Returns 0."""
+        return 0
+
     def submit(self, put: StorePut) -> None:
         """Queue a :class:`StorePut`; never waits for the writers. Payloads are copied out
         before returning (the slot and blocks may change after this step). Blocks believed
@@ -627,73 +644,20 @@ def _namespace(engine, secret: bytes | None) -> bytes:
                             adapter=None, override=cfg.store_namespace, secret=secret)
 
 
-def _build_file_tier(engine) -> StoreTier:
-    """The Store tier over a local folder (``store_backend='file:DIR'``)."""
-    from ..store.file_backend import FileStore, parse_store_backend
-    cfg = engine.config
-    _, folder = parse_store_backend(cfg.store_backend)
-    secret = resolve_secret(cfg.store_secret_file)
-    if secret is None:
-        logger.warning('Store objects in %s are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
-                       'Anyone who can write that folder can put objects that change this engine\'s outputs.', folder)
-    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
-    client = FileStore(folder, cfg.store_file_max_bytes, max_object_bytes=largest)
-    return StoreTier(client, engine.cache_engine, _namespace(engine, secret), cfg.block_size, cfg.store_queue_size,
-                     None, secret, cfg.store_writers, cfg.store_timeout_s)
-
-
-def build_store_tier(engine) -> StoreTier:
-    """Connect the engine to the Store named by its config: a local folder for
-    ``store_backend='file:DIR'``, else the Mooncake Store (starting embedded services for
-    ``mooncake_master='local'``, stopped again if the connection fails).
+def build_store_tier(engine, opened) -> StoreTier:
+    """The Store tier of ``engine`` over an opened backend (``opened``: a
+    :class:`~lmdeploy.pytorch.store.open_backend.OpenedStore`, whatever its scheme); its objects
+    are bound to the engine's namespace. If the namespace cannot be computed the backend is
+    closed (and its embedded services stopped) before the error propagates.
 
     Raises:
-        ValueError: an explicit ``mooncake_local_buffer_size`` cannot carry the largest Store object (a
-            state snapshot or KV block plus the header, rounded up to Mooncake's allocation
-            size), ``mooncake_metadata_server`` is missing for an external master, or
-            ``store_secret_file`` cannot be read or holds fewer than 16 bytes, or the
-            ``store_backend`` folder cannot be created or written.
-        StoreUnavailableError: the master is unreachable (the message names the address).
+        ValueError: ``store_namespace`` or the model identity is unusable.
     """
     cfg = engine.config
-    if (cfg.store_backend or '').startswith('file:'):
-        return _build_file_tier(engine)
-    largest = max(engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes) + OBJECT_OVERHEAD
-    need = buffer_bytes_needed(largest)
-    # each writer's put and the engine's read take room in the buffer at once (auto: all of them)
-    buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need * (cfg.store_writers + 1))
-    if buffer_size < need:
-        raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
-                         f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
-                         f'{engine.cache_engine.state_bytes} or KV block {engine.cache_engine.kv_block_bytes} plus '
-                         f'the {OBJECT_OVERHEAD}-byte header and MAC), rounded up to Mooncake\'s allocation size')
-    master, metadata = cfg.mooncake_master, cfg.mooncake_metadata_server
-    if master != 'local' and metadata is None:
-        raise ValueError('mooncake_metadata_server is required with an external mooncake_master '
-                         '(e.g. http://HOST:PORT/metadata of the Store\'s HTTP metadata server)')
-    secret = resolve_secret(cfg.store_secret_file)       # a bad secret file fails before anything starts
-    if secret is None and master == 'local':
-        secret = secrets.token_hex(32).encode()   # embedded services die with this engine: a per-run secret
-    namespace = _namespace(engine, secret)
-    services = None
-    if master == 'local':
-        from ..store.services import MooncakeServices
-        services = MooncakeServices(segment_size=cfg.mooncake_embedded_segment_size)
-        services.start()
-        master, metadata = services.master_address, services.metadata_server
     try:
-        client = StoreClient.connect(master, metadata, protocol=cfg.mooncake_protocol,
-                                     segment_size=cfg.mooncake_segment_size,
-                                     local_buffer_size=buffer_size, max_transfers=buffer_size // need)
+        namespace = _namespace(engine, opened.secret)
     except BaseException:
-        if services is not None:
-            services.stop()
+        opened.close()
         raise
-    # warned only once the Store is reached: before an unreachable master's fatal error, the
-    # warning was the line a user read first, and it is not what stopped the server
-    if secret is None:
-        logger.warning('Store objects are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
-                       'Anyone who can reach the Mooncake master %s can put objects that change this engine\'s '
-                       'outputs. Give every engine sharing the Store the same secret.', master)
-    return StoreTier(client, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size, services, secret,
-                     cfg.store_writers, cfg.store_timeout_s)
+    return StoreTier(opened.backend, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size,
+                     opened.services, opened.secret, cfg.store_writers, cfg.store_timeout_s)

@@ -14,6 +14,8 @@
   open, nothing truncated) are in :mod:`.safe_fs`.
 - :mod:`.services` — :class:`MooncakeServices`, a local ``mooncake_master`` + segment owner
   (with the HTTP metadata server) for the embedded mode and the tests; every port on its host.
+- :mod:`.open_backend` — the scheme registry (``file:DIR``, Mooncake) that opens the backend an
+  engine config names and names it on the startup line; the Store tier is handed the result.
 - :mod:`.layout` — :class:`~.layout.StoreLayout`, the TP-independent (full-head) payload layout
   a tensor-parallel engine converts its rank slices to and from (imported only with ``tp > 1``).
 

@@ -239,14 +239,8 @@ def store_summary(cfg, in_use: bool) -> str:
     """The Store part of the startup line for an engine config (``PytorchEngineConfig``):
     ``'no Store'`` when ``in_use`` is False (none configured, or the engine did not use it),
     ``'file Store in DIR'``, ``'embedded Mooncake Store'`` or ``'Mooncake Store at HOST:PORT'``."""
-    if not in_use:
-        return 'no Store'
-    if (cfg.store_backend or '').startswith('file:'):
-        from ...pytorch.store.file_backend import parse_store_backend
-        return f'file Store in {os.path.abspath(parse_store_backend(cfg.store_backend)[1])}'
-    if cfg.mooncake_master == 'local':
-        return 'embedded Mooncake Store'
-    return f'Mooncake Store at {cfg.mooncake_master}'
+    from ...pytorch.store.open_backend import describe_store
+    return describe_store(cfg) if in_use else 'no Store'
 
 
 def _exit_on_sigterm(signum, frame) -> None:
