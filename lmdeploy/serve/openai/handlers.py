@@ -5,7 +5,7 @@ small endpoints (models, health, metrics, ledger).
 Chat-template rendering, tokenization and request checks run in worker threads (the ``_plan_*``
 and ``_jobs`` methods say "worker thread"), so one huge prompt never stalls other clients or
 ``/health``. The chat and completions endpoints are in :mod:`.chat_route` and
-:mod:`.completions_route`; :class:`~.api_server._Server` joins them.
+:mod:`.completions_route`; :class:`~.api_server.Server` joins them.
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts
 from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import APIError
-from .generation import _shutting_down
+from .generation import shutting_down
 from .lifecycle import Drain
 from .protocol import ChatCompletionRequest, DecodedInts, ModelCard, ModelList, NamedToolChoice
 from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
 from .tool_parser import detect_tool_format, get_tool_parser
 
-__all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT', 'served_names', 'current_tenant', 'tenant_of']
+__all__ = ['ServerBase', 'served_names', 'current_tenant', 'tenant_of']
 
 
 def served_names(model_name: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -74,7 +74,7 @@ def _resolve_parser(choice: str, template: str, marker: str, default: str) -> st
 
 
 @dataclass
-class _ChatPlan:
+class ChatPlan:
     """What the worker thread prepared for a chat request: the jobs and per-choice output parsers,
     the prompt's images and its shared head (tokens of the rendered system messages and tools,
     :func:`~lmdeploy.serve.pipeline.shared_head_tokens`; None without one)."""
@@ -132,7 +132,7 @@ class ServerBase:
         keys (when keys are set); then the request's tenant (:func:`current_tenant`) is its key's.
         (async: the tenant is set in the request's own task, where its handler runs.)"""
         if self.drain.draining:
-            raise _shutting_down()
+            raise shutting_down()
         if not self.api_keys:
             return
         anthropic = request.headers.get('x-api-key')        # Anthropic clients send the key this way
@@ -173,7 +173,7 @@ class ServerBase:
         # a digest keeps the combined salt within the engine's length bound whatever the client sent
         return 'tenant:' + hashlib.sha256(f'{tenant}\0{salt}'.encode('utf-8')).hexdigest()
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
         if name not in self.model_names:
             served = ', '.join(repr(n) for n in self.model_names)
             raise APIError(404, f'the model {name!r} does not exist; this server serves {served} (start it with '
@@ -232,7 +232,7 @@ class ServerBase:
                 jobs.append((ids, cfg))
         return jobs
 
-    def _plan_chat(self, req: ChatCompletionRequest) -> _ChatPlan:
+    def plan_chat(self, req: ChatCompletionRequest) -> ChatPlan:
         """Render, tokenize and check a chat request (worker thread)."""
         use_tools = bool(req.tools) and req.tool_choice != 'none'
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
@@ -297,7 +297,7 @@ class ServerBase:
         jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param,
                           req.prompt_logprobs)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
-        return _ChatPlan(jobs, outputs, images, shared_head)
+        return ChatPlan(jobs, outputs, images, shared_head)
 
     @staticmethod
     def _structured(response_format):
@@ -332,11 +332,11 @@ class ServerBase:
 
     async def model(self, model_id: str) -> dict:
         """``GET /v1/models/{model_id}``: the card of a served name, or 404 naming the id."""
-        self._check_model(model_id)
+        self.check_model(model_id)
         return self._card(model_id).model_dump()
     async def health(self):
         if self.drain.draining:
-            raise _shutting_down()
+            raise shutting_down()
         return {'status': 'ok'}
 
     def prometheus(self) -> Response:
