@@ -62,7 +62,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from throughput_measure import LlamaCpp, PeakRSS, _reset_peak_rss, _status_kb, count_ops, measure, summarize  # noqa: E402,F401,E501
+from throughput_measure import LlamaCpp, PeakRSS, count_ops, measure, summarize  # noqa: E402,F401
 
 PRESETS = {
     # fast enough to run on a shared 2-core machine
