@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 
-from .tool_call import STRICT_JSON, ParsedCall, ToolParser, partial_suffix, top_level_members
+from .tool_call import STRICT_JSON, ParsedCall, StateMachineSegmenter, ToolParser, partial_suffix, top_level_members
 
 __all__ = ['QwenXMLToolParser']
 
@@ -73,23 +73,15 @@ def _is_json_of(value, types: set[str]) -> bool:
         (kind == 'number' and 'integer' in types and value.is_integer())
 
 
-class _Segmenter:
+class _Segmenter(StateMachineSegmenter):
     """The state machine of one reply (see the module docstring). States: ``text``, ``open``
     (after ``<tool_call>``), ``params`` (inside ``<function=...>``), ``value`` (a string
     parameter being streamed), ``close`` (after ``</function>``)."""
 
     def __init__(self, parser: QwenXMLToolParser):
-        self.p = parser
-        self.state, self.buf = 'text', ''
+        super().__init__(parser)
         self.schema: dict = {}          # properties of the open call's function
         self.count = 0                  # parameters written into the open call
-
-    def feed(self, delta: str, final: bool) -> list:
-        self.buf += delta
-        out: list = []
-        while self._step(out, final):
-            pass
-        return out
 
     def _args(self, out: list, piece: str) -> None:
         out.append(('args', piece))

@@ -22,8 +22,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-__all__ = ['ParsedCall', 'ParseResult', 'ToolParser', 'ToolCallStream', 'merge_tool_call_fragments', 'STRICT_JSON',
-           'JSON_WHITESPACE', 'top_level_members', 'partial_suffix']
+__all__ = ['ParsedCall', 'ParseResult', 'ToolParser', 'StateMachineSegmenter', 'ToolCallStream',
+           'merge_tool_call_fragments', 'STRICT_JSON', 'JSON_WHITESPACE', 'top_level_members', 'partial_suffix']
 
 
 @dataclass
@@ -208,6 +208,29 @@ class _BufferedSegmenter:
         segments, used = self.parser.segments(self.buffer, final)
         self.buffer = '' if final else self.buffer[used:]
         return segments
+
+
+class StateMachineSegmenter:
+    """An incremental segmenter written as a state machine over the text not yet consumed
+    (``buf``; ``state`` starts at ``'text'``): :meth:`feed` appends a delta and runs
+    :meth:`_step` until it needs more text. Formats that stream a call's arguments subclass it."""
+
+    def __init__(self, parser: ToolParser):
+        self.p = parser
+        self.state, self.buf = 'text', ''
+
+    def feed(self, delta: str, final: bool) -> list:
+        """Segments of ``delta`` (and of what was held back), in order; with ``final`` all is out."""
+        self.buf += delta
+        out: list = []
+        while self._step(out, final):
+            pass
+        return out
+
+    def _step(self, out: list, final: bool) -> bool:
+        """One transition, appending segments to ``out``; False when it needs more text (or,
+        when ``final``, all is out)."""
+        raise NotImplementedError
 
 
 class ToolCallStream:

@@ -36,7 +36,8 @@ import json
 
 from .json_prefix import JSONPrefix
 from .qwen_xml_parser import QwenXMLToolParser
-from .tool_call import JSON_WHITESPACE, STRICT_JSON, ParsedCall, ToolParser, partial_suffix, top_level_members
+from .tool_call import (JSON_WHITESPACE, STRICT_JSON, ParsedCall, StateMachineSegmenter, ToolParser, partial_suffix,
+                        top_level_members)
 
 __all__ = ['HermesToolParser', 'register_tool_parser', 'get_tool_parser', 'detect_tool_format', 'TOOL_PARSERS']
 
@@ -231,7 +232,7 @@ def _stream_head(text: str, i: int) -> tuple[str, str | None, int]:
     return ('yes', name, j) if text[k] in '"}' else ('no', None, 0)
 
 
-class _HermesSegmenter:
+class _HermesSegmenter(StateMachineSegmenter):
     """The incremental segmenter of the hermes format (see :class:`HermesToolParser`). States:
     ``text``; ``head`` (a ``<tool_call>`` and ``{`` read, the name not yet); ``args`` (the call
     is open, its arguments stream through :class:`JSONPrefix`); ``tail`` (the arguments closed:
@@ -239,16 +240,8 @@ class _HermesSegmenter:
     ``</tool_call>``); ``block`` (a block of another shape, parsed whole once it ends)."""
 
     def __init__(self, parser: HermesToolParser):
-        self.p = parser
-        self.state, self.buf = 'text', ''
+        super().__init__(parser)
         self.json: JSONPrefix | None = None
-
-    def feed(self, delta: str, final: bool) -> list:
-        self.buf += delta
-        out: list = []
-        while self._step(out, final):
-            pass
-        return out
 
     def _close_args(self, out: list) -> None:
         closing = self.json.closing()
