@@ -299,7 +299,7 @@ class MessagesAPI:
         chat = self._chat(req)
         self.server.check_model(chat.model)
         plan = await run_in_threadpool(self.server.plan_chat, chat)
-        return {'input_tokens': len(plan.jobs[0][0])}
+        return {'input_tokens': len(plan.jobs[0].token_ids)}
 
     async def create(self, req: MessagesRequest, request: Request):
         run = ChatRun(self.server, self._chat(req))

@@ -222,31 +222,6 @@ def check_port_free(host: str, port: int) -> None:
                              f'{hint}') from None
 
 
-def _engine_summary(engine) -> str:
-    """One line on what the engine sized: KV blocks, state slots, and the Store backend really in
-    use (its folder for ``file:DIR``, the master's address for an external Mooncake master)."""
-    cfg = engine.config
-    parts = [f'{engine.block_manager.num_blocks} KV blocks x {cfg.block_size} tokens on {engine.device}']
-    if engine.cache_engine.num_slots:
-        parts.append(f'{engine.cache_engine.num_slots} state slots')
-    parts.append(store_summary(cfg, engine.store is not None))
-    return ', '.join(parts)
-
-
-def store_summary(cfg, in_use: bool) -> str:
-    """The Store part of the startup line for an engine config (``PytorchEngineConfig``):
-    ``'no Store'`` when ``in_use`` is False (none configured, or the engine did not use it),
-    ``'file Store in DIR'``, ``'embedded Mooncake Store'`` or ``'Mooncake Store at HOST:PORT'``."""
-    if not in_use:
-        return 'no Store'
-    if (cfg.store_backend or '').startswith('file:'):
-        from ...pytorch.store.file_backend import parse_store_backend
-        return f'file Store in {os.path.abspath(parse_store_backend(cfg.store_backend)[1])}'
-    if cfg.mooncake_master == 'local':
-        return 'embedded Mooncake Store'
-    return f'Mooncake Store at {cfg.mooncake_master}'
-
-
 def _exit_on_sigterm(signum, frame) -> None:
     # uvicorn catches SIGTERM, shuts down, then raises the signal again under the handler it
     # found at startup; under the default disposition that kills the process before run_server's
@@ -295,8 +270,8 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
     def engine_died(err):   # e.g. a tensor-parallel worker died: requests failed, end the server
         logger.critical('engine stopped: %s; shutting the server down', err)
         os.kill(os.getpid(), signal.SIGTERM)
-    pipe.loop.on_fatal = engine_died
-    logger.info('engine ready in %.1f s: %s', time.perf_counter() - started, _engine_summary(pipe.engine))
+    pipe.on_engine_failure(engine_died)
+    logger.info('engine ready in %.1f s: %s', time.perf_counter() - started, pipe.summary())
     try:
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,

@@ -89,8 +89,7 @@ class ChatRun:
         self.server.check_model(self.chat.model)
         plan = await run_in_threadpool(self.server.plan_chat, self.chat)
         self.output = plan.outputs[0]
-        self.gen = _Recorded(self.server, plan.jobs, 1, plan.multimodal, [self.output.first_call_stop()],
-                             shared_head=plan.shared_head)
+        self.gen = _Recorded(self.server, plan.jobs, 1, [self.output.first_call_stop()])
 
     async def collect(self, request: Request) -> tuple[dict, str | None, dict]:
         """Generate the whole reply: ``(chat message, finish reason, chat usage)``.

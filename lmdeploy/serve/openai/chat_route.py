@@ -21,8 +21,7 @@ class ChatRoutes:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         plan = await run_in_threadpool(self.plan_chat, req)
-        gen = Generation(self, plan.jobs, req.n, plan.multimodal, [out.first_call_stop() for out in plan.outputs],
-                          shared_head=plan.shared_head)
+        gen = Generation(self, plan.jobs, req.n, [out.first_call_stop() for out in plan.outputs])
         rid, created = new_id('chatcmpl'), now()
         head = {'id': rid, 'object': 'chat.completion', 'created': created, 'model': self.model_name}
         top = req.top_logprobs or 0

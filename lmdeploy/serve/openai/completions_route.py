@@ -47,7 +47,7 @@ class CompletionRoutes:
             opts = req.stream_options
             return SSEResponse(self._completion_events(gen, head, bool(opts and opts.include_usage),
                                                         req.logprobs is not None, top, echoed,
-                                                        [ids for ids, _ in jobs], req.prompt_logprobs, stops,
+                                                        [job.token_ids for job in jobs], req.prompt_logprobs, stops,
                                                         bool(opts and opts.continuous_usage_stats)))
         await gen.collect(request)
         choices = []
@@ -56,7 +56,8 @@ class CompletionRoutes:
                       'finish_reason': c.finish_reason, 'matched_stop': gen.matched_stop(i, stops)}
             if req.logprobs is not None:
                 offsets = TextOffsets(self.texts)
-                head_lp = echo_logprobs(self.texts, jobs[i][0], c.prompt_logprobs, top, offsets) if echoed else None
+                head_lp = (echo_logprobs(self.texts, jobs[i].token_ids, c.prompt_logprobs, top, offsets)
+                           if echoed else None)
                 choice['logprobs'] = merge_completion_logprobs(head_lp, completion_logprobs(self.texts, c.logprobs,
                                                                                            top, offsets))
             if req.prompt_logprobs is not None:

@@ -18,8 +18,8 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ...messages import GenerationConfig
 from ...messages import Response as EngineResponse
+from ...pytorch.engine.requests import CheckedRequest
 from .errors import APIError, error_body
 from .lifecycle import ShuttingDown
 from .protocol import Usage
@@ -71,10 +71,10 @@ class Generation:
 
     Args:
         server: the owning server (:class:`~.api_server.Server`: its pipe, metrics, drain).
-        jobs: ``(token_ids, gen_config)`` per choice, prompt-major (choice i = prompt i // n).
+        jobs: one checked request per choice (:class:`~lmdeploy.pytorch.engine.requests.CheckedRequest`:
+            token ids, options, the prompt's images and shared head), prompt-major (choice i =
+            prompt i // n).
         n: choices per prompt.
-        multimodal: the prompt's images (chat requests: one prompt).
-        shared_head: tokens of the chat prompt's shared head (system messages and tools), or None.
         stops: per choice, None or a function of the choice's text so far that returns how many
             characters to keep once the reply must end (``parallel_tool_calls: false``: just after
             the first call); the choice then ends with ``"stop"`` and its engine request is
@@ -82,16 +82,13 @@ class Generation:
             generated or billed.
     """
 
-    def __init__(self, server, jobs: list[tuple[list[int], GenerationConfig]], n: int,
-                 multimodal: tuple = (), stops: list | None = None, shared_head: int | None = None):
+    def __init__(self, server, jobs: list[CheckedRequest], n: int, stops: list | None = None):
         self.server = server
         self.jobs = jobs
         self.stops = stops or [None] * len(jobs)
-        self.multimodal = multimodal        # the prompt's images (chat requests: one prompt)
-        self.shared_head = shared_head      # the chat prompt's head length, for its checkpoint
         self.n = n
         self.start = time.perf_counter()
-        self.choices = [Choice(len(ids)) for ids, _ in jobs]
+        self.choices = [Choice(len(job.token_ids)) for job in jobs]
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def end(self) -> None:
@@ -108,18 +105,17 @@ class Generation:
         queue = self.queue
         pipe, metrics, drain = self.server.pipe, self.server.metrics, self.server.drain
 
-        async def run(index: int, ids: list[int], cfg: GenerationConfig):
+        async def run(index: int, job: CheckedRequest):
             try:
-                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal, stop_at=self.stops[index],
-                                                  shared_head_tokens=self.shared_head)) as gen:
+                async with aclosing(pipe.generate(job, stop_at=self.stops[index])) as gen:
                     async for r in gen:
                         queue.put_nowait((index, r))
             except Exception as err:      # handed to the consumer, which answers with an error
                 queue.put_nowait((index, err))
 
         metrics.requests_running.inc(len(self.jobs))
-        metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in self.jobs))
-        tasks = [asyncio.create_task(run(i, ids, cfg)) for i, (ids, cfg) in enumerate(self.jobs)]
+        metrics.prompt_tokens.inc(sum(len(job.token_ids) for job in self.jobs))
+        tasks = [asyncio.create_task(run(i, job)) for i, job in enumerate(self.jobs)]
         drain.add(self)
         live = len(tasks)
         try:
