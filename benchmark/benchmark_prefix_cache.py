@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / 'benchmark'))
-from prefix_cache_server import BenchmarkError, PromptMaker, Server, TurnResult, _free_port  # noqa
+from prefix_cache_server import BenchmarkError, PromptMaker, Server, TurnResult  # noqa
 from simulate_store_writes import Scenario, seed_scenarios, simulate, sizes_from_config, truncate_percent  # noqa
 
 SCENARIO_KEYS = ('8k', '16k', '32k', '64k', 'mt4k', 'mt16k')   # seed_scenarios() order

@@ -66,7 +66,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_bytes import decode_step_bytes, measure_gemv_bandwidth  # noqa: E402
-from throughput_measure import LlamaCpp, PeakRSS, _reset_peak_rss, _status_kb, count_ops, measure, summarize  # noqa: E402,F401,E501
+from throughput_measure import LlamaCpp, PeakRSS, count_ops, measure, summarize  # noqa: E402,F401
 
 PRESETS = {
     # fast enough to run on a shared 2-core machine

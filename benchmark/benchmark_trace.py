@@ -87,12 +87,12 @@ def model_sizes(model: str, block_size: int) -> tuple[int, int]:
     Raises:
         ValueError: an unknown preset name.
     """
-    from benchmark.store_presets import QWEN3_NEXT_80B_CONFIG, _glm_5_3_flash_sizes, sizes_from_config
+    from benchmark.store_presets import QWEN3_NEXT_80B_CONFIG, glm_5_3_flash_sizes, sizes_from_config
     if model == 'qwen3-next-80b':
         sizes = sizes_from_config(QWEN3_NEXT_80B_CONFIG, block_size=block_size)
     elif model == 'glm-5.3-flash':
         seed_deployment = argparse.Namespace(tp=None, kv_dtype=None, state_dtype=None, mtp=None)
-        sizes = _glm_5_3_flash_sizes(seed_deployment, block_size)
+        sizes = glm_5_3_flash_sizes(seed_deployment, block_size)
     else:
         raise ValueError(f"--model must be 'qwen3-next-80b' or 'glm-5.3-flash', got {model!r}")
     return sizes.state_bytes, sizes.kv_block_bytes

@@ -72,14 +72,13 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# the simulator's model and the preset sizes live in two modules; every name stays importable from here
+# the simulator's model and the preset sizes live in two modules; their public names stay importable from here
 from benchmark.store_presets import (DTYPE_BYTES, GRANITE_4_0_H_SMALL_CONFIG, KIMI_LINEAR_48B_CONFIG,  # noqa: E402,F401
-                                     LFM2_1_2B_CONFIG, NEMOTRON_3_NANO_30B_CONFIG, QWEN3_NEXT_80B_CONFIG, SEED_STATE_TO_BLOCK_RATIO,
-                                     TINY_CONFIG, StoreSizes, _dtype_bytes, _engine_config,
-                                     _glm_5_3_flash_sizes, _TORCH_DTYPE, _with_dtypes, sizes_from_config)
+                                     LFM2_1_2B_CONFIG, NEMOTRON_3_NANO_30B_CONFIG, QWEN3_NEXT_80B_CONFIG,
+                                     SEED_STATE_TO_BLOCK_RATIO, TINY_CONFIG, StoreSizes, glm_5_3_flash_sizes, sizes_from_config)
 from benchmark.store_sim import (DEFAULT, DEFAULT_ALIGNMENT, DEFAULT_BLOCK, DEFAULT_CHUNK, JUNCTION,  # noqa: E402,F401
                                  KTOK, LAST_ONLY, TURN_END, Branching, Policy, PolicyResult, Request, Scenario,
-                                 SimulationResult, TurnResult, _check_sizes, _junction, _requests, _simulate_policy,
+                                 SimulationResult, TurnResult,
                                  branching_scenario, seed_scenarios, simulate, simulate_policies)
 
 
@@ -164,7 +163,7 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
     elif args.preset == 'kimi-linear-48b':
         config = KIMI_LINEAR_48B_CONFIG
     elif args.preset == 'glm-5.3-flash':
-        return _glm_5_3_flash_sizes(args, block_size), 'bytes'
+        return glm_5_3_flash_sizes(args, block_size), 'bytes'
     elif args.preset == 'nemotron-3-nano-30b':
         config = NEMOTRON_3_NANO_30B_CONFIG
     elif args.preset == 'granite-4.0-h-small':

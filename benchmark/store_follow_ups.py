@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark.simulate_store_writes import Policy, Request, _simulate_policy  # noqa: E402
+from benchmark.store_sim import Policy, Request, simulate_policy  # noqa: E402
 from lmdeploy.pytorch.paging.prefill_plan import is_reusable  # noqa: E402
 
 WORKLOADS = ('continue', 'regenerate', 'edit')
@@ -77,7 +77,7 @@ def follow_ups(n: int, reply: int, state_bytes: int, kv_block_bytes: int, *, chu
     out = []
     for name in policies:
         policy = Policy.parse(name)
-        (turn, ) = _simulate_policy([Request(n, reply)], policy, state_bytes, kv_block_bytes, chunk_size, B,
+        (turn, ) = simulate_policy([Request(n, reply)], policy, state_bytes, kv_block_bytes, chunk_size, B,
                                     alignment, token_lookahead, r).turns
         states = tuple(sorted(b for b in turn.save_points + [turn.turn_end_point]
                               if b is not None and b != turn.local_only))

@@ -183,7 +183,7 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(rank, block_size), tp, *charged)
 
 
-def _glm_5_3_flash_sizes(args: argparse.Namespace, block_size: int) -> StoreSizes:
+def glm_5_3_flash_sizes(args: argparse.Namespace, block_size: int) -> StoreSizes:
     """The GLM-5.3-Flash preset (benchmark/glm5_next_sizes.py): the seed deployment's TP, KV
     dtype and MTP unless given."""
     import torch

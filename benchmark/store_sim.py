@@ -264,7 +264,7 @@ def _junction(n: int, cached: int, matched: int, block_size: int, alignment: int
     return None
 
 
-def _simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: int, kv_block_bytes: int,
+def simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: int, kv_block_bytes: int,
                      chunk_size: int, block_size: int, alignment: int, token_lookahead: int,
                      recompute_blocks: int) -> PolicyResult:
     B, r = block_size, recompute_blocks
@@ -370,8 +370,8 @@ def simulate(scenario: Scenario | Branching | Sequence[int], state_bytes: int, k
     scenario, requests = _requests(scenario)
     _check_sizes(state_bytes, kv_block_bytes)
     args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks)
-    return SimulationResult(scenario, _simulate_policy(requests, DEFAULT, *args),
-                            _simulate_policy(requests, LAST_ONLY, *args))
+    return SimulationResult(scenario, simulate_policy(requests, DEFAULT, *args),
+                            simulate_policy(requests, LAST_ONLY, *args))
 
 
 def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_bytes: int, kv_block_bytes: int, *,
@@ -388,4 +388,4 @@ def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_byte
     _check_sizes(state_bytes, kv_block_bytes)
     args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks)
     chosen = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
-    return {p.name: _simulate_policy(requests, p, *args) for p in chosen}
+    return {p.name: simulate_policy(requests, p, *args) for p in chosen}

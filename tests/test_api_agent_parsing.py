@@ -81,14 +81,14 @@ def _tokenizer(path):
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(_JSON.map(json.dumps), st.text(alphabet='{}[]":, \n0aen\\', max_size=24)))
 def test_object_member_scan_agrees_with_json_loads(text):
-    from lmdeploy.serve.openai.tool_parser import _top_level_members
+    from lmdeploy.serve.openai.tool_call import top_level_members
     def refuse(name):
         raise ValueError(name)
     try:
         ref = json.loads(text, parse_constant=refuse)        # strict JSON: no NaN / Infinity
     except ValueError:
         ref = None
-    got = _top_level_members(text)
+    got = top_level_members(text)
     if not isinstance(ref, dict):
         assert got is None
     else:

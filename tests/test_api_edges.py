@@ -261,7 +261,8 @@ def test_streamed_call_cut_anywhere_equals_the_parsed_reply(args, separators, fm
     """A call cut at any character and streamed in any chunking: the streamed name and argument
     fragments equal the non-streamed parse; once the name has gone out, the arguments are strict
     JSON; uncut, they are the model's own text."""
-    from lmdeploy.serve.openai.tool_parser import get_tool_parser, merge_tool_call_fragments
+    from lmdeploy.serve.openai.tool_call import merge_tool_call_fragments
+    from lmdeploy.serve.openai.tool_parser import get_tool_parser
     schema = {'type': 'object', 'properties': {k: {} for k in args}}
     parser = get_tool_parser(fmt, [{'type': 'function', 'function': {'name': 'ls', 'parameters': schema}}])
     raw = json.dumps(args, separators=separators)

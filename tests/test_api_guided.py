@@ -145,7 +145,8 @@ def test_cache_salt_through_the_api(client):
 def test_grammar_format_of_a_parser():
     """A parser's grammar: its grammar_format attribute, else its name; none registered -> None."""
     from lmdeploy.serve.openai.structured import grammar_tool_format
-    from lmdeploy.serve.openai.tool_parser import TOOL_PARSERS, ToolParser, register_tool_parser
+    from lmdeploy.serve.openai.tool_call import ToolParser
+    from lmdeploy.serve.openai.tool_parser import TOOL_PARSERS, register_tool_parser
     assert grammar_tool_format(None) == grammar_tool_format('hermes') == 'hermes'
 
     @register_tool_parser('test_xml_calls')

@@ -88,11 +88,11 @@ def test_the_startup_line_names_the_store_backend_really_used(config, in_use, li
     from types import SimpleNamespace
 
     from lmdeploy import PytorchEngineConfig
-    from lmdeploy.serve.openai.api_server import _engine_summary
+    from lmdeploy.serve.pipeline import engine_summary
     cfg = PytorchEngineConfig(enable_prefix_caching=True, block_size=16, **config)
     engine = SimpleNamespace(config=cfg, device='cpu', block_manager=SimpleNamespace(num_blocks=64),
                              cache_engine=SimpleNamespace(num_slots=4), store=object() if in_use else None)
-    assert _engine_summary(engine) == f'64 KV blocks x 16 tokens on cpu, 4 state slots, {line}'
+    assert engine_summary(engine) == f'64 KV blocks x 16 tokens on cpu, 4 state slots, {line}'
 
 
 def test_mooncake_client_logs_keep_the_latest_few_and_never_a_running_process(tmp_path, monkeypatch):

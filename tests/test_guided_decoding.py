@@ -148,10 +148,10 @@ def test_parallel_calls_are_one_or_more_valid_calls(engine):
 def test_invalid_schema_is_a_value_error_naming_it(engine):
     for bad in ({'type': 'objectx'}, {'type': 'object', 'properties': {'a': {'$ref': '#/missing'}}}):
         with pytest.raises(ValueError, match=r'structured_output\.json_schema'):
-            engine.validate([1], _schema_cfg(bad))
+            engine.requests.check([1], _schema_cfg(bad))
     spec = StructuredOutput(type='tool_calls', tools=[ToolSchema(name='f', parameters={'type': 'nope'})])
     with pytest.raises(ValueError, match="structured_output.tools: .*function 'f'"):
-        engine.validate([1], GenerationConfig(structured_output=spec))
+        engine.requests.check([1], GenerationConfig(structured_output=spec))
     assert engine.ledger()['grammar_matchers'] == 0
 
 

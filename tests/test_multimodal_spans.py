@@ -159,7 +159,7 @@ def test_same_text_different_image_never_hits_past_the_image_start(tiny_qwen3_ne
     first = eng.generate(ids, GEN, multimodal=(image(80, 140, b'cat'),))
     assert first.stats.save_points == [64, 192]
     dog = (image(80, 140, b'dog'),)
-    other = eng.make_sequence(ids, GEN, multimodal=dog)
+    other = eng.requests.sequence(eng.requests.check(ids, GEN, multimodal=dog))
     # blocks match up to the image's block (80 tokens), never past it
     assert len(eng.prefix_cache.local.trie.match(ids, eng.prefix_cache.hashes(other))) == 80 // B
     other = eng.generate(ids, GEN, multimodal=dog)
@@ -176,7 +176,7 @@ def test_store_keys_carry_the_image_from_its_block_on(tiny_qwen3_next):
     ids = prompt(200, 4)
     keys = {}
     for tag in (b'cat', b'dog', b'cat2'):
-        seq = eng.make_sequence(ids, GEN, multimodal=(image(80, 140, tag[:3]),))
+        seq = eng.requests.sequence(eng.requests.check(ids, GEN, multimodal=(image(80, 140, tag[:3]),)))
         keys[tag] = [object_key('ab' * 16, 'state', h.hex()) for h in eng.prefix_cache.hashes(seq)]
     first = 80 // B
     assert keys[b'cat'][:first] == keys[b'dog'][:first]

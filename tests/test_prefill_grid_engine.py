@@ -104,4 +104,4 @@ def test_raw_prompts_and_requests_without_a_system_message_have_no_head(tiny_qwe
         head = pipe.shared_head(dev, pipe.encode(dev))
         assert head == len(pipe.tokenize('<|im_start|>system\nbe brief<|im_end|>\n'))
         with pytest.raises(ValueError, match='shared_head_tokens'):
-            pipe.engine.make_sequence([5, 6, 7], shared_head_tokens=-1)
+            pipe.engine.requests.check([5, 6, 7], shared_head_tokens=-1)

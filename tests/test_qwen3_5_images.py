@@ -149,10 +149,10 @@ def test_images_are_validated(tiny_qwen3_5, hf_vl, image_processor):
     eng = make_engine(tiny_qwen3_5, block_size=16)
     bad = MultimodalInput(mms[0].start, mms[0].end - 1, mms[0].content_hash, mms[0].data)
     with pytest.raises(ValueError, match='span of'):
-        eng.make_sequence(ids, multimodal=(bad,))
+        eng.requests.check(ids, multimodal=(bad,))
     shifted = MultimodalInput(mms[0].start - 1, mms[0].end - 1, mms[0].content_hash, mms[0].data)
     with pytest.raises(ValueError, match='only the image token'):
-        eng.make_sequence(ids, multimodal=(shifted,))
+        eng.requests.check(ids, multimodal=(shifted,))
 
 
 def _data_url(image):

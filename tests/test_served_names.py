@@ -75,13 +75,13 @@ def test_a_prompt_over_session_len_is_a_400_naming_the_flag_and_the_models_limit
 def test_the_too_long_message_names_what_set_session_len(tiny_qwen3):
     explicit = make_engine(tiny_qwen3, session_len=100, block_size=16, num_gpu_blocks=64)
     with pytest.raises(ValueError) as err:
-        explicit.validate(list(range(3, 153)), __import__('lmdeploy').GenerationConfig())
+        explicit.requests.check(list(range(3, 153)), __import__('lmdeploy').GenerationConfig())
     assert str(err.value) == ('the prompt has 150 tokens, which does not fit session_len=100 (at most 99 prompt '
                               'tokens); start the server with a larger --session-len (session_len), e.g. '
                               '--session-len 256')
     small_cache = make_engine(tiny_qwen3, block_size=16, num_gpu_blocks=4)      # 64 tokens < 32768
     with pytest.raises(ValueError) as err:
-        small_cache.validate(list(range(3, 103)), __import__('lmdeploy').GenerationConfig())
+        small_cache.requests.check(list(range(3, 103)), __import__('lmdeploy').GenerationConfig())
     assert str(err.value).endswith('session_len=64 (at most 63 prompt tokens); the KV cache holds only 4 blocks x '
                                    '16 tokens: give it more with --num-gpu-blocks (num_gpu_blocks) or '
                                    '--cache-max-entry-count (cache_max_entry_count)'), str(err.value)

@@ -233,7 +233,7 @@ def test_sampling_with_drafts_keeps_the_plain_distribution(tiny_qwen3_next):
     def probs_after(tokens):
         ref.generate(tokens, GenerationConfig(max_new_tokens=1))
         row = ref.model_runner.last_logits[0]
-        return target_distribution(row, ref.make_sequence(tokens, GenerationConfig(**gen)))[1]
+        return target_distribution(row, ref.requests.sequence(ref.requests.check(tokens, GenerationConfig(**gen))))[1]
 
     p1 = probs_after(ids)
     support = p1.nonzero().flatten().tolist()

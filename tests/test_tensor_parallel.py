@@ -328,7 +328,8 @@ def test_killing_a_worker_mid_request_ends_the_engine_with_an_error_naming_the_r
     pid = eng.executor.pids[0]
     loop = EngineLoop(eng)
     try:
-        handle = loop.submit(random_prompt(40, 9), GenerationConfig(max_new_tokens=200, ignore_eos=True))
+        gen = GenerationConfig(max_new_tokens=200, ignore_eos=True)
+        handle = loop.submit(eng.requests.check(random_prompt(40, 9), gen))
         assert handle.get(timeout=60).token_ids        # running: the first token arrived
         os.kill(pid, signal.SIGKILL)
         reason = None
@@ -342,7 +343,7 @@ def test_killing_a_worker_mid_request_ends_the_engine_with_an_error_naming_the_r
         assert loop.fatal_error.rank == 1 and 'rank 1' in str(loop.fatal_error)
         assert 'signal 9' in str(loop.fatal_error)
         with pytest.raises(RuntimeError, match='rank 1'):
-            loop.submit([5, 6, 7], GEN)
+            loop.submit(eng.requests.check([5, 6, 7], GEN))
     finally:
         loop.close()
     assert not _pid_alive(pid)

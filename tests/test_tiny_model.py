@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmdeploy.tools.make_tiny_model import add_parser, make_tiny_model
+from lmdeploy.cli.tiny_model import add_parser
+from lmdeploy.tools.make_tiny_model import make_tiny_model
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ('config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json')

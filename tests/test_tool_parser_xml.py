@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from lmdeploy.serve.openai.chat_output import ChatOutput
 from lmdeploy.serve.openai.reasoning_parser import get_reasoning_parser
-from lmdeploy.serve.openai.tool_parser import detect_tool_format, get_tool_parser, merge_tool_call_fragments
+from lmdeploy.serve.openai.tool_call import merge_tool_call_fragments
+from lmdeploy.serve.openai.tool_parser import detect_tool_format, get_tool_parser
 
 _NAME = st.text(alphabet='abcdefghijklmnopqrstuvwxyzABCXYZ0123456789_-', min_size=1, max_size=12)
 _STRING = st.text(max_size=16).filter(lambda s: '</parameter>' not in s)

@@ -74,14 +74,13 @@ def _is_number(token: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     """The full ``lmdeploy`` argument parser."""
     from .. import __version__
-    from ..tools import tiny_args
-    from . import chat, serve
+    from . import chat, serve, tiny_model
     parser = _Parser(prog='lmdeploy', description='Inference engine for hybrid-attention LLMs.')
     parser.add_argument('--version', action='version', version=f'lmdeploy {__version__}')
     subparsers = parser.add_subparsers(dest='command', metavar='COMMAND', required=True)
     serve.add_parser(subparsers)
     chat.add_parser(subparsers)
-    tiny_args.add_parser(subparsers)
+    tiny_model.add_parser(subparsers)
     for leaf in _command_parsers(parser):
         leaf.set_defaults(_command_parser=leaf)
     return parser

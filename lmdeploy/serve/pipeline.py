@@ -30,10 +30,11 @@ from typing import AsyncIterator, Iterator
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
+from ..pytorch.engine.requests import CheckedRequest
 from ..pytorch.engine.stop_strings import Detokenizer as _Detokenizer
 from .images import ImageInputs, extract_images, has_images
 
-__all__ = ['Pipeline', 'ChatSession', 'render_chat', 'shared_head_tokens']
+__all__ = ['Pipeline', 'ChatSession', 'render_chat', 'shared_head_tokens', 'engine_summary', 'store_summary']
 
 
 # transformers resolves its names lazily on first use (``_LazyModule``); two threads doing that
@@ -221,12 +222,17 @@ class Pipeline:
                              f'from the original checkpoint')
         with _TRANSFORMERS_LOCK:        # resolves (imports) the tokenizer class
             self.tokenizer = auto_tokenizer.from_pretrained(model_path, local_files_only=True)
-        self.engine.tokenizer = self.tokenizer      # the engine ends replies at stop strings itself
+        self.engine.requests.tokenizer = self.tokenizer      # the engine ends replies at stop strings itself
         self.model_path = model_path
         self.loop = EngineLoop(self.engine)
         self._images: ImageInputs | None = None      # the image processor, loaded on first use
 
     # input -----------------------------------------------------------------------------
+    @property
+    def session_len(self) -> int:
+        """Tokens one sequence may hold (prompt and reply); a prompt must be shorter."""
+        return self.engine.session_len
+
     @property
     def has_chat_template(self) -> bool:
         """Whether the tokenizer defines a chat template."""
@@ -272,7 +278,7 @@ class Pipeline:
             num, ids = len(enc), None
         limit = self.engine.session_len
         if check_length and num >= limit:
-            raise ValueError(self.engine.prompt_too_long(num))
+            raise ValueError(self.engine.requests.prompt_too_long(num))
         return list(enc.ids if ids is None else ids)
 
     @property
@@ -345,13 +351,27 @@ class Pipeline:
             raise ValueError('the prompt is empty: at least 1 token is required')
         return ids
 
-    def submit(self, prompt, gen_config: GenerationConfig | dict | None = None, loop=None,
-               do_preprocess: bool = True, multimodal: tuple = (),
-               shared_head_tokens: int | None = None) -> RequestHandle:
-        """Encode and queue one prompt; returns its handle. ``multimodal``: the images of a
-        token-id prompt already expanded by :meth:`encode_with_images`. ``shared_head_tokens``:
-        the head length of a token-id prompt rendered from a chat (:func:`shared_head_tokens`);
-        a message-list prompt's is found here."""
+    def check(self, token_ids: list[int], gen_config: GenerationConfig | dict | None = None, multimodal: tuple = (),
+              shared_head_tokens: int | None = None) -> CheckedRequest:
+        """Check every field of an encoded request once (the engine's
+        :meth:`~lmdeploy.pytorch.engine.requests.RequestFactory.check`); the checked
+        :class:`~lmdeploy.pytorch.engine.requests.CheckedRequest` to pass to :meth:`generate` (its
+        choices: :meth:`CheckedRequest.choice <lmdeploy.pytorch.engine.requests.CheckedRequest.choice>`).
+
+        Raises:
+            RequestError: a ValueError naming the refused field.
+        """
+        return self.engine.requests.check(token_ids, _as_config(gen_config, GenerationConfig, 'gen_config'),
+                                          multimodal=tuple(multimodal), shared_head_tokens=shared_head_tokens)
+
+    def _request(self, prompt, gen_config: GenerationConfig, do_preprocess: bool = True, multimodal: tuple = (),
+                 shared_head_tokens: int | None = None) -> CheckedRequest:
+        """Encode one prompt and check it. ``multimodal``: the images of a token-id prompt already
+        expanded by :meth:`encode_with_images`. ``shared_head_tokens``: the head length of a
+        token-id prompt rendered from a chat (:func:`shared_head_tokens`); a message-list
+        prompt's is found here."""
+        if isinstance(prompt, CheckedRequest):
+            return prompt
         if multimodal:
             if not (prompt and all(isinstance(t, int) for t in prompt)):
                 raise ValueError('multimodal inputs go with a token-id prompt')
@@ -360,8 +380,16 @@ class Pipeline:
             ids, images = self.encode_with_images(prompt, do_preprocess)
         if shared_head_tokens is None:
             shared_head_tokens = self.shared_head(prompt, ids)
-        return self.loop.submit(ids, _as_config(gen_config, GenerationConfig, 'gen_config'), loop=loop,
-                                multimodal=images, shared_head_tokens=shared_head_tokens)
+        return self.check(ids, gen_config, images, shared_head_tokens)
+
+    def submit(self, prompt, gen_config: GenerationConfig | dict | None = None, loop=None,
+               do_preprocess: bool = True, multimodal: tuple = (),
+               shared_head_tokens: int | None = None) -> RequestHandle:
+        """Encode, check and queue one prompt (or queue a checked :class:`CheckedRequest`, whose own
+        options are used); returns its handle. Arguments as :meth:`generate`."""
+        gen_config = _as_config(gen_config, GenerationConfig, 'gen_config')
+        return self.loop.submit(self._request(prompt, gen_config, do_preprocess, multimodal, shared_head_tokens),
+                                loop=loop)
 
     # sync API --------------------------------------------------------------------------
     def __call__(self, prompts, gen_config: GenerationConfig | dict | None = None, do_preprocess: bool = True):
@@ -396,12 +424,8 @@ class Pipeline:
         batch = [prompts] if _is_single(prompts) else list(prompts)
         # check every prompt before queueing any, so a bad one does not leave the others
         # running unattended in the engine
-        inputs = [self.encode_with_images(p, do_preprocess) for p in batch]
-        heads = [self.shared_head(p, ids) for p, (ids, _) in zip(batch, inputs)]
-        for ids, images in inputs:
-            self.engine.make_sequence(ids, gen_config, multimodal=images)     # validates, queues nothing
-        handles = [self.loop.submit(ids, gen_config, multimodal=images, shared_head_tokens=head)
-                   for (ids, images), head in zip(inputs, heads)]
+        requests = [self._request(p, gen_config, do_preprocess) for p in batch]
+        handles = [self.loop.submit(r) for r in requests]
         detoks = [_Detokenizer(self.tokenizer, gen_config.stop_words) for _ in batch]
         live = set(range(len(batch)))
         try:
@@ -423,14 +447,19 @@ class Pipeline:
                        do_preprocess: bool = True, multimodal: tuple = (),
                        stop_at=None, shared_head_tokens: int | None = None) -> AsyncIterator[Response]:
         """Async generator of :class:`Response` deltas for one prompt (used by the server, which
-        passes token ids it encoded off the event loop, with the chat's ``shared_head_tokens``).
+        passes a :class:`CheckedRequest` it encoded and checked off the event loop: :meth:`check`; its
+        options are then the request's own, and ``gen_config`` and the encoding arguments are
+        not used).
 
         ``stop_at``: None, or a function of the reply's text so far returning None or how many
         characters to keep: the reply then ends there with ``'stop'`` as a completed turn (like
         a stop string; e.g. just after the first tool call). Cancelling the consumer aborts the
         request in the engine.
         """
-        gen_config = _as_config(gen_config, GenerationConfig, 'gen_config')
+        if isinstance(prompt, CheckedRequest):
+            gen_config = prompt.gen_config
+        else:
+            gen_config = _as_config(gen_config, GenerationConfig, 'gen_config')
         handle = self.submit(prompt, gen_config, loop=asyncio.get_running_loop(), do_preprocess=do_preprocess,
                              multimodal=multimodal, shared_head_tokens=shared_head_tokens)
         detok = _Detokenizer(self.tokenizer, gen_config.stop_words)
@@ -503,15 +532,26 @@ class Pipeline:
         session.response = response
         return session
 
-    def ledger(self) -> dict[str, int]:
-        """The engine's resource ledger, read on the engine thread."""
-        return self.loop.call(lambda engine: engine.ledger())
+    def ledger(self, timeout: float = 60.0) -> dict[str, int]:
+        """The engine's resource ledger, read on the engine thread (TimeoutError after ``timeout``
+        seconds)."""
+        return self.loop.call(lambda engine: engine.ledger(), timeout=timeout)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self, timeout: float = 60.0) -> dict[str, int]:
         """The engine's cumulative counters (:meth:`~lmdeploy.pytorch.engine.engine.Engine.stats`:
         prefix-cache hit tokens, checkpoints saved, Store bytes and operations, speculative
-        decoding ...), read on the engine thread."""
-        return self.loop.call(lambda engine: engine.stats())
+        decoding ...), read on the engine thread (TimeoutError after ``timeout`` seconds)."""
+        return self.loop.call(lambda engine: engine.stats(), timeout=timeout)
+
+    def on_engine_failure(self, callback) -> None:
+        """Call ``callback(error)`` (on the engine thread) when a step fails for good (e.g. a
+        tensor-parallel worker died): the requests in flight ended with ``'error'`` and the
+        engine no longer serves."""
+        self.loop.on_fatal = callback
+
+    def summary(self) -> str:
+        """One line on what the engine sized (:func:`engine_summary`)."""
+        return engine_summary(self.engine)
 
     def close(self) -> None:
         """Stop the engine thread and Store workers."""
@@ -522,3 +562,22 @@ class Pipeline:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def engine_summary(engine) -> str:
+    """One line on what an engine sized: KV blocks, state slots, and the Store backend really in
+    use (its folder for ``file:DIR``, the master's address for an external Mooncake master)."""
+    cfg = engine.config
+    parts = [f'{engine.block_manager.num_blocks} KV blocks x {cfg.block_size} tokens on {engine.device}']
+    if engine.cache_engine.num_slots:
+        parts.append(f'{engine.cache_engine.num_slots} state slots')
+    parts.append(store_summary(cfg, engine.store is not None))
+    return ', '.join(parts)
+
+
+def store_summary(cfg, in_use: bool) -> str:
+    """The Store part of the startup line for an engine config (``PytorchEngineConfig``):
+    ``'no Store'`` when ``in_use`` is False (none configured, or the engine did not use it),
+    ``'file Store in DIR'``, ``'embedded Mooncake Store'`` or ``'Mooncake Store at HOST:PORT'``."""
+    from ..pytorch.store.open_backend import describe_store
+    return describe_store(cfg) if in_use else 'no Store'

@@ -37,13 +37,11 @@ import os
 
 import torch
 
-# the command line (arguments, architecture names) lives in a module without torch, so that
-# `lmdeploy --help` does not pay torch's import
-from .tiny_args import (ARCHS, DTYPE_NAMES, MTP_ARCHS, NEXTN_ARCHS, VL_ARCHS, _add_arguments,  # noqa: F401 (re-exported)
-                        add_parser, main)
-from .tiny_published_names import PUBLISHED_NAMES, _glm5_next_published_names
-from .tiny_tokenizer import (CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_VOCAB_SIZE, _write_json,  # noqa: F401 (re-exported)
-                             _write_tokenizer, train_tokenizer)
+# the arguments and architecture names live in a module without torch, so that `lmdeploy --help`
+# does not pay torch's import
+from .tiny_args import ARCHS, DTYPE_NAMES, MTP_ARCHS, NEXTN_ARCHS, VL_ARCHS, add_arguments, check_args
+from .tiny_published_names import PUBLISHED_NAMES, glm5_next_published_names
+from .tiny_tokenizer import train_tokenizer, write_json, write_tokenizer
 
 # Qwen3.5's image tokens (ids 3, 4, 5 in the VL tokenizers; the other archs' tokenizers do not have them)
 IMAGE_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>')
@@ -344,7 +342,7 @@ def _nextn_state_dict(config, seed: int, dtype: torch.dtype, prefix: str) -> dic
     holder.nextn = nextn.to(torch.float32)
     holder.config = config
     _randomize(holder, seed)
-    tensors = _glm5_next_published_names(_checkpoint_state_dict(holder, dtype))
+    tensors = glm5_next_published_names(_checkpoint_state_dict(holder, dtype))
     for name, buf in block.named_buffers():
         if name.endswith('e_score_correction_bias'):
             bias = 0.1 * torch.randn(buf.shape, generator=_generator(seed, f'nextn.{name}'))
@@ -438,13 +436,13 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     if fp8:
         from .fp8_checkpoint import quantize_state_dict
         tensors, config_dict['quantization_config'] = quantize_state_dict(tensors)
-    _write_json(os.path.join(out_dir, 'config.json'), config_dict)
-    _write_json(os.path.join(out_dir, 'generation_config.json'),
+    write_json(os.path.join(out_dir, 'config.json'), config_dict)
+    write_json(os.path.join(out_dir, 'generation_config.json'),
                 dict(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False))
     save_file(dict(sorted(tensors.items())), os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
-    _write_tokenizer(tok, out_dir, extra_special)
+    write_tokenizer(tok, out_dir, extra_special)
     if arch in VL_ARCHS:
-        _write_json(os.path.join(out_dir, 'preprocessor_config.json'), _image_processor_config(config.vision_config))
+        write_json(os.path.join(out_dir, 'preprocessor_config.json'), _image_processor_config(config.vision_config))
     return out_dir
 
 
@@ -461,10 +459,25 @@ def _image_processor_config(vision) -> dict:
             'size': {'shortest_edge': factor * factor, 'longest_edge': 4 * factor * 4 * factor}}
 
 
+def write_from_args(args: argparse.Namespace) -> str:
+    """Write the checkpoint that parsed `args` (:func:`~.tiny_args.add_arguments`) describe; prints
+    and returns its directory.
+
+    Raises:
+        ValueError: see :func:`~.tiny_args.check_args`.
+    """
+    check_args(args)
+    mtp = getattr(args, 'mtp', None)
+    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype,
+                           mtp=(args.arch not in NEXTN_ARCHS) if mtp is None else mtp, fp8=getattr(args, 'fp8', False))
+    print(path)
+    return path
+
+
 if __name__ == '__main__':
     _parser = argparse.ArgumentParser(description='Write a tiny random Hugging Face checkpoint.')
-    _add_arguments(_parser)
+    add_arguments(_parser)
     try:
-        main(_parser.parse_args())
+        write_from_args(_parser.parse_args())
     except ValueError as err:
         _parser.error(str(err))

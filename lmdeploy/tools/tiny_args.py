@@ -1,12 +1,12 @@
-"""The ``make-tiny-model`` command line: its arguments and the architecture names, without
-importing torch (``lmdeploy --help`` builds this parser; the checkpoint writer,
-:mod:`lmdeploy.tools.make_tiny_model`, is imported only when the command runs)."""
+"""The ``make-tiny-model`` arguments, their checks and the architecture names, without importing
+torch (``lmdeploy --help`` builds this parser: :mod:`lmdeploy.cli.tiny_model`; the checkpoint
+writer, :mod:`lmdeploy.tools.make_tiny_model`, is imported only when the command runs)."""
 from __future__ import annotations
 
 import argparse
 import os
 
-__all__ = ['ARCHS', 'VL_ARCHS', 'MTP_ARCHS', 'NEXTN_ARCHS', 'DTYPE_NAMES', 'add_parser', 'main']
+__all__ = ['ARCHS', 'VL_ARCHS', 'MTP_ARCHS', 'NEXTN_ARCHS', 'DTYPE_NAMES', 'add_arguments', 'check_args']
 
 ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next', 'nemotron_h',
          'granitemoehybrid', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2')
@@ -16,17 +16,8 @@ NEXTN_ARCHS = ('glm5_next',)    # the NextN layer model.layers.{num_hidden_layer
 DTYPE_NAMES = ('float32', 'bfloat16', 'float16')       # stored weight dtypes (torch names)
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the `make-tiny-model` sub-command to an argparse `subparsers`; sets `func=main`."""
-    parser = subparsers.add_parser('make-tiny-model', help='write a tiny random checkpoint for tests',
-                                   description='Write a tiny, seeded, random Hugging Face checkpoint (config, '
-                                   'safetensors weights, a trained BPE tokenizer) into OUT_DIR.')
-    _add_arguments(parser)
-    parser.set_defaults(func=main)
-    return parser
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the arguments of `make-tiny-model` (OUT_DIR and its flags) to `parser`."""
     parser.add_argument('out_dir', metavar='OUT_DIR', help='directory to write the checkpoint into')
     parser.add_argument('--arch', choices=ARCHS, default='qwen3_next', help='model architecture (default: qwen3_next)')
     parser.add_argument('--seed', type=int, default=0,
@@ -45,11 +36,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         '(default: refuse a non-empty directory)')
 
 
-def main(args: argparse.Namespace) -> str:
-    """Run the CLI command for parsed `args`; prints and returns the written directory.
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse parsed `args` that cannot make a checkpoint, before torch is imported.
 
     Raises ValueError when `out_dir` exists and is not empty, unless `args.force`, or for `--mtp`
-    with an architecture outside `MTP_ARCHS`.
+    with an architecture outside `MTP_ARCHS` and `NEXTN_ARCHS`.
     """
     mtp = getattr(args, 'mtp', None)
     if mtp and args.arch not in MTP_ARCHS + NEXTN_ARCHS:
@@ -57,8 +48,3 @@ def main(args: argparse.Namespace) -> str:
                          f'not --arch {args.arch}')
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
         raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')
-    from .make_tiny_model import make_tiny_model        # torch: only when a checkpoint is written
-    path = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype,
-                           mtp=(args.arch not in NEXTN_ARCHS) if mtp is None else mtp, fp8=getattr(args, 'fp8', False))
-    print(path)
-    return path

@@ -29,7 +29,7 @@ def _kimi_published_names(tensors: dict) -> dict:
     return out
 
 
-def _glm5_next_published_names(tensors: dict) -> dict:
+def glm5_next_published_names(tensors: dict) -> dict:
     """transformers' GLM-5.3-Flash names → the published layout (transformers' conversion
     mapping reversed): forget-gate tensors directly under `self_attn`, the stacked `conv1d` as
     `q_conv1d` / `k_conv1d` / `v_conv1d`, `attn_hc.fn` as `hc_attn_fn` (and base, scale, ffn)."""
@@ -94,7 +94,7 @@ def _lfm2_moe_published_names(tensors: dict) -> dict:
 
 PUBLISHED_NAMES = {
     'kimi_linear': _kimi_published_names,
-    'glm5_next': _glm5_next_published_names,
+    'glm5_next': glm5_next_published_names,
     'nemotron_h': _nemotron_published_names,
     'granitemoehybrid': _granite_published_names,
     'lfm2_moe': _lfm2_moe_published_names,

@@ -155,12 +155,15 @@ def train_tokenizer(extra_special: tuple = ()):
     return tok
 
 
-def _write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: dict) -> None:
+    """Write `obj` to `path` as indented JSON with sorted keys (stable bytes for the checkpoint hashes)."""
     with open(path, 'w', encoding='utf-8') as f:
         f.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + '\n')
 
 
-def _write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
+def write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
+    """Write the trained tokenizer `tok` into `out_dir` as transformers loads it (tokenizer.json and
+    its config, with `extra_special` tokens added as special)."""
     tok.save(os.path.join(out_dir, 'tokenizer.json'), pretty=True)
     added = {
         str(tok.token_to_id(t)): {
@@ -169,7 +172,7 @@ def _write_tokenizer(tok, out_dir: str, extra_special: tuple = ()) -> None:
         }
         for t in SPECIAL_TOKENS + tuple(extra_special)
     }
-    _write_json(
+    write_json(
         os.path.join(out_dir, 'tokenizer_config.json'), {
             'added_tokens_decoder': added,
             'bos_token': None,

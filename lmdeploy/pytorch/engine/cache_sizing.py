@@ -1,4 +1,12 @@
-"""How many KV blocks an engine allocates, and the check that its caches fit in memory.
+"""How many KV blocks and state slots an engine allocates (:func:`size_caches`), and the check that
+its caches fit in memory.
+
+State slots, in slot order::
+
+    [ runtime (one per running sequence) | checkpoints (fixed slots) | scratch (speculative decoding) ]
+
+Checkpoints take KV block rows instead of fixed slots when they share the pool
+(``CacheConfig.checkpoints_in_block_rows``): one memory budget.
 
 Bytes per block and per state slot come from the model's cache specs
 (:meth:`~lmdeploy.pytorch.cache_engine.CacheEngine.bytes_per_block` / ``bytes_per_slot``),
@@ -7,13 +15,16 @@ the one layout the cache engine and the Store use too.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
-from ..cache_engine import CacheEngine
-from ..config import CacheConfig
+from ..cache_engine import CacheEngine, rows_per_state
+from ..cache_specs import kv_bytes_per_block
+from ..config import DEFAULT_CHECKPOINT_SLOTS, CacheConfig
 
-__all__ = ['CPU_CACHE_BUDGET', 'memory_bytes', 'check_cache_fits', 'derive_num_blocks']
+__all__ = ['CPU_CACHE_BUDGET', 'CacheSizes', 'size_caches', 'memory_bytes', 'check_cache_fits',
+           'derive_num_blocks']
 
 CPU_CACHE_BUDGET = 4 << 30   # bytes; CPU has no "free device memory" to take a fraction of
 
@@ -28,15 +39,17 @@ def memory_bytes(device: torch.device) -> int:
         return 1 << 62
 
 
-def check_cache_fits(specs, cfg: CacheConfig, num_blocks: int, num_slots: int, device: torch.device) -> None:
-    """Check that ``num_blocks`` KV blocks and ``num_slots`` state slots fit in memory at all.
+def check_cache_fits(block_bytes: int, slot_bytes: int, cfg: CacheConfig, num_blocks: int, num_slots: int,
+                     device: torch.device) -> None:
+    """Check that ``num_blocks`` KV blocks of ``block_bytes`` and ``num_slots`` state slots of
+    ``slot_bytes`` fit in memory at all.
 
     Raises:
         ValueError: naming the fields (``num_gpu_blocks`` or the derived block count; the state
             slots' ``max_batch_size`` / ``num_state_slots`` / ``num_checkpoint_slots``) and the bytes.
     """
-    kv = num_blocks * CacheEngine.bytes_per_block(specs, cfg.block_size)
-    state = num_slots * CacheEngine.bytes_per_slot(specs)
+    kv = num_blocks * block_bytes
+    state = num_slots * slot_bytes
     memory = memory_bytes(device)
     if kv + state > memory:
         what = 'num_gpu_blocks' if cfg.num_gpu_blocks else 'the derived block count'
@@ -46,10 +59,11 @@ def check_cache_fits(specs, cfg: CacheConfig, num_blocks: int, num_slots: int, d
                          f'{"free device memory" if device.type == "cuda" else "RAM"}')
 
 
-def derive_num_blocks(specs, cfg: CacheConfig, num_slots: int, device: torch.device, max_batch_size: int,
-                      session_len: int, checkpoint_rows: int = 0) -> int:
-    """KV block rows for a budget of ``cache_bytes``, else ``cache_max_entry_count`` × free device
-    memory (CUDA) or × :data:`CPU_CACHE_BUDGET` (CPU), less the state slots; at most twice what
+def derive_num_blocks(block_bytes: int, slot_bytes: int, cfg: CacheConfig, num_slots: int, device: torch.device,
+                      max_batch_size: int, session_len: int, checkpoint_rows: int = 0) -> int:
+    """KV block rows (of ``block_bytes``) for a budget of ``cache_bytes``, else
+    ``cache_max_entry_count`` × free device memory (CUDA) or × :data:`CPU_CACHE_BUDGET` (CPU), less
+    the ``num_slots`` state slots (of ``slot_bytes``); at most twice what
     ``max_batch_size`` sequences of ``session_len`` tokens need, plus ``checkpoint_rows`` (the rows
     checkpoints may take when they share the pool).
 
@@ -63,8 +77,8 @@ def derive_num_blocks(specs, cfg: CacheConfig, num_slots: int, device: torch.dev
         budget = int(free * cfg.cache_max_entry_count)
     else:
         budget = int(CPU_CACHE_BUDGET * cfg.cache_max_entry_count)
-    slots = num_slots * CacheEngine.bytes_per_slot(specs)
-    per_block = CacheEngine.bytes_per_block(specs, cfg.block_size)
+    slots = num_slots * slot_bytes
+    per_block = block_bytes
     # no point in more blocks than every running sequence at full session length needs, twice
     cap = 2 * max_batch_size * (-(-session_len // cfg.block_size)) + checkpoint_rows
     num_blocks = min((budget - slots) // per_block, cap)
@@ -76,3 +90,66 @@ def derive_num_blocks(specs, cfg: CacheConfig, num_slots: int, device: torch.dev
                              f'bytes ({what}): lower them, raise the budget or set num_gpu_blocks')
         raise ValueError(f'the cache budget ({what}) leaves no memory for even one KV block')
     return num_blocks
+
+
+@dataclass(frozen=True)
+class CacheSizes:
+    """What an engine allocates.
+
+    Attributes:
+        num_blocks: KV block rows (checkpoints' rows included when they share the pool).
+        num_slots: state slots in all (0 for a model without recurrent state).
+        num_runtime: runtime state slots (one per running sequence).
+        num_checkpoint_slots: fixed checkpoint slots (0 when checkpoints take block rows or are not kept).
+        checkpoints_in_block_rows: checkpoints take KV block rows (one memory budget).
+        scratch_base: the first scratch slot (speculative decoding on a hybrid model), else None.
+        session_len: the session length, capped to what the KV cache holds (tokens).
+        capped: the session length was capped to the KV cache.
+    """
+    num_blocks: int
+    num_slots: int
+    num_runtime: int
+    num_checkpoint_slots: int
+    checkpoints_in_block_rows: bool
+    scratch_base: int | None
+    session_len: int
+    capped: bool
+
+
+def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_batch_size: int, session_len: int,
+                speculative: bool) -> CacheSizes:
+    """Size an engine's caches for its model's cache ``specs`` and check that they fit in memory.
+
+    Args:
+        specs: the model's cache specs (this rank's heads).
+        hybrid: the specs hold recurrent state (state slots and checkpoints are needed).
+        cc: the cache configuration.
+        device: where the caches live.
+        max_batch_size: running sequences at most (one runtime slot each unless ``num_state_slots``).
+        session_len: tokens one sequence may hold; capped to the KV cache when it holds fewer (a
+            longer sequence could never be admitted).
+        speculative: speculative decoding is on (a hybrid model then needs one scratch slot per
+            runtime slot, to roll back).
+
+    Raises:
+        ValueError: see :func:`derive_num_blocks` and :func:`check_cache_fits`.
+    """
+    num_runtime = cc.num_state_slots or max_batch_size
+    keeps_checkpoints = hybrid and cc.enable_prefix_caching
+    slot_bytes, block_bytes = CacheEngine.bytes_per_slot(specs), CacheEngine.bytes_per_block(specs, cc.block_size)
+    # a model that caches nothing per token (pure Mamba-2) has block rows of padding only: its
+    # checkpoints keep slots of their own
+    block_rows = keeps_checkpoints and cc.checkpoints_in_block_rows and kv_bytes_per_block(specs, cc.block_size) > 0
+    num_ckpt = cc.fixed_checkpoint_slots if (keeps_checkpoints and not block_rows) else 0
+    num_slots = num_runtime + num_ckpt if hybrid else 0
+    scratch_base = num_slots if (hybrid and speculative) else None
+    if scratch_base is not None:
+        num_slots += num_runtime
+    extra = (cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else
+             DEFAULT_CHECKPOINT_SLOTS) * rows_per_state(slot_bytes, block_bytes) if block_rows else 0
+    num_blocks = cc.num_gpu_blocks or derive_num_blocks(block_bytes, slot_bytes, cc, num_slots, device, max_batch_size,
+                                                        session_len, extra)
+    capacity = num_blocks * cc.block_size
+    check_cache_fits(block_bytes, slot_bytes, cc, num_blocks, num_slots, device)
+    return CacheSizes(num_blocks, num_slots, num_runtime, num_ckpt, block_rows, scratch_base,
+                      min(session_len, capacity), session_len > capacity)

@@ -12,6 +12,10 @@ it, and nowhere in the scheduler::
     submit puts    Store payloads copied out, put by the Store worker  (store.submit)
     update         append tokens, stop conditions (stop strings on the decoded text), finish
 
+Requests are checked and made into sequences before they reach the engine
+(:class:`~lmdeploy.pytorch.engine.requests.RequestFactory`, :attr:`Engine.requests`); the engine
+queues them (:meth:`Engine.add`) and steps.
+
 :class:`Engine` is synchronous and single-threaded (tests drive it step by step);
 :class:`~lmdeploy.pytorch.engine.engine_loop.EngineLoop` runs it on a background thread for
 the pipeline and the HTTP server.
@@ -20,15 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_engine import CacheEngine, rows_per_state
-from ..cache_specs import has_state, kv_bytes_per_block
-from ..config import DEFAULT_CHECKPOINT_SLOTS, CacheConfig, SchedulerConfig
+from ..cache_specs import has_state
+from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
 from ..paging.sequence import Sequence
@@ -39,12 +41,12 @@ from ..prefix_cache.null_cache import NullPrefixCache
 from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
 from ..spec_decode.strategy import DecodingStrategy, strategy_for
-from .cache_sizing import check_cache_fits, derive_num_blocks
+from .cache_sizing import size_caches
 from .executor import make_executor
 from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
+from .requests import RequestFactory
 from .scheduler import Scheduler, SchedulerOutput
-from .stop_strings import Detokenizer
 
 __all__ = ['Engine', 'StepOutput']
 
@@ -122,42 +124,26 @@ class Engine:
         text_config = self.hf_config.get_text_config()   # a vision-language config keeps these in text_config
         self.session_len = config.session_len or int(getattr(text_config, 'max_position_embeddings', 32768))
         # what set session_len, for the message that refuses a prompt too long for it
-        self._session_len_source = 'session_len' if config.session_len else 'max_position_embeddings'
+        session_len_source = 'session_len' if config.session_len else 'max_position_embeddings'
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
-        self._grammar = None      # constrained decoding, built with the first guided request
-        self.tokenizer = None       # decodes outputs for stop strings (the pipeline sets its own; else loaded)
-        self._tokenizer_lock = threading.Lock()
         self.cache_config = cc = CacheConfig.from_engine_config(config)
-        num_runtime = cc.num_state_slots or config.max_batch_size
-        keeps_checkpoints = self.is_hybrid and cc.enable_prefix_caching
-        # one memory budget: checkpoints take KV block rows (unless num_gpu_blocks fixes the pool, or
-        # the model caches nothing per token, e.g. pure Mamba-2, whose block rows are padding only)
-        block_rows = keeps_checkpoints and cc.checkpoints_in_block_rows and kv_bytes_per_block(self.specs,
-                                                                                               cc.block_size) > 0
-        num_ckpt = cc.fixed_checkpoint_slots if (keeps_checkpoints and not block_rows) else 0
-        num_slots = num_runtime + num_ckpt if self.is_hybrid else 0
-        # speculative decoding on a hybrid model: one scratch slot per runtime slot (rollback)
-        scratch_base = num_slots if (self.is_hybrid and spec_config is not None) else None
-        if scratch_base is not None:
-            num_slots += num_runtime
-        rows = rows_per_state(CacheEngine.bytes_per_slot(self.specs), CacheEngine.bytes_per_block(self.specs,
-                                                                                               cc.block_size))
-        extra = (cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else
-                 DEFAULT_CHECKPOINT_SLOTS) * rows if block_rows else 0
-        num_blocks = cc.num_gpu_blocks or derive_num_blocks(self.specs, cc, num_slots, self.device,
-                                                            config.max_batch_size, self.session_len, extra)
-        capacity = num_blocks * cc.block_size
-        if self.session_len > capacity:
+        sizes = size_caches(self.specs, self.is_hybrid, cc, self.device, config.max_batch_size, self.session_len,
+                            speculative=spec_config is not None)
+        if sizes.capped:
             # a sequence longer than the whole cache could never be (re)admitted and would spin
             # forever in the waiting queue; cap it so such prompts are rejected and outputs end
             # with finish_reason 'length' instead
             logger.warning('session_len %d exceeds the KV cache (%d blocks x %d tokens); using %d',
-                           self.session_len, num_blocks, cc.block_size, capacity)
-            self.session_len = capacity
-            self._session_len_source = f'kv_cache:{num_blocks}'
-        check_cache_fits(self.specs, cc, num_blocks, num_slots, self.device)
-        self.cache_engine = self.executor.start(cc.block_size, num_blocks, num_slots)
+                           self.session_len, sizes.num_blocks, cc.block_size, sizes.session_len)
+            self.session_len = sizes.session_len
+            session_len_source = f'kv_cache:{sizes.num_blocks}'
+        num_blocks, num_runtime, block_rows = sizes.num_blocks, sizes.num_runtime, sizes.checkpoints_in_block_rows
+        # admission: every request is checked (once) and made into a sequence there
+        self.requests = RequestFactory(model_path, self.model, self.hf_config.model_type, self.vocab_size,
+                                       self.session_len, session_len_source, cc.block_size, self.eos_token_ids,
+                                       self.strategy, has_mtp=self.mtp is not None)
+        self.cache_engine = self.executor.start(cc.block_size, num_blocks, sizes.num_slots)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
         policy = make_policy(cc.cache_eviction)
@@ -165,7 +151,8 @@ class Engine:
             self.state_cache = StateCache(num_runtime, cc.num_checkpoint_slots, block_manager=self.block_manager,
                                           rows_per_checkpoint=self.cache_engine.rows_per_state, policy=policy)
         else:
-            self.state_cache = StateCache(num_runtime, num_ckpt, policy=policy) if self.is_hybrid else None
+            self.state_cache = (StateCache(num_runtime, sizes.num_checkpoint_slots, policy=policy) if self.is_hybrid
+                                else None)
         for name in ('prefill_save_last_only', 'decode_save_last', 'save_junction'):
             if getattr(config, name) and not cc.enable_prefix_caching:
                 logger.warning('%s has no effect without enable_prefix_caching (--enable-prefix-caching)', name)
@@ -192,7 +179,7 @@ class Engine:
         if spec_config is not None:
             from ..spec_decode.decoder import SpecDecoder
             turn_end = self.prefix_cache.decode_save_last
-            self.spec = SpecDecoder(spec_config, self.model_runner, scratch_base, self._finish_reason, self.mtp,
+            self.spec = SpecDecoder(spec_config, self.model_runner, sizes.scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
 
     def _build_store(self):
@@ -213,134 +200,27 @@ class Engine:
         opened = open_store(self.config, self.cache_engine.state_bytes, self.cache_engine.kv_block_bytes)
         return build_store_tier(self, opened)
 
-    def prompt_too_long(self, num_tokens: int) -> str:
-        """The message refusing a prompt of ``num_tokens`` (``>= session_len``) tokens: both
-        numbers, what set ``session_len`` and the flag that raises it (``--session-len``; its
-        default is the model's ``max_position_embeddings``, e.g. 32768 for the tiny models, less
-        than an agent CLI's first prompt; or the KV cache, when it holds fewer tokens)."""
-        text = (f'the prompt has {num_tokens} tokens, which does not fit session_len={self.session_len} '
-                f'(at most {self.session_len - 1} prompt tokens); ')
-        source = self._session_len_source
-        if source == 'max_position_embeddings':
-            return text + ('session_len defaults to max_position_embeddings of the model\'s config.json; start the '
-                           'server with a larger --session-len (session_len), e.g. --session-len '
-                           f'{_next_power_of_two(num_tokens)}')
-        if source == 'session_len':
-            return text + ('start the server with a larger --session-len (session_len), e.g. --session-len '
-                           f'{_next_power_of_two(num_tokens)}')
-        blocks = int(source.split(':')[1])
-        return text + (f'the KV cache holds only {blocks} blocks x {self.config.block_size} tokens: give it more '
-                       'with --num-gpu-blocks (num_gpu_blocks) or --cache-max-entry-count (cache_max_entry_count)')
-
     # requests ---------------------------------------------------------------------------
-    def validate(self, token_ids: list[int], gen_config: GenerationConfig) -> None:
-        """Reject a request the engine cannot serve.
-
-        Raises:
-            ValueError: empty prompt, a prompt of ``session_len`` tokens or more (the message
-                gives both numbers), or a token id (of the prompt, ``stop_token_ids`` or
-                ``logit_bias``) outside ``[0, vocab_size)``.
-        """
-        if not token_ids:
-            raise ValueError('the prompt is empty: at least 1 token is required')
-        if len(token_ids) >= self.session_len:
-            raise ValueError(self.prompt_too_long(len(token_ids)))
-        bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f'token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
-        bad = [t for t in gen_config.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f'stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
-        bad = [t for t in gen_config.logit_bias if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f'logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})')
-        if gen_config.structured_output is not None:
-            try:
-                spec = gen_config.structured_output
-                if spec.prefix:
-                    self.grammar().guide(spec).close()     # also checks the prefix
-                else:
-                    self.grammar().compile(spec)
-            except ValueError as err:
-                raise ValueError(f'structured_output.{err}') from None
-
-    def grammar(self):
-        """The :class:`~.guided.GrammarBackend` of this model's tokenizer (built on first use)."""
-        if self._grammar is None:
-            from transformers import AutoTokenizer
-            from .guided import GrammarBackend
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-            self._grammar = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammar
-
-    def make_sequence(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
-                      multimodal_spans: tuple[tuple[int, int], ...] = (), token_lookahead: int | None = None,
-                      recompute_blocks: int | None = None, multimodal: tuple = (),
-                      shared_head_tokens: int | None = None) -> Sequence:
-        """A validated :class:`Sequence` for a request (not yet queued).
-
-        ``token_lookahead`` / ``recompute_blocks`` default to the engine's decoding strategy.
-        ``multimodal``: the prompt's images (:class:`~lmdeploy.pytorch.multimodal.MultimodalInput`).
-        ``shared_head_tokens``: tokens of the prompt's shared head (a chat request's system prompt
-        and tools, see :attr:`Sequence.shared_head_tokens`), or None; a hybrid model ends a
-        prefill forward and, with prefix caching, saves a checkpoint at its last reusable boundary.
-
-        Raises:
-            ValueError: see :meth:`validate`; ``shared_head_tokens`` not None nor an int >= 0.
-        """
-        gen_config = gen_config or GenerationConfig()
-        self.validate(token_ids, gen_config)
-        lookahead = self.strategy.token_lookahead if token_lookahead is None else token_lookahead
-        recompute = self.strategy.recompute_blocks if recompute_blocks is None else recompute_blocks
-        if any(m.data is not None for m in multimodal) and not getattr(self.model, 'supports_images', False):
-            # spans and content hashes alone only steer planning and cache keys; pixels need an encoder
-            raise ValueError(f'model_type {self.hf_config.model_type!r} does not accept images in this engine')
-        if any(m.end > len(token_ids) for m in multimodal):
-            raise ValueError(f'a multimodal span ends past the prompt of {len(token_ids)} tokens')
-        if any(m.data is not None for m in multimodal):
-            if self.mtp is not None:
-                raise ValueError('images are not supported with MTP speculative decoding '
-                                 '(speculative_config.method=mtp)')
-            self.model.check_multimodal(token_ids, multimodal)
-        if shared_head_tokens is not None and (isinstance(shared_head_tokens, bool)
-                                               or not isinstance(shared_head_tokens, int) or shared_head_tokens < 0):
-            raise ValueError(f'shared_head_tokens must be None or an int >= 0, got {shared_head_tokens!r}')
-        seq = Sequence([int(t) for t in token_ids], gen_config, tuple(multimodal_spans), lookahead, recompute,
-                       self.eos_token_ids, tuple(multimodal))
-        seq.shared_head_tokens = shared_head_tokens
-        if gen_config.structured_output is not None:
-            try:
-                seq.guide = self.grammar().guide(gen_config.structured_output)
-            except ValueError as err:
-                raise ValueError(f'structured_output.{err}') from None
-        if any(gen_config.stop_words):
-            seq.stop_strings = Detokenizer(self._output_tokenizer(), gen_config.stop_words)
-        return seq
-
-    def _output_tokenizer(self):
-        """The tokenizer that decodes outputs for stop strings: the one set by the caller (the
-        pipeline's), else the model directory's, loaded once."""
-        with self._tokenizer_lock:
-            if self.tokenizer is None:
-                from transformers import AutoTokenizer
-                self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-            return self.tokenizer
-
     @staticmethod
     def release(seq: Sequence) -> None:
         """Free what a sequence holds outside the caches (its grammar matcher); idempotent."""
         if seq.guide is not None:
             seq.guide.close()
 
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence made by :attr:`requests`; it runs on the following steps."""
+        self.scheduler.add(seq)
+
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
                     **kwargs) -> Sequence:
-        """Queue a request; it runs on the following steps. Arguments as :meth:`make_sequence`.
+        """Check a request (:meth:`RequestFactory.check <.requests.RequestFactory.check>`, keyword
+        arguments as there) and queue its sequence; it runs on the following steps.
 
         Raises:
-            ValueError: see :meth:`validate`.
+            RequestError: a bad field (a ValueError naming it).
         """
-        seq = self.make_sequence(token_ids, gen_config, **kwargs)
-        self.scheduler.add(seq)
+        seq = self.requests.sequence(self.requests.check(token_ids, gen_config, **kwargs))
+        self.add(seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -529,7 +409,7 @@ class Engine:
             'store_queue_depth': self.store.queue_depth if self.store is not None else 0,
             'requests_running': len(self.scheduler.running),
             'requests_waiting': len(self.scheduler.waiting),
-            'grammar_matchers': self._grammar.num_live if self._grammar is not None else 0,
+            'grammar_matchers': self.requests.num_grammar_matchers,
         }
 
     def stats(self) -> dict:
@@ -561,8 +441,3 @@ class Engine:
                 self.store.close()
         finally:
             self.executor.close()
-
-
-def _next_power_of_two(n: int) -> int:
-    """The smallest power of two above ``n`` (a session length that fits an ``n``-token prompt)."""
-    return 1 << n.bit_length()

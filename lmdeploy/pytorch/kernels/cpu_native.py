@@ -69,7 +69,7 @@ import torch
 from ..config import cache_root
 from . import native_build
 
-__all__ = ['CALLS', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+__all__ = ['CALLS', 'is_plain', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'gated_delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
@@ -224,8 +224,8 @@ def native_available() -> bool:
     return native_library() is not None
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """float32 on CPU, not part of an autograd graph."""
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether the native kernels may take `t`: float32 on CPU, not part of an autograd graph."""
     return t.dtype == torch.float32 and t.device.type == 'cpu' and not (torch.is_grad_enabled() and t.requires_grad)
 
 
@@ -240,7 +240,7 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         float32 ``[M, N]``, contiguous; ``None`` for other dtypes, devices, shapes or strides,
         inside autograd, or without the library.
     """
-    if not (x.dim() == 2 and weight.dim() == 2 and _plain(x) and _plain(weight) and x.stride(1) == 1
+    if not (x.dim() == 2 and weight.dim() == 2 and is_plain(x) and is_plain(weight) and x.stride(1) == 1
             and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]):
         return None
     lib = native_library()
@@ -278,7 +278,7 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
         ValueError: an expert id out of range, or inconsistent shapes.
     """
     T = x.shape[0]
-    if not (1 <= T <= NATIVE_EXPERT_TOKENS and all(_plain(t) for t in (x, weights, gate_up, down))
+    if not (1 <= T <= NATIVE_EXPERT_TOKENS and all(is_plain(t) for t in (x, weights, gate_up, down))
             and index.dtype == torch.int64 and index.device.type == 'cpu'):
         return None
     lib = native_library()
@@ -327,7 +327,7 @@ def gated_delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tens
         float32 ``o [N, H, dv]``, or ``None`` (dtype, device, strides, autograd, or no library).
     """
     N, H, dk, dv = state.shape
-    if not (all(_plain(t) for t in (kq, v, decay, beta, state)) and state.stride(-1) == 1
+    if not (all(is_plain(t) for t in (kq, v, decay, beta, state)) and state.stride(-1) == 1
             and kq.shape == (N, H, 2, dk) and v.shape == (N, H, dv) and decay.shape == beta.shape == (N, H)):
         return None
     lib = native_library()
@@ -362,7 +362,7 @@ def conv_decode_step_native(x: torch.Tensor, state: torch.Tensor, weight: torch.
     N, C = x.shape
     K = weight.shape[1]
     tensors = (x, state, weight) + (() if bias is None else (bias,))
-    if not (all(_plain(t) for t in tensors) and x.stride(1) == 1 and state.shape == (N, C, K - 1)
+    if not (all(is_plain(t) for t in tensors) and x.stride(1) == 1 and state.shape == (N, C, K - 1)
             and (K == 1 or state.stride(2) == 1) and weight.shape == (C, K) and (bias is None or bias.shape == (C,))):
         return None
     lib = native_library()
@@ -400,8 +400,8 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
         or no library).
     """
     D = x.shape[-1]
-    if not (x.dim() >= 1 and D and weight.shape == (D,) and _plain(x) and _plain(weight)
-            and (gate is None or (gate.shape == x.shape and _plain(gate)))):
+    if not (x.dim() >= 1 and D and weight.shape == (D,) and is_plain(x) and is_plain(weight)
+            and (gate is None or (gate.shape == x.shape and is_plain(gate)))):
         return None
     lib = native_library()
     if lib is None:
@@ -447,7 +447,7 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """
     N, H, D = q.shape
     nb, bs, Hkv, Dk = k_cache.shape
-    if not (all(_plain(t) for t in (q, k_cache, v_cache)) and Dk == D and v_cache.shape == k_cache.shape
+    if not (all(is_plain(t) for t in (q, k_cache, v_cache)) and Dk == D and v_cache.shape == k_cache.shape
             and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and Hkv and H % Hkv == 0
             and block_table.dtype == kv_seqlens.dtype == torch.int64 and block_table.dim() == 2
             and block_table.shape[0] == N and kv_seqlens.shape == (N,) and block_table.device.type == 'cpu'

@@ -126,7 +126,7 @@ def kda_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta
     if state.dim() != 4:
         return None
     N, H, dk, dv = state.shape
-    if not (all(cpu_native._plain(t) for t in (kq, v, decay, beta, state)) and state.stride(-1) == 1
+    if not (all(cpu_native.is_plain(t) for t in (kq, v, decay, beta, state)) and state.stride(-1) == 1
             and kq.shape == (N, H, 2, dk) and v.shape == (N, H, dv) and decay.shape == (N, H, dk)
             and beta.shape == (N, H)):
         return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import register_kernel, slot_range
-from .cpu_native import CALLS, _plain, native_available, native_library
+from .cpu_native import CALLS, is_plain, native_available, native_library
 from .mamba2 import mamba2_ssd_varlen as mamba2_ssd_varlen_torch
 from .mamba2 import ssd_step as ssd_step_torch
 
@@ -56,7 +56,7 @@ def ssd_step_native(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
     N, H, P, Dn = state.shape
     G = B.shape[1] if B.dim() == 3 else 0
     tensors = (x, dt, A, B, C, state) + (() if D is None else (D,))
-    if not (all(_plain(t) for t in tensors) and state.stride(-1) == 1 and G and H % G == 0
+    if not (all(is_plain(t) for t in tensors) and state.stride(-1) == 1 and G and H % G == 0
             and x.shape == (N, H, P) and dt.shape == (N, H) and A.shape == (H,) and B.shape == C.shape == (N, G, Dn)
             and (D is None or D.shape == (H,))):
         return None

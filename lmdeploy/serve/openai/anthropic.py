@@ -48,7 +48,8 @@ from starlette.concurrency import run_in_threadpool
 
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
-from .protocol import MAX_TOKENS, Text, _Float, _Strict
+from .generation import SSEResponse
+from .protocol import MAX_TOKENS, Text, FINITE, StrictModel
 
 __all__ = ['MessagesAPI', 'MessagesRequest', 'CountTokensRequest', 'to_chat']
 
@@ -56,44 +57,44 @@ _RENAMES = {'max_completion_tokens': 'max_tokens', 'stop': 'stop_sequences', 're
 _PASSTHROUGH = ('cache_salt',)
 
 
-class _Text(_Strict):
+class _Text(StrictModel):
     type: Literal['text']
     text: Text
 
 
-class _ImageSource(_Strict):
+class _ImageSource(StrictModel):
     type: Literal['base64', 'url']
     media_type: Text | None = None
     data: Text | None = None
     url: Text | None = None
 
 
-class _Image(_Strict):
+class _Image(StrictModel):
     type: Literal['image']
     source: _ImageSource
 
 
-class _ToolUse(_Strict):
+class _ToolUse(StrictModel):
     type: Literal['tool_use']
     id: Text
     name: Text
     input: dict[str, Any]
 
 
-class _ToolResult(_Strict):
+class _ToolResult(StrictModel):
     type: Literal['tool_result']
     tool_use_id: Text
     content: Text | list[Annotated[_Text | _Image, Field(discriminator='type')]] = ''
     is_error: bool = False
 
 
-class _Thinking(_Strict):
+class _Thinking(StrictModel):
     type: Literal['thinking']
     thinking: Text
     signature: Text | None = None
 
 
-class _RedactedThinking(_Strict):
+class _RedactedThinking(StrictModel):
     type: Literal['redacted_thinking']
     data: Text
 
@@ -102,42 +103,42 @@ _Block = Annotated[_Text | _Image | _ToolUse | _ToolResult | _Thinking | _Redact
                    Field(discriminator='type')]
 
 
-class _Message(_Strict):
+class _Message(StrictModel):
     role: Literal['user', 'assistant', 'system']
     content: Text | list[_Block]
 
 
-class _Tool(_Strict):
+class _Tool(StrictModel):
     type: Literal['custom'] | None = None
     name: Text = Field(min_length=1)
     description: Text | None = None
     input_schema: dict[str, Any]
 
 
-class _ToolChoice(_Strict):
+class _ToolChoice(StrictModel):
     type: Literal['auto', 'any', 'tool', 'none']
     name: Text | None = None
     disable_parallel_tool_use: bool = False
 
 
-class _ThinkingConfig(_Strict):
+class _ThinkingConfig(StrictModel):
     type: Literal['enabled', 'disabled', 'adaptive']
     budget_tokens: int | None = Field(None, ge=0)
 
 
-class _OutputFormat(_Strict):
+class _OutputFormat(StrictModel):
     """``output_config.format``: structured output, a JSON document valid against ``schema``."""
     model_config = ConfigDict(extra='ignore', strict=True, populate_by_name=True)
     type: Literal['json_schema']
     schema_: dict[str, Any] = Field(alias='schema')
 
 
-class _OutputConfig(_Strict):
+class _OutputConfig(StrictModel):
     """``output_config``: ``format`` is enforced; other members (``effort``) are ignored."""
     format: _OutputFormat | None = None
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(StrictModel):
     """``POST /v1/messages/count_tokens``: the prompt part of a Messages request."""
     model_config = ConfigDict(extra='allow')     # extras: read for the pass-through fields, else ignored
     model: Text
@@ -155,8 +156,8 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS)
     stop_sequences: list[Text] | None = None
     stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=1, **_Float)
-    top_p: float | None = Field(None, gt=0, le=1, **_Float)
+    temperature: float | None = Field(None, ge=0, le=1, **FINITE)
+    top_p: float | None = Field(None, gt=0, le=1, **FINITE)
     top_k: int | None = Field(None, ge=0, le=1 << 20)
     metadata: dict[str, Any] | None = None
 
@@ -281,7 +282,7 @@ def _sse(type: str, body: dict) -> str:
 
 
 class MessagesAPI:
-    """The Messages endpoints over one server (``api_server._Server``)."""
+    """The Messages endpoints over one server (``api_server.Server``)."""
 
     def __init__(self, server):
         self.server = server
@@ -296,9 +297,9 @@ class MessagesAPI:
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         """``{"input_tokens": N}``: the tokens the prompt would take (rendered as a request would be)."""
         chat = self._chat(req)
-        self.server._check_model(chat.model)
-        plan = await run_in_threadpool(self.server._plan_chat, chat)
-        return {'input_tokens': len(plan.jobs[0][0])}
+        self.server.check_model(chat.model)
+        plan = await run_in_threadpool(self.server.plan_chat, chat)
+        return {'input_tokens': len(plan.jobs[0].token_ids)}
 
     async def create(self, req: MessagesRequest, request: Request):
         run = ChatRun(self.server, self._chat(req))
@@ -311,8 +312,7 @@ class MessagesAPI:
             raise
         mid = f'msg_{uuid.uuid4().hex}'
         if req.stream:
-            from .api_server import _SSEResponse
-            return _SSEResponse(self._events(run, mid))
+            return SSEResponse(self._events(run, mid))
         msg, reason, usage = await run.collect(request)
         content = []
         if msg.get('reasoning_content'):

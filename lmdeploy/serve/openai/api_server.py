@@ -52,18 +52,19 @@ from fastapi.openapi.utils import get_openapi
 
 from ...metrics import HTTPMetricsMiddleware
 from ..images import ImageFetchLimits
+from .anthropic import MessagesAPI
 from .chat_route import ChatRoutes
 from .completions_route import CompletionRoutes
 from .defaults import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import install_error_handlers
-from .generation import _Generation, _SSEResponse   # noqa: F401  (imported from here by responses, anthropic, chat_bridge)
 from .handlers import ServerBase
 from .large_body import OffLoopJSONRoute
 from .lifecycle import BodySizeLimit, GracefulServer, KeyCheck
 from .protocol import ErrorBody
+from .response_store import ResponseStore
+from .responses import ResponsesAPI
 
-__all__ = ['create_app', 'run_server', 'default_model_name', 'DEFAULT_MAX_REQUEST_BYTES',
-           'DEFAULT_SHUTDOWN_TIMEOUT']
+__all__ = ['create_app', 'run_server', 'default_model_name', 'Server']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -86,7 +87,7 @@ def default_model_name(model_path: str) -> str:
     return os.path.basename(os.path.normpath(model_path))
 
 
-class _Server(ServerBase, ChatRoutes, CompletionRoutes):
+class Server(ServerBase, ChatRoutes, CompletionRoutes):
     """Every request handler of the app: the shared checks and planning
     (:class:`~.handlers.ServerBase`, whose arguments it takes), chat and completions."""
 
@@ -138,8 +139,8 @@ def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = N
             empty key is refused). With keys, ``/v1/*``, ``/debug/*``, ``/docs`` and
             ``/openapi.json`` need one; ``/metrics`` too with ``protect_metrics``; ``/health``
             never does.
-        tool_call_parser: see :class:`_Server`.
-        reasoning_parser: see :class:`_Server`.
+        tool_call_parser: see :class:`Server`.
+        reasoning_parser: see :class:`Server`.
         max_request_bytes: larger bodies get 413; 0 = no limit.
         shutdown_timeout: seconds in-flight requests may run after a shutdown signal.
         protect_metrics: ``/metrics`` needs a key as well (when keys are set).
@@ -158,7 +159,7 @@ def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = N
     if api_keys and any(not k or not k.strip() for k in api_keys):
         raise ValueError('api_keys (--api-keys): a key must not be empty; pass no keys to serve without '
                          'authentication')
-    server = _Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout,
+    server = Server(pipe, model_name, api_keys, tool_call_parser, reasoning_parser, shutdown_timeout,
                      share_prefix_cache_across_keys)
     if image_fetch is not None:
         server.image_fetch = image_fetch
@@ -173,9 +174,6 @@ def create_app(pipe, model_name: str | list[str], api_keys: list[str] | None = N
     app.get('/v1/models/{model_id:path}', dependencies=auth, responses=_errors(401, 404, 503))(server.model)
     app.post('/v1/chat/completions', dependencies=auth, responses=generation)(server.chat)
     app.post('/v1/completions', dependencies=auth, responses=generation)(server.completions)
-    from .anthropic import MessagesAPI
-    from .response_store import ResponseStore
-    from .responses import ResponsesAPI
     responses = ResponsesAPI(server, ResponseStore(response_store))
     app.post('/v1/responses', dependencies=auth, responses=generation)(responses.create)
     app.get('/v1/responses/{response_id}', dependencies=auth, responses=_errors(401, 404, 503))(responses.get)
@@ -222,25 +220,6 @@ def check_port_free(host: str, port: int) -> None:
                     errno.EADDRNOTAVAIL: f'; {host} is not an address of this machine'}.get(err.errno, '')
             raise ValueError(f'cannot serve on {host}:{port} (--server-name/--server-port): {err.strerror}'
                              f'{hint}') from None
-
-
-def _engine_summary(engine) -> str:
-    """One line on what the engine sized: KV blocks, state slots, and the Store backend really in
-    use (its folder for ``file:DIR``, the master's address for an external Mooncake master)."""
-    cfg = engine.config
-    parts = [f'{engine.block_manager.num_blocks} KV blocks x {cfg.block_size} tokens on {engine.device}']
-    if engine.cache_engine.num_slots:
-        parts.append(f'{engine.cache_engine.num_slots} state slots')
-    parts.append(store_summary(cfg, engine.store is not None))
-    return ', '.join(parts)
-
-
-def store_summary(cfg, in_use: bool) -> str:
-    """The Store part of the startup line for an engine config (``PytorchEngineConfig``):
-    ``'no Store'`` when ``in_use`` is False (none configured, or the engine did not use it),
-    ``'file Store in DIR'``, ``'embedded Mooncake Store'`` or ``'Mooncake Store at HOST:PORT'``."""
-    from ...pytorch.store.open_backend import describe_store
-    return describe_store(cfg) if in_use else 'no Store'
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -291,8 +270,8 @@ def run_server(model_path: str, backend_config=None, server_name: str = '0.0.0.0
     def engine_died(err):   # e.g. a tensor-parallel worker died: requests failed, end the server
         logger.critical('engine stopped: %s; shutting the server down', err)
         os.kill(os.getpid(), signal.SIGTERM)
-    pipe.loop.on_fatal = engine_died
-    logger.info('engine ready in %.1f s: %s', time.perf_counter() - started, _engine_summary(pipe.engine))
+    pipe.on_engine_failure(engine_died)
+    logger.info('engine ready in %.1f s: %s', time.perf_counter() - started, pipe.summary())
     try:
         app = create_app(pipe, model_name or default_model_name(model_path), api_keys,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,

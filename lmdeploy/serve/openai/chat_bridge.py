@@ -3,7 +3,7 @@
 ``/v1/responses`` and ``/v1/messages`` translate their bodies into chat-completion fields and
 run them here: the same :class:`~.protocol.ChatCompletionRequest` validation, the same planning
 (template rendering, tool and reasoning parsers, forced call openings, request checks) and the
-same generation (:class:`~.api_server._Generation`: cancellation, shutdown, metrics) as
+same generation (:class:`~.generation.Generation`: cancellation, shutdown, metrics) as
 ``/v1/chat/completions``, so a feature of the chat path is a feature of both. Only the wire
 format of the reply differs, and the callers own it.
 """
@@ -15,9 +15,10 @@ from fastapi import Request
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from .api_server import _Generation, _Server
 from .chat_output import ChatOutput, TextOffsets, chat_logprobs
 from .errors import APIError, api_error_from_validation
+from .generation import Generation
+from .handlers import ServerBase
 from .lifecycle import ShuttingDown
 from .protocol import ChatCompletionRequest
 
@@ -49,7 +50,7 @@ def chat_request(fields: dict, rename: dict[str, str], passthrough: tuple[str, .
         raise api_error_from_validation(err.errors(), fields, rename) from None
 
 
-class _Recorded(_Generation):
+class _Recorded(Generation):
     """A generation that also keeps each choice's raw text and output token ids (the end-of-
     sequence token excluded), so a caller can tell which stop string ended it."""
 
@@ -74,7 +75,7 @@ class ChatRun:
         chat: the validated chat request (``n`` must be 1).
     """
 
-    def __init__(self, server: _Server, chat: ChatCompletionRequest):
+    def __init__(self, server: ServerBase, chat: ChatCompletionRequest):
         self.server, self.chat = server, chat
         self.gen: _Recorded | None = None
         self.output: ChatOutput | None = None
@@ -85,11 +86,10 @@ class ChatRun:
         Raises:
             APIError: 400 for a request the chat path refuses.
         """
-        self.server._check_model(self.chat.model)
-        plan = await run_in_threadpool(self.server._plan_chat, self.chat)
+        self.server.check_model(self.chat.model)
+        plan = await run_in_threadpool(self.server.plan_chat, self.chat)
         self.output = plan.outputs[0]
-        self.gen = _Recorded(self.server, plan.jobs, 1, plan.multimodal, [self.output.first_call_stop()],
-                             shared_head=plan.shared_head)
+        self.gen = _Recorded(self.server, plan.jobs, 1, [self.output.first_call_stop()])
 
     async def collect(self, request: Request) -> tuple[dict, str | None, dict]:
         """Generate the whole reply: ``(chat message, finish reason, chat usage)``.

@@ -14,7 +14,7 @@ import codecs
 import re
 
 from .reasoning_parser import ThinkGuard, ThinkReasoningParser
-from .tool_parser import ToolParser, merge_tool_call_fragments
+from .tool_call import ToolParser, merge_tool_call_fragments
 
 __all__ = ['ChatOutput', 'TokenTexts', 'TextOffsets', 'StreamedLogprobs', 'chat_logprobs', 'completion_logprobs']
 

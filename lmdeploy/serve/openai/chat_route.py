@@ -7,7 +7,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from .chat_output import ChatOutput, StreamedLogprobs, chat_logprobs
-from .generation import _Generation, _SSEResponse, _sse, _stream_error
+from .generation import Generation, SSEResponse, sse, stream_error
 from .lifecycle import ShuttingDown
 from .prompt_logprobs import vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, new_id, now
@@ -16,20 +16,19 @@ __all__ = ['ChatRoutes']
 
 
 class ChatRoutes:
-    """The chat endpoint, mixed into :class:`~.api_server._Server` (uses its request planning)."""
+    """The chat endpoint, mixed into :class:`~.api_server.Server` (uses its request planning)."""
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
-        self._check_model(req.model)
-        plan = await run_in_threadpool(self._plan_chat, req)
-        gen = _Generation(self, plan.jobs, req.n, plan.multimodal, [out.first_call_stop() for out in plan.outputs],
-                          shared_head=plan.shared_head)
+        self.check_model(req.model)
+        plan = await run_in_threadpool(self.plan_chat, req)
+        gen = Generation(self, plan.jobs, req.n, [out.first_call_stop() for out in plan.outputs])
         rid, created = new_id('chatcmpl'), now()
         head = {'id': rid, 'object': 'chat.completion', 'created': created, 'model': self.model_name}
         top = req.top_logprobs or 0
         stops = req.stop_words()
         if req.stream:
             opts = req.stream_options
-            return _SSEResponse(self._chat_events(gen, plan.outputs, dict(head, object='chat.completion.chunk'),
+            return SSEResponse(self._chat_events(gen, plan.outputs, dict(head, object='chat.completion.chunk'),
                                                   bool(opts and opts.include_usage), req.logprobs, top,
                                                   req.prompt_logprobs, stops,
                                                   bool(opts and opts.continuous_usage_stats)))
@@ -46,7 +45,7 @@ class ChatRoutes:
                                                             req.prompt_logprobs)
         return dict(head, choices=choices, usage=gen.usage(), **extra)
 
-    async def _chat_events(self, gen: _Generation, outputs: list[ChatOutput], head: dict, include_usage: bool,
+    async def _chat_events(self, gen: Generation, outputs: list[ChatOutput], head: dict, include_usage: bool,
                            logprobs: bool, top: int, prompt_logprobs: int | None = None, stops: list[str] = (),
                            continuous_usage: bool = False):
         def chunk(choices, usage=None, **extra):
@@ -55,7 +54,7 @@ class ChatRoutes:
                 body['usage'] = usage or gen.usage()
             elif include_usage:
                 body['usage'] = usage
-            return _sse(body)
+            return sse(body)
         for i in range(len(gen.choices)):
             yield chunk([{'index': i, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
                           'finish_reason': None}])
@@ -64,7 +63,7 @@ class ChatRoutes:
             async with aclosing(gen.deltas()) as stream:
                 async for i, r in stream:
                     if r.finish_reason == 'error':
-                        yield _stream_error(RuntimeError())
+                        yield stream_error(RuntimeError())
                         break
                     out = outputs[i]
                     text, lp = r.text, None
@@ -87,7 +86,7 @@ class ChatRoutes:
                             choice['matched_stop'] = gen.matched_stop(i, stops)
                         yield chunk([choice], **extra)
         except ShuttingDown as err:
-            yield _stream_error(err)
+            yield stream_error(err)
         if include_usage:
             yield chunk([], gen.usage())
-        yield _sse('[DONE]')
+        yield sse('[DONE]')

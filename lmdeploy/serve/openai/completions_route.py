@@ -8,7 +8,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .chat_output import StreamedLogprobs, TextOffsets, completion_logprobs
 from .errors import APIError
-from .generation import _Generation, _SSEResponse, _sse, _stream_error
+from .generation import Generation, SSEResponse, sse, stream_error
 from .lifecycle import ShuttingDown
 from .prompt_logprobs import echo_logprobs, merge_completion_logprobs, vllm_prompt_logprobs
 from .protocol import MAX_CHOICES, CompletionRequest, new_id, now
@@ -17,10 +17,10 @@ __all__ = ['CompletionRoutes']
 
 
 class CompletionRoutes:
-    """The completions endpoint, mixed into :class:`~.api_server._Server`."""
+    """The completions endpoint, mixed into :class:`~.api_server.Server`."""
 
     async def completions(self, req: CompletionRequest, request: Request):
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompts = req.prompts()
         if not prompts:
             raise APIError(400, 'prompt: must not be empty', param='prompt', code='invalid_value')
@@ -39,15 +39,15 @@ class CompletionRoutes:
                               prompt_logprobs=max(wanted) if wanted else None), echo
         jobs, echo = await run_in_threadpool(plan)
         echoed = [echo[i // req.n] for i in range(len(jobs))] if echo else None
-        gen = _Generation(self, jobs, req.n)
+        gen = Generation(self, jobs, req.n)
         head = {'id': new_id('cmpl'), 'object': 'text_completion', 'created': now(), 'model': self.model_name}
         top = req.logprobs or 0
         stops = req.stop_words()
         if req.stream:
             opts = req.stream_options
-            return _SSEResponse(self._completion_events(gen, head, bool(opts and opts.include_usage),
+            return SSEResponse(self._completion_events(gen, head, bool(opts and opts.include_usage),
                                                         req.logprobs is not None, top, echoed,
-                                                        [ids for ids, _ in jobs], req.prompt_logprobs, stops,
+                                                        [job.token_ids for job in jobs], req.prompt_logprobs, stops,
                                                         bool(opts and opts.continuous_usage_stats)))
         await gen.collect(request)
         choices = []
@@ -56,7 +56,8 @@ class CompletionRoutes:
                       'finish_reason': c.finish_reason, 'matched_stop': gen.matched_stop(i, stops)}
             if req.logprobs is not None:
                 offsets = TextOffsets(self.texts)
-                head_lp = echo_logprobs(self.texts, jobs[i][0], c.prompt_logprobs, top, offsets) if echoed else None
+                head_lp = (echo_logprobs(self.texts, jobs[i].token_ids, c.prompt_logprobs, top, offsets)
+                           if echoed else None)
                 choice['logprobs'] = merge_completion_logprobs(head_lp, completion_logprobs(self.texts, c.logprobs,
                                                                                            top, offsets))
             if req.prompt_logprobs is not None:
@@ -64,7 +65,7 @@ class CompletionRoutes:
             choices.append(choice)
         return dict(head, choices=choices, usage=gen.usage())
 
-    async def _completion_events(self, gen: _Generation, head: dict, include_usage: bool, logprobs: bool,
+    async def _completion_events(self, gen: Generation, head: dict, include_usage: bool, logprobs: bool,
                                  top: int, echoed: list[str] | None = None, prompts: list | None = None,
                                  prompt_logprobs: int | None = None, stops: list[str] = (),
                                  continuous_usage: bool = False):
@@ -76,14 +77,14 @@ class CompletionRoutes:
         pending_echo = dict(enumerate(echoed or []))
         if not logprobs:
             for i, text in pending_echo.items():
-                yield _sse(dict(head, choices=[{'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}],
+                yield sse(dict(head, choices=[{'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}],
                                 **usage()))
             pending_echo = {}
         try:
             async with aclosing(gen.deltas()) as stream:
                 async for i, r in stream:
                     if r.finish_reason == 'error':
-                        yield _stream_error(RuntimeError())
+                        yield stream_error(RuntimeError())
                         break
                     extra = {}
                     if prompt_logprobs is not None and r.prompt_logprobs is not None:
@@ -93,7 +94,7 @@ class CompletionRoutes:
                         lp = echo_logprobs(self.texts, prompts[i], r.prompt_logprobs, top, aligned[i].offsets)
                         aligned[i].sent = aligned[i].offsets.chars     # generated text starts after the echo
                         choice = {'index': i, 'text': pending_echo.pop(i), 'logprobs': lp, 'finish_reason': None}
-                        yield _sse(dict(head, choices=[dict(choice, **extra)], **usage()))
+                        yield sse(dict(head, choices=[dict(choice, **extra)], **usage()))
                         extra = {}
                     text, lp = r.text, None
                     if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
@@ -104,9 +105,9 @@ class CompletionRoutes:
                                   **extra}
                         if r.finish_reason:
                             choice['matched_stop'] = gen.matched_stop(i, stops)
-                        yield _sse(dict(head, choices=[choice], **usage()))
+                        yield sse(dict(head, choices=[choice], **usage()))
         except ShuttingDown as err:
-            yield _stream_error(err)
+            yield stream_error(err)
         if include_usage:
-            yield _sse(dict(head, choices=[], usage=gen.usage()))
-        yield _sse('[DONE]')
+            yield sse(dict(head, choices=[], usage=gen.usage()))
+        yield sse('[DONE]')

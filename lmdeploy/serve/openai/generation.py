@@ -1,11 +1,11 @@
 """One HTTP request's generation: its engine requests, the merging of their deltas, and how it ends.
 
-:class:`_Generation` runs each choice (``n`` per prompt) as one engine request in its own asyncio
+:class:`Generation` runs each choice (``n`` per prompt) as one engine request in its own asyncio
 task feeding one queue. Whatever ends the response early — the client disconnecting, a
 non-streaming client going away, an error, the shutdown deadline — cancels those tasks, and
 cancelling a task aborts its engine request (``Pipeline.generate``), which frees its blocks,
 slots and pins before the next engine step. Also here: the SSE framing shared by the streaming
-endpoints (:func:`_sse`, :func:`_stream_error`, :class:`_SSEResponse`).
+endpoints (:func:`sse`, :func:`stream_error`, :class:`SSEResponse`).
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ...messages import GenerationConfig
 from ...messages import Response as EngineResponse
+from ...pytorch.engine.requests import CheckedRequest
 from .errors import APIError, error_body
 from .lifecycle import ShuttingDown
 from .protocol import Usage
 
-__all__ = ['_Choice', '_Generation', '_SSEResponse', '_failed', '_shutting_down', '_sse', '_stream_error']
+__all__ = ['Choice', 'Generation', 'SSEResponse', 'failed_response', 'shutting_down', 'sse', 'stream_error']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -32,7 +32,7 @@ _DISCONNECT_POLL_S = 0.25   # how often a non-streaming request checks that its 
 _END = object()             # queue sentinel: the shutdown deadline ended this generation
 
 
-class _Choice:
+class Choice:
     """Accumulates one choice's deltas and timings (``time.perf_counter()`` seconds)."""
 
     def __init__(self, prompt_len: int):
@@ -65,16 +65,16 @@ class _Choice:
         self.finish_reason = r.finish_reason or self.finish_reason
 
 
-class _Generation:
+class Generation:
     """The choices of one HTTP request: submission, merging of their deltas, cancellation,
     usage and metrics.
 
     Args:
-        server: the owning server (:class:`~.api_server._Server`: its pipe, metrics, drain).
-        jobs: ``(token_ids, gen_config)`` per choice, prompt-major (choice i = prompt i // n).
+        server: the owning server (:class:`~.api_server.Server`: its pipe, metrics, drain).
+        jobs: one checked request per choice (:class:`~lmdeploy.pytorch.engine.requests.CheckedRequest`:
+            token ids, options, the prompt's images and shared head), prompt-major (choice i =
+            prompt i // n).
         n: choices per prompt.
-        multimodal: the prompt's images (chat requests: one prompt).
-        shared_head: tokens of the chat prompt's shared head (system messages and tools), or None.
         stops: per choice, None or a function of the choice's text so far that returns how many
             characters to keep once the reply must end (``parallel_tool_calls: false``: just after
             the first call); the choice then ends with ``"stop"`` and its engine request is
@@ -82,16 +82,13 @@ class _Generation:
             generated or billed.
     """
 
-    def __init__(self, server, jobs: list[tuple[list[int], GenerationConfig]], n: int,
-                 multimodal: tuple = (), stops: list | None = None, shared_head: int | None = None):
+    def __init__(self, server, jobs: list[CheckedRequest], n: int, stops: list | None = None):
         self.server = server
         self.jobs = jobs
         self.stops = stops or [None] * len(jobs)
-        self.multimodal = multimodal        # the prompt's images (chat requests: one prompt)
-        self.shared_head = shared_head      # the chat prompt's head length, for its checkpoint
         self.n = n
         self.start = time.perf_counter()
-        self.choices = [_Choice(len(ids)) for ids, _ in jobs]
+        self.choices = [Choice(len(job.token_ids)) for job in jobs]
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def end(self) -> None:
@@ -108,18 +105,17 @@ class _Generation:
         queue = self.queue
         pipe, metrics, drain = self.server.pipe, self.server.metrics, self.server.drain
 
-        async def run(index: int, ids: list[int], cfg: GenerationConfig):
+        async def run(index: int, job: CheckedRequest):
             try:
-                async with aclosing(pipe.generate(ids, cfg, multimodal=self.multimodal, stop_at=self.stops[index],
-                                                  shared_head_tokens=self.shared_head)) as gen:
+                async with aclosing(pipe.generate(job, stop_at=self.stops[index])) as gen:
                     async for r in gen:
                         queue.put_nowait((index, r))
             except Exception as err:      # handed to the consumer, which answers with an error
                 queue.put_nowait((index, err))
 
         metrics.requests_running.inc(len(self.jobs))
-        metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in self.jobs))
-        tasks = [asyncio.create_task(run(i, ids, cfg)) for i, (ids, cfg) in enumerate(self.jobs)]
+        metrics.prompt_tokens.inc(sum(len(job.token_ids) for job in self.jobs))
+        tasks = [asyncio.create_task(run(i, job)) for i, job in enumerate(self.jobs)]
         drain.add(self)
         live = len(tasks)
         try:
@@ -129,7 +125,7 @@ class _Generation:
                     raise ShuttingDown()
                 if isinstance(item, Exception):
                     logger.error('generation failed: %r', item)
-                    item = _failed()
+                    item = failed_response()
                 choice = self.choices[index]
                 choice.add(item)
                 if item.finish_reason is not None:
@@ -145,7 +141,7 @@ class _Generation:
                     choice.finish_reason = 'abort'
                     self._finished(choice)
 
-    def _finished(self, choice: _Choice) -> None:
+    def _finished(self, choice: Choice) -> None:
         metrics = self.server.metrics
         metrics.requests_running.dec()
         metrics.observe_choice(self.start, choice.first, choice.last, choice.num_tokens, choice.finish_reason)
@@ -195,33 +191,33 @@ class _Generation:
             task.cancel()
         if task.done() and not task.cancelled():
             if isinstance(task.exception(), ShuttingDown):
-                raise _shutting_down()
+                raise shutting_down()
             task.result()       # re-raise a bug in the merge loop as a 500
         if any(c.finish_reason == 'error' for c in self.choices):
             raise APIError(500, 'the engine failed while generating; see the server log', code='engine_error')
 
 
-def _failed() -> EngineResponse:
+def failed_response() -> EngineResponse:
     return EngineResponse(finish_reason='error')
 
 
-def _shutting_down() -> APIError:
+def shutting_down() -> APIError:
     return APIError(503, 'the server is shutting down; retry on another instance', code='shutting_down',
                     type='server_error')
 
 
-def _sse(body: dict | str) -> str:
+def sse(body: dict | str) -> str:
     return f'data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n'
 
 
-def _stream_error(err: Exception) -> str:
+def stream_error(err: Exception) -> str:
     if isinstance(err, ShuttingDown):
-        return _sse(error_body('the server is shutting down; the reply is incomplete', 'server_error',
+        return sse(error_body('the server is shutting down; the reply is incomplete', 'server_error',
                                code='shutting_down'))
-    return _sse(error_body('the engine failed while generating', 'server_error', code='engine_error'))
+    return sse(error_body('the engine failed while generating', 'server_error', code='engine_error'))
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """A stream whose body generator is always closed when the response ends, however it ends,
     so abandoned choices are aborted now rather than whenever the generator is collected."""
     media_type = 'text/event-stream'

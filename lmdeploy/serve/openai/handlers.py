@@ -5,7 +5,7 @@ small endpoints (models, health, metrics, ledger).
 Chat-template rendering, tokenization and request checks run in worker threads (the ``_plan_*``
 and ``_jobs`` methods say "worker thread"), so one huge prompt never stalls other clients or
 ``/health``. The chat and completions endpoints are in :mod:`.chat_route` and
-:mod:`.completions_route`; :class:`~.api_server._Server` joins them.
+:mod:`.completions_route`; :class:`~.api_server.Server` joins them.
 """
 from __future__ import annotations
 
@@ -18,22 +18,24 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ...messages import GenerationConfig
 from ...metrics import ServerMetrics
+from ...pytorch.engine.requests import CheckedRequest, RequestError
 from ..images import ImageFetchLimits, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts
 from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import APIError
-from .generation import _shutting_down
+from .generation import shutting_down
 from .lifecycle import Drain
 from .protocol import ChatCompletionRequest, DecodedInts, ModelCard, ModelList, NamedToolChoice
 from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
 from .tool_parser import detect_tool_format, get_tool_parser
 
-__all__ = ['ServerBase', 'DEFAULT_SHUTDOWN_TIMEOUT', 'served_names', 'current_tenant', 'tenant_of']
+__all__ = ['ServerBase', 'served_names', 'current_tenant', 'tenant_of']
 
 
 def served_names(model_name: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -64,6 +66,17 @@ def current_tenant() -> str | None:
     return _TENANT.get()
 
 
+def _refused(err: RequestError, param: str, structured_param: str) -> APIError:
+    """The 400 of a field the engine refused: ``param`` names the prompt (``messages``, ``prompt``,
+    ``input``), ``structured_param`` the grammar's source (``response_format`` or ``tools``); the
+    images are part of the messages."""
+    if err.field in ('prompt', 'multimodal', 'shared_head_tokens'):
+        return APIError(400, f'{param}: {err}', param=param, code='invalid_value')
+    if err.field == 'structured_output':
+        return APIError(400, f'{structured_param}: {err}', param=structured_param, code='invalid_value')
+    return APIError(400, str(err), param=err.field, code='invalid_value')     # the message starts with its name
+
+
 def _resolve_parser(choice: str, template: str, marker: str, default: str) -> str | None:
     """``auto`` → ``default`` when the chat template mentions ``marker``; ``none`` → None."""
     if choice == 'none':
@@ -74,14 +87,12 @@ def _resolve_parser(choice: str, template: str, marker: str, default: str) -> st
 
 
 @dataclass
-class _ChatPlan:
-    """What the worker thread prepared for a chat request: the jobs and per-choice output parsers,
-    the prompt's images and its shared head (tokens of the rendered system messages and tools,
-    :func:`~lmdeploy.serve.pipeline.shared_head_tokens`; None without one)."""
-    jobs: list[tuple[list[int], GenerationConfig]]
+class ChatPlan:
+    """What the worker thread prepared for a chat request: its checked engine requests, one per
+    choice (with the prompt's images and its shared head: tokens of the rendered system messages
+    and tools, :func:`~lmdeploy.serve.pipeline.shared_head_tokens`), and per-choice output parsers."""
+    jobs: list[CheckedRequest]
     outputs: list[ChatOutput]
-    multimodal: tuple = ()
-    shared_head: int | None = None
 
 
 class ServerBase:
@@ -111,8 +122,7 @@ class ServerBase:
         self.model_names = served_names(model_name)
         self.model_name = self.model_names[0]
         self.api_keys = [k for k in (api_keys or []) if k]
-        self.metrics = ServerMetrics(lambda: pipe.loop.call(lambda engine: engine.stats(), timeout=30),
-                                     lambda: pipe.loop.call(lambda engine: engine.ledger(), timeout=30))
+        self.metrics = ServerMetrics(lambda: pipe.stats(timeout=30), lambda: pipe.ledger(timeout=30))
         template = getattr(pipe.tokenizer, 'chat_template', None) or ''
         template = template if isinstance(template, str) else json.dumps(template)
         self.tool_parser_name = _resolve_parser(tool_call_parser, template, '<tool_call>',
@@ -132,7 +142,7 @@ class ServerBase:
         keys (when keys are set); then the request's tenant (:func:`current_tenant`) is its key's.
         (async: the tenant is set in the request's own task, where its handler runs.)"""
         if self.drain.draining:
-            raise _shutting_down()
+            raise shutting_down()
         if not self.api_keys:
             return
         anthropic = request.headers.get('x-api-key')        # Anthropic clients send the key this way
@@ -173,7 +183,7 @@ class ServerBase:
         # a digest keeps the combined salt within the engine's length bound whatever the client sent
         return 'tenant:' + hashlib.sha256(f'{tenant}\0{salt}'.encode('utf-8')).hexdigest()
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
         if name not in self.model_names:
             served = ', '.join(repr(n) for n in self.model_names)
             raise APIError(404, f'the model {name!r} does not exist; this server serves {served} (start it with '
@@ -189,50 +199,41 @@ class ServerBase:
             raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
 
     def _jobs(self, req, prompts_ids: list[list[int]], max_new: int | None, param: str, logprobs: int | None,
-              structured=None, structured_param: str = 'response_format', prompt_logprobs: int | None = None):
-        """One ``(ids, GenerationConfig)`` per choice (worker thread); 400 if the engine would
-        refuse one. ``max_new`` is clamped to what the session has left after the prompt.
-        ``structured``: the :class:`~lmdeploy.messages.StructuredOutput` of the request (an
-        invalid schema is a 400 naming ``structured_param``)."""
-        session_len = self.pipe.engine.session_len
-        jobs = []
+              structured=None, structured_param: str = 'response_format', prompt_logprobs: int | None = None,
+              multimodal: tuple = (), shared_head: int | None = None) -> list[CheckedRequest]:
+        """One checked :class:`~lmdeploy.pytorch.engine.requests.CheckedRequest` per choice (worker
+        thread), prompt-major; 400 naming the field the engine refuses. Each prompt is checked
+        once: its ``n`` choices differ only in their seed. ``max_new`` is clamped to what the
+        session has left after the prompt. ``structured``: the
+        :class:`~lmdeploy.messages.StructuredOutput` of the request (an invalid schema is a 400
+        naming ``structured_param``). ``multimodal``, ``shared_head``: the (one) chat prompt's
+        images and shared head."""
+        session_len = self.pipe.session_len
         bias = req.token_bias()
-        try:
-            self.pipe.engine.validate([0], GenerationConfig(logit_bias=bias))
-        except ValueError as err:
-            raise APIError(400, str(err), param='logit_bias', code='invalid_value') from err
-        if prompt_logprobs is not None:
-            try:
-                self.pipe.engine.validate([0], GenerationConfig(prompt_logprobs=prompt_logprobs))
-            except ValueError as err:
-                raise APIError(400, str(err), param='prompt_logprobs', code='invalid_value') from err
-        if structured is not None:
-            try:
-                self.pipe.engine.validate([0], GenerationConfig(structured_output=structured))
-            except ValueError as err:
-                raise APIError(400, f'{structured_param}: {err}', param=structured_param,
-                               code='invalid_value') from err
+        jobs = []
         for ids in prompts_ids:
-            try:
-                self.pipe.engine.validate(ids, GenerationConfig())
-            except ValueError as err:
-                raise APIError(400, f'{param}: {err}', param=param, code='invalid_value') from err
             room = max(0, session_len - len(ids))
-            for j in range(req.n):
-                seed = None if req.seed is None else (req.seed + j) % (1 << 64)   # torch's 64-bit seed space
-                sampling = bool(req.temperature)
+            try:
                 cfg = GenerationConfig(
                     max_new_tokens=room if max_new is None else min(max_new, room),
-                    do_sample=sampling, temperature=req.temperature if sampling else 1.0, top_p=req.top_p,
-                    top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
+                    do_sample=bool(req.temperature), temperature=req.temperature if req.temperature else 1.0,
+                    top_p=req.top_p, top_k=max(req.top_k, 0), repetition_penalty=req.repetition_penalty,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
-                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, random_seed=seed, logprobs=logprobs,
+                    stop_words=req.stop_words(), ignore_eos=req.ignore_eos, logprobs=logprobs,
                     min_tokens=req.min_tokens, structured_output=structured, cache_salt=self.cache_salt(req.cache_salt),
                     prompt_logprobs=prompt_logprobs)
-                jobs.append((ids, cfg))
+                request = self.pipe.check(ids, cfg, multimodal, shared_head)
+            except RequestError as err:
+                raise _refused(err, param, structured_param) from err
+            except ValidationError as err:      # an option GenerationConfig refuses: named by its field
+                field = str(err.errors()[0]['loc'][0]) if err.errors() and err.errors()[0]['loc'] else 'messages'
+                raise APIError(400, str(err), param=field, code='invalid_value') from err
+            for j in range(req.n):
+                seed = None if req.seed is None else (req.seed + j) % (1 << 64)   # torch's 64-bit seed space
+                jobs.append(request.choice(seed))
         return jobs
 
-    def _plan_chat(self, req: ChatCompletionRequest) -> _ChatPlan:
+    def plan_chat(self, req: ChatCompletionRequest) -> ChatPlan:
         """Render, tokenize and check a chat request (worker thread)."""
         use_tools = bool(req.tools) and req.tool_choice != 'none'
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
@@ -275,7 +276,6 @@ class ServerBase:
                           if isinstance(m.get('content'), list)
                           for j, p in enumerate(m['content']) if p.get('type') == 'image_url']
                 ids, images = self.pipe.expand_images(text + prefix, pil, wheres)
-                self.pipe.engine.make_sequence(ids, multimodal=images)      # checks the images; queues nothing
             else:
                 text = self.pipe.render(messages, tools, req.chat_template_kwargs)
                 if structured is not None and text.rstrip().endswith('<think>'):
@@ -295,9 +295,9 @@ class ServerBase:
         started = not prefix and text.rstrip().endswith('<think>')
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         jobs = self._jobs(req, [ids], req.max_new(), 'messages', logprobs, structured, structured_param,
-                          req.prompt_logprobs)
+                          req.prompt_logprobs, images, shared_head)
         outputs = [ChatOutput(reasoning, started, parser, prefix, req.parallel_tool_calls) for _ in jobs]
-        return _ChatPlan(jobs, outputs, images, shared_head)
+        return ChatPlan(jobs, outputs)
 
     @staticmethod
     def _structured(response_format):
@@ -324,7 +324,7 @@ class ServerBase:
     # endpoints ------------------------------------------------------------------------------
     def _card(self, name: str) -> ModelCard:
         root = os.path.basename(os.path.normpath(getattr(self.pipe, 'model_path', '') or '')) or self.model_name
-        return ModelCard(id=name, root=root, max_model_len=self.pipe.engine.session_len)
+        return ModelCard(id=name, root=root, max_model_len=self.pipe.session_len)
 
     async def models(self) -> dict:
         """``GET /v1/models``: one card per served name, the first first."""
@@ -332,11 +332,11 @@ class ServerBase:
 
     async def model(self, model_id: str) -> dict:
         """``GET /v1/models/{model_id}``: the card of a served name, or 404 naming the id."""
-        self._check_model(model_id)
+        self.check_model(model_id)
         return self._card(model_id).model_dump()
     async def health(self):
         if self.drain.draining:
-            raise _shutting_down()
+            raise shutting_down()
         return {'status': 'ok'}
 
     def prometheus(self) -> Response:

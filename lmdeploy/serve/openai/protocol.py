@@ -25,7 +25,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, S
 __all__ = ['ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'StreamOptions', 'Usage', 'Tool',
            'ResponseFormat', 'JSONSchemaFormat', 'NamedToolChoice',
            'ToolCall', 'FunctionCall', 'PromptTokensDetails', 'ModelCard', 'ModelList', 'ErrorBody', 'new_id', 'now',
-           'MAX_CHOICES', 'MAX_TOKENS', 'MAX_TOP_LOGPROBS']
+           'MAX_CHOICES', 'MAX_TOKENS', 'MAX_TOP_LOGPROBS', 'StrictModel', 'FINITE', 'Text']
 
 MAX_CHOICES = 128       # n (times prompts for /v1/completions) above this is refused
 MAX_TOKENS = (1 << 31) - 1      # max_tokens above this is refused; below it, clamped to the session
@@ -68,10 +68,10 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
-_Float = dict(allow_inf_nan=False)
+FINITE = dict(allow_inf_nan=False)     # Field(...) keywords of a float that must be finite
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Request models: strict types, unknown fields ignored, ``null`` = the field's default."""
     model_config = ConfigDict(extra='ignore', strict=True)
 
@@ -86,19 +86,19 @@ class _Strict(BaseModel):
         return data
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     """A text part of a multi-part message content."""
     type: Literal['text']
     text: Text
 
 
-class ImageURL(_Strict):
+class ImageURL(StrictModel):
     """``image_url`` of an image part: a ``data:`` URL (base64) or an ``http(s)`` URL."""
     url: Text
     detail: Text | None = None
 
 
-class ImageURLPart(_Strict):
+class ImageURLPart(StrictModel):
     """An image part of a user message (served by models that take images, else a 400)."""
     type: Literal['image_url']
     image_url: ImageURL
@@ -107,21 +107,21 @@ class ImageURLPart(_Strict):
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator='type')]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     """``tool_calls[].function``: the function's name and its arguments as a JSON string
     (required, as in OpenAI's API: ``"{}"`` for a call without arguments)."""
     name: Text
     arguments: Text
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """One tool call of an assistant message (in history, or generated)."""
     id: Text | None = None
     type: Literal['function'] = 'function'
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     """One conversation message. ``content`` may be a string, text parts, or null.
 
     ``developer`` is served as ``system``. Assistant messages may carry ``tool_calls`` (and
@@ -169,7 +169,7 @@ class ChatMessage(_Strict):
         return out
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     """``tools[].function``: a callable function's name, description and JSON-schema parameters."""
     name: Text
     description: Text | None = None
@@ -177,7 +177,7 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     """One entry of ``tools``."""
     type: Literal['function'] = 'function'
     function: FunctionDefinition
@@ -190,24 +190,24 @@ class Tool(_Strict):
         return v
 
 
-class _NamedFunction(_Strict):
+class _NamedFunction(StrictModel):
     name: Text
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     """``tool_choice: {"type": "function", "function": {"name": ...}}``: call exactly this tool."""
     type: Literal['function'] = 'function'
     function: _NamedFunction
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and no choices;
     ``continuous_usage_stats`` (vLLM's name) puts the usage so far on every chunk."""
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictModel):
     """``response_format.json_schema``: the schema the reply must match (``schema``), under a
     ``name``; ``strict`` (default true here) refuses properties the schema does not list unless it
     says otherwise."""
@@ -218,7 +218,7 @@ class JSONSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
     ``json_schema`` (a JSON document valid against ``json_schema.schema``); both JSON modes are
     enforced by constrained decoding (the engine masks every token that would leave the format)."""
@@ -232,7 +232,7 @@ class ResponseFormat(_Strict):
         return self
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     """Sampling fields shared by both generation endpoints.
 
     ``temperature`` absent or 0 means greedy decoding (this engine's default; OpenAI's default
@@ -241,17 +241,17 @@ class _Sampling(_Strict):
     model: Text
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description='Most tokens to generate; clamped to '
                                    'what the session has left after the prompt.')
-    temperature: float | None = Field(None, ge=0, le=100, **_Float, description='0 or absent: greedy.')
-    top_p: float = Field(1.0, gt=0, le=1, **_Float)
+    temperature: float | None = Field(None, ge=0, le=100, **FINITE, description='0 or absent: greedy.')
+    top_p: float = Field(1.0, gt=0, le=1, **FINITE)
     top_k: int = Field(0, ge=-1, le=1 << 20, description='-1 or 0: no top-k filter.')
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: Text | list[Text] | None = None
     ignore_eos: bool = False
-    repetition_penalty: float = Field(1.0, ge=0.01, le=100, **_Float)
-    presence_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Subtracted from the logit of '
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100, **FINITE)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, **FINITE, description='Subtracted from the logit of '
                                     'every token generated so far in this choice.')
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, **_Float, description='Times the number of times a token '
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, **FINITE, description='Times the number of times a token '
                                      'was generated so far in this choice, subtracted from its logit.')
     logit_bias: dict[Text, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
         None, max_length=4096, description='Token id (a decimal string) -> bias added to its logit, -100 to 100.')

@@ -29,13 +29,13 @@ text makes a reply sent back in the history render to the tokens it was generate
 (:meth:`QwenXMLToolParser.history_message`), so the next turn reuses the cached prefix.
 
 Invariant (property-tested): any cutting of a reply into deltas streams content and argument
-fragments that concatenate to :meth:`~.tool_parser.ToolParser.parse` of the whole reply.
+fragments that concatenate to :meth:`~.tool_call.ToolParser.parse` of the whole reply.
 """
 from __future__ import annotations
 
 import json
 
-from .tool_parser import _DECODER, ParsedCall, ToolParser, _partial_suffix, _top_level_members, register_tool_parser
+from .tool_call import STRICT_JSON, ParsedCall, StateMachineSegmenter, ToolParser, partial_suffix, top_level_members
 
 __all__ = ['QwenXMLToolParser']
 
@@ -73,23 +73,15 @@ def _is_json_of(value, types: set[str]) -> bool:
         (kind == 'number' and 'integer' in types and value.is_integer())
 
 
-class _Segmenter:
+class _Segmenter(StateMachineSegmenter):
     """The state machine of one reply (see the module docstring). States: ``text``, ``open``
     (after ``<tool_call>``), ``params`` (inside ``<function=...>``), ``value`` (a string
     parameter being streamed), ``close`` (after ``</function>``)."""
 
     def __init__(self, parser: QwenXMLToolParser):
-        self.p = parser
-        self.state, self.buf = 'text', ''
+        super().__init__(parser)
         self.schema: dict = {}          # properties of the open call's function
         self.count = 0                  # parameters written into the open call
-
-    def feed(self, delta: str, final: bool) -> list:
-        self.buf += delta
-        out: list = []
-        while self._step(out, final):
-            pass
-        return out
 
     def _args(self, out: list, piece: str) -> None:
         out.append(('args', piece))
@@ -109,7 +101,7 @@ class _Segmenter:
         if self.state == 'text':
             at = buf.find(_OPEN)
             if at == -1:
-                keep = 0 if final else _partial_suffix(buf, _OPEN)
+                keep = 0 if final else partial_suffix(buf, _OPEN)
                 if len(buf) > keep:
                     out.append(('text', buf[:len(buf) - keep]))
                 self.buf = buf[len(buf) - keep:]
@@ -187,7 +179,7 @@ class _Segmenter:
         # value: a string parameter's text, streamed
         end = buf.find(_PARAM_END)
         if end == -1:
-            keep = 0 if final else max(_partial_suffix(buf, '\n' + _PARAM_END), _partial_suffix(buf, _PARAM_END))
+            keep = 0 if final else max(partial_suffix(buf, '\n' + _PARAM_END), partial_suffix(buf, _PARAM_END))
             piece = buf[:len(buf) - keep]
             if piece:
                 self._args(out, json.dumps(piece, ensure_ascii=False)[1:-1])
@@ -214,7 +206,7 @@ def _typed(raw: str, types: set[str]) -> str:
     text = raw.strip(_WS)
     if text and types != {'string'}:
         try:
-            value = _DECODER.decode(text)
+            value = STRICT_JSON.decode(text)
         except ValueError:
             pass
         else:
@@ -223,7 +215,6 @@ def _typed(raw: str, types: set[str]) -> str:
     return json.dumps(raw, ensure_ascii=False)
 
 
-@register_tool_parser('qwen_xml')
 class QwenXMLToolParser(ToolParser):
     """``<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>``."""
     start_tag = _OPEN
@@ -271,7 +262,7 @@ class QwenXMLToolParser(ToolParser):
             fn = dict(call.get('function') or {})
             args = fn.get('arguments')
             if isinstance(args, str):
-                members = _top_level_members(args)
+                members = top_level_members(args)
                 if members is not None:
                     fn['arguments'] = {k: v if isinstance(v, str) else raw for k, (v, raw) in members.items()}
             out.append(dict(call, function=fn))

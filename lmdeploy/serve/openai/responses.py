@@ -43,6 +43,7 @@ from fastapi import Request
 
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
+from .generation import SSEResponse
 from .handlers import current_tenant
 from .response_store import ResponseStore
 from .responses_protocol import CHAT_RENAMES, PASSTHROUGH, ResponsesRequest, chat_fields, input_messages, split_call_name
@@ -191,7 +192,7 @@ class ResponsesAPI:
     """The Responses endpoints over one server.
 
     Args:
-        server: the app's chat request handlers (``api_server._Server``).
+        server: the app's chat request handlers (``api_server.Server``).
         store: where ``store: true`` responses are kept.
     """
 
@@ -247,8 +248,7 @@ class ResponsesAPI:
             raise
         rid, created = _id('resp'), time.time()
         if req.stream:
-            from .api_server import _SSEResponse
-            return _SSEResponse(self._events(req, run, rid, created, conversation, owner))
+            return SSEResponse(self._events(req, run, rid, created, conversation, owner))
         msg, reason, usage = await run.collect(request)
         incomplete = reason == 'length'
         output = []

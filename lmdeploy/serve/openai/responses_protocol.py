@@ -48,7 +48,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from .protocol import MAX_TOKENS, Text, _Float, _Strict
+from .protocol import MAX_TOKENS, Text, FINITE, StrictModel
 
 __all__ = ['ResponsesRequest', 'input_messages', 'chat_fields', 'split_call_name', 'CHAT_RENAMES', 'PASSTHROUGH',
            'LOGPROBS_INCLUDE']
@@ -63,17 +63,17 @@ PASSTHROUGH = ('cache_salt', 'min_tokens')
 CHAT_RENAMES = {'messages': 'input', 'max_completion_tokens': 'max_output_tokens', 'response_format': 'text.format'}
 
 
-class _InputText(_Strict):
+class _InputText(StrictModel):
     type: Literal['input_text', 'output_text']
     text: Text
 
 
-class _Refusal(_Strict):
+class _Refusal(StrictModel):
     type: Literal['refusal']
     refusal: Text
 
 
-class _InputImage(_Strict):
+class _InputImage(StrictModel):
     type: Literal['input_image']
     image_url: Text | None = None
     file_id: Text | None = None
@@ -83,13 +83,13 @@ class _InputImage(_Strict):
 _Part = Annotated[_InputText | _Refusal | _InputImage, Field(discriminator='type')]
 
 
-class _Message(_Strict):
+class _Message(StrictModel):
     type: Literal['message'] = 'message'
     role: Literal['user', 'assistant', 'system', 'developer']
     content: Text | list[_Part]
 
 
-class _FunctionCall(_Strict):
+class _FunctionCall(StrictModel):
     type: Literal['function_call']
     call_id: Text
     name: Text
@@ -99,7 +99,7 @@ class _FunctionCall(_Strict):
     status: Text | None = None
 
 
-class _FunctionCallOutput(_Strict):
+class _FunctionCallOutput(StrictModel):
     type: Literal['function_call_output']
     call_id: Text
     output: Text | list[_Part]
@@ -108,12 +108,12 @@ class _FunctionCallOutput(_Strict):
     status: Text | None = None
 
 
-class _ReasoningText(_Strict):
+class _ReasoningText(StrictModel):
     type: Literal['reasoning_text', 'summary_text']
     text: Text
 
 
-class _Reasoning(_Strict):
+class _Reasoning(StrictModel):
     type: Literal['reasoning']
     id: Text | None = None
     summary: list[_ReasoningText] = []
@@ -124,7 +124,7 @@ class _Reasoning(_Strict):
 InputItem = Annotated[_Message | _FunctionCall | _FunctionCallOutput | _Reasoning, Field(discriminator='type')]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """``tools[]``: a function (the only tool type served)."""
     type: Literal['function']
     name: Text = Field(min_length=1)
@@ -133,7 +133,7 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class NamespaceTool(_Strict):
+class NamespaceTool(StrictModel):
     """``tools[]``: function tools grouped under a namespace (called as ``NAMESPACE.NAME``)."""
     type: Literal['namespace']
     name: Text = Field(min_length=1, pattern=r'^[^.]+$')
@@ -141,7 +141,7 @@ class NamespaceTool(_Strict):
     tools: list[FunctionTool]
 
 
-class OtherTool(_Strict):
+class OtherTool(StrictModel):
     """``tools[]`` of any other type: kept for :meth:`ResponsesRequest.refused` (a 400 naming it,
     or accepted and not offered for :data:`DECLINABLE_TOOLS`)."""
     model_config = ConfigDict(extra='allow')
@@ -157,12 +157,12 @@ Tool = Annotated[Annotated[FunctionTool, Tag('function')] | Annotated[NamespaceT
                  | Annotated[OtherTool, Tag('other')], Discriminator(_tool_kind)]
 
 
-class _NamedFunction(_Strict):
+class _NamedFunction(StrictModel):
     type: Literal['function']
     name: Text
 
 
-class _Format(_Strict):
+class _Format(StrictModel):
     model_config = ConfigDict(populate_by_name=True)
     type: Literal['text', 'json_object', 'json_schema']
     name: Text | None = None
@@ -171,18 +171,18 @@ class _Format(_Strict):
     strict: bool | None = None
 
 
-class _TextConfig(_Strict):
+class _TextConfig(StrictModel):
     format: _Format | None = None
     verbosity: Literal['low', 'medium', 'high'] | None = None
 
 
-class _ReasoningConfig(_Strict):
+class _ReasoningConfig(StrictModel):
     effort: Literal['none', 'minimal', 'low', 'medium', 'high', 'xhigh'] | None = None
     summary: Literal['auto', 'concise', 'detailed'] | None = None
     generate_summary: Literal['auto', 'concise', 'detailed'] | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     """``POST /v1/responses``. Fields this server cannot honour (``background``, ``conversation``,
     ``prompt``, tool types other than function / namespace / web_search) are refused rather than
     ignored; see docs/en/api_server.md."""
@@ -194,8 +194,8 @@ class ResponsesRequest(_Strict):
     tool_choice: Literal['none', 'auto', 'required'] | _NamedFunction | None = None
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    temperature: float | None = Field(None, ge=0, le=2, **_Float)
-    top_p: float | None = Field(None, gt=0, le=1, **_Float)
+    temperature: float | None = Field(None, ge=0, le=2, **FINITE)
+    top_p: float | None = Field(None, gt=0, le=1, **FINITE)
     reasoning: _ReasoningConfig | None = None
     text: _TextConfig | None = None
     stream: bool = False

@@ -1,17 +1,8 @@
-"""Tool-call parsers: turn a model's reply text into OpenAI ``tool_calls``.
+"""Tool-call parsers: the registry that maps ``--tool-call-parser`` names to output formats, and
+format ``hermes``.
 
-A parser owns one output format; the registry maps ``--tool-call-parser`` names to parsers.
-Each parser answers two questions about the same text:
-
-- :meth:`ToolParser.parse` — the whole reply at once (non-streaming responses);
-- :meth:`ToolParser.stream` — a :class:`ToolCallStream` fed the reply delta by delta, which
-  emits content deltas and OpenAI-style ``delta.tool_calls`` fragments.
-
-Invariant: for every text and every way of cutting it into deltas, the streamed content
-concatenates to ``parse(text).content`` (or ``''`` for None) and the streamed fragments, merged
-per ``index`` (name from the first fragment, ``arguments`` concatenated), equal
-``parse(text).calls``. A block that is not a well-formed call stays in the content: malformed
-model output degrades to text, never to an error.
+The contract every format keeps (:meth:`~.tool_call.ToolParser.parse` and its streaming form)
+is in :mod:`.tool_call`.
 
 Format ``hermes`` (Qwen2.5 / Qwen3 / Hermes chat templates)::
 
@@ -42,13 +33,13 @@ Format ``qwen_xml`` (Qwen3.5 / Qwen3.6 / Qwen3-Coder templates) lives in :mod:`.
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
 
 from .json_prefix import JSONPrefix
+from .qwen_xml_parser import QwenXMLToolParser
+from .tool_call import (JSON_WHITESPACE, STRICT_JSON, ParsedCall, StateMachineSegmenter, ToolParser, partial_suffix,
+                        top_level_members)
 
-__all__ = ['ParsedCall', 'ParseResult', 'ToolParser', 'ToolCallStream', 'HermesToolParser', 'register_tool_parser',
-           'get_tool_parser', 'merge_tool_call_fragments', 'detect_tool_format', 'TOOL_PARSERS']
+__all__ = ['HermesToolParser', 'register_tool_parser', 'get_tool_parser', 'detect_tool_format', 'TOOL_PARSERS']
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
 
@@ -87,100 +78,6 @@ def detect_tool_format(template: str) -> str | None:
     return 'qwen_xml' if '<function=' in template else 'hermes'
 
 
-@dataclass
-class ParsedCall:
-    """One generated call: the function name and its arguments as a JSON string."""
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f'call_{uuid.uuid4().hex[:24]}')
-
-    def to_openai(self) -> dict:
-        """``message.tool_calls[i]`` of a chat completion."""
-        return {'id': self.id, 'type': 'function', 'function': {'name': self.name, 'arguments': self.arguments}}
-
-
-@dataclass
-class ParseResult:
-    """``content`` (None when empty) and the ``calls`` found, in order."""
-    content: str | None
-    calls: list[ParsedCall]
-
-
-class ToolParser:
-    """Base class of a tool-call output format (see the module docstring for the contract).
-
-    Segments are ``('text', str)``, ``('call', ParsedCall)`` (a whole call), or, for formats
-    that stream a call's arguments, ``('open', ParsedCall)`` (name and id known, ``arguments``
-    empty) followed by ``('args', str)`` pieces of the open call's arguments JSON.
-
-    Args:
-        tools: the request's ``tools`` (OpenAI shape); see :func:`get_tool_parser`.
-    """
-    name = ''
-    start_tag = ''       # text that may open a call; used by the streaming hold-back
-
-    def __init__(self, tools: list[dict] | None = None):
-        self.schemas: dict[str, dict] = {}
-        for tool in tools or []:
-            fn = tool.get('function') or {}
-            if fn.get('name'):
-                self.schemas[fn['name']] = fn.get('parameters') or {}
-
-    def parse(self, text: str) -> ParseResult:
-        """Split a whole reply into content and calls."""
-        pieces, calls = [], []
-        for kind, value in self.segmenter().feed(text, final=True):
-            if kind == 'text':
-                pieces.append(value)
-            elif kind == 'args':
-                calls[-1].arguments += value
-            else:
-                calls.append(value)
-        content = ''.join(pieces)
-        if calls:
-            content = content.rstrip()
-        return ParseResult(content or None, calls)
-
-    def segmenter(self):
-        """A new incremental segmenter: ``feed(delta, final) -> segments`` of the text fed so far
-        (what may still change is held back until ``final``). The default one re-runs the
-        stateless :meth:`segments` on the unconsumed text."""
-        return _BufferedSegmenter(self)
-
-    def history_message(self, message: dict) -> dict:
-        """A chat message as this format's chat template wants it in the history (the default:
-        unchanged; templates that iterate ``arguments`` as a mapping get a dict)."""
-        return message
-
-    def forced_prefix(self, name: str | None) -> str:
-        """Text that opens a call (of function ``name``, or of any function when None); the
-        server appends it to the prompt for ``tool_choice`` ``"required"`` / a named function,
-        and parses it as the start of the reply."""
-        raise NotImplementedError
-
-    def segments(self, text: str, final: bool) -> tuple[list[tuple[str, object]], int]:
-        """Split ``text`` into ``('text', str)`` and ``('call', ParsedCall)`` segments.
-
-        Returns the segments and how many characters of ``text`` they cover; the rest (an
-        unfinished call, or what may be the start of one) waits for more text unless ``final``.
-        """
-        raise NotImplementedError
-
-    def stream(self) -> ToolCallStream:
-        """A new incremental parser for one reply."""
-        return ToolCallStream(self)
-
-    def first_call_end(self, text: str, start: int = 0) -> tuple[int | None, int]:
-        """Where the first well-formed call at or after ``start`` ends in ``text``.
-
-        Returns ``(end, resume)``: ``end`` is the offset just past the first complete call that
-        :meth:`parse` would return (None while there is none yet); ``resume`` is an offset from
-        which a later search of the same text grown longer can start (what lies before it holds
-        no call, and no unfinished block starts there).
-        """
-        raise NotImplementedError
-
-
 @register_tool_parser('hermes')
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen, Hermes)."""
@@ -201,7 +98,7 @@ class HermesToolParser(ToolParser):
         escapes), so that the reply sent back in the history renders to the tokens the model
         generated (chat templates print a string ``arguments`` as it is) and the next turn
         reuses the cached prefix past the reply."""
-        members = _top_level_members(body)
+        members = top_level_members(body)
         if members is None:
             return None
         name = members.get('name', (None, ''))[0]
@@ -210,7 +107,7 @@ class HermesToolParser(ToolParser):
         args, raw = members.get('arguments', members.get('parameters', ({}, '{}')))
         if isinstance(args, str):
             try:
-                _DECODER.decode(args)
+                STRICT_JSON.decode(args)
             except ValueError:
                 return None
             return ParsedCall(name, args)
@@ -222,7 +119,7 @@ class HermesToolParser(ToolParser):
         """Whether the tag at ``start`` opens a call: its next non-space character is ``{``
         (None while only whitespace follows)."""
         i = start + len(self.start_tag)
-        while i < len(text) and text[i] in _WHITESPACE:
+        while i < len(text) and text[i] in JSON_WHITESPACE:
             i += 1
         return None if i == len(text) else text[i] == '{'
 
@@ -285,154 +182,12 @@ class HermesToolParser(ToolParser):
             pos = block_end
         rest = text[pos:]
         if not final:
-            keep = _partial_suffix(rest, self.start_tag)
+            keep = partial_suffix(rest, self.start_tag)
             rest = rest[:len(rest) - keep]
         if rest:
             out.append(('text', rest))
         return out, pos + len(rest)
 
-
-def _no_constant(name: str):
-    raise ValueError(f'{name} is not JSON')      # NaN / Infinity: Python's json takes them, clients do not
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
-_WHITESPACE = ' \t\n\r'
-
-
-def _top_level_members(text: str) -> dict[str, tuple[object, str]] | None:
-    """``{key: (value, value's exact source text)}`` of a JSON object, or None when ``text``
-    (surrounding whitespace aside) is not exactly one JSON object. A repeated key keeps its last
-    value, as ``json.loads`` does."""
-    def skip(i: int) -> int:
-        while i < len(text) and text[i] in _WHITESPACE:
-            i += 1
-        return i
-
-    i = skip(0)
-    if i >= len(text) or text[i] != '{':
-        return None
-    members, i = {}, skip(i + 1)
-    try:
-        if i < len(text) and text[i] == '}':
-            return members if skip(i + 1) == len(text) else None
-        while True:
-            if i >= len(text) or text[i] != '"':
-                return None
-            key, i = json.decoder.scanstring(text, i + 1)
-            i = skip(i)
-            if i >= len(text) or text[i] != ':':
-                return None
-            start = skip(i + 1)
-            value, end = _DECODER.raw_decode(text, start)
-            members[key] = (value, text[start:end])
-            i = skip(end)
-            if i < len(text) and text[i] == ',':
-                i = skip(i + 1)
-                continue
-            if i < len(text) and text[i] == '}':
-                return members if skip(i + 1) == len(text) else None
-            return None
-    except ValueError:      # json.JSONDecodeError: a malformed key or value
-        return None
-
-
-def merge_tool_call_fragments(frags: list[dict]) -> list[dict]:
-    """``delta.tool_calls`` fragments with at most one entry per ``index``, in first-seen order.
-
-    Fragments of one index are merged as a client merges them across chunks: ``id``, ``type``
-    and ``function.name`` from the first fragment that has them, ``function.arguments``
-    concatenated. The input is not modified.
-    """
-    merged: dict[int, dict] = {}
-    for frag in frags:
-        into = merged.get(frag['index'])
-        if into is None:
-            merged[frag['index']] = dict(frag, function=dict(frag.get('function') or {}))
-            continue
-        for key in ('id', 'type'):
-            if key in frag and key not in into:
-                into[key] = frag[key]
-        fn, into_fn = frag.get('function') or {}, into['function']
-        if 'name' in fn and 'name' not in into_fn:
-            into_fn['name'] = fn['name']
-        if 'arguments' in fn:
-            into_fn['arguments'] = into_fn.get('arguments', '') + fn['arguments']
-    return list(merged.values())
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
-
-
-class _BufferedSegmenter:
-    """Incremental segmentation over a stateless :meth:`ToolParser.segments`."""
-
-    def __init__(self, parser: ToolParser):
-        self.parser, self.buffer = parser, ''
-
-    def feed(self, delta: str, final: bool) -> list:
-        self.buffer += delta
-        segments, used = self.parser.segments(self.buffer, final)
-        self.buffer = '' if final else self.buffer[used:]
-        return segments
-
-
-class ToolCallStream:
-    """Incremental form of :meth:`ToolParser.parse` for one streamed reply.
-
-    :meth:`feed` takes the next text delta and returns ``(content_delta, tool_call_fragments)``;
-    :meth:`finish` flushes what was held back. A call is emitted once its block is complete, as
-    one fragment ``{index, id, type, function: {name, arguments}}`` (OpenAI never repeats an
-    ``index`` inside one chunk; see :func:`merge_tool_call_fragments`). Whitespace at the end
-    of the content so far is held back until more content follows, so that it can be dropped if
-    the reply ends with calls.
-    """
-
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
-        self.segmenter = parser.segmenter()
-        self.pending_ws = ''      # content whitespace held back
-        self.num_calls = 0
-        self.calls: list[ParsedCall] = []
-
-    def _content(self, text: str) -> str:
-        text = self.pending_ws + text
-        stripped = text.rstrip()
-        self.pending_ws = text[len(stripped):]
-        return stripped
-
-    def _emit(self, segments) -> tuple[str, list[dict]]:
-        content, frags = '', []
-        for kind, value in segments:
-            if kind == 'text':
-                content += self._content(value)
-            elif kind == 'args':
-                self.calls[-1].arguments += value
-                frags.append({'index': self.num_calls - 1, 'function': {'arguments': value}})
-            else:
-                i = self.num_calls
-                self.num_calls += 1
-                self.calls.append(ParsedCall(value.name, value.arguments, value.id))
-                frags.append({'index': i, 'id': value.id, 'type': 'function',
-                              'function': {'name': value.name, 'arguments': value.arguments}})
-        return content, frags
-
-    def feed(self, delta: str) -> tuple[str, list[dict]]:
-        """Next text delta in; ``(content delta, tool-call fragments)`` out."""
-        return self._emit(self.segmenter.feed(delta, False))
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """End of the reply: flush held text (trailing whitespace is dropped after a call)."""
-        content, frags = self._emit(self.segmenter.feed('', True))
-        if not self.num_calls:
-            content += self.pending_ws
-        self.pending_ws = ''
-        return content, frags
 
 
 def _stream_head(text: str, i: int) -> tuple[str, str | None, int]:
@@ -441,7 +196,7 @@ def _stream_head(text: str, i: int) -> tuple[str, str | None, int]:
     ``('yes', name, index of the arguments' '{')``, ``('need', None, 0)`` when the text so far
     could still become that, or ``('no', None, 0)``."""
     def skip(j):
-        while j < len(text) and text[j] in _WHITESPACE:
+        while j < len(text) and text[j] in JSON_WHITESPACE:
             j += 1
         return j
 
@@ -477,7 +232,7 @@ def _stream_head(text: str, i: int) -> tuple[str, str | None, int]:
     return ('yes', name, j) if text[k] in '"}' else ('no', None, 0)
 
 
-class _HermesSegmenter:
+class _HermesSegmenter(StateMachineSegmenter):
     """The incremental segmenter of the hermes format (see :class:`HermesToolParser`). States:
     ``text``; ``head`` (a ``<tool_call>`` and ``{`` read, the name not yet); ``args`` (the call
     is open, its arguments stream through :class:`JSONPrefix`); ``tail`` (the arguments closed:
@@ -485,16 +240,8 @@ class _HermesSegmenter:
     ``</tool_call>``); ``block`` (a block of another shape, parsed whole once it ends)."""
 
     def __init__(self, parser: HermesToolParser):
-        self.p = parser
-        self.state, self.buf = 'text', ''
+        super().__init__(parser)
         self.json: JSONPrefix | None = None
-
-    def feed(self, delta: str, final: bool) -> list:
-        self.buf += delta
-        out: list = []
-        while self._step(out, final):
-            pass
-        return out
 
     def _close_args(self, out: list) -> None:
         closing = self.json.closing()
@@ -514,7 +261,7 @@ class _HermesSegmenter:
             return False
         if self.state == 'head':
             brace = len(p.start_tag)
-            while buf[brace] in _WHITESPACE:    # the text state saw the '{' after the tag
+            while buf[brace] in JSON_WHITESPACE:    # the text state saw the '{' after the tag
                 brace += 1
             status, name, at = _stream_head(buf, brace)
             if status == 'yes':
@@ -561,9 +308,9 @@ class _HermesSegmenter:
                 self.state = 'text'
             return False
         if self.state == 'tail':
-            lead = buf.lstrip(_WHITESPACE)
+            lead = buf.lstrip(JSON_WHITESPACE)
             if lead.startswith('}'):
-                lead = lead[1:].lstrip(_WHITESPACE)
+                lead = lead[1:].lstrip(JSON_WHITESPACE)
             if lead.startswith(p.end_tag):
                 self.buf, self.state = lead[len(p.end_tag):], 'text'
                 return True
@@ -587,4 +334,4 @@ class _HermesSegmenter:
         return True
 
 
-from . import qwen_xml_parser  # noqa: E402,F401  (registers 'qwen_xml'; it builds on this module)
+register_tool_parser('qwen_xml')(QwenXMLToolParser)
