@@ -1,0 +1,305 @@
+"""KV events (``--kv-events-endpoint``): a router's view built from the stream equals the prefixes
+the engine can restore.
+
+The stream is decoded here with msgpack alone, following vLLM's published schema (an event batch
+is ``[ts, events, data_parallel_rank]``; events are tagged arrays ``["BlockStored", hashes,
+parent, token_ids, block_size, lora_id, medium, ...]``, ``["BlockRemoved", hashes, medium]``,
+``["AllBlocksCleared"]``), not with the encoder's own classes.
+
+The random workloads run the engine's real scheduler, prefix cache, block trie, state slots and
+eviction on a tiny pool without a model (each copy "succeeds", as in benchmark/trace_sim.py).
+"""
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import msgpack
+import pytest
+
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.pytorch.config import SchedulerConfig
+from lmdeploy.pytorch.engine.kv_event_publisher import KVEventPublisher, encode_batch
+from lmdeploy.pytorch.engine.scheduler import Scheduler
+from lmdeploy.pytorch.paging.block_manager import BlockManager
+from lmdeploy.pytorch.paging.sequence import Sequence
+from lmdeploy.pytorch.prefix_cache.coordinator import PrefixCache
+from lmdeploy.pytorch.prefix_cache.eviction import make_policy
+from lmdeploy.pytorch.prefix_cache.kv_events import KVEventTracker, external_hash
+from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier
+from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
+
+B, A, P = 4, 8, 16          # block size, checkpoint alignment, prefill chunk (tokens)
+
+
+class RouterView:
+    """What a KV-aware router knows about one engine: block hash -> (parent hash, tokens)."""
+
+    def __init__(self):
+        self.blocks: dict[int, tuple[int | None, tuple]] = {}
+        self.next_seq = 0
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        assert seq == self.next_seq, f'batch {seq} arrived, expected {self.next_seq}'
+        self.next_seq += 1
+        ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
+        assert isinstance(ts, float) and dp_rank == 0
+        for ev in events:
+            tag = ev[0]
+            if tag == 'BlockStored':
+                hashes, parent, tokens, block_size, lora_id, medium = ev[1:7]
+                assert block_size == B and lora_id is None and medium == 'GPU'
+                assert len(tokens) == block_size * len(hashes)
+                assert parent is None or parent in self.blocks, 'a chain hangs from an unknown block'
+                for i, h in enumerate(hashes):
+                    assert 0 <= h < 2 ** 63
+                    assert h not in self.blocks, 'a block announced twice'
+                    self.blocks[h] = (parent if i == 0 else hashes[i - 1], tuple(tokens[i * B:(i + 1) * B]))
+            elif tag == 'BlockRemoved':
+                assert ev[2] == 'GPU'
+                for h in ev[1]:
+                    assert h in self.blocks, 'a block withdrawn that was never announced'
+                    del self.blocks[h]
+            else:
+                assert ev == ['AllBlocksCleared']
+                self.blocks.clear()
+
+    def leaves(self) -> set[int]:
+        parents = {p for p, _ in self.blocks.values()}
+        return set(self.blocks) - parents
+
+
+def restorable(local: LocalTier) -> dict[int, tuple[int | None, tuple]]:
+    """The engine's own answer, from the trie walked afresh: every block on the path to a node
+    holding a published checkpoint (hybrid), or every cached block (full attention)."""
+    out = {}
+
+    def add(node):
+        parent = None if node.parent.parent is None else external_hash(node.parent.key)
+        out[external_hash(node.key)] = (parent, node.tokens)
+
+    for node in local.trie.iter_nodes():
+        if not local.is_hybrid:
+            add(node)
+        elif node.checkpoint_slot is not None:
+            n = node
+            while n.parent is not None:
+                add(n)
+                n = n.parent
+    return out
+
+
+def _workload(rng: random.Random, num_requests: int):
+    """Prompts with shared heads, multi-turn continuations and one-offs (tokens 1..999)."""
+    heads = [[rng.randrange(1, 1000) for _ in range(rng.randrange(4, 24))] for _ in range(5)]
+    history: list[list[int]] = []
+    for _ in range(num_requests):
+        r = rng.random()
+        if history and r < 0.4:
+            base = list(rng.choice(history))
+        elif r < 0.75:
+            base = list(rng.choice(heads))
+        else:
+            base = []
+        prompt = (base + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 16))])[-56:]
+        history.append(prompt)
+        yield prompt, rng.randrange(1, 6)
+
+
+def _replay_workload(hybrid: bool, num_requests: int, seed: int, tracker_hybrid: bool | None = None,
+                     decode_save_last: bool = False, last_only: bool = False):
+    """Run the workload; after every step decode the step's batch into a router view and
+    compare it with :func:`restorable`. Returns (local tier, steps with cached blocks no
+    checkpoint covers)."""
+    rng = random.Random(seed)
+    concurrency, rows = 3, 40
+    bm = BlockManager(rows)
+    sc = (StateCache(concurrency, None, block_manager=bm, rows_per_checkpoint=2, policy=make_policy('reuse'))
+          if hybrid else None)
+    local = LocalTier(bm, B, sc)
+    tracker = KVEventTracker(B, hybrid if tracker_hybrid is None else tracker_hybrid).attach(local)
+    cache = PrefixCache(local, None, block_size=B, alignment=A, decode_save_last=decode_save_last)
+    sched = Scheduler(SchedulerConfig(B, concurrency, P, A, last_only), bm, sc, cache)
+    view, seq_no, uncovered_steps = RouterView(), 0, 0
+    requests = _workload(rng, num_requests)
+    pending = True
+    in_flight = 0
+
+    def check():
+        nonlocal seq_no, uncovered_steps
+        events = tracker.take()
+        if events:
+            view.apply(seq_no, encode_batch(events))
+            seq_no += 1
+        engine_view = restorable(local)
+        assert view.blocks == engine_view
+        if hybrid:
+            nodes = {external_hash(n.key): n for n in local.trie.iter_nodes()}
+            assert all(nodes[h].checkpoint_slot is not None for h in view.leaves()), \
+                'an announced chain ends at a block without a checkpoint'
+            uncovered_steps += len(nodes) > len(engine_view)
+
+    while pending or sched.has_work:
+        while pending and in_flight < concurrency:
+            try:
+                prompt, max_new = next(requests)
+            except StopIteration:
+                pending = False
+                break
+            sched.add(Sequence(prompt, GenerationConfig(max_new_tokens=max_new, ignore_eos=True)))
+            in_flight += 1
+        out = sched.schedule()
+        if out.loads:
+            cache.loads_done(out.loads, True)
+        if not out.chunks:
+            check()
+            continue
+        cache.saves_done(sched.computed(out), True)
+        for c in out.chunks:
+            seq = c.seq
+            if c.end < seq.num_tokens:
+                continue
+            seq.token_ids.append(1 + (seq.num_tokens * 7 + seq.seq_id) % 999)
+            if seq.num_generated >= seq.gen_config.max_new_tokens:
+                cache.saves_done(sched.finish(seq, 'length'), True)
+                in_flight -= 1
+        check()
+    return local, uncovered_steps
+
+
+@pytest.mark.parametrize('hybrid,decode_save_last,last_only', [(True, False, False), (True, True, True),
+                                                               (False, False, False)],
+                         ids=['hybrid', 'hybrid-turn-end-last-only', 'attention-only'])
+def test_router_view_equals_restorable_set(hybrid, decode_save_last, last_only):
+    """1,000 random requests on a 40-row pool: after every step the view built from the decoded
+    stream equals the engine's restorable set (hashes, parent links and tokens), every announced
+    chain ends at a checkpoint, and eviction happened (of checkpoints and of blocks)."""
+    local, uncovered = _replay_workload(hybrid, 1000, seed=7, decode_save_last=decode_save_last,
+                                        last_only=last_only)
+    ev = local.num_evictions
+    assert ev['kv'] > 100
+    if hybrid:
+        assert ev['checkpoint'] > 50
+        assert uncovered > 100      # raw attention blocks were cached: announcing them would show
+
+
+def test_announcing_raw_attention_blocks_is_caught():
+    """The check above fails for a tracker that announces every cached block of a hybrid model."""
+    with pytest.raises(AssertionError):
+        _replay_workload(True, 100, seed=7, tracker_hybrid=False)
+
+
+def test_hybrid_events_by_hand():
+    """A 9-token prompt (B=4, A=8) caches two blocks and checkpoints the second: one BlockStored
+    with both; a 5-token prompt caches one block with no checkpoint: nothing; evicting the
+    checkpoint withdraws both blocks."""
+    bm = BlockManager(16)
+    sc = StateCache(2, 4)
+    local = LocalTier(bm, B, sc)
+    tracker = KVEventTracker(B, True).attach(local)
+    cache = PrefixCache(local, None, block_size=B, alignment=A)
+    sched = Scheduler(SchedulerConfig(B, 2, P, A, False), bm, sc, cache)
+    prompt = list(range(10, 19))
+    for tokens in (prompt, [50, 51, 52, 53, 54]):
+        sched.add(Sequence(tokens, GenerationConfig(max_new_tokens=1, ignore_eos=True)))
+        out = sched.schedule()
+        cache.saves_done(sched.computed(out), True)
+        seq = out.chunks[0].seq
+        seq.token_ids.append(7)
+        cache.saves_done(sched.finish(seq, 'length'), True)
+        batch = msgpack.unpackb(encode_batch(tracker.take(), ts=1.5), raw=False)
+        if tokens is prompt:
+            nodes = local.trie.match(prompt)
+            hashes = [external_hash(n.key) for n in nodes]
+            assert batch == [1.5, [['BlockStored', hashes, None, prompt[:8], B, None, 'GPU', None]], 0]
+        else:
+            assert batch == [1.5, [], 0]
+    sc.release_checkpoint(nodes[1].checkpoint_slot, evicted=True)
+    assert [e.to_wire() for e in tracker.take()] == [['BlockRemoved', [hashes[1], hashes[0]], 'GPU']]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _recv(sub, timeout_ms=5000):
+    assert sub.poll(timeout_ms), 'no batch arrived'
+    return sub.recv_multipart()
+
+
+def test_publisher_socket_and_replay():
+    """Over real sockets on 127.0.0.1: seq 0 is AllBlocksCleared, then one batch per flush with
+    events; a replay from seq 1 returns the buffered batches and ends with seq -1."""
+    zmq = pytest.importorskip('zmq')
+    pub_ep, replay_ep = f'tcp://127.0.0.1:{_free_port()}', f'tcp://127.0.0.1:{_free_port()}'
+
+    class Node:
+        def __init__(self, key, tokens, parent):
+            self.key, self.tokens, self.parent = key, tokens, parent
+
+    root = Node(b'\0' * 16, (), None)
+    tracker = KVEventTracker(B, False)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b'')
+    publisher = KVEventPublisher(tracker, pub_ep, replay_ep, buffer_steps=8)
+    try:
+        sub.connect(pub_ep)
+        time.sleep(0.3)       # PUB drops messages sent before a subscriber joined: replay covers it
+        a = Node(bytes([1] * 16), (1, 2, 3, 4), root)
+        b = Node(bytes([2] * 16), (5, 6, 7, 8), a)
+        tracker.block_cached(a)
+        tracker.block_cached(b)
+        publisher.flush()
+        publisher.flush()       # nothing new: no batch
+        tracker.block_dropped(b)
+        publisher.flush()
+        got = [_recv(sub) for _ in range(2)]
+        ha, hb = external_hash(a.key), external_hash(b.key)
+        assert [(t, int.from_bytes(s, 'big')) for t, s, _ in got] == [(b'', 1), (b'', 2)]
+        assert msgpack.unpackb(got[0][2])[1] == [['BlockStored', [ha, hb], None, [1, 2, 3, 4, 5, 6, 7, 8], B,
+                                                  None, 'GPU', None]]
+        assert msgpack.unpackb(got[1][2])[1] == [['BlockRemoved', [hb], 'GPU']]
+        dealer = ctx.socket(zmq.DEALER)      # vLLM's replay clients: [b'', start seq] in
+        dealer.connect(replay_ep)
+        dealer.send_multipart([b'', (0).to_bytes(8, 'big')])
+        frames = []
+        while not frames or frames[-1][0] != -1:
+            assert dealer.poll(5000), 'replay did not answer'
+            empty, seq_bytes, payload = dealer.recv_multipart()
+            assert empty == b''
+            frames.append((int.from_bytes(seq_bytes, 'big', signed=True), payload))
+        dealer.close(0)
+        assert [s for s, _ in frames] == [0, 1, 2, -1]
+        assert msgpack.unpackb(frames[0][1])[1] == [['AllBlocksCleared']]
+        assert frames[1][1] == got[0][2] and frames[-1][1] == b''
+    finally:
+        publisher.close()
+        sub.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize('field,value', [('kv_events_endpoint', 'tcp://127.0.0.1'),
+                                         ('kv_events_endpoint', 'http://127.0.0.1:5557'),
+                                         ('kv_events_endpoint', 'tcp://127.0.0.1:70000'),
+                                         ('kv_events_replay_endpoint', 'tcp://:5558')])
+def test_config_rejects_bad_endpoints(field, value):
+    kwargs = {'enable_prefix_caching': True, 'kv_events_endpoint': 'tcp://127.0.0.1:5557', field: value}
+    with pytest.raises(ValueError, match=field):
+        PytorchEngineConfig(**kwargs)
+
+
+def test_config_needs_prefix_caching_and_distinct_endpoints():
+    with pytest.raises(ValueError, match='enable_prefix_caching'):
+        PytorchEngineConfig(kv_events_endpoint='tcp://127.0.0.1:5557')
+    with pytest.raises(ValueError, match='kv_events_endpoint'):
+        PytorchEngineConfig(enable_prefix_caching=True, kv_events_replay_endpoint='tcp://127.0.0.1:5558')
+    with pytest.raises(ValueError, match='kv_events_replay_endpoint'):
+        PytorchEngineConfig(enable_prefix_caching=True, kv_events_endpoint='tcp://127.0.0.1:5557',
+                            kv_events_replay_endpoint='tcp://127.0.0.1:5557')
+    cfg = PytorchEngineConfig(enable_prefix_caching=True, kv_events_endpoint='tcp://*:5557',
+                              kv_events_replay_endpoint='tcp://127.0.0.1:5558')
+    assert cfg.kv_events_endpoint == 'tcp://*:5557'
