@@ -36,7 +36,8 @@ B, A, P = 4, 8, 16          # block size, checkpoint alignment, prefill chunk (t
 class RouterView:
     """What a KV-aware router knows about one engine: block hash -> (parent hash, tokens)."""
 
-    def __init__(self):
+    def __init__(self, block_size: int = B):
+        self.block_size = block_size
         self.blocks: dict[int, tuple[int | None, tuple]] = {}
         self.next_seq = 0
 
@@ -49,13 +50,14 @@ class RouterView:
             tag = ev[0]
             if tag == 'BlockStored':
                 hashes, parent, tokens, block_size, lora_id, medium = ev[1:7]
-                assert block_size == B and lora_id is None and medium == 'GPU'
+                assert block_size == self.block_size and lora_id is None and medium == 'GPU'
                 assert len(tokens) == block_size * len(hashes)
                 assert parent is None or parent in self.blocks, 'a chain hangs from an unknown block'
                 for i, h in enumerate(hashes):
                     assert 0 <= h < 2 ** 63
                     assert h not in self.blocks, 'a block announced twice'
-                    self.blocks[h] = (parent if i == 0 else hashes[i - 1], tuple(tokens[i * B:(i + 1) * B]))
+                    self.blocks[h] = (parent if i == 0 else hashes[i - 1],
+                                      tuple(tokens[i * block_size:(i + 1) * block_size]))
             elif tag == 'BlockRemoved':
                 assert ev[2] == 'GPU'
                 for h in ev[1]:
@@ -225,9 +227,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _recv(sub, timeout_ms=5000):
-    assert sub.poll(timeout_ms), 'no batch arrived'
-    return sub.recv_multipart()
+def _stream(sub, ctx, replay_endpoint: str, start: int, stop: int) -> list[tuple[int, bytes]]:
+    """Batches ``start <= seq < stop`` as a router gets them: live from ``sub``, and what the
+    live stream missed (a PUB socket drops what it sent before the subscription reached it) by
+    replay."""
+    out, nxt = [], start
+    while nxt < stop:
+        if not sub.poll(2000):          # nothing more will come live: replay the rest
+            out += [(s, p) for s, p in _replay(ctx, replay_endpoint, nxt) if nxt <= s < stop]
+            break
+        topic, seq_bytes, payload = sub.recv_multipart()
+        assert topic == b''
+        seq = int.from_bytes(seq_bytes, 'big')
+        if seq < nxt:
+            continue
+        if seq > nxt:                   # a gap: fill it from the replay buffer
+            out += [(s, p) for s, p in _replay(ctx, replay_endpoint, nxt) if nxt <= s < seq]
+        out.append((seq, payload))
+        nxt = seq + 1
+    assert [s for s, _ in out] == list(range(start, stop))
+    return out
+
+
+def _replay(ctx, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """Ask a replay endpoint for the batches from ``start`` on (a DEALER, as vLLM's clients);
+    ``(seq, payload)`` in order, the end marker ``(-1, b'')`` last."""
+    import zmq
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b'', start.to_bytes(8, 'big')])
+    frames = []
+    while not frames or frames[-1][0] != -1:
+        assert dealer.poll(5000), 'replay did not answer'
+        empty, seq_bytes, payload = dealer.recv_multipart()
+        assert empty == b''
+        frames.append((int.from_bytes(seq_bytes, 'big', signed=True), payload))
+    dealer.close(0)
+    return frames
 
 
 def test_publisher_socket_and_replay():
@@ -248,7 +284,7 @@ def test_publisher_socket_and_replay():
     publisher = KVEventPublisher(tracker, pub_ep, replay_ep, buffer_steps=8)
     try:
         sub.connect(pub_ep)
-        time.sleep(0.3)       # PUB drops messages sent before a subscriber joined: replay covers it
+        time.sleep(0.2)     # usually enough for the subscription to reach PUB (else _stream replays)
         a = Node(bytes([1] * 16), (1, 2, 3, 4), root)
         b = Node(bytes([2] * 16), (5, 6, 7, 8), a)
         tracker.block_cached(a)
@@ -257,25 +293,16 @@ def test_publisher_socket_and_replay():
         publisher.flush()       # nothing new: no batch
         tracker.block_dropped(b)
         publisher.flush()
-        got = [_recv(sub) for _ in range(2)]
+        got = _stream(sub, ctx, replay_ep, 1, 3)
+        assert publisher.num_batches == 3
         ha, hb = external_hash(a.key), external_hash(b.key)
-        assert [(t, int.from_bytes(s, 'big')) for t, s, _ in got] == [(b'', 1), (b'', 2)]
-        assert msgpack.unpackb(got[0][2])[1] == [['BlockStored', [ha, hb], None, [1, 2, 3, 4, 5, 6, 7, 8], B,
+        assert msgpack.unpackb(got[0][1])[1] == [['BlockStored', [ha, hb], None, [1, 2, 3, 4, 5, 6, 7, 8], B,
                                                   None, 'GPU', None]]
-        assert msgpack.unpackb(got[1][2])[1] == [['BlockRemoved', [hb], 'GPU']]
-        dealer = ctx.socket(zmq.DEALER)      # vLLM's replay clients: [b'', start seq] in
-        dealer.connect(replay_ep)
-        dealer.send_multipart([b'', (0).to_bytes(8, 'big')])
-        frames = []
-        while not frames or frames[-1][0] != -1:
-            assert dealer.poll(5000), 'replay did not answer'
-            empty, seq_bytes, payload = dealer.recv_multipart()
-            assert empty == b''
-            frames.append((int.from_bytes(seq_bytes, 'big', signed=True), payload))
-        dealer.close(0)
+        assert msgpack.unpackb(got[1][1])[1] == [['BlockRemoved', [hb], 'GPU']]
+        frames = _replay(ctx, replay_ep, 0)
         assert [s for s, _ in frames] == [0, 1, 2, -1]
         assert msgpack.unpackb(frames[0][1])[1] == [['AllBlocksCleared']]
-        assert frames[1][1] == got[0][2] and frames[-1][1] == b''
+        assert frames[1][1] == got[0][1] and frames[-1][1] == b''
     finally:
         publisher.close()
         sub.close(0)
@@ -303,3 +330,46 @@ def test_config_needs_prefix_caching_and_distinct_endpoints():
     cfg = PytorchEngineConfig(enable_prefix_caching=True, kv_events_endpoint='tcp://*:5557',
                               kv_events_replay_endpoint='tcp://127.0.0.1:5558')
     assert cfg.kv_events_endpoint == 'tcp://*:5557'
+
+
+def test_engine_publishes_its_restorable_prefixes(tiny_qwen3_next):
+    """A tiny Qwen3-Next engine with 2 checkpoint slots serves prompts sharing heads: a live
+    subscriber and a router catching up by replay from seq 0 (a restarted router) both end with
+    exactly the engine's restorable set; the stream carried withdrawals (checkpoints evicted)."""
+    import zmq
+    from engine_utils import make_engine, random_prompt
+
+    from lmdeploy import GenerationConfig as Gen
+    pub_ep, replay_ep = f'tcp://127.0.0.1:{_free_port()}', f'tcp://127.0.0.1:{_free_port()}'
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b'')
+    engine = make_engine(tiny_qwen3_next, enable_prefix_caching=True, block_size=16, prefill_save_alignment=32,
+                         num_gpu_blocks=48, num_checkpoint_slots=2, kv_events_endpoint=pub_ep,
+                         kv_events_replay_endpoint=replay_ep)
+    try:
+        sub.connect(pub_ep)
+        heads = [random_prompt(40, seed) for seed in (1, 2)]
+        prompts = [heads[i % 2] + random_prompt(30 + 9 * i, 10 + i) for i in range(5)]
+        for p in prompts:
+            engine.generate(p, Gen(max_new_tokens=2))
+        local = engine.prefix_cache.local
+        expected = restorable(local)
+        assert expected and local.num_evictions['checkpoint'] > 0
+        assert len(list(local.trie.iter_nodes())) > len(expected)    # raw blocks cached, not announced
+        live = RouterView(16)
+        for seq, payload in _stream(sub, ctx, replay_ep, 0, engine.kv_events.num_batches):
+            live.apply(seq, payload)
+        assert live.blocks == expected
+        replayed = RouterView(16)
+        frames = _replay(ctx, replay_ep, 0)
+        assert frames[-1] == (-1, b'') and len(frames) == engine.kv_events.num_batches + 1
+        for seq, payload in frames[:-1]:
+            replayed.apply(seq, payload)
+        assert replayed.blocks == expected
+        removed = [ev for _, payload in frames[:-1] for ev in msgpack.unpackb(payload)[1] if ev[0] == 'BlockRemoved']
+        assert removed
+    finally:
+        engine.close()
+        sub.close(0)
+        ctx.term()

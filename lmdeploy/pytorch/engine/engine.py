@@ -173,6 +173,7 @@ class Engine:
         self.store = self._build_store()
         # with caching off a NullPrefixCache answers every question: no caller branches on it
         self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
+        self.kv_events = None       # the KV event publisher (kv_events_endpoint), flushed once per step
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache,
                               state_bytes=self.cache_engine.state_bytes, block_bytes=self.cache_engine.kv_block_bytes)
@@ -184,6 +185,9 @@ class Engine:
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
                                             alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last,
                                             host=host)
+            if config.kv_events_endpoint:
+                from .kv_event_publisher import start_publisher
+                self.kv_events = start_publisher(config, local)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
         self.spec = None
@@ -374,6 +378,7 @@ class Engine:
         sched = self.scheduler.schedule()
         self._execute_loads(sched)
         if not sched.chunks:
+            self._flush_kv_events()
             return []
         if self.spec is not None:
             self.spec.before_forward(sched)
@@ -385,7 +390,13 @@ class Engine:
         outputs = self._update(sched, next_tokens)
         if self.spec is not None:
             self.spec.propose(sched, next_tokens)
+        self._flush_kv_events()
         return outputs
+
+    def _flush_kv_events(self) -> None:
+        """Send this step's prefix-cache events as one batch (kv_events_endpoint)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _execute_loads(self, sched: SchedulerOutput) -> None:
         """Run the restores of admitted sequences before the forward: checkpoint → runtime slot
@@ -551,11 +562,15 @@ class Engine:
                 and led['grammar_matchers'] == 0)
 
     def close(self) -> None:
-        """Stop the Store worker (flushing queued saves), then the tensor-parallel workers."""
+        """Stop the Store worker (flushing queued saves), then the tensor-parallel workers (and
+        the KV event publisher)."""
         try:
             if self.store is not None:
                 self.store.close()
         finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
+                self.kv_events = None
             self.executor.close()
 
 

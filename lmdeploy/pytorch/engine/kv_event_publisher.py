@@ -37,7 +37,7 @@ from collections import deque
 
 from ..prefix_cache.kv_events import AllBlocksCleared, KVEventTracker
 
-__all__ = ['KVEventPublisher', 'encode_batch', 'END_SEQ']
+__all__ = ['KVEventPublisher', 'encode_batch', 'start_publisher', 'END_SEQ']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -161,3 +161,18 @@ class KVEventPublisher:
             if seq >= start:
                 self._replay.send_multipart([client, b'', seq.to_bytes(8, 'big'), payload])
         self._replay.send_multipart([client, b'', END_SEQ, b''])
+
+
+def start_publisher(config, local_tier) -> KVEventPublisher:
+    """The engine's publisher for ``config.kv_events_endpoint`` (and its replay endpoint), fed by
+    a tracker attached to ``local_tier`` (announcing checkpointed prefixes when the tier is hybrid).
+
+    Raises:
+        ImportError: pyzmq or msgpack is not installed.
+        zmq.ZMQError: an endpoint cannot be bound.
+    """
+    tracker = KVEventTracker(local_tier.block_size, local_tier.is_hybrid).attach(local_tier)
+    publisher = KVEventPublisher(tracker, config.kv_events_endpoint, config.kv_events_replay_endpoint)
+    logger.info('kv events: publishing on %s%s', config.kv_events_endpoint,
+                f' (replay on {config.kv_events_replay_endpoint})' if config.kv_events_replay_endpoint else '')
+    return publisher
