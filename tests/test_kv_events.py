@@ -2,9 +2,11 @@
 the engine can restore.
 
 The stream is decoded here with msgpack alone, following vLLM's published schema (an event batch
-is ``[ts, events, data_parallel_rank]``; events are tagged arrays ``["BlockStored", hashes,
-parent, token_ids, block_size, lora_id, medium, ...]``, ``["BlockRemoved", hashes, medium]``,
-``["AllBlocksCleared"]``), not with the encoder's own classes.
+is ``[ts, events, data_parallel_rank]``; each event a map tagged by ``type``: ``BlockStored``
+with ``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id``,
+``medium``; ``BlockRemoved`` with ``block_hashes``, ``medium``; ``AllBlocksCleared``), not with
+the encoder's own classes. A real consumer, vllm-router's ``kv_aware`` policy, reads the same
+stream in ``test_vllm_router_credits_only_restorable_prefixes`` (skipped where it is not installed).
 
 The random workloads run the engine's real scheduler, prefix cache, block trie, state slots and
 eviction on a tiny pool without a model (each copy "succeeds", as in benchmark/trace_sim.py).
@@ -47,9 +49,11 @@ class RouterView:
         ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
         assert isinstance(ts, float) and dp_rank == 0
         for ev in events:
-            tag = ev[0]
+            tag = ev['type']
             if tag == 'BlockStored':
-                hashes, parent, tokens, block_size, lora_id, medium = ev[1:7]
+                hashes, parent, tokens, block_size, lora_id, medium = (
+                    ev[k] for k in ('block_hashes', 'parent_block_hash', 'token_ids', 'block_size', 'lora_id',
+                                    'medium'))
                 assert block_size == self.block_size and lora_id is None and medium == 'GPU'
                 assert len(tokens) == block_size * len(hashes)
                 assert parent is None or parent in self.blocks, 'a chain hangs from an unknown block'
@@ -59,12 +63,12 @@ class RouterView:
                     self.blocks[h] = (parent if i == 0 else hashes[i - 1],
                                       tuple(tokens[i * block_size:(i + 1) * block_size]))
             elif tag == 'BlockRemoved':
-                assert ev[2] == 'GPU'
-                for h in ev[1]:
+                assert ev['medium'] == 'GPU'
+                for h in ev['block_hashes']:
                     assert h in self.blocks, 'a block withdrawn that was never announced'
                     del self.blocks[h]
             else:
-                assert ev == ['AllBlocksCleared']
+                assert ev == {'type': 'AllBlocksCleared'}
                 self.blocks.clear()
 
     def leaves(self) -> set[int]:
@@ -214,11 +218,14 @@ def test_hybrid_events_by_hand():
         if tokens is prompt:
             nodes = local.trie.match(prompt)
             hashes = [external_hash(n.key) for n in nodes]
-            assert batch == [1.5, [['BlockStored', hashes, None, prompt[:8], B, None, 'GPU', None]], 0]
+            assert batch == [1.5, [{'type': 'BlockStored', 'block_hashes': hashes, 'parent_block_hash': None,
+                                    'token_ids': prompt[:8], 'block_size': B, 'lora_id': None, 'medium': 'GPU',
+                                    'lora_name': None}], 0]
         else:
             assert batch == [1.5, [], 0]
     sc.release_checkpoint(nodes[1].checkpoint_slot, evicted=True)
-    assert [e.to_wire() for e in tracker.take()] == [['BlockRemoved', [hashes[1], hashes[0]], 'GPU']]
+    assert [e.to_wire() for e in tracker.take()] == [{'type': 'BlockRemoved', 'block_hashes': [hashes[1], hashes[0]],
+                                                      'medium': 'GPU'}]
 
 
 def _free_port() -> int:
@@ -296,12 +303,14 @@ def test_publisher_socket_and_replay():
         got = _stream(sub, ctx, replay_ep, 1, 3)
         assert publisher.num_batches == 3
         ha, hb = external_hash(a.key), external_hash(b.key)
-        assert msgpack.unpackb(got[0][1])[1] == [['BlockStored', [ha, hb], None, [1, 2, 3, 4, 5, 6, 7, 8], B,
-                                                  None, 'GPU', None]]
-        assert msgpack.unpackb(got[1][1])[1] == [['BlockRemoved', [hb], 'GPU']]
+        assert msgpack.unpackb(got[0][1])[1] == [{'type': 'BlockStored', 'block_hashes': [ha, hb],
+                                                  'parent_block_hash': None, 'token_ids': [1, 2, 3, 4, 5, 6, 7, 8],
+                                                  'block_size': B, 'lora_id': None, 'medium': 'GPU',
+                                                  'lora_name': None}]
+        assert msgpack.unpackb(got[1][1])[1] == [{'type': 'BlockRemoved', 'block_hashes': [hb], 'medium': 'GPU'}]
         frames = _replay(ctx, replay_ep, 0)
         assert [s for s, _ in frames] == [0, 1, 2, -1]
-        assert msgpack.unpackb(frames[0][1])[1] == [['AllBlocksCleared']]
+        assert msgpack.unpackb(frames[0][1])[1] == [{'type': 'AllBlocksCleared'}]
         assert frames[1][1] == got[0][1] and frames[-1][1] == b''
     finally:
         publisher.close()
@@ -367,7 +376,8 @@ def test_engine_publishes_its_restorable_prefixes(tiny_qwen3_next):
         for seq, payload in frames[:-1]:
             replayed.apply(seq, payload)
         assert replayed.blocks == expected
-        removed = [ev for _, payload in frames[:-1] for ev in msgpack.unpackb(payload)[1] if ev[0] == 'BlockRemoved']
+        removed = [ev for _, payload in frames[:-1] for ev in msgpack.unpackb(payload)[1]
+                   if ev['type'] == 'BlockRemoved']
         assert removed
     finally:
         engine.close()

@@ -8,17 +8,20 @@ that owns the sockets::
     PUB    (kv_events_endpoint, bound)   multipart [topic, seq, payload] per batch
                                          seq: 8-byte big-endian, 0, 1, 2, ... per publisher
                                          payload: msgpack [ts, [event, ...], data_parallel_rank]
-                                         event: ["BlockStored", hashes, parent, token_ids,
-                                                 block_size, lora_id, medium, lora_name]
-                                              | ["BlockRemoved", hashes, medium]
-                                              | ["AllBlocksCleared"]
+                                         event: {"type": "BlockStored", "block_hashes",
+                                                 "parent_block_hash", "token_ids", "block_size",
+                                                 "lora_id", "medium", "lora_name"}
+                                              | {"type": "BlockRemoved", "block_hashes", "medium"}
+                                              | {"type": "AllBlocksCleared"}
     ROUTER (kv_events_replay_endpoint)   a client sends [b"", start seq (8-byte big-endian)]
                                          (a REQ or DEALER socket) and gets one [b"", seq, payload]
                                          per buffered batch with seq >= start, then
                                          [b"", seq -1 (8 bytes, signed), b""]
 
-This is the format of vLLM's ``ZmqEventPublisher`` (msgspec tagged arrays; ``ts`` in seconds
-since the epoch). The first batch (seq 0) is ``[AllBlocksCleared]``: a router that reconnects to
+This is the format of vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``: the batch
+a msgspec array-like struct, each event a msgspec struct tagged by ``type``; ``ts`` in seconds
+since the epoch), and what vllm-router's ``kv_aware`` policy decodes (it refuses events encoded
+as arrays, the form of vLLM releases before tagged maps). The first batch (seq 0) is ``[AllBlocksCleared]``: a router that reconnects to
 a restarted engine drops what the previous process announced. The last ``buffer_steps`` batches
 are kept for replay, so a restarted router asks from seq 0 and rebuilds the whole view while
 the buffer still holds it. Events are never dropped by the engine thread: the queue is

@@ -59,11 +59,11 @@ class BlockStored:
     block_size: int
     medium: str = MEDIUM_DEVICE
 
-    def to_wire(self) -> list:
-        """vLLM's tagged array: ``[tag, block_hashes, parent_block_hash, token_ids, block_size,
-        lora_id, medium, lora_name]`` (no adapters here: both LoRA fields None)."""
-        return ['BlockStored', self.block_hashes, self.parent_block_hash, self.token_ids, self.block_size, None,
-                self.medium, None]
+    def to_wire(self) -> dict:
+        """vLLM's tagged map (``type`` names the event; no adapters here: both LoRA fields None)."""
+        return {'type': 'BlockStored', 'block_hashes': self.block_hashes, 'parent_block_hash': self.parent_block_hash,
+                'token_ids': self.token_ids, 'block_size': self.block_size, 'lora_id': None, 'medium': self.medium,
+                'lora_name': None}
 
 
 @dataclass
@@ -72,9 +72,9 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: str = MEDIUM_DEVICE
 
-    def to_wire(self) -> list:
-        """``[tag, block_hashes, medium]``."""
-        return ['BlockRemoved', self.block_hashes, self.medium]
+    def to_wire(self) -> dict:
+        """vLLM's tagged map."""
+        return {'type': 'BlockRemoved', 'block_hashes': self.block_hashes, 'medium': self.medium}
 
 
 @dataclass
@@ -82,9 +82,9 @@ class AllBlocksCleared:
     """Forget everything announced before (sent once when a publisher starts: a restarted
     engine's cache is empty)."""
 
-    def to_wire(self) -> list:
-        """``[tag]``."""
-        return ['AllBlocksCleared']
+    def to_wire(self) -> dict:
+        """vLLM's tagged map."""
+        return {'type': 'AllBlocksCleared'}
 
 
 class KVEventTracker:
