@@ -383,3 +383,164 @@ def test_engine_publishes_its_restorable_prefixes(tiny_qwen3_next):
         engine.close()
         sub.close(0)
         ctx.term()
+
+
+# a real consumer: vllm-router's kv_aware policy -----------------------------------------------
+class _FakeWorkers:
+    """OpenAI-style HTTP workers on 127.0.0.1 that answer every request with a tiny completion and
+    record the paths they were sent (the router only needs them healthy and answering)."""
+
+    def __init__(self, count: int):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        body = json.dumps({'id': 'x', 'object': 'text_completion', 'model': 'tiny',
+                           'data': [{'id': 'tiny', 'object': 'model'}],
+                           'choices': [{'index': 0, 'text': '', 'finish_reason': 'stop'}]}).encode()
+        self.hits: list[list[str]] = [[] for _ in range(count)]
+        self.servers = []
+        for i in range(count):
+            class Handler(BaseHTTPRequestHandler):
+                record = self.hits[i]
+
+                def _answer(self):
+                    size = int(self.headers.get('content-length') or 0)
+                    self.rfile.read(size)
+                    self.record.append(self.path)
+                    self.send_response(200)
+                    self.send_header('content-type', 'application/json')
+                    self.send_header('content-length', str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+                do_GET = do_POST = _answer
+
+                def log_message(self, *args):
+                    pass
+
+            server = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers.append(server)
+        self.urls = [f'http://127.0.0.1:{s.server_address[1]}' for s in self.servers]
+
+    def close(self):
+        for s in self.servers:
+            s.shutdown()
+            s.server_close()
+
+
+def _router_binary() -> str | None:
+    import shutil
+    import sys
+    from pathlib import Path
+    local = Path(sys.executable).parent / 'vllm-router'
+    return str(local) if local.exists() else shutil.which('vllm-router')
+
+
+def announced_credit(local: LocalTier, tokens: list[int]) -> int:
+    """Tokens a router following the stream credits ``tokens`` with: its leading full blocks
+    that are announced (the restorable set), in tokens."""
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
+    announced = restorable(local)
+    n = 0
+    for h in chain_block_hashes(tokens, B):
+        if external_hash(h) not in announced:
+            break
+        n += 1
+    return n * B
+
+
+def _serve_alone(sched: Scheduler, cache: PrefixCache, prompt: list[int]) -> None:
+    """Run one request to its first generated token (each copy "succeeds")."""
+    seq = Sequence(prompt, GenerationConfig(max_new_tokens=1, ignore_eos=True))
+    sched.add(seq)
+    while seq.num_computed_tokens < len(prompt):
+        cache.saves_done(sched.computed(sched.schedule()), True)
+    seq.token_ids.append(5)
+    cache.saves_done(sched.finish(seq, 'length'), True)
+
+
+def test_vllm_router_credits_only_restorable_prefixes(tmp_path):
+    """vllm-router (``--policy kv_aware``) subscribed to the stream (and its replay) credits a
+    hybrid engine's prompt with exactly its checkpointed prefix: 8 tokens of a 13-token prompt
+    whose checkpoint is at 8 (its third cached block has no checkpoint below it), 0 for a prompt
+    whose one cached block has none, and 0 again once that checkpoint is evicted."""
+    import re
+    import subprocess
+    import urllib.request
+
+    router = _router_binary()
+    if router is None:
+        pytest.skip('vllm-router is not installed')
+    bm = BlockManager(32)
+    sc = StateCache(2, 4)
+    local = LocalTier(bm, B, sc)
+    tracker = KVEventTracker(B, True).attach(local)
+    cache = PrefixCache(local, None, block_size=B, alignment=A)
+    sched = Scheduler(SchedulerConfig(B, 2, P, A, False), bm, sc, cache)
+    pub_ep, replay_ep = f'tcp://127.0.0.1:{_free_port()}', f'tcp://127.0.0.1:{_free_port()}'
+    publisher = KVEventPublisher(tracker, pub_ep, replay_ep)
+    workers = _FakeWorkers(2)
+    port = _free_port()
+    log_path = tmp_path / 'router.log'
+    log = open(log_path, 'w')
+    proc = subprocess.Popen([router, '--policy', 'kv_aware', '--host', '127.0.0.1', '--port', str(port),
+                             '--worker-urls', *workers.urls,
+                             '--kv-event-source', f'{workers.urls[0]}={pub_ep}',
+                             '--kv-event-replay-source', f'{workers.urls[0]}={replay_ep}',
+                             '--kv-event-block-size', str(B), '--kv-event-model', 'tiny', '--log-level', 'debug'],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+    def text() -> str:
+        return re.sub(r'\x1b\[[0-9;]*m', '', log_path.read_text())
+
+    def wait_for(cond, what: str, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert proc.poll() is None, f'vllm-router exited:\n{text()[-3000:]}'
+            assert time.monotonic() < deadline, f'{what}:\n{text()[-3000:]}'
+            time.sleep(0.05)
+
+    def router_has_applied_all():
+        seqs = [int(s) for s in re.findall(r'sequence advanced.*?seq=(\d+)', text())]
+        return bool(seqs) and max(seqs) >= publisher.num_batches - 1
+
+    def credit(prompt: list[int]) -> int:
+        before = len(re.findall(r'KV prefix decision', text()))
+        req = urllib.request.Request(f'http://127.0.0.1:{port}/v1/completions', headers={
+            'content-type': 'application/json'}, data=__import__('json').dumps(
+                {'model': 'tiny', 'prompt': prompt, 'max_tokens': 1}).encode())
+        urllib.request.urlopen(req, timeout=10).read()
+        wait_for(lambda: len(re.findall(r'KV prefix decision', text())) > before, 'no routing decision logged')
+        line = [ln for ln in text().splitlines() if 'KV prefix decision' in ln][before]
+        return int(re.search(r'credited_prefix_tokens=(\d+)', line).group(1))
+
+    try:
+        wait_for(lambda: 'Router ready' in text() and 'kv_index subscriber for' in text(), 'router not ready')
+        p1, p2 = list(range(100, 113)), [7, 8, 9, 10, 11, 12, 13]
+        for prompt in (p1, p2):
+            _serve_alone(sched, cache, prompt)
+        publisher.flush()
+        assert local.trie.num_nodes == 4 and sc.num_published == 1      # 3 + 1 blocks, one checkpoint at 8
+        wait_for(router_has_applied_all, 'router did not apply every batch')
+        q1, q2 = p1[:12] + [1, 2], p2[:4] + [3, 3, 3, 3, 3]
+        assert (announced_credit(local, q1), announced_credit(local, q2)) == (8, 0)
+        assert credit(q1) == 8
+        assert workers.hits[0][-1] == '/v1/completions'      # routed to the engine holding the prefix
+        assert credit(q2) == 0
+        slot = local.trie.match(p1)[1].checkpoint_slot
+        sc.release_checkpoint(slot, evicted=True)
+        publisher.flush()
+        wait_for(router_has_applied_all, 'router did not apply the withdrawal')
+        assert announced_credit(local, q1) == 0 and credit(q1) == 0
+        assert 'decode batch' not in text()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        workers.close()
+        publisher.close()
