@@ -11,6 +11,7 @@ Folder map (where to look)::
     block_trie.py               chained block hashes, verified match, LRU eviction
     state_cache.py              runtime and checkpoint state slots
     store_tier.py               StoreTier: probe / load / put of Store objects, the put worker
+    kv_events.py                KVEventTracker: what a KV-aware router may know (restorable prefixes only)
     ../cache_engine.py          where state is copied (copy_states) and payloads are read/written
     ../store/                   Mooncake bytes: object format, client, embedded services
 
