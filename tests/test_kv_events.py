@@ -28,7 +28,8 @@ from lmdeploy.pytorch.paging.block_manager import BlockManager
 from lmdeploy.pytorch.paging.sequence import Sequence
 from lmdeploy.pytorch.prefix_cache.coordinator import PrefixCache
 from lmdeploy.pytorch.prefix_cache.eviction import make_policy
-from lmdeploy.pytorch.prefix_cache.kv_events import KVEventTracker, external_hash
+from lmdeploy.pytorch.prefix_cache.host_tier import HostTier
+from lmdeploy.pytorch.prefix_cache.kv_events import HostEventTracker, KVEventTracker, external_hash
 from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier
 from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
 
@@ -36,12 +37,18 @@ B, A, P = 4, 8, 16          # block size, checkpoint alignment, prefill chunk (t
 
 
 class RouterView:
-    """What a KV-aware router knows about one engine: block hash -> (parent hash, tokens)."""
+    """What a KV-aware router knows about one engine: per medium, block hash -> (parent hash,
+    tokens)."""
 
     def __init__(self, block_size: int = B):
         self.block_size = block_size
-        self.blocks: dict[int, tuple[int | None, tuple]] = {}
+        self.media: dict[str, dict[int, tuple[int | None, tuple]]] = {'GPU': {}, 'CPU': {}}
         self.next_seq = 0
+
+    @property
+    def blocks(self) -> dict[int, tuple[int | None, tuple]]:
+        """The device tier's blocks (medium ``GPU``)."""
+        return self.media['GPU']
 
     def apply(self, seq: int, payload: bytes) -> None:
         assert seq == self.next_seq, f'batch {seq} arrived, expected {self.next_seq}'
@@ -54,26 +61,48 @@ class RouterView:
                 hashes, parent, tokens, block_size, lora_id, medium = (
                     ev[k] for k in ('block_hashes', 'parent_block_hash', 'token_ids', 'block_size', 'lora_id',
                                     'medium'))
-                assert block_size == self.block_size and lora_id is None and medium == 'GPU'
+                assert block_size == self.block_size and lora_id is None
+                blocks = self.media[medium]
                 assert len(tokens) == block_size * len(hashes)
-                assert parent is None or parent in self.blocks, 'a chain hangs from an unknown block'
+                assert parent is None or parent in blocks, 'a chain hangs from an unknown block'
                 for i, h in enumerate(hashes):
                     assert 0 <= h < 2 ** 63
-                    assert h not in self.blocks, 'a block announced twice'
-                    self.blocks[h] = (parent if i == 0 else hashes[i - 1],
-                                      tuple(tokens[i * block_size:(i + 1) * block_size]))
+                    assert h not in blocks, 'a block announced twice'
+                    blocks[h] = (parent if i == 0 else hashes[i - 1], tuple(tokens[i * block_size:(i + 1) * block_size]))
             elif tag == 'BlockRemoved':
-                assert ev['medium'] == 'GPU'
+                blocks = self.media[ev['medium']]
                 for h in ev['block_hashes']:
-                    assert h in self.blocks, 'a block withdrawn that was never announced'
-                    del self.blocks[h]
+                    assert h in blocks, 'a block withdrawn that was never announced'
+                    del blocks[h]
             else:
                 assert ev == {'type': 'AllBlocksCleared'}
-                self.blocks.clear()
+                for blocks in self.media.values():
+                    blocks.clear()
 
-    def leaves(self) -> set[int]:
-        parents = {p for p, _ in self.blocks.values()}
-        return set(self.blocks) - parents
+    def leaves(self, medium: str = 'GPU') -> set[int]:
+        blocks = self.media[medium]
+        parents = {p for p, _ in blocks.values()}
+        return set(blocks) - parents
+
+
+def _path(node) -> list[tuple[bytes, bytes | None, tuple]]:
+    """``(key, parent key or None, tokens)`` of every block from the root to ``node``."""
+    out = []
+    while node.parent is not None:
+        out.append((node.key, node.parent.key if node.parent.parent is not None else None, node.tokens))
+        node = node.parent
+    return out[::-1]
+
+
+def host_restorable(host: HostTier, demoted: dict) -> dict[int, tuple[int | None, tuple]]:
+    """The host tier's own answer: every block on the path of a held checkpoint whose path
+    blocks are all held too (``demoted``: state key -> its path, recorded at demotion)."""
+    out = {}
+    for key, path in demoted.items():
+        if ('state', key) in host and all(('kv', k) in host for k, _, _ in path):
+            for k, parent, tokens in path:
+                out[external_hash(k)] = (None if parent is None else external_hash(parent), tokens)
+    return out
 
 
 def restorable(local: LocalTier) -> dict[int, tuple[int | None, tuple]]:
@@ -114,10 +143,11 @@ def _workload(rng: random.Random, num_requests: int):
 
 
 def _replay_workload(hybrid: bool, num_requests: int, seed: int, tracker_hybrid: bool | None = None,
-                     decode_save_last: bool = False, last_only: bool = False):
+                     decode_save_last: bool = False, last_only: bool = False, host_bytes: int = 0):
     """Run the workload; after every step decode the step's batch into a router view and
-    compare it with :func:`restorable`. Returns (local tier, steps with cached blocks no
-    checkpoint covers)."""
+    compare it with :func:`restorable` (and, with a host tier of ``host_bytes`` — a checkpoint
+    weighs 2, a block 1 — with :func:`host_restorable`). Returns (local tier, steps with cached
+    blocks no checkpoint covers, host tier or None)."""
     rng = random.Random(seed)
     concurrency, rows = 3, 40
     bm = BlockManager(rows)
@@ -125,7 +155,13 @@ def _replay_workload(hybrid: bool, num_requests: int, seed: int, tracker_hybrid:
           if hybrid else None)
     local = LocalTier(bm, B, sc)
     tracker = KVEventTracker(B, hybrid if tracker_hybrid is None else tracker_hybrid).attach(local)
-    cache = PrefixCache(local, None, block_size=B, alignment=A, decode_save_last=decode_save_last)
+    host, trackers, demoted = None, [tracker], {}
+    if host_bytes:
+        host = HostTier(None, host_bytes, B, 2, 1)
+        trackers.append(HostEventTracker(B).attach(host))
+    cache = PrefixCache(local, None, block_size=B, alignment=A, decode_save_last=decode_save_last, host=host)
+    if host is not None:        # record each demoted checkpoint's path, for the reference answer
+        sc.on_evict = lambda node, ref: (demoted.__setitem__(node.key, _path(node)), host.demote(node, ref))
     sched = Scheduler(SchedulerConfig(B, concurrency, P, A, last_only), bm, sc, cache)
     view, seq_no, uncovered_steps = RouterView(), 0, 0
     requests = _workload(rng, num_requests)
@@ -134,12 +170,14 @@ def _replay_workload(hybrid: bool, num_requests: int, seed: int, tracker_hybrid:
 
     def check():
         nonlocal seq_no, uncovered_steps
-        events = tracker.take()
+        events = [e for t in trackers for e in t.take()]
         if events:
             view.apply(seq_no, encode_batch(events))
             seq_no += 1
         engine_view = restorable(local)
         assert view.blocks == engine_view
+        if host is not None:
+            assert view.media['CPU'] == host_restorable(host, demoted)
         if hybrid:
             nodes = {external_hash(n.key): n for n in local.trie.iter_nodes()}
             assert all(nodes[h].checkpoint_slot is not None for h in view.leaves()), \
@@ -156,6 +194,13 @@ def _replay_workload(hybrid: bool, num_requests: int, seed: int, tracker_hybrid:
             sched.add(Sequence(prompt, GenerationConfig(max_new_tokens=max_new, ignore_eos=True)))
             in_flight += 1
         out = sched.schedule()
+        for load in list(out.loads.host_loads):
+            ok = host.load(load)
+            keep = cache.host_loaded(load, ok)
+            if not ok:
+                sched.rollback(load.seq, out)
+            elif keep is not None:
+                cache.restored_kept(*keep, True)
         if out.loads:
             cache.loads_done(out.loads, True)
         if not out.chunks:
@@ -171,7 +216,7 @@ def _replay_workload(hybrid: bool, num_requests: int, seed: int, tracker_hybrid:
                 cache.saves_done(sched.finish(seq, 'length'), True)
                 in_flight -= 1
         check()
-    return local, uncovered_steps
+    return local, uncovered_steps, host
 
 
 @pytest.mark.parametrize('hybrid,decode_save_last,last_only', [(True, False, False), (True, True, True),
@@ -181,13 +226,24 @@ def test_router_view_equals_restorable_set(hybrid, decode_save_last, last_only):
     """1,000 random requests on a 40-row pool: after every step the view built from the decoded
     stream equals the engine's restorable set (hashes, parent links and tokens), every announced
     chain ends at a checkpoint, and eviction happened (of checkpoints and of blocks)."""
-    local, uncovered = _replay_workload(hybrid, 1000, seed=7, decode_save_last=decode_save_last,
-                                        last_only=last_only)
+    local, uncovered, _ = _replay_workload(hybrid, 1000, seed=7, decode_save_last=decode_save_last,
+                                           last_only=last_only)
     ev = local.num_evictions
     assert ev['kv'] > 100
     if hybrid:
         assert ev['checkpoint'] > 50
         assert uncovered > 100      # raw attention blocks were cached: announcing them would show
+
+
+def test_host_tier_view_equals_its_restorable_set():
+    """With a host tier of 24 units (a checkpoint 2, a block 1) behind the same pool, 1,000 random
+    requests: after every step the ``CPU`` medium of the view equals the checkpoints the host tier
+    can restore on its own (state and every path block held), while it demotes, promotes and
+    drops entries (least recently used first)."""
+    local, _, host = _replay_workload(True, 1000, seed=11, host_bytes=24)
+    counters = host.stats()
+    assert counters['host_demotions'] > 100 and counters['host_promotions'] > 10
+    assert counters['host_evictions'] > 100
 
 
 def test_announcing_raw_attention_blocks_is_caught():
@@ -288,7 +344,7 @@ def test_publisher_socket_and_replay():
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b'')
-    publisher = KVEventPublisher(tracker, pub_ep, replay_ep, buffer_steps=8)
+    publisher = KVEventPublisher([tracker], pub_ep, replay_ep, buffer_steps=8)
     try:
         sub.connect(pub_ep)
         time.sleep(0.2)     # usually enough for the subscription to reach PUB (else _stream replays)
@@ -480,7 +536,7 @@ def test_vllm_router_credits_only_restorable_prefixes(tmp_path):
     cache = PrefixCache(local, None, block_size=B, alignment=A)
     sched = Scheduler(SchedulerConfig(B, 2, P, A, False), bm, sc, cache)
     pub_ep, replay_ep = f'tcp://127.0.0.1:{_free_port()}', f'tcp://127.0.0.1:{_free_port()}'
-    publisher = KVEventPublisher(tracker, pub_ep, replay_ep)
+    publisher = KVEventPublisher([tracker], pub_ep, replay_ep)
     workers = _FakeWorkers(2)
     port = _free_port()
     log_path = tmp_path / 'router.log'

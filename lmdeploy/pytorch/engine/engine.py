@@ -187,7 +187,7 @@ class Engine:
                                             host=host)
             if config.kv_events_endpoint:
                 from .kv_event_publisher import start_publisher
-                self.kv_events = start_publisher(config, local)
+                self.kv_events = start_publisher(config, local, host)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
         self.spec = None

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 
-from ..prefix_cache.kv_events import AllBlocksCleared, KVEventTracker
+from ..prefix_cache.kv_events import AllBlocksCleared, HostEventTracker, KVEventTracker
 
 __all__ = ['KVEventPublisher', 'encode_batch', 'start_publisher', 'END_SEQ']
 
@@ -73,7 +73,8 @@ class KVEventPublisher:
     """Sends a tracker's events on a ZMQ PUB socket, with a replay ROUTER socket.
 
     Args:
-        tracker: where the events come from (drained by :meth:`flush`).
+        trackers: where the events come from (drained by :meth:`flush`, in this order: events of
+            one tracker keep their order; trackers announce different media).
         endpoint: ``tcp://HOST:PORT`` to bind the PUB socket to.
         replay_endpoint: ``tcp://HOST:PORT`` to bind the ROUTER socket to, or None (no replay).
         buffer_steps: batches kept for replay.
@@ -86,10 +87,10 @@ class KVEventPublisher:
 
     HWM = 100_000         # messages the PUB socket queues per subscriber before dropping
 
-    def __init__(self, tracker: KVEventTracker, endpoint: str, replay_endpoint: str | None = None,
+    def __init__(self, trackers: list, endpoint: str, replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, topic: str = ''):
         zmq = _import_zmq()
-        self.tracker = tracker
+        self.trackers = list(trackers)
         self._topic = topic.encode()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -114,9 +115,9 @@ class KVEventPublisher:
         self._thread.start()
 
     def flush(self) -> None:
-        """Queue the tracker's events since the last flush as one batch (nothing if none).
+        """Queue the trackers' events since the last flush as one batch (nothing if none).
         Called by the engine thread once per step; never blocks."""
-        events = self.tracker.take()
+        events = [e for tracker in self.trackers for e in tracker.take()]
         if events:
             self._queue.put(events)
             self.num_batches += 1
@@ -166,16 +167,19 @@ class KVEventPublisher:
         self._replay.send_multipart([client, b'', END_SEQ, b''])
 
 
-def start_publisher(config, local_tier) -> KVEventPublisher:
+def start_publisher(config, local_tier, host_tier=None) -> KVEventPublisher:
     """The engine's publisher for ``config.kv_events_endpoint`` (and its replay endpoint), fed by
-    a tracker attached to ``local_tier`` (announcing checkpointed prefixes when the tier is hybrid).
+    a tracker attached to ``local_tier`` (announcing checkpointed prefixes when the tier is hybrid)
+    and, when there is one, a tracker of ``host_tier`` (medium ``"CPU"``).
 
     Raises:
         ImportError: pyzmq or msgpack is not installed.
         zmq.ZMQError: an endpoint cannot be bound.
     """
-    tracker = KVEventTracker(local_tier.block_size, local_tier.is_hybrid).attach(local_tier)
-    publisher = KVEventPublisher(tracker, config.kv_events_endpoint, config.kv_events_replay_endpoint)
+    trackers = [KVEventTracker(local_tier.block_size, local_tier.is_hybrid).attach(local_tier)]
+    if host_tier is not None:
+        trackers.append(HostEventTracker(local_tier.block_size).attach(host_tier))
+    publisher = KVEventPublisher(trackers, config.kv_events_endpoint, config.kv_events_replay_endpoint)
     logger.info('kv events: publishing on %s%s', config.kv_events_endpoint,
                 f' (replay on {config.kv_events_replay_endpoint})' if config.kv_events_replay_endpoint else '')
     return publisher

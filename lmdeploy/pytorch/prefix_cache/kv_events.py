@@ -30,15 +30,19 @@ a non-negative integer below 2**63 that signed and unsigned 64-bit decoders both
 requests (``cache_salt``) hash differently, as in the trie.
 
 Medium: the tier holding the blocks, in vLLM's names: ``"GPU"`` for this engine's own cache
-memory (:data:`MEDIUM_DEVICE`, also on a CPU-only engine: it names the tier, not the chip).
+memory (:data:`MEDIUM_DEVICE`, also on a CPU-only engine: it names the tier, not the chip) and
+``"CPU"`` for the host tier (:data:`MEDIUM_HOST`, :class:`HostEventTracker`). The Store is shared
+by every engine, so no engine announces its objects.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ['KVEventTracker', 'BlockStored', 'BlockRemoved', 'AllBlocksCleared', 'external_hash', 'MEDIUM_DEVICE']
+__all__ = ['KVEventTracker', 'HostEventTracker', 'BlockStored', 'BlockRemoved', 'AllBlocksCleared', 'external_hash',
+           'MEDIUM_DEVICE', 'MEDIUM_HOST']
 
 MEDIUM_DEVICE = 'GPU'
+MEDIUM_HOST = 'CPU'
 _MASK63 = (1 << 63) - 1
 
 
@@ -164,3 +168,116 @@ class KVEventTracker:
             last.block_hashes.extend(hashes)
             return
         self._pending.append(BlockRemoved(hashes, self.medium))
+
+
+class HostEventTracker:
+    """The host tier's events (medium :data:`MEDIUM_HOST`): a block is announced while it lies on
+    the path of a checkpoint the host tier can restore on its own — the state and the KV of every
+    block of its path held in host memory — and withdrawn when the last such checkpoint stops
+    being one (its state or one of its path's blocks left the tier, least recently used first).
+
+    A host restore may also use blocks the device still shares; such a prefix is announced only
+    as far as the device tier announces it (``"GPU"``), so the host medium never claims a block
+    the host tier does not hold.
+
+    Fed by the host tier's listener hooks (``HostTier.listeners``): ``demoting(node)`` before a
+    demotion puts the payloads of ``node``'s path, ``held(key)`` / ``dropped(key)`` when an entry
+    (``('kv' | 'state', 16-byte hash)``) enters or leaves the tier.
+
+    Args:
+        block_size: B, tokens per block.
+    """
+
+    def __init__(self, block_size: int, medium: str = MEDIUM_HOST):
+        self.block_size = block_size
+        self.medium = medium
+        self._sink = KVEventTracker(block_size, hybrid=True, medium=medium)
+        self._held: set[tuple[str, bytes]] = set()
+        self._block: dict[bytes, tuple[bytes | None, tuple]] = {}   # block key -> (parent key, tokens)
+        self._paths: dict[bytes, list[bytes]] = {}       # state key -> block keys of its path, root first
+        self._users: dict[bytes, set[bytes]] = {}        # block key -> state keys whose path holds it
+        self._complete: set[bytes] = set()               # state keys restorable from the tier alone
+        self._count: dict[bytes, int] = {}               # block key -> complete states whose path holds it
+
+    def attach(self, host_tier) -> 'HostEventTracker':
+        """Listen to ``host_tier``; returns self."""
+        host_tier.listeners.append(self)
+        return self
+
+    def take(self) -> list:
+        """The events since the last call, in order (and forget them)."""
+        return self._sink.take()
+
+    # host tier hooks ------------------------------------------------------------------------
+    def demoting(self, node) -> None:
+        """The device is demoting the checkpoint on trie ``node``: remember its path's blocks."""
+        path = []
+        n = node
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        keys = [n.key for n in path]
+        for i, n in enumerate(path):
+            self._block[n.key] = (keys[i - 1] if i else None, n.tokens)
+            self._users.setdefault(n.key, set()).add(node.key)
+        self._paths[node.key] = keys
+
+    def held(self, key: tuple[str, bytes]) -> None:
+        """``key`` entered the tier."""
+        self._held.add(key)
+        kind, h = key
+        for state in ([h] if kind == 'state' else list(self._users.get(h, ()))):
+            self._update(state)
+
+    def dropped(self, key: tuple[str, bytes]) -> None:
+        """``key`` left the tier."""
+        self._held.discard(key)
+        kind, h = key
+        for state in ([h] if kind == 'state' else list(self._users.get(h, ()))):
+            self._update(state)
+        if kind == 'state' and h in self._paths and h not in self._complete:
+            for k in self._paths.pop(h):         # the tier no longer holds this checkpoint: forget it
+                users = self._users.get(k)
+                if users is not None:
+                    users.discard(h)
+                    if not users:
+                        del self._users[k]
+                        self._block.pop(k, None)
+
+    # bookkeeping ----------------------------------------------------------------------------
+    def _update(self, state: bytes) -> None:
+        path = self._paths.get(state)
+        if path is None:
+            return
+        now = ('state', state) in self._held and all(('kv', k) in self._held for k in path)
+        if now == (state in self._complete):
+            return
+        delta = 1 if now else -1
+        (self._complete.add if now else self._complete.discard)(state)
+        changed = []            # blocks whose count left or reached 0: a suffix of the path
+        for k in path:
+            c = self._count.get(k, 0) + delta
+            if c:
+                self._count[k] = c
+            else:
+                self._count.pop(k, None)
+            if c == (1 if now else 0):
+                changed.append(k)
+        if not changed:
+            return
+        nodes = [_Block(k, self._block[k]) for k in changed]
+        if now:
+            parent = self._block[changed[0]][0]
+            self._sink._stored(nodes, None if parent is None else _Block(parent, self._block[parent]))
+        else:
+            self._sink._removed(nodes[::-1])
+
+
+class _Block:
+    """A block as the event encoder reads a trie node (``key``, ``tokens``, ``parent``)."""
+    __slots__ = ('key', 'tokens', 'parent')
+
+    def __init__(self, key: bytes, info: tuple):
+        self.key, self.tokens = key, info[1]
+        self.parent = True      # not the root: the encoder names this block as a parent
