@@ -349,6 +349,7 @@ class Engine:
             self.scheduler.abort(seq)
             seq.finish_reason = 'abort'
         self.release(seq)
+        self._flush_kv_events()      # blocks it cached, announced now even if no step follows
 
     def finish_early(self, seq: Sequence, reason: str = 'stop') -> None:
         """End ``seq`` now as a *completed* request (the caller found a stop string in its text,
@@ -365,6 +366,7 @@ class Engine:
             return
         self._execute_saves(self.scheduler.finish(seq, reason))
         self.release(seq)
+        self._flush_kv_events()      # its turn-end checkpoint, announced now even if no step follows
 
     @property
     def has_work(self) -> bool:

@@ -18,11 +18,12 @@ that owns the sockets::
                                          per buffered batch with seq >= start, then
                                          [b"", seq -1 (8 bytes, signed), b""]
 
-This is the format of vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``: the batch
-a msgspec array-like struct, each event a msgspec struct tagged by ``type``; ``ts`` in seconds
-since the epoch), and what vllm-router's ``kv_aware`` policy decodes (it refuses events encoded
-as arrays, the form of vLLM releases before tagged maps). The first batch (seq 0) is ``[AllBlocksCleared]``: a router that reconnects to
-a restarted engine drops what the previous process announced. The last ``buffer_steps`` batches
+This is the stream of vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``: sockets,
+seq frames, replay; event fields and ``type`` tags of its msgspec structs; ``ts`` in seconds
+since the epoch) in the encoding vllm-router's ``kv_aware`` policy decodes: the batch an array,
+each event a map (it refuses a map batch, and events encoded as arrays, the form of older vLLM
+releases). The first batch (seq 0) is ``[AllBlocksCleared]``: a router that reconnects to a
+restarted engine drops what the previous process announced. The last ``buffer_steps`` batches
 are kept for replay, so a restarted router asks from seq 0 and rebuilds the whole view while
 the buffer still holds it. Events are never dropped by the engine thread: the queue is
 unbounded, and a subscriber slower than the PUB socket's high-water mark loses batches (then
