@@ -626,3 +626,21 @@ def test_vllm_router_credits_only_restorable_prefixes(tmp_path):
         log.close()
         workers.close()
         publisher.close()
+
+
+def test_cli_flags_reach_the_config_and_a_bad_endpoint_exits_2(capsys):
+    """``lmdeploy serve api_server --kv-events-endpoint ... --kv-events-replay-endpoint ...`` sets
+    both fields; a malformed endpoint or a missing prefix cache exits 2 naming the field."""
+    from lmdeploy.cli.entrypoint import build_parser, main
+    from lmdeploy.cli.utils import model_from_args
+    args = build_parser().parse_args(['serve', 'api_server', '/m', '--enable-prefix-caching', '--kv-events-endpoint',
+                                      'tcp://*:5557', '--kv-events-replay-endpoint', 'tcp://127.0.0.1:5558'])
+    cfg = model_from_args(args, PytorchEngineConfig)
+    assert (cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint) == ('tcp://*:5557', 'tcp://127.0.0.1:5558')
+    for flags, shown in ((['--enable-prefix-caching', '--kv-events-endpoint', '127.0.0.1:5557'],
+                          'kv_events_endpoint (--kv-events-endpoint)'),
+                         (['--kv-events-endpoint', 'tcp://127.0.0.1:5557'], 'enable_prefix_caching')):
+        with pytest.raises(SystemExit) as exc:
+            main(['serve', 'api_server', '/nonexistent', *flags])
+        assert exc.value.code == 2
+        assert shown in capsys.readouterr().err
