@@ -375,6 +375,17 @@ def test_publisher_socket_and_replay():
         ctx.term()
 
 
+def test_a_port_in_use_names_the_field():
+    with socket.socket() as held:
+        held.bind(('127.0.0.1', 0))
+        held.listen()
+        busy = f'tcp://127.0.0.1:{held.getsockname()[1]}'
+        with pytest.raises(OSError, match='kv_events_replay_endpoint'):
+            KVEventPublisher([], f'tcp://127.0.0.1:{_free_port()}', busy)
+        with pytest.raises(OSError, match='kv_events_endpoint'):
+            KVEventPublisher([], busy)
+
+
 @pytest.mark.parametrize('field,value', [('kv_events_endpoint', 'tcp://127.0.0.1'),
                                          ('kv_events_endpoint', 'http://127.0.0.1:5557'),
                                          ('kv_events_endpoint', 'tcp://127.0.0.1:70000'),

@@ -83,7 +83,7 @@ class KVEventPublisher:
 
     Raises:
         ImportError: pyzmq or msgpack is not installed.
-        zmq.ZMQError: an endpoint cannot be bound (e.g. the port is in use).
+        OSError: an endpoint cannot be bound (e.g. the port is in use); the message names the field.
     """
 
     HWM = 100_000         # messages the PUB socket queues per subscriber before dropping
@@ -98,17 +98,18 @@ class KVEventPublisher:
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, self.HWM)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay = None
-        try:
-            self._pub.bind(endpoint)
-            if replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(replay_endpoint)
-        except Exception:
-            self._close_sockets()
-            raise
+        self._replay = self._ctx.socket(zmq.ROUTER) if replay_endpoint is not None else None
+        for sock, ep, name in ((self._pub, endpoint, 'kv_events_endpoint'),
+                               (self._replay, replay_endpoint, 'kv_events_replay_endpoint')):
+            if sock is None:
+                continue
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)        # a bracketed IPv6 host binds too
+            try:
+                sock.bind(ep)
+            except zmq.ZMQError as e:
+                self._close_sockets()
+                raise OSError(f'{name}: cannot bind {ep!r}: {e}') from e
         self.num_batches = 0      # batches queued so far (the next one's seq)
         self._queue.put([AllBlocksCleared()])
         self.num_batches += 1
@@ -175,7 +176,7 @@ def start_publisher(config, local_tier, host_tier=None) -> KVEventPublisher:
 
     Raises:
         ImportError: pyzmq or msgpack is not installed.
-        zmq.ZMQError: an endpoint cannot be bound.
+        OSError: an endpoint cannot be bound.
     """
     trackers = [KVEventTracker(local_tier.block_size, local_tier.is_hybrid).attach(local_tier)]
     if host_tier is not None:

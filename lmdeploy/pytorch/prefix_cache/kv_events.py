@@ -1,7 +1,7 @@
 """KV cache events: what a KV-aware router may know about this engine's prefix cache.
 
-A router that routes by prefix (vLLM's ``kv_aware`` policy and others reading vLLM's KV event
-stream) keeps, per engine, a tree of the block hashes the engine announced and scores a request
+A router that routes by prefix (vllm-router's ``kv_aware`` policy and others reading vLLM's KV
+event stream) keeps, per engine, a tree of the block hashes the engine announced and scores a request
 by how many of its leading blocks are in that tree. :class:`KVEventTracker` makes that tree equal
 the prefixes this engine can actually restore::
 
