@@ -265,12 +265,7 @@ def test_hybrid_events_by_hand():
     sched = Scheduler(SchedulerConfig(B, 2, P, A, False), bm, sc, cache)
     prompt = list(range(10, 19))
     for tokens in (prompt, [50, 51, 52, 53, 54]):
-        sched.add(Sequence(tokens, GenerationConfig(max_new_tokens=1, ignore_eos=True)))
-        out = sched.schedule()
-        cache.saves_done(sched.computed(out), True)
-        seq = out.chunks[0].seq
-        seq.token_ids.append(7)
-        cache.saves_done(sched.finish(seq, 'length'), True)
+        _serve_alone(sched, cache, tokens)
         batch = msgpack.unpackb(encode_batch(tracker.take(), ts=1.5), raw=False)
         if tokens is prompt:
             nodes = local.trie.match(prompt)
@@ -280,6 +275,7 @@ def test_hybrid_events_by_hand():
                                     'lora_name': None}], 0]
         else:
             assert batch == [1.5, [], 0]
+    assert local.trie.num_nodes == 3 and sc.num_published == 1
     sc.release_checkpoint(nodes[1].checkpoint_slot, evicted=True)
     assert [e.to_wire() for e in tracker.take()] == [{'type': 'BlockRemoved', 'block_hashes': [hashes[1], hashes[0]],
                                                       'medium': 'GPU'}]
