@@ -91,6 +91,7 @@ class Engine:
         ValueError: bad path, unsupported model type, ``device_type`` cuda without a CUDA device,
             or a cache too small for one block.
     """
+    kv_events = None    # the KV event publisher (kv_events_endpoint), flushed once per step; None: off
 
     def __init__(self, model_path: str, config: PytorchEngineConfig | None = None,
                  strategy: DecodingStrategy | None = None):
@@ -173,7 +174,6 @@ class Engine:
         self.store = self._build_store()
         # with caching off a NullPrefixCache answers every question: no caller branches on it
         self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
-        self.kv_events = None       # the KV event publisher (kv_events_endpoint), flushed once per step
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache,
                               state_bytes=self.cache_engine.state_bytes, block_bytes=self.cache_engine.kv_block_bytes)
