@@ -188,6 +188,14 @@ class PytorchEngineConfig(BaseModel):
                                           'keys every object\'s HMAC; default: the LMDEPLOY_STORE_SECRET variable; '
                                           'none: objects are unauthenticated (mooncake_master="local" then makes a '
                                           'per-run secret).')
+    kv_events_endpoint: str | None = Field(None, description='tcp://HOST:PORT to bind a ZMQ PUB socket to that '
+                                           'publishes, in vLLM\'s KV event format, the prefixes this engine can '
+                                           'restore (for KV-aware routers; prefix caching on; HOST * = every '
+                                           'interface). None = no events.')
+    kv_events_replay_endpoint: str | None = Field(None, description='tcp://HOST:PORT to bind the replay ROUTER '
+                                                  'socket to: a router that (re)starts asks for the buffered '
+                                                  'event batches from a sequence number on (needs '
+                                                  'kv_events_endpoint). None = no replay.')
     speculative_config: SpeculativeConfig | None = Field(None, description='Speculative decoding; None = off. '
                                                          'CLI: --speculative-algorithm, '
                                                          '--speculative-num-draft-tokens.')
@@ -239,6 +247,29 @@ class PytorchEngineConfig(BaseModel):
                              f'etcd://HOST:PORT, redis://HOST:PORT, a bare etcd HOST:PORT or P2PHANDSHAKE; got '
                              f'{v!r}{hint}')
         return f'{scheme}://{rest}' if sep else v
+
+    @field_validator('kv_events_endpoint', 'kv_events_replay_endpoint')
+    @classmethod
+    def _zmq_tcp_endpoint(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        scheme, sep, rest = v.partition('://')
+        if scheme != 'tcp' or not sep or split_host_port(rest) is None:
+            raise ValueError(f'{info.field_name} must be tcp://HOST:PORT (HOST an address of this machine or *; '
+                             f'port 1-65535), got {v!r}')
+        return v
+
+    @model_validator(mode='after')
+    def _kv_events_wiring(self):
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError('kv_events_replay_endpoint needs kv_events_endpoint (the stream it replays)')
+        if self.kv_events_endpoint is not None and not self.enable_prefix_caching:
+            raise ValueError('kv_events_endpoint needs enable_prefix_caching: without a prefix cache no prefix '
+                             'is restorable, so there is nothing to announce')
+        if self.kv_events_replay_endpoint is not None and self.kv_events_replay_endpoint == self.kv_events_endpoint:
+            raise ValueError(f'kv_events_replay_endpoint must differ from kv_events_endpoint '
+                             f'({self.kv_events_endpoint!r}): two sockets cannot bind one port')
+        return self
 
     @field_validator('mooncake_segment_size')
     @classmethod

@@ -93,6 +93,7 @@ class Engine:
         ValueError: bad path, unsupported model type, ``device_type`` cuda without a CUDA device,
             or a cache too small for one block.
     """
+    kv_events = None    # the KV event publisher (kv_events_endpoint), flushed once per step; None: off
 
     def __init__(self, model_path: str, config: PytorchEngineConfig | None = None,
                  strategy: DecodingStrategy | None = None):
@@ -173,6 +174,9 @@ class Engine:
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
                                             alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last,
                                             host=host)
+            if config.kv_events_endpoint:
+                from .kv_event_publisher import start_publisher
+                self.kv_events = start_publisher(config, local, host)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
                                    self.prefix_cache)
         self.spec = None
@@ -229,6 +233,7 @@ class Engine:
             self.scheduler.abort(seq)
             seq.finish_reason = 'abort'
         self.release(seq)
+        self._flush_kv_events()      # blocks it cached, announced now even if no step follows
 
     def finish_early(self, seq: Sequence, reason: str = 'stop') -> None:
         """End ``seq`` now as a *completed* request (the caller found a stop string in its text,
@@ -245,6 +250,7 @@ class Engine:
             return
         self._execute_saves(self.scheduler.finish(seq, reason))
         self.release(seq)
+        self._flush_kv_events()      # its turn-end checkpoint, announced now even if no step follows
 
     @property
     def has_work(self) -> bool:
@@ -258,6 +264,7 @@ class Engine:
         sched = self.scheduler.schedule()
         self._execute_loads(sched)
         if not sched.chunks:
+            self._flush_kv_events()
             return []
         if self.spec is not None:
             self.spec.before_forward(sched)
@@ -269,7 +276,13 @@ class Engine:
         outputs = self._update(sched, next_tokens)
         if self.spec is not None:
             self.spec.propose(sched, next_tokens)
+        self._flush_kv_events()
         return outputs
+
+    def _flush_kv_events(self) -> None:
+        """Send this step's prefix-cache events as one batch (kv_events_endpoint)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _execute_loads(self, sched: SchedulerOutput) -> None:
         """Run the restores of admitted sequences before the forward: checkpoint → runtime slot
@@ -435,9 +448,13 @@ class Engine:
                 and led['grammar_matchers'] == 0)
 
     def close(self) -> None:
-        """Stop the Store worker (flushing queued saves), then the tensor-parallel workers."""
+        """Stop the Store worker (flushing queued saves), then the tensor-parallel workers (and
+        the KV event publisher)."""
         try:
             if self.store is not None:
                 self.store.close()
         finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
+                self.kv_events = None
             self.executor.close()

@@ -13,6 +13,7 @@ Folder map (where to look)::
     state_cache.py              runtime and checkpoint state slots
     host_tier.py                HostTier: checkpoints the device evicted, in host memory
     store_tier.py               StoreTier: probe / load / put of Store objects, the put worker
+    kv_events.py                KVEventTracker: what a KV-aware router may know (restorable prefixes only)
     ../cache_engine.py          where state is copied (copy_states) and payloads are read/written
     ../store/                   Mooncake bytes: object format, client, embedded services
 

@@ -126,6 +126,9 @@ class BlockTrie:
         # then costs O((k + blocked leaves) log N) instead of a walk of the whole trie.
         self._leaves: list[tuple[int, int, int, TrieNode]] = []
         self._tiebreak = itertools.count()
+        # observers told of every node made (``block_cached(node)``) and removed
+        # (``block_dropped(node)``), e.g. the KV event tracker (kv_events.py)
+        self.listeners: list = []
 
     def match(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[TrieNode]:
         """Nodes of the longest cached prefix of full blocks, root excluded, verified token by
@@ -202,6 +205,8 @@ class BlockTrie:
                 self.block_manager.cache(block_ids[i])
                 node.children[h] = child
                 self.num_nodes += 1
+                for listener in self.listeners:
+                    listener.block_cached(child)
             elif adopt and child.block_id != block_ids[i] and self.block_manager.refcount[child.block_id] == 1:
                 # a running sequence recomputed a block only the cache holds: the node takes the
                 # sequence's copy and the old one is freed, so no unreferenced duplicate remains
@@ -311,6 +316,8 @@ class BlockTrie:
         node.parent = None
         self.num_nodes -= 1
         self.block_manager.uncache(node.block_id)
+        for listener in self.listeners:
+            listener.block_dropped(node)
         return self.block_manager.num_free - before
 
     def iter_nodes(self):

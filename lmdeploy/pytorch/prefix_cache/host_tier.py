@@ -59,6 +59,9 @@ class HostTier:
         self.pin_memory = cache_engine is not None and cache_engine.device.type == 'cuda'
         self.counters = zero_host_counters()
         del self.counters['host_bytes_held']
+        # observers told demoting(node) before a demotion's puts and held(key) / dropped(key) as
+        # entries come and go, e.g. the KV event tracker (kv_events.HostEventTracker)
+        self.listeners: list = []
 
     def _size(self, kind: str) -> int:
         return self.state_bytes if kind == 'state' else self.kv_block_bytes
@@ -74,6 +77,8 @@ class HostTier:
             payload = payload.pin_memory()
         self._entries[key] = payload
         self.bytes_held += self._size(key[0])
+        for listener in self.listeners:
+            listener.held(key)
         if self.bytes_held > self.capacity_bytes:
             self.evict(self.bytes_held - self.capacity_bytes)
 
@@ -86,12 +91,19 @@ class HostTier:
             self.bytes_held -= self._size(old[0])
             freed += self._size(old[0])
             self.counters['host_evictions'] += 1
+            for listener in self.listeners:
+                listener.dropped(old)
         return freed
 
     # save -----------------------------------------------------------------------------------
     def demote(self, node, state_ref) -> None:
         """The device tier is evicting the checkpoint on trie ``node`` (its state at
-        ``state_ref``): :meth:`save` the prefix it ends."""
+        ``state_ref``): :meth:`save` the prefix it ends. A state larger than the whole tier is
+        not kept."""
+        if self.state_bytes + self.kv_block_bytes > self.capacity_bytes:
+            return
+        for listener in self.listeners:
+            listener.demoting(node)
         path = []
         n = node
         while n is not None and n.parent is not None:

@@ -81,6 +81,9 @@ class StateCache:
         # called as on_evict(node, state_ref) before an evicted checkpoint's memory is freed (the
         # host tier demotes it); None: nothing to keep
         self.on_evict = None
+        # observers told ``checkpoint_counted(node, delta)`` after a publish (+1) or release (-1)
+        # updated ``ckpts_below`` on the node's path, e.g. the KV event tracker (kv_events.py)
+        self.listeners: list = []
 
     @property
     def uses_block_rows(self) -> bool:
@@ -188,6 +191,8 @@ class StateCache:
         node.checkpoint_slot = slot
         self._published[slot] = node
         count_checkpoint(node, 1)
+        for listener in self.listeners:
+            listener.checkpoint_counted(node, 1)
         if stats is None:
             stats = CheckpointStats(slot, 0, 0, 1)
         stats.slot = slot
@@ -210,6 +215,8 @@ class StateCache:
         if node is not None:
             node.checkpoint_slot = None
             count_checkpoint(node, -1)
+            for listener in self.listeners:
+                listener.checkpoint_counted(node, -1)
         stats = self.stats.pop(slot, None)
         if evicted and stats is not None:
             self.policy.evicted(stats)
