@@ -108,9 +108,7 @@ class KVEventTracker:
 
     def attach(self, local_tier) -> 'KVEventTracker':
         """Listen to ``local_tier``'s trie and (hybrid models) its state cache; returns self."""
-        local_tier.trie.listeners.append(self)
-        if self.hybrid:
-            local_tier.state_cache.listeners.append(self)
+        local_tier.add_listener(self, checkpoints=self.hybrid)
         return self
 
     def take(self) -> list:

@@ -245,6 +245,14 @@ class LocalTier:
         memory still holds it (the host tier's demotion); None: nothing is kept."""
         self.state_cache.on_evict = keep
 
+    def add_listener(self, listener, checkpoints: bool = True) -> None:
+        """Tell ``listener`` what this tier caches: the trie's ``block_cached(node)`` /
+        ``block_dropped(node)`` and, with ``checkpoints``, the state cache's checkpoint hooks (the
+        KV event tracker, :mod:`.kv_events`)."""
+        self.trie.listeners.append(listener)
+        if checkpoints:
+            self.state_cache.listeners.append(listener)
+
     def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, PinLease] | None:
         """Keep a Store restore locally: insert its blocks and reserve a pinned checkpoint slot
         for the restored state; returns ``(node, lease)`` (``lease.slot``: the slot to copy into
