@@ -144,8 +144,8 @@ def run_fleet(args: argparse.Namespace) -> int:
         except RuntimeError as err:
             print(f'lmdeploy: error: the fleet did not start: {err}', file=sys.stderr)
             return 1
-        print(f'fleet ready in {time.monotonic() - t0:.0f} s: {args.router} ({fleet.policy}) at {fleet.url} in front of '
-              + ', '.join(fleet.replica_urls), flush=True)
+        print(f'fleet ready in {time.monotonic() - t0:.0f} s: {args.router} ({fleet.policy}) at {fleet.url} '
+              f'in front of {", ".join(fleet.replica_urls)}', flush=True)
         while True:
             message = fleet.poll()
             if message:

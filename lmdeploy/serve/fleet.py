@@ -63,28 +63,44 @@ class RouterKind:
         subcommand: arguments before the flags (``smg launch``).
         policies: ``--router-policy`` values it takes; the first is the fleet's default.
         extra: flags always passed (quiet logs, fast health checks).
+        policy_extra: flags passed with a policy (before ``router_args``, which override them).
     """
     program: str
     package: str
     subcommand: tuple[str, ...]
     policies: tuple[str, ...]
     extra: tuple[str, ...] = ()
+    policy_extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def command(self, exe: str, host: str, port: int, workers: list[str], policy: str, metrics_port: int,
                 extra_args: list[str]) -> list[str]:
         """The router's command line serving ``host:port`` in front of ``workers`` (URLs)."""
         return [exe, *self.subcommand, '--host', host, '--port', str(port), '--worker-urls', *workers,
                 '--policy', policy, '--prometheus-host', '127.0.0.1', '--prometheus-port', str(metrics_port),
-                *self.extra, *extra_args]
+                *self.extra, *dict(self.policy_extra).get(policy, ()), *extra_args]
 
 
 # Health checks every 2 s (default 60 s in vllm-router): a killed replica is taken out of
 # rotation within seconds even when no request happens to hit it.
+#
+# smg's cache_aware: a request goes to the replica whose earlier requests share the largest
+# fraction of its text, if that fraction is at least --cache-threshold, else to the least-used
+# replica. Agent sessions all share a long head (system prompt + tools), so with the default
+# threshold 0.3 every new session matched the head's replica and one replica took all requests
+# (claude_code trace, 6 sessions, 3 replicas: 118/0/0 requests, local hits 79 % of one
+# 3x-memory engine). At 0.9 only the session's own history matches well enough, so new
+# sessions spread and each stays where its history is (29/20/69 requests, 95 %);
+# benchmark/README.md, "Fleet". --sticky-sessions additionally pins requests that carry a
+# session key header (x-smg-routing-key) to one replica, placing new keys on the least-loaded
+# replica (--assignment-mode min_load); requests without the header are routed as above.
+_SMG_CACHE_AWARE = ('--cache-threshold', '0.9', '--sticky-sessions', '--assignment-mode', 'min_load')
+
 ROUTERS: dict[str, RouterKind] = {
     'smg': RouterKind('smg', 'smg', ('launch',),
                       ('cache_aware', 'round_robin', 'consistent_hashing', 'prefix_hash', 'power_of_two',
                        'least_load', 'random'),
-                      ('--log-level', 'warn', '--health-check-interval-secs', '2')),
+                      ('--log-level', 'warn', '--health-check-interval-secs', '2'),
+                      (('cache_aware', _SMG_CACHE_AWARE),)),
     'vllm-router': RouterKind('vllm-router', 'vllm-router', (),
                               ('cache_aware', 'round_robin', 'consistent_hash', 'power_of_two',
                                'sticky_least_loaded', 'random'),
@@ -311,8 +327,8 @@ class Fleet:
             cmd = self.router_kind.command(self.router_exe, self.host, self.port, self.replica_urls, self.policy,
                                            self.metrics_port, self.router_args)
             self.router_proc = self._spawn(cmd, self.router_log)
-            self._wait(lambda: _http_ok(self.url + '/v1/models'), self.router_proc, f'router {self.router_kind.program}',
-                       self.router_log, deadline)
+            self._wait(lambda: _http_ok(self.url + '/v1/models'), self.router_proc,
+                       f'router {self.router_kind.program}', self.router_log, deadline)
         except BaseException:
             self.stop()
             raise
