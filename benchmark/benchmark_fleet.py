@@ -109,7 +109,8 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: floa
     """One greedy streamed completion (``headers`` added); returns prompt/cached tokens, ttft_s, or ``error``."""
     body = json.dumps({'model': model, 'prompt': prompt, 'max_tokens': max_tokens, 'temperature': 0,
                        'ignore_eos': True, 'stream': True, 'stream_options': {'include_usage': True}}).encode()
-    req = urllib.request.Request(url + '/v1/completions', data=body, headers={'Content-Type': 'application/json', **(headers or {})})
+    req = urllib.request.Request(url + '/v1/completions', data=body,
+                                 headers={'Content-Type': 'application/json', **(headers or {})})
     start, first, usage = time.perf_counter(), None, None
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -208,7 +209,8 @@ def run_config(name: str, args: argparse.Namespace, model: str, jobs: list[tuple
     from lmdeploy.pytorch.store.services import free_ports
     ports = free_ports('127.0.0.1', replicas + 1)
     fleet = Fleet(model, flags, replicas=replicas, port=ports[0], replica_ports=ports[1:], router=args.router,
-                  policy=policy, router_args=shlex.split(args.router_args) if name == 'cache_aware' else [], log_dir=str(work / f'{name}-logs'),
+                  policy=policy, router_args=shlex.split(args.router_args) if name == 'cache_aware' else [],
+                  log_dir=str(work / f'{name}-logs'),
                   env={'OMP_NUM_THREADS': '1'})
     killed: list[float] = []
 
@@ -242,7 +244,8 @@ def run_config(name: str, args: argparse.Namespace, model: str, jobs: list[tuple
     total = {k: sum(p[k] for p in live) for k in COUNTERS}
     return dict(config=name, replicas=replicas, cache_bytes=cache_bytes, policy=policy, requests=len(jobs),
                 completed=len(done), errors=len(errors), first_errors=errors[:3], replay_s=replay_s,
-                prompt_tokens=sum(r['prompt_tokens'] for r in done), cached_tokens=sum(r['cached_tokens'] for r in done),
+                prompt_tokens=sum(r['prompt_tokens'] for r in done),
+                cached_tokens=sum(r['cached_tokens'] for r in done),
                 local_hit_tokens=total['local'], store_hit_tokens=total['store'],
                 store_put_bytes=total['put_bytes'], store_get_bytes=total['get_bytes'],
                 ttft_p50_ms=pct(ttft, 50) and pct(ttft, 50) * 1000, ttft_p90_ms=pct(ttft, 90) and pct(ttft, 90) * 1000,
@@ -254,18 +257,23 @@ def run_config(name: str, args: argparse.Namespace, model: str, jobs: list[tuple
 
 def print_table(reports: list[dict]) -> None:
     print(f'{"config":<12} {"repl":>4} {"done":>9} {"local hit":>10} {"Store hit":>10} {"cached":>9} '
-          f'{"TTFT p50":>9} {"TTFT p90":>9} {"Store MB w":>10} {"Store MB r":>10}  per-replica requests / prompt tokens')
+          f'{"TTFT p50":>9} {"TTFT p90":>9} {"Store MB w":>10} {"Store MB r":>10}  '
+          'per-replica requests / prompt tokens')
     for r in reports:
-        load = ', '.join('dead' if p is None else f'{p["requests"]:.0f}/{p["prompt_tokens"]:.0f}' for p in r['per_replica'])
-        print(f'{r["config"]:<12} {r["replicas"]:>4} {r["completed"]:>4}/{r["requests"]:<4} {r["local_hit_tokens"]:>10.0f} '
+        load = ', '.join('dead' if p is None else f'{p["requests"]:.0f}/{p["prompt_tokens"]:.0f}'
+                         for p in r['per_replica'])
+        print(f'{r["config"]:<12} {r["replicas"]:>4} {r["completed"]:>4}/{r["requests"]:<4} '
+              f'{r["local_hit_tokens"]:>10.0f} '
               f'{r["store_hit_tokens"]:>10.0f} {r["cached_tokens"]:>9} {r["ttft_p50_ms"] or 0:>7.1f}ms '
-              f'{r["ttft_p90_ms"] or 0:>7.1f}ms {r["store_put_bytes"] / 1e6:>10.2f} {r["store_get_bytes"] / 1e6:>10.2f}  {load}')
+              f'{r["ttft_p90_ms"] or 0:>7.1f}ms {r["store_put_bytes"] / 1e6:>10.2f} '
+              f'{r["store_get_bytes"] / 1e6:>10.2f}  {load}')
     print('local hit: tokens restored from a replica\'s own prefix cache; Store hit: from the shared file: Store; '
           'cached = local + Store as the client saw it (requests to a killed replica\'s counters are lost with it)')
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--trace', default=str(ROOT / 'benchmark' / 'traces' / 'claude_code.jsonl'))
     p.add_argument('--sessions', type=int, default=6, help='keep the first K sessions\' requests')
     p.add_argument('--limit', type=int, default=None, help='then at most this many requests')
@@ -308,8 +316,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
              {args.session_header: r.session} if args.session_header and r.session else {})
             for r, ids in zip(rows, token_ids)]
     check_prompts(model, [j[0] for j in jobs[:20]], [[word_ids[i] for i in ids] for ids in token_ids[:20]])
-    print(f'{len(rows)} requests of {len(set(r.session for r in rows))} sessions from {args.trace} at scale {args.scale} '
-          f'({sum(map(len, token_ids))} prompt tokens); {len(words)} single-token words; concurrency {args.concurrency}; '
+    print(f'{len(rows)} requests of {len(set(r.session for r in rows))} sessions from {args.trace} '
+          f'at scale {args.scale} ({sum(map(len, token_ids))} prompt tokens); {len(words)} single-token words; '
+          f'concurrency {args.concurrency}; '
           f'server flags: {args.server_args}; work folder {work}', flush=True)
     reports = [run_config(name, args, model, jobs, work) for name in args.configs.split(',')]
     print_table(reports)

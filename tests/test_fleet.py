@@ -123,8 +123,9 @@ def test_fleet_greedy_equals_single_and_survives_a_killed_replica(servers):
     owner = served.index(max(served))
     _wait_store_idle(fleet.replica(owner).base_url)
     m = metrics(fleet.replica(owner))
-    state_bytes = m['lmdeploy_store_put_bytes_total{kind="state"}'] / m['lmdeploy_store_put_objects_total{kind="state"}']
-    kv_block_bytes = m['lmdeploy_store_put_bytes_total{kind="kv"}'] / m['lmdeploy_store_put_objects_total{kind="kv"}']
+    # every state object and every KV block object has one payload size (bytes)
+    state_bytes, kv_block_bytes = (m[f'lmdeploy_store_put_bytes_total{{kind="{k}"}}']
+                                   / m[f'lmdeploy_store_put_objects_total{{kind="{k}"}}'] for k in ('state', 'kv'))
     survivor = fleet.replica(1 - owner)
     m0 = metrics(survivor)
 

@@ -119,7 +119,8 @@ def run_fleet(args: argparse.Namespace) -> int:
         store = SharedStore(kind, Path(tempfile.mkdtemp(prefix='lmdeploy-fleet-store-')))
     fleet = Fleet(args.model_path, [], replicas=args.replicas, host=args.server_name, port=args.server_port,
                   replica_ports=args.replica_ports, router=args.router, policy=args.router_policy,
-                  router_args=args.router_args, log_dir=str(log_dir) if log_dir else None)
+                  router_args=args.router_args, log_dir=str(log_dir) if log_dir else None,
+                  api_key=args.api_keys[0] if args.api_keys else None)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM stops like Ctrl-C
     code = 0
     try:

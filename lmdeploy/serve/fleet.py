@@ -136,9 +136,9 @@ def _tail(path: Path, lines: int = 30) -> str:
         return '<no log>'
 
 
-def _http_ok(url: str, timeout: float = 2.0) -> bool:
+def _http_ok(url: str, timeout: float = 2.0, headers: dict | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
             return resp.status == 200
     except (OSError, urllib.error.URLError, ValueError):
         return False
@@ -236,6 +236,8 @@ class Fleet:
         env: extra environment variables of the children.
         launcher: the command before ``serve api_server`` (default this Python running
             ``lmdeploy.cli.entrypoint``).
+        api_key: one of the replicas' ``--api-keys``, sent with the router readiness probe
+            (``/v1/models`` through the router needs one when the replicas have keys).
 
     Raises:
         ValueError: ``replicas`` < 1, an unknown router or policy, a router that is not
@@ -246,7 +248,7 @@ class Fleet:
                  port: int = 23333, replica_ports: list[int] | None = None, replica_host: str = '127.0.0.1',
                  router: str = 'smg', policy: str | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None, startup_timeout: float = 600, env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None):
+                 launcher: list[str] | None = None, api_key: str | None = None):
         if replicas < 1:
             raise ValueError(f'replicas must be >= 1, got {replicas}')
         self.router_exe = find_router(router)
@@ -272,6 +274,7 @@ class Fleet:
         self.launcher = launcher or [sys.executable, '-m', 'lmdeploy.cli.entrypoint']
         self.replicas = [Replica(i, p, replica_host, self.log_dir / f'replica-{i}.log') for i, p in enumerate(ports)]
         self.router_log = self.log_dir / 'router.log'
+        self.probe_headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
         self.router_proc: subprocess.Popen | None = None
         self.metrics_port = free_ports('127.0.0.1', 1)[0]
         self._stopped = False
@@ -327,7 +330,7 @@ class Fleet:
             cmd = self.router_kind.command(self.router_exe, self.host, self.port, self.replica_urls, self.policy,
                                            self.metrics_port, self.router_args)
             self.router_proc = self._spawn(cmd, self.router_log)
-            self._wait(lambda: _http_ok(self.url + '/v1/models'), self.router_proc,
+            self._wait(lambda: _http_ok(self.url + '/v1/models', headers=self.probe_headers), self.router_proc,
                        f'router {self.router_kind.program}', self.router_log, deadline)
         except BaseException:
             self.stop()
