@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
              {args.session_header: r.session} if args.session_header and r.session else {})
             for r, ids in zip(rows, token_ids)]
     check_prompts(model, [j[0] for j in jobs[:20]], [[word_ids[i] for i in ids] for ids in token_ids[:20]])
-    print(f'{len(rows)} requests of {len(set(r.session for r in rows))} sessions from {args.trace} '
+    print(f'{len(rows)} requests of {len({r.session for r in rows if r.session})} sessions from {args.trace} '
           f'at scale {args.scale} ({sum(map(len, token_ids))} prompt tokens); {len(words)} single-token words; '
           f'concurrency {args.concurrency}; '
           f'server flags: {args.server_args}; work folder {work}', flush=True)
