@@ -262,3 +262,9 @@ def test_bad_fleet_arguments_are_refused(tiny_qwen3_next):
         port = busy.getsockname()[1]
         with pytest.raises(ValueError, match=f'server_port: 127.0.0.1:{port} is already in use'):
             Fleet(tiny_qwen3_next, [], replicas=1, port=port)
+        # refused before the fleet makes its Store folder (it used to be left behind)
+        made = set(os.listdir(tempfile.gettempdir()))
+        with pytest.raises(SystemExit) as exit_:
+            main(['serve', 'fleet', tiny_qwen3_next, '--server-port', str(port)])
+        assert exit_.value.code == 2
+        assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith('lmdeploy-fleet')} <= made

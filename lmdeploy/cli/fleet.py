@@ -112,15 +112,15 @@ def run_fleet(args: argparse.Namespace) -> int:
     if not hasattr(args, 'enable_prefix_caching'):
         args.enable_prefix_caching = True
     log_dir = Path(args.fleet_log_dir) if args.fleet_log_dir else None
-    store = None
-    if getattr(args, 'store_backend', None) is None and getattr(args, 'mooncake_master', None) in (None, 'local'):
-        import tempfile
-        kind = 'mooncake' if getattr(args, 'mooncake_master', None) == 'local' else 'file'
-        store = SharedStore(kind, Path(tempfile.mkdtemp(prefix='lmdeploy-fleet-store-')))
     fleet = Fleet(args.model_path, [], replicas=args.replicas, host=args.server_name, port=args.server_port,
                   replica_ports=args.replica_ports, router=args.router, policy=args.router_policy,
                   router_args=args.router_args, log_dir=str(log_dir) if log_dir else None,
                   api_key=args.api_keys[0] if args.api_keys else None)
+    store = None      # made after every check passed, so a refused command line leaves no folder behind
+    if getattr(args, 'store_backend', None) is None and getattr(args, 'mooncake_master', None) in (None, 'local'):
+        import tempfile
+        kind = 'mooncake' if getattr(args, 'mooncake_master', None) == 'local' else 'file'
+        store = SharedStore(kind, Path(tempfile.mkdtemp(prefix='lmdeploy-fleet-store-')))
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM stops like Ctrl-C
     code = 0
     try:

@@ -73,11 +73,13 @@ class RouterKind:
     policy_extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def command(self, exe: str, host: str, port: int, workers: list[str], policy: str, metrics_port: int,
-                extra_args: list[str]) -> list[str]:
-        """The router's command line serving ``host:port`` in front of ``workers`` (URLs)."""
+                extra_args: list[str], api_key: str | None = None) -> list[str]:
+        """The router's command line serving ``host:port`` in front of ``workers`` (URLs); with
+        ``api_key``, the router sends it to the workers (its own discovery calls need it)."""
         return [exe, *self.subcommand, '--host', host, '--port', str(port), '--worker-urls', *workers,
                 '--policy', policy, '--prometheus-host', '127.0.0.1', '--prometheus-port', str(metrics_port),
-                *self.extra, *dict(self.policy_extra).get(policy, ()), *extra_args]
+                *self.extra, *dict(self.policy_extra).get(policy, ()), *(['--api-key', api_key] if api_key else []),
+                *extra_args]
 
 
 # Health checks every 2 s (default 60 s in vllm-router): a killed replica is taken out of
@@ -236,8 +238,8 @@ class Fleet:
         env: extra environment variables of the children.
         launcher: the command before ``serve api_server`` (default this Python running
             ``lmdeploy.cli.entrypoint``).
-        api_key: one of the replicas' ``--api-keys``, sent with the router readiness probe
-            (``/v1/models`` through the router needs one when the replicas have keys).
+        api_key: one of the replicas' ``--api-keys``: the router's own calls to the replicas
+            (model discovery) and the readiness probe send it.
 
     Raises:
         ValueError: ``replicas`` < 1, an unknown router or policy, a router that is not
@@ -274,6 +276,7 @@ class Fleet:
         self.launcher = launcher or [sys.executable, '-m', 'lmdeploy.cli.entrypoint']
         self.replicas = [Replica(i, p, replica_host, self.log_dir / f'replica-{i}.log') for i, p in enumerate(ports)]
         self.router_log = self.log_dir / 'router.log'
+        self.api_key = api_key
         self.probe_headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
         self.router_proc: subprocess.Popen | None = None
         self.metrics_port = free_ports('127.0.0.1', 1)[0]
@@ -328,7 +331,7 @@ class Fleet:
                 self._wait(lambda r=r: _http_ok(r.url + '/health'), r.proc, f'replica {r.index} ({r.url})', r.log,
                            deadline)
             cmd = self.router_kind.command(self.router_exe, self.host, self.port, self.replica_urls, self.policy,
-                                           self.metrics_port, self.router_args)
+                                           self.metrics_port, self.router_args, self.api_key)
             self.router_proc = self._spawn(cmd, self.router_log)
             self._wait(lambda: _http_ok(self.url + '/v1/models', headers=self.probe_headers), self.router_proc,
                        f'router {self.router_kind.program}', self.router_log, deadline)
