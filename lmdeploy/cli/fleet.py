@@ -7,7 +7,8 @@ caching is on unless ``--no-enable-prefix-caching`` is given.
 
 The Store every replica shares: the one the flags name (``--store-backend file:DIR``, or
 ``--mooncake-master HOST:PORT`` with ``--mooncake-metadata-server``), or, with
-``--mooncake-master local``, one Mooncake Store the fleet starts for all replicas; with no Store
+``--mooncake-master local``, one Mooncake Store the fleet starts for all replicas (its segment
+sized by ``--mooncake-embedded-segment-size``, default 512 MiB); with no Store
 flag, a ``file:`` Store in a new temporary folder, removed at exit. A Store the fleet makes gets
 a fresh secret file shared by the replicas. The process runs :class:`lmdeploy.serve.fleet.Fleet`
 until SIGINT / SIGTERM, then stops the router, the replicas (gracefully) and the Store it made.
@@ -120,7 +121,9 @@ def run_fleet(args: argparse.Namespace) -> int:
     if getattr(args, 'store_backend', None) is None and getattr(args, 'mooncake_master', None) in (None, 'local'):
         import tempfile
         kind = 'mooncake' if getattr(args, 'mooncake_master', None) == 'local' else 'file'
-        store = SharedStore(kind, Path(tempfile.mkdtemp(prefix='lmdeploy-fleet-store-')))
+        # --mooncake-embedded-segment-size sizes the one Store the fleet starts (not each replica's)
+        segment = vars(args).pop('mooncake_embedded_segment_size', 512 << 20)
+        store = SharedStore(kind, Path(tempfile.mkdtemp(prefix='lmdeploy-fleet-store-')), segment_size=segment)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM stops like Ctrl-C
     code = 0
     try:

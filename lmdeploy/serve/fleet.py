@@ -12,12 +12,14 @@ MooncakeServices`). Invariants:
   raises ``RuntimeError`` quoting the failed process's log tail.
 - :meth:`Fleet.stop` ends the router first (no new requests reach a stopping replica), then
   sends SIGTERM to every replica at once (each shuts down gracefully and flushes its Store
-  saves), then SIGKILLs what is left after the grace period, then removes what the fleet
-  created. It is idempotent. Children also get SIGTERM when the fleet process dies (setpriv
-  ``--pdeathsig``, where available).
-- A replica that dies while the fleet runs is reported once; the router keeps sending requests
-  to the others (and retries a request a dead replica refused), and the others restore its
-  conversations' prefixes from the Store.
+  saves), then SIGKILLs what is left after the grace period. It is idempotent. A
+  :class:`SharedStore` is closed by its owner after that (the CLI, lmdeploy/cli/fleet.py).
+  Children also get SIGTERM when the fleet process dies (setpriv ``--pdeathsig``, where
+  available).
+- A replica that dies while the fleet runs is reported once (:meth:`Fleet.poll`); the router
+  sends later requests to the others and resends a non-streaming request that was in flight on
+  it (a stream that had started ends with the router's error event), and the others restore
+  its conversations' prefixes from the Store.
 
 ::
 
@@ -35,7 +37,6 @@ where ``vllm-router``'s spread them like round-robin (59 %).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
