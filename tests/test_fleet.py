@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,11 +208,15 @@ def _pid_on(port: int) -> int:
 def test_sigterm_stops_router_replicas_and_store(servers):
     fleet, _ = servers
     store = re.search(r'file Store in (\S+)/objects', fleet.output()).group(1)
-    assert os.path.isdir(store)
+    logs = re.search(r'logs in (\S+)', fleet.output()).group(1)
+    assert os.path.isdir(store) and os.path.isdir(logs)
     assert fleet.stop() == 0
     out = fleet.output()
     assert 'fleet stopped' in out
     assert not os.path.exists(store)
+    # a replica died (the kill test), so the logs are kept, the death reported once
+    assert os.path.isdir(logs) and out.count('exited with code -9') == 1
+    shutil.rmtree(logs)
     from lmdeploy.pytorch.store.services import port_in_use
     assert not any(port_in_use('127.0.0.1', p) for p in [fleet.port, *fleet.replica_ports])
     with pytest.raises(OSError):

@@ -56,7 +56,8 @@ def add_parser(servers) -> argparse.ArgumentParser:
     group.add_argument('--replica-ports', type=port_number, nargs='+', default=None, metavar='PORT',
                        help='the replicas\' ports (default: --server-port + 1 ... + N)')
     group.add_argument('--fleet-log-dir', default=None, metavar='DIR',
-                       help='folder of the replicas\' and router\'s logs (default: a new temporary folder, kept)')
+                       help='folder of the replicas\' and router\'s logs (default: a new temporary folder, removed '
+                       'when the fleet stops cleanly, kept when a process failed or a replica died)')
     parser.set_defaults(func=run_fleet)
     return parser
 
@@ -125,14 +126,15 @@ def run_fleet(args: argparse.Namespace) -> int:
         segment = vars(args).pop('mooncake_embedded_segment_size', 512 << 20)
         store = SharedStore(kind, Path(tempfile.mkdtemp(prefix='lmdeploy-fleet-store-')), segment_size=segment)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)   # SIGTERM stops like Ctrl-C
-    code = 0
+    code, started = 0, False
     try:
         if store is not None:
             try:
                 fields = store.open()
             except RuntimeError as err:
                 print(f'lmdeploy: error: the shared Store did not start: {err}', file=sys.stderr)
-                return 1
+                code = 1
+                return code
             for name, value in fields.items():
                 setattr(args, name, value)
             store_text = store.describe()
@@ -147,7 +149,9 @@ def run_fleet(args: argparse.Namespace) -> int:
             fleet.start()
         except RuntimeError as err:
             print(f'lmdeploy: error: the fleet did not start: {err}', file=sys.stderr)
-            return 1
+            code = 1
+            return code
+        started = True
         print(f'fleet ready in {time.monotonic() - t0:.0f} s: {args.router} ({fleet.policy}) at {fleet.url} '
               f'in front of {", ".join(fleet.replica_urls)}', flush=True)
         while True:
@@ -165,5 +169,10 @@ def run_fleet(args: argparse.Namespace) -> int:
         if store is not None:
             store.close()
         signal.signal(signal.SIGTERM, previous)
+        if code == 0 and started and log_dir is None and not any(r.reported for r in fleet.replicas):
+            # a clean stop leaves nothing in the temporary folder; logs of a failure (a replica
+            # that died included) are kept
+            import shutil
+            shutil.rmtree(fleet.log_dir, ignore_errors=True)
         print('fleet stopped', file=sys.stderr, flush=True)
     return code

@@ -234,7 +234,7 @@ class Fleet:
         policy: the router's policy (one of its ``RouterKind.policies``; default its first).
         router_args: extra router flags, passed as given.
         log_dir: folder of the logs (``replica-I.log``, ``router.log``); default a new
-            temporary folder, kept (its path is printed by the CLI).
+            temporary folder, kept (the CLI removes it after a clean stop).
         startup_timeout: seconds to wait for every replica and the router to be ready.
         env: extra environment variables of the children.
         launcher: the command before ``serve api_server`` (default this Python running
