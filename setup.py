@@ -1,4 +1,5 @@
-"""Install lmdeploy: ``pip install -e .`` (add ``[store]`` for the Mooncake Store tier)."""
+"""Install lmdeploy: ``pip install -e .`` (add ``[store]`` for the Mooncake Store tier, ``[fleet]`` for
+the router of ``lmdeploy serve fleet``)."""
 import os
 
 from setuptools import find_packages, setup
@@ -32,6 +33,7 @@ setup(
         'store': _reqs('store.txt') if os.path.exists(os.path.join(os.path.dirname(__file__), 'requirements',
                                                                     'store.txt')) else [],
         'cuda': _reqs('cuda.txt'),
+        'fleet': _reqs('fleet.txt'),
     },
     entry_points={'console_scripts': ['lmdeploy=lmdeploy.cli.entrypoint:main']},
 )

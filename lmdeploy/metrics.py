@@ -45,6 +45,7 @@ ENGINE_SERIES = (
      'kind', ('state', 'kv')),
     ('store_put_objects', 'store_put_objects', 'Objects put into the Mooncake Store, by object kind.',
      'kind', ('state', 'kv')),
+    ('store_get_bytes', 'store_get_bytes', 'Payload bytes read from the Store (objects that verified: restores and checks).', None, ()),
     ('store_put_failures', 'store_put_failures', 'Failed Mooncake Store puts.', None, ()),
     ('store_get_failures', 'store_get_failures',
      'Failed or unverifiable Mooncake Store gets (counted as misses).', None, ()),

@@ -39,8 +39,8 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$DIGEST" ]
     t0=$SECONDS
     echo "    torch 2.13.0 ..." >&2
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${TORCH_ARGS[@]}"
-    echo "    lmdeploy[test,store] (editable) ... ($((SECONDS - t0)) s so far)" >&2
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,store]"
+    echo "    lmdeploy[test,store,fleet] (editable) ... ($((SECONDS - t0)) s so far)" >&2
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,store,fleet]"
     echo "    installed in $((SECONDS - t0)) s" >&2
     echo "$DIGEST" > "$STAMP"
 fi

@@ -4,6 +4,7 @@ Sub-commands::
 
     lmdeploy serve api_server MODEL_PATH [flags]   OpenAI-compatible HTTP server
     lmdeploy serve store [flags]                   a Mooncake Store (master + segment) for servers to share
+    lmdeploy serve fleet MODEL_PATH --replicas N   N api_servers on one Store behind a router
     lmdeploy chat MODEL_PATH [flags]               interactive terminal chat
     lmdeploy make-tiny-model OUT_DIR [--arch ...]  tiny random checkpoint for tests and demos
 
@@ -12,7 +13,8 @@ Each sub-command module exposes ``add_parser(subparsers)`` and sets ``func`` on 
 directory (argparse convention; the message names the field), 1 the Mooncake Store is
 unreachable (``StoreUnavailableError``) or ``serve store`` could not start a service, 130
 interrupted (SIGINT), 143 terminated (SIGTERM: the server shuts down gracefully first);
-``serve store`` returns 0 after SIGINT/SIGTERM stopped its services.
+``serve store`` and ``serve fleet`` return 0 after SIGINT/SIGTERM stopped their processes (``serve
+fleet``: 1 when a process did not start or its router exited).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from ..messages import PytorchEngineConfig, SpeculativeConfig
 from . import store
 from .utils import add_log_level_arg, add_model_args, api_key, flag_name, model_from_args, port_number
 
-__all__ = ['add_parser', 'api_server', 'add_engine_args', 'engine_config_from_args', 'STORE_GROUPS']
+__all__ = ['add_parser', 'add_server_args', 'api_server', 'add_engine_args', 'engine_config_from_args', 'STORE_GROUPS']
 
 STORE_GROUPS = {'mooncake_': 'Mooncake Store tier', 'store_': 'Mooncake Store tier (queue)'}
 
@@ -84,6 +84,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     servers = serve.add_subparsers(dest='server', metavar='SERVER', required=True)
     parser = servers.add_parser('api_server', help='OpenAI-compatible API server',
                                 description='Serve MODEL_PATH with an OpenAI-compatible API.')
+    add_server_args(parser)
+    parser.set_defaults(func=api_server)
+    store.add_parser(servers)
+    from . import fleet
+    fleet.add_parser(servers)
+    return parser
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The ``api_server`` arguments (``MODEL_PATH``, the server's flags, the engine's flags) on
+    ``parser``; ``serve fleet`` takes the same ones and passes them on to its replicas."""
     parser.add_argument('model_path', metavar='MODEL_PATH', help='local Hugging Face model directory')
     parser.add_argument('--server-name', default='0.0.0.0',
                         help='address to bind (default: 0.0.0.0, every interface: use 127.0.0.1 for this machine '
@@ -135,9 +146,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help=f'how long a stored reply lives (default: {limits.ttl:g})')
     add_log_level_arg(parser)
     add_engine_args(parser)
-    parser.set_defaults(func=api_server)
-    store.add_parser(servers)
-    return parser
 
 
 def _model_name(text: str) -> str:

@@ -91,12 +91,13 @@ logger = logging.getLogger('lmdeploy')
 def zero_store_counters() -> dict:
     """The Store tier's counters, all 0 (put bytes and objects by kind ``state`` / ``kv``;
     failures, hit tokens, rejected, already-existing and repaired objects, saves dropped on a full
-    queue, cumulative; and ``store_queue_depth``, the save jobs waiting in the queue now): what
-    :meth:`StoreTier.stats` starts from, and what an engine without a Store reports."""
+    queue, payload bytes read (objects that verified), cumulative; and ``store_queue_depth``, the
+    save jobs waiting in the queue now): what :meth:`StoreTier.stats` starts from, and what an
+    engine without a Store reports."""
     return {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
             'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
             'store_rejected_objects': 0, 'store_existing_objects': 0, 'store_repaired_objects': 0,
-            'store_dropped_puts': 0, 'store_queue_depth': 0}
+            'store_dropped_puts': 0, 'store_queue_depth': 0, 'store_get_bytes': 0}
 
 
 @dataclass(eq=False)
@@ -423,6 +424,8 @@ class StoreTier:
                 self.counters['store_rejected_objects'] += 1
                 self._bad.add(key)           # the next save of this prefix replaces it
             raise
+        with self._lock:
+            self.counters['store_get_bytes'] += len(payload)     # payload bytes, as store_put_bytes counts
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     # save ----------------------------------------------------------------------------------
