@@ -96,6 +96,23 @@ def test_transformers_checkpoint_with_the_other_switches_matches(tiny, tmp_path,
     check_checkpoint_matches_transformers(str(path), hf)
 
 
+def test_a_config_json_in_the_published_form_loads_and_matches(tiny, tmp_path):
+    """The tiiuae/Falcon-H1-* ``config.json`` form: top-level ``rope_theta`` (1e11) with
+    ``rope_scaling: null`` and no ``rope_parameters``, ``torch_dtype``, the original code's extra
+    keys (``attn_layer_indices``, ``mamba_use_mlp``, ``mlp_expansion_factor``) and no
+    ``time_step_limit``; the engine and ``transformers`` read it alike."""
+    from engine_utils import load_hf
+    src, _ = tiny
+    path = tmp_path / 'published'
+    shutil.copytree(src, path)
+    cfg = json.load(open(path / 'config.json'))
+    cfg.pop('rope_parameters')
+    cfg.update(rope_theta=1e11, rope_scaling=None, torch_dtype=cfg.pop('dtype'), attn_layer_indices=None,
+               mamba_use_mlp=True, mlp_expansion_factor=8, transformers_version='4.52.0.dev0')
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    check_checkpoint_matches_transformers(str(path), load_hf(str(path)))
+
+
 def test_cache_specs_are_two_entries_per_layer_kv_then_the_mamba2_state(tiny):
     from transformers import AutoConfig
 
