@@ -367,6 +367,19 @@ def test_the_mooncake_log_is_routed_only_when_a_store_client_will_run(tiny_qwen3
     assert not _uses_store(tiny_qwen3_next, PytorchEngineConfig(mooncake_master='local'))   # caching off
 
 
+@pytest.mark.parametrize('arch', ['qwen3', 'lfm2', 'mamba2', 'falcon_h1', 'nemotron_h', 'qwen3_5'])
+def test_the_store_client_is_predicted_for_every_family_with_state(arch, tmp_path):
+    """Every family whose cache specs hold a state entry (short-conv, Mamba-2 alone, hybrid
+    layers, composite vision-language configs) starts a Store client; plain attention does not
+    (the engine decides by the specs, so the prediction does too)."""
+    from lmdeploy.cli.serve import _uses_store
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.tools.make_tiny_model import build_config
+    build_config(arch, vocab_size=64, eos_token_id=2, pad_token_id=0).to_json_file(str(tmp_path / 'config.json'))
+    on = PytorchEngineConfig(enable_prefix_caching=True, mooncake_master='local')
+    assert _uses_store(str(tmp_path), on) == (arch != 'qwen3')
+
+
 def test_native_stderr_goes_to_the_log_file_and_python_stderr_stays(tmp_path):
     """What native code writes to fd 2 (the Mooncake client's glog lines) lands in the file;
     Python's logging and messages stay on the terminal, after one line saying where."""

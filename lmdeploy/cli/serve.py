@@ -239,17 +239,21 @@ def route_native_logs(path: str) -> None:
 
 def _uses_store(model_path: str, config: PytorchEngineConfig) -> bool:
     """Whether the engine will start a Mooncake client: the Store tier needs prefix caching and
-    a model with recurrent layers (its config lists ``linear_attention`` layers). An unreadable
+    a model with per-sequence state (a state entry among the model's own cache specs, as the
+    engine decides it: Mamba-2, short-conv and hybrid layers alike). An unreadable or refused
     config counts as yes; loading reports it."""
     if not config.enable_prefix_caching:
         return False
     try:
+        import torch
+
+        from ..pytorch.cache_specs import has_state
+        from ..pytorch.models import get_model_class
         from ..pytorch.models.loader import load_config
         hf_config = load_config(model_path)
+        return has_state(get_model_class(hf_config.model_type).cache_specs(hf_config, torch.float32))
     except Exception:   # noqa: BLE001 - the engine raises the real error when it loads
         return True
-    text = hf_config.get_text_config()
-    return 'linear_attention' in (getattr(text, 'layer_types', None) or [])
 
 
 def api_server(args: argparse.Namespace) -> int:

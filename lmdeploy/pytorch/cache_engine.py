@@ -56,7 +56,8 @@ class CacheEngine:
     """Allocates and addresses the KV blocks and state slots of one model.
 
     Args:
-        specs: one :class:`LayerCacheSpec` per decoder layer.
+        specs: one :class:`LayerCacheSpec` per cache entry (usually one per decoder layer; a
+            layer with both paged and state tensors declares two entries).
         block_size: tokens per block.
         num_blocks: KV blocks to allocate.
         num_slots: state slots (runtime + checkpoint) to allocate; 0 when no layer has state.

@@ -1,6 +1,10 @@
 """Layer cache specs: what each decoder layer caches, declared as data.
 
-Every layer of a model declares one spec. A spec is a list of named tensors and one placement:
+A model declares a list of specs, one *cache entry* each; its modules address their caches by
+entry index (``StepContext.kv_caches[i]`` / ``state_caches[i]``). Usually entry ``i`` is decoder
+layer ``i``; a layer that keeps both per-token and per-sequence tensors (Falcon-H1: attention
+and Mamba-2 side by side) declares two entries, one of each placement. A spec is a list of named
+tensors and one placement:
 
 - **paged** (``spec.paged``): each tensor is stored *per token*, in paged blocks of
   ``block_size`` tokens — full-attention K and V, an MLA latent, an indexer's keys. A tensor of

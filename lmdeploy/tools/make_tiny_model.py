@@ -88,6 +88,17 @@ def _arch_defaults(arch: str) -> dict:
                     num_key_value_heads=2, intermediate_size=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
                     mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24,
                     max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    if arch == 'falcon_h1':   # three layers, each Mamba-2 and attention side by side; SwiGLU MLPs
+        # every µP multiplier off 1 so each is exercised; mamba_d_ssm (64) off mamba_expand x hidden (128);
+        # an SSD chunk of 24 so 32-token prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
+        return dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=96, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                    mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24, mamba_rms_norm=True,
+                    mamba_norm_before_gate=False, embedding_multiplier=2.5, lm_head_multiplier=0.6,
+                    mlp_multipliers=[0.8, 1.3], key_multiplier=0.7, attention_in_multiplier=1.2,
+                    attention_out_multiplier=0.9, ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 0.7], ssm_in_multiplier=1.15,
+                    ssm_out_multiplier=0.85, rope_parameters=dict(rope_type='default', rope_theta=10000.0),
+                    max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
     if arch == 'mamba2':   # three Mamba-2 layers, nothing else; SSD chunks of 24, 2 B/C groups
         return dict(hidden_size=64, num_hidden_layers=3, num_heads=4, head_dim=32, expand=2, n_groups=2,
                     state_size=16, conv_kernel=4, chunk_size=24, use_conv_bias=True, use_bias=False,
@@ -143,12 +154,12 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if arch == 'glm5_next':
         return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
-    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2'):
-        from transformers import (BambaConfig, GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig, Mamba2Config,
+    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2', 'falcon_h1'):
+        from transformers import (BambaConfig, FalconH1Config, GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig, Mamba2Config,
                                   NemotronHConfig)
         named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
                  'granitemoehybrid': GraniteMoeHybridConfig, 'lfm2': Lfm2Config, 'lfm2_moe': Lfm2MoeConfig,
-                 'bamba': BambaConfig, 'mamba2': Mamba2Config}[arch]
+                 'bamba': BambaConfig, 'mamba2': Mamba2Config, 'falcon_h1': FalconH1Config}[arch]
         fields = dict(_arch_defaults(arch))
         known = set(named().to_dict()) | set(fields)
         for key in overrides:
@@ -392,7 +403,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'granitemoehybrid': 'GraniteMoeHybridForCausalLM',
                                        'lfm2': 'Lfm2ForCausalLM', 'lfm2_moe': 'Lfm2MoeForCausalLM',
                                        'bamba': 'BambaForCausalLM',
-                                       'mamba2': 'Mamba2ForCausalLM'}[arch])
+                                       'mamba2': 'Mamba2ForCausalLM',
+                                       'falcon_h1': 'FalconH1ForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -421,7 +433,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     if arch == 'granitemoehybrid':   # the published spelling; transformers renames them on load
         config_dict['layer_types'] = [{'linear_attention': 'mamba', 'full_attention': 'attention'}.get(t, t)
                                       for t in config_dict['layer_types']]
-    if arch in ('granitemoehybrid', 'bamba', 'mamba2') and tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
+    if arch in ('granitemoehybrid', 'bamba', 'mamba2', 'falcon_h1') and tuple(config_dict.get('time_step_limit') or ()) == (0.0, math.inf):
         del config_dict['time_step_limit']      # the default; JSON has no infinity
     if with_mtp:
         # the key the published configs use: Qwen3-Next's top level, Qwen3.5's text config

@@ -8,6 +8,7 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 # model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
 MODEL_REGISTRY = {
     'bamba': 'bamba:BambaForCausalLM',
+    'falcon_h1': 'falcon_h1:FalconH1ForCausalLM',
     'glm5_next': 'glm5_next:Glm5NextForConditionalGeneration',
     'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
     'granitemoehybrid': 'granitemoehybrid:GraniteMoeHybridForCausalLM',

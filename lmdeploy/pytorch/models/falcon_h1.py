@@ -1,0 +1,449 @@
+"""TII Falcon-H1 (``transformers`` model type ``falcon_h1``): every layer runs a Mamba-2 mixer and
+grouped-query attention side by side on the same normed input, then a SwiGLU MLP, with µP-style
+multipliers on each branch::
+
+    h = embed(ids) * embedding_multiplier
+    layer i:  n = RMSNorm(h)
+              h = h + mamba(n) * ssm_out_multiplier + attn(n * attention_in_multiplier) * attention_out_multiplier
+              h = h + mlp(RMSNorm(h))
+      mamba(n) = Mamba-2 with in_proj(n * ssm_in_multiplier) scaled per section by ssm_multipliers
+                 (z | x | B | C | dt), and the gate  y * silu(z)  (no norm) unless mamba_rms_norm
+      attn(n)  = GQA with K scaled by key_multiplier, RoPE on whole heads, softmax scale head_dim ** -0.5
+      mlp(n)   = down(silu(gate(n) * m_gate) * up(n)) * m_down        (m_gate, m_down) = mlp_multipliers
+    logits = lm_head(RMSNorm(h)) * lm_head_multiplier
+
+Cache layout. A layer caches both K/V per token (attention) and a per-sequence Mamba-2 state, so
+:meth:`FalconH1ForCausalLM.cache_specs` declares two cache entries per layer: entry ``2 i`` is
+layer ``i``'s :class:`~..cache_specs.FullAttentionSpec` (its K/V in the paged block rows) and entry
+``2 i + 1`` its Mamba-2 :class:`~..cache_specs.StateSpec` (conv + SSM state in the state rows). The
+cache engine, the Store layout and the Store byte simulator read entries, not layers, so a KV
+block row holds every layer's K/V and a state row every layer's Mamba-2 state with no special
+case; the attention of layer ``i`` addresses ``kv_caches[2 i]`` and its mixer
+``state_caches[2 i + 1]``.
+
+Weight names are the published checkpoints' (``tiiuae/Falcon-H1-*``), which are also
+``transformers``': ``model.embed_tokens``, ``model.layers.{i}.mamba.{in_proj, conv1d, dt_bias,
+A_log, D, norm, out_proj}`` (``norm`` only with ``mamba_rms_norm``),
+``self_attn.{q,k,v,o}_proj``, ``feed_forward.{gate,up,down}_proj``, ``input_layernorm``,
+``pre_ff_layernorm``, ``model.final_layernorm``, ``lm_head``.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec
+from ..kernels import get_kernel
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, load_weights
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .parallel_plan import ParallelPlan
+
+__all__ = ['FalconH1ForCausalLM', 'check_config', 'attention_cache_index', 'mamba_cache_index']
+
+
+def attention_cache_index(layer: int) -> int:
+    """Index of layer ``layer``'s K/V entry in the cache specs (``StepContext.kv_caches``)."""
+    return 2 * layer
+
+
+def mamba_cache_index(layer: int) -> int:
+    """Index of layer ``layer``'s Mamba-2 state entry in the cache specs (``StepContext.state_caches``)."""
+    return 2 * layer + 1
+
+
+def _d_ssm(config) -> int:
+    """``transformers``' Mamba inner width: ``mamba_d_ssm``, else ``mamba_expand * hidden_size``."""
+    d_ssm = getattr(config, 'mamba_d_ssm', None)
+    return int(config.mamba_expand * config.hidden_size) if d_ssm is None else d_ssm
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``hidden_act`` (``'silu'`` only: the MLP and the Mamba-2
+            conv both use it), the Mamba-2 geometry (``mamba_n_heads`` x ``mamba_d_head`` must be
+            ``mamba_d_ssm``, ``mamba_n_groups`` must divide ``mamba_n_heads``),
+            ``time_step_limit`` other than ``(0, inf)``, ``mlp_multipliers`` not two numbers,
+            ``ssm_multipliers`` not five; the rope parameters are checked by :mod:`.rope`.
+    """
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    inner = _d_ssm(config)
+    if config.mamba_n_heads * config.mamba_d_head != inner:
+        raise ValueError(f'mamba_n_heads ({config.mamba_n_heads}) x mamba_d_head ({config.mamba_d_head}) must '
+                         f'equal mamba_d_ssm ({inner})')
+    if config.mamba_n_groups <= 0 or config.mamba_n_heads % config.mamba_n_groups:
+        raise ValueError(f'mamba_n_groups ({config.mamba_n_groups}) must divide mamba_n_heads '
+                         f'({config.mamba_n_heads})')
+    check_time_step_limit(config.time_step_limit)
+    if len(list(config.mlp_multipliers)) != 2:
+        raise ValueError(f'mlp_multipliers must be [gate, down], got {config.mlp_multipliers}')
+    if len(list(config.ssm_multipliers)) != 5:
+        raise ValueError(f'ssm_multipliers must be five numbers (z, x, B, C, dt), got {config.ssm_multipliers}')
+
+
+def mamba_dims(config) -> Mamba2Dims:
+    """The Mamba-2 mixer sizes of a Falcon-H1 config (``mamba_*`` fields; ``in_proj`` bias
+    ``mamba_proj_bias``, the norm's eps ``rms_norm_eps``): this rank's heads and groups in a
+    tensor-parallel local config (``mamba_tp_size``, set by :meth:`FalconH1TPPlan.local_config`)."""
+    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
+                      n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
+                      conv_kernel=config.mamba_d_conv, chunk_size=config.mamba_chunk_size,
+                      conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias), dt_min=0.0,
+                      dt_max=float('inf'), norm_eps=config.rms_norm_eps)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+class FalconH1Mixer(Mamba2Mixer):
+    """The Mamba-2 mixer with Falcon-H1's input multiplier, per-section ``in_proj`` multipliers
+    (``ssm_multipliers`` over ``z | x | B | C | dt``), the optional grouped gated norm and the
+    ``out_proj`` bias of ``projectors_bias``.
+
+    Args:
+        config: HF ``FalconH1Config`` (this rank's, under tensor parallelism).
+        cache_index: the mixer's entry in ``StepContext.state_caches``.
+    """
+
+    def __init__(self, config, cache_index: int):
+        d = mamba_dims(config)
+        super().__init__(d, cache_index)
+        self.in_multiplier = float(config.ssm_in_multiplier)
+        gdn = d.n_groups * d.state_size
+        # the per-column multipliers of in_proj's output (transformers' mup_vector) for this rank's
+        # columns: each section has one multiplier, so the rank's columns repeat the pattern
+        self.section_multipliers = tuple(zip((d.d_inner, d.d_inner, gdn, gdn, d.num_heads),
+                                             (float(x) for x in config.ssm_multipliers)))
+        # built on first use on the activations' device: the loader makes modules on the meta
+        # device and materializes parameters only, so a buffer would hold garbage
+        self._mup_vector: torch.Tensor | None = None
+        self.rms_norm = bool(config.mamba_rms_norm)
+        self.norm_before_gate = bool(config.mamba_norm_before_gate)
+        if not self.rms_norm:
+            del self.norm        # transformers' nn.Identity: the checkpoint has no norm weight
+        self.out_proj = Linear(d.d_inner, d.hidden_size, bias=bool(config.projectors_bias))
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        d, T = self.dims, hidden.shape[0]
+        H, P, G, Dn = d.num_heads, d.head_dim, d.n_groups, d.state_size
+        proj = self.in_proj(hidden * self.in_multiplier) * self._multipliers(hidden)
+        z, xbc, dt = proj.split([d.d_inner, d.conv_dim, H], dim=-1)
+        conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
+        xbc = get_kernel('causal_conv1d_varlen', hidden.device)(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids,
+            ctx.slots, ctx.has_history, 'silu', slot_span=ctx.slot_span)
+        x, B, C = xbc.split([d.d_inner, G * Dn, G * Dn], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        A = -torch.exp(self.A_log.float())
+        y = get_kernel('mamba2_ssd_varlen', hidden.device)(
+            x.view(T, H, P), dt, A, B.view(T, G, Dn), C.view(T, G, Dn), self.D, ssm_cache, ctx.cu_seqlens,
+            ctx.slots, ctx.has_history, d.chunk_size).view(T, d.d_inner)
+        if not self.rms_norm:
+            y = y * F.silu(z)
+        elif self.norm_before_gate:
+            y = self._norm_then_gate(y, z)
+        elif self.cross_rank_norm is not None:
+            y = self.cross_rank_norm(y, z, self.norm.weight, d.norm_eps)
+        else:
+            y = get_kernel('grouped_gated_rms_norm', hidden.device)(y, z, self.norm.weight, d.d_inner // G,
+                                                                      d.norm_eps)
+        return self.out_proj(y.to(hidden.dtype))
+
+    def _multipliers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[d_inner + conv_dim + heads]`` in ``hidden``'s dtype and device: each ``in_proj``
+        output column's ``ssm_multipliers`` entry."""
+        v = self._mup_vector
+        if v is None or v.device != hidden.device or v.dtype != hidden.dtype:
+            v = torch.cat([torch.full((n,), m) for n, m in self.section_multipliers]).to(hidden.device, hidden.dtype)
+            self._mup_vector = v
+        return v
+
+    def _norm_then_gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``mamba_norm_before_gate``: ``weight * rmsnorm(y)`` over each group, then ``* silu(z)``,
+        in float32 as ``transformers``' ``FalconH1RMSNormGated`` (``[T, d_inner]`` each)."""
+        d, T = self.dims, y.shape[0]
+        h = y.float().view(T, d.n_groups, -1)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.norm_eps)
+        h = (self.norm.weight.view(d.n_groups, -1) * h).view(T, -1)
+        return (h * F.silu(z.float())).to(y.dtype)
+
+
+class FalconH1Attention(nn.Module):
+    """Grouped-query attention over the paged KV cache: K scaled by ``key_multiplier``, RoPE on
+    whole heads, scale ``head_dim ** -0.5``.
+
+    Args:
+        config: HF ``FalconH1Config``.
+        cache_index: the layer's entry in ``StepContext.kv_caches``.
+    """
+
+    def __init__(self, config, cache_index: int):
+        super().__init__()
+        self.layer_idx = cache_index
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        bias = config.attention_bias
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
+                                                          'v_proj': kv}, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.scale = self.head_dim ** -0.5
+        self.key_multiplier = float(config.key_multiplier)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``;
+        writes this layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = apply_rotary(q.reshape(T, self.num_heads, self.head_dim), *rotary)
+        k = apply_rotary(k.reshape(T, self.num_kv_heads, self.head_dim) * self.key_multiplier, *rotary)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+
+
+class FalconH1MLP(nn.Module):
+    """``down(silu(gate(x) * m_gate) * up(x)) * m_down`` (``mlp_multipliers``), gate and up packed
+    into one matmul; biases when ``mlp_bias``."""
+
+    def __init__(self, config):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {'gate_proj': inter, 'up_proj': inter},
+                                         bias=bool(config.mlp_bias))
+        self.down_proj = Linear(inter, config.hidden_size, bias=bool(config.mlp_bias))
+        self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down_proj(up * F.silu(gate * self.gate_multiplier)) * self.down_multiplier
+
+
+class FalconH1DecoderLayer(nn.Module):
+    """Pre-norm layer: Mamba-2 and attention in parallel on one norm, then the SwiGLU MLP."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.mamba = FalconH1Mixer(config, mamba_cache_index(layer_idx))
+        self.self_attn = FalconH1Attention(config, attention_cache_index(layer_idx))
+        self.feed_forward = FalconH1MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention_in_multiplier = float(config.attention_in_multiplier)
+        self.attention_out_multiplier = float(config.attention_out_multiplier)
+        self.ssm_out_multiplier = float(config.ssm_out_multiplier)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        normed = self.input_layernorm(hidden)
+        mixed = self.mamba(normed, ctx) * self.ssm_out_multiplier
+        attn = self.self_attn(normed * self.attention_in_multiplier, rotary, ctx) * self.attention_out_multiplier
+        hidden = hidden + (mixed + attn)
+        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+
+
+class FalconH1Model(nn.Module):
+    """Embedding (times ``embedding_multiplier``), decoder layers, final norm, the rotary table."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(FalconH1DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.embedding_multiplier = float(config.embedding_multiplier)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids) * self.embedding_multiplier
+        rotary = self.rotary(ctx.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, ctx)
+        return self.final_layernorm(hidden)
+
+
+_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
+_MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
+_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
+
+
+class FalconH1TPPlan:
+    """How Falcon-H1 splits over ``size`` tensor-parallel ranks (Megatron-style), every layer
+    both ways.
+
+    Attention by head (``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
+    its KV heads, ``o_proj`` columns, all-reduce); Mamba-2 by head and group
+    (:class:`~.mamba2.Mamba2TPSplit`: with fewer groups than ranks, as in the published
+    ``mamba_n_groups = 1``, each rank of a group reads its ``B`` / ``C`` rows); the MLP by
+    intermediate rows. The ``in_proj`` multipliers are per section, so each rank builds its own.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
+            ``intermediate_size`` or ``mamba_n_heads``, or neither divides nor is a multiple of
+            ``mamba_n_groups``; a group norm applied before the gate
+            (``mamba_rms_norm`` and ``mamba_norm_before_gate``) over a group that spans ranks
+            (names the field).
+    """
+
+    row_parallel = (('self_attn', 'o_proj'), ('feed_forward', 'down_proj'), ('mamba', 'out_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.rank, self.size = config, rank, size
+        for field in ('num_attention_heads', 'num_key_value_heads', 'intermediate_size'):
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+
+        def part(total: int) -> tuple[int, int]:
+            return rank * total // size, (rank + 1) * total // size
+
+        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
+        self.inter = part(config.intermediate_size)
+        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'mamba_n_heads', 'mamba_n_groups')
+        if self.mamba.group_ranks > 1 and config.mamba_rms_norm and config.mamba_norm_before_gate:
+            raise ValueError(f'mamba_norm_before_gate: a norm before the gate over a Mamba group that spans ranks '
+                             f'(mamba_n_groups {config.mamba_n_groups} < tp {size}) is not supported')
+
+    def local_config(self):
+        """A copy of the config with this rank's head and intermediate counts."""
+        c = copy.deepcopy(self.config)
+        c.head_dim = _head_dim(self.config)
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        c.intermediate_size = self.inter[1] - self.inter[0]
+        c.mamba_tp_size = self.size      # the mamba_* fields stay whole; mamba_dims divides them
+        return c
+
+    def attach_collectives(self, model, all_reduce) -> None:
+        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
+        norm = self.mamba.norm(all_reduce)
+        for layer in model.model.layers:
+            layer.mamba.cross_rank_norm = norm
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads for ``'kv_heads'``; the Mamba-2 state splits otherwise."""
+        ranges = (self.kv_heads,) if split == 'kv_heads' else self.mamba.cache_ranges(split)
+        if ranges is None:
+            raise ValueError(f"CacheTensor.tp_split: falcon_h1 splits 'kv_heads' and the Mamba-2 states, "
+                             f'not {split!r}')
+        return ranges
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        m = _ATTN_ROWS.match(name)
+        if m:
+            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
+            if proj == 'o_proj':
+                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
+            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
+            return 0, ((heads[0] * d, heads[1] * d),)
+        m = _MLP_ROWS.match(name)
+        if m:
+            if m.group(2) == 'down_proj':
+                return (1, (self.inter,)) if m.group(3) == 'weight' else None
+            return 0, (self.inter,)
+        m = _MAMBA_ROWS.match(name)
+        if m:
+            return self.mamba.shard(m.group(2))
+        return None
+
+
+class FalconH1ForCausalLM(nn.Module):
+    """Falcon-H1 causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``FalconH1Config``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'layer_types': IMPLEMENTED,               # always 'hybrid': every layer runs both mixers
+        'mlp_bias': IMPLEMENTED,
+        'projectors_bias': IMPLEMENTED,           # the Mamba out_proj bias
+        'mamba_n_heads': IMPLEMENTED,
+        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
+        'mamba_d_state': IMPLEMENTED,
+        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_d_ssm
+        'mamba_d_ssm': IMPLEMENTED,
+        'mamba_d_conv': IMPLEMENTED,
+        'mamba_expand': IMPLEMENTED,              # the inner width when mamba_d_ssm is None
+        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
+        'mamba_conv_bias': IMPLEMENTED,
+        'mamba_proj_bias': IMPLEMENTED,
+        'mamba_rms_norm': IMPLEMENTED,
+        'mamba_norm_before_gate': CHECKED,        # refused under TP when a group spans ranks
+        'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
+        'embedding_multiplier': IMPLEMENTED,
+        'lm_head_multiplier': IMPLEMENTED,
+        'mlp_multipliers': CHECKED,               # [gate, down]
+        'key_multiplier': IMPLEMENTED,
+        'attention_in_multiplier': IMPLEMENTED,
+        'attention_out_multiplier': IMPLEMENTED,
+        'ssm_multipliers': CHECKED,               # [z, x, B, C, dt]
+        'ssm_in_multiplier': IMPLEMENTED,
+        'ssm_out_multiplier': IMPLEMENTED,
+        'num_logits_to_keep': INERT,              # which positions generate() computes logits for
+        'get_text_config': INERT,                 # a method (mask creation), not a field
+    }
+    check_config = staticmethod(check_config)
+    # attention and MLP by head / rows, Mamba-2 by head and group
+    parallel_plan = ParallelPlan(custom=FalconH1TPPlan)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = FalconH1Model(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_multiplier = float(config.lm_head_multiplier)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Two entries per layer ``i`` (see the module docstring): ``2 i`` a
+        :class:`FullAttentionSpec` (KV heads x head_dim per token) and ``2 i + 1`` the Mamba-2 state
+        (:func:`~.mamba2.mamba2_state_spec`: conv ``[conv_dim, mamba_d_conv - 1]`` in ``dtype``,
+        SSM ``[heads, d_head, d_state]`` float32).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        mamba = mamba2_state_spec(mamba_dims(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        return [spec for _ in range(config.num_hidden_layers) for spec in (full, mamba)]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (times ``lm_head_multiplier``
+        in the model dtype, as ``transformers``)."""
+        return (self.lm_head(hidden) * self.lm_head_multiplier).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (the names of the module docstring); ties ``lm_head`` to the
+        embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False))
