@@ -182,3 +182,94 @@ def test_window_kernel_equals_a_masked_softmax_and_never_reads_blocks_before_the
     probs = scores.softmax(-1)[..., :n]
     ref = torch.einsum('hqk,khd->qhd', probs, values.repeat_interleave(gqa, 1))
     assert not got.isnan().any() and (got - ref).abs().max().item() <= 1e-5
+
+
+# every paged layer sliding-window: a running sequence gives back blocks no window reaches --------
+W, B, P = 24, 16, 32            # the tiny model's window, the block size and the prefill chunk below
+
+
+@pytest.fixture(scope='module')
+def all_swa(tmp_path_factory):
+    """(checkpoint, transformers reference) of the tiny model with all four layers sliding."""
+    from engine_utils import load_hf
+
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_all_swa')), arch='granitemoe_swa', seed=1,
+                           layer_types=['sliding_attention'] * 4)
+    return path, load_hf(path)
+
+
+def _track_blocks_in_use(eng) -> list[int]:
+    """Blocks referenced after each step's :meth:`Scheduler.computed` (the list fills as it runs)."""
+    seen, computed = [], eng.scheduler.computed
+
+    def wrapped(out):
+        saves = computed(out)
+        seen.append(eng.block_manager.num_blocks - eng.block_manager.num_free)
+        return saves
+    eng.scheduler.computed = wrapped
+    return seen
+
+
+def test_memory_of_a_long_all_swa_sequence_stays_within_its_window(all_swa):
+    """A 700-token prompt (32-token chunks) and 40 greedy tokens: transformers' tokens, while the
+    sequence never holds more than ceil((W - 1 + P) / B) + 1 = 5 blocks (47 without freeing);
+    after it ends every block is free again."""
+    from engine_utils import assert_idle
+    path, hf = all_swa
+    ids = random_prompt(700, seed=70)
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, num_gpu_blocks=64)
+    assert eng.scheduler.kv_window == W
+    seen = _track_blocks_in_use(eng)
+    out = eng.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True)).output_ids
+    assert out == hf_greedy(hf, ids, 40)
+    bound = -(-(W - 1 + P) // B) + 1
+    assert max(seen) <= bound < -(-740 // B) and len(seen) == 700 // P + 1 + 39
+    assert_idle(eng)
+
+
+def test_a_model_with_global_layers_keeps_every_block(tiny):
+    """Mixed global and sliding layers: a block row holds every layer's K/V, and the global layers
+    read all of it, so nothing is freed (kv_window None)."""
+    eng = make_engine(tiny[0], block_size=B, max_prefill_token_num=P)
+    seen = _track_blocks_in_use(eng)
+    eng.generate(random_prompt(200, seed=5), GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert eng.scheduler.kv_window is None and max(seen) == -(-203 // B)
+
+
+def test_all_swa_four_turn_chat_is_identical_under_every_cache_policy(all_swa):
+    """With blocks freed as windows pass, the prefix cache still caches (it took its own reference
+    on each full block before the sequence let go) and every policy replies the same."""
+    check_four_turn_chat_under_every_cache_policy(all_swa[0])
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(60, 260), evict_at=st.integers(1, 8), new=st.integers(1, 20))
+def test_a_prefix_whose_window_block_was_evicted_is_never_restored(all_swa, n, evict_at, new):
+    """A sequence frees its out-of-window blocks; while it runs, the prefix cache evicts everything
+    it may (the freed blocks' nodes among them) at step ``evict_at``. When it ends, no node is
+    made for a block it freed and the cache lost; the same prompt again restores only a prefix whose
+    every block is still cached (never one whose window reaches an evicted block), decodes what a
+    cold engine decodes, and the block ledger balances."""
+    path, _ = all_swa
+    ids = random_prompt(n, seed=n)
+    gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, enable_prefix_caching=True, num_gpu_blocks=64)
+    steps, computed = [], eng.scheduler.computed
+
+    def wrapped(out):
+        saves = computed(out)
+        steps.append(1)
+        if len(steps) == evict_at:
+            eng.prefix_cache.evict(eng.block_manager.num_blocks)
+        return saves
+    eng.scheduler.computed = wrapped
+    first = eng.generate(ids, gen)
+    nodes = eng.prefix_cache.cached_nodes()
+    assert all(node.block_id >= 0 and eng.block_manager.refcount[node.block_id] == 1 for node in nodes)
+    again = eng.generate(ids, gen)
+    cold = make_engine(path, block_size=B, max_prefill_token_num=P).generate(ids, gen)
+    assert first.output_ids == again.output_ids == cold.output_ids
+    assert again.num_cached_tokens % B == 0
+    led = eng.ledger()
+    assert led['blocks_free'] + led['blocks_cached'] == led['blocks_total'] and led['blocks_in_use'] == 0

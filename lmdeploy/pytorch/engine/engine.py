@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_specs import has_state
+from ..cache_specs import has_state, kv_window
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
@@ -181,6 +181,9 @@ class Engine:
             turn_end = self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, sizes.scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
+        # every paged layer sliding-window: a running sequence gives back the blocks no window
+        # reaches any more (drafts roll computed tokens back, so not with speculative decoding)
+        self.scheduler.kv_window = (kv_window(self.specs) or None) if self.spec is None else None
 
     def _build_store(self):
         from ..store.open_backend import open_store, store_scheme
