@@ -211,30 +211,32 @@ def _track_blocks_in_use(eng) -> list[int]:
     return seen
 
 
-def test_memory_of_a_long_all_swa_sequence_stays_within_its_window(all_swa):
-    """A 700-token prompt (32-token chunks) and 40 greedy tokens: transformers' tokens, while the
-    sequence never holds more than ceil((W - 1 + P) / B) + 1 = 5 blocks (47 without freeing);
-    after it ends every block is free again."""
+@pytest.mark.parametrize('caching', [False, True])
+def test_memory_of_a_long_all_swa_sequence_stays_within_its_window(all_swa, caching):
+    """A 700-token prompt (32-token chunks) and 40 greedy tokens in a cache of 6 blocks (96
+    tokens): transformers' tokens; session_len is not capped to the cache. Without the prefix
+    cache the blocks in use never exceed ceil((W - 1 + P) / B) + 1 = 5 (47 without freeing) and
+    all are free again at the end; with it, the cache evicts what the sequence let go."""
     from engine_utils import assert_idle
     path, hf = all_swa
     ids = random_prompt(700, seed=70)
-    eng = make_engine(path, block_size=B, max_prefill_token_num=P, num_gpu_blocks=64)
-    assert eng.scheduler.kv_window == W
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, num_gpu_blocks=6, enable_prefix_caching=caching)
+    assert eng.scheduler.kv_window == W and eng.session_len > 740
     seen = _track_blocks_in_use(eng)
-    out = eng.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True)).output_ids
-    assert out == hf_greedy(hf, ids, 40)
-    bound = -(-(W - 1 + P) // B) + 1
-    assert max(seen) <= bound < -(-740 // B) and len(seen) == 700 // P + 1 + 39
-    assert_idle(eng)
+    seq = eng.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    assert seq.output_ids == hf_greedy(hf, ids, 40) and len(seen) == 700 // P + 1 + 39
+    if not caching:
+        assert max(seen) <= -(-(W - 1 + P) // B) + 1 < -(-740 // B)
+        assert_idle(eng)
 
 
 def test_a_model_with_global_layers_keeps_every_block(tiny):
     """Mixed global and sliding layers: a block row holds every layer's K/V, and the global layers
-    read all of it, so nothing is freed (kv_window None)."""
-    eng = make_engine(tiny[0], block_size=B, max_prefill_token_num=P)
+    read all of it, so nothing is freed (kv_window None) and session_len is capped to the cache."""
+    eng = make_engine(tiny[0], block_size=B, max_prefill_token_num=P, num_gpu_blocks=16)
     seen = _track_blocks_in_use(eng)
     eng.generate(random_prompt(200, seed=5), GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    assert eng.scheduler.kv_window is None and max(seen) == -(-203 // B)
+    assert eng.scheduler.kv_window is None and max(seen) == -(-203 // B) and eng.session_len == 16 * B
 
 
 def test_all_swa_four_turn_chat_is_identical_under_every_cache_policy(all_swa):
