@@ -23,7 +23,10 @@ block row and of a state row are laid out, so ``K_blk`` (:func:`kv_bytes_per_blo
 
 :class:`FullAttentionSpec` and :class:`LinearAttentionSpec` are the two kinds the Qwen3 /
 Qwen3-Next / Qwen3.5 families use; a new kind is a :class:`PagedSpec` or :class:`StateSpec`
-with its own tensors, declared in the model file.
+with its own tensors, declared in the model file. :class:`SlidingWindowSpec` is a full-attention
+layer whose queries read only the last ``window`` positions: its bytes are the same, and
+:func:`kv_window` tells the scheduler when every paged layer slides, so that a sequence may give
+back the blocks no window reaches any more.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from typing import Sequence
 import torch
 
 __all__ = ['CacheTensor', 'LayerCacheSpec', 'PagedSpec', 'StateSpec', 'FullAttentionSpec', 'LinearAttentionSpec',
-           'SlidingWindowSpec', 'kv_window', 'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot', 'has_state', 'dtype_nbytes']
+           'SlidingWindowSpec', 'kv_window', 'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot',
+           'has_state', 'dtype_nbytes']
 
 _ALIGN = 16      # bytes: every row starts (and ends) on this boundary
 
