@@ -27,7 +27,10 @@ block row and of a state row are laid out, so ``K_blk`` (:func:`kv_bytes_per_blo
 
 :class:`FullAttentionSpec` and :class:`LinearAttentionSpec` are the two kinds the Qwen3 /
 Qwen3-Next / Qwen3.5 families use; a new kind is a :class:`PagedSpec` or :class:`StateSpec`
-with its own tensors, declared in the model file.
+with its own tensors, declared in the model file. :class:`SlidingWindowSpec` is a full-attention
+layer whose queries read only the last ``window`` positions: its bytes are the same, and
+:func:`kv_window` tells the scheduler when every paged layer slides, so that a sequence may give
+back the blocks no window reaches any more.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from typing import Sequence
 import torch
 
 __all__ = ['CacheTensor', 'LayerCacheSpec', 'PagedSpec', 'StateSpec', 'FullAttentionSpec', 'LinearAttentionSpec',
-           'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot', 'has_state', 'dtype_nbytes']
+           'SlidingWindowSpec', 'kv_window', 'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot',
+           'has_state', 'dtype_nbytes']
 
 _ALIGN = 16      # bytes: every row starts (and ends) on this boundary
 
@@ -139,6 +143,32 @@ class FullAttentionSpec(LayerCacheSpec):
     def tensors(self) -> tuple[CacheTensor, ...]:
         shape = (self.num_kv_heads, self.head_dim)
         return CacheTensor('k', shape, self.dtype, 'kv_heads'), CacheTensor('v', shape, self.dtype, 'kv_heads')
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A sliding-window attention layer: K and V per token like :class:`FullAttentionSpec`, but a
+    query at position ``p`` reads only positions ``p - window + 1 .. p``, so the K/V of positions
+    before ``n - window`` is never read again once a sequence has ``n`` tokens.
+
+    Attributes:
+        window: keys per query, itself included (``sliding_window`` of the config), >= 1.
+    """
+    window: int = 0
+
+    def __post_init__(self):
+        if self.window < 1:
+            raise ValueError(f'sliding_window must be >= 1, got {self.window}')
+
+
+def kv_window(specs: Sequence[LayerCacheSpec]) -> int | None:
+    """Tokens before a boundary whose K/V a resumed sequence reads: None when some paged layer
+    reads all earlier tokens (full attention), else the largest sliding window (0 without paged
+    layers)."""
+    paged = [s for s in specs if s.paged]
+    if any(not isinstance(s, SlidingWindowSpec) for s in paged):
+        return None
+    return max((s.window for s in paged), default=0)
 
 
 @dataclass(frozen=True)

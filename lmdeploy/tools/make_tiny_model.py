@@ -70,6 +70,16 @@ def _arch_defaults(arch: str) -> dict:
                     residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=3.0,
                     position_embedding_type=None, max_position_embeddings=32768, tie_word_embeddings=False,
                     rms_norm_eps=1e-6)
+    if arch == 'granitemoe_swa':   # global, sliding, sliding, global; MoE + shared MLP; per-layer RoPE bases
+        # a 24-token window (off the 16-token blocks and the 32-token prefill chunks, so chunk ends fall inside
+        # windows), a NoPE layer and two RoPE bases, µP multipliers off 1, attention sinks
+        full, swa = 'full_attention', 'sliding_attention'
+        return dict(hidden_size=64, num_hidden_layers=4, layer_types=[full, swa, swa, full], sliding_window=24,
+                    layer_rope_theta=[10000.0, 0, 10000.0, 500000.0], num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=32, shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=3.0,
+                    rope_parameters=dict(rope_type='default', rope_theta=10000.0), max_position_embeddings=32768,
+                    tie_word_embeddings=False, rms_norm_eps=1e-6)
     if arch in ('lfm2', 'lfm2_moe'):   # short conv, short conv, attention, short conv (LFM2-MoE: attention second)
         conv, full = 'conv', 'full_attention'
         common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -154,12 +164,14 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
         raise ValueError(f'arch must be one of {ARCHS}, got {arch!r}')
     if arch == 'glm5_next':
         return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
-    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2', 'falcon_h1'):
-        from transformers import (BambaConfig, FalconH1Config, GraniteMoeHybridConfig, Lfm2Config, Lfm2MoeConfig, Mamba2Config,
-                                  NemotronHConfig)
+    if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'granitemoe_swa', 'lfm2', 'lfm2_moe', 'bamba',
+                'mamba2', 'falcon_h1'):
+        from transformers import (BambaConfig, FalconH1Config, GraniteMoeHybridConfig, GraniteMoeSWAConfig,
+                                  Lfm2Config, Lfm2MoeConfig, Mamba2Config, NemotronHConfig)
         named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
-                 'granitemoehybrid': GraniteMoeHybridConfig, 'lfm2': Lfm2Config, 'lfm2_moe': Lfm2MoeConfig,
-                 'bamba': BambaConfig, 'mamba2': Mamba2Config, 'falcon_h1': FalconH1Config}[arch]
+                 'granitemoehybrid': GraniteMoeHybridConfig, 'granitemoe_swa': GraniteMoeSWAConfig,
+                 'lfm2': Lfm2Config, 'lfm2_moe': Lfm2MoeConfig, 'bamba': BambaConfig, 'mamba2': Mamba2Config,
+                 'falcon_h1': FalconH1Config}[arch]
         fields = dict(_arch_defaults(arch))
         known = set(named().to_dict()) | set(fields)
         for key in overrides:
@@ -259,6 +271,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             elif leaf == 'dt_bias':
                 dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(shape, generator=gen))
                 value = dt + torch.log(-torch.expm1(-dt))
+            elif leaf == 'sinks':       # attention-sink logits of the order of the scores, so they change the output
+                value = 2.0 * torch.randn(shape, generator=gen)
             else:
                 value = MATRIX_STD * torch.randn(shape, generator=gen)
             param.copy_(value)
@@ -401,6 +415,7 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'glm5_next': 'Glm5NextForConditionalGeneration',
                                        'nemotron_h': 'NemotronHForCausalLM',
                                        'granitemoehybrid': 'GraniteMoeHybridForCausalLM',
+                                       'granitemoe_swa': 'GraniteMoeSWAForCausalLM',
                                        'lfm2': 'Lfm2ForCausalLM', 'lfm2_moe': 'Lfm2MoeForCausalLM',
                                        'bamba': 'BambaForCausalLM',
                                        'mamba2': 'Mamba2ForCausalLM',

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_specs import has_state
+from ..cache_specs import has_state, kv_window
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
@@ -131,7 +131,15 @@ class Engine:
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         sizes = size_caches(self.specs, self.is_hybrid, cc, self.device, config.max_batch_size, self.session_len,
                             speculative=spec_config is not None)
-        if sizes.capped:
+        window = kv_window(self.specs) if spec_config is None else None
+        if sizes.capped and window and sizes.num_blocks >= -(-(window - 1 + config.max_prefill_token_num)
+                                                               // cc.block_size) + 1:
+            # every paged layer slides: a sequence holds at most its window and one chunk's blocks
+            # (Scheduler._free_out_of_window), so its length is not bounded by the cache
+            logger.info('session_len %d exceeds the KV cache (%d blocks x %d tokens); kept: a sequence holds only '
+                        'the blocks of its %d-token sliding window', self.session_len, sizes.num_blocks,
+                        cc.block_size, window)
+        elif sizes.capped:
             # a sequence longer than the whole cache could never be (re)admitted and would spin
             # forever in the waiting queue; cap it so such prompts are rejected and outputs end
             # with finish_reason 'length' instead
@@ -185,6 +193,10 @@ class Engine:
             turn_end = self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, sizes.scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
+        # every paged layer sliding-window: a running sequence gives back the blocks no window
+        # reaches any more (drafts roll computed tokens back, so not with speculative decoding;
+        # `window` is None then)
+        self.scheduler.kv_window = window or None
 
     def _build_store(self):
         from ..store.open_backend import open_store, store_scheme

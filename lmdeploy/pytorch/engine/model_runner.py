@@ -66,7 +66,9 @@ class ModelRunner:
             b.q_start_loc.append(offset)
             offset += n
             b.kv_seqlens.append(chunk.start + n)
-            b.block_tables.append(list(seq.block_ids))
+            # a freed entry (FREED_BLOCK) lies wholly before every window the forward reads, so
+            # any valid id will do there: the kernel neither reads nor writes it
+            b.block_tables.append([max(i, 0) for i in seq.block_ids])
             b.state_slots.append(-1 if seq.state_slot is None else seq.state_slot)
             if chunk.sample:
                 b.sample_rows.extend(range(offset - 1 - len(chunk.drafts), offset))

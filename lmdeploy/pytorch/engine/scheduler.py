@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
-from ..paging.sequence import SeqStatus, Sequence
+from ..paging.sequence import FREED_BLOCK, SeqStatus, Sequence
 from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.null_cache import NullPrefixCache
 from ..prefix_cache.plans import LoadPlan, PrefixMatch, SavePlan
@@ -88,6 +88,9 @@ class Scheduler:
         self.is_hybrid = state_cache is not None
         self.prefix_cache = prefix_cache if prefix_cache is not None else NullPrefixCache()
         self.last_only = config.prefill_save_last_only and self.is_hybrid
+        # tokens of K/V a resumed query reads (cache_specs.kv_window), set by the engine when every
+        # paged layer is sliding-window and nothing rolls computed tokens back (no drafts)
+        self.kv_window: int | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -314,15 +317,30 @@ class Scheduler:
             if chunk.start < seq.num_prompt_tokens or (chunk.is_prefill and not chunk.drafts):
                 seq.stats.prefill_forwards += 1
         self.prefix_cache.plan_saves(out.chunks, saves)
+        if self.kv_window:
+            for chunk in out.chunks:
+                self._free_out_of_window(chunk.seq)
         return saves
+
+    def _free_out_of_window(self, seq: Sequence) -> None:
+        """Give back the sequence's leading blocks that no later query reads: with window ``W``,
+        a query at position ``p >= num_computed`` reads positions ``> p - W``, so block ``j`` is
+        dead once ``(j + 1) * B <= num_computed - W + 1``. Runs after :meth:`plan_saves`, so
+        the prefix cache has taken its own reference on the blocks it keeps; the sequence's
+        reference goes, and so its memory stays within ``ceil((W - 1 + chunk) / B) + 1`` blocks."""
+        dead = min(max(0, seq.num_computed_tokens - self.kv_window + 1) // self.block_size, len(seq.block_ids))
+        for j in range(seq.num_freed_blocks, dead):
+            self.block_manager.decref(seq.block_ids[j])
+            seq.block_ids[j] = FREED_BLOCK
+        seq.num_freed_blocks = max(seq.num_freed_blocks, dead)
 
     # resources ---------------------------------------------------------------------------
     def _release(self, seq: Sequence, cache_blocks: bool = True) -> None:
         """Give back blocks (caching computed full blocks first) and the runtime slot."""
         if seq.block_ids:
             self.prefix_cache.release(seq, cache_blocks)
-        self.block_manager.free_all(seq.block_ids)
-        seq.block_ids = []
+        self.block_manager.free_all(seq.block_ids[seq.num_freed_blocks:])
+        seq.block_ids, seq.num_freed_blocks = [], 0
         if seq.state_slot is not None:
             self.state_cache.free_runtime(seq.state_slot)
             seq.state_slot = None

@@ -40,6 +40,8 @@ _ARCH = {
     'qwen3': ('transformers.models.qwen3.modeling_qwen3', 'Qwen3RotaryEmbedding', False),
     'granitemoehybrid': ('transformers.models.granitemoehybrid.modeling_granitemoehybrid',
                          'GraniteMoeHybridRotaryEmbedding', False),
+    'granitemoe_swa': ('transformers.models.granitemoe_swa.modeling_granitemoe_swa', 'GraniteMoeSWARotaryEmbedding',
+                       False),
     'lfm2': ('transformers.models.lfm2.modeling_lfm2', 'Lfm2RotaryEmbedding', False),
     'lfm2_moe': ('transformers.models.lfm2_moe.modeling_lfm2_moe', 'Lfm2MoeRotaryEmbedding', False),
     'falcon_h1': ('transformers.models.falcon_h1.modeling_falcon_h1', 'FalconH1RotaryEmbedding', False),

@@ -24,7 +24,9 @@ import torch
 from ...messages import GenerationConfig
 from .prefill_plan import PrefillPlan, next_chunk_end
 
-__all__ = ['SeqStatus', 'Sequence', 'SequenceStats']
+__all__ = ['SeqStatus', 'Sequence', 'SequenceStats', 'FREED_BLOCK']
+
+FREED_BLOCK = -1    # a block-table entry whose block the sequence gave back (out of every window)
 
 _SEQ_IDS = itertools.count()
 
@@ -93,6 +95,10 @@ class Sequence:
             system/developer messages and tool definitions, which every session of the same
             agent sends — or None (raw prompts): the planner adds a forward end and a save
             point at its last reusable boundary.
+        block_ids: the block of each ``block_size`` tokens, in order; :data:`FREED_BLOCK` for
+            a leading block that fell out of every layer's sliding window (a model whose paged
+            layers are all sliding-window: see :meth:`~lmdeploy.pytorch.engine.scheduler.Scheduler.computed`).
+        num_freed_blocks: how many leading entries of ``block_ids`` are :data:`FREED_BLOCK`.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -118,6 +124,7 @@ class Sequence:
     stop_strings: object = field(default=None, repr=False)
     num_kept_tokens: int | None = None
     shared_head_tokens: int | None = None
+    num_freed_blocks: int = 0
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -198,6 +198,8 @@ class BlockTrie:
             h = hashes[i]
             tokens = tuple(token_ids[i * B:(i + 1) * B])
             child = node.children.get(h)
+            if block_ids[i] < 0 and (child is None or child.tokens != tokens):
+                break       # the sequence freed this block (out of its sliding window): nothing to cache
             if child is None or child.tokens != tokens:
                 if child is not None:       # hash collision with different tokens: keep the old node
                     break
@@ -207,7 +209,7 @@ class BlockTrie:
                 self.num_nodes += 1
                 for listener in self.listeners:
                     listener.block_cached(child)
-            elif adopt and child.block_id != block_ids[i] and self.block_manager.refcount[child.block_id] == 1:
+            elif adopt and 0 <= block_ids[i] != child.block_id and self.block_manager.refcount[child.block_id] == 1:
                 # a running sequence recomputed a block only the cache holds: the node takes the
                 # sequence's copy and the old one is freed, so no unreferenced duplicate remains
                 # above blocks the sequence references

@@ -1,0 +1,326 @@
+"""IBM Granite MoE with sliding-window attention (``transformers`` model type ``granitemoe_swa``):
+every layer is attention (no recurrent state), each either global or sliding-window, with a
+learnable per-head attention sink, then a softmax-routed MoE and an optional shared MLP::
+
+    h = embed(ids) * embedding_multiplier
+    layer i:  h = h + residual_multiplier * attn_i(RMSNorm(h))
+              h = h + residual_multiplier * (moe(RMSNorm(h)) [+ shared_mlp(RMSNorm(h))])
+      attn_i = GQA over paged K/V, softmax scale attention_multiplier, one sink logit per head,
+               keys: every earlier position ('full_attention') or the last sliding_window
+               positions, the query's own included ('sliding_attention');
+               RoPE with base layer_rope_theta[i] (0: no positions, "NoPE")
+      moe    = top-k of the router logits, softmax over those k (GraniteMoE)
+    logits = lm_head(RMSNorm(h)) / logits_scaling
+
+Sliding-window layers declare a :class:`~lmdeploy.pytorch.cache_specs.SlidingWindowSpec` (the
+same K / V per token as a global layer, with its window); the attention reads only the window's
+blocks (:mod:`~lmdeploy.pytorch.kernels.window_attention`). Weight names: ``transformers``'
+(``block_sparse_moe.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj``, ``router.weight``,
+``self_attn.sinks``); Granite-4.0-H's published spelling of the experts
+(``input_linear`` / ``output_linear``, ``router.layer``) loads too.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec
+from ..kernels import get_kernel
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .granitemoehybrid import _RENAMES, GraniteMoE, _head_dim
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, load_weights
+from .parallel_plan import ParallelPlan
+
+__all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config', 'layer_windows']
+
+FULL, SLIDING = 'full_attention', 'sliding_attention'
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's window in tokens (``sliding_window``), or None for a global layer.
+
+    Raises:
+        ValueError: ``layer_types`` is not ``'full_attention'`` / ``'sliding_attention'`` for each
+            layer, or ``sliding_window`` is not an int >= 1 while some layer slides.
+    """
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != config.num_hidden_layers or any(t not in (FULL, SLIDING) for t in types):
+        raise ValueError(f"layer_types must list '{FULL}' or '{SLIDING}' for each of the {config.num_hidden_layers} "
+                         f'layers, got {types}')
+    window = getattr(config, 'sliding_window', None)
+    if SLIDING in types and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f'sliding_window must be an int >= 1 for the sliding_attention layers, got {window!r}')
+    return [window if t == SLIDING else None for t in types]
+
+
+def _thetas(config) -> list[float]:
+    thetas = getattr(config, 'layer_rope_theta', None)
+    if thetas is None:
+        return [float(config.rope_parameters['rope_theta'])] * config.num_hidden_layers
+    if len(thetas) != config.num_hidden_layers or any(not isinstance(t, (int, float)) or t < 0 for t in thetas):
+        raise ValueError(f'layer_rope_theta must be one base >= 0 (0: no RoPE) per each of the '
+                         f'{config.num_hidden_layers} layers, got {thetas}')
+    return [float(t) for t in thetas]
+
+
+def _rotary(config, theta: float) -> RotaryEmbedding:
+    c = copy.deepcopy(config)
+    c.rope_parameters = {**config.rope_parameters, 'rope_theta': theta}
+    return RotaryEmbedding(c)
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``layer_types`` / ``sliding_window`` (:func:`layer_windows`),
+            ``layer_rope_theta`` (one base >= 0 per layer; the ``rope_parameters`` of :mod:`.rope`
+            for the nonzero ones), ``hidden_act`` (``'silu'`` only), ``num_local_experts`` (>= 1),
+            ``num_experts_per_tok`` (``1..num_local_experts``), ``shared_intermediate_size`` (>= 0).
+    """
+    layer_windows(config)
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    for theta in sorted({t for t in _thetas(config) if t}):
+        _rotary(config, theta)          # raises for rope parameters it cannot reproduce
+    E, k = config.num_local_experts, config.num_experts_per_tok
+    if not isinstance(E, int) or E < 1:
+        raise ValueError(f'num_local_experts must be >= 1, got {E!r}')
+    if not isinstance(k, int) or not 1 <= k <= E:
+        raise ValueError(f'num_experts_per_tok ({k}) must be in [1, num_local_experts = {E}]')
+    if config.shared_intermediate_size < 0:
+        raise ValueError(f'shared_intermediate_size must be >= 0, got {config.shared_intermediate_size}')
+
+
+class GraniteSWAAttention(nn.Module):
+    """GQA over the paged KV cache with softmax scale ``attention_multiplier``, one learnable sink
+    logit per query head, and a sliding window when ``window`` is set.
+
+    Args:
+        config: HF ``GraniteMoeSWAConfig`` (this rank's head counts under TP).
+        layer_idx: index into ``StepContext.kv_caches``.
+        window: keys per query (itself included), None for a global layer.
+    """
+
+    def __init__(self, config, layer_idx: int, window: int | None):
+        super().__init__()
+        self.layer_idx, self.window = layer_idx, window
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        bias = config.attention_bias
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
+                                                          'v_proj': kv}, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self.scale = float(config.attention_multiplier)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (NoPE);
+        writes this layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        out = get_kernel('paged_window_attention', q.device)(q, k, v, k_cache, v_cache, ctx, self.scale, self.window,
+                                                              self.sinks)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class GraniteSWADecoderLayer(nn.Module):
+    """Pre-norm layer with µP residual scaling: attention, then MoE (+ shared MLP when sized)."""
+
+    def __init__(self, config, layer_idx: int, window: int | None):
+        super().__init__()
+        self.self_attn = GraniteSWAAttention(config, layer_idx, window)
+        self.block_sparse_moe = GraniteMoE(config)
+        self.shared_mlp = SwiGLUMLP(config.hidden_size, config.shared_intermediate_size) \
+            if config.shared_intermediate_size > 0 else None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = float(config.residual_multiplier)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, ctx) * self.residual_multiplier
+        normed = self.post_attention_layernorm(hidden)
+        mlp = self.block_sparse_moe(normed)
+        if self.shared_mlp is not None:
+            mlp = mlp + self.shared_mlp(normed)
+        return hidden + mlp * self.residual_multiplier
+
+
+class GraniteMoeSWAModel(nn.Module):
+    """Scaled embedding, decoder layers, final norm; one rotary table per nonzero RoPE base."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GraniteSWADecoderLayer(config, i, w) for i, w in enumerate(layer_windows(config)))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        self.thetas = _thetas(config)
+        # plain attributes (not submodules): the tables hold no parameters
+        self.rotaries = {t: _rotary(config, t) for t in sorted(set(self.thetas)) if t}
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids) * self.embedding_multiplier
+        tables = {t: r(ctx.positions, hidden.dtype) for t, r in self.rotaries.items()}
+        for layer, theta in zip(self.layers, self.thetas):
+            hidden = layer(hidden, tables.get(theta), ctx)
+        return self.norm(hidden)
+
+
+_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
+_SINKS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.sinks$')
+_SHARED_ROWS = re.compile(r'^model\.layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.weight$')
+
+
+class GraniteMoeSWATPPlan:
+    """How ``granitemoe_swa`` splits over ``size`` tensor-parallel ranks (Megatron-style).
+
+    Attention by head: ``q_proj`` rows and ``sinks`` of the rank's query heads, ``k_proj`` /
+    ``v_proj`` rows of its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache
+    holds its KV heads. The shared MLP by intermediate rows. The routed experts and their router
+    are replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads`` or
+            ``shared_intermediate_size`` (names the field).
+    """
+
+    row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.rank, self.size = config, rank, size
+        for field in ('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'):
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+
+        def part(total: int) -> tuple[int, int]:
+            return rank * total // size, (rank + 1) * total // size
+
+        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
+        self.shared = part(config.shared_intermediate_size)
+
+    def local_config(self):
+        """A copy of the config with this rank's head and shared-MLP sizes."""
+        c = copy.deepcopy(self.config)
+        c.head_dim = _head_dim(self.config)
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        c.shared_intermediate_size = self.shared[1] - self.shared[0]
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads (``'kv_heads'``, the only split of this model's caches)."""
+        if split != 'kv_heads':
+            raise ValueError(f"CacheTensor.tp_split: granitemoe_swa splits 'kv_heads' only, not {split!r}")
+        return (self.kv_heads,)
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        m = _ATTN_ROWS.match(name)
+        if m:
+            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
+            if proj == 'o_proj':
+                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
+            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
+            return 0, ((heads[0] * d, heads[1] * d),)
+        if _SINKS.match(name):
+            return 0, (self.q_heads,)
+        m = _SHARED_ROWS.match(name)
+        if m:
+            (s0, s1), S = self.shared, self.config.shared_intermediate_size
+            return (0, ((s0, s1), (S + s0, S + s1))) if m.group(2) == 'input_linear' else (1, ((s0, s1),))
+        return None
+
+
+def _tp_split(config, rank: int, size: int) -> GraniteMoeSWATPPlan:
+    return GraniteMoeSWATPPlan(config, rank, size)
+
+
+class GraniteMoeSWAForCausalLM(nn.Module):
+    """``granitemoe_swa`` causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``GraniteMoeSWAConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'sliding_window': IMPLEMENTED,            # the window of 'sliding_attention' layers
+        'layer_rope_theta': CHECKED,              # per-layer RoPE base, 0: none; one base >= 0 per layer
+        'embedding_multiplier': IMPLEMENTED,
+        'residual_multiplier': IMPLEMENTED,
+        'attention_multiplier': IMPLEMENTED,      # the softmax scale
+        'logits_scaling': IMPLEMENTED,            # logits are divided by it
+        'num_local_experts': CHECKED,             # >= 1
+        'num_experts_per_tok': CHECKED,           # in [1, num_local_experts]
+        'shared_intermediate_size': IMPLEMENTED,  # 0: no shared MLP
+        'output_router_logits': INERT,            # the training loss only
+        'router_aux_loss_coef': INERT,
+    }
+    rotary = False       # the model builds one rotary table per RoPE base itself
+    check_config = staticmethod(check_config)
+    # attention by head (sinks with their query heads), shared MLP by rows, experts replicated
+    parallel_plan = ParallelPlan(custom=_tp_split)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = GraniteMoeSWAModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_scaling = float(config.logits_scaling)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: a :class:`FullAttentionSpec` (global) or a :class:`SlidingWindowSpec` with
+        the config's ``sliding_window`` (KV heads x head_dim per token, both).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        heads, dim = config.num_key_value_heads, _head_dim(config)
+        return [FullAttentionSpec(heads, dim, dtype) if w is None else SlidingWindowSpec(heads, dim, dtype, w)
+                for w in layer_windows(config)]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
+        return self.lm_head(hidden).float() / self.logits_scaling
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (published or transformers names, see the module docstring);
+        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        def rename(name: str) -> str:
+            for pattern, repl in _RENAMES:
+                name = pattern.sub(repl, name)
+            return name
+
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename)

@@ -1,0 +1,293 @@
+"""Granite MoE with sliding-window attention (``granitemoe_swa``) served exactly like transformers:
+logits <= 1e-4 in fp32 at every prompt position (5-700 tokens, cold and in 32-token chunks whose
+ends fall inside the 24-token windows), greedy tokens equal cold, chunked and after a local
+prefix-cache restore, a 4-turn chat identical under every cache policy, TP2 = TP1, the layer
+cache specs, config refusals naming their field, the audit of every field transformers reads,
+random geometries (windows from 1 token up, NoPE and RoPE layers) in random chunks, and the
+window kernel never reading a block wholly before its queries' windows."""
+import inspect
+import json
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, check_prompt_logits_match_transformers,
+                          hf_greedy, make_engine, random_prompt, tiny_checkpoint_and_reference)
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.cache_specs import FullAttentionSpec, SlidingWindowSpec, kv_bytes_per_block, kv_window
+from lmdeploy.pytorch.models import get_model_class
+from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    """(checkpoint path, transformers float32 reference)."""
+    return tiny_checkpoint_and_reference(tmp_path_factory, 'granitemoe_swa')
+
+
+def test_tiny_model_mixes_windows_rope_bases_and_sinks(tiny):
+    config = json.load(open(os.path.join(tiny[0], 'config.json')))
+    assert config['layer_types'] == ['full_attention', 'sliding_attention', 'sliding_attention', 'full_attention']
+    assert config['sliding_window'] == 24 and 32 % 24 and 24 % 16     # chunk and block ends fall inside windows
+    assert 0 in config['layer_rope_theta'] and len({t for t in config['layer_rope_theta'] if t}) == 2
+    assert tiny[1].model.layers[1].self_attn.sinks.abs().max() > 1       # sinks large enough to matter
+
+
+@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
+def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
+    check_prompt_logits_match_transformers(*tiny, n, chunk)
+
+
+def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
+    """12 greedy tokens of a 200-token prompt equal transformers cold, in 32-token chunks, and
+    with the prefix cache on both the first run and a rerun that restores 12 blocks (192 tokens:
+    no state, so block-granular reuse and no save points)."""
+    path, hf = tiny
+    ids = random_prompt(200, seed=11)
+    expected = hf_greedy(hf, ids, 12)
+    gen = GenerationConfig(max_new_tokens=12)
+    cold = make_engine(path, block_size=16).generate(ids, gen).output_ids
+    chunked = make_engine(path, block_size=16, max_prefill_token_num=32).generate(ids, gen).output_ids
+    cached = make_engine(path, block_size=16, max_prefill_token_num=32, enable_prefix_caching=True)
+    first, again = cached.generate(ids, gen), cached.generate(ids, gen)
+    assert cold == chunked == first.output_ids == again.output_ids == expected
+    assert first.num_cached_tokens == 0 and first.stats.save_points == [] and again.num_cached_tokens == 192
+
+
+def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
+    check_four_turn_chat_under_every_cache_policy(tiny[0])
+
+
+def test_cache_specs_are_global_and_sliding_window_kv(tiny):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    specs = get_model_class('granitemoe_swa').cache_specs(config, torch.float32)
+    assert [type(s) for s in specs] == [FullAttentionSpec, SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec]
+    assert specs[1].window == 24 and kv_window(specs) is None          # global layers read every earlier token
+    assert kv_window(specs[1:3]) == 24 and kv_window([]) == 0
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert kv_bytes_per_block(specs, 16) == 4 * 16 * 2 * config.num_key_value_heads * head_dim * 4
+    with pytest.raises(ValueError, match='sliding_window'):
+        SlidingWindowSpec(2, 16, torch.float32, 0)
+
+
+@pytest.mark.parametrize('change, field', [
+    (dict(hidden_act='gelu'), 'hidden_act'),
+    (dict(layer_types=['full_attention'] * 2), 'layer_types'),
+    (dict(layer_types=['full_attention', 'chunked_attention', 'full_attention', 'full_attention']), 'layer_types'),
+    (dict(sliding_window=0), 'sliding_window'),
+    (dict(sliding_window=None), 'sliding_window'),
+    (dict(layer_rope_theta=[1.0, 2.0]), 'layer_rope_theta'),
+    (dict(layer_rope_theta=[1.0, -1.0, 0, 0]), 'layer_rope_theta'),
+    (dict(rope_parameters=dict(rope_type='dynamic', rope_theta=1e4, factor=2.0)), 'rope_type'),
+    (dict(num_experts_per_tok=9), 'num_experts_per_tok'),
+    (dict(num_local_experts=0), 'num_local_experts'),
+])
+def test_refused_fields_name_themselves(tiny, change, field):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    for k, v in change.items():
+        object.__setattr__(config, k, v)
+    with pytest.raises(ValueError, match=field):
+        check_config(config)
+
+
+def test_audit_lists_every_field_transformers_reads_for_granitemoe_swa():
+    import transformers.models.granitemoe_swa.modeling_granitemoe_swa as modeling
+    source = inspect.getsource(modeling)
+    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
+                                                                       source))
+    assert read and not read - set(FIELDS['granitemoe_swa']), sorted(read - set(FIELDS['granitemoe_swa']))
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
+    """Attention by head (sinks with their query heads), the shared MLP by rows; experts replicated."""
+    from test_tensor_parallel import check_tp2_equals_tp1
+    check_tp2_equals_tp1(tiny[0])
+
+
+def test_tp_refuses_a_head_count_it_cannot_split_naming_the_field(tiny):
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.models.granitemoe_swa import GraniteMoeSWATPPlan
+    config = AutoConfig.from_pretrained(tiny[0])
+    with pytest.raises(ValueError, match='num_key_value_heads'):
+        GraniteMoeSWATPPlan(config, 0, 4)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
+    """Model level, random geometry (global / sliding layers, windows of 1-40 tokens, NoPE or RoPE
+    per layer, shared MLP or none) and a random prefill chunking then 3 decode steps: logits
+    <= 1e-4 of transformers' full forward, through NaN-poisoned scrambled blocks."""
+    from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM
+
+    from model_harness import check_random_model_in_random_chunks_then_decode
+    n_layers = data.draw(st.integers(1, 3))
+    types = data.draw(st.lists(st.sampled_from(['full_attention', 'sliding_attention']), min_size=n_layers,
+                               max_size=n_layers))
+    thetas = data.draw(st.lists(st.sampled_from([0, 10000.0, 500.0]), min_size=n_layers, max_size=n_layers))
+    config = GraniteMoeSWAConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=n_layers, layer_types=types,
+        sliding_window=data.draw(st.integers(1, 40)), layer_rope_theta=thetas, num_attention_heads=4,
+        num_key_value_heads=data.draw(st.sampled_from([1, 2, 4])), num_local_experts=4,
+        num_experts_per_tok=data.draw(st.integers(1, 3)), intermediate_size=16,
+        shared_intermediate_size=data.draw(st.sampled_from([0, 24])), embedding_multiplier=4.0,
+        residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0, pad_token_id=0, bos_token_id=None,
+        eos_token_id=1, rope_parameters=dict(rope_type='default', rope_theta=10000.0))
+    check_random_model_in_random_chunks_then_decode(data, GraniteMoeSWAForCausalLM, 'granitemoe_swa', config, 70,
+                                                    TOL)
+
+
+@settings(max_examples=25, deadline=None)
+@given(window=st.integers(1, 50), hist=st.integers(0, 90), new=st.integers(1, 40), gqa=st.sampled_from([1, 2]),
+       sinks=st.booleans())
+def test_window_kernel_equals_a_masked_softmax_and_never_reads_blocks_before_the_window(window, hist, new, gqa,
+                                                                                        sinks):
+    """``paged_window_attention`` equals a dense masked softmax (plus the sink logit in the
+    denominator) over ``[history + new]`` keys, with every block that lies wholly before the
+    first query's window replaced by NaN in the cache and its table entry pointing at a NaN block."""
+    from lmdeploy.pytorch.kernels.window_attention import paged_window_attention
+    from lmdeploy.pytorch.model_inputs import StepContext
+    B, Hkv, D = 8, 2, 4
+    H = Hkv * gqa
+    gen = torch.Generator().manual_seed(window * 1000 + hist * 10 + new)
+    n = hist + new
+    keys, values = torch.randn(n, Hkv, D, generator=gen), torch.randn(n, Hkv, D, generator=gen)
+    q = torch.randn(new, H, D, generator=gen)
+    sink = torch.randn(H, generator=gen) if sinks else None
+    nblocks = -(-n // B)
+    k_cache = torch.full((nblocks + 1, B, Hkv, D), float('nan'))
+    v_cache = k_cache.clone()
+    table = torch.arange(nblocks, dtype=torch.int64)
+    for j in range(hist):
+        k_cache[j // B, j % B], v_cache[j // B, j % B] = keys[j], values[j]
+    dead = max(0, hist - window + 1) // B             # blocks no new query's window reaches
+    k_cache[:dead], v_cache[:dead] = float('nan'), float('nan')
+    table[:dead] = nblocks                            # a freed block id may point anywhere
+    ctx = StepContext(input_ids=torch.zeros(new, dtype=torch.int64), positions=torch.arange(hist, n),
+                      q_seqlens=[new], q_start_loc=[0], kv_seqlens=[n], block_tables=[table], state_slots=[0],
+                      kv_caches=[(k_cache, v_cache)], state_caches=[None], block_size=B)
+    got = paged_window_attention(q, keys[hist:], values[hist:], k_cache, v_cache, ctx, 0.5, window, sink)
+    q_pos, k_pos = torch.arange(hist, n)[:, None], torch.arange(n)[None, :]
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    scores = torch.einsum('qhd,khd->hqk', q, keys.repeat_interleave(gqa, 1)) * 0.5
+    scores = scores.masked_fill(~visible, float('-inf'))
+    if sink is not None:
+        scores = torch.cat([scores, sink[:, None, None].expand(H, new, 1)], -1)
+    probs = scores.softmax(-1)[..., :n]
+    ref = torch.einsum('hqk,khd->qhd', probs, values.repeat_interleave(gqa, 1))
+    assert not got.isnan().any() and (got - ref).abs().max().item() <= 1e-5
+
+
+# every paged layer sliding-window: a running sequence gives back blocks no window reaches --------
+W, B, P = 24, 16, 32            # the tiny model's window, the block size and the prefill chunk below
+
+
+@pytest.fixture(scope='module')
+def all_swa(tmp_path_factory):
+    """(checkpoint, transformers reference) of the tiny model with all four layers sliding."""
+    from engine_utils import load_hf
+
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp('tiny_all_swa')), arch='granitemoe_swa', seed=1,
+                           layer_types=['sliding_attention'] * 4)
+    return path, load_hf(path)
+
+
+def _track_blocks_in_use(eng) -> list[int]:
+    """Blocks referenced after each step's :meth:`Scheduler.computed` (the list fills as it runs)."""
+    seen, computed = [], eng.scheduler.computed
+
+    def wrapped(out):
+        saves = computed(out)
+        seen.append(eng.block_manager.num_blocks - eng.block_manager.num_free)
+        return saves
+    eng.scheduler.computed = wrapped
+    return seen
+
+
+@pytest.mark.parametrize('caching', [False, True])
+def test_memory_of_a_long_all_swa_sequence_stays_within_its_window(all_swa, caching):
+    """A 700-token prompt (32-token chunks) and 40 greedy tokens in a cache of 6 blocks (96
+    tokens): transformers' tokens; session_len is not capped to the cache. Without the prefix
+    cache the blocks in use never exceed ceil((W - 1 + P) / B) + 1 = 5 (47 without freeing) and
+    all are free again at the end; with it, the cache evicts what the sequence let go."""
+    from engine_utils import assert_idle
+    path, hf = all_swa
+    ids = random_prompt(700, seed=70)
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, num_gpu_blocks=6, enable_prefix_caching=caching)
+    assert eng.scheduler.kv_window == W and eng.session_len > 740
+    seen = _track_blocks_in_use(eng)
+    seq = eng.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    assert seq.output_ids == hf_greedy(hf, ids, 40) and len(seen) == 700 // P + 1 + 39
+    if not caching:
+        assert max(seen) <= -(-(W - 1 + P) // B) + 1 < -(-740 // B)
+        assert_idle(eng)
+
+
+def test_a_model_with_global_layers_keeps_every_block(tiny):
+    """Mixed global and sliding layers: a block row holds every layer's K/V, and the global layers
+    read all of it, so nothing is freed (kv_window None) and session_len is capped to the cache."""
+    eng = make_engine(tiny[0], block_size=B, max_prefill_token_num=P, num_gpu_blocks=16)
+    seen = _track_blocks_in_use(eng)
+    eng.generate(random_prompt(200, seed=5), GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert eng.scheduler.kv_window is None and max(seen) == -(-203 // B) and eng.session_len == 16 * B
+
+
+def test_all_swa_four_turn_chat_is_identical_under_every_cache_policy(all_swa):
+    """With blocks freed as windows pass, the prefix cache still caches (it took its own reference
+    on each full block before the sequence let go) and every policy replies the same."""
+    check_four_turn_chat_under_every_cache_policy(all_swa[0])
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(60, 260), evict_at=st.integers(1, 8), new=st.integers(1, 20))
+def test_a_prefix_whose_window_block_was_evicted_is_never_restored(all_swa, n, evict_at, new):
+    """A sequence frees its out-of-window blocks; while it runs, the prefix cache evicts everything
+    it may (the freed blocks' nodes among them) at step ``evict_at``. When it ends, no node is
+    made for a block it freed and the cache lost; the same prompt again restores only a prefix whose
+    every block is still cached (never one whose window reaches an evicted block), decodes what a
+    cold engine decodes, and the block ledger balances."""
+    path, _ = all_swa
+    ids = random_prompt(n, seed=n)
+    gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, enable_prefix_caching=True, num_gpu_blocks=64)
+    steps, computed = [], eng.scheduler.computed
+
+    def wrapped(out):
+        saves = computed(out)
+        steps.append(1)
+        if len(steps) == evict_at:
+            eng.prefix_cache.evict(eng.block_manager.num_blocks)
+        return saves
+    eng.scheduler.computed = wrapped
+    first = eng.generate(ids, gen)
+    nodes = eng.prefix_cache.cached_nodes()
+    assert all(node.block_id >= 0 and eng.block_manager.refcount[node.block_id] == 1 for node in nodes)
+    again = eng.generate(ids, gen)
+    cold = make_engine(path, block_size=B, max_prefill_token_num=P).generate(ids, gen)
+    assert first.output_ids == again.output_ids == cold.output_ids
+    assert again.num_cached_tokens % B == 0
+    led = eng.ledger()
+    assert led['blocks_free'] + led['blocks_cached'] == led['blocks_total'] and led['blocks_in_use'] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+def test_engine_on_cuda_equals_the_cpu_engine_and_transformers(tiny):
+    """The window kernel on the GPU (the same torch code): prompt logits of 300 tokens in 32-token
+    chunks within 1e-4 of transformers, greedy tokens equal to the CPU engine's."""
+    from engine_utils import engine_prompt_logits, hf_prompt_logits
+    path, hf = tiny
+    prompt = random_prompt(300, seed=7)
+    on_gpu = make_engine(path, device_type='cuda', block_size=B, max_prefill_token_num=P)
+    on_cpu = make_engine(path, block_size=B, max_prefill_token_num=P)
+    logits = engine_prompt_logits(on_gpu, prompt)[0].float().cpu()
+    assert (logits - hf_prompt_logits(hf, prompt)).abs().max().item() <= TOL
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
+        assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids
