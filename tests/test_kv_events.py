@@ -562,7 +562,9 @@ def test_vllm_router_credits_only_restorable_prefixes(tmp_path):
     port = _free_port()
     log_path = tmp_path / 'router.log'
     log = open(log_path, 'w')
+    # its metrics exporter's default port (29000) may be taken by another router on this machine
     proc = subprocess.Popen([router, '--policy', 'kv_aware', '--host', '127.0.0.1', '--port', str(port),
+                             '--prometheus-host', '127.0.0.1', '--prometheus-port', str(_free_port()),
                              '--worker-urls', *workers.urls,
                              '--kv-event-source', f'{workers.urls[0]}={pub_ep}',
                              '--kv-event-replay-source', f'{workers.urls[0]}={replay_ep}',
