@@ -181,11 +181,11 @@ class TPLayout:
         self.config, self.rank, self.size = config, rank, size
         self.model_type = config.model_type
         try:
-            self.plan = getattr(get_model_class(self.model_type), 'parallel_plan', None)
+            self.plan = get_model_class(self.model_type).parallel_plan
         except ValueError:      # not a registered model type
             self.plan = None
         if self.plan is None:
-            split = [t for t in MODEL_REGISTRY if getattr(get_model_class(t), 'parallel_plan', None) is not None]
+            split = [t for t in MODEL_REGISTRY if get_model_class(t).parallel_plan is not None]
             raise ValueError(f'tp ({size}): tensor parallelism supports model_type '
                              f'{", ".join(split)}, not {self.model_type!r}; use tp=1')
         self.custom = None

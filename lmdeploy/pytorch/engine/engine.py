@@ -288,7 +288,7 @@ class Engine:
         self.validate(token_ids, gen_config)
         lookahead = self.strategy.token_lookahead if token_lookahead is None else token_lookahead
         recompute = self.strategy.recompute_blocks if recompute_blocks is None else recompute_blocks
-        if any(m.data is not None for m in multimodal) and not getattr(self.model, 'supports_images', False):
+        if any(m.data is not None for m in multimodal) and not self.model.supports_images:
             # spans and content hashes alone only steer planning and cache keys; pixels need an encoder
             raise ValueError(f'model_type {self.hf_config.model_type!r} does not accept images in this engine')
         if any(m.end > len(token_ids) for m in multimodal):

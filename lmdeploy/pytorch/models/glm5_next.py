@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -38,7 +37,8 @@ from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .glm5_next_layers import ClampedExperts, ClampedSwiGLUMLP, DSAAttention, HyperConnection
 from .kimi_linear import KimiDeltaAttention, KimiLinearTPPlan, KimiMoE
-from .layers import Linear, RMSNorm, load_weights
+from .base import CausalLM
+from .layers import Linear, RMSNorm
 from .parallel_plan import ParallelPlan
 from .qwen3_next import load_expert_tensor
 
@@ -219,7 +219,7 @@ def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
             for t, i in zip(config.layer_types, config.indexer_types)]
 
 
-class Glm5NextForCausalLM(nn.Module):
+class Glm5NextForCausalLM(CausalLM):
     """GLM-5.3-Flash text model in the engine's layers.
 
     Args:
@@ -229,17 +229,10 @@ class Glm5NextForCausalLM(nn.Module):
         ValueError: see :func:`check_config`.
     """
 
-    weight_prefix = 'model.'
+    model_class = Glm5NextModel
+    weight_prefix = 'model.'         # where the text stack's tensors are in the checkpoint
     # the NextN layer model.layers.{num_hidden_layers}.* (speculative decoding; not read by load_weights)
     mtp_head = 'glm5_next_mtp:Glm5NextMTP'
-
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        text = config.get_text_config()
-        self.model = Glm5NextModel(text)
-        self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
 
     # every text config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
@@ -277,7 +270,7 @@ class Glm5NextForCausalLM(nn.Module):
         'router_aux_loss_coef': INERT,            # a training loss
         'output_router_logits': INERT,
     }
-    rotary = False
+    rotary_class = None       # NoPE: no rope field is read
     check_config = staticmethod(check_config)
     parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
 
@@ -294,15 +287,13 @@ class Glm5NextForCausalLM(nn.Module):
         """
         return _cache_specs(config, dtype)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config.get_text_config(), 'tie_word_embeddings', False))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def _rename(self, name: str) -> str | None:
+    def rename_weight(self, name: str) -> str | None:
+        """transformers' or the published names (see the module docstring) → ours; drops the
+        vision tower, ``mtp.*`` and the NextN layer."""
         if name.startswith('model.visual.') or name.startswith('mtp.'):
             return None
         if self.weight_prefix != 'model.' and name.startswith(self.weight_prefix):
@@ -313,26 +304,17 @@ class Glm5NextForCausalLM(nn.Module):
         name = re.sub(r'\.hc_(attn|ffn)_(fn|base|scale)$', r'.\1_hc.\2', name)     # published -> ours
         return name.replace('.self_attn.forget_gate.', '.self_attn.')
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (transformers names, see the module docstring).
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        def special(loader, name: str, tensor: torch.Tensor) -> bool:
-            if name.endswith('.self_attn.conv1d.weight'):   # q | k | v convs stacked
-                stem = name[:-len('conv1d.weight')]
-                for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
-                    loader.load(f'{stem}{part}_conv1d.weight', piece)
-                return True
-            if name.endswith('.self_attn.A_log'):            # [H] -> the KDA layer's [1, 1, H, 1]
-                loader.load(name, tensor.reshape(1, 1, -1, 1))
-                return True
-            return load_expert_tensor(loader, name, tensor)
-
-        load_weights(self, weights, getattr(self.config.get_text_config(), 'tie_word_embeddings', False),
-                     rename=self._rename, special=special)
+    def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
+        """The stacked KDA convs, ``A_log`` and the experts."""
+        if name.endswith('.self_attn.conv1d.weight'):   # q | k | v convs stacked
+            stem = name[:-len('conv1d.weight')]
+            for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
+                loader.load(f'{stem}{part}_conv1d.weight', piece)
+            return True
+        if name.endswith('.self_attn.A_log'):            # [H] -> the KDA layer's [1, 1, H, 1]
+            loader.load(name, tensor.reshape(1, 1, -1, 1))
+            return True
+        return load_expert_tensor(loader, name, tensor)
 
 
 class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
@@ -381,10 +363,10 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
         self.supports_images = 'num_hidden_layers' not in config.to_dict()
         self.visual = Glm5NextVisionModel(config.vision_config) if self.supports_images else None
 
-    def _rename(self, name: str) -> str | None:
+    def rename_weight(self, name: str) -> str | None:
         if name.startswith('model.visual.'):
             return name[len('model.'):]
-        return super()._rename(name)
+        return super().rename_weight(name)
 
     def check_multimodal(self, token_ids: list[int], multimodal) -> None:
         """Reject images the forward could not place.

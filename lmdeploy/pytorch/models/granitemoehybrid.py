@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -32,7 +31,8 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
+from .base import CausalLM
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
 from .parallel_plan import ParallelPlan
 from .qwen3_next import FusedExperts
@@ -306,7 +306,7 @@ def _tp_split(config, rank: int, size: int) -> GraniteMoeHybridTPPlan:
     return GraniteMoeHybridTPPlan(config, rank, size)
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
+class GraniteMoeHybridForCausalLM(CausalLM):
     """Granite-4.0-H causal LM in the engine's layers.
 
     Args:
@@ -342,17 +342,15 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         'output_router_logits': INERT,            # the training loss only
         'router_aux_loss_coef': INERT,
     }
-    rotary = False       # check_config builds the rotary table itself, only with RoPE
+    rotary_class = None       # check_config builds the rotary table itself, only with RoPE
     check_config = staticmethod(check_config)
     # attention and shared MLP by head / rows, Mamba-2 by head and group, experts replicated
     parallel_plan = ParallelPlan(custom=_tp_split)
 
+    model_class = GraniteMoeHybridModel
+
     def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = GraniteMoeHybridModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config)
         self.logits_scaling = float(config.logits_scaling)
 
     @staticmethod
@@ -369,25 +367,12 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
         return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
         return self.lm_head(hidden).float() / self.logits_scaling
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring);
-        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        def rename(name: str) -> str:
-            for pattern, repl in _RENAMES:
-                name = pattern.sub(repl, name)
-            return name
-
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename)
+    def rename_weight(self, name: str) -> str:
+        """Published or transformers names (see the module docstring) → ours."""
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name

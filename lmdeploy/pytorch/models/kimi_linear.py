@@ -21,7 +21,6 @@ the published checkpoint's (``self_attn.q_conv1d`` ...,
 from __future__ import annotations
 
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,8 @@ from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .base import CausalLM
+from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP
 from .parallel_plan import ParallelPlan
 from .qwen3_next import FusedExperts, load_expert_tensor
 
@@ -400,7 +400,7 @@ def _tp_split(config, rank: int, size: int) -> KimiLinearTPPlan:
     return KimiLinearTPPlan(config, rank, size)
 
 
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(CausalLM):
     """Kimi-Linear causal LM in the engine's layers.
 
     Args:
@@ -410,13 +410,7 @@ class KimiLinearForCausalLM(nn.Module):
         ValueError: see :func:`check_config`.
     """
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = KimiLinearModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
+    model_class = KimiLinearModel
     # every config field transformers reads, and what the engine does with it (.config_audit);
     # Kimi's MLA has no rotary embedding, so no rope field is read
     config_fields = {
@@ -442,7 +436,7 @@ class KimiLinearForCausalLM(nn.Module):
         'norm_topk_prob': IMPLEMENTED,
         'routed_scaling_factor': IMPLEMENTED,
     }
-    rotary = False
+    rotary_class = None
     check_config = staticmethod(check_config)
     # KDA by head, MLA by query head with the latent replicated (KimiLinearTPPlan)
     parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
@@ -465,33 +459,17 @@ class KimiLinearForCausalLM(nn.Module):
         mla = PagedSpec((CacheTensor('latent', (config.kv_lora_rank + config.qk_rope_head_dim,), dtype, None),))
         return [kda if t == LINEAR else mla for t in config.layer_types]
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    def rename_weight(self, name: str) -> str:
+        """Published or transformers names (see the module docstring) → ours."""
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring).
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        def rename(name: str) -> str:
-            for pattern, repl in _RENAMES:
-                name = pattern.sub(repl, name)
-            return name
-
-        def special(loader, name: str, tensor: torch.Tensor) -> bool:
-            if name.endswith('.self_attn.conv1d.weight'):   # transformers stacks q | k | v convs
-                stem = name[:-len('conv1d.weight')]
-                for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
-                    loader.load(f'{stem}{part}_conv1d.weight', piece)
-                return True
-            return load_expert_tensor(loader, name, tensor)
-
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename,
-                     special=special)
+    def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
+        """transformers' stacked q | k | v convs, and the experts."""
+        if name.endswith('.self_attn.conv1d.weight'):
+            stem = name[:-len('conv1d.weight')]
+            for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
+                loader.load(f'{stem}{part}_conv1d.weight', piece)
+            return True
+        return load_expert_tensor(loader, name, tensor)

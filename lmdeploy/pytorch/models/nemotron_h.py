@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +38,8 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention, load_weights
+from .base import CausalLM
+from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention
 from .mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
                      mamba2_state_spec)
 from .parallel_plan import ParallelPlan
@@ -393,7 +393,7 @@ def _load_expert(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
     return True
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
     """Nemotron-H causal LM in the engine's layers.
 
     Args:
@@ -403,13 +403,7 @@ class NemotronHForCausalLM(nn.Module):
         ValueError: see :func:`check_config`.
     """
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = NemotronHModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
+    model_class = NemotronHModel
     # every config field transformers' modeling file reads, and what the engine does with it
     # (.config_audit); the attention has no rotary embedding, so no rope field is read
     config_fields = {
@@ -447,7 +441,7 @@ class NemotronHForCausalLM(nn.Module):
         'norm_topk_prob': IMPLEMENTED,
         'routed_scaling_factor': IMPLEMENTED,
     }
-    rotary = False
+    rotary_class = None
     check_config = staticmethod(check_config)
     # Mamba-2 by head and group, attention by head, dense MLPs by row; MoE replicated (NemotronHTPPlan)
     parallel_plan = ParallelPlan(renames=_RENAMES, custom=NemotronHTPPlan)
@@ -472,20 +466,10 @@ class NemotronHForCausalLM(nn.Module):
                 out.append(PagedSpec(()))
         return out
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    def rename_weight(self, name: str) -> str | None:
+        """Published or transformers names (see the module docstring) → ours."""
+        return _rename(name)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring).
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename,
-                     special=_load_expert)
+    def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
+        """Per-expert tensors into the stacked experts."""
+        return _load_expert(loader, name, tensor)

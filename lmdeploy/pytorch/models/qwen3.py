@@ -3,11 +3,9 @@
 Per layer: RMSNorm → attention (per-head RMSNorm on q and k, rotary embedding, GQA over the
 paged KV cache) → residual → RMSNorm → SwiGLU MLP → residual. Weight names follow the
 Hugging Face checkpoint, except that q/k/v and gate/up run as packed projections
-(``qkv_proj``, ``gate_up_proj``) which :meth:`load_weights` fills from the separate tensors.
+(``qkv_proj``, ``gate_up_proj``) which the weight loader fills from the separate tensors.
 """
 from __future__ import annotations
-
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -15,7 +13,8 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
+from .base import CausalLM
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import ParallelPlan
 
 __all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
@@ -124,12 +123,17 @@ def check_config(config) -> None:
                          'supported')
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 causal LM in the engine's layers.
+class Qwen3ForCausalLM(CausalLM):
+    """Qwen3 causal LM in the engine's layers; weights: ``q/k/v_proj`` and ``gate/up_proj`` load
+    into their packed rows, ``lm_head`` is tied when the config says so.
 
     Args:
         config: a ``transformers`` ``Qwen3Config``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
     """
+    model_class = Qwen3Model
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
@@ -138,32 +142,8 @@ class Qwen3ForCausalLM(nn.Module):
     check_config = staticmethod(check_config)
     parallel_plan = ParallelPlan()        # heads, dense MLP and vocabulary split (Megatron-LM)
 
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """One :class:`FullAttentionSpec` per layer."""
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         return [FullAttentionSpec(config.num_key_value_heads, head_dim, dtype)] * config.num_hidden_layers
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into parameters (``q/k/v_proj`` and ``gate/up_proj`` into their
-        packed rows); ties ``lm_head`` when the config says so.
-
-        Raises:
-            KeyError: a checkpoint tensor has no matching parameter.
-            ValueError: a parameter is missing from the checkpoint or has the wrong shape.
-        """
-        load_weights(self, weights, tie_word_embeddings=getattr(self.config, 'tie_word_embeddings', False))

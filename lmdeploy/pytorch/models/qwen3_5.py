@@ -21,7 +21,6 @@ the vision-language ones (``text_config`` + ``vision_config``; weights under
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -29,7 +28,8 @@ from torch import nn
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .base import CausalLM
+from .layers import PackedLinear, RMSNorm, SwiGLUMLP
 from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
 from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
@@ -182,15 +182,15 @@ class ImageInputs:
         return ImageInputs(self.positions.cpu(), self.rows.cpu(), self.embeds.cpu())
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    """Text-only Qwen3.5 (``Qwen3_5ForCausalLM``, config ``Qwen3_5TextConfig``).
+class Qwen3_5ForCausalLM(CausalLM):
+    """Text-only Qwen3.5 (``Qwen3_5ForCausalLM``, config ``Qwen3_5TextConfig``). Weights: drops
+    ``mtp.*`` and ``model.visual.*`` (as ``transformers`` does for this class), and reads
+    ``model.language_model.*`` as ``model.*``.
 
     Raises:
         ValueError: see :func:`check_config`.
     """
-    text_model_cls = Qwen3_5TextModel
-    # ``(loader, name, tensor) -> bool`` for checkpoint tensors with their own layout (experts)
-    load_tensor = None
+    model_class = Qwen3_5TextModel
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
@@ -202,38 +202,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True,
                                  renames=(('model.language_model.', 'model.'),), skipped=('mtp.',))
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = self.text_model_cls(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise."""
         return _text_cache_specs(config, dtype)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; drops ``mtp.*`` and ``model.visual.*`` (as ``transformers``
-        does for this class), and reads ``model.language_model.*`` as ``model.*``.
-
-        Raises:
-            KeyError / ValueError: see :func:`.layers.load_weights`.
-        """
-        def rename(name: str) -> str | None:
-            if name.startswith(('mtp.', 'model.visual.')):
-                return None
-            return name.replace('model.language_model.', 'model.', 1)
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename, self.load_tensor)
+    def rename_weight(self, name: str) -> str | None:
+        if name.startswith(('mtp.', 'model.visual.')):
+            return None
+        return name.replace('model.language_model.', 'model.', 1)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
@@ -279,9 +256,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         check_config(config.get_text_config())
 
     def __init__(self, config):
-        text = config.get_text_config()
-        super().__init__(text)
-        self.config = config
+        super().__init__(config)
         self.visual = Qwen3_5VisionModel(config.vision_config)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
@@ -291,20 +266,13 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         """The text stack's cache specs."""
         return _text_cache_specs(config.get_text_config(), dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in: ``model.language_model.*`` as ``model.*``, ``model.visual.*``
-        as ``visual.*``; drops ``mtp.*``.
-
-        Raises:
-            KeyError / ValueError: see :func:`.layers.load_weights`.
-        """
-        def rename(name: str) -> str | None:
-            if name.startswith('mtp.'):
-                return None
-            if name.startswith('model.visual.'):
-                return name[len('model.'):]
-            return name.replace('model.language_model.', 'model.', 1)
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename, self.load_tensor)
+    def rename_weight(self, name: str) -> str | None:
+        """``model.language_model.*`` as ``model.*``, ``model.visual.*`` as ``visual.*``; drops ``mtp.*``."""
+        if name.startswith('mtp.'):
+            return None
+        if name.startswith('model.visual.'):
+            return name[len('model.'):]
+        return name.replace('model.language_model.', 'model.', 1)
 
     def check_multimodal(self, token_ids: list[int], multimodal) -> None:
         """Reject images the forward could not place.

@@ -61,7 +61,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     Raises:
         ValueError: see :func:`.qwen3_5.check_config`.
     """
-    text_model_cls = Qwen3_5MoeTextModel
+    model_class = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
     mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
     # the router always renormalises its top-k: no norm_topk_prob / decoder_sparse_step / mlp_only_layers
@@ -79,7 +79,7 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     Raises:
         ValueError: see :func:`.qwen3_5.check_config` (on ``text_config``).
     """
-    text_model_cls = Qwen3_5MoeTextModel
+    model_class = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
     mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
     config_fields = {**Qwen3_5ForConditionalGeneration.config_fields, **MOE_FIELDS}

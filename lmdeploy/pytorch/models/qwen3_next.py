@@ -19,7 +19,6 @@ separate tensors); experts may arrive one tensor per expert (published checkpoin
 from __future__ import annotations
 
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from ..kernels import get_kernel
 from ..kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..model_inputs import StepContext
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
+from .base import CausalLM
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, WeightLoader
 from .parallel_plan import ParallelPlan
 from .qwen3 import Qwen3Attention
@@ -306,8 +306,12 @@ def load_expert_tensor(loader: WeightLoader, name: str, tensor: torch.Tensor) ->
     return True
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    """Qwen3-Next causal LM in the engine's layers.
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next causal LM in the engine's layers. Weights: drops ``mtp.*`` (the
+    multi-token-prediction head, loaded by speculative decoding); experts may come fused
+    (``mlp.experts.gate_up_proj`` / ``down_proj``) or per expert
+    (``mlp.experts.{e}.{gate,up,down}_proj.weight``); ``lm_head`` is tied to the embedding when
+    ``tie_word_embeddings`` and the checkpoint has none.
 
     Args:
         config: a ``transformers`` ``Qwen3NextConfig``.
@@ -315,6 +319,7 @@ class Qwen3NextForCausalLM(nn.Module):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    model_class = Qwen3NextModel
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
@@ -335,13 +340,6 @@ class Qwen3NextForCausalLM(nn.Module):
 
     mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise.
@@ -352,28 +350,8 @@ class Qwen3NextForCausalLM(nn.Module):
         check_config(config)
         return hybrid_cache_specs(config, dtype)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    def rename_weight(self, name: str) -> str | None:
+        """Drops ``mtp.*``."""
+        return None if name.startswith('mtp.') else name
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into parameters.
-
-        Drops ``mtp.*`` (multi-token-prediction head, unused here). Experts may come fused
-        (``mlp.experts.gate_up_proj`` / ``down_proj``) or per expert
-        (``mlp.experts.{e}.{gate,up,down}_proj.weight``). Ties ``lm_head`` to the embedding when
-        ``tie_word_embeddings`` and the checkpoint has no ``lm_head.weight``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter (or an expert index is out of range).
-            ValueError: a shape mismatch, or parameters (or expert slices) left unfilled.
-        """
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            if not name.startswith('mtp.') and not load_expert_tensor(loader, name, tensor):
-                loader.load(name, tensor)
-        loader.finish(getattr(self.config, 'tie_word_embeddings', False))
+    load_tensor = staticmethod(load_expert_tensor)

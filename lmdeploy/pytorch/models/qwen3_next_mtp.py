@@ -25,6 +25,7 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec
 from ..model_inputs import StepContext
+from .base import MTPHead
 from .layers import Linear, RMSNorm, WeightLoader
 from .qwen3_next import FULL, Qwen3NextDecoderLayer, _head_dim
 
@@ -41,7 +42,7 @@ def mtp_config(config):
     return cfg
 
 
-class Qwen3NextMTP(nn.Module):
+class Qwen3NextMTP(MTPHead):
     """The ``mtp.*`` module of a Qwen3-Next checkpoint (parameter names without ``mtp.``).
 
     Args:
