@@ -8,10 +8,10 @@ MoE with clamped SwiGLU experts.
     x = embed(ids) copied into hc_mult streams               [T, N, D]
     layer i:  (post, comb, h) = attn_hc(x); x = post * mixer(RMSNorm(h)) + comb^T x
               (post, comb, h) = ffn_hc(x);  x = post * mlp(RMSNorm(h))   + comb^T x
-      mixer = KDA with the safe gate ('linear_attention', :class:`.kimi_linear.KimiDeltaAttention`)
+      mixer = KDA with the safe gate ('linear_attention', :class:`.blocks.kda.KimiDeltaAttention`)
             | DSA ('indexed_attention', :class:`.glm5_next_layers.DSAAttention`); an
               indexer_types 'shared' layer reuses the previous 'full' layer's selection
-      mlp   = KimiMoE router + clamped experts + clamped shared experts ('sparse') | clamped SwiGLU
+      mlp   = GroupLimitedMoE router + clamped experts + clamped shared experts ('sparse') | clamped SwiGLU
     out = RMSNorm(mean over the streams)
 
 Caches: a KDA layer keeps Kimi's four-tensor state; a DSA layer a :class:`PagedSpec` of the
@@ -32,15 +32,16 @@ import re
 import torch
 from torch import nn
 
-from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
+from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.kda import KDATPSplit, KimiDeltaAttention, kda_state_spec
+from .blocks.moe import GroupLimitedMoE, load_expert_tensor
+from .blocks.vision import check_image_spans
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .glm5_next_layers import ClampedExperts, ClampedSwiGLUMLP, DSAAttention, HyperConnection
-from .kimi_linear import KimiDeltaAttention, KimiLinearTPPlan, KimiMoE
-from .base import CausalLM
 from .layers import Linear, RMSNorm
 from .parallel_plan import ParallelPlan
-from .qwen3_next import load_expert_tensor
 
 __all__ = ['Glm5NextForCausalLM', 'Glm5NextForConditionalGeneration', 'check_config']
 
@@ -84,7 +85,7 @@ def check_config(config) -> None:
                          f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
 
 
-class Glm5NextMoE(KimiMoE):
+class Glm5NextMoE(GroupLimitedMoE):
     """Kimi-Linear's router (sigmoid + correction bias, group-limited top-k, renormalised,
     scaled) over experts and shared experts whose SwiGLU clamps at ``swiglu_limit``."""
 
@@ -148,13 +149,12 @@ class Glm5NextModel(nn.Module):
         return self.norm(x.mean(dim=1))
 
 
-_A_LOG = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?A_log$')
 _DSA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_b_proj|kv_b_proj|o_proj)\.weight$')
 
 
-class Glm5NextTPPlan(KimiLinearTPPlan):
-    """Tensor-parallel split: KDA by head as :class:`.kimi_linear.KimiLinearTPPlan` (``A_log``
-    is ``[H]`` here); DSA by query head (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj``
+class Glm5NextTPPlan(KDATPSplit):
+    """Tensor-parallel split: KDA by head (:class:`~.blocks.kda.KDATPSplit`; ``A_log`` is
+    ``[H]`` here); DSA by query head (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj``
     columns) with its latent producers and the whole indexer replicated, so the cached
     ``latent`` and ``index_keys`` are the same on every rank (stored once); mHC, MoE and dense
     MLPs replicated.
@@ -162,6 +162,8 @@ class Glm5NextTPPlan(KimiLinearTPPlan):
     Raises:
         ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
     """
+
+    a_log_dim = 0
 
     def __init__(self, config, rank: int, size: int):
         super().__init__(config.get_text_config(), rank, size)
@@ -184,13 +186,13 @@ class Glm5NextTPPlan(KimiLinearTPPlan):
             # like the target's DSA layers, the rest (norms, eh_proj, indexer, MoE) is whole
             m = _DSA_ROWS.match(name)
             return self._dsa_rows(m.group(2)) if m and int(m.group(1)) == c.num_hidden_layers else None
-        m = _A_LOG.match(name)
-        if m and c.layer_types[int(m.group(1))] == LINEAR:
-            return 0, (self.heads,)
+        kda = self.kda_shard(name)
+        if kda is not None:
+            return kda
         m = _DSA_ROWS.match(name)
         if m and c.layer_types[int(m.group(1))] == INDEXED:
             return self._dsa_rows(m.group(2))
-        return super().shard(name)
+        return None
 
     def _dsa_rows(self, part: str):
         c, (q0, q1) = self.config, self.q_heads
@@ -208,10 +210,7 @@ def _tp_split(config, rank: int, size: int) -> Glm5NextTPPlan:
 def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
     config = config.get_text_config()
     check_config(config)
-    H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
-    kda = StateSpec(tuple(CacheTensor(name, (H, d, K - 1), dtype, 'v_heads') for name in
-                          ('q_conv', 'k_conv', 'v_conv')) +
-                    (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+    kda = kda_state_spec(config, dtype)
     latent = CacheTensor('latent', (config.kv_lora_rank,), dtype, None)
     keys = CacheTensor('index_keys', (2 * config.index_head_dim,), dtype, None)
     full, shared = PagedSpec((latent, keys)), PagedSpec((latent,))
@@ -376,7 +375,6 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
                 ``image_grid_thw``, a span length other than the image's token count, or a span
                 not made only of ``config.image_token_id``.
         """
-        from .qwen3_5_vision import check_image_spans
         check_image_spans(token_ids, multimodal, self.image_token_id, self.merge)
 
     def image_inputs(self, seqs, history_lens: list[int], q_seqlens: list[int], q_start_loc: list[int]):

@@ -46,8 +46,8 @@ from torch import nn
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
 from .base import MTPHead
+from .blocks.moe import load_expert_tensor
 from .layers import Linear, RMSNorm, WeightLoader
-from .qwen3_next import load_expert_tensor
 
 __all__ = ['Glm5NextMTP', 'nextn_config']
 

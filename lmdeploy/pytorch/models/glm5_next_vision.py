@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocks.vision import VisionAttention
 from .glm5_next_layers import clamped_swiglu
 from .layers import RMSNorm
 
@@ -40,11 +41,6 @@ class ImageRows:
         return ImageRows(self.rows.cpu(), self.embeds.cpu())
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class _ClampedMLP(nn.Module):
     def __init__(self, dim: int, inner: int, limit: float, bias: bool):
         super().__init__()
@@ -57,36 +53,12 @@ class _ClampedMLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class _Attention(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.heads = cfg.num_heads
-        self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.attention_bias)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: list[int]) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
-        q, k = self.q_norm(q), self.k_norm(k)
-        c, s = cos[:, None].float(), sin[:, None].float()
-        q = (q.float() * c + _rotate_half(q.float()) * s).to(v.dtype)
-        k = (k.float() * c + _rotate_half(k.float()) * s).to(v.dtype)
-        out = torch.empty_like(v)
-        for a, b in zip(cu[:-1], cu[1:]):
-            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                      v[a:b].transpose(0, 1)).transpose(0, 1)
-        return self.proj(out.reshape(n, -1))
-
-
 class _Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = _Attention(cfg)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads, bias=cfg.attention_bias, qk_norm_eps=cfg.rms_norm_eps)
         self.mlp = _ClampedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, cfg.attention_bias)
 
     def forward(self, x, cos, sin, cu):

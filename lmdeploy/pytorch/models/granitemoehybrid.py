@@ -30,12 +30,12 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .base import CausalLM
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .blocks.moe import FusedExperts
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
 from .parallel_plan import ParallelPlan
-from .qwen3_next import FusedExperts
 
 __all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
 
@@ -227,7 +227,7 @@ class GraniteMoeHybridTPPlan:
 
     Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
     its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV heads.
-    Mamba-2 by head and group (:class:`~.mamba2.Mamba2TPSplit`; fewer groups than ranks, as in
+    Mamba-2 by head and group (:class:`~.blocks.mamba2.Mamba2TPSplit`; fewer groups than ranks, as in
     the published ``mamba_n_groups = 1``: the group's ``B`` / ``C`` copied to every rank of its
     heads, its norm all-reduced). The shared MLP by intermediate
     rows (``input_linear``'s gate and up rows, ``output_linear``'s columns, all-reduce). The
@@ -355,7 +355,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Per layer: the Mamba-2 state (:func:`~.mamba2.mamba2_state_spec`: conv
+        """Per layer: the Mamba-2 state (:func:`~.blocks.mamba2.mamba2_state_spec`: conv
         ``[conv_dim, d_conv - 1]`` in ``dtype``, SSM ``[heads, d_head, d_state]`` float32) or a
         :class:`FullAttentionSpec` (KV heads x head_dim per token).
 

@@ -37,11 +37,11 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .base import CausalLM
-from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention
-from .mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
+from .blocks.mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
                      mamba2_state_spec)
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention
 from .parallel_plan import ParallelPlan
 
 __all__ = ['NemotronHForCausalLM', 'NemotronHAttention', 'NemotronHMoE', 'check_config', 'mamba2_dims']
@@ -62,7 +62,7 @@ def check_config(config) -> None:
             ``mamba_hidden_act`` (not ``'silu'``), ``mlp_hidden_act`` (not ``'relu2'``),
             ``n_groups`` (must divide ``mamba_num_heads``), ``n_group`` / ``topk_group``
             (expert groups of >= 2, ``topk_group`` in ``[1, n_group]``), ``time_step_limit``
-            (the default ``(0, inf)`` only, see :func:`~.mamba2.check_time_step_limit`).
+            (the default ``(0, inf)`` only, see :func:`~.blocks.mamba2.check_time_step_limit`).
     """
     types = _block_types(config)
     if not types or any(t not in BLOCK_TYPES for t in types):
@@ -265,7 +265,7 @@ _LAYER = re.compile(r'^model\.layers\.(\d+)\.mixer\.(.+)$')
 class NemotronHTPPlan:
     """How Nemotron-H splits over ``size`` tensor-parallel ranks (Megatron-style).
 
-    Mamba-2 blocks by head and group (:class:`~.mamba2.Mamba2TPSplit`; fewer groups than ranks:
+    Mamba-2 blocks by head and group (:class:`~.blocks.mamba2.Mamba2TPSplit`; fewer groups than ranks:
     a group's ``B`` / ``C`` copied to the ranks of its heads, its norm all-reduced): ``in_proj`` rows,
     ``conv1d`` channels, per-head parameters, ``norm`` channels, ``out_proj`` columns);
     attention by query head (``q_proj`` rows, ``o_proj`` columns) and KV head (``k_proj`` /
@@ -448,7 +448,7 @@ class NemotronHForCausalLM(CausalLM):
 
     @staticmethod
     def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Per block: Mamba-2 a state spec (:func:`~.mamba2.mamba2_state_spec`), attention a
+        """Per block: Mamba-2 a state spec (:func:`~.blocks.mamba2.mamba2_state_spec`), attention a
         :class:`FullAttentionSpec`, MLP / MoE an empty :class:`PagedSpec` (nothing cached).
 
         Raises:

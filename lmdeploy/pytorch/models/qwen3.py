@@ -14,58 +14,11 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS
 from .base import CausalLM
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+from .blocks.attention import QKNormAttention
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from .parallel_plan import ParallelPlan
 
-__all__ = ['Qwen3ForCausalLM', 'Qwen3Attention']
-
-
-class Qwen3Attention(nn.Module):
-    """Self-attention with q/k RMSNorm and rotary embedding over the paged KV cache.
-
-    Args:
-        config: HF config (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
-            ``head_dim``, ``rms_norm_eps``, ``attention_bias``).
-        layer_idx: index into ``StepContext.kv_caches``.
-        output_gate: Qwen3-Next's gated attention: ``q_proj`` also emits a per-channel gate and
-            the output is ``attn * sigmoid(gate)``.
-        zero_centered_norm: q/k norms store ``w - 1`` (Qwen3-Next).
-    """
-
-    def __init__(self, config, layer_idx: int, output_gate: bool = False, zero_centered_norm: bool = False):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // self.num_heads
-        self.output_gate = output_gate
-        bias = getattr(config, 'attention_bias', False)
-        q_out = self.num_heads * self.head_dim * (2 if output_gate else 1)
-        kv_out = self.num_kv_heads * self.head_dim
-        # one matmul for q, k and v; the checkpoint's q_proj / k_proj / v_proj fill its rows
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': q_out, 'k_proj': kv_out, 'v_proj': kv_out},
-                                     bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward_split(hidden)
-        gate = None
-        if self.output_gate:
-            q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(T, -1)
-        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+__all__ = ['Qwen3ForCausalLM']
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -73,7 +26,7 @@ class Qwen3DecoderLayer(nn.Module):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_idx)
+        self.self_attn = QKNormAttention(config, layer_idx)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

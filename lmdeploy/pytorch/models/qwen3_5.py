@@ -27,14 +27,14 @@ from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
-from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .base import CausalLM
+from .blocks.attention import QKNormAttention
+from .blocks.gated_delta_net import LINEAR, GatedDeltaNet, check_hybrid_config, hybrid_cache_specs
+from .blocks.vision import check_image_spans
+from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import PackedLinear, RMSNorm, SwiGLUMLP
 from .parallel_plan import ParallelPlan
-from .qwen3 import Qwen3Attention
-from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
-from .qwen3_next import check_config as _check_hybrid
-from .qwen3_5_vision import Qwen3_5VisionModel, check_image_spans, mrope_positions
+from .qwen3_5_vision import Qwen3_5VisionModel, mrope_positions
 from .rope import RotaryEmbedding
 
 __all__ = ['Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'MRotaryEmbedding', 'ImageInputs', 'check_config']
@@ -47,7 +47,7 @@ def check_config(config) -> None:
         ValueError: naming the field (``layer_types``, ``linear_num_value_heads``, ``hidden_act``,
             ``rope_parameters.mrope_section``; rope fields: see :mod:`.rope`).
     """
-    _check_hybrid(config)
+    check_hybrid_config(config)
     rope = MRotaryEmbedding(config)
     sections = rope.mrope_section
     if len(sections) != 3 or any(not isinstance(s, int) or s < 0 for s in sections):
@@ -89,7 +89,7 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):
-    """Gated DeltaNet as in :class:`.qwen3_next.GatedDeltaNet`, with Qwen3.5's projections:
+    """Gated DeltaNet as in :class:`.blocks.gated_delta_net.GatedDeltaNet`, with Qwen3.5's projections:
     ``in_proj_qkv`` gives ``[q all heads | k all heads | v all heads]`` (the conv's channel order
     directly), ``in_proj_z`` ``[Hv * dv]``, ``in_proj_b`` and ``in_proj_a`` ``[Hv]`` each; the
     four are packed into one matmul."""
@@ -115,7 +115,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         if self.layer_type == LINEAR:
             self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
         else:
-            self.self_attn = Qwen3Attention(config, layer_idx, output_gate=True, zero_centered_norm=True)
+            self.self_attn = QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)

@@ -17,7 +17,8 @@ per-family branches:
 =====================================  =================================================
 
 Heads today: Qwen3-Next / Qwen3.5-MoE (``mtp.*``,
-:class:`~lmdeploy.pytorch.models.qwen3_next_mtp.Qwen3NextMTP`) and GLM-5.3-Flash's NextN layer
+:class:`~lmdeploy.pytorch.models.qwen3_next_mtp.Qwen3NextMTP` /
+:class:`~lmdeploy.pytorch.models.qwen3_5_moe.Qwen3_5MoeMTP`) and GLM-5.3-Flash's NextN layer
 (``model.layers.{num_hidden_layers}.*``, :class:`~lmdeploy.pytorch.models.glm5_next_mtp.Glm5NextMTP`).
 
 For position ``t`` a head reads the target model's final hidden state at ``t`` and the token
