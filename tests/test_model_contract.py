@@ -34,7 +34,7 @@ def test_every_model_class_keeps_the_contract(model_type):
     assert cls.parallel_plan is None or isinstance(cls.parallel_plan, ParallelPlan)
     assert cls.rotary_class is None or issubclass(cls.rotary_class, torch.nn.Module)
     assert cls.config_fields and set(cls.config_fields.values()) <= {'implemented', 'checked', 'inert'}
-    assert cls.cache_specs is not CausalLM.cache_specs, 'a model class says what its layers cache'
+    assert cls.layer_cache_specs is not CausalLM.layer_cache_specs, 'a model class says what its layers cache'
     if cls.mtp_head is not None:
         module, name = cls.mtp_head.split(':')
         head = getattr(importlib.import_module(f'lmdeploy.pytorch.models.{module}'), name)

@@ -10,13 +10,13 @@ speculative decoding read these declarations; none of them probes a model with `
     capability          declared as                       default (the family has none)
     config audit        config_fields, check_config       {} / accepts every config
     rope fields         rotary_class                      RotaryEmbedding (None: reads no rope field)
-    caches              cache_specs(config, dtype)        (required)
+    caches              layer_cache_specs(config, dtype)  (required; cache_specs checks the config first)
     tensor parallelism  parallel_plan                     None: tp=1 only
     MTP head            mtp_head ('module:Class')         None: no speculative MTP
     images              supports_images, image_inputs,    False / None / refuses images
                         forward_images, check_multimodal
 
-A family writes its decoder stack (``model_class``), its ``check_config`` and ``cache_specs``,
+A family writes its decoder stack (``model_class``), its ``check_config`` and ``layer_cache_specs``,
 and overrides only what differs (``rename_weight`` / ``load_tensor`` for checkpoint layouts,
 ``compute_logits`` for a logit scale, the image methods for a vision tower).
 """
@@ -71,9 +71,20 @@ class CausalLM(nn.Module):
         """Refuse a config this class cannot run exactly (``ValueError`` naming the field);
         the base accepts every config."""
 
+    @classmethod
+    def cache_specs(cls, config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """What each layer caches (one :class:`LayerCacheSpec` per layer, cached tensors in
+        ``dtype`` unless a spec says otherwise), for ``config`` or a rank's local config.
+
+        Raises:
+            ValueError: what :meth:`check_config` refuses (names the field).
+        """
+        cls.check_config(config)
+        return cls.layer_cache_specs(config, dtype)
+
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """What each layer caches (one :class:`LayerCacheSpec` per layer), for ``dtype``."""
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """:meth:`cache_specs` of a config :meth:`check_config` accepted (the family's own)."""
         raise NotImplementedError
 
     def __init__(self, config):

@@ -202,14 +202,8 @@ class Glm5NextTPPlan(KDATPSplit):
         return 0, ((q0 * per, q1 * per),)
 
 
-def _tp_split(config, rank: int, size: int) -> Glm5NextTPPlan:
-    check_config(config)
-    return Glm5NextTPPlan(config, rank, size)
-
-
 def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
     config = config.get_text_config()
-    check_config(config)
     kda = kda_state_spec(config, dtype)
     latent = CacheTensor('latent', (config.kv_lora_rank,), dtype, None)
     keys = CacheTensor('index_keys', (2 * config.index_head_dim,), dtype, None)
@@ -271,10 +265,10 @@ class Glm5NextForCausalLM(CausalLM):
     }
     rotary_class = None       # NoPE: no rope field is read
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
+    parallel_plan = ParallelPlan(custom=Glm5NextTPPlan)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: a KDA :class:`StateSpec` (``q_conv``, ``k_conv``, ``v_conv``
         ``[H, d, kernel - 1]`` in ``dtype``, ``recurrent [H, d, d]`` float32, split by head) or
         a DSA :class:`PagedSpec`: ``latent [kv_lora_rank]`` and, for an ``indexer_types``
@@ -348,7 +342,7 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
         'rope_parameters': CHECKED,
     }
     # the vision tower runs on rank 0 only (its output is broadcast with the step)
-    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size),
+    parallel_plan = ParallelPlan(custom=Glm5NextTPPlan,
                                  renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),
                                  rank0_modules=('visual',))
 

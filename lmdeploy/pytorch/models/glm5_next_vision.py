@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks.vision import VisionAttention
+from .blocks.vision import VisionAttention, merge_block_order
 from .glm5_next_layers import clamped_swiglu
 from .layers import RMSNorm
 
@@ -122,13 +122,6 @@ class Glm5NextVisionModel(nn.Module):
         self.downsample = nn.Conv2d(cfg.hidden_size, cfg.out_hidden_size, kernel_size=self.merge, stride=self.merge)
         self.merger = _Merger(cfg)
 
-    def _block_order(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, col) int64 ``[h * w]`` of each patch in spatial-merge-block order."""
-        m = self.merge
-        rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        return rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
-
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` float ``[P, C * tp * p * p]`` (patches in the processor's
         block-major order), ``grid_thw`` int64 ``[N, 3]`` → ``[sum t*h*w / m^2, out_hidden_size]``."""
@@ -136,7 +129,7 @@ class Glm5NextVisionModel(nn.Module):
         x = self.patch_embed(pixel_values)
         rc, cu = [], [0]
         for t, h, w in grid_thw.reshape(-1, 3).tolist():
-            rows, cols = self._block_order(h, w)
+            rows, cols = merge_block_order(h, w, self.merge)
             rc.append(torch.stack([rows, cols], -1).repeat(t, 1))
             cu.extend(cu[-1] + h * w * (i + 1) for i in range(t))
         angles = torch.cat(rc).to(dev).float()[..., None] * self.inv_freq.to(dev)   # [P, 2, half / 2]

@@ -242,7 +242,6 @@ class GraniteMoeHybridTPPlan:
     row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'), ('mamba', 'out_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         self.kinds = layer_kinds(config)
         for field in ('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'):
@@ -302,10 +301,6 @@ class GraniteMoeHybridTPPlan:
         return None
 
 
-def _tp_split(config, rank: int, size: int) -> GraniteMoeHybridTPPlan:
-    return GraniteMoeHybridTPPlan(config, rank, size)
-
-
 class GraniteMoeHybridForCausalLM(CausalLM):
     """Granite-4.0-H causal LM in the engine's layers.
 
@@ -345,7 +340,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     rotary_class = None       # check_config builds the rotary table itself, only with RoPE
     check_config = staticmethod(check_config)
     # attention and shared MLP by head / rows, Mamba-2 by head and group, experts replicated
-    parallel_plan = ParallelPlan(custom=_tp_split)
+    parallel_plan = ParallelPlan(custom=GraniteMoeHybridTPPlan)
 
     model_class = GraniteMoeHybridModel
 
@@ -354,7 +349,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         self.logits_scaling = float(config.logits_scaling)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: the Mamba-2 state (:func:`~.blocks.mamba2.mamba2_state_spec`: conv
         ``[conv_dim, d_conv - 1]`` in ``dtype``, SSM ``[heads, d_head, d_state]`` float32) or a
         :class:`FullAttentionSpec` (KV heads x head_dim per token).
@@ -362,7 +357,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         mamba = mamba2_state_spec(mamba_dims(config), dtype)
         full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
         return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]

@@ -238,13 +238,6 @@ _RENAMES = [
 ]
 
 
-def _tp_split(config, rank: int, size: int) -> KimiLinearTPPlan:
-    """This rank's split under tensor parallelism (:class:`KimiLinearTPPlan`), after the
-    config checks (ValueError naming the field)."""
-    check_config(config)
-    return KimiLinearTPPlan(config, rank, size)
-
-
 class KimiLinearForCausalLM(CausalLM):
     """Kimi-Linear causal LM in the engine's layers.
 
@@ -284,10 +277,10 @@ class KimiLinearForCausalLM(CausalLM):
     rotary_class = None
     check_config = staticmethod(check_config)
     # KDA by head, MLA by query head with the latent replicated (KimiLinearTPPlan)
-    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
+    parallel_plan = ParallelPlan(custom=KimiLinearTPPlan)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: a KDA :class:`StateSpec` (``q_conv``, ``k_conv``, ``v_conv``
         ``[H, d, kernel - 1]`` in ``dtype``, ``recurrent [H, d, d]`` float32, all split by head)
         or an MLA :class:`PagedSpec` (``latent [kv_lora_rank + qk_rope_head_dim]`` per token,
@@ -296,7 +289,6 @@ class KimiLinearForCausalLM(CausalLM):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         kda = kda_state_spec(config, dtype)
         mla = PagedSpec((CacheTensor('latent', (config.kv_lora_rank + config.qk_rope_head_dim,), dtype, None),))
         return [kda if t == LINEAR else mla for t in config.layer_types]

@@ -40,6 +40,7 @@ from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
                      mamba2_state_spec)
+from .blocks.moe import group_limited_route
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention
 from .parallel_plan import ParallelPlan
@@ -197,17 +198,8 @@ class NemotronHMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` → ``(weights [T, k] float32, expert index [T, k])``."""
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        choice = scores + self.gate.e_score_correction_bias.float()
-        T = x.shape[0]
-        best_two = choice.view(T, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)            # [T, groups]
-        kept = torch.zeros_like(best_two).scatter_(1, best_two.topk(self.topk_group, dim=-1)[1], 1).bool()
-        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1), float('-inf'))
-        index = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, index)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, index
+        return group_limited_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.n_group,
+                                   self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
@@ -283,7 +275,6 @@ class NemotronHTPPlan:
     row_parallel = (('mixer', 'out_proj'), ('mixer', 'o_proj'), ('mixer', 'down_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         self.types = _block_types(config)
         self.mamba = Mamba2TPSplit(mamba2_dims(config), rank, size, 'mamba_num_heads', 'n_groups') \
@@ -447,14 +438,13 @@ class NemotronHForCausalLM(CausalLM):
     parallel_plan = ParallelPlan(renames=_RENAMES, custom=NemotronHTPPlan)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per block: Mamba-2 a state spec (:func:`~.blocks.mamba2.mamba2_state_spec`), attention a
         :class:`FullAttentionSpec`, MLP / MoE an empty :class:`PagedSpec` (nothing cached).
 
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         out = []
         for kind in _block_types(config):

@@ -96,7 +96,7 @@ class Qwen3ForCausalLM(CausalLM):
     parallel_plan = ParallelPlan()        # heads, dense MLP and vocabulary split (Megatron-LM)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """One :class:`FullAttentionSpec` per layer."""
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         return [FullAttentionSpec(config.num_key_value_heads, head_dim, dtype)] * config.num_hidden_layers

@@ -159,11 +159,6 @@ class Qwen3_5TextModel(nn.Module):
         return self.norm(hidden)
 
 
-def _text_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-    check_config(config)
-    return hybrid_cache_specs(config, dtype)
-
-
 @dataclass
 class ImageInputs:
     """A forward's image inputs (:meth:`Qwen3_5ForConditionalGeneration.image_inputs`).
@@ -203,9 +198,9 @@ class Qwen3_5ForCausalLM(CausalLM):
                                  renames=(('model.language_model.', 'model.'),), skipped=('mtp.',))
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise."""
-        return _text_cache_specs(config, dtype)
+        return hybrid_cache_specs(config, dtype)
 
     def rename_weight(self, name: str) -> str | None:
         if name.startswith(('mtp.', 'model.visual.')):
@@ -262,9 +257,9 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         self.merge = int(config.vision_config.spatial_merge_size)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """The text stack's cache specs."""
-        return _text_cache_specs(config.get_text_config(), dtype)
+        return hybrid_cache_specs(config.get_text_config(), dtype)
 
     def rename_weight(self, name: str) -> str | None:
         """``model.language_model.*`` as ``model.*``, ``model.visual.*`` as ``visual.*``; drops ``mtp.*``."""

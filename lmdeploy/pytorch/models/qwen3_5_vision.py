@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks.vision import VisionAttention, merged_grid
+from .blocks.vision import VisionAttention, merge_block_order, merged_grid
 
 __all__ = ['Qwen3_5VisionModel', 'mrope_positions']
 
@@ -148,13 +148,6 @@ class Qwen3_5VisionModel(nn.Module):
         self.blocks = nn.ModuleList(_VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = _Merger(cfg)
 
-    def _block_order(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, col) int64 ``[h * w]`` of each patch in spatial-merge-block order."""
-        m = self.merge
-        rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        return rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
-
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` float ``[P, C * tp * p * p]`` of one or more images, ``grid_thw``
         int64 ``[N, 3]`` → merged embeddings ``[sum t*h*w / m^2, out_hidden_size]`` (images in order)."""
@@ -163,7 +156,7 @@ class Qwen3_5VisionModel(nn.Module):
         table = self.pos_embed.weight.float().t().reshape(1, -1, self.side, self.side)
         pos, rc, cu = [], [], [0]
         for t, h, w in grid_thw.reshape(-1, 3).tolist():
-            rows, cols = self._block_order(h, w)
+            rows, cols = merge_block_order(h, w, self.merge)
             # the learned side x side table, resampled to the image's h x w (corners aligned)
             grid = F.interpolate(table, size=(h, w), mode='bilinear', align_corners=True)[0]
             pos.append(grid[:, rows.to(dev), cols.to(dev)].t().repeat(t, 1))

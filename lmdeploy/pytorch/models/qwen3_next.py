@@ -127,13 +127,8 @@ class Qwen3NextForCausalLM(CausalLM):
     mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise.
-
-        Raises:
-            ValueError: see :func:`check_config`.
-        """
-        check_config(config)
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise."""
         return hybrid_cache_specs(config, dtype)
 
     def rename_weight(self, name: str) -> str | None:

@@ -16,7 +16,7 @@ from ...kernels import get_kernel
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..layers import Linear, SwiGLUMLP, WeightLoader
 
-__all__ = ['FusedExperts', 'SparseMoeBlock', 'GroupLimitedMoE', 'load_expert_tensor']
+__all__ = ['FusedExperts', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor']
 
 
 class FusedExperts(nn.Module):
@@ -105,6 +105,36 @@ def load_expert_tensor(loader: WeightLoader, name: str, tensor: torch.Tensor) ->
     return True
 
 
+def group_limited_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
+                        top_k: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3 router (DeepSeek-V3 technical report, 2024), in float32.
+
+    ``s = sigmoid(x W^T)``; experts are chosen with ``s + bias``: keep the ``topk_group`` of the
+    ``n_group`` equal groups with the largest sum of their two best scores, then the top ``k``
+    experts there; each chosen expert is weighted by its ``s`` (not the biased score),
+    renormalised to sum 1 when ``norm_topk_prob``, times ``scaling``.
+
+    Args:
+        x: ``[T, hidden]``.
+        weight: the router ``[E, hidden]``; bias: the score correction ``[E]``.
+
+    Returns:
+        ``(weights [T, k] float32, expert index [T, k] int64)``.
+    """
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    choice = scores + bias.float()
+    T, E = x.shape[0], weight.shape[0]
+    group_scores = choice.view(T, n_group, -1).topk(2, dim=-1)[0].sum(-1)            # [T, groups]
+    groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float('-inf'))
+    index = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, index
+
+
 class GroupLimitedMoE(nn.Module):
     """DeepSeek-V3-style MoE: sigmoid router with a score-correction bias and group-limited
     top-k, weights renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``,
@@ -128,18 +158,8 @@ class GroupLimitedMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` → ``(weights [T, k] float32, expert index [T, k])``."""
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        choice = scores + self.gate.e_score_correction_bias.float()
-        T = x.shape[0]
-        group_scores = choice.view(T, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)
-        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
-        choice = choice.masked_fill(~mask.repeat_interleave(self.num_experts // self.n_group, dim=1), float('-inf'))
-        index = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, index)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, index
+        return group_limited_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.n_group,
+                                   self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""

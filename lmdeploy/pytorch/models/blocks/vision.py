@@ -13,13 +13,21 @@ from torch import nn
 
 from ..layers import RMSNorm
 
-__all__ = ['VisionAttention', 'check_image_spans', 'merged_grid', 'rotate_half']
+__all__ = ['VisionAttention', 'check_image_spans', 'merge_block_order', 'merged_grid', 'rotate_half']
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[..., 2r]`` → ``[..., 2r]``: ``(a, b)`` halves → ``(-b, a)`` (the rotary pair swap)."""
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
+
+
+def merge_block_order(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) int64 ``[h * w]`` of each patch of an ``h x w`` grid in spatial-merge-block
+    order: the ``m x m`` patches that merge into one token are consecutive, blocks row-major."""
+    rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+    cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+    return rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
 
 
 class VisionAttention(nn.Module):
