@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks.vision import VisionAttention, merge_block_order
+from .blocks.vision import PatchEmbed, VisionAttention, merge_block_order
 from .glm5_next_layers import clamped_swiglu
 from .layers import RMSNorm
 
@@ -66,17 +66,6 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class _PatchEmbed(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
-
-
 class _Merger(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -116,7 +105,7 @@ class Glm5NextVisionModel(nn.Module):
         # a plain CPU attribute, not a buffer: real even when the model is built on the meta device
         self.inv_freq = 1.0 / (float(rope.get('rope_theta', 10000.0)) **
                                (torch.arange(0, half, 2, dtype=torch.float, device='cpu') / half))
-        self.patch_embed = _PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.depth))
         self.post_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.downsample = nn.Conv2d(cfg.hidden_size, cfg.out_hidden_size, kernel_size=self.merge, stride=self.merge)

@@ -28,8 +28,7 @@ from torch import nn
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.attention import QKNormAttention
-from .blocks.gated_delta_net import LINEAR, GatedDeltaNet, check_hybrid_config, hybrid_cache_specs
+from .blocks.gated_delta_net import GatedDeltaNet, HybridDecoderLayer, check_hybrid_config, hybrid_cache_specs
 from .blocks.vision import check_image_spans
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import PackedLinear, RMSNorm, SwiGLUMLP
@@ -106,28 +105,13 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
         return mixed, z.reshape(hidden.shape[0], self.num_v_heads, self.head_v_dim), b, a
 
 
-class Qwen3_5DecoderLayer(nn.Module):
-    """Pre-norm layer: Gated DeltaNet or gated attention (by ``layer_types``), then a dense SwiGLU."""
+class Qwen3_5DecoderLayer(HybridDecoderLayer):
+    """Gated DeltaNet (Qwen3.5's projections) or gated attention (``layer_types``), then ``mlp``
+    (default: a dense SwiGLU)."""
 
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == LINEAR:
-            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, hidden, cos, sin, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``, each sub-block with a residual."""
-        normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR:
-            hidden = hidden + self.linear_attn(normed, ctx)
-        else:
-            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def __init__(self, config, layer_idx: int, mlp: nn.Module | None = None):
+        mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size) if mlp is None else mlp
+        super().__init__(config, layer_idx, mlp, Qwen3_5GatedDeltaNet)
 
 
 class Qwen3_5TextModel(nn.Module):

@@ -20,17 +20,11 @@ The multi-token-prediction head (``mtp.*``) is :class:`Qwen3_5MoeMTP`: the Qwen3
 """
 from __future__ import annotations
 
-from torch import nn
-
-from .blocks.attention import QKNormAttention
-from .blocks.gated_delta_net import LINEAR
 from .blocks.moe import SparseMoeBlock, load_expert_tensor
 from .blocks.mtp import DecoderLayerMTP
 from .config_audit import MOE_FIELDS
-from .layers import RMSNorm
 from .parallel_plan import ParallelPlan
-from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, \
-    Qwen3_5GatedDeltaNet, Qwen3_5TextModel
+from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextModel
 
 __all__ = ['Qwen3_5MoeForCausalLM', 'Qwen3_5MoeForConditionalGeneration', 'Qwen3_5MoeDecoderLayer']
 
@@ -40,15 +34,7 @@ class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
     MoE block (renormalised top-k, sigmoid-gated shared expert)."""
 
     def __init__(self, config, layer_idx: int):
-        nn.Module.__init__(self)
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == LINEAR:
-            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
-        self.mlp = SparseMoeBlock(config, norm_topk_prob=True)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        super().__init__(config, layer_idx, SparseMoeBlock(config, norm_topk_prob=True))
 
 
 class Qwen3_5MoeMTP(DecoderLayerMTP):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks.vision import VisionAttention, merge_block_order, merged_grid
+from .blocks.vision import PatchEmbed, VisionAttention, merge_block_order, merged_grid
 
 __all__ = ['Qwen3_5VisionModel', 'mrope_positions']
 
@@ -87,21 +87,6 @@ class _VisionBlock(nn.Module):
         return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
 
 
-class _PatchEmbed(nn.Module):
-    """A patch (``C x tp x p x p`` values, as flattened by the processor) → ``[hidden]``: the
-    checkpoint's Conv3d with kernel = stride = patch, i.e. one matmul per patch."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=(cfg.temporal_patch_size,
-                              cfg.patch_size, cfg.patch_size), stride=(cfg.temporal_patch_size, cfg.patch_size,
-                              cfg.patch_size), bias=True)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
-
-
 class _Merger(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -143,7 +128,7 @@ class Qwen3_5VisionModel(nn.Module):
         # a plain float32 CPU attribute, not a buffer: real even when built on the meta device
         self.inv_freq = 1.0 / (float(rope.get('rope_theta', 10000.0)) **
                                (torch.arange(0, quarter, 2, dtype=torch.float, device='cpu') / quarter))
-        self.patch_embed = _PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(_VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = _Merger(cfg)

@@ -24,8 +24,7 @@ from torch import nn
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.attention import QKNormAttention
-from .blocks.gated_delta_net import LINEAR, GatedDeltaNet, check_hybrid_config, hybrid_cache_specs
+from .blocks.gated_delta_net import HybridDecoderLayer, check_hybrid_config, hybrid_cache_specs
 from .blocks.moe import SparseMoeBlock, load_expert_tensor
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -46,31 +45,15 @@ def has_dense_mlp(config) -> bool:
                for i in range(config.num_hidden_layers))
 
 
-class Qwen3NextDecoderLayer(nn.Module):
-    """Pre-norm layer: token mixer chosen by ``layer_types[layer_idx]``, then MoE or dense MLP."""
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
+    """Gated DeltaNet or gated attention (``layer_types``), then the sparse MoE, or a dense SwiGLU
+    for ``mlp_only_layers`` / layers off the ``decoder_sparse_step`` grid."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
         sparse = (layer_idx not in (config.mlp_only_layers or []) and config.num_experts > 0
                   and (layer_idx + 1) % config.decoder_sparse_step == 0)
-        self.mlp = SparseMoeBlock(config) if sparse else SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, hidden, cos, sin, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``: Gated DeltaNet (state in ``ctx``'s slots) or gated
-        attention (KV in ``ctx``'s blocks), then the MLP / MoE, each with a residual."""
-        normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR:
-            hidden = hidden + self.linear_attn(normed, ctx)
-        else:
-            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        mlp = SparseMoeBlock(config) if sparse else SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        super().__init__(config, layer_idx, mlp)
 
 
 class Qwen3NextModel(nn.Module):

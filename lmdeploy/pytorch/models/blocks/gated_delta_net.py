@@ -18,9 +18,10 @@ from torch import nn
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
-from ..layers import Linear, PackedLinear
+from ..layers import Linear, PackedLinear, RMSNorm
+from .attention import QKNormAttention
 
-__all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'GatedRMSNorm', 'attention_head_dim', 'check_hybrid_config',
+__all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer', 'attention_head_dim', 'check_hybrid_config',
            'hybrid_cache_specs']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
@@ -138,6 +139,40 @@ class GatedDeltaNet(nn.Module):
                                                               ctx.slots, ctx.has_history, use_qk_l2norm=True,
                                                               slot_span=ctx.slot_span)
         return self.out_proj(self.norm(out, z).reshape(T, -1))
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm layer of a Gated DeltaNet + gated-attention stack (Qwen3-Next, Qwen3.5): the token
+    mixer ``layer_types[layer_idx]`` picks (``linear_attn``: Gated DeltaNet, state in ``ctx``'s
+    slots; or ``self_attn``: :class:`~.attention.QKNormAttention` with an output gate, KV in
+    ``ctx``'s blocks), then ``mlp``, each with a residual; all norms zero-centred.
+
+    Args:
+        config: the text config.
+        layer_idx: the layer's index (into ``layer_types`` and the caches).
+        mlp: the layer's MLP / MoE, ``[T, hidden]`` → ``[T, hidden]``.
+        linear_attn_class: the Gated DeltaNet variant (its projections' layout).
+    """
+
+    def __init__(self, config, layer_idx: int, mlp: nn.Module, linear_attn_class: type = GatedDeltaNet):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = linear_attn_class(config, layer_idx)
+        else:
+            self.self_attn = QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``cos`` / ``sin``: the rotary tables of the step."""
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR:
+            hidden = hidden + self.linear_attn(normed, ctx)
+        else:
+            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

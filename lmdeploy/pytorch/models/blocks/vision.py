@@ -1,6 +1,7 @@
-"""What the vision towers share: bidirectional attention inside each image with 2-D rotary
-positions (:class:`VisionAttention`; Qwen3.5's tower, and GLM-5.3-Flash's with per-head q/k
-RMSNorm), and the check that a prompt's image spans fit a Qwen2-VL-style tower
+"""What the vision towers share: the patch embedding (:class:`PatchEmbed`), the order of patches
+in merge blocks, bidirectional attention inside each image with 2-D rotary positions
+(:class:`VisionAttention`; Qwen3.5's tower, and GLM-5.3-Flash's with per-head q/k RMSNorm), and
+the check that a prompt's image spans fit a Qwen2-VL-style tower
 (:func:`check_image_spans`: ``t * (h / m) * (w / m)`` image tokens per image).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 
 from ..layers import RMSNorm
 
-__all__ = ['VisionAttention', 'check_image_spans', 'merge_block_order', 'merged_grid', 'rotate_half']
+__all__ = ['PatchEmbed', 'VisionAttention', 'check_image_spans', 'merge_block_order', 'merged_grid', 'rotate_half']
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,27 @@ def merge_block_order(h: int, w: int, m: int) -> tuple[torch.Tensor, torch.Tenso
     rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
     cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
     return rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
+
+
+class PatchEmbed(nn.Module):
+    """A patch (``C x tp x p x p`` values, as the image processor flattens it) → ``[hidden]``:
+    the checkpoint's Conv3d (``proj``, with bias) whose kernel = stride = the patch, i.e. one
+    matmul per patch.
+
+    Args:
+        cfg: the vision config (``in_channels``, ``hidden_size``, ``temporal_patch_size``,
+            ``patch_size``).
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``[P, C * tp * p * p]`` (any float dtype) → ``[P, hidden]`` in the weight's dtype."""
+        w = self.proj.weight
+        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
