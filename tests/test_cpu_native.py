@@ -123,7 +123,7 @@ def test_swiglu_experts_native_equals_the_torch_path(tokens, k, num_experts, hid
 
 
 def test_fused_experts_module_uses_the_native_kernel_under_inference_mode():
-    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    from lmdeploy.pytorch.models.blocks.moe import FusedExperts
     gen = torch.Generator().manual_seed(0)
     m = FusedExperts(8, 32, 16)
     with torch.no_grad():
@@ -266,7 +266,7 @@ def test_rms_norm_native_equals_the_torch_layers(rows, dim, zero_centered, gated
     """RMSNorm (both weight conventions) and the gated norm against the layers' torch forms, on
     inputs that are views with a row stride wider than the row."""
     from lmdeploy.pytorch.models.layers import RMSNorm
-    from lmdeploy.pytorch.models.qwen3_next import GatedRMSNorm
+    from lmdeploy.pytorch.models.blocks.gated_delta_net import GatedRMSNorm
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, dim + 3, generator=gen)[:, 1:1 + dim] * 3
     z = torch.randn(rows, dim, generator=gen)

@@ -142,7 +142,7 @@ def test_cross_rank_group_norm_over_ranks_equals_the_norm_of_the_whole_model():
     of squares summed over the ranks, equals that slice of the single-process norm; a rank
     normalising its slice alone does not. The Mamba-2 split refuses a group count the TP size
     neither divides nor is a multiple of, naming the field."""
-    from lmdeploy.pytorch.models.mamba2 import CrossRankGroupNorm, Mamba2Dims, Mamba2TPSplit
+    from lmdeploy.pytorch.models.blocks.mamba2 import CrossRankGroupNorm, Mamba2Dims, Mamba2TPSplit
     dims = Mamba2Dims(hidden_size=16, num_heads=8, head_dim=3, n_groups=2, state_size=4, conv_kernel=3,
                       chunk_size=8, conv_bias=False, proj_bias=False, dt_min=0.0, dt_max=float('inf'), norm_eps=1e-5)
     g = torch.Generator().manual_seed(3)

@@ -205,7 +205,7 @@ def test_check_image_spans_accepts_a_well_placed_image_and_names_each_fault():
     """The image-span check both vision-language families (Qwen3.5, GLM-5.3-Flash) call."""
     import torch
 
-    from lmdeploy.pytorch.models.qwen3_5_vision import check_image_spans
+    from lmdeploy.pytorch.models.blocks.vision import check_image_spans
     from lmdeploy.pytorch.multimodal import MultimodalInput
 
     img = 9

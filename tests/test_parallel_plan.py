@@ -20,7 +20,7 @@ def test_the_layout_has_no_model_type_branch():
 
 def test_every_model_that_splits_declares_a_plan():
     for model_type in MODEL_REGISTRY:
-        plan = getattr(get_model_class(model_type), 'parallel_plan', None)
+        plan = get_model_class(model_type).parallel_plan
         assert plan is None or isinstance(plan, ParallelPlan), model_type
 
 

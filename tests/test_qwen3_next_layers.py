@@ -295,7 +295,7 @@ def test_tiny_checkpoint_from_disk_matches_hf(tmp_path):
 def test_one_token_experts_equal_the_sorted_path_bit_for_bit(dtype, seed):
     """A batch-1 decode step runs its k experts directly; the result is bit for bit that of the
     sort-by-expert path (same products, same weighting, one reduction over k)."""
-    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    from lmdeploy.pytorch.models.blocks.moe import FusedExperts
     gen = torch.Generator().manual_seed(seed)
     num_experts, hidden, inter = 16, 64, 32
     k = [1, 2, 3, 4, 8, 16][seed]

@@ -369,7 +369,7 @@ def test_swiglu_experts_grouped_equals_loop_and_per_token_reference(intermediate
 
 
 def test_moe_experts_equal_one_token_at_a_time():
-    from lmdeploy.pytorch.models.qwen3_next import FusedExperts
+    from lmdeploy.pytorch.models.blocks.moe import FusedExperts
     gen = torch.Generator().manual_seed(6)
     experts = FusedExperts(num_experts=5, hidden_size=8, intermediate_size=8)
     with torch.no_grad():

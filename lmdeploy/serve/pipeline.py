@@ -284,7 +284,7 @@ class Pipeline:
     @property
     def accepts_images(self) -> bool:
         """Whether the model takes image content parts."""
-        return bool(getattr(self.engine.model, 'supports_images', False))
+        return self.engine.model.supports_images
 
     def render_with_images(self, messages: list[dict], tools: list[dict] | None = None,
                            chat_template_kwargs: dict | None = None) -> tuple[str, list]:

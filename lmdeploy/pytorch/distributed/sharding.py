@@ -181,13 +181,15 @@ class TPLayout:
         self.config, self.rank, self.size = config, rank, size
         self.model_type = config.model_type
         try:
-            self.plan = getattr(get_model_class(self.model_type), 'parallel_plan', None)
+            cls = get_model_class(self.model_type)
         except ValueError:      # not a registered model type
-            self.plan = None
+            cls = None
+        self.plan = None if cls is None else cls.parallel_plan
         if self.plan is None:
-            split = [t for t in MODEL_REGISTRY if getattr(get_model_class(t), 'parallel_plan', None) is not None]
+            split = [t for t in MODEL_REGISTRY if get_model_class(t).parallel_plan is not None]
             raise ValueError(f'tp ({size}): tensor parallelism supports model_type '
                              f'{", ".join(split)}, not {self.model_type!r}; use tp=1')
+        cls.check_config(config)             # a plan reads only fields the model's checks accept
         self.custom = None
         if self.plan.custom is not None:     # the model file splits its own layers
             self.custom = self.plan.custom(config, rank, size)

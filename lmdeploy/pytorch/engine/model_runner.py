@@ -78,11 +78,8 @@ class ModelRunner:
         """Rank 0's image inputs of the step (the vision tower runs here, on rank 0 only);
         ``None`` for a model without images or a step without any. Moved to the CPU when other
         ranks receive them (the broadcast pickles them)."""
-        fn = getattr(self.model, 'image_inputs', None)
-        if fn is None:
-            return None
-        images = fn([c.seq for c in out.chunks], [kv - q for kv, q in zip(batch.kv_seqlens, batch.q_seqlens)],
-                    batch.q_seqlens, batch.q_start_loc)
+        history = [kv - q for kv, q in zip(batch.kv_seqlens, batch.q_seqlens)]
+        images = self.model.image_inputs([c.seq for c in out.chunks], history, batch.q_seqlens, batch.q_start_loc)
         if images is None or self.executor.size == 1:
             return images
         return images.cpu()

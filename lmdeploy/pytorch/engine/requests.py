@@ -201,7 +201,7 @@ class RequestFactory:
         if not multimodal:
             return
         images = any(m.data is not None for m in multimodal)
-        if images and not getattr(self.model, 'supports_images', False):
+        if images and not self.model.supports_images:
             # spans and content hashes alone only steer planning and cache keys; pixels need an encoder
             raise RequestError('multimodal', f'model_type {self.model_type!r} does not accept images in this engine')
         if any(m.end > len(ids) for m in multimodal):

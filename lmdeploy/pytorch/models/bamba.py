@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +31,10 @@ from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, load_weights
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
 
 __all__ = ['BambaForCausalLM', 'check_config', 'layer_kinds']
@@ -210,7 +210,6 @@ class BambaTPPlan:
     row_parallel = (('self_attn', 'o_proj'), ('feed_forward', 'down_proj'), ('mamba', 'out_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         self.kinds = layer_kinds(config)
         fields = ['intermediate_size'] + (['num_attention_heads', 'num_key_value_heads'] if ATTENTION in self.kinds
@@ -272,7 +271,7 @@ class BambaTPPlan:
         return None
 
 
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(CausalLM):
     """Bamba causal LM in the engine's layers.
 
     Args:
@@ -305,15 +304,10 @@ class BambaForCausalLM(nn.Module):
     # attention and MLP by head / rows, Mamba-2 by head and group
     parallel_plan = ParallelPlan(custom=BambaTPPlan)
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = BambaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+    model_class = BambaModel
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: the Mamba-2 state (:func:`~.mamba2.mamba2_state_spec`: conv
         ``[conv_dim, mamba_d_conv - 1]`` in ``dtype``, SSM ``[heads, d_head, d_state]`` float32)
         or a :class:`FullAttentionSpec` (KV heads x head_dim per token).
@@ -321,25 +315,6 @@ class BambaForCausalLM(nn.Module):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         mamba = mamba2_state_spec(mamba_dims(config), dtype)
         full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
         return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (the names of the module docstring); ties ``lm_head`` to the
-        embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False))

@@ -114,7 +114,7 @@ def check_config(config) -> None:
     """Refuse a config whose computation the engine would not reproduce exactly: the
     quantization (:mod:`.quantization`), then the model class's own ``check_config`` (found
     through the registry; the model file knows its architecture), then the rope parameters of
-    the text config (:mod:`.rope`).
+    the text config (the class's ``rotary_class``, :mod:`.rope`).
 
     Args:
         config: a ``transformers`` config of a supported ``model_type``.
@@ -126,9 +126,8 @@ def check_config(config) -> None:
     """
     from . import get_model_class
     from .quantization import parse_quantization_config
-    from .rope import RotaryEmbedding
     parse_quantization_config(config)     # FP8 block-wise only; other methods are refused by name
     cls = get_model_class(config.model_type)
     cls.check_config(config)
-    if getattr(cls, 'rotary', True):     # a family without rotary embeddings reads no rope field
-        RotaryEmbedding(config.get_text_config())  # raises for rope parameters it cannot reproduce
+    if cls.rotary_class is not None:     # a family without rotary embeddings reads no rope field
+        cls.rotary_class(config.get_text_config())  # raises for rope parameters it cannot reproduce

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +39,10 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, load_weights
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
 
 __all__ = ['FalconH1ForCausalLM', 'check_config', 'attention_cache_index', 'mamba_cache_index']
@@ -301,7 +301,6 @@ class FalconH1TPPlan:
     row_parallel = (('self_attn', 'o_proj'), ('feed_forward', 'down_proj'), ('mamba', 'out_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         for field in ('num_attention_heads', 'num_key_value_heads', 'intermediate_size'):
             if getattr(config, field) % size:
@@ -361,7 +360,7 @@ class FalconH1TPPlan:
         return None
 
 
-class FalconH1ForCausalLM(nn.Module):
+class FalconH1ForCausalLM(CausalLM):
     """Falcon-H1 causal LM in the engine's layers.
 
     Args:
@@ -406,16 +405,14 @@ class FalconH1ForCausalLM(nn.Module):
     # attention and MLP by head / rows, Mamba-2 by head and group
     parallel_plan = ParallelPlan(custom=FalconH1TPPlan)
 
+    model_class = FalconH1Model
+
     def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = FalconH1Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config)
         self.lm_head_multiplier = float(config.lm_head_multiplier)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Two entries per layer ``i`` (see the module docstring): ``2 i`` a
         :class:`FullAttentionSpec` (KV heads x head_dim per token) and ``2 i + 1`` the Mamba-2 state
         (:func:`~.mamba2.mamba2_state_spec`: conv ``[conv_dim, mamba_d_conv - 1]`` in ``dtype``,
@@ -424,26 +421,11 @@ class FalconH1ForCausalLM(nn.Module):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         mamba = mamba2_state_spec(mamba_dims(config), dtype)
         full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
         return [spec for _ in range(config.num_hidden_layers) for spec in (full, mamba)]
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (times ``lm_head_multiplier``
         in the model dtype, as ``transformers``)."""
         return (self.lm_head(hidden) * self.lm_head_multiplier).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (the names of the module docstring); ties ``lm_head`` to the
-        embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False))

@@ -8,10 +8,10 @@ MoE with clamped SwiGLU experts.
     x = embed(ids) copied into hc_mult streams               [T, N, D]
     layer i:  (post, comb, h) = attn_hc(x); x = post * mixer(RMSNorm(h)) + comb^T x
               (post, comb, h) = ffn_hc(x);  x = post * mlp(RMSNorm(h))   + comb^T x
-      mixer = KDA with the safe gate ('linear_attention', :class:`.kimi_linear.KimiDeltaAttention`)
+      mixer = KDA with the safe gate ('linear_attention', :class:`.blocks.kda.KimiDeltaAttention`)
             | DSA ('indexed_attention', :class:`.glm5_next_layers.DSAAttention`); an
               indexer_types 'shared' layer reuses the previous 'full' layer's selection
-      mlp   = KimiMoE router + clamped experts + clamped shared experts ('sparse') | clamped SwiGLU
+      mlp   = GroupLimitedMoE router + clamped experts + clamped shared experts ('sparse') | clamped SwiGLU
     out = RMSNorm(mean over the streams)
 
 Caches: a KDA layer keeps Kimi's four-tensor state; a DSA layer a :class:`PagedSpec` of the
@@ -28,19 +28,20 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
 
-from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
+from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.kda import KDATPSplit, KimiDeltaAttention, kda_state_spec
+from .blocks.moe import GroupLimitedMoE, load_expert_tensor
+from .blocks.vision import check_image_spans
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .glm5_next_layers import ClampedExperts, ClampedSwiGLUMLP, DSAAttention, HyperConnection
-from .kimi_linear import KimiDeltaAttention, KimiLinearTPPlan, KimiMoE
-from .layers import Linear, RMSNorm, load_weights
+from .layers import Linear, RMSNorm
 from .parallel_plan import ParallelPlan
-from .qwen3_next import load_expert_tensor
 
 __all__ = ['Glm5NextForCausalLM', 'Glm5NextForConditionalGeneration', 'check_config']
 
@@ -84,7 +85,7 @@ def check_config(config) -> None:
                          f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
 
 
-class Glm5NextMoE(KimiMoE):
+class Glm5NextMoE(GroupLimitedMoE):
     """Kimi-Linear's router (sigmoid + correction bias, group-limited top-k, renormalised,
     scaled) over experts and shared experts whose SwiGLU clamps at ``swiglu_limit``."""
 
@@ -148,13 +149,12 @@ class Glm5NextModel(nn.Module):
         return self.norm(x.mean(dim=1))
 
 
-_A_LOG = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?A_log$')
 _DSA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_b_proj|kv_b_proj|o_proj)\.weight$')
 
 
-class Glm5NextTPPlan(KimiLinearTPPlan):
-    """Tensor-parallel split: KDA by head as :class:`.kimi_linear.KimiLinearTPPlan` (``A_log``
-    is ``[H]`` here); DSA by query head (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj``
+class Glm5NextTPPlan(KDATPSplit):
+    """Tensor-parallel split: KDA by head (:class:`~.blocks.kda.KDATPSplit`; ``A_log`` is
+    ``[H]`` here); DSA by query head (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj``
     columns) with its latent producers and the whole indexer replicated, so the cached
     ``latent`` and ``index_keys`` are the same on every rank (stored once); mHC, MoE and dense
     MLPs replicated.
@@ -162,6 +162,8 @@ class Glm5NextTPPlan(KimiLinearTPPlan):
     Raises:
         ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
     """
+
+    a_log_dim = 0
 
     def __init__(self, config, rank: int, size: int):
         super().__init__(config.get_text_config(), rank, size)
@@ -184,13 +186,13 @@ class Glm5NextTPPlan(KimiLinearTPPlan):
             # like the target's DSA layers, the rest (norms, eh_proj, indexer, MoE) is whole
             m = _DSA_ROWS.match(name)
             return self._dsa_rows(m.group(2)) if m and int(m.group(1)) == c.num_hidden_layers else None
-        m = _A_LOG.match(name)
-        if m and c.layer_types[int(m.group(1))] == LINEAR:
-            return 0, (self.heads,)
+        kda = self.kda_shard(name)
+        if kda is not None:
+            return kda
         m = _DSA_ROWS.match(name)
         if m and c.layer_types[int(m.group(1))] == INDEXED:
             return self._dsa_rows(m.group(2))
-        return super().shard(name)
+        return None
 
     def _dsa_rows(self, part: str):
         c, (q0, q1) = self.config, self.q_heads
@@ -200,18 +202,9 @@ class Glm5NextTPPlan(KimiLinearTPPlan):
         return 0, ((q0 * per, q1 * per),)
 
 
-def _tp_split(config, rank: int, size: int) -> Glm5NextTPPlan:
-    check_config(config)
-    return Glm5NextTPPlan(config, rank, size)
-
-
 def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
     config = config.get_text_config()
-    check_config(config)
-    H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
-    kda = StateSpec(tuple(CacheTensor(name, (H, d, K - 1), dtype, 'v_heads') for name in
-                          ('q_conv', 'k_conv', 'v_conv')) +
-                    (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+    kda = kda_state_spec(config, dtype)
     latent = CacheTensor('latent', (config.kv_lora_rank,), dtype, None)
     keys = CacheTensor('index_keys', (2 * config.index_head_dim,), dtype, None)
     full, shared = PagedSpec((latent, keys)), PagedSpec((latent,))
@@ -219,7 +212,7 @@ def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
             for t, i in zip(config.layer_types, config.indexer_types)]
 
 
-class Glm5NextForCausalLM(nn.Module):
+class Glm5NextForCausalLM(CausalLM):
     """GLM-5.3-Flash text model in the engine's layers.
 
     Args:
@@ -229,17 +222,10 @@ class Glm5NextForCausalLM(nn.Module):
         ValueError: see :func:`check_config`.
     """
 
-    weight_prefix = 'model.'
+    model_class = Glm5NextModel
+    weight_prefix = 'model.'         # where the text stack's tensors are in the checkpoint
     # the NextN layer model.layers.{num_hidden_layers}.* (speculative decoding; not read by load_weights)
     mtp_head = 'glm5_next_mtp:Glm5NextMTP'
-
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        text = config.get_text_config()
-        self.model = Glm5NextModel(text)
-        self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
 
     # every text config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
@@ -277,12 +263,12 @@ class Glm5NextForCausalLM(nn.Module):
         'router_aux_loss_coef': INERT,            # a training loss
         'output_router_logits': INERT,
     }
-    rotary = False
+    rotary_class = None       # NoPE: no rope field is read
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
+    parallel_plan = ParallelPlan(custom=Glm5NextTPPlan)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: a KDA :class:`StateSpec` (``q_conv``, ``k_conv``, ``v_conv``
         ``[H, d, kernel - 1]`` in ``dtype``, ``recurrent [H, d, d]`` float32, split by head) or
         a DSA :class:`PagedSpec`: ``latent [kv_lora_rank]`` and, for an ``indexer_types``
@@ -294,15 +280,13 @@ class Glm5NextForCausalLM(nn.Module):
         """
         return _cache_specs(config, dtype)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config.get_text_config(), 'tie_word_embeddings', False))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def _rename(self, name: str) -> str | None:
+    def rename_weight(self, name: str) -> str | None:
+        """transformers' or the published names (see the module docstring) → ours; drops the
+        vision tower, ``mtp.*`` and the NextN layer."""
         if name.startswith('model.visual.') or name.startswith('mtp.'):
             return None
         if self.weight_prefix != 'model.' and name.startswith(self.weight_prefix):
@@ -313,26 +297,17 @@ class Glm5NextForCausalLM(nn.Module):
         name = re.sub(r'\.hc_(attn|ffn)_(fn|base|scale)$', r'.\1_hc.\2', name)     # published -> ours
         return name.replace('.self_attn.forget_gate.', '.self_attn.')
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (transformers names, see the module docstring).
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        def special(loader, name: str, tensor: torch.Tensor) -> bool:
-            if name.endswith('.self_attn.conv1d.weight'):   # q | k | v convs stacked
-                stem = name[:-len('conv1d.weight')]
-                for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
-                    loader.load(f'{stem}{part}_conv1d.weight', piece)
-                return True
-            if name.endswith('.self_attn.A_log'):            # [H] -> the KDA layer's [1, 1, H, 1]
-                loader.load(name, tensor.reshape(1, 1, -1, 1))
-                return True
-            return load_expert_tensor(loader, name, tensor)
-
-        load_weights(self, weights, getattr(self.config.get_text_config(), 'tie_word_embeddings', False),
-                     rename=self._rename, special=special)
+    def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
+        """The stacked KDA convs, ``A_log`` and the experts."""
+        if name.endswith('.self_attn.conv1d.weight'):   # q | k | v convs stacked
+            stem = name[:-len('conv1d.weight')]
+            for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
+                loader.load(f'{stem}{part}_conv1d.weight', piece)
+            return True
+        if name.endswith('.self_attn.A_log'):            # [H] -> the KDA layer's [1, 1, H, 1]
+            loader.load(name, tensor.reshape(1, 1, -1, 1))
+            return True
+        return load_expert_tensor(loader, name, tensor)
 
 
 class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
@@ -367,7 +342,7 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
         'rope_parameters': CHECKED,
     }
     # the vision tower runs on rank 0 only (its output is broadcast with the step)
-    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size),
+    parallel_plan = ParallelPlan(custom=Glm5NextTPPlan,
                                  renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),
                                  rank0_modules=('visual',))
 
@@ -381,10 +356,10 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
         self.supports_images = 'num_hidden_layers' not in config.to_dict()
         self.visual = Glm5NextVisionModel(config.vision_config) if self.supports_images else None
 
-    def _rename(self, name: str) -> str | None:
+    def rename_weight(self, name: str) -> str | None:
         if name.startswith('model.visual.'):
             return name[len('model.'):]
-        return super()._rename(name)
+        return super().rename_weight(name)
 
     def check_multimodal(self, token_ids: list[int], multimodal) -> None:
         """Reject images the forward could not place.
@@ -394,7 +369,6 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
                 ``image_grid_thw``, a span length other than the image's token count, or a span
                 not made only of ``config.image_token_id``.
         """
-        from .qwen3_5_vision import check_image_spans
         check_image_spans(token_ids, multimodal, self.image_token_id, self.merge)
 
     def image_inputs(self, seqs, history_lens: list[int], q_seqlens: list[int], q_start_loc: list[int]):

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model_inputs import StepContext
+from .blocks.moe import FusedExperts
 from .layers import Linear, PackedLinear, RMSNorm
-from .qwen3_next import FusedExperts
 
 __all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'ClampedSwiGLUMLP', 'ClampedExperts', 'clamped_swiglu',
            'top_pools']
@@ -49,7 +49,7 @@ class ClampedSwiGLUMLP(nn.Module):
 
 
 class ClampedExperts(FusedExperts):
-    """:class:`~.qwen3_next.FusedExperts` (same stacked weights and names) whose SwiGLU clamps
+    """:class:`~.blocks.moe.FusedExperts` (same stacked weights and names) whose SwiGLU clamps
     its inputs (:func:`clamped_swiglu`); run expert by expert over the tokens routed to it."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float):

@@ -45,8 +45,9 @@ from torch import nn
 
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
+from .base import MTPHead
+from .blocks.moe import load_expert_tensor
 from .layers import Linear, RMSNorm, WeightLoader
-from .qwen3_next import load_expert_tensor
 
 __all__ = ['Glm5NextMTP', 'nextn_config']
 
@@ -68,7 +69,7 @@ def _layer_prefix(config) -> re.Pattern:
     return re.compile(rf'^model\.(?:language_model\.)?layers\.{n}\.')
 
 
-class Glm5NextMTP(nn.Module):
+class Glm5NextMTP(MTPHead):
     """The NextN layer of a GLM-5.3-Flash checkpoint (see the module docstring).
 
     Args:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocks.vision import PatchEmbed, VisionAttention, merge_block_order
 from .glm5_next_layers import clamped_swiglu
 from .layers import RMSNorm
 
@@ -40,11 +41,6 @@ class ImageRows:
         return ImageRows(self.rows.cpu(), self.embeds.cpu())
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class _ClampedMLP(nn.Module):
     def __init__(self, dim: int, inner: int, limit: float, bias: bool):
         super().__init__()
@@ -57,52 +53,17 @@ class _ClampedMLP(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class _Attention(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.heads = cfg.num_heads
-        self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.attention_bias)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: list[int]) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
-        q, k = self.q_norm(q), self.k_norm(k)
-        c, s = cos[:, None].float(), sin[:, None].float()
-        q = (q.float() * c + _rotate_half(q.float()) * s).to(v.dtype)
-        k = (k.float() * c + _rotate_half(k.float()) * s).to(v.dtype)
-        out = torch.empty_like(v)
-        for a, b in zip(cu[:-1], cu[1:]):
-            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                      v[a:b].transpose(0, 1)).transpose(0, 1)
-        return self.proj(out.reshape(n, -1))
-
-
 class _Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = _Attention(cfg)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads, bias=cfg.attention_bias, qk_norm_eps=cfg.rms_norm_eps)
         self.mlp = _ClampedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, cfg.attention_bias)
 
     def forward(self, x, cos, sin, cu):
         x = x + self.attn(self.norm1(x), cos, sin, cu)
         return x + self.mlp(self.norm2(x))
-
-
-class _PatchEmbed(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class _Merger(nn.Module):
@@ -144,18 +105,11 @@ class Glm5NextVisionModel(nn.Module):
         # a plain CPU attribute, not a buffer: real even when the model is built on the meta device
         self.inv_freq = 1.0 / (float(rope.get('rope_theta', 10000.0)) **
                                (torch.arange(0, half, 2, dtype=torch.float, device='cpu') / half))
-        self.patch_embed = _PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.depth))
         self.post_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.downsample = nn.Conv2d(cfg.hidden_size, cfg.out_hidden_size, kernel_size=self.merge, stride=self.merge)
         self.merger = _Merger(cfg)
-
-    def _block_order(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, col) int64 ``[h * w]`` of each patch in spatial-merge-block order."""
-        m = self.merge
-        rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        return rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` float ``[P, C * tp * p * p]`` (patches in the processor's
@@ -164,7 +118,7 @@ class Glm5NextVisionModel(nn.Module):
         x = self.patch_embed(pixel_values)
         rc, cu = [], [0]
         for t, h, w in grid_thw.reshape(-1, 3).tolist():
-            rows, cols = self._block_order(h, w)
+            rows, cols = merge_block_order(h, w, self.merge)
             rc.append(torch.stack([rows, cols], -1).repeat(t, 1))
             cu.extend(cu[-1] + h * w * (i + 1) for i in range(t))
         angles = torch.cat(rc).to(dev).float()[..., None] * self.inv_freq.to(dev)   # [P, 2, half / 2]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -32,8 +31,10 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .granitemoehybrid import _RENAMES, GraniteMoE, _head_dim
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, load_weights
+from .base import CausalLM
+from .blocks.gated_delta_net import attention_head_dim
+from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from .parallel_plan import ParallelPlan
 
 __all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config', 'layer_windows']
@@ -111,7 +112,7 @@ class GraniteSWAAttention(nn.Module):
         super().__init__()
         self.layer_idx, self.window = layer_idx, window
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = attention_head_dim(config)
         bias = config.attention_bias
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
@@ -202,7 +203,6 @@ class GraniteMoeSWATPPlan:
     row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         for field in ('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'):
             if getattr(config, field) % size:
@@ -217,7 +217,7 @@ class GraniteMoeSWATPPlan:
     def local_config(self):
         """A copy of the config with this rank's head and shared-MLP sizes."""
         c = copy.deepcopy(self.config)
-        c.head_dim = _head_dim(self.config)
+        c.head_dim = attention_head_dim(self.config)
         c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
         c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
         c.shared_intermediate_size = self.shared[1] - self.shared[0]
@@ -233,7 +233,7 @@ class GraniteMoeSWATPPlan:
         """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
         m = _ATTN_ROWS.match(name)
         if m:
-            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
+            proj, kind, d = m.group(2), m.group(3), attention_head_dim(self.config)
             if proj == 'o_proj':
                 return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
             heads = self.q_heads if proj == 'q_proj' else self.kv_heads
@@ -251,7 +251,7 @@ def _tp_split(config, rank: int, size: int) -> GraniteMoeSWATPPlan:
     return GraniteMoeSWATPPlan(config, rank, size)
 
 
-class GraniteMoeSWAForCausalLM(nn.Module):
+class GraniteMoeSWAForCausalLM(CausalLM):
     """``granitemoe_swa`` causal LM in the engine's layers.
 
     Args:
@@ -276,51 +276,35 @@ class GraniteMoeSWAForCausalLM(nn.Module):
         'output_router_logits': INERT,            # the training loss only
         'router_aux_loss_coef': INERT,
     }
-    rotary = False       # the model builds one rotary table per RoPE base itself
+    rotary_class = None  # the model builds one rotary table per RoPE base itself (checked by check_config)
     check_config = staticmethod(check_config)
     # attention by head (sinks with their query heads), shared MLP by rows, experts replicated
     parallel_plan = ParallelPlan(custom=_tp_split)
 
+    model_class = GraniteMoeSWAModel
+
     def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = GraniteMoeSWAModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config)
         self.logits_scaling = float(config.logits_scaling)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: a :class:`FullAttentionSpec` (global) or a :class:`SlidingWindowSpec` with
         the config's ``sliding_window`` (KV heads x head_dim per token, both).
 
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
-        heads, dim = config.num_key_value_heads, _head_dim(config)
+        heads, dim = config.num_key_value_heads, attention_head_dim(config)
         return [FullAttentionSpec(heads, dim, dtype) if w is None else SlidingWindowSpec(heads, dim, dtype, w)
                 for w in layer_windows(config)]
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
         return self.lm_head(hidden).float() / self.logits_scaling
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring);
-        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        def rename(name: str) -> str:
-            for pattern, repl in _RENAMES:
-                name = pattern.sub(repl, name)
-            return name
-
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename)
+    def rename_weight(self, name: str) -> str:
+        """Published or transformers names (see the module docstring) → ours."""
+        for pattern, repl in GRANITE_MOE_RENAMES:
+            name = pattern.sub(repl, name)
+        return name

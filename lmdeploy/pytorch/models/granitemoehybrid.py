@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, load_weights
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import ParallelPlan
-from .qwen3_next import FusedExperts
 
 __all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
 
@@ -145,22 +145,6 @@ class GraniteAttention(nn.Module):
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class GraniteMoE(nn.Module):
-    """Softmax-routed experts (GraniteMoE): the router's ``k`` largest logits (float32), a
-    softmax over those ``k`` as the weights; SwiGLU experts, gate rows first."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.router = Linear(config.hidden_size, config.num_local_experts, bias=False)
-        self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        logits, index = self.router(x).float().topk(self.top_k, dim=-1)
-        return self.experts(x, index, torch.softmax(logits, dim=-1).to(x.dtype))
-
-
 class GraniteDecoderLayer(nn.Module):
     """Pre-norm layer with µP residual scaling: Mamba-2 or attention, then MoE + shared MLP."""
 
@@ -210,13 +194,6 @@ class GraniteMoeHybridModel(nn.Module):
         return self.norm(hidden)
 
 
-_RENAMES = [   # published -> the engine's module names
-    (re.compile(r'\.block_sparse_moe\.input_linear\.weight$'), '.block_sparse_moe.experts.gate_up_proj'),
-    (re.compile(r'\.block_sparse_moe\.output_linear\.weight$'), '.block_sparse_moe.experts.down_proj'),
-    (re.compile(r'\.block_sparse_moe\.router\.layer\.weight$'), '.block_sparse_moe.router.weight'),
-    (re.compile(r'\.shared_mlp\.input_linear\.weight$'), '.shared_mlp.gate_up_proj.weight'),
-    (re.compile(r'\.shared_mlp\.output_linear\.weight$'), '.shared_mlp.down_proj.weight'),
-]
 _ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
 _MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
 _SHARED_ROWS = re.compile(r'^model\.layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.weight$')
@@ -227,7 +204,7 @@ class GraniteMoeHybridTPPlan:
 
     Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
     its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV heads.
-    Mamba-2 by head and group (:class:`~.mamba2.Mamba2TPSplit`; fewer groups than ranks, as in
+    Mamba-2 by head and group (:class:`~.blocks.mamba2.Mamba2TPSplit`; fewer groups than ranks, as in
     the published ``mamba_n_groups = 1``: the group's ``B`` / ``C`` copied to every rank of its
     heads, its norm all-reduced). The shared MLP by intermediate
     rows (``input_linear``'s gate and up rows, ``output_linear``'s columns, all-reduce). The
@@ -242,7 +219,6 @@ class GraniteMoeHybridTPPlan:
     row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'), ('mamba', 'out_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         self.kinds = layer_kinds(config)
         for field in ('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'):
@@ -302,11 +278,7 @@ class GraniteMoeHybridTPPlan:
         return None
 
 
-def _tp_split(config, rank: int, size: int) -> GraniteMoeHybridTPPlan:
-    return GraniteMoeHybridTPPlan(config, rank, size)
-
-
-class GraniteMoeHybridForCausalLM(nn.Module):
+class GraniteMoeHybridForCausalLM(CausalLM):
     """Granite-4.0-H causal LM in the engine's layers.
 
     Args:
@@ -342,52 +314,36 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         'output_router_logits': INERT,            # the training loss only
         'router_aux_loss_coef': INERT,
     }
-    rotary = False       # check_config builds the rotary table itself, only with RoPE
+    rotary_class = None       # check_config builds the rotary table itself, only with RoPE
     check_config = staticmethod(check_config)
     # attention and shared MLP by head / rows, Mamba-2 by head and group, experts replicated
-    parallel_plan = ParallelPlan(custom=_tp_split)
+    parallel_plan = ParallelPlan(custom=GraniteMoeHybridTPPlan)
+
+    model_class = GraniteMoeHybridModel
 
     def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = GraniteMoeHybridModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        super().__init__(config)
         self.logits_scaling = float(config.logits_scaling)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Per layer: the Mamba-2 state (:func:`~.mamba2.mamba2_state_spec`: conv
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: the Mamba-2 state (:func:`~.blocks.mamba2.mamba2_state_spec`: conv
         ``[conv_dim, d_conv - 1]`` in ``dtype``, SSM ``[heads, d_head, d_state]`` float32) or a
         :class:`FullAttentionSpec` (KV heads x head_dim per token).
 
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         mamba = mamba2_state_spec(mamba_dims(config), dtype)
         full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
         return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
         return self.lm_head(hidden).float() / self.logits_scaling
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring);
-        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        def rename(name: str) -> str:
-            for pattern, repl in _RENAMES:
-                name = pattern.sub(repl, name)
-            return name
-
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename)
+    def rename_weight(self, name: str) -> str:
+        """Published or transformers names (see the module docstring) → ours."""
+        for pattern, repl in GRANITE_MOE_RENAMES:
+            name = pattern.sub(repl, name)
+        return name

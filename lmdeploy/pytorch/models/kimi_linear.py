@@ -21,21 +21,21 @@ the published checkpoint's (``self_attn.q_conv1d`` ...,
 from __future__ import annotations
 
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
-from ..kernels import get_kernel
+from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.kda import KDATPSplit, KimiDeltaAttention, kda_state_spec
+from .blocks.moe import GroupLimitedMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .layers import Linear, RMSNorm, SwiGLUMLP
 from .parallel_plan import ParallelPlan
-from .qwen3_next import FusedExperts, load_expert_tensor
 
-__all__ = ['KimiLinearForCausalLM', 'KimiDeltaAttention', 'KimiMLA', 'KimiMoE', 'check_config']
+__all__ = ['KimiLinearForCausalLM', 'KimiMLA', 'KimiLinearTPPlan', 'check_config']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 
@@ -62,80 +62,6 @@ def check_config(config) -> None:
                             or not 1 <= config.topk_group <= config.n_group):
         raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
                          f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
-
-
-class SigmoidGatedRMSNorm(nn.Module):
-    """``w * RMSNorm(x) * sigmoid(z)`` per head, in float32 (the KDA output gate)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype``."""
-        h = x.float()
-        h = self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
-        return (h * torch.sigmoid(z.float())).to(x.dtype)
-
-
-class KimiDeltaAttention(nn.Module):
-    """KDA token mixer (Kimi Linear, 2025): per-channel-decay gated delta rule.
-
-    ``q, k, v = silu(conv_x(x_proj(h)))`` (three depthwise causal convs, each with its own
-    state); decay ``g = -exp(A_log[h]) * softplus(f_b(f_a(h)) + dt_bias)`` per channel
-    ``[T, H, d]``; ``beta = sigmoid(b_proj(h))``; output ``o_proj(norm(o) * sigmoid(g_b(g_a(h))))``.
-    The six projections of the input run as one packed matmul.
-
-    With ``gate_lower_bound = b`` (GLM-5.3-Flash's "safe gate") the decay is instead
-    ``g = b * sigmoid(exp(A_log[h]) * (f_b(f_a(h)) + dt_bias))``, so each step's log-decay lies in
-    ``(b, 0)``.
-
-    Args:
-        config: HF ``KimiLinearConfig`` (or any config with the ``linear_*`` fields).
-        layer_idx: index into ``StepContext.state_caches`` (``(q_conv, k_conv, v_conv, recurrent)``).
-        gate_lower_bound: None for Kimi-Linear's softplus decay, else the bound ``b < 0``.
-    """
-
-    def __init__(self, config, layer_idx: int, gate_lower_bound: float | None = None):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.gate_lower_bound = gate_lower_bound
-        self.num_heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
-        D, hidden, K = self.num_heads * self.head_dim, config.hidden_size, config.linear_conv_kernel_dim
-        self.dim = D
-        self.in_proj = PackedLinear(hidden, {'q_proj': D, 'k_proj': D, 'v_proj': D, 'f_a_proj': self.head_dim,
-                                             'b_proj': self.num_heads, 'g_a_proj': self.head_dim})
-        # weight holders [D, 1, K] (the checkpoint shape); the conv kernel runs them
-        self.q_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
-        self.k_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
-        self.v_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
-        self.f_b_proj = Linear(self.head_dim, D, bias=False)
-        self.g_b_proj = Linear(self.head_dim, D, bias=False)
-        self.dt_bias = nn.Parameter(torch.zeros(D))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, self.num_heads, 1))
-        self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_proj = Linear(D, hidden, bias=False)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
-        T, H, d = hidden.shape[0], self.num_heads, self.head_dim
-        q, k, v, fa, b, ga = self.in_proj.forward_split(hidden)
-        caches = ctx.state_caches[self.layer_idx]
-        conv = get_kernel('causal_conv1d_varlen', hidden.device)
-        mixed = []
-        for x, layer, cache in zip((q, k, v), (self.q_conv1d, self.k_conv1d, self.v_conv1d), caches[:3]):
-            mixed.append(conv(x, layer.weight.squeeze(1), None, cache.flatten(1, 2), ctx.cu_seqlens, ctx.seq_ids,
-                              ctx.slots, ctx.has_history, 'silu', slot_span=ctx.slot_span).reshape(T, H, d))
-        g = (self.f_b_proj(fa).float() + self.dt_bias.float()).view(T, H, d)
-        if self.gate_lower_bound is None:
-            g = -self.A_log.float().view(H, 1).exp() * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
-        else:
-            g = self.gate_lower_bound * torch.sigmoid(self.A_log.float().view(H, 1).exp() * g)
-        beta = torch.sigmoid(b)
-        o = get_kernel('kda_varlen', hidden.device)(*mixed, g, beta, caches[3], ctx.cu_seqlens, ctx.slots,
-                                                    ctx.has_history, use_qk_l2norm=True, slot_span=ctx.slot_span)
-        return self.o_proj(self.o_norm(o, self.g_b_proj(ga).view(T, H, d)).reshape(T, -1))
 
 
 def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, history: int,
@@ -227,48 +153,6 @@ class KimiMLA(nn.Module):
         return torch.einsum('hr,hvr->hv', probs @ latent[:, :R], w[:, self.nope:])[None]
 
 
-class KimiMoE(nn.Module):
-    """DeepSeek-V3-style MoE: sigmoid router with a score-correction bias and group-limited
-    top-k, weights renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``,
-    plus always-on shared experts.
-
-    Router (float32): ``s = sigmoid(x W^T)``; choose with ``s + bias``: keep the ``topk_group``
-    groups with the largest sum of their two best scores, then the top ``k`` experts there;
-    weight each chosen expert by its ``s`` (not the biased score).
-    """
-
-    def __init__(self, config):
-        super().__init__()
-        self.top_k, self.num_experts = config.num_experts_per_tok, config.num_local_experts
-        self.n_group, self.topk_group = config.n_group, config.topk_group
-        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
-        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
-        self.experts = FusedExperts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
-        self.shared_experts = SwiGLUMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, hidden]`` → ``(weights [T, k] float32, expert index [T, k])``."""
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        choice = scores + self.gate.e_score_correction_bias.float()
-        T = x.shape[0]
-        group_scores = choice.view(T, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)
-        groups = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
-        choice = choice.masked_fill(~mask.repeat_interleave(self.num_experts // self.n_group, dim=1), float('-inf'))
-        index = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, index)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, index
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        weights, index = self.route(x)
-        return self.experts(x, index, weights.to(x.dtype)) + self.shared_experts(x)
-
-
 class KimiLinearDecoderLayer(nn.Module):
     """Pre-norm layer: KDA or MLA (``layer_types``), then MoE or dense MLP (``mlp_layer_types``)."""
 
@@ -276,7 +160,7 @@ class KimiLinearDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = KimiDeltaAttention(config, layer_idx) if config.layer_types[layer_idx] == LINEAR \
             else KimiMLA(config, layer_idx)
-        self.mlp = KimiMoE(config) if config.mlp_layer_types[layer_idx] == 'sparse' \
+        self.mlp = GroupLimitedMoE(config) if config.mlp_layer_types[layer_idx] == 'sparse' \
             else SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -304,38 +188,19 @@ class KimiLinearModel(nn.Module):
         return self.norm(hidden)
 
 
-_KDA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?'
-                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|b_proj|dt_bias|A_log|'
-                       r'o_proj)(?:\.weight)?$')
 _MLA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj)\.weight$')
 
 
-class KimiLinearTPPlan:
-    """How Kimi-Linear splits over ``size`` tensor-parallel ranks (Megatron-style).
-
-    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj``, ``dt_bias`` rows of
-    the rank's heads, ``b_proj`` rows and ``A_log`` entries of its heads, ``o_proj`` columns
-    (row-parallel, all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its
-    four state tensors hold the rank's heads (``tp_split='v_heads'``). MLA: by query head —
-    ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` rows, ``o_proj`` columns; the down-projections
-    ``q_a_proj`` / ``kv_a_proj_with_mqa``, their norms and so the cached latent are the same on
-    every rank (``tp_split=None``: the Store holds it once). MoE and dense MLPs are replicated.
+class KimiLinearTPPlan(KDATPSplit):
+    """How Kimi-Linear splits over ``size`` tensor-parallel ranks (Megatron-style): KDA by head
+    (:class:`~.blocks.kda.KDATPSplit`); MLA by query head — ``q_proj`` / ``q_b_proj`` and
+    ``kv_b_proj`` rows, ``o_proj`` columns; the down-projections ``q_a_proj`` /
+    ``kv_a_proj_with_mqa``, their norms and so the cached latent are the same on every rank
+    (``tp_split=None``: the Store holds it once). MoE and dense MLPs are replicated.
 
     Raises:
         ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
     """
-
-    row_parallel = (('self_attn', 'o_proj'),)
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        for field in ('linear_num_heads', 'num_attention_heads'):
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-        per = config.linear_num_heads // size
-        self.heads = (rank * per, (rank + 1) * per)
-        q_per = config.num_attention_heads // size
-        self.q_heads = (rank * q_per, (rank + 1) * q_per)
 
     def local_config(self):
         """A copy of the config with this rank's KDA and MLA head counts."""
@@ -345,32 +210,12 @@ class KimiLinearTPPlan:
         c.num_attention_heads = c.num_key_value_heads = self.q_heads[1] - self.q_heads[0]
         return c
 
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KDA heads for ``'v_heads'`` (the latent is not split).
-
-        Raises:
-            ValueError: another split name.
-        """
-        if split == 'v_heads':
-            return (self.heads,)
-        raise ValueError(f"CacheTensor.tp_split: kimi_linear splits only 'v_heads', not {split!r}")
-
     def shard(self, name: str):
         """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
         c = self.config
-        m = _KDA_ROWS.match(name)
-        if m and c.layer_types[int(m.group(1))] == LINEAR:
-            part, d, D = m.group(2), c.linear_head_dim, c.linear_num_heads * c.linear_head_dim
-            (h0, h1) = self.heads
-            if part == 'conv1d':                # transformers stacks q | k | v
-                return 0, tuple((i * D + h0 * d, i * D + h1 * d) for i in range(3))
-            if part == 'b_proj':
-                return 0, ((h0, h1),)
-            if part == 'A_log':                 # [1, 1, H, 1]
-                return 2, ((h0, h1),)
-            if part == 'o_proj':
-                return 1, ((h0 * d, h1 * d),)
-            return 0, ((h0 * d, h1 * d),)
+        kda = self.kda_shard(name)
+        if kda is not None:
+            return kda
         m = _MLA_ROWS.match(name)
         if m and c.layer_types[int(m.group(1))] == FULL:
             (q0, q1), part = self.q_heads, m.group(2)
@@ -393,14 +238,7 @@ _RENAMES = [
 ]
 
 
-def _tp_split(config, rank: int, size: int) -> KimiLinearTPPlan:
-    """This rank's split under tensor parallelism (:class:`KimiLinearTPPlan`), after the
-    config checks (ValueError naming the field)."""
-    check_config(config)
-    return KimiLinearTPPlan(config, rank, size)
-
-
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(CausalLM):
     """Kimi-Linear causal LM in the engine's layers.
 
     Args:
@@ -410,13 +248,7 @@ class KimiLinearForCausalLM(nn.Module):
         ValueError: see :func:`check_config`.
     """
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = KimiLinearModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
+    model_class = KimiLinearModel
     # every config field transformers reads, and what the engine does with it (.config_audit);
     # Kimi's MLA has no rotary embedding, so no rope field is read
     config_fields = {
@@ -442,13 +274,13 @@ class KimiLinearForCausalLM(nn.Module):
         'norm_topk_prob': IMPLEMENTED,
         'routed_scaling_factor': IMPLEMENTED,
     }
-    rotary = False
+    rotary_class = None
     check_config = staticmethod(check_config)
     # KDA by head, MLA by query head with the latent replicated (KimiLinearTPPlan)
-    parallel_plan = ParallelPlan(custom=lambda config, rank, size: _tp_split(config, rank, size))
+    parallel_plan = ParallelPlan(custom=KimiLinearTPPlan)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: a KDA :class:`StateSpec` (``q_conv``, ``k_conv``, ``v_conv``
         ``[H, d, kernel - 1]`` in ``dtype``, ``recurrent [H, d, d]`` float32, all split by head)
         or an MLA :class:`PagedSpec` (``latent [kv_lora_rank + qk_rope_head_dim]`` per token,
@@ -457,41 +289,21 @@ class KimiLinearForCausalLM(nn.Module):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
-        H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
-        kda = StateSpec(tuple(CacheTensor(name, (H, d, K - 1), dtype, 'v_heads') for name in
-                              ('q_conv', 'k_conv', 'v_conv')) +
-                        (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+        kda = kda_state_spec(config, dtype)
         mla = PagedSpec((CacheTensor('latent', (config.kv_lora_rank + config.qk_rope_head_dim,), dtype, None),))
         return [kda if t == LINEAR else mla for t in config.layer_types]
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    def rename_weight(self, name: str) -> str:
+        """Published or transformers names (see the module docstring) → ours."""
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring).
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        def rename(name: str) -> str:
-            for pattern, repl in _RENAMES:
-                name = pattern.sub(repl, name)
-            return name
-
-        def special(loader, name: str, tensor: torch.Tensor) -> bool:
-            if name.endswith('.self_attn.conv1d.weight'):   # transformers stacks q | k | v convs
-                stem = name[:-len('conv1d.weight')]
-                for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
-                    loader.load(f'{stem}{part}_conv1d.weight', piece)
-                return True
-            return load_expert_tensor(loader, name, tensor)
-
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=rename,
-                     special=special)
+    def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
+        """transformers' stacked q | k | v convs, and the experts."""
+        if name.endswith('.self_attn.conv1d.weight'):
+            stem = name[:-len('conv1d.weight')]
+            for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
+                loader.load(f'{stem}{part}_conv1d.weight', piece)
+            return True
+        return load_expert_tensor(loader, name, tensor)

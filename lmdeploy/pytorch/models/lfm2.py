@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +38,11 @@ from torch import nn
 from ..cache_specs import CacheTensor, FullAttentionSpec, LayerCacheSpec, StateSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, WeightLoader, apply_rotary, attention
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
-from .qwen3_next import FusedExperts, load_expert_tensor
 
 __all__ = ['Lfm2ForCausalLM', 'Lfm2MoeForCausalLM', 'ShortConv', 'short_conv_state_spec', 'ffn_size', 'check_config']
 
@@ -290,7 +290,6 @@ class Lfm2TPPlan:
     row_parallel = (('self_attn', 'out_proj'), ('conv', 'out_proj'), ('mlp', 'w2'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         self.kinds = layer_kinds(config)
         counts = {'num_attention_heads': config.num_attention_heads,
@@ -352,11 +351,7 @@ class Lfm2TPPlan:
         return None
 
 
-def _tp_split(config, rank: int, size: int) -> Lfm2TPPlan:
-    return Lfm2TPPlan(config, rank, size)
-
-
-class Lfm2ForCausalLM(nn.Module):
+class Lfm2ForCausalLM(CausalLM):
     """LFM2 causal LM in the engine's layers.
 
     Args:
@@ -394,19 +389,14 @@ class Lfm2ForCausalLM(nn.Module):
         'use_cache': INERT,
     }
     check_config = staticmethod(check_config)
-    rotary = False       # check_config builds the rotary table itself, only with attention layers
+    rotary_class = None       # check_config builds the rotary table itself, only with attention layers
     # attention by head, short conv by channel, dense MLP by rows; experts replicated
-    parallel_plan = ParallelPlan(custom=_tp_split)
+    parallel_plan = ParallelPlan(custom=Lfm2TPPlan)
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = Lfm2Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+    model_class = Lfm2Model
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: the short-conv state (:func:`short_conv_state_spec`: ``[channels,
         conv_L_cache - 1]`` in ``dtype``, nothing else) or a :class:`FullAttentionSpec` (KV heads
         x head_dim per token).
@@ -414,35 +404,18 @@ class Lfm2ForCausalLM(nn.Module):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         conv = short_conv_state_spec(config.hidden_size // getattr(config, 'conv_tp_size', 1), config.conv_L_cache,
                                      dtype)
         full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
         return [conv if kind == CONV else full for kind in layer_kinds(config)]
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    def rename_weight(self, name: str) -> str:
+        """Published or transformers names (see the module docstring) → ours."""
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring);
-        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter (or an expert index is out of range).
-            ValueError: a shape mismatch, or parameters (or expert slices) left unfilled.
-        """
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            for pattern, repl in _RENAMES:
-                name = pattern.sub(repl, name)
-            if not load_expert_tensor(loader, name, tensor):
-                loader.load(name, tensor)
-        loader.finish(getattr(self.config, 'tie_word_embeddings', False))
+    load_tensor = staticmethod(load_expert_tensor)      # experts per expert or fused
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):

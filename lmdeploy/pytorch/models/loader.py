@@ -1,24 +1,22 @@
 """Load a model from a local Hugging Face directory: config via ``transformers.AutoConfig``,
-weights via ``safetensors`` (one file or a sharded index), with a progress bar. Nothing is
-downloaded: a path that is not a model directory is a ``ValueError``.
+weights via ``safetensors`` (:mod:`.checkpoint_files`: one file or a sharded index, with a
+progress bar). Nothing is downloaded: a path that is not a model directory is a ``ValueError``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from typing import Iterator
 
 import torch
-from safetensors import safe_open
-from tqdm import tqdm
 
 from . import get_model_class
+from .checkpoint_files import iter_safetensors, weight_files
 from .config_audit import check_config
 from .quantization import Fp8Weights, keep_fp8_linears, parse_quantization_config
 
-__all__ = ['load_config', 'load_model', 'iter_safetensors', 'resolve_dtype']
+# weight_files / iter_safetensors are re-exported: callers read checkpoints through the loader
+__all__ = ['load_config', 'load_model', 'iter_safetensors', 'resolve_dtype', 'weight_files']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -46,32 +44,6 @@ def resolve_dtype(dtype: str, config) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     return _DTYPES.get(str(value).replace('torch.', ''), torch.float32)
-
-
-def weight_files(model_path: str) -> list[str]:
-    """The safetensors files of a checkpoint (from the shard index if there is one).
-
-    Raises:
-        ValueError: no safetensors weights in ``model_path``.
-    """
-    index = os.path.join(model_path, 'model.safetensors.index.json')
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)['weight_map'].values()))
-        return [os.path.join(model_path, n) for n in names]
-    single = os.path.join(model_path, 'model.safetensors')
-    if os.path.isfile(single):
-        return [single]
-    raise ValueError(f'no safetensors weights in {model_path!r}')
-
-
-def iter_safetensors(model_path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint."""
-    files = weight_files(model_path)
-    for path in tqdm(files, desc='Loading weights', unit='file', disable=not progress or len(files) < 2):
-        with safe_open(path, framework='pt') as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def load_model(model_path: str, dtype: str = 'auto', device: str | torch.device = 'cpu', progress: bool = True,

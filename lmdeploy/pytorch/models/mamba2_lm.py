@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import Linear, RMSNorm, load_weights
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .layers import RMSNorm
 from .parallel_plan import ParallelPlan
 
 __all__ = ['Mamba2ForCausalLM', 'check_config']
@@ -131,7 +131,6 @@ class Mamba2TPPlan:
     row_parallel = (('mixer', 'out_proj'),)
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.size = config, size
         self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'num_heads', 'n_groups')
 
@@ -161,7 +160,7 @@ class Mamba2TPPlan:
         return self.mamba.shard(m.group(1)) if m else None
 
 
-class Mamba2ForCausalLM(nn.Module):
+class Mamba2ForCausalLM(CausalLM):
     """A Mamba-2 causal LM in the engine's layers.
 
     Args:
@@ -202,19 +201,14 @@ class Mamba2ForCausalLM(nn.Module):
         'pad_token_id': INERT,
         'use_cache': INERT,
     }
-    rotary = False       # no positions at all
+    rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
     parallel_plan = ParallelPlan(renames=_RENAMES, custom=Mamba2TPPlan)
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = Mamba2Backbone(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+    model_class = Mamba2Backbone
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer the Mamba-2 state (:func:`~.mamba2.mamba2_state_spec`: conv
         ``[conv_dim, conv_kernel - 1]`` in ``dtype``, SSM ``[num_heads, head_dim, state_size]``
         float32); nothing paged, so KV blocks are zero bytes.
@@ -222,23 +216,8 @@ class Mamba2ForCausalLM(nn.Module):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         return [mamba2_state_spec(mamba_dims(config), dtype)] * config.num_hidden_layers
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (names of the module docstring); ties ``lm_head`` to the
-        embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename)
+    def rename_weight(self, name: str) -> str | None:
+        """Names of the module docstring → ours."""
+        return _rename(name)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +37,12 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention, load_weights
-from .mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
+from .base import CausalLM
+from .blocks.mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
                      mamba2_state_spec)
+from .blocks.moe import group_limited_route
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention
 from .parallel_plan import ParallelPlan
 
 __all__ = ['NemotronHForCausalLM', 'NemotronHAttention', 'NemotronHMoE', 'check_config', 'mamba2_dims']
@@ -62,7 +63,7 @@ def check_config(config) -> None:
             ``mamba_hidden_act`` (not ``'silu'``), ``mlp_hidden_act`` (not ``'relu2'``),
             ``n_groups`` (must divide ``mamba_num_heads``), ``n_group`` / ``topk_group``
             (expert groups of >= 2, ``topk_group`` in ``[1, n_group]``), ``time_step_limit``
-            (the default ``(0, inf)`` only, see :func:`~.mamba2.check_time_step_limit`).
+            (the default ``(0, inf)`` only, see :func:`~.blocks.mamba2.check_time_step_limit`).
     """
     types = _block_types(config)
     if not types or any(t not in BLOCK_TYPES for t in types):
@@ -197,17 +198,8 @@ class NemotronHMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` → ``(weights [T, k] float32, expert index [T, k])``."""
-        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
-        choice = scores + self.gate.e_score_correction_bias.float()
-        T = x.shape[0]
-        best_two = choice.view(T, self.n_group, -1).topk(2, dim=-1)[0].sum(-1)            # [T, groups]
-        kept = torch.zeros_like(best_two).scatter_(1, best_two.topk(self.topk_group, dim=-1)[1], 1).bool()
-        choice = choice.masked_fill(~kept.repeat_interleave(self.num_experts // self.n_group, dim=1), float('-inf'))
-        index = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, index)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, index
+        return group_limited_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.n_group,
+                                   self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
@@ -265,7 +257,7 @@ _LAYER = re.compile(r'^model\.layers\.(\d+)\.mixer\.(.+)$')
 class NemotronHTPPlan:
     """How Nemotron-H splits over ``size`` tensor-parallel ranks (Megatron-style).
 
-    Mamba-2 blocks by head and group (:class:`~.mamba2.Mamba2TPSplit`; fewer groups than ranks:
+    Mamba-2 blocks by head and group (:class:`~.blocks.mamba2.Mamba2TPSplit`; fewer groups than ranks:
     a group's ``B`` / ``C`` copied to the ranks of its heads, its norm all-reduced): ``in_proj`` rows,
     ``conv1d`` channels, per-head parameters, ``norm`` channels, ``out_proj`` columns);
     attention by query head (``q_proj`` rows, ``o_proj`` columns) and KV head (``k_proj`` /
@@ -283,7 +275,6 @@ class NemotronHTPPlan:
     row_parallel = (('mixer', 'out_proj'), ('mixer', 'o_proj'), ('mixer', 'down_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.rank, self.size = config, rank, size
         self.types = _block_types(config)
         self.mamba = Mamba2TPSplit(mamba2_dims(config), rank, size, 'mamba_num_heads', 'n_groups') \
@@ -393,7 +384,7 @@ def _load_expert(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
     return True
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
     """Nemotron-H causal LM in the engine's layers.
 
     Args:
@@ -403,13 +394,7 @@ class NemotronHForCausalLM(nn.Module):
         ValueError: see :func:`check_config`.
     """
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = NemotronHModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
+    model_class = NemotronHModel
     # every config field transformers' modeling file reads, and what the engine does with it
     # (.config_audit); the attention has no rotary embedding, so no rope field is read
     config_fields = {
@@ -447,20 +432,19 @@ class NemotronHForCausalLM(nn.Module):
         'norm_topk_prob': IMPLEMENTED,
         'routed_scaling_factor': IMPLEMENTED,
     }
-    rotary = False
+    rotary_class = None
     check_config = staticmethod(check_config)
     # Mamba-2 by head and group, attention by head, dense MLPs by row; MoE replicated (NemotronHTPPlan)
     parallel_plan = ParallelPlan(renames=_RENAMES, custom=NemotronHTPPlan)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Per block: Mamba-2 a state spec (:func:`~.mamba2.mamba2_state_spec`), attention a
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per block: Mamba-2 a state spec (:func:`~.blocks.mamba2.mamba2_state_spec`), attention a
         :class:`FullAttentionSpec`, MLP / MoE an empty :class:`PagedSpec` (nothing cached).
 
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         out = []
         for kind in _block_types(config):
@@ -472,20 +456,10 @@ class NemotronHForCausalLM(nn.Module):
                 out.append(PagedSpec(()))
         return out
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    def rename_weight(self, name: str) -> str | None:
+        """Published or transformers names (see the module docstring) → ours."""
+        return _rename(name)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring).
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename,
-                     special=_load_expert)
+    def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
+        """Per-expert tensors into the stacked experts."""
+        return _load_expert(loader, name, tensor)

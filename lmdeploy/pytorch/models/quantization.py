@@ -108,7 +108,7 @@ class Fp8Weights:
         """Read the scales (small) of the checkpoint in ``model_path``."""
         from safetensors import safe_open
 
-        from .loader import weight_files
+        from .checkpoint_files import weight_files
         scales = {}
         for path in weight_files(model_path):
             with safe_open(path, framework='pt') as f:

@@ -21,20 +21,19 @@ the vision-language ones (``text_config`` + ``vision_config``; weights under
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.gated_delta_net import GatedDeltaNet, HybridDecoderLayer, check_hybrid_config, hybrid_cache_specs
+from .blocks.vision import check_image_spans
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, load_weights
+from .layers import PackedLinear, RMSNorm, SwiGLUMLP
 from .parallel_plan import ParallelPlan
-from .qwen3 import Qwen3Attention
-from .qwen3_next import LINEAR, GatedDeltaNet, hybrid_cache_specs
-from .qwen3_next import check_config as _check_hybrid
-from .qwen3_5_vision import Qwen3_5VisionModel, check_image_spans, mrope_positions
+from .qwen3_5_vision import Qwen3_5VisionModel, mrope_positions
 from .rope import RotaryEmbedding
 
 __all__ = ['Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', 'MRotaryEmbedding', 'ImageInputs', 'check_config']
@@ -47,7 +46,7 @@ def check_config(config) -> None:
         ValueError: naming the field (``layer_types``, ``linear_num_value_heads``, ``hidden_act``,
             ``rope_parameters.mrope_section``; rope fields: see :mod:`.rope`).
     """
-    _check_hybrid(config)
+    check_hybrid_config(config)
     rope = MRotaryEmbedding(config)
     sections = rope.mrope_section
     if len(sections) != 3 or any(not isinstance(s, int) or s < 0 for s in sections):
@@ -89,7 +88,7 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):
-    """Gated DeltaNet as in :class:`.qwen3_next.GatedDeltaNet`, with Qwen3.5's projections:
+    """Gated DeltaNet as in :class:`.blocks.gated_delta_net.GatedDeltaNet`, with Qwen3.5's projections:
     ``in_proj_qkv`` gives ``[q all heads | k all heads | v all heads]`` (the conv's channel order
     directly), ``in_proj_z`` ``[Hv * dv]``, ``in_proj_b`` and ``in_proj_a`` ``[Hv]`` each; the
     four are packed into one matmul."""
@@ -106,28 +105,13 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
         return mixed, z.reshape(hidden.shape[0], self.num_v_heads, self.head_v_dim), b, a
 
 
-class Qwen3_5DecoderLayer(nn.Module):
-    """Pre-norm layer: Gated DeltaNet or gated attention (by ``layer_types``), then a dense SwiGLU."""
+class Qwen3_5DecoderLayer(HybridDecoderLayer):
+    """Gated DeltaNet (Qwen3.5's projections) or gated attention (``layer_types``), then ``mlp``
+    (default: a dense SwiGLU)."""
 
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == LINEAR:
-            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = Qwen3Attention(config, layer_idx, output_gate=True, zero_centered_norm=True)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, hidden, cos, sin, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``, each sub-block with a residual."""
-        normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR:
-            hidden = hidden + self.linear_attn(normed, ctx)
-        else:
-            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def __init__(self, config, layer_idx: int, mlp: nn.Module | None = None):
+        mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size) if mlp is None else mlp
+        super().__init__(config, layer_idx, mlp, Qwen3_5GatedDeltaNet)
 
 
 class Qwen3_5TextModel(nn.Module):
@@ -159,11 +143,6 @@ class Qwen3_5TextModel(nn.Module):
         return self.norm(hidden)
 
 
-def _text_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-    check_config(config)
-    return hybrid_cache_specs(config, dtype)
-
-
 @dataclass
 class ImageInputs:
     """A forward's image inputs (:meth:`Qwen3_5ForConditionalGeneration.image_inputs`).
@@ -182,15 +161,15 @@ class ImageInputs:
         return ImageInputs(self.positions.cpu(), self.rows.cpu(), self.embeds.cpu())
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    """Text-only Qwen3.5 (``Qwen3_5ForCausalLM``, config ``Qwen3_5TextConfig``).
+class Qwen3_5ForCausalLM(CausalLM):
+    """Text-only Qwen3.5 (``Qwen3_5ForCausalLM``, config ``Qwen3_5TextConfig``). Weights: drops
+    ``mtp.*`` and ``model.visual.*`` (as ``transformers`` does for this class), and reads
+    ``model.language_model.*`` as ``model.*``.
 
     Raises:
         ValueError: see :func:`check_config`.
     """
-    text_model_cls = Qwen3_5TextModel
-    # ``(loader, name, tensor) -> bool`` for checkpoint tensors with their own layout (experts)
-    load_tensor = None
+    model_class = Qwen3_5TextModel
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
@@ -202,38 +181,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True,
                                  renames=(('model.language_model.', 'model.'),), skipped=('mtp.',))
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = self.text_model_cls(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: :class:`LinearAttentionSpec` for Gated DeltaNet, :class:`FullAttentionSpec` otherwise."""
-        return _text_cache_specs(config, dtype)
+        return hybrid_cache_specs(config, dtype)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in; drops ``mtp.*`` and ``model.visual.*`` (as ``transformers``
-        does for this class), and reads ``model.language_model.*`` as ``model.*``.
-
-        Raises:
-            KeyError / ValueError: see :func:`.layers.load_weights`.
-        """
-        def rename(name: str) -> str | None:
-            if name.startswith(('mtp.', 'model.visual.')):
-                return None
-            return name.replace('model.language_model.', 'model.', 1)
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename, self.load_tensor)
+    def rename_weight(self, name: str) -> str | None:
+        if name.startswith(('mtp.', 'model.visual.')):
+            return None
+        return name.replace('model.language_model.', 'model.', 1)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
@@ -279,32 +235,23 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         check_config(config.get_text_config())
 
     def __init__(self, config):
-        text = config.get_text_config()
-        super().__init__(text)
-        self.config = config
+        super().__init__(config)
         self.visual = Qwen3_5VisionModel(config.vision_config)
         self.image_token_id = int(config.image_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """The text stack's cache specs."""
-        return _text_cache_specs(config.get_text_config(), dtype)
+        return hybrid_cache_specs(config.get_text_config(), dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in: ``model.language_model.*`` as ``model.*``, ``model.visual.*``
-        as ``visual.*``; drops ``mtp.*``.
-
-        Raises:
-            KeyError / ValueError: see :func:`.layers.load_weights`.
-        """
-        def rename(name: str) -> str | None:
-            if name.startswith('mtp.'):
-                return None
-            if name.startswith('model.visual.'):
-                return name[len('model.'):]
-            return name.replace('model.language_model.', 'model.', 1)
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename, self.load_tensor)
+    def rename_weight(self, name: str) -> str | None:
+        """``model.language_model.*`` as ``model.*``, ``model.visual.*`` as ``visual.*``; drops ``mtp.*``."""
+        if name.startswith('mtp.'):
+            return None
+        if name.startswith('model.visual.'):
+            return name[len('model.'):]
+        return name.replace('model.language_model.', 'model.', 1)
 
     def check_multimodal(self, token_ids: list[int], multimodal) -> None:
         """Reject images the forward could not place.

@@ -5,7 +5,7 @@ What differs from :mod:`.qwen3_5` (everything else is the same layer, imported f
 
     MLP     every layer: top-k softmax router that always renormalises its k weights, fused
             SwiGLU experts, plus a shared SwiGLU expert scaled by sigmoid(shared_expert_gate(x))
-            (:class:`.qwen3_next.SparseMoeBlock` with ``norm_topk_prob=True``; the config has
+            (:class:`.blocks.moe.SparseMoeBlock` with ``norm_topk_prob=True``; the config has
             no ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers`` or dense
             ``intermediate_size``)
     experts checkpoint tensors either per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``)
@@ -15,20 +15,16 @@ What differs from :mod:`.qwen3_5` (everything else is the same layer, imported f
 
 ``Qwen3_5MoeForCausalLM`` serves ``qwen3_5_moe_text`` checkpoints, ``Qwen3_5MoeForConditionalGeneration``
 the vision-language ``qwen3_5_moe`` ones (images exactly as :class:`.qwen3_5.Qwen3_5ForConditionalGeneration`).
-The multi-token-prediction head (``mtp.*``) is :class:`~lmdeploy.pytorch.models.qwen3_next_mtp.Qwen3NextMTP`
-built with :class:`Qwen3_5MoeDecoderLayer`.
+The multi-token-prediction head (``mtp.*``) is :class:`Qwen3_5MoeMTP`: the Qwen3-Next-style head
+(:class:`~.blocks.mtp.DecoderLayerMTP`) built with :class:`Qwen3_5MoeDecoderLayer`.
 """
 from __future__ import annotations
 
-from torch import nn
-
+from .blocks.moe import SparseMoeBlock, load_expert_tensor
+from .blocks.mtp import DecoderLayerMTP
 from .config_audit import MOE_FIELDS
-from .layers import RMSNorm
 from .parallel_plan import ParallelPlan
-from .qwen3 import Qwen3Attention
-from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, \
-    Qwen3_5GatedDeltaNet, Qwen3_5TextModel
-from .qwen3_next import LINEAR, SparseMoeBlock, load_expert_tensor
+from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextModel
 
 __all__ = ['Qwen3_5MoeForCausalLM', 'Qwen3_5MoeForConditionalGeneration', 'Qwen3_5MoeDecoderLayer']
 
@@ -38,15 +34,13 @@ class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
     MoE block (renormalised top-k, sigmoid-gated shared expert)."""
 
     def __init__(self, config, layer_idx: int):
-        nn.Module.__init__(self)
-        self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == LINEAR:
-            self.linear_attn = Qwen3_5GatedDeltaNet(config, layer_idx)
-        else:
-            self.self_attn = Qwen3Attention(config, layer_idx, output_gate=True, zero_centered_norm=True)
-        self.mlp = SparseMoeBlock(config, norm_topk_prob=True)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        super().__init__(config, layer_idx, SparseMoeBlock(config, norm_topk_prob=True))
+
+
+class Qwen3_5MoeMTP(DecoderLayerMTP):
+    """The ``mtp.*`` head of a Qwen3.5-MoE checkpoint: one full-attention
+    :class:`Qwen3_5MoeDecoderLayer` (its MoE with the always-renormalising router)."""
+    layer_class = Qwen3_5MoeDecoderLayer
 
 
 class Qwen3_5MoeTextModel(Qwen3_5TextModel):
@@ -61,9 +55,9 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     Raises:
         ValueError: see :func:`.qwen3_5.check_config`.
     """
-    text_model_cls = Qwen3_5MoeTextModel
+    model_class = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
-    mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
+    mtp_head = 'qwen3_5_moe:Qwen3_5MoeMTP'      # the checkpoint's mtp.* head (speculative decoding)
     # the router always renormalises its top-k: no norm_topk_prob / decoder_sparse_step / mlp_only_layers
     config_fields = {**Qwen3_5ForCausalLM.config_fields, **MOE_FIELDS}
     # MoE in every layer (replicated, no dense MLP to split); its mtp.* head is read
@@ -79,9 +73,9 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     Raises:
         ValueError: see :func:`.qwen3_5.check_config` (on ``text_config``).
     """
-    text_model_cls = Qwen3_5MoeTextModel
+    model_class = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
-    mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
+    mtp_head = 'qwen3_5_moe:Qwen3_5MoeMTP'      # the checkpoint's mtp.* head (speculative decoding)
     config_fields = {**Qwen3_5ForConditionalGeneration.config_fields, **MOE_FIELDS}
     parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=lambda config: False,
                                  renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),

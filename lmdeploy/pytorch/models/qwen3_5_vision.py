@@ -25,43 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ['Qwen3_5VisionModel', 'mrope_positions', 'merged_grid']
+from .blocks.vision import PatchEmbed, VisionAttention, merge_block_order, merged_grid
 
-
-def merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:
-    """``(t, h, w)`` in patches → ``(t, h // merge, w // merge)`` tokens on each axis."""
-    t, h, w = (int(x) for x in torch.as_tensor(grid_thw).reshape(-1)[:3].tolist())
-    return t, h // merge, w // merge
-
-
-def check_image_spans(token_ids: Sequence[int], multimodal, image_token_id: int, merge: int) -> None:
-    """Reject image inputs a Qwen2-VL-style vision tower could not place in the prompt.
-
-    Args:
-        token_ids: the prompt's token ids.
-        multimodal: its inputs (``modality``, ``data``, ``start``, ``end``); those whose ``data``
-            is ``None`` are skipped.
-        image_token_id: the token that fills an image's span.
-        merge: the tower's spatial merge size ``m``.
-
-    Raises:
-        ValueError: a modality other than ``'image'``, data without ``pixel_values`` /
-            ``image_grid_thw``, a span whose length is not the image's merged token count
-            ``t * (h / m) * (w / m)``, or a span not made only of ``image_token_id``.
-    """
-    for j, mm in enumerate(multimodal):
-        if mm.data is None:
-            continue
-        if mm.modality != 'image':
-            raise ValueError(f'multimodal[{j}].modality: only images are supported, got {mm.modality!r}')
-        if 'pixel_values' not in mm.data or 'image_grid_thw' not in mm.data:
-            raise ValueError(f'multimodal[{j}].data needs pixel_values and image_grid_thw')
-        t, H, W = merged_grid(mm.data['image_grid_thw'], merge)
-        if mm.end - mm.start != t * H * W:
-            raise ValueError(f'multimodal[{j}]: span of {mm.end - mm.start} tokens, the image has {t * H * W}')
-        if any(tok != image_token_id for tok in token_ids[mm.start:mm.end]):
-            raise ValueError(f'multimodal[{j}]: span [{mm.start}, {mm.end}) must hold only the image token '
-                             f'{image_token_id}')
+__all__ = ['Qwen3_5VisionModel', 'mrope_positions']
 
 
 def mrope_positions(start: int, length: int, images: Sequence, merge: int) -> torch.Tensor:
@@ -105,40 +71,12 @@ def _act(name: str):
     raise ValueError(f'vision_config.hidden_act {name!r} is not supported (gelu, gelu_pytorch_tanh, silu)')
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-class _VisionAttention(nn.Module):
-    """Bidirectional multi-head attention inside one image, fused ``qkv`` with bias."""
-
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: list[int]) -> torch.Tensor:
-        """``x [P, dim]``, ``cos/sin [P, head_dim]``, ``cu`` image boundaries → ``[P, dim]``."""
-        P = x.shape[0]
-        q, k, v = self.qkv(x).view(P, 3, self.num_heads, self.head_dim).unbind(1)
-        c, s = cos[:, None].float(), sin[:, None].float()
-        q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
-        k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
-        out = torch.empty_like(q)
-        for a, b in zip(cu[:-1], cu[1:]):
-            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                      v[a:b].transpose(0, 1)).transpose(0, 1)
-        return self.proj(out.reshape(P, -1))
-
-
 class _VisionBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = _VisionAttention(cfg.hidden_size, cfg.num_heads)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
         self.mlp = nn.Module()
         self.mlp.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.mlp.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
@@ -147,21 +85,6 @@ class _VisionBlock(nn.Module):
     def forward(self, x, cos, sin, cu):
         x = x + self.attn(self.norm1(x), cos, sin, cu)
         return x + self.mlp.linear_fc2(self.act(self.mlp.linear_fc1(self.norm2(x))))
-
-
-class _PatchEmbed(nn.Module):
-    """A patch (``C x tp x p x p`` values, as flattened by the processor) → ``[hidden]``: the
-    checkpoint's Conv3d with kernel = stride = patch, i.e. one matmul per patch."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=(cfg.temporal_patch_size,
-                              cfg.patch_size, cfg.patch_size), stride=(cfg.temporal_patch_size, cfg.patch_size,
-                              cfg.patch_size), bias=True)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class _Merger(nn.Module):
@@ -205,17 +128,10 @@ class Qwen3_5VisionModel(nn.Module):
         # a plain float32 CPU attribute, not a buffer: real even when built on the meta device
         self.inv_freq = 1.0 / (float(rope.get('rope_theta', 10000.0)) **
                                (torch.arange(0, quarter, 2, dtype=torch.float, device='cpu') / quarter))
-        self.patch_embed = _PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(_VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = _Merger(cfg)
-
-    def _block_order(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, col) int64 ``[h * w]`` of each patch in spatial-merge-block order."""
-        m = self.merge
-        rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        return rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` float ``[P, C * tp * p * p]`` of one or more images, ``grid_thw``
@@ -225,7 +141,7 @@ class Qwen3_5VisionModel(nn.Module):
         table = self.pos_embed.weight.float().t().reshape(1, -1, self.side, self.side)
         pos, rc, cu = [], [], [0]
         for t, h, w in grid_thw.reshape(-1, 3).tolist():
-            rows, cols = self._block_order(h, w)
+            rows, cols = merge_block_order(h, w, self.merge)
             # the learned side x side table, resampled to the image's h x w (corners aligned)
             grid = F.interpolate(table, size=(h, w), mode='bilinear', align_corners=True)[0]
             pos.append(grid[:, rows.to(dev), cols.to(dev)].t().repeat(t, 1))

@@ -2,7 +2,8 @@
 
 A model family that ships such a layer names its head class as the model class's
 ``mtp_head`` (``'module:Class'`` under :mod:`lmdeploy.pytorch.models`, in its model file); this
-module builds, loads and runs any family's head through that class's small interface, with no
+module builds, loads and runs any family's head through that class's small interface
+(:class:`~lmdeploy.pytorch.models.base.MTPHead`, which declares every member), with no
 per-family branches:
 
 =====================================  =================================================
@@ -11,12 +12,13 @@ per-family branches:
 ``Head.wants(name, config)``           whether a checkpoint tensor is the head's
 ``head.load_weights(weights)``         copy those tensors in (ValueError: none / missing)
 ``head.draft(target, hidden, ctx)``    ``[T, H]`` → ``[T, H]`` for a step (own KV written)
-``head.compute_logits`` (optional)     its own vocabulary head; else the target's
+``head.compute_logits(hidden)``        its own vocabulary head's logits; None: the target's
 ``Head.supports_tp``                   whether :class:`TPLayout` may shard it
 =====================================  =================================================
 
 Heads today: Qwen3-Next / Qwen3.5-MoE (``mtp.*``,
-:class:`~lmdeploy.pytorch.models.qwen3_next_mtp.Qwen3NextMTP`) and GLM-5.3-Flash's NextN layer
+:class:`~lmdeploy.pytorch.models.qwen3_next_mtp.Qwen3NextMTP` /
+:class:`~lmdeploy.pytorch.models.qwen3_5_moe.Qwen3_5MoeMTP`) and GLM-5.3-Flash's NextN layer
 (``model.layers.{num_hidden_layers}.*``, :class:`~lmdeploy.pytorch.models.glm5_next_mtp.Glm5NextMTP`).
 
 For position ``t`` a head reads the target model's final hidden state at ``t`` and the token
@@ -52,7 +54,7 @@ __all__ = ['Qwen3NextMTP', 'MTPBatch', 'MTPDrafter', 'mtp_cache_spec', 'check_mt
 
 def mtp_model_types() -> list[str]:
     """The model types whose engine class has an MTP head."""
-    return [t for t in sorted(MODEL_REGISTRY) if getattr(get_model_class(t), 'mtp_head', None)]
+    return [t for t in sorted(MODEL_REGISTRY) if get_model_class(t).mtp_head]
 
 
 def mtp_head_class(config):
@@ -62,7 +64,7 @@ def mtp_head_class(config):
         ValueError: the model has none (names ``speculative_config.method`` and lists those that do).
     """
     model_type = getattr(config, 'model_type', None)
-    head = getattr(get_model_class(model_type), 'mtp_head', None) if model_type in MODEL_REGISTRY else None
+    head = get_model_class(model_type).mtp_head if model_type in MODEL_REGISTRY else None
     if not head:
         raise ValueError(f'speculative_config.method=mtp needs a model with an '
                          f'MTP head ({", ".join(mtp_model_types())}), got {model_type!r}')
@@ -196,6 +198,5 @@ class MTPDrafter:
             self.prev = prev
         else:
             self.prev = kept
-        own = getattr(self.mtp, 'compute_logits', None)
-        logits = own(kept) if own is not None else None
+        logits = self.mtp.compute_logits(kept)      # None: the head shares the target's lm_head
         return (self.model.compute_logits(kept) if logits is None else logits).argmax(-1).tolist()

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_specs import CacheTensor, StateSpec
-from ..kernels import get_kernel
-from ..model_inputs import StepContext
-from .layers import Linear
+from ...cache_specs import CacheTensor, StateSpec
+from ...kernels import get_kernel
+from ...model_inputs import StepContext
+from ..layers import Linear
 
 __all__ = ['Mamba2Dims', 'Mamba2Mixer', 'Mamba2TPSplit', 'CrossRankGroupNorm', 'check_time_step_limit',
            'mamba2_state_spec']

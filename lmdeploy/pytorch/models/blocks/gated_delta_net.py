@@ -1,0 +1,189 @@
+"""Gated DeltaNet (Yang et al., "Gated Delta Networks", 2024) as Qwen3-Next and Qwen3.5 run
+it, and what a stack of Gated DeltaNet and full-attention layers shares: the layer-type names,
+the config checks and the cache spec of each layer::
+
+    linear_attention layer: conv state [conv_dim, kernel - 1] (dtype) + recurrent state
+                            [num_v_heads, k_head_dim, v_head_dim] (float32), one slot per sequence
+    full_attention layer:   K/V per token in paged blocks
+
+Invariant: a sequence with ``history_len == 0`` starts from a zero state whatever its slot
+holds; after a forward the slot holds the state after exactly ``kv_seqlen`` tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
+from ...kernels import get_kernel
+from ...model_inputs import StepContext
+from ..layers import Linear, PackedLinear, RMSNorm
+from .attention import QKNormAttention
+
+__all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer', 'attention_head_dim', 'check_hybrid_config',
+           'hybrid_cache_specs']
+
+LINEAR, FULL = 'linear_attention', 'full_attention'
+
+
+def check_hybrid_config(config) -> None:
+    """Reject a Gated DeltaNet + full-attention config (Qwen3-Next, Qwen3.5 text) this
+    implementation cannot run exactly.
+
+    Raises:
+        ValueError: naming the field (``layer_types``, ``linear_num_value_heads``,
+            ``hidden_act``; rope fields: see :mod:`..rope`).
+    """
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != config.num_hidden_layers or any(t not in (LINEAR, FULL) for t in types):
+        raise ValueError(f'layer_types must list {LINEAR!r} or {FULL!r} for each of the '
+                         f'{config.num_hidden_layers} layers, got {types}')
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise ValueError(f'linear_num_value_heads ({config.linear_num_value_heads}) must be a multiple of '
+                         f'linear_num_key_heads ({config.linear_num_key_heads})')
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+
+
+def attention_head_dim(config) -> int:
+    """``head_dim``, or ``hidden_size // num_attention_heads`` when the config has none."""
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * RMSNorm(x) * silu(z)`` per head; ``w`` is stored as is (initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``x, z [..., dim]`` → ``[..., dim]`` in ``x.dtype`` (the registry's ``gated_rms_norm``:
+        one native pass for float32 on CPU, see :mod:`~lmdeploy.pytorch.kernels.norm`)."""
+        return get_kernel('gated_rms_norm', x.device)(x, z, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (Yang et al., "Gated Delta Networks", 2024) as in Qwen3-Next.
+
+    ``in_proj_qkvz`` output is grouped per key head: for each of ``Hk`` key heads it holds
+    ``[q (dk) | k (dk) | v (r*dv) | z (r*dv)]`` with ``r = Hv / Hk`` value heads per key head;
+    ``in_proj_ba`` likewise holds ``[b (r) | a (r)]`` per key head. q, k, v then pass a depthwise
+    causal conv (SiLU) over the channels ``[q all heads | k all heads | v all heads]``; the
+    delta rule runs with ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` and
+    key head ``h // r`` serving value head ``h``; the output is ``out_proj(norm(o) * silu(z))``.
+
+    Args:
+        config: HF ``Qwen3NextConfig`` (or any config with the ``linear_*`` fields).
+        layer_idx: index into ``StepContext.state_caches``.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.heads_per_key = self.num_v_heads // self.num_k_heads
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        # one matmul for the checkpoint's in_proj_qkvz and in_proj_ba
+        self.in_proj = PackedLinear(hidden, {'in_proj_qkvz': 2 * self.key_dim + 2 * self.value_dim,
+                                             'in_proj_ba': 2 * self.num_v_heads})
+        # Only a weight holder ([conv_dim, 1, K], the checkpoint shape); the conv kernel runs it.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
+
+    def _split_projections(self, hidden: torch.Tensor):
+        """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
+        T, r = hidden.shape[0], self.heads_per_key
+        qkvz, ba = self.in_proj.forward_split(hidden)
+        qkvz = qkvz.reshape(T, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, r * self.head_v_dim, r * self.head_v_dim], -1)
+        b, a = ba.reshape(T, self.num_k_heads, 2 * r).split([r, r], -1)
+        mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+        return (mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, self.num_v_heads),
+                a.reshape(T, self.num_v_heads))
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        T = hidden.shape[0]
+        mixed, z, b, a = self._split_projections(hidden)
+        beta = b.sigmoid()
+        if a.dtype == self.A_log.dtype == self.dt_bias.dtype == torch.float32:
+            g = -self.A_log.exp() * F.softplus(a + self.dt_bias)
+        else:
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
+        device = hidden.device
+        # One call per kernel for all sequences; a fresh sequence (history 0) starts from zeros
+        # inside the kernels, since its slot may hold another sequence's leftovers.
+        y = get_kernel('causal_conv1d_varlen', device)(mixed, self.conv1d.weight.squeeze(1), None, conv_cache,
+                                                         ctx.cu_seqlens, ctx.seq_ids, ctx.slots, ctx.has_history,
+                                                         'silu', slot_span=ctx.slot_span)
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        if self.heads_per_key > 1:
+            q = q.repeat_interleave(self.heads_per_key, dim=1)
+            k = k.repeat_interleave(self.heads_per_key, dim=1)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        out = get_kernel('gated_delta_rule_varlen', device)(q, k, v, g, beta, recurrent_cache, ctx.cu_seqlens,
+                                                              ctx.slots, ctx.has_history, use_qk_l2norm=True,
+                                                              slot_span=ctx.slot_span)
+        return self.out_proj(self.norm(out, z).reshape(T, -1))
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm layer of a Gated DeltaNet + gated-attention stack (Qwen3-Next, Qwen3.5): the token
+    mixer ``layer_types[layer_idx]`` picks (``linear_attn``: Gated DeltaNet, state in ``ctx``'s
+    slots; or ``self_attn``: :class:`~.attention.QKNormAttention` with an output gate, KV in
+    ``ctx``'s blocks), then ``mlp``, each with a residual; all norms zero-centred.
+
+    Args:
+        config: the text config.
+        layer_idx: the layer's index (into ``layer_types`` and the caches).
+        mlp: the layer's MLP / MoE, ``[T, hidden]`` → ``[T, hidden]``.
+        linear_attn_class: the Gated DeltaNet variant (its projections' layout).
+    """
+
+    def __init__(self, config, layer_idx: int, mlp: nn.Module, linear_attn_class: type = GatedDeltaNet):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = linear_attn_class(config, layer_idx)
+        else:
+            self.self_attn = QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``cos`` / ``sin``: the rotary tables of the step."""
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == LINEAR:
+            hidden = hidden + self.linear_attn(normed, ctx)
+        else:
+            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    """The cache spec of each layer of a Gated DeltaNet + full-attention stack (Qwen3-Next,
+    Qwen3.5 text): conv ``[conv_dim, kernel-1]`` in ``dtype`` and float32 recurrent state
+    ``[num_v_heads, k_head_dim, v_head_dim]`` per linear-attention layer, paged KV per
+    full-attention layer. ``config`` is not checked here."""
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+        config.linear_num_value_heads * config.linear_value_head_dim
+    linear = LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
+                                 recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
+                                                  config.linear_value_head_dim))
+    full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
+    return [linear if t == LINEAR else full for t in config.layer_types]

@@ -1,0 +1,193 @@
+"""Mixture-of-experts blocks: SwiGLU experts as stacked weights (:class:`FusedExperts`, and
+:func:`load_expert_tensor` for checkpoints that ship one tensor per expert), the Qwen-MoE block
+(softmax top-k router + sigmoid-gated shared expert, :class:`SparseMoeBlock`) and the
+DeepSeek-V3-style block (sigmoid router with a correction bias and group-limited top-k,
+:class:`GroupLimitedMoE`) that Kimi-Linear and GLM-5.3-Flash use.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import get_kernel
+from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
+from ..layers import Linear, SwiGLUMLP, WeightLoader
+
+__all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor']
+
+
+class FusedExperts(nn.Module):
+    """SwiGLU experts as stacked weights: ``gate_up_proj [E, 2I, H]`` (gate rows first) and
+    ``down_proj [E, H, I]``, the ``transformers`` in-memory layout."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, chosen experts ``index [T, k]`` with ``weights [T, k]`` → ``[T, H]``, by
+        the registry's ``moe_experts`` (:mod:`~lmdeploy.pytorch.kernels.moe`: the whole layer
+        natively for float32 decode steps on CPU, grouped matmuls on CUDA)."""
+        return get_kernel('moe_experts', x.device)(x, index, weights, self.gate_up_proj, self.down_proj)
+
+    def forward_one_token(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for ``x [1, H]`` by :func:`~lmdeploy.pytorch.kernels.moe.moe_experts_one_token`."""
+        return moe_experts_one_token(x, index, weights, self.gate_up_proj, self.down_proj)
+
+    def forward_sorted(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for any ``T`` by :func:`~lmdeploy.pytorch.kernels.moe.moe_experts_sorted`."""
+        return moe_experts_sorted(x, index, weights, self.gate_up_proj, self.down_proj)
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k softmax-routed experts plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    Router (Qwen-MoE style): ``p = softmax(gate(x))`` in float32, keep the top ``k``,
+    renormalise them to sum 1 when ``norm_topk_prob``.
+
+    Args:
+        config: reads ``hidden_size``, ``num_experts``, ``num_experts_per_tok``,
+            ``moe_intermediate_size``, ``shared_expert_intermediate_size`` and, unless
+            ``norm_topk_prob`` is given, ``config.norm_topk_prob``.
+        norm_topk_prob: overrides the config (Qwen3.5-MoE's router always renormalises and its
+            config has no such field).
+    """
+
+    def __init__(self, config, norm_topk_prob: bool | None = None):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob if norm_topk_prob is None else norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = self.experts(x, index, weights.to(x.dtype))
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+_PER_EXPERT = re.compile(r'^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$')
+
+
+def load_expert_tensor(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+    """Copy a per-expert checkpoint tensor (``<prefix>.mlp.experts.{e}.{gate,up,down}_proj.weight``)
+    into its slice of the fused :class:`FusedExperts` parameters; False for any other name.
+
+    Raises:
+        KeyError: no such experts parameter, or the expert index is out of range.
+        ValueError: a shape mismatch.
+    """
+    match = _PER_EXPERT.match(name)
+    if not match:
+        return False
+    params = loader.params
+    prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+    target = f'{prefix}.down_proj' if part == 'down_proj' else f'{prefix}.gate_up_proj'
+    if target not in params or expert >= params[target].shape[0]:
+        raise KeyError(f'checkpoint tensor {name!r} has no parameter in {type(loader.module).__name__}')
+    dst = params[target][expert]
+    if part != 'down_proj':
+        half = dst.shape[0] // 2
+        dst = dst[:half] if part == 'gate_proj' else dst[half:]
+    per_expert = 1 if part == 'down_proj' else 2
+    loader.copy_part(target, dst, (expert, part), per_expert * params[target].shape[0], name, tensor)
+    return True
+
+
+def group_limited_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
+                        top_k: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3 router (DeepSeek-V3 technical report, 2024), in float32.
+
+    ``s = sigmoid(x W^T)``; experts are chosen with ``s + bias``: keep the ``topk_group`` of the
+    ``n_group`` equal groups with the largest sum of their two best scores, then the top ``k``
+    experts there; each chosen expert is weighted by its ``s`` (not the biased score),
+    renormalised to sum 1 when ``norm_topk_prob``, times ``scaling``.
+
+    Args:
+        x: ``[T, hidden]``.
+        weight: the router ``[E, hidden]``; bias: the score correction ``[E]``.
+
+    Returns:
+        ``(weights [T, k] float32, expert index [T, k] int64)``.
+    """
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    choice = scores + bias.float()
+    T, E = x.shape[0], weight.shape[0]
+    group_scores = choice.view(T, n_group, -1).topk(2, dim=-1)[0].sum(-1)            # [T, groups]
+    groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float('-inf'))
+    index = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, index)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, index
+
+
+class GroupLimitedMoE(nn.Module):
+    """DeepSeek-V3-style MoE: sigmoid router with a score-correction bias and group-limited
+    top-k, weights renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``,
+    plus always-on shared experts.
+
+    Router (float32): ``s = sigmoid(x W^T)``; choose with ``s + bias``: keep the ``topk_group``
+    groups with the largest sum of their two best scores, then the top ``k`` experts there;
+    weight each chosen expert by its ``s`` (not the biased score).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.num_local_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+        self.experts = FusedExperts(self.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = SwiGLUMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` → ``(weights [T, k] float32, expert index [T, k])``."""
+        return group_limited_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.n_group,
+                                   self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        weights, index = self.route(x)
+        return self.experts(x, index, weights.to(x.dtype)) + self.shared_experts(x)
+
+
+class GraniteMoE(nn.Module):
+    """Softmax-routed experts (GraniteMoE): the router's ``k`` largest logits (float32), a
+    softmax over those ``k`` as the weights; SwiGLU experts, gate rows first."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        logits, index = self.router(x).float().topk(self.top_k, dim=-1)
+        return self.experts(x, index, torch.softmax(logits, dim=-1).to(x.dtype))
+
+
+# Granite checkpoints' published MoE and shared-MLP names -> the engine's module names
+GRANITE_MOE_RENAMES = [
+    (re.compile(r'\.block_sparse_moe\.input_linear\.weight$'), '.block_sparse_moe.experts.gate_up_proj'),
+    (re.compile(r'\.block_sparse_moe\.output_linear\.weight$'), '.block_sparse_moe.experts.down_proj'),
+    (re.compile(r'\.block_sparse_moe\.router\.layer\.weight$'), '.block_sparse_moe.router.weight'),
+    (re.compile(r'\.shared_mlp\.input_linear\.weight$'), '.shared_mlp.gate_up_proj.weight'),
+    (re.compile(r'\.shared_mlp\.output_linear\.weight$'), '.shared_mlp.down_proj.weight'),
+]
