@@ -8,12 +8,14 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 # model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
 MODEL_REGISTRY = {
     'bamba': 'bamba:BambaForCausalLM',
+    'falcon_mamba': 'mamba_lm:FalconMambaForCausalLM',
     'glm5_next': 'glm5_next:Glm5NextForConditionalGeneration',
     'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
     'granitemoehybrid': 'granitemoehybrid:GraniteMoeHybridForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
     'lfm2': 'lfm2:Lfm2ForCausalLM',
     'lfm2_moe': 'lfm2:Lfm2MoeForCausalLM',
+    'mamba': 'mamba_lm:MambaForCausalLM',
     'mamba2': 'mamba2_lm:Mamba2ForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
