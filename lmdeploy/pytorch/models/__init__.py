@@ -12,6 +12,7 @@ MODEL_REGISTRY = {
     'glm5_next': 'glm5_next:Glm5NextForConditionalGeneration',
     'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
     'granitemoehybrid': 'granitemoehybrid:GraniteMoeHybridForCausalLM',
+    'jamba': 'jamba:JambaForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
     'lfm2': 'lfm2:Lfm2ForCausalLM',
     'lfm2_moe': 'lfm2:Lfm2MoeForCausalLM',

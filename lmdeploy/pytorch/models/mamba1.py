@@ -1,13 +1,14 @@
 """The Mamba-1 token mixer (Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective
-State Spaces", 2023), shared by Mamba and FalconMamba: the layer, its cached state, and its
-tensor-parallel split.
+State Spaces", 2023), shared by Mamba, FalconMamba and Jamba: the layer, its cached state, and
+its tensor-parallel split.
 
 One layer, per token (``D = d_inner`` channels, state size ``N``, ``R = dt_rank``)::
 
     in_proj(h)  = [ x (D) | z (D) ]
     x           = silu(causal_conv1d(x))          conv state: the last K - 1 inputs [D, K - 1]
     x_proj(x)   = [ dt_low (R) | B (N) | C (N) ]
-    (FalconMamba: dt_low, B, C each RMS-normalised, no weight, eps = mixer_rms_eps)
+    (FalconMamba: dt_low, B, C each RMS-normalised, no weight, eps = mixer_rms_eps;
+     Jamba: the same norms with a weight each, dt_layernorm / b_layernorm / c_layernorm)
     dt          = softplus(dt_proj.weight @ dt_low + dt_proj.bias)     [D]
     y           = selective_scan(x, dt, A = -exp(A_log) [D, N], B, C) + D_skip * x
                                                   SSM state [D, N] float32
@@ -19,7 +20,7 @@ The kernels come from the registry (``causal_conv1d_varlen``, ``selective_scan_v
 layer never looks at the device.
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
-``A_log``, ``D``, ``out_proj``). Under tensor parallelism (:class:`Mamba1TPSplit`) a rank holds
+``A_log``, ``D``, ``out_proj``; Jamba's ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``). Under tensor parallelism (:class:`Mamba1TPSplit`) a rank holds
 ``D / size`` channels: its rows of ``in_proj`` (``x`` and ``z``), ``conv1d``, ``dt_proj``,
 ``A_log``, ``D``; its columns of ``x_proj`` and ``out_proj``, both row-parallel (summed over
 ranks): ``dt_low``, ``B`` and ``C`` mix every channel, so every rank gets the full sum before the
@@ -37,7 +38,7 @@ from torch import nn
 from ..cache_specs import CacheTensor, StateSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
-from .layers import Linear
+from .layers import Linear, RMSNorm
 
 __all__ = ['Mamba1Dims', 'Mamba1Mixer', 'Mamba1TPSplit', 'mamba1_state_spec', 'CHANNEL_SPLIT']
 
@@ -56,8 +57,9 @@ class Mamba1Dims:
         dt_rank: ``R``, the width of the low-rank ``dt`` projection.
         conv_kernel: ``K`` of the depthwise causal conv.
         conv_bias, proj_bias: the conv has a bias; ``in_proj`` / ``out_proj`` have biases.
-        bcdt_norm_eps: None (Mamba), or FalconMamba's epsilon of the weightless RMS norms of
-            ``dt_low``, ``B`` and ``C``.
+        bcdt_norm_eps: None (Mamba), or the epsilon of the RMS norms of ``dt_low``, ``B`` and
+            ``C`` (FalconMamba, Jamba).
+        bcdt_norm_weight: those norms have a weight each (Jamba; FalconMamba's have none).
         chunk_size: tokens per scan chunk (a speed knob; the outputs do not depend on it).
     """
     hidden_size: int
@@ -68,6 +70,7 @@ class Mamba1Dims:
     conv_bias: bool
     proj_bias: bool
     bcdt_norm_eps: float | None = None
+    bcdt_norm_weight: bool = False
     chunk_size: int = 16
 
     def __post_init__(self):
@@ -115,6 +118,10 @@ class Mamba1Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(d.d_inner, d.state_size))
         self.D = nn.Parameter(torch.ones(d.d_inner))
         self.out_proj = Linear(d.d_inner, d.hidden_size, bias=d.proj_bias)
+        if d.bcdt_norm_eps is not None and d.bcdt_norm_weight:
+            self.dt_layernorm = RMSNorm(d.dt_rank, d.bcdt_norm_eps)
+            self.b_layernorm = RMSNorm(d.state_size, d.bcdt_norm_eps)
+            self.c_layernorm = RMSNorm(d.state_size, d.bcdt_norm_eps)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
@@ -125,7 +132,9 @@ class Mamba1Mixer(nn.Module):
             x.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids,
             ctx.slots, ctx.has_history, 'silu', slot_span=ctx.slot_span)
         dt, B, C = self.x_proj(x).split([d.dt_rank, d.state_size, d.state_size], dim=-1)
-        if d.bcdt_norm_eps is not None:
+        if d.bcdt_norm_weight:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif d.bcdt_norm_eps is not None:
             dt, B, C = (_weightless_rms(t, d.bcdt_norm_eps) for t in (dt, B, C))
         # the bias is added in float32 with the softplus (where transformers adds it)
         dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
@@ -141,7 +150,8 @@ class Mamba1TPSplit:
 
     ``in_proj`` rows of its ``x`` and ``z`` channels; ``conv1d``, ``dt_proj`` (weight and bias),
     ``A_log``, ``D`` rows of its channels; ``x_proj`` and ``out_proj`` weight columns (both
-    row-parallel: the layout sums their outputs over ranks); ``out_proj.bias`` whole.
+    row-parallel: the layout sums their outputs over ranks); ``out_proj.bias`` and Jamba's
+    ``dt_layernorm`` / ``b_layernorm`` / ``c_layernorm`` whole.
 
     Args:
         dims: the full (single-process) dims.
