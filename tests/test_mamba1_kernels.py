@@ -1,7 +1,13 @@
 """The Mamba-1 selective scan (lmdeploy/pytorch/kernels/mamba1.py) against its token-by-token
 float64 form: the chunked scan of one sequence (any chunk size, with and without an initial
 state, a chunk cut short by the memory bound), the one-token step, and the varlen driver over
-state slots (decode and prefill rows mixed, a slot without history holding garbage)."""
+state slots (decode and prefill rows mixed, a slot without history holding garbage); the Triton
+step and scan (mamba1_triton.py) under ``TRITON_INTERPRET=1``, and the registry's choice per device."""
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,6 +15,7 @@ from lmdeploy.pytorch.kernels import get_kernel
 from lmdeploy.pytorch.kernels import mamba1 as k
 
 TOL = 2e-5
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _inputs(L, Dd=24, N=8, seed=0):
@@ -85,3 +92,52 @@ def test_pure_decode_updates_a_sorted_slot_range_in_place():
         ry, rs = k.selective_scan_reference(x[i:i + 1], dt[i:i + 1], A, B[i:i + 1], C[i:i + 1], D, start[1 + i])
         assert (y[i].double() - ry[0]).abs().max() <= TOL and (cache[1 + i].double() - rs).abs().max() <= TOL
     assert torch.equal(cache[[0, 4]], start[[0, 4]])
+
+
+def test_registry_picks_triton_on_cuda_and_torch_on_cpu():
+    from lmdeploy.pytorch import kernels
+    from lmdeploy.pytorch.kernels.mamba1_triton import selective_scan_chunk_triton, selective_scan_step_triton
+    assert kernels.get_kernel('selective_scan_step', 'cpu') is k.selective_scan_step
+    assert kernels.get_kernel('selective_scan_chunk', 'cpu') is k.selective_scan_chunk
+    if kernels.triton_available():
+        assert kernels.get_kernel('selective_scan_step', 'cuda') is selective_scan_step_triton
+        assert kernels.get_kernel('selective_scan_chunk', 'cuda') is selective_scan_chunk_triton
+
+
+# In a subprocess so TRITON_INTERPRET=1 is set before triton is imported and does not leak.
+_TRITON_SCRIPT = '''
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_mamba1_kernels import _inputs
+from lmdeploy.pytorch.kernels.mamba1 import selective_scan_reference as ref
+from lmdeploy.pytorch.kernels.mamba1_triton import selective_scan_chunk_triton, selective_scan_step_triton
+
+# decode: 3 sequences, state rows a strided view of a cache; D and N off the block sizes
+x, dt, A, B, C, D = _inputs(3, Dd=40, N=19, seed=2)
+cache = torch.randn(6, 40, 19, generator=torch.Generator().manual_seed(3))
+state = cache[1::2]
+want = [ref(x[m:m + 1], dt[m:m + 1], A, B[m:m + 1], C[m:m + 1], D, state[m]) for m in range(3)]
+y = selective_scan_step_triton(x, dt, A, B, C, D, state)
+torch.testing.assert_close(y, torch.cat([w[0] for w in want]).float(), atol=2e-5, rtol=1e-5)
+torch.testing.assert_close(state, torch.stack([w[1] for w in want]).float(), atol=2e-5, rtol=1e-5)
+
+# prefill: with and without an initial state, lengths 1 and 23, channels over one block
+for L, Dd, N, init in [(1, 8, 16, False), (23, 40, 19, True), (23, 33, 8, False)]:
+    x, dt, A, B, C, D = _inputs(L, Dd=Dd, N=N, seed=L + Dd)
+    s0 = torch.randn(Dd, N, generator=torch.Generator().manual_seed(4)) if init else None
+    y, final = selective_scan_chunk_triton(x, dt, A, B, C, D, s0)
+    y_ref, s_ref = ref(x, dt, A, B, C, D, s0)
+    torch.testing.assert_close(y, y_ref.float(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(final, s_ref.float(), atol=2e-5, rtol=1e-5)
+y, final = selective_scan_chunk_triton(*_inputs(0, Dd=8, N=4)[:6], None)
+assert y.shape == (0, 8) and not final.any()
+print('ok')
+'''
+
+
+def test_triton_kernels_equal_the_recurrence_under_the_interpreter():
+    pytest.importorskip('triton')
+    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONPATH=f'{ROOT}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    proc = subprocess.run([sys.executable, '-c', _TRITON_SCRIPT.format(tests=str(ROOT / 'tests'))],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith('ok'), proc.stderr[-3000:]
