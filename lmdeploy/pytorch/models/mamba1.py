@@ -20,11 +20,11 @@ The kernels come from the registry (``causal_conv1d_varlen``, ``selective_scan_v
 layer never looks at the device.
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
-``A_log``, ``D``, ``out_proj``; Jamba's ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``). Under tensor parallelism (:class:`Mamba1TPSplit`) a rank holds
-``D / size`` channels: its rows of ``in_proj`` (``x`` and ``z``), ``conv1d``, ``dt_proj``,
-``A_log``, ``D``; its columns of ``x_proj`` and ``out_proj``, both row-parallel (summed over
-ranks): ``dt_low``, ``B`` and ``C`` mix every channel, so every rank gets the full sum before the
-FalconMamba norms and ``dt_proj``.
+``A_log``, ``D``, ``out_proj``; Jamba's ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``).
+Under tensor parallelism (:class:`Mamba1TPSplit`) a rank holds ``D / size`` channels: its rows of
+``in_proj`` (``x`` and ``z``), ``conv1d``, ``dt_proj``, ``A_log``, ``D``; its columns of ``x_proj``
+and ``out_proj``, both row-parallel (summed over ranks): ``dt_low``, ``B`` and ``C`` mix every
+channel, so every rank gets the full sum before the dt / B / C norms and ``dt_proj``.
 """
 from __future__ import annotations
 
