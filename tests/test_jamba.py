@@ -92,3 +92,18 @@ def test_audit_lists_every_field_transformers_reads():
     read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
                                                                        source))
     assert read and not read - set(FIELDS['jamba']), sorted(read - set(FIELDS['jamba']))
+
+
+def test_store_sizes_of_a_jamba_mini_shaped_config():
+    """The S and K_blk docs/en/supported_models.md quotes: 28 Mamba-1 layers x (conv [8192, 3] bf16
+    + SSM [8192, 16] float32); 4 attention layers x 64 tokens x K and V of 8 heads x 128 bf16; TP2
+    halves both."""
+    from benchmark.store_presets import sizes_from_config
+    config = dict(model_type='jamba', hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, intermediate_size=14336, num_experts=16, mamba_d_state=16, mamba_d_conv=4,
+                  mamba_expand=2, dtype='bfloat16')
+    sizes = sizes_from_config(config, block_size=64)
+    assert sizes.state_bytes == 28 * (8192 * 3 * 2 + 8192 * 16 * 4) == 16_056_320
+    assert sizes.kv_block_bytes == 4 * 64 * 2 * 8 * 128 * 2 == 1_048_576
+    tp2 = sizes_from_config(config, block_size=64, tp=2)
+    assert (tp2.state_bytes, tp2.kv_block_bytes) == (sizes.state_bytes // 2, sizes.kv_block_bytes // 2)

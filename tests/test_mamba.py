@@ -195,3 +195,14 @@ def test_audit_lists_every_field_transformers_reads(arch):
     read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
                                                                        source))
     assert read and not read - set(FIELDS[arch]), sorted(read - set(FIELDS[arch]))
+
+
+def test_store_sizes_of_a_falcon_mamba_7b_shaped_config():
+    """The S and K_blk docs/en/supported_models.md quotes: 64 layers x (conv [8192, 3] bf16 + SSM
+    [8192, 16] float32), nothing per token."""
+    from benchmark.store_presets import sizes_from_config
+    config = dict(model_type='falcon_mamba', hidden_size=4096, num_hidden_layers=64, expand=2, state_size=16,
+                  conv_kernel=4, dtype='bfloat16')
+    sizes = sizes_from_config(config, block_size=64)
+    assert sizes.state_bytes == 64 * (8192 * 3 * 2 + 8192 * 16 * 4) == 36_700_160
+    assert sizes.kv_block_bytes == 0
