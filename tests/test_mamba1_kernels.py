@@ -94,10 +94,35 @@ def test_pure_decode_updates_a_sorted_slot_range_in_place():
     assert torch.equal(cache[[0, 4]], start[[0, 4]])
 
 
-def test_registry_picks_triton_on_cuda_and_torch_on_cpu():
+@pytest.mark.parametrize('M, Dd, N', [(1, 1, 1), (3, 24, 8), (2, 37, 19)])
+def test_native_step_equals_the_recurrence_on_cache_row_views(M, Dd, N):
+    """The state is a view of every other slot of a cache (slot stride twice the row's), as the
+    varlen driver passes a slot run; the slots between are untouched. B and C are column views of
+    one projection, as the mixer splits them."""
+    from lmdeploy.pytorch.kernels.cpu_native import native_library
+    from lmdeploy.pytorch.kernels.mamba1_cpu import selective_scan_step_native
+    if native_library() is None:
+        pytest.skip('native CPU kernels could not be built here')
+    x, dt, A, B, C, D = _inputs(M, Dd=Dd, N=N, seed=M + Dd)
+    BC = torch.cat([B, C], dim=1)
+    B, C = BC[:, :N], BC[:, N:]
+    cache = torch.randn(2 * M, Dd, N, generator=torch.Generator().manual_seed(9))
+    start = cache.clone()
+    y = selective_scan_step_native(x, dt, A, B, C, D, cache[0::2])
+    for m in range(M):
+        ry, rs = k.selective_scan_reference(x[m:m + 1], dt[m:m + 1], A, B[m:m + 1], C[m:m + 1], D, start[2 * m])
+        assert (y[m].double() - ry[0]).abs().max() <= TOL and (cache[2 * m].double() - rs).abs().max() <= TOL
+    assert torch.equal(cache[1::2], start[1::2])
+    assert selective_scan_step_native(x.double(), dt, A, B, C, D, cache[0::2]) is None     # float32 only
+
+
+def test_registry_picks_native_then_torch_on_cpu_and_triton_on_cuda():
     from lmdeploy.pytorch import kernels
+    from lmdeploy.pytorch.kernels.cpu_native import native_library
+    from lmdeploy.pytorch.kernels.mamba1_cpu import selective_scan_step_cpu
     from lmdeploy.pytorch.kernels.mamba1_triton import selective_scan_chunk_triton, selective_scan_step_triton
-    assert kernels.get_kernel('selective_scan_step', 'cpu') is k.selective_scan_step
+    step_on_cpu = selective_scan_step_cpu if native_library() is not None else k.selective_scan_step
+    assert kernels.get_kernel('selective_scan_step', 'cpu') is step_on_cpu
     assert kernels.get_kernel('selective_scan_chunk', 'cpu') is k.selective_scan_chunk
     if kernels.triton_available():
         assert kernels.get_kernel('selective_scan_step', 'cuda') is selective_scan_step_triton
