@@ -107,3 +107,20 @@ def test_store_sizes_of_a_jamba_mini_shaped_config():
     assert sizes.kv_block_bytes == 4 * 64 * 2 * 8 * 128 * 2 == 1_048_576
     tp2 = sizes_from_config(config, block_size=64, tp=2)
     assert (tp2.state_bytes, tp2.kv_block_bytes) == (sizes.state_bytes // 2, sizes.kv_block_bytes // 2)
+
+
+def test_transformers_fused_expert_names_load_too(tiny, tmp_path):
+    """The same weights saved in transformers' in-memory layout (``feed_forward.experts.gate_up_proj``
+    ``[E, 2I, H]`` / ``down_proj``) instead of one tensor per expert match transformers."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from engine_utils import check_checkpoint_matches_transformers
+    path, hf = tiny
+    fused = tmp_path / 'fused'
+    shutil.copytree(path, fused)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert 'model.layers.1.feed_forward.experts.gate_up_proj' in sd
+    save_file(sd, str(fused / 'model.safetensors'), metadata={'format': 'pt'})
+    check_checkpoint_matches_transformers(str(fused), hf)
