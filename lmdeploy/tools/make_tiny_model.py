@@ -113,6 +113,15 @@ def _arch_defaults(arch: str) -> dict:
         return dict(hidden_size=64, num_hidden_layers=3, num_heads=4, head_dim=32, expand=2, n_groups=2,
                     state_size=16, conv_kernel=4, chunk_size=24, use_conv_bias=True, use_bias=False,
                     layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=False)
+    if arch in ('mamba', 'falcon_mamba'):   # three Mamba-1 layers, nothing else; dt rank 4 ('auto': 64 / 16)
+        return dict(hidden_size=64, num_hidden_layers=3, state_size=16, expand=2, conv_kernel=4, use_conv_bias=True,
+                    use_bias=False, layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=False)
+    if arch == 'jamba':   # Mamba-1, attention, Mamba-1, Mamba-1; MoE in layers 1 and 3, dense MLPs in 0 and 2
+        return dict(hidden_size=64, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
+                    expert_layer_period=2, expert_layer_offset=1, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=64, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+                    mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False, max_position_embeddings=32768,
+                    tie_word_embeddings=False, rms_norm_eps=1e-6)
     if arch == 'kimi_linear':   # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
         lin, full = 'linear_attention', 'full_attention'
         return dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
@@ -165,13 +174,9 @@ def build_config(arch: str, vocab_size: int, eos_token_id: int, pad_token_id: in
     if arch == 'glm5_next':
         return _glm5_next_config(vocab_size, eos_token_id, pad_token_id, **overrides)
     if arch in ('kimi_linear', 'nemotron_h', 'granitemoehybrid', 'granitemoe_swa', 'lfm2', 'lfm2_moe', 'bamba',
-                'mamba2', 'falcon_h1'):
-        from transformers import (BambaConfig, FalconH1Config, GraniteMoeHybridConfig, GraniteMoeSWAConfig,
-                                  Lfm2Config, Lfm2MoeConfig, Mamba2Config, NemotronHConfig)
-        named = {'kimi_linear': KimiLinearConfig, 'nemotron_h': NemotronHConfig,
-                 'granitemoehybrid': GraniteMoeHybridConfig, 'granitemoe_swa': GraniteMoeSWAConfig,
-                 'lfm2': Lfm2Config, 'lfm2_moe': Lfm2MoeConfig, 'bamba': BambaConfig, 'mamba2': Mamba2Config,
-                 'falcon_h1': FalconH1Config}[arch]
+                'mamba2', 'falcon_h1', 'mamba', 'falcon_mamba', 'jamba'):
+        from transformers import CONFIG_MAPPING
+        named = KimiLinearConfig if arch == 'kimi_linear' else CONFIG_MAPPING[arch]
         fields = dict(_arch_defaults(arch))
         known = set(named().to_dict()) | set(fields)
         for key in overrides:
@@ -249,7 +254,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     Qwen3-Next's zero-centred `x*(1+w)` RMSNorm) plus N(0, NORM_JITTER_STD). Gated DeltaNet:
     A = exp(A_log) ~ U(1, 16) and dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (the
     ranges of the Mamba / Mamba-2 reference initialisation), so the per-token state decay
-    exp(-A * dt) stays close to 1 and tokens far back in a long prefix still change the output.
+    exp(-A * dt) stays close to 1 and tokens far back in a long prefix still change the output
+    (Mamba-1's `dt_proj.bias` likewise).
     """
     norm_params = {
         f'{mod_name}.{p_name}'
@@ -268,7 +274,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 value = neutral + NORM_JITTER_STD * torch.randn(shape, generator=gen)
             elif leaf == 'A_log':
                 value = torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen))
-            elif leaf == 'dt_bias':
+            elif leaf == 'dt_bias' or name.endswith('dt_proj.bias'):     # Mamba-1's dt bias is dt_proj's
                 dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(shape, generator=gen))
                 value = dt + torch.log(-torch.expm1(-dt))
             elif leaf == 'sinks':       # attention-sink logits of the order of the scores, so they change the output
@@ -285,14 +291,16 @@ def _checkpoint_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> dict:
     [E, H, I]; checkpoints store `experts.{e}.{gate,up,down}_proj.weight` as nn.Linear weights.
     """
     out = {}
+    # Jamba's experts sit under `feed_forward` (published per expert too)
+    experts = ('mlp.experts.', 'feed_forward.experts.') if model.config.model_type == 'jamba' else ('mlp.experts.',)
     for name, tensor in model.state_dict().items():
-        if name.endswith('mlp.experts.gate_up_proj'):
+        if name.endswith(tuple(e + 'gate_up_proj' for e in experts)):
             prefix = name[:-len('gate_up_proj')]
             gate, up = tensor.chunk(2, dim=1)
             for e in range(tensor.shape[0]):
                 out[f'{prefix}{e}.gate_proj.weight'] = gate[e]
                 out[f'{prefix}{e}.up_proj.weight'] = up[e]
-        elif name.endswith('mlp.experts.down_proj'):
+        elif name.endswith(tuple(e + 'down_proj' for e in experts)):
             prefix = name[:-len('down_proj')]
             for e in range(tensor.shape[0]):
                 out[f'{prefix}{e}.down_proj.weight'] = tensor[e]
@@ -419,7 +427,9 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
                                        'lfm2': 'Lfm2ForCausalLM', 'lfm2_moe': 'Lfm2MoeForCausalLM',
                                        'bamba': 'BambaForCausalLM',
                                        'mamba2': 'Mamba2ForCausalLM',
-                                       'falcon_h1': 'FalconH1ForCausalLM'}[arch])
+                                       'falcon_h1': 'FalconH1ForCausalLM', 'mamba': 'MambaForCausalLM',
+                                       'falcon_mamba': 'FalconMambaForCausalLM',
+                                       'jamba': 'JambaForCausalLM'}[arch])
     torch_state = torch.random.get_rng_state()
     try:
         model = model_cls(config).to(torch.float32)
@@ -437,7 +447,8 @@ def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **ove
     config_dict = config.to_diff_dict()
     # Legacy top-level mirrors of rope_parameters, as in the published config.json files.
     # (published Qwen3.5 configs keep rope parameters inside text_config only)
-    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next', 'nemotron_h', 'mamba2'):
+    if arch not in VL_ARCHS and arch not in ('kimi_linear', 'glm5_next', 'nemotron_h', 'mamba2', 'mamba',
+                                                         'falcon_mamba', 'jamba'):
         config_dict['rope_theta'] = config.rope_parameters['rope_theta']
     if arch == 'lfm2':   # the published spellings; transformers reads them as intermediate_size / tie_word_embeddings
         config_dict['block_ff_dim'] = config_dict.pop('intermediate_size')

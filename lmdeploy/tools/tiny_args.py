@@ -9,7 +9,8 @@ import os
 __all__ = ['ARCHS', 'VL_ARCHS', 'MTP_ARCHS', 'NEXTN_ARCHS', 'DTYPE_NAMES', 'add_arguments', 'check_args']
 
 ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next', 'nemotron_h',
-         'granitemoehybrid', 'granitemoe_swa', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2', 'falcon_h1')
+         'granitemoehybrid', 'granitemoe_swa', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2', 'falcon_h1', 'mamba',
+         'falcon_mamba', 'jamba')
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
 NEXTN_ARCHS = ('glm5_next',)    # the NextN layer model.layers.{num_hidden_layers}.*, written with mtp=True only

@@ -15,6 +15,7 @@ here, each one call per layer per step:
 - :func:`gated_delta_step_native`: the delta-rule decode step in one pass over the state;
 - :func:`conv_decode_step_native`: the causal-conv decode step (window shift in place);
 - :func:`~.mamba2_cpu.ssd_step_native` (its own module): the Mamba-2 SSD decode step;
+- :func:`~.mamba1_cpu.selective_scan_step_native` (its own module): the Mamba-1 decode step;
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
   once per KV head group, online softmax, no gathered copy.
@@ -151,6 +152,7 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_gated_delta_step': ('p p p p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
     'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
+    'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
     'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
 }

@@ -234,6 +234,55 @@ void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B
   }
 }
 
+/* exp(x) for x <= 0 without a libm call, so a loop of it vectorizes: x = n ln2 + g with n the
+   nearest integer to x / ln2 (the 1.5 * 2^23 rounding trick) and |g| <= ln2 / 2, e^g by the
+   degree-6 polynomial of Cephes' expf (S. L. Moshier, Cephes Math Library, 1984-1992; about 1 ulp),
+   times 2^n built from the exponent bits. Below -87 the result is exp(-87) ~ 1.6e-38 instead of
+   a smaller number or zero: a decay that small leaves a state entry at float32 rounding of zero. */
+static inline float expf_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float r = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float g = x - r * 0.693359375f + r * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * g + 1.3981999507e-3f;
+  p = p * g + 8.3334519073e-3f;
+  p = p * g + 4.1665795894e-2f;
+  p = p * g + 1.6666665459e-1f;
+  p = p * g + 5.0000001201e-1f;
+  float e = p * g * g + g + 1.0f;
+  uint32_t bits = (uint32_t)((int32_t)r + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+/* One decode token of the Mamba-1 selective scan for M sequences x Dd channels, the state updated
+   in place (Gu & Dao, "Mamba", 2023, Algorithm 2): per channel d with its state row S [N],
+   S <- exp(dt A[d]) * S + dt x B (elementwise: the decay differs per state entry), y = S . C + D[d] x.
+   x, dt [M, Dd] and y [M, Dd] contiguous; A [Dd, N] (negative, dt > 0: the exponents are <= 0);
+   B, C [M, N]; D [Dd]; state element (m, d, j) at m * s_slot + d * s_chan + j. The update loop has
+   no reduction, so it vectorizes; the dot with C then reads the updated row in 16-wide blocks. */
+void lm_selective_step(const float* x, const float* dt, const float* A, const float* B, const float* C,
+                       const float* D, float* state, int M, int Dd, int N, int64_t s_slot, int64_t s_chan,
+                       float* y, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int q = 0; q < M * Dd; q++) {
+    int m = q / Dd, d = q % Dd;
+    float* S = state + (ptrdiff_t)m * s_slot + (ptrdiff_t)d * s_chan;
+    const float* a = A + (ptrdiff_t)d * N;
+    const float* b = B + (ptrdiff_t)m * N;
+    const float* c = C + (ptrdiff_t)m * N;
+    float step = dt[q], u = step * x[q];
+    for (int j = 0; j < N; j++) S[j] = S[j] * expf_nonpos(step * a[j]) + b[j] * u;
+    v16 acc = (v16){0};
+    int j = 0;
+    for (; j + 16 <= N; j += 16) acc += load16(S + j) * load16(c + j);
+    float tot = hsum16(acc);
+    for (; j < N; j++) tot += S[j] * c[j];
+    y[q] = tot + D[d] * x[q];
+  }
+}
+
 /* One decode token of a depthwise causal convolution for N sequences x C channels, the window
    state (the last K - 1 inputs) updated in place: y = act(bias + sum_j w[c, j] window[j]) over the
    window (state, x). x [N, C] (row stride ldx); state element (n, c, j) at n * s_slot + c * s_chan

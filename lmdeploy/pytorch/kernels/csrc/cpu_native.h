@@ -30,6 +30,11 @@ void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B
                  float* state, int N, int H, int P, int G, int Dn, int64_t s_slot, int64_t s_head, int64_t s_row,
                  float* y, int threads);
 
+/* one decode token of the Mamba-1 selective scan, state updated in place */
+void lm_selective_step(const float* x, const float* dt, const float* A, const float* B, const float* C,
+                       const float* D, float* state, int M, int Dd, int N, int64_t s_slot, int64_t s_chan,
+                       float* y, int threads);
+
 /* one decode token of a depthwise causal convolution, window state updated in place */
 void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_slot, int64_t s_chan,
                          const float* weight, const float* bias, int N, int C, int K, int silu, float* y,

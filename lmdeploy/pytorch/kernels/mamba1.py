@@ -1,0 +1,199 @@
+"""Mamba-1 selective scan in plain torch: the chunked scan of one sequence, the one-token step,
+and their varlen driver over the engine's state slots.
+
+Recurrence (Gu & Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023,
+sec. 3.2, Algorithm 2), per channel ``d`` of ``D`` with a state row ``S[d] [N]``::
+
+    a_t[d, n] = dt_t[d] * A[d, n]                 # A < 0, dt > 0: a log decay per (channel, state)
+    S_t[d, n] = exp(a_t[d, n]) S_{t-1}[d, n] + dt_t[d] x_t[d] B_t[n]
+    y_t[d]    = sum_n S_t[d, n] C_t[n] + D[d] x_t[d]
+
+Unlike Mamba-2 (one scalar decay per head) the decay differs per state entry, so the scan has no
+matrix-product (SSD) form. Chunked form: split the sequence into chunks of ``Q`` tokens; with the
+within-chunk cumulative log decays ``c_i = a_1 + ... + a_i`` and the chunk's start state ``S0``::
+
+    S_i = exp(c_i) S0 + sum_{j<=i} exp(c_i - c_j) dt_j x_j B_j
+
+computed for all ``i`` of the chunk at once (a masked ``[Q, Q, D, N]`` decay tensor; ``Q`` is cut
+so that tensor stays under :data:`CHUNK_ELEMENTS` elements), then ``y_i = S_i . C_i``. Only the
+chunk-to-chunk hand-over is sequential. The decays are differences of cumulative sums inside
+one chunk, masked before the ``exp`` so the (positive) upper triangle cannot overflow.
+
+Invariants: ``dt`` arrives already as ``softplus(dt_proj(..) + dt_bias)`` (the caller owns that);
+states are float32; :func:`selective_scan_chunk` never modifies its initial state;
+:func:`selective_scan_varlen` rewrites exactly the slots it is given, and a sequence without
+history starts from a zero state whatever its slot holds. The output gate ``y * silu(z)`` is the
+caller's.
+
+Registered ops (names a Triton or native CPU implementation registers under):
+``selective_scan_chunk``, ``selective_scan_step``, ``selective_scan_varlen``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import get_kernel, register_kernel, slot_range
+
+__all__ = ['selective_scan_chunk', 'selective_scan_step', 'selective_scan_varlen', 'selective_scan_reference',
+           'CHUNK_ELEMENTS']
+
+# the largest intra-chunk decay tensor [Q, Q, D, N] (float32 elements) the torch scan builds
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _check(x, dt, A, B, C, D):
+    """Validate shapes; returns ``(D, N)``."""
+    if x.dim() != 2 or dt.shape != x.shape or A.dim() != 2 or A.shape[0] != x.shape[1] or D.shape != x.shape[1:]:
+        raise ValueError(f'x and dt must be [L, D], A [D, N], D [D]; got x {tuple(x.shape)}, dt {tuple(dt.shape)}, '
+                         f'A {tuple(A.shape)}, D {tuple(D.shape)}')
+    if B.shape != (x.shape[0], A.shape[1]) or C.shape != B.shape:
+        raise ValueError(f'B and C must be [L, N] = {(x.shape[0], A.shape[1])}; got B {tuple(B.shape)}, '
+                         f'C {tuple(C.shape)}')
+    return A.shape
+
+
+def chunk_tokens(chunk_size: int, d: int, n: int) -> int:
+    """Tokens per chunk: ``chunk_size``, cut so the ``[Q, Q, d, n]`` decays stay under
+    :data:`CHUNK_ELEMENTS` (at least 1)."""
+    q = max(1, int((CHUNK_ELEMENTS / max(1, d * n)) ** 0.5))
+    return max(1, min(chunk_size, q))
+
+
+@register_kernel('selective_scan_chunk', device_type='any')
+def selective_scan_chunk(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                         D: torch.Tensor, initial_state: torch.Tensor | None, chunk_size: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence through the chunked selective scan (module docstring).
+
+    Args:
+        x: ``[L, D]`` inputs (any float dtype), ``L >= 0``.
+        dt: ``[L, D]`` float32 step sizes (already biased and softplus'd).
+        A: ``[D, N]`` float32, negative (``-exp(A_log)``).
+        B, C: ``[L, N]``.
+        D: ``[D]`` skip weights.
+        initial_state: ``[D, N]`` float32, or None (zeros). Read only.
+        chunk_size: tokens per chunk (cut further by :func:`chunk_tokens`; the result does not
+            depend on it beyond rounding).
+
+    Returns:
+        ``(y [L, D] float32 including D * x, final state [D, N] float32)``.
+
+    Raises:
+        ValueError: inconsistent shapes or a non-positive ``chunk_size``.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f'chunk_size must be positive, got {chunk_size}')
+    Dd, N = _check(x, dt, A, B, C, D)
+    if initial_state is not None and initial_state.shape != (Dd, N):
+        raise ValueError(f'initial_state must be [D, N] = {(Dd, N)}; got {tuple(initial_state.shape)}')
+    L = x.shape[0]
+    state = x.new_zeros(Dd, N, dtype=torch.float32) if initial_state is None else initial_state.float()
+    out = x.new_empty(L, Dd, dtype=torch.float32)
+    if L == 0:
+        return out, state.clone()
+    Q = chunk_tokens(chunk_size, Dd, N)
+    xf, dtf, Af, Bf, Cf = x.float(), dt.float(), A.float(), B.float(), C.float()
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()[:, :, None, None]
+    for s in range(0, L, Q):
+        e = min(L, s + Q)
+        q = e - s
+        cum = (dtf[s:e, :, None] * Af).cumsum(0)                                    # [q, D, N]
+        u = (dtf[s:e] * xf[s:e])[:, :, None] * Bf[s:e, None, :]                       # [q, D, N]
+        decay = (cum[:, None] - cum[None, :]).masked_fill(~causal[:q, :q], float('-inf')).exp()  # [i, j, D, N]
+        states = (decay * u[None]).sum(1) + cum.exp() * state                        # [q, D, N]
+        out[s:e] = torch.linalg.vecdot(states, Cf[s:e, None, :])
+        state = states[-1]
+    return out + D.float() * xf, state.clone()
+
+
+@register_kernel('selective_scan_step', device_type='any')
+def selective_scan_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        D: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token for each of ``M`` sequences (decode).
+
+    Args:
+        x: ``[M, D]``; dt: ``[M, D]`` float32 (as in :func:`selective_scan_chunk`); A: ``[D, N]``;
+            D: ``[D]``.
+        B, C: ``[M, N]``.
+        state: ``[M, D, N]`` float32, updated in place to the state after the token.
+
+    Returns:
+        ``y [M, D]`` float32 including ``D * x``.
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
+    Dd, N = _check(x, dt, A, B, C, D)
+    if state.shape != (x.shape[0], Dd, N):
+        raise ValueError(f'state must be [M, D, N] = {(x.shape[0], Dd, N)}; got {tuple(state.shape)}')
+    xf, dtf = x.float(), dt.float()
+    state.mul_((dtf[:, :, None] * A.float()).exp())
+    state.addcmul_((dtf * xf)[:, :, None], B.float()[:, None, :])
+    return torch.linalg.vecdot(state, C.float()[:, None, :]) + D.float() * xf
+
+
+def selective_scan_reference(x, dt, A, B, C, D, initial_state=None):
+    """Token-by-token float64 form of the recurrence (the test reference; not registered):
+    arguments as :func:`selective_scan_chunk`; returns ``(y [L, D], state [D, N])`` float64."""
+    Dd, N = _check(x, dt, A, B, C, D)
+    state = torch.zeros(Dd, N, dtype=torch.float64) if initial_state is None else initial_state.double().clone()
+    ys = []
+    for t in range(x.shape[0]):
+        state = torch.exp(dt[t].double()[:, None] * A.double()) * state \
+            + (dt[t].double() * x[t].double())[:, None] * B[t].double()[None, :]
+        ys.append(state @ C[t].double() + D.double() * x[t].double())
+    y = torch.stack(ys) if ys else torch.zeros(0, Dd, dtype=torch.float64)
+    return y, state
+
+
+@register_kernel('selective_scan_varlen', device_type='any')
+def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          D: torch.Tensor, state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                          has_history: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """The selective scan over a flat batch of sequences, each continuing its state slot.
+
+    Single-token sequences run together through ``selective_scan_step``; longer ones one at a
+    time through ``selective_scan_chunk`` (both looked up in the registry for the device).
+
+    Args:
+        x: ``[T, D]``; dt: ``[T, D]`` float32; A: ``[D, N]``; D: ``[D]``; B, C: ``[T, N]``.
+        state_cache: ``[num_slots, D, N]`` float32 (may be a strided view); rows ``slots`` are
+            read, then overwritten with each sequence's state after its last row.
+        cu_seqlens: int64 ``[M + 1]`` row offsets (every sequence has >= 1 row);
+        slots: int64 ``[M]`` distinct slots; has_history: bool ``[M]`` (False: start from zeros).
+        chunk_size: tokens per scan chunk.
+
+    Returns:
+        ``y [T, D]`` float32 including ``D * x``.
+    """
+    bounds = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    out = x.new_empty(x.shape, dtype=torch.float32)
+    single = [i for i, n in enumerate(lengths) if n == 1]
+    step = get_kernel('selective_scan_step', x.device)
+    if len(single) == len(lengths) and state_cache.dtype == torch.float32:
+        # pure decode with the slots one sorted range: update that slice of the cache in place
+        span = slot_range(slots, has_history)
+        if span is not None and span[1] is None:
+            return step(x, dt, A, B, C, D, state_cache[span[0]:span[0] + len(lengths)])
+    if single:
+        idx = torch.tensor(single, dtype=torch.int64, device=x.device)
+        rows = cu_seqlens.to(x.device)[idx]
+        state = state_cache.index_select(0, slots[idx]).to(torch.float32)
+        if state.device.type != 'cpu' or not bool(has_history[idx].all()):   # (no device sync for the check)
+            state.masked_fill_(~has_history[idx][:, None, None], 0)
+        out[rows] = step(x[rows], dt[rows], A, B[rows], C[rows], D, state)
+        state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
+    if len(single) == len(lengths):
+        return out
+    scan = get_kernel('selective_scan_chunk', x.device)
+    history = has_history.tolist()
+    for i, n in enumerate(lengths):
+        if n == 1:
+            continue
+        sl = slice(bounds[i], bounds[i + 1])
+        initial = state_cache[slots[i]] if history[i] else None
+        y, state = scan(x[sl], dt[sl], A, B[sl], C[sl], D, initial, chunk_size)
+        state_cache[slots[i]] = state.to(state_cache.dtype)
+        out[sl] = y
+    return out

@@ -1,0 +1,340 @@
+"""AI21 Jamba (``transformers`` model type ``jamba``: Jamba-v0.1, Jamba-1.5 / 1.6 Mini and
+Large): Mamba-1 layers with an attention layer every ``attn_layer_period`` layers, and a
+softmax-routed MoE in place of the MLP every ``expert_layer_period`` layers::
+
+    h = embed(ids)
+    layer i:  h = h + mixer(RMSNorm(h))
+              h = h + ffn(RMSNorm(h))
+      mixer = attention if i % attn_layer_period == attn_layer_offset
+                        (GQA, K/V in paged blocks, no positional encoding at all)
+            | Mamba-1   (conv + SSM states in a slot, :class:`~.mamba1.Mamba1Mixer` with weighted
+                        RMS norms of dt_low, B and C, eps = rms_norm_eps)
+      ffn   = MoE  if num_experts > 1 and i % expert_layer_period == expert_layer_offset
+                        (softmax over all experts in float32, the top k kept un-renormalised,
+                        SwiGLU experts of intermediate_size)
+            | SwiGLU MLP of intermediate_size
+    logits = lm_head(RMSNorm(h))
+
+Weight names: the published checkpoints' (``model.layers.{i}.mamba.*``, ``.self_attn.*``,
+``.feed_forward.router.weight``, ``.feed_forward.experts.{e}.{gate,up,down}_proj.weight``,
+``.feed_forward.{gate,up,down}_proj.weight``, ``input_layernorm``, ``pre_ff_layernorm``,
+``model.final_layernorm``); ``transformers``' fused in-memory experts
+(``feed_forward.experts.gate_up_proj`` / ``down_proj``) load too.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, attention, load_weights
+from .mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
+from .parallel_plan import ParallelPlan
+from .qwen3_next import FusedExperts, load_expert_tensor
+
+__all__ = ['JambaForCausalLM', 'check_config', 'layer_kinds']
+
+MAMBA, ATTENTION = 'mamba', 'attention'
+
+
+def layer_kinds(config) -> list[str]:
+    """Each layer's mixer, ``'mamba'`` or ``'attention'`` (``attn_layer_period`` / ``_offset``)."""
+    return [ATTENTION if i % config.attn_layer_period == config.attn_layer_offset else MAMBA
+            for i in range(config.num_hidden_layers)]
+
+
+def expert_layers(config) -> list[bool]:
+    """Whether each layer's feed-forward is the MoE (``expert_layer_period`` / ``_offset``,
+    ``num_experts > 1``)."""
+    return [config.num_experts > 1 and i % config.expert_layer_period == config.expert_layer_offset
+            for i in range(config.num_hidden_layers)]
+
+
+def _head_dim(config) -> int:
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``hidden_act`` (``'silu'`` only), ``num_experts_per_tok``
+            (``1..num_experts`` when there are experts), ``mamba_dt_rank`` not positive,
+            ``attn_layer_offset`` / ``expert_layer_offset`` not below their period.
+    """
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    E, k = config.num_experts, config.num_experts_per_tok
+    if E > 1 and not 1 <= k <= E:
+        raise ValueError(f'num_experts_per_tok ({k}) must be in [1, num_experts = {E}]')
+    if int(config.mamba_dt_rank) <= 0:
+        raise ValueError(f'mamba_dt_rank must be positive, got {config.mamba_dt_rank!r}')
+    for name in ('attn_layer', 'expert_layer'):
+        period, offset = getattr(config, f'{name}_period'), getattr(config, f'{name}_offset')
+        if period <= 0 or not 0 <= offset < period:
+            raise ValueError(f'{name}_offset ({offset}) must be in [0, {name}_period = {period})')
+
+
+def mamba_dims(config) -> Mamba1Dims:
+    """The Mamba-1 mixer sizes of a Jamba config (``mamba_*`` fields; the dt / B / C norms have
+    weights and ``rms_norm_eps``); this rank's channels in a tensor-parallel local config
+    (``mamba_tp_size``, set by :meth:`JambaTPPlan.local_config`)."""
+    full = Mamba1Dims(hidden_size=config.hidden_size, d_inner=config.mamba_expand * config.hidden_size,
+                      state_size=config.mamba_d_state, dt_rank=int(config.mamba_dt_rank),
+                      conv_kernel=config.mamba_d_conv, conv_bias=bool(config.mamba_conv_bias),
+                      proj_bias=bool(config.mamba_proj_bias), bcdt_norm_eps=config.rms_norm_eps,
+                      bcdt_norm_weight=True)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
+
+
+class JambaAttention(nn.Module):
+    """Grouped-query attention over the paged KV cache, no positional encoding, no biases,
+    softmax scale ``head_dim ** -0.5``."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
+                                                          'v_proj': kv}, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+
+
+class JambaMoE(nn.Module):
+    """Jamba's experts: a softmax over all router logits in float32, the top ``k`` probabilities
+    kept as the weights (not renormalised); SwiGLU experts, gate rows first."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        weights, index = torch.softmax(self.router(x).float(), dim=-1).topk(self.top_k, dim=-1)
+        return self.experts(x, index, weights.to(x.dtype))
+
+
+class JambaDecoderLayer(nn.Module):
+    """Pre-norm layer: Mamba-1 or attention, then the MoE or a SwiGLU MLP."""
+
+    def __init__(self, config, layer_idx: int, kind: str, moe: bool):
+        super().__init__()
+        self.kind = kind
+        if kind == MAMBA:
+            self.mamba = Mamba1Mixer(mamba_dims(config), layer_idx)
+        else:
+            self.self_attn = JambaAttention(config, layer_idx)
+        # dense MLPs are split under tensor parallelism, the experts are not (see JambaTPPlan)
+        dense = getattr(config, 'dense_intermediate_size', config.intermediate_size)
+        self.mlp = JambaMoE(config) if moe else SwiGLUMLP(config.hidden_size, dense)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        normed = self.input_layernorm(hidden)
+        hidden = hidden + (self.mamba(normed, ctx) if self.kind == MAMBA else self.self_attn(normed, ctx))
+        return hidden + self.mlp(self.pre_ff_layernorm(hidden))
+
+
+class JambaModel(nn.Module):
+    """Embedding, decoder layers, final norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, kind, moe) for i, (kind, moe) in
+                                    enumerate(zip(layer_kinds(config), expert_layers(config))))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        return self.final_layernorm(hidden)
+
+
+_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$')
+_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
+_DENSE_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.weight$')
+
+
+class JambaTPPlan:
+    """How Jamba splits over ``size`` tensor-parallel ranks: attention by head (``q_proj`` rows
+    of the rank's query heads, ``k_proj`` / ``v_proj`` rows of its KV heads, ``o_proj`` columns,
+    row-parallel; its K/V cache holds its KV heads); Mamba-1 by channel
+    (:class:`~.mamba1.Mamba1TPSplit`: ``x_proj`` and ``out_proj`` row-parallel); dense MLPs by
+    intermediate rows (``down_proj`` row-parallel); the experts and their router replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
+            ``intermediate_size`` (when a layer has a dense MLP) or the Mamba channels
+            ``mamba_expand * hidden_size`` (names the field).
+    """
+
+    row_parallel = (('self_attn', 'o_proj'), ('mamba', 'x_proj'), ('mamba', 'out_proj'), ('mlp', 'down_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.size = config, size
+        self.kinds, self.moe = layer_kinds(config), expert_layers(config)
+        fields = ['num_attention_heads', 'num_key_value_heads'] if ATTENTION in self.kinds else []
+        if not all(self.moe):
+            fields.append('intermediate_size')
+        for field in fields:
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+
+        def part(total: int) -> tuple[int, int]:
+            return rank * total // size, (rank + 1) * total // size
+
+        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
+        self.dense = part(config.intermediate_size)
+        self.mamba = Mamba1TPSplit(mamba_dims(config), rank, size, 'mamba_expand * hidden_size') \
+            if MAMBA in self.kinds else None
+
+    def local_config(self):
+        """A copy of the config with this rank's head counts and dense MLP width; the Mamba
+        channels are divided by :func:`mamba_dims` (``mamba_tp_size``)."""
+        c = copy.deepcopy(self.config)
+        c.head_dim = _head_dim(self.config)
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        c.dense_intermediate_size = self.dense[1] - self.dense[0]
+        c.mamba_tp_size = self.size
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads for ``'kv_heads'``; its Mamba channels for the Mamba-1 states."""
+        ranges = (self.kv_heads,) if split == 'kv_heads' else \
+            None if self.mamba is None else self.mamba.cache_ranges(split)
+        if ranges is None:
+            raise ValueError(f"CacheTensor.tp_split: jamba splits 'kv_heads' and the Mamba-1 states, not {split!r}")
+        return ranges
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        m = _ATTN_ROWS.match(name)
+        if m:
+            proj, d = m.group(2), _head_dim(self.config)
+            if proj == 'o_proj':
+                return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
+            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
+            return 0, ((heads[0] * d, heads[1] * d),)
+        m = _DENSE_ROWS.match(name)
+        if m and not self.moe[int(m.group(1))]:
+            return (1 if m.group(2) == 'down_proj' else 0), (self.dense,)
+        m = _MAMBA_ROWS.match(name)
+        if m and self.mamba is not None:
+            return self.mamba.shard(m.group(2))
+        return None
+
+
+def _rename(name: str) -> str:
+    # the engine's feed-forward is ``mlp`` (so the per-expert loader of .qwen3_next applies)
+    return name.replace('.feed_forward.', '.mlp.')
+
+
+class JambaForCausalLM(nn.Module):
+    """Jamba causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``JambaConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'max_position_embeddings': INERT,         # no positional encoding at all
+        'rope_parameters': INERT,
+        'rms_norm_eps': IMPLEMENTED,              # also the eps of the dt / B / C norms
+        'layers_block_type': IMPLEMENTED,         # derived from attn_layer_period / _offset
+        'layers_num_experts': IMPLEMENTED,        # derived from expert_layer_period / _offset
+        'attn_layer_period': CHECKED,             # the offset must be below the period
+        'attn_layer_offset': CHECKED,
+        'expert_layer_period': CHECKED,
+        'expert_layer_offset': CHECKED,
+        'num_experts': IMPLEMENTED,               # 1: every layer has a dense MLP
+        'num_local_experts': IMPLEMENTED,         # transformers' alias of num_experts
+        'num_experts_per_tok': CHECKED,           # in [1, num_experts]
+        'mamba_d_state': IMPLEMENTED,
+        'mamba_d_conv': IMPLEMENTED,
+        'mamba_expand': IMPLEMENTED,
+        'mamba_dt_rank': CHECKED,                 # positive ('auto' is resolved by the config)
+        'mamba_conv_bias': IMPLEMENTED,
+        'mamba_proj_bias': IMPLEMENTED,
+        'use_mamba_kernels': INERT,               # deprecated; which implementation runs, not what it computes
+        'use_mambapy': INERT,                     # alternative training-time scans of the same recurrence
+        'use_associative_scan': INERT,
+        'output_router_logits': INERT,            # the training loss only
+        'router_aux_loss_coef': INERT,
+    }
+    rotary = False       # no positions at all
+    check_config = staticmethod(check_config)
+    parallel_plan = ParallelPlan(custom=JambaTPPlan)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = JambaModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: the Mamba-1 state (:func:`~.mamba1.mamba1_state_spec`: conv
+        ``[mamba_expand * hidden_size, mamba_d_conv - 1]`` in ``dtype``, SSM ``[mamba_expand *
+        hidden_size, mamba_d_state]`` float32) or a :class:`FullAttentionSpec` (KV heads x
+        head_dim per token).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        mamba = mamba1_state_spec(mamba_dims(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (published or transformers names, see the module docstring);
+        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename,
+                     special=load_expert_tensor)

@@ -1,0 +1,250 @@
+"""Mamba-1 language models: ``mamba`` (the state-spaces ``mamba-*`` checkpoints) and
+``falcon_mamba`` (Falcon-Mamba-7B). Every layer is a Mamba-1 mixer; there is no attention and no
+MLP::
+
+    h = embed(ids)                          (float32 residual stream when residual_in_fp32)
+    layer i:  h = h + Mamba1Mixer(RMSNorm(h))
+    logits = lm_head(RMSNorm(h))
+
+The mixer is the shared :class:`~.mamba1.Mamba1Mixer` (conv + selective scan); FalconMamba's
+differs only by RMS-normalising ``dt_low``, ``B`` and ``C`` (no weight, ``mixer_rms_eps``)
+before ``dt_proj`` and the scan. Config fields: ``hidden_size``, ``expand``
+(``intermediate_size = expand * hidden_size``), ``state_size``, ``time_step_rank``,
+``conv_kernel``, ``use_bias``, ``use_conv_bias``, ``layer_norm_epsilon``, ``residual_in_fp32``.
+
+Nothing is cached per token: each layer declares a state spec only, so a KV block holds zero
+bytes (``K_blk = 0``), and a prefix is reused from a state checkpoint at an aligned boundary
+alone; the Store holds state objects only (as for ``mamba2``).
+
+Weight names: ``backbone.embeddings`` (or the original ``backbone.embedding``),
+``backbone.layers.{i}.norm``, ``backbone.layers.{i}.mixer.*``, ``backbone.norm_f``,
+``lm_head`` (absent when tied). FalconMamba's ``{b,c,dt}_layernorm.weight``, when a checkpoint
+holds them, are dropped as ``transformers`` does (its norms have no weight).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..cache_specs import LayerCacheSpec
+from ..model_inputs import StepContext
+from .config_audit import CHECKED, IMPLEMENTED, INERT
+from .layers import Linear, RMSNorm, load_weights
+from .mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
+from .parallel_plan import ParallelPlan
+
+__all__ = ['MambaForCausalLM', 'FalconMambaForCausalLM', 'check_config']
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field: ``hidden_act`` (``'silu'`` only: the conv activation; the
+            gate is always SiLU), ``time_step_rank`` not positive.
+    """
+    if config.hidden_act not in ('silu', 'swish'):
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    if int(config.time_step_rank) <= 0:
+        raise ValueError(f'time_step_rank must be positive, got {config.time_step_rank!r}')
+
+
+def mamba_dims(config) -> Mamba1Dims:
+    """The mixer sizes of a Mamba / FalconMamba config; this rank's channels in a
+    tensor-parallel local config (``mamba_tp_size``, set by :meth:`Mamba1TPPlan.local_config`)."""
+    eps = config.mixer_rms_eps if getattr(config, 'model_type', None) == 'falcon_mamba' else None
+    full = Mamba1Dims(hidden_size=config.hidden_size, d_inner=int(config.intermediate_size),
+                      state_size=config.state_size, dt_rank=int(config.time_step_rank),
+                      conv_kernel=config.conv_kernel, conv_bias=bool(config.use_conv_bias),
+                      proj_bias=bool(config.use_bias), bcdt_norm_eps=eps)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
+
+
+class MambaBlock(nn.Module):
+    """``h + mixer(norm(h))``; the residual ``h`` stays float32 when ``residual_in_fp32``."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = Mamba1Mixer(mamba_dims(config), layer_idx)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` (float32 or the model dtype) → ``[T, hidden]``, same dtype."""
+        return hidden + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), ctx)
+
+
+class MambaBackbone(nn.Module):
+    """Embedding, Mamba-1 blocks, final norm (named ``model`` so the generic vocabulary split
+    finds ``model.embed_tokens``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MambaBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.residual_in_fp32 = bool(config.residual_in_fp32)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` (model dtype) of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        dtype = hidden.dtype
+        if self.residual_in_fp32:
+            hidden = hidden.float()
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        return self.norm_f(hidden.to(dtype))
+
+
+_RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'),
+            ('model.embedding.', 'model.embed_tokens.'))
+_MIXER = re.compile(r'^model\.layers\.\d+\.mixer\.(.+)$')
+_WEIGHTLESS = re.compile(r'\.mixer\.(b|c|dt)_layernorm\.weight$')
+
+
+def _rename(name: str) -> str | None:
+    if _WEIGHTLESS.search(name):
+        return None
+    for prefix, repl in _RENAMES:
+        if name.startswith(prefix):
+            name = repl + name[len(prefix):]
+    return name
+
+
+class Mamba1TPPlan:
+    """How a Mamba-1 model splits over ``size`` tensor-parallel ranks: every mixer by channel
+    (:class:`~.mamba1.Mamba1TPSplit`; ``x_proj`` and ``out_proj`` row-parallel), the vocabulary
+    split of the embedding and ``lm_head`` generic; norms replicated.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``intermediate_size`` (names the field).
+    """
+
+    row_parallel = (('mixer', 'x_proj'), ('mixer', 'out_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        check_config(config)
+        self.config, self.size = config, size
+        self.mamba = Mamba1TPSplit(mamba_dims(config), rank, size, 'intermediate_size')
+
+    def local_config(self):
+        """A copy of the config that :func:`mamba_dims` divides by the TP size."""
+        c = copy.deepcopy(self.config)
+        c.mamba_tp_size = self.size
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's ranges of the Mamba-1 state split."""
+        ranges = self.mamba.cache_ranges(split)
+        if ranges is None:
+            raise ValueError(f'CacheTensor.tp_split: mamba splits the Mamba-1 states only, not {split!r}')
+        return ranges
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` (after the renames) this rank reads,
+        or None (whole)."""
+        m = _MIXER.match(name)
+        return self.mamba.shard(m.group(1)) if m else None
+
+
+_MAMBA_FIELDS = {
+    'vocab_size': IMPLEMENTED,
+    'hidden_size': IMPLEMENTED,
+    'num_hidden_layers': IMPLEMENTED,
+    'layer_types': IMPLEMENTED,               # every layer 'linear_attention' (a fixed property)
+    'intermediate_size': IMPLEMENTED,         # expand x hidden_size (derived by the config)
+    'expand': IMPLEMENTED,
+    'state_size': IMPLEMENTED,
+    'conv_kernel': IMPLEMENTED,
+    'time_step_rank': CHECKED,                # positive ('auto' is resolved by the config)
+    'use_bias': IMPLEMENTED,
+    'use_conv_bias': IMPLEMENTED,
+    'layer_norm_epsilon': IMPLEMENTED,
+    'residual_in_fp32': IMPLEMENTED,          # the residual stream is kept in float32
+    'hidden_act': CHECKED,                    # 'silu' only
+    'time_step_scale': INERT,                 # dt_proj / dt bias initialisation only
+    'time_step_min': INERT,
+    'time_step_max': INERT,
+    'time_step_floor': INERT,
+    'time_step_init_scheme': INERT,
+    'rescale_prenorm_residual': INERT,        # initialisation only
+    'initializer_range': INERT,
+    'use_mambapy': INERT,                     # alternative training-time scans of the same recurrence
+    'use_associative_scan': INERT,
+    'output_hidden_states': INERT,            # what the forward returns, not what it computes
+    'return_dict': INERT,
+    'tie_word_embeddings': IMPLEMENTED,
+    'dtype': IMPLEMENTED,
+    'quantization_config': CHECKED,           # FP8 block-wise only (.quantization)
+    'pad_token_id': INERT,
+    'use_cache': INERT,
+}
+
+
+class MambaForCausalLM(nn.Module):
+    """A Mamba(-1) causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``MambaConfig`` (or ``FalconMambaConfig``: the subclass).
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = dict(_MAMBA_FIELDS)
+    rotary = False       # no positions at all
+    check_config = staticmethod(check_config)
+    parallel_plan = ParallelPlan(renames=_RENAMES, custom=Mamba1TPPlan)
+
+    def __init__(self, config):
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = MambaBackbone(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer the Mamba-1 state (:func:`~.mamba1.mamba1_state_spec`: conv
+        ``[intermediate_size, conv_kernel - 1]`` in ``dtype``, SSM ``[intermediate_size,
+        state_size]`` float32); nothing paged, so KV blocks are zero bytes.
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        check_config(config)
+        return [mamba1_state_spec(mamba_dims(config), dtype)] * config.num_hidden_layers
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Flat batch → final hidden states ``[T, hidden_size]``."""
+        return self.model(ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (names of the module docstring); ties ``lm_head`` to the
+        embedding when ``tie_word_embeddings``.
+
+        Raises:
+            KeyError: a tensor has no matching parameter.
+            ValueError: a shape mismatch, or parameters left unfilled.
+        """
+        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename)
+
+
+class FalconMambaForCausalLM(MambaForCausalLM):
+    """FalconMamba: :class:`MambaForCausalLM` with ``dt_low``, ``B`` and ``C`` RMS-normalised
+    (no weight, ``mixer_rms_eps``) in every mixer.
+
+    Args:
+        config: a ``transformers`` ``FalconMambaConfig``.
+    """
+
+    config_fields = dict(_MAMBA_FIELDS, mixer_rms_eps=IMPLEMENTED)
