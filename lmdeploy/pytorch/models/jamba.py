@@ -7,7 +7,7 @@ softmax-routed MoE in place of the MLP every ``expert_layer_period`` layers::
               h = h + ffn(RMSNorm(h))
       mixer = attention if i % attn_layer_period == attn_layer_offset
                         (GQA, K/V in paged blocks, no positional encoding at all)
-            | Mamba-1   (conv + SSM states in a slot, :class:`~.mamba1.Mamba1Mixer` with weighted
+            | Mamba-1   (conv + SSM states in a slot, :class:`~.blocks.mamba1.Mamba1Mixer` with weighted
                         RMS norms of dt_low, B and C, eps = rms_norm_eps)
       ffn   = MoE  if num_experts > 1 and i % expert_layer_period == expert_layer_offset
                         (softmax over all experts in float32, the top k kept un-renormalised,
@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
+from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, attention, load_weights
-from .mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
+from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, attention
 from .parallel_plan import ParallelPlan
-from .qwen3_next import FusedExperts, load_expert_tensor
 
 __all__ = ['JambaForCausalLM', 'check_config', 'layer_kinds']
 
@@ -185,7 +185,7 @@ class JambaTPPlan:
     """How Jamba splits over ``size`` tensor-parallel ranks: attention by head (``q_proj`` rows
     of the rank's query heads, ``k_proj`` / ``v_proj`` rows of its KV heads, ``o_proj`` columns,
     row-parallel; its K/V cache holds its KV heads); Mamba-1 by channel
-    (:class:`~.mamba1.Mamba1TPSplit`: ``x_proj`` and ``out_proj`` row-parallel); dense MLPs by
+    (:class:`~.blocks.mamba1.Mamba1TPSplit`: ``x_proj`` and ``out_proj`` row-parallel); dense MLPs by
     intermediate rows (``down_proj`` row-parallel); the experts and their router replicated.
 
     Raises:
@@ -197,7 +197,6 @@ class JambaTPPlan:
     row_parallel = (('self_attn', 'o_proj'), ('mamba', 'x_proj'), ('mamba', 'out_proj'), ('mlp', 'down_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.size = config, size
         self.kinds, self.moe = layer_kinds(config), expert_layers(config)
         fields = ['num_attention_heads', 'num_key_value_heads'] if ATTENTION in self.kinds else []
@@ -253,11 +252,11 @@ class JambaTPPlan:
 
 
 def _rename(name: str) -> str:
-    # the engine's feed-forward is ``mlp`` (so the per-expert loader of .qwen3_next applies)
+    # the engine's feed-forward is ``mlp`` (so the per-expert loader of .blocks.moe applies)
     return name.replace('.feed_forward.', '.mlp.')
 
 
-class JambaForCausalLM(nn.Module):
+class JambaForCausalLM(CausalLM):
     """Jamba causal LM in the engine's layers.
 
     Args:
@@ -294,20 +293,15 @@ class JambaForCausalLM(nn.Module):
         'output_router_logits': INERT,            # the training loss only
         'router_aux_loss_coef': INERT,
     }
-    rotary = False       # no positions at all
+    rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
     parallel_plan = ParallelPlan(custom=JambaTPPlan)
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = JambaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+    model_class = JambaModel
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Per layer: the Mamba-1 state (:func:`~.mamba1.mamba1_state_spec`: conv
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: the Mamba-1 state (:func:`~.blocks.mamba1.mamba1_state_spec`: conv
         ``[mamba_expand * hidden_size, mamba_d_conv - 1]`` in ``dtype``, SSM ``[mamba_expand *
         hidden_size, mamba_d_state]`` float32) or a :class:`FullAttentionSpec` (KV heads x
         head_dim per token).
@@ -315,26 +309,12 @@ class JambaForCausalLM(nn.Module):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         mamba = mamba1_state_spec(mamba_dims(config), dtype)
         full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
         return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
+    def rename_weight(self, name: str) -> str:
+        """Published or transformers names (see the module docstring) → ours."""
+        return _rename(name)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (published or transformers names, see the module docstring);
-        ties ``lm_head`` to the embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename,
-                     special=load_expert_tensor)
+    load_tensor = staticmethod(load_expert_tensor)      # experts per expert or fused

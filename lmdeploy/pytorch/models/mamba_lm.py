@@ -6,7 +6,7 @@ MLP::
     layer i:  h = h + Mamba1Mixer(RMSNorm(h))
     logits = lm_head(RMSNorm(h))
 
-The mixer is the shared :class:`~.mamba1.Mamba1Mixer` (conv + selective scan); FalconMamba's
+The mixer is the shared :class:`~.blocks.mamba1.Mamba1Mixer` (conv + selective scan); FalconMamba's
 differs only by RMS-normalising ``dt_low``, ``B`` and ``C`` (no weight, ``mixer_rms_eps``)
 before ``dt_proj`` and the scan. Config fields: ``hidden_size``, ``expand``
 (``intermediate_size = expand * hidden_size``), ``state_size``, ``time_step_rank``,
@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import Linear, RMSNorm, load_weights
-from .mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
+from .layers import RMSNorm
 from .parallel_plan import ParallelPlan
 
 __all__ = ['MambaForCausalLM', 'FalconMambaForCausalLM', 'check_config']
@@ -117,7 +117,7 @@ def _rename(name: str) -> str | None:
 
 class Mamba1TPPlan:
     """How a Mamba-1 model splits over ``size`` tensor-parallel ranks: every mixer by channel
-    (:class:`~.mamba1.Mamba1TPSplit`; ``x_proj`` and ``out_proj`` row-parallel), the vocabulary
+    (:class:`~.blocks.mamba1.Mamba1TPSplit`; ``x_proj`` and ``out_proj`` row-parallel), the vocabulary
     split of the embedding and ``lm_head`` generic; norms replicated.
 
     Raises:
@@ -127,7 +127,6 @@ class Mamba1TPPlan:
     row_parallel = (('mixer', 'x_proj'), ('mixer', 'out_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        check_config(config)
         self.config, self.size = config, size
         self.mamba = Mamba1TPSplit(mamba_dims(config), rank, size, 'intermediate_size')
 
@@ -185,7 +184,7 @@ _MAMBA_FIELDS = {
 }
 
 
-class MambaForCausalLM(nn.Module):
+class MambaForCausalLM(CausalLM):
     """A Mamba(-1) causal LM in the engine's layers.
 
     Args:
@@ -197,46 +196,26 @@ class MambaForCausalLM(nn.Module):
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = dict(_MAMBA_FIELDS)
-    rotary = False       # no positions at all
+    rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
     parallel_plan = ParallelPlan(renames=_RENAMES, custom=Mamba1TPPlan)
 
-    def __init__(self, config):
-        super().__init__()
-        check_config(config)
-        self.config = config
-        self.model = MambaBackbone(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+    model_class = MambaBackbone
 
     @staticmethod
-    def cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Per layer the Mamba-1 state (:func:`~.mamba1.mamba1_state_spec`: conv
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer the Mamba-1 state (:func:`~.blocks.mamba1.mamba1_state_spec`: conv
         ``[intermediate_size, conv_kernel - 1]`` in ``dtype``, SSM ``[intermediate_size,
         state_size]`` float32); nothing paged, so KV blocks are zero bytes.
 
         Raises:
             ValueError: see :func:`check_config`.
         """
-        check_config(config)
         return [mamba1_state_spec(mamba_dims(config), dtype)] * config.num_hidden_layers
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Flat batch → final hidden states ``[T, hidden_size]``."""
-        return self.model(ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (names of the module docstring); ties ``lm_head`` to the
-        embedding when ``tie_word_embeddings``.
-
-        Raises:
-            KeyError: a tensor has no matching parameter.
-            ValueError: a shape mismatch, or parameters left unfilled.
-        """
-        load_weights(self, weights, getattr(self.config, 'tie_word_embeddings', False), rename=_rename)
+    def rename_weight(self, name: str) -> str | None:
+        """Names of the module docstring → ours; FalconMamba's weightless norms' weights → None."""
+        return _rename(name)
 
 
 class FalconMambaForCausalLM(MambaForCausalLM):

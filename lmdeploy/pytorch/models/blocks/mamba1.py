@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_specs import CacheTensor, StateSpec
-from ..kernels import get_kernel
-from ..model_inputs import StepContext
-from .layers import Linear, RMSNorm
+from ...cache_specs import CacheTensor, StateSpec
+from ...kernels import get_kernel
+from ...model_inputs import StepContext
+from ..layers import Linear, RMSNorm
 
 __all__ = ['Mamba1Dims', 'Mamba1Mixer', 'Mamba1TPSplit', 'mamba1_state_spec', 'CHANNEL_SPLIT']
 
