@@ -188,6 +188,13 @@ class PytorchEngineConfig(BaseModel):
                                           'keys every object\'s HMAC; default: the LMDEPLOY_STORE_SECRET variable; '
                                           'none: objects are unauthenticated (mooncake_master="local" then makes a '
                                           'per-run secret).')
+    role: Literal['both', 'prefill', 'decode'] = Field('both', description='Prefill/decode disaggregation: '
+                                                       '"prefill" computes each prompt up to its hand-off point '
+                                                       'and puts it through the Store (no token is sampled); '
+                                                       '"decode" restores a hand-off from the Store and decodes; '
+                                                       '"both" serves colocated (docs/en/advance/'
+                                                       'pd_disaggregation.md). prefill/decode need a Store and '
+                                                       'enable_prefix_caching.')
     speculative_config: SpeculativeConfig | None = Field(None, description='Speculative decoding; None = off. '
                                                          'CLI: --speculative-algorithm, '
                                                          '--speculative-num-draft-tokens.')
@@ -275,6 +282,15 @@ class PytorchEngineConfig(BaseModel):
         if self.store_backend and self.store_backend.startswith('file:') and self.mooncake_master is not None:
             raise ValueError(f'store_backend={self.store_backend!r} and mooncake_master={self.mooncake_master!r} '
                              f'name two Stores: give one of them')
+        return self
+
+    @model_validator(mode='after')
+    def _role_needs_a_store(self):
+        if self.role != 'both' and not (self.store_backend or self.mooncake_master):
+            raise ValueError(f'role={self.role!r} hands prompts off through the Store: give store_backend '
+                             f'(e.g. file:DIR shared by both engines) or mooncake_master')
+        if self.role != 'both' and not self.enable_prefix_caching:
+            raise ValueError(f'role={self.role!r} needs enable_prefix_caching (--enable-prefix-caching)')
         return self
 
     @model_validator(mode='after')

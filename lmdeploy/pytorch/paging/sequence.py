@@ -93,6 +93,9 @@ class Sequence:
             system/developer messages and tool definitions, which every session of the same
             agent sends — or None (raw prompts): the planner adds a forward end and a save
             point at its last reusable boundary.
+        handoff: the request's prefill/decode hand-off
+            (:class:`~lmdeploy.pytorch.paging.handoff.Handoff`) on an engine with a ``role``
+            other than ``'both'``; None otherwise.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -118,6 +121,7 @@ class Sequence:
     stop_strings: object = field(default=None, repr=False)
     num_kept_tokens: int | None = None
     shared_head_tokens: int | None = None
+    handoff: object = field(default=None, repr=False)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
