@@ -437,6 +437,9 @@ class Response:
             prompt token after the first (in the first delta when streaming), else None.
         stop_token_id: the end-of-sequence or stop token that ended the reply (it is not in
             ``token_ids``), else None.
+        handoff_id: on a ``role='prefill'`` engine, the Store key of the request's hand-off once
+            the Store holds it (``finish_reason`` ``'handoff'``; docs/en/advance/pd_disaggregation.md),
+            else None.
     """
     text: str = ''
     token_ids: list[int] = field(default_factory=list)
@@ -448,3 +451,4 @@ class Response:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     stop_token_id: int | None = None
+    handoff_id: str | None = None
