@@ -160,7 +160,7 @@ def test_a_conversation_hands_off_every_turn_and_fetches_no_block_twice(qwen3_ne
         restored.append(seq.handoff.restored)
         assert restored[-1] == len(ids) - 1
         ids = list(seq.token_ids)
-    assert restored == [149, 193, 232]
+    assert restored == [149, 193, 232] and dec.stats()['handoff_misses'] == 0
     assert len(gets) == len(set(gets)) and _kinds(gets)['handoff'] == 3
     # turn 1: blocks [0, 9); turn 2: [9, 12) (9 cached from turn 1's reply, 12 = 193 // 16); turn 3: [12, 14)
     assert _kinds(gets)['kv'] == 9 + 3 + 2
@@ -192,6 +192,7 @@ def test_a_handoff_that_never_arrived_or_is_torn_is_computed_never_wrong(qwen3_n
     seq = dec.generate(ids, GEN)
     assert seq.handoff.restored == 0 and seq.output_ids == cold(ids)
     assert seq.stats.store_hit_tokens == 128       # the aligned checkpoint the prefill engine did put
+    assert dec.stats()['handoff_misses'] == 1
     # an altered hand-off object: rejected, then an aligned restore, the cold output
     client.put = put
     ids = random_prompt(150, seed=32)
@@ -205,4 +206,4 @@ def test_a_handoff_that_never_arrived_or_is_torn_is_computed_never_wrong(qwen3_n
     path.write_bytes(bytes(data))
     seq = dec.generate(ids, GEN)
     assert seq.handoff.restored == 0 and seq.output_ids == cold(ids)
-    assert dec.stats()['store_rejected_objects'] == 1
+    assert dec.stats()['store_rejected_objects'] == 1 and dec.stats()['handoff_misses'] == 2

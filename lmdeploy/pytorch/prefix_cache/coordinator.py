@@ -47,6 +47,7 @@ A hand-off restore is never kept as a local checkpoint (the trie holds whole blo
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from dataclasses import dataclass
 
@@ -57,6 +58,8 @@ from .eviction import SAVE_REASONS
 from .local_tier import LocalTier
 from .plans import CheckpointRestore, HandoffPut, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
 from .tier import NullTier
+
+logger = logging.getLogger('lmdeploy')
 
 __all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS', 'zero_counters', 'handoff_digest']
 
@@ -69,7 +72,7 @@ def zero_counters() -> dict:
     :meth:`PrefixCache.stats` starts from, and what an engine without a prefix cache reports."""
     return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
             'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0,
-            'shared_head_checkpoints_saved': 0,
+            'shared_head_checkpoints_saved': 0, 'handoff_misses': 0,
             'checkpoints_saved_by_reason': {r: 0 for r in SAVE_REASONS},
             'prefix_cache_evictions': {'checkpoint': 0, 'kv': 0}}
 
@@ -265,6 +268,13 @@ class PrefixCache:
             self.host.record_hit(cached)
         # (0 for a model without state: its blocks need no checkpoint, so it restores all it matched)
         self.counters['state_miss_tokens'] += max(0, matched - cached)
+        handoff = seq.handoff
+        if handoff is not None and handoff.role == 'decode' and handoff.point and cached < handoff.point:
+            # no hand-off restored: missing, rejected, or the prefill engine wrote another namespace
+            self.counters['handoff_misses'] += 1
+            logger.info('decode: no hand-off of %d tokens restored (%d computed from %d); is the prefill engine '
+                        'writing to this Store with the same model, dtype and block size?', handoff.point,
+                        seq.num_tokens - cached, cached)
 
     def loads_done(self, loads: LoadPlan, copied: bool) -> None:
         """The checkpoint → runtime copies of ``loads`` ran (or raised): drop their pins."""
