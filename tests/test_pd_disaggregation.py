@@ -4,7 +4,7 @@
 - A prefill engine computes a prompt to h = n - 1 (its plan is the colocated grid cut at h,
   no token sampled), puts the KV blocks below floor_B(h) and one hand-off object; a decode engine
   on the same folder restores exactly h tokens, computes token n - 1 and decodes what colocated
-  serving (an engine with caching off) decodes, for each hybrid cache kind and with images.
+  serving (an engine with caching off) decodes, for every hybrid family and with images.
 - The decode engine reads every Store object at most once (a later turn fetches only the blocks
   its local cache lacks), and counts h tokens as restored.
 - A hand-off whose object never arrived (the prefill engine died in its put) or fails to verify
@@ -107,9 +107,12 @@ def check_handoff_equals_colocated(model: str, tmp_path, multimodal: tuple = (),
             eng.close()
 
 
-# one family per cache kind: Gated DeltaNet + KV, KDA + MLA latent rows, Mamba-2 + KV, short
-# conv + KV, Mamba-2 alone (nothing paged: the hand-off object is the state alone)
-@pytest.mark.parametrize('arch', ['kimi_linear', 'bamba', 'lfm2', 'mamba2'])
+# every hybrid family but Qwen3-Next (the conversation test below) and Qwen3.5 (the image test):
+# KDA + MLA latent rows, KDA + DSA latent and indexer keys, Mamba-2 + KV (three families),
+# short conv + KV (dense and MoE), MoE in every layer, Mamba-2 alone (nothing paged: the
+# hand-off object is the state alone)
+@pytest.mark.parametrize('arch', ['kimi_linear', 'glm5_next', 'nemotron_h', 'granitemoehybrid', 'bamba', 'lfm2',
+                                  'lfm2_moe', 'qwen3_5_moe_text', 'mamba2'])
 def test_handoff_outputs_equal_colocated_for_each_cache_kind(arch, tmp_path_factory, tmp_path):
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     model = make_tiny_model(str(tmp_path_factory.mktemp(f'pd_{arch}')), arch=arch, seed=0)
