@@ -101,6 +101,10 @@ def test_the_router_drives_prefill_then_decode_and_answers_as_colocated(pd):
     n = decoded['usage']['prompt_tokens']
     assert status == 200 and decoded['usage']['prompt_tokens_details']['cached_tokens'] == n - 1
     assert decoded['choices'][0]['text'] == _complete(pd['both'].base_url, prompt)[1]['choices'][0]['text']
+    # a one-token prompt has nothing to hand off: answered at once, no key
+    status, one = pd['prefill'].post('/v1/completions', dict(model=MODEL, prompt=[5], max_tokens=6))
+    assert status == 200 and one['choices'][0]['finish_reason'] == 'handoff'
+    assert one['kv_transfer_params'] == {'handoff_ids': [None]}
 
 
 def test_killing_the_prefill_server_mid_handoff_is_an_error_never_a_wrong_answer(pd):

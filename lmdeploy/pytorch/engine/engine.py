@@ -266,8 +266,9 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        """Some sequence is waiting or running in the scheduler."""
-        return self.scheduler.has_work
+        """Some sequence is waiting or running in the scheduler, or a hand-off with nothing to
+        compute waits for the next step to report it."""
+        return self.scheduler.has_work or bool(self._handed_off)
 
     # the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
