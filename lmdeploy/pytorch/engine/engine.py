@@ -163,8 +163,10 @@ class Engine:
                         self.hf_config.model_type)
         self.store = self._build_store()
         if config.role != 'both' and self.store is None:
-            raise ValueError(f'role={config.role!r} needs the Store tier, which {self.hf_config.model_type} does not '
-                             f'use (a hybrid model with recurrent state is required)')
+            self.executor.close()
+            why = ('no Store is configured (store_backend="file:DIR" or mooncake_master)' if self.is_hybrid else
+                   f'{self.hf_config.model_type} does not use it (a model with recurrent state is required)')
+            raise ValueError(f'role={config.role!r} hands prompts off through the Store tier, but {why}')
         self._handed_off: list[Sequence] = []     # prefill role: prompts with nothing to compute (h = 0)
         # with caching off a NullPrefixCache answers every question: no caller branches on it
         self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
