@@ -4,7 +4,7 @@ A ``--role prefill`` and a ``--role decode`` server share a ``file:`` Store; the
 request to the prefill server (``max_tokens`` 1, ``kv_transfer_params``), then to the decode server
 with the ``kv_transfer_params`` the prefill server answered. Shown:
 
-- the router's replies equal a colocated server's (``--role both``), and the decode server
+- the router's replies (completions and chat) equal a colocated server's (``--role both``), and the decode server
   restores exactly n - 1 prompt tokens (``usage.prompt_tokens_details.cached_tokens`` when asked
   directly);
 - the prefill server killed in the middle of a hand-off (its hand-off put hangs, then SIGKILL):
@@ -89,6 +89,11 @@ def test_the_router_drives_prefill_then_decode_and_answers_as_colocated(pd):
         assert status == 200, routed
         status, colocated = _complete(pd['both'].base_url, prompt)
         assert status == 200 and routed['choices'][0]['text'] == colocated['choices'][0]['text']
+    chat = dict(model=MODEL, messages=[{'role': 'user', 'content': PROMPTS[1]}], max_tokens=6, temperature=0)
+    status, routed = http_json(pd['router'] + '/v1/chat/completions', chat)
+    assert status == 200, routed
+    status, colocated = pd['both'].post('/v1/chat/completions', chat)
+    assert status == 200 and routed['choices'][0]['message'] == colocated['choices'][0]['message']
     # asked directly: the prefill server answers the hand-off, the decode server restores n - 1 tokens
     prompt = PROMPTS[0] + 'and more.'
     status, handed = pd['prefill'].post('/v1/completions', dict(model=MODEL, prompt=prompt, max_tokens=6))
