@@ -101,8 +101,8 @@ def test_the_router_drives_prefill_then_decode_and_answers_as_colocated(pd):
     assert handed['choices'][0]['text'] == '' and handed['usage']['completion_tokens'] == 0
     (key, ) = handed['kv_transfer_params']['handoff_ids']
     assert '/handoff/' in key
-    status, decoded = pd['decode'].post('/v1/completions', dict(model=MODEL, prompt=prompt, max_tokens=6,
-                                                                temperature=0, kv_transfer_params=handed['kv_transfer_params']))
+    status, decoded = pd['decode'].post('/v1/completions', dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                                                kv_transfer_params=handed['kv_transfer_params']))
     n = decoded['usage']['prompt_tokens']
     assert status == 200 and decoded['usage']['prompt_tokens_details']['cached_tokens'] == n - 1
     assert decoded['choices'][0]['text'] == _complete(pd['both'].base_url, prompt)[1]['choices'][0]['text']

@@ -470,7 +470,7 @@ class Engine:
     def is_idle(self) -> bool:
         """No sequence holds a block, a runtime slot, a pin or an in-flight Store operation."""
         led = self.ledger()
-        return (not self._handed_off and led['blocks_in_use'] == 0 and led['runtime_slots_free'] == led['runtime_slots_total']
+        return (led['blocks_in_use'] == 0 and led['runtime_slots_free'] == led['runtime_slots_total']
                 and led['checkpoints_pinned'] == 0 and led['store_inflight'] == 0 and not self.has_work
                 and led['grammar_matchers'] == 0)
 
