@@ -196,6 +196,13 @@ class PytorchEngineConfig(BaseModel):
                                                   'socket to: a router that (re)starts asks for the buffered '
                                                   'event batches from a sequence number on (needs '
                                                   'kv_events_endpoint). None = no replay.')
+    role: Literal['both', 'prefill', 'decode'] = Field('both', description='Prefill/decode disaggregation: '
+                                                       '"prefill" computes each prompt up to its hand-off point '
+                                                       'and puts it through the Store (no token is sampled); '
+                                                       '"decode" restores a hand-off from the Store and decodes; '
+                                                       '"both" serves colocated (docs/en/advance/'
+                                                       'pd_disaggregation.md). prefill/decode need a Store and '
+                                                       'enable_prefix_caching.')
     speculative_config: SpeculativeConfig | None = Field(None, description='Speculative decoding; None = off. '
                                                          'CLI: --speculative-algorithm, '
                                                          '--speculative-num-draft-tokens.')
@@ -306,6 +313,15 @@ class PytorchEngineConfig(BaseModel):
         if self.store_backend and self.store_backend.startswith('file:') and self.mooncake_master is not None:
             raise ValueError(f'store_backend={self.store_backend!r} and mooncake_master={self.mooncake_master!r} '
                              f'name two Stores: give one of them')
+        return self
+
+    @model_validator(mode='after')
+    def _role_needs_a_store(self):
+        if self.role != 'both' and not (self.store_backend or self.mooncake_master):
+            raise ValueError(f'role={self.role!r} hands prompts off through the Store: give store_backend '
+                             f'(e.g. file:DIR shared by both engines) or mooncake_master')
+        if self.role != 'both' and not self.enable_prefix_caching:
+            raise ValueError(f'role={self.role!r} needs enable_prefix_caching (--enable-prefix-caching)')
         return self
 
     @model_validator(mode='after')
@@ -452,6 +468,9 @@ class Response:
             prompt token after the first (in the first delta when streaming), else None.
         stop_token_id: the end-of-sequence or stop token that ended the reply (it is not in
             ``token_ids``), else None.
+        handoff_id: on a ``role='prefill'`` engine, the Store key of the request's hand-off once
+            the Store holds it (``finish_reason`` ``'handoff'``; docs/en/advance/pd_disaggregation.md),
+            else None.
     """
     text: str = ''
     token_ids: list[int] = field(default_factory=list)
@@ -463,3 +482,4 @@ class Response:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     stop_token_id: int | None = None
+    handoff_id: str | None = None

@@ -42,6 +42,7 @@ __all__ = ['Pipeline', 'ChatSession', 'render_chat', 'shared_head_tokens', 'engi
 # concurrent builds failed). Pipelines therefore take this lock for what resolves transformers
 # modules: the first imports, the model's config class and its tokenizer class.
 _TRANSFORMERS_LOCK = threading.Lock()
+HANDOFF_TIMEOUT_S = 60.0    # most seconds a prefill server waits for a hand-off's Store puts
 
 
 def _load_transformers(model_path: str):
@@ -479,6 +480,8 @@ class Pipeline:
                     # ended here (a stop string, or stop_at): a completed turn for the engine,
                     # cached and put to the Store like one it ended itself
                     self.loop.finish(handle)
+                if resp.finish_reason == 'handoff':
+                    await self._handed_off(handle, resp)
                 if resp.finish_reason is not None:
                     finished = True
                 yield resp
@@ -487,6 +490,18 @@ class Pipeline:
         finally:
             if not finished:
                 self.loop.abort(handle)
+
+    @staticmethod
+    async def _handed_off(handle, resp: Response) -> None:
+        """(role prefill) Wait, off the event loop, until the Store holds the request's hand-off
+        (at most :data:`HANDOFF_TIMEOUT_S`): then ``resp.handoff_id`` is its key; if the put
+        failed or timed out the response becomes an ``'error'`` (a decode engine would compute
+        the prompt itself, but the caller must not be told it was handed off)."""
+        handoff = handle.seq.handoff
+        if await asyncio.to_thread(handoff.wait, HANDOFF_TIMEOUT_S):
+            resp.handoff_id = handoff.key
+        else:
+            resp.finish_reason = 'error'
 
     def _delta(self, out, detok: _Detokenizer, gen_config: GenerationConfig, index: int) -> Response:
         ids, logprobs, stop_token = out.token_ids, out.logprobs, None

@@ -10,6 +10,7 @@ it, and nowhere in the scheduler::
     speculate      snapshot / accept / roll back drafts, draft via MTP   (spec_decode, when configured)
     execute saves  runtime slot → checkpoint copies, then publish      (scheduler.computed, cache_engine)
     submit puts    Store payloads copied out, put by the Store worker  (store.submit)
+    hand off       (role prefill) a request that reached its hand-off point: put, finish  (store.submit_handoff)
     update         append tokens, stop conditions (stop strings on the decoded text), finish
 
 Requests are checked and made into sequences before they reach the engine
@@ -33,7 +34,8 @@ from ..cache_specs import has_state, kv_window
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
-from ..paging.sequence import Sequence
+from ..paging.handoff import Handoff, handoff_point
+from ..paging.sequence import SeqStatus, Sequence
 from ..prefix_cache.coordinator import PrefixCache
 from ..prefix_cache.eviction import make_policy
 from ..prefix_cache.local_tier import LocalTier
@@ -169,6 +171,12 @@ class Engine:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
         self.store = self._build_store()
+        if config.role != 'both' and self.store is None:
+            self.executor.close()
+            why = ('no Store is configured (store_backend="file:DIR" or mooncake_master)' if self.is_hybrid else
+                   f'{self.hf_config.model_type} does not use it (a model with recurrent state is required)')
+            raise ValueError(f'role={config.role!r} hands prompts off through the Store tier, but {why}')
+        self._handed_off: list[Sequence] = []     # prefill role: prompts with nothing to compute (h = 0)
         # with caching off a NullPrefixCache answers every question: no caller branches on it
         self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
         if cc.enable_prefix_caching:
@@ -224,7 +232,19 @@ class Engine:
             seq.guide.close()
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence made by :attr:`requests`; it runs on the following steps."""
+        """Queue a sequence made by :attr:`requests`; it runs on the following steps. On an
+        engine with ``role`` prefill or decode the sequence gets its
+        :class:`~lmdeploy.pytorch.paging.handoff.Handoff`; a prefill engine's prompt with
+        nothing before its hand-off point (h = 0) ends with ``'handoff'`` at the next step."""
+        role = self.config.role
+        if role != 'both':
+            seq.handoff = Handoff(role, handoff_point(seq.num_prompt_tokens, seq.token_lookahead,
+                                                      seq.multimodal_spans))
+            if role == 'prefill' and seq.handoff.point == 0:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, 'handoff'
+                seq.handoff.resolve(True)     # nothing to put: the decode engine computes the prompt
+                self._handed_off.append(seq)
+                return
         self.scheduler.add(seq)
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig | None = None,
@@ -266,18 +286,20 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        """Some sequence is waiting or running in the scheduler."""
-        return self.scheduler.has_work
+        """Some sequence is waiting or running in the scheduler, or a hand-off with nothing to
+        compute waits for the next step to report it."""
+        return self.scheduler.has_work or bool(self._handed_off)
 
     # the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one forward over the scheduled chunks; returns per-sequence progress."""
+        handed, self._handed_off = [StepOutput(s, [], 'handoff') for s in self._handed_off], []
         self.prefix_cache.probe(self.scheduler.waiting)
         sched = self.scheduler.schedule()
         self._execute_loads(sched)
         if not sched.chunks:
             self._flush_kv_events()
-            return []
+            return handed
         if self.spec is not None:
             self.spec.before_forward(sched)
         next_tokens = self.model_runner.forward(sched)
@@ -285,11 +307,29 @@ class Engine:
             self.spec.after_forward(sched, next_tokens)
         saves = self.scheduler.computed(sched)
         self._execute_saves(saves)
+        handed += self._hand_off(sched)
         outputs = self._update(sched, next_tokens)
         if self.spec is not None:
             self.spec.propose(sched, next_tokens)
         self._flush_kv_events()
-        return outputs
+        return handed + outputs
+
+    def _hand_off(self, sched: SchedulerOutput) -> list[StepOutput]:
+        """(role prefill) Each sequence whose forward ended at its hand-off point: submit its
+        hand-off put (payloads copied out now, before its blocks are released) and finish it with
+        ``'handoff'`` (no token sampled); ``seq.handoff.wait()`` tells when the Store holds it."""
+        out = []
+        for chunk in sched.chunks:
+            seq, handoff = chunk.seq, chunk.seq.handoff
+            if handoff is None or handoff.role != 'prefill' or chunk.end != handoff.point or seq.is_finished:
+                continue
+            put = self.prefix_cache.plan_handoff(seq)
+            handoff.key = self.store.handoff_key(put.handoff_hash)
+            self.store.submit_handoff(put)
+            self._execute_saves(self.scheduler.finish(seq, 'handoff'))
+            self.release(seq)
+            out.append(StepOutput(seq, [], 'handoff'))
+        return out
 
     def _flush_kv_events(self) -> None:
         """Send this step's prefix-cache events as one batch (kv_events_endpoint)."""

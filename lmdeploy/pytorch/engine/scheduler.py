@@ -242,6 +242,9 @@ class Scheduler:
         recompute = (seq.gen_config.prompt_logprobs is not None
                      and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1)
         match = PrefixMatch() if recompute else self.prefix_cache.match(seq)
+        handoff = seq.handoff
+        if handoff is not None and handoff.role == 'prefill' and match.cached_tokens >= handoff.point:
+            match = PrefixMatch()   # a restore at h leaves no forward to end there (h aligned: rare): compute
         self.prefix_cache.pin(match)
         plan = self._plan(seq, match.cached_tokens, match.matched_tokens)
         need = -(-plan.chunk_ends[0] // self.block_size) - match.num_shared_blocks
@@ -268,7 +271,8 @@ class Scheduler:
         chosen among those ends, the shared head's boundary (``seq.shared_head_tokens``) among
         them. The input turn is the prompt: a sequence re-admitted after preemption plans its save
         points over the prompt alone, then recomputes its generated tokens in plain chunks, so
-        it never takes more checkpoints than its first admission planned. With ``save_junction``
+        it never takes more checkpoints than its first admission planned. A prefill engine's
+        request (``seq.handoff``, role prefill) ends its plan at the hand-off point h. With ``save_junction``
         a prompt whose cached blocks reach ``matched`` tokens, deeper than its restorable
         checkpoint, also saves at the deepest reusable boundary up to ``matched`` (the branch
         point of two conversations), so the next sibling restores there. With ``decode_save_last``
@@ -298,6 +302,13 @@ class Scheduler:
         plan = PrefillPlan(ends, saves, cached, junction, head)
         if self.prefix_cache.decode_save_last:      # (never set for a model without state)
             plan = with_last_block_end(plan, self.block_size, seq.token_lookahead, tuple(seq.multimodal_spans))
+        handoff = seq.handoff
+        if handoff is not None and handoff.role == 'prefill':
+            # the prompt's grid, cut at the hand-off point: the last forward ends at h, samples nothing
+            h = handoff.point
+            plan = PrefillPlan([e for e in plan.chunk_ends if e < h] + [h], [p for p in plan.save_points if p <= h],
+                               cached, plan.junction if (plan.junction or 0) <= h else None,
+                               plan.shared_head if (plan.shared_head or 0) <= h else None)
         return plan
 
     def remaining_prefill_chunks(self, seq: Sequence) -> int:

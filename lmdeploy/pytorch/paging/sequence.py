@@ -99,6 +99,9 @@ class Sequence:
             a leading block that fell out of every layer's sliding window (a model whose paged
             layers are all sliding-window: see :meth:`~lmdeploy.pytorch.engine.scheduler.Scheduler.computed`).
         num_freed_blocks: how many leading entries of ``block_ids`` are :data:`FREED_BLOCK`.
+        handoff: the request's prefill/decode hand-off
+            (:class:`~lmdeploy.pytorch.paging.handoff.Handoff`) on an engine with a ``role``
+            other than ``'both'``; None otherwise.
     """
     token_ids: list[int]
     gen_config: GenerationConfig
@@ -125,6 +128,7 @@ class Sequence:
     num_kept_tokens: int | None = None
     shared_head_tokens: int | None = None
     num_freed_blocks: int = 0
+    handoff: object = field(default=None, repr=False)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

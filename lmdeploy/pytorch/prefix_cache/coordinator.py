@@ -34,20 +34,34 @@ lists who takes and releases each); a request leaving (:meth:`PrefixCache.releas
 
 A Store restore whose load fails is rolled back by the scheduler and retried below the failed
 boundary, at most :data:`STORE_RESTORE_ATTEMPTS` times per request.
+
+Prefill/decode hand-off (:mod:`~lmdeploy.pytorch.paging.handoff`): a prefill engine's request
+ends at its hand-off point h (unaligned), and :meth:`PrefixCache.plan_handoff` plans the put of
+the KV blocks below ``floor_B(h)`` plus one hand-off object keyed by :func:`handoff_digest` (the
+hash of the full blocks, chained with the tail tokens ``[floor_B(h), h)`` and the images among
+them). A decode engine's probe asks for that object (and the KV objects below it) first; found,
+the admission restores exactly h tokens from it; missing or failing to load, the request takes
+the ordinary path (a shallower aligned restore, or computing the prompt), never a wrong answer.
+A hand-off restore is never kept as a local checkpoint (the trie holds whole blocks only).
 """
 from __future__ import annotations
 
+import hashlib
+import logging
+import struct
 from dataclasses import dataclass
 
 from ..multimodal import block_extra_keys
 from ..paging.prefill_plan import ReuseRules
-from .block_trie import chain_block_hashes
+from .block_trie import chain_block_hashes, salted_root
 from .eviction import SAVE_REASONS
 from .local_tier import LocalTier
-from .plans import CheckpointRestore, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
+from .plans import CheckpointRestore, HandoffPut, LoadPlan, PrefixMatch, SavePlan, StateSnapshot, StoreLoad, StorePut
 from .tier import NullTier
 
-__all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS', 'zero_counters']
+logger = logging.getLogger('lmdeploy')
+
+__all__ = ['PrefixCache', 'STORE_RESTORE_ATTEMPTS', 'zero_counters', 'handoff_digest']
 
 STORE_RESTORE_ATTEMPTS = 3   # failed Store loads per request before it stops asking the Store
 _PROBES_PER_STEP = 64        # waiting sequences probed per step at most (each once per attempt)
@@ -58,9 +72,22 @@ def zero_counters() -> dict:
     :meth:`PrefixCache.stats` starts from, and what an engine without a prefix cache reports."""
     return {'prefix_cache_queried_tokens': 0, 'prefix_cache_hit_tokens': 0, 'checkpoints_saved': 0,
             'state_miss_tokens': 0, 'turn_end_checkpoints_saved': 0, 'junction_checkpoints_saved': 0,
-            'shared_head_checkpoints_saved': 0,
+            'shared_head_checkpoints_saved': 0, 'handoff_misses': 0,
             'checkpoints_saved_by_reason': {r: 0 for r in SAVE_REASONS},
             'prefix_cache_evictions': {'checkpoint': 0, 'kv': 0}}
+
+
+def handoff_digest(prev: bytes, tail: list[int], extra: bytes = b'') -> bytes:
+    """The 16-byte hash of a hand-off at h tokens: ``blake2b(prev ‖ b'handoff' ‖ len(tail) ‖ tail
+    token ids as little-endian uint32 ‖ extra)``, where ``prev`` is the chained hash of the full
+    blocks below ``floor_B(h)`` (the salted root when there is none), ``tail`` the tokens
+    ``[floor_B(h), h)`` and ``extra`` the multimodal keys of the images among them. The marker
+    keeps it apart from every block hash."""
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(b'handoff' + struct.pack('<I', len(tail)))
+    h.update(struct.pack(f'<{len(tail)}I', *tail))
+    h.update(extra)
+    return h.digest()
 
 
 @dataclass
@@ -83,6 +110,7 @@ class _StoreView:
     boundary: int | None = None           # the deepest restorable boundary, 0 if none (None: not probed)
     below: int | None = None              # only boundaries below this (lowered by failed loads)
     failures: int = 0
+    handoff: bytes | None = None          # the hand-off object's hash when ``boundary`` is a hand-off
 
 
 class PrefixCache:
@@ -131,6 +159,27 @@ class PrefixCache:
                                            salt=seq.gen_config.cache_salt)
         return hashes
 
+    def handoff_hash(self, seq) -> bytes:
+        """:func:`handoff_digest` of ``seq`` at its hand-off point (``seq.handoff.point``)."""
+        B, point = self.block_size, seq.handoff.point
+        full = point // B
+        hashes = self.hashes(seq)[:full]
+        prev = hashes[-1] if hashes else salted_root(seq.gen_config.cache_salt)
+        extra = b''
+        if seq.multimodal:      # images wholly below h whose span starts in the partial block
+            keys = block_extra_keys([m for m in seq.multimodal if m.end <= point], full + 1, B)
+            extra = keys[full] if keys else b''
+        return handoff_digest(prev, list(seq.token_ids[full * B:point]), extra)
+
+    def plan_handoff(self, seq) -> HandoffPut:
+        """The put of a prefill engine's hand-off: ``seq`` computed exactly ``seq.handoff.point``
+        tokens (the engine submits it to the Store tier before the blocks are released)."""
+        B, point = self.block_size, seq.handoff.point
+        full = point // B
+        return HandoffPut(self.hashes(seq)[:full], seq.block_ids[:full], point,
+                          seq.block_ids[full] if point % B else None, self.handoff_hash(seq), seq.state_slot,
+                          seq.handoff)
+
     def _rules(self, seq) -> ReuseRules:
         """The rules a restore of ``seq`` must satisfy now."""
         return ReuseRules.for_sequence(seq, self.block_size, self.restore_alignment)
@@ -146,6 +195,14 @@ class PrefixCache:
             view = self._store_views.setdefault(seq.seq_id, _StoreView())
             if view.boundary is not None or view.failures >= STORE_RESTORE_ATTEMPTS:
                 continue
+            handoff = seq.handoff
+            if handoff is not None and handoff.role == 'decode' and handoff.point and not view.failures:
+                digest = self.handoff_hash(seq)
+                handoff.key = self.store.handoff_key(digest)
+                if self.store.has_handoff(self.hashes(seq)[:handoff.point // self.block_size], digest):
+                    view.boundary, view.handoff = handoff.point, digest
+                    probed += 1
+                    continue
             view.boundary = self.store.depth(self.hashes(seq), self._rules(seq), below=view.below)
             probed += 1
             if probed >= _PROBES_PER_STEP:
@@ -183,8 +240,10 @@ class PrefixCache:
         self._continuation[seq.seq_id] = bool(continued or match.matched_tokens or getattr(seq, 'continuation', False))
         if match.source in ('store', 'host'):
             hashes = self.hashes(seq)[:match.cached_tokens // self.block_size]
+            view = self._store_views.get(seq.seq_id)
+            handoff = view.handoff if view is not None and match.source == 'store' else None
             load = StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids, match.num_shared_blocks,
-                             seq.state_slot, match.matched_tokens)
+                             seq.state_slot, match.matched_tokens, handoff)
             (loads.store_loads if match.source == 'store' else loads.host_loads).append(load)
             return      # counted once the load succeeded
         if match.checkpoint_slot is not None:
@@ -209,6 +268,13 @@ class PrefixCache:
             self.host.record_hit(cached)
         # (0 for a model without state: its blocks need no checkpoint, so it restores all it matched)
         self.counters['state_miss_tokens'] += max(0, matched - cached)
+        handoff = seq.handoff
+        if handoff is not None and handoff.role == 'decode' and handoff.point and cached < handoff.point:
+            # no hand-off restored: missing, rejected, or the prefill engine wrote another namespace
+            self.counters['handoff_misses'] += 1
+            logger.info('decode: no hand-off of %d tokens restored (%d computed from %d); is the prefill engine '
+                        'writing to this Store with the same model, dtype and block size?', handoff.point,
+                        seq.num_tokens - cached, cached)
 
     def loads_done(self, loads: LoadPlan, copied: bool) -> None:
         """The checkpoint → runtime copies of ``loads`` ran (or raised): drop their pins."""
@@ -232,10 +298,14 @@ class PrefixCache:
         view = self._store_views.setdefault(seq.seq_id, _StoreView())
         if not ok:
             view.failures += 1
-            view.below, view.boundary = load.boundary, None
+            view.below, view.boundary, view.handoff = load.boundary, None, None
             return None
         self._store_views.pop(seq.seq_id, None)
         self._count(seq, load.boundary, 'store', load.matched_tokens)
+        if load.handoff is not None:
+            seq.handoff.restored = load.boundary
+            self.store.record_handoff(load.boundary)
+            return None     # (an unaligned boundary: no trie node to keep it on)
         return self.local.cache_restored(seq, self.hashes(seq), load.boundary)
 
     def restored_kept(self, node, lease, copied: bool) -> None:

@@ -72,6 +72,15 @@ class NullPrefixCache:
     def requeued(self, seq) -> None:
         """Nothing to ask again."""
 
+    def plan_handoff(self, seq):
+        """Never asked: a ``role`` other than ``'both'`` needs ``enable_prefix_caching`` (the
+        config refuses it otherwise), so no request of a cache-less engine is handed off.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError('a prefill/decode hand-off needs enable_prefix_caching')
+
     def evict(self, num_blocks: int) -> int:
         """Nothing is cached, so nothing is freed."""
         return 0

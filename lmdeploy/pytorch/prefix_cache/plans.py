@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = ['PrefixMatch', 'CheckpointRestore', 'StoreLoad', 'LoadPlan', 'CheckpointSave', 'StateSnapshot', 'StorePut',
-           'SavePlan']
+           'HandoffPut', 'SavePlan']
 
 
 @dataclass
@@ -58,7 +58,10 @@ class StoreLoad:
     """Load prefix ``[0, boundary)`` of ``seq`` from the Store: KV objects of blocks
     ``[first_block, boundary / B)`` into ``block_ids[first_block:]`` and the state object into
     runtime slot ``slot``. ``hashes`` are the chained hashes of the prefix's blocks;
-    ``matched_tokens`` is the admission's local match (for the hit counters)."""
+    ``matched_tokens`` is the admission's local match (for the hit counters). With ``handoff``
+    (the hash of a hand-off object, :mod:`~lmdeploy.pytorch.paging.handoff`), ``boundary`` is
+    unaligned: KV objects cover blocks below ``floor_B(boundary)``, and the hand-off object
+    holds the partial block at ``floor_B(boundary)`` and the state."""
     seq: object
     boundary: int
     hashes: list[bytes]
@@ -66,6 +69,7 @@ class StoreLoad:
     first_block: int
     slot: int
     matched_tokens: int = 0
+    handoff: bytes | None = None     # a prefill engine's hand-off object (unaligned boundary): its hash
 
 
 @dataclass
@@ -115,6 +119,22 @@ class StorePut:
     block_ids: list[int]
     boundary: int
     slot: int
+
+
+@dataclass
+class HandoffPut:
+    """A prefill engine's hand-off at ``boundary`` = h tokens (unaligned): the KV blocks
+    ``block_ids`` of the full blocks below h (one per hash in ``hashes``) that the Store does not
+    hold yet, then one hand-off object (hash ``handoff_hash``) holding the partial block
+    ``tail_block`` (tokens ``[floor_B(h), h)``; None when h is a multiple of B) and the state in
+    ``slot``. ``handoff`` (a :class:`~lmdeploy.pytorch.paging.handoff.Handoff`) learns the outcome."""
+    hashes: list[bytes]
+    block_ids: list[int]
+    boundary: int
+    tail_block: int | None
+    handoff_hash: bytes
+    slot: int
+    handoff: object
 
 
 @dataclass

@@ -50,6 +50,16 @@ existence query, at most one every :data:`STORE_COOLDOWN_S` seconds, checks whet
 answers again; the backend's own breaker is tripped too (``trip()``), so the writers fail fast
 instead of waiting on it. No lock is held across a backend call.
 
+Hand-off (prefill/decode disaggregation, :mod:`~lmdeploy.pytorch.paging.handoff`): a prefill
+engine's :meth:`StoreTier.submit_handoff` is a save at its unaligned hand-off point h whose last
+object is a ``handoff/{hash}`` object (the partial block ``[floor_B(h), h)`` followed by the state
+at h) instead of ``state/{hash_b}``, put by the same writers under the same rule (after every KV
+object below ``floor_B(h)`` is stored); the request's
+:class:`~lmdeploy.pytorch.paging.handoff.Handoff` learns whether it was. A decode engine asks
+:meth:`StoreTier.has_handoff` and loads it with :meth:`StoreTier.load` (a :class:`StoreLoad` with
+``handoff`` set): each KV object below ``floor_B(h)`` is read once, the partial block only from
+the hand-off object.
+
 Repair: a key whose object failed verification here is remembered as bad: lookups treat it as
 absent, and the next save of that prefix overwrites it (``store_repaired_objects``). A
 half-written object (a writer killed mid-put) is replaced by the backend's put itself.
@@ -92,12 +102,14 @@ def zero_store_counters() -> dict:
     """The Store tier's counters, all 0 (put bytes and objects by kind ``state`` / ``kv``;
     failures, hit tokens, rejected, already-existing and repaired objects, saves dropped on a full
     queue, payload bytes read (objects that verified), cumulative; and ``store_queue_depth``, the
-    save jobs waiting in the queue now): what :meth:`StoreTier.stats` starts from, and what an
+    save jobs waiting in the queue now; hand-off objects and payload bytes put and tokens restored
+    from hand-offs, ``store_handoff_*``): what :meth:`StoreTier.stats` starts from, and what an
     engine without a Store reports."""
     return {'store_put_bytes': {'state': 0, 'kv': 0}, 'store_put_objects': {'state': 0, 'kv': 0},
             'store_put_failures': 0, 'store_get_failures': 0, 'store_hit_tokens': 0,
             'store_rejected_objects': 0, 'store_existing_objects': 0, 'store_repaired_objects': 0,
-            'store_dropped_puts': 0, 'store_queue_depth': 0, 'store_get_bytes': 0}
+            'store_dropped_puts': 0, 'store_queue_depth': 0, 'store_get_bytes': 0,
+            'store_handoff_put_objects': 0, 'store_handoff_put_bytes': 0, 'store_handoff_hit_tokens': 0}
 
 
 @dataclass(eq=False)
@@ -108,6 +120,9 @@ class _SaveJob:
     deps: list['_SaveJob'] = field(default_factory=list)   # earlier jobs putting blocks of [0, b)
     payloads: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> payload of what this job puts
     done: threading.Event = field(default_factory=threading.Event)
+    last_kind: str = 'state'       # the last object's kind: 'state', or 'handoff' (a hand-off save)
+    ok: bool = False               # the last object is in the Store (put or found)
+    handoff: object = None         # the Handoff told the outcome (a hand-off save)
 
 
 STORED_KEYS_CAPACITY = 1 << 18   # keys remembered as stored (~40 MB); older ones are asked again
@@ -368,10 +383,20 @@ class StoreTier:
         verification or is not read within its deadline; the caller then rolls the admission back."""
         B, hashes = self.block_size, load.hashes
         try:
-            state = self._get('state', hashes[load.boundary // B - 1], load.boundary)
+            if load.handoff is not None:
+                # the partial block (none when h is a multiple of B or nothing is paged), then the state
+                handoff = self._get('handoff', load.handoff, load.boundary)
+                tail = self.cache_engine.kv_block_bytes if self.has_kv and load.boundary % B else 0
+                if handoff.numel() != tail + self.cache_engine.state_bytes:
+                    raise StoreObjectError('length', f'hand-off payload of {handoff.numel()} bytes')
+                state = handoff[tail:]
+            else:
+                state = self._get('state', hashes[load.boundary // B - 1], load.boundary)
             for i in range(load.first_block, load.boundary // B if self.has_kv else 0):
                 payload = self._get('kv', hashes[i], (i + 1) * B)
                 self.cache_engine.write_kv_block(load.block_ids[i], payload)
+            if load.handoff is not None and tail:
+                self.cache_engine.write_kv_block(load.block_ids[load.boundary // B], handoff[:tail])
             self.cache_engine.write_state(load.slot, state)
         except (KeyError, StoreObjectError) as err:
             logger.info('Store restore at %d tokens failed: %s', load.boundary, err)
@@ -386,7 +411,8 @@ class StoreTier:
         """One object of the prefix failed verification: verify the others too, so every bad one is
         marked and the next save of the prefix repairs them all (not one per engine that tries)."""
         B, hashes = self.block_size, load.hashes
-        objects = [('state', hashes[load.boundary // B - 1], load.boundary)]
+        objects = [('handoff', load.handoff, load.boundary) if load.handoff is not None
+                   else ('state', hashes[load.boundary // B - 1], load.boundary)]
         objects += [('kv', hashes[i], (i + 1) * B)
                     for i in range(load.first_block, load.boundary // B if self.has_kv else 0)]
         for kind, h, tokens in objects:
@@ -402,6 +428,11 @@ class StoreTier:
         with self._lock:
             self.counters['store_hit_tokens'] += tokens
 
+    def record_handoff(self, tokens: int) -> None:
+        """Count ``tokens`` prompt tokens restored from a hand-off (also in ``store_hit_tokens``)."""
+        with self._lock:
+            self.counters['store_handoff_hit_tokens'] += tokens
+
     def _get(self, kind: str, h: bytes, num_tokens: int) -> torch.Tensor:
         key = self._key(kind, h)
         with self._lock:     # taken under the lock: a put that ends now leaves the key believed stored
@@ -409,7 +440,8 @@ class StoreTier:
             payload = job.payloads.get(key) if job is not None else None
         if payload is not None:
             return payload
-        size = getattr(self.cache_engine, 'state_bytes' if kind == 'state' else 'kv_block_bytes', 0)
+        size = getattr(self.cache_engine, 'kv_block_bytes' if kind == 'kv' else 'state_bytes', 0)
+        size += getattr(self.cache_engine, 'kv_block_bytes', 0) if kind == 'handoff' else 0
         called, data = self._call(self.client.get, key, deadline_s=self.timeout_s + size / SLOW_READ_BYTES_PER_S)
         if not called:
             raise KeyError(f'{kind} object not read: the Store missed its deadline or is being skipped')
@@ -444,11 +476,48 @@ class StoreTier:
         stored or queued by an earlier job are not copied again. When the queue is full the
         save is dropped (``store_dropped_puts``) and its keys released, so a later save of the
         same prefix copies and puts them."""
-        B, hashes = self.block_size, put.hashes
-        state_key = self._key('state', hashes[-1])
+        self._submit(put.hashes, put.block_ids, 'state', put.hashes[-1], put.boundary,
+                     lambda: self.cache_engine.read_state(put.slot))
+
+    def handoff_key(self, digest: bytes) -> str:
+        """The Store key of the hand-off object with hash ``digest``."""
+        return self._key('handoff', digest)
+
+    def has_handoff(self, hashes: list[bytes], digest: bytes) -> bool:
+        """Whether the Store holds (or this engine is putting) the hand-off object ``digest``
+        and the KV objects of the full blocks ``hashes`` below it (metadata only: one batched
+        existence query, with the deadline of :meth:`probe`)."""
+        keys = [self.handoff_key(digest)] + ([self._key('kv', h) for h in hashes] if self.has_kv else [])
+        present = self._exists(keys)
+        return present is not None and all(present)
+
+    def submit_handoff(self, put) -> None:
+        """Queue a prefill engine's hand-off (a :class:`~.plans.HandoffPut`), as :meth:`submit`
+        queues a save: the KV blocks of ``put.hashes`` the Store lacks, then the hand-off object
+        (partial block + state, copied out now). ``put.handoff.resolve(ok)`` is called once the
+        writers are done with it (False when it was dropped or a put failed)."""
+        def payload():
+            state = self.cache_engine.read_state(put.slot)
+            if put.tail_block is None or not self.has_kv:
+                return state
+            return torch.cat([self.cache_engine.read_kv_blocks([put.tail_block])[0], state])
+
+        self._submit(put.hashes, put.block_ids, 'handoff', put.handoff_hash, put.boundary, payload, put.handoff)
+
+    def _submit(self, hashes: list[bytes], block_ids: list[int], last_kind: str, last_hash: bytes, boundary: int,
+                read_last, handoff=None) -> None:
+        B = self.block_size
+        state_key = self._key(last_kind, last_hash)
         keys = [self._key('kv', h) for h in hashes] if self.has_kv else []
         with self._lock:
             if self._closed or state_key in self._stored or state_key in self._pending:
+                waits = self._pending.get(state_key)
+                if handoff is not None:     # (already stored, or being put by an earlier job)
+                    if waits is None:
+                        handoff.resolve(state_key in self._stored)
+                    else:
+                        threading.Thread(target=lambda: handoff.resolve(waits.done.wait() and waits.ok),
+                                         daemon=True).start()
                 return
             new = [i for i, k in enumerate(keys) if k not in self._stored and k not in self._pending]
             deps = {id(j): j for j in (self._pending.get(k) for k in keys) if j is not None}
@@ -457,14 +526,17 @@ class StoreTier:
             self._inflight += 1
         job = None
         try:
-            payloads = self.cache_engine.read_kv_blocks([put.block_ids[i] for i in new]) if new else []
+            payloads = self.cache_engine.read_kv_blocks([block_ids[i] for i in new]) if new else []
             kv = [(hashes[i], (i + 1) * B, payloads[j]) for j, i in enumerate(new)]
-            state = self.cache_engine.read_state(put.slot)
-            job = _SaveJob(kv, (hashes[-1], put.boundary, state), keys, list(deps.values()))
+            state = read_last()
+            job = _SaveJob(kv, (last_hash, boundary, state), keys, list(deps.values()), last_kind=last_kind,
+                           handoff=handoff)
             job.payloads = {keys[i]: payloads[j] for j, i in enumerate(new)}
             job.payloads[state_key] = state
         except BaseException:
             self._job_done(mine, None)
+            if handoff is not None:
+                handoff.resolve(False)
             raise
         with self._lock:
             for k in mine:
@@ -490,7 +562,7 @@ class StoreTier:
 
     def _job_done(self, keys: list[str], job: _SaveJob | None) -> None:
         """Release a job's keys still in the in-flight index (those not put stay unstored), its
-        in-flight count, and the jobs waiting for it."""
+        in-flight count, and the jobs waiting for it (and its hand-off, told the outcome)."""
         with self._lock:
             for k in keys:
                 if k in self._pending and self._pending[k] is job:
@@ -500,6 +572,8 @@ class StoreTier:
                 self._idle.notify_all()
         if job is not None:
             job.done.set()
+            if job.handoff is not None:
+                job.handoff.resolve(job.ok)
 
     def _present(self, keys: list[str]) -> list[bool] | None:
         """Ask the Store (not the beliefs) which ``keys`` hold a usable object (one this engine
@@ -536,7 +610,10 @@ class StoreTier:
                     break       # leave the rest, and the state, to a later save of this prefix
         with self._lock:
             for k, (_, _, payload), result in zip(keys, items, results):
-                if result.gained:
+                if result.gained and kind == 'handoff':
+                    self.counters['store_handoff_put_bytes'] += payload.numel()
+                    self.counters['store_handoff_put_objects'] += 1
+                elif result.gained:
                     self.counters['store_put_bytes'][kind] += payload.numel()
                     self.counters['store_put_objects'][kind] += 1
                     if result is PutResult.REPAIRED:
@@ -557,7 +634,8 @@ class StoreTier:
 
     def _execute(self, job: _SaveJob) -> None:
         h_state, b, state_payload = job.state
-        state_key = self._key('state', h_state)
+        kind = job.last_kind
+        state_key = self._key(kind, h_state)
         present = self._present([self._key('kv', h) for h, _, _ in job.kv] + [state_key])
         if present is None:
             return
@@ -568,6 +646,7 @@ class StoreTier:
         if missing and not self._put(job, 'kv', missing):
             return      # leave the state to a later save of this prefix
         if state_present:
+            job.ok = True
             return
         # blocks of this prefix that earlier jobs put: wait for those jobs (earlier in the queue,
         # so they never wait for this one), then ask the Store, not the beliefs (a restarted
@@ -583,7 +662,7 @@ class StoreTier:
             logger.info('Store save at %d tokens: state not put, %d of its blocks are not stored', b,
                         prefix.count(False))
             return
-        self._put(job, 'state', [(h_state, b, state_payload)])
+        job.ok = self._put(job, kind, [(h_state, b, state_payload)])
 
     # lifecycle ----------------------------------------------------------------------------
     @property

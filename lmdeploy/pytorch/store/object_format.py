@@ -57,8 +57,9 @@ from typing import Any
 
 FORMAT_VERSION = 3                    # 2: the HMAC-SHA256 trailer; 3: key binding and writer id
 MAGIC = b'LMDS'
-KINDS = ('kv', 'state')
-_KIND_CODE = {'kv': 1, 'state': 2}
+KINDS = ('kv', 'state', 'handoff')
+# handoff: a prefill engine's partial last block + state at its hand-off point (paging/handoff.py)
+_KIND_CODE = {'kv': 1, 'state': 2, 'handoff': 3}
 _HEADER = struct.Struct('<4sHBB16sQQQ8sII')
 HEADER_SIZE = _HEADER.size            # 64 bytes: the payload starts 16-byte aligned
 _CRC_COVERED = HEADER_SIZE - 4        # the checksum covers every header byte before itself
@@ -153,7 +154,8 @@ def encode_object(kind: str, namespace_digest: bytes, num_tokens: int, payload, 
     """Build one Store value for ``key``: the 64-byte header, ``payload``, then the 32-byte MAC.
 
     Args:
-        kind: ``'kv'`` (the KV bytes of one block) or ``'state'`` (a state snapshot).
+        kind: ``'kv'`` (the KV bytes of one block), ``'state'`` (a state snapshot) or ``'handoff'``
+            (a prefill engine's partial last block followed by its state snapshot).
         namespace_digest: 16 bytes from :func:`namespace_digest`.
         num_tokens: tokens covered by the prefix this object belongs to (b for a state at
             boundary b; the block's end token for a KV block).
@@ -191,7 +193,7 @@ def decode_object(data, expect_kind: str, namespace_digest: bytes, num_tokens: i
 
     Args:
         data: the value as read from the Store (bytes-like).
-        expect_kind: ``'kv'`` or ``'state'``.
+        expect_kind: one of :data:`KINDS`.
         namespace_digest: this engine's 16-byte namespace digest.
         num_tokens: the token count the caller expects (see :func:`encode_object`).
         secret: the Store secret; None = no secret (empty key).
@@ -246,7 +248,7 @@ def object_key(namespace_hex: str, kind: str, prefix_hash_hex: str) -> str:
     """The Store key ``f'{namespace_hex}/{kind}/{prefix_hash_hex}'``.
 
     Raises:
-        ValueError: ``kind`` is not ``'kv'``/``'state'``, or a hex argument is empty or holds
+        ValueError: ``kind`` is not one of :data:`KINDS`, or a hex argument is empty or holds
             anything but lowercase hex digits (named in the message).
     """
     _check_kind(kind)

@@ -109,6 +109,15 @@ def _file_folder(cfg) -> str:
     return parse_store_backend(cfg.store_backend)[1]
 
 
+def _largest_object(cfg, state_bytes: int, kv_block_bytes: int) -> int:
+    """Bytes of the largest value an engine puts or reads: a state snapshot or a KV block, or
+    (role prefill / decode) a hand-off object holding a partial block and a state snapshot."""
+    largest = max(state_bytes, kv_block_bytes)
+    if getattr(cfg, 'role', 'both') != 'both':
+        largest = state_bytes + kv_block_bytes
+    return largest + OBJECT_OVERHEAD
+
+
 def _open_file(cfg, state_bytes: int, kv_block_bytes: int) -> OpenedStore:
     from .file_backend import FileStore
     folder = _file_folder(cfg)
@@ -116,7 +125,7 @@ def _open_file(cfg, state_bytes: int, kv_block_bytes: int) -> OpenedStore:
     if secret is None:
         logger.warning('Store objects in %s are NOT authenticated: no store_secret_file and no LMDEPLOY_STORE_SECRET. '
                        'Anyone who can write that folder can put objects that change this engine\'s outputs.', folder)
-    largest = max(state_bytes, kv_block_bytes) + OBJECT_OVERHEAD
+    largest = _largest_object(cfg, state_bytes, kv_block_bytes)
     client = FileStore(folder, cfg.store_file_max_bytes, max_object_bytes=largest)
     return OpenedStore(client, secret, None, _describe_file(cfg))
 
@@ -129,14 +138,14 @@ def _describe_file(cfg) -> str:
 def _open_mooncake(cfg, state_bytes: int, kv_block_bytes: int) -> OpenedStore:
     """Connect to the master ``cfg.mooncake_master`` names, starting embedded services for
     ``'local'`` (stopped again if the connection fails)."""
-    largest = max(state_bytes, kv_block_bytes) + OBJECT_OVERHEAD
+    largest = _largest_object(cfg, state_bytes, kv_block_bytes)
     need = buffer_bytes_needed(largest)
     # each writer's put and the engine's read take room in the buffer at once (auto: all of them)
     buffer_size = cfg.mooncake_local_buffer_size or max(64 << 20, need * (cfg.store_writers + 1))
     if buffer_size < need:
         raise ValueError(f'mooncake_local_buffer_size ({cfg.mooncake_local_buffer_size} bytes) must be at least '
                          f'{need} bytes: the largest Store object of this model is {largest} bytes (state snapshot '
-                         f'{state_bytes} or KV block {kv_block_bytes} plus '
+                         f'{state_bytes} or KV block {kv_block_bytes}, or both in a hand-off, plus '
                          f'the {OBJECT_OVERHEAD}-byte header and MAC), rounded up to Mooncake\'s allocation size')
     master, metadata = cfg.mooncake_master, cfg.mooncake_metadata_server
     if master != 'local' and metadata is None:

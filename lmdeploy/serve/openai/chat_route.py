@@ -43,7 +43,7 @@ class ChatRoutes:
         if req.prompt_logprobs is not None:
             extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, gen.choices[0].prompt_logprobs,
                                                             req.prompt_logprobs)
-        return dict(head, choices=choices, usage=gen.usage(), **extra)
+        return dict(head, choices=choices, usage=gen.usage(), **extra, **gen.kv_transfer_params())
 
     async def _chat_events(self, gen: Generation, outputs: list[ChatOutput], head: dict, include_usage: bool,
                            logprobs: bool, top: int, prompt_logprobs: int | None = None, stops: list[str] = (),

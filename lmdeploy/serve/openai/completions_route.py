@@ -63,7 +63,7 @@ class CompletionRoutes:
             if req.prompt_logprobs is not None:
                 choice['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, c.prompt_logprobs, req.prompt_logprobs)
             choices.append(choice)
-        return dict(head, choices=choices, usage=gen.usage())
+        return dict(head, choices=choices, usage=gen.usage(), **gen.kv_transfer_params())
 
     async def _completion_events(self, gen: Generation, head: dict, include_usage: bool, logprobs: bool,
                                  top: int, echoed: list[str] | None = None, prompts: list | None = None,

@@ -45,6 +45,7 @@ class Choice:
         self.num_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self.handoff_id: str | None = None     # (role prefill) the Store key of the hand-off
         self.first: float | None = None
         self.last: float | None = None
 
@@ -63,6 +64,7 @@ class Choice:
         self.num_tokens = max(self.num_tokens, r.generate_token_len)
         self.cached_tokens = max(self.cached_tokens, r.cached_tokens)
         self.finish_reason = r.finish_reason or self.finish_reason
+        self.handoff_id = getattr(r, 'handoff_id', None) or self.handoff_id
 
 
 class Generation:
@@ -161,6 +163,14 @@ class Generation:
         full = self.server.pipe.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
         tail = full[len(choice.text):] if full.startswith(choice.text) else ''
         return min((w for w in stops if w and tail.startswith(w)), key=len, default=None)
+
+    def kv_transfer_params(self) -> dict:
+        """``{'kv_transfer_params': {...}}`` for a prefill server's response (every choice handed
+        off): the Store keys of the hand-offs, which a PD router forwards to the decode server with
+        the request (docs/en/advance/pd_disaggregation.md); ``{}`` otherwise."""
+        if not self.choices or any(c.finish_reason != 'handoff' for c in self.choices):
+            return {}
+        return {'kv_transfer_params': {'handoff_ids': [c.handoff_id for c in self.choices]}}
 
     def usage(self) -> dict:
         """Usage over all choices; each prompt's tokens (and cached tokens) count once."""
