@@ -100,15 +100,21 @@ def request_tokens(hash_ids: Seq[int], input_length: int, scale: int = 1) -> lis
 
 class _Oracle:
     """Future uses of prefixes for Belady's rule: for each chained block hash at a reusable
-    aligned boundary, the indices of the requests whose prompt holds it."""
+    aligned boundary, the indices of the requests whose prompt holds it. :meth:`advance` moves
+    the present and rescores the checkpoints whose next use it passed (the policy's heap stays
+    exact at O(log N) per use)."""
 
     def __init__(self, hash_lists: list[list[bytes]], lengths: list[int], block_size: int, alignment: int):
         step = alignment // block_size
         self.uses: dict[bytes, list[int]] = {}
+        self.keys_of: list[list[bytes]] = []
         for r, (hashes, n) in enumerate(zip(hash_lists, lengths)):
-            for i in range(step - 1, min(len(hashes), (n - 1) // block_size), step):
-                self.uses.setdefault(hashes[i], []).append(r)
+            keys = [hashes[i] for i in range(step - 1, min(len(hashes), (n - 1) // block_size), step)]
+            self.keys_of.append(keys)
+            for key in keys:
+                self.uses.setdefault(key, []).append(r)
         self.now = 0
+        self.policy: OfflineOptimalPolicy | None = None
 
     def next_use(self, key, clock) -> float:
         uses = self.uses.get(key)
@@ -116,6 +122,15 @@ class _Oracle:
             return math.inf
         i = bisect.bisect_right(uses, self.now)
         return uses[i] if i < len(uses) else math.inf
+
+    def advance(self, now: int) -> None:
+        """The earliest request in flight is now ``now`` (never decreases in a replay)."""
+        if now == self.now:
+            return
+        lo, hi = min(now, self.now), max(now, self.now)
+        self.now = now
+        for r in range(lo + 1, min(hi, len(self.keys_of) - 1) + 1):
+            self.policy.refresh(self.keys_of[r], 0)
 
 
 def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_policy: str = 'last_only',
@@ -168,6 +183,7 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
         hashes = [chain_block_hashes(t, block_size) for t in token_lists]
         oracle = _Oracle(hashes, lengths, block_size, alignment)
         policy = OfflineOptimalPolicy(oracle.next_use)
+        oracle.policy = policy
     else:
         policy = make_policy(eviction)
     bm = BlockManager(num_rows)
@@ -199,7 +215,7 @@ def simulate_trace(requests, *, state_bytes: int, kv_block_bytes: int, save_poli
             nxt += 1
             in_flight += 1
         if oracle is not None:
-            oracle.now = min((s.trace_index for s in sched.running + list(sched.waiting)), default=nxt)
+            oracle.advance(min((s.trace_index for s in sched.running + list(sched.waiting)), default=nxt))
         out = sched.schedule()
         for load in list(out.loads.host_loads):
             ok = host.load(load)

@@ -39,8 +39,10 @@ match walks are only counted as reached.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 __all__ = ['CheckpointStats', 'EvictionPolicy', 'LRUPolicy', 'ReuseAwarePolicy', 'OfflineOptimalPolicy',
            'make_policy', 'EVICTION_POLICIES', 'SAVE_REASONS']
@@ -84,24 +86,66 @@ class CheckpointStats:
     score: float = 0.0
     key: object = None
     cls: tuple | None = None
+    entry: int = -1
 
 
 class EvictionPolicy:
-    """Base class: scores checkpoints; the lowest score is evicted first."""
+    """Base class: scores checkpoints; the lowest score is evicted first.
+
+    Scores are fixed when an entry is published or used, so the policy keeps them in a min-heap
+    with lazy invalidation: :meth:`rescore` pushes a new entry (the older ones of the same
+    checkpoint go stale), and :meth:`select` skips stale entries and pinned checkpoints. Choosing
+    a victim costs O((stale + pinned) log N) instead of a scan of every checkpoint; stale entries
+    are dropped in bulk once they outnumber live ones (amortized O(log N) per rescore).
+    :meth:`victim` is the same rule as a scan (the reference :meth:`select` must agree with).
+    """
 
     name = 'base'
+
+    def __init__(self):
+        self._heap: list[tuple] = []
+        self._seq = itertools.count()
 
     def rescore(self, stats: CheckpointStats, clock: int) -> None:
         """Recompute ``stats.score`` after a publish or a hit at logical time ``clock``."""
         stats.last_use = clock
         stats.score = self.score(stats, clock)
+        self._push(stats)
+
+    def _push(self, stats: CheckpointStats) -> None:
+        stats.entry = next(self._seq)
+        heapq.heappush(self._heap, (stats.score, stats.last_use, stats.slot, stats.entry, stats))
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         raise NotImplementedError
 
     def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
-        """The candidate to evict now (None when there is none)."""
+        """The candidate to evict now (None when there is none), by a scan: O(len(candidates))."""
         return min(candidates, key=lambda s: (s.score, s.last_use, s.slot), default=None)
+
+    def select(self, live: Mapping[int, CheckpointStats], pinned: Callable[[int], bool],
+               clock: int) -> CheckpointStats | None:
+        """The checkpoint to evict now among ``live`` (slot -> statistics of every published
+        checkpoint) that are not ``pinned(slot)``; the same choice as :meth:`victim` over them,
+        in O((stale + pinned) log N). Entries of checkpoints no longer in ``live`` are dropped."""
+        heap, aside, choice = self._heap, [], None
+        if len(heap) > 2 * len(live) + 64:       # mostly stale: rebuild from the live entries
+            heap[:] = [e for e in heap if live.get(e[2]) is e[4] and e[4].entry == e[3]]
+            heapq.heapify(heap)
+        while heap:
+            entry = heap[0]
+            stats = entry[4]
+            if live.get(entry[2]) is not stats or stats.entry != entry[3]:
+                heapq.heappop(heap)       # a rescored or released checkpoint's old entry
+                continue
+            if pinned(entry[2]):
+                aside.append(heapq.heappop(heap))
+                continue
+            choice = stats
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return choice
 
     def evicted(self, stats: CheckpointStats) -> None:
         """``stats`` was just evicted (a policy may age the others from it)."""
@@ -146,6 +190,7 @@ class ReuseAwarePolicy(EvictionPolicy):
              'restored': 0.6}
 
     def __init__(self, smoothing: float = 4.0):
+        super().__init__()
         self.smoothing = smoothing
         self.inflation = 0.0      # L: the score of the last victim
         self._published: dict[tuple, int] = {}
@@ -193,10 +238,29 @@ class OfflineOptimalPolicy(EvictionPolicy):
     name = 'optimal'
 
     def __init__(self, next_use: Callable[[object, int], float]):
+        super().__init__()
         self.next_use = next_use
+        self._by_key: dict[object, CheckpointStats] = {}
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         return -self.next_use(stats.key, clock)
+
+    def published(self, stats: CheckpointStats) -> None:
+        self._by_key[stats.key] = stats
+
+    def evicted(self, stats: CheckpointStats) -> None:
+        if self._by_key.get(stats.key) is stats:
+            del self._by_key[stats.key]
+
+    def refresh(self, keys: Iterable[object], clock: int) -> None:
+        """The next use of each prefix in ``keys`` moved (time passed one of its uses): rescore
+        their checkpoints without touching their recency. The heap of :meth:`select` is exact only
+        if the oracle's owner calls this for every prefix whose next use it passed."""
+        for key in keys:
+            stats = self._by_key.get(key)
+            if stats is not None:
+                stats.score = self.score(stats, clock)
+                self._push(stats)
 
     def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
         # the next use moves as time passes: score every candidate now

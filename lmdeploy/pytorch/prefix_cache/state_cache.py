@@ -164,9 +164,9 @@ class StateCache:
         return slot
 
     def victim(self) -> int | None:
-        """The unpinned published checkpoint the policy evicts next, or None."""
-        choice = self.policy.victim((s for slot, s in self.stats.items() if not self._pins.get(slot)),
-                                    self.now())
+        """The unpinned published checkpoint the policy evicts next, or None (O(log N): the
+        policy's heap)."""
+        choice = self.policy.select(self.stats, self.is_pinned, self.now())
         return None if choice is None else choice.slot
 
     def now(self) -> int:
