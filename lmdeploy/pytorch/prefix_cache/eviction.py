@@ -114,7 +114,11 @@ class EvictionPolicy:
 
     def _push(self, stats: CheckpointStats) -> None:
         stats.entry = next(self._seq)
-        heapq.heappush(self._heap, (stats.score, stats.last_use, stats.slot, stats.entry, stats))
+        heapq.heappush(self._heap_of(stats), (stats.score, stats.last_use, stats.slot, stats.entry, stats))
+
+    def _heap_of(self, stats: CheckpointStats) -> list:
+        """The heap ``stats``' entries go to (one per policy; a segmented policy has more)."""
+        return self._heap
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         raise NotImplementedError
@@ -128,7 +132,12 @@ class EvictionPolicy:
         """The checkpoint to evict now among ``live`` (slot -> statistics of every published
         checkpoint) that are not ``pinned(slot)``; the same choice as :meth:`victim` over them,
         in O((stale + pinned) log N). Entries of checkpoints no longer in ``live`` are dropped."""
-        heap, aside, choice = self._heap, [], None
+        return self._pop_min(self._heap, live, pinned)
+
+    @staticmethod
+    def _pop_min(heap: list, live: Mapping[int, CheckpointStats], pinned: Callable[[int], bool]):
+        """The lowest current, unpinned entry of ``heap`` (left in it), dropping stale entries."""
+        aside, choice = [], None
         if len(heap) > 2 * len(live) + 64:       # mostly stale: rebuild from the live entries
             heap[:] = [e for e in heap if live.get(e[2]) is e[4] and e[4].entry == e[3]]
             heapq.heapify(heap)
@@ -146,6 +155,11 @@ class EvictionPolicy:
         for entry in aside:
             heapq.heappush(heap, entry)
         return choice
+
+    def released(self, stats: CheckpointStats, evicted: bool) -> None:
+        """``stats``' checkpoint left the cache (``evicted``: chosen to make room)."""
+        if evicted:
+            self.evicted(stats)
 
     def evicted(self, stats: CheckpointStats) -> None:
         """``stats`` was just evicted (a policy may age the others from it)."""
@@ -167,57 +181,78 @@ class LRUPolicy(EvictionPolicy):
 
 
 class ReuseAwarePolicy(EvictionPolicy):
-    """GreedyDual-Size-Frequency over prefill saved per byte held (module docstring), with the
-    evidence of reuse learned online.
+    """GreedyDual-Size-Frequency over prefill saved per byte held (module docstring), weighted by
+    the expected number of further hits, learned online.
 
     A checkpoint falls, when it is published, into a class: why it was saved, whether the request
     that saved it continued an earlier prefix, and how many earlier requests reached its exact
-    prefix (0, 1, 2 or more). The policy counts, per class, checkpoints published and checkpoints
-    hit at least once, and takes the class's hit rate (smoothed towards a prior, so a new class
-    starts from the prior) as the evidence that a new checkpoint of that class will be reused;
-    each hit of the checkpoint itself adds one. Workloads differ in which of these signals
-    predicts reuse (a shared head, a continued conversation, a regenerate, a branch), so the
-    weights are measured on the traffic, not fixed.
+    prefix (0, 1, 2 or more). For each class and each number of hits so far (0, 1, 2, 3 or more)
+    the policy counts the checkpoints that got there and those of them that were hit once more;
+    ``p``, their ratio (smoothed towards a prior: per save reason for unused checkpoints, 1/2 for
+    used ones), estimates the chance of one more hit, and ``p / (1 - p)`` (the mean of a
+    geometric number of further hits) is the evidence the score weighs the prefill by::
+
+        score = L + p / (1 - p) · tokens_saved / bytes_held
+
+    So a never-used checkpoint of a class that is rarely reused (a branch nobody came back to)
+    scores near 0 and cannot displace a proven one, whose evidence grows with what hits predicted
+    further hits on this traffic; which signals predict reuse (a shared head, a continued
+    conversation, a regenerate, a branch, a hit) is measured, not fixed.
 
     Args:
-        smoothing: pseudo-counts of the prior in each class's rate.
+        smoothing: pseudo-counts of the prior in each estimate.
     """
 
     name = 'reuse'
-    # prior reuse rates per save reason (before a class has data): where a prefix is likely to
-    # be sent again
+    # prior chance that a never-used checkpoint is used (before its class has data), per save
+    # reason: where a prefix is likely to be sent again
     PRIOR = {'prefill': 0.2, 'prefill_last': 0.4, 'shared_head': 0.9, 'junction': 0.8, 'turn_end': 0.5,
              'restored': 0.6}
+    USED_PRIOR = 0.5            # prior chance of one more hit of a used checkpoint
+    MAX_HITS = 3                # hits counted apart (more fall into the last bucket)
 
     def __init__(self, smoothing: float = 4.0):
         super().__init__()
         self.smoothing = smoothing
         self.inflation = 0.0      # L: the score of the last victim
-        self._published: dict[tuple, int] = {}
-        self._hit: dict[tuple, int] = {}
+        self._reached: dict[tuple, int] = {}     # (class, hits) -> checkpoints that got there
+        self._again: dict[tuple, int] = {}       # (class, hits) -> of them, hit once more
 
     @staticmethod
     def reuse_class(stats: CheckpointStats) -> tuple:
-        """The class a checkpoint's reuse rate is learned in."""
+        """The class a checkpoint's reuse is learned in."""
         return stats.reason, stats.continuation, min(stats.reached, 2)
+
+    def _bucket(self, cls: tuple, hits: int) -> tuple:
+        return cls, min(hits, self.MAX_HITS)
+
+    def p_again(self, cls: tuple, hits: int) -> float:
+        """Smoothed chance that a checkpoint of class ``cls`` with ``hits`` hits is hit again (< 1)."""
+        b = self._bucket(cls, hits)
+        prior = self.PRIOR.get(cls[0], 0.3) if hits == 0 else self.USED_PRIOR
+        return (self._again.get(b, 0) + self.smoothing * prior) / (self._reached.get(b, 0) + self.smoothing)
 
     def reuse_rate(self, cls: tuple) -> float:
         """Smoothed share of the class's checkpoints that were hit at least once."""
-        prior = self.PRIOR.get(cls[0], 0.3)
-        return (self._hit.get(cls, 0) + self.smoothing * prior) / (self._published.get(cls, 0) + self.smoothing)
+        return self.p_again(cls, 0)
 
     def published(self, stats: CheckpointStats) -> None:
         stats.cls = self.reuse_class(stats)
-        self._published[stats.cls] = self._published.get(stats.cls, 0) + 1
+        b = self._bucket(stats.cls, 0)
+        self._reached[b] = self._reached.get(b, 0) + 1
 
     def hit(self, stats: CheckpointStats) -> None:
-        if stats.hits == 1 and stats.cls is not None:
-            self._hit[stats.cls] = self._hit.get(stats.cls, 0) + 1
+        if stats.cls is None:
+            return
+        before, now = self._bucket(stats.cls, stats.hits - 1), self._bucket(stats.cls, stats.hits)
+        self._again[before] = self._again.get(before, 0) + 1
+        self._reached[now] = self._reached.get(now, 0) + 1
 
     def evidence(self, stats: CheckpointStats) -> float:
-        """How strongly the entry is expected to be reused (> 0; grows with every hit)."""
+        """Expected further hits of the entry (> 0)."""
         cls = stats.cls if stats.cls is not None else self.reuse_class(stats)
-        return self.reuse_rate(cls) + stats.hits
+        p = self.p_again(cls, stats.hits)
+        return p / (1.0 - p)
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         return self.inflation + self.evidence(stats) * max(stats.tokens_saved, 1) / max(stats.nbytes, 1)

@@ -211,9 +211,9 @@ class StateCache:
             node.checkpoint_slot = None
             count_checkpoint(node, -1)
         stats = self.stats.pop(slot, None)
-        if evicted and stats is not None:
-            self.policy.evicted(stats)
-            self.num_evicted += 1
+        if stats is not None:
+            self.policy.released(stats, evicted)
+            self.num_evicted += evicted
         rows = self._rows.pop(slot, None)
         if rows is not None:
             self.block_manager.free_all(list(rows))
