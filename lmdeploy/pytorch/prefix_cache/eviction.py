@@ -10,7 +10,7 @@ next; evicting a checkpoint turns the blocks only it made usable into dead block
     need room ─▶ dead KV leaf left? ──yes──▶ evict it (LRU)
                       │ no
                       ▼
-                 policy.victim(checkpoints) ─▶ release it; its exclusive blocks become dead
+                 policy.select(checkpoints) ─▶ release it; its exclusive blocks become dead
 
 A policy is a small object with one pure scoring function of an entry's statistics
 (:class:`CheckpointStats`); it never touches the trie. Lower scores go first.
@@ -23,16 +23,22 @@ A policy is a small object with one pure scoring function of an entry's statisti
   LLMs", MLSys 2025: utility = recency + FLOP efficiency). The score is fixed when the entry is
   published or consumed::
 
-      score = L + evidence · tokens_saved / bytes_held
+      score = L + E[further hits] · tokens_saved / bytes_held
 
   ``L`` is the score of the last victim (so entries not used for a while age relative to new
   ones), ``tokens_saved`` the prefill tokens a hit skips beyond the next shallower checkpoint on
   its path, ``bytes_held`` the checkpoint plus the KV blocks only it makes usable, and
-  ``evidence`` is the reuse rate the policy has measured for checkpoints of the same class (why it
-  was saved, whether its request continued an earlier prefix, how many earlier requests reached
-  its exact prefix), plus one per hit of the checkpoint itself.
+  ``E[further hits] = p / (1 - p)``, where ``p`` is the chance of one more hit the policy has
+  measured for checkpoints of the same class (why it was saved, whether its request continued an
+  earlier prefix, how many earlier requests reached its exact prefix) with as many hits so far.
+  A never-used checkpoint of a class rarely reused (a prefix the client never sends again) thus
+  scores near ``L`` and goes before proven ones, in the spirit of Marconi's admission rule.
 * :class:`OfflineOptimalPolicy` (``'optimal'``, benchmarks only): Belady's rule, evict the
   checkpoint used farthest in the future, given an oracle of future uses.
+
+Scores are fixed between uses, so the victim comes from a min-heap with lazy invalidation in
+O(log N) (:meth:`EvictionPolicy.select`); :meth:`EvictionPolicy.victim` is the same rule as a
+scan, the reference the heap is tested against.
 
 Only the checkpoint a hit consumes is touched (its hit count and recency); the other nodes a
 match walks are only counted as reached.
@@ -73,6 +79,7 @@ class CheckpointStats:
         score: the policy's score, fixed at the last publish or hit.
         cls: the class the policy filed it under at publish (its own business).
         key: an identity of its prefix the benchmark's oracle understands (opaque here).
+        entry: the sequence number of its current heap entry (older entries are stale; -1: none).
     """
     slot: int
     boundary: int
