@@ -5,7 +5,8 @@ benchmark drives :class:`~lmdeploy.pytorch.engine.engine.Engine` in-process (a t
 Qwen3-Next on the CPU unless ``--model-path``) and times every ``Engine.step()``. The replay loop
 is the cache-only simulator's (``benchmark/trace_sim.py``): ``--concurrency`` requests in flight,
 admitted in trace order before each step, each prompt made by ``traces.prompt_tokens`` at
-``--scale`` (the model's plain token ids; prompts share tokens exactly where the simulator's do) and generating ``min(output_length / scale, --max-output)`` tokens (at least 1). So
+``--scale`` (the model's plain token ids; prompts share tokens exactly where the simulator's
+do) and generating ``min(output_length / scale, --max-output)`` tokens (at least 1). So
 the engine schedules exactly what the simulator schedules, and every request's hit can be
 compared with the simulator's unlimited cache at the same geometry.
 
