@@ -121,11 +121,7 @@ class EvictionPolicy:
 
     def _push(self, stats: CheckpointStats) -> None:
         stats.entry = next(self._seq)
-        heapq.heappush(self._heap_of(stats), (stats.score, stats.last_use, stats.slot, stats.entry, stats))
-
-    def _heap_of(self, stats: CheckpointStats) -> list:
-        """The heap ``stats``' entries go to (one per policy; a segmented policy has more)."""
-        return self._heap
+        heapq.heappush(self._heap, (stats.score, stats.last_use, stats.slot, stats.entry, stats))
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         raise NotImplementedError
@@ -139,12 +135,7 @@ class EvictionPolicy:
         """The checkpoint to evict now among ``live`` (slot -> statistics of every published
         checkpoint) that are not ``pinned(slot)``; the same choice as :meth:`victim` over them,
         in O((stale + pinned) log N). Entries of checkpoints no longer in ``live`` are dropped."""
-        return self._pop_min(self._heap, live, pinned)
-
-    @staticmethod
-    def _pop_min(heap: list, live: Mapping[int, CheckpointStats], pinned: Callable[[int], bool]):
-        """The lowest current, unpinned entry of ``heap`` (left in it), dropping stale entries."""
-        aside, choice = [], None
+        heap, aside, choice = self._heap, [], None
         if len(heap) > 2 * len(live) + 64:       # mostly stale: rebuild from the live entries
             heap[:] = [e for e in heap if live.get(e[2]) is e[4] and e[4].entry == e[3]]
             heapq.heapify(heap)
