@@ -22,9 +22,12 @@ cache, and **recomputed saved prefixes**: requests that hit fewer tokens than th
 saved prefix is reachable, so this should be 0 (a prefix whose put is still queued is restored
 from the queued payload). Also the Store's dropped puts and put objects.
 
+Step times follow the machine's load: on a shared machine run ``--configs none`` and
+``--configs file`` as two processes at the same time, so both see the same load.
+
 Usage::
 
-    python3 benchmark/trace_step_time.py --trace TRACE.jsonl --limit 200 --budget 0.125
+    python3 benchmark/trace_step_time.py --trace TRACE.jsonl --limit 300 --budget 0.125
 """
 from __future__ import annotations
 
