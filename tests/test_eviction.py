@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -120,22 +121,109 @@ def test_lru_policy_evicts_blocks_least_recently_used_first_as_before():
     assert [n.parent is None for n in a] == [False, False, True, True] and all(n.parent is not None for n in b)
 
 
+def _publish(pol, stats, clock):
+    pol.published(stats)
+    pol.rescore(stats, clock)
+
+
+def _hit(pol, stats, clock):
+    stats.hits += 1
+    pol.hit(stats)
+    pol.rescore(stats, clock)
+
+
 def test_reuse_policy_keeps_a_reached_shared_head_over_newer_cold_checkpoints():
     pol = ReuseAwarePolicy()
     head = CheckpointStats(1, 1024, 1024, 10, 'shared_head')
     cold = [CheckpointStats(i, 1024, 1024, 10, 'prefill_last') for i in range(2, 6)]
-    pol.rescore(head, 1)
+    _publish(pol, head, 1)
     for i, s in enumerate(cold):
-        pol.rescore(s, 2 + i)
-    assert pol.victim(cold + [head], 10) is cold[0]
-    lru = LRUPolicy()
-    for i, s in enumerate([head] + cold):
+        _publish(pol, s, 2 + i)
+    # each unused publish lowers the class's measured rate: the last one scored lowest
+    assert pol.victim(cold + [head], 10) is cold[-1] and cold[-1].score < cold[0].score < head.score
+    lru, copies = LRUPolicy(), [dataclasses.replace(s) for s in [head] + cold]
+    for i, s in enumerate(copies):
         lru.rescore(s, i + 1)
-    assert lru.victim(cold + [head], 10) is head
-    # a hit raises a checkpoint above every entry scored at the same inflation
-    cold[0].hits += 1
-    pol.rescore(cold[0], 11)
-    assert pol.victim(cold, 12) is cold[1]
+    assert lru.victim(copies, 10) is copies[0]
+    # a used checkpoint goes after every never-used one
+    _hit(pol, cold[-1], 11)
+    assert pol.victim(cold, 12) is cold[-2]
+
+
+def test_a_stream_of_one_off_checkpoints_does_not_flush_a_proven_one():
+    """Regression: a used checkpoint's evidence was its class's first-use rate plus its hits (here
+    about 2 after one hit) whatever the traffic said about used checkpoints coming back. Now the
+    chance of one more hit is learned per class and hit count, and the evidence is the expected
+    number of further hits p / (1 - p): 20 checkpoints each hit 4 times make it 7.3 after one hit.
+    Such a checkpoint then outlives a long stream of never-used one-offs."""
+    pol = ReuseAwarePolicy()
+    for i in range(20):     # used checkpoints of this class come back: each hit 4 times
+        s = CheckpointStats(1000 + i, 1024, 1024, 10, 'prefill_last', key=1000 + i)
+        _publish(pol, s, 1)
+        for _ in range(4):
+            _hit(pol, s, 1)
+        pol.released(s, False)
+    assert pol.p_again(('prefill_last', False, 0), 1) == (20 + 4 * 0.5) / (20 + 4)
+    live = {}
+    hot = CheckpointStats(0, 1024, 1024, 10, 'prefill_last', key='hot')
+    _publish(pol, hot, 2)
+    live[0] = hot
+    _hit(pol, hot, 3)
+    p = (20 + 4 * 0.5) / (21 + 4)       # (the hot one reached one hit too)
+    assert pol.evidence(hot) == p / (1 - p) and pol.evidence(hot) > 3 * (1 + pol.reuse_rate(hot.cls))
+    for i in range(1, 300):         # a cache of 4 checkpoints, a new one-off prefix per request
+        s = CheckpointStats(i, 1024, 1024, 10, 'prefill', key=i)
+        _publish(pol, s, 3 + i)
+        live[i] = s
+        while len(live) > 4:
+            v = pol.select(live, lambda slot: False, 0)
+            del live[v.slot]
+            pol.released(v, True)
+        assert 0 in live, i
+
+
+@pytest.mark.parametrize('name', ['lru', 'reuse', 'optimal'])
+def test_heap_selection_equals_a_scan_over_random_operations(name):
+    """Property: whatever the sequence of publishes, hits, touches, pins and releases, the
+    O(log N) heap picks exactly the checkpoint a scan of the unpinned ones picks."""
+    rng = random.Random(7)
+    uses = {}
+    pol = OfflineOptimalPolicy(lambda key, clock: uses[key]) if name == 'optimal' else make_policy(name)
+    live, pins, clock = {}, set(), 0
+    reasons = ['prefill', 'prefill_last', 'shared_head', 'restored']
+    for step in range(1500):
+        clock += 1
+        op = rng.random()
+        if op < 0.35 or not live:
+            slot = step
+            s = CheckpointStats(slot, 64, rng.randint(1, 8) * 64, rng.randint(1, 20), rng.choice(reasons),
+                                rng.random() < 0.5, reached=rng.randint(0, 3), key=slot)
+            uses[slot] = rng.choice([rng.randint(1, 50), float('inf')])
+            live[slot] = s
+            pol.published(s)
+            pol.rescore(s, clock)
+        elif op < 0.6:
+            s = live[rng.choice(list(live))]
+            if rng.random() < 0.5:
+                s.hits += 1
+                pol.hit(s)
+            else:
+                s.reached += 1
+            pol.rescore(s, clock)
+        elif op < 0.7:
+            slot = rng.choice(list(live))
+            pins.symmetric_difference_update({slot})
+        elif op < 0.75:         # a release that is not an eviction
+            slot = rng.choice(list(live))
+            pins.discard(slot)
+            pol.released(live.pop(slot), False)
+        else:
+            want = pol.victim([s for slot, s in live.items() if slot not in pins], clock)
+            got = pol.select(live, pins.__contains__, clock)
+            assert got is want, step
+            if got is not None:
+                del live[got.slot]
+                pol.released(got, True)
 
 
 def test_offline_optimum_evicts_the_checkpoint_used_farthest_in_the_future():

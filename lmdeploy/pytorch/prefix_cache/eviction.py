@@ -10,7 +10,7 @@ next; evicting a checkpoint turns the blocks only it made usable into dead block
     need room ─▶ dead KV leaf left? ──yes──▶ evict it (LRU)
                       │ no
                       ▼
-                 policy.victim(checkpoints) ─▶ release it; its exclusive blocks become dead
+                 policy.select(checkpoints) ─▶ release it; its exclusive blocks become dead
 
 A policy is a small object with one pure scoring function of an entry's statistics
 (:class:`CheckpointStats`); it never touches the trie. Lower scores go first.
@@ -23,24 +23,32 @@ A policy is a small object with one pure scoring function of an entry's statisti
   LLMs", MLSys 2025: utility = recency + FLOP efficiency). The score is fixed when the entry is
   published or consumed::
 
-      score = L + evidence · tokens_saved / bytes_held
+      score = L + E[further hits] · tokens_saved / bytes_held
 
   ``L`` is the score of the last victim (so entries not used for a while age relative to new
   ones), ``tokens_saved`` the prefill tokens a hit skips beyond the next shallower checkpoint on
   its path, ``bytes_held`` the checkpoint plus the KV blocks only it makes usable, and
-  ``evidence`` is the reuse rate the policy has measured for checkpoints of the same class (why it
-  was saved, whether its request continued an earlier prefix, how many earlier requests reached
-  its exact prefix), plus one per hit of the checkpoint itself.
+  ``E[further hits] = p / (1 - p)``, where ``p`` is the chance of one more hit the policy has
+  measured for checkpoints of the same class (why it was saved, whether its request continued an
+  earlier prefix, how many earlier requests reached its exact prefix) with as many hits so far.
+  A never-used checkpoint of a class rarely reused (a prefix the client never sends again) thus
+  scores near ``L`` and goes before proven ones, in the spirit of Marconi's admission rule.
 * :class:`OfflineOptimalPolicy` (``'optimal'``, benchmarks only): Belady's rule, evict the
   checkpoint used farthest in the future, given an oracle of future uses.
+
+Scores are fixed between uses, so the victim comes from a min-heap with lazy invalidation in
+O(log N) (:meth:`EvictionPolicy.select`); :meth:`EvictionPolicy.victim` is the same rule as a
+scan, the reference the heap is tested against.
 
 Only the checkpoint a hit consumes is touched (its hit count and recency); the other nodes a
 match walks are only counted as reached.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 __all__ = ['CheckpointStats', 'EvictionPolicy', 'LRUPolicy', 'ReuseAwarePolicy', 'OfflineOptimalPolicy',
            'make_policy', 'EVICTION_POLICIES', 'SAVE_REASONS']
@@ -71,6 +79,7 @@ class CheckpointStats:
         score: the policy's score, fixed at the last publish or hit.
         cls: the class the policy filed it under at publish (its own business).
         key: an identity of its prefix the benchmark's oracle understands (opaque here).
+        entry: the sequence number of its current heap entry (older entries are stale; -1: none).
     """
     slot: int
     boundary: int
@@ -84,24 +93,71 @@ class CheckpointStats:
     score: float = 0.0
     key: object = None
     cls: tuple | None = None
+    entry: int = -1
 
 
 class EvictionPolicy:
-    """Base class: scores checkpoints; the lowest score is evicted first."""
+    """Base class: scores checkpoints; the lowest score is evicted first.
+
+    Scores are fixed when an entry is published or used, so the policy keeps them in a min-heap
+    with lazy invalidation: :meth:`rescore` pushes a new entry (the older ones of the same
+    checkpoint go stale), and :meth:`select` skips stale entries and pinned checkpoints. Choosing
+    a victim costs O((stale + pinned) log N) instead of a scan of every checkpoint; stale entries
+    are dropped in bulk once they outnumber live ones (amortized O(log N) per rescore).
+    :meth:`victim` is the same rule as a scan (the reference :meth:`select` must agree with).
+    """
 
     name = 'base'
+
+    def __init__(self):
+        self._heap: list[tuple] = []
+        self._seq = itertools.count()
 
     def rescore(self, stats: CheckpointStats, clock: int) -> None:
         """Recompute ``stats.score`` after a publish or a hit at logical time ``clock``."""
         stats.last_use = clock
         stats.score = self.score(stats, clock)
+        self._push(stats)
+
+    def _push(self, stats: CheckpointStats) -> None:
+        stats.entry = next(self._seq)
+        heapq.heappush(self._heap, (stats.score, stats.last_use, stats.slot, stats.entry, stats))
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         raise NotImplementedError
 
     def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
-        """The candidate to evict now (None when there is none)."""
+        """The candidate to evict now (None when there is none), by a scan: O(len(candidates))."""
         return min(candidates, key=lambda s: (s.score, s.last_use, s.slot), default=None)
+
+    def select(self, live: Mapping[int, CheckpointStats], pinned: Callable[[int], bool],
+               clock: int) -> CheckpointStats | None:
+        """The checkpoint to evict now among ``live`` (slot -> statistics of every published
+        checkpoint) that are not ``pinned(slot)``; the same choice as :meth:`victim` over them,
+        in O((stale + pinned) log N). Entries of checkpoints no longer in ``live`` are dropped."""
+        heap, aside, choice = self._heap, [], None
+        if len(heap) > 2 * len(live) + 64:       # mostly stale: rebuild from the live entries
+            heap[:] = [e for e in heap if live.get(e[2]) is e[4] and e[4].entry == e[3]]
+            heapq.heapify(heap)
+        while heap:
+            entry = heap[0]
+            stats = entry[4]
+            if live.get(entry[2]) is not stats or stats.entry != entry[3]:
+                heapq.heappop(heap)       # a rescored or released checkpoint's old entry
+                continue
+            if pinned(entry[2]):
+                aside.append(heapq.heappop(heap))
+                continue
+            choice = stats
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return choice
+
+    def released(self, stats: CheckpointStats, evicted: bool) -> None:
+        """``stats``' checkpoint left the cache (``evicted``: chosen to make room)."""
+        if evicted:
+            self.evicted(stats)
 
     def evicted(self, stats: CheckpointStats) -> None:
         """``stats`` was just evicted (a policy may age the others from it)."""
@@ -123,56 +179,78 @@ class LRUPolicy(EvictionPolicy):
 
 
 class ReuseAwarePolicy(EvictionPolicy):
-    """GreedyDual-Size-Frequency over prefill saved per byte held (module docstring), with the
-    evidence of reuse learned online.
+    """GreedyDual-Size-Frequency over prefill saved per byte held (module docstring), weighted by
+    the expected number of further hits, learned online.
 
     A checkpoint falls, when it is published, into a class: why it was saved, whether the request
     that saved it continued an earlier prefix, and how many earlier requests reached its exact
-    prefix (0, 1, 2 or more). The policy counts, per class, checkpoints published and checkpoints
-    hit at least once, and takes the class's hit rate (smoothed towards a prior, so a new class
-    starts from the prior) as the evidence that a new checkpoint of that class will be reused;
-    each hit of the checkpoint itself adds one. Workloads differ in which of these signals
-    predicts reuse (a shared head, a continued conversation, a regenerate, a branch), so the
-    weights are measured on the traffic, not fixed.
+    prefix (0, 1, 2 or more). For each class and each number of hits so far (0, 1, 2, 3 or more)
+    the policy counts the checkpoints that got there and those of them that were hit once more;
+    ``p``, their ratio (smoothed towards a prior: per save reason for unused checkpoints, 1/2 for
+    used ones), estimates the chance of one more hit, and ``p / (1 - p)`` (the mean of a
+    geometric number of further hits) is the evidence the score weighs the prefill by::
+
+        score = L + p / (1 - p) · tokens_saved / bytes_held
+
+    So a never-used checkpoint of a class that is rarely reused (a branch nobody came back to)
+    scores near 0 and cannot displace a proven one, whose evidence grows with what hits predicted
+    further hits on this traffic; which signals predict reuse (a shared head, a continued
+    conversation, a regenerate, a branch, a hit) is measured, not fixed.
 
     Args:
-        smoothing: pseudo-counts of the prior in each class's rate.
+        smoothing: pseudo-counts of the prior in each estimate.
     """
 
     name = 'reuse'
-    # prior reuse rates per save reason (before a class has data): where a prefix is likely to
-    # be sent again
+    # prior chance that a never-used checkpoint is used (before its class has data), per save
+    # reason: where a prefix is likely to be sent again
     PRIOR = {'prefill': 0.2, 'prefill_last': 0.4, 'shared_head': 0.9, 'junction': 0.8, 'turn_end': 0.5,
              'restored': 0.6}
+    USED_PRIOR = 0.5            # prior chance of one more hit of a used checkpoint
+    MAX_HITS = 3                # hits counted apart (more fall into the last bucket)
 
     def __init__(self, smoothing: float = 4.0):
+        super().__init__()
         self.smoothing = smoothing
         self.inflation = 0.0      # L: the score of the last victim
-        self._published: dict[tuple, int] = {}
-        self._hit: dict[tuple, int] = {}
+        self._reached: dict[tuple, int] = {}     # (class, hits) -> checkpoints that got there
+        self._again: dict[tuple, int] = {}       # (class, hits) -> of them, hit once more
 
     @staticmethod
     def reuse_class(stats: CheckpointStats) -> tuple:
-        """The class a checkpoint's reuse rate is learned in."""
+        """The class a checkpoint's reuse is learned in."""
         return stats.reason, stats.continuation, min(stats.reached, 2)
+
+    def _bucket(self, cls: tuple, hits: int) -> tuple:
+        return cls, min(hits, self.MAX_HITS)
+
+    def p_again(self, cls: tuple, hits: int) -> float:
+        """Smoothed chance that a checkpoint of class ``cls`` with ``hits`` hits is hit again (< 1)."""
+        b = self._bucket(cls, hits)
+        prior = self.PRIOR.get(cls[0], 0.3) if hits == 0 else self.USED_PRIOR
+        return (self._again.get(b, 0) + self.smoothing * prior) / (self._reached.get(b, 0) + self.smoothing)
 
     def reuse_rate(self, cls: tuple) -> float:
         """Smoothed share of the class's checkpoints that were hit at least once."""
-        prior = self.PRIOR.get(cls[0], 0.3)
-        return (self._hit.get(cls, 0) + self.smoothing * prior) / (self._published.get(cls, 0) + self.smoothing)
+        return self.p_again(cls, 0)
 
     def published(self, stats: CheckpointStats) -> None:
         stats.cls = self.reuse_class(stats)
-        self._published[stats.cls] = self._published.get(stats.cls, 0) + 1
+        b = self._bucket(stats.cls, 0)
+        self._reached[b] = self._reached.get(b, 0) + 1
 
     def hit(self, stats: CheckpointStats) -> None:
-        if stats.hits == 1 and stats.cls is not None:
-            self._hit[stats.cls] = self._hit.get(stats.cls, 0) + 1
+        if stats.cls is None:
+            return
+        before, now = self._bucket(stats.cls, stats.hits - 1), self._bucket(stats.cls, stats.hits)
+        self._again[before] = self._again.get(before, 0) + 1
+        self._reached[now] = self._reached.get(now, 0) + 1
 
     def evidence(self, stats: CheckpointStats) -> float:
-        """How strongly the entry is expected to be reused (> 0; grows with every hit)."""
+        """Expected further hits of the entry (> 0)."""
         cls = stats.cls if stats.cls is not None else self.reuse_class(stats)
-        return self.reuse_rate(cls) + stats.hits
+        p = self.p_again(cls, stats.hits)
+        return p / (1.0 - p)
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         return self.inflation + self.evidence(stats) * max(stats.tokens_saved, 1) / max(stats.nbytes, 1)
@@ -193,10 +271,29 @@ class OfflineOptimalPolicy(EvictionPolicy):
     name = 'optimal'
 
     def __init__(self, next_use: Callable[[object, int], float]):
+        super().__init__()
         self.next_use = next_use
+        self._by_key: dict[object, CheckpointStats] = {}
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         return -self.next_use(stats.key, clock)
+
+    def published(self, stats: CheckpointStats) -> None:
+        self._by_key[stats.key] = stats
+
+    def evicted(self, stats: CheckpointStats) -> None:
+        if self._by_key.get(stats.key) is stats:
+            del self._by_key[stats.key]
+
+    def refresh(self, keys: Iterable[object], clock: int) -> None:
+        """The next use of each prefix in ``keys`` moved (time passed one of its uses): rescore
+        their checkpoints without touching their recency. The heap of :meth:`select` is exact only
+        if the oracle's owner calls this for every prefix whose next use it passed."""
+        for key in keys:
+            stats = self._by_key.get(key)
+            if stats is not None:
+                stats.score = self.score(stats, clock)
+                self._push(stats)
 
     def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
         # the next use moves as time passes: score every candidate now

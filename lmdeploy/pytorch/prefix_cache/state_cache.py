@@ -167,9 +167,9 @@ class StateCache:
         return slot
 
     def victim(self) -> int | None:
-        """The unpinned published checkpoint the policy evicts next, or None."""
-        choice = self.policy.victim((s for slot, s in self.stats.items() if not self._pins.get(slot)),
-                                    self.now())
+        """The unpinned published checkpoint the policy evicts next, or None (O(log N): the
+        policy's heap)."""
+        choice = self.policy.select(self.stats, self.is_pinned, self.now())
         return None if choice is None else choice.slot
 
     def now(self) -> int:
@@ -218,9 +218,9 @@ class StateCache:
             for listener in self.listeners:
                 listener.checkpoint_counted(node, -1)
         stats = self.stats.pop(slot, None)
-        if evicted and stats is not None:
-            self.policy.evicted(stats)
-            self.num_evicted += 1
+        if stats is not None:
+            self.policy.released(stats, evicted)
+            self.num_evicted += evicted
         rows = self._rows.pop(slot, None)
         if rows is not None:
             self.block_manager.free_all(list(rows))
