@@ -280,6 +280,14 @@ class BambaForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # Mamba-2, attention, Mamba-2, Mamba-2; SwiGLU MLPs; half-head RoPE. An SSD chunk of 24 so 32-token
+    # prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                       mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    tiny_top_level_rope_theta = True
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {

@@ -65,6 +65,43 @@ class CausalLM(nn.Module):
     #: whether requests may carry pixels (an instance may turn it off, e.g. a checkpoint
     #: without a vision tower)
     supports_images: bool = False
+    #: the text-config fields of the family's tiny seeded random checkpoint
+    #: (:mod:`lmdeploy.tools.make_tiny_model`: a few layers of width 64, every layer kind and
+    #: feature of the family exercised), passed to the ``transformers`` config class with the
+    #: vocabulary and special token ids. Given here, ``rope_theta`` (with
+    #: ``partial_rotary_factor`` / ``mrope_section`` where given) is folded into
+    #: ``rope_parameters``, and ``full_attention_interval`` (not a config field) derives
+    #: ``layer_types`` from ``num_hidden_layers``. Empty: the family has no tiny model
+    #: (``make_tiny_model`` raises ``ValueError``).
+    tiny_config: ClassVar[dict] = {}
+    #: published-checkpoint spellings the tiny ``config.json`` uses where ``transformers``
+    #: writes another: ``{transformers field: published field}`` (``transformers`` reads both)
+    tiny_published_fields: ClassVar[dict[str, str]] = {}
+    #: whether the tiny ``config.json`` also mirrors ``rope_parameters['rope_theta']`` as a
+    #: top-level ``rope_theta``, as the family's published configs do
+    tiny_top_level_rope_theta: ClassVar[bool] = False
+    #: the config key (in the text config) the published multi-token-prediction checkpoints
+    #: count their MTP layers under; None: the family publishes no ``mtp.*`` head
+    tiny_mtp_layers_key: ClassVar[str | None] = None
+    #: state-dict prefixes of ``transformers``' fused MoE experts (``gate_up_proj`` /
+    #: ``down_proj``) that the tiny checkpoint stores one tensor per expert, as published
+    tiny_expert_prefixes: ClassVar[tuple[str, ...]] = ('mlp.experts.',)
+    #: whether the tiny ``config.json`` keeps a default ``time_step_limit`` of ``(0, inf)``
+    #: (written as the non-standard JSON ``Infinity`` that Python's ``json`` reads); the others
+    #: drop it
+    tiny_keeps_infinite_time_step_limit: ClassVar[bool] = False
+
+    @staticmethod
+    def tiny_multimodal_config(text_config) -> dict | None:
+        """The vision-language wrapper's fields for the tiny checkpoint around ``text_config``
+        (a built ``transformers`` text config): ``vision_config`` (a dict) and the image token
+        ids; None (the base): a text-only family."""
+        return None
+
+    @staticmethod
+    def tiny_config_json(config_dict: dict) -> None:
+        """Rewrite the tiny ``config.json`` dict in place into the family's published
+        spelling where :attr:`tiny_published_fields` cannot say it; the base changes nothing."""
 
     @staticmethod
     def check_config(config) -> None:

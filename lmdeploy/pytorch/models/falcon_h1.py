@@ -369,6 +369,19 @@ class FalconH1ForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # three layers, each Mamba-2 and attention side by side; SwiGLU MLPs. Every µP multiplier off 1 so each
+    # is exercised; mamba_d_ssm (64) off mamba_expand x hidden (128); an SSD chunk of 24 so 32-token prefill
+    # chunks end off its boundaries; 2 B/C groups so TP2 splits them
+    tiny_config = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=96, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                       mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24, mamba_rms_norm=True,
+                       mamba_norm_before_gate=False, embedding_multiplier=2.5, lm_head_multiplier=0.6,
+                       mlp_multipliers=[0.8, 1.3], key_multiplier=0.7, attention_in_multiplier=1.2,
+                       attention_out_multiplier=0.9, ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 0.7], ssm_in_multiplier=1.15,
+                       ssm_out_multiplier=0.85, rope_parameters=dict(rope_type='default', rope_theta=10000.0),
+                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    tiny_top_level_rope_theta = True
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {

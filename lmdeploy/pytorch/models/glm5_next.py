@@ -221,6 +221,18 @@ class Glm5NextForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # KDA, DSA (own indexer), DSA (shared selection), KDA; 8 index heads
+    tiny_config = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=4,
+                       layer_types=['linear_attention', 'indexed_attention', 'indexed_attention', 'linear_attention'],
+                       indexer_types=['full', 'full', 'shared', 'full'],
+                       mlp_layer_types=['dense', 'sparse', 'sparse', 'sparse'], intermediate_size=128,
+                       moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                       n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24,
+                       qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, index_topk=64, index_head_dim=16,
+                       index_n_heads=8, index_kpool=8, linear_num_heads=2, linear_head_dim=16,
+                       linear_conv_kernel_dim=4, hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=1.0,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6)
+
 
     model_class = Glm5NextModel
     weight_prefix = 'model.'         # where the text stack's tensors are in the checkpoint
@@ -323,6 +335,18 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
     embeddings. The engine keeps spans whole across chunk ends and checkpoints and puts each
     image's content hash in the block hashes.
     """
+    @staticmethod
+    def tiny_multimodal_config(text_config) -> dict:
+        """A one-block vision tower on 32-pixel images; image tokens ``<|vision_start|>``,
+        ``<|vision_end|>``, ``<|image_pad|>`` = ids 3, 4, 5 of the tiny tokenizer, videos start and
+        end at the unused last id."""
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, image_size=32, out_hidden_size=text_config.hidden_size,
+                      projection_intermediate_size=64)
+        last = text_config.vocab_size - 1
+        return dict(vision_config=vision, tie_word_embeddings=False, image_token_id=5, video_token_id=5,
+                    image_start_token_id=3, image_end_token_id=4, video_start_token_id=last, video_end_token_id=last)
+
 
     supports_images = True
     weight_prefix = 'model.language_model.'

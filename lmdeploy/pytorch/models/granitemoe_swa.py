@@ -260,6 +260,19 @@ class GraniteMoeSWAForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # global, sliding, sliding, global; MoE + shared MLP; per-layer RoPE bases. A 24-token window (off the
+    # 16-token blocks and the 32-token prefill chunks, so chunk ends fall inside windows), a NoPE layer and
+    # two RoPE bases, µP multipliers off 1, attention sinks
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4,
+                       layer_types=['full_attention', 'sliding_attention', 'sliding_attention', 'full_attention'],
+                       sliding_window=24, layer_rope_theta=[10000.0, 0, 10000.0, 500000.0], num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=64, num_local_experts=4,
+                       num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+                       attention_multiplier=0.1, logits_scaling=3.0,
+                       rope_parameters=dict(rope_type='default', rope_theta=10000.0), max_position_embeddings=32768,
+                       tie_word_embeddings=False, rms_norm_eps=1e-6)
+    tiny_top_level_rope_theta = True
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {

@@ -287,6 +287,24 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # Mamba-2, attention, Mamba-2, Mamba-2; MoE + shared MLP; NoPE. µP multipliers off 1 (and a softmax
+    # scale off head_dim ** -0.5) so each is exercised; an SSD chunk of 24 so 32-token prefill chunks end
+    # off its boundaries; 2 B/C groups so TP2 splits them
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4, layer_types=['mamba', 'attention', 'mamba', 'mamba'],
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=64,
+                       num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                       mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=24, embedding_multiplier=12.0,
+                       residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=3.0,
+                       position_embedding_type=None, max_position_embeddings=32768, tie_word_embeddings=False,
+                       rms_norm_eps=1e-6)
+    tiny_top_level_rope_theta = True
+
+    @staticmethod
+    def tiny_config_json(config_dict: dict) -> None:
+        """The published layer-type names; ``transformers`` renames them on load."""
+        config_dict['layer_types'] = [{'linear_attention': 'mamba', 'full_attention': 'attention'}.get(t, t)
+                                      for t in config_dict['layer_types']]
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {

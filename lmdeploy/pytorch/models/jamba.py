@@ -265,6 +265,15 @@ class JambaForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # Mamba-1, attention, Mamba-1, Mamba-1; MoE in layers 1 and 3, dense MLPs in 0 and 2
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
+                       expert_layer_period=2, expert_layer_offset=1, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+                       mamba_expand=2, mamba_conv_bias=True, mamba_proj_bias=False, max_position_embeddings=32768,
+                       tie_word_embeddings=False, rms_norm_eps=1e-6)
+    # the experts sit under feed_forward (published one tensor per expert too)
+    tiny_expert_prefixes = ('mlp.experts.', 'feed_forward.experts.')
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {

@@ -247,6 +247,16 @@ class KimiLinearForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
+    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
+                       layer_types=['linear_attention', 'linear_attention', 'full_attention', 'linear_attention'],
+                       mlp_layer_types=['dense', 'sparse', 'sparse', 'sparse'],
+                       intermediate_size=128, moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                       n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.446, kv_lora_rank=32,
+                       q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=2,
+                       linear_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=32768,
+                       tie_word_embeddings=False, rms_norm_eps=1e-6)
+
 
     model_class = KimiLinearModel
     # every config field transformers reads, and what the engine does with it (.config_audit);

@@ -360,6 +360,17 @@ class Lfm2ForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # short conv, short conv, attention, short conv; block_ff_dim 192 auto-adjusted to 2/3, rounded up to
+    # 32: a 128-wide MLP
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       conv_L_cache=3, conv_bias=False, max_position_embeddings=32768, tie_word_embeddings=False,
+                       norm_eps=1e-5, rope_parameters=dict(rope_type='default', rope_theta=10000.0),
+                       layer_types=['conv', 'conv', 'full_attention', 'conv'], intermediate_size=192,
+                       block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=32)
+    tiny_top_level_rope_theta = True
+    # the published spellings; transformers reads them as intermediate_size / tie_word_embeddings
+    tiny_published_fields = {'intermediate_size': 'block_ff_dim', 'tie_word_embeddings': 'tie_embedding'}
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
@@ -427,6 +438,17 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # short conv, attention, short conv, short conv; one dense layer, then sigmoid-routed MoE with a
+    # nonzero expert bias and a scaling off 1
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       conv_L_cache=3, conv_bias=False, max_position_embeddings=32768, tie_word_embeddings=False,
+                       norm_eps=1e-5, rope_parameters=dict(rope_type='default', rope_theta=10000.0),
+                       layer_types=['conv', 'full_attention', 'conv', 'conv'], intermediate_size=128,
+                       num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True)
+    tiny_top_level_rope_theta = True
+    tiny_published_fields = {}
+
 
     config_fields = {
         **{k: v for k, v in Lfm2ForCausalLM.config_fields.items() if not k.startswith(('block_', 'full_attn'))},

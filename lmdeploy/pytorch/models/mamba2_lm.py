@@ -169,6 +169,11 @@ class Mamba2ForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # three Mamba-2 layers, nothing else; SSD chunks of 24, 2 B/C groups
+    tiny_config = dict(hidden_size=64, num_hidden_layers=3, num_heads=4, head_dim=32, expand=2, n_groups=2,
+                       state_size=16, conv_kernel=4, chunk_size=24, use_conv_bias=True, use_bias=False,
+                       layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=False)
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {

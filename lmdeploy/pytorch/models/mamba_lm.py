@@ -193,6 +193,10 @@ class MambaForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # three Mamba-1 layers, nothing else; dt rank 4 ('auto': 64 / 16)
+    tiny_config = dict(hidden_size=64, num_hidden_layers=3, state_size=16, expand=2, conv_kernel=4, use_conv_bias=True,
+                       use_bias=False, layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=False)
+
 
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = dict(_MAMBA_FIELDS)

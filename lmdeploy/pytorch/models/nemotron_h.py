@@ -393,6 +393,19 @@ class NemotronHForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+    # Mamba-2, MoE, attention, Mamba-2, MLP (pattern 'ME*M-'); SSD chunks of 48
+    tiny_config = dict(hidden_size=64, layers_block_type=['linear_attention', 'moe', 'full_attention',
+                                                          'linear_attention', 'mlp'],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                       chunk_size=48, use_conv_bias=True, mamba_hidden_act='silu', mlp_hidden_act='relu2',
+                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=64, n_group=2, topk_group=1, norm_topk_prob=True,
+                       routed_scaling_factor=2.5, layer_norm_epsilon=1e-5, max_position_embeddings=32768,
+                       tie_word_embeddings=False)
+    # as the tiny checkpoints always had it (the file's bytes stay those the tests were written against)
+    tiny_keeps_infinite_time_step_limit = True
+
 
     model_class = NemotronHModel
     # every config field transformers' modeling file reads, and what the engine does with it

@@ -86,6 +86,12 @@ class Qwen3ForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+
+    # two attention layers (:mod:`lmdeploy.tools.make_tiny_model`)
+    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, num_hidden_layers=2, intermediate_size=128)
+    tiny_top_level_rope_theta = True
     model_class = Qwen3Model
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {

@@ -169,6 +169,15 @@ class Qwen3_5ForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+
+    # three Gated DeltaNet layers and an attention layer; 6 rotary pairs per head (16 * 0.75 / 2) so each
+    # M-RoPE axis owns two of them
+    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, partial_rotary_factor=0.75, mrope_section=[2, 2, 2],
+                       intermediate_size=128)
     model_class = Qwen3_5TextModel
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
@@ -209,6 +218,16 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         ValueError: see :func:`check_config` (on ``text_config``) and
             :class:`.qwen3_5_vision.Qwen3_5VisionModel`.
     """
+
+    @staticmethod
+    def tiny_multimodal_config(text_config) -> dict:
+        """A two-block vision tower with 8-pixel patches; image tokens ``<|vision_start|>``,
+        ``<|vision_end|>``, ``<|image_pad|>`` = ids 3, 4, 5 of the tiny tokenizer."""
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text_config.hidden_size,
+                      num_position_embeddings=16, hidden_act='gelu_pytorch_tanh')
+        return dict(vision_config=vision, image_token_id=5, video_token_id=5, vision_start_token_id=3,
+                    vision_end_token_id=4, tie_word_embeddings=text_config.tie_word_embeddings)
     supports_images = True
     # the text stack of text_config, plus the vision-language config's own fields
     config_fields = {

@@ -55,6 +55,17 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     Raises:
         ValueError: see :func:`.qwen3_5.check_config`.
     """
+
+    # Qwen3.5's layers with MoE MLPs
+    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, partial_rotary_factor=0.75, mrope_section=[2, 2, 2],
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64)
+    tiny_mtp_layers_key = 'mtp_num_hidden_layers'
+    tiny_top_level_rope_theta = True    # the text-only checkpoints; the vision-language ones do not
     model_class = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
     mtp_head = 'qwen3_5_moe:Qwen3_5MoeMTP'      # the checkpoint's mtp.* head (speculative decoding)
@@ -73,6 +84,10 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     Raises:
         ValueError: see :func:`.qwen3_5.check_config` (on ``text_config``).
     """
+
+    tiny_config = Qwen3_5MoeForCausalLM.tiny_config
+    tiny_mtp_layers_key = Qwen3_5MoeForCausalLM.tiny_mtp_layers_key
+    tiny_top_level_rope_theta = False
     model_class = Qwen3_5MoeTextModel
     load_tensor = staticmethod(load_expert_tensor)
     mtp_head = 'qwen3_5_moe:Qwen3_5MoeMTP'      # the checkpoint's mtp.* head (speculative decoding)

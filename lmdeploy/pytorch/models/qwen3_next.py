@@ -88,6 +88,22 @@ class Qwen3NextForCausalLM(CausalLM):
     Raises:
         ValueError: see :func:`check_config`.
     """
+
+    # three Gated DeltaNet layers and an attention layer, MoE everywhere; a quarter of each head rotated
+    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, intermediate_size=128, partial_rotary_factor=0.25,
+                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    tiny_top_level_rope_theta = True
+    tiny_mtp_layers_key = 'num_nextn_predict_layers'
+
+    @staticmethod
+    def tiny_config_json(config_dict: dict) -> None:
+        """The published configs also mirror ``rope_parameters['partial_rotary_factor']`` at the top level."""
+        config_dict['partial_rotary_factor'] = config_dict['rope_parameters']['partial_rotary_factor']
     model_class = Qwen3NextModel
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
