@@ -290,3 +290,51 @@ def test_non_empty_directory_is_refused_without_force(tmp_path, capsys):
     empty = tmp_path / 'empty'
     empty.mkdir()
     assert main(['make-tiny-model', str(empty), '--arch', 'qwen3']) == 0
+
+
+def test_every_registered_model_declares_its_tiny_checkpoint():
+    """The tiny checkpoint is a capability of the model class: every registered class has a
+    non-empty ``tiny_config``, every ``--arch`` is a registered model type, and each arch's config
+    builds (no weights) as ``transformers``' class for that type, with the declared fields."""
+    from transformers import CONFIG_MAPPING
+
+    from lmdeploy.pytorch.models import MODEL_REGISTRY, get_model_class
+    from lmdeploy.tools.make_tiny_model import build_config
+    from lmdeploy.tools.tiny_args import ARCHS
+
+    for model_type in MODEL_REGISTRY:
+        cls = get_model_class(model_type)
+        assert isinstance(cls.tiny_config, dict) and cls.tiny_config, model_type
+    assert set(ARCHS) <= set(MODEL_REGISTRY)
+    for arch in ARCHS:
+        config = build_config(arch, vocab_size=256, eos_token_id=2, pad_token_id=0)
+        assert type(config) is CONFIG_MAPPING[arch], arch
+        text = config.get_text_config()
+        assert (text.vocab_size, text.eos_token_id, text.pad_token_id) == (256, 2, 0), arch
+        assert text.hidden_size == get_model_class(arch).tiny_config['hidden_size'] == 64, arch
+
+
+def test_a_class_without_tiny_config_is_refused_naming_it(monkeypatch, tmp_path):
+    from lmdeploy.pytorch.models import get_model_class
+    monkeypatch.setattr(get_model_class('qwen3'), 'tiny_config', {})
+    with pytest.raises(ValueError, match='Qwen3ForCausalLM declares no tiny_config'):
+        make_tiny_model(str(tmp_path / 'none'), arch='qwen3')
+    assert not os.path.exists(tmp_path / 'none')
+
+
+def test_tiny_model_maker_names_no_model_type_or_class():
+    """No per-family table or branch in the maker: none of its string literals is a model type or
+    a ``transformers`` config / model class name (they come from the family's class and from
+    ``transformers``' auto mappings)."""
+    import ast
+    import re
+
+    import lmdeploy.tools.make_tiny_model as maker
+    from lmdeploy.pytorch.models import MODEL_REGISTRY
+    from lmdeploy.tools.tiny_args import ARCHS
+
+    tree = ast.parse(open(maker.__file__, encoding='utf-8').read())
+    literals = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not literals & (set(MODEL_REGISTRY) | set(ARCHS))
+    class_like = re.compile(r'^\w+(ForCausalLM|ForConditionalGeneration|Config)$')
+    assert not [s for s in literals if class_like.match(s)]

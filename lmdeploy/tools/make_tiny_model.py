@@ -39,7 +39,7 @@ import torch
 
 # the arguments and architecture names live in a module without torch, so that `lmdeploy --help`
 # does not pay torch's import
-from .tiny_args import ARCHS, DTYPE_NAMES, MTP_ARCHS, NEXTN_ARCHS, VL_ARCHS, add_arguments, check_args
+from .tiny_args import ARCHS, DEFAULT_ARCH, DTYPE_NAMES, MTP_ARCHS, NEXTN_ARCHS, VL_ARCHS, add_arguments, check_args
 from .tiny_published_names import PUBLISHED_NAMES, glm5_next_published_names
 from .tiny_tokenizer import train_tokenizer, write_json, write_tokenizer
 
@@ -248,7 +248,7 @@ def _nextn_state_dict(config, seed: int, dtype: torch.dtype, prefix: str) -> dic
     return {f'{prefix}layers.{n}.' + k[len('nextn.'):]: v for k, v in tensors.items()}
 
 
-def make_tiny_model(out_dir: str, arch: str = 'qwen3_next', seed: int = 0, **overrides) -> str:
+def make_tiny_model(out_dir: str, arch: str = DEFAULT_ARCH, seed: int = 0, **overrides) -> str:
     """Write a seeded random tiny checkpoint of `arch` (one of `ARCHS`) into `out_dir`.
 
     `overrides` update config fields (e.g. num_hidden_layers=2); the special key `dtype`

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ['ARCHS', 'VL_ARCHS', 'MTP_ARCHS', 'NEXTN_ARCHS', 'DTYPE_NAMES', 'add_arguments', 'check_args']
+__all__ = ['ARCHS', 'DEFAULT_ARCH', 'VL_ARCHS', 'MTP_ARCHS', 'NEXTN_ARCHS', 'DTYPE_NAMES', 'add_arguments', 'check_args']
 
 ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next', 'nemotron_h',
          'granitemoehybrid', 'granitemoe_swa', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2', 'falcon_h1', 'mamba',
          'falcon_mamba', 'jamba')
+DEFAULT_ARCH = 'qwen3_next'     # the quick start's and the tests' usual arch
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head
 NEXTN_ARCHS = ('glm5_next',)    # the NextN layer model.layers.{num_hidden_layers}.*, written with mtp=True only
@@ -20,7 +21,8 @@ DTYPE_NAMES = ('float32', 'bfloat16', 'float16')       # stored weight dtypes (t
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the arguments of `make-tiny-model` (OUT_DIR and its flags) to `parser`."""
     parser.add_argument('out_dir', metavar='OUT_DIR', help='directory to write the checkpoint into')
-    parser.add_argument('--arch', choices=ARCHS, default='qwen3_next', help='model architecture (default: qwen3_next)')
+    parser.add_argument('--arch', choices=ARCHS, default=DEFAULT_ARCH,
+                        help=f'model architecture (default: {DEFAULT_ARCH})')
     parser.add_argument('--seed', type=int, default=0,
                         help='weight seed; the tokenizer does not depend on it (default: 0)')
     parser.add_argument('--dtype', choices=DTYPE_NAMES, default='float32',
