@@ -310,8 +310,15 @@ class _StubTokenizer:
 
 
 class _StubPipe:
+    """What the server asks of a Pipeline for /metrics: no engine counters yet."""
     loop = _StubLoop()
     tokenizer = _StubTokenizer()
+
+    def stats(self, timeout: float = 60.0) -> dict:
+        return {}
+
+    def ledger(self, timeout: float = 60.0) -> dict:
+        return {}
 
 
 @pytest.mark.parametrize('protect_metrics', [False, True])
