@@ -31,10 +31,12 @@ FLEET_DESTS = ('model_path', 'server_name', 'server_port', 'replicas', 'router',
                'replica_ports', 'fleet_log_dir', 'func', '_command_parser', 'command', 'server')
 
 
-def add_parser(servers) -> argparse.ArgumentParser:
-    """Add ``fleet`` to the ``serve`` sub-command's ``servers``; returns its parser."""
+def add_parser(servers, add_server_args) -> argparse.ArgumentParser:
+    """Add ``fleet`` to the ``serve`` sub-command's ``servers``; returns its parser.
+
+    ``add_server_args(parser)`` adds every ``api_server`` flag (``serve`` hands its own in, so
+    this module does not import it back)."""
     from ..serve.fleet import ROUTERS
-    from .serve import add_server_args
     parser = servers.add_parser(
         'fleet', help='N api_server replicas sharing one Store behind a router',
         description='Start --replicas api_servers of MODEL_PATH on one Store and a router in front of them '

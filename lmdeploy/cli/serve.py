@@ -88,7 +88,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.set_defaults(func=api_server)
     store.add_parser(servers)
     from . import fleet
-    fleet.add_parser(servers)
+    fleet.add_parser(servers, add_server_args)
     return parser
 
 
