@@ -294,10 +294,10 @@ class Fleet:
         return [r.url for r in self.replicas]
 
     def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen:
-        from ..pytorch.store.services import _pdeathsig_prefix
+        from ..pytorch.store.services import pdeathsig_prefix
         env = dict(os.environ, **self.env)
         with open(log, 'ab') as out:
-            return subprocess.Popen([*_pdeathsig_prefix(), *cmd], stdout=out, stderr=subprocess.STDOUT,
+            return subprocess.Popen([*pdeathsig_prefix(), *cmd], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def start_replica(self, replica: Replica) -> None:

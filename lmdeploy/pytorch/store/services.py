@@ -90,7 +90,7 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _pdeathsig_prefix() -> list[str]:
+def pdeathsig_prefix() -> list[str]:
     """``setpriv --pdeathsig TERM`` where available, so the services end with their owner even
     when it is killed with SIGKILL (no atexit or finally runs then).
 
@@ -207,7 +207,7 @@ class MooncakeServices:
         env['PYTHONPATH'] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get('PYTHONPATH')) if p)
         out = open(log, 'ab')
         self._logs.append(out)
-        return subprocess.Popen([*_pdeathsig_prefix(), binary, *args], stdin=subprocess.DEVNULL, stdout=out,
+        return subprocess.Popen([*pdeathsig_prefix(), binary, *args], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, env=env, cwd=self.log_dir)
 
     def _wait_ready(self, proc: subprocess.Popen, name: str, endpoints: list[tuple[str, int]], log: Path,
