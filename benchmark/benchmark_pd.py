@@ -19,7 +19,9 @@ prompts, so no phase hits a prefix an earlier phase stored). Measured per reques
   also the aggregate rate: sum of (completion tokens - 1) over the phase's wall time.
 
 The greedy completions of the two deployments must be equal for every prompt (the script exits
-1 otherwise). Printed: a table per phase with PD / colocated ratios (``--json-out`` writes it as
+1 otherwise), and the decode server's ``lmdeploy_store_handoff_hit_tokens_total`` shows how many
+prompt tokens it restored from hand-offs during each PD phase (n - 1 per request when every
+hand-off was found). Printed: a table per phase with PD / colocated ratios (``--json-out`` writes it as
 JSON). Every process started is stopped on exit.
 
 Without ``--model`` a tiny seeded Qwen3-Next checkpoint is made (``--layers`` layers).
@@ -70,7 +72,7 @@ def stream(url: str, model: str, prompt: str, new_tokens: int, timeout_s: float)
     req = urllib.request.Request(url + '/v1/completions', data=body, headers={'Content-Type': 'application/json'})
     t0 = time.perf_counter()
     first = last = None
-    text, tokens, chunks = [], None, 0
+    text, tokens, chunks, prompt_tokens = [], None, 0, None
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -79,6 +81,7 @@ def stream(url: str, model: str, prompt: str, new_tokens: int, timeout_s: float)
             event = json.loads(line[5:])
             if event.get('usage'):
                 tokens = event['usage']['completion_tokens']
+                prompt_tokens = event['usage']['prompt_tokens']
             for choice in event.get('choices') or ():
                 if choice.get('text'):
                     now = time.perf_counter()
@@ -89,7 +92,7 @@ def stream(url: str, model: str, prompt: str, new_tokens: int, timeout_s: float)
     if first is None:
         raise RuntimeError(f'no token streamed from {url}')
     return dict(text=''.join(text), tokens=tokens if tokens is not None else chunks, ttft_s=first - t0,
-                decode_s=last - first)
+                decode_s=last - first, prompt_tokens=prompt_tokens)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -106,11 +109,19 @@ def run_phase(url: str, model: str, texts: list[str], concurrency: int, args: ar
     wall = time.perf_counter() - t0
     rates = [(r['tokens'] - 1) / r['decode_s'] for r in results if r['tokens'] > 1 and r['decode_s'] > 0]
     ttft = [r['ttft_s'] for r in results]
-    return dict(texts=[r['text'] for r in results],
+    return dict(texts=[r['text'] for r in results], prompt_tokens=sum(r['prompt_tokens'] or 0 for r in results),
                 summary=dict(ttft_p50_ms=1e3 * pct(ttft, 50), ttft_p90_ms=1e3 * pct(ttft, 90),
                              decode_tok_s=statistics.median(rates) if rates else float('nan'),
                              aggregate_decode_tok_s=sum(r['tokens'] - 1 for r in results) / wall,
                              wall_s=wall))
+
+
+def counter(url: str, name: str) -> float:
+    """``lmdeploy_<name>_total`` of a server's ``/metrics`` (summed over labels)."""
+    with urllib.request.urlopen(url + '/metrics', timeout=30) as resp:
+        lines = resp.read().decode().splitlines()
+    full = f'lmdeploy_{name}_total'
+    return sum(float(ln.split()[-1]) for ln in lines if ln.split('{')[0].split(' ')[0] == full)
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
@@ -172,16 +183,22 @@ def main(argv: list[str] | None = None) -> int:
             stream(both.base_url, served, 'warm up ' + texts[0][:40], 2, args.timeout)   # first-request costs
             stream(pd_url, served, 'warm up ' + texts[0][:40], 2, args.timeout)
             colo = run_phase(both.base_url, served, texts, conc, args)
+            restored = counter(decode.base_url, 'store_handoff_hit_tokens')
             pd = run_phase(pd_url, served, texts, conc, args)
+            restored = counter(decode.base_url, 'store_handoff_hit_tokens') - restored
             bad = [i for i, (a, b) in enumerate(zip(colo['texts'], pd['texts'])) if a != b]
             mismatches += len(bad)
             report[name] = dict(colocated=colo['summary'], pd=pd['summary'], outputs_equal=not bad,
-                                mismatched=bad)
+                                mismatched=bad, handoff_restored_tokens=restored,
+                                handoff_expected_tokens=pd['prompt_tokens'] - len(texts))
 
-        print(f'model {model}  requests {args.requests}/phase  ~{args.prompt_words} prompt words  '
+        first = next(iter(report.values()))
+        print(f'model {model}  requests {args.requests}/phase  '
+              f'{first["handoff_expected_tokens"] / args.requests + 1:.0f} prompt tokens/request (mean)  '
               f'{args.new_tokens} new tokens')
         for name, r in report.items():
-            print(f'\n{name}  (greedy outputs equal: {r["outputs_equal"]})')
+            print(f'\n{name}  (greedy outputs equal: {r["outputs_equal"]}; decode server restored '
+                  f'{r["handoff_restored_tokens"]:.0f} of {r["handoff_expected_tokens"]} hand-off tokens (n - 1 each))')
             print(f'{"":24}{"colocated":>12}{"PD":>12}{"PD/colo":>10}')
             for key, label in (('ttft_p50_ms', 'TTFT p50 (ms)'), ('ttft_p90_ms', 'TTFT p90 (ms)'),
                                ('decode_tok_s', 'decode tok/s (median)'),
