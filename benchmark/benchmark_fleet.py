@@ -24,6 +24,9 @@ Printed per configuration (and written as JSON with ``--json-out``):
 - TTFT p50 / p90 (ms);
 - Store bytes written / read (``lmdeploy_store_put_bytes_total``, ``lmdeploy_store_get_bytes_total``);
 - per-replica load: requests and prompt tokens each replica served;
+- greedy equality: every fleet run's reply text to each request must equal the ``big`` run's reply
+  to the same request (all requests are greedy); mismatches are counted and printed, and the
+  script exits 1 on any (a request that failed in either run is not compared);
 - errors (a request that failed); with ``--kill-replica-at F`` the cache-aware run SIGKILLs
   replica 0 once a fraction F of the requests has been sent (requests streaming from it at that
   moment fail; every later request must succeed).
@@ -106,12 +109,13 @@ def select(rows: list[TraceRequest], sessions: int | None, limit: int | None) ->
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, headers: dict | None = None) -> dict:
-    """One greedy streamed completion (``headers`` added); returns prompt/cached tokens, ttft_s, or ``error``."""
+    """One greedy streamed completion (``headers`` added); returns prompt/cached tokens, ttft_s and the reply
+    ``text``, or ``error``."""
     body = json.dumps({'model': model, 'prompt': prompt, 'max_tokens': max_tokens, 'temperature': 0,
                        'ignore_eos': True, 'stream': True, 'stream_options': {'include_usage': True}}).encode()
     req = urllib.request.Request(url + '/v1/completions', data=body,
                                  headers={'Content-Type': 'application/json', **(headers or {})})
-    start, first, usage = time.perf_counter(), None, None
+    start, first, usage, text = time.perf_counter(), None, None, []
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             for raw in resp:
@@ -121,8 +125,9 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: floa
                 event = json.loads(line[5:])
                 if 'error' in event:
                     return dict(error=str(event['error'])[:300])
-                if event.get('choices') and first is None:
-                    first = time.perf_counter()
+                if event.get('choices'):
+                    first = first or time.perf_counter()
+                    text.append(event['choices'][0].get('text') or '')
                 usage = event.get('usage') or usage
     except urllib.error.HTTPError as err:
         return dict(error=f'{err.code} {err.read()[:300]!r}')
@@ -132,7 +137,7 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: floa
         return dict(error='stream ended without a choice or without usage')
     details = usage.get('prompt_tokens_details') or {}
     return dict(prompt_tokens=usage['prompt_tokens'], cached_tokens=details.get('cached_tokens', 0),
-                ttft_s=first - start)
+                ttft_s=first - start, text=''.join(text))
 
 
 def counters(url: str) -> dict[str, float]:
@@ -252,7 +257,22 @@ def run_config(name: str, args: argparse.Namespace, model: str, jobs: list[tuple
                 per_replica=[None if p is None else {'requests': p['requests'], 'prompt_tokens': p['prompt_tokens'],
                                                      'local_hit_tokens': p['local'], 'store_hit_tokens': p['store']}
                              for p in per],
-                killed_replica=0 if killed else None)
+                killed_replica=0 if killed else None, texts=[r.get('text') if r else None for r in results])
+
+
+def greedy_mismatches(reports: list[dict]) -> dict[str, tuple[int, list[int]]]:
+    """Per fleet run, ``(compared, mismatched request indices)``: requests whose greedy reply text
+    differs from the ``big`` run's reply to the same request (a request that failed in either run is
+    not compared); {} without a ``big`` run."""
+    ref = next((r['texts'] for r in reports if r['config'] == 'big'), None)
+    if ref is None:
+        return {}
+    out = {}
+    for r in reports:
+        if r['config'] != 'big':
+            both = [i for i, (a, b) in enumerate(zip(ref, r['texts'])) if a is not None and b is not None]
+            out[r['config']] = (len(both), [i for i in both if ref[i] != r['texts'][i]])
+    return out
 
 
 def print_table(reports: list[dict]) -> None:
@@ -322,10 +342,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
           f'server flags: {args.server_args}; work folder {work}', flush=True)
     reports = [run_config(name, args, model, jobs, work) for name in args.configs.split(',')]
     print_table(reports)
+    mismatches = greedy_mismatches(reports)
+    for r in reports:
+        if r['config'] in mismatches:
+            compared, bad = mismatches[r['config']]
+            r['greedy_compared'], r['greedy_mismatches'] = compared, bad
+            print(f'greedy text vs big, {r["config"]}: {len(bad)} mismatches of {compared} compared'
+                  + (f' (requests {bad[:10]})' if bad else ''))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=1))
     return reports
 
 
 if __name__ == '__main__':
-    main()
+    reports = main()
+    sys.exit(1 if any(r.get('greedy_mismatches') for r in reports) else 0)
