@@ -29,7 +29,9 @@ Printed per configuration (and written as JSON with ``--json-out``):
   script exits 1 on any (a request that failed in either run is not compared);
 - errors (a request that failed); with ``--kill-replica-at F`` the cache-aware run SIGKILLs
   replica 0 once a fraction F of the requests has been sent (requests streaming from it at that
-  moment fail; every later request must succeed).
+  moment fail, no router can resend a started stream; every later request must succeed). With
+  ``--no-stream`` the requests are non-streaming, which the router resends to another replica, so
+  the kill should cost no request; TTFT is then the whole request's latency.
 
 Usage::
 
@@ -108,17 +110,24 @@ def select(rows: list[TraceRequest], sessions: int | None, limit: int | None) ->
     return rows[:limit] if limit else rows
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, headers: dict | None = None) -> dict:
-    """One greedy streamed completion (``headers`` added); returns prompt/cached tokens, ttft_s and the reply
-    ``text``, or ``error``."""
+def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, headers: dict | None = None,
+             stream: bool = True) -> dict:
+    """One greedy completion (``headers`` added); returns prompt/cached tokens, ttft_s and the reply
+    ``text``, or ``error``. ``stream=False`` sends a non-streaming request (which the router can resend
+    to another replica when its replica dies) and ttft_s is then the whole request's latency."""
     body = json.dumps({'model': model, 'prompt': prompt, 'max_tokens': max_tokens, 'temperature': 0,
-                       'ignore_eos': True, 'stream': True, 'stream_options': {'include_usage': True}}).encode()
+                       'ignore_eos': True, 'stream': stream,
+                       **({'stream_options': {'include_usage': True}} if stream else {})}).encode()
     req = urllib.request.Request(url + '/v1/completions', data=body,
                                  headers={'Content-Type': 'application/json', **(headers or {})})
     start, first, usage, text = time.perf_counter(), None, None, []
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            for raw in resp:
+            if not stream:
+                out = json.loads(resp.read())
+                first, usage = time.perf_counter(), out.get('usage')
+                text.append(out['choices'][0].get('text') or '')
+            for raw in resp if stream else ():
                 line = raw.decode().strip()
                 if not line.startswith('data:') or line == 'data: [DONE]':
                     continue
@@ -179,7 +188,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def replay(url: str, model: str, jobs: list[tuple[str, int, dict]], concurrency: int, timeout_s: float,
-           on_sent=None) -> list[dict]:
+           on_sent=None, stream: bool = True) -> list[dict]:
     """Send ``jobs`` (prompt, max_tokens, headers) in order, ``concurrency`` in flight; ``on_sent(i)`` is
     called after job i is submitted."""
     results: list[dict | None] = [None] * len(jobs)
@@ -187,7 +196,7 @@ def replay(url: str, model: str, jobs: list[tuple[str, int, dict]], concurrency:
 
     def one(i: int) -> None:
         try:
-            results[i] = complete(url, model, *jobs[i][:2], timeout_s, jobs[i][2])
+            results[i] = complete(url, model, *jobs[i][:2], timeout_s, jobs[i][2], stream)
         except Exception as err:  # noqa: BLE001 -- a client bug is reported per request, not lost in the pool
             results[i] = dict(error=f'{type(err).__name__}: {err}')
         finally:
@@ -231,7 +240,8 @@ def run_config(name: str, args: argparse.Namespace, model: str, jobs: list[tuple
               f'{time.monotonic() - t0:.0f} s', file=sys.stderr, flush=True)
         before = [counters(u) for u in fleet.replica_urls]
         start = time.monotonic()
-        results = replay(fleet.url, args.model_name, jobs, args.concurrency, args.request_timeout_s, on_sent)
+        results = replay(fleet.url, args.model_name, jobs, args.concurrency, args.request_timeout_s, on_sent,
+                         not args.no_stream)
         replay_s = time.monotonic() - start
         for u in fleet.replica_urls:
             wait_store_idle(u)
@@ -311,6 +321,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--server-args', default=DEFAULT_SERVER_ARGS)
     p.add_argument('--kill-replica-at', type=float, default=None, metavar='F',
                    help='cache_aware run: SIGKILL replica 0 after this fraction of the requests was sent')
+    p.add_argument('--no-stream', action='store_true',
+                   help='send non-streaming requests (TTFT columns are then whole-request latency)')
     p.add_argument('--request-timeout-s', type=float, default=300)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json-out', default=None)
