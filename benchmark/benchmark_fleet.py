@@ -24,9 +24,14 @@ Printed per configuration (and written as JSON with ``--json-out``):
 - TTFT p50 / p90 (ms);
 - Store bytes written / read (``lmdeploy_store_put_bytes_total``, ``lmdeploy_store_get_bytes_total``);
 - per-replica load: requests and prompt tokens each replica served;
+- greedy equality: every fleet run's reply text to each request must equal the ``big`` run's reply
+  to the same request (all requests are greedy); mismatches are counted and printed, and the
+  script exits 1 on any (a request that failed in either run is not compared);
 - errors (a request that failed); with ``--kill-replica-at F`` the cache-aware run SIGKILLs
   replica 0 once a fraction F of the requests has been sent (requests streaming from it at that
-  moment fail; every later request must succeed).
+  moment fail, no router can resend a started stream; every later request must succeed). With
+  ``--no-stream`` the requests are non-streaming, which the router resends to another replica, so
+  the kill should cost no request; TTFT is then the whole request's latency.
 
 Usage::
 
@@ -105,24 +110,33 @@ def select(rows: list[TraceRequest], sessions: int | None, limit: int | None) ->
     return rows[:limit] if limit else rows
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, headers: dict | None = None) -> dict:
-    """One greedy streamed completion (``headers`` added); returns prompt/cached tokens, ttft_s, or ``error``."""
+def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, headers: dict | None = None,
+             stream: bool = True) -> dict:
+    """One greedy completion (``headers`` added); returns prompt/cached tokens, ttft_s and the reply
+    ``text``, or ``error``. ``stream=False`` sends a non-streaming request (which the router can resend
+    to another replica when its replica dies) and ttft_s is then the whole request's latency."""
     body = json.dumps({'model': model, 'prompt': prompt, 'max_tokens': max_tokens, 'temperature': 0,
-                       'ignore_eos': True, 'stream': True, 'stream_options': {'include_usage': True}}).encode()
+                       'ignore_eos': True, 'stream': stream,
+                       **({'stream_options': {'include_usage': True}} if stream else {})}).encode()
     req = urllib.request.Request(url + '/v1/completions', data=body,
                                  headers={'Content-Type': 'application/json', **(headers or {})})
-    start, first, usage = time.perf_counter(), None, None
+    start, first, usage, text = time.perf_counter(), None, None, []
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            for raw in resp:
+            if not stream:
+                out = json.loads(resp.read())
+                first, usage = time.perf_counter(), out.get('usage')
+                text.append(out['choices'][0].get('text') or '')
+            for raw in resp if stream else ():
                 line = raw.decode().strip()
                 if not line.startswith('data:') or line == 'data: [DONE]':
                     continue
                 event = json.loads(line[5:])
                 if 'error' in event:
                     return dict(error=str(event['error'])[:300])
-                if event.get('choices') and first is None:
-                    first = time.perf_counter()
+                if event.get('choices'):
+                    first = first or time.perf_counter()
+                    text.append(event['choices'][0].get('text') or '')
                 usage = event.get('usage') or usage
     except urllib.error.HTTPError as err:
         return dict(error=f'{err.code} {err.read()[:300]!r}')
@@ -132,7 +146,7 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: floa
         return dict(error='stream ended without a choice or without usage')
     details = usage.get('prompt_tokens_details') or {}
     return dict(prompt_tokens=usage['prompt_tokens'], cached_tokens=details.get('cached_tokens', 0),
-                ttft_s=first - start)
+                ttft_s=first - start, text=''.join(text))
 
 
 def counters(url: str) -> dict[str, float]:
@@ -174,7 +188,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def replay(url: str, model: str, jobs: list[tuple[str, int, dict]], concurrency: int, timeout_s: float,
-           on_sent=None) -> list[dict]:
+           on_sent=None, stream: bool = True) -> list[dict]:
     """Send ``jobs`` (prompt, max_tokens, headers) in order, ``concurrency`` in flight; ``on_sent(i)`` is
     called after job i is submitted."""
     results: list[dict | None] = [None] * len(jobs)
@@ -182,7 +196,7 @@ def replay(url: str, model: str, jobs: list[tuple[str, int, dict]], concurrency:
 
     def one(i: int) -> None:
         try:
-            results[i] = complete(url, model, *jobs[i][:2], timeout_s, jobs[i][2])
+            results[i] = complete(url, model, *jobs[i][:2], timeout_s, jobs[i][2], stream)
         except Exception as err:  # noqa: BLE001 -- a client bug is reported per request, not lost in the pool
             results[i] = dict(error=f'{type(err).__name__}: {err}')
         finally:
@@ -226,7 +240,8 @@ def run_config(name: str, args: argparse.Namespace, model: str, jobs: list[tuple
               f'{time.monotonic() - t0:.0f} s', file=sys.stderr, flush=True)
         before = [counters(u) for u in fleet.replica_urls]
         start = time.monotonic()
-        results = replay(fleet.url, args.model_name, jobs, args.concurrency, args.request_timeout_s, on_sent)
+        results = replay(fleet.url, args.model_name, jobs, args.concurrency, args.request_timeout_s, on_sent,
+                         not args.no_stream)
         replay_s = time.monotonic() - start
         for u in fleet.replica_urls:
             wait_store_idle(u)
@@ -252,7 +267,22 @@ def run_config(name: str, args: argparse.Namespace, model: str, jobs: list[tuple
                 per_replica=[None if p is None else {'requests': p['requests'], 'prompt_tokens': p['prompt_tokens'],
                                                      'local_hit_tokens': p['local'], 'store_hit_tokens': p['store']}
                              for p in per],
-                killed_replica=0 if killed else None)
+                killed_replica=0 if killed else None, texts=[r.get('text') if r else None for r in results])
+
+
+def greedy_mismatches(reports: list[dict]) -> dict[str, tuple[int, list[int]]]:
+    """Per fleet run, ``(compared, mismatched request indices)``: requests whose greedy reply text
+    differs from the ``big`` run's reply to the same request (a request that failed in either run is
+    not compared); {} without a ``big`` run."""
+    ref = next((r['texts'] for r in reports if r['config'] == 'big'), None)
+    if ref is None:
+        return {}
+    out = {}
+    for r in reports:
+        if r['config'] != 'big':
+            both = [i for i, (a, b) in enumerate(zip(ref, r['texts'])) if a is not None and b is not None]
+            out[r['config']] = (len(both), [i for i in both if ref[i] != r['texts'][i]])
+    return out
 
 
 def print_table(reports: list[dict]) -> None:
@@ -291,6 +321,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument('--server-args', default=DEFAULT_SERVER_ARGS)
     p.add_argument('--kill-replica-at', type=float, default=None, metavar='F',
                    help='cache_aware run: SIGKILL replica 0 after this fraction of the requests was sent')
+    p.add_argument('--no-stream', action='store_true',
+                   help='send non-streaming requests (TTFT columns are then whole-request latency)')
     p.add_argument('--request-timeout-s', type=float, default=300)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json-out', default=None)
@@ -322,10 +354,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
           f'server flags: {args.server_args}; work folder {work}', flush=True)
     reports = [run_config(name, args, model, jobs, work) for name in args.configs.split(',')]
     print_table(reports)
+    mismatches = greedy_mismatches(reports)
+    for r in reports:
+        if r['config'] in mismatches:
+            compared, bad = mismatches[r['config']]
+            r['greedy_compared'], r['greedy_mismatches'] = compared, bad
+            print(f'greedy text vs big, {r["config"]}: {len(bad)} mismatches of {compared} compared'
+                  + (f' (requests {bad[:10]})' if bad else ''))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(reports, indent=1))
     return reports
 
 
 if __name__ == '__main__':
-    main()
+    reports = main()
+    sys.exit(1 if any(r.get('greedy_mismatches') for r in reports) else 0)
