@@ -22,8 +22,6 @@ covers half of each head. Weight names are the published checkpoint's, which are
 """
 from __future__ import annotations
 
-import copy
-import re
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +30,8 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_state_spec
+from .blocks.mamba2_hybrid import Mamba2HybridTPSplit
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
@@ -186,89 +185,26 @@ class BambaModel(nn.Module):
         return self.final_layernorm(hidden)
 
 
-_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
-_MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
-_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
-
-
-class BambaTPPlan:
-    """How Bamba splits over ``size`` tensor-parallel ranks (Megatron-style).
-
-    Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
-    its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV heads.
-    Mamba-2 by head and group (:class:`~.mamba2.Mamba2TPSplit`; with fewer groups than ranks, as
-    in the published ``mamba_n_groups = 1``, the group's ``B`` / ``C`` are copied to every rank
-    of its heads and its norm is all-reduced). The MLP by intermediate rows (``gate_proj`` /
-    ``up_proj`` rows, ``down_proj`` columns, all-reduce).
+class BambaTPPlan(Mamba2HybridTPSplit):
+    """How Bamba splits over ``size`` tensor-parallel ranks (:class:`~.blocks.mamba2_hybrid.Mamba2HybridTPSplit`):
+    attention by head, Mamba-2 by head and group (the published ``mamba_n_groups = 1``: the group's
+    ``B`` / ``C`` copied to every rank of its heads, its norm all-reduced), the ``feed_forward`` MLP
+    by intermediate rows.
 
     Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
-            ``intermediate_size`` or ``mamba_n_heads``, or neither divides nor is a multiple of
-            ``mamba_n_groups`` (names the field).
+        ValueError: ``tp`` does not divide ``intermediate_size``, ``num_attention_heads`` or
+            ``num_key_value_heads`` (those two only with an attention layer) or ``mamba_n_heads``,
+            or neither divides nor is a multiple of ``mamba_n_groups`` (names the field).
     """
 
-    row_parallel = (('self_attn', 'o_proj'), ('feed_forward', 'down_proj'), ('mamba', 'out_proj'))
-
     def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        self.kinds = layer_kinds(config)
-        fields = ['intermediate_size'] + (['num_attention_heads', 'num_key_value_heads'] if ATTENTION in self.kinds
-                                          else [])
-        for field in fields:
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-
-        def part(total: int) -> tuple[int, int]:
-            return rank * total // size, (rank + 1) * total // size
-
-        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
-        self.inter = part(config.intermediate_size)
-        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'mamba_n_heads', 'mamba_n_groups') \
-            if MAMBA in self.kinds else None
-
-    def local_config(self):
-        """A copy of the config with this rank's head and intermediate counts."""
-        c = copy.deepcopy(self.config)
-        c.head_dim = _head_dim(self.config)
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.intermediate_size = self.inter[1] - self.inter[0]
-        c.mamba_tp_size = self.size      # the mamba_* fields stay whole; mamba_dims divides them
-        return c
-
-    def attach_collectives(self, model, all_reduce) -> None:
-        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
-        norm = self.mamba.norm(all_reduce) if self.mamba is not None else None
-        for layer in model.model.layers:
-            if isinstance(getattr(layer, 'mamba', None), Mamba2Mixer):
-                layer.mamba.cross_rank_norm = norm
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``; the Mamba-2 state splits otherwise."""
-        ranges = (self.kv_heads,) if split == 'kv_heads' else \
-            None if self.mamba is None else self.mamba.cache_ranges(split)
-        if ranges is None:
-            raise ValueError(f"CacheTensor.tp_split: bamba splits 'kv_heads' and the Mamba-2 states, not {split!r}")
-        return ranges
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ATTN_ROWS.match(name)
-        if m and self.kinds[int(m.group(1))] == ATTENTION:
-            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
-            if proj == 'o_proj':
-                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
-            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
-            return 0, ((heads[0] * d, heads[1] * d),)
-        m = _MLP_ROWS.match(name)
-        if m:
-            if m.group(2) == 'down_proj':
-                return (1, (self.inter,)) if m.group(3) == 'weight' else None
-            return 0, (self.inter,)
-        m = _MAMBA_ROWS.match(name)
-        if m and self.kinds[int(m.group(1))] == MAMBA:
-            return self.mamba.shard(m.group(2))
-        return None
+        kinds = layer_kinds(config)
+        super().__init__(config, rank, size, family='bamba', mlp_field='intermediate_size',
+                         divisible=('intermediate_size', ) + (('num_attention_heads', 'num_key_value_heads')
+                                                              if ATTENTION in kinds else ()),
+                         head_dim=_head_dim(config), dims=mamba_dims(config) if MAMBA in kinds else None,
+                         attention_layers={i for i, k in enumerate(kinds) if k == ATTENTION},
+                         mamba_layers={i for i, k in enumerate(kinds) if k == MAMBA})
 
 
 class BambaForCausalLM(CausalLM):

@@ -29,8 +29,6 @@ A_log, D, norm, out_proj}`` (``norm`` only with ``mamba_rms_norm``),
 """
 from __future__ import annotations
 
-import copy
-import re
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +38,8 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_state_spec
+from .blocks.mamba2_hybrid import Mamba2HybridTPSplit
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
@@ -275,19 +274,11 @@ class FalconH1Model(nn.Module):
         return self.final_layernorm(hidden)
 
 
-_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
-_MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
-_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
-
-
-class FalconH1TPPlan:
-    """How Falcon-H1 splits over ``size`` tensor-parallel ranks (Megatron-style), every layer
-    both ways.
-
-    Attention by head (``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
-    its KV heads, ``o_proj`` columns, all-reduce); Mamba-2 by head and group
-    (:class:`~.mamba2.Mamba2TPSplit`: with fewer groups than ranks, as in the published
-    ``mamba_n_groups = 1``, each rank of a group reads its ``B`` / ``C`` rows); the MLP by
+class FalconH1TPPlan(Mamba2HybridTPSplit):
+    """How Falcon-H1 splits over ``size`` tensor-parallel ranks
+    (:class:`~.blocks.mamba2_hybrid.Mamba2HybridTPSplit`), every layer both ways: attention by
+    head, Mamba-2 by head and group (with fewer groups than ranks, as in the published
+    ``mamba_n_groups = 1``, each rank of a group reads its ``B`` / ``C`` rows), the MLP by
     intermediate rows. The ``in_proj`` multipliers are per section, so each rank builds its own.
 
     Raises:
@@ -298,66 +289,13 @@ class FalconH1TPPlan:
             (names the field).
     """
 
-    row_parallel = (('self_attn', 'o_proj'), ('feed_forward', 'down_proj'), ('mamba', 'out_proj'))
-
     def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        for field in ('num_attention_heads', 'num_key_value_heads', 'intermediate_size'):
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-
-        def part(total: int) -> tuple[int, int]:
-            return rank * total // size, (rank + 1) * total // size
-
-        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
-        self.inter = part(config.intermediate_size)
-        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'mamba_n_heads', 'mamba_n_groups')
+        super().__init__(config, rank, size, family='falcon_h1', mlp_field='intermediate_size',
+                         divisible=('num_attention_heads', 'num_key_value_heads', 'intermediate_size'),
+                         head_dim=_head_dim(config), dims=mamba_dims(config))
         if self.mamba.group_ranks > 1 and config.mamba_rms_norm and config.mamba_norm_before_gate:
             raise ValueError(f'mamba_norm_before_gate: a norm before the gate over a Mamba group that spans ranks '
                              f'(mamba_n_groups {config.mamba_n_groups} < tp {size}) is not supported')
-
-    def local_config(self):
-        """A copy of the config with this rank's head and intermediate counts."""
-        c = copy.deepcopy(self.config)
-        c.head_dim = _head_dim(self.config)
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.intermediate_size = self.inter[1] - self.inter[0]
-        c.mamba_tp_size = self.size      # the mamba_* fields stay whole; mamba_dims divides them
-        return c
-
-    def attach_collectives(self, model, all_reduce) -> None:
-        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
-        norm = self.mamba.norm(all_reduce)
-        for layer in model.model.layers:
-            layer.mamba.cross_rank_norm = norm
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``; the Mamba-2 state splits otherwise."""
-        ranges = (self.kv_heads,) if split == 'kv_heads' else self.mamba.cache_ranges(split)
-        if ranges is None:
-            raise ValueError(f"CacheTensor.tp_split: falcon_h1 splits 'kv_heads' and the Mamba-2 states, "
-                             f'not {split!r}')
-        return ranges
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ATTN_ROWS.match(name)
-        if m:
-            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
-            if proj == 'o_proj':
-                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
-            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
-            return 0, ((heads[0] * d, heads[1] * d),)
-        m = _MLP_ROWS.match(name)
-        if m:
-            if m.group(2) == 'down_proj':
-                return (1, (self.inter,)) if m.group(3) == 'weight' else None
-            return 0, (self.inter,)
-        m = _MAMBA_ROWS.match(name)
-        if m:
-            return self.mamba.shard(m.group(2))
-        return None
 
 
 class FalconH1ForCausalLM(CausalLM):

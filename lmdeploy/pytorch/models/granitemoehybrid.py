@@ -22,7 +22,6 @@ names: the published checkpoint's (``block_sparse_moe.input_linear`` ``[E, 2I, H
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
@@ -31,7 +30,8 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_state_spec
+from .blocks.mamba2_hybrid import Mamba2HybridTPSplit
 from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
@@ -194,21 +194,16 @@ class GraniteMoeHybridModel(nn.Module):
         return self.norm(hidden)
 
 
-_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
-_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
 _SHARED_ROWS = re.compile(r'^model\.layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.weight$')
 
 
-class GraniteMoeHybridTPPlan:
-    """How Granite-4.0-H splits over ``size`` tensor-parallel ranks (Megatron-style).
-
-    Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
-    its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV heads.
-    Mamba-2 by head and group (:class:`~.blocks.mamba2.Mamba2TPSplit`; fewer groups than ranks, as in
-    the published ``mamba_n_groups = 1``: the group's ``B`` / ``C`` copied to every rank of its
-    heads, its norm all-reduced). The shared MLP by intermediate
-    rows (``input_linear``'s gate and up rows, ``output_linear``'s columns, all-reduce). The
-    routed experts and their router are replicated.
+class GraniteMoeHybridTPPlan(Mamba2HybridTPSplit):
+    """How Granite-4.0-H splits over ``size`` tensor-parallel ranks
+    (:class:`~.blocks.mamba2_hybrid.Mamba2HybridTPSplit`): attention by head, Mamba-2 by head and
+    group (the published ``mamba_n_groups = 1``: the group's ``B`` / ``C`` copied to every rank of
+    its heads, its norm all-reduced), the shared MLP by intermediate rows (``input_linear``'s gate
+    and up rows, ``output_linear``'s columns, all-reduce). The routed experts and their router are
+    replicated.
 
     Raises:
         ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
@@ -219,63 +214,21 @@ class GraniteMoeHybridTPPlan:
     row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'), ('mamba', 'out_proj'))
 
     def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        self.kinds = layer_kinds(config)
-        for field in ('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'):
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+        kinds = layer_kinds(config)
+        super().__init__(config, rank, size, family='granitemoehybrid', mlp_field='shared_intermediate_size',
+                         divisible=('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'),
+                         head_dim=_head_dim(config), dims=mamba_dims(config) if MAMBA in kinds else None,
+                         attention_layers={i for i, k in enumerate(kinds) if k == ATTENTION},
+                         mamba_layers={i for i, k in enumerate(kinds) if k == MAMBA})
 
-        def part(total: int) -> tuple[int, int]:
-            return rank * total // size, (rank + 1) * total // size
-
-        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
-        self.shared = part(config.shared_intermediate_size)
-        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'mamba_n_heads', 'mamba_n_groups') \
-            if MAMBA in self.kinds else None
-
-    def local_config(self):
-        """A copy of the config with this rank's head, group and intermediate counts."""
-        c = copy.deepcopy(self.config)
-        c.head_dim = _head_dim(self.config)
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.shared_intermediate_size = self.shared[1] - self.shared[0]
-        c.mamba_tp_size = self.size      # the mamba_* fields stay whole; mamba_dims divides them
-        return c
-
-    def attach_collectives(self, model, all_reduce) -> None:
-        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
-        norm = self.mamba.norm(all_reduce) if self.mamba is not None else None
-        for layer in model.model.layers:
-            if isinstance(getattr(layer, 'mamba', None), Mamba2Mixer):
-                layer.mamba.cross_rank_norm = norm
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``; the Mamba-2 state splits otherwise."""
-        ranges = (self.kv_heads,) if split == 'kv_heads' else \
-            None if self.mamba is None else self.mamba.cache_ranges(split)
-        if ranges is None:
-            raise ValueError(f"CacheTensor.tp_split: granitemoehybrid splits 'kv_heads' and the Mamba-2 states, not "
-                             f'{split!r}')
-        return ranges
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ATTN_ROWS.match(name)
-        if m and self.kinds[int(m.group(1))] == ATTENTION:
-            proj, kind, d = m.group(2), m.group(3), _head_dim(self.config)
-            if proj == 'o_proj':
-                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
-            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
-            return 0, ((heads[0] * d, heads[1] * d),)
+    def shard_mlp(self, name: str):
+        """``(dim, ranges)`` of a ``shared_mlp`` weight: the gate and up rows of ``input_linear``
+        (stacked ``[gate; up]``), the columns of ``output_linear``; None for other tensors."""
         m = _SHARED_ROWS.match(name)
-        if m:
-            (s0, s1), S = self.shared, self.config.shared_intermediate_size
-            return (0, ((s0, s1), (S + s0, S + s1))) if m.group(2) == 'input_linear' else (1, ((s0, s1),))
-        m = _MAMBA_ROWS.match(name)
-        if m and self.kinds[int(m.group(1))] == MAMBA:
-            return self.mamba.shard(m.group(2))
-        return None
+        if m is None:
+            return None
+        (s0, s1), S = self.inter, self.config.shared_intermediate_size
+        return (0, ((s0, s1), (S + s0, S + s1))) if m.group(2) == 'input_linear' else (1, ((s0, s1),))
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
