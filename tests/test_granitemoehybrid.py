@@ -123,6 +123,7 @@ def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
     (dict(position_embedding_type='alibi'), 'position_embedding_type'),
     (dict(num_experts_per_tok=9), 'num_experts_per_tok'),
     (dict(mamba_n_groups=3), 'mamba_n_groups'),
+    (dict(mamba_n_groups=0), 'mamba_n_groups'),          # was a ZeroDivisionError
     (dict(mamba_d_head=7), 'mamba_d_head'),
     (dict(time_step_limit=(0.01, 10.0)), 'time_step_limit'),
 ])

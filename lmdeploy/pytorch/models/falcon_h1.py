@@ -38,8 +38,8 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_state_spec
-from .blocks.mamba2_hybrid import Mamba2HybridTPSplit
+from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
+from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, attention_head_dim, check_mamba_config, mamba_dims
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
@@ -76,34 +76,11 @@ def check_config(config) -> None:
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
     inner = _d_ssm(config)
-    if config.mamba_n_heads * config.mamba_d_head != inner:
-        raise ValueError(f'mamba_n_heads ({config.mamba_n_heads}) x mamba_d_head ({config.mamba_d_head}) must '
-                         f'equal mamba_d_ssm ({inner})')
-    if config.mamba_n_groups <= 0 or config.mamba_n_heads % config.mamba_n_groups:
-        raise ValueError(f'mamba_n_groups ({config.mamba_n_groups}) must divide mamba_n_heads '
-                         f'({config.mamba_n_heads})')
-    check_time_step_limit(config.time_step_limit)
+    check_mamba_config(config, inner, 'mamba_d_ssm')
     if len(list(config.mlp_multipliers)) != 2:
         raise ValueError(f'mlp_multipliers must be [gate, down], got {config.mlp_multipliers}')
     if len(list(config.ssm_multipliers)) != 5:
         raise ValueError(f'ssm_multipliers must be five numbers (z, x, B, C, dt), got {config.ssm_multipliers}')
-
-
-def mamba_dims(config) -> Mamba2Dims:
-    """The Mamba-2 mixer sizes of a Falcon-H1 config (``mamba_*`` fields; ``in_proj`` bias
-    ``mamba_proj_bias``, the norm's eps ``rms_norm_eps``): this rank's heads and groups in a
-    tensor-parallel local config (``mamba_tp_size``, set by :meth:`FalconH1TPPlan.local_config`)."""
-    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
-                      n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
-                      conv_kernel=config.mamba_d_conv, chunk_size=config.mamba_chunk_size,
-                      conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias), dt_min=0.0,
-                      dt_max=float('inf'), norm_eps=config.rms_norm_eps)
-    size = getattr(config, 'mamba_tp_size', 1)
-    return full if size == 1 else full.local(size)
-
-
-def _head_dim(config) -> int:
-    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
 
 
 class FalconH1Mixer(Mamba2Mixer):
@@ -193,7 +170,7 @@ class FalconH1Attention(nn.Module):
         super().__init__()
         self.layer_idx = cache_index
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = attention_head_dim(config)
         bias = config.attention_bias
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
@@ -292,7 +269,7 @@ class FalconH1TPPlan(Mamba2HybridTPSplit):
     def __init__(self, config, rank: int, size: int):
         super().__init__(config, rank, size, family='falcon_h1', mlp_field='intermediate_size',
                          divisible=('num_attention_heads', 'num_key_value_heads', 'intermediate_size'),
-                         head_dim=_head_dim(config), dims=mamba_dims(config))
+                         head_dim=attention_head_dim(config), dims=mamba_dims(config))
         if self.mamba.group_ranks > 1 and config.mamba_rms_norm and config.mamba_norm_before_gate:
             raise ValueError(f'mamba_norm_before_gate: a norm before the gate over a Mamba group that spans ranks '
                              f'(mamba_n_groups {config.mamba_n_groups} < tp {size}) is not supported')
@@ -373,7 +350,7 @@ class FalconH1ForCausalLM(CausalLM):
             ValueError: see :func:`check_config`.
         """
         mamba = mamba2_state_spec(mamba_dims(config), dtype)
-        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
         return [spec for _ in range(config.num_hidden_layers) for spec in (full, mamba)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

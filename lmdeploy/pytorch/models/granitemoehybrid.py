@@ -30,8 +30,8 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_state_spec
-from .blocks.mamba2_hybrid import Mamba2HybridTPSplit
+from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
+from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, attention_head_dim, check_mamba_config, mamba_dims
 from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
@@ -85,30 +85,7 @@ def check_config(config) -> None:
         raise ValueError(f'num_experts_per_tok ({k}) must be in [1, num_local_experts = {E}]')
     if MAMBA in kinds:
         inner = round(config.mamba_expand * config.hidden_size)
-        if config.mamba_n_heads * config.mamba_d_head != inner:
-            raise ValueError(f'mamba_n_heads ({config.mamba_n_heads}) x mamba_d_head ({config.mamba_d_head}) must '
-                             f'equal mamba_expand x hidden_size ({inner})')
-        if config.mamba_n_heads % config.mamba_n_groups:
-            raise ValueError(f'mamba_n_groups ({config.mamba_n_groups}) must divide mamba_n_heads '
-                             f'({config.mamba_n_heads})')
-        check_time_step_limit(config.time_step_limit)
-
-
-def mamba_dims(config) -> Mamba2Dims:
-    """The Mamba-2 mixer sizes of a Granite-4.0-H config (``mamba_*`` fields; the norm's eps is
-    ``rms_norm_eps``; ``dt`` unclamped, see :func:`check_config`): this rank's heads and groups in
-    a tensor-parallel local config (``mamba_tp_size``, set by :meth:`GraniteMoeHybridTPPlan.local_config`)."""
-    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
-                      n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
-                      conv_kernel=config.mamba_d_conv, chunk_size=config.mamba_chunk_size,
-                      conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias), dt_min=0.0,
-                      dt_max=float('inf'), norm_eps=config.rms_norm_eps)
-    size = getattr(config, 'mamba_tp_size', 1)
-    return full if size == 1 else full.local(size)
-
-
-def _head_dim(config) -> int:
-    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+        check_mamba_config(config, inner, 'mamba_expand x hidden_size')
 
 
 class GraniteAttention(nn.Module):
@@ -124,7 +101,7 @@ class GraniteAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = attention_head_dim(config)
         bias = config.attention_bias
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
@@ -217,7 +194,7 @@ class GraniteMoeHybridTPPlan(Mamba2HybridTPSplit):
         kinds = layer_kinds(config)
         super().__init__(config, rank, size, family='granitemoehybrid', mlp_field='shared_intermediate_size',
                          divisible=('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'),
-                         head_dim=_head_dim(config), dims=mamba_dims(config) if MAMBA in kinds else None,
+                         head_dim=attention_head_dim(config), dims=mamba_dims(config) if MAMBA in kinds else None,
                          attention_layers={i for i, k in enumerate(kinds) if k == ATTENTION},
                          mamba_layers={i for i, k in enumerate(kinds) if k == MAMBA})
 
@@ -306,7 +283,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             ValueError: see :func:`check_config`.
         """
         mamba = mamba2_state_spec(mamba_dims(config), dtype)
-        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
         return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,9 @@
 """The tensor-parallel split shared by the attention + Mamba-2 hybrids (Bamba, Granite-4.0-H,
 Falcon-H1): attention by head, Mamba-2 by head and group, an MLP by intermediate rows.
 
+The three share the HF ``mamba_*`` config fields too: :func:`check_mamba_config` checks them,
+:func:`mamba_dims` reads them, :func:`attention_head_dim` reads the attention head size.
+
 A family subclasses :class:`Mamba2HybridTPSplit` and gives only its data: its name (for errors),
 which layers hold attention / Mamba-2, its head size, its Mamba-2 dims and the config field of
 its split MLP width; a family whose MLP is not the SwiGLU ``feed_forward`` overrides
@@ -11,13 +14,53 @@ from __future__ import annotations
 import copy
 import re
 
-from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit
+from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit
 
-__all__ = ['Mamba2HybridTPSplit']
+__all__ = ['Mamba2HybridTPSplit', 'attention_head_dim', 'check_mamba_config', 'mamba_dims']
 
 _ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
 _MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
 _MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
+
+
+def attention_head_dim(config) -> int:
+    """The attention head size (elements): ``head_dim``, else ``hidden_size / num_attention_heads``."""
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+def check_mamba_config(config, inner: int, inner_name: str) -> None:
+    """Refuse a Mamba-2 geometry the mixer does not reproduce.
+
+    Args:
+        config: the family's HF config (``mamba_n_heads``, ``mamba_d_head``, ``mamba_n_groups``,
+            ``time_step_limit``).
+        inner: the family's Mamba inner width (channels); ``inner_name`` names it in the error.
+
+    Raises:
+        ValueError: ``mamba_n_heads`` x ``mamba_d_head`` is not ``inner``, ``mamba_n_groups`` is
+            not a positive divisor of ``mamba_n_heads``, ``time_step_limit`` other than ``(0, inf)``.
+    """
+    if config.mamba_n_heads * config.mamba_d_head != inner:
+        raise ValueError(f'mamba_n_heads ({config.mamba_n_heads}) x mamba_d_head ({config.mamba_d_head}) must '
+                         f'equal {inner_name} ({inner})')
+    if config.mamba_n_groups <= 0 or config.mamba_n_heads % config.mamba_n_groups:
+        raise ValueError(f'mamba_n_groups ({config.mamba_n_groups}) must divide mamba_n_heads '
+                         f'({config.mamba_n_heads})')
+    check_time_step_limit(config.time_step_limit)
+
+
+def mamba_dims(config) -> Mamba2Dims:
+    """The Mamba-2 mixer sizes of a hybrid's config (``mamba_*`` fields; ``in_proj`` bias
+    ``mamba_proj_bias``, the norm's eps ``rms_norm_eps``; ``dt`` unclamped, which
+    :func:`check_mamba_config` checks): this rank's heads and groups in a tensor-parallel local
+    config (``mamba_tp_size``, set by :meth:`Mamba2HybridTPSplit.local_config`)."""
+    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head,
+                      n_groups=config.mamba_n_groups, state_size=config.mamba_d_state,
+                      conv_kernel=config.mamba_d_conv, chunk_size=config.mamba_chunk_size,
+                      conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias), dt_min=0.0,
+                      dt_max=float('inf'), norm_eps=config.rms_norm_eps)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
 
 
 class Mamba2HybridTPSplit:
