@@ -26,14 +26,12 @@ import copy
 import re
 
 import torch
-from torch import nn
 
 from ..cache_specs import LayerCacheSpec
-from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
+from .blocks.ssm_lm import SSM_RENAMES, SSMBackbone, rename_ssm_prefix
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import RMSNorm
 from .parallel_plan import ParallelPlan
 
 __all__ = ['Mamba2ForCausalLM', 'check_config']
@@ -70,51 +68,14 @@ def mamba_dims(config) -> Mamba2Dims:
     return full if size == 1 else full.local(size)
 
 
-class Mamba2Block(nn.Module):
-    """``h + mixer(norm(h))``; the residual ``h`` stays float32 when ``residual_in_fp32``."""
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.mixer = Mamba2Mixer(mamba_dims(config), layer_idx)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` (float32 or the model dtype) → ``[T, hidden]``, same dtype."""
-        return hidden + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), ctx)
-
-
-class Mamba2Backbone(nn.Module):
-    """Embedding, Mamba-2 blocks, final norm (named ``model`` so the generic vocabulary split
-    finds ``model.embed_tokens``)."""
+class Mamba2Backbone(SSMBackbone):
+    """Embedding, Mamba-2 blocks (:class:`~.blocks.ssm_lm.SSMBlock` around a ``Mamba2Mixer``), final norm."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Mamba2Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.residual_in_fp32 = bool(config.residual_in_fp32)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` (model dtype) of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        dtype = hidden.dtype
-        if self.residual_in_fp32:
-            hidden = hidden.float()
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
-        return self.norm_f(hidden.to(dtype))
+        super().__init__(config, lambda config, layer_idx: Mamba2Mixer(mamba_dims(config), layer_idx))
 
 
-_RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'),
-            ('model.embedding.', 'model.embed_tokens.'))
 _MIXER = re.compile(r'^model\.layers\.\d+\.mixer\.(.+)$')
-
-
-def _rename(name: str) -> str:
-    for prefix, repl in _RENAMES:
-        if name.startswith(prefix):
-            name = repl + name[len(prefix):]
-    return name
 
 
 class Mamba2TPPlan:
@@ -208,7 +169,7 @@ class Mamba2ForCausalLM(CausalLM):
     }
     rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(renames=_RENAMES, custom=Mamba2TPPlan)
+    parallel_plan = ParallelPlan(renames=SSM_RENAMES, custom=Mamba2TPPlan)
 
     model_class = Mamba2Backbone
 
@@ -225,4 +186,4 @@ class Mamba2ForCausalLM(CausalLM):
 
     def rename_weight(self, name: str) -> str | None:
         """Names of the module docstring → ours."""
-        return _rename(name)
+        return rename_ssm_prefix(name)

@@ -27,14 +27,12 @@ import copy
 import re
 
 import torch
-from torch import nn
 
 from ..cache_specs import LayerCacheSpec
-from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
+from .blocks.ssm_lm import SSM_RENAMES, SSMBackbone, rename_ssm_prefix
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import RMSNorm
 from .parallel_plan import ParallelPlan
 
 __all__ = ['MambaForCausalLM', 'FalconMambaForCausalLM', 'check_config']
@@ -65,43 +63,13 @@ def mamba_dims(config) -> Mamba1Dims:
     return full if size == 1 else full.local(size)
 
 
-class MambaBlock(nn.Module):
-    """``h + mixer(norm(h))``; the residual ``h`` stays float32 when ``residual_in_fp32``."""
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.mixer = Mamba1Mixer(mamba_dims(config), layer_idx)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` (float32 or the model dtype) → ``[T, hidden]``, same dtype."""
-        return hidden + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), ctx)
-
-
-class MambaBackbone(nn.Module):
-    """Embedding, Mamba-1 blocks, final norm (named ``model`` so the generic vocabulary split
-    finds ``model.embed_tokens``)."""
+class MambaBackbone(SSMBackbone):
+    """Embedding, Mamba-1 blocks (:class:`~.blocks.ssm_lm.SSMBlock` around a ``Mamba1Mixer``), final norm."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MambaBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.residual_in_fp32 = bool(config.residual_in_fp32)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` (model dtype) of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        dtype = hidden.dtype
-        if self.residual_in_fp32:
-            hidden = hidden.float()
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
-        return self.norm_f(hidden.to(dtype))
+        super().__init__(config, lambda config, layer_idx: Mamba1Mixer(mamba_dims(config), layer_idx))
 
 
-_RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'),
-            ('model.embedding.', 'model.embed_tokens.'))
 _MIXER = re.compile(r'^model\.layers\.\d+\.mixer\.(.+)$')
 _WEIGHTLESS = re.compile(r'\.mixer\.(b|c|dt)_layernorm\.weight$')
 
@@ -109,10 +77,7 @@ _WEIGHTLESS = re.compile(r'\.mixer\.(b|c|dt)_layernorm\.weight$')
 def _rename(name: str) -> str | None:
     if _WEIGHTLESS.search(name):
         return None
-    for prefix, repl in _RENAMES:
-        if name.startswith(prefix):
-            name = repl + name[len(prefix):]
-    return name
+    return rename_ssm_prefix(name)
 
 
 class Mamba1TPPlan:
@@ -202,7 +167,7 @@ class MambaForCausalLM(CausalLM):
     config_fields = dict(_MAMBA_FIELDS)
     rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(renames=_RENAMES, custom=Mamba1TPPlan)
+    parallel_plan = ParallelPlan(renames=SSM_RENAMES, custom=Mamba1TPPlan)
 
     model_class = MambaBackbone
 

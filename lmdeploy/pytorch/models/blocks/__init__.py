@@ -9,6 +9,7 @@ imports blocks and the generic layers (:mod:`..layers`), never another family; t
 ``mamba1``             the Mamba-1 mixer, its dims, state spec and tensor-parallel split
 ``mamba2``             the Mamba-2 mixer, its dims, state spec and tensor-parallel split
 ``mamba2_hybrid``      the attention + Mamba-2 hybrids' tensor-parallel split (attention, Mamba-2, MLP)
+``ssm_lm``             the pure state-space LMs' embedding, pre-norm mixer blocks, final norm, checkpoint renames
 ``moe``                stacked SwiGLU experts, per-expert loading, Qwen-MoE and group-limited routers
 ``mtp``                the Qwen3-Next-style MTP head around one decoder layer of the family's kind
 ``vision``             patch embedding, merge-block order, attention inside an image, image-span checks
