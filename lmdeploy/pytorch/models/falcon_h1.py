@@ -38,8 +38,10 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.gated_delta_net import attention_head_dim
+from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, attention_head_dim, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, check_mamba_config, mamba_dims
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
@@ -157,7 +159,7 @@ class FalconH1Mixer(Mamba2Mixer):
         return (h * F.silu(z.float())).to(y.dtype)
 
 
-class FalconH1Attention(nn.Module):
+class FalconH1Attention(GQAProjections):
     """Grouped-query attention over the paged KV cache: K scaled by ``key_multiplier``, RoPE on
     whole heads, scale ``head_dim ** -0.5``.
 
@@ -167,15 +169,7 @@ class FalconH1Attention(nn.Module):
     """
 
     def __init__(self, config, cache_index: int):
-        super().__init__()
-        self.layer_idx = cache_index
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention_head_dim(config)
-        bias = config.attention_bias
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
-                                                          'v_proj': kv}, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        super().__init__(config, cache_index)
         self.scale = self.head_dim ** -0.5
         self.key_multiplier = float(config.key_multiplier)
 
@@ -183,10 +177,9 @@ class FalconH1Attention(nn.Module):
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``;
         writes this layer's K/V into the cache."""
         T = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward_split(hidden)
-        q = apply_rotary(q.reshape(T, self.num_heads, self.head_dim), *rotary)
-        k = apply_rotary(k.reshape(T, self.num_kv_heads, self.head_dim) * self.key_multiplier, *rotary)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
+        q = apply_rotary(q, *rotary)
+        k = apply_rotary(k * self.key_multiplier, *rotary)
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 

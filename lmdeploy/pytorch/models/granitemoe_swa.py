@@ -33,8 +33,9 @@ from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
+from .blocks.gqa import GQAProjections
 from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from .parallel_plan import ParallelPlan
 
 __all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config', 'layer_windows']
@@ -98,7 +99,7 @@ def check_config(config) -> None:
         raise ValueError(f'shared_intermediate_size must be >= 0, got {config.shared_intermediate_size}')
 
 
-class GraniteSWAAttention(nn.Module):
+class GraniteSWAAttention(GQAProjections):
     """GQA over the paged KV cache with softmax scale ``attention_multiplier``, one learnable sink
     logit per query head, and a sliding window when ``window`` is set.
 
@@ -109,15 +110,8 @@ class GraniteSWAAttention(nn.Module):
     """
 
     def __init__(self, config, layer_idx: int, window: int | None):
-        super().__init__()
-        self.layer_idx, self.window = layer_idx, window
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention_head_dim(config)
-        bias = config.attention_bias
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
-                                                          'v_proj': kv}, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        super().__init__(config, layer_idx)
+        self.window = window
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.scale = float(config.attention_multiplier)
 
@@ -125,10 +119,7 @@ class GraniteSWAAttention(nn.Module):
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (NoPE);
         writes this layer's K/V into the cache."""
         T = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward_split(hidden)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]

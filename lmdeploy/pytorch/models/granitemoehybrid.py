@@ -30,11 +30,13 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.gated_delta_net import attention_head_dim
+from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, attention_head_dim, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, check_mamba_config, mamba_dims
 from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import ParallelPlan
 
 __all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
@@ -88,7 +90,7 @@ def check_config(config) -> None:
         check_mamba_config(config, inner, 'mamba_expand x hidden_size')
 
 
-class GraniteAttention(nn.Module):
+class GraniteAttention(GQAProjections):
     """Grouped-query attention over the paged KV cache with softmax scale
     ``attention_multiplier`` (not ``head_dim ** -0.5``) and RoPE only when the config asks.
 
@@ -98,25 +100,14 @@ class GraniteAttention(nn.Module):
     """
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention_head_dim(config)
-        bias = config.attention_bias
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
-                                                          'v_proj': kv}, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        super().__init__(config, layer_idx)
         self.scale = float(config.attention_multiplier)
 
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (no RoPE);
         writes this layer's K/V into the cache."""
         T = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward_split(hidden)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(hidden)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))

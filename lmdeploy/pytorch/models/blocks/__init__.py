@@ -5,6 +5,7 @@ imports blocks and the generic layers (:mod:`..layers`), never another family; t
 =====================  ==================================================================
 ``attention``          paged GQA attention with q/k RMSNorm and rotary (Qwen3, gated: Qwen3-Next, Qwen3.5)
 ``gated_delta_net``    Gated DeltaNet, the hybrid decoder layer, the layer types, their checks and cache specs
+``gqa``                packed q/k/v and o projections of grouped-query attention (the hybrids' attention layers)
 ``kda``                Kimi Delta Attention, its state spec and tensor-parallel split by head
 ``mamba1``             the Mamba-1 mixer, its dims, state spec and tensor-parallel split
 ``mamba2``             the Mamba-2 mixer, its dims, state spec and tensor-parallel split

@@ -2,7 +2,7 @@
 Falcon-H1): attention by head, Mamba-2 by head and group, an MLP by intermediate rows.
 
 The three share the HF ``mamba_*`` config fields too: :func:`check_mamba_config` checks them,
-:func:`mamba_dims` reads them, :func:`attention_head_dim` reads the attention head size.
+:func:`mamba_dims` reads them.
 
 A family subclasses :class:`Mamba2HybridTPSplit` and gives only its data: its name (for errors),
 which layers hold attention / Mamba-2, its head size, its Mamba-2 dims and the config field of
@@ -16,16 +16,11 @@ import re
 
 from .mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit
 
-__all__ = ['Mamba2HybridTPSplit', 'attention_head_dim', 'check_mamba_config', 'mamba_dims']
+__all__ = ['Mamba2HybridTPSplit', 'check_mamba_config', 'mamba_dims']
 
 _ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
 _MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
 _MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
-
-
-def attention_head_dim(config) -> int:
-    """The attention head size (elements): ``head_dim``, else ``hidden_size / num_attention_heads``."""
-    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
 
 
 def check_mamba_config(config, inner: int, inner_name: str) -> None:
