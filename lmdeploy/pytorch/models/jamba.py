@@ -32,6 +32,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.gated_delta_net import attention_head_dim
 from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
 from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
@@ -54,10 +55,6 @@ def expert_layers(config) -> list[bool]:
     ``num_experts > 1``)."""
     return [config.num_experts > 1 and i % config.expert_layer_period == config.expert_layer_offset
             for i in range(config.num_hidden_layers)]
-
-
-def _head_dim(config) -> int:
-    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
 
 
 def check_config(config) -> None:
@@ -102,7 +99,7 @@ class JambaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = attention_head_dim(config)
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
                                                           'v_proj': kv}, bias=False)
@@ -218,7 +215,7 @@ class JambaTPPlan:
         """A copy of the config with this rank's head counts and dense MLP width; the Mamba
         channels are divided by :func:`mamba_dims` (``mamba_tp_size``)."""
         c = copy.deepcopy(self.config)
-        c.head_dim = _head_dim(self.config)
+        c.head_dim = attention_head_dim(self.config)
         c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
         c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
         c.dense_intermediate_size = self.dense[1] - self.dense[0]
@@ -237,7 +234,7 @@ class JambaTPPlan:
         """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
         m = _ATTN_ROWS.match(name)
         if m:
-            proj, d = m.group(2), _head_dim(self.config)
+            proj, d = m.group(2), attention_head_dim(self.config)
             if proj == 'o_proj':
                 return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
             heads = self.q_heads if proj == 'q_proj' else self.kv_heads
@@ -319,7 +316,7 @@ class JambaForCausalLM(CausalLM):
             ValueError: see :func:`check_config`.
         """
         mamba = mamba1_state_spec(mamba_dims(config), dtype)
-        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
         return [mamba if kind == MAMBA else full for kind in layer_kinds(config)]
 
     def rename_weight(self, name: str) -> str:

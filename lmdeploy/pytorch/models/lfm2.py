@@ -39,6 +39,7 @@ from ..cache_specs import CacheTensor, FullAttentionSpec, LayerCacheSpec, StateS
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.gated_delta_net import attention_head_dim
 from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
@@ -61,10 +62,6 @@ def layer_kinds(config) -> list[str]:
         raise ValueError(f"layer_types must list 'conv' or 'full_attention' for each of the "
                          f'{config.num_hidden_layers} layers, got {types}')
     return types
-
-
-def _head_dim(config) -> int:
-    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
 
 
 def ffn_size(config) -> int:
@@ -156,7 +153,7 @@ class Lfm2Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = attention_head_dim(config)
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
                                                           'v_proj': kv})
@@ -310,7 +307,7 @@ class Lfm2TPPlan:
         """A copy of the config with this rank's head counts and MLP width (``conv_tp_size``:
         the conv layers build ``hidden_size / tp`` channels)."""
         c = copy.deepcopy(self.config)
-        c.head_dim = _head_dim(self.config)
+        c.head_dim = attention_head_dim(self.config)
         c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
         c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
         c.intermediate_size = self.ffn[1] - self.ffn[0]
@@ -332,7 +329,7 @@ class Lfm2TPPlan:
         """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
         m = _ATTN_ROWS.match(name)
         if m and self.kinds[int(m.group(1))] == ATTENTION:
-            proj, d = m.group(2), _head_dim(self.config)
+            proj, d = m.group(2), attention_head_dim(self.config)
             if proj == 'out_proj':
                 return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
             heads = self.q_heads if proj == 'q_proj' else self.kv_heads
@@ -417,7 +414,7 @@ class Lfm2ForCausalLM(CausalLM):
         """
         conv = short_conv_state_spec(config.hidden_size // getattr(config, 'conv_tp_size', 1), config.conv_L_cache,
                                      dtype)
-        full = FullAttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
         return [conv if kind == CONV else full for kind in layer_kinds(config)]
 
     def rename_weight(self, name: str) -> str:
