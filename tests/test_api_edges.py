@@ -244,7 +244,7 @@ def test_messages_output_format_errors_name_the_field(client):
 
 
 # streamed tool calls ----------------------------------------------------------------------------------------
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import assume, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 _LEAF = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6),
@@ -257,12 +257,16 @@ _VALUE = st.recursive(_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3)
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.text(max_size=5), _VALUE, max_size=3), st.sampled_from([(',', ':'), (', ', ': ')]),
        st.sampled_from(['hermes', 'qwen_xml']), st.floats(0, 1), st.lists(st.integers(1, 300), max_size=8))
+@example(args={'': None}, separators=(',', ':'), fmt='qwen_xml', cut_at=1.0, cuts=[])   # the empty name
 def test_streamed_call_cut_anywhere_equals_the_parsed_reply(args, separators, fmt, cut_at, cuts):
     """A call cut at any character and streamed in any chunking: the streamed name and argument
     fragments equal the non-streamed parse; once the name has gone out, the arguments are strict
     JSON; uncut, they are the model's own text."""
     from lmdeploy.serve.openai.tool_call import merge_tool_call_fragments
     from lmdeploy.serve.openai.tool_parser import get_tool_parser
+    # the XML format writes a name between '<parameter=' and '>' on its own line: a name holding
+    # '<', '>' or a newline cannot be written (the empty name can: '<parameter=>')
+    assume(fmt == 'hermes' or not any(set(k) & set('<>\n') for k in args))
     schema = {'type': 'object', 'properties': {k: {} for k in args}}
     parser = get_tool_parser(fmt, [{'type': 'function', 'function': {'name': 'ls', 'parameters': schema}}])
     raw = json.dumps(args, separators=separators)

@@ -136,7 +136,7 @@ class _Segmenter(StateMachineSegmenter):
             if lead.startswith(_PARAM):
                 gt = lead.find('>', len(_PARAM))
                 key = lead[len(_PARAM):] if gt == -1 else lead[len(_PARAM):gt]
-                if _valid_name(key) and (key or gt == -1):
+                if _valid_name(key):        # '' is a valid JSON key: <parameter=> carries it
                     body = lead[gt + 1:] if gt != -1 else None
                     if body is None or body == '':
                         if not final:
