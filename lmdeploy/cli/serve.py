@@ -239,19 +239,19 @@ def route_native_logs(path: str) -> None:
 
 def _uses_store(model_path: str, config: PytorchEngineConfig) -> bool:
     """Whether the engine will start a Mooncake client: the Store tier needs prefix caching and
-    a model with per-sequence state (a state entry among the model's own cache specs, as the
-    engine decides it: Mamba-2, short-conv and hybrid layers alike). An unreadable or refused
-    config counts as yes; loading reports it."""
+    a model with per-sequence state or sliding-window layers (among the model's own cache specs,
+    as the engine decides it: Mamba-2, short-conv, hybrid and sliding-window layers alike). An
+    unreadable or refused config counts as yes; loading reports it."""
     if not config.enable_prefix_caching:
         return False
     try:
         import torch
 
-        from ..pytorch.cache_specs import has_state
+        from ..pytorch.cache_specs import uses_store
         from ..pytorch.models import get_model_class
         from ..pytorch.models.loader import load_config
         hf_config = load_config(model_path)
-        return has_state(get_model_class(hf_config.model_type).cache_specs(hf_config, torch.float32))
+        return uses_store(get_model_class(hf_config.model_type).cache_specs(hf_config, torch.float32))
     except Exception:   # noqa: BLE001 - the engine raises the real error when it loads
         return True
 

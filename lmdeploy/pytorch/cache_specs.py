@@ -31,6 +31,15 @@ with its own tensors, declared in the model file. :class:`SlidingWindowSpec` is 
 layer whose queries read only the last ``window`` positions: its bytes are the same, and
 :func:`kv_window` tells the scheduler when every paged layer slides, so that a sequence may give
 back the blocks no window reaches any more.
+
+The window rule of the prefix cache: a sequence resumed after ``b`` tokens reads, in a model
+whose paged layers all slide with windows up to ``W``, only positions ``>= b - W + 1``, so only
+the blocks from :func:`window_first_block` up to ``b / B`` must exist (locally or in the Store)
+for ``b`` to be restorable; the blocks before it are neither restored nor put::
+
+    block   0     1     2     3     4            (B = 16, W = 24, b = 80)
+          |.....|.....|.....|#####|#####|b         first block = (80 - 24 + 1) // 16 = 3:
+                               ^ 57 = b - W + 1      blocks 3 and 4 are needed, 0-2 are not
 """
 from __future__ import annotations
 
@@ -40,7 +49,7 @@ from typing import Sequence
 import torch
 
 __all__ = ['CacheTensor', 'LayerCacheSpec', 'PagedSpec', 'StateSpec', 'FullAttentionSpec', 'LinearAttentionSpec',
-           'SlidingWindowSpec', 'kv_window', 'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot',
+           'SlidingWindowSpec', 'kv_window', 'window_first_block', 'uses_store', 'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot',
            'has_state', 'dtype_nbytes']
 
 _ALIGN = 16      # bytes: every row starts (and ends) on this boundary
@@ -169,6 +178,29 @@ def kv_window(specs: Sequence[LayerCacheSpec]) -> int | None:
     if any(not isinstance(s, SlidingWindowSpec) for s in paged):
         return None
     return max((s.window for s in paged), default=0)
+
+
+def window_first_block(boundary: int, window: int | None, block_size: int) -> int:
+    """Index of the first block a sequence resumed after ``boundary`` tokens reads: a query at
+    position ``p >= boundary`` reads positions ``> p - window``, so block ``j`` is never read
+    once ``(j + 1) * block_size <= boundary - window + 1``. 0 when ``window`` is None or 0
+    (some paged layer reads every earlier token, or nothing is paged).
+
+    Args:
+        boundary: tokens computed (b), >= 0.
+        window: :func:`kv_window` of the model (tokens), or None.
+        block_size: B, tokens per block.
+    """
+    if not window:
+        return 0
+    return max(0, boundary - window + 1) // block_size
+
+
+def uses_store(specs: Sequence[LayerCacheSpec]) -> bool:
+    """Whether the Store tier serves the model: it keeps per-sequence state (hybrids), or some
+    paged layer slides (its prefix objects then hold only the window's blocks, see
+    :func:`window_first_block`). A model of global attention alone reuses prefixes locally only."""
+    return has_state(specs) or any(isinstance(s, SlidingWindowSpec) for s in specs)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_specs import has_state, kv_window
+from ..cache_specs import has_state, kv_window, uses_store
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
@@ -171,10 +171,12 @@ class Engine:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
         self.store = self._build_store()
-        if config.role != 'both' and self.store is None:
+        if config.role != 'both' and (self.store is None or not self.is_hybrid):
+            if self.store is not None:
+                self.store.close()
             self.executor.close()
             why = ('no Store is configured (store_backend="file:DIR" or mooncake_master)' if self.is_hybrid else
-                   f'{self.hf_config.model_type} does not use it (a model with recurrent state is required)')
+                   f'{self.hf_config.model_type} has no recurrent state to hand off (a model with one is required)')
             raise ValueError(f'role={config.role!r} hands prompts off through the Store tier, but {why}')
         self._handed_off: list[Sequence] = []     # prefill role: prompts with nothing to compute (h = 0)
         # with caching off a NullPrefixCache answers every question: no caller branches on it
@@ -189,7 +191,7 @@ class Engine:
                                 self.cache_engine.kv_block_bytes)
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
                                             alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last,
-                                            host=host)
+                                            host=host, window=kv_window(self.specs))
             if config.kv_events_endpoint:
                 from .kv_event_publisher import start_publisher
                 self.kv_events = start_publisher(config, local, host)
@@ -216,9 +218,9 @@ class Engine:
                            f'store_backend={self.config.store_backend!r}' if scheme == 'file'
                            else f'mooncake_master={self.config.mooncake_master!r}')
             return None
-        if not self.is_hybrid:
-            logger.info('the Mooncake Store tier is not used: %s has no recurrent-state checkpoints to save',
-                        self.hf_config.model_type)
+        if not uses_store(self.specs):
+            logger.info('the Mooncake Store tier is not used: %s has no recurrent-state checkpoints and no '
+                        'sliding-window layers (its prefixes are reused locally)', self.hf_config.model_type)
             return None
         from ..prefix_cache.store_tier import build_store_tier
         opened = open_store(self.config, self.cache_engine.state_bytes, self.cache_engine.kv_block_bytes)

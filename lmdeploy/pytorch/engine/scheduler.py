@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..cache_specs import window_first_block
 from ..config import SchedulerConfig
 from ..paging.sequence import FREED_BLOCK, SeqStatus, Sequence
 from ..prefix_cache.coordinator import PrefixCache
@@ -247,13 +248,18 @@ class Scheduler:
             match = PrefixMatch()   # a restore at h leaves no forward to end there (h aligned: rare): compute
         self.prefix_cache.pin(match)
         plan = self._plan(seq, match.cached_tokens, match.matched_tokens)
-        need = -(-plan.chunk_ends[0] // self.block_size) - match.num_shared_blocks
+        # blocks below match.first_block lie out of every window of the restored sequence:
+        # neither shared nor allocated (FREED_BLOCK in its table)
+        lead = match.first_block
+        need = -(-plan.chunk_ends[0] // self.block_size) - max(lead, match.num_shared_blocks)
         if not self._can_allocate(need):
             self.prefix_cache.unpin(match)
             return False
         # commit
         seq.state_slot = self.state_cache.alloc_runtime() if self.is_hybrid else None
-        seq.block_ids = [node.block_id for node in match.nodes[:match.num_shared_blocks]] + self._allocate(need)
+        seq.block_ids = ([FREED_BLOCK] * lead + [node.block_id for node in match.nodes[lead:match.num_shared_blocks]]
+                         + self._allocate(need))
+        seq.num_freed_blocks = lead
         seq.num_computed_tokens = match.cached_tokens
         seq.plan = plan
         seq.stats.plans.append(plan)
@@ -263,7 +269,9 @@ class Scheduler:
         return True
 
     def _plan(self, seq: Sequence, cached: int, matched: int = 0) -> PrefillPlan:
-        """The turn's chunk plan; saves only when a hybrid model caches prefixes.
+        """The turn's chunk plan; saves only when a hybrid model caches prefixes, or when a model
+        without state puts prefixes to the Store (its save points are then the boundaries whose
+        blocks are put, among plain chunks: no forward needs to end there).
 
         A hybrid model's prompt is chunked on :func:`~..paging.prefill_plan.prefill_grid`, whether
         prefixes are cached or not and under every save policy, so that caching never changes
@@ -297,6 +305,13 @@ class Scheduler:
             else:
                 ends = rules.grid(cached, P, seq.shared_head_tokens)
             start = turn
+        elif cached < turn and self.prefix_cache.store is not None:
+            # no state: a Store put at b needs only the blocks below b computed, not a forward
+            # ending at b, so the chunks stay plain; the save points are the default policy's
+            # (what the Store simulator charges)
+            rules = ReuseRules(turn, self.block_size, self.config.prefill_save_alignment, seq.token_lookahead,
+                               seq.recompute_blocks, tuple(seq.multimodal_spans))
+            saves = list(rules.plan(cached, P, False, seq.shared_head_tokens).save_points)
         # chunks without saves (the rest of the input) still never split a multimodal span
         ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
         plan = PrefillPlan(ends, saves, cached, junction, head)
@@ -339,7 +354,7 @@ class Scheduler:
         dead once ``(j + 1) * B <= num_computed - W + 1``. Runs after :meth:`plan_saves`, so
         the prefix cache has taken its own reference on the blocks it keeps; the sequence's
         reference goes, and so its memory stays within ``ceil((W - 1 + chunk) / B) + 1`` blocks."""
-        dead = min(max(0, seq.num_computed_tokens - self.kv_window + 1) // self.block_size, len(seq.block_ids))
+        dead = min(window_first_block(seq.num_computed_tokens, self.kv_window, self.block_size), len(seq.block_ids))
         for j in range(seq.num_freed_blocks, dead):
             self.block_manager.decref(seq.block_ids[j])
             seq.block_ids[j] = FREED_BLOCK

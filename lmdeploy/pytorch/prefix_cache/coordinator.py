@@ -43,6 +43,14 @@ them). A decode engine's probe asks for that object (and the KV objects below it
 the admission restores exactly h tokens from it; missing or failing to load, the request takes
 the ordinary path (a shallower aligned restore, or computing the prompt), never a wrong answer.
 A hand-off restore is never kept as a local checkpoint (the trie holds whole blocks only).
+
+Sliding windows (``window``: :func:`~lmdeploy.pytorch.cache_specs.kv_window`, every paged layer
+slides): a restore at b needs only the blocks from
+:func:`~lmdeploy.pytorch.cache_specs.window_first_block` on (:attr:`PrefixMatch.first_block`);
+the ones before it are neither attached nor loaded, so a restored sequence holds its window,
+not its whole prefix. A model without state puts its prefixes to the Store too: at each save
+point b of the turn's default plan that a chunk passed (no forward needs to end there), the
+blocks b needs and an empty state object (a marker that they are all stored).
 """
 from __future__ import annotations
 
@@ -51,6 +59,7 @@ import logging
 import struct
 from dataclasses import dataclass
 
+from ..cache_specs import window_first_block
 from ..multimodal import block_extra_keys
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import chain_block_hashes, salted_root
@@ -124,13 +133,16 @@ class PrefixCache:
         block_size: B, tokens per block.
         alignment: A, prefill checkpoint boundaries are multiples of A.
         decode_save_last: keep a turn-end checkpoint of every finished request (hybrid models).
+        window: the model's sliding window when every paged layer slides (tokens), else None:
+            a restore attaches and loads only the blocks the window reads.
     """
 
     caches_prefixes = True    # the scheduler plans save points (see NullPrefixCache for off)
 
     def __init__(self, local: LocalTier, store=None, *, block_size: int, alignment: int,
-                 decode_save_last: bool = False, host=None):
+                 decode_save_last: bool = False, host=None, window: int | None = None):
         self.local = local
+        self.window = window or None
         self.store = store
         self.host = host if host is not None else NullTier('host')     # (a tier not configured holds nothing)
         if host is not None:
@@ -210,7 +222,13 @@ class PrefixCache:
 
     # admission (scheduler) ---------------------------------------------------------------
     def match(self, seq) -> PrefixMatch:
-        """The deepest prefix the tiers can restore for ``seq`` (metadata only)."""
+        """The deepest prefix the tiers can restore for ``seq`` (metadata only), and the first
+        block it needs (:attr:`PrefixMatch.first_block`, the window rule)."""
+        match = self._match(seq)
+        match.first_block = window_first_block(match.cached_tokens, self.window, self.block_size)
+        return match
+
+    def _match(self, seq) -> PrefixMatch:
         match = self.local.match(seq, self.hashes(seq), self._rules(seq))
         b = self.host.depth(self.hashes(seq), self._rules(seq), shared_blocks=len(match.nodes),
                             above=match.cached_tokens)
@@ -242,8 +260,9 @@ class PrefixCache:
             hashes = self.hashes(seq)[:match.cached_tokens // self.block_size]
             view = self._store_views.get(seq.seq_id)
             handoff = view.handoff if view is not None and match.source == 'store' else None
-            load = StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids, match.num_shared_blocks,
-                             seq.state_slot, match.matched_tokens, handoff)
+            load = StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids,
+                             max(match.num_shared_blocks, match.first_block), seq.state_slot, match.matched_tokens,
+                             handoff)
             (loads.store_loads if match.source == 'store' else loads.host_loads).append(load)
             return      # counted once the load succeeded
         if match.checkpoint_slot is not None:
@@ -324,6 +343,9 @@ class PrefixCache:
         B, taken = self.block_size, set()
         for chunk in chunks:
             seq, end = chunk.seq, chunk.end
+            if not self.local.is_hybrid:
+                self._plan_block_saves(chunk, saves)
+                continue
             # (a model without state has no save point: the scheduler plans none)
             save = seq.plan is not None and seq.plan.is_save_point(end)
             full = end // B
@@ -343,6 +365,21 @@ class PrefixCache:
                 saves.checkpoints.append(planned)
             if self.store is not None:
                 saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
+
+    def _plan_block_saves(self, chunk, saves: SavePlan) -> None:
+        """A model without state: cache the chunk's new full blocks, and put each save point
+        ``b`` the chunk passed (``start < b <= end``: its blocks are computed and, sliding or
+        not, still held, since a sequence gives back only blocks no query from ``start`` on
+        reads)."""
+        seq, B = chunk.seq, self.block_size
+        full = chunk.end // B
+        if self.local.needs_extend(seq, full):
+            self.local.extend(seq, self.hashes(seq), full)
+        if self.store is None or seq.plan is None:
+            return
+        for b in seq.plan.save_points:
+            if chunk.start < b <= chunk.end:
+                saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None))
 
     @staticmethod
     def _save_reason(seq, end: int) -> str:

@@ -93,7 +93,7 @@ class LocalTier:
         """Reference the shared blocks and pin the checkpoint of ``match`` (so eviction can take
         neither while the admission allocates); the pin's lease is ``match.lease``, handed on to
         the restore by :meth:`PrefixCache.plan_load`."""
-        for node in match.nodes[:match.num_shared_blocks]:
+        for node in match.nodes[match.first_block:match.num_shared_blocks]:
             self.block_manager.incref(node.block_id)
         if match.checkpoint_slot is not None:
             match.lease = self.pins.take(match.checkpoint_slot, 'restore_source')
@@ -136,7 +136,7 @@ class LocalTier:
 
     def unpin(self, match: PrefixMatch) -> None:
         """Undo :meth:`pin` (an admission that did not commit)."""
-        for node in match.nodes[:match.num_shared_blocks]:
+        for node in match.nodes[match.first_block:match.num_shared_blocks]:
             self.block_manager.decref(node.block_id)
         if match.lease is not None:
             match.lease.release()

@@ -33,6 +33,9 @@ class PrefixMatch:
             token is left to compute); ``matched_tokens - cached_tokens`` lacked a checkpoint.
         lease: the pin on ``checkpoint_slot`` once the admission pinned it (a
             :class:`~.pins.PinLease`), handed on to the :class:`CheckpointRestore`.
+        first_block: leading blocks the restore does not need (out of every sliding window
+            after ``cached_tokens``: :func:`~lmdeploy.pytorch.cache_specs.window_first_block`);
+            neither attached nor loaded, the sequence's table holds ``FREED_BLOCK`` there.
     """
     nodes: list = field(default_factory=list)
     cached_tokens: int = 0
@@ -41,6 +44,7 @@ class PrefixMatch:
     num_shared_blocks: int = 0
     matched_tokens: int = 0
     lease: object = None
+    first_block: int = 0
 
 
 @dataclass
@@ -113,12 +117,14 @@ class StateSnapshot:
 
 @dataclass
 class StorePut:
-    """Put prefix ``[0, boundary)``: the state in slot ``slot`` (runtime or checkpoint) and the KV blocks
-    ``block_ids`` (one per hash in ``hashes``) that the Store does not hold yet."""
+    """Put prefix ``[0, boundary)``: the state in slot ``slot`` (runtime or checkpoint; None for a
+    model without state: an empty state object) and the KV blocks ``block_ids`` (one per hash in
+    ``hashes``) that the Store does not hold yet (with sliding windows, only those from
+    :func:`~lmdeploy.pytorch.cache_specs.window_first_block` on: the Store tier picks them)."""
     hashes: list[bytes]
     block_ids: list[int]
     boundary: int
-    slot: int
+    slot: int | None
 
 
 @dataclass

@@ -50,6 +50,13 @@ existence query, at most one every :data:`STORE_COOLDOWN_S` seconds, checks whet
 answers again; the backend's own breaker is tripped too (``trip()``), so the writers fail fast
 instead of waiting on it. No lock is held across a backend call.
 
+Sliding windows (``window``, when every paged layer slides): a prefix at b needs only the KV
+objects of blocks ``[window_first_block(b), b/B)`` (:func:`~lmdeploy.pytorch.cache_specs.window_first_block`),
+so a save copies, puts and checks only those, and the probe asks only for those: a boundary whose
+window reaches a block the Store lost is never restored, one whose older blocks are gone still is.
+A model without state puts an empty state object (0 payload bytes) after the blocks, as the
+marker that they are all stored; a load then writes no state.
+
 Hand-off (prefill/decode disaggregation, :mod:`~lmdeploy.pytorch.paging.handoff`): a prefill
 engine's :meth:`StoreTier.submit_handoff` is a save at its unaligned hand-off point h whose last
 object is a ``handoff/{hash}`` object (the partial block ``[floor_B(h), h)`` followed by the state
@@ -79,6 +86,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache_specs import kv_window, window_first_block
 from ..paging.prefill_plan import ReuseRules
 from ..store.identity import engine_namespace
 from ..store.backend import PutResult, StoreBackend
@@ -185,7 +193,7 @@ class StoreTier:
 
     def __init__(self, client: StoreBackend, cache_engine, namespace: bytes, block_size: int,
                  queue_size: int = 64, services=None, secret: bytes | None = None, writers: int = 4,
-                 timeout_s: float = 0.5, cooldown_s: float = STORE_COOLDOWN_S):
+                 timeout_s: float = 0.5, cooldown_s: float = STORE_COOLDOWN_S, window: int | None = None):
         if not isinstance(writers, int) or writers < 1:
             raise ValueError(f'store_writers must be an int >= 1, got {writers!r}')
         for name, value in (('store_timeout_s', timeout_s), ('cooldown_s', cooldown_s)):
@@ -197,6 +205,7 @@ class StoreTier:
         self.namespace = namespace
         self.ns_hex = namespace.hex()
         self.block_size = block_size
+        self.window = window or None     # every paged layer slides: a prefix needs its window's blocks only
         # a model that caches nothing per token (pure Mamba-2: K_blk = 0) has no KV objects; a
         # prefix is its state object alone
         self.has_kv = getattr(cache_engine, 'kv_block_bytes', 1) > 0
@@ -330,9 +339,10 @@ class StoreTier:
         """Boundaries ``b < below`` the Store can restore for an input, deepest first.
 
         ``b`` is restorable for ``rules`` (reusable, and its r recompute blocks among
-        ``hashes``); the state object at ``b`` and the KV objects of blocks ``[0, b/B + r)``
-        exist or are being put by this engine (the in-flight index). Metadata only: two batched
-        existence queries at most, each waited for at most ``timeout_s`` seconds.
+        ``hashes``); the state object at ``b`` and the KV objects of blocks ``[f, b/B + r)``
+        exist or are being put by this engine (the in-flight index), ``f`` the first block b's
+        window reads (0 without sliding windows). Metadata only: two batched existence queries
+        at most, each waited for at most ``timeout_s`` seconds.
         """
         B, r = self.block_size, rules.recompute_blocks
         candidates = [b for b in rules.restore_candidates(0, len(hashes)) if below is None or b < below]
@@ -342,11 +352,15 @@ class StoreTier:
         candidates = [b for b, ok in zip(candidates, present or ()) if ok]
         if not candidates or not self.has_kv:
             return candidates
-        kv = self._exists([self._key('kv', h) for h in hashes[:candidates[0] // B + r]])
+        lo = self._first_block(candidates[-1])      # (the shallowest candidate's window starts first)
+        kv = self._exists([self._key('kv', h) for h in hashes[lo:candidates[0] // B + r]])
         if kv is None:
             return []
-        covered = kv.index(False) if False in kv else len(kv)
-        return [b for b in candidates if b // B + r <= covered]
+        return [b for b in candidates if all(kv[self._first_block(b) - lo:b // B + r - lo])]
+
+    def _first_block(self, boundary: int) -> int:
+        """The first block a prefix of ``boundary`` tokens needs (the window rule)."""
+        return window_first_block(boundary, self.window, self.block_size)
 
     def depth(self, hashes: list[bytes], rules: ReuseRules, *, shared_blocks: int = 0, above: int = 0,
               below: int | None = None) -> int:
@@ -397,7 +411,8 @@ class StoreTier:
                 self.cache_engine.write_kv_block(load.block_ids[i], payload)
             if load.handoff is not None and tail:
                 self.cache_engine.write_kv_block(load.block_ids[load.boundary // B], handoff[:tail])
-            self.cache_engine.write_state(load.slot, state)
+            if load.slot is not None:       # (None: a model without state; its state object is empty)
+                self.cache_engine.write_state(load.slot, state)
         except (KeyError, StoreObjectError) as err:
             logger.info('Store restore at %d tokens failed: %s', load.boundary, err)
             if isinstance(err, StoreObjectError):
@@ -477,7 +492,8 @@ class StoreTier:
         save is dropped (``store_dropped_puts``) and its keys released, so a later save of the
         same prefix copies and puts them."""
         self._submit(put.hashes, put.block_ids, 'state', put.hashes[-1], put.boundary,
-                     lambda: self.cache_engine.read_state(put.slot))
+                     lambda: (torch.empty(0, dtype=torch.uint8) if put.slot is None
+                              else self.cache_engine.read_state(put.slot)))
 
     def handoff_key(self, digest: bytes) -> str:
         """The Store key of the hand-off object with hash ``digest``."""
@@ -508,7 +524,9 @@ class StoreTier:
                 read_last, handoff=None) -> None:
         B = self.block_size
         state_key = self._key(last_kind, last_hash)
-        keys = [self._key('kv', h) for h in hashes] if self.has_kv else []
+        # blocks before the first one the boundary's window reads are neither copied, put nor checked
+        first = self._first_block(boundary) if last_kind == 'state' else 0
+        keys = [self._key('kv', h) for h in hashes[first:]] if self.has_kv else []
         with self._lock:
             if self._closed or state_key in self._stored or state_key in self._pending:
                 waits = self._pending.get(state_key)
@@ -526,8 +544,8 @@ class StoreTier:
             self._inflight += 1
         job = None
         try:
-            payloads = self.cache_engine.read_kv_blocks([block_ids[i] for i in new]) if new else []
-            kv = [(hashes[i], (i + 1) * B, payloads[j]) for j, i in enumerate(new)]
+            payloads = self.cache_engine.read_kv_blocks([block_ids[first + i] for i in new]) if new else []
+            kv = [(hashes[first + i], (first + i + 1) * B, payloads[j]) for j, i in enumerate(new)]
             state = read_last()
             job = _SaveJob(kv, (last_hash, boundary, state), keys, list(deps.values()), last_kind=last_kind,
                            handoff=handoff)
@@ -741,5 +759,8 @@ def build_store_tier(engine, opened) -> StoreTier:
     except BaseException:
         opened.close()
         raise
+    # the window rule is the model's (its specs), whatever the engine's decoding: it is what the
+    # objects of this namespace hold
     return StoreTier(opened.backend, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size,
-                     opened.services, opened.secret, cfg.store_writers, cfg.store_timeout_s)
+                     opened.services, opened.secret, cfg.store_writers, cfg.store_timeout_s,
+                     window=kv_window(engine.cache_engine.object_specs))
