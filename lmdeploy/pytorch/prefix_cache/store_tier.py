@@ -473,6 +473,8 @@ class StoreTier:
             raise
         with self._lock:
             self.counters['store_get_bytes'] += len(payload)     # payload bytes, as store_put_bytes counts
+        if not payload:     # (the empty state object of a model without state)
+            return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
     # save ----------------------------------------------------------------------------------
