@@ -1,6 +1,11 @@
 """The Store write simulator's model: scenarios, save policies, per-turn results, and the
 planner loop that charges ``saves·S + new_blocks·K_blk`` per request.
 
+With a sliding window ``W`` (every paged layer slides: ``window``) a save at b puts only the
+blocks its window reads, ``[window_first_block(b), b/B)`` (``floor((b - W + 1)/B)`` on), so
+``new_blocks`` counts only those; a model without state is charged ``S = 0`` per save (its
+state object is an empty marker).
+
 The byte formula, the cache-hit rule and the policies are described in
 ``benchmark/simulate_store_writes.py`` (the CLI, which re-exports every name here) and in
 docs/en/advance/store.md, "The byte formula".
@@ -15,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lmdeploy.pytorch.cache_specs import window_first_block  # noqa: E402
 from lmdeploy.pytorch.paging.prefill_plan import PrefillPlan, is_reusable, plan_prefill, with_last_block_end  # noqa: E402
 
 KTOK = 1024
@@ -266,7 +272,7 @@ def _junction(n: int, cached: int, matched: int, block_size: int, alignment: int
 
 def simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: int, kv_block_bytes: int,
                      chunk_size: int, block_size: int, alignment: int, token_lookahead: int,
-                     recompute_blocks: int) -> PolicyResult:
+                     recompute_blocks: int, window: int | None = None) -> PolicyResult:
     B, r = block_size, recompute_blocks
     checkpoints: list[tuple[int, int, bool]] = []   # (request, boundary, is turn-end) of every save so far
     saved: set[tuple[int, int]] = set()             # Store state objects (prefix owner, boundary)
@@ -326,7 +332,7 @@ def simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: in
             taken.append(b)
             puts += 1
             checkpoints.append((i, b, b == turn_end))
-            for k in range(b // B):
+            for k in range(window_first_block(b, window, B), b // B):
                 block = (owner((k + 1) * B), k)
                 if block not in stored:
                     stored.add(block)
@@ -345,7 +351,9 @@ def _requests(scenario: Scenario | Branching | Sequence[int]) -> tuple[Scenario 
     return scenario, scenario.requests()
 
 
-def _check_sizes(state_bytes: int, kv_block_bytes: int) -> None:
+def _check_sizes(state_bytes: int, kv_block_bytes: int, window: int | None = None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f'window must be an int >= 1 tokens or None, got {window!r}')
     if state_bytes < 0:
         raise ValueError(f'state_bytes must be >= 0, got {state_bytes}')
     if kv_block_bytes < 0:
@@ -354,7 +362,7 @@ def _check_sizes(state_bytes: int, kv_block_bytes: int) -> None:
 
 def simulate(scenario: Scenario | Branching | Sequence[int], state_bytes: int, kv_block_bytes: int, *,
              chunk_size: int, block_size: int, alignment: int, token_lookahead: int = 0,
-             recompute_blocks: int = 0) -> SimulationResult:
+             recompute_blocks: int = 0, window: int | None = None) -> SimulationResult:
     """Store bytes and save points of every turn of ``scenario`` under the default and last-only policies.
 
     Args:
@@ -363,20 +371,25 @@ def simulate(scenario: Scenario | Branching | Sequence[int], state_bytes: int, k
         state_bytes: S, bytes of one state snapshot (or relative units).
         kv_block_bytes: K_blk, bytes of one KV block over all full-attention layers.
         chunk_size, block_size, alignment, token_lookahead, recompute_blocks: P, B, A, ℓ, r.
+        window: W, tokens, when every paged layer slides (a save puts only its window's
+            blocks); None: every block below the save point.
 
     Raises:
-        ValueError: a size is negative, turns shrink, or a planning argument is invalid.
+        ValueError: a size is negative, turns shrink, a planning argument is invalid, or
+            ``window`` is below 1.
     """
     scenario, requests = _requests(scenario)
-    _check_sizes(state_bytes, kv_block_bytes)
-    args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks)
+    _check_sizes(state_bytes, kv_block_bytes, window)
+    args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks,
+            window)
     return SimulationResult(scenario, simulate_policy(requests, DEFAULT, *args),
                             simulate_policy(requests, LAST_ONLY, *args))
 
 
 def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_bytes: int, kv_block_bytes: int, *,
                       policies: Sequence[Policy | str], chunk_size: int, block_size: int, alignment: int,
-                      token_lookahead: int = 0, recompute_blocks: int = 0) -> dict[str, PolicyResult]:
+                      token_lookahead: int = 0, recompute_blocks: int = 0,
+                      window: int | None = None) -> dict[str, PolicyResult]:
     """Every turn of ``scenario`` under each of ``policies`` (:class:`Policy` or its name).
 
     Arguments as :func:`simulate`. Returns ``{policy name: PolicyResult}`` in the given order.
@@ -385,7 +398,8 @@ def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_byte
         ValueError: as :func:`simulate`, or an unknown policy name (``policies``).
     """
     scenario, requests = _requests(scenario)
-    _check_sizes(state_bytes, kv_block_bytes)
-    args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks)
+    _check_sizes(state_bytes, kv_block_bytes, window)
+    args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks,
+            window)
     chosen = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
     return {p.name: simulate_policy(requests, p, *args) for p in chosen}
