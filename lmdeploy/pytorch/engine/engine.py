@@ -176,7 +176,7 @@ class Engine:
                 self.store.close()
             self.executor.close()
             why = ('no Store is configured (store_backend="file:DIR" or mooncake_master)' if self.is_hybrid else
-                   f'{self.hf_config.model_type} has no recurrent state to hand off (a model with one is required)')
+                   f'{self.hf_config.model_type} does not hand off (a model with recurrent state is required)')
             raise ValueError(f'role={config.role!r} hands prompts off through the Store tier, but {why}')
         self._handed_off: list[Sequence] = []     # prefill role: prompts with nothing to compute (h = 0)
         # with caching off a NullPrefixCache answers every question: no caller branches on it
