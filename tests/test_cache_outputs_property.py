@@ -11,6 +11,10 @@ eviction policy on a budget of a few prompts (so blocks and checkpoints are evic
 tier behind that budget, and a ``file:`` Store shared by two engines that take turns serving
 the conversations (so the second restores what the first put). One engine per configuration
 serves every example, so later examples meet what earlier ones left in the caches.
+
+The same property holds for sliding-window models (the tiny ``granitemoe_swa``, all layers
+sliding or mixed with global ones) served by two engines on one ``file:`` Store, where restores
+attach and load only the blocks the window reads.
 """
 from __future__ import annotations
 
@@ -162,3 +166,59 @@ def test_the_drawn_conversations_reached_every_tier(served):
         for eng in built[name]:
             value = eng.stats()[key]
             assert (sum(value.values()) if isinstance(value, dict) else value) > 0, (name, key, eng.stats())
+
+
+# sliding-window models (window 24), two engines sharing a file: Store ------------------------------
+@pytest.fixture(scope='module', params=['all_sliding', 'mixed'])
+def served_window(request, tmp_path_factory):
+    """``(cold, [engine, engine])`` of the tiny granitemoe_swa, both engines on one ``file:``
+    Store. ``all_sliding``: every layer slides, a cache of 24 blocks (192 tokens, less than the
+    longer conversations: sequences give back blocks out of their window, the cache evicts);
+    ``mixed``: the tiny model's global and sliding layers, 64 blocks (every block is kept)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    sliding = request.param == 'all_sliding'
+    model = make_tiny_model(str(tmp_path_factory.mktemp('tiny_swa')), arch='granitemoe_swa', seed=1,
+                            **(dict(layer_types=['sliding_attention'] * 4) if sliding else {}))
+    folder = tmp_path_factory.mktemp('window_store')
+    fields = dict(block_size=B, max_prefill_token_num=P, enable_prefix_caching=True, prefill_save_alignment=16,
+                  num_gpu_blocks=24 if sliding else 64, max_batch_size=2, store_backend=f'file:{folder}')
+    group = [make_engine(model, **fields) for _ in range(2)]
+    yield Cold(model), group
+    for eng in group:
+        eng.close()
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(drawn=conversations())
+def test_window_model_outputs_equal_cache_off_across_a_shared_store(served_window, drawn):
+    """The window rule under random conversations: local restores attach only the window's blocks,
+    Store restores load only those, and every reply equals caching off; the ledger is idle."""
+    cold, group = served_window
+    starts, turns = drawn
+    histories: list[list[int] | None] = [None] * len(starts)
+    served_by = None
+    for conv, user, seed, new_tokens, which in turns:
+        if histories[conv] is None:
+            src = starts[conv]
+            histories[conv] = list(histories[src] or []) if src >= 0 else []
+        ids = histories[conv] + random_prompt(max(user, 1), seed=seed)
+        eng = group[which]
+        if served_by is not None and served_by is not eng:
+            assert served_by.store.flush()
+        served_by = eng
+        out = eng.generate(ids, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)).output_ids
+        assert out == cold(ids, new_tokens), (conv, len(ids))
+        histories[conv] = ids + out
+    for eng in group:
+        assert eng.store.flush()
+        led = eng.ledger()
+        assert led['blocks_in_use'] == 0 and led['store_inflight'] == 0 and eng.is_idle(), led
+        assert led['blocks_free'] + led['blocks_cached'] == led['blocks_total'], led
+
+
+def test_the_window_conversations_restored_from_the_store(served_window):
+    """Run after the property: both tiers served the window model's replies above."""
+    _, group = served_window
+    stats = [eng.stats() for eng in group]
+    assert sum(s['store_hit_tokens'] for s in stats) > 0 and sum(s['prefix_cache_hit_tokens'] for s in stats) > 0
