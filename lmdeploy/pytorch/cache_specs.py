@@ -49,7 +49,8 @@ from typing import Sequence
 import torch
 
 __all__ = ['CacheTensor', 'LayerCacheSpec', 'PagedSpec', 'StateSpec', 'FullAttentionSpec', 'LinearAttentionSpec',
-           'SlidingWindowSpec', 'kv_window', 'window_first_block', 'uses_store', 'CacheRowLayout', 'kv_bytes_per_block', 'state_bytes_per_slot',
+           'SlidingWindowSpec', 'kv_window', 'window_first_block', 'uses_store', 'CacheRowLayout', 'kv_bytes_per_block',
+           'state_bytes_per_slot',
            'has_state', 'dtype_nbytes']
 
 _ALIGN = 16      # bytes: every row starts (and ends) on this boundary

@@ -97,7 +97,9 @@ class Sequence:
             point at its last reusable boundary.
         block_ids: the block of each ``block_size`` tokens, in order; :data:`FREED_BLOCK` for
             a leading block that fell out of every layer's sliding window (a model whose paged
-            layers are all sliding-window: see :meth:`~lmdeploy.pytorch.engine.scheduler.Scheduler.computed`).
+            layers are all sliding-window: see :meth:`~lmdeploy.pytorch.engine.scheduler.Scheduler.computed`),
+            or that a restore did not need (below the window of the restored boundary: neither
+            attached nor allocated at admission).
         num_freed_blocks: how many leading entries of ``block_ids`` are :data:`FREED_BLOCK`.
         handoff: the request's prefill/decode hand-off
             (:class:`~lmdeploy.pytorch.paging.handoff.Handoff`) on an engine with a ``role``
