@@ -264,10 +264,11 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
     scenarios = _scenarios(args)
     geometry = dict(chunk_size=chunk, block_size=block, alignment=align, token_lookahead=args.token_lookahead,
                     recompute_blocks=args.recompute_blocks)
-    results = [simulate(s, *sizes.charged, **geometry) for s in scenarios]
+    # (a model whose paged layers all slide puts only its windows' blocks)
+    results = [simulate(s, *sizes.charged, **geometry, window=sizes.window) for s in scenarios]
     policies = _policies(args)
     detailed = policies != [DEFAULT, LAST_ONLY] or isinstance(scenarios[0], Branching)
-    per_policy = [simulate_policies(s, *sizes.charged, policies=policies, **geometry)
+    per_policy = [simulate_policies(s, *sizes.charged, policies=policies, **geometry, window=sizes.window)
                   for s in scenarios] if detailed else []
     if args.json:
         out = []

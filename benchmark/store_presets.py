@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.store_sim import DEFAULT_BLOCK  # noqa: E402
-from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot  # noqa: E402
+from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, kv_window, state_bytes_per_slot  # noqa: E402
 
 SEED_STATE_TO_BLOCK_RATIO = Fraction('717.5')
 DTYPE_BYTES = {'float32': 4, 'float': 4, 'fp32': 4, 'float16': 2, 'half': 2, 'fp16': 2, 'bfloat16': 2,
@@ -92,6 +92,7 @@ class StoreSizes:
     tp: int = 1
     store_state_bytes: int | None = None      # None: state_bytes * tp
     store_kv_block_bytes: int | None = None   # None: kv_block_bytes * tp
+    window: int | None = None     # tokens, when every paged layer slides: a save puts its window's blocks only
 
     @property
     def charged(self) -> tuple[int, int]:
@@ -180,7 +181,10 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
         raise ValueError(f'tp={tp}: {err}') from None
     whole = specs(cfg)
     charged = (state_bytes_per_slot(whole), kv_bytes_per_block(whole, block_size)) if tp > 1 else (None, None)
-    return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(rank, block_size), tp, *charged)
+    # (read before _with_dtypes, which keeps only the tensors of each paged spec)
+    window = kv_window(list(cls.cache_specs(cfg, model_t)) + ([mtp_cache_spec(text, model_t)] if mtp else []))
+    return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(rank, block_size), tp, *charged,
+                      window=window or None)
 
 
 def glm_5_3_flash_sizes(args: argparse.Namespace, block_size: int) -> StoreSizes:

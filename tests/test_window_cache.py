@@ -203,3 +203,25 @@ def test_a_window_restore_attaches_and_allocates_only_its_window():
     assert (chunk.start, chunk.end) == (256, 300)
     assert seq.block_ids[:14] == [FREED_BLOCK] * 14 and min(seq.block_ids[14:]) >= 0
     assert len(seq.block_ids) == 19 and seq.num_freed_blocks == 14 and bm.num_free == 32 - 5
+
+
+@pytest.mark.parametrize('sliding, window', [(True, 24), (False, None)])
+def test_simulator_cli_reads_the_window_from_the_config(tmp_path, sliding, window):
+    """``simulate_store_writes.py --config`` of the tiny granitemoe_swa: the window comes from the
+    model's own specs (24 when every layer slides, none with global layers), and a 300-token
+    prompt (B = 16, A = P = 64) is charged 8 or 16 blocks and 4 empty state objects."""
+    import json
+
+    import simulate_store_writes as cli
+    from lmdeploy.tools.make_tiny_model import build_config
+    overrides = dict(layer_types=['sliding_attention'] * 4) if sliding else {}
+    config = build_config('granitemoe_swa', vocab_size=64, eos_token_id=2, pad_token_id=0, **overrides).to_dict()
+    config['dtype'] = 'float32'
+    path = tmp_path / 'config.json'
+    path.write_text(json.dumps(config))
+    sizes = cli.sizes_from_config(config, block_size=B)
+    assert sizes.window == window and sizes.state_bytes == 0
+    [result] = cli.main(['--config', str(path), '--block-size', '16', '--alignment', '64', '--chunk-size', '64',
+                         '--turns', '300', '--json'])
+    assert result.default.turns[0].save_points == [64, 128, 192, 256]
+    assert result.default.total_bytes == (8 if sliding else 16) * sizes.kv_block_bytes
