@@ -297,7 +297,8 @@ def test_engine_on_cuda_equals_the_cpu_engine_and_transformers(tiny):
 def _store_round_trip(path, tmp_path, window):
     """A 300-token prompt (A = P = 64: save points 64, 128, 192, 256) through a ``file:`` Store:
     a writer engine puts it, a new engine with an empty local cache restores 256 tokens from it.
-    Returns (writer stats, K_blk, blocks in use after each of the reader's admissions)."""
+    Returns (writer stats, K_blk, blocks in use after each of the reader's admissions, the cold
+    engine's output ids)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'benchmark'))
@@ -329,23 +330,30 @@ def _store_round_trip(path, tmp_path, window):
     cold = make_engine(path, block_size=B, max_prefill_token_num=64).generate(ids, gen).output_ids
     assert first.output_ids == again.output_ids == cold
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == again.stats.store_hit_tokens == 256
-    return stats, K, seen
+    return stats, K, seen, cold
 
 
 def test_all_swa_store_puts_only_window_blocks_and_a_new_engine_restores_its_window(all_swa, tmp_path):
     """W = 24: the save at b puts blocks [floor((b - 23) / 16), b / 16): {2, 3}, {6, 7}, {10, 11},
     {14, 15}, 8 KV objects, and 4 empty state objects; the bytes equal the simulator's. A new
     engine restores 256 tokens from the Store and decodes what a cold engine decodes, holding
-    only the window's blocks: 5 for [224, 300) at the first step, never the 19 of the prefix."""
-    stats, K, seen = _store_round_trip(all_swa[0], tmp_path, W)
+    only the window's blocks: 5 for [224, 300) at the first step, never the 19 of the prefix; so
+    does a fresh process."""
+    stats, K, seen, cold = _store_round_trip(all_swa[0], tmp_path, W)
     assert stats['store_put_objects'] == {'state': 4, 'kv': 8}
     assert stats['store_put_bytes'] == {'state': 0, 'kv': 8 * K}
     assert seen[0] == 5 and max(seen) <= -(-(W - 1 + 64) // B) + 1 < -(-306 // B)
+    # a fresh process (empty local cache, nothing imported before) restores the same from the folder
+    from test_store_file_backend import run_worker, store_config
+    ids = random_prompt(300, seed=300)
+    fresh = run_worker(tmp_path, 'fresh', all_swa[0], store_config(tmp_path / 'store'), [ids])
+    [turn] = fresh['turns']
+    assert turn['store_hit_tokens'] == 256 and turn['output_ids'] == cold and fresh['idle']
 
 
 def test_mixed_global_and_window_store_restores_every_block_in_a_new_engine(tiny, tmp_path):
     """Global layers read every earlier token: the 16 blocks below 256 are put (block-granular,
     bytes equal the simulator's with no window) and a new engine restores 256 tokens."""
-    stats, K, seen = _store_round_trip(tiny[0], tmp_path, None)
+    stats, K, seen, _ = _store_round_trip(tiny[0], tmp_path, None)
     assert stats['store_put_objects'] == {'state': 4, 'kv': 16}
     assert seen[0] == -(-300 // B)

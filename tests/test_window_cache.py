@@ -109,7 +109,7 @@ def _save_every_boundary(window, n, client):
     return hashes, boundaries, rules, stats
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(window=st.integers(1, 90), n=st.integers(40, 260), data=st.data())
 def test_store_probe_never_offers_a_boundary_whose_window_reaches_a_lost_block(window, n, data):
     """Every reusable boundary is put with its window's blocks only (objects and bytes: the union
