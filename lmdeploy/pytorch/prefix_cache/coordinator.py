@@ -346,7 +346,6 @@ class PrefixCache:
             if not self.local.is_hybrid:
                 self._plan_block_saves(chunk, saves)
                 continue
-            # (a model without state has no save point: the scheduler plans none)
             save = seq.plan is not None and seq.plan.is_save_point(end)
             full = end // B
             if self.decode_save_last and not save and end % B == 0 and end >= seq.num_prompt_tokens // B * B:

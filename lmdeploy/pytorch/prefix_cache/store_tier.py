@@ -183,6 +183,9 @@ class StoreTier:
         writers: threads putting objects in parallel (>= 1).
         timeout_s: deadline of each Store call made on the engine thread (seconds, > 0).
         cooldown_s: seconds between two background checks of a Store that missed a deadline.
+        window: the model's sliding window (tokens) when every paged layer slides
+            (:func:`~lmdeploy.pytorch.cache_specs.kv_window`), else None: a prefix at b is then
+            its state object and the KV objects of the blocks its window reads.
 
     Raises:
         ValueError: ``writers`` < 1, or ``timeout_s`` / ``cooldown_s`` not > 0.
