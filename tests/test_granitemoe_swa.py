@@ -17,7 +17,9 @@ from hypothesis import given, settings, strategies as st
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy, check_prompt_logits_match_transformers,
                           hf_greedy, make_engine, random_prompt, tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.cache_specs import FullAttentionSpec, SlidingWindowSpec, kv_bytes_per_block, kv_window
+from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, SlidingWindowSpec, kv_bytes_per_block, kv_window,
+                                          window_first_block)
+from lmdeploy.pytorch.paging.sequence import FREED_BLOCK
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
 
@@ -251,7 +253,8 @@ def test_a_prefix_whose_window_block_was_evicted_is_never_restored(all_swa, n, e
     """A sequence frees its out-of-window blocks; while it runs, the prefix cache evicts everything
     it may (the freed blocks' nodes among them) at step ``evict_at``. When it ends, no node is
     made for a block it freed and the cache lost; the same prompt again restores only a prefix whose
-    every block is still cached (never one whose window reaches an evicted block), decodes what a
+    every block is still cached (never one whose window reaches an evicted block), attaching only
+    the blocks its window reads (the ones before are FREED_BLOCK in its table), decodes what a
     cold engine decodes, and the block ledger balances."""
     path, _ = all_swa
     ids = random_prompt(n, seed=n)
@@ -269,7 +272,21 @@ def test_a_prefix_whose_window_block_was_evicted_is_never_restored(all_swa, n, e
     first = eng.generate(ids, gen)
     nodes = eng.prefix_cache.cached_nodes()
     assert all(node.block_id >= 0 and eng.block_manager.refcount[node.block_id] == 1 for node in nodes)
+    restored, schedule = [], eng.scheduler.schedule
+
+    def scheduled():        # a restore attaches only its window's blocks, each one live
+        out = schedule()
+        for chunk in out.chunks:
+            seq, c = chunk.seq, chunk.seq.num_cached_tokens
+            if c and chunk.start == c:
+                lead = window_first_block(c, W, B)
+                assert seq.block_ids[:lead] == [FREED_BLOCK] * lead and seq.num_freed_blocks == lead
+                assert all(eng.block_manager.refcount[b] >= 1 for b in seq.block_ids[lead:])
+                restored.append(c)
+        return out
+    eng.scheduler.schedule = scheduled
     again = eng.generate(ids, gen)
+    assert restored == ([again.num_cached_tokens] if again.num_cached_tokens else [])
     cold = make_engine(path, block_size=B, max_prefill_token_num=P).generate(ids, gen)
     assert first.output_ids == again.output_ids == cold.output_ids
     assert again.num_cached_tokens % B == 0
