@@ -7,6 +7,7 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 
 # model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
 MODEL_REGISTRY = {
+    'bailing_hybrid': 'bailing_hybrid:BailingHybridForCausalLM',
     'bamba': 'bamba:BambaForCausalLM',
     'falcon_h1': 'falcon_h1:FalconH1ForCausalLM',
     'falcon_mamba': 'mamba_lm:FalconMambaForCausalLM',

@@ -1,0 +1,114 @@
+"""Ling 3 (``bailing_hybrid``: KDA layers with full-rank gates, gated MLA with interleaved rotary,
+grouped MoE with clipped SwiGLUs, NextN MTP layers in the checkpoint) served exactly like
+transformers: logits <= 1e-4 in fp32 at every prompt position (5-700 tokens, cold and in 32-token
+chunks), greedy tokens equal cold, chunked and after a local prefix-cache restore, a 4-turn chat
+identical under every cache policy, Store put bytes equal to the simulator and a new engine
+restoring from a ``file:`` Store, transformers' in-memory names loading the same model, the
+NextN layers of a published checkpoint skipped, MTP speculative decoding and tp > 1 refused by
+name; the config audit."""
+import inspect
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
+                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
+                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
+                          make_engine, tiny_checkpoint_and_reference)
+from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    """(checkpoint path in the published layout, transformers float32 reference)."""
+    return tiny_checkpoint_and_reference(tmp_path_factory, 'bailing_hybrid')
+
+
+# 300 tokens in one forward: the KDA kernel's 64-token chunks end inside it; 150 / 700 in 32-token
+# forwards: every forward starts mid-way through a kernel chunk of the sequence
+@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
+def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
+    check_prompt_logits_match_transformers(*tiny, n, chunk)
+
+
+def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
+    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
+
+
+def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
+    check_four_turn_chat_under_every_cache_policy(tiny[0])
+
+
+def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
+    check_store_bytes_then_a_new_engine_restores(tiny[0], tmp_path, seed=440_000)
+
+
+def test_the_swiglu_clip_changes_the_output(tiny):
+    """The tiny checkpoint's limits (0.05 on layer 2's routed and layer 3's shared experts)
+    clip: the same weights without them give other logits, so the match above covers clipping."""
+    from transformers import AutoConfig
+
+    from engine_utils import hf_prompt_logits, random_prompt
+    path, hf = tiny
+    config = AutoConfig.from_pretrained(path)
+    config.swiglu_limits, config.swiglu_limits_shared = [0] * 4, [0] * 4
+    from transformers import AutoModelForCausalLM
+    unclipped = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    unclipped.load_state_dict(hf.state_dict())
+    ids = random_prompt(40, seed=5)
+    assert (hf_prompt_logits(hf, ids) - hf_prompt_logits(unclipped, ids)).abs().max().item() > 1e-3
+
+
+def test_transformers_names_load_and_published_nextn_layers_are_skipped(tiny, tmp_path):
+    """The same weights in transformers' in-memory names (stacked conv, ``forget_gate.*``, fused
+    experts, ``e_score_correction_bias``) plus the tensors of a NextN layer
+    ``model.layers.4.*`` (``num_nextn_predict_layers = 1``, as published) match transformers."""
+    from safetensors.torch import save_file
+    path, hf = tiny
+    out = tmp_path / 'hf_names'
+    shutil.copytree(path, out)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert 'model.layers.0.self_attn.conv1d.weight' in sd and 'model.layers.1.mlp.experts.gate_up_proj' in sd
+    sd.update({k.replace('model.layers.3.', 'model.layers.4.'): v.clone() for k, v in sd.items()
+               if k.startswith('model.layers.3.')})
+    save_file(sd, str(out / 'model.safetensors'), metadata={'format': 'pt'})
+    config = json.loads((out / 'config.json').read_text())
+    config['num_nextn_predict_layers'] = 1
+    (out / 'config.json').write_text(json.dumps(config))
+    check_checkpoint_matches_transformers(str(out), hf)
+
+
+def test_mtp_speculative_decoding_and_tensor_parallelism_are_refused_by_name(tiny):
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.spec_decode.mtp import check_mtp_model
+    config = AutoConfig.from_pretrained(tiny[0])
+    with pytest.raises(ValueError, match=r"speculative_config.method=mtp .*got 'bailing_hybrid'"):
+        check_mtp_model(config)
+    with pytest.raises(ValueError, match='tp'):
+        make_engine(tiny[0], tp=2)
+
+
+@pytest.mark.parametrize('change, field', [(dict(hidden_act='gelu'), 'hidden_act'),
+                                           (dict(layer_types=['linear_attention'] * 3), 'layer_types'),
+                                           (dict(mlp_layer_types=['moe'] * 4), 'mlp_layer_types'),
+                                           (dict(swiglu_limits=[0, 0, -1, 0]), 'expert_swiglu_limit_list'),
+                                           (dict(n_group=3), 'n_group')])
+def test_refused_fields_name_themselves(tiny, change, field):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    for k, v in change.items():
+        object.__setattr__(config, k, v)
+    with pytest.raises(ValueError, match=field):
+        check_config(config)
+
+
+def test_audit_lists_every_field_transformers_reads():
+    import transformers.models.bailing_hybrid.modeling_bailing_hybrid as modeling
+    source = inspect.getsource(modeling)
+    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
+                                                                       source))
+    assert read and not read - set(FIELDS['bailing_hybrid']), sorted(read - set(FIELDS['bailing_hybrid']))
