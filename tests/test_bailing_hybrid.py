@@ -88,15 +88,15 @@ def test_mtp_speculative_decoding_and_tensor_parallelism_are_refused_by_name(tin
     config = AutoConfig.from_pretrained(tiny[0])
     with pytest.raises(ValueError, match=r"speculative_config.method=mtp .*got 'bailing_hybrid'"):
         check_mtp_model(config)
-    with pytest.raises(ValueError, match='tp'):
+    with pytest.raises(ValueError, match=r"tp \(2\): tensor parallelism supports .*not 'bailing_hybrid'"):
         make_engine(tiny[0], tp=2)
 
 
 @pytest.mark.parametrize('change, field', [(dict(hidden_act='gelu'), 'hidden_act'),
                                            (dict(layer_types=['linear_attention'] * 3), 'layer_types'),
                                            (dict(mlp_layer_types=['moe'] * 4), 'mlp_layer_types'),
-                                           (dict(swiglu_limits=[0, 0, -1, 0]), 'expert_swiglu_limit_list'),
-                                           (dict(n_group=3), 'n_group')])
+                                           (dict(expert_swiglu_limit_list=[0, 0, -1, 0]), 'expert_swiglu_limit_list'),
+                                           (dict(num_expert_group=3), 'n_group')])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny[0])
@@ -112,3 +112,13 @@ def test_audit_lists_every_field_transformers_reads():
     read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
                                                                        source))
     assert read and not read - set(FIELDS['bailing_hybrid']), sorted(read - set(FIELDS['bailing_hybrid']))
+
+
+def test_store_sizes_of_the_default_ling_3_config():
+    """The S and K_blk docs/en/supported_models.md quotes for transformers' default config (42
+    layers, MLA every 6th): 35 KDA layers x (three convs [32, 128, 3] bf16 + recurrent
+    [32, 128, 128] float32); 7 MLA layers x 64 tokens x latent (512 + 64) bf16."""
+    from benchmark.store_presets import sizes_from_config
+    sizes = sizes_from_config(dict(model_type='bailing_hybrid', dtype='bfloat16'), block_size=64)
+    assert sizes.state_bytes == 35 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4) == 75_980_800
+    assert sizes.kv_block_bytes == 7 * 64 * (512 + 64) * 2 == 516_096
