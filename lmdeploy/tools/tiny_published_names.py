@@ -111,7 +111,23 @@ def _bailing_published_names(tensors: dict) -> dict:
     return out
 
 
+def _minimax_published_names(tensors: dict) -> dict:
+    """transformers' MiniMax names → the published checkpoint's (Mixtral's layout): the MoE under
+    `block_sparse_moe`, per-expert `w1` (gate) / `w3` (up) / `w2` (down); no lightning decay tables
+    (transformers' buffers, computed from the config)."""
+    out = {}
+    for name, t in tensors.items():
+        if re.search(r'\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$', name):
+            continue
+        name = name.replace('.mlp.', '.block_sparse_moe.')
+        for hf, pub in (('gate_proj', 'w1'), ('up_proj', 'w3'), ('down_proj', 'w2')):
+            name = re.sub(rf'(\.experts\.\d+)\.{hf}\.weight$', rf'\1.{pub}.weight', name)
+        out[name] = t
+    return out
+
+
 PUBLISHED_NAMES = {
+    'minimax': _minimax_published_names,
     'bailing_hybrid': _bailing_published_names,
     'kimi_linear': _kimi_published_names,
     'glm5_next': glm5_next_published_names,

@@ -21,6 +21,7 @@ MODEL_REGISTRY = {
     'lfm2_moe': 'lfm2:Lfm2MoeForCausalLM',
     'mamba': 'mamba_lm:MambaForCausalLM',
     'mamba2': 'mamba2_lm:Mamba2ForCausalLM',
+    'minimax': 'minimax:MiniMaxForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',

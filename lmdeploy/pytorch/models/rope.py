@@ -46,6 +46,7 @@ _ARCH = {
     'lfm2_moe': ('transformers.models.lfm2_moe.modeling_lfm2_moe', 'Lfm2MoeRotaryEmbedding', False),
     'falcon_h1': ('transformers.models.falcon_h1.modeling_falcon_h1', 'FalconH1RotaryEmbedding', False),
     'bamba': ('transformers.models.bamba.modeling_bamba', 'BambaRotaryEmbedding', True),
+    'minimax': ('transformers.models.minimax.modeling_minimax', 'MiniMaxRotaryEmbedding', False),
     'bailing_hybrid': ('transformers.models.bailing_hybrid.modeling_bailing_hybrid', 'BailingHybridRotaryEmbedding',
                        False),
     'qwen3_next': ('transformers.models.qwen3_next.modeling_qwen3_next', 'Qwen3NextRotaryEmbedding', True),
