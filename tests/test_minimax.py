@@ -99,3 +99,16 @@ def test_audit_lists_every_field_transformers_reads():
     read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
                                                                        source))
     assert read and not read - set(FIELDS['minimax']), sorted(read - set(FIELDS['minimax']))
+
+
+def test_store_sizes_of_a_minimax_text_01_shaped_config():
+    """The S and K_blk docs/en/supported_models.md quotes: 80 layers with softmax attention every
+    8th; 70 lightning layers x float32 state [64, 128, 128]; 10 softmax layers x 64 tokens x K and
+    V of 8 heads x 128 bf16."""
+    from benchmark.store_presets import sizes_from_config
+    types = ['full_attention' if (i + 1) % 8 == 0 else 'linear_attention' for i in range(80)]
+    config = dict(model_type='minimax', dtype='bfloat16', hidden_size=6144, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, layer_types=types)
+    sizes = sizes_from_config(config, block_size=64)
+    assert sizes.state_bytes == 70 * 64 * 128 * 128 * 4 == 293_601_280
+    assert sizes.kv_block_bytes == 10 * 64 * 2 * 8 * 128 * 2 == 2_621_440
