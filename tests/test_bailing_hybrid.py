@@ -4,8 +4,8 @@ transformers: logits <= 1e-4 in fp32 at every prompt position (5-700 tokens, col
 chunks), greedy tokens equal cold, chunked and after a local prefix-cache restore, a 4-turn chat
 identical under every cache policy, Store put bytes equal to the simulator and a new engine
 restoring from a ``file:`` Store, transformers' in-memory names loading the same model, the
-NextN layers of a published checkpoint skipped, MTP speculative decoding and tp > 1 refused by
-name; the config audit."""
+NextN layers of a published checkpoint skipped, MTP speculative decoding refused by name, TP2 =
+TP1; the config audit."""
 import inspect
 import json
 import re
@@ -17,7 +17,7 @@ import torch
 from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
                           check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          make_engine, tiny_checkpoint_and_reference)
+                          tiny_checkpoint_and_reference)
 from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
 
 
@@ -81,15 +81,13 @@ def test_transformers_names_load_and_published_nextn_layers_are_skipped(tiny, tm
     check_checkpoint_matches_transformers(str(out), hf)
 
 
-def test_mtp_speculative_decoding_and_tensor_parallelism_are_refused_by_name(tiny):
+def test_mtp_speculative_decoding_is_refused_by_name(tiny):
     from transformers import AutoConfig
 
     from lmdeploy.pytorch.spec_decode.mtp import check_mtp_model
     config = AutoConfig.from_pretrained(tiny[0])
     with pytest.raises(ValueError, match=r"speculative_config.method=mtp .*got 'bailing_hybrid'"):
         check_mtp_model(config)
-    with pytest.raises(ValueError, match=r"tp \(2\): tensor parallelism supports .*not 'bailing_hybrid'"):
-        make_engine(tiny[0], tp=2)
 
 
 @pytest.mark.parametrize('change, field', [(dict(hidden_act='gelu'), 'hidden_act'),
@@ -122,3 +120,20 @@ def test_store_sizes_of_the_default_ling_3_config():
     sizes = sizes_from_config(dict(model_type='bailing_hybrid', dtype='bfloat16'), block_size=64)
     assert sizes.state_bytes == 35 * (3 * 32 * 128 * 3 * 2 + 32 * 128 * 128 * 4) == 75_980_800
     assert sizes.kv_block_bytes == 7 * 64 * (512 + 64) * 2 == 516_096
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
+    """KDA split by head, MLA by query head (its output gate too) with the latent replicated; MoE
+    replicated; the published names (``attention.dense``, ``word_embeddings``) are split."""
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
+    config, layouts, split = check_tp_slices_tile_every_split_tensor(tiny[0])
+    # 2 KDA layers x 11 (q/k/v/f/g/b_proj, three convs, dt_bias, A_log) + their dense o_proj; 2 MLA
+    # layers x (q_proj, kv_b_proj, g_proj, dense); the embedding and lm_head
+    assert split == 2 * 12 + 2 * 4 + 2
+    for name in ('model.layers.1.attention.kv_a_proj_with_mqa.weight', 'model.layers.1.attention.kv_a_layernorm.weight'):
+        assert layouts[0].shard(name) is None and layouts[1].shard(name) is None
+    check_tp2_equals_tp1(tiny[0])
+    config.num_attention_heads = 3
+    with pytest.raises(ValueError, match=r'divisible by tp \(2\)'):
+        TPLayout(config, 0, 2)
