@@ -4,8 +4,8 @@ alpha / beta residual factors on normalised inputs) served exactly like transfor
 one forward over several 64-token kernel chunks), greedy tokens equal cold, chunked and after a
 local prefix-cache restore, a 4-turn chat identical under every cache policy, Store put bytes
 equal to the simulator and a new engine restoring from a ``file:`` Store, transformers'
-in-memory names (with its saved decay tables) loading the same model, tp > 1 refused by name;
-the layer cache specs and the config audit."""
+in-memory names (with its saved decay tables) loading the same model, TP2 = TP1 (both mixers by
+head); the layer cache specs and the config audit."""
 import inspect
 import re
 import shutil
@@ -16,7 +16,7 @@ import torch
 from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
                           check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          make_engine, tiny_checkpoint_and_reference)
+                          tiny_checkpoint_and_reference)
 from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
 
 
@@ -75,9 +75,19 @@ def test_cache_specs_are_a_float32_state_and_kv_blocks(tiny):
         assert torch.equal(lightning_slopes(4, i, 4), tiny[1].model.layers[i].self_attn.slope_rate.flatten())
 
 
-def test_tensor_parallelism_is_refused_by_name(tiny):
-    with pytest.raises(ValueError, match=r"tp \(2\): tensor parallelism supports .*not 'minimax'"):
-        make_engine(tiny[0], tp=2)
+def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
+    """Both mixers split by head (the lightning norm summed over the ranks, the decay rates the
+    full model's); MoE replicated."""
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
+    config, _, split = check_tp_slices_tile_every_split_tensor(tiny[0])
+    # 3 lightning layers x (qkv_proj, output_gate, norm, out_proj); the softmax layer's q/k/v/o; the
+    # embedding and lm_head
+    assert split == 3 * 4 + 4 + 2
+    check_tp2_equals_tp1(tiny[0])
+    config.num_key_value_heads = 1
+    with pytest.raises(ValueError, match=r'num_key_value_heads \(1\) must be divisible by tp \(2\)'):
+        TPLayout(config, 0, 2)
 
 
 @pytest.mark.parametrize('change, field', [(dict(hidden_act='gelu'), 'hidden_act'),

@@ -9,6 +9,11 @@ No convolution precedes it, so that is the whole state. The decay rates are not 
 ``h`` (0-based) of layer ``l`` out of ``L`` layers has ``s = 2^(-8/H)^(h+1) * (1 - l / (L - 1 +
 1e-5) + 1e-5)``, computed in float32 exactly as ``transformers`` does. The recurrence is the
 registry's ``lightning_attention_varlen`` (:mod:`lmdeploy.pytorch.kernels.lightning_attention`).
+
+Under tensor parallelism a rank holds a range of heads (the state splits as ``'v_heads'``): its
+config's ``lightning_heads = (first head, all heads)`` keeps the decay rates those of the full
+model, and the output norm, which spans every head, sums its squares over the ranks
+(:class:`CrossRankRMSNorm`).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from ...model_inputs import StepContext
 from ..layers import Linear, RMSNorm
 from .gated_delta_net import attention_head_dim
 
-__all__ = ['LightningAttention', 'lightning_state_spec', 'lightning_slopes']
+__all__ = ['LightningAttention', 'CrossRankRMSNorm', 'lightning_state_spec', 'lightning_slopes']
 
 # tokens per chunk of the torch chunked form (the result does not depend on it beyond rounding)
 CHUNK_SIZE = 64
@@ -30,9 +35,30 @@ CHUNK_SIZE = 64
 
 def lightning_state_spec(config) -> StateSpec:
     """The state of one lightning-attention layer: ``recurrent [H, d, d]`` float32
-    (``H = num_attention_heads``, ``d`` the head size), whatever the model dtype."""
+    (``H = num_attention_heads``, ``d`` the head size), whatever the model dtype; split by head
+    under tensor parallelism (``tp_split='v_heads'``)."""
     H, d = config.num_attention_heads, attention_head_dim(config)
-    return StateSpec((CacheTensor('recurrent', (H, d, d), torch.float32, None),))
+    return StateSpec((CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+
+
+class CrossRankRMSNorm:
+    """The output RMS norm for a rank that holds ``D_local`` of the ``D`` normalised channels:
+    each rank's sum of squares ``[T]`` (float32) is summed over the ranks (one all-reduce of
+    ``T`` floats), then ``weight * x * rsqrt(sum / D + eps)``.
+
+    Args:
+        all_reduce: sums a tensor over all ranks in place and returns it.
+        dim: ``D``, the channels of the whole norm.
+    """
+
+    def __init__(self, all_reduce, dim: int):
+        self.all_reduce, self.dim = all_reduce, dim
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x [T, D_local]``, ``weight [D_local]`` → ``[T, D_local]`` in ``x.dtype``."""
+        h = x.float()
+        sums = self.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        return weight * (h * torch.rsqrt(sums / self.dim + eps)).to(x.dtype)
 
 
 def lightning_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
@@ -49,9 +75,12 @@ class LightningAttention(nn.Module):
 
     Args:
         config: HF ``MiniMaxConfig`` (``hidden_size``, ``num_attention_heads``, ``head_dim`` or
-            none, ``num_hidden_layers``).
+            none, ``num_hidden_layers``; a rank's local config also ``lightning_heads``).
         layer_idx: the layer's index (its decay rates) and its index into
             ``StepContext.state_caches`` (``(recurrent,)``).
+
+    Attributes:
+        cross_rank_norm: None, or the :class:`CrossRankRMSNorm` a tensor-parallel plan attaches.
     """
 
     def __init__(self, config, layer_idx: int):
@@ -65,9 +94,11 @@ class LightningAttention(nn.Module):
         self.out_proj = Linear(D, config.hidden_size, bias=False)
         # a plain CPU attribute, not a buffer: real values even when the model is built on the
         # meta device (neither ``to_empty`` nor a dtype cast touches it)
+        first, total = getattr(config, 'lightning_heads', (0, self.num_heads))
         with torch.device('cpu'):
-            self.slopes = lightning_slopes(self.num_heads, layer_idx, config.num_hidden_layers)
+            self.slopes = lightning_slopes(total, layer_idx, config.num_hidden_layers)[first:first + self.num_heads]
         self._on_device: dict[torch.device, torch.Tensor] = {}
+        self.cross_rank_norm = None
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
@@ -79,5 +110,6 @@ class LightningAttention(nn.Module):
         (state,) = ctx.state_caches[self.layer_idx]
         o = get_kernel('lightning_attention_varlen', hidden.device)(q, k, v, slopes, state, ctx.cu_seqlens, ctx.slots,
                                                                     ctx.has_history, CHUNK_SIZE)
-        o = self.norm(o.reshape(T, H * d).to(hidden.dtype))
+        o = o.reshape(T, H * d).to(hidden.dtype)
+        o = self.norm(o) if self.cross_rank_norm is None else self.cross_rank_norm(o, self.norm.weight, self.norm.eps)
         return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * o)
