@@ -131,7 +131,8 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
     # 2 KDA layers x 11 (q/k/v/f/g/b_proj, three convs, dt_bias, A_log) + their dense o_proj; 2 MLA
     # layers x (q_proj, kv_b_proj, g_proj, dense); the embedding and lm_head
     assert split == 2 * 12 + 2 * 4 + 2
-    for name in ('model.layers.1.attention.kv_a_proj_with_mqa.weight', 'model.layers.1.attention.kv_a_layernorm.weight'):
+    for name in ('model.layers.1.attention.kv_a_proj_with_mqa.weight',
+                 'model.layers.1.attention.kv_a_layernorm.weight'):
         assert layouts[0].shard(name) is None and layouts[1].shard(name) is None
     check_tp2_equals_tp1(tiny[0])
     config.num_attention_heads = 3

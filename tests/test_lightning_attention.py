@@ -42,7 +42,7 @@ def test_chunked_form_equals_the_recurrence(L, chunk, with_state):
     assert init is None or torch.equal(init, before)       # the initial state is read only
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(L=st.integers(1, 90), chunk=st.integers(1, 70), split=st.integers(0, 90), seed=st.integers(0, 10_000))
 def test_any_split_and_chunk_size_give_the_recurrence(L, chunk, split, seed):
     """A sequence cut anywhere into two calls (the second continuing the first's state), each in

@@ -144,7 +144,8 @@ class BailingHybridDecoderLayer(nn.Module):
                                                 else None, low_rank_gates=False)
         else:
             from transformers.modeling_rope_utils import yarn_apply_mscale
-            scale = yarn_apply_mscale(config.rope_parameters, (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5)
+            qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+            scale = yarn_apply_mscale(config.rope_parameters, qk ** -0.5)     # YaRN's mscale_all_dim, if any
             self.self_attn = LatentAttention(config, layer_idx, rotary=True, output_gate=True, scale=scale)
         # transformers' dense MLP has no layer index, so it never clips
         self.mlp = BailingMoE(config, layer_idx) if config.mlp_layer_types[layer_idx] == 'sparse' \
@@ -306,7 +307,8 @@ class BailingHybridForCausalLM(CausalLM):
     }
     check_config = staticmethod(check_config)
     # KDA by head, MLA by query head with the latent replicated (BailingHybridTPPlan)
-    parallel_plan = ParallelPlan(renames=(('model.word_embeddings.', 'model.embed_tokens.'),), custom=BailingHybridTPPlan)
+    parallel_plan = ParallelPlan(renames=(('model.word_embeddings.', 'model.embed_tokens.'),),
+                                 custom=BailingHybridTPPlan)
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

@@ -114,16 +114,16 @@ class KimiDeltaAttention(nn.Module):
 
 
 _KDA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?'
-                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|f_proj|g_proj|b_proj|dt_bias|A_log|'
-                       r'o_proj)(?:\.weight)?$')
+                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|f_proj|g_proj|'
+                       r'b_proj|dt_bias|A_log|o_proj)(?:\.weight)?$')
 
 
 class KDATPSplit:
     """How a stack of KDA layers and attention layers splits over ``size`` tensor-parallel
     ranks (Megatron-style); a family's plan derives from it and adds its attention rows.
 
-    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj``, ``dt_bias`` rows of
-    the rank's heads, ``b_proj`` rows and ``A_log`` entries of its heads (dimension
+    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj`` (or the full-rank
+    ``f_proj`` / ``g_proj``), ``dt_bias`` rows of the rank's heads, ``b_proj`` rows and ``A_log`` entries of its heads (dimension
     :attr:`a_log_dim` of the checkpoint tensor), ``o_proj`` columns (row-parallel,
     all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its four state
     tensors hold the rank's heads (``tp_split='v_heads'``). The rank's query heads of the
