@@ -138,3 +138,20 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
     config.num_attention_heads = 3
     with pytest.raises(ValueError, match=r'divisible by tp \(2\)'):
         TPLayout(config, 0, 2)
+
+
+@pytest.mark.parametrize('change', [dict(kda_safe_gate=False),
+                                    dict(rope_parameters=dict(rope_type='yarn', rope_theta=10000.0, factor=4.0,
+                                                              original_max_position_embeddings=64,
+                                                              mscale_all_dim=1.0))],
+                         ids=['softplus_gate', 'yarn_mscale'])
+def test_config_variants_of_the_same_weights_match_transformers(tiny, tmp_path, change):
+    """The KDA softplus decay (``kda_safe_gate: false``) and YaRN rope whose ``mscale_all_dim``
+    also scales the MLA softmax: the tiny weights under each config match transformers."""
+    from engine_utils import load_hf
+    out = tmp_path / 'variant'
+    shutil.copytree(tiny[0], out)
+    config = json.loads((out / 'config.json').read_text())
+    config.update(change)
+    (out / 'config.json').write_text(json.dumps(config))
+    check_checkpoint_matches_transformers(str(out), load_hf(str(out)))
