@@ -123,9 +123,9 @@ class KDATPSplit:
     ranks (Megatron-style); a family's plan derives from it and adds its attention rows.
 
     KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj`` (or the full-rank
-    ``f_proj`` / ``g_proj``), ``dt_bias`` rows of the rank's heads, ``b_proj`` rows and ``A_log`` entries of its heads (dimension
-    :attr:`a_log_dim` of the checkpoint tensor), ``o_proj`` columns (row-parallel,
-    all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its four state
+    ``f_proj`` / ``g_proj``), ``dt_bias`` rows of the rank's heads, ``b_proj`` rows and ``A_log``
+    entries of its heads (dimension :attr:`a_log_dim` of the checkpoint tensor), ``o_proj``
+    columns (row-parallel, all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its four state
     tensors hold the rank's heads (``tp_split='v_heads'``). The rank's query heads of the
     attention layers are :attr:`q_heads`.
 
