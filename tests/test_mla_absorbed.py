@@ -7,7 +7,8 @@ import torch
 from types import SimpleNamespace
 
 from engine_utils import TOL, engine_prompt_logits, hf_prompt_logits, load_hf, make_engine, random_prompt
-from lmdeploy.pytorch.models.kimi_linear import KimiMLA, _causal_attention
+from lmdeploy.pytorch.models.blocks.mla import causal_attention as _causal_attention
+from lmdeploy.pytorch.models.kimi_linear import KimiMLA
 
 
 @pytest.fixture(scope='module')

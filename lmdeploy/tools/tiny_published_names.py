@@ -92,7 +92,43 @@ def _lfm2_moe_published_names(tensors: dict) -> dict:
     return out
 
 
+def _bailing_published_names(tensors: dict) -> dict:
+    """transformers' Ling 3 names → the published checkpoint's (transformers' conversion mapping
+    reversed): `model.word_embeddings`, `attention` for `self_attn` with `dense` for `o_proj`, the
+    forget-gate tensors directly under it, the stacked `conv1d` as `q_conv1d` / `k_conv1d` /
+    `v_conv1d`, the router's correction bias as `expert_bias`."""
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace('model.embed_tokens.', 'model.word_embeddings.')
+        name = name.replace('.self_attn.forget_gate.', '.self_attn.').replace('.self_attn.', '.attention.')
+        name = name.replace('.attention.o_proj.', '.attention.dense.')
+        name = name.replace('.mlp.gate.e_score_correction_bias', '.mlp.gate.expert_bias')
+        if name.endswith('.attention.conv1d.weight'):
+            for part, piece in zip('qkv', t.chunk(3, dim=0)):
+                out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
+            continue
+        out[name] = t
+    return out
+
+
+def _minimax_published_names(tensors: dict) -> dict:
+    """transformers' MiniMax names → the published checkpoint's (Mixtral's layout): the MoE under
+    `block_sparse_moe`, per-expert `w1` (gate) / `w3` (up) / `w2` (down); no lightning decay tables
+    (transformers' buffers, computed from the config)."""
+    out = {}
+    for name, t in tensors.items():
+        if re.search(r'\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$', name):
+            continue
+        name = name.replace('.mlp.', '.block_sparse_moe.')
+        for hf, pub in (('gate_proj', 'w1'), ('up_proj', 'w3'), ('down_proj', 'w2')):
+            name = re.sub(rf'(\.experts\.\d+)\.{hf}\.weight$', rf'\1.{pub}.weight', name)
+        out[name] = t
+    return out
+
+
 PUBLISHED_NAMES = {
+    'minimax': _minimax_published_names,
+    'bailing_hybrid': _bailing_published_names,
     'kimi_linear': _kimi_published_names,
     'glm5_next': glm5_next_published_names,
     'nemotron_h': _nemotron_published_names,

@@ -15,7 +15,9 @@ Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attent
 ``grouped_gated_rms_norm`` (mamba2; native ``ssd_step`` on CPU in mamba2_cpu, Triton
 ``ssd_step`` / ``ssd_chunk_scan`` on CUDA in mamba2_triton), ``selective_scan_chunk``,
 ``selective_scan_step``, ``selective_scan_varlen`` (mamba1: Mamba-1; native step on CPU in mamba1_cpu,
-Triton step and scan on CUDA in mamba1_triton), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
+Triton step and scan on CUDA in mamba1_triton), ``lightning_attention_chunk``, ``lightning_attention_step``,
+``lightning_attention_varlen`` (lightning_attention: MiniMax's decayed linear attention; Triton step and
+scan on CUDA in lightning_attention_triton), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
 ``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
 row count (MKL or the native few-row product) and is called directly.
 
@@ -165,7 +167,7 @@ def static_loop_end(kernel, end: int) -> int:
 
 _BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'mamba2', 'causal_conv1d', 'state_copy', 'moe',
             'norm', 'attention_triton', 'fp8', 'mamba2_cpu', 'mamba2_triton', 'window_attention', 'mamba1',
-            'mamba1_cpu', 'mamba1_triton')
+            'mamba1_cpu', 'mamba1_triton', 'lightning_attention', 'lightning_attention_triton')
 _IMPORTED = False
 _IMPORTING: int | None = None     # the thread importing them now
 

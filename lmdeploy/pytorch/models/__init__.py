@@ -7,6 +7,7 @@ __all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
 
 # model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
 MODEL_REGISTRY = {
+    'bailing_hybrid': 'bailing_hybrid:BailingHybridForCausalLM',
     'bamba': 'bamba:BambaForCausalLM',
     'falcon_h1': 'falcon_h1:FalconH1ForCausalLM',
     'falcon_mamba': 'mamba_lm:FalconMambaForCausalLM',
@@ -20,6 +21,7 @@ MODEL_REGISTRY = {
     'lfm2_moe': 'lfm2:Lfm2MoeForCausalLM',
     'mamba': 'mamba_lm:MambaForCausalLM',
     'mamba2': 'mamba2_lm:Mamba2ForCausalLM',
+    'minimax': 'minimax:MiniMaxForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',

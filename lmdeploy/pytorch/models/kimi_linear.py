@@ -23,21 +23,24 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.kda import KDATPSplit, KimiDeltaAttention, kda_state_spec
+from .blocks.mla import LatentAttention
 from .blocks.moe import GroupLimitedMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, RMSNorm, SwiGLUMLP
+from .layers import RMSNorm, SwiGLUMLP
 from .parallel_plan import ParallelPlan
 
 __all__ = ['KimiLinearForCausalLM', 'KimiMLA', 'KimiLinearTPPlan', 'check_config']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
+
+# Kimi's MLA (blocks/mla.py): no rotary embedding, no output gate
+KimiMLA = LatentAttention
 
 
 def check_config(config) -> None:
@@ -62,95 +65,6 @@ def check_config(config) -> None:
                             or not 1 <= config.topk_group <= config.n_group):
         raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
                          f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
-
-
-def _causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, history: int,
-                      scale: float) -> torch.Tensor:
-    """``q [L, H, Dq]`` at positions ``history..`` over ``keys [S, H, Dq]``, ``values [S, H, Dv]``
-    (``S = history + L``) → ``[L, H, Dv]``."""
-    q4, k4, v4 = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    if history == 0:
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
-    else:
-        pos = torch.arange(history, history + q.shape[0], device=q.device)[:, None]
-        mask = torch.arange(keys.shape[0], device=q.device)[None, :] <= pos
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)
-
-
-class KimiMLA(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2, 2024) without rotary, over a paged latent cache.
-
-    Per token the cache holds ``latent = [kv_a_layernorm(c) | k_rope]``
-    (``kv_lora_rank + qk_rope_head_dim`` values, one row for all heads). Keys are
-    ``[kv_b_proj(c) nope part | k_rope]`` per head, values the ``kv_b_proj`` value part; the
-    softmax scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``.
-
-    Args:
-        config: HF ``KimiLinearConfig``.
-        layer_idx: index into ``StepContext.kv_caches`` (``(latent [blocks, block_size, R + P],)``).
-    """
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-        self.kv_lora_rank, self.q_lora_rank = config.kv_lora_rank, config.q_lora_rank
-        qk = self.nope + self.rope
-        hidden, bias = config.hidden_size, config.attention_bias
-        if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, self.num_heads * qk, bias=False)
-        else:
-            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)   # transformers' default eps, not the config's
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
-        self.scale = qk ** -0.5
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; writes the new tokens' latents into their blocks."""
-        T, H = hidden.shape[0], self.num_heads
-        q = self.q_proj(hidden) if self.q_lora_rank is None else \
-            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        q = q.view(T, H, self.nope + self.rope)
-        c, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
-        (cache,) = ctx.kv_caches[self.layer_idx]
-        blocks, offsets = ctx.kv_write_index
-        cache[blocks, offsets] = torch.cat((self.kv_a_layernorm(c), k_rope), dim=-1).to(cache.dtype)
-        out = q.new_empty(T, H, self.v_dim)
-        for i, (hist, kv_len) in enumerate(zip(ctx.history_lens, ctx.kv_seqlens)):
-            table = ctx.block_tables[i].to(hidden.device)
-            latent = cache[table[:-(-kv_len // cache.shape[1])]].flatten(0, 1)[:kv_len].to(q.dtype)
-            sl = ctx.seq_slice(i)
-            if sl.stop - sl.start == 1 and self.kv_b_proj.fp8_block is None:
-                out[sl] = self._absorbed_decode(q[sl], latent)
-                continue
-            kv = self.kv_b_proj(latent[:, :self.kv_lora_rank]).view(kv_len, H, self.nope + self.v_dim)
-            k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
-            keys = torch.cat((k_nope, latent[:, None, self.kv_lora_rank:].expand(kv_len, H, self.rope)), dim=-1)
-            out[sl] = _causal_attention(q[sl], keys, values, hist, self.scale)
-        return self.o_proj(out.reshape(T, -1))
-
-    def _absorbed_decode(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """One query token ``q [1, H, nope + rope]`` over its sequence's ``latent [L, R + rope]``
-        → ``[1, H, v]``, the key and value up-projections folded into the query and the output:
-        ``q_c[h] = W_uk[h]^T q_nope[h]`` scores the latent rows directly and the attended latent
-        is up-projected once by ``W_uv[h]`` (``kv_b_proj = [W_uk; W_uv]`` per head). The same
-        value as up-projecting every row (the prefill path), at ``H * L * (R + rope)`` instead
-        of ``L * R * H * (nope + v)`` multiply-adds per step: 13.6x faster at 256 cached tokens,
-        33x at 1K and 72x at 4K for Kimi-Linear-48B's layer on the 2-core CPU
-        (benchmark/benchmark_mla.py; benchmark/results/mla_decode_kimi48b_*.json). Softmax in
-        float32."""
-        H, R = self.num_heads, self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, R).to(q.dtype)
-        q_c = torch.einsum('hd,hdr->hr', q[0, :, :self.nope], w[:, :self.nope])
-        scores = torch.cat((q_c, q[0, :, self.nope:]), dim=-1) @ latent.t()
-        probs = (scores.float() * self.scale).softmax(-1).to(latent.dtype)
-        return torch.einsum('hr,hvr->hv', probs @ latent[:, :R], w[:, self.nope:])[None]
 
 
 class KimiLinearDecoderLayer(nn.Module):

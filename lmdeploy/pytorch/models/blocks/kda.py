@@ -58,29 +58,35 @@ class KimiDeltaAttention(nn.Module):
 
     With ``gate_lower_bound = b`` (GLM-5.3-Flash's "safe gate") the decay is instead
     ``g = b * sigmoid(exp(A_log[h]) * (f_b(f_a(h)) + dt_bias))``, so each step's log-decay lies in
-    ``(b, 0)``.
+    ``(b, 0)``. With ``low_rank_gates=False`` (Ling 3) the two gates are one full-rank
+    projection each, ``f_proj`` and ``g_proj`` (``hidden -> H * d``), in place of ``f_b(f_a(.))``
+    and ``g_b(g_a(.))``.
 
     Args:
         config: HF ``KimiLinearConfig`` (or any config with the ``linear_*`` fields).
         layer_idx: index into ``StepContext.state_caches`` (``(q_conv, k_conv, v_conv, recurrent)``).
         gate_lower_bound: None for Kimi-Linear's softplus decay, else the bound ``b < 0``.
+        low_rank_gates: the forget and output gates are rank-``d`` products (Kimi, GLM) or
+            full-rank projections (Ling 3).
     """
 
-    def __init__(self, config, layer_idx: int, gate_lower_bound: float | None = None):
+    def __init__(self, config, layer_idx: int, gate_lower_bound: float | None = None, low_rank_gates: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
         self.gate_lower_bound = gate_lower_bound
         self.num_heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
         D, hidden, K = self.num_heads * self.head_dim, config.hidden_size, config.linear_conv_kernel_dim
         self.dim = D
-        self.in_proj = PackedLinear(hidden, {'q_proj': D, 'k_proj': D, 'v_proj': D, 'f_a_proj': self.head_dim,
-                                             'b_proj': self.num_heads, 'g_a_proj': self.head_dim})
+        gates = {'f_a_proj': self.head_dim, 'b_proj': self.num_heads, 'g_a_proj': self.head_dim} if low_rank_gates \
+            else {'f_proj': D, 'b_proj': self.num_heads, 'g_proj': D}
+        self.in_proj = PackedLinear(hidden, {'q_proj': D, 'k_proj': D, 'v_proj': D, **gates})
         # weight holders [D, 1, K] (the checkpoint shape); the conv kernel runs them
         self.q_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
         self.k_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
         self.v_conv1d = nn.Conv1d(D, D, K, groups=D, bias=False)
-        self.f_b_proj = Linear(self.head_dim, D, bias=False)
-        self.g_b_proj = Linear(self.head_dim, D, bias=False)
+        # identity for full-rank gates: their in_proj slices already are the gate inputs
+        self.f_b_proj = Linear(self.head_dim, D, bias=False) if low_rank_gates else nn.Identity()
+        self.g_b_proj = Linear(self.head_dim, D, bias=False) if low_rank_gates else nn.Identity()
         self.dt_bias = nn.Parameter(torch.zeros(D))
         self.A_log = nn.Parameter(torch.zeros(1, 1, self.num_heads, 1))
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -108,18 +114,18 @@ class KimiDeltaAttention(nn.Module):
 
 
 _KDA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?'
-                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|b_proj|dt_bias|A_log|'
-                       r'o_proj)(?:\.weight)?$')
+                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|f_proj|g_proj|'
+                       r'b_proj|dt_bias|A_log|o_proj)(?:\.weight)?$')
 
 
 class KDATPSplit:
     """How a stack of KDA layers and attention layers splits over ``size`` tensor-parallel
     ranks (Megatron-style); a family's plan derives from it and adds its attention rows.
 
-    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj``, ``dt_bias`` rows of
-    the rank's heads, ``b_proj`` rows and ``A_log`` entries of its heads (dimension
-    :attr:`a_log_dim` of the checkpoint tensor), ``o_proj`` columns (row-parallel,
-    all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its four state
+    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj`` (or the full-rank
+    ``f_proj`` / ``g_proj``), ``dt_bias`` rows of the rank's heads, ``b_proj`` rows and ``A_log``
+    entries of its heads (dimension :attr:`a_log_dim` of the checkpoint tensor), ``o_proj``
+    columns (row-parallel, all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its four state
     tensors hold the rank's heads (``tp_split='v_heads'``). The rank's query heads of the
     attention layers are :attr:`q_heads`.
 

@@ -1,0 +1,297 @@
+"""MiniMax-01 (``transformers`` model type ``minimax``): lightning-attention layers (linear
+attention with a fixed per-head exponential decay) interleaved with softmax attention layers, a
+softmax-routed MoE after each.
+
+``config.layer_types`` picks each layer's token mixer (by default every other layer, from layer
+1, is lightning attention)::
+
+    layer i:  h = norm_1(x);  h = a_attn * h + b_attn * mixer(h)
+              g = norm_2(h);  out = a_mlp * g + b_mlp * moe(g)
+      mixer = lightning attention ('linear_attention': one float32 state [H, d, d] per sequence,
+                                   in a state slot; see blocks/lightning.py)
+            | grouped-query attention with RoPE on whole heads ('full_attention': K and V per
+                                   token, in paged blocks)
+      moe   = softmax over all experts in float32, top k renormalised to sum 1 (computed as a
+              softmax over the k largest logits: the same weights), SwiGLU experts
+
+The residual branches take the *normalised* input (the ``a`` factors multiply ``norm(x)``, not
+``x``), with ``a`` / ``b`` = ``linear_attn_alpha_factor`` / ``_beta_factor`` or
+``full_attn_alpha_factor`` / ``_beta_factor`` by layer kind and ``mlp_alpha_factor`` /
+``mlp_beta_factor``. Tensor parallelism splits both mixers by head (:class:`MiniMaxTPPlan`).
+
+Weight names: the published checkpoint's (``block_sparse_moe.gate``,
+``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down)) and transformers'
+in-memory ones (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``, and the decay
+tables it saves as buffers, which are skipped) both load.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec
+from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.gated_delta_net import attention_head_dim
+from .blocks.lightning import CrossRankRMSNorm, LightningAttention, lightning_state_spec
+from .blocks.moe import GraniteMoE, load_expert_tensor
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT, MOE_FIELDS
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
+from .parallel_plan import ParallelPlan
+
+__all__ = ['MiniMaxForCausalLM', 'MiniMaxTPPlan', 'check_config']
+
+LINEAR, FULL = 'linear_attention', 'full_attention'
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly.
+
+    Raises:
+        ValueError: naming the field (``layer_types``, ``hidden_act``, ``sliding_window``,
+            ``num_experts_per_tok``).
+    """
+    n = config.num_hidden_layers
+    types = list(getattr(config, 'layer_types', None) or [])
+    if len(types) != n or any(t not in (LINEAR, FULL) for t in types):
+        raise ValueError(f'layer_types must list {LINEAR!r} or {FULL!r} for each of the {n} layers, got {types}')
+    if config.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
+    if config.sliding_window is not None:
+        raise ValueError(f'sliding_window must be None (every attention layer sees the whole sequence), '
+                         f'got {config.sliding_window!r}')
+    if not 1 <= config.num_experts_per_tok <= config.num_local_experts:
+        raise ValueError(f'num_experts_per_tok ({config.num_experts_per_tok}) must be in [1, num_local_experts '
+                         f'({config.num_local_experts})]')
+
+
+class MiniMaxAttention(nn.Module):
+    """Grouped-query attention over the paged KV cache, RoPE on whole heads, scale
+    ``head_dim ** -0.5``; no biases.
+
+    Args:
+        config: HF ``MiniMaxConfig``.
+        layer_idx: index into ``StepContext.kv_caches``.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attention_head_dim(config)
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
+                                                          'v_proj': kv})
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``;
+        writes this layer's K/V into the cache."""
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = apply_rotary(q.reshape(T, self.num_heads, self.head_dim), *rotary)
+        k = apply_rotary(k.reshape(T, self.num_kv_heads, self.head_dim), *rotary)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+
+
+class MiniMaxDecoderLayer(nn.Module):
+    """One layer (module docstring): lightning or softmax attention, then the MoE, each branch
+    mixed with its normalised input by the config's alpha / beta factors."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.kind = config.layer_types[layer_idx]
+        if self.kind == LINEAR:
+            self.self_attn = LightningAttention(config, layer_idx)
+            self.attn_alpha, self.attn_beta = config.linear_attn_alpha_factor, config.linear_attn_beta_factor
+        else:
+            self.self_attn = MiniMaxAttention(config, layer_idx)
+            self.attn_alpha, self.attn_beta = config.full_attn_alpha_factor, config.full_attn_beta_factor
+        self.mlp_alpha, self.mlp_beta = config.mlp_alpha_factor, config.mlp_beta_factor
+        self.mlp = GraniteMoE(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``."""
+        normed = self.input_layernorm(hidden)
+        mixed = self.self_attn(normed, ctx) if self.kind == LINEAR else self.self_attn(normed, rotary, ctx)
+        hidden = self.post_attention_layernorm(normed * self.attn_alpha + mixed * self.attn_beta)
+        return hidden * self.mlp_alpha + self.mlp(hidden) * self.mlp_beta
+
+
+class MiniMaxModel(nn.Module):
+    """Embedding, decoder layers, final norm; the rotary table of the softmax-attention layers."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MiniMaxDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens(ctx.input_ids)
+        rotary = self.rotary(ctx.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, ctx)
+        return self.norm(hidden)
+
+
+_RENAMES = [
+    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+    (re.compile(r'\.mlp\.gate\.weight$'), '.mlp.router.weight'),           # transformers -> ours
+]
+
+_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|output_gate|norm|out_proj)'
+                   r'\.weight$')
+
+
+class MiniMaxTPPlan:
+    """How MiniMax-01 splits over ``size`` tensor-parallel ranks (Megatron-style): softmax
+    attention by head (``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` of its KV
+    heads, ``o_proj`` columns); lightning attention by head (``qkv_proj`` rows ``[h, 3d]`` of its
+    heads, ``output_gate`` rows and the output norm's weight of its heads' channels, ``out_proj``
+    columns), its state by head (``'v_heads'``) and its output norm summed over the ranks
+    (:class:`~.blocks.lightning.CrossRankRMSNorm`); the MoE is replicated.
+
+    Args:
+        config: the text config; rank, size: this rank and the tensor-parallel size.
+
+    Raises:
+        ValueError: ``tp`` does not divide ``num_attention_heads`` or ``num_key_value_heads``.
+    """
+
+    row_parallel = (('self_attn', 'o_proj'), ('self_attn', 'out_proj'))
+
+    def __init__(self, config, rank: int, size: int):
+        self.config, self.rank, self.size = config, rank, size
+        for field in ('num_attention_heads', 'num_key_value_heads'):
+            if getattr(config, field) % size:
+                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
+        q, kv = config.num_attention_heads // size, config.num_key_value_heads // size
+        self.q_heads, self.kv_heads = (rank * q, (rank + 1) * q), (rank * kv, (rank + 1) * kv)
+        self.head_dim = attention_head_dim(config)
+
+    def local_config(self):
+        """A copy of the config with this rank's head counts; ``head_dim`` fixed and
+        ``lightning_heads`` (first head, all heads) keeping the full model's decay rates."""
+        import copy
+        c = copy.deepcopy(self.config)
+        c.head_dim = self.head_dim
+        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        c.lightning_heads = (self.q_heads[0], self.config.num_attention_heads)
+        return c
+
+    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
+        """The rank's KV heads for ``'kv_heads'``, its lightning heads for ``'v_heads'``.
+
+        Raises:
+            ValueError: another split name.
+        """
+        if split in ('kv_heads', 'v_heads'):
+            return (self.kv_heads if split == 'kv_heads' else self.q_heads,)
+        raise ValueError(f"CacheTensor.tp_split: MiniMax splits only 'kv_heads' and 'v_heads', not {split!r}")
+
+    def shard(self, name: str):
+        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
+        m = _ROWS.match(name)
+        if not m or int(m.group(1)) >= self.config.num_hidden_layers:
+            return None
+        d, part = self.head_dim, m.group(2)
+        (q0, q1), (k0, k1) = self.q_heads, self.kv_heads
+        if self.config.layer_types[int(m.group(1))] == LINEAR:
+            rows = {'qkv_proj': 3 * d, 'output_gate': d, 'norm': d}.get(part)
+            if rows is not None:
+                return 0, ((q0 * rows, q1 * rows),)
+            return (1, ((q0 * d, q1 * d),)) if part == 'out_proj' else None
+        if part == 'q_proj':
+            return 0, ((q0 * d, q1 * d),)
+        if part in ('k_proj', 'v_proj'):
+            return 0, ((k0 * d, k1 * d),)
+        return (1, ((q0 * d, q1 * d),)) if part == 'o_proj' else None
+
+    def attach_collectives(self, model, all_reduce) -> None:
+        """Give each lightning layer its output norm summed over the ranks."""
+        norm = CrossRankRMSNorm(all_reduce, self.config.num_attention_heads * self.head_dim)
+        for layer in model.model.layers:
+            if isinstance(layer.self_attn, LightningAttention):
+                layer.self_attn.cross_rank_norm = norm
+
+
+_DECAY_TABLES = re.compile(r'\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$')
+
+
+class MiniMaxForCausalLM(CausalLM):
+    """MiniMax-01 causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``MiniMaxConfig``.
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+    # lightning, softmax, lightning, lightning; residual factors off 1 so their placement is tested
+    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+                       layer_types=['linear_attention', 'full_attention', 'linear_attention', 'linear_attention'],
+                       intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                       full_attn_alpha_factor=1.2, full_attn_beta_factor=0.9, linear_attn_alpha_factor=0.8,
+                       linear_attn_beta_factor=1.1, mlp_alpha_factor=1.3, mlp_beta_factor=0.7,
+                       max_position_embeddings=32768, rope_theta=10000.0, tie_word_embeddings=False,
+                       rms_norm_eps=1e-5)
+
+    model_class = MiniMaxModel
+    # every config field transformers reads, and what the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        **{k: v for k, v in MOE_FIELDS.items() if k != 'shared_expert_intermediate_size'},
+        'num_local_experts': IMPLEMENTED,
+        'num_experts_per_tok': CHECKED,           # in [1, num_local_experts]
+        'router_jitter_noise': INERT,             # training only
+        'sliding_window': CHECKED,                # None only
+        'block_size': INERT,                      # transformers' prefill chunk: the same values up to rounding
+        'full_attn_alpha_factor': IMPLEMENTED,
+        'full_attn_beta_factor': IMPLEMENTED,
+        'linear_attn_alpha_factor': IMPLEMENTED,
+        'linear_attn_beta_factor': IMPLEMENTED,
+        'mlp_alpha_factor': IMPLEMENTED,
+        'mlp_beta_factor': IMPLEMENTED,
+    }
+    check_config = staticmethod(check_config)
+    # both mixers by head, the lightning norm summed over the ranks; MoE replicated (MiniMaxTPPlan)
+    parallel_plan = ParallelPlan(custom=MiniMaxTPPlan)
+
+    @staticmethod
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Per layer: a lightning :class:`StateSpec` (``recurrent [H, d, d]`` float32) or a
+        :class:`FullAttentionSpec` (KV heads x head_dim per token).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        state = lightning_state_spec(config)
+        full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
+        return [state if t == LINEAR else full for t in config.layer_types]
+
+    def rename_weight(self, name: str) -> str | None:
+        """Published or transformers names (see the module docstring) → ours; None for the decay
+        tables transformers saves with its lightning layers (``slope_rate``, ``query_decay``,
+        ``key_decay``, ``diagonal_decay``: functions of the config, recomputed here)."""
+        if _DECAY_TABLES.search(name):
+            return None
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name
+
+    def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
+        """The experts, one tensor per expert."""
+        return load_expert_tensor(loader, name, tensor)
