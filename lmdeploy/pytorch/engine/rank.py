@@ -1,6 +1,7 @@
 """The worker: what every rank holds and does — its weights (the whole model at tp=1, its shard
-otherwise; one loader and one code path for both, the rank's layout says which), its cache engine (its slice of every KV block and state slot), and the handful of
-commands the engine sends. tp=1 is the degenerate case of the same class: the engine process
+otherwise; one loader and one code path for both, the rank's layout says which), its cache
+engine (its slice of every KV block and state slot), and the handful of commands the engine
+sends. tp=1 is the degenerate case of the same class: the engine process
 runs rank 0's worker in process, a tensor-parallel engine also starts ranks ``1 .. N-1`` as
 worker processes (:mod:`.executor`), each running this class.
 
@@ -57,7 +58,7 @@ class Worker:
 
     def __init__(self, model_path: str, layout, dtype: str, device: torch.device, mtp: bool = False):
         self.rank, self.size, self.device = layout.rank, layout.size, device
-        loaded = load_model(model_path, layout, dtype=dtype, device=device, mtp=mtp)
+        loaded = load_model(model_path, layout, dtype=dtype, device=device, mtp=mtp, progress=layout.rank == 0)
         self.model, self.hf_config, self.local_config, self.dtype = (loaded.model, loaded.config,
                                                                      loaded.local_config, loaded.dtype)
         self.specs, self.full_specs = loaded.cache_specs(), loaded.cache_specs(full=True)
