@@ -155,7 +155,8 @@ def test_yarn_checkpoint_from_config_json_loads_and_matches(tmp_path):
     raw['rope_theta'] = rope['rope_theta']
     with open(cfg_path, 'w') as f:
         json.dump(raw, f)
-    model, config, _ = load_model(path, 'float32', progress=False)
+    loaded = load_model(path, dtype='float32', progress=False)
+    model, config = loaded.model, loaded.config
     assert config.rope_parameters['rope_type'] == 'yarn'
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(3, config.vocab_size, (PROMPT + DECODE,), generator=torch.Generator().manual_seed(5))

@@ -71,7 +71,7 @@ def test_the_checkpoint_is_really_fp8(fp8_models):
 @pytest.mark.parametrize('arch', list(ARCHS))
 def test_fp8_checkpoint_matches_transformers_dequantized_model(fp8_models, arch):
     path, hf = fp8_models[arch]
-    ours, _, _ = load_model(path, 'float32', progress=False)
+    ours = load_model(path, dtype='float32', progress=False).model
     ids = random_prompt(120, seed=7)
     got, forwards = engine_prompt_logits(make_engine(path, max_prefill_token_num=32, block_size=16), ids)
     ref = hf_prompt_logits(hf, ids)
@@ -93,7 +93,7 @@ def test_kept_fp8_weights_give_the_logits_of_the_dequantized_model(fp8_models):
     """The CUDA layout (plain projections keep FP8 weights, the fp8_block_linear kernel) on
     CPU with the torch fallback: same logits as dequantizing everything at load."""
     path, _ = fp8_models['qwen3_5_moe_text']
-    kept, _, _ = load_model(path, 'float32', progress=False, keep_fp8=True)
+    kept = load_model(path, dtype='float32', progress=False, keep_fp8=True).model
     fp8_params = [n for n, p in kept.named_parameters() if p.dtype == torch.float8_e4m3fn]
     assert any(n.endswith('o_proj.weight') for n in fp8_params) and any('out_proj' in n for n in fp8_params)
     eng = make_engine(path)
@@ -201,7 +201,7 @@ def test_corrupt_fp8_tensors_are_value_errors_naming_the_tensor(fp8_models, tmp_
         tensors = {k: v for k, v in {**ckpt, **replace}.items() if k not in drop}
         save_file(tensors, str(dst / 'model.safetensors'), metadata={'format': 'pt'})
         with pytest.raises(ValueError, match=message):
-            load_model(str(dst), 'float32', progress=False)
+            load_model(str(dst), dtype='float32', progress=False)
 
 
 @pytest.mark.parametrize('quant, field', [

@@ -71,8 +71,8 @@ def test_fused_expert_checkpoint_loads_the_same_weights(tiny_qwen3_5_moe_text, t
                                                      for e in range(num)])
         out[f'{prefix}.down_proj'] = torch.stack([parts[(e, 'down_proj')] for e in range(num)])
     save_file(out, str(fused / 'model.safetensors'), metadata={'format': 'pt'})
-    a, _, _ = load_model(tiny_qwen3_5_moe_text, 'float32', progress=False)
-    b, _, _ = load_model(str(fused), 'float32', progress=False)
+    a = load_model(tiny_qwen3_5_moe_text, dtype='float32', progress=False).model
+    b = load_model(str(fused), dtype='float32', progress=False).model
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     ids = random_prompt(40, seed=5)

@@ -27,11 +27,10 @@ from engine_utils import assert_idle, engine_prompt_logits, random_prompt, run_s
 from tp_utils import B, PROMPTS, TP_TOL, check_store_across_tp_sizes, engine, record_safetensors_reads
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.engine.executor import WorkerDiedError
-from lmdeploy.pytorch.distributed.loading import iter_shard_tensors
 from lmdeploy.pytorch.distributed.sharding import TPLayout
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.engine.engine_loop import EngineLoop
-from lmdeploy.pytorch.models.loader import iter_safetensors, load_config
+from lmdeploy.pytorch.models.loader import iter_safetensors, iter_weights, load_config
 
 
 GEN = GenerationConfig(max_new_tokens=8, ignore_eos=True)
@@ -55,7 +54,7 @@ def test_each_rank_reads_its_slices_and_the_slices_tile_every_split_tensor(arch,
     full = dict(iter_safetensors(path, progress=False))
     reads = record_safetensors_reads(monkeypatch)
     layouts = [TPLayout(config, r, 2) for r in range(2)]
-    parts = [dict(iter_shard_tensors(path, layout)) for layout in layouts]
+    parts = [dict(iter_weights(path, layout)) for layout in layouts]
     split = [n for n in full if layouts[0].shard(n) is not None]
     assert 'lm_head.weight' in split or config.tie_word_embeddings
     assert any('k_proj' in n for n in split)

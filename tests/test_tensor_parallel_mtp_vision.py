@@ -65,16 +65,16 @@ def test_each_rank_loads_its_mtp_shard_reading_only_slices_of_the_split_mtp_tens
     ``o_proj`` row-parallel), the q/k/v/o tensors read as slices (never whole) and tiling the
     whole head's; ``fc``, norms and MoE replicated; only ``mtp.*`` tensors read."""
     from lmdeploy.pytorch.distributed.sharding import RowParallelLinear
-    from lmdeploy.pytorch.spec_decode.mtp import load_mtp
+    from lmdeploy.pytorch.models.loader import load_mtp_head
     config = load_config(tiny_qwen3_next)
     names = {n for n, _ in iter_safetensors(tiny_qwen3_next, progress=False) if n.startswith('mtp.')}
-    whole = load_mtp(tiny_qwen3_next, config, torch.float32, 'cpu')
+    whole = load_mtp_head(tiny_qwen3_next, dtype='float32')
     reads = record_safetensors_reads(monkeypatch)
     shards = []
     for rank in range(2):
         reads.clear()
         layout = TPLayout(config, rank, 2)
-        mtp = load_mtp(tiny_qwen3_next, config, torch.float32, 'cpu', layout=layout)
+        mtp = load_mtp_head(tiny_qwen3_next, layout, dtype='float32')
         split = {n for n in names if layout.shard(n) is not None}
         assert split == {f'mtp.layers.0.self_attn.{p}_proj.weight' for p in 'qkvo'}
         assert sorted(n for n, _ in reads) == sorted(names)          # each mtp.* tensor once, nothing else

@@ -66,6 +66,7 @@ from torch import nn
 
 from ..kernels.linear import linear
 from ..models import MODEL_REGISTRY, get_model_class
+from ..models.layers import Linear
 from .comm import all_gather_last, all_reduce
 
 __all__ = ['TPLayout', 'Shard', 'RowParallelLinear', 'VocabParallelEmbedding', 'VocabParallelHead']
@@ -78,13 +79,14 @@ class Shard:
     ranges: tuple[tuple[int, int], ...]
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """``y = all_reduce(x_local @ W_local^T) + b``: the input channels are split over ranks, each
-    rank holds ``W[:, its columns]`` and the full bias (added once, after the sum)."""
+    rank holds ``W[:, its columns]`` (FP8 with its scale columns when the loader keeps it FP8)
+    and the full bias (added once, after the sum)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, in / N]`` → ``[T, out]`` (identical on every rank)."""
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(self.product(x))
         return y if self.bias is None else y + self.bias
 
 

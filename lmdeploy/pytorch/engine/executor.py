@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 from ..cache_engine import rows_per_state
 from ..distributed.comm import destroy_group, free_port, init_group
 from ..distributed.sharding import TPLayout
-from ..models.loader import load_config
+from ..models.loader import WholeModel, load_config
 from ..store.layout import StoreLayout
 from .rank import Worker
 
@@ -95,7 +95,7 @@ def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, d
         torch.cuda.set_device(dev)
     group = init_group(rank, size, port, dev, TIMEOUT_S)
     try:
-        worker, error = Worker(model_path, dtype, dev, rank, size, mtp), None
+        worker, error = Worker(model_path, TPLayout(load_config(model_path), rank, size), dtype, dev, mtp), None
     except Exception as err:       # reported to rank 0, which raises it
         worker, error = None, f'rank {rank}: {type(err).__name__}: {err}'
     dist.gather_object(error, None, dst=0, group=group.control)
@@ -161,7 +161,7 @@ class LocalExecutor(_Executor):
     def __init__(self, model_path: str, dtype: str, device: torch.device, mtp: bool = False):
         self.size = 1
         self.device = device
-        self.worker = Worker(model_path, dtype, device, 0, 1, mtp)
+        self.worker = Worker(model_path, WholeModel(load_config(model_path)), dtype, device, mtp)
         self.pids: list[int] = []
 
     def call(self, name: str, *args, gather: bool = False):
@@ -196,11 +196,8 @@ class MultiProcessExecutor(_Executor):
         self.device = device
         self.dead: WorkerDiedError | None = None
         self._closed = False
-        config = load_config(model_path)
-        TPLayout(config, 0, size)     # a TP size the heads do not allow fails before any spawn
-        if mtp:
-            from ..spec_decode.mtp import check_mtp_model
-            check_mtp_model(config, size)
+        # rank 0's layout, built first: a TP size the heads do not allow fails before any spawn
+        layout = TPLayout(load_config(model_path), 0, size)
         ctx = mp.get_context('spawn')
         port = free_port()
         self.procs = [ctx.Process(target=_worker_main, args=(r, size, port, model_path, dtype, device.type, mtp),
@@ -210,7 +207,7 @@ class MultiProcessExecutor(_Executor):
         try:
             self._join_group(port)
             try:
-                self.worker, error = Worker(model_path, dtype, device, 0, size, mtp), None
+                self.worker, error = Worker(model_path, layout, dtype, device, mtp), None
             except Exception as err:
                 self.worker, error = None, err
             errors = [None] * size

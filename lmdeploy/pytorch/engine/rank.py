@@ -1,6 +1,7 @@
 """The worker: what every rank holds and does — its weights (the whole model at tp=1, its shard
-otherwise), its cache engine (its slice of every KV block and state slot), and the handful of
-commands the engine sends. tp=1 is the degenerate case of the same class: the engine process
+otherwise; one loader and one code path for both, the rank's layout says which), its cache
+engine (its slice of every KV block and state slot), and the handful of commands the engine
+sends. tp=1 is the degenerate case of the same class: the engine process
 runs rank 0's worker in process, a tensor-parallel engine also starts ranks ``1 .. N-1`` as
 worker processes (:mod:`.executor`), each running this class.
 
@@ -23,8 +24,6 @@ from __future__ import annotations
 import torch
 
 from ..cache_engine import CacheEngine
-from ..distributed.loading import load_model_shard
-from ..distributed.sharding import TPLayout
 from ..model_inputs import StepBatch
 from ..models.loader import load_model
 
@@ -36,46 +35,38 @@ class Worker:
 
     Args:
         model_path: the model directory.
+        layout: what this rank holds, the same question on every TP size:
+            :class:`~lmdeploy.pytorch.models.loader.WholeModel` at tp=1, the rank's
+            :class:`~lmdeploy.pytorch.distributed.sharding.TPLayout` otherwise; the one loader
+            (:func:`~lmdeploy.pytorch.models.loader.load_model`) builds and reads the model under it.
         dtype: ``PytorchEngineConfig.dtype``.
         device: this rank's device.
-        rank, size: this rank and the TP size (``size == 1``: the whole model, loaded by
-            :func:`~lmdeploy.pytorch.models.loader.load_model`; else this rank's shard).
-        mtp: also load this rank's part of the model's MTP head (its class's ``mtp_head``); its cache spec
-            (this rank's KV heads) is appended to :attr:`specs`, the full-head one to
-            :attr:`full_specs`.
+        mtp: also load this rank's part of the model's MTP head (its class's ``mtp_head``), by
+            the same loader; its cache spec (this rank's KV heads) is appended to :attr:`specs`,
+            the full-head one to :attr:`full_specs`.
 
     Attributes:
+        rank, size: the layout's rank and TP size.
         specs: this rank's layer cache specs (its heads).
         full_specs: the single-process specs (the Store payload layout); equal to ``specs``
             when ``size == 1``.
         drafter: the MTP drafter (``mtp``), else None.
 
     Raises:
-        ValueError: see :func:`~lmdeploy.pytorch.models.loader.load_model`,
-            :func:`~lmdeploy.pytorch.distributed.loading.load_model_shard` and
-            :func:`~lmdeploy.pytorch.spec_decode.mtp.load_mtp`.
+        ValueError: see :func:`~lmdeploy.pytorch.models.loader.load_model`.
     """
 
-    def __init__(self, model_path: str, dtype: str, device: torch.device, rank: int = 0, size: int = 1,
-                 mtp: bool = False):
-        self.rank, self.size, self.device = rank, size, device
-        if size == 1:
-            self.model, self.hf_config, self.dtype = load_model(model_path, dtype, device)
-            self.local_config = self.hf_config
-        else:
-            self.model, self.hf_config, self.local_config, self.dtype = load_model_shard(model_path, dtype, device,
-                                                                                         rank, size)
-        self.specs = list(self.model.cache_specs(self.local_config, self.dtype))
-        self.full_specs = list(type(self.model).cache_specs(self.hf_config, self.dtype))
-        self.mtp = self.drafter = None
+    def __init__(self, model_path: str, layout, dtype: str, device: torch.device, mtp: bool = False):
+        self.rank, self.size, self.device = layout.rank, layout.size, device
+        loaded = load_model(model_path, layout, dtype=dtype, device=device, mtp=mtp, progress=layout.rank == 0)
+        self.model, self.hf_config, self.local_config, self.dtype = (loaded.model, loaded.config,
+                                                                     loaded.local_config, loaded.dtype)
+        self.specs, self.full_specs = loaded.cache_specs(), loaded.cache_specs(full=True)
+        self.mtp, self.drafter = loaded.mtp, None
         self.last_hidden: torch.Tensor | None = None    # [T, hidden] of the last forward (MTP only)
         if mtp:
-            from ..spec_decode.mtp import MTPDrafter, load_mtp, mtp_cache_spec
-            layout = TPLayout(self.hf_config, rank, size) if size > 1 else None
-            self.mtp = load_mtp(model_path, self.hf_config, self.dtype, device, layout=layout)
+            from ..spec_decode.mtp import MTPDrafter
             self.drafter = MTPDrafter(self.model, self.mtp)
-            self.specs.append(mtp_cache_spec(self.local_config, self.dtype))
-            self.full_specs.append(mtp_cache_spec(self.hf_config, self.dtype))
         self.cache_engine: CacheEngine | None = None
 
     # commands (rank 0 runs them in process; a tensor-parallel engine broadcasts them) ----------

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types']
+__all__ = ['MODEL_REGISTRY', 'get_model_class', 'supported_model_types', 'mtp_head_class', 'mtp_model_types']
 
 # model_type -> "module:Class", imported lazily so one model's import cost is not everyone's.
 MODEL_REGISTRY = {
@@ -47,3 +47,25 @@ def get_model_class(model_type: str):
         raise ValueError(f'unsupported model type {model_type!r}; supported: {", ".join(supported_model_types())}')
     module, cls = MODEL_REGISTRY[model_type].split(':')
     return getattr(importlib.import_module(f'{__name__}.{module}'), cls)
+
+
+def mtp_model_types() -> list[str]:
+    """The model types whose engine class has an MTP head."""
+    return [t for t in sorted(MODEL_REGISTRY) if get_model_class(t).mtp_head]
+
+
+def mtp_head_class(config):
+    """The multi-token-prediction head class of ``config``'s model (its class's ``mtp_head``,
+    a :class:`~.base.MTPHead`).
+
+    Raises:
+        ValueError: the model has none (names ``speculative_config.method`` and lists the model
+            types that do).
+    """
+    model_type = getattr(config, 'model_type', None)
+    head = get_model_class(model_type).mtp_head if model_type in MODEL_REGISTRY else None
+    if not head:
+        raise ValueError(f'speculative_config.method=mtp needs a model with an '
+                         f'MTP head ({", ".join(mtp_model_types())}), got {model_type!r}')
+    module, name = head.split(':')
+    return getattr(importlib.import_module(f'{__name__}.{module}'), name)

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-__all__ = ['weight_files', 'iter_safetensors']
+__all__ = ['weight_files', 'iter_safetensors', 'read_part', 'slice_part']
 
 
 def weight_files(model_path: str) -> list[str]:
@@ -39,3 +39,20 @@ def iter_safetensors(model_path: str, progress: bool = True) -> Iterator[tuple[s
         with safe_open(path, framework='pt') as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def read_part(f, name: str, shard) -> torch.Tensor:
+    """Read tensor ``name`` of the open safetensors file ``f``: whole when ``shard`` is None,
+    else only its ``shard.ranges`` along ``shard.dim`` (``get_slice``: the rest of the tensor is
+    never read), concatenated."""
+    if shard is None:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    pieces = [view[(slice(None),) * shard.dim + (slice(a, b),)] for a, b in shard.ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)
+
+
+def slice_part(tensor: torch.Tensor, shard) -> torch.Tensor:
+    """The ``shard.ranges`` along ``shard.dim`` of an in-memory ``tensor``, concatenated (contiguous)."""
+    pieces = [tensor.narrow(shard.dim, a, b - a) for a, b in shard.ranges]
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=shard.dim)).contiguous()

@@ -71,10 +71,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` → ``[..., out_features]``."""
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T (+ bias)``: ``[..., in_features]`` → ``[..., out_features]``, through the
+        FP8 GEMM when the weight is FP8 (a row-parallel subclass adds its bias after the sum)."""
         if self.fp8_block is not None:
-            return get_kernel('fp8_block_linear', x.device)(x, self.weight, self.weight_scale_inv, self.fp8_block,
-                                                            self.bias)
-        return linear(x, self.weight, self.bias)
+            return get_kernel('fp8_block_linear', x.device)(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
+        return linear(x, self.weight, bias)
 
     def to_fp8(self, block: tuple[int, int]) -> None:
         """Hold the weight as float8_e4m3fn ``[N, K]`` with float32 inverse scales

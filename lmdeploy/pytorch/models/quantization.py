@@ -15,7 +15,21 @@ How the weights are used (:class:`Fp8Weights`)::
     CUDA     the weight of each plain projection (one checkpoint tensor -> one Linear) stays
              FP8 with its scales and runs the block-scaled FP8 GEMM ``fp8_block_linear``
              (Triton; torch fallback that dequantizes); packed projections (q|k|v, gate|up,
-             the Gated DeltaNet input projections) and MoE experts are dequantized at load
+             the Gated DeltaNet input projections), MoE experts and MTP heads are dequantized
+             at load
+
+Under tensor parallelism (any TP size, the same loader) a rank's projection keeps FP8 when its
+split falls on scale-block boundaries: every range it reads starts on a block and all but the
+last span whole blocks (the last may end in a ragged block), so its rows (column split) or columns (row split)
+of the FP8 tensor come with whole rows / columns of the scale grid (:func:`block_ranges`)::
+
+    o_proj.weight [H, 512], block 128, tp=2, row split (columns)
+      rank 0: columns [0, 256)   scale columns [0, 2)   kept FP8
+      rank 1: columns [256, 512) scale columns [2, 4)   kept FP8
+    the same at tp=4 with [H, 256]: 64 columns per rank, half a block -> dequantized
+
+A split off the blocks is dequantized (the whole tensor is read, dequantized, then sliced) and
+the loader logs one line naming how many weights and the first one; the engine still serves.
 
 Refused by name (a ValueError naming the method and what is supported): every other
 ``quant_method`` (AWQ, GPTQ, compressed-tensors, bitsandbytes, ...), FP8 with another ``fmt``
@@ -25,13 +39,13 @@ without its scale, a scale without its weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
 from ..kernels.fp8 import FP8_DTYPE, check_fp8_scale, dequantize_fp8_blocks
 
-__all__ = ['Fp8Config', 'Fp8Weights', 'parse_quantization_config', 'keep_fp8_linears', 'SUPPORTED']
+__all__ = ['Fp8Config', 'Fp8Weights', 'parse_quantization_config', 'keep_fp8_linears', 'block_ranges', 'SUPPORTED']
 
 SUPPORTED = "quant_method 'fp8' (fmt 'e4m3', block-wise weight_block_size, dynamic activations)"
 SCALE_SUFFIX = '.weight_scale_inv'
@@ -88,50 +102,68 @@ def parse_quantization_config(config) -> Fp8Config | None:
 
 
 class Fp8Weights:
-    """Turns a checkpoint's tensors into what the model loads.
+    """Turns a checkpoint's quantized weights into what one rank's model loads.
 
     Args:
         quant: the checked config.
         scales: every ``<module>.weight_scale_inv`` tensor of the checkpoint, by name.
         dtype: the compute dtype the weights are dequantized into.
-        keep: weight names passed through still FP8 (CUDA: plain projections, see the module
-            docstring); their scales are passed through too.
+        keep: weight names passed through still FP8 (plain projections, see the module
+            docstring); their scales (or this rank's rows of them) are passed through too.
+        shapes: the full shape of each quantized weight, by name (for the checks and the
+            block alignment of a rank's split, :func:`block_ranges`).
     """
 
     def __init__(self, quant: Fp8Config, scales: dict[str, torch.Tensor], dtype: torch.dtype,
-                 keep: frozenset[str] = frozenset()):
+                 keep: frozenset[str] = frozenset(), shapes: dict[str, tuple[int, ...]] | None = None):
         self.quant, self.scales, self.dtype, self.keep = quant, scales, dtype, keep
+        self.shapes = shapes or {}
 
     @classmethod
     def from_checkpoint(cls, model_path: str, quant: Fp8Config, dtype: torch.dtype,
                         keep: frozenset[str] = frozenset()) -> 'Fp8Weights':
-        """Read the scales (small) of the checkpoint in ``model_path``."""
+        """Read the scales (small) and the quantized weights' shapes (file headers only) of the
+        checkpoint in ``model_path``.
+
+        Raises:
+            ValueError: a scale whose weight the checkpoint lacks (names the scale).
+        """
         from safetensors import safe_open
 
         from .checkpoint_files import weight_files
-        scales = {}
+        scales, shapes = {}, {}
         for path in weight_files(model_path):
             with safe_open(path, framework='pt') as f:
                 for name in f.keys():
                     if name.endswith(SCALE_SUFFIX):
                         scales[name] = f.get_tensor(name)
-        return cls(quant, scales, dtype, keep)
+                    elif name.endswith('.weight'):
+                        shapes[name] = tuple(f.get_slice(name).get_shape())
+        for name in sorted(scales):
+            if _weight_of(name) not in shapes:
+                raise ValueError(f'{name}: an FP8 scale without its weight in the checkpoint')
+        return cls(quant, scales, dtype, keep, {w: shapes[w] for w in map(_weight_of, scales)})
 
     def weight_names(self) -> set[str]:
         """Names of the quantized weights."""
-        return {n[:-len(SCALE_SUFFIX)] + '.weight' for n in self.scales}
+        return {_weight_of(n) for n in self.scales}
+
+    def splits_on_blocks(self, name: str, shard) -> bool:
+        """Whether a rank's ``shard`` of quantized weight ``name`` (None: whole) is made of
+        whole scale blocks, so that it can keep FP8 with the matching rows of its scale."""
+        return shard is None or block_ranges(shard, self.shapes[name], self.quant.block) is not None
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The tensor to load for checkpoint tensor ``name``: a quantized weight dequantized
-        (or kept FP8 when in ``keep``), a scale dropped (None) unless its weight is kept, any
-        other tensor as stored.
+        """The tensor to load for checkpoint tensor ``name`` read whole: a quantized weight
+        dequantized (or kept FP8 when in ``keep``), a scale dropped (None) unless its weight is
+        kept, any other tensor as stored.
 
         Raises:
             ValueError: naming the tensor: a scale shape that does not fit the weight, an FP8
                 tensor without a scale, a scale without a weight tensor of type float8_e4m3fn.
         """
         if name.endswith(SCALE_SUFFIX):
-            return tensor if name[:-len(SCALE_SUFFIX)] + '.weight' in self.keep else None
+            return tensor if _weight_of(name) in self.keep else None
         scale_name = name[:-len('.weight')] + SCALE_SUFFIX if name.endswith('.weight') else None
         scale = self.scales.get(scale_name) if scale_name else None
         if scale is None:
@@ -146,42 +178,103 @@ class Fp8Weights:
             return tensor
         return dequantize_fp8_blocks(tensor, scale, self.quant.block, self.dtype)
 
-    def stream(self, weights: Iterable[tuple[str, torch.Tensor]], complete: bool = True
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-        """:meth:`convert` over ``(name, tensor)`` pairs, dropping what it drops.
+    def read(self, f, name: str, shard) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield what a rank loads for quantized weight ``name`` of the open safetensors file
+        ``f`` under its ``shard`` (None: whole): the weight kept FP8 followed by its scale
+        (rows), or the weight dequantized.
 
-        Args:
-            weights: checkpoint tensors.
-            complete: ``weights`` is the whole checkpoint (then a scale whose weight never came
-                is an error); False for a part (one rank's shard, the ``mtp.*`` head).
+        A split on scale-block boundaries reads only the rank's rows of the FP8 tensor and
+        their scale blocks (the dequantized part is bit-identical to the same part of the whole
+        tensor dequantized: dequantization is one product per element with its block's scale).
+        Any other split reads the tensor whole, dequantizes it and slices it.
 
         Raises:
-            ValueError: see :meth:`convert`; also a scale whose weight the checkpoint lacks.
+            ValueError: as :meth:`convert`.
         """
-        seen = set()
-        for name, tensor in weights:
-            seen.add(name)
-            out = self.convert(name, tensor)
-            if out is not None:
-                yield name, out
-        missing = sorted(n for n in self.scales if n[:-len(SCALE_SUFFIX)] + '.weight' not in seen)
-        if complete and missing:
-            raise ValueError(f'{missing[0]}: an FP8 scale without its weight in the checkpoint')
+        from .checkpoint_files import read_part, slice_part
+        scale_name = name[:-len('.weight')] + SCALE_SUFFIX
+        scale = self.scales[scale_name]
+        ranges = None if shard is None else block_ranges(shard, self.shapes[name], self.quant.block)
+        if shard is None or ranges is None:
+            tensor = self.convert(name, f.get_tensor(name))
+            yield name, tensor if shard is None else slice_part(tensor, shard)
+            if shard is None and name in self.keep:
+                yield scale_name, scale
+            return
+        check_fp8_scale(scale_name, self.shapes[name], scale.shape, self.quant.block)
+        tensor = read_part(f, name, shard)
+        if tensor.dtype != FP8_DTYPE:
+            raise ValueError(f'{scale_name}: a scale for {name}, which is {tensor.dtype}, not float8_e4m3fn')
+        part = slice_part(scale, type(shard)(shard.dim, ranges))
+        if name in self.keep:
+            yield name, tensor
+            yield scale_name, part
+        else:
+            yield name, dequantize_fp8_blocks(tensor, part, self.quant.block, self.dtype)
 
 
-def keep_fp8_linears(model: torch.nn.Module, weights: set[str], block: tuple[int, int]) -> frozenset[str]:
-    """Switch each plain :class:`~.layers.Linear` of ``model`` whose weight is one quantized
-    checkpoint tensor of ``weights`` to FP8 storage (:meth:`~.layers.Linear.to_fp8`); returns
-    those checkpoint names. Checkpoint names under ``model.language_model.`` (Qwen3.5) are
-    matched as ``model.``. Only decoder-layer projections switch (``lm_head`` and the vision
-    tower keep the compute dtype: their weight dtype is read as the model's)."""
-    from .layers import Linear
+def _weight_of(scale_name: str) -> str:
+    return scale_name[:-len(SCALE_SUFFIX)] + '.weight'
+
+
+def block_ranges(shard, shape: tuple[int, ...], block: tuple[int, int]) -> tuple[tuple[int, int], ...] | None:
+    """The scale ranges that go with a rank's ``shard`` of an FP8 weight of ``shape``
+    ``[..., N, K]`` quantized in ``block = (bn, bk)`` blocks, or None when the shard does not
+    fall on block boundaries.
+
+    ``shard.ranges`` along ``shard.dim`` are concatenated; each must start on a block boundary,
+    and each but the last must span whole blocks (the last may end anywhere: a ragged last
+    block, as a checkpoint's own last block may be), so that the concatenation is again a block
+    grid whose every block is one checkpoint block. A leading (expert) dimension has no block.
+
+    Example: ``N = 384`` rows split over 3 ranks (128 rows each) → rank 1's scale rows
+    ``((1, 2),)``; over 2 ranks (192 rows each) → None.
+    """
+    dim = shard.dim % len(shape)
+    lead = len(shape) - 2
+    if dim < lead:
+        return shard.ranges
+    size, b = shape[dim], block[dim - lead]
+    out = []
+    ranges = []
+    for lo, hi in shard.ranges:        # adjacent ranges read as one (e.g. q | k | v of one rank at tp=1)
+        if ranges and ranges[-1][1] == lo:
+            lo = ranges.pop()[0]
+        ranges.append((lo, hi))
+    last = len(ranges) - 1
+    for i, (lo, hi) in enumerate(ranges):
+        if lo % b or hi > size or ((hi - lo) % b and i != last):
+            return None
+        out.append((lo // b, -(-hi // b)))
+    return tuple(out)
+
+
+def keep_fp8_linears(model: torch.nn.Module, weights: set[str], block: tuple[int, int],
+                     fits=lambda name: True) -> tuple[frozenset[str], frozenset[str]]:
+    """Switch each projection of ``model`` that multiplies one quantized checkpoint weight of
+    ``weights`` with a plain or row-parallel :class:`~.layers.Linear` (not a packed one) to FP8
+    storage (:meth:`~.layers.Linear.to_fp8`), when ``fits(name)``: under tensor parallelism,
+    when the rank's split falls on scale-block boundaries (:meth:`Fp8Weights.splits_on_blocks`).
+    Checkpoint names under ``model.language_model.`` (Qwen3.5) are matched as ``model.``. Only
+    decoder-layer projections switch (``lm_head`` and the vision tower keep the compute dtype:
+    their weight dtype is read as the model's).
+
+    Returns:
+        ``(kept, unfit)``: the checkpoint names switched, and those that could have been but
+        whose split does not fit the blocks (they are dequantized).
+    """
+    from .layers import Linear, PackedLinear
     plain = {f'{path}.weight': module for path, module in model.named_modules()
-             if type(module) is Linear and path.startswith('model.layers.')}
-    kept = set()
+             if isinstance(module, Linear) and not isinstance(module, PackedLinear)
+             and path.startswith('model.layers.')}
+    kept, unfit = set(), set()
     for name in weights:
         module = plain.get(name) or plain.get(name.replace('model.language_model.', 'model.', 1))
-        if module is not None:
-            module.to_fp8(block)
-            kept.add(name)
-    return frozenset(kept)
+        if module is None:
+            continue
+        if not fits(name):
+            unfit.add(name)
+            continue
+        module.to_fp8(block)
+        kept.add(name)
+    return frozenset(kept), frozenset(unfit)

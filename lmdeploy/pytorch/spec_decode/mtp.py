@@ -29,6 +29,10 @@ cache and put to the Store with the other layers (``K_blk`` includes them). Its 
 position ``t`` need token ``t + 1``: the chunk that ends at a boundary ``b`` reads token ``b``
 (lookahead ℓ = 1), which is why the MTP strategy restores only at ``b <= n - 1``.
 
+Loading: the one model loader builds the head beside the model
+(:func:`~lmdeploy.pytorch.models.loader.load_model` with ``mtp=True``), under the same layout
+and through the same tensor reader on every TP size; :func:`~lmdeploy.pytorch.models.loader.load_mtp_head` is that step alone.
+
 Tensor parallelism (heads with ``supports_tp``): every rank holds its shard of the head
 (attention split by head like the target's attention layers, the rest replicated;
 :meth:`TPLayout.apply_mtp`) and its slice of the MTP KV. Steps travel as :class:`MTPBatch`
@@ -38,96 +42,22 @@ are gathered over the ranks before the argmax).
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..model_inputs import StepBatch, StepContext
-from ..models import MODEL_REGISTRY, get_model_class
+from ..models import mtp_head_class, mtp_model_types  # noqa: F401  (re-exported)
 from ..models.qwen3_next_mtp import MTP_PREFIX, Qwen3NextMTP, mtp_config  # noqa: F401  (re-exported)
 
-__all__ = ['Qwen3NextMTP', 'MTPBatch', 'MTPDrafter', 'mtp_cache_spec', 'check_mtp_model', 'load_mtp',
-           'mtp_head_class', 'MTP_PREFIX']
-
-
-def mtp_model_types() -> list[str]:
-    """The model types whose engine class has an MTP head."""
-    return [t for t in sorted(MODEL_REGISTRY) if get_model_class(t).mtp_head]
-
-
-def mtp_head_class(config):
-    """The MTP head class of ``config``'s model (its class's ``mtp_head``).
-
-    Raises:
-        ValueError: the model has none (names ``speculative_config.method`` and lists those that do).
-    """
-    model_type = getattr(config, 'model_type', None)
-    head = get_model_class(model_type).mtp_head if model_type in MODEL_REGISTRY else None
-    if not head:
-        raise ValueError(f'speculative_config.method=mtp needs a model with an '
-                         f'MTP head ({", ".join(mtp_model_types())}), got {model_type!r}')
-    module, name = head.split(':')
-    return getattr(importlib.import_module(f'lmdeploy.pytorch.models.{module}'), name)
-
-
-def check_mtp_model(config, tp: int = 1) -> None:
-    """Raise ValueError (naming ``speculative_config.method``) unless ``config``'s model has an
-    MTP head, and one that tensor parallelism can shard when ``tp > 1``."""
-    head = mtp_head_class(config)
-    if tp > 1 and not head.supports_tp:
-        raise ValueError(f'speculative_config.method=mtp: the {config.model_type} MTP head '
-                         f'({head.__name__}) is not split for tensor parallelism; use tp=1')
+__all__ = ['Qwen3NextMTP', 'MTPBatch', 'MTPDrafter', 'mtp_cache_spec',
+           'mtp_head_class', 'mtp_model_types', 'MTP_PREFIX']
 
 
 def mtp_cache_spec(config, dtype: torch.dtype):
     """The cache spec of ``config``'s MTP layer (a text config is accepted too)."""
     return mtp_head_class(config).cache_spec(config, dtype)
-
-
-def load_mtp(model_path: str, config, dtype: torch.dtype, device: torch.device | str,
-             layout=None) -> nn.Module:
-    """Build the MTP head of the checkpoint in ``model_path`` and load its tensors (reading
-    only those).
-
-    Args:
-        model_path: the model directory.
-        config: the full model's config.
-        dtype, device: of the parameters.
-        layout: a :class:`~lmdeploy.pytorch.distributed.sharding.TPLayout` to load that rank's
-            shard (built from its local config, row-parallel modules swapped in, split tensors
-            read as slices); None for the whole head.
-
-    Raises:
-        ValueError: the model has no MTP head (or none for this TP size), or the checkpoint has
-            no (or incomplete) head weights.
-    """
-    from safetensors import safe_open
-
-    from ..models.loader import weight_files
-    check_mtp_model(config, 1 if layout is None else layout.size)
-    head_cls = mtp_head_class(config)
-    with torch.device('meta'):
-        mtp = head_cls(config) if layout is None else layout.apply_mtp(head_cls(layout.local_config()))
-    mtp = mtp.to_empty(device=device).to(dtype)
-
-    def tensors():
-        for path in weight_files(model_path):
-            with safe_open(path, framework='pt') as f:
-                for name in f.keys():
-                    if head_cls.wants(name, config):
-                        yield name, f.get_tensor(name)
-
-    from ..distributed.loading import shard_fp8
-    fp8 = shard_fp8(model_path, config, dtype)     # FP8 checkpoint: the head is dequantized at load
-    if layout is None:
-        mtp.load_weights(tensors() if fp8 is None else fp8.stream(tensors(), complete=False))
-    else:
-        from ..distributed.loading import iter_shard_tensors
-        mtp.load_weights(iter_shard_tensors(model_path, layout, fp8=fp8,
-                                            keep=lambda name: head_cls.wants(name, config)))
-    return mtp.eval()
 
 
 @dataclass

@@ -63,7 +63,7 @@ class DecoderLayerMTP(MTPHead):
 
     #: the family's full-attention decoder layer, ``(config, layer_idx)`` → module
     layer_class: ClassVar[type[nn.Module]]
-    supports_tp = True      # TPLayout.apply_mtp / iter_shard_tensors split it like the target's layers
+    supports_tp = True      # TPLayout.apply_mtp and the loader (TPLayout.shard) split it like the target's layers
 
     @staticmethod
     def cache_spec(config, dtype: torch.dtype) -> FullAttentionSpec:
