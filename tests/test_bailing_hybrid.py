@@ -84,10 +84,10 @@ def test_transformers_names_load_and_published_nextn_layers_are_skipped(tiny, tm
 def test_mtp_speculative_decoding_is_refused_by_name(tiny):
     from transformers import AutoConfig
 
-    from lmdeploy.pytorch.spec_decode.mtp import check_mtp_model
+    from lmdeploy.pytorch.models import mtp_head_class
     config = AutoConfig.from_pretrained(tiny[0])
     with pytest.raises(ValueError, match=r"speculative_config.method=mtp .*got 'bailing_hybrid'"):
-        check_mtp_model(config)
+        mtp_head_class(config)
 
 
 @pytest.mark.parametrize('change, field', [(dict(hidden_act='gelu'), 'hidden_act'),
