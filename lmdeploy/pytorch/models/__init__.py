@@ -21,6 +21,7 @@ MODEL_REGISTRY = {
     'mamba': 'mamba_lm:MambaForCausalLM',
     'mamba2': 'mamba2_lm:Mamba2ForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
+    'olmo_hybrid': 'olmo_hybrid:OlmoHybridForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
     'qwen3_5': 'qwen3_5:Qwen3_5ForConditionalGeneration',
