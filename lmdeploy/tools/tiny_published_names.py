@@ -113,6 +113,25 @@ def _olmo_hybrid_published_names(tensors: dict) -> dict:
     return out
 
 
+def _zamba2_published_names(tensors: dict) -> dict:
+    """transformers' Zamba2 state dict → the published checkpoint's: a shared attention block
+    stored once, under its first hybrid layer (`model.layers.{i}.shared_transformer.*`), not
+    again at each later layer that reuses it (those tensors share its storage)."""
+    def layer(name: str) -> int:
+        m = re.match(r'^model\.layers\.(\d+)\.', name)
+        return int(m.group(1)) if m else -1
+
+    out, seen = {}, set()
+    for name in sorted(tensors, key=lambda n: (layer(n), n)):
+        t = tensors[name]
+        if '.shared_transformer.' in name:
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
 PUBLISHED_NAMES = {
     'kimi_linear': _kimi_published_names,
     'glm5_next': glm5_next_published_names,
@@ -120,4 +139,5 @@ PUBLISHED_NAMES = {
     'granitemoehybrid': _granite_published_names,
     'lfm2_moe': _lfm2_moe_published_names,
     'olmo_hybrid': _olmo_hybrid_published_names,
+    'zamba2': _zamba2_published_names,
 }

@@ -28,6 +28,7 @@ MODEL_REGISTRY = {
     'qwen3_5_text': 'qwen3_5:Qwen3_5ForCausalLM',
     'qwen3_5_moe': 'qwen3_5_moe:Qwen3_5MoeForConditionalGeneration',
     'qwen3_5_moe_text': 'qwen3_5_moe:Qwen3_5MoeForCausalLM',
+    'zamba2': 'zamba2:Zamba2ForCausalLM',
 }
 
 

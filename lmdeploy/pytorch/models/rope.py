@@ -46,6 +46,7 @@ _ARCH = {
     'lfm2_moe': ('transformers.models.lfm2_moe.modeling_lfm2_moe', 'Lfm2MoeRotaryEmbedding', False),
     'falcon_h1': ('transformers.models.falcon_h1.modeling_falcon_h1', 'FalconH1RotaryEmbedding', False),
     'olmo_hybrid': ('transformers.models.olmo_hybrid.modeling_olmo_hybrid', 'OlmoHybridRotaryEmbedding', False),
+    'zamba2': ('transformers.models.zamba2.modeling_zamba2', 'Zamba2RotaryEmbedding', False),
     'bamba': ('transformers.models.bamba.modeling_bamba', 'BambaRotaryEmbedding', True),
     'qwen3_next': ('transformers.models.qwen3_next.modeling_qwen3_next', 'Qwen3NextRotaryEmbedding', True),
     'qwen3_5_text': ('transformers.models.qwen3_5.modeling_qwen3_5', 'Qwen3_5TextRotaryEmbedding', True),
