@@ -78,6 +78,14 @@ def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
     check_four_turn_chat_under_every_cache_policy(tiny[0])
 
 
+def test_turn_end_checkpoints_are_off_since_decode_leaves_dt_unclamped(tiny):
+    """A checkpoint after decode steps holds unclamped-dt state a recomputed prefix would not
+    (the 4-turn chat above gave other replies on turns 2-4 with it): ``decode_save_last`` is
+    ignored for Zamba2, prefill checkpoints stay."""
+    eng = make_engine(tiny[0], block_size=16, enable_prefix_caching=True, decode_save_last=True)
+    assert not eng.prefix_cache.decode_save_last and eng.prefix_cache.local is not None
+
+
 def test_store_put_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
     check_store_bytes_then_a_new_engine_restores(tiny[0], tmp_path, seed=992_000)
 
@@ -126,11 +134,11 @@ def test_cache_specs_are_a_mamba2_state_per_layer_then_kv_per_hybrid_layer(tiny)
     specs = get_model_class('zamba2').cache_specs(config, torch.bfloat16)
     assert ['kv' if s.paged else 'mamba' for s in specs] == ['mamba'] * 5 + ['kv'] * 3
     assert isinstance(specs[0], StateSpec)
-    conv_dim = 64 + 2 * 2 * 8
+    conv_dim = 128 + 2 * 2 * 8           # d_inner = 2 * 64, two groups of state 8
     assert [(t.shape, t.dtype) for t in specs[0].tensors()] == [((conv_dim, 3), torch.bfloat16),
-                                                                ((4, 16, 8), torch.float32)]
-    assert state_bytes_per_slot(specs) == 5 * (conv_dim * 3 * 2 + 4 * 16 * 8 * 4)
-    assert kv_bytes_per_block(specs, 16) == 3 * 16 * 2 * 4 * 16 * 2     # 4 KV heads of 2*32/4
+                                                                ((4, 32, 8), torch.float32)]
+    assert state_bytes_per_slot(specs) == 5 * (conv_dim * 3 * 2 + 4 * 32 * 8 * 4)
+    assert kv_bytes_per_block(specs, 16) == 3 * 16 * 2 * 4 * 32 * 2     # 4 KV heads of 2 * 64 / 4
 
 
 @pytest.mark.parametrize('change, field', [

@@ -29,9 +29,11 @@ therefore: a **prompt** token's ``dt`` is clamped to ``>= time_step_min``, a **g
 token's (fed back by a decode step) is not. The engine reproduces exactly that per token
 (:attr:`~lmdeploy.pytorch.model_inputs.StepContext.prompt_token_mask`), whatever the chunking,
 prefix-cache restores or speculative verification; a generated token that later turns into a
-prompt token of the next turn is clamped when that turn recomputes it, but a checkpoint saved
-at the end of a decode (``decode_save_last``) holds the unclamped state, as transformers' own
-cache would after ``generate``.
+prompt token of the next turn is clamped when that turn recomputes it. A checkpoint taken
+after decode steps would hold the unclamped state (as transformers' own cache does after
+``generate``) and its restore would differ from recomputing the turn, so the class declares
+``decode_state_equals_prefill = False`` and the engine ignores ``decode_save_last`` (turn-end
+checkpoints) for Zamba2; checkpoints at prefill save points are exact.
 
 Weight names are transformers' / the published checkpoints' (Zyphra/Zamba2-*): the shared
 block of a hybrid layer under ``model.layers.{i}.shared_transformer.*`` (stored once per block
@@ -302,14 +304,16 @@ class Zamba2ForCausalLM(CausalLM):
     # mamba, hybrid, mamba, hybrid, hybrid: two shared blocks (the third use is block 0 again,
     # with adapter 2), attention adapters, RoPE, 2 Mamba groups, a 16-token SSD chunk off the
     # prefill chunks; time_step_min 0.01 so the prompt-only clamp changes many tokens' dt
-    tiny_config = dict(hidden_size=32, num_hidden_layers=5, layers_block_type=[MAMBA, HYBRID, MAMBA, HYBRID, HYBRID],
-                       num_attention_heads=4, num_key_value_heads=4, intermediate_size=64, mamba_d_state=8,
+    tiny_config = dict(hidden_size=64, num_hidden_layers=5, layers_block_type=[MAMBA, HYBRID, MAMBA, HYBRID, HYBRID],
+                       num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, mamba_d_state=8,
                        mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=24,
                        num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
                        rope_theta=10000.0, hidden_act='gelu', rms_norm_eps=1e-5, time_step_min=0.01,
                        max_position_embeddings=4096, tie_word_embeddings=True, add_bias_linear=False)
 
     model_class = Zamba2Model
+    # decode steps leave dt unclamped (as transformers), a recomputed prefix clamps it
+    decode_state_equals_prefill = False
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **{k: v for k, v in COMMON_FIELDS.items() if k not in ('attention_bias', 'layer_types')},
