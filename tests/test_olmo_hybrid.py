@@ -4,8 +4,8 @@ chunks of the delta-rule kernel), greedy tokens equal cold, chunked and after a 
 restore, a 4-turn chat identical with the prefix cache off / on / last-only / turn-end, Store put
 bytes equal to the simulator and a Store restore by a new engine, the published layout (split
 conv filters, OLMo-core norm names, NoPE) and transformers' in-memory names with the other
-switches (RoPE, beta in [0, 1], tied embeddings) loading, the cache specs, the refusals (tp > 1
-included) and the config audit."""
+switches (RoPE, beta in [0, 1], tied embeddings) loading, random geometries in random chunks at
+the model level, the cache specs, the refusals (tp > 1 included) and the config audit."""
 import inspect
 import json
 import os
@@ -14,8 +14,9 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
-from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
+from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
                           check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
                           tiny_checkpoint_and_reference)
@@ -139,3 +140,29 @@ def test_audit_lists_every_field_transformers_reads():
     read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
                                                                        source))
     assert read and not read - set(FIELDS['olmo_hybrid']), sorted(read - set(FIELDS['olmo_hybrid']))
+
+
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
+    """Model level, random geometry (layer pattern, KV heads, key/value head ratio, conv width,
+    beta range, RoPE or NoPE, attention biases) and a random prefill chunking then 3 decode
+    steps: logits <= 1e-4 of transformers' full forward, through NaN-poisoned scrambled blocks
+    and slots."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+    from model_harness import check_random_model_in_random_chunks_then_decode
+    n_layers = data.draw(st.integers(2, 3))
+    types = data.draw(st.lists(st.sampled_from(['linear_attention', 'full_attention']), min_size=n_layers,
+                               max_size=n_layers).filter(lambda t: len(set(t)) == 2))
+    key_heads = data.draw(st.sampled_from([1, 2]))
+    rope = data.draw(st.sampled_from([None, 5000.0]))
+    config = OlmoHybridConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=n_layers, layer_types=types, num_attention_heads=2,
+        num_key_value_heads=data.draw(st.sampled_from([1, 2])), intermediate_size=48,
+        attention_bias=data.draw(st.booleans()), linear_num_key_heads=key_heads,
+        linear_num_value_heads=key_heads * data.draw(st.sampled_from([1, 2])), linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=data.draw(st.integers(2, 4)),
+        linear_allow_neg_eigval=data.draw(st.booleans()), rope_parameters=dict(rope_type='default', rope_theta=rope),
+        pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    check_random_model_in_random_chunks_then_decode(data, OlmoHybridForCausalLM, 'olmo_hybrid', config, 70, TOL)

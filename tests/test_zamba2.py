@@ -5,7 +5,7 @@ logits equal transformers' (whose decode step does not clamp dt, while its promp
 does), a 4-turn chat identical with the prefix cache off / on / last-only / turn-end, Store put bytes equal
 to the simulator and a Store restore by a new engine, transformers' state dict (every tied block
 repeated) and the published one (each shared block once) loading, the cache specs, the refusals
-(tp > 1 included) and the config audit."""
+(tp > 1 included), random geometries in random chunks at the model level and the config audit."""
 import inspect
 import json
 import os
@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
@@ -178,3 +179,31 @@ def test_audit_lists_every_field_transformers_reads():
     read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
                                                                        source))
     assert read and not read - set(FIELDS['zamba2']), sorted(read - set(FIELDS['zamba2']))
+
+
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
+    """Model level, random geometry (layer pattern, shared blocks, attention adapters, RoPE,
+    KV heads, Mamba groups, conv width, biases, activation, tied or per-layer blocks) and a random
+    prefill chunking then 3 decode steps: logits <= 1e-4 of transformers' full forward, through
+    NaN-poisoned scrambled blocks and slots. ``time_step_min`` is 1e-30 here, which no dt
+    reaches (the reference is one full forward, which would clamp the decode tokens too; the
+    prompt-only clamp is pinned by the decode-step test above)."""
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    from model_harness import check_random_model_in_random_chunks_then_decode
+    n_layers = data.draw(st.integers(2, 4))
+    kinds = data.draw(st.lists(st.sampled_from(['linear_attention', 'hybrid']), min_size=n_layers,
+                               max_size=n_layers).filter(lambda k: 'hybrid' in k))
+    adapters = data.draw(st.booleans())
+    config = Zamba2Config(
+        vocab_size=64, hidden_size=16, num_hidden_layers=n_layers, layers_block_type=kinds, num_attention_heads=2,
+        num_key_value_heads=2 if adapters else data.draw(st.sampled_from([1, 2])), intermediate_size=24,
+        mamba_d_state=4, mamba_d_conv=data.draw(st.integers(2, 4)), mamba_expand=2,
+        mamba_ngroups=data.draw(st.sampled_from([1, 2])), n_mamba_heads=2, chunk_size=8,
+        num_mem_blocks=data.draw(st.integers(1, 2)), use_shared_attention_adapter=adapters, adapter_rank=4,
+        use_mem_rope=data.draw(st.booleans()), hidden_act=data.draw(st.sampled_from(['gelu', 'silu'])),
+        add_bias_linear=data.draw(st.booleans()), time_step_min=1e-30,
+        tie_word_embeddings=data.draw(st.booleans()), pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    check_random_model_in_random_chunks_then_decode(data, Zamba2ForCausalLM, 'zamba2', config, 70, TOL)
