@@ -133,18 +133,18 @@ def test_cache_specs_are_a_mamba2_state_per_layer_then_kv_per_hybrid_layer(tiny)
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny[0])
     specs = get_model_class('zamba2').cache_specs(config, torch.bfloat16)
-    assert ['kv' if s.paged else 'mamba' for s in specs] == ['mamba'] * 5 + ['kv'] * 3
+    assert ['kv' if s.paged else 'mamba' for s in specs] == ['mamba'] * 4 + ['kv'] * 3
     assert isinstance(specs[0], StateSpec)
     conv_dim = 128 + 2 * 2 * 8           # d_inner = 2 * 64, two groups of state 8
     assert [(t.shape, t.dtype) for t in specs[0].tensors()] == [((conv_dim, 3), torch.bfloat16),
                                                                 ((4, 32, 8), torch.float32)]
-    assert state_bytes_per_slot(specs) == 5 * (conv_dim * 3 * 2 + 4 * 32 * 8 * 4)
+    assert state_bytes_per_slot(specs) == 4 * (conv_dim * 3 * 2 + 4 * 32 * 8 * 4)
     assert kv_bytes_per_block(specs, 16) == 3 * 16 * 2 * 4 * 32 * 2     # 4 KV heads of 2 * 64 / 4
 
 
 @pytest.mark.parametrize('change, field', [
     (dict(hidden_act='relu'), 'hidden_act'),
-    (dict(layers_block_type=['linear_attention', 'hybrid', 'full_attention', 'hybrid', 'hybrid']),
+    (dict(layers_block_type=['hybrid', 'full_attention', 'hybrid', 'hybrid']),
      'layers_block_type'),
     (dict(mamba_ngroups=3), 'mamba_ngroups'),
     (dict(mamba_headdim=8), 'mamba_headdim'),
@@ -181,7 +181,7 @@ def test_audit_lists_every_field_transformers_reads():
     assert read and not read - set(FIELDS['zamba2']), sorted(read - set(FIELDS['zamba2']))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(data=st.data())
 def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     """Model level, random geometry (layer pattern, shared blocks, attention adapters, RoPE,

@@ -301,10 +301,10 @@ class Zamba2ForCausalLM(CausalLM):
         ValueError: see :func:`check_config`.
     """
 
-    # mamba, hybrid, mamba, hybrid, hybrid: two shared blocks (the third use is block 0 again,
+    # hybrid, mamba, hybrid, hybrid: two shared blocks (the third use is block 0 again,
     # with adapter 2), attention adapters, RoPE, 2 Mamba groups, a 16-token SSD chunk off the
     # prefill chunks; time_step_min 0.01 so the prompt-only clamp changes many tokens' dt
-    tiny_config = dict(hidden_size=64, num_hidden_layers=5, layers_block_type=[MAMBA, HYBRID, MAMBA, HYBRID, HYBRID],
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4, layers_block_type=[HYBRID, MAMBA, HYBRID, HYBRID],
                        num_attention_heads=4, num_key_value_heads=4, intermediate_size=128, mamba_d_state=8,
                        mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=24,
                        num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
