@@ -23,7 +23,7 @@ from lmdeploy.pytorch.models.parallel_plan import ParallelPlan
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CAPABILITIES = ('supports_images', 'image_inputs', 'forward_images', 'check_multimodal', 'parallel_plan',
                 'mtp_head', 'rotary', 'rotary_class', 'check_config', 'config_fields', 'cache_specs',
-                'compute_logits', 'supports_tp')
+                'compute_logits', 'supports_tp', 'decode_state_equals_prefill')
 
 
 @pytest.mark.parametrize('model_type', sorted(MODEL_REGISTRY))

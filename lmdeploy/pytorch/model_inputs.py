@@ -71,6 +71,8 @@ class StepBatch:
             with speculative decoding the positions of its drafts before it).
         all_logits: also compute the logits of every row (tests).
         prompt_rows: flat rows whose logits predict prompt tokens (prompt log-probabilities).
+        prompt_lens: per sequence, the tokens of its request's prompt (positions below it are
+            prompt tokens, the rest were generated); empty where the caller has none.
         images: only for a step of a model with images whose batch holds an image (Qwen3.5):
             rank 0's :class:`~lmdeploy.pytorch.models.qwen3_5.ImageInputs` — M-RoPE positions
             int64 ``[3, T]``, image rows int64 ``[R]`` and the vision tower's ``[R, hidden]``
@@ -88,6 +90,7 @@ class StepBatch:
     all_logits: bool = False
     images: object = None
     prompt_rows: list[int] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
 
     def context(self, device: torch.device, kv_caches, state_caches, block_size: int) -> 'StepContext':
         """The :class:`StepContext` of this batch on ``device`` over the given caches (a rank's
@@ -97,7 +100,7 @@ class StepBatch:
                            q_seqlens=self.q_seqlens, q_start_loc=self.q_start_loc, kv_seqlens=self.kv_seqlens,
                            block_tables=[torch.tensor(t, dtype=torch.long, device=device) for t in self.block_tables],
                            state_slots=self.state_slots, kv_caches=kv_caches, state_caches=state_caches,
-                           block_size=block_size)
+                           block_size=block_size, prompt_lens=self.prompt_lens)
 
 
 @dataclass
@@ -120,6 +123,8 @@ class StepContext:
         block_size: tokens per KV block.
         sequences: per sequence, the engine's :class:`~lmdeploy.pytorch.paging.sequence.Sequence`
             (models with images read its ``multimodal`` list); empty where the caller has none.
+        prompt_lens: per sequence, the tokens of its request's prompt; empty where the caller
+            has none (see :attr:`prompt_token_mask`).
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -132,6 +137,7 @@ class StepContext:
     state_caches: list = field(default_factory=list)
     block_size: int = 64
     sequences: list = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -211,6 +217,19 @@ class StepContext:
     def kv_gather_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`kv_gather_index` of this step's :attr:`block_table` (built once, shared by all layers)."""
         return kv_gather_index(self.block_table, self.kv_seqlens_t, self.block_size)
+
+    @cached_property
+    def prompt_token_mask(self) -> torch.Tensor:
+        """bool ``[T]``: the flat token is part of its request's prompt (position below its
+        sequence's :attr:`prompt_lens` entry), not a generated token a decode step feeds back.
+        Without ``prompt_lens`` (a context built by hand) a sequence's tokens count as prompt
+        unless it adds one token to a non-empty history (a decode step). Zamba2 reads it: its
+        ``transformers`` reference treats prompt and decode tokens differently."""
+        if self.prompt_lens:
+            lens = torch.tensor(self.prompt_lens, dtype=torch.int64, device=self.device)
+            return self.positions < lens[self.seq_ids]
+        prompt = [not (q == 1 and h > 0) for q, h in zip(self.q_seqlens, self.history_lens)]
+        return torch.tensor(prompt, dtype=torch.bool, device=self.device)[self.seq_ids]
 
     @property
     def is_decode(self) -> bool:

@@ -126,6 +126,46 @@ def _minimax_published_names(tensors: dict) -> dict:
     return out
 
 
+def _olmo_hybrid_published_names(tensors: dict) -> dict:
+    """transformers' OLMo Hybrid names → the published checkpoint's (transformers' conversion
+    mapping reversed): a Gated DeltaNet layer's norms `attention_layer_norm` /
+    `feedforward_layer_norm`, its stacked `conv1d` as `q_conv1d` / `k_conv1d` / `v_conv1d` (split
+    at the q / k / v projection widths)."""
+    out = {}
+    linear = {m.group(1) for m in (re.match(r'^(.*\.)linear_attn\.', n) for n in tensors) if m}
+    for name, t in tensors.items():
+        layer = next((p for p in linear if name.startswith(p)), None)
+        if layer is not None and name.endswith('.linear_attn.conv1d.weight'):
+            widths = [tensors[f'{layer}linear_attn.{p}_proj.weight'].shape[0] for p in 'qkv']
+            for part, piece in zip('qkv', t.split(widths, dim=0)):
+                out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
+            continue
+        if layer is not None:
+            name = name.replace('.input_layernorm.', '.attention_layer_norm.')
+            name = name.replace('.post_attention_layernorm.', '.feedforward_layer_norm.')
+        out[name] = t
+    return out
+
+
+def _zamba2_published_names(tensors: dict) -> dict:
+    """transformers' Zamba2 state dict → the published checkpoint's: a shared attention block
+    stored once, under its first hybrid layer (`model.layers.{i}.shared_transformer.*`), not
+    again at each later layer that reuses it (those tensors share its storage)."""
+    def layer(name: str) -> int:
+        m = re.match(r'^model\.layers\.(\d+)\.', name)
+        return int(m.group(1)) if m else -1
+
+    out, seen = {}, set()
+    for name in sorted(tensors, key=lambda n: (layer(n), n)):
+        t = tensors[name]
+        if '.shared_transformer.' in name:
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
 PUBLISHED_NAMES = {
     'minimax': _minimax_published_names,
     'bailing_hybrid': _bailing_published_names,
@@ -134,4 +174,6 @@ PUBLISHED_NAMES = {
     'nemotron_h': _nemotron_published_names,
     'granitemoehybrid': _granite_published_names,
     'lfm2_moe': _lfm2_moe_published_names,
+    'olmo_hybrid': _olmo_hybrid_published_names,
+    'zamba2': _zamba2_published_names,
 }

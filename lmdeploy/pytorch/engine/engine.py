@@ -189,8 +189,14 @@ class Engine:
                 from ..prefix_cache.host_tier import HostTier
                 host = HostTier(self.cache_engine, config.host_cache_bytes, cc.block_size, self.cache_engine.state_bytes,
                                 self.cache_engine.kv_block_bytes)
+            turn_end = cc.decode_save_last
+            if turn_end and not self.model.decode_state_equals_prefill:
+                logger.warning('decode_save_last is ignored: %s computes generated tokens differently from prompt '
+                               'tokens, so a turn-end checkpoint would not equal a recomputed prefix',
+                               self.hf_config.model_type)
+                turn_end = False
             self.prefix_cache = PrefixCache(local, self.store, block_size=cc.block_size,
-                                            alignment=cc.prefill_save_alignment, decode_save_last=cc.decode_save_last,
+                                            alignment=cc.prefill_save_alignment, decode_save_last=turn_end,
                                             host=host, window=kv_window(self.specs))
             if config.kv_events_endpoint:
                 from .kv_event_publisher import start_publisher

@@ -70,6 +70,7 @@ class ModelRunner:
             # any valid id will do there: the kernel neither reads nor writes it
             b.block_tables.append([max(i, 0) for i in seq.block_ids])
             b.state_slots.append(-1 if seq.state_slot is None else seq.state_slot)
+            b.prompt_lens.append(seq.num_prompt_tokens)
             if chunk.sample:
                 b.sample_rows.extend(range(offset - 1 - len(chunk.drafts), offset))
         return b

@@ -23,12 +23,14 @@ MODEL_REGISTRY = {
     'mamba2': 'mamba2_lm:Mamba2ForCausalLM',
     'minimax': 'minimax:MiniMaxForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
+    'olmo_hybrid': 'olmo_hybrid:OlmoHybridForCausalLM',
     'qwen3': 'qwen3:Qwen3ForCausalLM',
     'qwen3_next': 'qwen3_next:Qwen3NextForCausalLM',
     'qwen3_5': 'qwen3_5:Qwen3_5ForConditionalGeneration',
     'qwen3_5_text': 'qwen3_5:Qwen3_5ForCausalLM',
     'qwen3_5_moe': 'qwen3_5_moe:Qwen3_5MoeForConditionalGeneration',
     'qwen3_5_moe_text': 'qwen3_5_moe:Qwen3_5MoeForCausalLM',
+    'zamba2': 'zamba2:Zamba2ForCausalLM',
 }
 
 

@@ -13,6 +13,7 @@ speculative decoding read these declarations; none of them probes a model with `
     caches              layer_cache_specs(config, dtype)  (required; cache_specs checks the config first)
     tensor parallelism  parallel_plan                     None: tp=1 only
     MTP head            mtp_head ('module:Class')         None: no speculative MTP
+    turn-end checkpoints decode_state_equals_prefill      True
     images              supports_images, image_inputs,    False / None / refuses images
                         forward_images, check_multimodal
 
@@ -62,6 +63,11 @@ class CausalLM(nn.Module):
     #: ``'module:Class'`` (under ``lmdeploy.pytorch.models``) of the checkpoint's multi-token
     #: prediction head that speculative decoding loads; None: the family has none
     mtp_head: ClassVar[str | None] = None
+    #: whether the state after decode steps equals the state a prefill of the same tokens
+    #: computes; False where the reference treats generated tokens differently from prompt
+    #: tokens (Zamba2's dt clamp), and the engine then keeps no turn-end checkpoints
+    #: (``decode_save_last`` is ignored), whose restore would differ from recomputing them
+    decode_state_equals_prefill: ClassVar[bool] = True
     #: whether requests may carry pixels (an instance may turn it off, e.g. a checkpoint
     #: without a vision tower)
     supports_images: bool = False

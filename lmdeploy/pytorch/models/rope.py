@@ -45,6 +45,8 @@ _ARCH = {
     'lfm2': ('transformers.models.lfm2.modeling_lfm2', 'Lfm2RotaryEmbedding', False),
     'lfm2_moe': ('transformers.models.lfm2_moe.modeling_lfm2_moe', 'Lfm2MoeRotaryEmbedding', False),
     'falcon_h1': ('transformers.models.falcon_h1.modeling_falcon_h1', 'FalconH1RotaryEmbedding', False),
+    'olmo_hybrid': ('transformers.models.olmo_hybrid.modeling_olmo_hybrid', 'OlmoHybridRotaryEmbedding', False),
+    'zamba2': ('transformers.models.zamba2.modeling_zamba2', 'Zamba2RotaryEmbedding', False),
     'bamba': ('transformers.models.bamba.modeling_bamba', 'BambaRotaryEmbedding', True),
     'minimax': ('transformers.models.minimax.modeling_minimax', 'MiniMaxRotaryEmbedding', False),
     'bailing_hybrid': ('transformers.models.bailing_hybrid.modeling_bailing_hybrid', 'BailingHybridRotaryEmbedding',

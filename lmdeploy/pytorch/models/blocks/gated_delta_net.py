@@ -80,6 +80,10 @@ class GatedDeltaNet(nn.Module):
         layer_idx: index into ``StepContext.state_caches``.
     """
 
+    #: beta = beta_scale * sigmoid(b); a variant sets 2.0 to let the recurrence have negative
+    #: eigenvalues (OLMo Hybrid's ``linear_allow_neg_eigval``)
+    beta_scale: float = 1.0
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -117,6 +121,8 @@ class GatedDeltaNet(nn.Module):
         T = hidden.shape[0]
         mixed, z, b, a = self._split_projections(hidden)
         beta = b.sigmoid()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         if a.dtype == self.A_log.dtype == self.dt_bias.dtype == torch.float32:
             g = -self.A_log.exp() * F.softplus(a + self.dt_bias)
         else:

@@ -160,6 +160,12 @@ class Mamba2Mixer(nn.Module):
         # set by the tensor-parallel layout when this rank's group spans ranks
         self.cross_rank_norm: CrossRankGroupNorm | None = None
 
+    def step_sizes(self, dt: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``in_proj``'s ``dt [T, H]`` → float32 ``softplus(dt + dt_bias)`` clamped to
+        ``[dt_min, dt_max]`` for every token (a family whose reference clamps some tokens only
+        overrides this)."""
+        return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dims.dt_min, self.dims.dt_max)
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
         d, T = self.dims, hidden.shape[0]
@@ -170,7 +176,7 @@ class Mamba2Mixer(nn.Module):
             xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids,
             ctx.slots, ctx.has_history, 'silu', slot_span=ctx.slot_span)
         x, B, C = xbc.split([d.d_inner, G * Dn, G * Dn], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(d.dt_min, d.dt_max)
+        dt = self.step_sizes(dt, ctx)
         A = -torch.exp(self.A_log.float())
         y = get_kernel('mamba2_ssd_varlen', hidden.device)(
             x.view(T, H, P), dt, A, B.view(T, G, Dn), C.view(T, G, Dn), self.D, ssm_cache, ctx.cu_seqlens,
