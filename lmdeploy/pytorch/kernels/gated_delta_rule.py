@@ -32,8 +32,9 @@ import importlib.util
 
 import torch
 
-from . import get_kernel, once, register_kernel, slot_range
+from . import get_kernel, once, register_kernel
 from .cpu_native import gated_delta_step_native
+from .state_varlen import varlen_state_scan
 
 __all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'gated_delta_rule_varlen', 'l2norm']
 
@@ -278,7 +279,8 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """Gated delta rule over a flat batch of sequences, each continuing its state slot.
 
     Sequences with one new token share one batched recurrent step; each longer sequence runs
-    :func:`chunk_gated_delta_rule` (through the registry, so ``fla`` on CUDA).
+    :func:`chunk_gated_delta_rule` (through the registry, so ``fla`` on CUDA), by
+    :func:`~.state_varlen.varlen_state_scan`.
 
     Args:
         q, k: ``[T, H, dk]``; v: ``[T, H, dv]``; g, beta: ``[T, H]`` — as in
@@ -295,56 +297,29 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     Returns:
         ``o [T, H, dv]`` in ``q.dtype``.
     """
-    N, T = slots.shape[0], q.shape[0]
-    if T == N:   # pure decode: rows are sequences
-        span = None if state_cache.dtype != torch.float32 else \
-            slot_range(slots, has_history) if slot_span is ... else slot_span
-        if span is not None:   # the slots are one contiguous range: update the cache in place
-            lo, order = span
-            state = state_cache[lo:lo + N]
-            if order is None:
-                return _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale).to(q.dtype)
-            o = _recurrent_step_batched(q[order], k[order], v[order], g[order], beta[order], state,
-                                        use_qk_l2norm, scale)
-            return o.new_empty(o.shape).index_copy_(0, order, o).to(q.dtype)
-        state = state_cache.index_select(0, slots).to(torch.float32)   # a gathered copy
-        if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
-            state.masked_fill_(~has_history[:, None, None, None], 0)    # a slot's leftovers may be anything
-        o = _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale)
-        state_cache.index_copy_(0, slots, state.to(state_cache.dtype))
-        return o.to(q.dtype)
-    out = q.new_empty(T, v.shape[1], v.shape[2])
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    single = [i for i, n in enumerate(lengths) if n == 1]
-    if single:
-        idx = torch.tensor(single, dtype=torch.int64, device=q.device)
-        rows = cu_seqlens[idx]
-        out[rows] = gated_delta_rule_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], state_cache,
-                                            torch.arange(len(single) + 1, device=q.device), slots[idx],
-                                            has_history[idx], use_qk_l2norm, scale)
     chunk_fn = get_kernel('chunk_gated_delta_rule', q.device)
-    multi = [i for i, n in enumerate(lengths) if n > 1]
-    if chunk_fn is chunk_gated_delta_rule:
+
+    def batch_chunks(multi: list[int], bounds: list[int], out: torch.Tensor) -> list[int]:
         # the torch form: sequences with the same number of chunks run as one batch
         groups: dict[int, list[int]] = {}
         for i in multi:
-            groups.setdefault(-(-lengths[i] // _CHUNK), []).append(i)
-        multi = []
+            groups.setdefault(-(-(bounds[i + 1] - bounds[i]) // _CHUNK), []).append(i)
+        left = []
         for members in groups.values():
             if len(members) == 1:
-                multi.extend(members)
+                left.extend(members)
                 continue
-            _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members,
-                         [bounds[i] for i in members], [lengths[i] for i in members], use_qk_l2norm, scale, out)
-    history = has_history.tolist()
-    for i in multi:
-        sl = slice(bounds[i], bounds[i + 1])
-        initial = state_cache[slots[i]] if history[i] else None
-        o, state = chunk_fn(q[sl], k[sl], v[sl], g[sl], beta[sl], initial, use_qk_l2norm=use_qk_l2norm, scale=scale)
-        state_cache[slots[i]] = state.to(state_cache.dtype)
-        out[sl] = o
-    return out
+            _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members, [bounds[i] for i in members],
+                         [bounds[i + 1] - bounds[i] for i in members], use_qk_l2norm, scale, out)
+        return left
+
+    return varlen_state_scan(
+        (q, k, v, g, beta), state_cache, cu_seqlens, slots, has_history,
+        step=lambda q, k, v, g, beta, state: _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale),
+        chunk=lambda q, k, v, g, beta, initial: chunk_fn(q, k, v, g, beta, initial, use_qk_l2norm=use_qk_l2norm,
+                                                         scale=scale),
+        out_shape=v.shape[1:], out_dtype=q.dtype, slot_span=slot_span,
+        batch_chunks=batch_chunks if chunk_fn is chunk_gated_delta_rule else None)
 
 
 @once

@@ -33,9 +33,10 @@ import importlib.util
 
 import torch
 
-from . import get_kernel, once, register_kernel, slot_range
+from . import get_kernel, once, register_kernel
 from .gated_delta_rule import l2norm
 from .kda_native import kda_native_available, kda_step_native
+from .state_varlen import varlen_state_scan
 
 __all__ = ['recurrent_kda', 'chunk_kda', 'kda_decode_step_torch', 'kda_decode_step_cpu', 'kda_varlen']
 
@@ -228,46 +229,21 @@ def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         slot_span: :func:`~lmdeploy.pytorch.kernels.slot_range` of ``slots`` when the caller has
             it (``StepContext.slot_span``); ``...`` computes it.
 
-    A pure decode step (one row per sequence) whose slots are one contiguous range with history
-    updates that slice of a float32 cache in place (no gathered copy of the states).
+    Single-row sequences share one ``kda_decode_step`` call, longer ones run ``chunk_kda`` one at
+    a time (:func:`~.state_varlen.varlen_state_scan`; a pure decode step whose slots are one
+    range with history updates that slice of a float32 cache in place).
 
     Returns:
         ``o [T, H, dv]`` in ``q.dtype``.
     """
-    N, T = slots.shape[0], q.shape[0]
-    if T == N and state_cache.dtype == torch.float32:
-        span = slot_range(slots, has_history) if slot_span is ... else slot_span
-        if span is not None:
-            lo, order = span
-            step = get_kernel('kda_decode_step', q.device)
-            state = state_cache[lo:lo + N]
-            if order is None:
-                return step(q, k, v, g, beta, state, use_qk_l2norm, scale).to(q.dtype)
-            o = step(q[order], k[order], v[order], g[order], beta[order], state, use_qk_l2norm, scale)
-            return o.new_empty(o.shape).index_copy_(0, order, o).to(q.dtype)
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    out = q.new_empty(q.shape[0], v.shape[1], v.shape[2])
-    single = [i for i, n in enumerate(lengths) if n == 1]
-    if single:
-        idx = torch.tensor(single, dtype=torch.int64, device=q.device)
-        rows = cu_seqlens[idx]
-        state = state_cache.index_select(0, slots[idx]).to(torch.float32)
-        state.masked_fill_(~has_history[idx][:, None, None, None], 0)
-        step = get_kernel('kda_decode_step', q.device)
-        out[rows] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], state, use_qk_l2norm, scale).to(out.dtype)
-        state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
-    chunk_fn = get_kernel('chunk_kda', q.device)
-    history = has_history.tolist()
-    for i, n in enumerate(lengths):
-        if n == 1:
-            continue
-        sl = slice(bounds[i], bounds[i + 1])
-        initial = state_cache[slots[i]] if history[i] else None
-        o, state = chunk_fn(q[sl], k[sl], v[sl], g[sl], beta[sl], initial, use_qk_l2norm=use_qk_l2norm, scale=scale)
-        state_cache[slots[i]] = state.to(state_cache.dtype)
-        out[sl] = o
-    return out
+    step = get_kernel('kda_decode_step', q.device)
+    chunk = get_kernel('chunk_kda', q.device)
+    return varlen_state_scan(
+        (q, k, v, g, beta), state_cache, cu_seqlens, slots, has_history,
+        step=lambda q, k, v, g, beta, state: step(q, k, v, g, beta, state, use_qk_l2norm, scale),
+        chunk=lambda q, k, v, g, beta, initial: chunk(q, k, v, g, beta, initial, use_qk_l2norm=use_qk_l2norm,
+                                                      scale=scale),
+        out_shape=v.shape[1:], out_dtype=q.dtype, slot_span=slot_span)
 
 
 @once
