@@ -34,38 +34,13 @@ import importlib.util
 import torch
 
 from . import get_kernel, once, register_kernel
-from .gated_delta_rule import l2norm
+from .gated_delta_rule import decay_factor, fla_one_sequence, l2norm, prepare_delta_inputs, run_chunked
 from .kda_native import kda_native_available, kda_step_native
-from .state_varlen import varlen_state_scan
+from .state_varlen import delta_varlen
 
 __all__ = ['recurrent_kda', 'chunk_kda', 'kda_decode_step_torch', 'kda_decode_step_cpu', 'kda_varlen']
 
-_DECAY_FLOOR = -60.0   # exp below this flushed to 0 (see gated_delta_rule: avoids float32 subnormals)
 _CHUNK = 32            # tokens per chunk: the intra-chunk decay is [C, C, dk] per head
-
-
-def _decay(log_factor: torch.Tensor) -> torch.Tensor:
-    return log_factor.masked_fill(log_factor < _DECAY_FLOOR, float('-inf')).exp()
-
-
-def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
-    """Check shapes; float32 head-major ``q, k, g [H, L, dk]``, ``v [H, L, dv]``, ``beta [H, L]``."""
-    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f'q, k, g must be [L, H, dk] and v [L, H, dv]; got q {tuple(q.shape)}, k {tuple(k.shape)}, '
-                         f'g {tuple(g.shape)}, v {tuple(v.shape)}')
-    L, H, dk = q.shape
-    dv = v.shape[-1]
-    if beta.shape != (L, H):
-        raise ValueError(f'beta must be [L, H] = {(L, H)}; got {tuple(beta.shape)}')
-    if initial_state is not None and initial_state.shape != (H, dk, dv):
-        raise ValueError(f'initial_state must be [H, dk, dv] = {(H, dk, dv)}; got {tuple(initial_state.shape)}')
-    q, k, v, g = (x.transpose(0, 1).to(torch.float32) for x in (q, k, v, g))
-    beta = beta.transpose(0, 1).to(torch.float32)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (dk ** -0.5 if scale is None else scale)
-    state = None if initial_state is None else initial_state.to(torch.float32)
-    return q, k, v, g, beta, state
 
 
 @register_kernel('recurrent_kda', device_type='any')
@@ -88,7 +63,7 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         ValueError: inconsistent shapes.
     """
     out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    q, k, v, g, beta, state = prepare_delta_inputs(q, k, v, g, beta, initial_state, use_qk_l2norm, scale, True)
     H, L, dk = q.shape
     if state is None:
         state = q.new_zeros(H, dk, v.shape[-1])
@@ -124,16 +99,16 @@ def _chunk_core(q, k, v, g, beta, state, C: int):
     G = g.cumsum(2)                                                    # [B, N, C, dk]
     ratio = G[:, :, :, None, :] - G[:, :, None, :, :]                  # [B, N, Ci, Cj, dk]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = _decay(ratio.masked_fill(~causal[:, :, None], float('-inf')))
+    decay = decay_factor(ratio.masked_fill(~causal[:, :, None], float('-inf')))
     kk = torch.einsum('bnic,bnjc,bnijc->bnij', k, k, decay)
     system = (beta[..., None] * kk).tril(-1) + torch.eye(C, dtype=q.dtype, device=q.device)
-    rhs = torch.cat((beta[..., None] * v, beta[..., None] * k * _decay(G)), dim=-1)
+    rhs = torch.cat((beta[..., None] * v, beta[..., None] * k * decay_factor(G)), dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_base, u_from_state = solved[..., :dv], solved[..., dv:]
     attn = torch.einsum('bnic,bnjc,bnijc->bnij', q, k, decay)          # zero above the diagonal
-    q_decayed = q * _decay(G)
+    q_decayed = q * decay_factor(G)
     G_end = G[:, :, -1]                                                # [B, N, dk]
-    k_to_end = k * _decay(G_end[:, :, None] - G)
+    k_to_end = k * decay_factor(G_end[:, :, None] - G)
     o = torch.empty(B, N, C, dv, dtype=torch.float32, device=q.device)
     for n in range(N):
         if state is None:
@@ -143,7 +118,7 @@ def _chunk_core(q, k, v, g, beta, state, C: int):
             continue
         u = u_base[:, n] - u_from_state[:, n] @ state
         o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
-        state = state * _decay(G_end[:, n])[:, :, None] + k_to_end[:, n].transpose(-1, -2) @ u
+        state = state * decay_factor(G_end[:, n])[:, :, None] + k_to_end[:, n].transpose(-1, -2) @ u
     return o.view(B, N * C, dv)[:, :L], state
 
 
@@ -158,14 +133,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     Raises:
         ValueError: inconsistent shapes or a non-positive ``chunk_size``.
     """
-    if chunk_size <= 0:
-        raise ValueError(f'chunk_size must be positive, got {chunk_size}')
-    out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
-    o, state = _chunk_core(q, k, v, g, beta, state, chunk_size)
-    if state is None:   # no tokens and no initial state: the state stays zero
-        state = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
-    return o.transpose(0, 1).to(out_dtype), state
+    return run_chunked(_chunk_core, q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, scale,
+                       per_channel_decay=True)
 
 
 def _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale):
@@ -230,20 +199,15 @@ def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             it (``StepContext.slot_span``); ``...`` computes it.
 
     Single-row sequences share one ``kda_decode_step`` call, longer ones run ``chunk_kda`` one at
-    a time (:func:`~.state_varlen.varlen_state_scan`; a pure decode step whose slots are one
+    a time (:func:`~.state_varlen.delta_varlen`; a pure decode step whose slots are one
     range with history updates that slice of a float32 cache in place).
 
     Returns:
         ``o [T, H, dv]`` in ``q.dtype``.
     """
-    step = get_kernel('kda_decode_step', q.device)
-    chunk = get_kernel('chunk_kda', q.device)
-    return varlen_state_scan(
-        (q, k, v, g, beta), state_cache, cu_seqlens, slots, has_history,
-        step=lambda q, k, v, g, beta, state: step(q, k, v, g, beta, state, use_qk_l2norm, scale),
-        chunk=lambda q, k, v, g, beta, initial: chunk(q, k, v, g, beta, initial, use_qk_l2norm=use_qk_l2norm,
-                                                      scale=scale),
-        out_shape=v.shape[1:], out_dtype=q.dtype, slot_span=slot_span)
+    step, chunk = get_kernel('kda_decode_step', q.device), get_kernel('chunk_kda', q.device)
+    return delta_varlen(step, chunk, q, k, v, g, beta, state_cache, cu_seqlens, slots, has_history, use_qk_l2norm,
+                        scale, slot_span)
 
 
 @once
@@ -265,10 +229,7 @@ def chunk_kda_fla(q, k, v, g, beta, initial_state=None, chunk_size: int = _CHUNK
     precomputed per-channel log decay; its gate fusion is not used). ``chunk_size`` is ignored:
     fla fixes its own. fla multiplies in TF32 inside its chunks."""
     from fla.ops.kda import chunk_kda as fla_chunk
-    o, state = fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                         initial_state=None if initial_state is None else initial_state[None].float(),
-                         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
-    return o[0], state[0].float()
+    return fla_one_sequence(fla_chunk, q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
 
 
 @register_kernel('recurrent_kda', device_type='cuda', priority=10, available=_fla_kda_installed)
@@ -276,10 +237,7 @@ def recurrent_kda_fla(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool 
                       scale: float | None = None):
     """``fla-core``'s fused recurrent KDA kernel with the contract of :func:`recurrent_kda`."""
     from fla.ops.kda import fused_recurrent_kda as fla_recurrent
-    o, state = fla_recurrent(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                             initial_state=None if initial_state is None else initial_state[None].float(),
-                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
-    return o[0], state[0].float()
+    return fla_one_sequence(fla_recurrent, q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
 
 
 @register_kernel('kda_decode_step', device_type='cuda', priority=10, available=_fla_kda_installed)

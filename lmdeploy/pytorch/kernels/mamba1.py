@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import get_kernel, register_kernel
-from .state_varlen import varlen_state_scan
+from .state_varlen import ssm_varlen
 
 __all__ = ['selective_scan_chunk', 'selective_scan_step', 'selective_scan_varlen', 'selective_scan_reference',
            'CHUNK_ELEMENTS']
@@ -155,7 +155,7 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
 
     Single-token sequences run together through ``selective_scan_step``; longer ones one at a
     time through ``selective_scan_chunk`` (both looked up in the registry for the device), by
-    :func:`~.state_varlen.varlen_state_scan`.
+    :func:`~.state_varlen.ssm_varlen`.
 
     Args:
         x: ``[T, D]``; dt: ``[T, D]`` float32; A: ``[D, N]``; D: ``[D]``; B, C: ``[T, N]``.
@@ -168,10 +168,5 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     Returns:
         ``y [T, D]`` float32 including ``D * x``.
     """
-    step = get_kernel('selective_scan_step', x.device)
-    scan = get_kernel('selective_scan_chunk', x.device)
-    return varlen_state_scan(
-        (x, dt, B, C), state_cache, cu_seqlens, slots, has_history,
-        step=lambda x, dt, B, C, state: step(x, dt, A, B, C, D, state),
-        chunk=lambda x, dt, B, C, initial: scan(x, dt, A, B, C, D, initial, chunk_size),
-        out_shape=x.shape[1:], out_dtype=torch.float32)
+    step, scan = get_kernel('selective_scan_step', x.device), get_kernel('selective_scan_chunk', x.device)
+    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size)

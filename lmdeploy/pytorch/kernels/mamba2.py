@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import get_kernel, register_kernel
-from .state_varlen import varlen_state_scan
+from .state_varlen import ssm_varlen
 
 __all__ = ['ssd_chunk_scan', 'ssd_step', 'mamba2_ssd_varlen', 'grouped_gated_rms_norm', 'ssd_recurrent_reference']
 
@@ -176,7 +176,7 @@ def mamba2_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
 
     Single-token sequences run together through ``ssd_step``; longer ones one at a time through
     ``ssd_chunk_scan`` (both looked up in the registry for the device, so accelerated versions
-    are used where registered), by :func:`~.state_varlen.varlen_state_scan`.
+    are used where registered), by :func:`~.state_varlen.ssm_varlen`.
 
     Args:
         x: ``[T, H, P]``; dt: ``[T, H]`` float32; A, D: ``[H]``; B, C: ``[T, G, Dn]``.
@@ -189,13 +189,8 @@ def mamba2_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     Returns:
         ``y [T, H, P]`` float32 including ``D * x``.
     """
-    step = get_kernel('ssd_step', x.device)
-    scan = get_kernel('ssd_chunk_scan', x.device)
-    return varlen_state_scan(
-        (x, dt, B, C), state_cache, cu_seqlens, slots, has_history,
-        step=lambda x, dt, B, C, state: step(x, dt, A, B, C, D, state),
-        chunk=lambda x, dt, B, C, initial: scan(x, dt, A, B, C, D, initial, chunk_size),
-        out_shape=x.shape[1:], out_dtype=torch.float32)
+    step, scan = get_kernel('ssd_step', x.device), get_kernel('ssd_chunk_scan', x.device)
+    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size)
 
 
 @register_kernel('grouped_gated_rms_norm', device_type='any')

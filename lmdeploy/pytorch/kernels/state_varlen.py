@@ -28,7 +28,7 @@ import torch
 
 from . import slot_range
 
-__all__ = ['varlen_state_scan']
+__all__ = ['varlen_state_scan', 'ssm_varlen', 'delta_varlen']
 
 StepFn = Callable[..., torch.Tensor]
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -92,6 +92,51 @@ def varlen_state_scan(rows: tuple[torch.Tensor, ...], state_cache: torch.Tensor,
         state_cache[slots[i]] = state.to(state_cache.dtype)
         out[sl] = y
     return out
+
+
+def ssm_varlen(step: StepFn, chunk: ChunkFn, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               C: torch.Tensor, D: torch.Tensor, state_cache: torch.Tensor, cu_seqlens: torch.Tensor,
+               slots: torch.Tensor, has_history: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """The selective state-space ops (Mamba-1 ``selective_scan_*``, Mamba-2 ``ssd_*``):
+    :func:`varlen_state_scan` with rows ``x, dt, B, C`` and ``A, D`` shared.
+
+    Args:
+        step: ``step(x, dt, A, B, C, D, state)`` → float32 ``y`` (the op's one-token kernel).
+        chunk: ``chunk(x, dt, A, B, C, D, initial_state, chunk_size)`` → ``(y, state)``.
+        x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size: as the
+            op's varlen kernel (``selective_scan_varlen``, ``mamba2_ssd_varlen``).
+
+    Returns:
+        float32 ``y`` shaped like ``x``.
+    """
+    return varlen_state_scan(
+        (x, dt, B, C), state_cache, cu_seqlens, slots, has_history,
+        step=lambda x, dt, B, C, state: step(x, dt, A, B, C, D, state),
+        chunk=lambda x, dt, B, C, initial: chunk(x, dt, A, B, C, D, initial, chunk_size),
+        out_shape=x.shape[1:], out_dtype=torch.float32)
+
+
+def delta_varlen(step: StepFn, chunk: ChunkFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                 has_history: torch.Tensor, use_qk_l2norm: bool, scale: float | None, slot_span=...,
+                 batch_chunks=None) -> torch.Tensor:
+    """The delta-rule ops (``gated_delta_rule_varlen``, ``kda_varlen``): :func:`varlen_state_scan`
+    with rows ``q, k, v, g, beta``.
+
+    Args:
+        step: ``step(q, k, v, g, beta, state, use_qk_l2norm, scale)`` → ``o [M, H, dv]``.
+        chunk: ``chunk(q, k, v, g, beta, initial_state, use_qk_l2norm=, scale=)`` → ``(o, state)``.
+        the rest: as the op's varlen kernel; batch_chunks as in :func:`varlen_state_scan`.
+
+    Returns:
+        ``o [T, H, dv]`` in ``q.dtype``.
+    """
+    return varlen_state_scan(
+        (q, k, v, g, beta), state_cache, cu_seqlens, slots, has_history,
+        step=lambda q, k, v, g, beta, state: step(q, k, v, g, beta, state, use_qk_l2norm, scale),
+        chunk=lambda q, k, v, g, beta, initial: chunk(q, k, v, g, beta, initial, use_qk_l2norm=use_qk_l2norm,
+                                                      scale=scale),
+        out_shape=v.shape[1:], out_dtype=q.dtype, slot_span=slot_span, batch_chunks=batch_chunks)
 
 
 def _gathered_step(step: StepFn, rows, row_idx, seq_idx, state_cache, slots, has_history, out) -> None:
