@@ -10,7 +10,7 @@ Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attent
 ``paged_window_attention`` (window_attention: a sliding window and attention sinks),
 ``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
 (gated_delta_rule), ``kda_varlen``, ``chunk_kda``, ``recurrent_kda``, ``kda_decode_step``
-(kimi_delta_attention; the native CPU step in kda_native), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
+(kimi_delta_attention; the native CPU step in cpu_native), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
 ``copy_state_slots`` (state_copy), ``ssd_chunk_scan``, ``ssd_step``, ``mamba2_ssd_varlen``,
 ``grouped_gated_rms_norm`` (mamba2; native ``ssd_step`` on CPU in mamba2_cpu, Triton
 ``ssd_step`` / ``ssd_chunk_scan`` on CUDA in mamba2_triton), ``selective_scan_chunk``,

@@ -33,7 +33,7 @@ import importlib.util
 import torch
 
 from . import get_kernel, once, register_kernel
-from .cpu_native import gated_delta_step_native
+from .cpu_native import delta_step_native
 from .state_varlen import delta_varlen
 
 __all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'gated_delta_rule_varlen', 'l2norm']
@@ -79,6 +79,26 @@ def prepare_delta_inputs(q, k, v, g, beta, initial_state, use_qk_l2norm: bool, s
     q = q * (dk ** -0.5 if scale is None else scale)
     state = None if initial_state is None else initial_state.to(torch.float32)
     return q, k, v, g, beta, state
+
+
+def delta_step_inputs(q, k, v, g, beta, use_qk_l2norm: bool, scale: float | None):
+    """The inputs of a delta-rule decode step (gated delta rule or KDA) in the step kernels' form.
+
+    Args:
+        q, k: ``[N, H, dk]``; v: ``[N, H, dv]``; g: ``[N, H]`` or ``[N, H, dk]``; beta: ``[N, H]``.
+
+    Returns:
+        float32 ``kq [N, H, 2, dk]`` (the key, then the query; L2-normalised with
+        ``use_qk_l2norm``, the query scaled), and float32 ``v, g, beta``.
+    """
+    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
+    kq = torch.stack((k, q), dim=2)                                                 # [N, H, 2, dk]
+    if kq.dtype != torch.float32:
+        kq = kq.float()
+    if use_qk_l2norm:
+        kq = l2norm(kq)
+    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
+    return kq, v, g, beta
 
 
 def run_chunked(core, q, k, v, g, beta, initial_state, chunk_size: int, use_qk_l2norm: bool, scale: float | None,
@@ -244,14 +264,8 @@ def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
     delta update in place (no outer product materialised). The output uses
     ``q^T S_new = q^T (g S) + (q . k) delta``, the same value as reading the updated state.
     """
-    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
-    kq = torch.stack((k, q), dim=2)                                                 # [N, H, 2, dk]
-    if kq.dtype != torch.float32:
-        kq = kq.float()
-    if use_qk_l2norm:
-        kq = l2norm(kq)
-    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
-    o = gated_delta_step_native(kq, v, g.exp(), beta, state)
+    kq, v, g, beta = delta_step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    o = delta_step_native(kq, v, g.exp(), beta, state)
     if o is not None:
         return o
     k, q = kq.unbind(2)

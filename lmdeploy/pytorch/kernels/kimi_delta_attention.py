@@ -16,7 +16,7 @@ per key channel, where Gated DeltaNet has one per head)::
   ``G_i = sum_{j<=i} g_j`` (a vector per token), the written rows ``U`` solve one unit
   lower-triangular system whose coefficients use ``exp(G_i - G_j)`` channel by channel;
 - ``kda_decode_step`` (:func:`kda_decode_step_torch`; on CPU :func:`kda_decode_step_cpu`, the
-  native kernel of :mod:`.kda_native`) is one token of every decode sequence, batched;
+  native kernel of :mod:`.cpu_native`) is one token of every decode sequence, batched;
 - :func:`kda_varlen` runs a step's flat batch against the state slots (decode sequences in
   one batched step through ``kda_decode_step``, longer ones through the chunked form).
 
@@ -34,8 +34,9 @@ import importlib.util
 import torch
 
 from . import get_kernel, once, register_kernel
-from .gated_delta_rule import decay_factor, fla_one_sequence, l2norm, prepare_delta_inputs, run_chunked
-from .kda_native import kda_native_available, kda_step_native
+from .gated_delta_rule import (decay_factor, delta_step_inputs, fla_one_sequence, prepare_delta_inputs,
+                               run_chunked)
+from .cpu_native import delta_step_native, native_available
 from .state_varlen import delta_varlen
 
 __all__ = ['recurrent_kda', 'chunk_kda', 'kda_decode_step_torch', 'kda_decode_step_cpu', 'kda_varlen']
@@ -137,18 +138,6 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
                        per_channel_decay=True)
 
 
-def _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale):
-    """float32 ``kq [N, H, 2, dk]`` (key, then scaled query; normalised), ``v``, ``g``, ``beta``."""
-    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
-    kq = torch.stack((k, q), dim=2)
-    if kq.dtype != torch.float32:
-        kq = kq.float()
-    if use_qk_l2norm:
-        kq = l2norm(kq)
-    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
-    return kq, v, g, beta
-
-
 @register_kernel('kda_decode_step', device_type='any')
 def kda_decode_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           state: torch.Tensor, use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
@@ -163,7 +152,7 @@ def kda_decode_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     Returns:
         float32 ``o [N, H, dv]``.
     """
-    kq, v, g, beta = _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    kq, v, g, beta = delta_step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
     k, q = kq.unbind(2)
     state.mul_(g.exp()[..., None])
     delta = beta[..., None] * (v - torch.einsum('nhk,nhkv->nhv', k, state))
@@ -171,14 +160,14 @@ def kda_decode_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return torch.einsum('nhk,nhkv->nhv', q, state)
 
 
-@register_kernel('kda_decode_step', device_type='cpu', priority=10, available=kda_native_available)
+@register_kernel('kda_decode_step', device_type='cpu', priority=10, available=native_available)
 def kda_decode_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor, use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
-    """:func:`kda_decode_step_torch` by the native kernel (:func:`~.kda_native.kda_step_native`,
+    """:func:`kda_decode_step_torch` by the native kernel (:func:`~.cpu_native.delta_step_native`,
     one call, the state read twice and written once) where it applies (float32 state with unit
     stride along ``dv``, outside autograd), else the torch form. Equal to float32 rounding."""
-    kq, v32, g32, beta32 = _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
-    o = kda_step_native(kq, v32, g32.exp(), beta32, state)
+    kq, v32, g32, beta32 = delta_step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    o = delta_step_native(kq, v32, g32.exp(), beta32, state)
     if o is not None:
         return o
     return kda_decode_step_torch(q, k, v, g, beta, state, use_qk_l2norm, scale)
