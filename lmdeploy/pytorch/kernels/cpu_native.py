@@ -71,7 +71,7 @@ import torch
 from ..config import cache_root
 from . import native_build
 
-__all__ = ['CALLS', 'is_plain', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
@@ -232,6 +232,16 @@ def is_plain(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == 'cpu' and not (torch.is_grad_enabled() and t.requires_grad)
 
 
+def state_step_library(inputs: tuple[torch.Tensor, ...], state: torch.Tensor, shapes_ok: bool) -> ctypes.CDLL | None:
+    """The library when a native decode step may run on ``inputs`` and ``state`` (the callers'
+    common precondition), else None: the shapes agree (``shapes_ok``, the caller's check), every
+    tensor :func:`is_plain`, the state has unit stride along its last dim (a view of the cache's
+    rows is fine), and the library is built."""
+    if not (shapes_ok and state.stride(-1) == 1 and is_plain(state) and all(is_plain(t) for t in inputs)):
+        return None
+    return native_library()
+
+
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight^T`` by the native kernel, or ``None`` when it does not apply.
 
@@ -337,11 +347,8 @@ def delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, be
         return None
     N, H, dk, dv = state.shape
     per_channel = decay.dim() == 3
-    if not (all(is_plain(t) for t in (kq, v, decay, beta, state)) and state.stride(-1) == 1
-            and kq.shape == (N, H, 2, dk) and v.shape == (N, H, dv) and beta.shape == (N, H)
-            and decay.shape == ((N, H, dk) if per_channel else (N, H))):
-        return None
-    lib = native_library()
+    lib = state_step_library((kq, v, decay, beta), state, kq.shape == (N, H, 2, dk) and v.shape == (N, H, dv)
+                             and beta.shape == (N, H) and decay.shape == ((N, H, dk) if per_channel else (N, H)))
     if lib is None:
         return None
     kq, v, decay, beta = (t.contiguous() for t in (kq, v, decay, beta))

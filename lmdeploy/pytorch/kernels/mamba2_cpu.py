@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import register_kernel
-from .cpu_native import CALLS, is_plain, native_available, native_library
+from .cpu_native import CALLS, native_available, state_step_library
 from .mamba2 import ssd_step as ssd_step_torch
 
 __all__ = ['ssd_step_native', 'ssd_step_cpu']
@@ -55,12 +55,9 @@ def ssd_step_native(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         return None
     N, H, P, Dn = state.shape
     G = B.shape[1] if B.dim() == 3 else 0
-    tensors = (x, dt, A, B, C, state) + (() if D is None else (D,))
-    if not (all(is_plain(t) for t in tensors) and state.stride(-1) == 1 and G and H % G == 0
-            and x.shape == (N, H, P) and dt.shape == (N, H) and A.shape == (H,) and B.shape == C.shape == (N, G, Dn)
-            and (D is None or D.shape == (H,))):
-        return None
-    lib = native_library()
+    lib = state_step_library((x, dt, A, B, C) + (() if D is None else (D,)), state,
+                             G and H % G == 0 and x.shape == (N, H, P) and dt.shape == (N, H) and A.shape == (H,)
+                             and B.shape == C.shape == (N, G, Dn) and (D is None or D.shape == (H,)))
     if lib is None:
         return None
     x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
