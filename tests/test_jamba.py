@@ -5,17 +5,11 @@ restore, a 4-turn chat identical under every cache policy, a new engine restorin
 ``file:`` Store (KV blocks and state objects) and decoding what a cold engine decodes, TP2 = TP1
 (attention by head, Mamba-1 by channel, dense MLPs by rows, experts replicated) and indivisible
 head counts refused by name; the config audit."""
-import inspect
-import re
-
 import pytest
 
-from engine_utils import (check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, make_engine, random_prompt,
-                          tiny_checkpoint_and_reference)
+from engine_utils import make_engine, random_prompt, tiny_checkpoint_and_reference
+from family_harness import FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
 
 
 @pytest.fixture(scope='module')
@@ -24,17 +18,9 @@ def tiny(tmp_path_factory):
     return tiny_checkpoint_and_reference(tmp_path_factory, 'jamba')
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestJambaConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness)."""
+    logits_cases = ((5, 8192), (150, 32), (700, 32))
 
 
 def test_a_new_engine_restores_kv_blocks_and_states_from_the_store(tiny, tmp_path):
@@ -79,19 +65,11 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
                                            (dict(attn_layer_offset=4), 'attn_layer_offset')])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
+    check_refused_field(AutoConfig.from_pretrained(tiny[0]), change, field)
 
 
 def test_audit_lists_every_field_transformers_reads():
-    import transformers.models.jamba.modeling_jamba as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['jamba']), sorted(read - set(FIELDS['jamba']))
+    check_audit_lists_every_field_transformers_reads('jamba')
 
 
 def test_store_sizes_of_a_jamba_mini_shaped_config():
