@@ -16,10 +16,11 @@ Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attent
 ``ssd_step`` / ``ssd_chunk_scan`` on CUDA in mamba2_triton), ``selective_scan_chunk``,
 ``selective_scan_step``, ``selective_scan_varlen`` (mamba1: Mamba-1; native step on CPU in mamba1_cpu,
 Triton step and scan on CUDA in mamba1_triton), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
-``gated_rms_norm`` (norm). The four varlen state ops (``gated_delta_rule_varlen``, ``kda_varlen``,
-``mamba2_ssd_varlen``, ``selective_scan_varlen``) are one driver (state_varlen) over each op's
-step and chunk kernels. ``linear`` (linear.py) is a plain function: it picks its product by
+``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
 row count (MKL or the native few-row product) and is called directly.
+
+The varlen recurrent-state ops (``gated_delta_rule_varlen``, ``kda_varlen``, ``mamba2_ssd_varlen``,
+``selective_scan_varlen``) are one driver (state_varlen) over each op's step and chunk kernels.
 
 Thread-safe: see the comment at the locks below.
 """
