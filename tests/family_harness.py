@@ -1,7 +1,7 @@
 """The shared harness of the model-family test files (Mamba, Mamba-2, Jamba, Bamba, Falcon-H1):
-the conformance checks every family runs against transformers on its tiny checkpoint, a
-transformers model with seeded random weights written as a checkpoint under other switches, and
-the config audit's checks.
+the conformance checks every family runs against transformers on its tiny checkpoint, a new
+engine restoring a prefix from a ``file:`` Store, a transformers model with seeded random weights
+written as a checkpoint under other switches, and the config audit's checks.
 
 A family's file keeps a module fixture ``tiny`` (its ``(checkpoint path, transformers float32
 reference)`` from :func:`engine_utils.tiny_checkpoint_and_reference`) and subclasses
@@ -22,7 +22,8 @@ import torch
 
 from engine_utils import (check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers)
+                          check_prompt_logits_match_transformers, make_engine, random_prompt)
+from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
 # (prompt tokens, prefill chunk): one short prompt, long ones cold and in chunks of 32 tokens
@@ -49,6 +50,30 @@ class FamilyConformance:
 
     def test_four_turn_chat_is_identical_under_every_cache_policy(self, tiny):
         check_four_turn_chat_under_every_cache_policy(tiny[0])
+
+
+def check_a_new_engine_restores_from_a_file_store(path: str, tmp_path: Path, seed: int, put_objects: dict) -> None:
+    """A writer engine prefills a 300-token prompt (64-token chunks, checkpoints every 64 tokens,
+    a ``file:`` Store) and puts exactly ``put_objects`` (``{'state': n, 'kv': m}``); a new engine
+    with an empty local cache restores 256 tokens from the Store, and both decode what a cold
+    engine decodes."""
+    ids = random_prompt(300, seed=seed)
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    fields = dict(block_size=16, prefill_save_alignment=64, max_prefill_token_num=64, enable_prefix_caching=True,
+                  store_backend=f'file:{tmp_path / "store"}')
+    writer = make_engine(path, **fields)
+    first = writer.generate(ids, gen)
+    assert writer.store.flush(timeout=30)
+    assert writer.stats()['store_put_objects'] == put_objects
+    writer.close()
+    reader = make_engine(path, **fields)
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == again.stats.store_hit_tokens == 256
+    finally:
+        reader.close()
+    cold = make_engine(path, max_prefill_token_num=64).generate(ids, gen).output_ids
+    assert first.output_ids == again.output_ids == cold
 
 
 def hf_model(cls, config, seed: int):

@@ -7,9 +7,9 @@ restore, a 4-turn chat identical under every cache policy, a new engine restorin
 head counts refused by name; the config audit."""
 import pytest
 
-from engine_utils import make_engine, random_prompt, tiny_checkpoint_and_reference
-from family_harness import FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field
-from lmdeploy import GenerationConfig
+from engine_utils import tiny_checkpoint_and_reference
+from family_harness import (FamilyConformance, check_a_new_engine_restores_from_a_file_store,
+                            check_audit_lists_every_field_transformers_reads, check_refused_field)
 
 
 @pytest.fixture(scope='module')
@@ -26,23 +26,7 @@ class TestJambaConformance(FamilyConformance):
 def test_a_new_engine_restores_kv_blocks_and_states_from_the_store(tiny, tmp_path):
     """A writer puts 4 state objects and the 16 KV blocks below 256 tokens; a new engine (empty
     local cache) restores 256 tokens from the Store and decodes what a cold engine decodes."""
-    ids = random_prompt(300, seed=994_301)
-    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    fields = dict(block_size=16, prefill_save_alignment=64, max_prefill_token_num=64, enable_prefix_caching=True,
-                  store_backend=f'file:{tmp_path / "store"}')
-    writer = make_engine(tiny[0], **fields)
-    first = writer.generate(ids, gen)
-    assert writer.store.flush(timeout=30)
-    assert writer.stats()['store_put_objects'] == {'state': 4, 'kv': 16}
-    writer.close()
-    reader = make_engine(tiny[0], **fields)
-    try:
-        again = reader.generate(ids, gen)
-        assert again.num_cached_tokens == again.stats.store_hit_tokens == 256
-    finally:
-        reader.close()
-    cold = make_engine(tiny[0], max_prefill_token_num=64).generate(ids, gen).output_ids
-    assert first.output_ids == again.output_ids == cold
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, 994_301, {'state': 4, 'kv': 16})
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):

@@ -16,9 +16,9 @@ import torch
 from engine_utils import (TOL, check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores,
                           engine_prompt_logits, hf_prompt_logits, make_engine, random_prompt,
                           tiny_checkpoint_and_reference)
-from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
-                            hf_model, write_checkpoint)
-from lmdeploy import GenerationConfig
+from family_harness import (FamilyConformance, check_a_new_engine_restores_from_a_file_store,
+                            check_audit_lists_every_field_transformers_reads, check_refused_field, hf_model,
+                            write_checkpoint)
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
 
@@ -50,23 +50,7 @@ def test_states_only_store_bytes_equal_the_simulator_and_a_new_engine_restores(t
     if config.model_type == 'mamba':
         check_store_bytes_then_a_new_engine_restores(tiny[0], tmp_path, seed=992_000)
         return
-    ids = random_prompt(300, seed=993_301)
-    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    fields = dict(block_size=16, prefill_save_alignment=64, max_prefill_token_num=64, enable_prefix_caching=True,
-                  store_backend=f'file:{tmp_path / "store"}')
-    writer = make_engine(tiny[0], **fields)
-    first = writer.generate(ids, gen)
-    assert writer.store.flush(timeout=30)
-    assert writer.stats()['store_put_objects'] == {'state': 4, 'kv': 0}
-    writer.close()
-    reader = make_engine(tiny[0], **fields)
-    try:
-        again = reader.generate(ids, gen)
-        assert again.num_cached_tokens == again.stats.store_hit_tokens == 256
-    finally:
-        reader.close()
-    cold = make_engine(tiny[0], max_prefill_token_num=64).generate(ids, gen).output_ids
-    assert first.output_ids == again.output_ids == cold
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, 993_301, {'state': 4, 'kv': 0})
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_channels_are_refused(tiny):
