@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import signal
@@ -49,7 +48,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +55,7 @@ from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmark.trace_client import complete, pct, wait_store_idle  # noqa: E402
 from benchmark.traces import TraceRequest, load_trace, prompt_tokens  # noqa: E402
 
 DEFAULT_SERVER_ARGS = ('--enable-prefix-caching --prefill-save-last-only --block-size 16 --prefill-save-alignment 64 '
@@ -110,45 +109,6 @@ def select(rows: list[TraceRequest], sessions: int | None, limit: int | None) ->
     return rows[:limit] if limit else rows
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float, headers: dict | None = None,
-             stream: bool = True) -> dict:
-    """One greedy completion (``headers`` added); returns prompt/cached tokens, ttft_s and the reply
-    ``text``, or ``error``. ``stream=False`` sends a non-streaming request (which the router can resend
-    to another replica when its replica dies) and ttft_s is then the whole request's latency."""
-    body = json.dumps({'model': model, 'prompt': prompt, 'max_tokens': max_tokens, 'temperature': 0,
-                       'ignore_eos': True, 'stream': stream,
-                       **({'stream_options': {'include_usage': True}} if stream else {})}).encode()
-    req = urllib.request.Request(url + '/v1/completions', data=body,
-                                 headers={'Content-Type': 'application/json', **(headers or {})})
-    start, first, usage, text = time.perf_counter(), None, None, []
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            if not stream:
-                out = json.loads(resp.read())
-                first, usage = time.perf_counter(), out.get('usage')
-                text.append(out['choices'][0].get('text') or '')
-            for raw in resp if stream else ():
-                line = raw.decode().strip()
-                if not line.startswith('data:') or line == 'data: [DONE]':
-                    continue
-                event = json.loads(line[5:])
-                if 'error' in event:
-                    return dict(error=str(event['error'])[:300])
-                if event.get('choices'):
-                    first = first or time.perf_counter()
-                    text.append(event['choices'][0].get('text') or '')
-                usage = event.get('usage') or usage
-    except urllib.error.HTTPError as err:
-        return dict(error=f'{err.code} {err.read()[:300]!r}')
-    except (OSError, ValueError) as err:
-        return dict(error=f'{type(err).__name__}: {err}')
-    if usage is None or first is None:
-        return dict(error='stream ended without a choice or without usage')
-    details = usage.get('prompt_tokens_details') or {}
-    return dict(prompt_tokens=usage['prompt_tokens'], cached_tokens=details.get('cached_tokens', 0),
-                ttft_s=first - start, text=''.join(text))
-
-
 def counters(url: str) -> dict[str, float]:
     """The :data:`COUNTERS` of one replica's ``/metrics`` (summed over labels); {} when it is down."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -166,27 +126,6 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
-def wait_store_idle(url: str, timeout_s: float = 120) -> None:
-    """Wait until the replica reports no in-flight Store save (so the put counters are final)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + '/debug/ledger', timeout=10) as r:
-                if not json.loads(r.read()).get('store_inflight', 0):
-                    return
-        except (OSError, ValueError):
-            return
-        time.sleep(0.05)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in (0, 100]); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
 def replay(url: str, model: str, jobs: list[tuple[str, int, dict]], concurrency: int, timeout_s: float,
            on_sent=None, stream: bool = True) -> list[dict]:
     """Send ``jobs`` (prompt, max_tokens, headers) in order, ``concurrency`` in flight; ``on_sent(i)`` is
@@ -196,7 +135,7 @@ def replay(url: str, model: str, jobs: list[tuple[str, int, dict]], concurrency:
 
     def one(i: int) -> None:
         try:
-            results[i] = complete(url, model, *jobs[i][:2], timeout_s, jobs[i][2], stream)
+            results[i] = complete(url, *jobs[i][:2], timeout_s, model=model, headers=jobs[i][2], stream=stream)
         except Exception as err:  # noqa: BLE001 -- a client bug is reported per request, not lost in the pool
             results[i] = dict(error=f'{type(err).__name__}: {err}')
         finally:

@@ -42,14 +42,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import shlex
 import shutil
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +55,9 @@ from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmark.trace_client import complete  # noqa: E402
+from benchmark.trace_client import pct as _pct  # noqa: E402
+from benchmark.trace_client import wait_store_idle as _wait_store_idle  # noqa: E402
 from benchmark.traces import BLOCK_TOKENS, TraceRequest, load_trace, prompt_tokens, working_set  # noqa: E402
 
 SIM_MODULE = 'benchmark.trace_sim'
@@ -236,35 +237,6 @@ def block_level_ideal(rows: Sequence[TraceRequest], scale: int) -> int:
     return hit
 
 
-def complete(url: str, ids: list[int], max_tokens: int, timeout_s: float) -> dict:
-    """One greedy streamed completion; returns prompt/cached tokens, ttft_s, latency_s, or ``error``."""
-    body = json.dumps({'model': 'bench', 'prompt': ids, 'max_tokens': max_tokens, 'temperature': 0,
-                       'ignore_eos': True, 'stream': True, 'stream_options': {'include_usage': True}}).encode()
-    req = urllib.request.Request(url + '/v1/completions', data=body, headers={'Content-Type': 'application/json'})
-    start, first, usage = time.perf_counter(), None, None
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith('data:') or line == 'data: [DONE]':
-                    continue
-                event = json.loads(line[5:])
-                if 'error' in event:
-                    return dict(error=str(event['error'])[:300])
-                if event.get('choices') and first is None:
-                    first = time.perf_counter()
-                usage = event.get('usage') or usage
-    except urllib.error.HTTPError as err:
-        return dict(error=f'{err.code} {err.read()[:300]!r}')
-    except OSError as err:
-        return dict(error=f'{type(err).__name__}: {err}')
-    if usage is None or first is None:
-        return dict(error='stream ended without a choice or without usage')
-    details = usage.get('prompt_tokens_details') or {}
-    return dict(prompt_tokens=usage['prompt_tokens'], cached_tokens=details.get('cached_tokens', 0),
-                ttft_s=first - start, latency_s=time.perf_counter() - start)
-
-
 def scrape(url: str) -> dict[str, float]:
     """``{'name{labels}': value}`` of the ``/metrics`` counter samples (``*_total``) named by
     :data:`METRIC_PREFIXES`."""
@@ -278,19 +250,6 @@ def scrape(url: str) -> dict[str, float]:
                 labels = ','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))
                 out[s.name + (f'{{{labels}}}' if labels else '')] = s.value
     return out
-
-
-def _wait_store_idle(url: str, timeout_s: float = 120) -> None:
-    """Wait until ``/debug/ledger`` reports no in-flight Store save (so the put counters are final)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + '/debug/ledger', timeout=10) as r:
-                if not json.loads(r.read()).get('store_inflight', 0):
-                    return
-        except (OSError, ValueError):
-            return
-        time.sleep(0.05)
 
 
 def replay(url: str, jobs: list[tuple[list[int], int, float]], concurrency: int, honor_timestamps: bool,
@@ -324,13 +283,6 @@ def replay(url: str, jobs: list[tuple[list[int], int, float]], concurrency: int,
             pool.submit(one, i)
     return results
 
-
-def _pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in (0, 100]); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
 
 
 def run_server(args: argparse.Namespace, rows: list[TraceRequest]) -> dict:

@@ -287,13 +287,6 @@ class PytorchEngineConfig(BaseModel):
                              f'got {v}')
         return v
 
-    @field_validator('prefill_save_alignment')
-    @classmethod
-    def _positive_alignment(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError('prefill_save_alignment must be positive')
-        return v
-
     @model_validator(mode='after')
     def _alignment_multiple_of_block(self):
         if self.prefill_save_alignment % self.block_size != 0:

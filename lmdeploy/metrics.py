@@ -15,62 +15,63 @@ exported is clamped, so a restarted or buggy source cannot make Prometheus see a
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from operator import itemgetter
+from typing import Callable, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ['EngineStatsCollector', 'LedgerCollector', 'ServerMetrics', 'HTTPMetricsMiddleware', 'ENGINE_SERIES',
-           'LEDGER_SERIES']
+__all__ = ['EngineSeries', 'EngineStatsCollector', 'LedgerCollector', 'ServerMetrics', 'HTTPMetricsMiddleware',
+           'ENGINE_SERIES', 'LEDGER_SERIES']
 
-# (stats key, metric name without prefix/suffix, help, label name or None, labels always exported)
+
+class EngineSeries(NamedTuple):
+    """One engine counter: ``Engine.stats()[key]`` exported as ``lmdeploy_<key>_total``; with a
+    ``label``, the stat is a ``{label value: count}`` dict and the values in ``always`` are
+    exported (as 0) before they are first counted."""
+    key: str
+    doc: str
+    label: str | None = None
+    always: tuple[str, ...] = ()
+
+
 ENGINE_SERIES = (
-    ('prefix_cache_queried_tokens', 'prefix_cache_queried_tokens',
-     'Prompt tokens looked up in the prefix cache.', None, ()),
-    ('prefix_cache_hit_tokens', 'prefix_cache_hit_tokens',
-     'Prompt tokens restored from the local prefix cache (Store hits: store_hit_tokens).', None, ()),
-    ('checkpoints_saved', 'checkpoints_saved', 'Recurrent-state checkpoints saved.', None, ()),
-    ('checkpoints_saved_by_reason', 'checkpoints_saved_by_reason',
-     'Recurrent-state checkpoints published in the local prefix cache, by why they were saved.',
-     'reason', ('prefill', 'prefill_last', 'shared_head', 'junction', 'turn_end', 'restored')),
-    ('prefix_cache_evictions', 'prefix_cache_evictions',
-     'Entries the local prefix cache evicted under memory pressure, by kind.', 'kind', ('checkpoint', 'kv')),
-    ('host_demotions', 'host_demotions', 'Checkpoints the device evicted that the host tier kept.', None, ()),
-    ('host_promotions', 'host_promotions', 'Prefixes restored from the host tier into the device.', None, ()),
-    ('host_evictions', 'host_evictions', 'Entries (states, KV blocks) the host tier dropped for room.', None, ()),
-    ('host_hit_tokens', 'host_hit_tokens', 'Prompt tokens restored from the host tier.', None, ()),
-    ('checkpoints_skipped', 'checkpoints_skipped', 'State checkpoint saves skipped, by reason.',
-     'reason', ('no_free_slot',)),
-    ('store_put_bytes', 'store_put_bytes', 'Bytes put into the Mooncake Store, by object kind.',
-     'kind', ('state', 'kv')),
-    ('store_put_objects', 'store_put_objects', 'Objects put into the Mooncake Store, by object kind.',
-     'kind', ('state', 'kv')),
-    ('store_get_bytes', 'store_get_bytes', 'Payload bytes read from the Store (objects that verified: restores and checks).', None, ()),
-    ('store_put_failures', 'store_put_failures', 'Failed Mooncake Store puts.', None, ()),
-    ('store_get_failures', 'store_get_failures',
-     'Failed or unverifiable Mooncake Store gets (counted as misses).', None, ()),
-    ('store_hit_tokens', 'store_hit_tokens', 'Prompt tokens restored from the Mooncake Store.', None, ()),
-    ('store_rejected_objects', 'store_rejected_objects',
-     'Store objects whose header, checksum or MAC did not verify (counted as misses).', None, ()),
-    ('store_repaired_objects', 'store_repaired_objects',
-     'Half-written or rejected Store objects a save replaced.', None, ()),
-    ('store_dropped_puts', 'store_dropped_puts',
-     'Store saves dropped because the save queue was full (a later save of the prefix retries).', None, ()),
-    ('store_handoff_put_objects', 'store_handoff_put_objects',
-     'Prefill/decode hand-off objects a prefill engine put into the Store.', None, ()),
-    ('store_handoff_hit_tokens', 'store_handoff_hit_tokens',
-     'Prompt tokens a decode engine restored from prefill hand-offs (also in store_hit_tokens).', None, ()),
-    ('handoff_misses', 'handoff_misses',
-     'Requests a decode engine admitted without restoring their hand-off (it computed the prompt instead).',
-     None, ()),
-    ('shared_head_checkpoints_saved', 'shared_head_checkpoints_saved',
-     'Checkpoints saved at the end of a chat request\'s shared head (system prompt and tools).', None, ()),
-    ('state_miss_tokens', 'state_miss_tokens',
-     'Prompt tokens whose full-attention blocks matched but had no state checkpoint.', None, ()),
-    ('spec_decode_draft_tokens', 'spec_decode_draft_tokens',
-     'Speculative draft tokens verified by the target model.', None, ()),
-    ('spec_decode_accepted_tokens', 'spec_decode_accepted_tokens',
-     'Speculative draft tokens the target model accepted.', None, ()),
+    EngineSeries('prefix_cache_queried_tokens', 'Prompt tokens looked up in the prefix cache.'),
+    EngineSeries('prefix_cache_hit_tokens',
+                 'Prompt tokens restored from the local prefix cache (Store hits: store_hit_tokens).'),
+    EngineSeries('checkpoints_saved', 'Recurrent-state checkpoints saved.'),
+    EngineSeries('checkpoints_saved_by_reason',
+                 'Recurrent-state checkpoints published in the local prefix cache, by why they were saved.',
+                 'reason', ('prefill', 'prefill_last', 'shared_head', 'junction', 'turn_end', 'restored')),
+    EngineSeries('prefix_cache_evictions', 'Entries the local prefix cache evicted under memory pressure, by kind.',
+                 'kind', ('checkpoint', 'kv')),
+    EngineSeries('host_demotions', 'Checkpoints the device evicted that the host tier kept.'),
+    EngineSeries('host_promotions', 'Prefixes restored from the host tier into the device.'),
+    EngineSeries('host_evictions', 'Entries (states, KV blocks) the host tier dropped for room.'),
+    EngineSeries('host_hit_tokens', 'Prompt tokens restored from the host tier.'),
+    EngineSeries('checkpoints_skipped', 'State checkpoint saves skipped, by reason.', 'reason', ('no_free_slot',)),
+    EngineSeries('store_put_bytes', 'Bytes put into the Mooncake Store, by object kind.', 'kind', ('state', 'kv')),
+    EngineSeries('store_put_objects', 'Objects put into the Mooncake Store, by object kind.', 'kind', ('state', 'kv')),
+    EngineSeries('store_get_bytes', 'Payload bytes read from the Store (objects that verified: restores and checks).'),
+    EngineSeries('store_put_failures', 'Failed Mooncake Store puts.'),
+    EngineSeries('store_get_failures', 'Failed or unverifiable Mooncake Store gets (counted as misses).'),
+    EngineSeries('store_hit_tokens', 'Prompt tokens restored from the Mooncake Store.'),
+    EngineSeries('store_rejected_objects',
+                 'Store objects whose header, checksum or MAC did not verify (counted as misses).'),
+    EngineSeries('store_repaired_objects', 'Half-written or rejected Store objects a save replaced.'),
+    EngineSeries('store_dropped_puts',
+                 'Store saves dropped because the save queue was full (a later save of the prefix retries).'),
+    EngineSeries('store_handoff_put_objects', 'Prefill/decode hand-off objects a prefill engine put into the Store.'),
+    EngineSeries('store_handoff_hit_tokens',
+                 'Prompt tokens a decode engine restored from prefill hand-offs (also in store_hit_tokens).'),
+    EngineSeries('handoff_misses',
+                 'Requests a decode engine admitted without restoring their hand-off (it computed the prompt '
+                 'instead).'),
+    EngineSeries('shared_head_checkpoints_saved',
+                 "Checkpoints saved at the end of a chat request's shared head (system prompt and tools)."),
+    EngineSeries('state_miss_tokens', 'Prompt tokens whose full-attention blocks matched but had no state checkpoint.'),
+    EngineSeries('spec_decode_draft_tokens', 'Speculative draft tokens verified by the target model.'),
+    EngineSeries('spec_decode_accepted_tokens', 'Speculative draft tokens the target model accepted.'),
 )
 
 # TTFT spans queueing and a whole prefill; TPOT is one decode step
@@ -102,12 +103,12 @@ class EngineStatsCollector:
     def collect(self):
         """Yield one counter family per engine series (``lmdeploy_<name>_total``)."""
         stats = self._read() or {}
-        for key, name, doc, label, always in ENGINE_SERIES:
+        for key, doc, label, always in ENGINE_SERIES:
             value = stats.get(key)
             if label is None:
-                yield CounterMetricFamily(f'lmdeploy_{name}', doc, value=self._monotonic(key, '', value))
+                yield CounterMetricFamily(f'lmdeploy_{key}', doc, value=self._monotonic(key, '', value))
                 continue
-            family = CounterMetricFamily(f'lmdeploy_{name}', doc, labels=[label])
+            family = CounterMetricFamily(f'lmdeploy_{key}', doc, labels=[label])
             by_label = dict.fromkeys(always, 0)
             by_label.update(value or {})
             with self._lock:    # label values seen once keep being exported
@@ -124,9 +125,9 @@ class EngineStatsCollector:
 # (metric name without prefix, help, how to read it from Engine.ledger())
 LEDGER_SERIES = (
     ('kv_blocks_in_use', 'KV blocks held by requests (not counting cached blocks).',
-     lambda led: led['blocks_in_use']),
-    ('kv_blocks_free', 'KV blocks on the free list.', lambda led: led['blocks_free']),
-    ('kv_blocks_cached', 'KV blocks held by the local prefix cache.', lambda led: led['blocks_cached']),
+     itemgetter('blocks_in_use')),
+    ('kv_blocks_free', 'KV blocks on the free list.', itemgetter('blocks_free')),
+    ('kv_blocks_cached', 'KV blocks held by the local prefix cache.', itemgetter('blocks_cached')),
     ('checkpoint_block_rows', 'KV block rows held by state checkpoints (one memory budget).',
      lambda led: led.get('checkpoint_rows', 0)),
     ('prefix_cache_device_bytes', 'Payload bytes the device tier of the prefix cache holds (KV blocks + checkpoints).',
@@ -136,14 +137,14 @@ LEDGER_SERIES = (
     ('state_slots_in_use', 'Runtime recurrent-state slots held by running requests.',
      lambda led: led['runtime_slots_total'] - led['runtime_slots_free']),
     ('checkpoints_pinned', 'State checkpoint slots pinned by a copy in progress.',
-     lambda led: led['checkpoints_pinned']),
+     itemgetter('checkpoints_pinned')),
     ('checkpoints_published', 'State checkpoints published in the local prefix cache.',
-     lambda led: led['checkpoints_published']),
-    ('scheduler_requests_running', 'Sequences the scheduler is running.', lambda led: led['requests_running']),
-    ('scheduler_requests_waiting', 'Sequences waiting for admission.', lambda led: led['requests_waiting']),
-    ('store_operations_inflight', 'Store save jobs queued or running.', lambda led: led['store_inflight']),
+     itemgetter('checkpoints_published')),
+    ('scheduler_requests_running', 'Sequences the scheduler is running.', itemgetter('requests_running')),
+    ('scheduler_requests_waiting', 'Sequences waiting for admission.', itemgetter('requests_waiting')),
+    ('store_operations_inflight', 'Store save jobs queued or running.', itemgetter('store_inflight')),
     ('store_queue_depth', 'Store save jobs waiting in the queue (not yet taken by a writer).',
-     lambda led: led['store_queue_depth']),
+     itemgetter('store_queue_depth')),
 )
 
 

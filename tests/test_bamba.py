@@ -5,22 +5,18 @@ identical with the prefix cache off / on / last-only / turn-end, Store put bytes
 simulator and a Store restore by a new engine, TP2 = TP1 (one group spanning the ranks; the
 two-group split's slices tile), a transformers checkpoint with the other switches (biases, tied embeddings, one group),
 the layer cache specs and the config audit."""
-import inspect
 import json
 import os
-import re
-import shutil
 
 import pytest
 import torch
 
-from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
+from engine_utils import (check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores,
                           tiny_checkpoint_and_reference)
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            hf_model, untied, write_checkpoint)
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
 
 @pytest.fixture(scope='module')
@@ -36,17 +32,8 @@ def test_tiny_model_is_a_hybrid_with_half_rotary_heads_and_an_ssd_chunk_off_the_
     assert 32 % config['mamba_chunk_size'] and config['mamba_n_groups'] > 1
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestBambaConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness)."""
 
 
 def test_store_put_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -57,10 +44,8 @@ def test_transformers_checkpoint_with_biases_one_group_and_tied_embeddings_match
     """Bamba's other switches (attention, MLP and Mamba projection biases, no conv bias, one B/C
     group, a width-3 conv, two attention layers, MHA, tied embeddings) from ``BambaForCausalLM``'s
     own state dict."""
-    from safetensors.torch import save_file
     from transformers import BambaConfig, BambaForCausalLM
 
-    from lmdeploy.tools.make_tiny_model import _randomize
     src, _ = tiny
     base = json.load(open(os.path.join(src, 'config.json')))
     config = BambaConfig(
@@ -71,18 +56,9 @@ def test_transformers_checkpoint_with_biases_one_group_and_tied_embeddings_match
                                                                                    rope_theta=5000.0),
         tie_word_embeddings=True, eos_token_id=base['eos_token_id'], pad_token_id=base['pad_token_id'],
         bos_token_id=None)
-    torch_state = torch.random.get_rng_state()
-    hf = BambaForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, 3)
+    hf = hf_model(BambaForCausalLM, config, 3)
     path = tmp_path / 'hf_names'
-    shutil.copytree(src, path)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}   # tied
-    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
-    cfg = config.to_diff_dict()
-    cfg['architectures'] = ['BambaForCausalLM']
-    cfg.pop('time_step_limit', None)       # the default; JSON has no infinity
-    json.dump(cfg, open(path / 'config.json', 'w'))
+    write_checkpoint(src, path, hf, config, untied, drop_config=('time_step_limit',))   # the default: no JSON inf
     check_checkpoint_matches_transformers(str(path), hf)
 
 
@@ -113,22 +89,13 @@ def test_cache_specs_are_a_mamba2_state_and_paged_kv(tiny):
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
-    checked = {f for f, how in FIELDS['bamba'].items() if how == CHECKED}
-    assert checked <= {'hidden_act', 'layer_types', 'attn_layer_indices', 'rope_parameters', 'mamba_n_groups',
-                       'mamba_d_head', 'time_step_limit', 'quantization_config'}
+    check_refused_field(AutoConfig.from_pretrained(tiny[0]), change, field, 'bamba',
+                        {'hidden_act', 'layer_types', 'attn_layer_indices', 'rope_parameters', 'mamba_n_groups',
+                         'mamba_d_head', 'time_step_limit', 'quantization_config'})
 
 
 def test_audit_lists_every_field_transformers_reads_for_bamba():
-    import transformers.models.bamba.modeling_bamba as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['bamba']), sorted(read - set(FIELDS['bamba']))
+    check_audit_lists_every_field_transformers_reads('bamba')
 
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):

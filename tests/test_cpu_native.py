@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lmdeploy.pytorch.kernels import causal_conv1d as conv_mod
 from lmdeploy.pytorch.kernels import cpu_native
 from lmdeploy.pytorch.kernels import gated_delta_rule as gdr_mod
-from lmdeploy.pytorch.kernels.cpu_native import (conv_decode_step_native, gated_delta_step_native, matmul_rows,
+from lmdeploy.pytorch.kernels.cpu_native import (conv_decode_step_native, delta_step_native, matmul_rows,
                                                  native_library, swiglu_experts_native)
 from lmdeploy.pytorch.kernels.linear import linear
 from lmdeploy.pytorch.kernels.moe import swiglu_experts_loop
@@ -149,7 +149,7 @@ def _gdn_inputs(gen, n, heads, dk, dv):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 9), st.integers(1, 4), st.sampled_from([8, 16, 33]), st.sampled_from([8, 24, 40]),
        st.booleans(), st.integers(0, 2 ** 31))
-def test_gated_delta_step_native_equals_torch_and_updates_cache_rows_in_place(n, heads, dk, dv, row_layout, seed):
+def test_delta_step_native_equals_torch_and_updates_cache_rows_in_place(n, heads, dk, dv, row_layout, seed):
     """The decode step against the torch form (same inputs, native disabled) and against the
     token-by-token reference, on a contiguous state and on a view into cache rows that hold
     more than the state (the engine's layout), with the rows around it untouched."""
@@ -162,12 +162,12 @@ def test_gated_delta_step_native_equals_torch_and_updates_cache_rows_in_place(n,
     expected_state = state.clone()
     o = gdr_mod._recurrent_step_batched(q, k, v, g, beta, state, True, None)
     # the torch form on a copy
-    saved = gdr_mod.gated_delta_step_native
-    gdr_mod.gated_delta_step_native = lambda *args: None
+    saved = gdr_mod.delta_step_native
+    gdr_mod.delta_step_native = lambda *args: None
     try:
         o_torch = gdr_mod._recurrent_step_batched(q, k, v, g, beta, expected_state, True, None)
     finally:
-        gdr_mod.gated_delta_step_native = saved
+        gdr_mod.delta_step_native = saved
     _close(o, o_torch, float(o_torch.abs().max()) + 1.0)
     _close(state, expected_state, float(expected_state.abs().max()) + 1.0)
     for i in range(n):   # the per-sequence reference
@@ -180,13 +180,13 @@ def test_gated_delta_step_native_equals_torch_and_updates_cache_rows_in_place(n,
         assert torch.equal(cache[:, size:], before[:, size:])
 
 
-def test_gated_delta_step_native_refuses_what_it_does_not_cover():
+def test_delta_step_native_refuses_what_it_does_not_cover():
     state = torch.zeros(2, 1, 4, 4)
     kq, v, d, b = torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 4), torch.ones(2, 1), torch.ones(2, 1)
-    assert gated_delta_step_native(kq, v, d, b, state) is not None
-    assert gated_delta_step_native(kq, v, d, b, state.transpose(2, 3)) is None      # dv not unit stride
-    assert gated_delta_step_native(kq.bfloat16(), v, d, b, state) is None
-    assert gated_delta_step_native(kq[:, :, :1], v, d, b, state) is None             # shape mismatch
+    assert delta_step_native(kq, v, d, b, state) is not None
+    assert delta_step_native(kq, v, d, b, state.transpose(2, 3)) is None      # dv not unit stride
+    assert delta_step_native(kq.bfloat16(), v, d, b, state) is None
+    assert delta_step_native(kq[:, :, :1], v, d, b, state) is None             # shape mismatch
 
 
 @settings(max_examples=80, deadline=None)

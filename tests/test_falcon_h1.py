@@ -6,22 +6,19 @@ prefix cache off / on / last-only / turn-end, Store put bytes equal to the simul
 restore by a new engine, TP2 = TP1 (one group spanning the ranks), a transformers checkpoint
 with the other switches (no Mamba norm, norm before the gate, biases, tied embeddings), the two
 cache entries per layer and the config audit."""
-import inspect
 import json
 import os
-import re
 import shutil
 
 import pytest
 import torch
 
-from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
+from engine_utils import (check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores,
                           tiny_checkpoint_and_reference)
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            hf_model, untied, write_checkpoint)
 from lmdeploy.pytorch.cache_specs import FullAttentionSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
 
 @pytest.fixture(scope='module')
@@ -40,17 +37,8 @@ def test_tiny_model_has_every_multiplier_off_one_and_an_ssd_chunk_off_the_prefil
     assert 32 % config['mamba_chunk_size'] and config['mamba_n_groups'] > 1 and config['mamba_rms_norm']
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestFalconH1Conformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness)."""
 
 
 def test_store_put_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -63,10 +51,8 @@ def test_transformers_checkpoint_with_the_other_switches_matches(tiny, tmp_path,
     (``mamba_rms_norm`` off: ``y * silu(z)``) or a norm before the gate; attention, MLP, Mamba
     ``in_proj`` and ``out_proj`` (``projectors_bias``) biases, no conv bias, one B/C group, a
     width-3 conv, MHA, ``mamba_d_ssm`` unset (``mamba_expand`` x hidden), tied embeddings."""
-    from safetensors.torch import save_file
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
-    from lmdeploy.tools.make_tiny_model import _randomize
     src, _ = tiny
     base = json.load(open(os.path.join(src, 'config.json')))
     config = FalconH1Config(
@@ -80,19 +66,10 @@ def test_transformers_checkpoint_with_the_other_switches_matches(tiny, tmp_path,
         ssm_in_multiplier=0.9, ssm_out_multiplier=1.2,
         rope_parameters=dict(rope_type='default', rope_theta=5000.0), tie_word_embeddings=True,
         eos_token_id=base['eos_token_id'], pad_token_id=base['pad_token_id'], bos_token_id=None)
-    torch_state = torch.random.get_rng_state()
-    hf = FalconH1ForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, 3)
+    hf = hf_model(FalconH1ForCausalLM, config, 3)
     path = tmp_path / 'hf_names'
-    shutil.copytree(src, path)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}   # tied
+    sd = write_checkpoint(src, path, hf, config, untied, drop_config=('time_step_limit',))  # the default: no JSON inf
     assert any(k.endswith('mamba.norm.weight') for k in sd) == (norm != 'none')
-    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
-    cfg = config.to_diff_dict()
-    cfg['architectures'] = ['FalconH1ForCausalLM']
-    cfg.pop('time_step_limit', None)       # the default; JSON has no infinity
-    json.dump(cfg, open(path / 'config.json', 'w'))
     check_checkpoint_matches_transformers(str(path), hf)
 
 
@@ -151,22 +128,13 @@ def test_the_layers_address_their_own_cache_entries(tiny):
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
-    checked = {f for f, how in FIELDS['falcon_h1'].items() if how == CHECKED}
-    assert checked <= {'hidden_act', 'rope_parameters', 'mamba_n_groups', 'mamba_d_head', 'time_step_limit',
-                       'quantization_config', 'mlp_multipliers', 'ssm_multipliers', 'mamba_norm_before_gate'}
+    check_refused_field(AutoConfig.from_pretrained(tiny[0]), change, field, 'falcon_h1',
+                        {'hidden_act', 'rope_parameters', 'mamba_n_groups', 'mamba_d_head', 'time_step_limit',
+                         'quantization_config', 'mlp_multipliers', 'ssm_multipliers', 'mamba_norm_before_gate'})
 
 
 def test_audit_lists_every_field_transformers_reads_for_falcon_h1():
-    import transformers.models.falcon_h1.modeling_falcon_h1 as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['falcon_h1']), sorted(read - set(FIELDS['falcon_h1']))
+    check_audit_lists_every_field_transformers_reads('falcon_h1')
 
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):

@@ -86,14 +86,14 @@ def test_chunked_strong_decay_flush_changes_nothing_and_leaves_no_subnormals(dec
     q, k, v, _, beta = _inputs(200, seed=3)
     g = -decay_scale * torch.rand(200, H, generator=torch.Generator().manual_seed(4))
     factors = []
-    real_decay = gdr._decay
+    real_decay = gdr.decay_factor
 
     def recording_decay(x):
         out = real_decay(x)
         factors.append(out)
         return out
 
-    monkeypatch.setattr(gdr, '_decay', recording_decay)
+    monkeypatch.setattr(gdr, 'decay_factor', recording_decay)
     o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, _state())
     tiny = torch.finfo(torch.float32).tiny
     assert factors and all(not ((f != 0) & (f.abs() < tiny)).any() for f in factors)

@@ -5,17 +5,11 @@ restore, a 4-turn chat identical under every cache policy, a new engine restorin
 ``file:`` Store (KV blocks and state objects) and decoding what a cold engine decodes, TP2 = TP1
 (attention by head, Mamba-1 by channel, dense MLPs by rows, experts replicated) and indivisible
 head counts refused by name; the config audit."""
-import inspect
-import re
-
 import pytest
 
-from engine_utils import (check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, make_engine, random_prompt,
-                          tiny_checkpoint_and_reference)
-from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
+from engine_utils import tiny_checkpoint_and_reference
+from family_harness import (FamilyConformance, check_a_new_engine_restores_from_a_file_store,
+                            check_audit_lists_every_field_transformers_reads, check_refused_field)
 
 
 @pytest.fixture(scope='module')
@@ -24,39 +18,15 @@ def tiny(tmp_path_factory):
     return tiny_checkpoint_and_reference(tmp_path_factory, 'jamba')
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestJambaConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness)."""
+    logits_cases = ((5, 8192), (150, 32), (700, 32))
 
 
 def test_a_new_engine_restores_kv_blocks_and_states_from_the_store(tiny, tmp_path):
     """A writer puts 4 state objects and the 16 KV blocks below 256 tokens; a new engine (empty
     local cache) restores 256 tokens from the Store and decodes what a cold engine decodes."""
-    ids = random_prompt(300, seed=994_301)
-    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    fields = dict(block_size=16, prefill_save_alignment=64, max_prefill_token_num=64, enable_prefix_caching=True,
-                  store_backend=f'file:{tmp_path / "store"}')
-    writer = make_engine(tiny[0], **fields)
-    first = writer.generate(ids, gen)
-    assert writer.store.flush(timeout=30)
-    assert writer.stats()['store_put_objects'] == {'state': 4, 'kv': 16}
-    writer.close()
-    reader = make_engine(tiny[0], **fields)
-    try:
-        again = reader.generate(ids, gen)
-        assert again.num_cached_tokens == again.stats.store_hit_tokens == 256
-    finally:
-        reader.close()
-    cold = make_engine(tiny[0], max_prefill_token_num=64).generate(ids, gen).output_ids
-    assert first.output_ids == again.output_ids == cold
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, 994_301, {'state': 4, 'kv': 16})
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
@@ -79,19 +49,11 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
                                            (dict(attn_layer_offset=4), 'attn_layer_offset')])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
+    check_refused_field(AutoConfig.from_pretrained(tiny[0]), change, field)
 
 
 def test_audit_lists_every_field_transformers_reads():
-    import transformers.models.jamba.modeling_jamba as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['jamba']), sorted(read - set(FIELDS['jamba']))
+    check_audit_lists_every_field_transformers_reads('jamba')
 
 
 def test_store_sizes_of_a_jamba_mini_shaped_config():

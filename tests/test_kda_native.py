@@ -1,25 +1,22 @@
-"""The native CPU KDA decode step: its C prototype is what ctypes binds, it compiles without a
-warning, it equals the torch step and the token-by-token reference (any head count and width,
+"""The native CPU KDA decode step (the delta-rule step of the native library with a decay per key
+channel; its prototype and warnings are checked with the library's in test_cpu_native_source): it
+equals the torch step and the token-by-token reference (any head count and width,
 on cache-row views, rows around them untouched), the registry picks it on CPU, the varlen
 kernel's in-place decode path uses it, and it refuses what it does not cover."""
-import pathlib
-import shutil
 import subprocess
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_native_source import header_signatures
 
 from lmdeploy.pytorch.kernels import _REGISTRY, get_kernel
-from lmdeploy.pytorch.kernels import kda_native
+from lmdeploy.pytorch.kernels import cpu_native
 from lmdeploy.pytorch.kernels.kimi_delta_attention import (kda_decode_step_cpu, kda_decode_step_torch, kda_varlen,
                                                            recurrent_kda)
 
-_CC = next((c for c in ('cc', 'gcc', 'clang') if shutil.which(c)), None)
-needs_library = pytest.mark.skipif(kda_native.kda_native_library() is None,
-                                   reason='native KDA kernel could not be built here (no C compiler with OpenMP, '
+needs_library = pytest.mark.skipif(cpu_native.native_library() is None,
+                                   reason='native CPU kernels could not be built here (no C compiler with OpenMP, '
                                           'or LMDEPLOY_CPU_KERNELS=0)')
 
 
@@ -38,21 +35,6 @@ def _inputs(gen, n, heads, dk, dv):
     return q, k, v, g, beta
 
 
-def test_header_prototype_equals_the_ctypes_binding():
-    declared = header_signatures(pathlib.Path(kda_native.HEADER).read_text())
-    assert declared == kda_native._ARGTYPES and len(declared) == 1
-    source = pathlib.Path(kda_native.SOURCE).read_text()
-    assert '#include "kda_native.h"' in source
-
-
-@pytest.mark.skipif(_CC is None, reason='no C compiler')
-def test_source_compiles_without_warnings(tmp_path):
-    out = tmp_path / 'lib.so'
-    done = subprocess.run(kda_native.compile_command(_CC, str(out), ('-Werror',)), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-
-
 @needs_library
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 40), st.integers(1, 40), st.booleans(),
@@ -65,9 +47,9 @@ def test_native_step_equals_torch_and_the_reference_on_cache_rows(n, heads, dk, 
     before = cache.clone()
     state = cache[1:1 + n, :size].view(n, heads, dk, dv)       # the engine's view of its rows
     torch_state = state.clone()
-    calls = kda_native.cpu_native.CALLS['kda_step']
+    calls = cpu_native.CALLS['kda_step']
     o = kda_decode_step_cpu(q, k, v, g, beta, state)
-    assert kda_native.cpu_native.CALLS['kda_step'] == calls + 1       # the native kernel ran
+    assert cpu_native.CALLS['kda_step'] == calls + 1       # the native kernel ran
     o_torch = kda_decode_step_torch(q, k, v, g, beta, torch_state)
     _close(o, o_torch, float(o_torch.abs().max()) + 1.0)
     _close(state, torch_state, float(torch_state.abs().max()) + 1.0)
@@ -101,9 +83,9 @@ def test_varlen_decode_uses_the_native_step(slots, history):
     cache = torch.randn(7, H, dk, dv, generator=gen)
     before = cache.clone()
     q, k, v, g, beta = _inputs(gen, n, H, dk, dv)
-    calls = kda_native.cpu_native.CALLS['kda_step']
+    calls = cpu_native.CALLS['kda_step']
     out = kda_varlen(q, k, v, g, beta, cache, torch.arange(n + 1), torch.tensor(slots), torch.tensor(history))
-    assert kda_native.cpu_native.CALLS['kda_step'] == calls + 1
+    assert cpu_native.CALLS['kda_step'] == calls + 1
     for i, s in enumerate(slots):
         o_ref, s_ref = recurrent_kda(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1],
                                      before[s] if history[i] else None)
@@ -117,21 +99,35 @@ def test_varlen_decode_uses_the_native_step(slots, history):
 def test_native_step_refuses_what_it_does_not_cover():
     state = torch.zeros(2, 1, 4, 4)
     kq, v, a, b = torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 4), torch.ones(2, 1, 4), torch.ones(2, 1)
-    assert kda_native.kda_step_native(kq, v, a, b, state) is not None
-    assert kda_native.kda_step_native(kq, v, a, b, state.transpose(2, 3)) is None     # dv not unit stride
-    assert kda_native.kda_step_native(kq.bfloat16(), v, a, b, state) is None
-    assert kda_native.kda_step_native(kq, v, a[..., 0], b, state) is None            # a per-head decay
+    assert cpu_native.delta_step_native(kq, v, a, b, state) is not None
+    assert cpu_native.delta_step_native(kq, v, a, b, state.transpose(2, 3)) is None     # dv not unit stride
+    assert cpu_native.delta_step_native(kq.bfloat16(), v, a, b, state) is None
+    assert cpu_native.delta_step_native(kq, v, a[..., :3], b, state) is None           # decay not [N, H, dk]
     grad = torch.zeros(2, 1, 4, requires_grad=True)
-    assert kda_native.kda_step_native(kq, grad, a, b, state) is None                 # autograd graph
+    assert cpu_native.delta_step_native(kq, grad, a, b, state) is None                 # autograd graph
     # the CPU op falls back to torch where the kernel does not apply: a state not unit-strided along dv
     gen = torch.Generator().manual_seed(1)
     q, k, v, g, beta = _inputs(gen, 2, 1, 4, 4)
     s_native = torch.randn(2, 1, 4, 4, generator=gen).transpose(2, 3)
     s_torch = s_native.clone()
-    calls = kda_native.cpu_native.CALLS['kda_step']
+    calls = cpu_native.CALLS['kda_step']
     o = kda_decode_step_cpu(q, k, v, g, beta, s_native)
-    assert kda_native.cpu_native.CALLS['kda_step'] == calls
+    assert cpu_native.CALLS['kda_step'] == calls
     assert torch.equal(o, kda_decode_step_torch(q, k, v, g, beta, s_torch)) and torch.equal(s_native, s_torch)
+
+
+@needs_library
+def test_a_per_head_decay_is_the_per_channel_step_with_the_value_repeated():
+    """One native step serves the gated delta rule (a decay per head) and KDA (per key channel):
+    the same arithmetic, so bit-equal outputs and states."""
+    gen = torch.Generator().manual_seed(3)
+    kq, v = torch.randn(3, 2, 2, 16, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    a, b = torch.rand(3, 2, generator=gen), torch.rand(3, 2, generator=gen)
+    state = torch.randn(3, 2, 16, 8, generator=gen)
+    per_channel_state = state.clone()
+    o = cpu_native.delta_step_native(kq, v, a, b, state)
+    o_channel = cpu_native.delta_step_native(kq, v, a[..., None].expand(3, 2, 16).contiguous(), b, per_channel_state)
+    assert torch.equal(o, o_channel) and torch.equal(state, per_channel_state)
 
 
 _PROBE = """
@@ -151,4 +147,5 @@ def test_switched_off_or_unbuildable_runs_the_torch_step(env, reason, tmp_path):
     done = subprocess.run([sys.executable, '-c', _PROBE], capture_output=True, text=True, timeout=300,
                           env={**os.environ, 'LMDEPLOY_CACHE_DIR': str(tmp_path), **env})
     assert done.returncode == 0, done.stderr
-    assert 'torch step True' in done.stdout and reason in done.stdout and 'native KDA kernel unavailable' in done.stdout
+    assert 'torch step True' in done.stdout and reason in done.stdout
+    assert 'native CPU kernels unavailable' in done.stdout

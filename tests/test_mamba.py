@@ -7,24 +7,20 @@ restoring from them; TP2 = TP1 (channels split, x_proj and out_proj summed over 
 indivisible channel count refused by name; the original checkpoint names; the config audit.
 FalconMamba differs only by its weightless RMS norms of dt, B and C: the same weights served as
 ``mamba`` give other logits, so the comparison with transformers would catch a missing norm."""
-import inspect
 import json
 import os
-import re
-import shutil
 
 import pytest
 import torch
 
-from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
+from engine_utils import (TOL, check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores,
                           engine_prompt_logits, hf_prompt_logits, make_engine, random_prompt,
                           tiny_checkpoint_and_reference)
-from lmdeploy import GenerationConfig
+from family_harness import (FamilyConformance, check_a_new_engine_restores_from_a_file_store,
+                            check_audit_lists_every_field_transformers_reads, check_refused_field, hf_model,
+                            write_checkpoint)
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
 FAMILIES = ('mamba', 'falcon_mamba')
 
@@ -35,17 +31,9 @@ def tiny(request, tmp_path_factory):
     return tiny_checkpoint_and_reference(tmp_path_factory, request.param)
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestMambaConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness)."""
+    logits_cases = ((5, 8192), (150, 32), (700, 32))
 
 
 def test_states_only_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -62,23 +50,7 @@ def test_states_only_store_bytes_equal_the_simulator_and_a_new_engine_restores(t
     if config.model_type == 'mamba':
         check_store_bytes_then_a_new_engine_restores(tiny[0], tmp_path, seed=992_000)
         return
-    ids = random_prompt(300, seed=993_301)
-    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    fields = dict(block_size=16, prefill_save_alignment=64, max_prefill_token_num=64, enable_prefix_caching=True,
-                  store_backend=f'file:{tmp_path / "store"}')
-    writer = make_engine(tiny[0], **fields)
-    first = writer.generate(ids, gen)
-    assert writer.store.flush(timeout=30)
-    assert writer.stats()['store_put_objects'] == {'state': 4, 'kv': 0}
-    writer.close()
-    reader = make_engine(tiny[0], **fields)
-    try:
-        again = reader.generate(ids, gen)
-        assert again.num_cached_tokens == again.stats.store_hit_tokens == 256
-    finally:
-        reader.close()
-    cold = make_engine(tiny[0], max_prefill_token_num=64).generate(ids, gen).output_ids
-    assert first.output_ids == again.output_ids == cold
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, 993_301, {'state': 4, 'kv': 0})
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_channels_are_refused(tiny):
@@ -99,32 +71,6 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_channels_are_refused(tin
         TPLayout(config, 0, 2)
 
 
-def _rewrite(src, path, hf, config, rename):
-    """Copy the tokenizer of ``src`` into ``path`` with ``hf``'s weights (names through
-    ``rename``, None drops) and ``config``."""
-    from safetensors.torch import save_file
-    shutil.copytree(src, path)
-    sd = {}
-    for k, v in hf.state_dict().items():
-        k = rename(k)
-        if k is not None:
-            sd[k] = v.contiguous()
-    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
-    cfg = config.to_diff_dict()
-    cfg['architectures'] = [type(hf).__name__]
-    json.dump(cfg, open(path / 'config.json', 'w'))
-    return sd
-
-
-def _hf_model(cls, config, seed):
-    from lmdeploy.tools.make_tiny_model import _randomize
-    torch_state = torch.random.get_rng_state()
-    hf = cls(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, seed)
-    return hf
-
-
 def test_original_names_tied_embeddings_biases_and_no_conv_bias_match(tmp_path):
     """``mamba``: the original spelling ``backbone.embedding`` with tied embeddings (no
     ``lm_head``), in/out projection biases, no conv bias, a width-3 conv, an explicit dt rank and
@@ -138,8 +84,8 @@ def test_original_names_tied_embeddings_biases_and_no_conv_bias_match(tmp_path):
                          conv_kernel=3, time_step_rank=6, use_bias=True, use_conv_bias=False, residual_in_fp32=False,
                          tie_word_embeddings=True, eos_token_id=base['eos_token_id'],
                          pad_token_id=base['pad_token_id'], bos_token_id=None)
-    hf = _hf_model(MambaForCausalLM, config, 5)
-    sd = _rewrite(src, tmp_path / 'original', hf, config,
+    hf = hf_model(MambaForCausalLM, config, 5)
+    sd = write_checkpoint(src, tmp_path / 'original', hf, config,
                   lambda k: None if k == 'lm_head.weight' else k.replace('backbone.embeddings.', 'backbone.embedding.'))
     assert 'backbone.embedding.weight' in sd and 'lm_head.weight' not in sd
     check_checkpoint_matches_transformers(str(tmp_path / 'original'), hf)
@@ -154,9 +100,9 @@ def test_falcon_mamba_weightless_norm_tensors_are_dropped_and_the_norms_matter(t
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     src = make_tiny_model(str(tmp_path / 'src'), arch='falcon_mamba')
     config = FalconMambaConfig.from_pretrained(src)
-    hf = _hf_model(FalconMambaForCausalLM, config, 0)
+    hf = hf_model(FalconMambaForCausalLM, config, 0)
     path = tmp_path / 'with_norm_weights'
-    _rewrite(src, path, hf, config, lambda k: k)
+    write_checkpoint(src, path, hf, config, lambda k: k)
     from safetensors.torch import load_file, save_file
     sd = load_file(str(path / 'model.safetensors'))
     for i in range(config.num_hidden_layers):
@@ -179,22 +125,13 @@ def test_falcon_mamba_weightless_norm_tensors_are_dropped_and_the_norms_matter(t
 @pytest.mark.parametrize('arch', FAMILIES)
 def test_refused_fields_name_themselves(arch, change, field):
     from transformers import AutoConfig
-    config = AutoConfig.for_model(arch)
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
-    checked = {f for f, how in FIELDS[arch].items() if how == CHECKED}
-    assert checked <= {'hidden_act', 'time_step_rank', 'quantization_config'}
+    check_refused_field(AutoConfig.for_model(arch), change, field, arch,
+                        {'hidden_act', 'time_step_rank', 'quantization_config'})
 
 
 @pytest.mark.parametrize('arch', FAMILIES)
 def test_audit_lists_every_field_transformers_reads(arch):
-    import importlib
-    source = inspect.getsource(importlib.import_module(f'transformers.models.{arch}.modeling_{arch}'))
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS[arch]), sorted(read - set(FIELDS[arch]))
+    check_audit_lists_every_field_transformers_reads(arch)
 
 
 def test_store_sizes_of_a_falcon_mamba_7b_shaped_config():

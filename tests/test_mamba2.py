@@ -6,23 +6,19 @@ prefix cache off / on / last-only / turn-end, and the prefix cache working on st
 alone: zero-byte KV blocks (the trie still counts tokens in blocks), checkpoints in slots of their
 own even under one memory budget, Store puts of state objects only (bytes equal to the simulator)
 and a new engine restoring from them; TP2 = TP1; the original checkpoint names and the config audit."""
-import inspect
 import json
 import os
-import re
-import shutil
 
 import pytest
 import torch
 
-from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
+from engine_utils import (check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores,
                           random_prompt, tiny_checkpoint_and_reference)
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            hf_model, write_checkpoint)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
 
 @pytest.fixture(scope='module')
@@ -31,17 +27,8 @@ def tiny(tmp_path_factory):
     return tiny_checkpoint_and_reference(tmp_path_factory, 'mamba2')
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestMamba2Conformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness)."""
 
 
 def test_the_caches_are_states_only_and_checkpoints_keep_slots_of_their_own(tiny):
@@ -80,30 +67,21 @@ def test_original_names_tied_embeddings_biases_and_one_group_match(tiny, tmp_pat
     """The original checkpoint spelling ``backbone.embedding`` with tied embeddings (no
     ``lm_head``), in/out projection biases, no conv bias, one B/C group, a width-3 conv and
     ``residual_in_fp32 = False``."""
-    from safetensors.torch import save_file
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    from lmdeploy.tools.make_tiny_model import _randomize
     src, _ = tiny
     base = json.load(open(os.path.join(src, 'config.json')))
     config = Mamba2Config(vocab_size=base['vocab_size'], hidden_size=48, num_hidden_layers=2, num_heads=6, head_dim=16,
                           expand=2, n_groups=1, state_size=8, conv_kernel=3, chunk_size=16, use_bias=True,
                           use_conv_bias=False, residual_in_fp32=False, tie_word_embeddings=True,
                           eos_token_id=base['eos_token_id'], pad_token_id=base['pad_token_id'], bos_token_id=None)
-    torch_state = torch.random.get_rng_state()
-    hf = Mamba2ForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, 5)
+    hf = hf_model(Mamba2ForCausalLM, config, 5)
     path = tmp_path / 'original_names'
-    shutil.copytree(src, path)
-    sd = {k.replace('backbone.embeddings.', 'backbone.embedding.'): v.contiguous()
-          for k, v in hf.state_dict().items() if k != 'lm_head.weight'}
+    sd = write_checkpoint(src, path, hf, config,
+                          lambda k: None if k == 'lm_head.weight' else k.replace('backbone.embeddings.',
+                                                                                  'backbone.embedding.'),
+                          drop_config=('time_step_limit',))   # the default: JSON has no infinity
     assert 'backbone.embedding.weight' in sd
-    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
-    cfg = config.to_diff_dict()
-    cfg['architectures'] = ['Mamba2ForCausalLM']
-    cfg.pop('time_step_limit', None)       # the default; JSON has no infinity
-    json.dump(cfg, open(path / 'config.json', 'w'))
     check_checkpoint_matches_transformers(str(path), hf)
 
 
@@ -115,21 +93,12 @@ def test_original_names_tied_embeddings_biases_and_one_group_match(tiny, tmp_pat
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
-    checked = {f for f, how in FIELDS['mamba2'].items() if how == CHECKED}
-    assert checked <= {'hidden_act', 'n_groups', 'head_dim', 'time_step_limit', 'quantization_config'}
+    check_refused_field(AutoConfig.from_pretrained(tiny[0]), change, field, 'mamba2',
+                        {'hidden_act', 'n_groups', 'head_dim', 'time_step_limit', 'quantization_config'})
 
 
 def test_audit_lists_every_field_transformers_reads_for_mamba2():
-    import transformers.models.mamba2.modeling_mamba2 as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['mamba2']), sorted(read - set(FIELDS['mamba2']))
+    check_audit_lists_every_field_transformers_reads('mamba2')
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_groups_are_refused(tiny):

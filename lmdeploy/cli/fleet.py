@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .utils import port_number
+from .utils import int_at_least, port_number
 
 __all__ = ['add_parser', 'run_fleet', 'replica_flags']
 
@@ -44,7 +44,7 @@ def add_parser(servers, add_server_args) -> argparse.ArgumentParser:
         '--server-name/--server-port are the router\'s address.')
     add_server_args(parser)
     group = parser.add_argument_group('fleet')
-    group.add_argument('--replicas', type=_positive_int, default=2, metavar='N',
+    group.add_argument('--replicas', type=int_at_least(1), default=2, metavar='N',
                        help='api_server replicas to start (default: 2)')
     group.add_argument('--router', choices=sorted(ROUTERS), default='smg',
                        help='the router program (default: smg, installed by pip install "lmdeploy[fleet]")')
@@ -62,13 +62,6 @@ def add_parser(servers, add_server_args) -> argparse.ArgumentParser:
                        'when the fleet stops cleanly, kept when a process failed or a replica died)')
     parser.set_defaults(func=run_fleet)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
-    return value
 
 
 def replica_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

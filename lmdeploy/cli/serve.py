@@ -18,7 +18,7 @@ import typing
 
 from ..messages import PytorchEngineConfig, SpeculativeConfig
 from . import store
-from .utils import add_log_level_arg, add_model_args, api_key, flag_name, model_from_args, port_number
+from .utils import add_log_level_arg, add_model_args, api_key, flag_name, int_at_least, model_from_args, port_number
 
 __all__ = ['add_parser', 'add_server_args', 'api_server', 'add_engine_args', 'engine_config_from_args', 'STORE_GROUPS']
 
@@ -129,7 +129,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--reasoning-parser', default='auto', choices=['auto', 'none', *sorted(REASONING_PARSERS)],
                         help='split <think> reasoning into reasoning_content; auto = think when the chat template '
                         'mentions <think>; none = keep it in the content (default: auto)')
-    parser.add_argument('--max-request-bytes', type=_non_negative_int, default=DEFAULT_MAX_REQUEST_BYTES,
+    parser.add_argument('--max-request-bytes', type=int_at_least(0), default=DEFAULT_MAX_REQUEST_BYTES,
                         metavar='BYTES', help='larger request bodies get 413; 0 = no limit '
                         f'(default: {DEFAULT_MAX_REQUEST_BYTES})')
     parser.add_argument('--shutdown-timeout', type=_non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT,
@@ -137,10 +137,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         f'they are ended with an error (default: {DEFAULT_SHUTDOWN_TIMEOUT})')
     from ..serve.openai.response_store import ResponseStoreLimits
     limits = ResponseStoreLimits()
-    parser.add_argument('--response-store-max-entries', type=_non_negative_int, default=limits.max_entries,
+    parser.add_argument('--response-store-max-entries', type=int_at_least(0), default=limits.max_entries,
                         metavar='N', help='most /v1/responses replies kept for previous_response_id (least '
                         f'recently used go first); 0 = store none (default: {limits.max_entries})')
-    parser.add_argument('--response-store-max-bytes', type=_non_negative_int, default=limits.max_bytes,
+    parser.add_argument('--response-store-max-bytes', type=int_at_least(0), default=limits.max_bytes,
                         metavar='BYTES', help=f'most bytes the stored replies may hold (default: {limits.max_bytes})')
     parser.add_argument('--response-store-ttl', type=_non_negative_float, default=limits.ttl, metavar='SECONDS',
                         help=f'how long a stored reply lives (default: {limits.ttl:g})')
@@ -167,13 +167,6 @@ def _host_name(text: str) -> str:
     if not host or any(c in host for c in '/:@[] '):
         raise argparse.ArgumentTypeError(f'a host name or IP address, without scheme, port or path, got {text!r}')
     return host
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f'must be >= 0, got {value}')
-    return value
 
 
 def _non_negative_float(text: str) -> float:

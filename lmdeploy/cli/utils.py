@@ -28,7 +28,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ValidationError
 
 __all__ = ['add_model_args', 'model_from_args', 'is_nested_model', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS',
-           'port_number', 'api_key']
+           'int_at_least', 'port_number', 'api_key']
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 
@@ -158,6 +158,24 @@ def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
     """``--log-level`` (default INFO) for the ``lmdeploy`` logger and the HTTP server."""
     parser.add_argument('--log-level', type=str.upper, choices=LOG_LEVELS, default='INFO',
                         help='log level (default: INFO)')
+
+
+def int_at_least(minimum: int):
+    """argparse type of an integer flag with a lower bound: ``int_at_least(1)`` for a count.
+
+    Raises (from the returned function):
+        argparse.ArgumentTypeError: not an integer, or below ``minimum`` (argparse names the flag).
+    """
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'must be an integer, got {text!r}') from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
+        return value
+    parse.__name__ = f'int >= {minimum}'
+    return parse
 
 
 def port_number(text: str) -> int:

@@ -116,23 +116,24 @@ class LayerCacheSpec:
 
 
 @dataclass(frozen=True)
-class PagedSpec(LayerCacheSpec):
-    """A layer whose tensors are per token, in paged blocks (any kind: give its tensors)."""
+class _ListedSpec(LayerCacheSpec):
+    """A layer of any kind that lists its tensors (``cached``)."""
     cached: tuple[CacheTensor, ...]
-    paged = True
 
     def tensors(self) -> tuple[CacheTensor, ...]:
         return self.cached
 
 
 @dataclass(frozen=True)
-class StateSpec(LayerCacheSpec):
-    """A layer whose tensors are one value per sequence, in state slots (any kind)."""
-    cached: tuple[CacheTensor, ...]
-    paged = False
+class PagedSpec(_ListedSpec):
+    """A layer whose tensors are per token, in paged blocks (any kind: give its tensors)."""
+    paged = True
 
-    def tensors(self) -> tuple[CacheTensor, ...]:
-        return self.cached
+
+@dataclass(frozen=True)
+class StateSpec(_ListedSpec):
+    """A layer whose tensors are one value per sequence, in state slots (any kind)."""
+    paged = False
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from ..pytorch.store.services import log_tail, pdeathsig_prefix
 
 __all__ = ['ROUTERS', 'RouterKind', 'Fleet', 'Replica', 'SharedStore', 'find_router']
 
@@ -129,14 +130,6 @@ def find_router(name: str) -> str:
         raise ValueError(f'router: {kind.program!r} is not installed; pip install "lmdeploy[fleet]" '
                          f'(or pip install {kind.package})')
     return found
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        with open(path, errors='replace') as f:
-            return ''.join(deque(f, maxlen=lines))
-    except OSError:
-        return '<no log>'
 
 
 def _http_ok(url: str, timeout: float = 2.0, headers: dict | None = None) -> bool:
@@ -294,7 +287,6 @@ class Fleet:
         return [r.url for r in self.replicas]
 
     def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen:
-        from ..pytorch.store.services import pdeathsig_prefix
         env = dict(os.environ, **self.env)
         with open(log, 'ab') as out:
             return subprocess.Popen([*pdeathsig_prefix(), *cmd], stdout=out, stderr=subprocess.STDOUT,
@@ -310,11 +302,12 @@ class Fleet:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f'{what} exited with code {proc.returncode} during startup; its log '
-                                   f'({log}) ends:\n{_tail(log)}')
+                                   f'({log}) ends:\n{log_tail(log, 30)}')
             if ready():
                 return
             time.sleep(0.2)
-        raise RuntimeError(f'{what} was not ready in {self.startup_timeout:g} s; its log ({log}) ends:\n{_tail(log)}')
+        raise RuntimeError(f'{what} was not ready in {self.startup_timeout:g} s; its log ({log}) ends:\n'
+                           f'{log_tail(log, 30)}')
 
     def start(self) -> 'Fleet':
         """Launch every replica (their model loads overlap), wait for their ``/health``, then
@@ -352,7 +345,7 @@ class Fleet:
                       f'sends its requests to the others (log: {r.log})', file=sys.stderr, flush=True)
         if self.router_proc is not None and self.router_proc.poll() is not None:
             return (f'the router exited with code {self.router_proc.returncode}; its log ({self.router_log}) '
-                    f'ends:\n{_tail(self.router_log)}')
+                    f'ends:\n{log_tail(self.router_log, 30)}')
         return None
 
     def stop(self, grace_s: float = 30.0) -> None:

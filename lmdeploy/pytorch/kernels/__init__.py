@@ -10,7 +10,7 @@ Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attent
 ``paged_window_attention`` (window_attention: a sliding window and attention sinks),
 ``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
 (gated_delta_rule), ``kda_varlen``, ``chunk_kda``, ``recurrent_kda``, ``kda_decode_step``
-(kimi_delta_attention; the native CPU step in kda_native), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
+(kimi_delta_attention; the native CPU step in cpu_native), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
 ``copy_state_slots`` (state_copy), ``ssd_chunk_scan``, ``ssd_step``, ``mamba2_ssd_varlen``,
 ``grouped_gated_rms_norm`` (mamba2; native ``ssd_step`` on CPU in mamba2_cpu, Triton
 ``ssd_step`` / ``ssd_chunk_scan`` on CUDA in mamba2_triton), ``selective_scan_chunk``,
@@ -20,6 +20,9 @@ Triton step and scan on CUDA in mamba1_triton), ``lightning_attention_chunk``, `
 scan on CUDA in lightning_attention_triton), ``swiglu_experts``, ``moe_experts`` (moe), ``rms_norm``,
 ``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
 row count (MKL or the native few-row product) and is called directly.
+
+The varlen recurrent-state ops (``gated_delta_rule_varlen``, ``kda_varlen``, ``mamba2_ssd_varlen``,
+``selective_scan_varlen``) are one driver (state_varlen) over each op's step and chunk kernels.
 
 Thread-safe: see the comment at the locks below.
 """

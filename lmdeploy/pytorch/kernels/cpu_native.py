@@ -12,7 +12,8 @@ here, each one call per layer per step:
   :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
-- :func:`gated_delta_step_native`: the delta-rule decode step in one pass over the state;
+- :func:`delta_step_native`: the decode step of the gated delta rule and of KDA (a decay per
+  head or per key channel) in one pass over the state;
 - :func:`conv_decode_step_native`: the causal-conv decode step (window shift in place);
 - :func:`~.mamba2_cpu.ssd_step_native` (its own module): the Mamba-2 SSD decode step;
 - :func:`~.mamba1_cpu.selective_scan_step_native` (its own module): the Mamba-1 decode step;
@@ -70,8 +71,8 @@ import torch
 from ..config import cache_root
 from . import native_build
 
-__all__ = ['CALLS', 'is_plain', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
-           'NATIVE_EXPERT_TOKENS', 'gated_delta_step_native',
+__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+           'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
 
@@ -149,7 +150,7 @@ def _cpu_flags() -> str:
 _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_matmul_rows': ('p i32 i32 i64 p i32 i64 p i64 i32', None),
     'lm_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
-    'lm_gated_delta_step': ('p p p p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
+    'lm_delta_step': ('p p p i32 p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
     'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
@@ -231,6 +232,16 @@ def is_plain(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == 'cpu' and not (torch.is_grad_enabled() and t.requires_grad)
 
 
+def state_step_library(inputs: tuple[torch.Tensor, ...], state: torch.Tensor, shapes_ok: bool) -> ctypes.CDLL | None:
+    """The library when a native decode step may run on ``inputs`` and ``state`` (the callers'
+    common precondition), else None: the shapes agree (``shapes_ok``, the caller's check), every
+    tensor :func:`is_plain`, the state has unit stride along its last dim (a view of the cache's
+    rows is fine), and the library is built."""
+    if not (shapes_ok and state.stride(-1) == 1 and is_plain(state) and all(is_plain(t) for t in inputs)):
+        return None
+    return native_library()
+
+
 def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight^T`` by the native kernel, or ``None`` when it does not apply.
 
@@ -308,40 +319,45 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
     return out
 
 
-def gated_delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-                            state: torch.Tensor) -> torch.Tensor | None:
-    """One decode token of the gated delta rule for ``N`` sequences, the state updated in place,
-    or ``None`` when the native kernel does not apply (the caller runs torch).
+def delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor) -> torch.Tensor | None:
+    """One decode token of the gated delta rule (a decay per head) or of Kimi Delta Attention (a
+    decay per key channel) for ``N`` sequences, the state updated in place, or ``None`` when the
+    native kernel does not apply (the caller runs torch).
 
-    ``S <- decay S + k delta^T`` with ``delta = beta (v - decay S^T k)``; the output
-    ``decay S^T q + (q . k) delta`` equals ``q`` read against the updated state (gated delta
-    rule: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10).
+    ``S <- diag(a) S + k delta^T`` with ``delta = beta (v - (diag(a) S)^T k)``; the output
+    ``(diag(a) S)^T q + (q . k) delta`` equals ``q`` read against the updated state (gated delta
+    rule: Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; its per-channel
+    form: Kimi Team, "Kimi Linear", 2025).
 
     Args:
         kq: float32 ``[N, H, 2, dk]``: L2-normalised key, then the scaled query.
         v: ``[N, H, dv]``.
-        decay: ``[N, H]`` state multipliers ``exp(g)``.
+        decay: state multipliers ``a = exp(g)``: ``[N, H]`` (per head) or ``[N, H, dk]`` (per key
+            channel).
         beta: ``[N, H]`` write strengths.
         state: float32 ``[N, H, dk, dv]`` with unit stride along ``dv`` (a view of the cache's
             rows is fine); updated in place.
 
     Returns:
-        float32 ``o [N, H, dv]``, or ``None`` (dtype, device, strides, autograd, or no library).
+        float32 ``o [N, H, dv]``, or ``None`` (dtype, device, shapes, strides, autograd, or no
+        library).
     """
-    N, H, dk, dv = state.shape
-    if not (all(is_plain(t) for t in (kq, v, decay, beta, state)) and state.stride(-1) == 1
-            and kq.shape == (N, H, 2, dk) and v.shape == (N, H, dv) and decay.shape == beta.shape == (N, H)):
+    if state.dim() != 4:
         return None
-    lib = native_library()
+    N, H, dk, dv = state.shape
+    per_channel = decay.dim() == 3
+    lib = state_step_library((kq, v, decay, beta), state, kq.shape == (N, H, 2, dk) and v.shape == (N, H, dv)
+                             and beta.shape == (N, H) and decay.shape == ((N, H, dk) if per_channel else (N, H)))
     if lib is None:
         return None
     kq, v, decay, beta = (t.contiguous() for t in (kq, v, decay, beta))
     out = torch.empty(N, H, dv, dtype=torch.float32)
-    if N:
-        CALLS['gated_delta_step'] += 1
-        lib.lm_gated_delta_step(kq.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(), state.data_ptr(), N,
-                                H, dk, dv, state.stride(0), state.stride(1), state.stride(2), out.data_ptr(),
-                                torch.get_num_threads())
+    if N and H:
+        CALLS['kda_step' if per_channel else 'gated_delta_step'] += 1
+        lib.lm_delta_step(kq.data_ptr(), v.data_ptr(), decay.data_ptr(), int(per_channel), beta.data_ptr(),
+                          state.data_ptr(), N, H, dk, dv, state.stride(0), state.stride(1), state.stride(2),
+                          out.data_ptr(), torch.get_num_threads())
     return out
 
 

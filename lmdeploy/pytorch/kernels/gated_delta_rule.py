@@ -32,8 +32,9 @@ import importlib.util
 
 import torch
 
-from . import get_kernel, once, register_kernel, slot_range
-from .cpu_native import gated_delta_step_native
+from . import get_kernel, once, register_kernel
+from .cpu_native import delta_step_native
+from .state_varlen import delta_varlen
 
 __all__ = ['chunk_gated_delta_rule', 'recurrent_gated_delta_rule', 'gated_delta_rule_varlen', 'l2norm']
 
@@ -43,27 +44,85 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
-    """Check shapes; return float32 head-major ``q, k, v [H, L, d]``, ``g, beta [H, L]``, state."""
+def prepare_delta_inputs(q, k, v, g, beta, initial_state, use_qk_l2norm: bool, scale: float | None,
+                         per_channel_decay: bool = False):
+    """Check the shapes of a delta-rule call and bring its inputs to the form the torch kernels
+    compute in (shared by the gated delta rule and KDA, which differ only in ``g``).
+
+    Args:
+        q, k: ``[L, H, dk]``; v: ``[L, H, dv]``; beta: ``[L, H]``; any float dtype.
+        g: log decays, ``[L, H]`` (one per head) or, with ``per_channel_decay``, ``[L, H, dk]``.
+        initial_state: ``[H, dk, dv]`` or None.
+        use_qk_l2norm: L2-normalise ``q`` and ``k``; scale: the query scale (None: ``dk ** -0.5``).
+
+    Returns:
+        float32 head-major ``q, k [H, L, dk]``, ``v [H, L, dv]``, ``g [H, L(, dk)]``,
+        ``beta [H, L]``, and the float32 state (None when ``initial_state`` is None).
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f'q, k must be [L, H, dk] and v [L, H, dv] with equal L and H; got q {tuple(q.shape)}, '
                          f'k {tuple(k.shape)}, v {tuple(v.shape)}')
     L, H, dk = q.shape
     dv = v.shape[-1]
-    if g.shape != (L, H) or beta.shape != (L, H):
-        raise ValueError(f'g and beta must be [L, H] = {(L, H)}; got {tuple(g.shape)}, {tuple(beta.shape)}')
+    g_shape = (L, H, dk) if per_channel_decay else (L, H)
+    if g.shape != g_shape or beta.shape != (L, H):
+        raise ValueError(f'g and beta must be {g_shape} and {(L, H)} ([L, H{", dk" * per_channel_decay}] and '
+                         f'[L, H]); got {tuple(g.shape)}, {tuple(beta.shape)}')
     if initial_state is not None and initial_state.shape != (H, dk, dv):
         raise ValueError(f'initial_state must be [H, dk, dv] = {(H, dk, dv)}; got {tuple(initial_state.shape)}')
-    q, k, v = (x.transpose(0, 1).to(torch.float32) for x in (q, k, v))
-    g, beta = (x.transpose(0, 1).to(torch.float32) for x in (g, beta))
+    q, k, v, g, beta = (x.transpose(0, 1).to(torch.float32) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * (dk ** -0.5 if scale is None else scale)
-    if initial_state is None:
-        state = torch.zeros(H, dk, dv, dtype=torch.float32, device=q.device)
-    else:
-        state = initial_state.to(torch.float32)
+    state = None if initial_state is None else initial_state.to(torch.float32)
     return q, k, v, g, beta, state
+
+
+def delta_step_inputs(q, k, v, g, beta, use_qk_l2norm: bool, scale: float | None):
+    """The inputs of a delta-rule decode step (gated delta rule or KDA) in the step kernels' form.
+
+    Args:
+        q, k: ``[N, H, dk]``; v: ``[N, H, dv]``; g: ``[N, H]`` or ``[N, H, dk]``; beta: ``[N, H]``.
+
+    Returns:
+        float32 ``kq [N, H, 2, dk]`` (the key, then the query; L2-normalised with
+        ``use_qk_l2norm``, the query scaled), and float32 ``v, g, beta``.
+    """
+    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
+    kq = torch.stack((k, q), dim=2)                                                 # [N, H, 2, dk]
+    if kq.dtype != torch.float32:
+        kq = kq.float()
+    if use_qk_l2norm:
+        kq = l2norm(kq)
+    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
+    return kq, v, g, beta
+
+
+def run_chunked(core, q, k, v, g, beta, initial_state, chunk_size: int, use_qk_l2norm: bool, scale: float | None,
+                per_channel_decay: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence through a chunked delta-rule algorithm ``core(q, k, v, g, beta, state or
+    None, chunk_size)`` on :func:`prepare_delta_inputs`' head-major float32 inputs →
+    ``(o [H, L, dv], state [H, dk, dv] or None)``.
+
+    Returns:
+        ``(o [L, H, dv] in q.dtype, final state [H, dk, dv] float32)`` (zeros for no tokens and
+        no initial state).
+
+    Raises:
+        ValueError: inconsistent shapes or a non-positive ``chunk_size``.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f'chunk_size must be positive, got {chunk_size}')
+    out_dtype = q.dtype
+    q, k, v, g, beta, state = prepare_delta_inputs(q, k, v, g, beta, initial_state, use_qk_l2norm, scale,
+                                                   per_channel_decay)
+    o, state = core(q, k, v, g, beta, state, chunk_size)
+    if state is None:
+        state = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
+    return o.transpose(0, 1).to(out_dtype), state
 
 
 # Decay factors below exp(-60) ~ 8.7e-27 are set to exactly 0. They are far below float32's
@@ -75,7 +134,7 @@ _DECAY_FLOOR = -60.0
 _CHUNK = 64   # tokens per chunk of the torch chunked form (default chunk_size)
 
 
-def _decay(log_factor: torch.Tensor) -> torch.Tensor:
+def decay_factor(log_factor: torch.Tensor) -> torch.Tensor:
     """``exp(log_factor)`` with factors below ``exp(_DECAY_FLOOR)`` flushed to 0 (float32)."""
     return log_factor.masked_fill(log_factor < _DECAY_FLOOR, float('-inf')).exp()
 
@@ -104,7 +163,9 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ValueError: inconsistent shapes.
     """
     out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    q, k, v, g, beta, state = prepare_delta_inputs(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    if state is None:
+        state = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
     o = torch.empty_like(v)
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[:, None, None]
@@ -144,12 +205,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Raises:
         ValueError: inconsistent shapes or a non-positive ``chunk_size``.
     """
-    if chunk_size <= 0:
-        raise ValueError(f'chunk_size must be positive, got {chunk_size}')
-    out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
-    o, state = _chunk_core(q, k, v, g, beta, None if initial_state is None else state, chunk_size)
-    return o.transpose(0, 1).to(out_dtype), state
+    return run_chunked(_chunk_core, q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, scale)
 
 
 def _chunk_core(q, k, v, g, beta, state, C: int):
@@ -171,18 +227,18 @@ def _chunk_core(q, k, v, g, beta, state, C: int):
     ratio = log_decay[..., :, None] - log_decay[..., None, :]  # log(G_i / G_j), row i, column j
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # Mask before exp: for j > i the ratio is positive and could overflow.
-    decay = _decay(ratio.masked_fill(~causal, float('-inf')))  # [H, N, C, C], zero above diagonal
+    decay = decay_factor(ratio.masked_fill(~causal, float('-inf')))  # [H, N, C, C], zero above diagonal
 
     system = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
     system = system + torch.eye(C, dtype=system.dtype, device=system.device)
-    rhs = torch.cat((beta[..., None] * v, (beta * _decay(log_decay))[..., None] * k), dim=-1)
+    rhs = torch.cat((beta[..., None] * v, (beta * decay_factor(log_decay))[..., None] * k), dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_base, u_from_state = solved[..., :dv], solved[..., dv:]  # U = u_base - u_from_state @ S0
 
     attn = (q @ k.transpose(-1, -2)) * decay                   # intra-chunk scores, j <= i
-    q_decayed = q * _decay(log_decay)[..., None]
+    q_decayed = q * decay_factor(log_decay)[..., None]
     chunk_log_decay = log_decay[..., -1]                       # [H, N]
-    k_to_end = k * _decay(chunk_log_decay[..., None] - log_decay)[..., None]
+    k_to_end = k * decay_factor(chunk_log_decay[..., None] - log_decay)[..., None]
 
     o = torch.empty(H, N, C, dv, dtype=torch.float32, device=q.device)
     for n in range(N):
@@ -193,7 +249,8 @@ def _chunk_core(q, k, v, g, beta, state, C: int):
             continue
         u = u_base[:, n] - u_from_state[:, n] @ state
         o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
-        state = state * _decay(chunk_log_decay[:, n])[:, None, None] + k_to_end[:, n].transpose(-1, -2) @ u
+        state = state * decay_factor(chunk_log_decay[:, n])[:, None, None] \
+            + k_to_end[:, n].transpose(-1, -2) @ u
     return o.view(H, N * C, dv)[:, :L], state
 
 
@@ -207,14 +264,8 @@ def _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale):
     delta update in place (no outer product materialised). The output uses
     ``q^T S_new = q^T (g S) + (q . k) delta``, the same value as reading the updated state.
     """
-    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
-    kq = torch.stack((k, q), dim=2)                                                 # [N, H, 2, dk]
-    if kq.dtype != torch.float32:
-        kq = kq.float()
-    if use_qk_l2norm:
-        kq = l2norm(kq)
-    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
-    o = gated_delta_step_native(kq, v, g.exp(), beta, state)
+    kq, v, g, beta = delta_step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    o = delta_step_native(kq, v, g.exp(), beta, state)
     if o is not None:
         return o
     k, q = kq.unbind(2)
@@ -278,7 +329,8 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """Gated delta rule over a flat batch of sequences, each continuing its state slot.
 
     Sequences with one new token share one batched recurrent step; each longer sequence runs
-    :func:`chunk_gated_delta_rule` (through the registry, so ``fla`` on CUDA).
+    :func:`chunk_gated_delta_rule` (through the registry, so ``fla`` on CUDA), by
+    :func:`~.state_varlen.delta_varlen`.
 
     Args:
         q, k: ``[T, H, dk]``; v: ``[T, H, dv]``; g, beta: ``[T, H]`` — as in
@@ -295,56 +347,39 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     Returns:
         ``o [T, H, dv]`` in ``q.dtype``.
     """
-    N, T = slots.shape[0], q.shape[0]
-    if T == N:   # pure decode: rows are sequences
-        span = None if state_cache.dtype != torch.float32 else \
-            slot_range(slots, has_history) if slot_span is ... else slot_span
-        if span is not None:   # the slots are one contiguous range: update the cache in place
-            lo, order = span
-            state = state_cache[lo:lo + N]
-            if order is None:
-                return _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale).to(q.dtype)
-            o = _recurrent_step_batched(q[order], k[order], v[order], g[order], beta[order], state,
-                                        use_qk_l2norm, scale)
-            return o.new_empty(o.shape).index_copy_(0, order, o).to(q.dtype)
-        state = state_cache.index_select(0, slots).to(torch.float32)   # a gathered copy
-        if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
-            state.masked_fill_(~has_history[:, None, None, None], 0)    # a slot's leftovers may be anything
-        o = _recurrent_step_batched(q, k, v, g, beta, state, use_qk_l2norm, scale)
-        state_cache.index_copy_(0, slots, state.to(state_cache.dtype))
-        return o.to(q.dtype)
-    out = q.new_empty(T, v.shape[1], v.shape[2])
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    single = [i for i, n in enumerate(lengths) if n == 1]
-    if single:
-        idx = torch.tensor(single, dtype=torch.int64, device=q.device)
-        rows = cu_seqlens[idx]
-        out[rows] = gated_delta_rule_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], state_cache,
-                                            torch.arange(len(single) + 1, device=q.device), slots[idx],
-                                            has_history[idx], use_qk_l2norm, scale)
     chunk_fn = get_kernel('chunk_gated_delta_rule', q.device)
-    multi = [i for i, n in enumerate(lengths) if n > 1]
-    if chunk_fn is chunk_gated_delta_rule:
+
+    def batch_chunks(multi: list[int], bounds: list[int], out: torch.Tensor) -> list[int]:
         # the torch form: sequences with the same number of chunks run as one batch
         groups: dict[int, list[int]] = {}
         for i in multi:
-            groups.setdefault(-(-lengths[i] // _CHUNK), []).append(i)
-        multi = []
+            groups.setdefault(-(-(bounds[i + 1] - bounds[i]) // _CHUNK), []).append(i)
+        left = []
         for members in groups.values():
             if len(members) == 1:
-                multi.extend(members)
+                left.extend(members)
                 continue
-            _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members,
-                         [bounds[i] for i in members], [lengths[i] for i in members], use_qk_l2norm, scale, out)
-    history = has_history.tolist()
-    for i in multi:
-        sl = slice(bounds[i], bounds[i + 1])
-        initial = state_cache[slots[i]] if history[i] else None
-        o, state = chunk_fn(q[sl], k[sl], v[sl], g[sl], beta[sl], initial, use_qk_l2norm=use_qk_l2norm, scale=scale)
-        state_cache[slots[i]] = state.to(state_cache.dtype)
-        out[sl] = o
-    return out
+            _chunk_group(q, k, v, g, beta, state_cache, slots, has_history, members, [bounds[i] for i in members],
+                         [bounds[i + 1] - bounds[i] for i in members], use_qk_l2norm, scale, out)
+        return left
+
+    return delta_varlen(_recurrent_step_batched, chunk_fn, q, k, v, g, beta, state_cache, cu_seqlens, slots,
+                        has_history, use_qk_l2norm, scale, slot_span,
+                        batch_chunks if chunk_fn is chunk_gated_delta_rule else None)
+
+
+def fla_one_sequence(fla_fn, q, k, v, g, beta, initial_state, use_qk_l2norm: bool, scale: float | None):
+    """Call an ``fla-core`` chunk or fused recurrent kernel (gated delta rule or KDA: same
+    calling convention) on one sequence: ``[L, H, ...]`` inputs as a batch of one, float32
+    ``g`` and state, ``beta`` in ``q.dtype`` (fla's expectations), the final state asked for.
+
+    Returns:
+        ``(o [L, H, dv], final state [H, dk, dv] float32)``.
+    """
+    o, state = fla_fn(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
+                      initial_state=None if initial_state is None else initial_state[None].float(),
+                      output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o[0], state[0].float()
 
 
 @once
@@ -360,10 +395,7 @@ def chunk_gated_delta_rule_fla(q, k, v, g, beta, initial_state=None, chunk_size:
     ``chunk_size`` is ignored: fla fixes its own (64).
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-    o, state = fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                         initial_state=None if initial_state is None else initial_state[None].float(),
-                         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
-    return o[0], state[0].float()
+    return fla_one_sequence(fla_chunk, q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
 
 
 @register_kernel('recurrent_gated_delta_rule', device_type='cuda', priority=10, available=_fla_installed)
@@ -371,7 +403,4 @@ def recurrent_gated_delta_rule_fla(q, k, v, g, beta, initial_state=None, use_qk_
                                    scale: float | None = None):
     """``fla-core`` fused recurrent kernel with the contract of :func:`recurrent_gated_delta_rule`."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
-    o, state = fla_recurrent(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                             initial_state=None if initial_state is None else initial_state[None].float(),
-                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
-    return o[0], state[0].float()
+    return fla_one_sequence(fla_recurrent, q, k, v, g, beta, initial_state, use_qk_l2norm, scale)

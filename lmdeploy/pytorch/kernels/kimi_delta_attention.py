@@ -16,7 +16,7 @@ per key channel, where Gated DeltaNet has one per head)::
   ``G_i = sum_{j<=i} g_j`` (a vector per token), the written rows ``U`` solve one unit
   lower-triangular system whose coefficients use ``exp(G_i - G_j)`` channel by channel;
 - ``kda_decode_step`` (:func:`kda_decode_step_torch`; on CPU :func:`kda_decode_step_cpu`, the
-  native kernel of :mod:`.kda_native`) is one token of every decode sequence, batched;
+  native kernel of :mod:`.cpu_native`) is one token of every decode sequence, batched;
 - :func:`kda_varlen` runs a step's flat batch against the state slots (decode sequences in
   one batched step through ``kda_decode_step``, longer ones through the chunked form).
 
@@ -33,38 +33,15 @@ import importlib.util
 
 import torch
 
-from . import get_kernel, once, register_kernel, slot_range
-from .gated_delta_rule import l2norm
-from .kda_native import kda_native_available, kda_step_native
+from . import get_kernel, once, register_kernel
+from .gated_delta_rule import (decay_factor, delta_step_inputs, fla_one_sequence, prepare_delta_inputs,
+                               run_chunked)
+from .cpu_native import delta_step_native, native_available
+from .state_varlen import delta_varlen
 
 __all__ = ['recurrent_kda', 'chunk_kda', 'kda_decode_step_torch', 'kda_decode_step_cpu', 'kda_varlen']
 
-_DECAY_FLOOR = -60.0   # exp below this flushed to 0 (see gated_delta_rule: avoids float32 subnormals)
 _CHUNK = 32            # tokens per chunk: the intra-chunk decay is [C, C, dk] per head
-
-
-def _decay(log_factor: torch.Tensor) -> torch.Tensor:
-    return log_factor.masked_fill(log_factor < _DECAY_FLOOR, float('-inf')).exp()
-
-
-def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale):
-    """Check shapes; float32 head-major ``q, k, g [H, L, dk]``, ``v [H, L, dv]``, ``beta [H, L]``."""
-    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape or v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f'q, k, g must be [L, H, dk] and v [L, H, dv]; got q {tuple(q.shape)}, k {tuple(k.shape)}, '
-                         f'g {tuple(g.shape)}, v {tuple(v.shape)}')
-    L, H, dk = q.shape
-    dv = v.shape[-1]
-    if beta.shape != (L, H):
-        raise ValueError(f'beta must be [L, H] = {(L, H)}; got {tuple(beta.shape)}')
-    if initial_state is not None and initial_state.shape != (H, dk, dv):
-        raise ValueError(f'initial_state must be [H, dk, dv] = {(H, dk, dv)}; got {tuple(initial_state.shape)}')
-    q, k, v, g = (x.transpose(0, 1).to(torch.float32) for x in (q, k, v, g))
-    beta = beta.transpose(0, 1).to(torch.float32)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (dk ** -0.5 if scale is None else scale)
-    state = None if initial_state is None else initial_state.to(torch.float32)
-    return q, k, v, g, beta, state
 
 
 @register_kernel('recurrent_kda', device_type='any')
@@ -87,7 +64,7 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         ValueError: inconsistent shapes.
     """
     out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
+    q, k, v, g, beta, state = prepare_delta_inputs(q, k, v, g, beta, initial_state, use_qk_l2norm, scale, True)
     H, L, dk = q.shape
     if state is None:
         state = q.new_zeros(H, dk, v.shape[-1])
@@ -123,16 +100,16 @@ def _chunk_core(q, k, v, g, beta, state, C: int):
     G = g.cumsum(2)                                                    # [B, N, C, dk]
     ratio = G[:, :, :, None, :] - G[:, :, None, :, :]                  # [B, N, Ci, Cj, dk]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = _decay(ratio.masked_fill(~causal[:, :, None], float('-inf')))
+    decay = decay_factor(ratio.masked_fill(~causal[:, :, None], float('-inf')))
     kk = torch.einsum('bnic,bnjc,bnijc->bnij', k, k, decay)
     system = (beta[..., None] * kk).tril(-1) + torch.eye(C, dtype=q.dtype, device=q.device)
-    rhs = torch.cat((beta[..., None] * v, beta[..., None] * k * _decay(G)), dim=-1)
+    rhs = torch.cat((beta[..., None] * v, beta[..., None] * k * decay_factor(G)), dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_base, u_from_state = solved[..., :dv], solved[..., dv:]
     attn = torch.einsum('bnic,bnjc,bnijc->bnij', q, k, decay)          # zero above the diagonal
-    q_decayed = q * _decay(G)
+    q_decayed = q * decay_factor(G)
     G_end = G[:, :, -1]                                                # [B, N, dk]
-    k_to_end = k * _decay(G_end[:, :, None] - G)
+    k_to_end = k * decay_factor(G_end[:, :, None] - G)
     o = torch.empty(B, N, C, dv, dtype=torch.float32, device=q.device)
     for n in range(N):
         if state is None:
@@ -142,7 +119,7 @@ def _chunk_core(q, k, v, g, beta, state, C: int):
             continue
         u = u_base[:, n] - u_from_state[:, n] @ state
         o[:, n] = q_decayed[:, n] @ state + attn[:, n] @ u
-        state = state * _decay(G_end[:, n])[:, :, None] + k_to_end[:, n].transpose(-1, -2) @ u
+        state = state * decay_factor(G_end[:, n])[:, :, None] + k_to_end[:, n].transpose(-1, -2) @ u
     return o.view(B, N * C, dv)[:, :L], state
 
 
@@ -157,26 +134,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     Raises:
         ValueError: inconsistent shapes or a non-positive ``chunk_size``.
     """
-    if chunk_size <= 0:
-        raise ValueError(f'chunk_size must be positive, got {chunk_size}')
-    out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
-    o, state = _chunk_core(q, k, v, g, beta, state, chunk_size)
-    if state is None:   # no tokens and no initial state: the state stays zero
-        state = q.new_zeros(q.shape[0], q.shape[2], v.shape[2])
-    return o.transpose(0, 1).to(out_dtype), state
-
-
-def _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale):
-    """float32 ``kq [N, H, 2, dk]`` (key, then scaled query; normalised), ``v``, ``g``, ``beta``."""
-    v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (v, g, beta))
-    kq = torch.stack((k, q), dim=2)
-    if kq.dtype != torch.float32:
-        kq = kq.float()
-    if use_qk_l2norm:
-        kq = l2norm(kq)
-    kq[:, :, 1].mul_(q.shape[-1] ** -0.5 if scale is None else scale)   # q rows; kq is a fresh tensor
-    return kq, v, g, beta
+    return run_chunked(_chunk_core, q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, scale,
+                       per_channel_decay=True)
 
 
 @register_kernel('kda_decode_step', device_type='any')
@@ -193,7 +152,7 @@ def kda_decode_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     Returns:
         float32 ``o [N, H, dv]``.
     """
-    kq, v, g, beta = _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    kq, v, g, beta = delta_step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
     k, q = kq.unbind(2)
     state.mul_(g.exp()[..., None])
     delta = beta[..., None] * (v - torch.einsum('nhk,nhkv->nhv', k, state))
@@ -201,14 +160,14 @@ def kda_decode_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return torch.einsum('nhk,nhkv->nhv', q, state)
 
 
-@register_kernel('kda_decode_step', device_type='cpu', priority=10, available=kda_native_available)
+@register_kernel('kda_decode_step', device_type='cpu', priority=10, available=native_available)
 def kda_decode_step_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor, use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
-    """:func:`kda_decode_step_torch` by the native kernel (:func:`~.kda_native.kda_step_native`,
+    """:func:`kda_decode_step_torch` by the native kernel (:func:`~.cpu_native.delta_step_native`,
     one call, the state read twice and written once) where it applies (float32 state with unit
     stride along ``dv``, outside autograd), else the torch form. Equal to float32 rounding."""
-    kq, v32, g32, beta32 = _step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
-    o = kda_step_native(kq, v32, g32.exp(), beta32, state)
+    kq, v32, g32, beta32 = delta_step_inputs(q, k, v, g, beta, use_qk_l2norm, scale)
+    o = delta_step_native(kq, v32, g32.exp(), beta32, state)
     if o is not None:
         return o
     return kda_decode_step_torch(q, k, v, g, beta, state, use_qk_l2norm, scale)
@@ -228,46 +187,16 @@ def kda_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         slot_span: :func:`~lmdeploy.pytorch.kernels.slot_range` of ``slots`` when the caller has
             it (``StepContext.slot_span``); ``...`` computes it.
 
-    A pure decode step (one row per sequence) whose slots are one contiguous range with history
-    updates that slice of a float32 cache in place (no gathered copy of the states).
+    Single-row sequences share one ``kda_decode_step`` call, longer ones run ``chunk_kda`` one at
+    a time (:func:`~.state_varlen.delta_varlen`; a pure decode step whose slots are one
+    range with history updates that slice of a float32 cache in place).
 
     Returns:
         ``o [T, H, dv]`` in ``q.dtype``.
     """
-    N, T = slots.shape[0], q.shape[0]
-    if T == N and state_cache.dtype == torch.float32:
-        span = slot_range(slots, has_history) if slot_span is ... else slot_span
-        if span is not None:
-            lo, order = span
-            step = get_kernel('kda_decode_step', q.device)
-            state = state_cache[lo:lo + N]
-            if order is None:
-                return step(q, k, v, g, beta, state, use_qk_l2norm, scale).to(q.dtype)
-            o = step(q[order], k[order], v[order], g[order], beta[order], state, use_qk_l2norm, scale)
-            return o.new_empty(o.shape).index_copy_(0, order, o).to(q.dtype)
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    out = q.new_empty(q.shape[0], v.shape[1], v.shape[2])
-    single = [i for i, n in enumerate(lengths) if n == 1]
-    if single:
-        idx = torch.tensor(single, dtype=torch.int64, device=q.device)
-        rows = cu_seqlens[idx]
-        state = state_cache.index_select(0, slots[idx]).to(torch.float32)
-        state.masked_fill_(~has_history[idx][:, None, None, None], 0)
-        step = get_kernel('kda_decode_step', q.device)
-        out[rows] = step(q[rows], k[rows], v[rows], g[rows], beta[rows], state, use_qk_l2norm, scale).to(out.dtype)
-        state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
-    chunk_fn = get_kernel('chunk_kda', q.device)
-    history = has_history.tolist()
-    for i, n in enumerate(lengths):
-        if n == 1:
-            continue
-        sl = slice(bounds[i], bounds[i + 1])
-        initial = state_cache[slots[i]] if history[i] else None
-        o, state = chunk_fn(q[sl], k[sl], v[sl], g[sl], beta[sl], initial, use_qk_l2norm=use_qk_l2norm, scale=scale)
-        state_cache[slots[i]] = state.to(state_cache.dtype)
-        out[sl] = o
-    return out
+    step, chunk = get_kernel('kda_decode_step', q.device), get_kernel('chunk_kda', q.device)
+    return delta_varlen(step, chunk, q, k, v, g, beta, state_cache, cu_seqlens, slots, has_history, use_qk_l2norm,
+                        scale, slot_span)
 
 
 @once
@@ -289,10 +218,7 @@ def chunk_kda_fla(q, k, v, g, beta, initial_state=None, chunk_size: int = _CHUNK
     precomputed per-channel log decay; its gate fusion is not used). ``chunk_size`` is ignored:
     fla fixes its own. fla multiplies in TF32 inside its chunks."""
     from fla.ops.kda import chunk_kda as fla_chunk
-    o, state = fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                         initial_state=None if initial_state is None else initial_state[None].float(),
-                         output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
-    return o[0], state[0].float()
+    return fla_one_sequence(fla_chunk, q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
 
 
 @register_kernel('recurrent_kda', device_type='cuda', priority=10, available=_fla_kda_installed)
@@ -300,10 +226,7 @@ def recurrent_kda_fla(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool 
                       scale: float | None = None):
     """``fla-core``'s fused recurrent KDA kernel with the contract of :func:`recurrent_kda`."""
     from fla.ops.kda import fused_recurrent_kda as fla_recurrent
-    o, state = fla_recurrent(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype), scale=scale,
-                             initial_state=None if initial_state is None else initial_state[None].float(),
-                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
-    return o[0], state[0].float()
+    return fla_one_sequence(fla_recurrent, q, k, v, g, beta, initial_state, use_qk_l2norm, scale)
 
 
 @register_kernel('kda_decode_step', device_type='cuda', priority=10, available=_fla_kda_installed)

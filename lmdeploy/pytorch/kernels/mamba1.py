@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from . import get_kernel, register_kernel, slot_range
+from . import get_kernel, register_kernel
+from .state_varlen import ssm_varlen
 
 __all__ = ['selective_scan_chunk', 'selective_scan_step', 'selective_scan_varlen', 'selective_scan_reference',
            'CHUNK_ELEMENTS']
@@ -153,7 +154,8 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     """The selective scan over a flat batch of sequences, each continuing its state slot.
 
     Single-token sequences run together through ``selective_scan_step``; longer ones one at a
-    time through ``selective_scan_chunk`` (both looked up in the registry for the device).
+    time through ``selective_scan_chunk`` (both looked up in the registry for the device), by
+    :func:`~.state_varlen.ssm_varlen`.
 
     Args:
         x: ``[T, D]``; dt: ``[T, D]`` float32; A: ``[D, N]``; D: ``[D]``; B, C: ``[T, N]``.
@@ -166,34 +168,5 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     Returns:
         ``y [T, D]`` float32 including ``D * x``.
     """
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    out = x.new_empty(x.shape, dtype=torch.float32)
-    single = [i for i, n in enumerate(lengths) if n == 1]
-    step = get_kernel('selective_scan_step', x.device)
-    if len(single) == len(lengths) and state_cache.dtype == torch.float32:
-        # pure decode with the slots one sorted range: update that slice of the cache in place
-        span = slot_range(slots, has_history)
-        if span is not None and span[1] is None:
-            return step(x, dt, A, B, C, D, state_cache[span[0]:span[0] + len(lengths)])
-    if single:
-        idx = torch.tensor(single, dtype=torch.int64, device=x.device)
-        rows = cu_seqlens.to(x.device)[idx]
-        state = state_cache.index_select(0, slots[idx]).to(torch.float32)
-        if state.device.type != 'cpu' or not bool(has_history[idx].all()):   # (no device sync for the check)
-            state.masked_fill_(~has_history[idx][:, None, None], 0)
-        out[rows] = step(x[rows], dt[rows], A, B[rows], C[rows], D, state)
-        state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
-    if len(single) == len(lengths):
-        return out
-    scan = get_kernel('selective_scan_chunk', x.device)
-    history = has_history.tolist()
-    for i, n in enumerate(lengths):
-        if n == 1:
-            continue
-        sl = slice(bounds[i], bounds[i + 1])
-        initial = state_cache[slots[i]] if history[i] else None
-        y, state = scan(x[sl], dt[sl], A, B[sl], C[sl], D, initial, chunk_size)
-        state_cache[slots[i]] = state.to(state_cache.dtype)
-        out[sl] = y
-    return out
+    step, scan = get_kernel('selective_scan_step', x.device), get_kernel('selective_scan_chunk', x.device)
+    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import register_kernel
-from .cpu_native import CALLS, is_plain, native_available, native_library
+from .cpu_native import CALLS, native_available, state_step_library
 from .mamba1 import selective_scan_step as selective_scan_step_torch
 
 __all__ = ['selective_scan_step_native', 'selective_scan_step_cpu']
@@ -48,11 +48,8 @@ def selective_scan_step_native(x: torch.Tensor, dt: torch.Tensor, A: torch.Tenso
     if state.dim() != 3:
         return None
     M, Dd, N = state.shape
-    if not (all(is_plain(t) for t in (x, dt, A, B, C, D, state)) and state.stride(-1) == 1
-            and x.shape == dt.shape == (M, Dd) and A.shape == (Dd, N) and B.shape == C.shape == (M, N)
-            and D.shape == (Dd,)):
-        return None
-    lib = native_library()
+    lib = state_step_library((x, dt, A, B, C, D), state, x.shape == dt.shape == (M, Dd) and A.shape == (Dd, N)
+                             and B.shape == C.shape == (M, N) and D.shape == (Dd,))
     if lib is None:
         return None
     x, dt, A, B, C, D = (t.contiguous() for t in (x, dt, A, B, C, D))

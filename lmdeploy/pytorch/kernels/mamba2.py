@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import get_kernel, register_kernel, slot_range
+from . import get_kernel, register_kernel
+from .state_varlen import ssm_varlen
 
 __all__ = ['ssd_chunk_scan', 'ssd_step', 'mamba2_ssd_varlen', 'grouped_gated_rms_norm', 'ssd_recurrent_reference']
 
@@ -175,7 +176,7 @@ def mamba2_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
 
     Single-token sequences run together through ``ssd_step``; longer ones one at a time through
     ``ssd_chunk_scan`` (both looked up in the registry for the device, so accelerated versions
-    are used where registered).
+    are used where registered), by :func:`~.state_varlen.ssm_varlen`.
 
     Args:
         x: ``[T, H, P]``; dt: ``[T, H]`` float32; A, D: ``[H]``; B, C: ``[T, G, Dn]``.
@@ -188,38 +189,8 @@ def mamba2_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     Returns:
         ``y [T, H, P]`` float32 including ``D * x``.
     """
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    out = x.new_empty(x.shape, dtype=torch.float32)
-    single = [i for i, n in enumerate(lengths) if n == 1]
-    step = get_kernel('ssd_step', x.device)
-    if len(single) == len(lengths) and state_cache.dtype == torch.float32:
-        # pure decode: when the slots are one sorted range of the cache (runtime slots are handed
-        # out lowest first), the states are updated in place as one slice, not gathered and scattered
-        span = slot_range(slots, has_history)
-        if span is not None and span[1] is None:
-            return step(x, dt, A, B, C, D, state_cache[span[0]:span[0] + len(lengths)])
-    if single:
-        idx = torch.tensor(single, dtype=torch.int64, device=x.device)
-        rows = cu_seqlens.to(x.device)[idx]
-        state = state_cache.index_select(0, slots[idx]).to(torch.float32)
-        if state.device.type != 'cpu' or not bool(has_history[idx].all()):   # (no device sync for the check)
-            state.masked_fill_(~has_history[idx][:, None, None, None], 0)
-        out[rows] = step(x[rows], dt[rows], A, B[rows], C[rows], D, state)
-        state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
-    if len(single) == len(lengths):
-        return out
-    scan = get_kernel('ssd_chunk_scan', x.device)
-    history = has_history.tolist()
-    for i, n in enumerate(lengths):
-        if n == 1:
-            continue
-        sl = slice(bounds[i], bounds[i + 1])
-        initial = state_cache[slots[i]] if history[i] else None
-        y, state = scan(x[sl], dt[sl], A, B[sl], C[sl], D, initial, chunk_size)
-        state_cache[slots[i]] = state.to(state_cache.dtype)
-        out[sl] = y
-    return out
+    step, scan = get_kernel('ssd_step', x.device), get_kernel('ssd_chunk_scan', x.device)
+    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size)
 
 
 @register_kernel('grouped_gated_rms_norm', device_type='any')

@@ -6,9 +6,10 @@ A decode step reads and writes each sequence's whole SSM state ``[H, P, Dn]`` on
 form issues about ten ops (exp, broadcasts, an outer product, a multiply-add, a batched
 matrix-vector product, the skip), each streaming the state or a temporary of its size; the
 native pass updates each state row and dots it with ``C`` while the row is in registers, in one
-call. A decode step whose sequences hold one sorted run of slots (the usual case: see
-:func:`~lmdeploy.pytorch.kernels.slot_range`) runs on that slice of the cache in place
-(:func:`mamba2_ssd_varlen_cpu`), without gathering the states into a copy and scattering them back.
+call. A decode step whose sequences hold one run of slots (the usual case: see
+:func:`~lmdeploy.pytorch.kernels.slot_range`) runs on that slice of the cache in place (the
+varlen driver, :func:`~.state_varlen.varlen_state_scan`, does that for every state op), without
+gathering the states into a copy and scattering them back.
 Measured on the 2-core machine (Granite-4.0-H-Small's layer: 128 heads x 64 x 128 state,
 float32, one thread, best of 5, the machine shared with other jobs, load ~3):
 
@@ -20,12 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from . import register_kernel, slot_range
-from .cpu_native import CALLS, is_plain, native_available, native_library
-from .mamba2 import mamba2_ssd_varlen as mamba2_ssd_varlen_torch
+from . import register_kernel
+from .cpu_native import CALLS, native_available, state_step_library
 from .mamba2 import ssd_step as ssd_step_torch
 
-__all__ = ['ssd_step_native', 'ssd_step_cpu', 'mamba2_ssd_varlen_cpu']
+__all__ = ['ssd_step_native', 'ssd_step_cpu']
 
 
 def ssd_step_native(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -55,12 +55,9 @@ def ssd_step_native(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         return None
     N, H, P, Dn = state.shape
     G = B.shape[1] if B.dim() == 3 else 0
-    tensors = (x, dt, A, B, C, state) + (() if D is None else (D,))
-    if not (all(is_plain(t) for t in tensors) and state.stride(-1) == 1 and G and H % G == 0
-            and x.shape == (N, H, P) and dt.shape == (N, H) and A.shape == (H,) and B.shape == C.shape == (N, G, Dn)
-            and (D is None or D.shape == (H,))):
-        return None
-    lib = native_library()
+    lib = state_step_library((x, dt, A, B, C) + (() if D is None else (D,)), state,
+                             G and H % G == 0 and x.shape == (N, H, P) and dt.shape == (N, H) and A.shape == (H,)
+                             and B.shape == C.shape == (N, G, Dn) and (D is None or D.shape == (H,)))
     if lib is None:
         return None
     x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
@@ -81,21 +78,3 @@ def ssd_step_cpu(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     updated in place): one native pass for float32 inputs, else the torch step."""
     y = ssd_step_native(x, dt, A, B, C, D, state)
     return ssd_step_torch(x, dt, A, B, C, D, state) if y is None else y
-
-
-@register_kernel('mamba2_ssd_varlen', device_type='cpu', priority=5, available=native_available)
-def mamba2_ssd_varlen_cpu(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                          D: torch.Tensor, state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                          has_history: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """:func:`~.mamba2.mamba2_ssd_varlen` on CPU (same contract). A pure decode step (one row per
-    sequence) whose slots are one sorted run ``lo .. lo + N - 1``, all with history, updates that
-    slice of ``state_cache`` in place with one native call; any other batch (prefill rows, other
-    slots, a fresh sequence, other dtypes) runs the torch implementation."""
-    N = slots.shape[0]
-    if x.shape[0] == N and N:
-        span = slot_range(slots, has_history)
-        if span is not None and span[1] is None:
-            y = ssd_step_native(x, dt, A, B, C, D, state_cache[span[0]:span[0] + N])
-            if y is not None:
-                return y
-    return mamba2_ssd_varlen_torch(x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size)

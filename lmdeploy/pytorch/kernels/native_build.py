@@ -1,9 +1,9 @@
-"""Build, cache and load one native CPU library (:mod:`.cpu_native`'s and :mod:`.kda_native`'s).
+"""Build, cache and load a native CPU library (:mod:`.cpu_native`'s).
 
 A library is compiled from its C source by the system C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into a cache folder of the user's and loaded with :mod:`ctypes`. It runs
 in this process, so the caller passes only trusted folders (:func:`.cpu_native._candidate_folders`)
-and only a private file is loaded (:func:`load_private`). Each caller keeps its own file-name
+and only a private file is loaded (:func:`load_private`). The caller keeps its file-name
 prefix, entry-point bindings, log wording and once-per-process lock.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import Sequence
 from ..paging.block_manager import BlockManager
 from .state_cache import StateCache
 
-__all__ = ['BlockTrie', 'TrieNode', 'chain_block_hashes', 'salted_root']
+__all__ = ['BlockTrie', 'TrieNode', 'chain_block_hashes', 'salted_root', 'root_path']
 
 _ROOT_HASH = b'\x00' * 16
 _CLOCK = itertools.count(1)
@@ -103,6 +103,18 @@ class TrieNode:
         self.last_access = next(_CLOCK)
         self.checkpoint_slot: int | None = None
         self.ckpts_below = 0      # published checkpoints in this node's subtree, itself included
+
+
+def root_path(node) -> list:
+    """The trie nodes from the root's child down to ``node`` (the blocks of the prefix ``node``
+    ends, in token order; the root itself, a node without a parent, is not a block): ``[]`` for
+    the root or None. O(depth)."""
+    path = []
+    while node is not None and node.parent is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
 
 
 class BlockTrie:

@@ -25,6 +25,7 @@ from collections import OrderedDict
 import torch
 
 from ..paging.prefill_plan import ReuseRules
+from .block_trie import root_path
 from .plans import StoreLoad, StorePut
 
 __all__ = ['HostTier', 'zero_host_counters']
@@ -104,12 +105,7 @@ class HostTier:
             return
         for listener in self.listeners:
             listener.demoting(node)
-        path = []
-        n = node
-        while n is not None and n.parent is not None:
-            path.append(n)
-            n = n.parent
-        path.reverse()
+        path = root_path(node)
         self.save(StorePut([p.key for p in path], [p.block_id for p in path], len(path) * self.block_size, state_ref))
 
     def save(self, put: StorePut) -> None:

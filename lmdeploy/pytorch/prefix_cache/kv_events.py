@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .block_trie import root_path
+
 __all__ = ['KVEventTracker', 'HostEventTracker', 'BlockStored', 'BlockRemoved', 'AllBlocksCleared', 'external_hash',
            'MEDIUM_DEVICE', 'MEDIUM_HOST']
 
@@ -209,12 +211,7 @@ class HostEventTracker:
     # host tier hooks ------------------------------------------------------------------------
     def demoting(self, node) -> None:
         """The device is demoting the checkpoint on trie ``node``: remember its path's blocks."""
-        path = []
-        n = node
-        while n is not None and n.parent is not None:
-            path.append(n)
-            n = n.parent
-        path.reverse()
+        path = root_path(node)
         keys = [n.key for n in path]
         for i, n in enumerate(path):
             self._block[n.key] = (keys[i - 1] if i else None, n.tokens)

@@ -105,12 +105,19 @@ def pdeathsig_prefix() -> list[str]:
     return [setpriv, '--pdeathsig', 'TERM'] if setpriv else []
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a child process's log file (for an error message), or
+    ``'<no log>'`` when it cannot be read."""
     try:
         with open(path, errors='replace') as f:
             return ''.join(deque(f, maxlen=lines))
     except OSError:
         return '<no log>'
+
+
+def _in_log_dir(name: str, doc: str) -> property:
+    """A read-only property: the file ``name`` in the instance's ``log_dir`` (a Path)."""
+    return property(lambda self: self.log_dir / name, doc=doc)
 
 
 class MooncakeServices:
@@ -182,24 +189,10 @@ class MooncakeServices:
         """URL of the HTTP metadata server (:mod:`.metadata_server`; the master's embedded one is off)."""
         return f'http://{self.host}:{self.metadata_port}/metadata'
 
-    @property
-    def master_log(self) -> Path:
-        """Log of ``mooncake_master``."""
-        return self.log_dir / 'master.log'
-
-    @property
-    def client_log(self) -> Path:
-        """Log of the segment owner."""
-        return self.log_dir / 'client.log'
-
-    @property
-    def metadata_log(self) -> Path:
-        """Log of the HTTP metadata server."""
-        return self.log_dir / 'metadata.log'
-
-    @property
-    def _ready_file(self) -> Path:
-        return self.log_dir / 'owner.ready'
+    master_log = _in_log_dir('master.log', 'Log of ``mooncake_master``.')
+    client_log = _in_log_dir('client.log', 'Log of the segment owner.')
+    metadata_log = _in_log_dir('metadata.log', 'Log of the HTTP metadata server.')
+    _ready_file = _in_log_dir('owner.ready', 'The file the segment owner creates once its segment is mounted.')
 
     def _spawn(self, binary: str, args: list[str], log: Path) -> subprocess.Popen:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=self.host)
@@ -219,7 +212,7 @@ class MooncakeServices:
         where = '%s:%d' % endpoints[0] if endpoints else f'master {self.master_address}'
         while pending or (ready_file is not None and not ready_file.exists()):
             if proc.poll() is not None:
-                tail = _tail(log)
+                tail = log_tail(log)
                 self.stop()
                 raise RuntimeError(f'{name} for {where} exited with code {proc.returncode} before it was ready; '
                                    f'last lines of {log}:\n{tail}')
@@ -228,7 +221,7 @@ class MooncakeServices:
                 continue
             if time.monotonic() > deadline:
                 what = 'did not accept connections at %s:%d' % pending[0] if pending else f'for {where} was not ready'
-                tail = _tail(log)
+                tail = log_tail(log)
                 self.stop()
                 raise RuntimeError(f'{name} {what} within {self.start_timeout_s} s; last lines of {log}:\n{tail}')
             time.sleep(0.05)
@@ -310,7 +303,7 @@ class MooncakeServices:
         deadline = time.monotonic() + self.start_timeout_s
         while self.mounted_bytes() < self.segment_size:
             if time.monotonic() > deadline:
-                tail = _tail(self.client_log)
+                tail = log_tail(self.client_log)
                 raise RuntimeError(f'the segment owner did not remount its segment at the restarted master '
                                    f'{self.master_address} within {self.start_timeout_s} s; last lines of '
                                    f'{self.client_log}:\n{tail}')

@@ -1,14 +1,11 @@
 """``POST /v1/chat/completions``: one reply per choice, or an SSE stream of deltas."""
 from __future__ import annotations
 
-from contextlib import aclosing
-
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from .chat_output import ChatOutput, StreamedLogprobs, chat_logprobs
-from .generation import Generation, SSEResponse, sse, stream_error
-from .lifecycle import ShuttingDown
+from .generation import Generation, SSEResponse, sse
 from .prompt_logprobs import vllm_prompt_logprobs
 from .protocol import ChatCompletionRequest, new_id, now
 
@@ -59,34 +56,31 @@ class ChatRoutes:
             yield chunk([{'index': i, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None,
                           'finish_reason': None}])
         aligned = [StreamedLogprobs(self.texts) for _ in gen.choices]     # entries in step with the text
-        try:
-            async with aclosing(gen.deltas()) as stream:
-                async for i, r in stream:
-                    if r.finish_reason == 'error':
-                        yield stream_error(RuntimeError())
-                        break
-                    out = outputs[i]
-                    text, lp = r.text, None
-                    if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
-                        text, ready, _ = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
-                        lp = chat_logprobs(self.texts, ready, top) if ready else None
-                    delta = out.feed(text) if text else {}
-                    reason = None
-                    if r.finish_reason:
-                        delta = ChatOutput.merge_deltas(delta, out.finish())
-                        reason = out.finish_reason(r.finish_reason)
-                    if lp and not delta:        # entries whose text is not out yet: an empty content
-                        delta = {'content': ''}
-                    extra = {}
-                    if prompt_logprobs is not None and r.prompt_logprobs is not None and i == 0:
-                        extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs, prompt_logprobs)
-                    if delta or reason or lp or extra:
-                        choice = {'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}
-                        if reason:
-                            choice['matched_stop'] = gen.matched_stop(i, stops)
-                        yield chunk([choice], **extra)
-        except ShuttingDown as err:
-            yield stream_error(err)
+
+        def events(i: int, r):     # one delta's SSE events
+            out = outputs[i]
+            text, lp = r.text, None
+            if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
+                text, ready, _ = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
+                lp = chat_logprobs(self.texts, ready, top) if ready else None
+            delta = out.feed(text) if text else {}
+            reason = None
+            if r.finish_reason:
+                delta = ChatOutput.merge_deltas(delta, out.finish())
+                reason = out.finish_reason(r.finish_reason)
+            if lp and not delta:        # entries whose text is not out yet: an empty content
+                delta = {'content': ''}
+            extra = {}
+            if prompt_logprobs is not None and r.prompt_logprobs is not None and i == 0:
+                extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs, prompt_logprobs)
+            if delta or reason or lp or extra:
+                choice = {'index': i, 'delta': delta, 'logprobs': lp, 'finish_reason': reason}
+                if reason:
+                    choice['matched_stop'] = gen.matched_stop(i, stops)
+                yield chunk([choice], **extra)
+
+        async for event in gen.sse_deltas(events):
+            yield event
         if include_usage:
             yield chunk([], gen.usage())
         yield sse('[DONE]')

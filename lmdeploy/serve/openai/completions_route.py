@@ -1,15 +1,12 @@
 """``POST /v1/completions``: continuations of text or token-id prompts, or an SSE stream."""
 from __future__ import annotations
 
-from contextlib import aclosing
-
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from .chat_output import StreamedLogprobs, TextOffsets, completion_logprobs
 from .errors import APIError
-from .generation import Generation, SSEResponse, sse, stream_error
-from .lifecycle import ShuttingDown
+from .generation import Generation, SSEResponse, sse
 from .prompt_logprobs import echo_logprobs, merge_completion_logprobs, vllm_prompt_logprobs
 from .protocol import MAX_CHOICES, CompletionRequest, new_id, now
 
@@ -80,34 +77,31 @@ class CompletionRoutes:
                 yield sse(dict(head, choices=[{'index': i, 'text': text, 'logprobs': None, 'finish_reason': None}],
                                 **usage()))
             pending_echo = {}
-        try:
-            async with aclosing(gen.deltas()) as stream:
-                async for i, r in stream:
-                    if r.finish_reason == 'error':
-                        yield stream_error(RuntimeError())
-                        break
-                    extra = {}
-                    if prompt_logprobs is not None and r.prompt_logprobs is not None:
-                        extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs,
-                                                                        prompt_logprobs)
-                    if i in pending_echo:
-                        lp = echo_logprobs(self.texts, prompts[i], r.prompt_logprobs, top, aligned[i].offsets)
-                        aligned[i].sent = aligned[i].offsets.chars     # generated text starts after the echo
-                        choice = {'index': i, 'text': pending_echo.pop(i), 'logprobs': lp, 'finish_reason': None}
-                        yield sse(dict(head, choices=[dict(choice, **extra)], **usage()))
-                        extra = {}
-                    text, lp = r.text, None
-                    if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
-                        text, ready, starts = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
-                        lp = completion_logprobs(self.texts, ready, top, starts=starts) if ready else None
-                    if text or r.finish_reason or lp or extra:
-                        choice = {'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason,
-                                  **extra}
-                        if r.finish_reason:
-                            choice['matched_stop'] = gen.matched_stop(i, stops)
-                        yield sse(dict(head, choices=[choice], **usage()))
-        except ShuttingDown as err:
-            yield stream_error(err)
+
+        def events(i: int, r):     # one delta's SSE events
+            extra = {}
+            if prompt_logprobs is not None and r.prompt_logprobs is not None:
+                extra['prompt_logprobs'] = vllm_prompt_logprobs(self.texts, r.prompt_logprobs,
+                                                                prompt_logprobs)
+            if i in pending_echo:
+                lp = echo_logprobs(self.texts, prompts[i], r.prompt_logprobs, top, aligned[i].offsets)
+                aligned[i].sent = aligned[i].offsets.chars     # generated text starts after the echo
+                choice = {'index': i, 'text': pending_echo.pop(i), 'logprobs': lp, 'finish_reason': None}
+                yield sse(dict(head, choices=[dict(choice, **extra)], **usage()))
+                extra = {}
+            text, lp = r.text, None
+            if logprobs:    # the text up to a token boundary, with exactly its tokens' entries
+                text, ready, starts = aligned[i].feed(r.logprobs, r.text, bool(r.finish_reason))
+                lp = completion_logprobs(self.texts, ready, top, starts=starts) if ready else None
+            if text or r.finish_reason or lp or extra:
+                choice = {'index': i, 'text': text, 'logprobs': lp, 'finish_reason': r.finish_reason,
+                          **extra}
+                if r.finish_reason:
+                    choice['matched_stop'] = gen.matched_stop(i, stops)
+                yield sse(dict(head, choices=[choice], **usage()))
+
+        async for event in gen.sse_deltas(events):
+            yield event
         if include_usage:
             yield sse(dict(head, choices=[], usage=gen.usage()))
         yield sse('[DONE]')

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from contextlib import aclosing
+from typing import AsyncIterator, Callable, Iterable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -179,6 +180,22 @@ class Generation:
         completion = sum(c.num_tokens for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details={'cached_tokens': sum(c.cached_tokens for c in heads)}).model_dump()
+
+    async def sse_deltas(self, events: Callable[[int, EngineResponse], Iterable[str]]) -> AsyncIterator[str]:
+        """The streaming endpoints' loop over :meth:`deltas`: ``events(index, delta)`` gives each
+        delta's SSE events (any number), yielded as they come. An engine failure, or the shutdown
+        deadline, ends the events with one :func:`stream_error` event (the caller then ends its
+        stream as usual); the deltas are closed however the loop ends."""
+        try:
+            async with aclosing(self.deltas()) as stream:
+                async for i, r in stream:
+                    if r.finish_reason == 'error':
+                        yield stream_error(RuntimeError())
+                        return
+                    for event in events(i, r):
+                        yield event
+        except ShuttingDown as err:
+            yield stream_error(err)
 
     async def collect(self, request: Request) -> None:
         """Run every choice to the end; aborts them if the client disconnects meanwhile.

@@ -232,6 +232,16 @@ class ResponseFormat(StrictModel):
         return self
 
 
+def _only_with(flag: str, message: str):
+    """A field validator: the field may be set (not None) only when the boolean field ``flag``,
+    declared before it, is true; else a ValueError with ``message``."""
+    def check(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get(flag, False):
+            raise ValueError(message)
+        return v
+    return check
+
+
 class _Sampling(StrictModel):
     """Sampling fields shared by both generation endpoints.
 
@@ -278,12 +288,7 @@ class _Sampling(StrictModel):
         """``logit_bias`` with integer token ids (empty when absent)."""
         return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
-    @field_validator('stream_options')
-    @classmethod
-    def _only_when_streaming(cls, v, info: ValidationInfo):
-        if v is not None and not info.data.get('stream', False):
-            raise ValueError('only allowed with "stream": true')
-        return v
+    _only_when_streaming = field_validator('stream_options')(_only_with('stream', 'only allowed with "stream": true'))
 
     def stop_words(self) -> list[str]:
         """``stop`` as a list of non-empty strings."""
@@ -311,12 +316,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = Field(True, description='Split <think> reasoning into reasoning_content.')
 
-    @field_validator('top_logprobs')
-    @classmethod
-    def _needs_logprobs(cls, v, info: ValidationInfo):
-        if v is not None and not info.data.get('logprobs', False):
-            raise ValueError('needs "logprobs": true')
-        return v
+    _needs_logprobs = field_validator('top_logprobs')(_only_with('logprobs', 'needs "logprobs": true'))
 
     @field_validator('chat_template_kwargs')
     @classmethod

@@ -89,23 +89,24 @@ class _Message(StrictModel):
     content: Text | list[_Part]
 
 
-class _FunctionCall(StrictModel):
-    type: Literal['function_call']
+class _CallItem(StrictModel):
+    """What a function call and its output item share: the call they belong to, and the fields a
+    client echoes back from an earlier response (the item id, the call's namespace, its status)."""
     call_id: Text
+    id: Text | None = None
+    namespace: Text | None = None
+    status: Text | None = None
+
+
+class _FunctionCall(_CallItem):
+    type: Literal['function_call']
     name: Text
     arguments: Text
-    id: Text | None = None
-    namespace: Text | None = None
-    status: Text | None = None
 
 
-class _FunctionCallOutput(StrictModel):
+class _FunctionCallOutput(_CallItem):
     type: Literal['function_call_output']
-    call_id: Text
     output: Text | list[_Part]
-    id: Text | None = None
-    namespace: Text | None = None
-    status: Text | None = None
 
 
 class _ReasoningText(StrictModel):

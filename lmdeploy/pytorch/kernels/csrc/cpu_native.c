@@ -156,41 +156,51 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
   return 0;
 }
 
-/* One decode token of the gated delta rule for each of N sequences x H heads, state updated in
-   place: S <- g S + k (beta (v - g S^T k))^T, o = (g S + k delta^T)^T q = g S^T q + (q . k) delta.
-   kq [N, H, 2, dk]: the key row, then the (scaled) query row; v, out [N, H, dv]; decay (= exp(g)),
-   beta [N, H]; state element (n, h, i, c) at n * s_slot + h * s_head + i * s_row + c. The state is
-   read once from memory; the update pass finds it in cache (one head's dk x dv block). */
-void lm_gated_delta_step(const float* kq, const float* v, const float* decay, const float* beta, float* state,
-                         int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row, float* out,
-                         int threads) {
+/* One decode token of the delta rule with a gated decay for N sequences x H heads, the state
+   updated in place: the gated delta rule (Yang, Kautz & Hatamizadeh, "Gated Delta Networks",
+   ICLR 2025, eq. 10: one decay per head) and Kimi Delta Attention (Kimi Team, "Kimi Linear",
+   2025: one decay per key channel) are the same step. Per (sequence, head), with a [dk] the
+   decay multipliers (exp of the log decays; a per-head decay repeats one value) and S [dk, dv]:
+
+       S' = diag(a) S + k delta^T,   delta = beta (v - (diag(a) S)^T k),   o = S'^T q
+          = (diag(a) S)^T q + (q . k) delta
+
+   so S is read twice (both products in one pass, the decay folded into k and q there) and
+   written once, the update pass finding one head's dk x dv block in cache. kq [N, H, 2, dk]:
+   the key, then the scaled query; v, out [N, H, dv]; decay [N, H, dk] when per_channel, else
+   [N, H]; beta [N, H]; state element (n, h, i, c) at n * s_slot + h * s_head + i * s_row + c. */
+void lm_delta_step(const float* kq, const float* v, const float* decay, int per_channel, const float* beta,
+                   float* state, int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row,
+                   float* out, int threads) {
+  const int sa = per_channel ? 1 : 0;
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int p = 0; p < N * H; p++) {
     float* S = state + (ptrdiff_t)(p / H) * s_slot + (ptrdiff_t)(p % H) * s_head;
     const float* k = kq + (ptrdiff_t)p * 2 * dk;
     const float* q = k + dk;
+    const float* a = decay + (ptrdiff_t)p * (per_channel ? dk : 1);
     const float* vp = v + (ptrdiff_t)p * dv;
     float* o = out + (ptrdiff_t)p * dv;
-    float g = decay[p], b = beta[p];
+    float b = beta[p];
     float kv[dv], qv[dv], delta[dv];
     for (int c = 0; c < dv; c++) kv[c] = qv[c] = 0.0f;
     float qk = 0.0f;
     for (int i = 0; i < dk; i++) {
       const float* row = S + (ptrdiff_t)i * s_row;
-      float ki = k[i], qi = q[i];
-      qk += qi * ki;
+      float ai = a[i * sa], ki = ai * k[i], qi = ai * q[i];   /* (diag(a) S)^T x = S^T (a * x) */
+      qk += q[i] * k[i];
       for (int c = 0; c < dv; c++) {
         kv[c] += row[c] * ki;
         qv[c] += row[c] * qi;
       }
     }
-    for (int c = 0; c < dv; c++) delta[c] = b * (vp[c] - g * kv[c]);
+    for (int c = 0; c < dv; c++) delta[c] = b * (vp[c] - kv[c]);
     for (int i = 0; i < dk; i++) {
       float* row = S + (ptrdiff_t)i * s_row;
-      float ki = k[i];
-      for (int c = 0; c < dv; c++) row[c] = g * row[c] + ki * delta[c];
+      float ai = a[i * sa], ki = k[i];
+      for (int c = 0; c < dv; c++) row[c] = ai * row[c] + ki * delta[c];
     }
-    for (int c = 0; c < dv; c++) o[c] = g * qv[c] + qk * delta[c];
+    for (int c = 0; c < dv; c++) o[c] = qv[c] + qk * delta[c];
   }
 }
 

@@ -20,10 +20,10 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
                       const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
                       float* out, int threads);
 
-/* one decode token of the gated delta rule, state updated in place */
-void lm_gated_delta_step(const float* kq, const float* v, const float* decay, const float* beta, float* state,
-                         int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row, float* out,
-                         int threads);
+/* one decode token of the gated delta rule (a decay per head) or KDA (per key channel), state updated in place */
+void lm_delta_step(const float* kq, const float* v, const float* decay, int per_channel, const float* beta,
+                   float* state, int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row,
+                   float* out, int threads);
 
 /* one decode token of the Mamba-2 (SSD) recurrence, state updated in place */
 void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B, const float* C, const float* D,

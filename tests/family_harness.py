@@ -1,0 +1,145 @@
+"""The shared harness of the model-family test files (Mamba, Mamba-2, Jamba, Bamba, Falcon-H1):
+the conformance checks every family runs against transformers on its tiny checkpoint, a new
+engine restoring a prefix from a ``file:`` Store, a transformers model with seeded random weights
+written as a checkpoint under other switches, and the config audit's checks.
+
+A family's file keeps a module fixture ``tiny`` (its ``(checkpoint path, transformers float32
+reference)`` from :func:`engine_utils.tiny_checkpoint_and_reference`) and subclasses
+:class:`FamilyConformance`; everything specific to the family stays in its file.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from engine_utils import (check_four_turn_chat_under_every_cache_policy,
+                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
+                          check_prompt_logits_match_transformers, make_engine, random_prompt)
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
+
+# (prompt tokens, prefill chunk): one short prompt, long ones cold and in chunks of 32 tokens
+LOGITS_CASES = ((5, 8192), (150, 32), (700, 32), (300, 8192))
+
+
+class FamilyConformance:
+    """The checks every family's tiny checkpoint passes (uses the module's ``tiny`` fixture):
+    logits <= 1e-4 of transformers' in fp32 at every prompt position for each of
+    ``logits_cases`` (prompt tokens, prefill chunk), greedy tokens equal transformers' cold,
+    chunked and after a local prefix-cache restore, and a 4-turn chat identical with the prefix
+    cache off / on / last-only / turn-end."""
+    logits_cases: tuple[tuple[int, int], ...] = LOGITS_CASES
+
+    def pytest_generate_tests(self, metafunc):
+        if 'logits_case' in metafunc.fixturenames:
+            metafunc.parametrize('logits_case', self.logits_cases, ids=[f'{n}-{c}' for n, c in self.logits_cases])
+
+    def test_prompt_logits_match_transformers_cold_and_chunked(self, tiny, logits_case):
+        check_prompt_logits_match_transformers(*tiny, *logits_case)
+
+    def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(self, tiny):
+        check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
+
+    def test_four_turn_chat_is_identical_under_every_cache_policy(self, tiny):
+        check_four_turn_chat_under_every_cache_policy(tiny[0])
+
+
+def check_a_new_engine_restores_from_a_file_store(path: str, tmp_path: Path, seed: int, put_objects: dict) -> None:
+    """A writer engine prefills a 300-token prompt (64-token chunks, checkpoints every 64 tokens,
+    a ``file:`` Store) and puts exactly ``put_objects`` (``{'state': n, 'kv': m}``); a new engine
+    with an empty local cache restores 256 tokens from the Store, and both decode what a cold
+    engine decodes."""
+    ids = random_prompt(300, seed=seed)
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    fields = dict(block_size=16, prefill_save_alignment=64, max_prefill_token_num=64, enable_prefix_caching=True,
+                  store_backend=f'file:{tmp_path / "store"}')
+    writer = make_engine(path, **fields)
+    first = writer.generate(ids, gen)
+    assert writer.store.flush(timeout=30)
+    assert writer.stats()['store_put_objects'] == put_objects
+    writer.close()
+    reader = make_engine(path, **fields)
+    try:
+        again = reader.generate(ids, gen)
+        assert again.num_cached_tokens == again.stats.store_hit_tokens == 256
+    finally:
+        reader.close()
+    cold = make_engine(path, max_prefill_token_num=64).generate(ids, gen).output_ids
+    assert first.output_ids == again.output_ids == cold
+
+
+def hf_model(cls, config, seed: int):
+    """``cls(config)`` in float32 eval mode with seeded random weights (``make_tiny_model``'s
+    ``_randomize``), leaving the global torch RNG as it was."""
+    from lmdeploy.tools.make_tiny_model import _randomize
+    torch_state = torch.random.get_rng_state()
+    hf = cls(config).float().eval()
+    torch.random.set_rng_state(torch_state)
+    _randomize(hf, seed)
+    return hf
+
+
+def write_checkpoint(src: str, path: Path, hf, config, rename: Callable[[str], str | None] = lambda k: k,
+                     drop_config: tuple[str, ...] = ()) -> dict:
+    """Write ``hf``'s weights as a checkpoint at ``path`` with the tokenizer files of ``src``.
+
+    Args:
+        rename: a state-dict name → its name in the checkpoint, or None to leave it out (e.g.
+            ``lm_head.weight`` of tied embeddings).
+        drop_config: ``config`` fields left out of ``config.json`` (a default JSON cannot hold,
+            such as an infinite ``time_step_limit``).
+
+    Returns:
+        The state dict written (checkpoint names).
+    """
+    from safetensors.torch import save_file
+    shutil.copytree(src, path)
+    sd = {}
+    for k, v in hf.state_dict().items():
+        k = rename(k)
+        if k is not None:
+            sd[k] = v.contiguous()
+    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
+    cfg = config.to_diff_dict()
+    cfg['architectures'] = [type(hf).__name__]
+    for key in drop_config:
+        cfg.pop(key, None)
+    json.dump(cfg, open(path / 'config.json', 'w'))
+    return sd
+
+
+def untied(k: str) -> str | None:
+    """:func:`write_checkpoint`'s ``rename`` for tied embeddings: every name but ``lm_head.weight``."""
+    return None if k == 'lm_head.weight' else k
+
+
+def check_refused_field(config, change: dict, field: str, model_type: str | None = None,
+                        checked: set[str] = frozenset()) -> None:
+    """``config`` with ``change`` set is refused by the config audit with a ValueError naming
+    ``field``; with ``model_type``, every field the audit checks for it is one of ``checked`` (a
+    new check must come with its refusal test)."""
+    for k, v in change.items():
+        object.__setattr__(config, k, v)
+    with pytest.raises(ValueError, match=field):
+        check_config(config)
+    if model_type is not None:
+        assert {f for f, how in FIELDS[model_type].items() if how == CHECKED} <= checked
+
+
+def check_audit_lists_every_field_transformers_reads(model_type: str, module: str | None = None) -> None:
+    """Every ``config.X`` (or ``getattr(config, 'X')``) in transformers' modeling source of the
+    family (``transformers.models.{model_type}.modeling_{model_type}`` unless ``module``) is in
+    the audit's :data:`FIELDS` of ``model_type``."""
+    source = inspect.getsource(importlib.import_module(
+        module or f'transformers.models.{model_type}.modeling_{model_type}'))
+    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
+                                                                       source))
+    assert read and not read - set(FIELDS[model_type]), sorted(read - set(FIELDS[model_type]))
