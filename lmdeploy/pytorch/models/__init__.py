@@ -16,6 +16,7 @@ MODEL_REGISTRY = {
     'granitemoe_swa': 'granitemoe_swa:GraniteMoeSWAForCausalLM',
     'jamba': 'jamba:JambaForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
+    'lara_mini': 'lara_mini:LaraMiniForCausalLM',
     'lfm2': 'lfm2:Lfm2ForCausalLM',
     'lfm2_moe': 'lfm2:Lfm2MoeForCausalLM',
     'mamba': 'mamba_lm:MambaForCausalLM',

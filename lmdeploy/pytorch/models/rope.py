@@ -42,6 +42,7 @@ _ARCH = {
                          'GraniteMoeHybridRotaryEmbedding', False),
     'granitemoe_swa': ('transformers.models.granitemoe_swa.modeling_granitemoe_swa', 'GraniteMoeSWARotaryEmbedding',
                        False),
+    'lara_mini': ('transformers.models.lara_mini.modeling_lara_mini', 'LaraMiniRotaryEmbedding', False),
     'lfm2': ('transformers.models.lfm2.modeling_lfm2', 'Lfm2RotaryEmbedding', False),
     'lfm2_moe': ('transformers.models.lfm2_moe.modeling_lfm2_moe', 'Lfm2MoeRotaryEmbedding', False),
     'falcon_h1': ('transformers.models.falcon_h1.modeling_falcon_h1', 'FalconH1RotaryEmbedding', False),
