@@ -110,6 +110,12 @@ def _lara_mini_published_names(tensors: dict) -> dict:
     return out
 
 
+def _lfm3_published_names(tensors: dict) -> dict:
+    """transformers' LFM3 names → the published checkpoint's: the attention output gate
+    `self_attn.g_proj` as `self_attn.gate_proj`."""
+    return {name.replace('.self_attn.g_proj.', '.self_attn.gate_proj.'): t for name, t in tensors.items()}
+
+
 PUBLISHED_NAMES = {
     'kimi_linear': _kimi_published_names,
     'glm5_next': glm5_next_published_names,
@@ -117,4 +123,5 @@ PUBLISHED_NAMES = {
     'granitemoehybrid': _granite_published_names,
     'lfm2_moe': _lfm2_moe_published_names,
     'lara_mini': _lara_mini_published_names,
+    'lfm3': _lfm3_published_names,
 }

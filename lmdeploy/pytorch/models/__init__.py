@@ -19,6 +19,7 @@ MODEL_REGISTRY = {
     'lara_mini': 'lara_mini:LaraMiniForCausalLM',
     'lfm2': 'lfm2:Lfm2ForCausalLM',
     'lfm2_moe': 'lfm2:Lfm2MoeForCausalLM',
+    'lfm3': 'lfm3:Lfm3ForCausalLM',
     'mamba': 'mamba_lm:MambaForCausalLM',
     'mamba2': 'mamba2_lm:Mamba2ForCausalLM',
     'nemotron_h': 'nemotron_h:NemotronHForCausalLM',
