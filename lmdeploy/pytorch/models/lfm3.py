@@ -41,7 +41,7 @@ from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.short_conv import ShortConv, short_conv_state_spec
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 
 __all__ = ['Lfm3ForCausalLM', 'check_config', 'layer_windows']
@@ -216,6 +216,7 @@ class Lfm3ForCausalLM(CausalLM):
         'sliding_window': IMPLEMENTED,            # the window of 'sliding_attention' layers
         'use_sandwich_norm': IMPLEMENTED,         # post_operator_norm / post_ffn_norm
         'use_attention_gate': IMPLEMENTED,        # g_proj
+        '_rope_type_labels': INERT,               # a class constant: the layer types rope_parameters may key
     }
     rotary_class = None  # one table per attention layer type, built (and so checked) by check_config
     check_config = staticmethod(check_config)
