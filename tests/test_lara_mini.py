@@ -43,6 +43,37 @@ def test_tiny_model_is_the_released_pattern_in_the_published_layout(tiny):
     assert not any('in_proj_qkv' in n or '.linear_attn.norm.' in n for n in names)
 
 
+def test_experts_one_tensor_each_and_transformers_names_load_the_same_parameters(tiny):
+    """The published fused tensors and the other spellings (experts one tensor per expert,
+    ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a`` and ``linear_attn.norm``) fill identical parameters."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tiny[0])
+    published = load_file(os.path.join(tiny[0], 'model.safetensors'))
+    other = {}
+    for name, t in published.items():
+        if name.endswith('.mlp.experts.gate_up_proj'):
+            gates, ups = t.chunk(2, dim=1)          # [E, 2I, H]: gate rows first
+            for e in range(t.shape[0]):
+                other[f'{name[:-len("gate_up_proj")]}{e}.gate_proj.weight'] = gates[e]
+                other[f'{name[:-len("gate_up_proj")]}{e}.up_proj.weight'] = ups[e]
+        elif name.endswith('.mlp.experts.down_proj'):
+            for e in range(t.shape[0]):
+                other[f'{name[:-len("down_proj")]}{e}.down_proj.weight'] = t[e]
+        elif name.endswith('.linear_attn.in_proj.weight'):
+            sizes = [2 * 2 * 16 + 4 * 16, 4 * 16, 4, 4]
+            for part, piece in zip(('in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a'), t.split(sizes)):
+                other[name.replace('in_proj.weight', f'{part}.weight')] = piece
+        else:
+            other[name.replace('.out_norm.', '.norm.')] = t
+    cls = get_model_class('lara_mini')
+    a, b = cls(config), cls(config)
+    a.load_weights(published.items())
+    b.load_weights(other.items())
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+
+
 @pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
 def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
     check_prompt_logits_match_transformers(*tiny, n, chunk)
