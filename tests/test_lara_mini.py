@@ -131,6 +131,14 @@ def test_audit_lists_every_field_transformers_reads_for_lara_mini():
     assert read and not read - set(FIELDS['lara_mini']), sorted(read - set(FIELDS['lara_mini']))
 
 
+def test_tp_plan_slices_tile_every_split_tensor(tiny):
+    """Over the ranks, each split tensor of the published layout (the fused in_proj among them)
+    has ranges that tile its axis exactly once."""
+    from test_tensor_parallel import check_tp_slices_tile_every_split_tensor
+    _, _, split = check_tp_slices_tile_every_split_tensor(tiny[0])
+    assert split > 0
+
+
 def test_tp_shards_of_the_fused_in_proj_equal_the_four_projections_shards(tiny):
     """The published fused ``in_proj`` rows a rank reads are its ``in_proj_qkv | z | b | a`` rows."""
     from transformers import AutoConfig
