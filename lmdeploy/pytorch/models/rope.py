@@ -133,8 +133,8 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         if self.rotary_dim > head_dim or (not partial and self.rotary_dim != head_dim):
-            raise ValueError(f'rope_parameters.partial_rotary_factor='
-                             f'{_rope_parameters(config, layer_type).get("partial_rotary_factor")!r} gives {self.rotary_dim} '
+            factor = _rope_parameters(config, layer_type).get('partial_rotary_factor')
+            raise ValueError(f'rope_parameters.partial_rotary_factor={factor!r} gives {self.rotary_dim} '
                              f'rotary channels, but {config.model_type} rotates all {head_dim} channels of a head')
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
