@@ -3,7 +3,7 @@ output gates, sandwich norms) served exactly like transformers: logits <= 1e-4 i
 prompt position (5-700 tokens, cold and in 32-token chunks whose ends fall inside the 40-token
 windows), greedy tokens equal cold, chunked and after a local prefix-cache restore, a 4-turn chat
 identical under every cache policy, Store bytes equal the simulator and a new engine restoring
-from the Store, tensor parallelism refused naming ``tp``, the layer cache specs, config refusals
+from the Store, TP2 = TP1, the layer cache specs, config refusals
 naming their field, the audit of every field transformers reads, and random geometries (layer
 kinds, windows, rope types, gates and sandwich norms on or off) in random chunks."""
 import inspect
@@ -69,12 +69,26 @@ def test_cache_specs_are_conv_states_sliding_window_and_global_kv(tiny):
     assert [t.shape for t in specs[0].tensors()] == [(64, 2)]                      # one conv tensor, no recurrence
 
 
-def test_tensor_parallelism_is_refused_naming_tp(tiny):
+def test_tp_plan_slices_tile_every_split_tensor(tiny):
+    """Over the ranks, each split tensor of the published layout has ranges that tile its axis
+    exactly once (in_proj's B, C and x blocks each by channel, the output gate by query head)."""
+    from test_tensor_parallel import check_tp_slices_tile_every_split_tensor
+    _, layouts, split = check_tp_slices_tile_every_split_tensor(tiny[0])
+    assert split > 0
+    assert layouts[1].shard('model.layers.0.conv.in_proj.weight').ranges == ((32, 64), (96, 128), (160, 192))
+    assert layouts[1].shard('model.layers.1.self_attn.gate_proj.weight').ranges == ((2, 4),)
+
+
+def test_tp2_equals_tp1_and_a_count_tp_cannot_split_names_its_field(tiny):
+    """Attention by head (the output gate with its query heads), short conv by channel, the MLP by
+    rows: TP2 logits within TP_TOL of TP1, staggered greedy outputs equal."""
     from transformers import AutoConfig
 
     from lmdeploy.pytorch.distributed.sharding import TPLayout
-    with pytest.raises(ValueError, match=r"tp \(2\).*'lfm3'"):
-        TPLayout(AutoConfig.from_pretrained(tiny[0]), 0, 2)
+    from test_tensor_parallel import check_tp2_equals_tp1
+    with pytest.raises(ValueError, match='num_key_value_heads'):
+        TPLayout(AutoConfig.from_pretrained(tiny[0]), 0, 4)       # 2 KV heads
+    check_tp2_equals_tp1(tiny[0])
 
 
 @pytest.mark.parametrize('change, field', [
