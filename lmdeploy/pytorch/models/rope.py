@@ -64,8 +64,12 @@ def _rope_parameters(config, layer_type: str | None = None) -> dict:
             ``layer_type``, or no ``rope_type``.
     """
     params = getattr(config, 'rope_parameters', None)
-    if layer_type is not None and isinstance(params, dict):
-        params = params.get(layer_type)
+    if layer_type is not None:
+        entry = params.get(layer_type) if isinstance(params, dict) else None
+        if not isinstance(entry, dict) or 'rope_type' not in entry:
+            raise ValueError(f'rope_parameters must hold a dict with a rope_type for each attention layer type, '
+                             f'got {entry!r} for {layer_type!r}')
+        return entry
     if not isinstance(params, dict) or 'rope_type' not in params:
         raise ValueError(f'rope_parameters must be one flat dict with a rope_type, got {params!r} '
                          '(per-layer-type rope parameters are not supported)')
