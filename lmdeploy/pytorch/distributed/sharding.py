@@ -22,6 +22,7 @@ checkpoint tensor the rank reads::
     linear_attn.in_proj_qkvz / in_proj_ba    column     rows of its key heads (grouped per key head)
     linear_attn.in_proj_qkv (Qwen3.5)        column     its q | k | v rows (three pieces, flat layout)
     linear_attn.in_proj_z / in_proj_b / _a   column     rows of its value heads (Qwen3.5)
+    linear_attn.in_proj (Lara-4-Mini)        column     the four above fused: its q | k | v | z | b | a rows
     linear_attn.conv1d                       channel    its q | k | v channels (three pieces)
     linear_attn.dt_bias / A_log              head       its value heads
     linear_attn.out_proj                     row        its value channels, all-reduce
@@ -148,7 +149,7 @@ def _split(total: int, rank: int, size: int, what: str) -> tuple[int, int]:
 _DENSE_MLP = re.compile(r'^(?:model|mtp)\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$')
 _ATTN = re.compile(r'^(?:model|mtp)\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
 _GDN = re.compile(r'^model\.layers\.\d+\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|'
-                  r'in_proj_a|conv1d|dt_bias|A_log|out_proj)(\.weight)?$')
+                  r'in_proj_a|in_proj|conv1d|dt_bias|A_log|out_proj)(\.weight)?$')
 
 def _text_config(config):
     """The config of the text stack: ``text_config`` of a vision-language config, else ``config``."""
@@ -365,4 +366,9 @@ class TPLayout:
             return Shard(0, ((v0 * dv, v1 * dv),))
         if part in ('dt_bias', 'A_log', 'in_proj_b', 'in_proj_a'):
             return Shard(0, ((v0, v1),))
+        if part == 'in_proj':       # the four flat ones fused, rows [q|k|v|z|b|a] (Lara-4-Mini's published layout)
+            conv_dim, hv = 2 * c.linear_num_key_heads * dk + c.linear_num_value_heads * dv, c.linear_num_value_heads
+            z0, b0 = conv_dim, conv_dim + hv * dv
+            return Shard(0, self._gdn_shard('in_proj_qkv').ranges + ((z0 + v0 * dv, z0 + v1 * dv), (b0 + v0, b0 + v1),
+                                                                    (b0 + hv + v0, b0 + hv + v1)))
         return Shard(1, ((v0 * dv, v1 * dv),))      # out_proj
