@@ -196,6 +196,36 @@ def test_a_running_sequence_adopts_nodes_whose_block_only_the_cache_holds():
     assert trie.num_evictable_blocks == 0                         # every node is referenced
 
 
+class _NoCompare(tuple):
+    """A node's tokens that fail the test when compared."""
+
+    def __ne__(self, other):
+        raise AssertionError('compared the tokens of a node that holds the sequence\'s own block')
+
+    __eq__ = __ne__
+    __hash__ = tuple.__hash__
+
+
+def test_a_walk_over_the_sequences_own_cached_blocks_compares_no_tokens():
+    """Re-inserting (a leaving sequence) or extending over blocks whose node holds the sequence's
+    own block trusts the block: it touches each node (LRU) and compares no token, so a long
+    prompt's walk costs a lookup per block; a different block under the same hash is still
+    verified (the match test above)."""
+    bm, _, trie = _trie(num_blocks=8)
+    ids = tokens(1, 2, 3)
+    mine = bm.allocate(3)
+    hashes = chain_block_hashes(ids, B)
+    nodes = trie.insert(ids, mine, 3, hashes)
+    for n in nodes:
+        n.tokens = _NoCompare(n.tokens)
+    clocks = [n.last_access for n in nodes]
+    again = trie.insert(ids, mine, 3, hashes)
+    assert again == nodes and [n.last_access for n in again] > clocks      # touched, root first
+    assert again[0].last_access < again[1].last_access < again[2].last_access
+    assert trie.extend(None, ids, mine, 3, hashes) is nodes[-1]
+    assert trie.num_nodes == 3 and bm.refcount[:3] == [2, 2, 2]
+
+
 def test_a_shared_block_is_not_adopted_and_unreferenced_interior_nodes_stay_evictable():
     bm, _, trie = _trie(num_blocks=8)
     _cache(bm, trie, tokens(1, 2))                  # blocks 0 → 1
