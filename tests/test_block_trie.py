@@ -162,6 +162,30 @@ def test_evict_skips_blocks_sequences_reference_and_inner_nodes():
     assert bm.refcount[2] == 2
 
 
+def test_an_eviction_does_not_pop_and_push_back_the_leaves_it_cannot_take(monkeypatch):
+    """Leaves no eviction can take (here 40 referenced by a running sequence, all older than the
+    evictable ones) are parked in key order, not popped and pushed back by every call: 20 calls of
+    one block each push no blocked entry again, and take the LRU evictable leaves in order (the old
+    loop pushed all 40 back at every call)."""
+    import heapq as real_heapq
+
+    from lmdeploy.pytorch.prefix_cache import block_trie
+    bm, _, trie = _trie(num_blocks=64)
+    held = bm.allocate(40)
+    for i, b in enumerate(held):                    # 40 leaves a sequence still references
+        trie.insert(tokens(100 + i), [b], 1)
+    free = [_cache(bm, trie, tokens(200 + i))[0] for i in range(20)]
+    pushes, push = [], real_heapq.heappush
+    monkeypatch.setattr(block_trie.heapq, 'heappush', lambda heap, entry: (pushes.append(entry), push(heap, entry))[1])
+    order = []
+    for _ in range(20):
+        before = set(bm._free)
+        assert trie.evict(1) == 1
+        order += [b for b in bm._free if b not in before]
+    assert order == free and pushes == []
+    assert trie.num_nodes == 40 and trie.evict(1) == 0
+
+
 def test_the_pool_never_evicts_and_an_explicit_eviction_frees_the_lru_leaf():
     bm, _, trie = _trie(num_blocks=4)
     _cache(bm, trie, tokens(1, 2, 3))               # blocks 0 → 1 → 2 cached, 3 free

@@ -124,6 +124,30 @@ def _reference_descend(self, node, token_ids, block_ids, num_blocks, hashes, out
     return node
 
 
+def _reference_evict(self, num_blocks, dead_only=False):
+    """The trie's leaf eviction before blocked entries were parked: every blocked leaf popped and
+    pushed back at each call."""
+    import heapq
+    freed, blocked = 0, []
+    while freed < num_blocks and self._leaves:
+        entry = heapq.heappop(self._leaves)
+        if not self._is_current(entry):
+            continue
+        leaf = entry[-1]
+        if not self._evictable(leaf) or (dead_only and leaf.ckpts_below):
+            blocked.append(entry)
+            continue
+        parent = leaf.parent
+        freed += self._remove(leaf)
+        if parent is not self.root and not parent.children:
+            self._push_leaf(parent)
+    for entry in blocked:
+        heapq.heappush(self._leaves, entry)
+    if freed < num_blocks and not dead_only:
+        freed += self._evict_subtrees(num_blocks - freed)
+    return freed
+
+
 def _replay_all(rows, geometry):
     out = {}
     for policy in ('default', 'last_only'):
@@ -139,7 +163,8 @@ def test_the_fast_replay_gives_the_reference_paths_hits_request_by_request(monke
     """120 requests of the committed codex trace (branches, compactions, a shared head) at scale 16
     (B = 8, A = 32, P = 128), both save policies, lru / reuse / optimal at 1/8 of the working set:
     the same hits request by request, evictions, checkpoints and peaks as with the per-block hash
-    packing, the token-comparing insert walk and the cyclic GC on during the loop."""
+    packing, the token-comparing insert walk, the eviction that pops and pushes back every
+    blocked leaf, and the cyclic GC on during the loop."""
     from benchmark.traces import load_trace
     from lmdeploy.pytorch.prefix_cache import block_trie, coordinator
     import benchmark.trace_sim as ts
@@ -149,6 +174,7 @@ def test_the_fast_replay_gives_the_reference_paths_hits_request_by_request(monke
     fast = _replay_all(rows, geometry)
     with monkeypatch.context() as m:
         m.setattr(block_trie.BlockTrie, '_descend', _reference_descend)
+        m.setattr(block_trie.BlockTrie, 'evict', _reference_evict)
         m.setattr(block_trie, 'chain_block_hashes', _reference_chain_block_hashes)
         m.setattr(coordinator, 'chain_block_hashes', _reference_chain_block_hashes)
         m.setattr(ts, 'chain_block_hashes', _reference_chain_block_hashes)

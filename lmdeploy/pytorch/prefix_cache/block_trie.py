@@ -132,6 +132,10 @@ class BlockTrie:
         # its node is gone, got children, or was touched again (a newer entry exists). Eviction
         # then costs O((k + blocked leaves) log N) instead of a walk of the whole trie.
         self._leaves: list[tuple[int, int, int, TrieNode]] = []
+        # Entries an eviction found blocked (referenced, pinned, or live under ``dead_only``), in
+        # key order, kept out of the heap: the next eviction merges them with it instead of
+        # popping and pushing every blocked leaf again (which made each call O(blocked log N)).
+        self._parked: list[tuple[int, int, int, TrieNode]] = []
         self._tiebreak = itertools.count()
         # observers told of every node made (``block_cached(node)``) and removed
         # (``block_dropped(node)``), e.g. the KV event tracker (kv_events.py)
@@ -157,9 +161,10 @@ class BlockTrie:
 
     def _push_leaf(self, node: TrieNode) -> None:
         heapq.heappush(self._leaves, (node.last_access, node.depth, next(self._tiebreak), node))
-        if len(self._leaves) > 4 * self.num_nodes + 64:      # drop stale entries now and then
+        if len(self._leaves) + len(self._parked) > 4 * self.num_nodes + 64:      # drop stale entries now and then
             self._leaves = [e for e in self._leaves if self._is_current(e)]
             heapq.heapify(self._leaves)
+            self._parked = [e for e in self._parked if self._is_current(e)]
 
     @staticmethod
     def _is_current(entry) -> bool:
@@ -268,20 +273,35 @@ class BlockTrie:
             Blocks returned to the free list.
         """
         freed, blocked = 0, []
-        while freed < num_blocks and self._leaves:
-            entry = heapq.heappop(self._leaves)
+        leaves, parked, self._parked = self._leaves, self._parked, []
+        j, num_parked = 0, len(parked)
+        while freed < num_blocks:
+            # candidates in key order: the parked entries merged with the heap (keys are unique:
+            # the tiebreak differs, so a node is never compared)
+            if j < num_parked and (not leaves or parked[j] < leaves[0]):
+                entry = parked[j]
+                j += 1
+            elif leaves:
+                entry = heapq.heappop(leaves)
+            else:
+                break
             if not self._is_current(entry):
                 continue
             leaf = entry[-1]
-            if not self._evictable(leaf) or (dead_only and leaf.ckpts_below):
+            if (dead_only and leaf.ckpts_below) or not self._evictable(leaf):
                 blocked.append(entry)
                 continue
             parent = leaf.parent
             freed += self._remove(leaf)
             if parent is not self.root and not parent.children:
                 self._push_leaf(parent)
-        for entry in blocked:
-            heapq.heappush(self._leaves, entry)
+                leaves = self._leaves       # a compaction may have replaced the heap
+        # what is still blocked, plus the parked entries not reached, in key order (a parent pushed
+        # during the loop may sort before an entry blocked earlier; the sort is linear then)
+        blocked.extend(parked[j:])
+        blocked.extend(self._parked)        # parked by a compaction during the loop (none, normally)
+        blocked.sort()
+        self._parked = blocked
         if freed < num_blocks and not dead_only:
             freed += self._evict_subtrees(num_blocks - freed)
         return freed
