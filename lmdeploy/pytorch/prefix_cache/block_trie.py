@@ -130,7 +130,7 @@ class BlockTrie:
         self.num_evicted = 0      # nodes (KV blocks) evicted so far
         # Leaves as (last_access, depth, tiebreak, node), lazily invalidated: an entry is stale when
         # its node is gone, got children, or was touched again (a newer entry exists). Eviction
-        # then costs O((k + blocked leaves) log N) instead of a walk of the whole trie.
+        # then costs O(k log N + blocked leaves) instead of a walk of the whole trie.
         self._leaves: list[tuple[int, int, int, TrieNode]] = []
         # Entries an eviction found blocked (referenced, pinned, or live under ``dead_only``), in
         # key order, kept out of the heap: the next eviction merges them with it instead of
