@@ -6,7 +6,7 @@ prompt length, reply length and one hash id per 512-token block) through the rea
 block trie, state slots and eviction policy, at real model byte sizes: every step is scheduled,
 admitted, chunked, saved and evicted exactly as in the engine, while the forward, the copies and
 the sampling are skipped (each copy "succeeds"). The published 4,000-request trace (61 M prompt
-tokens) takes about 10 s of CPU, so eviction policies, save policies and memory budgets can be
+tokens) takes about 13 s of CPU, so eviction policies, save policies and memory budgets can be
 compared at full scale; the cost is the engine's per-block work (a hash, a trie lookup and a
 token check per prompt block, a node made and evicted per new block; choosing a victim is
 O(log N)), and prompts exist only while in flight, so memory follows the requests, not their

@@ -199,11 +199,13 @@ def test_block_hashes_equal_the_per_block_packing_on_random_inputs():
     rng = random.Random(40)
     for _ in range(300):
         B = rng.choice((1, 2, 4, 16, 64))
-        ids = [rng.randrange(2 ** 32) if rng.random() < 0.2 else rng.randrange(300) for _ in range(rng.randrange(0, 9 * B))]
+        ids = [rng.randrange(2 ** 32) if rng.random() < 0.2 else rng.randrange(300)
+               for _ in range(rng.randrange(0, 9 * B))]
         full = len(ids) // B
         num = rng.choice((None, rng.randint(0, full + 2)))
         extra = [rng.choice((b'', b'img', None)) for _ in range(full)] if rng.random() < 0.3 else None
         salt = rng.choice((None, '', 'tenant-a'))
-        prefix = _reference_chain_block_hashes(ids, B, rng.randint(0, full), extra, salt=salt) if rng.random() < 0.5 else ()
+        prefix = (_reference_chain_block_hashes(ids, B, rng.randint(0, full), extra, salt=salt)
+                  if rng.random() < 0.5 else ())
         kw = dict(num_blocks=num, extra_keys=extra, prefix=prefix, salt=salt)
         assert chain_block_hashes(ids, B, **kw) == _reference_chain_block_hashes(ids, B, **kw)
