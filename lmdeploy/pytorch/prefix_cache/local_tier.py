@@ -7,6 +7,7 @@ for this process's memory:
 
 * :meth:`LocalTier.match` — how deep a prefix is cached (full blocks, verified token by token)
   and the deepest checkpoint that may seed this input; metadata only;
+* :meth:`LocalTier.depth` — the tier protocol's hash-only form of that question (nothing touched);
 * :meth:`LocalTier.pin` / :meth:`LocalTier.unpin` — attach the shared blocks and pin the
   checkpoint for an admission (and undo it: the one rollback path);
 * :meth:`LocalTier.extend` / :meth:`LocalTier.plan_checkpoint` — cache new full blocks of a
@@ -88,6 +89,34 @@ class LocalTier:
             if node.checkpoint_slot is not None and rules.restorable(b, len(nodes)):
                 return PrefixMatch(nodes, b, 'local', node.checkpoint_slot, node.depth, matched)
         return PrefixMatch(nodes, 0, None, None, 0, matched)
+
+    def depth(self, hashes: list[bytes], rules: ReuseRules, *, shared_blocks: int = 0, above: int = 0,
+              below: int | None = None) -> int:
+        """The tier protocol's hash-only question (:class:`~.tier.PrefixTier`): the deepest
+        boundary ``b`` (tokens), ``above < b`` (and ``b < below`` when given), that this tier could
+        restore under ``rules``: its full blocks ``[0, b/B + r)`` are cached under ``hashes`` and,
+        for a hybrid model, the node at ``b`` holds a checkpoint (a full-attention model: any
+        block boundary, leaving one token to compute); 0 if none.
+
+        Metadata only: nothing is touched (LRU order and reach counts stay), nothing is pinned,
+        and tokens are not compared (:meth:`match` verifies them before an admission uses a hit).
+        ``shared_blocks`` is accepted for the protocol: every block this tier counts is its own.
+        """
+        B, node, nodes = self.block_size, self.trie.root, []
+        for h in hashes:
+            node = node.children.get(h)
+            if node is None:
+                break
+            nodes.append(node)
+        if not self.is_hybrid:
+            b = min(len(nodes), (rules.num_tokens - 1) // B) * B
+            if below is not None:
+                b = min(b, (below - 1) // B * B)
+            return b if b > above else 0
+        for b in rules.restore_candidates(above, len(nodes)):
+            if (below is None or b < below) and nodes[b // B - 1].checkpoint_slot is not None:
+                return b
+        return 0
 
     def pin(self, match: PrefixMatch) -> None:
         """Reference the shared blocks and pin the checkpoint of ``match`` (so eviction can take
