@@ -220,9 +220,29 @@ class LocalTier:
         unpublished when ``stats`` is None (its copy did not run) or ``node`` cannot take it (it
         holds another checkpoint or left the trie). Returns whether it was published."""
         if stats is not None and self.state_cache.publish(slot, node, stats):
+            self._reweigh_above(node)
             return True
         self.state_cache.release_checkpoint(slot)
         return False
+
+    def _reweigh_above(self, node: TrieNode) -> None:
+        """The checkpoints on ``node``'s path changed below the nearest one above it (one was
+        published or evicted at ``node``): the blocks that nearest one alone makes usable
+        changed, so tell the policy its bytes held now (O(depth)). A checkpoint with a deeper one
+        below it frees only its own state when evicted, which is what it then weighs."""
+        sc, n = self.state_cache, node.parent
+        while n is not None and n.parent is not None and n.checkpoint_slot is None:
+            n = n.parent
+        stats = sc.stats.get(n.checkpoint_slot) if n is not None and n.parent is not None else None
+        if stats is None:
+            return
+        exclusive, m = 0, n
+        while m is not None and m.parent is not None and m.ckpts_below <= 1:
+            exclusive += 1
+            m = m.parent
+        nbytes = self.state_bytes + exclusive * self.block_bytes
+        if nbytes != stats.nbytes:
+            sc.policy.reweigh(stats, nbytes)
 
     def release_checkpoint(self, slot: int) -> None:
         """Return an unpinned checkpoint ``slot`` (published or not) to the free slots or rows."""
@@ -333,7 +353,10 @@ class LocalTier:
         victim = self.state_cache.victim()
         if victim is None:
             return False
+        node = self.state_cache.node_of(victim)
         self.state_cache.release_checkpoint(victim, evicted=True)
+        if node is not None:
+            self._reweigh_above(node)
         return True
 
     @property
