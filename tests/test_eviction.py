@@ -117,8 +117,9 @@ def test_a_checkpoint_with_a_deeper_one_below_weighs_only_its_state_and_its_age_
     """Regression: a checkpoint's bytes held were fixed at its publish, so an interior chunk-end
     checkpoint kept weighing the blocks a deeper checkpoint of the same path later made usable
     too, though evicting it frees only its state. Now the nearest checkpoint above a publish or an
-    eviction is reweighed (bytes: the state, 2, plus 1 per block only it makes usable), and its
-    score keeps the age of its last use."""
+    eviction is reweighed (bytes: the state, 2, plus 1 per block only it makes usable) and filed
+    as covered (its reuse is learned apart from its request's last checkpoint's), and its score
+    keeps the age of its last use."""
     bm, sc, tier = _tier(40, 'reuse')
     tokens = list(range(8 * B))
     nodes = _cache_path(bm, tier, tokens, [2])
@@ -130,12 +131,15 @@ def test_a_checkpoint_with_a_deeper_one_below_weighs_only_its_state_and_its_age_
     assert tier.publish_checkpoint(slot, nodes[5], tier.checkpoint_stats(nodes[5], 6 * B, 'prefill_last'))
     deep = sc.stats[slot]
     assert (shallow.nbytes, deep.nbytes, deep.tokens_saved) == (2, 2 + 4, 4 * B)
+    assert (shallow.covered, deep.covered) == (True, False)
+    assert shallow.cls == ('prefill', False, 0, True, (2 * B).bit_length())     # reuse learned apart
     assert (shallow.aged, shallow.last_use) == (aged, last_use)
     assert shallow.score == aged + sc.policy.value(shallow)
     assert sc.policy.select(sc.stats, sc.is_pinned, 0) is (min(sc.stats.values(), key=lambda s: s.score))
     sc.release_checkpoint(slot, evicted=True)       # as the tier's eviction does, then reweighs
     tier._reweigh_above(nodes[5])
-    assert shallow.nbytes == 2 + 2
+    assert (shallow.nbytes, shallow.covered) == (2 + 2, False)
+    assert shallow.cls[3] is True         # still learned as a covered one
 
 
 def test_lru_policy_evicts_blocks_least_recently_used_first_as_before():
@@ -188,7 +192,7 @@ def test_a_stream_of_one_off_checkpoints_does_not_flush_a_proven_one():
         for _ in range(4):
             _hit(pol, s, 1)
         pol.released(s, False)
-    assert pol.p_again(('prefill_last', False, 0), 1) == (20 + 4 * 0.5) / (20 + 4)
+    assert pol.p_again(('prefill_last', False, 0, False), 1) == (20 + 4 * 0.5) / (20 + 4)
     live = {}
     hot = CheckpointStats(0, 1024, 1024, 10, 'prefill_last', key='hot')
     _publish(pol, hot, 2)
@@ -196,7 +200,7 @@ def test_a_stream_of_one_off_checkpoints_does_not_flush_a_proven_one():
     _hit(pol, hot, 3)
     coarse = (20 + 4 * 0.5) / (21 + 4)       # (the hot one reached one hit too)
     p = (20 + 16 * coarse) / (21 + 16)      # its length class, smoothed towards its coarse class
-    assert hot.cls == ('prefill_last', False, 0, 11)
+    assert hot.cls == ('prefill_last', False, 0, False, 11)
     assert pol.evidence(hot) == p / (1 - p) and pol.evidence(hot) > 3 * (1 + pol.reuse_rate(hot.cls))
     for i in range(1, 300):         # a cache of 4 checkpoints, a new one-off prefix per request
         s = CheckpointStats(i, 1024, 1024, 10, 'prefill', key=i)
@@ -222,10 +226,10 @@ def test_reuse_is_learned_per_prefix_length_backed_off_to_the_save_reason():
         if i % 2:
             _hit(pol, long_, 2)
     coarse = (20 + 4 * 0.2) / (80 + 4)
-    assert pol.p_again(('prefill', False, 0), 0) == coarse
-    assert pol.p_again(('prefill', False, 0, 14), 0) == (0 + 16 * coarse) / (40 + 16)
-    assert pol.p_again(('prefill', False, 0, 16), 0) == (20 + 16 * coarse) / (40 + 16)
-    assert pol.p_again(('prefill', False, 0, 18), 0) == coarse        # a length not seen yet
+    assert pol.p_again(('prefill', False, 0, False), 0) == coarse
+    assert pol.p_again(('prefill', False, 0, False, 14), 0) == (0 + 16 * coarse) / (40 + 16)
+    assert pol.p_again(('prefill', False, 0, False, 16), 0) == (20 + 16 * coarse) / (40 + 16)
+    assert pol.p_again(('prefill', False, 0, False, 18), 0) == coarse        # a length not seen yet
     fresh = [CheckpointStats(200 + i, b, 8192, 10, 'prefill') for i, b in enumerate((8192, 32768))]
     for s in fresh:
         _publish(pol, s, 3)
@@ -262,7 +266,7 @@ def test_heap_selection_equals_a_scan_over_random_operations(name):
                 s.reached += 1
             pol.rescore(s, clock)
         elif op < 0.65:         # another checkpoint now shares (or stopped sharing) its blocks
-            pol.reweigh(live[rng.choice(list(live))], rng.randint(1, 20))
+            pol.reweigh(live[rng.choice(list(live))], rng.randint(1, 20), rng.random() < 0.5)
         elif op < 0.7:
             slot = rng.choice(list(live))
             pins.symmetric_difference_update({slot})

@@ -30,7 +30,12 @@ A policy is a small object with one pure scoring function of an entry's statisti
   its path, ``bytes_held`` the checkpoint plus the KV blocks only it makes usable, and
   ``E[further hits] = p / (1 - p)``, where ``p`` is the chance of one more hit the policy has
   measured for checkpoints of the same class (why it was saved, whether its request continued an
-  earlier prefix, how many earlier requests reached its exact prefix) with as many hits so far.
+  earlier prefix, how many earlier requests reached its exact prefix, and the length of that
+  prefix on a log scale) with as many hits so far; a length class is smoothed towards the rate of
+  its class without the length, so a length seen rarely borrows what its save reason measured.
+  ``bytes_held`` changes when another checkpoint starts or stops sharing the blocks: the tier
+  reweighs the nearest checkpoint above one published or evicted (:meth:`EvictionPolicy.reweigh`),
+  so an interior chunk-end checkpoint with a deeper one below it weighs only its state.
   A never-used checkpoint of a class rarely reused (a prefix the client never sends again) thus
   scores near ``L`` and goes before proven ones, in the spirit of Marconi's admission rule.
 * :class:`OfflineOptimalPolicy` (``'optimal'``, benchmarks only): Belady's rule, evict the
@@ -45,6 +50,7 @@ match walks are only counted as reached.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -81,6 +87,8 @@ class CheckpointStats:
         key: an identity of its prefix the benchmark's oracle understands (opaque here).
         entry: the sequence number of its current heap entry (older entries are stale; -1: none).
         aged: the policy's age term when it was last scored (GreedyDual's ``L``; 0 for others).
+        covered: a deeper checkpoint is published below it (a hit on it needs a request that
+            leaves the deeper one's path in between).
     """
     slot: int
     boundary: int
@@ -96,6 +104,7 @@ class CheckpointStats:
     cls: tuple | None = None
     entry: int = -1
     aged: float = 0.0
+    covered: bool = False
 
 
 class EvictionPolicy:
@@ -128,11 +137,11 @@ class EvictionPolicy:
     def score(self, stats: CheckpointStats, clock: int) -> float:
         raise NotImplementedError
 
-    def reweigh(self, stats: CheckpointStats, nbytes: int) -> None:
-        """The bytes evicting ``stats`` would free changed to ``nbytes`` (another checkpoint now
-        shares, or stopped sharing, its blocks) without a use: recency and age are kept. The
-        scores of this base class do not depend on bytes."""
-        stats.nbytes = nbytes
+    def reweigh(self, stats: CheckpointStats, nbytes: int, covered: bool) -> None:
+        """The bytes evicting ``stats`` would free changed to ``nbytes`` and whether a deeper
+        checkpoint is below it to ``covered`` (one was published or evicted on its path), without
+        a use: recency and age are kept. The scores of this base class depend on neither."""
+        stats.nbytes, stats.covered = nbytes, covered
 
     def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
         """The candidate to evict now (None when there is none), by a scan: O(len(candidates))."""
@@ -216,7 +225,7 @@ class ReuseAwarePolicy(EvictionPolicy):
              'restored': 0.6}
     USED_PRIOR = 0.5            # prior chance of one more hit of a used checkpoint
     MAX_HITS = 3                # hits counted apart (more fall into the last bucket)
-    COARSE = 3                  # fields of the coarse class (reason, continuation, reached)
+    COARSE = 4                  # fields of the coarse class (reason, continuation, reached, covered)
 
     def __init__(self, smoothing: float = 4.0, fine_smoothing: float = 16.0):
         super().__init__()
@@ -233,16 +242,17 @@ class ReuseAwarePolicy(EvictionPolicy):
         per step). How often a prefix of a given length is sent again differs a lot between
         lengths (long prefixes are documents and conversations that come back), and the
         rate of each length is measured, not assumed."""
-        return stats.reason, stats.continuation, min(stats.reached, 2), max(stats.boundary, 1).bit_length()
+        return (stats.reason, stats.continuation, min(stats.reached, 2), stats.covered,
+                max(stats.boundary, 1).bit_length())
 
     def _bucket(self, cls: tuple, hits: int) -> tuple:
         return cls, min(hits, self.MAX_HITS)
 
-    def _count(self, table: dict, cls: tuple, hits: int) -> None:
+    def _count(self, table: dict, cls: tuple, hits: int, delta: int = 1) -> None:
         # the fine class and its coarse parent (the class without the length) both count
         for c in (cls, cls[:self.COARSE]):
             b = self._bucket(c, hits)
-            table[b] = table.get(b, 0) + 1
+            table[b] = table.get(b, 0) + delta
 
     def p_again(self, cls: tuple, hits: int) -> float:
         """Smoothed chance that a checkpoint of class ``cls`` with ``hits`` hits is hit again (< 1).
@@ -291,10 +301,19 @@ class ReuseAwarePolicy(EvictionPolicy):
         stats.aged = self.inflation
         super().rescore(stats, clock)
 
-    def reweigh(self, stats: CheckpointStats, nbytes: int) -> None:
+    def reweigh(self, stats: CheckpointStats, nbytes: int, covered: bool) -> None:
         """New bytes, same age: ``score = aged + value``, the age of its last use kept (a shared
-        block is no reason to look recently used)."""
+        block is no reason to look recently used). The first time a checkpoint is ``covered`` it is
+        filed under the covered class for good (its count at its present hits moves there): an
+        interior checkpoint's reuse is learned apart from a request's last one's, and a
+        checkpoint whose deeper one was evicted again is still counted where it was covered."""
         stats.nbytes = nbytes
+        if covered and not stats.covered and stats.cls is not None and not stats.cls[3]:
+            new = self.reuse_class(dataclasses.replace(stats, covered=covered))
+            self._count(self._reached, stats.cls, stats.hits, -1)
+            self._count(self._reached, new, stats.hits)
+            stats.cls = new
+        stats.covered = covered
         stats.score = stats.aged + self.value(stats)
         self._push(stats)
 

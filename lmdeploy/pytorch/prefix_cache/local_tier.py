@@ -206,7 +206,7 @@ class LocalTier:
             n = n.parent
         return CheckpointStats(-1, boundary, boundary - below, self.state_bytes + exclusive * self.block_bytes,
                                reason, continuation, reached=max(self._seen.get(node.key, 0) - 1, 0),
-                               key=node.key if key is None else key)
+                               key=node.key if key is None else key, covered=node.ckpts_below > 0)
 
     def checkpoint_done(self, save: CheckpointSave, copied: bool) -> None:
         """Publish a planned checkpoint whose copy ran; release it unpublished if it did not (or
@@ -240,9 +240,9 @@ class LocalTier:
         while m is not None and m.parent is not None and m.ckpts_below <= 1:
             exclusive += 1
             m = m.parent
-        nbytes = self.state_bytes + exclusive * self.block_bytes
-        if nbytes != stats.nbytes:
-            sc.policy.reweigh(stats, nbytes)
+        nbytes, covered = self.state_bytes + exclusive * self.block_bytes, n.ckpts_below > 1
+        if nbytes != stats.nbytes or covered != stats.covered:
+            sc.policy.reweigh(stats, nbytes, covered)
 
     def release_checkpoint(self, slot: int) -> None:
         """Return an unpinned checkpoint ``slot`` (published or not) to the free slots or rows."""
