@@ -30,12 +30,13 @@ A policy is a small object with one pure scoring function of an entry's statisti
   its path, ``bytes_held`` the checkpoint plus the KV blocks only it makes usable, and
   ``E[further hits] = p / (1 - p)``, where ``p`` is the chance of one more hit the policy has
   measured for checkpoints of the same class (why it was saved, whether its request continued an
-  earlier prefix, how many earlier requests reached its exact prefix, and the length of that
-  prefix on a log scale) with as many hits so far; a length class is smoothed towards the rate of
+  earlier prefix, how many earlier requests reached its exact prefix, whether a deeper checkpoint
+  is below it, and the length of its prefix on a log scale) with as many hits so far; a length class is smoothed towards the rate of
   its class without the length, so a length seen rarely borrows what its save reason measured.
   ``bytes_held`` changes when another checkpoint starts or stops sharing the blocks: the tier
   reweighs the nearest checkpoint above one published or evicted (:meth:`EvictionPolicy.reweigh`),
-  so an interior chunk-end checkpoint with a deeper one below it weighs only its state.
+  so an interior chunk-end checkpoint with a deeper one below it weighs only its state, and its
+  reuse (only by a request that leaves the deeper one's path in between) is learned apart.
   A never-used checkpoint of a class rarely reused (a prefix the client never sends again) thus
   scores near ``L`` and goes before proven ones, in the spirit of Marconi's admission rule.
 * :class:`OfflineOptimalPolicy` (``'optimal'``, benchmarks only): Belady's rule, evict the
@@ -214,8 +215,13 @@ class ReuseAwarePolicy(EvictionPolicy):
     further hits on this traffic; which signals predict reuse (a shared head, a continued
     conversation, a regenerate, a branch, a hit) is measured, not fixed.
 
+    The class also holds the prefix length on a log scale and whether a deeper checkpoint is
+    below (:meth:`reuse_class`); a length class is smoothed towards its class without the length.
+
     Args:
-        smoothing: pseudo-counts of the prior in each estimate.
+        smoothing: pseudo-counts of the prior in each coarse class's estimate.
+        fine_smoothing: pseudo-counts of the coarse estimate in each length class's (more than
+            ``smoothing``: a length class has a few times fewer samples than its coarse class).
     """
 
     name = 'reuse'
@@ -237,8 +243,8 @@ class ReuseAwarePolicy(EvictionPolicy):
     @staticmethod
     def reuse_class(stats: CheckpointStats) -> tuple:
         """The class a checkpoint's reuse is learned in: the coarse class (save reason,
-        continuation, earlier requests that reached its prefix: 0, 1, 2 or more) plus the length
-        of the prefix it restores on a log scale (``boundary.bit_length()``, a doubling of tokens
+        continuation, earlier requests that reached its prefix: 0, 1, 2 or more, and whether it
+        is covered by a deeper checkpoint) plus the length of the prefix it restores on a log scale (``boundary.bit_length()``, a doubling of tokens
         per step). How often a prefix of a given length is sent again differs a lot between
         lengths (long prefixes are documents and conversations that come back), and the
         rate of each length is measured, not assumed."""
