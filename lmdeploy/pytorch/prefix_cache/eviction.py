@@ -31,8 +31,9 @@ A policy is a small object with one pure scoring function of an entry's statisti
   ``E[further hits] = p / (1 - p)``, where ``p`` is the chance of one more hit the policy has
   measured for checkpoints of the same class (why it was saved, whether its request continued an
   earlier prefix, how many earlier requests reached its exact prefix, whether a deeper checkpoint
-  is below it, and the length of its prefix on a log scale) with as many hits so far; a length class is smoothed towards the rate of
-  its class without the length, so a length seen rarely borrows what its save reason measured.
+  is below it, and the length of its prefix on a log scale) with as many hits so far; a length
+  class is smoothed towards the rate of its class without the length, so a length seen rarely
+  borrows what its class measured.
   ``bytes_held`` changes when another checkpoint starts or stops sharing the blocks: the tier
   reweighs the nearest checkpoint above one published or evicted (:meth:`EvictionPolicy.reweigh`),
   so an interior chunk-end checkpoint with a deeper one below it weighs only its state, and its
@@ -244,10 +245,11 @@ class ReuseAwarePolicy(EvictionPolicy):
     def reuse_class(stats: CheckpointStats) -> tuple:
         """The class a checkpoint's reuse is learned in: the coarse class (save reason,
         continuation, earlier requests that reached its prefix: 0, 1, 2 or more, and whether it
-        is covered by a deeper checkpoint) plus the length of the prefix it restores on a log scale (``boundary.bit_length()``, a doubling of tokens
-        per step). How often a prefix of a given length is sent again differs a lot between
-        lengths (long prefixes are documents and conversations that come back), and the
-        rate of each length is measured, not assumed."""
+        is covered by a deeper checkpoint) plus the length of the prefix it restores on a log
+        scale (``boundary.bit_length()``, a doubling of tokens per step). How often a prefix of a
+        given length is sent again can differ a lot between lengths (on the Mooncake trace an
+        interior checkpoint at 8K tokens was hit 2 times in 632, one at 32K-64K 31 in 235), and
+        the rate of each length is measured, not assumed."""
         return (stats.reason, stats.continuation, min(stats.reached, 2), stats.covered,
                 max(stats.boundary, 1).bit_length())
 
