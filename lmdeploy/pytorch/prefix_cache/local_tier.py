@@ -15,6 +15,11 @@ for this process's memory:
 * :meth:`LocalTier.evict` — free block rows: dead KV blocks first, then the eviction policy's
   checkpoints (:mod:`.eviction`), then (when nothing else is left) live blocks, LRU.
 
+A checkpoint's bytes held (its state plus the blocks only it makes usable) change when one is
+published or evicted below it on its path; the tier then reweighs the nearest one above
+(:meth:`EvictionPolicy.reweigh <.eviction.EvictionPolicy.reweigh>`), O(depth). Checkpoints on
+sibling branches or below keep the weight of their last publish or reweigh (an approximation).
+
 With one memory budget (:attr:`StateCache.uses_block_rows`) checkpoints take KV block rows, so
 a checkpoint evicted frees rows for blocks and an admission counts them as evictable.
 
