@@ -3,8 +3,8 @@
 Every test drives the tiny hybrid Qwen3-Next model greedily and checks, against an engine with
 caching off: identical output ids, exact Store put bytes per turn (``len(save_points)·S +
 new_blocks·K_blk`` with S and K_blk from the layer specs, equal to the simulator), the exact
-cached tokens of a Store restore (a conversation split between two processes here; a fresh
-process restoring another's prompt, once per cache kind, in tests/test_store_fresh_process.py),
+cached tokens of a Store restore (in a fresh process, and a conversation split between two
+processes: tests/test_store_fresh_process.py, one writer and one reader process for all kinds),
 namespace isolation, rejection of tampered objects, and fault behaviour (killed master, full
 store, failed puts). Each test ends with ``engine.is_idle()`` (no in-flight Store operation).
 
