@@ -266,50 +266,13 @@ def check_greedy_equals_transformers_cold_chunked_and_after_restore(model_path: 
     assert first.stats.save_points == [64, 128, 192] and again.num_cached_tokens == 192
 
 
-def check_store_restore_in_a_fresh_process(model_path: str, services, tmp_path) -> None:
-    """A writer process saves a 300-token prompt to the Store (save points 64..256); a second
-    fresh process restores 256 tokens from the Store (none locally) and both decode what an
-    engine with caching off decodes."""
-    from test_store_engine import GEN, P, run_worker
-    ids = random_prompt(300, seed=301)
-    a = run_worker(tmp_path, 'a', model_path, services, [], [ids])
-    b = run_worker(tmp_path, 'b', model_path, services, [], [ids])
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
-    cold = make_engine(model_path, max_prefill_token_num=P).generate(ids, GEN).output_ids
-    assert ta['output_ids'] == tb['output_ids'] == cold
-
-
-def check_store_restore_with_images_in_a_fresh_process(model_path: str, services, tmp_path, ids: list[int],
-                                                       multimodal: tuple) -> None:
-    """A writer process saves ``ids`` with its images (``MultimodalInput``s) to the Store (a
-    namespace of its own); a second fresh process restores past the last image from the Store
-    (none locally) and both decode what an engine with caching off decodes from the same images."""
-    import uuid
-
-    import torch
-    from test_store_engine import GEN, P, run_worker
-    images = tmp_path / 'images.pt'
-    torch.save(tuple(multimodal), images)
-    namespace = f'images-{uuid.uuid4().hex}'            # image prompts new to the shared Store
-    a, b = (run_worker(tmp_path, name, model_path, services, [], [ids], multimodal=str(images),
-                       store_namespace=namespace) for name in 'ab')
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['cached_tokens'] == 0 and ta['save_points']
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == ta['save_points'][-1] and tb['local_hit_tokens'] == 0
-    assert tb['store_hit_tokens'] >= max(m.end for m in multimodal)
-    cold = make_engine(model_path, max_prefill_token_num=P).generate(ids, GEN, multimodal=tuple(multimodal))
-    assert ta['output_ids'] == tb['output_ids'] == cold.output_ids
-
-
 def check_store_bytes_then_a_new_engine_restores(model_path: str, tmp_path, seed: int) -> None:
     """Against a ``file:`` Store: the '16k' / 'mt4k' seed scenarios scaled by 1/16 put exactly the
     bytes ``simulate()`` predicts (default and last-only policies); then a new engine (empty local
     cache, same Store) restores a 300-token prompt another engine saved (256 tokens, all from the
     Store) and decodes what an engine with caching off decodes. The Store path is the one a fresh
-    process takes (each cache kind runs it once in a fresh process, e.g.
-    tests/test_granitemoehybrid.py), so a family whose cache kinds are not new runs it here, in
+    process takes (each cache kind runs it once in a fresh process,
+    tests/test_store_fresh_process.py), so a family whose cache kinds are not new runs it here, in
     this one. A model with nothing paged (K_blk = 0) puts state objects only."""
     from test_benchmark_store_bytes import check_store_put_bytes_equal_the_simulator
     store = dict(store_backend=f'file:{tmp_path / "store"}')

@@ -2,6 +2,11 @@
 
 Usage: ``python3 tests/store_worker.py JOB.json RESULT.json``
 
+JOB.json may also hold a list of jobs: they run one after another in this one process (one
+interpreter start and torch import for all; tests/test_store_fresh_process.py), RESULT.json is
+the list of their results, and a job that raises gives ``{"error": traceback}`` in its place
+without stopping the others.
+
 The job names a model, an engine config (passed to :class:`PytorchEngineConfig` as is, so it
 carries the Mooncake master and metadata server) and a conversation: ``history`` (token ids
 already said, may be empty) followed by ``turns``, each a list of new user token ids. Fault and
@@ -19,7 +24,8 @@ each, and the worker writes one record per turn plus the engine's counters to RE
                 "save_points", "output_ids"}, ...],
      "history": [...final token ids...], "stats": {...engine.stats()...}, "idle": bool}
 
-Exit code 0 only when every turn finished and the engine was idle afterwards. The parent
+Exit code 0 only when every turn finished and the engine was idle afterwards (for a list: for
+every job). The parent
 process is the only reader; nothing here talks to anything but the master named in the job.
 """
 from __future__ import annotations
@@ -130,9 +136,23 @@ def main(argv: list[str]) -> int:
         print(__doc__.split('\n\n')[1], file=sys.stderr)
         return 2
     job = json.loads(Path(argv[1]).read_text())
+    if isinstance(job, list):
+        results = [_serve_or_report(one) for one in job]
+        Path(argv[2]).write_text(json.dumps(results))
+        return 0 if all(r.get('idle') for r in results) else 1
     result = serve(job)
     Path(argv[2]).write_text(json.dumps(result))
     return 0 if result['idle'] else 1
+
+
+def _serve_or_report(job: dict) -> dict:
+    """:func:`serve`, or ``{"error": traceback}``: one failing job of a list leaves the others'
+    results intact, so each test reports its own family."""
+    import traceback
+    try:
+        return serve(job)
+    except Exception:       # noqa: BLE001 - reported to the parent test, which fails on it
+        return dict(error=traceback.format_exc())
 
 
 if __name__ == '__main__':

@@ -1,12 +1,12 @@
-"""GLM-5.3-Flash (``glm5_next``) served exactly like transformers on a tiny random model
-(8 index heads, pools of 8, top 64 tokens, so prompts past ~70 tokens are sparse): logits
-<= 1e-4 in fp32 at every position (5-700 tokens, cold and in 32-token chunks) and the same
-indexer selection chunked as in one forward (chunk 2's indexer reads chunk 1's cached
-``index_keys``); greedy tokens equal cold, chunked and after a local prefix-cache restore; a
-4-turn chat identical under every cache policy; a Store restore in a fresh process, with and
-without an image; Store put bytes equal the simulator from the specs alone, at TP1 and TP2;
-TP2 = TP1 with the latent and the indexer keys replicated and stored once; the cache specs and
-refused config fields."""
+"""GLM-5.3-Flash (``glm5_next``) served exactly like transformers on a tiny random model (8
+index heads, pools of 8, top 64 tokens, so prompts past ~70 tokens are sparse): logits <= 1e-4
+in fp32 at every position (5-700 tokens, cold and in 32-token chunks) and the same indexer
+selection chunked as in one forward (chunk 2's indexer reads chunk 1's cached ``index_keys``);
+greedy tokens equal cold, chunked and after a local prefix-cache restore; a 4-turn chat
+identical under every cache policy; a new engine's Store restore (in a fresh process, with and
+without an image: tests/test_store_fresh_process.py); Store put bytes equal the simulator from
+the specs alone, at TP1 and TP2; TP2 = TP1 with the latent and the indexer keys replicated and
+stored once; the cache specs and refused config fields."""
 import json
 import os
 
@@ -15,9 +15,10 @@ import torch
 
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process,
+                          check_prompt_logits_match_transformers,
                           engine_prompt_logits, hf_prompt_logits, make_engine, random_prompt,
                           tiny_checkpoint_and_reference)
+from family_harness import check_a_new_engine_restores_from_a_file_store
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block
 from lmdeploy.pytorch.models import get_model_class
@@ -112,10 +113,12 @@ def test_refused_fields_name_themselves(tiny, change, field):
         check_config(config)
 
 
-def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
-    """A writer process saves a prompt (KDA checkpoints + latent and indexer-key blocks) to
-    the Store; a fresh process restores 256 tokens and decodes what caching off decodes."""
-    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
+def test_a_new_engine_restores_from_the_store(tiny, tmp_path):
+    """A writer engine saves a 300-token prompt (KDA checkpoints + latent and indexer-key blocks) to
+    a ``file:`` Store; a new engine with an empty local cache restores 256 tokens from it and
+    decodes what an engine with caching off decodes (the same in a fresh process:
+    tests/test_store_fresh_process.py)."""
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, seed=883_000, put_objects={'state': 4, 'kv': 16})
 
 
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
@@ -232,15 +235,6 @@ def test_one_image_matches_transformers_cold_chunked_and_after_a_restore(tiny):
     assert other_ids == ids and other.content_hash != mm.content_hash     # same tokens, another image
     miss = eng.generate(other_ids, gen, multimodal=(other,))
     assert miss.num_cached_tokens <= mm.start
-
-
-def test_store_restore_with_an_image_in_a_fresh_process(tiny, mooncake_services, tmp_path):
-    """A writer process saves a prompt with one image (a 24-token span before the first save
-    point) to the Store; a fresh process restores past the image and decodes what caching off
-    decodes."""
-    from engine_utils import check_store_restore_with_images_in_a_fresh_process
-    ids, mm, _ = _image_prompt(tiny[1].config, 20, (1, 8, 12), 120, seed=5)
-    check_store_restore_with_images_in_a_fresh_process(tiny[0], mooncake_services, tmp_path, ids, (mm,))
 
 
 def test_a_flat_text_only_checkpoint_loads_without_a_vision_tower(tiny, tmp_path):

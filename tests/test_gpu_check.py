@@ -22,16 +22,36 @@ def _run(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
                           env=dict(os.environ, **(env or {})))
 
 
+# Three collections of tests/test_cuda.py in one new interpreter (one start and torch import, not
+# three); a new process so that test_cuda's module-level state never meets this session's.
+_COLLECT = """
+import json, sys
+import pytest
+
+class Grab:
+    def pytest_collection_finish(self, session):
+        self.ids = sorted(item.nodeid for item in session.items)
+
+found = []
+for k in json.loads(sys.argv[1]):
+    grab = Grab()
+    code = pytest.main(['-q', '--collect-only', '-p', 'no:cacheprovider', *k, 'tests/test_cuda.py'], plugins=[grab])
+    assert code == 0, (k, code)
+    found.append(grab.ids)
+print(json.dumps(found))
+"""
+
+
 def test_the_two_cuda_processes_split_test_cuda_between_them():
     """Every CUDA test runs in exactly one of the two processes (their -k expressions are 'engine'
     and 'not engine'): collected here, where they skip."""
     env = dict(os.environ, PYTHONPATH=f'{ROOT}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
-
-    def collect(*k):
-        done = subprocess.run([sys.executable, '-m', 'pytest', '-q', '--collect-only', '-p', 'no:cacheprovider', *k,
-                               'tests/test_cuda.py'], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-        return {line for line in done.stdout.splitlines() if line.startswith('tests/test_cuda.py::')}
-    every, engine, rest = collect(), collect('-k', 'engine'), collect('-k', 'not engine')
+    selections = [[], ['-k', 'engine'], ['-k', 'not engine']]
+    done = subprocess.run([sys.executable, '-c', _COLLECT, json.dumps(selections)], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    every, engine, rest = (set(ids) for ids in json.loads(done.stdout.strip().splitlines()[-1]))
+    assert every and all(i.startswith('tests/test_cuda.py::') for i in every)
     assert engine and rest and not engine & rest and engine | rest == every
 
 

@@ -2,7 +2,7 @@
 every prompt position (5-700 tokens, cold and in 32-token chunks whose ends are not multiples of
 the SSD chunk), greedy tokens equal cold, chunked and after a local prefix-cache restore, a
 checkpoint at 64 tokens shared by two conversations, a 4-turn chat identical with the prefix
-cache off / on / last-only / turn-end, a Store restore in a fresh process, TP2 = TP1, a
+cache off / on / last-only / turn-end, a new engine's Store restore, TP2 = TP1, a
 transformers-named checkpoint with RoPE, no experts and attention bias, the layer cache specs,
 the simulator preset, and the config audit covering every field transformers reads."""
 import inspect
@@ -17,8 +17,9 @@ from hypothesis import given, settings, strategies as st
 
 from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          check_prompt_logits_match_transformers, make_engine,
                           random_prompt, tiny_checkpoint_and_reference)
+from family_harness import check_a_new_engine_restores_from_a_file_store
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
@@ -148,11 +149,12 @@ def test_audit_lists_every_field_transformers_reads_for_granitemoehybrid():
     assert read and not read - set(FIELDS['granitemoehybrid']), sorted(read - set(FIELDS['granitemoehybrid']))
 
 
-def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
-    """A writer process saves a prompt (Mamba-2 state checkpoints + attention KV blocks) to the
-    Store; a second fresh process restores 256 tokens from it and decodes what an engine with
-    caching off decodes."""
-    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
+def test_a_new_engine_restores_from_the_store(tiny, tmp_path):
+    """A writer engine saves a 300-token prompt (Mamba-2 state checkpoints + attention KV blocks) to
+    a ``file:`` Store; a new engine with an empty local cache restores 256 tokens from it and
+    decodes what an engine with caching off decodes (the same in a fresh process:
+    tests/test_store_fresh_process.py)."""
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, seed=882_000, put_objects={'state': 4, 'kv': 16})
 
 
 def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):

@@ -17,8 +17,9 @@ from hypothesis import given, settings, strategies as st
 from engine_utils import (TOL, StepRecorder, check_checkpoint_matches_transformers,
                           check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          check_prompt_logits_match_transformers, make_engine,
                           random_prompt, run_alone, run_staggered, tiny_checkpoint_and_reference)
+from family_harness import check_a_new_engine_restores_from_a_file_store
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
@@ -142,11 +143,12 @@ def test_audit_lists_every_field_transformers_reads_for_kimi_linear():
     assert read and not read - set(FIELDS['kimi_linear']), sorted(read - set(FIELDS['kimi_linear']))
 
 
-def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
-    """A writer process saves a prompt (KDA state checkpoints + MLA latent blocks) to the Store;
-    a second fresh process restores 256 tokens from it and decodes what an engine with caching
-    off decodes."""
-    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
+def test_a_new_engine_restores_from_the_store(tiny, tmp_path):
+    """A writer engine saves a 300-token prompt (KDA state checkpoints + MLA latent blocks) to a
+    ``file:`` Store; a new engine with an empty local cache restores 256 tokens from it and decodes
+    what an engine with caching off decodes (the same in a fresh process:
+    tests/test_store_fresh_process.py)."""
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, seed=771_000, put_objects={'state': 4, 'kv': 16})
 
 
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])

@@ -2,7 +2,7 @@
 (5-700 tokens, cold and in 32-token chunks whose ends are not multiples of the SSD chunk of 48),
 greedy tokens equal cold, chunked and after a local prefix-cache restore, a 4-turn chat identical
 with the prefix cache off / on / last-only / turn-end, a 64-token checkpoint shared by two
-conversations (no large state-block floor), Store restore in a fresh process and Store bytes equal
+conversations (no large state-block floor), a new engine's Store restore and Store bytes equal
 to the simulator, TP2 = TP1, transformers-named checkpoints of other shapes, random geometries
 (including a time_step_min that no longer clamps dt), the layer cache specs, the config audit
 and the refusal of a time_step_limit transformers applies in prefill only."""
@@ -20,8 +20,9 @@ from hypothesis import given, settings, strategies as st
 
 from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          check_prompt_logits_match_transformers, make_engine,
                           random_prompt, run_alone, run_staggered, tiny_checkpoint_and_reference)
+from family_harness import check_a_new_engine_restores_from_a_file_store
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.cache_specs import (FullAttentionSpec, PagedSpec, StateSpec, kv_bytes_per_block,
                                           state_bytes_per_slot)
@@ -249,11 +250,12 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
     assert (got - ref).abs().max().item() <= TOL
 
 
-def test_store_restore_in_a_fresh_process(tiny, mooncake_services, tmp_path):
-    """A writer process saves a prompt (Mamba-2 state checkpoints + attention KV blocks) to the
-    Store; a second fresh process restores 256 tokens from it and decodes what an engine with
-    caching off decodes."""
-    check_store_restore_in_a_fresh_process(tiny[0], mooncake_services, tmp_path)
+def test_a_new_engine_restores_from_the_store(tiny, tmp_path):
+    """A writer engine saves a 300-token prompt (Mamba-2 state checkpoints + attention KV blocks) to
+    a ``file:`` Store; a new engine with an empty local cache restores 256 tokens from it and
+    decodes what an engine with caching off decodes (the same in a fresh process:
+    tests/test_store_fresh_process.py)."""
+    check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, seed=881_000, put_objects={'state': 4, 'kv': 16})
 
 
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])

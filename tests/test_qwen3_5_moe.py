@@ -1,7 +1,7 @@
 """Qwen3.5-MoE served exactly like transformers: the text-only ``qwen3_5_moe_text`` and the
 vision-language ``qwen3_5_moe`` checkpoints on text prompts (logits <= 1e-4 in fp32 at every
 prompt position, cold and in 32-token chunks; greedy tokens equal cold, chunked, after a local
-prefix-cache restore and after a Store restore in a fresh process), experts loaded from
+prefix-cache restore and after a new engine's Store restore), experts loaded from
 per-expert tensors and from transformers' fused layout alike, a 4-turn chat identical with the
 prefix cache off / on / last-only / turn-end (hits on later turns), and the config audit
 covering the fields transformers reads. Images: tests/test_qwen3_5_moe_images.py."""
@@ -13,8 +13,9 @@ import torch
 
 from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_restore_in_a_fresh_process, make_engine,
+                          check_prompt_logits_match_transformers, make_engine,
                           random_prompt)
+from family_harness import check_a_new_engine_restores_from_a_file_store
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
@@ -88,10 +89,13 @@ def test_four_turn_chat_is_identical_under_every_cache_policy(models, arch):
     check_four_turn_chat_under_every_cache_policy(path)
 
 
-def test_store_restore_in_a_fresh_process(tiny_qwen3_5_moe_text, mooncake_services, tmp_path):
-    """A writer process saves a prompt to the Store; a second fresh process restores 256 tokens
-    from it and decodes what an engine with caching off decodes."""
-    check_store_restore_in_a_fresh_process(tiny_qwen3_5_moe_text, mooncake_services, tmp_path)
+def test_a_new_engine_restores_from_the_store(tiny_qwen3_5_moe_text, tmp_path):
+    """A writer engine saves a 300-token prompt (gated delta rule checkpoints + KV blocks) to a
+    ``file:`` Store; a new engine with an empty local cache restores 256 tokens from it and decodes
+    what an engine with caching off decodes (the same in a fresh process:
+    tests/test_store_fresh_process.py)."""
+    check_a_new_engine_restores_from_a_file_store(tiny_qwen3_5_moe_text, tmp_path, seed=884_000,
+                                                  put_objects={'state': 4, 'kv': 16})
 
 
 def _text_config(**overrides):

@@ -256,43 +256,6 @@ def test_store_objects_carry_the_mtp_kv_and_a_fresh_engine_restores_them(tiny_qw
         assert torch.equal(pos_a, pos_b) and (a - b).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize('method', ['qwen3_next_mtp', 'ngram'])
-def test_store_restore_in_a_new_process_decodes_the_plain_tokens(tmp_path, tiny_qwen3_next, mooncake_services,
-                                                                method):
-    """Process A saves a prompt (with drafts on), process B (empty local cache) restores it from
-    the Store; both decode exactly the tokens of plain decoding with caching off."""
-    import json
-    import subprocess
-    import sys
-    import uuid
-    from pathlib import Path
-    worker = Path(__file__).resolve().parent / 'store_worker.py'
-    config = dict(device_type='cpu', dtype='float32', block_size=B, prefill_save_alignment=A,
-                  max_prefill_token_num=P, enable_prefix_caching=True, num_gpu_blocks=256, num_checkpoint_slots=16,
-                  max_batch_size=4, mooncake_master=mooncake_services.master_address,
-                  mooncake_metadata_server=mooncake_services.metadata_server, mooncake_local_buffer_size=1 << 20,
-                  speculative_config=dict(method=method, num_speculative_tokens=2),
-                  # a namespace of this test's own: the shared Store may hold these prompts from other tests
-                  store_namespace=f'spec-restore-{method}-{uuid.uuid4().hex}')
-    base = random_prompt(100, 31)
-    ids = base + base[:40] + random_prompt(60, 32)
-    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    results = []
-    for name in ('a', 'b'):
-        job, out = tmp_path / f'{name}.json', tmp_path / f'{name}.out.json'
-        job.write_text(json.dumps(dict(model=tiny_qwen3_next, config=config, history=[], turns=[ids],
-                                       max_new_tokens=gen.max_new_tokens)))
-        proc = subprocess.run([sys.executable, str(worker), str(job), str(out)], capture_output=True, text=True,
-                              timeout=180, env=dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1'))
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results.append(json.loads(out.read_text()))
-    (ta,), (tb,) = results[0]['turns'], results[1]['turns']
-    assert ta['store_hit_tokens'] == 0 and tb['store_hit_tokens'] == tb['cached_tokens'] == 192
-    assert ta['output_ids'] == tb['output_ids'] == plain(tiny_qwen3_next, ids, gen)
-    if method == 'qwen3_next_mtp':
-        assert results[1]['stats']['spec_decode_verify_steps'] > 0
-
-
 @pytest.mark.parametrize('n, out', [(100, 1), (100, 3), (95, 2), (130, 15), (64, 5), (200, 9)])
 def test_mtp_with_turn_end_checkpoints_restores_past_short_replies(tiny_qwen3_next, n, out):
     """MTP drafting with decode_save_last: the prompt's last block boundary is a forward end

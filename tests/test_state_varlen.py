@@ -1,4 +1,5 @@
-"""The one varlen driver of the recurrent-state ops (Mamba-1, Mamba-2, KDA, gated delta rule):
+"""The one varlen driver of the recurrent-state ops (Mamba-1, Mamba-2, KDA, gated delta rule,
+lightning attention):
 for any batch of decode and prefill sequences, slots in any order (a sorted run, a permuted run,
 scattered), with or without history, every op's output and the state written to each slot equal
 that sequence run alone through the token-by-token reference, and no other slot is touched."""
@@ -9,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from lmdeploy.pytorch.kernels import get_kernel
 from lmdeploy.pytorch.kernels.gated_delta_rule import recurrent_gated_delta_rule
 from lmdeploy.pytorch.kernels.kimi_delta_attention import recurrent_kda
+from lmdeploy.pytorch.kernels.lightning_attention import lightning_attention_reference
 from lmdeploy.pytorch.kernels.mamba1 import selective_scan_reference
 from lmdeploy.pytorch.kernels.mamba2 import ssd_recurrent_reference
 
@@ -51,9 +53,20 @@ def _delta(op, reference, per_channel):
     return make
 
 
+def _lightning(T, gen):
+    q, k, v = torch.randn(T, 2, 8, generator=gen), torch.randn(T, 2, 8, generator=gen), torch.randn(
+        T, 2, 6, generator=gen)
+    slope = torch.rand(2, generator=gen) + 0.05
+    run = get_kernel('lightning_attention_varlen', 'cpu')
+    return ((2, 8, 6),
+            lambda cache, cu, slots, hist: run(q, k, v, slope, cache, cu, slots, hist, 4),
+            lambda sl, s0: lightning_attention_reference(q[sl], k[sl], v[sl], slope, s0))
+
+
 OPS = {'selective_scan_varlen': _mamba1, 'mamba2_ssd_varlen': _mamba2,
        'kda_varlen': _delta('kda_varlen', recurrent_kda, True),
-       'gated_delta_rule_varlen': _delta('gated_delta_rule_varlen', recurrent_gated_delta_rule, False)}
+       'gated_delta_rule_varlen': _delta('gated_delta_rule_varlen', recurrent_gated_delta_rule, False),
+       'lightning_attention_varlen': _lightning}
 
 
 @pytest.mark.parametrize('op', sorted(OPS))

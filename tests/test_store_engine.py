@@ -3,9 +3,10 @@
 Every test drives the tiny hybrid Qwen3-Next model greedily and checks, against an engine with
 caching off: identical output ids, exact Store put bytes per turn (``len(save_points)·S +
 new_blocks·K_blk`` with S and K_blk from the layer specs, equal to the simulator), the exact
-cached tokens of a Store restore (also in a fresh process), namespace isolation, rejection of
-tampered objects, and fault behaviour (killed master, full store, failed puts). Each test ends
-with ``engine.is_idle()`` (no in-flight Store operation).
+cached tokens of a Store restore (in a fresh process, and a conversation split between two
+processes: tests/test_store_fresh_process.py, one writer and one reader process for all kinds),
+namespace isolation, rejection of tampered objects, and fault behaviour (killed master, full
+store, failed puts). Each test ends with ``engine.is_idle()`` (no in-flight Store operation).
 
 Geometry: B = 16 tokens per block, A = 64, P = 64 tokens per prefill chunk (512 for 16K+64).
 Tests share the session's Mooncake services; every test draws its own prompt tokens (its own
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -25,17 +24,15 @@ from pathlib import Path
 import pytest
 
 from engine_utils import random_prompt as prompt
-from store_engine_utils import A, B, GEN, P, cold, cold_conversation, key, make_engine, store_config
+from store_engine_utils import A, B, GEN, P, cold, key, make_engine, store_config  # noqa: F401 (others import it here)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.engine.engine import Engine
 from lmdeploy.pytorch.paging.prefill_plan import plan_prefill
 from lmdeploy.pytorch.store.object_format import decode_object
-from lmdeploy.pytorch.store.services import MooncakeServices
 
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / 'tests' / 'store_worker.py'
 
 
 def _simulator():
@@ -190,51 +187,6 @@ def test_last_only_cuts_16k_plus_64_store_bytes_by_the_planned_fraction(make_eng
     assert (totals[False], totals[True]) == (2 * S + 64 * K, S + 64 * K)
     assert 1 - Fraction(totals[True], totals[False]) == result.reduction == Fraction(S, 2 * S + 64 * K)
     assert len(namespaces) == 1     # the policy changes what is written, never the bytes of an object
-
-
-# restore in a fresh process ------------------------------------------------------------------
-def run_worker(tmp_path: Path, name: str, model: str, services: MooncakeServices, history: list[int],
-               turns: list[list[int]], multimodal: str | None = None, **fields) -> dict:
-    """Serve a conversation in a new process (tests/store_worker.py); its RESULT.json.
-    ``multimodal``: a ``torch.save`` file of the images (``MultimodalInput``s) sent with every turn."""
-    job, out = tmp_path / f'{name}.json', tmp_path / f'{name}.out.json'
-    job.write_text(json.dumps(dict(model=model, config=store_config(services, **fields), history=history,
-                                   turns=turns, max_new_tokens=GEN.max_new_tokens, multimodal=multimodal)))
-    env = dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1')
-    proc = subprocess.run([sys.executable, str(WORKER), str(job), str(out)], env=env, capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-def test_engine_in_a_new_process_restores_the_prompt_another_process_saved(tmp_path, tiny_qwen3_next,
-                                                                            mooncake_services, cold):
-    ids = prompt(300, seed=300)
-    a = run_worker(tmp_path, 'a', tiny_qwen3_next, mooncake_services, [], [ids])
-    b = run_worker(tmp_path, 'b', tiny_qwen3_next, mooncake_services, [], [ids])
-    (ta,), (tb,) = a['turns'], b['turns']
-    assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0
-    assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0
-    assert tb['save_points'] == []
-    assert ta['output_ids'] == tb['output_ids'] == cold(ids)
-    assert a['stats']['store_put_objects'] == {'state': 4, 'kv': 16}
-    assert b['stats']['store_put_objects'] == {'state': 0, 'kv': 0}
-    assert b['stats']['store_hit_tokens'] == 256
-
-
-def test_conversation_split_between_two_processes_continues_from_the_store(tmp_path, tiny_qwen3_next,
-                                                                           mooncake_services, cold):
-    users = [prompt(150, seed=310), prompt(120, seed=311), prompt(100, seed=312)]
-    a = run_worker(tmp_path, 'a', tiny_qwen3_next, mooncake_services, [], users[:1])
-    b = run_worker(tmp_path, 'b', tiny_qwen3_next, mooncake_services, a['history'], users[1:])
-    turns = a['turns'] + b['turns']
-    assert [t['output_ids'] for t in turns] == cold_conversation(cold, users)
-    assert [t['num_tokens'] for t in turns] == [150, 276, 382]
-    assert [t['save_points'] for t in turns] == [[64, 128], [192, 256], [320]]
-    # turn 2: B's empty local cache, A's deepest save from the Store; turn 3: B's own checkpoint
-    assert [(t['store_hit_tokens'], t['local_hit_tokens']) for t in turns] == [(0, 0), (128, 0), (0, 256)]
-    S, K = a['stats']['store_put_bytes']['state'] // 2, a['stats']['store_put_bytes']['kv'] // 8
-    assert b['stats']['store_put_bytes'] == {'state': 3 * S, 'kv': (320 - 128) // B * K}   # A's blocks not re-put
 
 
 # isolation and verification ----------------------------------------------------------------

@@ -22,7 +22,7 @@ scan on CUDA in lightning_attention_triton), ``swiglu_experts``, ``moe_experts``
 row count (MKL or the native few-row product) and is called directly.
 
 The varlen recurrent-state ops (``gated_delta_rule_varlen``, ``kda_varlen``, ``mamba2_ssd_varlen``,
-``selective_scan_varlen``) are one driver (state_varlen) over each op's step and chunk kernels.
+``selective_scan_varlen``, ``lightning_attention_varlen``) are one driver (state_varlen) over each op's step and chunk kernels.
 
 Thread-safe: see the comment at the locks below.
 """

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from . import get_kernel, register_kernel, slot_range
+from . import get_kernel, register_kernel
+from .state_varlen import varlen_state_scan
 
 __all__ = ['lightning_attention_chunk', 'lightning_attention_step', 'lightning_attention_varlen',
            'lightning_attention_reference']
@@ -134,7 +135,9 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Lightning attention over a flat batch of sequences, each continuing its state slot.
 
     Single-token sequences run together through ``lightning_attention_step``; longer ones one at
-    a time through ``lightning_attention_chunk`` (both looked up in the registry for the device).
+    a time through ``lightning_attention_chunk`` (both looked up in the registry for the device),
+    by the shared varlen driver :func:`~.state_varlen.varlen_state_scan` with rows ``q, k, v`` and
+    ``slope`` shared.
 
     Args:
         q, k: ``[T, H, d_k]``; v: ``[T, H, d_v]``; slope: ``[H]`` float32.
@@ -146,35 +149,15 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     Returns:
         ``o [T, H, d_v]`` float32.
+
+    Raises:
+        ValueError: inconsistent shapes.
     """
-    bounds = cu_seqlens.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    out = q.new_empty(v.shape, dtype=torch.float32)
-    single = [i for i, n in enumerate(lengths) if n == 1]
+    _check(q, k, v, slope)
     step = get_kernel('lightning_attention_step', q.device)
-    if len(single) == len(lengths) and state_cache.dtype == torch.float32:
-        # pure decode with the slots one sorted range: update that slice of the cache in place
-        span = slot_range(slots, has_history)
-        if span is not None and span[1] is None:
-            return step(q, k, v, slope, state_cache[span[0]:span[0] + len(lengths)])
-    if single:
-        idx = torch.tensor(single, dtype=torch.int64, device=q.device)
-        rows = cu_seqlens.to(q.device)[idx]
-        state = state_cache.index_select(0, slots[idx]).to(torch.float32)
-        if state.device.type != 'cpu' or not bool(has_history[idx].all()):   # (no device sync for the check)
-            state.masked_fill_(~has_history[idx][:, None, None, None], 0)
-        out[rows] = step(q[rows], k[rows], v[rows], slope, state)
-        state_cache.index_copy_(0, slots[idx], state.to(state_cache.dtype))
-    if len(single) == len(lengths):
-        return out
     chunk = get_kernel('lightning_attention_chunk', q.device)
-    history = has_history.tolist()
-    for i, n in enumerate(lengths):
-        if n == 1:
-            continue
-        sl = slice(bounds[i], bounds[i + 1])
-        initial = state_cache[slots[i]] if history[i] else None
-        o, state = chunk(q[sl], k[sl], v[sl], slope, initial, chunk_size)
-        state_cache[slots[i]] = state.to(state_cache.dtype)
-        out[sl] = o
-    return out
+    return varlen_state_scan(
+        (q, k, v), state_cache, cu_seqlens, slots, has_history,
+        step=lambda q, k, v, state: step(q, k, v, slope, state),
+        chunk=lambda q, k, v, initial: chunk(q, k, v, slope, initial, chunk_size),
+        out_shape=v.shape[1:], out_dtype=torch.float32)

@@ -2,9 +2,10 @@
 continuing its state slot, run through the op's one-token step kernel and its one-sequence chunk
 kernel.
 
-``gated_delta_rule_varlen``, ``kda_varlen``, ``mamba2_ssd_varlen`` and ``selective_scan_varlen``
-differ only in their per-row inputs and in those two kernels; the batching, the slot reads and
-writes and the zero start of a sequence without history are this module's::
+``gated_delta_rule_varlen``, ``kda_varlen``, ``mamba2_ssd_varlen``, ``selective_scan_varlen`` and
+``lightning_attention_varlen`` differ only in their per-row inputs and in those two kernels; the
+batching, the slot reads and writes and the zero start of a sequence without history are this
+module's::
 
     rows     | s0: 1 | s1: 5 rows        | s2: 1 | s3: 3 rows |
     step       s0 and s2 together: states gathered from their slots (zeroed without history),
