@@ -1,14 +1,21 @@
-"""Models own their parallel plan: the TP layout applies a model class's ``parallel_plan`` and
-never branches on the model type."""
+"""Models own their parallel plan: the TP layout applies a model class's ``parallel_plan`` (a
+composition of the blocks' splits) and never branches on the model type; model files write no
+split code; an axis splits into ranges that tile it or is refused naming the field."""
 import inspect
+import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoConfig
 
 from lmdeploy.pytorch.distributed import sharding
 from lmdeploy.pytorch.distributed.sharding import TPLayout
 from lmdeploy.pytorch.models import MODEL_REGISTRY, get_model_class
-from lmdeploy.pytorch.models.parallel_plan import ParallelPlan
+from lmdeploy.pytorch.models.blocks.gated_delta_net import FULL, HYBRID_BLOCKS, hybrid_layer_kinds
+from lmdeploy.pytorch.models.blocks.gqa import gqa_split
+from lmdeploy.pytorch.models.layers import mlp_split
+from lmdeploy.pytorch.models.parallel_plan import Axis, Block, ParallelPlan
 
 
 def test_the_layout_has_no_model_type_branch():
@@ -36,15 +43,75 @@ def _next_config(**kw):
 def test_the_plan_decides_what_splits(monkeypatch):
     """Qwen3-Next's plan: all-MoE layers leave no dense MLP to split; an mlp_only layer does.
     Swapping the class's plan changes the layout with no other code."""
-    assert TPLayout(_next_config(), 1, 2).intermediate == (0, 0)
-    assert TPLayout(_next_config(mlp_only_layers=[1]), 1, 2).intermediate == (32, 64)
+    assert 'intermediate' not in TPLayout(_next_config(), 1, 2).axes
+    assert TPLayout(_next_config(mlp_only_layers=[1]), 1, 2).part('intermediate') == (32, 64)
     layout = TPLayout(_next_config(), 1, 2)
-    assert layout.shard('model.layers.0.self_attn.q_proj.weight').ranges == ((32, 64),)   # gated: 2 * 8 rows a head
+    assert layout.shard('model.layers.0.self_attn.q_proj.weight') is None      # layer 0 is Gated DeltaNet
+    assert layout.shard('model.layers.3.self_attn.q_proj.weight').ranges == ((32, 64),)   # gated: 2 * 8 rows a head
     cls = get_model_class('qwen3_next')
-    monkeypatch.setattr(cls, 'parallel_plan', ParallelPlan(gated_delta_net=True, skipped=('mtp.',)))
+    ungated = {**HYBRID_BLOCKS, FULL: (Block(gqa_split(), 'self_attn'),)}
+    monkeypatch.setattr(cls, 'parallel_plan', ParallelPlan(layers=lambda c: hybrid_layer_kinds(c, dense=False),
+                                                           blocks=ungated, skipped=('mtp.',)))
     layout = TPLayout(_next_config(), 1, 2)
-    assert layout.shard('model.layers.0.self_attn.q_proj.weight').ranges == ((16, 32),)   # ungated
+    assert layout.shard('model.layers.3.self_attn.q_proj.weight').ranges == ((16, 32),)   # ungated
     assert not layout.reads('mtp.fc.weight') and layout.reads('model.norm.weight')
     monkeypatch.setattr(cls, 'parallel_plan', None)
     with pytest.raises(ValueError, match=r"tp \(2\).*not 'qwen3_next'"):
         TPLayout(_next_config(), 0, 2)
+
+
+def test_a_plan_that_contradicts_itself_is_refused(monkeypatch):
+    """Two blocks declaring one axis name differently, or a layer kind with no blocks, is a
+    ValueError naming the axis or the kind (a plan bug, caught before any weight is read)."""
+    cls = get_model_class('qwen3_next')
+    other = Block(mlp_split(field='moe_intermediate_size'), 'mlp')       # same axis name, another count
+    monkeypatch.setattr(cls, 'parallel_plan', ParallelPlan(layers=lambda c: hybrid_layer_kinds(c, dense=True),
+                                                           blocks={**HYBRID_BLOCKS, FULL: (other,)}))
+    with pytest.raises(ValueError, match="axis 'intermediate'"):
+        TPLayout(_next_config(), 0, 2)
+    monkeypatch.setattr(cls, 'parallel_plan', ParallelPlan(layers=lambda c: ['conv'] * c.num_hidden_layers))
+    with pytest.raises(ValueError, match="layer kind 'conv'"):
+        TPLayout(_next_config(), 0, 2)
+
+
+def test_model_files_compose_block_splits_and_write_no_split_code():
+    """The split code lives in the blocks and the layout: a family file declares its plan as a
+    composition of block splits (no shard / local-config / cache-range methods, no plan class),
+    and every plan's blocks return a BlockSplit of data."""
+    import lmdeploy.pytorch.models as models_pkg
+    root = os.path.dirname(models_pkg.__file__)
+    for name in sorted(os.listdir(root)):
+        # loader.py's WholeModel is the tp=1 layout (every tensor whole), not a family's split
+        if not name.endswith('.py') or name in ('parallel_plan.py', 'loader.py'):
+            continue
+        with open(os.path.join(root, name)) as f:
+            source = f.read()
+        for code in ('def shard(', 'def cache_ranges(', 'def local_config(', 'TPPlan', 'TPSplit', 'custom='):
+            assert code not in source, (name, code)
+    for model_type in MODEL_REGISTRY:
+        plan = get_model_class(model_type).parallel_plan
+        if plan is None:          # tp=1 only (refused naming tp)
+            continue
+        for kind, blocks in plan.blocks.items():
+            assert all(isinstance(b, Block) for b in blocks), (model_type, kind)
+
+
+@given(total=st.integers(1, 64), size=st.sampled_from([1, 2, 3, 4, 6, 8, 16]), shared=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_an_axis_splits_into_ranges_that_tile_it_or_refuses_naming_the_field(total, size, shared):
+    """Any count and TP size: the ranks' parts tile ``[0, total)`` in rank order (a shared axis
+    with fewer units than ranks: every unit held by exactly ``size / total`` consecutive ranks),
+    or the split is a ValueError naming the field."""
+    axis = Axis('heads', total, 'num_heads', shared=shared)
+    try:
+        parts = [axis.part(r, size) for r in range(size)]
+    except ValueError as e:
+        assert str(e).startswith(f'num_heads ({total}) must be divisible by tp ({size})')
+        assert total % size and not (shared and size % total == 0)
+        return
+    if total % size == 0:
+        assert parts == [(r * total // size, (r + 1) * total // size) for r in range(size)]
+    else:
+        assert shared and size % total == 0
+        assert [a for a, _ in parts] == sorted(a for a, _ in parts) and all(b == a + 1 for a, b in parts)
+        assert all(sum(1 for p in parts if p[0] == u) == size // total for u in range(total))
