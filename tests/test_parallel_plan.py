@@ -115,3 +115,53 @@ def test_an_axis_splits_into_ranges_that_tile_it_or_refuses_naming_the_field(tot
         assert shared and size % total == 0
         assert [a for a, _ in parts] == sorted(a for a, _ in parts) and all(b == a + 1 for a, b in parts)
         assert all(sum(1 for p in parts if p[0] == u) == size // total for u in range(total))
+
+
+def _tiny(model_type: str, **kw):
+    return AutoConfig.for_model(model_type, **{**get_model_class(model_type).tiny_config, 'vocab_size': 64, **kw})
+
+
+@pytest.mark.parametrize('size', [2, 4])
+def test_lightning_layers_keep_the_full_models_decay_rates_and_norm(size):
+    """MiniMax under TP: each rank's lightning layer holds exactly the full model's decay rates of
+    its heads (a function of the head's index among all heads) and normalises over all heads."""
+    import torch
+
+    from lmdeploy.pytorch.models.blocks.lightning import LightningAttention, lightning_slopes
+    config = _tiny('minimax', num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+    cls = get_model_class('minimax')
+    for rank in range(size):
+        layout = TPLayout(config, rank, size)
+        with torch.device('meta'):
+            model = layout.apply(cls(layout.local_config()))
+        first, stop = layout.part('q_heads')
+        assert (first, stop) == (rank * 8 // size, (rank + 1) * 8 // size)
+        layers = [(i, m.self_attn) for i, m in enumerate(model.model.layers)
+                  if isinstance(m.self_attn, LightningAttention)]
+        assert [i for i, _ in layers] == [0, 2, 3]
+        for i, attn in layers:
+            assert torch.equal(attn.slopes, lightning_slopes(8, i, 4)[first:stop])
+            assert attn.cross_rank_norm.dim == 8 * 8
+
+
+def test_ling3_splits_its_published_and_transformers_spellings_alike():
+    """Ling 3's KDA (full-rank gates) and gated MLA split the same whether a tensor is spelled as
+    published (``attention.*``, ``dense``) or as transformers saves it (``self_attn.*``,
+    ``forget_gate.*``, ``o_proj``); the latent producers and NextN layers are whole."""
+    layout = TPLayout(_tiny('bailing_hybrid'), 1, 2)      # 4 KDA heads of 16, 4 MLA heads
+    kda, mla = 'model.layers.0.', 'model.layers.1.'
+    expect = {f'{kda}attention.f_proj.weight': (0, ((32, 64),)),
+              f'{kda}self_attn.forget_gate.f_proj.weight': (0, ((32, 64),)),
+              f'{kda}attention.g_proj.weight': (0, ((32, 64),)), f'{kda}attention.A_log': (0, ((2, 4),)),
+              f'{kda}self_attn.forget_gate.A_log': (0, ((2, 4),)), f'{kda}attention.dense.weight': (1, ((32, 64),)),
+              f'{kda}self_attn.o_proj.weight': (1, ((32, 64),)), f'{mla}attention.g_proj.weight': (0, ((2, 4),)),
+              f'{mla}attention.dense.weight': (1, ((32, 64),)), f'{mla}self_attn.kv_b_proj.weight': (0, ((64, 128),)),
+              'model.word_embeddings.weight': (0, ((32, 64),))}
+    for name, (dim, ranges) in expect.items():
+        shard = layout.shard(name)
+        assert (shard.dim, shard.ranges) == (dim, ranges), name
+    for name in (f'{mla}attention.kv_a_proj_with_mqa.weight', f'{kda}attention.f_a_proj.weight',
+                 'model.layers.4.attention.dense.weight'):
+        assert layout.shard(name) is None, name
+    local = layout.local_config()
+    assert (local.linear_num_heads, local.num_attention_heads, local.num_key_value_heads) == (2, 2, 2)
