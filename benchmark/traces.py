@@ -78,10 +78,10 @@ import json
 import math
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -361,11 +361,14 @@ CODEX = AgentShape('codex', head_tokens=12_000, first_prompt=(200, 2000), turns=
                    start_span_s=600, tool_time_s=(0.5, 30), think_time_s=(5, 90))
 
 
-def agent_sessions(shape: AgentShape, num_sessions: int, seed: int = 0) -> list[TraceRequest]:
+def agent_sessions(shape: AgentShape, num_sessions: int, seed: int = 0, first_id: int = 0) -> list[TraceRequest]:
     """Interleaved sessions of one coding agent (the shape: :class:`AgentShape`, the module
     docstring). Every request of a session extends the previous one's full blocks, except a
     branch (a cut of one of the last ``branch_lookback`` requests inside its new content, plus
     an edited message) and the request after a compaction (head + summary + message).
+
+    ``first_id``: the head's blocks are always ids ``0, 1, ...``; every other block id is
+    ``>= first_id`` (so calls with disjoint id ranges share the head and nothing else).
 
     Raises:
         ValueError: ``num_sessions < 1``.
@@ -375,6 +378,7 @@ def agent_sessions(shape: AgentShape, num_sessions: int, seed: int = 0) -> list[
     rng = random.Random(f'{shape.name}-{seed}')
     ids = _Ids()
     head = _Context(tuple(ids.take(shape.head_tokens // BLOCK_TOKENS)), shape.head_tokens % BLOCK_TOKENS)
+    ids.next = max(ids.next, first_id)
     pending: list[_Pending] = []
     for s in range(num_sessions):
         name = f'{shape.name}-{s}'
@@ -419,8 +423,58 @@ def codex_sessions(num_sessions: int = 140, seed: int = 0, **shape) -> list[Trac
     return agent_sessions(_replace(CODEX, shape), num_sessions, seed)
 
 
+def agent_fleet(num_requests: int, agent: str = 'codex', sessions_per_wave: int = 140, seed: int = 0,
+                **shape) -> Iterator[TraceRequest]:
+    """``num_requests`` requests of one agent's sessions, made a wave at a time so that a
+    million-request trace streams to disk in bounded memory (:func:`write_trace_rows`).
+
+    Wave ``w`` is :func:`agent_sessions` of ``sessions_per_wave`` sessions (seed
+    ``seed * 1_000_003 + w``) with block ids of its own (all waves share the agent's head, ids
+    ``0, 1, ...``, and nothing else), shifted in time to start 1 ms after the previous wave's last
+    request, so timestamps stay non-decreasing. ``agent``: ``'codex'`` (:data:`CODEX`) or
+    ``'claude_code'`` (:data:`CLAUDE_CODE`); ``shape`` overrides its fields (e.g.
+    ``compact_at=32_000`` for shorter contexts). Deterministic in its arguments.
+
+    Raises:
+        ValueError: ``num_requests < 1``, ``sessions_per_wave < 1``, an unknown agent or field.
+    """
+    bases = {'codex': CODEX, 'claude_code': CLAUDE_CODE}
+    if agent not in bases:
+        raise ValueError(f'agent must be one of {sorted(bases)}, got {agent!r}')
+    if num_requests < 1 or sessions_per_wave < 1:
+        raise ValueError(f'num_requests and sessions_per_wave must be >= 1, got {num_requests}, {sessions_per_wave}')
+    spec = _replace(bases[agent], shape)
+    made, next_id, t0, wave = 0, 0, 0.0, 0
+    while made < num_requests:
+        rows = agent_sessions(spec, sessions_per_wave, seed * 1_000_003 + wave, first_id=next_id)
+        next_id = 1 + max(max(r.hash_ids) for r in rows)
+        for r in rows[:num_requests - made]:
+            yield replace(r, timestamp_ms=r.timestamp_ms + t0, session=f'{r.session}-w{wave}')
+        made += min(len(rows), num_requests - made)
+        t0 += rows[-1].timestamp_ms + 1
+        wave += 1
+
+
+def write_trace_rows(path: str | Path, rows: Iterable[TraceRequest]) -> int:
+    """Stream ``rows`` to ``path`` as JSONL (the format of :func:`write_trace`), one line at a
+    time, checking that timestamps do not decrease; returns the rows written.
+
+    Raises:
+        ValueError: a timestamp before the previous row's.
+    """
+    n, last = 0, -math.inf
+    with open(path, 'w', encoding='utf-8') as f:
+        for r in rows:
+            if r.timestamp_ms < last:
+                raise ValueError(f'row {n}: timestamp {r.timestamp_ms:g} is before the previous {last:g}')
+            last = r.timestamp_ms
+            f.write(json.dumps(_obj(r), separators=(',', ':')) + '\n')
+            n += 1
+    return n
+
+
 def _replace(base: AgentShape, fields: dict) -> AgentShape:
-    from dataclasses import fields as dc_fields, replace
+    from dataclasses import fields as dc_fields
     unknown = set(fields) - {f.name for f in dc_fields(AgentShape)}
     if unknown:
         raise ValueError(f'unknown AgentShape field(s): {sorted(unknown)}')
@@ -507,11 +561,23 @@ GENERATORS = {'claude_code': claude_code_sessions, 'codex': codex_sessions, 'sho
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``--write DIR``: write the three committed traces (seed ``--seed``); prints each one's
-    working set."""
+    working set. ``--fleet PATH``: stream :func:`agent_fleet` (``--requests``) to ``PATH``."""
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--write', required=True, help='directory for claude_code.jsonl, codex.jsonl, short_chats.jsonl')
+    p.add_argument('--write', help='directory for claude_code.jsonl, codex.jsonl, short_chats.jsonl')
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--fleet', help='instead: stream agent_fleet(--requests, --agent, shape overrides) to this file')
+    p.add_argument('--requests', type=int, default=1_000_000)
+    p.add_argument('--agent', default='codex', help='codex | claude_code')
+    p.add_argument('--compact-at', type=int, help="context tokens that trigger compaction (default: the agent's)")
+    p.add_argument('--head-tokens', type=int, help="tokens of the agent's shared head (default: the agent's)")
     args = p.parse_args(argv)
+    if args.fleet:
+        extra = {k: v for k, v in (('compact_at', args.compact_at), ('head_tokens', args.head_tokens)) if v is not None}
+        n = write_trace_rows(args.fleet, agent_fleet(args.requests, args.agent, seed=args.seed, **extra))
+        print(f'{args.fleet}: {n} requests')
+        return
+    if not args.write:
+        p.error('--write DIR or --fleet PATH')
     out = Path(args.write)
     out.mkdir(parents=True, exist_ok=True)
     for name, gen in GENERATORS.items():

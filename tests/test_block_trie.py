@@ -162,6 +162,30 @@ def test_evict_skips_blocks_sequences_reference_and_inner_nodes():
     assert bm.refcount[2] == 2
 
 
+def test_an_eviction_does_not_pop_and_push_back_the_leaves_it_cannot_take(monkeypatch):
+    """Leaves no eviction can take (here 40 referenced by a running sequence, all older than the
+    evictable ones) are parked in key order, not popped and pushed back by every call: 20 calls of
+    one block each push no blocked entry again, and take the LRU evictable leaves in order (the old
+    loop pushed all 40 back at every call)."""
+    import heapq as real_heapq
+
+    from lmdeploy.pytorch.prefix_cache import block_trie
+    bm, _, trie = _trie(num_blocks=64)
+    held = bm.allocate(40)
+    for i, b in enumerate(held):                    # 40 leaves a sequence still references
+        trie.insert(tokens(100 + i), [b], 1)
+    free = [_cache(bm, trie, tokens(200 + i))[0] for i in range(20)]
+    pushes, push = [], real_heapq.heappush
+    monkeypatch.setattr(block_trie.heapq, 'heappush', lambda heap, entry: (pushes.append(entry), push(heap, entry))[1])
+    order = []
+    for _ in range(20):
+        before = set(bm._free)
+        assert trie.evict(1) == 1
+        order += [b for b in bm._free if b not in before]
+    assert order == free and pushes == []
+    assert trie.num_nodes == 40 and trie.evict(1) == 0
+
+
 def test_the_pool_never_evicts_and_an_explicit_eviction_frees_the_lru_leaf():
     bm, _, trie = _trie(num_blocks=4)
     _cache(bm, trie, tokens(1, 2, 3))               # blocks 0 → 1 → 2 cached, 3 free
@@ -194,6 +218,36 @@ def test_a_running_sequence_adopts_nodes_whose_block_only_the_cache_holds():
     assert [n.block_id for n in _path(node)] == [3, 4, 5, 6]
     assert bm.refcount[:3] == [0, 0, 0] and bm.num_free == 4      # the old copies are free now
     assert trie.num_evictable_blocks == 0                         # every node is referenced
+
+
+class _NoCompare(tuple):
+    """A node's tokens that fail the test when compared."""
+
+    def __ne__(self, other):
+        raise AssertionError('compared the tokens of a node that holds the sequence\'s own block')
+
+    __eq__ = __ne__
+    __hash__ = tuple.__hash__
+
+
+def test_a_walk_over_the_sequences_own_cached_blocks_compares_no_tokens():
+    """Re-inserting (a leaving sequence) or extending over blocks whose node holds the sequence's
+    own block trusts the block: it touches each node (LRU) and compares no token, so a long
+    prompt's walk costs a lookup per block; a different block under the same hash is still
+    verified (the match test above)."""
+    bm, _, trie = _trie(num_blocks=8)
+    ids = tokens(1, 2, 3)
+    mine = bm.allocate(3)
+    hashes = chain_block_hashes(ids, B)
+    nodes = trie.insert(ids, mine, 3, hashes)
+    for n in nodes:
+        n.tokens = _NoCompare(n.tokens)
+    clocks = [n.last_access for n in nodes]
+    again = trie.insert(ids, mine, 3, hashes)
+    assert again == nodes and [n.last_access for n in again] > clocks      # touched, root first
+    assert again[0].last_access < again[1].last_access < again[2].last_access
+    assert trie.extend(None, ids, mine, 3, hashes) is nodes[-1]
+    assert trie.num_nodes == 3 and bm.refcount[:3] == [2, 2, 2]
 
 
 def test_a_shared_block_is_not_adopted_and_unreferenced_interior_nodes_stay_evictable():

@@ -368,7 +368,7 @@ def test_the_mooncake_log_is_routed_only_when_a_store_client_will_run(tiny_qwen3
 
 
 @pytest.mark.parametrize('arch', ['qwen3', 'lfm2', 'mamba2', 'falcon_h1', 'nemotron_h', 'qwen3_5', 'granitemoe_swa',
-                                  'olmo_hybrid', 'zamba2'])
+                                  'olmo_hybrid', 'zamba2', 'lara_mini', 'lfm3'])
 def test_the_store_client_is_predicted_for_every_family_with_state(arch, tmp_path):
     """Every family whose cache specs hold a state entry (short-conv, Mamba-2 alone, hybrid
     layers, composite vision-language configs) or a sliding-window layer starts a Store client;

@@ -113,6 +113,35 @@ def test_dead_blocks_go_first_then_the_policy_checkpoint_with_the_blocks_it_alon
     assert tier.num_evictions == {'checkpoint': 1, 'kv': 6}
 
 
+def test_a_checkpoint_with_a_deeper_one_below_weighs_only_its_state_and_its_age_is_kept():
+    """Regression: a checkpoint's bytes held were fixed at its publish, so an interior chunk-end
+    checkpoint kept weighing the blocks a deeper checkpoint of the same path later made usable
+    too, though evicting it frees only its state. Now the nearest checkpoint above a publish or an
+    eviction is reweighed (bytes: the state, 2, plus 1 per block only it makes usable) and filed
+    as covered (its reuse is learned apart from its request's last checkpoint's), and its score
+    keeps the age of its last use."""
+    bm, sc, tier = _tier(40, 'reuse')
+    tokens = list(range(8 * B))
+    nodes = _cache_path(bm, tier, tokens, [2])
+    shallow = sc.stats[nodes[1].checkpoint_slot]
+    assert shallow.nbytes == 2 + 2
+    aged, last_use = shallow.aged, shallow.last_use
+    sc.policy.inflation = 100.0         # time passed: a rescore would take this age
+    slot = tier.alloc_checkpoint()
+    assert tier.publish_checkpoint(slot, nodes[5], tier.checkpoint_stats(nodes[5], 6 * B, 'prefill_last'))
+    deep = sc.stats[slot]
+    assert (shallow.nbytes, deep.nbytes, deep.tokens_saved) == (2, 2 + 4, 4 * B)
+    assert (shallow.covered, deep.covered) == (True, False)
+    assert shallow.cls == ('prefill', False, 0, True, (2 * B).bit_length())     # reuse learned apart
+    assert (shallow.aged, shallow.last_use) == (aged, last_use)
+    assert shallow.score == aged + sc.policy.value(shallow)
+    assert sc.policy.select(sc.stats, sc.is_pinned, 0) is (min(sc.stats.values(), key=lambda s: s.score))
+    sc.release_checkpoint(slot, evicted=True)       # as the tier's eviction does, then reweighs
+    tier._reweigh_above(nodes[5])
+    assert (shallow.nbytes, shallow.covered) == (2 + 2, False)
+    assert shallow.cls[3] is True         # still learned as a covered one
+
+
 def test_lru_policy_evicts_blocks_least_recently_used_first_as_before():
     bm, sc, tier = _tier(20, 'lru')
     a = _cache_path(bm, tier, list(range(16)), [2])
@@ -154,7 +183,7 @@ def test_a_stream_of_one_off_checkpoints_does_not_flush_a_proven_one():
     """Regression: a used checkpoint's evidence was its class's first-use rate plus its hits (here
     about 2 after one hit) whatever the traffic said about used checkpoints coming back. Now the
     chance of one more hit is learned per class and hit count, and the evidence is the expected
-    number of further hits p / (1 - p): 20 checkpoints each hit 4 times make it 7.3 after one hit.
+    number of further hits p / (1 - p): 20 checkpoints each hit 4 times make it 11.7 after one hit.
     Such a checkpoint then outlives a long stream of never-used one-offs."""
     pol = ReuseAwarePolicy()
     for i in range(20):     # used checkpoints of this class come back: each hit 4 times
@@ -163,13 +192,15 @@ def test_a_stream_of_one_off_checkpoints_does_not_flush_a_proven_one():
         for _ in range(4):
             _hit(pol, s, 1)
         pol.released(s, False)
-    assert pol.p_again(('prefill_last', False, 0), 1) == (20 + 4 * 0.5) / (20 + 4)
+    assert pol.p_again(('prefill_last', False, 0, False), 1) == (20 + 4 * 0.5) / (20 + 4)
     live = {}
     hot = CheckpointStats(0, 1024, 1024, 10, 'prefill_last', key='hot')
     _publish(pol, hot, 2)
     live[0] = hot
     _hit(pol, hot, 3)
-    p = (20 + 4 * 0.5) / (21 + 4)       # (the hot one reached one hit too)
+    coarse = (20 + 4 * 0.5) / (21 + 4)       # (the hot one reached one hit too)
+    p = (20 + 16 * coarse) / (21 + 16)      # its length class, smoothed towards its coarse class
+    assert hot.cls == ('prefill_last', False, 0, False, 11)
     assert pol.evidence(hot) == p / (1 - p) and pol.evidence(hot) > 3 * (1 + pol.reuse_rate(hot.cls))
     for i in range(1, 300):         # a cache of 4 checkpoints, a new one-off prefix per request
         s = CheckpointStats(i, 1024, 1024, 10, 'prefill', key=i)
@@ -182,9 +213,32 @@ def test_a_stream_of_one_off_checkpoints_does_not_flush_a_proven_one():
         assert 0 in live, i
 
 
+def test_reuse_is_learned_per_prefix_length_backed_off_to_the_save_reason():
+    """Interior checkpoints of one save reason are reused at rates that differ with the length of
+    the prefix: the policy learns each length class (a doubling of tokens) apart, smoothed towards
+    the reason's rate, which a length it has not seen yet gets."""
+    pol = ReuseAwarePolicy()
+    for i in range(40):
+        short = CheckpointStats(i, 8192, 8192, 10, 'prefill')          # never reused
+        long_ = CheckpointStats(100 + i, 32768, 8192, 10, 'prefill')   # every other one reused
+        for s in (short, long_):
+            _publish(pol, s, 1)
+        if i % 2:
+            _hit(pol, long_, 2)
+    coarse = (20 + 4 * 0.2) / (80 + 4)
+    assert pol.p_again(('prefill', False, 0, False), 0) == coarse
+    assert pol.p_again(('prefill', False, 0, False, 14), 0) == (0 + 16 * coarse) / (40 + 16)
+    assert pol.p_again(('prefill', False, 0, False, 16), 0) == (20 + 16 * coarse) / (40 + 16)
+    assert pol.p_again(('prefill', False, 0, False, 18), 0) == coarse        # a length not seen yet
+    fresh = [CheckpointStats(200 + i, b, 8192, 10, 'prefill') for i, b in enumerate((8192, 32768))]
+    for s in fresh:
+        _publish(pol, s, 3)
+    assert pol.victim(fresh, 4) is fresh[0]
+
+
 @pytest.mark.parametrize('name', ['lru', 'reuse', 'optimal'])
 def test_heap_selection_equals_a_scan_over_random_operations(name):
-    """Property: whatever the sequence of publishes, hits, touches, pins and releases, the
+    """Property: whatever the sequence of publishes, hits, touches, reweighs, pins and releases, the
     O(log N) heap picks exactly the checkpoint a scan of the unpinned ones picks."""
     rng = random.Random(7)
     uses = {}
@@ -196,7 +250,8 @@ def test_heap_selection_equals_a_scan_over_random_operations(name):
         op = rng.random()
         if op < 0.35 or not live:
             slot = step
-            s = CheckpointStats(slot, 64, rng.randint(1, 8) * 64, rng.randint(1, 20), rng.choice(reasons),
+            s = CheckpointStats(slot, rng.randint(1, 64) * 64, rng.randint(1, 8) * 64, rng.randint(1, 20),
+                                rng.choice(reasons),
                                 rng.random() < 0.5, reached=rng.randint(0, 3), key=slot)
             uses[slot] = rng.choice([rng.randint(1, 50), float('inf')])
             live[slot] = s
@@ -210,6 +265,8 @@ def test_heap_selection_equals_a_scan_over_random_operations(name):
             else:
                 s.reached += 1
             pol.rescore(s, clock)
+        elif op < 0.65:         # another checkpoint now shares (or stopped sharing) its blocks
+            pol.reweigh(live[rng.choice(list(live))], rng.randint(1, 20), rng.random() < 0.5)
         elif op < 0.7:
             slot = rng.choice(list(live))
             pins.symmetric_difference_update({slot})

@@ -113,9 +113,11 @@ def check_handoff_equals_colocated(model: str, tmp_path, multimodal: tuple = (),
 # short conv + KV (dense and MoE), MoE in every layer, Mamba-2 alone (nothing paged: the
 # hand-off object is the state alone), lightning attention + KV (a float32 state with no conv),
 # Gated DeltaNet + NoPE attention, Mamba-2 with shared attention blocks (KV entries after the
-# state entries, dt clamped for prompt tokens only)
+# state entries, dt clamped for prompt tokens only), Gated DeltaNet or short conv + sliding-window
+# and global KV
 @pytest.mark.parametrize('arch', ['kimi_linear', 'glm5_next', 'nemotron_h', 'granitemoehybrid', 'bamba', 'lfm2',
-                                  'lfm2_moe', 'qwen3_5_moe_text', 'mamba2', 'minimax', 'olmo_hybrid', 'zamba2'])
+                                  'lfm2_moe', 'qwen3_5_moe_text', 'mamba2', 'minimax', 'olmo_hybrid', 'zamba2',
+                                  'lara_mini', 'lfm3'])
 def test_handoff_outputs_equal_colocated_for_each_cache_kind(arch, tmp_path_factory, tmp_path):
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     model = make_tiny_model(str(tmp_path_factory.mktemp(f'pd_{arch}')), arch=arch, seed=0)

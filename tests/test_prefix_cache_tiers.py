@@ -286,6 +286,37 @@ def test_host_store_and_null_tiers_answer_the_same_questions():
         store.close()
 
 
+def test_the_local_tier_answers_depth_like_the_others_without_touching_anything():
+    """``LocalTier.depth``: the deepest boundary whose blocks are cached and whose node holds a
+    checkpoint (above / below bounds as the host and Store tiers), by hashes alone; LRU clocks,
+    reach counts and pins stay as they were. A full-attention tier answers at any block boundary
+    short of the last token."""
+    from lmdeploy.pytorch.paging.block_manager import BlockManager
+    from lmdeploy.pytorch.prefix_cache.local_tier import LocalTier
+    from lmdeploy.pytorch.prefix_cache.state_cache import StateCache
+    ids = prompt(200, seed=3)
+    hashes, rules = chain_block_hashes(ids, B), ReuseRules(200, B, A)
+    bm = BlockManager(32)
+    local = LocalTier(bm, B, StateCache(1, 4))
+    assert local.depth(hashes, rules) == 0
+    blocks = bm.allocate(10)
+    nodes = local.trie.insert(ids, blocks, 10, hashes)
+    assert local.depth(hashes, rules) == 0                  # blocks but no checkpoint
+    for depth in (4, 8):
+        slot = local.alloc_checkpoint()
+        assert local.publish_checkpoint(slot, nodes[depth - 1], local.checkpoint_stats(nodes[depth - 1], depth * B,
+                                                                                       'prefill'))
+    clocks = [n.last_access for n in nodes]
+    assert (local.depth(hashes, rules), local.depth(hashes, rules, below=128),
+            local.depth(hashes, rules, above=128), local.depth(hashes[:7], rules)) == (128, 64, 0, 64)
+    assert [n.last_access for n in nodes] == clocks and local.pins.num_held == 0
+    attention_only = LocalTier(bm, B, None)
+    attention_only.trie.insert(ids, blocks, 10, hashes)
+    assert (attention_only.depth(hashes, rules), attention_only.depth(hashes, rules, below=100),
+            attention_only.depth(hashes, ReuseRules(160, B, A)), attention_only.depth(hashes, rules, above=160)) == \
+        (160, 96, 144, 0)
+
+
 def test_the_coordinator_asks_tiers_and_never_reaches_inside_one():
     """``PrefixCache`` calls tier methods only: no attribute path into the local tier's state
     cache, pins or trie, nor into another tier's counters."""

@@ -67,3 +67,145 @@ def test_beladys_heap_with_the_oracles_refreshes_chooses_as_a_scan_does(monkeypa
     scan = simulate_trace(rows, **GEOMETRY, eviction='optimal', budget_bytes=budget)
     assert heap.evictions['checkpoint'] > 0 and heap.hit_tokens == 4512
     assert heap.per_request_hit_tokens == scan.per_request_hit_tokens and heap.evictions == scan.evictions
+
+
+# The replay's fast paths against the code they replaced -----------------------------------------
+def _reference_chain_block_hashes(token_ids, block_size, num_blocks=None, extra_keys=None, prefix=(), salt=None):
+    """Block hashes as they were computed before the one-pack change: a struct call per block."""
+    import hashlib
+    import struct
+
+    from lmdeploy.pytorch.prefix_cache.block_trie import salted_root
+    full = len(token_ids) // block_size
+    n = full if num_blocks is None else min(num_blocks, full)
+    hashes = list(prefix[:n])
+    prev = hashes[-1] if hashes else salted_root(salt)
+    for i in range(len(hashes), n):
+        h = hashlib.blake2b(prev, digest_size=16)
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        h.update(struct.pack(f'<{len(block)}I', *block))
+        if extra_keys is not None and extra_keys[i]:
+            h.update(extra_keys[i])
+        prev = h.digest()
+        hashes.append(prev)
+    return hashes
+
+
+def _reference_descend(self, node, token_ids, block_ids, num_blocks, hashes, out, adopt=False):
+    """The trie's insert walk before the block-identity shortcut: every existing node's tokens
+    compared with a fresh tuple of the sequence's."""
+    from lmdeploy.pytorch.prefix_cache import block_trie as bt
+    B = self.block_size
+    for i in range(node.depth, num_blocks):
+        h = hashes[i]
+        tokens = tuple(token_ids[i * B:(i + 1) * B])
+        child = node.children.get(h)
+        if block_ids[i] < 0 and (child is None or child.tokens != tokens):
+            break
+        if child is None or child.tokens != tokens:
+            if child is not None:
+                break
+            child = bt.TrieNode(node, h, tokens, block_ids[i], i + 1)
+            self.block_manager.cache(block_ids[i])
+            node.children[h] = child
+            self.num_nodes += 1
+            for listener in self.listeners:
+                listener.block_cached(child)
+        elif adopt and 0 <= block_ids[i] != child.block_id and self.block_manager.refcount[child.block_id] == 1:
+            self.block_manager.cache(block_ids[i])
+            self.block_manager.uncache(child.block_id)
+            child.block_id = block_ids[i]
+        child.last_access = next(bt._CLOCK)
+        if out is not None:
+            out.append(child)
+        node = child
+    if node is not self.root and not node.children:
+        self._push_leaf(node)
+    return node
+
+
+def _reference_evict(self, num_blocks, dead_only=False):
+    """The trie's leaf eviction before blocked entries were parked: every blocked leaf popped and
+    pushed back at each call."""
+    import heapq
+    freed, blocked = 0, []
+    while freed < num_blocks and self._leaves:
+        entry = heapq.heappop(self._leaves)
+        if not self._is_current(entry):
+            continue
+        leaf = entry[-1]
+        if not self._evictable(leaf) or (dead_only and leaf.ckpts_below):
+            blocked.append(entry)
+            continue
+        parent = leaf.parent
+        freed += self._remove(leaf)
+        if parent is not self.root and not parent.children:
+            self._push_leaf(parent)
+    for entry in blocked:
+        heapq.heappush(self._leaves, entry)
+    if freed < num_blocks and not dead_only:
+        freed += self._evict_subtrees(num_blocks - freed)
+    return freed
+
+
+def _replay_all(rows, geometry):
+    out = {}
+    for policy in ('default', 'last_only'):
+        ideal = simulate_trace(rows, save_policy=policy, budget_bytes=None, **geometry)
+        out[policy, 'ideal'] = ideal
+        for eviction in ('lru', 'reuse', 'optimal'):
+            out[policy, eviction] = simulate_trace(rows, save_policy=policy, eviction=eviction,
+                                                   budget_bytes=ideal.peak_bytes // 8, **geometry)
+    return out
+
+
+def test_the_fast_replay_gives_the_reference_paths_hits_request_by_request(monkeypatch):
+    """120 requests of the committed codex trace (branches, compactions, a shared head) at scale 16
+    (B = 8, A = 32, P = 128), both save policies, lru / reuse / optimal at 1/8 of the working set:
+    the same hits request by request, evictions, checkpoints and peaks as with the per-block hash
+    packing, the token-comparing insert walk, the eviction that pops and pushes back every
+    blocked leaf, and the cyclic GC on during the loop."""
+    from benchmark.traces import load_trace
+    from lmdeploy.pytorch.prefix_cache import block_trie, coordinator
+    import benchmark.trace_sim as ts
+    rows = load_trace('benchmark/traces/codex.jsonl')[:120]
+    geometry = dict(state_bytes=3000, kv_block_bytes=100, block_size=8, alignment=32, chunk=128, scale=16,
+                    concurrency=4)
+    fast = _replay_all(rows, geometry)
+    with monkeypatch.context() as m:
+        m.setattr(block_trie.BlockTrie, '_descend', _reference_descend)
+        m.setattr(block_trie.BlockTrie, 'evict', _reference_evict)
+        m.setattr(block_trie, 'chain_block_hashes', _reference_chain_block_hashes)
+        m.setattr(coordinator, 'chain_block_hashes', _reference_chain_block_hashes)
+        m.setattr(ts, 'chain_block_hashes', _reference_chain_block_hashes)
+        m.setattr(ts.gc, 'disable', lambda: None)
+        m.setattr(ts.gc, 'collect', lambda generation=2: 0)
+        slow = _replay_all(rows, geometry)
+    for key, r in slow.items():
+        f = fast[key]
+        assert f.per_request_hit_tokens == r.per_request_hit_tokens, key
+        assert (f.evictions, f.checkpoints_saved, f.peak_bytes) == (r.evictions, r.checkpoints_saved, r.peak_bytes), key
+    # the budgets evict and the policies differ, so the comparison covers eviction choices
+    assert all(fast[p, e].evictions['kv'] > 0 for p in ('default', 'last_only') for e in ('lru', 'reuse', 'optimal'))
+    assert fast['last_only', 'optimal'].hit_tokens > fast['last_only', 'lru'].hit_tokens
+
+
+def test_block_hashes_equal_the_per_block_packing_on_random_inputs():
+    """One pack of every new block gives the per-block hashes exactly: random lengths, block
+    sizes, ``num_blocks`` cuts, continued prefixes, extra keys and salts (300 seeded cases)."""
+    import random
+
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
+    rng = random.Random(40)
+    for _ in range(300):
+        B = rng.choice((1, 2, 4, 16, 64))
+        ids = [rng.randrange(2 ** 32) if rng.random() < 0.2 else rng.randrange(300)
+               for _ in range(rng.randrange(0, 9 * B))]
+        full = len(ids) // B
+        num = rng.choice((None, rng.randint(0, full + 2)))
+        extra = [rng.choice((b'', b'img', None)) for _ in range(full)] if rng.random() < 0.3 else None
+        salt = rng.choice((None, '', 'tenant-a'))
+        prefix = (_reference_chain_block_hashes(ids, B, rng.randint(0, full), extra, salt=salt)
+                  if rng.random() < 0.5 else ())
+        kw = dict(num_blocks=num, extra_keys=extra, prefix=prefix, salt=salt)
+        assert chain_block_hashes(ids, B, **kw) == _reference_chain_block_hashes(ids, B, **kw)

@@ -186,6 +186,28 @@ def test_short_chats_zipf_heads_and_long_reuse_distance():
     assert gaps[len(gaps) // 2] >= 20                       # turns of one chat are far apart
 
 
+def test_agent_fleet_streams_waves_sharing_only_the_head_and_loads_back(tmp_path):
+    """A million-request trace is made a wave of sessions at a time: the exact count, timestamps
+    non-decreasing across waves, every wave shares the agent's head and no other block with
+    another, deterministic, and the streamed file loads back equal."""
+    from benchmark.traces import agent_fleet, load_trace, write_trace_rows
+    kw = dict(sessions_per_wave=2, head_tokens=1024, compact_at=8000)
+    rows = list(agent_fleet(100, 'codex', **kw))
+    assert len(rows) == 100 and rows == list(agent_fleet(100, 'codex', **kw))
+    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in zip(rows, rows[1:]))
+    waves: dict[str, set] = {}
+    for r in rows:
+        assert r.hash_ids[:2] == (0, 1)                 # the 1,024-token head: ids 0 and 1
+        waves.setdefault(r.session.rsplit('-w', 1)[1], set()).update(r.hash_ids[2:])
+    assert len(waves) >= 3
+    ids = list(waves.values())
+    assert all(not (a & b) for i, a in enumerate(ids) for b in ids[i + 1:])
+    assert write_trace_rows(tmp_path / 'fleet.jsonl', iter(rows)) == 100
+    assert load_trace(tmp_path / 'fleet.jsonl') == rows
+    with pytest.raises(ValueError, match='agent must be one of'):
+        next(agent_fleet(1, 'nope'))
+
+
 def test_committed_traces_are_the_seeded_generators_output(tmp_path):
     for name, gen in GENERATORS.items():
         path = ROOT / 'benchmark' / 'traces' / f'{name}.jsonl'

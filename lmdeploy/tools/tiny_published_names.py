@@ -6,6 +6,8 @@ families whose published names equal transformers' are absent.
 """
 import re
 
+import torch
+
 def _kimi_published_names(tensors: dict) -> dict:
     """transformers' Kimi-Linear names → the published checkpoint's: the forget-gate tensors
     directly under `self_attn`, the stacked `conv1d` as `q_conv1d` / `k_conv1d` / `v_conv1d`, MoE
@@ -166,6 +168,28 @@ def _zamba2_published_names(tensors: dict) -> dict:
     return out
 
 
+def _lara_mini_published_names(tensors: dict) -> dict:
+    """transformers' Lara-4-Mini names → the published checkpoint's: the Gated DeltaNet input
+    projections fused into one `linear_attn.in_proj.weight` (rows `[q|k|v|z|b|a]`), the gated norm
+    as `linear_attn.out_norm` (transformers' conversion mapping reversed)."""
+    out, parts = {}, ('in_proj_qkv', 'in_proj_z', 'in_proj_b', 'in_proj_a')
+    for name, t in tensors.items():
+        if any(name.endswith(f'.linear_attn.{p}.weight') for p in parts[1:]):
+            continue
+        if name.endswith('.linear_attn.in_proj_qkv.weight'):
+            stem = name[:-len('in_proj_qkv.weight')]
+            out[stem + 'in_proj.weight'] = torch.cat([tensors[f'{stem}{p}.weight'] for p in parts])
+            continue
+        out[name.replace('.linear_attn.norm.', '.linear_attn.out_norm.')] = t
+    return out
+
+
+def _lfm3_published_names(tensors: dict) -> dict:
+    """transformers' LFM3 names → the published checkpoint's: the attention output gate
+    `self_attn.g_proj` as `self_attn.gate_proj`."""
+    return {name.replace('.self_attn.g_proj.', '.self_attn.gate_proj.'): t for name, t in tensors.items()}
+
+
 PUBLISHED_NAMES = {
     'minimax': _minimax_published_names,
     'bailing_hybrid': _bailing_published_names,
@@ -176,4 +200,6 @@ PUBLISHED_NAMES = {
     'lfm2_moe': _lfm2_moe_published_names,
     'olmo_hybrid': _olmo_hybrid_published_names,
     'zamba2': _zamba2_published_names,
+    'lara_mini': _lara_mini_published_names,
+    'lfm3': _lfm3_published_names,
 }

@@ -34,21 +34,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_specs import CacheTensor, FullAttentionSpec, LayerCacheSpec, StateSpec
-from ..kernels import get_kernel
+from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import gqa_split
 from .blocks.moe import FusedExperts, load_expert_tensor
+from .blocks.short_conv import CONV_SPLIT, ShortConv, short_conv_split, short_conv_state_spec
 from .config_audit import CHECKED, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, mlp_split
-from .parallel_plan import Axis, Block, BlockSplit, ParallelPlan, Piece, cols, rows
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Lfm2ForCausalLM', 'Lfm2MoeForCausalLM', 'ShortConv', 'short_conv_state_spec', 'ffn_size', 'check_config']
 
 CONV, ATTENTION = 'conv', 'full_attention'
-CONV_SPLIT = 'short_conv_channels'      # CacheTensor.tp_split of the conv state: the rank's channels
 
 
 def layer_kinds(config) -> list[str]:
@@ -104,45 +103,6 @@ def check_config(config) -> None:
         E, k = config.num_experts, config.num_experts_per_tok
         if not 1 <= k <= E:
             raise ValueError(f'num_experts_per_tok ({k}) must be in [1, num_experts = {E}]')
-
-
-def short_conv_state_spec(channels: int, kernel: int, dtype: torch.dtype) -> StateSpec:
-    """A short-conv layer's per-sequence state: one tensor, ``conv [channels, kernel - 1]`` in
-    ``dtype`` (the last ``kernel - 1`` conv inputs), split by channel under tensor parallelism.
-    No recurrent tensor: the conv window is the layer's whole memory."""
-    return StateSpec((CacheTensor('conv', (channels, kernel - 1), dtype, CONV_SPLIT, 0),))
-
-
-class ShortConv(nn.Module):
-    """LFM2's gated short convolution: ``B, C, x = in_proj(h)``, ``y = C * conv(B * x)``,
-    ``out_proj(y)``; the conv is depthwise, causal, without activation, continuing each
-    sequence's state slot (the registry's ``causal_conv1d_varlen``: torch anywhere, the native
-    decode step on CPU).
-
-    Args:
-        hidden_size: input and output width.
-        channels: conv channels on this rank (``hidden_size`` at tp=1).
-        kernel: ``conv_L_cache``.
-        bias: ``conv_bias`` (in_proj, conv and out_proj all take it).
-        layer_idx: index into ``StepContext.state_caches`` (``(conv,)``).
-    """
-
-    def __init__(self, hidden_size: int, channels: int, kernel: int, bias: bool, layer_idx: int):
-        super().__init__()
-        self.layer_idx, self.channels = layer_idx, channels
-        self.in_proj = Linear(hidden_size, 3 * channels, bias=bias)
-        # weight holder [channels, 1, K] (the checkpoint shape); the conv kernel runs it
-        self.conv = nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias)
-        self.out_proj = Linear(channels, hidden_size, bias=bias)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's conv state."""
-        b, c, x = self.in_proj(hidden).split(self.channels, dim=-1)
-        (conv_cache,) = ctx.state_caches[self.layer_idx]
-        y = get_kernel('causal_conv1d_varlen', hidden.device)(
-            b * x, self.conv.weight.squeeze(1), self.conv.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids, ctx.slots,
-            ctx.has_history, None, slot_span=ctx.slot_span)
-        return self.out_proj(c * y)
 
 
 class Lfm2Attention(nn.Module):
@@ -220,7 +180,8 @@ class Lfm2DecoderLayer(nn.Module):
         super().__init__()
         self.kind = kind
         if kind == CONV:
-            channels = config.hidden_size // getattr(config, 'conv_tp_size', 1)
+            # a rank's channels under tensor parallelism (short_conv_split's local config), else all of them
+            channels = getattr(config, 'conv_channels', config.hidden_size)
             self.conv = ShortConv(config.hidden_size, channels, config.conv_L_cache, bool(config.conv_bias),
                                   layer_idx)
         else:
@@ -263,19 +224,6 @@ _RENAMES = [   # checkpoint -> the engine's module names
     (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
     (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
 ]
-def short_conv_split(config, size: int) -> BlockSplit:
-    """The tensor-parallel split of a short-conv layer (a split factory): by channel (axis
-    ``short_conv_channels``, ``hidden_size``): the rank's channel range of each of ``in_proj``'s
-    ``B``, ``C`` and ``x`` row blocks, those ``conv`` filters, ``out_proj`` columns (row-parallel,
-    its bias whole); its conv state (:data:`CONV_SPLIT`) holds those channels. The local config
-    sets ``conv_tp_size`` (the layer builds ``hidden_size / tp`` channels)."""
-    H, c = config.hidden_size, Piece('short_conv_channels')
-    return BlockSplit((Axis('short_conv_channels', H, 'hidden_size'),),
-                      (rows('in_proj', c, Piece(c.axis, 1, H), Piece(c.axis, 1, 2 * H)), rows('conv', c),
-                       cols('out_proj.weight', c)),
-                      row_parallel=('out_proj',), caches=((CONV_SPLIT, (c,)),), config=(('conv_tp_size', size),))
-
-
 class Lfm2ForCausalLM(CausalLM):
     """LFM2 causal LM in the engine's layers.
 
@@ -349,8 +297,7 @@ class Lfm2ForCausalLM(CausalLM):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        conv = short_conv_state_spec(config.hidden_size // getattr(config, 'conv_tp_size', 1), config.conv_L_cache,
-                                     dtype)
+        conv = short_conv_state_spec(getattr(config, 'conv_channels', config.hidden_size), config.conv_L_cache, dtype)
         full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
         return [conv if kind == CONV else full for kind in layer_kinds(config)]
 

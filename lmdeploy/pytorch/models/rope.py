@@ -19,7 +19,8 @@ Refused with a ``ValueError`` naming the field (an engine that loads a model mat
   from the longest position of each forward call and keeps them across calls, so the rotation
   of a cached key depends on how the prompt was chunked and which requests ran before; an
   engine with chunked prefill and a prefix cache cannot reproduce that.
-- a ``rope_type`` ``transformers`` does not define, and per-layer-type (nested) parameters;
+- a ``rope_type`` ``transformers`` does not define, and per-layer-type (nested) parameters
+  unless the family builds one table per layer type (``RotaryEmbedding(config, layer_type)``);
 - a rotary width other than ``head_dim`` for an architecture that rotates whole heads (Qwen3's
   ``transformers`` code cannot run one either).
 """
@@ -42,6 +43,8 @@ _ARCH = {
                          'GraniteMoeHybridRotaryEmbedding', False),
     'granitemoe_swa': ('transformers.models.granitemoe_swa.modeling_granitemoe_swa', 'GraniteMoeSWARotaryEmbedding',
                        False),
+    'lara_mini': ('transformers.models.lara_mini.modeling_lara_mini', 'LaraMiniRotaryEmbedding', False),
+    'lfm3': ('transformers.models.lfm3.modeling_lfm3', 'Lfm3RotaryEmbedding', False),
     'lfm2': ('transformers.models.lfm2.modeling_lfm2', 'Lfm2RotaryEmbedding', False),
     'lfm2_moe': ('transformers.models.lfm2_moe.modeling_lfm2_moe', 'Lfm2MoeRotaryEmbedding', False),
     'falcon_h1': ('transformers.models.falcon_h1.modeling_falcon_h1', 'FalconH1RotaryEmbedding', False),
@@ -57,23 +60,31 @@ _ARCH = {
 }
 
 
-def _rope_parameters(config) -> dict:
+def _rope_parameters(config, layer_type: str | None = None) -> dict:
     """The flat ``rope_parameters`` dict of ``config`` (``transformers`` moves a ``rope_scaling``
     of config.json there when it loads the config).
 
     Raises:
-        ValueError: parameters nested per layer type, or no ``rope_type``.
+        ValueError: parameters nested per layer type (``layer_type`` None), no entry for
+            ``layer_type``, or no ``rope_type``.
     """
     params = getattr(config, 'rope_parameters', None)
+    if layer_type is not None:
+        entry = params.get(layer_type) if isinstance(params, dict) else None
+        if not isinstance(entry, dict) or 'rope_type' not in entry:
+            raise ValueError(f'rope_parameters must hold a dict with a rope_type for each attention layer type, '
+                             f'got {entry!r} for {layer_type!r}')
+        return entry
     if not isinstance(params, dict) or 'rope_type' not in params:
         raise ValueError(f'rope_parameters must be one flat dict with a rope_type, got {params!r} '
                          '(per-layer-type rope parameters are not supported)')
     return params
 
 
-def rope_init_function(config):
+def rope_init_function(config, layer_type: str | None = None):
     """The ``transformers`` function computing ``(inv_freq [R/2] float32, attention_scaling)`` for
-    ``config``, and whether the architecture rotates only the leading channels of each head.
+    ``config`` (for ``layer_type``'s entry of parameters nested per layer type, when given), and
+    whether the architecture rotates only the leading channels of each head.
 
     Returns:
         ``(fn, partial)``: ``fn(config) -> (inv_freq, attention_scaling)``.
@@ -86,7 +97,7 @@ def rope_init_function(config):
     if config.model_type not in _ARCH:
         raise ValueError(f'no rotary embedding for model_type {config.model_type!r}')
     module, cls, partial = _ARCH[config.model_type]
-    rope_type = _rope_parameters(config)['rope_type']
+    rope_type = _rope_parameters(config, layer_type)['rope_type']
     if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES:
         raise ValueError(f'rope_parameters.rope_type={rope_type!r} is not supported: transformers recomputes its '
                          'frequencies from the length of each forward call, which chunked prefill and the prefix '
@@ -106,6 +117,8 @@ class RotaryEmbedding(nn.Module):
     Args:
         config: the model's ``transformers`` config (``model_type``, ``rope_parameters``,
             ``head_dim``/``hidden_size``/``num_attention_heads``, ``max_position_embeddings``).
+        layer_type: the key of ``rope_parameters`` nested per layer type (LFM3's
+            ``'sliding_attention'`` / ``'full_attention'``) whose table this is; None: flat parameters.
 
     Attributes:
         inv_freq: ``[R/2]`` float32 on the CPU, as ``transformers`` computed it.
@@ -117,11 +130,11 @@ class RotaryEmbedding(nn.Module):
             rotates whole heads (field ``rope_parameters.partial_rotary_factor``).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, layer_type: str | None = None):
         super().__init__()
-        fn, partial = rope_init_function(config)
+        fn, partial = rope_init_function(config, layer_type)
         with torch.device('cpu'):  # real values even when the model is built on the meta device
-            inv_freq, scaling = fn(config)
+            inv_freq, scaling = fn(config) if layer_type is None else fn(config, layer_type=layer_type)
         # a plain float32 attribute, not a buffer: neither ``to_empty`` nor a dtype cast touches it
         self.inv_freq = inv_freq.detach().to('cpu', torch.float32)
         self._on_device: dict[torch.device, torch.Tensor] = {}
@@ -129,8 +142,8 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
         head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
         if self.rotary_dim > head_dim or (not partial and self.rotary_dim != head_dim):
-            raise ValueError(f'rope_parameters.partial_rotary_factor='
-                             f'{config.rope_parameters.get("partial_rotary_factor")!r} gives {self.rotary_dim} '
+            factor = _rope_parameters(config, layer_type).get('partial_rotary_factor')
+            raise ValueError(f'rope_parameters.partial_rotary_factor={factor!r} gives {self.rotary_dim} '
                              f'rotary channels, but {config.model_type} rotates all {head_dim} channels of a head')
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

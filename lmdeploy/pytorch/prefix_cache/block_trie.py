@@ -77,10 +77,17 @@ def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: in
     n = full if num_blocks is None else min(num_blocks, full)
     hashes = list(prefix[:n])
     prev = hashes[-1] if hashes else salted_root(salt)
-    for i in range(len(hashes), n):
-        h = hashlib.blake2b(prev, digest_size=16)
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        h.update(struct.pack(f'<{len(block)}I', *block))
+    first = len(hashes)
+    if first >= n:
+        return hashes
+    # one pack of every new block, then a view per block: a struct call per block cost as much
+    # as the hash itself (the same bytes either way)
+    data = memoryview(struct.pack(f'<{(n - first) * block_size}I', *token_ids[first * block_size:n * block_size]))
+    step = 4 * block_size
+    blake2b = hashlib.blake2b
+    for j, i in enumerate(range(first, n)):
+        h = blake2b(prev, digest_size=16)
+        h.update(data[j * step:(j + 1) * step])
         if extra_keys is not None and extra_keys[i]:
             h.update(extra_keys[i])
         prev = h.digest()
@@ -135,8 +142,12 @@ class BlockTrie:
         self.num_evicted = 0      # nodes (KV blocks) evicted so far
         # Leaves as (last_access, depth, tiebreak, node), lazily invalidated: an entry is stale when
         # its node is gone, got children, or was touched again (a newer entry exists). Eviction
-        # then costs O((k + blocked leaves) log N) instead of a walk of the whole trie.
+        # then costs O(k log N + blocked leaves) instead of a walk of the whole trie.
         self._leaves: list[tuple[int, int, int, TrieNode]] = []
+        # Entries an eviction found blocked (referenced, pinned, or live under ``dead_only``), in
+        # key order, kept out of the heap: the next eviction merges them with it instead of
+        # popping and pushing every blocked leaf again (which made each call O(blocked log N)).
+        self._parked: list[tuple[int, int, int, TrieNode]] = []
         self._tiebreak = itertools.count()
         # observers told of every node made (``block_cached(node)``) and removed
         # (``block_dropped(node)``), e.g. the KV event tracker (kv_events.py)
@@ -148,13 +159,13 @@ class BlockTrie:
         B = self.block_size
         if hashes is None:
             hashes = chain_block_hashes(token_ids, B)
-        nodes, node = [], self.root
+        nodes, node, clock = [], self.root, _CLOCK
         for i, h in enumerate(hashes):
             child = node.children.get(h)
             if child is None or child.tokens != tuple(token_ids[i * B:(i + 1) * B]):
                 break
             node = child
-            node.last_access = next(_CLOCK)
+            node.last_access = next(clock)
             nodes.append(node)
         if nodes and not nodes[-1].children:
             self._push_leaf(nodes[-1])
@@ -162,9 +173,10 @@ class BlockTrie:
 
     def _push_leaf(self, node: TrieNode) -> None:
         heapq.heappush(self._leaves, (node.last_access, node.depth, next(self._tiebreak), node))
-        if len(self._leaves) > 4 * self.num_nodes + 64:      # drop stale entries now and then
+        if len(self._leaves) + len(self._parked) > 4 * self.num_nodes + 64:      # drop stale entries now and then
             self._leaves = [e for e in self._leaves if self._is_current(e)]
             heapq.heapify(self._leaves)
+            self._parked = [e for e in self._parked if self._is_current(e)]
 
     @staticmethod
     def _is_current(entry) -> bool:
@@ -205,30 +217,41 @@ class BlockTrie:
 
     def _descend(self, node: TrieNode, token_ids, block_ids, num_blocks: int, hashes, out: list | None,
                  adopt: bool = False) -> TrieNode:
-        B = self.block_size
+        # the per-block loop of every insert: names are bound once outside it (it runs for every
+        # block of every prompt, which is most of a trace replay's time)
+        B, bm, clock, listeners = self.block_size, self.block_manager, _CLOCK, self.listeners
+        refcount = bm.refcount
         for i in range(node.depth, num_blocks):
             h = hashes[i]
-            tokens = tuple(token_ids[i * B:(i + 1) * B])
+            bid = block_ids[i]
             child = node.children.get(h)
-            if block_ids[i] < 0 and (child is None or child.tokens != tokens):
-                break       # the sequence freed this block (out of its sliding window): nothing to cache
-            if child is None or child.tokens != tokens:
-                if child is not None:       # hash collision with different tokens: keep the old node
-                    break
-                child = TrieNode(node, h, tokens, block_ids[i], i + 1)
-                self.block_manager.cache(block_ids[i])
+            if child is None:
+                if bid < 0:
+                    break       # the sequence freed this block (out of its sliding window): nothing to cache
+                child = TrieNode(node, h, tuple(token_ids[i * B:(i + 1) * B]), bid, i + 1)
+                bm.cache(bid)
                 node.children[h] = child
                 self.num_nodes += 1
-                for listener in self.listeners:
+                for listener in listeners:
                     listener.block_cached(child)
-            elif adopt and 0 <= block_ids[i] != child.block_id and self.block_manager.refcount[child.block_id] == 1:
+            elif bid == child.block_id:
+                # the sequence's own block is the node's: the tokens are equal without comparing
+                # them (a node holds a reference on its block, so the block was never reused
+                # meanwhile, and a sequence's tokens are append-only); a walk over a prompt's
+                # shared or already cached blocks costs a lookup per block, not a 64-token compare
+                pass
+            elif child.tokens != tuple(token_ids[i * B:(i + 1) * B]):
+                # a hash collision with different tokens keeps the old node; a freed block
+                # (bid < 0) whose tokens the cache does not hold stops the path as well
+                break
+            elif adopt and 0 <= bid != child.block_id and refcount[child.block_id] == 1:
                 # a running sequence recomputed a block only the cache holds: the node takes the
                 # sequence's copy and the old one is freed, so no unreferenced duplicate remains
                 # above blocks the sequence references
-                self.block_manager.cache(block_ids[i])
-                self.block_manager.uncache(child.block_id)
-                child.block_id = block_ids[i]
-            child.last_access = next(_CLOCK)
+                bm.cache(bid)
+                bm.uncache(child.block_id)
+                child.block_id = bid
+            child.last_access = next(clock)
             if out is not None:
                 out.append(child)
             node = child
@@ -262,20 +285,35 @@ class BlockTrie:
             Blocks returned to the free list.
         """
         freed, blocked = 0, []
-        while freed < num_blocks and self._leaves:
-            entry = heapq.heappop(self._leaves)
+        leaves, parked, self._parked = self._leaves, self._parked, []
+        j, num_parked = 0, len(parked)
+        while freed < num_blocks:
+            # candidates in key order: the parked entries merged with the heap (keys are unique:
+            # the tiebreak differs, so a node is never compared)
+            if j < num_parked and (not leaves or parked[j] < leaves[0]):
+                entry = parked[j]
+                j += 1
+            elif leaves:
+                entry = heapq.heappop(leaves)
+            else:
+                break
             if not self._is_current(entry):
                 continue
             leaf = entry[-1]
-            if not self._evictable(leaf) or (dead_only and leaf.ckpts_below):
+            if (dead_only and leaf.ckpts_below) or not self._evictable(leaf):
                 blocked.append(entry)
                 continue
             parent = leaf.parent
             freed += self._remove(leaf)
             if parent is not self.root and not parent.children:
                 self._push_leaf(parent)
-        for entry in blocked:
-            heapq.heappush(self._leaves, entry)
+                leaves = self._leaves       # a compaction may have replaced the heap
+        # what is still blocked, plus the parked entries not reached, in key order (a parent pushed
+        # during the loop may sort before an entry blocked earlier; the sort is linear then)
+        blocked.extend(parked[j:])
+        blocked.extend(self._parked)        # parked by a compaction during the loop (none, normally)
+        blocked.sort()
+        self._parked = blocked
         if freed < num_blocks and not dead_only:
             freed += self._evict_subtrees(num_blocks - freed)
         return freed

@@ -30,7 +30,14 @@ A policy is a small object with one pure scoring function of an entry's statisti
   its path, ``bytes_held`` the checkpoint plus the KV blocks only it makes usable, and
   ``E[further hits] = p / (1 - p)``, where ``p`` is the chance of one more hit the policy has
   measured for checkpoints of the same class (why it was saved, whether its request continued an
-  earlier prefix, how many earlier requests reached its exact prefix) with as many hits so far.
+  earlier prefix, how many earlier requests reached its exact prefix, whether a deeper checkpoint
+  is below it, and the length of its prefix on a log scale) with as many hits so far; a length
+  class is smoothed towards the rate of its class without the length, so a length seen rarely
+  borrows what its class measured.
+  ``bytes_held`` changes when another checkpoint starts or stops sharing the blocks: the tier
+  reweighs the nearest checkpoint above one published or evicted (:meth:`EvictionPolicy.reweigh`),
+  so an interior chunk-end checkpoint with a deeper one below it weighs only its state, and its
+  reuse (only by a request that leaves the deeper one's path in between) is learned apart.
   A never-used checkpoint of a class rarely reused (a prefix the client never sends again) thus
   scores near ``L`` and goes before proven ones, in the spirit of Marconi's admission rule.
 * :class:`OfflineOptimalPolicy` (``'optimal'``, benchmarks only): Belady's rule, evict the
@@ -45,6 +52,7 @@ match walks are only counted as reached.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -80,6 +88,9 @@ class CheckpointStats:
         cls: the class the policy filed it under at publish (its own business).
         key: an identity of its prefix the benchmark's oracle understands (opaque here).
         entry: the sequence number of its current heap entry (older entries are stale; -1: none).
+        aged: the policy's age term when it was last scored (GreedyDual's ``L``; 0 for others).
+        covered: a deeper checkpoint is published below it (a hit on it needs a request that
+            leaves the deeper one's path in between).
     """
     slot: int
     boundary: int
@@ -94,6 +105,8 @@ class CheckpointStats:
     key: object = None
     cls: tuple | None = None
     entry: int = -1
+    aged: float = 0.0
+    covered: bool = False
 
 
 class EvictionPolicy:
@@ -125,6 +138,12 @@ class EvictionPolicy:
 
     def score(self, stats: CheckpointStats, clock: int) -> float:
         raise NotImplementedError
+
+    def reweigh(self, stats: CheckpointStats, nbytes: int, covered: bool) -> None:
+        """The bytes evicting ``stats`` would free changed to ``nbytes`` and whether a deeper
+        checkpoint is below it to ``covered`` (one was published or evicted on its path), without
+        a use: recency and age are kept. The scores of this base class depend on neither."""
+        stats.nbytes, stats.covered = nbytes, covered
 
     def victim(self, candidates: Iterable[CheckpointStats], clock: int) -> CheckpointStats | None:
         """The candidate to evict now (None when there is none), by a scan: O(len(candidates))."""
@@ -197,8 +216,13 @@ class ReuseAwarePolicy(EvictionPolicy):
     further hits on this traffic; which signals predict reuse (a shared head, a continued
     conversation, a regenerate, a branch, a hit) is measured, not fixed.
 
+    The class also holds the prefix length on a log scale and whether a deeper checkpoint is
+    below (:meth:`reuse_class`); a length class is smoothed towards its class without the length.
+
     Args:
-        smoothing: pseudo-counts of the prior in each estimate.
+        smoothing: pseudo-counts of the prior in each coarse class's estimate.
+        fine_smoothing: pseudo-counts of the coarse estimate in each length class's (more than
+            ``smoothing``: a length class has a few times fewer samples than its coarse class).
     """
 
     name = 'reuse'
@@ -208,27 +232,51 @@ class ReuseAwarePolicy(EvictionPolicy):
              'restored': 0.6}
     USED_PRIOR = 0.5            # prior chance of one more hit of a used checkpoint
     MAX_HITS = 3                # hits counted apart (more fall into the last bucket)
+    COARSE = 4                  # fields of the coarse class (reason, continuation, reached, covered)
 
-    def __init__(self, smoothing: float = 4.0):
+    def __init__(self, smoothing: float = 4.0, fine_smoothing: float = 16.0):
         super().__init__()
-        self.smoothing = smoothing
+        self.smoothing, self.fine_smoothing = smoothing, fine_smoothing
         self.inflation = 0.0      # L: the score of the last victim
         self._reached: dict[tuple, int] = {}     # (class, hits) -> checkpoints that got there
         self._again: dict[tuple, int] = {}       # (class, hits) -> of them, hit once more
 
     @staticmethod
     def reuse_class(stats: CheckpointStats) -> tuple:
-        """The class a checkpoint's reuse is learned in."""
-        return stats.reason, stats.continuation, min(stats.reached, 2)
+        """The class a checkpoint's reuse is learned in: the coarse class (save reason,
+        continuation, earlier requests that reached its prefix: 0, 1, 2 or more, and whether it
+        is covered by a deeper checkpoint) plus the length of the prefix it restores on a log
+        scale (``boundary.bit_length()``, a doubling of tokens per step). How often a prefix of a
+        given length is sent again can differ a lot between lengths (on the Mooncake trace an
+        interior checkpoint at 8K tokens was hit 2 times in 632, one at 32K-64K 31 in 235), and
+        the rate of each length is measured, not assumed."""
+        return (stats.reason, stats.continuation, min(stats.reached, 2), stats.covered,
+                max(stats.boundary, 1).bit_length())
 
     def _bucket(self, cls: tuple, hits: int) -> tuple:
         return cls, min(hits, self.MAX_HITS)
 
+    def _count(self, table: dict, cls: tuple, hits: int, delta: int = 1) -> None:
+        # the fine class and its coarse parent (the class without the length) both count
+        for c in (cls, cls[:self.COARSE]):
+            b = self._bucket(c, hits)
+            table[b] = table.get(b, 0) + delta
+
     def p_again(self, cls: tuple, hits: int) -> float:
-        """Smoothed chance that a checkpoint of class ``cls`` with ``hits`` hits is hit again (< 1)."""
-        b = self._bucket(cls, hits)
+        """Smoothed chance that a checkpoint of class ``cls`` with ``hits`` hits is hit again (< 1).
+
+        Estimated hierarchically: the coarse class's rate is smoothed towards the prior (per save
+        reason for unused checkpoints, 1/2 for used ones), and a fine class's rate towards its
+        coarse class's, so a length not seen yet starts from what its reason has measured. A
+        ``cls`` of :attr:`COARSE` fields or fewer gets the coarse estimate."""
         prior = self.PRIOR.get(cls[0], 0.3) if hits == 0 else self.USED_PRIOR
-        return (self._again.get(b, 0) + self.smoothing * prior) / (self._reached.get(b, 0) + self.smoothing)
+        chain = (cls[:self.COARSE], cls) if len(cls) > self.COARSE else (cls,)
+        p = prior
+        for level, c in enumerate(chain):
+            b = self._bucket(c, hits)
+            m = self.fine_smoothing if level else self.smoothing
+            p = (self._again.get(b, 0) + m * p) / (self._reached.get(b, 0) + m)
+        return p
 
     def reuse_rate(self, cls: tuple) -> float:
         """Smoothed share of the class's checkpoints that were hit at least once."""
@@ -236,15 +284,13 @@ class ReuseAwarePolicy(EvictionPolicy):
 
     def published(self, stats: CheckpointStats) -> None:
         stats.cls = self.reuse_class(stats)
-        b = self._bucket(stats.cls, 0)
-        self._reached[b] = self._reached.get(b, 0) + 1
+        self._count(self._reached, stats.cls, 0)
 
     def hit(self, stats: CheckpointStats) -> None:
         if stats.cls is None:
             return
-        before, now = self._bucket(stats.cls, stats.hits - 1), self._bucket(stats.cls, stats.hits)
-        self._again[before] = self._again.get(before, 0) + 1
-        self._reached[now] = self._reached.get(now, 0) + 1
+        self._count(self._again, stats.cls, stats.hits - 1)
+        self._count(self._reached, stats.cls, stats.hits)
 
     def evidence(self, stats: CheckpointStats) -> float:
         """Expected further hits of the entry (> 0)."""
@@ -252,8 +298,32 @@ class ReuseAwarePolicy(EvictionPolicy):
         p = self.p_again(cls, stats.hits)
         return p / (1.0 - p)
 
+    def value(self, stats: CheckpointStats) -> float:
+        """Expected further prefill tokens saved per byte held."""
+        return self.evidence(stats) * max(stats.tokens_saved, 1) / max(stats.nbytes, 1)
+
     def score(self, stats: CheckpointStats, clock: int) -> float:
-        return self.inflation + self.evidence(stats) * max(stats.tokens_saved, 1) / max(stats.nbytes, 1)
+        return self.inflation + self.value(stats)
+
+    def rescore(self, stats: CheckpointStats, clock: int) -> None:
+        stats.aged = self.inflation
+        super().rescore(stats, clock)
+
+    def reweigh(self, stats: CheckpointStats, nbytes: int, covered: bool) -> None:
+        """New bytes, same age: ``score = aged + value``, the age of its last use kept (a shared
+        block is no reason to look recently used). The first time a checkpoint is ``covered`` it is
+        filed under the covered class for good (its count at its present hits moves there): an
+        interior checkpoint's reuse is learned apart from a request's last one's, and a
+        checkpoint whose deeper one was evicted again is still counted where it was covered."""
+        stats.nbytes = nbytes
+        if covered and not stats.covered and stats.cls is not None and not stats.cls[3]:
+            new = self.reuse_class(dataclasses.replace(stats, covered=covered))
+            self._count(self._reached, stats.cls, stats.hits, -1)
+            self._count(self._reached, new, stats.hits)
+            stats.cls = new
+        stats.covered = covered
+        stats.score = stats.aged + self.value(stats)
+        self._push(stats)
 
     def evicted(self, stats: CheckpointStats) -> None:
         self.inflation = max(self.inflation, stats.score)

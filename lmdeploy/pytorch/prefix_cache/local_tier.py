@@ -7,6 +7,7 @@ for this process's memory:
 
 * :meth:`LocalTier.match` — how deep a prefix is cached (full blocks, verified token by token)
   and the deepest checkpoint that may seed this input; metadata only;
+* :meth:`LocalTier.depth` — the tier protocol's hash-only form of that question (nothing touched);
 * :meth:`LocalTier.pin` / :meth:`LocalTier.unpin` — attach the shared blocks and pin the
   checkpoint for an admission (and undo it: the one rollback path);
 * :meth:`LocalTier.extend` / :meth:`LocalTier.plan_checkpoint` — cache new full blocks of a
@@ -14,6 +15,11 @@ for this process's memory:
 * :meth:`LocalTier.release` — cache a leaving sequence's computed blocks;
 * :meth:`LocalTier.evict` — free block rows: dead KV blocks first, then the eviction policy's
   checkpoints (:mod:`.eviction`), then (when nothing else is left) live blocks, LRU.
+
+A checkpoint's bytes held (its state plus the blocks only it makes usable) change when one is
+published or evicted below it on its path; the tier then reweighs the nearest one above
+(:meth:`EvictionPolicy.reweigh <.eviction.EvictionPolicy.reweigh>`), O(depth). Checkpoints on
+sibling branches or below keep the weight of their last publish or reweigh (an approximation).
 
 With one memory budget (:attr:`StateCache.uses_block_rows`) checkpoints take KV block rows, so
 a checkpoint evicted frees rows for blocks and an admission counts them as evictable.
@@ -88,6 +94,34 @@ class LocalTier:
             if node.checkpoint_slot is not None and rules.restorable(b, len(nodes)):
                 return PrefixMatch(nodes, b, 'local', node.checkpoint_slot, node.depth, matched)
         return PrefixMatch(nodes, 0, None, None, 0, matched)
+
+    def depth(self, hashes: list[bytes], rules: ReuseRules, *, shared_blocks: int = 0, above: int = 0,
+              below: int | None = None) -> int:
+        """The tier protocol's hash-only question (:class:`~.tier.PrefixTier`): the deepest
+        boundary ``b`` (tokens), ``above < b`` (and ``b < below`` when given), that this tier could
+        restore under ``rules``: its full blocks ``[0, b/B + r)`` are cached under ``hashes`` and,
+        for a hybrid model, the node at ``b`` holds a checkpoint (a full-attention model: any
+        block boundary, leaving one token to compute); 0 if none.
+
+        Metadata only: nothing is touched (LRU order and reach counts stay), nothing is pinned,
+        and tokens are not compared (:meth:`match` verifies them before an admission uses a hit).
+        ``shared_blocks`` is accepted for the protocol: every block this tier counts is its own.
+        """
+        B, node, nodes = self.block_size, self.trie.root, []
+        for h in hashes:
+            node = node.children.get(h)
+            if node is None:
+                break
+            nodes.append(node)
+        if not self.is_hybrid:
+            b = min(len(nodes), (rules.num_tokens - 1) // B) * B
+            if below is not None:
+                b = min(b, (below - 1) // B * B)
+            return b if b > above else 0
+        for b in rules.restore_candidates(above, len(nodes)):
+            if (below is None or b < below) and nodes[b // B - 1].checkpoint_slot is not None:
+                return b
+        return 0
 
     def pin(self, match: PrefixMatch) -> None:
         """Reference the shared blocks and pin the checkpoint of ``match`` (so eviction can take
@@ -206,7 +240,7 @@ class LocalTier:
             n = n.parent
         return CheckpointStats(-1, boundary, boundary - below, self.state_bytes + exclusive * self.block_bytes,
                                reason, continuation, reached=max(self._seen.get(node.key, 0) - 1, 0),
-                               key=node.key if key is None else key)
+                               key=node.key if key is None else key, covered=node.ckpts_below > 0)
 
     def checkpoint_done(self, save: CheckpointSave, copied: bool) -> None:
         """Publish a planned checkpoint whose copy ran; release it unpublished if it did not (or
@@ -220,9 +254,29 @@ class LocalTier:
         unpublished when ``stats`` is None (its copy did not run) or ``node`` cannot take it (it
         holds another checkpoint or left the trie). Returns whether it was published."""
         if stats is not None and self.state_cache.publish(slot, node, stats):
+            self._reweigh_above(node)
             return True
         self.state_cache.release_checkpoint(slot)
         return False
+
+    def _reweigh_above(self, node: TrieNode) -> None:
+        """The checkpoints on ``node``'s path changed below the nearest one above it (one was
+        published or evicted at ``node``): the blocks that nearest one alone makes usable
+        changed, so tell the policy its bytes held now (O(depth)). A checkpoint with a deeper one
+        below it frees only its own state when evicted, which is what it then weighs."""
+        sc, n = self.state_cache, node.parent
+        while n is not None and n.parent is not None and n.checkpoint_slot is None:
+            n = n.parent
+        stats = sc.stats.get(n.checkpoint_slot) if n is not None and n.parent is not None else None
+        if stats is None:
+            return
+        exclusive, m = 0, n
+        while m is not None and m.parent is not None and m.ckpts_below <= 1:
+            exclusive += 1
+            m = m.parent
+        nbytes, covered = self.state_bytes + exclusive * self.block_bytes, n.ckpts_below > 1
+        if nbytes != stats.nbytes or covered != stats.covered:
+            sc.policy.reweigh(stats, nbytes, covered)
 
     def release_checkpoint(self, slot: int) -> None:
         """Return an unpinned checkpoint ``slot`` (published or not) to the free slots or rows."""
@@ -333,7 +387,10 @@ class LocalTier:
         victim = self.state_cache.victim()
         if victim is None:
             return False
+        node = self.state_cache.node_of(victim)
         self.state_cache.release_checkpoint(victim, evicted=True)
+        if node is not None:
+            self._reweigh_above(node)
         return True
 
     @property

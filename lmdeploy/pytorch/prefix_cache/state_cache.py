@@ -248,6 +248,10 @@ class StateCache:
         else:
             del self._pins[slot]
 
+    def node_of(self, slot: int):
+        """The trie node checkpoint ``slot`` is published on, or None."""
+        return self._published.get(slot)
+
     def pinned_nodes(self) -> list:
         """Trie nodes whose published checkpoint is pinned now."""
         return [self._published[s] for s in self._pins if s in self._published]

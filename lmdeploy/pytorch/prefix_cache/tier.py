@@ -15,7 +15,8 @@ The device tier answers them in its richer form, because it is the tier that *sh
 rather than copying them: :meth:`~.local_tier.LocalTier.match` verifies the tokens and returns
 the nodes an admission attaches, :meth:`~.local_tier.LocalTier.plan_checkpoint` saves by a slot
 copy the engine runs, :meth:`~.local_tier.LocalTier.evict` frees block rows; the coordinator
-(:class:`~.coordinator.PrefixCache`) reaches none of its internals.
+(:class:`~.coordinator.PrefixCache`) reaches none of its internals. It also answers the
+hash-only ``depth`` question as the others do (:meth:`~.local_tier.LocalTier.depth`).
 
 A tier the engine was not configured with is a :class:`NullTier` (it holds nothing), so the
 coordinator asks every tier the same way and never checks which ones exist.

@@ -13,6 +13,8 @@ imports blocks and the generic layers (:mod:`..layers`), never another family; t
 ``mamba2``             the Mamba-2 mixer, its dims, state spec and tensor-parallel split
 ``mamba2_hybrid``      the attention + Mamba-2 hybrids' Mamba config checks and dims
 ``ssm_lm``             the pure state-space LMs' embedding, pre-norm mixer blocks, final norm, checkpoint renames
+``short_conv``         LFM2's gated short convolution, its conv-only state spec and tensor-parallel split
+                       (LFM2, LFM3)
 ``moe``                stacked SwiGLU experts, per-expert loading, Qwen-MoE and group-limited routers
 ``mtp``                the Qwen3-Next-style MTP head around one decoder layer of the family's kind
 ``vision``             patch embedding, merge-block order, attention inside an image, image-span checks

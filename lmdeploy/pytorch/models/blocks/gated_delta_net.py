@@ -43,19 +43,26 @@ def gdn_split(config, size: int) -> BlockSplit:
     Qwen3-Next groups ``in_proj_qkvz`` / ``in_proj_ba`` per key head (one contiguous range);
     Qwen3.5's flat ``in_proj_qkv`` is ``[q all | k all | v all]`` like the conv channels (three
     ranges), ``in_proj_z`` ``[Hv * dv]`` and ``in_proj_b`` / ``in_proj_a`` ``[Hv]`` follow the
-    value heads; ``dt_bias`` / ``A_log`` by value head; ``out_proj`` columns (row-parallel). Cache
-    splits: ``v_heads`` (recurrent state) and ``conv_channels`` (the q | k | v pieces).
+    value heads; Lara-4-Mini's ``in_proj`` fuses those four, rows ``[q | k | v | z | b | a]``
+    (``conv_dim + Hv*dv + 2*Hv``), so a rank reads the same rows of each part (six ranges);
+    ``dt_bias`` / ``A_log`` by value head; ``out_proj`` columns (row-parallel). Cache splits:
+    ``v_heads`` (recurrent state) and ``conv_channels`` (the q | k | v pieces).
     """
     dk, dv, hk = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_num_key_heads
-    r, key_dim = config.linear_num_value_heads // hk, hk * dk
+    hv = config.linear_num_value_heads
+    r, key_dim = hv // hk, hk * dk
     channels = (Piece('k_heads', dk), Piece('k_heads', dk, key_dim), Piece('v_heads', dv, 2 * key_dim))
+    z0 = 2 * key_dim + hv * dv            # the fused in_proj's z rows start after q | k | v (conv_dim)
+    b0 = z0 + hv * dv
+    fused = channels + (Piece('v_heads', dv, z0), Piece('v_heads', 1, b0), Piece('v_heads', 1, b0 + hv))
     return BlockSplit(
         (Axis('k_heads', hk, 'linear_num_key_heads', 'linear_num_key_heads'),
-         Axis('v_heads', config.linear_num_value_heads, 'linear_num_value_heads', 'linear_num_value_heads')),
+         Axis('v_heads', hv, 'linear_num_value_heads', 'linear_num_value_heads')),
         (rows('in_proj_qkvz.weight', Piece('k_heads', 2 * dk + 2 * r * dv)),
          rows('in_proj_ba.weight', Piece('k_heads', 2 * r)),
          rows(('conv1d.weight', 'in_proj_qkv.weight'), *channels),
          rows('in_proj_z.weight', Piece('v_heads', dv)),
+         rows('in_proj.weight', *fused),
          rows(('dt_bias', 'A_log', 'in_proj_b.weight', 'in_proj_a.weight'), Piece('v_heads')),
          cols('out_proj.weight', Piece('v_heads', dv))),
         row_parallel=('out_proj',), caches=(('v_heads', (Piece('v_heads'),)), ('conv_channels', channels)))

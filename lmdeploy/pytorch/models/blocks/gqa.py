@@ -18,7 +18,8 @@ from .attention import attention_head_dim
 __all__ = ['GQAProjections', 'gqa_split']
 
 
-def gqa_split(*, gated: bool = False, shared_kv: bool = True, o: str = 'o_proj', sinks: bool = False):
+def gqa_split(*, gated: bool = False, shared_kv: bool = True, o: str = 'o_proj', sinks: bool = False,
+              head_gate: tuple[str, ...] = ()):
     """The tensor-parallel split of grouped-query attention, as a split factory.
 
     Args:
@@ -27,6 +28,8 @@ def gqa_split(*, gated: bool = False, shared_kv: bool = True, o: str = 'o_proj',
             (``size / kv`` ranks hold a copy of one); False: the TP size must divide them.
         o: the output projection's name (``o_proj``; LFM2's ``out_proj``).
         sinks: a ``sinks`` tensor of one entry per query head (split with them).
+        head_gate: the names (spellings) of an output gate's projection with one row per query
+            head (LFM3's ``gate_proj`` / ``g_proj``): its rows of the rank's query heads.
 
     Returns:
         ``(config, size) -> BlockSplit``: axes ``q_heads`` (``num_attention_heads``) and
@@ -46,6 +49,8 @@ def gqa_split(*, gated: bool = False, shared_kv: bool = True, o: str = 'o_proj',
                    cols(f'{o}.weight', Piece('q_heads', d)))
         if sinks:
             tensors += (rows('sinks', Piece('q_heads')),)
+        if head_gate:
+            tensors += (rows(head_gate, Piece('q_heads')),)
         return BlockSplit(axes, tensors, row_parallel=(o,), caches=(('kv_heads', (Piece('kv_heads'),)),),
                           config=(('head_dim', d),))
 
