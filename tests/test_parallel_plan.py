@@ -165,3 +165,52 @@ def test_ling3_splits_its_published_and_transformers_spellings_alike():
         assert layout.shard(name) is None, name
     local = layout.local_config()
     assert (local.linear_num_heads, local.num_attention_heads, local.num_key_value_heads) == (2, 2, 2)
+
+
+def test_lara_mini_and_lfm3_split_as_their_former_plans_every_spelling_alike():
+    """Rank 2 of 4 reads exactly what the two families' former hand-written splits gave it (values
+    dumped from them): Lara-4-Mini's published fused ``in_proj`` six ranges, the same rows as
+    transformers' ``in_proj_qkv | z | b | a``; LFM3's output gate (published ``gate_proj``,
+    transformers' ``g_proj``) by query head, its short conv's ``B | C | x`` by channel, its MLP by
+    rows; norms and the MoE whole; the local config and cache ranges alike."""
+    lara = TPLayout(_tiny('lara_mini', num_attention_heads=8, linear_num_key_heads=4, linear_num_value_heads=8), 2, 4)
+    gdn = 'model.layers.0.linear_attn.'
+    qkv = ((32, 48), (96, 112), (192, 224))
+    expect = {f'{gdn}in_proj.weight': (0, qkv + ((320, 352), (388, 390), (396, 398))),
+              f'{gdn}in_proj_qkv.weight': (0, qkv), f'{gdn}conv1d.weight': (0, qkv),
+              f'{gdn}in_proj_z.weight': (0, ((64, 96),)), f'{gdn}in_proj_b.weight': (0, ((4, 6),)),
+              f'{gdn}A_log': (0, ((4, 6),)), f'{gdn}out_proj.weight': (1, ((64, 96),)),
+              'model.layers.1.self_attn.q_proj.weight': (0, ((64, 96),)),
+              'model.layers.1.self_attn.k_proj.weight': (0, ((16, 32),)),      # 2 KV heads: 2 ranks share one
+              'model.layers.3.self_attn.o_proj.weight': (1, ((64, 96),))}
+    for name, (dim, ranges) in expect.items():
+        assert (lara.shard(name).dim, lara.shard(name).ranges) == (dim, ranges), name
+    for name in (f'{gdn}out_norm.weight', 'model.layers.1.mlp.shared_expert.down_proj.weight',
+                 'model.layers.1.mlp.gate.weight'):
+        assert lara.shard(name) is None, name
+    local = lara.local_config()
+    assert (local.num_attention_heads, local.num_key_value_heads, local.linear_num_key_heads,
+            local.linear_num_value_heads) == (2, 1, 1, 2)
+    assert (lara.cache_ranges('conv_channels'), lara.cache_ranges('kv_heads'), lara.cache_ranges('v_heads')) == \
+        (qkv, ((1, 2),), ((4, 6),))
+
+    lfm3 = TPLayout(_tiny('lfm3', num_attention_heads=8, num_key_value_heads=4), 2, 4)
+    expect = {'model.layers.0.conv.in_proj.weight': (0, ((32, 48), (96, 112), (160, 176))),
+              'model.layers.0.conv.conv.weight': (0, ((32, 48),)),
+              'model.layers.0.conv.out_proj.weight': (1, ((32, 48),)),
+              'model.layers.1.self_attn.gate_proj.weight': (0, ((4, 6),)),
+              'model.layers.1.self_attn.g_proj.weight': (0, ((4, 6),)),
+              'model.layers.2.self_attn.q_proj.weight': (0, ((64, 96),)),
+              'model.layers.2.self_attn.k_proj.weight': (0, ((32, 48),)),
+              'model.layers.2.self_attn.o_proj.weight': (1, ((64, 96),)),
+              'model.layers.0.feed_forward.w1.weight': (0, ((48, 72),)),
+              'model.layers.0.feed_forward.w2.weight': (1, ((48, 72),))}
+    for name, (dim, ranges) in expect.items():
+        assert (lfm3.shard(name).dim, lfm3.shard(name).ranges) == (dim, ranges), name
+    assert lfm3.shard('model.layers.2.self_attn.q_norm.weight') is None
+    local = lfm3.local_config()
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size, local.conv_channels) == \
+        (2, 1, 24, 16)
+    assert (lfm3.cache_ranges('kv_heads'), lfm3.cache_ranges('short_conv_channels')) == (((2, 3),), ((32, 48),))
+    with pytest.raises(ValueError, match=r'num_key_value_heads \(4\) must be divisible by tp \(8\)'):
+        TPLayout(_tiny('lfm3', num_attention_heads=8, num_key_value_heads=4), 0, 8)    # KV heads never shared
