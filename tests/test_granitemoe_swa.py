@@ -114,10 +114,10 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(tiny):
 def test_tp_refuses_a_head_count_it_cannot_split_naming_the_field(tiny):
     from transformers import AutoConfig
 
-    from lmdeploy.pytorch.models.granitemoe_swa import GraniteMoeSWATPPlan
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
     config = AutoConfig.from_pretrained(tiny[0])
     with pytest.raises(ValueError, match='num_key_value_heads'):
-        GraniteMoeSWATPPlan(config, 0, 4)
+        TPLayout(config, 0, 4)
 
 
 @settings(max_examples=6, deadline=None)

@@ -141,22 +141,32 @@ def test_cross_rank_group_norm_over_ranks_equals_the_norm_of_the_whole_model():
     of squares summed over the ranks, equals that slice of the single-process norm; a rank
     normalising its slice alone does not. The Mamba-2 split refuses a group count the TP size
     neither divides nor is a multiple of, naming the field."""
-    from lmdeploy.pytorch.models.blocks.mamba2 import CrossRankGroupNorm, Mamba2Dims, Mamba2TPSplit
+    from types import SimpleNamespace
+
+    from lmdeploy.pytorch.models.blocks.mamba2 import CrossRankGroupNorm, Mamba2Dims, mamba2_split
     dims = Mamba2Dims(hidden_size=16, num_heads=8, head_dim=3, n_groups=2, state_size=4, conv_kernel=3,
                       chunk_size=8, conv_bias=False, proj_bias=False, dt_min=0.0, dt_max=float('inf'), norm_eps=1e-5)
     g = torch.Generator().manual_seed(3)
     x, z = torch.randn(5, dims.d_inner, generator=g), torch.randn(5, dims.d_inner, generator=g)
     w = torch.randn(dims.d_inner, generator=g)
     expected = grouped_gated_rms_norm(x, z, w, dims.d_inner // 2, 1e-5)
-    splits = [Mamba2TPSplit(dims, r, 4) for r in range(4)]
-    assert [s.groups for s in splits] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    def rank_norm(d, rank, size, all_reduce):
+        """The rank's parts of the split's axes and the norm its collective hands the mixer."""
+        split = mamba2_split(lambda config: d, 'h', 'groups')(None, size)
+        part = {a.name: a.part(rank, size) for a in split.axes}
+        mixer = SimpleNamespace(cross_rank_norm=None)
+        split.collective(mixer, part.__getitem__, all_reduce)
+        return part, mixer.cross_rank_norm
+
     pending = []         # each rank's sums tensor; the fake all-reduce adds them once all are in
 
     def fake_all_reduce(t):
         pending.append(t)
         return t
-    norms = [s.norm(fake_all_reduce) for s in splits]
-    parts = [slice(*(h * dims.head_dim for h in s.heads)) for s in splits]
+    ranks = [rank_norm(dims, r, 4, fake_all_reduce) for r in range(4)]
+    assert [part['mamba_groups'] for part, _ in ranks] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    norms = [n for _, n in ranks]
+    parts = [slice(*(h * dims.head_dim for h in part['mamba_heads'])) for part, _ in ranks]
     for n, p in zip(norms, parts):      # first pass: collect every rank's partial sums
         n(x[:, p], z[:, p], w[p], 1e-5)
     total = sum(pending)
@@ -166,6 +176,6 @@ def test_cross_rank_group_norm_over_ranks_equals_the_norm_of_the_whole_model():
         assert (got - expected[:, p]).abs().max().item() <= 1e-5
         alone = grouped_gated_rms_norm(x[:, p], z[:, p], w[p], p.stop - p.start, 1e-5)
         assert (alone - expected[:, p]).abs().max().item() > 1e-3
-    assert Mamba2TPSplit(dims, 0, 2).norm(fake_all_reduce) is None          # whole groups: no communication
+    assert rank_norm(dims, 0, 2, fake_all_reduce)[1] is None          # whole groups: no communication
     with pytest.raises(ValueError, match=r'groups \(3\) must be divisible by tp \(2\) or divide it'):
-        Mamba2TPSplit(Mamba2Dims(**{**dims.__dict__, 'num_heads': 6, 'n_groups': 3}), 0, 2, 'h', 'groups')
+        rank_norm(Mamba2Dims(**{**dims.__dict__, 'num_heads': 6, 'n_groups': 3}), 0, 2, fake_all_reduce)

@@ -117,15 +117,15 @@ def test_qwen3_5_local_config_splits_the_text_config(tiny_qwen3_5):
     assert local.vision_config.to_dict() == config.vision_config.to_dict()
     assert full.linear_num_key_heads == 2
     layout = TPLayout(config, 1, 2)
-    assert (layout.k_heads, layout.v_heads) == ((1, 2), (2, 4))
+    assert (layout.part('k_heads'), layout.part('v_heads')) == ((1, 2), (2, 4))
     with pytest.raises(ValueError, match='linear_num_key_heads'):
         TPLayout(config, 0, 4)
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(tiny_qwen3):
     config = load_config(tiny_qwen3)        # 2 KV heads, 4 query heads
-    assert [TPLayout(config, r, 4).kv_heads for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
-    assert [TPLayout(config, r, 4).q_heads for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [TPLayout(config, r, 4).part('kv_heads') for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [TPLayout(config, r, 4).part('q_heads') for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
 @pytest.fixture(scope='module')

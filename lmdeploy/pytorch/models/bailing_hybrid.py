@@ -18,7 +18,7 @@ gated MLA full-attention layers, a DeepSeek-style MoE (SwiGLU clipped per layer)
 The checkpoint's NextN multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``,
 ``num_nextn_predict_layers`` of them) are not loaded: speculative decoding with ``mtp`` is
 refused for this family (``speculative_config.method`` names the families that have one).
-Tensor parallelism splits KDA and MLA by head (:class:`BailingHybridTPPlan`).
+Tensor parallelism splits KDA and MLA by head (``kda_split``, ``mla_split``).
 
 Weight names: the published checkpoint's (``model.word_embeddings``, ``layers.{i}.attention.*``
 with ``dense`` for the output projection, ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``, ``f_proj``
@@ -37,14 +37,14 @@ from torch import nn
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.kda import KDATPSplit, KimiDeltaAttention, kda_state_spec
-from .blocks.mla import LatentAttention
+from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec
+from .blocks.mla import LatentAttention, mla_split
 from .blocks.moe import FusedExperts, GroupLimitedMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
-__all__ = ['BailingHybridForCausalLM', 'BailingHybridTPPlan', 'check_config']
+__all__ = ['BailingHybridForCausalLM', 'check_config']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 
@@ -197,53 +197,6 @@ def _our_name(name: str) -> str:
     return name
 
 
-_MLA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|q_b_proj|kv_b_proj|g_proj|o_proj)\.weight$')
-
-
-class BailingHybridTPPlan(KDATPSplit):
-    """How Ling 3 splits over ``size`` tensor-parallel ranks (Megatron-style): KDA by head
-    (:class:`~.blocks.kda.KDATPSplit`, with the full-rank ``f_proj`` / ``g_proj`` rows of the
-    rank's heads and ``A_log [H]``); MLA by query head — ``q_proj`` / ``q_b_proj``, ``kv_b_proj``
-    and the output gate ``g_proj`` rows, ``o_proj`` columns; the down-projections
-    ``q_a_proj`` / ``kv_a_proj_with_mqa``, their norms and so the cached latent are the same on
-    every rank (``tp_split=None``: the Store holds it once). MoE and dense MLPs are replicated.
-    Checkpoint names are read in the published or the transformers spelling.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads`` (which is also the KDA head
-            count, ``linear_num_heads``).
-    """
-
-    a_log_dim = 0        # the published / transformers A_log is [H]
-
-    def local_config(self):
-        """A copy of the config with this rank's KDA and MLA head counts."""
-        import copy
-        c = copy.deepcopy(self.config)
-        c.linear_num_heads = self.heads[1] - self.heads[0]
-        c.num_attention_heads = c.num_key_value_heads = self.q_heads[1] - self.q_heads[0]
-        return c
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        c, name = self.config, _our_name(name)
-        layer = _LAYER.match(name)
-        if layer and int(layer.group(1)) >= c.num_hidden_layers:     # a NextN layer: not loaded
-            return None
-        kda = self.kda_shard(name)
-        if kda is not None:
-            return kda
-        m = _MLA_ROWS.match(name)
-        if m and c.layer_types[int(m.group(1))] == FULL:
-            (q0, q1), part = self.q_heads, m.group(2)
-            if part == 'o_proj':
-                return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
-            per = {'kv_b_proj': c.qk_nope_head_dim + c.v_head_dim, 'g_proj': 1}.get(
-                part, c.qk_nope_head_dim + c.qk_rope_head_dim)
-            return 0, ((q0 * per, q1 * per),)
-        return None
-
-
 class BailingHybridForCausalLM(CausalLM):
     """Ling 3 causal LM in the engine's layers (no MTP head).
 
@@ -306,9 +259,16 @@ class BailingHybridForCausalLM(CausalLM):
         'num_mtp_layers': INERT,                  # the NextN layers past num_hidden_layers are not loaded
     }
     check_config = staticmethod(check_config)
-    # KDA by head, MLA by query head with the latent replicated (BailingHybridTPPlan)
-    parallel_plan = ParallelPlan(renames=(('model.word_embeddings.', 'model.embed_tokens.'),),
-                                 custom=BailingHybridTPPlan)
+    # KDA by head (full-rank gates, A_log [H]), MLA by query head with its output gate and the
+    # latent replicated; MoE and dense MLPs replicated. The published checkpoint spells the
+    # mixer ``attention`` and its output projection ``dense``; the NextN layers past
+    # num_hidden_layers have no kinds, so nothing of theirs splits (they are not loaded)
+    parallel_plan = ParallelPlan(
+        layers=lambda config: config.layer_types,
+        blocks={LINEAR: (Block(kda_split(a_log_dim=0, full_rank_gates=True, o=('o_proj', 'dense')),
+                               ('self_attn', 'attention')),),
+                FULL: (Block(mla_split(output_gate=True, o=('o_proj', 'dense')), ('self_attn', 'attention')),)},
+        renames=(('model.word_embeddings.', 'model.embed_tokens.'),))
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

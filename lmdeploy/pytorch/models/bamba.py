@@ -33,7 +33,7 @@ from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_BLOCK, check_mamba_config, mamba_dims
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
 from .parallel_plan import ParallelPlan
@@ -155,28 +155,6 @@ class BambaModel(nn.Module):
         return self.final_layernorm(hidden)
 
 
-class BambaTPPlan(Mamba2HybridTPSplit):
-    """How Bamba splits over ``size`` tensor-parallel ranks (:class:`~.blocks.mamba2_hybrid.Mamba2HybridTPSplit`):
-    attention by head, Mamba-2 by head and group (the published ``mamba_n_groups = 1``: the group's
-    ``B`` / ``C`` copied to every rank of its heads, its norm all-reduced), the ``feed_forward`` MLP
-    by intermediate rows.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``intermediate_size``, ``num_attention_heads`` or
-            ``num_key_value_heads`` (those two only with an attention layer) or ``mamba_n_heads``,
-            or neither divides nor is a multiple of ``mamba_n_groups`` (names the field).
-    """
-
-    def __init__(self, config, rank: int, size: int):
-        kinds = layer_kinds(config)
-        super().__init__(config, rank, size, family='bamba', mlp_field='intermediate_size',
-                         divisible=('intermediate_size', ) + (('num_attention_heads', 'num_key_value_heads')
-                                                              if ATTENTION in kinds else ()),
-                         head_dim=attention_head_dim(config), dims=mamba_dims(config) if MAMBA in kinds else None,
-                         attention_layers={i for i, k in enumerate(kinds) if k == ATTENTION},
-                         mamba_layers={i for i, k in enumerate(kinds) if k == MAMBA})
-
-
 class BambaForCausalLM(CausalLM):
     """Bamba causal LM in the engine's layers.
 
@@ -215,8 +193,11 @@ class BambaForCausalLM(CausalLM):
         'z_loss_coefficient': INERT,              # the training loss only
     }
     check_config = staticmethod(check_config)
-    # attention and MLP by head / rows, Mamba-2 by head and group
-    parallel_plan = ParallelPlan(custom=BambaTPPlan)
+    # attention and MLP by head / rows, Mamba-2 by head and group (the published mamba_n_groups = 1:
+    # the group's B / C copied to every rank of its heads, its norm all-reduced)
+    parallel_plan = ParallelPlan(layers=lambda config: [(kind, 'mlp') for kind in layer_kinds(config)],
+                                 blocks={ATTENTION: (ATTENTION_BLOCK,), MAMBA: (MAMBA_BLOCK,),
+                                         'mlp': (FEED_FORWARD_BLOCK,)})
 
     model_class = BambaModel
 

@@ -40,11 +40,11 @@ from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
-from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, check_mamba_config, mamba_dims
+from .blocks.mamba2 import Mamba2Mixer, mamba2_split, mamba2_state_spec
+from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, check_mamba_config, mamba_dims
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['FalconH1ForCausalLM', 'check_config', 'attention_cache_index', 'mamba_cache_index']
 
@@ -244,28 +244,14 @@ class FalconH1Model(nn.Module):
         return self.final_layernorm(hidden)
 
 
-class FalconH1TPPlan(Mamba2HybridTPSplit):
-    """How Falcon-H1 splits over ``size`` tensor-parallel ranks
-    (:class:`~.blocks.mamba2_hybrid.Mamba2HybridTPSplit`), every layer both ways: attention by
-    head, Mamba-2 by head and group (with fewer groups than ranks, as in the published
-    ``mamba_n_groups = 1``, each rank of a group reads its ``B`` / ``C`` rows), the MLP by
-    intermediate rows. The ``in_proj`` multipliers are per section, so each rank builds its own.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
-            ``intermediate_size`` or ``mamba_n_heads``, or neither divides nor is a multiple of
-            ``mamba_n_groups``; a group norm applied before the gate
-            (``mamba_rms_norm`` and ``mamba_norm_before_gate``) over a group that spans ranks
-            (names the field).
-    """
-
-    def __init__(self, config, rank: int, size: int):
-        super().__init__(config, rank, size, family='falcon_h1', mlp_field='intermediate_size',
-                         divisible=('num_attention_heads', 'num_key_value_heads', 'intermediate_size'),
-                         head_dim=attention_head_dim(config), dims=mamba_dims(config))
-        if self.mamba.group_ranks > 1 and config.mamba_rms_norm and config.mamba_norm_before_gate:
-            raise ValueError(f'mamba_norm_before_gate: a norm before the gate over a Mamba group that spans ranks '
-                             f'(mamba_n_groups {config.mamba_n_groups} < tp {size}) is not supported')
+def _norm_before_gate_refusal(config, size: int) -> str:
+    """Why a Mamba group may not span ranks in this config ('' when it may): the group norm
+    applied before the gate (``mamba_rms_norm`` and ``mamba_norm_before_gate``) is not summed
+    over ranks."""
+    if config.mamba_rms_norm and config.mamba_norm_before_gate:
+        return (f'mamba_norm_before_gate: a norm before the gate over a Mamba group that spans ranks '
+                f'(mamba_n_groups {config.mamba_n_groups} < tp {size}) is not supported')
+    return ''
 
 
 class FalconH1ForCausalLM(CausalLM):
@@ -323,8 +309,13 @@ class FalconH1ForCausalLM(CausalLM):
         'get_text_config': INERT,                 # a method (mask creation), not a field
     }
     check_config = staticmethod(check_config)
-    # attention and MLP by head / rows, Mamba-2 by head and group
-    parallel_plan = ParallelPlan(custom=FalconH1TPPlan)
+    # every layer both ways: attention and MLP by head / rows, Mamba-2 by head and group (with fewer groups
+    # than ranks each rank of a group reads its B / C rows; a norm before the gate cannot span ranks)
+    parallel_plan = ParallelPlan(
+        layers=lambda config: [('hybrid',)] * config.num_hidden_layers,
+        blocks={'hybrid': (ATTENTION_BLOCK, FEED_FORWARD_BLOCK,
+                           Block(mamba2_split(mamba_dims, 'mamba_n_heads', 'mamba_n_groups',
+                                              refuse_shared_groups=_norm_before_gate_refusal), 'mamba'))})
 
     model_class = FalconH1Model
 

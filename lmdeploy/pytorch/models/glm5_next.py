@@ -26,8 +26,8 @@ streams, reduced by the mean) are explained.
 """
 from __future__ import annotations
 
-import copy
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -35,13 +35,14 @@ from torch import nn
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.kda import KDATPSplit, KimiDeltaAttention, kda_state_spec
+from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec
+from .blocks.mla import mla_split
 from .blocks.moe import GroupLimitedMoE, load_expert_tensor
 from .blocks.vision import check_image_spans
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .glm5_next_layers import ClampedExperts, ClampedSwiGLUMLP, DSAAttention, HyperConnection
 from .layers import Linear, RMSNorm
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Glm5NextForCausalLM', 'Glm5NextForConditionalGeneration', 'check_config']
 
@@ -149,59 +150,6 @@ class Glm5NextModel(nn.Module):
         return self.norm(x.mean(dim=1))
 
 
-_DSA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_b_proj|kv_b_proj|o_proj)\.weight$')
-
-
-class Glm5NextTPPlan(KDATPSplit):
-    """Tensor-parallel split: KDA by head (:class:`~.blocks.kda.KDATPSplit`; ``A_log`` is
-    ``[H]`` here); DSA by query head (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj``
-    columns) with its latent producers and the whole indexer replicated, so the cached
-    ``latent`` and ``index_keys`` are the same on every rank (stored once); mHC, MoE and dense
-    MLPs replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
-    """
-
-    a_log_dim = 0
-
-    def __init__(self, config, rank: int, size: int):
-        super().__init__(config.get_text_config(), rank, size)
-        self.full_config = config
-
-    def local_config(self):
-        """A copy of the (possibly vision-language) config with this rank's head counts."""
-        c = copy.deepcopy(self.full_config)
-        t = c.get_text_config()
-        t.linear_num_heads = self.heads[1] - self.heads[0]
-        t.num_attention_heads = t.num_key_value_heads = self.q_heads[1] - self.q_heads[0]
-        return c
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` (``model.*`` names) this rank reads, or None."""
-        c = self.config
-        m = re.match(r'^model\.layers\.(\d+)\.', name)
-        if m and int(m.group(1)) >= c.num_hidden_layers:
-            # the NextN layer (read by the MTP head only): its DSA block splits by query head
-            # like the target's DSA layers, the rest (norms, eh_proj, indexer, MoE) is whole
-            m = _DSA_ROWS.match(name)
-            return self._dsa_rows(m.group(2)) if m and int(m.group(1)) == c.num_hidden_layers else None
-        kda = self.kda_shard(name)
-        if kda is not None:
-            return kda
-        m = _DSA_ROWS.match(name)
-        if m and c.layer_types[int(m.group(1))] == INDEXED:
-            return self._dsa_rows(m.group(2))
-        return None
-
-    def _dsa_rows(self, part: str):
-        c, (q0, q1) = self.config, self.q_heads
-        if part == 'o_proj':
-            return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
-        per = c.qk_nope_head_dim + (c.v_head_dim if part == 'kv_b_proj' else 0)
-        return 0, ((q0 * per, q1 * per),)
-
-
 def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
     config = config.get_text_config()
     kda = kda_state_spec(config, dtype)
@@ -277,7 +225,14 @@ class Glm5NextForCausalLM(CausalLM):
     }
     rotary_class = None       # NoPE: no rope field is read
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(custom=Glm5NextTPPlan)
+    # KDA by head; DSA by query head with its latent producers and the whole indexer replicated,
+    # so the cached latent and index keys are the same on every rank (stored once); mHC, MoE and
+    # dense MLPs replicated. The NextN layer (model.layers.{num_hidden_layers}.*, read by the MTP
+    # head only) splits its DSA block the same way; the rest of it is whole.
+    parallel_plan = ParallelPlan(layers=lambda config: config.layer_types,
+                                 blocks={LINEAR: (Block(kda_split(a_log_dim=0), 'self_attn'),),
+                                         INDEXED: (Block(mla_split(), 'self_attn'),)},
+                                 extra_layers=lambda config: [(f'model.layers.{config.num_hidden_layers}.', INDEXED)])
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
@@ -366,9 +321,8 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
         'rope_parameters': CHECKED,
     }
     # the vision tower runs on rank 0 only (its output is broadcast with the step)
-    parallel_plan = ParallelPlan(custom=Glm5NextTPPlan,
-                                 renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),
-                                 rank0_modules=('visual',))
+    parallel_plan = replace(Glm5NextForCausalLM.parallel_plan, renames=(('model.language_model.', 'model.'),),
+                            rank0_only=('model.visual.',), rank0_modules=('visual',))
 
     def __init__(self, config):
         super().__init__(config)

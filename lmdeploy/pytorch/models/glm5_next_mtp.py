@@ -30,9 +30,9 @@ The layer's cache is the DSA :class:`~lmdeploy.pytorch.cache_specs.PagedSpec` (`
 ``index_keys``) at layer index ``num_hidden_layers``: its rows sit in every KV block and count
 in ``K_blk``. Its rows at position ``t`` need token ``t + 1``: lookahead ℓ = 1, no recompute
 blocks, as Qwen3-Next's MTP. Tensor parallelism: the block's DSA attention splits by query
-head like the target's (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj`` columns,
-:class:`.glm5_next.Glm5NextTPPlan`), the rest of the head is replicated, and its cached rows
-(latent, indexer keys) are the same on every rank.
+head like the target's (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj`` columns: the NextN
+layer of :class:`.glm5_next.Glm5NextForCausalLM`'s ``parallel_plan``), the rest of the head is
+replicated, and its cached rows (latent, indexer keys) are the same on every rank.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class Glm5NextMTP(MTPHead):
     when the checkpoint has it, ``shared_head.head`` (``[vocab, H]``).
     """
 
-    supports_tp = True      # built from the rank's local config; Glm5NextTPPlan.shard splits layer n's DSA rows
+    supports_tp = True      # built from the rank's local config; the plan's extra layer n splits its DSA rows
 
     def __init__(self, config):
         super().__init__()

@@ -22,7 +22,6 @@ blocks (:mod:`~lmdeploy.pytorch.kernels.window_attention`). Weight names: ``tran
 from __future__ import annotations
 
 import copy
-import re
 
 import torch
 from torch import nn
@@ -33,10 +32,10 @@ from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import GQAProjections
-from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
+from .blocks.gqa import GQAProjections, gqa_split
+from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config', 'layer_windows']
 
@@ -173,75 +172,6 @@ class GraniteMoeSWAModel(nn.Module):
         return self.norm(hidden)
 
 
-_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$')
-_SINKS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.sinks$')
-_SHARED_ROWS = re.compile(r'^model\.layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.weight$')
-
-
-class GraniteMoeSWATPPlan:
-    """How ``granitemoe_swa`` splits over ``size`` tensor-parallel ranks (Megatron-style).
-
-    Attention by head: ``q_proj`` rows and ``sinks`` of the rank's query heads, ``k_proj`` /
-    ``v_proj`` rows of its KV heads, ``o_proj`` columns (row-parallel, all-reduce); its K/V cache
-    holds its KV heads. The shared MLP by intermediate rows. The routed experts and their router
-    are replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads`` or
-            ``shared_intermediate_size`` (names the field).
-    """
-
-    row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'))
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        for field in ('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'):
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-
-        def part(total: int) -> tuple[int, int]:
-            return rank * total // size, (rank + 1) * total // size
-
-        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
-        self.shared = part(config.shared_intermediate_size)
-
-    def local_config(self):
-        """A copy of the config with this rank's head and shared-MLP sizes."""
-        c = copy.deepcopy(self.config)
-        c.head_dim = attention_head_dim(self.config)
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.shared_intermediate_size = self.shared[1] - self.shared[0]
-        return c
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads (``'kv_heads'``, the only split of this model's caches)."""
-        if split != 'kv_heads':
-            raise ValueError(f"CacheTensor.tp_split: granitemoe_swa splits 'kv_heads' only, not {split!r}")
-        return (self.kv_heads,)
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ATTN_ROWS.match(name)
-        if m:
-            proj, kind, d = m.group(2), m.group(3), attention_head_dim(self.config)
-            if proj == 'o_proj':
-                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
-            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
-            return 0, ((heads[0] * d, heads[1] * d),)
-        if _SINKS.match(name):
-            return 0, (self.q_heads,)
-        m = _SHARED_ROWS.match(name)
-        if m:
-            (s0, s1), S = self.shared, self.config.shared_intermediate_size
-            return (0, ((s0, s1), (S + s0, S + s1))) if m.group(2) == 'input_linear' else (1, ((s0, s1),))
-        return None
-
-
-def _tp_split(config, rank: int, size: int) -> GraniteMoeSWATPPlan:
-    return GraniteMoeSWATPPlan(config, rank, size)
-
-
 class GraniteMoeSWAForCausalLM(CausalLM):
     """``granitemoe_swa`` causal LM in the engine's layers.
 
@@ -283,7 +213,9 @@ class GraniteMoeSWAForCausalLM(CausalLM):
     rotary_class = None  # the model builds one rotary table per RoPE base itself (checked by check_config)
     check_config = staticmethod(check_config)
     # attention by head (sinks with their query heads), shared MLP by rows, experts replicated
-    parallel_plan = ParallelPlan(custom=_tp_split)
+    parallel_plan = ParallelPlan(layers=lambda config: [('attention', 'mlp')] * config.num_hidden_layers,
+                                 blocks={'attention': (Block(gqa_split(shared_kv=False, sinks=True), 'self_attn'),),
+                                         'mlp': (Block(GRANITE_SHARED_MLP_SPLIT, 'shared_mlp'),)})
 
     model_class = GraniteMoeSWAModel
 

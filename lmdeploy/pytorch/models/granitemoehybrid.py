@@ -22,8 +22,6 @@ names: the published checkpoint's (``block_sparse_moe.input_linear`` ``[E, 2I, H
 """
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -33,11 +31,11 @@ from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import Mamba2HybridTPSplit, check_mamba_config, mamba_dims
-from .blocks.moe import GRANITE_MOE_RENAMES, GraniteMoE
+from .blocks.mamba2_hybrid import ATTENTION_BLOCK, MAMBA_BLOCK, check_mamba_config, mamba_dims
+from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
 
@@ -162,43 +160,6 @@ class GraniteMoeHybridModel(nn.Module):
         return self.norm(hidden)
 
 
-_SHARED_ROWS = re.compile(r'^model\.layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.weight$')
-
-
-class GraniteMoeHybridTPPlan(Mamba2HybridTPSplit):
-    """How Granite-4.0-H splits over ``size`` tensor-parallel ranks
-    (:class:`~.blocks.mamba2_hybrid.Mamba2HybridTPSplit`): attention by head, Mamba-2 by head and
-    group (the published ``mamba_n_groups = 1``: the group's ``B`` / ``C`` copied to every rank of
-    its heads, its norm all-reduced), the shared MLP by intermediate rows (``input_linear``'s gate
-    and up rows, ``output_linear``'s columns, all-reduce). The routed experts and their router are
-    replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
-            ``shared_intermediate_size`` or ``mamba_n_heads``, or neither divides nor is a
-            multiple of ``mamba_n_groups`` (names the field).
-    """
-
-    row_parallel = (('self_attn', 'o_proj'), ('shared_mlp', 'down_proj'), ('mamba', 'out_proj'))
-
-    def __init__(self, config, rank: int, size: int):
-        kinds = layer_kinds(config)
-        super().__init__(config, rank, size, family='granitemoehybrid', mlp_field='shared_intermediate_size',
-                         divisible=('num_attention_heads', 'num_key_value_heads', 'shared_intermediate_size'),
-                         head_dim=attention_head_dim(config), dims=mamba_dims(config) if MAMBA in kinds else None,
-                         attention_layers={i for i, k in enumerate(kinds) if k == ATTENTION},
-                         mamba_layers={i for i, k in enumerate(kinds) if k == MAMBA})
-
-    def shard_mlp(self, name: str):
-        """``(dim, ranges)`` of a ``shared_mlp`` weight: the gate and up rows of ``input_linear``
-        (stacked ``[gate; up]``), the columns of ``output_linear``; None for other tensors."""
-        m = _SHARED_ROWS.match(name)
-        if m is None:
-            return None
-        (s0, s1), S = self.inter, self.config.shared_intermediate_size
-        return (0, ((s0, s1), (S + s0, S + s1))) if m.group(2) == 'input_linear' else (1, ((s0, s1),))
-
-
 class GraniteMoeHybridForCausalLM(CausalLM):
     """Granite-4.0-H causal LM in the engine's layers.
 
@@ -255,8 +216,12 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     }
     rotary_class = None       # check_config builds the rotary table itself, only with RoPE
     check_config = staticmethod(check_config)
-    # attention and shared MLP by head / rows, Mamba-2 by head and group, experts replicated
-    parallel_plan = ParallelPlan(custom=GraniteMoeHybridTPPlan)
+    # attention by head, Mamba-2 by head and group (the published mamba_n_groups = 1: the group's B / C
+    # copied to every rank of its heads, its norm all-reduced), the shared MLP by intermediate rows
+    # (input_linear's gate and up rows, output_linear's columns); the experts and router replicated
+    parallel_plan = ParallelPlan(layers=lambda config: [(kind, 'mlp') for kind in layer_kinds(config)],
+                                 blocks={ATTENTION: (ATTENTION_BLOCK,), MAMBA: (MAMBA_BLOCK,),
+                                         'mlp': (Block(GRANITE_SHARED_MLP_SPLIT, 'shared_mlp'),)})
 
     model_class = GraniteMoeHybridModel
 

@@ -23,9 +23,6 @@ Weight names: the published checkpoints' (``model.layers.{i}.mamba.*``, ``.self_
 """
 from __future__ import annotations
 
-import copy
-import re
-
 import torch
 from torch import nn
 
@@ -33,11 +30,12 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
+from .blocks.gqa import gqa_split
+from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, mamba1_split, mamba1_state_spec
 from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, attention
-from .parallel_plan import ParallelPlan
+from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, attention, mlp_split
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['JambaForCausalLM', 'check_config', 'layer_kinds']
 
@@ -81,7 +79,7 @@ def check_config(config) -> None:
 def mamba_dims(config) -> Mamba1Dims:
     """The Mamba-1 mixer sizes of a Jamba config (``mamba_*`` fields; the dt / B / C norms have
     weights and ``rms_norm_eps``); this rank's channels in a tensor-parallel local config
-    (``mamba_tp_size``, set by :meth:`JambaTPPlan.local_config`)."""
+    (``mamba_tp_size``, set by :func:`~.blocks.mamba1.mamba1_split`)."""
     full = Mamba1Dims(hidden_size=config.hidden_size, d_inner=config.mamba_expand * config.hidden_size,
                       state_size=config.mamba_d_state, dt_rank=int(config.mamba_dt_rank),
                       conv_kernel=config.mamba_d_conv, conv_bias=bool(config.mamba_conv_bias),
@@ -142,7 +140,7 @@ class JambaDecoderLayer(nn.Module):
             self.mamba = Mamba1Mixer(mamba_dims(config), layer_idx)
         else:
             self.self_attn = JambaAttention(config, layer_idx)
-        # dense MLPs are split under tensor parallelism, the experts are not (see JambaTPPlan)
+        # dense MLPs are split under tensor parallelism, the experts are not (see parallel_plan)
         dense = getattr(config, 'dense_intermediate_size', config.intermediate_size)
         self.mlp = JambaMoE(config) if moe else SwiGLUMLP(config.hidden_size, dense)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -171,81 +169,6 @@ class JambaModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, ctx)
         return self.final_layernorm(hidden)
-
-
-_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$')
-_MAMBA_ROWS = re.compile(r'^model\.layers\.(\d+)\.mamba\.(.+)$')
-_DENSE_ROWS = re.compile(r'^model\.layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.weight$')
-
-
-class JambaTPPlan:
-    """How Jamba splits over ``size`` tensor-parallel ranks: attention by head (``q_proj`` rows
-    of the rank's query heads, ``k_proj`` / ``v_proj`` rows of its KV heads, ``o_proj`` columns,
-    row-parallel; its K/V cache holds its KV heads); Mamba-1 by channel
-    (:class:`~.blocks.mamba1.Mamba1TPSplit`: ``x_proj`` and ``out_proj`` row-parallel); dense MLPs by
-    intermediate rows (``down_proj`` row-parallel); the experts and their router replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
-            ``intermediate_size`` (when a layer has a dense MLP) or the Mamba channels
-            ``mamba_expand * hidden_size`` (names the field).
-    """
-
-    row_parallel = (('self_attn', 'o_proj'), ('mamba', 'x_proj'), ('mamba', 'out_proj'), ('mlp', 'down_proj'))
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.size = config, size
-        self.kinds, self.moe = layer_kinds(config), expert_layers(config)
-        fields = ['num_attention_heads', 'num_key_value_heads'] if ATTENTION in self.kinds else []
-        if not all(self.moe):
-            fields.append('intermediate_size')
-        for field in fields:
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-
-        def part(total: int) -> tuple[int, int]:
-            return rank * total // size, (rank + 1) * total // size
-
-        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
-        self.dense = part(config.intermediate_size)
-        self.mamba = Mamba1TPSplit(mamba_dims(config), rank, size, 'mamba_expand * hidden_size') \
-            if MAMBA in self.kinds else None
-
-    def local_config(self):
-        """A copy of the config with this rank's head counts and dense MLP width; the Mamba
-        channels are divided by :func:`mamba_dims` (``mamba_tp_size``)."""
-        c = copy.deepcopy(self.config)
-        c.head_dim = attention_head_dim(self.config)
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.dense_intermediate_size = self.dense[1] - self.dense[0]
-        c.mamba_tp_size = self.size
-        return c
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``; its Mamba channels for the Mamba-1 states."""
-        ranges = (self.kv_heads,) if split == 'kv_heads' else \
-            None if self.mamba is None else self.mamba.cache_ranges(split)
-        if ranges is None:
-            raise ValueError(f"CacheTensor.tp_split: jamba splits 'kv_heads' and the Mamba-1 states, not {split!r}")
-        return ranges
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ATTN_ROWS.match(name)
-        if m:
-            proj, d = m.group(2), attention_head_dim(self.config)
-            if proj == 'o_proj':
-                return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
-            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
-            return 0, ((heads[0] * d, heads[1] * d),)
-        m = _DENSE_ROWS.match(name)
-        if m and not self.moe[int(m.group(1))]:
-            return (1 if m.group(2) == 'down_proj' else 0), (self.dense,)
-        m = _MAMBA_ROWS.match(name)
-        if m and self.mamba is not None:
-            return self.mamba.shard(m.group(2))
-        return None
 
 
 def _rename(name: str) -> str:
@@ -301,7 +224,15 @@ class JambaForCausalLM(CausalLM):
     }
     rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(custom=JambaTPPlan)
+    # attention by head, Mamba-1 by channel (x_proj and out_proj row-parallel), dense MLPs by intermediate
+    # rows (checkpoint feed_forward, module mlp); the experts and their router replicated
+    parallel_plan = ParallelPlan(
+        layers=lambda config: [(kind, 'moe' if moe else 'dense')
+                               for kind, moe in zip(layer_kinds(config), expert_layers(config))],
+        blocks={ATTENTION: (Block(gqa_split(shared_kv=False), 'self_attn'),),
+                MAMBA: (Block(mamba1_split(mamba_dims, 'mamba_expand * hidden_size'), 'mamba'),),
+                'dense': (Block(mlp_split(local_field='dense_intermediate_size'), 'feed_forward', module='mlp'),),
+                'moe': ()})
 
     model_class = JambaModel
 

@@ -28,14 +28,14 @@ from torch import nn
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.kda import KDATPSplit, KimiDeltaAttention, kda_state_spec
-from .blocks.mla import LatentAttention
+from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec
+from .blocks.mla import LatentAttention, mla_split
 from .blocks.moe import GroupLimitedMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import RMSNorm, SwiGLUMLP
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
-__all__ = ['KimiLinearForCausalLM', 'KimiMLA', 'KimiLinearTPPlan', 'check_config']
+__all__ = ['KimiLinearForCausalLM', 'KimiMLA', 'check_config']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 
@@ -102,47 +102,6 @@ class KimiLinearModel(nn.Module):
         return self.norm(hidden)
 
 
-_MLA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj)\.weight$')
-
-
-class KimiLinearTPPlan(KDATPSplit):
-    """How Kimi-Linear splits over ``size`` tensor-parallel ranks (Megatron-style): KDA by head
-    (:class:`~.blocks.kda.KDATPSplit`); MLA by query head — ``q_proj`` / ``q_b_proj`` and
-    ``kv_b_proj`` rows, ``o_proj`` columns; the down-projections ``q_a_proj`` /
-    ``kv_a_proj_with_mqa``, their norms and so the cached latent are the same on every rank
-    (``tp_split=None``: the Store holds it once). MoE and dense MLPs are replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
-    """
-
-    def local_config(self):
-        """A copy of the config with this rank's KDA and MLA head counts."""
-        import copy
-        c = copy.deepcopy(self.config)
-        c.linear_num_heads = self.heads[1] - self.heads[0]
-        c.num_attention_heads = c.num_key_value_heads = self.q_heads[1] - self.q_heads[0]
-        return c
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        c = self.config
-        kda = self.kda_shard(name)
-        if kda is not None:
-            return kda
-        m = _MLA_ROWS.match(name)
-        if m and c.layer_types[int(m.group(1))] == FULL:
-            (q0, q1), part = self.q_heads, m.group(2)
-            if part == 'kv_b_proj':
-                per = c.qk_nope_head_dim + c.v_head_dim
-            elif part == 'o_proj':
-                return 1, ((q0 * c.v_head_dim, q1 * c.v_head_dim),)
-            else:
-                per = c.qk_nope_head_dim + c.qk_rope_head_dim
-            return 0, ((q0 * per, q1 * per),)
-        return None
-
-
 _RENAMES = [
     (re.compile(r'\.self_attn\.forget_gate\.'), '.self_attn.'),            # transformers -> published
     (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
@@ -200,8 +159,10 @@ class KimiLinearForCausalLM(CausalLM):
     }
     rotary_class = None
     check_config = staticmethod(check_config)
-    # KDA by head, MLA by query head with the latent replicated (KimiLinearTPPlan)
-    parallel_plan = ParallelPlan(custom=KimiLinearTPPlan)
+    # KDA by head, MLA by query head with the latent replicated; MoE and dense MLPs replicated
+    parallel_plan = ParallelPlan(layers=lambda config: config.layer_types,
+                                 blocks={LINEAR: (Block(kda_split(a_log_dim=2), 'self_attn'),),
+                                         FULL: (Block(mla_split(), 'self_attn'),)})
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

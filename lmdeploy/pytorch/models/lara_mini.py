@@ -39,11 +39,12 @@ from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.attention import QKNormAttention
-from .blocks.gated_delta_net import GatedDeltaNet, attention_head_dim
+from .blocks.gated_delta_net import MOE, GatedDeltaNet, attention_head_dim, gdn_split, hybrid_layer_kinds
+from .blocks.gqa import gqa_split
 from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['LaraMiniForCausalLM', 'check_config', 'layer_windows']
 
@@ -209,9 +210,7 @@ class LaraMiniModel(nn.Module):
         return self.norm(hidden)
 
 
-def _no_dense_mlp(config) -> bool:
-    """Every layer's feed-forward is the MoE (replicated under TP)."""
-    return False
+_ATTENTION = Block(gqa_split(), 'self_attn')     # the sliding and the global layers alike
 
 
 class LaraMiniForCausalLM(CausalLM):
@@ -250,8 +249,11 @@ class LaraMiniForCausalLM(CausalLM):
         'router_aux_loss_coef': INERT,
     }
     check_config = staticmethod(check_config)
-    # attention by head, Gated DeltaNet by key head (Qwen3.5's flat layout); the MoE replicated
-    parallel_plan = ParallelPlan(gated_delta_net=True, dense_mlp=_no_dense_mlp)
+    # attention by head, Gated DeltaNet by key head (the published fused in_proj or transformers' flat
+    # in_proj_qkv | z | b | a); the MoE (router, experts, shared expert) replicated
+    parallel_plan = ParallelPlan(
+        layers=lambda config: hybrid_layer_kinds(config, dense=False),
+        blocks={LINEAR: (Block(gdn_split, 'linear_attn'),), SLIDING: (_ATTENTION,), FULL: (_ATTENTION,), MOE: ()})
 
     model_class = LaraMiniModel
 

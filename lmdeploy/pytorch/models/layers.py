@@ -11,6 +11,8 @@ copies each checkpoint tensor into its rows::
 
     checkpoint  self_attn.q_proj.weight  self_attn.k_proj.weight  self_attn.v_proj.weight
     model       self_attn.qkv_proj.weight = [ q rows | k rows | v rows ]
+
+:func:`mlp_split` is the tensor-parallel split of a dense MLP (gate / up rows, down columns).
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from torch import nn
 from ..kernels import get_kernel
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
+from .parallel_plan import Axis, BlockSplit, Piece, cols, rows
 from .rope import RotaryEmbedding  # noqa: F401  (re-exported: models import it from here)
 
-__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'Linear', 'PackedLinear', 'WeightLoader', 'apply_rotary', 'attention']
+__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'mlp_split', 'Linear', 'PackedLinear', 'WeightLoader', 'apply_rotary', 'attention']
 
 
 class RMSNorm(nn.Module):
@@ -130,6 +133,40 @@ class SwiGLUMLP(nn.Module):
         """``[T, hidden]`` → ``[T, hidden]``."""
         gate, up = self.gate_up_proj.forward_split(x)
         return self.down_proj(F.silu(gate) * up)
+
+
+def mlp_split(*, field: str = 'intermediate_size', up: tuple[str, ...] = ('gate_proj', 'up_proj'),
+              down: str = 'down_proj', fused: bool = False, down_module: str | None = None, width=None,
+              local_field: str | None = None, axis: str = 'intermediate', config: tuple = ()):
+    """The tensor-parallel split of a dense MLP (Megatron-style), as a split factory: the
+    intermediate rows of the input projections (column-parallel, biases too), the columns of the
+    output projection (row-parallel; its bias whole).
+
+    Args:
+        field: the config field of the width (intermediate units), named by errors and, unless
+            ``local_field`` says otherwise, set to the rank's width in the local config.
+        up: the input projections' names (e.g. ``gate_proj``, ``up_proj``; LFM2's ``w1``, ``w3``).
+        down: the output projection's checkpoint name.
+        fused: ``up`` is one tensor stacking the gate and up rows (``[gate; up]``, e.g.
+            Granite's ``input_linear``): the rank reads its rows of each half.
+        down_module: the output projection's module name when it differs from ``down``.
+        width: ``config -> int`` when the width is not the field's value (LFM2's adjusted width).
+        local_field: the config field the local config sets (default ``field``).
+        axis: the axis name (distinct when a model has two MLP widths).
+        config: further ``(field, value)`` set in the local config.
+
+    Returns:
+        ``(config, size) -> BlockSplit``.
+    """
+
+    def split(cfg, size: int) -> BlockSplit:
+        n = getattr(cfg, field) if width is None else width(cfg)
+        a = Axis(axis, n, field, local_field or field)
+        ins = rows(up, Piece(axis), Piece(axis, 1, n)) if fused else rows(up, Piece(axis))
+        return BlockSplit((a,), (ins, cols(f'{down}.weight', Piece(axis))), row_parallel=(down_module or down,),
+                          config=config)
+
+    return split
 
 
 class WeightLoader:

@@ -28,7 +28,6 @@ Weight names are the published checkpoints' (``LiquidAI/LFM2-*``: ``conv.in_proj
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
@@ -39,11 +38,12 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
+from .blocks.gqa import gqa_split
 from .blocks.moe import FusedExperts, load_expert_tensor
-from .blocks.short_conv import CONV_SPLIT, ShortConv, short_conv_state_spec
+from .blocks.short_conv import CONV_SPLIT, ShortConv, short_conv_split, short_conv_state_spec
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
-from .parallel_plan import ParallelPlan
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, mlp_split
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Lfm2ForCausalLM', 'Lfm2MoeForCausalLM', 'ShortConv', 'short_conv_state_spec', 'ffn_size', 'check_config']
 
@@ -180,7 +180,8 @@ class Lfm2DecoderLayer(nn.Module):
         super().__init__()
         self.kind = kind
         if kind == CONV:
-            channels = config.hidden_size // getattr(config, 'conv_tp_size', 1)
+            # a rank's channels under tensor parallelism (short_conv_split's local config), else all of them
+            channels = getattr(config, 'conv_channels', config.hidden_size)
             self.conv = ShortConv(config.hidden_size, channels, config.conv_L_cache, bool(config.conv_bias),
                                   layer_idx)
         else:
@@ -223,91 +224,6 @@ _RENAMES = [   # checkpoint -> the engine's module names
     (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
     (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
 ]
-_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|out_proj)\.weight$')
-_CONV_ROWS = re.compile(r'^model\.layers\.(\d+)\.conv\.(in_proj|conv|out_proj)\.(weight|bias)$')
-_MLP_ROWS = re.compile(r'^model\.layers\.(\d+)\.(?:feed_forward|mlp)\.(w1|w3|w2)\.weight$')
-
-
-class Lfm2TPPlan:
-    """How LFM2 / LFM2-MoE split over ``size`` tensor-parallel ranks (Megatron-style).
-
-    Attention by head: ``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` rows of
-    its KV heads, ``out_proj`` columns (row-parallel, all-reduce); its K/V cache holds its KV
-    heads. Short conv by channel: the rank's channel range of each of ``in_proj``'s ``B``, ``C``
-    and ``x`` row blocks, those ``conv`` filters, ``out_proj`` columns (all-reduce); its conv state
-    holds those channels. Dense MLPs by intermediate rows (``w1`` / ``w3`` rows, ``w2`` columns,
-    all-reduce). LFM2-MoE's experts and router are replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
-            ``hidden_size`` (the conv channels) or the dense MLP width (``intermediate_size``;
-            names the field).
-    """
-
-    row_parallel = (('self_attn', 'out_proj'), ('conv', 'out_proj'), ('mlp', 'w2'))
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        self.kinds = layer_kinds(config)
-        counts = {'num_attention_heads': config.num_attention_heads,
-                  'num_key_value_heads': config.num_key_value_heads, 'hidden_size': config.hidden_size,
-                  'intermediate_size': ffn_size(config)}
-        for field, count in counts.items():
-            if count % size:
-                what = ' (the dense MLP width)' if field == 'intermediate_size' else ''
-                raise ValueError(f'{field}{what} ({count}) must be divisible by tp ({size})')
-
-        def part(total: int) -> tuple[int, int]:
-            return rank * total // size, (rank + 1) * total // size
-
-        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
-        self.channels, self.ffn = part(config.hidden_size), part(ffn_size(config))
-
-    def local_config(self):
-        """A copy of the config with this rank's head counts and MLP width (``conv_tp_size``:
-        the conv layers build ``hidden_size / tp`` channels)."""
-        c = copy.deepcopy(self.config)
-        c.head_dim = attention_head_dim(self.config)
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.intermediate_size = self.ffn[1] - self.ffn[0]
-        if hasattr(c, 'block_auto_adjust_ff_dim'):
-            c.block_auto_adjust_ff_dim = False        # intermediate_size is now the rank's width as is
-        c.conv_tp_size = self.size
-        return c
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``, its conv channels for the conv state."""
-        if split == 'kv_heads':
-            return (self.kv_heads,)
-        if split == CONV_SPLIT:
-            return (self.channels,)
-        raise ValueError(f"CacheTensor.tp_split: {self.config.model_type} splits 'kv_heads' and {CONV_SPLIT!r}, "
-                         f'not {split!r}')
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ATTN_ROWS.match(name)
-        if m and self.kinds[int(m.group(1))] == ATTENTION:
-            proj, d = m.group(2), attention_head_dim(self.config)
-            if proj == 'out_proj':
-                return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
-            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
-            return 0, ((heads[0] * d, heads[1] * d),)
-        m = _CONV_ROWS.match(name)
-        if m and self.kinds[int(m.group(1))] == CONV:
-            (c0, c1), H = self.channels, self.config.hidden_size
-            if m.group(2) == 'in_proj':
-                return 0, ((c0, c1), (H + c0, H + c1), (2 * H + c0, 2 * H + c1))
-            if m.group(2) == 'conv':
-                return 0, ((c0, c1),)
-            return (1, ((c0, c1),)) if m.group(3) == 'weight' else None
-        m = _MLP_ROWS.match(name)
-        if m and not _is_moe(self.config, int(m.group(1))):
-            return (1, (self.ffn,)) if m.group(2) == 'w2' else (0, (self.ffn,))
-        return None
-
-
 class Lfm2ForCausalLM(CausalLM):
     """LFM2 causal LM in the engine's layers.
 
@@ -358,8 +274,17 @@ class Lfm2ForCausalLM(CausalLM):
     }
     check_config = staticmethod(check_config)
     rotary_class = None       # check_config builds the rotary table itself, only with attention layers
-    # attention by head, short conv by channel, dense MLP by rows; experts replicated
-    parallel_plan = ParallelPlan(custom=Lfm2TPPlan)
+    # attention by head, short conv by channel, dense MLPs by rows (checkpoint feed_forward or mlp, w1 / w3
+    # rows, w2 columns; the width auto-adjusted before the split); LFM2-MoE's experts and router replicated
+    parallel_plan = ParallelPlan(
+        layers=lambda config: [(kind, 'moe' if _is_moe(config, i) else 'dense')
+                               for i, kind in enumerate(layer_kinds(config))],
+        blocks={ATTENTION: (Block(gqa_split(shared_kv=False, o='out_proj'), 'self_attn'),),
+                CONV: (Block(short_conv_split, 'conv'),),
+                'dense': (Block(mlp_split(up=('w1', 'w3'), down='w2', width=ffn_size,
+                                          config=(('block_auto_adjust_ff_dim', False),)),
+                                ('feed_forward', 'mlp'), module='mlp'),),
+                'moe': ()})
 
     model_class = Lfm2Model
 
@@ -372,8 +297,7 @@ class Lfm2ForCausalLM(CausalLM):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        conv = short_conv_state_spec(config.hidden_size // getattr(config, 'conv_tp_size', 1), config.conv_L_cache,
-                                     dtype)
+        conv = short_conv_state_spec(getattr(config, 'conv_channels', config.hidden_size), config.conv_L_cache, dtype)
         full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
         return [conv if kind == CONV else full for kind in layer_kinds(config)]
 

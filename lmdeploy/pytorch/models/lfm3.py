@@ -23,14 +23,13 @@ attention layer type (released: ``default`` base 10^4 for sliding layers, ``prop
 
 Caches: a short-conv layer a conv-only state slot, a sliding layer a :class:`SlidingWindowSpec`,
 a global layer a :class:`FullAttentionSpec` (so a prefix keeps every block). Tensor parallelism:
-:class:`Lfm3TPPlan`.
+the class's ``parallel_plan``, composed of the attention, short-conv and MLP block splits.
 
 Weight names: the published checkpoints' (``LiquidAI/LFM3-*``: ``self_attn.gate_proj`` for the
 output gate, ``feed_forward.w1`` / ``w3`` / ``w2``) and ``transformers``' (``self_attn.g_proj``).
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
@@ -41,10 +40,11 @@ from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.short_conv import CONV_SPLIT, ShortConv, short_conv_state_spec
+from .blocks.gqa import gqa_split
+from .blocks.short_conv import ShortConv, short_conv_split, short_conv_state_spec
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
-from .parallel_plan import ParallelPlan
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, mlp_split
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Lfm3ForCausalLM', 'check_config', 'layer_windows']
 
@@ -139,7 +139,7 @@ class Lfm3DecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == CONV:
-            # a rank's channels under tensor parallelism (Lfm3TPPlan.local_config), else all of them
+            # a rank's channels under tensor parallelism (short_conv_split's local config), else all of them
             channels = getattr(config, 'conv_channels', config.hidden_size)
             self.conv = ShortConv(config.hidden_size, channels, config.conv_L_cache, bool(config.conv_bias), layer_idx)
         else:
@@ -192,89 +192,7 @@ _RENAMES = [   # published -> the engine's module names
 ]
 
 
-_ATTN_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|gate_proj|g_proj)\.'
-                        r'(weight|bias)$')
-_CONV_ROWS = re.compile(r'^model\.layers\.(\d+)\.conv\.(in_proj|conv|out_proj)\.(weight|bias)$')
-_MLP_ROWS = re.compile(r'^model\.layers\.\d+\.(?:feed_forward|mlp)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$')
-
-
-class Lfm3TPPlan:
-    """How ``lfm3`` splits over ``size`` tensor-parallel ranks (Megatron-style).
-
-    Attention by head: ``q_proj`` rows and the output gate's rows (``gate_proj`` / ``g_proj``: one
-    per query head) of the rank's query heads, ``k_proj`` / ``v_proj`` rows of its KV heads,
-    ``o_proj`` columns (row-parallel, all-reduce); q / k norms are per head and replicated; its
-    K/V cache (sliding or global) holds its KV heads. Short conv by channel: the rank's channel
-    range of each of ``in_proj``'s ``B``, ``C`` and ``x`` row blocks, those ``conv`` filters,
-    ``out_proj`` columns (all-reduce); its conv state holds those channels. The MLP by intermediate
-    rows (``w1`` / ``w3`` rows, ``w2`` columns, all-reduce).
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads``, ``num_key_value_heads``,
-            ``hidden_size`` (the conv channels) or ``intermediate_size`` (names the field).
-    """
-
-    row_parallel = (('self_attn', 'o_proj'), ('conv', 'out_proj'), ('mlp', 'down_proj'))
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        self.types = list(config.layer_types)
-        for field in ('num_attention_heads', 'num_key_value_heads', 'hidden_size', 'intermediate_size'):
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-
-        def part(total: int) -> tuple[int, int]:
-            return rank * total // size, (rank + 1) * total // size
-
-        self.q_heads, self.kv_heads = part(config.num_attention_heads), part(config.num_key_value_heads)
-        self.channels, self.ffn = part(config.hidden_size), part(config.intermediate_size)
-
-    def local_config(self):
-        """A copy of the config with this rank's head counts, MLP width and conv channels
-        (``conv_channels``)."""
-        c = copy.deepcopy(self.config)
-        c.head_dim = attention_head_dim(self.config)
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.intermediate_size = self.ffn[1] - self.ffn[0]
-        c.conv_channels = self.channels[1] - self.channels[0]
-        return c
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``, its conv channels for the conv state."""
-        if split == 'kv_heads':
-            return (self.kv_heads,)
-        if split == CONV_SPLIT:
-            return (self.channels,)
-        raise ValueError(f"CacheTensor.tp_split: lfm3 splits 'kv_heads' and {CONV_SPLIT!r}, not {split!r}")
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ATTN_ROWS.match(name)
-        if m and self.types[int(m.group(1))] != CONV:
-            proj, kind, d = m.group(2), m.group(3), attention_head_dim(self.config)
-            if proj == 'o_proj':
-                return (1, ((self.q_heads[0] * d, self.q_heads[1] * d),)) if kind == 'weight' else None
-            if proj in ('gate_proj', 'g_proj'):
-                return 0, (self.q_heads,)
-            heads = self.q_heads if proj == 'q_proj' else self.kv_heads
-            return 0, ((heads[0] * d, heads[1] * d),)
-        m = _CONV_ROWS.match(name)
-        if m and self.types[int(m.group(1))] == CONV:
-            (c0, c1), H = self.channels, self.config.hidden_size
-            if m.group(2) == 'in_proj':
-                return 0, ((c0, c1), (H + c0, H + c1), (2 * H + c0, 2 * H + c1))
-            if m.group(2) == 'conv':
-                return 0, ((c0, c1),)
-            return (1, ((c0, c1),)) if m.group(3) == 'weight' else None
-        m = _MLP_ROWS.match(name)
-        if m:
-            return (1, (self.ffn,)) if m.group(1) in ('w2', 'down_proj') else (0, (self.ffn,))
-        return None
-
-
-def _tp_split(config, rank: int, size: int) -> Lfm3TPPlan:
-    return Lfm3TPPlan(config, rank, size)
+_ATTENTION = Block(gqa_split(shared_kv=False, head_gate=('gate_proj', 'g_proj')), 'self_attn')
 
 
 class Lfm3ForCausalLM(CausalLM):
@@ -308,8 +226,13 @@ class Lfm3ForCausalLM(CausalLM):
     }
     rotary_class = None  # one table per attention layer type, built (and so checked) by check_config
     check_config = staticmethod(check_config)
-    # attention by head (the output gate with its query heads), short conv by channel, MLP by rows
-    parallel_plan = ParallelPlan(custom=_tp_split)
+    # attention by head (the output gate's rows with its query heads; the TP size must divide the KV
+    # heads), short conv by channel, the MLP by intermediate rows (w1 / w3 rows, w2 columns)
+    parallel_plan = ParallelPlan(
+        layers=lambda config: [(kind, 'dense') for kind in config.layer_types],
+        blocks={CONV: (Block(short_conv_split, 'conv'),), SLIDING: (_ATTENTION,), FULL: (_ATTENTION,),
+                'dense': (Block(mlp_split(up=('w1', 'w3'), down='w2', down_module='down_proj'), ('feed_forward', 'mlp'),
+                              module='mlp'),)})
 
     model_class = Lfm3Model
 

@@ -22,17 +22,13 @@ Weight names: ``backbone.embeddings`` (or the original ``backbone.embedding``),
 """
 from __future__ import annotations
 
-import copy
-import re
-
 import torch
 
 from ..cache_specs import LayerCacheSpec
 from .base import CausalLM
-from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, mamba2_state_spec
-from .blocks.ssm_lm import SSM_RENAMES, SSMBackbone, rename_ssm_prefix
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_split, mamba2_state_spec
+from .blocks.ssm_lm import SSMBackbone, rename_ssm_prefix, ssm_parallel_plan
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .parallel_plan import ParallelPlan
 
 __all__ = ['Mamba2ForCausalLM', 'check_config']
 
@@ -58,7 +54,7 @@ def check_config(config) -> None:
 
 def mamba_dims(config) -> Mamba2Dims:
     """The mixer sizes of a Mamba-2 config; this rank's heads and groups in a tensor-parallel
-    local config (``mamba_tp_size``, set by :meth:`Mamba2TPPlan.local_config`)."""
+    local config (``mamba_tp_size``, set by :func:`~.blocks.mamba2.mamba2_split`)."""
     full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.num_heads, head_dim=config.head_dim,
                       n_groups=config.n_groups, state_size=config.state_size, conv_kernel=config.conv_kernel,
                       chunk_size=config.chunk_size, conv_bias=bool(config.use_conv_bias),
@@ -73,52 +69,6 @@ class Mamba2Backbone(SSMBackbone):
 
     def __init__(self, config):
         super().__init__(config, lambda config, layer_idx: Mamba2Mixer(mamba_dims(config), layer_idx))
-
-
-_MIXER = re.compile(r'^model\.layers\.\d+\.mixer\.(.+)$')
-
-
-class Mamba2TPPlan:
-    """How a Mamba-2 model splits over ``size`` tensor-parallel ranks: every mixer by head and
-    group (:class:`~.mamba2.Mamba2TPSplit`: ``in_proj`` rows, conv channels, ``dt_bias`` /
-    ``A_log`` / ``D``, norm channels, ``out_proj`` columns, row-parallel), the vocabulary split
-    of the embedding and ``lm_head`` generic; norms replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_heads``, or neither divides nor is a multiple of
-            ``n_groups`` (names the field).
-    """
-
-    row_parallel = (('mixer', 'out_proj'),)
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.size = config, size
-        self.mamba = Mamba2TPSplit(mamba_dims(config), rank, size, 'num_heads', 'n_groups')
-
-    def local_config(self):
-        """A copy of the config that :func:`mamba_dims` divides by the TP size."""
-        c = copy.deepcopy(self.config)
-        c.mamba_tp_size = self.size
-        return c
-
-    def attach_collectives(self, model, all_reduce) -> None:
-        """Give each mixer its cross-rank norm when its group spans ranks."""
-        norm = self.mamba.norm(all_reduce)
-        for layer in model.model.layers:
-            layer.mixer.cross_rank_norm = norm
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's ranges of the Mamba-2 state splits."""
-        ranges = self.mamba.cache_ranges(split)
-        if ranges is None:
-            raise ValueError(f'CacheTensor.tp_split: mamba2 splits the Mamba-2 states only, not {split!r}')
-        return ranges
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` (after the renames) this rank reads,
-        or None (whole)."""
-        m = _MIXER.match(name)
-        return self.mamba.shard(m.group(1)) if m else None
 
 
 class Mamba2ForCausalLM(CausalLM):
@@ -169,7 +119,8 @@ class Mamba2ForCausalLM(CausalLM):
     }
     rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(renames=SSM_RENAMES, custom=Mamba2TPPlan)
+    # every mixer by head and group
+    parallel_plan = ssm_parallel_plan(mamba2_split(mamba_dims, 'num_heads', 'n_groups'))
 
     model_class = Mamba2Backbone
 

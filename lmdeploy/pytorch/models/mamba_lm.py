@@ -23,17 +23,15 @@ holds them, are dropped as ``transformers`` does (its norms have no weight).
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
 
 from ..cache_specs import LayerCacheSpec
 from .base import CausalLM
-from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, Mamba1TPSplit, mamba1_state_spec
-from .blocks.ssm_lm import SSM_RENAMES, SSMBackbone, rename_ssm_prefix
+from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, mamba1_split, mamba1_state_spec
+from .blocks.ssm_lm import SSMBackbone, rename_ssm_prefix, ssm_parallel_plan
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .parallel_plan import ParallelPlan
 
 __all__ = ['MambaForCausalLM', 'FalconMambaForCausalLM', 'check_config']
 
@@ -53,7 +51,7 @@ def check_config(config) -> None:
 
 def mamba_dims(config) -> Mamba1Dims:
     """The mixer sizes of a Mamba / FalconMamba config; this rank's channels in a
-    tensor-parallel local config (``mamba_tp_size``, set by :meth:`Mamba1TPPlan.local_config`)."""
+    tensor-parallel local config (``mamba_tp_size``, set by :func:`~.blocks.mamba1.mamba1_split`)."""
     eps = config.mixer_rms_eps if getattr(config, 'model_type', None) == 'falcon_mamba' else None
     full = Mamba1Dims(hidden_size=config.hidden_size, d_inner=int(config.intermediate_size),
                       state_size=config.state_size, dt_rank=int(config.time_step_rank),
@@ -70,7 +68,6 @@ class MambaBackbone(SSMBackbone):
         super().__init__(config, lambda config, layer_idx: Mamba1Mixer(mamba_dims(config), layer_idx))
 
 
-_MIXER = re.compile(r'^model\.layers\.\d+\.mixer\.(.+)$')
 _WEIGHTLESS = re.compile(r'\.mixer\.(b|c|dt)_layernorm\.weight$')
 
 
@@ -78,41 +75,6 @@ def _rename(name: str) -> str | None:
     if _WEIGHTLESS.search(name):
         return None
     return rename_ssm_prefix(name)
-
-
-class Mamba1TPPlan:
-    """How a Mamba-1 model splits over ``size`` tensor-parallel ranks: every mixer by channel
-    (:class:`~.blocks.mamba1.Mamba1TPSplit`; ``x_proj`` and ``out_proj`` row-parallel), the vocabulary
-    split of the embedding and ``lm_head`` generic; norms replicated.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``intermediate_size`` (names the field).
-    """
-
-    row_parallel = (('mixer', 'x_proj'), ('mixer', 'out_proj'))
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.size = config, size
-        self.mamba = Mamba1TPSplit(mamba_dims(config), rank, size, 'intermediate_size')
-
-    def local_config(self):
-        """A copy of the config that :func:`mamba_dims` divides by the TP size."""
-        c = copy.deepcopy(self.config)
-        c.mamba_tp_size = self.size
-        return c
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's ranges of the Mamba-1 state split."""
-        ranges = self.mamba.cache_ranges(split)
-        if ranges is None:
-            raise ValueError(f'CacheTensor.tp_split: mamba splits the Mamba-1 states only, not {split!r}')
-        return ranges
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` (after the renames) this rank reads,
-        or None (whole)."""
-        m = _MIXER.match(name)
-        return self.mamba.shard(m.group(1)) if m else None
 
 
 _MAMBA_FIELDS = {
@@ -167,7 +129,8 @@ class MambaForCausalLM(CausalLM):
     config_fields = dict(_MAMBA_FIELDS)
     rotary_class = None       # no positions at all
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan(renames=SSM_RENAMES, custom=Mamba1TPPlan)
+    # every mixer by channel (x_proj and out_proj row-parallel)
+    parallel_plan = ssm_parallel_plan(mamba1_split(mamba_dims, 'intermediate_size'))
 
     model_class = MambaBackbone
 

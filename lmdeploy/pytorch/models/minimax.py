@@ -17,7 +17,7 @@ softmax-routed MoE after each.
 The residual branches take the *normalised* input (the ``a`` factors multiply ``norm(x)``, not
 ``x``), with ``a`` / ``b`` = ``linear_attn_alpha_factor`` / ``_beta_factor`` or
 ``full_attn_alpha_factor`` / ``_beta_factor`` by layer kind and ``mlp_alpha_factor`` /
-``mlp_beta_factor``. Tensor parallelism splits both mixers by head (:class:`MiniMaxTPPlan`).
+``mlp_beta_factor``. Tensor parallelism splits both mixers by head (``lightning_split``, ``gqa_split``).
 
 Weight names: the published checkpoint's (``block_sparse_moe.gate``,
 ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down)) and transformers'
@@ -35,13 +35,14 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.lightning import CrossRankRMSNorm, LightningAttention, lightning_state_spec
+from .blocks.gqa import gqa_split
+from .blocks.lightning import LightningAttention, lightning_split, lightning_state_spec
 from .blocks.moe import GraniteMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT, MOE_FIELDS
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
-from .parallel_plan import ParallelPlan
+from .parallel_plan import Block, ParallelPlan
 
-__all__ = ['MiniMaxForCausalLM', 'MiniMaxTPPlan', 'check_config']
+__all__ = ['MiniMaxForCausalLM', 'check_config']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 
@@ -151,83 +152,6 @@ _RENAMES = [
     (re.compile(r'\.mlp\.gate\.weight$'), '.mlp.router.weight'),           # transformers -> ours
 ]
 
-_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|output_gate|norm|out_proj)'
-                   r'\.weight$')
-
-
-class MiniMaxTPPlan:
-    """How MiniMax-01 splits over ``size`` tensor-parallel ranks (Megatron-style): softmax
-    attention by head (``q_proj`` rows of the rank's query heads, ``k_proj`` / ``v_proj`` of its KV
-    heads, ``o_proj`` columns); lightning attention by head (``qkv_proj`` rows ``[h, 3d]`` of its
-    heads, ``output_gate`` rows and the output norm's weight of its heads' channels, ``out_proj``
-    columns), its state by head (``'v_heads'``) and its output norm summed over the ranks
-    (:class:`~.blocks.lightning.CrossRankRMSNorm`); the MoE is replicated.
-
-    Args:
-        config: the text config; rank, size: this rank and the tensor-parallel size.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``num_attention_heads`` or ``num_key_value_heads``.
-    """
-
-    row_parallel = (('self_attn', 'o_proj'), ('self_attn', 'out_proj'))
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        for field in ('num_attention_heads', 'num_key_value_heads'):
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-        q, kv = config.num_attention_heads // size, config.num_key_value_heads // size
-        self.q_heads, self.kv_heads = (rank * q, (rank + 1) * q), (rank * kv, (rank + 1) * kv)
-        self.head_dim = attention_head_dim(config)
-
-    def local_config(self):
-        """A copy of the config with this rank's head counts; ``head_dim`` fixed and
-        ``lightning_heads`` (first head, all heads) keeping the full model's decay rates."""
-        import copy
-        c = copy.deepcopy(self.config)
-        c.head_dim = self.head_dim
-        c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        c.lightning_heads = (self.q_heads[0], self.config.num_attention_heads)
-        return c
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``, its lightning heads for ``'v_heads'``.
-
-        Raises:
-            ValueError: another split name.
-        """
-        if split in ('kv_heads', 'v_heads'):
-            return (self.kv_heads if split == 'kv_heads' else self.q_heads,)
-        raise ValueError(f"CacheTensor.tp_split: MiniMax splits only 'kv_heads' and 'v_heads', not {split!r}")
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` this rank reads, or None (whole)."""
-        m = _ROWS.match(name)
-        if not m or int(m.group(1)) >= self.config.num_hidden_layers:
-            return None
-        d, part = self.head_dim, m.group(2)
-        (q0, q1), (k0, k1) = self.q_heads, self.kv_heads
-        if self.config.layer_types[int(m.group(1))] == LINEAR:
-            rows = {'qkv_proj': 3 * d, 'output_gate': d, 'norm': d}.get(part)
-            if rows is not None:
-                return 0, ((q0 * rows, q1 * rows),)
-            return (1, ((q0 * d, q1 * d),)) if part == 'out_proj' else None
-        if part == 'q_proj':
-            return 0, ((q0 * d, q1 * d),)
-        if part in ('k_proj', 'v_proj'):
-            return 0, ((k0 * d, k1 * d),)
-        return (1, ((q0 * d, q1 * d),)) if part == 'o_proj' else None
-
-    def attach_collectives(self, model, all_reduce) -> None:
-        """Give each lightning layer its output norm summed over the ranks."""
-        norm = CrossRankRMSNorm(all_reduce, self.config.num_attention_heads * self.head_dim)
-        for layer in model.model.layers:
-            if isinstance(layer.self_attn, LightningAttention):
-                layer.self_attn.cross_rank_norm = norm
-
-
 _DECAY_TABLES = re.compile(r'\.self_attn\.(slope_rate|query_decay|key_decay|diagonal_decay)$')
 
 
@@ -267,8 +191,11 @@ class MiniMaxForCausalLM(CausalLM):
         'mlp_beta_factor': IMPLEMENTED,
     }
     check_config = staticmethod(check_config)
-    # both mixers by head, the lightning norm summed over the ranks; MoE replicated (MiniMaxTPPlan)
-    parallel_plan = ParallelPlan(custom=MiniMaxTPPlan)
+    # both mixers by head (KV heads: the TP size must divide them), the lightning norm summed over
+    # the ranks; MoE replicated
+    parallel_plan = ParallelPlan(layers=lambda config: config.layer_types,
+                                 blocks={LINEAR: (Block(lightning_split, 'self_attn'),),
+                                         FULL: (Block(gqa_split(shared_kv=False), 'self_attn'),)})
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

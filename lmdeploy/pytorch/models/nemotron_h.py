@@ -27,7 +27,6 @@ engine follows the newer one.)
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
@@ -38,12 +37,12 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.mamba2 import (Mamba2Dims, Mamba2Mixer, Mamba2TPSplit, check_time_step_limit, local_groups,
-                     mamba2_state_spec)
+from .blocks.gqa import gqa_split
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_split, mamba2_state_spec
 from .blocks.moe import group_limited_route
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention
-from .parallel_plan import ParallelPlan
+from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention, mlp_split
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['NemotronHForCausalLM', 'NemotronHAttention', 'NemotronHMoE', 'check_config', 'mamba2_dims']
 
@@ -251,114 +250,6 @@ class NemotronHModel(nn.Module):
         return self.norm_f(hidden)
 
 
-_LAYER = re.compile(r'^model\.layers\.(\d+)\.mixer\.(.+)$')
-
-
-class NemotronHTPPlan:
-    """How Nemotron-H splits over ``size`` tensor-parallel ranks (Megatron-style).
-
-    Mamba-2 blocks by head and group (:class:`~.blocks.mamba2.Mamba2TPSplit`; fewer groups than ranks:
-    a group's ``B`` / ``C`` copied to the ranks of its heads, its norm all-reduced): ``in_proj`` rows,
-    ``conv1d`` channels, per-head parameters, ``norm`` channels, ``out_proj`` columns);
-    attention by query head (``q_proj`` rows, ``o_proj`` columns) and KV head (``k_proj`` /
-    ``v_proj`` rows; fewer KV heads than ranks are replicated, ``size / kv`` ranks sharing one);
-    dense MLPs by intermediate row (``up_proj`` rows, ``down_proj`` columns). MoE blocks are
-    replicated. Row-parallel outputs (``out_proj``, ``o_proj``, ``down_proj``) all-reduce.
-
-    Raises:
-        ValueError: ``size`` does not divide ``mamba_num_heads``, divides neither ``n_groups``
-            nor is a multiple of it,
-            ``num_attention_heads``, ``num_key_value_heads`` (or is not a multiple of it),
-            or ``intermediate_size`` (with dense MLP blocks).
-    """
-
-    row_parallel = (('mixer', 'out_proj'), ('mixer', 'o_proj'), ('mixer', 'down_proj'))
-
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        self.types = _block_types(config)
-        self.mamba = Mamba2TPSplit(mamba2_dims(config), rank, size, 'mamba_num_heads', 'n_groups') \
-            if MAMBA in self.types else None
-        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
-        self.q_heads = self.kv_heads = self.intermediate = (0, 0)
-        if ATTN in self.types:
-            self.q_heads = _even(config.num_attention_heads, rank, size, 'num_attention_heads')
-            kv = config.num_key_value_heads
-            if kv >= size:
-                self.kv_heads = _even(kv, rank, size, 'num_key_value_heads')
-            elif size % kv:
-                raise ValueError(f'num_key_value_heads ({kv}) must divide tp ({size}) when it is smaller')
-            else:
-                self.kv_heads = (rank * kv // size, rank * kv // size + 1)
-        if MLP in self.types:
-            self.intermediate = _even(config.intermediate_size, rank, size, 'intermediate_size')
-
-    def local_config(self):
-        """A copy of the config with this rank's head, group and intermediate counts."""
-        c = copy.deepcopy(self.config)
-        if self.mamba is not None:
-            c.mamba_num_heads = self.config.mamba_num_heads // self.size
-            c.n_groups = local_groups(self.config.n_groups, self.size)
-        if ATTN in self.types:
-            c.head_dim = self.head_dim
-            c.num_attention_heads = self.q_heads[1] - self.q_heads[0]
-            c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
-        if MLP in self.types:
-            c.intermediate_size = self.intermediate[1] - self.intermediate[0]
-        return c
-
-    def attach_collectives(self, model, all_reduce) -> None:
-        """Give each Mamba-2 mixer its cross-rank norm when its group spans ranks."""
-        norm = self.mamba.norm(all_reduce) if self.mamba is not None else None
-        for layer in model.model.layers:
-            if isinstance(getattr(layer, 'mixer', None), Mamba2Mixer):
-                layer.mixer.cross_rank_norm = norm
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KV heads for ``'kv_heads'``, its Mamba-2 ranges for the Mamba-2 splits.
-
-        Raises:
-            ValueError: another split name.
-        """
-        if split == 'kv_heads':
-            return (self.kv_heads,)
-        ranges = self.mamba.cache_ranges(split) if self.mamba is not None else None
-        if ranges is None:
-            raise ValueError(f'CacheTensor.tp_split: nemotron_h has no split {split!r}')
-        return ranges
-
-    def shard(self, name: str):
-        """``(dim, ranges)`` of checkpoint tensor ``name`` (after the plan's renames) this rank
-        reads, or None (the whole tensor)."""
-        m = _LAYER.match(name)
-        if not m:
-            return None
-        kind, part = self.types[int(m.group(1))], m.group(2)
-        if kind == MAMBA:
-            return self.mamba.shard(part)
-        d = self.head_dim
-        if kind == ATTN:
-            if part.startswith('q_proj.'):
-                return 0, ((self.q_heads[0] * d, self.q_heads[1] * d),)
-            if part.startswith(('k_proj.', 'v_proj.')):
-                return 0, ((self.kv_heads[0] * d, self.kv_heads[1] * d),)
-            if part == 'o_proj.weight':
-                return 1, ((self.q_heads[0] * d, self.q_heads[1] * d),)
-        if kind == MLP:
-            if part.startswith('up_proj.'):
-                return 0, (self.intermediate,)
-            if part == 'down_proj.weight':
-                return 1, (self.intermediate,)
-        return None
-
-
-def _even(total: int, rank: int, size: int, field: str) -> tuple[int, int]:
-    if total % size:
-        raise ValueError(f'{field} ({total}) must be divisible by tp ({size})')
-    per = total // size
-    return rank * per, (rank + 1) * per
-
-
 _RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'))
 _PER_EXPERT = re.compile(r'^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$')
 
@@ -447,8 +338,14 @@ class NemotronHForCausalLM(CausalLM):
     }
     rotary_class = None
     check_config = staticmethod(check_config)
-    # Mamba-2 by head and group, attention by head, dense MLPs by row; MoE replicated (NemotronHTPPlan)
-    parallel_plan = ParallelPlan(renames=_RENAMES, custom=NemotronHTPPlan)
+    # Mamba-2 blocks by head and group (fewer groups than ranks: a group's B / C copied to the ranks of its
+    # heads, its norm all-reduced), attention by head (fewer KV heads than ranks: size / kv ranks share one),
+    # dense MLPs by intermediate row (up_proj rows, down_proj columns); MoE blocks replicated
+    parallel_plan = ParallelPlan(
+        layers=_block_types, renames=_RENAMES,
+        blocks={MAMBA: (Block(mamba2_split(mamba2_dims, 'mamba_num_heads', 'n_groups', local_fields=True), 'mixer'),),
+                ATTN: (Block(gqa_split(), 'mixer'),),
+                MLP: (Block(mlp_split(up=('up_proj',)), 'mixer'),), MOE: ()})
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

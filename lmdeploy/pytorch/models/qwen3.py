@@ -15,8 +15,9 @@ from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS
 from .base import CausalLM
 from .blocks.attention import QKNormAttention
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .parallel_plan import ParallelPlan
+from .blocks.gqa import gqa_split
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, mlp_split
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Qwen3ForCausalLM']
 
@@ -99,7 +100,10 @@ class Qwen3ForCausalLM(CausalLM):
         'sliding_window': CHECKED,            # read for 'sliding_attention' layers, which are refused
     }
     check_config = staticmethod(check_config)
-    parallel_plan = ParallelPlan()        # heads, dense MLP and vocabulary split (Megatron-LM)
+    # attention by head, the dense MLP by rows (the vocabulary split is every plan's)
+    parallel_plan = ParallelPlan(layers=lambda config: [('attention', 'mlp')] * config.num_hidden_layers,
+                                 blocks={'attention': (Block(gqa_split(), 'self_attn'),),
+                                         'mlp': (Block(mlp_split(), 'mlp'),)})
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

@@ -28,7 +28,8 @@ from torch import nn
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.gated_delta_net import GatedDeltaNet, HybridDecoderLayer, check_hybrid_config, hybrid_cache_specs
+from .blocks.gated_delta_net import (HYBRID_BLOCKS, GatedDeltaNet, HybridDecoderLayer, check_hybrid_config,
+                                     hybrid_cache_specs, hybrid_layer_kinds)
 from .blocks.vision import check_image_spans
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import PackedLinear, RMSNorm, SwiGLUMLP
@@ -187,7 +188,7 @@ class Qwen3_5ForCausalLM(CausalLM):
     check_config = staticmethod(check_config)
     # as Qwen3-Next (flat Gated DeltaNet projections); checkpoint names under
     # model.language_model.* read as model.*; the dense model's mtp.* head is not run (unread)
-    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True,
+    parallel_plan = ParallelPlan(layers=lambda config: hybrid_layer_kinds(config, dense=True), blocks=HYBRID_BLOCKS,
                                  renames=(('model.language_model.', 'model.'),), skipped=('mtp.',))
 
     @staticmethod
@@ -245,8 +246,9 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     }
 
     # the vision tower runs on rank 0 only (its output is broadcast with the step)
-    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, renames=(('model.language_model.', 'model.'),),
-                                 skipped=('mtp.',), rank0_only=('model.visual.',), rank0_modules=('visual',))
+    parallel_plan = ParallelPlan(layers=lambda config: hybrid_layer_kinds(config, dense=True), blocks=HYBRID_BLOCKS,
+                                 renames=(('model.language_model.', 'model.'),), skipped=('mtp.',),
+                                 rank0_only=('model.visual.',), rank0_modules=('visual',))
 
     @staticmethod
     def check_config(config) -> None:

@@ -20,8 +20,11 @@ The multi-token-prediction head (``mtp.*``) is :class:`Qwen3_5MoeMTP`: the Qwen3
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .blocks.moe import SparseMoeBlock, load_expert_tensor
-from .blocks.mtp import DecoderLayerMTP
+from .blocks.gated_delta_net import FULL, HYBRID_BLOCKS, MOE, hybrid_layer_kinds
+from .blocks.mtp import MTP_PREFIX, DecoderLayerMTP
 from .config_audit import MOE_FIELDS
 from .parallel_plan import ParallelPlan
 from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextModel
@@ -72,7 +75,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     # the router always renormalises its top-k: no norm_topk_prob / decoder_sparse_step / mlp_only_layers
     config_fields = {**Qwen3_5ForCausalLM.config_fields, **MOE_FIELDS}
     # MoE in every layer (replicated, no dense MLP to split); its mtp.* head is read
-    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=lambda config: False,
+    parallel_plan = ParallelPlan(layers=lambda config: hybrid_layer_kinds(config, dense=False), blocks=HYBRID_BLOCKS,
+                                 extra_layers=lambda config: [(f'{MTP_PREFIX}layers.0.', (FULL, MOE))],
                                  renames=(('model.language_model.', 'model.'),))
 
 
@@ -92,6 +96,6 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     load_tensor = staticmethod(load_expert_tensor)
     mtp_head = 'qwen3_5_moe:Qwen3_5MoeMTP'      # the checkpoint's mtp.* head (speculative decoding)
     config_fields = {**Qwen3_5ForConditionalGeneration.config_fields, **MOE_FIELDS}
-    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=lambda config: False,
-                                 renames=(('model.language_model.', 'model.'),), rank0_only=('model.visual.',),
-                                 rank0_modules=('visual',))
+    # the text model's plan; the vision tower runs on rank 0 only
+    parallel_plan = replace(Qwen3_5MoeForCausalLM.parallel_plan, rank0_only=('model.visual.',),
+                            rank0_modules=('visual',))

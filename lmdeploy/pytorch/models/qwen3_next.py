@@ -24,7 +24,9 @@ from torch import nn
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.gated_delta_net import HybridDecoderLayer, check_hybrid_config, hybrid_cache_specs
+from .blocks.gated_delta_net import (DENSE, FULL, HYBRID_BLOCKS, MOE, HybridDecoderLayer, check_hybrid_config,
+                                     hybrid_cache_specs, hybrid_layer_kinds)
+from .blocks.mtp import MTP_PREFIX
 from .blocks.moe import SparseMoeBlock, load_expert_tensor
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
@@ -121,7 +123,10 @@ class Qwen3NextForCausalLM(CausalLM):
     }
     check_config = staticmethod(check_config)
     # gated q_proj, Gated DeltaNet by key head, dense MLPs split, MoE blocks replicated
-    parallel_plan = ParallelPlan(gated_q=True, gated_delta_net=True, dense_mlp=has_dense_mlp)
+    # (the MTP head's layer splits as the target's attention and MLP layers)
+    parallel_plan = ParallelPlan(
+        layers=lambda config: hybrid_layer_kinds(config, has_dense_mlp(config)), blocks=HYBRID_BLOCKS,
+        extra_layers=lambda config: [(f'{MTP_PREFIX}layers.0.', (FULL, DENSE if has_dense_mlp(config) else MOE))])
 
     mtp_head = 'qwen3_next_mtp:Qwen3NextMTP'      # the checkpoint's mtp.* head (speculative decoding)
 

@@ -12,7 +12,12 @@ from torch import nn
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, RMSNorm, apply_rotary, attention
 
-__all__ = ['QKNormAttention']
+__all__ = ['QKNormAttention', 'attention_head_dim']
+
+
+def attention_head_dim(config) -> int:
+    """``head_dim``, or ``hidden_size // num_attention_heads`` when the config has none."""
+    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
 
 
 class QKNormAttention(nn.Module):

@@ -6,6 +6,11 @@ the config checks and the cache spec of each layer::
                             [num_v_heads, k_head_dim, v_head_dim] (float32), one slot per sequence
     full_attention layer:   K/V per token in paged blocks
 
+Tensor parallelism (:func:`gdn_split`): heads split by *key* head. Key head ``k`` serves value
+heads ``[k*r, (k+1)*r)`` (``r = Hv / Hk``), so a rank's value heads, its slice of the recurrent
+state ``[Hv/N, dk, dv]`` and its conv channels follow from its key heads. :data:`HYBRID_BLOCKS`
+composes the Qwen hybrids' layers (gated attention, Gated DeltaNet, dense MLP, replicated MoE).
+
 Invariant: a sequence with ``history_len == 0`` starts from a zero state whatever its slot
 holds; after a forward the slot holds the state after exactly ``kv_seqlen`` tokens.
 """
@@ -18,13 +23,61 @@ from torch import nn
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
-from ..layers import Linear, PackedLinear, RMSNorm
-from .attention import QKNormAttention
+from ..layers import Linear, PackedLinear, RMSNorm, mlp_split
+from ..parallel_plan import Axis, Block, BlockSplit, Piece, cols, rows
+from .attention import QKNormAttention, attention_head_dim
+from .gqa import gqa_split
 
 __all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer', 'attention_head_dim', 'check_hybrid_config',
-           'hybrid_cache_specs']
+           'hybrid_cache_specs', 'gdn_split', 'hybrid_layer_kinds', 'HYBRID_BLOCKS', 'DENSE', 'MOE']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
+DENSE, MOE = 'dense', 'moe'      # a layer's MLP kind (ParallelPlan layer kinds)
+
+
+def gdn_split(config, size: int) -> BlockSplit:
+    """The tensor-parallel split of a Gated DeltaNet layer (a split factory; see the module
+    docstring): axes ``k_heads`` (``linear_num_key_heads``) and ``v_heads``
+    (``linear_num_value_heads``), both set to the rank's count in the local config.
+
+    Qwen3-Next groups ``in_proj_qkvz`` / ``in_proj_ba`` per key head (one contiguous range);
+    Qwen3.5's flat ``in_proj_qkv`` is ``[q all | k all | v all]`` like the conv channels (three
+    ranges), ``in_proj_z`` ``[Hv * dv]`` and ``in_proj_b`` / ``in_proj_a`` ``[Hv]`` follow the
+    value heads; Lara-4-Mini's ``in_proj`` fuses those four, rows ``[q | k | v | z | b | a]``
+    (``conv_dim + Hv*dv + 2*Hv``), so a rank reads the same rows of each part (six ranges);
+    ``dt_bias`` / ``A_log`` by value head; ``out_proj`` columns (row-parallel). Cache splits:
+    ``v_heads`` (recurrent state) and ``conv_channels`` (the q | k | v pieces).
+    """
+    dk, dv, hk = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_num_key_heads
+    hv = config.linear_num_value_heads
+    r, key_dim = hv // hk, hk * dk
+    channels = (Piece('k_heads', dk), Piece('k_heads', dk, key_dim), Piece('v_heads', dv, 2 * key_dim))
+    z0 = 2 * key_dim + hv * dv            # the fused in_proj's z rows start after q | k | v (conv_dim)
+    b0 = z0 + hv * dv
+    fused = channels + (Piece('v_heads', dv, z0), Piece('v_heads', 1, b0), Piece('v_heads', 1, b0 + hv))
+    return BlockSplit(
+        (Axis('k_heads', hk, 'linear_num_key_heads', 'linear_num_key_heads'),
+         Axis('v_heads', hv, 'linear_num_value_heads', 'linear_num_value_heads')),
+        (rows('in_proj_qkvz.weight', Piece('k_heads', 2 * dk + 2 * r * dv)),
+         rows('in_proj_ba.weight', Piece('k_heads', 2 * r)),
+         rows(('conv1d.weight', 'in_proj_qkv.weight'), *channels),
+         rows('in_proj_z.weight', Piece('v_heads', dv)),
+         rows('in_proj.weight', *fused),
+         rows(('dt_bias', 'A_log', 'in_proj_b.weight', 'in_proj_a.weight'), Piece('v_heads')),
+         cols('out_proj.weight', Piece('v_heads', dv))),
+        row_parallel=('out_proj',), caches=(('v_heads', (Piece('v_heads'),)), ('conv_channels', channels)))
+
+
+def hybrid_layer_kinds(config, dense: bool) -> list[tuple[str, str]]:
+    """Each layer's kinds for :data:`HYBRID_BLOCKS`: its ``layer_types`` entry and its MLP kind
+    (``dense``: the dense MLPs split; else every MLP is replicated, as MoE)."""
+    return [(t, DENSE if dense else MOE) for t in config.layer_types]
+
+
+#: the Qwen hybrids' layer kinds -> blocks: gated attention by head, Gated DeltaNet by key head,
+#: a dense MLP by intermediate rows, MoE (experts, router, shared expert) replicated
+HYBRID_BLOCKS = {FULL: (Block(gqa_split(gated=True), 'self_attn'),), LINEAR: (Block(gdn_split, 'linear_attn'),),
+                 DENSE: (Block(mlp_split(), 'mlp'),), MOE: ()}
 
 
 def check_hybrid_config(config) -> None:
@@ -44,11 +97,6 @@ def check_hybrid_config(config) -> None:
                          f'linear_num_key_heads ({config.linear_num_key_heads})')
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
-
-
-def attention_head_dim(config) -> int:
-    """``head_dim``, or ``hidden_size // num_attention_heads`` when the config has none."""
-    return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
 
 
 class GatedRMSNorm(nn.Module):

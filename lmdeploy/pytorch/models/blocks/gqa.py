@@ -1,15 +1,60 @@
 """The packed grouped-query projections the hybrids' attention layers share (Bamba, Falcon-H1,
 Granite-4.0-H, Granite-MoE-SWA): ``q_proj`` / ``k_proj`` / ``v_proj`` packed into one matmul, and
-``o_proj``. A family subclasses :class:`GQAProjections` and keeps its own scale, RoPE and kernel."""
+``o_proj``. A family subclasses :class:`GQAProjections` and keeps its own scale, RoPE and kernel.
+
+:func:`gqa_split` is the tensor-parallel split of every grouped-query attention block (these
+and Qwen's, Nemotron-H's, Jamba's, LFM2's): query heads and KV heads by head (column-parallel
+``q_proj`` / ``k_proj`` / ``v_proj`` rows, row-parallel ``o_proj`` columns); the K/V cache
+(``tp_split='kv_heads'``) holds the rank's KV heads."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from ..layers import Linear, PackedLinear
-from .gated_delta_net import attention_head_dim
+from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
+from .attention import attention_head_dim
 
-__all__ = ['GQAProjections']
+__all__ = ['GQAProjections', 'gqa_split']
+
+
+def gqa_split(*, gated: bool = False, shared_kv: bool = True, o: str = 'o_proj', sinks: bool = False,
+              head_gate: tuple[str, ...] = ()):
+    """The tensor-parallel split of grouped-query attention, as a split factory.
+
+    Args:
+        gated: ``q_proj`` emits ``2 * head_dim`` rows per head (query and output gate).
+        shared_kv: fewer KV heads than ranks are allowed when they divide the TP size
+            (``size / kv`` ranks hold a copy of one); False: the TP size must divide them.
+        o: the output projection's name (``o_proj``; LFM2's ``out_proj``).
+        sinks: a ``sinks`` tensor of one entry per query head (split with them).
+        head_gate: the names (spellings) of an output gate's projection with one row per query
+            head (LFM3's ``gate_proj`` / ``g_proj``): its rows of the rank's query heads.
+
+    Returns:
+        ``(config, size) -> BlockSplit``: axes ``q_heads`` (``num_attention_heads``) and
+        ``kv_heads`` (``num_key_value_heads``), both set to the rank's count in the local config
+        with ``head_dim`` explicit (:func:`attention_head_dim`, elements); ``q_proj`` rows (its
+        biases too), ``k_proj`` / ``v_proj`` rows, ``o`` weight columns (its bias whole); the
+        cache split ``kv_heads``.
+    """
+
+    def split(config, size: int) -> BlockSplit:
+        d = attention_head_dim(config)
+        axes = (Axis('q_heads', config.num_attention_heads, 'num_attention_heads', 'num_attention_heads'),
+                Axis('kv_heads', config.num_key_value_heads, 'num_key_value_heads', 'num_key_value_heads',
+                     shared=shared_kv))
+        tensors = (rows('q_proj', Piece('q_heads', 2 * d if gated else d)),
+                   rows(('k_proj', 'v_proj'), Piece('kv_heads', d)),
+                   cols(f'{o}.weight', Piece('q_heads', d)))
+        if sinks:
+            tensors += (rows('sinks', Piece('q_heads')),)
+        if head_gate:
+            tensors += (rows(head_gate, Piece('q_heads')),)
+        return BlockSplit(axes, tensors, row_parallel=(o,), caches=(('kv_heads', (Piece('kv_heads'),)),),
+                          config=(('head_dim', d),))
+
+    return split
 
 
 class GQAProjections(nn.Module):

@@ -11,8 +11,6 @@ all four split by head under tensor parallelism (``tp_split='v_heads'``).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -20,8 +18,9 @@ from ...cache_specs import CacheTensor, StateSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear
+from ..parallel_plan import Axis, BlockSplit, Piece, TensorSplit, cols, rows
 
-__all__ = ['KimiDeltaAttention', 'SigmoidGatedRMSNorm', 'KDATPSplit', 'kda_state_spec']
+__all__ = ['KimiDeltaAttention', 'SigmoidGatedRMSNorm', 'kda_split', 'kda_state_spec']
 
 
 def kda_state_spec(config, dtype: torch.dtype) -> StateSpec:
@@ -113,69 +112,43 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(self.o_norm(o, self.g_b_proj(ga).view(T, H, d)).reshape(T, -1))
 
 
-_KDA_ROWS = re.compile(r'^model\.layers\.(\d+)\.self_attn\.(?:forget_gate\.)?'
-                       r'(q_proj|k_proj|v_proj|q_conv1d|k_conv1d|v_conv1d|conv1d|f_b_proj|g_b_proj|f_proj|g_proj|'
-                       r'b_proj|dt_bias|A_log|o_proj)(?:\.weight)?$')
+def kda_split(*, a_log_dim: int = 2, full_rank_gates: bool = False, o: str | tuple[str, ...] = 'o_proj'):
+    """The tensor-parallel split of a KDA layer (Megatron-style, by head), as a split factory.
 
-
-class KDATPSplit:
-    """How a stack of KDA layers and attention layers splits over ``size`` tensor-parallel
-    ranks (Megatron-style); a family's plan derives from it and adds its attention rows.
-
-    KDA: by head — ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj`` (or the full-rank
-    ``f_proj`` / ``g_proj``), ``dt_bias`` rows of the rank's heads, ``b_proj`` rows and ``A_log``
-    entries of its heads (dimension :attr:`a_log_dim` of the checkpoint tensor), ``o_proj``
-    columns (row-parallel, all-reduce); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) replicated. Its four state
-    tensors hold the rank's heads (``tp_split='v_heads'``). The rank's query heads of the
-    attention layers are :attr:`q_heads`.
+    Axis ``kda_heads`` (``linear_num_heads``, set to the rank's count in the local config).
+    ``q/k/v_proj``, their convs, ``f_b_proj``, ``g_b_proj`` (or, with ``full_rank_gates``, the
+    full-rank ``f_proj`` / ``g_proj``; under ``forget_gate.`` in transformers' names) and
+    ``dt_bias`` rows of the rank's heads, ``conv1d`` (transformers' stacked q | k | v) in three
+    pieces, ``b_proj`` rows and ``A_log`` entries of its heads, ``o_proj`` columns
+    (row-parallel); ``f_a_proj`` / ``g_a_proj`` (rank ``head_dim``) whole. Its four state
+    tensors hold the rank's heads (``tp_split='v_heads'``).
 
     Args:
-        config: the text config (``linear_num_heads``, ``linear_head_dim``,
-            ``num_attention_heads``, ``layer_types``).
-        rank, size: this rank and the tensor-parallel size.
-
-    Raises:
-        ValueError: ``tp`` does not divide ``linear_num_heads`` or ``num_attention_heads``.
+        a_log_dim: the head dimension of the checkpoint's ``A_log`` (transformers' / the
+            published Kimi-Linear ``[1, 1, H, 1]``: 2; GLM-5.3-Flash's and Ling 3's ``[H]``: 0).
+        full_rank_gates: the layer's gates are ``f_proj`` / ``g_proj`` (``hidden -> H * d``,
+            Ling 3; ``KimiDeltaAttention(low_rank_gates=False)``).
+        o: the checkpoint name(s) of the output projection (Ling 3's published ``dense``); the
+            module is ``o_proj`` whatever the spelling.
     """
+    o_names = (o,) if isinstance(o, str) else tuple(o)
+    gates = ('f_proj', 'g_proj') if full_rank_gates else ('f_b_proj', 'g_b_proj')
 
-    row_parallel = (('self_attn', 'o_proj'),)
-    a_log_dim = 2        # transformers' / the published Kimi-Linear A_log is [1, 1, H, 1]
+    def split(config, size: int) -> BlockSplit:
+        d, D = config.linear_head_dim, config.linear_num_heads * config.linear_head_dim
 
-    def __init__(self, config, rank: int, size: int):
-        self.config, self.rank, self.size = config, rank, size
-        for field in ('linear_num_heads', 'num_attention_heads'):
-            if getattr(config, field) % size:
-                raise ValueError(f'{field} ({getattr(config, field)}) must be divisible by tp ({size})')
-        per = config.linear_num_heads // size
-        self.heads = (rank * per, (rank + 1) * per)
-        q_per = config.num_attention_heads // size
-        self.q_heads = (rank * q_per, (rank + 1) * q_per)
+        def names(*parts):
+            return tuple(f'{g}{p}.weight' for p in parts for g in ('', 'forget_gate.'))
 
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...]:
-        """The rank's KDA heads for ``'v_heads'`` (attention caches are not split).
+        h = Piece('kda_heads', d)
+        return BlockSplit(
+            (Axis('kda_heads', config.linear_num_heads, 'linear_num_heads', 'linear_num_heads'),),
+            (rows(names('q_proj', 'k_proj', 'v_proj', 'q_conv1d', 'k_conv1d', 'v_conv1d', *gates)
+                  + ('dt_bias', 'forget_gate.dt_bias'), h),
+             rows(names('conv1d'), *(Piece('kda_heads', d, i * D) for i in range(3))),
+             rows(names('b_proj'), Piece('kda_heads')),
+             TensorSplit(('A_log', 'forget_gate.A_log'), a_log_dim, (Piece('kda_heads'),)),
+             cols(names(*o_names), h)),
+            row_parallel=('o_proj',), caches=(('v_heads', (Piece('kda_heads'),)),))
 
-        Raises:
-            ValueError: another split name.
-        """
-        if split == 'v_heads':
-            return (self.heads,)
-        raise ValueError(f"CacheTensor.tp_split: a KDA model splits only 'v_heads', not {split!r}")
-
-    def kda_shard(self, name: str):
-        """``(dim, ranges)`` of a KDA layer's checkpoint tensor ``name`` this rank reads; None
-        for a tensor that is not a KDA layer's split one."""
-        c = self.config
-        m = _KDA_ROWS.match(name)
-        if not m or c.layer_types[int(m.group(1))] != 'linear_attention':
-            return None
-        part, d, D = m.group(2), c.linear_head_dim, c.linear_num_heads * c.linear_head_dim
-        (h0, h1) = self.heads
-        if part == 'conv1d':                # transformers stacks q | k | v
-            return 0, tuple((i * D + h0 * d, i * D + h1 * d) for i in range(3))
-        if part == 'b_proj':
-            return 0, ((h0, h1),)
-        if part == 'A_log':
-            return self.a_log_dim, ((h0, h1),)
-        if part == 'o_proj':
-            return 1, ((h0 * d, h1 * d),)
-        return 0, ((h0 * d, h1 * d),)
+    return split

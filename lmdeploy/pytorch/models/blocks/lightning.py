@@ -10,9 +10,9 @@ No convolution precedes it, so that is the whole state. The decay rates are not 
 1e-5) + 1e-5)``, computed in float32 exactly as ``transformers`` does. The recurrence is the
 registry's ``lightning_attention_varlen`` (:mod:`lmdeploy.pytorch.kernels.lightning_attention`).
 
-Under tensor parallelism a rank holds a range of heads (the state splits as ``'v_heads'``): its
-config's ``lightning_heads = (first head, all heads)`` keeps the decay rates those of the full
-model, and the output norm, which spans every head, sums its squares over the ranks
+Under tensor parallelism (:func:`lightning_split`) a rank holds a range of heads (the state
+splits as ``'v_heads'``): the split's collective gives each layer its heads' decay rates of the
+full model, and the output norm, which spans every head, sums its squares over the ranks
 (:class:`CrossRankRMSNorm`).
 """
 from __future__ import annotations
@@ -25,9 +25,10 @@ from ...cache_specs import CacheTensor, StateSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, RMSNorm
+from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
 from .gated_delta_net import attention_head_dim
 
-__all__ = ['LightningAttention', 'CrossRankRMSNorm', 'lightning_state_spec', 'lightning_slopes']
+__all__ = ['LightningAttention', 'CrossRankRMSNorm', 'lightning_split', 'lightning_state_spec', 'lightning_slopes']
 
 # tokens per chunk of the torch chunked form (the result does not depend on it beyond rounding)
 CHUNK_SIZE = 64
@@ -75,12 +76,14 @@ class LightningAttention(nn.Module):
 
     Args:
         config: HF ``MiniMaxConfig`` (``hidden_size``, ``num_attention_heads``, ``head_dim`` or
-            none, ``num_hidden_layers``; a rank's local config also ``lightning_heads``).
+            none, ``num_hidden_layers``).
         layer_idx: the layer's index (its decay rates) and its index into
             ``StepContext.state_caches`` (``(recurrent,)``).
 
     Attributes:
-        cross_rank_norm: None, or the :class:`CrossRankRMSNorm` a tensor-parallel plan attaches.
+        slopes: the decay rates ``[H]`` float32 of the layer's heads (CPU).
+        cross_rank_norm: None, or the :class:`CrossRankRMSNorm` a tensor-parallel plan attaches
+            (:meth:`hold_heads`).
     """
 
     def __init__(self, config, layer_idx: int):
@@ -94,11 +97,20 @@ class LightningAttention(nn.Module):
         self.out_proj = Linear(D, config.hidden_size, bias=False)
         # a plain CPU attribute, not a buffer: real values even when the model is built on the
         # meta device (neither ``to_empty`` nor a dtype cast touches it)
-        first, total = getattr(config, 'lightning_heads', (0, self.num_heads))
+        self.num_layers = config.num_hidden_layers
         with torch.device('cpu'):
-            self.slopes = lightning_slopes(total, layer_idx, config.num_hidden_layers)[first:first + self.num_heads]
+            self.slopes = lightning_slopes(self.num_heads, layer_idx, self.num_layers)
         self._on_device: dict[torch.device, torch.Tensor] = {}
         self.cross_rank_norm = None
+
+    def hold_heads(self, first: int, total: int, all_reduce) -> None:
+        """Make this layer heads ``[first, first + H)`` of a full layer of ``total`` heads: their
+        decay rates (a function of the head's index among all heads) and the output norm summed
+        over the ranks (``all_reduce`` sums a tensor over them)."""
+        with torch.device('cpu'):
+            self.slopes = lightning_slopes(total, self.layer_idx, self.num_layers)[first:first + self.num_heads]
+        self._on_device.clear()
+        self.cross_rank_norm = CrossRankRMSNorm(all_reduce, total * self.head_dim)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
@@ -113,3 +125,26 @@ class LightningAttention(nn.Module):
         o = o.reshape(T, H * d).to(hidden.dtype)
         o = self.norm(o) if self.cross_rank_norm is None else self.cross_rank_norm(o, self.norm.weight, self.norm.eps)
         return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * o)
+
+
+def lightning_split(config, size: int) -> BlockSplit:
+    """The tensor-parallel split of a lightning-attention layer by head (a split factory).
+
+    Axis ``q_heads`` (``num_attention_heads``, set to the rank's count in the local config, with
+    ``head_dim`` explicit); ``qkv_proj`` rows ``[h, 3d]`` of the rank's heads, ``output_gate``
+    rows and the output norm's weight of its heads' channels, ``out_proj`` columns
+    (row-parallel); the state by head (``'v_heads'``). Its collective gives each layer the full
+    model's decay rates of its heads and the norm summed over the ranks
+    (:meth:`LightningAttention.hold_heads`).
+    """
+    total, d = config.num_attention_heads, attention_head_dim(config)
+
+    def collective(module, part, all_reduce) -> None:
+        module.hold_heads(part('q_heads')[0], total, all_reduce)
+
+    h = Piece('q_heads', d)
+    return BlockSplit((Axis('q_heads', total, 'num_attention_heads', 'num_attention_heads'),),
+                      (rows('qkv_proj.weight', Piece('q_heads', 3 * d)), rows(('output_gate.weight', 'norm.weight'), h),
+                       cols('out_proj.weight', h)),
+                      row_parallel=('out_proj',), caches=(('v_heads', (Piece('q_heads'),)),),
+                      config=(('head_dim', d),), collective=collective)

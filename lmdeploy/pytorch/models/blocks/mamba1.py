@@ -21,7 +21,7 @@ layer never looks at the device.
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
 ``A_log``, ``D``, ``out_proj``; Jamba's ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``).
-Under tensor parallelism (:class:`Mamba1TPSplit`) a rank holds ``D / size`` channels: its rows of
+Under tensor parallelism (:func:`mamba1_split`) a rank holds ``D / size`` channels: its rows of
 ``in_proj`` (``x`` and ``z``), ``conv1d``, ``dt_proj``, ``A_log``, ``D``; its columns of ``x_proj``
 and ``out_proj``, both row-parallel (summed over ranks): ``dt_low``, ``B`` and ``C`` mix every
 channel, so every rank gets the full sum before the dt / B / C norms and ``dt_proj``.
@@ -39,10 +39,11 @@ from ...cache_specs import CacheTensor, StateSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, RMSNorm
+from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
 
-__all__ = ['Mamba1Dims', 'Mamba1Mixer', 'Mamba1TPSplit', 'mamba1_state_spec', 'CHANNEL_SPLIT']
+__all__ = ['Mamba1Dims', 'Mamba1Mixer', 'mamba1_split', 'mamba1_state_spec', 'CHANNEL_SPLIT']
 
-# CacheTensor.tp_split name of both state tensors (the rank's channel range, Mamba1TPSplit.cache_ranges)
+# CacheTensor.tp_split name of both state tensors (the rank's channel range: mamba1_split)
 CHANNEL_SPLIT = 'mamba1_channels'
 
 
@@ -144,47 +145,29 @@ class Mamba1Mixer(nn.Module):
         return self.out_proj((y * F.silu(z.float())).to(hidden.dtype))
 
 
-class Mamba1TPSplit:
-    """Which rows (or columns) of a Mamba-1 layer's tensors one rank reads, and its state ranges:
-    channels ``[c0, c1)`` of ``D / size``.
+def mamba1_split(dims_of, field: str = 'intermediate_size'):
+    """The tensor-parallel split of a Mamba-1 layer, as a split factory: a rank holds channels
+    ``[c0, c1)`` of ``D / size`` (axis ``mamba_channels``).
 
     ``in_proj`` rows of its ``x`` and ``z`` channels; ``conv1d``, ``dt_proj`` (weight and bias),
     ``A_log``, ``D`` rows of its channels; ``x_proj`` and ``out_proj`` weight columns (both
-    row-parallel: the layout sums their outputs over ranks); ``out_proj.bias`` and Jamba's
-    ``dt_layernorm`` / ``b_layernorm`` / ``c_layernorm`` whole.
+    row-parallel); ``out_proj.bias`` and Jamba's ``dt_layernorm`` / ``b_layernorm`` /
+    ``c_layernorm`` whole. Both state tensors hold its channels (:data:`CHANNEL_SPLIT`); the local
+    config sets ``mamba_tp_size`` (``dims_of`` divides by it).
 
     Args:
-        dims: the full (single-process) dims.
-        rank, size: this rank, the TP size.
-        field: the config field the error names.
-
-    Raises:
-        ValueError: ``size`` does not divide ``d_inner`` (names ``field``).
+        dims_of: ``config -> Mamba1Dims`` of the full model (the family's dims reader).
+        field: the config field (or expression) of ``D`` named by errors.
     """
 
-    def __init__(self, dims: Mamba1Dims, rank: int, size: int, field: str = 'intermediate_size'):
-        if dims.d_inner % size:
-            raise ValueError(f'{field} ({dims.d_inner}) must be divisible by tp ({size}): a rank holds whole '
-                             f'Mamba channels')
-        self.dims, self.rank, self.size = dims, rank, size
-        c = dims.d_inner // size
-        self.channels = (rank * c, (rank + 1) * c)
+    def split(config, size: int) -> BlockSplit:
+        D = dims_of(config).d_inner
+        c = Piece('mamba_channels')
+        return BlockSplit((Axis('mamba_channels', D, field, why='a rank holds whole Mamba channels'),),
+                          (rows('in_proj', c, Piece('mamba_channels', 1, D)),
+                           rows(('conv1d', 'dt_proj', 'A_log', 'D'), c),
+                           cols(('x_proj.weight', 'out_proj.weight'), c)),
+                          row_parallel=('x_proj', 'out_proj'), caches=((CHANNEL_SPLIT, (c,)),),
+                          config=(('mamba_tp_size', size),))
 
-    def shard(self, part: str) -> tuple[int, tuple[tuple[int, int], ...]] | None:
-        """``(dim, ranges)`` of the layer's checkpoint tensor ``part`` (``'in_proj.weight'``,
-        ``'x_proj.weight'``, ``'A_log'`` ...) this rank reads; None for a tensor every rank reads
-        whole (``out_proj.bias``)."""
-        c0, c1 = self.channels
-        Di = self.dims.d_inner
-        module = part.split('.')[0]
-        if module == 'in_proj':
-            return 0, ((c0, c1), (Di + c0, Di + c1))
-        if module in ('conv1d', 'dt_proj', 'A_log', 'D'):
-            return 0, ((c0, c1),)
-        if part in ('x_proj.weight', 'out_proj.weight'):
-            return 1, ((c0, c1),)
-        return None
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...] | None:
-        """The rank's channel range for :data:`CHANNEL_SPLIT`, or None for another split name."""
-        return (self.channels,) if split == CHANNEL_SPLIT else None
+    return split

@@ -17,7 +17,7 @@ registry (``causal_conv1d_varlen``, ``mamba2_ssd_varlen``, ``grouped_gated_rms_n
 layer never looks at the device.
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
-``norm``, ``out_proj``). Under tensor parallelism (:class:`Mamba2TPSplit`) a rank holds whole
+``norm``, ``out_proj``). Under tensor parallelism (:func:`mamba2_split`) a rank holds whole
 heads. With ``G`` divisible by the TP size it also holds whole groups; with the TP size a
 multiple of ``G`` (Granite-4.0-H: ``G = 1``) a group's heads span ``size / G`` ranks, each of
 which holds a copy of the group's ``B`` / ``C`` rows and conv channels, and the group's norm
@@ -35,11 +35,12 @@ from ...cache_specs import CacheTensor, StateSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear
+from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
 
-__all__ = ['Mamba2Dims', 'Mamba2Mixer', 'Mamba2TPSplit', 'CrossRankGroupNorm', 'check_time_step_limit',
+__all__ = ['Mamba2Dims', 'Mamba2Mixer', 'mamba2_split', 'CrossRankGroupNorm', 'check_time_step_limit',
            'mamba2_state_spec']
 
-# CacheTensor.tp_split names of the two state tensors (ranges from Mamba2TPSplit.cache_ranges)
+# CacheTensor.tp_split names of the two state tensors (their ranges: mamba2_split)
 CONV_SPLIT, HEAD_SPLIT = 'mamba_conv_channels', 'mamba_heads'
 
 
@@ -141,7 +142,7 @@ class Mamba2Mixer(nn.Module):
 
     Attributes:
         cross_rank_norm: None, or the :class:`CrossRankGroupNorm` the tensor-parallel layout
-            sets (through the plan's ``attach_collectives``) when this rank's group spans ranks.
+            sets (through :func:`mamba2_split`'s collective) when this rank's group spans ranks.
     """
 
     def __init__(self, dims: Mamba2Dims, layer_idx: int):
@@ -189,91 +190,61 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(hidden.dtype))
 
 
-class Mamba2TPSplit:
-    """Which rows of a Mamba-2 layer's tensors one rank reads, and its state ranges.
+def mamba2_split(dims_of, heads_field: str = 'num_heads', groups_field: str = 'n_groups', *,
+                 local_fields: bool = False, refuse_shared_groups=None):
+    """The tensor-parallel split of a Mamba-2 layer (Megatron-style), as a split factory.
 
-    A rank holds heads ``[h0, h1)`` (``H / size``) and groups ``[g0, g1)``: ``in_proj`` rows of
-    its ``z``, ``x``, ``B``, ``C`` and ``dt`` pieces; ``conv1d`` rows of its ``x | B | C``
-    channels; ``dt_bias``, ``A_log``, ``D`` of its heads; ``norm`` of its channels; ``out_proj``
-    columns (row-parallel: the layout all-reduces its output). Two cases:
+    A rank holds heads ``[h0, h1)`` (``H / size``, axis ``mamba_heads``) and groups ``[g0, g1)``
+    (axis ``mamba_groups``): ``in_proj`` rows of its ``z``, ``x``, ``B``, ``C`` and ``dt``
+    pieces; ``conv1d`` rows of its ``x | B | C`` channels; ``dt_bias``, ``A_log``, ``D`` of its
+    heads; ``norm`` of its channels; ``out_proj`` columns (row-parallel, its bias whole). Two
+    cases:
 
     - ``size`` divides ``G``: ``G / size`` whole groups; the grouped norm needs no communication.
-    - ``size`` is a multiple of ``G``: the one group its heads belong to, ``g0 = h0 / (H / G)``;
-      the ``size / G`` ranks of a group each read (and cache) the same ``B`` / ``C`` rows, and
-      :meth:`norm` gives the norm that all-reduces the group's sum of squares.
+    - ``size`` is a multiple of ``G``: the one group its heads belong to (``g0 = r * G // size``);
+      the ``size / G`` ranks of a group each read (and cache) the same ``B`` / ``C`` rows, and the
+      layer's norm all-reduces the group's sum of squares (:class:`CrossRankGroupNorm`, handed to
+      the mixer's ``cross_rank_norm``).
+
+    Cache splits :data:`CONV_SPLIT` (the ``x | B | C`` channels) and :data:`HEAD_SPLIT`.
 
     Args:
-        dims: the full (single-process) dims.
-        rank, size: this rank, the TP size.
-        heads_field, groups_field: the config field names the errors name.
-
-    Raises:
-        ValueError: ``size`` does not divide the head count, or neither divides the group count
-            nor is a multiple of it.
+        dims_of: ``config -> Mamba2Dims`` of the full model (the family's dims reader).
+        heads_field, groups_field: the config fields of ``H`` and ``G`` (named by errors).
+        local_fields: the local config sets those two fields to the rank's counts; False: it sets
+            ``mamba_tp_size`` and ``dims_of`` divides (``Mamba2Dims.local``).
+        refuse_shared_groups: None, or ``(config, size) -> str``: a non-empty message refuses a
+            group spanning ranks (a layer whose norm cannot be summed over ranks; it names the
+            field).
     """
 
-    def __init__(self, dims: Mamba2Dims, rank: int, size: int, heads_field: str = 'num_heads',
-                 groups_field: str = 'n_groups'):
-        if dims.num_heads % size:
-            raise ValueError(f'{heads_field} ({dims.num_heads}) must be divisible by tp ({size})')
-        if dims.n_groups % size and size % dims.n_groups:
-            raise ValueError(f'{groups_field} ({dims.n_groups}) must be divisible by tp ({size}) or divide it: a '
-                             f'rank holds whole Mamba-2 groups or part of one group')
-        self.dims, self.rank, self.size = dims, rank, size
-        h = dims.num_heads // size
-        self.heads = (rank * h, (rank + 1) * h)
-        if dims.n_groups >= size:
-            g = dims.n_groups // size
-            self.groups = (rank * g, (rank + 1) * g)
-        else:       # size / G ranks share a group
-            g0 = self.heads[0] // (dims.num_heads // dims.n_groups)
-            self.groups = (g0, g0 + 1)
-        self.group_ranks = max(1, size // dims.n_groups)
+    def split(config, size: int) -> BlockSplit:
+        d = dims_of(config)
+        P, Dn, di = d.head_dim, d.state_size, d.d_inner
+        gdn = d.n_groups * Dn
+        h, g = 'mamba_heads', 'mamba_groups'
+        channels = (Piece(h, P), Piece(g, Dn, di), Piece(g, Dn, di + gdn))
+        axes = (Axis(h, d.num_heads, heads_field, heads_field if local_fields else None),
+                Axis(g, d.n_groups, groups_field, groups_field if local_fields else None, shared=True,
+                     refuse_shared=refuse_shared_groups(config, size) if refuse_shared_groups else '',
+                     why='a rank holds whole Mamba-2 groups or part of one group'))
 
-    def norm(self, all_reduce) -> 'CrossRankGroupNorm | None':
-        """The rank's grouped norm when its group spans ranks (``all_reduce``: the sum over all
-        ranks, in place), else None (the local kernel is exact)."""
-        if self.group_ranks == 1:
-            return None
-        return CrossRankGroupNorm(all_reduce, self.groups[0], self.dims.n_groups,
-                                  self.dims.d_inner // self.dims.n_groups)
+        def cross_rank_norm(mixer, part, all_reduce) -> None:
+            if d.n_groups < size:       # the rank's group spans ranks
+                mixer.cross_rank_norm = CrossRankGroupNorm(all_reduce, part(g)[0], d.n_groups, di // d.n_groups)
 
-    def _channels(self) -> tuple[tuple[int, int], ...]:
-        """The rank's ``x | B | C`` channel ranges within ``conv_dim``."""
-        d, (h0, h1), (g0, g1) = self.dims, self.heads, self.groups
-        P, Dn, gdn = d.head_dim, d.state_size, d.n_groups * d.state_size
-        return ((h0 * P, h1 * P), (d.d_inner + g0 * Dn, d.d_inner + g1 * Dn),
-                (d.d_inner + gdn + g0 * Dn, d.d_inner + gdn + g1 * Dn))
+        return BlockSplit(
+            axes,
+            (rows('in_proj', Piece(h, P), *(Piece(p.axis, p.unit, di + p.offset) for p in channels),
+                  Piece(h, 1, di + d.conv_dim)),
+             rows('conv1d', *channels),
+             rows(('dt_bias', 'A_log', 'D'), Piece(h)),
+             rows('norm', Piece(h, P)),
+             cols('out_proj.weight', Piece(h, P))),
+            row_parallel=('out_proj',), caches=((CONV_SPLIT, channels), (HEAD_SPLIT, (Piece(h),))),
+            config=() if local_fields else (('mamba_tp_size', size),), collective=cross_rank_norm)
 
-    def shard(self, part: str) -> tuple[int, tuple[tuple[int, int], ...]] | None:
-        """``(dim, ranges)`` of the layer's checkpoint tensor ``part`` (``'in_proj.weight'``,
-        ``'conv1d.bias'``, ``'A_log'`` ...) this rank reads; None for a tensor every rank reads
-        whole (``out_proj.bias``)."""
-        d, (h0, h1) = self.dims, self.heads
-        P = d.head_dim
-        module = part.split('.')[0]
-        if module == 'in_proj':
-            x_rows = tuple((d.d_inner + a, d.d_inner + b) for a, b in self._channels())
-            dt0 = d.d_inner + d.conv_dim
-            return 0, ((h0 * P, h1 * P),) + x_rows + ((dt0 + h0, dt0 + h1),)
-        if module == 'conv1d':
-            return 0, self._channels()
-        if module in ('dt_bias', 'A_log', 'D'):
-            return 0, ((h0, h1),)
-        if module == 'norm':
-            return 0, ((h0 * P, h1 * P),)
-        if part == 'out_proj.weight':
-            return 1, ((h0 * P, h1 * P),)
-        return None
-
-    def cache_ranges(self, split: str) -> tuple[tuple[int, int], ...] | None:
-        """The rank's ranges of a Mamba-2 state tensor (:func:`mamba2_state_spec`), or None for
-        a split name that is not Mamba-2's."""
-        if split == CONV_SPLIT:
-            return self._channels()
-        if split == HEAD_SPLIT:
-            return (self.heads,)
-        return None
+    return split
 
 
 class CrossRankGroupNorm:

@@ -9,6 +9,18 @@ Per token the paged cache holds one row shared by every head::
 A prefill chunk gathers its sequence's rows and up-projects them through ``kv_b_proj``
 (non-absorbed); a decode token uses the absorbed form (the up-projections folded into the query
 and the output; measured in benchmark/benchmark_mla.py).
+
+Under tensor parallelism (:func:`mla_split`) the layer splits by query head. Each query head
+up-projects its own K and V from the shared latent, so a rank holds its query heads' rows of the
+up-projections and leaves the latent producers whole::
+
+    q_proj / q_b_proj     rows of its heads, (qk_nope + qk_rope) each    column-parallel
+    kv_b_proj             rows of its heads, (qk_nope + v_head_dim) each  column-parallel
+    g_proj (output gate)  rows of its heads, one each                    column-parallel
+    o_proj                columns of its heads, v_head_dim each            row-parallel
+    q_a_proj, kv_a_proj_with_mqa, their norms, an indexer               whole
+
+so the cached latent (``tp_split=None``) is the same on every rank and the Store holds it once.
 """
 from __future__ import annotations
 
@@ -18,8 +30,9 @@ from torch import nn
 
 from ...model_inputs import StepContext
 from ..layers import Linear, RMSNorm
+from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
 
-__all__ = ['LatentAttention', 'causal_attention', 'rotate_interleaved']
+__all__ = ['LatentAttention', 'causal_attention', 'mla_split', 'rotate_interleaved']
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, history: int,
@@ -139,3 +152,34 @@ class LatentAttention(nn.Module):
         scores = torch.cat((q_c, q[0, :, self.nope:]), dim=-1) @ latent.t()
         probs = (scores.float() * self.scale).softmax(-1).to(latent.dtype)
         return torch.einsum('hr,hvr->hv', probs @ latent[:, :R], w[:, self.nope:])[None]
+
+
+def mla_split(*, output_gate: bool = False, o: str | tuple[str, ...] = 'o_proj'):
+    """The tensor-parallel split of an MLA layer by query head (see the module docstring), as a
+    split factory.
+
+    Args:
+        output_gate: the layer has Ling 3's per-head gate ``g_proj`` (``hidden -> heads``): its
+            rows of the rank's heads.
+        o: the checkpoint name(s) of the output projection (Ling 3's published ``dense``); the
+            module is ``o_proj`` whatever the spelling.
+
+    Returns:
+        ``(config, size) -> BlockSplit``: axis ``q_heads`` (``num_attention_heads``); the local
+        config sets both ``num_attention_heads`` and ``num_key_value_heads`` (one K/V per query
+        head) to the rank's query heads.
+    """
+    o_names = (o,) if isinstance(o, str) else tuple(o)
+
+    def split(config, size: int) -> BlockSplit:
+        nope, rope, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        tensors = (rows(('q_proj.weight', 'q_b_proj.weight'), Piece('q_heads', nope + rope)),
+                   rows('kv_b_proj.weight', Piece('q_heads', nope + v)),
+                   cols(tuple(f'{n}.weight' for n in o_names), Piece('q_heads', v)))
+        if output_gate:
+            tensors += (rows('g_proj.weight', Piece('q_heads')),)
+        return BlockSplit((Axis('q_heads', config.num_attention_heads, 'num_attention_heads', 'num_attention_heads'),),
+                          tensors, row_parallel=('o_proj',),
+                          config=(('num_key_value_heads', config.num_attention_heads // size),))
+
+    return split

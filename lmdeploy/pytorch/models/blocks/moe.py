@@ -3,6 +3,10 @@
 (softmax top-k router + sigmoid-gated shared expert, :class:`SparseMoeBlock`) and the
 DeepSeek-V3-style block (sigmoid router with a correction bias and group-limited top-k,
 :class:`GroupLimitedMoE`) that Kimi-Linear and GLM-5.3-Flash use.
+
+Under tensor parallelism the experts, routers and Qwen's shared expert are replicated (a MoE
+layer kind composes no block split); Granite's shared MLP splits by intermediate rows
+(:data:`GRANITE_SHARED_MLP_SPLIT`).
 """
 from __future__ import annotations
 
@@ -14,9 +18,9 @@ from torch import nn
 
 from ...kernels import get_kernel
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
-from ..layers import Linear, SwiGLUMLP, WeightLoader
+from ..layers import Linear, SwiGLUMLP, WeightLoader, mlp_split
 
-__all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor']
+__all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'GRANITE_SHARED_MLP_SPLIT', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor']
 
 
 class FusedExperts(nn.Module):
@@ -191,3 +195,9 @@ GRANITE_MOE_RENAMES = [
     (re.compile(r'\.shared_mlp\.input_linear\.weight$'), '.shared_mlp.gate_up_proj.weight'),
     (re.compile(r'\.shared_mlp\.output_linear\.weight$'), '.shared_mlp.down_proj.weight'),
 ]
+
+
+#: the split of Granite's shared MLP (``shared_mlp``: ``input_linear`` stacks the gate and up rows,
+#: ``output_linear`` is the engine's ``down_proj``) by ``shared_intermediate_size`` rows
+GRANITE_SHARED_MLP_SPLIT = mlp_split(field='shared_intermediate_size', up=('input_linear',), down='output_linear',
+                                     fused=True, down_module='down_proj', axis='shared_intermediate')

@@ -7,7 +7,7 @@
     state: the last ``conv_L_cache - 1`` conv inputs ``B * x``, ``[channels, conv_L_cache - 1]``
 
 The state is the layer's whole memory (no recurrence), one tensor per sequence, split by channel
-under tensor parallelism (``CacheTensor.tp_split`` :data:`CONV_SPLIT`).
+under tensor parallelism (:func:`short_conv_split`; ``CacheTensor.tp_split`` :data:`CONV_SPLIT`).
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from ...cache_specs import CacheTensor, StateSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear
+from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
 
-__all__ = ['CONV_SPLIT', 'ShortConv', 'short_conv_state_spec']
+__all__ = ['CONV_SPLIT', 'ShortConv', 'short_conv_split', 'short_conv_state_spec']
 
 CONV_SPLIT = 'short_conv_channels'      # CacheTensor.tp_split of the conv state: the rank's channels
 
@@ -29,6 +30,20 @@ def short_conv_state_spec(channels: int, kernel: int, dtype: torch.dtype) -> Sta
     ``dtype`` (the last ``kernel - 1`` conv inputs), split by channel under tensor parallelism.
     No recurrent tensor: the conv window is the layer's whole memory."""
     return StateSpec((CacheTensor('conv', (channels, kernel - 1), dtype, CONV_SPLIT, 0),))
+
+
+def short_conv_split(config, size: int) -> BlockSplit:
+    """The tensor-parallel split of a short-conv layer (a split factory): by channel (axis
+    ``short_conv_channels`` of ``hidden_size`` channels): the rank's channel range of each of
+    ``in_proj``'s ``B``, ``C`` and ``x`` row blocks (three pieces, biases too), those ``conv``
+    filters, ``out_proj`` columns (row-parallel, its bias whole); its conv state
+    (:data:`CONV_SPLIT`) holds those channels. The local config sets ``conv_channels`` to the
+    rank's channel count (the layer's ``channels``; absent at tp=1: ``hidden_size``)."""
+    H, c = config.hidden_size, Piece('short_conv_channels')
+    return BlockSplit((Axis('short_conv_channels', H, 'hidden_size', 'conv_channels'),),
+                      (rows('in_proj', c, Piece(c.axis, 1, H), Piece(c.axis, 1, 2 * H)), rows('conv', c),
+                       cols('out_proj.weight', c)),
+                      row_parallel=('out_proj',), caches=((CONV_SPLIT, (c,)),))
 
 
 class ShortConv(nn.Module):

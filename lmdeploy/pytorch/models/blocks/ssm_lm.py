@@ -1,7 +1,7 @@
 """The body shared by the pure state-space language models (Mamba-1, Mamba-2): an embedding, a
 stack of pre-norm residual mixer blocks and a final norm, and the checkpoint prefix renames of
 the published ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` weights. A family gives only its
-mixer (:class:`SSMBackbone`'s ``make_mixer``)."""
+mixer (:class:`SSMBackbone`'s ``make_mixer``) and its mixer's split (:func:`ssm_parallel_plan`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -11,8 +11,9 @@ from torch import nn
 
 from ...model_inputs import StepContext
 from ..layers import RMSNorm
+from ..parallel_plan import Block, ParallelPlan
 
-__all__ = ['SSM_RENAMES', 'SSMBackbone', 'SSMBlock', 'rename_ssm_prefix']
+__all__ = ['SSM_RENAMES', 'SSMBackbone', 'SSMBlock', 'rename_ssm_prefix', 'ssm_parallel_plan']
 
 # checkpoint prefix -> the engine's (``backbone.embeddings`` in the published Mamba weights)
 SSM_RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'),
@@ -25,6 +26,14 @@ def rename_ssm_prefix(name: str) -> str:
         if name.startswith(prefix):
             name = repl + name[len(prefix):]
     return name
+
+
+def ssm_parallel_plan(mixer_split) -> ParallelPlan:
+    """The tensor-parallel plan of a pure state-space LM: every layer's ``mixer`` split by
+    ``mixer_split`` (a block's split factory), norms replicated, the vocabulary split generic;
+    checkpoint names under :data:`SSM_RENAMES`."""
+    return ParallelPlan(layers=lambda config: ['mixer'] * config.num_hidden_layers,
+                        blocks={'mixer': (Block(mixer_split, 'mixer'),)}, renames=SSM_RENAMES)
 
 
 class SSMBlock(nn.Module):
