@@ -42,6 +42,9 @@ Usage (CPU; a Qwen3-Next-shaped random model made on the fly)::
     # the full run of issue 16 (about 7 minutes on 2 quiet cores):
     python3 benchmark/benchmark_throughput.py --preset 99m --threads 2 \\
         --batches 1,4,16,32 --prefill 1024,2048,4096,8192,16384 --repeats 3
+    # any registered family: its make-tiny-model checkpoint with the widths x4 (hidden 256)
+    python3 benchmark/benchmark_throughput.py --arch bamba --batches 1,16 --prefill 1024 \\
+        --skip-one-at-a-time --bandwidth-mb 0
 
 llama.cpp: pass ``--gguf MODEL.gguf`` (the same weights converted with llama.cpp's
 ``convert_hf_to_gguf.py``, ``--outtype f32`` for the float32 comparison) and have

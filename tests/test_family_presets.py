@@ -3,6 +3,7 @@ per-family table equals the simulator's, hand-derived S and K_blk of the publish
 the reduction ordered by S / K_blk across families; and ``--arch`` of benchmark_throughput.py
 (a registered family's tiny model with scaled widths)."""
 import importlib.util
+import json
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -98,3 +99,22 @@ def test_arch_overrides_refuse_unknown_arch_and_bad_scale():
         bench.arch_overrides('llama', 4)
     with pytest.raises(ValueError, match='width_scale'):
         bench.arch_overrides('lfm2', 0)
+
+
+def test_step_bytes_read_lings_published_top_k_spelling(tmp_path):
+    # bailing_hybrid's config.json names the routed experts per token num_experts_per_token; the
+    # --arch bailing_hybrid run failed at its step-bytes line before this was read
+    from transformers import AutoModelForCausalLM
+
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    sys.path.insert(0, str(ROOT / 'benchmark'))
+    from step_bytes import decode_step_bytes
+    path = make_tiny_model(str(tmp_path / 'ling'), arch='bailing_hybrid')
+    config = json.loads((tmp_path / 'ling' / 'config.json').read_text())
+    assert 'num_experts_per_tok' not in config and config['num_experts_per_token'] == 2
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    one, all16 = decode_step_bytes(hf, config, 1, 8), decode_step_bytes(hf, config, 16, 8)
+    routed = sum(p.numel() * p.element_size() for n, p in hf.named_parameters() if '.experts.' in n)
+    # k = 2 of E = 8 experts a token: exactly k / E of the routed bytes at batch 1, 1 - (6/8)^16 at 16
+    assert one.experts == round(routed * 2 / 8)
+    assert all16.experts == round(routed * (1 - (1 - 2 / 8) ** 16))
