@@ -42,6 +42,9 @@ Usage (CPU; a Qwen3-Next-shaped random model made on the fly)::
     # the full run of issue 16 (about 7 minutes on 2 quiet cores):
     python3 benchmark/benchmark_throughput.py --preset 99m --threads 2 \\
         --batches 1,4,16,32 --prefill 1024,2048,4096,8192,16384 --repeats 3
+    # any registered family: its make-tiny-model checkpoint with the widths x4 (hidden 256)
+    python3 benchmark/benchmark_throughput.py --arch bamba --batches 1,16 --prefill 1024 \\
+        --skip-one-at-a-time --bandwidth-mb 0
 
 llama.cpp: pass ``--gguf MODEL.gguf`` (the same weights converted with llama.cpp's
 ``convert_hf_to_gguf.py``, ``--outtype f32`` for the float32 comparison) and have
@@ -81,6 +84,31 @@ PRESETS = {
                 linear_value_head_dim=128, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
                 shared_expert_intermediate_size=512, intermediate_size=2048),
 }
+
+# ``--arch``: the widths of a family's ``tiny_config`` (hidden, MLP / expert, per-head and latent
+# sizes) that ``--width-scale`` multiplies. Head, expert and layer counts, state sizes, conv widths
+# and sliding windows stay, so every width-derived size (``head_dim = hidden / heads``, Mamba's
+# ``d_inner = expand * hidden`` = heads x head size) stays consistent.
+WIDTH_FIELDS = ('hidden_size', 'intermediate_size', 'shared_intermediate_size', 'moe_intermediate_size',
+                'head_dim', 'mamba_d_head', 'linear_key_head_dim', 'linear_value_head_dim', 'kv_lora_rank',
+                'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
+
+
+def arch_overrides(arch: str, width_scale: int) -> dict:
+    """Config overrides of the ``--arch`` model: each of :data:`WIDTH_FIELDS` that the family's
+    ``tiny_config`` sets, times ``width_scale``; ``make_tiny_model`` supplies the rest.
+
+    Raises:
+        ValueError: ``width_scale`` < 1 or ``arch`` is not a tiny-model family (names the field).
+    """
+    from lmdeploy.tools.tiny_args import ARCHS
+    if width_scale < 1:
+        raise ValueError(f'width_scale must be >= 1, got {width_scale}')
+    if arch not in ARCHS:
+        raise ValueError(f'arch must be one of {", ".join(ARCHS)}, got {arch!r}')
+    from lmdeploy.pytorch.models import get_model_class
+    tiny = get_model_class(arch).tiny_config
+    return {k: v * width_scale for k, v in tiny.items() if k in WIDTH_FIELDS and isinstance(v, int)}
 
 
 # --- the two systems ------------------------------------------------------------------------
@@ -206,6 +234,9 @@ def prepare_model(args) -> str:
     if args.model:
         return args.model
     from lmdeploy.tools.make_tiny_model import make_tiny_model
+    if args.arch:
+        out = os.path.join(tempfile.mkdtemp(prefix='bench_tp_'), f'{args.arch}_x{args.width_scale}')
+        return make_tiny_model(out, arch=args.arch, seed=0, **arch_overrides(args.arch, args.width_scale))
     out = os.path.join(tempfile.mkdtemp(prefix='bench_tp_'), args.preset)
     return make_tiny_model(out, arch='qwen3_next', seed=0, **PRESETS[args.preset])
 
@@ -226,7 +257,7 @@ def run(args) -> dict:
     def prompts(n, length):
         return torch.randint(3, vocab, (n, length), generator=gen).tolist()
 
-    results = dict(model=model_path, params=n_params, dtype=args.dtype, threads=args.threads, repeats=args.repeats,
+    results = dict(model=model_path, arch=args.arch, params=n_params, dtype=args.dtype, threads=args.threads, repeats=args.repeats,
                    decode_tokens=args.decode_tokens, prompt_len=args.prompt_len, decode=[], prefill=[], ops=[])
     engine_generate(engine, prompts(1, 8), 2)   # warm-up (first-call costs of both)
     hf_generate(hf, prompts(1, 8), 2)
@@ -352,7 +383,8 @@ def plot(results: dict, path: str) -> None:
         ax.set_ylabel('tokens/s (median, min-max bars)')
         ax.set_title(kind)
         ax.legend(fontsize=8)
-    fig.suptitle(f'{results["params"] / 1e6:.0f}M-param Qwen3-Next-shaped model, {results.get("dtype", "float32")}, '
+    shape = results.get('arch') or 'qwen3_next'
+    fig.suptitle(f'{results["params"] / 1e6:.0f}M-param {shape}-shaped model, {results.get("dtype", "float32")}, '
                  f'{results["threads"]} threads')
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -365,6 +397,10 @@ def main(argv=None):
     p.add_argument('--preset', choices=sorted(PRESETS), default='small',
                    help='geometry of the random Qwen3-Next-shaped model made when --model is not given '
                         '(default: small; 99m is the 249M-parameter model of the recorded runs)')
+    p.add_argument('--arch', help='instead of --preset: a random model of this registered family (make-tiny-model '
+                   '--arch), its tiny_config with the widths times --width-scale')
+    p.add_argument('--width-scale', type=int, default=4, help='--arch: multiplier of the tiny_config widths '
+                   '(hidden, MLP, head sizes; default 4: hidden 64 -> 256)')
     p.add_argument('--threads', type=int, default=2, help='torch (and llama.cpp) threads (default: 2)')
     p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32',
                    help='weights and activations of both systems; bfloat16 outputs are not expected to be '
@@ -387,6 +423,13 @@ def main(argv=None):
     p.add_argument('--out', default='benchmark/results/throughput',
                    help='results path prefix: <out>.json and <out>.png (default: benchmark/results/throughput)')
     args = p.parse_args(argv)
+    if args.arch and args.model:
+        p.error('--arch and --model are exclusive')
+    if args.arch:
+        try:
+            arch_overrides(args.arch, args.width_scale)
+        except ValueError as err:
+            p.error(str(err))
     results = run(args)
     os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
     with open(args.out + '.json', 'w') as f:

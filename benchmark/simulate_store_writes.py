@@ -56,7 +56,8 @@ Usage: ``python benchmark/simulate_store_writes.py --preset seed-table``
 (``--preset tiny|qwen3-next-80b|kimi-linear-48b|nemotron-3-nano-30b|granite-4.0-h-small|lfm2-1.2b|glm-5.3-flash [--tp N]``;
 glm-5.3-flash: sizes from :mod:`benchmark.glm5_next_sizes`, the seed deployment TP8 / FP8 KV / MTP unless ``--tp``,
 ``--kv-dtype``, ``--no-mtp``; ``--config config.json``, ``--scale 1/16 --block-size 16``,
-``--turns 32832,36928``, ``--json``; per-turn tables of more policies:
+``--turns 32832,36928``, ``--json``; one markdown row per model family, with the later families'
+presets of :mod:`benchmark.family_presets` (``--preset bamba-9b`` ...): ``--families``; per-turn tables of more policies:
 ``--policies default,last-only,last-only+turn-end`` or ``--decode-save-last`` /
 ``--save-junction``; the branching scenario: ``--preset branching`` or ``--scenario branching``).
 """
@@ -76,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.store_presets import (DTYPE_BYTES, GRANITE_4_0_H_SMALL_CONFIG, KIMI_LINEAR_48B_CONFIG,  # noqa: E402,F401
                                      LFM2_1_2B_CONFIG, NEMOTRON_3_NANO_30B_CONFIG, QWEN3_NEXT_80B_CONFIG,
                                      SEED_STATE_TO_BLOCK_RATIO, TINY_CONFIG, StoreSizes, glm_5_3_flash_sizes, sizes_from_config)
+from benchmark.family_presets import PRESET_CONFIGS, family_table, format_family_table  # noqa: E402
 from benchmark.store_sim import (DEFAULT, DEFAULT_ALIGNMENT, DEFAULT_BLOCK, DEFAULT_CHUNK, JUNCTION,  # noqa: E402,F401
                                  KTOK, LAST_ONLY, TURN_END, Branching, Policy, PolicyResult, Request, Scenario,
                                  SimulationResult, TurnResult,
@@ -91,11 +93,14 @@ def truncate_percent(x: Fraction) -> str:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--preset', choices=['seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b',
-                                        'nemotron-3-nano-30b', 'granite-4.0-h-small', 'lfm2-1.2b',
-                                        'glm-5.3-flash', 'branching'],
+    p.add_argument('--preset', choices=list(dict.fromkeys([
+        'seed-table', 'tiny', 'qwen3-next-80b', 'kimi-linear-48b', 'nemotron-3-nano-30b', 'granite-4.0-h-small',
+        'lfm2-1.2b', 'glm-5.3-flash', 'branching', *PRESET_CONFIGS])),
                    help='sizes (branching: the seed sizes, the branching scenario and the junction policy; '
                    'glm-5.3-flash: the seed deployment, TP8, FP8 KV, MTP on, unless --tp/--kv-dtype/--no-mtp)')
+    p.add_argument('--families', action='store_true', help='print one markdown row per model family: its preset, '
+                   'S, K_blk and the reduction of each seed scenario (seed geometry, TP 1; glm-5.3-flash: its '
+                   'deployment); other arguments are ignored')
     p.add_argument('--config', type=Path, help='HF config.json of a hybrid model')
     p.add_argument('--state-bytes', type=int)
     p.add_argument('--kv-block-bytes', type=int)
@@ -170,6 +175,8 @@ def _resolve_sizes(args: argparse.Namespace, block_size: int) -> tuple[StoreSize
         config = GRANITE_4_0_H_SMALL_CONFIG
     elif args.preset == 'lfm2-1.2b':
         config = LFM2_1_2B_CONFIG
+    elif args.preset in PRESET_CONFIGS:      # the later families' presets (benchmark/family_presets.py)
+        config = PRESET_CONFIGS[args.preset]
     else:
         config = json.loads(args.config.read_text())
     return sizes_from_config(config, tp=args.tp or 1, block_size=block_size, kv_dtype=args.kv_dtype,
@@ -257,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
     checks the turn-end and junction goals (see :func:`extra_recomputed`).
     """
     args = _parse_args(argv)
+    if args.families:
+        print('\n'.join(format_family_table(family_table(), truncate_percent)))
+        return []
     chunk = _scaled_default(args.chunk_size, DEFAULT_CHUNK, args.scale, 'chunk-size')
     block = _scaled_default(args.block_size, DEFAULT_BLOCK, args.scale, 'block-size')
     align = _scaled_default(args.alignment, DEFAULT_ALIGNMENT, args.scale, 'alignment')

@@ -96,7 +96,8 @@ def decode_step_bytes(model: torch.nn.Module, config: dict, batch: int, context:
     if routed:
         text = config.get('text_config', config)
         n = next((text[f] for f in _EXPERT_COUNT_FIELDS if text.get(f)), None)
-        k = text.get('num_experts_per_tok')
+        # (Ling's published config.json spells it num_experts_per_token)
+        k = text.get('num_experts_per_tok') or text.get('num_experts_per_token')
         if not n or not k:
             raise ValueError('a MoE config needs num_experts (or n_routed_experts / num_local_experts) and '
                              'num_experts_per_tok')
