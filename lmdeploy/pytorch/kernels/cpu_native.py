@@ -15,6 +15,8 @@ here, each one call per layer per step:
 - :func:`delta_step_native`: the decode step of the gated delta rule and of KDA (a decay per
   head or per key channel) in one pass over the state;
 - :func:`conv_decode_step_native`: the causal-conv decode step (window shift in place);
+- :func:`gdn_decode_native`: a Gated DeltaNet layer's whole decode step between its two
+  projections (conv, gates, delta rule, gated norm), read from the packed projection in place;
 - :func:`~.mamba2_cpu.ssd_step_native` (its own module): the Mamba-2 SSD decode step;
 - :func:`~.mamba1_cpu.selective_scan_step_native` (its own module): the Mamba-1 decode step;
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
@@ -72,7 +74,7 @@ from ..config import cache_root
 from . import native_build
 
 __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
-           'NATIVE_EXPERT_TOKENS', 'delta_step_native',
+           'NATIVE_EXPERT_TOKENS', 'delta_step_native', 'gdn_decode_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
 
@@ -151,6 +153,7 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_matmul_rows': ('p i32 i32 i64 p i32 i64 p i64 i32', None),
     'lm_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
     'lm_delta_step': ('p p p i32 p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
+    'lm_gdn_decode': ('p i64 p p p i64 i64 p p f32 p i64 i64 i64 p f32 i32 i32 i32 i32 i32 i32 p p i32', None),
     'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
@@ -357,6 +360,58 @@ def delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, be
         CALLS['kda_step' if per_channel else 'gated_delta_step'] += 1
         lib.lm_delta_step(kq.data_ptr(), v.data_ptr(), decay.data_ptr(), int(per_channel), beta.data_ptr(),
                           state.data_ptr(), N, H, dk, dv, state.stride(0), state.stride(1), state.stride(2),
+                          out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gdn_decode_native(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
+                      A_log: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float, state: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, num_k_heads: int) -> torch.Tensor | None:
+    """A Gated DeltaNet layer's decode step between its input and output projections, one
+    token for each of ``N`` sequences, in one native call (conv + SiLU, q/k L2 norm, gates, the
+    delta rule, gated RMS norm; Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025), both
+    states updated in place; ``None`` when it does not apply (the caller runs the torch path,
+    :class:`~lmdeploy.pytorch.models.blocks.gated_delta_net.GatedDeltaNet`'s unfused forward,
+    which it equals to float32 rounding).
+
+    Args:
+        proj: float32 ``[N, P]``, the packed input projection's output (unit stride along P).
+        cols: int64 ``[C + Hv*dv + 2*Hv]``: the column of ``proj`` holding each conv channel
+            (``C = 2*Hk*dk + Hv*dv``, q | k | v), each ``z`` element (head-major), each ``b``,
+            each ``a``; every entry in ``[0, P)`` (the caller's invariant, not checked here).
+        conv_weight: float32 ``[C, K]``; conv_state: float32 ``[N, C, K - 1]``, unit stride along
+            the window (a view of the cache's rows).
+        A_log, dt_bias: float32 ``[Hv]``; beta_scale: ``beta = beta_scale * sigmoid(b)``.
+        state: float32 ``[N, Hv, dk, dv]``, unit stride along dv (a view of the cache's rows).
+        norm_weight: float32 ``[dv]``; eps: the gated norm's epsilon.
+        num_k_heads: ``Hk`` (divides ``Hv``; key head ``h // (Hv // Hk)`` serves value head ``h``).
+
+    Returns:
+        float32 ``[N, Hv*dv]`` (the output projection's input), or ``None`` (dtype, device,
+        shapes, strides, autograd, or no library).
+    """
+    if proj.dim() != 2 or state.dim() != 4 or conv_state.dim() != 3:
+        return None
+    N, Hv, dk, dv = state.shape
+    C, K = conv_weight.shape
+    Hk = num_k_heads
+    ok = (Hk and Hv % Hk == 0 and C == 2 * Hk * dk + Hv * dv and proj.shape[0] == N and proj.stride(1) == 1
+          and conv_state.shape == (N, C, K - 1) and (K == 1 or conv_state.stride(2) == 1)
+          and cols.shape == (C + Hv * dv + 2 * Hv,) and cols.dtype == torch.int64 and cols.is_contiguous()
+          and A_log.shape == dt_bias.shape == (Hv,) and norm_weight.shape == (dv,)
+          and all(is_plain(t) for t in (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight)))
+    lib = state_step_library((proj,), state, bool(ok))
+    if lib is None:
+        return None
+    conv_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (conv_weight, A_log, dt_bias, norm_weight))
+    work = torch.empty(N, C, dtype=torch.float32)
+    out = torch.empty(N, Hv * dv, dtype=torch.float32)
+    if N:
+        CALLS['gdn_decode'] += 1
+        lib.lm_gdn_decode(proj.data_ptr(), proj.stride(0), cols.data_ptr(), conv_weight.data_ptr(),
+                          conv_state.data_ptr(), conv_state.stride(0), conv_state.stride(1), A_log.data_ptr(),
+                          dt_bias.data_ptr(), beta_scale, state.data_ptr(), state.stride(0), state.stride(1),
+                          state.stride(2), norm_weight.data_ptr(), eps, N, Hk, Hv, dk, dv, K, work.data_ptr(),
                           out.data_ptr(), torch.get_num_threads())
     return out
 

@@ -169,38 +169,117 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
    written once, the update pass finding one head's dk x dv block in cache. kq [N, H, 2, dk]:
    the key, then the scaled query; v, out [N, H, dv]; decay [N, H, dk] when per_channel, else
    [N, H]; beta [N, H]; state element (n, h, i, c) at n * s_slot + h * s_head + i * s_row + c. */
+/* delta_head: that step for one (sequence, head), S (rows at stride s_row) updated in place, o [dv];
+   lm_delta_step runs it for every pair, lm_gdn_decode inside a whole layer. */
+static void delta_head(float* S, int64_t s_row, const float* k, const float* q, const float* a, int sa,
+                       const float* vp, float b, int dk, int dv, float* o) {
+  float kv[dv], qv[dv], delta[dv];
+  for (int c = 0; c < dv; c++) kv[c] = qv[c] = 0.0f;
+  float qk = 0.0f;
+  for (int i = 0; i < dk; i++) {
+    const float* row = S + (ptrdiff_t)i * s_row;
+    float ai = a[i * sa], ki = ai * k[i], qi = ai * q[i];   /* (diag(a) S)^T x = S^T (a * x) */
+    qk += q[i] * k[i];
+    for (int c = 0; c < dv; c++) {
+      kv[c] += row[c] * ki;
+      qv[c] += row[c] * qi;
+    }
+  }
+  for (int c = 0; c < dv; c++) delta[c] = b * (vp[c] - kv[c]);
+  for (int i = 0; i < dk; i++) {
+    float* row = S + (ptrdiff_t)i * s_row;
+    float ai = a[i * sa], ki = k[i];
+    for (int c = 0; c < dv; c++) row[c] = ai * row[c] + ki * delta[c];
+  }
+  for (int c = 0; c < dv; c++) o[c] = qv[c] + qk * delta[c];
+}
+
 void lm_delta_step(const float* kq, const float* v, const float* decay, int per_channel, const float* beta,
                    float* state, int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row,
                    float* out, int threads) {
   const int sa = per_channel ? 1 : 0;
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int p = 0; p < N * H; p++) {
-    float* S = state + (ptrdiff_t)(p / H) * s_slot + (ptrdiff_t)(p % H) * s_head;
     const float* k = kq + (ptrdiff_t)p * 2 * dk;
-    const float* q = k + dk;
-    const float* a = decay + (ptrdiff_t)p * (per_channel ? dk : 1);
-    const float* vp = v + (ptrdiff_t)p * dv;
-    float* o = out + (ptrdiff_t)p * dv;
-    float b = beta[p];
-    float kv[dv], qv[dv], delta[dv];
-    for (int c = 0; c < dv; c++) kv[c] = qv[c] = 0.0f;
-    float qk = 0.0f;
-    for (int i = 0; i < dk; i++) {
-      const float* row = S + (ptrdiff_t)i * s_row;
-      float ai = a[i * sa], ki = ai * k[i], qi = ai * q[i];   /* (diag(a) S)^T x = S^T (a * x) */
-      qk += q[i] * k[i];
+    delta_head(state + (ptrdiff_t)(p / H) * s_slot + (ptrdiff_t)(p % H) * s_head, s_row, k, k + dk,
+               decay + (ptrdiff_t)p * (per_channel ? dk : 1), sa, v + (ptrdiff_t)p * dv, beta[p], dk, dv,
+               out + (ptrdiff_t)p * dv);
+  }
+}
+
+/* The whole decode step of a Gated DeltaNet layer between its two projections (Yang, Kautz,
+   Hatamizadeh, "Gated Delta Networks", ICLR 2025), for N sequences, both states updated in place:
+
+     x     = proj[n, cols[0 .. C)]                       the conv's channels q | k | v, C = 2 Hk dk + Hv dv
+     y     = silu(causal conv of x over its window)      window state element (n, c, j) at
+                                                         n * cs_slot + c * cs_chan + j, K - 1 of them
+     q, k  = l2norm(y's head kh = h / (Hv / Hk)), q scaled by dk^-1/2 (eps 1e-6 inside the root)
+     beta  = beta_scale * sigmoid(b),  b = proj[n, cols[C + Hv dv + h]]
+     decay = exp(-exp(A_log[h]) * softplus(a + dt_bias[h])),  a = proj[n, cols[C + Hv dv + Hv + h]]
+     o     = the delta-rule step of head h (delta_head), state element (n, h, i, c) at
+             n * s_slot + h * s_head + i * s_row + c
+     out   = norm_w * o / sqrt(mean(o^2) + eps) * silu(z),  z = proj[n, cols[C + h dv + c]]
+
+   cols [C + Hv dv + 2 Hv] maps each input to its column of the projection row (row stride
+   ld_proj), so any packing of the projections is read in place. work [N, C] holds y between the
+   two phases; out [N, Hv dv]. softplus(x) = x above 20 (torch's threshold). */
+void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_state,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads) {
+  const int C = 2 * Hk * dk + Hv * dv, r = Hv / Hk;
+  const int64_t* z_cols = cols + C;
+  const int64_t* b_cols = z_cols + (ptrdiff_t)Hv * dv;
+  const int64_t* a_cols = b_cols + Hv;
+  const float q_scale = 1.0f / sqrtf((float)dk);
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(static)
+    for (int64_t p = 0; p < (int64_t)N * C; p++) {
+      int n = (int)(p / C), c = (int)(p % C);
+      float* s = conv_state + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan;
+      const float* w = conv_w + (ptrdiff_t)c * K;
+      float xv = proj[(ptrdiff_t)n * ld_proj + cols[c]];
+      float acc = 0.0f;
+      for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
+      acc += w[K - 1] * xv;
+      for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
+      if (K > 1) s[K - 2] = xv;
+      work[p] = acc / (1.0f + expf(-acc));
+    }
+    #pragma omp for schedule(static)
+    for (int p = 0; p < N * Hv; p++) {
+      int n = p / Hv, h = p % Hv, kh = h / r;
+      const float* y = work + (ptrdiff_t)n * C;
+      const float* row = proj + (ptrdiff_t)n * ld_proj;
+      float kn[dk], qn[dk], o[dv];
+      float kk = 0.0f, qq = 0.0f;
+      for (int i = 0; i < dk; i++) {
+        kn[i] = y[Hk * dk + kh * dk + i];
+        qn[i] = y[kh * dk + i];
+        kk += kn[i] * kn[i];
+        qq += qn[i] * qn[i];
+      }
+      float ik = 1.0f / sqrtf(kk + 1e-6f), iq = 1.0f / sqrtf(qq + 1e-6f);
+      for (int i = 0; i < dk; i++) {
+        kn[i] *= ik;
+        qn[i] = qn[i] * iq * q_scale;
+      }
+      float b = row[b_cols[h]], a = row[a_cols[h]] + dt_bias[h];
+      float beta = beta_scale * (1.0f / (1.0f + expf(-b)));
+      float sp = a > 20.0f ? a : log1pf(expf(a));
+      float decay = expf(-expf(A_log[h]) * sp);
+      delta_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, kn, qn, &decay, 0,
+                 y + 2 * Hk * dk + (ptrdiff_t)h * dv, beta, dk, dv, o);
+      float ss = 0.0f;
+      for (int c = 0; c < dv; c++) ss += o[c] * o[c];
+      float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+      float* dst = out + (ptrdiff_t)p * dv;
       for (int c = 0; c < dv; c++) {
-        kv[c] += row[c] * ki;
-        qv[c] += row[c] * qi;
+        float z = row[z_cols[(ptrdiff_t)h * dv + c]];
+        dst[c] = norm_w[c] * (o[c] * inv) * (z / (1.0f + expf(-z)));
       }
     }
-    for (int c = 0; c < dv; c++) delta[c] = b * (vp[c] - kv[c]);
-    for (int i = 0; i < dk; i++) {
-      float* row = S + (ptrdiff_t)i * s_row;
-      float ai = a[i * sa], ki = k[i];
-      for (int c = 0; c < dv; c++) row[c] = ai * row[c] + ki * delta[c];
-    }
-    for (int c = 0; c < dv; c++) o[c] = qv[c] + qk * delta[c];
   }
 }
 

@@ -8,6 +8,13 @@ the config checks and the cache spec of each layer::
 
 Invariant: a sequence with ``history_len == 0`` starts from a zero state whatever its slot
 holds; after a forward the slot holds the state after exactly ``kv_seqlen`` tokens.
+
+A float32 CPU decode step whose slots are one sorted range with history runs everything between
+the two projections as one native call (:func:`~lmdeploy.pytorch.kernels.cpu_native.gdn_decode_native`):
+the per-layer torch glue (splits, gates, casts, the conv, delta and norm calls) costs more than
+the arithmetic at batch 1. It reads the packed projection in place through a column map that
+:meth:`GatedDeltaNet._split_projections` itself defines (so a variant's packing needs no code
+here); every other step, and any machine without the native library, runs the torch path.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from torch import nn
 
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ...kernels import get_kernel
+from ...kernels.cpu_native import gdn_decode_native, native_available
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, RMSNorm
 from .attention import QKNormAttention
@@ -116,8 +124,45 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, self.num_v_heads),
                 a.reshape(T, self.num_v_heads))
 
+    def decode_columns(self) -> torch.Tensor:
+        """int64 ``[conv_dim + Hv*dv + 2*Hv]``: the column of ``in_proj``'s output that
+        :meth:`_split_projections` puts at each conv channel, each ``z`` element, each ``b`` and
+        each ``a``, found once by running it on a row of column numbers (cached; the split is a
+        column permutation in every variant)."""
+        cols = self.__dict__.get('_decode_cols')
+        if cols is None:
+            real = self.in_proj
+            self._modules['in_proj'] = _ColumnNumbers(real.shard_sizes)
+            try:
+                parts = self._split_projections(torch.zeros(1, 0))
+            finally:
+                self._modules['in_proj'] = real
+            cols = torch.cat([p.reshape(-1) for p in parts]).to(torch.int64)
+            self.__dict__['_decode_cols'] = cols
+        return cols
+
+    def _fused_decode(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The decode step by :func:`~lmdeploy.pytorch.kernels.cpu_native.gdn_decode_native` on
+        the slice of the state caches the step's slots span, or ``None`` (not a pure decode step
+        over one sorted slot range with history, or the native call does not apply)."""
+        if (hidden.device.type != 'cpu' or hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]
+                or not native_available()):
+            return None
+        span = ctx.slot_span
+        if span is None or span[1] is not None:
+            return None
+        lo, N = span[0], hidden.shape[0]
+        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
+        out = gdn_decode_native(self.in_proj(hidden), self.decode_columns(), self.conv1d.weight.squeeze(1),
+                                conv_cache[lo:lo + N], self.A_log, self.dt_bias, self.beta_scale,
+                                recurrent_cache[lo:lo + N], self.norm.weight, self.norm.eps, self.num_k_heads)
+        return None if out is None else self.out_proj(out)
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        fused = self._fused_decode(hidden, ctx)
+        if fused is not None:
+            return fused
         T = hidden.shape[0]
         mixed, z, b, a = self._split_projections(hidden)
         beta = b.sigmoid()
@@ -145,6 +190,18 @@ class GatedDeltaNet(nn.Module):
                                                               ctx.slots, ctx.has_history, use_qk_l2norm=True,
                                                               slot_span=ctx.slot_span)
         return self.out_proj(self.norm(out, z).reshape(T, -1))
+
+
+class _ColumnNumbers(nn.Module):
+    """Stands in for a packed projection while :meth:`GatedDeltaNet.decode_columns` reads the
+    split: its output row holds each column's own number (float64: exact up to 2**53)."""
+
+    def __init__(self, shard_sizes: list[int]):
+        super().__init__()
+        self.shard_sizes = list(shard_sizes)
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.arange(sum(self.shard_sizes), dtype=torch.float64)[None].split(self.shard_sizes, dim=-1)
 
 
 class HybridDecoderLayer(nn.Module):

@@ -1,0 +1,94 @@
+"""The fused native decode steps equal the torch paths they replace, over their input class:
+the Gated DeltaNet layer's one-call decode step (every projection packing: Qwen3-Next's per-key-head
+groups, Qwen3.5's and OLMo Hybrid's flat blocks; head ratios, widths not a multiple of the vector
+length, conv widths, slot ranges inside larger caches, beta scale)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmdeploy.pytorch.kernels import cpu_native
+from lmdeploy.pytorch.kernels.cpu_native import CALLS, native_library
+from lmdeploy.pytorch.models.blocks.gated_delta_net import GatedDeltaNet
+from lmdeploy.pytorch.models.olmo_hybrid import OlmoHybridGatedDeltaNet
+from lmdeploy.pytorch.models.qwen3_5 import Qwen3_5GatedDeltaNet
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU kernels could not be built here '
+                                '(no C compiler with OpenMP, or LMDEPLOY_CPU_KERNELS=0)')
+
+VARIANTS = {'qwen3_next': GatedDeltaNet, 'qwen3_5': Qwen3_5GatedDeltaNet, 'olmo_hybrid': OlmoHybridGatedDeltaNet}
+
+
+def _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed):
+    config = SimpleNamespace(hidden_size=24, linear_num_key_heads=hk, linear_num_value_heads=hk * ratio,
+                             linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=kernel,
+                             rms_norm_eps=1e-6, linear_allow_neg_eigval=neg_eigval)
+    layer = VARIANTS[variant](config, layer_idx=0)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return layer.eval(), gen
+
+
+def _ctx(layer, n, lo, num_slots, gen):
+    conv = torch.randn(num_slots, layer.conv_dim, layer.kernel_size - 1, generator=gen)
+    rec = torch.randn(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen)
+    slots = torch.arange(lo, lo + n)
+    return SimpleNamespace(state_caches=[(conv, rec)], slots=slots, has_history=torch.ones(n, dtype=torch.bool),
+                           cu_seqlens=torch.arange(n + 1), seq_ids=torch.arange(n), slot_span=(lo, None))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(VARIANTS)), st.integers(1, 3), st.sampled_from([1, 2, 3]), st.sampled_from([8, 17]),
+       st.sampled_from([8, 12, 33]), st.sampled_from([2, 4]), st.booleans(), st.integers(1, 5), st.integers(0, 3),
+       st.integers(0, 2 ** 31))
+def test_gdn_decode_native_equals_the_torch_path(variant, hk, ratio, dk, dv, kernel, neg_eigval, n, lo, seed):
+    """One decode step through the fused call against the unfused torch forward (native library
+    off), outputs and both states (only the step's slot rows change), for each packing."""
+    layer, gen = _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed)
+    hidden = torch.randn(n, 24, generator=gen)
+    ctx = _ctx(layer, n, lo, lo + n + 2, gen)
+    ref_ctx = SimpleNamespace(**{**vars(ctx), 'state_caches': [tuple(c.clone() for c in ctx.state_caches[0])]})
+    before = CALLS['gdn_decode']
+    with torch.inference_mode():
+        out = layer(hidden, ctx)
+        saved = cpu_native._LIB
+        cpu_native._LIB = None   # the torch path: every native kernel off
+        try:
+            ref = layer(hidden, ref_ctx)
+        finally:
+            cpu_native._LIB = saved
+    assert CALLS['gdn_decode'] == before + 1
+    # float32 sums of a few dozen terms in another order; the recurrent state is O(1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(ctx.state_caches[0], ref_ctx.state_caches[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gdn_decode_columns_are_the_split_of_each_packing():
+    """The column map is exactly what ``_split_projections`` picks: Qwen3-Next's per-key-head
+    groups ``[q | k | v | z]`` and ``[b | a]``; Qwen3.5's flat blocks in order."""
+    layer, _ = _gdn('qwen3_next', 2, 2, 2, 1, 2, False, 0)
+    # per key head: q 2, k 2, v 2, z 2 columns (16 in all), then [b 2 | a 2] per key head
+    assert layer.decode_columns().tolist() == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,   # q | k | v
+                                               6, 7, 14, 15,                               # z
+                                               16, 17, 20, 21, 18, 19, 22, 23]             # b, a
+    flat, _ = _gdn('qwen3_5', 2, 2, 2, 1, 2, False, 0)
+    assert flat.decode_columns().tolist() == list(range(12 + 4 + 8))
+
+
+def test_gdn_decode_falls_back_off_its_class():
+    """A step that is not one sorted slot range with history, or not float32, runs the torch path
+    (no fused call) and still gives the same result as the fused one would."""
+    layer, gen = _gdn('qwen3_next', 2, 2, 8, 8, 4, False, 1)
+    hidden = torch.randn(2, 24, generator=gen)
+    ctx = _ctx(layer, 2, 0, 4, gen)
+    ctx.slot_span = (0, torch.tensor([1, 0]))   # slots out of order
+    before = CALLS['gdn_decode']
+    with torch.inference_mode():
+        layer(hidden, ctx)
+        layer.to(torch.float64)(hidden.double(), _ctx(layer, 2, 0, 4, gen))
+    assert CALLS['gdn_decode'] == before
