@@ -1,7 +1,9 @@
 """The fused native decode steps equal the torch paths they replace, over their input class:
 the Gated DeltaNet layer's one-call decode step (every projection packing: Qwen3-Next's per-key-head
 groups, Qwen3.5's and OLMo Hybrid's flat blocks; head ratios, widths not a multiple of the vector
-length, conv widths, slot ranges inside larger caches, beta scale)."""
+length, conv widths, slot ranges inside larger caches, beta scale) and the Qwen-MoE block's
+stacked router / shared-expert product with its native routing (expert counts, top-k,
+renormalised or not, token counts, a weight written after the first call)."""
 from types import SimpleNamespace
 
 import pytest
@@ -9,9 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmdeploy.pytorch import kernels
 from lmdeploy.pytorch.kernels import cpu_native
 from lmdeploy.pytorch.kernels.cpu_native import CALLS, native_library
 from lmdeploy.pytorch.models.blocks.gated_delta_net import GatedDeltaNet
+from lmdeploy.pytorch.models.blocks.moe import SparseMoeBlock
 from lmdeploy.pytorch.models.olmo_hybrid import OlmoHybridGatedDeltaNet
 from lmdeploy.pytorch.models.qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -19,6 +23,20 @@ pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU ker
                                 '(no C compiler with OpenMP, or LMDEPLOY_CPU_KERNELS=0)')
 
 VARIANTS = {'qwen3_next': GatedDeltaNet, 'qwen3_5': Qwen3_5GatedDeltaNet, 'olmo_hybrid': OlmoHybridGatedDeltaNet}
+
+
+def _torch_path(fn):
+    """``fn()`` with every native kernel off (the torch implementations run); the registry's
+    choices made meanwhile are dropped, so later callers get the native ones again."""
+    saved, chosen = cpu_native._LIB, dict(kernels._CHOSEN)
+    cpu_native._LIB = None
+    kernels._CHOSEN.clear()
+    try:
+        return fn()
+    finally:
+        cpu_native._LIB = saved
+        kernels._CHOSEN.clear()
+        kernels._CHOSEN.update(chosen)
 
 
 def _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed):
@@ -55,12 +73,7 @@ def test_gdn_decode_native_equals_the_torch_path(variant, hk, ratio, dk, dv, ker
     before = CALLS['gdn_decode']
     with torch.inference_mode():
         out = layer(hidden, ctx)
-        saved = cpu_native._LIB
-        cpu_native._LIB = None   # the torch path: every native kernel off
-        try:
-            ref = layer(hidden, ref_ctx)
-        finally:
-            cpu_native._LIB = saved
+        ref = _torch_path(lambda: layer(hidden, ref_ctx))
     assert CALLS['gdn_decode'] == before + 1
     # float32 sums of a few dozen terms in another order; the recurrent state is O(1)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -92,3 +105,50 @@ def test_gdn_decode_falls_back_off_its_class():
         layer(hidden, ctx)
         layer.to(torch.float64)(hidden.double(), _ctx(layer, 2, 0, 4, gen))
     assert CALLS['gdn_decode'] == before
+
+
+def _moe(experts, k, norm, hidden, inter, shared, seed):
+    config = SimpleNamespace(hidden_size=hidden, num_experts=experts, num_experts_per_tok=k, norm_topk_prob=norm,
+                             moe_intermediate_size=inter, shared_expert_intermediate_size=shared)
+    block = SparseMoeBlock(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return block.eval(), gen
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([2, 5, 16]), st.integers(1, 4), st.booleans(), st.sampled_from([8, 20]),
+       st.sampled_from([4, 11]), st.sampled_from([3, 16]), st.sampled_from([1, 2, 7, 64]), st.integers(0, 2 ** 31))
+def test_sparse_moe_fused_decode_equals_the_torch_path(experts, k, norm, hidden, inter, shared, tokens, seed):
+    """The block through one stacked product and the native routing against its torch forward
+    (native library off): same output for every router shape and token count it takes."""
+    k = min(k, experts)
+    block, gen = _moe(experts, k, norm, hidden, inter, shared, seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    before = CALLS['moe_route']
+    with torch.inference_mode():
+        out = block(x)
+        ref = _torch_path(lambda: block(x))
+    assert CALLS['moe_route'] == before + 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_moe_stacked_weight_follows_a_weight_written_later():
+    """The stacked copy is rebuilt when a weight is written in place after the first step (a
+    reload), so the fused product never reads stale rows; more tokens than the native window
+    run the torch path."""
+    block, gen = _moe(4, 2, True, 8, 4, 6, 0)
+    x = torch.randn(3, 8, generator=gen)
+    with torch.inference_mode():
+        block(x)
+    with torch.no_grad():
+        block.shared_expert.gate_up_proj.weight.mul_(-2.0)
+    with torch.inference_mode():
+        out = block(x)
+        ref = _torch_path(lambda: block(x))
+        before = CALLS['moe_route']
+        block(torch.randn(cpu_native.NATIVE_EXPERT_TOKENS + 1, 8, generator=gen))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert CALLS['moe_route'] == before

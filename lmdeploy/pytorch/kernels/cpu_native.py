@@ -12,6 +12,8 @@ here, each one call per layer per step:
   :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
+- :func:`moe_route_native`: a Qwen-MoE layer's softmax top-k routing and its gated shared
+  expert's activation, from one product of the router, shared gate and shared gate/up rows;
 - :func:`delta_step_native`: the decode step of the gated delta rule and of KDA (a decay per
   head or per key channel) in one pass over the state;
 - :func:`conv_decode_step_native`: the causal-conv decode step (window shift in place);
@@ -73,7 +75,8 @@ import torch
 from ..config import cache_root
 from . import native_build
 
-__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'moe_route_native',
+           'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native', 'gdn_decode_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
@@ -152,6 +155,7 @@ def _cpu_flags() -> str:
 _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_matmul_rows': ('p i32 i32 i64 p i32 i64 p i64 i32', None),
     'lm_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
+    'lm_moe_route': ('p i64 i32 i32 i32 i32 i32 p p p i32', None),
     'lm_delta_step': ('p p p i32 p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
     'lm_gdn_decode': ('p i64 p p p i64 i64 p p f32 p i64 i64 i64 p f32 i32 i32 i32 i32 i32 i32 p p i32', None),
     'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
@@ -320,6 +324,41 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
                              ys.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
         raise ValueError(f'expert index out of range [0, {E})')
     return out
+
+
+def moe_route_native(proj: torch.Tensor, num_experts: int, top_k: int, norm_topk_prob: bool,
+                     shared_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The routing of a softmax top-k MoE router (Qwen-MoE) and the activation of its
+    sigmoid-gated SwiGLU shared expert in one native call, or ``None`` when it does not apply.
+
+    Args:
+        proj: float32 ``[T, E + 1 + 2*I]`` (unit stride along the row): per token the router
+            logits, the shared-expert gate logit, then the shared expert's gate and up rows.
+        num_experts: ``E``; top_k: ``k`` in ``[1, E]``; norm_topk_prob: renormalise the kept
+            probabilities to sum 1; shared_size: ``I``.
+
+    Returns:
+        ``(weights [T, k] float32, index [T, k] int64, act [T, I] float32)``: the ``k`` largest
+        of ``softmax(logits)`` in descending order (ties: the lower id), and
+        ``sigmoid(shared gate) * silu(gate) * up`` (the shared expert's down-projection input,
+        already scaled by its gate); ``None`` (dtype, device, shape, autograd, or no library).
+    """
+    E, k, I = num_experts, top_k, shared_size
+    if not (proj.dim() == 2 and proj.shape[1] == E + 1 + 2 * I and 1 <= k <= E and is_plain(proj)
+            and proj.stride(1) == 1):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    T = proj.shape[0]
+    index = torch.empty(T, k, dtype=torch.int64)
+    weights = torch.empty(T, k, dtype=torch.float32)
+    act = torch.empty(T, I, dtype=torch.float32)
+    if T:
+        CALLS['moe_route'] += 1
+        lib.lm_moe_route(proj.data_ptr(), proj.stride(0), T, E, k, int(norm_topk_prob), I, index.data_ptr(),
+                         weights.data_ptr(), act.data_ptr(), torch.get_num_threads())
+    return weights, index, act
 
 
 def delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,

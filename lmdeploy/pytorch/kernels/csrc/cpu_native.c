@@ -156,6 +156,45 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
   return 0;
 }
 
+/* The routing and shared-expert activation of a Qwen-MoE layer (softmax top-k router plus a
+   sigmoid-gated SwiGLU shared expert) from one product per token: row t of proj (row stride ld)
+   holds [router logits (E) | shared-expert gate (1) | shared gate (I) | shared up (I)].
+   index, weights [T, k]: the k largest of softmax(logits) in descending order (ties: the lower
+   id), renormalised to sum 1 when norm; act [T, I] = sigmoid(shared gate) * silu(gate) * up (the
+   gate scales the shared expert's down-projection input: the projection is linear). */
+void lm_moe_route(const float* proj, int64_t ld, int T, int E, int k, int norm, int I, int64_t* index,
+                  float* weights, float* act, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+  for (int t = 0; t < T; t++) {
+    const float* row = proj + (ptrdiff_t)t * ld;
+    float e[E];
+    unsigned char taken[E];
+    float m = row[0], sum = 0.0f, kept = 0.0f;
+    for (int i = 1; i < E; i++) m = row[i] > m ? row[i] : m;
+    for (int i = 0; i < E; i++) {
+      e[i] = expf(row[i] - m);
+      sum += e[i];
+      taken[i] = 0;
+    }
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int i = 0; i < E; i++)
+        if (!taken[i] && (best < 0 || e[i] > e[best])) best = i;
+      taken[best] = 1;
+      index[(ptrdiff_t)t * k + j] = best;
+      weights[(ptrdiff_t)t * k + j] = e[best] / sum;
+      kept += e[best] / sum;
+    }
+    if (norm)
+      for (int j = 0; j < k; j++) weights[(ptrdiff_t)t * k + j] /= kept;
+    float sg = 1.0f / (1.0f + expf(-row[E]));
+    const float* g = row + E + 1;
+    const float* u = g + I;
+    float* a = act + (ptrdiff_t)t * I;
+    for (int c = 0; c < I; c++) a[c] = sg * (g[c] / (1.0f + expf(-g[c]))) * u[c];
+  }
+}
+
 /* One decode token of the delta rule with a gated decay for N sequences x H heads, the state
    updated in place: the gated delta rule (Yang, Kautz & Hatamizadeh, "Gated Delta Networks",
    ICLR 2025, eq. 10: one decay per head) and Kimi Delta Attention (Kimi Team, "Kimi Linear",

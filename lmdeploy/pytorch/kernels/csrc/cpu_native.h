@@ -20,6 +20,10 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
                       const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
                       float* out, int threads);
 
+/* a softmax top-k router and a sigmoid-gated shared expert's activation from one fused product */
+void lm_moe_route(const float* proj, int64_t ld, int T, int E, int k, int norm, int I, int64_t* index,
+                  float* weights, float* act, int threads);
+
 /* one decode token of the gated delta rule (a decay per head) or KDA (per key channel), state updated in place */
 void lm_delta_step(const float* kq, const float* v, const float* decay, int per_channel, const float* beta,
                    float* state, int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row,

@@ -3,6 +3,12 @@
 (softmax top-k router + sigmoid-gated shared expert, :class:`SparseMoeBlock`) and the
 DeepSeek-V3-style block (sigmoid router with a correction bias and group-limited top-k,
 :class:`GroupLimitedMoE`) that Kimi-Linear and GLM-5.3-Flash use.
+
+A float32 CPU step of a few tokens (decode) runs :class:`SparseMoeBlock` as three products and
+two native calls: one product of the router, the shared-expert gate and the shared expert's
+gate/up rows stacked (a cached copy of those rows, rebuilt when a weight changes), the routing
+and shared activation in one native call, the shared down product and the experts kernel;
+the dozen small torch ops between them cost more than their arithmetic at batch 1.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import get_kernel
+from ...kernels.cpu_native import NATIVE_EXPERT_TOKENS, moe_route_native, native_available
+from ...kernels.linear import linear
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..layers import Linear, SwiGLUMLP, WeightLoader
 
@@ -67,8 +75,43 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
+    def _stacked_weight(self) -> torch.Tensor | None:
+        """float32 ``[E + 1 + 2*I, hidden]``: the router, shared-expert gate and shared gate/up
+        rows stacked for one product (a copy, about ``(E + 1 + 2I) * hidden * 4`` bytes, rebuilt
+        when any of them is replaced or written in place); ``None`` unless all three are plain
+        float32 bias-free weights."""
+        parts = (self.gate, self.shared_expert_gate, self.shared_expert.gate_up_proj)
+        if any(m.fp8_block is not None or m.bias is not None or m.weight.dtype != torch.float32 for m in parts):
+            return None
+        key = tuple((m.weight.data_ptr(), m.weight._version) for m in parts)
+        cached = self.__dict__.get('_stacked')
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([m.weight.detach() for m in parts]))
+            self.__dict__['_stacked'] = cached
+        return cached[1]
+
+    def _fused_decode(self, x: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`forward` for a float32 CPU step of at most ``NATIVE_EXPERT_TOKENS`` tokens by
+        one stacked product and :func:`~lmdeploy.pytorch.kernels.cpu_native.moe_route_native`, or
+        ``None`` (another dtype or device, more tokens, no library, a quantized weight)."""
+        if not (x.device.type == 'cpu' and x.dtype == torch.float32 and 1 <= x.shape[0] <= NATIVE_EXPERT_TOKENS
+                and x.dim() == 2 and native_available()):
+            return None
+        weight = self._stacked_weight()
+        if weight is None:
+            return None
+        routed = moe_route_native(linear(x, weight), self.gate.out_features, self.top_k, self.norm_topk_prob,
+                                  self.shared_expert.down_proj.in_features)
+        if routed is None:
+            return None
+        weights, index, act = routed
+        return self.experts(x, index, weights) + self.shared_expert.down_proj(act)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
+        fused = self._fused_decode(x)
+        if fused is not None:
+            return fused
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
