@@ -3,7 +3,9 @@ the Gated DeltaNet layer's one-call decode step (every projection packing: Qwen3
 groups, Qwen3.5's and OLMo Hybrid's flat blocks; head ratios, widths not a multiple of the vector
 length, conv widths, slot ranges inside larger caches, beta scale) and the Qwen-MoE block's
 stacked router / shared-expert product with its native routing (expert counts, top-k,
-renormalised or not, token counts, a weight written after the first call)."""
+renormalised or not, token counts, a weight written after the first call), and the attention
+layer's native prologue (gated or not, norm conventions, partial rotary, GQA ratios, cache
+views with rows around them untouched, bad write indices refused before any write)."""
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,8 @@ from hypothesis import strategies as st
 from lmdeploy.pytorch import kernels
 from lmdeploy.pytorch.kernels import cpu_native
 from lmdeploy.pytorch.kernels.cpu_native import CALLS, native_library
+from lmdeploy.pytorch.model_inputs import kv_gather_index
+from lmdeploy.pytorch.models.blocks.attention import QKNormAttention
 from lmdeploy.pytorch.models.blocks.gated_delta_net import GatedDeltaNet
 from lmdeploy.pytorch.models.blocks.moe import SparseMoeBlock
 from lmdeploy.pytorch.models.olmo_hybrid import OlmoHybridGatedDeltaNet
@@ -152,3 +156,59 @@ def test_sparse_moe_stacked_weight_follows_a_weight_written_later():
         block(torch.randn(cpu_native.NATIVE_EXPERT_TOKENS + 1, 8, generator=gen))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert CALLS['moe_route'] == before
+
+
+def _attention_case(heads, kv_heads, dim, rot, gated, zero_centered, n, seed, block_size=4):
+    config = SimpleNamespace(hidden_size=16, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim,
+                             rms_norm_eps=1e-6, attention_bias=False)
+    layer = QKNormAttention(config, 0, output_gate=gated, zero_centered_norm=zero_centered)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+    lens = torch.randint(1, 3 * block_size, (n,), generator=gen)
+    width = 3
+    table = torch.randperm(n * width + 2, generator=gen)[:n * width].view(n, width)
+    nb = n * width + 2
+    # the caches as views into wider byte rows, as the engine holds them
+    rows = torch.randn(nb, block_size, kv_heads * dim * 2 + 5, generator=gen)
+    k_cache = rows[:, :, :kv_heads * dim].unflatten(2, (kv_heads, dim))
+    v_cache = rows[:, :, kv_heads * dim:2 * kv_heads * dim].unflatten(2, (kv_heads, dim))
+    pos = lens - 1
+    ctx = SimpleNamespace(kv_caches=[(k_cache, v_cache)], q_seqlens=[1] * n, block_table=table, kv_seqlens_t=lens,
+                          kv_write_index=(table[torch.arange(n), pos // block_size], pos % block_size),
+                          kv_gather_index=kv_gather_index(table, lens, block_size))
+    angles = torch.randn(n, rot // 2, generator=gen)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    return layer.eval(), torch.randn(n, 16, generator=gen), cos, sin, ctx, rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(2, 1), (4, 2), (3, 3)]), st.sampled_from([8, 12, 20]), st.sampled_from([0, 4, 1.0]),
+       st.booleans(), st.booleans(), st.integers(1, 4), st.integers(0, 2 ** 31))
+def test_attention_native_prologue_equals_the_torch_path(heads, dim, rot, gated, zero_centered, n, seed):
+    """A decode step through the native prologue against the torch forward (native library
+    off): same output and the same caches, bytes around the K/V views untouched."""
+    rot = dim if rot == 1.0 else rot
+    layer, hidden, cos, sin, ctx, rows = _attention_case(*heads, dim, rot, gated, zero_centered, n, seed)
+    ref_rows = rows.clone()
+    kvh, d = heads[1], dim
+    ref_ctx = SimpleNamespace(**{**vars(ctx), 'kv_caches': [(ref_rows[:, :, :kvh * d].unflatten(2, (kvh, d)),
+                                                             ref_rows[:, :, kvh * d:2 * kvh * d].unflatten(2, (kvh, d)))]})
+    before = CALLS['qk_norm_rope_store']
+    with torch.inference_mode():
+        out = layer(hidden, cos, sin, ctx)
+        ref = _torch_path(lambda: layer(hidden, cos, sin, ref_ctx))
+    assert CALLS['qk_norm_rope_store'] == before + 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows, ref_rows, rtol=1e-6, atol=1e-6)
+
+
+def test_attention_native_prologue_refuses_a_bad_write_index_before_writing():
+    layer, hidden, cos, sin, ctx, rows = _attention_case(2, 1, 8, 8, True, True, 2, 0)
+    blocks, offsets = ctx.kv_write_index
+    ctx.kv_write_index = (blocks, offsets + 4)   # offset == block_size
+    before = rows.clone()
+    with torch.inference_mode(), pytest.raises(ValueError, match='offsets'):
+        layer(hidden, cos, sin, ctx)
+    assert torch.equal(rows, before)

@@ -22,6 +22,8 @@ here, each one call per layer per step:
 - :func:`~.mamba2_cpu.ssd_step_native` (its own module): the Mamba-2 SSD decode step;
 - :func:`~.mamba1_cpu.selective_scan_step_native` (its own module): the Mamba-1 decode step;
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
+- :func:`qk_norm_rope_store_native`: a decode attention layer's prologue (q/k RMS norms,
+  rotary, the output gate's sigmoid, the K/V store) from the packed projection;
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
   once per KV head group, online softmax, no gathered copy.
 
@@ -79,7 +81,7 @@ __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_
            'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native', 'gdn_decode_native',
            'conv_decode_step_native', 'rms_norm_native',
-           'paged_decode_attention_native']
+           'qk_norm_rope_store_native', 'paged_decode_attention_native']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -162,6 +164,8 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
     'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
+    'lm_qk_norm_rope_store': ('p i64 i32 i32 i32 i32 i32 p p f32 i32 p p i32 p p p p i64 i64 i64 p p i64 i32 i32',
+                              'i32'),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
 }
 _CTYPES = native_build.CTYPES
@@ -534,6 +538,69 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                         None if g2 is None else g2.data_ptr(), 0 if g2 is None else g2.stride(0), out.data_ptr(),
                         torch.get_num_threads())
     return out
+
+
+def qk_norm_rope_store_native(proj: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, gated: bool,
+                              q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, zero_centered: bool,
+                              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              blocks: torch.Tensor, offsets: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A decode attention layer's work between its qkv projection and the attention itself, in
+    one native call: per-head q/k RMS norms (Zhang & Sennrich, 2019), rotary positions on the
+    leading ``rot`` channels (Su et al., "RoFormer", 2021, in the two-halves layout), the output
+    gate's sigmoid, and the new K/V written into the paged caches; ``None`` when it does not
+    apply (the caller runs the torch path: the norm modules, ``apply_rotary``, ``fill_kv_cache``).
+
+    Args:
+        proj: float32 ``[T, P]``, unit stride along P: per token ``[q | k | v]``, q per head
+            ``[q (D) | gate (D)]`` when ``gated`` else ``[q (D)]``, k and v ``[Hkv * D]``.
+        num_heads, num_kv_heads, head_dim: ``H``, ``Hkv``, ``D``.
+        q_weight, k_weight: float32 ``[D]``; eps, zero_centered: as :func:`rms_norm_native`.
+        cos, sin: float32 ``[T, rot]``, ``rot`` even and at most ``D``.
+        k_cache, v_cache: float32 ``[num_blocks, block_size, Hkv, D]``, unit stride along D, equal
+            strides (views into the cache's byte rows are fine).
+        blocks, offsets: int64 ``[T]``: where each token's K/V goes.
+
+    Returns:
+        ``(q [T, H, D], sigmoid(gate) [T, H * D] or None)`` float32, or ``None`` (dtype, device,
+        shapes, strides, autograd, or no library).
+
+    Raises:
+        ValueError: a block id outside ``[0, num_blocks)`` or an offset outside
+            ``[0, block_size)`` (nothing is written).
+    """
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    T = proj.shape[0] if proj.dim() == 2 else -1
+    rot = cos.shape[-1] if cos.dim() == 2 else -1
+    nb, bs = k_cache.shape[:2] if k_cache.dim() == 4 else (0, 0)
+    if not (T >= 0 and proj.shape[1] == H * D * (2 if gated else 1) + 2 * Hkv * D and proj.stride(1) == 1
+            and 0 <= rot <= D and rot % 2 == 0 and cos.shape == sin.shape == (T, rot)
+            and q_weight.shape == k_weight.shape == (D,) and k_cache.shape == v_cache.shape == (nb, bs, Hkv, D)
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+            and blocks.shape == offsets.shape == (T,) and blocks.dtype == offsets.dtype == torch.int64
+            and blocks.device.type == offsets.device.type == 'cpu'
+            and all(is_plain(t) for t in (proj, q_weight, k_weight, cos, sin, k_cache, v_cache))):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    cos, sin, q_weight, k_weight, blocks, offsets = (t.contiguous() for t in (cos, sin, q_weight, k_weight, blocks,
+                                                                              offsets))
+    q = torch.empty(T, H, D, dtype=torch.float32)
+    gate = torch.empty(T, H * D, dtype=torch.float32) if gated else None
+    if T:
+        CALLS['qk_norm_rope_store'] += 1
+        status = lib.lm_qk_norm_rope_store(proj.data_ptr(), proj.stride(0), T, H, Hkv, D, int(gated),
+                                           q_weight.data_ptr(), k_weight.data_ptr(), eps, int(zero_centered),
+                                           cos.data_ptr(), sin.data_ptr(), rot, q.data_ptr(),
+                                           None if gate is None else gate.data_ptr(), k_cache.data_ptr(),
+                                           v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                                           k_cache.stride(2), blocks.data_ptr(), offsets.data_ptr(), nb, bs,
+                                           torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f'K/V write index out of range: block ids must be in [0, {nb}) and offsets in '
+                             f'[0, {bs})')
+    return q, gate
 
 
 def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

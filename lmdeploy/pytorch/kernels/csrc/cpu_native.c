@@ -459,6 +459,57 @@ void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, 
   }
 }
 
+/* The prologue of a decode attention layer with per-head q/k RMS norms and rotary positions
+   (Qwen3's, and Qwen3-Next's gated form), from the packed projection: row t of proj (stride ld)
+   holds [q | k | v], q per head [q (D) | gate (D)] when gated, else [q (D)]; k, v [Hkv D].
+   Each q and k head: h = x / sqrt(mean(x^2) + eps), times (1 + w) when zero_centered else w;
+   then its first rot channels rotate: x1 * cos - x2 * sin, x2 * cos + x1 * sin over the two
+   halves (cos, sin [T, rot]). q_out [T, H, D]; gate_out [T, H D] = sigmoid(gate) when gated;
+   k and v land in the caches at (blocks[t], offsets[t]): element (b, p, h, c) at
+   b * s_block + p * s_pos + h * s_head + c (both caches share the strides). Returns -1 and writes
+   nothing when a block id is outside [0, num_blocks) or an offset outside [0, block_size). */
+int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, int D, int gated, const float* q_w,
+                           const float* k_w, float eps, int zero_centered, const float* cos, const float* sin, int rot,
+                           float* q_out, float* gate_out, float* k_cache, float* v_cache, int64_t s_block,
+                           int64_t s_pos, int64_t s_head, const int64_t* blocks, const int64_t* offsets,
+                           int64_t num_blocks, int block_size, int threads) {
+  const int qw = gated ? 2 * D : D, half = rot / 2;
+  for (int t = 0; t < T; t++)
+    if (blocks[t] < 0 || blocks[t] >= num_blocks || offsets[t] < 0 || offsets[t] >= block_size) return -1;
+  #pragma omp parallel for num_threads(threads) schedule(static) if (T * (H + Hkv) >= 64)
+  for (int p = 0; p < T * (H + Hkv); p++) {
+    int t = p / (H + Hkv), h = p % (H + Hkv), is_k = h >= H;
+    const float* row = proj + (ptrdiff_t)t * ld;
+    const float* x;
+    float* dst;
+    if (is_k) {
+      h -= H;
+      x = row + (ptrdiff_t)H * qw + (ptrdiff_t)h * D;
+      ptrdiff_t at = (ptrdiff_t)blocks[t] * s_block + (ptrdiff_t)offsets[t] * s_pos + (ptrdiff_t)h * s_head;
+      dst = k_cache + at;
+      memcpy(v_cache + at, x + (ptrdiff_t)Hkv * D, sizeof(float) * D);
+    } else {
+      x = row + (ptrdiff_t)h * qw;
+      dst = q_out + ((ptrdiff_t)t * H + h) * D;
+      if (gated)
+        for (int c = 0; c < D; c++) gate_out[((ptrdiff_t)t * H + h) * D + c] = 1.0f / (1.0f + expf(-x[D + c]));
+    }
+    const float* w = is_k ? k_w : q_w;
+    float ss = 0.0f, n[D];
+    for (int c = 0; c < D; c++) ss += x[c] * x[c];
+    float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int c = 0; c < D; c++) n[c] = zero_centered ? x[c] * inv * (1.0f + w[c]) : w[c] * (x[c] * inv);
+    const float* cs = cos + (ptrdiff_t)t * rot;
+    const float* sn = sin + (ptrdiff_t)t * rot;
+    for (int c = 0; c < half; c++) {
+      dst[c] = n[c] * cs[c] - n[c + half] * sn[c];
+      dst[c + half] = n[c + half] * cs[c + half] + n[c] * sn[c + half];
+    }
+    for (int c = rot; c < D; c++) dst[c] = n[c];
+  }
+  return 0;
+}
+
 /* One query token per sequence against its paged keys: for each sequence n and KV head, the G =
    H / Hkv query heads of the group read each cached key and value row once, with a running
    (online) softmax: m = max score so far, l = sum exp(score - m), acc = sum exp(score - m) v.

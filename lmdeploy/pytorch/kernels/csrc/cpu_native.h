@@ -54,6 +54,14 @@ void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_sl
 void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, float eps, int zero_centered,
                  const float* z, int64_t ldz, float* out, int threads);
 
+/* q/k RMS norms, rotary, the output gate's sigmoid and the K/V store of a decode attention layer;
+   -1 (nothing written) on a block id or offset out of range */
+int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, int D, int gated, const float* q_w,
+                           const float* k_w, float eps, int zero_centered, const float* cos, const float* sin, int rot,
+                           float* q_out, float* gate_out, float* k_cache, float* v_cache, int64_t s_block,
+                           int64_t s_pos, int64_t s_head, const int64_t* blocks, const int64_t* offsets,
+                           int64_t num_blocks, int block_size, int threads);
+
 /* decode attention over paged keys; -1: a length out of range, -2: a block id out of range */
 int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,
                               int64_t s_pos, int64_t s_head, const int64_t* block_table, int64_t ld_table,
