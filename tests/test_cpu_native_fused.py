@@ -5,7 +5,8 @@ length, conv widths, slot ranges inside larger caches, beta scale) and the Qwen-
 stacked router / shared-expert product with its native routing (expert counts, top-k,
 renormalised or not, token counts, a weight written after the first call), and the attention
 layer's native prologue (gated or not, norm conventions, partial rotary, GQA ratios, cache
-views with rows around them untouched, bad write indices refused before any write)."""
+views with rows around them untouched, bad write indices refused before any write), and the
+residual add fused into the next RMS norm."""
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from lmdeploy.pytorch.model_inputs import kv_gather_index
 from lmdeploy.pytorch.models.blocks.attention import QKNormAttention
 from lmdeploy.pytorch.models.blocks.gated_delta_net import GatedDeltaNet
 from lmdeploy.pytorch.models.blocks.moe import SparseMoeBlock
+from lmdeploy.pytorch.models.layers import RMSNorm
 from lmdeploy.pytorch.models.olmo_hybrid import OlmoHybridGatedDeltaNet
 from lmdeploy.pytorch.models.qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -29,18 +31,49 @@ pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU ker
 VARIANTS = {'qwen3_next': GatedDeltaNet, 'qwen3_5': Qwen3_5GatedDeltaNet, 'olmo_hybrid': OlmoHybridGatedDeltaNet}
 
 
-def _torch_path(fn):
-    """``fn()`` with every native kernel off (the torch implementations run); the registry's
-    choices made meanwhile are dropped, so later callers get the native ones again."""
-    saved, chosen = cpu_native._LIB, dict(kernels._CHOSEN)
+FUSED_OPS = ('gdn_decode', 'moe_route_shared', 'qk_norm_rope_store', 'add_rms_norm')
+
+
+def _torch_path(fn, unfused=False):
+    """``fn()`` with every native kernel off: the fused ops' torch forms run, or with
+    ``unfused`` the blocks' unfused torch paths (no fused op is found); the registry's choices
+    made meanwhile are dropped, so later callers get the native ones again."""
+    saved, chosen, registry = cpu_native._LIB, dict(kernels._CHOSEN), dict(kernels._REGISTRY)
     cpu_native._LIB = None
     kernels._CHOSEN.clear()
+    if unfused:
+        for op in FUSED_OPS:
+            kernels._REGISTRY.pop(op)
     try:
         return fn()
     finally:
         cpu_native._LIB = saved
+        kernels._REGISTRY.update(registry)
         kernels._CHOSEN.clear()
         kernels._CHOSEN.update(chosen)
+
+
+def _three_ways(run, state_copies):
+    """``run(states)`` natively, by the fused ops' torch forms and by the unfused path, each on
+    its own copy of the states: ``[(output, states)] * 3``."""
+    results = []
+    for mode in ('native', 'fused_torch', 'unfused'):
+        states = state_copies()
+        if mode == 'native':
+            out = run(states)
+        else:
+            out = _torch_path(lambda: run(states), unfused=mode == 'unfused')
+        results.append((out, states))
+    return results
+
+
+def _all_close(results, tol=1e-5):
+    """Every way's output and states equal the unfused path's."""
+    ref_out, ref_states = results[-1]
+    for out, states in results[:-1]:
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+        for got, want in zip(states, ref_states):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed):
@@ -73,16 +106,17 @@ def test_gdn_decode_native_equals_the_torch_path(variant, hk, ratio, dk, dv, ker
     layer, gen = _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed)
     hidden = torch.randn(n, 24, generator=gen)
     ctx = _ctx(layer, n, lo, lo + n + 2, gen)
-    ref_ctx = SimpleNamespace(**{**vars(ctx), 'state_caches': [tuple(c.clone() for c in ctx.state_caches[0])]})
+    caches = ctx.state_caches[0]
+
+    def run(states):
+        return layer(hidden, SimpleNamespace(**{**vars(ctx), 'state_caches': [states]}))
+
     before = CALLS['gdn_decode']
     with torch.inference_mode():
-        out = layer(hidden, ctx)
-        ref = _torch_path(lambda: layer(hidden, ref_ctx))
+        results = _three_ways(run, lambda: tuple(c.clone() for c in caches))
     assert CALLS['gdn_decode'] == before + 1
-    # float32 sums of a few dozen terms in another order; the recurrent state is O(1)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for got, want in zip(ctx.state_caches[0], ref_ctx.state_caches[0]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # float32 sums of a few dozen terms in another order; outputs and states are O(1)
+    _all_close(results)
 
 
 def test_gdn_decode_columns_are_the_split_of_each_packing():
@@ -133,10 +167,9 @@ def test_sparse_moe_fused_decode_equals_the_torch_path(experts, k, norm, hidden,
     x = torch.randn(tokens, hidden, generator=gen)
     before = CALLS['moe_route']
     with torch.inference_mode():
-        out = block(x)
-        ref = _torch_path(lambda: block(x))
+        results = _three_ways(lambda states: block(x), tuple)
     assert CALLS['moe_route'] == before + 1
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    _all_close(results)
 
 
 def test_sparse_moe_stacked_weight_follows_a_weight_written_later():
@@ -151,7 +184,7 @@ def test_sparse_moe_stacked_weight_follows_a_weight_written_later():
         block.shared_expert.gate_up_proj.weight.mul_(-2.0)
     with torch.inference_mode():
         out = block(x)
-        ref = _torch_path(lambda: block(x))
+        ref = _torch_path(lambda: block(x), unfused=True)
         before = CALLS['moe_route']
         block(torch.randn(cpu_native.NATIVE_EXPERT_TOKENS + 1, 8, generator=gen))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -191,24 +224,50 @@ def test_attention_native_prologue_equals_the_torch_path(heads, dim, rot, gated,
     off): same output and the same caches, bytes around the K/V views untouched."""
     rot = dim if rot == 1.0 else rot
     layer, hidden, cos, sin, ctx, rows = _attention_case(*heads, dim, rot, gated, zero_centered, n, seed)
-    ref_rows = rows.clone()
     kvh, d = heads[1], dim
-    ref_ctx = SimpleNamespace(**{**vars(ctx), 'kv_caches': [(ref_rows[:, :, :kvh * d].unflatten(2, (kvh, d)),
-                                                             ref_rows[:, :, kvh * d:2 * kvh * d].unflatten(2, (kvh, d)))]})
+
+    def run(states):
+        (rows,) = states
+        caches = (rows[:, :, :kvh * d].unflatten(2, (kvh, d)), rows[:, :, kvh * d:2 * kvh * d].unflatten(2, (kvh, d)))
+        return layer(hidden, cos, sin, SimpleNamespace(**{**vars(ctx), 'kv_caches': [caches]}))
+
     before = CALLS['qk_norm_rope_store']
     with torch.inference_mode():
-        out = layer(hidden, cos, sin, ctx)
-        ref = _torch_path(lambda: layer(hidden, cos, sin, ref_ctx))
+        results = _three_ways(run, lambda: (rows.clone(),))
     assert CALLS['qk_norm_rope_store'] == before + 1
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rows, ref_rows, rtol=1e-6, atol=1e-6)
+    _all_close(results)   # the whole byte rows: the bytes around the K/V views are untouched too
 
 
-def test_attention_native_prologue_refuses_a_bad_write_index_before_writing():
+@pytest.mark.parametrize('native', [True, False])
+def test_attention_prologue_refuses_a_bad_write_index_before_writing(native):
+    """Natively and in its torch form: a ValueError, and the caches unchanged."""
     layer, hidden, cos, sin, ctx, rows = _attention_case(2, 1, 8, 8, True, True, 2, 0)
     blocks, offsets = ctx.kv_write_index
     ctx.kv_write_index = (blocks, offsets + 4)   # offset == block_size
     before = rows.clone()
     with torch.inference_mode(), pytest.raises(ValueError, match='offsets'):
-        layer(hidden, cos, sin, ctx)
+        if native:
+            layer(hidden, cos, sin, ctx)
+        else:
+            _torch_path(lambda: layer(hidden, cos, sin, ctx))
     assert torch.equal(rows, before)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 20), st.sampled_from([1, 7, 64, 100]), st.booleans(), st.integers(0, 2 ** 31))
+def test_add_rms_norm_equals_the_add_then_the_norm(rows, dim, zero_centered, seed):
+    """``forward_add`` gives ``x + residual`` exactly and the norm of it as the torch norm does."""
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(dim, 1e-6, zero_centered)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen))
+    x, res = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen) * 3
+    before = CALLS['add_rms_norm']
+    with torch.inference_mode():
+        total, normed = norm.forward_add(x, res)
+        t_total, t_normed = _torch_path(lambda: norm.forward_add(x, res))
+        ref = _torch_path(lambda: norm(x + res), unfused=True)
+    assert CALLS['add_rms_norm'] == before + 1
+    assert torch.equal(total, x + res) and torch.equal(t_total, x + res)
+    torch.testing.assert_close(normed, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(t_normed, ref, rtol=1e-5, atol=1e-6)

@@ -22,6 +22,7 @@ here, each one call per layer per step:
 - :func:`~.mamba2_cpu.ssd_step_native` (its own module): the Mamba-2 SSD decode step;
 - :func:`~.mamba1_cpu.selective_scan_step_native` (its own module): the Mamba-1 decode step;
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
+- :func:`add_rms_norm_native`: a residual sum and its RMS norm in one pass;
 - :func:`qk_norm_rope_store_native`: a decode attention layer's prologue (q/k RMS norms,
   rotary, the output gate's sigmoid, the K/V store) from the packed projection;
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
@@ -81,7 +82,7 @@ __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_
            'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native', 'gdn_decode_native',
            'conv_decode_step_native', 'rms_norm_native',
-           'qk_norm_rope_store_native', 'paged_decode_attention_native']
+           'add_rms_norm_native', 'qk_norm_rope_store_native', 'paged_decode_attention_native']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -164,6 +165,7 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
     'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
+    'lm_add_rms_norm': ('p p i64 i32 p f32 i32 p p i32', None),
     'lm_qk_norm_rope_store': ('p i64 i32 i32 i32 i32 i32 p p f32 i32 p p i32 p p p p i64 i64 i64 p p i64 i32 i32',
                               'i32'),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
@@ -538,6 +540,35 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                         None if g2 is None else g2.data_ptr(), 0 if g2 is None else g2.stride(0), out.data_ptr(),
                         torch.get_num_threads())
     return out
+
+
+def add_rms_norm_native(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``s = x + residual`` and :func:`rms_norm_native` of ``s`` in one native pass (a pre-norm
+    layer's residual add and its next norm), or ``None`` when it does not apply.
+
+    Args:
+        x, residual: float32 ``[R, D]``, contiguous.
+        weight: float32 ``[D]``; eps, zero_centered: as :func:`rms_norm_native`.
+
+    Returns:
+        ``(s, norm(s))``, float32 ``[R, D]`` each; ``None`` (dtype, device, shape, layout,
+        autograd, or no library).
+    """
+    if not (x.dim() == 2 and residual.shape == x.shape and weight.shape == (x.shape[1],) and x.is_contiguous()
+            and residual.is_contiguous() and all(is_plain(t) for t in (x, residual, weight))):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    R, D = x.shape
+    total = torch.empty(R, D, dtype=torch.float32)
+    out = torch.empty(R, D, dtype=torch.float32)
+    if R and D:
+        CALLS['add_rms_norm'] += 1
+        lib.lm_add_rms_norm(x.data_ptr(), residual.data_ptr(), R, D, weight.contiguous().data_ptr(), eps,
+                            int(zero_centered), total.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return total, out
 
 
 def qk_norm_rope_store_native(proj: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, gated: bool,

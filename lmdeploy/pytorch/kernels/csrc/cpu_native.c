@@ -459,6 +459,29 @@ void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, 
   }
 }
 
+/* The residual sum and its RMS norm in one pass: sum = x + res, out = rms_norm(sum) as lm_rms_norm
+   (zero_centered: times 1 + w, else w). x, res, sum, out [R, D] contiguous. */
+void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const float* w, float eps, int zero_centered,
+                     float* sum, float* out, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) if (R * D >= 4096)
+  for (int64_t r = 0; r < R; r++) {
+    const float* xr = x + r * (int64_t)D;
+    const float* rr = res + r * (int64_t)D;
+    float* sr = sum + r * (int64_t)D;
+    float* o = out + r * (int64_t)D;
+    float ss = 0.0f;
+    for (int c = 0; c < D; c++) {
+      sr[c] = xr[c] + rr[c];
+      ss += sr[c] * sr[c];
+    }
+    float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    if (zero_centered)
+      for (int c = 0; c < D; c++) o[c] = sr[c] * inv * (1.0f + w[c]);
+    else
+      for (int c = 0; c < D; c++) o[c] = w[c] * (sr[c] * inv);
+  }
+}
+
 /* The prologue of a decode attention layer with per-head q/k RMS norms and rotary positions
    (Qwen3's, and Qwen3-Next's gated form), from the packed projection: row t of proj (stride ld)
    holds [q | k | v], q per head [q (D) | gate (D)] when gated, else [q (D)]; k, v [Hkv D].

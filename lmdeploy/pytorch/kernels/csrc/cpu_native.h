@@ -54,6 +54,10 @@ void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_sl
 void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, float eps, int zero_centered,
                  const float* z, int64_t ldz, float* out, int threads);
 
+/* sum = x + res and the RMS norm of sum in one pass */
+void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const float* w, float eps, int zero_centered,
+                     float* sum, float* out, int threads);
+
 /* q/k RMS norms, rotary, the output gate's sigmoid and the K/V store of a decode attention layer;
    -1 (nothing written) on a block id or offset out of range */
 int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, int D, int gated, const float* q_w,

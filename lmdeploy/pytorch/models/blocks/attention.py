@@ -5,18 +5,16 @@ zero-centred norms) of Qwen3-Next and Qwen3.5. Weight names follow the checkpoin
 ``k_norm``.
 
 A float32 CPU decode step (one new token per sequence) runs the layer as its two products, one
-native prologue call (q/k norms, rotary, the gate's sigmoid, the K/V store:
-:func:`~lmdeploy.pytorch.kernels.cpu_native.qk_norm_rope_store_native`) and the paged decode
-attention kernel; every other step, and a machine without the native library, runs the torch
-path.
+prologue call (q/k norms, rotary, the gate's sigmoid, the K/V store: the registry's CPU
+``qk_norm_rope_store``, native when built) and the paged decode attention kernel; every other
+step, and every other device, runs the unfused path.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ...kernels import get_kernel
-from ...kernels.cpu_native import native_available, qk_norm_rope_store_native
+from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, RMSNorm, apply_rotary, attention
 
@@ -56,21 +54,21 @@ class QKNormAttention(nn.Module):
 
     def _fused_decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       ctx: StepContext) -> torch.Tensor | None:
-        """:meth:`forward` of a float32 CPU decode step through the native prologue, or ``None``
-        (another dtype or device, not one token per sequence, no library, a norm convention or
-        rotary table the kernel does not take)."""
-        if not (hidden.device.type == 'cpu' and hidden.dtype == torch.float32 and hidden.shape[0] == len(ctx.q_seqlens)
+        """:meth:`forward` of a float32 decode step through the registry's
+        ``qk_norm_rope_store``, or ``None`` (another dtype, not one token per sequence, q and k
+        norms of different conventions, another cache dtype, or no such kernel for the device)."""
+        if not (hidden.dtype == cos.dtype == torch.float32 and hidden.shape[0] == len(ctx.q_seqlens)
                 and self.q_norm.zero_centered == self.k_norm.zero_centered and self.q_norm.eps == self.k_norm.eps
-                and native_available() and all(n == 1 for n in ctx.q_seqlens)):
+                and all(n == 1 for n in ctx.q_seqlens)):
             return None
+        prologue = find_kernel('qk_norm_rope_store', hidden.device)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        blocks, offsets = ctx.kv_write_index
-        done = qk_norm_rope_store_native(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim,
-                                         self.output_gate, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                         self.q_norm.zero_centered, cos, sin, k_cache, v_cache, blocks, offsets)
-        if done is None:
+        if prologue is None or k_cache.dtype != torch.float32:
             return None
-        q, gate = done
+        blocks, offsets = ctx.kv_write_index
+        q, gate = prologue(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, self.output_gate,
+                           self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, cos,
+                           sin, k_cache, v_cache, blocks, offsets)
         out = get_kernel('paged_decode_attention', hidden.device)(q, k_cache, v_cache, ctx.block_table,
                                                                   ctx.kv_seqlens_t, self.scale, ctx.kv_gather_index)
         out = out.view(hidden.shape[0], -1)

@@ -10,11 +10,12 @@ Invariant: a sequence with ``history_len == 0`` starts from a zero state whateve
 holds; after a forward the slot holds the state after exactly ``kv_seqlen`` tokens.
 
 A float32 CPU decode step whose slots are one sorted range with history runs everything between
-the two projections as one native call (:func:`~lmdeploy.pytorch.kernels.cpu_native.gdn_decode_native`):
+the two projections as one call (the registry's CPU ``gdn_decode``, native when built, see
+:mod:`~lmdeploy.pytorch.kernels.fused_decode`):
 the per-layer torch glue (splits, gates, casts, the conv, delta and norm calls) costs more than
 the arithmetic at batch 1. It reads the packed projection in place through a column map that
 :meth:`GatedDeltaNet._split_projections` itself defines (so a variant's packing needs no code
-here); every other step, and any machine without the native library, runs the torch path.
+here); every other step, and every other device, runs the unfused path.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
-from ...kernels import get_kernel
-from ...kernels.cpu_native import gdn_decode_native, native_available
+from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, RMSNorm
 from .attention import QKNormAttention
@@ -142,21 +142,20 @@ class GatedDeltaNet(nn.Module):
         return cols
 
     def _fused_decode(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
-        """The decode step by :func:`~lmdeploy.pytorch.kernels.cpu_native.gdn_decode_native` on
-        the slice of the state caches the step's slots span, or ``None`` (not a pure decode step
-        over one sorted slot range with history, or the native call does not apply)."""
-        if (hidden.device.type != 'cpu' or hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]
-                or not native_available()):
+        """The decode step by the registry's ``gdn_decode`` on the slice of the state caches the
+        step's slots span, or ``None`` (not a float32 pure decode step over one sorted slot range
+        with history, or no such kernel for the device)."""
+        if hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]:
             return None
         span = ctx.slot_span
-        if span is None or span[1] is not None:
+        fused = find_kernel('gdn_decode', hidden.device)
+        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
+        if span is None or span[1] is not None or fused is None or conv_cache.dtype != torch.float32:
             return None
         lo, N = span[0], hidden.shape[0]
-        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
-        out = gdn_decode_native(self.in_proj(hidden), self.decode_columns(), self.conv1d.weight.squeeze(1),
-                                conv_cache[lo:lo + N], self.A_log, self.dt_bias, self.beta_scale,
-                                recurrent_cache[lo:lo + N], self.norm.weight, self.norm.eps, self.num_k_heads)
-        return None if out is None else self.out_proj(out)
+        return self.out_proj(fused(self.in_proj(hidden), self.decode_columns(), self.conv1d.weight.squeeze(1),
+                                   conv_cache[lo:lo + N], self.A_log, self.dt_bias, self.beta_scale,
+                                   recurrent_cache[lo:lo + N], self.norm.weight, self.norm.eps, self.num_k_heads))
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
@@ -232,10 +231,11 @@ class HybridDecoderLayer(nn.Module):
         """``[T, hidden]`` → ``[T, hidden]``; ``cos`` / ``sin``: the rotary tables of the step."""
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR:
-            hidden = hidden + self.linear_attn(normed, ctx)
+            mixed = self.linear_attn(normed, ctx)
         else:
-            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            mixed = self.self_attn(normed, cos, sin, ctx)
+        hidden, normed = self.post_attention_layernorm.forward_add(mixed, hidden)   # one pass on CPU
+        return hidden + self.mlp(normed)
 
 
 def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

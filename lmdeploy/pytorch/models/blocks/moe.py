@@ -7,7 +7,8 @@ DeepSeek-V3-style block (sigmoid router with a correction bias and group-limited
 A float32 CPU step of a few tokens (decode) runs :class:`SparseMoeBlock` as three products and
 two native calls: one product of the router, the shared-expert gate and the shared expert's
 gate/up rows stacked (a cached copy of those rows, rebuilt when a weight changes), the routing
-and shared activation in one native call, the shared down product and the experts kernel;
+and shared activation in one call (the registry's CPU ``moe_route_shared``), the shared down
+product and the experts kernel;
 the dozen small torch ops between them cost more than their arithmetic at batch 1.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import get_kernel
-from ...kernels.cpu_native import NATIVE_EXPERT_TOKENS, moe_route_native, native_available
+from ...kernels import find_kernel, get_kernel
+from ...kernels.fused_decode import FUSED_MOE_TOKENS
 from ...kernels.linear import linear
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..layers import Linear, SwiGLUMLP, WeightLoader
@@ -91,20 +92,17 @@ class SparseMoeBlock(nn.Module):
         return cached[1]
 
     def _fused_decode(self, x: torch.Tensor) -> torch.Tensor | None:
-        """:meth:`forward` for a float32 CPU step of at most ``NATIVE_EXPERT_TOKENS`` tokens by
-        one stacked product and :func:`~lmdeploy.pytorch.kernels.cpu_native.moe_route_native`, or
-        ``None`` (another dtype or device, more tokens, no library, a quantized weight)."""
-        if not (x.device.type == 'cpu' and x.dtype == torch.float32 and 1 <= x.shape[0] <= NATIVE_EXPERT_TOKENS
-                and x.dim() == 2 and native_available()):
+        """:meth:`forward` for a float32 step of at most ``FUSED_MOE_TOKENS`` tokens by one
+        stacked product and the registry's ``moe_route_shared``, or ``None`` (another dtype, more
+        tokens, a quantized weight, or no such kernel for the device)."""
+        if not (x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= FUSED_MOE_TOKENS):
             return None
-        weight = self._stacked_weight()
+        route = find_kernel('moe_route_shared', x.device)
+        weight = None if route is None else self._stacked_weight()
         if weight is None:
             return None
-        routed = moe_route_native(linear(x, weight), self.gate.out_features, self.top_k, self.norm_topk_prob,
-                                  self.shared_expert.down_proj.in_features)
-        if routed is None:
-            return None
-        weights, index, act = routed
+        weights, index, act = route(linear(x, weight), self.gate.out_features, self.top_k, self.norm_topk_prob,
+                                    self.shared_expert.down_proj.in_features)
         return self.experts(x, index, weights) + self.shared_expert.down_proj(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
