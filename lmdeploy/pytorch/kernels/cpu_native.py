@@ -12,21 +12,17 @@ here, each one call per layer per step:
   :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
-- :func:`moe_route_native`: a Qwen-MoE layer's softmax top-k routing and its gated shared
-  expert's activation, from one product of the router, shared gate and shared gate/up rows;
 - :func:`delta_step_native`: the decode step of the gated delta rule and of KDA (a decay per
   head or per key channel) in one pass over the state;
 - :func:`conv_decode_step_native`: the causal-conv decode step (window shift in place);
-- :func:`gdn_decode_native`: a Gated DeltaNet layer's whole decode step between its two
-  projections (conv, gates, delta rule, gated norm), read from the packed projection in place;
 - :func:`~.mamba2_cpu.ssd_step_native` (its own module): the Mamba-2 SSD decode step;
 - :func:`~.mamba1_cpu.selective_scan_step_native` (its own module): the Mamba-1 decode step;
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
-- :func:`add_rms_norm_native`: a residual sum and its RMS norm in one pass;
-- :func:`qk_norm_rope_store_native`: a decode attention layer's prologue (q/k RMS norms,
-  rotary, the output gate's sigmoid, the K/V store) from the packed projection;
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
-  once per KV head group, online softmax, no gathered copy.
+  once per KV head group, online softmax, no gathered copy;
+- the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
+  between its products, Qwen-MoE routing with the shared expert's activation, an attention
+  layer's prologue, a residual add with its RMS norm.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
 ``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
@@ -78,11 +74,10 @@ import torch
 from ..config import cache_root
 from . import native_build
 
-__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'moe_route_native',
-           'NATIVE_ROWS',
-           'NATIVE_EXPERT_TOKENS', 'delta_step_native', 'gdn_decode_native',
+__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+           'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
-           'add_rms_norm_native', 'qk_norm_rope_store_native', 'paged_decode_attention_native']
+           'paged_decode_attention_native']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -332,41 +327,6 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
     return out
 
 
-def moe_route_native(proj: torch.Tensor, num_experts: int, top_k: int, norm_topk_prob: bool,
-                     shared_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The routing of a softmax top-k MoE router (Qwen-MoE) and the activation of its
-    sigmoid-gated SwiGLU shared expert in one native call, or ``None`` when it does not apply.
-
-    Args:
-        proj: float32 ``[T, E + 1 + 2*I]`` (unit stride along the row): per token the router
-            logits, the shared-expert gate logit, then the shared expert's gate and up rows.
-        num_experts: ``E``; top_k: ``k`` in ``[1, E]``; norm_topk_prob: renormalise the kept
-            probabilities to sum 1; shared_size: ``I``.
-
-    Returns:
-        ``(weights [T, k] float32, index [T, k] int64, act [T, I] float32)``: the ``k`` largest
-        of ``softmax(logits)`` in descending order (ties: the lower id), and
-        ``sigmoid(shared gate) * silu(gate) * up`` (the shared expert's down-projection input,
-        already scaled by its gate); ``None`` (dtype, device, shape, autograd, or no library).
-    """
-    E, k, I = num_experts, top_k, shared_size
-    if not (proj.dim() == 2 and proj.shape[1] == E + 1 + 2 * I and 1 <= k <= E and is_plain(proj)
-            and proj.stride(1) == 1):
-        return None
-    lib = native_library()
-    if lib is None:
-        return None
-    T = proj.shape[0]
-    index = torch.empty(T, k, dtype=torch.int64)
-    weights = torch.empty(T, k, dtype=torch.float32)
-    act = torch.empty(T, I, dtype=torch.float32)
-    if T:
-        CALLS['moe_route'] += 1
-        lib.lm_moe_route(proj.data_ptr(), proj.stride(0), T, E, k, int(norm_topk_prob), I, index.data_ptr(),
-                         weights.data_ptr(), act.data_ptr(), torch.get_num_threads())
-    return weights, index, act
-
-
 def delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor) -> torch.Tensor | None:
     """One decode token of the gated delta rule (a decay per head) or of Kimi Delta Attention (a
@@ -405,58 +365,6 @@ def delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, be
         CALLS['kda_step' if per_channel else 'gated_delta_step'] += 1
         lib.lm_delta_step(kq.data_ptr(), v.data_ptr(), decay.data_ptr(), int(per_channel), beta.data_ptr(),
                           state.data_ptr(), N, H, dk, dv, state.stride(0), state.stride(1), state.stride(2),
-                          out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-def gdn_decode_native(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
-                      A_log: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float, state: torch.Tensor,
-                      norm_weight: torch.Tensor, eps: float, num_k_heads: int) -> torch.Tensor | None:
-    """A Gated DeltaNet layer's decode step between its input and output projections, one
-    token for each of ``N`` sequences, in one native call (conv + SiLU, q/k L2 norm, gates, the
-    delta rule, gated RMS norm; Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025), both
-    states updated in place; ``None`` when it does not apply (the caller runs the torch path,
-    :class:`~lmdeploy.pytorch.models.blocks.gated_delta_net.GatedDeltaNet`'s unfused forward,
-    which it equals to float32 rounding).
-
-    Args:
-        proj: float32 ``[N, P]``, the packed input projection's output (unit stride along P).
-        cols: int64 ``[C + Hv*dv + 2*Hv]``: the column of ``proj`` holding each conv channel
-            (``C = 2*Hk*dk + Hv*dv``, q | k | v), each ``z`` element (head-major), each ``b``,
-            each ``a``; every entry in ``[0, P)`` (the caller's invariant, not checked here).
-        conv_weight: float32 ``[C, K]``; conv_state: float32 ``[N, C, K - 1]``, unit stride along
-            the window (a view of the cache's rows).
-        A_log, dt_bias: float32 ``[Hv]``; beta_scale: ``beta = beta_scale * sigmoid(b)``.
-        state: float32 ``[N, Hv, dk, dv]``, unit stride along dv (a view of the cache's rows).
-        norm_weight: float32 ``[dv]``; eps: the gated norm's epsilon.
-        num_k_heads: ``Hk`` (divides ``Hv``; key head ``h // (Hv // Hk)`` serves value head ``h``).
-
-    Returns:
-        float32 ``[N, Hv*dv]`` (the output projection's input), or ``None`` (dtype, device,
-        shapes, strides, autograd, or no library).
-    """
-    if proj.dim() != 2 or state.dim() != 4 or conv_state.dim() != 3:
-        return None
-    N, Hv, dk, dv = state.shape
-    C, K = conv_weight.shape
-    Hk = num_k_heads
-    ok = (Hk and Hv % Hk == 0 and C == 2 * Hk * dk + Hv * dv and proj.shape[0] == N and proj.stride(1) == 1
-          and conv_state.shape == (N, C, K - 1) and (K == 1 or conv_state.stride(2) == 1)
-          and cols.shape == (C + Hv * dv + 2 * Hv,) and cols.dtype == torch.int64 and cols.is_contiguous()
-          and A_log.shape == dt_bias.shape == (Hv,) and norm_weight.shape == (dv,)
-          and all(is_plain(t) for t in (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight)))
-    lib = state_step_library((proj,), state, bool(ok))
-    if lib is None:
-        return None
-    conv_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (conv_weight, A_log, dt_bias, norm_weight))
-    work = torch.empty(N, C, dtype=torch.float32)
-    out = torch.empty(N, Hv * dv, dtype=torch.float32)
-    if N:
-        CALLS['gdn_decode'] += 1
-        lib.lm_gdn_decode(proj.data_ptr(), proj.stride(0), cols.data_ptr(), conv_weight.data_ptr(),
-                          conv_state.data_ptr(), conv_state.stride(0), conv_state.stride(1), A_log.data_ptr(),
-                          dt_bias.data_ptr(), beta_scale, state.data_ptr(), state.stride(0), state.stride(1),
-                          state.stride(2), norm_weight.data_ptr(), eps, N, Hk, Hv, dk, dv, K, work.data_ptr(),
                           out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -540,98 +448,6 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                         None if g2 is None else g2.data_ptr(), 0 if g2 is None else g2.stride(0), out.data_ptr(),
                         torch.get_num_threads())
     return out
-
-
-def add_rms_norm_native(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``s = x + residual`` and :func:`rms_norm_native` of ``s`` in one native pass (a pre-norm
-    layer's residual add and its next norm), or ``None`` when it does not apply.
-
-    Args:
-        x, residual: float32 ``[R, D]``, contiguous.
-        weight: float32 ``[D]``; eps, zero_centered: as :func:`rms_norm_native`.
-
-    Returns:
-        ``(s, norm(s))``, float32 ``[R, D]`` each; ``None`` (dtype, device, shape, layout,
-        autograd, or no library).
-    """
-    if not (x.dim() == 2 and residual.shape == x.shape and weight.shape == (x.shape[1],) and x.is_contiguous()
-            and residual.is_contiguous() and all(is_plain(t) for t in (x, residual, weight))):
-        return None
-    lib = native_library()
-    if lib is None:
-        return None
-    R, D = x.shape
-    total = torch.empty(R, D, dtype=torch.float32)
-    out = torch.empty(R, D, dtype=torch.float32)
-    if R and D:
-        CALLS['add_rms_norm'] += 1
-        lib.lm_add_rms_norm(x.data_ptr(), residual.data_ptr(), R, D, weight.contiguous().data_ptr(), eps,
-                            int(zero_centered), total.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return total, out
-
-
-def qk_norm_rope_store_native(proj: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, gated: bool,
-                              q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, zero_centered: bool,
-                              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              blocks: torch.Tensor, offsets: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A decode attention layer's work between its qkv projection and the attention itself, in
-    one native call: per-head q/k RMS norms (Zhang & Sennrich, 2019), rotary positions on the
-    leading ``rot`` channels (Su et al., "RoFormer", 2021, in the two-halves layout), the output
-    gate's sigmoid, and the new K/V written into the paged caches; ``None`` when it does not
-    apply (the caller runs the torch path: the norm modules, ``apply_rotary``, ``fill_kv_cache``).
-
-    Args:
-        proj: float32 ``[T, P]``, unit stride along P: per token ``[q | k | v]``, q per head
-            ``[q (D) | gate (D)]`` when ``gated`` else ``[q (D)]``, k and v ``[Hkv * D]``.
-        num_heads, num_kv_heads, head_dim: ``H``, ``Hkv``, ``D``.
-        q_weight, k_weight: float32 ``[D]``; eps, zero_centered: as :func:`rms_norm_native`.
-        cos, sin: float32 ``[T, rot]``, ``rot`` even and at most ``D``.
-        k_cache, v_cache: float32 ``[num_blocks, block_size, Hkv, D]``, unit stride along D, equal
-            strides (views into the cache's byte rows are fine).
-        blocks, offsets: int64 ``[T]``: where each token's K/V goes.
-
-    Returns:
-        ``(q [T, H, D], sigmoid(gate) [T, H * D] or None)`` float32, or ``None`` (dtype, device,
-        shapes, strides, autograd, or no library).
-
-    Raises:
-        ValueError: a block id outside ``[0, num_blocks)`` or an offset outside
-            ``[0, block_size)`` (nothing is written).
-    """
-    H, Hkv, D = num_heads, num_kv_heads, head_dim
-    T = proj.shape[0] if proj.dim() == 2 else -1
-    rot = cos.shape[-1] if cos.dim() == 2 else -1
-    nb, bs = k_cache.shape[:2] if k_cache.dim() == 4 else (0, 0)
-    if not (T >= 0 and proj.shape[1] == H * D * (2 if gated else 1) + 2 * Hkv * D and proj.stride(1) == 1
-            and 0 <= rot <= D and rot % 2 == 0 and cos.shape == sin.shape == (T, rot)
-            and q_weight.shape == k_weight.shape == (D,) and k_cache.shape == v_cache.shape == (nb, bs, Hkv, D)
-            and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-            and blocks.shape == offsets.shape == (T,) and blocks.dtype == offsets.dtype == torch.int64
-            and blocks.device.type == offsets.device.type == 'cpu'
-            and all(is_plain(t) for t in (proj, q_weight, k_weight, cos, sin, k_cache, v_cache))):
-        return None
-    lib = native_library()
-    if lib is None:
-        return None
-    cos, sin, q_weight, k_weight, blocks, offsets = (t.contiguous() for t in (cos, sin, q_weight, k_weight, blocks,
-                                                                              offsets))
-    q = torch.empty(T, H, D, dtype=torch.float32)
-    gate = torch.empty(T, H * D, dtype=torch.float32) if gated else None
-    if T:
-        CALLS['qk_norm_rope_store'] += 1
-        status = lib.lm_qk_norm_rope_store(proj.data_ptr(), proj.stride(0), T, H, Hkv, D, int(gated),
-                                           q_weight.data_ptr(), k_weight.data_ptr(), eps, int(zero_centered),
-                                           cos.data_ptr(), sin.data_ptr(), rot, q.data_ptr(),
-                                           None if gate is None else gate.data_ptr(), k_cache.data_ptr(),
-                                           v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-                                           k_cache.stride(2), blocks.data_ptr(), offsets.data_ptr(), nb, bs,
-                                           torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f'K/V write index out of range: block ids must be in [0, {nb}) and offsets in '
-                             f'[0, {bs})')
-    return q, gate
 
 
 def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
