@@ -38,7 +38,7 @@ import torch
 
 from ..model_inputs import slot_range
 
-__all__ = ['register_kernel', 'get_kernel', 'triton_available', 'triton_interpreted', 'static_loop_end', 'slot_range',
+__all__ = ['register_kernel', 'get_kernel', 'find_kernel', 'triton_available', 'triton_interpreted', 'static_loop_end', 'slot_range',
            'once']
 
 T = TypeVar('T')
@@ -128,6 +128,15 @@ def get_kernel(name: str, device: torch.device | str = 'cpu') -> Callable:
     raise KeyError(f'no kernel {name!r} for device {device_type!r}; registered: {sorted(_REGISTRY)}')
 
 
+def find_kernel(name: str, device: torch.device | str = 'cpu') -> Callable | None:
+    """:func:`get_kernel`, or ``None`` when no implementation of ``name`` serves the device (an
+    op registered for one device type only, e.g. the fused CPU decode steps)."""
+    try:
+        return get_kernel(name, device)
+    except KeyError:
+        return None
+
+
 @once
 def triton_available() -> bool:
     """Whether ``triton`` imports here (the availability check of Triton implementations)."""
@@ -170,7 +179,7 @@ def static_loop_end(kernel, end: int) -> int:
 
 _BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'mamba2', 'causal_conv1d', 'state_copy', 'moe',
             'norm', 'attention_triton', 'fp8', 'mamba2_cpu', 'mamba2_triton', 'window_attention', 'mamba1',
-            'mamba1_cpu', 'mamba1_triton', 'lightning_attention', 'lightning_attention_triton')
+            'mamba1_cpu', 'mamba1_triton', 'lightning_attention', 'lightning_attention_triton', 'fused_decode')
 _IMPORTED = False
 _IMPORTING: int | None = None     # the thread importing them now
 

@@ -19,7 +19,10 @@ here, each one call per layer per step:
 - :func:`~.mamba1_cpu.selective_scan_step_native` (its own module): the Mamba-1 decode step;
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
-  once per KV head group, online softmax, no gathered copy.
+  once per KV head group, online softmax, no gathered copy;
+- the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
+  between its products, Qwen-MoE routing with the shared expert's activation, an attention
+  layer's prologue, a residual add with its RMS norm.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
 ``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
@@ -150,11 +153,16 @@ def _cpu_flags() -> str:
 _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_matmul_rows': ('p i32 i32 i64 p i32 i64 p i64 i32', None),
     'lm_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
+    'lm_moe_route': ('p i64 i32 i32 i32 i32 i32 p p p i32', None),
     'lm_delta_step': ('p p p i32 p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
+    'lm_gdn_decode': ('p i64 p p p i64 i64 p p f32 p i64 i64 i64 p f32 i32 i32 i32 i32 i32 i32 p p i32', None),
     'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
     'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
+    'lm_add_rms_norm': ('p p i64 i32 p f32 i32 p p i32', None),
+    'lm_qk_norm_rope_store': ('p i64 i32 i32 i32 i32 i32 p p f32 i32 p p i32 p p p p i64 i64 i64 p p i64 i32 i32',
+                              'i32'),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
 }
 _CTYPES = native_build.CTYPES

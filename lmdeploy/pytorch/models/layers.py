@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import get_kernel
+from ..kernels import find_kernel, get_kernel
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .parallel_plan import Axis, BlockSplit, Piece, cols, rows
@@ -51,6 +51,16 @@ class RMSNorm(nn.Module):
         """``[..., dim]`` → ``[..., dim]`` in ``x.dtype`` (the registry's ``rms_norm``: one native
         pass for float32 on CPU, see :mod:`~lmdeploy.pytorch.kernels.norm`)."""
         return get_kernel('rms_norm', x.device)(x, self.weight, self.eps, self.zero_centered)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + residual`` and ``self(s)``, both ``[..., dim]`` in ``x.dtype``: one call for
+        float32 where the registry has ``add_rms_norm`` (CPU: one native pass), else the add and
+        :meth:`forward`."""
+        fused = find_kernel('add_rms_norm', x.device) if x.dtype == torch.float32 else None
+        if fused is not None:
+            return fused(x, residual, self.weight, self.eps, self.zero_centered)
+        total = x + residual
+        return total, self(total)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -156,6 +156,45 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
   return 0;
 }
 
+/* The routing and shared-expert activation of a Qwen-MoE layer (softmax top-k router plus a
+   sigmoid-gated SwiGLU shared expert) from one product per token: row t of proj (row stride ld)
+   holds [router logits (E) | shared-expert gate (1) | shared gate (I) | shared up (I)].
+   index, weights [T, k]: the k largest of softmax(logits) in descending order (ties: the lower
+   id), renormalised to sum 1 when norm; act [T, I] = sigmoid(shared gate) * silu(gate) * up (the
+   gate scales the shared expert's down-projection input: the projection is linear). */
+void lm_moe_route(const float* proj, int64_t ld, int T, int E, int k, int norm, int I, int64_t* index,
+                  float* weights, float* act, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+  for (int t = 0; t < T; t++) {
+    const float* row = proj + (ptrdiff_t)t * ld;
+    float e[E];
+    unsigned char taken[E];
+    float m = row[0], sum = 0.0f, kept = 0.0f;
+    for (int i = 1; i < E; i++) m = row[i] > m ? row[i] : m;
+    for (int i = 0; i < E; i++) {
+      e[i] = expf(row[i] - m);
+      sum += e[i];
+      taken[i] = 0;
+    }
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int i = 0; i < E; i++)
+        if (!taken[i] && (best < 0 || e[i] > e[best])) best = i;
+      taken[best] = 1;
+      index[(ptrdiff_t)t * k + j] = best;
+      weights[(ptrdiff_t)t * k + j] = e[best] / sum;
+      kept += e[best] / sum;
+    }
+    if (norm)
+      for (int j = 0; j < k; j++) weights[(ptrdiff_t)t * k + j] /= kept;
+    float sg = 1.0f / (1.0f + expf(-row[E]));
+    const float* g = row + E + 1;
+    const float* u = g + I;
+    float* a = act + (ptrdiff_t)t * I;
+    for (int c = 0; c < I; c++) a[c] = sg * (g[c] / (1.0f + expf(-g[c]))) * u[c];
+  }
+}
+
 /* One decode token of the delta rule with a gated decay for N sequences x H heads, the state
    updated in place: the gated delta rule (Yang, Kautz & Hatamizadeh, "Gated Delta Networks",
    ICLR 2025, eq. 10: one decay per head) and Kimi Delta Attention (Kimi Team, "Kimi Linear",
@@ -169,38 +208,117 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
    written once, the update pass finding one head's dk x dv block in cache. kq [N, H, 2, dk]:
    the key, then the scaled query; v, out [N, H, dv]; decay [N, H, dk] when per_channel, else
    [N, H]; beta [N, H]; state element (n, h, i, c) at n * s_slot + h * s_head + i * s_row + c. */
+/* delta_head: that step for one (sequence, head), S (rows at stride s_row) updated in place, o [dv];
+   lm_delta_step runs it for every pair, lm_gdn_decode inside a whole layer. */
+static void delta_head(float* S, int64_t s_row, const float* k, const float* q, const float* a, int sa,
+                       const float* vp, float b, int dk, int dv, float* o) {
+  float kv[dv], qv[dv], delta[dv];
+  for (int c = 0; c < dv; c++) kv[c] = qv[c] = 0.0f;
+  float qk = 0.0f;
+  for (int i = 0; i < dk; i++) {
+    const float* row = S + (ptrdiff_t)i * s_row;
+    float ai = a[i * sa], ki = ai * k[i], qi = ai * q[i];   /* (diag(a) S)^T x = S^T (a * x) */
+    qk += q[i] * k[i];
+    for (int c = 0; c < dv; c++) {
+      kv[c] += row[c] * ki;
+      qv[c] += row[c] * qi;
+    }
+  }
+  for (int c = 0; c < dv; c++) delta[c] = b * (vp[c] - kv[c]);
+  for (int i = 0; i < dk; i++) {
+    float* row = S + (ptrdiff_t)i * s_row;
+    float ai = a[i * sa], ki = k[i];
+    for (int c = 0; c < dv; c++) row[c] = ai * row[c] + ki * delta[c];
+  }
+  for (int c = 0; c < dv; c++) o[c] = qv[c] + qk * delta[c];
+}
+
 void lm_delta_step(const float* kq, const float* v, const float* decay, int per_channel, const float* beta,
                    float* state, int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row,
                    float* out, int threads) {
   const int sa = per_channel ? 1 : 0;
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int p = 0; p < N * H; p++) {
-    float* S = state + (ptrdiff_t)(p / H) * s_slot + (ptrdiff_t)(p % H) * s_head;
     const float* k = kq + (ptrdiff_t)p * 2 * dk;
-    const float* q = k + dk;
-    const float* a = decay + (ptrdiff_t)p * (per_channel ? dk : 1);
-    const float* vp = v + (ptrdiff_t)p * dv;
-    float* o = out + (ptrdiff_t)p * dv;
-    float b = beta[p];
-    float kv[dv], qv[dv], delta[dv];
-    for (int c = 0; c < dv; c++) kv[c] = qv[c] = 0.0f;
-    float qk = 0.0f;
-    for (int i = 0; i < dk; i++) {
-      const float* row = S + (ptrdiff_t)i * s_row;
-      float ai = a[i * sa], ki = ai * k[i], qi = ai * q[i];   /* (diag(a) S)^T x = S^T (a * x) */
-      qk += q[i] * k[i];
+    delta_head(state + (ptrdiff_t)(p / H) * s_slot + (ptrdiff_t)(p % H) * s_head, s_row, k, k + dk,
+               decay + (ptrdiff_t)p * (per_channel ? dk : 1), sa, v + (ptrdiff_t)p * dv, beta[p], dk, dv,
+               out + (ptrdiff_t)p * dv);
+  }
+}
+
+/* The whole decode step of a Gated DeltaNet layer between its two projections (Yang, Kautz,
+   Hatamizadeh, "Gated Delta Networks", ICLR 2025), for N sequences, both states updated in place:
+
+     x     = proj[n, cols[0 .. C)]                       the conv's channels q | k | v, C = 2 Hk dk + Hv dv
+     y     = silu(causal conv of x over its window)      window state element (n, c, j) at
+                                                         n * cs_slot + c * cs_chan + j, K - 1 of them
+     q, k  = l2norm(y's head kh = h / (Hv / Hk)), q scaled by dk^-1/2 (eps 1e-6 inside the root)
+     beta  = beta_scale * sigmoid(b),  b = proj[n, cols[C + Hv dv + h]]
+     decay = exp(-exp(A_log[h]) * softplus(a + dt_bias[h])),  a = proj[n, cols[C + Hv dv + Hv + h]]
+     o     = the delta-rule step of head h (delta_head), state element (n, h, i, c) at
+             n * s_slot + h * s_head + i * s_row + c
+     out   = norm_w * o / sqrt(mean(o^2) + eps) * silu(z),  z = proj[n, cols[C + h dv + c]]
+
+   cols [C + Hv dv + 2 Hv] maps each input to its column of the projection row (row stride
+   ld_proj), so any packing of the projections is read in place. work [N, C] holds y between the
+   two phases; out [N, Hv dv]. softplus(x) = x above 20 (torch's threshold). */
+void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_state,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads) {
+  const int C = 2 * Hk * dk + Hv * dv, r = Hv / Hk;
+  const int64_t* z_cols = cols + C;
+  const int64_t* b_cols = z_cols + (ptrdiff_t)Hv * dv;
+  const int64_t* a_cols = b_cols + Hv;
+  const float q_scale = 1.0f / sqrtf((float)dk);
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(static)
+    for (int64_t p = 0; p < (int64_t)N * C; p++) {
+      int n = (int)(p / C), c = (int)(p % C);
+      float* s = conv_state + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan;
+      const float* w = conv_w + (ptrdiff_t)c * K;
+      float xv = proj[(ptrdiff_t)n * ld_proj + cols[c]];
+      float acc = 0.0f;
+      for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
+      acc += w[K - 1] * xv;
+      for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
+      if (K > 1) s[K - 2] = xv;
+      work[p] = acc / (1.0f + expf(-acc));
+    }
+    #pragma omp for schedule(static)
+    for (int p = 0; p < N * Hv; p++) {
+      int n = p / Hv, h = p % Hv, kh = h / r;
+      const float* y = work + (ptrdiff_t)n * C;
+      const float* row = proj + (ptrdiff_t)n * ld_proj;
+      float kn[dk], qn[dk], o[dv];
+      float kk = 0.0f, qq = 0.0f;
+      for (int i = 0; i < dk; i++) {
+        kn[i] = y[Hk * dk + kh * dk + i];
+        qn[i] = y[kh * dk + i];
+        kk += kn[i] * kn[i];
+        qq += qn[i] * qn[i];
+      }
+      float ik = 1.0f / sqrtf(kk + 1e-6f), iq = 1.0f / sqrtf(qq + 1e-6f);
+      for (int i = 0; i < dk; i++) {
+        kn[i] *= ik;
+        qn[i] = qn[i] * iq * q_scale;
+      }
+      float b = row[b_cols[h]], a = row[a_cols[h]] + dt_bias[h];
+      float beta = beta_scale * (1.0f / (1.0f + expf(-b)));
+      float sp = a > 20.0f ? a : log1pf(expf(a));
+      float decay = expf(-expf(A_log[h]) * sp);
+      delta_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, kn, qn, &decay, 0,
+                 y + 2 * Hk * dk + (ptrdiff_t)h * dv, beta, dk, dv, o);
+      float ss = 0.0f;
+      for (int c = 0; c < dv; c++) ss += o[c] * o[c];
+      float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+      float* dst = out + (ptrdiff_t)p * dv;
       for (int c = 0; c < dv; c++) {
-        kv[c] += row[c] * ki;
-        qv[c] += row[c] * qi;
+        float z = row[z_cols[(ptrdiff_t)h * dv + c]];
+        dst[c] = norm_w[c] * (o[c] * inv) * (z / (1.0f + expf(-z)));
       }
     }
-    for (int c = 0; c < dv; c++) delta[c] = b * (vp[c] - kv[c]);
-    for (int i = 0; i < dk; i++) {
-      float* row = S + (ptrdiff_t)i * s_row;
-      float ai = a[i * sa], ki = k[i];
-      for (int c = 0; c < dv; c++) row[c] = ai * row[c] + ki * delta[c];
-    }
-    for (int c = 0; c < dv; c++) o[c] = qv[c] + qk * delta[c];
   }
 }
 
@@ -339,6 +457,80 @@ void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, 
       for (int c = 0; c < D; c++) o[c] *= zr[c] / (1.0f + expf(-zr[c]));
     }
   }
+}
+
+/* The residual sum and its RMS norm in one pass: sum = x + res, out = rms_norm(sum) as lm_rms_norm
+   (zero_centered: times 1 + w, else w). x, res, sum, out [R, D] contiguous. */
+void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const float* w, float eps, int zero_centered,
+                     float* sum, float* out, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) if (R * D >= 4096)
+  for (int64_t r = 0; r < R; r++) {
+    const float* xr = x + r * (int64_t)D;
+    const float* rr = res + r * (int64_t)D;
+    float* sr = sum + r * (int64_t)D;
+    float* o = out + r * (int64_t)D;
+    float ss = 0.0f;
+    for (int c = 0; c < D; c++) {
+      sr[c] = xr[c] + rr[c];
+      ss += sr[c] * sr[c];
+    }
+    float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    if (zero_centered)
+      for (int c = 0; c < D; c++) o[c] = sr[c] * inv * (1.0f + w[c]);
+    else
+      for (int c = 0; c < D; c++) o[c] = w[c] * (sr[c] * inv);
+  }
+}
+
+/* The prologue of a decode attention layer with per-head q/k RMS norms and rotary positions
+   (Qwen3's, and Qwen3-Next's gated form), from the packed projection: row t of proj (stride ld)
+   holds [q | k | v], q per head [q (D) | gate (D)] when gated, else [q (D)]; k, v [Hkv D].
+   Each q and k head: h = x / sqrt(mean(x^2) + eps), times (1 + w) when zero_centered else w;
+   then its first rot channels rotate: x1 * cos - x2 * sin, x2 * cos + x1 * sin over the two
+   halves (cos, sin [T, rot]). q_out [T, H, D]; gate_out [T, H D] = sigmoid(gate) when gated;
+   k and v land in the caches at (blocks[t], offsets[t]): element (b, p, h, c) at
+   b * s_block + p * s_pos + h * s_head + c (both caches share the strides). Returns -1 and writes
+   nothing when a block id is outside [0, num_blocks) or an offset outside [0, block_size). */
+int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, int D, int gated, const float* q_w,
+                           const float* k_w, float eps, int zero_centered, const float* cos, const float* sin, int rot,
+                           float* q_out, float* gate_out, float* k_cache, float* v_cache, int64_t s_block,
+                           int64_t s_pos, int64_t s_head, const int64_t* blocks, const int64_t* offsets,
+                           int64_t num_blocks, int block_size, int threads) {
+  const int qw = gated ? 2 * D : D, half = rot / 2;
+  for (int t = 0; t < T; t++)
+    if (blocks[t] < 0 || blocks[t] >= num_blocks || offsets[t] < 0 || offsets[t] >= block_size) return -1;
+  #pragma omp parallel for num_threads(threads) schedule(static) if (T * (H + Hkv) >= 64)
+  for (int p = 0; p < T * (H + Hkv); p++) {
+    int t = p / (H + Hkv), h = p % (H + Hkv), is_k = h >= H;
+    const float* row = proj + (ptrdiff_t)t * ld;
+    const float* x;
+    float* dst;
+    if (is_k) {
+      h -= H;
+      x = row + (ptrdiff_t)H * qw + (ptrdiff_t)h * D;
+      ptrdiff_t at = (ptrdiff_t)blocks[t] * s_block + (ptrdiff_t)offsets[t] * s_pos + (ptrdiff_t)h * s_head;
+      dst = k_cache + at;
+      memcpy(v_cache + at, x + (ptrdiff_t)Hkv * D, sizeof(float) * D);
+    } else {
+      x = row + (ptrdiff_t)h * qw;
+      dst = q_out + ((ptrdiff_t)t * H + h) * D;
+      if (gated)
+        for (int c = 0; c < D; c++) gate_out[((ptrdiff_t)t * H + h) * D + c] = 1.0f / (1.0f + expf(-x[D + c]));
+    }
+    const float* w = is_k ? k_w : q_w;
+    float ss = 0.0f, n[D];
+    for (int c = 0; c < D; c++) ss += x[c] * x[c];
+    float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int c = 0; c < D; c++) n[c] = zero_centered ? x[c] * inv * (1.0f + w[c]) : w[c] * (x[c] * inv);
+    const float* cs = cos + (ptrdiff_t)t * rot;
+    const float* sn = sin + (ptrdiff_t)t * rot;
+    for (int c = 0; c < half; c++) {
+      dst[c] = n[c] * cs[c] - n[c + half] * sn[c];
+      dst[c + half] = n[c + half] * cs[c + half] + n[c] * sn[c + half];
+    }
+    for (int c = rot; c < D; c++) dst[c] = n[c];
+  }
+  return 0;
 }
 
 /* One query token per sequence against its paged keys: for each sequence n and KV head, the G =

@@ -20,10 +20,20 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
                       const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
                       float* out, int threads);
 
+/* a softmax top-k router and a sigmoid-gated shared expert's activation from one fused product */
+void lm_moe_route(const float* proj, int64_t ld, int T, int E, int k, int norm, int I, int64_t* index,
+                  float* weights, float* act, int threads);
+
 /* one decode token of the gated delta rule (a decay per head) or KDA (per key channel), state updated in place */
 void lm_delta_step(const float* kq, const float* v, const float* decay, int per_channel, const float* beta,
                    float* state, int N, int H, int dk, int dv, int64_t s_slot, int64_t s_head, int64_t s_row,
                    float* out, int threads);
+
+/* the decode step of a Gated DeltaNet layer between its projections (conv, gates, delta rule, gated norm) */
+void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_state,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads);
 
 /* one decode token of the Mamba-2 (SSD) recurrence, state updated in place */
 void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B, const float* C, const float* D,
@@ -43,6 +53,18 @@ void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_sl
 /* RMS norm of R rows: plain, zero-centred, or gated by silu(z) */
 void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, float eps, int zero_centered,
                  const float* z, int64_t ldz, float* out, int threads);
+
+/* sum = x + res and the RMS norm of sum in one pass */
+void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const float* w, float eps, int zero_centered,
+                     float* sum, float* out, int threads);
+
+/* q/k RMS norms, rotary, the output gate's sigmoid and the K/V store of a decode attention layer;
+   -1 (nothing written) on a block id or offset out of range */
+int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, int D, int gated, const float* q_w,
+                           const float* k_w, float eps, int zero_centered, const float* cos, const float* sin, int rot,
+                           float* q_out, float* gate_out, float* k_cache, float* v_cache, int64_t s_block,
+                           int64_t s_pos, int64_t s_head, const int64_t* blocks, const int64_t* offsets,
+                           int64_t num_blocks, int block_size, int threads);
 
 /* decode attention over paged keys; -1: a length out of range, -2: a block id out of range */
 int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,

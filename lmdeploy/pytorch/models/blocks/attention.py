@@ -3,12 +3,18 @@
 zero-centred norms) of Qwen3-Next and Qwen3.5. Weight names follow the checkpoint: ``q_proj``,
 ``k_proj``, ``v_proj`` fill the rows of the packed ``qkv_proj``; ``o_proj``; ``q_norm``,
 ``k_norm``.
+
+A float32 CPU decode step (one new token per sequence) runs the layer as its two products, one
+prologue call (q/k norms, rotary, the gate's sigmoid, the K/V store: the registry's CPU
+``qk_norm_rope_store``, native when built) and the paged decode attention kernel; every other
+step, and every other device, runs the unfused path.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, RMSNorm, apply_rotary, attention
 
@@ -51,8 +57,33 @@ class QKNormAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
         self.scale = self.head_dim ** -0.5
 
+    def _fused_decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      ctx: StepContext) -> torch.Tensor | None:
+        """:meth:`forward` of a float32 decode step through the registry's
+        ``qk_norm_rope_store``, or ``None`` (another dtype, not one token per sequence, q and k
+        norms of different conventions, another cache dtype, or no such kernel for the device)."""
+        if not (hidden.dtype == cos.dtype == torch.float32 and hidden.shape[0] == len(ctx.q_seqlens)
+                and self.q_norm.zero_centered == self.k_norm.zero_centered and self.q_norm.eps == self.k_norm.eps
+                and all(n == 1 for n in ctx.q_seqlens)):
+            return None
+        prologue = find_kernel('qk_norm_rope_store', hidden.device)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        if prologue is None or k_cache.dtype != torch.float32:
+            return None
+        blocks, offsets = ctx.kv_write_index
+        q, gate = prologue(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, self.output_gate,
+                           self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, cos,
+                           sin, k_cache, v_cache, blocks, offsets)
+        out = get_kernel('paged_decode_attention', hidden.device)(q, k_cache, v_cache, ctx.block_table,
+                                                                  ctx.kv_seqlens_t, self.scale, ctx.kv_gather_index)
+        out = out.view(hidden.shape[0], -1)
+        return self.o_proj(out if gate is None else out.mul_(gate))
+
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
+        fused = self._fused_decode(hidden, cos, sin, ctx)
+        if fused is not None:
+            return fused
         T = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
         gate = None

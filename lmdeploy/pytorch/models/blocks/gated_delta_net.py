@@ -13,6 +13,14 @@ composes the Qwen hybrids' layers (gated attention, Gated DeltaNet, dense MLP, r
 
 Invariant: a sequence with ``history_len == 0`` starts from a zero state whatever its slot
 holds; after a forward the slot holds the state after exactly ``kv_seqlen`` tokens.
+
+A float32 CPU decode step whose slots are one sorted range with history runs everything between
+the two projections as one call (the registry's CPU ``gdn_decode``, native when built, see
+:mod:`~lmdeploy.pytorch.kernels.fused_decode`):
+the per-layer torch glue (splits, gates, casts, the conv, delta and norm calls) costs more than
+the arithmetic at batch 1. It reads the packed projection in place through a column map that
+:meth:`GatedDeltaNet._split_projections` itself defines (so a variant's packing needs no code
+here); every other step, and every other device, runs the unfused path.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
-from ...kernels import get_kernel
+from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, RMSNorm, mlp_split
 from ..parallel_plan import Axis, Block, BlockSplit, Piece, cols, rows
@@ -164,8 +172,44 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(T, self.num_v_heads, self.head_v_dim), b.reshape(T, self.num_v_heads),
                 a.reshape(T, self.num_v_heads))
 
+    def decode_columns(self) -> torch.Tensor:
+        """int64 ``[conv_dim + Hv*dv + 2*Hv]``: the column of ``in_proj``'s output that
+        :meth:`_split_projections` puts at each conv channel, each ``z`` element, each ``b`` and
+        each ``a``, found once by running it on a row of column numbers (cached; the split is a
+        column permutation in every variant)."""
+        cols = self.__dict__.get('_decode_cols')
+        if cols is None:
+            real = self.in_proj
+            self._modules['in_proj'] = _ColumnNumbers(real.shard_sizes)
+            try:
+                parts = self._split_projections(torch.zeros(1, 0))
+            finally:
+                self._modules['in_proj'] = real
+            cols = torch.cat([p.reshape(-1) for p in parts]).to(torch.int64)
+            self.__dict__['_decode_cols'] = cols
+        return cols
+
+    def _fused_decode(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The decode step by the registry's ``gdn_decode`` on the slice of the state caches the
+        step's slots span, or ``None`` (not a float32 pure decode step over one sorted slot range
+        with history, or no such kernel for the device)."""
+        if hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]:
+            return None
+        span = ctx.slot_span
+        fused = find_kernel('gdn_decode', hidden.device)
+        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
+        if span is None or span[1] is not None or fused is None or conv_cache.dtype != torch.float32:
+            return None
+        lo, N = span[0], hidden.shape[0]
+        return self.out_proj(fused(self.in_proj(hidden), self.decode_columns(), self.conv1d.weight.squeeze(1),
+                                   conv_cache[lo:lo + N], self.A_log, self.dt_bias, self.beta_scale,
+                                   recurrent_cache[lo:lo + N], self.norm.weight, self.norm.eps, self.num_k_heads))
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        fused = self._fused_decode(hidden, ctx)
+        if fused is not None:
+            return fused
         T = hidden.shape[0]
         mixed, z, b, a = self._split_projections(hidden)
         beta = b.sigmoid()
@@ -193,6 +237,18 @@ class GatedDeltaNet(nn.Module):
                                                               ctx.slots, ctx.has_history, use_qk_l2norm=True,
                                                               slot_span=ctx.slot_span)
         return self.out_proj(self.norm(out, z).reshape(T, -1))
+
+
+class _ColumnNumbers(nn.Module):
+    """Stands in for a packed projection while :meth:`GatedDeltaNet.decode_columns` reads the
+    split: its output row holds each column's own number (float64: exact up to 2**53)."""
+
+    def __init__(self, shard_sizes: list[int]):
+        super().__init__()
+        self.shard_sizes = list(shard_sizes)
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.arange(sum(self.shard_sizes), dtype=torch.float64)[None].split(self.shard_sizes, dim=-1)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -223,10 +279,11 @@ class HybridDecoderLayer(nn.Module):
         """``[T, hidden]`` → ``[T, hidden]``; ``cos`` / ``sin``: the rotary tables of the step."""
         normed = self.input_layernorm(hidden)
         if self.layer_type == LINEAR:
-            hidden = hidden + self.linear_attn(normed, ctx)
+            mixed = self.linear_attn(normed, ctx)
         else:
-            hidden = hidden + self.self_attn(normed, cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            mixed = self.self_attn(normed, cos, sin, ctx)
+        hidden, normed = self.post_attention_layernorm.forward_add(mixed, hidden)   # one pass on CPU
+        return hidden + self.mlp(normed)
 
 
 def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

@@ -7,6 +7,13 @@ DeepSeek-V3-style block (sigmoid router with a correction bias and group-limited
 Under tensor parallelism the experts, routers and Qwen's shared expert are replicated (a MoE
 layer kind composes no block split); Granite's shared MLP splits by intermediate rows
 (:data:`GRANITE_SHARED_MLP_SPLIT`).
+
+A float32 CPU step of a few tokens (decode) runs :class:`SparseMoeBlock` as three products and
+two native calls: one product of the router, the shared-expert gate and the shared expert's
+gate/up rows stacked (a cached copy of those rows, rebuilt when a weight changes), the routing
+and shared activation in one call (the registry's CPU ``moe_route_shared``), the shared down
+product and the experts kernel;
+the dozen small torch ops between them cost more than their arithmetic at batch 1.
 """
 from __future__ import annotations
 
@@ -16,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import get_kernel
+from ...kernels import find_kernel, get_kernel
+from ...kernels.fused_decode import FUSED_MOE_TOKENS
+from ...kernels.linear import linear
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..layers import Linear, SwiGLUMLP, WeightLoader, mlp_split
 
@@ -71,8 +80,40 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
+    def _stacked_weight(self) -> torch.Tensor | None:
+        """float32 ``[E + 1 + 2*I, hidden]``: the router, shared-expert gate and shared gate/up
+        rows stacked for one product (a copy, about ``(E + 1 + 2I) * hidden * 4`` bytes, rebuilt
+        when any of them is replaced or written in place); ``None`` unless all three are plain
+        float32 bias-free weights."""
+        parts = (self.gate, self.shared_expert_gate, self.shared_expert.gate_up_proj)
+        if any(m.fp8_block is not None or m.bias is not None or m.weight.dtype != torch.float32 for m in parts):
+            return None
+        key = tuple((m.weight.data_ptr(), m.weight._version) for m in parts)
+        cached = self.__dict__.get('_stacked')
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([m.weight.detach() for m in parts]))
+            self.__dict__['_stacked'] = cached
+        return cached[1]
+
+    def _fused_decode(self, x: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`forward` for a float32 step of at most ``FUSED_MOE_TOKENS`` tokens by one
+        stacked product and the registry's ``moe_route_shared``, or ``None`` (another dtype, more
+        tokens, a quantized weight, or no such kernel for the device)."""
+        if not (x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= FUSED_MOE_TOKENS):
+            return None
+        route = find_kernel('moe_route_shared', x.device)
+        weight = None if route is None else self._stacked_weight()
+        if weight is None:
+            return None
+        weights, index, act = route(linear(x, weight), self.gate.out_features, self.top_k, self.norm_topk_prob,
+                                    self.shared_expert.down_proj.in_features)
+        return self.experts(x, index, weights) + self.shared_expert.down_proj(act)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
+        fused = self._fused_decode(x)
+        if fused is not None:
+            return fused
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -1,0 +1,273 @@
+"""The fused native decode steps equal the torch paths they replace, over their input class:
+the Gated DeltaNet layer's one-call decode step (every projection packing: Qwen3-Next's per-key-head
+groups, Qwen3.5's and OLMo Hybrid's flat blocks; head ratios, widths not a multiple of the vector
+length, conv widths, slot ranges inside larger caches, beta scale) and the Qwen-MoE block's
+stacked router / shared-expert product with its native routing (expert counts, top-k,
+renormalised or not, token counts, a weight written after the first call), and the attention
+layer's native prologue (gated or not, norm conventions, partial rotary, GQA ratios, cache
+views with rows around them untouched, bad write indices refused before any write), and the
+residual add fused into the next RMS norm."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmdeploy.pytorch import kernels
+from lmdeploy.pytorch.kernels import cpu_native
+from lmdeploy.pytorch.kernels.cpu_native import CALLS, native_library
+from lmdeploy.pytorch.model_inputs import kv_gather_index
+from lmdeploy.pytorch.models.blocks.attention import QKNormAttention
+from lmdeploy.pytorch.models.blocks.gated_delta_net import GatedDeltaNet
+from lmdeploy.pytorch.models.blocks.moe import SparseMoeBlock
+from lmdeploy.pytorch.models.layers import RMSNorm
+from lmdeploy.pytorch.models.olmo_hybrid import OlmoHybridGatedDeltaNet
+from lmdeploy.pytorch.models.qwen3_5 import Qwen3_5GatedDeltaNet
+
+pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU kernels could not be built here '
+                                '(no C compiler with OpenMP, or LMDEPLOY_CPU_KERNELS=0)')
+
+VARIANTS = {'qwen3_next': GatedDeltaNet, 'qwen3_5': Qwen3_5GatedDeltaNet, 'olmo_hybrid': OlmoHybridGatedDeltaNet}
+
+
+FUSED_OPS = ('gdn_decode', 'moe_route_shared', 'qk_norm_rope_store', 'add_rms_norm')
+
+
+def _torch_path(fn, unfused=False):
+    """``fn()`` with every native kernel off: the fused ops' torch forms run, or with
+    ``unfused`` the blocks' unfused torch paths (no fused op is found); the registry's choices
+    made meanwhile are dropped, so later callers get the native ones again."""
+    saved, chosen, registry = cpu_native._LIB, dict(kernels._CHOSEN), dict(kernels._REGISTRY)
+    cpu_native._LIB = None
+    kernels._CHOSEN.clear()
+    if unfused:
+        for op in FUSED_OPS:
+            kernels._REGISTRY.pop(op)
+    try:
+        return fn()
+    finally:
+        cpu_native._LIB = saved
+        kernels._REGISTRY.update(registry)
+        kernels._CHOSEN.clear()
+        kernels._CHOSEN.update(chosen)
+
+
+def _three_ways(run, state_copies):
+    """``run(states)`` natively, by the fused ops' torch forms and by the unfused path, each on
+    its own copy of the states: ``[(output, states)] * 3``."""
+    results = []
+    for mode in ('native', 'fused_torch', 'unfused'):
+        states = state_copies()
+        if mode == 'native':
+            out = run(states)
+        else:
+            out = _torch_path(lambda: run(states), unfused=mode == 'unfused')
+        results.append((out, states))
+    return results
+
+
+def _all_close(results, tol=1e-5):
+    """Every way's output and states equal the unfused path's."""
+    ref_out, ref_states = results[-1]
+    for out, states in results[:-1]:
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+        for got, want in zip(states, ref_states):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed):
+    config = SimpleNamespace(hidden_size=24, linear_num_key_heads=hk, linear_num_value_heads=hk * ratio,
+                             linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=kernel,
+                             rms_norm_eps=1e-6, linear_allow_neg_eigval=neg_eigval)
+    layer = VARIANTS[variant](config, layer_idx=0)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return layer.eval(), gen
+
+
+def _ctx(layer, n, lo, num_slots, gen):
+    conv = torch.randn(num_slots, layer.conv_dim, layer.kernel_size - 1, generator=gen)
+    rec = torch.randn(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen)
+    slots = torch.arange(lo, lo + n)
+    return SimpleNamespace(state_caches=[(conv, rec)], slots=slots, has_history=torch.ones(n, dtype=torch.bool),
+                           cu_seqlens=torch.arange(n + 1), seq_ids=torch.arange(n), slot_span=(lo, None))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(VARIANTS)), st.integers(1, 3), st.sampled_from([1, 2, 3]), st.sampled_from([8, 17]),
+       st.sampled_from([8, 12, 33]), st.sampled_from([2, 4]), st.booleans(), st.integers(1, 5), st.integers(0, 3),
+       st.integers(0, 2 ** 31))
+def test_gdn_decode_native_equals_the_torch_path(variant, hk, ratio, dk, dv, kernel, neg_eigval, n, lo, seed):
+    """One decode step through the fused call against the unfused torch forward (native library
+    off), outputs and both states (only the step's slot rows change), for each packing."""
+    layer, gen = _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed)
+    hidden = torch.randn(n, 24, generator=gen)
+    ctx = _ctx(layer, n, lo, lo + n + 2, gen)
+    caches = ctx.state_caches[0]
+
+    def run(states):
+        return layer(hidden, SimpleNamespace(**{**vars(ctx), 'state_caches': [states]}))
+
+    before = CALLS['gdn_decode']
+    with torch.inference_mode():
+        results = _three_ways(run, lambda: tuple(c.clone() for c in caches))
+    assert CALLS['gdn_decode'] == before + 1
+    # float32 sums of a few dozen terms in another order; outputs and states are O(1)
+    _all_close(results)
+
+
+def test_gdn_decode_columns_are_the_split_of_each_packing():
+    """The column map is exactly what ``_split_projections`` picks: Qwen3-Next's per-key-head
+    groups ``[q | k | v | z]`` and ``[b | a]``; Qwen3.5's flat blocks in order."""
+    layer, _ = _gdn('qwen3_next', 2, 2, 2, 1, 2, False, 0)
+    # per key head: q 2, k 2, v 2, z 2 columns (16 in all), then [b 2 | a 2] per key head
+    assert layer.decode_columns().tolist() == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,   # q | k | v
+                                               6, 7, 14, 15,                               # z
+                                               16, 17, 20, 21, 18, 19, 22, 23]             # b, a
+    flat, _ = _gdn('qwen3_5', 2, 2, 2, 1, 2, False, 0)
+    assert flat.decode_columns().tolist() == list(range(12 + 4 + 8))
+
+
+def test_gdn_decode_falls_back_off_its_class():
+    """A step that is not one sorted slot range with history, or not float32, runs the torch path
+    (no fused call) and still gives the same result as the fused one would."""
+    layer, gen = _gdn('qwen3_next', 2, 2, 8, 8, 4, False, 1)
+    hidden = torch.randn(2, 24, generator=gen)
+    ctx = _ctx(layer, 2, 0, 4, gen)
+    ctx.slot_span = (0, torch.tensor([1, 0]))   # slots out of order
+    before = CALLS['gdn_decode']
+    with torch.inference_mode():
+        layer(hidden, ctx)
+        layer.to(torch.float64)(hidden.double(), _ctx(layer, 2, 0, 4, gen))
+    assert CALLS['gdn_decode'] == before
+
+
+def _moe(experts, k, norm, hidden, inter, shared, seed):
+    config = SimpleNamespace(hidden_size=hidden, num_experts=experts, num_experts_per_tok=k, norm_topk_prob=norm,
+                             moe_intermediate_size=inter, shared_expert_intermediate_size=shared)
+    block = SparseMoeBlock(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return block.eval(), gen
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([2, 5, 16]), st.integers(1, 4), st.booleans(), st.sampled_from([8, 20]),
+       st.sampled_from([4, 11]), st.sampled_from([3, 16]), st.sampled_from([1, 2, 7, 64]), st.integers(0, 2 ** 31))
+def test_sparse_moe_fused_decode_equals_the_torch_path(experts, k, norm, hidden, inter, shared, tokens, seed):
+    """The block through one stacked product and the native routing against its torch forward
+    (native library off): same output for every router shape and token count it takes."""
+    k = min(k, experts)
+    block, gen = _moe(experts, k, norm, hidden, inter, shared, seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    before = CALLS['moe_route']
+    with torch.inference_mode():
+        results = _three_ways(lambda states: block(x), tuple)
+    assert CALLS['moe_route'] == before + 1
+    _all_close(results)
+
+
+def test_sparse_moe_stacked_weight_follows_a_weight_written_later():
+    """The stacked copy is rebuilt when a weight is written in place after the first step (a
+    reload), so the fused product never reads stale rows; more tokens than the native window
+    run the torch path."""
+    block, gen = _moe(4, 2, True, 8, 4, 6, 0)
+    x = torch.randn(3, 8, generator=gen)
+    with torch.inference_mode():
+        block(x)
+    with torch.no_grad():
+        block.shared_expert.gate_up_proj.weight.mul_(-2.0)
+    with torch.inference_mode():
+        out = block(x)
+        ref = _torch_path(lambda: block(x), unfused=True)
+        before = CALLS['moe_route']
+        block(torch.randn(cpu_native.NATIVE_EXPERT_TOKENS + 1, 8, generator=gen))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert CALLS['moe_route'] == before
+
+
+def _attention_case(heads, kv_heads, dim, rot, gated, zero_centered, n, seed, block_size=4):
+    config = SimpleNamespace(hidden_size=16, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim,
+                             rms_norm_eps=1e-6, attention_bias=False)
+    layer = QKNormAttention(config, 0, output_gate=gated, zero_centered_norm=zero_centered)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+    lens = torch.randint(1, 3 * block_size, (n,), generator=gen)
+    width = 3
+    table = torch.randperm(n * width + 2, generator=gen)[:n * width].view(n, width)
+    nb = n * width + 2
+    # the caches as views into wider byte rows, as the engine holds them
+    rows = torch.randn(nb, block_size, kv_heads * dim * 2 + 5, generator=gen)
+    k_cache = rows[:, :, :kv_heads * dim].unflatten(2, (kv_heads, dim))
+    v_cache = rows[:, :, kv_heads * dim:2 * kv_heads * dim].unflatten(2, (kv_heads, dim))
+    pos = lens - 1
+    ctx = SimpleNamespace(kv_caches=[(k_cache, v_cache)], q_seqlens=[1] * n, block_table=table, kv_seqlens_t=lens,
+                          kv_write_index=(table[torch.arange(n), pos // block_size], pos % block_size),
+                          kv_gather_index=kv_gather_index(table, lens, block_size))
+    angles = torch.randn(n, rot // 2, generator=gen)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    return layer.eval(), torch.randn(n, 16, generator=gen), cos, sin, ctx, rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(2, 1), (4, 2), (3, 3)]), st.sampled_from([8, 12, 20]), st.sampled_from([0, 4, 1.0]),
+       st.booleans(), st.booleans(), st.integers(1, 4), st.integers(0, 2 ** 31))
+def test_attention_native_prologue_equals_the_torch_path(heads, dim, rot, gated, zero_centered, n, seed):
+    """A decode step through the native prologue against the torch forward (native library
+    off): same output and the same caches, bytes around the K/V views untouched."""
+    rot = dim if rot == 1.0 else rot
+    layer, hidden, cos, sin, ctx, rows = _attention_case(*heads, dim, rot, gated, zero_centered, n, seed)
+    kvh, d = heads[1], dim
+
+    def run(states):
+        (rows,) = states
+        caches = (rows[:, :, :kvh * d].unflatten(2, (kvh, d)), rows[:, :, kvh * d:2 * kvh * d].unflatten(2, (kvh, d)))
+        return layer(hidden, cos, sin, SimpleNamespace(**{**vars(ctx), 'kv_caches': [caches]}))
+
+    before = CALLS['qk_norm_rope_store']
+    with torch.inference_mode():
+        results = _three_ways(run, lambda: (rows.clone(),))
+    assert CALLS['qk_norm_rope_store'] == before + 1
+    _all_close(results)   # the whole byte rows: the bytes around the K/V views are untouched too
+
+
+@pytest.mark.parametrize('native', [True, False])
+def test_attention_prologue_refuses_a_bad_write_index_before_writing(native):
+    """Natively and in its torch form: a ValueError, and the caches unchanged."""
+    layer, hidden, cos, sin, ctx, rows = _attention_case(2, 1, 8, 8, True, True, 2, 0)
+    blocks, offsets = ctx.kv_write_index
+    ctx.kv_write_index = (blocks, offsets + 4)   # offset == block_size
+    before = rows.clone()
+    with torch.inference_mode(), pytest.raises(ValueError, match='offsets'):
+        if native:
+            layer(hidden, cos, sin, ctx)
+        else:
+            _torch_path(lambda: layer(hidden, cos, sin, ctx))
+    assert torch.equal(rows, before)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 20), st.sampled_from([1, 7, 64, 100]), st.booleans(), st.integers(0, 2 ** 31))
+def test_add_rms_norm_equals_the_add_then_the_norm(rows, dim, zero_centered, seed):
+    """``forward_add`` gives ``x + residual`` exactly and the norm of it as the torch norm does."""
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(dim, 1e-6, zero_centered)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=gen))
+    x, res = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen) * 3
+    before = CALLS['add_rms_norm']
+    with torch.inference_mode():
+        total, normed = norm.forward_add(x, res)
+        t_total, t_normed = _torch_path(lambda: norm.forward_add(x, res))
+        ref = _torch_path(lambda: norm(x + res), unfused=True)
+    assert CALLS['add_rms_norm'] == before + 1
+    assert torch.equal(total, x + res) and torch.equal(t_total, x + res)
+    torch.testing.assert_close(normed, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(t_normed, ref, rtol=1e-5, atol=1e-6)
