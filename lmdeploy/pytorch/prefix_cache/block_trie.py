@@ -148,7 +148,17 @@ class BlockTrie:
         # key order, kept out of the heap: the next eviction merges them with it instead of
         # popping and pushing every blocked leaf again (which made each call O(blocked log N)).
         self._parked: list[tuple[int, int, int, TrieNode]] = []
+        # Entries a ``dead_only`` eviction found live (a leaf's ``ckpts_below`` counts only its own
+        # checkpoint), unordered: later ``dead_only`` calls skip them without a look, since they
+        # stay blocked until that checkpoint is released, and a release re-offers the leaf
+        # (``_revived``, from :meth:`checkpoint_counted`); a full eviction merges them back. Without
+        # this, every ``dead_only`` call re-read every live leaf older than its victims (most of a
+        # replay's eviction time when a checkpoint per prompt is kept).
+        self._parked_live: list[tuple[int, int, int, TrieNode]] = []
+        self._revived: list[TrieNode] = []
         self._tiebreak = itertools.count()
+        if state_cache is not None:
+            state_cache.listeners.append(self)
         # observers told of every node made (``block_cached(node)``) and removed
         # (``block_dropped(node)``), e.g. the KV event tracker (kv_events.py)
         self.listeners: list = []
@@ -173,10 +183,19 @@ class BlockTrie:
 
     def _push_leaf(self, node: TrieNode) -> None:
         heapq.heappush(self._leaves, (node.last_access, node.depth, next(self._tiebreak), node))
-        if len(self._leaves) + len(self._parked) > 4 * self.num_nodes + 64:      # drop stale entries now and then
+        if len(self._leaves) + len(self._parked) + len(self._parked_live) > 4 * self.num_nodes + 64:
+            # drop stale entries now and then
             self._leaves = [e for e in self._leaves if self._is_current(e)]
             heapq.heapify(self._leaves)
             self._parked = [e for e in self._parked if self._is_current(e)]
+            self._parked_live = [e for e in self._parked_live if self._is_current(e)]
+
+    def checkpoint_counted(self, node: TrieNode, delta: int) -> None:
+        """A :class:`StateCache` listener: ``node``'s ``ckpts_below`` changed by ``delta``. A leaf
+        whose last checkpoint went is dead now, so it is offered to the next eviction again (its
+        parked live entry is no longer read by ``dead_only`` calls)."""
+        if delta < 0 and not node.ckpts_below and not node.children:
+            self._revived.append(node)
 
     @staticmethod
     def _is_current(entry) -> bool:
@@ -259,6 +278,12 @@ class BlockTrie:
             self._push_leaf(node)
         return node
 
+    def _holds(self, node: TrieNode) -> bool:
+        """``node`` is in this trie (a state cache could, in principle, be shared). O(depth)."""
+        while node.parent is not None:
+            node = node.parent
+        return node is self.root
+
     def _unreferenced(self, node: TrieNode) -> bool:
         return self.block_manager.refcount[node.block_id] == 1
 
@@ -284,7 +309,18 @@ class BlockTrie:
         Returns:
             Blocks returned to the free list.
         """
-        freed, blocked = 0, []
+        freed, blocked, live = 0, [], []
+        if self._revived:
+            # a leaf whose checkpoint was released since: a fresh entry at the same key (its live
+            # entry, if parked, is a duplicate that decides nothing: a node's key is unique)
+            for node in self._revived:
+                if node.parent is not None and not node.children and not node.ckpts_below and self._holds(node):
+                    self._push_leaf(node)
+            self._revived = []
+        if not dead_only and self._parked_live:
+            self._parked.extend(self._parked_live)
+            self._parked.sort()
+            self._parked_live = []
         leaves, parked, self._parked = self._leaves, self._parked, []
         j, num_parked = 0, len(parked)
         while freed < num_blocks:
@@ -300,7 +336,10 @@ class BlockTrie:
             if not self._is_current(entry):
                 continue
             leaf = entry[-1]
-            if (dead_only and leaf.ckpts_below) or not self._evictable(leaf):
+            if dead_only and leaf.ckpts_below:
+                live.append(entry)
+                continue
+            if not self._evictable(leaf):
                 blocked.append(entry)
                 continue
             parent = leaf.parent
@@ -314,6 +353,7 @@ class BlockTrie:
         blocked.extend(self._parked)        # parked by a compaction during the loop (none, normally)
         blocked.sort()
         self._parked = blocked
+        self._parked_live.extend(live)      # in no order: only a full eviction reads them, sorted then
         if freed < num_blocks and not dead_only:
             freed += self._evict_subtrees(num_blocks - freed)
         return freed
