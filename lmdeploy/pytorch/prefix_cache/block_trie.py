@@ -322,11 +322,13 @@ class BlockTrie:
             self._parked.sort()
             self._parked_live = []
         leaves, parked, self._parked = self._leaves, self._parked, []
-        j, num_parked = 0, len(parked)
+        j, num_parked, nxt = 0, len(parked), None
         while freed < num_blocks:
             # candidates in key order: the parked entries merged with the heap (keys are unique:
             # the tiebreak differs, so a node is never compared)
-            if j < num_parked and (not leaves or parked[j] < leaves[0]):
+            if nxt is not None:
+                entry, nxt = nxt, None
+            elif j < num_parked and (not leaves or parked[j] < leaves[0]):
                 entry = parked[j]
                 j += 1
             elif leaves:
@@ -345,8 +347,15 @@ class BlockTrie:
             parent = leaf.parent
             freed += self._remove(leaf)
             if parent is not self.root and not parent.children:
-                self._push_leaf(parent)
-                leaves = self._leaves       # a compaction may have replaced the heap
+                entry = (parent.last_access, parent.depth, next(self._tiebreak), parent)
+                if (freed < num_blocks and (not leaves or entry < leaves[0])
+                        and (j >= num_parked or entry < parked[j])):
+                    # the parent is the next candidate (an old chain goes child then parent):
+                    # taken at once instead of pushed and popped again, in the same order
+                    nxt = entry
+                else:
+                    self._push_leaf(parent)
+                    leaves = self._leaves       # a compaction may have replaced the heap
         # what is still blocked, plus the parked entries not reached, in key order (a parent pushed
         # during the loop may sort before an entry blocked earlier; the sort is linear then)
         blocked.extend(parked[j:])
