@@ -196,6 +196,12 @@ class BlockTrie:
         parked live entry is no longer read by ``dead_only`` calls)."""
         if delta < 0 and not node.ckpts_below and not node.children:
             self._revived.append(node)
+            if len(self._revived) > 2 * self.num_nodes + 64:
+                # no eviction for a long while (a roomy cache): keep only the current leaves,
+                # once each, so the list stays within the trie's size
+                seen: set[int] = set()
+                self._revived = [n for n in self._revived if n.parent is not None and not n.children
+                                 and not n.ckpts_below and not (id(n) in seen or seen.add(id(n)))]
 
     @staticmethod
     def _is_current(entry) -> bool:
@@ -305,6 +311,10 @@ class BlockTrie:
         before newer leaves); leaves that cannot go now are kept as candidates. If that is not
         enough, unreferenced interior nodes go, least recently used first, each with its whole
         subtree (see the module docstring).
+
+        Cost: O(k log N) for k blocks freed, plus the leaves it finds blocked; a leaf a
+        ``dead_only`` call found live is not read again by later ``dead_only`` calls until its
+        checkpoint is released.
 
         Returns:
             Blocks returned to the free list.
