@@ -316,6 +316,31 @@ def test_a_pinned_checkpoint_keeps_its_node_from_eviction():
     assert trie.evict(1) == 1 and sc.num_published == 0
 
 
+def test_a_dead_only_eviction_takes_a_leaf_once_its_checkpoint_is_released():
+    """A leaf parked as live by a dead-only eviction is skipped while its checkpoint stays, and
+    freed by the next dead-only eviction after the release, in LRU order; releases with no
+    eviction in between never grow the re-offered list past the trie's size."""
+    bm, sc, trie = _trie(num_blocks=8, runtime=1, ckpt=2)
+    [old] = trie.insert(tokens(1), blocks := bm.allocate(1), 1)
+    bm.free_all(blocks)
+    [new] = trie.insert(tokens(2), blocks := bm.allocate(1), 1)
+    bm.free_all(blocks)
+    slot = sc.alloc_checkpoint()
+    sc.publish(slot, old)
+    assert trie.evict(1, dead_only=True) == 1 and new.parent is None and old.parent is not None
+    assert trie.evict(1, dead_only=True) == 0          # the live leaf is parked, not freed
+    sc.release_checkpoint(slot)
+    assert trie.evict(1, dead_only=True) == 1 and old.parent is None and trie.num_nodes == 0
+    [leaf] = trie.insert(tokens(3), blocks := bm.allocate(1), 1)
+    bm.free_all(blocks)
+    for _ in range(200):
+        slot = sc.alloc_checkpoint()
+        sc.publish(slot, leaf)
+        sc.release_checkpoint(slot)
+    assert len(trie._revived) <= 2 * trie.num_nodes + 65
+    assert trie.evict(1, dead_only=True) == 1 and trie.num_nodes == 0
+
+
 # ------------------------------------------------------------------ StateCache
 class _Node:
     checkpoint_slot = None

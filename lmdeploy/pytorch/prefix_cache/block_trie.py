@@ -148,7 +148,17 @@ class BlockTrie:
         # key order, kept out of the heap: the next eviction merges them with it instead of
         # popping and pushing every blocked leaf again (which made each call O(blocked log N)).
         self._parked: list[tuple[int, int, int, TrieNode]] = []
+        # Entries a ``dead_only`` eviction found live (a leaf's ``ckpts_below`` counts only its own
+        # checkpoint), unordered: later ``dead_only`` calls skip them without a look, since they
+        # stay blocked until that checkpoint is released, and a release re-offers the leaf
+        # (``_revived``, from :meth:`checkpoint_counted`); a full eviction merges them back. Without
+        # this, every ``dead_only`` call re-read every live leaf older than its victims (most of a
+        # replay's eviction time when a checkpoint per prompt is kept).
+        self._parked_live: list[tuple[int, int, int, TrieNode]] = []
+        self._revived: list[TrieNode] = []
         self._tiebreak = itertools.count()
+        if state_cache is not None:
+            state_cache.listeners.append(self)
         # observers told of every node made (``block_cached(node)``) and removed
         # (``block_dropped(node)``), e.g. the KV event tracker (kv_events.py)
         self.listeners: list = []
@@ -173,10 +183,25 @@ class BlockTrie:
 
     def _push_leaf(self, node: TrieNode) -> None:
         heapq.heappush(self._leaves, (node.last_access, node.depth, next(self._tiebreak), node))
-        if len(self._leaves) + len(self._parked) > 4 * self.num_nodes + 64:      # drop stale entries now and then
+        if len(self._leaves) + len(self._parked) + len(self._parked_live) > 4 * self.num_nodes + 64:
+            # drop stale entries now and then
             self._leaves = [e for e in self._leaves if self._is_current(e)]
             heapq.heapify(self._leaves)
             self._parked = [e for e in self._parked if self._is_current(e)]
+            self._parked_live = [e for e in self._parked_live if self._is_current(e)]
+
+    def checkpoint_counted(self, node: TrieNode, delta: int) -> None:
+        """A :class:`StateCache` listener: ``node``'s ``ckpts_below`` changed by ``delta``. A leaf
+        whose last checkpoint went is dead now, so it is offered to the next eviction again (its
+        parked live entry is no longer read by ``dead_only`` calls)."""
+        if delta < 0 and not node.ckpts_below and not node.children:
+            self._revived.append(node)
+            if len(self._revived) > 2 * self.num_nodes + 64:
+                # no eviction for a long while (a roomy cache): keep only the current leaves,
+                # once each, so the list stays within the trie's size
+                seen: set[int] = set()
+                self._revived = [n for n in self._revived if n.parent is not None and not n.children
+                                 and not n.ckpts_below and not (id(n) in seen or seen.add(id(n)))]
 
     @staticmethod
     def _is_current(entry) -> bool:
@@ -259,6 +284,12 @@ class BlockTrie:
             self._push_leaf(node)
         return node
 
+    def _holds(self, node: TrieNode) -> bool:
+        """``node`` is in this trie (a state cache could, in principle, be shared). O(depth)."""
+        while node.parent is not None:
+            node = node.parent
+        return node is self.root
+
     def _unreferenced(self, node: TrieNode) -> bool:
         return self.block_manager.refcount[node.block_id] == 1
 
@@ -281,16 +312,33 @@ class BlockTrie:
         enough, unreferenced interior nodes go, least recently used first, each with its whole
         subtree (see the module docstring).
 
+        Cost: O(k log N) for k blocks freed, plus the leaves it finds blocked; a leaf a
+        ``dead_only`` call found live is not read again by later ``dead_only`` calls until its
+        checkpoint is released.
+
         Returns:
             Blocks returned to the free list.
         """
-        freed, blocked = 0, []
+        freed, blocked, live = 0, [], []
+        if self._revived:
+            # a leaf whose checkpoint was released since: a fresh entry at the same key (its live
+            # entry, if parked, is a duplicate that decides nothing: a node's key is unique)
+            for node in self._revived:
+                if node.parent is not None and not node.children and not node.ckpts_below and self._holds(node):
+                    self._push_leaf(node)
+            self._revived = []
+        if not dead_only and self._parked_live:
+            self._parked.extend(self._parked_live)
+            self._parked.sort()
+            self._parked_live = []
         leaves, parked, self._parked = self._leaves, self._parked, []
-        j, num_parked = 0, len(parked)
+        j, num_parked, nxt = 0, len(parked), None
         while freed < num_blocks:
             # candidates in key order: the parked entries merged with the heap (keys are unique:
             # the tiebreak differs, so a node is never compared)
-            if j < num_parked and (not leaves or parked[j] < leaves[0]):
+            if nxt is not None:
+                entry, nxt = nxt, None
+            elif j < num_parked and (not leaves or parked[j] < leaves[0]):
                 entry = parked[j]
                 j += 1
             elif leaves:
@@ -300,20 +348,31 @@ class BlockTrie:
             if not self._is_current(entry):
                 continue
             leaf = entry[-1]
-            if (dead_only and leaf.ckpts_below) or not self._evictable(leaf):
+            if dead_only and leaf.ckpts_below:
+                live.append(entry)
+                continue
+            if not self._evictable(leaf):
                 blocked.append(entry)
                 continue
             parent = leaf.parent
             freed += self._remove(leaf)
             if parent is not self.root and not parent.children:
-                self._push_leaf(parent)
-                leaves = self._leaves       # a compaction may have replaced the heap
+                entry = (parent.last_access, parent.depth, next(self._tiebreak), parent)
+                if (freed < num_blocks and (not leaves or entry < leaves[0])
+                        and (j >= num_parked or entry < parked[j])):
+                    # the parent is the next candidate (an old chain goes child then parent):
+                    # taken at once instead of pushed and popped again, in the same order
+                    nxt = entry
+                else:
+                    self._push_leaf(parent)
+                    leaves = self._leaves       # a compaction may have replaced the heap
         # what is still blocked, plus the parked entries not reached, in key order (a parent pushed
         # during the loop may sort before an entry blocked earlier; the sort is linear then)
         blocked.extend(parked[j:])
         blocked.extend(self._parked)        # parked by a compaction during the loop (none, normally)
         blocked.sort()
         self._parked = blocked
+        self._parked_live.extend(live)      # in no order: only a full eviction reads them, sorted then
         if freed < num_blocks and not dead_only:
             freed += self._evict_subtrees(num_blocks - freed)
         return freed
