@@ -23,16 +23,15 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
-from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec
 from .blocks.mla import LatentAttention, mla_split
 from .blocks.moe import GroupLimitedMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import RMSNorm, SwiGLUMLP
+from .layers import SwiGLUMLP
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['KimiLinearForCausalLM', 'KimiMLA', 'check_config']
@@ -67,39 +66,23 @@ def check_config(config) -> None:
                          f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
 
 
-class KimiLinearDecoderLayer(nn.Module):
-    """Pre-norm layer: KDA or MLA (``layer_types``), then MoE or dense MLP (``mlp_layer_types``)."""
+class KimiLinearDecoderLayer(DecoderLayer):
+    """Pre-norm layer: KDA or MLA (``layer_types``), then MoE or dense MLP (``mlp_layer_types``);
+    no positions anywhere (called with ``rotary=None``)."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.self_attn = KimiDeltaAttention(config, layer_idx) if config.layer_types[layer_idx] == LINEAR \
+        mixer = KimiDeltaAttention(config, layer_idx) if config.layer_types[layer_idx] == LINEAR \
             else KimiMLA(config, layer_idx)
-        self.mlp = GroupLimitedMoE(config) if config.mlp_layer_types[layer_idx] == 'sparse' \
+        mlp = GroupLimitedMoE(config) if config.mlp_layer_types[layer_idx] == 'sparse' \
             else SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        super().__init__(config.hidden_size, config.rms_norm_eps, mixer, mlp)
 
 
-class KimiLinearModel(nn.Module):
+class KimiLinearModel(DecoderStack):
     """Embedding, decoder layers, final norm (no positional embedding anywhere)."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(KimiLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
-        return self.norm(hidden)
+        super().__init__(config, (KimiLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers)))
 
 
 _RENAMES = [

@@ -8,54 +8,34 @@ Hugging Face checkpoint, except that q/k/v and gate/up run as packed projections
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
-from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS
 from .base import CausalLM
 from .blocks.attention import QKNormAttention
+from .blocks.decoder import DecoderLayer, DecoderStack, mixer_cos_sin_ctx
 from .blocks.gqa import gqa_split
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, mlp_split
+from .layers import RotaryEmbedding, SwiGLUMLP, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Qwen3ForCausalLM']
 
 
-class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm decoder layer: attention and SwiGLU MLP, each with a residual."""
+class Qwen3DecoderLayer(DecoderLayer):
+    """Pre-norm decoder layer: q/k-norm attention and SwiGLU MLP, each with a residual; called as
+    ``layer(hidden [T, hidden], (cos, sin), ctx)``."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.self_attn = QKNormAttention(config, layer_idx)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden, cos, sin, ctx):
-        """``[T, hidden]`` → ``[T, hidden]`` (pre-norm attention and MLP, each with a residual);
-        ``cos``/``sin``: rotary tables ``[T, rotary_dim]``; the layer's KV goes to ``ctx``'s cache."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        super().__init__(config.hidden_size, config.rms_norm_eps, QKNormAttention(config, layer_idx),
+                         SwiGLUMLP(config.hidden_size, config.intermediate_size), call=mixer_cos_sin_ctx)
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(DecoderStack):
     """Embedding, decoder layers and the final norm."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's ``T`` flat tokens (``ctx.input_ids``)."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        cos, sin = self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, ctx)
-        return self.norm(hidden)
+        super().__init__(config, (Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers)),
+                         rotary=RotaryEmbedding(config))
 
 
 def check_config(config) -> None:

@@ -140,7 +140,7 @@ class Qwen3_5TextModel(nn.Module):
         else:
             cos, sin = self.rotary.forward_mrope(mrope_positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, ctx)
+            hidden = layer(hidden, (cos, sin), ctx)
         return self.norm(hidden)
 
 

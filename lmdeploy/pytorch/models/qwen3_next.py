@@ -19,13 +19,12 @@ separate tensors); experts may arrive one tensor per expert (published checkpoin
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..cache_specs import LayerCacheSpec
-from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.gated_delta_net import (DENSE, FULL, HYBRID_BLOCKS, MOE, HybridDecoderLayer, check_hybrid_config,
                                      hybrid_cache_specs, hybrid_layer_kinds)
+from .blocks.decoder import DecoderStack
 from .blocks.mtp import MTP_PREFIX
 from .blocks.moe import SparseMoeBlock, load_expert_tensor
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
@@ -58,23 +57,13 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
         super().__init__(config, layer_idx, mlp)
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(DecoderStack):
     """Embedding, decoder layers, final zero-centred norm; rotary on a leading fraction of each head."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.rotary = RotaryEmbedding(config)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's ``T`` flat tokens (``ctx.input_ids``)."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        cos, sin = self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, ctx)
-        return self.norm(hidden)
+        super().__init__(config, (Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers)),
+                         rotary=RotaryEmbedding(config),
+                         norm=RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True))
 
 
 class Qwen3NextForCausalLM(CausalLM):

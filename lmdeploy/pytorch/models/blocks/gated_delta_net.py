@@ -31,9 +31,10 @@ from torch import nn
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
-from ..layers import Linear, PackedLinear, RMSNorm, mlp_split
+from ..layers import Linear, PackedLinear, mlp_split
 from ..parallel_plan import Axis, Block, BlockSplit, Piece, cols, rows
 from .attention import QKNormAttention, attention_head_dim
+from .decoder import DecoderLayer
 from .gqa import gqa_split
 
 __all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer', 'attention_head_dim', 'check_hybrid_config',
@@ -251,11 +252,20 @@ class _ColumnNumbers(nn.Module):
         return torch.arange(sum(self.shard_sizes), dtype=torch.float64)[None].split(self.shard_sizes, dim=-1)
 
 
-class HybridDecoderLayer(nn.Module):
+def _gdn_or_attention(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+    """Gated DeltaNet takes no positions; gated attention takes the step's ``(cos, sin)``."""
+    if isinstance(mixer, GatedDeltaNet):
+        return mixer(normed, ctx)
+    cos, sin = rotary
+    return mixer(normed, cos, sin, ctx)
+
+
+class HybridDecoderLayer(DecoderLayer):
     """Pre-norm layer of a Gated DeltaNet + gated-attention stack (Qwen3-Next, Qwen3.5): the token
     mixer ``layer_types[layer_idx]`` picks (``linear_attn``: Gated DeltaNet, state in ``ctx``'s
     slots; or ``self_attn``: :class:`~.attention.QKNormAttention` with an output gate, KV in
-    ``ctx``'s blocks), then ``mlp``, each with a residual; all norms zero-centred.
+    ``ctx``'s blocks), then ``mlp``, each with a residual; all norms zero-centred. Called as
+    ``layer(hidden [T, hidden], (cos, sin), ctx)``.
 
     Args:
         config: the text config.
@@ -265,25 +275,13 @@ class HybridDecoderLayer(nn.Module):
     """
 
     def __init__(self, config, layer_idx: int, mlp: nn.Module, linear_attn_class: type = GatedDeltaNet):
-        super().__init__()
+        linear = config.layer_types[layer_idx] == LINEAR
+        mixer = linear_attn_class(config, layer_idx) if linear else \
+            QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
+        super().__init__(config.hidden_size, config.rms_norm_eps, mixer, mlp, call=_gdn_or_attention,
+                         names=('linear_attn' if linear else 'self_attn', 'mlp', 'input_layernorm',
+                                'post_attention_layernorm'), zero_centered=True)
         self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type == LINEAR:
-            self.linear_attn = linear_attn_class(config, layer_idx)
-        else:
-            self.self_attn = QKNormAttention(config, layer_idx, output_gate=True, zero_centered_norm=True)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``cos`` / ``sin``: the rotary tables of the step."""
-        normed = self.input_layernorm(hidden)
-        if self.layer_type == LINEAR:
-            mixed = self.linear_attn(normed, ctx)
-        else:
-            mixed = self.self_attn(normed, cos, sin, ctx)
-        hidden, normed = self.post_attention_layernorm.forward_add(mixed, hidden)   # one pass on CPU
-        return hidden + self.mlp(normed)
 
 
 def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:

@@ -101,7 +101,7 @@ class DecoderLayerMTP(MTPHead):
         """
         x = self.fc(torch.cat((self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)), dim=-1))
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, (cos, sin), ctx)
         return self.norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
