@@ -29,6 +29,19 @@ GEN = GenerationConfig(max_new_tokens=8, ignore_eos=True)
 COLD = random_prompt(40, 4401)        # under P = 48 and A = 64: prefilled in one forward
 
 
+def decode_logits(eng, ids: list[int], steps: int) -> torch.Tensor:
+    """``[steps, vocab]``: the logits of each sampled token of one greedy request (the prompt's
+    last, then each decode step's), eos ignored; the engine is idle again afterwards."""
+    seq = eng.add_request(ids, GenerationConfig(max_new_tokens=steps, ignore_eos=True))
+    rows = []
+    while not seq.is_finished:
+        before = seq.num_generated
+        eng.step()
+        if seq.num_generated > before:
+            rows.append(eng.model_runner.last_logits[0].clone())
+    return torch.stack(rows)
+
+
 @pytest.fixture(scope='module', params=['olmo_hybrid', 'zamba2'])
 def tiny(request, tmp_path_factory) -> tuple[str, str]:
     """``(arch, path)`` of the family's tiny checkpoint (published layout, float32)."""
@@ -112,13 +125,16 @@ def test_every_rank_builds_its_share_and_a_tied_block_is_one_module(tiny):
 def test_tp2_equals_tp1_cold_chunked_and_after_a_prefix_cache_restore(tiny):
     """TP1 with caching off is the reference. One TP2 engine with the prefix cache on: a cold
     40-token prompt (one forward) and ``PROMPTS[1]`` (90 tokens: forwards end at 48, 64, 90) give
-    logits within ``TP_TOL`` (see tests/tp_utils.py for why) and the same argmax; staggered greedy
-    runs of ``PROMPTS`` equal TP1's, the second pass restoring their prefixes; the engine ends idle
-    but for its cached prefixes."""
+    logits within ``TP_TOL`` (see tests/tp_utils.py for why) and the same argmax, and so are the
+    logits of 6 decode steps (Zamba2: a generated token's ``dt`` is not clamped, a prompt token's
+    is, on every rank; clamping them all moves these logits by more than 1e-4, see
+    tests/test_zamba2.py); staggered greedy runs of ``PROMPTS`` equal TP1's, the second pass
+    restoring their prefixes; the engine ends idle but for its cached prefixes."""
     _, path = tiny
     ref = engine(path)
     ref_cold, _ = engine_prompt_logits(ref, COLD)
     ref_chunked, ref_forwards = engine_prompt_logits(ref, PROMPTS[1])
+    ref_decode = decode_logits(ref, COLD, 6)
     expected = [s.output_ids for s in run_staggered(ref, PROMPTS, GEN, every=2)]
     assert_idle(ref)
     ref.close()
@@ -133,6 +149,7 @@ def test_tp2_equals_tp1_cold_chunked_and_after_a_prefix_cache_restore(tiny):
         assert forwards == 3
         assert (chunked - ref_chunked).abs().max().item() <= TP_TOL
         assert torch.equal(chunked.argmax(-1), ref_chunked.argmax(-1))
+        assert (decode_logits(eng, COLD, 6) - ref_decode).abs().max().item() <= TP_TOL
         assert [s.output_ids for s in run_staggered(eng, PROMPTS, GEN, every=2)] == expected
         hits = eng.stats()['prefix_cache_hit_tokens']
         assert [s.output_ids for s in run_staggered(eng, PROMPTS, GEN, every=2)] == expected
