@@ -3,7 +3,8 @@ models.
 
 What is checked, per family: each split tensor's ranges tile its axis over the ranks (exact split
 counts; OLMo's whole-width q / k norm weights by head, Zamba2's adapter up matrices ``B`` by the
-rows of the projection they add to and the down matrices ``A`` whole); one TP2 engine (B = 16,
+rows of the projection they add to and the down matrices ``A`` whole), and each cached tensor's
+ranks' ranges tile it (the Store's full-head layout); one TP2 engine (B = 16,
 A = 64, P = 48, prefix cache on) gives a cold prompt (one forward) and a chunked prompt (48 | 64 |
 90) logits within ``TP_TOL`` of a TP1 engine with caching off, and greedy tokens equal to it for
 staggered prompts, then again when the second pass restores their prefixes from the cache (Zamba2:
@@ -64,6 +65,21 @@ def test_each_split_tensor_tiles_its_axis_and_the_adapters_split_as_their_projec
     arch, path = tiny
     config, layouts, split = check_tp_slices_tile_every_split_tensor(path)
     assert split == SPLIT_TENSORS[arch]
+    # every cached tensor: each rank's ranges are as wide as its local tensor and together tile
+    # the full model's (what the Store's full-head layout converts by)
+    cls = get_model_class(arch)
+    full = [t for spec in cls.cache_specs(config, torch.float32) for t in spec.tensors()]
+    local = [[t for spec in cls.cache_specs(lay.local_config(), torch.float32) for t in spec.tensors()]
+             for lay in layouts]
+    assert {t.tp_split for t in full} == ({'conv_channels', 'v_heads', 'kv_heads'} if arch == 'olmo_hybrid' else
+                                         {'mamba_conv_channels', 'mamba_heads', 'kv_heads'})
+    for i, t in enumerate(full):
+        ranges = [lay.cache_ranges(t.tp_split) for lay in layouts]
+        for r, rank_ranges in enumerate(ranges):
+            assert sum(b - a for a, b in rank_ranges) == local[r][i].shape[t.tp_axis], (t, r)
+        covered = sorted(x for rank_ranges in ranges for x in rank_ranges)
+        assert covered[0][0] == 0 and covered[-1][1] == t.shape[t.tp_axis], t
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), t
     rank1 = layouts[1]
     if arch == 'olmo_hybrid':
         attn = 'model.layers.3.self_attn.'          # 4 query heads, 2 KV heads of 16
