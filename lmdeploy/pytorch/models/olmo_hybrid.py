@@ -23,6 +23,12 @@ Weight names: transformers' (``linear_attn.{q,k,v,g,a,b}_proj`` fill one packed 
 layout transformers converts on load (its conversion mapping): ``attention_layer_norm`` /
 ``feedforward_layer_norm`` for ``input_layernorm`` / ``post_attention_layernorm``, and the conv
 filters as three tensors ``linear_attn.{q,k,v}_conv1d.weight`` stacked into ``conv1d``.
+
+Tensor parallelism (:attr:`OlmoHybridForCausalLM.parallel_plan`): Gated DeltaNet by key head
+(:func:`~.blocks.gated_delta_net.gdn_split`, its six projections and three conv filters),
+attention by head with the KV heads divided by the TP size and the whole-width q / k norms
+summing their squares over the ranks (:func:`~.blocks.spanning_norm.spanning_qk_norm_split`: one
+all-reduce of ``[T]`` floats for q and one for k per attention layer), the MLP by rows.
 """
 from __future__ import annotations
 
@@ -34,10 +40,13 @@ from torch import nn
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.gated_delta_net import FULL, LINEAR, GatedDeltaNet, GatedRMSNorm, check_hybrid_config, hybrid_cache_specs
-from .blocks.gqa import GQAProjections
+from .blocks.gated_delta_net import (FULL, LINEAR, GatedDeltaNet, GatedRMSNorm, check_hybrid_config, gdn_split,
+                                     hybrid_cache_specs)
+from .blocks.gqa import GQAProjections, gqa_split
+from .blocks.spanning_norm import spanning_qk_norm_split
 from .config_audit import CHECKED, COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
-from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, mlp_split
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['OlmoHybridForCausalLM', 'check_config', 'uses_rope']
 
@@ -176,8 +185,8 @@ _SPLIT_CONV = re.compile(r'^(.*\.linear_attn\.)([qkv])_conv1d\.weight$')
 
 
 class OlmoHybridForCausalLM(CausalLM):
-    """OLMo Hybrid causal LM in the engine's layers (tp=1 only: the whole-width q / k norms
-    would need a sum over ranks).
+    """OLMo Hybrid causal LM in the engine's layers (any TP size that divides its heads, see
+    :attr:`parallel_plan`).
 
     Args:
         config: a ``transformers`` ``OlmoHybridConfig``.
@@ -210,6 +219,14 @@ class OlmoHybridForCausalLM(CausalLM):
         'linear_dt_init_floor': INERT,
     }
     check_config = staticmethod(check_config)
+    # Gated DeltaNet by key head (beta_scale is a constant of the layer, nothing to split); the
+    # attention by head, its q / k norms over all heads summed over the ranks, so the TP size must
+    # divide num_key_value_heads (a copied KV head would count twice in the key norm); the MLP by rows
+    parallel_plan = ParallelPlan(
+        layers=lambda config: [(kind, 'mlp') for kind in config.layer_types],
+        blocks={LINEAR: (Block(gdn_split, 'linear_attn'),),
+                FULL: (Block(spanning_qk_norm_split(gqa_split(shared_kv=False)), 'self_attn'),),
+                'mlp': (Block(mlp_split(), 'mlp'),)})
     rotary_class = None       # check_config builds the rotary table itself, only when rope_theta is set
 
     @staticmethod
@@ -227,7 +244,8 @@ class OlmoHybridForCausalLM(CausalLM):
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """The published per-kind conv filters ``linear_attn.{q,k,v}_conv1d.weight`` → their rows
-        of ``conv1d.weight`` (q ``[0, Hk·dk)``, k the next ``Hk·dk``, v the rest)."""
+        of ``conv1d.weight`` (q ``[0, Hk·dk)``, k the next ``Hk·dk``, v the rest; under TP this rank's
+        heads of each, as its local config counts them)."""
         m = _SPLIT_CONV.match(name)
         if m is None:
             return False

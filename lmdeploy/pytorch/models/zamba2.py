@@ -40,6 +40,14 @@ block of a hybrid layer under ``model.layers.{i}.shared_transformer.*`` (stored 
 or repeated at every use: both load), ``model.layers.{i}.linear``,
 ``model.layers.{i}.mamba_decoder.*`` and ``model.layers.{i}.mamba.*``; ``q_proj`` / ``k_proj``
 / ``v_proj`` fill one packed matmul.
+
+Tensor parallelism (:attr:`Zamba2ForCausalLM.parallel_plan`): every Mamba-2 mixer by head and
+group (:func:`~.blocks.mamba2.mamba2_split`); a shared block's attention by head and its MLP by
+intermediate rows, each adapter's down matrix ``A`` replicated and its up matrix ``B`` split by the
+rows of the projection it adds to (:func:`~.blocks.lora.lora_split`, whose docstring says why).
+A hybrid layer reaches the shared block it runs as ``shared_transformer`` (a reference, the
+checkpoint's name for it), which is where the plan finds the block's row-parallel projections.
+The prompt-only ``dt`` clamp reads the step's ``prompt_lens``, which every rank receives.
 """
 from __future__ import annotations
 
@@ -52,9 +60,13 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, mamba2_state_spec
+from .blocks.attention import attention_head_dim
+from .blocks.gqa import gqa_split
+from .blocks.lora import lora_split
+from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, mamba2_split, mamba2_state_spec
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, mlp_split
+from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Zamba2ForCausalLM', 'check_config', 'mamba_dims']
 
@@ -67,11 +79,15 @@ _ACTIVATIONS = {'gelu': F.gelu, 'silu': F.silu, 'gelu_pytorch_tanh': lambda x: F
 def mamba_dims(config) -> Mamba2Dims:
     """The mixer's sizes: ``n_mamba_heads`` heads of ``mamba_headdim``, ``mamba_ngroups`` groups
     of ``mamba_d_state``, a ``mamba_d_conv`` conv that always has a bias, projection biases
-    ``add_bias_linear``, ``dt >= time_step_min`` (prompt tokens only, see the module docstring)."""
-    return Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.n_mamba_heads, head_dim=config.mamba_headdim,
+    ``add_bias_linear``, ``dt >= time_step_min`` (prompt tokens only, see the module docstring);
+    this rank's heads and groups in a tensor-parallel local config (``mamba_tp_size``, set by
+    :func:`~.blocks.mamba2.mamba2_split`)."""
+    full = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.n_mamba_heads, head_dim=config.mamba_headdim,
                       n_groups=config.mamba_ngroups, state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv,
                       chunk_size=config.chunk_size, conv_bias=True, proj_bias=bool(config.add_bias_linear),
                       dt_min=float(config.time_step_min), dt_max=float('inf'), norm_eps=MIXER_NORM_EPS)
+    size = getattr(config, 'mamba_tp_size', 1)
+    return full if size == 1 else full.local(size)
 
 
 def layer_kinds(config) -> list[str]:
@@ -169,21 +185,23 @@ def _adapters(config, uses: int, block_id: int, d_in: int, d_out: int) -> nn.Mod
 
 class Zamba2Attention(nn.Module):
     """A shared block's attention over ``2·hidden_size`` input channels (see the module
-    docstring); its K/V go to the cache entry of the hybrid layer that runs it."""
+    docstring); its K/V go to the cache entry of the hybrid layer that runs it. ``head_dim``
+    is the config's (``2·hidden_size / num_attention_heads`` of the full model, also in a
+    tensor-parallel rank's local config, whose head counts are the rank's)."""
 
     def __init__(self, config, block_id: int, uses: int):
         super().__init__()
         d_in = 2 * config.hidden_size
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = d_in // self.num_heads
+        self.head_dim = attention_head_dim(config)
         self.scale = (self.head_dim / 2) ** -0.5
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(d_in, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv, 'v_proj': kv})
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(d_in, {'q_proj': q, 'k_proj': kv, 'v_proj': kv})
+        self.o_proj = Linear(q, config.hidden_size, bias=False)
         self.adapted = bool(config.use_shared_attention_adapter)
         if self.adapted:
-            for name in ('q', 'k', 'v'):
-                setattr(self, f'linear_{name}_adapter_list', _adapters(config, uses, block_id, d_in, d_in))
+            for name, d_out in (('q', q), ('k', kv), ('v', kv)):
+                setattr(self, f'linear_{name}_adapter_list', _adapters(config, uses, block_id, d_in, d_out))
 
     def forward(self, x: torch.Tensor, use: int, kv_idx: int, rotary, ctx: StepContext) -> torch.Tensor:
         """``[T, 2·hidden]`` → ``[T, hidden]`` for hybrid use ``use`` (its adapters), writing the
@@ -241,14 +259,23 @@ class Zamba2SharedBlock(nn.Module):
 class Zamba2HybridLayer(nn.Module):
     """A hybrid layer's own parts: ``linear`` (after the shared block) and its Mamba-2 layer
     (``mamba_decoder``); ``block_id`` / ``use`` / ``kv_idx`` say which shared block, adapter and
-    KV cache entry it runs."""
+    KV cache entry it runs; ``shared_transformer`` is that block.
 
-    def __init__(self, config, layer_idx: int, use: int, block_id: int):
+    Args:
+        block: the shared block, held by reference (its parameters belong to ``model.blocks``,
+            once, however many layers run it).
+    """
+
+    def __init__(self, config, layer_idx: int, use: int, block_id: int, block: Zamba2SharedBlock):
         super().__init__()
         self.use, self.block_id = use, block_id
         self.kv_idx = config.num_hidden_layers + use
         self.linear = Linear(config.hidden_size, config.hidden_size, bias=False)
         self.mamba_decoder = Zamba2MambaLayer(config, layer_idx)
+        # not a child module: registering it would repeat the block's parameters under every
+        # layer that runs it; as a plain attribute the tensor-parallel layout still finds it at
+        # the checkpoint's path (model.layers.{i}.shared_transformer.*)
+        object.__setattr__(self, 'shared_transformer', block)
 
 
 class Zamba2Model(nn.Module):
@@ -267,7 +294,7 @@ class Zamba2Model(nn.Module):
         for i, kind in enumerate(kinds):
             if kind == HYBRID:
                 u = next(hybrid_uses)
-                layers.append(Zamba2HybridLayer(config, i, u, copies[u]))
+                layers.append(Zamba2HybridLayer(config, i, u, copies[u], self.blocks[copies[u]]))
             else:
                 layers.append(Zamba2MambaLayer(config, i))
         self.layers = nn.ModuleList(layers)
@@ -281,7 +308,7 @@ class Zamba2Model(nn.Module):
         hidden = embeds
         for layer in self.layers:
             if isinstance(layer, Zamba2HybridLayer):
-                shared = self.blocks[layer.block_id](hidden, embeds, layer.use, layer.kv_idx, rotary, ctx)
+                shared = layer.shared_transformer(hidden, embeds, layer.use, layer.kv_idx, rotary, ctx)
                 hidden = layer.mamba_decoder(hidden, ctx, layer.linear(shared))
             else:
                 hidden = layer(hidden, ctx)
@@ -289,10 +316,26 @@ class Zamba2Model(nn.Module):
 
 
 _SHARED = re.compile(r'^model\.layers\.(\d+)\.shared_transformer\.(.*)$')
+_MAMBA_SPLIT = mamba2_split(mamba_dims, 'n_mamba_heads', 'mamba_ngroups')
+
+
+def _attention_adapters(config) -> dict[str, list[str]]:
+    """The up matrices (``.1``) of a shared block's q / k / v adapters, per use (absent uses of
+    other blocks match no tensor); none without ``use_shared_attention_adapter``."""
+    if not config.use_shared_attention_adapter:
+        return {}
+    uses = range(layer_kinds(config).count(HYBRID))
+    return {f'{p}_proj': [f'linear_{p}_adapter_list.{u}.1' for u in uses] for p in 'qkv'}
+
+
+def _mlp_adapters(config) -> dict[str, list[str]]:
+    """The up matrices of a shared block's ``gate_up_proj`` adapters, per use."""
+    return {'gate_up_proj': [f'gate_up_proj_adapter_list.{u}.1' for u in range(layer_kinds(config).count(HYBRID))]}
 
 
 class Zamba2ForCausalLM(CausalLM):
-    """Zamba2 causal LM in the engine's layers (tp=1 only).
+    """Zamba2 causal LM in the engine's layers (any TP size that divides its heads and groups,
+    see :attr:`parallel_plan`).
 
     Args:
         config: a ``transformers`` ``Zamba2Config``.
@@ -344,6 +387,16 @@ class Zamba2ForCausalLM(CausalLM):
         'num_logits_to_keep': INERT,              # which logits generate computes
     }
     check_config = staticmethod(check_config)
+    # Mamba-2 by head and group (n_mamba_heads, mamba_ngroups; a group may span ranks); a hybrid
+    # layer's shared block (checkpoint: its shared_transformer) by attention head and MLP row, the
+    # per-use adapters' B split as the projection they add to, A replicated (blocks/lora.py)
+    parallel_plan = ParallelPlan(
+        layers=lambda config: layer_kinds(config),
+        blocks={MAMBA: (Block(_MAMBA_SPLIT, 'mamba'),),
+                HYBRID: (Block(_MAMBA_SPLIT, 'mamba_decoder.mamba'),
+                         Block(lora_split(gqa_split(), _attention_adapters), 'shared_transformer.self_attn'),
+                         Block(lora_split(mlp_split(up=('gate_up_proj',), fused=True), _mlp_adapters),
+                               'shared_transformer.feed_forward'))})
     rotary_class = None       # check_config builds the rotary table itself, only with use_mem_rope
 
     @staticmethod
@@ -352,8 +405,7 @@ class Zamba2ForCausalLM(CausalLM):
         in ``dtype``, SSM float32), then one :class:`FullAttentionSpec` (KV heads ×
         ``2·hidden_size / num_attention_heads``) per hybrid layer."""
         mamba = mamba2_state_spec(mamba_dims(config), dtype)
-        full = FullAttentionSpec(config.num_key_value_heads, 2 * config.hidden_size // config.num_attention_heads,
-                                 dtype)
+        full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
         return [mamba] * config.num_hidden_layers + [full] * layer_kinds(config).count(HYBRID)
 
     def __init__(self, config):

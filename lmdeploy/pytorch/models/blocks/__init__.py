@@ -9,6 +9,8 @@ imports blocks and the generic layers (:mod:`..layers`), never another family; t
                        layers); the tensor-parallel split of every GQA block
 ``kda``                Kimi Delta Attention, its state spec and tensor-parallel split by head
 ``mla``                the tensor-parallel split of multi-head latent attention (Kimi-Linear, GLM DSA)
+``lora``               the tensor-parallel split of LoRA adapters on a block's projections (Zamba2)
+``spanning_norm``      q / k RMS norms over all heads summed over the ranks, and their split (OLMo Hybrid)
 ``mamba1``             the Mamba-1 mixer, its dims, state spec and tensor-parallel split
 ``mamba2``             the Mamba-2 mixer, its dims, state spec and tensor-parallel split
 ``mamba2_hybrid``      the attention + Mamba-2 hybrids' Mamba config checks and dims

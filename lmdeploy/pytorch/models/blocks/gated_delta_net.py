@@ -54,6 +54,9 @@ def gdn_split(config, size: int) -> BlockSplit:
     ranges), ``in_proj_z`` ``[Hv * dv]`` and ``in_proj_b`` / ``in_proj_a`` ``[Hv]`` follow the
     value heads; Lara-4-Mini's ``in_proj`` fuses those four, rows ``[q | k | v | z | b | a]``
     (``conv_dim + Hv*dv + 2*Hv``), so a rank reads the same rows of each part (six ranges);
+    OLMo Hybrid keeps six separate projections (``q_proj`` / ``k_proj`` by key head, ``v_proj`` /
+    ``g_proj`` / ``b_proj`` / ``a_proj`` by value head), its published conv filters as
+    ``{q,k,v}_conv1d`` (by key, key and value head) and its output projection as ``o_proj``;
     ``dt_bias`` / ``A_log`` by value head; ``out_proj`` columns (row-parallel). Cache splits:
     ``v_heads`` (recurrent state) and ``conv_channels`` (the q | k | v pieces).
     """
@@ -72,8 +75,11 @@ def gdn_split(config, size: int) -> BlockSplit:
          rows(('conv1d.weight', 'in_proj_qkv.weight'), *channels),
          rows('in_proj_z.weight', Piece('v_heads', dv)),
          rows('in_proj.weight', *fused),
-         rows(('dt_bias', 'A_log', 'in_proj_b.weight', 'in_proj_a.weight'), Piece('v_heads')),
-         cols('out_proj.weight', Piece('v_heads', dv))),
+         rows(('q_proj.weight', 'k_proj.weight', 'q_conv1d.weight', 'k_conv1d.weight'), Piece('k_heads', dk)),
+         rows(('v_proj.weight', 'g_proj.weight', 'v_conv1d.weight'), Piece('v_heads', dv)),
+         rows(('dt_bias', 'A_log', 'in_proj_b.weight', 'in_proj_a.weight', 'b_proj.weight', 'a_proj.weight'),
+              Piece('v_heads')),
+         cols(('out_proj.weight', 'o_proj.weight'), Piece('v_heads', dv))),
         row_parallel=('out_proj',), caches=(('v_heads', (Piece('v_heads'),)), ('conv_channels', channels)))
 
 
