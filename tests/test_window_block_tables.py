@@ -5,7 +5,7 @@ window, so their memory is bounded by the window while the global group keeps ev
 - the grouping rule (``paged_groups``) and the pool sizing rule, exact values;
 - a 2,100-token prompt in 64-token chunks then 30 decode steps on the tiny mixed
   ``granitemoe_swa`` (W = 24, B = 16): after every forward the window pool holds exactly
-  ``ceil(c / B) - window_first_block(c)`` blocks (at most ``ceil(W / B) + 2`` while decoding), the
+  ``ceil(c / B) - window_first_block(c)`` blocks (``ceil(W / B) + 1`` = 3 at most while decoding), the
   global pool ``ceil(c / B)``; tokens equal ``transformers`` and the engine with the prefix cache
   on (one shared table); every pool is free again afterwards;
 - the scheduler alone, random prompts, chunk sizes and pool sizes, several sequences at once
@@ -87,18 +87,26 @@ def tiny(tmp_path_factory):
     return tiny_checkpoint_and_reference(tmp_path_factory, 'granitemoe_swa')
 
 
-def _track_pools(eng) -> list[tuple[int, int, int]]:
-    """``(computed tokens, global blocks in use, window blocks in use)`` after each forward."""
-    seen, computed = [], eng.scheduler.computed
+def _track_pools(eng) -> tuple[list, list]:
+    """Per step of one sequence: ``(chunk start, chunk end, window blocks in use)`` once the
+    step is scheduled (its blocks reserved), and ``(computed tokens, global blocks in use, window
+    blocks in use)`` after its forward (out-of-window blocks given back)."""
+    bm, wp = eng.block_manager, eng.window_pool
+    scheduled, seen = [], []
+    schedule, computed = eng.scheduler.schedule, eng.scheduler.computed
 
-    def wrapped(out):
-        saves = computed(out)
+    def wrapped_schedule():
+        out = schedule()
         [chunk] = out.chunks
-        bm, wp = eng.block_manager, eng.window_pool
-        seen.append((chunk.seq.num_computed_tokens, bm.num_blocks - bm.num_free, wp.num_blocks - wp.num_free))
+        scheduled.append((chunk.start, chunk.end, wp.num_blocks - wp.num_free))
+        return out
+
+    def wrapped_computed(out):
+        saves = computed(out)
+        seen.append((out.chunks[0].seq.num_computed_tokens, bm.num_blocks - bm.num_free, wp.num_blocks - wp.num_free))
         return saves
-    eng.scheduler.computed = wrapped
-    return seen
+    eng.scheduler.schedule, eng.scheduler.computed = wrapped_schedule, wrapped_computed
+    return scheduled, seen
 
 
 def test_long_sequence_holds_window_bounded_memory_for_its_window_layers(tiny):
@@ -108,14 +116,17 @@ def test_long_sequence_holds_window_bounded_memory_for_its_window_layers(tiny):
     gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
     eng = make_engine(path, block_size=B, max_prefill_token_num=P, max_batch_size=2, num_gpu_blocks=160)
     assert [(g.window, g.pool.num_blocks) for g in eng.scheduler.groups] == [(None, 160), (W, 2 * 7)]
-    seen = _track_pools(eng)
+    scheduled, seen = _track_pools(eng)
     seq = eng.generate(ids, gen)
-    assert len(seen) == -(-n // P) + new - 1 == 33 + 29         # 33 prefill chunks, 29 decode steps
-    for c, used_global, used_window in seen:
-        assert used_global == _blocks(c)
-        assert used_window == _blocks(c) - window_first_block(c, W, B)
-    decode = [w for c, _, w in seen if c > n]
-    assert max(decode) <= _blocks(W) + 2 and max(w for *_, w in seen) <= 7
+    assert len(seen) == len(scheduled) == -(-n // P) + new - 1 == 33 + 29     # 33 prefill chunks, 29 decode steps
+    for (start, end, reserved), (c, used_global, used_window) in zip(scheduled, seen):
+        assert reserved == _blocks(end) - window_first_block(start, W, B)
+        assert c == end and used_global == _blocks(c) and used_window == _blocks(c) - window_first_block(c, W, B)
+    # while a forward runs: the window and one chunk (prefill), the window and one token (decode)
+    # (chunks start on block ends here: 6, one below the bound ceil((W - 1 + P) / B) + 1 = 7 of any start)
+    assert max(r for s, e, r in scheduled if e <= n) == _blocks(W - 1 + P) == 6
+    assert max(r for s, e, r in scheduled if s >= n) == _blocks(W) + 1 == 3      # within ceil(W / B) + 2
+    assert max(w for c, _, w in seen if c > n) == _blocks(W) + 1 == 3     # between decode steps
     assert seen[-1][1] == _blocks(n + new - 1) == 134
     assert seq.output_ids == hf_greedy(hf, ids, new)
     assert_idle(eng)
@@ -156,8 +167,9 @@ def _check_tables(sched: Scheduler) -> None:
 @given(window=st.integers(1, 70), chunk=st.sampled_from([1, 7, 16, 40, 64]), data=st.data())
 def test_window_tables_free_exactly_the_out_of_window_blocks(window, chunk, data):
     """Several sequences (random prompts, 1-20 generated tokens) in pools that may be short, so
-    admissions wait and running sequences are preempted: the tables stay exact at every step and
-    both pools end free."""
+    admissions wait and running sequences are preempted: a scheduled chunk's window table holds
+    exactly the blocks from its start's window to its end (at most ``ceil((W - 1 + chunk) / B) + 1``),
+    the tables stay exact after every forward, and both pools end free."""
     lengths = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=4))
     per_seq = -(-(window - 1 + chunk) // B) + 1
     longest = _blocks(max(lengths) + 20)
@@ -173,6 +185,10 @@ def test_window_tables_free_exactly_the_out_of_window_blocks(window, chunk, data
             break
         out = sched.schedule()
         assert out.chunks, 'no progress'
+        for chunk_ in out.chunks:        # reserved for the forward: the window and the chunk at most
+            held = len(chunk_.seq.window_block_ids) - chunk_.seq.num_window_freed_blocks
+            assert held == _blocks(chunk_.end) - min(window_first_block(chunk_.start, window, B), _blocks(chunk_.end))
+            assert held <= per_seq
         sched.computed(out)
         _check_tables(sched)
         for chunk_ in out.chunks:
