@@ -34,9 +34,10 @@ back the blocks no window reaches any more.
 
 Block tables are per *paged group* (:func:`paged_groups`): the global layers (any paged kind
 that is not a :class:`SlidingWindowSpec`) form one group, the sliding-window layers another,
-each with its own pool of block rows and its own table per sequence. A window group's table
-gives back the blocks out of its window as the sequence advances, so its memory is bounded by
-the window; the global group keeps every block::
+each with its own pool of block rows and its own table per sequence (the engine splits them when
+no prefix tier indexes the blocks and no draft rolls tokens back; otherwise one group holds every
+paged layer). A window group's table gives back the blocks out of its window as the sequence
+advances, so its memory is bounded by the window; the global group keeps every block::
 
     tokens        0 ............................................... n
     global table  |b0|b1|b2|b3|b4|b5|b6|b7|b8|b9|      every block
