@@ -8,6 +8,7 @@ window, so their memory is bounded by the window while the global group keeps ev
   ``ceil(c / B) - window_first_block(c)`` blocks (``ceil(W / B) + 1`` = 3 at most while decoding), the
   global pool ``ceil(c / B)``; tokens equal ``transformers`` and the engine with the prefix cache
   on (one shared table); every pool is free again afterwards;
+- the same on the tiny ``lfm3`` (a conv state besides global and 40-token sliding layers);
 - the scheduler alone, random prompts, chunk sizes and pool sizes, several sequences at once
   (preemption included): each window table's leading ``FREED_BLOCK`` entries are exactly the
   blocks out of the window, no pool ever holds a block nobody references, and both pools end free.
@@ -134,6 +135,27 @@ def test_long_sequence_holds_window_bounded_memory_for_its_window_layers(tiny):
                          num_gpu_blocks=160)
     assert shared.window_pool is None and len(shared.scheduler.groups) == 1
     assert shared.generate(ids, gen).output_ids == seq.output_ids
+
+
+def test_hybrid_model_with_state_bounds_its_window_layers_too(tmp_path_factory):
+    """LFM3 (short conv state, 40-token sliding and global layers): a 200-token prompt in 32-token
+    chunks and 6 decode steps hold the exact window blocks after every forward, decode what
+    ``transformers`` and the engine with the prefix cache on decode, and leave every pool free."""
+    path, hf = tiny_checkpoint_and_reference(tmp_path_factory, 'lfm3')
+    window, n, new = 40, 200, 6
+    ids = random_prompt(n, seed=30)
+    gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+    eng = make_engine(path, block_size=B, max_prefill_token_num=32, max_batch_size=1)
+    assert [(g.window, g.pool.num_blocks) for g in eng.scheduler.groups] == [(None, 256), (window, 6)]
+    scheduled, seen = _track_pools(eng)
+    seq = eng.generate(ids, gen)
+    for (start, end, reserved), (c, used_global, used_window) in zip(scheduled, seen):
+        assert reserved == _blocks(end) - window_first_block(start, window, B) <= 6
+        assert used_global == _blocks(c) and used_window == _blocks(c) - window_first_block(c, window, B)
+    assert seq.output_ids == hf_greedy(hf, ids, new)
+    assert_idle(eng)
+    cached = make_engine(path, block_size=B, max_prefill_token_num=32, enable_prefix_caching=True)
+    assert cached.generate(ids, gen).output_ids == seq.output_ids
 
 
 # ---------------------------------------------------------------- the scheduler alone, any geometry
