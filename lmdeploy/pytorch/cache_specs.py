@@ -60,7 +60,8 @@ from typing import Sequence
 import torch
 
 __all__ = ['CacheTensor', 'LayerCacheSpec', 'PagedSpec', 'StateSpec', 'FullAttentionSpec', 'LinearAttentionSpec',
-           'SlidingWindowSpec', 'PagedGroup', 'paged_groups', 'kv_window', 'window_first_block', 'uses_store', 'CacheRowLayout', 'kv_bytes_per_block',
+           'SlidingWindowSpec', 'PagedGroup', 'paged_groups', 'kv_window', 'window_first_block', 'uses_store',
+           'CacheRowLayout', 'kv_bytes_per_block',
            'state_bytes_per_slot',
            'has_state', 'dtype_nbytes']
 
