@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -134,7 +135,7 @@ class CacheSizes:
 
 
 def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_batch_size: int, session_len: int,
-                speculative: bool, groups: list[PagedGroup] = (), chunk_tokens: int = 0) -> CacheSizes:
+                speculative: bool, groups: Sequence[PagedGroup] = (), chunk_tokens: int = 0) -> CacheSizes:
     """Size an engine's caches for its model's cache ``specs`` and check that they fit in memory.
 
     Args:
