@@ -223,7 +223,7 @@ def test_memory_of_a_long_all_swa_sequence_stays_within_its_window(all_swa, cach
     path, hf = all_swa
     ids = random_prompt(700, seed=70)
     eng = make_engine(path, block_size=B, max_prefill_token_num=P, num_gpu_blocks=6, enable_prefix_caching=caching)
-    assert eng.scheduler.kv_window == W and eng.session_len > 740
+    assert [g.window for g in eng.scheduler.groups] == [W] and eng.window_pool is None and eng.session_len > 740
     seen = _track_blocks_in_use(eng)
     seq = eng.generate(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True))
     assert seq.output_ids == hf_greedy(hf, ids, 40) and len(seen) == 700 // P + 1 + 39
@@ -232,13 +232,15 @@ def test_memory_of_a_long_all_swa_sequence_stays_within_its_window(all_swa, cach
         assert_idle(eng)
 
 
-def test_a_model_with_global_layers_keeps_every_block(tiny):
-    """Mixed global and sliding layers: a block row holds every layer's K/V, and the global layers
-    read all of it, so nothing is freed (kv_window None) and session_len is capped to the cache."""
+def test_a_model_with_global_layers_keeps_every_global_block(tiny):
+    """Mixed global and sliding layers: the global layers' table keeps every block (its group has no
+    window) and session_len is capped to the cache; the sliding layers have a table and a pool of
+    their own (tests/test_window_block_tables.py)."""
     eng = make_engine(tiny[0], block_size=B, max_prefill_token_num=P, num_gpu_blocks=16)
     seen = _track_blocks_in_use(eng)
     eng.generate(random_prompt(200, seed=5), GenerationConfig(max_new_tokens=4, ignore_eos=True))
-    assert eng.scheduler.kv_window is None and max(seen) == -(-203 // B) and eng.session_len == 16 * B
+    assert [g.window for g in eng.scheduler.groups] == [None, W] and eng.window_pool is not None
+    assert max(seen) == -(-203 // B) and eng.session_len == 16 * B
 
 
 def test_all_swa_four_turn_chat_is_identical_under_every_cache_policy(all_swa):

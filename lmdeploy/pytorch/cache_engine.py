@@ -9,6 +9,16 @@ Two byte buffers, one row per block / per slot, with typed per-layer views into 
 (the row layout is :class:`~lmdeploy.pytorch.cache_specs.CacheRowLayout`, the same one the Store
 byte accounting uses).
 
+A model of global and sliding-window layers whose window layers have their own block tables
+(:func:`~lmdeploy.pytorch.cache_specs.paged_groups`, split) keeps those layers' rows in a third
+buffer, of as many rows as their pool has blocks::
+
+    kv_buf        [num_blocks,        global row]   row = L0.k | L0.v | L4.k | L4.v ...
+    window_kv_buf [num_window_blocks, window row]   row = L1.k | L1.v | L2.k | L2.v ...
+
+The Store and the host tier read and write ``kv_buf`` rows only (the engine never splits the
+groups of a model whose prefixes are cached).
+
 Because a block's (or a slot's) bytes for every layer sit in one row, one copy moves a whole
 block or a whole recurrent state (all state layers at once): the checkpoint save and
 restore op (:func:`~lmdeploy.pytorch.kernels.state_copy.copy_state_slots`) and the Store
@@ -62,21 +72,27 @@ class CacheEngine:
         num_blocks: KV blocks to allocate.
         num_slots: state slots (runtime + checkpoint) to allocate; 0 when no layer has state.
         device: where the buffers live.
+        window_entries: the cache entries whose rows live in ``window_kv_buf`` (a mixed model's
+            sliding-window group with tables of its own); empty: every paged entry is in ``kv_buf``.
+        num_window_blocks: rows of ``window_kv_buf`` (the window group's pool).
 
     Attributes:
         kv_caches: per layer, the views of its paged tensors (``[num_blocks, block_size,
-            *shape]`` each, in the spec's tensor order: ``(k, v)`` for full attention), or None.
+            *shape]`` each, in the spec's tensor order: ``(k, v)`` for full attention; for a
+            window entry ``[num_window_blocks, ...]``), or None.
         state_caches: per layer, the views of its state tensors (``[num_slots, *shape]`` each:
             ``(conv, recurrent)`` for Gated DeltaNet), or None.
     """
 
     def __init__(self, specs: Sequence[LayerCacheSpec], block_size: int, num_blocks: int, num_slots: int,
-                 device: torch.device | str = 'cpu'):
+                 device: torch.device | str = 'cpu', window_entries: Sequence[int] = (), num_window_blocks: int = 0):
         self.specs = list(specs)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self._kv_layout = CacheRowLayout(self.specs, True, block_size)
+        window_entries = tuple(window_entries)
+        rest = [i for i in range(len(self.specs)) if i not in window_entries] if window_entries else None
+        self._kv_layout = CacheRowLayout(self.specs, True, block_size, only=rest)
         self._state_layout = CacheRowLayout(self.specs, False)
         self.has_state = bool(self._state_layout.entries)
         self.num_slots = num_slots if self.has_state else 0
@@ -89,6 +105,13 @@ class CacheEngine:
         self.state_caches = [None] * len(self.specs)
         for i, views in self._kv_layout.views(self.kv_buf).items():
             self.kv_caches[i] = views
+        self.num_window_blocks = num_window_blocks if window_entries else 0
+        window_layout = CacheRowLayout(self.specs, True, block_size, only=window_entries)
+        self.window_kv_buf = torch.empty(self.num_window_blocks, window_layout.row_bytes, dtype=torch.uint8,
+                                         device=self.device)
+        if window_entries:
+            for i, views in window_layout.views(self.window_kv_buf).items():
+                self.kv_caches[i] = views
         for i, views in self._state_layout.views(self.state_buf).items():
             self.state_caches[i] = views
 
@@ -96,6 +119,11 @@ class CacheEngine:
     def bytes_per_block(specs: Sequence[LayerCacheSpec], block_size: int) -> int:
         """Bytes one KV block row takes (including alignment padding)."""
         return CacheRowLayout(specs, True, block_size).row_bytes
+
+    @staticmethod
+    def group_bytes_per_block(specs: Sequence[LayerCacheSpec], block_size: int, entries: Sequence[int]) -> int:
+        """Bytes one block row of the paged group of cache ``entries`` takes (padding included)."""
+        return CacheRowLayout(specs, True, block_size, only=tuple(entries)).row_bytes
 
     @staticmethod
     def bytes_per_slot(specs: Sequence[LayerCacheSpec]) -> int:

@@ -32,6 +32,17 @@ layer whose queries read only the last ``window`` positions: its bytes are the s
 :func:`kv_window` tells the scheduler when every paged layer slides, so that a sequence may give
 back the blocks no window reaches any more.
 
+Block tables are per *paged group* (:func:`paged_groups`): the global layers (any paged kind
+that is not a :class:`SlidingWindowSpec`) form one group, the sliding-window layers another,
+each with its own pool of block rows and its own table per sequence (the engine splits them when
+no prefix tier indexes the blocks and no draft rolls tokens back; otherwise one group holds every
+paged layer). A window group's table gives back the blocks out of its window as the sequence
+advances, so its memory is bounded by the window; the global group keeps every block::
+
+    tokens        0 ............................................... n
+    global table  |b0|b1|b2|b3|b4|b5|b6|b7|b8|b9|      every block
+    window table  |--|--|--|--|--|--|--|w7|w8|w9|      FREED_BLOCK, then the last ceil(W/B)+1
+
 The window rule of the prefix cache: a sequence resumed after ``b`` tokens reads, in a model
 whose paged layers all slide with windows up to ``W``, only positions ``>= b - W + 1``, so only
 the blocks from :func:`window_first_block` up to ``b / B`` must exist (locally or in the Store)
@@ -49,7 +60,8 @@ from typing import Sequence
 import torch
 
 __all__ = ['CacheTensor', 'LayerCacheSpec', 'PagedSpec', 'StateSpec', 'FullAttentionSpec', 'LinearAttentionSpec',
-           'SlidingWindowSpec', 'kv_window', 'window_first_block', 'uses_store', 'CacheRowLayout', 'kv_bytes_per_block',
+           'SlidingWindowSpec', 'PagedGroup', 'paged_groups', 'kv_window', 'window_first_block', 'uses_store',
+           'CacheRowLayout', 'kv_bytes_per_block',
            'state_bytes_per_slot',
            'has_state', 'dtype_nbytes']
 
@@ -182,6 +194,36 @@ def kv_window(specs: Sequence[LayerCacheSpec]) -> int | None:
     return max((s.window for s in paged), default=0)
 
 
+@dataclass(frozen=True)
+class PagedGroup:
+    """Cache entries that share one block table per sequence and one pool of block rows.
+
+    Attributes:
+        entries: the cache-entry indices (into the model's spec list) of the group's layers.
+        window: the group's sliding window in tokens (the largest of its layers': a block out of
+            it is out of every one), or None when some layer of the group reads every earlier
+            token (its table keeps every block).
+    """
+    entries: tuple[int, ...]
+    window: int | None
+
+
+def paged_groups(specs: Sequence[LayerCacheSpec], split: bool = True) -> list[PagedGroup]:
+    """The model's paged entries grouped by block table, the group the prefix cache indexes
+    first: with ``split``, the global layers (every paged spec that is not a
+    :class:`SlidingWindowSpec`) then the sliding-window layers, each group present only when it
+    has layers; without ``split``, one group of every paged entry whose window is
+    :func:`kv_window` (None as soon as one layer is global). ``[]`` without paged layers."""
+    paged = [i for i, s in enumerate(specs) if s.paged]
+    if not paged:
+        return []
+    sliding = tuple(i for i in paged if isinstance(specs[i], SlidingWindowSpec))
+    rest = tuple(i for i in paged if i not in sliding)
+    if not split or not sliding or not rest:
+        return [PagedGroup(tuple(paged), kv_window(specs))]
+    return [PagedGroup(rest, None), PagedGroup(sliding, max(specs[i].window for i in sliding))]
+
+
 def window_first_block(boundary: int, window: int | None, block_size: int) -> int:
     """Index of the first block a sequence resumed after ``boundary`` tokens reads: a query at
     position ``p >= boundary`` reads positions ``> p - window``, so block ``j`` is never read
@@ -241,17 +283,20 @@ class CacheRowLayout:
         paged: lay out the paged tensors (a block row of ``block_size`` tokens) or the state
             tensors (a slot row).
         block_size: tokens per block (paged rows only).
+        only: lay out only these cache entries (one paged group's row: :func:`paged_groups`);
+            None: every entry of the placement.
 
     Attributes:
         entries: ``(layer index, CacheTensor, byte offset, row shape)`` in row order; the row
             shape is ``(block_size, *shape)`` for a paged tensor, ``shape`` for a state one.
     """
 
-    def __init__(self, specs: Sequence[LayerCacheSpec], paged: bool, block_size: int = 0):
+    def __init__(self, specs: Sequence[LayerCacheSpec], paged: bool, block_size: int = 0,
+                 only: Sequence[int] | None = None):
         self.entries: list[tuple[int, CacheTensor, int, tuple[int, ...]]] = []
         self.payload_bytes = 0
         for i, spec in enumerate(specs):
-            if spec.paged != paged:
+            if spec.paged != paged or (only is not None and i not in only):
                 continue
             for t in spec.tensors():
                 shape = (block_size, *t.shape) if paged else tuple(t.shape)

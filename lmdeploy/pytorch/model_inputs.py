@@ -21,10 +21,15 @@ shared by every layer (so a layer never loops over sequences in Python to find i
     has_history     [True, True]        bool  [N], history_len > 0 (else start from zeros)
     slot_span       (lo, order) | None  decode only: the slots as one range of the state caches
     block_table     [[b, b, b], [b, b, 0]]  int64 [N, max_blocks], short rows padded with 0
+
+A model whose sliding-window layers have block tables of their own (a mixed model, see
+:func:`~lmdeploy.pytorch.cache_specs.paged_groups`) gets them in ``window_block_tables``; a
+sliding layer's kernel reads its blocks through :meth:`StepContext.paged_group`, the same
+context with those tables in place of the global ones (built once per step).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -67,6 +72,9 @@ class StepBatch:
         q_seqlens, q_start_loc, kv_seqlens, state_slots: one entry per sequence (state slot
             ``-1``: no recurrent state, e.g. an MTP step).
         block_tables: one list of block ids per sequence.
+        window_block_tables: one list of block ids per sequence in the sliding-window group's own
+            pool (a mixed model's window layers: :func:`~lmdeploy.pytorch.cache_specs.paged_groups`),
+            or empty when every paged layer reads ``block_tables``.
         sample_rows: flat rows whose logits are needed (each sampled chunk's last token, and
             with speculative decoding the positions of its drafts before it).
         all_logits: also compute the logits of every row (tests).
@@ -91,16 +99,20 @@ class StepBatch:
     images: object = None
     prompt_rows: list[int] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
+    window_block_tables: list[list[int]] = field(default_factory=list)
 
     def context(self, device: torch.device, kv_caches, state_caches, block_size: int) -> 'StepContext':
         """The :class:`StepContext` of this batch on ``device`` over the given caches (a rank's
         :class:`~lmdeploy.pytorch.cache_engine.CacheEngine` tensors)."""
+        window = None
+        if self.window_block_tables:
+            window = [torch.tensor(t, dtype=torch.long, device=device) for t in self.window_block_tables]
         return StepContext(input_ids=torch.tensor(self.input_ids, dtype=torch.long, device=device),
                            positions=torch.tensor(self.positions, dtype=torch.long, device=device),
                            q_seqlens=self.q_seqlens, q_start_loc=self.q_start_loc, kv_seqlens=self.kv_seqlens,
                            block_tables=[torch.tensor(t, dtype=torch.long, device=device) for t in self.block_tables],
                            state_slots=self.state_slots, kv_caches=kv_caches, state_caches=state_caches,
-                           block_size=block_size, prompt_lens=self.prompt_lens)
+                           block_size=block_size, prompt_lens=self.prompt_lens, window_block_tables=window)
 
 
 @dataclass
@@ -125,6 +137,9 @@ class StepContext:
             (models with images read its ``multimodal`` list); empty where the caller has none.
         prompt_lens: per sequence, the tokens of its request's prompt; empty where the caller
             has none (see :attr:`prompt_token_mask`).
+        window_block_tables: per sequence, ``[num_blocks]`` int64 block ids of the
+            sliding-window group's own pool (leading entries out of the window point at any valid
+            row: never read), or None when sliding layers read :attr:`block_tables` too.
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -138,6 +153,20 @@ class StepContext:
     block_size: int = 64
     sequences: list = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
+    window_block_tables: list[torch.Tensor] | None = None
+
+    def paged_group(self, window: int | None) -> 'StepContext':
+        """The context whose block tables address the K/V of a layer with sliding ``window``
+        (None: a global layer): this one, or for a sliding layer of a model whose window group
+        has tables of its own, a copy holding those as its :attr:`block_tables` (one per step,
+        shared by every sliding layer, so its batched tables are built once)."""
+        if window is None or self.window_block_tables is None:
+            return self
+        return self._window_view
+
+    @cached_property
+    def _window_view(self) -> 'StepContext':
+        return replace(self, block_tables=self.window_block_tables, window_block_tables=None)
 
     @property
     def num_seqs(self) -> int:

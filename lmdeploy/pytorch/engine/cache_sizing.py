@@ -8,6 +8,20 @@ State slots, in slot order::
 Checkpoints take KV block rows instead of fixed slots when they share the pool
 (``CacheConfig.checkpoints_in_block_rows``): one memory budget.
 
+A model of global and sliding-window layers whose window layers get a pool of their own
+(:func:`~lmdeploy.pytorch.cache_specs.paged_groups`, split) has two block pools, each of its own
+row bytes (the layers of its group). The window pool holds what every running sequence can hold
+at once, ``max_batch_size x (ceil((W - 1 + P) / B) + 1)`` blocks (a sequence's window table
+never holds more: the window plus one chunk of ``P`` tokens, one more block where they straddle
+block ends), but never more blocks than one pool of both rows would have had; the global pool
+takes the rest of the budget::
+
+    budget = slots + num_window_blocks x window row + num_blocks x global row
+
+So a mixed model never gets fewer global blocks than with one shared pool, and its window
+layers' memory no longer grows with the sequences' lengths. With ``num_gpu_blocks`` set, the
+global pool has that many blocks and the window pool the smaller of the two counts above.
+
 Bytes per block and per state slot come from the model's cache specs
 (:meth:`~lmdeploy.pytorch.cache_engine.CacheEngine.bytes_per_block` / ``bytes_per_slot``),
 the one layout the cache engine and the Store use too.
@@ -16,11 +30,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from ..cache_engine import CacheEngine, rows_per_state
-from ..cache_specs import kv_bytes_per_block
+from ..cache_specs import PagedGroup, kv_bytes_per_block
 from ..config import DEFAULT_CHECKPOINT_SLOTS, CacheConfig
 
 __all__ = ['CPU_CACHE_BUDGET', 'CacheSizes', 'size_caches', 'memory_bytes', 'check_cache_fits',
@@ -40,15 +55,15 @@ def memory_bytes(device: torch.device) -> int:
 
 
 def check_cache_fits(block_bytes: int, slot_bytes: int, cfg: CacheConfig, num_blocks: int, num_slots: int,
-                     device: torch.device) -> None:
+                     device: torch.device, window_bytes: int = 0) -> None:
     """Check that ``num_blocks`` KV blocks of ``block_bytes`` and ``num_slots`` state slots of
-    ``slot_bytes`` fit in memory at all.
+    ``slot_bytes`` (and ``window_bytes`` of a window group's own pool) fit in memory at all.
 
     Raises:
         ValueError: naming the fields (``num_gpu_blocks`` or the derived block count; the state
             slots' ``max_batch_size`` / ``num_state_slots`` / ``num_checkpoint_slots``) and the bytes.
     """
-    kv = num_blocks * block_bytes
+    kv = num_blocks * block_bytes + window_bytes
     state = num_slots * slot_bytes
     memory = memory_bytes(device)
     if kv + state > memory:
@@ -60,12 +75,13 @@ def check_cache_fits(block_bytes: int, slot_bytes: int, cfg: CacheConfig, num_bl
 
 
 def derive_num_blocks(block_bytes: int, slot_bytes: int, cfg: CacheConfig, num_slots: int, device: torch.device,
-                      max_batch_size: int, session_len: int, checkpoint_rows: int = 0) -> int:
+                      max_batch_size: int, session_len: int, checkpoint_rows: int = 0, reserved: int = 0) -> int:
     """KV block rows (of ``block_bytes``) for a budget of ``cache_bytes``, else
     ``cache_max_entry_count`` × free device memory (CUDA) or × :data:`CPU_CACHE_BUDGET` (CPU), less
     the ``num_slots`` state slots (of ``slot_bytes``); at most twice what
     ``max_batch_size`` sequences of ``session_len`` tokens need, plus ``checkpoint_rows`` (the rows
-    checkpoints may take when they share the pool).
+    checkpoints may take when they share the pool); ``reserved`` bytes of the budget are taken
+    first (a window group's own pool).
 
     Raises:
         ValueError: the state slots take the whole budget, or no block fits.
@@ -77,7 +93,7 @@ def derive_num_blocks(block_bytes: int, slot_bytes: int, cfg: CacheConfig, num_s
         budget = int(free * cfg.cache_max_entry_count)
     else:
         budget = int(CPU_CACHE_BUDGET * cfg.cache_max_entry_count)
-    slots = num_slots * slot_bytes
+    slots = num_slots * slot_bytes + reserved
     per_block = block_bytes
     # no point in more blocks than every running sequence at full session length needs, twice
     cap = 2 * max_batch_size * (-(-session_len // cfg.block_size)) + checkpoint_rows
@@ -103,6 +119,7 @@ class CacheSizes:
         num_checkpoint_slots: fixed checkpoint slots (0 when checkpoints take block rows or are not kept).
         checkpoints_in_block_rows: checkpoints take KV block rows (one memory budget).
         scratch_base: the first scratch slot (speculative decoding on a hybrid model), else None.
+        num_window_blocks: blocks of a sliding-window group's own pool (0: none).
         session_len: the session length, capped to what the KV cache holds (tokens).
         capped: the session length was capped to the KV cache.
     """
@@ -114,10 +131,11 @@ class CacheSizes:
     scratch_base: int | None
     session_len: int
     capped: bool
+    num_window_blocks: int = 0
 
 
 def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_batch_size: int, session_len: int,
-                speculative: bool) -> CacheSizes:
+                speculative: bool, groups: Sequence[PagedGroup] = (), chunk_tokens: int = 0) -> CacheSizes:
     """Size an engine's caches for its model's cache ``specs`` and check that they fit in memory.
 
     Args:
@@ -130,6 +148,9 @@ def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_
             longer sequence could never be admitted).
         speculative: speculative decoding is on (a hybrid model then needs one scratch slot per
             runtime slot, to roll back).
+        groups: the engine's paged groups (:func:`~lmdeploy.pytorch.cache_specs.paged_groups`);
+            a second group (a sliding window) gets a pool of its own, sized by the module's rule.
+        chunk_tokens: P, the most tokens one forward adds to a sequence (the window pool's rule).
 
     Raises:
         ValueError: see :func:`derive_num_blocks` and :func:`check_cache_fits`.
@@ -147,9 +168,18 @@ def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_
         num_slots += num_runtime
     extra = (cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else
              DEFAULT_CHECKPOINT_SLOTS) * rows_per_state(slot_bytes, block_bytes) if block_rows else 0
+    num_window, window_row = 0, 0
+    if len(groups) > 1:
+        window = groups[1]
+        per_seq = -(-(window.window - 1 + chunk_tokens) // cc.block_size) + 1
+        shared = cc.num_gpu_blocks or derive_num_blocks(block_bytes, slot_bytes, cc, num_slots, device,
+                                                        max_batch_size, session_len, extra)
+        num_window = min(max_batch_size * per_seq, shared)
+        window_row = CacheEngine.group_bytes_per_block(specs, cc.block_size, window.entries)
+        block_bytes = CacheEngine.group_bytes_per_block(specs, cc.block_size, groups[0].entries)
     num_blocks = cc.num_gpu_blocks or derive_num_blocks(block_bytes, slot_bytes, cc, num_slots, device, max_batch_size,
-                                                        session_len, extra)
+                                                        session_len, extra, reserved=num_window * window_row)
     capacity = num_blocks * cc.block_size
-    check_cache_fits(block_bytes, slot_bytes, cc, num_blocks, num_slots, device)
+    check_cache_fits(block_bytes, slot_bytes, cc, num_blocks, num_slots, device, num_window * window_row)
     return CacheSizes(num_blocks, num_slots, num_runtime, num_ckpt, block_rows, scratch_base,
-                      min(session_len, capacity), session_len > capacity)
+                      min(session_len, capacity), session_len > capacity, num_window)

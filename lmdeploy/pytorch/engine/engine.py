@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_specs import has_state, kv_window, uses_store
+from ..cache_specs import has_state, kv_window, paged_groups, uses_store
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
@@ -131,9 +131,16 @@ class Engine:
         self.vocab_size = int(text_config.vocab_size)
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
         self.cache_config = cc = CacheConfig.from_engine_config(config)
+        # block tables per paged group: a mixed model's sliding layers get a table and a pool of
+        # their own, giving back the blocks out of their window, unless a prefix tier indexes the
+        # blocks (it keeps one table per block: every group's blocks then stay) or drafts roll
+        # computed tokens back
+        free_windows = spec_config is None
+        groups = paged_groups(self.specs, split=free_windows and not cc.enable_prefix_caching)
         sizes = size_caches(self.specs, self.is_hybrid, cc, self.device, config.max_batch_size, self.session_len,
-                            speculative=spec_config is not None)
-        window = kv_window(self.specs) if spec_config is None else None
+                            speculative=spec_config is not None, groups=groups,
+                            chunk_tokens=config.max_prefill_token_num)
+        window = groups[0].window if groups and free_windows else None
         if sizes.capped and window and sizes.num_blocks >= -(-(window - 1 + config.max_prefill_token_num)
                                                                // cc.block_size) + 1:
             # every paged layer slides: a sequence holds at most its window and one chunk's blocks
@@ -154,9 +161,13 @@ class Engine:
         self.requests = RequestFactory(model_path, self.model, self.hf_config.model_type, self.vocab_size,
                                        self.session_len, session_len_source, cc.block_size, self.eos_token_ids,
                                        self.strategy, has_mtp=self.mtp is not None)
-        self.cache_engine = self.executor.start(cc.block_size, num_blocks, sizes.num_slots)
+        window_entries = groups[1].entries if len(groups) > 1 else ()
+        self.cache_engine = self.executor.start(cc.block_size, num_blocks, sizes.num_slots, window_entries,
+                                                sizes.num_window_blocks)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
+        # the sliding-window group's own pool (a mixed model with prefixes not cached), or None
+        self.window_pool = BlockManager(sizes.num_window_blocks) if window_entries else None
         policy = make_policy(cc.cache_eviction)
         if block_rows:
             self.state_cache = StateCache(num_runtime, cc.num_checkpoint_slots, block_manager=self.block_manager,
@@ -202,17 +213,14 @@ class Engine:
                 from .kv_event_publisher import start_publisher
                 self.kv_events = start_publisher(config, local, host)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
-                                   self.prefix_cache)
+                                   self.prefix_cache, window=window, window_pool=self.window_pool,
+                                   pool_window=groups[1].window if window_entries else None)
         self.spec = None
         if spec_config is not None:
             from ..spec_decode.decoder import SpecDecoder
             turn_end = self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, sizes.scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
-        # every paged layer sliding-window: a running sequence gives back the blocks no window
-        # reaches any more (drafts roll computed tokens back, so not with speculative decoding;
-        # `window` is None then)
-        self.scheduler.kv_window = window or None
 
     def _build_store(self):
         from ..store.open_backend import open_store, store_scheme
@@ -462,7 +470,7 @@ class Engine:
         to 0 (and free ones to their totals) when no request is in flight."""
         bm = self.block_manager
         cached = self.prefix_cache.num_cached_blocks
-        sc = self.state_cache
+        sc, wp = self.state_cache, self.window_pool
         ckpt_rows = sc.num_checkpoint_rows if sc else 0
         return {
             'blocks_total': bm.num_blocks,
@@ -470,6 +478,9 @@ class Engine:
             'blocks_cached': cached,
             'blocks_in_use': bm.num_blocks - bm.num_free - cached - ckpt_rows,
             'checkpoint_rows': ckpt_rows,
+            # the sliding-window group's own pool (0 and 0 without one): nothing caches its blocks
+            'window_blocks_total': wp.num_blocks if wp else 0,
+            'window_blocks_free': wp.num_free if wp else 0,
             # bytes the prefix cache holds per tier (payload bytes: cached KV blocks and checkpoints)
             'device_cache_bytes': cached * self.cache_engine.kv_block_bytes
             + (sc.num_published * self.cache_engine.state_bytes if sc else 0),
@@ -504,6 +515,7 @@ class Engine:
         """No sequence holds a block, a runtime slot, a pin or an in-flight Store operation."""
         led = self.ledger()
         return (led['blocks_in_use'] == 0 and led['runtime_slots_free'] == led['runtime_slots_total']
+                and led['window_blocks_free'] == led['window_blocks_total']
                 and led['checkpoints_pinned'] == 0 and led['store_inflight'] == 0 and not self.has_work
                 and led['grammar_matchers'] == 0)
 

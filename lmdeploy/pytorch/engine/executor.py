@@ -138,9 +138,12 @@ class _Executor:
     def call(self, name: str, *args, gather: bool = False):
         raise NotImplementedError
 
-    def start(self, block_size: int, num_blocks: int, num_slots: int) -> 'ExecutorCaches':
-        """Allocate every rank's caches; returns the engine's view of them."""
-        rows = self.call('build_caches', block_size, num_blocks, num_slots, gather=True)
+    def start(self, block_size: int, num_blocks: int, num_slots: int, window_entries: tuple[int, ...] = (),
+              num_window_blocks: int = 0) -> 'ExecutorCaches':
+        """Allocate every rank's caches (a window group's own rows too: see
+        :meth:`~.rank.Worker.build_caches`); returns the engine's view of them."""
+        rows = self.call('build_caches', block_size, num_blocks, num_slots, tuple(window_entries), num_window_blocks,
+                         gather=True)
         caches = ExecutorCaches(self, block_size)
         # a checkpoint in block rows takes the same rows on every rank: as many as the rank that
         # needs the most
@@ -336,7 +339,7 @@ class ExecutorCaches:
         self.executor = executor
         self.local = executor.worker.cache_engine
         for name in ('specs', 'block_size', 'num_blocks', 'num_slots', 'has_state', 'device', 'kv_caches',
-                     'state_caches', 'kv_buf', 'state_buf'):
+                     'state_caches', 'kv_buf', 'state_buf', 'num_window_blocks'):
             setattr(self, name, getattr(self.local, name))
         worker = executor.worker
         self.object_specs = worker.full_specs      # with the MTP layer's KV when the engine drafts with it

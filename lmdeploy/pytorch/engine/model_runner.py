@@ -51,9 +51,10 @@ class ModelRunner:
 
     @staticmethod
     def step_batch(out: SchedulerOutput, all_logits: bool = False) -> StepBatch:
-        """The plain-integer inputs of the step's chunks. A chunk with drafts (speculative
-        decoding) is scored as one longer chunk, its drafts after its tokens; its logits rows are
-        its last ``1 + K`` positions."""
+        """The plain-integer inputs of the step's chunks: per sequence its block table, and its
+        sliding-window group's table when that group has one of its own (then every scheduled
+        sequence has one). A chunk with drafts (speculative decoding) is scored as one longer
+        chunk, its drafts after its tokens; its logits rows are its last ``1 + K`` positions."""
         b = StepBatch([], [], [], [], [], [], [], [], all_logits)
         offset = 0
         for chunk in out.chunks:
@@ -69,6 +70,8 @@ class ModelRunner:
             # a freed entry (FREED_BLOCK) lies wholly before every window the forward reads, so
             # any valid id will do there: the kernel neither reads nor writes it
             b.block_tables.append([max(i, 0) for i in seq.block_ids])
+            if seq.window_block_ids:        # the sliding layers' own table (a mixed model's window group)
+                b.window_block_tables.append([max(i, 0) for i in seq.window_block_ids])
             b.state_slots.append(-1 if seq.state_slot is None else seq.state_slot)
             b.prompt_lens.append(seq.num_prompt_tokens)
             if chunk.sample:

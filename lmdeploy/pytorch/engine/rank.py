@@ -70,10 +70,13 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
 
     # commands (rank 0 runs them in process; a tensor-parallel engine broadcasts them) ----------
-    def build_caches(self, block_size: int, num_blocks: int, num_slots: int) -> tuple[int, int]:
-        """Allocate this rank's caches; returns its ``(block row, state row)`` bytes (a
-        checkpoint in block rows needs ``ceil(state row / block row)`` of them on this rank)."""
-        self.cache_engine = CacheEngine(self.specs, block_size, num_blocks, num_slots, self.device)
+    def build_caches(self, block_size: int, num_blocks: int, num_slots: int, window_entries: tuple[int, ...] = (),
+                     num_window_blocks: int = 0) -> tuple[int, int]:
+        """Allocate this rank's caches (``window_entries`` / ``num_window_blocks``: a window
+        group's own rows, see :class:`CacheEngine`); returns its ``(block row, state row)`` bytes
+        (a checkpoint in block rows needs ``ceil(state row / block row)`` of them on this rank)."""
+        self.cache_engine = CacheEngine(self.specs, block_size, num_blocks, num_slots, self.device,
+                                        window_entries, num_window_blocks)
         return self.cache_engine.kv_buf.shape[1], self.cache_engine.state_buf.shape[1]
 
     @torch.inference_mode()

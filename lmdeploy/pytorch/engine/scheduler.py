@@ -15,6 +15,14 @@ Each engine step asks :meth:`Scheduler.schedule` for the forwards of this step:
                                                           runtime slot + blocks of the first
                                                           chunk, plan the prefill, plan the load
 
+Block tables are per paged group (:func:`~lmdeploy.pytorch.cache_specs.paged_groups`): the
+first group's table is ``seq.block_ids`` (shared with the prefix cache, evicting to allocate); a
+sliding-window group with a pool of its own (a mixed model with prefixes not cached) is
+``seq.window_block_ids``. Every step reserves each group's blocks for the chunk (preempting when
+any pool is short), and after the forward a group with a window gives back the blocks that fell
+out of it (:data:`~lmdeploy.pytorch.paging.sequence.FREED_BLOCK` in its table), so its blocks
+per sequence stay within ``ceil((W - 1 + chunk) / B) + 1``.
+
 The scheduler decides; it never touches tensors or the network. The restores it plans
 (:class:`~lmdeploy.pytorch.prefix_cache.plans.LoadPlan`) and the saves it plans after a forward
 (:class:`~lmdeploy.pytorch.prefix_cache.plans.SavePlan`) are executed by the engine. A Store
@@ -37,7 +45,24 @@ from ..paging.block_manager import BlockManager
 from ..paging.prefill_plan import (PrefillPlan, ReuseRules, num_remaining_chunks, plain_chunk_ends, with_junction,
                            with_last_block_end)
 
-__all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput']
+__all__ = ['Scheduler', 'ScheduledChunk', 'SchedulerOutput', 'TableGroup']
+
+
+@dataclass(frozen=True)
+class TableGroup:
+    """One paged group as the scheduler sees it: its pool and where a sequence keeps its table.
+
+    Attributes:
+        pool: the group's block pool.
+        window: the group's sliding window (tokens): its table gives back the blocks out of it;
+            None: the table keeps every block.
+        ids: the :class:`Sequence` attribute of the table (``'block_ids'``, ``'window_block_ids'``).
+        freed: the attribute counting the table's leading ``FREED_BLOCK`` entries.
+    """
+    pool: BlockManager
+    window: int | None
+    ids: str = 'block_ids'
+    freed: str = 'num_freed_blocks'
 
 
 @dataclass
@@ -77,10 +102,21 @@ class Scheduler:
         state_cache: state slots (runtime slots are taken here), or None for full-attention models.
         prefix_cache: the prefix-cache tiers, or a :class:`NullPrefixCache` (prefix caching
             off), which matches, keeps and saves nothing; omitted, a NullPrefixCache.
+        window: the sliding window (tokens) of ``block_manager``'s group when every layer of it
+            slides and nothing rolls computed tokens back (no drafts): ``block_ids`` then gives
+            back the blocks out of it; None keeps every block.
+        window_pool: the pool of a sliding-window group with tables of its own
+            (``window_block_ids``), or None.
+        pool_window: that group's window (tokens).
+
+    Raises:
+        ValueError: a ``window_pool`` with a prefix cache that caches prefixes (the tiers index
+            ``block_ids`` alone, so they could neither keep nor restore its blocks).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, state_cache: StateCache | None,
-                 prefix_cache: PrefixCache | NullPrefixCache | None = None):
+                 prefix_cache: PrefixCache | NullPrefixCache | None = None, window: int | None = None,
+                 window_pool: BlockManager | None = None, pool_window: int | None = None):
         # (None is only the default of the argument: the attribute is always a cache object)
         self.config = config
         self.block_size = config.block_size
@@ -89,9 +125,11 @@ class Scheduler:
         self.is_hybrid = state_cache is not None
         self.prefix_cache = prefix_cache if prefix_cache is not None else NullPrefixCache()
         self.last_only = config.prefill_save_last_only and self.is_hybrid
-        # tokens of K/V a resumed query reads (cache_specs.kv_window), set by the engine when every
-        # paged layer is sliding-window and nothing rolls computed tokens back (no drafts)
-        self.kv_window: int | None = None
+        self.groups = [TableGroup(block_manager, window or None)]
+        if window_pool is not None:
+            if self.prefix_cache.caches_prefixes:
+                raise ValueError('a sliding-window group with a pool of its own needs prefix caching off')
+            self.groups.append(TableGroup(window_pool, pool_window, 'window_block_ids', 'num_window_freed_blocks'))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -189,6 +227,20 @@ class Scheduler:
     def _blocks_for(self, seq: Sequence, end: int) -> int:
         return -(-end // self.block_size) - len(seq.block_ids)
 
+    def _other_needs(self, seq: Sequence, end: int) -> list[int]:
+        """Blocks each group after the first lacks for ``end`` tokens."""
+        n = -(-end // self.block_size)
+        return [n - len(getattr(seq, g.ids)) for g in self.groups[1:]]
+
+    def _others_fit(self, needs: list[int]) -> bool:
+        """Whether the groups after the first have ``needs`` blocks free (they cache nothing)."""
+        return all(n <= g.pool.num_free for n, g in zip(needs, self.groups[1:]))
+
+    def _allocate_others(self, seq: Sequence, needs: list[int]) -> None:
+        for n, g in zip(needs, self.groups[1:]):
+            if n > 0:
+                getattr(seq, g.ids).extend(g.pool.allocate(n))
+
     def _can_allocate(self, n: int) -> bool:
         """Whether ``n`` blocks can be had now, free or by eviction (no side effects)."""
         if n <= self.block_manager.num_free:
@@ -205,14 +257,15 @@ class Scheduler:
 
     def _reserve_blocks(self, seq: Sequence, end: int, out: SchedulerOutput) -> bool:
         """Ensure ``seq`` has blocks for ``end`` tokens, preempting newer sequences if needed."""
-        need = self._blocks_for(seq, end)
-        while need > 0 and not self._can_allocate(need):
+        need, others = self._blocks_for(seq, end), self._other_needs(seq, end)
+        while (need > 0 and not self._can_allocate(need)) or not self._others_fit(others):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
         if need > 0:
             seq.block_ids.extend(self._allocate(need))
+        self._allocate_others(seq, others)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -252,7 +305,8 @@ class Scheduler:
         # neither shared nor allocated (FREED_BLOCK in its table)
         lead = match.first_block
         need = -(-plan.chunk_ends[0] // self.block_size) - max(lead, match.num_shared_blocks)
-        if not self._can_allocate(need):
+        others = self._other_needs(seq, plan.chunk_ends[0])     # (nothing cached: start from 0)
+        if not self._can_allocate(need) or not self._others_fit(others):
             self.prefix_cache.unpin(match)
             return False
         # commit
@@ -260,6 +314,7 @@ class Scheduler:
         seq.block_ids = ([FREED_BLOCK] * lead + [node.block_id for node in match.nodes[lead:match.num_shared_blocks]]
                          + self._allocate(need))
         seq.num_freed_blocks = lead
+        self._allocate_others(seq, others)
         seq.num_computed_tokens = match.cached_tokens
         seq.plan = plan
         seq.stats.plans.append(plan)
@@ -343,30 +398,35 @@ class Scheduler:
             if chunk.start < seq.num_prompt_tokens or (chunk.is_prefill and not chunk.drafts):
                 seq.stats.prefill_forwards += 1
         self.prefix_cache.plan_saves(out.chunks, saves)
-        if self.kv_window:
-            for chunk in out.chunks:
-                self._free_out_of_window(chunk.seq)
+        for group in self.groups:
+            if group.window:
+                for chunk in out.chunks:
+                    self._free_out_of_window(chunk.seq, group)
         return saves
 
-    def _free_out_of_window(self, seq: Sequence) -> None:
-        """Give back the sequence's leading blocks that no later query reads: with window ``W``,
-        a query at position ``p >= num_computed`` reads positions ``> p - W``, so block ``j`` is
-        dead once ``(j + 1) * B <= num_computed - W + 1``. Runs after :meth:`plan_saves`, so
-        the prefix cache has taken its own reference on the blocks it keeps; the sequence's
-        reference goes, and so its memory stays within ``ceil((W - 1 + chunk) / B) + 1`` blocks."""
-        dead = min(window_first_block(seq.num_computed_tokens, self.kv_window, self.block_size), len(seq.block_ids))
-        for j in range(seq.num_freed_blocks, dead):
-            self.block_manager.decref(seq.block_ids[j])
-            seq.block_ids[j] = FREED_BLOCK
-        seq.num_freed_blocks = max(seq.num_freed_blocks, dead)
+    def _free_out_of_window(self, seq: Sequence, group: TableGroup) -> None:
+        """Give back the leading blocks of the sequence's table in ``group`` that no later query
+        reads: with window ``W``, a query at position ``p >= num_computed`` reads positions
+        ``> p - W``, so block ``j`` is dead once ``(j + 1) * B <= num_computed - W + 1``. Runs
+        after :meth:`plan_saves`, so the prefix cache has taken its own reference on the blocks
+        it keeps; the sequence's reference goes, and so the group's blocks per sequence stay
+        within ``ceil((W - 1 + chunk) / B) + 1``."""
+        table, freed = getattr(seq, group.ids), getattr(seq, group.freed)
+        dead = min(window_first_block(seq.num_computed_tokens, group.window, self.block_size), len(table))
+        for j in range(freed, dead):
+            group.pool.decref(table[j])
+            table[j] = FREED_BLOCK
+        setattr(seq, group.freed, max(freed, dead))
 
     # resources ---------------------------------------------------------------------------
     def _release(self, seq: Sequence, cache_blocks: bool = True) -> None:
         """Give back blocks (caching computed full blocks first) and the runtime slot."""
         if seq.block_ids:
             self.prefix_cache.release(seq, cache_blocks)
-        self.block_manager.free_all(seq.block_ids[seq.num_freed_blocks:])
-        seq.block_ids, seq.num_freed_blocks = [], 0
+        for group in self.groups:
+            group.pool.free_all(getattr(seq, group.ids)[getattr(seq, group.freed):])
+            setattr(seq, group.ids, [])
+            setattr(seq, group.freed, 0)
         if seq.state_slot is not None:
             self.state_cache.free_runtime(seq.state_slot)
             seq.state_slot = None

@@ -51,7 +51,8 @@ def paged_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
         k, v: ``[T, num_kv_heads, head_dim]`` new keys / values (already rotated).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         ctx: batch layout (see :class:`StepContext`); block ``j`` of a sequence's table holds
-            positions ``[j * block_size, (j + 1) * block_size)``.
+            positions ``[j * block_size, (j + 1) * block_size)``; a sliding layer reads the
+            tables of :meth:`StepContext.paged_group`.
         scale: softmax scale.
         window: keys per query (itself included), or None for full causal attention.
         sinks: ``[num_heads]`` sink logits, or None for none.
@@ -64,6 +65,7 @@ def paged_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     """
     if window is not None and window < 1:
         raise ValueError(f'sliding_window must be >= 1, got {window}')
+    ctx = ctx.paged_group(window)       # a sliding layer's blocks may have tables of their own
     fill_kv_cache(k, v, k_cache, v_cache, ctx)
     T, H, D = q.shape
     Hkv, B = k_cache.shape[2], ctx.block_size

@@ -26,7 +26,7 @@ from .prefill_plan import PrefillPlan, next_chunk_end
 
 __all__ = ['SeqStatus', 'Sequence', 'SequenceStats', 'FREED_BLOCK']
 
-FREED_BLOCK = -1    # a block-table entry whose block the sequence gave back (out of every window)
+FREED_BLOCK = -1    # a block-table entry whose block the sequence gave back (out of its group's window)
 
 _SEQ_IDS = itertools.count()
 
@@ -95,12 +95,20 @@ class Sequence:
             system/developer messages and tool definitions, which every session of the same
             agent sends — or None (raw prompts): the planner adds a forward end and a save
             point at its last reusable boundary.
-        block_ids: the block of each ``block_size`` tokens, in order; :data:`FREED_BLOCK` for
-            a leading block that fell out of every layer's sliding window (a model whose paged
-            layers are all sliding-window: see :meth:`~lmdeploy.pytorch.engine.scheduler.Scheduler.computed`),
-            or that a restore did not need (below the window of the restored boundary: neither
-            attached nor allocated at admission).
+        block_ids: the table of the first paged group (the one the prefix cache indexes: the
+            global layers, or every paged layer when they all slide): the block of each
+            ``block_size`` tokens, in order; :data:`FREED_BLOCK` for a leading block that fell
+            out of the group's sliding window (see
+            :meth:`~lmdeploy.pytorch.engine.scheduler.Scheduler.computed`), or that a restore did
+            not need (below the window of the restored boundary: neither attached nor allocated
+            at admission).
         num_freed_blocks: how many leading entries of ``block_ids`` are :data:`FREED_BLOCK`.
+        window_block_ids: the table of a sliding-window group with a pool of its own (a model
+            of global and sliding layers, :func:`~lmdeploy.pytorch.cache_specs.paged_groups`),
+            same indexing, leading entries :data:`FREED_BLOCK` once out of the window; empty
+            otherwise.
+        num_window_freed_blocks: how many leading entries of ``window_block_ids`` are
+            :data:`FREED_BLOCK`.
         handoff: the request's prefill/decode hand-off
             (:class:`~lmdeploy.pytorch.paging.handoff.Handoff`) on an engine with a ``role``
             other than ``'both'``; None otherwise.
@@ -130,6 +138,8 @@ class Sequence:
     num_kept_tokens: int | None = None
     shared_head_tokens: int | None = None
     num_freed_blocks: int = 0
+    window_block_ids: list[int] = field(default_factory=list)
+    num_window_freed_blocks: int = 0
     handoff: object = field(default=None, repr=False)
 
     def __post_init__(self):
