@@ -1,0 +1,547 @@
+"""Inkling (Thinking Machines; ``transformers`` model types ``inkling_text`` and the multimodal
+``inkling_mm_model``, whose text part is served here): every layer is attention followed by a MoE
+or dense MLP, with short depthwise convolutions around them and no rotary embedding; positions
+enter only through a learned, hidden-state-conditioned relative bias on the attention logits.
+
+``config.layer_types`` picks each layer's attention: ``'hybrid_sliding'`` (a window of
+``sliding_window_size`` keys, the ``swa_*`` head counts) or ``'hybrid'`` (global, the plain head
+counts, optional log scaling of the logits)::
+
+    h = rms_norm(embed(ids))                                   (the normed embedding)
+    layer i:  h = h + sconv_attn(attention(input_layernorm(h)))
+              h = h + sconv_mlp(mlp(post_attention_layernorm(h)))
+    logits = lm_head(norm(h) / logits_mup_width_multiplier)    (columns >= unpadded_vocab_size: -inf)
+
+    sconv(x) = x + conv(x)          depthwise causal conv of width conv_kernel_size, no bias, no
+                                    activation, in float32 (weights and state float32)
+    attention: q = q_norm(q_proj h) per head,  k = k_norm(sconv_k(k_proj h)),  v = sconv_v(v_proj h)
+               r = r_proj h   [T, heads, d_rel]
+               score(p, j) = tau(p) (q_p . k_j / head_dim + bias_h(p, p - j)),  j visible to p
+               bias_h(p, d) = (r_p,h @ proj)[d]  for 0 <= d < E, else 0
+                 E = sliding_window_size on sliding layers, rel_extent on global ones
+               tau(p) = 1 + log_scaling_alpha * log(max(1, (p + 1) / log_scaling_n_floor))
+                 on global layers when log_scaling_n_floor is set, else 1
+    mlp:  'dense'  SwiGLU(intermediate_size) * global_scale
+          'sparse' top-k routed SwiGLU experts + n_shared_experts shared ones, weighted together:
+                   z = x W_gate^T (float32, E routed + S shared logits), choose k routed by
+                   sigmoid(z) + e_score_correction_bias; weights of the k chosen and the S shared
+                   = sigmoid(z) / sum of them, times route_scale * global_scale
+
+The relative bias has no place in the paged attention kernels, so attention runs in this
+file's torch path (:func:`relative_bias_attention`): per sequence and per tile of up to
+:data:`QUERY_TILE` queries it gathers the visible keys from the paged cache and materializes the
+bias ``[heads, tile, keys]`` (a gather from ``[tile, heads, E]``). Its cost against the fused
+kernels: one Python iteration per sequence per layer (decode included), float32 scores of
+``tile x keys`` per head in memory (no flash-style streaming), and an ``E``-wide product per
+query and head for the bias.
+
+Caches, two entries per layer ``i`` (as Falcon-H1's): ``2 i`` the paged K/V (a
+:class:`SlidingWindowSpec` with ``sliding_window_size`` for a sliding layer, a
+:class:`FullAttentionSpec` for a global one, so a prefix keeps every block), ``2 i + 1`` the four
+conv states of the layer's short convolutions (:func:`conv_state_spec`), float32 as
+``transformers`` keeps them::
+
+    state entry 2i+1   k_conv [kv_heads*head_dim, K-1] | v_conv [same] | attn_conv [hidden, K-1] | mlp_conv [same]
+
+Tensor parallelism: none yet (``parallel_plan`` is None, so tp > 1 is refused by the layout).
+
+Weight names: ``transformers``' (``model.layers.{i}.self_attn.k_sconv.conv1d.weight``, fused
+``mlp.experts.gate_up_proj`` or one tensor per expert); the multimodal checkpoint's
+``model.language_model.*`` text tensors load into the same modules and its vision / audio
+towers are dropped. The published checkpoint's own spellings (``model.llm.*``, ``attn.wq_du``,
+interleaved ``w13`` expert tensors) are not read yet.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache_specs import CacheTensor, FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec, StateSpec
+from ..kernels import get_kernel
+from ..kernels.attention import fill_kv_cache
+from ..model_inputs import StepContext
+from .base import CausalLM
+from .blocks.moe import FusedExperts, load_expert_tensor
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .layers import Linear, RMSNorm, WeightLoader
+
+__all__ = ['InklingForCausalLM', 'InklingForConditionalGeneration', 'check_config', 'conv_state_spec',
+           'relative_bias_attention', 'QUERY_TILE']
+
+SLIDING, GLOBAL = 'hybrid_sliding', 'hybrid'
+DENSE, SPARSE = 'dense', 'sparse'
+QUERY_TILE = 256        # query rows per score block: the bias block is [heads, tile, keys] float32
+# the four conv states of a layer, in the order of its state entry (transformers' conv_idx 0-3)
+CONV_NAMES = ('k_conv', 'v_conv', 'attn_conv', 'mlp_conv')
+
+
+def _attn_dims(config, sliding: bool) -> tuple[int, int, int]:
+    """``(heads, kv_heads, head_dim)`` of a sliding or global layer."""
+    if sliding:
+        return config.swa_num_attention_heads, config.swa_num_key_value_heads, config.swa_head_dim
+    return config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+
+def _positive_int(config, name: str) -> None:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f'{name} must be an int >= 1, got {value!r}')
+
+
+def check_config(config) -> None:
+    """Refuse configs this implementation does not reproduce exactly (reads the text config of
+    a multimodal one).
+
+    Raises:
+        ValueError: naming the field: ``layer_types`` (``'hybrid_sliding'`` or ``'hybrid'`` per
+            layer), ``mlp_layer_types`` (``'dense'`` or ``'sparse'`` per layer),
+            ``sliding_window_size`` / ``rel_extent`` / ``d_rel`` / ``conv_kernel_size`` (ints >= 1;
+            the conv at least 2 wide), ``num_key_value_heads`` / ``swa_num_key_value_heads``
+            (must divide the layer's query heads), ``hidden_act`` (``'silu'`` only),
+            ``num_experts_per_tok`` (1 .. ``n_routed_experts``), ``n_shared_experts`` (>= 1 with a
+            sparse layer: the router's last logits are theirs), ``log_scaling_n_floor`` (None or
+            an int >= 1), ``unpadded_vocab_size`` (None or 1 .. ``vocab_size``).
+    """
+    text = config.get_text_config()
+    n = text.num_hidden_layers
+    types = list(getattr(text, 'layer_types', None) or [])
+    if len(types) != n or any(t not in (SLIDING, GLOBAL) for t in types):
+        raise ValueError(f'layer_types must list {SLIDING!r} or {GLOBAL!r} for each of the {n} layers, got {types}')
+    mlp_types = list(getattr(text, 'mlp_layer_types', None) or [])
+    if len(mlp_types) != n or any(t not in (DENSE, SPARSE) for t in mlp_types):
+        raise ValueError(f'mlp_layer_types must list {DENSE!r} or {SPARSE!r} for each of the {n} layers, '
+                         f'got {mlp_types}')
+    for name in ('sliding_window_size', 'rel_extent', 'd_rel', 'conv_kernel_size'):
+        _positive_int(text, name)
+    if text.conv_kernel_size < 2:
+        raise ValueError(f'conv_kernel_size must be at least 2 (a width-1 conv keeps no state), '
+                         f'got {text.conv_kernel_size}')
+    for sliding, field in ((True, 'swa_num_key_value_heads'), (False, 'num_key_value_heads')):
+        if (SLIDING if sliding else GLOBAL) in types:
+            heads, kv_heads, _ = _attn_dims(text, sliding)
+            if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+                raise ValueError(f'{field} ({kv_heads}) must divide the query heads ({heads})')
+    if text.hidden_act != 'silu':
+        raise ValueError(f"hidden_act must be 'silu', got {text.hidden_act!r}")
+    if SPARSE in mlp_types:
+        if not 1 <= text.num_experts_per_tok <= text.n_routed_experts:
+            raise ValueError(f'num_experts_per_tok must be in 1..n_routed_experts ({text.n_routed_experts}), '
+                             f'got {text.num_experts_per_tok}')
+        if text.n_shared_experts < 1:
+            raise ValueError(f'n_shared_experts must be >= 1 (the router splits its logits at -n_shared_experts), '
+                             f'got {text.n_shared_experts}')
+    floor = text.log_scaling_n_floor
+    if floor is not None and (not isinstance(floor, int) or isinstance(floor, bool) or floor < 1):
+        raise ValueError(f'log_scaling_n_floor must be None or an int >= 1, got {floor!r}')
+    unpadded = text.unpadded_vocab_size
+    if unpadded is not None and not 1 <= unpadded <= text.vocab_size:
+        raise ValueError(f'unpadded_vocab_size must be None or in 1..vocab_size ({text.vocab_size}), got {unpadded}')
+
+
+def conv_state_spec(config, sliding: bool) -> StateSpec:
+    """The four short-conv states of one layer (float32, the last ``conv_kernel_size - 1``
+    inputs of each conv): ``k_conv`` and ``v_conv`` ``[kv_heads * head_dim, K - 1]`` of the
+    layer's attention kind, ``attn_conv`` and ``mlp_conv`` ``[hidden_size, K - 1]``."""
+    _, kv_heads, head_dim = _attn_dims(config, sliding)
+    K = config.conv_kernel_size
+    kv, hidden = (kv_heads * head_dim, K - 1), (config.hidden_size, K - 1)
+    return StateSpec(tuple(CacheTensor(name, shape, torch.float32)
+                           for name, shape in zip(CONV_NAMES, (kv, kv, hidden, hidden))))
+
+
+class _Float32(nn.Module):
+    """A module whose parameters stay float32 whatever dtype the model is cast to
+    (``transformers`` keeps the short convs and the router's scale and bias in float32)."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
+
+class ShortConvResidual(_Float32):
+    """``x + conv(x)`` in float32: a depthwise causal conv (width ``kernel``, no bias, no
+    activation) continuing each sequence's state (``transformers``' ``InklingShortConvolution``).
+
+    Args:
+        channels: conv channels.
+        kernel: ``conv_kernel_size``.
+        entry: index into ``StepContext.state_caches`` (the layer's state entry).
+        index: which of the entry's four tensors is this conv's state (:data:`CONV_NAMES`).
+    """
+
+    def __init__(self, channels: int, kernel: int, entry: int, index: int):
+        super().__init__()
+        self.entry, self.index = entry, index
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel))   # the checkpoint's conv1d weight
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, channels]`` → ``[T, channels]`` in ``x.dtype``; rewrites the sequences' states."""
+        xf = x.float()
+        state = ctx.state_caches[self.entry][self.index]
+        y = get_kernel('causal_conv1d_varlen', x.device)(
+            xf, self.weight.squeeze(1), None, state, ctx.cu_seqlens, ctx.seq_ids, ctx.slots, ctx.has_history, None,
+            slot_span=ctx.slot_span)
+        return (y.float() + xf).to(x.dtype)
+
+
+def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor,
+                            proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+                            scale: float, window: int | None, tau: torch.Tensor | None) -> torch.Tensor:
+    """Store the new K/V in the paged cache, then causal attention with Inkling's relative
+    logits: ``softmax_j(tau_p (q_p . k_j * scale + bias(p, p - j)))`` over the visible keys
+    ``j`` (``p - window < j <= p``, or ``j <= p`` without a window), in float32.
+
+    Args:
+        q: ``[T, heads, head_dim]`` queries of the flat batch (normed).
+        k, v: ``[T, kv_heads, head_dim]`` new keys / values; query head ``h`` reads KV head
+            ``h // (heads / kv_heads)``.
+        rel: ``[T, heads, d_rel]`` relative states (``r_proj`` of the layer input).
+        proj: ``[d_rel, E]`` the bias profiles; ``bias(p, d) = rel_p @ proj[:, d]`` for
+            ``0 <= d < E``, 0 beyond (distances in tokens).
+        k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``.
+        ctx: the step's layout; every sequence's blocks cover ``kv_seqlens`` (blocks wholly
+            before its window are not read).
+        scale: the logit scale (``1 / head_dim`` for Inkling's normed q / k).
+        window: keys per query (itself included), or None.
+        tau: ``[T]`` float32 multipliers of each query's logits and bias, or None.
+
+    Returns:
+        ``[T, heads, head_dim]`` in ``q.dtype``.
+    """
+    fill_kv_cache(k, v, k_cache, v_cache, ctx)
+    T, H, D = q.shape
+    Hkv, B, E = k_cache.shape[2], ctx.block_size, proj.shape[1]
+    G = H // Hkv
+    projf = proj.float()
+    out = torch.empty_like(q)
+    for i, hist in enumerate(ctx.history_lens):
+        sl = ctx.seq_slice(i)
+        table = ctx.block_tables[i].to(q.device)
+        for start in range(0, sl.stop - sl.start, QUERY_TILE):
+            end = min(start + QUERY_TILE, sl.stop - sl.start)
+            rows = slice(sl.start + start, sl.start + end)
+            L = end - start
+            lo, hi = (0 if window is None else max(0, hist + start - window + 1)), hist + end
+            b0 = lo // B
+            blocks = table[b0:-(-hi // B)]
+            keys = k_cache[blocks].flatten(0, 1)[lo - b0 * B:hi - b0 * B].float().transpose(0, 1)    # [Hkv, K, D]
+            values = v_cache[blocks].flatten(0, 1)[lo - b0 * B:hi - b0 * B].float().transpose(0, 1)
+            qt = q[rows].float().view(L, Hkv, G, D).permute(1, 2, 0, 3)                               # [Hkv, G, L, D]
+            dist = (torch.arange(hist + start, hist + end, device=q.device)[:, None]
+                    - torch.arange(lo, hi, device=q.device)[None, :])                                 # [L, K]
+            profile = rel[rows].float() @ projf                                                       # [L, H, E]
+            bias = profile.gather(-1, dist.clamp(0, E - 1)[:, None, :].expand(L, H, -1))              # [L, H, K]
+            bias = bias.masked_fill(((dist < 0) | (dist >= E))[:, None, :], 0.0)
+            scores = torch.einsum('hgld,hkd->hglk', qt, keys) * scale + bias.permute(1, 0, 2).view(Hkv, G, L, -1)
+            if tau is not None:
+                scores = scores * tau[rows].float().view(1, 1, L, 1)
+            visible = dist >= 0
+            if window is not None:
+                visible &= dist < window
+            scores = scores.masked_fill(~visible, float('-inf'))
+            o = torch.einsum('hglk,hkd->hgld', scores.softmax(-1), values)
+            out[rows] = o.permute(2, 0, 1, 3).reshape(L, H, D).to(q.dtype)
+    return out
+
+
+class InklingAttention(nn.Module):
+    """Sliding or global attention of one layer: per-head q/k RMSNorm, short convs on K and V,
+    the relative-logits bias (``rel_logits_proj.proj [d_rel, E]``) and, on global layers, the
+    optional log scaling of the logits; K/V in the paged cache.
+
+    Args:
+        config: the text config.
+        layer_idx: the decoder layer (its cache entries are ``2 layer_idx`` and ``+ 1``).
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        sliding = config.layer_types[layer_idx] == SLIDING
+        self.entry = 2 * layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = _attn_dims(config, sliding)
+        self.window = config.sliding_window_size if sliding else None
+        extent = config.sliding_window_size if sliding else config.rel_extent
+        self.log_floor = None if sliding else config.log_scaling_n_floor
+        self.log_alpha = config.log_scaling_alpha
+        H, kv, hidden = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, config.hidden_size
+        self.q_proj = Linear(hidden, H, bias=False)
+        self.k_proj = Linear(hidden, kv, bias=False)
+        self.v_proj = Linear(hidden, kv, bias=False)
+        self.r_proj = Linear(hidden, self.num_heads * config.d_rel, bias=False)
+        self.o_proj = Linear(H, hidden, bias=False)
+        self.k_sconv = ShortConvResidual(kv, config.conv_kernel_size, self.entry + 1, 0)
+        self.v_sconv = ShortConvResidual(kv, config.conv_kernel_size, self.entry + 1, 1)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rel_logits_proj = nn.Module()
+        self.rel_logits_proj.proj = nn.Parameter(torch.zeros(config.d_rel, extent))
+        self.scale = 1.0 / self.head_dim      # q and k are RMS-normed per head: 1/d, not 1/sqrt(d)
+
+    def log_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """``[T]`` float32 ``tau`` of each query position (see the module docstring), or None
+        when the layer does not scale."""
+        if self.log_floor is None:
+            return None
+        ratio = ((positions + 1).float() / self.log_floor).clamp(min=1.0)
+        return 1.0 + self.log_alpha * torch.log(ratio)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V and K/V conv states."""
+        T = hidden.shape[0]
+        q = self.q_norm(self.q_proj(hidden).view(T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_sconv(self.k_proj(hidden), ctx).view(T, self.num_kv_heads, self.head_dim))
+        v = self.v_sconv(self.v_proj(hidden), ctx).view(T, self.num_kv_heads, self.head_dim)
+        rel = self.r_proj(hidden).view(T, self.num_heads, -1)
+        k_cache, v_cache = ctx.kv_caches[self.entry]
+        out = relative_bias_attention(q, k, v, rel, self.rel_logits_proj.proj, k_cache, v_cache, ctx, self.scale,
+                                      self.window, self.log_scale(ctx.positions))
+        return self.o_proj(out.reshape(T, -1))
+
+
+class InklingMLP(nn.Module):
+    """The dense MLP: ``SwiGLU(x) * global_scale``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.global_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) * self.global_scale
+
+
+class InklingRouter(_Float32):
+    """The router of a sparse layer, in float32: ``weight [E + S, hidden]`` (routed rows, then
+    the shared experts' rows), ``global_scale [1]``, ``e_score_correction_bias [E]``."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.num_shared, self.route_scale = (config.num_experts_per_tok, config.n_shared_experts,
+                                                         config.route_scale)
+        E = config.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(E + self.num_shared, config.hidden_size))
+        self.global_scale = nn.Parameter(torch.ones(1))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` → ``(routed weights [T, k], routed expert index [T, k] int64, shared
+        weights [T, S])``, weights in float32 (see the module docstring: the routed and shared
+        weights share one normalisation)."""
+        logits = F.linear(x.float(), self.weight.float())
+        routed, shared = logits[:, :-self.num_shared], logits[:, -self.num_shared:]
+        index = torch.topk(routed.sigmoid() + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
+        chosen = F.logsigmoid(torch.cat([routed.gather(-1, index), shared], dim=-1))
+        weights = torch.softmax(chosen, dim=-1) * (self.route_scale * self.global_scale)
+        return weights[:, :self.top_k], index, weights[:, self.top_k:]
+
+
+class InklingSharedExperts(nn.Module):
+    """``n_shared_experts`` SwiGLU experts, each weighted by its router weight:
+    ``gate_proj`` / ``up_proj [S, I, hidden]``, ``down_proj [S, hidden, I]``."""
+
+    def __init__(self, config):
+        super().__init__()
+        S, I, H = config.n_shared_experts, config.moe_intermediate_size, config.hidden_size
+        self.gate_proj = nn.Parameter(torch.zeros(S, I, H))
+        self.up_proj = nn.Parameter(torch.zeros(S, I, H))
+        self.down_proj = nn.Parameter(torch.zeros(S, H, I))
+
+    def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]``, ``gammas [T, S]`` → ``[T, hidden]`` (the experts summed in float32)."""
+        gate = torch.einsum('th,sih->sti', x, self.gate_proj)
+        up = torch.einsum('th,sih->sti', x, self.up_proj)
+        act = F.silu(gate) * up * gammas.to(x.dtype).t()[..., None]
+        return torch.einsum('sti,shi->sth', act, self.down_proj).float().sum(0).to(x.dtype)
+
+
+class InklingMoE(nn.Module):
+    """A sparse layer's MLP: routed experts (:class:`FusedExperts`) plus the shared ones."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = InklingRouter(config)
+        self.experts = FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = InklingSharedExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        weights, index, gammas = self.gate(x)
+        return self.experts(x, index, weights.to(x.dtype)) + self.shared_experts(x, gammas)
+
+
+class InklingDecoderLayer(nn.Module):
+    """Attention then the MLP, each followed by its residual short conv."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = InklingAttention(config, layer_idx)
+        self.mlp = InklingMoE(config) if config.mlp_layer_types[layer_idx] == SPARSE else InklingMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        entry = 2 * layer_idx + 1
+        self.attn_sconv = ShortConvResidual(config.hidden_size, config.conv_kernel_size, entry, 2)
+        self.mlp_sconv = ShortConvResidual(config.hidden_size, config.conv_kernel_size, entry, 3)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        hidden = hidden + self.attn_sconv(self.self_attn(self.input_layernorm(hidden), ctx), ctx)
+        return hidden + self.mlp_sconv(self.mlp(self.post_attention_layernorm(hidden)), ctx)
+
+
+class InklingModel(nn.Module):
+    """The normed embedding, the decoder layers and the final norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(InklingDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
+        hidden = self.embed_tokens.embed_norm(self.embed_tokens(ctx.input_ids))
+        for layer in self.layers:
+            hidden = layer(hidden, ctx)
+        return self.norm(hidden)
+
+
+_TOWERS = ('model.vision_tower.', 'model.audio_tower.', 'model.multi_modal_projector.')
+
+
+class InklingForCausalLM(CausalLM):
+    """``inkling_text`` causal LM in the engine's layers.
+
+    Args:
+        config: a ``transformers`` ``InklingTextConfig`` (or, for the subclass, ``InklingConfig``).
+
+    Raises:
+        ValueError: see :func:`check_config`.
+    """
+    # sliding, global, sliding, global: a 40-token window (off the 16-token blocks and the 32-token
+    # prefill chunks), a 48-token bias extent on global layers and log scaling from position 32, so
+    # 150- and 700-token prompts reach past both; sliding and global layers with other head counts
+    # and head dims; a dense first layer then sparse ones (8 experts, top 2, 2 shared)
+    tiny_config = dict(hidden_size=64, num_hidden_layers=4, layer_types=[SLIDING, GLOBAL, SLIDING, GLOBAL],
+                       mlp_layer_types=[DENSE, SPARSE, SPARSE, SPARSE], num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=8,
+                       sliding_window_size=40, d_rel=4, rel_extent=48, log_scaling_n_floor=32,
+                       log_scaling_alpha=0.1, conv_kernel_size=4, intermediate_size=96, moe_intermediate_size=32,
+                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, route_scale=2.5,
+                       logits_mup_width_multiplier=4.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+    # transformers reads inkling_text experts fused (gate_up_proj / down_proj), with no per-expert conversion
+    tiny_expert_prefixes = ()
+
+    # every config field transformers reads (the whole modeling file, towers included), and what
+    # the engine does with it (.config_audit)
+    config_fields = {
+        **COMMON_FIELDS,
+        'layer_types': CHECKED,                   # 'hybrid_sliding' / 'hybrid' per layer
+        'mlp_layer_types': CHECKED,               # 'dense' / 'sparse' per layer
+        'swa_num_attention_heads': IMPLEMENTED,
+        'swa_num_key_value_heads': CHECKED,       # divides swa_num_attention_heads
+        'swa_head_dim': IMPLEMENTED,
+        'num_key_value_heads': CHECKED,           # divides num_attention_heads
+        'sliding_window_size': CHECKED,           # an int >= 1: the window and the sliding layers' bias extent
+        'sconv_kernel_size': IMPLEMENTED,         # transformers' alias of conv_kernel_size
+        'conv_kernel_size': CHECKED,              # >= 2
+        'd_rel': CHECKED,                         # >= 1
+        'rel_extent': CHECKED,                    # >= 1: the global layers' bias extent
+        'log_scaling_n_floor': CHECKED,           # None or an int >= 1
+        'log_scaling_alpha': IMPLEMENTED,
+        'moe_intermediate_size': IMPLEMENTED,
+        'n_routed_experts': IMPLEMENTED,
+        'num_experts_per_tok': CHECKED,           # 1 .. n_routed_experts
+        'n_shared_experts': CHECKED,              # >= 1 with a sparse layer
+        'route_scale': IMPLEMENTED,
+        'logits_mup_width_multiplier': IMPLEMENTED,
+        'unpadded_vocab_size': CHECKED,           # None or <= vocab_size: logits past it are -inf
+        # the multimodal wrapper and its towers: images and audio are refused, the towers never run
+        'get_text_config': INERT, 'text_config': INERT, 'vision_config': INERT, 'audio_config': INERT,
+        'image_token_id': INERT, 'audio_token_id': INERT, 'codebook_size': INERT, 'mel_vocab_size': INERT,
+        'n_mel_bins': INERT, 'num_codebooks': INERT, 'num_channels': INERT, 'patch_size': INERT,
+        'temporal_patch_size': INERT, 'text_hidden_size': INERT,
+    }
+    rotary_class = None   # no rotary embedding: positions enter through the relative bias only
+    check_config = staticmethod(check_config)
+    model_class = InklingModel
+
+    @staticmethod
+    def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """Two entries per layer ``i``: ``2 i`` a :class:`SlidingWindowSpec`
+        (``swa_num_key_value_heads x swa_head_dim`` per token, window ``sliding_window_size``) or
+        a :class:`FullAttentionSpec` (``num_key_value_heads x head_dim``), K/V in ``dtype``; ``2 i + 1``
+        the layer's four float32 conv states (:func:`conv_state_spec`).
+
+        Raises:
+            ValueError: see :func:`check_config`.
+        """
+        text = config.get_text_config()
+        specs: list[LayerCacheSpec] = []
+        for kind in text.layer_types:
+            sliding = kind == SLIDING
+            _, kv_heads, head_dim = _attn_dims(text, sliding)
+            specs.append(SlidingWindowSpec(kv_heads, head_dim, dtype, text.sliding_window_size) if sliding
+                         else FullAttentionSpec(kv_heads, head_dim, dtype))
+            specs.append(conv_state_spec(text, sliding))
+        return specs
+
+    def __init__(self, config):
+        super().__init__(config)
+        text = config.get_text_config()
+        self.mup = float(text.logits_mup_width_multiplier)
+        self.unpadded_vocab_size = text.unpadded_vocab_size
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` → ``[N, vocab_size]`` float32 logits of ``hidden / logits_mup_width_multiplier``;
+        the columns from ``unpadded_vocab_size`` on (padding rows ``transformers`` drops) are -inf,
+        so no sampler picks them and the softmax over the rest is ``transformers``'."""
+        logits = self.lm_head(hidden / self.mup).float()
+        if self.unpadded_vocab_size is not None:
+            logits[:, self.unpadded_vocab_size:] = float('-inf')
+        return logits
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """Never tied: ``transformers`` declares no tied weights for Inkling."""
+        return False
+
+    def rename_weight(self, name: str) -> str | None:
+        """``transformers`` names → ours: a conv's ``.conv1d.weight`` is the module's ``weight``."""
+        return name.replace('_sconv.conv1d.weight', '_sconv.weight')
+
+    def load_tensor(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+        """Per-expert checkpoint tensors into the fused experts (:func:`load_expert_tensor`)."""
+        return load_expert_tensor(loader, name, tensor)
+
+
+class InklingForConditionalGeneration(InklingForCausalLM):
+    """``inkling_mm_model``: the text model of the multimodal checkpoint (``text_config``);
+    ``model.language_model.*`` loads into the text stack, the vision and audio towers are
+    dropped, and requests with image or audio data are refused (:meth:`check_multimodal`)."""
+
+    def rename_weight(self, name: str) -> str | None:
+        """Drop the towers; ``model.language_model.`` → ``model.``."""
+        if name.startswith(_TOWERS):
+            return None
+        if name.startswith('model.language_model.'):
+            name = 'model.' + name[len('model.language_model.'):]
+        return super().rename_weight(name)
+
+    def check_multimodal(self, token_ids: list[int], multimodal) -> None:
+        """Refuse any image or audio data.
+
+        Raises:
+            ValueError: naming ``messages[].content`` parts of type image / audio (this engine serves
+                Inkling's text model only).
+        """
+        if any(m.data is not None for m in multimodal):
+            raise ValueError("messages[].content: image and audio parts are not supported for model_type "
+                             "'inkling_mm_model' (this engine serves its text model only)")
