@@ -151,12 +151,15 @@ def conv_state_spec(config, sliding: bool) -> StateSpec:
 
 
 class _Float32(nn.Module):
-    """A module whose parameters stay float32 whatever dtype the model is cast to
-    (``transformers`` keeps the short convs and the router's scale and bias in float32)."""
+    """A module whose own parameters named in ``float32_params`` stay float32 whatever dtype the
+    model is cast to (``transformers``' ``_keep_in_fp32_modules_strict``: the short convs, the
+    router's scale and correction bias)."""
+    float32_params: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        for p in self.parameters(recurse=False):
+        for name in self.float32_params:
+            p = getattr(self, name)
             if p.dtype != torch.float32:
                 p.data = p.data.float()
         return self
@@ -172,6 +175,7 @@ class ShortConvResidual(_Float32):
         entry: index into ``StepContext.state_caches`` (the layer's state entry).
         index: which of the entry's four tensors is this conv's state (:data:`CONV_NAMES`).
     """
+    float32_params = ('weight',)
 
     def __init__(self, channels: int, kernel: int, entry: int, index: int):
         super().__init__()
@@ -319,7 +323,9 @@ class InklingMLP(nn.Module):
 
 class InklingRouter(_Float32):
     """The router of a sparse layer, in float32: ``weight [E + S, hidden]`` (routed rows, then
-    the shared experts' rows), ``global_scale [1]``, ``e_score_correction_bias [E]``."""
+    the shared experts' rows; the model dtype, read as float32), ``global_scale [1]`` and
+    ``e_score_correction_bias [E]`` (float32)."""
+    float32_params = ('global_scale', 'e_score_correction_bias')
 
     def __init__(self, config):
         super().__init__()
@@ -525,7 +531,8 @@ class InklingForCausalLM(CausalLM):
 class InklingForConditionalGeneration(InklingForCausalLM):
     """``inkling_mm_model``: the text model of the multimodal checkpoint (``text_config``);
     ``model.language_model.*`` loads into the text stack, the vision and audio towers are
-    dropped, and requests with image or audio data are refused (:meth:`check_multimodal`)."""
+    dropped; ``supports_images`` stays False, so the engine refuses a request with image data
+    (a ``RequestError`` naming ``multimodal``), and it has no audio input at all."""
 
     def rename_weight(self, name: str) -> str | None:
         """Drop the towers; ``model.language_model.`` → ``model.``."""
@@ -534,14 +541,3 @@ class InklingForConditionalGeneration(InklingForCausalLM):
         if name.startswith('model.language_model.'):
             name = 'model.' + name[len('model.language_model.'):]
         return super().rename_weight(name)
-
-    def check_multimodal(self, token_ids: list[int], multimodal) -> None:
-        """Refuse any image or audio data.
-
-        Raises:
-            ValueError: naming ``messages[].content`` parts of type image / audio (this engine serves
-                Inkling's text model only).
-        """
-        if any(m.data is not None for m in multimodal):
-            raise ValueError("messages[].content: image and audio parts are not supported for model_type "
-                             "'inkling_mm_model' (this engine serves its text model only)")
