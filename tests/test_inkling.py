@@ -95,10 +95,16 @@ def test_unpadded_vocab_columns_are_never_sampled(tiny):
     assert torch.equal(got[:, :-5], full[:, :-5]) and bool((got[:, -5:] == float('-inf')).all())
 
 
-def test_multimodal_checkpoint_serves_its_text_model_and_refuses_images(tiny, tmp_path):
-    """An ``inkling_mm_model`` checkpoint (``model.language_model.*`` and tiny vision / audio
-    towers): prompt logits within TOL of ``InklingForConditionalGeneration``'s; a request with image
-    data is refused naming ``multimodal``."""
+@pytest.mark.parametrize('layout', ['published', 'transformers'])
+def test_multimodal_checkpoint_serves_its_text_model_and_refuses_images(tiny, tmp_path, layout):
+    """An ``inkling_mm_model`` checkpoint with tiny vision / audio towers, in the published layout
+    (what ``save_pretrained`` writes: ``model.llm.*``, ``attn.wq_du``, interleaved ``w13``
+    tensors) or ``transformers``' in-memory names: prompt logits within TOL of
+    ``InklingForConditionalGeneration``'s; a request with image data is refused naming
+    ``multimodal``."""
+    import shutil
+
+    from safetensors import safe_open
     from transformers import AutoConfig, InklingConfig, InklingForConditionalGeneration
 
     from lmdeploy.pytorch.multimodal import MultimodalInput
@@ -107,8 +113,16 @@ def test_multimodal_checkpoint_serves_its_text_model_and_refuses_images(tiny, tm
                                                                           num_attention_heads=2),
                            image_token_id=5, audio_token_id=6, image_bos_token_id=7, audio_bos_token_id=8)
     hf = hf_model(InklingForConditionalGeneration, config, seed=3)
-    path = tmp_path / 'mm'
-    write_checkpoint(tiny[0], path, hf, config)
+    path = tmp_path / layout
+    if layout == 'published':
+        shutil.copytree(tiny[0], path)
+        hf.save_pretrained(path)
+        with safe_open(str(path / 'model.safetensors'), 'pt') as f:
+            names = set(f.keys())
+        assert {'model.llm.layers.1.attn.wq_du.weight', 'model.llm.layers.1.mlp.experts.w13_weight',
+                'model.llm.layers.0.mlp.w13_dn.weight', 'model.llm.unembed.weight'} <= names
+    else:
+        write_checkpoint(tiny[0], path, hf, config)
     ids = random_prompt(90, seed=90)
     engine = make_engine(str(path), max_prefill_token_num=32, block_size=16)
     got, _ = engine_prompt_logits(engine, ids)

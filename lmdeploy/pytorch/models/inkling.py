@@ -45,13 +45,16 @@ conv states of the layer's short convolutions (:func:`conv_state_spec`), float32
 
 Tensor parallelism: none yet (``parallel_plan`` is None, so tp > 1 is refused by the layout).
 
-Weight names: ``transformers``' (``model.layers.{i}.self_attn.k_sconv.conv1d.weight``, fused
-``mlp.experts.gate_up_proj`` or one tensor per expert); the multimodal checkpoint's
-``model.language_model.*`` text tensors load into the same modules and its vision / audio
-towers are dropped. The published checkpoint's own spellings (``model.llm.*``, ``attn.wq_du``,
-interleaved ``w13`` expert tensors) are not read yet.
+Weight names: the published checkpoint's (``model.llm.*``: ``attn.wq_du`` / ``wk_dv`` / ``wv_dv`` /
+``wr_du`` / ``wo_ud``, ``attn_norm`` / ``mlp_norm``, ``mlp.gate.bias``, ``w13`` tensors whose gate and
+up rows interleave, ``unembed``), as ``transformers``' conversion mapping for ``inkling_mm_model``
+renames them, and ``transformers``' in-memory names (``model.language_model.*`` or ``model.*``,
+``k_sconv.conv1d.weight``, fused ``mlp.experts.gate_up_proj``, or one tensor per expert). The
+vision and audio towers and the MTP layers (``model.mtp.*``) are not loaded.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -419,7 +422,59 @@ class InklingModel(nn.Module):
         return self.norm(hidden)
 
 
-_TOWERS = ('model.vision_tower.', 'model.audio_tower.', 'model.multi_modal_projector.')
+_TOWERS = ('model.vision_tower.', 'model.audio_tower.', 'model.multi_modal_projector.', 'model.audio.',
+           'model.visual.', 'model.mtp.')
+# the published checkpoint's names -> ours (the renames transformers' conversion mapping for
+# inkling_mm_model applies at load, read from its source; the w13 tensors are split by load_tensor)
+_PUBLISHED = [(re.compile(p), r) for p, r in (
+    (r'^model\.llm\.embed\.weight$', 'model.embed_tokens.weight'),
+    (r'^model\.llm\.embed_norm\.weight$', 'model.embed_tokens.embed_norm.weight'),
+    (r'^model\.llm\.unembed\.weight$', 'lm_head.weight'),
+    (r'^model\.llm\.', 'model.'),
+    (r'\.attn\.wq_du\.', '.self_attn.q_proj.'),
+    (r'\.attn\.wk_dv\.', '.self_attn.k_proj.'),
+    (r'\.attn\.wv_dv\.', '.self_attn.v_proj.'),
+    (r'\.attn\.wr_du\.', '.self_attn.r_proj.'),
+    (r'\.attn\.wo_ud\.', '.self_attn.o_proj.'),
+    (r'\.attn\.(q_norm|k_norm|k_sconv|v_sconv|rel_logits_proj)\.', r'.self_attn.\1.'),
+    (r'\.attn_norm\.', '.input_layernorm.'),
+    (r'\.mlp_norm\.', '.post_attention_layernorm.'),
+    (r'\.mlp\.gate\.bias$', '.mlp.gate.e_score_correction_bias'),
+    (r'\.mlp\.w2_md\.weight$', '.mlp.down_proj.weight'),
+    (r'\.mlp\.experts\.w2_weight$', '.mlp.experts.down_proj'),
+    (r'\.mlp\.shared_experts\.shared_w2_weight$', '.mlp.shared_experts.down_proj'),
+)]
+# published w13 tensors: gate and up rows interleaved (gate 0, up 0, gate 1, up 1, ...) along
+# this axis; -> (our gate parameter, our up parameter), or one fused [gate | up] parameter
+_W13 = {'.mlp.w13_dn.weight': (0, ('.mlp.gate_proj.weight', '.mlp.up_proj.weight')),
+        '.mlp.experts.w13_weight': (1, ('.mlp.experts.gate_up_proj',)),
+        '.mlp.shared_experts.shared_w13_weight': (1, ('.mlp.shared_experts.gate_proj', '.mlp.shared_experts.up_proj'))}
+
+
+def load_interleaved_w13(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+    """Copy a published ``w13`` tensor (gate and up rows interleaved along one axis) into our
+    gate / up parameters, or the fused ``gate_up_proj`` (gate rows first); False for any other name.
+
+    Raises:
+        KeyError: no matching parameter.
+        ValueError: a shape mismatch.
+    """
+    suffix = next((k for k in _W13 if name.endswith(k)), None)
+    if suffix is None:
+        return False
+    axis, targets = _W13[suffix]
+    prefix = name[:-len(suffix)]
+    index = [slice(None)] * tensor.dim()
+    index[axis] = slice(0, None, 2)
+    gate = tensor[tuple(index)]
+    index[axis] = slice(1, None, 2)
+    up = tensor[tuple(index)]
+    if len(targets) == 1:
+        loader.load(prefix + targets[0], torch.cat([gate, up], dim=axis))
+    else:
+        loader.load(prefix + targets[0], gate)
+        loader.load(prefix + targets[1], up)
+    return True
 
 
 class InklingForCausalLM(CausalLM):
@@ -520,24 +575,25 @@ class InklingForCausalLM(CausalLM):
         return False
 
     def rename_weight(self, name: str) -> str | None:
-        """``transformers`` names → ours: a conv's ``.conv1d.weight`` is the module's ``weight``."""
-        return name.replace('_sconv.conv1d.weight', '_sconv.weight')
-
-    def load_tensor(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
-        """Per-expert checkpoint tensors into the fused experts (:func:`load_expert_tensor`)."""
-        return load_expert_tensor(loader, name, tensor)
-
-
-class InklingForConditionalGeneration(InklingForCausalLM):
-    """``inkling_mm_model``: the text model of the multimodal checkpoint (``text_config``);
-    ``model.language_model.*`` loads into the text stack, the vision and audio towers are
-    dropped; ``supports_images`` stays False, so the engine refuses a request with image data
-    (a ``RequestError`` naming ``multimodal``), and it has no audio input at all."""
-
-    def rename_weight(self, name: str) -> str | None:
-        """Drop the towers; ``model.language_model.`` → ``model.``."""
+        """Published or ``transformers`` names → ours (see the module docstring); the towers and
+        the MTP layers are dropped; a conv's ``.conv1d.weight`` is the module's ``weight``."""
         if name.startswith(_TOWERS):
             return None
         if name.startswith('model.language_model.'):
             name = 'model.' + name[len('model.language_model.'):]
-        return super().rename_weight(name)
+        for pattern, repl in _PUBLISHED:
+            name = pattern.sub(repl, name)
+        return name.replace('_sconv.conv1d.weight', '_sconv.weight')
+
+    def load_tensor(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+        """The published interleaved ``w13`` tensors (:func:`load_interleaved_w13`) and per-expert
+        tensors (:func:`load_expert_tensor`)."""
+        return load_interleaved_w13(loader, name, tensor) or load_expert_tensor(loader, name, tensor)
+
+
+class InklingForConditionalGeneration(InklingForCausalLM):
+    """``inkling_mm_model``: the text model of the multimodal checkpoint (``text_config``); its
+    text tensors load into the text stack (published ``model.llm.*`` or ``transformers``'
+    ``model.language_model.*``), the vision and audio towers are dropped; ``supports_images``
+    stays False, so the engine refuses a request with image data (a ``RequestError`` naming
+    ``multimodal``), and it has no audio input at all."""
