@@ -43,7 +43,10 @@ conv states of the layer's short convolutions (:func:`conv_state_spec`), float32
 
     state entry 2i+1   k_conv [kv_heads*head_dim, K-1] | v_conv [same] | attn_conv [hidden, K-1] | mlp_conv [same]
 
-Tensor parallelism: none yet (``parallel_plan`` is None, so tp > 1 is refused by the layout).
+Tensor parallelism (``parallel_plan``): attention by head (:func:`attention_split`; sliding and
+global layers split their own counts, and their K/V and k/v conv states carry their own range
+names), the dense MLP by intermediate rows (:func:`dense_mlp_split`); routers, experts, the
+residual convs after the row-parallel sums and the norms are replicated.
 
 Weight names: the published checkpoint's (``model.llm.*``: ``attn.wq_du`` / ``wk_dv`` / ``wv_dv`` /
 ``wr_du`` / ``wo_ud``, ``attn_norm`` / ``mlp_norm``, ``mlp.gate.bias``, ``w13`` tensors whose gate and
@@ -55,6 +58,7 @@ vision and audio towers and the MTP layers (``model.mtp.*``) are not loaded.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +72,7 @@ from .base import CausalLM
 from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, RMSNorm, WeightLoader
+from .parallel_plan import Axis, Block, BlockSplit, ParallelPlan, Piece, cols, rows
 
 __all__ = ['InklingForCausalLM', 'InklingForConditionalGeneration', 'check_config', 'conv_state_spec',
            'relative_bias_attention', 'QUERY_TILE']
@@ -142,15 +147,69 @@ def check_config(config) -> None:
         raise ValueError(f'unpadded_vocab_size must be None or in 1..vocab_size ({text.vocab_size}), got {unpadded}')
 
 
+# CacheTensor.tp_split names: each attention kind has its own head counts, so its own ranges
+KV_SPLIT = {False: 'kv_heads', True: 'inkling_swa_kv_heads'}                   # K / V: KV heads
+KV_CONV_SPLIT = {False: 'inkling_kv_channels', True: 'inkling_swa_kv_channels'}  # k/v conv states: their channels
+
+
+@dataclass(frozen=True)
+class InklingWindowSpec(SlidingWindowSpec):
+    """A sliding layer's K/V (:class:`SlidingWindowSpec`), split under tensor parallelism by the
+    sliding layers' own KV heads (``swa_num_key_value_heads``, range name ``KV_SPLIT[True]``)."""
+
+    def tensors(self) -> tuple[CacheTensor, ...]:
+        shape = (self.num_kv_heads, self.head_dim)
+        return (CacheTensor('k', shape, self.dtype, KV_SPLIT[True]), CacheTensor('v', shape, self.dtype, KV_SPLIT[True]))
+
+
 def conv_state_spec(config, sliding: bool) -> StateSpec:
     """The four short-conv states of one layer (float32, the last ``conv_kernel_size - 1``
     inputs of each conv): ``k_conv`` and ``v_conv`` ``[kv_heads * head_dim, K - 1]`` of the
-    layer's attention kind, ``attn_conv`` and ``mlp_conv`` ``[hidden_size, K - 1]``."""
+    layer's attention kind (split with its KV heads under tensor parallelism), ``attn_conv`` and
+    ``mlp_conv`` ``[hidden_size, K - 1]`` (whole on every rank: they run after the row-parallel
+    sums)."""
     _, kv_heads, head_dim = _attn_dims(config, sliding)
     K = config.conv_kernel_size
     kv, hidden = (kv_heads * head_dim, K - 1), (config.hidden_size, K - 1)
-    return StateSpec(tuple(CacheTensor(name, shape, torch.float32)
-                           for name, shape in zip(CONV_NAMES, (kv, kv, hidden, hidden))))
+    split = KV_CONV_SPLIT[sliding]
+    return StateSpec((CacheTensor('k_conv', kv, torch.float32, split), CacheTensor('v_conv', kv, torch.float32, split),
+                      CacheTensor('attn_conv', hidden, torch.float32), CacheTensor('mlp_conv', hidden, torch.float32)))
+
+
+def attention_split(sliding: bool):
+    """The tensor-parallel split of a sliding (``swa_*`` counts) or global attention block, as a
+    split factory: by head, like grouped-query attention: ``q_proj`` rows and ``r_proj`` rows
+    (``d_rel`` per head) by query head, ``k_proj`` / ``v_proj`` rows and the ``k_sconv`` /
+    ``v_sconv`` filters by KV head (fewer KV heads than ranks are shared), ``o_proj`` columns
+    (row-parallel); the norms and ``rel_logits_proj`` whole. Published spellings
+    (``wq_du`` ...) too. Local config: the kind's two head counts."""
+    prefix = 'swa_' if sliding else ''
+    q, kv = f'{prefix}q_heads', f'{prefix}kv_heads'
+
+    def split(config, size: int) -> BlockSplit:
+        heads, kv_heads, d = _attn_dims(config, sliding)
+        q_field = 'swa_num_attention_heads' if sliding else 'num_attention_heads'
+        kv_field = 'swa_num_key_value_heads' if sliding else 'num_key_value_heads'
+        axes = (Axis(q, heads, q_field, q_field), Axis(kv, kv_heads, kv_field, kv_field, shared=True))
+        tensors = (rows(('q_proj', 'wq_du'), Piece(q, d)), rows(('r_proj', 'wr_du'), Piece(q, config.d_rel)),
+                   rows(('k_proj', 'v_proj', 'wk_dv', 'wv_dv', 'k_sconv', 'v_sconv'), Piece(kv, d)),
+                   cols(('o_proj.weight', 'wo_ud.weight'), Piece(q, d)))
+        caches = ((KV_SPLIT[sliding], (Piece(kv),)), (KV_CONV_SPLIT[sliding], (Piece(kv, d),)))
+        return BlockSplit(axes, tensors, row_parallel=('o_proj',), caches=caches)
+
+    return split
+
+
+def dense_mlp_split(config, size: int) -> BlockSplit:
+    """The dense MLP's split (a split factory): intermediate rows of ``gate_proj`` / ``up_proj``
+    (the published ``w13_dn``, gate and up rows interleaved: the rank's rows of both are one
+    contiguous run of twice the count), columns of ``down_proj`` / ``w2_md`` (row-parallel);
+    ``global_scale`` whole (it scales the summed output)."""
+    n = config.intermediate_size
+    a = Axis('intermediate', n, 'intermediate_size', 'intermediate_size')
+    tensors = (rows(('gate_proj', 'up_proj'), Piece(a.name)), rows('w13_dn', Piece(a.name, 2)),
+               cols(('down_proj.weight', 'w2_md.weight'), Piece(a.name)))
+    return BlockSplit((a,), tensors, row_parallel=('down_proj',))
 
 
 class _Float32(nn.Module):
@@ -410,13 +469,15 @@ class InklingModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # a sibling of embed_tokens (checkpoints: embed_tokens.embed_norm), which tensor parallelism
+        # replaces with its vocabulary-parallel embedding
+        self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(InklingDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens.embed_norm(self.embed_tokens(ctx.input_ids))
+        hidden = self.embed_norm(self.embed_tokens(ctx.input_ids))
         for layer in self.layers:
             hidden = layer(hidden, ctx)
         return self.norm(hidden)
@@ -428,7 +489,8 @@ _TOWERS = ('model.vision_tower.', 'model.audio_tower.', 'model.multi_modal_proje
 # inkling_mm_model applies at load, read from its source; the w13 tensors are split by load_tensor)
 _PUBLISHED = [(re.compile(p), r) for p, r in (
     (r'^model\.llm\.embed\.weight$', 'model.embed_tokens.weight'),
-    (r'^model\.llm\.embed_norm\.weight$', 'model.embed_tokens.embed_norm.weight'),
+    (r'^model\.llm\.embed_norm\.weight$', 'model.embed_norm.weight'),
+    (r'^model\.embed_tokens\.embed_norm\.', 'model.embed_norm.'),
     (r'^model\.llm\.unembed\.weight$', 'lm_head.weight'),
     (r'^model\.llm\.', 'model.'),
     (r'\.attn\.wq_du\.', '.self_attn.q_proj.'),
@@ -533,6 +595,15 @@ class InklingForCausalLM(CausalLM):
     rotary_class = None   # no rotary embedding: positions enter through the relative bias only
     check_config = staticmethod(check_config)
     model_class = InklingModel
+    # attention by head (each kind its own counts), the dense MLP by intermediate rows; the routers,
+    # routed and shared experts, the residual short convs and every norm replicated
+    parallel_plan = ParallelPlan(
+        layers=lambda config: [(kind, mlp) for kind, mlp in zip(config.layer_types, config.mlp_layer_types)],
+        blocks={SLIDING: (Block(attention_split(True), ('self_attn', 'attn')),),
+                GLOBAL: (Block(attention_split(False), ('self_attn', 'attn')),),
+                DENSE: (Block(dense_mlp_split, 'mlp'),), SPARSE: ()},
+        renames=(('model.llm.embed.', 'model.embed_tokens.'), ('model.llm.unembed.', 'lm_head.'),
+                 ('model.llm.', 'model.'), ('model.language_model.', 'model.')))
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
@@ -549,7 +620,7 @@ class InklingForCausalLM(CausalLM):
         for kind in text.layer_types:
             sliding = kind == SLIDING
             _, kv_heads, head_dim = _attn_dims(text, sliding)
-            specs.append(SlidingWindowSpec(kv_heads, head_dim, dtype, text.sliding_window_size) if sliding
+            specs.append(InklingWindowSpec(kv_heads, head_dim, dtype, text.sliding_window_size) if sliding
                          else FullAttentionSpec(kv_heads, head_dim, dtype))
             specs.append(conv_state_spec(text, sliding))
         return specs
