@@ -48,6 +48,16 @@ def test_tiny_model_mixes_windows_bias_extents_log_scaling_and_both_mlps(tiny):
     assert config['rel_extent'] == 48 and config['log_scaling_n_floor'] == 32
 
 
+def test_small_score_budgets_split_queries_into_small_tiles_with_the_same_logits(tiny, monkeypatch):
+    """Long contexts take fewer query rows per score block (``SCORE_BUDGET``): with a budget of a
+    few hundred scores the tiles shrink to 1-4 rows, and the logits stay within TOL of
+    transformers' (global layers: every key; sliding ones: the window)."""
+    import lmdeploy.pytorch.models.inkling as inkling
+    from engine_utils import check_prompt_logits_match_transformers
+    monkeypatch.setattr(inkling, 'SCORE_BUDGET', 4 * 4 * 100)
+    check_prompt_logits_match_transformers(*tiny, 150, 64)
+
+
 def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
     """Window and global layers: the Store keeps every block below a save point, and the state
     objects hold the four conv states of every layer."""

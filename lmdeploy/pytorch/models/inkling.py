@@ -28,12 +28,14 @@ counts, optional log scaling of the logits)::
                    = sigmoid(z) / sum of them, times route_scale * global_scale
 
 The relative bias has no place in the paged attention kernels, so attention runs in this
-file's torch path (:func:`relative_bias_attention`): per sequence and per tile of up to
-:data:`QUERY_TILE` queries it gathers the visible keys from the paged cache and materializes the
-bias ``[heads, tile, keys]`` (a gather from ``[tile, heads, E]``). Its cost against the fused
-kernels: one Python iteration per sequence per layer (decode included), float32 scores of
-``tile x keys`` per head in memory (no flash-style streaming), and an ``E``-wide product per
-query and head for the bias.
+file's torch path (:func:`relative_bias_attention`): per sequence and per tile of queries (at
+most :data:`QUERY_TILE`, fewer when ``heads x tile x keys`` would pass :data:`SCORE_BUDGET`) it
+gathers the visible keys from the paged cache, computes the float32 scores and adds the bias over
+the keys within ``E`` tokens of some query of the tile (a gather from ``[tile, heads, E]``). Its
+cost against the fused kernels: one Python iteration per sequence per layer (decode included),
+the whole score block in memory (no flash-style streaming), and an ``E``-wide product per query
+and head for the bias. The algorithm is ``transformers``' (``InklingRelativeLogits`` added to the
+eager attention's logits, ``models/inkling/modeling_inkling.py``), computed over paged blocks.
 
 Caches, two entries per layer ``i`` (as Falcon-H1's): ``2 i`` the paged K/V (a
 :class:`SlidingWindowSpec` with ``sliding_window_size`` for a sliding layer, a
@@ -75,11 +77,12 @@ from .layers import Linear, RMSNorm, WeightLoader
 from .parallel_plan import Axis, Block, BlockSplit, ParallelPlan, Piece, cols, rows
 
 __all__ = ['InklingForCausalLM', 'InklingForConditionalGeneration', 'check_config', 'conv_state_spec',
-           'relative_bias_attention', 'QUERY_TILE']
+           'relative_bias_attention', 'QUERY_TILE', 'SCORE_BUDGET']
 
 SLIDING, GLOBAL = 'hybrid_sliding', 'hybrid'
 DENSE, SPARSE = 'dense', 'sparse'
-QUERY_TILE = 256        # query rows per score block: the bias block is [heads, tile, keys] float32
+QUERY_TILE = 256          # most query rows per score block
+SCORE_BUDGET = 1 << 24    # float32 scores per block ([heads, tile, keys], 64 MiB): long contexts take fewer rows
 # the four conv states of a layer, in the order of its state entry (transformers' conv_idx 0-3)
 CONV_NAMES = ('k_conv', 'v_conv', 'attn_conv', 'mlp_conv')
 
@@ -286,9 +289,13 @@ def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     out = torch.empty_like(q)
     for i, hist in enumerate(ctx.history_lens):
         sl = ctx.seq_slice(i)
+        n = sl.stop - sl.start
         table = ctx.block_tables[i].to(q.device)
-        for start in range(0, sl.stop - sl.start, QUERY_TILE):
-            end = min(start + QUERY_TILE, sl.stop - sl.start)
+        # query rows per score block: at most QUERY_TILE, fewer when the keys are many
+        keys_max = hist + n if window is None else window + QUERY_TILE
+        tile = max(1, min(QUERY_TILE, SCORE_BUDGET // (H * keys_max)))
+        for start in range(0, n, tile):
+            end = min(start + tile, n)
             rows = slice(sl.start + start, sl.start + end)
             L = end - start
             lo, hi = (0 if window is None else max(0, hist + start - window + 1)), hist + end
@@ -299,10 +306,14 @@ def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
             qt = q[rows].float().view(L, Hkv, G, D).permute(1, 2, 0, 3)                               # [Hkv, G, L, D]
             dist = (torch.arange(hist + start, hist + end, device=q.device)[:, None]
                     - torch.arange(lo, hi, device=q.device)[None, :])                                 # [L, K]
+            scores = torch.einsum('hgld,hkd->hglk', qt, keys) * scale                                 # [Hkv, G, L, K]
+            # the bias is zero past E tokens back: build it only over the keys [near, hi) some query reaches
+            near = max(lo, hist + start - E + 1)
+            d = dist[:, near - lo:]
             profile = rel[rows].float() @ projf                                                       # [L, H, E]
-            bias = profile.gather(-1, dist.clamp(0, E - 1)[:, None, :].expand(L, H, -1))              # [L, H, K]
-            bias = bias.masked_fill(((dist < 0) | (dist >= E))[:, None, :], 0.0)
-            scores = torch.einsum('hgld,hkd->hglk', qt, keys) * scale + bias.permute(1, 0, 2).view(Hkv, G, L, -1)
+            bias = profile.gather(-1, d.clamp(0, E - 1)[:, None, :].expand(L, H, -1))                 # [L, H, K']
+            bias = bias.masked_fill(((d < 0) | (d >= E))[:, None, :], 0.0)
+            scores[..., near - lo:] += bias.permute(1, 0, 2).view(Hkv, G, L, -1)
             if tau is not None:
                 scores = scores * tau[rows].float().view(1, 1, L, 1)
             visible = dist >= 0
