@@ -161,8 +161,8 @@ class InklingWindowSpec(SlidingWindowSpec):
     sliding layers' own KV heads (``swa_num_key_value_heads``, range name ``KV_SPLIT[True]``)."""
 
     def tensors(self) -> tuple[CacheTensor, ...]:
-        shape = (self.num_kv_heads, self.head_dim)
-        return (CacheTensor('k', shape, self.dtype, KV_SPLIT[True]), CacheTensor('v', shape, self.dtype, KV_SPLIT[True]))
+        shape, split = (self.num_kv_heads, self.head_dim), KV_SPLIT[True]
+        return CacheTensor('k', shape, self.dtype, split), CacheTensor('v', shape, self.dtype, split)
 
 
 def conv_state_spec(config, sliding: bool) -> StateSpec:
@@ -175,8 +175,8 @@ def conv_state_spec(config, sliding: bool) -> StateSpec:
     K = config.conv_kernel_size
     kv, hidden = (kv_heads * head_dim, K - 1), (config.hidden_size, K - 1)
     split = KV_CONV_SPLIT[sliding]
-    return StateSpec((CacheTensor('k_conv', kv, torch.float32, split), CacheTensor('v_conv', kv, torch.float32, split),
-                      CacheTensor('attn_conv', hidden, torch.float32), CacheTensor('mlp_conv', hidden, torch.float32)))
+    return StateSpec(tuple(CacheTensor(name, shape, torch.float32, tp)
+                           for name, shape, tp in zip(CONV_NAMES, (kv, kv, hidden, hidden), (split, split, None, None))))
 
 
 def attention_split(sliding: bool):
@@ -618,7 +618,7 @@ class InklingForCausalLM(CausalLM):
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """Two entries per layer ``i``: ``2 i`` a :class:`SlidingWindowSpec`
+        """Two entries per layer ``i``: ``2 i`` an :class:`InklingWindowSpec` (a :class:`SlidingWindowSpec`)
         (``swa_num_key_value_heads x swa_head_dim`` per token, window ``sliding_window_size``) or
         a :class:`FullAttentionSpec` (``num_key_value_heads x head_dim``), K/V in ``dtype``; ``2 i + 1``
         the layer's four float32 conv states (:func:`conv_state_spec`).
