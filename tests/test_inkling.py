@@ -201,7 +201,7 @@ def test_refused_fields_name_themselves(tiny, change, field):
     check_refused_field(AutoConfig.from_pretrained(tiny[0]), change, field, 'inkling_text', checked={
         'layer_types', 'mlp_layer_types', 'sliding_window_size', 'rel_extent', 'd_rel', 'conv_kernel_size',
         'num_key_value_heads', 'swa_num_key_value_heads', 'hidden_act', 'num_experts_per_tok', 'n_shared_experts',
-        'log_scaling_n_floor', 'unpadded_vocab_size', 'rope_parameters', 'quantization_config'})
+        'log_scaling_n_floor', 'unpadded_vocab_size', 'quantization_config'})
 
 
 @pytest.mark.parametrize('model_type', ['inkling_text', 'inkling_mm_model'])

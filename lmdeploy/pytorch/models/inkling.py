@@ -577,6 +577,9 @@ class InklingForCausalLM(CausalLM):
     # the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
+        'rope_parameters': INERT,                 # no rotary embedding: never read
+        'max_position_embeddings': INERT,         # no position table: only a context-length hint
+        'attention_bias': INERT,                  # not read: every projection is bias-free
         'layer_types': CHECKED,                   # 'hybrid_sliding' / 'hybrid' per layer
         'mlp_layer_types': CHECKED,               # 'dense' / 'sparse' per layer
         'swa_num_attention_heads': IMPLEMENTED,
