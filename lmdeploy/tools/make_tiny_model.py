@@ -126,7 +126,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     """
     norm_params = {
         f'{mod_name}.{p_name}'
-        for mod_name, mod in model.named_modules() if 'Norm' in type(mod).__name__
+        # a norm module ('Norm' in its class name), not an embedding that norms its output (Inkling's)
+        for mod_name, mod in model.named_modules()
+        if 'Norm' in type(mod).__name__ and not isinstance(mod, torch.nn.Embedding)
         for p_name, _ in mod.named_parameters(recurse=False)
     }
     with torch.no_grad():

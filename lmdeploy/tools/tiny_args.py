@@ -11,7 +11,7 @@ __all__ = ['ARCHS', 'DEFAULT_ARCH', 'VL_ARCHS', 'MTP_ARCHS', 'NEXTN_ARCHS', 'DTY
 ARCHS = ('qwen3', 'qwen3_next', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'kimi_linear', 'glm5_next', 'nemotron_h',
          'granitemoehybrid', 'granitemoe_swa', 'lfm2', 'lfm2_moe', 'bamba', 'mamba2', 'falcon_h1', 'mamba',
          'falcon_mamba', 'jamba', 'bailing_hybrid', 'minimax', 'olmo_hybrid', 'zamba2', 'lara_mini',
-         'lfm3')
+         'lfm3', 'inkling_text')
 DEFAULT_ARCH = 'qwen3_next'     # the quick start's and the tests' usual arch
 VL_ARCHS = ('qwen3_5', 'qwen3_5_moe')                          # vision-language checkpoints
 MTP_ARCHS = ('qwen3_next', 'qwen3_5_moe', 'qwen3_5_moe_text')  # published with an mtp.* head

@@ -15,6 +15,8 @@ MODEL_REGISTRY = {
     'glm5_next_text': 'glm5_next:Glm5NextForCausalLM',
     'granitemoehybrid': 'granitemoehybrid:GraniteMoeHybridForCausalLM',
     'granitemoe_swa': 'granitemoe_swa:GraniteMoeSWAForCausalLM',
+    'inkling_mm_model': 'inkling:InklingForConditionalGeneration',
+    'inkling_text': 'inkling:InklingForCausalLM',
     'jamba': 'jamba:JambaForCausalLM',
     'kimi_linear': 'kimi_linear:KimiLinearForCausalLM',
     'lara_mini': 'lara_mini:LaraMiniForCausalLM',
