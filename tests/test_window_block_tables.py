@@ -8,7 +8,8 @@ window, so their memory is bounded by the window while the global group keeps ev
   ``ceil(c / B) - window_first_block(c)`` blocks (``ceil(W / B) + 1`` = 3 at most while decoding), the
   global pool ``ceil(c / B)``; tokens equal ``transformers`` and the engine with the prefix cache
   on (one shared table); every pool is free again afterwards;
-- the same on the tiny ``lfm3`` (a conv state besides global and 40-token sliding layers);
+- the same on the tiny ``lfm3``, ``lara_mini`` and ``inkling_text`` (recurrent or conv state besides global and
+  40-token sliding layers; Inkling's own attention path must read the sliding layers' tables);
 - the scheduler alone, random prompts, chunk sizes and pool sizes, several sequences at once
   (preemption included): each window table's leading ``FREED_BLOCK`` entries are exactly the
   blocks out of the window, no pool ever holds a block nobody references, and both pools end free.
@@ -137,11 +138,14 @@ def test_long_sequence_holds_window_bounded_memory_for_its_window_layers(tiny):
     assert shared.generate(ids, gen).output_ids == seq.output_ids
 
 
-def test_hybrid_model_with_state_bounds_its_window_layers_too(tmp_path_factory):
-    """LFM3 (short conv state, 40-token sliding and global layers): a 200-token prompt in 32-token
-    chunks and 6 decode steps hold the exact window blocks after every forward, decode what
-    ``transformers`` and the engine with the prefix cache on decode, and leave every pool free."""
-    path, hf = tiny_checkpoint_and_reference(tmp_path_factory, 'lfm3')
+@pytest.mark.parametrize('arch', ['lfm3', 'lara_mini', 'inkling_text'])
+def test_hybrid_model_with_state_bounds_its_window_layers_too(tmp_path_factory, arch):
+    """LFM3 (short conv state), Lara-4-Mini (Gated DeltaNet state) and Inkling (its own
+    relative-bias attention path, which must read the sliding layers' tables), each with 40-token
+    sliding and global layers: a 200-token prompt
+    in 32-token chunks and 6 decode steps hold the exact window blocks after every forward, decode
+    what ``transformers`` and the engine with the prefix cache on decode, and leave every pool free."""
+    path, hf = tiny_checkpoint_and_reference(tmp_path_factory, arch)
     window, n, new = 40, 200, 6
     ids = random_prompt(n, seed=30)
     gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)

@@ -281,6 +281,7 @@ def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     Returns:
         ``[T, heads, head_dim]`` in ``q.dtype``.
     """
+    ctx = ctx.paged_group(window)      # a sliding layer's own block tables when its group has a pool
     fill_kv_cache(k, v, k_cache, v_cache, ctx)
     T, H, D = q.shape
     Hkv, B, E = k_cache.shape[2], ctx.block_size, proj.shape[1]
