@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'GATED_DELTANET_FIELDS', 'MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config']
+__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'GATED_DELTANET_FIELDS', 'MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config',
+           'check_layer_types']
 
 IMPLEMENTED, CHECKED, INERT = 'implemented', 'checked', 'inert'
 
@@ -131,3 +132,21 @@ def check_config(config) -> None:
     cls.check_config(config)
     if cls.rotary_class is not None:     # a family without rotary embeddings reads no rope field
         cls.rotary_class(config.get_text_config())  # raises for rope parameters it cannot reproduce
+
+
+def check_layer_types(config, kinds: tuple[str, ...], field: str = 'layer_types') -> list[str]:
+    """The per-layer kinds ``config.<field>`` lists, one of ``kinds`` for each of the
+    ``num_hidden_layers`` layers (``layer_types``, ``mlp_layer_types``, ``indexer_types`` ...).
+
+    Returns:
+        The list, as given.
+
+    Raises:
+        ValueError: naming ``field``: a missing list, a wrong length, or a kind not in ``kinds``.
+    """
+    n = config.num_hidden_layers
+    types = list(getattr(config, field, None) or [])
+    if len(types) != n or any(t not in kinds for t in types):
+        names = ', '.join(repr(k) for k in kinds[:-1]) + (' or ' if len(kinds) > 1 else '') + repr(kinds[-1])
+        raise ValueError(f'{field} must list {names} for each of the {n} layers, got {types}')
+    return types
