@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'GATED_DELTANET_FIELDS', 'MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config',
+__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'GATED_DELTANET_FIELDS', 'MOE_FIELDS', 'KDA_FIELDS', 'MLA_FIELDS',
+           'GROUP_LIMITED_MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config',
            'check_layer_types']
 
 IMPLEMENTED, CHECKED, INERT = 'implemented', 'checked', 'inert'
@@ -64,6 +65,28 @@ MOE_FIELDS = {
     'shared_expert_intermediate_size': IMPLEMENTED,
     'output_router_logits': INERT,            # the training loss only
     'router_aux_loss_coef': INERT,
+}
+KDA_FIELDS = {                 # the Kimi Delta Attention layers of Kimi-Linear, Ling 3, GLM-5.3-Flash
+    'linear_conv_kernel_dim': IMPLEMENTED,
+    'linear_head_dim': IMPLEMENTED,
+    'linear_num_heads': IMPLEMENTED,
+}
+MLA_FIELDS = {                 # multi-head latent attention (blocks/mla.py)
+    'kv_lora_rank': IMPLEMENTED,
+    'q_lora_rank': IMPLEMENTED,               # None: one q_proj; else q_a_proj / norm / q_b_proj
+    'qk_nope_head_dim': IMPLEMENTED,
+    'qk_rope_head_dim': IMPLEMENTED,
+    'v_head_dim': IMPLEMENTED,
+}
+GROUP_LIMITED_MOE_FIELDS = {   # the DeepSeek-V3-style MoE (blocks/moe.py GroupLimitedMoE)
+    'moe_intermediate_size': IMPLEMENTED,
+    'n_shared_experts': IMPLEMENTED,
+    'num_local_experts': IMPLEMENTED,
+    'num_experts_per_tok': IMPLEMENTED,
+    'n_group': CHECKED,                       # divides num_local_experts into groups of >= 2
+    'topk_group': CHECKED,                    # in [1, n_group]
+    'norm_topk_prob': IMPLEMENTED,
+    'routed_scaling_factor': IMPLEMENTED,
 }
 
 
