@@ -34,7 +34,7 @@ import torch
 
 from ..cache_specs import LayerCacheSpec
 from .base import CausalLM
-from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx
+from .blocks.decoder import DecoderLayer, UniformStack, mixer_ctx
 from .blocks.kda import KimiDeltaAttention, kda_mla_cache_specs, kda_split, load_kda_tensor
 from .blocks.mla import LatentAttention, mla_split
 from .blocks.moe import LimitedGroupMoE, LimitedSwiGLUMLP, check_group_limited, clipped_swiglu, load_expert_tensor
@@ -96,13 +96,11 @@ class BailingHybridDecoderLayer(DecoderLayer):
         super().__init__(config.hidden_size, config.rms_norm_eps, mixer, mlp, call=call)
 
 
-class BailingHybridModel(DecoderStack):
-    """Embedding, decoder layers, final norm; the rotary table of the MLA layers."""
-
-    def __init__(self, config):
-        # transformers' config sets head_dim = qk_rope_head_dim: the table covers the rope part
-        super().__init__(config, (BailingHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers)),
-                         rotary=RotaryEmbedding(config))
+class BailingHybridModel(UniformStack):
+    """Embedding, decoder layers, final norm; the rotary table of the MLA layers (transformers'
+    config sets ``head_dim = qk_rope_head_dim``: the table covers the rope part)."""
+    layer_class = BailingHybridDecoderLayer
+    rotary_class = RotaryEmbedding
 
 
 _RENAMES = [

@@ -34,22 +34,11 @@ from .base import CausalLM
 from .blocks.decoder import DecoderStack, RotaryTables, SharedMLPDecoderLayer, mixer_table_ctx
 from .blocks.gqa import GQAProjections, gqa_split
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
-from .blocks.window_attention import window_cache_specs
-from .blocks.window_attention import layer_windows as _layer_windows
+from .blocks.window_attention import layer_windows, window_cache_specs
 from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary
 from .parallel_plan import Block, ParallelPlan
 
-__all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config', 'layer_windows']
-
-def layer_windows(config) -> list[int | None]:
-    """Each layer's window in tokens (``sliding_window``), or None for a global layer.
-
-    Raises:
-        ValueError: ``layer_types`` is not ``'full_attention'`` / ``'sliding_attention'`` for each
-            layer, or ``sliding_window`` is not an int >= 1 while some layer slides.
-    """
-    return _layer_windows(config)
-
+__all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config']
 
 def _thetas(config) -> list[float]:
     thetas = getattr(config, 'layer_rope_theta', None)
@@ -71,7 +60,8 @@ def check_config(config) -> None:
     """Refuse configs this implementation does not reproduce exactly.
 
     Raises:
-        ValueError: naming the field: ``layer_types`` / ``sliding_window`` (:func:`layer_windows`),
+        ValueError: naming the field: ``layer_types`` / ``sliding_window``
+            (:func:`~.blocks.window_attention.layer_windows`),
             ``layer_rope_theta`` (one base >= 0 per layer; the ``rope_parameters`` of :mod:`.rope`
             for the nonzero ones), ``hidden_act`` (``'silu'`` only), ``num_local_experts`` (>= 1),
             ``num_experts_per_tok`` (``1..num_local_experts``), ``shared_intermediate_size`` (>= 0).

@@ -26,10 +26,10 @@ import torch
 
 from ..cache_specs import LayerCacheSpec
 from .base import CausalLM
-from .blocks.decoder import DecoderLayer, DecoderStack
+from .blocks.decoder import DecoderLayer, UniformStack
 from .blocks.kda import KimiDeltaAttention, kda_mla_cache_specs, kda_split, load_kda_tensor
 from .blocks.mla import LatentAttention, mla_split
-from .blocks.moe import GroupLimitedMoE, check_group_limited, load_expert_tensor
+from .blocks.moe import MIXTRAL_EXPERT_RENAMES, GroupLimitedMoE, check_group_limited, load_expert_tensor
 from .config_audit import (CHECKED, COMMON_FIELDS, GROUP_LIMITED_MOE_FIELDS, INERT, KDA_FIELDS, MLA_FIELDS,
                            check_layer_types)
 from .layers import SwiGLUMLP
@@ -71,19 +71,14 @@ class KimiLinearDecoderLayer(DecoderLayer):
         super().__init__(config.hidden_size, config.rms_norm_eps, mixer, mlp)
 
 
-class KimiLinearModel(DecoderStack):
+class KimiLinearModel(UniformStack):
     """Embedding, decoder layers, final norm (no positional embedding anywhere)."""
-
-    def __init__(self, config):
-        super().__init__(config, (KimiLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers)))
+    layer_class = KimiLinearDecoderLayer
 
 
 _RENAMES = [
     (re.compile(r'\.self_attn\.forget_gate\.'), '.self_attn.'),            # transformers -> published
-    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+    *MIXTRAL_EXPERT_RENAMES,                                               # published -> transformers
 ]
 
 

@@ -36,42 +36,31 @@ from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from .base import CausalLM
-from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_nope_ctx, mixer_rotary_ctx
+from .blocks.decoder import DecoderLayer, UniformStack, mixer_ctx, mixer_nope_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import MOE, FlatGatedDeltaNet, gdn_split, gdn_state_spec, hybrid_layer_kinds
 from .blocks.gqa import gqa_split
 from .blocks.moe import FusedExperts, load_expert_tensor
-from .blocks.window_attention import FULL, SLIDING, WindowAttention, window_cache_specs
-from .blocks.window_attention import layer_windows as _layer_windows
-from .config_audit import CHECKED, COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
+from .blocks.window_attention import FULL, SLIDING, WindowAttention, layer_windows, window_cache_specs
+from .config_audit import CHECKED, COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, MOE_FIELDS
 from .layers import Linear, RotaryEmbedding, SwiGLUMLP
 from .parallel_plan import Block, ParallelPlan
 
-__all__ = ['LaraMiniForCausalLM', 'check_config', 'layer_windows']
+__all__ = ['LaraMiniForCausalLM', 'check_config']
 
 LINEAR = 'linear_attention'
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each attention layer's window in tokens (``sliding_window`` for ``'sliding_attention'``,
-    None for ``'full_attention'``); 0 for a Gated DeltaNet layer.
-
-    Raises:
-        ValueError: ``layer_types`` does not list one of the three kinds per layer, or
-            ``sliding_window`` is not an int >= 1 while some layer slides.
-    """
-    return _layer_windows(config, LINEAR)
 
 
 def check_config(config) -> None:
     """Refuse configs this implementation does not reproduce exactly.
 
     Raises:
-        ValueError: naming the field: ``layer_types`` / ``sliding_window`` (:func:`layer_windows`),
+        ValueError: naming the field: ``layer_types`` / ``sliding_window``
+            (:func:`~.blocks.window_attention.layer_windows`),
             ``linear_num_value_heads`` (a multiple of ``linear_num_key_heads``), ``hidden_act``
             (``'silu'`` only), ``num_experts`` (>= 1), ``num_experts_per_tok``
             (``1..num_experts``); rope fields: see :mod:`.rope`.
     """
-    layer_windows(config)
+    layer_windows(config, LINEAR)
     if config.linear_num_value_heads % config.linear_num_key_heads:
         raise ValueError(f'linear_num_value_heads ({config.linear_num_value_heads}) must be a multiple of '
                          f'linear_num_key_heads ({config.linear_num_key_heads})')
@@ -120,23 +109,22 @@ class LaraDecoderLayer(DecoderLayer):
     :class:`~.blocks.window_attention.WindowAttention` with rotary on the sliding layers and no
     positions on the global ones), then the MoE, each with a residual."""
 
-    def __init__(self, config, layer_idx: int, window: int | None):
+    def __init__(self, config, layer_idx: int):
         kind = config.layer_types[layer_idx]
         if kind == LINEAR:
             mixer, call, name = LaraGatedDeltaNet(config, layer_idx), mixer_ctx, 'linear_attn'
         else:
+            window = layer_windows(config, LINEAR)[layer_idx]
             mixer, name = WindowAttention(config, layer_idx, window), 'self_attn'
             call = mixer_rotary_ctx if kind == SLIDING else mixer_nope_ctx
         super().__init__(config.hidden_size, config.rms_norm_eps, mixer, LaraMoE(config), call=call,
                          names=(name, 'mlp', 'input_layernorm', 'post_attention_layernorm'))
 
 
-class LaraMiniModel(DecoderStack):
+class LaraMiniModel(UniformStack):
     """Embedding, decoder layers, final norm; one rotary table (for the sliding layers)."""
-
-    def __init__(self, config):
-        super().__init__(config, (LaraDecoderLayer(config, i, w) for i, w in enumerate(layer_windows(config))),
-                         rotary=RotaryEmbedding(config))
+    layer_class = LaraDecoderLayer
+    rotary_class = RotaryEmbedding
 
 
 _ATTENTION = Block(gqa_split(), 'self_attn')     # the sliding and the global layers alike
@@ -169,13 +157,10 @@ class LaraMiniForCausalLM(CausalLM):
         **COMMON_FIELDS,
         **GATED_DELTANET_FIELDS,
         'sliding_window': IMPLEMENTED,            # the window of 'sliding_attention' layers
+        **MOE_FIELDS,
         'num_experts': CHECKED,                   # >= 1
         'num_experts_per_tok': CHECKED,           # in [1, num_experts]
-        'moe_intermediate_size': IMPLEMENTED,
-        'shared_expert_intermediate_size': IMPLEMENTED,
         'norm_topk_prob': IMPLEMENTED,
-        'output_router_logits': INERT,            # the training loss only
-        'router_aux_loss_coef': INERT,
     }
     check_config = staticmethod(check_config)
     # attention by head, Gated DeltaNet by key head (the published fused in_proj or transformers' flat

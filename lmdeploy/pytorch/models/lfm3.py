@@ -41,38 +41,27 @@ from .base import CausalLM
 from .blocks.decoder import DecoderLayer, DecoderStack, RotaryTables, mixer_ctx, mixer_table_ctx
 from .blocks.gqa import gqa_split
 from .blocks.short_conv import ShortConv, short_conv_split, short_conv_state_spec
-from .blocks.window_attention import FULL, SLIDING, WindowAttention, window_cache_specs
-from .blocks.window_attention import layer_windows as _layer_windows
+from .blocks.window_attention import FULL, SLIDING, WindowAttention, layer_windows, window_cache_specs
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
-__all__ = ['Lfm3ForCausalLM', 'check_config', 'layer_windows']
+__all__ = ['Lfm3ForCausalLM', 'check_config']
 
 CONV = 'conv'
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each attention layer's window in tokens (``sliding_window`` for ``'sliding_attention'``,
-    None for ``'full_attention'``); 0 for a short-conv layer.
-
-    Raises:
-        ValueError: ``layer_types`` does not list one of the three kinds per layer, or
-            ``sliding_window`` is not an int >= 1 while some layer slides.
-    """
-    return _layer_windows(config, CONV)
 
 
 def check_config(config) -> None:
     """Refuse configs this implementation does not reproduce exactly.
 
     Raises:
-        ValueError: naming the field: ``layer_types`` / ``sliding_window`` (:func:`layer_windows`),
+        ValueError: naming the field: ``layer_types`` / ``sliding_window``
+            (:func:`~.blocks.window_attention.layer_windows`),
             ``conv_L_cache`` (at least 2: a width-1 conv keeps no state), ``num_key_value_heads``
             (must divide ``num_attention_heads``); ``rope_parameters`` (each attention layer type
             needs its entry; rope types as :mod:`.rope` accepts them).
     """
-    layer_windows(config)
+    layer_windows(config, CONV)
     types = set(config.layer_types)
     if config.conv_L_cache < 2:
         raise ValueError(f'conv_L_cache must be at least 2, got {config.conv_L_cache}')
@@ -117,7 +106,7 @@ class Lfm3Model(DecoderStack):
     attention layer type present."""
 
     def __init__(self, config):
-        layers = (Lfm3DecoderLayer(config, i, w) for i, w in enumerate(layer_windows(config)))
+        layers = (Lfm3DecoderLayer(config, i, w) for i, w in enumerate(layer_windows(config, CONV)))
         rotary = RotaryTables({t: RotaryEmbedding(config, t) for t in sorted(set(config.layer_types) - {CONV})})
         super().__init__(config, layers, rotary=rotary, norm=RMSNorm(config.hidden_size, config.norm_eps),
                          names=('embed_tokens', 'layers', 'embedding_norm'))

@@ -33,13 +33,13 @@ import torch
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
+from .blocks.decoder import DecoderLayer, UniformStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import GQAProjections, gqa_split
+from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.lightning import LightningAttention, lightning_split, lightning_state_spec
-from .blocks.moe import GraniteMoE, load_expert_tensor
+from .blocks.moe import MIXTRAL_EXPERT_RENAMES, GraniteMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT, MOE_FIELDS, check_layer_types
-from .layers import RotaryEmbedding, apply_rotary, attention
+from .layers import RotaryEmbedding
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['MiniMaxForCausalLM', 'check_config']
@@ -65,25 +65,8 @@ def check_config(config) -> None:
                          f'({config.num_local_experts})]')
 
 
-class MiniMaxAttention(GQAProjections):
-    """Grouped-query attention over the paged KV cache, RoPE on whole heads, scale
-    ``head_dim ** -0.5``; no biases.
-
-    Args:
-        config: HF ``MiniMaxConfig``.
-        layer_idx: index into ``StepContext.kv_caches``.
-    """
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``;
-        writes this layer's K/V into the cache."""
-        q, k, v = self.project(hidden)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(hidden.shape[0], -1))
+#: grouped-query attention over the paged KV cache, RoPE on whole heads, scale ``head_dim ** -0.5``; no biases
+MiniMaxAttention = RotaryGQA
 
 
 class MiniMaxDecoderLayer(DecoderLayer):
@@ -110,19 +93,14 @@ class MiniMaxDecoderLayer(DecoderLayer):
         return hidden * self.mlp_alpha + self.mlp_block(hidden) * self.mlp_beta
 
 
-class MiniMaxModel(DecoderStack):
+class MiniMaxModel(UniformStack):
     """Embedding, decoder layers, final norm; the rotary table of the softmax-attention layers."""
-
-    def __init__(self, config):
-        super().__init__(config, (MiniMaxDecoderLayer(config, i) for i in range(config.num_hidden_layers)),
-                         rotary=RotaryEmbedding(config))
+    layer_class = MiniMaxDecoderLayer
+    rotary_class = RotaryEmbedding
 
 
 _RENAMES = [
-    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+    *MIXTRAL_EXPERT_RENAMES,                                               # published -> transformers
     (re.compile(r'\.mlp\.gate\.weight$'), '.mlp.router.weight'),           # transformers -> ours
 ]
 

@@ -21,7 +21,7 @@ keeping the construction and the names.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from ...model_inputs import StepContext
 from ..layers import RMSNorm
 
 __all__ = ['DecoderLayer', 'DecoderStack', 'MixerCall', 'mixer_ctx', 'mixer_rotary_ctx', 'mixer_cos_sin_ctx',
-           'mixer_nope_ctx', 'mixer_table_ctx', 'RotaryTables', 'SharedMLPDecoderLayer']
+           'mixer_nope_ctx', 'mixer_table_ctx', 'RotaryTables', 'SharedMLPDecoderLayer', 'UniformStack']
 
 #: how a layer calls its token mixer: ``call(mixer, normed [T, hidden], rotary, ctx) -> [T, hidden]``
 MixerCall = Callable[[nn.Module, torch.Tensor, Any, StepContext], torch.Tensor]
@@ -249,3 +249,22 @@ class SharedMLPDecoderLayer(DecoderLayer):
         normed = self.norm_2(hidden)
         out = self.mlp_block(normed) + shared(normed)
         return hidden + (out if m == 1.0 else out * m)
+
+
+class UniformStack(DecoderStack):
+    """A :class:`DecoderStack` declared by two class attributes, for the common case where every
+    layer is ``layer_class(config, layer_idx)`` and one rotary module (or none) serves them all:
+    a family's ``model_class`` then names its blocks instead of repeating the constructor.
+
+    Attributes:
+        layer_class: called as ``layer_class(config, i)`` for ``i < num_hidden_layers``.
+        rotary_class: called as ``rotary_class(config)``; None for no positions.
+    """
+
+    layer_class: ClassVar[Callable[[Any, int], nn.Module]]
+    rotary_class: ClassVar[Callable[[Any], nn.Module] | None] = None
+
+    def __init__(self, config):
+        cls = type(self)        # read through the class: a plain function stays unbound
+        super().__init__(config, (cls.layer_class(config, i) for i in range(config.num_hidden_layers)),
+                         rotary=None if cls.rotary_class is None else cls.rotary_class(config))

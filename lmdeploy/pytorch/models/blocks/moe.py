@@ -30,7 +30,7 @@ from ...kernels.linear import linear
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..layers import Linear, PackedLinear, SwiGLUMLP, WeightLoader, mlp_split
 
-__all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'GRANITE_SHARED_MLP_SPLIT', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor',
+__all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'GRANITE_SHARED_MLP_SPLIT', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor', 'MIXTRAL_EXPERT_RENAMES',
            'LimitedExperts', 'LimitedGroupMoE', 'LimitedSwiGLUMLP', 'check_group_limited', 'clamped_swiglu',
            'clipped_swiglu']
 
@@ -229,6 +229,17 @@ class GraniteMoE(nn.Module):
         """``[T, hidden]`` → ``[T, hidden]``."""
         logits, index = self.router(x).float().topk(self.top_k, dim=-1)
         return self.experts(x, index, torch.softmax(logits, dim=-1).to(x.dtype))
+
+
+#: Mixtral-style published expert names (``block_sparse_moe``, ``experts.{e}.w1`` gate / ``w3`` up /
+#: ``w2`` down) -> transformers' (``mlp``, ``gate_proj`` / ``up_proj`` / ``down_proj``), which
+#: :func:`load_expert_tensor` then copies into the fused experts
+MIXTRAL_EXPERT_RENAMES = [
+    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+]
 
 
 # Granite checkpoints' published MoE and shared-MLP names -> the engine's module names
