@@ -32,10 +32,10 @@ from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .base import CausalLM
 from .blocks.decoder import DecoderStack, RotaryTables, SharedMLPDecoderLayer, mixer_table_ctx
-from .blocks.gqa import GQAProjections, gqa_split
+from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .blocks.window_attention import layer_windows, window_cache_specs
-from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary
+from .layers import RotaryEmbedding, SwiGLUMLP
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config']
@@ -80,9 +80,9 @@ def check_config(config) -> None:
         raise ValueError(f'shared_intermediate_size must be >= 0, got {config.shared_intermediate_size}')
 
 
-class GraniteSWAAttention(GQAProjections):
-    """GQA over the paged KV cache with softmax scale ``attention_multiplier``, one learnable sink
-    logit per query head, and a sliding window when ``window`` is set.
+class GraniteSWAAttention(RotaryGQA):
+    """:class:`~.blocks.gqa.RotaryGQA` (RoPE or none) with softmax scale ``attention_multiplier``,
+    one learnable sink logit per query head, and a sliding window when ``window`` is set.
 
     Args:
         config: HF ``GraniteMoeSWAConfig`` (this rank's head counts under TP).
@@ -91,22 +91,15 @@ class GraniteSWAAttention(GQAProjections):
     """
 
     def __init__(self, config, layer_idx: int, window: int | None):
-        super().__init__(config, layer_idx)
+        super().__init__(config, layer_idx, scale=config.attention_multiplier)
         self.window = window
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
-        self.scale = float(config.attention_multiplier)
 
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (NoPE);
-        writes this layer's K/V into the cache."""
-        T = hidden.shape[0]
-        q, k, v = self.project(hidden)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """As :meth:`RotaryGQA.attend`, over the window's keys with the sinks."""
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = get_kernel('paged_window_attention', q.device)(q, k, v, k_cache, v_cache, ctx, self.scale, self.window,
+        return get_kernel('paged_window_attention', q.device)(q, k, v, k_cache, v_cache, ctx, self.scale, self.window,
                                                               self.sinks)
-        return self.o_proj(out.reshape(T, -1))
 
 
 class GraniteSWADecoderLayer(SharedMLPDecoderLayer):
@@ -138,14 +131,8 @@ class GraniteMoeSWAModel(DecoderStack):
 
 
 class GraniteMoeSWAForCausalLM(CausalLM):
-    """``granitemoe_swa`` causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``GraniteMoeSWAConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """``granitemoe_swa`` causal LM in the engine's layers, from a ``transformers``
+    ``GraniteMoeSWAConfig`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
     # global, sliding, sliding, global; MoE + shared MLP; per-layer RoPE bases. A 24-token window (off the
     # 16-token blocks and the 32-token prefill chunks, so chunk ends fall inside windows), a NoPE layer and
     # two RoPE bases, µP multipliers off 1, attention sinks
@@ -184,10 +171,6 @@ class GraniteMoeSWAForCausalLM(CausalLM):
 
     model_class = GraniteMoeSWAModel
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.logits_scaling = float(config.logits_scaling)
-
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: a :class:`FullAttentionSpec` (global) or a :class:`SlidingWindowSpec` with
@@ -200,7 +183,7 @@ class GraniteMoeSWAForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
-        return self.lm_head(hidden).float() / self.logits_scaling
+        return self.lm_head(hidden).float() / float(self.config.logits_scaling)
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""

@@ -55,11 +55,10 @@ def check_config(config) -> None:
     """Refuse configs this implementation does not reproduce exactly.
 
     Raises:
-        ValueError: naming the field: ``layer_types`` / ``sliding_window``
-            (:func:`~.blocks.window_attention.layer_windows`),
-            ``conv_L_cache`` (at least 2: a width-1 conv keeps no state), ``num_key_value_heads``
-            (must divide ``num_attention_heads``); ``rope_parameters`` (each attention layer type
-            needs its entry; rope types as :mod:`.rope` accepts them).
+        ValueError: naming the field: ``conv_L_cache`` (at least 2: a width-1 conv keeps no
+            state), ``layer_types`` / ``sliding_window`` (:func:`~.blocks.window_attention.layer_windows`),
+            ``num_key_value_heads`` (must divide ``num_attention_heads``); ``rope_parameters`` (each
+            attention layer type needs its entry; rope types as :mod:`.rope` accepts them).
     """
     layer_windows(config, CONV)
     types = set(config.layer_types)
@@ -124,14 +123,8 @@ _ATTENTION = Block(gqa_split(shared_kv=False, head_gate=('gate_proj', 'g_proj'))
 
 
 class Lfm3ForCausalLM(CausalLM):
-    """``lfm3`` causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``Lfm3Config``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """``lfm3`` causal LM in the engine's layers, from a ``transformers``
+    ``Lfm3Config`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
     # conv, sliding, global, conv, sliding: a 40-token window, off the 16-token blocks and the 32-token
     # prefill chunks, so chunk and block ends fall inside windows; the released nested rope parameters
     # (default for sliding, proportional half-head for global), output gates and sandwich norms on

@@ -92,7 +92,7 @@ class GQAProjections(nn.Module):
 class RotaryGQA(GQAProjections):
     """Grouped-query attention over the paged KV cache: :class:`GQAProjections`, RoPE on the
     leading ``rotary_dim`` channels of q and k when the forward gets tables, the paged attention
-    with softmax scale ``scale``.
+    with softmax scale ``scale`` (:meth:`attend`: a variant with another kernel overrides it).
 
     Args:
         config: as :class:`GQAProjections` (this rank's head counts under TP).
@@ -110,4 +110,9 @@ class RotaryGQA(GQAProjections):
         q, k, v = self.project(hidden)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(hidden.shape[0], -1))
+        return self.o_proj(self.attend(q, k, v, ctx).reshape(hidden.shape[0], -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``q [T, heads, head_dim]``, ``k, v [T, kv_heads, head_dim]`` → ``[T, heads, head_dim]``:
+        writes k / v into this layer's cache and attends causally over every earlier position."""
+        return attention(q, k, v, ctx, self.layer_idx, self.scale)
