@@ -122,7 +122,7 @@ def _our_name(name: str) -> str:
 
 class BailingHybridForCausalLM(CausalLM):
     """Ling 3 causal LM in the engine's layers (no MTP head), from a ``transformers``
-    ``BailingHybridConfig`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
+    ``BailingHybridConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # KDA, MLA, KDA, MLA; two dense MLPs, then grouped sigmoid-routed MoE; clipping on layer 2's
     # routed experts and layer 3's shared experts; YaRN-free default rope
     tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,

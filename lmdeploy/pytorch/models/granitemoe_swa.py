@@ -132,7 +132,7 @@ class GraniteMoeSWAModel(DecoderStack):
 
 class GraniteMoeSWAForCausalLM(CausalLM):
     """``granitemoe_swa`` causal LM in the engine's layers, from a ``transformers``
-    ``GraniteMoeSWAConfig`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
+    ``GraniteMoeSWAConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # global, sliding, sliding, global; MoE + shared MLP; per-layer RoPE bases. A 24-token window (off the
     # 16-token blocks and the 32-token prefill chunks, so chunk ends fall inside windows), a NoPE layer and
     # two RoPE bases, µP multipliers off 1, attention sinks

@@ -84,7 +84,7 @@ _RENAMES = [
 
 class KimiLinearForCausalLM(CausalLM):
     """Kimi-Linear causal LM in the engine's layers, from a ``transformers``
-    ``KimiLinearConfig`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
+    ``KimiLinearConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
     tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
                        layer_types=['linear_attention', 'linear_attention', 'full_attention', 'linear_attention'],

@@ -132,7 +132,7 @@ _ATTENTION = Block(gqa_split(), 'self_attn')     # the sliding and the global la
 
 class LaraMiniForCausalLM(CausalLM):
     """``lara_mini`` causal LM in the engine's layers, from a ``transformers``
-    ``LaraMiniConfig`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
+    ``LaraMiniConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # the released period-5 pattern (linear, sliding, linear, full, sliding): a 40-token window, off
     # the 16-token blocks and the 32-token prefill chunks, so chunk and block ends fall inside windows;
     # two value heads per key head; MoE with a shared expert

@@ -124,7 +124,7 @@ _ATTENTION = Block(gqa_split(shared_kv=False, head_gate=('gate_proj', 'g_proj'))
 
 class Lfm3ForCausalLM(CausalLM):
     """``lfm3`` causal LM in the engine's layers, from a ``transformers``
-    ``Lfm3Config`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
+    ``Lfm3Config``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # conv, sliding, global, conv, sliding: a 40-token window, off the 16-token blocks and the 32-token
     # prefill chunks, so chunk and block ends fall inside windows; the released nested rope parameters
     # (default for sliding, proportional half-head for global), output gates and sandwich norms on

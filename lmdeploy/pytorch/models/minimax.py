@@ -109,7 +109,7 @@ _DECAY_TABLES = re.compile(r'\.self_attn\.(slope_rate|query_decay|key_decay|diag
 
 class MiniMaxForCausalLM(CausalLM):
     """MiniMax-01 causal LM in the engine's layers, from a ``transformers``
-    ``MiniMaxConfig`` (construction and errors as :class:`~.base.CausalLM`; :func:`check_config`)."""
+    ``MiniMaxConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # lightning, softmax, lightning, lightning; residual factors off 1 so their placement is tested
     tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
                        layer_types=['linear_attention', 'full_attention', 'linear_attention', 'linear_attention'],
