@@ -40,7 +40,7 @@ from .blocks.mla import LatentAttention, mla_split
 from .blocks.moe import LimitedGroupMoE, LimitedSwiGLUMLP, check_group_limited, clipped_swiglu, load_expert_tensor
 from .config_audit import (CHECKED, COMMON_FIELDS, GROUP_LIMITED_MOE_FIELDS, IMPLEMENTED, INERT, MLA_FIELDS,
                            check_layer_types)
-from .layers import RotaryEmbedding
+from .layers import RotaryEmbedding, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['BailingHybridForCausalLM', 'check_config']
@@ -115,9 +115,7 @@ _LAYER = re.compile(r'^model\.layers\.(\d+)\.')
 
 def _our_name(name: str) -> str:
     """A published or transformers checkpoint name in ours (before the stacked conv is split)."""
-    for pattern, repl in _RENAMES:
-        name = pattern.sub(repl, name)
-    return name
+    return apply_renames(name, _RENAMES)
 
 
 class BailingHybridForCausalLM(CausalLM):

@@ -35,7 +35,7 @@ from .blocks.decoder import DecoderStack, RotaryTables, SharedMLPDecoderLayer, m
 from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .blocks.window_attention import layer_windows, window_cache_specs
-from .layers import RotaryEmbedding, SwiGLUMLP
+from .layers import RotaryEmbedding, SwiGLUMLP, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config']
@@ -187,6 +187,4 @@ class GraniteMoeSWAForCausalLM(CausalLM):
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in GRANITE_MOE_RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, GRANITE_MOE_RENAMES)

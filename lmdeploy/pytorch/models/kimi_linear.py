@@ -32,7 +32,7 @@ from .blocks.mla import LatentAttention, mla_split
 from .blocks.moe import MIXTRAL_EXPERT_RENAMES, GroupLimitedMoE, check_group_limited, load_expert_tensor
 from .config_audit import (CHECKED, COMMON_FIELDS, GROUP_LIMITED_MOE_FIELDS, INERT, KDA_FIELDS, MLA_FIELDS,
                            check_layer_types)
-from .layers import SwiGLUMLP
+from .layers import SwiGLUMLP, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['KimiLinearForCausalLM', 'KimiMLA', 'check_config']
@@ -130,9 +130,7 @@ class KimiLinearForCausalLM(CausalLM):
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, _RENAMES)
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """transformers' stacked q | k | v convs, and the experts."""

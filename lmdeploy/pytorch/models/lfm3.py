@@ -43,7 +43,7 @@ from .blocks.gqa import gqa_split
 from .blocks.short_conv import ShortConv, short_conv_split, short_conv_state_spec
 from .blocks.window_attention import FULL, SLIDING, WindowAttention, layer_windows, window_cache_specs
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, mlp_split
+from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_renames, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Lfm3ForCausalLM', 'check_config']
@@ -171,6 +171,4 @@ class Lfm3ForCausalLM(CausalLM):
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, _RENAMES)

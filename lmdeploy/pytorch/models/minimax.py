@@ -39,7 +39,7 @@ from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.lightning import LightningAttention, lightning_split, lightning_state_spec
 from .blocks.moe import MIXTRAL_EXPERT_RENAMES, GraniteMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT, MOE_FIELDS, check_layer_types
-from .layers import RotaryEmbedding
+from .layers import RotaryEmbedding, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['MiniMaxForCausalLM', 'check_config']
@@ -161,9 +161,7 @@ class MiniMaxForCausalLM(CausalLM):
         ``key_decay``, ``diagonal_decay``: functions of the config, recomputed here)."""
         if _DECAY_TABLES.search(name):
             return None
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, _RENAMES)
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """The experts, one tensor per expert."""
