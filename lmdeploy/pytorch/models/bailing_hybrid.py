@@ -31,17 +31,16 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
-from ..model_inputs import StepContext
+from ..cache_specs import LayerCacheSpec
 from .base import CausalLM
-from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec
+from .blocks.decoder import DecoderLayer, UniformStack, mixer_ctx
+from .blocks.kda import KimiDeltaAttention, kda_mla_cache_specs, kda_split, load_kda_tensor
 from .blocks.mla import LatentAttention, mla_split
-from .blocks.moe import FusedExperts, GroupLimitedMoE, load_expert_tensor
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding
+from .blocks.moe import LimitedGroupMoE, LimitedSwiGLUMLP, check_group_limited, clipped_swiglu, load_expert_tensor
+from .config_audit import (CHECKED, COMMON_FIELDS, GROUP_LIMITED_MOE_FIELDS, IMPLEMENTED, INERT, MLA_FIELDS,
+                           check_layer_types)
+from .layers import RotaryEmbedding, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['BailingHybridForCausalLM', 'check_config']
@@ -58,126 +57,50 @@ def check_config(config) -> None:
             ``share_expert_swiglu_limit_list``).
     """
     n = config.num_hidden_layers
-    types = list(getattr(config, 'layer_types', None) or [])
-    if len(types) != n or any(t not in (LINEAR, FULL) for t in types):
-        raise ValueError(f'layer_types must list {LINEAR!r} or {FULL!r} for each of the {n} layers, got {types}')
-    mlp = list(getattr(config, 'mlp_layer_types', None) or [])
-    if len(mlp) != n or any(t not in ('dense', 'sparse') for t in mlp):
-        raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {mlp}")
+    check_layer_types(config, (LINEAR, FULL))
+    mlp = check_layer_types(config, ('dense', 'sparse'), 'mlp_layer_types')
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
     for field, limits in (('expert_swiglu_limit_list', config.swiglu_limits),
                           ('share_expert_swiglu_limit_list', config.swiglu_limits_shared)):
         if len(limits) != n or any(limit < 0 for limit in limits):
             raise ValueError(f'{field} must hold one limit >= 0 per layer ({n}), got {list(limits)}')
-    if 'sparse' in mlp and (config.num_local_experts % config.n_group
-                            or config.num_local_experts // config.n_group < 2
-                            or not 1 <= config.topk_group <= config.n_group):
-        raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
-                         f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
+    if 'sparse' in mlp:
+        check_group_limited(config)
 
 
-def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``min(silu(gate), limit) * clamp(up, -limit, limit)``; ``limit = 0``: plain ``silu(gate) * up``
-    (Ling 3 clips after the activation)."""
-    if not limit:
-        return F.silu(gate) * up
-    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+def _mla_call(mixer: LatentAttention, normed: torch.Tensor, rotary, ctx) -> torch.Tensor:
+    """Gated MLA takes the step's ``(cos, sin)`` after the context."""
+    return mixer(normed, ctx, rotary)
 
 
-class ClippedSwiGLUMLP(nn.Module):
-    """``down(clipped_swiglu(gate(x), up(x), limit))``, gate and up packed into one matmul
-    (loaded from ``gate_proj`` / ``up_proj``)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float):
-        super().__init__()
-        self.limit = float(limit)
-        self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(clipped_swiglu(gate, up, self.limit))
-
-
-class ClippedExperts(FusedExperts):
-    """:class:`~.blocks.moe.FusedExperts` (same stacked weights and names) whose SwiGLU clips
-    (:func:`clipped_swiglu`, ``limit > 0``); run expert by expert over the tokens routed to it."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float):
-        super().__init__(num_experts, hidden_size, intermediate_size)
-        self.limit = float(limit)
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, chosen experts ``index [T, k]`` (long) with ``weights [T, k]`` → ``[T, H]``."""
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, slot = (index == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clipped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
-
-
-class BailingMoE(GroupLimitedMoE):
-    """:class:`~.blocks.moe.GroupLimitedMoE` with the layer's SwiGLU limits on the routed and the
-    shared experts (a zero limit keeps the unclipped fused path)."""
+class BailingHybridDecoderLayer(DecoderLayer):
+    """Pre-norm layer: KDA or gated MLA (``layer_types``), then MoE or dense MLP (``mlp_layer_types``);
+    routed / shared SwiGLUs clip at the layer's limits (:func:`~.blocks.moe.clipped_swiglu`, 0: no clip)."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(config)
-        routed, shared = config.swiglu_limits[layer_idx], config.swiglu_limits_shared[layer_idx]
-        H, I = config.hidden_size, config.moe_intermediate_size
-        if routed:
-            self.experts = ClippedExperts(self.num_experts, H, I, routed)
-        self.shared_experts = ClippedSwiGLUMLP(H, I * config.n_shared_experts, shared)
-
-
-class BailingHybridDecoderLayer(nn.Module):
-    """Pre-norm layer: KDA or gated MLA (``layer_types``), then MoE or dense MLP (``mlp_layer_types``)."""
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.kind = config.layer_types[layer_idx]
-        if self.kind == LINEAR:
-            self.self_attn = KimiDeltaAttention(config, layer_idx, config.kda_lower_bound if config.kda_safe_gate
-                                                else None, low_rank_gates=False)
+        if config.layer_types[layer_idx] == LINEAR:
+            mixer = KimiDeltaAttention(config, layer_idx, config.kda_lower_bound if config.kda_safe_gate else None,
+                                       low_rank_gates=False)
+            call = mixer_ctx
         else:
             from transformers.modeling_rope_utils import yarn_apply_mscale
             qk = config.qk_nope_head_dim + config.qk_rope_head_dim
             scale = yarn_apply_mscale(config.rope_parameters, qk ** -0.5)     # YaRN's mscale_all_dim, if any
-            self.self_attn = LatentAttention(config, layer_idx, rotary=True, output_gate=True, scale=scale)
-        # transformers' dense MLP has no layer index, so it never clips
-        self.mlp = BailingMoE(config, layer_idx) if config.mlp_layer_types[layer_idx] == 'sparse' \
-            else ClippedSwiGLUMLP(config.hidden_size, config.intermediate_size, 0)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, qk_rope_head_dim]``."""
-        normed = self.input_layernorm(hidden)
-        hidden = hidden + (self.self_attn(normed, ctx) if self.kind == LINEAR else self.self_attn(normed, ctx, rotary))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            mixer, call = LatentAttention(config, layer_idx, rotary=True, output_gate=True, scale=scale), _mla_call
+        if config.mlp_layer_types[layer_idx] == 'sparse':
+            routed = config.swiglu_limits[layer_idx]     # 0: the unclipped fused experts
+            mlp = LimitedGroupMoE(config, clipped_swiglu, routed or None, config.swiglu_limits_shared[layer_idx])
+        else:   # transformers' dense MLP has no layer index, so it never clips
+            mlp = LimitedSwiGLUMLP(config.hidden_size, config.intermediate_size, 0, clipped_swiglu)
+        super().__init__(config.hidden_size, config.rms_norm_eps, mixer, mlp, call=call)
 
 
-class BailingHybridModel(nn.Module):
-    """Embedding, decoder layers, final norm; the rotary table of the MLA layers."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(BailingHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # transformers' config sets head_dim = qk_rope_head_dim: the table covers the rope part
-        self.rotary = RotaryEmbedding(config)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        rotary = self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.norm(hidden)
+class BailingHybridModel(UniformStack):
+    """Embedding, decoder layers, final norm; the rotary table of the MLA layers (transformers'
+    config sets ``head_dim = qk_rope_head_dim``: the table covers the rope part)."""
+    layer_class = BailingHybridDecoderLayer
+    rotary_class = RotaryEmbedding
 
 
 _RENAMES = [
@@ -192,20 +115,12 @@ _LAYER = re.compile(r'^model\.layers\.(\d+)\.')
 
 def _our_name(name: str) -> str:
     """A published or transformers checkpoint name in ours (before the stacked conv is split)."""
-    for pattern, repl in _RENAMES:
-        name = pattern.sub(repl, name)
-    return name
+    return apply_renames(name, _RENAMES)
 
 
 class BailingHybridForCausalLM(CausalLM):
-    """Ling 3 causal LM in the engine's layers (no MTP head).
-
-    Args:
-        config: a ``transformers`` ``BailingHybridConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Ling 3 causal LM in the engine's layers (no MTP head), from a ``transformers``
+    ``BailingHybridConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # KDA, MLA, KDA, MLA; two dense MLPs, then grouped sigmoid-routed MoE; clipping on layer 2's
     # routed experts and layer 3's shared experts; YaRN-free default rope
     tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
@@ -240,19 +155,8 @@ class BailingHybridForCausalLM(CausalLM):
         'linear_num_heads': IMPLEMENTED,          # num_attention_heads
         'kda_safe_gate': IMPLEMENTED,
         'kda_lower_bound': IMPLEMENTED,
-        'kv_lora_rank': IMPLEMENTED,
-        'q_lora_rank': IMPLEMENTED,               # None: one q_proj; else q_a_proj / norm / q_b_proj
-        'qk_nope_head_dim': IMPLEMENTED,
-        'qk_rope_head_dim': IMPLEMENTED,
-        'v_head_dim': IMPLEMENTED,
-        'moe_intermediate_size': IMPLEMENTED,
-        'n_shared_experts': IMPLEMENTED,
-        'num_local_experts': IMPLEMENTED,
-        'num_experts_per_tok': IMPLEMENTED,
-        'n_group': CHECKED,                       # divides num_local_experts into groups of >= 2
-        'topk_group': CHECKED,                    # in [1, n_group]
-        'norm_topk_prob': IMPLEMENTED,
-        'routed_scaling_factor': IMPLEMENTED,
+        **MLA_FIELDS,
+        **GROUP_LIMITED_MOE_FIELDS,
         'swiglu_limits': CHECKED,                 # expert_swiglu_limit_list: >= 0 per layer
         'swiglu_limits_shared': CHECKED,          # share_expert_swiglu_limit_list
         'limit_after_act': IMPLEMENTED,           # a constant True property: clip after silu
@@ -280,9 +184,7 @@ class BailingHybridForCausalLM(CausalLM):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        kda = kda_state_spec(config, dtype)
-        mla = PagedSpec((CacheTensor('latent', (config.kv_lora_rank + config.qk_rope_head_dim,), dtype, None),))
-        return [kda if t == LINEAR else mla for t in config.layer_types]
+        return kda_mla_cache_specs(config, dtype)
 
     def rename_weight(self, name: str) -> str | None:
         """Published or transformers names (see the module docstring) → ours; None for the
@@ -295,12 +197,4 @@ class BailingHybridForCausalLM(CausalLM):
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """transformers' stacked q | k | v convs, ``A_log [H]`` (ours ``[1, 1, H, 1]``), the experts."""
-        if name.endswith('.self_attn.conv1d.weight'):
-            stem = name[:-len('conv1d.weight')]
-            for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
-                loader.load(f'{stem}{part}_conv1d.weight', piece)
-            return True
-        if name.endswith('.self_attn.A_log'):
-            loader.load(name, tensor.reshape(1, 1, -1, 1))
-            return True
-        return load_expert_tensor(loader, name, tensor)
+        return load_kda_tensor(loader, name, tensor) or load_expert_tensor(loader, name, tensor)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'GATED_DELTANET_FIELDS', 'MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config']
+__all__ = ['FIELDS', 'ROPE_FIELDS', 'COMMON_FIELDS', 'GATED_DELTANET_FIELDS', 'MOE_FIELDS', 'KDA_FIELDS', 'MLA_FIELDS',
+           'GROUP_LIMITED_MOE_FIELDS', 'IMPLEMENTED', 'CHECKED', 'INERT', 'check_config',
+           'check_layer_types']
 
 IMPLEMENTED, CHECKED, INERT = 'implemented', 'checked', 'inert'
 
@@ -63,6 +65,28 @@ MOE_FIELDS = {
     'shared_expert_intermediate_size': IMPLEMENTED,
     'output_router_logits': INERT,            # the training loss only
     'router_aux_loss_coef': INERT,
+}
+KDA_FIELDS = {                 # the Kimi Delta Attention layers of Kimi-Linear, Ling 3, GLM-5.3-Flash
+    'linear_conv_kernel_dim': IMPLEMENTED,
+    'linear_head_dim': IMPLEMENTED,
+    'linear_num_heads': IMPLEMENTED,
+}
+MLA_FIELDS = {                 # multi-head latent attention (blocks/mla.py)
+    'kv_lora_rank': IMPLEMENTED,
+    'q_lora_rank': IMPLEMENTED,               # None: one q_proj; else q_a_proj / norm / q_b_proj
+    'qk_nope_head_dim': IMPLEMENTED,
+    'qk_rope_head_dim': IMPLEMENTED,
+    'v_head_dim': IMPLEMENTED,
+}
+GROUP_LIMITED_MOE_FIELDS = {   # the DeepSeek-V3-style MoE (blocks/moe.py GroupLimitedMoE)
+    'moe_intermediate_size': IMPLEMENTED,
+    'n_shared_experts': IMPLEMENTED,
+    'num_local_experts': IMPLEMENTED,
+    'num_experts_per_tok': IMPLEMENTED,
+    'n_group': CHECKED,                       # divides num_local_experts into groups of >= 2
+    'topk_group': CHECKED,                    # in [1, n_group]
+    'norm_topk_prob': IMPLEMENTED,
+    'routed_scaling_factor': IMPLEMENTED,
 }
 
 
@@ -131,3 +155,21 @@ def check_config(config) -> None:
     cls.check_config(config)
     if cls.rotary_class is not None:     # a family without rotary embeddings reads no rope field
         cls.rotary_class(config.get_text_config())  # raises for rope parameters it cannot reproduce
+
+
+def check_layer_types(config, kinds: tuple[str, ...], field: str = 'layer_types') -> list[str]:
+    """The per-layer kinds ``config.<field>`` lists, one of ``kinds`` for each of the
+    ``num_hidden_layers`` layers (``layer_types``, ``mlp_layer_types``, ``indexer_types`` ...).
+
+    Returns:
+        The list, as given.
+
+    Raises:
+        ValueError: naming ``field``: a missing list, a wrong length, or a kind not in ``kinds``.
+    """
+    n = config.num_hidden_layers
+    types = list(getattr(config, field, None) or [])
+    if len(types) != n or any(t not in kinds for t in types):
+        names = ', '.join(repr(k) for k in kinds[:-1]) + (' or ' if len(kinds) > 1 else '') + repr(kinds[-1])
+        raise ValueError(f'{field} must list {names} for each of the {n} layers, got {types}')
+    return types

@@ -35,13 +35,15 @@ from torch import nn
 from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec
+from .blocks.decoder import DecoderLayer
+from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec, load_kda_tensor
 from .blocks.mla import mla_split
-from .blocks.moe import GroupLimitedMoE, load_expert_tensor
+from .blocks.moe import LimitedGroupMoE, LimitedSwiGLUMLP, check_group_limited, clamped_swiglu, load_expert_tensor
 from .blocks.vision import check_image_spans
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .glm5_next_layers import ClampedExperts, ClampedSwiGLUMLP, DSAAttention, HyperConnection
-from .layers import Linear, RMSNorm
+from .config_audit import (CHECKED, COMMON_FIELDS, GROUP_LIMITED_MOE_FIELDS, IMPLEMENTED, INERT, KDA_FIELDS,
+                           MLA_FIELDS, check_layer_types)
+from .glm5_next_layers import DSAAttention, HyperConnection
+from .layers import RMSNorm
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Glm5NextForCausalLM', 'Glm5NextForConditionalGeneration', 'check_config']
@@ -59,15 +61,9 @@ def check_config(config) -> None:
     """
     config = config.get_text_config()
     n = config.num_hidden_layers
-    types = list(getattr(config, 'layer_types', None) or [])
-    if len(types) != n or any(t not in (LINEAR, INDEXED) for t in types):
-        raise ValueError(f'layer_types must list {LINEAR!r} or {INDEXED!r} for each of the {n} layers, got {types}')
-    mlp = list(getattr(config, 'mlp_layer_types', None) or [])
-    if len(mlp) != n or any(t not in ('dense', 'sparse') for t in mlp):
-        raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {mlp}")
-    idx = list(getattr(config, 'indexer_types', None) or [])
-    if len(idx) != n or any(t not in ('full', 'shared') for t in idx):
-        raise ValueError(f"indexer_types must list 'full' or 'shared' for each of the {n} layers, got {idx}")
+    types = check_layer_types(config, (LINEAR, INDEXED))
+    mlp = check_layer_types(config, ('dense', 'sparse'), 'mlp_layer_types')
+    idx = check_layer_types(config, ('full', 'shared'), 'indexer_types')
     for i in range(n):      # transformers hands a selection only from a 'full' DSA layer to the next layer
         if types[i] == INDEXED and idx[i] == 'shared' and not (i and types[i - 1] == INDEXED and idx[i - 1] == 'full'):
             raise ValueError(f"indexer_types: layer {i} is 'shared' but layer {i - 1} is not a 'full' DSA layer")
@@ -79,39 +75,26 @@ def check_config(config) -> None:
         raise ValueError(f'q_lora_rank is required by the DSA indexer, got {config.q_lora_rank}')
     if config.index_kpool < 1 or config.index_topk % config.index_kpool:
         raise ValueError(f'index_topk ({config.index_topk}) must be a multiple of index_kpool ({config.index_kpool})')
-    if 'sparse' in mlp and (config.num_local_experts % config.n_group
-                            or config.num_local_experts // config.n_group < 2
-                            or not 1 <= config.topk_group <= config.n_group):
-        raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
-                         f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
+    if 'sparse' in mlp:
+        check_group_limited(config)
 
 
-class Glm5NextMoE(GroupLimitedMoE):
-    """Kimi-Linear's router (sigmoid + correction bias, group-limited top-k, renormalised,
-    scaled) over experts and shared experts whose SwiGLU clamps at ``swiglu_limit``."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        limit = config.swiglu_limit
-        self.experts = ClampedExperts(self.num_experts, config.hidden_size, config.moe_intermediate_size, limit)
-        self.shared_experts = ClampedSwiGLUMLP(config.hidden_size,
-                                               config.moe_intermediate_size * config.n_shared_experts, limit)
-
-
-class Glm5NextDecoderLayer(nn.Module):
-    """mHC around a pre-norm token mixer (KDA or DSA) and a pre-norm MLP (MoE or dense)."""
+class Glm5NextDecoderLayer(DecoderLayer):
+    """mHC around a pre-norm token mixer (KDA or DSA) and a pre-norm MLP (MoE or dense), both
+    SwiGLUs clamped at ``swiglu_limit``: the :class:`~.blocks.decoder.DecoderLayer` modules and
+    names, with streams in and out instead of one residual (called as ``layer(x, ctx, masks)``)."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.is_linear = config.layer_types[layer_idx] == LINEAR
-        self.self_attn = KimiDeltaAttention(config, layer_idx, gate_lower_bound=config.linear_lower_bound) \
-            if self.is_linear else DSAAttention(config, layer_idx)
+        is_linear = config.layer_types[layer_idx] == LINEAR
+        mixer = KimiDeltaAttention(config, layer_idx, gate_lower_bound=config.linear_lower_bound) \
+            if is_linear else DSAAttention(config, layer_idx)
+        limit = config.swiglu_limit
+        mlp = LimitedGroupMoE(config, clamped_swiglu, limit, limit) if config.mlp_layer_types[layer_idx] == 'sparse' \
+            else LimitedSwiGLUMLP(config.hidden_size, config.intermediate_size, limit, clamped_swiglu)
+        super().__init__(config.hidden_size, config.rms_norm_eps, mixer, mlp)
+        self.is_linear = is_linear
         nxt = config.indexer_types[min(layer_idx + 1, config.num_hidden_layers - 1)]
-        self.hands_on = (not self.is_linear and self.self_attn.indexer is not None and nxt == 'shared')
-        self.mlp = Glm5NextMoE(config) if config.mlp_layer_types[layer_idx] == 'sparse' \
-            else ClampedSwiGLUMLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hands_on = (not self.is_linear and self.mixer.indexer is not None and nxt == 'shared')
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
 
@@ -119,14 +102,14 @@ class Glm5NextDecoderLayer(nn.Module):
         """``x [T, N, D]`` streams → (streams ``[T, N, D]``, the DSA selection for the next
         layer or None)."""
         post, comb, h = self.attn_hc(x)
-        h = self.input_layernorm(h)
+        h = self.norm_1(h)
         if self.is_linear:
-            h, out_masks = self.self_attn(h, ctx), None
+            h, out_masks = self.mixer(h, ctx), None
         else:
-            h, out_masks = self.self_attn(h, ctx, masks)
+            h, out_masks = self.mixer(h, ctx, masks)
         x = HyperConnection.merge(post, comb, h, x)
         post, comb, h = self.ffn_hc(x)
-        x = HyperConnection.merge(post, comb, self.mlp(self.post_attention_layernorm(h)), x)
+        x = HyperConnection.merge(post, comb, self.mlp_block(self.norm_2(h)), x)
         return x, (out_masks if self.hands_on else None)
 
 
@@ -194,15 +177,11 @@ class Glm5NextForCausalLM(CausalLM):
         'num_key_value_heads': INERT,             # equal to num_attention_heads (transformers checks)
         'mlp_layer_types': CHECKED,
         'indexer_types': CHECKED,                 # 'full' / 'shared' (after a 'full' DSA layer)
-        'linear_conv_kernel_dim': IMPLEMENTED,
-        'linear_head_dim': IMPLEMENTED,
-        'linear_num_heads': IMPLEMENTED,
+        **KDA_FIELDS,
         'linear_lower_bound': IMPLEMENTED,        # None: softplus decay; else the safe gate
-        'kv_lora_rank': IMPLEMENTED,
+        **MLA_FIELDS,
         'q_lora_rank': CHECKED,                   # required
-        'qk_nope_head_dim': IMPLEMENTED,
         'qk_rope_head_dim': CHECKED,              # 0 only
-        'v_head_dim': IMPLEMENTED,
         'index_topk': CHECKED,                    # a multiple of index_kpool
         'index_head_dim': IMPLEMENTED,
         'index_n_heads': IMPLEMENTED,
@@ -212,14 +191,7 @@ class Glm5NextForCausalLM(CausalLM):
         'hc_eps': IMPLEMENTED,
         'hc_sinkhorn_iters': IMPLEMENTED,
         'swiglu_limit': IMPLEMENTED,
-        'moe_intermediate_size': IMPLEMENTED,
-        'n_shared_experts': IMPLEMENTED,
-        'num_local_experts': IMPLEMENTED,
-        'num_experts_per_tok': IMPLEMENTED,
-        'n_group': CHECKED,
-        'topk_group': CHECKED,
-        'norm_topk_prob': IMPLEMENTED,
-        'routed_scaling_factor': IMPLEMENTED,
+        **GROUP_LIMITED_MOE_FIELDS,
         'router_aux_loss_coef': INERT,            # a training loss
         'output_router_logits': INERT,
     }
@@ -266,15 +238,7 @@ class Glm5NextForCausalLM(CausalLM):
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """The stacked KDA convs, ``A_log`` and the experts."""
-        if name.endswith('.self_attn.conv1d.weight'):   # q | k | v convs stacked
-            stem = name[:-len('conv1d.weight')]
-            for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
-                loader.load(f'{stem}{part}_conv1d.weight', piece)
-            return True
-        if name.endswith('.self_attn.A_log'):            # [H] -> the KDA layer's [1, 1, H, 1]
-            loader.load(name, tensor.reshape(1, 1, -1, 1))
-            return True
-        return load_expert_tensor(loader, name, tensor)
+        return load_kda_tensor(loader, name, tensor) or load_expert_tensor(loader, name, tensor)
 
 
 class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):

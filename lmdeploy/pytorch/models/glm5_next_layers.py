@@ -1,6 +1,8 @@
 """GLM-5.3-Flash (``glm5_next``) building blocks that Kimi-Linear does not have: manifold-
-constrained hyper-connections (mHC), the DSA lightning indexer over pooled keys, NoPE MLA
-attention restricted to the indexer's selection, and SwiGLU MLPs / experts with clamped inputs.
+constrained hyper-connections (mHC), the DSA lightning indexer over pooled keys and NoPE MLA
+attention restricted to the indexer's selection (the clamped SwiGLUs are
+:class:`~.blocks.moe.LimitedSwiGLUMLP` / :class:`~.blocks.moe.LimitedExperts` with
+:func:`~.blocks.moe.clamped_swiglu`).
 
 Per DSA layer the paged cache holds, per token::
 
@@ -20,51 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model_inputs import StepContext
-from .blocks.moe import FusedExperts
-from .layers import Linear, PackedLinear, RMSNorm
+from .layers import Linear, RMSNorm
 
-__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'ClampedSwiGLUMLP', 'ClampedExperts', 'clamped_swiglu',
-           'top_pools']
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (GLM-5.3-Flash's SwiGLU)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
-class ClampedSwiGLUMLP(nn.Module):
-    """``down(clamped_swiglu(gate(x), up(x)))`` with gate and up packed into one matmul
-    (loaded from ``gate_proj`` / ``up_proj``)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float):
-        super().__init__()
-        self.limit = float(limit)
-        self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(clamped_swiglu(gate, up, self.limit))
-
-
-class ClampedExperts(FusedExperts):
-    """:class:`~.blocks.moe.FusedExperts` (same stacked weights and names) whose SwiGLU clamps
-    its inputs (:func:`clamped_swiglu`); run expert by expert over the tokens routed to it."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float):
-        super().__init__(num_experts, hidden_size, intermediate_size)
-        self.limit = float(limit)
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, chosen experts ``index [T, k]`` (long) with ``weights [T, k]`` → ``[T, H]``."""
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, slot = (index == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'top_pools']
 
 
 class HyperConnection(nn.Module):

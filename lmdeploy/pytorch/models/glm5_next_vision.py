@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .blocks.moe import clamped_swiglu
 from .blocks.vision import PatchEmbed, VisionAttention, merge_block_order
-from .glm5_next_layers import clamped_swiglu
 from .layers import RMSNorm
 
 __all__ = ['Glm5NextVisionModel', 'ImageRows']

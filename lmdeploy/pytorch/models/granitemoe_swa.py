@@ -26,38 +26,19 @@ import copy
 import torch
 from torch import nn
 
-from ..cache_specs import FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec
+from ..cache_specs import LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .base import CausalLM
-from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import GQAProjections, gqa_split
+from .blocks.decoder import DecoderStack, RotaryTables, SharedMLPDecoderLayer, mixer_table_ctx
+from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from .blocks.window_attention import layer_windows, window_cache_specs
+from .layers import RotaryEmbedding, SwiGLUMLP, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
-__all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config', 'layer_windows']
-
-FULL, SLIDING = 'full_attention', 'sliding_attention'
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each layer's window in tokens (``sliding_window``), or None for a global layer.
-
-    Raises:
-        ValueError: ``layer_types`` is not ``'full_attention'`` / ``'sliding_attention'`` for each
-            layer, or ``sliding_window`` is not an int >= 1 while some layer slides.
-    """
-    types = list(getattr(config, 'layer_types', None) or [])
-    if len(types) != config.num_hidden_layers or any(t not in (FULL, SLIDING) for t in types):
-        raise ValueError(f"layer_types must list '{FULL}' or '{SLIDING}' for each of the {config.num_hidden_layers} "
-                         f'layers, got {types}')
-    window = getattr(config, 'sliding_window', None)
-    if SLIDING in types and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f'sliding_window must be an int >= 1 for the sliding_attention layers, got {window!r}')
-    return [window if t == SLIDING else None for t in types]
-
+__all__ = ['GraniteMoeSWAForCausalLM', 'GraniteSWAAttention', 'check_config']
 
 def _thetas(config) -> list[float]:
     thetas = getattr(config, 'layer_rope_theta', None)
@@ -79,7 +60,8 @@ def check_config(config) -> None:
     """Refuse configs this implementation does not reproduce exactly.
 
     Raises:
-        ValueError: naming the field: ``layer_types`` / ``sliding_window`` (:func:`layer_windows`),
+        ValueError: naming the field: ``layer_types`` / ``sliding_window``
+            (:func:`~.blocks.window_attention.layer_windows`),
             ``layer_rope_theta`` (one base >= 0 per layer; the ``rope_parameters`` of :mod:`.rope`
             for the nonzero ones), ``hidden_act`` (``'silu'`` only), ``num_local_experts`` (>= 1),
             ``num_experts_per_tok`` (``1..num_local_experts``), ``shared_intermediate_size`` (>= 0).
@@ -98,9 +80,9 @@ def check_config(config) -> None:
         raise ValueError(f'shared_intermediate_size must be >= 0, got {config.shared_intermediate_size}')
 
 
-class GraniteSWAAttention(GQAProjections):
-    """GQA over the paged KV cache with softmax scale ``attention_multiplier``, one learnable sink
-    logit per query head, and a sliding window when ``window`` is set.
+class GraniteSWAAttention(RotaryGQA):
+    """:class:`~.blocks.gqa.RotaryGQA` (RoPE or none) with softmax scale ``attention_multiplier``,
+    one learnable sink logit per query head, and a sliding window when ``window`` is set.
 
     Args:
         config: HF ``GraniteMoeSWAConfig`` (this rank's head counts under TP).
@@ -109,78 +91,48 @@ class GraniteSWAAttention(GQAProjections):
     """
 
     def __init__(self, config, layer_idx: int, window: int | None):
-        super().__init__(config, layer_idx)
+        super().__init__(config, layer_idx, scale=config.attention_multiplier)
         self.window = window
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
-        self.scale = float(config.attention_multiplier)
 
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (NoPE);
-        writes this layer's K/V into the cache."""
-        T = hidden.shape[0]
-        q, k, v = self.project(hidden)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """As :meth:`RotaryGQA.attend`, over the window's keys with the sinks."""
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = get_kernel('paged_window_attention', q.device)(q, k, v, k_cache, v_cache, ctx, self.scale, self.window,
+        return get_kernel('paged_window_attention', q.device)(q, k, v, k_cache, v_cache, ctx, self.scale, self.window,
                                                               self.sinks)
-        return self.o_proj(out.reshape(T, -1))
 
 
-class GraniteSWADecoderLayer(nn.Module):
-    """Pre-norm layer with µP residual scaling: attention, then MoE (+ shared MLP when sized)."""
+class GraniteSWADecoderLayer(SharedMLPDecoderLayer):
+    """Pre-norm layer with µP residual scaling: attention (its RoPE base's table, or none), then
+    MoE (+ shared MLP when sized)."""
 
-    def __init__(self, config, layer_idx: int, window: int | None):
-        super().__init__()
-        self.self_attn = GraniteSWAAttention(config, layer_idx, window)
-        self.block_sparse_moe = GraniteMoE(config)
-        self.shared_mlp = SwiGLUMLP(config.hidden_size, config.shared_intermediate_size) \
+    def __init__(self, config, layer_idx: int, window: int | None, theta: float):
+        shared = SwiGLUMLP(config.hidden_size, config.shared_intermediate_size) \
             if config.shared_intermediate_size > 0 else None
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.residual_multiplier = float(config.residual_multiplier)
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, ctx) * self.residual_multiplier
-        normed = self.post_attention_layernorm(hidden)
-        mlp = self.block_sparse_moe(normed)
-        if self.shared_mlp is not None:
-            mlp = mlp + self.shared_mlp(normed)
-        return hidden + mlp * self.residual_multiplier
+        super().__init__(config.hidden_size, config.rms_norm_eps, GraniteSWAAttention(config, layer_idx, window),
+                         GraniteMoE(config), call=mixer_table_ctx(theta),
+                         names=('self_attn', 'block_sparse_moe', 'input_layernorm', 'post_attention_layernorm'),
+                         residual_multiplier=float(config.residual_multiplier), shared=('shared_mlp', shared))
 
 
-class GraniteMoeSWAModel(nn.Module):
+class GraniteMoeSWAModel(DecoderStack):
     """Scaled embedding, decoder layers, final norm; one rotary table per nonzero RoPE base."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GraniteSWADecoderLayer(config, i, w) for i, w in enumerate(layer_windows(config)))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        thetas = _thetas(config)
+        super().__init__(config, (GraniteSWADecoderLayer(config, i, w, t)
+                                  for i, (w, t) in enumerate(zip(layer_windows(config), thetas))),
+                         rotary=RotaryTables({t: _rotary(config, t) for t in sorted(set(thetas)) if t}))
         self.embedding_multiplier = float(config.embedding_multiplier)
-        self.thetas = _thetas(config)
-        # plain attributes (not submodules): the tables hold no parameters
-        self.rotaries = {t: _rotary(config, t) for t in sorted(set(self.thetas)) if t}
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids) * self.embedding_multiplier
-        tables = {t: r(ctx.positions, hidden.dtype) for t, r in self.rotaries.items()}
-        for layer, theta in zip(self.layers, self.thetas):
-            hidden = layer(hidden, tables.get(theta), ctx)
-        return self.norm(hidden)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` times ``embedding_multiplier``."""
+        return super().embed(input_ids) * self.embedding_multiplier
 
 
 class GraniteMoeSWAForCausalLM(CausalLM):
-    """``granitemoe_swa`` causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``GraniteMoeSWAConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """``granitemoe_swa`` causal LM in the engine's layers, from a ``transformers``
+    ``GraniteMoeSWAConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # global, sliding, sliding, global; MoE + shared MLP; per-layer RoPE bases. A 24-token window (off the
     # 16-token blocks and the 32-token prefill chunks, so chunk ends fall inside windows), a NoPE layer and
     # two RoPE bases, µP multipliers off 1, attention sinks
@@ -219,10 +171,6 @@ class GraniteMoeSWAForCausalLM(CausalLM):
 
     model_class = GraniteMoeSWAModel
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.logits_scaling = float(config.logits_scaling)
-
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Per layer: a :class:`FullAttentionSpec` (global) or a :class:`SlidingWindowSpec` with
@@ -231,16 +179,12 @@ class GraniteMoeSWAForCausalLM(CausalLM):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        heads, dim = config.num_key_value_heads, attention_head_dim(config)
-        return [FullAttentionSpec(heads, dim, dtype) if w is None else SlidingWindowSpec(heads, dim, dtype, w)
-                for w in layer_windows(config)]
+        return window_cache_specs(config, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
-        return self.lm_head(hidden).float() / self.logits_scaling
+        return self.lm_head(hidden).float() / float(self.config.logits_scaling)
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in GRANITE_MOE_RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, GRANITE_MOE_RENAMES)

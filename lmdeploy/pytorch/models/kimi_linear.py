@@ -24,14 +24,15 @@ import re
 
 import torch
 
-from ..cache_specs import CacheTensor, LayerCacheSpec, PagedSpec
+from ..cache_specs import LayerCacheSpec
 from .base import CausalLM
-from .blocks.decoder import DecoderLayer, DecoderStack
-from .blocks.kda import KimiDeltaAttention, kda_split, kda_state_spec
+from .blocks.decoder import DecoderLayer, UniformStack
+from .blocks.kda import KimiDeltaAttention, kda_mla_cache_specs, kda_split, load_kda_tensor
 from .blocks.mla import LatentAttention, mla_split
-from .blocks.moe import GroupLimitedMoE, load_expert_tensor
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import SwiGLUMLP
+from .blocks.moe import MIXTRAL_EXPERT_RENAMES, GroupLimitedMoE, check_group_limited, load_expert_tensor
+from .config_audit import (CHECKED, COMMON_FIELDS, GROUP_LIMITED_MOE_FIELDS, INERT, KDA_FIELDS, MLA_FIELDS,
+                           check_layer_types)
+from .layers import SwiGLUMLP, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['KimiLinearForCausalLM', 'KimiMLA', 'check_config']
@@ -50,20 +51,12 @@ def check_config(config) -> None:
             ``n_group`` / ``topk_group``). ``num_key_value_heads`` is not read: ``kv_b_proj``
             up-projects a key and a value for every query head.
     """
-    n = config.num_hidden_layers
-    types = list(getattr(config, 'layer_types', None) or [])
-    if len(types) != n or any(t not in (LINEAR, FULL) for t in types):
-        raise ValueError(f'layer_types must list {LINEAR!r} or {FULL!r} for each of the {n} layers, got {types}')
-    mlp = list(getattr(config, 'mlp_layer_types', None) or [])
-    if len(mlp) != n or any(t not in ('dense', 'sparse') for t in mlp):
-        raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {mlp}")
+    check_layer_types(config, (LINEAR, FULL))
+    mlp = check_layer_types(config, ('dense', 'sparse'), 'mlp_layer_types')
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
-    if 'sparse' in mlp and (config.num_local_experts % config.n_group
-                            or config.num_local_experts // config.n_group < 2
-                            or not 1 <= config.topk_group <= config.n_group):
-        raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
-                         f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
+    if 'sparse' in mlp:
+        check_group_limited(config)
 
 
 class KimiLinearDecoderLayer(DecoderLayer):
@@ -78,31 +71,20 @@ class KimiLinearDecoderLayer(DecoderLayer):
         super().__init__(config.hidden_size, config.rms_norm_eps, mixer, mlp)
 
 
-class KimiLinearModel(DecoderStack):
+class KimiLinearModel(UniformStack):
     """Embedding, decoder layers, final norm (no positional embedding anywhere)."""
-
-    def __init__(self, config):
-        super().__init__(config, (KimiLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers)))
+    layer_class = KimiLinearDecoderLayer
 
 
 _RENAMES = [
     (re.compile(r'\.self_attn\.forget_gate\.'), '.self_attn.'),            # transformers -> published
-    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+    *MIXTRAL_EXPERT_RENAMES,                                               # published -> transformers
 ]
 
 
 class KimiLinearForCausalLM(CausalLM):
-    """Kimi-Linear causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``KimiLinearConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Kimi-Linear causal LM in the engine's layers, from a ``transformers``
+    ``KimiLinearConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # KDA, KDA, MLA, KDA; a dense first MLP, then grouped sigmoid-routed MoE
     tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
                        layer_types=['linear_attention', 'linear_attention', 'full_attention', 'linear_attention'],
@@ -123,22 +105,9 @@ class KimiLinearForCausalLM(CausalLM):
         # runs when it equals num_attention_heads (the engine does not need that)
         'num_key_value_heads': INERT,
         'mlp_layer_types': CHECKED,               # 'dense' / 'sparse' per layer
-        'linear_conv_kernel_dim': IMPLEMENTED,
-        'linear_head_dim': IMPLEMENTED,
-        'linear_num_heads': IMPLEMENTED,
-        'kv_lora_rank': IMPLEMENTED,
-        'q_lora_rank': IMPLEMENTED,               # None: one q_proj; else q_a_proj / norm / q_b_proj
-        'qk_nope_head_dim': IMPLEMENTED,
-        'qk_rope_head_dim': IMPLEMENTED,
-        'v_head_dim': IMPLEMENTED,
-        'moe_intermediate_size': IMPLEMENTED,
-        'n_shared_experts': IMPLEMENTED,
-        'num_local_experts': IMPLEMENTED,
-        'num_experts_per_tok': IMPLEMENTED,
-        'n_group': CHECKED,                       # divides num_local_experts into groups of >= 2
-        'topk_group': CHECKED,                    # in [1, n_group]
-        'norm_topk_prob': IMPLEMENTED,
-        'routed_scaling_factor': IMPLEMENTED,
+        **KDA_FIELDS,
+        **MLA_FIELDS,
+        **GROUP_LIMITED_MOE_FIELDS,
     }
     rotary_class = None
     check_config = staticmethod(check_config)
@@ -157,21 +126,12 @@ class KimiLinearForCausalLM(CausalLM):
         Raises:
             ValueError: see :func:`check_config`.
         """
-        kda = kda_state_spec(config, dtype)
-        mla = PagedSpec((CacheTensor('latent', (config.kv_lora_rank + config.qk_rope_head_dim,), dtype, None),))
-        return [kda if t == LINEAR else mla for t in config.layer_types]
+        return kda_mla_cache_specs(config, dtype)
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, _RENAMES)
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """transformers' stacked q | k | v convs, and the experts."""
-        if name.endswith('.self_attn.conv1d.weight'):
-            stem = name[:-len('conv1d.weight')]
-            for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
-                loader.load(f'{stem}{part}_conv1d.weight', piece)
-            return True
-        return load_expert_tensor(loader, name, tensor)
+        return load_kda_tensor(loader, name, tensor) or load_expert_tensor(loader, name, tensor)

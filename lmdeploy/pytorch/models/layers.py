@@ -28,7 +28,8 @@ from ..model_inputs import StepContext
 from .parallel_plan import Axis, BlockSplit, Piece, cols, rows
 from .rope import RotaryEmbedding  # noqa: F401  (re-exported: models import it from here)
 
-__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'mlp_split', 'Linear', 'PackedLinear', 'WeightLoader', 'apply_rotary', 'attention']
+__all__ = ['RMSNorm', 'RotaryEmbedding', 'SwiGLUMLP', 'mlp_split', 'Linear', 'PackedLinear', 'WeightLoader', 'apply_rotary', 'attention',
+           'apply_renames']
 
 
 class RMSNorm(nn.Module):
@@ -280,3 +281,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContex
     """
     k_cache, v_cache = ctx.kv_caches[layer_idx]
     return get_kernel('paged_attention', q.device)(q, k, v, k_cache, v_cache, ctx, scale)
+
+
+def apply_renames(name: str, renames) -> str:
+    """A checkpoint tensor name after each ``(compiled pattern, replacement)`` of ``renames``, in
+    order (``pattern.sub``): how a family maps published / ``transformers`` names onto its modules."""
+    for pattern, repl in renames:
+        name = pattern.sub(repl, name)
+    return name

@@ -29,17 +29,17 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, UniformStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import gqa_split
+from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.lightning import LightningAttention, lightning_split, lightning_state_spec
-from .blocks.moe import GraniteMoE, load_expert_tensor
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT, MOE_FIELDS
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
+from .blocks.moe import MIXTRAL_EXPERT_RENAMES, GraniteMoE, load_expert_tensor
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT, MOE_FIELDS, check_layer_types
+from .layers import RotaryEmbedding, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['MiniMaxForCausalLM', 'check_config']
@@ -54,10 +54,7 @@ def check_config(config) -> None:
         ValueError: naming the field (``layer_types``, ``hidden_act``, ``sliding_window``,
             ``num_experts_per_tok``).
     """
-    n = config.num_hidden_layers
-    types = list(getattr(config, 'layer_types', None) or [])
-    if len(types) != n or any(t not in (LINEAR, FULL) for t in types):
-        raise ValueError(f'layer_types must list {LINEAR!r} or {FULL!r} for each of the {n} layers, got {types}')
+    check_layer_types(config, (LINEAR, FULL))
     if config.hidden_act != 'silu':
         raise ValueError(f"hidden_act must be 'silu', got {config.hidden_act!r}")
     if config.sliding_window is not None:
@@ -68,87 +65,42 @@ def check_config(config) -> None:
                          f'({config.num_local_experts})]')
 
 
-class MiniMaxAttention(nn.Module):
-    """Grouped-query attention over the paged KV cache, RoPE on whole heads, scale
-    ``head_dim ** -0.5``; no biases.
-
-    Args:
-        config: HF ``MiniMaxConfig``.
-        layer_idx: index into ``StepContext.kv_caches``.
-    """
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention_head_dim(config)
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
-                                                          'v_proj': kv})
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``;
-        writes this layer's K/V into the cache."""
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward_split(hidden)
-        q = apply_rotary(q.reshape(T, self.num_heads, self.head_dim), *rotary)
-        k = apply_rotary(k.reshape(T, self.num_kv_heads, self.head_dim), *rotary)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+#: grouped-query attention over the paged KV cache, RoPE on whole heads, scale ``head_dim ** -0.5``; no biases
+MiniMaxAttention = RotaryGQA
 
 
-class MiniMaxDecoderLayer(nn.Module):
+class MiniMaxDecoderLayer(DecoderLayer):
     """One layer (module docstring): lightning or softmax attention, then the MoE, each branch
     mixed with its normalised input by the config's alpha / beta factors."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.kind = config.layer_types[layer_idx]
-        if self.kind == LINEAR:
-            self.self_attn = LightningAttention(config, layer_idx)
-            self.attn_alpha, self.attn_beta = config.linear_attn_alpha_factor, config.linear_attn_beta_factor
+        if config.layer_types[layer_idx] == LINEAR:
+            mixer, call = LightningAttention(config, layer_idx), mixer_ctx
+            alpha_beta = config.linear_attn_alpha_factor, config.linear_attn_beta_factor
         else:
-            self.self_attn = MiniMaxAttention(config, layer_idx)
-            self.attn_alpha, self.attn_beta = config.full_attn_alpha_factor, config.full_attn_beta_factor
+            mixer, call = MiniMaxAttention(config, layer_idx), mixer_rotary_ctx
+            alpha_beta = config.full_attn_alpha_factor, config.full_attn_beta_factor
+        super().__init__(config.hidden_size, config.rms_norm_eps, mixer, GraniteMoE(config), call=call)
+        self.attn_alpha, self.attn_beta = alpha_beta
         self.mlp_alpha, self.mlp_beta = config.mlp_alpha_factor, config.mlp_beta_factor
-        self.mlp = GraniteMoE(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``."""
-        normed = self.input_layernorm(hidden)
-        mixed = self.self_attn(normed, ctx) if self.kind == LINEAR else self.self_attn(normed, rotary, ctx)
-        hidden = self.post_attention_layernorm(normed * self.attn_alpha + mixed * self.attn_beta)
-        return hidden * self.mlp_alpha + self.mlp(hidden) * self.mlp_beta
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``. The
+        residuals take the normalised input, scaled by alpha (module docstring)."""
+        normed = self.norm_1(hidden)
+        mixed = self._call(self.mixer, normed, rotary, ctx)
+        hidden = self.norm_2(normed * self.attn_alpha + mixed * self.attn_beta)
+        return hidden * self.mlp_alpha + self.mlp_block(hidden) * self.mlp_beta
 
 
-class MiniMaxModel(nn.Module):
+class MiniMaxModel(UniformStack):
     """Embedding, decoder layers, final norm; the rotary table of the softmax-attention layers."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MiniMaxDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        rotary = self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.norm(hidden)
+    layer_class = MiniMaxDecoderLayer
+    rotary_class = RotaryEmbedding
 
 
 _RENAMES = [
-    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),                        # published -> transformers
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+    *MIXTRAL_EXPERT_RENAMES,                                               # published -> transformers
     (re.compile(r'\.mlp\.gate\.weight$'), '.mlp.router.weight'),           # transformers -> ours
 ]
 
@@ -156,14 +108,8 @@ _DECAY_TABLES = re.compile(r'\.self_attn\.(slope_rate|query_decay|key_decay|diag
 
 
 class MiniMaxForCausalLM(CausalLM):
-    """MiniMax-01 causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``MiniMaxConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """MiniMax-01 causal LM in the engine's layers, from a ``transformers``
+    ``MiniMaxConfig``; a config it cannot run raises ``ValueError`` (:func:`check_config`)."""
     # lightning, softmax, lightning, lightning; residual factors off 1 so their placement is tested
     tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
                        layer_types=['linear_attention', 'full_attention', 'linear_attention', 'linear_attention'],
@@ -215,9 +161,7 @@ class MiniMaxForCausalLM(CausalLM):
         ``key_decay``, ``diagonal_decay``: functions of the config, recomputed here)."""
         if _DECAY_TABLES.search(name):
             return None
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, _RENAMES)
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """The experts, one tensor per expert."""

@@ -28,11 +28,11 @@ from torch import nn
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.gated_delta_net import (HYBRID_BLOCKS, GatedDeltaNet, HybridDecoderLayer, check_hybrid_config,
+from .blocks.gated_delta_net import (HYBRID_BLOCKS, FlatGatedDeltaNet, HybridDecoderLayer, check_hybrid_config,
                                      hybrid_cache_specs, hybrid_layer_kinds)
 from .blocks.vision import check_image_spans
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
-from .layers import PackedLinear, RMSNorm, SwiGLUMLP
+from .layers import RMSNorm, SwiGLUMLP
 from .parallel_plan import ParallelPlan
 from .qwen3_5_vision import Qwen3_5VisionModel, mrope_positions
 from .rope import RotaryEmbedding
@@ -88,22 +88,8 @@ class MRotaryEmbedding(RotaryEmbedding):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
-class Qwen3_5GatedDeltaNet(GatedDeltaNet):
-    """Gated DeltaNet as in :class:`.blocks.gated_delta_net.GatedDeltaNet`, with Qwen3.5's projections:
-    ``in_proj_qkv`` gives ``[q all heads | k all heads | v all heads]`` (the conv's channel order
-    directly), ``in_proj_z`` ``[Hv * dv]``, ``in_proj_b`` and ``in_proj_a`` ``[Hv]`` each; the
-    four are packed into one matmul."""
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.in_proj = PackedLinear(config.hidden_size, {'in_proj_qkv': self.conv_dim, 'in_proj_z': self.value_dim,
-                                                         'in_proj_b': self.num_v_heads,
-                                                         'in_proj_a': self.num_v_heads})
-
-    def _split_projections(self, hidden: torch.Tensor):
-        """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
-        mixed, z, b, a = self.in_proj.forward_split(hidden)
-        return mixed, z.reshape(hidden.shape[0], self.num_v_heads, self.head_v_dim), b, a
+#: Qwen3.5's Gated DeltaNet: flat ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` packed into one matmul
+Qwen3_5GatedDeltaNet = FlatGatedDeltaNet
 
 
 class Qwen3_5DecoderLayer(HybridDecoderLayer):

@@ -21,7 +21,7 @@ keeping the construction and the names.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -29,7 +29,8 @@ from torch import nn
 from ...model_inputs import StepContext
 from ..layers import RMSNorm
 
-__all__ = ['DecoderLayer', 'DecoderStack', 'MixerCall', 'mixer_ctx', 'mixer_rotary_ctx', 'mixer_cos_sin_ctx']
+__all__ = ['DecoderLayer', 'DecoderStack', 'MixerCall', 'mixer_ctx', 'mixer_rotary_ctx', 'mixer_cos_sin_ctx',
+           'mixer_nope_ctx', 'mixer_table_ctx', 'RotaryTables', 'SharedMLPDecoderLayer', 'UniformStack']
 
 #: how a layer calls its token mixer: ``call(mixer, normed [T, hidden], rotary, ctx) -> [T, hidden]``
 MixerCall = Callable[[nn.Module, torch.Tensor, Any, StepContext], torch.Tensor]
@@ -178,3 +179,92 @@ class DecoderStack(nn.Module):
         for layer in getattr(self, self._names[1]):
             hidden = layer(hidden, rotary, ctx)
         return getattr(self, self._names[2])(hidden)
+
+
+# ---- general options added for the families whose layers pick per-kind tables or add a second MLP ----
+
+
+def mixer_nope_ctx(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+    """An attention mixer that takes a rotary argument, in a layer without positions (NoPE
+    global layers beside rotary ones): ``mixer(x, None, ctx)``."""
+    return mixer(normed, None, ctx)
+
+
+def mixer_table_ctx(key) -> MixerCall:
+    """The call of a layer whose stack hands a dict of rotary tables (:class:`RotaryTables`):
+    ``mixer(x, rotary.get(key), ctx)``; a key without a table passes None (no positions)."""
+
+    def call(mixer: nn.Module, normed: torch.Tensor, rotary: dict, ctx: StepContext) -> torch.Tensor:
+        return mixer(normed, rotary.get(key), ctx)
+
+    return call
+
+
+class RotaryTables(nn.Module):
+    """Several rotary modules keyed by what selects them (a layer type, a RoPE base), for a stack
+    whose layers do not share one table; a :class:`DecoderStack`'s ``rotary``.
+
+    ``forward(positions [T] int64, dtype)`` returns ``{key: (cos, sin)}``, each ``[T, rotary_dim]``
+    in ``dtype``; the layers pick theirs with :func:`mixer_table_ctx`. The modules are kept in a
+    plain dict (not submodules): rotary tables hold no parameters, so the state dict is unchanged.
+
+    Args:
+        rotaries: key → a module called as ``rotary(positions, dtype)``.
+    """
+
+    def __init__(self, rotaries: dict):
+        super().__init__()
+        self.rotaries = dict(rotaries)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """``{key: rotary(positions, dtype)}`` for every key."""
+        return {key: rotary(positions, dtype) for key, rotary in self.rotaries.items()}
+
+
+class SharedMLPDecoderLayer(DecoderLayer):
+    """A :class:`DecoderLayer` whose channel mixer is two modules on the same normed input,
+    summed: ``y = h + m·(mlp(norm_2(h)) + shared(norm_2(h)))`` (Granite: routed experts beside
+    a shared MLP, each under its checkpoint name).
+
+    Args:
+        *args, **kwargs: as :class:`DecoderLayer` (``mlp`` is required).
+        shared: ``(name, module)``: the second channel mixer ``[T, hidden] -> [T, hidden]`` and
+            its attribute name; a None module registers the name as None and the layer is a
+            plain :class:`DecoderLayer`.
+    """
+
+    def __init__(self, *args, shared: tuple[str, nn.Module | None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._shared_name = shared[0]
+        setattr(self, shared[0], shared[1])
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``, as :meth:`DecoderLayer.forward`."""
+        shared = getattr(self, self._shared_name)
+        if shared is None:
+            return super().forward(hidden, rotary, ctx)
+        m = self.residual_multiplier
+        mixed = self.mix(hidden, rotary, ctx)
+        hidden = hidden + (mixed if m == 1.0 else mixed * m)
+        normed = self.norm_2(hidden)
+        out = self.mlp_block(normed) + shared(normed)
+        return hidden + (out if m == 1.0 else out * m)
+
+
+class UniformStack(DecoderStack):
+    """A :class:`DecoderStack` declared by two class attributes, for the common case where every
+    layer is ``layer_class(config, layer_idx)`` and one rotary module (or none) serves them all:
+    a family's ``model_class`` then names its blocks instead of repeating the constructor.
+
+    Attributes:
+        layer_class: called as ``layer_class(config, i)`` for ``i < num_hidden_layers``.
+        rotary_class: called as ``rotary_class(config)``; None for no positions.
+    """
+
+    layer_class: ClassVar[Callable[[Any, int], nn.Module]]
+    rotary_class: ClassVar[Callable[[Any], nn.Module] | None] = None
+
+    def __init__(self, config):
+        cls = type(self)        # read through the class: a plain function stays unbound
+        super().__init__(config, (cls.layer_class(config, i) for i in range(config.num_hidden_layers)),
+                         rotary=None if cls.rotary_class is None else cls.rotary_class(config))

@@ -37,7 +37,7 @@ from .attention import QKNormAttention, attention_head_dim
 from .decoder import DecoderLayer
 from .gqa import gqa_split
 
-__all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer', 'attention_head_dim', 'check_hybrid_config',
+__all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'FlatGatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer', 'attention_head_dim', 'check_hybrid_config', 'gdn_state_spec',
            'hybrid_cache_specs', 'gdn_split', 'hybrid_layer_kinds', 'HYBRID_BLOCKS', 'DENSE', 'MOE']
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
@@ -246,6 +246,26 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z).reshape(T, -1))
 
 
+class FlatGatedDeltaNet(GatedDeltaNet):
+    """Gated DeltaNet with flat projections (Qwen3.5, Lara-4-Mini): ``in_proj_qkv`` gives
+    ``[q all heads | k all heads | v all heads]`` (the conv's channel order directly),
+    ``in_proj_z`` ``[Hv * dv]``, ``in_proj_b`` and ``in_proj_a`` ``[Hv]`` each, packed into one
+    matmul ``in_proj`` with rows ``[q | k | v | z | b | a]``: exactly a fused published
+    ``in_proj.weight`` ``[2·Hk·dk + 2·Hv·dv + 2·Hv, hidden]``, which loads whole, while the four
+    separate tensors fill its rows."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.in_proj = PackedLinear(config.hidden_size, {'in_proj_qkv': self.conv_dim, 'in_proj_z': self.value_dim,
+                                                         'in_proj_b': self.num_v_heads,
+                                                         'in_proj_a': self.num_v_heads})
+
+    def _split_projections(self, hidden: torch.Tensor):
+        """``[T, hidden]`` → mixed q|k|v ``[T, conv_dim]``, z ``[T, Hv, dv]``, b, a ``[T, Hv]``."""
+        mixed, z, b, a = self.in_proj.forward_split(hidden)
+        return mixed, z.reshape(hidden.shape[0], self.num_v_heads, self.head_v_dim), b, a
+
+
 class _ColumnNumbers(nn.Module):
     """Stands in for a packed projection while :meth:`GatedDeltaNet.decode_columns` reads the
     split: its output row holds each column's own number (float64: exact up to 2**53)."""
@@ -295,10 +315,16 @@ def hybrid_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
     Qwen3.5 text): conv ``[conv_dim, kernel-1]`` in ``dtype`` and float32 recurrent state
     ``[num_v_heads, k_head_dim, v_head_dim]`` per linear-attention layer, paged KV per
     full-attention layer. ``config`` is not checked here."""
-    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
-        config.linear_num_value_heads * config.linear_value_head_dim
-    linear = LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
-                                 recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
-                                                  config.linear_value_head_dim))
+    linear = gdn_state_spec(config, dtype)
     full = FullAttentionSpec(config.num_key_value_heads, attention_head_dim(config), dtype)
     return [linear if t == LINEAR else full for t in config.layer_types]
+
+
+def gdn_state_spec(config, dtype: torch.dtype) -> LinearAttentionSpec:
+    """The state slot of one Gated DeltaNet layer: conv ``[2·Hk·dk + Hv·dv, kernel - 1]`` in
+    ``dtype`` and the float32 recurrent state ``[Hv, dk, dv]`` (``linear_*`` config fields)."""
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+        config.linear_num_value_heads * config.linear_value_head_dim
+    return LinearAttentionSpec(conv_shape=(conv_dim, config.linear_conv_kernel_dim - 1), conv_dtype=dtype,
+                               recurrent_shape=(config.linear_num_value_heads, config.linear_key_head_dim,
+                                                config.linear_value_head_dim))

@@ -1,6 +1,7 @@
 """The packed grouped-query projections the hybrids' attention layers share (Bamba, Falcon-H1,
-Granite-4.0-H, Granite-MoE-SWA): ``q_proj`` / ``k_proj`` / ``v_proj`` packed into one matmul, and
-``o_proj``. A family subclasses :class:`GQAProjections` and keeps its own scale, RoPE and kernel.
+Granite-4.0-H, Granite-MoE-SWA, MiniMax-01): ``q_proj`` / ``k_proj`` / ``v_proj`` packed into one matmul,
+and ``o_proj``. A family subclasses :class:`GQAProjections` and keeps its own scale, RoPE and kernel,
+or takes :class:`RotaryGQA`: RoPE when given tables, a softmax scale, the paged attention.
 
 :func:`gqa_split` is the tensor-parallel split of every grouped-query attention block (these
 and Qwen's, Nemotron-H's, Jamba's, LFM2's): query heads and KV heads by head (column-parallel
@@ -11,11 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import Linear, PackedLinear
+from ...model_inputs import StepContext
+from ..layers import Linear, PackedLinear, apply_rotary, attention
 from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
 from .attention import attention_head_dim
 
-__all__ = ['GQAProjections', 'gqa_split']
+__all__ = ['GQAProjections', 'RotaryGQA', 'gqa_split']
 
 
 def gqa_split(*, gated: bool = False, shared_kv: bool = True, o: str = 'o_proj', sinks: bool = False,
@@ -63,7 +65,7 @@ class GQAProjections(nn.Module):
 
     Args:
         config: the HF config (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
-            ``head_dim`` or none, ``attention_bias``).
+            ``head_dim`` or none, ``attention_bias``; absent: no biases).
         layer_idx: index into ``StepContext.kv_caches``.
     """
 
@@ -72,7 +74,7 @@ class GQAProjections(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attention_head_dim(config)
-        bias = config.attention_bias
+        bias = getattr(config, 'attention_bias', False)      # MiniMax has no such field: no biases
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
                                                           'v_proj': kv}, bias=bias)
@@ -85,3 +87,32 @@ class GQAProjections(nn.Module):
         q, k, v = self.qkv_proj.forward_split(hidden)
         return (q.reshape(T, self.num_heads, self.head_dim), k.reshape(T, self.num_kv_heads, self.head_dim),
                 v.reshape(T, self.num_kv_heads, self.head_dim))
+
+
+class RotaryGQA(GQAProjections):
+    """Grouped-query attention over the paged KV cache: :class:`GQAProjections`, RoPE on the
+    leading ``rotary_dim`` channels of q and k when the forward gets tables, the paged attention
+    with softmax scale ``scale`` (:meth:`attend`: a variant with another kernel overrides it).
+
+    Args:
+        config: as :class:`GQAProjections` (this rank's head counts under TP).
+        layer_idx: index into ``StepContext.kv_caches``.
+        scale: the softmax scale; None: ``head_dim ** -0.5``.
+    """
+
+    def __init__(self, config, layer_idx: int, scale: float | None = None):
+        super().__init__(config, layer_idx)
+        self.scale = self.head_dim ** -0.5 if scale is None else float(scale)
+
+    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, rotary_dim]`` or
+        None (no positions); writes this layer's K/V into the cache."""
+        q, k, v = self.project(hidden)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return self.o_proj(self.attend(q, k, v, ctx).reshape(hidden.shape[0], -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``q [T, heads, head_dim]``, ``k, v [T, kv_heads, head_dim]`` → ``[T, heads, head_dim]``:
+        writes k / v into this layer's cache and attends causally over every earlier position."""
+        return attention(q, k, v, ctx, self.layer_idx, self.scale)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...cache_specs import CacheTensor, StateSpec
+from ...cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
 from ...kernels import get_kernel
 from ...model_inputs import StepContext
-from ..layers import Linear, PackedLinear
+from ..layers import Linear, PackedLinear, WeightLoader
 from ..parallel_plan import Axis, BlockSplit, Piece, TensorSplit, cols, rows
 
-__all__ = ['KimiDeltaAttention', 'SigmoidGatedRMSNorm', 'kda_split', 'kda_state_spec']
+__all__ = ['KimiDeltaAttention', 'SigmoidGatedRMSNorm', 'kda_split', 'kda_state_spec', 'kda_mla_cache_specs',
+           'load_kda_tensor']
 
 
 def kda_state_spec(config, dtype: torch.dtype) -> StateSpec:
@@ -30,6 +31,35 @@ def kda_state_spec(config, dtype: torch.dtype) -> StateSpec:
     return StateSpec(tuple(CacheTensor(name, (H, d, K - 1), dtype, 'v_heads') for name in
                            ('q_conv', 'k_conv', 'v_conv')) +
                      (CacheTensor('recurrent', (H, d, d), torch.float32, 'v_heads'),))
+
+
+def kda_mla_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
+    """Per layer of a KDA + MLA stack (Kimi-Linear, Ling 3; ``layer_types`` entries
+    ``'linear_attention'`` / ``'full_attention'``): the KDA state (:func:`kda_state_spec`) or the
+    MLA :class:`PagedSpec` of one ``latent [kv_lora_rank + qk_rope_head_dim]`` row per token in
+    ``dtype``, the same on every rank (``tp_split=None``)."""
+    kda = kda_state_spec(config, dtype)
+    mla = PagedSpec((CacheTensor('latent', (config.kv_lora_rank + config.qk_rope_head_dim,), dtype, None),))
+    return [kda if t == 'linear_attention' else mla for t in config.layer_types]
+
+
+def load_kda_tensor(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
+    """Load a KDA tensor whose checkpoint layout is not the layer's: ``transformers``' stacked
+    ``self_attn.conv1d.weight`` (q | k | v convs, split into ``q_conv1d`` / ``k_conv1d`` /
+    ``v_conv1d``) and a one-dimensional ``self_attn.A_log [H]`` (the layer's is ``[1, 1, H, 1]``).
+
+    Returns:
+        True when ``name`` was one of those (and is loaded), else False.
+    """
+    if name.endswith('.self_attn.conv1d.weight'):
+        stem = name[:-len('conv1d.weight')]
+        for part, piece in zip('qkv', tensor.chunk(3, dim=0)):
+            loader.load(f'{stem}{part}_conv1d.weight', piece)
+        return True
+    if name.endswith('.self_attn.A_log') and tensor.dim() == 1:
+        loader.load(name, tensor.reshape(1, 1, -1, 1))
+        return True
+    return False
 
 
 class SigmoidGatedRMSNorm(nn.Module):

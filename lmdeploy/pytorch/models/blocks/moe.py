@@ -18,6 +18,7 @@ the dozen small torch ops between them cost more than their arithmetic at batch 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,11 @@ from ...kernels import find_kernel, get_kernel
 from ...kernels.fused_decode import FUSED_MOE_TOKENS
 from ...kernels.linear import linear
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
-from ..layers import Linear, SwiGLUMLP, WeightLoader, mlp_split
+from ..layers import Linear, PackedLinear, SwiGLUMLP, WeightLoader, mlp_split
 
-__all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'GRANITE_SHARED_MLP_SPLIT', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor']
+__all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'GRANITE_SHARED_MLP_SPLIT', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor', 'MIXTRAL_EXPERT_RENAMES',
+           'LimitedExperts', 'LimitedGroupMoE', 'LimitedSwiGLUMLP', 'check_group_limited', 'clamped_swiglu',
+           'clipped_swiglu']
 
 
 class FusedExperts(nn.Module):
@@ -228,6 +231,17 @@ class GraniteMoE(nn.Module):
         return self.experts(x, index, torch.softmax(logits, dim=-1).to(x.dtype))
 
 
+#: Mixtral-style published expert names (``block_sparse_moe``, ``experts.{e}.w1`` gate / ``w3`` up /
+#: ``w2`` down) -> transformers' (``mlp``, ``gate_proj`` / ``up_proj`` / ``down_proj``), which
+#: :func:`load_expert_tensor` then copies into the fused experts
+MIXTRAL_EXPERT_RENAMES = [
+    (re.compile(r'\.block_sparse_moe\.'), '.mlp.'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+]
+
+
 # Granite checkpoints' published MoE and shared-MLP names -> the engine's module names
 GRANITE_MOE_RENAMES = [
     (re.compile(r'\.block_sparse_moe\.input_linear\.weight$'), '.block_sparse_moe.experts.gate_up_proj'),
@@ -242,3 +256,97 @@ GRANITE_MOE_RENAMES = [
 #: ``output_linear`` is the engine's ``down_proj``) by ``shared_intermediate_size`` rows
 GRANITE_SHARED_MLP_SPLIT = mlp_split(field='shared_intermediate_size', up=('input_linear',), down='output_linear',
                                      fused=True, down_module='down_proj', axis='shared_intermediate')
+
+
+# ---- SwiGLUs with a limit (Ling 3, GLM-5.3-Flash) and the group-limited MoE built from them ----
+
+#: ``act(gate [.., I], up [.., I], limit) -> [.., I]``: a SwiGLU activation with a limit
+LimitedSwiGLU = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``min(silu(gate), limit) * clamp(up, -limit, limit)``; ``limit = 0``: plain ``silu(gate) * up``
+    (Ling 3 clips after the activation)."""
+    if not limit:
+        return F.silu(gate) * up
+    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (GLM-5.3-Flash clamps the inputs)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class LimitedSwiGLUMLP(nn.Module):
+    """``down(act(gate(x), up(x), limit))``, gate and up packed into one matmul (loaded from
+    ``gate_proj`` / ``up_proj``); ``x, out: [T, hidden]``.
+
+    Args:
+        hidden_size, intermediate_size: the widths (channels).
+        limit: the activation's limit.
+        act: :func:`clipped_swiglu` or :func:`clamped_swiglu`.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, act: LimitedSwiGLU):
+        super().__init__()
+        self.limit, self.act = float(limit), act
+        self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``."""
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down_proj(self.act(gate, up, self.limit))
+
+
+class LimitedExperts(FusedExperts):
+    """:class:`FusedExperts` (same stacked weights and names) whose SwiGLU is ``act(gate, up,
+    limit)``; run expert by expert over the tokens routed to it."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
+                 act: LimitedSwiGLU):
+        super().__init__(num_experts, hidden_size, intermediate_size)
+        self.limit, self.act = float(limit), act
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, chosen experts ``index [T, k]`` (long) with ``weights [T, k]`` → ``[T, H]``."""
+        out = torch.zeros_like(x)
+        for e in index.unique().tolist():
+            token, slot = (index == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate, up, self.limit), self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class LimitedGroupMoE(GroupLimitedMoE):
+    """:class:`GroupLimitedMoE` (same router and names) whose routed and shared SwiGLUs take a
+    limit: Ling 3's per-layer clips, GLM-5.3-Flash's clamp.
+
+    Args:
+        config: as :class:`GroupLimitedMoE`.
+        act: :func:`clipped_swiglu` or :func:`clamped_swiglu`.
+        routed_limit: the routed experts' limit; None keeps the unlimited fused experts.
+        shared_limit: the shared experts' limit.
+    """
+
+    def __init__(self, config, act: LimitedSwiGLU, routed_limit: float | None, shared_limit: float):
+        super().__init__(config)
+        H, I = config.hidden_size, config.moe_intermediate_size
+        if routed_limit is not None:
+            self.experts = LimitedExperts(self.num_experts, H, I, routed_limit, act)
+        self.shared_experts = LimitedSwiGLUMLP(H, I * config.n_shared_experts, shared_limit, act)
+
+
+def check_group_limited(config) -> None:
+    """Refuse a :class:`GroupLimitedMoE` grouping the router cannot run: every group needs its
+    two best scores.
+
+    Raises:
+        ValueError: ``n_group`` does not divide ``num_local_experts`` into groups of >= 2, or
+            ``topk_group`` is not in ``[1, n_group]``.
+    """
+    if (config.num_local_experts % config.n_group or config.num_local_experts // config.n_group < 2
+            or not 1 <= config.topk_group <= config.n_group):
+        raise ValueError(f'n_group ({config.n_group}) must divide num_local_experts ({config.num_local_experts}) '
+                         f'into groups of >= 2 and topk_group ({config.topk_group}) be in [1, n_group]')
