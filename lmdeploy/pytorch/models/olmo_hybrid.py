@@ -14,6 +14,10 @@ layers mixed with full-attention layers, every layer then a SwiGLU MLP.
              published checkpoints have none: NoPE)
     logits = lm_head(RMSNorm(h))
 
+Every layer is a :class:`~.blocks.decoder.DecoderLayer` under the checkpoint's names (the
+attention kind's :class:`OlmoHybridPostNormLayer` only moves its two norms after the mixer and
+the MLP), the body a :class:`~.blocks.decoder.DecoderStack`.
+
 Caches: conv state ``[2·Hk·dk + Hv·dv, kernel-1]`` and float32 recurrent state ``[Hv, dk, dv]``
 per Gated DeltaNet layer (one slot per sequence), K/V per token in paged blocks per attention
 layer. A sequence with ``history_len == 0`` starts from a zero state whatever its slot holds.
@@ -35,11 +39,11 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack, mixer_rotary_ctx
 from .blocks.gated_delta_net import (FULL, LINEAR, GatedDeltaNet, GatedRMSNorm, check_hybrid_config, gdn_split,
                                      hybrid_cache_specs)
 from .blocks.gqa import GQAProjections, gqa_split
@@ -130,49 +134,41 @@ class OlmoHybridAttention(GQAProjections):
         return self.o_proj(out.reshape(T, -1))
 
 
-class OlmoHybridDecoderLayer(nn.Module):
-    """One layer: pre-norm Gated DeltaNet or post-norm attention, then the SwiGLU MLP (see the
-    module docstring for where each kind normalises)."""
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
-        eps = config.rms_norm_eps
-        if self.layer_type == LINEAR:
-            self.linear_attn = OlmoHybridGatedDeltaNet(config, layer_idx)
-            self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        else:
-            self.self_attn = OlmoHybridAttention(config, layer_idx)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+class OlmoHybridPostNormLayer(DecoderLayer):
+    """OLMo's attention layer: post-norm, ``h = x + norm_1(attn(x))``, ``y = h + norm_2(mlp(h))``
+    (``x, h, y: [T, hidden]``; ``norm_1`` / ``norm_2`` the checkpoint's
+    ``post_attention_layernorm`` / ``post_feedforward_layernorm``); built as a
+    :class:`~.blocks.decoder.DecoderLayer`, only the order of norm and residual differs."""
 
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        if self.layer_type == LINEAR:
-            hidden = hidden + self.linear_attn(self.input_layernorm(hidden), ctx)
-            return hidden + self.mlp(self.post_attention_layernorm(hidden))
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rotary, ctx))
-        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+        """``[T, hidden]`` → ``[T, hidden]``; ``rotary``: ``(cos, sin)`` float32 or None (NoPE)."""
+        hidden = hidden + self.norm_1(self._call(self.mixer, hidden, rotary, ctx))
+        return hidden + self.norm_2(self.mlp_block(hidden))
 
 
-class OlmoHybridModel(nn.Module):
-    """Embedding, decoder layers, final RMSNorm; a rotary table only when :func:`uses_rope`."""
+def decoder_layer(config, layer_idx: int) -> DecoderLayer:
+    """Layer ``layer_idx``: a pre-norm :class:`~.blocks.decoder.DecoderLayer` around
+    :class:`OlmoHybridGatedDeltaNet` (``linear_attn``, ``input_layernorm``,
+    ``post_attention_layernorm``) or an :class:`OlmoHybridPostNormLayer` around
+    :class:`OlmoHybridAttention` (``self_attn``, ``post_attention_layernorm``,
+    ``post_feedforward_layernorm``); a SwiGLU ``mlp`` in both. Called as
+    ``layer(hidden [T, hidden], rotary, ctx)``."""
+    mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+    if config.layer_types[layer_idx] == LINEAR:
+        return DecoderLayer(config.hidden_size, config.rms_norm_eps, OlmoHybridGatedDeltaNet(config, layer_idx), mlp,
+                            names=('linear_attn', 'mlp', 'input_layernorm', 'post_attention_layernorm'))
+    return OlmoHybridPostNormLayer(config.hidden_size, config.rms_norm_eps, OlmoHybridAttention(config, layer_idx), mlp,
+                                   call=mixer_rotary_ctx,
+                                   names=('self_attn', 'mlp', 'post_attention_layernorm', 'post_feedforward_layernorm'))
+
+
+class OlmoHybridModel(DecoderStack):
+    """Embedding, decoder layers (:func:`decoder_layer`), final RMSNorm; a float32 rotary table
+    only when :func:`uses_rope`."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(OlmoHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config) if uses_rope(config) else None
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens (``ctx.input_ids``)."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        rotary = None if self.rotary is None else self.rotary(ctx.positions, torch.float32)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.norm(hidden)
+        super().__init__(config, (decoder_layer(config, i) for i in range(config.num_hidden_layers)),
+                         rotary=RotaryEmbedding(config) if uses_rope(config) else None, rotary_dtype=torch.float32)
 
 
 _RENAMES = (   # published / transformers names -> ours

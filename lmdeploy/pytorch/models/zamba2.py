@@ -18,6 +18,10 @@ of the block's weights, and so does the engine (:func:`block_copies`)::
             use_mem_rope; K/V of each hybrid layer in its own paged cache entry
     mlp_b:  down(act(g) * u), [g | u] = gate_up_proj x + B_u A_u x (always adapted)
 
+Each Mamba-2 layer, a hybrid layer's too, is an MLP-less :class:`~.blocks.decoder.DecoderLayer`
+(:func:`mamba_layer`) and the body a :class:`~.blocks.decoder.DecoderStack` whose layers also
+receive ``e``; a shared block has no residual of its own, so it is a plain module.
+
 Caches (one entry per index, ``L = num_hidden_layers``): entries ``0..L-1`` the Mamba-2 state
 of layer ``i`` (conv ``[d_inner + 2·G·Dn, d_conv-1]``, float32 SSM ``[H, P, Dn]``), entries
 ``L + u`` the paged K/V of the ``u``-th hybrid layer.
@@ -61,6 +65,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.attention import attention_head_dim
+from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gqa import gqa_split
 from .blocks.lora import lora_split
 from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, mamba2_split, mamba2_state_spec
@@ -157,18 +162,13 @@ class Zamba2Mixer(Mamba2Mixer):
         return torch.where(ctx.prompt_token_mask[:, None], dt.clamp(min=self.dims.dt_min), dt)
 
 
-class Zamba2MambaLayer(nn.Module):
-    """``h + mamba(RMSNorm(h + t))``, ``t`` the hybrid layer's shared-block output (or none)."""
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mamba = Zamba2Mixer(mamba_dims(config), layer_idx)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """``[T, hidden]`` (and ``extra [T, hidden]``) → ``[T, hidden]``."""
-        x = hidden if extra is None else hidden + extra
-        return hidden + self.mamba(self.input_layernorm(x), ctx)
+def mamba_layer(config, layer_idx: int) -> DecoderLayer:
+    """A Mamba-2 layer, ``h + mamba(RMSNorm(h))`` (``h: [T, hidden]``): an MLP-less
+    :class:`~.blocks.decoder.DecoderLayer` whose mixer is :class:`Zamba2Mixer` (``mamba``,
+    ``input_layernorm``). A hybrid layer runs its own through ``mix`` to add the shared block's
+    output to the mixer's input but not to the residual (:class:`Zamba2HybridLayer`)."""
+    return DecoderLayer(config.hidden_size, config.rms_norm_eps, Zamba2Mixer(mamba_dims(config), layer_idx), None,
+                        names=('mamba', 'mlp', 'input_layernorm', 'post_attention_layernorm'))
 
 
 def _adapter(d_in: int, rank: int, d_out: int) -> nn.Sequential:
@@ -257,9 +257,15 @@ class Zamba2SharedBlock(nn.Module):
 
 
 class Zamba2HybridLayer(nn.Module):
-    """A hybrid layer's own parts: ``linear`` (after the shared block) and its Mamba-2 layer
-    (``mamba_decoder``); ``block_id`` / ``use`` / ``kv_idx`` say which shared block, adapter and
-    KV cache entry it runs; ``shared_transformer`` is that block.
+    """A hybrid layer: the shared block it runs, its own ``linear``, then its Mamba-2 layer
+    (``mamba_decoder``, :func:`mamba_layer`) with the block's output added to the mixer's input
+    only::
+
+        t = linear(block_b(h, e, adapter u, KV entry kv_idx));   y = h + mamba(RMSNorm(h + t))
+
+    Called as ``layer(hidden [T, hidden], (rotary, embeds [T, hidden]), ctx)``
+    (:class:`Zamba2Model`); ``block_id`` / ``use`` / ``kv_idx`` say which shared block, adapter
+    and KV cache entry it runs; ``shared_transformer`` is that block.
 
     Args:
         block: the shared block, held by reference (its parameters belong to ``model.blocks``,
@@ -271,47 +277,49 @@ class Zamba2HybridLayer(nn.Module):
         self.use, self.block_id = use, block_id
         self.kv_idx = config.num_hidden_layers + use
         self.linear = Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.mamba_decoder = Zamba2MambaLayer(config, layer_idx)
+        self.mamba_decoder = mamba_layer(config, layer_idx)
         # not a child module: registering it would repeat the block's parameters under every
         # layer that runs it; as a plain attribute the tensor-parallel layout still finds it at
         # the checkpoint's path (model.layers.{i}.shared_transformer.*)
         object.__setattr__(self, 'shared_transformer', block)
 
+    def forward(self, hidden: torch.Tensor, step: tuple, ctx: StepContext) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``; ``step``: the rotary ``(cos, sin)`` (or None) and
+        the step's embeddings ``[T, hidden]``."""
+        rotary, embeds = step
+        shared = self.shared_transformer(hidden, embeds, self.use, self.kv_idx, rotary, ctx)
+        return hidden + self.mamba_decoder.mix(hidden + self.linear(shared), None, ctx)
 
-class Zamba2Model(nn.Module):
-    """Embedding, the shared blocks (``blocks``), the layers, ``final_layernorm``."""
+
+class Zamba2Model(DecoderStack):
+    """A :class:`~.blocks.decoder.DecoderStack` (``embed_tokens``, ``layers``,
+    ``final_layernorm``, RoPE when ``use_mem_rope``) that also owns the shared blocks
+    (``blocks``) and hands every layer the step's embeddings beside the rotary tables: layer
+    ``i`` is :func:`mamba_layer` or a :class:`Zamba2HybridLayer`, called as
+    ``layer(hidden, (rotary, embeds), ctx)``."""
 
     def __init__(self, config):
-        super().__init__()
-        kinds = layer_kinds(config)
         copies = block_copies(config)
-        uses = len(copies)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Zamba2SharedBlock(config, c % config.num_mem_blocks, uses)
-                                    for c in range(max(copies, default=-1) + 1))
-        hybrid_uses = iter(range(uses))
-        layers = []
-        for i, kind in enumerate(kinds):
+        blocks = nn.ModuleList(Zamba2SharedBlock(config, c % config.num_mem_blocks, len(copies))
+                               for c in range(max(copies, default=-1) + 1))
+        layers, use = [], 0
+        for i, kind in enumerate(layer_kinds(config)):
             if kind == HYBRID:
-                u = next(hybrid_uses)
-                layers.append(Zamba2HybridLayer(config, i, u, copies[u], self.blocks[copies[u]]))
+                layers.append(Zamba2HybridLayer(config, i, use, copies[use], blocks[copies[use]]))
+                use += 1
             else:
-                layers.append(Zamba2MambaLayer(config, i))
-        self.layers = nn.ModuleList(layers)
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config) if config.use_mem_rope else None
+                layers.append(mamba_layer(config, i))
+        super().__init__(config, layers, rotary=RotaryEmbedding(config) if config.use_mem_rope else None,
+                         names=('embed_tokens', 'layers', 'final_layernorm'))
+        self.blocks = blocks
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        embeds = self.embed_tokens(ctx.input_ids)
-        rotary = None if self.rotary is None else self.rotary(ctx.positions, embeds.dtype)
+    def forward(self, ctx: StepContext, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the step's flat tokens (``ctx.input_ids [T]``)."""
+        embeds = self.embed(ctx.input_ids) if inputs_embeds is None else inputs_embeds
+        step = (self.rotary_tables(ctx, embeds.dtype), embeds)
         hidden = embeds
         for layer in self.layers:
-            if isinstance(layer, Zamba2HybridLayer):
-                shared = layer.shared_transformer(hidden, embeds, layer.use, layer.kv_idx, rotary, ctx)
-                hidden = layer.mamba_decoder(hidden, ctx, layer.linear(shared))
-            else:
-                hidden = layer(hidden, ctx)
+            hidden = layer(hidden, step, ctx)
         return self.final_layernorm(hidden)
 
 
