@@ -69,7 +69,7 @@ from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gqa import gqa_split
 from .blocks.lora import lora_split
 from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, mamba2_split, mamba2_state_spec
-from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
+from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT, check_layer_types
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
@@ -101,11 +101,7 @@ def layer_kinds(config) -> list[str]:
     Raises:
         ValueError: ``layers_block_type`` is not one of those per layer.
     """
-    kinds = list(getattr(config, 'layers_block_type', None) or [])
-    if len(kinds) != config.num_hidden_layers or any(k not in (MAMBA, HYBRID) for k in kinds):
-        raise ValueError(f'layers_block_type must list {MAMBA!r} or {HYBRID!r} for each of the '
-                         f'{config.num_hidden_layers} layers, got {kinds}')
-    return kinds
+    return check_layer_types(config, (MAMBA, HYBRID), 'layers_block_type')
 
 
 def block_copies(config) -> list[int]:
