@@ -34,7 +34,13 @@ from .layers import Linear, WeightLoader, load_weights
 from .parallel_plan import ParallelPlan
 from .rope import RotaryEmbedding
 
-__all__ = ['CausalLM', 'MTPHead']
+__all__ = ['CausalLM', 'MTPHead', 'TINY_ATTENTION']
+
+#: the attention shape most families' ``tiny_config`` starts from: 4 query heads, 2 KV heads of 16
+#: channels, a 64-wide model, untied embeddings
+TINY_ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                      rope_theta=10000.0)
 
 
 class CausalLM(nn.Module):

@@ -11,7 +11,7 @@ import torch
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from .config_audit import CHECKED, COMMON_FIELDS
-from .base import CausalLM
+from .base import TINY_ATTENTION, CausalLM
 from .blocks.attention import QKNormAttention
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_cos_sin_ctx
 from .blocks.gqa import gqa_split
@@ -69,9 +69,7 @@ class Qwen3ForCausalLM(CausalLM):
     """
 
     # two attention layers (:mod:`lmdeploy.tools.make_tiny_model`)
-    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, num_hidden_layers=2, intermediate_size=128)
+    tiny_config = dict(**TINY_ATTENTION, num_hidden_layers=2, intermediate_size=128)
     tiny_top_level_rope_theta = True
     model_class = Qwen3Model
     # every config field transformers reads, and what the engine does with it (.config_audit)

@@ -27,9 +27,9 @@ from torch import nn
 
 from ..cache_specs import LayerCacheSpec
 from ..model_inputs import StepContext
-from .base import CausalLM
-from .blocks.gated_delta_net import (HYBRID_BLOCKS, FlatGatedDeltaNet, HybridDecoderLayer, check_hybrid_config,
-                                     hybrid_cache_specs, hybrid_layer_kinds)
+from .base import TINY_ATTENTION, CausalLM
+from .blocks.gated_delta_net import (HYBRID_BLOCKS, TINY_GATED_DELTANET, FlatGatedDeltaNet, HybridDecoderLayer,
+                                     check_hybrid_config, hybrid_cache_specs, hybrid_layer_kinds)
 from .blocks.vision import check_image_spans
 from .config_audit import COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
 from .layers import RMSNorm, SwiGLUMLP
@@ -159,11 +159,7 @@ class Qwen3_5ForCausalLM(CausalLM):
 
     # three Gated DeltaNet layers and an attention layer; 6 rotary pairs per head (16 * 0.75 / 2) so each
     # M-RoPE axis owns two of them
-    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                       linear_conv_kernel_dim=4, partial_rotary_factor=0.75, mrope_section=[2, 2, 2],
+    tiny_config = dict(**TINY_ATTENTION, **TINY_GATED_DELTANET, partial_rotary_factor=0.75, mrope_section=[2, 2, 2],
                        intermediate_size=128)
     model_class = Qwen3_5TextModel
     # every config field transformers reads, and what the engine does with it (.config_audit)

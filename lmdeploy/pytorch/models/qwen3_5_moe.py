@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .base import TINY_ATTENTION
 from .blocks.moe import SparseMoeBlock, load_expert_tensor
-from .blocks.gated_delta_net import FULL, HYBRID_BLOCKS, MOE, hybrid_layer_kinds
+from .blocks.gated_delta_net import FULL, HYBRID_BLOCKS, MOE, TINY_GATED_DELTANET, hybrid_layer_kinds
 from .blocks.mtp import MTP_PREFIX, DecoderLayerMTP
 from .config_audit import MOE_FIELDS
 from .parallel_plan import ParallelPlan
@@ -60,11 +61,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """
 
     # Qwen3.5's layers with MoE MLPs
-    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                       linear_conv_kernel_dim=4, partial_rotary_factor=0.75, mrope_section=[2, 2, 2],
+    tiny_config = dict(**TINY_ATTENTION, **TINY_GATED_DELTANET, partial_rotary_factor=0.75, mrope_section=[2, 2, 2],
                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=64)
     tiny_mtp_layers_key = 'mtp_num_hidden_layers'

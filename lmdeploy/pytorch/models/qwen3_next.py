@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from ..cache_specs import LayerCacheSpec
-from .base import CausalLM
-from .blocks.gated_delta_net import (DENSE, FULL, HYBRID_BLOCKS, MOE, HybridDecoderLayer, check_hybrid_config,
-                                     hybrid_cache_specs, hybrid_layer_kinds)
+from .base import TINY_ATTENTION, CausalLM
+from .blocks.gated_delta_net import (DENSE, FULL, HYBRID_BLOCKS, MOE, TINY_GATED_DELTANET, HybridDecoderLayer,
+                                     check_hybrid_config, hybrid_cache_specs, hybrid_layer_kinds)
 from .blocks.decoder import DecoderStack
 from .blocks.mtp import MTP_PREFIX
 from .blocks.moe import SparseMoeBlock, load_expert_tensor
@@ -81,13 +81,9 @@ class Qwen3NextForCausalLM(CausalLM):
     """
 
     # three Gated DeltaNet layers and an attention layer, MoE everywhere; a quarter of each head rotated
-    tiny_config = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=32768, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=64, intermediate_size=128, partial_rotary_factor=0.25,
-                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    tiny_config = dict(**TINY_ATTENTION, **TINY_GATED_DELTANET, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=128,
+                       partial_rotary_factor=0.25, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     tiny_top_level_rope_theta = True
     tiny_mtp_layers_key = 'num_nextn_predict_layers'
 

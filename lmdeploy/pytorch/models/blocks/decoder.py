@@ -52,6 +52,12 @@ def mixer_cos_sin_ctx(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepC
     return mixer(normed, cos, sin, ctx)
 
 
+def _named(index: int, doc: str) -> property:
+    """A read-only property for the module a layer registered under ``self._names[index]``
+    (None when it has none)."""
+    return property(lambda self: getattr(self, self._names[index], None), doc=doc)
+
+
 class DecoderLayer(nn.Module):
     """A pre-norm decoder layer: ``h = x + m·mixer(norm_1(x))``, ``y = h + m·mlp(norm_2(h))``,
     ``x, h, y: [T, hidden]`` in the model dtype, ``m`` the residual multiplier (1 for most
@@ -90,25 +96,10 @@ class DecoderLayer(nn.Module):
             setattr(self, names[1], mlp)
             setattr(self, names[3], make_norm(hidden_size, eps))
 
-    @property
-    def mixer(self) -> nn.Module:
-        """The token mixer (registered under ``names[0]``)."""
-        return getattr(self, self._names[0])
-
-    @property
-    def mlp_block(self) -> nn.Module | None:
-        """The channel mixer (registered under ``names[1]``), or None."""
-        return getattr(self, self._names[1], None)
-
-    @property
-    def norm_1(self) -> nn.Module:
-        """The norm before the mixer (``names[2]``)."""
-        return getattr(self, self._names[2])
-
-    @property
-    def norm_2(self) -> nn.Module | None:
-        """The norm before the MLP (``names[3]``), or None without an MLP."""
-        return getattr(self, self._names[3], None)
+    mixer = _named(0, 'The token mixer (registered under ``names[0]``).')
+    mlp_block = _named(1, 'The channel mixer (registered under ``names[1]``), or None.')
+    norm_1 = _named(2, 'The norm before the mixer (``names[2]``).')
+    norm_2 = _named(3, 'The norm before the MLP (``names[3]``), or None without an MLP.')
 
     def mix(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
         """``mixer(norm_1(hidden))`` ``[T, hidden]`` through the layer's call convention."""

@@ -37,8 +37,15 @@ from .attention import QKNormAttention, attention_head_dim
 from .decoder import DecoderLayer
 from .gqa import gqa_split
 
-__all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'FlatGatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer', 'attention_head_dim', 'check_hybrid_config', 'gdn_state_spec',
-           'hybrid_cache_specs', 'gdn_split', 'hybrid_layer_kinds', 'HYBRID_BLOCKS', 'DENSE', 'MOE']
+__all__ = ['LINEAR', 'FULL', 'GatedDeltaNet', 'FlatGatedDeltaNet', 'GatedRMSNorm', 'HybridDecoderLayer',
+           'attention_head_dim', 'check_hybrid_config', 'gdn_state_spec', 'hybrid_cache_specs', 'gdn_split',
+           'hybrid_layer_kinds', 'HYBRID_BLOCKS', 'DENSE', 'MOE', 'TINY_GATED_DELTANET']
+
+#: the Gated DeltaNet + attention stack of the Qwen3-Next / Qwen3.5 tiny configs: three Gated
+#: DeltaNet layers (2 key heads, 4 value heads of 16) and one attention layer
+TINY_GATED_DELTANET = dict(num_hidden_layers=4, full_attention_interval=4, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                           linear_conv_kernel_dim=4)
 
 LINEAR, FULL = 'linear_attention', 'full_attention'
 DENSE, MOE = 'dense', 'moe'      # a layer's MLP kind (ParallelPlan layer kinds)
