@@ -29,7 +29,8 @@ from torch import nn
 from ...model_inputs import StepContext
 from ..layers import RMSNorm
 
-__all__ = ['DecoderLayer', 'DecoderStack', 'MixerCall', 'mixer_ctx', 'mixer_rotary_ctx', 'mixer_cos_sin_ctx']
+__all__ = ['DecoderLayer', 'DecoderStack', 'MixerCall', 'mixer_ctx', 'mixer_rotary_ctx', 'mixer_cos_sin_ctx',
+           'mixer_only']
 
 #: how a layer calls its token mixer: ``call(mixer, normed [T, hidden], rotary, ctx) -> [T, hidden]``
 MixerCall = Callable[[nn.Module, torch.Tensor, Any, StepContext], torch.Tensor]
@@ -49,6 +50,12 @@ def mixer_cos_sin_ctx(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepC
     """A mixer that takes the rotary ``(cos, sin)`` tables apart: ``mixer(x, cos, sin, ctx)``."""
     cos, sin = rotary
     return mixer(normed, cos, sin, ctx)
+
+
+def mixer_only(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+    """A block whose mixer needs neither positions nor the cache (an MLP or MoE standing as a
+    block's only mixer, Nemotron-H's ``'mlp'`` / ``'moe'``): ``mixer(x)``."""
+    return mixer(normed)
 
 
 class DecoderLayer(nn.Module):
@@ -92,7 +99,9 @@ class DecoderLayer(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         """The token mixer (registered under ``names[0]``)."""
-        return getattr(self, self._names[0])
+        # from the registry, not getattr: a checkpoint that calls it ``mixer`` (Mamba, Nemotron-H)
+        # registers it under this property's own name
+        return self._modules[self._names[0]]
 
     @property
     def mlp_block(self) -> nn.Module | None:
@@ -124,9 +133,15 @@ class DecoderLayer(nn.Module):
         if m == 1.0:
             hidden, normed = self.norm_2.forward_add(mixed, hidden) if isinstance(self.norm_2, RMSNorm) \
                 else self._add_norm(mixed, hidden)
-            return hidden + mlp(normed)
+            return hidden + self.channel_mix(normed)
         hidden = hidden + mixed * m
-        return hidden + mlp(self.norm_2(hidden)) * m
+        return hidden + self.channel_mix(self.norm_2(hidden)) * m
+
+    def channel_mix(self, normed: torch.Tensor) -> torch.Tensor:
+        """``mlp(norm_2(h))``: ``[T, hidden]`` → ``[T, hidden]``. A layer whose channel mixer is
+        more than the one module (Granite's routed experts plus an always-on shared MLP) overrides
+        this and keeps :meth:`forward`."""
+        return self.mlp_block(normed)
 
     def _add_norm(self, mixed: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = hidden + mixed
