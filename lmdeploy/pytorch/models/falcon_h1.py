@@ -32,18 +32,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_split, mamba2_state_spec
 from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, check_mamba_config, mamba_dims
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
+from .layers import Linear, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['FalconH1ForCausalLM', 'check_config', 'attention_cache_index', 'mamba_cache_index']
@@ -183,16 +183,12 @@ class FalconH1Attention(GQAProjections):
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class FalconH1MLP(nn.Module):
+class FalconH1MLP(SwiGLUMLP):
     """``down(silu(gate(x) * m_gate) * up(x)) * m_down`` (``mlp_multipliers``), gate and up packed
     into one matmul; biases when ``mlp_bias``."""
 
     def __init__(self, config):
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, {'gate_proj': inter, 'up_proj': inter},
-                                         bias=bool(config.mlp_bias))
-        self.down_proj = Linear(inter, config.hidden_size, bias=bool(config.mlp_bias))
+        super().__init__(config.hidden_size, config.intermediate_size, bias=bool(config.mlp_bias))
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,47 +197,38 @@ class FalconH1MLP(nn.Module):
         return self.down_proj(up * F.silu(gate * self.gate_multiplier)) * self.down_multiplier
 
 
-class FalconH1DecoderLayer(nn.Module):
-    """Pre-norm layer: Mamba-2 and attention in parallel on one norm, then the SwiGLU MLP."""
+class FalconH1DecoderLayer(DecoderLayer):
+    """Pre-norm layer: Mamba-2 (the layer's mixer, ``mamba``) and attention (``self_attn``) in
+    parallel on one norm, each with its multipliers, then the SwiGLU ``feed_forward``."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.mamba = FalconH1Mixer(config, mamba_cache_index(layer_idx))
+        super().__init__(config.hidden_size, config.rms_norm_eps, FalconH1Mixer(config, mamba_cache_index(layer_idx)),
+                         FalconH1MLP(config), names=('mamba', 'feed_forward', 'input_layernorm', 'pre_ff_layernorm'))
         self.self_attn = FalconH1Attention(config, attention_cache_index(layer_idx))
-        self.feed_forward = FalconH1MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention_in_multiplier = float(config.attention_in_multiplier)
         self.attention_out_multiplier = float(config.attention_out_multiplier)
         self.ssm_out_multiplier = float(config.ssm_out_multiplier)
 
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
+    def mix(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``mamba(n) * ssm_out + attn(n * attention_in, rotary) * attention_out`` ``[T, hidden]``,
+        ``n = input_layernorm(hidden)``."""
         normed = self.input_layernorm(hidden)
         mixed = self.mamba(normed, ctx) * self.ssm_out_multiplier
-        attn = self.self_attn(normed * self.attention_in_multiplier, rotary, ctx) * self.attention_out_multiplier
-        hidden = hidden + (mixed + attn)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        return mixed + self.self_attn(normed * self.attention_in_multiplier, rotary, ctx) * self.attention_out_multiplier
 
 
-class FalconH1Model(nn.Module):
-    """Embedding (times ``embedding_multiplier``), decoder layers, final norm, the rotary table."""
+class FalconH1Model(DecoderStack):
+    """Embedding (times ``embedding_multiplier``), decoder layers, final norm
+    (``final_layernorm``), the rotary table."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(FalconH1DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
+        super().__init__(config, (FalconH1DecoderLayer(config, i) for i in range(config.num_hidden_layers)),
+                         rotary=RotaryEmbedding(config), names=('embed_tokens', 'layers', 'final_layernorm'))
         self.embedding_multiplier = float(config.embedding_multiplier)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids) * self.embedding_multiplier
-        rotary = self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.final_layernorm(hidden)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` times ``embedding_multiplier``."""
+        return super().embed(input_ids) * self.embedding_multiplier
 
 
 def _norm_before_gate_refusal(config, size: int) -> str:
