@@ -29,12 +29,13 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import gqa_split
 from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, mamba1_split, mamba1_state_spec
 from .blocks.moe import FusedExperts, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, attention, mlp_split
+from .layers import Linear, PackedLinear, SwiGLUMLP, attention, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['JambaForCausalLM', 'check_config', 'layer_kinds']
@@ -130,45 +131,32 @@ class JambaMoE(nn.Module):
         return self.experts(x, index, weights.to(x.dtype))
 
 
-class JambaDecoderLayer(nn.Module):
-    """Pre-norm layer: Mamba-1 or attention, then the MoE or a SwiGLU MLP."""
+#: each layer kind's token mixer: (attribute name, factory (config, layer_idx) -> module); both
+#: are called ``mixer(x, ctx)`` (no positions anywhere)
+MIXERS = {MAMBA: ('mamba', lambda config, i: Mamba1Mixer(mamba_dims(config), i)),
+          ATTENTION: ('self_attn', JambaAttention)}
+
+
+class JambaDecoderLayer(DecoderLayer):
+    """Pre-norm layer: Mamba-1 or attention (:data:`MIXERS`), then the MoE or a SwiGLU MLP (the
+    checkpoint's ``feed_forward``, the engine's ``mlp``)."""
 
     def __init__(self, config, layer_idx: int, kind: str, moe: bool):
-        super().__init__()
-        self.kind = kind
-        if kind == MAMBA:
-            self.mamba = Mamba1Mixer(mamba_dims(config), layer_idx)
-        else:
-            self.self_attn = JambaAttention(config, layer_idx)
+        name, make = MIXERS[kind]
         # dense MLPs are split under tensor parallelism, the experts are not (see parallel_plan)
         dense = getattr(config, 'dense_intermediate_size', config.intermediate_size)
-        self.mlp = JambaMoE(config) if moe else SwiGLUMLP(config.hidden_size, dense)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        normed = self.input_layernorm(hidden)
-        hidden = hidden + (self.mamba(normed, ctx) if self.kind == MAMBA else self.self_attn(normed, ctx))
-        return hidden + self.mlp(self.pre_ff_layernorm(hidden))
+        super().__init__(config.hidden_size, config.rms_norm_eps, make(config, layer_idx),
+                         JambaMoE(config) if moe else SwiGLUMLP(config.hidden_size, dense),
+                         names=(name, 'mlp', 'input_layernorm', 'pre_ff_layernorm'))
 
 
-class JambaModel(nn.Module):
-    """Embedding, decoder layers, final norm."""
+class JambaModel(DecoderStack):
+    """Embedding, decoder layers, final norm (``final_layernorm``); no positions."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, kind, moe) for i, (kind, moe) in
-                                    enumerate(zip(layer_kinds(config), expert_layers(config))))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
-        return self.final_layernorm(hidden)
+        super().__init__(config, (JambaDecoderLayer(config, i, kind, moe) for i, (kind, moe) in
+                                  enumerate(zip(layer_kinds(config), expert_layers(config)))),
+                         names=('embed_tokens', 'layers', 'final_layernorm'))
 
 
 def _rename(name: str) -> str:
