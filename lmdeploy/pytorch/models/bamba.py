@@ -32,7 +32,8 @@ from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_BLOCK, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import (ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_BLOCK, MAMBA_FIELDS, check_mamba_config,
+                                   mamba_dims)
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import ParallelPlan
@@ -125,14 +126,8 @@ class BambaModel(DecoderStack):
 
 
 class BambaForCausalLM(CausalLM):
-    """Bamba causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``BambaConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Bamba causal LM in the engine's layers; ``config`` a ``transformers``
+    ``BambaConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-2, attention, Mamba-2, Mamba-2; SwiGLU MLPs; half-head RoPE. An SSD chunk of 24 so 32-token
     # prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
     tiny_config = dict(hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
@@ -145,19 +140,10 @@ class BambaForCausalLM(CausalLM):
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
+        **MAMBA_FIELDS,
         'layers_block_type': IMPLEMENTED,         # derived from attn_layer_indices
         'attn_layer_indices': CHECKED,            # indices in [0, num_hidden_layers)
         'mlp_bias': IMPLEMENTED,
-        'mamba_n_heads': IMPLEMENTED,
-        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
-        'mamba_d_state': IMPLEMENTED,
-        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_expand x hidden_size
-        'mamba_d_conv': IMPLEMENTED,
-        'mamba_expand': IMPLEMENTED,
-        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
-        'mamba_conv_bias': IMPLEMENTED,
-        'mamba_proj_bias': IMPLEMENTED,
-        'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
         'num_logits_to_keep': INERT,              # which positions generate() computes logits for
         'z_loss_coefficient': INERT,              # the training loss only
     }

@@ -41,7 +41,7 @@ from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_split, mamba2_state_spec
-from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_FIELDS, check_mamba_config, mamba_dims
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import Linear, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import Block, ParallelPlan
@@ -202,8 +202,9 @@ class FalconH1DecoderLayer(DecoderLayer):
     parallel on one norm, each with its multipliers, then the SwiGLU ``feed_forward``."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(config.hidden_size, config.rms_norm_eps, FalconH1Mixer(config, mamba_cache_index(layer_idx)),
-                         FalconH1MLP(config), names=('mamba', 'feed_forward', 'input_layernorm', 'pre_ff_layernorm'))
+        super().__init__(config.hidden_size, config.rms_norm_eps,
+                         FalconH1Mixer(config, mamba_cache_index(layer_idx)), FalconH1MLP(config),
+                         names=('mamba', 'feed_forward', 'input_layernorm', 'pre_ff_layernorm'))
         self.self_attn = FalconH1Attention(config, attention_cache_index(layer_idx))
         self.attention_in_multiplier = float(config.attention_in_multiplier)
         self.attention_out_multiplier = float(config.attention_out_multiplier)
@@ -242,14 +243,8 @@ def _norm_before_gate_refusal(config, size: int) -> str:
 
 
 class FalconH1ForCausalLM(CausalLM):
-    """Falcon-H1 causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``FalconH1Config``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Falcon-H1 causal LM in the engine's layers; ``config`` a ``transformers``
+    ``FalconH1Config``, refused (ValueError) as :func:`check_config` says."""
     # three layers, each Mamba-2 and attention side by side; SwiGLU MLPs. Every µP multiplier off 1 so each
     # is exercised; mamba_d_ssm (64) off mamba_expand x hidden (128); an SSD chunk of 24 so 32-token prefill
     # chunks end off its boundaries; 2 B/C groups so TP2 splits them
@@ -270,19 +265,10 @@ class FalconH1ForCausalLM(CausalLM):
         'layer_types': IMPLEMENTED,               # always 'hybrid': every layer runs both mixers
         'mlp_bias': IMPLEMENTED,
         'projectors_bias': IMPLEMENTED,           # the Mamba out_proj bias
-        'mamba_n_heads': IMPLEMENTED,
-        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
-        'mamba_d_state': IMPLEMENTED,
-        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_d_ssm
-        'mamba_d_ssm': IMPLEMENTED,
-        'mamba_d_conv': IMPLEMENTED,
-        'mamba_expand': IMPLEMENTED,              # the inner width when mamba_d_ssm is None
-        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
-        'mamba_conv_bias': IMPLEMENTED,
-        'mamba_proj_bias': IMPLEMENTED,
+        **MAMBA_FIELDS,
+        'mamba_d_ssm': IMPLEMENTED,               # the inner width (mamba_expand x hidden_size when None)
         'mamba_rms_norm': IMPLEMENTED,
         'mamba_norm_before_gate': CHECKED,        # refused under TP when a group spans ranks
-        'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
         'embedding_multiplier': IMPLEMENTED,
         'lm_head_multiplier': IMPLEMENTED,
         'mlp_multipliers': CHECKED,               # [gate, down]
@@ -306,10 +292,6 @@ class FalconH1ForCausalLM(CausalLM):
 
     model_class = FalconH1Model
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.lm_head_multiplier = float(config.lm_head_multiplier)
-
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Two entries per layer ``i`` (see the module docstring): ``2 i`` a
@@ -327,4 +309,4 @@ class FalconH1ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (times ``lm_head_multiplier``
         in the model dtype, as ``transformers``)."""
-        return (self.lm_head(hidden) * self.lm_head_multiplier).float()
+        return (self.lm_head(hidden) * float(self.config.lm_head_multiplier)).float()

@@ -31,7 +31,7 @@ from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import ATTENTION_BLOCK, MAMBA_BLOCK, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import ATTENTION_BLOCK, MAMBA_BLOCK, MAMBA_FIELDS, check_mamba_config, mamba_dims
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
 from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
@@ -151,14 +151,8 @@ class GraniteMoeHybridModel(DecoderStack):
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
-    """Granite-4.0-H causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``GraniteMoeHybridConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Granite-4.0-H causal LM in the engine's layers; ``config`` a ``transformers``
+    ``GraniteMoeHybridConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-2, attention, Mamba-2, Mamba-2; MoE + shared MLP; NoPE. µP multipliers off 1 (and a softmax
     # scale off head_dim ** -0.5) so each is exercised; an SSD chunk of 24 so 32-token prefill chunks end
     # off its boundaries; 2 B/C groups so TP2 splits them
@@ -181,6 +175,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
+        **MAMBA_FIELDS,
         'rope_parameters': CHECKED,               # read only with position_embedding_type='rope'
         'position_embedding_type': CHECKED,       # None (no positions) or 'rope'
         'embedding_multiplier': IMPLEMENTED,
@@ -190,16 +185,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         'num_local_experts': IMPLEMENTED,         # 0: no routed experts, the shared MLP alone
         'num_experts_per_tok': CHECKED,           # in [1, num_local_experts]
         'shared_intermediate_size': IMPLEMENTED,
-        'mamba_n_heads': IMPLEMENTED,
-        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
-        'mamba_d_state': IMPLEMENTED,
-        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_expand x hidden_size
-        'mamba_d_conv': IMPLEMENTED,
-        'mamba_expand': IMPLEMENTED,
-        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
-        'mamba_conv_bias': IMPLEMENTED,
-        'mamba_proj_bias': IMPLEMENTED,
-        'time_step_limit': CHECKED,               # (0, inf) only: see check_config
         'layers_block_type': CHECKED,             # transformers' alias of layer_types
         'output_router_logits': INERT,            # the training loss only
         'router_aux_loss_coef': INERT,
@@ -214,10 +199,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
                                          'mlp': (Block(GRANITE_SHARED_MLP_SPLIT, 'shared_mlp'),)})
 
     model_class = GraniteMoeHybridModel
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.logits_scaling = float(config.logits_scaling)
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
@@ -234,7 +215,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
-        return self.lm_head(hidden).float() / self.logits_scaling
+        return self.lm_head(hidden).float() / float(self.config.logits_scaling)
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
