@@ -24,18 +24,17 @@ Weight names: the published checkpoints' (``model.layers.{i}.mamba.*``, ``.self_
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import gqa_split
+from .blocks.gqa import GQAProjections, gqa_split
 from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, mamba1_split, mamba1_state_spec
-from .blocks.moe import FusedExperts, load_expert_tensor
+from .blocks.moe import GraniteMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, SwiGLUMLP, attention, mlp_split
+from .layers import SwiGLUMLP, attention, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['JambaForCausalLM', 'check_config', 'layer_kinds']
@@ -90,19 +89,12 @@ def mamba_dims(config) -> Mamba1Dims:
     return full if size == 1 else full.local(size)
 
 
-class JambaAttention(nn.Module):
-    """Grouped-query attention over the paged KV cache, no positional encoding, no biases,
-    softmax scale ``head_dim ** -0.5``."""
+class JambaAttention(GQAProjections):
+    """Grouped-query attention over the paged KV cache, no positional encoding, no biases (Jamba's
+    config has no ``attention_bias``), softmax scale ``head_dim ** -0.5``."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention_head_dim(config)
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
-                                                          'v_proj': kv}, bias=False)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        super().__init__(config, layer_idx)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -115,15 +107,11 @@ class JambaAttention(nn.Module):
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class JambaMoE(nn.Module):
-    """Jamba's experts: a softmax over all router logits in float32, the top ``k`` probabilities
-    kept as the weights (not renormalised); SwiGLU experts, gate rows first."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.router = Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.intermediate_size)
+class JambaMoE(GraniteMoE):
+    """Jamba's experts: :class:`~.blocks.moe.GraniteMoE`'s router and SwiGLU experts
+    (``num_local_experts``, transformers' alias of ``num_experts``), routed differently: a softmax
+    over all router logits in float32, the top ``k`` probabilities kept as the weights (not
+    renormalised)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
@@ -165,14 +153,8 @@ def _rename(name: str) -> str:
 
 
 class JambaForCausalLM(CausalLM):
-    """Jamba causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``JambaConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Jamba causal LM in the engine's layers; ``config`` a ``transformers``
+    ``JambaConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-1, attention, Mamba-1, Mamba-1; MoE in layers 1 and 3, dense MLPs in 0 and 2
     tiny_config = dict(hidden_size=64, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
                        expert_layer_period=2, expert_layer_offset=1, num_attention_heads=4, num_key_value_heads=2,

@@ -39,7 +39,7 @@ from .base import CausalLM
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import gqa_split
-from .blocks.moe import FusedExperts, load_expert_tensor
+from .blocks.moe import W123_EXPERT_RENAMES, FusedExperts, load_expert_tensor
 from .blocks.short_conv import CONV_SPLIT, ShortConv, short_conv_split, short_conv_state_spec
 from .config_audit import CHECKED, IMPLEMENTED, INERT
 from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, mlp_split
@@ -194,21 +194,13 @@ class Lfm2Model(DecoderStack):
                          names=('embed_tokens', 'layers', 'embedding_norm'))
 
 
-_RENAMES = [   # checkpoint -> the engine's module names
-    (re.compile(r'\.feed_forward\.'), '.mlp.'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
-]
+# checkpoint -> the engine's module names
+_RENAMES = [(re.compile(r'\.feed_forward\.'), '.mlp.'), *W123_EXPERT_RENAMES]
+
+
 class Lfm2ForCausalLM(CausalLM):
-    """LFM2 causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``Lfm2Config``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """LFM2 causal LM in the engine's layers; ``config`` a ``transformers``
+    ``Lfm2Config``, refused (ValueError) as :func:`check_config` says."""
     # short conv, short conv, attention, short conv; block_ff_dim 192 auto-adjusted to 2/3, rounded up to
     # 32: a 128-wide MLP
     tiny_config = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -287,19 +279,11 @@ class Lfm2ForCausalLM(CausalLM):
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
-    """LFM2-MoE causal LM: LFM2 with the MoE in layers ``>= num_dense_layers``.
-
-    Args:
-        config: a ``transformers`` ``Lfm2MoeConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
-    # short conv, attention, short conv, short conv; one dense layer, then sigmoid-routed MoE with a
-    # nonzero expert bias and a scaling off 1
-    tiny_config = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                       conv_L_cache=3, conv_bias=False, max_position_embeddings=32768, tie_word_embeddings=False,
-                       norm_eps=1e-5, rope_parameters=dict(rope_type='default', rope_theta=10000.0),
+    """LFM2-MoE causal LM: LFM2 with the MoE in layers ``>= num_dense_layers``; ``config`` a
+    ``transformers`` ``Lfm2MoeConfig``, refused (ValueError) as :func:`check_config` says."""
+    # LFM2's, but short conv, attention, short conv, short conv and a plain 128-wide dense MLP; one dense
+    # layer, then sigmoid-routed MoE with a nonzero expert bias and a scaling off 1
+    tiny_config = dict({k: v for k, v in Lfm2ForCausalLM.tiny_config.items() if not k.startswith('block_')},
                        layer_types=['conv', 'full_attention', 'conv', 'conv'], intermediate_size=128,
                        num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                        use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True)

@@ -63,7 +63,7 @@ class GQAProjections(nn.Module):
 
     Args:
         config: the HF config (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
-            ``head_dim`` or none, ``attention_bias``).
+            ``head_dim`` or none, ``attention_bias``; absent: no biases).
         layer_idx: index into ``StepContext.kv_caches``.
     """
 
@@ -72,7 +72,7 @@ class GQAProjections(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attention_head_dim(config)
-        bias = config.attention_bias
+        bias = getattr(config, 'attention_bias', False)      # MiniMax has no such field: no biases
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
                                                           'v_proj': kv}, bias=bias)
