@@ -264,14 +264,8 @@ def _load_expert(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
 
 
 class NemotronHForCausalLM(CausalLM):
-    """Nemotron-H causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``NemotronHConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Nemotron-H causal LM in the engine's layers; ``config`` a ``transformers``
+    ``NemotronHConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-2, MoE, attention, Mamba-2, MLP (pattern 'ME*M-'); SSD chunks of 48
     tiny_config = dict(hidden_size=64, layers_block_type=['linear_attention', 'moe', 'full_attention',
                                                           'linear_attention', 'mlp'],
