@@ -37,7 +37,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_only
+from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx
 from .blocks.gqa import gqa_split
 from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_split, mamba2_state_spec
 from .blocks.moe import group_limited_route
@@ -211,8 +211,13 @@ class NemotronHMoE(nn.Module):
         return h + self.shared_experts(x)
 
 
-#: each block type's mixer: (factory (config, layer_idx) -> module, call); the MLP and the MoE
-#: need neither positions nor the cache
+def mixer_only(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+    """The :data:`~.blocks.decoder.MixerCall` of an MLP or MoE block (it needs neither positions
+    nor the cache): ``mixer(x)``, ``[T, hidden]`` → ``[T, hidden]``."""
+    return mixer(normed)
+
+
+#: each block type's mixer: (factory (config, layer_idx) -> module, call)
 MIXERS = {MAMBA: (lambda config, i: Mamba2Mixer(mamba2_dims(config), i), mixer_ctx),
           ATTN: (NemotronHAttention, mixer_ctx),
           MLP: (lambda config, i: Relu2MLP(config.hidden_size, config.intermediate_size, config.mlp_bias), mixer_only),

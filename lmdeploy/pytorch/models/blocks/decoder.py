@@ -29,8 +29,7 @@ from torch import nn
 from ...model_inputs import StepContext
 from ..layers import RMSNorm
 
-__all__ = ['DecoderLayer', 'DecoderStack', 'MixerCall', 'mixer_ctx', 'mixer_rotary_ctx', 'mixer_cos_sin_ctx',
-           'mixer_only']
+__all__ = ['DecoderLayer', 'DecoderStack', 'MixerCall', 'mixer_ctx', 'mixer_rotary_ctx', 'mixer_cos_sin_ctx']
 
 #: how a layer calls its token mixer: ``call(mixer, normed [T, hidden], rotary, ctx) -> [T, hidden]``
 MixerCall = Callable[[nn.Module, torch.Tensor, Any, StepContext], torch.Tensor]
@@ -50,12 +49,6 @@ def mixer_cos_sin_ctx(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepC
     """A mixer that takes the rotary ``(cos, sin)`` tables apart: ``mixer(x, cos, sin, ctx)``."""
     cos, sin = rotary
     return mixer(normed, cos, sin, ctx)
-
-
-def mixer_only(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-    """A block whose mixer needs neither positions nor the cache (an MLP or MoE standing as a
-    block's only mixer, Nemotron-H's ``'mlp'`` / ``'moe'``): ``mixer(x)``."""
-    return mixer(normed)
 
 
 class DecoderLayer(nn.Module):
