@@ -31,6 +31,17 @@ def _kimi_published_names(tensors: dict) -> dict:
     return out
 
 
+def _put_split_conv1d(out: dict, name: str, t, parent: str) -> None:
+    """``out[name] = t``, except that the stacked q | k | v short conv ``{parent}conv1d.weight``
+    (transformers' layout, ``[3 C, 1, K]``) goes in as the published ``q_conv1d`` / ``k_conv1d`` /
+    ``v_conv1d`` (``[C, 1, K]`` each)."""
+    if name.endswith(f'{parent}conv1d.weight'):
+        for part, piece in zip('qkv', t.chunk(3, dim=0)):
+            out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
+    else:
+        out[name] = t
+
+
 def glm5_next_published_names(tensors: dict) -> dict:
     """transformers' GLM-5.3-Flash names → the published layout (transformers' conversion
     mapping reversed): forget-gate tensors directly under `self_attn`, the stacked `conv1d` as
@@ -38,12 +49,7 @@ def glm5_next_published_names(tensors: dict) -> dict:
     out = {}
     for name, t in tensors.items():
         name = name.replace('.self_attn.forget_gate.', '.self_attn.')
-        name = re.sub(r'\.(attn|ffn)_hc\.(fn|base|scale)$', r'.hc_\1_\2', name)
-        if name.endswith('.self_attn.conv1d.weight'):
-            for part, piece in zip('qkv', t.chunk(3, dim=0)):
-                out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
-            continue
-        out[name] = t
+        _put_split_conv1d(out, re.sub(r'\.(attn|ffn)_hc\.(fn|base|scale)$', r'.hc_\1_\2', name), t, '.self_attn.')
     return out
 
 
@@ -104,12 +110,8 @@ def _bailing_published_names(tensors: dict) -> dict:
         name = name.replace('model.embed_tokens.', 'model.word_embeddings.')
         name = name.replace('.self_attn.forget_gate.', '.self_attn.').replace('.self_attn.', '.attention.')
         name = name.replace('.attention.o_proj.', '.attention.dense.')
-        name = name.replace('.mlp.gate.e_score_correction_bias', '.mlp.gate.expert_bias')
-        if name.endswith('.attention.conv1d.weight'):
-            for part, piece in zip('qkv', t.chunk(3, dim=0)):
-                out[name.replace('.conv1d.', f'.{part}_conv1d.')] = piece
-            continue
-        out[name] = t
+        _put_split_conv1d(out, name.replace('.mlp.gate.e_score_correction_bias', '.mlp.gate.expert_bias'), t,
+                          '.attention.')
     return out
 
 

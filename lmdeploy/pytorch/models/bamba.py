@@ -24,18 +24,18 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_BLOCK, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import (ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_BLOCK, MAMBA_FIELDS, check_mamba_config,
+                                   mamba_dims)
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
+from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import ParallelPlan
 
 __all__ = ['BambaForCausalLM', 'check_config', 'layer_kinds']
@@ -98,72 +98,36 @@ class BambaAttention(GQAProjections):
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class BambaMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up packed into one matmul; biases when
-    ``mlp_bias``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
-        super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size},
-                                         bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(F.silu(gate) * up)
+#: each layer kind's token mixer: (attribute name, factory (config, layer_idx) -> module, call)
+MIXERS = {MAMBA: ('mamba', lambda config, i: Mamba2Mixer(mamba_dims(config), i), mixer_ctx),
+          ATTENTION: ('self_attn', BambaAttention, mixer_rotary_ctx)}
 
 
-class BambaDecoderLayer(nn.Module):
-    """Pre-norm layer: Mamba-2 or attention, then the SwiGLU MLP."""
+class BambaDecoderLayer(DecoderLayer):
+    """Pre-norm layer: Mamba-2 or attention (:data:`MIXERS`), then the SwiGLU ``feed_forward``
+    (biases when ``mlp_bias``)."""
 
     def __init__(self, config, layer_idx: int, kind: str):
-        super().__init__()
-        self.kind = kind
-        if kind == MAMBA:
-            self.mamba = Mamba2Mixer(mamba_dims(config), layer_idx)
-        else:
-            self.self_attn = BambaAttention(config, layer_idx)
-        self.feed_forward = BambaMLP(config.hidden_size, config.intermediate_size, bool(config.mlp_bias))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        normed = self.input_layernorm(hidden)
-        hidden = hidden + (self.mamba(normed, ctx) if self.kind == MAMBA else self.self_attn(normed, rotary, ctx))
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        name, make, call = MIXERS[kind]
+        super().__init__(config.hidden_size, config.rms_norm_eps, make(config, layer_idx),
+                         SwiGLUMLP(config.hidden_size, config.intermediate_size, bias=bool(config.mlp_bias)),
+                         call=call, names=(name, 'feed_forward', 'input_layernorm', 'pre_ff_layernorm'))
 
 
-class BambaModel(nn.Module):
-    """Embedding, decoder layers, final norm; the rotary table when there are attention layers."""
+class BambaModel(DecoderStack):
+    """Embedding, decoder layers, final norm (``final_layernorm``); the rotary table when there are
+    attention layers."""
 
     def __init__(self, config):
-        super().__init__()
         kinds = layer_kinds(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(BambaDecoderLayer(config, i, kind) for i, kind in enumerate(kinds))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config) if ATTENTION in kinds else None
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        rotary = None if self.rotary is None else self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.final_layernorm(hidden)
+        super().__init__(config, (BambaDecoderLayer(config, i, kind) for i, kind in enumerate(kinds)),
+                         rotary=RotaryEmbedding(config) if ATTENTION in kinds else None,
+                         names=('embed_tokens', 'layers', 'final_layernorm'))
 
 
 class BambaForCausalLM(CausalLM):
-    """Bamba causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``BambaConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Bamba causal LM in the engine's layers; ``config`` a ``transformers``
+    ``BambaConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-2, attention, Mamba-2, Mamba-2; SwiGLU MLPs; half-head RoPE. An SSD chunk of 24 so 32-token
     # prefill chunks end off its boundaries; 2 B/C groups so TP2 splits them
     tiny_config = dict(hidden_size=64, num_hidden_layers=4, attn_layer_indices=[1], num_attention_heads=4,
@@ -176,19 +140,10 @@ class BambaForCausalLM(CausalLM):
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
+        **MAMBA_FIELDS,
         'layers_block_type': IMPLEMENTED,         # derived from attn_layer_indices
         'attn_layer_indices': CHECKED,            # indices in [0, num_hidden_layers)
         'mlp_bias': IMPLEMENTED,
-        'mamba_n_heads': IMPLEMENTED,
-        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
-        'mamba_d_state': IMPLEMENTED,
-        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_expand x hidden_size
-        'mamba_d_conv': IMPLEMENTED,
-        'mamba_expand': IMPLEMENTED,
-        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
-        'mamba_conv_bias': IMPLEMENTED,
-        'mamba_proj_bias': IMPLEMENTED,
-        'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
         'num_logits_to_keep': INERT,              # which positions generate() computes logits for
         'z_loss_coefficient': INERT,              # the training loss only
     }

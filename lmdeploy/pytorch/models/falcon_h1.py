@@ -32,18 +32,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_split, mamba2_state_spec
-from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_FIELDS, check_mamba_config, mamba_dims
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention
+from .layers import Linear, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['FalconH1ForCausalLM', 'check_config', 'attention_cache_index', 'mamba_cache_index']
@@ -183,16 +183,12 @@ class FalconH1Attention(GQAProjections):
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class FalconH1MLP(nn.Module):
+class FalconH1MLP(SwiGLUMLP):
     """``down(silu(gate(x) * m_gate) * up(x)) * m_down`` (``mlp_multipliers``), gate and up packed
     into one matmul; biases when ``mlp_bias``."""
 
     def __init__(self, config):
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, {'gate_proj': inter, 'up_proj': inter},
-                                         bias=bool(config.mlp_bias))
-        self.down_proj = Linear(inter, config.hidden_size, bias=bool(config.mlp_bias))
+        super().__init__(config.hidden_size, config.intermediate_size, bias=bool(config.mlp_bias))
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,47 +197,39 @@ class FalconH1MLP(nn.Module):
         return self.down_proj(up * F.silu(gate * self.gate_multiplier)) * self.down_multiplier
 
 
-class FalconH1DecoderLayer(nn.Module):
-    """Pre-norm layer: Mamba-2 and attention in parallel on one norm, then the SwiGLU MLP."""
+class FalconH1DecoderLayer(DecoderLayer):
+    """Pre-norm layer: Mamba-2 (the layer's mixer, ``mamba``) and attention (``self_attn``) in
+    parallel on one norm, each with its multipliers, then the SwiGLU ``feed_forward``."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.mamba = FalconH1Mixer(config, mamba_cache_index(layer_idx))
+        super().__init__(config.hidden_size, config.rms_norm_eps,
+                         FalconH1Mixer(config, mamba_cache_index(layer_idx)), FalconH1MLP(config),
+                         names=('mamba', 'feed_forward', 'input_layernorm', 'pre_ff_layernorm'))
         self.self_attn = FalconH1Attention(config, attention_cache_index(layer_idx))
-        self.feed_forward = FalconH1MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention_in_multiplier = float(config.attention_in_multiplier)
         self.attention_out_multiplier = float(config.attention_out_multiplier)
         self.ssm_out_multiplier = float(config.ssm_out_multiplier)
 
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
+    def mix(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+        """``mamba(n) * ssm_out + attn(n * attention_in, rotary) * attention_out`` ``[T, hidden]``,
+        ``n = input_layernorm(hidden)``."""
         normed = self.input_layernorm(hidden)
         mixed = self.mamba(normed, ctx) * self.ssm_out_multiplier
-        attn = self.self_attn(normed * self.attention_in_multiplier, rotary, ctx) * self.attention_out_multiplier
-        hidden = hidden + (mixed + attn)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        return mixed + self.self_attn(normed * self.attention_in_multiplier, rotary, ctx) * self.attention_out_multiplier
 
 
-class FalconH1Model(nn.Module):
-    """Embedding (times ``embedding_multiplier``), decoder layers, final norm, the rotary table."""
+class FalconH1Model(DecoderStack):
+    """Embedding (times ``embedding_multiplier``), decoder layers, final norm
+    (``final_layernorm``), the rotary table."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(FalconH1DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
+        super().__init__(config, (FalconH1DecoderLayer(config, i) for i in range(config.num_hidden_layers)),
+                         rotary=RotaryEmbedding(config), names=('embed_tokens', 'layers', 'final_layernorm'))
         self.embedding_multiplier = float(config.embedding_multiplier)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids) * self.embedding_multiplier
-        rotary = self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.final_layernorm(hidden)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` times ``embedding_multiplier``."""
+        return super().embed(input_ids) * self.embedding_multiplier
 
 
 def _norm_before_gate_refusal(config, size: int) -> str:
@@ -255,14 +243,8 @@ def _norm_before_gate_refusal(config, size: int) -> str:
 
 
 class FalconH1ForCausalLM(CausalLM):
-    """Falcon-H1 causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``FalconH1Config``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Falcon-H1 causal LM in the engine's layers; ``config`` a ``transformers``
+    ``FalconH1Config``, refused (ValueError) as :func:`check_config` says."""
     # three layers, each Mamba-2 and attention side by side; SwiGLU MLPs. Every µP multiplier off 1 so each
     # is exercised; mamba_d_ssm (64) off mamba_expand x hidden (128); an SSD chunk of 24 so 32-token prefill
     # chunks end off its boundaries; 2 B/C groups so TP2 splits them
@@ -283,19 +265,10 @@ class FalconH1ForCausalLM(CausalLM):
         'layer_types': IMPLEMENTED,               # always 'hybrid': every layer runs both mixers
         'mlp_bias': IMPLEMENTED,
         'projectors_bias': IMPLEMENTED,           # the Mamba out_proj bias
-        'mamba_n_heads': IMPLEMENTED,
-        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
-        'mamba_d_state': IMPLEMENTED,
-        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_d_ssm
-        'mamba_d_ssm': IMPLEMENTED,
-        'mamba_d_conv': IMPLEMENTED,
-        'mamba_expand': IMPLEMENTED,              # the inner width when mamba_d_ssm is None
-        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
-        'mamba_conv_bias': IMPLEMENTED,
-        'mamba_proj_bias': IMPLEMENTED,
+        **MAMBA_FIELDS,
+        'mamba_d_ssm': IMPLEMENTED,               # the inner width (mamba_expand x hidden_size when None)
         'mamba_rms_norm': IMPLEMENTED,
         'mamba_norm_before_gate': CHECKED,        # refused under TP when a group spans ranks
-        'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
         'embedding_multiplier': IMPLEMENTED,
         'lm_head_multiplier': IMPLEMENTED,
         'mlp_multipliers': CHECKED,               # [gate, down]
@@ -319,10 +292,6 @@ class FalconH1ForCausalLM(CausalLM):
 
     model_class = FalconH1Model
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.lm_head_multiplier = float(config.lm_head_multiplier)
-
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
         """Two entries per layer ``i`` (see the module docstring): ``2 i`` a
@@ -340,4 +309,4 @@ class FalconH1ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (times ``lm_head_multiplier``
         in the model dtype, as ``transformers``)."""
-        return (self.lm_head(hidden) * self.lm_head_multiplier).float()
+        return (self.lm_head(hidden) * float(self.config.lm_head_multiplier)).float()

@@ -23,18 +23,18 @@ names: the published checkpoint's (``block_sparse_moe.input_linear`` ``[E, 2I, H
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
-from .blocks.mamba2_hybrid import ATTENTION_BLOCK, MAMBA_BLOCK, check_mamba_config, mamba_dims
+from .blocks.mamba2_hybrid import ATTENTION_BLOCK, MAMBA_BLOCK, MAMBA_FIELDS, check_mamba_config, mamba_dims
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
@@ -111,64 +111,48 @@ class GraniteAttention(GQAProjections):
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class GraniteDecoderLayer(nn.Module):
-    """Pre-norm layer with µP residual scaling: Mamba-2 or attention, then MoE + shared MLP."""
+#: each layer kind's token mixer: (attribute name, factory (config, layer_idx) -> module, call)
+MIXERS = {MAMBA: ('mamba', lambda config, i: Mamba2Mixer(mamba_dims(config), i), mixer_ctx),
+          ATTENTION: ('self_attn', GraniteAttention, mixer_rotary_ctx)}
+
+
+class GraniteDecoderLayer(DecoderLayer):
+    """Pre-norm layer with µP residual scaling (``residual_multiplier``): Mamba-2 or attention
+    (:data:`MIXERS`), then the routed experts (``block_sparse_moe``, none when
+    ``num_local_experts`` is 0) plus the always-on ``shared_mlp``."""
 
     def __init__(self, config, layer_idx: int, kind: str):
-        super().__init__()
-        self.kind = kind
-        if kind == MAMBA:
-            self.mamba = Mamba2Mixer(mamba_dims(config), layer_idx)
-        else:
-            self.self_attn = GraniteAttention(config, layer_idx)
+        name, make, call = MIXERS[kind]
+        super().__init__(config.hidden_size, config.rms_norm_eps, make(config, layer_idx),
+                         SwiGLUMLP(config.hidden_size, config.shared_intermediate_size), call=call,
+                         names=(name, 'shared_mlp', 'input_layernorm', 'post_attention_layernorm'),
+                         residual_multiplier=float(config.residual_multiplier))
         self.block_sparse_moe = GraniteMoE(config) if config.num_local_experts > 0 else None
-        self.shared_mlp = SwiGLUMLP(config.hidden_size, config.shared_intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.residual_multiplier = float(config.residual_multiplier)
 
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        normed = self.input_layernorm(hidden)
-        mixed = self.mamba(normed, ctx) if self.kind == MAMBA else self.self_attn(normed, rotary, ctx)
-        hidden = hidden + mixed * self.residual_multiplier
-        normed = self.post_attention_layernorm(hidden)
-        mlp = self.shared_mlp(normed)
-        if self.block_sparse_moe is not None:
-            mlp = self.block_sparse_moe(normed) + mlp
-        return hidden + mlp * self.residual_multiplier
+    def channel_mix(self, normed: torch.Tensor) -> torch.Tensor:
+        """``moe(n) + shared_mlp(n)`` ``[T, hidden]``, the shared MLP alone without experts."""
+        shared = self.shared_mlp(normed)
+        return shared if self.block_sparse_moe is None else self.block_sparse_moe(normed) + shared
 
 
-class GraniteMoeHybridModel(nn.Module):
-    """Scaled embedding, decoder layers, final norm; the rotary table only with RoPE."""
+class GraniteMoeHybridModel(DecoderStack):
+    """Embedding (times ``embedding_multiplier``), decoder layers, final norm; the rotary table
+    only with RoPE."""
 
     def __init__(self, config):
-        super().__init__()
         kinds = layer_kinds(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GraniteDecoderLayer(config, i, kind) for i, kind in enumerate(kinds))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, (GraniteDecoderLayer(config, i, kind) for i, kind in enumerate(kinds)),
+                         rotary=RotaryEmbedding(config) if _rope(config) and ATTENTION in kinds else None)
         self.embedding_multiplier = float(config.embedding_multiplier)
-        self.rotary = RotaryEmbedding(config) if _rope(config) and ATTENTION in kinds else None
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids) * self.embedding_multiplier
-        rotary = None if self.rotary is None else self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.norm(hidden)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` times ``embedding_multiplier``."""
+        return super().embed(input_ids) * self.embedding_multiplier
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
-    """Granite-4.0-H causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``GraniteMoeHybridConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Granite-4.0-H causal LM in the engine's layers; ``config`` a ``transformers``
+    ``GraniteMoeHybridConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-2, attention, Mamba-2, Mamba-2; MoE + shared MLP; NoPE. µP multipliers off 1 (and a softmax
     # scale off head_dim ** -0.5) so each is exercised; an SSD chunk of 24 so 32-token prefill chunks end
     # off its boundaries; 2 B/C groups so TP2 splits them
@@ -191,6 +175,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     # every config field transformers reads, and what the engine does with it (.config_audit)
     config_fields = {
         **COMMON_FIELDS,
+        **MAMBA_FIELDS,
         'rope_parameters': CHECKED,               # read only with position_embedding_type='rope'
         'position_embedding_type': CHECKED,       # None (no positions) or 'rope'
         'embedding_multiplier': IMPLEMENTED,
@@ -200,16 +185,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         'num_local_experts': IMPLEMENTED,         # 0: no routed experts, the shared MLP alone
         'num_experts_per_tok': CHECKED,           # in [1, num_local_experts]
         'shared_intermediate_size': IMPLEMENTED,
-        'mamba_n_heads': IMPLEMENTED,
-        'mamba_n_groups': CHECKED,                # divides mamba_n_heads
-        'mamba_d_state': IMPLEMENTED,
-        'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = mamba_expand x hidden_size
-        'mamba_d_conv': IMPLEMENTED,
-        'mamba_expand': IMPLEMENTED,
-        'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
-        'mamba_conv_bias': IMPLEMENTED,
-        'mamba_proj_bias': IMPLEMENTED,
-        'time_step_limit': CHECKED,               # (0, inf) only: see check_config
         'layers_block_type': CHECKED,             # transformers' alias of layer_types
         'output_router_logits': INERT,            # the training loss only
         'router_aux_loss_coef': INERT,
@@ -224,10 +199,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
                                          'mlp': (Block(GRANITE_SHARED_MLP_SPLIT, 'shared_mlp'),)})
 
     model_class = GraniteMoeHybridModel
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.logits_scaling = float(config.logits_scaling)
 
     @staticmethod
     def layer_cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
@@ -244,7 +215,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` → ``[N, vocab_size]`` float32 logits (divided by ``logits_scaling``)."""
-        return self.lm_head(hidden).float() / self.logits_scaling
+        return self.lm_head(hidden).float() / float(self.config.logits_scaling)
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""

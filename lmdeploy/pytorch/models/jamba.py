@@ -24,17 +24,17 @@ Weight names: the published checkpoints' (``model.layers.{i}.mamba.*``, ``.self_
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import gqa_split
+from .blocks.gqa import GQAProjections, gqa_split
 from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, mamba1_split, mamba1_state_spec
-from .blocks.moe import FusedExperts, load_expert_tensor
+from .blocks.moe import GraniteMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, SwiGLUMLP, attention, mlp_split
+from .layers import SwiGLUMLP, attention, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['JambaForCausalLM', 'check_config', 'layer_kinds']
@@ -89,19 +89,12 @@ def mamba_dims(config) -> Mamba1Dims:
     return full if size == 1 else full.local(size)
 
 
-class JambaAttention(nn.Module):
-    """Grouped-query attention over the paged KV cache, no positional encoding, no biases,
-    softmax scale ``head_dim ** -0.5``."""
+class JambaAttention(GQAProjections):
+    """Grouped-query attention over the paged KV cache, no positional encoding, no biases (Jamba's
+    config has no ``attention_bias``), softmax scale ``head_dim ** -0.5``."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention_head_dim(config)
-        kv = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
-                                                          'v_proj': kv}, bias=False)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        super().__init__(config, layer_idx)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -114,15 +107,11 @@ class JambaAttention(nn.Module):
         return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class JambaMoE(nn.Module):
-    """Jamba's experts: a softmax over all router logits in float32, the top ``k`` probabilities
-    kept as the weights (not renormalised); SwiGLU experts, gate rows first."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.router = Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.intermediate_size)
+class JambaMoE(GraniteMoE):
+    """Jamba's experts: :class:`~.blocks.moe.GraniteMoE`'s router and SwiGLU experts
+    (``num_local_experts``, transformers' alias of ``num_experts``), routed differently: a softmax
+    over all router logits in float32, the top ``k`` probabilities kept as the weights (not
+    renormalised)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
@@ -130,45 +119,32 @@ class JambaMoE(nn.Module):
         return self.experts(x, index, weights.to(x.dtype))
 
 
-class JambaDecoderLayer(nn.Module):
-    """Pre-norm layer: Mamba-1 or attention, then the MoE or a SwiGLU MLP."""
+#: each layer kind's token mixer: (attribute name, factory (config, layer_idx) -> module); both
+#: are called ``mixer(x, ctx)`` (no positions anywhere)
+MIXERS = {MAMBA: ('mamba', lambda config, i: Mamba1Mixer(mamba_dims(config), i)),
+          ATTENTION: ('self_attn', JambaAttention)}
+
+
+class JambaDecoderLayer(DecoderLayer):
+    """Pre-norm layer: Mamba-1 or attention (:data:`MIXERS`), then the MoE or a SwiGLU MLP (the
+    checkpoint's ``feed_forward``, the engine's ``mlp``)."""
 
     def __init__(self, config, layer_idx: int, kind: str, moe: bool):
-        super().__init__()
-        self.kind = kind
-        if kind == MAMBA:
-            self.mamba = Mamba1Mixer(mamba_dims(config), layer_idx)
-        else:
-            self.self_attn = JambaAttention(config, layer_idx)
+        name, make = MIXERS[kind]
         # dense MLPs are split under tensor parallelism, the experts are not (see parallel_plan)
         dense = getattr(config, 'dense_intermediate_size', config.intermediate_size)
-        self.mlp = JambaMoE(config) if moe else SwiGLUMLP(config.hidden_size, dense)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        normed = self.input_layernorm(hidden)
-        hidden = hidden + (self.mamba(normed, ctx) if self.kind == MAMBA else self.self_attn(normed, ctx))
-        return hidden + self.mlp(self.pre_ff_layernorm(hidden))
+        super().__init__(config.hidden_size, config.rms_norm_eps, make(config, layer_idx),
+                         JambaMoE(config) if moe else SwiGLUMLP(config.hidden_size, dense),
+                         names=(name, 'mlp', 'input_layernorm', 'pre_ff_layernorm'))
 
 
-class JambaModel(nn.Module):
-    """Embedding, decoder layers, final norm."""
+class JambaModel(DecoderStack):
+    """Embedding, decoder layers, final norm (``final_layernorm``); no positions."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, kind, moe) for i, (kind, moe) in
-                                    enumerate(zip(layer_kinds(config), expert_layers(config))))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
-        return self.final_layernorm(hidden)
+        super().__init__(config, (JambaDecoderLayer(config, i, kind, moe) for i, (kind, moe) in
+                                  enumerate(zip(layer_kinds(config), expert_layers(config)))),
+                         names=('embed_tokens', 'layers', 'final_layernorm'))
 
 
 def _rename(name: str) -> str:
@@ -177,14 +153,8 @@ def _rename(name: str) -> str:
 
 
 class JambaForCausalLM(CausalLM):
-    """Jamba causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``JambaConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Jamba causal LM in the engine's layers; ``config`` a ``transformers``
+    ``JambaConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-1, attention, Mamba-1, Mamba-1; MoE in layers 1 and 3, dense MLPs in 0 and 2
     tiny_config = dict(hidden_size=64, num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1,
                        expert_layer_period=2, expert_layer_offset=1, num_attention_heads=4, num_key_value_heads=2,

@@ -133,17 +133,28 @@ class PackedLinear(Linear):
 
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` (Shazeer, "GLU Variants Improve Transformer", 2020), with
-    gate and up packed into one matmul (loaded from ``gate_proj`` / ``up_proj``)."""
+    gate and up packed into one matmul (``gate_up_proj``, loaded from ``gate_proj`` / ``up_proj``).
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    Args:
+        hidden_size: input and output channels.
+        intermediate_size: the gate's and up's rows.
+        bias: biases on all three projections (Bamba's and Falcon-H1's ``mlp_bias``).
+        names: the checkpoint's names of ``(gate, up, down)``; ``down`` is also the output
+            projection's attribute (LFM2's ``('w1', 'w3', 'w2')``).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 names: tuple[str, str, str] = ('gate_proj', 'up_proj', 'down_proj')):
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {'gate_proj': intermediate_size, 'up_proj': intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(hidden_size, {names[0]: intermediate_size, names[1]: intermediate_size},
+                                         bias=bias)
+        self._down = names[2]
+        setattr(self, names[2], Linear(intermediate_size, hidden_size, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``."""
         gate, up = self.gate_up_proj.forward_split(x)
-        return self.down_proj(F.silu(gate) * up)
+        return getattr(self, self._down)(F.silu(gate) * up)
 
 
 def mlp_split(*, field: str = 'intermediate_size', up: tuple[str, ...] = ('gate_proj', 'up_proj'),

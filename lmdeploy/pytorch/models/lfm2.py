@@ -31,18 +31,18 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import gqa_split
-from .blocks.moe import FusedExperts, load_expert_tensor
+from .blocks.moe import W123_EXPERT_RENAMES, FusedExperts, load_expert_tensor
 from .blocks.short_conv import CONV_SPLIT, ShortConv, short_conv_split, short_conv_state_spec
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, attention, mlp_split
+from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Lfm2ForCausalLM', 'Lfm2MoeForCausalLM', 'ShortConv', 'short_conv_state_spec', 'ffn_size', 'check_config']
@@ -133,20 +133,6 @@ class Lfm2Attention(nn.Module):
         return self.out_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
-class Lfm2MLP(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``, ``w1`` and ``w3`` packed into one matmul."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {'w1': intermediate_size, 'w3': intermediate_size})
-        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        gate, up = self.gate_up_proj.forward_split(x)
-        return self.w2(F.silu(gate) * up)
-
-
 class Lfm2MoE(nn.Module):
     """LFM2-MoE's sigmoid-routed experts: ``s = sigmoid(gate(x))`` in float32, the top ``k`` of
     ``s + expert_bias`` (``use_expert_bias``; else of ``s``) chosen and weighted by ``s``,
@@ -173,66 +159,48 @@ class Lfm2MoE(nn.Module):
         return self.experts(x, index, (weights * self.scale).to(x.dtype))
 
 
-class Lfm2DecoderLayer(nn.Module):
-    """Pre-norm layer: short conv or attention, then the dense MLP or the MoE, each with a residual."""
+def _short_conv(config, layer_idx: int) -> ShortConv:
+    # a rank's channels under tensor parallelism (short_conv_split's local config), else all of them
+    channels = getattr(config, 'conv_channels', config.hidden_size)
+    return ShortConv(config.hidden_size, channels, config.conv_L_cache, bool(config.conv_bias), layer_idx)
+
+
+#: each layer kind's token mixer: (attribute name, factory (config, layer_idx) -> module, call)
+MIXERS = {CONV: ('conv', _short_conv, mixer_ctx), ATTENTION: ('self_attn', Lfm2Attention, mixer_rotary_ctx)}
+
+
+class Lfm2DecoderLayer(DecoderLayer):
+    """Pre-norm layer: short conv or attention (:data:`MIXERS`), then the dense SwiGLU or the MoE
+    (the checkpoint's ``feed_forward``, the engine's ``mlp``), norms ``operator_norm`` /
+    ``ffn_norm`` with eps ``norm_eps``."""
 
     def __init__(self, config, layer_idx: int, kind: str):
-        super().__init__()
-        self.kind = kind
-        if kind == CONV:
-            # a rank's channels under tensor parallelism (short_conv_split's local config), else all of them
-            channels = getattr(config, 'conv_channels', config.hidden_size)
-            self.conv = ShortConv(config.hidden_size, channels, config.conv_L_cache, bool(config.conv_bias),
-                                  layer_idx)
-        else:
-            self.self_attn = Lfm2Attention(config, layer_idx)
-        self.mlp = Lfm2MoE(config) if _is_moe(config, layer_idx) else Lfm2MLP(config.hidden_size, ffn_size(config))
-        self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        normed = self.operator_norm(hidden)
-        hidden = hidden + (self.conv(normed, ctx) if self.kind == CONV else self.self_attn(normed, rotary, ctx))
-        return hidden + self.mlp(self.ffn_norm(hidden))
+        name, make, call = MIXERS[kind]
+        mlp = Lfm2MoE(config) if _is_moe(config, layer_idx) else \
+            SwiGLUMLP(config.hidden_size, ffn_size(config), names=('w1', 'w3', 'w2'))
+        super().__init__(config.hidden_size, config.norm_eps, make(config, layer_idx), mlp, call=call,
+                         names=(name, 'mlp', 'operator_norm', 'ffn_norm'))
 
 
-class Lfm2Model(nn.Module):
+class Lfm2Model(DecoderStack):
     """Embedding, decoder layers, the final norm (``embedding_norm``); rotary tables only when
     some layer attends."""
 
     def __init__(self, config):
-        super().__init__()
         kinds = layer_kinds(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i, kind) for i, kind in enumerate(kinds))
-        self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.rotary = RotaryEmbedding(config) if ATTENTION in kinds else None
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        rotary = None if self.rotary is None else self.rotary(ctx.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, ctx)
-        return self.embedding_norm(hidden)
+        super().__init__(config, (Lfm2DecoderLayer(config, i, kind) for i, kind in enumerate(kinds)),
+                         rotary=RotaryEmbedding(config) if ATTENTION in kinds else None,
+                         norm=RMSNorm(config.hidden_size, config.norm_eps),
+                         names=('embed_tokens', 'layers', 'embedding_norm'))
 
 
-_RENAMES = [   # checkpoint -> the engine's module names
-    (re.compile(r'\.feed_forward\.'), '.mlp.'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
-    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
-]
+# checkpoint -> the engine's module names
+_RENAMES = [(re.compile(r'\.feed_forward\.'), '.mlp.'), *W123_EXPERT_RENAMES]
+
+
 class Lfm2ForCausalLM(CausalLM):
-    """LFM2 causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``Lfm2Config``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """LFM2 causal LM in the engine's layers; ``config`` a ``transformers``
+    ``Lfm2Config``, refused (ValueError) as :func:`check_config` says."""
     # short conv, short conv, attention, short conv; block_ff_dim 192 auto-adjusted to 2/3, rounded up to
     # 32: a 128-wide MLP
     tiny_config = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -311,19 +279,11 @@ class Lfm2ForCausalLM(CausalLM):
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
-    """LFM2-MoE causal LM: LFM2 with the MoE in layers ``>= num_dense_layers``.
-
-    Args:
-        config: a ``transformers`` ``Lfm2MoeConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
-    # short conv, attention, short conv, short conv; one dense layer, then sigmoid-routed MoE with a
-    # nonzero expert bias and a scaling off 1
-    tiny_config = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                       conv_L_cache=3, conv_bias=False, max_position_embeddings=32768, tie_word_embeddings=False,
-                       norm_eps=1e-5, rope_parameters=dict(rope_type='default', rope_theta=10000.0),
+    """LFM2-MoE causal LM: LFM2 with the MoE in layers ``>= num_dense_layers``; ``config`` a
+    ``transformers`` ``Lfm2MoeConfig``, refused (ValueError) as :func:`check_config` says."""
+    # LFM2's, but short conv, attention, short conv, short conv and a plain 128-wide dense MLP; one dense
+    # layer, then sigmoid-routed MoE with a nonzero expert bias and a scaling off 1
+    tiny_config = dict({k: v for k, v in Lfm2ForCausalLM.tiny_config.items() if not k.startswith('block_')},
                        layer_types=['conv', 'full_attention', 'conv', 'conv'], intermediate_size=128,
                        num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                        use_expert_bias=True, routed_scaling_factor=1.5, norm_topk_prob=True)

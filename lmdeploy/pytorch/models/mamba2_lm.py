@@ -72,14 +72,8 @@ class Mamba2Backbone(SSMBackbone):
 
 
 class Mamba2ForCausalLM(CausalLM):
-    """A Mamba-2 causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``Mamba2Config``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """A Mamba-2 causal LM in the engine's layers; ``config`` a ``transformers``
+    ``Mamba2Config``, refused (ValueError) as :func:`check_config` says."""
     # three Mamba-2 layers, nothing else; SSD chunks of 24, 2 B/C groups
     tiny_config = dict(hidden_size=64, num_hidden_layers=3, num_heads=4, head_dim=32, expand=2, n_groups=2,
                        state_size=16, conv_kernel=4, chunk_size=24, use_conv_bias=True, use_bias=False,

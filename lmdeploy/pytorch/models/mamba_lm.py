@@ -112,14 +112,8 @@ _MAMBA_FIELDS = {
 
 
 class MambaForCausalLM(CausalLM):
-    """A Mamba(-1) causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``MambaConfig`` (or ``FalconMambaConfig``: the subclass).
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """A Mamba(-1) causal LM in the engine's layers; ``config`` a ``transformers`` ``MambaConfig``
+    (or ``FalconMambaConfig``: the subclass), refused (ValueError) as :func:`check_config` says."""
     # three Mamba-1 layers, nothing else; dt rank 4 ('auto': 64 / 16)
     tiny_config = dict(hidden_size=64, num_hidden_layers=3, state_size=16, expand=2, conv_kernel=4, use_conv_bias=True,
                        use_bias=False, layer_norm_epsilon=1e-5, residual_in_fp32=True, tie_word_embeddings=False)

@@ -37,6 +37,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx
 from .blocks.gqa import gqa_split
 from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_split, mamba2_state_spec
 from .blocks.moe import group_limited_route
@@ -210,44 +211,36 @@ class NemotronHMoE(nn.Module):
         return h + self.shared_experts(x)
 
 
-class NemotronHBlock(nn.Module):
-    """``x + mixer(RMSNorm(x))`` with the mixer of ``layers_block_type[layer_idx]``."""
+def mixer_only(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
+    """The :data:`~.blocks.decoder.MixerCall` of an MLP or MoE block (it needs neither positions
+    nor the cache): ``mixer(x)``, ``[T, hidden]`` → ``[T, hidden]``."""
+    return mixer(normed)
+
+
+#: each block type's mixer: (factory (config, layer_idx) -> module, call)
+MIXERS = {MAMBA: (lambda config, i: Mamba2Mixer(mamba2_dims(config), i), mixer_ctx),
+          ATTN: (NemotronHAttention, mixer_ctx),
+          MLP: (lambda config, i: Relu2MLP(config.hidden_size, config.intermediate_size, config.mlp_bias), mixer_only),
+          MOE: (lambda config, i: NemotronHMoE(config), mixer_only)}
+
+
+class NemotronHBlock(DecoderLayer):
+    """``x + mixer(RMSNorm(x))`` with the mixer of ``layers_block_type[layer_idx]`` (:data:`MIXERS`),
+    no second half: a :class:`DecoderLayer` without an MLP, its norm named ``norm``."""
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        kind = self.kind = _block_types(config)[layer_idx]
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        if kind == MAMBA:
-            self.mixer = Mamba2Mixer(mamba2_dims(config), layer_idx)
-        elif kind == ATTN:
-            self.mixer = NemotronHAttention(config, layer_idx)
-        elif kind == MLP:
-            self.mixer = Relu2MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        else:
-            self.mixer = NemotronHMoE(config)
-        self.needs_ctx = kind in (MAMBA, ATTN)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``."""
-        h = self.norm(hidden)
-        return hidden + (self.mixer(h, ctx) if self.needs_ctx else self.mixer(h))
+        make, call = MIXERS[_block_types(config)[layer_idx]]
+        super().__init__(config.hidden_size, config.layer_norm_epsilon, make(config, layer_idx), None, call=call,
+                         names=('mixer', 'mlp', 'norm', 'post_norm'))
 
 
-class NemotronHModel(nn.Module):
-    """Embedding, blocks, final norm (``norm_f``)."""
+class NemotronHModel(DecoderStack):
+    """Embedding, blocks, final norm (``norm_f``); no positions."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(config, i) for i in range(len(_block_types(config))))
-        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
-        return self.norm_f(hidden)
+        super().__init__(config, (NemotronHBlock(config, i) for i in range(len(_block_types(config)))),
+                         norm=RMSNorm(config.hidden_size, config.layer_norm_epsilon),
+                         names=('embed_tokens', 'layers', 'norm_f'))
 
 
 _RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'))
@@ -276,14 +269,8 @@ def _load_expert(loader: WeightLoader, name: str, tensor: torch.Tensor) -> bool:
 
 
 class NemotronHForCausalLM(CausalLM):
-    """Nemotron-H causal LM in the engine's layers.
-
-    Args:
-        config: a ``transformers`` ``NemotronHConfig``.
-
-    Raises:
-        ValueError: see :func:`check_config`.
-    """
+    """Nemotron-H causal LM in the engine's layers; ``config`` a ``transformers``
+    ``NemotronHConfig``, refused (ValueError) as :func:`check_config` says."""
     # Mamba-2, MoE, attention, Mamba-2, MLP (pattern 'ME*M-'); SSD chunks of 48
     tiny_config = dict(hidden_size=64, layers_block_type=['linear_attention', 'moe', 'full_attention',
                                                           'linear_attention', 'mlp'],

@@ -54,8 +54,9 @@ def mixer_cos_sin_ctx(mixer: nn.Module, normed: torch.Tensor, rotary, ctx: StepC
 
 def _named(index: int, doc: str) -> property:
     """A read-only property for the module a layer registered under ``self._names[index]``
-    (None when it has none)."""
-    return property(lambda self: getattr(self, self._names[index], None), doc=doc)
+    (None when it has none). It reads the module registry, not ``getattr``: a checkpoint that
+    calls its mixer ``mixer`` (Mamba, Nemotron-H) registers it under the property's own name."""
+    return property(lambda self: self._modules.get(self._names[index]), doc=doc)
 
 
 class DecoderLayer(nn.Module):
@@ -116,9 +117,15 @@ class DecoderLayer(nn.Module):
         if m == 1.0:
             hidden, normed = self.norm_2.forward_add(mixed, hidden) if isinstance(self.norm_2, RMSNorm) \
                 else self._add_norm(mixed, hidden)
-            return hidden + mlp(normed)
+            return hidden + self.channel_mix(normed)
         hidden = hidden + mixed * m
-        return hidden + mlp(self.norm_2(hidden)) * m
+        return hidden + self.channel_mix(self.norm_2(hidden)) * m
+
+    def channel_mix(self, normed: torch.Tensor) -> torch.Tensor:
+        """``mlp(norm_2(h))``: ``[T, hidden]`` → ``[T, hidden]``. A layer whose channel mixer is
+        more than the one module (Granite's routed experts plus an always-on shared MLP) overrides
+        this and keeps :meth:`forward`."""
+        return self.mlp_block(normed)
 
     def _add_norm(self, mixed: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = hidden + mixed

@@ -1,16 +1,33 @@
 """What the attention + Mamba-2 hybrids (Bamba, Granite-4.0-H, Falcon-H1) share: the HF
-``mamba_*`` config fields (:func:`check_mamba_config` checks them, :func:`mamba_dims` reads them)
+``mamba_*`` config fields (:func:`check_mamba_config` checks them, :func:`mamba_dims` reads them,
+:data:`MAMBA_FIELDS` audits them)
 and the blocks their tensor-parallel plans compose (:data:`ATTENTION_BLOCK`,
 :data:`MAMBA_BLOCK`, :data:`FEED_FORWARD_BLOCK`).
 """
 from __future__ import annotations
 
+from ..config_audit import CHECKED, IMPLEMENTED
 from ..layers import mlp_split
 from ..parallel_plan import Block
 from .gqa import gqa_split
 from .mamba2 import Mamba2Dims, check_time_step_limit, mamba2_split
 
-__all__ = ['ATTENTION_BLOCK', 'FEED_FORWARD_BLOCK', 'MAMBA_BLOCK', 'check_mamba_config', 'mamba_dims']
+__all__ = ['ATTENTION_BLOCK', 'FEED_FORWARD_BLOCK', 'MAMBA_BLOCK', 'MAMBA_FIELDS', 'check_mamba_config', 'mamba_dims']
+
+#: the config fields :func:`mamba_dims` and :func:`check_mamba_config` read, and what the engine
+#: does with each (for a family's ``config_fields``, :mod:`..config_audit`)
+MAMBA_FIELDS = {
+    'mamba_n_heads': IMPLEMENTED,
+    'mamba_n_groups': CHECKED,                # divides mamba_n_heads
+    'mamba_d_state': IMPLEMENTED,
+    'mamba_d_head': CHECKED,                  # mamba_n_heads x mamba_d_head = the Mamba inner width
+    'mamba_d_conv': IMPLEMENTED,
+    'mamba_expand': IMPLEMENTED,              # the inner width is mamba_expand x hidden_size
+    'mamba_chunk_size': IMPLEMENTED,          # the SSD chunk: changes rounding only
+    'mamba_conv_bias': IMPLEMENTED,
+    'mamba_proj_bias': IMPLEMENTED,
+    'time_step_limit': CHECKED,               # (0, inf) only: see mamba2.check_time_step_limit
+}
 
 
 def check_mamba_config(config, inner: int, inner_name: str) -> None:

@@ -153,6 +153,16 @@ def load_expert_tensor(loader: WeightLoader, name: str, tensor: torch.Tensor) ->
     return True
 
 
+#: ``(pattern, replacement)`` pairs for ``re.sub``: a checkpoint's per-expert ``w1`` (gate) /
+#: ``w3`` (up) / ``w2`` (down) under ``.mlp.experts.{e}`` (Mixtral's spelling) → the
+#: ``gate_proj`` / ``up_proj`` / ``down_proj`` names :func:`load_expert_tensor` reads
+W123_EXPERT_RENAMES = [
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w1\.weight$'), r'\1.gate_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w3\.weight$'), r'\1.up_proj.weight'),
+    (re.compile(r'(\.mlp\.experts\.\d+)\.w2\.weight$'), r'\1.down_proj.weight'),
+]
+
+
 def group_limited_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
                         top_k: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The DeepSeek-V3 router (DeepSeek-V3 technical report, 2024), in float32.

@@ -1,5 +1,6 @@
 """The body shared by the pure state-space language models (Mamba-1, Mamba-2): an embedding, a
-stack of pre-norm residual mixer blocks and a final norm, and the checkpoint prefix renames of
+stack of pre-norm residual mixer blocks and a final norm (a :class:`~.decoder.DecoderStack` of
+MLP-less :class:`~.decoder.DecoderLayer` s), and the checkpoint prefix renames of
 the published ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` weights. A family gives only its
 mixer (:class:`SSMBackbone`'s ``make_mixer``) and its mixer's split (:func:`ssm_parallel_plan`)."""
 from __future__ import annotations
@@ -9,11 +10,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ...model_inputs import StepContext
 from ..layers import RMSNorm
 from ..parallel_plan import Block, ParallelPlan
+from .decoder import DecoderLayer, DecoderStack
 
-__all__ = ['SSM_RENAMES', 'SSMBackbone', 'SSMBlock', 'rename_ssm_prefix', 'ssm_parallel_plan']
+__all__ = ['SSM_RENAMES', 'ResidualRMSNorm', 'SSMBackbone', 'SSMBlock', 'rename_ssm_prefix', 'ssm_parallel_plan']
 
 # checkpoint prefix -> the engine's (``backbone.embeddings`` in the published Mamba weights)
 SSM_RENAMES = (('backbone.', 'model.'), ('model.embeddings.', 'model.embed_tokens.'),
@@ -36,8 +37,19 @@ def ssm_parallel_plan(mixer_split) -> ParallelPlan:
                         blocks={'mixer': (Block(mixer_split, 'mixer'),)}, renames=SSM_RENAMES)
 
 
-class SSMBlock(nn.Module):
-    """``h + mixer(norm(h))``; the residual ``h`` stays float32 when ``residual_in_fp32``.
+class ResidualRMSNorm(RMSNorm):
+    """:class:`~..layers.RMSNorm` of a residual stream that may be wider than the model dtype:
+    the input is cast to the weight's dtype first (a float32 ``residual_in_fp32`` stream is
+    normed as the model-dtype tensor, as the published Mamba blocks do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., dim]`` any float dtype → ``[..., dim]`` in the weight's dtype."""
+        return super().forward(x.to(self.weight.dtype))
+
+
+class SSMBlock(DecoderLayer):
+    """``h + mixer(norm(h))``, a :class:`DecoderLayer` without an MLP; the residual ``h`` stays
+    float32 when the stack keeps it so (``residual_in_fp32``).
 
     Args:
         config: the HF config (``hidden_size``, ``layer_norm_epsilon``).
@@ -45,18 +57,14 @@ class SSMBlock(nn.Module):
     """
 
     def __init__(self, config, mixer: nn.Module):
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.mixer = mixer
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` (float32 or the model dtype) → ``[T, hidden]``, same dtype."""
-        return hidden + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), ctx)
+        super().__init__(config.hidden_size, config.layer_norm_epsilon, mixer, None,
+                         names=('mixer', 'mlp', 'norm', 'post_norm'), norm=ResidualRMSNorm)
 
 
-class SSMBackbone(nn.Module):
-    """Embedding, mixer blocks, final norm (named ``model`` so the generic vocabulary split finds
-    ``model.embed_tokens``).
+class SSMBackbone(DecoderStack):
+    """Embedding, mixer blocks, final norm (``norm_f``), no positions; named ``model`` so the
+    generic vocabulary split finds ``model.embed_tokens``. With ``residual_in_fp32`` the residual
+    stream between the blocks is float32 and the final norm returns the model dtype.
 
     Args:
         config: the HF config (``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
@@ -65,18 +73,12 @@ class SSMBackbone(nn.Module):
     """
 
     def __init__(self, config, make_mixer: Callable[[object, int], nn.Module]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(SSMBlock(config, make_mixer(config, i)) for i in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        super().__init__(config, (SSMBlock(config, make_mixer(config, i)) for i in range(config.num_hidden_layers)),
+                         norm=ResidualRMSNorm(config.hidden_size, config.layer_norm_epsilon),
+                         names=('embed_tokens', 'layers', 'norm_f'))
         self.residual_in_fp32 = bool(config.residual_in_fp32)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` (model dtype) of the step's flat tokens."""
-        hidden = self.embed_tokens(ctx.input_ids)
-        dtype = hidden.dtype
-        if self.residual_in_fp32:
-            hidden = hidden.float()
-        for layer in self.layers:
-            hidden = layer(hidden, ctx)
-        return self.norm_f(hidden.to(dtype))
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]``, float32 with ``residual_in_fp32``."""
+        hidden = super().embed(input_ids)
+        return hidden.float() if self.residual_in_fp32 else hidden
