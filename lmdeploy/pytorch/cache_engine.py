@@ -126,6 +126,15 @@ class CacheEngine:
         return CacheRowLayout(specs, True, block_size, only=tuple(entries)).row_bytes
 
     @staticmethod
+    def row_bytes(specs: Sequence[LayerCacheSpec], block_size: int,
+                  groups: Sequence[Sequence[int]] = ()) -> tuple[int, int, tuple[int, ...]]:
+        """What one row of each cache takes, padding included (bytes): a state slot (0 without
+        state), a KV block of every paged layer, and a block of each paged group in ``groups``
+        (each given by its cache entries)."""
+        return (CacheEngine.bytes_per_slot(specs), CacheEngine.bytes_per_block(specs, block_size),
+                tuple(CacheEngine.group_bytes_per_block(specs, block_size, g) for g in groups))
+
+    @staticmethod
     def bytes_per_slot(specs: Sequence[LayerCacheSpec]) -> int:
         """Bytes one state slot row takes (including alignment padding); 0 without state."""
         layout = CacheRowLayout(specs, False)

@@ -157,7 +157,8 @@ def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_
     """
     num_runtime = cc.num_state_slots or max_batch_size
     keeps_checkpoints = hybrid and cc.enable_prefix_caching
-    slot_bytes, block_bytes = CacheEngine.bytes_per_slot(specs), CacheEngine.bytes_per_block(specs, cc.block_size)
+    slot_bytes, block_bytes, group_rows = CacheEngine.row_bytes(specs, cc.block_size,
+                                                                [g.entries for g in groups[:2]] if len(groups) > 1 else ())
     # a model that caches nothing per token (pure Mamba-2) has block rows of padding only: its
     # checkpoints keep slots of their own
     block_rows = keeps_checkpoints and cc.checkpoints_in_block_rows and kv_bytes_per_block(specs, cc.block_size) > 0
@@ -170,13 +171,12 @@ def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_
              DEFAULT_CHECKPOINT_SLOTS) * rows_per_state(slot_bytes, block_bytes) if block_rows else 0
     num_window, window_row = 0, 0
     if len(groups) > 1:
-        window = groups[1]
-        per_seq = -(-(window.window - 1 + chunk_tokens) // cc.block_size) + 1
+        # the shared pool this model would have had bounds the window pool
         shared = cc.num_gpu_blocks or derive_num_blocks(block_bytes, slot_bytes, cc, num_slots, device,
                                                         max_batch_size, session_len, extra)
+        block_bytes, window_row = group_rows
+        per_seq = -(-(groups[1].window - 1 + chunk_tokens) // cc.block_size) + 1
         num_window = min(max_batch_size * per_seq, shared)
-        window_row = CacheEngine.group_bytes_per_block(specs, cc.block_size, window.entries)
-        block_bytes = CacheEngine.group_bytes_per_block(specs, cc.block_size, groups[0].entries)
     num_blocks = cc.num_gpu_blocks or derive_num_blocks(block_bytes, slot_bytes, cc, num_slots, device, max_batch_size,
                                                         session_len, extra, reserved=num_window * window_row)
     capacity = num_blocks * cc.block_size
