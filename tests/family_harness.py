@@ -1,11 +1,14 @@
-"""The shared harness of the model-family test files (Mamba, Mamba-2, Jamba, Bamba, Falcon-H1):
-the conformance checks every family runs against transformers on its tiny checkpoint, a new
-engine restoring a prefix from a ``file:`` Store, a transformers model with seeded random weights
-written as a checkpoint under other switches, and the config audit's checks.
+"""The shared harness of the model-family test files (Mamba, Mamba-2, Jamba, Bamba, Falcon-H1,
+Ling 3, MiniMax-01, Lara-4-Mini, LFM3, OLMo Hybrid, Zamba2): the conformance checks every family
+runs against transformers on its tiny checkpoint, a new engine restoring a prefix from a
+``file:`` Store, a transformers model with seeded random weights written as a checkpoint under
+other switches, a copy of the tiny checkpoint with other tensors or config fields, TP2 = TP1
+with its split count and a refused head count, and the config audit's checks.
 
 A family's file keeps a module fixture ``tiny`` (its ``(checkpoint path, transformers float32
-reference)`` from :func:`engine_utils.tiny_checkpoint_and_reference`) and subclasses
-:class:`FamilyConformance`; everything specific to the family stays in its file.
+reference)`` from :func:`engine_utils.tiny_checkpoint_and_reference`, or ``tiny =
+tiny_fixture(arch)``) and subclasses :class:`FamilyConformance`; everything specific to the
+family stays in its file.
 """
 from __future__ import annotations
 
@@ -22,12 +25,42 @@ import torch
 
 from engine_utils import (check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, make_engine, random_prompt)
+                          check_prompt_logits_match_transformers, load_hf, make_engine, random_prompt,
+                          tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
 # (prompt tokens, prefill chunk): one short prompt, long ones cold and in chunks of 32 tokens
 LOGITS_CASES = ((5, 8192), (150, 32), (700, 32), (300, 8192))
+
+
+def tiny_fixture(arch: str, load=load_hf):
+    """The module fixture ``tiny`` of a family's file, assigned as ``tiny = tiny_fixture(arch)``:
+    ``(checkpoint path in the published layout, transformers float32 reference)`` of
+    ``make_tiny_model(arch, seed=0)``, made once per module."""
+    @pytest.fixture(scope='module', name='tiny')
+    def tiny(tmp_path_factory):
+        return tiny_checkpoint_and_reference(tmp_path_factory, arch, load)
+    return tiny
+
+
+def published_config_and_names(path: str) -> tuple[dict, set[str]]:
+    """The checkpoint at ``path`` as written: its ``config.json`` (a plain dict, not a transformers
+    config, so published field spellings show) and the tensor names of its ``model.safetensors``."""
+    from safetensors import safe_open
+    config = json.loads((Path(path) / 'config.json').read_text())
+    with safe_open(str(Path(path) / 'model.safetensors'), framework='pt') as f:
+        return config, set(f.keys())
+
+
+def tiny_cache_specs(path: str, model_type: str, dtype: torch.dtype):
+    """``(config, specs)``: the transformers config of the checkpoint at ``path`` and the layer
+    cache specs ``model_type``'s class declares for it in ``dtype``."""
+    from transformers import AutoConfig
+
+    from lmdeploy.pytorch.models import get_model_class
+    config = AutoConfig.from_pretrained(path)
+    return config, get_model_class(model_type).cache_specs(config, dtype)
 
 
 class FamilyConformance:
@@ -76,6 +109,44 @@ def check_a_new_engine_restores_from_a_file_store(path: str, tmp_path: Path, see
     assert first.output_ids == again.output_ids == cold
 
 
+def check_tp2_equals_tp1_and_refusal(path: str, split: int, refuse: dict, match: str) -> list:
+    """Over 2 ranks each split tensor of the checkpoint at ``path`` tiles its axis once and there
+    are ``split`` of them; a TP2 engine's logits and staggered greedy tokens equal TP1's; the
+    config with ``refuse`` set (e.g. ``{'num_key_value_heads': 1}``) is refused by a tp = 2
+    ``TPLayout`` with a ValueError matching ``match``. Returns the two ranks' layouts."""
+    from lmdeploy.pytorch.distributed.sharding import TPLayout
+    from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
+    config, layouts, got = check_tp_slices_tile_every_split_tensor(path)
+    assert got == split
+    check_tp2_equals_tp1(path)
+    for k, v in refuse.items():
+        setattr(config, k, v)
+    with pytest.raises(ValueError, match=match):
+        TPLayout(config, 0, 2)
+    return layouts
+
+
+def _save_tensors(tensors: dict, path: Path) -> None:
+    """``tensors`` (name -> tensor) as ``path``; each is copied first because safetensors refuses
+    tensors that share memory (tied embeddings, a block reused by several layers)."""
+    from safetensors.torch import save_file
+    save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()}, str(path), metadata={'format': 'pt'})
+
+
+def rewrite_checkpoint(src: str, dst: Path, tensors: dict | None = None, config: dict | None = None) -> str:
+    """A copy of the checkpoint folder ``src`` at ``dst`` whose ``model.safetensors`` holds
+    ``tensors`` (name -> tensor; unchanged when None) and whose ``config.json`` has the fields of
+    ``config`` set (others kept as written). Returns ``str(dst)``."""
+    shutil.copytree(src, dst)
+    if tensors is not None:
+        _save_tensors(tensors, dst / 'model.safetensors')
+    if config:
+        written = json.loads((dst / 'config.json').read_text())
+        written.update(config)
+        (dst / 'config.json').write_text(json.dumps(written))
+    return str(dst)
+
+
 def hf_model(cls, config, seed: int):
     """``cls(config)`` in float32 eval mode with seeded random weights (``make_tiny_model``'s
     ``_randomize``), leaving the global torch RNG as it was."""
@@ -100,14 +171,13 @@ def write_checkpoint(src: str, path: Path, hf, config, rename: Callable[[str], s
     Returns:
         The state dict written (checkpoint names).
     """
-    from safetensors.torch import save_file
     shutil.copytree(src, path)
     sd = {}
     for k, v in hf.state_dict().items():
         k = rename(k)
         if k is not None:
-            sd[k] = v.contiguous()
-    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
+            sd[k] = v
+    _save_tensors(sd, path / 'model.safetensors')
     cfg = config.to_diff_dict()
     cfg['architectures'] = [type(hf).__name__]
     for key in drop_config:
@@ -123,9 +193,13 @@ def untied(k: str) -> str | None:
 
 def check_refused_field(config, change: dict, field: str, model_type: str | None = None,
                         checked: set[str] = frozenset()) -> None:
-    """``config`` with ``change`` set is refused by the config audit with a ValueError naming
-    ``field``; with ``model_type``, every field the audit checks for it is one of ``checked`` (a
-    new check must come with its refusal test)."""
+    """``config`` (a transformers config, or a checkpoint path to load it from) with ``change``
+    set is refused by the config audit with a ValueError naming ``field``; with ``model_type``,
+    every field the audit checks for it is one of ``checked`` (a new check must come with its
+    refusal test)."""
+    if isinstance(config, (str, Path)):
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(config)
     for k, v in change.items():
         object.__setattr__(config, k, v)
     with pytest.raises(ValueError, match=field):

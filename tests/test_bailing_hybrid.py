@@ -6,40 +6,20 @@ identical under every cache policy, Store put bytes equal to the simulator and a
 restoring from a ``file:`` Store, transformers' in-memory names loading the same model, the
 NextN layers of a published checkpoint skipped, MTP speculative decoding refused by name, TP2 =
 TP1; the config audit."""
-import inspect
-import json
-import re
-import shutil
-
 import pytest
 import torch
 
-from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          tiny_checkpoint_and_reference)
-from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
+from engine_utils import check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            check_tp2_equals_tp1_and_refusal, rewrite_checkpoint, tiny_fixture)
+
+tiny = tiny_fixture('bailing_hybrid')
 
 
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(checkpoint path in the published layout, transformers float32 reference)."""
-    return tiny_checkpoint_and_reference(tmp_path_factory, 'bailing_hybrid')
-
-
-# 300 tokens in one forward: the KDA kernel's 64-token chunks end inside it; 150 / 700 in 32-token
-# forwards: every forward starts mid-way through a kernel chunk of the sequence
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestBailingHybridConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness). The
+    300-token prompt is one forward in which the KDA kernel's 64-token chunks end; the 150 / 700
+    ones go in 32-token forwards, each starting mid-way through a kernel chunk of the sequence."""
 
 
 def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -66,19 +46,13 @@ def test_transformers_names_load_and_published_nextn_layers_are_skipped(tiny, tm
     """The same weights in transformers' in-memory names (stacked conv, ``forget_gate.*``, fused
     experts, ``e_score_correction_bias``) plus the tensors of a NextN layer
     ``model.layers.4.*`` (``num_nextn_predict_layers = 1``, as published) match transformers."""
-    from safetensors.torch import save_file
     path, hf = tiny
-    out = tmp_path / 'hf_names'
-    shutil.copytree(path, out)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    sd = hf.state_dict()
     assert 'model.layers.0.self_attn.conv1d.weight' in sd and 'model.layers.1.mlp.experts.gate_up_proj' in sd
-    sd.update({k.replace('model.layers.3.', 'model.layers.4.'): v.clone() for k, v in sd.items()
+    sd.update({k.replace('model.layers.3.', 'model.layers.4.'): v for k, v in sd.items()
                if k.startswith('model.layers.3.')})
-    save_file(sd, str(out / 'model.safetensors'), metadata={'format': 'pt'})
-    config = json.loads((out / 'config.json').read_text())
-    config['num_nextn_predict_layers'] = 1
-    (out / 'config.json').write_text(json.dumps(config))
-    check_checkpoint_matches_transformers(str(out), hf)
+    out = rewrite_checkpoint(path, tmp_path / 'hf_names', sd, dict(num_nextn_predict_layers=1))
+    check_checkpoint_matches_transformers(out, hf)
 
 
 def test_mtp_speculative_decoding_is_refused_by_name(tiny):
@@ -96,20 +70,11 @@ def test_mtp_speculative_decoding_is_refused_by_name(tiny):
                                            (dict(expert_swiglu_limit_list=[0, 0, -1, 0]), 'expert_swiglu_limit_list'),
                                            (dict(num_expert_group=3), 'n_group')])
 def test_refused_fields_name_themselves(tiny, change, field):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
+    check_refused_field(tiny[0], change, field)
 
 
 def test_audit_lists_every_field_transformers_reads():
-    import transformers.models.bailing_hybrid.modeling_bailing_hybrid as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['bailing_hybrid']), sorted(read - set(FIELDS['bailing_hybrid']))
+    check_audit_lists_every_field_transformers_reads('bailing_hybrid')
 
 
 def test_store_sizes_of_the_default_ling_3_config():
@@ -125,19 +90,13 @@ def test_store_sizes_of_the_default_ling_3_config():
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
     """KDA split by head, MLA by query head (its output gate too) with the latent replicated; MoE
     replicated; the published names (``attention.dense``, ``word_embeddings``) are split."""
-    from lmdeploy.pytorch.distributed.sharding import TPLayout
-    from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
-    config, layouts, split = check_tp_slices_tile_every_split_tensor(tiny[0])
     # 2 KDA layers x 11 (q/k/v/f/g/b_proj, three convs, dt_bias, A_log) + their dense o_proj; 2 MLA
     # layers x (q_proj, kv_b_proj, g_proj, dense); the embedding and lm_head
-    assert split == 2 * 12 + 2 * 4 + 2
+    layouts = check_tp2_equals_tp1_and_refusal(tiny[0], 2 * 12 + 2 * 4 + 2, dict(num_attention_heads=3),
+                                               r'divisible by tp \(2\)')
     for name in ('model.layers.1.attention.kv_a_proj_with_mqa.weight',
                  'model.layers.1.attention.kv_a_layernorm.weight'):
         assert layouts[0].shard(name) is None and layouts[1].shard(name) is None
-    check_tp2_equals_tp1(tiny[0])
-    config.num_attention_heads = 3
-    with pytest.raises(ValueError, match=r'divisible by tp \(2\)'):
-        TPLayout(config, 0, 2)
 
 
 @pytest.mark.parametrize('change', [dict(kda_safe_gate=False),
@@ -149,9 +108,5 @@ def test_config_variants_of_the_same_weights_match_transformers(tiny, tmp_path, 
     """The KDA softplus decay (``kda_safe_gate: false``) and YaRN rope whose ``mscale_all_dim``
     also scales the MLA softmax: the tiny weights under each config match transformers."""
     from engine_utils import load_hf
-    out = tmp_path / 'variant'
-    shutil.copytree(tiny[0], out)
-    config = json.loads((out / 'config.json').read_text())
-    config.update(change)
-    (out / 'config.json').write_text(json.dumps(config))
-    check_checkpoint_matches_transformers(str(out), load_hf(str(out)))
+    out = rewrite_checkpoint(tiny[0], tmp_path / 'variant', config=change)
+    check_checkpoint_matches_transformers(out, load_hf(out))

@@ -6,38 +6,26 @@ local prefix-cache restore, a 4-turn chat identical under every cache policy, St
 the simulator and a new engine restoring from the Store, TP2 = TP1 from the published fused
 ``in_proj`` layout, the layer cache specs, config refusals naming their field, the audit of every
 field transformers reads, and random geometries in random chunks."""
-import inspect
-import json
 import os
-import re
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          tiny_checkpoint_and_reference)
+from engine_utils import TOL, check_store_bytes_then_a_new_engine_restores
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            published_config_and_names, tiny_cache_specs, tiny_fixture)
 from lmdeploy.pytorch.cache_specs import FullAttentionSpec, LinearAttentionSpec, SlidingWindowSpec, kv_window
 from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
 
-
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(checkpoint path, transformers float32 reference)."""
-    return tiny_checkpoint_and_reference(tmp_path_factory, 'lara_mini')
+tiny = tiny_fixture('lara_mini')
 
 
 def test_tiny_model_is_the_released_pattern_in_the_published_layout(tiny):
-    from safetensors import safe_open
-    config = json.load(open(os.path.join(tiny[0], 'config.json')))
+    config, names = published_config_and_names(tiny[0])
     assert config['layer_types'] == ['linear_attention', 'sliding_attention', 'linear_attention', 'full_attention',
                                      'sliding_attention']
     assert config['sliding_window'] == 40 and 32 % 40 and 40 % 16      # chunk and block ends fall inside windows
-    with safe_open(os.path.join(tiny[0], 'model.safetensors'), 'pt') as f:
-        names = set(f.keys())
     assert 'model.layers.0.linear_attn.in_proj.weight' in names                  # fused [q|k|v|z|b|a]
     assert 'model.layers.0.linear_attn.out_norm.weight' in names
     assert not any('in_proj_qkv' in n or '.linear_attn.norm.' in n for n in names)
@@ -74,17 +62,10 @@ def test_experts_one_tensor_each_and_transformers_names_load_the_same_parameters
         assert torch.equal(pa, pb), name
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestLaraMiniConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness); the
+    32-token chunks end inside the 40-token windows and inside the delta rule's 64-token kernel
+    chunks."""
 
 
 def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -93,9 +74,7 @@ def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_pat
 
 
 def test_cache_specs_are_state_slots_sliding_window_and_global_kv(tiny):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    specs = get_model_class('lara_mini').cache_specs(config, torch.float32)
+    _, specs = tiny_cache_specs(tiny[0], 'lara_mini', torch.float32)
     assert [type(s) for s in specs] == [LinearAttentionSpec, SlidingWindowSpec, LinearAttentionSpec,
                                         FullAttentionSpec, SlidingWindowSpec]
     assert specs[1].window == specs[4].window == 40 and kv_window(specs) is None   # the global layer reads all
@@ -115,20 +94,11 @@ def test_cache_specs_are_state_slots_sliding_window_and_global_kv(tiny):
     (dict(num_experts=0), 'num_experts'),
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
+    check_refused_field(tiny[0], change, field)
 
 
 def test_audit_lists_every_field_transformers_reads_for_lara_mini():
-    import transformers.models.lara_mini.modeling_lara_mini as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['lara_mini']), sorted(read - set(FIELDS['lara_mini']))
+    check_audit_lists_every_field_transformers_reads('lara_mini')
 
 
 def test_tp_plan_slices_tile_every_split_tensor(tiny):

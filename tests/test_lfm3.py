@@ -6,53 +6,30 @@ identical under every cache policy, Store bytes equal the simulator and a new en
 from the Store, TP2 = TP1, the layer cache specs, config refusals
 naming their field, the audit of every field transformers reads, and random geometries (layer
 kinds, windows, rope types, gates and sandwich norms on or off) in random chunks."""
-import inspect
-import json
-import os
-import re
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          tiny_checkpoint_and_reference)
+from engine_utils import TOL, check_store_bytes_then_a_new_engine_restores
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            published_config_and_names, tiny_cache_specs, tiny_fixture)
 from lmdeploy.pytorch.cache_specs import FullAttentionSpec, SlidingWindowSpec, StateSpec, kv_window
-from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
 
-
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(checkpoint path, transformers float32 reference)."""
-    return tiny_checkpoint_and_reference(tmp_path_factory, 'lfm3')
+tiny = tiny_fixture('lfm3')
 
 
 def test_tiny_model_mixes_conv_windows_and_nested_rope_in_the_published_layout(tiny):
-    from safetensors import safe_open
-    config = json.load(open(os.path.join(tiny[0], 'config.json')))
+    config, names = published_config_and_names(tiny[0])
     assert config['layer_types'] == ['conv', 'sliding_attention', 'full_attention', 'conv', 'sliding_attention']
     assert config['sliding_window'] == 40 and 32 % 40 and 40 % 16      # chunk and block ends fall inside windows
     assert config['rope_parameters']['full_attention']['rope_type'] == 'proportional'
     assert config['use_sandwich_norm'] and config['use_attention_gate']
-    with safe_open(os.path.join(tiny[0], 'model.safetensors'), 'pt') as f:
-        names = set(f.keys())
     assert 'model.layers.1.self_attn.gate_proj.weight' in names and not any('g_proj' in n for n in names)
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestLfm3Conformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness); the
+    32-token chunks end inside the 40-token windows."""
 
 
 def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -61,9 +38,7 @@ def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_pat
 
 
 def test_cache_specs_are_conv_states_sliding_window_and_global_kv(tiny):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    specs = get_model_class('lfm3').cache_specs(config, torch.float32)
+    _, specs = tiny_cache_specs(tiny[0], 'lfm3', torch.float32)
     assert [type(s) for s in specs] == [StateSpec, SlidingWindowSpec, FullAttentionSpec, StateSpec, SlidingWindowSpec]
     assert specs[1].window == specs[4].window == 40 and kv_window(specs) is None   # the global layer reads all
     assert [t.shape for t in specs[0].tensors()] == [(64, 2)]                      # one conv tensor, no recurrence
@@ -104,20 +79,11 @@ def test_tp2_equals_tp1_and_a_count_tp_cannot_split_names_its_field(tiny):
                                full_attention=dict(rope_type='dynamic', rope_theta=1e4, factor=2.0))), 'rope_type'),
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
+    check_refused_field(tiny[0], change, field)
 
 
 def test_audit_lists_every_field_transformers_reads_for_lfm3():
-    import transformers.models.lfm3.modeling_lfm3 as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['lfm3']), sorted(read - set(FIELDS['lfm3']))
+    check_audit_lists_every_field_transformers_reads('lfm3')
 
 
 @settings(max_examples=8, deadline=None)

@@ -6,37 +6,19 @@ local prefix-cache restore, a 4-turn chat identical under every cache policy, St
 equal to the simulator and a new engine restoring from a ``file:`` Store, transformers'
 in-memory names (with its saved decay tables) loading the same model, TP2 = TP1 (both mixers by
 head); the layer cache specs and the config audit."""
-import inspect
-import re
-import shutil
-
 import pytest
 import torch
 
-from engine_utils import (check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          tiny_checkpoint_and_reference)
-from lmdeploy.pytorch.models.config_audit import FIELDS, check_config
+from engine_utils import check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            check_tp2_equals_tp1_and_refusal, rewrite_checkpoint, tiny_cache_specs, tiny_fixture)
+
+tiny = tiny_fixture('minimax')
 
 
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(checkpoint path in the published layout, transformers float32 reference)."""
-    return tiny_checkpoint_and_reference(tmp_path_factory, 'minimax')
-
-
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestMiniMaxConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness); the
+    300-token prompt is one forward over several 64-token kernel chunks."""
 
 
 def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -46,26 +28,18 @@ def test_store_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_pat
 def test_transformers_names_with_decay_tables_load_too(tiny, tmp_path):
     """The same weights saved by transformers (``mlp.gate``, fused experts, and the lightning
     layers' ``slope_rate`` / ``*_decay`` buffers, which are skipped) match transformers."""
-    from safetensors.torch import save_file
     path, hf = tiny
-    out = tmp_path / 'hf_names'
-    shutil.copytree(path, out)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    sd = hf.state_dict()
     assert 'model.layers.0.self_attn.slope_rate' in sd and 'model.layers.0.mlp.experts.gate_up_proj' in sd
-    save_file(sd, str(out / 'model.safetensors'), metadata={'format': 'pt'})
-    check_checkpoint_matches_transformers(str(out), hf)
+    check_checkpoint_matches_transformers(rewrite_checkpoint(path, tmp_path / 'hf_names', sd), hf)
 
 
 def test_cache_specs_are_a_float32_state_and_kv_blocks(tiny):
     """Lightning layers: one float32 recurrent state [4 heads, 16, 16] (no conv); the softmax layer:
     K and V of 2 heads x 16 per token; the decay rates equal transformers' buffers bit for bit."""
-    from transformers import AutoConfig
-
     from lmdeploy.pytorch.cache_specs import FullAttentionSpec, StateSpec, state_bytes_per_slot
-    from lmdeploy.pytorch.models import get_model_class
     from lmdeploy.pytorch.models.blocks.lightning import lightning_slopes
-    config = AutoConfig.from_pretrained(tiny[0])
-    specs = get_model_class('minimax').cache_specs(config, torch.bfloat16)
+    _, specs = tiny_cache_specs(tiny[0], 'minimax', torch.bfloat16)
     assert [type(s) for s in specs] == [StateSpec, FullAttentionSpec, StateSpec, StateSpec]
     (t,) = specs[0].tensors()
     assert (t.name, t.shape, t.dtype) == ('recurrent', (4, 16, 16), torch.float32)
@@ -78,16 +52,10 @@ def test_cache_specs_are_a_float32_state_and_kv_blocks(tiny):
 def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
     """Both mixers split by head (the lightning norm summed over the ranks, the decay rates the
     full model's); MoE replicated."""
-    from lmdeploy.pytorch.distributed.sharding import TPLayout
-    from test_tensor_parallel import check_tp2_equals_tp1, check_tp_slices_tile_every_split_tensor
-    config, _, split = check_tp_slices_tile_every_split_tensor(tiny[0])
     # 3 lightning layers x (qkv_proj, output_gate, norm, out_proj); the softmax layer's q/k/v/o; the
     # embedding and lm_head
-    assert split == 3 * 4 + 4 + 2
-    check_tp2_equals_tp1(tiny[0])
-    config.num_key_value_heads = 1
-    with pytest.raises(ValueError, match=r'num_key_value_heads \(1\) must be divisible by tp \(2\)'):
-        TPLayout(config, 0, 2)
+    check_tp2_equals_tp1_and_refusal(tiny[0], 3 * 4 + 4 + 2, dict(num_key_value_heads=1),
+                                     r'num_key_value_heads \(1\) must be divisible by tp \(2\)')
 
 
 @pytest.mark.parametrize('change, field', [(dict(hidden_act='gelu'), 'hidden_act'),
@@ -95,20 +63,11 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1_and_odd_heads_are_refused(tiny):
                                            (dict(sliding_window=64), 'sliding_window'),
                                            (dict(num_experts_per_tok=5), 'num_experts_per_tok')])
 def test_refused_fields_name_themselves(tiny, change, field):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
+    check_refused_field(tiny[0], change, field)
 
 
 def test_audit_lists_every_field_transformers_reads():
-    import transformers.models.minimax.modeling_minimax as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['minimax']), sorted(read - set(FIELDS['minimax']))
+    check_audit_lists_every_field_transformers_reads('minimax')
 
 
 def test_store_sizes_of_a_minimax_text_01_shaped_config():

@@ -6,54 +6,32 @@ bytes equal to the simulator and a Store restore by a new engine, the published 
 conv filters, OLMo-core norm names, NoPE) and transformers' in-memory names with the other
 switches (RoPE, beta in [0, 1], tied embeddings) loading, random geometries in random chunks at
 the model level, the cache specs, the refusals (tp > 1 included) and the config audit."""
-import inspect
-import json
-import os
-import re
-import shutil
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          tiny_checkpoint_and_reference)
+from engine_utils import TOL, check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            hf_model, published_config_and_names, tiny_cache_specs, tiny_fixture, untied,
+                            write_checkpoint)
 from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, state_bytes_per_slot
-from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
-
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(checkpoint path in the published layout, transformers float32 reference)."""
-    return tiny_checkpoint_and_reference(tmp_path_factory, 'olmo_hybrid')
+tiny = tiny_fixture('olmo_hybrid')
 
 
 def test_tiny_model_is_published_layout_nope_with_grouped_value_heads(tiny):
-    from safetensors import safe_open
-    config = json.load(open(os.path.join(tiny[0], 'config.json')))
+    config, names = published_config_and_names(tiny[0])
     assert config['rope_parameters']['rope_theta'] is None and config['linear_allow_neg_eigval']
     assert config['linear_num_value_heads'] == 2 * config['linear_num_key_heads']
-    with safe_open(os.path.join(tiny[0], 'model.safetensors'), framework='pt') as f:
-        names = set(f.keys())
     assert {'model.layers.0.linear_attn.q_conv1d.weight', 'model.layers.0.attention_layer_norm.weight',
             'model.layers.0.feedforward_layer_norm.weight', 'model.layers.3.post_feedforward_layernorm.weight'} <= names
     assert not any('linear_attn.conv1d' in n for n in names)
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
+class TestOlmoHybridConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness); the
+    32-token chunks end inside the delta-rule kernel's 64-token chunks."""
+    logits_cases = ((5, 8192), (150, 32), (700, 32))
 
 
 def test_store_put_bytes_equal_the_simulator_and_a_new_engine_restores(tiny, tmp_path):
@@ -65,12 +43,9 @@ def test_transformers_checkpoint_with_rope_beta_in_0_1_and_tied_embeddings_match
     conv, transformers' norm names): RoPE on the attention layers, ``linear_allow_neg_eigval``
     off, as many key as value heads, a width-3 conv, attention biases, MHA, two attention layers,
     tied embeddings."""
-    from safetensors.torch import save_file
     from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
-
-    from lmdeploy.tools.make_tiny_model import _randomize
     src, _ = tiny
-    base = json.load(open(os.path.join(src, 'config.json')))
+    base, _ = published_config_and_names(src)
     config = OlmoHybridConfig(
         vocab_size=base['vocab_size'], hidden_size=48, num_hidden_layers=4, num_attention_heads=3,
         num_key_value_heads=3, intermediate_size=40, attention_bias=True,
@@ -79,25 +54,15 @@ def test_transformers_checkpoint_with_rope_beta_in_0_1_and_tied_embeddings_match
         linear_conv_kernel_dim=3, linear_allow_neg_eigval=False,
         rope_parameters=dict(rope_type='default', rope_theta=5000.0), tie_word_embeddings=True,
         eos_token_id=base['eos_token_id'], pad_token_id=base['pad_token_id'], bos_token_id=None)
-    torch_state = torch.random.get_rng_state()
-    hf = OlmoHybridForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, 3)
+    hf = hf_model(OlmoHybridForCausalLM, config, 3)
     assert hf.model.rotary_emb is not None
     path = tmp_path / 'hf_names'
-    shutil.copytree(src, path)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != 'lm_head.weight'}   # tied
-    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
-    cfg = config.to_diff_dict()
-    cfg['architectures'] = ['OlmoHybridForCausalLM']
-    json.dump(cfg, open(path / 'config.json', 'w'))
+    write_checkpoint(src, path, hf, config, untied)
     check_checkpoint_matches_transformers(str(path), hf)
 
 
 def test_cache_specs_are_a_gated_deltanet_state_and_paged_kv(tiny):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    specs = get_model_class('olmo_hybrid').cache_specs(config, torch.bfloat16)
+    _, specs = tiny_cache_specs(tiny[0], 'olmo_hybrid', torch.bfloat16)
     assert ['attention' if s.paged else 'gdn' for s in specs] == ['gdn', 'gdn', 'gdn', 'attention']
     conv_dim = 2 * 2 * 16 + 4 * 16
     assert [(t.shape, t.dtype) for t in specs[0].tensors()] == [((conv_dim, 3), torch.bfloat16),
@@ -115,15 +80,9 @@ def test_cache_specs_are_a_gated_deltanet_state_and_paged_kv(tiny):
     (dict(rope_parameters=dict(rope_type='dynamic', rope_theta=1e4, factor=2.0)), 'rope_type'),
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
-    checked = {f for f, how in FIELDS['olmo_hybrid'].items() if how == CHECKED}
-    assert checked <= {'hidden_act', 'layer_types', 'linear_num_value_heads', 'num_key_value_heads',
-                       'rope_parameters', 'quantization_config'}
+    check_refused_field(tiny[0], change, field, 'olmo_hybrid',
+                        {'hidden_act', 'layer_types', 'linear_num_value_heads', 'num_key_value_heads',
+                         'rope_parameters', 'quantization_config'})
 
 
 def test_tensor_parallelism_is_refused_naming_tp(tiny):
@@ -135,11 +94,7 @@ def test_tensor_parallelism_is_refused_naming_tp(tiny):
 
 
 def test_audit_lists_every_field_transformers_reads():
-    import transformers.models.olmo_hybrid.modeling_olmo_hybrid as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['olmo_hybrid']), sorted(read - set(FIELDS['olmo_hybrid']))
+    check_audit_lists_every_field_transformers_reads('olmo_hybrid')
 
 
 @settings(max_examples=3, deadline=None)

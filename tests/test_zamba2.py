@@ -6,39 +6,24 @@ does), a 4-turn chat identical with the prefix cache off / on / last-only / turn
 to the simulator and a Store restore by a new engine, transformers' state dict (every tied block
 repeated) and the published one (each shared block once) loading, the cache specs, the refusals
 (tp > 1 included), random geometries in random chunks at the model level and the config audit."""
-import inspect
-import json
-import os
-import re
-import shutil
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, check_checkpoint_matches_transformers, check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, check_store_bytes_then_a_new_engine_restores,
-                          make_engine, random_prompt, tiny_checkpoint_and_reference)
+from engine_utils import (TOL, check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores,
+                          make_engine, random_prompt)
+from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
+                            hf_model, published_config_and_names, tiny_cache_specs, tiny_fixture, write_checkpoint)
 from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
-from lmdeploy.pytorch.models import get_model_class
-from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
+
+tiny = tiny_fixture('zamba2')
 
 
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(checkpoint path in the published layout, transformers float32 reference)."""
-    return tiny_checkpoint_and_reference(tmp_path_factory, 'zamba2')
-
-
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
+class TestZamba2Conformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness); the
+    32-token chunks end inside the 24-token SSD chunks."""
+    logits_cases = ((5, 8192), (150, 32), (700, 32))
 
 
 def _decode_logits(model_path: str, ids: list[int], steps: int, **fields) -> torch.Tensor:
@@ -75,13 +60,9 @@ def test_decode_step_logits_equal_transformers_whose_decode_step_does_not_clamp_
     assert (clamped[1:] - ref[1:]).abs().max().item() > TOL
 
 
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    check_four_turn_chat_under_every_cache_policy(tiny[0])
-
-
 def test_turn_end_checkpoints_are_off_since_decode_leaves_dt_unclamped(tiny):
     """A checkpoint after decode steps holds unclamped-dt state a recomputed prefix would not
-    (the 4-turn chat above gave other replies on turns 2-4 with it): ``decode_save_last`` is
+    (the harness's 4-turn chat gave other replies on turns 2-4 with it): ``decode_save_last`` is
     ignored for Zamba2, prefill checkpoints stay."""
     eng = make_engine(tiny[0], block_size=16, enable_prefix_caching=True, decode_save_last=True)
     assert not eng.prefix_cache.decode_save_last and eng.prefix_cache.local is not None
@@ -98,12 +79,9 @@ def test_transformers_state_dict_with_every_block_repeated_and_other_switches_ma
     GQA with 2 KV heads, one Mamba group, silu, projection biases). Tied embeddings: the repeats
     are one shared block; untied: transformers ties nothing, so each hybrid layer runs its own
     copy."""
-    from safetensors.torch import save_file
     from transformers import Zamba2Config, Zamba2ForCausalLM
-
-    from lmdeploy.tools.make_tiny_model import _randomize
     src, _ = tiny
-    base = json.load(open(os.path.join(src, 'config.json')))
+    base, _ = published_config_and_names(src)
     config = Zamba2Config(
         vocab_size=base['vocab_size'], hidden_size=32, num_hidden_layers=4,
         layers_block_type=['hybrid', 'linear_attention', 'hybrid', 'hybrid'], num_attention_heads=4,
@@ -112,27 +90,17 @@ def test_transformers_state_dict_with_every_block_repeated_and_other_switches_ma
         adapter_rank=4, use_mem_rope=False, hidden_act='silu', add_bias_linear=True, time_step_min=0.02,
         tie_word_embeddings=tied, eos_token_id=base['eos_token_id'], pad_token_id=base['pad_token_id'],
         bos_token_id=None)
-    torch_state = torch.random.get_rng_state()
-    hf = Zamba2ForCausalLM(config).float().eval()
-    torch.random.set_rng_state(torch_state)
-    _randomize(hf, 3)
-    path = tmp_path / 'hf_names'
-    shutil.copytree(src, path)
-    sd = {k: v.clone().contiguous() for k, v in hf.state_dict().items()}
-    assert 'model.layers.3.shared_transformer.self_attn.q_proj.weight' in sd
+    hf = hf_model(Zamba2ForCausalLM, config, 3)
     shared = [hf.model.layers[i].shared_transformer.self_attn.q_proj.weight for i in (0, 3)]
     assert (shared[0].data_ptr() == shared[1].data_ptr()) == tied
-    save_file(sd, str(path / 'model.safetensors'), metadata={'format': 'pt'})
-    cfg = config.to_diff_dict()
-    cfg['architectures'] = ['Zamba2ForCausalLM']
-    json.dump(cfg, open(path / 'config.json', 'w'))
+    path = tmp_path / 'hf_names'
+    sd = write_checkpoint(src, path, hf, config)      # copies tensors: safetensors refuses shared memory
+    assert 'model.layers.3.shared_transformer.self_attn.q_proj.weight' in sd
     check_checkpoint_matches_transformers(str(path), hf)
 
 
 def test_cache_specs_are_a_mamba2_state_per_layer_then_kv_per_hybrid_layer(tiny):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    specs = get_model_class('zamba2').cache_specs(config, torch.bfloat16)
+    _, specs = tiny_cache_specs(tiny[0], 'zamba2', torch.bfloat16)
     assert ['kv' if s.paged else 'mamba' for s in specs] == ['mamba'] * 4 + ['kv'] * 3
     assert isinstance(specs[0], StateSpec)
     conv_dim = 128 + 2 * 2 * 8           # d_inner = 2 * 64, two groups of state 8
@@ -153,16 +121,10 @@ def test_cache_specs_are_a_mamba2_state_per_layer_then_kv_per_hybrid_layer(tiny)
     (dict(rope_parameters=dict(rope_type='dynamic', rope_theta=1e4, factor=2.0)), 'rope_type'),
 ])
 def test_refused_fields_name_themselves(tiny, change, field):
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(tiny[0])
-    for k, v in change.items():
-        object.__setattr__(config, k, v)
-    with pytest.raises(ValueError, match=field):
-        check_config(config)
-    checked = {f for f, how in FIELDS['zamba2'].items() if how == CHECKED}
-    assert checked <= {'hidden_act', 'layer_types', 'layers_block_type', 'mamba_ngroups', 'mamba_headdim',
-                       'num_key_value_heads', 'num_mem_blocks', 'chunk_size', 'rope_parameters',
-                       'quantization_config'}
+    check_refused_field(tiny[0], change, field, 'zamba2',
+                        {'hidden_act', 'layer_types', 'layers_block_type', 'mamba_ngroups', 'mamba_headdim',
+                         'num_key_value_heads', 'num_mem_blocks', 'chunk_size', 'rope_parameters',
+                         'quantization_config'})
 
 
 def test_tensor_parallelism_is_refused_naming_tp(tiny):
@@ -174,11 +136,7 @@ def test_tensor_parallelism_is_refused_naming_tp(tiny):
 
 
 def test_audit_lists_every_field_transformers_reads():
-    import transformers.models.zamba2.modeling_zamba2 as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['zamba2']), sorted(read - set(FIELDS['zamba2']))
+    check_audit_lists_every_field_transformers_reads('zamba2')
 
 
 @settings(max_examples=3, deadline=None)
