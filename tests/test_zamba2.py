@@ -127,14 +127,6 @@ def test_refused_fields_name_themselves(tiny, change, field):
                          'quantization_config'})
 
 
-def test_tensor_parallelism_is_refused_naming_tp(tiny):
-    from transformers import AutoConfig
-
-    from lmdeploy.pytorch.distributed.sharding import TPLayout
-    with pytest.raises(ValueError, match=r"tp \(2\).*'zamba2'"):
-        TPLayout(AutoConfig.from_pretrained(tiny[0]), 0, 2)
-
-
 def test_audit_lists_every_field_transformers_reads():
     check_audit_lists_every_field_transformers_reads('zamba2')
 
