@@ -27,7 +27,7 @@ import torch
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
+from .blocks.decoder import DecoderStack, SharedMLPDecoderLayer, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
@@ -116,7 +116,7 @@ MIXERS = {MAMBA: ('mamba', lambda config, i: Mamba2Mixer(mamba_dims(config), i),
           ATTENTION: ('self_attn', GraniteAttention, mixer_rotary_ctx)}
 
 
-class GraniteDecoderLayer(DecoderLayer):
+class GraniteDecoderLayer(SharedMLPDecoderLayer):
     """Pre-norm layer with µP residual scaling (``residual_multiplier``): Mamba-2 or attention
     (:data:`MIXERS`), then the routed experts (``block_sparse_moe``, none when
     ``num_local_experts`` is 0) plus the always-on ``shared_mlp``."""
@@ -126,13 +126,8 @@ class GraniteDecoderLayer(DecoderLayer):
         super().__init__(config.hidden_size, config.rms_norm_eps, make(config, layer_idx),
                          SwiGLUMLP(config.hidden_size, config.shared_intermediate_size), call=call,
                          names=(name, 'shared_mlp', 'input_layernorm', 'post_attention_layernorm'),
-                         residual_multiplier=float(config.residual_multiplier))
-        self.block_sparse_moe = GraniteMoE(config) if config.num_local_experts > 0 else None
-
-    def channel_mix(self, normed: torch.Tensor) -> torch.Tensor:
-        """``moe(n) + shared_mlp(n)`` ``[T, hidden]``, the shared MLP alone without experts."""
-        shared = self.shared_mlp(normed)
-        return shared if self.block_sparse_moe is None else self.block_sparse_moe(normed) + shared
+                         residual_multiplier=float(config.residual_multiplier),
+                         shared=('block_sparse_moe', GraniteMoE(config) if config.num_local_experts > 0 else None))
 
 
 class GraniteMoeHybridModel(DecoderStack):

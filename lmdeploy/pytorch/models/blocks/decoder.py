@@ -221,8 +221,9 @@ class RotaryTables(nn.Module):
 
 class SharedMLPDecoderLayer(DecoderLayer):
     """A :class:`DecoderLayer` whose channel mixer is two modules on the same normed input,
-    summed: ``y = h + m·(mlp(norm_2(h)) + shared(norm_2(h)))`` (Granite: routed experts beside
-    a shared MLP, each under its checkpoint name).
+    summed: ``y = h + m·(mlp(norm_2(h)) + shared(norm_2(h)))`` (Granite-4.0-H and Granite-SWA:
+    routed experts and an always-on shared MLP, each under its checkpoint name, either of them
+    the ``shared`` one). Only :meth:`DecoderLayer.channel_mix` differs.
 
     Args:
         *args, **kwargs: as :class:`DecoderLayer` (``mlp`` is required).
@@ -236,17 +237,11 @@ class SharedMLPDecoderLayer(DecoderLayer):
         self._shared_name = shared[0]
         setattr(self, shared[0], shared[1])
 
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``, as :meth:`DecoderLayer.forward`."""
-        shared = getattr(self, self._shared_name)
-        if shared is None:
-            return super().forward(hidden, rotary, ctx)
-        m = self.residual_multiplier
-        mixed = self.mix(hidden, rotary, ctx)
-        hidden = hidden + (mixed if m == 1.0 else mixed * m)
-        normed = self.norm_2(hidden)
-        out = self.mlp_block(normed) + shared(normed)
-        return hidden + (out if m == 1.0 else out * m)
+    def channel_mix(self, normed: torch.Tensor) -> torch.Tensor:
+        """``mlp(n) + shared(n)`` ``[T, hidden]`` (``mlp(n)`` alone without a shared module)."""
+        out = self.mlp_block(normed)
+        shared = self._modules.get(self._shared_name)
+        return out if shared is None else out + shared(normed)
 
 
 class UniformStack(DecoderStack):
