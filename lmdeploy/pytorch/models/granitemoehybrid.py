@@ -34,7 +34,7 @@ from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
 from .blocks.mamba2_hybrid import ATTENTION_BLOCK, MAMBA_BLOCK, MAMBA_FIELDS, check_mamba_config, mamba_dims
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+from .layers import RotaryEmbedding, SwiGLUMLP, apply_renames, apply_rotary, attention
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
@@ -214,6 +214,4 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in GRANITE_MOE_RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, GRANITE_MOE_RENAMES)

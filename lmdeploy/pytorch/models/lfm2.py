@@ -42,7 +42,8 @@ from .blocks.gqa import gqa_split
 from .blocks.moe import W123_EXPERT_RENAMES, FusedExperts, load_expert_tensor
 from .blocks.short_conv import CONV_SPLIT, ShortConv, short_conv_split, short_conv_state_spec
 from .config_audit import CHECKED, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, mlp_split
+from .layers import (Linear, PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_renames, apply_rotary,
+                     attention, mlp_split)
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['Lfm2ForCausalLM', 'Lfm2MoeForCausalLM', 'ShortConv', 'short_conv_state_spec', 'ffn_size', 'check_config']
@@ -271,9 +272,7 @@ class Lfm2ForCausalLM(CausalLM):
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, _RENAMES)
 
     load_tensor = staticmethod(load_expert_tensor)      # experts per expert or fused
 

@@ -49,7 +49,7 @@ from .blocks.gated_delta_net import (FULL, LINEAR, GatedDeltaNet, GatedRMSNorm, 
 from .blocks.gqa import GQAProjections, gqa_split
 from .blocks.spanning_norm import spanning_qk_norm_split
 from .config_audit import CHECKED, COMMON_FIELDS, GATED_DELTANET_FIELDS, IMPLEMENTED, INERT
-from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary, attention, mlp_split
+from .layers import PackedLinear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_renames, apply_rotary, attention, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['OlmoHybridForCausalLM', 'check_config', 'uses_rope']
@@ -234,9 +234,7 @@ class OlmoHybridForCausalLM(CausalLM):
 
     def rename_weight(self, name: str) -> str:
         """Published or transformers names (see the module docstring) → ours."""
-        for pattern, repl in _RENAMES:
-            name = pattern.sub(repl, name)
-        return name
+        return apply_renames(name, _RENAMES)
 
     def load_tensor(self, loader, name: str, tensor: torch.Tensor) -> bool:
         """The published per-kind conv filters ``linear_attn.{q,k,v}_conv1d.weight`` → their rows
