@@ -28,6 +28,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.attention import fused_attention_decode
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
@@ -104,6 +105,9 @@ class GraniteAttention(GQAProjections):
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (no RoPE);
         writes this layer's K/V into the cache."""
+        fused = fused_attention_decode(self, hidden, ctx, rotary)
+        if fused is not None:
+            return self.o_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.project(hidden)
         if rotary is not None:

@@ -29,6 +29,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.attention import fused_attention_decode
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import gqa_split
 from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, mamba1_split, mamba1_state_spec
@@ -106,6 +107,9 @@ class JambaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
+        fused = fused_attention_decode(self, hidden, ctx)
+        if fused is not None:
+            return self.o_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
         q = q.reshape(T, self.num_heads, self.head_dim)
