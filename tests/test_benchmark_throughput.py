@@ -1,6 +1,7 @@
 """benchmark/benchmark_throughput.py runs end to end on the tiny model: engine greedy outputs
 equal transformers' at every batch size, every measurement has min <= median <= max, the op
 profile is filled, llama.cpp is skipped cleanly without its binaries, and the files are written."""
+import argparse
 import importlib.util
 import json
 import sys
@@ -169,3 +170,14 @@ def test_decode_step_bytes_count_weights_touched_experts_state_and_kv(tiny_qwen3
     import pytest
     with pytest.raises(ValueError, match='batch'):
         decode_step_bytes(hf, config, 0, context=4)
+
+
+def test_save_model_keeps_the_generated_model_where_asked(tmp_path):
+    """``--save-model DIR`` makes the --arch model in DIR (for make_gguf.py) instead of a temp dir,
+    with the weights and config the benchmark itself would load."""
+    bench = _load()
+    args = argparse.Namespace(model=None, arch='lfm2', width_scale=1, preset='small', save_model=str(tmp_path / 'kept'))
+    path = bench.prepare_model(args)
+    assert path == str(tmp_path / 'kept')
+    assert json.loads((tmp_path / 'kept' / 'config.json').read_text())['model_type'] == 'lfm2'
+    assert list((tmp_path / 'kept').glob('*.safetensors'))
