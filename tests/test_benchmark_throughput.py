@@ -181,3 +181,18 @@ def test_save_model_keeps_the_generated_model_where_asked(tmp_path):
     assert path == str(tmp_path / 'kept')
     assert json.loads((tmp_path / 'kept' / 'config.json').read_text())['model_type'] == 'lfm2'
     assert list((tmp_path / 'kept').glob('*.safetensors'))
+
+
+def test_ab_fused_decode_takes_the_fused_ops_out_and_restores_them():
+    """benchmark/ab_fused_decode.py on a tiny Kimi-Linear: the unfused mode runs more torch ops and
+    fewer native calls than the fused one (the MLA step, the router and nothing else taken out),
+    and the registry is whole again afterwards."""
+    spec = importlib.util.spec_from_file_location('ab_fused_decode', ROOT / 'benchmark' / 'ab_fused_decode.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    from lmdeploy.pytorch import kernels
+    res = ab.run('kimi_linear', 1, [2], rounds=1, steps=2, ops=ab.DEFAULT_OPS, threads=1)
+    fused, unfused = res[2]['fused'], res[2]['unfused']
+    assert unfused['ops'] > fused['ops'] and unfused['native'] < fused['native']
+    assert fused['best_ms'] > 0 and unfused['best_ms'] > 0
+    assert all(kernels.find_kernel(op, 'cpu') is not None for op in ab.DEFAULT_OPS)
