@@ -235,9 +235,10 @@ def prepare_model(args) -> str:
         return args.model
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     if args.arch:
-        out = os.path.join(tempfile.mkdtemp(prefix='bench_tp_'), f'{args.arch}_x{args.width_scale}')
+        out = args.save_model or os.path.join(tempfile.mkdtemp(prefix='bench_tp_'),
+                                              f'{args.arch}_x{args.width_scale}')
         return make_tiny_model(out, arch=args.arch, seed=0, **arch_overrides(args.arch, args.width_scale))
-    out = os.path.join(tempfile.mkdtemp(prefix='bench_tp_'), args.preset)
+    out = args.save_model or os.path.join(tempfile.mkdtemp(prefix='bench_tp_'), args.preset)
     return make_tiny_model(out, arch='qwen3_next', seed=0, **PRESETS[args.preset])
 
 
@@ -399,6 +400,8 @@ def main(argv=None):
                         '(default: small; 99m is the 249M-parameter model of the recorded runs)')
     p.add_argument('--arch', help='instead of --preset: a random model of this registered family (make-tiny-model '
                    '--arch), its tiny_config with the widths times --width-scale')
+    p.add_argument('--save-model', metavar='DIR', help='make the --preset / --arch model in DIR and keep it '
+                   '(default: a temp dir); then e.g. benchmark/make_gguf.py converts it for llama.cpp')
     p.add_argument('--width-scale', type=int, default=4, help='--arch: multiplier of the tiny_config widths '
                    '(hidden, MLP, head sizes; default 4: hidden 64 -> 256)')
     p.add_argument('--threads', type=int, default=2, help='torch (and llama.cpp) threads (default: 2)')

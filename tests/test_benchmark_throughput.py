@@ -1,6 +1,7 @@
 """benchmark/benchmark_throughput.py runs end to end on the tiny model: engine greedy outputs
 equal transformers' at every batch size, every measurement has min <= median <= max, the op
 profile is filled, llama.cpp is skipped cleanly without its binaries, and the files are written."""
+import argparse
 import importlib.util
 import json
 import sys
@@ -169,3 +170,29 @@ def test_decode_step_bytes_count_weights_touched_experts_state_and_kv(tiny_qwen3
     import pytest
     with pytest.raises(ValueError, match='batch'):
         decode_step_bytes(hf, config, 0, context=4)
+
+
+def test_save_model_keeps_the_generated_model_where_asked(tmp_path):
+    """``--save-model DIR`` makes the --arch model in DIR (for make_gguf.py) instead of a temp dir,
+    with the weights and config the benchmark itself would load."""
+    bench = _load()
+    args = argparse.Namespace(model=None, arch='lfm2', width_scale=1, preset='small', save_model=str(tmp_path / 'kept'))
+    path = bench.prepare_model(args)
+    assert path == str(tmp_path / 'kept')
+    assert json.loads((tmp_path / 'kept' / 'config.json').read_text())['model_type'] == 'lfm2'
+    assert list((tmp_path / 'kept').glob('*.safetensors'))
+
+
+def test_ab_fused_decode_takes_the_fused_ops_out_and_restores_them():
+    """benchmark/ab_fused_decode.py on a tiny Kimi-Linear: the unfused mode runs more torch ops and
+    fewer native calls than the fused one (the MLA step, the router and nothing else taken out),
+    and the registry is whole again afterwards."""
+    spec = importlib.util.spec_from_file_location('ab_fused_decode', ROOT / 'benchmark' / 'ab_fused_decode.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    from lmdeploy.pytorch import kernels
+    res = ab.run('kimi_linear', 1, [2], rounds=1, steps=2, ops=ab.DEFAULT_OPS, threads=1)
+    fused, unfused = res[2]['fused'], res[2]['unfused']
+    assert unfused['ops'] > fused['ops'] and unfused['native'] < fused['native']
+    assert fused['best_ms'] > 0 and unfused['best_ms'] > 0
+    assert all(kernels.find_kernel(op, 'cpu') is not None for op in ab.DEFAULT_OPS)

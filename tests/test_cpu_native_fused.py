@@ -5,8 +5,11 @@ length, conv widths, slot ranges inside larger caches, beta scale) and the Qwen-
 stacked router / shared-expert product with its native routing (expert counts, top-k,
 renormalised or not, token counts, a weight written after the first call), and the attention
 layer's native prologue (gated or not, norm conventions, partial rotary, GQA ratios, cache
-views with rows around them untouched, bad write indices refused before any write), and the
-residual add fused into the next RMS norm."""
+views with rows around them untouched, bad write indices refused before any write), the
+residual add fused into the next RMS norm, the same prologue for the plain GQA layers (no q/k
+norms, partial, whole or no rotary, a key multiplier: Bamba, Granite-4.0-H, Falcon-H1, Jamba, LFM2,
+Nemotron-H), the absorbed MLA decode step of a whole batch in one call (rotary or not, a q LoRA or
+not, cache views), and the DeepSeek-V3 group-limited router in one call."""
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +34,8 @@ pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU ker
 VARIANTS = {'qwen3_next': GatedDeltaNet, 'qwen3_5': Qwen3_5GatedDeltaNet, 'olmo_hybrid': OlmoHybridGatedDeltaNet}
 
 
-FUSED_OPS = ('gdn_decode', 'moe_route_shared', 'qk_norm_rope_store', 'add_rms_norm')
+FUSED_OPS = ('gdn_decode', 'moe_route_shared', 'qk_norm_rope_store', 'add_rms_norm', 'mla_decode',
+             'group_limited_route')
 
 
 def _torch_path(fn, unfused=False):
@@ -271,3 +275,237 @@ def test_add_rms_norm_equals_the_add_then_the_norm(rows, dim, zero_centered, see
     assert torch.equal(total, x + res) and torch.equal(t_total, x + res)
     torch.testing.assert_close(normed, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(t_normed, ref, rtol=1e-5, atol=1e-6)
+
+
+# --- plain GQA attention decode (no q/k norms) through the shared prologue --------------------
+
+def _gqa_layer(family, heads, kv_heads, dim, gen):
+    """One attention layer of ``family`` (its own class, random weights) and its rotary width
+    (``None``: no positional encoding)."""
+    from lmdeploy.pytorch.models.bamba import BambaAttention
+    from lmdeploy.pytorch.models.falcon_h1 import FalconH1Attention
+    from lmdeploy.pytorch.models.granitemoehybrid import GraniteAttention
+    from lmdeploy.pytorch.models.jamba import JambaAttention
+    from lmdeploy.pytorch.models.lfm2 import Lfm2Attention
+    from lmdeploy.pytorch.models.nemotron_h import NemotronHAttention
+    config = SimpleNamespace(hidden_size=16, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim,
+                             attention_bias=family == 'granite', attention_multiplier=0.3, key_multiplier=0.7,
+                             norm_eps=1e-5)
+    layer, rot = {'bamba': (BambaAttention, dim // 2), 'granite': (GraniteAttention, None),
+                  'granite_rope': (GraniteAttention, dim), 'falcon_h1': (FalconH1Attention, dim),
+                  'jamba': (JambaAttention, None), 'lfm2': (Lfm2Attention, dim),
+                  'nemotron_h': (NemotronHAttention, None)}[family]
+    layer = layer(config, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+    return layer.eval(), rot
+
+
+GQA_FAMILIES = ('bamba', 'granite', 'granite_rope', 'falcon_h1', 'jamba', 'lfm2', 'nemotron_h')
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(GQA_FAMILIES), st.sampled_from([(2, 1), (4, 2), (3, 3)]), st.sampled_from([8, 12]),
+       st.integers(1, 4), st.integers(0, 2 ** 31))
+def test_plain_gqa_decode_through_the_prologue_equals_the_torch_path(family, heads, dim, n, seed):
+    """Each plain GQA family's decode step through the prologue (norms off, or LFM2's on; the
+    key multiplier; partial, whole or no rotary) against its unfused torch forward: the same
+    output and the same caches, bytes around the K/V views untouched."""
+    _, hidden, cos, sin, ctx, rows = _attention_case(*heads, dim, dim, False, False, n, seed)
+    layer, rot = _gqa_layer(family, *heads, dim, torch.Generator().manual_seed(seed))
+    rotary = None if rot is None else (cos[:, :rot // 2].repeat(1, 2), sin[:, :rot // 2].repeat(1, 2))
+    kvh, d = heads[1], dim
+
+    def run(states):
+        (rows,) = states
+        caches = (rows[:, :, :kvh * d].unflatten(2, (kvh, d)), rows[:, :, kvh * d:2 * kvh * d].unflatten(2, (kvh, d)))
+        step = SimpleNamespace(**{**vars(ctx), 'kv_caches': [caches]})
+        if family in ('jamba', 'nemotron_h'):
+            return layer(hidden, step)
+        return layer(hidden, rotary, step)
+
+    before = CALLS['qk_norm_rope_store']
+    with torch.inference_mode():
+        results = _three_ways(run, lambda: (rows.clone(),))
+    assert CALLS['qk_norm_rope_store'] == before + 1
+    _all_close(results)
+
+
+def test_plain_gqa_prologue_writes_exactly_the_rotated_scaled_keys():
+    """The prologue without norms: q and the cached k are the rotated projections (k times the
+    key scale first), v is copied, exactly as the two-halves formula gives by hand."""
+    gen = torch.Generator().manual_seed(3)
+    T, H, Hkv, D, rot = 2, 2, 1, 4, 4
+    proj = torch.randn(T, (H + 2 * Hkv) * D, generator=gen)
+    angle = torch.randn(T, rot // 2, generator=gen)
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    k_cache, v_cache = torch.zeros(3, 2, Hkv, D), torch.zeros(3, 2, Hkv, D)
+    blocks, offsets = torch.tensor([2, 0]), torch.tensor([1, 0])
+    from lmdeploy.pytorch.kernels.fused_decode import qk_norm_rope_store_native
+    with torch.inference_mode():
+        q, gate = qk_norm_rope_store_native(proj, H, Hkv, D, False, None, None, 1e-6, False, cos, sin, k_cache,
+                                            v_cache, blocks, offsets, 0.5)
+
+    def rope(x):
+        x1, x2 = x[..., :2], x[..., 2:]
+        c, s = cos[:, None, :2], sin[:, None, :2]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+
+    assert gate is None
+    torch.testing.assert_close(q, rope(proj[:, :H * D].view(T, H, D)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_cache[blocks, offsets], rope(proj[:, H * D:(H + 1) * D].view(T, 1, D) * 0.5),
+                               rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_cache[blocks, offsets], proj[:, (H + 1) * D:].view(T, 1, D))
+    assert k_cache.abs().sum() > 0 and k_cache[1].abs().sum() == 0 and k_cache[2, 0].abs().sum() == 0
+
+
+# --- MLA decode: the latent write and the absorbed attention of a whole batch in one call -------
+
+def _mla_case(heads, nope, rope, v, rank, q_lora, rotary, gated, lens, seed, block_size=4):
+    from lmdeploy.pytorch.models.blocks.mla import LatentAttention
+    config = SimpleNamespace(num_attention_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+                             kv_lora_rank=rank, q_lora_rank=q_lora, hidden_size=16, attention_bias=False)
+    layer = LatentAttention(config, 0, rotary=rotary, output_gate=gated)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    n, width = len(lens), 3
+    lens = torch.tensor(lens)
+    table = torch.randperm(n * width + 2, generator=gen)[:n * width].view(n, width)
+    nb = n * width + 2
+    rows = torch.randn(nb, block_size, rank + rope + 3, generator=gen)   # the latent as a view of wider rows
+    pos = lens - 1
+    ctx = SimpleNamespace(q_seqlens=[1] * n, block_table=table, kv_seqlens_t=lens, kv_seqlens=lens.tolist(),
+                          history_lens=pos.tolist(), block_tables=list(table),
+                          kv_write_index=(table[torch.arange(n), pos // block_size], pos % block_size),
+                          seq_slice=lambda i: slice(i, i + 1))
+    angles = torch.randn(n, rope // 2, generator=gen)
+    tables = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()) if rotary else None
+    return layer.eval(), torch.randn(n, 16, generator=gen), tables, ctx, rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 11), st.sampled_from([(4, 2, 4), (8, 4, 6), (3, 8, 5)]), st.sampled_from([16, 19]),
+       st.sampled_from([None, 12]), st.booleans(), st.booleans(), st.lists(st.integers(1, 12), min_size=1, max_size=5),
+       st.integers(0, 2 ** 31))
+def test_mla_decode_equals_the_per_sequence_absorbed_path(heads, dims, rank, q_lora, rotary, gated, lens, seed):
+    """A decode step of N sequences through one ``mla_decode`` call against the unfused path (a
+    loop over the sequences, each absorbed): the same output and the same latent rows, bytes
+    around the latent view untouched; head counts past the kernel's group of 8 included."""
+    nope, rope, v = dims
+    layer, hidden, tables, ctx, rows = _mla_case(heads, nope, rope, v, rank, q_lora, rotary, gated, lens, seed)
+
+    def run(states):
+        (rows,) = states
+        step = SimpleNamespace(**{**vars(ctx), 'kv_caches': [(rows[:, :, :rank + rope],)]})
+        return layer(hidden, step, tables)
+
+    before = CALLS['mla_decode']
+    with torch.inference_mode():
+        results = _three_ways(run, lambda: (rows.clone(),))
+    assert CALLS['mla_decode'] == before + 1
+    _all_close(results)
+
+
+@pytest.mark.parametrize('native', [True, False])
+@pytest.mark.parametrize('fault', ['offset', 'length', 'block'])
+def test_mla_decode_refuses_bad_indices_before_writing(native, fault):
+    """A write offset, a length or a reached block id out of range: a ValueError natively and in
+    the torch form, and the cache unchanged."""
+    layer, hidden, tables, ctx, rows = _mla_case(2, 4, 2, 4, 16, None, True, False, [3, 5], 0)
+    blocks, offsets = ctx.kv_write_index
+    if fault == 'offset':
+        ctx.kv_write_index = (blocks, offsets + 4)
+    elif fault == 'length':
+        ctx.kv_seqlens_t = torch.tensor([3, 13])
+    else:
+        ctx.block_table = ctx.block_table.clone()
+        ctx.block_table[1, 1] = 99
+    ctx.kv_caches = [(rows[:, :, :18],)]
+    before = rows.clone()
+    with torch.inference_mode(), pytest.raises(ValueError):
+        if native:
+            layer(hidden, ctx, tables)
+        else:
+            _torch_path(lambda: layer(hidden, ctx, tables))
+    assert torch.equal(rows, before)
+
+
+# --- the DeepSeek-V3 group-limited router in one call ------------------------------------------
+
+def _route_sets(weights, index):
+    """Each token's chosen experts as ``{id: weight}`` (the order is the implementation's)."""
+    return [dict(zip(i.tolist(), w.tolist())) for w, i in zip(weights, index)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([(4, 1), (8, 2), (8, 4), (16, 4), (12, 3), (32, 8)]), st.integers(1, 8), st.integers(1, 8),
+       st.booleans(), st.sampled_from([1.0, 2.5]), st.integers(1, 20), st.booleans(), st.integers(0, 2 ** 31))
+def test_group_limited_route_native_equals_the_torch_form(experts_groups, topk_group, k, norm, scaling, tokens,
+                                                          ties, seed):
+    """The native router chooses the same experts with the same weights as the torch form over
+    expert and group counts, kept groups, k, renormalised or not, scaled, any token count; with
+    ``ties`` the logits are coarse (many equal scores) and a bias is zero, where the choice
+    still agrees (both break ties towards the lower id on this data)."""
+    E, G = experts_groups
+    topk_group = min(topk_group, G)
+    k = min(k, topk_group * (E // G))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, E, generator=gen)
+    bias = torch.randn(E, generator=gen) * 0.1
+    if ties:
+        logits, bias = (logits * 2).round() / 2, torch.zeros(E)
+    from lmdeploy.pytorch.kernels.fused_decode import group_limited_route_native, group_limited_route_torch
+    before = CALLS['group_limited_route']
+    weights, index = group_limited_route_native(logits, bias, G, topk_group, k, norm, scaling)
+    assert CALLS['group_limited_route'] == before + 1
+    t_weights, t_index = group_limited_route_torch(logits, bias, G, topk_group, k, norm, scaling)
+    if not ties:
+        assert [sorted(d) for d in _route_sets(weights, index)] == [sorted(d) for d in _route_sets(t_weights, t_index)]
+    # with ties the chosen sets may differ where torch's tie order differs; the weights of a
+    # chosen expert are its own score either way, so compare per expert where both chose it
+    for got, want in zip(_route_sets(weights, index), _route_sets(t_weights, t_index)):
+        for e in set(got) & set(want):
+            assert got[e] == pytest.approx(want[e], rel=1e-6, abs=1e-7)
+    # descending choice order natively
+    choice = logits.sigmoid() + bias
+    picked = choice.gather(1, index)
+    assert torch.all(picked[:, :-1] >= picked[:, 1:])
+
+
+def test_group_limited_route_by_hand():
+    """Two groups of two experts, one group kept, k = 2: the group whose two best biased scores
+    sum higher wins even when the single best expert is in the other group."""
+    from lmdeploy.pytorch.kernels.fused_decode import group_limited_route_native
+    s = torch.tensor([[0.95, 0.05, 0.6, 0.6]])            # sigmoid scores; group sums 1.0 vs 1.2
+    logits = torch.log(s / (1 - s))
+    weights, index = group_limited_route_native(logits, torch.zeros(4), 2, 1, 2, True, 2.0)
+    assert index.tolist() == [[2, 3]]
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.0]]), rtol=1e-6, atol=1e-6)
+    weights, index = group_limited_route_native(logits, torch.tensor([0.0, 0.5, 0.0, 0.0]), 2, 1, 2, False, 1.0)
+    assert index.tolist() == [[0, 1]]                       # the bias moves the choice, not the weight
+    torch.testing.assert_close(weights, s[:, :2], rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([(8, 2, 1, 2), (16, 4, 2, 3), (6, 1, 1, 2)]), st.integers(1, 6), st.integers(0, 2 ** 31))
+def test_group_limited_moe_block_equals_the_torch_path(shape, tokens, seed):
+    """Kimi-Linear's / GLM-5.3-Flash's MoE block with the fused router against its torch
+    forward (routing off the registry): the same output."""
+    from lmdeploy.pytorch.models.blocks.moe import GroupLimitedMoE
+    E, G, TG, k = shape
+    config = SimpleNamespace(num_experts_per_tok=k, num_local_experts=E, n_group=G, topk_group=TG, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, hidden_size=12, moe_intermediate_size=6, n_shared_experts=1)
+    block = GroupLimitedMoE(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+    x = torch.randn(tokens, 12, generator=gen)
+    before = CALLS['group_limited_route']
+    with torch.inference_mode():
+        results = _three_ways(lambda states: block(x), tuple)
+    assert CALLS['group_limited_route'] == before + 1
+    _all_close(results)

@@ -22,7 +22,8 @@ here, each one call per layer per step:
   once per KV head group, online softmax, no gathered copy;
 - the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
   between its products, Qwen-MoE routing with the shared expert's activation, an attention
-  layer's prologue, a residual add with its RMS norm.
+  layer's prologue (with or without q/k norms), a residual add with its RMS norm, the absorbed
+  MLA step between its products, the DeepSeek-V3 group-limited router.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
 ``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
@@ -161,8 +162,11 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
     'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
     'lm_add_rms_norm': ('p p i64 i32 p f32 i32 p p i32', None),
-    'lm_qk_norm_rope_store': ('p i64 i32 i32 i32 i32 i32 p p f32 i32 p p i32 p p p p i64 i64 i64 p p i64 i32 i32',
-                              'i32'),
+    'lm_qk_norm_rope_store': ('p i64 i32 i32 i32 i32 i32 p p f32 i32 f32 p p i32 p p p p i64 i64 i64 p p i64 i32 '
+                              'i32', 'i32'),
+    'lm_mla_decode': ('p p i64 i64 p i64 p f32 p p i32 p i64 i64 p p p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p '
+                      'i32', 'i32'),
+    'lm_group_route': ('p i64 p i32 i32 i32 i32 i32 i32 f32 p p i32', None),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
 }
 _CTYPES = native_build.CTYPES

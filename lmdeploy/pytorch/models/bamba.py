@@ -28,6 +28,7 @@ import torch
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
@@ -91,6 +92,9 @@ class BambaAttention(GQAProjections):
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, rotary_dim]``;
         writes this layer's K/V into the cache."""
+        fused = fused_attention_decode(self, hidden, ctx, rotary)
+        if fused is not None:
+            return self.o_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.project(hidden)
         q = apply_rotary(q, *rotary)

@@ -37,6 +37,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections
@@ -176,6 +177,9 @@ class FalconH1Attention(GQAProjections):
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, head_dim]``;
         writes this layer's K/V into the cache."""
+        fused = fused_attention_decode(self, hidden, ctx, rotary, k_scale=self.key_multiplier)
+        if fused is not None:
+            return self.o_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.project(hidden)
         q = apply_rotary(q, *rotary)

@@ -28,6 +28,7 @@ import torch
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import GQAProjections, gqa_split
@@ -99,6 +100,9 @@ class JambaAttention(GQAProjections):
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
+        fused = fused_attention_decode(self, hidden, ctx)
+        if fused is not None:
+            return self.o_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
         q = q.reshape(T, self.num_heads, self.head_dim)

@@ -36,6 +36,7 @@ from torch import nn
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
 from .blocks.gqa import gqa_split
@@ -125,6 +126,9 @@ class Lfm2Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)``; writes this layer's K/V."""
+        fused = fused_attention_decode(self, hidden, ctx, rotary, q_norm=self.q_layernorm, k_norm=self.k_layernorm)
+        if fused is not None:
+            return self.out_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
         q = self.q_layernorm(q.reshape(T, self.num_heads, self.head_dim))

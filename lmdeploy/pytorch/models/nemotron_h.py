@@ -37,6 +37,7 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .base import CausalLM
+from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx
 from .blocks.gqa import gqa_split
 from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_split, mamba2_state_spec
@@ -132,6 +133,9 @@ class NemotronHAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes the layer's K/V into the cache."""
+        fused = fused_attention_decode(self, hidden, ctx)
+        if fused is not None:
+            return self.o_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
         out = attention(q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),

@@ -482,20 +482,23 @@ void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const f
   }
 }
 
-/* The prologue of a decode attention layer with per-head q/k RMS norms and rotary positions
-   (Qwen3's, and Qwen3-Next's gated form), from the packed projection: row t of proj (stride ld)
-   holds [q | k | v], q per head [q (D) | gate (D)] when gated, else [q (D)]; k, v [Hkv D].
-   Each q and k head: h = x / sqrt(mean(x^2) + eps), times (1 + w) when zero_centered else w;
-   then its first rot channels rotate: x1 * cos - x2 * sin, x2 * cos + x1 * sin over the two
-   halves (cos, sin [T, rot]). q_out [T, H, D]; gate_out [T, H D] = sigmoid(gate) when gated;
+/* The prologue of a decode attention layer with rotary positions and, optionally, per-head q/k
+   RMS norms (Qwen3's, Qwen3-Next's gated form, LFM2's; without norms the plain GQA layers of the
+   Mamba hybrids), from the packed projection: row t of proj (stride ld) holds [q | k | v], q per
+   head [q (D) | gate (D)] when gated, else [q (D)]; k, v [Hkv D].
+   Each q and k head, when q_w and k_w are given: h = x / sqrt(mean(x^2) + eps), times (1 + w)
+   when zero_centered else w (both NULL: h = x); each k head then times k_scale (Falcon-H1's key
+   multiplier; 1 elsewhere); then its first rot channels rotate: x1 * cos - x2 * sin,
+   x2 * cos + x1 * sin over the two halves (cos, sin [T, rot]). q_out [T, H, D]; gate_out
+   [T, H D] = sigmoid(gate) when gated;
    k and v land in the caches at (blocks[t], offsets[t]): element (b, p, h, c) at
    b * s_block + p * s_pos + h * s_head + c (both caches share the strides). Returns -1 and writes
    nothing when a block id is outside [0, num_blocks) or an offset outside [0, block_size). */
 int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, int D, int gated, const float* q_w,
-                           const float* k_w, float eps, int zero_centered, const float* cos, const float* sin, int rot,
-                           float* q_out, float* gate_out, float* k_cache, float* v_cache, int64_t s_block,
-                           int64_t s_pos, int64_t s_head, const int64_t* blocks, const int64_t* offsets,
-                           int64_t num_blocks, int block_size, int threads) {
+                           const float* k_w, float eps, int zero_centered, float k_scale, const float* cos,
+                           const float* sin, int rot, float* q_out, float* gate_out, float* k_cache, float* v_cache,
+                           int64_t s_block, int64_t s_pos, int64_t s_head, const int64_t* blocks,
+                           const int64_t* offsets, int64_t num_blocks, int block_size, int threads) {
   const int qw = gated ? 2 * D : D, half = rot / 2;
   for (int t = 0; t < T; t++)
     if (blocks[t] < 0 || blocks[t] >= num_blocks || offsets[t] < 0 || offsets[t] >= block_size) return -1;
@@ -518,10 +521,17 @@ int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, 
         for (int c = 0; c < D; c++) gate_out[((ptrdiff_t)t * H + h) * D + c] = 1.0f / (1.0f + expf(-x[D + c]));
     }
     const float* w = is_k ? k_w : q_w;
-    float ss = 0.0f, n[D];
-    for (int c = 0; c < D; c++) ss += x[c] * x[c];
-    float inv = 1.0f / sqrtf(ss / (float)D + eps);
-    for (int c = 0; c < D; c++) n[c] = zero_centered ? x[c] * inv * (1.0f + w[c]) : w[c] * (x[c] * inv);
+    float n[D];
+    if (w) {
+      float ss = 0.0f;
+      for (int c = 0; c < D; c++) ss += x[c] * x[c];
+      float inv = 1.0f / sqrtf(ss / (float)D + eps);
+      for (int c = 0; c < D; c++) n[c] = zero_centered ? x[c] * inv * (1.0f + w[c]) : w[c] * (x[c] * inv);
+    } else {
+      for (int c = 0; c < D; c++) n[c] = x[c];
+    }
+    if (is_k && k_scale != 1.0f)
+      for (int c = 0; c < D; c++) n[c] *= k_scale;
     const float* cs = cos + (ptrdiff_t)t * rot;
     const float* sn = sin + (ptrdiff_t)t * rot;
     for (int c = 0; c < half; c++) {
@@ -593,4 +603,167 @@ int lm_paged_decode_attention(const float* q, const float* k_cache, const float*
     }
   }
   return 0;
+}
+
+/* Rotary embedding on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout), written
+   de-interleaved: out[i] = x[2i] c[i] - x[2i+1] s[i], out[half + i] = x[2i+1] c[i] + x[2i] s[i]
+   for i < half = rot / 2 (c, s: the first half of the cat(f, f) tables). */
+static void rotate_interleaved(const float* x, const float* c, const float* s, int rot, float* out) {
+  int half = rot / 2;
+  for (int i = 0; i < half; i++) {
+    out[i] = x[2 * i] * c[i] - x[2 * i + 1] * s[i];
+    out[half + i] = x[2 * i + 1] * c[i] + x[2 * i] * s[i];
+  }
+}
+
+/* The decode step of multi-head latent attention (DeepSeek-V2, 2024) in its absorbed form, for
+   N sequences of one new token each, between the layer's projections:
+   1. each sequence's cache row: latent[b, p] = [rms_norm(c) w (R) | k_rope (P)], from kv [N, R + P]
+      (row stride ld_kv) holding [c | k_rope], k_rope rotated by rotate_interleaved when rot
+      (rot = P then, cos, sin [N, P]; rot = 0: copied), written at (blocks[n], offsets[n]);
+   2. each query head h of sequence n scores the sequence's rows 0 .. kv_seqlens[n] - 1:
+      score = (q_c[h, n] . latent[:R] + q_rope'[n, h] . latent[R:]) * scale, with q_rope' the
+      rotated q_rope (q_rope [N, H, P] at row stride ld_q, head stride ld_h, unit channel stride),
+      and attends the latent part by an online softmax (Milakov & Gimelshein, 2018):
+      out[h, n] = sum softmax(score) latent[:R].
+   q_c and out are [H, N, R] contiguous (the layout of a batched product over heads, which
+   folds the key up-projection into q_c before and the value up-projection into out after).
+   The cache: element (b, p, c) at b * s_block + p * s_pos + c. Heads run in groups of up to 8,
+   each group reading a row once. Returns -1 (nothing written) on a write index out of range, -2
+   on a length outside [1, W * block_size], -3 on a block id the lengths reach outside
+   [0, num_blocks). */
+int lm_mla_decode(const float* q_c, const float* q_rope, int64_t ld_q, int64_t ld_h, const float* kv, int64_t ld_kv,
+                  const float* norm_w, float eps, const float* cos, const float* sin, int rot, float* cache,
+                  int64_t s_block, int64_t s_pos, const int64_t* blocks, const int64_t* offsets,
+                  const int64_t* block_table, int64_t ld_table, const int64_t* kv_seqlens, int N, int H, int R,
+                  int P, int block_size, int W, int64_t num_blocks, float scale, float* out, int threads) {
+  for (int n = 0; n < N; n++)
+    if (blocks[n] < 0 || blocks[n] >= num_blocks || offsets[n] < 0 || offsets[n] >= block_size) return -1;
+  for (int n = 0; n < N; n++) {
+    if (kv_seqlens[n] < 1 || kv_seqlens[n] > (int64_t)W * block_size) return -2;
+    for (int64_t b = 0; b < (kv_seqlens[n] + block_size - 1) / block_size; b++) {
+      int64_t id = block_table[(ptrdiff_t)n * ld_table + b];
+      if (id < 0 || id >= num_blocks) return -3;
+    }
+  }
+  enum { HB = 8 };
+  int groups = (H + HB - 1) / HB;
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+      const float* x = kv + (ptrdiff_t)n * ld_kv;
+      float* row = cache + (ptrdiff_t)blocks[n] * s_block + (ptrdiff_t)offsets[n] * s_pos;
+      float ss = 0.0f;
+      for (int c = 0; c < R; c++) ss += x[c] * x[c];
+      float inv = 1.0f / sqrtf(ss / (float)R + eps);
+      for (int c = 0; c < R; c++) row[c] = norm_w[c] * (x[c] * inv);
+      if (rot)
+        rotate_interleaved(x + R, cos + (ptrdiff_t)n * rot, sin + (ptrdiff_t)n * rot, rot, row + R);
+      else
+        for (int c = 0; c < P; c++) row[R + c] = x[R + c];
+    }
+    /* the implicit barrier above: every new row is in the cache before any head reads it */
+    #pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < N * groups; task++) {
+      int n = task / groups, h0 = (task % groups) * HB, G = H - h0 < HB ? H - h0 : HB;
+      float qr[HB][P > 0 ? P : 1], acc[HB][R], m[HB], l[HB];
+      for (int g = 0; g < G; g++) {
+        const float* src = q_rope + (ptrdiff_t)n * ld_q + (ptrdiff_t)(h0 + g) * ld_h;
+        if (rot)
+          rotate_interleaved(src, cos + (ptrdiff_t)n * rot, sin + (ptrdiff_t)n * rot, rot, qr[g]);
+        else
+          for (int c = 0; c < P; c++) qr[g][c] = src[c];
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int c = 0; c < R; c++) acc[g][c] = 0.0f;
+      }
+      int64_t len = kv_seqlens[n];
+      for (int64_t t = 0; t < len; t++) {
+        int64_t block = block_table[(ptrdiff_t)n * ld_table + t / block_size];
+        const float* lr = cache + block * s_block + (t % block_size) * s_pos;
+        for (int g = 0; g < G; g++) {
+          const float* qc = q_c + ((ptrdiff_t)(h0 + g) * N + n) * R;
+          float dot = 0.0f;
+          #pragma omp simd reduction(+:dot)
+          for (int c = 0; c < R; c++) dot += qc[c] * lr[c];
+          for (int c = 0; c < P; c++) dot += qr[g][c] * lr[R + c];
+          float score = dot * scale;
+          if (fmaxf(m[g], score) == -INFINITY) continue;   /* exp(-inf) weight so far: skip (no -inf - -inf) */
+          if (score > m[g]) {
+            float correction = expf(m[g] - score);   /* 0 for the first row (m = -inf) */
+            l[g] *= correction;
+            for (int c = 0; c < R; c++) acc[g][c] *= correction;
+            m[g] = score;
+          }
+          float e = expf(score - m[g]);
+          l[g] += e;
+          for (int c = 0; c < R; c++) acc[g][c] += e * lr[c];
+        }
+      }
+      for (int g = 0; g < G; g++) {
+        float* o = out + ((ptrdiff_t)(h0 + g) * N + n) * R;
+        float il = 1.0f / l[g];
+        for (int c = 0; c < R; c++) o[c] = acc[g][c] * il;
+      }
+    }
+  }
+  return 0;
+}
+
+/* The DeepSeek-V3 router (DeepSeek-V3 technical report, 2024) from its logits: row t of logits
+   (stride ld) holds E expert logits; s = sigmoid(logit), choice = s + bias; the topk_group of the
+   n_group equal groups with the largest sum of their two best choices are kept, then the k
+   experts of the kept groups with the largest choice, in descending choice order (ties: the lower
+   id); weights = s of each, divided by (their sum + 1e-20) when norm, times scaling.
+   index, weights [T, k]. The caller guarantees groups of at least two experts and
+   topk_group * (E / n_group) >= k; 1 <= topk_group <= n_group. */
+void lm_group_route(const float* logits, int64_t ld, const float* bias, int T, int E, int n_group, int topk_group,
+                    int k, int norm, float scaling, int64_t* index, float* weights, int threads) {
+  int per = E / n_group;
+  #pragma omp parallel for num_threads(threads) schedule(static) if (T > 1)
+  for (int t = 0; t < T; t++) {
+    const float* row = logits + (ptrdiff_t)t * ld;
+    float s[E], choice[E], gs[n_group];
+    unsigned char keep[E], taken[n_group];
+    for (int i = 0; i < E; i++) {
+      s[i] = 1.0f / (1.0f + expf(-row[i]));
+      choice[i] = s[i] + bias[i];
+    }
+    for (int g = 0; g < n_group; g++) {
+      const float* c = choice + (ptrdiff_t)g * per;
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (int i = 0; i < per; i++) {
+        if (c[i] > b1) {
+          b2 = b1;
+          b1 = c[i];
+        } else if (c[i] > b2) {
+          b2 = c[i];
+        }
+      }
+      gs[g] = b1 + b2;
+      taken[g] = 0;
+    }
+    for (int i = 0; i < E; i++) keep[i] = 0;
+    for (int j = 0; j < topk_group; j++) {
+      int best = -1;
+      for (int g = 0; g < n_group; g++)
+        if (!taken[g] && (best < 0 || gs[g] > gs[best])) best = g;
+      taken[best] = 1;
+      for (int i = 0; i < per; i++) keep[best * per + i] = 1;
+    }
+    float sum = 0.0f;
+    int64_t* idx = index + (ptrdiff_t)t * k;
+    float* w = weights + (ptrdiff_t)t * k;
+    for (int j = 0; j < k; j++) {
+      int best = -1;
+      for (int i = 0; i < E; i++)
+        if (keep[i] && (best < 0 || choice[i] > choice[best])) best = i;
+      keep[best] = 0;
+      idx[j] = best;
+      w[j] = s[best];
+      sum += s[best];
+    }
+    for (int j = 0; j < k; j++) w[j] = (norm ? w[j] / (sum + 1e-20f) : w[j]) * scaling;
+  }
 }

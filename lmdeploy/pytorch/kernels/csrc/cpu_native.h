@@ -58,18 +58,30 @@ void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, 
 void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const float* w, float eps, int zero_centered,
                      float* sum, float* out, int threads);
 
-/* q/k RMS norms, rotary, the output gate's sigmoid and the K/V store of a decode attention layer;
-   -1 (nothing written) on a block id or offset out of range */
+/* q/k RMS norms (optional), a key scale, rotary, the output gate's sigmoid and the K/V store of a
+   decode attention layer; -1 (nothing written) on a block id or offset out of range */
 int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, int D, int gated, const float* q_w,
-                           const float* k_w, float eps, int zero_centered, const float* cos, const float* sin, int rot,
-                           float* q_out, float* gate_out, float* k_cache, float* v_cache, int64_t s_block,
-                           int64_t s_pos, int64_t s_head, const int64_t* blocks, const int64_t* offsets,
-                           int64_t num_blocks, int block_size, int threads);
+                           const float* k_w, float eps, int zero_centered, float k_scale, const float* cos,
+                           const float* sin, int rot, float* q_out, float* gate_out, float* k_cache, float* v_cache,
+                           int64_t s_block, int64_t s_pos, int64_t s_head, const int64_t* blocks,
+                           const int64_t* offsets, int64_t num_blocks, int block_size, int threads);
 
 /* decode attention over paged keys; -1: a length out of range, -2: a block id out of range */
 int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,
                               int64_t s_pos, int64_t s_head, const int64_t* block_table, int64_t ld_table,
                               const int64_t* kv_seqlens, int N, int H, int Hkv, int D, int block_size, int W,
                               int64_t num_blocks, float scale, float* out, int threads);
+
+/* the absorbed decode step of multi-head latent attention: the latent row write (norm, interleaved
+   rotary) and the attention in latent space; -1 a write index, -2 a length, -3 a block id out of range */
+int lm_mla_decode(const float* q_c, const float* q_rope, int64_t ld_q, int64_t ld_h, const float* kv, int64_t ld_kv,
+                  const float* norm_w, float eps, const float* cos, const float* sin, int rot, float* cache,
+                  int64_t s_block, int64_t s_pos, const int64_t* blocks, const int64_t* offsets,
+                  const int64_t* block_table, int64_t ld_table, const int64_t* kv_seqlens, int N, int H, int R,
+                  int P, int block_size, int W, int64_t num_blocks, float scale, float* out, int threads);
+
+/* the DeepSeek-V3 group-limited sigmoid router from its logits */
+void lm_group_route(const float* logits, int64_t ld, const float* bias, int T, int E, int n_group, int topk_group,
+                    int k, int norm, float scaling, int64_t* index, float* weights, int threads);
 
 #endif

@@ -7,7 +7,9 @@ zero-centred norms) of Qwen3-Next and Qwen3.5. Weight names follow the checkpoin
 A float32 CPU decode step (one new token per sequence) runs the layer as its two products, one
 prologue call (q/k norms, rotary, the gate's sigmoid, the K/V store: the registry's CPU
 ``qk_norm_rope_store``, native when built) and the paged decode attention kernel; every other
-step, and every other device, runs the unfused path.
+step, and every other device, runs the unfused path. :func:`fused_attention_decode` is that
+decode step for any grouped-query attention layer, with or without q/k norms and rotary (the
+plain GQA layers of the Mamba hybrids take it through their own ``forward``).
 """
 from __future__ import annotations
 
@@ -18,12 +20,63 @@ from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, RMSNorm, apply_rotary, attention
 
-__all__ = ['QKNormAttention', 'attention_head_dim']
+__all__ = ['QKNormAttention', 'attention_head_dim', 'fused_attention_decode']
 
 
 def attention_head_dim(config) -> int:
     """``head_dim``, or ``hidden_size // num_attention_heads`` when the config has none."""
     return getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
+
+
+def fused_attention_decode(layer: nn.Module, hidden: torch.Tensor, ctx: StepContext,
+                           rotary: tuple[torch.Tensor, torch.Tensor] | None = None, *, q_norm: RMSNorm | None = None,
+                           k_norm: RMSNorm | None = None, gated: bool = False,
+                           k_scale: float = 1.0) -> torch.Tensor | None:
+    """A grouped-query attention layer's float32 decode step (one new token per sequence) from
+    its input to its output projection's input: the packed qkv product, one prologue call (q/k
+    norms when given, the key scale, rotary, the gate's sigmoid, the K/V store: the registry's
+    CPU ``qk_norm_rope_store``, native when built) and the paged decode attention kernel.
+
+    Args:
+        layer: the attention module; reads ``qkv_proj`` (packed ``[q | k | v]``, q per head
+            ``[q | gate]`` when ``gated``), ``num_heads``, ``num_kv_heads``, ``head_dim``,
+            ``layer_idx`` (its ``StepContext.kv_caches`` entry) and ``scale`` (the softmax scale).
+        hidden: ``[T, hidden]``.
+        ctx: the step.
+        rotary: ``(cos, sin)`` ``[T, rot]`` (the two-halves layout, ``rot <= head_dim``), or
+            ``None`` (no positional encoding).
+        q_norm, k_norm: per-head RMS norms of one convention and epsilon, or both ``None``.
+        gated: the output is ``attn * sigmoid(gate)`` (Qwen3-Next).
+        k_scale: the keys' multiplier before the rotary (Falcon-H1's ``key_multiplier``).
+
+    Returns:
+        float32 ``[T, num_heads * head_dim]`` (the output projection's input), or ``None`` when
+        the step is not a float32 decode step, the norms differ in convention, the cache is not
+        float32, or the device has no such kernel: the caller runs its unfused path.
+    """
+    T = hidden.shape[0]
+    if not (hidden.dtype == torch.float32 and T == len(ctx.q_seqlens) and all(n == 1 for n in ctx.q_seqlens)
+            and (rotary is None or rotary[0].dtype == torch.float32)):
+        return None
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and (q_norm.zero_centered != k_norm.zero_centered
+                                                                       or q_norm.eps != k_norm.eps)):
+        return None
+    prologue = find_kernel('qk_norm_rope_store', hidden.device)
+    k_cache, v_cache = ctx.kv_caches[layer.layer_idx]
+    if prologue is None or k_cache.dtype != torch.float32:
+        return None
+    if rotary is None:
+        none = hidden.new_empty(T, 0)
+        rotary = (none, none)
+    blocks, offsets = ctx.kv_write_index
+    q, gate = prologue(layer.qkv_proj(hidden), layer.num_heads, layer.num_kv_heads, layer.head_dim, gated,
+                       None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                       1e-6 if q_norm is None else q_norm.eps, q_norm is not None and q_norm.zero_centered, *rotary,
+                       k_cache, v_cache, blocks, offsets, k_scale)
+    out = get_kernel('paged_decode_attention', hidden.device)(q, k_cache, v_cache, ctx.block_table, ctx.kv_seqlens_t,
+                                                              layer.scale, ctx.kv_gather_index)
+    out = out.view(T, -1)
+    return out if gate is None else out.mul_(gate)
 
 
 class QKNormAttention(nn.Module):
@@ -57,33 +110,12 @@ class QKNormAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered_norm)
         self.scale = self.head_dim ** -0.5
 
-    def _fused_decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      ctx: StepContext) -> torch.Tensor | None:
-        """:meth:`forward` of a float32 decode step through the registry's
-        ``qk_norm_rope_store``, or ``None`` (another dtype, not one token per sequence, q and k
-        norms of different conventions, another cache dtype, or no such kernel for the device)."""
-        if not (hidden.dtype == cos.dtype == torch.float32 and hidden.shape[0] == len(ctx.q_seqlens)
-                and self.q_norm.zero_centered == self.k_norm.zero_centered and self.q_norm.eps == self.k_norm.eps
-                and all(n == 1 for n in ctx.q_seqlens)):
-            return None
-        prologue = find_kernel('qk_norm_rope_store', hidden.device)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        if prologue is None or k_cache.dtype != torch.float32:
-            return None
-        blocks, offsets = ctx.kv_write_index
-        q, gate = prologue(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, self.output_gate,
-                           self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.zero_centered, cos,
-                           sin, k_cache, v_cache, blocks, offsets)
-        out = get_kernel('paged_decode_attention', hidden.device)(q, k_cache, v_cache, ctx.block_table,
-                                                                  ctx.kv_seqlens_t, self.scale, ctx.kv_gather_index)
-        out = out.view(hidden.shape[0], -1)
-        return self.o_proj(out if gate is None else out.mul_(gate))
-
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
-        fused = self._fused_decode(hidden, cos, sin, ctx)
+        fused = fused_attention_decode(self, hidden, ctx, (cos, sin), q_norm=self.q_norm, k_norm=self.k_norm,
+                                       gated=self.output_gate)
         if fused is not None:
-            return fused
+            return self.o_proj(fused)
         T = hidden.shape[0]
         q, k, v = self.qkv_proj.forward_split(hidden)
         gate = None

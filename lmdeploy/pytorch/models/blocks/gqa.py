@@ -1,7 +1,10 @@
 """The packed grouped-query projections the hybrids' attention layers share (Bamba, Falcon-H1,
 Granite-4.0-H, Granite-MoE-SWA, MiniMax-01): ``q_proj`` / ``k_proj`` / ``v_proj`` packed into one matmul,
 and ``o_proj``. A family subclasses :class:`GQAProjections` and keeps its own scale, RoPE and kernel,
-or takes :class:`RotaryGQA`: RoPE when given tables, a softmax scale, the paged attention.
+or takes :class:`RotaryGQA`: RoPE when given tables, a softmax scale, the paged attention. A float32
+decode step goes through :func:`~.attention.fused_attention_decode` (the qkv product, one prologue
+call for the rotary and the K/V store, the paged decode attention), as do Jamba's, LFM2's and
+Nemotron-H's attention layers.
 
 :func:`gqa_split` is the tensor-parallel split of every grouped-query attention block (these
 and Qwen's, Nemotron-H's, Jamba's, LFM2's): query heads and KV heads by head (column-parallel

@@ -8,7 +8,11 @@ Per token the paged cache holds one row shared by every head::
 
 A prefill chunk gathers its sequence's rows and up-projects them through ``kv_b_proj``
 (non-absorbed); a decode token uses the absorbed form (the up-projections folded into the query
-and the output; measured in benchmark/benchmark_mla.py).
+and the output; measured in benchmark/benchmark_mla.py). A float32 decode step (one token per
+sequence) runs all its sequences at once: a batched product over heads folds the key
+up-projection into the queries, the registry's ``mla_decode`` (one native call on CPU) writes the
+latent rows and attends in latent space, and a second batched product applies the value
+up-projection; other steps loop over their sequences.
 
 Under tensor parallelism (:func:`mla_split`) the layer splits by query head. Each query head
 up-projects its own K and V from the shared latent, so a rank holds its query heads' rows of the
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels import find_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, RMSNorm
 from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
@@ -105,6 +110,31 @@ class LatentAttention(nn.Module):
         self.g_proj = Linear(hidden, self.num_heads, bias=False) if output_gate else None
         self.scale = qk ** -0.5 if scale is None else scale
 
+    def _fused_decode(self, hidden: torch.Tensor, q: torch.Tensor, ctx: StepContext,
+                      rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+        """The attention output ``[T, H, v]`` of a float32 decode step (one token per sequence)
+        through the registry's ``mla_decode`` between two batched products over heads (the key
+        up-projection folded into the query, the value up-projection applied to the attended
+        latent), or ``None`` (another dtype, a prefill token, an FP8 ``kv_b_proj``, or no such
+        kernel for the device). The same value as :meth:`_absorbed_decode` per sequence."""
+        T, H, R = hidden.shape[0], self.num_heads, self.kv_lora_rank
+        if not (hidden.dtype == torch.float32 and T == len(ctx.q_seqlens) and all(n == 1 for n in ctx.q_seqlens)
+                and self.kv_b_proj.fp8_block is None and self.kv_b_proj.weight.dtype == torch.float32
+                and not self.kv_a_layernorm.zero_centered):
+            return None
+        step = find_kernel('mla_decode', hidden.device)
+        (cache,) = ctx.kv_caches[self.layer_idx]
+        if step is None or cache.dtype != torch.float32:
+            return None
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, R)
+        q_c = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope])              # [H, T, R]
+        cos, sin = rotary if self.rotary else (None, None)
+        blocks, offsets = ctx.kv_write_index
+        latent = step(q_c, q[..., self.nope:], self.kv_a_proj_with_mqa(hidden), self.kv_a_layernorm.weight,
+                      self.kv_a_layernorm.eps, cos, sin, cache, blocks, offsets, ctx.block_table, ctx.kv_seqlens_t,
+                      self.scale)
+        return torch.bmm(latent, w[:, self.nope:].transpose(1, 2)).transpose(0, 1)       # [T, H, v]
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``[T, hidden]`` (and ``(cos, sin)`` when built with ``rotary``) → ``[T, hidden]``;
@@ -113,6 +143,9 @@ class LatentAttention(nn.Module):
         q = self.q_proj(hidden) if self.q_lora_rank is None else \
             self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(T, H, self.nope + self.rope)
+        fused = self._fused_decode(hidden, q, ctx, rotary)
+        if fused is not None:
+            return self._output(hidden, fused)
         c, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
         if self.rotary:
             q = torch.cat((q[..., :self.nope], rotate_interleaved(q[..., self.nope:], *rotary)), dim=-1)
@@ -132,9 +165,14 @@ class LatentAttention(nn.Module):
             k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
             keys = torch.cat((k_nope, latent[:, None, self.kv_lora_rank:].expand(kv_len, H, self.rope)), dim=-1)
             out[sl] = causal_attention(q[sl], keys, values, hist, self.scale)
+        return self._output(hidden, out)
+
+    def _output(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The attention output ``out [T, H, v]`` through the output gate (when built with one)
+        and ``o_proj`` → ``[T, hidden]``."""
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(hidden).float()).to(out.dtype)[..., None]
-        return self.o_proj(out.reshape(T, -1))
+        return self.o_proj(out.reshape(hidden.shape[0], -1))
 
     def _absorbed_decode(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """One query token ``q [1, H, nope + rope]`` over its sequence's ``latent [L, R + rope]``

@@ -13,7 +13,8 @@ two native calls: one product of the router, the shared-expert gate and the shar
 gate/up rows stacked (a cached copy of those rows, rebuilt when a weight changes), the routing
 and shared activation in one call (the registry's CPU ``moe_route_shared``), the shared down
 product and the experts kernel;
-the dozen small torch ops between them cost more than their arithmetic at batch 1.
+the dozen small torch ops between them cost more than their arithmetic at batch 1. The
+DeepSeek-V3 router (:func:`group_limited_route`) runs its selection as one call the same way.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import find_kernel, get_kernel
-from ...kernels.fused_decode import FUSED_MOE_TOKENS
+from ...kernels.fused_decode import FUSED_MOE_TOKENS, group_limited_route_torch
 from ...kernels.linear import linear
 from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
 from ..layers import Linear, PackedLinear, SwiGLUMLP, WeightLoader, mlp_split
@@ -172,25 +173,24 @@ def group_limited_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     experts there; each chosen expert is weighted by its ``s`` (not the biased score),
     renormalised to sum 1 when ``norm_topk_prob``, times ``scaling``.
 
+    A float32 step takes the router product and the registry's ``group_limited_route`` (one
+    native call on CPU for the dozen small ops of the selection); other dtypes and devices run
+    :func:`~lmdeploy.pytorch.kernels.fused_decode.group_limited_route_torch` on the float32 logits.
+
     Args:
         x: ``[T, hidden]``.
         weight: the router ``[E, hidden]``; bias: the score correction ``[E]``.
 
     Returns:
-        ``(weights [T, k] float32, expert index [T, k] int64)``.
+        ``(weights [T, k] float32, expert index [T, k] int64)``; the order of the ``k`` experts
+        is the implementation's (the weighted sum over them does not depend on it beyond
+        float32 rounding).
     """
-    scores = F.linear(x.float(), weight.float()).sigmoid()
-    choice = scores + bias.float()
-    T, E = x.shape[0], weight.shape[0]
-    group_scores = choice.view(T, n_group, -1).topk(2, dim=-1)[0].sum(-1)            # [T, groups]
-    groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
-    mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
-    choice = choice.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float('-inf'))
-    index = choice.topk(top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, index)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling, index
+    fused = find_kernel('group_limited_route', x.device) if x.dtype == weight.dtype == torch.float32 else None
+    if fused is not None:
+        return fused(linear(x, weight), bias, n_group, topk_group, top_k, norm_topk_prob, scaling)
+    return group_limited_route_torch(F.linear(x.float(), weight.float()), bias, n_group, topk_group, top_k,
+                                     norm_topk_prob, scaling)
 
 
 class GroupLimitedMoE(nn.Module):
