@@ -125,6 +125,8 @@ class StepContext:
             (models with images read its ``multimodal`` list); empty where the caller has none.
         prompt_lens: per sequence, the tokens of its request's prompt; empty where the caller
             has none (see :attr:`prompt_token_mask`).
+        kernel_memo: index tensors a kernel derives from this step's layout once and every
+            layer reuses, keyed by the kernel (e.g. the window attention's gather plan per window).
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -138,6 +140,7 @@ class StepContext:
     block_size: int = 64
     sequences: list = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
+    kernel_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
