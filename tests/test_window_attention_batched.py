@@ -85,11 +85,13 @@ def test_decode_step_of_sixteen_sequences(window, sinks):
     assert not got.isnan().any() and (got - ref).abs().max().item() <= TOL
 
 
-def test_a_chunk_longer_than_the_score_bound_runs_in_equal_groups(monkeypatch):
-    """With the score bound cut to one tile per call, a long chunk runs tile group by tile group
-    and still equals the reference."""
+def test_a_step_over_the_score_bound_runs_in_equal_groups(monkeypatch):
+    """With the score bound cut to one tile per call, a long chunk (and a decode step) runs tile
+    group by tile group and still equals the reference."""
     monkeypatch.setattr(wa, 'SCORE_ELEMENTS', 1)
     got, ref = _both([(30, 70), (0, 1), (5, 33)], 16, 2, True, 4, 11)
+    assert (got - ref).abs().max().item() <= TOL
+    got, ref = _both([(30, 1), (0, 1), (5, 1), (17, 1)], 16, 2, True, 4, 12)     # a decode step, one call each
     assert (got - ref).abs().max().item() <= TOL
 
 

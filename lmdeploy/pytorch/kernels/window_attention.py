@@ -130,6 +130,27 @@ def _tiles(ctx: StepContext, seqs: list[int], R: int, window: int | None, heads:
             for a in range(0, rows.shape[0], per_call)]
 
 
+def _decode_tiles(ctx: StepContext, window: int | None, heads: int) -> list[WindowTiles]:
+    """:func:`_tiles` of a pure decode step in flat order (one row per sequence, rows ``0 ..
+    N-1``): the same tiles with fewer ops, since each tile's only query is its sequence's last
+    position and its keys start where that query's window does."""
+    kv = ctx.kv_seqlens_t
+    longest = max(ctx.kv_seqlens)
+    K = longest if window is None else min(window, longest)
+    k_lo = (kv - K).clamp_(min=0)                      # K keys from here reach the query
+    k_pos = k_lo[:, None] + torch.arange(K, device=kv.device)
+    hidden = k_pos >= kv[:, None]                      # past the query: only where kv < K
+    k_pos = torch.minimum(k_pos, (kv - 1)[:, None])
+    blocks = ctx.block_table.gather(1, k_pos // ctx.block_size)
+    rows = torch.arange(len(ctx.kv_seqlens), device=kv.device)[:, None]
+    tiles = WindowTiles(rows, blocks, k_pos % ctx.block_size, hidden[:, None, None, None], True)
+    per_call = max(1, SCORE_ELEMENTS // (heads * K))
+    if per_call >= rows.shape[0]:
+        return [tiles]
+    return [WindowTiles(rows[a:a + per_call], blocks[a:a + per_call], tiles.offsets[a:a + per_call],
+                        tiles.hidden[a:a + per_call], False) for a in range(0, rows.shape[0], per_call)]
+
+
 def window_plan(ctx: StepContext, window: int | None, heads: int) -> list[WindowTiles]:
     """Every batched call of one layer's attention in this step: decode sequences (one new token)
     as tiles of one row, the others as tiles of :func:`query_tile` rows. Built once per step,
@@ -147,6 +168,10 @@ def window_plan(ctx: StepContext, window: int | None, heads: int) -> list[Window
     plan = ctx.kernel_memo.get(key)
     if plan is None:
         T = sum(ctx.q_seqlens)
+        if T == ctx.num_seqs and list(ctx.q_start_loc) == list(range(T)):
+            plan = _decode_tiles(ctx, window, heads)
+            ctx.kernel_memo[key] = plan
+            return plan
         single = [i for i, n in enumerate(ctx.q_seqlens) if n == 1]
         multi = [i for i, n in enumerate(ctx.q_seqlens) if n > 1]
         plan = ((_tiles(ctx, single, 1, window, heads, T) if single else [])
