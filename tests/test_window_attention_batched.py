@@ -134,6 +134,19 @@ def test_the_plan_is_built_once_per_step_and_window():
     assert sorted(key[1] or 0 for key in ctx.kernel_memo) == [0, 24]
 
 
+def test_strided_queries_of_a_packed_projection():
+    """Queries that are a column slice of a packed q/k/v projection (not contiguous), as a layer
+    without rotary passes them, give the same output in a decode step and a mixed one."""
+    for seqs in ([(30, 1), (4, 1), (50, 1)], [(30, 1), (4, 9), (50, 3)]):
+        q, k, v, kc, vc, ctx, sink = _step(seqs, 24, 2, True, 4, 5)
+        packed = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 3)], 1)
+        strided = packed[:, :-3].unflatten(1, q.shape[1:])
+        assert not strided.is_contiguous()
+        want = wa.paged_window_attention(q, k, v, kc.clone(), vc.clone(), ctx, 0.5, 24, sink)
+        ctx.kernel_memo.clear()
+        assert torch.equal(wa.paged_window_attention(strided, k, v, kc, vc, ctx, 0.5, 24, sink), want)
+
+
 def test_window_below_one_is_refused():
     q, k, v, kc, vc, ctx, _ = _step([(3, 2)], 4, 1, False, 4, 0)
     for fn in (wa.paged_window_attention, wa.paged_window_attention_reference):

@@ -94,9 +94,9 @@ class WindowTiles:
     in_order: bool
 
 
-def _tiles(ctx: StepContext, seqs: list[int], R: int, window: int | None, heads: int,
-           total_rows: int) -> list[WindowTiles]:
-    """The groups of tiles of ``R`` rows covering the new queries of sequences ``seqs``."""
+def _tiles(ctx: StepContext, seqs: list[int], R: int, window: int | None, heads: int) -> list[WindowTiles]:
+    """The groups of tiles of ``R`` rows covering the new queries of sequences ``seqs`` (rows
+    gathered and scattered; a pure decode step in flat order takes :func:`_decode_tiles`)."""
     dev = ctx.device
     idx = torch.tensor(seqs, dtype=torch.int64)
     qlen = torch.tensor(ctx.q_seqlens, dtype=torch.int64)[idx]
@@ -122,12 +122,9 @@ def _tiles(ctx: StepContext, seqs: list[int], R: int, window: int | None, heads:
     blocks = ctx.block_table[table_rows].gather(1, k_pos // ctx.block_size)
     offsets = k_pos % ctx.block_size
     rows, hidden = rows.to(dev), hidden.to(dev)[:, None, None]
-    in_order = (R == 1 and len(seqs) == ctx.num_seqs == total_rows
-                and list(ctx.q_start_loc) == list(range(total_rows)))
     per_call = max(1, SCORE_ELEMENTS // (heads * R * K))
     return [WindowTiles(rows[a:a + per_call], blocks[a:a + per_call], offsets[a:a + per_call],
-                        hidden[a:a + per_call], in_order and per_call >= rows.shape[0])
-            for a in range(0, rows.shape[0], per_call)]
+                        hidden[a:a + per_call], False) for a in range(0, rows.shape[0], per_call)]
 
 
 def _decode_tiles(ctx: StepContext, window: int | None, heads: int) -> list[WindowTiles]:
@@ -174,8 +171,8 @@ def window_plan(ctx: StepContext, window: int | None, heads: int) -> list[Window
             return plan
         single = [i for i, n in enumerate(ctx.q_seqlens) if n == 1]
         multi = [i for i, n in enumerate(ctx.q_seqlens) if n > 1]
-        plan = ((_tiles(ctx, single, 1, window, heads, T) if single else [])
-                + (_tiles(ctx, multi, query_tile(window), window, heads, T) if multi else []))
+        plan = ((_tiles(ctx, single, 1, window, heads) if single else [])
+                + (_tiles(ctx, multi, query_tile(window), window, heads) if multi else []))
         ctx.kernel_memo[key] = plan
     return plan
 
@@ -190,7 +187,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles
     G = H // Hkv
     qt = q if tiles.in_order else q[tiles.rows.flatten()]
     # the heads of one KV head and the tile's rows form one [G * R] query axis per KV head
-    qt = qt.float().view(n, R, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * R, D)
+    qt = qt.float().reshape(n, R, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * R, D)
     keys = k_cache[tiles.blocks, tiles.offsets].float().permute(0, 2, 3, 1)      # [n, Hkv, D, K]
     values = v_cache[tiles.blocks, tiles.offsets].float().transpose(1, 2)        # [n, Hkv, K, D]
     scores = torch.matmul(qt, keys).mul_(scale).view(n, Hkv, G, R, K).masked_fill_(tiles.hidden, float('-inf'))
