@@ -1,7 +1,8 @@
 """The Mamba-1 selective scan (lmdeploy/pytorch/kernels/mamba1.py) against its token-by-token
 float64 form: the chunked scan of one sequence (any chunk size, with and without an initial
 state, a chunk cut short by the memory bound), the one-token step, and the varlen driver over
-state slots (decode and prefill rows mixed, a slot without history holding garbage); the Triton
+state slots (decode and prefill rows mixed, a slot without history holding garbage), a
+property test over shapes, chunk lengths and decays, memory linear in the chunk length; the Triton
 step and scan (mamba1_triton.py) under ``TRITON_INTERPRET=1``, and the registry's choice per device."""
 import os
 import pathlib
@@ -10,6 +11,9 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmdeploy.pytorch.kernels import get_kernel
 from lmdeploy.pytorch.kernels import mamba1 as k
@@ -44,11 +48,54 @@ def test_chunked_scan_equals_the_recurrence(L, chunk, with_state):
 
 def test_the_memory_bound_cuts_the_chunk_and_changes_nothing_but_rounding(monkeypatch):
     x, dt, A, B, C, D = _inputs(40)
-    monkeypatch.setattr(k, 'CHUNK_ELEMENTS', 24 * 8 * 9)        # Q = 3 tokens
+    monkeypatch.setattr(k, 'CHUNK_ELEMENTS', 24 * 8 * 3)        # Q = 3 tokens
     assert k.chunk_tokens(16, 24, 8) == 3
     y, state = k.selective_scan_chunk(x, dt, A, B, C, D, None, 16)
     ref_y, ref_state = k.selective_scan_reference(x, dt, A, B, C, D)
     assert (y.double() - ref_y).abs().max().item() <= TOL and (state.double() - ref_state).abs().max() <= TOL
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 70), chunk=st.integers(1, 40), Dd=st.integers(1, 9), N=st.integers(1, 6),
+       decay=st.sampled_from([1e-4, 1.0, 16.0, 1e4]), seed=st.integers(0, 2 ** 16), with_state=st.booleans())
+def test_scan_equals_the_recurrence_for_any_shape_chunk_and_decay(L, chunk, Dd, N, decay, seed, with_state):
+    """Over shapes, chunk lengths (a power of two or not, longer than the sequence or not) and
+    decays from almost none (``exp(a) ~ 1``: states grow) to total (``exp(a)`` underflows to 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(L, Dd, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(L, Dd, generator=g) - 1)
+    A = -decay * (0.5 + torch.rand(Dd, N, generator=g))
+    B, C, D = torch.randn(L, N, generator=g), torch.randn(L, N, generator=g), torch.randn(Dd, generator=g)
+    init = torch.randn(Dd, N, generator=g) if with_state else None
+    y, state = k.selective_scan_chunk(x, dt, A, B, C, D, init, chunk)
+    ref_y, ref_state = k.selective_scan_reference(x, dt, A, B, C, D, init)
+    scale = max(1.0, ref_y.abs().max().item(), ref_state.abs().max().item())   # states grow ~L without decay
+    assert not y.isnan().any() and (y.double() - ref_y).abs().max().item() <= TOL * scale
+    assert (state.double() - ref_state).abs().max().item() <= TOL * scale
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize('chunk', [16, 64, 256])
+def test_scan_memory_is_linear_in_the_chunk_length(chunk):
+    """Regression: the scan built a ``[Q, Q, D, N]`` decay tensor per chunk (quadratic in the
+    chunk length Q). Now no tensor it makes is larger than one ``[Q, D, N]`` chunk."""
+    Dd, N = 8, 4
+    x, dt, A, B, C, D = _inputs(256, Dd=Dd, N=N, seed=5)
+    with _LargestTensor() as seen:
+        k.selective_scan_chunk(x, dt, A, B, C, D, None, chunk)
+    assert seen.largest <= max(chunk * Dd * N, 256 * Dd)     # [Q, D, N], or the [L, D] output
 
 
 def test_step_continues_the_scan():

@@ -140,6 +140,8 @@ class StepContext:
         window_block_tables: per sequence, ``[num_blocks]`` int64 block ids of the
             sliding-window group's own pool (leading entries out of the window point at any valid
             row: never read), or None when sliding layers read :attr:`block_tables` too.
+        kernel_memo: index tensors a kernel derives from this step's layout once and every
+            layer reuses, keyed by the kernel (e.g. the window attention's gather plan per window).
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -154,6 +156,7 @@ class StepContext:
     sequences: list = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)
     window_block_tables: list[torch.Tensor] | None = None
+    kernel_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def paged_group(self, window: int | None) -> 'StepContext':
         """The context whose block tables address the K/V of a layer with sliding ``window``
