@@ -194,3 +194,23 @@ def test_window_rows_need_state_and_a_window():
         LocalTier(BlockManager(8), B, None, window_pool=BlockManager(4), window=24)
     with pytest.raises(ValueError, match='window_pool needs a window'):
         LocalTier(BlockManager(8), B, StateCache(1, 2), window_pool=BlockManager(4))
+
+
+@pytest.mark.parametrize('tier', ['store', 'host'])
+def test_a_store_or_host_tier_keeps_one_shared_table(tmp_path, tmp_path_factory, tier, caplog):
+    """The Store's and the host tier's objects hold every paged layer's rows per block: with one of
+    them, a mixed model keeps one shared table (every block), says so in the log, and still
+    restores what it cached."""
+    path, _ = tiny_checkpoint_and_reference(tmp_path_factory, 'lara_mini')
+    extra = dict(store_backend=f'file:{tmp_path}') if tier == 'store' else dict(host_cache_bytes=1 << 24)
+    with caplog.at_level('INFO', logger='lmdeploy'):
+        eng = make_engine(path, block_size=B, max_prefill_token_num=32, prefill_save_alignment=64,
+                          enable_prefix_caching=True, **extra)
+    assert eng.window_pool is None and len(eng.scheduler.groups) == 1
+    assert any('sliding-window layers keep every block' in r.getMessage() for r in caplog.records)
+    ids = random_prompt(100, seed=5)
+    gen = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    first = eng.generate(ids, gen).output_ids
+    again = eng.generate(ids, gen)
+    assert again.output_ids == first and again.num_cached_tokens == 64
+    eng.close()
