@@ -398,6 +398,10 @@ class LocalTier:
         start = pool.num_free
         while pool.num_free - start < num_blocks and self._evict_checkpoint():
             pass
+        if pool.num_free - start < num_blocks:
+            # (defensive: a window block no checkpoint reads is normally given back at once)
+            for node in [n for n in self.trie.window_nodes.values() if not self._window_needed(n)]:
+                self.trie.drop_window(node)
         return pool.num_free - start
 
     def _reweigh_above(self, node: TrieNode) -> None:
