@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from engine_utils import assert_idle, hf_greedy, make_engine, random_prompt, tiny_checkpoint_and_reference
 from lmdeploy import GenerationConfig, PytorchEngineConfig
-from lmdeploy.pytorch.cache_specs import window_first_block
+from lmdeploy.pytorch.cache_specs import SlidingWindowSpec, kv_bytes_per_block, window_first_block
 from lmdeploy.pytorch.config import SchedulerConfig
 from lmdeploy.pytorch.engine.scheduler import Scheduler
 from lmdeploy.pytorch.paging.block_manager import BlockManager
@@ -49,8 +49,13 @@ def _checkpoint_windows(local: LocalTier) -> set[int]:
     return out
 
 
-def test_mixed_model_keeps_window_rows_of_its_checkpoints_only(tmp_path_factory):
-    path, hf = tiny_checkpoint_and_reference(tmp_path_factory, 'lara_mini')
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    return tiny_checkpoint_and_reference(tmp_path_factory, 'lara_mini')
+
+
+def test_mixed_model_keeps_window_rows_of_its_checkpoints_only(tiny):
+    path, hf = tiny
     window, chunk, turns, new = 40, 32, 6, 4
     gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
     fields = dict(block_size=B, max_prefill_token_num=chunk, prefill_save_alignment=64, max_batch_size=1,
@@ -96,7 +101,12 @@ def test_mixed_model_keeps_window_rows_of_its_checkpoints_only(tmp_path_factory)
     # 4 checkpoints (64 ... 256) of 3 window blocks each, against 20 global blocks
     assert local.num_window_blocks == 4 * per_ckpt == 12 < on.ledger()['blocks_cached'] == 20
     assert max(seen) == 12
-    assert on.ledger()['window_blocks_free'] == wp.num_blocks - 12
+    led, ce = on.ledger(), on.cache_engine
+    assert led['window_blocks_free'] == wp.num_blocks - 12 and led['window_blocks_cached'] == 12
+    # payload bytes held: 20 global blocks, 12 window blocks (the sliding layers' rows), 4 states
+    window_row = kv_bytes_per_block([s for s in on.specs if isinstance(s, SlidingWindowSpec)], B)
+    assert window_row > 0
+    assert led['device_cache_bytes'] == 20 * ce.kv_block_bytes + 12 * window_row + 4 * ce.state_bytes
     on.prefix_cache.evict(10**6)
     assert_idle(on)
 
@@ -128,7 +138,8 @@ def test_a_restore_never_reads_a_missing_window_block(window, chunk, data):
     A = data.draw(st.sampled_from([16, 32, 64]))
     batch = data.draw(st.integers(1, 3))
     per_seq = -(-(window - 1 + chunk) // B) + 1
-    bm, wp = BlockManager(data.draw(st.integers(60, 120))), BlockManager(batch * per_seq + data.draw(st.integers(0, 12)))
+    bm = BlockManager(data.draw(st.integers(60, 120)))
+    wp = BlockManager(batch * per_seq + data.draw(st.integers(0, 12)))
     sc = StateCache(batch, 6)
     local = LocalTier(bm, B, sc, window_pool=wp, window=window)
     cache = PrefixCache(local, block_size=B, alignment=A)
@@ -197,11 +208,11 @@ def test_window_rows_need_state_and_a_window():
 
 
 @pytest.mark.parametrize('tier', ['store', 'host'])
-def test_a_store_or_host_tier_keeps_one_shared_table(tmp_path, tmp_path_factory, tier, caplog):
+def test_a_store_or_host_tier_keeps_one_shared_table(tmp_path, tiny, tier, caplog):
     """The Store's and the host tier's objects hold every paged layer's rows per block: with one of
     them, a mixed model keeps one shared table (every block), says so in the log, and still
     restores what it cached."""
-    path, _ = tiny_checkpoint_and_reference(tmp_path_factory, 'lara_mini')
+    path, _ = tiny
     extra = dict(store_backend=f'file:{tmp_path}') if tier == 'store' else dict(host_cache_bytes=1 << 24)
     with caplog.at_level('INFO', logger='lmdeploy'):
         eng = make_engine(path, block_size=B, max_prefill_token_num=32, prefill_save_alignment=64,
@@ -214,3 +225,23 @@ def test_a_store_or_host_tier_keeps_one_shared_table(tmp_path, tmp_path_factory,
     again = eng.generate(ids, gen)
     assert again.output_ids == first and again.num_cached_tokens == 64
     eng.close()
+
+
+def test_tp2_keeps_window_rows_and_replies_as_tp1(tiny):
+    """Under tensor parallelism the window rows are block ids (every rank's slices of the same
+    rows): a TP2 engine with caching on replies to staggered prompts sharing a 70-token head as a
+    TP1 engine with caching off, twice, the second time restoring from its window rows."""
+    from tp_utils import PROMPTS, engine
+    from engine_utils import run_staggered
+    path, _ = tiny
+    gen = GenerationConfig(max_new_tokens=5, ignore_eos=True)
+    ref = [s.output_ids for s in run_staggered(engine(path), PROMPTS, gen, every=2)]
+    eng = engine(path, tp=2, enable_prefix_caching=True)
+    try:
+        assert eng.window_pool is not None
+        for _ in range(2):
+            assert [s.output_ids for s in run_staggered(eng, PROMPTS, gen, every=2)] == ref
+        assert eng.stats()['prefix_cache_hit_tokens'] > 0 and eng.ledger()['window_blocks_cached'] > 0
+        assert eng.is_idle()
+    finally:
+        eng.close()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_specs import SlidingWindowSpec, has_state, kv_window, paged_groups, uses_store
+from ..cache_specs import SlidingWindowSpec, has_state, kv_bytes_per_block, kv_window, paged_groups, uses_store
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
@@ -165,8 +165,11 @@ class Engine:
                                                 sizes.num_window_blocks)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
-        # the sliding-window group's own pool (a mixed model with prefixes not cached), or None
+        # the sliding-window group's own pool (a mixed model), or None
         self.window_pool = BlockManager(sizes.num_window_blocks) if window_entries else None
+        # bytes of one window-pool block (every head's, as kv_block_bytes counts): the ledger's cached bytes
+        self._window_row_bytes = kv_bytes_per_block([self.cache_engine.object_specs[i] for i in window_entries],
+                                                    cc.block_size)
         policy = make_policy(cc.cache_eviction)
         if block_rows:
             self.state_cache = StateCache(num_runtime, cc.num_checkpoint_slots, block_manager=self.block_manager,
@@ -510,6 +513,7 @@ class Engine:
             'window_blocks_cached': self.prefix_cache.num_window_blocks,
             # bytes the prefix cache holds per tier (payload bytes: cached KV blocks and checkpoints)
             'device_cache_bytes': cached * self.cache_engine.kv_block_bytes
+            + self.prefix_cache.num_window_blocks * self._window_row_bytes
             + (sc.num_published * self.cache_engine.state_bytes if sc else 0),
             'host_cache_bytes': getattr(getattr(self.prefix_cache, 'host', None), 'bytes_held', 0),
             'runtime_slots_free': sc.num_free_runtime if sc else 0,

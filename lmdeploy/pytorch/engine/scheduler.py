@@ -17,13 +17,14 @@ Each engine step asks :meth:`Scheduler.schedule` for the forwards of this step:
 
 Block tables are per paged group (:func:`~lmdeploy.pytorch.cache_specs.paged_groups`): the
 first group's table is ``seq.block_ids`` (shared with the prefix cache, evicting to allocate); a
-sliding-window group with a pool of its own (a mixed model) is ``seq.window_block_ids``; with
-prefixes cached, the prefix cache keeps the window rows restores read
-(:class:`~lmdeploy.pytorch.prefix_cache.local_tier.LocalTier`), a local restore attaches them,
-and a window pool short of free blocks evicts checkpoints until their window rows free enough. Every step reserves each group's blocks for the chunk (preempting when
-any pool is short), and after the forward a group with a window gives back the blocks that fell
-out of it (:data:`~lmdeploy.pytorch.paging.sequence.FREED_BLOCK` in its table), so its blocks
-per sequence stay within ``ceil((W - 1 + chunk) / B) + 1``.
+sliding-window group with a pool of its own (a mixed model) is ``seq.window_block_ids``. Every
+step reserves each group's blocks for the chunk (preempting when any pool is short), and after
+the forward a group with a window gives back the blocks that fell out of it
+(:data:`~lmdeploy.pytorch.paging.sequence.FREED_BLOCK` in its table), so its blocks per sequence
+stay within ``ceil((W - 1 + chunk) / B) + 1``. With prefixes cached, the prefix cache keeps the
+window rows its restores read (:class:`~lmdeploy.pytorch.prefix_cache.local_tier.LocalTier`), a
+local restore attaches them (:attr:`PrefixMatch.window_blocks`), and a window pool short of free
+blocks evicts checkpoints until their window rows free enough.
 
 The scheduler decides; it never touches tensors or the network. The restores it plans
 (:class:`~lmdeploy.pytorch.prefix_cache.plans.LoadPlan`) and the saves it plans after a forward
