@@ -131,8 +131,8 @@ def _check_pools(sched: Scheduler, local: LocalTier) -> None:
 @given(window=st.integers(1, 60), chunk=st.sampled_from([16, 32, 48]), data=st.data())
 def test_a_restore_never_reads_a_missing_window_block(window, chunk, data):
     """Random conversations (each turn extends an earlier one), several at once, in pools that may
-    be short; window rows dropped, checkpoints and blocks evicted at random, some save copies
-    failing: every local restore the tiers offer reads only window blocks the trie holds, the
+    be short, turn-end checkpoints or not; window rows dropped, checkpoints and blocks evicted at
+    random, some save copies failing: every local restore the tiers offer reads only window blocks the trie holds, the
     restored table attaches exactly them, and both pools' counts stay exact."""
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     A = data.draw(st.sampled_from([16, 32, 64]))
@@ -142,7 +142,7 @@ def test_a_restore_never_reads_a_missing_window_block(window, chunk, data):
     wp = BlockManager(batch * per_seq + data.draw(st.integers(0, 12)))
     sc = StateCache(batch, 6)
     local = LocalTier(bm, B, sc, window_pool=wp, window=window)
-    cache = PrefixCache(local, block_size=B, alignment=A)
+    cache = PrefixCache(local, block_size=B, alignment=A, decode_save_last=data.draw(st.booleans()))
     cfg = SchedulerConfig.from_engine_config(PytorchEngineConfig(block_size=B, max_prefill_token_num=chunk,
                                                                  max_batch_size=batch, prefill_save_alignment=A,
                                                                  enable_prefix_caching=True))

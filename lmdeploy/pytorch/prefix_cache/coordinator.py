@@ -455,7 +455,8 @@ class PrefixCache:
         if node is None or node.checkpoint_slot is not None:
             self._skip(seq, 'hash_collision' if node is None else 'exists')
             return False
-        # (a window block the reply's decode already gave back leaves it unrestorable: never offered)
+        # (a window block the reply's decode already gave back leaves it unrestorable: it keeps no
+        # window rows and is never offered)
         self.local.keep_window(seq, node)
         i = staging.boundaries.index(boundary)
         slot = staging.slots.pop(i)     # the others are released with the request (_drop_staging)

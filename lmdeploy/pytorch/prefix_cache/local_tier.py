@@ -327,15 +327,19 @@ class LocalTier:
         window rows)."""
         return self.window_pool is None or all(n.window_block >= 0 for n in self._window_reads(node))
 
-    def keep_window(self, seq, node: TrieNode | None) -> None:
-        """The nodes a restore at ``node`` reads keep ``seq``'s window blocks of their tokens
-        (those ``seq`` still holds; a node holding one already keeps its own)."""
+    def keep_window(self, seq, node: TrieNode | None) -> bool:
+        """The nodes a restore at ``node`` reads keep ``seq``'s window blocks of their tokens (a
+        node holding one already keeps its own). All or nothing: when ``seq`` gave back a block
+        a node lacks (a turn-end boundary its decode passed), nothing is kept, since the restore
+        could never be offered. Returns whether every window block is held now."""
         if self.window_pool is None or node is None:
-            return
-        table = seq.window_block_ids
-        for n in self._window_reads(node):
-            if n.depth - 1 < len(table):
-                self.trie.keep_window(n, table[n.depth - 1])
+            return True
+        table, reads = seq.window_block_ids, self._window_reads(node)
+        if any(n.window_block < 0 and (n.depth > len(table) or table[n.depth - 1] < 0) for n in reads):
+            return False
+        for n in reads:
+            self.trie.keep_window(n, table[n.depth - 1])
+        return True
 
     def _window_needed(self, m: TrieNode) -> bool:
         """Whether a published or planned checkpoint reads ``m``'s window block: one on ``m``'s
