@@ -129,7 +129,8 @@ LEDGER_SERIES = (
     ('kv_blocks_free', 'KV blocks on the free list.', itemgetter('blocks_free')),
     ('kv_blocks_cached', 'KV blocks held by the local prefix cache.', itemgetter('blocks_cached')),
     ('kv_window_blocks_in_use', "KV blocks of the sliding-window layers' own pool held by requests (0 without one).",
-     lambda led: led.get('window_blocks_total', 0) - led.get('window_blocks_free', 0)),
+     lambda led: led.get('window_blocks_total', 0) - led.get('window_blocks_free', 0)
+     - led.get('window_blocks_cached', 0)),
     ('checkpoint_block_rows', 'KV block rows held by state checkpoints (one memory budget).',
      lambda led: led.get('checkpoint_rows', 0)),
     ('prefix_cache_device_bytes', 'Payload bytes the device tier of the prefix cache holds (KV blocks + checkpoints).',

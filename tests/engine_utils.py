@@ -187,6 +187,7 @@ def idle_ledger(engine: Engine) -> dict[str, int]:
     return {'blocks_total': led['blocks_total'], 'blocks_free': led['blocks_total'], 'blocks_cached': 0,
             'blocks_in_use': 0, 'checkpoint_rows': 0, 'device_cache_bytes': 0, 'host_cache_bytes': 0,
             'window_blocks_total': led['window_blocks_total'], 'window_blocks_free': led['window_blocks_total'],
+            'window_blocks_cached': 0,
             'runtime_slots_free': total_slots, 'runtime_slots_total': total_slots,
             'checkpoints_pinned': 0, 'checkpoints_published': 0, 'store_inflight': 0, 'store_queue_depth': 0,
             'requests_running': 0, 'requests_waiting': 0, 'grammar_matchers': 0}

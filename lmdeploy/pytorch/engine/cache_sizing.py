@@ -19,7 +19,11 @@ takes the rest of the budget::
     budget = slots + num_window_blocks x window row + num_blocks x global row
 
 So a mixed model never gets fewer global blocks than with one shared pool, and its window
-layers' memory no longer grows with the sequences' lengths. With ``num_gpu_blocks`` set, the
+layers' memory no longer grows with the sequences' lengths. With prefix caching on (window rows
+kept by the local tier for its checkpoints) the window pool also holds what the cached checkpoints
+read, ``C x ceil((W - 1) / B)`` more blocks (C: ``num_checkpoint_slots``, or its default when the
+checkpoints take block rows), within the same bound; when it runs short anyway, checkpoints are
+evicted to free their window rows. With ``num_gpu_blocks`` set, the
 global pool has that many blocks and the window pool the smaller of the two counts above.
 
 Bytes per block and per state slot come from the model's cache specs
@@ -176,7 +180,9 @@ def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_
                                                         max_batch_size, session_len, extra)
         block_bytes, window_row = group_rows
         per_seq = -(-(groups[1].window - 1 + chunk_tokens) // cc.block_size) + 1
-        num_window = min(max_batch_size * per_seq, shared)
+        # the window rows the cached checkpoints read (each at most ceil((W - 1) / B) blocks)
+        keep = cc.fixed_checkpoint_slots * -(-(groups[1].window - 1) // cc.block_size) if keeps_checkpoints else 0
+        num_window = min(max_batch_size * per_seq + keep, shared)
     num_blocks = cc.num_gpu_blocks or derive_num_blocks(block_bytes, slot_bytes, cc, num_slots, device, max_batch_size,
                                                         session_len, extra, reserved=num_window * window_row)
     capacity = num_blocks * cc.block_size

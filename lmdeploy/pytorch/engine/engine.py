@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...messages import GenerationConfig, PytorchEngineConfig
-from ..cache_specs import has_state, kv_window, paged_groups, uses_store
+from ..cache_specs import SlidingWindowSpec, has_state, kv_bytes_per_block, kv_window, paged_groups, uses_store
 from ..config import CacheConfig, SchedulerConfig
 from ..kernels.cpu_native import native_library
 from ..paging.block_manager import BlockManager
@@ -132,11 +132,10 @@ class Engine:
         self.eos_token_ids = _eos_ids(model_path, self.hf_config)
         self.cache_config = cc = CacheConfig.from_engine_config(config)
         # block tables per paged group: a mixed model's sliding layers get a table and a pool of
-        # their own, giving back the blocks out of their window, unless a prefix tier indexes the
-        # blocks (it keeps one table per block: every group's blocks then stay) or drafts roll
-        # computed tokens back
+        # their own, giving back the blocks out of their window, unless drafts roll computed tokens
+        # back; with prefixes cached, only where the local tier keeps their window rows
         free_windows = spec_config is None
-        groups = paged_groups(self.specs, split=free_windows and not cc.enable_prefix_caching)
+        groups = paged_groups(self.specs, split=free_windows and self._window_rows_kept(cc))
         sizes = size_caches(self.specs, self.is_hybrid, cc, self.device, config.max_batch_size, self.session_len,
                             speculative=spec_config is not None, groups=groups,
                             chunk_tokens=config.max_prefill_token_num)
@@ -166,8 +165,11 @@ class Engine:
                                                 sizes.num_window_blocks)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
-        # the sliding-window group's own pool (a mixed model with prefixes not cached), or None
+        # the sliding-window group's own pool (a mixed model), or None
         self.window_pool = BlockManager(sizes.num_window_blocks) if window_entries else None
+        # bytes of one window-pool block (every head's, as kv_block_bytes counts): the ledger's cached bytes
+        self._window_row_bytes = kv_bytes_per_block([self.cache_engine.object_specs[i] for i in window_entries],
+                                                    cc.block_size)
         policy = make_policy(cc.cache_eviction)
         if block_rows:
             self.state_cache = StateCache(num_runtime, cc.num_checkpoint_slots, block_manager=self.block_manager,
@@ -194,7 +196,8 @@ class Engine:
         self.prefix_cache: PrefixCache | NullPrefixCache = NullPrefixCache()
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache,
-                              state_bytes=self.cache_engine.state_bytes, block_bytes=self.cache_engine.kv_block_bytes)
+                              state_bytes=self.cache_engine.state_bytes, block_bytes=self.cache_engine.kv_block_bytes,
+                              window_pool=self.window_pool, window=groups[1].window if window_entries else None)
             host = None
             if config.host_cache_bytes and self.is_hybrid:
                 from ..prefix_cache.host_tier import HostTier
@@ -221,6 +224,31 @@ class Engine:
             turn_end = self.prefix_cache.decode_save_last
             self.spec = SpecDecoder(spec_config, self.model_runner, sizes.scratch_base, self._finish_reason, self.mtp,
                                     self.session_len, block_align=cc.block_size if turn_end else None)
+
+    def _window_rows_kept(self, cc: CacheConfig) -> bool:
+        """Whether a mixed model's window layers may keep a pool of their own: always with prefix
+        caching off; with it on, when the local tier can keep their window rows (a model with
+        recurrent state, whose reusable boundaries are its checkpoints) and no host tier or Store
+        is configured (their objects hold one block row per block of every paged layer). Otherwise
+        one shared table keeps every block, said once in the log."""
+        if not cc.enable_prefix_caching:
+            return True
+        sliding = [s for s in self.specs if isinstance(s, SlidingWindowSpec)]
+        if not sliding or len(sliding) == len([s for s in self.specs if s.paged]):
+            return True         # nothing to split (no window layer, or every paged layer slides)
+        from ..store.open_backend import store_scheme
+        why = None
+        if not self.is_hybrid:
+            why = 'it has no recurrent state (no checkpoint to keep window rows for)'
+        elif self.config.host_cache_bytes:
+            why = 'host_cache_bytes is set (the host tier keeps every layer\'s rows per block)'
+        elif store_scheme(self.config) is not None:
+            why = 'a Store is configured (its objects hold every layer\'s rows per block)'
+        if why is not None:
+            logger.info('%s with prefix caching: its sliding-window layers keep every block (one shared table), '
+                        'since %s', self.hf_config.model_type, why)
+            return False
+        return True
 
     def _build_store(self):
         from ..store.open_backend import open_store, store_scheme
@@ -478,11 +506,14 @@ class Engine:
             'blocks_cached': cached,
             'blocks_in_use': bm.num_blocks - bm.num_free - cached - ckpt_rows,
             'checkpoint_rows': ckpt_rows,
-            # the sliding-window group's own pool (0 and 0 without one): nothing caches its blocks
+            # the sliding-window group's own pool (0, 0 and 0 without one), and its blocks the
+            # prefix cache holds (window rows a restore reads)
             'window_blocks_total': wp.num_blocks if wp else 0,
             'window_blocks_free': wp.num_free if wp else 0,
+            'window_blocks_cached': self.prefix_cache.num_window_blocks,
             # bytes the prefix cache holds per tier (payload bytes: cached KV blocks and checkpoints)
             'device_cache_bytes': cached * self.cache_engine.kv_block_bytes
+            + self.prefix_cache.num_window_blocks * self._window_row_bytes
             + (sc.num_published * self.cache_engine.state_bytes if sc else 0),
             'host_cache_bytes': getattr(getattr(self.prefix_cache, 'host', None), 'bytes_held', 0),
             'runtime_slots_free': sc.num_free_runtime if sc else 0,
@@ -515,7 +546,7 @@ class Engine:
         """No sequence holds a block, a runtime slot, a pin or an in-flight Store operation."""
         led = self.ledger()
         return (led['blocks_in_use'] == 0 and led['runtime_slots_free'] == led['runtime_slots_total']
-                and led['window_blocks_free'] == led['window_blocks_total']
+                and led['window_blocks_free'] + led['window_blocks_cached'] == led['window_blocks_total']
                 and led['checkpoints_pinned'] == 0 and led['store_inflight'] == 0 and not self.has_work
                 and led['grammar_matchers'] == 0)
 

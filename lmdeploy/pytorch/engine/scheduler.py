@@ -17,11 +17,14 @@ Each engine step asks :meth:`Scheduler.schedule` for the forwards of this step:
 
 Block tables are per paged group (:func:`~lmdeploy.pytorch.cache_specs.paged_groups`): the
 first group's table is ``seq.block_ids`` (shared with the prefix cache, evicting to allocate); a
-sliding-window group with a pool of its own (a mixed model with prefixes not cached) is
-``seq.window_block_ids``. Every step reserves each group's blocks for the chunk (preempting when
-any pool is short), and after the forward a group with a window gives back the blocks that fell
-out of it (:data:`~lmdeploy.pytorch.paging.sequence.FREED_BLOCK` in its table), so its blocks
-per sequence stay within ``ceil((W - 1 + chunk) / B) + 1``.
+sliding-window group with a pool of its own (a mixed model) is ``seq.window_block_ids``. Every
+step reserves each group's blocks for the chunk (preempting when any pool is short), and after
+the forward a group with a window gives back the blocks that fell out of it
+(:data:`~lmdeploy.pytorch.paging.sequence.FREED_BLOCK` in its table), so its blocks per sequence
+stay within ``ceil((W - 1 + chunk) / B) + 1``. With prefixes cached, the prefix cache keeps the
+window rows its restores read (:class:`~lmdeploy.pytorch.prefix_cache.local_tier.LocalTier`), a
+local restore attaches them (:attr:`PrefixMatch.window_blocks`), and a window pool short of free
+blocks evicts checkpoints until their window rows free enough.
 
 The scheduler decides; it never touches tensors or the network. The restores it plans
 (:class:`~lmdeploy.pytorch.prefix_cache.plans.LoadPlan`) and the saves it plans after a forward
@@ -110,8 +113,8 @@ class Scheduler:
         pool_window: that group's window (tokens).
 
     Raises:
-        ValueError: a ``window_pool`` with a prefix cache that caches prefixes (the tiers index
-            ``block_ids`` alone, so they could neither keep nor restore its blocks).
+        ValueError: a ``window_pool`` with a prefix cache that caches prefixes but keeps no
+            window rows of that pool (it could neither keep nor restore its blocks).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, state_cache: StateCache | None,
@@ -127,8 +130,9 @@ class Scheduler:
         self.last_only = config.prefill_save_last_only and self.is_hybrid
         self.groups = [TableGroup(block_manager, window or None)]
         if window_pool is not None:
-            if self.prefix_cache.caches_prefixes:
-                raise ValueError('a sliding-window group with a pool of its own needs prefix caching off')
+            if self.prefix_cache.caches_prefixes and self.prefix_cache.window_pool is not window_pool:
+                raise ValueError('a sliding-window group with a pool of its own needs prefix caching off, or a '
+                                 'prefix cache keeping its window rows (window_pool)')
             self.groups.append(TableGroup(window_pool, pool_window, 'window_block_ids', 'num_window_freed_blocks'))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -227,17 +231,23 @@ class Scheduler:
     def _blocks_for(self, seq: Sequence, end: int) -> int:
         return -(-end // self.block_size) - len(seq.block_ids)
 
-    def _other_needs(self, seq: Sequence, end: int) -> list[int]:
-        """Blocks each group after the first lacks for ``end`` tokens."""
+    def _other_needs(self, seq: Sequence, end: int, held: int | None = None) -> list[int]:
+        """Blocks each group after the first lacks for ``end`` tokens (``held``: table entries
+        an admission has already, its restored window)."""
         n = -(-end // self.block_size)
-        return [n - len(getattr(seq, g.ids)) for g in self.groups[1:]]
+        return [n - (len(getattr(seq, g.ids)) if held is None else held) for g in self.groups[1:]]
 
     def _others_fit(self, needs: list[int]) -> bool:
-        """Whether the groups after the first have ``needs`` blocks free (they cache nothing)."""
-        return all(n <= g.pool.num_free for n, g in zip(needs, self.groups[1:]))
+        """Whether the groups after the first have ``needs`` blocks free, or freeable from the
+        window rows the prefix cache keeps (no side effects)."""
+        spare = self.prefix_cache.num_evictable_window_blocks if any(
+            n > g.pool.num_free for n, g in zip(needs, self.groups[1:])) else 0
+        return all(n <= g.pool.num_free + spare for n, g in zip(needs, self.groups[1:]))
 
     def _allocate_others(self, seq: Sequence, needs: list[int]) -> None:
         for n, g in zip(needs, self.groups[1:]):
+            if n > g.pool.num_free:
+                self.prefix_cache.evict_window(n - g.pool.num_free)
             if n > 0:
                 getattr(seq, g.ids).extend(g.pool.allocate(n))
 
@@ -305,7 +315,8 @@ class Scheduler:
         # neither shared nor allocated (FREED_BLOCK in its table)
         lead = match.first_block
         need = -(-plan.chunk_ends[0] // self.block_size) - max(lead, match.num_shared_blocks)
-        others = self._other_needs(seq, plan.chunk_ends[0])     # (nothing cached: start from 0)
+        # the window group: a local restore attaches its boundary's window rows (match.window_blocks)
+        others = self._other_needs(seq, plan.chunk_ends[0], match.window_first + len(match.window_blocks))
         if not self._can_allocate(need) or not self._others_fit(others):
             self.prefix_cache.unpin(match)
             return False
@@ -314,6 +325,11 @@ class Scheduler:
         seq.block_ids = ([FREED_BLOCK] * lead + [node.block_id for node in match.nodes[lead:match.num_shared_blocks]]
                          + self._allocate(need))
         seq.num_freed_blocks = lead
+        if len(self.groups) > 1:
+            # (the pin's references on the window rows become the sequence's)
+            group = self.groups[1]
+            setattr(seq, group.ids, [FREED_BLOCK] * match.window_first + list(match.window_blocks))
+            setattr(seq, group.freed, match.window_first)
         self._allocate_others(seq, others)
         seq.num_computed_tokens = match.cached_tokens
         seq.plan = plan

@@ -24,6 +24,12 @@ Invariant: every node that no sequence references can be evicted. Two rules keep
 So the number of blocks eviction can free is known exactly, without evicting
 (:attr:`BlockTrie.num_evictable_blocks`), which admission relies on to never evict for a
 request it then cannot admit.
+
+Window rows (a model of global and sliding-window layers whose window layers have a pool of their
+own, ``window_pool``): a node may also hold the window group's block of the same tokens
+(``node.window_block``, -1: none), with one reference of its own in that pool. Which nodes keep
+one is the local tier's rule (:class:`~.local_tier.LocalTier`, the nodes a restore at a published
+checkpoint reads); the trie only holds and drops them, and frees a node's window block with it.
 """
 from __future__ import annotations
 
@@ -98,7 +104,7 @@ def chain_block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: in
 class TrieNode:
     """One cached full block."""
     __slots__ = ('parent', 'children', 'key', 'tokens', 'block_id', 'depth', 'last_access', 'checkpoint_slot',
-                 'ckpts_below')
+                 'ckpts_below', 'window_block')
 
     def __init__(self, parent, key: bytes, tokens: tuple, block_id: int, depth: int):
         self.parent = parent
@@ -110,6 +116,7 @@ class TrieNode:
         self.last_access = next(_CLOCK)
         self.checkpoint_slot: int | None = None
         self.ckpts_below = 0      # published checkpoints in this node's subtree, itself included
+        self.window_block = -1    # the window group's block of the same tokens (its own pool), -1: none
 
 
 def root_path(node) -> list:
@@ -131,10 +138,15 @@ class BlockTrie:
         block_manager: owner of block reference counts (the trie takes one per node).
         block_size: tokens per block (B).
         state_cache: owner of checkpoint slots (hybrid models), or None.
+        window_pool: the window group's own pool (window rows, see the module docstring), or None.
     """
 
-    def __init__(self, block_manager: BlockManager, block_size: int, state_cache: StateCache | None = None):
+    def __init__(self, block_manager: BlockManager, block_size: int, state_cache: StateCache | None = None,
+                 window_pool: BlockManager | None = None):
         self.block_manager = block_manager
+        self.window_pool = window_pool
+        # nodes holding a window block, by id (what window eviction and the ledger count)
+        self.window_nodes: dict[int, TrieNode] = {}
         self.block_size = block_size
         self.state_cache = state_cache
         self.root = TrieNode(None, _ROOT_HASH, (), -1, 0)
@@ -427,9 +439,25 @@ class BlockTrie:
         node.parent = None
         self.num_nodes -= 1
         self.block_manager.uncache(node.block_id)
+        self.drop_window(node)
         for listener in self.listeners:
             listener.block_dropped(node)
         return self.block_manager.num_free - before
+
+    def keep_window(self, node: TrieNode, block: int) -> None:
+        """``node`` keeps window-pool ``block`` (the window group's block of its tokens), taking
+        a reference of its own; no-op when it holds one already or ``block`` < 0 (freed)."""
+        if node.window_block < 0 <= block and node.parent is not None:
+            self.window_pool.incref(block)
+            node.window_block = block
+            self.window_nodes[id(node)] = node
+
+    def drop_window(self, node: TrieNode) -> None:
+        """``node`` gives back its window block (no-op without one)."""
+        if node.window_block >= 0:
+            self.window_pool.decref(node.window_block)
+            node.window_block = -1
+            del self.window_nodes[id(node)]
 
     def iter_nodes(self):
         """All nodes except the root (depth-first)."""

@@ -48,7 +48,10 @@ Sliding windows (``window``: :func:`~lmdeploy.pytorch.cache_specs.kv_window`, ev
 slides): a restore at b needs only the blocks from
 :func:`~lmdeploy.pytorch.cache_specs.window_first_block` on (:attr:`PrefixMatch.first_block`);
 the ones before it are neither attached nor loaded, so a restored sequence holds its window,
-not its whole prefix. A model without state puts its prefixes to the Store too: at each save
+not its whole prefix. A model of global and sliding layers whose window layers keep a pool of their
+own (``local.window_pool``) restores locally from window rows (:class:`~.local_tier.LocalTier`): the
+restored sequence attaches the window blocks of its boundary's window
+(:attr:`PrefixMatch.window_blocks`). A model without state puts its prefixes to the Store too: at each save
 point b of the turn's default plan that a chunk passed (no forward needs to end there), the
 blocks b needs and an empty state object (a marker that they are all stored).
 """
@@ -452,6 +455,9 @@ class PrefixCache:
         if node is None or node.checkpoint_slot is not None:
             self._skip(seq, 'hash_collision' if node is None else 'exists')
             return False
+        # (a window block the reply's decode already gave back leaves it unrestorable: it keeps no
+        # window rows and is never offered)
+        self.local.keep_window(seq, node)
         i = staging.boundaries.index(boundary)
         slot = staging.slots.pop(i)     # the others are released with the request (_drop_staging)
         staging.boundaries.pop(i)
@@ -519,6 +525,25 @@ class PrefixCache:
     def num_evictable_blocks(self) -> int:
         """Cached KV blocks the local tier can free now (see :meth:`LocalTier.num_evictable_blocks`)."""
         return self.local.num_evictable_blocks
+
+    @property
+    def window_pool(self):
+        """The window group's pool whose rows the local tier keeps, or None."""
+        return self.local.window_pool
+
+    @property
+    def num_window_blocks(self) -> int:
+        """Window-pool blocks the local tier holds (0 without window rows)."""
+        return self.local.num_window_blocks
+
+    @property
+    def num_evictable_window_blocks(self) -> int:
+        """Window-pool blocks the local tier can free now (:meth:`LocalTier.num_evictable_window_blocks`)."""
+        return self.local.num_evictable_window_blocks
+
+    def evict_window(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` window-pool blocks (:meth:`LocalTier.evict_window`)."""
+        return self.local.evict_window(num_blocks)
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` cached blocks of the local tier; returns how many were freed."""

@@ -25,12 +25,32 @@ With one memory budget (:attr:`StateCache.uses_block_rows`) checkpoints take KV 
 a checkpoint evicted frees rows for blocks and an admission counts them as evictable.
 
 Shared blocks are attached read-only: a sequence writes only blocks after its shared prefix.
+
+Window rows (a model of global and sliding-window layers whose window layers keep a pool of their
+own, ``window_pool``; window W, block size B): the trie stays keyed by the global group's blocks,
+and a node keeps the window group's block of its tokens only while a restore may read it. The
+reusable boundaries of such a model (it has recurrent state) are its published checkpoints, so the
+rule is: a node at depth m keeps its window block while some published (or planned) checkpoint at
+depth d >= m on its subtree has ``window_first_block(d·B) < m``, i.e. the node is one of the at most
+``ceil((W - 1) / B)`` blocks that checkpoint's window reads::
+
+    global   |g0|g1|g2|g3|g4|g5|g6|g7|g8|g9|       every block, as without windows
+    window   |  |  |w2|w3|  |  |  |w7|w8|  |       checkpoints at depths 4 and 9, W <= 2·B
+                     └─ckpt 4      └─ckpt 9
+
+A save keeps them (the sequence still holds its window when the forward ending at b is planned),
+releasing a checkpoint gives back those no other checkpoint reads, and evicting a node gives back
+its window block with it. A match offers a checkpoint only when every window block it reads is
+present; a pin references them with the checkpoint. When the window pool runs short, checkpoints
+go (the eviction policy's order) until their window blocks free enough
+(:meth:`LocalTier.evict_window`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..cache_specs import window_first_block
 from ..paging.block_manager import BlockManager
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import BlockTrie, TrieNode
@@ -59,10 +79,24 @@ class LocalTier:
             which then get a state cache with no slots: nothing is checkpointed, on the same code path.
         state_bytes: S, bytes of one checkpoint (what the policy weighs a checkpoint by).
         block_bytes: K_blk, bytes of one KV block.
+        window_pool: the window group's own pool (window rows: see the module docstring), or None.
+        window: that group's sliding window (tokens); required with ``window_pool``.
+
+    Raises:
+        ValueError: ``window_pool`` without a ``window``, or without recurrent state (a model
+            without checkpoints has no reusable boundary to keep window rows for).
     """
 
     def __init__(self, block_manager: BlockManager, block_size: int, state_cache: StateCache | None,
-                 state_bytes: int = 1, block_bytes: int = 1):
+                 state_bytes: int = 1, block_bytes: int = 1, window_pool: BlockManager | None = None,
+                 window: int | None = None):
+        if window_pool is not None and (not window or state_cache is None):
+            raise ValueError('window_pool needs a window (tokens) and a model with recurrent state')
+        self.window_pool = window_pool
+        self.window = window if window_pool is not None else None
+        # planned checkpoint saves (by destination slot) whose window blocks are kept: not
+        # published yet, so not seen through ``ckpts_below``
+        self._window_pending: dict[int, TrieNode] = {}
         self.block_manager = block_manager
         self.block_size = block_size
         # the model has recurrent state: a prefix is restorable only where a checkpoint holds it
@@ -73,9 +107,11 @@ class LocalTier:
         # remembered beyond eviction (bounded, oldest forgotten): evidence of reuse for a
         # checkpoint saved there later
         self._seen: OrderedDict[bytes, int] = OrderedDict()
-        self.trie = BlockTrie(block_manager, block_size, self.state_cache)
+        self.trie = BlockTrie(block_manager, block_size, self.state_cache, window_pool)
         self.pins = CheckpointPins(self.state_cache)
         self._paths: dict[int, _Path] = {}
+        if window_pool is not None:
+            self.state_cache.listeners.append(self)     # a released checkpoint gives back its window
 
     # admission ---------------------------------------------------------------------------
     def match(self, seq, hashes: list[bytes], rules: ReuseRules) -> PrefixMatch:
@@ -91,7 +127,7 @@ class LocalTier:
             return PrefixMatch(nodes, matched, 'local' if matched else None, None, matched // B, matched)
         for node in reversed(nodes):
             b = node.depth * B
-            if node.checkpoint_slot is not None and rules.restorable(b, len(nodes)):
+            if node.checkpoint_slot is not None and rules.restorable(b, len(nodes)) and self.window_ready(node):
                 return PrefixMatch(nodes, b, 'local', node.checkpoint_slot, node.depth, matched)
         return PrefixMatch(nodes, 0, None, None, 0, matched)
 
@@ -119,7 +155,8 @@ class LocalTier:
                 b = min(b, (below - 1) // B * B)
             return b if b > above else 0
         for b in rules.restore_candidates(above, len(nodes)):
-            if (below is None or b < below) and nodes[b // B - 1].checkpoint_slot is not None:
+            node = nodes[b // B - 1]
+            if (below is None or b < below) and node.checkpoint_slot is not None and self.window_ready(node):
                 return b
         return 0
 
@@ -131,6 +168,12 @@ class LocalTier:
             self.block_manager.incref(node.block_id)
         if match.checkpoint_slot is not None:
             match.lease = self.pins.take(match.checkpoint_slot, 'restore_source')
+            if self.window_pool is not None:
+                reads = self._window_reads(match.nodes[match.num_shared_blocks - 1])
+                match.window_first = match.num_shared_blocks - len(reads)
+                match.window_blocks = [n.window_block for n in reads]
+                for block in match.window_blocks:
+                    self.window_pool.incref(block)
 
     SEEN_CAPACITY = 1 << 18     # prefixes whose reach counts are remembered
 
@@ -175,6 +218,9 @@ class LocalTier:
         if match.lease is not None:
             match.lease.release()
             match.lease = None
+        for block in match.window_blocks:
+            self.window_pool.decref(block)
+        match.window_first, match.window_blocks = 0, []
 
     # running sequences -------------------------------------------------------------------
     def extend(self, seq, hashes: list[bytes], num_blocks: int) -> TrieNode | None:
@@ -214,6 +260,9 @@ class LocalTier:
         dst = self.alloc_checkpoint()
         if dst is None:
             return 'no_free_slot'
+        if self.window_pool is not None:
+            self._window_pending[dst] = node
+            self.keep_window(seq, node)
         return CheckpointSave(seq, seq.state_slot, dst, node, boundary, self.pins.take(dst, 'save_target', seq.seq_id),
                               reason, continuation)
 
@@ -246,6 +295,7 @@ class LocalTier:
         """Publish a planned checkpoint whose copy ran; release it unpublished if it did not (or
         its node has a checkpoint already / left the trie)."""
         save.lease.release()
+        self._window_pending.pop(save.dst, None)
         stats = self.checkpoint_stats(save.node, save.boundary, save.reason, save.continuation) if copied else None
         self.publish_checkpoint(save.dst, save.node, stats)
 
@@ -257,7 +307,106 @@ class LocalTier:
             self._reweigh_above(node)
             return True
         self.state_cache.release_checkpoint(slot)
+        self._trim_window(node)      # window blocks kept for it that nothing else reads
         return False
+
+    # window rows -------------------------------------------------------------------------
+    def _window_reads(self, node: TrieNode) -> list[TrieNode]:
+        """The nodes whose window blocks a restore at ``node``'s boundary b reads: depths
+        ``(window_first_block(b), b / B]`` on its path, shallowest first (O(W / B))."""
+        first = window_first_block(node.depth * self.block_size, self.window, self.block_size)
+        out, n = [], node
+        while n is not None and n.parent is not None and n.depth > first:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    def window_ready(self, node: TrieNode) -> bool:
+        """Whether every window block a restore at ``node`` reads is held (always, without
+        window rows)."""
+        return self.window_pool is None or all(n.window_block >= 0 for n in self._window_reads(node))
+
+    def keep_window(self, seq, node: TrieNode | None) -> bool:
+        """The nodes a restore at ``node`` reads keep ``seq``'s window blocks of their tokens (a
+        node holding one already keeps its own). All or nothing: when ``seq`` gave back a block
+        a node lacks (a turn-end boundary its decode passed), nothing is kept, since the restore
+        could never be offered. Returns whether every window block is held now."""
+        if self.window_pool is None or node is None:
+            return True
+        table, reads = seq.window_block_ids, self._window_reads(node)
+        if any(n.window_block < 0 and (n.depth > len(table) or table[n.depth - 1] < 0) for n in reads):
+            return False
+        for n in reads:
+            self.trie.keep_window(n, table[n.depth - 1])
+        return True
+
+    def _window_needed(self, m: TrieNode) -> bool:
+        """Whether a published or planned checkpoint reads ``m``'s window block: one on ``m``'s
+        subtree whose window reaches back to ``m`` (a walk pruned by ``ckpts_below`` and by depth)."""
+        B, W, index = self.block_size, self.window, m.depth - 1
+        stack = [m]
+        while stack:
+            n = stack.pop()
+            if window_first_block(n.depth * B, W, B) > index:
+                continue        # n's window, and every deeper one's, starts after m
+            if n.checkpoint_slot is not None:
+                return True
+            stack.extend(c for c in n.children.values() if c.ckpts_below)
+        for p in self._window_pending.values():
+            if p.depth >= m.depth and window_first_block(p.depth * B, W, B) <= index:
+                while p is not None and p.depth > m.depth:
+                    p = p.parent
+                if p is m:
+                    return True
+        return False
+
+    def _trim_window(self, node: TrieNode) -> None:
+        """Give back the window blocks a restore at ``node`` read that no checkpoint reads now."""
+        if self.window_pool is None:
+            return
+        for m in self._window_reads(node):
+            if m.window_block >= 0 and not self._window_needed(m):
+                self.trie.drop_window(m)
+
+    def checkpoint_counted(self, node: TrieNode, delta: int) -> None:
+        """A :class:`StateCache` listener: a checkpoint released from ``node`` gives back the
+        window blocks only it read."""
+        if delta < 0:
+            self._trim_window(node)
+
+    @property
+    def num_window_blocks(self) -> int:
+        """Window-pool blocks the trie holds (0 without window rows)."""
+        return len(self.trie.window_nodes)
+
+    @property
+    def num_evictable_window_blocks(self) -> int:
+        """Window-pool blocks that releasing every unpinned checkpoint frees (exact): those only
+        the trie references, less those a pinned or planned checkpoint reads. O(window nodes)."""
+        if self.window_pool is None:
+            return 0
+        guarded = set()
+        for node in list(self.state_cache.pinned_nodes()) + list(self._window_pending.values()):
+            guarded.update(id(n) for n in self._window_reads(node))
+        refcount = self.window_pool.refcount
+        return sum(1 for key, n in self.trie.window_nodes.items() if refcount[n.window_block] == 1
+                   and key not in guarded)
+
+    def evict_window(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` window-pool blocks: checkpoints go, in the eviction policy's
+        order, until the window blocks only they read free enough. Returns the blocks freed."""
+        pool = self.window_pool
+        if pool is None:
+            return 0
+        start = pool.num_free
+        while pool.num_free - start < num_blocks and self._evict_checkpoint():
+            pass
+        if pool.num_free - start < num_blocks:
+            # (defensive: a window block no checkpoint reads is normally given back at once)
+            for node in [n for n in self.trie.window_nodes.values() if not self._window_needed(n)]:
+                self.trie.drop_window(node)
+        return pool.num_free - start
 
     def _reweigh_above(self, node: TrieNode) -> None:
         """The checkpoints on ``node``'s path changed below the nearest one above it (one was

@@ -23,6 +23,9 @@ class NullPrefixCache:
     num_evictable_blocks = 0
     num_cached_blocks = 0
     store = None
+    window_pool = None          # keeps no window rows
+    num_window_blocks = 0
+    num_evictable_window_blocks = 0
 
     def probe(self, waiting) -> None:
         """No Store to ask."""
@@ -83,6 +86,10 @@ class NullPrefixCache:
 
     def evict(self, num_blocks: int) -> int:
         """Nothing is cached, so nothing is freed."""
+        return 0
+
+    def evict_window(self, num_blocks: int) -> int:
+        """No window rows are cached, so nothing is freed."""
         return 0
 
     def stats(self) -> dict:

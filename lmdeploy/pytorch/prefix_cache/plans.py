@@ -36,6 +36,11 @@ class PrefixMatch:
         first_block: leading blocks the restore does not need (out of every sliding window
             after ``cached_tokens``: :func:`~lmdeploy.pytorch.cache_specs.window_first_block`);
             neither attached nor loaded, the sequence's table holds ``FREED_BLOCK`` there.
+        window_first: the first block of the window group's table a local restore attaches
+            (a mixed model with window rows: the window of ``cached_tokens``); the entries before
+            it are ``FREED_BLOCK``.
+        window_blocks: the window-pool blocks of blocks ``[window_first, cached_tokens / B)`` the
+            restore attaches read-only (pinned with the match); empty without window rows.
     """
     nodes: list = field(default_factory=list)
     cached_tokens: int = 0
@@ -45,6 +50,8 @@ class PrefixMatch:
     matched_tokens: int = 0
     lease: object = None
     first_block: int = 0
+    window_first: int = 0
+    window_blocks: list = field(default_factory=list)
 
 
 @dataclass
