@@ -336,3 +336,20 @@ def test_decode_attention_runs_the_same_torch_ops_for_two_or_twelve_sequences():
             counts[window, n] = _count_ops(lambda: relative_bias_attention(
                 q, k, v, rel, proj, k_cache, v_cache, ctx, 0.1, window, tau))
     assert counts[None, 2] == counts[None, 12] and counts[16, 2] == counts[16, 12], counts
+
+
+def test_store_preset_of_transformers_default_config_sized_by_hand():
+    """benchmark/family_presets.py's ``inkling-default`` (transformers' default
+    ``InklingTextConfig``, bf16): 66 layers, every sixth global (11 global layers of 8 KV heads,
+    55 sliding of 16, head_dim 128 both). S: four float32 convs of 3 inputs per layer (k / v of
+    ``kv_heads x 128`` channels, two of hidden 6144); K_blk: K and V of all 66 layers over 64
+    tokens (the Store keeps every block of a window layer below a save point)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmark.family_presets import FAMILY_PRESETS, family_sizes
+    preset = next(p for p in FAMILY_PRESETS if p.family == 'inkling_text')
+    f32, bf16, B = 4, 2, 64
+    S = 3 * f32 * (55 * (2 * 16 * 128 + 2 * 6144) + 11 * (2 * 8 * 128 + 2 * 6144))
+    K_blk = B * 2 * bf16 * (55 * 16 * 128 + 11 * 8 * 128)
+    assert family_sizes(preset).charged == (S, K_blk) == (12_705_792, 31_719_424)
