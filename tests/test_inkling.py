@@ -7,8 +7,9 @@ inside the 40-token windows and the 48-token bias extent), greedy tokens equal c
 after a local prefix-cache restore, a 4-turn chat identical under every cache policy, Store put
 bytes equal the simulator and a new engine restoring from a ``file:`` Store, the layer cache
 specs, TP2 = TP1, the multimodal checkpoint's text model (images refused by name), config refusals naming
-their field, the audit of every field transformers reads, and random geometries in random
-chunks then decode."""
+their field, the audit of every field transformers reads, random geometries in random
+chunks then decode, the batched decode attention equal to the per-sequence tiles (with an op
+count that does not grow with the batch), and the Store preset of transformers' default config."""
 import json
 import os
 
