@@ -102,6 +102,7 @@ FAMILY_PRESETS = (
     FamilyPreset('lfm2', 'lfm2-1.2b', 'LFM2-1.2B config.json (recalled)', LFM2_1_2B_CONFIG),
     FamilyPreset('lara_mini', 'lara-mini-default', "transformers' default (~ Lara-4-Mini-Base)", _default('lara_mini')),
     FamilyPreset('lfm3', 'lfm3-default', "transformers' default (~ LFM3-1.7B)", _default('lfm3')),
+    FamilyPreset('inkling_text', 'inkling-default', "transformers' default (~ Inkling)", _default('inkling_text')),
     FamilyPreset('bamba', 'bamba-9b', 'Bamba-9B model card (+ recalled config.json)', BAMBA_9B_CONFIG),
     FamilyPreset('falcon_h1', 'falcon-h1-default', "transformers' default (~ Falcon-H1-1.5B-Deep-Instruct)",
                  _default('falcon_h1')),

@@ -7,8 +7,9 @@ inside the 40-token windows and the 48-token bias extent), greedy tokens equal c
 after a local prefix-cache restore, a 4-turn chat identical under every cache policy, Store put
 bytes equal the simulator and a new engine restoring from a ``file:`` Store, the layer cache
 specs, TP2 = TP1, the multimodal checkpoint's text model (images refused by name), config refusals naming
-their field, the audit of every field transformers reads, and random geometries in random
-chunks then decode."""
+their field, the audit of every field transformers reads, random geometries in random
+chunks then decode, the batched decode attention equal to the per-sequence tiles (with an op
+count that does not grow with the batch), and the Store preset of transformers' default config."""
 import json
 import os
 
@@ -235,3 +236,121 @@ def test_random_configs_match_transformers_in_random_chunks_then_decode(data):
         n_shared_experts=data.draw(st.integers(1, 2)), route_scale=1.5, logits_mup_width_multiplier=2.0,
         pad_token_id=0, bos_token_id=None, eos_token_id=1)
     check_random_model_in_random_chunks_then_decode(data, InklingForCausalLM, 'inkling_text', config, 60, TOL)
+
+
+def _paged_step(data, q_lens: list[int], window: int | None, Hkv: int, D: int, B: int):
+    """Random paged K/V caches (NaN where never written; on a sliding layer the blocks wholly
+    before each sequence's window are a NaN block, as a window pool's freed entries) for sequences
+    adding ``q_lens`` tokens to drawn histories, and the step's :class:`StepContext`; returns
+    ``(ctx, k_cache, v_cache, new k, new v)``."""
+    from lmdeploy.pytorch.model_inputs import StepContext
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    kv_lens = [n + data.draw(st.integers(0, 70)) for n in q_lens]
+    num_blocks = 1 + sum(-(-n // B) for n in kv_lens)
+    k_cache = torch.full((num_blocks, B, Hkv, D), float('nan'))
+    v_cache = torch.full((num_blocks, B, Hkv, D), float('nan'))
+    free = (1 + torch.randperm(num_blocks - 1, generator=gen)).tolist()     # block 0: never written
+    tables = []
+    for n, kv in zip(q_lens, kv_lens):
+        table = [free.pop() for _ in range(-(-kv // B))]
+        hist = kv - n
+        first = 0 if window is None else max(0, hist - window + 1)      # the first key any new query sees
+        for pos in range(first, hist):
+            k_cache[table[pos // B], pos % B] = torch.randn(Hkv, D, generator=gen)
+            v_cache[table[pos // B], pos % B] = torch.randn(Hkv, D, generator=gen)
+        if window is not None:
+            table[:first // B] = [0] * (first // B)
+        tables.append(torch.tensor(table, dtype=torch.long))
+    T = sum(q_lens)
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    positions = torch.cat([torch.arange(kv - n, kv) for n, kv in zip(q_lens, kv_lens)])
+    ctx = StepContext(input_ids=torch.zeros(T, dtype=torch.long), positions=positions, q_seqlens=list(q_lens),
+                      q_start_loc=starts, kv_seqlens=kv_lens, block_tables=tables, state_slots=[-1] * len(q_lens),
+                      block_size=B)
+    return ctx, k_cache, v_cache, torch.randn(T, Hkv, D, generator=gen), torch.randn(T, Hkv, D, generator=gen)
+
+
+# float32 scores and softmax as the looped reference, summed in another order (batched products,
+# and past GATHER_BUDGET the online merge of key tiles): outputs are averages of N(0, 1) values
+BATCHED_TOL = 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_batched_decode_attention_equals_the_looped_tiles(data):
+    """:func:`relative_bias_attention` of a step of 1-5 sequences (decodes only, or decodes beside
+    prefill chunks) over random histories (0-70 tokens), windows (none or 1-24), bias extents
+    (1-30), head layouts, block sizes, log scaling on or off and gather budgets down to one key per
+    tile, equals :func:`tiled_attention` (the per-sequence loop) over every sequence, within
+    BATCHED_TOL, through NaN-poisoned unwritten cache entries."""
+    from unittest import mock
+
+    import lmdeploy.pytorch.models.inkling as inkling
+    from lmdeploy.pytorch.kernels.attention import fill_kv_cache
+    n_seqs = data.draw(st.integers(1, 5))
+    q_lens = data.draw(st.lists(st.sampled_from([1, 1, 1, 2, 7]), min_size=n_seqs, max_size=n_seqs))
+    window = data.draw(st.one_of(st.none(), st.integers(1, 24)))
+    Hkv, G, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), data.draw(st.sampled_from([2, 8]))
+    d_rel, E = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 30))
+    B = data.draw(st.sampled_from([1, 4, 16]))
+    budget = data.draw(st.sampled_from([inkling.GATHER_BUDGET, 1, 3 * n_seqs * Hkv * D]))
+    ctx, k_cache, v_cache, k, v = _paged_step(data, q_lens, window, Hkv, D, B)
+    T, H = k.shape[0], Hkv * G
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    q, rel = torch.randn(T, H, D, generator=gen), torch.randn(T, H, d_rel, generator=gen)
+    proj = torch.randn(d_rel, E, generator=gen)
+    tau = 1 + torch.rand(T, generator=gen) if data.draw(st.booleans()) else None
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    fill_kv_cache(k, v, ref_k, ref_v, ctx)
+    ref = torch.full_like(q, float('nan'))
+    inkling.tiled_attention(q, rel, proj, ref_k, ref_v, ctx, 0.3, window, tau, ref, list(range(n_seqs)))
+    with mock.patch.object(inkling, 'GATHER_BUDGET', budget):
+        got = inkling.relative_bias_attention(q, k, v, rel, proj, k_cache, v_cache, ctx, 0.3, window, tau)
+    assert not ref.isnan().any()
+    assert (got - ref).abs().max().item() <= BATCHED_TOL
+
+
+def test_decode_attention_runs_the_same_torch_ops_for_two_or_twelve_sequences():
+    """No Python work per sequence at decode: the op count of a decode step's attention (global
+    and sliding, histories of 25-58 tokens, past the bias extent: which slices are whole, and
+    so which views torch takes, depends on the key count; the step's shared layout tensors built
+    by a first call, as the engine's first layer does) does not grow with the batch; the
+    per-sequence loop ran 75 more ops for each sequence."""
+    from types import SimpleNamespace
+
+    from lmdeploy.pytorch.models.inkling import relative_bias_attention
+    from test_varlen_kernels import _count_ops
+
+    class Draw(SimpleNamespace):
+        def draw(self, strategy):
+            return self.values.pop(0)
+
+    counts = {}
+    for window in (None, 16):
+        for n in (2, 12):
+            lens = [25 + 3 * i for i in range(n)]
+            ctx, k_cache, v_cache, k, v = _paged_step(Draw(values=[n] + lens), [1] * n, window, 2, 8, 4)
+            q, rel = torch.randn(n, 4, 8), torch.randn(n, 4, 3)
+            proj, tau = torch.randn(3, 20), torch.ones(n)
+            # a first call builds the step's shared layout tensors
+            relative_bias_attention(q, k, v, rel, proj, k_cache, v_cache, ctx, 0.1, window, tau)
+            counts[window, n] = _count_ops(lambda: relative_bias_attention(
+                q, k, v, rel, proj, k_cache, v_cache, ctx, 0.1, window, tau))
+    assert counts[None, 2] == counts[None, 12] and counts[16, 2] == counts[16, 12], counts
+
+
+def test_store_preset_of_transformers_default_config_sized_by_hand():
+    """benchmark/family_presets.py's ``inkling-default`` (transformers' default
+    ``InklingTextConfig``, bf16): 66 layers, every sixth global (11 global layers of 8 KV heads,
+    55 sliding of 16, head_dim 128 both). S: four float32 convs of 3 inputs per layer (k / v of
+    ``kv_heads x 128`` channels, two of hidden 6144); K_blk: K and V of all 66 layers over 64
+    tokens (the Store keeps every block of a window layer below a save point)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmark.family_presets import FAMILY_PRESETS, family_sizes
+    preset = next(p for p in FAMILY_PRESETS if p.family == 'inkling_text')
+    f32, bf16, B = 4, 2, 64
+    S = 3 * f32 * (55 * (2 * 16 * 128 + 2 * 6144) + 11 * (2 * 8 * 128 + 2 * 6144))
+    K_blk = B * 2 * bf16 * (55 * 16 * 128 + 11 * 8 * 128)
+    assert family_sizes(preset).charged == (S, K_blk) == (12_705_792, 31_719_424)

@@ -28,14 +28,20 @@ counts, optional log scaling of the logits)::
                    = sigmoid(z) / sum of them, times route_scale * global_scale
 
 The relative bias has no place in the paged attention kernels, so attention runs in this
-file's torch path (:func:`relative_bias_attention`): per sequence and per tile of queries (at
-most :data:`QUERY_TILE`, fewer when ``heads x tile x keys`` would pass :data:`SCORE_BUDGET`) it
-gathers the visible keys from the paged cache, computes the float32 scores and adds the bias over
-the keys within ``E`` tokens of some query of the tile (a gather from ``[tile, heads, E]``). Its
-cost against the fused kernels: one Python iteration per sequence per layer (decode included),
-the whole score block in memory (no flash-style streaming), and an ``E``-wide product per query
-and head for the bias. The algorithm is ``transformers``' (``InklingRelativeLogits`` added to the
-eager attention's logits, ``models/inkling/modeling_inkling.py``), computed over paged blocks.
+file's torch path (:func:`relative_bias_attention`). A decode step (one new token per sequence)
+is batched (:func:`single_query_attention`): every sequence's visible keys are gathered from the
+paged cache in order of distance into one padded ``[seqs, keys, kv_heads, head_dim]`` block, so
+the bias is the same ``E`` columns of ``rel @ proj`` for every sequence, then one masked softmax
+(key tiles merged online past :data:`GATHER_BUDGET`). A prefill chunk goes per sequence and per
+tile of queries (:func:`tiled_attention`: at most :data:`QUERY_TILE`, fewer when
+``heads x tile x keys`` would pass :data:`SCORE_BUDGET`): it gathers the visible keys, computes the
+float32 scores and adds the bias over the keys within ``E`` tokens of some query of the tile (a
+gather from ``[tile, heads, E]``). Its cost against the fused kernels: the whole score block in
+memory (no flash-style streaming), a padded key block as long as the batch's longest history on
+global layers at decode, one Python iteration per prefilling sequence and an ``E``-wide product per
+query and head for the bias. The algorithm is ``transformers``' (``InklingRelativeLogits`` added
+to the eager attention's logits, ``models/inkling/modeling_inkling.py``), computed over paged
+blocks.
 
 Caches, two entries per layer ``i`` (as Falcon-H1's): ``2 i`` the paged K/V (a
 :class:`SlidingWindowSpec` with ``sliding_window_size`` for a sliding layer, a
@@ -77,12 +83,14 @@ from .layers import Linear, RMSNorm, WeightLoader
 from .parallel_plan import Axis, Block, BlockSplit, ParallelPlan, Piece, cols, rows
 
 __all__ = ['InklingForCausalLM', 'InklingForConditionalGeneration', 'check_config', 'conv_state_spec',
-           'relative_bias_attention', 'QUERY_TILE', 'SCORE_BUDGET']
+           'relative_bias_attention', 'single_query_attention', 'tiled_attention', 'QUERY_TILE', 'SCORE_BUDGET',
+           'GATHER_BUDGET']
 
 SLIDING, GLOBAL = 'hybrid_sliding', 'hybrid'
 DENSE, SPARSE = 'dense', 'sparse'
-QUERY_TILE = 256          # most query rows per score block
+QUERY_TILE = 256          # most query rows per score block (prefill)
 SCORE_BUDGET = 1 << 24    # float32 scores per block ([heads, tile, keys], 64 MiB): long contexts take fewer rows
+GATHER_BUDGET = 1 << 24   # float32 key elements gathered at once by a decode step ([seqs, keys, kv_heads, head_dim])
 # the four conv states of a layer, in the order of its state entry (transformers' conv_idx 0-3)
 CONV_NAMES = ('k_conv', 'v_conv', 'attn_conv', 'mlp_conv')
 
@@ -264,6 +272,10 @@ def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     logits: ``softmax_j(tau_p (q_p . k_j * scale + bias(p, p - j)))`` over the visible keys
     ``j`` (``p - window < j <= p``, or ``j <= p`` without a window), in float32.
 
+    The sequences of the step with one new token (decode) are attended all at once
+    (:func:`single_query_attention`); those with more (prefill chunks) per sequence in query
+    tiles (:func:`tiled_attention`).
+
     Args:
         q: ``[T, heads, head_dim]`` queries of the flat batch (normed).
         k, v: ``[T, kv_heads, head_dim]`` new keys / values; query head ``h`` reads KV head
@@ -283,21 +295,117 @@ def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     """
     ctx = ctx.paged_group(window)      # a sliding layer's own block tables when its group has a pool
     fill_kv_cache(k, v, k_cache, v_cache, ctx)
+    if all(n == 1 for n in ctx.q_seqlens):                     # a decode step: every row its own sequence
+        return single_query_attention(q, rel, proj, k_cache, v_cache, ctx.block_table, ctx.kv_positions,
+                                      max(ctx.kv_seqlens), scale, window, tau)
+    out = torch.empty_like(q)
+    single = [i for i, n in enumerate(ctx.q_seqlens) if n == 1]
+    if single:                                                  # decodes riding along with prefill chunks
+        rows = torch.tensor([ctx.q_start_loc[i] for i in single], dtype=torch.long, device=q.device)
+        table = ctx.block_table[torch.tensor(single, dtype=torch.long, device=q.device)]
+        out[rows] = single_query_attention(q[rows], rel[rows], proj, k_cache, v_cache, table, ctx.kv_positions[rows],
+                                           max(ctx.kv_seqlens[i] for i in single), scale, window,
+                                           None if tau is None else tau[rows])
+    tiled_attention(q, rel, proj, k_cache, v_cache, ctx, scale, window, tau, out,
+                    [i for i, n in enumerate(ctx.q_seqlens) if n > 1])
+    return out
+
+
+def single_query_attention(q: torch.Tensor, rel: torch.Tensor, proj: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                           max_keys: int, scale: float, window: int | None,
+                           tau: torch.Tensor | None) -> torch.Tensor:
+    """Relative-logits attention of ``N`` sequences with one query each, batched: no Python
+    work per sequence (the cache already holds every key, the query's own included).
+
+    The keys are gathered in order of distance, column ``j`` holding position ``p - j`` of each
+    sequence, into a padded ``[N, keys, kv_heads, head_dim]`` block (``keys`` up to ``window``,
+    or to the longest history on a global layer): the bias is then the same columns
+    ``profile[..., :E]`` for every sequence (``profile = rel @ proj``, no gather), and columns
+    past a sequence's own keys are masked (they read the query's own position, written and so
+    finite: an unwritten cache entry may hold NaN, and NaN survives masking). At most
+    :data:`GATHER_BUDGET` float32 key elements are gathered at once: longer histories go in
+    tiles of distances whose softmax is merged online (the running maximum and sum of
+    Milakov and Gimelshein, "Online normalizer calculation for softmax", 2018).
+
+    Args:
+        q: ``[N, heads, head_dim]``.
+        rel: ``[N, heads, d_rel]``.
+        proj: ``[d_rel, E]`` (see :func:`relative_bias_attention`).
+        k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``.
+        block_table: int64 ``[N, max_blocks]``, row ``i`` the blocks of sequence ``i`` (covering
+            its window at least).
+        positions: int64 ``[N]`` each query's cache position (its sequence's keys are
+            ``0 .. positions[i]``).
+        max_keys: ``max(positions) + 1`` (tokens), read on the host so that no device value is.
+        scale, window: as :func:`relative_bias_attention`.
+        tau: ``[N]`` float32 logit multipliers, or None.
+
+    Returns:
+        ``[N, heads, head_dim]`` in ``q.dtype``.
+    """
+    N, H, D = q.shape
+    Hkv, B, E = k_cache.shape[2], k_cache.shape[1], proj.shape[1]
+    G = H // Hkv
+    keys_max = max_keys if window is None else min(max_keys, window)
+    tile = max(1, min(keys_max, GATHER_BUDGET // max(1, N * Hkv * D)))
+    qf = q.float().view(N, Hkv, G, D)
+    profile = (rel.float() @ proj.float()).view(N, Hkv, G, E)                   # bias of distance d: column d
+    pos = positions.view(N, 1)
+    scale_rows = None if tau is None else tau.float().view(N, 1, 1, 1)
+    m = s = acc = None
+    for d0 in range(0, keys_max, tile):
+        d1 = min(d0 + tile, keys_max)
+        key_pos = pos - torch.arange(d0, d1, device=q.device)                      # [N, K]
+        visible = key_pos >= 0              # the window is within keys_max: distances < window
+        key_pos = torch.where(visible, key_pos, pos)
+        blocks, offsets = block_table.gather(1, key_pos // B), key_pos % B
+        keys, values = k_cache[blocks, offsets].float(), v_cache[blocks, offsets].float()   # [N, K, Hkv, D]
+        scores = torch.einsum('nhgd,nkhd->nhgk', qf, keys) * scale                 # [N, Hkv, G, K]
+        if d0 < E:
+            scores[..., :min(E, d1) - d0] += profile[..., d0:min(E, d1)]
+        if scale_rows is not None:
+            scores = scores * scale_rows
+        scores = scores.masked_fill(~visible[:, None, None, :], float('-inf'))
+        if d0 == 0 and d1 == keys_max:      # one tile: the plain softmax
+            return torch.einsum('nhgk,nkhd->nhgd', scores.softmax(-1), values).reshape(N, H, D).to(q.dtype)
+        # the first tile holds distance 0 (always visible), so the running maximum is finite from it on
+        m_new = scores.amax(-1) if m is None else torch.maximum(m, scores.amax(-1))
+        p = torch.exp(scores - m_new[..., None])
+        o = torch.einsum('nhgk,nkhd->nhgd', p, values)
+        if m is None:
+            s, acc = p.sum(-1), o
+        else:
+            alpha = torch.exp(m - m_new)
+            s, acc = s * alpha + p.sum(-1), acc * alpha[..., None] + o
+        m = m_new
+    return (acc / s[..., None]).reshape(N, H, D).to(q.dtype)
+
+
+def tiled_attention(q: torch.Tensor, rel: torch.Tensor, proj: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, ctx: StepContext, scale: float, window: int | None,
+                    tau: torch.Tensor | None, out: torch.Tensor, seqs: list[int]) -> None:
+    """Relative-logits attention of the sequences ``seqs`` of ``ctx``, per sequence and per tile
+    of queries (at most :data:`QUERY_TILE` rows, fewer when ``heads x tile x keys`` would pass
+    :data:`SCORE_BUDGET`), written into their rows of ``out``. The keys are already in the
+    cache, addressed by ``ctx.block_tables``; arguments as :func:`relative_bias_attention`'s.
+    Any sequence may be given (one query too: the reference the tests hold
+    :func:`single_query_attention` to)."""
     T, H, D = q.shape
     Hkv, B, E = k_cache.shape[2], ctx.block_size, proj.shape[1]
     G = H // Hkv
     projf = proj.float()
-    out = torch.empty_like(q)
-    for i, hist in enumerate(ctx.history_lens):
-        sl = ctx.seq_slice(i)
-        n = sl.stop - sl.start
+    kv_seqlens, q_seqlens = ctx.kv_seqlens, ctx.q_seqlens
+    for i in seqs:
+        n = q_seqlens[i]
+        hist, first = kv_seqlens[i] - n, ctx.q_start_loc[i]
         table = ctx.block_tables[i].to(q.device)
         # query rows per score block: at most QUERY_TILE, fewer when the keys are many
         keys_max = hist + n if window is None else window + QUERY_TILE
         tile = max(1, min(QUERY_TILE, SCORE_BUDGET // (H * keys_max)))
         for start in range(0, n, tile):
             end = min(start + tile, n)
-            rows = slice(sl.start + start, sl.start + end)
+            rows = slice(first + start, first + end)
             L = end - start
             lo, hi = (0 if window is None else max(0, hist + start - window + 1)), hist + end
             b0 = lo // B
@@ -323,7 +431,6 @@ def relative_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
             scores = scores.masked_fill(~visible, float('-inf'))
             o = torch.einsum('hglk,hkd->hgld', scores.softmax(-1), values)
             out[rows] = o.permute(2, 0, 1, 3).reshape(L, H, D).to(q.dtype)
-    return out
 
 
 class InklingAttention(nn.Module):
