@@ -26,17 +26,15 @@ from __future__ import annotations
 import torch
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
-from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import GQAProjections
+from .blocks.gqa import RotaryGQA
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
 from .blocks.mamba2_hybrid import (ATTENTION_BLOCK, FEED_FORWARD_BLOCK, MAMBA_BLOCK, MAMBA_FIELDS, check_mamba_config,
                                    mamba_dims)
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import RotaryEmbedding, SwiGLUMLP, apply_rotary, attention
+from .layers import RotaryEmbedding, SwiGLUMLP
 from .parallel_plan import ParallelPlan
 
 __all__ = ['BambaForCausalLM', 'check_config', 'layer_kinds']
@@ -77,29 +75,14 @@ def check_config(config) -> None:
         check_mamba_config(config, inner, 'mamba_expand x hidden_size')
 
 
-class BambaAttention(GQAProjections):
-    """Grouped-query attention over the paged KV cache, partial RoPE, scale ``head_dim ** -0.5``.
+class BambaAttention(RotaryGQA):
+    """Grouped-query attention over the paged KV cache, partial RoPE, scale ``head_dim ** -0.5``
+    (:class:`RotaryGQA` as it is).
 
     Args:
         config: HF ``BambaConfig``.
         layer_idx: index into ``StepContext.kv_caches``.
     """
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.scale = self.head_dim ** -0.5
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, rotary_dim]``;
-        writes this layer's K/V into the cache."""
-        fused = fused_attention_decode(self, hidden, ctx, rotary)
-        if fused is not None:
-            return self.o_proj(fused)
-        T = hidden.shape[0]
-        q, k, v = self.project(hidden)
-        q = apply_rotary(q, *rotary)
-        k = apply_rotary(k, *rotary)
-        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
 
 
 #: each layer kind's token mixer: (attribute name, factory (config, layer_idx) -> module, call)

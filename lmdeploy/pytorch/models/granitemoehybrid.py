@@ -25,17 +25,15 @@ from __future__ import annotations
 import torch
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
-from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderStack, SharedMLPDecoderLayer, mixer_ctx, mixer_rotary_ctx
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import GQAProjections
+from .blocks.gqa import RotaryGQA
 from .blocks.mamba2 import Mamba2Mixer, mamba2_state_spec
 from .blocks.mamba2_hybrid import ATTENTION_BLOCK, MAMBA_BLOCK, MAMBA_FIELDS, check_mamba_config, mamba_dims
 from .blocks.moe import GRANITE_MOE_RENAMES, GRANITE_SHARED_MLP_SPLIT, GraniteMoE
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import RotaryEmbedding, SwiGLUMLP, apply_renames, apply_rotary, attention
+from .layers import RotaryEmbedding, SwiGLUMLP, apply_renames
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['GraniteMoeHybridForCausalLM', 'GraniteAttention', 'GraniteMoE', 'check_config']
@@ -89,7 +87,7 @@ def check_config(config) -> None:
         check_mamba_config(config, inner, 'mamba_expand x hidden_size')
 
 
-class GraniteAttention(GQAProjections):
+class GraniteAttention(RotaryGQA):
     """Grouped-query attention over the paged KV cache with softmax scale
     ``attention_multiplier`` (not ``head_dim ** -0.5``) and RoPE only when the config asks.
 
@@ -99,20 +97,7 @@ class GraniteAttention(GQAProjections):
     """
 
     def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.scale = float(config.attention_multiplier)
-
-    def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` or None (no RoPE);
-        writes this layer's K/V into the cache."""
-        fused = fused_attention_decode(self, hidden, ctx, rotary)
-        if fused is not None:
-            return self.o_proj(fused)
-        T = hidden.shape[0]
-        q, k, v = self.project(hidden)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+        super().__init__(config, layer_idx, scale=config.attention_multiplier)
 
 
 #: each layer kind's token mixer: (attribute name, factory (config, layer_idx) -> module, call)

@@ -28,14 +28,13 @@ import torch
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack
 from .blocks.gated_delta_net import attention_head_dim
-from .blocks.gqa import GQAProjections, gqa_split
+from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.mamba1 import Mamba1Dims, Mamba1Mixer, mamba1_split, mamba1_state_spec
 from .blocks.moe import GraniteMoE, load_expert_tensor
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import SwiGLUMLP, attention, mlp_split
+from .layers import SwiGLUMLP, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['JambaForCausalLM', 'check_config', 'layer_kinds']
@@ -90,25 +89,13 @@ def mamba_dims(config) -> Mamba1Dims:
     return full if size == 1 else full.local(size)
 
 
-class JambaAttention(GQAProjections):
+class JambaAttention(RotaryGQA):
     """Grouped-query attention over the paged KV cache, no positional encoding, no biases (Jamba's
     config has no ``attention_bias``), softmax scale ``head_dim ** -0.5``."""
 
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.scale = self.head_dim ** -0.5
-
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes this layer's K/V into the cache."""
-        fused = fused_attention_decode(self, hidden, ctx)
-        if fused is not None:
-            return self.o_proj(fused)
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward_split(hidden)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attention(q, k, v, ctx, self.layer_idx, self.scale).reshape(T, -1))
+        return super().forward(hidden, None, ctx)
 
 
 class JambaMoE(GraniteMoE):

@@ -37,13 +37,12 @@ from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .base import CausalLM
-from .blocks.attention import fused_attention_decode
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx
-from .blocks.gqa import gqa_split
+from .blocks.gqa import RotaryGQA, gqa_split
 from .blocks.mamba2 import Mamba2Dims, Mamba2Mixer, check_time_step_limit, mamba2_split, mamba2_state_spec
 from .blocks.moe import group_limited_route
 from .config_audit import CHECKED, COMMON_FIELDS, IMPLEMENTED, INERT
-from .layers import Linear, PackedLinear, RMSNorm, WeightLoader, attention, mlp_split
+from .layers import Linear, RMSNorm, WeightLoader, mlp_split
 from .parallel_plan import Block, ParallelPlan
 
 __all__ = ['NemotronHForCausalLM', 'NemotronHAttention', 'NemotronHMoE', 'check_config', 'mamba2_dims']
@@ -112,9 +111,10 @@ class Relu2MLP(nn.Module):
         return self.down_proj(_relu2(self.up_proj(x)))
 
 
-class NemotronHAttention(nn.Module):
+class NemotronHAttention(RotaryGQA):
     """GQA self-attention without any positional encoding, over the paged K/V cache; q, k, v
-    packed into one matmul (loaded from ``q_proj`` / ``k_proj`` / ``v_proj``), no biases.
+    packed into one matmul (loaded from ``q_proj`` / ``k_proj`` / ``v_proj``), no biases (the
+    reference does not read ``attention_bias``), softmax scale ``head_dim ** -0.5``.
 
     Args:
         config: ``NemotronHConfig`` (this rank's head counts under tensor parallelism).
@@ -122,25 +122,11 @@ class NemotronHAttention(nn.Module):
     """
 
     def __init__(self, config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, 'head_dim', None) or config.hidden_size // config.num_attention_heads
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': q, 'k_proj': kv, 'v_proj': kv})
-        self.o_proj = Linear(q, config.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        super().__init__(config, layer_idx, bias=False)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; writes the layer's K/V into the cache."""
-        fused = fused_attention_decode(self, hidden, ctx)
-        if fused is not None:
-            return self.o_proj(fused)
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj.forward_split(hidden)
-        out = attention(q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
-                        v.view(T, self.num_kv_heads, self.head_dim), ctx, self.layer_idx, self.scale)
-        return self.o_proj(out.reshape(T, -1))
+        return super().forward(hidden, None, ctx)
 
 
 class Relu2Experts(nn.Module):

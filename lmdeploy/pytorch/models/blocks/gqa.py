@@ -18,7 +18,7 @@ from torch import nn
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, apply_rotary, attention
 from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
-from .attention import attention_head_dim
+from .attention import attention_head_dim, fused_attention_decode
 
 __all__ = ['GQAProjections', 'RotaryGQA', 'gqa_split']
 
@@ -70,14 +70,17 @@ class GQAProjections(nn.Module):
         config: the HF config (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``,
             ``head_dim`` or none, ``attention_bias``; absent: no biases).
         layer_idx: index into ``StepContext.kv_caches``.
+        bias: the projections' biases; None: ``config.attention_bias`` (a family whose reference
+            ignores that field passes False).
     """
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, bias: bool | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attention_head_dim(config)
-        bias = getattr(config, 'attention_bias', False)      # MiniMax has no such field: no biases
+        if bias is None:
+            bias = getattr(config, 'attention_bias', False)      # MiniMax has no such field: no biases
         kv = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {'q_proj': self.num_heads * self.head_dim, 'k_proj': kv,
                                                           'v_proj': kv}, bias=bias)
@@ -101,15 +104,22 @@ class RotaryGQA(GQAProjections):
         config: as :class:`GQAProjections` (this rank's head counts under TP).
         layer_idx: index into ``StepContext.kv_caches``.
         scale: the softmax scale; None: ``head_dim ** -0.5``.
+        bias: as :class:`GQAProjections`.
     """
 
-    def __init__(self, config, layer_idx: int, scale: float | None = None):
-        super().__init__(config, layer_idx)
+    def __init__(self, config, layer_idx: int, scale: float | None = None, bias: bool | None = None):
+        super().__init__(config, layer_idx, bias)
         self.scale = self.head_dim ** -0.5 if scale is None else float(scale)
 
     def forward(self, hidden: torch.Tensor, rotary, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, rotary_dim]`` or
-        None (no positions); writes this layer's K/V into the cache."""
+        None (no positions); writes this layer's K/V into the cache. A float32 decode step of the
+        plain paged attention runs fused (:func:`~.attention.fused_attention_decode`); a variant
+        with its own :meth:`attend` kernel always runs the unfused path."""
+        if type(self).attend is RotaryGQA.attend:
+            fused = fused_attention_decode(self, hidden, ctx, rotary)
+            if fused is not None:
+                return self.o_proj(fused)
         q, k, v = self.project(hidden)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
