@@ -131,8 +131,11 @@ class CacheEngine:
         """What one row of each cache takes, padding included (bytes): a state slot (0 without
         state), a KV block of every paged layer, and a block of each paged group in ``groups``
         (each given by its cache entries)."""
-        return (CacheEngine.bytes_per_slot(specs), CacheEngine.bytes_per_block(specs, block_size),
-                tuple(CacheEngine.group_bytes_per_block(specs, block_size, g) for g in groups))
+        slot = CacheRowLayout(specs, False)
+        layouts = [CacheRowLayout(specs, True, block_size)]
+        layouts += [CacheRowLayout(specs, True, block_size, only=tuple(g)) for g in groups]
+        rows = [layout.row_bytes for layout in layouts]
+        return slot.row_bytes if slot.entries else 0, rows[0], tuple(rows[1:])
 
     @staticmethod
     def bytes_per_slot(specs: Sequence[LayerCacheSpec]) -> int:
