@@ -365,6 +365,23 @@ def test_a_script_without_a_main_guard_gets_a_worker_error_that_says_so(tiny_qwe
     assert 'WorkerDiedError' in last and 'if __name__ == "__main__":' in last, proc.stderr[-2000:]
 
 
+def test_a_tp2_engine_process_exits_without_a_leaked_semaphore_warning(tiny_qwen3, tmp_path):
+    """A worker leaves by os._exit, so a named semaphore it made (tqdm's default multiprocessing
+    lock, built by the weight loader's disabled progress bar on rank 1) stayed registered with the
+    resource tracker, and every tp > 1 server's exit printed its 'leaked semaphore' warning."""
+    import subprocess
+    import sys
+    script = tmp_path / 'start_stop.py'
+    script.write_text('import torch\n'
+                      'from lmdeploy.pytorch.engine.executor import MultiProcessExecutor\n'
+                      'if __name__ == "__main__":\n'
+                      f'    MultiProcessExecutor({tiny_qwen3!r}, "auto", torch.device("cpu"), 2).close()\n')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MC_TCP_BIND_ADDRESS='127.0.0.1'))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert 'leaked semaphore' not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_store_layout_round_trips_rank_slices(tiny_qwen3_next):
     from lmdeploy.pytorch.store.layout import StoreLayout
     from lmdeploy.pytorch.models.qwen3_next import Qwen3NextForCausalLM

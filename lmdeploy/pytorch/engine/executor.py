@@ -87,9 +87,23 @@ def _die_with_parent() -> None:
         pass
 
 
+def _no_named_semaphores() -> None:
+    """Give tqdm a thread lock in this worker instead of its default multiprocessing RLock.
+
+    tqdm builds that RLock (a named semaphore, registered with the engine process's resource
+    tracker) for any bar, even a disabled one such as the weight loader's on ranks >= 1. A worker
+    leaves by ``os._exit`` (or SIGKILL with its parent), so the semaphore's finalizer never runs
+    and every tp > 1 engine's exit printed "There appear to be N leaked semaphore objects". A
+    worker draws no bars and shares none with another process, so a thread lock is enough.
+    """
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
+
+
 def _worker_main(rank: int, size: int, port: int, model_path: str, dtype: str, device: str, mtp: bool) -> None:
     """Entry point of worker ``rank``: join the group, load the shard, run commands until 'stop'."""
     _die_with_parent()
+    _no_named_semaphores()
     dev = torch.device(device, rank) if device == 'cuda' else torch.device(device)
     if dev.type == 'cuda':
         torch.cuda.set_device(dev)
