@@ -193,6 +193,19 @@ def idle_ledger(engine: Engine) -> dict[str, int]:
             'requests_running': 0, 'requests_waiting': 0, 'grammar_matchers': 0}
 
 
+def sampled_logits(engine: Engine, ids: list[int], steps: int) -> torch.Tensor:
+    """``[steps, vocab]``: the engine's logits of each sampled token of one greedy request (the
+    prompt's last, then each decode step's), eos ignored; the engine is idle again afterwards."""
+    seq = engine.add_request(ids, GenerationConfig(max_new_tokens=steps, ignore_eos=True))
+    rows = []
+    while not seq.is_finished:
+        before = seq.num_generated
+        engine.step()
+        if seq.num_generated > before:
+            rows.append(engine.model_runner.last_logits[0].clone())
+    return torch.stack(rows)
+
+
 def assert_idle(engine: Engine) -> None:
     """Every block and runtime state slot is free and nothing is queued."""
     assert engine.ledger() == idle_ledger(engine)

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from engine_utils import assert_idle, engine_prompt_logits, random_prompt, run_staggered
+from engine_utils import assert_idle, engine_prompt_logits, random_prompt, run_staggered, sampled_logits
 from tp_utils import PROMPTS, TP_TOL, engine
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.distributed.sharding import TPLayout
@@ -28,19 +28,6 @@ from lmdeploy.pytorch.models import get_model_class
 
 GEN = GenerationConfig(max_new_tokens=8, ignore_eos=True)
 COLD = random_prompt(40, 4401)        # under P = 48 and A = 64: prefilled in one forward
-
-
-def decode_logits(eng, ids: list[int], steps: int) -> torch.Tensor:
-    """``[steps, vocab]``: the logits of each sampled token of one greedy request (the prompt's
-    last, then each decode step's), eos ignored; the engine is idle again afterwards."""
-    seq = eng.add_request(ids, GenerationConfig(max_new_tokens=steps, ignore_eos=True))
-    rows = []
-    while not seq.is_finished:
-        before = seq.num_generated
-        eng.step()
-        if seq.num_generated > before:
-            rows.append(eng.model_runner.last_logits[0].clone())
-    return torch.stack(rows)
 
 
 @pytest.fixture(scope='module', params=['olmo_hybrid', 'zamba2'])
@@ -150,7 +137,7 @@ def test_tp2_equals_tp1_cold_chunked_and_after_a_prefix_cache_restore(tiny):
     ref = engine(path)
     ref_cold, _ = engine_prompt_logits(ref, COLD)
     ref_chunked, ref_forwards = engine_prompt_logits(ref, PROMPTS[1])
-    ref_decode = decode_logits(ref, COLD, 6)
+    ref_decode = sampled_logits(ref, COLD, 6)
     expected = [s.output_ids for s in run_staggered(ref, PROMPTS, GEN, every=2)]
     assert_idle(ref)
     ref.close()
@@ -165,7 +152,7 @@ def test_tp2_equals_tp1_cold_chunked_and_after_a_prefix_cache_restore(tiny):
         assert forwards == 3
         assert (chunked - ref_chunked).abs().max().item() <= TP_TOL
         assert torch.equal(chunked.argmax(-1), ref_chunked.argmax(-1))
-        assert (decode_logits(eng, COLD, 6) - ref_decode).abs().max().item() <= TP_TOL
+        assert (sampled_logits(eng, COLD, 6) - ref_decode).abs().max().item() <= TP_TOL
         assert [s.output_ids for s in run_staggered(eng, PROMPTS, GEN, every=2)] == expected
         hits = eng.stats()['prefix_cache_hit_tokens']
         assert [s.output_ids for s in run_staggered(eng, PROMPTS, GEN, every=2)] == expected

@@ -11,10 +11,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from engine_utils import (TOL, check_checkpoint_matches_transformers, check_store_bytes_then_a_new_engine_restores,
-                          make_engine, random_prompt)
+                          make_engine, random_prompt, sampled_logits)
 from family_harness import (FamilyConformance, check_audit_lists_every_field_transformers_reads, check_refused_field,
                             hf_model, published_config_and_names, tiny_cache_specs, tiny_fixture, write_checkpoint)
-from lmdeploy.messages import GenerationConfig
 from lmdeploy.pytorch.cache_specs import StateSpec, kv_bytes_per_block, state_bytes_per_slot
 
 tiny = tiny_fixture('zamba2')
@@ -29,15 +28,7 @@ class TestZamba2Conformance(FamilyConformance):
 def _decode_logits(model_path: str, ids: list[int], steps: int, **fields) -> torch.Tensor:
     """``[steps, vocab]``: the engine's logits of each sampled token (the prompt's last, then
     each decode step's), greedy, eos ignored, prefill in 32-token chunks."""
-    eng = make_engine(model_path, block_size=16, max_prefill_token_num=32, **fields)
-    seq = eng.add_request(ids, GenerationConfig(max_new_tokens=steps, ignore_eos=True))
-    rows = []
-    while not seq.is_finished:
-        before = seq.num_generated
-        eng.step()
-        if seq.num_generated > before:
-            rows.append(eng.model_runner.last_logits[0].clone())
-    return torch.stack(rows)
+    return sampled_logits(make_engine(model_path, block_size=16, max_prefill_token_num=32, **fields), ids, steps)
 
 
 def test_decode_step_logits_equal_transformers_whose_decode_step_does_not_clamp_dt(tiny, monkeypatch):
