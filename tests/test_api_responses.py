@@ -375,3 +375,45 @@ def test_output_text_logprobs_skip_the_reasoning_and_the_call(server):
                            include=['message.output_text.logprobs'])
     tokens = ''.join(lp.token for lp in r.output[-1].content[0].logprobs)
     assert tokens.endswith('It holds a.txt and b.txt.') and 'listing' not in tokens
+
+
+PNG = 'data:image/png;base64,iVBORw0KGgo='
+# each endpoint's request with an image placed where its own index differs from the chat one,
+# and how that API names the refused image: (path, body, the Responses/chat param or None for
+# Anthropic's body, which has no param, the location and the part's name in the message)
+IMAGE_REQUESTS = {
+    'chat': ('/v1/chat/completions', {'model': 'model', 'max_tokens': 2, 'messages': [
+        {'role': 'system', 'content': 'S'},
+        {'role': 'user', 'content': [{'type': 'text', 'text': 'see'}, {'type': 'image_url', 'image_url': {'url': PNG}}]}]},
+        'messages', "messages[1].content[1]: model 'model' does not accept image_url parts"),
+    'responses': ('/v1/responses', {'model': 'model', 'max_output_tokens': 2, 'store': False, 'instructions': 'S',
+                                    'input': [{'role': 'user', 'content': 'hi'}, {'role': 'user', 'content': [
+                                        {'type': 'input_text', 'text': 'see'},
+                                        {'type': 'input_image', 'image_url': PNG}]}]},
+                  'input', "input[1].content[1]: model 'model' does not accept input_image parts"),
+    **{name: (path, {'model': 'model', 'max_tokens': 2, 'system': 'S', 'messages': [
+        {'role': 'user', 'content': 'ls'},
+        {'role': 'assistant', 'content': [{'type': 'tool_use', 'id': 't1', 'name': 'ls', 'input': {}}]},
+        {'role': 'user', 'content': [{'type': 'tool_result', 'tool_use_id': 't1', 'content': 'a.txt'},
+                                     {'type': 'text', 'text': 'see'},
+                                     {'type': 'image', 'source': {'type': 'base64', 'media_type': 'image/png',
+                                                                  'data': PNG.split(',')[1]}}]}]},
+              None, "messages[2].content[2]: model 'model' does not accept image blocks")
+       for name, path in (('messages', '/v1/messages'), ('count_tokens', '/v1/messages/count_tokens'))},
+}
+
+
+@pytest.mark.parametrize('api', sorted(IMAGE_REQUESTS))
+def test_an_image_to_a_text_model_is_refused_in_each_apis_own_names(server, api):
+    path, body, param, message = IMAGE_REQUESTS[api]
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        r = c.post(path, json=body)
+        assert r.status_code == 400
+        if param is None:       # Anthropic's error shape
+            assert r.json() == {'type': 'error', 'error': {'type': 'invalid_request_error', 'message': message}}
+        else:
+            assert r.json() == {'error': {'message': message, 'type': 'invalid_request_error', 'param': param,
+                                          'code': 'invalid_value'}}
+        # the server keeps serving, the same endpoint included
+        ok = c.post('/v1/responses', json={'model': 'model', 'input': 'hi', 'max_output_tokens': 2, 'store': False})
+        assert ok.status_code == 200 and ok.json()['status'] in ('completed', 'incomplete')
