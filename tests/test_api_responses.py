@@ -1,6 +1,7 @@
 """``/v1/responses`` with the real ``openai`` client: items in and out, tools, reasoning, the
 streamed events (reassembled = non-streamed), the bounded response store and
-``previous_response_id`` reusing the cached previous reply, errors naming the Responses field;
+``previous_response_id`` reusing the cached previous reply, errors naming the Responses field
+(and an image refused by the text model named in each endpoint's own terms);
 and, on the same server, fixes of the chat / completions fields the Responses path shares
 (``tool_choice`` without tools, completions ``top_logprobs`` holding the sampled token, streamed
 logprobs in step with the text when ``stop`` holds text back).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import httpx
@@ -107,6 +109,35 @@ def test_input_items_become_chat_messages_one_assistant_message_per_turn():
         {'role': 'tool', 'tool_call_id': 'c1', 'content': 'a'}, {'role': 'tool', 'tool_call_id': 'c2', 'content': 'b'},
         {'role': 'assistant', 'content': 'Done.'}, {'role': 'assistant', 'content': 'Again.'}]
     assert input_messages('hello') == [{'role': 'user', 'content': 'hello'}]
+
+
+_ITEMS = {'reasoning': lambda n: {'type': 'reasoning', 'summary': [{'type': 'summary_text', 'text': 'r'}]},
+          'call': lambda n: {'type': 'function_call', 'call_id': f'c{n}', 'name': 'ls', 'arguments': '{}'},
+          'output': lambda n: {'type': 'function_call_output', 'call_id': f'c{n}', 'output': 'o'},
+          'assistant': lambda n: {'role': 'assistant', 'content': 'ok'}}
+_PARTS = {'text': lambda n: {'type': 'input_text', 'text': f't{n}'},
+          'image': lambda n: {'type': 'input_image', 'image_url': f'https://h/{n}.png'}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=st.lists(st.one_of(st.sampled_from(sorted(_ITEMS)),
+                                st.lists(st.sampled_from(sorted(_PARTS)), min_size=1, max_size=4)),
+                      min_size=1, max_size=8))
+def test_every_chat_image_part_maps_back_to_its_input_image(items):
+    """Whatever reasoning, calls and outputs merge or split the chat messages, each image part of
+    the chat messages is named by the ``input`` location of the input_image it came from."""
+    n = iter(range(1000))
+    raw = [_ITEMS[t](next(n)) if isinstance(t, str) else
+           {'role': 'user', 'content': [_PARTS[p](next(n)) for p in t]} for t in items]
+    req = ResponsesRequest.model_validate({'model': 'm', 'input': raw})
+    image_parts: dict = {}
+    chat = input_messages(req.input, image_parts)
+    urls = {(i, j): p['image_url']['url'] for i, m in enumerate(chat) if isinstance(m['content'], list)
+            for j, p in enumerate(m['content']) if p['type'] == 'image_url'}
+    assert set(image_parts) == set(urls)
+    for key, where in image_parts.items():
+        a, b = map(int, re.fullmatch(r'input\[(\d+)\]\.content\[(\d+)\]', where).groups())
+        assert raw[a]['content'][b]['image_url'] == urls[key]
 
 
 # served ------------------------------------------------------------------------------------------------------------
@@ -384,7 +415,8 @@ PNG = 'data:image/png;base64,iVBORw0KGgo='
 IMAGE_REQUESTS = {
     'chat': ('/v1/chat/completions', {'model': 'model', 'max_tokens': 2, 'messages': [
         {'role': 'system', 'content': 'S'},
-        {'role': 'user', 'content': [{'type': 'text', 'text': 'see'}, {'type': 'image_url', 'image_url': {'url': PNG}}]}]},
+        {'role': 'user', 'content': [{'type': 'text', 'text': 'see'},
+                                     {'type': 'image_url', 'image_url': {'url': PNG}}]}]},
         'messages', "messages[1].content[1]: model 'model' does not accept image_url parts"),
     'responses': ('/v1/responses', {'model': 'model', 'max_output_tokens': 2, 'store': False, 'instructions': 'S',
                                     'input': [{'role': 'user', 'content': 'hi'}, {'role': 'user', 'content': [
