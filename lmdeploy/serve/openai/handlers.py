@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from ...messages import GenerationConfig
 from ...metrics import ServerMetrics
 from ...pytorch.engine.requests import CheckedRequest, RequestError
-from ..images import ImageFetchLimits, fetch_http_images
+from ..images import ImageFetchLimits, chat_part, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts
 from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import APIError
@@ -59,7 +59,7 @@ class MessageNames:
 
     def where(self, i: int, j: int) -> str:
         """The client's location of part ``j`` of chat message ``i``."""
-        return self.parts.get((i, j), f'messages[{i}].content[{j}]')
+        return self.parts.get((i, j)) or chat_part(i, j)
 
 
 _CHAT_NAMES = MessageNames()
@@ -305,8 +305,8 @@ class ServerBase:
                                 for j, p in enumerate(m.content) if p.type == 'image_url')
                     raise APIError(400, f'{names.where(i, j)}: model {self.model_name!r} does not accept '
                                    f'{names.images}', param=names.param, code='invalid_value')
-                text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch),
-                                                         tools, req.chat_template_kwargs)
+                text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch, names.where),
+                                                         tools, req.chat_template_kwargs, names.where)
                 wheres = [names.where(i, j) for i, m in enumerate(messages)
                           if isinstance(m.get('content'), list)
                           for j, p in enumerate(m['content']) if p.get('type') == 'image_url']
@@ -319,7 +319,7 @@ class ServerBase:
                     text += '\n\n</think>\n\n'
                 ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
-            raise APIError(400, f'messages: {err}', param='messages', code='invalid_value') from err
+            raise APIError(400, f'{names.param}: {err}', param=names.param, code='invalid_value') from err
         # where every session of this agent still sends the same tokens (system prompt + tools)
         shared_head = self.pipe.shared_head(messages, ids, tools, req.chat_template_kwargs)
         reasoning = None
