@@ -50,7 +50,7 @@ from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
 from .handlers import MessageNames
 from .generation import SSEResponse
-from .protocol import MAX_TOKENS, Text, FINITE, StrictModel
+from .protocol import MAX_TOKENS, ChatCompletionRequest, Text, FINITE, StrictModel
 
 __all__ = ['MessagesAPI', 'MessagesRequest', 'CountTokensRequest', 'to_chat']
 
@@ -297,7 +297,7 @@ class MessagesAPI:
     def __init__(self, server):
         self.server = server
 
-    def _chat(self, req: CountTokensRequest) -> tuple[Any, MessageNames]:
+    def _chat(self, req: CountTokensRequest) -> tuple[ChatCompletionRequest, MessageNames]:
         """The validated chat request of ``req`` and how its errors name the image blocks."""
         image_parts: dict[tuple[int, int], str] = {}
         try:
