@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import httpx
 import pytest
 from chat_templates import THINKING_TOOLS_TEMPLATE, with_template
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from server_utils import ApiServer
 
 anthropic = pytest.importorskip('anthropic')
@@ -64,6 +67,35 @@ def test_blocks_translate_into_chat_messages():
     assert to_chat(later)['messages'] == [{'role': 'system', 'content': 'S'}, {'role': 'user', 'content': 'hi'},
                                           {'role': 'user', 'content': 'Agents: a, b.'},
                                           {'role': 'user', 'content': 'go'}]
+
+
+_BLOCKS = {'text': lambda n: {'type': 'text', 'text': f't{n}'},
+           'image': lambda n: {'type': 'image', 'source': {'type': 'url', 'url': f'https://h/{n}.png'}},
+           'tool_result': lambda n: {'type': 'tool_result', 'tool_use_id': f'c{n}', 'content': 'r'}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(system=st.booleans(), turns=st.lists(st.one_of(
+    st.just('assistant'), st.just('system'), st.lists(st.sampled_from(sorted(_BLOCKS)), min_size=1, max_size=5)),
+    min_size=1, max_size=6))
+def test_every_chat_image_part_maps_back_to_its_image_block(system, turns):
+    """Whatever tool results, texts and system turns shift the chat indices, each image part of
+    the chat messages is named by the Messages location of the image block it came from."""
+    n = iter(range(1000))
+    messages = [{'role': 'assistant', 'content': 'ok'} if t == 'assistant' else
+                {'role': 'system', 'content': [{'type': 'text', 'text': 'x'}]} if t == 'system' else
+                {'role': 'user', 'content': [_BLOCKS[b](next(n)) for b in t]} for t in turns]
+    from lmdeploy.serve.openai.anthropic import MessagesRequest, to_chat
+    req = MessagesRequest.model_validate({'model': 'm', 'max_tokens': 9, 'messages': messages,
+                                          **({'system': 'S'} if system else {})})
+    image_parts: dict = {}
+    chat = to_chat(req, image_parts)['messages']
+    urls = {(i, j): p['image_url']['url'] for i, m in enumerate(chat) if isinstance(m['content'], list)
+            for j, p in enumerate(m['content']) if p['type'] == 'image_url'}
+    assert set(image_parts) == set(urls)
+    for key, where in image_parts.items():
+        a, b = map(int, re.fullmatch(r'messages\[(\d+)\]\.content\[(\d+)\]', where).groups())
+        assert messages[a]['content'][b]['source']['url'] == urls[key]
 
 
 @pytest.fixture(scope='module')

@@ -1,6 +1,7 @@
 """``/v1/responses`` with the real ``openai`` client: items in and out, tools, reasoning, the
 streamed events (reassembled = non-streamed), the bounded response store and
-``previous_response_id`` reusing the cached previous reply, errors naming the Responses field;
+``previous_response_id`` reusing the cached previous reply, errors naming the Responses field
+(and an image refused by the text model named in each endpoint's own terms);
 and, on the same server, fixes of the chat / completions fields the Responses path shares
 (``tool_choice`` without tools, completions ``top_logprobs`` holding the sampled token, streamed
 logprobs in step with the text when ``stop`` holds text back).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import httpx
@@ -107,6 +109,35 @@ def test_input_items_become_chat_messages_one_assistant_message_per_turn():
         {'role': 'tool', 'tool_call_id': 'c1', 'content': 'a'}, {'role': 'tool', 'tool_call_id': 'c2', 'content': 'b'},
         {'role': 'assistant', 'content': 'Done.'}, {'role': 'assistant', 'content': 'Again.'}]
     assert input_messages('hello') == [{'role': 'user', 'content': 'hello'}]
+
+
+_ITEMS = {'reasoning': lambda n: {'type': 'reasoning', 'summary': [{'type': 'summary_text', 'text': 'r'}]},
+          'call': lambda n: {'type': 'function_call', 'call_id': f'c{n}', 'name': 'ls', 'arguments': '{}'},
+          'output': lambda n: {'type': 'function_call_output', 'call_id': f'c{n}', 'output': 'o'},
+          'assistant': lambda n: {'role': 'assistant', 'content': 'ok'}}
+_PARTS = {'text': lambda n: {'type': 'input_text', 'text': f't{n}'},
+          'image': lambda n: {'type': 'input_image', 'image_url': f'https://h/{n}.png'}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=st.lists(st.one_of(st.sampled_from(sorted(_ITEMS)),
+                                st.lists(st.sampled_from(sorted(_PARTS)), min_size=1, max_size=4)),
+                      min_size=1, max_size=8))
+def test_every_chat_image_part_maps_back_to_its_input_image(items):
+    """Whatever reasoning, calls and outputs merge or split the chat messages, each image part of
+    the chat messages is named by the ``input`` location of the input_image it came from."""
+    n = iter(range(1000))
+    raw = [_ITEMS[t](next(n)) if isinstance(t, str) else
+           {'role': 'user', 'content': [_PARTS[p](next(n)) for p in t]} for t in items]
+    req = ResponsesRequest.model_validate({'model': 'm', 'input': raw})
+    image_parts: dict = {}
+    chat = input_messages(req.input, image_parts)
+    urls = {(i, j): p['image_url']['url'] for i, m in enumerate(chat) if isinstance(m['content'], list)
+            for j, p in enumerate(m['content']) if p['type'] == 'image_url'}
+    assert set(image_parts) == set(urls)
+    for key, where in image_parts.items():
+        a, b = map(int, re.fullmatch(r'input\[(\d+)\]\.content\[(\d+)\]', where).groups())
+        assert raw[a]['content'][b]['image_url'] == urls[key]
 
 
 # served ------------------------------------------------------------------------------------------------------------
@@ -375,3 +406,46 @@ def test_output_text_logprobs_skip_the_reasoning_and_the_call(server):
                            include=['message.output_text.logprobs'])
     tokens = ''.join(lp.token for lp in r.output[-1].content[0].logprobs)
     assert tokens.endswith('It holds a.txt and b.txt.') and 'listing' not in tokens
+
+
+PNG = 'data:image/png;base64,iVBORw0KGgo='
+# each endpoint's request with an image placed where its own index differs from the chat one,
+# and how that API names the refused image: (path, body, the Responses/chat param or None for
+# Anthropic's body, which has no param, the location and the part's name in the message)
+IMAGE_REQUESTS = {
+    'chat': ('/v1/chat/completions', {'model': 'model', 'max_tokens': 2, 'messages': [
+        {'role': 'system', 'content': 'S'},
+        {'role': 'user', 'content': [{'type': 'text', 'text': 'see'},
+                                     {'type': 'image_url', 'image_url': {'url': PNG}}]}]},
+        'messages', "messages[1].content[1]: model 'model' does not accept image_url parts"),
+    'responses': ('/v1/responses', {'model': 'model', 'max_output_tokens': 2, 'store': False, 'instructions': 'S',
+                                    'input': [{'role': 'user', 'content': 'hi'}, {'role': 'user', 'content': [
+                                        {'type': 'input_text', 'text': 'see'},
+                                        {'type': 'input_image', 'image_url': PNG}]}]},
+                  'input', "input[1].content[1]: model 'model' does not accept input_image parts"),
+    **{name: (path, {'model': 'model', 'max_tokens': 2, 'system': 'S', 'messages': [
+        {'role': 'user', 'content': 'ls'},
+        {'role': 'assistant', 'content': [{'type': 'tool_use', 'id': 't1', 'name': 'ls', 'input': {}}]},
+        {'role': 'user', 'content': [{'type': 'tool_result', 'tool_use_id': 't1', 'content': 'a.txt'},
+                                     {'type': 'text', 'text': 'see'},
+                                     {'type': 'image', 'source': {'type': 'base64', 'media_type': 'image/png',
+                                                                  'data': PNG.split(',')[1]}}]}]},
+              None, "messages[2].content[2]: model 'model' does not accept image blocks")
+       for name, path in (('messages', '/v1/messages'), ('count_tokens', '/v1/messages/count_tokens'))},
+}
+
+
+@pytest.mark.parametrize('api', sorted(IMAGE_REQUESTS))
+def test_an_image_to_a_text_model_is_refused_in_each_apis_own_names(server, api):
+    path, body, param, message = IMAGE_REQUESTS[api]
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        r = c.post(path, json=body)
+        assert r.status_code == 400
+        if param is None:       # Anthropic's error shape
+            assert r.json() == {'type': 'error', 'error': {'type': 'invalid_request_error', 'message': message}}
+        else:
+            assert r.json() == {'error': {'message': message, 'type': 'invalid_request_error', 'param': param,
+                                          'code': 'invalid_value'}}
+        # the server keeps serving, the same endpoint included
+        ok = c.post('/v1/responses', json={'model': 'model', 'input': 'hi', 'max_output_tokens': 2, 'store': False})
+        assert ok.status_code == 200 and ok.json()['status'] in ('completed', 'incomplete')

@@ -475,3 +475,42 @@ def test_api_server_image_the_processor_refuses_names_its_part(vl_pipe):
         err = r.json()['error']
         assert err['param'] == 'messages' and 'messages[0].content[2]: ' in err['message'] \
             and 'aspect ratio' in err['message'], err
+
+
+@pytest.mark.parametrize('api', ['responses', 'messages'])
+def test_api_server_image_errors_name_the_clients_own_part(vl_pipe, api):
+    """Through ``/v1/responses`` and ``/v1/messages`` an image the server refuses (a local path;
+    a data: URL that is not an image) is a 400 naming the part as that API's client sent it
+    (``input[i].content[j]`` / ``messages[i].content[j]`` of its own request, not of the
+    translated chat messages); the server keeps serving."""
+    from starlette.testclient import TestClient
+    from lmdeploy.serve.openai.api_server import create_app
+
+    def post(url):
+        if api == 'responses':
+            return client.post('/v1/responses', json={
+                'model': 'tiny', 'max_output_tokens': 2, 'store': False, 'instructions': 'S', 'input': [
+                    {'role': 'user', 'content': 'hi'}, {'role': 'user', 'content': [
+                        {'type': 'input_text', 'text': 'see'}, {'type': 'input_image', 'image_url': url}]}]})
+        return client.post('/v1/messages', json={'model': 'tiny', 'max_tokens': 2, 'system': 'S', 'messages': [
+            {'role': 'user', 'content': 'ls'},
+            {'role': 'assistant', 'content': [{'type': 'tool_use', 'id': 't1', 'name': 'ls', 'input': {}}]},
+            {'role': 'user', 'content': [{'type': 'tool_result', 'tool_use_id': 't1', 'content': 'a.txt'},
+                                         {'type': 'text', 'text': 'see'},
+                                         {'type': 'image', 'source': {'type': 'url', 'url': url}}]}]})
+
+    where = 'input[1].content[1]' if api == 'responses' else 'messages[2].content[2]'
+    field = 'input' if api == 'responses' else 'messages'
+    with TestClient(create_app(vl_pipe, 'tiny')) as client:
+        for url, why in [('/etc/hostname', "an image_url must be a data: URL or an http(s) URL, got '/etc/hostname'"),
+                         ('data:image/png;base64,@@',
+                          'cannot decode the image (invalid base64: Only base64 data is allowed)')]:
+            r = post(url)
+            assert r.status_code == 400, r.text
+            message = f'{field}: {where}: {why}'
+            if api == 'responses':
+                assert r.json() == {'error': {'message': message, 'type': 'invalid_request_error', 'param': 'input',
+                                              'code': 'invalid_value'}}
+            else:
+                assert r.json() == {'type': 'error', 'error': {'type': 'invalid_request_error', 'message': message}}
+        assert post(_data_url(_image(40, 56, 7))).status_code == 200

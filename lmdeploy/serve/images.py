@@ -25,12 +25,12 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..pytorch.multimodal import MultimodalInput, tensor_content_hash
 
 __all__ = ['IMAGE_PART_TYPES', 'load_image', 'extract_images', 'has_images', 'ImageInputs', 'ImageFetchLimits',
-           'fetch_http_images']
+           'fetch_http_images', 'chat_part']
 
 IMAGE_PART_TYPES = ('image', 'image_url')
 
@@ -100,14 +100,23 @@ def has_images(messages) -> bool:
         for m in messages)
 
 
-def extract_images(messages: list[dict]) -> tuple[list[dict], list]:
+def chat_part(i: int, j: int) -> str:
+    """The chat-completions name of part ``j`` of message ``i``: ``messages[i].content[j]``."""
+    return f'messages[{i}].content[{j}]'
+
+
+def extract_images(messages: list[dict], where: Callable[[int, int], str] = chat_part) -> tuple[list[dict], list]:
     """Load the image parts of ``messages``.
+
+    Args:
+        where: the name of part ``j`` of message ``i`` in errors (a translated request names the
+            client's own field).
 
     Returns:
         ``(messages with each image part replaced by {"type": "image"}, PIL images in order)``.
 
     Raises:
-        ValueError: see :func:`load_image`, naming ``messages[i].content[j]``.
+        ValueError: see :func:`load_image`, naming the part by ``where``.
     """
     out, images = [], []
     for i, m in enumerate(messages):
@@ -118,8 +127,8 @@ def extract_images(messages: list[dict]) -> tuple[list[dict], list]:
         parts = []
         for j, p in enumerate(content):
             if isinstance(p, dict) and p.get('type') in IMAGE_PART_TYPES:
-                where = f'messages[{i}].content[{j}]'
-                images.append(load_image(_image_source(p, where), where))
+                name = where(i, j)
+                images.append(load_image(_image_source(p, name), name))
                 parts.append({'type': 'image'})
             else:
                 parts.append(p)
@@ -312,12 +321,16 @@ def _fetch(url: str, limits: ImageFetchLimits, where: str) -> bytes:
         raise ValueError(f'{where}: cannot fetch {url!r} ({err})') from err
 
 
-def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[dict]:
+def fetch_http_images(messages: list[dict], limits: ImageFetchLimits,
+                      where: Callable[[int, int], str] = chat_part) -> list[dict]:
     """``messages`` with every ``image_url`` part whose URL is ``http(s)`` replaced by an
     ``image`` part holding the downloaded picture (other parts unchanged).
 
+    Args:
+        where: the name of part ``j`` of message ``i`` in errors (as :func:`extract_images`).
+
     Raises:
-        ValueError: naming ``messages[i].content[j]``: an ``image_url`` that is neither a
+        ValueError: naming the part by ``where``: an ``image_url`` that is neither a
             ``data:`` nor an ``http(s)`` URL (a local path or ``file://`` URL, which a remote
             client must not make the server read), or the download failed, ran past
             ``limits.timeout_s`` or past ``limits.max_bytes``, or is not an image.
@@ -332,17 +345,17 @@ def fetch_http_images(messages: list[dict], limits: ImageFetchLimits) -> list[di
         parts = []
         for j, p in enumerate(content):
             url = p.get('image_url', {}).get('url', '') if p.get('type') == 'image_url' else ''
-            where = f'messages[{i}].content[{j}]'
+            name = where(i, j)
             scheme = url.partition(':')[0].lower()
             if p.get('type') == 'image_url' and not (url.startswith('data:') or scheme in ('http', 'https')):
                 # a client must not make the server open its own files (a path or file:// URL)
-                raise ValueError(f'{where}: an image_url must be a data: URL or an http(s) URL, got {url[:64]!r}')
+                raise ValueError(f'{name}: an image_url must be a data: URL or an http(s) URL, got {url[:64]!r}')
             if scheme in ('http', 'https'):
-                raw = _fetch(url, limits, where)
+                raw = _fetch(url, limits, name)
                 try:
                     image = Image.open(io.BytesIO(raw)).convert('RGB')
                 except OSError as err:
-                    raise ValueError(f'{where}: {url!r} is not a readable image ({_reason(err)})') from err
+                    raise ValueError(f'{name}: {url!r} is not a readable image ({_reason(err)})') from err
                 p = {'type': 'image', 'image': image}
             parts.append(p)
         out.append(dict(m, content=parts))

@@ -25,14 +25,14 @@ import asyncio
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 from ..messages import GenerationConfig, PytorchEngineConfig, Response
 from ..pytorch.engine.engine import Engine
 from ..pytorch.engine.engine_loop import EngineLoop, RequestHandle
 from ..pytorch.engine.requests import CheckedRequest
 from ..pytorch.engine.stop_strings import Detokenizer as _Detokenizer
-from .images import ImageInputs, extract_images, has_images
+from .images import ImageInputs, chat_part, extract_images, has_images
 
 __all__ = ['Pipeline', 'ChatSession', 'render_chat', 'shared_head_tokens', 'engine_summary', 'store_summary']
 
@@ -288,17 +288,22 @@ class Pipeline:
         return self.engine.model.supports_images
 
     def render_with_images(self, messages: list[dict], tools: list[dict] | None = None,
-                           chat_template_kwargs: dict | None = None) -> tuple[str, list]:
+                           chat_template_kwargs: dict | None = None,
+                           where: Callable[[int, int], str] = chat_part) -> tuple[str, list]:
         """The prompt text of a conversation with image parts (each rendered as the template's
         placeholder) and its images (PIL, in order).
 
+        Args:
+            where: the name of part ``j`` of message ``i`` in errors (default
+                ``messages[i].content[j]``).
+
         Raises:
             ValueError: as :func:`render_chat`; the model does not accept images; an image part
-                that cannot be loaded (naming ``messages[i].content[j]``).
+                that cannot be loaded (naming it by ``where``).
         """
         if not self.accepts_images:
             raise ValueError(f'model_type {self.engine.hf_config.model_type!r} does not accept images')
-        messages, images = extract_images(list(messages))
+        messages, images = extract_images(list(messages), where)
         return render_chat(self.tokenizer, messages, tools, chat_template_kwargs, allow_images=True), images
 
     def expand_images(self, text: str, images: list, wheres: list[str] | None = None) -> tuple[list[int], tuple]:

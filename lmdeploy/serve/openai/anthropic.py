@@ -48,8 +48,9 @@ from starlette.concurrency import run_in_threadpool
 
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
+from .handlers import MessageNames
 from .generation import SSEResponse
-from .protocol import MAX_TOKENS, Text, FINITE, StrictModel
+from .protocol import MAX_TOKENS, ChatCompletionRequest, Text, FINITE, StrictModel
 
 __all__ = ['MessagesAPI', 'MessagesRequest', 'CountTokensRequest', 'to_chat']
 
@@ -179,8 +180,12 @@ def _result_text(block: _ToolResult, where: str) -> str:
     return ''.join(b.text for b in block.content)
 
 
-def to_chat(req: CountTokensRequest) -> dict:
+def to_chat(req: CountTokensRequest, image_parts: dict[tuple[int, int], str] | None = None) -> dict:
     """The chat-completion fields of a Messages request.
+
+    Args:
+        image_parts: when given, filled with ``(chat message index, chat part index) ->
+            messages[i].content[j]`` (the image block's own location) for each image block.
 
     Raises:
         ValueError: content this server cannot render (the message names the block).
@@ -211,6 +216,7 @@ def to_chat(req: CountTokensRequest) -> dict:
             msgs.append(msg)
             continue
         parts: list[dict] = []
+        wheres: list[str | None] = []      # each part's block, for image errors
         for j, b in enumerate(blocks):
             where = f'messages[{i}].content[{j}]'
             if b.type == 'tool_result':
@@ -218,12 +224,16 @@ def to_chat(req: CountTokensRequest) -> dict:
                 msgs.append({'role': 'tool', 'tool_call_id': b.tool_use_id, 'content': text})
             elif b.type == 'text':
                 parts.append({'type': 'text', 'text': b.text})
+                wheres.append(None)
             elif b.type == 'image':
                 parts.append({'type': 'image_url', 'image_url': {'url': _image_url(b, where)}})
+                wheres.append(where)
             else:
                 raise ValueError(f'{where}: a {b.type} block belongs to an assistant message')
         if parts:
             images = any(p['type'] == 'image_url' for p in parts)
+            if images and image_parts is not None:
+                image_parts.update(((len(msgs), k), w) for k, w in enumerate(wheres) if w is not None)
             msgs.append({'role': 'user', 'content': parts if images else ''.join(p['text'] for p in parts)})
     out: dict[str, Any] = {'model': req.model, 'messages': msgs}
     if req.tools:
@@ -287,22 +297,24 @@ class MessagesAPI:
     def __init__(self, server):
         self.server = server
 
-    def _chat(self, req: CountTokensRequest):
+    def _chat(self, req: CountTokensRequest) -> tuple[ChatCompletionRequest, MessageNames]:
+        """The validated chat request of ``req`` and how its errors name the image blocks."""
+        image_parts: dict[tuple[int, int], str] = {}
         try:
-            fields = to_chat(req)
+            fields = to_chat(req, image_parts)
         except ValueError as err:
             raise APIError(400, str(err), code='invalid_value') from err
-        return chat_request(fields, _RENAMES, _PASSTHROUGH)
+        return chat_request(fields, _RENAMES, _PASSTHROUGH), MessageNames('messages', 'image blocks', image_parts)
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         """``{"input_tokens": N}``: the tokens the prompt would take (rendered as a request would be)."""
-        chat = self._chat(req)
+        chat, names = self._chat(req)
         self.server.check_model(chat.model)
-        plan = await run_in_threadpool(self.server.plan_chat, chat)
+        plan = await run_in_threadpool(self.server.plan_chat, chat, names)
         return {'input_tokens': len(plan.jobs[0].token_ids)}
 
     async def create(self, req: MessagesRequest, request: Request):
-        run = ChatRun(self.server, self._chat(req))
+        run = ChatRun(self.server, *self._chat(req))
         try:
             await run.start()
         except APIError as err:     # name the client's field (the chat path names its own)

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from .chat_output import ChatOutput, TextOffsets, chat_logprobs
 from .errors import APIError, api_error_from_validation
 from .generation import Generation
-from .handlers import ServerBase
+from .handlers import MessageNames, ServerBase
 from .lifecycle import ShuttingDown
 from .protocol import ChatCompletionRequest
 
@@ -73,10 +73,12 @@ class ChatRun:
     Args:
         server: the app's request handlers.
         chat: the validated chat request (``n`` must be 1).
+        names: how the client names the messages and image parts in errors (the chat path's
+            own names when None).
     """
 
-    def __init__(self, server: ServerBase, chat: ChatCompletionRequest):
-        self.server, self.chat = server, chat
+    def __init__(self, server: ServerBase, chat: ChatCompletionRequest, names: MessageNames | None = None):
+        self.server, self.chat, self.names = server, chat, names or MessageNames()
         self.gen: _Recorded | None = None
         self.output: ChatOutput | None = None
 
@@ -87,7 +89,7 @@ class ChatRun:
             APIError: 400 for a request the chat path refuses.
         """
         self.server.check_model(self.chat.model)
-        plan = await run_in_threadpool(self.server.plan_chat, self.chat)
+        plan = await run_in_threadpool(self.server.plan_chat, self.chat, self.names)
         self.output = plan.outputs[0]
         self.gen = _Recorded(self.server, plan.jobs, 1, [self.output.first_call_stop()])
 

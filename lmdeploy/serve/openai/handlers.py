@@ -13,8 +13,9 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -24,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from ...messages import GenerationConfig
 from ...metrics import ServerMetrics
 from ...pytorch.engine.requests import CheckedRequest, RequestError
-from ..images import ImageFetchLimits, fetch_http_images
+from ..images import ImageFetchLimits, chat_part, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts
 from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
 from .errors import APIError
@@ -35,7 +36,33 @@ from .reasoning_parser import get_reasoning_parser
 from .structured import from_response_format, from_tool_choice, grammar_tool_format
 from .tool_parser import detect_tool_format, get_tool_parser
 
-__all__ = ['ServerBase', 'served_names', 'current_tenant', 'tenant_of']
+__all__ = ['ServerBase', 'MessageNames', 'served_names', 'current_tenant', 'tenant_of']
+
+
+@dataclass(frozen=True)
+class MessageNames:
+    """How the client of a chat request names its messages and image parts, for errors.
+
+    ``/v1/responses`` and ``/v1/messages`` are translated into chat messages; an error about a
+    chat message must name the field the client sent, not the chat one.
+
+    Args:
+        param: the request field holding the messages (``messages``; Responses: ``input``).
+        images: the client's name of image parts (``image_url parts``; Responses:
+            ``input_image parts``; Messages: ``image blocks``).
+        parts: ``(chat message index, chat part index) -> the client's location`` of each image
+            part (e.g. ``input[2].content[1]``); a part not in it is named in chat terms.
+    """
+    param: str = 'messages'
+    images: str = 'image_url parts'
+    parts: Mapping[tuple[int, int], str] = field(default_factory=dict)
+
+    def where(self, i: int, j: int) -> str:
+        """The client's location of part ``j`` of chat message ``i``."""
+        return self.parts.get((i, j)) or chat_part(i, j)
+
+
+_CHAT_NAMES = MessageNames()
 
 
 def served_names(model_name: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -233,8 +260,16 @@ class ServerBase:
                 jobs.append(request.choice(seed))
         return jobs
 
-    def plan_chat(self, req: ChatCompletionRequest) -> ChatPlan:
-        """Render, tokenize and check a chat request (worker thread)."""
+    def plan_chat(self, req: ChatCompletionRequest, names: MessageNames = _CHAT_NAMES) -> ChatPlan:
+        """Render, tokenize and check a chat request (worker thread).
+
+        Args:
+            names: how the client names the messages and image parts (a translated request).
+
+        Raises:
+            APIError: 400 for a request the chat path refuses (an image part to a model without
+                image support names the part by ``names``).
+        """
         use_tools = bool(req.tools) and req.tool_choice != 'none'
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
         parser = get_tool_parser(self.tool_parser_name, tools) if use_tools and self.tool_parser_name else None
@@ -268,11 +303,11 @@ class ServerBase:
                 if not self.pipe.accepts_images:
                     i, j = next((i, j) for i, m in enumerate(req.messages) if m.has_images()
                                 for j, p in enumerate(m.content) if p.type == 'image_url')
-                    raise APIError(400, f'messages[{i}].content[{j}]: model {self.model_name!r} does not accept '
-                                   f'image_url parts', param='messages', code='invalid_value')
-                text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch),
-                                                         tools, req.chat_template_kwargs)
-                wheres = [f'messages[{i}].content[{j}]' for i, m in enumerate(messages)
+                    raise APIError(400, f'{names.where(i, j)}: model {self.model_name!r} does not accept '
+                                   f'{names.images}', param=names.param, code='invalid_value')
+                text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch, names.where),
+                                                         tools, req.chat_template_kwargs, names.where)
+                wheres = [names.where(i, j) for i, m in enumerate(messages)
                           if isinstance(m.get('content'), list)
                           for j, p in enumerate(m['content']) if p.get('type') == 'image_url']
                 ids, images = self.pipe.expand_images(text + prefix, pil, wheres)
@@ -284,7 +319,7 @@ class ServerBase:
                     text += '\n\n</think>\n\n'
                 ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
-            raise APIError(400, f'messages: {err}', param='messages', code='invalid_value') from err
+            raise APIError(400, f'{names.param}: {err}', param=names.param, code='invalid_value') from err
         # where every session of this agent still sends the same tokens (system prompt + tools)
         shared_head = self.pipe.shared_head(messages, ids, tools, req.chat_template_kwargs)
         reasoning = None

@@ -44,7 +44,7 @@ from fastapi import Request
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
 from .generation import SSEResponse
-from .handlers import current_tenant
+from .handlers import MessageNames, current_tenant
 from .response_store import ResponseStore
 from .responses_protocol import CHAT_RENAMES, PASSTHROUGH, ResponsesRequest, chat_fields, input_messages, split_call_name
 
@@ -215,8 +215,10 @@ class ResponsesAPI:
                 'tools': [t.model_dump(exclude_none=True) for t in req.tools or []], 'top_p': req.top_p,
                 'truncation': req.truncation or 'disabled', 'usage': usage, 'metadata': req.metadata or {}}
 
-    def _conversation(self, req: ResponsesRequest) -> list[dict]:
-        """The chat messages before ``instructions``: the stored turns, then this input."""
+    def _conversation(self, req: ResponsesRequest, image_parts: dict | None = None) -> list[dict]:
+        """The chat messages before ``instructions``: the stored turns, then this input;
+        ``image_parts`` (when given) is filled as :func:`.responses_protocol.input_messages` does,
+        with indices into the returned list."""
         history = []
         if req.previous_response_id is not None:
             entry = self.store.get(req.previous_response_id, current_tenant())
@@ -226,20 +228,27 @@ class ResponsesAPI:
                                code='previous_response_not_found')
             history = entry.messages
         try:
-            return history + input_messages(req.input)
+            own: dict[tuple[int, int], str] = {}
+            conversation = history + input_messages(req.input, own)
         except ValueError as err:
             raise APIError(400, str(err), param='input', code='invalid_value') from err
+        if image_parts is not None:
+            image_parts.update(((i + len(history), j), w) for (i, j), w in own.items())
+        return conversation
 
     async def create(self, req: ResponsesRequest, request: Request):
         refused = req.refused()
         if refused:
             raise APIError(400, f'{refused[0]}: {refused[1]}', param=refused[0], code='unsupported_parameter')
-        conversation = self._conversation(req)
+        image_parts: dict[tuple[int, int], str] = {}
+        conversation = self._conversation(req, image_parts)
         owner = current_tenant()
         system = [{'role': 'system', 'content': req.instructions}] if req.instructions else []
         chat = chat_request(dict(chat_fields(req), model=req.model, messages=system + conversation), CHAT_RENAMES,
                             PASSTHROUGH)
-        run = ChatRun(self.server, chat)
+        names = MessageNames('input', 'input_image parts',
+                             {(i + len(system), j): w for (i, j), w in image_parts.items()})
+        run = ChatRun(self.server, chat, names)
         try:
             await run.start()
         except APIError as err:     # name the client's field (the chat path names its own)

@@ -278,8 +278,12 @@ def _chat_content(content, where: str):
     return parts
 
 
-def input_messages(items: str | list) -> list[dict]:
+def input_messages(items: str | list, image_parts: dict[tuple[int, int], str] | None = None) -> list[dict]:
     """Chat messages (``ChatMessage`` input dicts) of a request's ``input``.
+
+    Args:
+        image_parts: when given, filled with ``(chat message index, chat part index) ->
+            input[i].content[j]`` (the ``input_image`` part's own location) for each image part.
 
     Raises:
         ValueError: an item that has no chat form (message names the item).
@@ -320,7 +324,12 @@ def input_messages(items: str | list) -> list[dict]:
             msg['content'] = (msg['content'] or '') + _text_of(item.content)
         else:
             open_turn = False
-            msgs.append({'role': item.role, 'content': _chat_content(item.content, where)})
+            content = _chat_content(item.content, where)
+            if image_parts is not None and isinstance(content, list):
+                # an image message's chat parts are its content parts, one for one
+                image_parts.update(((len(msgs), j), f'{where}.content[{j}]') for j, p in enumerate(content)
+                                   if p['type'] == 'image_url')
+            msgs.append({'role': item.role, 'content': content})
     if reasoning:
         assistant()
     return msgs
