@@ -196,8 +196,10 @@ class StepContext:
     @cached_property
     def seq_ids(self) -> torch.Tensor:
         """int64 ``[T]``: index of the sequence each flat token belongs to."""
-        counts = torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
-        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.device), counts)
+        # Built from the host lists and copied once: the tensor-op form (arange, repeat_interleave)
+        # cost about 0.08 ms per batch-1 decode step on CPU, several times the list.
+        ids = [i for i, q in enumerate(self.q_seqlens) for _ in range(int(q))]
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
     @cached_property
     def slots(self) -> torch.Tensor:
@@ -234,10 +236,17 @@ class StepContext:
     @cached_property
     def kv_positions(self) -> torch.Tensor:
         """int64 ``[T]``: cache position of each flat token (``history_len + j`` for its ``j``-th
-        new token), where its K/V is written."""
-        history = self.kv_seqlens_t - torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
-        rows = torch.arange(self.input_ids.shape[0], device=self.device)
-        return history[self.seq_ids] + rows - self.cu_seqlens[self.seq_ids]
+        new token), where its K/V is written: ``history_len + row - q_start_loc`` for each flat
+        ``row`` of the sequence (rows taken in :attr:`seq_ids` order)."""
+        # Host arithmetic over the per-sequence lists and one copy, for the same reason as seq_ids
+        # (the tensor form was eight small ops, about 0.1 ms per batch-1 decode step on CPU).
+        pos, row = [], 0
+        for kv, q, start in zip(self.kv_seqlens, self.q_seqlens, self.q_start_loc):
+            q = int(q)
+            first = int(kv) - q + row - int(start)
+            pos.extend(range(first, first + q))
+            row += q
+        return torch.tensor(pos, dtype=torch.int64, device=self.device)
 
     @cached_property
     def kv_write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
