@@ -466,10 +466,20 @@ def _index_reference(ctx):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=7), st.booleans())
-def test_step_context_token_indices_equal_tensor_definition(layout, shifted):
-    """``seq_ids`` and ``kv_positions`` (built from the host lists) equal their tensor-op
-    definition over random batches, empty sequences and non-contiguous ``q_start_loc`` included."""
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=7), st.booleans(), st.booleans())
+def test_step_context_token_indices_equal_tensor_definition(layout, shifted, host):
+    """``seq_ids`` and ``kv_positions`` equal their tensor-op definition over random batches,
+    empty sequences and non-contiguous ``q_start_loc`` included, on both paths (host lists for
+    decode-sized steps, tensor ops above ``HOST_INDEX_TOKENS``)."""
+    import lmdeploy.pytorch.model_inputs as model_inputs
+    saved, model_inputs.HOST_INDEX_TOKENS = model_inputs.HOST_INDEX_TOKENS, (256 if host else -1)
+    try:
+        _check_token_indices(layout, shifted)
+    finally:
+        model_inputs.HOST_INDEX_TOKENS = saved
+
+
+def _check_token_indices(layout, shifted):
     q = [n for _, n in layout]
     starts = [sum(q[:i]) + (3 * i if shifted else 0) for i in range(len(q))]
     T = sum(q)
