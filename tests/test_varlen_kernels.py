@@ -454,3 +454,58 @@ def test_swiglu_experts_loop_two_matmuls_per_hit_expert_and_few_other_ops():
         assert len(Count.ops) <= 6 * 12 + 12, Count.ops
         totals.append(len(Count.ops))
     assert totals[0] == totals[1]   # experts without rows cost nothing
+
+
+def _index_reference(ctx):
+    """The tensor-op form of ``seq_ids`` / ``kv_positions`` (the definition they must keep)."""
+    counts = torch.tensor(ctx.q_seqlens, dtype=torch.int64)
+    seq_ids = torch.repeat_interleave(torch.arange(len(ctx.q_seqlens)), counts)
+    history = torch.tensor(ctx.kv_seqlens) - counts
+    starts = torch.tensor(list(ctx.q_start_loc) + [0], dtype=torch.int64)
+    return seq_ids, history[seq_ids] + torch.arange(int(counts.sum())) - starts[seq_ids]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=7), st.booleans(), st.booleans())
+def test_step_context_token_indices_equal_tensor_definition(layout, shifted, host):
+    """``seq_ids`` and ``kv_positions`` equal their tensor-op definition over random batches,
+    empty sequences and non-contiguous ``q_start_loc`` included, on both paths (host lists for
+    decode-sized steps, tensor ops above ``HOST_INDEX_TOKENS``)."""
+    import lmdeploy.pytorch.model_inputs as model_inputs
+    saved, model_inputs.HOST_INDEX_TOKENS = model_inputs.HOST_INDEX_TOKENS, (256 if host else -1)
+    try:
+        _check_token_indices(layout, shifted)
+    finally:
+        model_inputs.HOST_INDEX_TOKENS = saved
+
+
+def _check_token_indices(layout, shifted):
+    q = [n for _, n in layout]
+    starts = [sum(q[:i]) + (3 * i if shifted else 0) for i in range(len(q))]
+    T = sum(q)
+    ctx = StepContext(input_ids=torch.zeros(T, dtype=torch.int64), positions=torch.zeros(T, dtype=torch.int64),
+                      q_seqlens=q, q_start_loc=starts, kv_seqlens=[h + n for h, n in layout],
+                      block_tables=[torch.tensor([0])] * len(q), state_slots=list(range(len(q))), block_size=BLOCK)
+    seq_ids, positions = _index_reference(ctx)
+    assert ctx.seq_ids.dtype == ctx.kv_positions.dtype == torch.int64
+    assert ctx.seq_ids.tolist() == seq_ids.tolist()
+    assert ctx.kv_positions.tolist() == positions.tolist()
+
+
+def test_step_context_token_indices_are_one_host_copy_each():
+    """Per-step batch metadata costs no chain of small tensor ops (about 0.1 ms per batch-1
+    decode step on CPU before): ``seq_ids`` and ``kv_positions`` are one tensor creation each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    ctx = _ctx([(7, 1), (0, 3), (12, 1)])
+    ctx.kv_seqlens_t, ctx.cu_seqlens   # noqa: B018 -- the other cached tensors, built outside the count
+    with Count():
+        ctx.seq_ids, ctx.kv_positions   # noqa: B018
+    assert Count.ops <= 2, Count.ops

@@ -36,6 +36,12 @@ import torch
 
 __all__ = ['StepContext', 'kv_gather_index', 'slot_range']
 
+# Steps of at most this many new tokens (decode-sized) build StepContext.seq_ids and .kv_positions
+# with Python over the per-sequence lists and one tensor copy: about 10 small tensor ops cost more
+# (measured on CPU, 2 threads: 0.04 ms tensor form against 0.01 ms for one token; the list form
+# grows by about 0.15 us a token and passes the tensor form's 0.16 ms near 1,000 tokens).
+HOST_INDEX_TOKENS = 256
+
 
 def kv_gather_index(block_table: torch.Tensor, kv_seqlens: torch.Tensor,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,6 +202,9 @@ class StepContext:
     @cached_property
     def seq_ids(self) -> torch.Tensor:
         """int64 ``[T]``: index of the sequence each flat token belongs to."""
+        if self.input_ids.shape[0] <= HOST_INDEX_TOKENS:
+            ids = [i for i, q in enumerate(self.q_seqlens) for _ in range(int(q))]
+            return torch.tensor(ids, dtype=torch.int64, device=self.device)
         counts = torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
         return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.device), counts)
 
@@ -234,7 +243,16 @@ class StepContext:
     @cached_property
     def kv_positions(self) -> torch.Tensor:
         """int64 ``[T]``: cache position of each flat token (``history_len + j`` for its ``j``-th
-        new token), where its K/V is written."""
+        new token), where its K/V is written: ``history_len + row - q_start_loc`` for each flat
+        ``row`` of the sequence (rows taken in :attr:`seq_ids` order)."""
+        if self.input_ids.shape[0] <= HOST_INDEX_TOKENS:
+            pos, row = [], 0
+            for kv, q, start in zip(self.kv_seqlens, self.q_seqlens, self.q_start_loc):
+                q = int(q)
+                first = int(kv) - q + row - int(start)
+                pos.extend(range(first, first + q))
+                row += q
+            return torch.tensor(pos, dtype=torch.int64, device=self.device)
         history = self.kv_seqlens_t - torch.tensor(self.q_seqlens, dtype=torch.int64, device=self.device)
         rows = torch.arange(self.input_ids.shape[0], device=self.device)
         return history[self.seq_ids] + rows - self.cu_seqlens[self.seq_ids]
