@@ -22,7 +22,8 @@ So a mixed model never gets fewer global blocks than with one shared pool, and i
 layers' memory no longer grows with the sequences' lengths. With prefix caching on (window rows
 kept by the local tier for its checkpoints) the window pool also holds what the cached checkpoints
 read, ``C x ceil((W - 1) / B)`` more blocks (C: ``num_checkpoint_slots``, or its default when the
-checkpoints take block rows), within the same bound; when it runs short anyway, checkpoints are
+checkpoints take block rows; for a model without state, its markers, zero-byte checkpoints, as
+many), within the same bound; when it runs short anyway, checkpoints are
 evicted to free their window rows. With ``num_gpu_blocks`` set, the
 global pool has that many blocks and the window pool the smaller of the two counts above.
 
@@ -180,8 +181,11 @@ def size_caches(specs, hybrid: bool, cc: CacheConfig, device: torch.device, max_
                                                         max_batch_size, session_len, extra)
         block_bytes, window_row = group_rows
         per_seq = -(-(groups[1].window - 1 + chunk_tokens) // cc.block_size) + 1
-        # the window rows the cached checkpoints read (each at most ceil((W - 1) / B) blocks)
-        keep = cc.fixed_checkpoint_slots * -(-(groups[1].window - 1) // cc.block_size) if keeps_checkpoints else 0
+        # the window rows the cached checkpoints read (each at most ceil((W - 1) / B) blocks); a
+        # model without state split with caching on keeps them for as many markers (zero-byte
+        # checkpoints, one slot each)
+        keep = (cc.fixed_checkpoint_slots * -(-(groups[1].window - 1) // cc.block_size)
+                if cc.enable_prefix_caching else 0)
         num_window = min(max_batch_size * per_seq + keep, shared)
     num_blocks = cc.num_gpu_blocks or derive_num_blocks(block_bytes, slot_bytes, cc, num_slots, device, max_batch_size,
                                                         session_len, extra, reserved=num_window * window_row)

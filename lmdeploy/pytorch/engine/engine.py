@@ -136,6 +136,9 @@ class Engine:
         # back; with prefixes cached, only where the local tier keeps their window rows
         free_windows = spec_config is None
         groups = paged_groups(self.specs, split=free_windows and self._window_rows_kept(cc))
+        # a stateless mixed model keeping window rows with caching on: zero-byte checkpoints
+        # (markers) keep them, as a hybrid's checkpoints do (prefix_cache/local_tier.py)
+        markers = len(groups) > 1 and cc.enable_prefix_caching and not self.is_hybrid
         sizes = size_caches(self.specs, self.is_hybrid, cc, self.device, config.max_batch_size, self.session_len,
                             speculative=spec_config is not None, groups=groups,
                             chunk_tokens=config.max_prefill_token_num)
@@ -174,13 +177,15 @@ class Engine:
         if block_rows:
             self.state_cache = StateCache(num_runtime, cc.num_checkpoint_slots, block_manager=self.block_manager,
                                           rows_per_checkpoint=self.cache_engine.rows_per_state, policy=policy)
+        elif markers:       # marker slots: ids without rows (no runtime slot, nothing copied)
+            self.state_cache = StateCache(0, cc.fixed_checkpoint_slots, policy=policy)
         else:
             self.state_cache = (StateCache(num_runtime, sizes.num_checkpoint_slots, policy=policy) if self.is_hybrid
                                 else None)
         for name in ('prefill_save_last_only', 'decode_save_last', 'save_junction'):
             if getattr(config, name) and not cc.enable_prefix_caching:
                 logger.warning('%s has no effect without enable_prefix_caching (--enable-prefix-caching)', name)
-        if config.prefill_save_last_only and not self.is_hybrid:
+        if config.prefill_save_last_only and not self.is_hybrid and not markers:
             logger.info('prefill_save_last_only is ignored: %s has no recurrent state to checkpoint',
                         self.hf_config.model_type)
         self.store = self._build_store()
@@ -197,7 +202,8 @@ class Engine:
         if cc.enable_prefix_caching:
             local = LocalTier(self.block_manager, cc.block_size, self.state_cache,
                               state_bytes=self.cache_engine.state_bytes, block_bytes=self.cache_engine.kv_block_bytes,
-                              window_pool=self.window_pool, window=groups[1].window if window_entries else None)
+                              window_pool=self.window_pool, window=groups[1].window if window_entries else None,
+                              markers=markers)
             host = None
             if config.host_cache_bytes and self.is_hybrid:
                 from ..prefix_cache.host_tier import HostTier
@@ -215,7 +221,9 @@ class Engine:
             if config.kv_events_endpoint:
                 from .kv_event_publisher import start_publisher
                 self.kv_events = start_publisher(config, local, host)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager, self.state_cache,
+        # (the scheduler takes runtime slots from a state cache: markers have none)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.block_manager,
+                                   self.state_cache if self.is_hybrid else None,
                                    self.prefix_cache, window=window, window_pool=self.window_pool,
                                    pool_window=groups[1].window if window_entries else None)
         self.spec = None
@@ -227,10 +235,11 @@ class Engine:
 
     def _window_rows_kept(self, cc: CacheConfig) -> bool:
         """Whether a mixed model's window layers may keep a pool of their own: always with prefix
-        caching off; with it on, when the local tier can keep their window rows (a model with
-        recurrent state, whose reusable boundaries are its checkpoints) and no host tier or Store
-        is configured (their objects hold one block row per block of every paged layer). Otherwise
-        one shared table keeps every block, said once in the log."""
+        caching off; with it on, when the local tier can keep their window rows (for a model with
+        recurrent state, the windows of its checkpoints; without state, of its markers, zero-byte
+        checkpoints) and no host tier or Store is configured (their objects hold one block row
+        per block of every paged layer). Otherwise one shared table keeps every block, said once
+        in the log."""
         if not cc.enable_prefix_caching:
             return True
         sliding = [s for s in self.specs if isinstance(s, SlidingWindowSpec)]
@@ -238,9 +247,7 @@ class Engine:
             return True         # nothing to split (no window layer, or every paged layer slides)
         from ..store.open_backend import store_scheme
         why = None
-        if not self.is_hybrid:
-            why = 'it has no recurrent state (no checkpoint to keep window rows for)'
-        elif self.config.host_cache_bytes:
+        if self.config.host_cache_bytes:
             why = 'host_cache_bytes is set (the host tier keeps every layer\'s rows per block)'
         elif store_scheme(self.config) is not None:
             why = 'a Store is configured (its objects hold every layer\'s rows per block)'

@@ -376,13 +376,20 @@ class Scheduler:
             else:
                 ends = rules.grid(cached, P, seq.shared_head_tokens)
             start = turn
-        elif cached < turn and self.prefix_cache.store is not None:
-            # no state: a Store put at b needs only the blocks below b computed, not a forward
-            # ending at b, so the chunks stay plain; the save points are the default policy's
-            # (what the Store simulator charges)
+        elif cached < turn and (self.prefix_cache.store is not None or self.prefix_cache.markers):
+            # no state: a Store put or a marker at b needs only the blocks below b computed, not
+            # a forward ending at b, so the chunks stay plain. The Store's save points are the
+            # default policy's (what the Store simulator charges); markers follow the policy and
+            # add the prompt's last full block boundary that leaves a token to compute (where a
+            # repeated prompt restores)
+            markers = self.prefix_cache.markers
             rules = ReuseRules(turn, self.block_size, self.config.prefill_save_alignment, seq.token_lookahead,
                                seq.recompute_blocks, tuple(seq.multimodal_spans))
-            saves = list(rules.plan(cached, P, False, seq.shared_head_tokens).save_points)
+            last_only = markers and self.config.prefill_save_last_only
+            saves = list(rules.plan(cached, P, last_only, seq.shared_head_tokens).save_points)
+            last = (turn - 1) // self.block_size * self.block_size
+            if markers and last > cached and last not in saves:
+                saves.append(last)
         # chunks without saves (the rest of the input) still never split a multimodal span
         ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
         plan = PrefillPlan(ends, saves, cached, junction, head)

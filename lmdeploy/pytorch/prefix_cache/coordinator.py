@@ -54,6 +54,11 @@ restored sequence attaches the window blocks of its boundary's window
 (:attr:`PrefixMatch.window_blocks`). A model without state puts its prefixes to the Store too: at each save
 point b of the turn's default plan that a chunk passed (no forward needs to end there), the
 blocks b needs and an empty state object (a marker that they are all stored).
+
+A model of global and sliding layers without state whose window layers keep a pool of their own
+(``local.markers``) publishes a zero-byte checkpoint, a *marker*, at each save point of its plan
+that a chunk passed (:meth:`LocalTier.save_marker <.local_tier.LocalTier.save_marker>`), right
+after that forward: there is nothing to copy. Markers count as checkpoints saved.
 """
 from __future__ import annotations
 
@@ -153,6 +158,8 @@ class PrefixCache:
         self.block_size = block_size
         self.alignment = alignment
         self.decode_save_last = decode_save_last and local.is_hybrid
+        # zero-byte checkpoints of a stateless mixed model (the scheduler plans their save points)
+        self.markers = local.markers
         # turn-end checkpoints sit on block boundaries: restores then accept any block boundary
         self.restore_alignment = block_size if self.decode_save_last else alignment
         self._hashes: dict[int, list[bytes]] = {}
@@ -271,6 +278,9 @@ class PrefixCache:
         if match.checkpoint_slot is not None:
             loads.restores.append(CheckpointRestore(seq, match.checkpoint_slot, seq.state_slot, match.lease))
             match.lease.owner, match.lease = seq.seq_id, None    # the restore (of seq) owns the pin now
+        elif match.lease is not None:       # a marker: nothing to copy, so the admission's pin ends here
+            match.lease.release()
+            match.lease = None
         self._count(seq, match.cached_tokens, match.source, match.matched_tokens)
 
     def _count(self, seq, cached: int, source: str | None, matched: int) -> None:
@@ -369,19 +379,36 @@ class PrefixCache:
                 saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
 
     def _plan_block_saves(self, chunk, saves: SavePlan) -> None:
-        """A model without state: cache the chunk's new full blocks, and put each save point
-        ``b`` the chunk passed (``start < b <= end``: its blocks are computed and, sliding or
-        not, still held, since a sequence gives back only blocks no query from ``start`` on
-        reads)."""
+        """A model without state: cache the chunk's new full blocks, and put (or, with markers,
+        publish a marker at) each save point ``b`` the chunk passed (``start < b <= end``: its
+        blocks are computed and, sliding or not, still held, since a sequence gives back only
+        blocks no query from ``start`` on reads)."""
         seq, B = chunk.seq, self.block_size
         full = chunk.end // B
         if self.local.needs_extend(seq, full):
             self.local.extend(seq, self.hashes(seq), full)
-        if self.store is None or seq.plan is None:
+        if (self.store is None and not self.markers) or seq.plan is None:
             return
         for b in seq.plan.save_points:
-            if chunk.start < b <= chunk.end:
+            if not chunk.start < b <= chunk.end:
+                continue
+            if self.markers:
+                self._save_marker(seq, b)
+            if self.store is not None:
                 saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None))
+
+    def _save_marker(self, seq, boundary: int) -> None:
+        """Publish a marker of ``seq`` at ``boundary`` (counted as a checkpoint saved), or count
+        why it is skipped."""
+        node = self.local.extend(seq, self.hashes(seq), boundary // self.block_size)
+        reason = self._save_reason(seq, boundary)
+        saved = self.local.save_marker(seq, node, boundary, reason, self._continuation.get(seq.seq_id, False))
+        if isinstance(saved, str):
+            self._skip(seq, saved)
+            return
+        seq.stats.save_points.append(boundary)
+        self.counters['checkpoints_saved'] += 1
+        self._count_save(reason)
 
     @staticmethod
     def _save_reason(seq, end: int) -> str:

@@ -44,6 +44,22 @@ its window block with it. A match offers a checkpoint only when every window blo
 present; a pin references them with the checkpoint. When the window pool runs short, checkpoints
 go (the eviction policy's order) until their window blocks free enough
 (:meth:`LocalTier.evict_window`).
+
+Markers (``markers=True``: a mixed model *without* recurrent state, e.g. ``granitemoe_swa`` with
+global layers): the same rule, with zero-byte checkpoints. Such a model could restore at any block
+boundary whose window blocks are held, but keeping every window block would make its window
+layers' memory grow with the sequence, so it publishes a **marker** (a checkpoint slot with no
+state bytes and no copy) where a hybrid model would publish a checkpoint: at the save points of
+its turn's plan and at its prompt's last full block boundary that leaves a token to compute
+(:meth:`LocalTier.save_marker`). A marker keeps the window blocks its window reads, exactly as a
+checkpoint does, so the window rows, their release, ``evict_window``, pins and the ledger work
+unchanged. A match then offers the deepest block boundary ``b`` on the matched path whose window
+blocks (depths ``(window_first_block(b), b / B]``) are all held, a marker's boundary or not
+(:meth:`LocalTier.match`); a boundary whose window reads a missing block is never offered::
+
+    global   |g0|g1|g2|g3|g4|g5|g6|g7|g8|g9|       every block
+    window   |  |  |w2|w3|  |  |  |w7|w8|  |       markers at depths 4 and 9, W <= 2·B
+    offered at depth 4 or 9 (and 3 or 8 if W <= B): the deepest whose window is held
 """
 from __future__ import annotations
 
@@ -81,17 +97,26 @@ class LocalTier:
         block_bytes: K_blk, bytes of one KV block.
         window_pool: the window group's own pool (window rows: see the module docstring), or None.
         window: that group's sliding window (tokens); required with ``window_pool``.
+        markers: the model has no recurrent state and ``state_cache`` holds its markers
+            (zero-byte checkpoints: slots without rows, see the module docstring); needs
+            ``window_pool``.
 
     Raises:
-        ValueError: ``window_pool`` without a ``window``, or without recurrent state (a model
-            without checkpoints has no reusable boundary to keep window rows for).
+        ValueError: ``window_pool`` without a ``window``, or without checkpoints (recurrent state
+            or markers: a model without them has no reusable boundary to keep window rows for);
+            ``markers`` without ``window_pool`` or ``state_cache``.
     """
 
     def __init__(self, block_manager: BlockManager, block_size: int, state_cache: StateCache | None,
                  state_bytes: int = 1, block_bytes: int = 1, window_pool: BlockManager | None = None,
-                 window: int | None = None):
+                 window: int | None = None, markers: bool = False):
         if window_pool is not None and (not window or state_cache is None):
-            raise ValueError('window_pool needs a window (tokens) and a model with recurrent state')
+            raise ValueError('window_pool needs a window (tokens) and checkpoints (a model with recurrent state, '
+                             'or markers)')
+        if markers and (window_pool is None or state_cache is None):
+            raise ValueError('markers need a window_pool and a state_cache holding them')
+        # zero-byte checkpoints of a model without state (module docstring): they keep window rows
+        self.markers = markers
         self.window_pool = window_pool
         self.window = window if window_pool is not None else None
         # planned checkpoint saves (by destination slot) whose window blocks are kept: not
@@ -100,7 +125,7 @@ class LocalTier:
         self.block_manager = block_manager
         self.block_size = block_size
         # the model has recurrent state: a prefix is restorable only where a checkpoint holds it
-        self.is_hybrid = state_cache is not None
+        self.is_hybrid = state_cache is not None and not markers
         self.state_cache = state_cache if state_cache is not None else StateCache(0, 0)
         self.state_bytes, self.block_bytes = max(state_bytes, 1), max(block_bytes, 1)
         # how many admitted requests reached each prefix (chained hash at an alignment boundary),
@@ -123,6 +148,9 @@ class LocalTier:
         B, n = self.block_size, seq.num_tokens
         nodes = self.trie.match(seq.token_ids, hashes)
         matched = min(len(nodes), (n - 1) // B) * B
+        if self.markers:
+            b = self._deepest_window_ready(nodes, matched // B) * B
+            return PrefixMatch(nodes, b, 'local' if b else None, None, b // B, matched)
         if not self.is_hybrid:
             return PrefixMatch(nodes, matched, 'local' if matched else None, None, matched // B, matched)
         for node in reversed(nodes):
@@ -153,6 +181,8 @@ class LocalTier:
             b = min(len(nodes), (rules.num_tokens - 1) // B) * B
             if below is not None:
                 b = min(b, (below - 1) // B * B)
+            if self.markers:
+                b = self._deepest_window_ready(nodes, b // B) * B
             return b if b > above else 0
         for b in rules.restore_candidates(above, len(nodes)):
             node = nodes[b // B - 1]
@@ -168,12 +198,18 @@ class LocalTier:
             self.block_manager.incref(node.block_id)
         if match.checkpoint_slot is not None:
             match.lease = self.pins.take(match.checkpoint_slot, 'restore_source')
-            if self.window_pool is not None:
-                reads = self._window_reads(match.nodes[match.num_shared_blocks - 1])
-                match.window_first = match.num_shared_blocks - len(reads)
-                match.window_blocks = [n.window_block for n in reads]
-                for block in match.window_blocks:
-                    self.window_pool.incref(block)
+        elif self.markers and match.source == 'local':
+            # (no state to copy: the pin keeps a marker restored from out of this admission's
+            # own window eviction; PrefixCache.plan_load releases it at commit)
+            slot = match.nodes[match.num_shared_blocks - 1].checkpoint_slot
+            if slot is not None:
+                match.lease = self.pins.take(slot, 'restore_source')
+        if self.window_pool is not None and match.source == 'local' and match.cached_tokens:
+            reads = self._window_reads(match.nodes[match.num_shared_blocks - 1])
+            match.window_first = match.num_shared_blocks - len(reads)
+            match.window_blocks = [n.window_block for n in reads]
+            for block in match.window_blocks:
+                self.window_pool.incref(block)
 
     SEEN_CAPACITY = 1 << 18     # prefixes whose reach counts are remembered
 
@@ -187,8 +223,11 @@ class LocalTier:
             Whether the request continues a prefix reached before (its first aligned prefix was
             seen by an earlier request, even if the cache evicted it since).
         """
-        if not self.is_hybrid:     # no checkpoint to credit, no reuse evidence to keep
+        if not self.is_hybrid and not self.markers:     # no checkpoint to credit, no reuse evidence to keep
             return False
+        hit = match.checkpoint_slot
+        if self.markers and match.source == 'local' and match.cached_tokens:
+            hit = match.nodes[match.num_shared_blocks - 1].checkpoint_slot      # a marker restored, if any
         continued = False
         step = alignment // self.block_size if alignment else 0
         for i in range(step - 1, len(hashes), step) if step else ():
@@ -202,7 +241,7 @@ class LocalTier:
             slot = node.checkpoint_slot
             if slot is None:
                 continue
-            if slot == match.checkpoint_slot:
+            if slot == hit:
                 self.state_cache.touch(slot, hit=True)
             else:
                 stats = self.state_cache.stats.get(slot)
@@ -266,6 +305,39 @@ class LocalTier:
         return CheckpointSave(seq, seq.state_slot, dst, node, boundary, self.pins.take(dst, 'save_target', seq.seq_id),
                               reason, continuation)
 
+    def save_marker(self, seq, node: TrieNode | None, boundary: int, reason: str = 'prefill',
+                    continuation: bool = False) -> CheckpointStats | str:
+        """Publish a marker (a zero-byte checkpoint, module docstring) of ``seq`` after ``boundary``
+        tokens on ``node`` now: there is no state to copy, and the forward that computed the
+        blocks below ``boundary`` has run. It keeps the window blocks its window reads, which
+        ``seq`` still holds (``boundary`` is past the start of the chunk that just ran).
+
+        Returns:
+            The published marker's :class:`~.eviction.CheckpointStats`, or the reason it is
+            skipped: ``'hash_collision'`` (no node), ``'exists'`` (the node has a marker),
+            ``'no_free_slot'`` (none free and every marker pinned, or ``num_checkpoint_slots`` 0),
+            ``'window_gone'`` (a window block it reads is neither held by ``seq`` nor cached).
+
+        Raises:
+            RuntimeError: this tier keeps no markers.
+        """
+        if not self.markers:
+            raise RuntimeError('save_marker: this tier keeps no markers (a model with state saves checkpoints)')
+        if node is None:
+            return 'hash_collision'
+        if node.checkpoint_slot is not None:
+            return 'exists'
+        slot = self.alloc_checkpoint()
+        if slot is None:
+            return 'no_free_slot'
+        if not self.keep_window(seq, node):
+            self.state_cache.release_checkpoint(slot)
+            return 'window_gone'
+        stats = self.checkpoint_stats(node, boundary, reason, continuation)
+        if not self.publish_checkpoint(slot, node, stats):      # (checked above: cannot happen)
+            return 'exists'
+        return stats
+
     def alloc_checkpoint(self) -> int | None:
         """A checkpoint slot, evicting first when the slots or rows are short (None: nothing
         left to evict, every checkpoint pinned, or no checkpoint slots at all)."""
@@ -311,6 +383,19 @@ class LocalTier:
         return False
 
     # window rows -------------------------------------------------------------------------
+    def _deepest_window_ready(self, nodes: list[TrieNode], limit: int) -> int:
+        """The deepest depth ``d <= limit`` on the path ``nodes`` (depths 1, 2, ...) whose window
+        blocks, depths ``(window_first_block(d·B), d]``, are all held; 0 if none. One pass:
+        ``run`` counts the held window blocks ending at depth d, and d is ready when they reach
+        back to its window's first block (O(limit))."""
+        B, W = self.block_size, self.window
+        best = run = 0
+        for d in range(1, limit + 1):
+            run = run + 1 if nodes[d - 1].window_block >= 0 else 0
+            if run >= d - window_first_block(d * B, W, B):
+                best = d
+        return best
+
     def _window_reads(self, node: TrieNode) -> list[TrieNode]:
         """The nodes whose window blocks a restore at ``node``'s boundary b reads: depths
         ``(window_first_block(b), b / B]`` on its path, shallowest first (O(W / B))."""

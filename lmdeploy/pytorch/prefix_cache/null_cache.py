@@ -24,6 +24,7 @@ class NullPrefixCache:
     num_cached_blocks = 0
     store = None
     window_pool = None          # keeps no window rows
+    markers = False             # publishes no markers
     num_window_blocks = 0
     num_evictable_window_blocks = 0
 
