@@ -46,7 +46,8 @@ def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
 def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
     """12 greedy tokens of a 200-token prompt equal transformers cold, in 32-token chunks, and
     with the prefix cache on both the first run and a rerun that restores 12 blocks (192 tokens:
-    no state, so block-granular reuse and no save points)."""
+    no state, but global and sliding layers, so one marker, a zero-byte checkpoint, at the prompt's
+    last full block boundary keeps the window rows a restore there reads)."""
     path, hf = tiny
     ids = random_prompt(200, seed=11)
     expected = hf_greedy(hf, ids, 12)
@@ -56,7 +57,8 @@ def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(
     cached = make_engine(path, block_size=16, max_prefill_token_num=32, enable_prefix_caching=True)
     first, again = cached.generate(ids, gen), cached.generate(ids, gen)
     assert cold == chunked == first.output_ids == again.output_ids == expected
-    assert first.num_cached_tokens == 0 and first.stats.save_points == [] and again.num_cached_tokens == 192
+    assert first.num_cached_tokens == 0 and first.stats.save_points == [192] and again.num_cached_tokens == 192
+    assert cached.window_pool is not None and cached.ledger()['checkpoints_published'] == 1
 
 
 def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):

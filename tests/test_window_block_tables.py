@@ -6,8 +6,11 @@ window, so their memory is bounded by the window while the global group keeps ev
 - a 2,100-token prompt in 64-token chunks then 30 decode steps on the tiny mixed
   ``granitemoe_swa`` (W = 24, B = 16): after every forward the window pool holds exactly
   ``ceil(c / B) - window_first_block(c)`` blocks (``ceil(W / B) + 1`` = 3 at most while decoding), the
-  global pool ``ceil(c / B)``; tokens equal ``transformers`` and the engine with the prefix cache
-  on (one shared table); every pool is free again afterwards;
+  global pool ``ceil(c / B)``; tokens equal ``transformers``; every pool is free again afterwards;
+- the same with the prefix cache on: the model has no state, so markers (zero-byte checkpoints)
+  keep the window rows their restores read, ``ceil((W - 1) / B)`` each, and the window pool holds
+  exactly those plus the live window while the global group keeps every block; tokens equal
+  caching off, a rerun restores at the prompt's last marker;
 - the same on the tiny ``lfm3``, ``lara_mini`` and ``inkling_text`` (recurrent or conv state besides global and
   40-token sliding layers; Inkling's own attention path must read the sliding layers' tables);
 - the scheduler alone, random prompts, chunk sizes and pool sizes, several sequences at once
@@ -111,15 +114,22 @@ def _track_pools(eng) -> tuple[list, list]:
     return scheduled, seen
 
 
-def test_long_sequence_holds_window_bounded_memory_for_its_window_layers(tiny):
-    path, hf = tiny
+@pytest.fixture(scope='module')
+def long_off(tiny):
+    """A 2,100-token prompt and 30 greedy tokens on the tiny granitemoe_swa, prefix cache off, in
+    64-token chunks: ``(engine, sequence, scheduled, seen)`` (:func:`_track_pools`)."""
+    eng = make_engine(tiny[0], block_size=B, max_prefill_token_num=P, max_batch_size=2, num_gpu_blocks=160)
+    scheduled, seen = _track_pools(eng)
+    seq = eng.generate(random_prompt(2100, seed=21), GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    return eng, seq, scheduled, seen
+
+
+def test_long_sequence_holds_window_bounded_memory_for_its_window_layers(tiny, long_off):
+    _, hf = tiny
     n, new = 2100, 30
     ids = random_prompt(n, seed=21)
-    gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
-    eng = make_engine(path, block_size=B, max_prefill_token_num=P, max_batch_size=2, num_gpu_blocks=160)
+    eng, seq, scheduled, seen = long_off
     assert [(g.window, g.pool.num_blocks) for g in eng.scheduler.groups] == [(None, 160), (W, 2 * 7)]
-    scheduled, seen = _track_pools(eng)
-    seq = eng.generate(ids, gen)
     assert len(seen) == len(scheduled) == -(-n // P) + new - 1 == 33 + 29     # 33 prefill chunks, 29 decode steps
     for (start, end, reserved), (c, used_global, used_window) in zip(scheduled, seen):
         assert reserved == _blocks(end) - window_first_block(start, W, B)
@@ -132,10 +142,63 @@ def test_long_sequence_holds_window_bounded_memory_for_its_window_layers(tiny):
     assert seen[-1][1] == _blocks(n + new - 1) == 134
     assert seq.output_ids == hf_greedy(hf, ids, new)
     assert_idle(eng)
-    shared = make_engine(path, block_size=B, max_prefill_token_num=P, enable_prefix_caching=True,
-                         num_gpu_blocks=160)
-    assert shared.window_pool is None and len(shared.scheduler.groups) == 1
-    assert shared.generate(ids, gen).output_ids == seq.output_ids
+
+
+def _marker_windows(local) -> set[int]:
+    """Ids of the nodes the published markers' restores read (the window-row rule)."""
+    return {id(n) for node in local.cached_nodes() if node.checkpoint_slot is not None
+            for n in local._window_reads(node)}
+
+
+def test_long_sequence_with_prefix_caching_keeps_only_its_markers_window_rows(tiny, long_off):
+    """The same 2,100-token prompt and 30 decode steps with the prefix cache on: the model has no
+    state, so markers (zero-byte checkpoints) at its save points, 1024 and 2048 (A = 1024), and
+    at the prompt's last full block boundary, 2096, keep the window rows their restores read,
+    ceil((W - 1) / B) = 2 each. After every forward the window pool holds exactly the trie's
+    window rows plus the live window (at most 3 markers x 2 + 3 blocks while decoding, against
+    134 global blocks), the trie's window rows are exactly the markers' windows; the tokens equal
+    caching off; the same prompt again restores 2096 tokens, attaching its 2 window blocks, and
+    replies the same; the ledger is idle, every pool free once the cache is emptied."""
+    path, _ = tiny
+    n, new, per_marker = 2100, 30, -(-(W - 1) // B)
+    ids = random_prompt(n, seed=21)
+    gen = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, max_batch_size=2, num_gpu_blocks=160,
+                      enable_prefix_caching=True, num_checkpoint_slots=8)
+    # the window pool: 2 sequences' windows and chunks, and the window rows of 8 markers
+    assert [(g.window, g.pool.num_blocks) for g in eng.scheduler.groups] == [(None, 160), (W, 2 * 7 + 8 * per_marker)]
+    local, wp, bm = eng.prefix_cache.local, eng.window_pool, eng.block_manager
+    seen, computed = [], eng.scheduler.computed
+
+    def tracked(out):
+        saves = computed(out)
+        [c] = out.chunks
+        seq = c.seq
+        live = seq.window_block_ids[seq.num_window_freed_blocks:]
+        shared = sum(1 for b in live if wp.refcount[b] > 1)
+        assert len(live) == _blocks(c.end) - window_first_block(c.end, W, B)
+        assert wp.num_blocks - wp.num_free == local.num_window_blocks + len(live) - shared
+        assert set(local.trie.window_nodes) == _marker_windows(local)
+        assert local.num_window_blocks <= eng.ledger()['checkpoints_published'] * per_marker
+        seen.append((c.end, wp.num_blocks - wp.num_free, bm.num_blocks - bm.num_free))
+        return saves
+    eng.scheduler.computed = tracked
+    seq = eng.generate(ids, gen)
+    assert seq.stats.save_points == [1024, 2048, 2096]
+    assert seq.output_ids == long_off[1].output_ids
+    # while decoding: 3 markers' rows and the live window, never the sequence's 134 blocks
+    assert max(w for c, w, _ in seen if c > n) <= 3 * per_marker + _blocks(W) + 1 == 9
+    assert seen[-1][2] == _blocks(n + new - 1) == 134
+    led = eng.ledger()
+    assert (led['window_blocks_cached'], led['checkpoints_published'], led['blocks_cached']) == (6, 3, 133)
+    again = eng.generate(ids, gen)
+    assert again.num_cached_tokens == 2096 and again.output_ids == seq.output_ids
+    # its first forward, [2096, 2100): the 6 cached rows and its window, blocks 129-131, of
+    # which the 2 restored ones are 2096's cached rows
+    assert seen[len(seen) - new] == (2100, 6 + 3 - 2, 133 + 1)
+    assert eng.is_idle() and eng.stats()['prefix_cache_hit_tokens'] == 2096
+    eng.prefix_cache.evict(10**6)
+    assert_idle(eng)
 
 
 @pytest.mark.parametrize('arch', ['lfm3', 'lara_mini', 'inkling_text'])
