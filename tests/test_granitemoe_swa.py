@@ -65,6 +65,57 @@ def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
     check_four_turn_chat_under_every_cache_policy(tiny[0])
 
 
+def test_four_turn_chat_with_caching_keeps_the_window_pool_and_markers_window_rows(tiny):
+    """Global and 24-token sliding layers, no state, caching on (B = 16, A = 64, 32-token chunks):
+    the sliding layers keep their pool, and markers (zero-byte checkpoints) at the save points
+    (multiples of 64) and at each prompt's last full block boundary keep the window rows their
+    restores read: after turn t the trie holds exactly the markers' windows (3, 6, 10, 13 window
+    blocks: two per marker, neighbours sharing one) against every global block. Replies equal
+    caching off (and transformers on the last turn); turns 2-4 restore at the previous prompt's
+    last marker (80, 144, 224) or, with ``decode_save_last``, at the reply's last block boundary
+    when it has one of its own (96 after turn 1); idle after each turn, every pool free once the
+    cache is emptied."""
+    from engine_utils import assert_idle
+    from lmdeploy.pytorch.cache_specs import window_first_block
+    path, hf = tiny
+    users = [random_prompt(n, seed=40 + i) for i, n in enumerate((90, 50, 70, 40))]
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    fields = dict(block_size=16, max_prefill_token_num=32, prefill_save_alignment=64, num_checkpoint_slots=16)
+    engines = {name: make_engine(path, **fields, **extra) for name, extra in
+               (('off', {}), ('on', dict(enable_prefix_caching=True)),
+                ('turn_end', dict(enable_prefix_caching=True, decode_save_last=True)))}
+    hits = {'on': [0, 80, 144, 224], 'turn_end': [0, 96, 144, 224]}
+    window_rows = {'on': [3, 6, 10, 13], 'turn_end': [4, 7, 11, 14]}
+    ids = {name: [] for name in engines}
+    for t, user in enumerate(users):
+        replies = {}
+        for name, eng in engines.items():
+            ids[name] = ids[name] + user
+            seq = eng.generate(ids[name], gen)
+            replies[name] = seq.output_ids
+            prompt, ids[name] = ids[name], list(seq.token_ids)
+            assert eng.is_idle()
+            if name == 'off':
+                continue
+            local = eng.prefix_cache.local
+            assert eng.window_pool is not None and local.markers
+            assert seq.num_cached_tokens == hits[name][t]
+            marked = [n for n in local.cached_nodes() if n.checkpoint_slot is not None]
+            reads = {id(m) for n in marked for m in local._window_reads(n)}
+            assert set(local.trie.window_nodes) == reads
+            assert all(len(local._window_reads(n)) == n.depth - window_first_block(n.depth * 16, W, 16)
+                       for n in marked)
+            led = eng.ledger()
+            assert led['window_blocks_cached'] == window_rows[name][t]
+            assert led['blocks_cached'] == (len(ids[name]) - 1) // 16 and led['checkpoints_pinned'] == 0
+        assert replies['on'] == replies['turn_end'] == replies['off']
+    assert replies['off'] == hf_greedy(hf, prompt, 8)
+    assert engines['turn_end'].stats()['turn_end_checkpoints_saved'] == 1     # (96; 144, 224, 272 were markers already)
+    for eng in engines.values():
+        eng.prefix_cache.evict(10**6)
+        assert_idle(eng)
+
+
 def test_cache_specs_are_global_and_sliding_window_kv(tiny):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(tiny[0])

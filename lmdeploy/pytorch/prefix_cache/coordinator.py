@@ -160,6 +160,9 @@ class PrefixCache:
         self.decode_save_last = decode_save_last and local.is_hybrid
         # zero-byte checkpoints of a stateless mixed model (the scheduler plans their save points)
         self.markers = local.markers
+        # their turn-end form: no forward needs to end at the boundary (nothing is copied), so
+        # the scheduler's chunks stay as they are (``decode_save_last`` stays False for it)
+        self.turn_end_markers = decode_save_last and local.markers
         # turn-end checkpoints sit on block boundaries: restores then accept any block boundary
         self.restore_alignment = block_size if self.decode_save_last else alignment
         self._hashes: dict[int, list[bytes]] = {}
@@ -387,6 +390,11 @@ class PrefixCache:
         full = chunk.end // B
         if self.local.needs_extend(seq, full):
             self.local.extend(seq, self.hashes(seq), full)
+        if self.turn_end_markers and chunk.start < full * B and full * B >= seq.num_prompt_tokens // B * B:
+            # the deepest block boundary the chunk passed, from the prompt's last one on: where
+            # a turn-end marker may fall; its window blocks are still held now
+            self.local.stage_window(seq, self.local.extend(seq, self.hashes(seq), full),
+                                    2 if seq.stop_strings is not None else 1)
         if (self.store is None and not self.markers) or seq.plan is None:
             return
         for b in seq.plan.save_points:
@@ -466,8 +474,28 @@ class PrefixCache:
         """``seq`` finished: publish its turn-end checkpoint at the last block boundary of its
         computed tokens (if a forward ended there) and plan its Store put. A reply ended by a stop string counts only
         the tokens wholly before the stop string (``seq.num_kept_tokens``): a checkpoint past
-        the cut would hold text no next turn sends."""
+        the cut would hold text no next turn sends. With markers (a model without state), a
+        turn-end marker at a boundary :meth:`LocalTier.stage_window` kept."""
+        if self.turn_end_markers:
+            self._publish_turn_end_marker(seq)
+            return
         self._publish_turn_end(seq, saves)
+
+    def _publish_turn_end_marker(self, seq) -> None:
+        tokens = seq.num_computed_tokens
+        if seq.num_kept_tokens is not None:
+            tokens = min(tokens, seq.num_kept_tokens)
+        boundary = tokens // self.block_size * self.block_size
+        if boundary == 0 or boundary not in self.local.staged_boundaries(seq):
+            return
+        node = self.local.extend(seq, self.hashes(seq), boundary // self.block_size)
+        saved = self.local.save_marker(seq, node, boundary, 'turn_end', True)
+        if isinstance(saved, str):
+            self._skip(seq, saved)
+            return
+        seq.stats.turn_end_point = boundary
+        self.counters['turn_end_checkpoints_saved'] += 1
+        self._count_save('turn_end')
 
     def _publish_turn_end(self, seq, saves: SavePlan) -> bool:
         """Publish ``seq``'s turn-end checkpoint; True when its Store put is planned."""
@@ -503,6 +531,7 @@ class PrefixCache:
         return True
 
     def _drop_staging(self, seq) -> None:
+        self.local.drop_staged(seq)
         staging = self._staging.pop(seq.seq_id, None)
         for slot, lease in zip(staging.slots, staging.leases) if staging is not None else ():
             lease.release()

@@ -122,6 +122,9 @@ class LocalTier:
         # planned checkpoint saves (by destination slot) whose window blocks are kept: not
         # published yet, so not seen through ``ckpts_below``
         self._window_pending: dict[int, TrieNode] = {}
+        # markers' turn-end staging (decode_save_last): per running sequence, the latest block
+        # boundaries its forwards passed, whose window blocks are kept for a turn-end marker
+        self._window_staged: dict[int, list[TrieNode]] = {}
         self.block_manager = block_manager
         self.block_size = block_size
         # the model has recurrent state: a prefix is restorable only where a checkpoint holds it
@@ -438,13 +441,49 @@ class LocalTier:
             if n.checkpoint_slot is not None:
                 return True
             stack.extend(c for c in n.children.values() if c.ckpts_below)
-        for p in self._window_pending.values():
+        for p in self._planned_nodes():
             if p.depth >= m.depth and window_first_block(p.depth * B, W, B) <= index:
                 while p is not None and p.depth > m.depth:
                     p = p.parent
                 if p is m:
                     return True
         return False
+
+    def _planned_nodes(self) -> list[TrieNode]:
+        """Nodes whose window blocks are kept for a checkpoint not published yet: planned saves
+        and markers' turn-end staging."""
+        out = list(self._window_pending.values())
+        for nodes in self._window_staged.values():
+            out.extend(nodes)
+        return out
+
+    def stage_window(self, seq, node: TrieNode | None, keep: int = 1) -> bool:
+        """Markers' turn-end staging (``decode_save_last``): ``node``, a block boundary the forward
+        of ``seq`` just passed, keeps the window blocks a restore there reads, as a planned
+        checkpoint does, so a turn-end marker can be published there when ``seq`` finishes
+        (:meth:`save_marker`); only the latest ``keep`` staged nodes of ``seq`` stay (2 for a
+        request with stop strings: its turn may end one block earlier), older ones give back the
+        rows nothing else reads. Returns whether ``node`` is staged now."""
+        if not self.markers or node is None:
+            return False
+        staged = self._window_staged.setdefault(seq.seq_id, [])
+        if any(n is node for n in staged):
+            return True
+        if not self.keep_window(seq, node):
+            return False
+        staged.append(node)
+        while len(staged) > keep:
+            self._trim_window(staged.pop(0))
+        return True
+
+    def staged_boundaries(self, seq) -> list[int]:
+        """The boundaries (tokens) :meth:`stage_window` keeps for ``seq``."""
+        return [n.depth * self.block_size for n in self._window_staged.get(seq.seq_id, ())]
+
+    def drop_staged(self, seq) -> None:
+        """``seq`` leaves: its staged nodes give back the window blocks nothing else reads."""
+        for node in self._window_staged.pop(seq.seq_id, ()):
+            self._trim_window(node)
 
     def _trim_window(self, node: TrieNode) -> None:
         """Give back the window blocks a restore at ``node`` read that no checkpoint reads now."""
@@ -472,7 +511,7 @@ class LocalTier:
         if self.window_pool is None:
             return 0
         guarded = set()
-        for node in list(self.state_cache.pinned_nodes()) + list(self._window_pending.values()):
+        for node in list(self.state_cache.pinned_nodes()) + self._planned_nodes():
             guarded.update(id(n) for n in self._window_reads(node))
         refcount = self.window_pool.refcount
         return sum(1 for key, n in self.trie.window_nodes.items() if refcount[n.window_block] == 1
