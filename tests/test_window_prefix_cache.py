@@ -12,7 +12,10 @@ window), so the window layers' memory stays bounded by the window with caching o
 - the scheduler and the local tier alone, random conversations, window rows dropped and
   checkpoints evicted at random, saves whose copy fails: a restore is offered only where every
   window block it reads is held, and each pool's reference counts are exactly the trie's and the
-  tables' references.
+  tables' references; the same for a model without state, whose markers (zero-byte checkpoints)
+  keep the window rows and whose restores fall on the deepest block boundary with its window held.
+  (The tiny ``granitemoe_swa``'s markers: tests/test_granitemoe_swa.py and
+  tests/test_window_block_tables.py.)
 """
 from __future__ import annotations
 
@@ -127,37 +130,52 @@ def _check_pools(sched: Scheduler, local: LocalTier) -> None:
     assert all(n.window_block >= 0 for n in local.trie.window_nodes.values())
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize('kind', ['state', 'markers'])
+@settings(max_examples=30, deadline=None)
 @given(window=st.integers(1, 60), chunk=st.sampled_from([16, 32, 48]), data=st.data())
-def test_a_restore_never_reads_a_missing_window_block(window, chunk, data):
+def test_a_restore_never_reads_a_missing_window_block(kind, window, chunk, data):
     """Random conversations (each turn extends an earlier one), several at once, in pools that may
-    be short, turn-end checkpoints or not; window rows dropped, checkpoints and blocks evicted at
-    random, some save copies failing: every local restore the tiers offer reads only window blocks the trie holds, the
-    restored table attaches exactly them, and both pools' counts stay exact."""
+    be short, turn-end checkpoints or not, prefill policy default or last-only; window rows dropped,
+    checkpoints and blocks evicted at random, some save copies failing: every local restore the
+    tiers offer reads only window blocks the trie holds, the restored table attaches exactly them,
+    and both pools' counts stay exact. ``kind`` markers: a model without state (no runtime slot),
+    whose zero-byte checkpoints keep the window rows; its restores may fall on any block boundary
+    whose window is held (checked against a brute-force walk of the matched path)."""
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     A = data.draw(st.sampled_from([16, 32, 64]))
     batch = data.draw(st.integers(1, 3))
+    markers = kind == 'markers'
     per_seq = -(-(window - 1 + chunk) // B) + 1
     bm = BlockManager(data.draw(st.integers(60, 120)))
     wp = BlockManager(batch * per_seq + data.draw(st.integers(0, 12)))
-    sc = StateCache(batch, 6)
-    local = LocalTier(bm, B, sc, window_pool=wp, window=window)
+    sc = StateCache(0 if markers else batch, 6)
+    local = LocalTier(bm, B, sc, window_pool=wp, window=window, markers=markers)
     cache = PrefixCache(local, block_size=B, alignment=A, decode_save_last=data.draw(st.booleans()))
     cfg = SchedulerConfig.from_engine_config(PytorchEngineConfig(block_size=B, max_prefill_token_num=chunk,
                                                                  max_batch_size=batch, prefill_save_alignment=A,
-                                                                 enable_prefix_caching=True))
-    sched = Scheduler(cfg, bm, sc, cache, window_pool=wp, pool_window=window)
+                                                                 enable_prefix_caching=True,
+                                                                 prefill_save_last_only=data.draw(st.booleans())))
+    sched = Scheduler(cfg, bm, None if markers else sc, cache, window_pool=wp, pool_window=window)
     offered = []
     match = local.match
 
+    def ready(node) -> bool:
+        return all(n.window_block >= 0 for n in local._window_reads(node))
+
     def checked_match(seq, hashes, rules):
         m = match(seq, hashes, rules)
-        if m.checkpoint_slot is not None:
+        if m.cached_tokens:
+            assert m.source == 'local' and (m.checkpoint_slot is None) == markers
             node = m.nodes[m.num_shared_blocks - 1]
             reads = local._window_reads(node)
             assert all(n.window_block >= 0 for n in reads)
             assert len(reads) == node.depth - window_first_block(node.depth * B, window, B)
             offered.append(m.cached_tokens)
+        if markers:     # the deepest block boundary whose window is held, leaving a token to compute
+            limit = min(len(m.nodes), (seq.num_tokens - 1) // B)
+            want = max([d for d in range(1, limit + 1) if ready(m.nodes[d - 1])], default=0)
+            assert m.cached_tokens == want * B
+            assert local.depth(hashes, rules) == want * B
         return m
     local.match = checked_match
     convs = [random_prompt(rng.randint(20, 120), seed=rng.randint(0, 999)) for _ in range(2)]
@@ -196,6 +214,9 @@ def test_a_restore_never_reads_a_missing_window_block(window, chunk, data):
             cache.evict_window(rng.randint(1, 4))
         _check_pools(sched, local)
     assert not sched.has_work and not todo
+    assert sc.num_pinned == 0 and local.pins.num_held == 0 and local.pins.num_reclaimed == 0
+    if markers:     # every window row the trie holds is one a marker's restore reads (rows dropped above: not all)
+        assert set(local.trie.window_nodes) <= _checkpoint_windows(local)
     cache.evict(10**6)
     assert wp.num_free == wp.num_blocks and bm.num_free == bm.num_blocks and not local.trie.window_nodes
 
@@ -205,6 +226,11 @@ def test_window_rows_need_state_and_a_window():
         LocalTier(BlockManager(8), B, None, window_pool=BlockManager(4), window=24)
     with pytest.raises(ValueError, match='window_pool needs a window'):
         LocalTier(BlockManager(8), B, StateCache(1, 2), window_pool=BlockManager(4))
+    with pytest.raises(ValueError, match='markers need a window_pool'):
+        LocalTier(BlockManager(8), B, StateCache(0, 2), markers=True)
+    with pytest.raises(RuntimeError, match='keeps no markers'):
+        LocalTier(BlockManager(8), B, StateCache(1, 2), window_pool=BlockManager(4), window=24).save_marker(
+            None, None, 16)
 
 
 @pytest.mark.parametrize('tier', ['store', 'host'])
