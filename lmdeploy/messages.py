@@ -129,10 +129,12 @@ class PytorchEngineConfig(BaseModel):
     prefill_save_alignment: int = Field(1024, ge=1, description='Checkpoint boundaries are multiples of this (A); '
                                         'a positive multiple of block_size.')
     prefill_save_last_only: bool = Field(False, description='Save one checkpoint per input turn, at the last '
-                                         'reusable aligned boundary (hybrid models only).')
+                                         'reusable aligned boundary (hybrid models, and the markers of global + sliding-window models without '
+                                         'state).')
     decode_save_last: bool = Field(False, description='When a request finishes, save one more checkpoint at the '
-                                   'last block boundary of prompt + reply (hybrid models, prefix caching on), so '
-                                   'the next turn of a conversation restores past the reply.')
+                                   'last block boundary of prompt + reply (hybrid models, or a marker of a global + '
+                                   'sliding-window model without state; prefix caching on), so the next turn of a '
+                                   'conversation restores past the reply.')
     save_junction: bool = Field(False, description='When a request\'s blocks match the cache deeper than its '
                                 'restorable checkpoint (a branch point), save one checkpoint at the deepest '
                                 'aligned boundary before the branch point (hybrid models, prefix caching on).')
