@@ -146,7 +146,9 @@ class LocalTier:
         """The longest verified prefix of full blocks and the deepest restorable checkpoint on it.
 
         Hybrid models restore at a node whose checkpoint boundary is restorable for ``rules``;
-        full-attention models reuse any matched full block, leaving at least one token to compute.
+        full-attention models reuse any matched full block, leaving at least one token to compute;
+        with markers, the deepest such block boundary whose window blocks are all held (no
+        checkpoint slot to restore: ``checkpoint_slot`` stays None).
         """
         B, n = self.block_size, seq.num_tokens
         nodes = self.trie.match(seq.token_ids, hashes)
@@ -168,7 +170,8 @@ class LocalTier:
         boundary ``b`` (tokens), ``above < b`` (and ``b < below`` when given), that this tier could
         restore under ``rules``: its full blocks ``[0, b/B + r)`` are cached under ``hashes`` and,
         for a hybrid model, the node at ``b`` holds a checkpoint (a full-attention model: any
-        block boundary, leaving one token to compute); 0 if none.
+        block boundary, leaving one token to compute; with markers, the deepest of those whose
+        window blocks are all held); 0 if none.
 
         Metadata only: nothing is touched (LRU order and reach counts stay), nothing is pinned,
         and tokens are not compared (:meth:`match` verifies them before an admission uses a hit).

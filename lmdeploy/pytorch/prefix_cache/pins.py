@@ -8,7 +8,8 @@ of :meth:`StateCache.pin` / :meth:`StateCache.unpin` — and travels with the pl
 
     purpose            taken by                          released by (exactly once)
     restore_source     LocalTier.pin (admission)         LocalTier.unpin (admission rolled back)
-                                                         or PrefixCache.loads_done (copy ran/raised)
+                                                         or PrefixCache.loads_done (copy ran/raised),
+                                                         or PrefixCache.plan_load (a marker: no copy)
     save_target        LocalTier.plan_checkpoint         LocalTier.checkpoint_done (copy ran/raised)
     store_keep         LocalTier.cache_restored          PrefixCache.restored_kept
     staging            PrefixCache._stage                turn-end publish, or the request leaving
