@@ -129,8 +129,8 @@ class PytorchEngineConfig(BaseModel):
     prefill_save_alignment: int = Field(1024, ge=1, description='Checkpoint boundaries are multiples of this (A); '
                                         'a positive multiple of block_size.')
     prefill_save_last_only: bool = Field(False, description='Save one checkpoint per input turn, at the last '
-                                         'reusable aligned boundary (hybrid models, and the markers of global + sliding-window models without '
-                                         'state).')
+                                         'reusable aligned boundary (hybrid models, and the markers of global + '
+                                         'sliding-window models without state).')
     decode_save_last: bool = Field(False, description='When a request finishes, save one more checkpoint at the '
                                    'last block boundary of prompt + reply (hybrid models, or a marker of a global + '
                                    'sliding-window model without state; prefix caching on), so the next turn of a '
