@@ -101,6 +101,7 @@ check([(13, 70), (2, 3)], None, 1, False, 16, 6)                        # severa
 check([(3, 9)], 1, 3, True, 1, 7)
 check([(10, 30)], 200, 2, False, 5, 8)
 check([(21, 50), (1, 1)], 24, 2, True, 16, 9, Hkv=1, D=80)              # head_dim 80: 128-wide, 32 keys a tile
+check([(21, 50)], 4, 1, True, 16, 10, D=80)     # 64-row tiles over 32-key tiles: rows 32+ see none of the first
 # random steps of the same kinds
 rng = random.Random(0)
 for seed in range(24):
