@@ -78,6 +78,10 @@ def test_list_names_every_cuda_test_file_and_the_benchmark():
     rows = [line.split(' ', 1) for line in done.stdout.splitlines()]
     cuda = {rest for kind, rest in rows if kind == 'cuda-test'}
     assert cuda == _cuda_only_test_files() and 'tests/test_cuda.py' in cuda
+    # a test skipped without CUDA in any other file would run on no machine at all
+    skip = re.compile(r'skipif\(\s*not\s+torch\.cuda\.is_available\(\)')
+    per_test = {f'tests/{p.name}' for p in (ROOT / 'tests').glob('test_*.py') if skip.search(p.read_text())}
+    assert per_test <= cuda, per_test - cuda
     kernel = [rest for kind, rest in rows if kind == 'kernel-test']
     # every Triton kernel's interpreter suite runs on the GPU machine too (its triton and numpy)
     assert _interpreted_triton_test_files() <= {path.split('::')[0] for path in kernel}

@@ -119,3 +119,41 @@ def test_triton_kernel_equals_the_reference_interpreted():
     proc = subprocess.run([sys.executable, '-c', _TRITON_SCRIPT.format(tests=str(ROOT / 'tests'))],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith('ok'), proc.stderr[-3000:]
+
+
+_ENGINE_SCRIPT = '''
+import sys
+sys.path.insert(0, {tests!r})
+from engine_utils import engine_prompt_logits, make_engine, random_prompt
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.kernels import get_kernel, register_kernel
+from lmdeploy.pytorch.kernels.window_attention_triton import paged_window_attention_triton
+from lmdeploy.tools.make_tiny_model import make_tiny_model
+
+path = make_tiny_model({out!r}, arch='granitemoe_swa', seed=0)
+prompt, gen = random_prompt(70, seed=70), GenerationConfig(max_new_tokens=4, ignore_eos=True)
+runs = []
+for triton in (False, True):
+    if triton:      # the GPU's choice, on CPU tensors: every layer of the engine through the kernel
+        register_kernel('paged_window_attention', device_type='cpu', priority=100)(paged_window_attention_triton)
+        assert get_kernel('paged_window_attention', 'cpu') is paged_window_attention_triton
+    eng = make_engine(path, block_size=16, max_prefill_token_num=32)
+    runs.append((engine_prompt_logits(eng, prompt)[0], eng.generate(prompt[:40], gen).token_ids))
+err = (runs[0][0] - runs[1][0]).abs().max().item()
+assert err <= 1e-4, err
+assert runs[0][1] == runs[1][1], runs
+print('ok')
+'''
+
+
+def test_a_granitemoe_swa_engine_through_the_interpreted_kernel_equals_the_torch_one(tmp_path):
+    """The tiny granitemoe_swa (global and sliding layers with sinks, 24-token windows) with the
+    kernel in every layer: a 70-token prompt in 32-token chunks over 16-token blocks (chunk ends
+    inside windows; the window layers' own block pool) gives the torch engine's logits within
+    1e-4 (the engine's float32 bound against transformers), then the same greedy tokens."""
+    pytest.importorskip('triton')
+    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONPATH=f'{ROOT}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
+    script = _ENGINE_SCRIPT.format(tests=str(ROOT / 'tests'), out=str(tmp_path / 'tiny'))
+    proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith('ok'), proc.stderr[-3000:]
