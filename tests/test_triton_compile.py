@@ -85,14 +85,16 @@ def test_state_copy_compiles():
     _compile(kernel, dict(buf_ptr='*i64', src_ptr='*i64', dst_ptr='*i64'), {'BLOCK': 1024})
 
 
-@pytest.mark.parametrize('cache', ['fp32', 'bf16'])
-def test_window_attention_loops_to_its_loaded_key_range_in_full_precision(cache):
+@pytest.mark.parametrize('cache, bias', [('fp32', False), ('bf16', False), ('fp32', True)])
+def test_window_attention_loops_to_its_loaded_key_range_in_full_precision(cache, bias):
     """Both products at full float32 precision for any cache dtype (the torch version's), the key
-    loop a while loop to bounds loaded from the tile plan."""
+    loop a while loop to bounds loaded from the tile plan; with Inkling's relative bias (a 32-channel
+    loop of gathers) and logit multipliers too."""
     from lmdeploy.pytorch.kernels import window_attention_triton
     _, kernel = window_attention_triton._kernel()
-    types = dict(_pointers(kernel, cache), q_ptr=f'*{cache}', out_ptr=f'*{cache}', sink_ptr='*fp32',
-                 table_ptr='*i64', tiles_ptr='*i32', scale='fp32')
-    asm = _compile(kernel, types, dict(ROWS=1, HAS_SINK=True, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64))
+    types = dict(_pointers(kernel, cache), q_ptr=f'*{cache}', out_ptr=f'*{cache}', rel_ptr=f'*{cache}',
+                 sink_ptr='*fp32', proj_ptr='*fp32', tau_ptr='*fp32', table_ptr='*i64', tiles_ptr='*i32', scale='fp32')
+    asm = _compile(kernel, types, dict(ROWS=16 if bias else 1, HAS_SINK=not bias, HAS_BIAS=bias,
+                                       D_REL=32 if bias else 1, HAS_TAU=bias, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64))
     assert 'scf.while' in asm['ttir']
     assert 'tf32' not in asm['ptx']

@@ -5,7 +5,10 @@ longer than the sequence, none, GQA groups of 1 to 4, sinks or not, key ranges o
 tiles, a head_dim off the power-of-two tiles) and random steps of the same kinds. As in
 tests/test_window_attention_batched.py (whose step builder this reuses), block tables are
 shuffled, every cache entry no query may read is NaN and the table entries of blocks before
-every window point at a NaN block; here some point at ids far past the cache, too.
+every window point at a NaN block; here some point at ids far past the cache, too. Inkling's
+relative bias and logit multipliers in the same kernel against its per-sequence torch loop
+(``tiled_attention``), on the same steps; and tiny granitemoe_swa and Inkling engines with the
+interpreted kernel in every attention layer against their torch engines.
 
 Tolerance 1e-5 absolute on outputs of magnitude ~1, as for the batched torch version: both
 compute in float32; the kernel sums its softmax over tiles of 32 or 64 keys with online
@@ -33,9 +36,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_registry_picks_torch_on_cpu_and_triton_on_cuda():
+    """Regression: CUDA ran the torch gathers and masked softmax (no Triton kernel was registered);
+    Inkling's attention has only the CUDA kernel (its model keeps its torch path elsewhere)."""
     assert kernels.get_kernel('paged_window_attention', 'cpu') is wa.paged_window_attention
+    assert kernels.find_kernel('relative_bias_attention', 'cpu') is None
     if kernels.triton_available():
         assert kernels.get_kernel('paged_window_attention', 'cuda') is wat.paged_window_attention_triton
+        assert kernels.get_kernel('relative_bias_attention', 'cuda') is wat.relative_bias_attention_triton
 
 
 def test_tiles_of_a_mixed_step():
@@ -61,6 +68,11 @@ def test_bad_arguments_are_refused():
         wat.paged_window_attention_triton(q[:, :1], k, v, kc, vc, ctx, 0.5, 4, None)     # 1 head, 2 KV heads
     with pytest.raises(ValueError, match='contiguous head_dim'):
         wat.paged_window_attention_triton(q, k, v, kc.transpose(2, 3), vc, ctx, 0.5, 4, None)
+    rel, proj = torch.zeros(*q.shape[:2], 3), torch.zeros(3, 5)
+    with pytest.raises(ValueError, match=r'rel must be \[T, heads, d_rel\] and proj \[d_rel, E\]'):
+        wat.relative_bias_attention_triton(q, k, v, rel, proj[:2], kc, vc, ctx, 0.5, 4, None)
+    with pytest.raises(ValueError, match='sliding_window must be >= 1'):
+        wat.relative_bias_attention_triton(q, k, v, rel, proj, kc, vc, ctx, 0.5, 0, None)
 
 
 # In a subprocess so TRITON_INTERPRET=1 is set before triton is imported and does not leak.
@@ -104,11 +116,44 @@ check([(21, 50), (1, 1)], 24, 2, True, 16, 9, Hkv=1, D=80)              # head_d
 check([(21, 50)], 4, 1, True, 16, 10, D=80)     # 64-row tiles over 32-key tiles: rows 32+ see none of the first
 # random steps of the same kinds
 rng = random.Random(0)
-for seed in range(24):
+for seed in range(16):
     seqs = [(rng.randint(0, 70), rng.choice([1, 1, 2, 5, 17, 40])) for _ in range(rng.randint(1, 4))]
     window = rng.choice([None, 1, rng.randint(2, 40), 200])
     check(seqs, window, rng.choice([1, 2, 3, 4]), rng.random() < 0.5, rng.choice([1, 4, 5, 16]), seed,
           Hkv=rng.choice([1, 2]), D=rng.choice([4, 8, 20]), far_ids=rng.random() < 0.5)
+
+
+# Inkling's relative bias (and logit multipliers) in the same kernel, against its per-sequence torch loop
+import lmdeploy.pytorch.models.inkling as inkling
+from lmdeploy.pytorch.kernels.attention import fill_kv_cache
+from lmdeploy.pytorch.kernels.window_attention_triton import relative_bias_attention_triton
+
+
+def check_bias(seqs, window, gqa, block_size, seed, d_rel, E, with_tau, Hkv=2, D=4):
+    q, k, v, kc, vc, ctx, _ = _step(seqs, window, gqa, False, block_size, seed, Hkv=Hkv, D=D)
+    gen = torch.Generator().manual_seed(seed)
+    rel, proj = torch.randn(q.shape[0], q.shape[1], d_rel, generator=gen), torch.randn(d_rel, E, generator=gen)
+    tau = 1 + torch.rand(q.shape[0], generator=gen) if with_tau else None
+    ref_k, ref_v = kc.clone(), vc.clone()
+    fill_kv_cache(k, v, ref_k, ref_v, ctx)
+    ref = torch.full_like(q, float('nan'))
+    inkling.tiled_attention(q, rel, proj, ref_k, ref_v, ctx, 0.3, window, tau, ref, list(range(len(seqs))))
+    got = relative_bias_attention_triton(q, k, v, rel, proj, kc, vc, ctx, 0.3, window, tau)
+    case = (seqs, window, gqa, block_size, seed, d_rel, E, with_tau, Hkv, D)
+    assert not got.isnan().any(), case
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-5, (case, err)
+
+
+check_bias([(30, 1), (0, 1), (5, 1)], 8, 2, 4, 1, 3, 8, True)            # decode, E = window
+check_bias([(13, 20), (0, 1), (7, 40)], 24, 3, 4, 2, 2, 5, False)       # chunks mid-block, E < window
+check_bias([(13, 70), (2, 3)], None, 1, 16, 3, 4, 30, True)             # global: E < the history
+check_bias([(40, 9), (3, 1)], 1, 2, 5, 4, 1, 1, True)                   # W = 1
+for seed in range(6):
+    seqs = [(rng.randint(0, 70), rng.choice([1, 1, 2, 7, 30])) for _ in range(rng.randint(1, 4))]
+    window = rng.choice([None, 1, rng.randint(2, 40)])
+    check_bias(seqs, window, rng.choice([1, 2, 3]), rng.choice([1, 4, 16]), 100 + seed, rng.randint(1, 5),
+               rng.randint(1, 40), rng.random() < 0.5, Hkv=rng.choice([1, 2]), D=rng.choice([4, 8]))
 print('ok')
 '''
 
@@ -126,34 +171,37 @@ import sys
 sys.path.insert(0, {tests!r})
 from engine_utils import engine_prompt_logits, make_engine, random_prompt
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.kernels import get_kernel, register_kernel
-from lmdeploy.pytorch.kernels.window_attention_triton import paged_window_attention_triton
+from lmdeploy.pytorch.kernels import find_kernel, register_kernel
+from lmdeploy.pytorch.kernels import window_attention_triton as wat
 from lmdeploy.tools.make_tiny_model import make_tiny_model
 
-path = make_tiny_model({out!r}, arch='granitemoe_swa', seed=0)
 prompt, gen = random_prompt(70, seed=70), GenerationConfig(max_new_tokens=4, ignore_eos=True)
-runs = []
-for triton in (False, True):
-    if triton:      # the GPU's choice, on CPU tensors: every layer of the engine through the kernel
-        register_kernel('paged_window_attention', device_type='cpu', priority=100)(paged_window_attention_triton)
-        assert get_kernel('paged_window_attention', 'cpu') is paged_window_attention_triton
-    eng = make_engine(path, block_size=16, max_prefill_token_num=32)
-    runs.append((engine_prompt_logits(eng, prompt)[0], eng.generate(prompt[:40], gen).token_ids))
-err = (runs[0][0] - runs[1][0]).abs().max().item()
-assert err <= 1e-4, err
-assert runs[0][1] == runs[1][1], runs
+for arch, op, kernel in [('granitemoe_swa', 'paged_window_attention', wat.paged_window_attention_triton),
+                         ('inkling_text', 'relative_bias_attention', wat.relative_bias_attention_triton)]:
+    path = make_tiny_model({out!r} + arch, arch=arch, seed=0)
+    runs = []
+    for triton in (False, True):
+        if triton:      # the GPU's choice, on CPU tensors: every attention layer of the engine through the kernel
+            register_kernel(op, device_type='cpu', priority=100)(kernel)
+            assert find_kernel(op, 'cpu') is kernel
+        eng = make_engine(path, block_size=16, max_prefill_token_num=32)
+        runs.append((engine_prompt_logits(eng, prompt)[0], eng.generate(prompt[:40], gen).token_ids))
+    err = (runs[0][0] - runs[1][0]).abs().max().item()
+    assert err <= 1e-4, (arch, err)
+    assert runs[0][1] == runs[1][1], (arch, runs)
 print('ok')
 '''
 
 
-def test_a_granitemoe_swa_engine_through_the_interpreted_kernel_equals_the_torch_one(tmp_path):
-    """The tiny granitemoe_swa (global and sliding layers with sinks, 24-token windows) with the
-    kernel in every layer: a 70-token prompt in 32-token chunks over 16-token blocks (chunk ends
-    inside windows; the window layers' own block pool) gives the torch engine's logits within
-    1e-4 (the engine's float32 bound against transformers), then the same greedy tokens."""
+def test_engines_through_the_interpreted_kernel_equal_the_torch_ones(tmp_path):
+    """The tiny granitemoe_swa (global and sliding layers with sinks, 24-token windows) and
+    Inkling (relative bias, log-scaled global layers) with the kernel in every attention layer: a
+    70-token prompt in 32-token chunks over 16-token blocks (chunk ends inside windows; window
+    layers in a block pool of their own) gives the torch engine's logits within 1e-4 (the
+    engines' float32 bound against transformers), then the same greedy tokens."""
     pytest.importorskip('triton')
     env = dict(os.environ, TRITON_INTERPRET='1', PYTHONPATH=f'{ROOT}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
-    script = _ENGINE_SCRIPT.format(tests=str(ROOT / 'tests'), out=str(tmp_path / 'tiny'))
+    script = _ENGINE_SCRIPT.format(tests=str(ROOT / 'tests'), out=str(tmp_path / 'tiny_'))
     proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith('ok'), proc.stderr[-3000:]

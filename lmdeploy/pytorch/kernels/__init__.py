@@ -8,7 +8,8 @@ CPU implementation falls back to torch by itself where its native kernel does no
 
 Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attention_triton),
 ``paged_window_attention`` (window_attention: a sliding window and attention sinks; Triton on CUDA
-in window_attention_triton),
+in window_attention_triton), ``relative_bias_attention`` (CUDA only, window_attention_triton: Inkling's
+attention, whose model falls back to its own torch path elsewhere),
 ``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
 (gated_delta_rule), ``kda_varlen``, ``chunk_kda``, ``recurrent_kda``, ``kda_decode_step``
 (kimi_delta_attention; the native CPU step in cpu_native), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),

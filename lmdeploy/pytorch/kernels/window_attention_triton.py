@@ -30,9 +30,14 @@ does; the result is rounded to ``q.dtype`` once. The tiles of a step (``[n, 4]``
 flat row, rows, first position, table row) depend only on its layout, so they are built once
 per step and tile height and kept in ``StepContext.kernel_memo`` for every layer.
 
+The same kernel serves Inkling's attention (``relative_bias_attention``, the contract of the torch
+path in ``models/inkling.py``): an additive bias ``rel_p . proj[:, p - j]`` on each score whose
+distance ``p - j`` is below the extent ``E`` (``proj`` float32 ``[d_rel, E]``, gathered one
+``d_rel`` channel at a time), then the sum times a per-query multiplier ``tau_p``, before the mask.
+
 Registered for CUDA when triton imports; runs on CPU tensors under ``TRITON_INTERPRET=1`` (how
-tests/test_window_attention_triton.py checks it against ``paged_window_attention_reference``).
-Importing this module never needs triton.
+tests/test_window_attention_triton.py checks it against ``paged_window_attention_reference`` and
+Inkling's torch loop). Importing this module never needs triton.
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ from . import once, register_kernel, triton_available
 from .attention import fill_kv_cache
 from ..model_inputs import StepContext
 
-__all__ = ['paged_window_attention_triton', 'window_tiles', 'tile_rows', 'NO_WINDOW']
+__all__ = ['paged_window_attention_triton', 'relative_bias_attention_triton', 'window_tiles', 'tile_rows',
+           'NO_WINDOW']
 
 TILE_HEIGHT = 64      # stacked (head, row) pairs a program aims at: rows per tile = TILE_HEIGHT // G
 NO_WINDOW = 1 << 30   # the window passed for none: larger than any position (positions stay < 2^30)
@@ -90,11 +96,12 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _window_attention(q_ptr, k_ptr, v_ptr, out_ptr, sink_ptr, table_ptr, tiles_ptr, scale, window,
+    def _window_attention(q_ptr, k_ptr, v_ptr, out_ptr, sink_ptr, table_ptr, tiles_ptr, rel_ptr, proj_ptr, tau_ptr,
+                          scale, window, extent,
                           stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                          stride_on, stride_oh, stride_tn, group, block_size, head_dim,
-                          ROWS: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          stride_on, stride_oh, stride_tn, stride_rn, stride_rh, group, block_size, head_dim,
+                          ROWS: tl.constexpr, HAS_SINK: tl.constexpr, HAS_BIAS: tl.constexpr, D_REL: tl.constexpr,
+                          HAS_TAU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         row0 = tl.load(tiles_ptr + tile * 4)
@@ -111,6 +118,9 @@ def _kernel():
         d_ok = d < head_dim
         q_rows = (row0 + r).to(tl.int64) * stride_qn + head * stride_qh
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        rel_rows = rel_ptr + (row0 + r).to(tl.int64) * stride_rn + head * stride_rh
+        if HAS_TAU:
+            tau = tl.load(tau_ptr + row0 + r, mask=i_ok, other=1.0).to(tl.float32)
         lo = tl.maximum(pos0 - window + 1, 0)
         hi = pos0 + nrows
         n = tl.arange(0, BLOCK_N)
@@ -130,6 +140,19 @@ def _kernel():
             k_t = tl.load(k_ptr + k_at[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
                           other=0.0).to(tl.float32)                                     # [BLOCK_D, BLOCK_N]
             s = tl.dot(q, k_t, input_precision='ieee') * scale
+            if HAS_BIAS:
+                # bias(p, d) = rel_p . proj[:, d] for distances 0 <= d < extent: one column of proj
+                # per (row, key), gathered channel by channel (no [M, N, d_rel] block in registers)
+                dist = q_pos[:, None] - k_pos[None, :]
+                near = (dist >= 0) & (dist < extent) & i_ok[:, None] & k_ok[None, :]
+                dist = tl.where(near, dist, 0)
+                bias = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for c in range(D_REL):
+                    rel_c = tl.load(rel_rows + c, mask=i_ok, other=0.0).to(tl.float32)
+                    bias += rel_c[:, None] * tl.load(proj_ptr + c * extent + dist, mask=near, other=0.0)
+                s += bias
+            if HAS_TAU:
+                s = s * tau[:, None]
             seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & k_ok[None, :]
             s = tl.where(seen, s, float('-inf'))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -156,6 +179,42 @@ def _kernel():
                  mask=i_ok[:, None] & d_ok[None, :])
 
     return triton, _window_attention
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext, scale: float,
+            window: int | None, sinks: torch.Tensor | None, rel: torch.Tensor | None = None,
+            proj: torch.Tensor | None = None, tau: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's launches over a step whose K/V are in the cache (``ctx`` addresses them):
+    ``[T, heads, head_dim]`` in ``q.dtype``. ``rel`` / ``proj`` / ``tau``: Inkling's relative
+    bias and logit multipliers (:func:`relative_bias_attention_triton`), or None."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    group = H // Hkv
+    sink = None if sinks is None else sinks.float().contiguous()
+    if rel is not None:
+        rel = rel if rel.stride(-1) == 1 else rel.contiguous()
+        proj = proj.float().contiguous()
+    tau = None if tau is None else tau.float().contiguous()
+    table = ctx.block_table
+    triton, kernel = _kernel()
+    block_d = max(16, triton.next_power_of_2(D))
+    block_n = 64 if block_d <= 64 else 32
+    for rows, tiles in window_tiles(ctx, tile_rows(group)):
+        kernel[(tiles.shape[0], Hkv)](
+            q, k_cache, v_cache, out, q if sink is None else sink, table, tiles, q if rel is None else rel,
+            q if proj is None else proj, q if tau is None else tau, float(scale),
+            NO_WINDOW if window is None else int(window), 1 if proj is None else proj.shape[1],
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), table.stride(0),
+            0 if rel is None else rel.stride(0), 0 if rel is None else rel.stride(1), group, ctx.block_size, D,
+            ROWS=rows, HAS_SINK=sink is not None, HAS_BIAS=rel is not None, D_REL=1 if rel is None else rel.shape[2],
+            HAS_TAU=tau is not None, BLOCK_M=max(16, triton.next_power_of_2(group * rows)), BLOCK_N=block_n,
+            BLOCK_D=block_d)
+    return out
 
 
 @register_kernel('paged_window_attention', device_type='cuda', priority=10, available=triton_available)
@@ -185,31 +244,50 @@ def paged_window_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """
     if window is not None and window < 1:
         raise ValueError(f'sliding_window must be >= 1, got {window}')
-    T, H, D = q.shape
-    Hkv = k_cache.shape[2]
+    _check_heads(q, k_cache, v_cache)
+    ctx = ctx.paged_group(window)       # a sliding layer's blocks may have tables of their own
+    fill_kv_cache(k, v, k_cache, v_cache, ctx)
+    return _attend(q, k_cache, v_cache, ctx, scale, window, sinks)
+
+
+@register_kernel('relative_bias_attention', device_type='cuda', priority=10, available=triton_available)
+def relative_bias_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: torch.Tensor,
+                                   proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+                                   scale: float, window: int | None, tau: torch.Tensor | None) -> torch.Tensor:
+    """Inkling's attention with relative logits (the contract of
+    :func:`~lmdeploy.pytorch.models.inkling.relative_bias_attention`, whose torch path other
+    devices run): the same kernel with the bias ``rel_p . proj[:, p - j]`` (distances
+    ``0 <= p - j < E``) added to each float32 score and the sum times ``tau_p``, before the mask.
+
+    Args:
+        q: ``[T, heads, head_dim]``; k, v: ``[T, kv_heads, head_dim]`` new keys / values.
+        rel: ``[T, heads, d_rel]`` relative states; proj: ``[d_rel, E]`` bias profiles.
+        k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``, unit stride along
+            ``head_dim``.
+        ctx: batch layout; scale: the logit scale; window: keys per query, or None.
+        tau: ``[T]`` float32 logit multipliers, or None.
+
+    Returns:
+        ``[T, heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: ``window`` below 1, heads not a multiple of KV heads, a cache whose
+            ``head_dim`` is not contiguous, or ``rel`` / ``proj`` of other shapes.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f'sliding_window must be >= 1, got {window}')
+    _check_heads(q, k_cache, v_cache)
+    if rel.shape[:2] != q.shape[:2] or proj.dim() != 2 or rel.shape[2] != proj.shape[0]:
+        raise ValueError(f'rel must be [T, heads, d_rel] and proj [d_rel, E]; got rel {tuple(rel.shape)}, '
+                         f'proj {tuple(proj.shape)} for q {tuple(q.shape)}')
+    ctx = ctx.paged_group(window)
+    fill_kv_cache(k, v, k_cache, v_cache, ctx)
+    return _attend(q, k_cache, v_cache, ctx, scale, window, None, rel, proj, tau)
+
+
+def _check_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError before the cache is written when the kernel could not run on these shapes."""
+    H, Hkv = q.shape[1], k_cache.shape[2]
     if H % Hkv or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError('paged_window_attention_triton needs heads % kv_heads == 0 and caches with a contiguous '
                          f'head_dim; got {H} heads, {Hkv} kv heads, k_cache strides {k_cache.stride()}')
-    ctx = ctx.paged_group(window)       # a sliding layer's blocks may have tables of their own
-    fill_kv_cache(k, v, k_cache, v_cache, ctx)
-    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    if T == 0:
-        return out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    group = H // Hkv
-    sink = None if sinks is None else sinks.float().contiguous()
-    table = ctx.block_table
-    triton, kernel = _kernel()
-    block_d = max(16, triton.next_power_of_2(D))
-    block_n = 64 if block_d <= 64 else 32
-    for rows, tiles in window_tiles(ctx, tile_rows(group)):
-        kernel[(tiles.shape[0], Hkv)](
-            q, k_cache, v_cache, out, q if sink is None else sink, table, tiles, float(scale),
-            NO_WINDOW if window is None else int(window),
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), table.stride(0),
-            group, ctx.block_size, D,
-            ROWS=rows, HAS_SINK=sink is not None, BLOCK_M=max(16, triton.next_power_of_2(group * rows)),
-            BLOCK_N=block_n, BLOCK_D=block_d)
-    return out
