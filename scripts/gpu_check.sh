@@ -34,9 +34,11 @@ CUDA_TESTS=(tests/test_cuda.py)
 # and the kernel tests, whose Triton compiling and fla autotuning (most of their time) then overlap
 CUDA_SHARDS=("engine" "not engine")
 # suites of the kernels the GPU runs: registry choices per device, Triton under the interpreter
+# (tests/test_gpu_check.py: every test file that runs a Triton kernel interpreted is here)
 KERNEL_TESTS=(tests/test_state_copy.py tests/test_varlen_kernels.py tests/test_gdn_kernels.py tests/test_kda_kernels.py
               tests/test_thread_safety.py tests/test_mamba2_accel_kernels.py tests/test_hf_reference.py
-              tests/test_triton_compile.py
+              tests/test_triton_compile.py tests/test_window_attention_triton.py tests/test_mamba1_kernels.py
+              tests/test_lightning_attention.py
               tests/test_fp8.py::test_triton_fp8_gemm_matches_the_torch_fallback_under_interpreter)
 # a small model and short runs: on a fresh machine most of its time is Triton compiling and tuning
 BENCH=(benchmark/benchmark_cuda.py --device cuda --preset small --batches 1,8 --decode-tokens 32 --repeats 10)

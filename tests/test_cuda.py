@@ -1,5 +1,6 @@
 """CUDA: the kernels the registry picks on a GPU equal the torch implementations, and the engine on
-a GPU equals the CPU engine, transformers, and itself with the prefix cache on.
+a GPU equals the CPU engine, transformers, and itself with the prefix cache on (Qwen3, Qwen3-Next,
+Granite-4.0-H, granitemoe_swa, Inkling).
 
 Every test here skips without CUDA (``scripts/gpu_check.sh`` runs them on a GPU machine).
 Tolerances: the Triton and torch kernels compute in float32 with the same formulas, so they
@@ -39,9 +40,13 @@ def test_registry_picks_the_cuda_implementations():
     from lmdeploy.pytorch.kernels import get_kernel, triton_available
     from lmdeploy.pytorch.kernels.attention_triton import paged_decode_attention_triton
     from lmdeploy.pytorch.kernels.state_copy import copy_state_slots_triton
+    from lmdeploy.pytorch.kernels.window_attention_triton import (paged_window_attention_triton,
+                                                                  relative_bias_attention_triton)
     if triton_available():
         assert get_kernel('copy_state_slots', 'cuda') is copy_state_slots_triton
         assert get_kernel('paged_decode_attention', 'cuda') is paged_decode_attention_triton
+        assert get_kernel('paged_window_attention', 'cuda') is paged_window_attention_triton
+        assert get_kernel('relative_bias_attention', 'cuda') is relative_bias_attention_triton
     for op in ('rms_norm', 'gated_rms_norm', 'moe_experts', 'paged_attention', 'gated_delta_rule_varlen',
                'causal_conv1d_varlen', 'swiglu_experts', 'kda_varlen', 'kda_decode_step', 'chunk_kda'):
         get_kernel(op, 'cuda')     # every op the models use has an implementation on CUDA
@@ -77,6 +82,74 @@ def test_paged_decode_attention_triton_equals_torch(H, Hkv, D, block):
     ref = paged_decode_attention(q, k_cache, v_cache, table, kv, D ** -0.5)
     out = paged_decode_attention_triton(q, k_cache, v_cache, table, kv, D ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def _window_step_on_cuda(seqs, window, gqa, sinks, block_size, seed, Hkv, D, dtype):
+    """tests/test_window_attention_batched.py's step (NaN outside every window), on the GPU in
+    ``dtype``: ``(q, k, v, k_cache, v_cache, ctx, sink)``."""
+    from test_window_attention_batched import _step
+    from lmdeploy.pytorch.model_inputs import StepContext
+    q, k, v, kc, vc, ctx, sink = _step(seqs, window, gqa, sinks, block_size, seed, Hkv=Hkv, D=D)
+    q, k, v, kc, vc = (t.to('cuda', dtype) for t in (q, k, v, kc, vc))
+    ctx = StepContext(input_ids=ctx.input_ids.cuda(), positions=ctx.positions.cuda(), q_seqlens=ctx.q_seqlens,
+                      q_start_loc=ctx.q_start_loc, kv_seqlens=ctx.kv_seqlens,
+                      block_tables=[t.cuda() for t in ctx.block_tables], state_slots=ctx.state_slots,
+                      kv_caches=[(kc, vc)], state_caches=[None], block_size=block_size)
+    return q, k, v, kc, vc, ctx, None if sink is None else sink.cuda()
+
+
+@pytest.mark.parametrize('seqs, window, gqa, sinks, block, Hkv, D', [
+    ([(h, 1) for h in (0, 3, 127, 128, 129, 300, 1000, 64)], 128, 4, True, 16, 2, 64),      # decode
+    ([(h, 1) for h in (5, 700, 64)], None, 8, False, 64, 1, 128),
+    ([(37, 300), (0, 1), (500, 1), (13, 90)], 128, 2, True, 16, 4, 64),                    # prefill mid-block
+    ([(900, 200), (2, 1)], 1, 1, True, 64, 2, 128),
+    ([(0, 257), (70, 33)], 4096, 6, False, 32, 1, 80)])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_paged_window_attention_triton_equals_torch(seqs, window, gqa, sinks, block, Hkv, D, dtype):
+    """The Triton kernel against the per-sequence torch reference on the GPU, model-sized heads
+    and blocks: float32 within 1e-5 (both float32, summed in another order); bfloat16 caches
+    within half a bfloat16 ulp of the float32 result plus that (the kernel rounds its float32
+    result to the nearest bfloat16 once; Triton's interpreter truncates instead, a whole ulp,
+    which is why this bound is checked here and not under the interpreter)."""
+    pytest.importorskip('triton')
+    from lmdeploy.pytorch.kernels import window_attention as wa
+    from lmdeploy.pytorch.kernels.attention import fill_kv_cache
+    from lmdeploy.pytorch.kernels.window_attention_triton import paged_window_attention_triton
+    q, k, v, kc, vc, ctx, sink = _window_step_on_cuda(seqs, window, gqa, sinks, block, 3, Hkv, D, dtype)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    fill_kv_cache(k, v, ref_kc, ref_vc, ctx)
+    got = paged_window_attention_triton(q, k, v, kc, vc, ctx, D ** -0.5, window, sink)
+    assert not got.isnan().any()
+    assert torch.equal(kc.nan_to_num(), ref_kc.nan_to_num()) and torch.equal(vc.nan_to_num(), ref_vc.nan_to_num())
+    ref = wa.paged_window_attention_reference(q.float(), k.float(), v.float(), ref_kc.float(), ref_vc.float(), ctx,
+                                              D ** -0.5, window, sink)
+    rtol = 0 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), ref, atol=1e-5, rtol=rtol)
+
+
+@pytest.mark.parametrize('seqs, window, gqa, block, E, with_tau', [
+    ([(h, 1) for h in (0, 3, 127, 128, 300, 64)], 128, 4, 16, 128, False),       # decode, E = window
+    ([(37, 300), (0, 1), (900, 1)], None, 2, 64, 256, True),                    # global, log-scaled
+    ([(13, 90), (200, 40)], 64, 1, 16, 64, False)])
+def test_relative_bias_attention_triton_equals_inklings_torch_path(seqs, window, gqa, block, E, with_tau):
+    """Inkling's relative bias inside the kernel against its per-sequence torch loop on the GPU
+    (float32, head_dim 64, d_rel 32): within 1e-5, as the plain kernel."""
+    pytest.importorskip('triton')
+    from lmdeploy.pytorch.kernels.attention import fill_kv_cache
+    from lmdeploy.pytorch.kernels.window_attention_triton import relative_bias_attention_triton
+    from lmdeploy.pytorch.models.inkling import tiled_attention
+    q, k, v, kc, vc, ctx, _ = _window_step_on_cuda(seqs, window, gqa, False, block, 5, 2, 64, torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    rel = torch.randn(q.shape[0], q.shape[1], 32, generator=gen).cuda() * 0.2
+    proj = torch.randn(32, E, generator=gen).cuda() * 0.2
+    tau = (1 + torch.rand(q.shape[0], generator=gen)).cuda() if with_tau else None
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    fill_kv_cache(k, v, ref_kc, ref_vc, ctx)
+    ref = torch.full_like(q, float('nan'))
+    tiled_attention(q, rel, proj, ref_kc, ref_vc, ctx, 1 / 64, window, tau, ref, list(range(len(seqs))))
+    got = relative_bias_attention_triton(q, k, v, rel, proj, kc, vc, ctx, 1 / 64, window, tau)
+    assert not got.isnan().any() and not ref.isnan().any()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
 def test_gated_delta_rule_varlen_cuda_equals_cpu():
@@ -278,6 +351,28 @@ def test_granite_engine_on_cuda_equals_the_cpu_engine_and_transformers(tmp_path,
         import transformers
         warnings.warn(f'transformers {transformers.__version__} normalises Granite-4.0-H\'s gated RMSNorm over all '
                       'B/C groups at once (fixed in 5.23): compared with the CPU engine only')
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
+        assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids
+
+
+@pytest.mark.parametrize('arch', ['granitemoe_swa', 'inkling_text'])
+def test_window_engine_on_cuda_equals_the_cpu_engine_and_transformers(arch, tmp_path, engines):
+    """granitemoe_swa (global and sliding layers with sinks) and Inkling (relative bias, log-scaled
+    global layers) on the GPU, every attention layer through the Triton window kernel: prompt
+    logits of 300 tokens in 32-token chunks whose ends fall inside the windows (16-token blocks)
+    within 1e-4 of transformers and of the CPU engine (the torch attention), greedy tokens equal to
+    the CPU engine's."""
+    from engine_utils import engine_prompt_logits, hf_prompt_logits, load_hf, random_prompt
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model(str(tmp_path / f'tiny_{arch}'), arch=arch, seed=0)
+    prompt = random_prompt(300, seed=7)
+    on_gpu, on_cpu = (engines(path, device, block_size=16, max_prefill_token_num=32) for device in ('cuda', 'cpu'))
+    logits = engine_prompt_logits(on_gpu, prompt)[0].float().cpu()
+    err = (logits - engine_prompt_logits(on_cpu, prompt)[0].float()).abs().max().item()
+    assert err <= 1e-4, f'max |logit diff| {err} vs the CPU engine'
+    err = (logits - hf_prompt_logits(load_hf(path), prompt)).abs().max().item()
+    assert err <= 1e-4, f'max |logit diff| {err} vs transformers'
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
         assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids

@@ -61,6 +61,12 @@ def _cuda_only_test_files() -> set[str]:
     return {f'tests/{p.name}' for p in (ROOT / 'tests').glob('test_*.py') if pattern.search(p.read_text())}
 
 
+def _interpreted_triton_test_files() -> set[str]:
+    """Test files that run a Triton kernel under the interpreter (they set ``TRITON_INTERPRET``)."""
+    return {f'tests/{p.name}' for p in (ROOT / 'tests').glob('test_*.py')
+            if p.name != 'test_gpu_check.py' and 'TRITON_INTERPRET' in p.read_text()}
+
+
 def test_script_parses():
     done = subprocess.run(['bash', '-n', str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -72,8 +78,14 @@ def test_list_names_every_cuda_test_file_and_the_benchmark():
     rows = [line.split(' ', 1) for line in done.stdout.splitlines()]
     cuda = {rest for kind, rest in rows if kind == 'cuda-test'}
     assert cuda == _cuda_only_test_files() and 'tests/test_cuda.py' in cuda
+    # a test skipped without CUDA in any other file would run on no machine at all
+    skip = re.compile(r'skipif\(\s*not\s+torch\.cuda\.is_available\(\)')
+    per_test = {f'tests/{p.name}' for p in (ROOT / 'tests').glob('test_*.py') if skip.search(p.read_text())}
+    assert per_test <= cuda, per_test - cuda
     kernel = [rest for kind, rest in rows if kind == 'kernel-test']
-    assert kernel
+    # every Triton kernel's interpreter suite runs on the GPU machine too (its triton and numpy)
+    assert _interpreted_triton_test_files() <= {path.split('::')[0] for path in kernel}
+    assert 'tests/test_window_attention_triton.py' in kernel
     for path in cuda | set(kernel):
         assert (ROOT / path.split('::')[0]).is_file(), path       # a file or a test's node id
     bench = [rest for kind, rest in rows if kind == 'bench']

@@ -349,22 +349,6 @@ def test_a_prefix_whose_window_block_was_evicted_is_never_restored(all_swa, n, e
     assert led['blocks_free'] + led['blocks_cached'] == led['blocks_total'] and led['blocks_in_use'] == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
-def test_engine_on_cuda_equals_the_cpu_engine_and_transformers(tiny):
-    """The window kernel on the GPU (the same torch code): prompt logits of 300 tokens in 32-token
-    chunks within 1e-4 of transformers, greedy tokens equal to the CPU engine's."""
-    from engine_utils import engine_prompt_logits, hf_prompt_logits
-    path, hf = tiny
-    prompt = random_prompt(300, seed=7)
-    on_gpu = make_engine(path, device_type='cuda', block_size=B, max_prefill_token_num=P)
-    on_cpu = make_engine(path, block_size=B, max_prefill_token_num=P)
-    logits = engine_prompt_logits(on_gpu, prompt)[0].float().cpu()
-    assert (logits - hf_prompt_logits(hf, prompt)).abs().max().item() <= TOL
-    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    for p in [random_prompt(n, seed=n) for n in (5, 64, 130)]:
-        assert on_gpu.generate(p, gen).token_ids == on_cpu.generate(p, gen).token_ids
-
-
 # the Store: a window model puts and restores exactly the blocks its windows read -------------------
 def _store_round_trip(path, tmp_path, window):
     """A 300-token prompt (A = P = 64: save points 64, 128, 192, 256) through a ``file:`` Store:

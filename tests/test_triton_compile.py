@@ -7,7 +7,8 @@ runtime loop bound (the constexpr end exists only for the interpreter: kernels.s
 and their software pipelining (cp.async); float32 products never run in TF32 (Triton's default
 for float32 ``tl.dot``, a 10-bit mantissa: it once cost the FP8 GEMM its float32 agreement);
 bfloat16 ones still use the tensor cores (wgmma); the decode attention walks a while loop to its
-loaded block count.
+loaded block count, and the window attention to its loaded key range, multiplying in full float32
+precision whatever the cache dtype.
 """
 from __future__ import annotations
 
@@ -82,3 +83,18 @@ def test_state_copy_compiles():
     from lmdeploy.pytorch.kernels import state_copy
     _, kernel = state_copy._triton_kernel()
     _compile(kernel, dict(buf_ptr='*i64', src_ptr='*i64', dst_ptr='*i64'), {'BLOCK': 1024})
+
+
+@pytest.mark.parametrize('cache, bias', [('fp32', False), ('bf16', False), ('fp32', True)])
+def test_window_attention_loops_to_its_loaded_key_range_in_full_precision(cache, bias):
+    """Both products at full float32 precision for any cache dtype (the torch version's), the key
+    loop a while loop to bounds loaded from the tile plan; with Inkling's relative bias (a 32-channel
+    loop of gathers) and logit multipliers too."""
+    from lmdeploy.pytorch.kernels import window_attention_triton
+    _, kernel = window_attention_triton._kernel()
+    types = dict(_pointers(kernel, cache), q_ptr=f'*{cache}', out_ptr=f'*{cache}', rel_ptr=f'*{cache}',
+                 sink_ptr='*fp32', proj_ptr='*fp32', tau_ptr='*fp32', table_ptr='*i64', tiles_ptr='*i32', scale='fp32')
+    asm = _compile(kernel, types, dict(ROWS=16 if bias else 1, HAS_SINK=not bias, HAS_BIAS=bias,
+                                       D_REL=32 if bias else 1, HAS_TAU=bias, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64))
+    assert 'scf.while' in asm['ttir']
+    assert 'tf32' not in asm['ptx']

@@ -7,7 +7,9 @@ name and device; no caller branches on the backend, the device or a library's av
 CPU implementation falls back to torch by itself where its native kernel does not apply).
 
 Ops (module): ``paged_attention``, ``paged_decode_attention`` (attention, attention_triton),
-``paged_window_attention`` (window_attention: a sliding window and attention sinks),
+``paged_window_attention`` (window_attention: a sliding window and attention sinks; Triton on CUDA
+in window_attention_triton), ``relative_bias_attention`` (CUDA only, window_attention_triton: Inkling's
+attention, whose model falls back to its own torch path elsewhere),
 ``gated_delta_rule_varlen``, ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``
 (gated_delta_rule), ``kda_varlen``, ``chunk_kda``, ``recurrent_kda``, ``kda_decode_step``
 (kimi_delta_attention; the native CPU step in cpu_native), ``causal_conv1d``, ``causal_conv1d_varlen`` (causal_conv1d),
@@ -178,8 +180,9 @@ def static_loop_end(kernel, end: int) -> int:
 
 
 _BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'mamba2', 'causal_conv1d', 'state_copy', 'moe',
-            'norm', 'attention_triton', 'fp8', 'mamba2_cpu', 'mamba2_triton', 'window_attention', 'mamba1',
-            'mamba1_cpu', 'mamba1_triton', 'lightning_attention', 'lightning_attention_triton', 'fused_decode')
+            'norm', 'attention_triton', 'fp8', 'mamba2_cpu', 'mamba2_triton', 'window_attention',
+            'window_attention_triton', 'mamba1', 'mamba1_cpu', 'mamba1_triton', 'lightning_attention',
+            'lightning_attention_triton', 'fused_decode')
 _IMPORTED = False
 _IMPORTING: int | None = None     # the thread importing them now
 

@@ -40,7 +40,8 @@ A float32 decode step with no sinks whose window covers every key (no window, or
 longer than it) is plain paged decode attention: the registry's ``paged_decode_attention``
 (native on CPU). Scores and softmax run in float32 otherwise (the ``transformers`` eager reference
 does the same). :func:`paged_window_attention_reference` is the per-sequence loop this replaced,
-kept as the tests' reference.
+kept as the tests' reference. On CUDA the registry picks the Triton kernel of
+:mod:`.window_attention_triton` instead (same contract and semantics, no gathered copy).
 """
 from __future__ import annotations
 

@@ -27,21 +27,22 @@ counts, optional log scaling of the logits)::
                    sigmoid(z) + e_score_correction_bias; weights of the k chosen and the S shared
                    = sigmoid(z) / sum of them, times route_scale * global_scale
 
-The relative bias has no place in the paged attention kernels, so attention runs in this
-file's torch path (:func:`relative_bias_attention`). A decode step (one new token per sequence)
-is batched (:func:`single_query_attention`): every sequence's visible keys are gathered from the
-paged cache in order of distance into one padded ``[seqs, keys, kv_heads, head_dim]`` block, so
-the bias is the same ``E`` columns of ``rel @ proj`` for every sequence, then one masked softmax
-(key tiles merged online past :data:`GATHER_BUDGET`). A prefill chunk goes per sequence and per
-tile of queries (:func:`tiled_attention`: at most :data:`QUERY_TILE`, fewer when
-``heads x tile x keys`` would pass :data:`SCORE_BUDGET`): it gathers the visible keys, computes the
-float32 scores and adds the bias over the keys within ``E`` tokens of some query of the tile (a
-gather from ``[tile, heads, E]``). Its cost against the fused kernels: the whole score block in
-memory (no flash-style streaming), a padded key block as long as the batch's longest history on
-global layers at decode, one Python iteration per prefilling sequence and an ``E``-wide product per
-query and head for the bias. The algorithm is ``transformers``' (``InklingRelativeLogits`` added
-to the eager attention's logits, ``models/inkling/modeling_inkling.py``), computed over paged
-blocks.
+On CUDA the registry's ``relative_bias_attention`` runs the attention: the Triton window attention
+kernel with the bias as an additive input (``kernels/window_attention_triton.py``, streaming the
+keys with an online softmax). Elsewhere this file's torch path does
+(:func:`relative_bias_attention`). A decode step (one new token per sequence) is batched
+(:func:`single_query_attention`): every sequence's visible keys are gathered from the paged cache in
+order of distance into one padded ``[seqs, keys, kv_heads, head_dim]`` block, so the bias is the
+same ``E`` columns of ``rel @ proj`` for every sequence, then one masked softmax (key tiles merged
+online past :data:`GATHER_BUDGET`). A prefill chunk goes per sequence and per tile of queries
+(:func:`tiled_attention`: at most :data:`QUERY_TILE`, fewer when ``heads x tile x keys`` would pass
+:data:`SCORE_BUDGET`): it gathers the visible keys, computes the float32 scores and adds the bias
+over the keys within ``E`` tokens of some query of the tile (a gather from ``[tile, heads, E]``).
+Its cost against the fused kernels: the whole score block in memory (no flash-style streaming), a
+padded key block as long as the batch's longest history on global layers at decode, one Python
+iteration per prefilling sequence and an ``E``-wide product per query and head for the bias. The
+algorithm is ``transformers``' (``InklingRelativeLogits`` added to the eager attention's logits,
+``models/inkling/modeling_inkling.py``), computed over paged blocks.
 
 Caches, two entries per layer ``i`` (as Falcon-H1's): ``2 i`` the paged K/V (a
 :class:`SlidingWindowSpec` with ``sliding_window_size`` for a sliding layer, a
@@ -73,7 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_specs import CacheTensor, FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec, StateSpec
-from ..kernels import get_kernel
+from ..kernels import find_kernel, get_kernel
 from ..kernels.attention import fill_kv_cache
 from ..model_inputs import StepContext
 from .base import CausalLM
@@ -482,8 +483,9 @@ class InklingAttention(nn.Module):
         v = self.v_sconv(self.v_proj(hidden), ctx).view(T, self.num_kv_heads, self.head_dim)
         rel = self.r_proj(hidden).view(T, self.num_heads, -1)
         k_cache, v_cache = ctx.kv_caches[self.entry]
-        out = relative_bias_attention(q, k, v, rel, self.rel_logits_proj.proj, k_cache, v_cache, ctx, self.scale,
-                                      self.window, self.log_scale(ctx.positions))
+        attend = find_kernel('relative_bias_attention', q.device) or relative_bias_attention   # Triton on CUDA
+        out = attend(q, k, v, rel, self.rel_logits_proj.proj, k_cache, v_cache, ctx, self.scale, self.window,
+                     self.log_scale(ctx.positions))
         return self.o_proj(out.reshape(T, -1))
 
 
