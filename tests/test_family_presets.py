@@ -51,7 +51,10 @@ def test_reduction_follows_the_state_to_block_ratio_across_families(table):
     # reduction of a scenario is (saves_d - saves_l) S / (saves_d S + blocks K_blk): increasing in
     # S / K_blk, 0 without a state, 1 - saves_l / saves_d without KV
     from benchmark.store_sim import DEFAULT_ALIGNMENT, DEFAULT_BLOCK, DEFAULT_CHUNK, seed_scenarios, simulate
-    ratio = {p.preset: Fraction(s.charged[0], s.charged[1]) if s.charged[1] else None for p, s, _ in table}
+    # (a family with window objects is left out: its bytes hold a third term, new_window·K_win, whose
+    # blocks per save are bounded by W, so no single ratio orders it; the README row shows it)
+    ratio = {p.preset: Fraction(s.charged[0], s.charged[1]) if s.charged[1] and not s.window_rows else None
+             for p, s, _ in table}
     for i, scenario in enumerate(seed_scenarios()):
         with_kv = sorted((ratio[p.preset], red[i]) for p, _, red in table if ratio[p.preset] is not None)
         assert [r for _, r in with_kv] == sorted(r for _, r in with_kv), scenario.name

@@ -136,6 +136,7 @@ class Engine:
         # back; with prefixes cached, only where the local tier keeps their window rows
         free_windows = spec_config is None
         groups = paged_groups(self.specs, split=free_windows and self._window_rows_kept(cc))
+        self.paged_groups = groups
         sizes = size_caches(self.specs, self.is_hybrid, cc, self.device, config.max_batch_size, self.session_len,
                             speculative=spec_config is not None, groups=groups,
                             chunk_tokens=config.max_prefill_token_num)
@@ -228,9 +229,12 @@ class Engine:
     def _window_rows_kept(self, cc: CacheConfig) -> bool:
         """Whether a mixed model's window layers may keep a pool of their own: always with prefix
         caching off; with it on, when the local tier can keep their window rows (a model with
-        recurrent state, whose reusable boundaries are its checkpoints) and no host tier or Store
-        is configured (their objects hold one block row per block of every paged layer). Otherwise
-        one shared table keeps every block, said once in the log."""
+        recurrent state, whose reusable boundaries are its checkpoints) and no host tier is
+        configured (its entries hold one block row per block of every paged layer). A Store keeps
+        them too (global rows in KV objects, window rows in window objects of each save point's
+        window), except under tensor parallelism or a prefill/decode role (hand-off objects and
+        full-head payloads hold one row of every paged layer). Otherwise one shared table keeps
+        every block, said once in the log."""
         if not cc.enable_prefix_caching:
             return True
         sliding = [s for s in self.specs if isinstance(s, SlidingWindowSpec)]
@@ -242,8 +246,9 @@ class Engine:
             why = 'it has no recurrent state (no checkpoint to keep window rows for)'
         elif self.config.host_cache_bytes:
             why = 'host_cache_bytes is set (the host tier keeps every layer\'s rows per block)'
-        elif store_scheme(self.config) is not None:
-            why = 'a Store is configured (its objects hold every layer\'s rows per block)'
+        elif store_scheme(self.config) is not None and (self.config.tp > 1 or self.config.role != 'both'):
+            why = ('a Store is configured with tp > 1 or a prefill/decode role (its payloads there hold every '
+                   'layer\'s rows per block)')
         if why is not None:
             logger.info('%s with prefix caching: its sliding-window layers keep every block (one shared table), '
                         'since %s', self.hf_config.model_type, why)
@@ -265,7 +270,9 @@ class Engine:
                         'sliding-window layers (its prefixes are reused locally)', self.hf_config.model_type)
             return None
         from ..prefix_cache.store_tier import build_store_tier
-        opened = open_store(self.config, self.cache_engine.state_bytes, self.cache_engine.kv_block_bytes)
+        # (the largest object: a KV block of the global layers, or a window object)
+        opened = open_store(self.config, self.cache_engine.state_bytes,
+                            max(self.cache_engine.kv_block_bytes, getattr(self.cache_engine, 'window_block_bytes', 0)))
         return build_store_tier(self, opened)
 
     # requests ---------------------------------------------------------------------------

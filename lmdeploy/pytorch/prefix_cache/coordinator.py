@@ -243,7 +243,11 @@ class PrefixCache:
             b = view.boundary
             if b > match.cached_tokens:
                 shared = min(len(match.nodes), b // self.block_size)
-                return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens)
+                # window rows: the Store loads the blocks of b's window into fresh window-pool
+                # blocks; the entries before them are FREED_BLOCK (the window group's window)
+                first = (window_first_block(b, self.local.window, self.block_size)
+                         if self.local.window_pool is not None and view.handoff is None else 0)
+                return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens, window_first=first)
         return match
 
     def pin(self, match: PrefixMatch) -> None:
@@ -265,7 +269,7 @@ class PrefixCache:
             handoff = view.handoff if view is not None and match.source == 'store' else None
             load = StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids,
                              max(match.num_shared_blocks, match.first_block), seq.state_slot, match.matched_tokens,
-                             handoff)
+                             handoff, seq.window_block_ids if self.local.window_pool is not None else None)
             (loads.store_loads if match.source == 'store' else loads.host_loads).append(load)
             return      # counted once the load succeeded
         if match.checkpoint_slot is not None:
@@ -366,7 +370,8 @@ class PrefixCache:
                 taken.add(id(node))
                 saves.checkpoints.append(planned)
             if self.store is not None:
-                saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
+                saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot,
+                                                 self._window_table(seq, full)))
 
     def _plan_block_saves(self, chunk, saves: SavePlan) -> None:
         """A model without state: cache the chunk's new full blocks, and put each save point
@@ -381,7 +386,13 @@ class PrefixCache:
             return
         for b in seq.plan.save_points:
             if chunk.start < b <= chunk.end:
-                saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None))
+                saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None,
+                                                 self._window_table(seq, b // B)))
+
+    def _window_table(self, seq, full: int) -> list[int] | None:
+        """The first ``full`` entries of ``seq``'s window-group table when the window layers keep
+        a pool of their own (a copy: the table changes after this step), else None."""
+        return list(seq.window_block_ids[:full]) if self.local.window_pool is not None else None
 
     @staticmethod
     def _save_reason(seq, end: int) -> str:
@@ -472,7 +483,7 @@ class PrefixCache:
             return False
         full = boundary // self.block_size
         saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary,
-                                         self.local.checkpoint_ref(slot)))
+                                         self.local.checkpoint_ref(slot), self._window_table(seq, full)))
         return True
 
     def _drop_staging(self, seq) -> None:
