@@ -207,20 +207,40 @@ def test_window_rows_need_state_and_a_window():
         LocalTier(BlockManager(8), B, StateCache(1, 2), window_pool=BlockManager(4))
 
 
-def test_a_host_tier_keeps_one_shared_table(tiny, caplog):
-    """The host tier's entries hold every paged layer's rows per block: with one, a mixed model
-    keeps one shared table (every block), says so in the log, and still restores what it cached."""
+def test_a_host_tier_keeps_the_window_pool_and_window_rows_of_demoted_checkpoints(tiny):
+    """With a host tier a mixed model keeps its window pool (regression: it fell back to one shared
+    table): two checkpoint slots, prompts a, b, a (200 tokens, save points 64, 128, 192): b's saves
+    demote a's checkpoints to host memory, holding the global rows of their blocks and the window
+    rows of only their windows' blocks; the second a restores 192 tokens from the host tier and
+    decodes what a cold engine decodes. Idle once both tiers are emptied."""
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
     path, _ = tiny
-    with caplog.at_level('INFO', logger='lmdeploy'):
-        eng = make_engine(path, block_size=B, max_prefill_token_num=32, prefill_save_alignment=64,
-                          enable_prefix_caching=True, host_cache_bytes=1 << 24)
-    assert eng.window_pool is None and len(eng.scheduler.groups) == 1
-    assert any('sliding-window layers keep every block' in r.getMessage() for r in caplog.records)
-    ids = random_prompt(100, seed=5)
-    gen = GenerationConfig(max_new_tokens=3, ignore_eos=True)
-    first = eng.generate(ids, gen).output_ids
-    again = eng.generate(ids, gen)
-    assert again.output_ids == first and again.num_cached_tokens == 64
+    window = 40
+    eng = make_engine(path, block_size=B, max_prefill_token_num=32, prefill_save_alignment=64,
+                      enable_prefix_caching=True, host_cache_bytes=1 << 24, num_checkpoint_slots=2)
+    host = eng.prefix_cache.host
+    assert eng.window_pool is not None and host.window_rows == window and len(eng.scheduler.groups) == 2
+    gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    a, b = random_prompt(200, seed=1), random_prompt(200, seed=2)
+    cold = make_engine(path, max_prefill_token_num=32)
+    first, other, again = (eng.generate(p, gen) for p in (a, b, a))
+    assert again.num_cached_tokens == eng.stats()['host_hit_tokens'] == 192
+    assert first.output_ids == again.output_ids == cold.generate(a, gen).output_ids
+    assert other.output_ids == cold.generate(b, gen).output_ids
+    entries = {kind: {h for k, h in host._entries if k == kind} for kind in ('state', 'kv', 'window')}
+    want = set()
+    for p in (a, b):
+        hashes = chain_block_hashes(p, B, 12)
+        for i, h in enumerate(hashes):
+            if h in entries['state']:
+                want.update(hashes[k] for k in range(window_first_block((i + 1) * B, window, B), i + 1))
+    assert entries['state'] and entries['window'] == want
+    ce = eng.cache_engine
+    assert host.bytes_held == (len(entries['state']) * ce.state_bytes + len(entries['kv']) * ce.kv_block_bytes
+                               + len(want) * ce.window_block_bytes)
+    eng.prefix_cache.evict(10**6)
+    host.evict(10**12)
+    assert_idle(eng)
     eng.close()
 
 

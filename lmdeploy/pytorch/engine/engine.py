@@ -203,7 +203,9 @@ class Engine:
             if config.host_cache_bytes and self.is_hybrid:
                 from ..prefix_cache.host_tier import HostTier
                 host = HostTier(self.cache_engine, config.host_cache_bytes, cc.block_size, self.cache_engine.state_bytes,
-                                self.cache_engine.kv_block_bytes)
+                                self.cache_engine.kv_block_bytes,
+                                getattr(self.cache_engine, 'window_block_bytes', 0) if window_entries else 0,
+                                groups[1].window if window_entries else None)
             turn_end = cc.decode_save_last
             if turn_end and not self.model.decode_state_equals_prefill:
                 logger.warning('decode_save_last is ignored: %s computes generated tokens differently from prompt '
@@ -229,12 +231,11 @@ class Engine:
     def _window_rows_kept(self, cc: CacheConfig) -> bool:
         """Whether a mixed model's window layers may keep a pool of their own: always with prefix
         caching off; with it on, when the local tier can keep their window rows (a model with
-        recurrent state, whose reusable boundaries are its checkpoints) and no host tier is
-        configured (its entries hold one block row per block of every paged layer). A Store keeps
-        them too (global rows in KV objects, window rows in window objects of each save point's
-        window), except under tensor parallelism or a prefill/decode role (hand-off objects and
-        full-head payloads hold one row of every paged layer). Otherwise one shared table keeps
-        every block, said once in the log."""
+        recurrent state, whose reusable boundaries are its checkpoints). A host tier or Store keeps
+        them too (global rows in KV entries, window rows in window entries of each boundary's
+        window), except under tensor parallelism or a prefill/decode role (full-head payloads and
+        hand-off objects hold one row of every paged layer). Otherwise one shared table keeps every
+        block, said once in the log."""
         if not cc.enable_prefix_caching:
             return True
         sliding = [s for s in self.specs if isinstance(s, SlidingWindowSpec)]
@@ -244,11 +245,10 @@ class Engine:
         why = None
         if not self.is_hybrid:
             why = 'it has no recurrent state (no checkpoint to keep window rows for)'
-        elif self.config.host_cache_bytes:
-            why = 'host_cache_bytes is set (the host tier keeps every layer\'s rows per block)'
-        elif store_scheme(self.config) is not None and (self.config.tp > 1 or self.config.role != 'both'):
-            why = ('a Store is configured with tp > 1 or a prefill/decode role (its payloads there hold every '
-                   'layer\'s rows per block)')
+        elif ((store_scheme(self.config) is not None or self.config.host_cache_bytes)
+              and (self.config.tp > 1 or self.config.role != 'both')):
+            why = ('a Store or host tier is configured with tp > 1 or a prefill/decode role (its payloads there '
+                   'hold every layer\'s rows per block)')
         if why is not None:
             logger.info('%s with prefix caching: its sliding-window layers keep every block (one shared table), '
                         'since %s', self.hf_config.model_type, why)

@@ -237,18 +237,22 @@ class PrefixCache:
                             above=match.cached_tokens)
         if b > match.cached_tokens:
             match = PrefixMatch(match.nodes, b, self.host.name, None, min(len(match.nodes), b // self.block_size),
-                                match.matched_tokens)
+                                match.matched_tokens, window_first=self._window_first(b))
         view = self._store_views.get(seq.seq_id)
         if view is not None and view.boundary and view.failures < STORE_RESTORE_ATTEMPTS:
             b = view.boundary
             if b > match.cached_tokens:
                 shared = min(len(match.nodes), b // self.block_size)
-                # window rows: the Store loads the blocks of b's window into fresh window-pool
-                # blocks; the entries before them are FREED_BLOCK (the window group's window)
-                first = (window_first_block(b, self.local.window, self.block_size)
-                         if self.local.window_pool is not None and view.handoff is None else 0)
-                return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens, window_first=first)
+                return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens,
+                                   window_first=self._window_first(b) if view.handoff is None else 0)
         return match
+
+    def _window_first(self, b: int) -> int:
+        """Window rows: the first block of b's window, whose rows a host or Store restore at b loads
+        into fresh window-pool blocks (the entries before it are FREED_BLOCK); 0 without them."""
+        if self.local.window_pool is None:
+            return 0
+        return window_first_block(b, self.local.window, self.block_size)
 
     def pin(self, match: PrefixMatch) -> None:
         """Hold what ``match`` restores from (shared blocks, checkpoint) during admission."""
