@@ -16,9 +16,9 @@ buffer, of as many rows as their pool has blocks::
     kv_buf        [num_blocks,        global row]   row = L0.k | L0.v | L4.k | L4.v ...
     window_kv_buf [num_window_blocks, window row]   row = L1.k | L1.v | L2.k | L2.v ...
 
-The Store reads and writes both: a KV object is a ``kv_buf`` row (the global layers' rows when
-split) and a window object a ``window_kv_buf`` row (:meth:`CacheEngine.read_window_blocks`); the
-host tier reads ``kv_buf`` rows only (the engine keeps one shared table when one is configured).
+The Store and the host tier read and write both: a KV object (entry) is a ``kv_buf`` row (the
+global layers' rows when split) and a window object a ``window_kv_buf`` row
+(:meth:`CacheEngine.read_window_blocks`).
 
 Because a block's (or a slot's) bytes for every layer sit in one row, one copy moves a whole
 block or a whole recurrent state (all state layers at once): the checkpoint save and

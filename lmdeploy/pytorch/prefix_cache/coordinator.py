@@ -51,7 +51,9 @@ the ones before it are neither attached nor loaded, so a restored sequence holds
 not its whole prefix. A model of global and sliding layers whose window layers keep a pool of their
 own (``local.window_pool``) restores locally from window rows (:class:`~.local_tier.LocalTier`): the
 restored sequence attaches the window blocks of its boundary's window
-(:attr:`PrefixMatch.window_blocks`). A model without state puts its prefixes to the Store too: at each save
+(:attr:`PrefixMatch.window_blocks`); a host or Store restore of such a model loads the rows of its
+boundary's window into fresh window-pool blocks (:attr:`PrefixMatch.window_first` on), and its
+saves carry the window table (:class:`~.plans.StorePut`). A model without state puts its prefixes to the Store too: at each save
 point b of the turn's default plan that a chunk passed (no forward needs to end there), the
 blocks b needs and an empty state object (a marker that they are all stored).
 """

@@ -43,7 +43,9 @@ releasing a checkpoint gives back those no other checkpoint reads, and evicting 
 its window block with it. A match offers a checkpoint only when every window block it reads is
 present; a pin references them with the checkpoint. When the window pool runs short, checkpoints
 go (the eviction policy's order) until their window blocks free enough
-(:meth:`LocalTier.evict_window`).
+(:meth:`LocalTier.evict_window`). A restore from the host tier or the Store loads its window's rows
+into fresh window-pool blocks of the sequence, and keeping it locally (:meth:`LocalTier.cache_restored`)
+keeps them as the nodes' window rows, as a save does.
 """
 from __future__ import annotations
 
