@@ -369,7 +369,8 @@ class ExecutorCaches:
     @property
     def window_block_bytes(self) -> int:
         """K_win: payload bytes of one window-pool block (0 without a window pool). Window objects
-        are single-process only: under TP the engine keeps one shared table when a Store is set."""
+        are single-process only: under TP the engine keeps one shared table when a Store or host
+        tier is set."""
         return self.local.window_block_bytes if self.layout is None else 0
 
     def _to_full(self, parts: list[torch.Tensor], kv: bool) -> torch.Tensor:

@@ -53,9 +53,10 @@ own (``local.window_pool``) restores locally from window rows (:class:`~.local_t
 restored sequence attaches the window blocks of its boundary's window
 (:attr:`PrefixMatch.window_blocks`); a host or Store restore of such a model loads the rows of its
 boundary's window into fresh window-pool blocks (:attr:`PrefixMatch.window_first` on), and its
-saves carry the window table (:class:`~.plans.StorePut`). A model without state puts its prefixes to the Store too: at each save
-point b of the turn's default plan that a chunk passed (no forward needs to end there), the
-blocks b needs and an empty state object (a marker that they are all stored).
+saves carry the window table (:class:`~.plans.StorePut`). A model without state puts its prefixes
+to the Store too: at each save point b of the turn's default plan that a chunk passed (no forward
+needs to end there), the blocks b needs and an empty state object (a marker that they are all
+stored).
 """
 from __future__ import annotations
 
