@@ -343,3 +343,34 @@ def test_the_window_split_joins_the_namespace():
     assert plain != split != engine_namespace('unused', **common, paged_groups=[[0], [1, 2]])
     assert plain == namespace_digest(model={'operator_namespace': 'ops'}, dtype='torch.float32', block_size=B,
                                      layers=['a', 'b', 'c'], tp_rank=0, tp_size=1, adapter=None, secret_key_id=None)
+
+
+def test_a_rejected_window_object_fails_the_load_and_is_repaired_by_the_next_save():
+    """A window object whose bytes were altered: the load at its boundary fails (the caller rolls
+    back), the key is remembered as bad, and the next save of the prefix overwrites it (counted as
+    repaired), after which the boundary is offered and loads again."""
+    client = FakeStoreClient()
+    n = 100
+    hashes = chain_block_hashes(prompt(n, 7), B)
+    rules = ReuseRules(n, B, A)
+    put = StorePut(hashes[:6], list(range(6)), 96, None, [WIN0 + k for k in range(6)])
+    tier = StoreTier(client, _Rows(), NS, B, window_rows=40)
+    tier.submit(put)
+    assert tier.flush(timeout=10)
+    tier.close()
+    key = _window_key(hashes[4])                     # window_first_block(96, 40) = 3: blocks 3-5
+    value = bytearray(client.objects[key])
+    value[70] ^= 1                                   # a payload byte
+    client.objects[key] = bytes(value)
+    tier = StoreTier(FakeStoreClient(objects=client.objects), _Rows(), NS, B, window_rows=40)
+    try:
+        assert tier.probe(hashes, rules)[0] == 96
+        load = StoreLoad(None, 96, hashes[:6], list(range(100, 106)), 0, None, window_block_ids=list(range(700, 706)))
+        assert not tier.load(load)
+        assert tier.stats()['store_rejected_objects'] == 1
+        tier.submit(put)            # (the engine computes the prefix again and saves it)
+        assert tier.flush(timeout=10)
+        assert tier.stats()['store_repaired_objects'] == 1 and tier.probe(hashes, rules)[0] == 96
+        assert tier.load(load) and tier.cache_engine.win[704] == bytes([(WIN0 + 4) % 256] * 3)
+    finally:
+        tier.close()
