@@ -75,6 +75,20 @@ def test_cli_takes_a_family_preset(capsys):
     assert '23.33%' in capsys.readouterr().out
 
 
+def test_cli_charges_window_objects_of_a_mixed_family(capsys):
+    """lara-mini-default (W = 512, B = 64, P = 8192): a 16,448-token turn saves at 8192 and 16384
+    (default) or 16384 (last-only); the global rows of all 256 blocks below 16384 are put once, the
+    window rows of blocks [120, 128) and [248, 256) only: 2·S + 256·K_glob + 16·K_win against
+    S + 256·K_glob + 8·K_win."""
+    from benchmark.simulate_store_writes import main
+    S, K, KW = 15_024_128, 917_504, 1_703_936
+    (r, *_), = [main(['--preset', 'lara-mini-default', '--turns', '16448'])]
+    assert (r.default.total_bytes, r.last_only.total_bytes) == (2 * S + 256 * K + 16 * KW, S + 256 * K + 8 * KW)
+    assert [t.new_window_blocks for t in r.default.turns] == [16]
+    out = capsys.readouterr().out
+    assert 'K_win = 1703936 bytes' in out and '9.80%' in out
+
+
 def _throughput():
     spec = importlib.util.spec_from_file_location('benchmark_throughput', ROOT / 'benchmark' / 'benchmark_throughput.py')
     mod = importlib.util.module_from_spec(spec)
