@@ -141,7 +141,7 @@ def family_table() -> list[tuple[FamilyPreset, StoreSizes, list[Fraction]]]:
     for preset in FAMILY_PRESETS:
         sizes = family_sizes(preset)
         reductions = [simulate(s, *sizes.charged, chunk_size=DEFAULT_CHUNK, block_size=DEFAULT_BLOCK,
-                               alignment=DEFAULT_ALIGNMENT, window=sizes.window).reduction
+                               alignment=DEFAULT_ALIGNMENT, **sizes.windows).reduction
                       for s in seed_scenarios()]
         rows.append((preset, sizes, reductions))
     return rows
@@ -154,6 +154,8 @@ def format_family_table(rows, percent) -> list[str]:
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for preset, sizes, reductions in rows:
         s, k = sizes.charged
-        cells = [f'`{preset.family}`', f'`{preset.preset}`', preset.source, f'{s:,}', f'{k:,}']
+        # a window group of its own: K_glob per KV object, then K_win per window object (its W)
+        kv = f'{k:,}' if not sizes.window_rows else f'{k:,} + {sizes.window_block_bytes:,} (W={sizes.window_rows})'
+        cells = [f'`{preset.family}`', f'`{preset.preset}`', preset.source, f'{s:,}', kv]
         lines.append('| ' + ' | '.join(cells + [percent(r) for r in reductions]) + ' |')
     return lines

@@ -38,6 +38,11 @@ last reusable boundary (when above the hit), as the engine does for chat request
 is charged like any other (one S, plus the blocks below it not yet put). Without a head the
 printed tables are the ones below.
 
+A mixed global + sliding-window model with state (``lara_mini``, ``lfm3``, ``inkling_text``, at
+``tp`` 1) is charged as the engine's Store writes it: K_blk is its global layers' row, and each save
+point also puts the sliding layers' rows (K_win, window objects) of only the blocks its window
+reads, read from the model's specs by ``sizes_from_config`` (:class:`StoreSizes` ``windows``).
+
 Sizes: explicit (``--state-bytes``/``--kv-block-bytes``), a ratio S/K_blk (sizes in
 relative units), a preset, or an HF ``config.json`` of a hybrid (``qwen3_next``) model, sized
 with the engine's own layer cache specs (``lmdeploy.pytorch.cache_specs``, the one definition of
@@ -275,10 +280,10 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
     geometry = dict(chunk_size=chunk, block_size=block, alignment=align, token_lookahead=args.token_lookahead,
                     recompute_blocks=args.recompute_blocks)
     # (a model whose paged layers all slide puts only its windows' blocks)
-    results = [simulate(s, *sizes.charged, **geometry, window=sizes.window) for s in scenarios]
+    results = [simulate(s, *sizes.charged, **geometry, **sizes.windows) for s in scenarios]
     policies = _policies(args)
     detailed = policies != [DEFAULT, LAST_ONLY] or isinstance(scenarios[0], Branching)
-    per_policy = [simulate_policies(s, *sizes.charged, policies=policies, **geometry, window=sizes.window)
+    per_policy = [simulate_policies(s, *sizes.charged, policies=policies, **geometry, **sizes.windows)
                   for s in scenarios] if detailed else []
     if args.json:
         out = []
@@ -294,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> list[SimulationResult]:
           f'charged over ranks: S = {sizes.charged[0]}, K_blk = {sizes.charged[1]}); '
           f'S/K_blk = {float(Fraction(sizes.state_bytes, max(1, sizes.kv_block_bytes))):g}; '
           f'P={chunk} B={block} A={align} lookahead={args.token_lookahead} recompute={args.recompute_blocks}')
+    if sizes.window_rows:
+        print(f'window objects: K_win = {sizes.window_block_bytes} {unit} per block of each save point\'s '
+              f'{sizes.window_rows}-token window (K_blk above: the global layers\' row)')
     print(f'{"scenario":<30} {"saves":>5} {"saves":>5} {"default " + unit:>18} {"last-only " + unit:>18} '
           f'{"reduction":>9}')
     print(f'{"":<30} {"def":>5} {"last":>5}')

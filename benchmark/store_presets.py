@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.store_sim import DEFAULT_BLOCK  # noqa: E402
-from lmdeploy.pytorch.cache_specs import kv_bytes_per_block, kv_window, state_bytes_per_slot  # noqa: E402
+from lmdeploy.pytorch.cache_specs import (has_state, kv_bytes_per_block, kv_window, paged_groups,  # noqa: E402
+                                          state_bytes_per_slot)
 
 SEED_STATE_TO_BLOCK_RATIO = Fraction('717.5')
 DTYPE_BYTES = {'float32': 4, 'float': 4, 'fp32': 4, 'float16': 2, 'half': 2, 'fp16': 2, 'bfloat16': 2,
@@ -93,6 +94,15 @@ class StoreSizes:
     store_state_bytes: int | None = None      # None: state_bytes * tp
     store_kv_block_bytes: int | None = None   # None: kv_block_bytes * tp
     window: int | None = None     # tokens, when every paged layer slides: a save puts its window's blocks only
+    # a window group with a pool of its own (a mixed model with state, tp = 1): K_win per window
+    # object and that group's window; kv_block_bytes is then K_glob (the global layers' row)
+    window_block_bytes: int = 0
+    window_rows: int | None = None
+
+    @property
+    def windows(self) -> dict:
+        """The window arguments of :func:`~benchmark.store_sim.simulate` for these sizes."""
+        return dict(window=self.window, window_block_bytes=self.window_block_bytes, window_rows=self.window_rows)
 
     @property
     def charged(self) -> tuple[int, int]:
@@ -182,7 +192,15 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     whole = specs(cfg)
     charged = (state_bytes_per_slot(whole), kv_bytes_per_block(whole, block_size)) if tp > 1 else (None, None)
     # (read before _with_dtypes, which keeps only the tensors of each paged spec)
-    window = kv_window(list(cls.cache_specs(cfg, model_t)) + ([mtp_cache_spec(text, model_t)] if mtp else []))
+    plain = list(cls.cache_specs(cfg, model_t)) + ([mtp_cache_spec(text, model_t)] if mtp else [])
+    window = kv_window(plain)
+    groups = paged_groups(plain)
+    if len(groups) > 1 and has_state(plain) and tp == 1 and not mtp:
+        # the engine's Store layout for a mixed model with state (single process, no drafts): its
+        # window layers keep a pool of their own, their rows are window objects
+        glob, win = ([rank[i] for i in g.entries] for g in groups)
+        return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(glob, block_size), tp,
+                          window_block_bytes=kv_bytes_per_block(win, block_size), window_rows=groups[1].window)
     return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(rank, block_size), tp, *charged,
                       window=window or None)
 

@@ -6,6 +6,14 @@ blocks its window reads, ``[window_first_block(b), b/B)`` (``floor((b - W + 1)/B
 ``new_blocks`` counts only those; a model without state is charged ``S = 0`` per save (its
 state object is an empty marker).
 
+A model of global and sliding-window layers whose window layers keep a pool of their own
+(``window_rows`` = W of that group, ``window_block_bytes`` = K_win; ``kv_block_bytes`` is then
+K_glob, the global layers' row) puts, per save at b, the global rows of every block below b not
+yet put and the window rows of the blocks ``[window_first_block(b, W), b/B)`` not yet put, as
+objects of their own: ``len(save_points)·S + new_global_blocks·K_glob + new_window_blocks·K_win``.
+A turn-end save whose window blocks the reply's decode gave back (``window_first_block(te, W) <
+window_first_block(n + out - 1, W)``) is neither restorable nor put.
+
 The byte formula, the cache-hit rule and the policies are described in
 ``benchmark/simulate_store_writes.py`` (the CLI, which re-exports every name here) and in
 docs/en/advance/store.md, "The byte formula".
@@ -215,10 +223,12 @@ class TurnResult:
     junction: int | None = None
     local_only: int | None = None
     shared_head: int | None = None
+    new_window_blocks: int = 0      # window objects put (window rows; else 0)
+    window_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.kv_bytes
+        return self.state_bytes + self.kv_bytes + self.window_bytes
 
     @property
     def num_saves(self) -> int:
@@ -272,8 +282,10 @@ def _junction(n: int, cached: int, matched: int, block_size: int, alignment: int
 
 def simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: int, kv_block_bytes: int,
                      chunk_size: int, block_size: int, alignment: int, token_lookahead: int,
-                     recompute_blocks: int, window: int | None = None) -> PolicyResult:
+                     recompute_blocks: int, window: int | None = None, window_block_bytes: int = 0,
+                     window_rows: int | None = None) -> PolicyResult:
     B, r = block_size, recompute_blocks
+    windowed: set[tuple[int, int]] = set()          # Store window objects (prefix owner, block index)
     checkpoints: list[tuple[int, int, bool]] = []   # (request, boundary, is turn-end) of every save so far
     saved: set[tuple[int, int]] = set()             # Store state objects (prefix owner, boundary)
     stored: set[tuple[int, int]] = set()            # Store KV objects (prefix owner, block index)
@@ -312,15 +324,16 @@ def simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: in
                                              token_lookahead).chunk_ends
             te = done // B * B
             # decode forwards end at every count in [n, done]; prompt forwards at the chunk ends
-            if te >= n // B * B and (te >= n or te in chunk_ends) and te > max(save_points + [cached]):
-                turn_end = te
+            if te >= n // B * B and (te >= n or te in chunk_ends) and te > max(save_points + [cached]) \
+                    and window_first_block(te, window_rows, B) >= window_first_block(done, window_rows, B):
+                turn_end = te       # (with window rows: only while the sequence still holds te's window)
         # every save point is put, the turn end too: the turn-end state serves only the exact
         # continuation, the prompt's own one a regenerate or an edited reply. (The former rule,
         # ``replacing``, kept the last prefill save point local only.)
         local_only = None
         if turn_end is not None and policy.replacing:
             local_only = max((b for b in save_points if b != junction), default=None)
-        taken, new_blocks, puts = [], 0, 0
+        taken, new_blocks, new_window, puts = [], 0, 0, 0
         for b in save_points + ([turn_end] if turn_end is not None else []):
             if b == local_only:
                 taken.append(b)
@@ -337,11 +350,17 @@ def simulate_policy(requests: Sequence[Request], policy: Policy, state_bytes: in
                 if block not in stored:
                     stored.add(block)
                     new_blocks += 1
+            for k in range(window_first_block(b, window_rows, B), b // B if window_rows else 0):
+                block = (owner((k + 1) * B), k)
+                if block not in windowed:
+                    windowed.add(block)
+                    new_window += 1
         computed.append(done)
         turns.append(TurnResult(n, cached, chunk_ends, [b for b in taken if b != turn_end], new_blocks,
                                 puts * state_bytes, new_blocks * kv_block_bytes,
                                 turn_end if turn_end in taken else None, junction if junction in taken else None,
-                                local_only, plan.shared_head if plan.shared_head in taken else None))
+                                local_only, plan.shared_head if plan.shared_head in taken else None,
+                                new_window, new_window * window_block_bytes))
     return PolicyResult(turns)
 
 
@@ -351,9 +370,16 @@ def _requests(scenario: Scenario | Branching | Sequence[int]) -> tuple[Scenario 
     return scenario, scenario.requests()
 
 
-def _check_sizes(state_bytes: int, kv_block_bytes: int, window: int | None = None) -> None:
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f'window must be an int >= 1 tokens or None, got {window!r}')
+def _check_sizes(state_bytes: int, kv_block_bytes: int, window: int | None = None, window_block_bytes: int = 0,
+                 window_rows: int | None = None) -> None:
+    for name, w in (('window', window), ('window_rows', window_rows)):
+        if w is not None and (not isinstance(w, int) or w < 1):
+            raise ValueError(f'{name} must be an int >= 1 tokens or None, got {w!r}')
+    if window is not None and window_rows is not None:
+        raise ValueError('window (every paged layer slides) and window_rows (a window group of its own) '
+                         'exclude each other')
+    if window_block_bytes < 0:
+        raise ValueError(f'window_block_bytes must be >= 0, got {window_block_bytes}')
     if state_bytes < 0:
         raise ValueError(f'state_bytes must be >= 0, got {state_bytes}')
     if kv_block_bytes < 0:
@@ -362,7 +388,8 @@ def _check_sizes(state_bytes: int, kv_block_bytes: int, window: int | None = Non
 
 def simulate(scenario: Scenario | Branching | Sequence[int], state_bytes: int, kv_block_bytes: int, *,
              chunk_size: int, block_size: int, alignment: int, token_lookahead: int = 0,
-             recompute_blocks: int = 0, window: int | None = None) -> SimulationResult:
+             recompute_blocks: int = 0, window: int | None = None, window_block_bytes: int = 0,
+             window_rows: int | None = None) -> SimulationResult:
     """Store bytes and save points of every turn of ``scenario`` under the default and last-only policies.
 
     Args:
@@ -373,15 +400,19 @@ def simulate(scenario: Scenario | Branching | Sequence[int], state_bytes: int, k
         chunk_size, block_size, alignment, token_lookahead, recompute_blocks: P, B, A, ℓ, r.
         window: W, tokens, when every paged layer slides (a save puts only its window's
             blocks); None: every block below the save point.
+        window_block_bytes: K_win, bytes of one block row of a window group with a pool of its
+            own (``kv_block_bytes`` is then K_glob, the global layers' row).
+        window_rows: that group's window W (tokens): a save puts its global rows of every block
+            and its window rows of the blocks its window reads; None: no such group.
 
     Raises:
-        ValueError: a size is negative, turns shrink, a planning argument is invalid, or
-            ``window`` is below 1.
+        ValueError: a size is negative, turns shrink, a planning argument is invalid,
+            ``window`` or ``window_rows`` is below 1, or both are given.
     """
     scenario, requests = _requests(scenario)
-    _check_sizes(state_bytes, kv_block_bytes, window)
+    _check_sizes(state_bytes, kv_block_bytes, window, window_block_bytes, window_rows)
     args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks,
-            window)
+            window, window_block_bytes, window_rows)
     return SimulationResult(scenario, simulate_policy(requests, DEFAULT, *args),
                             simulate_policy(requests, LAST_ONLY, *args))
 
@@ -389,7 +420,8 @@ def simulate(scenario: Scenario | Branching | Sequence[int], state_bytes: int, k
 def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_bytes: int, kv_block_bytes: int, *,
                       policies: Sequence[Policy | str], chunk_size: int, block_size: int, alignment: int,
                       token_lookahead: int = 0, recompute_blocks: int = 0,
-                      window: int | None = None) -> dict[str, PolicyResult]:
+                      window: int | None = None, window_block_bytes: int = 0,
+                      window_rows: int | None = None) -> dict[str, PolicyResult]:
     """Every turn of ``scenario`` under each of ``policies`` (:class:`Policy` or its name).
 
     Arguments as :func:`simulate`. Returns ``{policy name: PolicyResult}`` in the given order.
@@ -398,8 +430,8 @@ def simulate_policies(scenario: Scenario | Branching | Sequence[int], state_byte
         ValueError: as :func:`simulate`, or an unknown policy name (``policies``).
     """
     scenario, requests = _requests(scenario)
-    _check_sizes(state_bytes, kv_block_bytes, window)
+    _check_sizes(state_bytes, kv_block_bytes, window, window_block_bytes, window_rows)
     args = (state_bytes, kv_block_bytes, chunk_size, block_size, alignment, token_lookahead, recompute_blocks,
-            window)
+            window, window_block_bytes, window_rows)
     chosen = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
     return {p.name: simulate_policy(requests, p, *args) for p in chosen}

@@ -71,6 +71,11 @@ def check_store_put_bytes_equal_the_simulator(model_path: str, last_only: bool, 
                          max_prefill_token_num=geo.chunk_size, enable_prefix_caching=True,
                          prefill_save_last_only=last_only, num_gpu_blocks=512, **store_fields)
     S, K = engine.cache_engine.state_bytes, engine.cache_engine.kv_block_bytes
+    # a mixed model whose window layers keep a pool of their own puts their rows as window objects
+    store = engine.store
+    windows = dict(window=store.window, window_block_bytes=engine.cache_engine.window_block_bytes
+                   if store.window_rows else 0, window_rows=store.window_rows)
+    kinds = ('state', 'kv', 'window') if store.window_rows else ('state', 'kv')
     try:
         for i, scenario in enumerate(scenarios):
             before = engine.stats()
@@ -79,23 +84,27 @@ def check_store_put_bytes_equal_the_simulator(model_path: str, last_only: bool, 
             engine.store.flush()
             after = engine.stats()
             pred = sim.simulate(scenario, S, K, chunk_size=geo.chunk_size, block_size=geo.block_size,
-                                alignment=geo.alignment)
+                                alignment=geo.alignment, **windows)
             policy = pred.last_only if last_only else pred.default
             assert [s.num_cached_tokens for s in seqs] == [t.cached_tokens for t in policy.turns]
             if saves_and_objects:
                 assert [s.stats.save_points for s in seqs] == [t.save_points for t in policy.turns]
-            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in ('state', 'kv')}
-            assert put == {'state': sum(t.state_bytes for t in policy.turns),
-                           'kv': sum(t.kv_bytes for t in policy.turns)}
+            put = {k: after['store_put_bytes'][k] - before['store_put_bytes'][k] for k in kinds}
+            want = {'state': sum(t.state_bytes for t in policy.turns), 'kv': sum(t.kv_bytes for t in policy.turns),
+                    'window': sum(t.window_bytes for t in policy.turns)}
+            assert put == {k: want[k] for k in kinds}
             if saves_and_objects:
-                objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in ('state', 'kv')}
-                assert objects == {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns)}
+                objects = {k: after['store_put_objects'][k] - before['store_put_objects'][k] for k in kinds}
+                want = {'state': policy.num_saves, 'kv': sum(t.new_kv_blocks for t in policy.turns),
+                        'window': sum(t.new_window_blocks for t in policy.turns)}
+                assert objects == {k: want[k] for k in kinds}
             assert after['store_put_failures'] == before['store_put_failures']
     finally:
         engine.close()
     # the sizes the server-side benchmark derives from config.json are the engine's own
     config = json.loads((Path(model_path) / 'config.json').read_text())
-    assert sim.sizes_from_config(config, block_size=geo.block_size) == sim.StoreSizes(S, K)
+    sizes = sim.sizes_from_config(config, block_size=geo.block_size)
+    assert (sizes.state_bytes, sizes.kv_block_bytes, sizes.windows) == (S, K, windows)
     return config, S, K
 
 

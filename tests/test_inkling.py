@@ -343,8 +343,9 @@ def test_store_preset_of_transformers_default_config_sized_by_hand():
     """benchmark/family_presets.py's ``inkling-default`` (transformers' default
     ``InklingTextConfig``, bf16): 66 layers, every sixth global (11 global layers of 8 KV heads,
     55 sliding of 16, head_dim 128 both). S: four float32 convs of 3 inputs per layer (k / v of
-    ``kv_heads x 128`` channels, two of hidden 6144); K_blk: K and V of all 66 layers over 64
-    tokens (the Store keeps every block of a window layer below a save point)."""
+    ``kv_heads x 128`` channels, two of hidden 6144); K_blk: K and V of the 11 global layers over
+    64 tokens, and K_win of the 55 sliding ones (window objects: the Store keeps only the blocks of
+    each save point's 512-token window for them)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -352,5 +353,7 @@ def test_store_preset_of_transformers_default_config_sized_by_hand():
     preset = next(p for p in FAMILY_PRESETS if p.family == 'inkling_text')
     f32, bf16, B = 4, 2, 64
     S = 3 * f32 * (55 * (2 * 16 * 128 + 2 * 6144) + 11 * (2 * 8 * 128 + 2 * 6144))
-    K_blk = B * 2 * bf16 * (55 * 16 * 128 + 11 * 8 * 128)
-    assert family_sizes(preset).charged == (S, K_blk) == (12_705_792, 31_719_424)
+    K_blk, K_win = B * 2 * bf16 * 11 * 8 * 128, B * 2 * bf16 * 55 * 16 * 128
+    sizes = family_sizes(preset)
+    assert sizes.charged == (S, K_blk) == (12_705_792, 2_883_584)
+    assert (sizes.window_block_bytes, sizes.window_rows, sizes.window) == (K_win, 512, None)

@@ -653,3 +653,38 @@ def test_cli_flags_reach_the_config_and_a_bad_endpoint_exits_2(capsys):
             main(['serve', 'api_server', '/nonexistent', *flags])
         assert exc.value.code == 2
         assert shown in capsys.readouterr().err
+
+
+def test_host_tier_with_window_rows_announces_a_prefix_only_while_its_window_entries_are_held():
+    """A mixed model's host tier (window rows, W = 6, B = 4): a demoted checkpoint at 16 tokens
+    needs the global entries of blocks 0-3 and the window entries of blocks 2-3 only (its window);
+    the prefix is announced once all are held, withdrawn when one window entry leaves, and a
+    checkpoint whose device window row was already given back is not kept at all."""
+    from lmdeploy.pytorch.prefix_cache.kv_events import BlockRemoved, BlockStored
+
+    class Node:
+        def __init__(self, parent, key, window_block):
+            self.parent, self.key, self.block_id, self.window_block = parent, key, 0, window_block
+            self.tokens = (1, 2, 3, 4)
+
+    root = Node(None, b'r' * 16, -1)
+    nodes, parent = [], root
+    for i, w in enumerate([-1, -1, 12, 13]):       # only the window's blocks hold a window row
+        parent = Node(parent, bytes([i]) * 16, w)
+        nodes.append(parent)
+    host = HostTier(None, 10**6, 4, 2, 1, window_block_bytes=1, window_rows=6)
+    tracker = HostEventTracker(4).attach(host)
+    host.demote(nodes[-1], 0)
+    assert [h for k, h in host._entries if k == 'window'] == [nodes[2].key, nodes[3].key]
+    [stored] = tracker.take()
+    assert isinstance(stored, BlockStored) and len(stored.block_hashes) == 4
+    del host._entries[('window', nodes[3].key)]
+    tracker.dropped(('window', nodes[3].key))
+    [removed] = tracker.take()
+    assert isinstance(removed, BlockRemoved) and len(removed.block_hashes) == 4
+    # a checkpoint whose window row the device gave back: nothing kept, nothing announced
+    other = HostTier(None, 10**6, 4, 2, 1, window_block_bytes=1, window_rows=6)
+    tracker = HostEventTracker(4).attach(other)
+    nodes[3].window_block = -1
+    other.demote(nodes[-1], 0)
+    assert not other._entries and not tracker.take()

@@ -399,3 +399,36 @@ def test_cli_head_tokens_names_the_scenario(capsys):
     assert '4 siblings 20K+320 +2K head 16384' in out
     # last-only: sessions 2-4 restore the head's 16384 instead of nothing
     assert '      2   22848 |   16384   6464     1         1489 |   16384   6464     1         1489 |' in out
+
+
+@pytest.mark.parametrize('window_rows,block', [(40, 16), (512, 64), (1, 16), (64, 16)])
+def test_window_objects_cover_each_save_points_window_once(window_rows, block):
+    """A mixed model with window objects (``window_rows`` = W, K_win): per policy the bytes are
+    ``saves·S + new_global·K_glob + new_window·K_win``, where the global blocks are every block below
+    a save point (as without windows) and the window blocks the union over save points b of
+    ``[window_first_block(b, W), b/B)``, each object once per conversation (a prefix shared by the
+    turns is one object). Checked against that set computed here, on every seed-table scenario."""
+    from lmdeploy.pytorch.cache_specs import window_first_block
+    S, K, KW = 7, 3, 5
+    geo = dict(chunk_size=512, block_size=block, alignment=4 * block)
+    for scenario in sim.seed_scenarios():
+        scenario = scenario.scaled(Fraction(1, 16))
+        plain = sim.simulate(scenario, S, K, **geo)
+        got = sim.simulate(scenario, S, K, **geo, window_block_bytes=KW, window_rows=window_rows)
+        for p, q in ((plain.default, got.default), (plain.last_only, got.last_only)):
+            # the same save points and global blocks as without windows
+            assert [t.save_points for t in q.turns] == [t.save_points for t in p.turns]
+            assert [t.kv_bytes for t in q.turns] == [t.kv_bytes for t in p.turns]
+            # append-only turns: prefixes are shared, so a window block is one object per index
+            want = {k for t in q.turns for b in t.save_points
+                    for k in range(window_first_block(b, window_rows, block), b // block)}
+            assert sum(t.new_window_blocks for t in q.turns) == len(want)
+            assert q.total_bytes == p.total_bytes + len(want) * KW
+            assert sum(t.window_bytes for t in q.turns) == len(want) * KW
+
+
+def test_window_rows_arguments_are_checked():
+    for kwargs, field in ((dict(window_rows=0), 'window_rows'), (dict(window_block_bytes=-1), 'window_block_bytes'),
+                          (dict(window=8, window_rows=8), 'exclude')):
+        with pytest.raises(ValueError, match=field):
+            sim.simulate([100], 1, 1, chunk_size=32, block_size=16, alignment=32, **kwargs)

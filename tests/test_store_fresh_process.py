@@ -10,6 +10,8 @@ tokens, for every kind of cached state the engine serializes.
     short conv + KV         lfm2                            conv-only state + KV blocks
     lightning + KV          minimax                         recurrent-only state + KV blocks
     state only              mamba2                          state checkpoints alone
+    window rows + KV        lara_mini                       state + KV blocks (global layers) + window
+                                                            objects (sliding layers, each save's window)
     speculative decoding    qwen3_next (MTP, n-gram)        as gated delta rule + KV, drafts on
 
 plus one prompt with an image (glm5_next: the image's content hash is in the Store keys, so the
@@ -52,8 +54,11 @@ KINDS = {
     'short_conv_kv': ('lfm2',),
     'lightning_kv': ('minimax',),
     'state_only': ('mamba2',),
+    'window_rows_kv': ('lara_mini',),
 }
 NOTHING_PAGED = {'mamba2'}
+# window objects per arch: the blocks [window_first_block(b, W), b/B) of save points 64 ... 256 (W = 40)
+WINDOW_OBJECTS = {'lara_mini': 12}
 SPEC_METHODS = ('qwen3_next_mtp', 'ngram')
 SPEC_GEN = GenerationConfig(max_new_tokens=12, ignore_eos=True)
 PROMPT = random_prompt(300, seed=301)
@@ -137,7 +142,7 @@ def _ok(result: dict, name: str) -> dict:
 @pytest.mark.parametrize('kind', sorted(KINDS))
 def test_a_fresh_process_restores_the_prompt_another_process_saved(kind, runs, models):
     """Writer: save points 64..256, 4 state objects and the 16 blocks below 256 (none when
-    nothing is paged), no hit. Reader: 256 tokens from the Store (none locally), nothing put,
+    nothing is paged; with window rows also the window objects of each save point's window), no hit. Reader: 256 tokens from the Store (none locally), nothing put,
     and both decode what an engine with caching off decodes."""
     for arch in KINDS[kind]:
         a, b = (_ok(r, arch) for r in runs[arch])
@@ -145,8 +150,10 @@ def test_a_fresh_process_restores_the_prompt_another_process_saved(kind, runs, m
         assert ta['save_points'] == [64, 128, 192, 256] and ta['cached_tokens'] == 0, arch
         assert tb['cached_tokens'] == tb['store_hit_tokens'] == 256 and tb['local_hit_tokens'] == 0, arch
         assert tb['save_points'] == [], arch
-        assert a['stats']['store_put_objects'] == {'state': 4, 'kv': 0 if arch in NOTHING_PAGED else 16}, arch
-        assert b['stats']['store_put_objects'] == {'state': 0, 'kv': 0}, arch
+        window = {'window': WINDOW_OBJECTS[arch]} if arch in WINDOW_OBJECTS else {}
+        assert a['stats']['store_put_objects'] == {'state': 4, 'kv': 0 if arch in NOTHING_PAGED else 16,
+                                                   **window}, arch
+        assert b['stats']['store_put_objects'] == {'state': 0, 'kv': 0, **{k: 0 for k in window}}, arch
         assert b['stats']['store_hit_tokens'] == 256, arch
         cold = make_engine(models[arch], max_prefill_token_num=P).generate(PROMPT, GEN).output_ids
         assert ta['output_ids'] == tb['output_ids'] == cold, arch

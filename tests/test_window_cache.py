@@ -160,6 +160,110 @@ def test_an_old_block_the_store_lost_does_not_hide_a_deeper_window():
         tier.close()
 
 
+# ---------------------------------------------------------------- window objects (a window group of its own)
+class _Rows(_Blocks):
+    """A mixed model's cache engine without state: global block ``i`` holds ``[i] * 4``, window-pool
+    block ``j`` holds ``[j % 256] * 3``."""
+    window_block_bytes = 3
+
+    def __init__(self):
+        super().__init__()
+        self.win = {}
+
+    def read_window_blocks(self, ids):
+        return torch.stack([torch.full((3,), b % 256, dtype=torch.uint8) for b in ids])
+
+    def write_window_block(self, block, payload):
+        self.win[block] = bytes(payload.numpy())
+
+
+def _window_key(h: bytes) -> str:
+    return object_key(NS.hex(), 'window', h.hex())
+
+
+WIN0 = 500      # the window-pool block of block k is WIN0 + k in the writer's table
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 90), n=st.integers(40, 260), data=st.data())
+def test_window_objects_probe_offers_a_boundary_only_when_every_object_it_reads_exists(window, n, data):
+    """A mixed model with window objects (``window_rows`` = W): every reusable boundary b is put as
+    its state, the KV objects (global rows) of every block below b and the window objects of
+    ``[window_first_block(b, W), b/B)`` only (objects and bytes: exactly those sets). The Store then
+    loses a random subset; a fresh tier offers exactly the boundaries whose state, global blocks and
+    window blocks all remain, deepest first, and loading the deepest writes every global block and
+    only its window's rows into the window table."""
+    client = FakeStoreClient()
+    ids = prompt(n, n)
+    hashes = chain_block_hashes(ids, B)
+    rules = ReuseRules(n, B, A)
+    boundaries = sorted(rules.restore_candidates(0, len(hashes)))
+    tier = StoreTier(client, _Rows(), NS, B, window_rows=window)
+    for b in boundaries:
+        tier.submit(StorePut(hashes[:b // B], list(range(b // B)), b, None,
+                             [WIN0 + k for k in range(b // B)]))
+    assert tier.flush(timeout=10)
+    stats = tier.stats()
+    tier.close()
+    needed = {b: range(window_first_block(b, window, B), b // B) for b in boundaries}
+    union = set().union(*needed.values())
+    below = set(range(max(boundaries, default=0) // B))
+    assert stats['store_put_objects'] == {'state': len(boundaries), 'kv': len(below), 'window': len(union)}
+    assert stats['store_put_bytes'] == {'state': 0, 'kv': 4 * len(below), 'window': 3 * len(union)}
+    assert set(client.objects) == ({_kv_key(hashes[k]) for k in below} | {_window_key(hashes[k]) for k in union}
+                                   | {_state_key(hashes[b // B - 1]) for b in boundaries})
+    lost = data.draw(st.sets(st.sampled_from(sorted(client.objects)), max_size=4) if client.objects else st.just(set()))
+    for key in lost:
+        del client.objects[key]
+    tier = StoreTier(FakeStoreClient(objects=client.objects), _Rows(), NS, B, window_rows=window)
+    try:
+        expected = [b for b in sorted(boundaries, reverse=True)
+                    if _state_key(hashes[b // B - 1]) not in lost
+                    and not any(_kv_key(hashes[k]) in lost for k in range(b // B))
+                    and not any(_window_key(hashes[k]) in lost for k in needed[b])]
+        assert tier.probe(hashes, rules) == expected
+        if expected:
+            b = expected[0]
+            load = StoreLoad(None, b, hashes[:b // B], list(range(100, 100 + b // B)), 0, None,
+                             window_block_ids=[-1] * needed[b].start + [700 + k for k in needed[b]])
+            assert tier.load(load)
+            assert tier.cache_engine.kv == {100 + k: bytes([k] * 4) for k in range(b // B)}
+            assert tier.cache_engine.win == {700 + k: bytes([(WIN0 + k) % 256] * 3) for k in needed[b]}
+    finally:
+        tier.close()
+
+
+def test_a_save_whose_window_blocks_were_given_back_is_not_made():
+    """A turn end whose decode gave back a block of its window (FREED_BLOCK in the window table):
+    nothing is put for it (its state could never be restored), and no key stays in flight."""
+    client = FakeStoreClient()
+    hashes = chain_block_hashes(prompt(100, 3), B)
+    tier = StoreTier(client, _Rows(), NS, B, window_rows=40)
+    try:
+        table = [WIN0 + k for k in range(6)]
+        table[3] = -1                                   # window_first_block(96, 40) = 3
+        tier.submit(StorePut(hashes[:6], list(range(6)), 96, None, table))
+        assert tier.flush(timeout=10) and not client.objects and not tier._pending
+        table[3] = WIN0 + 3
+        tier.submit(StorePut(hashes[:6], list(range(6)), 96, None, table))
+        assert tier.flush(timeout=10)
+        assert tier.stats()['store_put_objects'] == {'state': 1, 'kv': 6, 'window': 3}
+    finally:
+        tier.close()
+
+
+def test_window_objects_are_a_kind_of_their_own():
+    """A window object is never read as a KV object (kind code in the header and key) and the
+    reverse: swapping the two under each other's key is rejected at load."""
+    from lmdeploy.pytorch.store.object_format import StoreObjectError, decode_object, encode_object
+    key_w, key_k = object_key(NS.hex(), 'window', 'ab'), object_key(NS.hex(), 'kv', 'ab')
+    value = encode_object('window', NS, 16, b'xyz', key=key_w)
+    assert decode_object(value, 'window', NS, 16, key=key_w) == b'xyz'
+    for kind, key in (('kv', key_k), ('kv', key_w), ('window', key_k)):
+        with pytest.raises(StoreObjectError):
+            decode_object(value, kind, NS, 16, key=key)
+
+
 # ---------------------------------------------------------------- the byte formula with a window
 def test_simulator_charges_only_window_blocks():
     """n = 300, P = A = 64: save points 64, 128, 192, 256; W = 24 needs blocks {2, 3}, {6, 7},
@@ -227,10 +331,24 @@ def test_simulator_cli_reads_the_window_from_the_config(tmp_path, sliding, windo
     assert result.default.total_bytes == (8 if sliding else 16) * sizes.kv_block_bytes
 
 
+def test_the_window_split_joins_the_namespace():
+    """A KV object of a split engine holds the global layers' rows only: its namespace names the
+    groups, so an engine keeping one shared table (whose KV objects hold every layer's rows) never
+    reads it, and the reverse; without the split the namespace is the one it always was."""
+    from lmdeploy.pytorch.store.identity import engine_namespace
+    from lmdeploy.pytorch.store.object_format import namespace_digest
+    common = dict(dtype='torch.float32', block_size=B, layers=['a', 'b', 'c'], override='ops')
+    plain = engine_namespace('unused', **common)
+    split = engine_namespace('unused', **common, paged_groups=[[0, 2], [1]])
+    assert plain != split != engine_namespace('unused', **common, paged_groups=[[0], [1, 2]])
+    assert plain == namespace_digest(model={'operator_namespace': 'ops'}, dtype='torch.float32', block_size=B,
+                                     layers=['a', 'b', 'c'], tp_rank=0, tp_size=1, adapter=None, secret_key_id=None)
+
+
 def test_a_rejected_window_object_fails_the_load_and_is_repaired_by_the_next_save():
     """A window object whose bytes were altered: the load at its boundary fails (the caller rolls
-    back), the key is remembered as bad so the probe no longer offers that boundary, and the next
-    save of the prefix overwrites it (counted as repaired)."""
+    back), the key is remembered as bad, and the next save of the prefix overwrites it (counted as
+    repaired), after which the boundary is offered and loads again."""
     client = FakeStoreClient()
     n = 100
     hashes = chain_block_hashes(prompt(n, 7), B)
@@ -250,8 +368,7 @@ def test_a_rejected_window_object_fails_the_load_and_is_repaired_by_the_next_sav
         load = StoreLoad(None, 96, hashes[:6], list(range(100, 106)), 0, None, window_block_ids=list(range(700, 706)))
         assert not tier.load(load)
         assert tier.stats()['store_rejected_objects'] == 1
-        assert 96 not in tier.probe(hashes, rules)
-        tier.submit(put)
+        tier.submit(put)            # (the engine computes the prefix again and saves it)
         assert tier.flush(timeout=10)
         assert tier.stats()['store_repaired_objects'] == 1 and tier.probe(hashes, rules)[0] == 96
         assert tier.load(load) and tier.cache_engine.win[704] == bytes([(WIN0 + 4) % 256] * 3)

@@ -233,24 +233,117 @@ def test_window_rows_need_state_and_a_window():
             None, None, 16)
 
 
-@pytest.mark.parametrize('tier', ['store', 'host'])
-def test_a_store_or_host_tier_keeps_one_shared_table(tmp_path, tiny, tier, caplog):
-    """The Store's and the host tier's objects hold every paged layer's rows per block: with one of
-    them, a mixed model keeps one shared table (every block), says so in the log, and still
-    restores what it cached."""
+def test_a_host_tier_keeps_the_window_pool_and_window_rows_of_demoted_checkpoints(tiny):
+    """With a host tier a mixed model keeps its window pool (regression: it fell back to one shared
+    table): two checkpoint slots, prompts a, b, a (200 tokens, save points 64, 128, 192): b's saves
+    demote a's checkpoints to host memory, holding the global rows of their blocks and the window
+    rows of only their windows' blocks; the second a restores 192 tokens from the host tier and
+    decodes what a cold engine decodes. Idle once both tiers are emptied."""
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
     path, _ = tiny
-    extra = dict(store_backend=f'file:{tmp_path}') if tier == 'store' else dict(host_cache_bytes=1 << 24)
-    with caplog.at_level('INFO', logger='lmdeploy'):
-        eng = make_engine(path, block_size=B, max_prefill_token_num=32, prefill_save_alignment=64,
-                          enable_prefix_caching=True, **extra)
-    assert eng.window_pool is None and len(eng.scheduler.groups) == 1
-    assert any('sliding-window layers keep every block' in r.getMessage() for r in caplog.records)
-    ids = random_prompt(100, seed=5)
-    gen = GenerationConfig(max_new_tokens=3, ignore_eos=True)
-    first = eng.generate(ids, gen).output_ids
-    again = eng.generate(ids, gen)
-    assert again.output_ids == first and again.num_cached_tokens == 64
+    window = 40
+    eng = make_engine(path, block_size=B, max_prefill_token_num=32, prefill_save_alignment=64,
+                      enable_prefix_caching=True, host_cache_bytes=1 << 24, num_checkpoint_slots=2)
+    host = eng.prefix_cache.host
+    assert eng.window_pool is not None and host.window_rows == window and len(eng.scheduler.groups) == 2
+    gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    a, b = random_prompt(200, seed=1), random_prompt(200, seed=2)
+    cold = make_engine(path, max_prefill_token_num=32)
+    first, other, again = (eng.generate(p, gen) for p in (a, b, a))
+    assert again.num_cached_tokens == eng.stats()['host_hit_tokens'] == 192
+    assert first.output_ids == again.output_ids == cold.generate(a, gen).output_ids
+    assert other.output_ids == cold.generate(b, gen).output_ids
+    entries = {kind: {h for k, h in host._entries if k == kind} for kind in ('state', 'kv', 'window')}
+    want = set()
+    for p in (a, b):
+        hashes = chain_block_hashes(p, B, 12)
+        for i, h in enumerate(hashes):
+            if h in entries['state']:
+                want.update(hashes[k] for k in range(window_first_block((i + 1) * B, window, B), i + 1))
+    assert entries['state'] and entries['window'] == want
+    ce = eng.cache_engine
+    assert host.bytes_held == (len(entries['state']) * ce.state_bytes + len(entries['kv']) * ce.kv_block_bytes
+                               + len(want) * ce.window_block_bytes)
+    eng.prefix_cache.evict(10**6)
+    host.evict(10**12)
+    assert_idle(eng)
     eng.close()
+
+
+def _window_object(store_dir, ids, block: int):
+    """The file of the window object of block ``block`` of prompt ``ids`` in a ``file:`` Store."""
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
+    h = chain_block_hashes(ids, B, block + 1)[block].hex()
+    [path] = list(store_dir.glob(f'objects/*/window/*/{h}'))
+    return path
+
+
+def test_a_store_keeps_the_window_pool_and_restores_from_window_objects(tmp_path, tiny):
+    """With a ``file:`` Store a mixed model keeps its window pool (regression: it fell back to one
+    shared table): the pool holds the trie's window rows plus the live window while a 100-token
+    prompt decodes 120 tokens; the Store holds the global rows of every block below each save
+    point and window objects of each save point's window only. A new engine restores 192 tokens
+    (save points 64 ... 192 of a 200-token prompt) and decodes what a cold engine decodes; with the
+    window object of block 11 (read only by 192's window [9, 12)) deleted, 192 is never offered (no
+    failed load) and 128 is restored instead, same tokens. Every engine is idle afterwards."""
+    path, _ = tiny
+    window = 40
+    store = tmp_path / 'store'
+    fields = dict(block_size=B, max_prefill_token_num=32, prefill_save_alignment=64, enable_prefix_caching=True,
+                  store_backend=f'file:{store}')
+    eng = make_engine(path, **fields)
+    wp, local = eng.window_pool, eng.prefix_cache.local
+    assert wp is not None and eng.store.window_rows == window and len(eng.scheduler.groups) == 2
+    computed, lives = eng.scheduler.computed, []
+
+    def tracked(out):
+        saves = computed(out)
+        for c in out.chunks:
+            seq = c.seq
+            live = len(seq.window_block_ids) - seq.num_window_freed_blocks
+            shared = sum(1 for b in seq.window_block_ids[seq.num_window_freed_blocks:] if wp.refcount[b] > 1)
+            assert wp.num_blocks - wp.num_free == local.num_window_blocks + live - shared
+            lives.append(live)
+        return saves
+    eng.scheduler.computed = tracked
+    gen = GenerationConfig(max_new_tokens=120, ignore_eos=True)
+    eng.generate(random_prompt(100, seed=90), gen)
+    # the live window never exceeds ceil((W - 1 + chunk) / B) + 1 blocks, the trie's rows one checkpoint's
+    assert max(lives) <= _blocks(window - 1 + 32) + 1 and local.num_window_blocks == _blocks(window - 1)
+    eng.scheduler.computed = computed
+    ids = random_prompt(200, seed=91)
+    short = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    first = eng.generate(ids, short)
+    assert eng.store.flush(timeout=30)
+    assert first.stats.save_points == [64, 128, 192]
+    windows = {k for b in (64, 128, 192) for k in range(window_first_block(b, window, B), b // B)}
+    stats = eng.stats()
+    # the first prompt's one save point (64: blocks 0-3, window blocks 1-3), then this one's
+    assert stats['store_put_objects'] == {'state': 4, 'kv': 4 + 12, 'window': 3 + len(windows)}
+    eng.prefix_cache.evict(10**6)
+    assert_idle(eng)
+    eng.close()
+    cold = make_engine(path, max_prefill_token_num=32).generate(ids, short).output_ids
+    assert first.output_ids == cold
+    for deleted, restored in ((None, 192), (11, 128)):
+        if deleted is not None:
+            _window_object(store, ids, deleted).unlink()
+        reader = make_engine(path, **fields)
+        try:
+            again = reader.generate(ids, short)
+            assert again.num_cached_tokens == again.stats.store_hit_tokens == restored
+            assert again.output_ids == cold
+            assert reader.stats()['store_get_failures'] == 0 and reader.stats()['store_rejected_objects'] == 0
+            # the restored checkpoint keeps the window rows the load wrote (its window's blocks), as
+            # does the one saved after it (192, when 128 was restored)
+            kept = {k for b in [restored] + again.stats.save_points for k in range(window_first_block(b, window, B),
+                                                                                 b // B)}
+            assert again.stats.save_points == ([] if restored == 192 else [192])
+            assert reader.ledger()['window_blocks_cached'] == len(kept)
+            reader.prefix_cache.evict(10**6)
+            assert_idle(reader)
+        finally:
+            reader.close()
 
 
 def test_tp2_keeps_window_rows_and_replies_as_tp1(tiny):

@@ -16,8 +16,9 @@ buffer, of as many rows as their pool has blocks::
     kv_buf        [num_blocks,        global row]   row = L0.k | L0.v | L4.k | L4.v ...
     window_kv_buf [num_window_blocks, window row]   row = L1.k | L1.v | L2.k | L2.v ...
 
-The Store and the host tier read and write ``kv_buf`` rows only (the engine never splits the
-groups of a model whose prefixes are cached).
+The Store and the host tier read and write both: a KV object (entry) is a ``kv_buf`` row (the
+global layers' rows when split) and a window object a ``window_kv_buf`` row
+(:meth:`CacheEngine.read_window_blocks`).
 
 Because a block's (or a slot's) bytes for every layer sit in one row, one copy moves a whole
 block or a whole recurrent state (all state layers at once): the checkpoint save and
@@ -106,7 +107,7 @@ class CacheEngine:
         for i, views in self._kv_layout.views(self.kv_buf).items():
             self.kv_caches[i] = views
         self.num_window_blocks = num_window_blocks if window_entries else 0
-        window_layout = CacheRowLayout(self.specs, True, block_size, only=window_entries)
+        self._window_layout = window_layout = CacheRowLayout(self.specs, True, block_size, only=window_entries)
         self.window_kv_buf = torch.empty(self.num_window_blocks, window_layout.row_bytes, dtype=torch.uint8,
                                          device=self.device)
         if window_entries:
@@ -152,6 +153,12 @@ class CacheEngine:
     def kv_block_bytes(self) -> int:
         """K_blk: payload bytes of one KV block over all full-attention layers."""
         return self._kv_layout.payload_bytes
+
+    @property
+    def window_block_bytes(self) -> int:
+        """K_win: payload bytes of one block row of the sliding-window group with a pool of its
+        own (``window_kv_buf``); 0 without one."""
+        return self._window_layout.payload_bytes if self.num_window_blocks else 0
 
     @property
     def state_bytes(self) -> int:
@@ -231,3 +238,12 @@ class CacheEngine:
     def write_kv_block(self, block_id: int, payload: torch.Tensor) -> None:
         """Overwrite block ``block_id`` with a ``[K_blk]`` uint8 payload."""
         self.kv_buf[block_id, :self.kv_block_bytes].copy_(payload.to(self.device))
+
+    def read_window_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """CPU copies of window-pool blocks' payloads, ``[len(block_ids), K_win]`` uint8."""
+        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        return self.window_kv_buf[idx, :self.window_block_bytes].to('cpu', copy=True)
+
+    def write_window_block(self, block_id: int, payload: torch.Tensor) -> None:
+        """Overwrite window-pool block ``block_id`` with a ``[K_win]`` uint8 payload."""
+        self.window_kv_buf[block_id, :self.window_block_bytes].copy_(payload.to(self.device))

@@ -139,6 +139,7 @@ class Engine:
         # a stateless mixed model keeping window rows with caching on: zero-byte checkpoints
         # (markers) keep them, as a hybrid's checkpoints do (prefix_cache/local_tier.py)
         markers = len(groups) > 1 and cc.enable_prefix_caching and not self.is_hybrid
+        self.paged_groups = groups
         sizes = size_caches(self.specs, self.is_hybrid, cc, self.device, config.max_batch_size, self.session_len,
                             speculative=spec_config is not None, groups=groups,
                             chunk_tokens=config.max_prefill_token_num)
@@ -208,7 +209,9 @@ class Engine:
             if config.host_cache_bytes and self.is_hybrid:
                 from ..prefix_cache.host_tier import HostTier
                 host = HostTier(self.cache_engine, config.host_cache_bytes, cc.block_size, self.cache_engine.state_bytes,
-                                self.cache_engine.kv_block_bytes)
+                                self.cache_engine.kv_block_bytes,
+                                getattr(self.cache_engine, 'window_block_bytes', 0) if window_entries else 0,
+                                groups[1].window if window_entries else None)
             turn_end = cc.decode_save_last
             if turn_end and not self.model.decode_state_equals_prefill:
                 logger.warning('decode_save_last is ignored: %s computes generated tokens differently from prompt '
@@ -237,9 +240,11 @@ class Engine:
         """Whether a mixed model's window layers may keep a pool of their own: always with prefix
         caching off; with it on, when the local tier can keep their window rows (for a model with
         recurrent state, the windows of its checkpoints; without state, of its markers, zero-byte
-        checkpoints) and no host tier or Store is configured (their objects hold one block row
-        per block of every paged layer). Otherwise one shared table keeps every block, said once
-        in the log."""
+        checkpoints). A host tier or Store keeps them too for a model with state (global rows in KV
+        entries, window rows in window entries of each boundary's window), except under tensor
+        parallelism or a prefill/decode role (full-head payloads and hand-off objects hold one row of
+        every paged layer); a model without state keeps one shared table with either. Otherwise one
+        shared table keeps every block, said once in the log."""
         if not cc.enable_prefix_caching:
             return True
         sliding = [s for s in self.specs if isinstance(s, SlidingWindowSpec)]
@@ -247,10 +252,13 @@ class Engine:
             return True         # nothing to split (no window layer, or every paged layer slides)
         from ..store.open_backend import store_scheme
         why = None
-        if self.config.host_cache_bytes:
-            why = 'host_cache_bytes is set (the host tier keeps every layer\'s rows per block)'
-        elif store_scheme(self.config) is not None:
-            why = 'a Store is configured (its objects hold every layer\'s rows per block)'
+        if not self.is_hybrid and (store_scheme(self.config) is not None or self.config.host_cache_bytes):
+            why = ('it has no recurrent state and a Store or host tier is configured (its markers are kept '
+                   'locally only)')
+        elif ((store_scheme(self.config) is not None or self.config.host_cache_bytes)
+              and (self.config.tp > 1 or self.config.role != 'both')):
+            why = ('a Store or host tier is configured with tp > 1 or a prefill/decode role (its payloads there '
+                   'hold every layer\'s rows per block)')
         if why is not None:
             logger.info('%s with prefix caching: its sliding-window layers keep every block (one shared table), '
                         'since %s', self.hf_config.model_type, why)
@@ -272,7 +280,9 @@ class Engine:
                         'sliding-window layers (its prefixes are reused locally)', self.hf_config.model_type)
             return None
         from ..prefix_cache.store_tier import build_store_tier
-        opened = open_store(self.config, self.cache_engine.state_bytes, self.cache_engine.kv_block_bytes)
+        # (the largest object: a KV block of the global layers, or a window object)
+        opened = open_store(self.config, self.cache_engine.state_bytes,
+                            max(self.cache_engine.kv_block_bytes, getattr(self.cache_engine, 'window_block_bytes', 0)))
         return build_store_tier(self, opened)
 
     # requests ---------------------------------------------------------------------------

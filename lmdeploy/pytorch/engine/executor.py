@@ -366,6 +366,13 @@ class ExecutorCaches:
         else:
             self.kv_block_bytes, self.state_bytes = self.local.kv_block_bytes, self.local.state_bytes
 
+    @property
+    def window_block_bytes(self) -> int:
+        """K_win: payload bytes of one window-pool block (0 without a window pool). Window objects
+        are single-process only: under TP the engine keeps one shared table when a Store or host
+        tier is set."""
+        return self.local.window_block_bytes if self.layout is None else 0
+
     def _to_full(self, parts: list[torch.Tensor], kv: bool) -> torch.Tensor:
         return parts[0] if self.layout is None else self.layout.to_full(parts, kv=kv)
 
@@ -397,3 +404,23 @@ class ExecutorCaches:
         """Write a ``[K_blk]`` all-heads payload into ``block_id``, each rank its slice."""
         parts = self._to_ranks(payload.reshape(1, -1), kv=True)
         self.executor.call('write_kv_block', block_id, [p[0] for p in parts])
+
+    def read_window_blocks(self, block_ids) -> torch.Tensor:
+        """``[len(block_ids), K_win]`` uint8: window-pool blocks' payloads (tp = 1 only).
+
+        Raises:
+            NotImplementedError: a tensor-parallel engine (window objects have no full-head layout yet).
+        """
+        if self.layout is not None:
+            raise NotImplementedError('window objects under tensor parallelism')
+        return self.executor.call('read_window_blocks', list(block_ids), gather=True)[0]
+
+    def write_window_block(self, block_id: int, payload: torch.Tensor) -> None:
+        """Write a ``[K_win]`` payload into window-pool block ``block_id`` (tp = 1 only).
+
+        Raises:
+            NotImplementedError: a tensor-parallel engine.
+        """
+        if self.layout is not None:
+            raise NotImplementedError('window objects under tensor parallelism')
+        self.executor.call('write_window_block', block_id, [payload])

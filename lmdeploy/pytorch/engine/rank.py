@@ -123,6 +123,14 @@ class Worker:
         """Write ``payloads[rank]`` into block ``block_id``."""
         self.cache_engine.write_kv_block(block_id, payloads[self.rank])
 
+    def read_window_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's ``[len(block_ids), K_win_r]`` uint8 window-pool payloads."""
+        return self.cache_engine.read_window_blocks(block_ids)
+
+    def write_window_block(self, block_id: int, payloads: list[torch.Tensor]) -> None:
+        """Write ``payloads[rank]`` into window-pool block ``block_id``."""
+        self.cache_engine.write_window_block(block_id, payloads[self.rank])
+
     def mtp_step(self, batch) -> list[int]:
         """Run one MTP step (:class:`~lmdeploy.pytorch.spec_decode.mtp.MTPBatch`) on this rank's
         shard, over its own last forward's hidden states (first step) or its own chain state;

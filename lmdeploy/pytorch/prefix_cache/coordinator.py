@@ -51,9 +51,12 @@ the ones before it are neither attached nor loaded, so a restored sequence holds
 not its whole prefix. A model of global and sliding layers whose window layers keep a pool of their
 own (``local.window_pool``) restores locally from window rows (:class:`~.local_tier.LocalTier`): the
 restored sequence attaches the window blocks of its boundary's window
-(:attr:`PrefixMatch.window_blocks`). A model without state puts its prefixes to the Store too: at each save
-point b of the turn's default plan that a chunk passed (no forward needs to end there), the
-blocks b needs and an empty state object (a marker that they are all stored).
+(:attr:`PrefixMatch.window_blocks`); a host or Store restore of such a model loads the rows of its
+boundary's window into fresh window-pool blocks (:attr:`PrefixMatch.window_first` on), and its
+saves carry the window table (:class:`~.plans.StorePut`). A model without state puts its prefixes
+to the Store too: at each save point b of the turn's default plan that a chunk passed (no forward
+needs to end there), the blocks b needs and an empty state object (a marker that they are all
+stored).
 
 A model of global and sliding layers without state whose window layers keep a pool of their own
 (``local.markers``) publishes a zero-byte checkpoint, a *marker*, at each save point of its plan
@@ -247,14 +250,22 @@ class PrefixCache:
                             above=match.cached_tokens)
         if b > match.cached_tokens:
             match = PrefixMatch(match.nodes, b, self.host.name, None, min(len(match.nodes), b // self.block_size),
-                                match.matched_tokens)
+                                match.matched_tokens, window_first=self._window_first(b))
         view = self._store_views.get(seq.seq_id)
         if view is not None and view.boundary and view.failures < STORE_RESTORE_ATTEMPTS:
             b = view.boundary
             if b > match.cached_tokens:
                 shared = min(len(match.nodes), b // self.block_size)
-                return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens)
+                return PrefixMatch(match.nodes, b, 'store', None, shared, match.matched_tokens,
+                                   window_first=self._window_first(b) if view.handoff is None else 0)
         return match
+
+    def _window_first(self, b: int) -> int:
+        """Window rows: the first block of b's window, whose rows a host or Store restore at b loads
+        into fresh window-pool blocks (the entries before it are FREED_BLOCK); 0 without them."""
+        if self.local.window_pool is None:
+            return 0
+        return window_first_block(b, self.local.window, self.block_size)
 
     def pin(self, match: PrefixMatch) -> None:
         """Hold what ``match`` restores from (shared blocks, checkpoint) during admission."""
@@ -275,7 +286,7 @@ class PrefixCache:
             handoff = view.handoff if view is not None and match.source == 'store' else None
             load = StoreLoad(seq, match.cached_tokens, hashes, seq.block_ids,
                              max(match.num_shared_blocks, match.first_block), seq.state_slot, match.matched_tokens,
-                             handoff)
+                             handoff, seq.window_block_ids if self.local.window_pool is not None else None)
             (loads.store_loads if match.source == 'store' else loads.host_loads).append(load)
             return      # counted once the load succeeded
         if match.checkpoint_slot is not None:
@@ -379,7 +390,8 @@ class PrefixCache:
                 taken.add(id(node))
                 saves.checkpoints.append(planned)
             if self.store is not None:
-                saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot))
+                saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], end, seq.state_slot,
+                                                 self._window_table(seq, full)))
 
     def _plan_block_saves(self, chunk, saves: SavePlan) -> None:
         """A model without state: cache the chunk's new full blocks, and put (or, with markers,
@@ -403,7 +415,13 @@ class PrefixCache:
             if self.markers:
                 self._save_marker(seq, b)
             if self.store is not None:
-                saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None))
+                saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None,
+                                                 self._window_table(seq, b // B)))
+
+    def _window_table(self, seq, full: int) -> list[int] | None:
+        """The first ``full`` entries of ``seq``'s window-group table when the window layers keep
+        a pool of their own (a copy: the table changes after this step), else None."""
+        return list(seq.window_block_ids[:full]) if self.local.window_pool is not None else None
 
     def _save_marker(self, seq, boundary: int) -> None:
         """Publish a marker of ``seq`` at ``boundary`` (counted as a checkpoint saved), or count
@@ -527,7 +545,7 @@ class PrefixCache:
             return False
         full = boundary // self.block_size
         saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary,
-                                         self.local.checkpoint_ref(slot)))
+                                         self.local.checkpoint_ref(slot), self._window_table(seq, full)))
         return True
 
     def _drop_staging(self, seq) -> None:

@@ -17,6 +17,13 @@ a separate pool on CPU so the path is tested there), least recently used first o
 tier's ``capacity_bytes`` is exceeded. A demotion happens while the device rows still hold the
 evicted data (eviction only frees rows; they are written by a later forward). Without a cache
 engine (the benchmark's simulator) only the keys and sizes are kept.
+
+Window rows (``window_rows``: a mixed model whose sliding-window layers keep a pool of their own,
+window W): a ``kv`` entry holds the global layers' row of a block, and a prefix at b also needs
+``window/{hash_i}`` entries, the sliding layers' rows of only the blocks ``[window_first_block(b, W),
+b/B)`` its window reads (the window blocks the device trie kept for the evicted checkpoint; a
+checkpoint whose window rows the device no longer holds is not kept). A load writes them into the
+window-pool blocks the admission gave the sequence.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from collections import OrderedDict
 
 import torch
 
+from ..cache_specs import window_first_block
 from ..paging.prefill_plan import ReuseRules
 from .block_trie import root_path
 from .plans import StoreLoad, StorePut
@@ -46,12 +54,17 @@ class HostTier:
         capacity_bytes: the most payload bytes held.
         block_size: B, tokens per block.
         state_bytes, kv_block_bytes: S and K_blk (the sizes charged per entry).
+        window_block_bytes: K_win, bytes of a window entry (with ``window_rows``).
+        window_rows: the window (tokens) of a sliding-window group with a pool of its own, or None
+            (module docstring).
     """
 
     name = 'host'
 
-    def __init__(self, cache_engine, capacity_bytes: int, block_size: int, state_bytes: int, kv_block_bytes: int):
+    def __init__(self, cache_engine, capacity_bytes: int, block_size: int, state_bytes: int, kv_block_bytes: int,
+                 window_block_bytes: int = 0, window_rows: int | None = None):
         self.cache_engine = cache_engine
+        self.window_block_bytes, self.window_rows = window_block_bytes, window_rows or None
         self.capacity_bytes = capacity_bytes
         self.block_size = block_size
         self.state_bytes, self.kv_block_bytes = state_bytes, kv_block_bytes
@@ -65,7 +78,14 @@ class HostTier:
         self.listeners: list = []
 
     def _size(self, kind: str) -> int:
-        return self.state_bytes if kind == 'state' else self.kv_block_bytes
+        return {'state': self.state_bytes, 'window': self.window_block_bytes}.get(kind, self.kv_block_bytes)
+
+    def _window_first(self, boundary: int) -> int:
+        """The first block whose window entry a prefix of ``boundary`` tokens needs (``boundary / B``:
+        none, without window rows)."""
+        if not self.window_rows:
+            return boundary // self.block_size
+        return window_first_block(boundary, self.window_rows, self.block_size)
 
     def __contains__(self, key: tuple[str, bytes]) -> bool:
         return key in self._entries
@@ -106,16 +126,23 @@ class HostTier:
         for listener in self.listeners:
             listener.demoting(node)
         path = root_path(node)
-        self.save(StorePut([p.key for p in path], [p.block_id for p in path], len(path) * self.block_size, state_ref))
+        self.save(StorePut([p.key for p in path], [p.block_id for p in path], len(path) * self.block_size, state_ref,
+                           [getattr(p, 'window_block', -1) for p in path] if self.window_rows else None))
 
     def save(self, put: StorePut) -> None:
         """Keep prefix ``[0, put.boundary)``: the state at ``put.slot`` (read now) and the KV
         blocks of ``put.block_ids`` the tier lacks (those it holds become as recent as the state
-        they serve). A state larger than the whole tier is not kept."""
+        they serve), and with window rows the window rows of ``put.window_block_ids`` its window
+        reads (not kept at all when one of them is given back). A state larger than the whole tier
+        is not kept."""
         if self.state_bytes + self.kv_block_bytes > self.capacity_bytes:
             return
         full = put.boundary // self.block_size
         hashes, block_ids = put.hashes[:full], put.block_ids[:full]
+        wfirst = self._window_first(put.boundary)
+        window_ids = list(put.window_block_ids or [])[:full]
+        if wfirst < full and (len(window_ids) < full or any(w < 0 for w in window_ids[wfirst:])):
+            return      # (its restore would read a window row the device no longer holds)
         missing = [i for i, h in enumerate(hashes) if ('kv', h) not in self._entries]
         for h in hashes:
             if ('kv', h) in self._entries:
@@ -128,6 +155,13 @@ class HostTier:
         else:
             for i in missing:
                 self._put(('kv', hashes[i]), None)
+        wmissing = [i for i in range(wfirst, full) if ('window', hashes[i]) not in self._entries]
+        for i in range(wfirst, full):
+            if ('window', hashes[i]) in self._entries:
+                self._entries.move_to_end(('window', hashes[i]))
+        wpayloads = eng.read_window_blocks([window_ids[i] for i in wmissing]) if eng is not None and wmissing else None
+        for j, i in enumerate(wmissing):
+            self._put(('window', hashes[i]), wpayloads[j] if wpayloads is not None else None)
         self._put(('state', hashes[-1]), eng.read_state(put.slot) if eng is not None else None)
         self.counters['host_demotions'] += 1
 
@@ -140,30 +174,39 @@ class HostTier:
               below: int | None = None) -> int:
         """The deepest restorable boundary ``above < b`` (``< below`` when given; tokens) the tier
         holds for an input whose first ``shared_blocks`` blocks the device shares (the KV of
-        blocks ``[0, b/B + r)`` held here or there), or 0. Metadata only."""
+        blocks ``[0, b/B + r)`` held here or there, and with window rows the window entries of
+        b's window here), or 0. Metadata only."""
         B, r = self.block_size, rules.recompute_blocks
         if not self._entries:
             return 0
         for b in rules.restore_candidates(above, len(hashes)):
             if ('state', hashes[b // B - 1]) not in self._entries or (below is not None and b >= below):
                 continue
-            if all(('kv', h) in self._entries for h in hashes[shared_blocks:b // B + r]):
+            if all(('kv', h) in self._entries for h in hashes[shared_blocks:b // B + r]) and all(
+                    ('window', h) in self._entries for h in hashes[self._window_first(b):b // B]):
                 return b
         return 0
 
     def load(self, load: StoreLoad) -> bool:
         """Copy a held prefix into the device: KV blocks ``[first_block, b/B)`` into
-        ``load.block_ids`` and the state into runtime slot ``load.slot``. False when an entry left
-        the tier since the probe (the caller rolls the admission back)."""
+        ``load.block_ids``, the window rows of b's window into ``load.window_block_ids`` (window
+        rows) and the state into runtime slot ``load.slot``. False when an entry left the tier
+        since the probe (the caller rolls the admission back)."""
         B, hashes = self.block_size, load.hashes
+        wfirst = self._window_first(load.boundary)
         keys = [('kv', hashes[i]) for i in range(load.first_block, load.boundary // B)]
+        wkeys = [('window', hashes[i]) for i in range(wfirst, load.boundary // B)]
         state_key = ('state', hashes[load.boundary // B - 1])
-        if state_key not in self._entries or any(k not in self._entries for k in keys):
+        if state_key not in self._entries or any(k not in self._entries for k in keys + wkeys):
             return False
         eng = self.cache_engine
         for i, key in zip(range(load.first_block, load.boundary // B), keys):
             if eng is not None:
                 eng.write_kv_block(load.block_ids[i], self._entries[key])
+            self._entries.move_to_end(key)
+        for i, key in zip(range(wfirst, load.boundary // B), wkeys):
+            if eng is not None:
+                eng.write_window_block(load.window_block_ids[i], self._entries[key])
             self._entries.move_to_end(key)
         if eng is not None:
             eng.write_state(load.slot, self._entries[state_key])

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cache_specs import window_first_block
 from .block_trie import root_path
 
 __all__ = ['KVEventTracker', 'HostEventTracker', 'BlockStored', 'BlockRemoved', 'AllBlocksCleared', 'external_hash',
@@ -182,7 +183,9 @@ class HostEventTracker:
 
     Fed by the host tier's listener hooks (``HostTier.listeners``): ``demoting(node)`` before a
     demotion puts the payloads of ``node``'s path, ``held(key)`` / ``dropped(key)`` when an entry
-    (``('kv' | 'state', 16-byte hash)``) enters or leaves the tier.
+    (``('kv' | 'state' | 'window', 16-byte hash)``) enters or leaves the tier. With window rows (the
+    host tier's ``window_rows``) a checkpoint is restorable from the tier only while the window
+    entries of its window are held too.
 
     Args:
         block_size: B, tokens per block.
@@ -198,10 +201,13 @@ class HostEventTracker:
         self._users: dict[bytes, set[bytes]] = {}        # block key -> state keys whose path holds it
         self._complete: set[bytes] = set()               # state keys restorable from the tier alone
         self._count: dict[bytes, int] = {}               # block key -> complete states whose path holds it
+        self._window: int | None = None                  # the host tier's window rows (tokens), or None
+        self._wfirst: dict[bytes, int] = {}              # state key -> first path index whose window entry it needs
 
     def attach(self, host_tier) -> 'HostEventTracker':
         """Listen to ``host_tier``; returns self."""
         host_tier.listeners.append(self)
+        self._window = getattr(host_tier, 'window_rows', None)
         return self
 
     def take(self) -> list:
@@ -217,6 +223,8 @@ class HostEventTracker:
             self._block[n.key] = (keys[i - 1] if i else None, n.tokens)
             self._users.setdefault(n.key, set()).add(node.key)
         self._paths[node.key] = keys
+        self._wfirst[node.key] = (window_first_block(len(keys) * self.block_size, self._window, self.block_size)
+                                  if self._window else len(keys))
 
     def held(self, key: tuple[str, bytes]) -> None:
         """``key`` entered the tier."""
@@ -232,6 +240,7 @@ class HostEventTracker:
         for state in ([h] if kind == 'state' else list(self._users.get(h, ()))):
             self._update(state)
         if kind == 'state' and h in self._paths and h not in self._complete:
+            self._wfirst.pop(h, None)
             for k in self._paths.pop(h):         # the tier no longer holds this checkpoint: forget it
                 users = self._users.get(k)
                 if users is not None:
@@ -245,7 +254,8 @@ class HostEventTracker:
         path = self._paths.get(state)
         if path is None:
             return
-        now = ('state', state) in self._held and all(('kv', k) in self._held for k in path)
+        now = (('state', state) in self._held and all(('kv', k) in self._held for k in path)
+               and all(('window', k) in self._held for k in path[self._wfirst.get(state, len(path)):]))
         if now == (state in self._complete):
             return
         delta = 1 if now else -1

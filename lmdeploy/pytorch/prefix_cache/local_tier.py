@@ -43,7 +43,9 @@ releasing a checkpoint gives back those no other checkpoint reads, and evicting 
 its window block with it. A match offers a checkpoint only when every window block it reads is
 present; a pin references them with the checkpoint. When the window pool runs short, checkpoints
 go (the eviction policy's order) until their window blocks free enough
-(:meth:`LocalTier.evict_window`).
+(:meth:`LocalTier.evict_window`). A restore from the host tier or the Store loads its window's rows
+into fresh window-pool blocks of the sequence, and keeping it locally (:meth:`LocalTier.cache_restored`)
+keeps them as the nodes' window rows, as a save does.
 
 Markers (``markers=True``: a mixed model *without* recurrent state, e.g. ``granitemoe_swa`` with
 global layers): the same rule, with zero-byte checkpoints. Such a model could restore at any block
@@ -381,6 +383,7 @@ class LocalTier:
         """Publish checkpoint ``slot`` on ``node`` with its eviction ``stats``, or release it
         unpublished when ``stats`` is None (its copy did not run) or ``node`` cannot take it (it
         holds another checkpoint or left the trie). Returns whether it was published."""
+        self._window_pending.pop(slot, None)
         if stats is not None and self.state_cache.publish(slot, node, stats):
             self._reweigh_above(node)
             return True
@@ -586,13 +589,17 @@ class LocalTier:
     def cache_restored(self, seq, hashes: list[bytes], boundary: int) -> tuple[TrieNode, PinLease] | None:
         """Keep a Store restore locally: insert its blocks and reserve a pinned checkpoint slot
         for the restored state; returns ``(node, lease)`` (``lease.slot``: the slot to copy into
-        and publish), or None."""
+        and publish), or None. With window rows the trie's nodes keep the window blocks the load
+        wrote (the sequence's window-group table), as for a planned checkpoint save."""
         nodes = self.trie.insert(seq.token_ids, seq.block_ids, boundary // self.block_size, hashes)
         if len(nodes) != boundary // self.block_size or nodes[-1].checkpoint_slot is not None:
             return None
         dst = self.alloc_checkpoint()
         if dst is None:
             return None
+        if self.window_pool is not None:
+            self._window_pending[dst] = nodes[-1]
+            self.keep_window(seq, nodes[-1])
         return nodes[-1], self.pins.take(dst, 'store_keep', seq.seq_id)
 
     def release(self, seq, hashes: list[bytes], num_computed_blocks: int) -> None:

@@ -72,7 +72,9 @@ class StoreLoad:
     ``matched_tokens`` is the admission's local match (for the hit counters). With ``handoff``
     (the hash of a hand-off object, :mod:`~lmdeploy.pytorch.paging.handoff`), ``boundary`` is
     unaligned: KV objects cover blocks below ``floor_B(boundary)``, and the hand-off object
-    holds the partial block at ``floor_B(boundary)`` and the state."""
+    holds the partial block at ``floor_B(boundary)`` and the state. ``window_block_ids``: the
+    sequence's window-group table (a Store with window objects writes the window rows of the
+    boundary's window into it), or None."""
     seq: object
     boundary: int
     hashes: list[bytes]
@@ -81,6 +83,7 @@ class StoreLoad:
     slot: int
     matched_tokens: int = 0
     handoff: bytes | None = None     # a prefill engine's hand-off object (unaligned boundary): its hash
+    window_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -127,11 +130,14 @@ class StorePut:
     """Put prefix ``[0, boundary)``: the state in slot ``slot`` (runtime or checkpoint; None for a
     model without state: an empty state object) and the KV blocks ``block_ids`` (one per hash in
     ``hashes``) that the Store does not hold yet (with sliding windows, only those from
-    :func:`~lmdeploy.pytorch.cache_specs.window_first_block` on: the Store tier picks them)."""
+    :func:`~lmdeploy.pytorch.cache_specs.window_first_block` on: the Store tier picks them).
+    ``window_block_ids``: the window-group table's entries of those blocks (a model whose window
+    layers keep a pool of their own; the Store tier puts the rows of the boundary's window), or None."""
     hashes: list[bytes]
     block_ids: list[int]
     boundary: int
     slot: int | None
+    window_block_ids: list[int] | None = None
 
 
 @dataclass

@@ -57,6 +57,24 @@ window reaches a block the Store lost is never restored, one whose older blocks 
 A model without state puts an empty state object (0 payload bytes) after the blocks, as the
 marker that they are all stored; a load then writes no state.
 
+Window objects (``window_rows``: a model of global and sliding-window layers whose window layers
+keep a pool of their own, window W of that group): a ``kv`` object then holds one block row of the
+global layers only, and the window layers' row of a block is a ``window`` object of its own (its
+own key, ``{ns}/window/{hash}``, and kind code, so one layout is never read as the other; the
+namespace also names the split, so objects of the one-table layout are never read by a split
+engine). A prefix at b is its state object, the ``kv`` objects of every block below b and the
+``window`` objects of blocks ``[window_first_block(b, W), b/B)`` only::
+
+    kv       |g0|g1|g2|g3|g4|g5|g6|g7|      every block below b (as without windows)
+    window   |  |  |  |  |  |w5|w6|w7|      the blocks b's window reads
+    state                            |s_b|  put last, once every object above is stored
+
+so a save puts ``S + new_kv·K_glob + new_window·K_win`` bytes, the probe offers b only when all of
+them exist, and a load writes the window rows into the window-pool blocks the admission gave the
+sequence (which the local tier then keeps as the trie's window rows of the restored checkpoint).
+A save whose window blocks the sequence already gave back (a turn end its decode passed) is not
+made: the state it would publish could never be restored.
+
 Hand-off (prefill/decode disaggregation, :mod:`~lmdeploy.pytorch.paging.handoff`): a prefill
 engine's :meth:`StoreTier.submit_handoff` is a save at its unaligned hand-off point h whose last
 object is a ``handoff/{hash}`` object (the partial block ``[floor_B(h), h)`` followed by the state
@@ -123,8 +141,9 @@ def zero_store_counters() -> dict:
 @dataclass(eq=False)
 class _SaveJob:
     kv: list[tuple[bytes, int, torch.Tensor]]     # (block hash, end token, payload) copied out
+    win: list[tuple[bytes, int, torch.Tensor]]    # the same, for window objects (window rows; else empty)
     state: tuple[bytes, int, torch.Tensor]        # (prefix hash, boundary, payload)
-    prefix_keys: list[str] = field(default_factory=list)   # KV keys of every block in [0, b)
+    prefix_keys: list[str] = field(default_factory=list)   # KV (and window) keys the prefix at b reads
     deps: list['_SaveJob'] = field(default_factory=list)   # earlier jobs putting blocks of [0, b)
     payloads: dict[str, torch.Tensor] = field(default_factory=dict)   # key -> payload of what this job puts
     done: threading.Event = field(default_factory=threading.Event)
@@ -186,9 +205,13 @@ class StoreTier:
         window: the model's sliding window (tokens) when every paged layer slides
             (:func:`~lmdeploy.pytorch.cache_specs.kv_window`), else None: a prefix at b is then
             its state object and the KV objects of the blocks its window reads.
+        window_rows: the window (tokens) of a mixed model's sliding-window group that keeps a pool
+            of its own, else None: KV objects then hold the global layers' rows and window objects
+            the window layers' rows of the blocks each prefix's window reads (module docstring).
 
     Raises:
-        ValueError: ``writers`` < 1, or ``timeout_s`` / ``cooldown_s`` not > 0.
+        ValueError: ``writers`` < 1, ``timeout_s`` / ``cooldown_s`` not > 0, or both ``window``
+            and ``window_rows`` given.
     """
 
     name = 'store'
@@ -196,12 +219,16 @@ class StoreTier:
 
     def __init__(self, client: StoreBackend, cache_engine, namespace: bytes, block_size: int,
                  queue_size: int = 64, services=None, secret: bytes | None = None, writers: int = 4,
-                 timeout_s: float = 0.5, cooldown_s: float = STORE_COOLDOWN_S, window: int | None = None):
+                 timeout_s: float = 0.5, cooldown_s: float = STORE_COOLDOWN_S, window: int | None = None,
+                 window_rows: int | None = None):
         if not isinstance(writers, int) or writers < 1:
             raise ValueError(f'store_writers must be an int >= 1, got {writers!r}')
         for name, value in (('store_timeout_s', timeout_s), ('cooldown_s', cooldown_s)):
             if not value > 0:
                 raise ValueError(f'{name} must be > 0 seconds, got {value!r}')
+        if window and window_rows:
+            raise ValueError('window (every paged layer slides) and window_rows (a window group of its own) '
+                             'exclude each other')
         self.client = client
         self.secret = secret
         self.cache_engine = cache_engine
@@ -209,6 +236,7 @@ class StoreTier:
         self.ns_hex = namespace.hex()
         self.block_size = block_size
         self.window = window or None     # every paged layer slides: a prefix needs its window's blocks only
+        self.window_rows = window_rows or None   # a window group of its own: window objects of its window
         # a model that caches nothing per token (pure Mamba-2: K_blk = 0) has no KV objects; a
         # prefix is its state object alone
         self.has_kv = getattr(cache_engine, 'kv_block_bytes', 1) > 0
@@ -226,6 +254,9 @@ class StoreTier:
         self._inflight = 0
         self._idle = threading.Condition(self._lock)   # notified when _inflight drops to 0
         self.counters = zero_store_counters()
+        if self.window_rows:
+            for name in ('store_put_bytes', 'store_put_objects'):
+                self.counters[name]['window'] = 0
         self._closed = False
         # the engine thread's Store calls: a caller pool and a breaker
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -344,7 +375,8 @@ class StoreTier:
         ``b`` is restorable for ``rules`` (reusable, and its r recompute blocks among
         ``hashes``); the state object at ``b`` and the KV objects of blocks ``[f, b/B + r)``
         exist or are being put by this engine (the in-flight index), ``f`` the first block b's
-        window reads (0 without sliding windows). Metadata only: two batched existence queries
+        window reads (0 without sliding windows), and with ``window_rows`` the window objects of
+        blocks ``[window_first_block(b, W), b/B)``. Metadata only: two batched existence queries
         at most, each waited for at most ``timeout_s`` seconds.
         """
         B, r = self.block_size, rules.recompute_blocks
@@ -356,14 +388,28 @@ class StoreTier:
         if not candidates or not self.has_kv:
             return candidates
         lo = self._first_block(candidates[-1])      # (the shallowest candidate's window starts first)
-        kv = self._exists([self._key('kv', h) for h in hashes[lo:candidates[0] // B + r]])
-        if kv is None:
+        top = candidates[0] // B + r
+        keys = [self._key('kv', h) for h in hashes[lo:top]]
+        wlo = self._window_first(candidates[-1])
+        if self.window_rows:
+            keys += [self._key('window', h) for h in hashes[wlo:candidates[0] // B]]
+        found = self._exists(keys)
+        if found is None:
             return []
-        return [b for b in candidates if all(kv[self._first_block(b) - lo:b // B + r - lo])]
+        kv, win = found[:top - lo], found[top - lo:]
+        return [b for b in candidates if all(kv[self._first_block(b) - lo:b // B + r - lo])
+                and all(win[self._window_first(b) - wlo:b // B - wlo])]
 
     def _first_block(self, boundary: int) -> int:
         """The first block a prefix of ``boundary`` tokens needs (the window rule)."""
         return window_first_block(boundary, self.window, self.block_size)
+
+    def _window_first(self, boundary: int) -> int:
+        """The first block whose window object a prefix of ``boundary`` tokens needs (with
+        ``window_rows``; without, ``boundary / B``: none)."""
+        if not self.window_rows:
+            return boundary // self.block_size
+        return window_first_block(boundary, self.window_rows, self.block_size)
 
     def depth(self, hashes: list[bytes], rules: ReuseRules, *, shared_blocks: int = 0, above: int = 0,
               below: int | None = None) -> int:
@@ -412,6 +458,10 @@ class StoreTier:
             for i in range(load.first_block, load.boundary // B if self.has_kv else 0):
                 payload = self._get('kv', hashes[i], (i + 1) * B)
                 self.cache_engine.write_kv_block(load.block_ids[i], payload)
+            if self.window_rows and load.handoff is None:
+                for i in range(self._window_first(load.boundary), load.boundary // B):
+                    payload = self._get('window', hashes[i], (i + 1) * B)
+                    self.cache_engine.write_window_block(load.window_block_ids[i], payload)
             if load.handoff is not None and tail:
                 self.cache_engine.write_kv_block(load.block_ids[load.boundary // B], handoff[:tail])
             if load.slot is not None:       # (None: a model without state; its state object is empty)
@@ -433,6 +483,9 @@ class StoreTier:
                    else ('state', hashes[load.boundary // B - 1], load.boundary)]
         objects += [('kv', hashes[i], (i + 1) * B)
                     for i in range(load.first_block, load.boundary // B if self.has_kv else 0)]
+        if self.window_rows and load.handoff is None:
+            objects += [('window', hashes[i], (i + 1) * B)
+                        for i in range(self._window_first(load.boundary), load.boundary // B)]
         for kind, h, tokens in objects:
             if self._key(kind, h) in self._bad:
                 continue
@@ -458,7 +511,8 @@ class StoreTier:
             payload = job.payloads.get(key) if job is not None else None
         if payload is not None:
             return payload
-        size = getattr(self.cache_engine, 'kv_block_bytes' if kind == 'kv' else 'state_bytes', 0)
+        size = getattr(self.cache_engine, {'kv': 'kv_block_bytes', 'window': 'window_block_bytes'}.get(
+            kind, 'state_bytes'), 0)
         size += getattr(self.cache_engine, 'kv_block_bytes', 0) if kind == 'handoff' else 0
         called, data = self._call(self.client.get, key, deadline_s=self.timeout_s + size / SLOW_READ_BYTES_PER_S)
         if not called:
@@ -498,7 +552,7 @@ class StoreTier:
         same prefix copies and puts them."""
         self._submit(put.hashes, put.block_ids, 'state', put.hashes[-1], put.boundary,
                      lambda: (torch.empty(0, dtype=torch.uint8) if put.slot is None
-                              else self.cache_engine.read_state(put.slot)))
+                              else self.cache_engine.read_state(put.slot)), window_block_ids=put.window_block_ids)
 
     def handoff_key(self, digest: bytes) -> str:
         """The Store key of the hand-off object with hash ``digest``."""
@@ -526,12 +580,21 @@ class StoreTier:
         self._submit(put.hashes, put.block_ids, 'handoff', put.handoff_hash, put.boundary, payload, put.handoff)
 
     def _submit(self, hashes: list[bytes], block_ids: list[int], last_kind: str, last_hash: bytes, boundary: int,
-                read_last, handoff=None) -> None:
+                read_last, handoff=None, window_block_ids: list[int] | None = None) -> None:
         B = self.block_size
         state_key = self._key(last_kind, last_hash)
         # blocks before the first one the boundary's window reads are neither copied, put nor checked
         first = self._first_block(boundary) if last_kind == 'state' else 0
         keys = [self._key('kv', h) for h in hashes[first:]] if self.has_kv else []
+        wfirst = self._window_first(boundary) if last_kind == 'state' else boundary // B
+        if wfirst < boundary // B:
+            ids = window_block_ids or []
+            if len(ids) < boundary // B or any(ids[i] < 0 for i in range(wfirst, boundary // B)):
+                logger.debug('Store save at %d tokens not made: the sequence gave back window blocks it reads',
+                             boundary)
+                return
+        nkv = len(keys)
+        keys += [self._key('window', h) for h in hashes[wfirst:boundary // B]]
         with self._lock:
             if self._closed or state_key in self._stored or state_key in self._pending:
                 waits = self._pending.get(state_key)
@@ -549,12 +612,17 @@ class StoreTier:
             self._inflight += 1
         job = None
         try:
-            payloads = self.cache_engine.read_kv_blocks([block_ids[first + i] for i in new]) if new else []
-            kv = [(hashes[first + i], (first + i + 1) * B, payloads[j]) for j, i in enumerate(new)]
+            new_kv, new_win = [i for i in new if i < nkv], [i for i in new if i >= nkv]
+            payloads = self.cache_engine.read_kv_blocks([block_ids[first + i] for i in new_kv]) if new_kv else []
+            kv = [(hashes[first + i], (first + i + 1) * B, payloads[j]) for j, i in enumerate(new_kv)]
+            wpay = (self.cache_engine.read_window_blocks([window_block_ids[wfirst + i - nkv] for i in new_win])
+                    if new_win else [])
+            win = [(hashes[wfirst + i - nkv], (wfirst + i - nkv + 1) * B, wpay[j]) for j, i in enumerate(new_win)]
             state = read_last()
-            job = _SaveJob(kv, (last_hash, boundary, state), keys, list(deps.values()), last_kind=last_kind,
+            job = _SaveJob(kv, win, (last_hash, boundary, state), keys, list(deps.values()), last_kind=last_kind,
                            handoff=handoff)
-            job.payloads = {keys[i]: payloads[j] for j, i in enumerate(new)}
+            job.payloads = {keys[i]: payloads[j] for j, i in enumerate(new_kv)}
+            job.payloads.update({keys[i]: wpay[j] for j, i in enumerate(new_win)})
             job.payloads[state_key] = state
         except BaseException:
             self._job_done(mine, None)
@@ -659,15 +727,18 @@ class StoreTier:
         h_state, b, state_payload = job.state
         kind = job.last_kind
         state_key = self._key(kind, h_state)
-        present = self._present([self._key('kv', h) for h, _, _ in job.kv] + [state_key])
+        present = self._present([self._key('kv', h) for h, _, _ in job.kv]
+                                + [self._key('window', h) for h, _, _ in job.win] + [state_key])
         if present is None:
             return
         state_present = present.pop()
         with self._lock:
             self.counters['store_existing_objects'] += sum(present) + state_present
-        missing = [item for item, exists in zip(job.kv, present) if not exists]
-        if missing and not self._put(job, 'kv', missing):
-            return      # leave the state to a later save of this prefix
+        for block_kind, items, found in (('kv', job.kv, present[:len(job.kv)]),
+                                         ('window', job.win, present[len(job.kv):])):
+            missing = [item for item, exists in zip(items, found) if not exists]
+            if missing and not self._put(job, block_kind, missing):
+                return      # leave the state to a later save of this prefix
         if state_present:
             job.ok = True
             return
@@ -681,7 +752,7 @@ class StoreTier:
             return
         if not all(prefix):
             with self._lock:
-                self._forget_all(f'{prefix.count(False)} KV objects below {b} tokens are missing')
+                self._forget_all(f'{prefix.count(False)} KV or window objects below {b} tokens are missing')
             logger.info('Store save at %d tokens: state not put, %d of its blocks are not stored', b,
                         prefix.count(False))
             return
@@ -742,11 +813,21 @@ class StoreTier:
 
 def _namespace(engine, secret: bytes | None) -> bytes:
     cfg = engine.config
+    # a window group of its own changes what a KV object holds (the global layers' rows only):
+    # its entries join the namespace, so the two layouts never read each other's objects
+    groups = _window_groups(engine)
     # the first start on a checkpoint hashes every weight byte (logged); later starts hit the digest cache
     return engine_namespace(engine.model_path, dtype=str(engine.dtype), block_size=cfg.block_size,
                             # payloads hold every head whatever the TP size (see store/layout.py)
                             layers=[repr(s) for s in engine.cache_engine.object_specs], tp_rank=0, tp_size=1,
-                            adapter=None, override=cfg.store_namespace, secret=secret)
+                            adapter=None, override=cfg.store_namespace, secret=secret,
+                            paged_groups=[list(g.entries) for g in groups] if groups else None)
+
+
+def _window_groups(engine) -> list | None:
+    """The engine's paged groups when its window layers keep a pool of their own (window objects), else None."""
+    groups = getattr(engine, 'paged_groups', None)
+    return groups if getattr(engine, 'window_pool', None) is not None and groups and len(groups) > 1 else None
 
 
 def build_store_tier(engine, opened) -> StoreTier:
@@ -766,6 +847,8 @@ def build_store_tier(engine, opened) -> StoreTier:
         raise
     # the window rule is the model's (its specs), whatever the engine's decoding: it is what the
     # objects of this namespace hold
+    groups = _window_groups(engine)
     return StoreTier(opened.backend, engine.cache_engine, namespace, cfg.block_size, cfg.store_queue_size,
                      opened.services, opened.secret, cfg.store_writers, cfg.store_timeout_s,
-                     window=kv_window(engine.cache_engine.object_specs))
+                     window=kv_window(engine.cache_engine.object_specs),
+                     window_rows=groups[1].window if groups else None)

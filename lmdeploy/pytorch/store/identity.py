@@ -214,7 +214,8 @@ def secret_key_id(secret: bytes | None) -> str | None:
 
 def engine_namespace(model_path: str | os.PathLike, *, dtype: str, block_size: int, layers: list[str],
                      tp_rank: int = 0, tp_size: int = 1, adapter=None, override: str | None = None,
-                     secret: bytes | None = None, cache_dir: str | os.PathLike | None = None) -> bytes:
+                     secret: bytes | None = None, cache_dir: str | os.PathLike | None = None,
+                     paged_groups: list[list[int]] | None = None) -> bytes:
     """The engine's 16-byte Store namespace digest.
 
     Digest of the model identity (:func:`model_identity`; replaced by ``override`` when the
@@ -222,11 +223,15 @@ def engine_namespace(model_path: str | os.PathLike, *, dtype: str, block_size: i
     cache specs ``layers``, ``tp_rank``/``tp_size``, ``adapter``, the secret's key id and the
     object format version. The engine always passes ``tp_rank=0, tp_size=1`` (objects hold every
     head, in the single-process layout), so its namespace does not depend on its ``tp``.
+    ``paged_groups`` (the cache entries of each paged group, when a mixed model's window layers
+    keep a pool of their own and their rows are window objects) joins the digest only when
+    given, so a model's namespace without the split is unchanged.
 
     Raises:
         ValueError: see :func:`model_identity` and :func:`.object_format.namespace_digest`.
     """
     model = {'operator_namespace': override} if override is not None else model_identity(model_path,
                                                                                           cache_dir=cache_dir)
+    extra = {'paged_groups': [list(g) for g in paged_groups]} if paged_groups is not None else {}
     return namespace_digest(model=model, dtype=dtype, block_size=block_size, layers=list(layers), tp_rank=tp_rank,
-                            tp_size=tp_size, adapter=adapter, secret_key_id=secret_key_id(secret))
+                            tp_size=tp_size, adapter=adapter, secret_key_id=secret_key_id(secret), **extra)

@@ -57,9 +57,10 @@ from typing import Any
 
 FORMAT_VERSION = 3                    # 2: the HMAC-SHA256 trailer; 3: key binding and writer id
 MAGIC = b'LMDS'
-KINDS = ('kv', 'state', 'handoff')
-# handoff: a prefill engine's partial last block + state at its hand-off point (paging/handoff.py)
-_KIND_CODE = {'kv': 1, 'state': 2, 'handoff': 3}
+KINDS = ('kv', 'state', 'handoff', 'window')
+# handoff: a prefill engine's partial last block + state at its hand-off point (paging/handoff.py);
+# window: one block row of a mixed model's sliding-window layers (its global layers' row is the kv object)
+_KIND_CODE = {'kv': 1, 'state': 2, 'handoff': 3, 'window': 4}
 _HEADER = struct.Struct('<4sHBB16sQQQ8sII')
 HEADER_SIZE = _HEADER.size            # 64 bytes: the payload starts 16-byte aligned
 _CRC_COVERED = HEADER_SIZE - 4        # the checksum covers every header byte before itself
@@ -154,8 +155,10 @@ def encode_object(kind: str, namespace_digest: bytes, num_tokens: int, payload, 
     """Build one Store value for ``key``: the 64-byte header, ``payload``, then the 32-byte MAC.
 
     Args:
-        kind: ``'kv'`` (the KV bytes of one block), ``'state'`` (a state snapshot) or ``'handoff'``
-            (a prefill engine's partial last block followed by its state snapshot).
+        kind: ``'kv'`` (the KV bytes of one block), ``'state'`` (a state snapshot), ``'handoff'``
+            (a prefill engine's partial last block followed by its state snapshot) or ``'window'``
+            (the sliding-window layers' bytes of one block, for a model whose window layers keep a
+            pool of their own; its ``'kv'`` objects then hold the global layers' bytes only).
         namespace_digest: 16 bytes from :func:`namespace_digest`.
         num_tokens: tokens covered by the prefix this object belongs to (b for a state at
             boundary b; the block's end token for a KV block).
