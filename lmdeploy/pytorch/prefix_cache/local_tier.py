@@ -338,7 +338,7 @@ class LocalTier:
         if any(n.window_block < 0 and (n.depth > len(table) or table[n.depth - 1] < 0) for n in reads):
             return False
         for n in reads:
-            self.trie.keep_window(n, table[n.depth - 1])
+            self.trie.hold_window_block(n, table[n.depth - 1])
         return True
 
     def _window_needed(self, m: TrieNode) -> bool:
