@@ -155,6 +155,31 @@ def test_invalid_schema_is_a_value_error_naming_it(engine):
     assert engine.ledger()['grammar_matchers'] == 0
 
 
+BOUNDED = {'type': 'object', 'properties': {'s': {'type': 'string', 'maxLength': 4},
+                                            't': {'type': 'string', 'minLength': 1, 'maxLength': 6}},
+           'required': ['s', 't'], 'additionalProperties': False}
+
+
+@pytest.fixture(scope='module')
+def bounded_grammar(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    from lmdeploy.pytorch.engine.guided import GrammarBackend
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    return GrammarBackend(tok, len(tok), [EOS]).compile(StructuredOutput(type='json_schema', json_schema=BOUNDED))
+
+
+def test_a_bounded_string_admits_no_utf16_surrogate_bytes(bounded_grammar):
+    """``ED B1 92`` (the three-byte form of U+DC52, not UTF-8) was one character to the grammar
+    and three U+FFFD to the decoder, so a random reply broke ``maxLength``; real 2-, 3- and
+    4-byte characters still count one each (five are one too many)."""
+    import xgrammar as xgr
+    for text, admitted in ((b'\xed\xb1\x92', False), (b'\xed\x9f\xbf', True), ('é中😀'.encode(), True),
+                           ('é中😀xy'.encode(), False)):
+        matcher = xgr.GrammarMatcher(bounded_grammar)
+        assert matcher.accept_string(b'{"s": "' + text + b'"') == admitted, text
+
+
 SCHEMA = {'type': 'object', 'properties': {'a': {'type': 'integer', 'minimum': 0, 'maximum': 999},
                                            'b': {'type': 'array', 'items': {'enum': ['x', 'yz']}, 'maxItems': 3}},
           'required': ['a', 'b'], 'additionalProperties': False}

@@ -111,7 +111,12 @@ def _plain_bounded_strings(schema):
 
     Why: xgrammar 0.2.9 compiles a length-bounded string to "any characters but quote,
     backslash, CR and LF", which admits raw control characters that JSON forbids (a reply no
-    JSON parser reads); the pattern excludes them (and escapes, so characters = length)."""
+    JSON parser reads); the pattern excludes them (and escapes, so characters = length). It
+    also excludes the UTF-16 surrogates U+D800-U+DFFF: xgrammar reads their three-byte forms
+    (``ED A0..BF xx``) as one character, which is not UTF-8, so the reply's text decodes each byte
+    to U+FFFD and the string comes out longer than ``maxLength``. (Overlong forms, e.g.
+    ``F0 8B B1 90``, are still one character to xgrammar: they stand for ordinary code points, so
+    no character class can exclude them.)"""
     if isinstance(schema, list):
         return [_plain_bounded_strings(v) for v in schema]
     if not isinstance(schema, dict):
@@ -121,7 +126,7 @@ def _plain_bounded_strings(schema):
             and not any(k in out for k in ('pattern', 'format', 'enum', 'const')):
         lo, hi = out.pop('minLength', 0), out.pop('maxLength', '')
         if isinstance(lo, int) and (hi == '' or isinstance(hi, int)):
-            out['pattern'] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo, hi)
+            out['pattern'] = '^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{%d,%s}$' % (lo, hi)
     return out
 
 
