@@ -46,6 +46,7 @@ from collections import OrderedDict
 import torch
 
 from ...messages import StructuredOutput
+from .utf8_guard import CLEAN, Utf8Guard
 
 __all__ = ['GrammarBackend', 'Guide', 'TOOL_CALL_FORMATS', 'register_tool_call_format', 'GRAMMAR_LIMITS',
            'check_grammar_limits', 'check_tool_parameters']
@@ -120,8 +121,8 @@ def _plain_bounded_strings(schema):
     also excludes the UTF-16 surrogates U+D800-U+DFFF: xgrammar reads their three-byte forms
     (``ED A0..BF xx``) as one character, which is not UTF-8, so the reply's text decodes each byte
     to U+FFFD and the string comes out longer than ``maxLength``. (Overlong forms, e.g.
-    ``F0 8B B1 90``, are still one character to xgrammar: they stand for ordinary code points, so
-    no character class can exclude them.)"""
+    ``F0 8B B1 90``, stand for ordinary code points, so no character class excludes them: the
+    guide's UTF-8 mask does, :mod:`.utf8_guard`, and the surrogates' too.)"""
     if isinstance(schema, list):
         return [_plain_bounded_strings(v) for v in schema]
     if not isinstance(schema, dict):
@@ -247,6 +248,7 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.utf8 = Utf8Guard(info.decoded_vocab, vocab_size)
         self._cache: OrderedDict = OrderedDict()       # spec JSON -> compiled grammar (LRU)
         self._lock = threading.Lock()
         self.num_live = 0       # matchers created and not yet closed (the ledger's grammar_matchers)
@@ -328,16 +330,18 @@ class Guide:
         self._backend = backend
         self._matcher = matcher
         self._bitmask = backend._xgr.allocate_token_bitmask(1, backend.vocab_size)
+        self._utf8 = CLEAN       # where the reply's last character stands (utf8_guard)
         self.failed = False      # a token the grammar refused was appended (the reply is ended)
 
     def mask_(self, logits: torch.Tensor) -> torch.Tensor:
         """Set the ``[vocab]`` float32 CPU ``logits`` of every token the grammar refuses next to
-        -inf, in place; returns ``logits``."""
+        -inf, in place, and of every token that would make the reply ill-formed UTF-8
+        (:class:`~.utf8_guard.Utf8Guard`); returns ``logits``."""
         if self._matcher is None or self._matcher.is_terminated():
             return logits
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         self._backend._xgr.apply_token_bitmask_inplace(logits.view(1, -1), self._bitmask)
-        return logits
+        return self._backend.utf8.restrict_(logits, self._utf8)
 
     def accept(self, token: int) -> None:
         """Advance by one appended token; a refused token sets :attr:`failed`."""
@@ -346,6 +350,7 @@ class Guide:
         if not self._matcher.accept_token(int(token)):
             logger.warning('token %d does not continue the grammar; ending the reply', token)
             self.failed = True
+        self._utf8 = self._backend.utf8.after(self._utf8, int(token))
 
     @property
     def done(self) -> bool:
