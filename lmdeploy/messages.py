@@ -316,7 +316,7 @@ class PytorchEngineConfig(BaseModel):
             raise ValueError(f'role={self.role!r} hands prompts off through the Store: give store_backend '
                              f'(e.g. file:DIR shared by both engines) or mooncake_master')
         if self.role != 'both' and not self.enable_prefix_caching:
-            raise ValueError(f'role={self.role!r} needs enable_prefix_caching (--enable-prefix-caching)')
+            raise ValueError(f'role={self.role!r} needs enable_prefix_caching')
         return self
 
     @model_validator(mode='after')

@@ -10,6 +10,8 @@ import json
 import jsonschema
 import pytest
 from chat_templates import THINKING_TOOLS_TEMPLATE, with_template
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SCHEMA = {'type': 'object', 'properties': {'name': {'type': 'string', 'maxLength': 8},
                                            'age': {'type': 'integer', 'minimum': 0, 'maximum': 120},
@@ -174,3 +176,86 @@ def test_mapping_takes_chat_responses_and_anthropic_shapes():
     assert [t.name for t in named.tools] == ['ls'] and not named.parallel_tool_calls
     assert [t.name for t in from_tool_choice(TOOLS, 'required', True, 'hermes').tools] == ['get_weather', 'ls']
     assert from_tool_choice(TOOLS, 'auto', True, 'hermes') is None and from_tool_choice([], 'required', True, 'x') is None
+
+
+# tool schemas constrained decoding cannot use: refused whatever tool_choice says ----------------------------
+UNUSABLE = [({'type': 'string'}, 'must be an object schema'),
+            ({'type': 'object', 'properties': {'a': {'type': 'nonsense'}}}, 'Unsupported type "nonsense"'),
+            ({'type': 'object', 'properties': {'a': {'type': 'string', 'pattern': '(('}}}, 'Regex parsing error'),
+            ({'type': 'object', 'properties': {f'p{i}': {'type': 'integer'} for i in range(65)}},
+             '65 optional properties')]
+
+
+@pytest.mark.parametrize('schema, says', UNUSABLE, ids=['string-root', 'unknown-type', 'bad-pattern', 'limit'])
+def test_an_unusable_tool_schema_is_a_400_naming_it_on_every_endpoint(client, schema, says):
+    """With tool_choice auto (no grammar compiled) as with a forced call, a tool whose parameters
+    constrained decoding cannot use is a 400 naming that schema in the client's own terms
+    (chat, Responses incl. a namespace, Messages), and the next valid request is served."""
+    tools = [TOOLS[0], {'type': 'function', 'function': {'name': 'f', 'parameters': schema}}]
+    where = 'tools[1].function.parameters'
+    for choice in ('auto', 'none', 'required', {'type': 'function', 'function': {'name': 'get_weather'}}):
+        r = _chat(client, tools=tools, tool_choice=choice, max_tokens=2)
+        assert r.status_code == 400, (choice, r.text)
+        err = r.json()['error']
+        assert (err['param'], err['type'], err['code']) == (where, 'invalid_request_error', 'invalid_value')
+        assert err['message'].startswith(f'{where}: ') and says in err['message'], err
+    r = client.post('/v1/responses', json={'model': 'tiny', 'input': 'hi', 'max_output_tokens': 2, 'tools': [
+        {'type': 'function', 'name': 'g', 'parameters': WEATHER},
+        {'type': 'namespace', 'name': 'ns', 'tools': [{'type': 'function', 'name': 'ok', 'parameters': WEATHER},
+                                                      {'type': 'function', 'name': 'f', 'parameters': schema}]}]})
+    assert r.status_code == 400, r.text
+    err = r.json()['error']
+    assert err['param'] == 'tools[1].tools[1].parameters' and says in err['message'], err
+    r = client.post('/v1/messages', json={'model': 'tiny', 'max_tokens': 2, 'messages': MSG, 'tools': [
+        {'name': 'g', 'input_schema': WEATHER}, {'name': 'f', 'input_schema': schema}],
+        'tool_choice': {'type': 'auto'}})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body['type'] == 'error' and body['error']['type'] == 'invalid_request_error'
+    assert body['error']['message'].startswith('tools[1].input_schema: ') and says in body['error']['message']
+    r = _chat(client, tools=TOOLS, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert client.pipe.ledger()['grammar_matchers'] == 0
+
+
+def _fragments():
+    """Schema fragments the grammar library accepts and ones it refuses, mixed at any depth."""
+    good = st.sampled_from([{'type': 'string'}, {'type': 'integer', 'minimum': 0}, {'enum': ['a', 1]},
+                            {'type': 'string', 'pattern': '^[a-z]+$'}, {'type': 'boolean'}, {}])
+    bad = st.sampled_from([{'type': 'nonsense'}, {'type': 'string', 'pattern': '(('}, {'$ref': '#/nowhere'},
+                           {'type': 'object', 'properties': 5}])
+    leaves = st.one_of(good, good, bad)
+    return st.recursive(leaves, lambda c: st.one_of(
+        st.dictionaries(st.sampled_from('abc'), c, max_size=3).map(lambda p: {'type': 'object', 'properties': p}),
+        st.builds(lambda items: {'type': 'array', 'items': items}, c)), max_leaves=5)
+
+
+@pytest.fixture(scope='module')
+def grammars(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    from lmdeploy.pytorch.engine.guided import GrammarBackend
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    return GrammarBackend(tok, len(tok), [2])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(root=st.one_of(_fragments(), st.dictionaries(st.sampled_from('xyz'), _fragments(), max_size=3).map(
+    lambda p: {'type': 'object', 'properties': p})), fmt=st.sampled_from(['hermes', 'qwen_xml']))
+def test_tool_schema_check_accepts_exactly_what_a_forced_call_compiles(grammars, root, fmt):
+    """The check every tool passes (any tool_choice) accepts a parameters schema exactly when it
+    is an object schema (or {}) and the forced call's full grammar compiles in that format."""
+    from lmdeploy.messages import StructuredOutput, ToolSchema
+    from lmdeploy.pytorch.engine.guided import check_tool_parameters
+    try:
+        check_tool_parameters(root, fmt)
+        accepted = True
+    except ValueError:
+        accepted = False
+    spec = StructuredOutput(type='tool_calls', tools=[ToolSchema(name='f', parameters=root)], tool_format=fmt)
+    try:
+        grammars.compile(spec)
+        compiles = True
+    except ValueError:
+        compiles = False
+    assert accepted == (root.get('type', 'object') == 'object' and compiles), (root, fmt)

@@ -214,6 +214,25 @@ def test_a_speculative_config_check_names_the_flags_the_user_typed(capsys):
     assert '--speculative-ngram-min' in err and '--speculative-config' not in err, err
 
 
+@pytest.mark.parametrize('flags, line', [
+    (['--prefill-save-alignment', '100'], '--prefill-save-alignment, --block-size: prefill_save_alignment (100) '
+                                          'must be a positive multiple of block_size (64)'),
+    (['--block-size', '48'], '--prefill-save-alignment, --block-size: prefill_save_alignment (1024) must be a '
+                             'positive multiple of block_size (48)'),
+    (['--store-backend', 'file:/s', '--mooncake-master', 'local'],
+     "--store-backend, --mooncake-master: store_backend='file:/s' and mooncake_master='local' name two Stores: "
+     'give one of them'),
+])
+def test_a_check_across_engine_fields_names_the_flags(flags, line, capsys):
+    """A check across fields (no field of its own) names the flags of the fields its message
+    names, in its order, before any model file is read: the command line's words, not only the
+    config's."""
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', '/nonexistent', *flags])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f'lmdeploy: error: {line}\n'
+
+
 @pytest.mark.parametrize('flags, names', [
     (['--num-gpu-blocks', str(2 ** 40)], ['num_gpu_blocks']),
     (['--max-batch-size', str(10 ** 9)], ['max_batch_size', 'num_state_slots']),

@@ -139,3 +139,58 @@ def test_gqa_projections_without_attention_bias_have_no_biases():
     for layer in (GQAProjections(config, 0), RotaryGQA(config, 0)):
         assert layer.qkv_proj.bias is None and layer.o_proj.bias is None
     assert RotaryGQA(config, 0).scale == 4 ** -0.5 and RotaryGQA(config, 0, scale=0.1).scale == 0.1
+
+
+class _WrappedAttend(RotaryGQA):
+    """A variant whose attend still computes the plain attention (it only wraps it)."""
+    plain_attend = True
+
+    def attend(self, q, k, v, ctx):
+        return super().attend(q, k, v, ctx)
+
+
+def _swa_attention():
+    from lmdeploy.pytorch.models.granitemoe_swa import GraniteSWAAttention
+
+    class Inherits(GraniteSWAAttention):      # no attend of its own: GraniteSWA's kernel, its flag
+        pass
+
+    return GraniteSWAAttention, Inherits
+
+
+@pytest.mark.parametrize('kind,fused', [('plain', True), ('wrapped', True), ('swa', False), ('swa-subclass', False)])
+def test_rotary_gqa_runs_the_fused_decode_exactly_when_attend_is_plain(kind, fused, monkeypatch):
+    """A float32 decode step asks for the fused decode path exactly when the layer's attend is
+    the plain paged attention: RotaryGQA and a wrapper that says so (plain_attend), never
+    Granite-SWA's window-and-sinks attend nor a subclass inheriting it."""
+    from lmdeploy.pytorch.model_inputs import StepContext
+    from lmdeploy.pytorch.models.blocks import gqa
+    swa, swa_sub = _swa_attention()
+    cls = {'plain': RotaryGQA, 'wrapped': _WrappedAttend, 'swa': swa, 'swa-subclass': swa_sub}[kind]
+    config = SimpleNamespace(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                             attention_multiplier=0.5)
+    layer = cls(config, 0) if cls in (RotaryGQA, _WrappedAttend) else cls(config, 0, None)
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    real = gqa.fused_attention_decode
+    monkeypatch.setattr(gqa, 'fused_attention_decode', recording)
+    cache = (torch.zeros(2, 4, 2, 4), torch.zeros(2, 4, 2, 4))
+    ctx = StepContext(input_ids=torch.zeros(1, dtype=torch.int64), positions=torch.tensor([3]), q_seqlens=[1],
+                      q_start_loc=[0], kv_seqlens=[4], block_tables=[torch.tensor([1])], state_slots=[-1],
+                      kv_caches=[cache], block_size=4)
+    out = layer(torch.randn(1, 16, generator=torch.Generator().manual_seed(0)), None, ctx)
+    assert out.shape == (1, 16)
+    assert calls == ([layer] if fused else [])
+
+
+def test_overriding_attend_without_plain_attend_is_refused():
+    """A RotaryGQA subclass with its own attend must say whether it is the plain attention:
+    leaving plain_attend out fails when the class is defined, not silently at decode time."""
+    with pytest.raises(TypeError, match='plain_attend'):
+        class Forgot(RotaryGQA):
+            def attend(self, q, k, v, ctx):
+                return super().attend(q, k, v, ctx)

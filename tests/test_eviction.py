@@ -142,6 +142,47 @@ def test_a_checkpoint_with_a_deeper_one_below_weighs_only_its_state_and_its_age_
     assert shallow.cls[3] is True         # still learned as a covered one
 
 
+@pytest.mark.parametrize('seed', range(4))
+def test_exclusive_blocks_equal_their_definition_on_random_tries(seed):
+    """Property: on a random trie with random checkpoints, the blocks a checkpoint (published or
+    about to be) alone makes usable, which both a publish's weight and a reweigh read, are the
+    nodes of its path, itself included, whose subtree holds no other published checkpoint."""
+    rng = random.Random(seed)
+    bm, sc, tier = _tier(400, 'reuse', rows_per_ckpt=1)
+    nodes = []
+    for _ in range(12):
+        head = rng.randint(0, 3) * 100                  # paths sharing a prefix of 1-3 blocks
+        tokens = list(range(head, head + rng.randint(1, 3) * B)) + [1000 + rng.randrange(10 ** 6)
+                                                                    for _ in range(rng.randint(1, 4) * B)]
+        path = _cache_path(bm, tier, tokens, [])
+        for d in rng.sample(range(1, len(path) + 1), rng.randint(0, 2)):
+            if path[d - 1].checkpoint_slot is None:
+                slot = tier.alloc_checkpoint()
+                sc.publish(slot, path[d - 1], tier.checkpoint_stats(path[d - 1], d * B, 'prefill'))
+        nodes += [n for n in path if n not in nodes]
+    published = [n for n in nodes if n.checkpoint_slot is not None]
+    assert published and len(published) < len(nodes)
+
+    def others_below(m, node):
+        stack, count = [m], 0
+        while stack:
+            k = stack.pop()
+            count += k.checkpoint_slot is not None and k is not node
+            stack.extend(k.children.values())
+        return count
+
+    for node in nodes:
+        path, m = [], node
+        while m.parent is not None:
+            path.append(m)
+            m = m.parent
+        expected = next((i for i, m in enumerate(path) if others_below(m, node)), len(path))
+        own = int(node.checkpoint_slot is not None)
+        assert tier._exclusive_blocks(node, own) == expected
+        if not own:
+            assert tier.checkpoint_stats(node, node.depth * B, 'prefill').nbytes == 2 + expected
+
+
 def test_lru_policy_evicts_blocks_least_recently_used_first_as_before():
     bm, sc, tier = _tier(20, 'lru')
     a = _cache_path(bm, tier, list(range(16)), [2])

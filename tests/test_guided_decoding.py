@@ -13,6 +13,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 from engine_utils import StepRecorder, assert_idle, make_engine, random_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -153,6 +154,89 @@ def test_invalid_schema_is_a_value_error_naming_it(engine):
     with pytest.raises(ValueError, match="structured_output.tools: .*function 'f'"):
         engine.requests.check([1], GenerationConfig(structured_output=spec))
     assert engine.ledger()['grammar_matchers'] == 0
+
+
+BOUNDED = {'type': 'object', 'properties': {'s': {'type': 'string', 'maxLength': 4},
+                                            't': {'type': 'string', 'minLength': 1, 'maxLength': 6}},
+           'required': ['s', 't'], 'additionalProperties': False}
+
+
+@pytest.fixture(scope='module')
+def grammar_backend(tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    from lmdeploy.pytorch.engine.guided import GrammarBackend
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3)
+    return tok, GrammarBackend(tok, len(tok), [EOS])
+
+
+@pytest.fixture(scope='module')
+def bounded_grammar(grammar_backend):
+    return grammar_backend[1].compile(StructuredOutput(type='json_schema', json_schema=BOUNDED))
+
+
+def test_a_bounded_string_admits_no_utf16_surrogate_bytes(bounded_grammar):
+    """``ED B1 92`` (the three-byte form of U+DC52, not UTF-8) was one character to the grammar
+    and three U+FFFD to the decoder, so a random reply broke ``maxLength``; real 2-, 3- and
+    4-byte characters still count one each (five are one too many)."""
+    import xgrammar as xgr
+    for text, admitted in ((b'\xed\xb1\x92', False), (b'\xed\x9f\xbf', True), ('é中😀'.encode(), True),
+                           ('é中😀xy'.encode(), False)):
+        matcher = xgr.GrammarMatcher(bounded_grammar)
+        assert matcher.accept_string(b'{"s": "' + text + b'"') == admitted, text
+
+
+def _random_reply(tok, backend, spec, seed: int) -> list[int]:
+    """A reply drawn uniformly among the tokens the guide allows at each step (a random model)."""
+    import random
+    rng, guide, ids = random.Random(seed), backend.guide(spec), []
+    try:
+        while not guide.done:
+            logits = guide.mask_(torch.zeros(len(tok)))
+            token = rng.choice(torch.nonzero(torch.isfinite(logits)).flatten().tolist())
+            guide.accept(token)
+            ids.append(token)
+            assert len(ids) < 100
+    finally:
+        guide.close()
+    return ids
+
+
+def test_random_replies_are_well_formed_utf8_and_validate(grammar_backend):
+    """Fuzz: 150 seeded random walks under the guide's mask (any allowed token, as a random
+    model samples) decode as UTF-8 without an error and validate, ``maxLength`` counted in
+    characters. Before the UTF-8 mask, overlong forms (``F0 8B B1 90``: seed 87) and surrogates
+    got through and decoded to U+FFFD, one per byte."""
+    tok, backend = grammar_backend
+    spec = StructuredOutput(type='json_schema', json_schema=BOUNDED)
+    for seed in range(150):
+        ids = _random_reply(tok, backend, spec, seed)
+        data = b''.join(backend.utf8._bytes[t] for t in ids if t != EOS)
+        text = data.decode('utf-8')             # strict: raises on ill-formed bytes
+        jsonschema.validate(json.loads(text), BOUNDED)
+        assert text == tok.decode([t for t in ids if t != EOS])
+    assert backend.num_live == 0
+
+
+def test_utf8_guard_states_and_masks():
+    """The decoder states of RFC 3629's well-formed sequences, and what each mask keeps: between
+    characters everything but the ill-formed tokens; inside one only its continuations."""
+    from lmdeploy.pytorch.engine.utf8_guard import CLEAN, Utf8Guard, step
+    assert step(CLEAN, 'é中😀'.encode()) == CLEAN and step(CLEAN, b'\xf0') == (3, 0x90, 0xBF)
+    for bad in (b'\xf0\x8b', b'\xed\xb1', b'\xe0\x80', b'\xc0', b'\xc1\xbf', b'\xf4\x90', b'\xf5', b'\x80'):
+        assert step(CLEAN, bad) is None, bad
+    vocab = [b'a', b'\xf0', b'\x8b', b'\x90', b'\x90\x80\x80', b'\xc0', b'', b'\xbf\xbf']
+    guard = Utf8Guard(vocab, len(vocab))
+    assert guard.ill_formed.tolist() == [2, 3, 4, 5, 7]
+    after_f0 = guard.after(CLEAN, 1)
+    assert after_f0 == (3, 0x90, 0xBF) and guard.keep[after_f0].tolist() == [3, 4, 7]
+    logits = torch.zeros(len(vocab))
+    assert torch.isfinite(guard.restrict_(logits.clone(), CLEAN)).tolist() == [1, 1, 0, 0, 0, 0, 1, 0]
+    assert torch.isfinite(guard.restrict_(logits.clone(), after_f0)).tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
+    only_bad = torch.full((len(vocab),), float('-inf'))
+    only_bad[2] = 0.0       # the grammar allows only an ill-formed token: its mask stays
+    assert torch.isfinite(guard.restrict_(only_bad.clone(), after_f0)).tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert guard.after(after_f0, 4) == CLEAN and guard.after(after_f0, 0) == CLEAN     # (a fallback)
 
 
 SCHEMA = {'type': 'object', 'properties': {'a': {'type': 'integer', 'minimum': 0, 'maximum': 999},

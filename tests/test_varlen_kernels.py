@@ -105,6 +105,32 @@ def _kv_setup(layout, num_heads, num_kv_heads, dtype, seed):
     return ctx, q, k, v, k_cache, v_cache
 
 
+def _plan_values(plan):
+    return [(t.rows.tolist(), t.blocks.tolist(), t.offsets.tolist(), t.hidden.tolist(), t.in_order) for t in plan]
+
+
+@pytest.mark.parametrize('layout', [MIXED, DECODE], ids=['mixed', 'decode'])
+@pytest.mark.parametrize('view_first', [False, True], ids=['global-first', 'window-first'])
+def test_each_paged_group_memoises_its_own_plans(layout, view_first):
+    """A kernel plan memoised on one paged group's context (global block tables, or the window
+    group's own) is never returned for the other's, whichever group builds it first: each
+    group's plan equals one built on a fresh context holding only that group's tables."""
+    from lmdeploy.pytorch.kernels.window_attention import window_plan
+    ctx = _ctx(layout)
+    ctx.window_block_tables = [t + NUM_BLOCKS for t in ctx.block_tables]    # ids no global table holds
+    view = ctx.paged_group(8)
+    assert ctx.paged_group(None) is ctx and ctx.paged_group(8) is view
+    assert view.kernel_memo is not ctx.kernel_memo
+    order = [view, ctx] if view_first else [ctx, view]
+    plans = {id(c): window_plan(c, 8, 2) for c in order}
+    for c, tables in ((ctx, ctx.block_tables), (view, ctx.window_block_tables)):
+        fresh = _ctx(layout)
+        fresh.block_tables = tables
+        assert _plan_values(plans[id(c)]) == _plan_values(window_plan(fresh, 8, 2))
+    assert all(int(t.blocks.min()) >= NUM_BLOCKS for t in plans[id(view)])
+    assert all(int(t.blocks.max()) < NUM_BLOCKS for t in plans[id(ctx)])
+
+
 @pytest.mark.parametrize('layout', [MIXED, DECODE], ids=['mixed', 'decode'])
 @pytest.mark.parametrize('heads', [(4, 2), (3, 3)], ids=['gqa', 'mha'])
 @pytest.mark.parametrize('tile', [1024, 2], ids=['one-tile', 'tiled'])

@@ -129,7 +129,8 @@ def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel], flag_n
     (``speculative_config.method``) to those flags for error messages.
 
     Raises:
-        ValueError: the model rejects the values; the message names each field and its flag.
+        ValueError: the model rejects the values; the message names each field and its flag (a
+            check across fields: the flags of the fields its message names).
     """
     values = {name: getattr(args, name) for name in model_cls.model_fields if hasattr(args, name)}
     values.update({name: value for name, value in nested.items() if value is not None})
@@ -149,9 +150,22 @@ def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel], flag_n
                     and re.search(rf'\b{re.escape(path.rsplit(".", 1)[1])}\b', message)]
             if subs:
                 flag = ', '.join(subs)
-            where = f'{field} ({flag}): ' if field else ''
+            where = f'{field} ({flag}): ' if field else _mentioned_flags(model_cls, message)
             lines.append(where + message)
         raise ValueError('; '.join(lines)) from None
+
+
+def _mentioned_flags(model_cls: type[BaseModel], message: str) -> str:
+    """``'--a-field, --b-field: '``: the flags of the fields of ``model_cls`` that a whole-model
+    validator's ``message`` names (``prefill_save_alignment (100) must be a positive multiple of
+    block_size (64)``), in the order it names them, since its error has no field of its own and
+    a command-line user typed flags; ``''`` when it names none."""
+    found = []
+    for name, field in model_cls.model_fields.items():
+        match = None if is_nested_model(field) else re.search(rf'\b{re.escape(name)}\b', message)
+        if match is not None:
+            found.append((match.start(), flag_name(name)))
+    return ', '.join(flag for _, flag in sorted(found)) + ': ' if found else ''
 
 
 def add_log_level_arg(parser: argparse.ArgumentParser) -> None:

@@ -148,6 +148,8 @@ class StepContext:
             row: never read), or None when sliding layers read :attr:`block_tables` too.
         kernel_memo: index tensors a kernel derives from this step's layout once and every
             layer reuses, keyed by the kernel (e.g. the window attention's gather plan per window).
+            Each paged group's view (:meth:`paged_group`) has a memo of its own: a plan built
+            from one group's block tables is never found by a layer reading the other's.
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -168,14 +170,17 @@ class StepContext:
         """The context whose block tables address the K/V of a layer with sliding ``window``
         (None: a global layer): this one, or for a sliding layer of a model whose window group
         has tables of its own, a copy holding those as its :attr:`block_tables` (one per step,
-        shared by every sliding layer, so its batched tables are built once)."""
+        shared by every sliding layer, so its batched tables are built once) and an empty
+        :attr:`kernel_memo` of its own."""
         if window is None or self.window_block_tables is None:
             return self
         return self._window_view
 
     @cached_property
     def _window_view(self) -> 'StepContext':
-        return replace(self, block_tables=self.window_block_tables, window_block_tables=None)
+        # A fresh memo: memo keys name the kernel and its parameters, not the block tables, so a
+        # shared memo would hand a sliding layer a plan gathered from the global tables.
+        return replace(self, block_tables=self.window_block_tables, window_block_tables=None, kernel_memo={})
 
     @property
     def num_seqs(self) -> int:

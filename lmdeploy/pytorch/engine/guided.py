@@ -36,17 +36,20 @@ call (newline-separated) unless ``parallel_tool_calls`` is False. A new format r
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 
 import torch
 
 from ...messages import StructuredOutput
+from .utf8_guard import CLEAN, Utf8Guard
 
 __all__ = ['GrammarBackend', 'Guide', 'TOOL_CALL_FORMATS', 'register_tool_call_format', 'GRAMMAR_LIMITS',
-           'check_grammar_limits']
+           'check_grammar_limits', 'check_tool_parameters']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -69,18 +72,21 @@ def check_grammar_limits(spec: StructuredOutput) -> None:
             (:data:`GRAMMAR_LIMITS`).
     """
     if spec.type == 'json_schema':
-        what, schemas = 'json_schema', [spec.json_schema]
+        _check_limits([spec.json_schema], 'json_schema: ')
     elif spec.type == 'tool_calls':
-        what, schemas = 'tools', [t.parameters for t in spec.tools]
-    else:
-        return
+        _check_limits([t.parameters for t in spec.tools], 'tools: ')
+
+
+def _check_limits(schemas: list, what: str) -> None:
+    """:func:`check_grammar_limits` over ``schemas`` together (None entries skipped); each
+    message starts with ``what``."""
     limits = GRAMMAR_LIMITS
     enums = 0
     stack = [(s, 1) for s in schemas if s is not None]
     while stack:
         node, depth = stack.pop()
         if depth > limits['nesting']:
-            raise ValueError(f'{what}: the schema is nested more than {limits["nesting"]} levels deep '
+            raise ValueError(f'{what}the schema is nested more than {limits["nesting"]} levels deep '
                              '(grammar size limit)')
         if isinstance(node, dict):
             for key in ('enum', 'const'):
@@ -91,17 +97,17 @@ def check_grammar_limits(spec: StructuredOutput) -> None:
                 required = node.get('required') if isinstance(node.get('required'), list) else []
                 optional = len(set(props) - {r for r in required if isinstance(r, str)})
                 if optional > limits['optional_properties']:
-                    raise ValueError(f'{what}: an object has {optional} optional properties (not in "required"); '
+                    raise ValueError(f'{what}an object has {optional} optional properties (not in "required"); '
                                      f'at most {limits["optional_properties"]} are allowed (grammar size limit)')
             stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
         else:
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
     if enums > limits['enum_values']:
-        raise ValueError(f'{what}: the schema has {enums} enum/const values; at most {limits["enum_values"]} are '
+        raise ValueError(f'{what}the schema has {enums} enum/const values; at most {limits["enum_values"]} are '
                          'allowed (grammar size limit)')
     size = sum(len(json.dumps(s, separators=(',', ':'), ensure_ascii=False).encode()) for s in schemas if s)
     if size > limits['schema_bytes']:
-        raise ValueError(f'{what}: the schema is {size} bytes of JSON; at most {limits["schema_bytes"]} are allowed '
+        raise ValueError(f'{what}the schema is {size} bytes of JSON; at most {limits["schema_bytes"]} are allowed '
                          '(grammar size limit)')
 
 
@@ -111,7 +117,12 @@ def _plain_bounded_strings(schema):
 
     Why: xgrammar 0.2.9 compiles a length-bounded string to "any characters but quote,
     backslash, CR and LF", which admits raw control characters that JSON forbids (a reply no
-    JSON parser reads); the pattern excludes them (and escapes, so characters = length)."""
+    JSON parser reads); the pattern excludes them (and escapes, so characters = length). It
+    also excludes the UTF-16 surrogates U+D800-U+DFFF: xgrammar reads their three-byte forms
+    (``ED A0..BF xx``) as one character, which is not UTF-8, so the reply's text decodes each byte
+    to U+FFFD and the string comes out longer than ``maxLength``. (Overlong forms, e.g.
+    ``F0 8B B1 90``, stand for ordinary code points, so no character class excludes them: the
+    guide's UTF-8 mask does, :mod:`.utf8_guard`, and the surrogates' too.)"""
     if isinstance(schema, list):
         return [_plain_bounded_strings(v) for v in schema]
     if not isinstance(schema, dict):
@@ -121,7 +132,7 @@ def _plain_bounded_strings(schema):
             and not any(k in out for k in ('pattern', 'format', 'enum', 'const')):
         lo, hi = out.pop('minLength', 0), out.pop('maxLength', '')
         if isinstance(lo, int) and (hi == '' or isinstance(hi, int)):
-            out['pattern'] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo, hi)
+            out['pattern'] = '^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{%d,%s}$' % (lo, hi)
     return out
 
 
@@ -156,6 +167,7 @@ def _qwen_xml(xgr, name: str, parameters: dict):
 TOOL_CALL_FORMATS = {'hermes': _hermes, 'qwen_xml': _qwen_xml}
 _CALLS_RULE = 'lmdeploy_tool_calls'     # root of "one or more calls"
 _CACHE_ENTRIES = 256                     # compiled grammars kept (a few hundred KB each at most)
+_LIBRARY_LOCATION = re.compile(r'^\[[\d:]+\] \S+:\d+: ')
 
 
 def register_tool_call_format(name: str, grammar_of):
@@ -163,6 +175,57 @@ def register_tool_call_format(name: str, grammar_of):
     whole call of that function) the grammar of tool-call format ``name``
     (``StructuredOutput.tool_format``)."""
     TOOL_CALL_FORMATS[name] = grammar_of
+    _tool_grammar_error.cache_clear()
+
+
+def check_tool_parameters(parameters: dict | None, tool_format: str | None = None) -> None:
+    """Refuse a function tool's ``parameters`` that constrained decoding could not use, so a
+    request offering it is refused whatever its ``tool_choice`` (not only when a forced call
+    compiles the grammar).
+
+    Cost: one bounded walk (:data:`GRAMMAR_LIMITS`), then the grammar's construction, not its
+    compilation over the vocabulary (under a millisecond for a typical tool, 25 ms for 1,000
+    properties); results are cached by schema, since an agent sends the same tools every turn.
+
+    Args:
+        parameters: the JSON schema of the function's arguments; None or ``{}``: any object.
+        tool_format: the :data:`TOOL_CALL_FORMATS` name whose call grammar the schema must
+            build into; None: the plain JSON grammar.
+
+    Raises:
+        ValueError: the message does not name the field (the caller knows the client's name
+            for it): the schema is not an object, its ``type`` is not ``"object"`` (a call's
+            arguments are a JSON object), it is over :data:`GRAMMAR_LIMITS`, or the grammar
+            library cannot build it (the library's reason).
+    """
+    if not parameters:
+        return
+    if not isinstance(parameters, dict):
+        raise ValueError(f'must be a JSON schema object, not {type(parameters).__name__}')
+    kind = parameters.get('type', 'object')
+    if kind != 'object':
+        raise ValueError(f'must be an object schema ("type": "object"; a call\'s arguments are a JSON object), '
+                         f'got "type": {json.dumps(kind)}')
+    _check_limits([parameters], '')     # before anything walks the schema recursively
+    error = _tool_grammar_error(tool_format, json.dumps(parameters, sort_keys=True))
+    if error is not None:
+        raise ValueError(f'the schema cannot be used for constrained decoding: {error}')
+
+
+@functools.lru_cache(maxsize=_CACHE_ENTRIES)
+def _tool_grammar_error(tool_format: str | None, schema_json: str) -> str | None:
+    """Why one call grammar of the schema ``schema_json`` in ``tool_format`` cannot be built, or
+    None when it can (a reason, not an exception, so that refusals are cached too)."""
+    import xgrammar as xgr
+    schema = json.loads(schema_json)
+    grammar_of = TOOL_CALL_FORMATS.get(tool_format)
+    try:
+        _json_grammar(xgr, schema) if grammar_of is None else grammar_of(xgr, 'f', schema)
+    except (RuntimeError, ValueError, TypeError) as err:
+        text = str(err).strip()
+        # xgrammar prefixes its C++ errors with "[hh:mm:ss] file.cc:line: "
+        return _LIBRARY_LOCATION.sub('', text.splitlines()[-1]) if text else type(err).__name__
+    return None
 
 
 class GrammarBackend:
@@ -185,6 +248,7 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.utf8 = Utf8Guard(info.decoded_vocab, vocab_size)
         self._cache: OrderedDict = OrderedDict()       # spec JSON -> compiled grammar (LRU)
         self._lock = threading.Lock()
         self.num_live = 0       # matchers created and not yet closed (the ledger's grammar_matchers)
@@ -266,16 +330,18 @@ class Guide:
         self._backend = backend
         self._matcher = matcher
         self._bitmask = backend._xgr.allocate_token_bitmask(1, backend.vocab_size)
+        self._utf8 = CLEAN       # where the reply's last character stands (utf8_guard)
         self.failed = False      # a token the grammar refused was appended (the reply is ended)
 
     def mask_(self, logits: torch.Tensor) -> torch.Tensor:
         """Set the ``[vocab]`` float32 CPU ``logits`` of every token the grammar refuses next to
-        -inf, in place; returns ``logits``."""
+        -inf, in place, and of every token that would make the reply ill-formed UTF-8
+        (:class:`~.utf8_guard.Utf8Guard`); returns ``logits``."""
         if self._matcher is None or self._matcher.is_terminated():
             return logits
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         self._backend._xgr.apply_token_bitmask_inplace(logits.view(1, -1), self._bitmask)
-        return logits
+        return self._backend.utf8.restrict_(logits, self._utf8)
 
     def accept(self, token: int) -> None:
         """Advance by one appended token; a refused token sets :attr:`failed`."""
@@ -284,6 +350,7 @@ class Guide:
         if not self._matcher.accept_token(int(token)):
             logger.warning('token %d does not continue the grammar; ending the reply', token)
             self.failed = True
+        self._utf8 = self._backend.utf8.after(self._utf8, int(token))
 
     @property
     def done(self) -> bool:

@@ -95,6 +95,8 @@ class GraniteSWAAttention(RotaryGQA):
         self.window = window
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
 
+    plain_attend = False        # the window and the sinks: the fused decode step computes neither
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """As :meth:`RotaryGQA.attend`, over the window's keys with the sinks."""
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]

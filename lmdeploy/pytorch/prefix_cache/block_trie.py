@@ -444,9 +444,11 @@ class BlockTrie:
             listener.block_dropped(node)
         return self.block_manager.num_free - before
 
-    def keep_window(self, node: TrieNode, block: int) -> None:
-        """``node`` keeps window-pool ``block`` (the window group's block of its tokens), taking
-        a reference of its own; no-op when it holds one already or ``block`` < 0 (freed)."""
+    def hold_window_block(self, node: TrieNode, block: int) -> None:
+        """``node`` holds window-pool ``block`` (the window group's block of its tokens), taking
+        a reference of its own; no-op when it holds one already or ``block`` < 0 (freed). The
+        choice of which nodes hold which blocks is the local tier's
+        (:meth:`~.local_tier.LocalTier.keep_window`)."""
         if node.window_block < 0 <= block and node.parent is not None:
             self.window_pool.incref(block)
             node.window_block = block

@@ -359,14 +359,13 @@ class LocalTier:
         """What the eviction policy weighs a checkpoint about to be published on ``node`` by:
         the tokens it saves beyond the next shallower checkpoint on its path, and its bytes plus
         those of the blocks only it will make usable (O(depth))."""
-        exclusive, below, n = 0, 0, node
+        below, n = 0, node.parent
         while n is not None and n.parent is not None:
-            if n is not node and n.checkpoint_slot is not None:
+            if n.checkpoint_slot is not None:
                 below = n.depth * self.block_size
                 break
-            if n.ckpts_below == 0:
-                exclusive += 1
             n = n.parent
+        exclusive = self._exclusive_blocks(node, 0)
         return CheckpointStats(-1, boundary, boundary - below, self.state_bytes + exclusive * self.block_bytes,
                                reason, continuation, reached=max(self._seen.get(node.key, 0) - 1, 0),
                                key=node.key if key is None else key, covered=node.ckpts_below > 0)
@@ -432,7 +431,7 @@ class LocalTier:
         if any(n.window_block < 0 and (n.depth > len(table) or table[n.depth - 1] < 0) for n in reads):
             return False
         for n in reads:
-            self.trie.keep_window(n, table[n.depth - 1])
+            self.trie.hold_window_block(n, table[n.depth - 1])
         return True
 
     def _window_needed(self, m: TrieNode) -> bool:
@@ -549,13 +548,21 @@ class LocalTier:
         stats = sc.stats.get(n.checkpoint_slot) if n is not None and n.parent is not None else None
         if stats is None:
             return
-        exclusive, m = 0, n
-        while m is not None and m.parent is not None and m.ckpts_below <= 1:
-            exclusive += 1
-            m = m.parent
-        nbytes, covered = self.state_bytes + exclusive * self.block_bytes, n.ckpts_below > 1
+        nbytes, covered = self.state_bytes + self._exclusive_blocks(n, 1) * self.block_bytes, n.ckpts_below > 1
         if nbytes != stats.nbytes or covered != stats.covered:
             sc.policy.reweigh(stats, nbytes, covered)
+
+    @staticmethod
+    def _exclusive_blocks(node: TrieNode, own: int) -> int:
+        """The blocks of ``node``'s path that only a checkpoint at ``node`` makes usable: ``node``
+        and its ancestors up to the first whose subtree holds another checkpoint (``ckpts_below >
+        own``; ``own`` is 1 when ``node``'s checkpoint is published, 0 before). ``ckpts_below``
+        never shrinks going up, so these are the path's nodes without another one below them."""
+        count, n = 0, node
+        while n is not None and n.parent is not None and n.ckpts_below <= own:
+            count += 1
+            n = n.parent
+        return count
 
     def release_checkpoint(self, slot: int) -> None:
         """Return an unpinned checkpoint ``slot`` (published or not) to the free slots or rows."""

@@ -304,7 +304,9 @@ class MessagesAPI:
             fields = to_chat(req, image_parts)
         except ValueError as err:
             raise APIError(400, str(err), code='invalid_value') from err
-        return chat_request(fields, _RENAMES, _PASSTHROUGH), MessageNames('messages', 'image blocks', image_parts)
+        schemas = tuple(f'tools[{i}].input_schema' for i in range(len(req.tools or ())))
+        return chat_request(fields, _RENAMES, _PASSTHROUGH), MessageNames('messages', 'image blocks', image_parts,
+                                                                          schemas)
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         """``{"input_tokens": N}``: the tokens the prompt would take (rendered as a request would be)."""

@@ -52,14 +52,22 @@ class MessageNames:
             ``input_image parts``; Messages: ``image blocks``).
         parts: ``(chat message index, chat part index) -> the client's location`` of each image
             part (e.g. ``input[2].content[1]``); a part not in it is named in chat terms.
+        tool_schemas: per chat tool, the client's location of its parameters schema (Responses:
+            ``tools[i].parameters``; Messages: ``tools[i].input_schema``); a tool past its end is
+            named in chat terms (``tools[i].function.parameters``).
     """
     param: str = 'messages'
     images: str = 'image_url parts'
     parts: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    tool_schemas: tuple[str, ...] = ()
 
     def where(self, i: int, j: int) -> str:
         """The client's location of part ``j`` of chat message ``i``."""
         return self.parts.get((i, j)) or chat_part(i, j)
+
+    def tool_schema(self, i: int) -> str:
+        """The client's location of chat tool ``i``'s parameters schema."""
+        return self.tool_schemas[i] if i < len(self.tool_schemas) else f'tools[{i}].function.parameters'
 
 
 _CHAT_NAMES = MessageNames()
@@ -268,8 +276,11 @@ class ServerBase:
 
         Raises:
             APIError: 400 for a request the chat path refuses (an image part to a model without
-                image support names the part by ``names``).
+                image support names the part by ``names``; a tool's parameters schema that
+                constrained decoding cannot use names that schema by ``names``, whatever
+                ``tool_choice`` says).
         """
+        self._check_tool_schemas(req, names)
         use_tools = bool(req.tools) and req.tool_choice != 'none'
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
         parser = get_tool_parser(self.tool_parser_name, tools) if use_tools and self.tool_parser_name else None
@@ -342,6 +353,21 @@ class ServerBase:
         except ValueError as err:
             raise APIError(400, f'response_format: {err}', param='response_format', code='invalid_value') from err
         return ServerBase._check_grammar(structured, 'response_format')
+
+    def _check_tool_schemas(self, req: ChatCompletionRequest, names: MessageNames) -> None:
+        """A 400 naming the first tool whose parameters the server's constrained decoding could
+        not use (:func:`~lmdeploy.pytorch.engine.guided.check_tool_parameters`, in the tool-call
+        format a forced call of this server would take)."""
+        if not req.tools:
+            return
+        from ...pytorch.engine.guided import check_tool_parameters
+        tool_format = grammar_tool_format(self.tool_parser_name)
+        for i, tool in enumerate(req.tools):
+            try:
+                check_tool_parameters(tool.function.parameters, tool_format)
+            except ValueError as err:
+                where = names.tool_schema(i)
+                raise APIError(400, f'{where}: {err}', param=where, code='invalid_value') from err
 
     @staticmethod
     def _check_grammar(structured, param: str):

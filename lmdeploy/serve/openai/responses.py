@@ -247,7 +247,8 @@ class ResponsesAPI:
         chat = chat_request(dict(chat_fields(req), model=req.model, messages=system + conversation), CHAT_RENAMES,
                             PASSTHROUGH)
         names = MessageNames('input', 'input_image parts',
-                             {(i + len(system), j): w for (i, j), w in image_parts.items()})
+                             {(i + len(system), j): w for (i, j), w in image_parts.items()},
+                             req.function_schema_fields())
         run = ChatRun(self.server, chat, names)
         try:
             await run.start()

@@ -248,6 +248,17 @@ class ResponsesRequest(StrictModel):
                 out += [(tool.name, f) for f in tool.tools]
         return out
 
+    def function_schema_fields(self) -> tuple[str, ...]:
+        """Where each of :meth:`functions` (in its order) has its parameters schema in this
+        request: ``tools[i].parameters``, or ``tools[i].tools[j].parameters`` in a namespace."""
+        out = []
+        for i, tool in enumerate(self.tools or []):
+            if tool.type == 'function':
+                out.append(f'tools[{i}].parameters')
+            elif tool.type == 'namespace':
+                out += [f'tools[{i}].tools[{j}].parameters' for j in range(len(tool.tools))]
+        return tuple(out)
+
     @property
     def logprobs(self) -> bool:
         """The reply's output_text log-probabilities were asked for (``include``)."""

@@ -96,6 +96,9 @@ class DecoderLayer(nn.Module):
         if mlp is not None:
             setattr(self, names[1], mlp)
             setattr(self, names[3], make_norm(hidden_size, eps))
+        # the residual add and norm_2 as one call (RMSNorm.forward_add) or, for another norm
+        # class, as two; decided here once rather than per call
+        self._fused_add_norm = isinstance(self.norm_2, RMSNorm)
 
     mixer = _named(0, 'The token mixer (registered under ``names[0]``).')
     mlp_block = _named(1, 'The channel mixer (registered under ``names[1]``), or None.')
@@ -115,7 +118,7 @@ class DecoderLayer(nn.Module):
         if mlp is None:
             return hidden + (mixed if m == 1.0 else mixed * m)
         if m == 1.0:
-            hidden, normed = self.norm_2.forward_add(mixed, hidden) if isinstance(self.norm_2, RMSNorm) \
+            hidden, normed = self.norm_2.forward_add(mixed, hidden) if self._fused_add_norm \
                 else self._add_norm(mixed, hidden)
             return hidden + self.channel_mix(normed)
         hidden = hidden + mixed * m

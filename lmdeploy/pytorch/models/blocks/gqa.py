@@ -100,12 +100,27 @@ class RotaryGQA(GQAProjections):
     leading ``rotary_dim`` channels of q and k when the forward gets tables, the paged attention
     with softmax scale ``scale`` (:meth:`attend`: a variant with another kernel overrides it).
 
+    Attributes:
+        plain_attend: :meth:`attend` is the plain causal paged attention, so a float32 decode
+            step may run :func:`~.attention.fused_attention_decode` in its place. A subclass
+            that overrides :meth:`attend` must set it in its own body (False for another
+            kernel, True for a wrapper that still computes the plain attention); defining one
+            without it raises TypeError, so no variant keeps or loses the fused path by accident.
+
     Args:
         config: as :class:`GQAProjections` (this rank's head counts under TP).
         layer_idx: index into ``StepContext.kv_caches``.
         scale: the softmax scale; None: ``head_dim ** -0.5``.
         bias: as :class:`GQAProjections`.
     """
+
+    plain_attend: bool = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if 'attend' in cls.__dict__ and 'plain_attend' not in cls.__dict__:
+            raise TypeError(f'{cls.__qualname__} overrides attend: set plain_attend in its body (True only when '
+                            'attend still computes the plain paged attention the fused decode step replaces)')
 
     def __init__(self, config, layer_idx: int, scale: float | None = None, bias: bool | None = None):
         super().__init__(config, layer_idx, bias)
@@ -115,8 +130,8 @@ class RotaryGQA(GQAProjections):
         """``[T, hidden]`` → ``[T, hidden]``; ``rotary`` is ``(cos, sin)`` ``[T, rotary_dim]`` or
         None (no positions); writes this layer's K/V into the cache. A float32 decode step of the
         plain paged attention runs fused (:func:`~.attention.fused_attention_decode`); a variant
-        with its own :meth:`attend` kernel always runs the unfused path."""
-        if type(self).attend is RotaryGQA.attend:
+        whose :attr:`plain_attend` is False always runs the unfused path."""
+        if self.plain_attend:
             fused = fused_attention_decode(self, hidden, ctx, rotary)
             if fused is not None:
                 return self.o_proj(fused)
