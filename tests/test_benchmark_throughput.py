@@ -39,6 +39,8 @@ def test_small_run_writes_results_and_greedy_equals_transformers(tiny_qwen3_next
     assert all(r['engine'] > 0 and r['hf'] > 0 for r in results['ops'])
     # the step's bytes against the measured bandwidth: the limit is those bytes at that rate
     assert results['gemv_bandwidth_gb_s'] > 0
+    assert results['gemv_bandwidth_gb_s'] == max(results['gemv_bandwidth_torch_gb_s'],
+                                                 results['gemv_bandwidth_native_gb_s'] or 0.0)
     for r in results['ops']:
         assert r['engine_step_s'] > 0 and r['step_bytes']['total'] == sum(
             r['step_bytes'][k] for k in ('dense', 'experts', 'state', 'kv'))
@@ -170,6 +172,25 @@ def test_decode_step_bytes_count_weights_touched_experts_state_and_kv(tiny_qwen3
     import pytest
     with pytest.raises(ValueError, match='batch'):
         decode_step_bytes(hf, config, 0, context=4)
+
+
+def test_gemv_bandwidth_reports_torch_and_the_native_product_and_takes_the_faster(monkeypatch):
+    """Both GEMV figures are measured (the native one only when the library is built) and the
+    bandwidth a step's limit uses is the faster of the two; bad sizes raise."""
+    import pytest
+    _load()
+    import step_bytes
+    from lmdeploy.pytorch.kernels import cpu_native
+    got = step_bytes.measure_gemv_bandwidths(threads=1, megabytes=1, repeats=2)
+    assert got.torch > 0
+    assert (got.native is not None) == (cpu_native.native_library() is not None)
+    assert got.best == max(got.torch, got.native or 0.0)
+    assert step_bytes.GemvBandwidth(2.0, 3.0).best == 3.0 and step_bytes.GemvBandwidth(2.0, None).best == 2.0
+    monkeypatch.setattr(cpu_native, 'matmul_rows', lambda x, w: None)      # library absent: torch only
+    alone = step_bytes.measure_gemv_bandwidths(threads=1, megabytes=1, repeats=1)
+    assert alone.native is None and alone.best == alone.torch > 0
+    with pytest.raises(ValueError, match='megabytes'):
+        step_bytes.measure_gemv_bandwidths(megabytes=0)
 
 
 def test_save_model_keeps_the_generated_model_where_asked(tmp_path):
