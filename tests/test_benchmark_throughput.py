@@ -217,3 +217,21 @@ def test_ab_fused_decode_takes_the_fused_ops_out_and_restores_them():
     assert unfused['ops'] > fused['ops'] and unfused['native'] < fused['native']
     assert fused['best_ms'] > 0 and unfused['best_ms'] > 0
     assert all(kernels.find_kernel(op, 'cpu') is not None for op in ab.DEFAULT_OPS)
+
+
+def test_ab_native_rows_moves_one_row_products_to_mkl_and_restores_the_rule(tiny_qwen3_next):
+    """benchmark/ab_native_rows.py on the tiny Qwen3-Next: with 1-3 rows on MKL a batch-1 step
+    makes fewer native calls (its dense products leave the native kernel), and the engine's
+    library and row rule are back afterwards."""
+    import pytest
+    from lmdeploy.pytorch.kernels import cpu_native
+    from lmdeploy.pytorch.kernels import linear as linear_mod
+    if cpu_native.native_library() is None:
+        pytest.skip('native CPU kernels not built here')
+    spec = importlib.util.spec_from_file_location('ab_native_rows', ROOT / 'benchmark' / 'ab_native_rows.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    res = ab.run(tiny_qwen3_next, [1], rounds=1, steps=2, threads=1)
+    native, mkl = res[1]['native_1_24'], res[1]['mkl_1_3']
+    assert native['native'] > mkl['native'] and native['best_ms'] > 0 and mkl['best_ms'] > 0
+    assert linear_mod.NATIVE_ROWS == range(1, 25) and cpu_native._LIB is cpu_native.native_library()
