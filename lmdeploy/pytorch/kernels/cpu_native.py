@@ -53,7 +53,7 @@ With one thread (so that the other developers' load on the shared host does not 
 first form against the widened blocks of the AVX-512 build, same weights, GB/s:
 
         rows                     1      2      3      4      8     16
-        native, 4 wide        17.1   15.1   13.6   12.0    8.0    4.1
+        native, 4 wide        17.1   15.1   13.6   12.0    8.0    4.9
         native, widened       20.2   18.7   17.6   15.5   10.6    7.0
 
 so :func:`~.linear.linear` uses it for 1-24 rows (:data:`NATIVE_ROWS`; MKL keeps more). The rule
