@@ -49,7 +49,7 @@ best of 5, 2 threads), where MKL's GEMV is slow for 1-3 rows:
         MKL (F.linear)      28-29 ms       55 ms     69-75 ms    (17.3-17.9, 9, 7 GB/s)
         native, 4 wide      14-17 ms     16-18 ms    17-20 ms    (30-35, 28-32, 26-30 GB/s)
 
-With one thread (so that the other developers' load on the shared host does not enter), the
+With one thread (so that the other developers' load on the shared host enters less), the
 first form against the widened blocks of the AVX-512 build, same weights, GB/s:
 
         rows                     1      2      3      4      8     16
