@@ -22,8 +22,9 @@ alone and batched, against transformers' full forward). The op profile counts th
 calls, each counted as one op) against the difference between HF ``generate`` of ``k + 1`` and
 ``k`` new tokens. Beside it: the median wall time of a pure-decode engine step, the bytes such a
 step must move (:mod:`step_bytes`: weights, touched experts, state, KV) and, after a GEMV
-bandwidth measurement of this machine (``--bandwidth-mb``), the step time that bandwidth allows
-and the engine's fraction of it.
+bandwidth measurement of this machine (``--bandwidth-mb``; torch's GEMV and the native product,
+both reported, the faster one used), the step time that bandwidth allows and the engine's
+fraction of it.
 
 ``--dtype bfloat16`` runs both systems in bf16 (the precision of published checkpoints): the
 speeds compare like for like, but greedy outputs are not expected to be token-equal (both round
@@ -68,7 +69,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bytes import decode_step_bytes, measure_gemv_bandwidth  # noqa: E402
+from step_bytes import decode_step_bytes, measure_gemv_bandwidths  # noqa: E402
 from throughput_measure import LlamaCpp, PeakRSS, count_ops, measure, summarize  # noqa: E402,F401
 
 PRESETS = {
@@ -307,10 +308,15 @@ def run(args) -> dict:
         row.update({k: summarize(v) for k, v in runs.items() if v and len(v) == args.repeats})
         results['prefill'].append(row)
         print_row('prefill', length, row, flush=True)
-    bandwidth = measure_gemv_bandwidth(args.threads, args.bandwidth_mb) if args.bandwidth_mb else None
+    gemv = measure_gemv_bandwidths(args.threads, args.bandwidth_mb) if args.bandwidth_mb else None
+    bandwidth = gemv and gemv.best
     results['gemv_bandwidth_gb_s'] = bandwidth and bandwidth / 1e9
-    if bandwidth:
-        print(f'GEMV read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)', flush=True)
+    if gemv:
+        results['gemv_bandwidth_torch_gb_s'] = gemv.torch / 1e9
+        results['gemv_bandwidth_native_gb_s'] = gemv.native and gemv.native / 1e9
+        native = 'not built' if gemv.native is None else f'{gemv.native / 1e9:.1f} GB/s'
+        print(f'GEMV read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads; torch.mv '
+              f'{gemv.torch / 1e9:.1f} GB/s, native product {native})', flush=True)
     with open(os.path.join(model_path, 'config.json')) as f:
         config = json.load(f)
     for batch in batches:

@@ -4,10 +4,11 @@ A decode step of a batch of ``B`` sequences is memory-bound on CPU and GPU alike
 weight is read once per step whatever ``B`` is, each routed expert is read when at least one of
 the ``B`` tokens picks it, and every sequence reads its recurrent state (and writes it back) and
 its KV cache. :func:`decode_step_bytes` counts those bytes from the model's own parameters and
-the engine's cache specs; :func:`measure_gemv_bandwidth` measures the rate at which this machine
-streams a read-only matrix-vector product (the access pattern of a decode GEMV). Their quotient is
-the step time no implementation can beat, so a measured step time reads as a fraction of the
-limit (``benchmark_throughput.py`` prints it per batch beside the ratios).
+the engine's cache specs; :func:`measure_gemv_bandwidths` measures the rate at which this machine
+streams a read-only matrix-vector product (the access pattern of a decode GEMV), with torch's GEMV
+and with the engine's native product; the faster of the two is taken as the machine's rate. Their
+quotient is the step time at that rate, so a measured step time reads as a fraction of the limit
+(``benchmark_throughput.py`` prints it per batch beside the ratios).
 
 The expert term is an expectation: with ``E`` routed experts per layer and ``k`` picked per token,
 ``B`` tokens routed independently and uniformly touch ``E * (1 - (1 - k/E) ** B)`` distinct
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-__all__ = ['StepBytes', 'decode_step_bytes', 'measure_gemv_bandwidth']
+__all__ = ['StepBytes', 'GemvBandwidth', 'decode_step_bytes', 'measure_gemv_bandwidth', 'measure_gemv_bandwidths']
 
 _EXPERT_COUNT_FIELDS = ('num_experts', 'n_routed_experts', 'num_local_experts')
 
@@ -110,32 +111,66 @@ def decode_step_bytes(model: torch.nn.Module, config: dict, batch: int, context:
     return StepBytes(batch, dense, experts, state, kv)
 
 
-def measure_gemv_bandwidth(threads: int | None = None, megabytes: int = 512, repeats: int = 5) -> float:
-    """This machine's read bandwidth for a decode-shaped matrix-vector product, bytes/second.
+@dataclass(frozen=True)
+class GemvBandwidth:
+    """Read bandwidth of a decode-shaped matrix-vector product, bytes/second, by implementation.
 
-    Times ``torch.mv`` of a float32 ``[rows, 4096]`` matrix of ``megabytes`` MB (far beyond the
-    last-level cache, so every byte comes from memory) on ``threads`` torch threads (default: the
-    current setting) and reports the matrix bytes over the best of ``repeats`` runs.
+    ``torch``: ``torch.mv`` (MKL on CPU). ``native``: the engine's native few-row product
+    (:func:`lmdeploy.pytorch.kernels.cpu_native.matmul_rows`, one input row), ``None`` when the
+    native library is not built (no compiler, ``LMDEPLOY_CPU_KERNELS=0``) or off CPU.
+    """
+    torch: float
+    native: float | None
+
+    @property
+    def best(self) -> float:
+        """The faster of the two: what this machine can stream, the rate a step's limit uses."""
+        return max(self.torch, self.native or 0.0)
+
+
+def measure_gemv_bandwidths(threads: int | None = None, megabytes: int = 512, repeats: int = 5) -> GemvBandwidth:
+    """This machine's read bandwidth for a decode-shaped matrix-vector product, with torch's GEMV
+    and with the engine's native product, bytes/second each.
+
+    Times a float32 ``[rows, 4096]`` matrix of ``megabytes`` MB (far beyond the last-level cache,
+    so every byte comes from memory) times one vector on ``threads`` torch threads (default: the
+    current setting), once with ``torch.mv`` and once with the native product, alternating, and
+    reports the matrix bytes over the best of ``repeats`` runs of each. The two differ by host:
+    on the 2-core AMD EPYC benchmark machine MKL's GEMV reads ~17-22 GB/s where the native
+    kernel reads ~30 GB/s, so a limit from torch alone is pessimistic there.
 
     Raises:
         ValueError: ``megabytes`` or ``repeats`` < 1.
     """
     if megabytes < 1 or repeats < 1:
         raise ValueError('megabytes and repeats must be >= 1')
+    from lmdeploy.pytorch.kernels.cpu_native import matmul_rows
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         cols = 4096
-        rows = megabytes * 2 ** 20 // (cols * 4)
+        rows = max(1, megabytes * 2 ** 20 // (cols * 4))
         w = torch.rand(rows, cols)
         x = torch.rand(cols)
-        torch.mv(w, x)     # first touch / page faults outside the timing
-        best = float('inf')
-        for _ in range(repeats):
-            t = time.perf_counter()
+        with torch.inference_mode():
+            ways = {'torch': lambda: torch.mv(w, x)}
+            if matmul_rows(x[None], w) is not None:      # also the first touch / page faults
+                ways['native'] = lambda: matmul_rows(x[None], w)
             torch.mv(w, x)
-            best = min(best, time.perf_counter() - t)
-        return rows * cols * 4 / best
+            best = dict.fromkeys(ways, float('inf'))
+            for _ in range(repeats):
+                for name, fn in ways.items():
+                    t = time.perf_counter()
+                    fn()
+                    best[name] = min(best[name], time.perf_counter() - t)
+        size = rows * cols * 4
+        return GemvBandwidth(size / best['torch'], size / best['native'] if 'native' in best else None)
     finally:
         torch.set_num_threads(old)
+
+
+def measure_gemv_bandwidth(threads: int | None = None, megabytes: int = 512, repeats: int = 5) -> float:
+    """The best read bandwidth of :func:`measure_gemv_bandwidths` (torch's GEMV or the native
+    product, whichever streams faster), bytes/second; same arguments and errors."""
+    return measure_gemv_bandwidths(threads, megabytes, repeats).best

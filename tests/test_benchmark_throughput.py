@@ -39,6 +39,8 @@ def test_small_run_writes_results_and_greedy_equals_transformers(tiny_qwen3_next
     assert all(r['engine'] > 0 and r['hf'] > 0 for r in results['ops'])
     # the step's bytes against the measured bandwidth: the limit is those bytes at that rate
     assert results['gemv_bandwidth_gb_s'] > 0
+    assert results['gemv_bandwidth_gb_s'] == max(results['gemv_bandwidth_torch_gb_s'],
+                                                 results['gemv_bandwidth_native_gb_s'] or 0.0)
     for r in results['ops']:
         assert r['engine_step_s'] > 0 and r['step_bytes']['total'] == sum(
             r['step_bytes'][k] for k in ('dense', 'experts', 'state', 'kv'))
@@ -172,6 +174,25 @@ def test_decode_step_bytes_count_weights_touched_experts_state_and_kv(tiny_qwen3
         decode_step_bytes(hf, config, 0, context=4)
 
 
+def test_gemv_bandwidth_reports_torch_and_the_native_product_and_takes_the_faster(monkeypatch):
+    """Both GEMV figures are measured (the native one only when the library is built) and the
+    bandwidth a step's limit uses is the faster of the two; bad sizes raise."""
+    import pytest
+    _load()
+    import step_bytes
+    from lmdeploy.pytorch.kernels import cpu_native
+    got = step_bytes.measure_gemv_bandwidths(threads=1, megabytes=1, repeats=2)
+    assert got.torch > 0
+    assert (got.native is not None) == (cpu_native.native_library() is not None)
+    assert got.best == max(got.torch, got.native or 0.0)
+    assert step_bytes.GemvBandwidth(2.0, 3.0).best == 3.0 and step_bytes.GemvBandwidth(2.0, None).best == 2.0
+    monkeypatch.setattr(cpu_native, 'matmul_rows', lambda x, w: None)      # library absent: torch only
+    alone = step_bytes.measure_gemv_bandwidths(threads=1, megabytes=1, repeats=1)
+    assert alone.native is None and alone.best == alone.torch > 0
+    with pytest.raises(ValueError, match='megabytes'):
+        step_bytes.measure_gemv_bandwidths(megabytes=0)
+
+
 def test_save_model_keeps_the_generated_model_where_asked(tmp_path):
     """``--save-model DIR`` makes the --arch model in DIR (for make_gguf.py) instead of a temp dir,
     with the weights and config the benchmark itself would load."""
@@ -196,3 +217,21 @@ def test_ab_fused_decode_takes_the_fused_ops_out_and_restores_them():
     assert unfused['ops'] > fused['ops'] and unfused['native'] < fused['native']
     assert fused['best_ms'] > 0 and unfused['best_ms'] > 0
     assert all(kernels.find_kernel(op, 'cpu') is not None for op in ab.DEFAULT_OPS)
+
+
+def test_ab_native_rows_moves_one_row_products_to_mkl_and_restores_the_rule(tiny_qwen3_next):
+    """benchmark/ab_native_rows.py on the tiny Qwen3-Next: with 1-3 rows on MKL a batch-1 step
+    makes fewer native calls (its dense products leave the native kernel), and the engine's
+    library and row rule are back afterwards."""
+    import pytest
+    from lmdeploy.pytorch.kernels import cpu_native
+    from lmdeploy.pytorch.kernels import linear as linear_mod
+    if cpu_native.native_library() is None:
+        pytest.skip('native CPU kernels not built here')
+    spec = importlib.util.spec_from_file_location('ab_native_rows', ROOT / 'benchmark' / 'ab_native_rows.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    res = ab.run(tiny_qwen3_next, [1], rounds=1, steps=2, threads=1)
+    native, mkl = res[1]['native_1_24'], res[1]['mkl_1_3']
+    assert native['native'] > mkl['native'] and native['best_ms'] > 0 and mkl['best_ms'] > 0
+    assert linear_mod.NATIVE_ROWS == range(1, 25) and cpu_native._LIB is cpu_native.native_library()

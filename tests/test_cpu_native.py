@@ -47,6 +47,38 @@ def test_matmul_rows_equals_f_linear(rows, inner, outputs, pad, seed):
     _close(y, F.linear(x, w), float((x.abs() @ w.abs().t()).max()))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 200), st.integers(1, 40), st.integers(0, 2 ** 31))
+def test_matmul_rows_row_results_do_not_depend_on_the_row_count(rows, inner, outputs, seed):
+    """Each output element is one fixed-order sum whatever the block shape (1, 2-3 and 4+ input
+    rows take different weight-row widths): a row's result is bit for bit the same alone and in a
+    call of ``rows`` rows, so a decode step's rounding does not depend on its batch."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inner, generator=gen)
+    w = torch.randn(outputs, inner, generator=gen)
+    y = matmul_rows(x, w)
+    for i in range(rows):
+        assert torch.equal(matmul_rows(x[i:i + 1], w)[0], y[i])
+    for k in (2, 3):
+        if rows >= k:
+            assert torch.equal(matmul_rows(x[:k], w), y[:k])
+
+
+@pytest.mark.parametrize('inner, outputs', [(1, 1), (15, 1), (17, 33), (1000, 17), (1024, 16), (1040, 7)])
+def test_matmul_rows_single_row_equals_f_linear_for_odd_shapes(inner, outputs):
+    """One input row (the batch-1 decode product): inner sizes with a tail past the last 16
+    columns, a single output, output counts below and above the 16-row block, and a row view of a
+    wider tensor; a row that is not unit-stride along K is refused (the caller runs MKL)."""
+    gen = torch.Generator().manual_seed(inner * 100 + outputs)
+    base = torch.randn(3, inner + 5, generator=gen)
+    w = torch.randn(outputs, inner, generator=gen)
+    for x in (base[:1, :inner], base[1:2, 3:inner + 3]):
+        y = matmul_rows(x, w)
+        assert y.shape == (1, outputs) and y.is_contiguous()
+        _close(y, F.linear(x, w), float((x.abs() @ w.abs().t()).max()))
+    assert matmul_rows(torch.randn(inner, 2, generator=gen).t()[:1], w) is None     # K stride 2
+
+
 @pytest.mark.parametrize('rows', [1, 3, 4, 16, 24, 25, 64])
 def test_linear_takes_the_native_product_for_its_row_window_only(rows, monkeypatch):
     calls = []

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmdeploy.pytorch.kernels import cpu_native
 from lmdeploy.pytorch.kernels import linear as linear_mod
 from lmdeploy.pytorch.kernels.linear import SKINNY_ROWS, SKINNY_ROWS_NARROW, linear, transposed_rows
 from lmdeploy.pytorch.models.layers import Linear
@@ -91,3 +92,35 @@ def test_skinny_rows_take_the_transposed_product(monkeypatch, in_features, windo
     layer(torch.randn(window.start - 1, in_features))
     layer(torch.randn(window.stop, in_features))
     assert calls == [(40, in_features)] * 2
+
+
+@pytest.mark.parametrize('rows', [1, 2, 3, 24])
+def test_few_float32_rows_take_the_native_product_when_built_else_mkl(rows, monkeypatch):
+    """1-24 float32 rows go to the native product whenever its library is built: a fixed rule, so
+    two processes on one host round a product the same way (no per-process timing). Without the
+    library (or switched off) ``linear`` is MKL's product, bit for bit."""
+    assert cpu_native.NATIVE_ROWS == range(1, 25)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1000, generator=gen)        # inner size not a multiple of 16
+    w, b = torch.randn(33, 1000, generator=gen), torch.randn(33, generator=gen)
+    calls = []
+    real = cpu_native.matmul_rows
+
+    def spy(x_, w_):
+        calls.append(x_.shape[0])
+        return real(x_, w_)
+
+    monkeypatch.setattr(linear_mod, 'matmul_rows', spy)
+    with torch.inference_mode():
+        y = linear(x, w, b)
+        if cpu_native.native_library() is not None:
+            assert calls == [rows]
+            assert torch.equal(y, real(x, w) + b)          # the native sums, then the bias
+        # another summation order than MKL's: float32 rounding of 1000-term sums, bounded by the
+        # sum of |terms| (about K * 2^-24 of it at worst; 1e-5 of it here)
+        scale = float((x.abs() @ w.abs().t()).max())
+        assert (y - F.linear(x, w, b)).abs().max().item() <= 1e-5 * scale
+        monkeypatch.setattr(cpu_native, 'native_library', lambda: None)
+        # without the library 1-3 rows are MKL's direct product; 24 its transposed form
+        ref = F.linear(x, w, b) if rows <= 3 else torch.mm(w, x.t()).t() + b
+        assert torch.equal(linear(x, w, b), ref)

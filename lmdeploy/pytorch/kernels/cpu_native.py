@@ -1,15 +1,16 @@
 """Native CPU kernels for float32 decode steps.
 
 Why: a decode step of a few sequences is memory-bound on CPU (the weights stream from memory
-once per step; this machine reads 27-28 GB/s with both cores) and pays a few microseconds per
-torch op, of which a hybrid MoE layer issues dozens. MKL's single-precision GEMM reads a weight
-at full speed for 1-3 input rows but at 14-17 GB/s from 4 to 48 rows (it packs the weight
-first), and each MoE expert costs a dozen small torch ops around its two products. The kernels
+once per step; the 2-core hosts measured below read 27-35 GB/s with both cores) and pays a few
+microseconds per torch op, of which a hybrid MoE layer issues dozens. MKL's single-precision GEMM
+reads a weight at 14-17 GB/s from 4 to 48 rows (it packs the weight first); for 1-3 rows at full
+speed on the Intel host below but at only 7-18 GB/s on the AMD EPYC one; and each MoE expert
+costs a dozen small torch ops around its two products. The kernels
 here, each one call per layer per step:
 
 - :func:`matmul_rows`: ``x W^T`` as blocked dot products that read each weight row once for all
-  input rows (4 weight rows x 4 input rows per register block), used by
-  :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
+  input rows (4 input rows per register block; with AVX-512 16, 8 or 6 weight rows per block for
+  1, 2-3 and 4+ input rows, else 4), used by :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
 - :func:`delta_step_native`: the decode step of the gated delta rule and of KDA (a decay per
@@ -31,7 +32,8 @@ Models never call these: the registry's CPU implementations do (``rms_norm`` and
 ``causal_conv1d_varlen`` implementations and :func:`~.linear.linear`; each returns ``None``
 here when it does not apply and the caller runs torch.
 
-Measured on the 2-core benchmark machine (weights streamed from memory, not cache, best of 3):
+Measured on a 2-core Intel host with the first form of the product (4 weight rows per block;
+weights streamed from memory, not cache, best of 3):
 
     dense decode projections of the 99M benchmark model, 185 MB, by input rows:
         rows     1     2     3     4     8    16    32
@@ -40,7 +42,25 @@ Measured on the 2-core benchmark machine (weights streamed from memory, not cach
     MoE experts of a batch-16 step (8 layers, 16 experts, top-2; ~670 MB): torch 33.5, native 29.0 ms
     a whole batch-16 decode step: torch kernels 67 ms, native 55 ms (same process, interleaved)
 
-so :func:`~.linear.linear` uses it for 4-24 rows (:data:`NATIVE_ROWS`) (MKL keeps 1-3 and more).
+and on the 2-core AMD EPYC host of the recorded benchmarks (40 weights of 3088 x 1024, 506 MB,
+best of 5, 2 threads), where MKL's GEMV is slow for 1-3 rows:
+
+        rows                     1            2          3
+        MKL (F.linear)      28-29 ms       55 ms     69-75 ms    (17.3-17.9, 9, 7 GB/s)
+        native, 4 wide      14-17 ms     16-18 ms    17-20 ms    (30-35, 28-32, 26-30 GB/s)
+
+With one thread (so that the other developers' load on the shared host enters less), the
+first form against the widened blocks of the AVX-512 build, same weights, GB/s:
+
+        rows                     1      2      3      4      8     16
+        native, 4 wide        17.1   15.1   13.6   12.0    8.0    4.9
+        native, widened       20.2   18.7   17.6   15.5   10.6    7.0
+
+so :func:`~.linear.linear` uses it for 1-24 rows (:data:`NATIVE_ROWS`; MKL keeps more). The rule
+is fixed, not a timing taken when a process starts: a choice that could differ between two
+processes would change the float rounding between an engine and a fresh process restoring its
+state. On the Intel host this costs at most 9 % at 3 rows (the first form's figures above);
+on the AMD host it halves the time of a batch-1 product.
 
 Built from ``csrc/cpu_native.c`` (prototypes in ``csrc/cpu_native.h``; :data:`_ARGTYPES` binds them
 and tests/test_cpu_native.py checks the two agree) with the system C compiler (``$CC``, else
@@ -82,8 +102,9 @@ __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_
 
 logger = logging.getLogger('lmdeploy')
 
-# input rows for which linear() uses the native product (float32, CPU); see the module docstring
-NATIVE_ROWS = range(4, 25)
+# input rows for which linear() uses the native product (float32, CPU) whenever the library is
+# built: a fixed rule on every host (see the module docstring)
+NATIVE_ROWS = range(1, 25)
 # tokens up to which a MoE layer runs the native experts kernel (decode steps; prefill chunks
 # have many rows per expert, where MKL's packed GEMM is the faster one)
 NATIVE_EXPERT_TOKENS = 64

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .layers import Linear, RMSNorm
 
@@ -53,7 +54,7 @@ class HyperConnection(nn.Module):
         n = self.n
         flat = x.reshape(x.shape[0], -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mix = F.linear(flat, self.fn.float())
+        mix = linear(flat, self.fn.float())
         pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
@@ -125,7 +126,7 @@ class DSAIndexer(nn.Module):
 
     def token_keys(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, hidden]`` → the cached per-token entries ``[T, 2 * index_head_dim]``."""
-        return torch.cat((self.k_norm(self.wk(hidden)), F.linear(hidden, self.index_kpool_compress_gate)), dim=-1)
+        return torch.cat((self.k_norm(self.wk(hidden)), linear(hidden, self.index_kpool_compress_gate)), dim=-1)
 
     @torch.no_grad()
     def select(self, hidden: torch.Tensor, q_resid: torch.Tensor, entries: torch.Tensor,

@@ -76,6 +76,7 @@ from torch import nn
 from ..cache_specs import CacheTensor, FullAttentionSpec, LayerCacheSpec, SlidingWindowSpec, StateSpec
 from ..kernels import find_kernel, get_kernel
 from ..kernels.attention import fill_kv_cache
+from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.moe import FusedExperts, load_expert_tensor
@@ -523,7 +524,7 @@ class InklingRouter(_Float32):
         """``x [T, hidden]`` → ``(routed weights [T, k], routed expert index [T, k] int64, shared
         weights [T, S])``, weights in float32 (see the module docstring: the routed and shared
         weights share one normalisation)."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear(x.float(), self.weight.float())
         routed, shared = logits[:, :-self.num_shared], logits[:, -self.num_shared:]
         index = torch.topk(routed.sigmoid() + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
         chosen = F.logsigmoid(torch.cat([routed.gather(-1, index), shared], dim=-1))

@@ -37,6 +37,7 @@ from torch import nn
 
 from ...cache_specs import CacheTensor, StateSpec
 from ...kernels import get_kernel
+from ...kernels.linear import linear
 from ...model_inputs import StepContext
 from ..layers import Linear, RMSNorm
 from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
@@ -138,7 +139,7 @@ class Mamba1Mixer(nn.Module):
         elif d.bcdt_norm_eps is not None:
             dt, B, C = (_weightless_rms(t, d.bcdt_norm_eps) for t in (dt, B, C))
         # the bias is added in float32 with the softplus (where transformers adds it)
-        dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
+        dt = F.softplus(linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
         A = -torch.exp(self.A_log.float())
         y = get_kernel('selective_scan_varlen', hidden.device)(
             x, dt, A, B, C, self.D, ssm_cache, ctx.cu_seqlens, ctx.slots, ctx.has_history, d.chunk_size)
