@@ -166,8 +166,9 @@ class PrefixCache:
         # their turn-end form: no forward needs to end at the boundary (nothing is copied), so
         # the scheduler's chunks stay as they are (``decode_save_last`` stays False for it)
         self.turn_end_markers = decode_save_last and local.markers
-        # turn-end checkpoints sit on block boundaries: restores then accept any block boundary
-        self.restore_alignment = block_size if self.decode_save_last else alignment
+        # turn-end checkpoints sit on block boundaries: restores then accept any block boundary;
+        # so do markers (a prompt's last block boundary), from the host tier or the Store too
+        self.restore_alignment = block_size if self.decode_save_last or self.markers else alignment
         self._hashes: dict[int, list[bytes]] = {}
         self._store_views: dict[int, _StoreView] = {}
         self._staging: dict[int, _Staging] = {}
@@ -333,7 +334,7 @@ class PrefixCache:
         if not ok:
             return None
         self._count(load.seq, load.boundary, 'host', load.matched_tokens)
-        return self.local.cache_restored(load.seq, self.hashes(load.seq), load.boundary)
+        return self._keep_restored(load.seq, load.boundary)
 
     def store_loaded(self, load: StoreLoad, ok: bool) -> tuple | None:
         """Book a Store load's result. On success count the hit (first admission only) and
@@ -352,7 +353,20 @@ class PrefixCache:
             seq.handoff.restored = load.boundary
             self.store.record_handoff(load.boundary)
             return None     # (an unaligned boundary: no trie node to keep it on)
-        return self.local.cache_restored(seq, self.hashes(seq), load.boundary)
+        return self._keep_restored(seq, load.boundary)
+
+    def _keep_restored(self, seq, boundary: int) -> tuple | None:
+        """Keep a host or Store restore of ``seq`` at ``boundary`` locally: a hybrid's as a
+        checkpoint the engine copies the restored state into (``(node, lease)``, then
+        :meth:`restored_kept`); a marker model's as a marker published now (nothing to copy: None)."""
+        if not self.markers:
+            return self.local.cache_restored(seq, self.hashes(seq), boundary)
+        saved = self.local.restored_marker(seq, self.hashes(seq), boundary)
+        if isinstance(saved, str):
+            self._skip(seq, saved)
+        else:
+            self._count_save('restored')
+        return None
 
     def restored_kept(self, node, lease, copied: bool) -> None:
         """Publish the local copy of a Store restore (or release it if the copy raised, or if
@@ -394,10 +408,12 @@ class PrefixCache:
                                                  self._window_table(seq, full)))
 
     def _plan_block_saves(self, chunk, saves: SavePlan) -> None:
-        """A model without state: cache the chunk's new full blocks, and put (or, with markers,
+        """A model without state: cache the chunk's new full blocks, and put (and, with markers,
         publish a marker at) each save point ``b`` the chunk passed (``start < b <= end``: its
         blocks are computed and, sliding or not, still held, since a sequence gives back only
-        blocks no query from ``start`` on reads)."""
+        blocks no query from ``start`` on reads). The plan's ``local_only`` point (the marker at
+        the prompt's last full block boundary) is not put: the Store gets what a hybrid's
+        prefill puts, the save points of the turn's policy."""
         seq, B = chunk.seq, self.block_size
         full = chunk.end // B
         if self.local.needs_extend(seq, full):
@@ -414,7 +430,7 @@ class PrefixCache:
                 continue
             if self.markers:
                 self._save_marker(seq, b)
-            if self.store is not None:
+            if self.store is not None and b != seq.plan.local_only:
                 saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None,
                                                  self._window_table(seq, b // B)))
 
