@@ -509,38 +509,47 @@ def test_a_store_keeps_the_window_pool_and_markers_and_restores_from_window_obje
             reader.close()
 
 
-def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny, tmp_path):
-    """A 3-turn chat (150, 260, 400-token prompts, each the previous one + its 16-token reply + new
-    tokens; B = 16, A = 64, P = 32) through a ``file:`` Store: the put bytes are ``0·saves +
+@pytest.mark.parametrize('policy, out', [('default', 16), ('default+turn-end', 16), ('default+turn-end', 2)])
+def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny, tmp_path, policy, out):
+    """A 3-turn chat (146, 260, 400-token prompts, each the previous one + its reply + new tokens;
+    B = 16, A = 64, P = 32) through a ``file:`` Store: the put bytes are ``0·saves +
     new_global·K_glob + new_window·K_win``, what ``simulate()`` charges with window rows, object
-    for object; ``sizes_from_config`` of config.json gives the engine's S = 0, K_glob, K_win, W."""
+    for object; with ``decode_save_last`` the turn-end markers are put as a hybrid's turn ends are
+    (160, 272; 144 and 400 after 2-token replies, 144 being also the first prompt's last block
+    boundary, otherwise a local-only marker; none where the reply's decode gave back a window block
+    the turn end reads), the prompt-end markers never. ``sizes_from_config`` of config.json gives the engine's
+    S = 0, K_glob, K_win and W."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'benchmark'))
     from store_presets import sizes_from_config
-    from store_sim import simulate
+    from store_sim import Scenario, simulate_policies
     path, _ = tiny
-    lengths, out = [150, 260, 400], 16
+    lengths = [146, 260, 400]
     eng = make_engine(path, block_size=B, max_prefill_token_num=P, prefill_save_alignment=64,
-                      enable_prefix_caching=True, store_backend=f'file:{tmp_path / "store"}')
+                      enable_prefix_caching=True, decode_save_last=policy != 'default',
+                      store_backend=f'file:{tmp_path / "store"}')
     try:
-        ids = []
+        ids, seqs = [], []
         for t, n in enumerate(lengths):
             ids = ids + random_prompt(n - len(ids), seed=500 + t)
-            ids = list(eng.generate(ids, GenerationConfig(max_new_tokens=out, ignore_eos=True)).token_ids)
+            seqs.append(eng.generate(ids, GenerationConfig(max_new_tokens=out, ignore_eos=True)))
+            ids = list(seqs[-1].token_ids)
         assert eng.store.flush(timeout=30)
         stats, K, K_win = eng.stats(), eng.cache_engine.kv_block_bytes, eng.cache_engine.window_block_bytes
     finally:
         eng.close()
     sizes = sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), block_size=B)
     assert (sizes.state_bytes, sizes.kv_block_bytes, sizes.window_block_bytes, sizes.window_rows) == (0, K, K_win, W)
-    policy = simulate(lengths, 0, K, chunk_size=P, block_size=B, alignment=64, **sizes.windows).default
-    assert stats['store_put_objects'] == {'state': policy.num_saves,
-                                          'kv': sum(t.new_kv_blocks for t in policy.turns),
-                                          'window': sum(t.new_window_blocks for t in policy.turns)}
-    assert stats['store_put_bytes'] == {'state': 0, 'kv': sum(t.kv_bytes for t in policy.turns),
-                                        'window': sum(t.window_bytes for t in policy.turns)}
-    assert stats['store_put_failures'] == 0
+    want = simulate_policies(Scenario('chat', tuple(lengths), out), 0, K, policies=[policy], chunk_size=P,
+                             block_size=B, alignment=64, **sizes.windows)[policy]
+    if policy != 'default':
+        assert [t.turn_end_point for t in want.turns] == ([160, 272, None] if out == 16 else [144, None, 400])
+    assert stats['store_put_objects'] == {'state': want.num_saves, 'kv': sum(t.new_kv_blocks for t in want.turns),
+                                          'window': sum(t.new_window_blocks for t in want.turns)}
+    assert stats['store_put_bytes'] == {'state': 0, 'kv': sum(t.kv_bytes for t in want.turns),
+                                        'window': sum(t.window_bytes for t in want.turns)}
+    assert stats['store_put_failures'] == 0 and stats['store_put_bytes']['window'] > 0
 
 
 def test_a_host_tier_keeps_the_window_pool_and_markers_of_demoted_prefixes(tiny):
