@@ -628,8 +628,9 @@ class LocalTier:
 
         Returns:
             The published marker's :class:`~.eviction.CheckpointStats` (reason ``'restored'``), or
-            why none was: ``'hash_collision'`` (the blocks did not all enter the trie), or
-            :meth:`save_marker`'s reasons (``'exists'``: a marker is there already).
+            why none was: ``'hash_collision'`` (the blocks did not all enter the trie), ``'exists'``
+            (a marker is there already: it keeps the loaded window rows it lacked), or
+            :meth:`save_marker`'s other reasons.
 
         Raises:
             RuntimeError: this tier keeps no markers.
@@ -639,6 +640,11 @@ class LocalTier:
         nodes = self.trie.insert(seq.token_ids, seq.block_ids, boundary // self.block_size, hashes)
         if len(nodes) != boundary // self.block_size or not nodes:
             return 'hash_collision'
+        if nodes[-1].checkpoint_slot is not None:
+            # a marker whose window rows went missing (so no local restore was offered): the rows
+            # the load wrote make it restorable again
+            self.keep_window(seq, nodes[-1])
+            return 'exists'
         return self.save_marker(seq, nodes[-1], boundary, 'restored')
 
     def release(self, seq, hashes: list[bytes], num_computed_blocks: int) -> None:
