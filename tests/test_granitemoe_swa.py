@@ -509,10 +509,13 @@ def test_a_store_keeps_the_window_pool_and_markers_and_restores_from_window_obje
             reader.close()
 
 
-@pytest.mark.parametrize('policy, out', [('default', 16), ('default+turn-end', 16), ('default+turn-end', 2)])
-def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny, tmp_path, policy, out):
+@pytest.mark.parametrize('policy, out, backend', [('default', 16, 'file'), ('default', 16, 'mooncake'),
+                                                  ('default+turn-end', 16, 'file'), ('default+turn-end', 2, 'file')])
+def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny, tmp_path, request, policy, out,
+                                                                           backend):
     """A 3-turn chat (146, 260, 400-token prompts, each the previous one + its reply + new tokens;
-    B = 16, A = 64, P = 32) through a ``file:`` Store: the put bytes are ``0·saves +
+    B = 16, A = 64, P = 32) through a ``file:`` Store (and the session's Mooncake Store): the put
+    bytes are ``0·saves +
     new_global·K_glob + new_window·K_win``, what ``simulate()`` charges with window rows, object
     for object; with ``decode_save_last`` the turn-end markers are put as a hybrid's turn ends are
     (160, 272; 144 and 400 after 2-token replies, 144 being also the first prompt's last block
@@ -526,9 +529,13 @@ def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny,
     from store_sim import Scenario, simulate_policies
     path, _ = tiny
     lengths = [146, 260, 400]
+    if backend == 'file':
+        store = dict(store_backend=f'file:{tmp_path / "store"}')
+    else:       # (prompts seeded for this test alone: the session's Store holds other tests' objects)
+        services = request.getfixturevalue('mooncake_services')
+        store = dict(mooncake_master=services.master_address, mooncake_metadata_server=services.metadata_server)
     eng = make_engine(path, block_size=B, max_prefill_token_num=P, prefill_save_alignment=64,
-                      enable_prefix_caching=True, decode_save_last=policy != 'default',
-                      store_backend=f'file:{tmp_path / "store"}')
+                      enable_prefix_caching=True, decode_save_last=policy != 'default', **store)
     try:
         ids, seqs = [], []
         for t, n in enumerate(lengths):
