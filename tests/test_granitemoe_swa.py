@@ -510,14 +510,16 @@ def test_a_store_keeps_the_window_pool_and_markers_and_restores_from_window_obje
 
 
 @pytest.mark.parametrize('policy, out, backend', [('default', 16, 'file'), ('default', 16, 'mooncake'),
-                                                  ('default+turn-end', 16, 'file'), ('default+turn-end', 2, 'file')])
+                                                  ('last-only', 16, 'file'), ('default+turn-end', 16, 'file'),
+                                                  ('default+turn-end', 2, 'file')])
 def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny, tmp_path, request, policy, out,
                                                                            backend):
     """A 3-turn chat (146, 260, 400-token prompts, each the previous one + its reply + new tokens;
     B = 16, A = 64, P = 32) through a ``file:`` Store (and the session's Mooncake Store): the put
     bytes are ``0·saves +
     new_global·K_glob + new_window·K_win``, what ``simulate()`` charges with window rows, object
-    for object; with ``decode_save_last`` the turn-end markers are put as a hybrid's turn ends are
+    for object; with ``prefill_save_last_only`` at the last save point of each turn only; with
+    ``decode_save_last`` the turn-end markers are put as a hybrid's turn ends are
     (160, 272; 144 and 400 after 2-token replies, 144 being also the first prompt's last block
     boundary, otherwise a local-only marker; none where the reply's decode gave back a window block
     the turn end reads), the prompt-end markers never. ``sizes_from_config`` of config.json gives the engine's
@@ -535,7 +537,8 @@ def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny,
         services = request.getfixturevalue('mooncake_services')
         store = dict(mooncake_master=services.master_address, mooncake_metadata_server=services.metadata_server)
     eng = make_engine(path, block_size=B, max_prefill_token_num=P, prefill_save_alignment=64,
-                      enable_prefix_caching=True, decode_save_last=policy != 'default', **store)
+                      enable_prefix_caching=True, decode_save_last=policy.endswith('turn-end'),
+                      prefill_save_last_only=policy == 'last-only', **store)
     try:
         ids, seqs = [], []
         for t, n in enumerate(lengths):
@@ -550,7 +553,7 @@ def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny,
     assert (sizes.state_bytes, sizes.kv_block_bytes, sizes.window_block_bytes, sizes.window_rows) == (0, K, K_win, W)
     want = simulate_policies(Scenario('chat', tuple(lengths), out), 0, K, policies=[policy], chunk_size=P,
                              block_size=B, alignment=64, **sizes.windows)[policy]
-    if policy != 'default':
+    if policy.endswith('turn-end'):
         assert [t.turn_end_point for t in want.turns] == ([160, 272, None] if out == 16 else [144, None, 400])
     assert stats['store_put_objects'] == {'state': want.num_saves, 'kv': sum(t.new_kv_blocks for t in want.turns),
                                           'window': sum(t.new_window_blocks for t in want.turns)}

@@ -56,7 +56,7 @@ its turn's plan and at its prompt's last full block boundary that leaves a token
 (:meth:`LocalTier.save_marker`). A marker keeps the window blocks its window reads, exactly as a
 checkpoint does, so the window rows, their release, ``evict_window``, pins and the ledger work
 unchanged; a host or Store restore becomes a marker at once (:meth:`LocalTier.restored_marker`, the
-markers' :meth:`LocalTier.cache_restored`: nothing to copy), keeping the window rows the load wrote.
+markers' form of :meth:`LocalTier.cache_restored`: nothing to copy), keeping the window rows the load wrote.
 A match then offers the deepest block boundary ``b`` on the matched path whose window
 blocks (depths ``(window_first_block(b), b / B]``) are all held, a marker's boundary or not
 (:meth:`LocalTier.match`); a boundary whose window reads a missing block is never offered::
