@@ -456,7 +456,7 @@ def test_a_store_keeps_the_window_pool_and_markers_and_restores_from_window_obje
     128, 192, the global rows of every block below as KV objects, the rows of each window as window
     objects and an empty state object; its marker at 208 stays local. A new engine restores 192
     tokens (kept as a marker holding the window rows the load wrote) and decodes what a cold engine
-    decodes; with the window object of block 11 (read only by 192's window) deleted, 192 is never
+    decodes, so does a fresh process; with the window object of block 11 (read only by 192's window) deleted, 192 is never
     offered (no failed load) and 128 is restored, same tokens. Idle afterwards."""
     from engine_utils import assert_idle
     from test_window_prefix_cache import _window_object
@@ -488,6 +488,11 @@ def test_a_store_keeps_the_window_pool_and_markers_and_restores_from_window_obje
     eng.close()
     cold = make_engine(path, block_size=B, max_prefill_token_num=P).generate(ids, short).output_ids
     assert first.output_ids == cold
+    # a fresh process (empty local cache, nothing imported before) restores the same from the folder
+    from test_store_file_backend import run_worker, store_config
+    fresh = run_worker(tmp_path, 'fresh', path, store_config(store), [ids])
+    [turn] = fresh['turns']
+    assert turn['store_hit_tokens'] == 192 and turn['output_ids'][:4] == cold and fresh['idle']
     for deleted, restored in ((None, 192), (11, 128)):
         if deleted is not None:
             _window_object(store, ids, deleted).unlink()
