@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark.store_sim import DEFAULT_BLOCK  # noqa: E402
-from lmdeploy.pytorch.cache_specs import (has_state, kv_bytes_per_block, kv_window, paged_groups,  # noqa: E402
+from lmdeploy.pytorch.cache_specs import (kv_bytes_per_block, kv_window, paged_groups,  # noqa: E402
                                           state_bytes_per_slot)
 
 SEED_STATE_TO_BLOCK_RATIO = Fraction('717.5')
@@ -94,7 +94,7 @@ class StoreSizes:
     store_state_bytes: int | None = None      # None: state_bytes * tp
     store_kv_block_bytes: int | None = None   # None: kv_block_bytes * tp
     window: int | None = None     # tokens, when every paged layer slides: a save puts its window's blocks only
-    # a window group with a pool of its own (a mixed model with state, tp = 1): K_win per window
+    # a window group with a pool of its own (a mixed model, with state or without, tp = 1): K_win per window
     # object and that group's window; kv_block_bytes is then K_glob (the global layers' row)
     window_block_bytes: int = 0
     window_rows: int | None = None
@@ -160,6 +160,11 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     tensors use ``kv_dtype`` and state tensors ``state_dtype`` (default: the model dtype, else
     bfloat16); a float32 recurrent state stays float32.
 
+    A model of global and sliding-window layers (at tp = 1, without ``mtp``) keeps its window
+    layers in a pool of their own, with or without recurrent state (S = 0 without): K_blk is then
+    K_glob, the global layers' row of a block, and ``window_block_bytes`` K_win, the sliding
+    layers' row, put as window objects (``window_rows``: that group's window).
+
     Raises:
         ValueError: no or an unknown ``model_type``, ``tp`` does not divide a head count (names
             the field), or a dtype is unknown.
@@ -195,9 +200,9 @@ def sizes_from_config(config: dict, *, tp: int = 1, block_size: int = DEFAULT_BL
     plain = list(cls.cache_specs(cfg, model_t)) + ([mtp_cache_spec(text, model_t)] if mtp else [])
     window = kv_window(plain)
     groups = paged_groups(plain)
-    if len(groups) > 1 and has_state(plain) and tp == 1 and not mtp:
-        # the engine's Store layout for a mixed model with state (single process, no drafts): its
-        # window layers keep a pool of their own, their rows are window objects
+    if len(groups) > 1 and tp == 1 and not mtp:
+        # the engine's Store layout for a mixed model, with state or without (single process, no
+        # drafts): its window layers keep a pool of their own, their rows are window objects
         glob, win = ([rank[i] for i in g.entries] for g in groups)
         return StoreSizes(state_bytes_per_slot(rank), kv_bytes_per_block(glob, block_size), tp,
                           window_block_bytes=kv_bytes_per_block(win, block_size), window_rows=groups[1].window)

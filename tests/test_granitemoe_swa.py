@@ -350,11 +350,12 @@ def test_a_prefix_whose_window_block_was_evicted_is_never_restored(all_swa, n, e
 
 
 # the Store: a window model puts and restores exactly the blocks its windows read -------------------
-def _store_round_trip(path, tmp_path, window):
+def _store_round_trip(path, tmp_path, window, window_rows=None):
     """A 300-token prompt (A = P = 64: save points 64, 128, 192, 256) through a ``file:`` Store:
     a writer engine puts it, a new engine with an empty local cache restores 256 tokens from it.
-    Returns (writer stats, K_blk, blocks in use after each of the reader's admissions, the cold
-    engine's output ids)."""
+    ``window``: every paged layer slides; ``window_rows``: the window group keeps a pool of its
+    own (window objects). Returns (writer stats, K_blk, blocks in use after each of the reader's
+    admissions, the cold engine's output ids, K_win: 0 without window objects)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'benchmark'))
@@ -366,10 +367,13 @@ def _store_round_trip(path, tmp_path, window):
     writer = make_engine(path, **fields)
     first = writer.generate(ids, gen)
     assert writer.store.flush(timeout=30) and writer.store.window == window
+    assert writer.store.window_rows == window_rows and (writer.window_pool is not None) == bool(window_rows)
     stats, K = writer.stats(), writer.cache_engine.kv_block_bytes
+    K_win = writer.cache_engine.window_block_bytes if window_rows else 0
     writer.close()
     # S = 0: a model without state puts an empty state object per save point
-    predicted = simulate([300], 0, K, chunk_size=64, block_size=B, alignment=64, window=window)
+    predicted = simulate([300], 0, K, chunk_size=64, block_size=B, alignment=64, window=window,
+                         window_block_bytes=K_win, window_rows=window_rows)
     assert sum(stats['store_put_bytes'].values()) == predicted.default.total_bytes
     reader = make_engine(path, **fields)
     seen, schedule = [], reader.scheduler.schedule
@@ -386,7 +390,7 @@ def _store_round_trip(path, tmp_path, window):
     cold = make_engine(path, block_size=B, max_prefill_token_num=64).generate(ids, gen).output_ids
     assert first.output_ids == again.output_ids == cold
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == again.stats.store_hit_tokens == 256
-    return stats, K, seen, cold
+    return stats, K, seen, cold, K_win
 
 
 def test_all_swa_store_puts_only_window_blocks_and_a_new_engine_restores_its_window(all_swa, tmp_path):
@@ -395,7 +399,7 @@ def test_all_swa_store_puts_only_window_blocks_and_a_new_engine_restores_its_win
     engine restores 256 tokens from the Store and decodes what a cold engine decodes, holding
     only the window's blocks: 5 for [224, 300) at the first step, never the 19 of the prefix; so
     does a fresh process."""
-    stats, K, seen, cold = _store_round_trip(all_swa[0], tmp_path, W)
+    stats, K, seen, cold, _ = _store_round_trip(all_swa[0], tmp_path, W)
     assert stats['store_put_objects'] == {'state': 4, 'kv': 8}
     assert stats['store_put_bytes'] == {'state': 0, 'kv': 8 * K}
     assert seen[0] == 5 and max(seen) <= -(-(W - 1 + 64) // B) + 1 < -(-306 // B)
@@ -408,8 +412,194 @@ def test_all_swa_store_puts_only_window_blocks_and_a_new_engine_restores_its_win
 
 
 def test_mixed_global_and_window_store_restores_every_block_in_a_new_engine(tiny, tmp_path):
-    """Global layers read every earlier token: the 16 blocks below 256 are put (block-granular,
-    bytes equal the simulator's with no window) and a new engine restores 256 tokens."""
-    stats, K, seen, _ = _store_round_trip(tiny[0], tmp_path, None)
-    assert stats['store_put_objects'] == {'state': 4, 'kv': 16}
+    """Global layers read every earlier token: the global rows of the 16 blocks below 256 are put
+    as KV objects and the sliding layers' rows of each save point's window only as window objects
+    (W = 24: {2, 3}, {6, 7}, {10, 11}, {14, 15}), the prompt's last block boundary (288) being a
+    local marker only; bytes ``0·4 + 16·K_glob + 8·K_win`` equal the simulator's with window rows
+    (before the window pool was kept with a Store: 16 KV objects of every layer's rows), and a new
+    engine restores 256 tokens."""
+    stats, K, seen, _, K_win = _store_round_trip(tiny[0], tmp_path, None, window_rows=W)
+    assert stats['store_put_objects'] == {'state': 4, 'kv': 16, 'window': 8}
+    assert stats['store_put_bytes'] == {'state': 0, 'kv': 16 * K, 'window': 8 * K_win}
     assert seen[0] == -(-300 // B)
+
+
+# the Store and host tier keep the window pool: markers' windows as window objects / entries -------
+def _marker_windows(boundaries) -> set[int]:
+    """Indices of the blocks the windows of restores at ``boundaries`` read (W = 24, B = 16)."""
+    return {k for b in boundaries for k in range(window_first_block(b, W, B), b // B)}
+
+
+def _live_window_tracker(eng) -> list[int]:
+    """After each step: the window pool holds exactly the trie's window rows plus each running
+    sequence's live window (shared blocks once); returns the live windows seen (filled as it runs)."""
+    wp, local, computed, lives = eng.window_pool, eng.prefix_cache.local, eng.scheduler.computed, []
+
+    def tracked(out):
+        saves = computed(out)
+        for c in out.chunks:
+            seq = c.seq
+            live = len(seq.window_block_ids) - seq.num_window_freed_blocks
+            shared = sum(1 for b in seq.window_block_ids[seq.num_window_freed_blocks:] if wp.refcount[b] > 1)
+            assert wp.num_blocks - wp.num_free == local.num_window_blocks + live - shared
+            lives.append(live)
+        return saves
+    eng.scheduler.computed = tracked
+    return lives
+
+
+def test_a_store_keeps_the_window_pool_and_markers_and_restores_from_window_objects(tiny, tmp_path):
+    """Regression (it fell back to one shared table, every sliding block kept): with a ``file:``
+    Store the model keeps its window pool and markers. A 100-token prompt decoding 300 tokens
+    holds at most ceil((W - 1 + P) / B) + 1 live window blocks, the trie only its markers' windows
+    (64; 96, the prompt's last block boundary). A 220-token prompt puts, at its save points 64,
+    128, 192, the global rows of every block below as KV objects, the rows of each window as window
+    objects and an empty state object; its marker at 208 stays local. A new engine restores 192
+    tokens (kept as a marker holding the window rows the load wrote) and decodes what a cold engine
+    decodes, so does a fresh process; with the window object of block 11 (read only by 192's window) deleted, 192 is never
+    offered (no failed load) and 128 is restored, same tokens. Idle afterwards."""
+    from engine_utils import assert_idle
+    from test_window_prefix_cache import _window_object
+    path, _ = tiny
+    store = tmp_path / 'store'
+    fields = dict(block_size=B, max_prefill_token_num=P, prefill_save_alignment=64, enable_prefix_caching=True,
+                  store_backend=f'file:{store}')
+    eng = make_engine(path, **fields)
+    local = eng.prefix_cache.local
+    assert eng.window_pool is not None and local.markers and eng.store.window_rows == W
+    assert [g.window for g in eng.scheduler.groups] == [None, W]
+    lives = _live_window_tracker(eng)
+    long = eng.generate(random_prompt(100, seed=90), GenerationConfig(max_new_tokens=300, ignore_eos=True))
+    assert len(lives) > 300 and max(lives) <= -(-(W - 1 + P) // B) + 1
+    assert long.stats.save_points == [64, 96] and local.num_window_blocks == len(_marker_windows([64, 96])) == 4
+    del eng.scheduler.computed      # (the instance's wrapper: the class's method again)
+    ids = random_prompt(220, seed=91)
+    short = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    first = eng.generate(ids, short)
+    assert eng.store.flush(timeout=30)
+    assert first.stats.save_points == [64, 128, 192, 208]
+    K, K_win = eng.cache_engine.kv_block_bytes, eng.cache_engine.window_block_bytes
+    stats = eng.stats()
+    # 64 of the first prompt (4 blocks, window {2, 3}), then 64, 128, 192 of this one
+    assert stats['store_put_objects'] == {'state': 4, 'kv': 4 + 12, 'window': 2 + 6}
+    assert stats['store_put_bytes'] == {'state': 0, 'kv': 16 * K, 'window': 8 * K_win}
+    eng.prefix_cache.evict(10**6)
+    assert_idle(eng)
+    eng.close()
+    cold = make_engine(path, block_size=B, max_prefill_token_num=P).generate(ids, short).output_ids
+    assert first.output_ids == cold
+    # a fresh process (empty local cache, nothing imported before) restores the same from the folder
+    from test_store_file_backend import run_worker, store_config
+    fresh = run_worker(tmp_path, 'fresh', path, store_config(store), [ids])
+    [turn] = fresh['turns']
+    assert turn['store_hit_tokens'] == 192 and turn['output_ids'][:4] == cold and fresh['idle']
+    for deleted, restored in ((None, 192), (11, 128)):
+        if deleted is not None:
+            _window_object(store, ids, deleted).unlink()
+        reader = make_engine(path, **fields)
+        try:
+            again = reader.generate(ids, short)
+            assert again.num_cached_tokens == again.stats.store_hit_tokens == restored
+            assert again.output_ids == cold
+            assert reader.stats()['store_get_failures'] == 0 and reader.stats()['store_rejected_objects'] == 0
+            assert again.stats.save_points == ([208] if restored == 192 else [192, 208])
+            # the restored boundary became a marker keeping its window rows, as the ones saved after it
+            kept = [restored] + again.stats.save_points
+            markers = {n.depth * B for n in reader.prefix_cache.cached_nodes() if n.checkpoint_slot is not None}
+            assert markers == set(kept) and reader.stats()['checkpoints_saved_by_reason']['restored'] == 1
+            assert reader.ledger()['window_blocks_cached'] == len(_marker_windows(kept))
+            reader.prefix_cache.evict(10**6)
+            assert_idle(reader)
+        finally:
+            reader.close()
+
+
+@pytest.mark.parametrize('policy, out, backend', [('default', 16, 'file'), ('default', 16, 'mooncake'),
+                                                  ('last-only', 16, 'file'), ('default+turn-end', 16, 'file'),
+                                                  ('default+turn-end', 2, 'file')])
+def test_store_put_bytes_of_a_chat_equal_the_simulator_with_window_objects(tiny, tmp_path, request, policy, out,
+                                                                           backend):
+    """A 3-turn chat (146, 260, 400-token prompts, each the previous one + its reply + new tokens;
+    B = 16, A = 64, P = 32) through a ``file:`` Store (and the session's Mooncake Store): the put
+    bytes are ``0·saves +
+    new_global·K_glob + new_window·K_win``, what ``simulate()`` charges with window rows, object
+    for object; with ``prefill_save_last_only`` at the last save point of each turn only; with
+    ``decode_save_last`` the turn-end markers are put as a hybrid's turn ends are
+    (160, 272; 144 and 400 after 2-token replies, 144 being also the first prompt's last block
+    boundary, otherwise a local-only marker; none where the reply's decode gave back a window block
+    the turn end reads), the prompt-end markers never. ``sizes_from_config`` of config.json gives the engine's
+    S = 0, K_glob, K_win and W."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'benchmark'))
+    from store_presets import sizes_from_config
+    from store_sim import Scenario, simulate_policies
+    path, _ = tiny
+    lengths = [146, 260, 400]
+    if backend == 'file':
+        store = dict(store_backend=f'file:{tmp_path / "store"}')
+    else:       # (prompts seeded for this test alone: the session's Store holds other tests' objects)
+        services = request.getfixturevalue('mooncake_services')
+        store = dict(mooncake_master=services.master_address, mooncake_metadata_server=services.metadata_server)
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, prefill_save_alignment=64,
+                      enable_prefix_caching=True, decode_save_last=policy.endswith('turn-end'),
+                      prefill_save_last_only=policy == 'last-only', **store)
+    try:
+        ids, seqs = [], []
+        for t, n in enumerate(lengths):
+            ids = ids + random_prompt(n - len(ids), seed=500 + t)
+            seqs.append(eng.generate(ids, GenerationConfig(max_new_tokens=out, ignore_eos=True)))
+            ids = list(seqs[-1].token_ids)
+        assert eng.store.flush(timeout=30)
+        stats, K, K_win = eng.stats(), eng.cache_engine.kv_block_bytes, eng.cache_engine.window_block_bytes
+    finally:
+        eng.close()
+    sizes = sizes_from_config(json.load(open(os.path.join(path, 'config.json'))), block_size=B)
+    assert (sizes.state_bytes, sizes.kv_block_bytes, sizes.window_block_bytes, sizes.window_rows) == (0, K, K_win, W)
+    want = simulate_policies(Scenario('chat', tuple(lengths), out), 0, K, policies=[policy], chunk_size=P,
+                             block_size=B, alignment=64, **sizes.windows)[policy]
+    if policy.endswith('turn-end'):
+        assert [t.turn_end_point for t in want.turns] == ([160, 272, None] if out == 16 else [144, None, 400])
+    assert stats['store_put_objects'] == {'state': want.num_saves, 'kv': sum(t.new_kv_blocks for t in want.turns),
+                                          'window': sum(t.new_window_blocks for t in want.turns)}
+    assert stats['store_put_bytes'] == {'state': 0, 'kv': sum(t.kv_bytes for t in want.turns),
+                                        'window': sum(t.window_bytes for t in want.turns)}
+    assert stats['store_put_failures'] == 0 and stats['store_put_bytes']['window'] > 0
+
+
+def test_a_host_tier_keeps_the_window_pool_and_markers_of_demoted_prefixes(tiny):
+    """Regression (it fell back to one shared table and built no host tier): with
+    ``host_cache_bytes`` and two marker slots, prompts a, b, a (200 tokens, markers at 64, 128,
+    192): b's markers demote a's to host memory (an empty state entry, the global rows of their
+    blocks and the window rows of their windows only); the second a restores 192 tokens from the
+    host tier, kept as a marker, and decodes what a cold engine decodes. Idle once both tiers
+    are emptied."""
+    from engine_utils import assert_idle
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
+    path, _ = tiny
+    eng = make_engine(path, block_size=B, max_prefill_token_num=P, prefill_save_alignment=64,
+                      enable_prefix_caching=True, host_cache_bytes=1 << 24, num_checkpoint_slots=2)
+    host = eng.prefix_cache.host
+    assert eng.window_pool is not None and host.window_rows == W and not host.has_state
+    gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    a, b = random_prompt(200, seed=1), random_prompt(200, seed=2)
+    first, other, again = (eng.generate(p, gen) for p in (a, b, a))
+    assert again.num_cached_tokens == eng.stats()['host_hit_tokens'] == 192
+    assert eng.stats()['checkpoints_saved_by_reason']['restored'] == 1
+    cold = make_engine(path, block_size=B, max_prefill_token_num=P)
+    assert first.output_ids == again.output_ids == cold.generate(a, gen).output_ids
+    assert other.output_ids == cold.generate(b, gen).output_ids
+    entries = {kind: {h for k, h in host._entries if k == kind} for kind in ('state', 'kv', 'window')}
+    want = set()
+    for p in (a, b):
+        hashes = chain_block_hashes(p, B, 12)
+        for i, h in enumerate(hashes):
+            if h in entries['state']:
+                want.update(hashes[k] for k in range(window_first_block((i + 1) * B, W, B), i + 1))
+    assert entries['state'] and entries['window'] == want
+    ce = eng.cache_engine
+    assert host.bytes_held == len(entries['kv']) * ce.kv_block_bytes + len(want) * ce.window_block_bytes
+    eng.prefix_cache.evict(10**6)
+    host.evict(10**12)
+    assert_idle(eng)
+    eng.close()

@@ -312,8 +312,10 @@ def test_a_window_restore_attaches_and_allocates_only_its_window():
 @pytest.mark.parametrize('sliding, window', [(True, 24), (False, None)])
 def test_simulator_cli_reads_the_window_from_the_config(tmp_path, sliding, window):
     """``simulate_store_writes.py --config`` of the tiny granitemoe_swa: the window comes from the
-    model's own specs (24 when every layer slides, none with global layers), and a 300-token
-    prompt (B = 16, A = P = 64) is charged 8 or 16 blocks and 4 empty state objects."""
+    model's own specs (24 when every layer slides; with global layers the window layers' own
+    window, 24, as window objects), and a 300-token prompt (B = 16, A = P = 64) is charged 4 empty
+    state objects and 8 blocks, or the global rows of 16 blocks and the window rows of 8 (before
+    this model kept its window pool with a Store: 16 blocks of every layer's rows)."""
     import json
 
     import simulate_store_writes as cli
@@ -324,11 +326,13 @@ def test_simulator_cli_reads_the_window_from_the_config(tmp_path, sliding, windo
     path = tmp_path / 'config.json'
     path.write_text(json.dumps(config))
     sizes = cli.sizes_from_config(config, block_size=B)
-    assert sizes.window == window and sizes.state_bytes == 0
+    assert sizes.window == window and sizes.state_bytes == 0 and sizes.window_rows == (None if sliding else 24)
     [result] = cli.main(['--config', str(path), '--block-size', '16', '--alignment', '64', '--chunk-size', '64',
                          '--turns', '300', '--json'])
     assert result.default.turns[0].save_points == [64, 128, 192, 256]
-    assert result.default.total_bytes == (8 if sliding else 16) * sizes.kv_block_bytes
+    assert result.default.total_bytes == (8 * sizes.kv_block_bytes if sliding else
+                                          16 * sizes.kv_block_bytes + 8 * sizes.window_block_bytes)
+    assert sizes.window_block_bytes == (0 if sliding else sizes.kv_block_bytes)     # 2 global, 2 sliding layers
 
 
 def test_the_window_split_joins_the_namespace():

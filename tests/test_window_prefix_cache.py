@@ -130,7 +130,7 @@ def _check_pools(sched: Scheduler, local: LocalTier) -> None:
     assert all(n.window_block >= 0 for n in local.trie.window_nodes.values())
 
 
-@pytest.mark.parametrize('kind', ['state', 'markers'])
+@pytest.mark.parametrize('kind', ['state', 'markers', 'markers_host'])
 @settings(max_examples=30, deadline=None)
 @given(window=st.integers(1, 60), chunk=st.sampled_from([16, 32, 48]), data=st.data())
 def test_a_restore_never_reads_a_missing_window_block(kind, window, chunk, data):
@@ -140,23 +140,29 @@ def test_a_restore_never_reads_a_missing_window_block(kind, window, chunk, data)
     tiers offer reads only window blocks the trie holds, the restored table attaches exactly them,
     and both pools' counts stay exact. ``kind`` markers: a model without state (no runtime slot),
     whose zero-byte checkpoints keep the window rows; its restores may fall on any block boundary
-    whose window is held (checked against a brute-force walk of the matched path)."""
+    whose window is held (checked against a brute-force walk of the matched path). ``markers_host``:
+    with a host tier too (bookkeeping only), markers evicted are demoted and restored from it,
+    each restore kept as a marker holding the window blocks its load filled."""
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     A = data.draw(st.sampled_from([16, 32, 64]))
     batch = data.draw(st.integers(1, 3))
-    markers = kind == 'markers'
+    markers = kind != 'state'
     per_seq = -(-(window - 1 + chunk) // B) + 1
     bm = BlockManager(data.draw(st.integers(60, 120)))
     wp = BlockManager(batch * per_seq + data.draw(st.integers(0, 12)))
     sc = StateCache(0 if markers else batch, 6)
     local = LocalTier(bm, B, sc, window_pool=wp, window=window, markers=markers)
-    cache = PrefixCache(local, block_size=B, alignment=A, decode_save_last=data.draw(st.booleans()))
+    host = None
+    if kind == 'markers_host':
+        from lmdeploy.pytorch.prefix_cache.host_tier import HostTier
+        host = HostTier(None, 1 << 20, B, 0, 1, window_block_bytes=1, window_rows=window, has_state=False)
+    cache = PrefixCache(local, block_size=B, alignment=A, decode_save_last=data.draw(st.booleans()), host=host)
     cfg = SchedulerConfig.from_engine_config(PytorchEngineConfig(block_size=B, max_prefill_token_num=chunk,
                                                                  max_batch_size=batch, prefill_save_alignment=A,
                                                                  enable_prefix_caching=True,
                                                                  prefill_save_last_only=data.draw(st.booleans())))
     sched = Scheduler(cfg, bm, None if markers else sc, cache, window_pool=wp, pool_window=window)
-    offered = []
+    offered, host_restores = [], []
     match = local.match
 
     def ready(node) -> bool:
@@ -198,6 +204,15 @@ def test_a_restore_never_reads_a_missing_window_block(kind, window, chunk, data)
                 assert seq.num_window_freed_blocks == first
                 assert all(b >= 0 for b in seq.window_block_ids[first:c.start // B])
         cache.loads_done(out.loads, True)
+        for load in out.loads.host_loads:       # (the engine's _execute_loads, host part)
+            ok = host.load(load)
+            assert cache.host_loaded(load, ok) is None      # a marker: published at once, nothing to copy
+            if not ok:
+                sched.rollback(load.seq, out)
+            else:
+                node = local.trie.match(load.seq.token_ids, cache.hashes(load.seq))[load.boundary // B - 1]
+                assert node.checkpoint_slot is not None and ready(node)
+                host_restores.append(load.boundary)
         cache.saves_done(sched.computed(out), rng.random() > 0.1)
         for c in out.chunks:
             seq = c.seq
@@ -231,6 +246,21 @@ def test_window_rows_need_state_and_a_window():
     with pytest.raises(RuntimeError, match='keeps no markers'):
         LocalTier(BlockManager(8), B, StateCache(1, 2), window_pool=BlockManager(4), window=24).save_marker(
             None, None, 16)
+
+
+def test_a_restore_is_kept_as_what_the_tier_keeps_and_a_host_tier_without_state_holds_none():
+    """A marker tier keeps a host or Store restore with ``restored_marker`` (``cache_restored``
+    copies a state it has not), a checkpoint tier the reverse; a host tier for a model without
+    state refuses a state size, naming it."""
+    from lmdeploy.pytorch.prefix_cache.host_tier import HostTier
+    markers = LocalTier(BlockManager(8), B, StateCache(0, 2), window_pool=BlockManager(4), window=24, markers=True)
+    with pytest.raises(RuntimeError, match='keeps a restore as a marker'):
+        markers.cache_restored(None, [], 16)
+    state = LocalTier(BlockManager(8), B, StateCache(1, 2), window_pool=BlockManager(4), window=24)
+    with pytest.raises(RuntimeError, match='keeps no markers'):
+        state.restored_marker(None, [], 16)
+    with pytest.raises(ValueError, match='state_bytes must be 0'):
+        HostTier(None, 1 << 20, B, 10, 1, has_state=False)
 
 
 def test_a_host_tier_keeps_the_window_pool_and_window_rows_of_demoted_checkpoints(tiny):

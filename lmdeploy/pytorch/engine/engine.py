@@ -206,12 +206,12 @@ class Engine:
                               window_pool=self.window_pool, window=groups[1].window if window_entries else None,
                               markers=markers)
             host = None
-            if config.host_cache_bytes and self.is_hybrid:
+            if config.host_cache_bytes and (self.is_hybrid or markers):     # (markers: an empty state entry)
                 from ..prefix_cache.host_tier import HostTier
                 host = HostTier(self.cache_engine, config.host_cache_bytes, cc.block_size, self.cache_engine.state_bytes,
                                 self.cache_engine.kv_block_bytes,
                                 getattr(self.cache_engine, 'window_block_bytes', 0) if window_entries else 0,
-                                groups[1].window if window_entries else None)
+                                groups[1].window if window_entries else None, has_state=self.is_hybrid)
             turn_end = cc.decode_save_last
             if turn_end and not self.model.decode_state_equals_prefill:
                 logger.warning('decode_save_last is ignored: %s computes generated tokens differently from prompt '
@@ -240,28 +240,22 @@ class Engine:
         """Whether a mixed model's window layers may keep a pool of their own: always with prefix
         caching off; with it on, when the local tier can keep their window rows (for a model with
         recurrent state, the windows of its checkpoints; without state, of its markers, zero-byte
-        checkpoints). A host tier or Store keeps them too for a model with state (global rows in KV
-        entries, window rows in window entries of each boundary's window), except under tensor
-        parallelism or a prefill/decode role (full-head payloads and hand-off objects hold one row of
-        every paged layer); a model without state keeps one shared table with either. Otherwise one
-        shared table keeps every block, said once in the log."""
+        checkpoints). A host tier or Store keeps them too (global rows in KV entries, window rows
+        in window entries of each boundary's window, and a state entry, empty without state),
+        except under tensor parallelism or a prefill/decode role (full-head payloads and hand-off
+        objects hold one row of every paged layer): then one shared table keeps every block, said
+        once in the log."""
         if not cc.enable_prefix_caching:
             return True
         sliding = [s for s in self.specs if isinstance(s, SlidingWindowSpec)]
         if not sliding or len(sliding) == len([s for s in self.specs if s.paged]):
             return True         # nothing to split (no window layer, or every paged layer slides)
         from ..store.open_backend import store_scheme
-        why = None
-        if not self.is_hybrid and (store_scheme(self.config) is not None or self.config.host_cache_bytes):
-            why = ('it has no recurrent state and a Store or host tier is configured (its markers are kept '
-                   'locally only)')
-        elif ((store_scheme(self.config) is not None or self.config.host_cache_bytes)
-              and (self.config.tp > 1 or self.config.role != 'both')):
-            why = ('a Store or host tier is configured with tp > 1 or a prefill/decode role (its payloads there '
-                   'hold every layer\'s rows per block)')
-        if why is not None:
+        if ((store_scheme(self.config) is not None or self.config.host_cache_bytes)
+                and (self.config.tp > 1 or self.config.role != 'both')):
             logger.info('%s with prefix caching: its sliding-window layers keep every block (one shared table), '
-                        'since %s', self.hf_config.model_type, why)
+                        'since a Store or host tier is configured with tp > 1 or a prefill/decode role (its payloads '
+                        'there hold every layer\'s rows per block)', self.hf_config.model_type)
             return False
         return True
 

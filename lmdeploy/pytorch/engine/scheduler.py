@@ -360,7 +360,7 @@ class Scheduler:
         ends of their own.
         """
         P = self.config.max_prefill_token_num
-        ends, saves, start, junction, head = [], [], cached, None, None
+        ends, saves, start, junction, head, local_only = [], [], cached, None, None, None
         turn = seq.num_prompt_tokens
         if self.is_hybrid and cached < turn:
             rules = ReuseRules(turn, self.block_size, self.config.prefill_save_alignment, seq.token_lookahead,
@@ -381,7 +381,7 @@ class Scheduler:
             # a forward ending at b, so the chunks stay plain. The Store's save points are the
             # default policy's (what the Store simulator charges); markers follow the policy and
             # add the prompt's last full block boundary that leaves a token to compute (where a
-            # repeated prompt restores)
+            # repeated prompt restores; a local marker only, never put to the Store)
             markers = self.prefix_cache.markers
             rules = ReuseRules(turn, self.block_size, self.config.prefill_save_alignment, seq.token_lookahead,
                                seq.recompute_blocks, tuple(seq.multimodal_spans))
@@ -390,9 +390,10 @@ class Scheduler:
             last = (turn - 1) // self.block_size * self.block_size
             if markers and last > cached and last not in saves:
                 saves.append(last)
+                local_only = last       # (a hybrid puts no checkpoint there: neither does this model)
         # chunks without saves (the rest of the input) still never split a multimodal span
         ends += plain_chunk_ends(start, seq.num_tokens, P, seq.token_lookahead, tuple(seq.multimodal_spans))
-        plan = PrefillPlan(ends, saves, cached, junction, head)
+        plan = PrefillPlan(ends, saves, cached, junction, head, local_only)
         if self.prefix_cache.decode_save_last:      # (never set for a model without state)
             plan = with_last_block_end(plan, self.block_size, seq.token_lookahead, tuple(seq.multimodal_spans))
         handoff = seq.handoff

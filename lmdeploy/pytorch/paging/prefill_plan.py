@@ -74,6 +74,9 @@ class PrefillPlan:
         junction: the save point added at a branch point (``save_junction``), or None.
         shared_head: the save point at the end of the request's shared head (its system prompt
             and tool definitions, :func:`shared_head_boundary`), or None.
+        local_only: a save point kept in this process only, never put to the Store: the marker a
+            model without state adds at its prompt's last full block boundary (a hybrid saves no
+            checkpoint there), or None.
     """
 
     chunk_ends: list[int]
@@ -81,6 +84,7 @@ class PrefillPlan:
     cached_tokens: int = 0
     junction: int | None = None
     shared_head: int | None = None
+    local_only: int | None = None
     _saves: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -54,14 +54,20 @@ restored sequence attaches the window blocks of its boundary's window
 (:attr:`PrefixMatch.window_blocks`); a host or Store restore of such a model loads the rows of its
 boundary's window into fresh window-pool blocks (:attr:`PrefixMatch.window_first` on), and its
 saves carry the window table (:class:`~.plans.StorePut`). A model without state puts its prefixes
-to the Store too: at each save point b of the turn's default plan that a chunk passed (no forward
-needs to end there), the blocks b needs and an empty state object (a marker that they are all
-stored).
+to the Store too: at each save point b of the turn's plan that a chunk passed (no forward needs to
+end there), the blocks b needs (with window rows: the global rows below b and the window rows of
+b's window) and an empty state object (a marker that they are all stored). The plan is the default
+policy's, or with markers the turn's policy; the marker a stateless mixed model adds at its
+prompt's last block boundary (``PrefillPlan.local_only``) is not put, as a hybrid's prefill saves
+nothing there, but its turn-end marker is, as a hybrid's turn-end checkpoint.
 
 A model of global and sliding layers without state whose window layers keep a pool of their own
 (``local.markers``) publishes a zero-byte checkpoint, a *marker*, at each save point of its plan
 that a chunk passed (:meth:`LocalTier.save_marker <.local_tier.LocalTier.save_marker>`), right
-after that forward: there is nothing to copy. Markers count as checkpoints saved.
+after that forward: there is nothing to copy. Markers count as checkpoints saved. A host or Store
+restore of such a model is kept as a marker published at once (:meth:`PrefixCache.store_loaded`,
+:meth:`LocalTier.restored_marker <.local_tier.LocalTier.restored_marker>`), keeping the window rows
+the load wrote; its restores accept any block boundary, from every tier.
 """
 from __future__ import annotations
 
@@ -166,8 +172,9 @@ class PrefixCache:
         # their turn-end form: no forward needs to end at the boundary (nothing is copied), so
         # the scheduler's chunks stay as they are (``decode_save_last`` stays False for it)
         self.turn_end_markers = decode_save_last and local.markers
-        # turn-end checkpoints sit on block boundaries: restores then accept any block boundary
-        self.restore_alignment = block_size if self.decode_save_last else alignment
+        # turn-end checkpoints sit on block boundaries: restores then accept any block boundary;
+        # so do markers (a prompt's last block boundary), from the host tier or the Store too
+        self.restore_alignment = block_size if self.decode_save_last or self.markers else alignment
         self._hashes: dict[int, list[bytes]] = {}
         self._store_views: dict[int, _StoreView] = {}
         self._staging: dict[int, _Staging] = {}
@@ -333,7 +340,7 @@ class PrefixCache:
         if not ok:
             return None
         self._count(load.seq, load.boundary, 'host', load.matched_tokens)
-        return self.local.cache_restored(load.seq, self.hashes(load.seq), load.boundary)
+        return self._keep_restored(load.seq, load.boundary)
 
     def store_loaded(self, load: StoreLoad, ok: bool) -> tuple | None:
         """Book a Store load's result. On success count the hit (first admission only) and
@@ -352,7 +359,20 @@ class PrefixCache:
             seq.handoff.restored = load.boundary
             self.store.record_handoff(load.boundary)
             return None     # (an unaligned boundary: no trie node to keep it on)
-        return self.local.cache_restored(seq, self.hashes(seq), load.boundary)
+        return self._keep_restored(seq, load.boundary)
+
+    def _keep_restored(self, seq, boundary: int) -> tuple | None:
+        """Keep a host or Store restore of ``seq`` at ``boundary`` locally: a hybrid's as a
+        checkpoint the engine copies the restored state into (``(node, lease)``, then
+        :meth:`restored_kept`); a marker model's as a marker published now (nothing to copy: None)."""
+        if not self.markers:
+            return self.local.cache_restored(seq, self.hashes(seq), boundary)
+        saved = self.local.restored_marker(seq, self.hashes(seq), boundary)
+        if isinstance(saved, str):
+            self._skip(seq, saved)
+        else:
+            self._count_save('restored')
+        return None
 
     def restored_kept(self, node, lease, copied: bool) -> None:
         """Publish the local copy of a Store restore (or release it if the copy raised, or if
@@ -394,10 +414,12 @@ class PrefixCache:
                                                  self._window_table(seq, full)))
 
     def _plan_block_saves(self, chunk, saves: SavePlan) -> None:
-        """A model without state: cache the chunk's new full blocks, and put (or, with markers,
+        """A model without state: cache the chunk's new full blocks, and put (and, with markers,
         publish a marker at) each save point ``b`` the chunk passed (``start < b <= end``: its
         blocks are computed and, sliding or not, still held, since a sequence gives back only
-        blocks no query from ``start`` on reads)."""
+        blocks no query from ``start`` on reads). The plan's ``local_only`` point (the marker at
+        the prompt's last full block boundary) is not put: the Store gets what a hybrid's
+        prefill puts, the save points of the turn's policy."""
         seq, B = chunk.seq, self.block_size
         full = chunk.end // B
         if self.local.needs_extend(seq, full):
@@ -414,7 +436,7 @@ class PrefixCache:
                 continue
             if self.markers:
                 self._save_marker(seq, b)
-            if self.store is not None:
+            if self.store is not None and b != seq.plan.local_only:
                 saves.store_puts.append(StorePut(self.hashes(seq)[:b // B], seq.block_ids[:b // B], b, None,
                                                  self._window_table(seq, b // B)))
 
@@ -495,11 +517,16 @@ class PrefixCache:
         the cut would hold text no next turn sends. With markers (a model without state), a
         turn-end marker at a boundary :meth:`LocalTier.stage_window` kept."""
         if self.turn_end_markers:
-            self._publish_turn_end_marker(seq)
+            self._publish_turn_end_marker(seq, saves)
             return
         self._publish_turn_end(seq, saves)
 
-    def _publish_turn_end_marker(self, seq) -> None:
+    def _publish_turn_end_marker(self, seq, saves: SavePlan) -> None:
+        """Publish ``seq``'s turn-end marker and plan its Store put, as a hybrid puts its turn-end
+        checkpoint: also where the turn's own local-only marker (the prompt's last block boundary,
+        which a hybrid's prefill does not save) already is, never at or below the restored prefix.
+        The Store tier skips the put when ``seq`` gave back a window block it reads (a decode past
+        the boundary's window), as a hybrid's."""
         tokens = seq.num_computed_tokens
         if seq.num_kept_tokens is not None:
             tokens = min(tokens, seq.num_kept_tokens)
@@ -508,12 +535,19 @@ class PrefixCache:
             return
         node = self.local.extend(seq, self.hashes(seq), boundary // self.block_size)
         saved = self.local.save_marker(seq, node, boundary, 'turn_end', True)
+        plan = seq.plan
+        put = (self.store is not None and plan is not None and boundary > plan.cached_tokens
+               and (not isinstance(saved, str) or (saved == 'exists' and boundary == plan.local_only)))
         if isinstance(saved, str):
             self._skip(seq, saved)
-            return
-        seq.stats.turn_end_point = boundary
-        self.counters['turn_end_checkpoints_saved'] += 1
-        self._count_save('turn_end')
+        else:
+            seq.stats.turn_end_point = boundary
+            self.counters['turn_end_checkpoints_saved'] += 1
+            self._count_save('turn_end')
+        if put:
+            full = boundary // self.block_size
+            saves.store_puts.append(StorePut(self.hashes(seq)[:full], seq.block_ids[:full], boundary, None,
+                                             self._window_table(seq, full)))
 
     def _publish_turn_end(self, seq, saves: SavePlan) -> bool:
         """Publish ``seq``'s turn-end checkpoint; True when its Store put is planned."""

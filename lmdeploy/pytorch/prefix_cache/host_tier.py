@@ -24,6 +24,12 @@ window W): a ``kv`` entry holds the global layers' row of a block, and a prefix 
 b/B)`` its window reads (the window blocks the device trie kept for the evicted checkpoint; a
 checkpoint whose window rows the device no longer holds is not kept). A load writes them into the
 window-pool blocks the admission gave the sequence.
+
+Markers (``has_state=False``: a mixed model without recurrent state whose window layers keep their
+own pool, so its device tier publishes markers, zero-byte checkpoints): a marker the device evicts
+is demoted as a checkpoint is, with an empty ``state`` entry (0 bytes: nothing read or written), the
+marker that the prefix's ``kv`` and ``window`` entries are held; a load writes no state, and the
+device keeps the promoted prefix as a marker again.
 """
 from __future__ import annotations
 
@@ -57,12 +63,20 @@ class HostTier:
         window_block_bytes: K_win, bytes of a window entry (with ``window_rows``).
         window_rows: the window (tokens) of a sliding-window group with a pool of its own, or None
             (module docstring).
+        has_state: False for a model without recurrent state (markers, module docstring): its
+            state entries are empty and ``state_bytes`` must be 0.
+
+    Raises:
+        ValueError: ``has_state`` False with ``state_bytes`` not 0.
     """
 
     name = 'host'
 
     def __init__(self, cache_engine, capacity_bytes: int, block_size: int, state_bytes: int, kv_block_bytes: int,
-                 window_block_bytes: int = 0, window_rows: int | None = None):
+                 window_block_bytes: int = 0, window_rows: int | None = None, has_state: bool = True):
+        if not has_state and state_bytes:
+            raise ValueError(f'state_bytes must be 0 for a model without state (has_state=False), got {state_bytes}')
+        self.has_state = has_state
         self.cache_engine = cache_engine
         self.window_block_bytes, self.window_rows = window_block_bytes, window_rows or None
         self.capacity_bytes = capacity_bytes
@@ -162,7 +176,7 @@ class HostTier:
         wpayloads = eng.read_window_blocks([window_ids[i] for i in wmissing]) if eng is not None and wmissing else None
         for j, i in enumerate(wmissing):
             self._put(('window', hashes[i]), wpayloads[j] if wpayloads is not None else None)
-        self._put(('state', hashes[-1]), eng.read_state(put.slot) if eng is not None else None)
+        self._put(('state', hashes[-1]), eng.read_state(put.slot) if eng is not None and self.has_state else None)
         self.counters['host_demotions'] += 1
 
     # restore --------------------------------------------------------------------------------
@@ -208,7 +222,7 @@ class HostTier:
             if eng is not None:
                 eng.write_window_block(load.window_block_ids[i], self._entries[key])
             self._entries.move_to_end(key)
-        if eng is not None:
+        if eng is not None and self.has_state:
             eng.write_state(load.slot, self._entries[state_key])
         self._entries.move_to_end(state_key)
         self.counters['host_promotions'] += 1

@@ -55,7 +55,9 @@ state bytes and no copy) where a hybrid model would publish a checkpoint: at the
 its turn's plan and at its prompt's last full block boundary that leaves a token to compute
 (:meth:`LocalTier.save_marker`). A marker keeps the window blocks its window reads, exactly as a
 checkpoint does, so the window rows, their release, ``evict_window``, pins and the ledger work
-unchanged. A match then offers the deepest block boundary ``b`` on the matched path whose window
+unchanged; a host or Store restore becomes a marker at once (:meth:`LocalTier.restored_marker`, the
+markers' form of :meth:`LocalTier.cache_restored`: nothing to copy), keeping the window rows the load wrote.
+A match then offers the deepest block boundary ``b`` on the matched path whose window
 blocks (depths ``(window_first_block(b), b / B]``) are all held, a marker's boundary or not
 (:meth:`LocalTier.match`); a boundary whose window reads a missing block is never offered::
 
@@ -597,7 +599,14 @@ class LocalTier:
         """Keep a Store restore locally: insert its blocks and reserve a pinned checkpoint slot
         for the restored state; returns ``(node, lease)`` (``lease.slot``: the slot to copy into
         and publish), or None. With window rows the trie's nodes keep the window blocks the load
-        wrote (the sequence's window-group table), as for a planned checkpoint save."""
+        wrote (the sequence's window-group table), as for a planned checkpoint save.
+
+        Raises:
+            RuntimeError: this tier keeps markers (a model without state keeps a restore with
+                :meth:`restored_marker`: there is no state to copy).
+        """
+        if self.markers:
+            raise RuntimeError('cache_restored: a model without state keeps a restore as a marker (restored_marker)')
         nodes = self.trie.insert(seq.token_ids, seq.block_ids, boundary // self.block_size, hashes)
         if len(nodes) != boundary // self.block_size or nodes[-1].checkpoint_slot is not None:
             return None
@@ -608,6 +617,35 @@ class LocalTier:
             self._window_pending[dst] = nodes[-1]
             self.keep_window(seq, nodes[-1])
         return nodes[-1], self.pins.take(dst, 'store_keep', seq.seq_id)
+
+    def restored_marker(self, seq, hashes: list[bytes], boundary: int) -> CheckpointStats | str:
+        """Keep a host or Store restore of a model without state locally: insert its ``boundary /
+        B`` blocks into the trie and publish a marker at ``boundary`` now, as :meth:`cache_restored`
+        keeps a hybrid's restore as a checkpoint. Nothing is copied: the load wrote the global rows
+        into ``seq``'s blocks and the rows of ``boundary``'s window into fresh window-pool blocks of
+        ``seq``'s window table, which the marker keeps as its window rows (:meth:`keep_window`), so
+        they are given back and evicted as a saved marker's are.
+
+        Returns:
+            The published marker's :class:`~.eviction.CheckpointStats` (reason ``'restored'``), or
+            why none was: ``'hash_collision'`` (the blocks did not all enter the trie), ``'exists'``
+            (a marker is there already: it keeps the loaded window rows it lacked), or
+            :meth:`save_marker`'s other reasons.
+
+        Raises:
+            RuntimeError: this tier keeps no markers.
+        """
+        if not self.markers:
+            raise RuntimeError('restored_marker: this tier keeps no markers (a model with state keeps a checkpoint)')
+        nodes = self.trie.insert(seq.token_ids, seq.block_ids, boundary // self.block_size, hashes)
+        if len(nodes) != boundary // self.block_size or not nodes:
+            return 'hash_collision'
+        if nodes[-1].checkpoint_slot is not None:
+            # a marker whose window rows went missing (so no local restore was offered): the rows
+            # the load wrote make it restorable again
+            self.keep_window(seq, nodes[-1])
+            return 'exists'
+        return self.save_marker(seq, nodes[-1], boundary, 'restored')
 
     def release(self, seq, hashes: list[bytes], num_computed_blocks: int) -> None:
         """``seq`` leaves (finish, abort, preemption): cache its computed full blocks first."""
