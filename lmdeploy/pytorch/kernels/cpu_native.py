@@ -185,11 +185,15 @@ def host_native_rows(vendor: str | None = None, mkl: bool | None = None) -> rang
     1-24 rows everywhere; 1-64 on an x86 host that is not Intel's (``vendor_id`` neither empty
     nor ``GenuineIntel``) when torch's BLAS is MKL: MKL picks its code path by CPU vendor, and on
     the AMD EPYC benchmark host its sgemm of 25-64 rows is the slow one (30 weights of
-    3088 x 1024 float32, 2 threads, ms, MKL in its faster orientation / native)::
+    3088 x 1024 float32, 2 threads, best of 5 interleaved, load ~3, ms; MKL in the orientation
+    :func:`~.linear.linear` uses)::
 
-        rows    24        32        48        64        128
-        MKL     37        57        101       124       155
-        native  40        54        76        86        168
+        rows    24    32    40    48    64    96    128 (another run)
+        MKL     49    52    66    92   113   147    155
+        native  40    46    54    64    84   135    168
+
+    (from 128 rows MKL's packed GEMM is ahead, so longer prefill chunks keep it; 65-127 rows
+    were not measured finely enough to move the bound)
 
     while on the 2-core Intel host of the module docstring native was ~9 % slower than MKL at 32
     rows. A property of the machine, read once, never a timing: two processes on one host must
