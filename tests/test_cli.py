@@ -165,7 +165,7 @@ def test_serve_store_with_a_host_it_cannot_bind_exits_2_naming_it(capsys):
         main(['serve', 'store', '--host', '256.1.1.1'])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "host '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
+    assert "host (--host) '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
 
 
 @pytest.mark.parametrize('flag', ['--master-port', '--metadata-port', '--metrics-port'])
@@ -257,6 +257,41 @@ def test_cuda_device_without_cuda_names_the_field(tiny_qwen3, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert 'device_type (--device-type) is cuda' in err and 'Traceback' not in err, err
+
+
+def test_an_unusable_file_store_folder_names_the_flag(tiny_qwen3_next, tmp_path, capsys):
+    """A check the engine makes once the model is loaded knows only its config's field names:
+    the command line adds the flag the user typed (here a `file:` Store folder that is a file)."""
+    not_a_folder = tmp_path / 'store'
+    not_a_folder.write_text('')
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', tiny_qwen3_next, '--server-name', '127.0.0.1', '--server-port', '0',
+              '--enable-prefix-caching', '--store-backend', f'file:{not_a_folder}'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lmdeploy: error: store_backend (--store-backend) folder '{not_a_folder}' cannot be used: "
+                          '[Errno 20] Not a directory'), err
+    assert 'Traceback' not in err
+
+
+@pytest.mark.parametrize('message, shown', [
+    ("store_backend folder '/x' cannot be used", "store_backend (--store-backend) folder '/x' cannot be used"),
+    ('enable_prefix_caching is needed', 'enable_prefix_caching (--enable-prefix-caching) is needed'),
+    ('device_type (--device-type) is cuda', 'device_type (--device-type) is cuda'),   # names it already
+    ('block_size must be 16 (--block-size)', 'block_size must be 16 (--block-size)'),
+    ('speculative_config (--speculative-ngram-min): 5 > 4', 'speculative_config (--speculative-ngram-min): 5 > 4'),
+    ("model_path '/m' is not a model directory", "model_path '/m' is not a model directory"),   # positional
+    ('--a, --b: a and b disagree', '--a, --b: a and b disagree'),
+    ('no field here', 'no field here'),
+    ('master_port=5: in use', 'master_port=5: in use'),
+    ('block_size: must be > 0', 'block_size (--block-size): must be > 0'),
+    ('', ''),
+])
+def test_an_error_starting_with_a_field_gets_its_flag(message, shown):
+    from lmdeploy.cli.entrypoint import with_leading_flag
+    command = build_parser()._subparsers._group_actions[0].choices['serve']
+    command = command._subparsers._group_actions[0].choices['api_server']
+    assert with_leading_flag(command, message) == shown
 
 
 def test_missing_model_directory_exits_2(tmp_path, capsys):
