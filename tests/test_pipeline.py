@@ -3,6 +3,7 @@ and async deltas add up to the blocking result, stop strings cut the text before
 gets a clear error while the pipeline keeps serving, and aborted streams free every block."""
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -209,6 +210,33 @@ def test_a_model_directory_without_tokenizer_files_is_a_clear_error(tiny_qwen3, 
         (bare / name).unlink()
     with pytest.raises(ValueError, match='no tokenizer files'):
         pipeline(str(bare))
+
+
+@pytest.mark.parametrize('name, says', [
+    ('config.json', r"config\.json cannot be read as JSON: Expecting property name enclosed in double quotes"),
+    ('generation_config.json', r'generation_config\.json cannot be loaded'),
+    ('tokenizer_config.json', r'the tokenizer files .* cannot be loaded: JSONDecodeError'),
+    ('tokenizer.json', r'the tokenizer files .* cannot be loaded: Exception: EOF while parsing'),
+])
+@pytest.mark.parametrize('content', ['{', ''])
+def test_a_broken_json_file_of_the_model_is_a_value_error_naming_it(tiny_qwen3, tmp_path, name, says, content):
+    """A truncated JSON file in the model directory (an interrupted copy) is a ValueError naming
+    the directory and the file: transformers / tokenizers raised an OSError or a bare Exception,
+    which reached the command line as a traceback with exit status 1."""
+    import shutil
+    broken = tmp_path / 'broken'
+    shutil.copytree(tiny_qwen3, broken)
+    (broken / name).write_text(content)
+    if content == '':
+        says = says.split(' cannot ')[0]        # the parser's words differ for an empty file
+    with pytest.raises(ValueError, match=f"model_path '{re.escape(str(broken))}': {says}"):
+        pipeline(str(broken))
+
+
+def test_a_config_json_that_is_not_an_object_is_a_value_error(tmp_path):
+    (tmp_path / 'config.json').write_text('[1]')
+    with pytest.raises(ValueError, match='config.json must hold a JSON object, got list'):
+        pipeline(str(tmp_path))
 
 
 def test_pipeline_arguments_it_does_not_take_are_a_value_error_naming_them(tiny_qwen3):

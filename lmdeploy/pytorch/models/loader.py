@@ -24,6 +24,7 @@ The walk, the same on every rank::
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -53,13 +54,29 @@ def load_config(model_path: str):
     """The model's ``transformers`` config.
 
     Raises:
-        ValueError: ``model_path`` is not a directory holding ``config.json``.
+        ValueError: ``model_path`` is not a directory holding ``config.json``, or its
+            ``config.json`` is not a JSON object ``transformers`` can read (the message names the
+            file and the reason).
     """
-    if not os.path.isdir(model_path) or not os.path.isfile(os.path.join(model_path, 'config.json')):
+    path = os.path.join(model_path, 'config.json')
+    if not os.path.isdir(model_path) or not os.path.isfile(path):
         raise ValueError(f'model_path {model_path!r} is not a local Hugging Face model directory '
                          '(no config.json); nothing is downloaded')
+    # parsed here first: transformers answers a broken file with an OSError (a traceback at the
+    # command line) that does not say where in the file it broke
+    try:
+        with open(path, 'rb') as f:
+            parsed = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f'model_path {model_path!r}: config.json cannot be read as JSON: {err}') from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f'model_path {model_path!r}: config.json must hold a JSON object, '
+                         f'got {type(parsed).__name__}')
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model_path, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(model_path, local_files_only=True)
+    except OSError as err:
+        raise ValueError(f'model_path {model_path!r}: config.json cannot be loaded: {err}') from None
 
 
 def resolve_dtype(dtype: str, config) -> torch.dtype:
