@@ -233,6 +233,54 @@ def test_a_broken_json_file_of_the_model_is_a_value_error_naming_it(tiny_qwen3, 
         pipeline(str(broken))
 
 
+def test_a_truncated_weight_file_is_a_value_error_naming_it(tiny_qwen3, tmp_path):
+    """A weight file cut anywhere (in its length prefix, its header or its data: an interrupted
+    copy) is refused when opened, naming the file; safetensors raised its own SafetensorError,
+    a traceback with exit status 1 at the command line."""
+    import os
+    import shutil
+
+    from lmdeploy.pytorch.models.checkpoint_files import open_safetensors
+    src = os.path.join(tiny_qwen3, 'model.safetensors')
+    size = os.path.getsize(src)
+    with open(src, 'rb') as f:
+        data = f.read()
+    header_end = 8 + int.from_bytes(data[:8], 'little')
+    cut = tmp_path / 'cut.safetensors'
+    for length in sorted({0, 4, 8, 9, header_end // 2, header_end - 1, header_end, header_end + 1, size // 2,
+                          size - 1}):
+        cut.write_bytes(data[:length])
+        with pytest.raises(ValueError, match=f"weight file '{re.escape(str(cut))}' cannot be read as safetensors: "
+                                             'SafetensorError: '):
+            with open_safetensors(str(cut)):
+                pass
+    broken = tmp_path / 'broken'
+    shutil.copytree(tiny_qwen3, broken)
+    with open(broken / 'model.safetensors', 'r+b') as f:
+        f.truncate(size // 2)
+    with pytest.raises(ValueError, match="weight file .*model.safetensors' cannot be read as safetensors"):
+        pipeline(str(broken))
+
+
+@pytest.mark.parametrize('index', ['{', '{}', '{"weight_map": []}'])
+def test_an_unreadable_shard_index_is_a_value_error_naming_it(tmp_path, index):
+    from lmdeploy.pytorch.models.checkpoint_files import weight_files
+    (tmp_path / 'model.safetensors.index.json').write_text(index)
+    with pytest.raises(ValueError, match='model.safetensors.index.json has no readable "weight_map"'):
+        weight_files(str(tmp_path))
+
+
+def test_a_config_json_its_own_class_refuses_is_a_value_error(tiny_qwen3, tmp_path):
+    """transformers' config validation (here: layer_types shorter than num_hidden_layers) raises
+    huggingface_hub's validation error, an Exception but not a ValueError."""
+    with open(f'{tiny_qwen3}/config.json') as f:
+        config = json.load(f)
+    config['layer_types'] = ['full_attention']
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json cannot be loaded: .*num_hidden_layers"):
+        pipeline(str(tmp_path))
+
+
 def test_a_config_json_that_is_not_an_object_is_a_value_error(tmp_path):
     (tmp_path / 'config.json').write_text('[1]')
     with pytest.raises(ValueError, match='config.json must hold a JSON object, got list'):
