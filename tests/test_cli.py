@@ -345,6 +345,19 @@ def test_make_tiny_model_subcommand(tmp_path, capsys):
     assert exc.value.code == 2 and '--mtp' in capsys.readouterr().err
 
 
+def test_make_tiny_model_into_a_path_it_cannot_write_exits_2_naming_it(tmp_path, capsys):
+    """An out_dir that is a file, or lies under one, is a one-line error naming out_dir (it was
+    a FileExistsError / NotADirectoryError traceback)."""
+    a_file = tmp_path / 'f'
+    a_file.write_text('')
+    for out, says in [(a_file, 'exists and is not a directory'),
+                      (a_file / 'sub', 'cannot be written: [Errno 20] Not a directory')]:
+        with pytest.raises(SystemExit) as exc:
+            main(['make-tiny-model', str(out), '--arch', 'qwen3'])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.startswith(f"lmdeploy: error: out_dir '{out}' {says}")
+
+
 def test_chat_subprocess_streams_replies_with_history(tiny_qwen3):
     from lmdeploy.serve.pipeline import Pipeline
     gen = GenerationConfig(max_new_tokens=6)
