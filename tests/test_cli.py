@@ -168,6 +168,17 @@ def test_serve_store_with_a_host_it_cannot_bind_exits_2_naming_it(capsys):
     assert "host (--host) '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
 
 
+def test_serve_store_with_a_log_dir_it_cannot_create_exits_2_naming_it(tmp_path, capsys):
+    a_file = tmp_path / 'f'
+    a_file.write_text('')
+    for log_dir in (a_file, a_file / 'sub'):
+        with pytest.raises(SystemExit) as exc:
+            main(['serve', 'store', '--host', '127.0.0.1', '--log-dir', str(log_dir)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"lmdeploy: error: log_dir (--log-dir) '{log_dir}' cannot be created: [Errno "), err
+
+
 @pytest.mark.parametrize('flag', ['--master-port', '--metadata-port', '--metrics-port'])
 def test_serve_store_port_flags_refuse_non_ports_naming_the_flag(flag, capsys):
     with pytest.raises(SystemExit) as exc:
