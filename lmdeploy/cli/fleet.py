@@ -16,6 +16,7 @@ until SIGINT / SIGTERM, then stops the router, the replicas (gracefully) and the
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -94,6 +95,28 @@ def _text(value) -> str:
     return str(value)
 
 
+def _check_creatable(path: Path) -> None:
+    """Refuse a ``--fleet-log-dir`` that cannot be a folder, without creating anything (a refused
+    command line leaves no folder behind): one that is a file, or whose nearest existing parent
+    is a file or not writable.
+
+    Raises:
+        ValueError: names ``fleet_log_dir (--fleet-log-dir)``, the path and the reason.
+    """
+    what = f'fleet_log_dir (--fleet-log-dir) {str(path)!r}'
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f'{what} exists and is not a directory')
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f'{what} cannot be created: {str(parent)!r} is not a directory')
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f'{what} cannot be created: {str(parent)!r} is not writable')
+
+
 def run_fleet(args: argparse.Namespace) -> int:
     """Start the fleet for parsed ``args``, serve until SIGINT / SIGTERM, stop it.
 
@@ -101,14 +124,16 @@ def run_fleet(args: argparse.Namespace) -> int:
         0 after a signal stopped the fleet; 1 when a process did not start or the router exited.
 
     Raises:
-        ValueError: an unknown router policy, a router that is not installed, or a port in use
-            (the message names the field).
+        ValueError: an unknown router policy, a router that is not installed, a port in use, or
+            a ``--fleet-log-dir`` that cannot be a folder (the message names the field).
     """
     from ..serve.fleet import Fleet, SharedStore
     parser = args._command_parser
     if not hasattr(args, 'enable_prefix_caching'):
         args.enable_prefix_caching = True
     log_dir = Path(args.fleet_log_dir) if args.fleet_log_dir else None
+    if log_dir is not None:
+        _check_creatable(log_dir)
     fleet = Fleet(args.model_path, [], replicas=args.replicas, host=args.server_name, port=args.server_port,
                   replica_ports=args.replica_ports, router=args.router, policy=args.router_policy,
                   router_args=args.router_args, log_dir=str(log_dir) if log_dir else None,
