@@ -16,14 +16,13 @@ until SIGINT / SIGTERM, then stops the router, the replicas (gracefully) and the
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import signal
 import sys
 import time
 from pathlib import Path
 
-from .utils import int_at_least, port_number
+from .utils import check_creatable_dir, int_at_least, port_number
 
 __all__ = ['add_parser', 'run_fleet', 'replica_flags']
 
@@ -95,27 +94,6 @@ def _text(value) -> str:
     return str(value)
 
 
-def _check_creatable(path: Path) -> None:
-    """Refuse a ``--fleet-log-dir`` that cannot be a folder, without creating anything (a refused
-    command line leaves no folder behind): one that is a file, or whose nearest existing parent
-    is a file or not writable.
-
-    Raises:
-        ValueError: names ``fleet_log_dir (--fleet-log-dir)``, the path and the reason.
-    """
-    what = f'fleet_log_dir (--fleet-log-dir) {str(path)!r}'
-    if path.exists():
-        if not path.is_dir():
-            raise ValueError(f'{what} exists and is not a directory')
-        return
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f'{what} cannot be created: {str(parent)!r} is not a directory')
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f'{what} cannot be created: {str(parent)!r} is not writable')
-
 
 def run_fleet(args: argparse.Namespace) -> int:
     """Start the fleet for parsed ``args``, serve until SIGINT / SIGTERM, stop it.
@@ -133,7 +111,7 @@ def run_fleet(args: argparse.Namespace) -> int:
         args.enable_prefix_caching = True
     log_dir = Path(args.fleet_log_dir) if args.fleet_log_dir else None
     if log_dir is not None:
-        _check_creatable(log_dir)
+        check_creatable_dir(log_dir, 'fleet_log_dir (--fleet-log-dir)')
     fleet = Fleet(args.model_path, [], replicas=args.replicas, host=args.server_name, port=args.server_port,
                   replica_ports=args.replica_ports, router=args.router, policy=args.router_policy,
                   router_args=args.router_args, log_dir=str(log_dir) if log_dir else None,

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 
-from .utils import port_number
+from .utils import check_creatable_dir, port_number
 
 __all__ = ['add_parser', 'run_store']
 
@@ -65,11 +65,8 @@ def run_store(args: argparse.Namespace) -> int:
     import tempfile
 
     from ..pytorch.store.services import MooncakeServices
-    if args.log_dir:    # checked before any service starts: a folder under a file, or no permission
-        try:
-            os.makedirs(args.log_dir, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f'log_dir (--log-dir) {args.log_dir!r} cannot be created: {err}') from None
+    if args.log_dir:    # checked before any service starts: a file, a path under one, no permission
+        check_creatable_dir(args.log_dir, 'log_dir (--log-dir)')
     log_dir = args.log_dir or tempfile.mkdtemp(prefix='lmdeploy-store-')
     os.environ.setdefault('MC_TCP_BIND_ADDRESS', args.host)
     services = MooncakeServices(args.segment_size, host=args.host, log_dir=log_dir, keep_logs=True,
