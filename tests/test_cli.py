@@ -165,7 +165,19 @@ def test_serve_store_with_a_host_it_cannot_bind_exits_2_naming_it(capsys):
         main(['serve', 'store', '--host', '256.1.1.1'])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "host '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
+    assert "host (--host) '256.1.1.1' cannot be bound" in err and 'Traceback' not in err, err
+
+
+def test_serve_store_with_a_log_dir_it_cannot_create_exits_2_naming_it(tmp_path, capsys):
+    a_file = tmp_path / 'f'
+    a_file.write_text('')
+    for log_dir, says in [(a_file, 'exists and is not a directory'),
+                          (a_file / 'sub', f"cannot be created: '{a_file}' is not a directory")]:
+        with pytest.raises(SystemExit) as exc:
+            main(['serve', 'store', '--host', '127.0.0.1', '--log-dir', str(log_dir)])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == f"lmdeploy: error: log_dir (--log-dir) '{log_dir}' {says}\n"
+    assert sorted(os.listdir(tmp_path)) == ['f']        # nothing was created
 
 
 @pytest.mark.parametrize('flag', ['--master-port', '--metadata-port', '--metrics-port'])
@@ -259,6 +271,41 @@ def test_cuda_device_without_cuda_names_the_field(tiny_qwen3, capsys):
     assert 'device_type (--device-type) is cuda' in err and 'Traceback' not in err, err
 
 
+def test_an_unusable_file_store_folder_names_the_flag(tiny_qwen3_next, tmp_path, capsys):
+    """A check the engine makes once the model is loaded knows only its config's field names:
+    the command line adds the flag the user typed (here a `file:` Store folder that is a file)."""
+    not_a_folder = tmp_path / 'store'
+    not_a_folder.write_text('')
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', tiny_qwen3_next, '--server-name', '127.0.0.1', '--server-port', '0',
+              '--enable-prefix-caching', '--store-backend', f'file:{not_a_folder}'])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lmdeploy: error: store_backend (--store-backend) folder '{not_a_folder}' cannot be used: "
+                          '[Errno 20] Not a directory'), err
+    assert 'Traceback' not in err
+
+
+@pytest.mark.parametrize('message, shown', [
+    ("store_backend folder '/x' cannot be used", "store_backend (--store-backend) folder '/x' cannot be used"),
+    ('enable_prefix_caching is needed', 'enable_prefix_caching (--enable-prefix-caching) is needed'),
+    ('device_type (--device-type) is cuda', 'device_type (--device-type) is cuda'),   # names it already
+    ('block_size must be 16 (--block-size)', 'block_size must be 16 (--block-size)'),
+    ('speculative_config (--speculative-ngram-min): 5 > 4', 'speculative_config (--speculative-ngram-min): 5 > 4'),
+    ("model_path '/m' is not a model directory", "model_path '/m' is not a model directory"),   # positional
+    ('--a, --b: a and b disagree', '--a, --b: a and b disagree'),
+    ('no field here', 'no field here'),
+    ('master_port=5: in use', 'master_port=5: in use'),
+    ('block_size: must be > 0', 'block_size (--block-size): must be > 0'),
+    ('', ''),
+])
+def test_an_error_starting_with_a_field_gets_its_flag(message, shown):
+    from lmdeploy.cli.entrypoint import with_leading_flag
+    command = build_parser()._subparsers._group_actions[0].choices['serve']
+    command = command._subparsers._group_actions[0].choices['api_server']
+    assert with_leading_flag(command, message) == shown
+
+
 def test_missing_model_directory_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(['serve', 'api_server', str(tmp_path / 'nothing')])
@@ -308,6 +355,19 @@ def test_make_tiny_model_subcommand(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:        # an MTP head only exists for qwen3_next
         main(['make-tiny-model', str(tmp_path / 'v'), '--arch', 'qwen3_5', '--mtp'])
     assert exc.value.code == 2 and '--mtp' in capsys.readouterr().err
+
+
+def test_make_tiny_model_into_a_path_it_cannot_write_exits_2_naming_it(tmp_path, capsys):
+    """An out_dir that is a file, or lies under one, is a one-line error naming out_dir (it was
+    a FileExistsError / NotADirectoryError traceback)."""
+    a_file = tmp_path / 'f'
+    a_file.write_text('')
+    for out, says in [(a_file, 'exists and is not a directory'),
+                      (a_file / 'sub', 'cannot be written: [Errno 20] Not a directory')]:
+        with pytest.raises(SystemExit) as exc:
+            main(['make-tiny-model', str(out), '--arch', 'qwen3'])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.startswith(f"lmdeploy: error: out_dir '{out}' {says}")
 
 
 def test_chat_subprocess_streams_replies_with_history(tiny_qwen3):

@@ -147,3 +147,17 @@ def test_model_name_takes_several_names_as_peers_served_model_name(capsys):
     for bad in ([], [''], None):
         with pytest.raises(ValueError, match='model_name'):
             served_names(bad)
+
+
+def test_python_dash_m_lmdeploy_is_the_command():
+    """``python -m lmdeploy`` runs the same command as the console script (it was "No module named
+    lmdeploy.__main__"), exit code included, and its help imports no torch either."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    ok = subprocess.run([sys.executable, '-m', 'lmdeploy', '--help'], capture_output=True, text=True, env=env,
+                        timeout=60)
+    assert ok.returncode == 0 and ok.stdout.startswith('usage: lmdeploy '), ok.stderr
+    bad = subprocess.run([sys.executable, '-m', 'lmdeploy', 'serve', 'api_server', '/m', '--enable-prefix-cashing'],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr == ('lmdeploy serve api_server: error: unrecognized arguments: --enable-prefix-cashing '
+                          '(did you mean --enable-prefix-caching?)\nsee `lmdeploy serve api_server --help`\n')

@@ -273,3 +273,19 @@ def test_bad_fleet_arguments_are_refused(tiny_qwen3_next):
             main(['serve', 'fleet', tiny_qwen3_next, '--server-port', str(port)])
         assert exit_.value.code == 2
         assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith('lmdeploy-fleet')} <= made
+
+
+def test_a_fleet_log_dir_that_cannot_be_a_folder_is_refused_naming_it(tmp_path, capsys):
+    """A --fleet-log-dir that is a file, or lies under one, is a one-line error (it was a
+    FileExistsError traceback once replicas were being started); nothing is created."""
+    from lmdeploy.cli.entrypoint import main
+    a_file = tmp_path / 'f'
+    a_file.write_text('')
+    for log_dir, says in [(a_file, 'exists and is not a directory'),
+                          (a_file / 'sub' / 'x', f"cannot be created: '{a_file}' is not a directory")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(['serve', 'fleet', str(tmp_path / 'model'), '--replicas', '1', '--server-name', '127.0.0.1',
+                  '--server-port', '0', '--fleet-log-dir', str(log_dir)])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == f"lmdeploy: error: fleet_log_dir (--fleet-log-dir) '{log_dir}' {says}\n"
+    assert sorted(os.listdir(tmp_path)) == ['f']

@@ -3,6 +3,7 @@ and async deltas add up to the blocking result, stop strings cut the text before
 gets a clear error while the pipeline keeps serving, and aborted streams free every block."""
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -209,6 +210,81 @@ def test_a_model_directory_without_tokenizer_files_is_a_clear_error(tiny_qwen3, 
         (bare / name).unlink()
     with pytest.raises(ValueError, match='no tokenizer files'):
         pipeline(str(bare))
+
+
+@pytest.mark.parametrize('name, says', [
+    ('config.json', r"config\.json cannot be read as JSON: Expecting property name enclosed in double quotes"),
+    ('generation_config.json', r'generation_config\.json cannot be loaded'),
+    ('tokenizer_config.json', r'the tokenizer files .* cannot be loaded: JSONDecodeError'),
+    ('tokenizer.json', r'the tokenizer files .* cannot be loaded: Exception: EOF while parsing'),
+])
+@pytest.mark.parametrize('content', ['{', ''])
+def test_a_broken_json_file_of_the_model_is_a_value_error_naming_it(tiny_qwen3, tmp_path, name, says, content):
+    """A truncated JSON file in the model directory (an interrupted copy) is a ValueError naming
+    the directory and the file: transformers / tokenizers raised an OSError or a bare Exception,
+    which reached the command line as a traceback with exit status 1."""
+    import shutil
+    broken = tmp_path / 'broken'
+    shutil.copytree(tiny_qwen3, broken)
+    (broken / name).write_text(content)
+    if content == '':
+        says = says.split(' cannot ')[0]        # the parser's words differ for an empty file
+    with pytest.raises(ValueError, match=f"model_path '{re.escape(str(broken))}': {says}"):
+        pipeline(str(broken))
+
+
+def test_a_truncated_weight_file_is_a_value_error_naming_it(tiny_qwen3, tmp_path):
+    """A weight file cut anywhere (in its length prefix, its header or its data: an interrupted
+    copy) is refused when opened, naming the file; safetensors raised its own SafetensorError,
+    a traceback with exit status 1 at the command line."""
+    import os
+    import shutil
+
+    from lmdeploy.pytorch.models.checkpoint_files import open_safetensors
+    src = os.path.join(tiny_qwen3, 'model.safetensors')
+    size = os.path.getsize(src)
+    with open(src, 'rb') as f:
+        data = f.read()
+    header_end = 8 + int.from_bytes(data[:8], 'little')
+    cut = tmp_path / 'cut.safetensors'
+    for length in sorted({0, 4, 8, 9, header_end // 2, header_end - 1, header_end, header_end + 1, size // 2,
+                          size - 1}):
+        cut.write_bytes(data[:length])
+        with pytest.raises(ValueError, match=f"weight file '{re.escape(str(cut))}' cannot be read as safetensors: "
+                                             'SafetensorError: '):
+            with open_safetensors(str(cut)):
+                pass
+    broken = tmp_path / 'broken'
+    shutil.copytree(tiny_qwen3, broken)
+    with open(broken / 'model.safetensors', 'r+b') as f:
+        f.truncate(size // 2)
+    with pytest.raises(ValueError, match="weight file .*model.safetensors' cannot be read as safetensors"):
+        pipeline(str(broken))
+
+
+@pytest.mark.parametrize('index', ['{', '{}', '{"weight_map": []}'])
+def test_an_unreadable_shard_index_is_a_value_error_naming_it(tmp_path, index):
+    from lmdeploy.pytorch.models.checkpoint_files import weight_files
+    (tmp_path / 'model.safetensors.index.json').write_text(index)
+    with pytest.raises(ValueError, match='model.safetensors.index.json has no readable "weight_map"'):
+        weight_files(str(tmp_path))
+
+
+def test_a_config_json_its_own_class_refuses_is_a_value_error(tiny_qwen3, tmp_path):
+    """transformers' config validation (here: layer_types shorter than num_hidden_layers) raises
+    huggingface_hub's validation error, an Exception but not a ValueError."""
+    with open(f'{tiny_qwen3}/config.json') as f:
+        config = json.load(f)
+    config['layer_types'] = ['full_attention']
+    (tmp_path / 'config.json').write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json cannot be loaded: .*num_hidden_layers"):
+        pipeline(str(tmp_path))
+
+
+def test_a_config_json_that_is_not_an_object_is_a_value_error(tmp_path):
+    (tmp_path / 'config.json').write_text('[1]')
+    with pytest.raises(ValueError, match='config.json must hold a JSON object, got list'):
+        pipeline(str(tmp_path))
 
 
 def test_pipeline_arguments_it_does_not_take_are_a_value_error_naming_them(tiny_qwen3):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 
 __all__ = ['build_parser', 'main']
@@ -63,6 +64,24 @@ class _Parser(argparse.ArgumentParser):
             return True
         return (self.allow_abbrev and flag.startswith('--')
                 and len({known[o] for o in known if o.startswith(flag)}) == 1)
+
+
+def with_leading_flag(command: argparse.ArgumentParser, message: str) -> str:
+    """``message`` with the flag of the field it starts with added after the field's name, as a
+    command-line user typed the flag: ``store_backend folder '/x' cannot be used`` (an engine
+    check run once the model is loaded, which knows only its config's field names) becomes
+    ``store_backend (--store-backend) folder '/x' cannot be used``. Unchanged when the message
+    names that flag (or flags in parentheses right after the name) already, or does not start
+    with the name of one of ``command``'s optional flags (a positional such as ``model_path``
+    has no flag to add)."""
+    # the name as a word of the sentence (``name=value`` is left as it is written)
+    match = re.match(r'(\w+)(?=[ :]|$)', message)
+    if match is None or re.match(r' \(--', message[match.end():]):     # flags named after it already
+        return message
+    flags = [o for a in command._actions if a.dest == match.group(1) for o in a.option_strings if o.startswith('--')]
+    if not flags or any(re.search(rf'{re.escape(f)}(?![\w-])', message) for f in flags):
+        return message
+    return f'{match.group(1)} ({flags[0]}){message[match.end():]}'
 
 
 def _is_number(token: str) -> bool:
@@ -115,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except ValueError as err:       # configuration mistakes: say which field, no traceback
-        parser.exit(2, f'lmdeploy: error: {err}\n')
+        message = with_leading_flag(getattr(args, '_command_parser', parser), str(err))
+        parser.exit(2, f'lmdeploy: error: {message}\n')
     except StoreUnavailableError as err:
         parser.exit(1, f'lmdeploy: error: {err}\n')
     except KeyboardInterrupt:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .utils import int_at_least, port_number
+from .utils import check_creatable_dir, int_at_least, port_number
 
 __all__ = ['add_parser', 'run_fleet', 'replica_flags']
 
@@ -94,6 +94,7 @@ def _text(value) -> str:
     return str(value)
 
 
+
 def run_fleet(args: argparse.Namespace) -> int:
     """Start the fleet for parsed ``args``, serve until SIGINT / SIGTERM, stop it.
 
@@ -101,14 +102,16 @@ def run_fleet(args: argparse.Namespace) -> int:
         0 after a signal stopped the fleet; 1 when a process did not start or the router exited.
 
     Raises:
-        ValueError: an unknown router policy, a router that is not installed, or a port in use
-            (the message names the field).
+        ValueError: an unknown router policy, a router that is not installed, a port in use, or
+            a ``--fleet-log-dir`` that cannot be a folder (the message names the field).
     """
     from ..serve.fleet import Fleet, SharedStore
     parser = args._command_parser
     if not hasattr(args, 'enable_prefix_caching'):
         args.enable_prefix_caching = True
     log_dir = Path(args.fleet_log_dir) if args.fleet_log_dir else None
+    if log_dir is not None:
+        check_creatable_dir(log_dir, 'fleet_log_dir (--fleet-log-dir)')
     fleet = Fleet(args.model_path, [], replicas=args.replicas, host=args.server_name, port=args.server_port,
                   replica_ports=args.replica_ports, router=args.router, policy=args.router_policy,
                   router_args=args.router_args, log_dir=str(log_dir) if log_dir else None,

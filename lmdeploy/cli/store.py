@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 
-from .utils import port_number
+from .utils import check_creatable_dir, port_number
 
 __all__ = ['add_parser', 'run_store']
 
@@ -55,8 +55,9 @@ def run_store(args: argparse.Namespace) -> int:
         0 after a signal stopped the services.
 
     Raises:
-        ValueError: ``--segment-size`` below 16 MiB, a ``--host`` this machine cannot bind, or
-            a fixed port already in use (names the flag's field).
+        ValueError: ``--segment-size`` below 16 MiB, a ``--host`` this machine cannot bind, a
+            fixed port already in use, or a ``--log-dir`` that cannot be created (names the
+            flag's field).
 
     A Mooncake binary that is missing or a service that does not start is reported on stderr
     (quoting its log) with exit code 1.
@@ -64,6 +65,8 @@ def run_store(args: argparse.Namespace) -> int:
     import tempfile
 
     from ..pytorch.store.services import MooncakeServices
+    if args.log_dir:    # checked before any service starts: a file, a path under one, no permission
+        check_creatable_dir(args.log_dir, 'log_dir (--log-dir)')
     log_dir = args.log_dir or tempfile.mkdtemp(prefix='lmdeploy-store-')
     os.environ.setdefault('MC_TCP_BIND_ADDRESS', args.host)
     services = MooncakeServices(args.segment_size, host=args.host, log_dir=log_dir, keep_logs=True,

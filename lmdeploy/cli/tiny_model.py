@@ -24,8 +24,13 @@ def main(args: argparse.Namespace) -> str:
     """Run the command for parsed `args`; prints and returns the written directory.
 
     Raises:
-        ValueError: see :func:`~lmdeploy.tools.tiny_args.check_args`.
+        ValueError: see :func:`~lmdeploy.tools.tiny_args.check_args`; or ``out_dir`` cannot be
+            created or written (an OSError's reason: a path under a file, no permission, a full
+            disk).
     """
     check_args(args)
     from ..tools.make_tiny_model import write_from_args        # torch: only when a checkpoint is written
-    return write_from_args(args)
+    try:
+        return write_from_args(args)
+    except OSError as err:      # the command line answers a ValueError in one line, not a traceback
+        raise ValueError(f'out_dir {args.out_dir!r} cannot be written: {err}') from None

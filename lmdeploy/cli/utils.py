@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import types
 import typing
@@ -28,7 +29,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ValidationError
 
 __all__ = ['add_model_args', 'model_from_args', 'is_nested_model', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS',
-           'int_at_least', 'port_number', 'api_key']
+           'int_at_least', 'port_number', 'api_key', 'check_creatable_dir']
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 
@@ -221,3 +222,28 @@ def api_key(text: str) -> str:
     if any(c.isspace() for c in text):
         raise argparse.ArgumentTypeError('an API key must not contain whitespace')
     return text
+
+
+def check_creatable_dir(path, what: str) -> None:
+    """Refuse a folder flag's ``path`` that cannot be a folder, creating nothing (a refused command
+    line leaves nothing behind): one that exists and is not a directory, or whose nearest
+    existing parent is not a directory or not writable. ``what`` names it in the message, e.g.
+    ``'log_dir (--log-dir)'``.
+
+    Raises:
+        ValueError: ``what``, the path and the reason.
+    """
+    from pathlib import Path
+    path = Path(path)
+    what = f'{what} {str(path)!r}'
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f'{what} exists and is not a directory')
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f'{what} cannot be created: {str(parent)!r} is not a directory')
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f'{what} cannot be created: {str(parent)!r} is not writable')

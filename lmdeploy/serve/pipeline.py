@@ -209,7 +209,8 @@ class Pipeline:
     Pipelines may be built from several threads at once.
 
     Raises:
-        ValueError: bad path / unsupported model / bad config (names the field).
+        ValueError: bad path / unsupported model / bad config (names the field) / a model file
+            (config.json, generation_config.json, the tokenizer's) that cannot be loaded (names it).
     """
 
     def __init__(self, model_path: str, backend_config: PytorchEngineConfig | dict | None = None):
@@ -221,8 +222,13 @@ class Pipeline:
             self.engine.close()
             raise ValueError(f'{model_path} has no tokenizer files (one of {list(_TOKENIZER_FILES)}); copy them '
                              f'from the original checkpoint')
-        with _TRANSFORMERS_LOCK:        # resolves (imports) the tokenizer class
-            self.tokenizer = auto_tokenizer.from_pretrained(model_path, local_files_only=True)
+        try:
+            with _TRANSFORMERS_LOCK:        # resolves (imports) the tokenizer class
+                self.tokenizer = auto_tokenizer.from_pretrained(model_path, local_files_only=True)
+        except Exception as err:    # noqa: BLE001 - the tokenizers library raises a bare Exception for a broken file
+            self.engine.close()
+            raise ValueError(f'model_path {model_path!r}: the tokenizer files (tokenizer.json, tokenizer_config.json, '
+                             f'...) cannot be loaded: {type(err).__name__}: {err}') from None
         self.engine.requests.tokenizer = self.tokenizer      # the engine ends replies at stop strings itself
         self.model_path = model_path
         self.loop = EngineLoop(self.engine)

@@ -43,12 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse parsed `args` that cannot make a checkpoint, before torch is imported.
 
-    Raises ValueError when `out_dir` exists and is not empty, unless `args.force`, or for `--mtp`
-    with an architecture outside `MTP_ARCHS` and `NEXTN_ARCHS`.
+    Raises ValueError when `out_dir` exists and is not a directory, or is not empty unless
+    `args.force`, or for `--mtp` with an architecture outside `MTP_ARCHS` and `NEXTN_ARCHS`.
     """
     mtp = getattr(args, 'mtp', None)
     if mtp and args.arch not in MTP_ARCHS + NEXTN_ARCHS:
         raise ValueError(f'--mtp: only {", ".join(MTP_ARCHS + NEXTN_ARCHS)} checkpoints have an MTP head, '
                          f'not --arch {args.arch}')
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise ValueError(f'out_dir {args.out_dir!r} exists and is not a directory')
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir) and not getattr(args, 'force', False):
         raise ValueError(f'out_dir {args.out_dir!r} is not empty; pass --force to overwrite its checkpoint files')

@@ -76,10 +76,21 @@ def _eos_ids(model_path: str, config) -> frozenset[int]:
 
 
 def _generation_config(model_path: str):
+    """The model directory's ``generation_config.json`` (None when it has none).
+
+    Raises:
+        ValueError: the file is there but ``transformers`` cannot load it (not JSON, not an
+            object); the message names the directory, the file and the reason.
+    """
     if not os.path.isfile(os.path.join(model_path, 'generation_config.json')):
         return None
     from transformers import GenerationConfig as HFGenerationConfig
-    return HFGenerationConfig.from_pretrained(model_path, local_files_only=True)
+    try:
+        return HFGenerationConfig.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        # transformers answers a broken file with an OSError that would reach the command line
+        # as a traceback
+        raise ValueError(f'model_path {model_path!r}: generation_config.json cannot be loaded: {err}') from None
 
 
 class Engine:

@@ -222,10 +222,17 @@ def _tool_grammar_error(tool_format: str | None, schema_json: str) -> str | None
     try:
         _json_grammar(xgr, schema) if grammar_of is None else grammar_of(xgr, 'f', schema)
     except (RuntimeError, ValueError, TypeError) as err:
-        text = str(err).strip()
-        # xgrammar prefixes its C++ errors with "[hh:mm:ss] file.cc:line: "
-        return _LIBRARY_LOCATION.sub('', text.splitlines()[-1]) if text else type(err).__name__
+        return _library_reason(err)
     return None
+
+
+def _library_reason(err: Exception) -> str:
+    """The grammar library's reason for refusing a schema, as a client should read it: the last
+    line of ``err``, without the ``[hh:mm:ss] file.cc:line: `` prefix xgrammar puts on its C++
+    errors (a time and a path of the library's build tree tell a client nothing); the
+    exception's type name when it has no text."""
+    text = str(err).strip()
+    return _LIBRARY_LOCATION.sub('', text.splitlines()[-1]) if text else type(err).__name__
 
 
 class GrammarBackend:
@@ -283,8 +290,8 @@ class GrammarBackend:
             return self._compile_calls(spec)
         except (RuntimeError, ValueError, TypeError) as err:
             what = 'json_schema' if spec.type != 'tool_calls' else 'tools'
-            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise ValueError(f'{what}: the schema cannot be used for constrained decoding: {reason}') from None
+            raise ValueError(f'{what}: the schema cannot be used for constrained decoding: '
+                             f'{_library_reason(err)}') from None
 
     def _compile_calls(self, spec: StructuredOutput):
         """One call of any of ``spec.tools`` (``parallel_tool_calls`` False), or one or more

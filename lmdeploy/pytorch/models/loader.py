@@ -24,6 +24,7 @@ The walk, the same on every rank::
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -31,12 +32,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
 from . import get_model_class, mtp_head_class
-from .checkpoint_files import iter_safetensors, read_part, weight_files
+from .checkpoint_files import iter_safetensors, open_safetensors, read_part, weight_files
 from .config_audit import check_config
 from .quantization import SCALE_SUFFIX, Fp8Weights, keep_fp8_linears, parse_quantization_config
 
@@ -53,13 +53,32 @@ def load_config(model_path: str):
     """The model's ``transformers`` config.
 
     Raises:
-        ValueError: ``model_path`` is not a directory holding ``config.json``.
+        ValueError: ``model_path`` is not a directory holding ``config.json``, or its
+            ``config.json`` is not a JSON object ``transformers`` can read (the message names the
+            file and the reason).
     """
-    if not os.path.isdir(model_path) or not os.path.isfile(os.path.join(model_path, 'config.json')):
+    path = os.path.join(model_path, 'config.json')
+    if not os.path.isdir(model_path) or not os.path.isfile(path):
         raise ValueError(f'model_path {model_path!r} is not a local Hugging Face model directory '
                          '(no config.json); nothing is downloaded')
+    # parsed here first: transformers answers a broken file with an OSError (a traceback at the
+    # command line) that does not say where in the file it broke
+    try:
+        with open(path, 'rb') as f:
+            parsed = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f'model_path {model_path!r}: config.json cannot be read as JSON: {err}') from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f'model_path {model_path!r}: config.json must hold a JSON object, '
+                         f'got {type(parsed).__name__}')
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model_path, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(model_path, local_files_only=True)
+    except ValueError:      # transformers' own words (e.g. an unknown model_type) already say it
+        raise
+    except Exception as err:    # noqa: BLE001 - an OSError, or huggingface_hub's config validation error (an Exception)
+        reason = ' '.join(str(err).split())     # the validation error spans lines
+        raise ValueError(f'model_path {model_path!r}: config.json cannot be loaded: {reason}') from None
 
 
 def resolve_dtype(dtype: str, config) -> torch.dtype:
@@ -149,7 +168,7 @@ def iter_weights(model_path: str, layout, fp8: Fp8Weights | None = None,
     quantized = fp8.weight_names() if fp8 is not None else set()
     files = weight_files(model_path)
     for path in tqdm(files, desc='Loading weights', unit='file', disable=not progress or len(files) < 2):
-        with safe_open(path, framework='pt') as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 if (fp8 is not None and name.endswith(SCALE_SUFFIX)) or (select is not None and not select(name)) \
                         or not layout.reads(name):

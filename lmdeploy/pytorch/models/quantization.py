@@ -128,12 +128,10 @@ class Fp8Weights:
         Raises:
             ValueError: a scale whose weight the checkpoint lacks (names the scale).
         """
-        from safetensors import safe_open
-
-        from .checkpoint_files import weight_files
+        from .checkpoint_files import open_safetensors, weight_files
         scales, shapes = {}, {}
         for path in weight_files(model_path):
-            with safe_open(path, framework='pt') as f:
+            with open_safetensors(path) as f:
                 for name in f.keys():
                     if name.endswith(SCALE_SUFFIX):
                         scales[name] = f.get_tensor(name)
