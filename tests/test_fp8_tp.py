@@ -182,3 +182,11 @@ def test_the_mtp_head_under_tp_is_the_tp1_heads_slices(fp8_aligned):
     assert full.dtype == torch.float32
     assert torch.equal(torch.cat([m.layers[0].self_attn.o_proj.weight for m in parts], 1), full)
     assert torch.equal(parts[0].fc.weight, whole.fc.weight)
+
+
+def test_block_ranges_of_a_dimension_shorter_than_one_block():
+    """Every range of a q | k | v split of a 66-wide dimension lies in checkpoint block 0 (block
+    128): the rank's 33 columns are one local block whose scale is block 0's (hypothesis found
+    this split refused by the old rule, which asked every range to start on a block boundary)."""
+    assert block_ranges(Shard(1, ((0, 11), (22, 33), (44, 55))), (1, 66), (128, 128)) == ((0, 1),)
+    assert block_ranges(Shard(1, ((11, 22), (33, 44), (55, 66))), (1, 66), (128, 128)) is None

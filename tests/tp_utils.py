@@ -52,7 +52,7 @@ def record_safetensors_reads(monkeypatch) -> list[tuple[str, str]]:
         def get_tensor(self, name):
             reads.append((name, 'whole'))
             return self.f.get_tensor(name)
-    monkeypatch.setattr('lmdeploy.pytorch.models.loader.safe_open', Recording)
+    monkeypatch.setattr('lmdeploy.pytorch.models.checkpoint_files.safe_open', Recording)
     return reads
 
 

@@ -220,10 +220,13 @@ def block_ranges(shard, shape: tuple[int, ...], block: tuple[int, int]) -> tuple
     ``[..., N, K]`` quantized in ``block = (bn, bk)`` blocks, or None when the shard does not
     fall on block boundaries.
 
-    ``shard.ranges`` along ``shard.dim`` are concatenated; each must start on a block boundary,
-    and each but the last must span whole blocks (the last may end anywhere: a ragged last
-    block, as a checkpoint's own last block may be), so that the concatenation is again a block
-    grid whose every block is one checkpoint block. A leading (expert) dimension has no block.
+    ``shard.ranges`` along ``shard.dim`` are concatenated into the rank's local tensor, which is
+    again cut in blocks of ``b``; the shard fits when every local block starts on a checkpoint
+    block boundary and all its rows come from that one checkpoint block (so its scale is that
+    block's; a local block may end anywhere inside it: a ragged last block, or, when the whole
+    dimension is shorter than a block, several ranges that all lie in block 0). The scale ranges
+    are the checkpoint blocks of the local blocks, in order. A leading (expert) dimension has no
+    block. O(ranges + local blocks).
 
     Example: ``N = 384`` rows split over 3 ranks (128 rows each) → rank 1's scale rows
     ``((1, 2),)``; over 2 ranks (192 rows each) → None.
@@ -239,11 +242,28 @@ def block_ranges(shard, shape: tuple[int, ...], block: tuple[int, int]) -> tuple
         if ranges and ranges[-1][1] == lo:
             lo = ranges.pop()[0]
         ranges.append((lo, hi))
-    last = len(ranges) - 1
-    for i, (lo, hi) in enumerate(ranges):
-        if lo % b or hi > size or ((hi - lo) % b and i != last):
+    blocks, pos = [], 0                 # the checkpoint block of each local block; local rows so far
+    for lo, hi in ranges:
+        if hi > size:
             return None
-        out.append((lo // b, -(-hi // b)))
+        while lo < hi:
+            end = min(hi, lo + b - pos % b)     # this range's rows up to the next local block boundary
+            g = lo // b
+            if (end - 1) // b != g:
+                return None                 # the piece spans two checkpoint blocks
+            if pos % b == 0:
+                if lo % b:
+                    return None             # a local block starts inside a checkpoint block
+                blocks.append(g)
+            elif blocks[-1] != g:
+                return None                 # one local block mixes two checkpoint blocks
+            pos += end - lo
+            lo = end
+    for g in blocks:
+        if out and out[-1][1] == g:
+            out[-1] = (out[-1][0], g + 1)
+        else:
+            out.append((g, g + 1))
     return tuple(out)
 
 
