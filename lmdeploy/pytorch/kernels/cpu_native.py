@@ -56,10 +56,8 @@ first form against the widened blocks of the AVX-512 build, same weights, GB/s:
         native, 4 wide        17.1   15.1   13.6   12.0    8.0    4.9
         native, widened       20.2   18.7   17.6   15.5   10.6    7.0
 
-so :func:`~.linear.linear` uses it for 1-24 rows, and up to 64 rows on non-Intel x86 hosts
-where torch's BLAS is MKL, whose sgemm takes a slow path there (:data:`NATIVE_ROWS`, set by
-:func:`host_native_rows` from the CPU vendor; MKL keeps more rows). The rule
-is fixed per machine, not a timing taken when a process starts: a choice that could differ between two
+so :func:`~.linear.linear` uses it for 1-24 rows (:data:`NATIVE_ROWS`; MKL keeps more). The rule
+is fixed, not a timing taken when a process starts: a choice that could differ between two
 processes would change the float rounding between an engine and a fresh process restoring its
 state. On the Intel host this costs at most 9 % at 3 rows (the first form's figures above);
 on the AMD host it halves the time of a batch-1 product.
@@ -98,17 +96,15 @@ from ..config import cache_root
 from . import native_build
 
 __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
-           'FEW_ROWS', 'MKL_SLOW_ROWS', 'cpu_vendor', 'host_native_rows', 'NATIVE_EXPERT_TOKENS', 'delta_step_native',
+           'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
 
 logger = logging.getLogger('lmdeploy')
 
 # input rows for which linear() uses the native product (float32, CPU) whenever the library is
-# built: 1-24 on every host, up to 64 where MKL's sgemm takes its slow path (see the module
-# docstring and host_native_rows)
-FEW_ROWS = range(1, 25)
-MKL_SLOW_ROWS = range(1, 65)
+# built: a fixed rule on every host (see the module docstring)
+NATIVE_ROWS = range(1, 25)
 # tokens up to which a MoE layer runs the native experts kernel (decode steps; prefill chunks
 # have many rows per expert, where MKL's packed GEMM is the faster one)
 NATIVE_EXPERT_TOKENS = 64
@@ -163,56 +159,6 @@ def _candidate_folders():
             pass
         if _trusted_folder(path):
             yield path
-
-
-def cpu_vendor(path: str = '/proc/cpuinfo') -> str:
-    """The CPU vendor string of this host (``vendor_id`` of ``/proc/cpuinfo`` on x86 Linux, e.g.
-    ``'GenuineIntel'``, ``'AuthenticAMD'``, ``'HygonGenuine'``); ``''`` where the file or the
-    field is missing (other systems, ARM, which has no ``vendor_id`` line)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith('vendor_id'):
-                    return line.partition(':')[2].strip()
-    except OSError:
-        pass
-    return ''
-
-
-def host_native_rows(vendor: str | None = None, mkl: bool | None = None) -> range:
-    """Input row counts for which :func:`~.linear.linear` uses :func:`matmul_rows` on this host.
-
-    1-24 rows everywhere; 1-64 on an x86 host that is not Intel's (``vendor_id`` neither empty
-    nor ``GenuineIntel``) when torch's BLAS is MKL: MKL picks its code path by CPU vendor, and on
-    the AMD EPYC benchmark host its sgemm of 25-64 rows is the slow one (30 weights of
-    3088 x 1024 float32, 2 threads, best of 5 interleaved, load ~3, ms; MKL in the orientation
-    :func:`~.linear.linear` uses)::
-
-        rows    24    32    40    48    64    96    128 (another run)
-        MKL     49    52    66    92   113   147    155
-        native  40    46    54    64    84   135    168
-
-    (from 128 rows MKL's packed GEMM is ahead, so longer prefill chunks keep it; 65-127 rows
-    were not measured finely enough to move the bound)
-
-    while on the 2-core Intel host of the module docstring native was ~9 % slower than MKL at 32
-    rows. A property of the machine, read once, never a timing: two processes on one host must
-    pick the same kernel, so that they round alike.
-
-    Args:
-        vendor: the CPU vendor string; default :func:`cpu_vendor`.
-        mkl: whether torch's BLAS is MKL; default ``torch.backends.mkl.is_available()``.
-
-    Returns:
-        :data:`MKL_SLOW_ROWS` or :data:`FEW_ROWS`.
-    """
-    vendor = cpu_vendor() if vendor is None else vendor
-    mkl = torch.backends.mkl.is_available() if mkl is None else mkl
-    return MKL_SLOW_ROWS if mkl and vendor not in ('', 'GenuineIntel') else FEW_ROWS
-
-
-# the rule of this host, fixed when the module is imported
-NATIVE_ROWS = host_native_rows()
 
 
 def _cpu_flags() -> str:

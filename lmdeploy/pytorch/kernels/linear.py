@@ -30,17 +30,14 @@ streamed from memory, direct / transposed / mv, us)::
 
 (:data:`BF16_TRANSPOSED_ROWS`); longer inputs (prefill) keep the direct form (AMX tiles).
 
-float32 inputs of 1-24 rows on CPU (1-64 on non-Intel x86 hosts with MKL, where MKL's sgemm is
-slow: :data:`~.cpu_native.NATIVE_ROWS`, :func:`~.cpu_native.host_native_rows`) go to the native
-few-row product of :mod:`.cpu_native` whenever it is built, which reads each weight once for all rows
+float32 inputs of 1-24 rows on CPU (:data:`~.cpu_native.NATIVE_ROWS`) go to the native few-row
+product of :mod:`.cpu_native` whenever it is built, which reads each weight once for all rows
 (on a 2-core Intel host the whole dense projection set of a batch-16 step: 12.6 -> 11.7 ms; at 4
 rows 10.6 -> 7.5 ms; at 1-3 rows it matched MKL there, 6.5-7.5 ms against 6.5-6.9; on the 2-core
 AMD EPYC benchmark host MKL reads 17-18 GB/s for one row and 7-9 GB/s for two or three, the native
 product 26-35 GB/s: half the time of a batch-1 decode product). The rule is fixed per row count,
 not timed per process (two processes must round alike); the two MKL forms above remain for the
-other row counts and whenever the native library is absent. On the AMD EPYC benchmark host the
-native product also wins from 25 to 64 rows (a 32-token prompt's prefill: 32 rows), see
-:func:`~.cpu_native.host_native_rows`.
+other row counts and whenever the native library is absent.
 """
 from __future__ import annotations
 
@@ -66,10 +63,9 @@ def transposed_rows(in_features: int) -> range:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, computed by the native few-row product
-    (:func:`~.cpu_native.matmul_rows`, when built) for a float32 row count on CPU in
-    :data:`~.cpu_native.NATIVE_ROWS` (1-24, or 1-64 on non-Intel x86 with MKL), else as
-    ``(weight @ x^T)^T`` for skinny float32 or bfloat16 ``x`` on CPU (one bfloat16 row: ``torch.mv``).
+    """``F.linear(x, weight, bias)``, computed by the native few-row product for 1-24 float32 rows
+    on CPU (:func:`~.cpu_native.matmul_rows`, when built), else as ``(weight @ x^T)^T`` for skinny
+    float32 or bfloat16 ``x`` on CPU (one bfloat16 row: ``torch.mv``).
 
     Args:
         x: ``[..., K]``.
