@@ -328,3 +328,22 @@ def check_checkpoint_matches_transformers(model_path: str, hf_model) -> None:
     assert (got - hf_prompt_logits(hf_model, ids)).abs().max().item() <= TOL
     gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     assert make_engine(model_path, block_size=16).generate(ids, gen).output_ids == hf_greedy(hf_model, ids, 8)
+
+
+def check_host_window_entries(host, ce, prompts: list[list[int]], block_size: int, window: int) -> None:
+    """A mixed model's host tier holds window entries for exactly the windows of its state
+    entries (the blocks ``[window_first_block(b), b / B)`` of each boundary b with a state
+    entry, among the prompts' 12 first blocks), at least one state entry, and ``bytes_held``
+    equal to its entries' payload bytes (state, global rows, window rows)."""
+    from lmdeploy.pytorch.cache_specs import window_first_block
+    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
+    entries = {kind: {h for k, h in host._entries if k == kind} for kind in ('state', 'kv', 'window')}
+    want = set()
+    for p in prompts:
+        hashes = chain_block_hashes(p, block_size, 12)
+        for i, h in enumerate(hashes):
+            if h in entries['state']:
+                want.update(hashes[k] for k in range(window_first_block((i + 1) * block_size, window, block_size), i + 1))
+    assert entries['state'] and entries['window'] == want
+    assert host.bytes_held == (len(entries['state']) * ce.state_bytes + len(entries['kv']) * ce.kv_block_bytes
+                               + len(want) * ce.window_block_bytes)

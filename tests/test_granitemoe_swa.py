@@ -574,8 +574,7 @@ def test_a_host_tier_keeps_the_window_pool_and_markers_of_demoted_prefixes(tiny)
     blocks and the window rows of their windows only); the second a restores 192 tokens from the
     host tier, kept as a marker, and decodes what a cold engine decodes. Idle once both tiers
     are emptied."""
-    from engine_utils import assert_idle
-    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
+    from engine_utils import assert_idle, check_host_window_entries
     path, _ = tiny
     eng = make_engine(path, block_size=B, max_prefill_token_num=P, prefill_save_alignment=64,
                       enable_prefix_caching=True, host_cache_bytes=1 << 24, num_checkpoint_slots=2)
@@ -589,16 +588,7 @@ def test_a_host_tier_keeps_the_window_pool_and_markers_of_demoted_prefixes(tiny)
     cold = make_engine(path, block_size=B, max_prefill_token_num=P)
     assert first.output_ids == again.output_ids == cold.generate(a, gen).output_ids
     assert other.output_ids == cold.generate(b, gen).output_ids
-    entries = {kind: {h for k, h in host._entries if k == kind} for kind in ('state', 'kv', 'window')}
-    want = set()
-    for p in (a, b):
-        hashes = chain_block_hashes(p, B, 12)
-        for i, h in enumerate(hashes):
-            if h in entries['state']:
-                want.update(hashes[k] for k in range(window_first_block((i + 1) * B, W, B), i + 1))
-    assert entries['state'] and entries['window'] == want
-    ce = eng.cache_engine
-    assert host.bytes_held == len(entries['kv']) * ce.kv_block_bytes + len(want) * ce.window_block_bytes
+    check_host_window_entries(host, eng.cache_engine, [a, b], B, W)
     eng.prefix_cache.evict(10**6)
     host.evict(10**12)
     assert_idle(eng)

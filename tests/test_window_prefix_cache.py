@@ -25,7 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_utils import assert_idle, hf_greedy, make_engine, random_prompt, tiny_checkpoint_and_reference
+from engine_utils import (assert_idle, check_host_window_entries, hf_greedy, make_engine, random_prompt,
+                          tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig, PytorchEngineConfig
 from lmdeploy.pytorch.cache_specs import SlidingWindowSpec, kv_bytes_per_block, window_first_block
 from lmdeploy.pytorch.config import SchedulerConfig
@@ -269,7 +270,6 @@ def test_a_host_tier_keeps_the_window_pool_and_window_rows_of_demoted_checkpoint
     demote a's checkpoints to host memory, holding the global rows of their blocks and the window
     rows of only their windows' blocks; the second a restores 192 tokens from the host tier and
     decodes what a cold engine decodes. Idle once both tiers are emptied."""
-    from lmdeploy.pytorch.prefix_cache.block_trie import chain_block_hashes
     path, _ = tiny
     window = 40
     eng = make_engine(path, block_size=B, max_prefill_token_num=32, prefill_save_alignment=64,
@@ -283,17 +283,7 @@ def test_a_host_tier_keeps_the_window_pool_and_window_rows_of_demoted_checkpoint
     assert again.num_cached_tokens == eng.stats()['host_hit_tokens'] == 192
     assert first.output_ids == again.output_ids == cold.generate(a, gen).output_ids
     assert other.output_ids == cold.generate(b, gen).output_ids
-    entries = {kind: {h for k, h in host._entries if k == kind} for kind in ('state', 'kv', 'window')}
-    want = set()
-    for p in (a, b):
-        hashes = chain_block_hashes(p, B, 12)
-        for i, h in enumerate(hashes):
-            if h in entries['state']:
-                want.update(hashes[k] for k in range(window_first_block((i + 1) * B, window, B), i + 1))
-    assert entries['state'] and entries['window'] == want
-    ce = eng.cache_engine
-    assert host.bytes_held == (len(entries['state']) * ce.state_bytes + len(entries['kv']) * ce.kv_block_bytes
-                               + len(want) * ce.window_block_bytes)
+    check_host_window_entries(host, eng.cache_engine, [a, b], B, window)
     eng.prefix_cache.evict(10**6)
     host.evict(10**12)
     assert_idle(eng)
