@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..host_memory import materialize, report_huge_pages
 from . import get_model_class, mtp_head_class
 from .checkpoint_files import iter_safetensors, open_safetensors, read_part, weight_files
 from .config_audit import check_config
@@ -214,10 +215,11 @@ def _load_head(model_path: str, layout, head_cls, fp8: Fp8Weights | None, dtype:
     config = layout.config
     with torch.device('meta'):
         head = layout.apply_mtp(head_cls(layout.local_config()))
-    head = head.to_empty(device=device).to(dtype)
+    head, arena = materialize(head, device, dtype)
     if fp8 is not None:
         fp8 = Fp8Weights(fp8.quant, fp8.scales, dtype, shapes=fp8.shapes)
     head.load_weights(iter_weights(model_path, layout, fp8, select=lambda name: head_cls.wants(name, config)))
+    report_huge_pages(arena, 'MTP head weights')
     return head.eval()
 
 
@@ -231,7 +233,10 @@ def load_model(model_path: str, layout=None, *, dtype: str = 'auto', device: str
             rank's :class:`~lmdeploy.pytorch.distributed.sharding.TPLayout` (see the module
             docstring); its config is used as is.
         dtype: ``'auto'`` (the checkpoint's), ``'float32'``, ``'float16'`` or ``'bfloat16'``.
-        device: where the parameters live.
+        device: where the parameters live. On the CPU they are placed in one 2 MiB-aligned
+            arena advised for transparent huge pages before the weights are written
+            (:func:`~lmdeploy.pytorch.host_memory.materialize`; ``LMDEPLOY_HUGE_PAGES=0`` turns
+            it off), bit for bit the same values either way.
         progress: a progress bar over a sharded checkpoint's files.
         keep_fp8: FP8 checkpoint: keep plain and row-parallel projections FP8 (default: on
             CUDA); under TP only those whose split falls on scale-block boundaries
@@ -261,7 +266,8 @@ def load_model(model_path: str, layout=None, *, dtype: str = 'auto', device: str
     local = layout.local_config()
     with torch.device('meta'):
         model = layout.apply(cls(local))
-    model = model.to_empty(device=device).to(torch_dtype)
+    # on the CPU the parameters are carved from one huge-page arena before anything is written
+    model, arena = materialize(model, device, torch_dtype)
     files = weight_files(model_path)
     started = time.perf_counter()
     logger.info('loading weights: %s %s, %d file(s), %.1f MiB, to %s (rank %d/%d)', config.model_type, torch_dtype,
@@ -280,6 +286,7 @@ def load_model(model_path: str, layout=None, *, dtype: str = 'auto', device: str
         logger.info('FP8 checkpoint (block %s): %d quantized weights, %d kept FP8', list(quant.block),
                     len(fp8.scales), len(fp8.keep))
     model.load_weights(iter_weights(model_path, layout, fp8, progress=progress))
+    report_huge_pages(arena, 'weights')
     head = None if head_cls is None else _load_head(model_path, layout, head_cls, fp8, torch_dtype, device)
     logger.info('weights loaded in %.1f s', time.perf_counter() - started)
     return LoadedModel(model.eval(), config, local, torch_dtype, layout, head,
