@@ -128,7 +128,8 @@ class GemvBandwidth:
         return max(self.torch, self.native or 0.0)
 
 
-def measure_gemv_bandwidths(threads: int | None = None, megabytes: int = 512, repeats: int = 5) -> GemvBandwidth:
+def measure_gemv_bandwidths(threads: int | None = None, megabytes: int = 512, repeats: int = 5,
+                            huge_pages: bool = False) -> GemvBandwidth:
     """This machine's read bandwidth for a decode-shaped matrix-vector product, with torch's GEMV
     and with the engine's native product, bytes/second each.
 
@@ -138,6 +139,10 @@ def measure_gemv_bandwidths(threads: int | None = None, megabytes: int = 512, re
     reports the matrix bytes over the best of ``repeats`` runs of each. The two differ by host:
     on the 2-core AMD EPYC benchmark machine MKL's GEMV reads ~17-22 GB/s where the native
     kernel reads ~30 GB/s, so a limit from torch alone is pessimistic there.
+
+    With ``huge_pages`` the matrix lives in a :class:`~lmdeploy.pytorch.host_memory.HugePageArena`
+    (2 MiB aligned, advised ``MADV_HUGEPAGE`` before it is filled), as the engine's CPU weights do;
+    without, in an ordinary allocation (4 KiB pages unless THP is ``always``).
 
     Raises:
         ValueError: ``megabytes`` or ``repeats`` < 1.
@@ -151,7 +156,12 @@ def measure_gemv_bandwidths(threads: int | None = None, megabytes: int = 512, re
     try:
         cols = 4096
         rows = max(1, megabytes * 2 ** 20 // (cols * 4))
-        w = torch.rand(rows, cols)
+        if huge_pages:
+            from lmdeploy.pytorch.host_memory import HugePageArena
+            w = HugePageArena(rows * cols * 4).take((rows, cols), torch.float32)
+            w.uniform_()          # what torch.rand does, in place
+        else:
+            w = torch.rand(rows, cols)
         x = torch.rand(cols)
         with torch.inference_mode():
             ways = {'torch': lambda: torch.mv(w, x)}
