@@ -106,7 +106,8 @@ class HugePageArena:
         used: bytes carved so far, padding included.
 
     Raises:
-        ValueError: ``nbytes < 0``.
+        ValueError: ``nbytes < 0``, or too large for a mapping here (``OverflowError`` beyond
+            ``ssize_t``).
         OSError: the mapping itself failed (e.g. ``ENOMEM``); a refused advice does not raise.
     """
 
@@ -197,7 +198,7 @@ def materialize(module: torch.nn.Module, device: str | torch.device, dtype: torc
     params = {id(p): p for p in module.parameters() if p.is_meta and p.is_contiguous()}
     try:
         arena = HugePageArena(HugePageArena.plan(params.values()))
-    except OSError as err:
+    except (OSError, ValueError, OverflowError, RuntimeError) as err:    # the mapping, or frombuffer on it
         logger.debug('no huge-page host arena (%s): ordinary allocations', err)
         return module.to_empty(device=device), None
     placed: dict[int, torch.nn.Parameter] = {}
