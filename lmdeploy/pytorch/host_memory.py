@@ -20,7 +20,9 @@ first 2 MiB boundary starts the usable range::
     tensors                        |w0   |w1      |w2 ...|        (each 4 KiB or 64 B aligned)
 
 Untouched pages cost no resident memory, so a tensor carved from the arena costs memory only
-once it is written, as a ``torch.empty`` of its own would.
+once it is written, as a ``torch.empty`` of its own would. The price is paid at that first
+write: on the benchmark VM faulting in a fresh huge page cost far more than its 512 small pages
+(loading the 99m preset took up to twice as long), which is why the switch exists.
 
 :class:`HugePageArena` owns one such mapping (a Python ``mmap``, private and anonymous: a
 shared one would be shmem, whose huge pages follow another setting); tensors carved from it
@@ -37,7 +39,8 @@ import os
 
 import torch
 
-__all__ = ['HUGE_PAGE', 'HugePageArena', 'huge_pages_wanted', 'materialize', 'report_huge_pages', 'thp_mode']
+__all__ = ['HUGE_PAGE', 'HugePageArena', 'huge_pages_wanted', 'materialize', 'report_huge_pages', 'tensor_align',
+           'thp_mode']
 
 logger = logging.getLogger('lmdeploy')
 
