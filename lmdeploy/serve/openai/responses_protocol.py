@@ -230,9 +230,9 @@ class ResponsesRequest(StrictModel):
             return 'prompt', 'stored prompt templates are not supported'
         for i, tool in enumerate(self.tools or []):
             if tool.type not in ('function', 'namespace') + DECLINABLE_TOOLS:
-                return f'tools.{i}', (f'tool type {tool.type!r} is not served: this server runs only "function" '
-                                       'tools (also grouped in a "namespace"); "web_search" is accepted and never '
-                                       'called')
+                return f'tools[{i}]', (f'tool type {tool.type!r} is not served: this server runs only "function" '
+                                        'tools (also grouped in a "namespace"); "web_search" is accepted and never '
+                                        'called')
         if self.tool_choice == 'required' and self.tools and not self.functions():
             return 'tool_choice', ('"required" with only web_search tools: this server never calls web_search; '
                                    'send a function tool or tool_choice "auto"')
