@@ -151,7 +151,7 @@ BAD_REQUESTS = [
     ('tool message without tool_call_id', '/v1/chat/completions',
      {'model': 'tiny', 'messages': MSG + [{'role': 'tool', 'content': '42'}]}, None, 400, 'messages[1]'),
     ('tool message without content', '/v1/chat/completions',
-     {'model': 'tiny', 'messages': MSG + [{'role': 'tool', 'tool_call_id': 'c1'}]}, None, 400, 'messages[1]'),
+     {'model': 'tiny', 'messages': MSG + [{'role': 'tool', 'tool_call_id': 'c1'}]}, None, 400, 'messages[1].content'),
     ('tool call without arguments', '/v1/chat/completions',
      {'model': 'tiny', 'messages': MSG + [{'role': 'assistant', 'tool_calls': [
          {'id': 'c1', 'type': 'function', 'function': {'name': 'ls'}}]}]},
@@ -174,7 +174,7 @@ BAD_REQUESTS = [
      {'model': 'tiny', 'messages': MSG, 'tool_choice': 'always'}, None, 400, 'tool_choice'),
     ('tool without a name', '/v1/chat/completions',
      {'model': 'tiny', 'messages': MSG, 'tools': [{'type': 'function', 'function': {'name': ' '}}]},
-     None, 400, 'tools[0].function'),
+     None, 400, 'tools[0].function.name'),
     ('two tools with one name', '/v1/chat/completions',
      {'model': 'tiny', 'messages': MSG, 'tools': [{'type': 'function', 'function': {'name': 'ls'}}] * 2},
      None, 400, 'tools'),
