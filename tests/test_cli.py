@@ -217,6 +217,14 @@ def test_external_master_without_metadata_server_is_refused_before_loading(capsy
     assert 'mooncake_metadata_server' in err and 'Traceback' not in err, err
 
 
+def test_an_unknown_key_of_the_speculative_json_names_the_json_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', '/nonexistent', '--speculative-config', '{"method": "ngram", "bogus": 1}'])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ('lmdeploy: error: speculative_config.bogus (--speculative-config): Extra '
+                                       'inputs are not permitted\n')
+
+
 def test_a_speculative_config_check_names_the_flags_the_user_typed(capsys):
     """A check across two speculative fields names their flags, not the JSON flag."""
     with pytest.raises(SystemExit) as exc:

@@ -161,7 +161,9 @@ def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel], flag_n
             # a validator's ValueError: its own message, without pydantic's 'Value error, ' prefix
             err_ = e.get('ctx', {}).get('error') if e['type'] == 'value_error' else None
             message = str(err_) if err_ is not None else e['msg']
-            flag = (flag_names or {}).get(field) or flag_name(field)
+            # a nested field no flag of its own sets (an unknown key of a JSON flag's object):
+            # the flag of the field it is in
+            flag = (flag_names or {}).get(field) or flag_name(field.split('.', 1)[0])
             # a nested model's own validator (loc = the nested field): name the flags of the
             # sub-fields its message mentions, which are what the user typed
             subs = [f for path, f in (flag_names or {}).items() if field and path.startswith(field + '.')
