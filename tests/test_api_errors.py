@@ -122,6 +122,17 @@ def test_a_400_names_the_field_in_openais_form(client, api, change, where):
     assert _location_of(api, r) == where
 
 
+@pytest.mark.parametrize('api, change, where, says', [
+    ('chat', {'cache_salt': ''}, 'cache_salt', 'must not be empty'),
+    ('chat', {'cache_salt': 'x' * 1025}, 'cache_salt', 'must have at most 1024 characters, got 1025'),
+    ('chat', {'messages': [{'role': '', 'content': 'x'}]}, 'messages[0].role', 'must not be empty'),
+    ('responses', {'input': ''}, 'input', 'must not be empty'),
+])
+def test_a_string_length_error_speaks_of_characters(client, api, change, where, says):
+    r = client.post(PATHS[api], json=dict(VALID[api], **change))
+    assert r.status_code == 400 and r.json()['error']['message'] == f'{where}: {says}', r.text
+
+
 def test_an_assistant_message_may_have_no_content_and_text_output_is_served(client):
     """Only roles whose messages need content refuse null: an assistant message that only calls
     tools (and one with neither content nor calls) is served."""

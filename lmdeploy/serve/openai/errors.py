@@ -171,6 +171,13 @@ def _describe(error: dict) -> str:
     ctx = error.get('ctx') or {}
     if error.get('type') == 'value_error' and 'error' in ctx:
         return str(ctx['error'])          # a validator's own message, without 'Value error, '
+    if error.get('type') in ('too_short', 'too_long') and isinstance(error.get('input'), str):
+        # a length bound on a string type with its own validator (Text) reads "Value should have
+        # at least 1 item after validation": say characters, as for a plain string
+        if error['type'] == 'too_short':
+            bound = ctx.get('min_length')
+            return 'must not be empty' if bound == 1 else f'must have at least {bound} characters'
+        return f'must have at most {ctx.get("max_length")} characters, got {len(error["input"])}'
     if error.get('type') == 'union_tag_invalid':
         key = str(ctx.get('discriminator', 'type')).strip("'")
         return f'unsupported {key} {ctx.get("tag")!r}; expected one of {ctx.get("expected_tags")}'
