@@ -99,7 +99,7 @@ def _validation_api_error(errors: list[dict], body, rename: dict[str, str] | Non
     # at equal depth, the one that accepted more list items first (["a", 5] fails the strings
     # branch at [1], after "a" passed, and the token-ids branch at [0])
     first = errors[0] if errors else {'loc': (), 'msg': 'invalid request', 'type': 'invalid'}
-    located = [(_location(e.get('loc', ()), body), e) for e in errors] or [((), first)]
+    located = [(_location(e.get('loc', ()), body) + _tag_key(e), e) for e in errors] or [((), first)]
     parts, chosen = max(located, key=lambda pe: (len(pe[0]), [p for p in pe[0] if isinstance(p, int)]))
     if parts and rename and isinstance(parts[0], str):
         parts = (rename.get(parts[0], parts[0]), *parts[1:])
@@ -108,6 +108,13 @@ def _validation_api_error(errors: list[dict], body, rename: dict[str, str] | Non
     if len(errors) > 1:
         message += f' (and {len(errors) - 1} more error(s))'
     return APIError(400, message, param=param, code='invalid_value')
+
+
+def _tag_key(error: dict) -> tuple:
+    """``('type',)`` for an object of a tagged union that lacks its tag key (``{"text": "a"}``
+    as a content part): the error is about that missing key, as a missing field's is."""
+    key = str((error.get('ctx') or {}).get('discriminator', '')).strip("'")
+    return (key,) if error.get('type') == 'union_tag_not_found' and key.isidentifier() else ()
 
 
 def param_path(parts) -> str | None:
@@ -178,6 +185,8 @@ def _describe(error: dict) -> str:
             bound = ctx.get('min_length')
             return 'must not be empty' if bound == 1 else f'must have at least {bound} characters'
         return f'must have at most {ctx.get("max_length")} characters, got {len(error["input"])}'
+    if error.get('type') == 'union_tag_not_found':      # named at the missing key (_tag_key)
+        return 'Field required'
     if error.get('type') == 'union_tag_invalid':
         key = str(ctx.get('discriminator', 'type')).strip("'")
         return f'unsupported {key} {ctx.get("tag")!r}; expected one of {ctx.get("expected_tags")}'

@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -108,7 +109,10 @@ def _refused(err: RequestError, param: str, structured_param: str) -> APIError:
     if err.field in ('prompt', 'multimodal', 'shared_head_tokens'):
         return APIError(400, f'{param}: {err}', param=param, code='invalid_value')
     if err.field == 'structured_output':
-        return APIError(400, f'{structured_param}: {err}', param=structured_param, code='invalid_value')
+        # the engine names its own field (structured_output.json_schema: ...); the client sent
+        # structured_param, so only the reason follows it
+        reason = re.sub(r'^structured_output(?:\.\w+)?: ', '', str(err))
+        return APIError(400, f'{structured_param}: {reason}', param=structured_param, code='invalid_value')
     return APIError(400, str(err), param=err.field, code='invalid_value')     # the message starts with its name
 
 
