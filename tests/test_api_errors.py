@@ -129,17 +129,21 @@ def test_a_400_names_the_field_in_openais_form(client, api, change, where):
     ('chat', {'cache_salt': 'x' * 1025}, 'cache_salt: must have at most 1024 characters, got 1025'),
     ('chat', {'messages': [{'role': '', 'content': 'x'}]}, 'messages[0].role: must not be empty'),
     ('responses', {'input': ''}, 'input: must not be empty'),
+    ('chat', {'response_format': 'json'}, 'response_format: Input should be a JSON object'),
+    ('messages', {'tools': [5]}, 'tools[0]: Input should be a JSON object'),
     ('chat', {'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {'type': 'nope'}}}},
      'response_format: the schema cannot be used for constrained decoding: Unsupported type "nope"'),
     ('responses', {'text': {'format': {'type': 'json_schema', 'name': 'x', 'schema': {'type': 'nope'}}}},
      'text.format: the schema cannot be used for constrained decoding: Unsupported type "nope"'),
 ])
 def test_a_400_message_speaks_the_clients_terms(client, api, change, message):
-    """A string's length bound reads in characters (not pydantic's "items after validation"); a
-    schema the grammar compiler refuses is named by the client's field alone (not also by the
-    engine's structured_output.json_schema)."""
+    """A string's length bound reads in characters (not pydantic's "items after validation"), a
+    non-object where an object belongs says so in JSON's words; a schema the grammar compiler
+    refuses is named by the client's field alone (not also by the engine's
+    structured_output.json_schema)."""
     r = client.post(PATHS[api], json=dict(VALID[api], **change))
     assert r.status_code == 400 and r.json()['error']['message'] == message, r.text
+    assert _location_of(api, r) == message.split(':')[0]
 
 
 def test_an_assistant_message_may_have_no_content_and_text_output_is_served(client):

@@ -185,6 +185,9 @@ def _describe(error: dict) -> str:
             bound = ctx.get('min_length')
             return 'must not be empty' if bound == 1 else f'must have at least {bound} characters'
         return f'must have at most {ctx.get("max_length")} characters, got {len(error["input"])}'
+    if error.get('type') in ('model_attributes_type', 'model_type', 'dict_type'):
+        # pydantic's "a valid dictionary or object to extract fields from": JSON has objects
+        return 'Input should be a JSON object'
     if error.get('type') == 'union_tag_not_found':      # named at the missing key (_tag_key)
         return 'Field required'
     if error.get('type') == 'union_tag_invalid':
