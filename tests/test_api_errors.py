@@ -146,6 +146,17 @@ def test_a_400_message_speaks_the_clients_terms(client, api, change, message):
     assert _location_of(api, r) == message.split(':')[0]
 
 
+@pytest.mark.parametrize('api', sorted(PATHS))
+def test_an_empty_or_non_object_body_says_what_to_send(client, api):
+    for raw, message in ((b'', 'request body: empty; send a JSON object'),
+                         (b'[1]', 'request body: Input should be a JSON object')):
+        r = client.post(PATHS[api], content=raw, headers={'Content-Type': 'application/json'})
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert (body['error']['message'], body.get('type', 'error')) == (message, 'error'), body
+        assert api == 'messages' or body['error']['param'] is None
+
+
 def test_an_assistant_message_may_have_no_content_and_text_output_is_served(client):
     """Only roles whose messages need content refuse null: an assistant message that only calls
     tools (and one with neither content nor calls) is served."""

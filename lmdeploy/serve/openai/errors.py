@@ -104,7 +104,10 @@ def _validation_api_error(errors: list[dict], body, rename: dict[str, str] | Non
     if parts and rename and isinstance(parts[0], str):
         parts = (rename.get(parts[0], parts[0]), *parts[1:])
     param = param_path(parts)
-    message = f'{param or "request body"}: {_describe(chosen)}'
+    if param is None and chosen.get('type') == 'missing':       # FastAPI's error for no body at all
+        message = 'request body: empty; send a JSON object'
+    else:
+        message = f'{param or "request body"}: {_describe(chosen)}'
     if len(errors) > 1:
         message += f' (and {len(errors) - 1} more error(s))'
     return APIError(400, message, param=param, code='invalid_value')
