@@ -129,6 +129,9 @@ def test_a_400_names_the_field_in_openais_form(client, api, change, where):
     ('chat', {'cache_salt': 'x' * 1025}, 'cache_salt: must have at most 1024 characters, got 1025'),
     ('chat', {'messages': [{'role': '', 'content': 'x'}]}, 'messages[0].role: must not be empty'),
     ('responses', {'input': ''}, 'input: must not be empty'),
+    ('responses', {'input': []}, 'input: must not be empty'),
+    ('messages', {'messages': []}, 'messages: must not be empty'),
+    ('chat', {'messages': []}, 'messages: must not be empty'),
     ('chat', {'response_format': 'json'}, 'response_format: Input should be a JSON object'),
     ('messages', {'tools': [5]}, 'tools[0]: Input should be a JSON object'),
     ('chat', {'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {'type': 'nope'}}}},
@@ -137,7 +140,7 @@ def test_a_400_names_the_field_in_openais_form(client, api, change, where):
      'text.format: the schema cannot be used for constrained decoding: Unsupported type "nope"'),
 ])
 def test_a_400_message_speaks_the_clients_terms(client, api, change, message):
-    """A string's length bound reads in characters (not pydantic's "items after validation"), a
+    """A length bound reads in characters or items (not pydantic's "items after validation"), a
     non-object where an object belongs says so in JSON's words; a schema the grammar compiler
     refuses is named by the client's field alone (not also by the engine's
     structured_output.json_schema)."""

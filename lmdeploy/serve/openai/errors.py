@@ -181,13 +181,14 @@ def _describe(error: dict) -> str:
     ctx = error.get('ctx') or {}
     if error.get('type') == 'value_error' and 'error' in ctx:
         return str(ctx['error'])          # a validator's own message, without 'Value error, '
-    if error.get('type') in ('too_short', 'too_long') and isinstance(error.get('input'), str):
-        # a length bound on a string type with its own validator (Text) reads "Value should have
-        # at least 1 item after validation": say characters, as for a plain string
+    if error.get('type') in ('too_short', 'too_long') and isinstance(error.get('input'), (str, list)):
+        # pydantic's "Value / List should have at least 1 item after validation" (a length bound on
+        # a string type with its own validator, or on a list): characters or items, plainly
+        unit = 'characters' if isinstance(error['input'], str) else 'items'
         if error['type'] == 'too_short':
             bound = ctx.get('min_length')
-            return 'must not be empty' if bound == 1 else f'must have at least {bound} characters'
-        return f'must have at most {ctx.get("max_length")} characters, got {len(error["input"])}'
+            return 'must not be empty' if bound == 1 else f'must have at least {bound} {unit}'
+        return f'must have at most {ctx.get("max_length")} {unit}, got {len(error["input"])}'
     if error.get('type') in ('model_attributes_type', 'model_type', 'dict_type'):
         # pydantic's "a valid dictionary or object to extract fields from": JSON has objects
         return 'Input should be a JSON object'
