@@ -20,8 +20,8 @@ from ..messages import PytorchEngineConfig, SpeculativeConfig
 from . import store
 from .utils import add_log_level_arg, add_model_args, api_key, flag_name, int_at_least, model_from_args, port_number
 
-__all__ = ['add_parser', 'add_server_args', 'api_server', 'add_engine_args', 'engine_config_from_args', 'speculative_field_flags',
-           'STORE_GROUPS']
+__all__ = ['add_parser', 'add_server_args', 'api_server', 'add_engine_args', 'engine_config_from_args',
+           'speculative_field_flags', 'STORE_GROUPS']
 
 STORE_GROUPS = {'mooncake_': 'Mooncake Store tier', 'store_': 'Mooncake Store tier (queue)'}
 
