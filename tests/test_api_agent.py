@@ -347,7 +347,7 @@ def test_issue_surrogates_max_tokens_clamp_and_openapi(servers):
     s = servers['off']
     raw = b'{"model": "model", "messages": [{"role": "user", "content": "bad \\ud800 text"}]}'
     code, resp = post(s, '/v1/chat/completions', raw)
-    assert code == 400 and resp['error']['param'] == 'messages.0.content' and 'surrogate' in resp['error']['message']
+    assert code == 400 and resp['error']['param'] == 'messages[0].content' and 'surrogate' in resp['error']['message']
     # max_tokens past the session is clamped to what the session has left: 2048 - 2040 = 8 tokens
     code, resp = post(s, '/v1/completions', {'model': 'model', 'prompt': [5] * 2040, 'max_tokens': 2 ** 31 - 1,
                                              'ignore_eos': True})

@@ -200,7 +200,7 @@ def test_errors_have_anthropics_shape_and_the_key_is_checked(server):
                           'tools': [{'name': 'ls', 'input_schema': {}}], 'tool_choice': {'type': 'tool', 'name': 'rm'}},
                          'tool_choice'),
                         ({'messages': [{'role': 'user', 'content': [{'type': 'document', 'source': {}}]}],
-                          'max_tokens': 5}, 'messages.0.content.0')]:
+                          'max_tokens': 5}, 'messages[0].content[0]')]:
         with httpx.Client(timeout=60) as h:
             r = h.post(server.base_url + '/v1/messages', json=dict(model='model', **body), headers={'x-api-key': KEY})
         assert r.status_code == 400, r.text

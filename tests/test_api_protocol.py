@@ -81,15 +81,15 @@ def test_a_value_of_the_wrong_type_is_a_400_naming_the_field(model):
 
 
 @pytest.mark.parametrize('body, param, says', [
-    ({'stop': ['a', 'b', 7]}, 'stop.2', 'string'),
+    ({'stop': ['a', 'b', 7]}, 'stop[2]', 'string'),
     ({'messages': [{'role': 'user', 'content': [{'type': 'text', 'text': 'a'}, {'type': 'audio'}]}]},
-     'messages.0.content.1', "unsupported type 'audio'"),
-    ({'messages': [{'role': 'user', 'content': [{'type': 'text'}]}]}, 'messages.0.content.0.text', 'required'),
+     'messages[0].content[1]', "unsupported type 'audio'"),
+    ({'messages': [{'role': 'user', 'content': [{'type': 'text'}]}]}, 'messages[0].content[0].text', 'required'),
     ({'messages': [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {}}]}]},
-     'messages.0.content.0.image_url.url', 'required'),
+     'messages[0].content[0].image_url.url', 'required'),
     ({'tool_choice': {'type': 'function'}}, 'tool_choice.function', 'required'),
     ({'messages': [{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'tool_calls': [{'function': {}}]}]},
-     'messages.1.tool_calls.0.function.name', 'required'),
+     'messages[1].tool_calls[0].function.name', 'required'),
 ])
 def test_the_error_of_a_several_shaped_field_names_the_wrong_element(body, param, says):
     err = _error(ChatCompletionRequest, dict(MINIMAL[ChatCompletionRequest], **body))

@@ -231,14 +231,14 @@ def test_streamed_events_rebuild_the_non_streamed_response(server, prompt):
 
 def test_fields_the_server_cannot_honour_are_refused_by_name(server):
     c = client(server)
-    for kw, field in [(dict(tools=[*TOOLS, {'type': 'code_interpreter', 'container': {'type': 'auto'}}]), 'tools.1'),
-                      (dict(tools=[{'type': 'custom', 'name': 'apply_patch'}]), 'tools.0'),
+    for kw, field in [(dict(tools=[*TOOLS, {'type': 'code_interpreter', 'container': {'type': 'auto'}}]), 'tools[1]'),
+                      (dict(tools=[{'type': 'custom', 'name': 'apply_patch'}]), 'tools[0]'),
                       (dict(tools=[{'type': 'namespace', 'name': 'fs', 'description': 'x',
-                                    'tools': [{'type': 'custom', 'name': 'p'}]}]), 'tools.0.tools.0'),
+                                    'tools': [{'type': 'custom', 'name': 'p'}]}]), 'tools[0].tools[0]'),
                       (dict(tools=[{'type': 'web_search'}], tool_choice='required'), 'tool_choice'),
                       (dict(background=True), 'background'),
                       (dict(tools=TOOLS, tool_choice={'type': 'function', 'name': 'rm'}), 'tool_choice'),
-                      (dict(input=[{'type': 'item_reference', 'id': 'x'}]), 'input.0')]:
+                      (dict(input=[{'type': 'item_reference', 'id': 'x'}]), 'input[0]')]:
         kw = dict(dict(model='model', input='hi'), **kw)
         with pytest.raises(openai.BadRequestError) as err:
             c.responses.create(**kw)
@@ -410,19 +410,20 @@ def test_output_text_logprobs_skip_the_reasoning_and_the_call(server):
 
 PNG = 'data:image/png;base64,iVBORw0KGgo='
 # each endpoint's request with an image placed where its own index differs from the chat one,
-# and how that API names the refused image: (path, body, the Responses/chat param or None for
-# Anthropic's body, which has no param, the location and the part's name in the message)
+# and how that API names the refused image: (path, body, the Responses/chat param (the part's
+# location) or None for Anthropic's body, which has no param, the location and the part's name in
+# the message)
 IMAGE_REQUESTS = {
     'chat': ('/v1/chat/completions', {'model': 'model', 'max_tokens': 2, 'messages': [
         {'role': 'system', 'content': 'S'},
         {'role': 'user', 'content': [{'type': 'text', 'text': 'see'},
                                      {'type': 'image_url', 'image_url': {'url': PNG}}]}]},
-        'messages', "messages[1].content[1]: model 'model' does not accept image_url parts"),
+        'messages[1].content[1]', "messages[1].content[1]: model 'model' does not accept image_url parts"),
     'responses': ('/v1/responses', {'model': 'model', 'max_output_tokens': 2, 'store': False, 'instructions': 'S',
                                     'input': [{'role': 'user', 'content': 'hi'}, {'role': 'user', 'content': [
                                         {'type': 'input_text', 'text': 'see'},
                                         {'type': 'input_image', 'image_url': PNG}]}]},
-                  'input', "input[1].content[1]: model 'model' does not accept input_image parts"),
+                  'input[1].content[1]', "input[1].content[1]: model 'model' does not accept input_image parts"),
     **{name: (path, {'model': 'model', 'max_tokens': 2, 'system': 'S', 'messages': [
         {'role': 'user', 'content': 'ls'},
         {'role': 'assistant', 'content': [{'type': 'tool_use', 'id': 't1', 'name': 'ls', 'input': {}}]},

@@ -217,6 +217,14 @@ def test_external_master_without_metadata_server_is_refused_before_loading(capsy
     assert 'mooncake_metadata_server' in err and 'Traceback' not in err, err
 
 
+def test_an_unknown_key_of_the_speculative_json_names_the_json_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(['serve', 'api_server', '/nonexistent', '--speculative-config', '{"method": "ngram", "bogus": 1}'])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ('lmdeploy: error: speculative_config.bogus (--speculative-config): Extra '
+                                       'inputs are not permitted\n')
+
+
 def test_a_speculative_config_check_names_the_flags_the_user_typed(capsys):
     """A check across two speculative fields names their flags, not the JSON flag."""
     with pytest.raises(SystemExit) as exc:
@@ -297,13 +305,62 @@ def test_an_unusable_file_store_folder_names_the_flag(tiny_qwen3_next, tmp_path,
     ('no field here', 'no field here'),
     ('master_port=5: in use', 'master_port=5: in use'),
     ('block_size: must be > 0', 'block_size (--block-size): must be > 0'),
+    ("role='prefill' hands prompts off", "role='prefill' (--role) hands prompts off"),
+    ('speculative_config.method=mtp needs an MTP head',
+     'speculative_config.method=mtp (--speculative-algorithm) needs an MTP head'),
+    ('speculative_config.method=mtp: not split; use tp=1',
+     'speculative_config.method=mtp (--speculative-algorithm): not split; use tp=1'),
+    ('speculative_config.num_speculative_tokens is 3', 'speculative_config.num_speculative_tokens '
+     '(--speculative-num-draft-tokens) is 3'),
+    ('speculative_config.nothing=1 is odd', 'speculative_config.nothing=1 is odd'),
     ('', ''),
 ])
 def test_an_error_starting_with_a_field_gets_its_flag(message, shown):
     from lmdeploy.cli.entrypoint import with_leading_flag
+    assert with_leading_flag(_api_server_parser(), message) == shown
+
+
+def _api_server_parser() -> argparse.ArgumentParser:
     command = build_parser()._subparsers._group_actions[0].choices['serve']
-    command = command._subparsers._group_actions[0].choices['api_server']
-    assert with_leading_flag(command, message) == shown
+    return command._subparsers._group_actions[0].choices['api_server']
+
+
+@pytest.mark.parametrize('typed', [(), ('--speculative-config', '{"method": "mtp"}')])
+@pytest.mark.parametrize('shape', ['{} needs a model with an MTP head', '{}: not split', '{}', '{} (7) is too big'])
+def test_every_engine_field_error_names_the_flag_the_user_typed(typed, shape):
+    """Over every engine config field and every speculative field (as ``field`` or
+    ``field=value`` at the start of an engine check's message): the message gets the flag that
+    sets it, the one typed for a speculative field (its own flag, or the JSON flag when only that
+    was given), exactly once."""
+    from lmdeploy.cli.entrypoint import with_leading_flag
+    from lmdeploy.cli.serve import SPECULATIVE_FLAGS
+    from lmdeploy.messages import SpeculativeConfig
+    command = _api_server_parser()
+    args = command.parse_args(['/m', *typed])
+    expected = {name: flag_name(name) for name in PytorchEngineConfig.model_fields if name != 'speculative_config'}
+    by_field = {field: flag for flag, field in SPECULATIVE_FLAGS.items()}
+    assert set(by_field) == set(SpeculativeConfig.model_fields)
+    for field, flag in by_field.items():
+        expected[f'speculative_config.{field}'] = '--speculative-config' if typed else flag_name(flag)
+    for path, flag in expected.items():
+        for lead in (path, f'{path}=x', f"{path}='a b'"):
+            message = shape.format(lead)
+            shown = with_leading_flag(command, message, args)
+            assert shown == f'{lead} ({flag}){message[len(lead):]}', (message, shown)
+            assert with_leading_flag(command, shown, args) == shown     # named once
+
+
+def test_mtp_on_a_model_without_an_mtp_head_names_the_flag(tiny_qwen3, capsys):
+    """The refusal comes from the model registry (which knows speculative_config.method); a
+    command-line user typed --speculative-algorithm, or --speculative-config as JSON."""
+    for typed, flag in ((['--speculative-algorithm', 'mtp'], '--speculative-algorithm'),
+                        (['--speculative-config', '{"method": "qwen3_next_mtp"}'], '--speculative-config')):
+        with pytest.raises(SystemExit) as exc:
+            main(['chat', tiny_qwen3, '--device-type', 'cpu', *typed])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == (
+            f'lmdeploy: error: speculative_config.method=mtp ({flag}) needs a model with an MTP head (glm5_next, '
+            "glm5_next_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next), got 'qwen3'\n")
 
 
 def test_missing_model_directory_exits_2(tmp_path, capsys):

@@ -68,7 +68,7 @@ def test_a_prompt_over_session_len_is_a_400_naming_the_flag_and_the_models_limit
     assert r.status_code == 400, r.text
     message = r.json()['error']['message']
     assert 'which does not fit session_len=32768 (at most 32767 prompt tokens); session_len defaults to ' \
-           "max_position_embeddings of the model's config.json; start the server with a larger --session-len " \
+           "max_position_embeddings of the model's config.json; restart with a larger --session-len " \
            '(session_len), e.g. --session-len 65536' in message, message
 
 
@@ -77,7 +77,7 @@ def test_the_too_long_message_names_what_set_session_len(tiny_qwen3):
     with pytest.raises(ValueError) as err:
         explicit.requests.check(list(range(3, 153)), __import__('lmdeploy').GenerationConfig())
     assert str(err.value) == ('the prompt has 150 tokens, which does not fit session_len=100 (at most 99 prompt '
-                              'tokens); start the server with a larger --session-len (session_len), e.g. '
+                              'tokens); restart with a larger --session-len (session_len), e.g. '
                               '--session-len 256')
     small_cache = make_engine(tiny_qwen3, block_size=16, num_gpu_blocks=4)      # 64 tokens < 32768
     with pytest.raises(ValueError) as err:

@@ -24,6 +24,8 @@ import os
 import re
 import sys
 
+from .utils import field_flag
+
 __all__ = ['build_parser', 'main']
 
 
@@ -66,22 +68,24 @@ class _Parser(argparse.ArgumentParser):
                 and len({known[o] for o in known if o.startswith(flag)}) == 1)
 
 
-def with_leading_flag(command: argparse.ArgumentParser, message: str) -> str:
-    """``message`` with the flag of the field it starts with added after the field's name, as a
-    command-line user typed the flag: ``store_backend folder '/x' cannot be used`` (an engine
-    check run once the model is loaded, which knows only its config's field names) becomes
-    ``store_backend (--store-backend) folder '/x' cannot be used``. Unchanged when the message
-    names that flag (or flags in parentheses right after the name) already, or does not start
-    with the name of one of ``command``'s optional flags (a positional such as ``model_path``
-    has no flag to add)."""
-    # the name as a word of the sentence (``name=value`` is left as it is written)
-    match = re.match(r'(\w+)(?=[ :]|$)', message)
+def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argparse.Namespace | None = None) -> str:
+    """``message`` with the flag of the field it starts with added after the field's name (and
+    value), as a command-line user typed the flag: ``store_backend folder '/x' cannot be used``
+    (an engine check run once the model is loaded, which knows only its config's field names)
+    becomes ``store_backend (--store-backend) folder '/x' cannot be used``, and
+    ``speculative_config.method=mtp needs ...`` becomes ``speculative_config.method=mtp
+    (--speculative-algorithm) needs ...``: a nested field gets the flag ``args`` gave it (see
+    :func:`lmdeploy.cli.utils.field_flag`). Unchanged when the message names that flag (or flags
+    in parentheses right after the name) already, or does not start with a field of one of
+    ``command``'s optional flags (a positional such as ``model_path`` has no flag to add)."""
+    # a field (dotted for a nested one) as a word of the sentence, optionally with ``=value``
+    match = re.match(r'([A-Za-z_]\w*(?:\.\w+)*)(=(?:\'[^\']*\'|"[^"]*"|[^\s:]+))?(?=[ :]|$)', message)
     if match is None or re.match(r' \(--', message[match.end():]):     # flags named after it already
         return message
-    flags = [o for a in command._actions if a.dest == match.group(1) for o in a.option_strings if o.startswith('--')]
-    if not flags or any(re.search(rf'{re.escape(f)}(?![\w-])', message) for f in flags):
+    flag = field_flag(command, match.group(1), args)
+    if flag is None or re.search(rf'{re.escape(flag)}(?![\w-])', message):
         return message
-    return f'{match.group(1)} ({flags[0]}){message[match.end():]}'
+    return f'{match.group(0)} ({flag}){message[match.end():]}'
 
 
 def _is_number(token: str) -> bool:
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except ValueError as err:       # configuration mistakes: say which field, no traceback
-        message = with_leading_flag(getattr(args, '_command_parser', parser), str(err))
+        message = with_leading_flag(getattr(args, '_command_parser', parser), str(err), args)
         parser.exit(2, f'lmdeploy: error: {message}\n')
     except StoreUnavailableError as err:
         parser.exit(1, f'lmdeploy: error: {err}\n')

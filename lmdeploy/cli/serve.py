@@ -20,7 +20,8 @@ from ..messages import PytorchEngineConfig, SpeculativeConfig
 from . import store
 from .utils import add_log_level_arg, add_model_args, api_key, flag_name, int_at_least, model_from_args, port_number
 
-__all__ = ['add_parser', 'add_server_args', 'api_server', 'add_engine_args', 'engine_config_from_args', 'STORE_GROUPS']
+__all__ = ['add_parser', 'add_server_args', 'api_server', 'add_engine_args', 'engine_config_from_args',
+           'speculative_field_flags', 'STORE_GROUPS']
 
 STORE_GROUPS = {'mooncake_': 'Mooncake Store tier', 'store_': 'Mooncake Store tier (queue)'}
 
@@ -49,6 +50,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs.update(type=int, metavar='N')
             kwargs['help'] += f' (default: {info.default})'
         group.add_argument(flag_name(flag), **kwargs)
+    parser.nested_field_flags = speculative_field_flags
+
+
+def speculative_field_flags(args: argparse.Namespace) -> dict[str, str]:
+    """``{'speculative_config.method': '--speculative-algorithm', ...}``: for each
+    ``SpeculativeConfig`` field, the flag an error about it should name: its own flag when given,
+    else ``--speculative-config`` when the user gave the whole config as JSON, else its own flag
+    (the one to add)."""
+    json_given = hasattr(args, 'speculative_config')
+    return {f'speculative_config.{field}': flag_name('speculative_config' if json_given and not hasattr(args, flag)
+                                                     else flag)
+            for flag, field in SPECULATIVE_FLAGS.items()}
 
 
 def _json_object(text: str) -> dict:
@@ -74,8 +87,7 @@ def engine_config_from_args(args: argparse.Namespace) -> PytorchEngineConfig:
     if spec and 'method' not in spec:
         raise ValueError('speculative_config.method (--speculative-algorithm) is required with '
                          + ', '.join(flag_name(f) for f in SPECULATIVE_FLAGS if hasattr(args, f)))
-    flags = {f'speculative_config.{field}': flag_name(flag) for flag, field in SPECULATIVE_FLAGS.items()}
-    return model_from_args(args, PytorchEngineConfig, flags, speculative_config=spec or None)
+    return model_from_args(args, PytorchEngineConfig, speculative_field_flags(args), speculative_config=spec or None)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -28,8 +28,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ValidationError
 
-__all__ = ['add_model_args', 'model_from_args', 'is_nested_model', 'flag_name', 'add_log_level_arg', 'LOG_LEVELS',
-           'int_at_least', 'port_number', 'api_key', 'check_creatable_dir']
+__all__ = ['add_model_args', 'model_from_args', 'is_nested_model', 'flag_name', 'field_flag', 'add_log_level_arg',
+           'LOG_LEVELS', 'int_at_least', 'port_number', 'api_key', 'check_creatable_dir']
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 
@@ -37,6 +37,23 @@ LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 def flag_name(field: str) -> str:
     """``prefill_save_last_only`` → ``--prefill-save-last-only``."""
     return '--' + field.replace('_', '-')
+
+
+def field_flag(command: argparse.ArgumentParser, path: str, args: argparse.Namespace | None = None) -> str | None:
+    """The flag of ``command`` that sets the config field ``path``, as the user typed it, for an
+    error message about that field; ``None`` when no flag sets it (a positional, an unknown name).
+
+    A plain field's flag is the option whose ``dest`` is ``path`` (``block_size`` ->
+    ``--block-size``). A nested model's field (``speculative_config.method``) is set by the flags
+    the command registered as ``command.nested_field_flags``: a function of the parsed ``args``
+    returning ``{dotted path: flag}`` (the speculative flags, or ``--speculative-config`` when
+    only the JSON flag was given); ``args=None`` gives its answer for an empty command line.
+    """
+    nested = getattr(command, 'nested_field_flags', None)
+    if nested is not None and '.' in path:
+        return nested(args if args is not None else argparse.Namespace()).get(path)
+    return next((o for a in command._actions if a.dest == path for o in a.option_strings if o.startswith('--')),
+                None)
 
 
 def _unwrap_optional(ann):
@@ -144,13 +161,15 @@ def model_from_args(args: argparse.Namespace, model_cls: type[BaseModel], flag_n
             # a validator's ValueError: its own message, without pydantic's 'Value error, ' prefix
             err_ = e.get('ctx', {}).get('error') if e['type'] == 'value_error' else None
             message = str(err_) if err_ is not None else e['msg']
-            flag = (flag_names or {}).get(field) or flag_name(field)
+            # a nested field no flag of its own sets (an unknown key of a JSON flag's object):
+            # the flag of the field it is in
+            flag = (flag_names or {}).get(field) or flag_name(field.split('.', 1)[0])
             # a nested model's own validator (loc = the nested field): name the flags of the
             # sub-fields its message mentions, which are what the user typed
             subs = [f for path, f in (flag_names or {}).items() if field and path.startswith(field + '.')
                     and re.search(rf'\b{re.escape(path.rsplit(".", 1)[1])}\b', message)]
             if subs:
-                flag = ', '.join(subs)
+                flag = ', '.join(dict.fromkeys(subs))
             where = f'{field} ({flag}): ' if field else _mentioned_flags(model_cls, message)
             lines.append(where + message)
         raise ValueError('; '.join(lines)) from None

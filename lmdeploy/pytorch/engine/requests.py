@@ -116,13 +116,13 @@ class RequestFactory:
         text = (f'the prompt has {num_tokens} tokens, which does not fit session_len={self.session_len} '
                 f'(at most {self.session_len - 1} prompt tokens); ')
         source = self.session_len_source
+        # the engine serves the server, `lmdeploy chat` and the Python pipeline alike
+        hint = ('restart with a larger --session-len (session_len), e.g. --session-len '
+                f'{_next_power_of_two(num_tokens)}')
         if source == 'max_position_embeddings':
-            return text + ('session_len defaults to max_position_embeddings of the model\'s config.json; start the '
-                           'server with a larger --session-len (session_len), e.g. --session-len '
-                           f'{_next_power_of_two(num_tokens)}')
+            return text + ('session_len defaults to max_position_embeddings of the model\'s config.json; ' + hint)
         if source == 'session_len':
-            return text + ('start the server with a larger --session-len (session_len), e.g. --session-len '
-                           f'{_next_power_of_two(num_tokens)}')
+            return text + hint
         blocks = int(source.split(':')[1])
         return text + (f'the KV cache holds only {blocks} blocks x {self.block_size} tokens: give it more '
                        'with --num-gpu-blocks (num_gpu_blocks) or --cache-max-entry-count (cache_max_entry_count)')

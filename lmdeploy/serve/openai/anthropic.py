@@ -43,14 +43,14 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
 from .errors import APIError
 from .handlers import MessageNames
 from .generation import SSEResponse
-from .protocol import MAX_TOKENS, ChatCompletionRequest, Text, FINITE, StrictModel
+from .protocol import MAX_TOKENS, ChatCompletionRequest, Text, FINITE, FunctionName, StrictModel
 
 __all__ = ['MessagesAPI', 'MessagesRequest', 'CountTokensRequest', 'to_chat']
 
@@ -108,10 +108,19 @@ class _Message(StrictModel):
     role: Literal['user', 'assistant', 'system']
     content: Text | list[_Block]
 
+    @field_validator('content')
+    @classmethod
+    def _blocks(cls, v, info: ValidationInfo):
+        # an empty block list would leave no chat message at all (the turn silently dropped);
+        # Anthropic's API refuses it too (only a final assistant message may be empty)
+        if isinstance(v, list) and not v and info.data.get('role') in ('user', 'system'):
+            raise ValueError(f'a {info.data["role"]} message needs at least one content block, got an empty list')
+        return v
+
 
 class _Tool(StrictModel):
     type: Literal['custom'] | None = None
-    name: Text = Field(min_length=1)
+    name: FunctionName
     description: Text | None = None
     input_schema: dict[str, Any]
 

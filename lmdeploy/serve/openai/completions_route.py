@@ -22,8 +22,9 @@ class CompletionRoutes:
         if not prompts:
             raise APIError(400, 'prompt: must not be empty', param='prompt', code='invalid_value')
         if len(prompts) * req.n > MAX_CHOICES:       # before any tokenization
-            raise APIError(400, f'{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices',
-                           param='prompt' if len(prompts) > 1 else 'n', code='invalid_value')
+            param = 'prompt' if len(prompts) > 1 else 'n'
+            raise APIError(400, f'{param}: {len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices',
+                           param=param, code='invalid_value')
 
         def plan():
             ids = [self._encode(p, 'prompt') for p in prompts]

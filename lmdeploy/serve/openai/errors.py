@@ -8,6 +8,10 @@ except under ``/v1/messages`` (the Anthropic Messages API), whose errors have An
 
     {"type": "error", "error": {"type": "invalid_request_error" | "authentication_error" | ..., "message": str}}
 
+A location in the request (``param``, and the start of a 400's message) is written as OpenAI
+writes it: keys joined by dots, list indices in brackets (``messages[0].content``,
+``tools[1].function.parameters``; :func:`param_path`), in every API, Anthropic's included.
+
 Invariant: a client mistake maps to a 4xx (pydantic validation errors and malformed JSON
 become 400, not FastAPI's 422); only a server bug produces a 5xx, and no handler lets an
 exception escape, so the server keeps serving after any bad request.
@@ -15,8 +19,8 @@ exception escape, so the server keeps serving after any bad request.
 from __future__ import annotations
 
 import email.message
-
 import logging
+import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -25,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = ['APIError', 'error_body', 'error_body_for', 'api_error_from_validation', 'install_error_handlers',
-           'ANTHROPIC_PREFIX']
+           'param_path', 'located_error', 'ANTHROPIC_PREFIX']
 
 logger = logging.getLogger('lmdeploy')
 
@@ -40,7 +44,8 @@ class APIError(Exception):
     Args:
         status: HTTP status code.
         message: human-readable explanation (shown to the client).
-        param: the request field at fault, if any (dotted path, e.g. ``messages.0.role``).
+        param: the request field at fault, if any, as :func:`param_path` writes it (e.g.
+            ``messages[0].role``).
         code: a machine-readable code (``invalid_api_key``, ``model_not_found`` ...).
         type: the OpenAI error type; default derived from ``status``.
     """
@@ -85,24 +90,69 @@ def api_error_from_validation(errors: list[dict], body=None, rename: dict[str, s
     """A 400 for pydantic ``errors`` (``ValidationError.errors()``) of a request body, naming the
     field as :func:`install_error_handlers` does; ``rename`` maps a field's first path element to
     the name the client used (a request translated into another API's fields)."""
+    return _validation_api_error(errors, _MISSING if body is None else body, rename)
+
+
+def _validation_api_error(errors: list[dict], body, rename: dict[str, str] | None = None) -> APIError:
+    # the deepest location: of the errors a union produces (one per member tried), the member
+    # whose shape the value has gets furthest (a list of parts rather than the string branch);
+    # at equal depth, the one that accepted more list items first (["a", 5] fails the strings
+    # branch at [1], after "a" passed, and the token-ids branch at [0])
     first = errors[0] if errors else {'loc': (), 'msg': 'invalid request', 'type': 'invalid'}
-    located = [(_param(e.get('loc', ()), _MISSING if body is None else body), e) for e in errors] or [(None, first)]
-    param, chosen = max(located, key=lambda pe: len(pe[0].split('.')) if pe[0] else 0)
-    if param and rename:
-        head, _, rest = param.partition('.')
-        param = rename.get(head, head) + ('.' + rest if rest else '')
-    message = f'{param or "request body"}: {_describe(chosen)}'
+    located = [(_location(e.get('loc', ()), body) + _tag_key(e), e) for e in errors] or [((), first)]
+    parts, chosen = max(located, key=lambda pe: (len(pe[0]), [p for p in pe[0] if isinstance(p, int)]))
+    if parts and rename and isinstance(parts[0], str):
+        parts = (rename.get(parts[0], parts[0]), *parts[1:])
+    param = param_path(parts)
+    if param is None and chosen.get('type') == 'missing':       # FastAPI's error for no body at all
+        message = 'request body: empty; send a JSON object'
+    else:
+        message = f'{param or "request body"}: {_describe(chosen)}'
     if len(errors) > 1:
         message += f' (and {len(errors) - 1} more error(s))'
     return APIError(400, message, param=param, code='invalid_value')
+
+
+def _tag_key(error: dict) -> tuple:
+    """``('type',)`` for an object of a tagged union that lacks its tag key (``{"text": "a"}``
+    as a content part): the error is about that missing key, as a missing field's is."""
+    key = str((error.get('ctx') or {}).get('discriminator', '')).strip("'")
+    return (key,) if error.get('type') == 'union_tag_not_found' and key.isidentifier() else ()
+
+
+def param_path(parts) -> str | None:
+    """A location in a request as OpenAI's errors write it: keys joined by dots, list indices in
+    brackets; ``('tools', 0, 'function', 'name')`` -> ``'tools[0].function.name'``, ``('stop',
+    2)`` -> ``'stop[2]'``; ``None`` for the whole body (no parts). A key is written as given
+    (``logit_bias.50256``: an object key, not an index)."""
+    out = ''
+    for p in parts:
+        if isinstance(p, int) and not isinstance(p, bool):
+            out += f'[{p}]'
+        else:
+            out += f'.{p}' if out else str(p)
+    return out or None
+
+
+def located_error(message: str, field: str, code: str = 'invalid_value') -> APIError:
+    """A 400 about the request field ``field`` (``messages``, ``input``) whose ``message`` may
+    already start with a location inside it (``messages[0].content[1]: not an image``, from a
+    check that knew the part): ``param`` is then that location, as a validation error of the same
+    part would name it; otherwise ``param`` is ``field`` and the message gets ``field: `` in front.
+    """
+    match = re.match(rf'({re.escape(field)}(?:\[\d+\]|\.\w+)*): ', message)
+    if match is not None:
+        return APIError(400, message, param=match.group(1), code=code)
+    return APIError(400, f'{field}: {message}', param=field, code=code)
 
 
 _TYPE_TAGS = frozenset({'str', 'int', 'float', 'bool', 'list', 'dict', 'none'})
 _MISSING = object()
 
 
-def _param(loc, body=_MISSING) -> str | None:
-    """The request field an error's location points at, e.g. ``messages.0.content.1``.
+def _location(loc, body=_MISSING) -> tuple:
+    """The request field an error's location points at, as parts: ``('messages', 0, 'content',
+    1)`` (list indices as ints, keys as strings; :func:`param_path` writes it).
 
     Pydantic puts the union member it tried into the location (``'str'``,
     ``'list[tagged-union[...]]'``, a model name, a tag value). With the request ``body`` the
@@ -123,14 +173,27 @@ def _param(loc, body=_MISSING) -> str | None:
                 continue        # a union member's tag
         elif isinstance(p, str) and (p in _TYPE_TAGS or not p.isidentifier()):
             continue
-        parts.append(str(p))
-    return '.'.join(parts) or None
+        parts.append(p)
+    return tuple(parts)
 
 
 def _describe(error: dict) -> str:
     ctx = error.get('ctx') or {}
     if error.get('type') == 'value_error' and 'error' in ctx:
         return str(ctx['error'])          # a validator's own message, without 'Value error, '
+    if error.get('type') in ('too_short', 'too_long') and isinstance(error.get('input'), (str, list)):
+        # pydantic's "Value / List should have at least 1 item after validation" (a length bound on
+        # a string type with its own validator, or on a list): characters or items, plainly
+        unit = 'characters' if isinstance(error['input'], str) else 'items'
+        if error['type'] == 'too_short':
+            bound = ctx.get('min_length')
+            return 'must not be empty' if bound == 1 else f'must have at least {bound} {unit}'
+        return f'must have at most {ctx.get("max_length")} {unit}, got {len(error["input"])}'
+    if error.get('type') in ('model_attributes_type', 'model_type', 'dict_type'):
+        # pydantic's "a valid dictionary or object to extract fields from": JSON has objects
+        return 'Input should be a JSON object'
+    if error.get('type') == 'union_tag_not_found':      # named at the missing key (_tag_key)
+        return 'Field required'
     if error.get('type') == 'union_tag_invalid':
         key = str(ctx.get('discriminator', 'type')).strip("'")
         return f'unsupported {key} {ctx.get("tag")!r}; expected one of {ctx.get("expected_tags")}'
@@ -167,15 +230,7 @@ async def _validation_error(request: Request, err: RequestValidationError) -> JS
         return _response(APIError(400, f'the request body must be a JSON object sent with "Content-Type: '
                                   f'application/json" (got {content_type or "no Content-Type"!r})',
                                   code='invalid_content_type'), request)
-    body = _MISSING if body is None else body
-    located = [(_param(e.get('loc', ()), body), e) for e in errors] or [(None, first)]
-    # the deepest location: of the errors a union produces (one per member tried), the member
-    # whose shape the value has gets furthest (a list of parts rather than the string branch)
-    param, chosen = max(located, key=lambda pe: len(pe[0].split('.')) if pe[0] else 0)
-    message = f'{param or "request body"}: {_describe(chosen)}'
-    if len(errors) > 1:
-        message += f' (and {len(errors) - 1} more error(s))'
-    return _response(APIError(400, message, param=param, code='invalid_value'), request)
+    return _response(_validation_api_error(errors, _MISSING if body is None else body), request)
 
 
 async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

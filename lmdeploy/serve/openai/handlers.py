@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from ...pytorch.engine.requests import CheckedRequest, RequestError
 from ..images import ImageFetchLimits, chat_part, fetch_http_images
 from .chat_output import ChatOutput, TokenTexts
 from .defaults import DEFAULT_SHUTDOWN_TIMEOUT
-from .errors import APIError
+from .errors import APIError, located_error
 from .generation import shutting_down
 from .lifecycle import Drain
 from .protocol import ChatCompletionRequest, DecodedInts, ModelCard, ModelList, NamedToolChoice
@@ -108,7 +109,10 @@ def _refused(err: RequestError, param: str, structured_param: str) -> APIError:
     if err.field in ('prompt', 'multimodal', 'shared_head_tokens'):
         return APIError(400, f'{param}: {err}', param=param, code='invalid_value')
     if err.field == 'structured_output':
-        return APIError(400, f'{structured_param}: {err}', param=structured_param, code='invalid_value')
+        # the engine names its own field (structured_output.json_schema: ...); the client sent
+        # structured_param, so only the reason follows it
+        reason = re.sub(r'^structured_output(?:\.\w+)?: ', '', str(err))
+        return APIError(400, f'{structured_param}: {reason}', param=structured_param, code='invalid_value')
     return APIError(400, str(err), param=err.field, code='invalid_value')     # the message starts with its name
 
 
@@ -315,7 +319,7 @@ class ServerBase:
                     i, j = next((i, j) for i, m in enumerate(req.messages) if m.has_images()
                                 for j, p in enumerate(m.content) if p.type == 'image_url')
                     raise APIError(400, f'{names.where(i, j)}: model {self.model_name!r} does not accept '
-                                   f'{names.images}', param=names.param, code='invalid_value')
+                                   f'{names.images}', param=names.where(i, j), code='invalid_value')
                 text, pil = self.pipe.render_with_images(fetch_http_images(messages, self.image_fetch, names.where),
                                                          tools, req.chat_template_kwargs, names.where)
                 wheres = [names.where(i, j) for i, m in enumerate(messages)
@@ -330,7 +334,7 @@ class ServerBase:
                     text += '\n\n</think>\n\n'
                 ids = self.pipe.tokenize(text + prefix)
         except ValueError as err:
-            raise APIError(400, f'{names.param}: {err}', param=names.param, code='invalid_value') from err
+            raise located_error(str(err), names.param) from err
         # where every session of this agent still sends the same tokens (system prompt + tools)
         shared_head = self.pipe.shared_head(messages, ids, tools, req.chat_template_kwargs)
         reasoning = None

@@ -8,7 +8,8 @@ Every numeric field has a finite range (see the ``Field`` bounds and docs/en/api
 infinities and NaN are refused. Every string must be valid Unicode (a lone UTF-16 surrogate
 such as ``"\\ud800"`` is refused). Unknown request fields are ignored (OpenAI clients send
 options this engine does not implement, e.g. ``user``, ``metadata``); known options it cannot
-honour (``suffix``, any ``best_of`` other than ``n``) are refused.
+honour (``suffix``, any ``best_of`` other than ``n``, ``audio`` and non-text ``modalities``) are
+refused.
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
 ``chat_template_kwargs``, ``separate_reasoning``, ``min_tokens``, ``cache_salt``, ``prompt_logprobs``
 (vLLM's names).
@@ -25,7 +26,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, S
 __all__ = ['ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'StreamOptions', 'Usage', 'Tool',
            'ResponseFormat', 'JSONSchemaFormat', 'NamedToolChoice',
            'ToolCall', 'FunctionCall', 'PromptTokensDetails', 'ModelCard', 'ModelList', 'ErrorBody', 'new_id', 'now',
-           'MAX_CHOICES', 'MAX_TOKENS', 'MAX_TOP_LOGPROBS', 'StrictModel', 'FINITE', 'Text']
+           'MAX_CHOICES', 'MAX_TOKENS', 'MAX_TOP_LOGPROBS', 'StrictModel', 'FINITE', 'Text', 'FunctionName',
+           'CONTENT_REQUIRED_ROLES']
 
 MAX_CHOICES = 128       # n (times prompts for /v1/completions) above this is refused
 MAX_TOKENS = (1 << 31) - 1      # max_tokens above this is refused; below it, clamped to the session
@@ -121,27 +123,45 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
+# roles whose messages must have content, as in OpenAI's API (an assistant message may have
+# none: a message that only calls tools); other roles go to the chat template as they are
+CONTENT_REQUIRED_ROLES = frozenset({'system', 'developer', 'user', 'tool'})
+
+
 class ChatMessage(StrictModel):
-    """One conversation message. ``content`` may be a string, text parts, or null.
+    """One conversation message. ``content`` is a string or a non-empty list of parts; it is
+    required (not null, not missing) for ``system``, ``developer``, ``user`` and ``tool``
+    messages, as in OpenAI's API, and may be null for an assistant message (one that only calls
+    tools) and for roles OpenAI does not define.
 
     ``developer`` is served as ``system``. Assistant messages may carry ``tool_calls`` (and
     ``reasoning_content``); tool messages ``tool_call_id`` and ``name``. Other roles go to the
     chat template as they are: served when it renders them, a 400 when it refuses them.
     """
     role: Annotated[Text, Field(min_length=1, max_length=64)]
-    content: Text | list[ContentPart] | None = None
+    # validated when missing too, so a user message without content is named like a null one
+    content: Text | list[ContentPart] | None = Field(None, validate_default=True)
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: Text | None = None
     reasoning_content: Text | None = None
+
+    @field_validator('content', mode='after')
+    @classmethod
+    def _content_of_role(cls, v, info: ValidationInfo):
+        role = info.data.get('role')
+        if v is None and role in CONTENT_REQUIRED_ROLES:
+            what = 'the tool\'s result' if role == 'tool' else 'a string or a list of content parts'
+            raise ValueError(f'a {role} message needs "content" ({what}), it is null or missing')
+        if isinstance(v, list) and not v and role in CONTENT_REQUIRED_ROLES:
+            raise ValueError(f'a {role} message needs at least one content part, got an empty list')
+        return v
 
     @model_validator(mode='after')
     def _tool_message(self):
         if self.role == 'tool':
             if self.tool_call_id is None:
                 raise ValueError('a tool message needs "tool_call_id" (the id of the call it answers)')
-            if self.content is None:
-                raise ValueError('a tool message needs "content" (the tool\'s result)')
         elif self.tool_call_id is not None:
             raise ValueError(f'"tool_call_id" belongs to tool messages, not {self.role!r}')
         if self.tool_calls is not None and self.role != 'assistant':
@@ -169,9 +189,19 @@ class ChatMessage(StrictModel):
         return out
 
 
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError('must not be empty')
+    return text
+
+
+# a function's name in ``tools`` (every API): a 400 naming the ``name`` field itself when blank
+FunctionName = Annotated[Text, AfterValidator(_not_blank)]
+
+
 class FunctionDefinition(StrictModel):
     """``tools[].function``: a callable function's name, description and JSON-schema parameters."""
-    name: Text
+    name: FunctionName
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -181,13 +211,6 @@ class Tool(StrictModel):
     """One entry of ``tools``."""
     type: Literal['function'] = 'function'
     function: FunctionDefinition
-
-    @field_validator('function')
-    @classmethod
-    def _named(cls, v):
-        if not v.name.strip():
-            raise ValueError('name must not be empty')
-        return v
 
 
 class _NamedFunction(StrictModel):
@@ -315,8 +338,25 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = Field(True, description='Split <think> reasoning into reasoning_content.')
+    # output kinds: only text is generated, so asking for audio is refused rather than answered in text
+    modalities: list[Text] | None = None
+    audio: dict[str, Any] | None = None
 
     _needs_logprobs = field_validator('top_logprobs')(_only_with('logprobs', 'needs "logprobs": true'))
+
+    @field_validator('modalities')
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and set(v) - {'text'}:
+            raise ValueError(f'only "text" output is served, got {v}')
+        return v
+
+    @field_validator('audio')
+    @classmethod
+    def _no_audio(cls, v):
+        if v is not None:
+            raise ValueError('audio output is not supported (this server generates text only)')
+        return v
 
     @field_validator('chat_template_kwargs')
     @classmethod

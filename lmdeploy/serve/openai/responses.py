@@ -42,7 +42,7 @@ import uuid
 from fastapi import Request
 
 from .chat_bridge import ChatRun, EngineFailed, ShuttingDown, chat_request
-from .errors import APIError
+from .errors import APIError, located_error
 from .generation import SSEResponse
 from .handlers import MessageNames, current_tenant
 from .response_store import ResponseStore
@@ -231,7 +231,7 @@ class ResponsesAPI:
             own: dict[tuple[int, int], str] = {}
             conversation = history + input_messages(req.input, own)
         except ValueError as err:
-            raise APIError(400, str(err), param='input', code='invalid_value') from err
+            raise located_error(str(err), 'input') from err
         if image_parts is not None:
             image_parts.update(((i + len(history), j), w) for (i, j), w in own.items())
         return conversation

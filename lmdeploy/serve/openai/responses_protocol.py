@@ -48,7 +48,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from .protocol import MAX_TOKENS, Text, FINITE, StrictModel
+from .protocol import MAX_TOKENS, Text, FINITE, FunctionName, StrictModel
 
 __all__ = ['ResponsesRequest', 'input_messages', 'chat_fields', 'split_call_name', 'CHAT_RENAMES', 'PASSTHROUGH',
            'LOGPROBS_INCLUDE']
@@ -128,7 +128,7 @@ InputItem = Annotated[_Message | _FunctionCall | _FunctionCallOutput | _Reasonin
 class FunctionTool(StrictModel):
     """``tools[]``: a function (the only tool type served)."""
     type: Literal['function']
-    name: Text = Field(min_length=1)
+    name: FunctionName
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -165,15 +165,22 @@ class _NamedFunction(StrictModel):
 
 class _Format(StrictModel):
     model_config = ConfigDict(populate_by_name=True)
-    type: Literal['text', 'json_object', 'json_schema']
+    type: Literal['text', 'json_object']
     name: Text | None = None
     description: Text | None = None
     json_schema: dict[str, Any] | None = Field(None, alias='schema')
     strict: bool | None = None
 
 
+class _SchemaFormat(_Format):
+    """``text.format`` of type ``json_schema``: its ``schema`` is required, as in OpenAI's API (a
+    400 naming ``text.format.schema`` when missing)."""
+    type: Literal['json_schema']
+    json_schema: dict[str, Any] = Field(alias='schema')
+
+
 class _TextConfig(StrictModel):
-    format: _Format | None = None
+    format: Annotated[_Format | _SchemaFormat, Field(discriminator='type')] | None = None
     verbosity: Literal['low', 'medium', 'high'] | None = None
 
 
@@ -230,9 +237,9 @@ class ResponsesRequest(StrictModel):
             return 'prompt', 'stored prompt templates are not supported'
         for i, tool in enumerate(self.tools or []):
             if tool.type not in ('function', 'namespace') + DECLINABLE_TOOLS:
-                return f'tools.{i}', (f'tool type {tool.type!r} is not served: this server runs only "function" '
-                                       'tools (also grouped in a "namespace"); "web_search" is accepted and never '
-                                       'called')
+                return f'tools[{i}]', (f'tool type {tool.type!r} is not served: this server runs only "function" '
+                                        'tools (also grouped in a "namespace"); "web_search" is accepted and never '
+                                        'called')
         if self.tool_choice == 'required' and self.tools and not self.functions():
             return 'tool_choice', ('"required" with only web_search tools: this server never calls web_search; '
                                    'send a function tool or tool_choice "auto"')
