@@ -14,7 +14,10 @@ Both states live in the engine's per-sequence state slots (:func:`mamba2_state_s
 state ``[conv_dim = d_inner + 2 G Dn, K - 1]`` in the activation dtype and the SSM state
 ``[H, P, Dn]`` in float32 (it accumulates over the whole sequence). The kernels come from the
 registry (``causal_conv1d_varlen``, ``mamba2_ssd_varlen``, ``grouped_gated_rms_norm``), so the
-layer never looks at the device.
+layer never looks at the device. A float32 CPU decode step whose slots are one sorted range with
+history runs everything between ``in_proj`` and ``out_proj`` as one call instead (the registry's
+``mamba2_decode``, native when built, see :mod:`~lmdeploy.pytorch.kernels.fused_recurrent`),
+unless a subclass has its own :meth:`Mamba2Mixer.step_sizes` rule or the norm spans ranks.
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
 ``norm``, ``out_proj``). Under tensor parallelism (:func:`mamba2_split`) a rank holds whole
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...cache_specs import CacheTensor, StateSpec
-from ...kernels import get_kernel
+from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear
 from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
@@ -167,8 +170,29 @@ class Mamba2Mixer(nn.Module):
         overrides this)."""
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dims.dt_min, self.dims.dt_max)
 
+    def _fused_decode(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The decode step by the registry's ``mamba2_decode`` on the slice of the state caches the
+        step's slots span, or ``None``: not a float32 pure decode step over one sorted slot range
+        with history, no such kernel for the device, a norm spanning ranks, or a subclass's own
+        :meth:`step_sizes` (the kernel knows only the clamp of this class's rule)."""
+        if (hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]
+                or self.cross_rank_norm is not None or type(self).step_sizes is not Mamba2Mixer.step_sizes):
+            return None
+        span = ctx.slot_span
+        fused = find_kernel('mamba2_decode', hidden.device)
+        conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
+        if span is None or span[1] is not None or fused is None or conv_cache.dtype != torch.float32:
+            return None
+        lo, N, d = span[0], hidden.shape[0], self.dims
+        return self.out_proj(fused(self.in_proj(hidden), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                   conv_cache[lo:lo + N], self.dt_bias, self.A_log, self.D, d.dt_min, d.dt_max,
+                                   ssm_cache[lo:lo + N], self.norm.weight, d.n_groups, d.norm_eps))
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        fused = self._fused_decode(hidden, ctx)
+        if fused is not None:
+            return fused
         d, T = self.dims, hidden.shape[0]
         H, P, G, Dn = d.num_heads, d.head_dim, d.n_groups, d.state_size
         z, xbc, dt = self.in_proj(hidden).split([d.d_inner, d.conv_dim, H], dim=-1)
