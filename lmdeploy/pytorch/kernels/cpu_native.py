@@ -24,7 +24,9 @@ here, each one call per layer per step:
 - the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
   between its products, Qwen-MoE routing with the shared expert's activation, an attention
   layer's prologue (with or without q/k norms), a residual add with its RMS norm, the absorbed
-  MLA step between its products, the DeepSeek-V3 group-limited router.
+  MLA step between its products, the DeepSeek-V3 group-limited router;
+- the fused recurrent decode ops (:mod:`.fused_recurrent`): a KDA layer's and a Mamba-2 layer's
+  whole decode step between their products.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
 ``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in

@@ -6,7 +6,8 @@ step, like ``gdn_decode`` (:mod:`.fused_decode`) for Gated DeltaNet::
                     gate, beta, per-channel delta rule, sigmoid-gated RMS norm -> o_proj input
                     (Kimi-Linear, GLM-5.3-Flash, Ling 3: blocks/kda.py)
     mamba2_decode   in_proj row [z | x | B | C | dt] -> conv, step sizes, SSD step, grouped gated
-                    RMS norm -> out_proj input (Nemotron-H, Granite-4.0-H, Bamba, Mamba-2: blocks/mamba2.py)
+                    RMS norm -> out_proj input (Nemotron-H, Granite-4.0-H, Bamba, Mamba-2,
+                    Falcon-H1: blocks/mamba2.py)
 
 A layer's torch glue around its kernels (splits, gate activations, casts, the norm) is a few dozen
 ops of 3-10 us each at batch 1, more than the arithmetic; one native call replaces them.

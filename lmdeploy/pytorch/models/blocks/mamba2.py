@@ -17,7 +17,8 @@ registry (``causal_conv1d_varlen``, ``mamba2_ssd_varlen``, ``grouped_gated_rms_n
 layer never looks at the device. A float32 CPU decode step whose slots are one sorted range with
 history runs everything between ``in_proj`` and ``out_proj`` as one call instead (the registry's
 ``mamba2_decode``, native when built, see :mod:`~lmdeploy.pytorch.kernels.fused_recurrent`),
-unless a subclass has its own :meth:`Mamba2Mixer.step_sizes` rule or the norm spans ranks.
+unless a subclass has its own :meth:`Mamba2Mixer.step_sizes` rule or the norm spans ranks
+(:meth:`Mamba2Mixer.fused_decode`, which a family's own forward may call too).
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
 ``norm``, ``out_proj``). Under tensor parallelism (:func:`mamba2_split`) a rank holds whole
@@ -170,32 +171,43 @@ class Mamba2Mixer(nn.Module):
         overrides this)."""
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dims.dt_min, self.dims.dt_max)
 
-    def _fused_decode(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
-        """The decode step by the registry's ``mamba2_decode`` on the slice of the state caches the
-        step's slots span, or ``None``: not a float32 pure decode step over one sorted slot range
-        with history, no such kernel for the device, a norm spanning ranks, or a subclass's own
-        :meth:`step_sizes` (the kernel knows only the clamp of this class's rule)."""
-        if (hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]
-                or self.cross_rank_norm is not None or type(self).step_sizes is not Mamba2Mixer.step_sizes):
+    def fused_decode(self, proj: torch.Tensor, ctx: StepContext, dt_min: float, dt_max: float
+                     ) -> torch.Tensor | None:
+        """Everything between the projections of a decode step in one call, the registry's
+        ``mamba2_decode``, on the slice of the state caches the step's slots span, with the step
+        sizes ``clamp(softplus(dt + dt_bias), dt_min, dt_max)`` and the grouped gated norm (gate
+        first); or ``None``: not a float32 pure decode step over one sorted slot range with
+        history, no such kernel for the device, or a norm spanning ranks.
+
+        Args:
+            proj: ``in_proj``'s output ``[N, d_inner + conv_dim + H]`` (``[z | x | B | C | dt]``).
+
+        Returns:
+            float32 ``[N, d_inner]``: the output projection's input, or ``None``.
+        """
+        if proj.dtype != torch.float32 or proj.shape[0] != ctx.slots.shape[0] or self.cross_rank_norm is not None:
             return None
         span = ctx.slot_span
-        fused = find_kernel('mamba2_decode', hidden.device)
+        fused = find_kernel('mamba2_decode', proj.device)
         conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
         if span is None or span[1] is not None or fused is None or conv_cache.dtype != torch.float32:
             return None
-        lo, N, d = span[0], hidden.shape[0], self.dims
-        return self.out_proj(fused(self.in_proj(hidden), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                   conv_cache[lo:lo + N], self.dt_bias, self.A_log, self.D, d.dt_min, d.dt_max,
-                                   ssm_cache[lo:lo + N], self.norm.weight, d.n_groups, d.norm_eps))
+        lo, N, d = span[0], proj.shape[0], self.dims
+        return fused(proj, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache[lo:lo + N], self.dt_bias,
+                     self.A_log, self.D, dt_min, dt_max, ssm_cache[lo:lo + N], self.norm.weight, d.n_groups,
+                     d.norm_eps)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
-        fused = self._fused_decode(hidden, ctx)
-        if fused is not None:
-            return fused
         d, T = self.dims, hidden.shape[0]
         H, P, G, Dn = d.num_heads, d.head_dim, d.n_groups, d.state_size
-        z, xbc, dt = self.in_proj(hidden).split([d.d_inner, d.conv_dim, H], dim=-1)
+        proj = self.in_proj(hidden)
+        # the fused step knows this class's clamp only: a subclass's own rule runs unfused
+        if type(self).step_sizes is Mamba2Mixer.step_sizes:
+            y = self.fused_decode(proj, ctx, d.dt_min, d.dt_max)
+            if y is not None:
+                return self.out_proj(y)
+        z, xbc, dt = proj.split([d.d_inner, d.conv_dim, H], dim=-1)
         conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
         xbc = get_kernel('causal_conv1d_varlen', hidden.device)(
             xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids,
