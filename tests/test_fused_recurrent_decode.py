@@ -90,7 +90,8 @@ def _kda_caches(heads, dim, kernel, slots, gen):
 
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([1, 2, 3, 5]), st.sampled_from([8, 13, 32]), st.sampled_from([2, 4]),
-       st.sampled_from([None, -5.0, -0.5]), st.booleans(), st.integers(1, 5), st.integers(0, 3), st.integers(0, 2 ** 31))
+       st.sampled_from([None, -5.0, -0.5]), st.booleans(), st.integers(1, 5), st.integers(0, 3),
+       st.integers(0, 2 ** 31))
 def test_kda_decode_equals_the_unfused_path(heads, dim, kernel, lower_bound, low_rank, n, lo, seed):
     """Kimi-Linear's softplus decay and GLM-5.3-Flash's safe gate (``None`` / a bound), low-rank
     (Kimi, GLM) or full-rank (Ling 3) gates: output and all four states equal the unfused path."""
