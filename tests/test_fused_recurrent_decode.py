@@ -2,7 +2,7 @@
 blocks' unfused torch paths, natively and in their torch forms, over their input class: KDA's
 softplus and safe-gate decays, low-rank and full-rank gates, odd head counts and widths, conv
 widths; Mamba-2's group counts, state sizes not a multiple of the vector length, a conv bias or
-none, a clamp that bites; batches of several sequences on a slot range that does not start at 0
+none, a clamp that bites, Zamba2's prompt-only clamp; batches of several sequences on a slot range that does not start at 0
 inside a larger cache (rows around it untouched). A step off the fused class (slots out of order,
 float64, a subclass with its own step-size rule) runs the unfused path."""
 import copy
@@ -17,6 +17,7 @@ from test_cpu_native_fused import _three_ways
 from lmdeploy.pytorch.kernels.cpu_native import CALLS, native_library
 from lmdeploy.pytorch.models.blocks.kda import KimiDeltaAttention
 from lmdeploy.pytorch.models.blocks.mamba2 import Mamba2Dims, Mamba2Mixer
+from lmdeploy.pytorch.models.zamba2 import Zamba2Mixer
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU kernels could not be built here '
                                 '(no C compiler with OpenMP, or LMDEPLOY_CPU_KERNELS=0)')
@@ -131,14 +132,27 @@ def test_mamba2_decode_equals_the_unfused_path(heads_groups, head_dim, state, ke
     _check_three_ways(layer, hidden, ctx, 'mamba2_decode')
 
 
+@pytest.mark.parametrize('prompt', [False, True])
+def test_zamba2_decode_applies_its_own_rule(prompt):
+    """Zamba2's step sizes (``>= time_step_min`` for prompt tokens only; 0.3 here, which bites)
+    through the fused step: generated tokens unclamped, a step of prompt tokens clamped."""
+    base, gen = _mamba2(4, 4, 2, 16, 4, True, 0.3, float('inf'), 2)
+    layer = _randomize(Zamba2Mixer(base.dims, 0), gen)
+    hidden = torch.randn(3, HIDDEN, generator=gen)
+    ctx = _ctx(_mamba2_caches(layer, 5, gen), 3, 1)
+    ctx.prompt_token_mask = torch.full((3,), prompt)
+    _check_three_ways(layer, hidden, ctx, 'mamba2_decode')
+
+
 class _OwnStepSizes(Mamba2Mixer):
     def step_sizes(self, dt, ctx):
         return super().step_sizes(dt, ctx) * 0.5
 
 
 def test_fused_decodes_fall_back_off_their_class():
-    """Slots out of order, a float64 step, or a Mamba-2 subclass with its own ``step_sizes``
-    (Zamba2's prompt-only clamp) run the unfused path: no fused call."""
+    """Slots out of order, a float64 step, a Mamba-2 subclass with its own ``step_sizes`` (and no
+    clamp declared for it), or a Zamba2 step of prompt and generated tokens together run the
+    unfused path: no fused call."""
     kda, gen = _kda(2, 8, 4, None, True, 1)
     mamba, _ = _mamba2(4, 4, 2, 16, 4, True, 0.0, float('inf'), 1)
     own = _randomize(_OwnStepSizes(mamba.dims, 0), gen)
@@ -152,4 +166,8 @@ def test_fused_decodes_fall_back_off_their_class():
             layer(hidden, ctx)
             layer.to(torch.float64)(hidden.double(), _ctx(tuple(c.double() for c in caches()), 2, 0))
         own(hidden, _ctx(_mamba2_caches(own, 4, gen), 2, 0))
+        zamba = _randomize(Zamba2Mixer(mamba.dims, 0), gen)
+        ctx = _ctx(_mamba2_caches(zamba, 4, gen), 2, 0)
+        ctx.prompt_token_mask = torch.tensor([True, False])
+        zamba(hidden, ctx)
     assert (CALLS['kda_decode'], CALLS['mamba2_decode']) == before

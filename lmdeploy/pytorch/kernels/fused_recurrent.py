@@ -7,7 +7,7 @@ step, like ``gdn_decode`` (:mod:`.fused_decode`) for Gated DeltaNet::
                     (Kimi-Linear, GLM-5.3-Flash, Ling 3: blocks/kda.py)
     mamba2_decode   in_proj row [z | x | B | C | dt] -> conv, step sizes, SSD step, grouped gated
                     RMS norm -> out_proj input (Nemotron-H, Granite-4.0-H, Bamba, Mamba-2,
-                    Falcon-H1: blocks/mamba2.py)
+                    Falcon-H1, Zamba2: blocks/mamba2.py)
 
 A layer's torch glue around its kernels (splits, gate activations, casts, the norm) is a few dozen
 ops of 3-10 us each at batch 1, more than the arithmetic; one native call replaces them.
