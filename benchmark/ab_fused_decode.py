@@ -3,7 +3,9 @@ with the ops registered (fused) and with them taken out of the kernel registry (
 run their unfused paths, as before the ops existed), alternating, so machine load hits both
 alike. Prints, per mode, the torch ops and native calls of one step and the best and median
 step time over the rounds (each round's time is the median of its timed steps; on a loaded
-machine read the best).
+machine read the best, or time with ``--clock cpu``: the process's CPU seconds, which other
+processes' load adds to only through shared caches and memory bandwidth; with ``--threads 1``
+that is the step's compute time).
 
 Usage::
 
@@ -20,6 +22,7 @@ import json
 import os
 import random
 import sys
+import time
 
 import torch
 
@@ -47,7 +50,7 @@ def unfused(ops: tuple[str, ...]):
 
 
 def run(arch: str, width_scale: int, batches: list[int], rounds: int, steps: int, ops: tuple[str, ...],
-        threads: int) -> dict:
+        threads: int, clock: str = 'wall') -> dict:
     """``{batch: {mode: {'ops', 'native', 'best_ms', 'median_ms' (over the rounds), 'runs_ms'}}}``
     for the modes ``fused`` and ``unfused``, alternating within each round (milliseconds)."""
     torch.set_num_threads(threads)
@@ -63,7 +66,8 @@ def run(arch: str, width_scale: int, batches: list[int], rounds: int, steps: int
         for _ in range(rounds):
             for mode in ('fused', 'unfused'):
                 with unfused(ops) if mode == 'unfused' else contextlib.nullcontext():
-                    n, native, seconds = engine_decode_step_ops(engine, prompts, steps)
+                    n, native, seconds = engine_decode_step_ops(
+                        engine, prompts, steps, time.process_time if clock == 'cpu' else time.perf_counter)
                 counts[mode] = (n, native)
                 runs[mode].append(seconds * 1e3)
         out[batch] = {m: {'ops': counts[m][0], 'native': counts[m][1], 'runs_ms': runs[m], 'best_ms': min(runs[m]),
@@ -80,10 +84,12 @@ def main(argv=None) -> dict:
     p.add_argument('--steps', type=int, default=8, help='timed decode steps per measurement (median; default 8)')
     p.add_argument('--ops', default=','.join(DEFAULT_OPS), help='registry ops taken out in the unfused mode')
     p.add_argument('--threads', type=int, default=2, help='torch threads (default 2)')
+    p.add_argument('--clock', choices=('wall', 'cpu'), default='wall',
+                   help="step time: wall clock, or this process's CPU seconds (default wall)")
     p.add_argument('--out', help='write the results as JSON here')
     args = p.parse_args(argv)
     res = run(args.arch, args.width_scale, [int(b) for b in args.batches.split(',')], args.rounds, args.steps,
-              tuple(o for o in args.ops.split(',') if o), args.threads)
+              tuple(o for o in args.ops.split(',') if o), args.threads, args.clock)
     for batch, modes in res.items():
         f, u = modes['fused'], modes['unfused']
         print(f'batch {batch:3d}: fused best {f["best_ms"]:.2f} ms (median {f["median_ms"]:.2f}), {f["ops"]} ops '

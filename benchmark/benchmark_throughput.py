@@ -206,11 +206,15 @@ def hf_prefill(hf, prompt: list[int]) -> None:
     hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
 
 
-def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 8) -> tuple[int, int, float]:
+def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 8,
+                           clock=None) -> tuple[int, int, float]:
     """``(torch ops, native kernel calls, seconds)`` of pure-decode ``Engine.step`` calls with
     ``len(prompts)`` running sequences (native: :data:`lmdeploy.pytorch.kernels.cpu_native.CALLS`):
-    the counts of one step, and the median wall time of the ``timed_steps`` steps after it."""
+    the counts of one step, and the median time of the ``timed_steps`` steps after it by
+    ``clock`` (default ``time.perf_counter``, wall time; ``time.process_time`` counts only this
+    process's CPU seconds, which a loaded machine's other processes do not add to)."""
     import time
+    clock = clock or time.perf_counter
     from lmdeploy import GenerationConfig
     from lmdeploy.pytorch.kernels.cpu_native import CALLS
     seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=timed_steps + 3, ignore_eos=True))
@@ -222,9 +226,9 @@ def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 
     native = sum(CALLS.values()) - before
     times = []
     for _ in range(timed_steps):
-        t = time.perf_counter()
+        t = clock()
         engine.step()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     while not all(s.is_finished for s in seqs):
         engine.step()
     return n, native, sorted(times)[len(times) // 2]

@@ -36,7 +36,7 @@ VARIANTS = {'qwen3_next': GatedDeltaNet, 'qwen3_5': Qwen3_5GatedDeltaNet, 'olmo_
 
 
 FUSED_OPS = ('gdn_decode', 'moe_route_shared', 'qk_norm_rope_store', 'add_rms_norm', 'mla_decode',
-             'group_limited_route')
+             'group_limited_route', 'kda_decode', 'mamba2_decode')
 
 
 def _torch_path(fn, unfused=False):

@@ -24,7 +24,9 @@ here, each one call per layer per step:
 - the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
   between its products, Qwen-MoE routing with the shared expert's activation, an attention
   layer's prologue (with or without q/k norms), a residual add with its RMS norm, the absorbed
-  MLA step between its products, the DeepSeek-V3 group-limited router.
+  MLA step between its products, the DeepSeek-V3 group-limited router;
+- the fused recurrent decode ops (:mod:`.fused_recurrent`): a KDA layer's and a Mamba-2 layer's
+  whole decode step between their products.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
 ``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
@@ -178,6 +180,10 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_moe_route': ('p i64 i32 i32 i32 i32 i32 p p p i32', None),
     'lm_delta_step': ('p p p i32 p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
     'lm_gdn_decode': ('p i64 p p p i64 i64 p p f32 p i64 i64 i64 p f32 i32 i32 i32 i32 i32 i32 p p i32', None),
+    'lm_kda_decode': ('p i64 p i64 p i64 p i64 p p p p p p i64 i64 p p i32 f32 p i64 i64 i64 p f32 i32 i32 i32 i32 p '
+                      'i32', None),                                  # wrapped in fused_recurrent.py
+    'lm_mamba2_decode': ('p i64 p p p i64 i64 p p p f32 f32 p i64 i64 i64 p f32 i32 i32 i32 i32 i32 i32 p p i32',
+                         None),                                      # wrapped in fused_recurrent.py
     'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py

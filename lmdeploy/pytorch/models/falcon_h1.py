@@ -119,6 +119,10 @@ class FalconH1Mixer(Mamba2Mixer):
         d, T = self.dims, hidden.shape[0]
         H, P, G, Dn = d.num_heads, d.head_dim, d.n_groups, d.state_size
         proj = self.in_proj(hidden * self.in_multiplier) * self._multipliers(hidden)
+        if self.rms_norm and not self.norm_before_gate:       # the shared mixer's norm; no clamp of dt
+            y = self.fused_decode(proj, ctx, (0.0, float('inf')))
+            if y is not None:
+                return self.out_proj(y)
         z, xbc, dt = proj.split([d.d_inner, d.conv_dim, H], dim=-1)
         conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
         xbc = get_kernel('causal_conv1d_varlen', hidden.device)(

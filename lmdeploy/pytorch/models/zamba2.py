@@ -157,6 +157,21 @@ class Zamba2Mixer(Mamba2Mixer):
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return torch.where(ctx.prompt_token_mask[:, None], dt.clamp(min=self.dims.dt_min), dt)
 
+    def decode_step_limits(self, ctx: StepContext) -> tuple[float, float] | None:
+        """That rule as a clamp for the fused decode step: ``(time_step_min, inf)`` when every
+        token of ``ctx`` is a prompt token, none when none is (a decode step of generated
+        tokens), else None (the unfused path); the shared mixer's answer when ``step_sizes`` is
+        not this class's."""
+        if type(self).step_sizes is not _ZAMBA2_STEP_SIZES:
+            return super().decode_step_limits(ctx)
+        prompt = ctx.prompt_token_mask
+        if bool(prompt.all()):
+            return self.dims.dt_min, float('inf')
+        return None if bool(prompt.any()) else (float('-inf'), float('inf'))
+
+
+_ZAMBA2_STEP_SIZES = Zamba2Mixer.step_sizes
+
 
 def mamba_layer(config, layer_idx: int) -> DecoderLayer:
     """A Mamba-2 layer, ``h + mamba(RMSNorm(h))`` (``h: [T, hidden]``): an MLP-less

@@ -286,6 +286,22 @@ void lm_moe_route(const float* proj, int64_t ld, int T, int E, int k, int norm, 
    written once, the update pass finding one head's dk x dv block in cache. kq [N, H, 2, dk]:
    the key, then the scaled query; v, out [N, H, dv]; decay [N, H, dk] when per_channel, else
    [N, H]; beta [N, H]; state element (n, h, i, c) at n * s_slot + h * s_head + i * s_row + c. */
+/* One decode tap of a depthwise causal conv channel: returns w . (window, xv) over the K taps and
+   shifts xv into the window s (its K - 1 previous inputs, oldest first), in place. */
+static inline float conv_tap(float* s, const float* w, float xv, int K) {
+  float acc = 0.0f;
+  for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
+  acc += w[K - 1] * xv;
+  for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
+  if (K > 1) s[K - 2] = xv;
+  return acc;
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* softplus(x) = log(1 + e^x), x itself above 20 (torch's threshold) */
+static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
 /* delta_head: that step for one (sequence, head), S (rows at stride s_row) updated in place, o [dv];
    lm_delta_step runs it for every pair, lm_gdn_decode inside a whole layer. */
 static void delta_head(float* S, int64_t s_row, const float* k, const float* q, const float* a, int sa,
@@ -356,12 +372,7 @@ void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, cons
       int n = (int)(p / C), c = (int)(p % C);
       float* s = conv_state + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan;
       const float* w = conv_w + (ptrdiff_t)c * K;
-      float xv = proj[(ptrdiff_t)n * ld_proj + cols[c]];
-      float acc = 0.0f;
-      for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
-      acc += w[K - 1] * xv;
-      for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
-      if (K > 1) s[K - 2] = xv;
+      float acc = conv_tap(s, w, proj[(ptrdiff_t)n * ld_proj + cols[c]], K);
       work[p] = acc / (1.0f + expf(-acc));
     }
     #pragma omp for schedule(static)
@@ -384,8 +395,7 @@ void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, cons
       }
       float b = row[b_cols[h]], a = row[a_cols[h]] + dt_bias[h];
       float beta = beta_scale * (1.0f / (1.0f + expf(-b)));
-      float sp = a > 20.0f ? a : log1pf(expf(a));
-      float decay = expf(-expf(A_log[h]) * sp);
+      float decay = expf(-expf(A_log[h]) * softplusf(a));
       delta_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, kn, qn, &decay, 0,
                  y + 2 * Hk * dk + (ptrdiff_t)h * dv, beta, dk, dv, o);
       float ss = 0.0f;
@@ -400,12 +410,107 @@ void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, cons
   }
 }
 
+/* The whole decode step of a Kimi Delta Attention layer between its projections (Kimi Team,
+   "Kimi Linear: An Expressive, Efficient Attention Architecture", 2025), for N sequences, the three
+   conv windows and the recurrent state updated in place. Per sequence n and head h, channel
+   c = h d + i of D = H d:
+
+     q, k, v = silu(causal conv of qkv[n, c], qkv[n, D + c], qkv[n, 2 D + c])   (three convs, no
+               bias; window element (n, c, j) of conv s at cs[s] + n * cs_slot + c * cs_chan + j)
+     q, k    = l2norm over the head's d channels (eps 1e-6 inside the root), q scaled by d^-1/2
+     u       = f[n, c] + dt_bias[c]
+     g       = -exp(A_log[h]) * softplus(u)                 (safe_gate == 0: Kimi-Linear)
+             = lower_bound * sigmoid(exp(A_log[h]) * u)     (safe_gate != 0: GLM-5.3-Flash)
+     beta    = sigmoid(b[n, h])
+     o       = delta_head with the per-channel decay exp(g), state element (n, h, i, c) at
+               n * s_slot + h * s_head + i * s_row + c
+     out     = norm_w * o / sqrt(mean(o^2) + eps) * sigmoid(gate[n, c])
+
+   qkv, f, b, gate rows at strides ld_qkv, ld_f, ld_b, ld_gate (views of the projections' output
+   are read in place); conv_w [3][D, K] (q, k, v); out [N, D]. A head reads only its own channels,
+   so each (sequence, head) pair is one independent task. */
+void lm_kda_decode(const float* qkv, int64_t ld_qkv, const float* f, int64_t ld_f, const float* b, int64_t ld_b,
+                   const float* gate, int64_t ld_gate, const float* q_conv_w, const float* k_conv_w,
+                   const float* v_conv_w, float* q_conv, float* k_conv, float* v_conv, int64_t cs_slot,
+                   int64_t cs_chan, const float* A_log, const float* dt_bias, int safe_gate, float lower_bound,
+                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   int N, int H, int d, int K, float* out, int threads) {
+  const int D = H * d;
+  const float q_scale = 1.0f / sqrtf((float)d);
+  const float* conv_w[3] = {q_conv_w, k_conv_w, v_conv_w};
+  float* conv_s[3] = {q_conv, k_conv, v_conv};
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int p = 0; p < N * H; p++) {
+    int n = p / H, h = p % H;
+    float y[3][d], decay[d], o[d];
+    const float* row = qkv + (ptrdiff_t)n * ld_qkv;
+    for (int part = 0; part < 3; part++) {
+      for (int i = 0; i < d; i++) {
+        int c = h * d + i;
+        float acc = conv_tap(conv_s[part] + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan,
+                             conv_w[part] + (ptrdiff_t)c * K, row[part * D + c], K);
+        y[part][i] = acc / (1.0f + expf(-acc));
+      }
+    }
+    float qq = 0.0f, kk = 0.0f;
+    for (int i = 0; i < d; i++) {
+      qq += y[0][i] * y[0][i];
+      kk += y[1][i] * y[1][i];
+    }
+    float iq = q_scale / sqrtf(qq + 1e-6f), ik = 1.0f / sqrtf(kk + 1e-6f);
+    for (int i = 0; i < d; i++) {
+      y[0][i] *= iq;
+      y[1][i] *= ik;
+    }
+    const float* fr = f + (ptrdiff_t)n * ld_f + (ptrdiff_t)h * d;
+    const float* bias = dt_bias + (ptrdiff_t)h * d;
+    float rate = expf(A_log[h]);
+    for (int i = 0; i < d; i++) {
+      float u = fr[i] + bias[i];
+      decay[i] = expf(safe_gate ? lower_bound * sigmoidf(rate * u) : -rate * softplusf(u));
+    }
+    delta_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, y[1], y[0], decay, 1, y[2],
+               sigmoidf(b[(ptrdiff_t)n * ld_b + h]), d, d, o);
+    float ss = 0.0f;
+    for (int i = 0; i < d; i++) ss += o[i] * o[i];
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    const float* gr = gate + (ptrdiff_t)n * ld_gate + (ptrdiff_t)h * d;
+    float* dst = out + (ptrdiff_t)n * D + (ptrdiff_t)h * d;
+    for (int i = 0; i < d; i++) dst[i] = norm_w[i] * (o[i] * inv) * sigmoidf(gr[i]);
+  }
+}
+
 /* One decode token of the Mamba-2 selective state space recurrence (Dao & Gu, "Transformers are
    SSMs", ICML 2024, the SSD recurrence) for N sequences x H heads, state updated in place:
    a = exp(dt A_h); S <- a S + (dt x) B^T; y = S C + D_h x, head h reading B and C of group
    h / (H / G). x, y [N, H, P]; dt [N, H]; A, D [H] (D may be NULL: no skip); B, C [N, G, Dn];
    state element (n, h, p, j) at n * s_slot + h * s_head + p * s_row + j. One pass over the state:
    each row is updated and read against C while it is in registers. */
+/* ssd_head: that step for one (sequence, head): S [P, Dn] (rows at stride s_row) updated in
+   place, y [P] written; lm_ssd_step runs it for every pair, lm_mamba2_decode inside a whole layer. */
+static void ssd_head(float* S, int64_t s_row, const float* xp, const float* b, const float* c, float d, float A,
+                     float skip, int P, int Dn, float* yp) {
+  float a = expf(d * A);
+  for (int p = 0; p < P; p++) {
+    float* row = S + (ptrdiff_t)p * s_row;
+    float u = d * xp[p];
+    v16 acc = (v16){0};
+    int j = 0;
+    for (; j + 16 <= Dn; j += 16) {
+      v16 s = load16(row + j) * a + load16(b + j) * u;
+      memcpy(row + j, &s, sizeof s);
+      acc += s * load16(c + j);
+    }
+    float tot = hsum16(acc);
+    for (; j < Dn; j++) {
+      float s = row[j] * a + b[j] * u;
+      row[j] = s;
+      tot += s * c[j];
+    }
+    yp[p] = tot + skip * xp[p];
+  }
+}
+
 void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B, const float* C, const float* D,
                  float* state, int N, int H, int P, int G, int Dn, int64_t s_slot, int64_t s_head, int64_t s_row,
                  float* y, int threads) {
@@ -413,29 +518,66 @@ void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int q = 0; q < N * H; q++) {
     int n = q / H, h = q % H;
-    float* S = state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head;
     const float* b = B + ((ptrdiff_t)n * G + h / per_group) * Dn;
     const float* c = C + ((ptrdiff_t)n * G + h / per_group) * Dn;
-    const float* xp = x + (ptrdiff_t)q * P;
-    float* yp = y + (ptrdiff_t)q * P;
-    float d = dt[q], a = expf(d * A[h]), skip = D ? D[h] : 0.0f;
-    for (int p = 0; p < P; p++) {
-      float* row = S + (ptrdiff_t)p * s_row;
-      float u = d * xp[p];
-      v16 acc = (v16){0};
-      int j = 0;
-      for (; j + 16 <= Dn; j += 16) {
-        v16 s = load16(row + j) * a + load16(b + j) * u;
-        memcpy(row + j, &s, sizeof s);
-        acc += s * load16(c + j);
-      }
-      float tot = hsum16(acc);
-      for (; j < Dn; j++) {
-        float s = row[j] * a + b[j] * u;
-        row[j] = s;
-        tot += s * c[j];
-      }
-      yp[p] = tot + skip * xp[p];
+    ssd_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, x + (ptrdiff_t)q * P, b, c, dt[q], A[h],
+             D ? D[h] : 0.0f, P, Dn, y + (ptrdiff_t)q * P);
+  }
+}
+
+/* The whole decode step of a Mamba-2 layer between its projections (Dao & Gu, "Transformers are
+   SSMs", ICML 2024), for N sequences, both states updated in place. proj rows (stride ld_proj):
+   [z (H P) | x (H P) | B (G Dn) | C (G Dn) | dt (H)]; the conv channels are x | B | C (C_ch of them):
+
+     xbc   = silu(conv_b + causal conv over the window)   conv_b may be NULL; window element
+                                                          (n, c, j) at n * cs_slot + c * cs_chan + j
+     dt    = min(max(softplus(dt + dt_bias[h]), dt_min), dt_max)
+     y     = the SSD step of head h (ssd_head) with A = -exp(A_log[h]), skip D[h], B and C of group
+             h / (H / G); state element (n, h, p, j) at n * s_slot + h * s_head + p * s_row + j
+     out   = norm_w * r / sqrt(mean over the group's channels of r^2 + eps),  r = y * silu(z),
+             groups of H P / G channels (the gate before the norm: Mamba-2's norm_before_gate=False)
+
+   work [N, C_ch] holds the conv outputs (heads of a group share its B and C); out [N, H P] holds
+   r between the SSD and the norm phases. */
+void lm_mamba2_decode(const float* proj, int64_t ld_proj, const float* conv_w, const float* conv_b,
+                      float* conv_state, int64_t cs_slot, int64_t cs_chan, const float* dt_bias, const float* A_log,
+                      const float* D, float dt_min, float dt_max, float* state, int64_t s_slot, int64_t s_head,
+                      int64_t s_row, const float* norm_w, float eps, int N, int H, int P, int G, int Dn, int K,
+                      float* work, float* out, int threads) {
+  const int di = H * P, C_ch = di + 2 * G * Dn, per_group = H / G, group = di / G;
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(static)
+    for (int64_t q = 0; q < (int64_t)N * C_ch; q++) {
+      int n = (int)(q / C_ch), c = (int)(q % C_ch);
+      float acc = conv_tap(conv_state + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan, conv_w + (ptrdiff_t)c * K,
+                           proj[(ptrdiff_t)n * ld_proj + di + c], K);
+      if (conv_b) acc += conv_b[c];
+      work[q] = acc / (1.0f + expf(-acc));
+    }
+    #pragma omp for schedule(static)
+    for (int q = 0; q < N * H; q++) {
+      int n = q / H, h = q % H, g = h / per_group;
+      const float* row = proj + (ptrdiff_t)n * ld_proj;
+      const float* xbc = work + (ptrdiff_t)n * C_ch;
+      float dt = softplusf(row[di + C_ch + h] + dt_bias[h]);
+      dt = dt < dt_min ? dt_min : dt;
+      dt = dt > dt_max ? dt_max : dt;
+      float* yp = out + (ptrdiff_t)n * di + (ptrdiff_t)h * P;
+      ssd_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, xbc + (ptrdiff_t)h * P,
+               xbc + di + (ptrdiff_t)g * Dn, xbc + di + (ptrdiff_t)(G + g) * Dn, dt, -expf(A_log[h]), D[h], P, Dn,
+               yp);
+      const float* z = row + (ptrdiff_t)h * P;
+      for (int p = 0; p < P; p++) yp[p] *= z[p] / (1.0f + expf(-z[p]));
+    }
+    #pragma omp for schedule(static)
+    for (int q = 0; q < N * G; q++) {
+      float* r = out + (ptrdiff_t)q * group;
+      const float* w = norm_w + (ptrdiff_t)(q % G) * group;
+      float ss = 0.0f;
+      for (int i = 0; i < group; i++) ss += r[i] * r[i];
+      float inv = 1.0f / sqrtf(ss / (float)group + eps);
+      for (int i = 0; i < group; i++) r[i] = w[i] * (r[i] * inv);
     }
   }
 }
@@ -501,12 +643,7 @@ void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_sl
     for (int c = 0; c < C; c++) {
       float* s = state + (ptrdiff_t)n * s_slot + (ptrdiff_t)c * s_chan;
       const float* w = weight + (ptrdiff_t)c * K;
-      float xv = x[(ptrdiff_t)n * ldx + c];
-      float acc = 0.0f;
-      for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
-      acc += w[K - 1] * xv;
-      for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
-      if (K > 1) s[K - 2] = xv;
+      float acc = conv_tap(s, w, x[(ptrdiff_t)n * ldx + c], K);
       if (bias) acc += bias[c];
       y[(ptrdiff_t)n * C + c] = silu ? acc / (1.0f + expf(-acc)) : acc;
     }

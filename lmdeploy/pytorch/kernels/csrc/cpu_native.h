@@ -35,10 +35,25 @@ void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, cons
                    float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
                    int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads);
 
+/* the decode step of a Kimi Delta Attention layer between its projections (convs, gates, delta rule, gated norm) */
+void lm_kda_decode(const float* qkv, int64_t ld_qkv, const float* f, int64_t ld_f, const float* b, int64_t ld_b,
+                   const float* gate, int64_t ld_gate, const float* q_conv_w, const float* k_conv_w,
+                   const float* v_conv_w, float* q_conv, float* k_conv, float* v_conv, int64_t cs_slot,
+                   int64_t cs_chan, const float* A_log, const float* dt_bias, int safe_gate, float lower_bound,
+                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   int N, int H, int d, int K, float* out, int threads);
+
 /* one decode token of the Mamba-2 (SSD) recurrence, state updated in place */
 void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B, const float* C, const float* D,
                  float* state, int N, int H, int P, int G, int Dn, int64_t s_slot, int64_t s_head, int64_t s_row,
                  float* y, int threads);
+
+/* the decode step of a Mamba-2 layer between its projections (conv, step sizes, SSD, grouped gated norm) */
+void lm_mamba2_decode(const float* proj, int64_t ld_proj, const float* conv_w, const float* conv_b,
+                      float* conv_state, int64_t cs_slot, int64_t cs_chan, const float* dt_bias, const float* A_log,
+                      const float* D, float dt_min, float dt_max, float* state, int64_t s_slot, int64_t s_head,
+                      int64_t s_row, const float* norm_w, float eps, int N, int H, int P, int G, int Dn, int K,
+                      float* work, float* out, int threads);
 
 /* one decode token of the Mamba-1 selective scan, state updated in place */
 void lm_selective_step(const float* x, const float* dt, const float* A, const float* B, const float* C,

@@ -8,6 +8,13 @@ Per layer and sequence the state slot holds::
     recurrent               [H, d, d]            (float32)  the delta-rule state
 
 all four split by head under tensor parallelism (``tp_split='v_heads'``).
+
+A float32 CPU decode step whose slots are one sorted range with history runs everything between
+the projections' products (the convs, gates, delta rule and gated norm) as one call: the
+registry's ``kda_decode`` (native when built, see :mod:`~lmdeploy.pytorch.kernels.fused_recurrent`)
+on views of the packed projection's output and of the state rows; the low-rank gates' second
+products (``f_b_proj``, ``g_b_proj``) stay products before it. Every other step, and every other
+device, runs the unfused path.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import torch
 from torch import nn
 
 from ...cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
-from ...kernels import get_kernel
+from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, WeightLoader
 from ..parallel_plan import Axis, BlockSplit, Piece, TensorSplit, cols, rows
@@ -121,8 +128,32 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = Linear(D, hidden, bias=False)
 
+    def _fused_decode(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The decode step by the registry's ``kda_decode`` on the slice of the state caches the
+        step's slots span, or ``None`` (not a float32 pure decode step over one sorted slot range
+        with history, or no such kernel for the device)."""
+        if hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]:
+            return None
+        span = ctx.slot_span
+        fused = find_kernel('kda_decode', hidden.device)
+        caches = ctx.state_caches[self.layer_idx]
+        if span is None or span[1] is not None or fused is None or caches[0].dtype != torch.float32:
+            return None
+        lo, N = span[0], hidden.shape[0]
+        proj = self.in_proj(hidden)
+        D = self.dim
+        _, _, _, fa, b, ga = proj.split(self.in_proj.shard_sizes, dim=-1)
+        return self.o_proj(fused(proj[:, :3 * D], self.f_b_proj(fa), b, self.g_b_proj(ga),
+                                 tuple(c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
+                                 tuple(c[lo:lo + N].flatten(1, 2) for c in caches[:3]), self.A_log.view(-1),
+                                 self.dt_bias, self.gate_lower_bound, caches[3][lo:lo + N], self.o_norm.weight,
+                                 self.o_norm.eps))
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
+        fused = self._fused_decode(hidden, ctx)
+        if fused is not None:
+            return fused
         T, H, d = hidden.shape[0], self.num_heads, self.head_dim
         q, k, v, fa, b, ga = self.in_proj.forward_split(hidden)
         caches = ctx.state_caches[self.layer_idx]

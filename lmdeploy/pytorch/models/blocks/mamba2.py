@@ -14,7 +14,12 @@ Both states live in the engine's per-sequence state slots (:func:`mamba2_state_s
 state ``[conv_dim = d_inner + 2 G Dn, K - 1]`` in the activation dtype and the SSM state
 ``[H, P, Dn]`` in float32 (it accumulates over the whole sequence). The kernels come from the
 registry (``causal_conv1d_varlen``, ``mamba2_ssd_varlen``, ``grouped_gated_rms_norm``), so the
-layer never looks at the device.
+layer never looks at the device. A float32 CPU decode step whose slots are one sorted range with
+history runs everything between ``in_proj`` and ``out_proj`` as one call instead (the registry's
+``mamba2_decode``, native when built, see :mod:`~lmdeploy.pytorch.kernels.fused_recurrent`),
+unless the norm spans ranks or a subclass's own :meth:`Mamba2Mixer.step_sizes` rule is no clamp
+for the step (:meth:`Mamba2Mixer.decode_step_limits`; :meth:`Mamba2Mixer.fused_decode`, which a
+family's own forward may call too).
 
 Parameter names are the checkpoints' (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``,
 ``norm``, ``out_proj``). Under tensor parallelism (:func:`mamba2_split`) a rank holds whole
@@ -32,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...cache_specs import CacheTensor, StateSpec
-from ...kernels import get_kernel
+from ...kernels import find_kernel, get_kernel
 from ...model_inputs import StepContext
 from ..layers import Linear
 from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
@@ -167,11 +172,56 @@ class Mamba2Mixer(nn.Module):
         overrides this)."""
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dims.dt_min, self.dims.dt_max)
 
+    def decode_step_limits(self, ctx: StepContext) -> tuple[float, float] | None:
+        """``(low, high)`` when :meth:`step_sizes` is ``clamp(softplus(dt + dt_bias), low, high)``
+        for every token of ``ctx`` (the fused decode step then applies that clamp), else None.
+        Here ``(dt_min, dt_max)``; a subclass with its own :meth:`step_sizes` gets None unless it
+        overrides this too."""
+        if type(self).step_sizes is not Mamba2Mixer.step_sizes:
+            return None
+        return self.dims.dt_min, self.dims.dt_max
+
+    def fused_decode(self, proj: torch.Tensor, ctx: StepContext, limits: tuple[float, float] | None = None
+                     ) -> torch.Tensor | None:
+        """Everything between the projections of a decode step in one call, the registry's
+        ``mamba2_decode``, on the slice of the state caches the step's slots span, with the step
+        sizes ``clamp(softplus(dt + dt_bias), *limits)`` and the grouped gated norm (gate first);
+        or ``None``: not a float32 pure decode step over one sorted slot range with history, no
+        such kernel for the device, a norm spanning ranks, or no clamp for the step's tokens.
+
+        Args:
+            proj: ``in_proj``'s output ``[N, d_inner + conv_dim + H]`` (``[z | x | B | C | dt]``).
+            ctx: the step.
+            limits: the clamp; None: :meth:`decode_step_limits` (a family whose own forward has
+                its own rule passes it).
+
+        Returns:
+            float32 ``[N, d_inner]``: the output projection's input, or ``None``.
+        """
+        if proj.dtype != torch.float32 or proj.shape[0] != ctx.slots.shape[0] or self.cross_rank_norm is not None:
+            return None
+        span = ctx.slot_span
+        fused = find_kernel('mamba2_decode', proj.device)
+        conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
+        if span is None or span[1] is not None or fused is None or conv_cache.dtype != torch.float32:
+            return None
+        limits = self.decode_step_limits(ctx) if limits is None else limits
+        if limits is None:
+            return None
+        lo, N, d = span[0], proj.shape[0], self.dims
+        return fused(proj, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache[lo:lo + N], self.dt_bias,
+                     self.A_log, self.D, limits[0], limits[1], ssm_cache[lo:lo + N], self.norm.weight, d.n_groups,
+                     d.norm_eps)
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
         d, T = self.dims, hidden.shape[0]
         H, P, G, Dn = d.num_heads, d.head_dim, d.n_groups, d.state_size
-        z, xbc, dt = self.in_proj(hidden).split([d.d_inner, d.conv_dim, H], dim=-1)
+        proj = self.in_proj(hidden)
+        y = self.fused_decode(proj, ctx)
+        if y is not None:
+            return self.out_proj(y)
+        z, xbc, dt = proj.split([d.d_inner, d.conv_dim, H], dim=-1)
         conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
         xbc = get_kernel('causal_conv1d_varlen', hidden.device)(
             xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache, ctx.cu_seqlens, ctx.seq_ids,
