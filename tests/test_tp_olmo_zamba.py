@@ -258,8 +258,8 @@ def test_any_geometry_splits_into_ranks_that_tile_it_or_is_refused_naming_a_fail
 def test_a_norm_split_over_ranks_equals_the_whole_norm(widths, tokens, seed):
     """Channels split into any pieces, each piece normalised by :class:`SummedRMSNorm` with an
     all-reduce that adds every piece's sum of squares: the pieces concatenated equal
-    :class:`RMSNorm` over all channels within 1e-6 (float32: only the order of one sum differs;
-    inputs of magnitude ~1)."""
+    :class:`RMSNorm` over all channels within 1e-6 of the output's largest magnitude (float32:
+    only the order of one sum differs)."""
     from lmdeploy.pytorch.models.blocks.spanning_norm import SummedRMSNorm
     from lmdeploy.pytorch.models.layers import RMSNorm
     g = torch.Generator().manual_seed(seed)
@@ -275,4 +275,8 @@ def test_a_norm_split_over_ranks_equals_the_whole_norm(widths, tokens, seed):
         norm.weight.data = whole.weight.data[start:start + w].clone()
         out.append(norm(p))
         start += w
-    assert (torch.cat(out, dim=-1) - whole(x)).abs().max().item() <= 1e-6
+    # "within 1e-6" relative to the output's magnitude: the outputs are products of two N(0, 1) draws and
+    # reach ~16, where one float32 ulp is ~1e-6 (hypothesis found 1.43e-6 at such a value: 1.5 ulps),
+    # so an absolute 1e-6 bound rejected the one-sum reordering this test is about.
+    ref = whole(x)
+    assert (torch.cat(out, dim=-1) - ref).abs().max().item() <= 1e-6 * max(1.0, ref.abs().max().item())
