@@ -81,12 +81,12 @@ class ScheduledChunk:
     @property
     def sample(self) -> bool:
         """The forward reaches the last token, so a new token is sampled."""
-        return self.end == self.seq.num_tokens
+        return self.end == len(self.seq.token_ids)
 
     @property
     def is_prefill(self) -> bool:
         """More than one token, or a chunk that stops short of the last token."""
-        return self.end - self.start > 1 or self.end < self.seq.num_tokens
+        return self.end - self.start > 1 or self.end < len(self.seq.token_ids)
 
 
 @dataclass

@@ -146,7 +146,8 @@ def _greedy_argmax(seq: Sequence) -> bool:
     bias, logprobs or pending min_tokens."""
     cfg = seq.gen_config
     return (cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.presence_penalty and not cfg.frequency_penalty
-            and not cfg.logit_bias and cfg.logprobs is None and seq.num_generated >= cfg.min_tokens)
+            and not cfg.logit_bias and cfg.logprobs is None
+            and (not cfg.min_tokens or seq.num_generated >= cfg.min_tokens))
 
 
 def _plain_greedy(seq: Sequence) -> bool:
