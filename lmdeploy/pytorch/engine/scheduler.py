@@ -4,7 +4,8 @@ Each engine step asks :meth:`Scheduler.schedule` for the forwards of this step:
 
 1. running sequences, oldest first: the next chunk of their prefill plan (or one decode
    token), with the blocks it needs — preempting the newest running sequence (recompute) when
-   blocks run out;
+   blocks run out (a sequence in plain decode whose block is already held takes a shortcut,
+   :meth:`Scheduler._decode_chunk`, with the same result);
 2. waiting sequences, FCFS, while slots and the prefill budget last, each admitted as one
    transaction::
 

@@ -16,6 +16,11 @@ logits to ±inf or NaN: temperature scaling is applied to max-shifted logits, an
 :func:`_finite` maps what still overflows to a finite limit, so that one request's settings can
 never make the step fail for every sequence in the batch.
 
+A greedy row with none of those settings (no penalty, bias, grammar, logprobs or pending
+``min_tokens``) is the argmax of its raw logits; :func:`greedy_tokens` takes every such row of the
+batch in one ``max`` reduction, so the usual decode batch costs one torch op however many rows
+it has (the rest loop over their own rows only).
+
 Log-probabilities (when a request sets ``GenerationConfig.logprobs``) are those of the
 distribution the token was drawn from: ``log_softmax`` of the penalised logits for greedy
 decoding, the log of the final temperature / top-k / top-p probabilities when sampling.
