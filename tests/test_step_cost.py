@@ -92,7 +92,8 @@ def test_a_mixed_batch_samples_each_row_as_alone(kinds, seed, data):
     def seqs():     # fresh sequences (their own seeded generators), eos 2, one generated token
         out = []
         for i, kind in enumerate(kinds):
-            seq = Sequence([3, 4, 1], GenerationConfig(random_seed=seed + i, **_KINDS[kind]), eos_token_ids=frozenset({2}))
+            seq = Sequence([3, 4, 1], GenerationConfig(random_seed=seed + i, **_KINDS[kind]),
+                           eos_token_ids=frozenset({2}))
             seq.token_ids.append(4)
             out.append(seq)
         return out
