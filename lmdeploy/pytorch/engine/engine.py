@@ -466,19 +466,18 @@ class Engine:
         cfg = seq.gen_config
         if seq.guide is not None and seq.guide.done:      # the grammar is complete (or was left)
             return 'stop'
-        if not cfg.ignore_eos and (token in seq.eos_token_ids or token in cfg.stop_token_ids):
-            return 'stop'
-        if token in cfg.stop_token_ids:
+        if token in cfg.stop_token_ids or (not cfg.ignore_eos and token in seq.eos_token_ids):
             return 'stop'
         if seq.stop_strings is not None and seq.stop_strings.feed(token):
             seq.num_kept_tokens = seq.num_prompt_tokens + seq.stop_strings.kept_tokens
             return 'stop'
-        if seq.num_generated >= cfg.max_new_tokens or seq.num_tokens >= self.session_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= cfg.max_new_tokens or num_tokens >= self.session_len:
             return 'length'
         return None
 
     def _update(self, sched, next_tokens: dict[int, list[int]]) -> list[StepOutput]:
-        outputs = []
+        outputs, logprobs = [], self.model_runner.last_logprobs
         for chunk in sched.chunks:
             seq = chunk.seq
             tokens = next_tokens.get(seq.seq_id)
@@ -492,8 +491,8 @@ class Engine:
                 seq.token_ids.append(token)
                 if seq.guide is not None:
                     seq.guide.accept(token)
-                if seq.seq_id in self.model_runner.last_logprobs:
-                    out.logprobs = [self.model_runner.last_logprobs[seq.seq_id]]
+                if logprobs and seq.seq_id in logprobs:
+                    out.logprobs = [logprobs[seq.seq_id]]
                 out.finish_reason = self._finish_reason(seq, token)
             if seq.gen_config.prompt_logprobs is not None and seq.num_generated == len(out.new_token_ids):
                 out.prompt_logprobs = list(seq.prompt_logprobs)      # the request's first output

@@ -173,7 +173,9 @@ def tokens_from_logits(runner, logits: torch.Tensor, plain: list, verify: list) 
     """
     new_tokens = {}
     if plain:
-        plain_logits = logits[torch.tensor([r for _, r in plain], device=logits.device)]
+        # without drafts the forward computed exactly the plain chunks' rows, in order (no gather)
+        plain_logits = (logits if not verify and len(plain) == logits.shape[0]
+                        else logits[torch.tensor([r for _, r in plain], device=logits.device)])
         runner.last_logits = plain_logits
         seqs = [c.seq for c, _ in plain]
         tokens, logprobs = sample(plain_logits, seqs)

@@ -4,7 +4,8 @@ Each engine step asks :meth:`Scheduler.schedule` for the forwards of this step:
 
 1. running sequences, oldest first: the next chunk of their prefill plan (or one decode
    token), with the blocks it needs — preempting the newest running sequence (recompute) when
-   blocks run out;
+   blocks run out (a sequence in plain decode whose block is already held takes a shortcut,
+   :meth:`Scheduler._decode_chunk`, with the same result);
 2. waiting sequences, FCFS, while slots and the prefill budget last, each admitted as one
    transaction::
 
@@ -81,12 +82,12 @@ class ScheduledChunk:
     @property
     def sample(self) -> bool:
         """The forward reaches the last token, so a new token is sampled."""
-        return self.end == self.seq.num_tokens
+        return self.end == len(self.seq.token_ids)
 
     @property
     def is_prefill(self) -> bool:
         """More than one token, or a chunk that stops short of the last token."""
-        return self.end - self.start > 1 or self.end < self.seq.num_tokens
+        return self.end - self.start > 1 or self.end < len(self.seq.token_ids)
 
 
 @dataclass
@@ -182,8 +183,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_prefill_token_num
         any_prefill = False
-        for seq in list(self.running):
-            if seq not in self.running:       # preempted by an earlier sequence this step
+        running = list(self.running)
+        for seq in running:
+            # (only a preemption shortens the list: the membership test is needed only after one)
+            if len(self.running) != len(running) and seq not in self.running:
+                continue        # preempted by an earlier sequence this step
+            chunk = self._decode_chunk(seq)
+            if chunk is not None:
+                out.chunks.append(chunk)
                 continue
             chunk = ScheduledChunk(seq, seq.num_computed_tokens, self._chunk_end(seq))
             size = chunk.end - chunk.start
@@ -205,6 +212,21 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, start, end))
             budget -= end - start
         return out
+
+    def _decode_chunk(self, seq: Sequence) -> ScheduledChunk | None:
+        """The chunk of a running sequence in plain decode — one token to compute, no prefill
+        chunk left in its plan, no drafts, one block table, and the block of its last token
+        already held — or None for any other sequence (the general path of :meth:`schedule`).
+
+        It is what the general path decides for such a sequence (a one-token chunk, nothing to
+        reserve or preempt for, no prefill budget), without asking each of its questions: the
+        steady decode step, where every running sequence is in this state, costs a few integer
+        comparisons per sequence."""
+        start, n = seq.num_computed_tokens, len(seq.token_ids)
+        if (start != n - 1 or seq.draft_ids or len(self.groups) > 1 or n > len(seq.block_ids) * self.block_size
+                or (seq.plan is not None and seq.plan.chunk_ends[-1] > start)):
+            return None
+        return ScheduledChunk(seq, start, n)
 
     def _chunk_end(self, seq: Sequence) -> int:
         """End of a running sequence's next chunk. A decode catch-up (tokens accepted from

@@ -16,6 +16,11 @@ logits to ±inf or NaN: temperature scaling is applied to max-shifted logits, an
 :func:`_finite` maps what still overflows to a finite limit, so that one request's settings can
 never make the step fail for every sequence in the batch.
 
+A greedy row with none of those settings (no penalty, bias, grammar, logprobs or pending
+``min_tokens``) is the argmax of its raw logits; :func:`greedy_tokens` takes every such row of the
+batch in one ``max`` reduction, so the usual decode batch costs one torch op however many rows
+it has (the rest loop over their own rows only).
+
 Log-probabilities (when a request sets ``GenerationConfig.logprobs``) are those of the
 distribution the token was drawn from: ``log_softmax`` of the penalised logits for greedy
 decoding, the log of the final temperature / top-k / top-p probabilities when sampling.
@@ -28,7 +33,7 @@ import torch
 
 from ..paging.sequence import Sequence
 
-__all__ = ['sample_tokens', 'sample', 'TokenLogprob', 'target_distribution', 'request_generator',
+__all__ = ['sample_tokens', 'sample', 'greedy_tokens', 'TokenLogprob', 'target_distribution', 'request_generator',
            'prompt_token_logprobs']
 
 
@@ -146,7 +151,8 @@ def _greedy_argmax(seq: Sequence) -> bool:
     bias, logprobs or pending min_tokens."""
     cfg = seq.gen_config
     return (cfg.greedy and cfg.repetition_penalty == 1.0 and not cfg.presence_penalty and not cfg.frequency_penalty
-            and not cfg.logit_bias and cfg.logprobs is None and seq.num_generated >= cfg.min_tokens)
+            and not cfg.logit_bias and cfg.logprobs is None
+            and (not cfg.min_tokens or seq.num_generated >= cfg.min_tokens))
 
 
 def _plain_greedy(seq: Sequence) -> bool:
@@ -164,33 +170,47 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         One token id per sequence, and per sequence a :class:`TokenLogprob` when its
         ``gen_config.logprobs`` is set (None otherwise).
     """
+    plain = [_plain_greedy(s) for s in seqs]
+    out = greedy_tokens(logits) if any(plain) else [0] * len(seqs)
+    logprobs = [None] * len(seqs)
+    if all(plain):      # the usual decode batch: one reduction, no per-row work
+        return out, logprobs
     logits = logits.float().cpu()
-    # Plain greedy rows (no penalty, no logprobs) in one argmax: NaN -> -inf as in _finite; argmax
-    # already picks the first +inf, and an all -inf row gives 0 like _finite's zeroed fallback.
-    plain = [i for i, s in enumerate(seqs) if _plain_greedy(s)]
-    fast = []
-    if plain:
-        inf = float('inf')
-        fast = torch.nan_to_num(logits, nan=-inf, posinf=inf, neginf=-inf).argmax(-1).tolist()
-    out, logprobs = [], []
-    for i, (row, seq) in enumerate(zip(logits, seqs)):
-        cfg = seq.gen_config
-        if _plain_greedy(seq):
-            out.append(fast[i])
-            logprobs.append(None)
+    for i, seq in enumerate(seqs):
+        if plain[i]:
             continue
+        cfg, row = seq.gen_config, logits[i]
         if _greedy_argmax(seq):      # guided greedy: the argmax of the masked row (as _finite would pick)
             masked = seq.guide.mask_(torch.nan_to_num(row, nan=float('-inf')))
             if bool(torch.isfinite(masked).any()) or bool(torch.isposinf(masked).any()):
-                out.append(int(masked.argmax()))
-                logprobs.append(None)
+                out[i] = int(masked.argmax())
                 continue
         token, probs, logp = target_distribution(row, seq)
         if token is None:
             token = int(torch.multinomial(probs, 1, generator=request_generator(seq)))
-        out.append(token)
-        logprobs.append(None if cfg.logprobs is None else _logprob(logp, token, cfg.logprobs))
+        out[i] = token
+        logprobs[i] = None if cfg.logprobs is None else _logprob(logp, token, cfg.logprobs)
     return out, logprobs
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of ``[N, vocab]`` logits (any float dtype, any device), as the
+    sampler's full path picks it for a greedy row without penalties: NaN entries count as -inf,
+    the first maximum wins (the first +inf when a row overflowed), and a row of nothing but NaN
+    and -inf gives token 0.
+
+    One reduction (``max`` returns each row's value and index together) and two host
+    transfers; a row whose maximum is NaN, so that holds a NaN, is then recomputed with its NaN
+    entries mapped to -inf. Rows without NaN are never copied or rewritten: the per-step cost
+    of an all-greedy decode batch does not grow with the vocabulary beyond the reduction.
+    """
+    values, index = logits.max(-1)
+    tokens = index.tolist()
+    for i, value in enumerate(values.tolist()):
+        if value != value:       # NaN: torch's max propagates it; rare (a broken forward)
+            inf = float('inf')      # (nan_to_num's defaults would make ±inf finite)
+            tokens[i] = int(torch.nan_to_num(logits[i].float(), nan=-inf, posinf=inf, neginf=-inf).argmax())
+    return tokens
 
 
 def request_generator(seq: Sequence) -> torch.Generator:
