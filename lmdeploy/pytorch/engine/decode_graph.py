@@ -60,6 +60,9 @@ import bisect
 import collections
 import logging
 import math
+import os
+import threading
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,6 +79,7 @@ logger = logging.getLogger('lmdeploy')
 # server meets; 16 covers batch sizes 1-16 at one slot range each
 MAX_GRAPHS = 16
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _aten = torch.ops.aten
 # ops that read tensor data into Python or make a tensor from Python data: a replay cannot redo them
 _READS_DATA = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default,
@@ -209,7 +213,8 @@ class StaticDecodeInputs:
         ctx = StepContext(input_ids=self.input_ids, positions=self.positions, q_seqlens=[1] * B,
                           q_start_loc=list(range(B)),
                           kv_seqlens=_PerStepList(batch.kv_seqlens, on_read).named('kv_seqlens'),
-                          block_tables=_PerStepList(batch.block_tables, on_read).named('block_tables'),
+                          block_tables=_PerStepList([torch.tensor(t, dtype=torch.int64) for t in batch.block_tables],
+                                                    on_read).named('block_tables'),
                           state_slots=_PerStepList(batch.state_slots, on_read).named('state_slots'),
                           kv_caches=kv_caches, state_caches=state_caches, block_size=self.block_size,
                           prompt_lens=_PerStepList(batch.prompt_lens, on_read).named('prompt_lens'))
@@ -277,20 +282,22 @@ def _persistent_tensors(model: torch.nn.Module, kv_caches, state_caches) -> list
 
 class _NativeRecorder:
     """Stands in for the native library during a recording: each ``lm_*`` call is executed and
-    recorded as ``(name, args, result)`` (arguments are already Python ints, floats or None)."""
+    recorded as ``(name, args, result)`` (arguments are already Python ints, floats or None).
+    Calls from other threads (the library is one per process) pass through unrecorded."""
 
     def __init__(self, lib, entries: list):
-        self._lib, self._entries = lib, entries
+        self._lib, self._entries, self._thread = lib, entries, threading.get_ident()
 
     def __getattr__(self, name):
         fn = getattr(self._lib, name)
         if not name.startswith('lm_'):
             return fn
-        entries = self._entries
+        entries, thread = self._entries, self._thread
 
         def call(*args):
             result = fn(*args)
-            entries.append(('native', name, args, result))
+            if threading.get_ident() == thread:
+                entries.append(('native', name, args, result))
             return result
         return call
 
@@ -307,9 +314,13 @@ class _Recording(TorchDispatchMode):
         self.refusal: str | None = None
 
     def refuse(self, reason: str) -> None:
-        """Mark the recording unusable (the first reason is kept); the forward goes on."""
+        """Mark the recording unusable (the first reason is kept, with the innermost line of the
+        package outside this module that led to it); the forward goes on."""
         if self.refusal is None:
-            self.refusal = reason
+            here = [f for f in traceback.extract_stack()[:-1]
+                    if f'{os.sep}lmdeploy{os.sep}' in f.filename and f.filename != __file__]
+            self.refusal = reason + (f' at {os.path.relpath(here[-1].filename, _PACKAGE)}:{here[-1].lineno}'
+                                     if here else '')
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -357,7 +368,7 @@ def _signature(rec: _Recording) -> list:
             kinds = argtypes[name][0].split()
             norm = []
             for kind, a in zip(kinds, args):
-                if kind == 'p' and a is not None:
+                if kind == 'p' and a:      # (0 or None: a null pointer, e.g. an empty tensor's)
                     where = rec.memory.locate(a)
                     if where is None:
                         raise _Refusal(f'{name} takes a pointer into memory no tensor of the step owns')

@@ -1,0 +1,158 @@
+"""CPU decode graphs (lmdeploy/pytorch/engine/decode_graph.py): a replayed decode step gives the
+eager step's logits bit for bit in every family with a native decode path, through block
+boundaries and sequences joining and leaving (graphs recorded, replayed and evicted), and a
+forward a replay could not repeat is refused and still gives the eager result."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine_utils import make_engine, random_prompt
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.engine.decode_graph import DecodeGraphCache, decode_graph_key
+from lmdeploy.pytorch.kernels import cpu_native
+from lmdeploy.pytorch.model_inputs import StepBatch
+
+pytestmark = pytest.mark.skipif(cpu_native.native_library() is None, reason='graphs need the native CPU kernels')
+
+# (arrival step, prompt tokens, new tokens): one sequence alone, two join (batch 3 for 40+ steps),
+# one leaves (batch 2), then the first is alone again; block size 4 puts a boundary every 4 steps
+SCHEDULE = ((0, 5, 84), (12, 6, 58), (13, 3, 44))
+
+
+def _decode(path: str, eager: bool) -> tuple[list, list[list[int]], dict | None]:
+    """Per-step sampled logits, every sequence's tokens and the graph counters of SCHEDULE."""
+    engine = make_engine(path, eager_mode=eager, block_size=4, max_batch_size=4, num_gpu_blocks=96)
+    graphs = engine.executor.worker.decode_graphs
+    assert (graphs is None) == eager
+    if graphs is not None:
+        graphs.max_graphs = 2       # keys 1, 3, 2, 1 in turn: graphs are evicted and recorded again
+    runner, seqs, logits = engine.model_runner, [], []
+    for step in range(200):
+        for i, (at, prompt, new) in enumerate(SCHEDULE):
+            if at == step:
+                seqs.append(engine.add_request(random_prompt(prompt, i),
+                                               GenerationConfig(max_new_tokens=new, ignore_eos=True)))
+        runner.last_logits = None
+        engine.step()
+        logits.append(runner.last_logits)
+        if len(seqs) == len(SCHEDULE) and all(s.is_finished for s in seqs):
+            break
+    return logits, [list(s.token_ids) for s in seqs], None if graphs is None else graphs.counters()
+
+
+@pytest.fixture(scope='module')
+def family_paths(tmp_path_factory):
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    made = {}
+
+    def path(arch: str, overrides: dict) -> str:
+        key = (arch, tuple(sorted(overrides)))
+        if key not in made:
+            made[key] = make_tiny_model(str(tmp_path_factory.mktemp(f'graph_{arch}')), arch=arch, seed=0, **overrides)
+        return made[key]
+    return path
+
+
+# Nemotron-H with dense MLPs only (Nemotron-H; the tiny default has a Nemotron-3 MoE layer)
+DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
+# 81 decode steps: batch 1 (11 steps), 3 (43), 2 (13), 1 again (14, its graph evicted in between);
+# each key's first step eager, the next two recorded, the rest (69) replayed
+REPLAYED = dict(captures=8, replays=69, refusals=0, evictions=2, graphs=2)
+# a forward with per-sequence Python (Nemotron-3's relu^2 experts loop over the experts the
+# routing chose; GLM-5's DSA layers slice each sequence's blocks by its length): every key is
+# refused at its first recording (batch 1 twice, evicted in between) and runs eagerly
+REFUSED = dict(captures=4, replays=0, refusals=4, evictions=2, graphs=2)
+
+
+@pytest.mark.parametrize('arch, overrides, expected', [
+    ('qwen3_next', {}, REPLAYED), ('qwen3_5_moe_text', {}, REPLAYED), ('kimi_linear', {}, REPLAYED),
+    ('nemotron_h', DENSE_NEMOTRON, REPLAYED), ('granitemoehybrid', {}, REPLAYED), ('qwen3', {}, REPLAYED),
+    ('nemotron_h', {}, REFUSED), ('glm5_next', {}, REFUSED)])
+def test_replayed_decode_equals_eager_bit_for_bit(family_paths, arch, overrides, expected):
+    path = family_paths(arch, overrides)
+    eager_logits, eager_tokens, _ = _decode(path, eager=True)
+    graph_logits, graph_tokens, counters = _decode(path, eager=False)
+    assert graph_tokens == eager_tokens
+    assert len(graph_logits) == len(eager_logits)
+    for step, (g, e) in enumerate(zip(graph_logits, eager_logits)):
+        assert (g is None) == (e is None), step
+        assert g is None or torch.equal(g, e), (step, (g - e).abs().max().item())
+    assert counters == expected
+
+
+# --- refusals, on a toy model over a hand-built decode batch -----------------------------------
+class _Toy(torch.nn.Module):
+    """Embedding, one native product and one native RMS norm, plus a position term; ``fault``
+    adds something a replay cannot repeat."""
+
+    def __init__(self, fault: str | None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.emb.weight.data = torch.randn(32, 16, generator=gen)
+        self.w = torch.nn.Parameter(torch.randn(16, 16, generator=gen), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.rand(16, generator=gen), requires_grad=False)
+        self.fault, self.calls = fault, 0
+
+    def forward(self, ctx):
+        self.calls += 1
+        h = cpu_native.matmul_rows(self.emb(ctx.input_ids), self.w)
+        eps = 1e-6 * self.calls if self.fault == 'baked int' else 1e-6   # a per-step value in a native call
+        h = cpu_native.rms_norm_native(h, self.norm, eps, False)
+        if self.fault == 'python data':
+            h = h + torch.tensor([0.5])
+        if self.fault == 'lengths':
+            h = h * len(range(ctx.kv_seqlens[0]))
+        return h + ctx.positions[:, None].to(h.dtype) * 0.25
+
+
+def _batches(steps: int, batch: int = 2) -> list[StepBatch]:
+    """Decode batches of ``batch`` sequences at growing lengths (block size 4, state slots 0..B-1)."""
+    out = []
+    for s in range(steps):
+        kv = [7 + s + i for i in range(batch)]
+        out.append(StepBatch(input_ids=[(3 * s + i) % 32 for i in range(batch)], positions=[k - 1 for k in kv],
+                             q_seqlens=[1] * batch, q_start_loc=list(range(batch)), kv_seqlens=kv,
+                             block_tables=[list(range(i * 8, i * 8 + -(-k // 4))) for i, k in enumerate(kv)],
+                             state_slots=list(range(batch)), sample_rows=list(range(batch))))
+    return out
+
+
+@pytest.mark.parametrize('fault, reason', [(None, None), ('python data', 'aten.lift_fresh'),
+                                           ('baked int', 'two decode steps recorded different'),
+                                           ('lengths', 'StepContext.kv_seqlens')])
+def test_refused_forward_still_gives_the_eager_result(fault, reason, caplog):
+    model, reference = _Toy(fault), _Toy(fault)
+    graphs = DecodeGraphCache(model, max_blocks=8)
+    kv_caches, state_caches = [], []
+    with caplog.at_level(logging.DEBUG, logger='lmdeploy'), torch.inference_mode():
+        for batch in _batches(7):
+            assert decode_graph_key(batch) == (2, 0, torch.get_num_threads())
+            hidden = graphs.forward(batch, kv_caches, state_caches, 4)
+            if hidden is None:
+                hidden = model(batch.context(torch.device('cpu'), kv_caches, state_caches, 4))
+            expected = reference(batch.context(torch.device('cpu'), kv_caches, state_caches, 4))
+            assert torch.equal(hidden, expected)
+    counters = graphs.counters()
+    if fault is None:
+        # step 1 eager, steps 2-3 recorded, 4-7 replayed (the model's Python does not run)
+        assert counters == dict(captures=2, replays=4, refusals=0, evictions=0, graphs=1)
+        assert model.calls == 3
+    else:
+        assert counters['refusals'] == 1 and counters['replays'] == 0, counters
+        assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_steps_without_a_key_run_eagerly():
+    (batch,) = _batches(1)
+    assert decode_graph_key(replace(batch, q_seqlens=[2, 1])) is None            # a prefill chunk
+    assert decode_graph_key(replace(batch, kv_seqlens=[1, 9])) is None           # no history
+    assert decode_graph_key(replace(batch, all_logits=True)) is None
+    assert decode_graph_key(replace(batch, prompt_rows=[0])) is None
+    assert decode_graph_key(replace(batch, state_slots=[1, 0])) is None          # a range out of order
+    assert decode_graph_key(replace(batch, state_slots=[5, 2])) == (2, None, torch.get_num_threads())
+    assert decode_graph_key(replace(batch, window_block_tables=[[0], [1]])) is None
