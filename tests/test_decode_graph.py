@@ -156,3 +156,30 @@ def test_steps_without_a_key_run_eagerly():
     assert decode_graph_key(replace(batch, state_slots=[1, 0])) is None          # a range out of order
     assert decode_graph_key(replace(batch, state_slots=[5, 2])) == (2, None, torch.get_num_threads())
     assert decode_graph_key(replace(batch, window_block_tables=[[0], [1]])) is None
+
+
+def test_prefix_cache_on_equals_off_with_graphs_replaying(family_paths):
+    """A 3-turn chat (12 new tokens a turn) gives the eager engine's replies with graphs on, the
+    prefix cache off and on (hits on the later turns), the decode steps replayed."""
+    path = family_paths('qwen3_next', {})
+    users = [random_prompt(n, seed=60 + i) for i, n in enumerate((40, 30, 20))]
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    replies, hits, counters = {}, {}, {}
+    for name, fields in {'eager': dict(eager_mode=True), 'graphs': {},
+                         'graphs, cache on': dict(enable_prefix_caching=True)}.items():
+        engine = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
+                             num_checkpoint_slots=16, **fields)
+        ids, replies[name], hits[name] = [], [], []
+        for user in users:
+            seq = engine.generate(ids + user, gen)
+            replies[name].append(seq.output_ids)
+            hits[name].append(seq.num_cached_tokens)
+            ids = list(seq.token_ids)
+        graphs = engine.executor.worker.decode_graphs
+        counters[name] = None if graphs is None else graphs.counters()
+    assert replies['graphs'] == replies['eager'] and replies['graphs, cache on'] == replies['eager']
+    assert hits['graphs'] == [0, 0, 0] and hits['graphs, cache on'][0] == 0 and all(hits['graphs, cache on'][1:])
+    assert counters['eager'] is None
+    # 11 decode steps a turn, one batch-1 key: 1 eager + 2 recorded, then every step replayed
+    assert counters['graphs'] == dict(captures=2, replays=30, refusals=0, evictions=0, graphs=1)
+    assert counters['graphs, cache on'] == counters['graphs']
