@@ -19,8 +19,9 @@ from lmdeploy.pytorch.model_inputs import StepBatch
 pytestmark = pytest.mark.skipif(cpu_native.native_library() is None, reason='graphs need the native CPU kernels')
 
 # (arrival step, prompt tokens, new tokens): one sequence alone, two join (batch 3 for 40+ steps),
-# one leaves (batch 2), then the first is alone again; block size 4 puts a boundary every 4 steps
-SCHEDULE = ((0, 5, 84), (12, 6, 58), (13, 3, 44))
+# the middle one leaves (batch 2 on state slots 0 and 2: no range), then the first is alone again;
+# block size 4 puts a boundary every 4 steps
+SCHEDULE = ((0, 5, 84), (12, 6, 44), (13, 3, 58))
 
 
 def _decode(path: str, eager: bool) -> tuple[list, list[list[int]], dict | None]:
@@ -105,6 +106,8 @@ class _Toy(torch.nn.Module):
         h = cpu_native.rms_norm_native(h, self.norm, eps, False)
         if self.fault == 'python data':
             h = h + torch.tensor([0.5])
+        if self.fault == 'mask':        # a boolean mask: the output's shape depends on the data
+            h = h[h[:, 0] > -1e9]
         if self.fault == 'lengths':
             h = h * len(range(ctx.kv_seqlens[0]))
         return h + ctx.positions[:, None].to(h.dtype) * 0.25
@@ -124,14 +127,14 @@ def _batches(steps: int, batch: int = 2) -> list[StepBatch]:
 
 @pytest.mark.parametrize('fault, reason', [(None, None), ('python data', 'aten.lift_fresh'),
                                            ('baked int', 'two decode steps recorded different'),
-                                           ('lengths', 'StepContext.kv_seqlens')])
+                                           ('lengths', 'StepContext.kv_seqlens'), ('mask', 'aten.index.Tensor')])
 def test_refused_forward_still_gives_the_eager_result(fault, reason, caplog):
     model, reference = _Toy(fault), _Toy(fault)
     graphs = DecodeGraphCache(model, max_blocks=8)
     kv_caches, state_caches = [], []
     with caplog.at_level(logging.DEBUG, logger='lmdeploy'), torch.inference_mode():
         for batch in _batches(7):
-            assert decode_graph_key(batch) == (2, 0, torch.get_num_threads())
+            assert decode_graph_key(batch) == (2, 0, True, torch.get_num_threads())
             hidden = graphs.forward(batch, kv_caches, state_caches, 4)
             if hidden is None:
                 hidden = model(batch.context(torch.device('cpu'), kv_caches, state_caches, 4))
@@ -147,14 +150,15 @@ def test_refused_forward_still_gives_the_eager_result(fault, reason, caplog):
         assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-def test_steps_without_a_key_run_eagerly():
+def test_graph_keys():
     (batch,) = _batches(1)
     assert decode_graph_key(replace(batch, q_seqlens=[2, 1])) is None            # a prefill chunk
     assert decode_graph_key(replace(batch, kv_seqlens=[1, 9])) is None           # no history
     assert decode_graph_key(replace(batch, all_logits=True)) is None
     assert decode_graph_key(replace(batch, prompt_rows=[0])) is None
-    assert decode_graph_key(replace(batch, state_slots=[1, 0])) is None          # a range out of order
-    assert decode_graph_key(replace(batch, state_slots=[5, 2])) == (2, None, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    assert decode_graph_key(replace(batch, state_slots=[1, 0])) == (2, 0, False, threads)   # a range out of order
+    assert decode_graph_key(replace(batch, state_slots=[5, 2])) == (2, None, True, threads)  # no range
     assert decode_graph_key(replace(batch, window_block_tables=[[0], [1]])) is None
 
 
@@ -183,3 +187,36 @@ def test_prefix_cache_on_equals_off_with_graphs_replaying(family_paths):
     # 11 decode steps a turn, one batch-1 key: 1 eager + 2 recorded, then every step replayed
     assert counters['graphs'] == dict(captures=2, replays=30, refusals=0, evictions=0, graphs=1)
     assert counters['graphs, cache on'] == counters['graphs']
+
+
+def test_slots_out_of_order_replay_equals_eager(family_paths):
+    """Decode steps whose state slots are one range out of order (the state kernels then take the
+    permutation sorting them, a static input of the graph) replay the eager logits bit for bit."""
+    engine = make_engine(family_paths('qwen3_next', {}), block_size=4, max_batch_size=4, num_gpu_blocks=64)
+    worker = engine.executor.worker
+    ce, graphs = worker.cache_engine, worker.decode_graphs
+    ce.kv_buf.zero_()
+    ce.state_buf.zero_()
+    start = (ce.kv_buf.clone(), ce.state_buf.clone())
+
+    def run() -> list[torch.Tensor]:
+        ce.kv_buf.copy_(start[0])
+        ce.state_buf.copy_(start[1])
+        tokens, out = [7, 11], []
+        for step in range(8):
+            kv = [5 + step, 9 + step]          # boundaries at 8 and 12 tokens (block size 4)
+            batch = StepBatch(input_ids=tokens, positions=[k - 1 for k in kv], q_seqlens=[1, 1], q_start_loc=[0, 1],
+                              kv_seqlens=kv, block_tables=[[0, 1, 2, 3], [10, 11, 12, 13, 14]],
+                              state_slots=[3, 2], sample_rows=[0, 1])
+            logits = worker.forward(batch)[0]
+            out.append(logits.clone())
+            tokens = logits.argmax(-1).tolist()
+        return out
+
+    worker.decode_graphs = None
+    eager = run()
+    worker.decode_graphs = graphs
+    replayed = run()
+    assert all(torch.equal(g, e) for g, e in zip(replayed, eager))
+    assert graphs.counters() == dict(captures=2, replays=5, refusals=0, evictions=0, graphs=1)
+    assert list(graphs.graphs) == [(2, 2, False, torch.get_num_threads())]

@@ -8,10 +8,11 @@ so the kernel sequence can be recorded once, over static input tensors, and repl
 
 What a graph is::
 
-    key = (B, state-slot range lo | None, torch threads)
+    key = (B, first slot lo of a slot range | None, the range in order, torch threads)
     static inputs (owned, fixed addresses; filled in place each step from the StepBatch lists):
         input_ids [B]  positions [B]  kv_seqlens_t [B]  kv_positions [B]  slots [B]
         kv_write_index = (blocks [B], offsets [B])   block_table [B, Wmax]   (int64)
+        order [B] (slots one range out of order: the permutation sorting them)
         cu_seqlens [B + 1]  seq_ids [B]  has_history [B]   (constant for the key)
     recording: the forward's native kernel calls (ctypes function, Python int/float arguments,
         pointers included) and torch compute ops (aten op, tensor arguments), in order; every
@@ -89,6 +90,18 @@ _READS_DATA = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _ate
 _UNINITIALISED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                   _aten.new_empty.default, _aten.new_empty_strided.default}
 _REFUSED_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+# advanced indexing is tagged with a data-dependent shape for its boolean masks; integer indices
+# give a shape known from theirs
+_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
+
+
+def _refused_op(func, args) -> bool:
+    """Whether a replay cannot repeat ``func`` on ``args``."""
+    if func in _READS_DATA:
+        return True
+    if func in _INDEXING:
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return any(tag in func.tags for tag in _REFUSED_TAGS)
 
 
 class _Refusal(Exception):
@@ -99,13 +112,16 @@ def decode_graph_key(batch: StepBatch) -> tuple | None:
     """The graph key of a step, or ``None`` when no graph may run it.
 
     A step qualifies when it is a pure decode step (one new token per sequence, each with a
-    non-empty history), holds no images, wants no logits beyond the sampled ones, has no
-    sliding-window tables of its own, and its state slots are either ``lo .. lo + B - 1`` in
-    order or not one range at all (slots forming a range out of order make the state kernels
-    take a permutation that changes per step: eager).
+    non-empty history), holds no images, wants no logits beyond the sampled ones and has no
+    sliding-window tables of its own. Its state slots may be anything: ``lo .. lo + B - 1`` in
+    order (the state kernels update that slice of the caches in place), that range out of order
+    (the same, through the permutation :attr:`StaticDecodeInputs.order` sorting them), or no
+    range (gathered and scattered back), as :func:`~lmdeploy.pytorch.model_inputs.slot_range`
+    says; each is a graph of its own.
 
     Returns:
-        ``(B, lo, torch threads)`` (``lo`` None when the slots are no range), or ``None``.
+        ``(B, lo, in_order, torch threads)`` (``lo`` None and ``in_order`` True when the slots are
+        no range), or ``None``.
     """
     B = len(batch.q_seqlens)
     if (not B or batch.images is not None or batch.all_logits or batch.prompt_rows or batch.window_block_tables
@@ -115,10 +131,10 @@ def decode_graph_key(batch: StepBatch) -> tuple | None:
     slots = batch.state_slots
     lo = min(slots)
     if slots == list(range(lo, lo + B)):
-        return B, lo, torch.get_num_threads()
+        return B, lo, True, torch.get_num_threads()
     if sorted(slots) == list(range(lo, lo + B)):
-        return None
-    return B, None, torch.get_num_threads()
+        return B, lo, False, torch.get_num_threads()
+    return B, None, True, torch.get_num_threads()
 
 
 class _PerStepList(list):
@@ -156,9 +172,10 @@ class StaticDecodeInputs:
         device: where the tensors live.
 
     Attributes:
-        ids: int64 ``[7, B]``, one buffer whose rows are ``input_ids``, ``positions``,
+        ids: int64 ``[8, B]``, one buffer whose rows are ``input_ids``, ``positions``,
             ``kv_seqlens_t``, ``kv_positions``, ``slots``, ``blocks`` and ``offsets`` (the K/V
-            write index: block id and offset in it); one copy fills them all.
+            write index: block id and offset in it) and ``order`` (the permutation sorting the
+            slots); one copy fills them all.
         block_table: int64 ``[B, Wmax]``; entries past a sequence's blocks are 0 (never read:
             every kernel masks positions ``>= kv_seqlen``).
         cu_seqlens, seq_ids, has_history: ``arange(B + 1)``, ``arange(B)``, all ``True``.
@@ -167,9 +184,9 @@ class StaticDecodeInputs:
     def __init__(self, batch_size: int, max_blocks: int, block_size: int, device: torch.device):
         B = batch_size
         self.batch_size, self.max_blocks, self.block_size = B, max_blocks, block_size
-        self.ids = torch.zeros(7, B, dtype=torch.int64, device=device)
+        self.ids = torch.zeros(8, B, dtype=torch.int64, device=device)
         (self.input_ids, self.positions, self.kv_seqlens_t, self.kv_positions, self.slots, self.blocks,
-         self.offsets) = self.ids.unbind(0)
+         self.offsets, self.order) = self.ids.unbind(0)
         self.block_table = torch.zeros(B, max_blocks, dtype=torch.int64, device=device)
         self.cu_seqlens = torch.arange(B + 1, dtype=torch.int64, device=device)
         self.seq_ids = torch.arange(B, dtype=torch.int64, device=device)
@@ -193,8 +210,10 @@ class StaticDecodeInputs:
         pos = [kv - 1 for kv in batch.kv_seqlens]
         tables = batch.block_tables
         blocks = [t[p // bs] for t, p in zip(tables, pos)]
-        self.ids.copy_(torch.tensor([batch.input_ids, batch.positions, batch.kv_seqlens, pos, batch.state_slots,
-                                     blocks, [p % bs for p in pos]], dtype=torch.int64))
+        slots = batch.state_slots
+        order = sorted(range(len(slots)), key=slots.__getitem__)     # = torch.argsort: the slots are distinct
+        self.ids.copy_(torch.tensor([batch.input_ids, batch.positions, batch.kv_seqlens, pos, slots, blocks,
+                                     [p % bs for p in pos], order], dtype=torch.int64))
         for i, t in enumerate(tables):
             last = self._tables[i]
             if t != last:
@@ -205,10 +224,13 @@ class StaticDecodeInputs:
                     row[len(t):len(last)] = 0
                 self._tables[i] = list(t)
 
-    def context(self, batch: StepBatch, kv_caches, state_caches, lo: int | None, on_read) -> StepContext:
+    def context(self, batch: StepBatch, kv_caches, state_caches, lo: int | None, in_order: bool,
+                on_read) -> StepContext:
         """The :class:`StepContext` of a recorded step: the static tensors in place of the per-step
-        ones, its cached index properties pre-filled, and ``batch``'s per-step lists as
-        :class:`_PerStepList` (``on_read(reason)`` is called when one is read)."""
+        ones, its cached index properties pre-filled (``slot_span``: ``(lo, None)`` for slots
+        ``lo ..`` in order, ``(lo, order)`` for that range out of order, None for no range),
+        and ``batch``'s per-step lists as :class:`_PerStepList` (``on_read(reason)`` is called
+        when one is read)."""
         B = self.batch_size
         ctx = StepContext(input_ids=self.input_ids, positions=self.positions, q_seqlens=[1] * B,
                           q_start_loc=list(range(B)),
@@ -219,7 +241,7 @@ class StaticDecodeInputs:
                           kv_caches=kv_caches, state_caches=state_caches, block_size=self.block_size,
                           prompt_lens=_PerStepList(batch.prompt_lens, on_read).named('prompt_lens'))
         ctx.__dict__.update(cu_seqlens=self.cu_seqlens, seq_ids=self.seq_ids, slots=self.slots,
-                            has_history=self.has_history, slot_span=None if lo is None else (lo, None),
+                            has_history=self.has_history, slot_span=None if lo is None else (lo, None if in_order else self.order),
                             kv_seqlens_t=self.kv_seqlens_t, block_table=self.block_table,
                             kv_positions=self.kv_positions, kv_write_index=(self.blocks, self.offsets),
                             # the native attention does not read the gather index; the torch form
@@ -324,7 +346,7 @@ class _Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _READS_DATA or any(tag in func.tags for tag in _REFUSED_TAGS):
+        if _refused_op(func, args):
             self.refuse(f'op {func}')
         elif func.namespace not in ('aten', 'prims'):
             self.refuse(f'op {func} (not an aten op)')
@@ -521,7 +543,7 @@ class DecodeGraphCache:
         for name, t in graph.inputs.tensors().items():
             memory.add(t, ('s', name))
         rec = _Recording(memory)
-        ctx = graph.inputs.context(batch, kv_caches, state_caches, key[1], rec.refuse)
+        ctx = graph.inputs.context(batch, kv_caches, state_caches, key[1], key[2], rec.refuse)
         self.captures += 1
         cpu_native._LIB = _NativeRecorder(lib, rec.entries)
         try:
@@ -543,7 +565,8 @@ class DecodeGraphCache:
         except _Refusal as why:
             graph.state, graph.signature = 'refused', None
             self.refusals += 1
-            logger.debug('decode graph for batch %d, slots from %s refused: %s', key[0], key[1], why)
+            logger.debug('decode graph for batch %d, slots from %s%s refused: %s', key[0], key[1],
+                         '' if key[2] else ' out of order', why)
             return hidden
         graph.steps, graph.held, graph.output = _replay_steps(rec, lib), rec.held, hidden
         graph.state, graph.signature = 'ready', None

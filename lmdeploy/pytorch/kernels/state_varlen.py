@@ -147,8 +147,9 @@ def _gathered_step(step: StepFn, rows, row_idx, seq_idx, state_cache, slots, has
         rows = tuple(r[row_idx] for r in rows)
         slots, has_history = slots[seq_idx], has_history[seq_idx]
     state = state_cache.index_select(0, slots).to(torch.float32)
-    if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
-        state.masked_fill_(~has_history.view((-1,) + (1,) * (state.dim() - 1)), 0)   # leftovers may be anything
+    # leftovers may be anything; masked on every device, without reading has_history on the host
+    # (no device sync, and a CPU decode graph can replay the step: engine/decode_graph.py)
+    state.masked_fill_(~has_history.view((-1,) + (1,) * (state.dim() - 1)), 0)
     y = step(*rows, state)
     if row_idx is None:
         out.copy_(y)
