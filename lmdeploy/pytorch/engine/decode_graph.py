@@ -76,8 +76,8 @@ __all__ = ['DecodeGraphCache', 'StaticDecodeInputs', 'decode_graph_key', 'MAX_GR
 
 logger = logging.getLogger('lmdeploy')
 
-# graphs kept per worker (least recently used dropped): one per batch size and slot range a
-# server meets; 16 covers batch sizes 1-16 at one slot range each
+# graphs kept per worker (least recently used dropped): one per batch size and slot layout a
+# server meets (the state slots' first row is part of the key, as the state kernels address it)
 MAX_GRAPHS = 16
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
