@@ -450,13 +450,15 @@ class _Graph:
         self.state = 'new'
         self.signature = None
         self.steps: list = []
-        self.held: list[torch.Tensor] = []
+        self.held: list[torch.Tensor] = []     # the recording's tensors (``made`` of them), then persistent ones
+        self.made = 0
         self.output: torch.Tensor | None = None
 
     def held_bytes(self) -> int:
-        """Bytes of the tensors the graph holds: its recording's and its static inputs'."""
+        """Bytes the graph adds: the tensors its recording made and its static inputs (the
+        persistent tensors it also holds are the model's and the caches')."""
         seen, total = set(), 0
-        for t in self.held + list(self.inputs.tensors().values()):
+        for t in self.held[:self.made] + list(self.inputs.tensors().values()):
             st = t.untyped_storage()
             if st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
@@ -538,7 +540,8 @@ class DecodeGraphCache:
         """Run the step eagerly under the recording hooks; keep the recording when it is the
         key's second and matches the first, refuse the key on any refusal or difference."""
         memory = _Memory()
-        for i, t in enumerate(_persistent_tensors(self.model, kv_caches, state_caches)):
+        persistent = _persistent_tensors(self.model, kv_caches, state_caches)
+        for i, t in enumerate(persistent):
             memory.add(t, ('p', i))
         for name, t in graph.inputs.tensors().items():
             memory.add(t, ('s', name))
@@ -568,8 +571,10 @@ class DecodeGraphCache:
             logger.debug('decode graph for batch %d, slots from %s%s refused: %s', key[0], key[1],
                          '' if key[2] else ' out of order', why)
             return hidden
-        graph.steps, graph.held, graph.output = _replay_steps(rec, lib), rec.held, hidden
-        graph.state, graph.signature = 'ready', None
+        # the persistent tensors are held too: a module that replaces a tensor it built lazily must
+        # not free memory the recorded pointers address
+        graph.steps, graph.held, graph.output = _replay_steps(rec, lib), rec.held + persistent, hidden
+        graph.made, graph.state, graph.signature = len(rec.held), 'ready', None
         return hidden
 
     @staticmethod

@@ -93,7 +93,8 @@ class Worker:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run this rank's shard of the forward.
+        """Run this rank's shard of the forward (a pure decode step by a decode graph when
+        :meth:`enable_decode_graphs` was called and one applies; bit for bit the same).
 
         Returns:
             ``(logits [len(sample_rows), vocab] float32 or None, all logits [T, vocab] or None,
