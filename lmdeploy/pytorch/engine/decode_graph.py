@@ -240,8 +240,9 @@ class StaticDecodeInputs:
                           state_slots=_PerStepList(batch.state_slots, on_read).named('state_slots'),
                           kv_caches=kv_caches, state_caches=state_caches, block_size=self.block_size,
                           prompt_lens=_PerStepList(batch.prompt_lens, on_read).named('prompt_lens'))
+        span = None if lo is None else (lo, None if in_order else self.order)
         ctx.__dict__.update(cu_seqlens=self.cu_seqlens, seq_ids=self.seq_ids, slots=self.slots,
-                            has_history=self.has_history, slot_span=None if lo is None else (lo, None if in_order else self.order),
+                            has_history=self.has_history, slot_span=span,
                             kv_seqlens_t=self.kv_seqlens_t, block_table=self.block_table,
                             kv_positions=self.kv_positions, kv_write_index=(self.blocks, self.offsets),
                             # the native attention does not read the gather index; the torch form
