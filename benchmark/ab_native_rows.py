@@ -59,6 +59,8 @@ def run(model: str, batches: list[int], rounds: int, steps: int, threads: int,
     torch.set_num_threads(threads)
     ways = modes(old_library)
     engine = make_engine(model, max(batches), 32 + steps + 8)
+    # eager forwards: a decode graph recorded in one mode would replay its kernels in the other
+    engine.executor.worker.decode_graphs = None
     rng = random.Random(0)
     out = {}
     saved = cpu_native._LIB, linear_mod.NATIVE_ROWS

@@ -205,6 +205,10 @@ class PytorchEngineConfig(BaseModel):
                                                        '"both" serves colocated (docs/en/advance/'
                                                        'pd_disaggregation.md). prefill/decode need a Store and '
                                                        'enable_prefix_caching.')
+    eager_mode: bool = Field(False, description='Run every forward eagerly: no decode graphs (on the CPU at tp=1 '
+                             'a pure decode step of a batch layout seen before replays its recorded kernels '
+                             'instead of running the model\'s Python; the results are bit for bit the same). '
+                             'CUDA always runs eagerly.')
     speculative_config: SpeculativeConfig | None = Field(None, description='Speculative decoding; None = off. '
                                                          'CLI: --speculative-algorithm, '
                                                          '--speculative-num-draft-tokens.')

@@ -178,6 +178,10 @@ class Engine:
         window_entries = groups[1].entries if len(groups) > 1 else ()
         self.cache_engine = self.executor.start(cc.block_size, num_blocks, sizes.num_slots, window_entries,
                                                 sizes.num_window_blocks)
+        if self.device.type == 'cpu' and config.tp == 1 and spec_config is None and not config.eager_mode:
+            # pure decode steps replay recorded forwards (engine/decode_graph.py); a block table
+            # row is at most the session's blocks wide
+            worker.enable_decode_graphs(-(-self.session_len // cc.block_size))
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
         # the sliding-window group's own pool (a mixed model), or None

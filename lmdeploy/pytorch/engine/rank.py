@@ -26,6 +26,7 @@ import torch
 from ..cache_engine import CacheEngine
 from ..model_inputs import StepBatch
 from ..models.loader import load_model
+from .decode_graph import DecodeGraphCache
 
 __all__ = ['Worker']
 
@@ -68,6 +69,15 @@ class Worker:
             from ..spec_decode.mtp import MTPDrafter
             self.drafter = MTPDrafter(self.model, self.mtp)
         self.cache_engine: CacheEngine | None = None
+        self.decode_graphs: DecodeGraphCache | None = None
+
+    def enable_decode_graphs(self, max_blocks: int) -> None:
+        """Run pure decode steps through recorded graphs (:mod:`.decode_graph`; CPU, tp=1) whose
+        block tables hold up to ``max_blocks`` blocks per sequence (``ceil(session_len /
+        block_size)``). Raises ValueError on another device or TP size."""
+        if self.device.type != 'cpu' or self.size != 1:
+            raise ValueError(f'decode graphs run on the CPU at tp=1; this worker is on {self.device}, tp={self.size}')
+        self.decode_graphs = DecodeGraphCache(self.model, max_blocks)
 
     # commands (rank 0 runs them in process; a tensor-parallel engine broadcasts them) ----------
     def build_caches(self, block_size: int, num_blocks: int, num_slots: int, window_entries: tuple[int, ...] = (),
@@ -77,22 +87,29 @@ class Worker:
         (a checkpoint in block rows needs ``ceil(state row / block row)`` of them on this rank)."""
         self.cache_engine = CacheEngine(self.specs, block_size, num_blocks, num_slots, self.device,
                                         window_entries, num_window_blocks)
+        if self.decode_graphs is not None:     # recorded against the old caches' addresses
+            self.decode_graphs.clear()
         return self.cache_engine.kv_buf.shape[1], self.cache_engine.state_buf.shape[1]
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run this rank's shard of the forward.
+        """Run this rank's shard of the forward (a pure decode step by a decode graph when
+        :meth:`enable_decode_graphs` was called and one applies; bit for bit the same).
 
         Returns:
             ``(logits [len(sample_rows), vocab] float32 or None, all logits [T, vocab] or None,
             prompt logits [len(prompt_rows), vocab] or None)``, identical on every rank.
         """
         ce = self.cache_engine
-        ctx = batch.context(self.device, ce.kv_caches, ce.state_caches, ce.block_size)
-        if batch.images is not None:      # every rank: the same image rows and positions as rank 0
-            hidden = self.model.forward_images(ctx, batch.images)
-        else:
-            hidden = self.model(ctx)
+        hidden = None
+        if self.decode_graphs is not None:     # a pure decode step may replay a recorded forward
+            hidden = self.decode_graphs.forward(batch, ce.kv_caches, ce.state_caches, ce.block_size)
+        if hidden is None:
+            ctx = batch.context(self.device, ce.kv_caches, ce.state_caches, ce.block_size)
+            if batch.images is not None:      # every rank: the same image rows and positions as rank 0
+                hidden = self.model.forward_images(ctx, batch.images)
+            else:
+                hidden = self.model(ctx)
         if self.mtp is not None:
             self.last_hidden = hidden
         all_logits = self.model.compute_logits(hidden).cpu() if batch.all_logits else None

@@ -145,8 +145,9 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             y = F.silu(y)
         return y.to(x.dtype)
     state = conv_cache.index_select(0, slots).to(x.dtype)                             # [N, C, K1]
-    if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
-        state = torch.where(has_history[:, None, None], state, 0)
+    # masked on every device, without reading has_history on the host (no device sync, and a CPU
+    # decode graph can replay the step: engine/decode_graph.py)
+    state = torch.where(has_history[:, None, None], state, 0)
     if T == N:   # decode: one row per sequence
         window = torch.cat((state, x[:, :, None]), dim=2)                              # [N, C, K]
         y = (window.to(weight.dtype) * weight).sum(-1)

@@ -171,7 +171,7 @@ def selective_scan_reference(x, dt, A, B, C, D, initial_state=None):
 @register_kernel('selective_scan_varlen', device_type='any')
 def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           D: torch.Tensor, state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                          has_history: torch.Tensor, chunk_size: int) -> torch.Tensor:
+                          has_history: torch.Tensor, chunk_size: int, slot_span=...) -> torch.Tensor:
     """The selective scan over a flat batch of sequences, each continuing its state slot.
 
     Single-token sequences run together through ``selective_scan_step``; longer ones one at a
@@ -185,9 +185,12 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
         cu_seqlens: int64 ``[M + 1]`` row offsets (every sequence has >= 1 row);
         slots: int64 ``[M]`` distinct slots; has_history: bool ``[M]`` (False: start from zeros).
         chunk_size: tokens per scan chunk.
+        slot_span: :func:`~lmdeploy.pytorch.kernels.slot_range` of ``slots`` when the caller has
+            it (``StepContext.slot_span``), else computed here.
 
     Returns:
         ``y [T, D]`` float32 including ``D * x``.
     """
     step, scan = get_kernel('selective_scan_step', x.device), get_kernel('selective_scan_chunk', x.device)
-    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size)
+    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size,
+                      slot_span)

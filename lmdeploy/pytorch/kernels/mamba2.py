@@ -171,7 +171,7 @@ def ssd_recurrent_reference(x, dt, A, B, C, D, initial_state=None):
 @register_kernel('mamba2_ssd_varlen', device_type='any')
 def mamba2_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                       D: torch.Tensor, state_cache: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                      has_history: torch.Tensor, chunk_size: int) -> torch.Tensor:
+                      has_history: torch.Tensor, chunk_size: int, slot_span=...) -> torch.Tensor:
     """SSD over a flat batch of sequences, each continuing its state slot.
 
     Single-token sequences run together through ``ssd_step``; longer ones one at a time through
@@ -185,12 +185,15 @@ def mamba2_ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
         cu_seqlens: int64 ``[N + 1]`` row offsets (every sequence has >= 1 row);
         slots: int64 ``[N]`` distinct slots; has_history: bool ``[N]`` (False: start from zeros).
         chunk_size: the SSD chunk size.
+        slot_span: :func:`~lmdeploy.pytorch.kernels.slot_range` of ``slots`` when the caller has
+            it (``StepContext.slot_span``), else computed here.
 
     Returns:
         ``y [T, H, P]`` float32 including ``D * x``.
     """
     step, scan = get_kernel('ssd_step', x.device), get_kernel('ssd_chunk_scan', x.device)
-    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size)
+    return ssm_varlen(step, scan, x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size,
+                      slot_span)
 
 
 @register_kernel('grouped_gated_rms_norm', device_type='any')

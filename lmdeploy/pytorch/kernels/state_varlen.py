@@ -97,15 +97,15 @@ def varlen_state_scan(rows: tuple[torch.Tensor, ...], state_cache: torch.Tensor,
 
 def ssm_varlen(step: StepFn, chunk: ChunkFn, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                C: torch.Tensor, D: torch.Tensor, state_cache: torch.Tensor, cu_seqlens: torch.Tensor,
-               slots: torch.Tensor, has_history: torch.Tensor, chunk_size: int) -> torch.Tensor:
+               slots: torch.Tensor, has_history: torch.Tensor, chunk_size: int, slot_span=...) -> torch.Tensor:
     """The selective state-space ops (Mamba-1 ``selective_scan_*``, Mamba-2 ``ssd_*``):
     :func:`varlen_state_scan` with rows ``x, dt, B, C`` and ``A, D`` shared.
 
     Args:
         step: ``step(x, dt, A, B, C, D, state)`` → float32 ``y`` (the op's one-token kernel).
         chunk: ``chunk(x, dt, A, B, C, D, initial_state, chunk_size)`` → ``(y, state)``.
-        x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size: as the
-            op's varlen kernel (``selective_scan_varlen``, ``mamba2_ssd_varlen``).
+        x, dt, A, B, C, D, state_cache, cu_seqlens, slots, has_history, chunk_size, slot_span: as
+            the op's varlen kernel (``selective_scan_varlen``, ``mamba2_ssd_varlen``).
 
     Returns:
         float32 ``y`` shaped like ``x``.
@@ -114,7 +114,7 @@ def ssm_varlen(step: StepFn, chunk: ChunkFn, x: torch.Tensor, dt: torch.Tensor, 
         (x, dt, B, C), state_cache, cu_seqlens, slots, has_history,
         step=lambda x, dt, B, C, state: step(x, dt, A, B, C, D, state),
         chunk=lambda x, dt, B, C, initial: chunk(x, dt, A, B, C, D, initial, chunk_size),
-        out_shape=x.shape[1:], out_dtype=torch.float32)
+        out_shape=x.shape[1:], out_dtype=torch.float32, slot_span=slot_span)
 
 
 def delta_varlen(step: StepFn, chunk: ChunkFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -147,8 +147,9 @@ def _gathered_step(step: StepFn, rows, row_idx, seq_idx, state_cache, slots, has
         rows = tuple(r[row_idx] for r in rows)
         slots, has_history = slots[seq_idx], has_history[seq_idx]
     state = state_cache.index_select(0, slots).to(torch.float32)
-    if state.device.type != 'cpu' or not bool(has_history.all()):   # (no device sync for the check)
-        state.masked_fill_(~has_history.view((-1,) + (1,) * (state.dim() - 1)), 0)   # leftovers may be anything
+    # leftovers may be anything; masked on every device, without reading has_history on the host
+    # (no device sync, and a CPU decode graph can replay the step: engine/decode_graph.py)
+    state.masked_fill_(~has_history.view((-1,) + (1,) * (state.dim() - 1)), 0)
     y = step(*rows, state)
     if row_idx is None:
         out.copy_(y)

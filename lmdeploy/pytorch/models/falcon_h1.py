@@ -133,7 +133,7 @@ class FalconH1Mixer(Mamba2Mixer):
         A = -torch.exp(self.A_log.float())
         y = get_kernel('mamba2_ssd_varlen', hidden.device)(
             x.view(T, H, P), dt, A, B.view(T, G, Dn), C.view(T, G, Dn), self.D, ssm_cache, ctx.cu_seqlens,
-            ctx.slots, ctx.has_history, d.chunk_size).view(T, d.d_inner)
+            ctx.slots, ctx.has_history, d.chunk_size, slot_span=ctx.slot_span).view(T, d.d_inner)
         if not self.rms_norm:
             y = y * F.silu(z)
         elif self.norm_before_gate:

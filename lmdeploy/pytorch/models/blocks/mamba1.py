@@ -142,7 +142,8 @@ class Mamba1Mixer(nn.Module):
         dt = F.softplus(linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
         A = -torch.exp(self.A_log.float())
         y = get_kernel('selective_scan_varlen', hidden.device)(
-            x, dt, A, B, C, self.D, ssm_cache, ctx.cu_seqlens, ctx.slots, ctx.has_history, d.chunk_size)
+            x, dt, A, B, C, self.D, ssm_cache, ctx.cu_seqlens, ctx.slots, ctx.has_history, d.chunk_size,
+            slot_span=ctx.slot_span)
         return self.out_proj((y * F.silu(z.float())).to(hidden.dtype))
 
 

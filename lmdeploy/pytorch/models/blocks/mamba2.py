@@ -231,7 +231,7 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         y = get_kernel('mamba2_ssd_varlen', hidden.device)(
             x.view(T, H, P), dt, A, B.view(T, G, Dn), C.view(T, G, Dn), self.D, ssm_cache, ctx.cu_seqlens,
-            ctx.slots, ctx.has_history, d.chunk_size)
+            ctx.slots, ctx.has_history, d.chunk_size, slot_span=ctx.slot_span)
         if self.cross_rank_norm is not None:
             y = self.cross_rank_norm(y.view(T, d.d_inner), z, self.norm.weight, d.norm_eps)
         else:

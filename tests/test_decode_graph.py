@@ -1,0 +1,222 @@
+"""CPU decode graphs (lmdeploy/pytorch/engine/decode_graph.py): a replayed decode step gives the
+eager step's logits bit for bit in every family with a native decode path, through block
+boundaries and sequences joining and leaving (graphs recorded, replayed and evicted), and a
+forward a replay could not repeat is refused and still gives the eager result."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine_utils import make_engine, random_prompt
+from lmdeploy import GenerationConfig
+from lmdeploy.pytorch.engine.decode_graph import DecodeGraphCache, decode_graph_key
+from lmdeploy.pytorch.kernels import cpu_native
+from lmdeploy.pytorch.model_inputs import StepBatch
+
+pytestmark = pytest.mark.skipif(cpu_native.native_library() is None, reason='graphs need the native CPU kernels')
+
+# (arrival step, prompt tokens, new tokens): one sequence alone, two join (batch 3 for 40+ steps),
+# the middle one leaves (batch 2 on state slots 0 and 2: no range), then the first is alone again;
+# block size 4 puts a boundary every 4 steps
+SCHEDULE = ((0, 5, 84), (12, 6, 44), (13, 3, 58))
+
+
+def _decode(path: str, eager: bool) -> tuple[list, list[list[int]], dict | None]:
+    """Per-step sampled logits, every sequence's tokens and the graph counters of SCHEDULE."""
+    engine = make_engine(path, eager_mode=eager, block_size=4, max_batch_size=4, num_gpu_blocks=96)
+    graphs = engine.executor.worker.decode_graphs
+    assert (graphs is None) == eager
+    if graphs is not None:
+        graphs.max_graphs = 2       # keys 1, 3, 2, 1 in turn: graphs are evicted and recorded again
+    runner, seqs, logits = engine.model_runner, [], []
+    for step in range(200):
+        for i, (at, prompt, new) in enumerate(SCHEDULE):
+            if at == step:
+                seqs.append(engine.add_request(random_prompt(prompt, i),
+                                               GenerationConfig(max_new_tokens=new, ignore_eos=True)))
+        runner.last_logits = None
+        engine.step()
+        logits.append(runner.last_logits)
+        if len(seqs) == len(SCHEDULE) and all(s.is_finished for s in seqs):
+            break
+    return logits, [list(s.token_ids) for s in seqs], None if graphs is None else graphs.counters()
+
+
+@pytest.fixture(scope='module')
+def family_paths(tmp_path_factory):
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    made = {}
+
+    def path(arch: str, overrides: dict) -> str:
+        key = (arch, tuple(sorted(overrides)))
+        if key not in made:
+            made[key] = make_tiny_model(str(tmp_path_factory.mktemp(f'graph_{arch}')), arch=arch, seed=0, **overrides)
+        return made[key]
+    return path
+
+
+# Nemotron-H with dense MLPs only (Nemotron-H; the tiny default has a Nemotron-3 MoE layer)
+DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
+# 81 decode steps: batch 1 (11 steps), 3 (43), 2 (13), 1 again (14, its graph evicted in between);
+# each key's first step eager, the next two recorded, the rest (69) replayed
+REPLAYED = dict(captures=8, replays=69, refusals=0, evictions=2, graphs=2)
+# a forward with per-sequence Python (Nemotron-3's relu^2 experts loop over the experts the
+# routing chose; GLM-5's DSA layers slice each sequence's blocks by its length): every key is
+# refused at its first recording (batch 1 twice, evicted in between) and runs eagerly
+REFUSED = dict(captures=4, replays=0, refusals=4, evictions=2, graphs=2)
+
+
+@pytest.mark.parametrize('arch, overrides, expected', [
+    ('qwen3_next', {}, REPLAYED), ('qwen3_5_moe_text', {}, REPLAYED), ('kimi_linear', {}, REPLAYED),
+    ('nemotron_h', DENSE_NEMOTRON, REPLAYED), ('granitemoehybrid', {}, REPLAYED), ('qwen3', {}, REPLAYED),
+    ('nemotron_h', {}, REFUSED), ('glm5_next', {}, REFUSED)])
+def test_replayed_decode_equals_eager_bit_for_bit(family_paths, arch, overrides, expected):
+    path = family_paths(arch, overrides)
+    eager_logits, eager_tokens, _ = _decode(path, eager=True)
+    graph_logits, graph_tokens, counters = _decode(path, eager=False)
+    assert graph_tokens == eager_tokens
+    assert len(graph_logits) == len(eager_logits)
+    for step, (g, e) in enumerate(zip(graph_logits, eager_logits)):
+        assert (g is None) == (e is None), step
+        assert g is None or torch.equal(g, e), (step, (g - e).abs().max().item())
+    assert counters == expected
+
+
+# --- refusals, on a toy model over a hand-built decode batch -----------------------------------
+class _Toy(torch.nn.Module):
+    """Embedding, one native product and one native RMS norm, plus a position term; ``fault``
+    adds something a replay cannot repeat."""
+
+    def __init__(self, fault: str | None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.emb.weight.data = torch.randn(32, 16, generator=gen)
+        self.w = torch.nn.Parameter(torch.randn(16, 16, generator=gen), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.rand(16, generator=gen), requires_grad=False)
+        self.fault, self.calls = fault, 0
+
+    def forward(self, ctx):
+        self.calls += 1
+        h = cpu_native.matmul_rows(self.emb(ctx.input_ids), self.w)
+        eps = 1e-6 * self.calls if self.fault == 'baked int' else 1e-6   # a per-step value in a native call
+        h = cpu_native.rms_norm_native(h, self.norm, eps, False)
+        if self.fault == 'python data':
+            h = h + torch.tensor([0.5])
+        if self.fault == 'mask':        # a boolean mask: the output's shape depends on the data
+            h = h[h[:, 0] > -1e9]
+        if self.fault == 'lengths':
+            h = h * len(range(ctx.kv_seqlens[0]))
+        return h + ctx.positions[:, None].to(h.dtype) * 0.25
+
+
+def _batches(steps: int, batch: int = 2) -> list[StepBatch]:
+    """Decode batches of ``batch`` sequences at growing lengths (block size 4, state slots 0..B-1)."""
+    out = []
+    for s in range(steps):
+        kv = [7 + s + i for i in range(batch)]
+        out.append(StepBatch(input_ids=[(3 * s + i) % 32 for i in range(batch)], positions=[k - 1 for k in kv],
+                             q_seqlens=[1] * batch, q_start_loc=list(range(batch)), kv_seqlens=kv,
+                             block_tables=[list(range(i * 8, i * 8 + -(-k // 4))) for i, k in enumerate(kv)],
+                             state_slots=list(range(batch)), sample_rows=list(range(batch))))
+    return out
+
+
+@pytest.mark.parametrize('fault, reason', [(None, None), ('python data', 'aten.lift_fresh'),
+                                           ('baked int', 'two decode steps recorded different'),
+                                           ('lengths', 'StepContext.kv_seqlens'), ('mask', 'aten.index.Tensor')])
+def test_refused_forward_still_gives_the_eager_result(fault, reason, caplog):
+    model, reference = _Toy(fault), _Toy(fault)
+    graphs = DecodeGraphCache(model, max_blocks=8)
+    kv_caches, state_caches = [], []
+    with caplog.at_level(logging.DEBUG, logger='lmdeploy'), torch.inference_mode():
+        for batch in _batches(7):
+            assert decode_graph_key(batch) == (2, 0, True, torch.get_num_threads())
+            hidden = graphs.forward(batch, kv_caches, state_caches, 4)
+            if hidden is None:
+                hidden = model(batch.context(torch.device('cpu'), kv_caches, state_caches, 4))
+            expected = reference(batch.context(torch.device('cpu'), kv_caches, state_caches, 4))
+            assert torch.equal(hidden, expected)
+    counters = graphs.counters()
+    if fault is None:
+        # step 1 eager, steps 2-3 recorded, 4-7 replayed (the model's Python does not run)
+        assert counters == dict(captures=2, replays=4, refusals=0, evictions=0, graphs=1)
+        assert model.calls == 3
+    else:
+        assert counters['refusals'] == 1 and counters['replays'] == 0, counters
+        assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_graph_keys():
+    (batch,) = _batches(1)
+    assert decode_graph_key(replace(batch, q_seqlens=[2, 1])) is None            # a prefill chunk
+    assert decode_graph_key(replace(batch, kv_seqlens=[1, 9])) is None           # no history
+    assert decode_graph_key(replace(batch, all_logits=True)) is None
+    assert decode_graph_key(replace(batch, prompt_rows=[0])) is None
+    threads = torch.get_num_threads()
+    assert decode_graph_key(replace(batch, state_slots=[1, 0])) == (2, 0, False, threads)   # a range out of order
+    assert decode_graph_key(replace(batch, state_slots=[5, 2])) == (2, None, True, threads)  # no range
+    assert decode_graph_key(replace(batch, window_block_tables=[[0], [1]])) is None
+
+
+def test_prefix_cache_on_equals_off_with_graphs_replaying(family_paths):
+    """A 3-turn chat (12 new tokens a turn) gives the eager engine's replies with graphs on, the
+    prefix cache off and on (hits on the later turns), the decode steps replayed."""
+    path = family_paths('qwen3_next', {})
+    users = [random_prompt(n, seed=60 + i) for i, n in enumerate((40, 30, 20))]
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    replies, hits, counters = {}, {}, {}
+    for name, fields in {'eager': dict(eager_mode=True), 'graphs': {},
+                         'graphs, cache on': dict(enable_prefix_caching=True)}.items():
+        engine = make_engine(path, block_size=16, max_prefill_token_num=32, prefill_save_alignment=16,
+                             num_checkpoint_slots=16, **fields)
+        ids, replies[name], hits[name] = [], [], []
+        for user in users:
+            seq = engine.generate(ids + user, gen)
+            replies[name].append(seq.output_ids)
+            hits[name].append(seq.num_cached_tokens)
+            ids = list(seq.token_ids)
+        graphs = engine.executor.worker.decode_graphs
+        counters[name] = None if graphs is None else graphs.counters()
+    assert replies['graphs'] == replies['eager'] and replies['graphs, cache on'] == replies['eager']
+    assert hits['graphs'] == [0, 0, 0] and hits['graphs, cache on'][0] == 0 and all(hits['graphs, cache on'][1:])
+    assert counters['eager'] is None
+    # 11 decode steps a turn, one batch-1 key: 1 eager + 2 recorded, then every step replayed
+    assert counters['graphs'] == dict(captures=2, replays=30, refusals=0, evictions=0, graphs=1)
+    assert counters['graphs, cache on'] == counters['graphs']
+
+
+def test_slots_out_of_order_replay_equals_eager(family_paths):
+    """Decode steps whose state slots are one range out of order (the state kernels then take the
+    permutation sorting them, a static input of the graph) replay the eager logits bit for bit."""
+    engine = make_engine(family_paths('qwen3_next', {}), block_size=4, max_batch_size=4, num_gpu_blocks=64)
+    worker = engine.executor.worker
+    ce, graphs = worker.cache_engine, worker.decode_graphs
+    ce.kv_buf.zero_()
+    ce.state_buf.zero_()
+    start = (ce.kv_buf.clone(), ce.state_buf.clone())
+
+    def run() -> list[torch.Tensor]:
+        ce.kv_buf.copy_(start[0])
+        ce.state_buf.copy_(start[1])
+        tokens, out = [7, 11], []
+        for step in range(8):
+            kv = [5 + step, 9 + step]          # boundaries at 8 and 12 tokens (block size 4)
+            batch = StepBatch(input_ids=tokens, positions=[k - 1 for k in kv], q_seqlens=[1, 1], q_start_loc=[0, 1],
+                              kv_seqlens=kv, block_tables=[[0, 1, 2, 3], [10, 11, 12, 13, 14]],
+                              state_slots=[3, 2], sample_rows=[0, 1])
+            logits = worker.forward(batch)[0]
+            out.append(logits.clone())
+            tokens = logits.argmax(-1).tolist()
+        return out
+
+    worker.decode_graphs = None
+    eager = run()
+    worker.decode_graphs = graphs
+    replayed = run()
+    assert all(torch.equal(g, e) for g, e in zip(replayed, eager))
+    assert graphs.counters() == dict(captures=2, replays=5, refusals=0, evictions=0, graphs=1)
+    assert list(graphs.graphs) == [(2, 2, False, torch.get_num_threads())]
