@@ -10,6 +10,7 @@ residual add fused into the next RMS norm, the same prologue for the plain GQA l
 norms, partial, whole or no rotary, a key multiplier: Bamba, Granite-4.0-H, Falcon-H1, Jamba, LFM2,
 Nemotron-H), the absorbed MLA decode step of a whole batch in one call (rotary or not, a q LoRA or
 not, cache views), and the DeepSeek-V3 group-limited router in one call."""
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -90,6 +91,21 @@ def _all_close(results, tol=1e-5):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def close_to_measured_rounding(results, exact_out, exact_states):
+    """Every way's output and states equal the unfused path's within float32 rounding *measured*
+    on this input: the unfused path's own distance from a float64 run (``exact_*``) times 4, plus
+    1e-5 of the tensor's scale. A fixed 1e-5 does not hold over a random input class: a head whose
+    output is a near-cancellation of O(1) terms, which a gated RMS norm then scales up, moves every
+    float32 way 1e-4 or more from float64 (5.6e-5 between two of them seen on a Gated DeltaNet
+    step), while a wrong gate, decay or norm moves them by O(1)."""
+    ref_out, ref_states = results[-1]
+    for out, states in results[:-1]:
+        for got, ref, exact in zip((out, *states), (ref_out, *ref_states), (exact_out, *exact_states)):
+            own = (ref.double() - exact).abs().max().item()
+            err = (got.double() - ref.double()).abs().max().item()
+            assert err <= 4 * own + 1e-5 * (1.0 + exact.abs().max().item()), (err, own)
+
+
 def _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed):
     config = SimpleNamespace(hidden_size=24, linear_num_key_heads=hk, linear_num_value_heads=hk * ratio,
                              linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=kernel,
@@ -129,8 +145,11 @@ def test_gdn_decode_native_equals_the_torch_path(variant, hk, ratio, dk, dv, ker
     with torch.inference_mode():
         results = _three_ways(run, lambda: tuple(c.clone() for c in caches))
     assert CALLS['gdn_decode'] == before + 1
-    # float32 sums of a few dozen terms in another order; outputs and states are O(1)
-    _all_close(results)
+    exact_states = tuple(c.double() for c in caches)
+    with torch.inference_mode():
+        exact_out = copy.deepcopy(layer).double()(
+            hidden.double(), SimpleNamespace(**{**vars(ctx), 'state_caches': [exact_states]}))
+    close_to_measured_rounding(results, exact_out, exact_states)
 
 
 def test_gdn_decode_columns_are_the_split_of_each_packing():
