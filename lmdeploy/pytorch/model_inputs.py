@@ -34,7 +34,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ['StepContext', 'kv_gather_index', 'slot_range']
+__all__ = ['StepContext', 'fused_state_rows', 'kv_gather_index', 'slot_range']
 
 # Steps of at most this many new tokens (decode-sized) build StepContext.seq_ids and .kv_positions
 # with Python over the per-sequence lists and one tensor copy: about 10 small tensor ops cost more
@@ -321,3 +321,16 @@ def slot_range(slots: torch.Tensor, has_history: torch.Tensor) -> tuple[int, tor
     if sorted(ids) == list(range(lo, lo + len(ids))):
         return lo, torch.argsort(slots)
     return None
+
+
+def fused_state_rows(ctx: 'StepContext', x: torch.Tensor, state: torch.Tensor) -> slice | None:
+    """The rows of a layer's state caches that a fused float32 decode kernel updates in place in
+    step ``ctx``: ``slice(lo, lo + N)`` when ``x`` (the layer's ``[N, ...]`` input) and the
+    ``state`` cache are float32, ``x`` has one row per sequence and ``ctx.slot_span`` is one
+    sorted range; otherwise ``None`` (the layer runs its unfused path)."""
+    if x.dtype != torch.float32 or state.dtype != torch.float32 or x.shape[0] != ctx.slots.shape[0]:
+        return None
+    span = ctx.slot_span
+    if span is None or span[1] is not None:
+        return None
+    return slice(span[0], span[0] + x.shape[0])

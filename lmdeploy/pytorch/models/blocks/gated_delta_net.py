@@ -30,7 +30,7 @@ from torch import nn
 
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ...kernels import find_kernel, get_kernel
-from ...model_inputs import StepContext
+from ...model_inputs import StepContext, fused_state_rows
 from ..layers import Linear, PackedLinear, mlp_split
 from ..parallel_plan import Axis, Block, BlockSplit, Piece, cols, rows
 from .attention import QKNormAttention, attention_head_dim
@@ -207,17 +207,14 @@ class GatedDeltaNet(nn.Module):
         """The decode step by the registry's ``gdn_decode`` on the slice of the state caches the
         step's slots span, or ``None`` (not a float32 pure decode step over one sorted slot range
         with history, or no such kernel for the device)."""
-        if hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]:
-            return None
-        span = ctx.slot_span
-        fused = find_kernel('gdn_decode', hidden.device)
         conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
-        if span is None or span[1] is not None or fused is None or conv_cache.dtype != torch.float32:
+        rows = fused_state_rows(ctx, hidden, conv_cache)
+        fused = find_kernel('gdn_decode', hidden.device)
+        if rows is None or fused is None:
             return None
-        lo, N = span[0], hidden.shape[0]
         return self.out_proj(fused(self.in_proj(hidden), self.decode_columns(), self.conv1d.weight.squeeze(1),
-                                   conv_cache[lo:lo + N], self.A_log, self.dt_bias, self.beta_scale,
-                                   recurrent_cache[lo:lo + N], self.norm.weight, self.norm.eps, self.num_k_heads))
+                                   conv_cache[rows], self.A_log, self.dt_bias, self.beta_scale,
+                                   recurrent_cache[rows], self.norm.weight, self.norm.eps, self.num_k_heads))
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from ...cache_specs import CacheTensor, LayerCacheSpec, PagedSpec, StateSpec
 from ...kernels import find_kernel, get_kernel
-from ...model_inputs import StepContext
+from ...model_inputs import StepContext, fused_state_rows
 from ..layers import Linear, PackedLinear, WeightLoader
 from ..parallel_plan import Axis, BlockSplit, Piece, TensorSplit, cols, rows
 
@@ -132,21 +132,18 @@ class KimiDeltaAttention(nn.Module):
         """The decode step by the registry's ``kda_decode`` on the slice of the state caches the
         step's slots span, or ``None`` (not a float32 pure decode step over one sorted slot range
         with history, or no such kernel for the device)."""
-        if hidden.dtype != torch.float32 or hidden.shape[0] != ctx.slots.shape[0]:
-            return None
-        span = ctx.slot_span
-        fused = find_kernel('kda_decode', hidden.device)
         caches = ctx.state_caches[self.layer_idx]
-        if span is None or span[1] is not None or fused is None or caches[0].dtype != torch.float32:
+        rows = fused_state_rows(ctx, hidden, caches[0])
+        fused = find_kernel('kda_decode', hidden.device)
+        if rows is None or fused is None:
             return None
-        lo, N = span[0], hidden.shape[0]
         proj = self.in_proj(hidden)
         D = self.dim
         _, _, _, fa, b, ga = proj.split(self.in_proj.shard_sizes, dim=-1)
         return self.o_proj(fused(proj[:, :3 * D], self.f_b_proj(fa), b, self.g_b_proj(ga),
                                  tuple(c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
-                                 tuple(c[lo:lo + N].flatten(1, 2) for c in caches[:3]), self.A_log.view(-1),
-                                 self.dt_bias, self.gate_lower_bound, caches[3][lo:lo + N], self.o_norm.weight,
+                                 tuple(c[rows].flatten(1, 2) for c in caches[:3]), self.A_log.view(-1),
+                                 self.dt_bias, self.gate_lower_bound, caches[3][rows], self.o_norm.weight,
                                  self.o_norm.eps))
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch import nn
 
 from ...cache_specs import CacheTensor, StateSpec
 from ...kernels import find_kernel, get_kernel
-from ...model_inputs import StepContext
+from ...model_inputs import StepContext, fused_state_rows
 from ..layers import Linear
 from ..parallel_plan import Axis, BlockSplit, Piece, cols, rows
 
@@ -198,19 +198,19 @@ class Mamba2Mixer(nn.Module):
         Returns:
             float32 ``[N, d_inner]``: the output projection's input, or ``None``.
         """
-        if proj.dtype != torch.float32 or proj.shape[0] != ctx.slots.shape[0] or self.cross_rank_norm is not None:
+        if self.cross_rank_norm is not None:
             return None
-        span = ctx.slot_span
-        fused = find_kernel('mamba2_decode', proj.device)
         conv_cache, ssm_cache = ctx.state_caches[self.layer_idx]
-        if span is None or span[1] is not None or fused is None or conv_cache.dtype != torch.float32:
+        rows = fused_state_rows(ctx, proj, conv_cache)
+        fused = find_kernel('mamba2_decode', proj.device)
+        if rows is None or fused is None:
             return None
         limits = self.decode_step_limits(ctx) if limits is None else limits
         if limits is None:
             return None
-        lo, N, d = span[0], proj.shape[0], self.dims
-        return fused(proj, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache[lo:lo + N], self.dt_bias,
-                     self.A_log, self.D, limits[0], limits[1], ssm_cache[lo:lo + N], self.norm.weight, d.n_groups,
+        d = self.dims
+        return fused(proj, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_cache[rows], self.dt_bias,
+                     self.A_log, self.D, limits[0], limits[1], ssm_cache[rows], self.norm.weight, d.n_groups,
                      d.norm_eps)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
