@@ -178,6 +178,8 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_moe_route': ('p i64 i32 i32 i32 i32 i32 p p p i32', None),
     'lm_delta_step': ('p p p i32 p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
     'lm_gdn_decode': ('p i64 p p p i64 i64 p p f32 p i64 i64 i64 p f32 i32 i32 i32 i32 i32 i32 p p i32', None),
+    'lm_gdn_varlen': ('p i64 p p p i64 i64 p p f32 p i64 i64 i64 p f32 p p p i32 i32 i32 i32 i32 i32 p p i32',
+                      None),
     'lm_conv_decode_step': ('p i64 p i64 i64 p p i32 i32 i32 i32 p i32', None),
     'lm_ssd_step': ('p p p p p p p i32 i32 i32 i32 i32 i64 i64 i64 p i32', None),   # wrapped in mamba2_cpu.py
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py

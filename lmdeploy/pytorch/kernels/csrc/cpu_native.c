@@ -339,63 +339,118 @@ void lm_delta_step(const float* kq, const float* v, const float* decay, int per_
 
    cols [C + Hv dv + 2 Hv] maps each input to its column of the projection row (row stride
    ld_proj), so any packing of the projections is read in place. work [N, C] holds y between the
-   two phases; out [N, Hv dv]. softplus(x) = x above 20 (torch's threshold). */
-void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_state,
-                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
-                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
-                   int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads) {
-  const int C = 2 * Hk * dk + Hv * dv, r = Hv / Hk;
+   two phases; out [N, Hv dv]. softplus(x) = x above 20 (torch's threshold).
+
+   gdn_conv_rows and gdn_head_rows run one channel / one head over the rows [r0, r1) of one
+   sequence in order (a decode step: one row); lm_gdn_varlen runs them over whole sequences, so a
+   prompt's rows give bit for bit the states and outputs of as many decode steps. */
+static void gdn_conv_rows(const float* proj, int64_t ld_proj, int64_t col, const float* w, float* s, int K,
+                          int64_t r0, int64_t r1, float* y, int64_t ld_y) {
+  for (int64_t t = r0; t < r1; t++) {
+    float xv = proj[t * ld_proj + col];
+    float acc = 0.0f;
+    for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
+    acc += w[K - 1] * xv;
+    for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
+    if (K > 1) s[K - 2] = xv;
+    y[t * ld_y] = acc / (1.0f + expf(-acc));
+  }
+}
+
+static void gdn_head_rows(const float* proj, int64_t ld_proj, const int64_t* cols, const float* work,
+                          const float* A_log, const float* dt_bias, float beta_scale, float* S, int64_t s_row,
+                          const float* norm_w, float eps, int Hk, int Hv, int dk, int dv, int h, int64_t r0,
+                          int64_t r1, float* out) {
+  const int C = 2 * Hk * dk + Hv * dv, kh = h / (Hv / Hk);
   const int64_t* z_cols = cols + C;
   const int64_t* b_cols = z_cols + (ptrdiff_t)Hv * dv;
   const int64_t* a_cols = b_cols + Hv;
   const float q_scale = 1.0f / sqrtf((float)dk);
+  for (int64_t t = r0; t < r1; t++) {
+    const float* y = work + t * C;
+    const float* row = proj + t * ld_proj;
+    float kn[dk], qn[dk], o[dv];
+    float kk = 0.0f, qq = 0.0f;
+    for (int i = 0; i < dk; i++) {
+      kn[i] = y[Hk * dk + kh * dk + i];
+      qn[i] = y[kh * dk + i];
+      kk += kn[i] * kn[i];
+      qq += qn[i] * qn[i];
+    }
+    float ik = 1.0f / sqrtf(kk + 1e-6f), iq = 1.0f / sqrtf(qq + 1e-6f);
+    for (int i = 0; i < dk; i++) {
+      kn[i] *= ik;
+      qn[i] = qn[i] * iq * q_scale;
+    }
+    float b = row[b_cols[h]], a = row[a_cols[h]] + dt_bias[h];
+    float beta = beta_scale * (1.0f / (1.0f + expf(-b)));
+    float sp = a > 20.0f ? a : log1pf(expf(a));
+    float decay = expf(-expf(A_log[h]) * sp);
+    delta_head(S, s_row, kn, qn, &decay, 0, y + 2 * Hk * dk + (ptrdiff_t)h * dv, beta, dk, dv, o);
+    float ss = 0.0f;
+    for (int c = 0; c < dv; c++) ss += o[c] * o[c];
+    float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+    float* dst = out + t * (int64_t)Hv * dv + (ptrdiff_t)h * dv;
+    for (int c = 0; c < dv; c++) {
+      float z = row[z_cols[(ptrdiff_t)h * dv + c]];
+      dst[c] = norm_w[c] * (o[c] * inv) * (z / (1.0f + expf(-z)));
+    }
+  }
+}
+
+void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_state,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads) {
+  const int C = 2 * Hk * dk + Hv * dv;
   #pragma omp parallel num_threads(threads)
   {
     #pragma omp for schedule(static)
     for (int64_t p = 0; p < (int64_t)N * C; p++) {
       int n = (int)(p / C), c = (int)(p % C);
-      float* s = conv_state + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan;
-      const float* w = conv_w + (ptrdiff_t)c * K;
-      float xv = proj[(ptrdiff_t)n * ld_proj + cols[c]];
-      float acc = 0.0f;
-      for (int j = 0; j < K - 1; j++) acc += w[j] * s[j];
-      acc += w[K - 1] * xv;
-      for (int j = 0; j + 1 < K - 1; j++) s[j] = s[j + 1];
-      if (K > 1) s[K - 2] = xv;
-      work[p] = acc / (1.0f + expf(-acc));
+      gdn_conv_rows(proj, ld_proj, cols[c], conv_w + (ptrdiff_t)c * K,
+                    conv_state + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan, K, n, n + 1, work + c, C);
     }
     #pragma omp for schedule(static)
     for (int p = 0; p < N * Hv; p++) {
-      int n = p / Hv, h = p % Hv, kh = h / r;
-      const float* y = work + (ptrdiff_t)n * C;
-      const float* row = proj + (ptrdiff_t)n * ld_proj;
-      float kn[dk], qn[dk], o[dv];
-      float kk = 0.0f, qq = 0.0f;
-      for (int i = 0; i < dk; i++) {
-        kn[i] = y[Hk * dk + kh * dk + i];
-        qn[i] = y[kh * dk + i];
-        kk += kn[i] * kn[i];
-        qq += qn[i] * qn[i];
-      }
-      float ik = 1.0f / sqrtf(kk + 1e-6f), iq = 1.0f / sqrtf(qq + 1e-6f);
-      for (int i = 0; i < dk; i++) {
-        kn[i] *= ik;
-        qn[i] = qn[i] * iq * q_scale;
-      }
-      float b = row[b_cols[h]], a = row[a_cols[h]] + dt_bias[h];
-      float beta = beta_scale * (1.0f / (1.0f + expf(-b)));
-      float sp = a > 20.0f ? a : log1pf(expf(a));
-      float decay = expf(-expf(A_log[h]) * sp);
-      delta_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, kn, qn, &decay, 0,
-                 y + 2 * Hk * dk + (ptrdiff_t)h * dv, beta, dk, dv, o);
-      float ss = 0.0f;
-      for (int c = 0; c < dv; c++) ss += o[c] * o[c];
-      float inv = 1.0f / sqrtf(ss / (float)dv + eps);
-      float* dst = out + (ptrdiff_t)p * dv;
-      for (int c = 0; c < dv; c++) {
-        float z = row[z_cols[(ptrdiff_t)h * dv + c]];
-        dst[c] = norm_w[c] * (o[c] * inv) * (z / (1.0f + expf(-z)));
-      }
+      int n = p / Hv, h = p % Hv;
+      gdn_head_rows(proj, ld_proj, cols, work, A_log, dt_bias, beta_scale,
+                    state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, norm_w, eps, Hk, Hv, dk, dv, h,
+                    n, n + 1, out);
+    }
+  }
+}
+
+/* lm_gdn_decode for a flat batch of N sequences of any lengths (a prefill step, or prefill
+   chunks beside decodes): sequence n owns the proj / work / out rows [cu[n], cu[n + 1]) and the
+   state slot slots[n] (conv window at slots[n] * cs_slot, recurrent state at slots[n] * s_slot);
+   fresh[n] != 0 zeroes both first (a sequence with no history, whatever the slot held). Each
+   (sequence, channel) runs its rows in order in the conv phase, each (sequence, head) in the
+   delta phase; the step arithmetic is lm_gdn_decode's. work [T, C], out [T, Hv dv]. */
+void lm_gdn_varlen(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_cache,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state_cache, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   const int64_t* cu, const int64_t* slots, const uint8_t* fresh, int N, int Hk, int Hv, int dk,
+                   int dv, int K, float* work, float* out, int threads) {
+  const int C = 2 * Hk * dk + Hv * dv;
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(static)
+    for (int64_t p = 0; p < (int64_t)N * C; p++) {
+      int n = (int)(p / C), c = (int)(p % C);
+      float* s = conv_cache + (ptrdiff_t)slots[n] * cs_slot + (ptrdiff_t)c * cs_chan;
+      if (fresh[n])
+        for (int j = 0; j < K - 1; j++) s[j] = 0.0f;
+      gdn_conv_rows(proj, ld_proj, cols[c], conv_w + (ptrdiff_t)c * K, s, K, cu[n], cu[n + 1], work + c, C);
+    }
+    #pragma omp for schedule(dynamic, 1)
+    for (int p = 0; p < N * Hv; p++) {
+      int n = p / Hv, h = p % Hv;
+      float* S = state_cache + (ptrdiff_t)slots[n] * s_slot + (ptrdiff_t)h * s_head;
+      if (fresh[n])
+        for (int i = 0; i < dk; i++) memset(S + (ptrdiff_t)i * s_row, 0, sizeof(float) * (size_t)dv);
+      gdn_head_rows(proj, ld_proj, cols, work, A_log, dt_bias, beta_scale, S, s_row, norm_w, eps, Hk, Hv, dk, dv, h,
+                    cu[n], cu[n + 1], out);
     }
   }
 }

@@ -30,6 +30,7 @@ from torch import nn
 
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ...kernels import find_kernel, get_kernel
+from ...kernels.fused_decode import GDN_VARLEN_TOKENS
 from ...model_inputs import StepContext
 from ..layers import Linear, PackedLinear, mlp_split
 from ..parallel_plan import Axis, Block, BlockSplit, Piece, cols, rows
@@ -219,9 +220,32 @@ class GatedDeltaNet(nn.Module):
                                    conv_cache[lo:lo + N], self.A_log, self.dt_bias, self.beta_scale,
                                    recurrent_cache[lo:lo + N], self.norm.weight, self.norm.eps, self.num_k_heads))
 
+    def _fused_varlen(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """A float32 step whose longest sequence has at most ``GDN_VARLEN_TOKENS`` rows (a short
+        prompt's prefill, alone or beside decodes) by the registry's ``gdn_varlen``: each
+        sequence's rows through the decode step's arithmetic, in one call; ``None`` when it does
+        not apply (longer chunks, another dtype or device, no such kernel)."""
+        fused = find_kernel('gdn_varlen', hidden.device)
+        if fused is None or hidden.dtype != torch.float32 or not ctx.q_seqlens \
+                or max(ctx.q_seqlens) > GDN_VARLEN_TOKENS:
+            return None
+        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
+        if conv_cache.dtype != torch.float32:
+            return None
+        fresh = ctx.kernel_memo.get('gdn_varlen.fresh')
+        if fresh is None:   # once per step, shared by the layers
+            fresh = torch.tensor([h == 0 for h in ctx.history_lens], dtype=torch.uint8)
+            ctx.kernel_memo['gdn_varlen.fresh'] = fresh
+        out = fused(self.in_proj(hidden), self.decode_columns(), self.conv1d.weight.squeeze(1), conv_cache,
+                    self.A_log, self.dt_bias, self.beta_scale, recurrent_cache, self.norm.weight, self.norm.eps,
+                    self.num_k_heads, ctx.cu_seqlens, ctx.slots, fresh)
+        return None if out is None else self.out_proj(out)
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
         fused = self._fused_decode(hidden, ctx)
+        if fused is None:
+            fused = self._fused_varlen(hidden, ctx)
         if fused is not None:
             return fused
         T = hidden.shape[0]
