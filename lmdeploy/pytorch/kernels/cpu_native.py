@@ -22,9 +22,10 @@ here, each one call per layer per step:
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
   once per KV head group, online softmax, no gathered copy;
 - the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
-  between its products, Qwen-MoE routing with the shared expert's activation, an attention
-  layer's prologue (with or without q/k norms), a residual add with its RMS norm, the absorbed
-  MLA step between its products, the DeepSeek-V3 group-limited router.
+  between its products (also row after row over short prompts), Qwen-MoE routing with the
+  shared expert's activation, an attention layer's prologue (with or without q/k norms), a
+  residual add with its RMS norm, the absorbed MLA step between its products, the DeepSeek-V3
+  group-limited router.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
 ``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in

@@ -20,7 +20,11 @@ the two projections as one call (the registry's CPU ``gdn_decode``, native when 
 the per-layer torch glue (splits, gates, casts, the conv, delta and norm calls) costs more than
 the arithmetic at batch 1. It reads the packed projection in place through a column map that
 :meth:`GatedDeltaNet._split_projections` itself defines (so a variant's packing needs no code
-here); every other step, and every other device, runs the unfused path.
+here). Any other float32 CPU step whose sequences have at most ``GDN_VARLEN_TOKENS`` (64) rows
+(a short prompt, alone or beside decodes) runs the same step arithmetic row after row per
+sequence in one native call (``gdn_varlen``): some sixty torch ops of the conv and the chunked
+delta rule per layer cost more than the recurrence itself at that length. Longer chunks, and
+every other device, run the unfused path.
 """
 from __future__ import annotations
 
