@@ -292,6 +292,19 @@ def test_sparse_moe_stacked_weight_follows_a_weight_written_later():
     assert CALLS['moe_route'] == before
 
 
+def test_sparse_moe_four_short_prompts_take_one_native_expert_call():
+    """The step of four 32-token prompts (128 rows) runs its MoE block as one fused route and
+    one native expert-layer call, equal to the unfused torch path (the per-expert loop)."""
+    block, gen = _moe(16, 2, True, 32, 8, 8, 4)
+    x = torch.randn(4 * 32, 32, generator=gen)
+    route, experts = CALLS['moe_route'], CALLS['swiglu_experts']
+    with torch.inference_mode():
+        out = block(x)
+        ref = _torch_path(lambda: block(x), unfused=True)
+    assert (CALLS['moe_route'], CALLS['swiglu_experts']) == (route + 1, experts + 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def _attention_case(heads, kv_heads, dim, rot, gated, zero_centered, n, seed, block_size=4):
     config = SimpleNamespace(hidden_size=16, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim,
                              rms_norm_eps=1e-6, attention_bias=False)
