@@ -10,6 +10,7 @@ residual add fused into the next RMS norm, the same prologue for the plain GQA l
 norms, partial, whole or no rotary, a key multiplier: Bamba, Granite-4.0-H, Falcon-H1, Jamba, LFM2,
 Nemotron-H), the absorbed MLA decode step of a whole batch in one call (rotary or not, a q LoRA or
 not, cache views), and the DeepSeek-V3 group-limited router in one call."""
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -179,12 +180,14 @@ def test_gdn_decode_falls_back_off_its_class():
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(sorted(VARIANTS)), st.integers(1, 2), st.sampled_from([1, 2]), st.sampled_from([8, 17]),
        st.sampled_from([8, 33]), st.sampled_from([2, 4]), st.booleans(),
-       st.lists(st.tuples(st.integers(1, 9), st.booleans()), min_size=1, max_size=4), st.integers(0, 2 ** 31))
+       st.lists(st.tuples(st.sampled_from([1, 2, 5, 9, 64, 70]), st.booleans()), min_size=1, max_size=4),
+       st.integers(0, 2 ** 31))
 def test_gdn_varlen_native_equals_the_torch_path(variant, hk, ratio, dk, dv, kernel, neg_eigval, seqs, seed):
-    """A step of short sequences (1-9 rows, fresh or continuing their slots, slots scattered in a
-    larger cache) through the one-call ``gdn_varlen`` against the unfused torch forward (the
-    conv's varlen form and the chunked delta rule): outputs and both caches, whose other rows
-    stay as they were."""
+    """A step of sequences (1-70 rows: one token, short prompts, one whole 64-row chunk of the
+    chunked form and one past it; fresh or continuing their slots, slots scattered in a larger
+    cache) through the one-call ``gdn_varlen`` against the unfused torch forward (the conv's
+    varlen form and the chunked delta rule): outputs and both caches, whose other rows stay as
+    they were."""
     layer, gen = _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed)
     lengths, history = [n for n, _ in seqs], [h for _, h in seqs]
     num_slots = 2 * len(seqs) + 1
@@ -199,10 +202,18 @@ def test_gdn_varlen_native_equals_the_torch_path(variant, hk, ratio, dk, dv, ker
     before = CALLS['gdn_varlen']
     with torch.inference_mode():
         results = _three_ways(run, lambda: tuple(c.clone() for c in caches))
+        exact = _torch_path(lambda: copy.deepcopy(layer).double()(hidden.double(), SimpleNamespace(
+            **{**vars(ctx), 'state_caches': [tuple(c.double() for c in caches)], 'kernel_memo': {}})), unfused=True)
     assert CALLS['gdn_varlen'] == before + 1
-    # the same float32 step arithmetic as the decode test, carried over at most 9 rows; the chunked
-    # form's triangular solve sums in another order than the row-by-row recurrence
-    _all_close(results)
+    if max(lengths) <= 9:
+        # the same float32 step arithmetic as the decode test, carried over a few rows
+        _all_close(results)
+    # Over 64-70 rows the two float32 forms drift apart by more (1.4e-5 seen): the chunked one's
+    # triangular solve sums in another order than the row-by-row recurrence, and with these
+    # weights (x 0.5, outputs up to ~1) each is up to 6.6e-5 off the float64 path (measured over
+    # 90 such steps), so both are held to the float64 path, at the 1e-4 bound of the logits.
+    for out, _ in (results[0], results[-1]):
+        torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4)
     untouched = [i for i in range(num_slots) if i not in slots]
     for got, orig in zip(results[0][1], caches):
         assert torch.equal(got[untouched], orig[untouched])
@@ -233,8 +244,8 @@ def test_gdn_varlen_equals_decode_steps_bit_for_bit(variant):
         assert torch.equal(got, want)
 
 
-def test_gdn_varlen_takes_short_steps_only():
-    """A short prompt's step runs each Gated DeltaNet layer in one ``gdn_varlen`` call; a sequence
+def test_gdn_varlen_takes_steps_up_to_its_window():
+    """A prompt's step runs each Gated DeltaNet layer in one ``gdn_varlen`` call; a sequence
     longer than ``GDN_VARLEN_TOKENS`` rows sends the whole step to the unfused (chunked) path."""
     from lmdeploy.pytorch.kernels.fused_decode import GDN_VARLEN_TOKENS
     layer, gen = _gdn('qwen3_next', 1, 2, 8, 8, 4, False, 5)

@@ -8,7 +8,7 @@ shared blocks then run their unfused path): the native kernel (built with the ot
 here, which the tests compare it with::
 
     gdn_decode            in_proj row -> conv, q/k L2 norm, gates, delta rule, gated norm -> out_proj input
-    gdn_varlen            gdn_decode over sequences of any lengths (short prefill steps; native only)
+    gdn_varlen            gdn_decode over sequences of any lengths (prefill chunks; native only)
     moe_route_shared      [router | shared gate | shared gate/up] row -> top-k weights, ids, shared activation
     qk_norm_rope_store    qkv row -> q/k RMS norm (or none), key scale, rotary, gate sigmoid; K/V into the
                           paged caches (the attention layers with q/k norms and the plain GQA ones)
@@ -122,9 +122,13 @@ def gdn_decode_cpu(*args) -> torch.Tensor:
 
 
 # longest sequence (rows) up to which a float32 CPU step runs a Gated DeltaNet layer by
-# gdn_varlen_native, token by token; longer prefill chunks take the chunked torch form, whose
-# matmuls do the state work of 64 tokens at once
-GDN_VARLEN_TOKENS = 64
+# gdn_varlen_native, row by row (the default prefill chunk, max_prefill_token_num). On the 2-core
+# AMD EPYC benchmark host it beats the chunked torch form at every length measured: a whole layer
+# of the 99M benchmark model (8 value heads of 128, projections included), one thread's CPU time,
+# chunked / native: 32 rows 9.6 / 7.0 ms, 64 rows 12.3 / 10.7, 256 rows 43.5 / 35.7, 1024 rows
+# 163 / 137, 2048 rows 346 / 277. (Its parallelism is sequences x value heads, so a host with more
+# threads than that for one long prompt may prefer the chunked form's threaded matmuls.)
+GDN_VARLEN_TOKENS = 8192
 
 
 def gdn_varlen_native(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch.Tensor, conv_cache: torch.Tensor,
@@ -139,7 +143,8 @@ def gdn_varlen_native(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch
     ``L`` rows leaves bit for bit the states (and gives the outputs) of ``L`` decode steps; the
     chunked form of the unfused layer equals it to float32 rounding. For a short prompt this
     replaces some 60 torch ops per layer (the conv's index copies, the chunked delta rule's
-    padding, triangular solve and small matmuls) by one pass over the rows.
+    padding, triangular solve and small matmuls) by one pass over the rows; for long ones it is
+    still the faster form on the benchmark host (:data:`GDN_VARLEN_TOKENS`).
 
     Args:
         proj: float32 ``[T, P]``, the packed input projection's output, sequences' rows

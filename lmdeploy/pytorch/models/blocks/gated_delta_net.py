@@ -20,10 +20,11 @@ the two projections as one call (the registry's CPU ``gdn_decode``, native when 
 the per-layer torch glue (splits, gates, casts, the conv, delta and norm calls) costs more than
 the arithmetic at batch 1. It reads the packed projection in place through a column map that
 :meth:`GatedDeltaNet._split_projections` itself defines (so a variant's packing needs no code
-here). Any other float32 CPU step whose sequences have at most ``GDN_VARLEN_TOKENS`` (64) rows
-(a short prompt, alone or beside decodes) runs the same step arithmetic row after row per
-sequence in one native call (``gdn_varlen``): some sixty torch ops of the conv and the chunked
-delta rule per layer cost more than the recurrence itself at that length. Longer chunks, and
+here). Any other float32 CPU step whose sequences have at most ``GDN_VARLEN_TOKENS`` (8192)
+rows (a prompt's chunk, alone or beside decodes) runs the same step arithmetic row after row per
+sequence in one native call (``gdn_varlen``): for a short prompt the sixty-odd torch ops of the
+conv and the chunked delta rule per layer cost more than the recurrence itself, and on the
+benchmark host the row-by-row pass beats the chunked form at 2048 rows too. Longer chunks, and
 every other device, run the unfused path.
 """
 from __future__ import annotations
@@ -225,8 +226,8 @@ class GatedDeltaNet(nn.Module):
                                    recurrent_cache[lo:lo + N], self.norm.weight, self.norm.eps, self.num_k_heads))
 
     def _fused_varlen(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
-        """A float32 step whose longest sequence has at most ``GDN_VARLEN_TOKENS`` rows (a short
-        prompt's prefill, alone or beside decodes) by the registry's ``gdn_varlen``: each
+        """A float32 step whose longest sequence has at most ``GDN_VARLEN_TOKENS`` rows (a
+        prompt's chunk, alone or beside decodes) by the registry's ``gdn_varlen``: each
         sequence's rows through the decode step's arithmetic, in one call; ``None`` when it does
         not apply (longer chunks, another dtype or device, no such kernel)."""
         fused = find_kernel('gdn_varlen', hidden.device)
