@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_throughput import engine_generate, make_engine  # noqa: E402
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -50,8 +55,6 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = _parse_shapes(args.shapes)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-
-    from benchmark_throughput import engine_generate, make_engine
 
     import lmdeploy.pytorch.models.blocks.gated_delta_net as gdn
     import lmdeploy.pytorch.models.blocks.moe as moe_block
