@@ -30,9 +30,9 @@ from .cpu_native import CALLS, NATIVE_EXPERT_TOKENS, is_plain, native_available,
 from .gated_delta_rule import l2norm
 from .norm import gated_rms_norm_torch, rms_norm_torch
 
-__all__ = ['FUSED_MOE_TOKENS', 'GDN_VARLEN_TOKENS', 'gdn_decode_native', 'gdn_varlen_native', 'moe_route_native', 'qk_norm_rope_store_native',
-           'add_rms_norm_native', 'mla_decode_native', 'group_limited_route_native', 'gdn_decode_torch',
-           'moe_route_shared_torch', 'qk_norm_rope_store_torch', 'add_rms_norm_torch', 'mla_decode_torch',
+__all__ = ['FUSED_MOE_TOKENS', 'GDN_VARLEN_TOKENS', 'gdn_decode_native', 'gdn_varlen_native', 'moe_route_native',
+           'qk_norm_rope_store_native', 'add_rms_norm_native', 'mla_decode_native', 'group_limited_route_native',
+           'gdn_decode_torch', 'moe_route_shared_torch', 'qk_norm_rope_store_torch', 'add_rms_norm_torch', 'mla_decode_torch',
            'group_limited_route_torch']
 
 # tokens up to which a Qwen-MoE block takes the fused route (decode steps; the native experts
