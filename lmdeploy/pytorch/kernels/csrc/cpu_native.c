@@ -287,7 +287,7 @@ void lm_moe_route(const float* proj, int64_t ld, int T, int E, int k, int norm, 
    the key, then the scaled query; v, out [N, H, dv]; decay [N, H, dk] when per_channel, else
    [N, H]; beta [N, H]; state element (n, h, i, c) at n * s_slot + h * s_head + i * s_row + c. */
 /* delta_head: that step for one (sequence, head), S (rows at stride s_row) updated in place, o [dv];
-   lm_delta_step runs it for every pair, lm_gdn_decode inside a whole layer. */
+   lm_delta_step runs it for every pair (gdn_head_rows runs the same step over slices of columns). */
 static void delta_head(float* S, int64_t s_row, const float* k, const float* q, const float* a, int sa,
                        const float* vp, float b, int dk, int dv, float* o) {
   float kv[dv], qv[dv], delta[dv];
