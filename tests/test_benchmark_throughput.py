@@ -235,3 +235,18 @@ def test_ab_native_rows_moves_one_row_products_to_mkl_and_restores_the_rule(tiny
     native, mkl = res[1]['native_1_24'], res[1]['mkl_1_3']
     assert native['native'] > mkl['native'] and native['best_ms'] > 0 and mkl['best_ms'] > 0
     assert linear_mod.NATIVE_ROWS == range(1, 25) and cpu_native._LIB is cpu_native.native_library()
+
+
+def test_ab_prefill_short_times_both_forms_and_restores_the_engine(tiny_qwen3_next):
+    """benchmark/ab_prefill_short.py on the tiny Qwen3-Next: one time per round, shape and form,
+    and the short-prompt windows are the engine's own again afterwards."""
+    from lmdeploy.pytorch.kernels import cpu_native
+    from lmdeploy.pytorch.models.blocks import gated_delta_net, moe
+    spec = importlib.util.spec_from_file_location('ab_prefill_short', ROOT / 'benchmark' / 'ab_prefill_short.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    windows = (gated_delta_net.GDN_VARLEN_TOKENS, cpu_native.NATIVE_EXPERT_TOKENS, moe.FUSED_MOE_TOKENS)
+    res = ab.main(['--model', tiny_qwen3_next, '--threads', '1', '--rounds', '1', '--shapes', '1x5,2x3'])
+    assert sorted(res) == ['1x5', '2x3']
+    assert all(len(v) == 1 and v[0] > 0 for r in res.values() for v in (r['before'], r['after']))
+    assert (gated_delta_net.GDN_VARLEN_TOKENS, cpu_native.NATIVE_EXPERT_TOKENS, moe.FUSED_MOE_TOKENS) == windows

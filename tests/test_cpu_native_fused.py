@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU ker
 VARIANTS = {'qwen3_next': GatedDeltaNet, 'qwen3_5': Qwen3_5GatedDeltaNet, 'olmo_hybrid': OlmoHybridGatedDeltaNet}
 
 
-FUSED_OPS = ('gdn_decode', 'moe_route_shared', 'qk_norm_rope_store', 'add_rms_norm', 'mla_decode',
+FUSED_OPS = ('gdn_decode', 'gdn_varlen', 'moe_route_shared', 'qk_norm_rope_store', 'add_rms_norm', 'mla_decode',
              'group_limited_route', 'kda_decode', 'mamba2_decode')
 
 
@@ -123,7 +123,23 @@ def _ctx(layer, n, lo, num_slots, gen):
     rec = torch.randn(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen)
     slots = torch.arange(lo, lo + n)
     return SimpleNamespace(state_caches=[(conv, rec)], slots=slots, has_history=torch.ones(n, dtype=torch.bool),
-                           cu_seqlens=torch.arange(n + 1), seq_ids=torch.arange(n), slot_span=(lo, None))
+                           cu_seqlens=torch.arange(n + 1), seq_ids=torch.arange(n), slot_span=(lo, None),
+                           q_seqlens=[1] * n, history_lens=[1] * n, kernel_memo={})
+
+
+def _varlen_ctx(layer, lengths, slots, history, num_slots, gen):
+    """A step of sequences with ``lengths`` rows in state ``slots`` of caches of ``num_slots``
+    random rows; ``history[i]`` False: a fresh sequence (its slot rows hold leftovers)."""
+    conv = torch.randn(num_slots, layer.conv_dim, layer.kernel_size - 1, generator=gen)
+    rec = torch.randn(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return SimpleNamespace(state_caches=[(conv, rec)], slots=torch.tensor(slots), has_history=torch.tensor(history),
+                           cu_seqlens=torch.tensor(bounds),
+                           seq_ids=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+                           slot_span=None, q_seqlens=list(lengths), history_lens=[int(h) for h in history],
+                           kernel_memo={})
 
 
 @settings(max_examples=40, deadline=None)
@@ -165,8 +181,9 @@ def test_gdn_decode_columns_are_the_split_of_each_packing():
 
 
 def test_gdn_decode_falls_back_off_its_class():
-    """A step that is not one sorted slot range with history, or not float32, runs the torch path
-    (no fused call) and still gives the same result as the fused one would."""
+    """A step that is not one sorted slot range with history, or not float32, runs another path
+    (``gdn_varlen`` or the torch one; no ``gdn_decode`` call) and still gives the same result as
+    the fused one would."""
     layer, gen = _gdn('qwen3_next', 2, 2, 8, 8, 4, False, 1)
     hidden = torch.randn(2, 24, generator=gen)
     ctx = _ctx(layer, 2, 0, 4, gen)
@@ -176,6 +193,86 @@ def test_gdn_decode_falls_back_off_its_class():
         layer(hidden, ctx)
         layer.to(torch.float64)(hidden.double(), _ctx(layer, 2, 0, 4, gen))
     assert CALLS['gdn_decode'] == before
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(VARIANTS)), st.integers(1, 2), st.sampled_from([1, 2]), st.sampled_from([8, 17]),
+       st.sampled_from([8, 33]), st.sampled_from([2, 4]), st.booleans(),
+       st.lists(st.tuples(st.sampled_from([1, 2, 5, 9, 64, 70]), st.booleans()), min_size=1, max_size=4),
+       st.integers(0, 2 ** 31))
+def test_gdn_varlen_native_equals_the_torch_path(variant, hk, ratio, dk, dv, kernel, neg_eigval, seqs, seed):
+    """A step of sequences (1-70 rows: one token, short prompts, one whole 64-row chunk of the
+    chunked form and one past it; fresh or continuing their slots, slots scattered in a larger
+    cache) through the one-call ``gdn_varlen`` against the unfused torch forward (the conv's
+    varlen form and the chunked delta rule): outputs and both caches, whose other rows stay as
+    they were."""
+    layer, gen = _gdn(variant, hk, ratio, dk, dv, kernel, neg_eigval, seed)
+    lengths, history = [n for n, _ in seqs], [h for _, h in seqs]
+    num_slots = 2 * len(seqs) + 1
+    slots = torch.randperm(num_slots, generator=gen)[:len(seqs)].tolist()
+    ctx = _varlen_ctx(layer, lengths, slots, history, num_slots, gen)
+    hidden = torch.randn(sum(lengths), 24, generator=gen)
+    caches = ctx.state_caches[0]
+
+    def run(states):
+        return layer(hidden, SimpleNamespace(**{**vars(ctx), 'state_caches': [states], 'kernel_memo': {}}))
+
+    before = CALLS['gdn_varlen']
+    with torch.inference_mode():
+        results = _three_ways(run, lambda: tuple(c.clone() for c in caches))
+        exact = _torch_path(lambda: copy.deepcopy(layer).double()(hidden.double(), SimpleNamespace(
+            **{**vars(ctx), 'state_caches': [tuple(c.double() for c in caches)], 'kernel_memo': {}})), unfused=True)
+    assert CALLS['gdn_varlen'] == before + 1
+    if max(lengths) <= 9:
+        # the same float32 step arithmetic as the decode test, carried over a few rows
+        _all_close(results)
+    # Over 64-70 rows the two float32 forms drift apart by more (1.4e-5 seen): the chunked one's
+    # triangular solve sums in another order than the row-by-row recurrence, and with these
+    # weights (x 0.5, outputs up to ~1) each is up to 6.6e-5 off the float64 path (measured over
+    # 90 such steps), so both are held to the float64 path, at the 1e-4 bound of the logits.
+    for out, _ in (results[0], results[-1]):
+        torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4)
+    untouched = [i for i in range(num_slots) if i not in slots]
+    for got, orig in zip(results[0][1], caches):
+        assert torch.equal(got[untouched], orig[untouched])
+
+
+@pytest.mark.parametrize('variant', sorted(VARIANTS))
+def test_gdn_varlen_equals_decode_steps_bit_for_bit(variant):
+    """A prompt of L rows through ``gdn_varlen`` leaves exactly (bit for bit) the states and
+    outputs of L one-row ``gdn_decode`` steps: the same step arithmetic, row after row (so a
+    prompt and its decode continuation round alike)."""
+    layer, gen = _gdn(variant, 2, 2, 16, 16, 4, False, 3)
+    L = 7
+    hidden = torch.randn(L, 24, generator=gen)
+    ctx = _varlen_ctx(layer, [L], [1], [True], 3, gen)
+    decode_states = tuple(c.clone() for c in ctx.state_caches[0])
+    with torch.inference_mode():
+        proj = layer.in_proj(hidden)
+        prefill = kernels.get_kernel('gdn_varlen')(
+            proj, layer.decode_columns(), layer.conv1d.weight.squeeze(1), *ctx.state_caches[0][:1], layer.A_log,
+            layer.dt_bias, layer.beta_scale, ctx.state_caches[0][1], layer.norm.weight, layer.norm.eps,
+            layer.num_k_heads, ctx.cu_seqlens, ctx.slots, torch.zeros(1, dtype=torch.uint8))
+        steps = [kernels.get_kernel('gdn_decode')(
+            proj[t:t + 1], layer.decode_columns(), layer.conv1d.weight.squeeze(1), decode_states[0][1:2], layer.A_log,
+            layer.dt_bias, layer.beta_scale, decode_states[1][1:2], layer.norm.weight, layer.norm.eps,
+            layer.num_k_heads) for t in range(L)]
+    assert torch.equal(prefill, torch.cat(steps))
+    for got, want in zip(ctx.state_caches[0], decode_states):
+        assert torch.equal(got, want)
+
+
+def test_gdn_varlen_takes_steps_up_to_its_window():
+    """A prompt's step runs each Gated DeltaNet layer in one ``gdn_varlen`` call; a sequence
+    longer than ``GDN_VARLEN_TOKENS`` rows sends the whole step to the unfused (chunked) path."""
+    from lmdeploy.pytorch.kernels.fused_decode import GDN_VARLEN_TOKENS
+    layer, gen = _gdn('qwen3_next', 1, 2, 8, 8, 4, False, 5)
+    for lengths, calls in (([GDN_VARLEN_TOKENS, 3], 1), ([GDN_VARLEN_TOKENS + 1, 3], 0)):
+        ctx = _varlen_ctx(layer, lengths, [0, 2], [False, True], 3, gen)
+        before = CALLS['gdn_varlen']
+        with torch.inference_mode():
+            layer(torch.randn(sum(lengths), 24, generator=gen), ctx)
+        assert CALLS['gdn_varlen'] == before + calls
 
 
 def _moe(experts, k, norm, hidden, inter, shared, seed):
@@ -222,6 +319,19 @@ def test_sparse_moe_stacked_weight_follows_a_weight_written_later():
         block(torch.randn(cpu_native.NATIVE_EXPERT_TOKENS + 1, 8, generator=gen))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert CALLS['moe_route'] == before
+
+
+def test_sparse_moe_four_short_prompts_take_one_native_expert_call():
+    """The step of four 32-token prompts (128 rows) runs its MoE block as one fused route and
+    one native expert-layer call, equal to the unfused torch path (the per-expert loop)."""
+    block, gen = _moe(16, 2, True, 32, 8, 8, 4)
+    x = torch.randn(4 * 32, 32, generator=gen)
+    route, experts = CALLS['moe_route'], CALLS['swiglu_experts']
+    with torch.inference_mode():
+        out = block(x)
+        ref = _torch_path(lambda: block(x), unfused=True)
+    assert (CALLS['moe_route'], CALLS['swiglu_experts']) == (route + 1, experts + 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def _attention_case(heads, kv_heads, dim, rot, gated, zero_centered, n, seed, block_size=4):

@@ -366,7 +366,9 @@ def test_decode_step_op_count_does_not_grow_with_batch():
         harness.model = counter = _CountingForward(ours)
         harness.step([(s, [4]) for s in seqs])
         counts.append(counter.ops)
-    assert counts[0] > 100 and counts[0] == counts[1]
+    # (the floor only shows the count is a real step's: the Gated DeltaNet layers take one native
+    # call each, gdn_varlen, since the step's slots are not one sorted range; 99 ops here)
+    assert counts[0] > 80 and counts[0] == counts[1]
 
 
 @pytest.mark.parametrize('intermediate,counts', [

@@ -303,7 +303,7 @@ static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* delta_head: that step for one (sequence, head), S (rows at stride s_row) updated in place, o [dv];
-   lm_delta_step runs it for every pair, lm_gdn_decode inside a whole layer. */
+   lm_delta_step runs it for every pair (gdn_head_rows runs the same step over slices of columns). */
 static void delta_head(float* S, int64_t s_row, const float* k, const float* q, const float* a, int sa,
                        const float* vp, float b, int dk, int dv, float* o) {
   float kv[dv], qv[dv], delta[dv];
@@ -349,63 +349,220 @@ void lm_delta_step(const float* kq, const float* v, const float* decay, int per_
      q, k  = l2norm(y's head kh = h / (Hv / Hk)), q scaled by dk^-1/2 (eps 1e-6 inside the root)
      beta  = beta_scale * sigmoid(b),  b = proj[n, cols[C + Hv dv + h]]
      decay = exp(-exp(A_log[h]) * softplus(a + dt_bias[h])),  a = proj[n, cols[C + Hv dv + Hv + h]]
-     o     = the delta-rule step of head h (delta_head), state element (n, h, i, c) at
+     o     = the delta-rule step of head h (delta_head's), state element (n, h, i, c) at
              n * s_slot + h * s_head + i * s_row + c
      out   = norm_w * o / sqrt(mean(o^2) + eps) * silu(z),  z = proj[n, cols[C + h dv + c]]
 
    cols [C + Hv dv + 2 Hv] maps each input to its column of the projection row (row stride
    ld_proj), so any packing of the projections is read in place. work [N, C] holds y between the
-   two phases; out [N, Hv dv]. softplus(x) = x above 20 (torch's threshold). */
-void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_state,
-                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
-                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
-                   int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads) {
-  const int C = 2 * Hk * dk + Hv * dv, r = Hv / Hk;
+   two phases; out [N, Hv dv]. softplus(x) = x above 20 (torch's threshold).
+
+   gdn_conv_rows (the conv before its SiLU, which silu_rows applies to all rows at once: a block
+   of channels) and gdn_head_rows (one head) run over the rows [r0, r1) of one sequence in order
+   (a decode step: one row); lm_gdn_varlen runs them over whole sequences, so a
+   prompt's rows give bit for bit the states and outputs of as many decode steps. */
+/* the conv (before its SiLU) of channels [c0, c1) over rows [r0, r1) of one sequence, row by
+   row (each row's channels read from and written to one row of proj / work), windows at
+   s + c * cs_chan updated in place */
+enum { GDN_CONV_BLOCK = 64 };
+
+static void gdn_conv_rows(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* s,
+                          int64_t cs_chan, int K, int c0, int c1, int64_t r0, int64_t r1, float* work, int C) {
+  for (int64_t t = r0; t < r1; t++) {
+    const float* row = proj + t * ld_proj;
+    float* y = work + t * C;
+    for (int c = c0; c < c1; c++) {
+      float* win = s + (ptrdiff_t)c * cs_chan;
+      const float* w = conv_w + (ptrdiff_t)c * K;
+      float xv = row[cols[c]];
+      float acc = 0.0f;
+      for (int j = 0; j < K - 1; j++) acc += w[j] * win[j];
+      acc += w[K - 1] * xv;
+      for (int j = 0; j + 1 < K - 1; j++) win[j] = win[j + 1];
+      if (K > 1) win[K - 2] = xv;
+      y[c] = acc;
+    }
+  }
+}
+
+static inline float expf_nonpos(float x);
+
+/* x * sigmoid(x) = x / (1 + exp(-x)) with exp(-|x|) by expf_nonpos (about 1 ulp; unlike a libm
+   call, a loop of it vectorizes) */
+static inline float silu_fast(float x) {
+  float e = expf_nonpos(x < 0.0f ? x : -x);
+  return x * (x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e));
+}
+
+/* work[p] = silu(work[p]) for p < n, inside a parallel region */
+static void silu_rows(float* work, int64_t n) {
+  #pragma omp for schedule(static)
+  for (int64_t p = 0; p < n; p++) work[p] = silu_fast(work[p]);
+}
+
+/* rows of one sequence per block of gdn_head_rows: their q, k, gates and outputs stay on the stack
+   while each group of GDN_SLICES 16-column slices of the head's state (dk x 64 floats, 32 KB at
+   dk = 128) is stepped through all of them from L1 / L2 */
+enum { GDN_ROWS = 16, GDN_COLS = 16, GDN_SLICES = 4 };
+
+static inline void store16(float* p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static void gdn_head_rows(const float* proj, int64_t ld_proj, const int64_t* cols, const float* work,
+                          const float* A_log, const float* dt_bias, float beta_scale, float* S, int64_t s_row,
+                          const float* norm_w, float eps, int Hk, int Hv, int dk, int dv, int h, int64_t r0,
+                          int64_t r1, float* out) {
+  const int C = 2 * Hk * dk + Hv * dv, kh = h / (Hv / Hk);
   const int64_t* z_cols = cols + C;
   const int64_t* b_cols = z_cols + (ptrdiff_t)Hv * dv;
   const int64_t* a_cols = b_cols + Hv;
   const float q_scale = 1.0f / sqrtf((float)dk);
-  #pragma omp parallel num_threads(threads)
-  {
-    #pragma omp for schedule(static)
-    for (int64_t p = 0; p < (int64_t)N * C; p++) {
-      int n = (int)(p / C), c = (int)(p % C);
-      float* s = conv_state + (ptrdiff_t)n * cs_slot + (ptrdiff_t)c * cs_chan;
-      const float* w = conv_w + (ptrdiff_t)c * K;
-      float acc = conv_tap(s, w, proj[(ptrdiff_t)n * ld_proj + cols[c]], K);
-      work[p] = acc / (1.0f + expf(-acc));
-    }
-    #pragma omp for schedule(static)
-    for (int p = 0; p < N * Hv; p++) {
-      int n = p / Hv, h = p % Hv, kh = h / r;
-      const float* y = work + (ptrdiff_t)n * C;
-      const float* row = proj + (ptrdiff_t)n * ld_proj;
-      float kn[dk], qn[dk], o[dv];
+  for (int64_t t0 = r0; t0 < r1; t0 += GDN_ROWS) {
+    const int nr = r1 - t0 < GDN_ROWS ? (int)(r1 - t0) : GDN_ROWS;
+    float kn[GDN_ROWS][dk], qn[GDN_ROWS][dk], akn[GDN_ROWS][dk], aqn[GDN_ROWS][dk], o[GDN_ROWS][dv];
+    float beta[GDN_ROWS], decay[GDN_ROWS], qk[GDN_ROWS];
+    for (int r = 0; r < nr; r++) {
+      const float* y = work + (t0 + r) * C;
+      const float* row = proj + (t0 + r) * ld_proj;
       float kk = 0.0f, qq = 0.0f;
       for (int i = 0; i < dk; i++) {
-        kn[i] = y[Hk * dk + kh * dk + i];
-        qn[i] = y[kh * dk + i];
-        kk += kn[i] * kn[i];
-        qq += qn[i] * qn[i];
+        kn[r][i] = y[Hk * dk + kh * dk + i];
+        qn[r][i] = y[kh * dk + i];
+        kk += kn[r][i] * kn[r][i];
+        qq += qn[r][i] * qn[r][i];
       }
       float ik = 1.0f / sqrtf(kk + 1e-6f), iq = 1.0f / sqrtf(qq + 1e-6f);
+      float dot = 0.0f;
       for (int i = 0; i < dk; i++) {
-        kn[i] *= ik;
-        qn[i] = qn[i] * iq * q_scale;
+        kn[r][i] *= ik;
+        qn[r][i] = qn[r][i] * iq * q_scale;
+        dot += qn[r][i] * kn[r][i];
       }
+      qk[r] = dot;
       float b = row[b_cols[h]], a = row[a_cols[h]] + dt_bias[h];
-      float beta = beta_scale * (1.0f / (1.0f + expf(-b)));
-      float decay = expf(-expf(A_log[h]) * softplusf(a));
-      delta_head(state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, kn, qn, &decay, 0,
-                 y + 2 * Hk * dk + (ptrdiff_t)h * dv, beta, dk, dv, o);
+      beta[r] = beta_scale * (1.0f / (1.0f + expf(-b)));
+      float sp = a > 20.0f ? a : log1pf(expf(a));
+      decay[r] = expf(-expf(A_log[h]) * sp);
+      for (int i = 0; i < dk; i++) {   /* (diag(a) S)^T x = S^T (a * x) */
+        akn[r][i] = decay[r] * kn[r][i];
+        aqn[r][i] = decay[r] * qn[r][i];
+      }
+    }
+    /* the delta rule (delta_head's step) column slice by column slice: every column of S evolves
+       on its own, so each slice runs all the rows before the next is touched; GDN_SLICES slices
+       at once give as many independent sums (a single one waits on each add's latency) */
+    int c0 = 0;
+    for (; c0 + GDN_SLICES * GDN_COLS <= dv; c0 += GDN_SLICES * GDN_COLS) {
+      for (int r = 0; r < nr; r++) {
+        v16 kv[GDN_SLICES], qv[GDN_SLICES], d[GDN_SLICES];
+        for (int b = 0; b < GDN_SLICES; b++) kv[b] = qv[b] = (v16){0};
+        for (int i = 0; i < dk; i++) {
+          const float* sp = S + (ptrdiff_t)i * s_row + c0;
+          for (int b = 0; b < GDN_SLICES; b++) {
+            v16 sv = load16(sp + b * GDN_COLS);
+            kv[b] += sv * akn[r][i];
+            qv[b] += sv * aqn[r][i];
+          }
+        }
+        const float* vp = work + (t0 + r) * C + 2 * Hk * dk + (ptrdiff_t)h * dv + c0;
+        for (int b = 0; b < GDN_SLICES; b++) d[b] = beta[r] * (load16(vp + b * GDN_COLS) - kv[b]);
+        const float a = decay[r];
+        for (int i = 0; i < dk; i++) {
+          float* sp = S + (ptrdiff_t)i * s_row + c0;
+          for (int b = 0; b < GDN_SLICES; b++)
+            store16(sp + b * GDN_COLS, a * load16(sp + b * GDN_COLS) + kn[r][i] * d[b]);
+        }
+        for (int b = 0; b < GDN_SLICES; b++) store16(&o[r][c0 + b * GDN_COLS], qv[b] + qk[r] * d[b]);
+      }
+    }
+    for (; c0 < dv; c0++) {   /* the columns past the last whole group, one at a time */
+      for (int r = 0; r < nr; r++) {
+        float kv = 0.0f, qv = 0.0f;
+        for (int i = 0; i < dk; i++) {
+          float sv = S[(ptrdiff_t)i * s_row + c0];
+          kv += sv * akn[r][i];
+          qv += sv * aqn[r][i];
+        }
+        float d = beta[r] * (work[(t0 + r) * C + 2 * Hk * dk + (ptrdiff_t)h * dv + c0] - kv);
+        const float a = decay[r];
+        for (int i = 0; i < dk; i++) {
+          float* sp = S + (ptrdiff_t)i * s_row + c0;
+          *sp = a * *sp + kn[r][i] * d;
+        }
+        o[r][c0] = qv + qk[r] * d;
+      }
+    }
+    for (int r = 0; r < nr; r++) {
+      const float* row = proj + (t0 + r) * ld_proj;
       float ss = 0.0f;
-      for (int c = 0; c < dv; c++) ss += o[c] * o[c];
+      for (int c = 0; c < dv; c++) ss += o[r][c] * o[r][c];
       float inv = 1.0f / sqrtf(ss / (float)dv + eps);
-      float* dst = out + (ptrdiff_t)p * dv;
+      float* dst = out + (t0 + r) * (int64_t)Hv * dv + (ptrdiff_t)h * dv;
       for (int c = 0; c < dv; c++) {
         float z = row[z_cols[(ptrdiff_t)h * dv + c]];
-        dst[c] = norm_w[c] * (o[c] * inv) * (z / (1.0f + expf(-z)));
+        dst[c] = norm_w[c] * (o[r][c] * inv) * silu_fast(z);
       }
+    }
+  }
+}
+
+void lm_gdn_decode(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_state,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   int N, int Hk, int Hv, int dk, int dv, int K, float* work, float* out, int threads) {
+  const int C = 2 * Hk * dk + Hv * dv;
+  #pragma omp parallel num_threads(threads)
+  {
+    const int nblk = (C + GDN_CONV_BLOCK - 1) / GDN_CONV_BLOCK;
+    #pragma omp for schedule(static)
+    for (int p = 0; p < N * nblk; p++) {
+      int n = p / nblk, c0 = (p % nblk) * GDN_CONV_BLOCK, c1 = c0 + GDN_CONV_BLOCK < C ? c0 + GDN_CONV_BLOCK : C;
+      gdn_conv_rows(proj, ld_proj, cols, conv_w, conv_state + (ptrdiff_t)n * cs_slot, cs_chan, K, c0, c1, n, n + 1,
+                    work, C);
+    }
+    silu_rows(work, (int64_t)N * C);
+    #pragma omp for schedule(static)
+    for (int p = 0; p < N * Hv; p++) {
+      int n = p / Hv, h = p % Hv;
+      gdn_head_rows(proj, ld_proj, cols, work, A_log, dt_bias, beta_scale,
+                    state + (ptrdiff_t)n * s_slot + (ptrdiff_t)h * s_head, s_row, norm_w, eps, Hk, Hv, dk, dv, h,
+                    n, n + 1, out);
+    }
+  }
+}
+
+/* lm_gdn_decode for a flat batch of N sequences of any lengths (a prefill step, or prefill
+   chunks beside decodes): sequence n owns the proj / work / out rows [cu[n], cu[n + 1]) and the
+   state slot slots[n] (conv window at slots[n] * cs_slot, recurrent state at slots[n] * s_slot);
+   fresh[n] != 0 zeroes both first (a sequence with no history, whatever the slot held). Each
+   (sequence, channel) runs its rows in order in the conv phase, each (sequence, head) in the
+   delta phase; the step arithmetic is lm_gdn_decode's. work [T, C], out [T, Hv dv]. */
+void lm_gdn_varlen(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_cache,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state_cache, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   const int64_t* cu, const int64_t* slots, const uint8_t* fresh, int N, int Hk, int Hv, int dk,
+                   int dv, int K, float* work, float* out, int threads) {
+  const int C = 2 * Hk * dk + Hv * dv;
+  #pragma omp parallel num_threads(threads)
+  {
+    const int nblk = (C + GDN_CONV_BLOCK - 1) / GDN_CONV_BLOCK;
+    #pragma omp for schedule(static)
+    for (int p = 0; p < N * nblk; p++) {
+      int n = p / nblk, c0 = (p % nblk) * GDN_CONV_BLOCK, c1 = c0 + GDN_CONV_BLOCK < C ? c0 + GDN_CONV_BLOCK : C;
+      float* s = conv_cache + (ptrdiff_t)slots[n] * cs_slot;
+      if (fresh[n])
+        for (int c = c0; c < c1; c++)
+          for (int j = 0; j < K - 1; j++) s[(ptrdiff_t)c * cs_chan + j] = 0.0f;
+      gdn_conv_rows(proj, ld_proj, cols, conv_w, s, cs_chan, K, c0, c1, cu[n], cu[n + 1], work, C);
+    }
+    silu_rows(work, cu[N] * C);
+    #pragma omp for schedule(dynamic, 1)
+    for (int p = 0; p < N * Hv; p++) {
+      int n = p / Hv, h = p % Hv;
+      float* S = state_cache + (ptrdiff_t)slots[n] * s_slot + (ptrdiff_t)h * s_head;
+      if (fresh[n])
+        for (int i = 0; i < dk; i++) memset(S + (ptrdiff_t)i * s_row, 0, sizeof(float) * (size_t)dv);
+      gdn_head_rows(proj, ld_proj, cols, work, A_log, dt_bias, beta_scale, S, s_row, norm_w, eps, Hk, Hv, dk, dv, h,
+                    cu[n], cu[n + 1], out);
     }
   }
 }

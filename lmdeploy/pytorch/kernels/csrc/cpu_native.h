@@ -43,6 +43,13 @@ void lm_kda_decode(const float* qkv, int64_t ld_qkv, const float* f, int64_t ld_
                    float* state, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
                    int N, int H, int d, int K, float* out, int threads);
 
+/* lm_gdn_decode over a flat batch of sequences of any lengths, each continuing its state slot */
+void lm_gdn_varlen(const float* proj, int64_t ld_proj, const int64_t* cols, const float* conv_w, float* conv_cache,
+                   int64_t cs_slot, int64_t cs_chan, const float* A_log, const float* dt_bias, float beta_scale,
+                   float* state_cache, int64_t s_slot, int64_t s_head, int64_t s_row, const float* norm_w, float eps,
+                   const int64_t* cu, const int64_t* slots, const uint8_t* fresh, int N, int Hk, int Hv, int dk,
+                   int dv, int K, float* work, float* out, int threads);
+
 /* one decode token of the Mamba-2 (SSD) recurrence, state updated in place */
 void lm_ssd_step(const float* x, const float* dt, const float* A, const float* B, const float* C, const float* D,
                  float* state, int N, int H, int P, int G, int Dn, int64_t s_slot, int64_t s_head, int64_t s_row,

@@ -20,7 +20,12 @@ the two projections as one call (the registry's CPU ``gdn_decode``, native when 
 the per-layer torch glue (splits, gates, casts, the conv, delta and norm calls) costs more than
 the arithmetic at batch 1. It reads the packed projection in place through a column map that
 :meth:`GatedDeltaNet._split_projections` itself defines (so a variant's packing needs no code
-here); every other step, and every other device, runs the unfused path.
+here). Any other float32 CPU step whose sequences have at most ``GDN_VARLEN_TOKENS`` (8192)
+rows (a prompt's chunk, alone or beside decodes) runs the same step arithmetic row after row per
+sequence in one native call (``gdn_varlen``): for a short prompt the sixty-odd torch ops of the
+conv and the chunked delta rule per layer cost more than the recurrence itself, and on the
+benchmark host the row-by-row pass beats the chunked form at 2048 rows too. Longer chunks, and
+every other device, run the unfused path.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from torch import nn
 
 from ...cache_specs import FullAttentionSpec, LayerCacheSpec, LinearAttentionSpec
 from ...kernels import find_kernel, get_kernel
+from ...kernels.fused_decode import GDN_VARLEN_TOKENS
 from ...model_inputs import StepContext, fused_state_rows
 from ..layers import Linear, PackedLinear, mlp_split
 from ..parallel_plan import Axis, Block, BlockSplit, Piece, cols, rows
@@ -216,9 +222,32 @@ class GatedDeltaNet(nn.Module):
                                    conv_cache[rows], self.A_log, self.dt_bias, self.beta_scale,
                                    recurrent_cache[rows], self.norm.weight, self.norm.eps, self.num_k_heads))
 
+    def _fused_varlen(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """A float32 step whose longest sequence has at most ``GDN_VARLEN_TOKENS`` rows (a
+        prompt's chunk, alone or beside decodes) by the registry's ``gdn_varlen``: each
+        sequence's rows through the decode step's arithmetic, in one call; ``None`` when it does
+        not apply (longer chunks, another dtype or device, no such kernel)."""
+        fused = find_kernel('gdn_varlen', hidden.device)
+        if fused is None or hidden.dtype != torch.float32 or not ctx.q_seqlens \
+                or max(ctx.q_seqlens) > GDN_VARLEN_TOKENS:
+            return None
+        conv_cache, recurrent_cache = ctx.state_caches[self.layer_idx]
+        if conv_cache.dtype != torch.float32:
+            return None
+        fresh = ctx.kernel_memo.get('gdn_varlen.fresh')
+        if fresh is None:   # once per step, shared by the layers
+            fresh = (~ctx.has_history).to(torch.uint8)   # tensor ops: a decode graph can replay them
+            ctx.kernel_memo['gdn_varlen.fresh'] = fresh
+        out = fused(self.in_proj(hidden), self.decode_columns(), self.conv1d.weight.squeeze(1), conv_cache,
+                    self.A_log, self.dt_bias, self.beta_scale, recurrent_cache, self.norm.weight, self.norm.eps,
+                    self.num_k_heads, ctx.cu_seqlens, ctx.slots, fresh)
+        return None if out is None else self.out_proj(out)
+
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``; reads and rewrites each sequence's state slot."""
         fused = self._fused_decode(hidden, ctx)
+        if fused is None:
+            fused = self._fused_varlen(hidden, ctx)
         if fused is not None:
             return fused
         T = hidden.shape[0]
