@@ -148,14 +148,31 @@ def greedy_divergences(hf, prompts: list[list[int]], ours: list[list[int]], thei
     """Where greedy outputs differ, the first differing token of each sequence and how close the
     choice was: transformers' logits (one forward over the prompt and the common prefix) of its
     token minus ours. A margin at float32 rounding level (well under the 1e-4 logit tolerance) is a
-    near-tie that the two systems' different summation orders broke differently, not an error."""
+    near-tie that the two systems' different summation orders broke differently, not an error.
+
+    For a mixture-of-experts model the same forward also gives ``router_margin``: the smallest gap,
+    over every layer and token of that forward, between the routing probability of the last expert
+    a token picks (its k-th) and the best one it does not (its (k+1)-th). A gap at rounding level
+    (~1e-6) is a routing near-tie: float32 rounding picks another expert there, which moves the
+    logits by O(1), so a large logit margin with a tiny router margin is still a near-tie."""
     out = []
+    k = getattr(hf.config, 'num_experts_per_tok', None)
     for i, (p, a, b) in enumerate(zip(prompts, ours, theirs)):
         if a == b:
             continue
         j = next(t for t in range(min(len(a), len(b))) if a[t] != b[t])
-        logits = hf(input_ids=torch.tensor([p + a[:j]]), logits_to_keep=1).logits[0, -1].float()
-        out.append(dict(seq=i, token=j, engine=a[j], hf=b[j], hf_margin=float(logits[b[j]] - logits[a[j]])))
+        kwargs = {'output_router_logits': True} if k else {}
+        res = hf(input_ids=torch.tensor([p + a[:j]]), **kwargs)
+        logits = res.logits[0, -1].float()
+        row = dict(seq=i, token=j, engine=a[j], hf=b[j], hf_margin=float(logits[b[j]] - logits[a[j]]))
+        routers = [r for r in (getattr(res, 'router_logits', None) or ()) if r is not None]
+        if routers:
+            gaps = []
+            for r in routers:
+                top = r.float().reshape(-1, r.shape[-1]).softmax(-1).topk(k + 1, dim=-1).values
+                gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+            row['router_margin'] = min(gaps)
+        out.append(row)
     return out
 
 
@@ -217,13 +234,20 @@ def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 
     clock = clock or time.perf_counter
     from lmdeploy import GenerationConfig
     from lmdeploy.pytorch.kernels.cpu_native import CALLS
-    seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=timed_steps + 3, ignore_eos=True))
+    seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=timed_steps + 8, ignore_eos=True))
             for p in prompts]
     while any(s.num_generated == 0 for s in seqs):
         engine.step()
+    for _ in range(4):     # a decode graph's key: one eager step, two recorded ones, then replays
+        engine.step()
+    worker = getattr(engine.model_runner.executor, 'worker', None)     # tp=1: the engine process's worker
+    graphs = getattr(worker, 'decode_graphs', None)
+    replays = graphs.replays if graphs is not None else 0
     before = sum(CALLS.values())
     n = count_ops(engine.step)
     native = sum(CALLS.values()) - before
+    if graphs is not None and graphs.replays > replays:   # a replay calls the recorded kernels directly
+        native += max(c for c, _ in graphs.calls_per_replay())
     times = []
     for _ in range(timed_steps):
         t = clock()
@@ -368,8 +392,10 @@ def print_row(kind, key, row, flush=False):
         parts.append(f'greedy equal: {row["greedy_equal_to_hf"]}')
         if row.get('greedy_divergences'):
             worst = max(abs(d['hf_margin']) for d in row['greedy_divergences'])
+            routers = [d['router_margin'] for d in row['greedy_divergences'] if 'router_margin' in d]
+            tie = f'; smallest routing margin {min(routers):.1e}' if routers else ''
             parts.append(f'({len(row["greedy_divergences"])} sequences diverge; largest transformers logit '
-                         f'margin at the first differing token {worst:.1e})')
+                         f'margin at the first differing token {worst:.1e}{tie})')
     print(' | '.join(parts), flush=flush)
 
 

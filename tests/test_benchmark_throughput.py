@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,6 +75,13 @@ def test_greedy_divergences_locate_the_first_differing_token_and_its_margin(tiny
     report = bench.greedy_divergences(hf, prompts, ours, theirs)
     assert [(d['seq'], d['token'], d['engine'], d['hf']) for d in report] == [(1, 3, ours[1][3], theirs[1][3])]
     assert report[0]['hf_margin'] > 0
+    # a mixture-of-experts model: the smallest gap between a token's k-th and (k+1)-th routing
+    # probability over that forward, recomputed here from transformers' router logits
+    res = hf(input_ids=torch.tensor([prompts[1] + ours[1][:3]]), output_router_logits=True)
+    k = hf.config.num_experts_per_tok
+    gaps = [float((r.softmax(-1).topk(k + 1, dim=-1).values[:, k - 1]
+                   - r.softmax(-1).topk(k + 1, dim=-1).values[:, k]).min()) for r in res.router_logits]
+    assert report[0]['router_margin'] == pytest.approx(min(gaps), rel=1e-6) and report[0]['router_margin'] >= 0
     assert bench.greedy_divergences(hf, prompts, theirs, theirs) == []
 
 

@@ -499,6 +499,16 @@ class DecodeGraphCache:
         return dict(captures=self.captures, replays=self.replays, refusals=self.refusals,
                     evictions=self.evictions, graphs=len(self.graphs))
 
+    def calls_per_replay(self) -> list[tuple[int, int]]:
+        """``(native kernel calls, torch ops)`` one replay of each ready graph makes (the calls a
+        replayed step still pays for; views and ``empty`` are not replayed), in cache order."""
+        out = []
+        for graph in self.graphs.values():
+            if graph.state == 'ready':
+                native = sum(1 for step in graph.steps if not isinstance(step[2], dict))
+                out.append((native, len(graph.steps) - native))
+        return out
+
     def forward(self, batch: StepBatch, kv_caches, state_caches, block_size: int) -> torch.Tensor | None:
         """The model's ``hidden [B, hidden_size]`` for ``batch`` by a graph (recording or
         replaying it), or ``None`` when the step must run eagerly (no key, a refused key, a
