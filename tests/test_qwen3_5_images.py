@@ -500,16 +500,15 @@ def test_api_server_image_errors_name_the_clients_own_part(vl_pipe, api):
                                          {'type': 'image', 'source': {'type': 'url', 'url': url}}]}]})
 
     where = 'input[1].content[1]' if api == 'responses' else 'messages[2].content[2]'
-    field = 'input' if api == 'responses' else 'messages'
     with TestClient(create_app(vl_pipe, 'tiny')) as client:
         for url, why in [('/etc/hostname', "an image_url must be a data: URL or an http(s) URL, got '/etc/hostname'"),
                          ('data:image/png;base64,@@',
                           'cannot decode the image (invalid base64: Only base64 data is allowed)')]:
             r = post(url)
             assert r.status_code == 400, r.text
-            message = f'{field}: {where}: {why}'
+            message = f'{where}: {why}'      # the client's own part leads, once (no 'input: ' before it)
             if api == 'responses':
-                assert r.json() == {'error': {'message': message, 'type': 'invalid_request_error', 'param': 'input',
+                assert r.json() == {'error': {'message': message, 'type': 'invalid_request_error', 'param': where,
                                               'code': 'invalid_value'}}
             else:
                 assert r.json() == {'type': 'error', 'error': {'type': 'invalid_request_error', 'message': message}}
