@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lmdeploy.pytorch import kernels
@@ -200,6 +200,9 @@ def test_gdn_decode_falls_back_off_its_class():
        st.sampled_from([8, 33]), st.sampled_from([2, 4]), st.booleans(),
        st.lists(st.tuples(st.sampled_from([1, 2, 5, 9, 64, 70]), st.booleans()), min_size=1, max_size=4),
        st.integers(0, 2 ** 31))
+# a 64-row fresh step whose output reaches 21 and one near-cancelling element was 2.6e-4 off float64 on
+# the unfused path itself (a fixed 1e-4 bound failed on it)
+@example('olmo_hybrid', 2, 1, 8, 33, 4, True, [(64, False)], 20998)
 def test_gdn_varlen_native_equals_the_torch_path(variant, hk, ratio, dk, dv, kernel, neg_eigval, seqs, seed):
     """A step of sequences (1-70 rows: one token, short prompts, one whole 64-row chunk of the
     chunked form and one past it; fresh or continuing their slots, slots scattered in a larger
@@ -218,20 +221,22 @@ def test_gdn_varlen_native_equals_the_torch_path(variant, hk, ratio, dk, dv, ker
         return layer(hidden, SimpleNamespace(**{**vars(ctx), 'state_caches': [states], 'kernel_memo': {}}))
 
     before = CALLS['gdn_varlen']
+    exact_states = tuple(c.double() for c in caches)
     with torch.inference_mode():
         results = _three_ways(run, lambda: tuple(c.clone() for c in caches))
-        exact = _torch_path(lambda: copy.deepcopy(layer).double()(hidden.double(), SimpleNamespace(
-            **{**vars(ctx), 'state_caches': [tuple(c.double() for c in caches)], 'kernel_memo': {}})), unfused=True)
+        exact_out = _torch_path(lambda: copy.deepcopy(layer).double()(hidden.double(), SimpleNamespace(
+            **{**vars(ctx), 'state_caches': [exact_states], 'kernel_memo': {}})), unfused=True)
     assert CALLS['gdn_varlen'] == before + 1
     if max(lengths) <= 9:
         # the same float32 step arithmetic as the decode test, carried over a few rows
         _all_close(results)
-    # Over 64-70 rows the two float32 forms drift apart by more (1.4e-5 seen): the chunked one's
-    # triangular solve sums in another order than the row-by-row recurrence, and with these
-    # weights (x 0.5, outputs up to ~1) each is up to 6.6e-5 off the float64 path (measured over
-    # 90 such steps), so both are held to the float64 path, at the 1e-4 bound of the logits.
-    for out, _ in (results[0], results[-1]):
-        torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4)
+    # Over 64-70 rows the two float32 forms sum in other orders (the chunked form's triangular
+    # solve against the row-by-row recurrence), and neither stays within a fixed 1e-4 of float64:
+    # outputs reach ~21 with these weights (x 0.5), and a near-cancelling element that the gated
+    # norm scales up was 2.6e-4 off float64 on the unfused path itself. So each way is held to the
+    # unfused path within the rounding measured on this input (over 300 random steps the largest
+    # distance was 0.46 of that bound; a wrong gate, decay or slot moves it by O(1)).
+    close_to_measured_rounding(results, exact_out, exact_states)
     untouched = [i for i in range(num_slots) if i not in slots]
     for got, orig in zip(results[0][1], caches):
         assert torch.equal(got[untouched], orig[untouched])
