@@ -13,6 +13,8 @@ here, each one call per layer per step:
   1, 2-3 and 4+ input rows, else 4), used by :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
+- :func:`relu2_experts_native`: the same for non-gated ``down(relu(up x)^2)`` experts
+  (Nemotron-H / Nemotron-3);
 - :func:`delta_step_native`: the decode step of the gated delta rule and of KDA (a decay per
   head or per key channel) in one pass over the state;
 - :func:`conv_decode_step_native`: the causal-conv decode step (window shift in place);
@@ -98,7 +100,7 @@ import torch
 from ..config import cache_root
 from . import native_build
 
-__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'NATIVE_ROWS',
+__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'relu2_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
@@ -200,6 +202,7 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_mla_decode': ('p p i64 i64 p i64 p f32 p p i32 p i64 i64 p p p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p '
                       'i32', 'i32'),
     'lm_group_route': ('p i64 p i32 i32 i32 i32 i32 i32 f32 p p i32', None),
+    'lm_relu2_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
 }
 _CTYPES = native_build.CTYPES
@@ -360,6 +363,60 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
     if lib.lm_swiglu_experts(x.data_ptr(), T, H, two_i // 2, topk, index.data_ptr(), weights.data_ptr(),
                              gate_up.data_ptr(), down.data_ptr(), E, pos.data_ptr(), xs.data_ptr(), h.data_ptr(),
                              ys.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f'expert index out of range [0, {E})')
+    return out
+
+
+def relu2_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: torch.Tensor,
+                         down: torch.Tensor) -> torch.Tensor | None:
+    """A whole MoE layer of non-gated relu^2 experts in one native call, or ``None`` when it does
+    not apply.
+
+    ``out[t] = sum_j weights[t, j] * down_e(relu(up_e(x[t]))^2)`` with ``e = index[t, j]``, summed
+    over ``j`` in order. Each expert's rows are one run of a stable counting sort on the expert,
+    as in :func:`swiglu_experts_native`; with at most 24 rows per expert (:data:`NATIVE_ROWS`)
+    every product sums as :func:`~.linear.linear` does, so the result equals the per-expert
+    torch loop (:func:`~.moe.relu2_experts_loop`) bit for bit; with more (a prompt of up to
+    :data:`NATIVE_EXPERT_TOKENS` tokens) it equals it to float32 rounding (MKL sums those).
+
+    Args:
+        x: ``[T, H]``.
+        index: int64 ``[T, k]`` expert ids in ``[0, E)``.
+        weights: ``[T, k]`` routing weights.
+        up: ``[E, I, H]``; down: ``[E, H, I]`` (no biases).
+
+    Returns:
+        float32 ``[T, H]``; ``None`` unless every tensor is float32 on CPU outside autograd (the
+        index int64 on CPU), ``1 <= T <= NATIVE_EXPERT_TOKENS``, and the library is available.
+
+    Raises:
+        ValueError: an expert id out of range, or inconsistent shapes.
+    """
+    T = x.shape[0]
+    if not (1 <= T <= NATIVE_EXPERT_TOKENS and all(is_plain(t) for t in (x, weights, up, down))
+            and index.dtype == torch.int64 and index.device.type == 'cpu'):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    E, inter, H = up.shape
+    topk = index.shape[1] if index.dim() == 2 else 0
+    if (x.shape != (T, H) or index.shape != (T, topk) or weights.shape != (T, topk) or not topk
+            or down.shape != (E, H, inter)):
+        raise ValueError(f'expected x [T, H], index and weights [T, k], up [E, I, H], down [E, H, I]; got '
+                         f'{tuple(x.shape)}, {tuple(index.shape)}, {tuple(weights.shape)}, {tuple(up.shape)}, '
+                         f'{tuple(down.shape)}')
+    x, index, weights, up, down = (t.contiguous() for t in (x, index, weights, up, down))
+    S = T * topk
+    pos = torch.empty(S, dtype=torch.int64)
+    xs = torch.empty(S, H, dtype=torch.float32)
+    h = torch.empty(S, inter, dtype=torch.float32)
+    ys = torch.empty(S, H, dtype=torch.float32)
+    out = torch.empty(T, H, dtype=torch.float32)
+    CALLS['relu2_experts'] += 1
+    if lib.lm_relu2_experts(x.data_ptr(), T, H, inter, topk, index.data_ptr(), weights.data_ptr(), up.data_ptr(),
+                            down.data_ptr(), E, pos.data_ptr(), xs.data_ptr(), h.data_ptr(), ys.data_ptr(),
+                            out.data_ptr(), torch.get_num_threads()) != 0:
         raise ValueError(f'expert index out of range [0, {E})')
     return out
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache_specs import FullAttentionSpec, LayerCacheSpec, PagedSpec
-from ..kernels.linear import linear
+from ..kernels import get_kernel
 from ..model_inputs import StepContext
 from .base import CausalLM
 from .blocks.decoder import DecoderLayer, DecoderStack, mixer_ctx
@@ -139,27 +139,11 @@ class Relu2Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, dim, intermediate_size))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, D]``, chosen experts ``index [T, k]`` with float32 ``weights [T, k]`` → ``[T, D]``:
-        the ``T * k`` (token, expert) pairs sorted by expert, one matmul pair per expert with rows,
-        weighted and summed over each token's ``k`` choices in float32."""
-        T, k = index.shape
-        flat = index.flatten()
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
-        rows = x.index_select(0, token)
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                sl = slice(start, start + n)
-                out[sl] = linear(_relu2(linear(rows[sl], self.up_proj[e])), self.down_proj[e])
-                start += n
-        # back to (token, choice) order and summed over the k choices: index_add_ measured ~150x
-        # slower on CPU for these few rows (1.8 ms vs 12 us per call)
-        pairs = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
-        pairs[order] = out.float() * weights.flatten().index_select(0, order)[:, None]
-        return pairs.view(T, k, -1).sum(1).to(x.dtype)
+        """``x [T, D]``, chosen experts ``index [T, k]`` with float32 ``weights [T, k]`` → ``[T, D]``
+        (the ``relu2_experts`` kernel: one native call for a float32 CPU decode step, else one
+        matmul pair per expert with rows, weighted and summed over each token's ``k`` choices in
+        float32)."""
+        return get_kernel('relu2_experts', x.device)(x, index, weights, self.up_proj, self.down_proj)
 
 
 class NemotronHMoE(nn.Module):

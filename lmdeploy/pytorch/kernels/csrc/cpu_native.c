@@ -1139,3 +1139,69 @@ void lm_group_route(const float* logits, int64_t ld, const float* bias, int T, i
     for (int j = 0; j < k; j++) w[j] = (norm ? w[j] / (sum + 1e-20f) : w[j]) * scaling;
   }
 }
+
+/* A MoE layer of non-gated relu^2 experts (Nemotron-H / Nemotron-3) for T tokens, each routed to
+   topk experts: expert e maps a row r to down_e(relu(up_e r)^2), no biases.
+   x [T, H]; index, weights [T, topk]; up [E, I, H]; down [E, H, I];
+   scratch: pos [T * topk] int64, xs [S, H], h [S, I], ys [S, H] with S = T * topk; out [T, H].
+   As lm_swiglu_experts: the (token, slot) pairs are placed by a stable counting sort on the
+   expert (pair p = t * topk + j goes to row pos[p] of its expert's run), each expert's rows go
+   through both products with matmul_rows_nowait (no barrier between experts), and out[t] is
+   weights[t, 0] * y_0 + weights[t, 1] * y_1 + ... summed over the slots in order (the torch
+   path's sum over the k choices). Returns -1 (nothing computed) on an expert id out of range. */
+int lm_relu2_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
+                     const float* up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
+                     float* out, int threads) {
+  int S = T * topk;
+  int64_t offsets[E + 1];
+  for (int e = 0; e <= E; e++) offsets[e] = 0;
+  for (int p = 0; p < S; p++) {
+    if (index[p] < 0 || index[p] >= E) return -1;
+    offsets[index[p] + 1]++;
+  }
+  for (int e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+  int64_t fill[E];
+  for (int e = 0; e < E; e++) fill[e] = offsets[e];
+  for (int p = 0; p < S; p++) pos[p] = fill[index[p]]++;
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(static)
+    for (int p = 0; p < S; p++) memcpy(xs + pos[p] * H, x + (ptrdiff_t)(p / topk) * H, sizeof(float) * H);
+    for (int e = 0; e < E; e++) {
+      int rows = (int)(offsets[e + 1] - offsets[e]);
+      if (rows)
+        matmul_rows_nowait(xs + offsets[e] * H, rows, H, H, up + (ptrdiff_t)e * I * H, I, H, h + offsets[e] * I, I);
+    }
+    #pragma omp barrier
+    #pragma omp for schedule(static)
+    for (ptrdiff_t i = 0; i < (ptrdiff_t)S * I; i++) {
+      float r = h[i] < 0.0f ? 0.0f : h[i];   /* torch.square(F.relu(v)), NaN kept: one product */
+      h[i] = r * r;
+    }
+    for (int e = 0; e < E; e++) {
+      int rows = (int)(offsets[e + 1] - offsets[e]);
+      if (rows)
+        matmul_rows_nowait(h + offsets[e] * I, rows, I, I, down + (ptrdiff_t)e * H * I, H, I, ys + offsets[e] * H, H);
+    }
+    #pragma omp barrier
+    /* weighted in place first, summed in a loop of its own: a product and a sum in one
+       statement may be contracted into one fused multiply-add (-ffp-contract), which rounds
+       differently from torch's product and then sum */
+    #pragma omp for schedule(static)
+    for (int p = 0; p < S; p++) {
+      float* y = ys + pos[p] * H;
+      float w = weights[p];
+      for (int c = 0; c < H; c++) y[c] *= w;
+    }
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) {
+      float* o = out + (ptrdiff_t)t * H;
+      memcpy(o, ys + pos[(ptrdiff_t)t * topk] * H, sizeof(float) * H);
+      for (int j = 1; j < topk; j++) {
+        const float* y = ys + pos[(ptrdiff_t)t * topk + j] * H;
+        for (int c = 0; c < H; c++) o[c] += y[c];
+      }
+    }
+  }
+  return 0;
+}

@@ -106,4 +106,9 @@ int lm_mla_decode(const float* q_c, const float* q_rope, int64_t ld_q, int64_t l
 void lm_group_route(const float* logits, int64_t ld, const float* bias, int T, int E, int n_group, int topk_group,
                     int k, int norm, float scaling, int64_t* index, float* weights, int threads);
 
+/* a whole MoE layer of non-gated relu^2 experts (down(relu(up x)^2)); -1 on an expert id out of range */
+int lm_relu2_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
+                     const float* up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
+                     float* out, int threads);
+
 #endif
