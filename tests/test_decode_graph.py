@@ -67,8 +67,10 @@ REPLAYED = dict(captures=8, replays=69, refusals=0, evictions=2, graphs=2)
 # a forward with per-sequence Python: GLM-5's DSA layers slice each sequence's blocks by its
 # length (StepContext.kv_seqlens read in Python), and the shapes that follow depend on it: the
 # sequence's keys [kv_len, ...], its indexer's pools (kv_len // pool) and how many it keeps
-# (min(index_topk // pool, pools)); every key is refused at its first recording (batch 1 twice,
-# evicted in between) and runs eagerly
+# (min(index_topk // pool, pools)). Its clamped-SwiGLU experts (index.unique().tolist()) and its
+# image check (history_lens) read data too, but those could become tensor-only; the per-sequence
+# shapes could not without changing the attention's sums. Its hyper-connections record fine.
+# Every key is refused at its first recording (batch 1 twice, evicted in between) and runs eagerly
 REFUSED = dict(captures=4, replays=0, refusals=4, evictions=2, graphs=2)
 
 
