@@ -32,7 +32,7 @@ here, each one call per layer per step:
   whole decode step between their products.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
-``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
+``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` and ``relu2_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
 :mod:`.attention`), as do the decode steps inside the ``gated_delta_rule_varlen`` and
 ``causal_conv1d_varlen`` implementations and :func:`~.linear.linear`; each returns ``None``
 here when it does not apply and the caller runs torch.
