@@ -32,8 +32,8 @@ here, each one call per layer per step:
   whole decode step between their products.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
-``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` and ``relu2_experts`` in :mod:`.moe`, ``paged_decode_attention`` in
-:mod:`.attention`), as do the decode steps inside the ``gated_delta_rule_varlen`` and
+``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` and ``relu2_experts`` in :mod:`.moe`,
+``paged_decode_attention`` in :mod:`.attention`), as do the decode steps inside the ``gated_delta_rule_varlen`` and
 ``causal_conv1d_varlen`` implementations and :func:`~.linear.linear`; each returns ``None``
 here when it does not apply and the caller runs torch.
 
@@ -100,7 +100,8 @@ import torch
 from ..config import cache_root
 from . import native_build
 
-__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER', 'compile_command', 'matmul_rows', 'swiglu_experts_native', 'relu2_experts_native', 'NATIVE_ROWS',
+__all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER',
+           'compile_command', 'matmul_rows', 'swiglu_experts_native', 'relu2_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
