@@ -18,8 +18,8 @@ from engine_utils import make_engine, random_prompt
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.engine import cuda_graph
 from lmdeploy.pytorch.engine import engine as engine_module
-from lmdeploy.pytorch.engine.cuda_graph import (CudaGraphCache, batch_buckets, bucket_for, cuda_graph_key,
-                                                 decode_graphs_kind, pad_batch)
+from lmdeploy.pytorch.engine.cuda_graph import (MAX_CUDA_GRAPHS, MAX_GRAPH_BATCH, CudaGraphCache, batch_buckets,
+                                                 bucket_for, cuda_graph_key, decode_graphs_kind, pad_batch)
 from lmdeploy.pytorch.engine.decode_graph import StaticDecodeInputs
 from lmdeploy.pytorch.model_inputs import StepBatch
 
@@ -78,13 +78,15 @@ def test_batch_buckets():
     assert batch_buckets(43) == [1, 2, 4, 8, 16, 24, 32, 40, 43]
     with pytest.raises(ValueError, match='max_batch'):
         batch_buckets(0)
+    assert batch_buckets(1000) == batch_buckets(MAX_GRAPH_BATCH) and len(batch_buckets(1000)) == 35 <= MAX_CUDA_GRAPHS
     for max_batch in range(1, 300):     # every batch gets the smallest bucket that holds it
         buckets = batch_buckets(max_batch)
-        assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
-        for B in range(1, max_batch + 1):
+        top = min(max_batch, MAX_GRAPH_BATCH)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == top
+        for B in range(1, top + 1):
             b = bucket_for(B, buckets)
             assert b >= B and not any(B <= x < b for x in buckets)
-        assert bucket_for(max_batch + 1, buckets) is None
+        assert bucket_for(top + 1, buckets) is None     # a larger batch runs eagerly
 
 
 def test_keys_share_the_cpu_graphs_boundaries():

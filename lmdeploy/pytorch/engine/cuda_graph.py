@@ -7,7 +7,8 @@ when :func:`~.decode_graph.decode_graph_key` gives it a key, and its static inpu
 padding::
 
     key = (bucket,)        bucket = the smallest of 1, 2, 4, 8, 16, 24, 32, ... (+8) >= B,
-                           the last one the engine's max_batch_size
+                           the last one the engine's max_batch_size or MAX_GRAPH_BATCH (256),
+                           the smaller (a larger batch runs eagerly)
     rows  0 .. B-1         the step's sequences, as they are
     rows  B .. bucket-1    padding: token 0 at position 0, kv_seqlen 1, block table
                            [scratch block, 0, ...], state slot = the scratch slot (-1 for a model
@@ -69,12 +70,14 @@ from ..model_inputs import StepBatch
 from .decode_graph import StaticDecodeInputs, decode_graph_key
 
 __all__ = ['CudaGraphCache', 'CudaBackend', 'batch_buckets', 'bucket_for', 'cuda_graph_key', 'decode_graphs_kind',
-           'pad_batch', 'MAX_CUDA_GRAPHS', 'WARMUP_RUNS']
+           'pad_batch', 'MAX_CUDA_GRAPHS', 'MAX_GRAPH_BATCH', 'WARMUP_RUNS']
 
 logger = logging.getLogger('lmdeploy')
 
-# one graph per bucket: 1, 2, 4, 8 and every multiple of 8 up to 256 is 35 buckets, so the cap
-# only bites past a max_batch_size of about 300
+# the largest batch a graph runs: a bigger decode step runs eagerly (its launches are amortised
+# over as many rows), so the buckets (1, 2, 4, 8 and every multiple of 8 up to 256: 35) stay
+# within MAX_CUDA_GRAPHS and a server never recaptures a bucket for the bound
+MAX_GRAPH_BATCH = 256
 MAX_CUDA_GRAPHS = 40
 # eager forwards on the side stream before a capture: the first compiles and autotunes the Triton
 # kernels and builds lazy module tensors, the second runs the steady state the capture records
@@ -92,13 +95,14 @@ def decode_graphs_kind(device: torch.device, config) -> str | None:
 
 def batch_buckets(max_batch: int) -> list[int]:
     """The batch sizes graphs are captured for: 1, 2, 4, 8, then every multiple of 8, below
-    ``max_batch``, and ``max_batch`` itself.
+    ``max_batch``, and ``max_batch`` itself, ``max_batch`` at most :data:`MAX_GRAPH_BATCH`.
 
     Raises:
         ValueError: ``max_batch < 1``.
     """
     if max_batch < 1:
         raise ValueError(f'max_batch must be >= 1; got {max_batch}')
+    max_batch = min(max_batch, MAX_GRAPH_BATCH)
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch, 8)) + [max_batch]
 
@@ -172,7 +176,9 @@ class CudaBackend:
     def capture(self, graph, fn: Callable[[], object]):
         """``fn()`` captured into ``graph`` (nothing runs); returns its output tensors, which the
         replays overwrite."""
-        with torch.cuda.graph(graph, pool=self.pool()):
+        # thread_local: only this thread's unsafe CUDA calls abort the capture; the engine's other
+        # threads (Store and host-tier copies on their own streams) carry on during it
+        with torch.cuda.graph(graph, pool=self.pool(), capture_error_mode='thread_local'):
             return fn()
 
     def reserved_bytes(self) -> int:
