@@ -14,17 +14,20 @@ padding::
                            [scratch block, 0, ...], state slot = the scratch slot (-1 for a model
                            without state), has_history False
 
-Why padding cannot change a real row: every op of a decode step is row-wise except the cache
-accesses, and those only touch what a row's own block table and slot name. A padded row writes
+Why padding cannot change what a real row reads or writes: every op of a decode step is row-wise
+except the cache accesses, and those only touch what a row's own block table and slot name. A padded row writes
 its K/V at (scratch block, 0) and its attention reads only that position (kv_seqlen 1); its
 recurrent and conv states are gathered from the scratch slot, zeroed (has_history False, a tensor
 mask: see ``state_varlen._gathered_step``) and scattered back to it, so however many padded rows
 write it and in whatever order, no real slot is written. The scratch block and slot are one KV
 block and one state slot the engine allocates beyond what its block manager and state cache hand
 out (``Engine``: ``scratch_rows``). MoE routing is per row (no capacity limit), so padded rows
-only add expert rows. ``tests/test_cuda_graph.py`` checks the property on the CPU for every family
-a CUDA graph would cover: the padded eager step's real rows give the unpadded step's logits and
-cache writes.
+only add expert rows. What padding can change is rounding: a GEMM over 4 rows may round a row
+differently from one over 3 (cuBLAS and MKL pick their blocking by the row count), so a padded
+bucket's logits equal the unpadded eager step's up to float32 rounding, an exact bucket's bit for
+bit. ``tests/test_cuda_graph.py`` checks the property on the CPU for every family a CUDA graph
+would cover: whatever the padding rows hold, the real rows' logits and every cache row but the
+scratch ones are bit for bit the same, and within rounding of the unpadded step's.
 
 Capture (the documented torch recipe): the static inputs are filled with an all-padding batch
 (every row on the scratch block and slot, so the warm-up writes nothing a sequence owns), the
@@ -49,6 +52,22 @@ the output is the graph's ``hidden [bucket, hidden_size]``, of which rows ``:B``
 dominates, the others reuse its freed blocks); :meth:`CudaGraphCache.counters` reports the pool
 bytes reserved by captures (the device allocator's reserved bytes across each capture) and the
 static inputs. At most :data:`MAX_CUDA_GRAPHS` graphs are kept (least recently used dropped).
+
+What reads the step's data on the host in a CUDA decode forward (found by reading
+``kernels/*`` and ``models/*`` for ``.item()``, ``.tolist()``, ``int(`` and per-sequence lists):
+
+- ``kernels/moe.py`` ``moe_experts_sorted`` (every MoE family on CUDA): ``torch.bincount``, which
+  reads the largest index back; now counted by ``index_add_`` (the same integers), so it captures.
+- Nemotron-3's relu² experts (``models/nemotron_h.py``: ``bincount().tolist()``) and the limited
+  experts of Ling 3 / GLM-5.3-Flash (``models/blocks/moe.py``: ``unique().tolist()``): the
+  capture raises, the bucket runs eagerly.
+- sliding-window attention reading the global table (``kernels/window_attention.py``:
+  ``max(ctx.kv_seqlens)``), Inkling's attention (``max(ctx.kv_seqlens)``), GLM-5's DSA layers
+  (per-sequence block slicing): per-step list reads, refused.
+- ``kernels/state_varlen.py`` reads ``cu_seqlens`` / ``has_history`` on the host only for prefill
+  chunks; a decode step masks with ``has_history`` as a tensor. ``model_inputs.slot_range`` reads
+  nothing from a device tensor (CUDA always gathers states by ``slots``). The Triton paged decode
+  attention's grid is ``(B, heads)`` and it reads each row's length inside the kernel.
 
 Nothing here needs a GPU to import or to test: the capture boundary is behind
 :class:`CudaBackend`, which the CPU tests replace by a stand-in whose "replay" re-runs the
@@ -178,8 +197,14 @@ class CudaBackend:
         replays overwrite."""
         # thread_local: only this thread's unsafe CUDA calls abort the capture; the engine's other
         # threads (Store and host-tier copies on their own streams) carry on during it
-        with torch.cuda.graph(graph, pool=self.pool(), capture_error_mode='thread_local'):
-            return fn()
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool(), capture_error_mode='thread_local'):
+                return fn()
+        finally:
+            # torch.cuda.graph leaves its capture stream current when ending the capture raises;
+            # the eager step that follows a failed capture must run where the engine's others do
+            torch.cuda.set_stream(stream)
 
     def reserved_bytes(self) -> int:
         """Bytes the device allocator holds (pools included)."""
@@ -303,13 +328,14 @@ class CudaGraphCache:
             # a fresh context per forward: nothing a kernel memoised in the warm-up is baked in
             return self.model(inputs.context(dummy, kv_caches, state_caches, None, True, reads.append))
 
-        before = self.backend.reserved_bytes()
+        before = 0
         try:
             inputs.fill(dummy)
             inputs.has_history.fill_(False)
             self.backend.warmup(run, WARMUP_RUNS)
             if reads:
                 raise _Refusal(reads[0])
+            before = self.backend.reserved_bytes()     # after the warm-up: its activations are not the graph's
             cuda_graph = self.backend.new_graph()
             output = self.backend.capture(cuda_graph, run)
             if reads:
