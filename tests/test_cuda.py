@@ -444,7 +444,7 @@ def test_cuda_graph_engine_replay_equals_eager(arch, overrides, graph_families):
                 kv = [5 + step + i for i in range(B)]
                 batch = StepBatch(input_ids=tokens[step], positions=[k - 1 for k in kv], q_seqlens=[1] * B,
                                   q_start_loc=list(range(B)), kv_seqlens=kv,
-                                  block_tables=[list(range(10 * i, 10 * i + -(-k // 4))) for i, k in enumerate(kv)],
+                                  block_tables=[list(range(12 * i, 12 * i + -(-k // 4))) for i, k in enumerate(kv)],
                                   state_slots=list(range(B)), sample_rows=list(range(B)))
                 logits = worker.forward(batch)[0].float().cpu()
                 out.append(logits)
