@@ -238,8 +238,9 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_engine_replays_padded_buckets_equal_to_eager(family_paths, monkeypatch, caplog):
-    path = family_paths('qwen3_next', {})
+@pytest.mark.parametrize('arch', ['qwen3_next', 'qwen3'])
+def test_engine_replays_padded_buckets_equal_to_eager(family_paths, monkeypatch, arch):
+    path = family_paths(arch, {})
     eager_logits, eager_tokens, eager = _decode(path, None, monkeypatch)
     logits, tokens, engine = _decode(path, 'cuda', monkeypatch)
     assert tokens == eager_tokens and _same(logits, eager_logits)
@@ -247,8 +248,12 @@ def test_engine_replays_padded_buckets_equal_to_eager(family_paths, monkeypatch,
     assert isinstance(graphs, CudaGraphCache) and graphs.buckets == [1, 2, 4]
     # one scratch block and one scratch slot beyond the eager engine's caches, never handed out
     assert engine.cache_engine.kv_buf.shape[0] == eager.cache_engine.kv_buf.shape[0] + 1 == 97
-    assert engine.cache_engine.state_buf.shape[0] == eager.cache_engine.state_buf.shape[0] + 1
-    assert (graphs.scratch_block, graphs.scratch_slot) == (96, engine.cache_engine.state_buf.shape[0] - 1)
+    slots = engine.cache_engine.state_buf.shape[0]
+    if arch == 'qwen3':     # no state: no scratch slot, padding rows' slot -1 as every row's
+        assert slots == 0 and (graphs.scratch_block, graphs.scratch_slot) == (96, None)
+    else:
+        assert slots == eager.cache_engine.state_buf.shape[0] + 1
+        assert (graphs.scratch_block, graphs.scratch_slot) == (96, slots - 1)
     assert engine.block_manager.num_blocks == 96
     # buckets 1, 4 (batch 3) and 2 captured once each; every decode step after that replayed
     counters = graphs.counters()

@@ -181,7 +181,7 @@ class Engine:
         # a CUDA graph's padding rows write one KV block and one state slot beyond those the
         # block manager and the state cache hand out (engine/cuda_graph.py)
         scratch = int(graphs == 'cuda')
-        num_slots = sizes.num_slots + scratch if sizes.num_slots else 0
+        num_slots = sizes.num_slots + scratch if sizes.num_slots and self.is_hybrid else sizes.num_slots
         self.cache_engine = self.executor.start(cc.block_size, num_blocks + scratch, num_slots, window_entries,
                                                 sizes.num_window_blocks)
         # a block table row is at most the session's blocks wide
@@ -189,7 +189,7 @@ class Engine:
         if graphs == 'cpu':     # pure decode steps replay recorded forwards (engine/decode_graph.py)
             worker.enable_decode_graphs(max_blocks)
         elif graphs == 'cuda':  # pure decode steps replay a CUDA graph per batch bucket
-            worker.enable_cuda_graphs(max_blocks, config.max_batch_size, num_slots - 1 if num_slots else None,
+            worker.enable_cuda_graphs(max_blocks, config.max_batch_size, num_slots - 1 if self.is_hybrid else None,
                                       num_blocks)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
