@@ -10,7 +10,8 @@ Two parts, one JSON file:
 - ``decode``: ``Engine`` decode throughput (tokens/s) of ``--batches`` concurrent requests of
   ``--prompt-len`` prompt tokens and ``--decode-tokens`` new tokens on a random model of
   ``--preset`` (benchmark_throughput.py's presets), beside ``transformers`` ``generate`` with
-  the same weights, batch and device (``ratio`` = ours / theirs).
+  the same weights, batch and device (``ratio`` = ours / theirs); with ``--eager-mode`` also the
+  engine with ``eager_mode=True`` (no CUDA / CPU decode graphs: ``graph_speedup`` = graphs on / off).
 
     python3 benchmark/benchmark_cuda.py --device cuda --preset 99m --out benchmark/results/cuda.json
 
@@ -155,39 +156,58 @@ def bench_kernels(device: torch.device, scale: int, repeats: int) -> dict:
     return out
 
 
+def _engine_tok_s(engine, prompts: list[list[int]], new_tokens: int, device: torch.device, label: str) -> float:
+    """Decode tokens per second of ``prompts`` run at once through ``engine`` (after a short warm-up)."""
+    from lmdeploy import GenerationConfig
+    t = time.perf_counter()
+    engine.generate(prompts[0][:8], GenerationConfig(max_new_tokens=2, ignore_eos=True))   # warm-up
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+    _phase(f'{label} warm-up (batch {len(prompts)})', t)
+    gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    seqs = [engine.add_request(p, gen) for p in prompts]
+    while not all(s.is_finished for s in seqs):
+        engine.step()
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+    return len(prompts) * new_tokens / (time.perf_counter() - t)
+
+
 def bench_decode(model: str, device: torch.device, batches: list[int], prompt_len: int, new_tokens: int,
-                 dtype: str) -> dict:
+                 dtype: str, eager_ab: bool = False) -> dict:
     """``{batch: {'engine_tok_s', 'transformers_tok_s', 'ratio'}}``: decode tokens per second of
     ``batch`` concurrent requests (``prompt_len`` prompt tokens, ``new_tokens`` new ones) through
-    the engine and through transformers' ``generate``, after one short warm-up each."""
+    the engine and through transformers' ``generate``, after one short warm-up each. With
+    ``eager_ab`` also ``'engine_eager_tok_s'`` (the engine with ``eager_mode=True``: no decode
+    graphs), ``'graph_speedup'`` (ours over it) and ``'graph_counters'`` (the graph cache's
+    captures, replays, refusals and bytes after the batch)."""
     from transformers import AutoModelForCausalLM
 
-    from lmdeploy import GenerationConfig, PytorchEngineConfig
+    from lmdeploy import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
+
+    def build(eager: bool):
+        return Engine(model, PytorchEngineConfig(device_type=device.type, dtype=dtype, max_batch_size=max(batches),
+                                                 session_len=prompt_len + new_tokens + 8,
+                                                 num_gpu_blocks=max(batches) * 4 + 8, eager_mode=eager))
     t = time.perf_counter()
-    engine = Engine(model, PytorchEngineConfig(device_type=device.type, dtype=dtype, max_batch_size=max(batches),
-                                               session_len=prompt_len + new_tokens + 8,
-                                               num_gpu_blocks=max(batches) * 4 + 8))
-    _phase('engine built', t)
+    engine = build(False)
+    eager_engine = build(True) if eager_ab else None
+    _phase('engine built' + (' (and an eager_mode one)' if eager_ab else ''), t)
     t = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     _phase('transformers loaded', t)
     results = {}
     for batch in batches:
         prompts = [[3 + (7 * i + 31 * j) % 900 for i in range(prompt_len)] for j in range(batch)]
-        gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
-        t = time.perf_counter()
-        engine.generate(prompts[0][:8], GenerationConfig(max_new_tokens=2, ignore_eos=True))   # warm-up
-        if device.type == 'cuda':
-            torch.cuda.synchronize()
-        _phase(f'engine warm-up (batch {batch})', t)
-        t = time.perf_counter()
-        seqs = [engine.add_request(p, gen) for p in prompts]
-        while not all(s.is_finished for s in seqs):
-            engine.step()
-        if device.type == 'cuda':
-            torch.cuda.synchronize()
-        ours = batch * new_tokens / (time.perf_counter() - t)
+        ours = _engine_tok_s(engine, prompts, new_tokens, device, 'engine')
+        row = {'engine_tok_s': round(ours, 1)}
+        if eager_engine is not None:
+            eager = _engine_tok_s(eager_engine, prompts, new_tokens, device, 'eager_mode engine')
+            graphs = engine.executor.worker.decode_graphs
+            row.update(engine_eager_tok_s=round(eager, 1), graph_speedup=round(ours / eager, 3),
+                       graph_counters=graphs.counters() if graphs is not None else None)
         ids = torch.tensor(prompts, device=device)
         with torch.no_grad():
             t = time.perf_counter()
@@ -200,8 +220,7 @@ def bench_decode(model: str, device: torch.device, batches: list[int], prompt_le
             if device.type == 'cuda':
                 torch.cuda.synchronize()
         theirs = batch * new_tokens / (time.perf_counter() - t)
-        results[str(batch)] = {'engine_tok_s': round(ours, 1), 'transformers_tok_s': round(theirs, 1),
-                               'ratio': round(ours / theirs, 3)}
+        results[str(batch)] = dict(row, transformers_tok_s=round(theirs, 1), ratio=round(ours / theirs, 3))
         print('decode batch', batch, results[str(batch)], flush=True)
     return results
 
@@ -219,6 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--repeats', type=int, default=20, help='timed calls per kernel case')
     p.add_argument('--kernel-scale', type=int, default=4, help='kernel case sizes (1 = tiny)')
     p.add_argument('--skip-decode', action='store_true')
+    p.add_argument('--eager-mode', action='store_true',
+                   help='decode A/B: also time an eager_mode engine (no decode graphs) and report\n'
+                        'engine_eager_tok_s, graph_speedup and the graph counters per batch')
     p.add_argument('--out', default='benchmark/results/cuda.json')
     return p.parse_args(argv)
 
@@ -240,7 +262,7 @@ def main(argv=None) -> int:
                                               arch='qwen3_next', seed=0, **PRESETS[args.preset])
         _phase(f'model {args.model or args.preset} ready', t)
         result['decode'] = bench_decode(model, device, [int(b) for b in args.batches.split(',')], args.prompt_len,
-                                        args.decode_tokens, args.dtype)
+                                        args.decode_tokens, args.dtype, eager_ab=args.eager_mode)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(result, f, indent=1)

@@ -207,8 +207,9 @@ class PytorchEngineConfig(BaseModel):
                                                        'enable_prefix_caching.')
     eager_mode: bool = Field(False, description='Run every forward eagerly: no decode graphs (on the CPU at tp=1 '
                              'a pure decode step of a batch layout seen before replays its recorded kernels '
-                             'instead of running the model\'s Python; the results are bit for bit the same). '
-                             'CUDA always runs eagerly.')
+                             'instead of running the model\'s Python; the results are bit for bit the same; on '
+                             'CUDA at tp=1 it replays the CUDA graph captured for its batch bucket, padding rows '
+                             'included: not yet validated on a GPU).')
     speculative_config: SpeculativeConfig | None = Field(None, description='Speculative decoding; None = off. '
                                                          'CLI: --speculative-algorithm, '
                                                          '--speculative-num-draft-tokens.')

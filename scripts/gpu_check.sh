@@ -41,7 +41,9 @@ KERNEL_TESTS=(tests/test_state_copy.py tests/test_varlen_kernels.py tests/test_g
               tests/test_lightning_attention.py
               tests/test_fp8.py::test_triton_fp8_gemm_matches_the_torch_fallback_under_interpreter)
 # a small model and short runs: on a fresh machine most of its time is Triton compiling and tuning
-BENCH=(benchmark/benchmark_cuda.py --device cuda --preset small --batches 1,8 --decode-tokens 32 --repeats 10)
+# (--eager-mode: the decode part also times an eager_mode engine: CUDA graphs on against off)
+BENCH=(benchmark/benchmark_cuda.py --device cuda --preset small --batches 1,8 --decode-tokens 32 --repeats 10
+       --eager-mode)
 STEPS=(cuda_tests kernel_tests bench_cuda)
 
 OUT_DIR=${OUT:-$ROOT/gpu_check_out}

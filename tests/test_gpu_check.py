@@ -89,8 +89,13 @@ def test_list_names_every_cuda_test_file_and_the_benchmark():
     for path in cuda | set(kernel):
         assert (ROOT / path.split('::')[0]).is_file(), path       # a file or a test's node id
     bench = [rest for kind, rest in rows if kind == 'bench']
+    # --eager-mode: the decode part times CUDA graphs on against off
     assert bench == ['benchmark/benchmark_cuda.py --device cuda --preset small --batches 1,8 --decode-tokens 32 '
-                     '--repeats 10']
+                     '--repeats 10 --eager-mode']
+    # the CUDA decode graphs' GPU tests (engine/cuda_graph.py) are among those it runs
+    cuda_tests = (ROOT / 'tests' / 'test_cuda.py').read_text()
+    assert 'def test_cuda_graph_engine_replay_equals_eager(' in cuda_tests
+    assert 'def test_cuda_graph_engine_generate_equals_eager_mode(' in cuda_tests
 
 
 def test_dry_run_prints_each_step_into_the_out_folder(tmp_path):

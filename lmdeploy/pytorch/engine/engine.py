@@ -44,6 +44,7 @@ from ..prefix_cache.plans import SavePlan
 from ..prefix_cache.state_cache import StateCache
 from ..spec_decode.strategy import DecodingStrategy, strategy_for
 from .cache_sizing import size_caches
+from .cuda_graph import decode_graphs_kind
 from .executor import make_executor
 from .host_allocator import tune_host_allocator
 from .model_runner import ModelRunner
@@ -176,12 +177,20 @@ class Engine:
                                        self.session_len, session_len_source, cc.block_size, self.eos_token_ids,
                                        self.strategy, has_mtp=self.mtp is not None)
         window_entries = groups[1].entries if len(groups) > 1 else ()
-        self.cache_engine = self.executor.start(cc.block_size, num_blocks, sizes.num_slots, window_entries,
+        graphs = decode_graphs_kind(self.device, config)
+        # a CUDA graph's padding rows write one KV block and one state slot beyond those the
+        # block manager and the state cache hand out (engine/cuda_graph.py)
+        scratch = int(graphs == 'cuda')
+        num_slots = sizes.num_slots + scratch if sizes.num_slots and self.is_hybrid else sizes.num_slots
+        self.cache_engine = self.executor.start(cc.block_size, num_blocks + scratch, num_slots, window_entries,
                                                 sizes.num_window_blocks)
-        if self.device.type == 'cpu' and config.tp == 1 and spec_config is None and not config.eager_mode:
-            # pure decode steps replay recorded forwards (engine/decode_graph.py); a block table
-            # row is at most the session's blocks wide
-            worker.enable_decode_graphs(-(-self.session_len // cc.block_size))
+        # a block table row is at most the session's blocks wide
+        max_blocks = -(-self.session_len // cc.block_size)
+        if graphs == 'cpu':     # pure decode steps replay recorded forwards (engine/decode_graph.py)
+            worker.enable_decode_graphs(max_blocks)
+        elif graphs == 'cuda':  # pure decode steps replay a CUDA graph per batch bucket
+            worker.enable_cuda_graphs(max_blocks, config.max_batch_size, num_slots - 1 if self.is_hybrid else None,
+                                      num_blocks)
         self.model_runner = ModelRunner(self.executor, self.cache_engine)
         self.block_manager = BlockManager(num_blocks)
         # the sliding-window group's own pool (a mixed model), or None

@@ -26,6 +26,7 @@ import torch
 from ..cache_engine import CacheEngine
 from ..model_inputs import StepBatch
 from ..models.loader import load_model
+from .cuda_graph import CudaGraphCache
 from .decode_graph import DecodeGraphCache
 
 __all__ = ['Worker']
@@ -69,7 +70,19 @@ class Worker:
             from ..spec_decode.mtp import MTPDrafter
             self.drafter = MTPDrafter(self.model, self.mtp)
         self.cache_engine: CacheEngine | None = None
-        self.decode_graphs: DecodeGraphCache | None = None
+        self.decode_graphs: DecodeGraphCache | CudaGraphCache | None = None
+
+    def enable_cuda_graphs(self, max_blocks: int, max_batch: int, scratch_slot: int | None, scratch_block: int,
+                           backend=None) -> None:
+        """Run pure decode steps through CUDA graphs (:mod:`.cuda_graph`, tp=1), one per batch
+        bucket up to ``max_batch``, block tables up to ``max_blocks`` wide; padding rows use
+        ``scratch_slot`` / ``scratch_block``, which no sequence may be given. ``backend``: the
+        capture boundary (default: CUDA on this worker's device; tests pass a CPU stand-in).
+        Raises ValueError at tp > 1."""
+        if self.size != 1:
+            raise ValueError(f'CUDA decode graphs run at tp=1; this worker is rank {self.rank} of {self.size}')
+        self.decode_graphs = CudaGraphCache(self.model, max_blocks, max_batch, scratch_slot, scratch_block,
+                                            self.device, backend=backend)
 
     def enable_decode_graphs(self, max_blocks: int) -> None:
         """Run pure decode steps through recorded graphs (:mod:`.decode_graph`; CPU, tp=1) whose
@@ -94,7 +107,8 @@ class Worker:
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run this rank's shard of the forward (a pure decode step by a decode graph when
-        :meth:`enable_decode_graphs` was called and one applies; bit for bit the same).
+        :meth:`enable_decode_graphs` was called and one applies, bit for bit the same; by a CUDA
+        graph of its batch bucket after :meth:`enable_cuda_graphs`).
 
         Returns:
             ``(logits [len(sample_rows), vocab] float32 or None, all logits [T, vocab] or None,

@@ -119,7 +119,10 @@ def moe_experts_sorted(x: torch.Tensor, index: torch.Tensor, weights: torch.Tens
     k = index.shape[1]
     flat = index.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    # rows per expert without torch.bincount: on CUDA it reads the largest index back to the host
+    # (a synchronisation, which a CUDA graph capture refuses); the counts are the same integers
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))
     y = get_kernel('swiglu_experts', x.device)(x[order // k], gate_up, down, counts)
     y = y * weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(y)
