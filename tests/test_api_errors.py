@@ -206,3 +206,61 @@ def test_a_body_broken_anywhere_is_a_4xx_in_one_form_and_the_server_serves_on(cl
         where = _location_of(api, r)
         assert where is None or not re.search(r'\.\d', where), where
     assert client.post(PATHS['chat'], json=dict(VALID['chat'], tools=None)).status_code == 200
+
+
+METHODS = ('GET', 'POST', 'PUT', 'PATCH', 'DELETE', 'HEAD', 'OPTIONS')
+
+
+def _error_shape(path: str, response, status: int) -> dict:
+    """The error of a routing refusal: ``status``, the API's error body (none for HEAD), never
+    FastAPI's ``{"detail": ...}``."""
+    assert response.status_code == status, (path, response.status_code, response.text)
+    if response.request.method == 'HEAD':
+        return {}
+    body = response.json()
+    if path.startswith('/v1/messages'):
+        assert set(body) == {'type', 'error'} and set(body['error']) == {'type', 'message'}, body
+    else:
+        assert set(body) == {'error'} and set(body['error']) == {'message', 'type', 'param', 'code'}, body
+        assert body['error']['type'] == 'invalid_request_error', body
+    return body['error']
+
+
+def test_every_route_answers_a_method_it_does_not_serve_with_405_and_allow(client):
+    """Over every registered route x method: a path the server serves (no path parameter) with
+    a method it does not serve there is a 405 naming the method, with ``Allow`` listing the
+    methods it does serve; a path only a template with a parameter matches is a 404 for such a
+    method (``POST /v1/responses/compact`` is another endpoint, not a response id)."""
+    from starlette.routing import Route
+    served: dict[str, set[str]] = {}        # route path -> its methods (one route per method or several)
+    for route in client.app.routes:
+        if isinstance(route, Route):
+            served.setdefault(route.path, set()).update(route.methods)
+    assert {'/v1/chat/completions', '/v1/responses/{response_id}', '/v1/models/{model_id:path}'} <= set(served)
+    for template, methods in served.items():
+        static = '{' not in template
+        path = template if static else re.sub(r'\{[^}]+\}', 'compact', template)
+        for method in METHODS:
+            if method in methods:
+                continue
+            r = client.request(method, path)
+            if static:
+                error = _error_shape(path, r, 405)
+                assert set(r.headers['allow'].split(', ')) == methods, (path, r.headers)
+                assert not error or error['message'] == f'method {method} is not allowed on {path}', error
+            else:
+                error = _error_shape(path, r, 404)
+                assert not error or error['message'] == f'no such endpoint: {method} {path}', error
+
+
+@pytest.mark.parametrize('path', ['/v1/responses/compact', '/v1/responses/resp_1/cancel', '/v1/nope', '/v1/',
+                                  '/v1', '/v1/chat/completions/', '/v1/chat', '/v1/messages/nope', '/nope'])
+def test_an_unknown_endpoint_is_a_404_with_the_apis_error_body(client, path):
+    """What OpenAI answers for a URL it does not serve: 404 and its error body, for any method."""
+    for method in METHODS:
+        r = client.request(method, path, json={} if method in ('POST', 'PUT', 'PATCH') else None)
+        error = _error_shape(path, r, 404)
+        if path == '/v1/responses/compact' and method in ('GET', 'DELETE'):     # a stored response's id
+            assert error['code'] == 'not_found' and error['param'] == 'response_id', error
+        else:
+            assert not error or error['message'] == f'no such endpoint: {method} {path}', error
