@@ -209,7 +209,8 @@ class Engine:
             if self.store is not None:
                 self.store.close()
             self.executor.close()
-            why = ('no Store is configured (store_backend="file:DIR" or mooncake_master="HOST:PORT")' if self.is_hybrid else
+            why = ('no Store is configured (store_backend="file:DIR" or mooncake_master="HOST:PORT")'
+                   if self.is_hybrid else
                    f'{self.hf_config.model_type} does not hand off (a model with recurrent state is required)')
             raise ValueError(f'role={config.role!r} hands prompts off through the Store tier, but {why}')
         self._handed_off: list[Sequence] = []     # prefill role: prompts with nothing to compute (h = 0)
