@@ -264,3 +264,34 @@ def test_an_unknown_endpoint_is_a_404_with_the_apis_error_body(client, path):
             assert error['code'] == 'not_found' and error['param'] == 'response_id', error
         else:
             assert not error or error['message'] == f'no such endpoint: {method} {path}', error
+
+
+def test_a_role_the_template_leaves_out_is_a_400_naming_it(client):
+    """A template that skips roles it does not know (as Qwen3's does) served a mistyped role
+    ("usr") as if the message had not been sent; a role outside OpenAI's whose text the prompt
+    lacks is refused, naming the message's role. A template that renders it serves it."""
+    tok = client.app.state.server.pipe.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] in ('user', 'assistant', 'system') %}"
+                         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                         "<|im_start|>assistant\n")
+    try:
+        for messages, where in (([{'role': 'usr', 'content': 'Go on.'}], 0),
+                                (MSG + [{'role': 'narrator', 'content': [{'type': 'text', 'text': 'Once.'}]}], 1)):
+            r = client.post(PATHS['chat'], json=dict(VALID['chat'], messages=messages))
+            assert r.status_code == 400, r.text
+            assert r.json()['error'] == {
+                'message': f'messages[{where}].role: the chat template does not render role '
+                           f'{messages[where]["role"]!r} (it left the message out); use one of user, assistant, '
+                           'system, developer, tool', 'type': 'invalid_request_error',
+                'param': f'messages[{where}].role', 'code': 'invalid_value'}, r.text
+        # an empty custom message leaves nothing out; OpenAI's roles are the template's own affair
+        assert client.post(PATHS['chat'], json=dict(VALID['chat'], messages=MSG + [
+            {'role': 'narrator', 'content': ''}])).status_code == 200
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}<|im_start|>assistant\n")
+        r = client.post(PATHS['chat'], json=dict(VALID['chat'], messages=[{'role': 'usr', 'content': 'Go on.'}]))
+        assert r.status_code == 200, r.text
+    finally:
+        tok.chat_template = saved
+    assert client.post(PATHS['chat'], json=VALID['chat']).status_code == 200
