@@ -136,6 +136,7 @@ def test_the_engines_checks_name_config_fields_for_python_callers(command):
     ("--store-backend, --mooncake-master: store_backend='file:/s' and mooncake_master='local' name two Stores",
      "--store-backend, --mooncake-master: store_backend='file:/s' and mooncake_master='local' name two Stores"),
     ('not_a_field=1 is odd', 'not_a_field=1 is odd'),
+    ('http://h/m?tp=1&block_size=2 refused', 'http://h/m?tp=1&block_size=2 refused'),     # a URL's query
 ])
 def test_a_value_to_use_reads_as_the_command_line_to_type(command, message, shown):
     """The MTP-under-tensor-parallelism refusal said "use tp=1" to a command-line user, who

@@ -92,9 +92,9 @@ def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argp
     return f'{match.group(0)} ({flag}){message[match.end():]}'
 
 
-# ``field=value`` inside a sentence; a dotted field for a nested model's, a quoted value when it
-# has spaces or punctuation
-_FIELD_VALUE = re.compile(r'(?<![\w.\-])([A-Za-z_]\w*(?:\.\w+)*)=(\'[^\']*\'|"[^"]*"|[^\s:;,()]+)')
+# ``field=value`` inside a sentence (not a URL's query or a path); a dotted field for a nested
+# model's, a quoted value when it has spaces or punctuation
+_FIELD_VALUE = re.compile(r'(?<![\w.\-/?&])([A-Za-z_]\w*(?:\.\w+)*)=(\'[^\']*\'|"[^"]*"|[^\s:;,()]+)')
 
 
 def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.Namespace | None = None) -> str:
