@@ -76,7 +76,8 @@ def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argp
     becomes ``store_backend (--store-backend) folder '/x' cannot be used``, and
     ``speculative_config.method=mtp needs ...`` becomes ``speculative_config.method=mtp
     (--speculative-algorithm) needs ...``: a nested field gets the flag ``args`` gave it (see
-    :func:`lmdeploy.cli.utils.field_flag`). Unchanged when the message names that flag (or flags
+    :func:`lmdeploy.cli.utils.field_flag`). A field followed by its value in parentheses takes
+    the flag into them, as typed: ``tp (2): ...`` becomes ``tp (--tp 2): ...``. Unchanged when the message names that flag (or flags
     in parentheses right after the name) already, or does not start with a field of one of
     ``command``'s optional flags (a positional such as ``model_path`` has no flag to add)."""
     # a field (dotted for a nested one) as a word of the sentence, optionally with ``=value``
