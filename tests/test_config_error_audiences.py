@@ -70,6 +70,18 @@ def _engine_check_errors() -> list[tuple[str, str]]:
         with pytest.raises(ValueError) as err:
             call()
         errors.append((name, str(err.value)))
+    from lmdeploy.pytorch.engine import cache_sizing
+    cpu = torch.device('cpu')
+    for name, cfg, call in [
+            ('caches beyond RAM', SimpleNamespace(num_gpu_blocks=1 << 40),
+             lambda cfg: cache_sizing.check_cache_fits(1 << 20, 1 << 20, cfg, 1 << 40, 16, cpu)),
+            ('state slots over the budget', SimpleNamespace(cache_bytes=1 << 20, block_size=64),
+             lambda cfg: cache_sizing.derive_num_blocks(1 << 10, 1 << 20, cfg, 16, cpu, 16, 1024)),
+            ('no block in the budget', SimpleNamespace(cache_bytes=0, cache_max_entry_count=1e-9, block_size=64),
+             lambda cfg: cache_sizing.derive_num_blocks(1 << 20, 0, cfg, 0, cpu, 16, 1024))]:
+        with pytest.raises(ValueError) as err:
+            call(cfg)
+        errors.append((name, str(err.value)))
     if not torch.cuda.is_available():
         from lmdeploy.pytorch.engine.engine import Engine
         with pytest.raises(ValueError) as err:
@@ -136,6 +148,10 @@ def test_the_engines_checks_name_config_fields_for_python_callers(command):
     ("--store-backend, --mooncake-master: store_backend='file:/s' and mooncake_master='local' name two Stores",
      "--store-backend, --mooncake-master: store_backend='file:/s' and mooncake_master='local' name two Stores"),
     ('not_a_field=1 is odd', 'not_a_field=1 is odd'),
+    ('4 slots (max_batch_size / num_state_slots) do not fit: lower them or set num_gpu_blocks; max_batch_size',
+     '4 slots (max_batch_size (--max-batch-size) / num_state_slots (--num-state-slots)) do not fit: lower them or '
+     'set num_gpu_blocks (--num-gpu-blocks); max_batch_size'),        # a bare field: its flag once
+    ('the tp size and role of model_type x', 'the tp size and role of model_type x'),     # prose words stay
     ('http://h/m?tp=1&block_size=2 refused', 'http://h/m?tp=1&block_size=2 refused'),     # a URL's query
 ])
 def test_a_value_to_use_reads_as_the_command_line_to_type(command, message, shown):

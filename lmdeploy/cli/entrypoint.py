@@ -101,7 +101,7 @@ _FIELD_VALUE = re.compile(r'(?<![\w.\-/?&])([A-Za-z_]\w*(?:\.\w+)*)=(\'[^\']*\'|
 def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.Namespace | None = None) -> str:
     """A configuration error in a command-line user's words: what the user typed is flags, so
     the message names them, while the same error raised to a Python caller names the config
-    fields (``tp=1``). Two rewrites, both only for fields one of ``command``'s flags sets:
+    fields (``tp=1``). Three rewrites, all only for fields one of ``command``'s flags sets:
 
     * the field the message starts with gets its flag (:func:`with_leading_flag`);
     * every other ``field=value`` (a value to use, or one the check compared) reads as the command
@@ -109,7 +109,10 @@ def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.N
       ``--no-flag``): ``...; use tp=1`` becomes ``...; use --tp 1``. A field whose flag the
       message already lists in its leading ``--a, --b: `` (a check across fields, see
       :func:`lmdeploy.cli.utils.model_from_args`) keeps the field's form, and so does a nested
-      field that only a JSON flag sets (``--speculative-config``).
+      field that only a JSON flag sets (``--speculative-config``);
+    * a field named bare whose flag the message does not name yet gets it after its first
+      mention, ``max_batch_size (--max-batch-size)`` (only names with an underscore: ``tp`` or
+      ``role`` may be a word of the sentence).
 
     ``args`` are the parsed flags (the speculative fields' flag is the one the user typed).
     """
@@ -132,7 +135,23 @@ def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.N
             return flag if value == 'True' else '--no-' + flag[2:]
         return f'{flag} {shlex.quote(value)}'
 
-    return _FIELD_VALUE.sub(rewrite, message)
+    message = _FIELD_VALUE.sub(rewrite, message)
+
+    def name_flag(match: re.Match) -> str:
+        flag = field_flag(command, match.group(1), args)
+        if flag is None or re.search(rf'{re.escape(flag)}(?![\w-])', message[:match.start()] + message[match.end():]):
+            return match.group(0)
+        return f'{match.group(1)} ({flag})'
+
+    # a field named bare (``lower max_batch_size``) gets its flag once, as the subject does; only
+    # names with an underscore, so that a prose word that is also a field (``tp``, ``role``) stays
+    # as written
+    for name in sorted({m.group(1) for m in _BARE_FIELD.finditer(message)}):
+        message = re.sub(rf'(?<![\w.\-/?&=])({re.escape(name)})(?![\w.=-]| \(--)', name_flag, message, count=1)
+    return message
+
+
+_BARE_FIELD = re.compile(r'(?<![\w.\-/?&=])([a-z]\w*_\w*(?:\.\w+)*)(?![\w.=-]| \(--)')
 
 
 def _is_number(token: str) -> bool:
