@@ -206,3 +206,92 @@ def test_a_body_broken_anywhere_is_a_4xx_in_one_form_and_the_server_serves_on(cl
         where = _location_of(api, r)
         assert where is None or not re.search(r'\.\d', where), where
     assert client.post(PATHS['chat'], json=dict(VALID['chat'], tools=None)).status_code == 200
+
+
+METHODS = ('GET', 'POST', 'PUT', 'PATCH', 'DELETE', 'HEAD', 'OPTIONS')
+
+
+def _error_shape(path: str, response, status: int) -> dict:
+    """The error of a routing refusal: ``status``, the API's error body (none for HEAD), never
+    FastAPI's ``{"detail": ...}``."""
+    assert response.status_code == status, (path, response.status_code, response.text)
+    if response.request.method == 'HEAD':
+        return {}
+    body = response.json()
+    if path.startswith('/v1/messages'):
+        assert set(body) == {'type', 'error'} and set(body['error']) == {'type', 'message'}, body
+    else:
+        assert set(body) == {'error'} and set(body['error']) == {'message', 'type', 'param', 'code'}, body
+        assert body['error']['type'] == 'invalid_request_error', body
+    return body['error']
+
+
+def test_every_route_answers_a_method_it_does_not_serve_with_405_and_allow(client):
+    """Over every registered route x method: a path the server serves (no path parameter) with
+    a method it does not serve there is a 405 naming the method, with ``Allow`` listing the
+    methods it does serve; a path only a template with a parameter matches is a 404 for such a
+    method (``POST /v1/responses/compact`` is another endpoint, not a response id)."""
+    from starlette.routing import Route
+    served: dict[str, set[str]] = {}        # route path -> its methods (one route per method or several)
+    for route in client.app.routes:
+        if isinstance(route, Route):
+            served.setdefault(route.path, set()).update(route.methods)
+    assert {'/v1/chat/completions', '/v1/responses/{response_id}', '/v1/models/{model_id:path}'} <= set(served)
+    for template, methods in served.items():
+        static = '{' not in template
+        path = template if static else re.sub(r'\{[^}]+\}', 'compact', template)
+        for method in METHODS:
+            if method in methods:
+                continue
+            r = client.request(method, path)
+            if static:
+                error = _error_shape(path, r, 405)
+                assert set(r.headers['allow'].split(', ')) == methods, (path, r.headers)
+                assert not error or error['message'] == f'method {method} is not allowed on {path}', error
+            else:
+                error = _error_shape(path, r, 404)
+                assert not error or error['message'] == f'no such endpoint: {method} {path}', error
+
+
+@pytest.mark.parametrize('path', ['/v1/responses/compact', '/v1/responses/resp_1/cancel', '/v1/nope', '/v1/',
+                                  '/v1', '/v1/chat/completions/', '/v1/chat', '/v1/messages/nope', '/nope'])
+def test_an_unknown_endpoint_is_a_404_with_the_apis_error_body(client, path):
+    """What OpenAI answers for a URL it does not serve: 404 and its error body, for any method."""
+    for method in METHODS:
+        r = client.request(method, path, json={} if method in ('POST', 'PUT', 'PATCH') else None)
+        error = _error_shape(path, r, 404)
+        if path == '/v1/responses/compact' and method in ('GET', 'DELETE'):     # a stored response's id
+            assert error['code'] == 'not_found' and error['param'] == 'response_id', error
+        else:
+            assert not error or error['message'] == f'no such endpoint: {method} {path}', error
+
+
+def test_a_role_the_template_leaves_out_is_a_400_naming_it(client):
+    """A template that skips roles it does not know (as Qwen3's does) served a mistyped role
+    ("usr") as if the message had not been sent; a role outside OpenAI's whose text the prompt
+    lacks is refused, naming the message's role. A template that renders it serves it."""
+    tok = client.app.state.server.pipe.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] in ('user', 'assistant', 'system') %}"
+                         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                         "<|im_start|>assistant\n")
+    try:
+        for messages, where in (([{'role': 'usr', 'content': 'Go on.'}], 0),
+                                (MSG + [{'role': 'narrator', 'content': [{'type': 'text', 'text': 'Once.'}]}], 1)):
+            r = client.post(PATHS['chat'], json=dict(VALID['chat'], messages=messages))
+            assert r.status_code == 400, r.text
+            assert r.json()['error'] == {
+                'message': f'messages[{where}].role: the chat template does not render role '
+                           f'{messages[where]["role"]!r} (it left the message out); use one of user, assistant, '
+                           'system, developer, tool', 'type': 'invalid_request_error',
+                'param': f'messages[{where}].role', 'code': 'invalid_value'}, r.text
+        # an empty custom message leaves nothing out; OpenAI's roles are the template's own affair
+        assert client.post(PATHS['chat'], json=dict(VALID['chat'], messages=MSG + [
+            {'role': 'narrator', 'content': ''}])).status_code == 200
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}<|im_start|>assistant\n")
+        r = client.post(PATHS['chat'], json=dict(VALID['chat'], messages=[{'role': 'usr', 'content': 'Go on.'}]))
+        assert r.status_code == 200, r.text
+    finally:
+        tok.chat_template = saved
+    assert client.post(PATHS['chat'], json=VALID['chat']).status_code == 200

@@ -346,7 +346,10 @@ def test_every_engine_field_error_names_the_flag_the_user_typed(typed, shape):
         for lead in (path, f'{path}=x', f"{path}='a b'"):
             message = shape.format(lead)
             shown = with_leading_flag(command, message, args)
-            assert shown == f'{lead} ({flag}){message[len(lead):]}', (message, shown)
+            if lead == path and shape.endswith('(7) is too big'):      # the value goes with the flag
+                assert shown == f'{lead} ({flag} 7) is too big', (message, shown)
+            else:
+                assert shown == f'{lead} ({flag}){message[len(lead):]}', (message, shown)
             assert with_leading_flag(command, shown, args) == shown     # named once
 
 

@@ -22,11 +22,12 @@ import argparse
 import difflib
 import os
 import re
+import shlex
 import sys
 
 from .utils import field_flag
 
-__all__ = ['build_parser', 'main']
+__all__ = ['build_parser', 'cli_message', 'main']
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,7 +76,8 @@ def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argp
     becomes ``store_backend (--store-backend) folder '/x' cannot be used``, and
     ``speculative_config.method=mtp needs ...`` becomes ``speculative_config.method=mtp
     (--speculative-algorithm) needs ...``: a nested field gets the flag ``args`` gave it (see
-    :func:`lmdeploy.cli.utils.field_flag`). Unchanged when the message names that flag (or flags
+    :func:`lmdeploy.cli.utils.field_flag`). A field followed by its value in parentheses takes
+    the flag into them, as typed: ``tp (2): ...`` becomes ``tp (--tp 2): ...``. Unchanged when the message names that flag (or flags
     in parentheses right after the name) already, or does not start with a field of one of
     ``command``'s optional flags (a positional such as ``model_path`` has no flag to add)."""
     # a field (dotted for a nested one) as a word of the sentence, optionally with ``=value``
@@ -85,7 +87,71 @@ def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argp
     flag = field_flag(command, match.group(1), args)
     if flag is None or re.search(rf'{re.escape(flag)}(?![\w-])', message):
         return message
+    value = re.match(r' \(([^()\s]+)\)', message[match.end():]) if match.group(2) is None else None
+    if value is not None:       # ``tp (4): ...``: the value the flag was given goes with it
+        return f'{match.group(0)} ({flag} {value.group(1)}){message[match.end() + value.end():]}'
     return f'{match.group(0)} ({flag}){message[match.end():]}'
+
+
+# ``field=value`` inside a sentence (not a URL's query or a path); a dotted field for a nested
+# model's, a quoted value when it has spaces or punctuation
+_FIELD_VALUE = re.compile(r'(?<![\w.\-/?&])([A-Za-z_]\w*(?:\.\w+)*)=(\'[^\']*\'|"[^"]*"|[^\s:;,()]+)')
+
+
+def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.Namespace | None = None) -> str:
+    """A configuration error in a command-line user's words: what the user typed is flags, so
+    the message names them, while the same error raised to a Python caller names the config
+    fields (``tp=1``). Three rewrites, all only for fields one of ``command``'s flags sets:
+
+    * the field the message starts with gets its flag (:func:`with_leading_flag`);
+    * every other ``field=value`` (a value to use, or one the check compared) reads as the command
+      line to type, ``--flag value`` (a boolean field's ``True`` / ``False``: ``--flag`` /
+      ``--no-flag``): ``...; use tp=1`` becomes ``...; use --tp 1``. A field whose flag the
+      message already lists in its leading ``--a, --b: `` (a check across fields, see
+      :func:`lmdeploy.cli.utils.model_from_args`) keeps the field's form, and so does a nested
+      field that only a JSON flag sets (``--speculative-config``);
+    * a field named bare whose flag the message does not name yet gets it after its first
+      mention, ``max_batch_size (--max-batch-size)`` (only names with an underscore: ``tp`` or
+      ``role`` may be a word of the sentence).
+
+    ``args`` are the parsed flags (the speculative fields' flag is the one the user typed).
+    """
+    message = with_leading_flag(command, message, args)
+    prefix = re.match(r'--[\w-]+(?:, --[\w-]+)*: ', message)
+    listed = set(prefix.group(0)[:-2].split(', ')) if prefix else set()
+    actions = command._option_string_actions
+
+    def rewrite(match: re.Match) -> str:
+        if message.startswith(' (--', match.end()):            # the subject, with its flag after it
+            return match.group(0)
+        flag = field_flag(command, match.group(1), args)
+        action = actions.get(flag)
+        if flag is None or flag in listed or action is None or action.metavar == 'JSON':
+            return match.group(0)
+        value = match.group(2)
+        if value[0] in '\'"':
+            value = value[1:-1]
+        if isinstance(action, argparse.BooleanOptionalAction) and value in ('True', 'False'):
+            return flag if value == 'True' else '--no-' + flag[2:]
+        return f'{flag} {shlex.quote(value)}'
+
+    message = _FIELD_VALUE.sub(rewrite, message)
+
+    def name_flag(match: re.Match) -> str:
+        flag = field_flag(command, match.group(1), args)
+        if flag is None or re.search(rf'{re.escape(flag)}(?![\w-])', message[:match.start()] + message[match.end():]):
+            return match.group(0)
+        return f'{match.group(1)} ({flag})'
+
+    # a field named bare (``lower max_batch_size``) gets its flag once, as the subject does; only
+    # names with an underscore, so that a prose word that is also a field (``tp``, ``role``) stays
+    # as written
+    for name in sorted({m.group(1) for m in _BARE_FIELD.finditer(message)}):
+        message = re.sub(rf'(?<![\w.\-/?&=])({re.escape(name)})(?![\w.=-]| \(--)', name_flag, message, count=1)
+    return message
+
+
+_BARE_FIELD = re.compile(r'(?<![\w.\-/?&=])([a-z]\w*_\w*(?:\.\w+)*)(?![\w.=-]| \(--)')
 
 
 def _is_number(token: str) -> bool:
@@ -138,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except ValueError as err:       # configuration mistakes: say which field, no traceback
-        message = with_leading_flag(getattr(args, '_command_parser', parser), str(err), args)
+        message = cli_message(getattr(args, '_command_parser', parser), str(err), args)
         parser.exit(2, f'lmdeploy: error: {message}\n')
     except StoreUnavailableError as err:
         parser.exit(1, f'lmdeploy: error: {err}\n')

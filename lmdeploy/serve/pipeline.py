@@ -86,7 +86,8 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     Raises:
         ValueError: an empty list, a message that is not a dict, a role that is not a non-empty
             string, no chat template, or the template rejecting the conversation (an unknown
-            role among others; its message is kept).
+            role among others; its message is kept), or leaving out the text of a message whose
+            role is not one of OpenAI's (``messages[i].role: ...``).
     """
     if not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
@@ -107,10 +108,35 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     if not getattr(tokenizer, 'chat_template', None):
         raise ValueError('this model has no chat template; send a raw prompt instead')
     try:
-        return tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True, tokenize=False,
+        text = tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True, tokenize=False,
                                              **(chat_template_kwargs or {}))
     except Exception as err:     # jinja2 TemplateError / raise_exception in the template
         raise ValueError(f'the chat template rejected the conversation: {err}') from err
+    _check_custom_roles_rendered(msgs, text)
+    return text
+
+
+# the roles of OpenAI's chat API; a template renders them or refuses them itself
+_OPENAI_ROLES = frozenset({'system', 'developer', 'user', 'assistant', 'tool', 'function'})
+
+
+def _check_custom_roles_rendered(messages: list[dict], text: str) -> None:
+    """Refuse a message of a role outside OpenAI's whose text the rendered prompt lacks: many
+    templates (Qwen3's among them) skip a role they do not know without an error, so a mistyped
+    role (``"usr"``) was served as if its message had not been sent.
+
+    Raises:
+        ValueError: ``messages[i].role: ...`` naming the role the template dropped.
+    """
+    for i, m in enumerate(messages):
+        if m['role'] in _OPENAI_ROLES:
+            continue
+        content = m.get('content')
+        parts = [content] if isinstance(content, str) else [
+            p['text'] for p in content or () if isinstance(p, dict) and p.get('type') == 'text']
+        if any(p.strip() and p.strip() not in text for p in parts):
+            raise ValueError(f'messages[{i}].role: the chat template does not render role {m["role"]!r} (it '
+                             f'left the message out); use one of user, assistant, system, developer, tool')
 
 
 def shared_head_tokens(tokenizer, tokenize, messages: list[dict], token_ids: list[int],

@@ -118,8 +118,8 @@ class Engine:
         if device == 'auto':
             device = 'cuda' if torch.cuda.is_available() else 'cpu'
         elif device == 'cuda' and not torch.cuda.is_available():
-            raise ValueError(f'device_type (--device-type) is cuda, but this torch ({torch.__version__}) sees no '
-                             f'CUDA device; use cpu or auto')
+            raise ValueError(f'device_type is cuda, but this torch ({torch.__version__}) sees no CUDA device; use '
+                             f'device_type=cpu or device_type=auto')
         self.device = torch.device(device)
         self.model_path = model_path
         use_mtp = spec_config is not None and spec_config.method == 'mtp'
@@ -218,7 +218,8 @@ class Engine:
             if self.store is not None:
                 self.store.close()
             self.executor.close()
-            why = ('no Store is configured (store_backend="file:DIR" or mooncake_master)' if self.is_hybrid else
+            why = ('no Store is configured (store_backend="file:DIR" or mooncake_master="HOST:PORT")'
+                   if self.is_hybrid else
                    f'{self.hf_config.model_type} does not hand off (a model with recurrent state is required)')
             raise ValueError(f'role={config.role!r} hands prompts off through the Store tier, but {why}')
         self._handed_off: list[Sequence] = []     # prefill role: prompts with nothing to compute (h = 0)

@@ -12,6 +12,11 @@ A location in the request (``param``, and the start of a 400's message) is writt
 writes it: keys joined by dots, list indices in brackets (``messages[0].content``,
 ``tools[1].function.parameters``; :func:`param_path`), in every API, Anthropic's included.
 
+A path no route serves is a 404 (``no such endpoint: METHOD PATH``); a served path with a method
+it does not serve is a 405 with ``Allow``, where "served" means a route without path parameters
+has that path (a path only a parameter template matches, such as ``POST /v1/responses/compact``
+against ``/v1/responses/{response_id}``, is a 404).
+
 Invariant: a client mistake maps to a 4xx (pydantic validation errors and malformed JSON
 become 400, not FastAPI's 422); only a server bug produces a 5xx, and no handler lets an
 exception escape, so the server keeps serving after any bad request.
@@ -242,14 +247,28 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResp
     code = None
     if err.status_code == 400:      # only the framework's body parsing raises these (ours are APIError)
         message, code = f'malformed JSON body: {message} (not UTF-8, or nested too deeply)', 'invalid_json'
-    if err.status_code == 404:
+    status, headers = err.status_code, err.headers or {}
+    if status == 405 and not _static_route(request):
+        # only a template with a parameter matched (``/v1/responses/{response_id}`` for
+        # ``POST /v1/responses/compact``): the path names no endpoint this server has, so it is
+        # answered as OpenAI answers a URL it does not serve, not with that template's methods
+        status, headers = 404, {}
+    if status == 404:
         message = f'no such endpoint: {request.method} {request.url.path}'
-    elif err.status_code == 405:
+    elif status == 405:
         message = f'method {request.method} is not allowed on {request.url.path}'
-    response = _response(APIError(err.status_code, message, code=code), request)
-    for key, value in (err.headers or {}).items():
+    response = _response(APIError(status, message, code=code), request)
+    for key, value in headers.items():
         response.headers[key] = value
     return response
+
+
+def _static_route(request: Request) -> bool:
+    """Whether a route without path parameters has exactly ``request``'s path (its methods are
+    what a 405's ``Allow`` lists)."""
+    path = request.scope.get('path', request.url.path)
+    return any(getattr(route, 'param_convertors', None) == {} and getattr(route, 'path', None) == path
+               for route in request.app.router.routes)
 
 
 async def _unexpected_error(request: Request, err: Exception) -> JSONResponse:
