@@ -269,7 +269,8 @@ def test_an_unknown_endpoint_is_a_404_with_the_apis_error_body(client, path):
 def test_a_role_the_template_leaves_out_is_a_400_naming_it(client):
     """A template that skips roles it does not know (as Qwen3's does) served a mistyped role
     ("usr") as if the message had not been sent; a role outside OpenAI's whose text the prompt
-    lacks is refused, naming the message's role. A template that renders it serves it."""
+    lacks is refused, naming the message's role. A template that renders it serves it, in
+    whatever form (a rendering without the message decides, not a search for its text)."""
     tok = client.app.state.server.pipe.tokenizer
     saved = tok.chat_template
     tok.chat_template = ("{% for m in messages %}{% if m['role'] in ('user', 'assistant', 'system') %}"
@@ -291,6 +292,14 @@ def test_a_role_the_template_leaves_out_is_a_400_naming_it(client):
         tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                              "{% endfor %}<|im_start|>assistant\n")
         r = client.post(PATHS['chat'], json=dict(VALID['chat'], messages=[{'role': 'usr', 'content': 'Go on.'}]))
+        assert r.status_code == 200, r.text
+        # a template that renders a custom role transformed (Llama 3's ipython role as JSON: quotes
+        # and newlines escaped) renders it: served, though its text is not in the prompt as sent
+        tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'ipython' %}<|tool|>{{ m['content'] | tojson }}"
+                             "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+                             "{% endfor %}<|im_start|>assistant\n")
+        r = client.post(PATHS['chat'], json=dict(VALID['chat'], messages=MSG + [
+            {'role': 'ipython', 'content': 'the tool said "42"\nand stopped'}]))
         assert r.status_code == 200, r.text
     finally:
         tok.chat_template = saved

@@ -107,12 +107,15 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
         msgs.append(dict(m, role='system') if m['role'] == 'developer' else m)
     if not getattr(tokenizer, 'chat_template', None):
         raise ValueError('this model has no chat template; send a raw prompt instead')
+    def render(conversation: list[dict]) -> str:
+        return tokenizer.apply_chat_template(conversation, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False, **(chat_template_kwargs or {}))
+
     try:
-        text = tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True, tokenize=False,
-                                             **(chat_template_kwargs or {}))
+        text = render(msgs)
     except Exception as err:     # jinja2 TemplateError / raise_exception in the template
         raise ValueError(f'the chat template rejected the conversation: {err}') from err
-    _check_custom_roles_rendered(msgs, text)
+    _check_custom_roles_rendered(msgs, text, render)
     return text
 
 
@@ -120,10 +123,17 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
 _OPENAI_ROLES = frozenset({'system', 'developer', 'user', 'assistant', 'tool', 'function'})
 
 
-def _check_custom_roles_rendered(messages: list[dict], text: str) -> None:
-    """Refuse a message of a role outside OpenAI's whose text the rendered prompt lacks: many
+def _check_custom_roles_rendered(messages: list[dict], text: str, render: Callable[[list[dict]], str]) -> None:
+    """Refuse a message of a role outside OpenAI's that the chat template left out: many
     templates (Qwen3's among them) skip a role they do not know without an error, so a mistyped
     role (``"usr"``) was served as if its message had not been sent.
+
+    "Left out" is decided by rendering the conversation with the message's text emptied
+    (``render``, the chat template as it rendered ``text``): the same prompt means the template
+    ignored its text. Not by searching ``text`` for the message's text, which refuses a role the
+    template does render but transforms (``| tojson`` escapes quotes and newlines). A message
+    without text, or one whose emptied form the template raises on, is never refused. Costs one
+    render per such message.
 
     Raises:
         ValueError: ``messages[i].role: ...`` naming the role the template dropped.
@@ -134,7 +144,15 @@ def _check_custom_roles_rendered(messages: list[dict], text: str) -> None:
         content = m.get('content')
         parts = [content] if isinstance(content, str) else [
             p['text'] for p in content or () if isinstance(p, dict) and p.get('type') == 'text']
-        if any(p.strip() and p.strip() not in text for p in parts):
+        if not any(p.strip() for p in parts):
+            continue
+        try:
+            # its text emptied, not the message removed: a conversation of that message alone
+            # stays one a template accepts
+            without = render(messages[:i] + [dict(m, content='')] + messages[i + 1:])
+        except Exception:       # noqa: BLE001 -- the template needs the message: it did not skip it
+            continue
+        if without == text:
             raise ValueError(f'messages[{i}].role: the chat template does not render role {m["role"]!r} (it '
                              f'left the message out); use one of user, assistant, system, developer, tool')
 
