@@ -173,3 +173,62 @@ def test_the_command_line_prints_the_flag_form(tiny_qwen3, capsys):
     err = capsys.readouterr().err
     assert err.startswith('lmdeploy: error: device_type (--device-type) is cuda, but this torch') and \
         err.endswith('use --device-type cpu or --device-type auto\n'), err
+
+
+# text a message may carry that names fields but is not a field to rewrite: JSON, quoted text,
+# paths, URLs, model names (each must come out as it went in)
+OPAQUE = ['{"max_batch_size": 4, "tp": [1, 2]}', '[session_len=3, tp=2]', '"max_batch_size=3 or tp=1"',
+          "'session_len (x)'", '/models/session_len_test', 'http://h:1/v1?session_len=3&tp=2', 'org/my_model_v2',
+          'file:/data/run=1/max_batch_size', '{"method": "mtp", "num_speculative_tokens": 2}',
+          '"a quoted max_batch_size"', "{'a=b': {'c': [1, {'d': 2}]}}"]
+# field=value pieces the rewrite turns into flags (their values must survive, quoted or not)
+FIELD_VALUES = [('tp', '2'), ('session_len', '4096'), ('model_name', 'my_model_v2'), ('max_batch_size', '8'),
+                ('store_backend', '"file:/tmp/a=b"'), ('enable_prefix_caching', 'True'),
+                ('mooncake_master', '127.0.0.1:5'), ('speculative_config', '{"method": "mtp"}')]
+PROSE = ['use', 'and', 'the', 'needs', 'got', "model's", 'tp', 'role', 'max_batch_size', 'num_state_slots', 'or']
+
+
+def test_no_rewrite_mangles_json_quotes_paths_or_values(command):
+    """Over generated messages (prose, ``field=value`` pieces and opaque text in any order): every
+    piece of opaque text and every value comes out verbatim, and the rewrite is a fixpoint
+    (a message in flag form is left as it is). The old rewrite put flags inside JSON keys and
+    quoted text (``{"max_batch_size (--max-batch-size)": 4}``, ``speculative_config={"method"
+    (--speculative-config): ...}``) and named a leading ``session_len=a,b``'s flag twice."""
+    import random
+    rng = random.Random(20261205)
+    args = command.parse_args(['/m'])
+    for _ in range(400):
+        pieces, opaque, values = [], [], []
+        for _ in range(rng.randint(1, 7)):
+            kind = rng.random()
+            if kind < 0.35:
+                pieces.append(rng.choice(OPAQUE))
+                opaque.append(pieces[-1])
+            elif kind < 0.7:
+                field, value = rng.choice(FIELD_VALUES)
+                pieces.append(f'{field}={value}')
+                (opaque if value[0] == '{' else values).append(value.strip('"'))
+            else:
+                pieces.append(rng.choice(PROSE))
+        message = ' '.join(pieces) + rng.choice(['', '.', '; use tp=1', ': refused'])
+        shown = cli_message(command, message, args)
+        at = 0
+        for text in opaque:                     # verbatim, in order
+            found = shown.find(text, at)
+            assert found >= 0, (message, shown, text)
+            at = found + len(text)
+        assert all(v in shown for v in values if v != 'True'), (message, shown)
+        assert cli_message(command, shown, args) == shown, (message, shown)
+
+
+@pytest.mark.parametrize('message, shown', [
+    ('speculative_config={"method": "mtp"} is not valid', 'speculative_config={"method": "mtp"} is not valid'),
+    ('the chat template {"max_batch_size": 4} rejected', 'the chat template {"max_batch_size": 4} rejected'),
+    ('session_len=a,b is not a number', '--session-len a,b is not a number'),
+    ("the name model_name='my max_batch_size model' is taken",
+     "the name --model-name 'my max_batch_size model' is taken"),
+    ('mooncake_master=127.0.0.1:5: refused', '--mooncake-master 127.0.0.1:5: refused'),
+])
+def test_json_and_quoted_text_stay_as_written(command, message, shown):
+    """Regressions of the property above, each from a message the old rewrite mangled."""
+    assert cli_message(command, message, command.parse_args(['/m'])) == shown

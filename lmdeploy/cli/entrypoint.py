@@ -69,6 +69,11 @@ class _Parser(argparse.ArgumentParser):
                 and len({known[o] for o in known if o.startswith(flag)}) == 1)
 
 
+# a field's value as a message writes it: quoted (spaces or punctuation), or a bare word that is
+# not a JSON value (``{...}`` / ``[...]``, left as written) and stops at punctuation of the sentence
+_VALUE = r'\'[^\']*\'|"[^"]*"|(?![{\[])[^\s:;,()]+'
+
+
 def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argparse.Namespace | None = None) -> str:
     """``message`` with the flag of the field it starts with added after the field's name (and
     value), as a command-line user typed the flag: ``store_backend folder '/x' cannot be used``
@@ -77,11 +82,14 @@ def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argp
     ``speculative_config.method=mtp needs ...`` becomes ``speculative_config.method=mtp
     (--speculative-algorithm) needs ...``: a nested field gets the flag ``args`` gave it (see
     :func:`lmdeploy.cli.utils.field_flag`). A field followed by its value in parentheses takes
-    the flag into them, as typed: ``tp (2): ...`` becomes ``tp (--tp 2): ...``. Unchanged when the message names that flag (or flags
-    in parentheses right after the name) already, or does not start with a field of one of
-    ``command``'s optional flags (a positional such as ``model_path`` has no flag to add)."""
+    the flag into them, as typed: ``tp (2): ...`` becomes ``tp (--tp 2): ...``. Unchanged when
+    the message names that flag (or flags in parentheses right after the name) already, or does
+    not start with a field of one of ``command``'s optional flags (a positional such as
+    ``model_path`` has no flag to add), or its value runs on past the sentence's punctuation
+    (``host:port``, ``a,b``, JSON): the ``field=value`` rewrite of :func:`cli_message` takes it."""
     # a field (dotted for a nested one) as a word of the sentence, optionally with ``=value``
-    match = re.match(r'([A-Za-z_]\w*(?:\.\w+)*)(=(?:\'[^\']*\'|"[^"]*"|[^\s:]+))?(?=[ :]|$)', message)
+    # (a colon ends it only before a space or the end: ``host:port`` is never cut at its colon)
+    match = re.match(rf'([A-Za-z_]\w*(?:\.\w+)*)(=(?:{_VALUE}))?(?= |:(?:\s|$)|$)', message)
     if match is None or re.match(r' \(--', message[match.end():]):     # flags named after it already
         return message
     flag = field_flag(command, match.group(1), args)
@@ -95,7 +103,41 @@ def with_leading_flag(command: argparse.ArgumentParser, message: str, args: argp
 
 # ``field=value`` inside a sentence (not a URL's query or a path); a dotted field for a nested
 # model's, a quoted value when it has spaces or punctuation
-_FIELD_VALUE = re.compile(r'(?<![\w.\-/?&])([A-Za-z_]\w*(?:\.\w+)*)=(\'[^\']*\'|"[^"]*"|[^\s:;,()]+)')
+_FIELD_VALUE = re.compile(rf'(?<![\w.\-/?&])([A-Za-z_]\w*(?:\.\w+)*)=({_VALUE})')
+
+
+def _opaque_spans(message: str) -> list[tuple[int, int]]:
+    """``[start, end)`` character spans of ``message`` no rewrite may touch: a quoted string
+    (``'...'`` or ``"..."`` opened after a non-word character, so an apostrophe in ``model's``
+    opens none) and a bracketed JSON value (``{...}`` / ``[...]``, nested brackets included).
+    Inside them a field's name is text the user wrote or a value (a model name, a path, a JSON
+    key), not a flag to type."""
+    spans, i = [], 0
+    while i < len(message):
+        c = message[i]
+        end = -1
+        if c in '{[':
+            depth = 0
+            for j in range(i, len(message)):
+                depth += (message[j] in '{[') - (message[j] in '}]')
+                if depth == 0:
+                    end = j + 1
+                    break
+            else:
+                end = len(message)      # unclosed: the rest of the message is the value
+        elif c in '\'"' and (i == 0 or not (message[i - 1].isalnum() or message[i - 1] == '_')):
+            close = message.find(c, i + 1)
+            end = -1 if close < 0 else close + 1
+        if end > 0:
+            spans.append((i, end))
+            i = end
+        else:
+            i += 1
+    return spans
+
+
+def _in_spans(pos: int, spans: list[tuple[int, int]]) -> bool:
+    return any(a <= pos < b for a, b in spans)
 
 
 def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.Namespace | None = None) -> str:
@@ -114,6 +156,10 @@ def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.N
       mention, ``max_batch_size (--max-batch-size)`` (only names with an underscore: ``tp`` or
       ``role`` may be a word of the sentence).
 
+    Text inside quotes or a JSON value (``{...}``, ``[...]``) is left as written, and so is a value
+    that is JSON (``speculative_config={...}``): a field's name there is a key, a model name or
+    prose the user wrote, not a flag to type (:func:`_opaque_spans`).
+
     ``args`` are the parsed flags (the speculative fields' flag is the one the user typed).
     """
     message = with_leading_flag(command, message, args)
@@ -121,9 +167,11 @@ def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.N
     listed = set(prefix.group(0)[:-2].split(', ')) if prefix else set()
     actions = command._option_string_actions
 
+    opaque = _opaque_spans(message)
+
     def rewrite(match: re.Match) -> str:
-        if message.startswith(' (--', match.end()):            # the subject, with its flag after it
-            return match.group(0)
+        if message.startswith(' (--', match.end()) or _in_spans(match.start(), opaque):
+            return match.group(0)       # the subject, with its flag after it; or inside a value
         flag = field_flag(command, match.group(1), args)
         action = actions.get(flag)
         if flag is None or flag in listed or action is None or action.metavar == 'JSON':
@@ -147,7 +195,11 @@ def cli_message(command: argparse.ArgumentParser, message: str, args: argparse.N
     # names with an underscore, so that a prose word that is also a field (``tp``, ``role``) stays
     # as written
     for name in sorted({m.group(1) for m in _BARE_FIELD.finditer(message)}):
-        message = re.sub(rf'(?<![\w.\-/?&=])({re.escape(name)})(?![\w.=-]| \(--)', name_flag, message, count=1)
+        opaque = _opaque_spans(message)
+        first = next((m for m in re.finditer(rf'(?<![\w.\-/?&=])({re.escape(name)})(?![\w.=-]| \(--)', message)
+                      if not _in_spans(m.start(), opaque)), None)
+        if first is not None:
+            message = message[:first.start()] + name_flag(first) + message[first.end():]
     return message
 
 
