@@ -92,9 +92,10 @@ def test_batch_buckets():
 def test_keys_share_the_cpu_graphs_boundaries():
     buckets = batch_buckets(8)
     batch = _decode_batch(3)
-    assert cuda_graph_key(batch, buckets) == (4,)
-    assert cuda_graph_key(_decode_batch(3, slots=[9, 2, 5]), buckets) == (4,)     # slots do not matter
-    assert cuda_graph_key(_decode_batch(8), buckets) == (8,)
+    assert cuda_graph_key(batch, buckets) == (4, False)
+    assert cuda_graph_key(_decode_batch(3, slots=[9, 2, 5]), buckets) == (4, False)   # slots do not matter
+    assert cuda_graph_key(replace(batch, prompt_lens=[5, 6, 7]), buckets) == (4, True)  # as an engine's step
+    assert cuda_graph_key(_decode_batch(8), buckets) == (8, False)
     assert cuda_graph_key(_decode_batch(8), [1, 2, 4]) is None                   # past the largest bucket
     assert cuda_graph_key(replace(batch, q_seqlens=[2, 1, 1]), buckets) is None   # a prefill chunk
     assert cuda_graph_key(replace(batch, kv_seqlens=[1, 8, 9]), buckets) is None  # no history
@@ -294,6 +295,30 @@ def test_forward_reading_per_step_lists_is_refused(caplog):
     assert graphs.backend.warmups == 2          # refused after the warm-up: never captured
     assert any('bucket 4 refused (runs eagerly): the forward read StepContext.kv_seqlens' in r.getMessage()
                for r in caplog.records)
+
+
+class _BranchesOnPromptLens(torch.nn.Module):
+    """A forward that branches on whether the step carries ``prompt_lens`` without reading one
+    (as ``StepContext.prompt_token_mask`` does): nothing a graph refuses."""
+
+    def forward(self, ctx):
+        return ctx.input_ids[:, None].float() + (100.0 if ctx.prompt_lens else 0.0)
+
+
+def test_the_capture_takes_the_steps_branch_on_prompt_lens():
+    """The capture ran on a padding batch without ``prompt_lens`` while every engine step
+    carries them: a forward branching on their presence replayed the other branch (each row
+    100 off its eager value). The batch captured now carries them exactly when the step does."""
+    model = _BranchesOnPromptLens()
+    graphs = CudaGraphCache(model, max_blocks=8, max_batch=4, scratch_slot=9, scratch_block=63,
+                            device=torch.device('cpu'), backend=StandIn())
+    kv_caches, state_caches = [], []
+    for step in range(3):
+        for lens in ([], [9, 9, 9]):
+            batch = replace(_decode_batch(3, step), prompt_lens=lens)
+            eager = model(batch.context(torch.device('cpu'), kv_caches, state_caches, 4))
+            assert torch.equal(graphs.forward(batch, kv_caches, state_caches, 4), eager), (step, lens)
+    assert graphs.counters()['captures'] == 2 and graphs.replays == 6
 
 
 def test_which_graphs_an_engine_runs():

@@ -6,9 +6,10 @@ when :func:`~.decode_graph.decode_graph_key` gives it a key, and its static inpu
 :class:`~.decode_graph.StaticDecodeInputs` on the CUDA device. What differs is the key and the
 padding::
 
-    key = (bucket,)        bucket = the smallest of 1, 2, 4, 8, 16, 24, 32, ... (+8) >= B,
+    key = (bucket, P)      bucket = the smallest of 1, 2, 4, 8, 16, 24, 32, ... (+8) >= B,
                            the last one the engine's max_batch_size or MAX_GRAPH_BATCH (256),
-                           the smaller (a larger batch runs eagerly)
+                           the smaller (a larger batch runs eagerly); P = the step carries
+                           prompt_lens (an engine's always do; a batch built by hand may not)
     rows  0 .. B-1         the step's sequences, as they are
     rows  B .. bucket-1    padding: token 0 at position 0, kv_seqlen 1, block table
                            [scratch block, 0, ...], state slot = the scratch slot (-1 for a model
@@ -132,15 +133,19 @@ def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def cuda_graph_key(batch: StepBatch, buckets: list[int]) -> tuple[int] | None:
-    """``(bucket,)`` for a step :func:`~.decode_graph.decode_graph_key` accepts (a pure decode
-    step: one token per sequence, each with history, no images, no extra logits, no window tables)
-    whose batch fits a bucket; else None. The slots do not enter the key: a CUDA step always
-    gathers and scatters its states through the static ``slots`` tensor."""
+def cuda_graph_key(batch: StepBatch, buckets: list[int]) -> tuple[int, bool] | None:
+    """``(bucket, whether the step carries prompt_lens)`` for a step
+    :func:`~.decode_graph.decode_graph_key` accepts (a pure decode step: one token per sequence,
+    each with history, no images, no extra logits, no window tables) whose batch fits a bucket;
+    else None. The slots do not enter the key: a CUDA step always gathers and scatters its states
+    through the static ``slots`` tensor. Whether ``prompt_lens`` is empty does: the capture runs
+    on a batch of padding rows, and a forward may branch on that in Python
+    (``StepContext.prompt_token_mask``) without reading a value, which refuses nothing; the
+    capture's batch carries them exactly when the step does, so the branch taken is the step's."""
     if decode_graph_key(batch) is None:
         return None
     bucket = bucket_for(len(batch.q_seqlens), buckets)
-    return None if bucket is None else (bucket,)
+    return None if bucket is None else (bucket, bool(batch.prompt_lens))
 
 
 def pad_batch(batch: StepBatch, bucket: int, scratch_slot: int | None, scratch_block: int) -> StepBatch:
@@ -296,7 +301,7 @@ class CudaGraphCache:
             self._caches = (kv_caches, state_caches)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(key[0], kv_caches, state_caches, block_size)
+            graph = self._capture(key, kv_caches, state_caches, block_size)
             self.graphs[key] = graph
             if len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
@@ -313,15 +318,19 @@ class CudaGraphCache:
         self.replays += 1
         return graph.output[:B]
 
-    def _capture(self, bucket: int, kv_caches, state_caches, block_size: int) -> _CudaGraph:
-        """Warm up and capture the forward of an all-padding batch of ``bucket`` rows; the graph
-        is ``'refused'`` when the forward read a per-step list or anything raised."""
+    def _capture(self, key: tuple[int, bool], kv_caches, state_caches, block_size: int) -> _CudaGraph:
+        """Warm up and capture the forward of an all-padding batch of ``bucket`` rows (``key``, as
+        :func:`cuda_graph_key`: with ``prompt_lens`` when the key says so); the graph is
+        ``'refused'`` when the forward read a per-step list or anything raised."""
+        bucket, with_prompt_lens = key
         self.captures += 1
         inputs = StaticDecodeInputs(bucket, self.max_blocks, block_size, self.device)
         graph = _CudaGraph(inputs)
         empty = StepBatch(input_ids=[], positions=[], q_seqlens=[], q_start_loc=[], kv_seqlens=[], block_tables=[],
                           state_slots=[])
         dummy = pad_batch(empty, bucket, self.scratch_slot, self.scratch_block)
+        if with_prompt_lens:    # a padding row's prompt is its one token (pad_batch's value)
+            dummy.prompt_lens = [1] * bucket
         reads: list[str] = []
 
         def run():
