@@ -172,6 +172,23 @@ void lm_matmul_rows(const float* x, int M, int K, int64_t ldx, const float* w, i
   matmul_rows_nowait(x, M, K, ldx, w, N, ldw, y, ldy);
 }
 
+/* The stable counting sort of S (token, slot) pairs on their expert that both MoE layers below
+   run: offsets [E + 1] gets each expert's first row (offsets[E] = S), pos [S] the row of pair p
+   in its expert's run, in pair order within a run. Returns -1 (nothing sorted) on an expert id
+   outside [0, E). */
+static int expert_sort(const int64_t* index, int S, int E, int64_t* offsets, int64_t* pos) {
+  for (int e = 0; e <= E; e++) offsets[e] = 0;
+  for (int p = 0; p < S; p++) {
+    if (index[p] < 0 || index[p] >= E) return -1;
+    offsets[index[p] + 1]++;
+  }
+  for (int e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+  int64_t fill[E];
+  for (int e = 0; e < E; e++) fill[e] = offsets[e];
+  for (int p = 0; p < S; p++) pos[p] = fill[index[p]]++;
+  return 0;
+}
+
 /* A MoE layer of SwiGLU experts for T tokens, each routed to topk experts.
    x [T, H]; index, weights [T, topk]; gate_up [E, 2I, H] (gate rows first); down [E, H, I];
    scratch: pos [T * topk] int64, xs [S, H], h [S, 2I], ys [S, H] with S = T * topk; out [T, H].
@@ -182,15 +199,7 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
                       float* out, int threads) {
   int S = T * topk;
   int64_t offsets[E + 1];
-  for (int e = 0; e <= E; e++) offsets[e] = 0;
-  for (int p = 0; p < S; p++) {
-    if (index[p] < 0 || index[p] >= E) return -1;
-    offsets[index[p] + 1]++;
-  }
-  for (int e = 0; e < E; e++) offsets[e + 1] += offsets[e];
-  int64_t fill[E];
-  for (int e = 0; e < E; e++) fill[e] = offsets[e];
-  for (int p = 0; p < S; p++) pos[p] = fill[index[p]]++;
+  if (expert_sort(index, S, E, offsets, pos)) return -1;
   ptrdiff_t H2 = 2 * (ptrdiff_t)I;
   #pragma omp parallel num_threads(threads)
   {
@@ -1154,15 +1163,7 @@ int lm_relu2_experts(const float* x, int T, int H, int I, int topk, const int64_
                      float* out, int threads) {
   int S = T * topk;
   int64_t offsets[E + 1];
-  for (int e = 0; e <= E; e++) offsets[e] = 0;
-  for (int p = 0; p < S; p++) {
-    if (index[p] < 0 || index[p] >= E) return -1;
-    offsets[index[p] + 1]++;
-  }
-  for (int e = 0; e < E; e++) offsets[e + 1] += offsets[e];
-  int64_t fill[E];
-  for (int e = 0; e < E; e++) fill[e] = offsets[e];
-  for (int p = 0; p < S; p++) pos[p] = fill[index[p]]++;
+  if (expert_sort(index, S, E, offsets, pos)) return -1;
   #pragma omp parallel num_threads(threads)
   {
     #pragma omp for schedule(static)
