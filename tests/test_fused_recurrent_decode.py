@@ -12,7 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cpu_native_fused import _three_ways, close_to_measured_rounding
+from numerics import close_to_measured_rounding
+from test_cpu_native_fused import _three_ways
 
 from lmdeploy.pytorch.kernels.cpu_native import CALLS, native_library
 from lmdeploy.pytorch.models.blocks.kda import KimiDeltaAttention

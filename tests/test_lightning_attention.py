@@ -32,7 +32,7 @@ def _inputs(L, H=3, dk=8, dv=6, seed=0):
 @pytest.mark.parametrize('with_state', [False, True])
 def test_chunked_form_equals_the_recurrence(L, chunk, with_state):
     q, kk, v, slope = _inputs(L, seed=L + chunk)
-    init = torch.randn(3, 8, 6) if with_state else None
+    init = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(L + chunk + 1)) if with_state else None
     before = None if init is None else init.clone()
     o, state = k.lightning_attention_chunk(q, kk, v, slope, init, chunk)
     ref_o, ref_state = k.lightning_attention_reference(q, kk, v, slope, init)
@@ -75,7 +75,7 @@ def test_varlen_mixes_decode_and_prefill_and_ignores_a_stale_slot():
     lengths, history, slots = [1, 7, 1, 5], [True, False, False, True], [3, 0, 5, 1]
     T = sum(lengths)
     q, kk, v, slope = _inputs(T, seed=7)
-    cache = torch.randn(6, 3, 8, 6)
+    cache = torch.randn(6, 3, 8, 6, generator=torch.Generator().manual_seed(8))
     start = cache.clone()
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     fn = get_kernel('lightning_attention_varlen', 'cpu')
@@ -91,7 +91,7 @@ def test_varlen_mixes_decode_and_prefill_and_ignores_a_stale_slot():
 
 def test_pure_decode_updates_a_sorted_slot_range_in_place():
     q, kk, v, slope = _inputs(3, seed=3)
-    cache = torch.randn(5, 3, 8, 6)
+    cache = torch.randn(5, 3, 8, 6, generator=torch.Generator().manual_seed(4))
     start = cache.clone()
     o = k.lightning_attention_varlen(q, kk, v, slope, cache, torch.arange(4), torch.tensor([1, 2, 3]),
                                      torch.ones(3, dtype=torch.bool), 16)
@@ -133,7 +133,7 @@ torch.testing.assert_close(state, torch.stack([w[1] for w in want]).float(), ato
 # prefill: with and without an initial state, lengths 1 and 23, value channels over one block
 for L, H, dk, dv, init in [(1, 1, 8, 16, False), (23, 2, 19, 40, True), (23, 3, 8, 33, False)]:
     q, k, v, slope = _inputs(L, H=H, dk=dk, dv=dv, seed=L + dv)
-    s0 = torch.randn(H, dk, dv) if init else None
+    s0 = torch.randn(H, dk, dv, generator=torch.Generator().manual_seed(L + dv + 1)) if init else None
     o, s = lightning_attention_chunk_triton(q, k, v, slope, s0)
     ro, rs = ref(q, k, v, slope, s0)
     torch.testing.assert_close(o, ro.float(), atol=2e-5, rtol=1e-5)

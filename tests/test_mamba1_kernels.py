@@ -36,7 +36,7 @@ def _inputs(L, Dd=24, N=8, seed=0):
 @pytest.mark.parametrize('with_state', [False, True])
 def test_chunked_scan_equals_the_recurrence(L, chunk, with_state):
     x, dt, A, B, C, D = _inputs(L, seed=L + chunk)
-    init = torch.randn(24, 8) if with_state else None
+    init = torch.randn(24, 8, generator=torch.Generator().manual_seed(L + chunk + 1)) if with_state else None
     before = None if init is None else init.clone()
     y, state = k.selective_scan_chunk(x, dt, A, B, C, D, init, chunk)
     ref_y, ref_state = k.selective_scan_reference(x, dt, A, B, C, D, init)
@@ -115,7 +115,7 @@ def test_varlen_mixes_decode_and_prefill_and_ignores_a_stale_slot():
     lengths, history, slots = [1, 7, 1, 5], [True, False, False, True], [3, 0, 5, 1]
     T = sum(lengths)
     x, dt, A, B, C, D = _inputs(T, seed=7)
-    cache = torch.randn(6, 24, 8)
+    cache = torch.randn(6, 24, 8, generator=torch.Generator().manual_seed(8))
     start = cache.clone()
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     fn = get_kernel('selective_scan_varlen', 'cpu')
@@ -131,7 +131,7 @@ def test_varlen_mixes_decode_and_prefill_and_ignores_a_stale_slot():
 
 def test_pure_decode_updates_a_sorted_slot_range_in_place():
     x, dt, A, B, C, D = _inputs(3, seed=3)
-    cache = torch.randn(5, 24, 8)
+    cache = torch.randn(5, 24, 8, generator=torch.Generator().manual_seed(4))
     start = cache.clone()
     y = k.selective_scan_varlen(x, dt, A, B, C, D, cache, torch.arange(4), torch.tensor([1, 2, 3]),
                                 torch.ones(3, dtype=torch.bool), 16)
