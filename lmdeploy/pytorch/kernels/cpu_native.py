@@ -318,6 +318,40 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
+def _expert_layer_applies(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, first: torch.Tensor,
+                          down: torch.Tensor) -> bool:
+    """Whether a native expert layer runs: 1 to :data:`NATIVE_EXPERT_TOKENS` tokens, every tensor
+    float32 on CPU outside autograd (the index int64 on CPU), and the library built."""
+    return (1 <= x.shape[0] <= NATIVE_EXPERT_TOKENS and all(is_plain(t) for t in (x, weights, first, down))
+            and index.dtype == torch.int64 and index.device.type == 'cpu' and native_library() is not None)
+
+
+def _call_expert_layer(kernel: str, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                       first: torch.Tensor, down: torch.Tensor, inter: int) -> torch.Tensor:
+    """``lm_<kernel>`` over checked inputs (x ``[T, H]``, index and weights ``[T, k]``, ``first``
+    ``[E, F, H]`` the experts' first product, ``down`` ``[E, H, inter]``) with its scratch: the
+    sorted positions, the sorted rows ``[T * k, H]``, the hidden rows ``[T * k, F]`` and the
+    expert outputs ``[T * k, H]``; returns float32 ``[T, H]``.
+
+    Raises:
+        ValueError: an expert id out of range.
+    """
+    (T, H), topk, E, S = x.shape, index.shape[1], first.shape[0], index.numel()
+    x, index, weights, first, down = (t.contiguous() for t in (x, index, weights, first, down))
+    pos = torch.empty(S, dtype=torch.int64)
+    xs = torch.empty(S, H, dtype=torch.float32)
+    h = torch.empty(S, first.shape[1], dtype=torch.float32)
+    ys = torch.empty(S, H, dtype=torch.float32)
+    out = torch.empty(T, H, dtype=torch.float32)
+    CALLS[kernel] += 1
+    if getattr(native_library(), 'lm_' + kernel)(
+            x.data_ptr(), T, H, inter, topk, index.data_ptr(), weights.data_ptr(), first.data_ptr(), down.data_ptr(),
+            E, pos.data_ptr(), xs.data_ptr(), h.data_ptr(), ys.data_ptr(), out.data_ptr(),
+            torch.get_num_threads()) != 0:
+        raise ValueError(f'expert index out of range [0, {E})')
+    return out
+
+
 def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                           down: torch.Tensor) -> torch.Tensor | None:
     """A whole MoE expert layer in one native call, or ``None`` when it does not apply.
@@ -339,33 +373,16 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
     Raises:
         ValueError: an expert id out of range, or inconsistent shapes.
     """
-    T = x.shape[0]
-    if not (1 <= T <= NATIVE_EXPERT_TOKENS and all(is_plain(t) for t in (x, weights, gate_up, down))
-            and index.dtype == torch.int64 and index.device.type == 'cpu'):
+    if not _expert_layer_applies(x, index, weights, gate_up, down):
         return None
-    lib = native_library()
-    if lib is None:
-        return None
-    E, two_i, H = gate_up.shape
+    T, (E, two_i, H) = x.shape[0], gate_up.shape
     topk = index.shape[1] if index.dim() == 2 else 0
     if (x.shape != (T, H) or index.shape != (T, topk) or weights.shape != (T, topk) or not topk or two_i % 2
             or down.shape != (E, H, two_i // 2)):
         raise ValueError(f'expected x [T, H], index and weights [T, k], gate_up [E, 2I, H], down [E, H, I]; got '
                          f'{tuple(x.shape)}, {tuple(index.shape)}, {tuple(weights.shape)}, {tuple(gate_up.shape)}, '
                          f'{tuple(down.shape)}')
-    x, index, weights, gate_up, down = (t.contiguous() for t in (x, index, weights, gate_up, down))
-    S = T * topk
-    pos = torch.empty(S, dtype=torch.int64)
-    xs = torch.empty(S, H, dtype=torch.float32)
-    h = torch.empty(S, two_i, dtype=torch.float32)
-    ys = torch.empty(S, H, dtype=torch.float32)
-    out = torch.empty(T, H, dtype=torch.float32)
-    CALLS['swiglu_experts'] += 1
-    if lib.lm_swiglu_experts(x.data_ptr(), T, H, two_i // 2, topk, index.data_ptr(), weights.data_ptr(),
-                             gate_up.data_ptr(), down.data_ptr(), E, pos.data_ptr(), xs.data_ptr(), h.data_ptr(),
-                             ys.data_ptr(), out.data_ptr(), torch.get_num_threads()) != 0:
-        raise ValueError(f'expert index out of range [0, {E})')
-    return out
+    return _call_expert_layer('swiglu_experts', x, index, weights, gate_up, down, two_i // 2)
 
 
 def relu2_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: torch.Tensor,
@@ -393,33 +410,16 @@ def relu2_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.Te
     Raises:
         ValueError: an expert id out of range, or inconsistent shapes.
     """
-    T = x.shape[0]
-    if not (1 <= T <= NATIVE_EXPERT_TOKENS and all(is_plain(t) for t in (x, weights, up, down))
-            and index.dtype == torch.int64 and index.device.type == 'cpu'):
+    if not _expert_layer_applies(x, index, weights, up, down):
         return None
-    lib = native_library()
-    if lib is None:
-        return None
-    E, inter, H = up.shape
+    T, (E, inter, H) = x.shape[0], up.shape
     topk = index.shape[1] if index.dim() == 2 else 0
     if (x.shape != (T, H) or index.shape != (T, topk) or weights.shape != (T, topk) or not topk
             or down.shape != (E, H, inter)):
         raise ValueError(f'expected x [T, H], index and weights [T, k], up [E, I, H], down [E, H, I]; got '
                          f'{tuple(x.shape)}, {tuple(index.shape)}, {tuple(weights.shape)}, {tuple(up.shape)}, '
                          f'{tuple(down.shape)}')
-    x, index, weights, up, down = (t.contiguous() for t in (x, index, weights, up, down))
-    S = T * topk
-    pos = torch.empty(S, dtype=torch.int64)
-    xs = torch.empty(S, H, dtype=torch.float32)
-    h = torch.empty(S, inter, dtype=torch.float32)
-    ys = torch.empty(S, H, dtype=torch.float32)
-    out = torch.empty(T, H, dtype=torch.float32)
-    CALLS['relu2_experts'] += 1
-    if lib.lm_relu2_experts(x.data_ptr(), T, H, inter, topk, index.data_ptr(), weights.data_ptr(), up.data_ptr(),
-                            down.data_ptr(), E, pos.data_ptr(), xs.data_ptr(), h.data_ptr(), ys.data_ptr(),
-                            out.data_ptr(), torch.get_num_threads()) != 0:
-        raise ValueError(f'expert index out of range [0, {E})')
-    return out
+    return _call_expert_layer('relu2_experts', x, index, weights, up, down, inter)
 
 
 def delta_step_native(kq: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
