@@ -189,6 +189,20 @@ static int expert_sort(const int64_t* index, int S, int E, int64_t* offsets, int
   return 0;
 }
 
+/* inside a parallel region: the (token, slot) rows of x [T, H] placed at their sorted positions
+   pos in xs [S, H] (S = T * topk), then each expert's rows (offsets from expert_sort) through its
+   first product w [E, F, H] into h [S, F]; no barrier at the end */
+static void experts_first_product(const float* x, int H, int topk, int S, const int64_t* pos, float* xs,
+                                  const int64_t* offsets, int E, const float* w, int F, float* h) {
+  #pragma omp for schedule(static)
+  for (int p = 0; p < S; p++) memcpy(xs + pos[p] * H, x + (ptrdiff_t)(p / topk) * H, sizeof(float) * H);
+  for (int e = 0; e < E; e++) {
+    int rows = (int)(offsets[e + 1] - offsets[e]);
+    if (rows)
+      matmul_rows_nowait(xs + offsets[e] * H, rows, H, H, w + (ptrdiff_t)e * F * H, F, H, h + offsets[e] * F, F);
+  }
+}
+
 /* A MoE layer of SwiGLU experts for T tokens, each routed to topk experts.
    x [T, H]; index, weights [T, topk]; gate_up [E, 2I, H] (gate rows first); down [E, H, I];
    scratch: pos [T * topk] int64, xs [S, H], h [S, 2I], ys [S, H] with S = T * topk; out [T, H].
@@ -203,14 +217,7 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
   ptrdiff_t H2 = 2 * (ptrdiff_t)I;
   #pragma omp parallel num_threads(threads)
   {
-    #pragma omp for schedule(static)
-    for (int p = 0; p < S; p++) memcpy(xs + pos[p] * H, x + (ptrdiff_t)(p / topk) * H, sizeof(float) * H);
-    for (int e = 0; e < E; e++) {
-      int rows = (int)(offsets[e + 1] - offsets[e]);
-      if (rows)
-        matmul_rows_nowait(xs + offsets[e] * H, rows, H, H, gate_up + (ptrdiff_t)e * H2 * H, (int)H2, H,
-                           h + offsets[e] * H2, H2);
-    }
+    experts_first_product(x, H, topk, S, pos, xs, offsets, E, gate_up, (int)H2, h);
     #pragma omp barrier
     #pragma omp for schedule(static)
     for (int s = 0; s < S; s++) {
@@ -1166,13 +1173,7 @@ int lm_relu2_experts(const float* x, int T, int H, int I, int topk, const int64_
   if (expert_sort(index, S, E, offsets, pos)) return -1;
   #pragma omp parallel num_threads(threads)
   {
-    #pragma omp for schedule(static)
-    for (int p = 0; p < S; p++) memcpy(xs + pos[p] * H, x + (ptrdiff_t)(p / topk) * H, sizeof(float) * H);
-    for (int e = 0; e < E; e++) {
-      int rows = (int)(offsets[e + 1] - offsets[e]);
-      if (rows)
-        matmul_rows_nowait(xs + offsets[e] * H, rows, H, H, up + (ptrdiff_t)e * I * H, I, H, h + offsets[e] * I, I);
-    }
+    experts_first_product(x, H, topk, S, pos, xs, offsets, E, up, I, h);
     #pragma omp barrier
     #pragma omp for schedule(static)
     for (ptrdiff_t i = 0; i < (ptrdiff_t)S * I; i++) {
