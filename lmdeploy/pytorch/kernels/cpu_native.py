@@ -13,6 +13,8 @@ here, each one call per layer per step:
   1, 2-3 and 4+ input rows, else 4), used by :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
+- :func:`limited_swiglu_experts_native`: the same body with a clipped or clamped SwiGLU (Ling 3,
+  GLM-5.3-Flash), summed in slot order;
 - :func:`relu2_experts_native`: the same for non-gated ``down(relu(up x)^2)`` experts
   (Nemotron-H / Nemotron-3);
 - :func:`delta_step_native`: the decode step of the gated delta rule and of KDA (a decay per
@@ -32,7 +34,7 @@ here, each one call per layer per step:
   whole decode step between their products.
 
 Models never call these: the registry's CPU implementations do (``rms_norm`` and
-``gated_rms_norm`` in :mod:`.norm`, ``moe_experts`` and ``relu2_experts`` in :mod:`.moe`,
+``gated_rms_norm`` in :mod:`.norm`, ``moe_experts``, ``limited_swiglu_experts`` and ``relu2_experts`` in :mod:`.moe`,
 ``paged_decode_attention`` in :mod:`.attention`), as do the decode steps inside the ``gated_delta_rule_varlen`` and
 ``causal_conv1d_varlen`` implementations and :func:`~.linear.linear`; each returns ``None``
 here when it does not apply and the caller runs torch.
@@ -101,7 +103,8 @@ from ..config import cache_root
 from . import native_build
 
 __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER',
-           'compile_command', 'matmul_rows', 'swiglu_experts_native', 'relu2_experts_native', 'NATIVE_ROWS',
+           'compile_command', 'matmul_rows', 'swiglu_experts_native', 'limited_swiglu_experts_native',
+           'relu2_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
@@ -184,6 +187,7 @@ def _cpu_flags() -> str:
 _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_matmul_rows': ('p i32 i32 i64 p i32 i64 p i64 i32', None),
     'lm_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
+    'lm_limited_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 i32 f32 p p p p p i32', 'i32'),
     'lm_moe_route': ('p i64 i32 i32 i32 i32 i32 p p p i32', None),
     'lm_delta_step': ('p p p i32 p p i32 i32 i32 i32 i64 i64 i64 p i32', None),
     'lm_gdn_decode': ('p i64 p p p i64 i64 p p f32 p i64 i64 i64 p f32 i32 i32 i32 i32 i32 i32 p p i32', None),
@@ -327,11 +331,12 @@ def _expert_layer_applies(x: torch.Tensor, index: torch.Tensor, weights: torch.T
 
 
 def _call_expert_layer(kernel: str, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                       first: torch.Tensor, down: torch.Tensor, inter: int) -> torch.Tensor:
+                       first: torch.Tensor, down: torch.Tensor, inter: int, *act) -> torch.Tensor:
     """``lm_<kernel>`` over checked inputs (x ``[T, H]``, index and weights ``[T, k]``, ``first``
-    ``[E, F, H]`` the experts' first product, ``down`` ``[E, H, inter]``) with its scratch: the
-    sorted positions, the sorted rows ``[T * k, H]``, the hidden rows ``[T * k, F]`` and the
-    expert outputs ``[T * k, H]``; returns float32 ``[T, H]``.
+    ``[E, F, H]`` the experts' first product, ``down`` ``[E, H, inter]``, then the kernel's
+    activation arguments ``act`` if any) with its scratch: the sorted positions, the sorted rows
+    ``[T * k, H]``, the hidden rows ``[T * k, F]`` and the expert outputs ``[T * k, H]``; returns
+    float32 ``[T, H]``.
 
     Raises:
         ValueError: an expert id out of range.
@@ -346,10 +351,28 @@ def _call_expert_layer(kernel: str, x: torch.Tensor, index: torch.Tensor, weight
     CALLS[kernel] += 1
     if getattr(native_library(), 'lm_' + kernel)(
             x.data_ptr(), T, H, inter, topk, index.data_ptr(), weights.data_ptr(), first.data_ptr(), down.data_ptr(),
-            E, pos.data_ptr(), xs.data_ptr(), h.data_ptr(), ys.data_ptr(), out.data_ptr(),
+            E, *act, pos.data_ptr(), xs.data_ptr(), h.data_ptr(), ys.data_ptr(), out.data_ptr(),
             torch.get_num_threads()) != 0:
         raise ValueError(f'expert index out of range [0, {E})')
     return out
+
+
+def _swiglu_inter(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> int:
+    """The experts' intermediate width ``I`` of a SwiGLU expert layer's checked shapes.
+
+    Raises:
+        ValueError: shapes other than x ``[T, H]``, index and weights ``[T, k]`` (k >= 1),
+            gate_up ``[E, 2I, H]``, down ``[E, H, I]``.
+    """
+    T, (E, two_i, H) = x.shape[0], gate_up.shape
+    topk = index.shape[1] if index.dim() == 2 else 0
+    if (x.shape != (T, H) or index.shape != (T, topk) or weights.shape != (T, topk) or not topk or two_i % 2
+            or down.shape != (E, H, two_i // 2)):
+        raise ValueError(f'expected x [T, H], index and weights [T, k], gate_up [E, 2I, H], down [E, H, I]; got '
+                         f'{tuple(x.shape)}, {tuple(index.shape)}, {tuple(weights.shape)}, {tuple(gate_up.shape)}, '
+                         f'{tuple(down.shape)}')
+    return two_i // 2
 
 
 def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -375,14 +398,53 @@ def swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.T
     """
     if not _expert_layer_applies(x, index, weights, gate_up, down):
         return None
-    T, (E, two_i, H) = x.shape[0], gate_up.shape
-    topk = index.shape[1] if index.dim() == 2 else 0
-    if (x.shape != (T, H) or index.shape != (T, topk) or weights.shape != (T, topk) or not topk or two_i % 2
-            or down.shape != (E, H, two_i // 2)):
-        raise ValueError(f'expected x [T, H], index and weights [T, k], gate_up [E, 2I, H], down [E, H, I]; got '
-                         f'{tuple(x.shape)}, {tuple(index.shape)}, {tuple(weights.shape)}, {tuple(gate_up.shape)}, '
-                         f'{tuple(down.shape)}')
-    return _call_expert_layer('swiglu_experts', x, index, weights, gate_up, down, two_i // 2)
+    return _call_expert_layer('swiglu_experts', x, index, weights, gate_up, down,
+                              _swiglu_inter(x, index, weights, gate_up, down))
+
+
+#: ``act`` codes of :func:`limited_swiglu_experts_native` (the C enum's values)
+LIMITED_SWIGLU_ACTS = {'clipped': 1, 'clamped': 2}
+
+
+def limited_swiglu_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                                  gate_up: torch.Tensor, down: torch.Tensor, act: str,
+                                  limit: float) -> torch.Tensor | None:
+    """A whole MoE layer of limited-SwiGLU experts (Ling 3, GLM-5.3-Flash) in one native call, or
+    ``None`` when it does not apply.
+
+    ``out[t] = sum_j weights[t, j] * down_e(a(gate_e(x[t]), up_e(x[t])))`` with ``e = index[t, j]``,
+    summed over ``j`` in order with each product rounded first, where ``a`` is
+    ``min(silu(g), limit) * clamp(u, -limit, limit)`` for ``act='clipped'`` (``limit = 0``: plain
+    ``silu(g) * u``) and ``silu(min(g, limit)) * clamp(u, -limit, limit)`` for ``'clamped'``; a
+    NaN stays NaN through the clamps, as in torch. The products sum as
+    :func:`~.moe.limited_swiglu_experts_loop`'s do while no expert has more than
+    :data:`NATIVE_ROWS` rows; ``silu`` is ``g / (1 + expf(-g))`` with the C library's ``expf``,
+    which differs from torch's ``silu`` in the last bit for a few percent of inputs, so the layer
+    equals the loop to float32 rounding (bit for bit given the same ``silu``).
+
+    Args:
+        x: ``[T, H]``.
+        index: int64 ``[T, k]`` expert ids in ``[0, E)``.
+        weights: ``[T, k]`` routing weights.
+        gate_up: ``[E, 2I, H]`` gate rows first, then up rows.
+        down: ``[E, H, I]``.
+        act: ``'clipped'`` or ``'clamped'``.
+        limit: the activation's limit.
+
+    Returns:
+        float32 ``[T, H]``; ``None`` unless every tensor is float32 on CPU outside autograd (the
+        index int64 on CPU), ``1 <= T <= NATIVE_EXPERT_TOKENS``, and the library is available.
+
+    Raises:
+        ValueError: an unknown ``act``, an expert id out of range, or inconsistent shapes.
+    """
+    if act not in LIMITED_SWIGLU_ACTS:
+        raise ValueError(f'act must be one of {sorted(LIMITED_SWIGLU_ACTS)}, got {act!r}')
+    if not _expert_layer_applies(x, index, weights, gate_up, down):
+        return None
+    code = 0 if act == 'clipped' and not limit else LIMITED_SWIGLU_ACTS[act]
+    return _call_expert_layer('limited_swiglu_experts', x, index, weights, gate_up, down,
+                              _swiglu_inter(x, index, weights, gate_up, down), code, float(limit))
 
 
 def relu2_experts_native(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: torch.Tensor,

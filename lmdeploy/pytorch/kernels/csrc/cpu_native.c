@@ -203,14 +203,39 @@ static void experts_first_product(const float* x, int H, int topk, int S, const 
   }
 }
 
-/* A MoE layer of SwiGLU experts for T tokens, each routed to topk experts.
-   x [T, H]; index, weights [T, topk]; gate_up [E, 2I, H] (gate rows first); down [E, H, I];
-   scratch: pos [T * topk] int64, xs [S, H], h [S, 2I], ys [S, H] with S = T * topk; out [T, H].
-   Pairs (token, slot) are placed by a stable counting sort on the expert; out[t] is the sum over
-   the slots in order of weights[t, j] * expert_j(x[t]). Returns -1 on an expert id out of range. */
-int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
-                      const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
-                      float* out, int threads) {
+/* inside a parallel region, after a barrier: out[t] (T rows of H) = weights[t, 0] * y_0 +
+   weights[t, 1] * y_1 + ... over the slots in order, y_j the expert output row pos[t * topk + j]
+   of ys (S = T * topk rows of H), which it scales in place. The weighting and the sum are two
+   loops because a product and a sum in one statement may be contracted into one fused
+   multiply-add (-ffp-contract), which rounds differently from torch's product and then sum. */
+static void experts_weighted_sum(int T, int H, int topk, const int64_t* pos, const float* weights, float* ys,
+                                 float* out) {
+  int S = T * topk;
+  #pragma omp for schedule(static)
+  for (int p = 0; p < S; p++) {
+    float* y = ys + pos[p] * H;
+    float w = weights[p];
+    for (int c = 0; c < H; c++) y[c] *= w;
+  }
+  #pragma omp for schedule(static)
+  for (int t = 0; t < T; t++) {
+    float* o = out + (ptrdiff_t)t * H;
+    memcpy(o, ys + pos[(ptrdiff_t)t * topk] * H, sizeof(float) * H);
+    for (int j = 1; j < topk; j++) {
+      const float* y = ys + pos[(ptrdiff_t)t * topk + j] * H;
+      for (int c = 0; c < H; c++) o[c] += y[c];
+    }
+  }
+}
+
+/* The SwiGLU activations of an expert layer (act of lm_limited_swiglu_experts) */
+enum { SWIGLU_PLAIN = 0, SWIGLU_CLIPPED = 1, SWIGLU_CLAMPED = 2 };
+
+/* The body of both SwiGLU expert layers below: act SWIGLU_PLAIN keeps lm_swiglu_experts's fused
+   weighted sum (its results unchanged), the limited ones sum as experts_weighted_sum. */
+static int swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
+                          const float* gate_up, const float* down, int E, int act, float limit, int64_t* pos,
+                          float* xs, float* h, float* ys, float* out, int threads) {
   int S = T * topk;
   int64_t offsets[E + 1];
   if (expert_sort(index, S, E, offsets, pos)) return -1;
@@ -222,9 +247,23 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
     #pragma omp for schedule(static)
     for (int s = 0; s < S; s++) {
       float* row = h + s * H2;
-      for (int i = 0; i < I; i++) {
-        float g = row[i];
-        row[i] = g / (1.0f + expf(-g)) * row[I + i];
+      if (act == SWIGLU_PLAIN) {
+        for (int i = 0; i < I; i++) {
+          float g = row[i];
+          row[i] = g / (1.0f + expf(-g)) * row[I + i];
+        }
+      } else {
+        /* torch's clamp(max=limit) and clamp(-limit, limit) (max, then min), written so a NaN
+           stays NaN as in torch (fminf would return the limit) */
+        for (int i = 0; i < I; i++) {
+          float g = row[i], u = row[I + i];
+          if (act == SWIGLU_CLAMPED) g = g > limit ? limit : g;
+          float a = g / (1.0f + expf(-g));
+          if (act == SWIGLU_CLIPPED) a = a > limit ? limit : a;
+          u = u < -limit ? -limit : u;
+          u = u > limit ? limit : u;
+          row[i] = a * u;
+        }
       }
     }
     for (int e = 0; e < E; e++) {
@@ -234,20 +273,54 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
                            ys + offsets[e] * H, H);
     }
     #pragma omp barrier
-    #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) {
-      float* o = out + (ptrdiff_t)t * H;
-      const float* first = ys + pos[(ptrdiff_t)t * topk] * H;
-      float w0 = weights[(ptrdiff_t)t * topk];
-      for (int c = 0; c < H; c++) o[c] = first[c] * w0;
-      for (int j = 1; j < topk; j++) {
-        const float* y = ys + pos[(ptrdiff_t)t * topk + j] * H;
-        float wj = weights[(ptrdiff_t)t * topk + j];
-        for (int c = 0; c < H; c++) o[c] += y[c] * wj;
+    if (act != SWIGLU_PLAIN) {
+      experts_weighted_sum(T, H, topk, pos, weights, ys, out);
+    } else {
+      #pragma omp for schedule(static)
+      for (int t = 0; t < T; t++) {
+        float* o = out + (ptrdiff_t)t * H;
+        const float* first = ys + pos[(ptrdiff_t)t * topk] * H;
+        float w0 = weights[(ptrdiff_t)t * topk];
+        for (int c = 0; c < H; c++) o[c] = first[c] * w0;
+        for (int j = 1; j < topk; j++) {
+          const float* y = ys + pos[(ptrdiff_t)t * topk + j] * H;
+          float wj = weights[(ptrdiff_t)t * topk + j];
+          for (int c = 0; c < H; c++) o[c] += y[c] * wj;
+        }
       }
     }
   }
   return 0;
+}
+
+/* A MoE layer of SwiGLU experts for T tokens, each routed to topk experts.
+   x [T, H]; index, weights [T, topk]; gate_up [E, 2I, H] (gate rows first); down [E, H, I];
+   scratch: pos [T * topk] int64, xs [S, H], h [S, 2I], ys [S, H] with S = T * topk; out [T, H].
+   Pairs (token, slot) are placed by a stable counting sort on the expert; out[t] is the sum over
+   the slots in order of weights[t, j] * expert_j(x[t]). Returns -1 on an expert id out of range. */
+int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
+                      const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
+                      float* out, int threads) {
+  return swiglu_experts(x, T, H, I, topk, index, weights, gate_up, down, E, SWIGLU_PLAIN, 0.0f, pos, xs, h, ys, out,
+                        threads);
+}
+
+/* lm_swiglu_experts with a limited activation (Ling 3, GLM-5.3-Flash): act 1 (clipped) is
+   min(silu(gate), limit) * clamp(up, -limit, limit), act 2 (clamped) is
+   silu(min(gate, limit)) * clamp(up, -limit, limit), act 0 plain silu(gate) * up; silu(g) is
+   g / (1 + expf(-g)). out[t] = weights[t, 0] * y_0 + weights[t, 1] * y_1 + ... summed over the
+   slots in order, each product rounded before its sum (the torch loop's order, bit for bit).
+   Returns -1 (nothing computed) on an expert id out of range or an act outside [0, 2]. */
+int lm_limited_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index,
+                              const float* weights, const float* gate_up, const float* down, int E, int act,
+                              float limit, int64_t* pos, float* xs, float* h, float* ys, float* out, int threads) {
+  if (act < SWIGLU_PLAIN || act > SWIGLU_CLAMPED) return -1;
+  /* act 0 here still sums as experts_weighted_sum: the limited layers' loop order */
+  if (act == SWIGLU_PLAIN) {
+    act = SWIGLU_CLIPPED;
+    limit = INFINITY;
+  }
+  return swiglu_experts(x, T, H, I, topk, index, weights, gate_up, down, E, act, limit, pos, xs, h, ys, out, threads);
 }
 
 /* The routing and shared-expert activation of a Qwen-MoE layer (softmax top-k router plus a
@@ -1186,24 +1259,7 @@ int lm_relu2_experts(const float* x, int T, int H, int I, int topk, const int64_
         matmul_rows_nowait(h + offsets[e] * I, rows, I, I, down + (ptrdiff_t)e * H * I, H, I, ys + offsets[e] * H, H);
     }
     #pragma omp barrier
-    /* weighted in place first, summed in a loop of its own: a product and a sum in one
-       statement may be contracted into one fused multiply-add (-ffp-contract), which rounds
-       differently from torch's product and then sum */
-    #pragma omp for schedule(static)
-    for (int p = 0; p < S; p++) {
-      float* y = ys + pos[p] * H;
-      float w = weights[p];
-      for (int c = 0; c < H; c++) y[c] *= w;
-    }
-    #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) {
-      float* o = out + (ptrdiff_t)t * H;
-      memcpy(o, ys + pos[(ptrdiff_t)t * topk] * H, sizeof(float) * H);
-      for (int j = 1; j < topk; j++) {
-        const float* y = ys + pos[(ptrdiff_t)t * topk + j] * H;
-        for (int c = 0; c < H; c++) o[c] += y[c];
-      }
-    }
+    experts_weighted_sum(T, H, topk, pos, weights, ys, out);
   }
   return 0;
 }

@@ -20,6 +20,12 @@ int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64
                       const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
                       float* out, int threads);
 
+/* lm_swiglu_experts with a limited activation (act 0 plain, 1 clipped, 2 clamped), summed in slot
+   order; -1 on an expert id out of range or an unknown act */
+int lm_limited_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index,
+                              const float* weights, const float* gate_up, const float* down, int E, int act,
+                              float limit, int64_t* pos, float* xs, float* h, float* ys, float* out, int threads);
+
 /* a softmax top-k router and a sigmoid-gated shared expert's activation from one fused product */
 void lm_moe_route(const float* proj, int64_t ld, int T, int E, int k, int norm, int I, int64_t* index,
                   float* weights, float* act, int threads);
