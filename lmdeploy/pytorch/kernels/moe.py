@@ -30,18 +30,25 @@ no sort or scatter, the same products, weights and summation order), else the so
 (:func:`relu2_experts_loop`, reading the counts into Python), the CPU one runs
 :func:`~.cpu_native.relu2_experts_native` when it applies (no value read into Python, so a decode
 graph can replay it), else the loop.
+
+``limited_swiglu_experts`` is that op for SwiGLU experts whose activation is clipped or clamped
+at a limit (Ling 3, GLM-5.3-Flash): the same loop (:func:`limited_swiglu_experts_loop`; also the
+CUDA path), and on CPU :func:`~.cpu_native.limited_swiglu_experts_native`, one call.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import get_kernel, register_kernel
-from .cpu_native import relu2_experts_native, swiglu_experts_native
+from .cpu_native import limited_swiglu_experts_native, relu2_experts_native, swiglu_experts_native
 from .linear import linear
 
 __all__ = ['swiglu_experts_loop', 'swiglu_experts_grouped', 'grouped_mm_usable', 'moe_experts_sorted',
-           'moe_experts_one_token', 'moe_experts_cpu', 'relu2_experts_loop', 'relu2_experts_cpu']
+           'moe_experts_one_token', 'moe_experts_cpu', 'relu2_experts_loop', 'relu2_experts_cpu', 'clipped_swiglu',
+           'clamped_swiglu', 'LIMITED_SWIGLU', 'limited_swiglu_experts_loop', 'limited_swiglu_experts_cpu']
 
 
 def _check(x, gate_up, down, counts):
@@ -159,6 +166,37 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
+def _experts_in_slot_order(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                           expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The loop both expert layers below share: the ``T * k`` (token, expert) pairs sorted by
+    expert (stable), ``expert(e, rows)`` once per expert with rows, each output weighted in float32
+    and summed over the token's ``k`` choices strictly in slot order; float32 ``[T, D]``."""
+    T, k = index.shape
+    flat = index.flatten()
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = x.index_select(0, token)
+    out = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            sl = slice(start, start + n)
+            out[sl] = expert(e, rows[sl])
+            start += n
+    # back to (token, choice) order and summed over the k choices: index_add_ measured ~150x
+    # slower on CPU for these few rows (1.8 ms vs 12 us per call)
+    pairs = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
+    pairs[order] = out.float() * weights.flatten().index_select(0, order)[:, None]
+    pairs = pairs.view(T, k, x.shape[1])
+    # summed strictly in slot order (``sum(1)`` reorders from 5 choices on, by width and torch
+    # version), so the native layers, which promise this order, are this loop bit for bit
+    total = pairs[:, 0].clone()
+    for j in range(1, k):
+        total += pairs[:, j]
+    return total
+
+
 @register_kernel('relu2_experts', device_type='any')
 def relu2_experts_loop(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: torch.Tensor,
                        down: torch.Tensor) -> torch.Tensor:
@@ -175,30 +213,8 @@ def relu2_experts_loop(x: torch.Tensor, index: torch.Tensor, weights: torch.Tens
         ``[T, D]`` in ``x.dtype``: ``sum_j weights[t, j] * down_e(relu(up_e(x[t]))^2)``,
         ``e = index[t, j]``.
     """
-    T, k = index.shape
-    flat = index.flatten()
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    counts = torch.bincount(flat, minlength=up.shape[0]).tolist()
-    rows = x.index_select(0, token)
-    out = torch.empty_like(rows)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            sl = slice(start, start + n)
-            out[sl] = linear(_relu2(linear(rows[sl], up[e])), down[e])
-            start += n
-    # back to (token, choice) order and summed over the k choices: index_add_ measured ~150x
-    # slower on CPU for these few rows (1.8 ms vs 12 us per call)
-    pairs = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
-    pairs[order] = out.float() * weights.flatten().index_select(0, order)[:, None]
-    pairs = pairs.view(T, k, x.shape[1])
-    # summed strictly in slot order (``sum(1)`` reorders from 5 choices on, by width and torch
-    # version), so the native layer, which promises this order, is this loop bit for bit
-    total = pairs[:, 0].clone()
-    for j in range(1, k):
-        total += pairs[:, j]
-    return total.to(x.dtype)
+    return _experts_in_slot_order(x, index, weights, up.shape[0],
+                                  lambda e, rows: linear(_relu2(linear(rows, up[e])), down[e])).to(x.dtype)
 
 
 @register_kernel('relu2_experts', device_type='cpu', priority=5)
@@ -209,3 +225,61 @@ def relu2_experts_cpu(x: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     result while no expert has more than 24 rows, else equal to float32 rounding), else the loop."""
     out = relu2_experts_native(x, index, weights, up, down)
     return out if out is not None else relu2_experts_loop(x, index, weights, up, down)
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``min(silu(gate), limit) * clamp(up, -limit, limit)``; ``limit = 0``: plain ``silu(gate) * up``
+    (Ling 3 clips after the activation)."""
+    if not limit:
+        return F.silu(gate) * up
+    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (GLM-5.3-Flash clamps the inputs)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+#: the limited SwiGLUs by the name ``limited_swiglu_experts`` takes
+LIMITED_SWIGLU = {'clipped': clipped_swiglu, 'clamped': clamped_swiglu}
+
+
+@register_kernel('limited_swiglu_experts', device_type='any')
+def limited_swiglu_experts_loop(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                                down: torch.Tensor, act: str, limit: float) -> torch.Tensor:
+    """A MoE layer of limited-SwiGLU experts (Ling 3's clipped, GLM-5.3-Flash's clamped): the
+    ``T * k`` (token, expert) pairs sorted by expert, per expert with rows one
+    :func:`~.linear.linear` into gate and up, ``LIMITED_SWIGLU[act](gate, up, limit)``, one
+    ``linear`` down, weighted and summed over each token's ``k`` choices in float32 in slot order.
+
+    Args:
+        x: ``[T, H]``.
+        index: int64 ``[T, k]`` chosen experts; weights: ``[T, k]`` their routing weights.
+        gate_up: ``[E, 2I, H]`` gate rows first, then up rows; down: ``[E, H, I]`` (no biases).
+        act: ``'clipped'`` or ``'clamped'`` (:data:`LIMITED_SWIGLU`); limit: its limit.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: an unknown ``act``.
+    """
+    if act not in LIMITED_SWIGLU:
+        raise ValueError(f'act must be one of {sorted(LIMITED_SWIGLU)}, got {act!r}')
+    fn = LIMITED_SWIGLU[act]
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(rows, gate_up[e]).chunk(2, dim=-1)
+        return linear(fn(gate, up, limit), down[e])
+
+    return _experts_in_slot_order(x, index, weights, gate_up.shape[0], expert).to(x.dtype)
+
+
+@register_kernel('limited_swiglu_experts', device_type='cpu', priority=5)
+def limited_swiglu_experts_cpu(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                               down: torch.Tensor, act: str, limit: float) -> torch.Tensor:
+    """:func:`limited_swiglu_experts_loop` on CPU: the native layer (float32, up to
+    :data:`~.cpu_native.NATIVE_EXPERT_TOKENS` tokens, outside autograd; the loop's sum order, its
+    ``silu`` the C library's ``expf``, so equal to float32 rounding), else the loop."""
+    out = limited_swiglu_experts_native(x, index, weights, gate_up, down, act, limit)
+    return out if out is not None else limited_swiglu_experts_loop(x, index, weights, gate_up, down, act, limit)

@@ -28,7 +28,7 @@ from torch import nn
 from ...kernels import find_kernel, get_kernel
 from ...kernels.fused_decode import FUSED_MOE_TOKENS, group_limited_route_torch
 from ...kernels.linear import linear
-from ...kernels.moe import moe_experts_one_token, moe_experts_sorted
+from ...kernels.moe import clamped_swiglu, clipped_swiglu, moe_experts_one_token, moe_experts_sorted
 from ..layers import Linear, PackedLinear, SwiGLUMLP, WeightLoader, mlp_split
 
 __all__ = ['FusedExperts', 'GraniteMoE', 'GRANITE_MOE_RENAMES', 'GRANITE_SHARED_MLP_SPLIT', 'SparseMoeBlock', 'GroupLimitedMoE', 'group_limited_route', 'load_expert_tensor', 'MIXTRAL_EXPERT_RENAMES',
@@ -274,19 +274,6 @@ GRANITE_SHARED_MLP_SPLIT = mlp_split(field='shared_intermediate_size', up=('inpu
 LimitedSwiGLU = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``min(silu(gate), limit) * clamp(up, -limit, limit)``; ``limit = 0``: plain ``silu(gate) * up``
-    (Ling 3 clips after the activation)."""
-    if not limit:
-        return F.silu(gate) * up
-    return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (GLM-5.3-Flash clamps the inputs)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
 class LimitedSwiGLUMLP(nn.Module):
     """``down(act(gate(x), up(x), limit))``, gate and up packed into one matmul (loaded from
     ``gate_proj`` / ``up_proj``); ``x, out: [T, hidden]``.
@@ -309,9 +296,13 @@ class LimitedSwiGLUMLP(nn.Module):
         return self.down_proj(self.act(gate, up, self.limit))
 
 
+_LIMITED_ACT_NAMES = {clipped_swiglu: 'clipped', clamped_swiglu: 'clamped'}
+
+
 class LimitedExperts(FusedExperts):
     """:class:`FusedExperts` (same stacked weights and names) whose SwiGLU is ``act(gate, up,
-    limit)``; run expert by expert over the tokens routed to it."""
+    limit)``: the ``limited_swiglu_experts`` kernel (on CPU one native call for a float32 decode
+    step, nothing read into Python, so a decode graph replays it)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
                  act: LimitedSwiGLU):
@@ -320,13 +311,8 @@ class LimitedExperts(FusedExperts):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, chosen experts ``index [T, k]`` (long) with ``weights [T, k]`` → ``[T, H]``."""
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, slot = (index == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate, up, self.limit), self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return get_kernel('limited_swiglu_experts', x.device)(x, index, weights, self.gate_up_proj, self.down_proj,
+                                                              _LIMITED_ACT_NAMES[self.act], self.limit)
 
 
 class LimitedGroupMoE(GroupLimitedMoE):
