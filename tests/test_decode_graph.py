@@ -67,9 +67,10 @@ REPLAYED = dict(captures=8, replays=69, refusals=0, evictions=2, graphs=2)
 # a forward with per-sequence Python: GLM-5's DSA layers slice each sequence's blocks by its
 # length (StepContext.kv_seqlens read in Python), and the shapes that follow depend on it: the
 # sequence's keys [kv_len, ...], its indexer's pools (kv_len // pool) and how many it keeps
-# (min(index_topk // pool, pools)). Its clamped-SwiGLU experts (index.unique().tolist()) and its
-# image check (history_lens) read data too, but those could become tensor-only; the per-sequence
-# shapes could not without changing the attention's sums. Its hyper-connections record fine.
+# (min(index_topk // pool, pools)). Its image check (history_lens) reads data too, but that could
+# become tensor-only (its clamped-SwiGLU experts now are: one native call, as Ling 3's clipped
+# ones, which replay); the per-sequence shapes could not without changing the attention's sums.
+# Its hyper-connections record fine.
 # Every key is refused at its first recording (batch 1 twice, evicted in between) and runs eagerly
 REFUSED = dict(captures=4, replays=0, refusals=4, evictions=2, graphs=2)
 
@@ -77,7 +78,7 @@ REFUSED = dict(captures=4, replays=0, refusals=4, evictions=2, graphs=2)
 @pytest.mark.parametrize('arch, overrides, expected', [
     ('qwen3_next', {}, REPLAYED), ('qwen3_5_moe_text', {}, REPLAYED), ('kimi_linear', {}, REPLAYED),
     ('nemotron_h', DENSE_NEMOTRON, REPLAYED), ('granitemoehybrid', {}, REPLAYED), ('qwen3', {}, REPLAYED),
-    ('nemotron_h', {}, REPLAYED), ('glm5_next', {}, REFUSED)])
+    ('nemotron_h', {}, REPLAYED), ('bailing_hybrid', {}, REPLAYED), ('glm5_next', {}, REFUSED)])
 def test_replayed_decode_equals_eager_bit_for_bit(family_paths, arch, overrides, expected):
     path = family_paths(arch, overrides)
     eager_logits, eager_tokens, _ = _decode(path, eager=True)
