@@ -104,7 +104,7 @@ from . import native_build
 
 __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER',
            'compile_command', 'matmul_rows', 'swiglu_experts_native', 'limited_swiglu_experts_native',
-           'relu2_experts_native', 'NATIVE_ROWS',
+           'LIMITED_SWIGLU_ACTS', 'relu2_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
            'paged_decode_attention_native']
