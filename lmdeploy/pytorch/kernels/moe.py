@@ -32,8 +32,14 @@ no sort or scatter, the same products, weights and summation order), else the so
 graph can replay it), else the loop.
 
 ``limited_swiglu_experts`` is that op for SwiGLU experts whose activation is clipped or clamped
-at a limit (Ling 3, GLM-5.3-Flash): the same loop (:func:`limited_swiglu_experts_loop`; also the
-CUDA path), and on CPU :func:`~.cpu_native.limited_swiglu_experts_native`, one call.
+at a limit (Ling 3, GLM-5.3-Flash): the same loop (:func:`limited_swiglu_experts_loop`), and on
+CPU :func:`~.cpu_native.limited_swiglu_experts_native`, one call.
+
+On CUDA both run the gathered form (:func:`relu2_experts_gathered`,
+:func:`limited_swiglu_experts_gathered`; any device can call them) for decode-sized batches
+(:func:`gathered_applies`): each (token, slot) pair's expert weights indexed on the device, two
+batched products and the activation, summed in slot order, with no value of the routing read on
+the host, so a CUDA graph captures the layer; larger batches run the loop.
 """
 from __future__ import annotations
 
@@ -48,7 +54,9 @@ from .linear import linear
 
 __all__ = ['swiglu_experts_loop', 'swiglu_experts_grouped', 'grouped_mm_usable', 'moe_experts_sorted',
            'moe_experts_one_token', 'moe_experts_cpu', 'relu2_experts_loop', 'relu2_experts_cpu', 'clipped_swiglu',
-           'clamped_swiglu', 'LIMITED_SWIGLU', 'limited_swiglu_experts_loop', 'limited_swiglu_experts_cpu']
+           'clamped_swiglu', 'LIMITED_SWIGLU', 'limited_swiglu_experts_loop', 'limited_swiglu_experts_cpu',
+           'GATHER_PAIRS_PER_EXPERT', 'GATHER_CHUNK_BYTES', 'gathered_applies', 'relu2_experts_gathered',
+           'limited_swiglu_experts_gathered', 'relu2_experts_cuda', 'limited_swiglu_experts_cuda']
 
 
 def _check(x, gate_up, down, counts):
@@ -188,11 +196,15 @@ def _experts_in_slot_order(x: torch.Tensor, index: torch.Tensor, weights: torch.
     # slower on CPU for these few rows (1.8 ms vs 12 us per call)
     pairs = torch.empty(T * k, x.shape[1], dtype=torch.float32, device=x.device)
     pairs[order] = out.float() * weights.flatten().index_select(0, order)[:, None]
-    pairs = pairs.view(T, k, x.shape[1])
-    # summed strictly in slot order (``sum(1)`` reorders from 5 choices on, by width and torch
-    # version), so the native layers, which promise this order, are this loop bit for bit
+    return _sum_slots(pairs.view(T, k, x.shape[1]))
+
+
+def _sum_slots(pairs: torch.Tensor) -> torch.Tensor:
+    """float32 ``[T, k, D]`` weighted expert outputs → ``[T, D]`` summed strictly in slot order
+    (``sum(1)`` reorders from 5 choices on, by width and torch version), the order the native
+    layers promise, so they and every torch form here agree bit for bit on the sum."""
     total = pairs[:, 0].clone()
-    for j in range(1, k):
+    for j in range(1, pairs.shape[1]):
         total += pairs[:, j]
     return total
 
@@ -283,3 +295,121 @@ def limited_swiglu_experts_cpu(x: torch.Tensor, index: torch.Tensor, weights: to
     ``silu`` the C library's ``expf``, so equal to float32 rounding), else the loop."""
     out = limited_swiglu_experts_native(x, index, weights, gate_up, down, act, limit)
     return out if out is not None else limited_swiglu_experts_loop(x, index, weights, gate_up, down, act, limit)
+
+
+# ---- the expert layers without a host read of the routing (CUDA; any device when called) ----
+
+#: the gathered form runs while a layer's ``T * k`` (token, expert) pairs are at most this many
+#: times its experts ``E`` (every decode bucket up to ``2E / k`` tokens); it copies each pair's
+#: expert weights, so its traffic grows with the pairs where the loop's stays at the experts hit:
+#: beyond this (prefill, the largest buckets) the CUDA layers run the loop, and a decode graph
+#: of such a bucket is refused (runs eagerly). A choice by arithmetic, not yet timed on a GPU.
+GATHER_PAIRS_PER_EXPERT = 2
+#: bytes of gathered expert weights held at once: more pairs run in chunks of this size
+GATHER_CHUNK_BYTES = 256 << 20
+
+
+def gathered_applies(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether the CUDA expert layers take the gathered form for ``tokens`` tokens of ``top_k``
+    choices among ``num_experts`` experts (:data:`GATHER_PAIRS_PER_EXPERT`); shapes only."""
+    return tokens * top_k <= GATHER_PAIRS_PER_EXPERT * num_experts
+
+
+def _experts_gathered(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                      w2: torch.Tensor, inner: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_j weights[t, j] * w2[e] act(w1[e] x[t])``, ``e = index[t, j]``, with no value read on
+    the host: per (token, slot) pair its expert's weights indexed on the device (``[S, F, D]``,
+    ``S = T * k``, in chunks of at most :data:`GATHER_CHUNK_BYTES`), two batched products, the
+    activation between them; weighted in float32 and summed in slot order (:func:`_sum_slots`).
+    ``inner`` is the width ``act`` returns (``w2``'s last dimension)."""
+    if x.dim() != 2 or index.dim() != 2 or index.shape[0] != x.shape[0]:
+        raise ValueError(f'expected x [T, D] and index [T, k]; got x {tuple(x.shape)}, index {tuple(index.shape)}')
+    if weights.shape != index.shape:
+        raise ValueError(f'weights must be [T, k] = {tuple(index.shape)}, got {tuple(weights.shape)}')
+    if index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f'index must be int64 or int32, got {index.dtype}')
+    T, k = index.shape
+    E, D = w1.shape[0], x.shape[1]
+    if w1.dim() != 3 or w1.shape[2] != D or w2.shape != (E, D, inner):
+        raise ValueError(f'expected the expert weights [E, F, {D}] and [E, {D}, {inner}]; got '
+                         f'{tuple(w1.shape)}, {tuple(w2.shape)}')
+    flat = index.reshape(-1)
+    rows = x[:, None].expand(T, k, D).reshape(T * k, 1, D)          # pair (t, j) is row t * k + j
+    per_pair = (w1[0].numel() + w2[0].numel()) * w1.element_size()
+    chunk = max(1, GATHER_CHUNK_BYTES // max(1, per_pair))
+    outs = []
+    for s in range(0, T * k, chunk):          # shapes only: the same chunks for every step of a bucket
+        e = flat[s:s + chunk]
+        h = torch.bmm(rows[s:s + chunk], w1.index_select(0, e).transpose(1, 2))     # [c, 1, F]
+        outs.append(torch.bmm(act(h), w2.index_select(0, e).transpose(1, 2))[:, 0])    # [c, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return _sum_slots((out.float() * weights.reshape(-1, 1)).view(T, k, D))
+
+
+def relu2_experts_gathered(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: torch.Tensor,
+                           down: torch.Tensor) -> torch.Tensor:
+    """:func:`relu2_experts_loop` with no value of the routing read on the host (a CUDA graph can
+    capture it), on any device: each (token, slot) pair's expert weights gathered on the device,
+    batched products (:func:`_experts_gathered`). Equal to the loop to float32 rounding (other
+    products, the same slot-order sum); memory ``S * I * D`` per chunk of pairs.
+
+    Args:
+        x: ``[T, D]``.
+        index: int64 or int32 ``[T, k]`` chosen experts, each in ``[0, E)`` (not checked: that
+            would read it on the host); weights: ``[T, k]`` their routing weights.
+        up: ``[E, I, D]``; down: ``[E, D, I]``.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: inconsistent shapes or an index dtype other than int64 / int32.
+    """
+    return _experts_gathered(x, index, weights, up, down, up.shape[1], _relu2).to(x.dtype)
+
+
+def limited_swiglu_experts_gathered(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                                    gate_up: torch.Tensor, down: torch.Tensor, act: str,
+                                    limit: float) -> torch.Tensor:
+    """:func:`limited_swiglu_experts_loop` with no value of the routing read on the host, on any
+    device (as :func:`relu2_experts_gathered`); equal to the loop to float32 rounding.
+
+    Args:
+        x: ``[T, H]``.
+        index: int64 or int32 ``[T, k]`` chosen experts, each in ``[0, E)`` (not checked);
+            weights: ``[T, k]``.
+        gate_up: ``[E, 2I, H]`` gate rows first, then up rows; down: ``[E, H, I]``.
+        act: ``'clipped'`` or ``'clamped'`` (:data:`LIMITED_SWIGLU`); limit: its limit.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: an unknown ``act``, inconsistent shapes or an index dtype other than int64 / int32.
+    """
+    if act not in LIMITED_SWIGLU:
+        raise ValueError(f'act must be one of {sorted(LIMITED_SWIGLU)}, got {act!r}')
+    fn = LIMITED_SWIGLU[act]
+    return _experts_gathered(x, index, weights, gate_up, down, gate_up.shape[1] // 2,
+                             lambda h: fn(*h.chunk(2, dim=-1), limit)).to(x.dtype)
+
+
+@register_kernel('relu2_experts', device_type='cuda', priority=5)
+def relu2_experts_cuda(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, up: torch.Tensor,
+                       down: torch.Tensor) -> torch.Tensor:
+    """:func:`relu2_experts_loop` on CUDA: :func:`relu2_experts_gathered` while
+    :func:`gathered_applies` (decode steps: nothing read on the host, so a CUDA graph captures
+    the layer), else the loop (it reads the rows per expert on the host)."""
+    if gathered_applies(*index.shape, up.shape[0]):
+        return relu2_experts_gathered(x, index, weights, up, down)
+    return relu2_experts_loop(x, index, weights, up, down)
+
+
+@register_kernel('limited_swiglu_experts', device_type='cuda', priority=5)
+def limited_swiglu_experts_cuda(x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                                down: torch.Tensor, act: str, limit: float) -> torch.Tensor:
+    """:func:`limited_swiglu_experts_loop` on CUDA: :func:`limited_swiglu_experts_gathered` while
+    :func:`gathered_applies`, else the loop (as :func:`relu2_experts_cuda`)."""
+    if gathered_applies(*index.shape, gate_up.shape[0]):
+        return limited_swiglu_experts_gathered(x, index, weights, gate_up, down, act, limit)
+    return limited_swiglu_experts_loop(x, index, weights, gate_up, down, act, limit)
