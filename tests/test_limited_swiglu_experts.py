@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from lmdeploy.pytorch.kernels import cpu_native, get_kernel
 from lmdeploy.pytorch.kernels.cpu_native import NATIVE_EXPERT_TOKENS, limited_swiglu_experts_native, native_library
-from lmdeploy.pytorch.kernels.moe import limited_swiglu_experts_cpu, limited_swiglu_experts_loop
+from lmdeploy.pytorch.kernels.moe import (limited_swiglu_experts_cpu, limited_swiglu_experts_cuda,
+                                          limited_swiglu_experts_loop)
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU kernels could not be built here '
                                 '(no C compiler with OpenMP, or LMDEPLOY_CPU_KERNELS=0)')
@@ -150,7 +151,7 @@ def test_refuses_what_it_does_not_cover_and_the_cpu_kernel_falls_back_to_the_loo
                                limited_swiglu_experts_loop(*args, 'clamped', 2.0))
     assert limited_swiglu_experts_cpu(x, index, weights, grad, down, 'clamped', 2.0).requires_grad
     assert get_kernel('limited_swiglu_experts', 'cpu') is limited_swiglu_experts_cpu
-    assert get_kernel('limited_swiglu_experts', 'cuda') is limited_swiglu_experts_loop
+    assert get_kernel('limited_swiglu_experts', 'cuda') is limited_swiglu_experts_cuda
 
 
 def test_ling3_moe_layer_is_one_native_call_and_reads_nothing_into_python():

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lmdeploy.pytorch.kernels import cpu_native, get_kernel
 from lmdeploy.pytorch.kernels.cpu_native import NATIVE_EXPERT_TOKENS, native_library, relu2_experts_native
 from lmdeploy.pytorch.kernels.linear import linear
-from lmdeploy.pytorch.kernels.moe import relu2_experts_cpu, relu2_experts_loop
+from lmdeploy.pytorch.kernels.moe import relu2_experts_cpu, relu2_experts_cuda, relu2_experts_loop
 
 pytestmark = pytest.mark.skipif(native_library() is None, reason='native CPU kernels could not be built here '
                                 '(no C compiler with OpenMP, or LMDEPLOY_CPU_KERNELS=0)')
@@ -97,7 +97,7 @@ def test_refuses_what_it_does_not_cover_and_the_cpu_kernel_falls_back_to_the_loo
         assert relu2_experts_native(*args) is None
         assert torch.equal(relu2_experts_cpu(*args), relu2_experts_loop(*args))
     assert get_kernel('relu2_experts', 'cpu') is relu2_experts_cpu
-    assert get_kernel('relu2_experts', 'cuda') is relu2_experts_loop
+    assert get_kernel('relu2_experts', 'cuda') is relu2_experts_cuda
 
 
 def test_nemotron_moe_layer_is_one_native_call_and_reads_nothing_into_python():
