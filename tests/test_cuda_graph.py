@@ -151,9 +151,10 @@ def family_paths(tmp_path_factory):
 
 DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
 # every family whose decode forward a graph takes (the others read per-step lists: Qwen3.5 with
-# images, GLM-5, granitemoe_swa, Zamba2, Lara-mini, LFM3, Inkling; or read their routing on the
-# host, which a CUDA capture refuses: Nemotron-3's relu^2 experts, Ling's (bailing_hybrid) limited
-# experts, whose per-expert products also round with the rows routed to them, padding included)
+# images, GLM-5, granitemoe_swa, Zamba2, Lara-mini, LFM3, Inkling). Nemotron-3's relu^2 experts
+# and Ling's (bailing_hybrid) limited experts are not here: on the CPU their per-expert products
+# round with the rows routed to them, padding included; CUDA captures them in their gathered form
+# (test_expert_layers_that_read_their_routing_capture_with_the_cuda_kernel below)
 FAMILIES = [('qwen3_next', {}), ('qwen3_5_moe_text', {}), ('kimi_linear', {}), ('nemotron_h', DENSE_NEMOTRON),
             ('granitemoehybrid', {}), ('qwen3', {}), ('lfm2', {}), ('lfm2_moe', {}), ('bamba', {}), ('mamba2', {}),
             ('falcon_h1', {}), ('mamba', {}), ('falcon_mamba', {}), ('jamba', {}), ('minimax', {}),
@@ -361,3 +362,63 @@ def test_sorted_moe_counts_rows_without_bincount(monkeypatch):
     expected = torch.cat([moe_experts_one_token(x[t:t + 1], index[t:t + 1], weights[t:t + 1], gate_up, down)
                           for t in range(T)])
     assert torch.equal(out, expected)
+
+
+# --- the expert layers that read their routing on the host, on the CPU ---------------------------------
+class _CaptureRefusesHostReads(StandIn):
+    """The stand-in whose capture raises as a CUDA stream capture does when the forward reads a
+    tensor's data on the host (tests/host_reads.py); the warm-up, as on a GPU, may."""
+
+    def capture(self, graph, fn):
+        from host_reads import HostReads
+        with HostReads() as reads:
+            output = super().capture(graph, fn)
+        if reads.seen:
+            raise RuntimeError(f'operation not permitted when stream is capturing ({reads.seen[0]})')
+        return output
+
+
+# the two families and their expert layers' kernel ops (tiny models: 8 experts, top-2)
+_EXPERT_FAMILIES = {'nemotron_h': 'relu2_experts', 'bailing_hybrid': 'limited_swiglu_experts'}
+
+
+@pytest.mark.parametrize('arch', sorted(_EXPERT_FAMILIES))
+def test_expert_layers_that_read_their_routing_capture_with_the_cuda_kernel(family_paths, monkeypatch, arch):
+    """A Nemotron-H MoE (relu^2 experts) and a Ling 3 (bailing_hybrid, limited SwiGLU experts)
+    decode through the CUDA graph cache with the expert kernel CUDA picks forced on the CPU (the
+    rest of the forward is the CPU's, whose decode graphs replay these families): with the loop
+    (what CUDA ran before: ``bincount(...).tolist()``) every bucket's capture reads the routing
+    on the host and is refused; with the registry's CUDA kernel a bucket is refused exactly when
+    its pairs are too many for the gathered form (none here) and every step after a capture
+    replays. Tokens equal the eager run's; logits to 1e-5 of their scale: for these families a
+    replayed step differs from the eager one by 1e-6-level float32 rounding even with the CPU's
+    native expert kernel (measured: the static-input forward takes other kernel paths than an
+    eager step outside the expert layer), while a wrong expert or weight moves them by O(1e-1)."""
+    from lmdeploy.pytorch.kernels import get_kernel, moe
+    from lmdeploy.pytorch.models import nemotron_h
+    from lmdeploy.pytorch.models.blocks import moe as moe_blocks
+    op = _EXPERT_FAMILIES[arch]
+    path = family_paths(arch, {})
+    config = make_engine(path, block_size=4, max_batch_size=4, num_gpu_blocks=96,
+                         eager_mode=True).model_runner.model.config
+    E = config.n_routed_experts if arch == 'nemotron_h' else config.num_experts
+    k = config.num_experts_per_tok if arch == 'nemotron_h' else config.num_experts_per_token
+    buckets = (1, 4, 2)     # SCHEDULE's batches 1, 3, 2, 1
+    for name, kernel in (('loop', getattr(moe, f'{op}_loop')), ('cuda', get_kernel(op, 'cuda'))):
+        def forced(kernel_name, device='cpu', kernel=kernel):
+            return kernel if kernel_name == op else get_kernel(kernel_name, device)
+        for module in (nemotron_h, moe_blocks):
+            monkeypatch.setattr(module, 'get_kernel', forced)
+        eager_logits, eager_tokens, _ = _decode(path, None, monkeypatch)
+        logits, tokens, engine = _decode(path, 'cuda', monkeypatch, backend=lambda device: _CaptureRefusesHostReads())
+        assert tokens == eager_tokens, name
+        assert len(logits) == len(eager_logits)
+        for step, (got, want) in enumerate(zip(logits, eager_logits)):
+            assert (got is None) == (want is None), (name, step)
+            if got is not None:
+                scale = max(1.0, want.abs().max().item())
+                assert torch.allclose(got, want, rtol=0, atol=1e-5 * scale), (name, step, (got - want).abs().max())
+        counters = engine.executor.worker.decode_graphs.counters()
+        refused = len(buckets) if name == 'loop' else sum(not moe.gathered_applies(b, k, E) for b in buckets)
+        assert (counters['captures'], counters['refusals']) == (len(buckets), refused), (name, counters)
+        assert counters['replays'] == (0 if refused else 27), (name, counters)
