@@ -47,6 +47,9 @@ def test_registry_picks_the_cuda_implementations():
         assert get_kernel('paged_decode_attention', 'cuda') is paged_decode_attention_triton
         assert get_kernel('paged_window_attention', 'cuda') is paged_window_attention_triton
         assert get_kernel('relative_bias_attention', 'cuda') is relative_bias_attention_triton
+    from lmdeploy.pytorch.kernels.moe import limited_swiglu_experts_cuda, relu2_experts_cuda
+    assert get_kernel('relu2_experts', 'cuda') is relu2_experts_cuda
+    assert get_kernel('limited_swiglu_experts', 'cuda') is limited_swiglu_experts_cuda
     for op in ('rms_norm', 'gated_rms_norm', 'moe_experts', 'paged_attention', 'gated_delta_rule_varlen',
                'causal_conv1d_varlen', 'swiglu_experts', 'kda_varlen', 'kda_decode_step', 'chunk_kda'):
         get_kernel(op, 'cuda')     # every op the models use has an implementation on CUDA
@@ -265,6 +268,49 @@ def test_moe_experts_cuda_equals_cpu():
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize('op', ['relu2_experts', 'limited_swiglu_experts'])
+def test_gathered_expert_layers_capture_and_replay_on_cuda(op):
+    """The CUDA relu^2 and limited-SwiGLU expert layers of a decode-sized batch (the gathered form:
+    nothing read on the host) captured in a CUDA graph: each replay on new inputs and routing
+    (expert ids repeated across tokens) equals an eager call bit for bit and the CPU loop to
+    1e-4 (float32 products in another order, as test_moe_experts_cuda_equals_cpu)."""
+    from lmdeploy.pytorch.kernels import get_kernel
+    from lmdeploy.pytorch.kernels.moe import gathered_applies, limited_swiglu_experts_loop, relu2_experts_loop
+    T, D, I, E, k = 8, 64, 48, 8, 2
+    relu2 = op == 'relu2_experts'
+    loop, extra = (relu2_experts_loop, ()) if relu2 else (limited_swiglu_experts_loop, ('clipped', 0.5))
+    kernel = get_kernel(op, 'cuda')
+    assert gathered_applies(T, k, E)
+    gen = torch.Generator().manual_seed(6)
+    w1 = torch.randn(E, I if relu2 else 2 * I, D, generator=gen) * 3 * D ** -0.5
+    w2 = torch.randn(E, D, I, generator=gen) * I ** -0.5
+
+    def step(seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(T, D, generator=g), torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]),
+                torch.rand(T, k, generator=g))
+
+    static = [t.cuda() for t in step(0)]
+    W1, W2 = w1.cuda(), w2.cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            kernel(*static, W1, W2, *extra)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(*static, W1, W2, *extra)
+    for seed in (1, 2, 3):
+        inputs = step(seed)
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, kernel(*static, W1, W2, *extra)), seed
+        torch.testing.assert_close(out.cpu(), loop(*inputs, w1, w2, *extra), atol=1e-4, rtol=1e-4)
+
+
 def _engine(path, device, **fields):
     from lmdeploy import PytorchEngineConfig
     from lmdeploy.pytorch.engine.engine import Engine
@@ -409,12 +455,15 @@ def graph_families(tmp_path_factory):
     return path
 
 
-# Nemotron-H with dense MLPs (its relu^2 experts read their routing on the host: refused)
+# Nemotron-H with dense MLPs, and with its relu^2 experts (the tiny model's default), which like
+# Ling 3's (bailing_hybrid) limited experts capture in their gathered form (8 experts, top-2: up
+# to 8 tokens)
 _DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
 
 
 @pytest.mark.parametrize('arch, overrides', [('qwen3_next', {}), ('qwen3_5_moe_text', {}), ('kimi_linear', {}),
-                                             ('nemotron_h', _DENSE_NEMOTRON)])
+                                             ('nemotron_h', _DENSE_NEMOTRON), ('nemotron_h', {}),
+                                             ('bailing_hybrid', {})])
 def test_cuda_graph_engine_replay_equals_eager(arch, overrides, graph_families):
     """30 decode steps at batch 1, 3 (bucket 4: one padding row) and 8 through the worker of a
     CUDA engine with graphs on, against the same steps with them off (same tokens fed to both:
