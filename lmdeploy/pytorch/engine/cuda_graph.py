@@ -59,9 +59,10 @@ What reads the step's data on the host in a CUDA decode forward (found by readin
 
 - ``kernels/moe.py`` ``moe_experts_sorted`` (every MoE family on CUDA): ``torch.bincount``, which
   reads the largest index back; now counted by ``index_add_`` (the same integers), so it captures.
-- Nemotron-3's relu² experts (``models/nemotron_h.py``: ``bincount().tolist()``) and the limited
-  experts of Ling 3 / GLM-5.3-Flash (``models/blocks/moe.py``: ``unique().tolist()``): the
-  capture raises, the bucket runs eagerly.
+- Nemotron-3's relu² experts and the limited experts of Ling 3 / GLM-5.3-Flash (``kernels/moe.py``:
+  the per-expert loop's ``bincount().tolist()``): on CUDA a bucket of at most ``2E / k`` rows runs
+  their gathered form instead (``gathered_applies``: nothing read on the host), so it captures; a
+  larger bucket runs the loop, the capture raises, the bucket runs eagerly.
 - sliding-window attention reading the global table (``kernels/window_attention.py``:
   ``max(ctx.kv_seqlens)``), Inkling's attention (``max(ctx.kv_seqlens)``), GLM-5's DSA layers
   (per-sequence block slicing): per-step list reads, refused.
