@@ -140,9 +140,10 @@ class Relu2Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, D]``, chosen experts ``index [T, k]`` with float32 ``weights [T, k]`` → ``[T, D]``
-        (the ``relu2_experts`` kernel: one native call for a float32 CPU decode step, else one
-        matmul pair per expert with rows, weighted and summed over each token's ``k`` choices in
-        float32)."""
+        (the ``relu2_experts`` kernel: one native call for a float32 CPU decode step, on CUDA the
+        gathered form for a decode-sized batch (nothing read on the host: a CUDA graph captures
+        it), else one matmul pair per expert with rows, weighted and summed over each token's
+        ``k`` choices in float32)."""
         return get_kernel('relu2_experts', x.device)(x, index, weights, self.up_proj, self.down_proj)
 
 

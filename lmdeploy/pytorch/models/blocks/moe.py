@@ -302,7 +302,8 @@ _LIMITED_ACT_NAMES = {clipped_swiglu: 'clipped', clamped_swiglu: 'clamped'}
 class LimitedExperts(FusedExperts):
     """:class:`FusedExperts` (same stacked weights and names) whose SwiGLU is ``act(gate, up,
     limit)``: the ``limited_swiglu_experts`` kernel (on CPU one native call for a float32 decode
-    step, nothing read into Python, so a decode graph replays it)."""
+    step, nothing read into Python, so a decode graph replays it; on CUDA the gathered form for a
+    decode-sized batch, nothing read on the host, so a CUDA graph captures it)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, limit: float,
                  act: LimitedSwiGLU):
