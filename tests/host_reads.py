@@ -1,7 +1,11 @@
 """What a CUDA stream capture refuses, seen on the CPU: a forward that reads a tensor's data on
 the host (``.tolist()``, ``.item()``, ``bool``/``int``/``float`` of a tensor, ``torch.equal``) or
 runs an op whose output shape depends on the data (``bincount``, ``unique``, ``nonzero``, indexing
-by a boolean mask). On a GPU each synchronises with the device, which a capture forbids."""
+by a boolean mask). On a GPU each synchronises with the device, which a capture forbids.
+
+Not the CPU decode graphs' refusal test (``decode_graph._refused_op``): that one also refuses a
+tensor made from Python data (``lift_fresh``), which the CUDA graph cache's own step context does
+on the host for its per-step lists (CPU tensors, no device copy: nothing a capture refuses)."""
 from __future__ import annotations
 
 import torch
