@@ -182,7 +182,7 @@ def static_loop_end(kernel, end: int) -> int:
 _BUILTIN = ('attention', 'gated_delta_rule', 'kimi_delta_attention', 'mamba2', 'causal_conv1d', 'state_copy', 'moe',
             'norm', 'attention_triton', 'fp8', 'mamba2_cpu', 'mamba2_triton', 'window_attention',
             'window_attention_triton', 'mamba1', 'mamba1_cpu', 'mamba1_triton', 'lightning_attention',
-            'lightning_attention_triton', 'fused_decode', 'fused_recurrent')
+            'lightning_attention_triton', 'fused_decode', 'fused_recurrent', 'dsa_decode')
 _IMPORTED = False
 _IMPORTING: int | None = None     # the thread importing them now
 

@@ -209,6 +209,8 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_group_route': ('p i64 p i32 i32 i32 i32 i32 i32 f32 p p i32', None),
     'lm_relu2_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
+    'lm_dsa_select': ('p p p i64 i64 p p i64 p i32 i32 i32 i32 i32 i32 i32 i64 f32 p p i32', 'i32'),  # dsa_decode.py
+    'lm_dsa_attend': ('p p i64 i64 p i64 p p i32 i32 i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),   # dsa_decode.py
 }
 _CTYPES = native_build.CTYPES
 # -Wall -Wextra -Wmissing-prototypes: warnings (with real line numbers) surface when the source is
