@@ -25,6 +25,8 @@ here, each one call per layer per step:
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
   once per KV head group, online softmax, no gathered copy;
+- the DSA decode step (:mod:`.dsa_decode`, its own module): the lightning indexer's pool
+  selection and the attention over the selected latent rows;
 - the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
   between its products (also row after row over short prompts), Qwen-MoE routing with the
   shared expert's activation, an attention layer's prologue (with or without q/k norms), a

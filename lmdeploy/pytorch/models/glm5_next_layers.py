@@ -26,7 +26,7 @@ from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .layers import Linear, RMSNorm
 
-__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'top_pools']
+__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'top_pools', 'pools_mask']
 
 
 class HyperConnection(nn.Module):
@@ -94,6 +94,17 @@ def top_pools(scores: torch.Tensor, k: int) -> torch.Tensor:
         ``[L, k]`` int64 indices, best first.
     """
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def pools_mask(pools: torch.Tensor, kv_len: int, pool: int, tail: bool) -> torch.Tensor:
+    """The ``[1, kv_len]`` key mask of one decode query's selection: the tokens of the pools in
+    ``pools`` (int64 ``[K]``, ``-1`` = none; ``pool`` tokens each) and, when ``tail`` and
+    ``pool > 1``, the tokens after the last complete pool."""
+    pos = torch.arange(kv_len, device=pools.device)
+    mask = (pos[:, None] // pool == pools[None, :]).any(dim=1) & (pos < kv_len // pool * pool)
+    if tail and pool > 1:
+        mask |= pos >= kv_len // pool * pool
+    return mask[None]
 
 
 class DSAIndexer(nn.Module):
@@ -260,6 +271,8 @@ class DSAAttention(nn.Module):
             if self.indexer is not None:
                 entries = caches[1][table].flatten(0, 1)[:kv_len].to(q.dtype)
                 mask = self.indexer.select(hidden[sl], q_resid[sl], entries, hist)
+            elif isinstance(shared, torch.Tensor):     # the previous layer took the decode path
+                mask = pools_mask(shared[i], kv_len, self.pool, self.select_tail)
             else:
                 mask = shared[i]
             masks.append(mask)
