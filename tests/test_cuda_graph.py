@@ -151,9 +151,10 @@ def family_paths(tmp_path_factory):
 
 DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
 # every family whose decode forward a graph takes (the others read per-step lists: Qwen3.5 with
-# images, GLM-5, granitemoe_swa, Zamba2, Lara-mini, LFM3, Inkling; or read their routing on the
-# host, which a CUDA capture refuses: Nemotron-3's relu^2 experts, Ling's (bailing_hybrid) limited
-# experts, whose per-expert products also round with the rows routed to them, padding included)
+# images, granitemoe_swa, Zamba2, Lara-mini, LFM3, Inkling; or read their routing on the host,
+# which a CUDA capture refuses: Nemotron-3's relu^2 experts, the limited experts of Ling
+# (bailing_hybrid) and GLM-5 (whose DSA decode step reads no list), whose per-expert products also
+# round with the rows routed to them, padding included)
 FAMILIES = [('qwen3_next', {}), ('qwen3_5_moe_text', {}), ('kimi_linear', {}), ('nemotron_h', DENSE_NEMOTRON),
             ('granitemoehybrid', {}), ('qwen3', {}), ('lfm2', {}), ('lfm2_moe', {}), ('bamba', {}), ('mamba2', {}),
             ('falcon_h1', {}), ('mamba', {}), ('falcon_mamba', {}), ('jamba', {}), ('minimax', {}),

@@ -38,7 +38,8 @@ def _check_args(block_table: torch.Tensor, kv_seqlens: torch.Tensor, N: int, poo
     if not (block_table.dim() == 2 and block_table.shape[0] == N and kv_seqlens.shape == (N,)
             and block_table.dtype == kv_seqlens.dtype == torch.int64):
         raise ValueError(f'block_table must be int64 [N, W] and kv_seqlens int64 [N] with N = {N}; got '
-                         f'{block_table.dtype} {tuple(block_table.shape)}, {kv_seqlens.dtype} {tuple(kv_seqlens.shape)}')
+                         f'{block_table.dtype} {tuple(block_table.shape)}, '
+                         f'{kv_seqlens.dtype} {tuple(kv_seqlens.shape)}')
 
 
 def _select_shapes(q, w, keys, ape, block_table, kv_seqlens, k: int) -> tuple[int, int, int, int]:

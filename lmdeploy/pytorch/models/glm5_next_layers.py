@@ -238,8 +238,8 @@ class DSAAttention(nn.Module):
         self.indexer = DSAIndexer(config) if config.indexer_types[layer_idx] == 'full' else None
         self.pool, self.select_tail = config.index_kpool, bool(config.index_kpool_always_select_tail)
 
-    def forward(self, hidden: torch.Tensor, ctx: StepContext,
-                shared: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, hidden: torch.Tensor, ctx: StepContext, shared: list[torch.Tensor] | torch.Tensor | None
+                ) -> tuple[torch.Tensor, list[torch.Tensor] | torch.Tensor]:
         """``[T, hidden]`` → (``[T, hidden]``, the selection); writes the new tokens' latents
         (and index keys) into their blocks. ``shared``: the previous layer's selection (required
         without an indexer).
@@ -247,7 +247,11 @@ class DSAAttention(nn.Module):
         A step of one new token per sequence takes :meth:`_decode` (shapes independent of the
         lengths: a decode graph replays it); its selection is the pools tensor
         (:meth:`DSAIndexer.select_decode`). Other steps loop over their sequences; their
-        selection is per sequence its ``[L, S]`` key mask."""
+        selection is per sequence its ``[L, S]`` key mask. A shared layer reads either form.
+
+        Raises:
+            ValueError: a shared layer without ``shared``; a decode step's length, block id or
+                pool id out of range (the ``dsa_*`` kernels)."""
         T, H = hidden.shape[0], self.num_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
         q = self.q_b_proj(q_resid).view(T, H, self.nope)

@@ -1368,8 +1368,9 @@ int lm_dsa_select(const float* q, const float* w, const float* keys, int64_t s_b
    or a shared layer's, -1 = none; P tokens each) and, when tail, of the tokens after the last
    complete pool (kv_seqlens[n] / P * P .. kv_seqlens[n] - 1), in position order, by an online
    softmax (Milakov & Gimelshein, 2018): out[h, n] = sum softmax(q_c . latent * scale) latent,
-   [H, N, R] (0 when no token is selected). OpenMP over sequences x groups of up to 8 heads. Returns -1 / -2 as dsa_check, -3 on
-   a pool id outside [-1, kv_seqlens[n] / P) (nothing written). */
+   [H, N, R] (0 when no token is selected). OpenMP over sequences x groups of up to 8 heads.
+   Returns -1 / -2 as dsa_check, -3 on a pool id outside [-1, kv_seqlens[n] / P) (nothing
+   written). */
 int lm_dsa_attend(const float* q_c, const float* cache, int64_t s_block, int64_t s_pos, const int64_t* block_table,
                   int64_t ld_table, const int64_t* kv_seqlens, const int64_t* pools, int K, int P, int tail, int N,
                   int H, int R, int block_size, int W, int64_t num_blocks, float scale, float* out, int threads) {
