@@ -3,13 +3,14 @@ path (native kernels and their torch forms) equals the per-sequence path of
 ``DSAAttention.forward`` (indexer mask + attention over the up-projected keys) over a seeded
 sweep of batches and lengths (shorter than ``index_topk``, not multiples of the block size or of
 the pool, blocks scattered in the cache), keeps the same pools (ties to the earlier pool), and
-refuses bad lengths, block ids and pool ids with a ValueError."""
+refuses bad lengths, block ids and pool ids with a ValueError. The layer-level sweep runs with the
+native kernels and, as without the library, with the torch forms."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lmdeploy.pytorch.kernels import cpu_native
+from lmdeploy.pytorch.kernels import cpu_native, dsa_decode
 from lmdeploy.pytorch.kernels.dsa_decode import (dsa_attend_native, dsa_attend_torch, dsa_select_native,
                                                  dsa_select_torch)
 from lmdeploy.pytorch.model_inputs import StepBatch
@@ -88,15 +89,23 @@ def _as_masks(pools: torch.Tensor, lengths: list[int], pool: int, tail: bool) ->
 SWEEP = [[5], [1], [64], [71, 9], [200, 63, 8, 17], [130, 1, 2, 66, 99, 250], [7, 300]]
 
 
+@pytest.mark.parametrize('forms', ['native', 'torch'])
 @pytest.mark.parametrize('tail', [True, False])
 @pytest.mark.parametrize('case', range(len(SWEEP)))
-def test_decode_path_equals_the_per_sequence_path(case, tail, monkeypatch):
+def test_decode_path_equals_the_per_sequence_path(case, tail, forms, monkeypatch):
+    if forms == 'torch':        # as without the library (LMDEPLOY_CPU_KERNELS=0): the registry's torch forms
+        monkeypatch.setattr(dsa_decode, 'native_library', lambda: None)
+    elif cpu_native.native_library() is None:
+        pytest.skip('needs the native CPU kernels')
     lengths = SWEEP[case]
     config = _config(index_kpool_always_select_tail=tail)
     layers = _layers(config, seed=case)
     batch, caches, hidden = _step(lengths, seed=100 + case)
     ref1, ref2, masks = _run(layers, batch, caches, hidden, False, monkeypatch)
+    calls = cpu_native.CALLS['dsa_select'], cpu_native.CALLS['dsa_attend']
     got1, got2, pools = _run(layers, batch, caches, hidden, True, monkeypatch)
+    native_calls = (cpu_native.CALLS['dsa_select'] - calls[0], cpu_native.CALLS['dsa_attend'] - calls[1])
+    assert native_calls == ((1, 2) if forms == 'native' else (0, 0))      # one indexer, two attentions
     assert pools.shape == (len(lengths), config.index_topk // config.index_kpool) and pools.dtype == torch.int64
     for got, want in zip(_as_masks(pools, lengths, config.index_kpool, tail), masks):
         assert torch.equal(got, want)
