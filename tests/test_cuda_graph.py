@@ -151,9 +151,10 @@ def family_paths(tmp_path_factory):
 
 DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
 # every family whose decode forward a graph takes (the others read per-step lists: Qwen3.5 with
-# images, GLM-5, granitemoe_swa, Zamba2, Lara-mini, LFM3, Inkling). Nemotron-3's relu^2 experts
-# and Ling's (bailing_hybrid) limited experts are not here: on the CPU their per-expert products
-# round with the rows routed to them, padding included; CUDA captures them in their gathered form
+# images, granitemoe_swa, Zamba2, Lara-mini, LFM3, Inkling). Nemotron-3's relu^2 experts and the
+# limited experts of Ling (bailing_hybrid) and GLM-5 (whose DSA decode step reads no list) are not
+# here: on the CPU their per-expert products round with the rows routed to them, padding included;
+# CUDA captures them in their gathered form
 # (test_expert_layers_that_read_their_routing_capture_with_the_cuda_kernel below)
 FAMILIES = [('qwen3_next', {}), ('qwen3_5_moe_text', {}), ('kimi_linear', {}), ('nemotron_h', DENSE_NEMOTRON),
             ('granitemoehybrid', {}), ('qwen3', {}), ('lfm2', {}), ('lfm2_moe', {}), ('bamba', {}), ('mamba2', {}),

@@ -64,8 +64,10 @@ What reads the step's data on the host in a CUDA decode forward (found by readin
   their gathered form instead (``gathered_applies``: nothing read on the host), so it captures; a
   larger bucket runs the loop, the capture raises, the bucket runs eagerly.
 - sliding-window attention reading the global table (``kernels/window_attention.py``:
-  ``max(ctx.kv_seqlens)``), Inkling's attention (``max(ctx.kv_seqlens)``), GLM-5's DSA layers
-  (per-sequence block slicing): per-step list reads, refused.
+  ``max(ctx.kv_seqlens)``), Inkling's attention (``max(ctx.kv_seqlens)``): per-step list reads,
+  refused. GLM-5's DSA layers read none in a decode step (``kernels/dsa_decode.py``: lengths and
+  block tables as tensors, a fixed-shape torch form on CUDA); their prefill chunks still slice per
+  sequence.
 - ``kernels/state_varlen.py`` reads ``cu_seqlens`` / ``has_history`` on the host only for prefill
   chunks; a decode step masks with ``has_history`` as a tensor. ``model_inputs.slot_range`` reads
   nothing from a device tensor (CUDA always gathers states by ``slots``). The Triton paged decode

@@ -25,6 +25,8 @@ here, each one call per layer per step:
 - :func:`rms_norm_native`: RMS norm, plain, zero-centred or gated, in one pass;
 - :func:`paged_decode_attention_native`: decode attention reading each cached key/value row
   once per KV head group, online softmax, no gathered copy;
+- the DSA decode step (:mod:`.dsa_decode`, its own module): the lightning indexer's pool
+  selection and the attention over the selected latent rows;
 - the fused decode ops (:mod:`.fused_decode`, their own module): a Gated DeltaNet layer's step
   between its products (also row after row over short prompts), Qwen-MoE routing with the
   shared expert's activation, an attention layer's prologue (with or without q/k norms), a
@@ -209,6 +211,8 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_group_route': ('p i64 p i32 i32 i32 i32 i32 i32 f32 p p i32', None),
     'lm_relu2_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
     'lm_paged_decode_attention': ('p p p i64 i64 i64 p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),
+    'lm_dsa_select': ('p p p i64 i64 p p i64 p i32 i32 i32 i32 i32 i32 i32 i64 f32 p p i32', 'i32'),  # dsa_decode.py
+    'lm_dsa_attend': ('p p i64 i64 p i64 p p i32 i32 i32 i32 i32 i32 i32 i32 i64 f32 p i32', 'i32'),   # dsa_decode.py
 }
 _CTYPES = native_build.CTYPES
 # -Wall -Wextra -Wmissing-prototypes: warnings (with real line numbers) surface when the source is

@@ -143,6 +143,11 @@ def _cache_specs(config, dtype: torch.dtype) -> list[LayerCacheSpec]:
             for t, i in zip(config.layer_types, config.indexer_types)]
 
 
+def _holds_image_data(seqs) -> bool:
+    """Whether any of the step's sequences still holds an image's data (the tower may run)."""
+    return any(s is not None and any(m.data is not None for m in s.multimodal) for s in seqs)
+
+
 class Glm5NextForCausalLM(CausalLM):
     """GLM-5.3-Flash text model in the engine's layers.
 
@@ -323,7 +328,7 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
             history_lens, q_seqlens, q_start_loc: per chunk, as in :class:`StepContext`.
         """
         from .glm5_next_vision import ImageRows
-        if not any(s is not None and any(m.data is not None for m in s.multimodal) for s in seqs):
+        if not _holds_image_data(seqs):
             return None
         rows, embeds = [], []
         dev, dtype = self.lm_head.weight.device, self.lm_head.weight.dtype
@@ -355,5 +360,7 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
         """Flat batch → final hidden states ``[T, hidden_size]`` (images as in the class docstring)."""
+        if not _holds_image_data(ctx.sequences):     # before reading the lengths: a decode graph replays it
+            return self.model(ctx)
         images = self.image_inputs(ctx.sequences, ctx.history_lens, ctx.q_seqlens, ctx.q_start_loc)
         return self.model(ctx) if images is None else self.forward_images(ctx, images)

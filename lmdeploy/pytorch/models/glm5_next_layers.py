@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import find_kernel
 from ..kernels.linear import linear
 from ..model_inputs import StepContext
 from .layers import Linear, RMSNorm
 
-__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'top_pools']
+__all__ = ['HyperConnection', 'DSAIndexer', 'DSAAttention', 'top_pools', 'pools_mask']
 
 
 class HyperConnection(nn.Module):
@@ -93,6 +94,17 @@ def top_pools(scores: torch.Tensor, k: int) -> torch.Tensor:
         ``[L, k]`` int64 indices, best first.
     """
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def pools_mask(pools: torch.Tensor, kv_len: int, pool: int, tail: bool) -> torch.Tensor:
+    """The ``[1, kv_len]`` key mask of one decode query's selection: the tokens of the pools in
+    ``pools`` (int64 ``[K]``, ``-1`` = none; ``pool`` tokens each) and, when ``tail`` and
+    ``pool > 1``, the tokens after the last complete pool."""
+    pos = torch.arange(kv_len, device=pools.device)
+    mask = (pos[:, None] // pool == pools[None, :]).any(dim=1) & (pos < kv_len // pool * pool)
+    if tail and pool > 1:
+        mask |= pos >= kv_len // pool * pool
+    return mask[None]
 
 
 class DSAIndexer(nn.Module):
@@ -169,6 +181,32 @@ class DSAIndexer(nn.Module):
             allowed |= (cols >= start[:, None]) & (cols < count[:, None])
         return allowed
 
+    @torch.no_grad()
+    def select_decode(self, hidden: torch.Tensor, q_resid: torch.Tensor, keys: torch.Tensor, ctx: StepContext,
+                      kernel) -> torch.Tensor:
+        """The selected pools of a decode step (one query per sequence, at its last position),
+        with shapes that do not depend on the lengths (the registry's ``dsa_select``, ``kernel``).
+
+        Args:
+            hidden: ``[N, hidden]`` the queries' (normed) layer inputs.
+            q_resid: ``[N, q_lora_rank]`` their ``q_a_layernorm(q_a_proj(hidden))``.
+            keys: the layer's ``index_keys`` cache ``[num_blocks, block_size, 2 * index_head_dim]``
+                (this step's entries written).
+            ctx: the step (``block_table``, ``kv_seqlens_t`` read as tensors).
+            kernel: the ``dsa_select`` implementation for the device.
+
+        Returns:
+            int64 ``[N, index_topk // index_kpool]``: per sequence its ``min(index_topk //
+            index_kpool, kv_len // index_kpool)`` best complete pools, best first (equal scores:
+            the earlier pool, as :func:`top_pools`), then ``-1``. Every complete pool lies at or
+            before the query, and the incomplete pool's tokens are the tail the attention adds.
+        """
+        N, d = hidden.shape[0], self.head_dim
+        q = self.wq_b(q_resid).view(N, self.n_heads, d)
+        w = self.weights_proj(hidden).float() * self.n_heads ** -0.5
+        return kernel(q, w, keys, self.index_kpool_compress_ape, ctx.block_table, ctx.kv_seqlens_t,
+                      self.topk // self.pool, self.scale)
+
 
 class DSAAttention(nn.Module):
     """NoPE MLA (``qk_rope_head_dim = 0``) over a paged latent cache, each query attending
@@ -198,12 +236,22 @@ class DSAAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         self.scale = self.nope ** -0.5
         self.indexer = DSAIndexer(config) if config.indexer_types[layer_idx] == 'full' else None
+        self.pool, self.select_tail = config.index_kpool, bool(config.index_kpool_always_select_tail)
 
-    def forward(self, hidden: torch.Tensor, ctx: StepContext,
-                shared: list[torch.Tensor] | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``[T, hidden]`` → (``[T, hidden]``, per sequence its ``[L, S]`` key mask); writes
-        the new tokens' latents (and index keys) into their blocks. ``shared``: the previous
-        layer's masks (required without an indexer)."""
+    def forward(self, hidden: torch.Tensor, ctx: StepContext, shared: list[torch.Tensor] | torch.Tensor | None
+                ) -> tuple[torch.Tensor, list[torch.Tensor] | torch.Tensor]:
+        """``[T, hidden]`` → (``[T, hidden]``, the selection); writes the new tokens' latents
+        (and index keys) into their blocks. ``shared``: the previous layer's selection (required
+        without an indexer).
+
+        A step of one new token per sequence takes :meth:`_decode` (shapes independent of the
+        lengths: a decode graph replays it); its selection is the pools tensor
+        (:meth:`DSAIndexer.select_decode`). Other steps loop over their sequences; their
+        selection is per sequence its ``[L, S]`` key mask. A shared layer reads either form.
+
+        Raises:
+            ValueError: a shared layer without ``shared``; a decode step's length, block id or
+                pool id out of range (the ``dsa_*`` kernels)."""
         T, H = hidden.shape[0], self.num_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
         q = self.q_b_proj(q_resid).view(T, H, self.nope)
@@ -214,6 +262,9 @@ class DSAAttention(nn.Module):
             caches[1][blocks, offsets] = self.indexer.token_keys(hidden).to(caches[1].dtype)
         elif shared is None:
             raise ValueError(f'layer {self.layer_idx}: a shared DSA layer needs the previous layer\'s selection')
+        decoded = self._decode(hidden, q_resid, q, ctx, shared)
+        if decoded is not None:
+            return decoded
         out = q.new_empty(T, H, self.v_dim)
         masks = []
         block_size = caches[0].shape[1]
@@ -224,6 +275,8 @@ class DSAAttention(nn.Module):
             if self.indexer is not None:
                 entries = caches[1][table].flatten(0, 1)[:kv_len].to(q.dtype)
                 mask = self.indexer.select(hidden[sl], q_resid[sl], entries, hist)
+            elif isinstance(shared, torch.Tensor):     # the previous layer took the decode path
+                mask = pools_mask(shared[i], kv_len, self.pool, self.select_tail)
             else:
                 mask = shared[i]
             masks.append(mask)
@@ -233,3 +286,34 @@ class DSAAttention(nn.Module):
                                                values.transpose(0, 1)[None], attn_mask=mask, scale=self.scale)
             out[sl] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(T, -1)), masks
+
+    def _decode(self, hidden: torch.Tensor, q_resid: torch.Tensor, q: torch.Tensor, ctx: StepContext,
+                shared) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A step of one new token per sequence (this step's rows already written) by the
+        registry's ``dsa_select`` (own indexer) and ``dsa_attend`` between two batched products
+        over heads: the key up-projection folded into the query (``q_c[h] = W_uk[h]^T q[h]``),
+        attention over the selected tokens' latents, the value up-projection applied to the
+        attended latent (the absorbed form of MLA; equal to up-projecting every selected row to
+        float rounding). Reads the lengths and block tables as tensors only, so its shapes do
+        not depend on them.
+
+        Returns:
+            (``[T, hidden]``, pools int64 ``[T, index_topk // index_kpool]``), or ``None`` (a
+            prefill chunk, an FP8 ``kv_b_proj``, a shared selection in the per-sequence form, or
+            no kernel for the device).
+        """
+        T, H, R = hidden.shape[0], self.num_heads, self.kv_lora_rank
+        if not (T == len(ctx.q_seqlens) and all(n == 1 for n in ctx.q_seqlens) and self.kv_b_proj.fp8_block is None
+                and (self.indexer is not None or isinstance(shared, torch.Tensor))):
+            return None
+        select, attend = find_kernel('dsa_select', hidden.device), find_kernel('dsa_attend', hidden.device)
+        if select is None or attend is None:
+            return None
+        caches = ctx.kv_caches[self.layer_idx]
+        pools = shared if self.indexer is None else self.indexer.select_decode(hidden, q_resid, caches[1], ctx, select)
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, R).to(q.dtype)
+        q_c = torch.bmm(q.transpose(0, 1), w[:, :self.nope])                              # [H, T, R]
+        latent = attend(q_c, caches[0], ctx.block_table, ctx.kv_seqlens_t, pools, self.pool, self.select_tail,
+                        self.scale)
+        out = torch.bmm(latent.to(q.dtype), w[:, self.nope:].transpose(1, 2)).transpose(0, 1)   # [T, H, v]
+        return self.o_proj(out.reshape(T, -1)), pools

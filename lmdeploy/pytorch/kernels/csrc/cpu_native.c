@@ -1263,3 +1263,178 @@ int lm_relu2_experts(const float* x, int T, int H, int I, int topk, const int64_
   }
   return 0;
 }
+
+/* Whether index score a ranks before b in the DSA selection: larger first, NaN before any number
+   (torch's descending sort); equal scores are not "before", so the earlier pool keeps its place. */
+static inline int dsa_before(float a, float b) { return (isnan(a) && !isnan(b)) || a > b; }
+
+/* Checks shared by the DSA decode kernels: -1 a length outside [1, W * block_size], -2 a block id
+   the lengths reach outside [0, num_blocks); 0 when fine. */
+static int dsa_check(const int64_t* block_table, int64_t ld_table, const int64_t* kv_seqlens, int N, int block_size,
+                     int W, int64_t num_blocks) {
+  for (int n = 0; n < N; n++) {
+    if (kv_seqlens[n] < 1 || kv_seqlens[n] > (int64_t)W * block_size) return -1;
+    for (int64_t b = 0; b < (kv_seqlens[n] + block_size - 1) / block_size; b++) {
+      int64_t id = block_table[(ptrdiff_t)n * ld_table + b];
+      if (id < 0 || id >= num_blocks) return -2;
+    }
+  }
+  return 0;
+}
+
+/* The DSA lightning indexer's selection (DeepSeek-V3.2, 2025) for N decode queries, one per
+   sequence, at position kv_seqlens[n] - 1. Sequence n's M = kv_seqlens[n] / P complete pools of P
+   tokens each (all at or before the query) get
+     key_m[c] = sum_j softmax_j(g[mP + j][c] + ape[j][c]) k[mP + j][c]
+     score_m  = sum_h w[n, h] relu((q[n, h] . key_m) scale)
+   from the cached rows [k (D) | g (D)] (element (block, pos, c) at block * s_block + pos * s_pos +
+   c); pools[n] [K] receives the min(K, M) best pools, best first, ties to the lower pool (NaN
+   ranks first), then -1. q [N, Hi, D], w [N, Hi] contiguous; scores [N, W * block_size / P]
+   scratch. OpenMP over (sequence, pool) for the scores, then over sequences. Returns -1 / -2 as
+   dsa_check (nothing written). */
+int lm_dsa_select(const float* q, const float* w, const float* keys, int64_t s_block, int64_t s_pos,
+                  const float* ape, const int64_t* block_table, int64_t ld_table, const int64_t* kv_seqlens, int N,
+                  int Hi, int D, int P, int K, int block_size, int W, int64_t num_blocks, float scale,
+                  float* scores, int64_t* pools, int threads) {
+  int status = dsa_check(block_table, ld_table, kv_seqlens, N, block_size, W, num_blocks);
+  if (status) return status;
+  int64_t Mmax = (int64_t)W * block_size / P;
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(dynamic, 8)
+    for (int64_t task = 0; task < (int64_t)N * Mmax; task++) {
+      int n = (int)(task / Mmax);
+      int64_t m = task % Mmax;
+      if (m >= kv_seqlens[n] / P) continue;
+      float key[D], e[P];
+      const float* rows[P];
+      for (int j = 0; j < P; j++) {
+        int64_t t = m * P + j;
+        int64_t block = block_table[(ptrdiff_t)n * ld_table + t / block_size];
+        rows[j] = keys + block * s_block + (t % block_size) * s_pos;
+      }
+      for (int c = 0; c < D; c++) {
+        float mx = -INFINITY, sum = 0.0f, acc = 0.0f;
+        for (int j = 0; j < P; j++) {
+          e[j] = rows[j][D + c] + ape[(ptrdiff_t)j * D + c];
+          mx = fmaxf(mx, e[j]);
+        }
+        for (int j = 0; j < P; j++) {
+          e[j] = expf(e[j] - mx);
+          sum += e[j];
+        }
+        for (int j = 0; j < P; j++) acc += (e[j] / sum) * rows[j][c];
+        key[c] = acc;
+      }
+      float s = 0.0f;
+      for (int h = 0; h < Hi; h++) {
+        const float* qh = q + ((ptrdiff_t)n * Hi + h) * D;
+        float dot = 0.0f;
+        #pragma omp simd reduction(+:dot)
+        for (int c = 0; c < D; c++) dot += qh[c] * key[c];
+        float r = dot * scale;
+        s += w[(ptrdiff_t)n * Hi + h] * (r > 0.0f ? r : (isnan(r) ? r : 0.0f));
+      }
+      scores[(ptrdiff_t)n * Mmax + m] = s;
+    }
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+      int64_t M = kv_seqlens[n] / P;
+      int kept = 0;
+      float best[K > 0 ? K : 1];
+      int64_t* out = pools + (ptrdiff_t)n * K;
+      const float* sc = scores + (ptrdiff_t)n * Mmax;
+      for (int64_t m = 0; K && m < M; m++) {  /* insertion into the K best so far, ascending pools */
+        float s = sc[m];
+        if (kept == K && !dsa_before(s, best[K - 1])) continue;
+        int i = kept < K ? kept++ : K - 1;
+        while (i > 0 && dsa_before(s, best[i - 1])) {
+          best[i] = best[i - 1];
+          out[i] = out[i - 1];
+          i--;
+        }
+        best[i] = s;
+        out[i] = m;
+      }
+      for (int i = kept; i < K; i++) out[i] = -1;
+    }
+  }
+  return 0;
+}
+
+/* NoPE MLA decode attention in latent space over the DSA selection: head h of sequence n
+   (q_c [H, N, R], W_uk folded in) scores the latent rows (cache element (block, pos, c) at block *
+   s_block + pos * s_pos + c) of the tokens of its selected pools (pools [N, K] from lm_dsa_select
+   or a shared layer's, -1 = none; P tokens each) and, when tail, of the tokens after the last
+   complete pool (kv_seqlens[n] / P * P .. kv_seqlens[n] - 1), in position order, by an online
+   softmax (Milakov & Gimelshein, 2018): out[h, n] = sum softmax(q_c . latent * scale) latent,
+   [H, N, R] (0 when no token is selected). OpenMP over sequences x groups of up to 8 heads.
+   Returns -1 / -2 as dsa_check, -3 on a pool id outside [-1, kv_seqlens[n] / P) (nothing
+   written). */
+int lm_dsa_attend(const float* q_c, const float* cache, int64_t s_block, int64_t s_pos, const int64_t* block_table,
+                  int64_t ld_table, const int64_t* kv_seqlens, const int64_t* pools, int K, int P, int tail, int N,
+                  int H, int R, int block_size, int W, int64_t num_blocks, float scale, float* out, int threads) {
+  int status = dsa_check(block_table, ld_table, kv_seqlens, N, block_size, W, num_blocks);
+  if (status) return status;
+  for (int n = 0; n < N; n++)
+    for (int i = 0; i < K; i++) {
+      int64_t p = pools[(ptrdiff_t)n * K + i];
+      if (p < -1 || p >= kv_seqlens[n] / P) return -3;
+    }
+  enum { HB = 8 };
+  int groups = (H + HB - 1) / HB;
+  #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int task = 0; task < N * groups; task++) {
+    int n = task / groups, h0 = (task % groups) * HB, G = H - h0 < HB ? H - h0 : HB;
+    float acc[HB][R], m[HB], l[HB];
+    int64_t sel[K > 0 ? K : 1];
+    int ns = 0;
+    for (int i = 0; i < K; i++) {               /* the selected pools, ascending (insertion sort) */
+      int64_t p = pools[(ptrdiff_t)n * K + i];
+      if (p < 0) continue;
+      int j = ns++;
+      while (j > 0 && sel[j - 1] > p) {
+        sel[j] = sel[j - 1];
+        j--;
+      }
+      sel[j] = p;
+    }
+    for (int g = 0; g < G; g++) {
+      m[g] = -INFINITY;
+      l[g] = 0.0f;
+      for (int c = 0; c < R; c++) acc[g][c] = 0.0f;
+    }
+    int64_t len = kv_seqlens[n], tail_start = len / P * P;
+    int64_t stop = tail && P > 1 ? len - tail_start : 0;
+    for (int i = 0; i <= ns; i++) {
+      int64_t first = i < ns ? sel[i] * P : tail_start, count = i < ns ? P : stop;
+      for (int64_t t = first; t < first + count; t++) {
+        int64_t block = block_table[(ptrdiff_t)n * ld_table + t / block_size];
+        const float* lr = cache + block * s_block + (t % block_size) * s_pos;
+        for (int g = 0; g < G; g++) {
+          const float* qc = q_c + ((ptrdiff_t)(h0 + g) * N + n) * R;
+          float dot = 0.0f;
+          #pragma omp simd reduction(+:dot)
+          for (int c = 0; c < R; c++) dot += qc[c] * lr[c];
+          float score = dot * scale;
+          if (fmaxf(m[g], score) == -INFINITY) continue;   /* exp(-inf) weight so far: skip (no -inf - -inf) */
+          if (score > m[g]) {
+            float correction = expf(m[g] - score);   /* 0 for the first row (m = -inf) */
+            l[g] *= correction;
+            for (int c = 0; c < R; c++) acc[g][c] *= correction;
+            m[g] = score;
+          }
+          float e = expf(score - m[g]);
+          l[g] += e;
+          for (int c = 0; c < R; c++) acc[g][c] += e * lr[c];
+        }
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      float* o = out + ((ptrdiff_t)(h0 + g) * N + n) * R;
+      float il = l[g] == 0.0f ? 0.0f : 1.0f / l[g];   /* no token selected: 0 (acc is 0) */
+      for (int c = 0; c < R; c++) o[c] = acc[g][c] * il;
+    }
+  }
+  return 0;
+}

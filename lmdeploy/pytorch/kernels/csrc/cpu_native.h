@@ -117,4 +117,16 @@ int lm_relu2_experts(const float* x, int T, int H, int I, int topk, const int64_
                      const float* up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
                      float* out, int threads);
 
+/* the DSA lightning indexer's pool selection for decode queries; -1 a length, -2 a block id out of range */
+int lm_dsa_select(const float* q, const float* w, const float* keys, int64_t s_block, int64_t s_pos,
+                  const float* ape, const int64_t* block_table, int64_t ld_table, const int64_t* kv_seqlens, int N,
+                  int Hi, int D, int P, int K, int block_size, int W, int64_t num_blocks, float scale,
+                  float* scores, int64_t* pools, int threads);
+
+/* NoPE MLA decode attention in latent space over the DSA selection (pools and the tail); -1 a
+   length, -2 a block id, -3 a pool id out of range */
+int lm_dsa_attend(const float* q_c, const float* cache, int64_t s_block, int64_t s_pos, const int64_t* block_table,
+                  int64_t ld_table, const int64_t* kv_seqlens, const int64_t* pools, int K, int P, int tail, int N,
+                  int H, int R, int block_size, int W, int64_t num_blocks, float scale, float* out, int threads);
+
 #endif
