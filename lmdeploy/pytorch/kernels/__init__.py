@@ -19,15 +19,10 @@ attention, whose model falls back to its own torch path elsewhere),
 ``selective_scan_step``, ``selective_scan_varlen`` (mamba1: Mamba-1; native step on CPU in mamba1_cpu,
 Triton step and scan on CUDA in mamba1_triton), ``lightning_attention_chunk``, ``lightning_attention_step``,
 ``lightning_attention_varlen`` (lightning_attention: MiniMax's decayed linear attention; Triton step and
-<<<<<<< HEAD
 scan on CUDA in lightning_attention_triton), ``swiglu_experts``, ``moe_experts``, ``relu2_experts``,
 ``limited_swiglu_experts`` (moe),
-``rms_norm``, ``gated_rms_norm`` (norm). ``linear`` (linear.py) is a plain function: it picks its product by
-=======
-scan on CUDA in lightning_attention_triton), ``swiglu_experts``, ``moe_experts``, ``relu2_experts`` (moe),
 ``rms_norm``, ``gated_rms_norm`` (norm), ``dsa_select``, ``dsa_attend`` (dsa_decode: GLM-5.3-Flash's DSA
 decode step; native on CPU). ``linear`` (linear.py) is a plain function: it picks its product by
->>>>>>> h-GL
 row count (MKL or the native few-row product) and is called directly.
 
 The varlen recurrent-state ops (``gated_delta_rule_varlen``, ``kda_varlen``, ``mamba2_ssd_varlen``,
