@@ -56,3 +56,19 @@ def tiny_qwen3_5_moe_text(tmp_path_factory) -> str:
     """Path of a tiny text-only Qwen3.5-MoE checkpoint (float32; experts per expert, ``mtp.*`` head)."""
     from lmdeploy.tools.make_tiny_model import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp('tiny_qwen3_5_moe_text')), arch='qwen3_5_moe_text', seed=0)
+
+
+@pytest.fixture(scope='module')
+def family_paths(tmp_path_factory):
+    """``path(arch, overrides)``: the path of a tiny ``arch`` checkpoint (seed 0, ``overrides``
+    passed to the maker), made on first use and reused within the module (keyed by the arch
+    and the override names)."""
+    from lmdeploy.tools.make_tiny_model import make_tiny_model
+    made = {}
+
+    def path(arch: str, overrides: dict) -> str:
+        key = (arch, tuple(sorted(overrides)))
+        if key not in made:
+            made[key] = make_tiny_model(str(tmp_path_factory.mktemp(f'family_{arch}')), arch=arch, seed=0, **overrides)
+        return made[key]
+    return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from lmdeploy import GenerationConfig, PytorchEngineConfig
@@ -147,6 +148,53 @@ def hf_greedy(hf_model, token_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(token_ids):].tolist()
 
 
+def hf_prompt_refs(hf_model, lengths: list[int]) -> dict[int, tuple[list[int], torch.Tensor]]:
+    """``{n: (ids, transformers logits [n, vocab])}`` with an independent prompt per length
+    (``random_prompt(n, seed=n)``)."""
+    refs = {}
+    for n in lengths:
+        ids = random_prompt(n, seed=n)
+        refs[n] = (ids, hf_prompt_logits(hf_model, ids))
+    return refs
+
+
+def seeded_prompts(lengths: list[int], first_seed: int) -> list[list[int]]:
+    """One random prompt per length, the ``i``-th with seed ``first_seed + i``."""
+    return [random_prompt(n, seed=first_seed + i) for i, n in enumerate(lengths)]
+
+
+def reference_fixtures(model_fixture: str, lengths: list[int], stagger_lengths: list[int], first_seed: int,
+                       new_tokens: int) -> tuple:
+    """Module-scoped fixtures an engine suite compares with ``transformers``, to be assigned to
+    module names (pytest finds a fixture by the name it is assigned to)::
+
+        hf, prompt_refs, prompts, hf_continuations = reference_fixtures('tiny_qwen3', ...)
+
+    - ``hf``: :func:`load_hf` of the checkpoint the fixture ``model_fixture`` gives;
+    - ``prompt_refs``: :func:`hf_prompt_refs` of ``lengths``;
+    - ``prompts``: :func:`seeded_prompts` of ``stagger_lengths`` from ``first_seed``;
+    - ``hf_continuations``: the ``transformers`` greedy continuation (``new_tokens`` at most) of
+      each of those prompts.
+    """
+    @pytest.fixture(scope='module')
+    def hf(request):
+        return load_hf(request.getfixturevalue(model_fixture))
+
+    @pytest.fixture(scope='module')
+    def prompt_refs(hf):
+        return hf_prompt_refs(hf, lengths)
+
+    @pytest.fixture(scope='module')
+    def prompts():
+        return seeded_prompts(stagger_lengths, first_seed)
+
+    @pytest.fixture(scope='module')
+    def hf_continuations(hf):
+        return [hf_greedy(hf, p, new_tokens) for p in seeded_prompts(stagger_lengths, first_seed)]
+
+    return hf, prompt_refs, prompts, hf_continuations
+
+
 # request drivers --------------------------------------------------------------------------
 def run_staggered(engine: Engine, prompts: list[list[int]], gen_config: GenerationConfig,
                   every: int = 2, max_steps: int = 10_000) -> list[Sequence]:
@@ -204,6 +252,30 @@ def sampled_logits(engine: Engine, ids: list[int], steps: int) -> torch.Tensor:
         if seq.num_generated > before:
             rows.append(engine.model_runner.last_logits[0].clone())
     return torch.stack(rows)
+
+
+def run_schedule(engine: Engine, schedule, max_steps: int = 200) -> tuple[list, list[list[int]]]:
+    """Step ``engine`` through ``schedule``, one ``(arrival step, prompt tokens, new tokens)`` per
+    request: request ``i`` (prompt ``random_prompt(prompt tokens, i)``, ``new tokens`` generated,
+    eos ignored) is added before step ``arrival``; stops once every request finished, or after
+    ``max_steps`` steps.
+
+    Returns:
+        ``(logits, tokens)``: per step the runner's sampled logits (``model_runner.last_logits``,
+        None for a step that sampled nothing) and each request's token ids, in schedule order.
+    """
+    runner, seqs, logits = engine.model_runner, [], []
+    for step in range(max_steps):
+        for i, (at, prompt, new) in enumerate(schedule):
+            if at == step:
+                seqs.append(engine.add_request(random_prompt(prompt, i),
+                                               GenerationConfig(max_new_tokens=new, ignore_eos=True)))
+        runner.last_logits = None
+        engine.step()
+        logits.append(runner.last_logits)
+        if len(seqs) == len(schedule) and all(s.is_finished for s in seqs):
+            break
+    return logits, [list(s.token_ids) for s in seqs]
 
 
 def assert_idle(engine: Engine) -> None:

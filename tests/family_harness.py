@@ -1,6 +1,7 @@
 """The shared harness of the model-family test files (Mamba, Mamba-2, Jamba, Bamba, Falcon-H1,
-Ling 3, MiniMax-01, Lara-4-Mini, LFM3, OLMo Hybrid, Zamba2): the conformance checks every family
-runs against transformers on its tiny checkpoint, a new engine restoring a prefix from a
+Ling 3, MiniMax-01, Lara-4-Mini, LFM3, OLMo Hybrid, Zamba2, Kimi-Linear, Nemotron-H): the
+conformance checks every family runs against transformers on its tiny checkpoint, continuous
+batching equal to each request alone, a new engine restoring a prefix from a
 ``file:`` Store, a transformers model with seeded random weights written as a checkpoint under
 other switches, a copy of the tiny checkpoint with other tensors or config fields, TP2 = TP1
 with its split count and a refused head count, and the config audit's checks.
@@ -23,10 +24,10 @@ from typing import Callable
 import pytest
 import torch
 
-from engine_utils import (check_four_turn_chat_under_every_cache_policy,
+from engine_utils import (StepRecorder, check_four_turn_chat_under_every_cache_policy,
                           check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, load_hf, make_engine, random_prompt,
-                          tiny_checkpoint_and_reference)
+                          check_prompt_logits_match_transformers, load_hf, make_engine, random_prompt, run_alone,
+                          run_staggered, tiny_checkpoint_and_reference)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
@@ -85,6 +86,21 @@ class FamilyConformance:
         check_four_turn_chat_under_every_cache_policy(tiny[0])
 
 
+def check_continuous_batching_equals_each_request_alone(path: str) -> StepRecorder:
+    """Four requests (9, 45, 17 and 70 prompt tokens, 6 new tokens each) added two steps apart
+    to one engine (block size 16, 32-token prefill chunks) while the others run decode what each
+    decodes alone. Returns the recorder of the staggered engine's forwards (which ran mixed
+    prefill + decode forwards, how many sequences together)."""
+    prompts = [random_prompt(n, seed=70 + n) for n in (9, 45, 17, 70)]
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    alone = run_alone(make_engine(path, block_size=16), prompts, gen)
+    engine = make_engine(path, block_size=16, max_prefill_token_num=32)
+    rec = StepRecorder(engine)
+    together = run_staggered(engine, prompts, gen, every=2)
+    assert [s.output_ids for s in together] == alone
+    return rec
+
+
 def check_a_new_engine_restores_from_a_file_store(path: str, tmp_path: Path, seed: int, put_objects: dict) -> None:
     """A writer engine prefills a 300-token prompt (64-token chunks, checkpoints every 64 tokens,
     a ``file:`` Store) and puts exactly ``put_objects`` (``{'state': n, 'kv': m}``); a new engine
@@ -107,6 +123,19 @@ def check_a_new_engine_restores_from_a_file_store(path: str, tmp_path: Path, see
         reader.close()
     cold = make_engine(path, max_prefill_token_num=64).generate(ids, gen).output_ids
     assert first.output_ids == again.output_ids == cold
+
+
+def check_store_put_bytes_against_mooncake(path: str, mooncake_services, last_only: bool, max_turns: int,
+                                           seed: int) -> None:
+    """Two seed scenarios scaled by 1/16 against the real Mooncake Store (``mooncake_services``,
+    the session's): the engine's put bytes and objects equal ``simulate()`` fed the engine's S and
+    K_blk, and ``sizes_from_config`` of the checkpoint's config.json gives those same S and K_blk
+    (specs alone, no model branch); ``check_store_put_bytes_equal_the_simulator``
+    (tests/test_benchmark_store_bytes.py) with ``max_turns`` and ``seed``."""
+    from test_benchmark_store_bytes import check_store_put_bytes_equal_the_simulator
+    store = dict(mooncake_master=mooncake_services.master_address,
+                 mooncake_metadata_server=mooncake_services.metadata_server)
+    check_store_put_bytes_equal_the_simulator(path, last_only, store, max_turns=max_turns, seed=seed)
 
 
 def check_tp2_equals_tp1_and_refusal(path: str, split: int, refuse: dict, match: str) -> list:

@@ -6,10 +6,11 @@
 The server binds 127.0.0.1 at a free port, its output goes to a log file (no pipe to fill up),
 and :meth:`ApiServer.start` returns once ``GET /health`` answers 200. Several servers can be
 started first and waited for together (:meth:`launch` then :meth:`wait_ready`) so their model
-loads overlap.
+loads overlap, as :func:`running` does for a dict of them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -153,3 +154,23 @@ class ApiServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running(servers: dict[str, ApiServer]):
+    """Launch every server of ``servers`` (their model loads overlap), wait until each is
+    healthy and yield ``servers``; every one is stopped on exit, whatever happened (a server
+    that failed to start included).
+
+    Raises:
+        RuntimeError: a server did not become healthy (:meth:`ApiServer.wait_ready`).
+    """
+    try:
+        for p in servers.values():
+            p.launch()
+        for p in servers.values():
+            p.wait_ready()
+        yield servers
+    finally:
+        for p in servers.values():
+            p.stop()

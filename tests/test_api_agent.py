@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ApiServer
+from server_utils import ApiServer, running
 from agent_script import (BROKEN, CALL, CALL_LS, CALL_REPLIES, COMPACT_ARGS, MAX_BYTES, RESULTS, TOOLS, UNICODE,
                           _raw_chunks, _stream_message, agent_loop, client, name, post, scripted, template_len,
                           thinking_model)
@@ -32,15 +32,8 @@ def servers(thinking_model):
     procs = {'off': scripted(thinking_model, '--max-request-bytes', str(MAX_BYTES)),
              'cache': scripted(thinking_model, '--enable-prefix-caching'),
              'last': scripted(thinking_model, '--enable-prefix-caching', '--prefill-save-last-only')}
-    try:
-        for p in procs.values():
-            p.launch()
-        for p in procs.values():
-            p.wait_ready()
+    with running(procs):
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture(scope='module')

@@ -34,7 +34,7 @@ import sys
 import pytest
 from chat_templates import THINKING_TOOLS_TEMPLATE, with_template
 from pydantic import BaseModel, Field
-from server_utils import ApiServer
+from server_utils import ApiServer, running
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WEATHER = {'Paris': 'sunny, 21 C', 'Lyon': 'rain, 14 C'}
@@ -72,15 +72,8 @@ def servers(tiny_qwen3_next, tmp_path_factory):
     launcher = [sys.executable, os.path.join(TESTS, 'scripted_server.py')]
     env = {'LMDEPLOY_TEST_SCRIPT': json.dumps(SCRIPT)}
     procs = {mode: ApiServer(model, *GEOMETRY, *flags, launcher=launcher, env=env) for mode, flags in MODES.items()}
-    try:
-        for p in procs.values():
-            p.launch()
-        for p in procs.values():
-            p.wait_ready()
+    with running(procs):
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def _scrub(obj):

@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ApiServer
+from server_utils import ApiServer, running
 from api_server_helpers import (ALIGN, BAD_REQUESTS, HYBRID, KEY, MSG, SYSTEM_A, SYSTEM_B, TURNS, chat, client,
                                 conversation, is_idle, metrics, model_name, raw_post, shared_head)
 
@@ -33,15 +33,8 @@ def servers(tiny_qwen3, tiny_qwen3_next):
         'cache': ApiServer(tiny_qwen3_next, *HYBRID, '--enable-prefix-caching'),
         'last': ApiServer(tiny_qwen3_next, *HYBRID, '--enable-prefix-caching', '--prefill-save-last-only'),
     }
-    try:
-        for p in procs.values():
-            p.launch()
-        for p in procs.values():
-            p.wait_ready()
+    with running(procs):
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 # basic endpoints ----------------------------------------------------------------------------------------

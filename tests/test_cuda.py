@@ -441,20 +441,6 @@ def test_fp8_gemm_triton_equals_torch(dtype, tol):
 
 
 # --- CUDA decode graphs (engine/cuda_graph.py) ------------------------------------------------------
-@pytest.fixture(scope='module')
-def graph_families(tmp_path_factory):
-    from lmdeploy.tools.make_tiny_model import make_tiny_model
-    made = {}
-
-    def path(arch: str, overrides: dict) -> str:
-        key = (arch, tuple(sorted(overrides)))
-        if key not in made:
-            made[key] = make_tiny_model(str(tmp_path_factory.mktemp(f'cuda_graph_{arch}')), arch=arch, seed=0,
-                                        **overrides)
-        return made[key]
-    return path
-
-
 # Nemotron-H with dense MLPs, and with its relu^2 experts (the tiny model's default), which like
 # Ling 3's (bailing_hybrid) limited experts capture in their gathered form (8 experts, top-2: up
 # to 8 tokens)
@@ -464,7 +450,7 @@ _DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_atten
 @pytest.mark.parametrize('arch, overrides', [('qwen3_next', {}), ('qwen3_5_moe_text', {}), ('kimi_linear', {}),
                                              ('nemotron_h', _DENSE_NEMOTRON), ('nemotron_h', {}),
                                              ('bailing_hybrid', {})])
-def test_cuda_graph_engine_replay_equals_eager(arch, overrides, graph_families):
+def test_cuda_graph_engine_replay_equals_eager(arch, overrides, family_paths):
     """30 decode steps at batch 1, 3 (bucket 4: one padding row) and 8 through the worker of a
     CUDA engine with graphs on, against the same steps with them off (same tokens fed to both:
     the eager step's greedy choices). Exact buckets replay the eager kernels on the same values:
@@ -473,7 +459,7 @@ def test_cuda_graph_engine_replay_equals_eager(arch, overrides, graph_families):
     the CPU with. Each batch captures its bucket once and replays every step."""
     from lmdeploy.pytorch.engine.cuda_graph import CudaGraphCache
     from lmdeploy.pytorch.model_inputs import StepBatch
-    engine = _engine(graph_families(arch, overrides), 'cuda', block_size=4, max_batch_size=8, num_gpu_blocks=96)
+    engine = _engine(family_paths(arch, overrides), 'cuda', block_size=4, max_batch_size=8, num_gpu_blocks=96)
     worker = engine.executor.worker
     ce, graphs = worker.cache_engine, worker.decode_graphs
     assert isinstance(graphs, CudaGraphCache) and graphs.buckets == [1, 2, 4, 8]

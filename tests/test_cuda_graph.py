@@ -14,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine_utils import make_engine, random_prompt
-from lmdeploy import GenerationConfig
+from engine_utils import make_engine, run_schedule
 from lmdeploy.pytorch.engine import cuda_graph
 from lmdeploy.pytorch.engine import engine as engine_module
 from lmdeploy.pytorch.engine.cuda_graph import (MAX_CUDA_GRAPHS, MAX_GRAPH_BATCH, CudaGraphCache, batch_buckets,
@@ -136,19 +135,6 @@ def test_padded_batch_and_its_static_inputs():
 
 
 # --- the padding property on the CPU -------------------------------------------------------------------
-@pytest.fixture(scope='module')
-def family_paths(tmp_path_factory):
-    from lmdeploy.tools.make_tiny_model import make_tiny_model
-    made = {}
-
-    def path(arch: str, overrides: dict) -> str:
-        key = (arch, tuple(sorted(overrides)))
-        if key not in made:
-            made[key] = make_tiny_model(str(tmp_path_factory.mktemp(f'cg_{arch}')), arch=arch, seed=0, **overrides)
-        return made[key]
-    return path
-
-
 DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
 # every family whose decode forward a graph takes (the others read per-step lists: Qwen3.5 with
 # images, granitemoe_swa, Zamba2, Lara-mini, LFM3, Inkling). Nemotron-3's relu^2 experts and the
@@ -223,18 +209,8 @@ def _decode(path: str, kind: str | None, monkeypatch, backend=StandIn) -> tuple[
     monkeypatch.setattr(engine_module, 'decode_graphs_kind', lambda device, config: kind)
     monkeypatch.setattr(cuda_graph, 'CudaBackend', backend)
     engine = make_engine(path, block_size=4, max_batch_size=4, num_gpu_blocks=96)
-    runner, seqs, logits = engine.model_runner, [], []
-    for step in range(200):
-        for i, (at, prompt, new) in enumerate(SCHEDULE):
-            if at == step:
-                seqs.append(engine.add_request(random_prompt(prompt, i),
-                                               GenerationConfig(max_new_tokens=new, ignore_eos=True)))
-        runner.last_logits = None
-        engine.step()
-        logits.append(runner.last_logits)
-        if len(seqs) == len(SCHEDULE) and all(s.is_finished for s in seqs):
-            break
-    return logits, [list(s.token_ids) for s in seqs], engine
+    logits, tokens = run_schedule(engine, SCHEDULE)
+    return logits, tokens, engine
 
 
 def _same(a: list, b: list) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine_utils import make_engine, random_prompt
+from engine_utils import make_engine, random_prompt, run_schedule
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.engine.decode_graph import DecodeGraphCache, decode_graph_key
 from lmdeploy.pytorch.kernels import cpu_native
@@ -31,31 +31,8 @@ def _decode(path: str, eager: bool) -> tuple[list, list[list[int]], dict | None]
     assert (graphs is None) == eager
     if graphs is not None:
         graphs.max_graphs = 2       # keys 1, 3, 2, 1 in turn: graphs are evicted and recorded again
-    runner, seqs, logits = engine.model_runner, [], []
-    for step in range(200):
-        for i, (at, prompt, new) in enumerate(SCHEDULE):
-            if at == step:
-                seqs.append(engine.add_request(random_prompt(prompt, i),
-                                               GenerationConfig(max_new_tokens=new, ignore_eos=True)))
-        runner.last_logits = None
-        engine.step()
-        logits.append(runner.last_logits)
-        if len(seqs) == len(SCHEDULE) and all(s.is_finished for s in seqs):
-            break
-    return logits, [list(s.token_ids) for s in seqs], None if graphs is None else graphs.counters()
-
-
-@pytest.fixture(scope='module')
-def family_paths(tmp_path_factory):
-    from lmdeploy.tools.make_tiny_model import make_tiny_model
-    made = {}
-
-    def path(arch: str, overrides: dict) -> str:
-        key = (arch, tuple(sorted(overrides)))
-        if key not in made:
-            made[key] = make_tiny_model(str(tmp_path_factory.mktemp(f'graph_{arch}')), arch=arch, seed=0, **overrides)
-        return made[key]
-    return path
+    logits, tokens = run_schedule(engine, SCHEDULE)
+    return logits, tokens, None if graphs is None else graphs.counters()
 
 
 # Nemotron-H with dense MLPs only (Nemotron-H; the tiny default has a Nemotron-3 MoE layer, whose

@@ -5,9 +5,8 @@ import math
 
 import pytest
 
-from engine_utils import (TOL, StepRecorder, assert_idle, engine_prompt_logits, hf_greedy, hf_prompt_logits,
-                          load_hf, make_engine, random_prompt, run_alone, run_staggered,
-                          step_until)
+from engine_utils import (TOL, StepRecorder, assert_idle, engine_prompt_logits, make_engine, random_prompt,
+                          reference_fixtures, run_alone, run_staggered, step_until)
 from lmdeploy import GenerationConfig
 
 LENGTHS = [1, 63, 64, 65, 1000]
@@ -16,31 +15,8 @@ NEW_TOKENS = 32
 STAGGER_LENGTHS = [3, 17, 40, 63, 64, 65, 90, 130]
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS)
 
-
-
-@pytest.fixture(scope='module')
-def hf(tiny_qwen3):
-    return load_hf(tiny_qwen3)
-
-
-@pytest.fixture(scope='module')
-def prompt_refs(hf):
-    """{n: (ids, transformers logits [n, vocab])} with an independent prompt per length."""
-    refs = {}
-    for n in LENGTHS:
-        ids = random_prompt(n, seed=n)
-        refs[n] = (ids, hf_prompt_logits(hf, ids))
-    return refs
-
-
-@pytest.fixture(scope='module')
-def stagger_prompts():
-    return [random_prompt(n, seed=100 + i) for i, n in enumerate(STAGGER_LENGTHS)]
-
-
-@pytest.fixture(scope='module')
-def hf_continuations(hf, stagger_prompts):
-    return [hf_greedy(hf, p, NEW_TOKENS) for p in stagger_prompts]
+hf, prompt_refs, stagger_prompts, hf_continuations = reference_fixtures('tiny_qwen3', LENGTHS, STAGGER_LENGTHS, 100,
+                                                                        NEW_TOKENS)
 
 
 @pytest.mark.parametrize('block_size', [64, 16])

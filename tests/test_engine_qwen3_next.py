@@ -6,9 +6,8 @@ import math
 
 import pytest
 
-from engine_utils import (TOL, StepRecorder, assert_idle, engine_prompt_logits, hf_greedy, hf_prompt_logits,
-                          load_hf, make_engine, random_prompt, run_alone, run_staggered,
-                          step_until)
+from engine_utils import (TOL, StepRecorder, assert_idle, engine_prompt_logits, make_engine, random_prompt,
+                          reference_fixtures, run_alone, run_staggered, step_until)
 from lmdeploy import GenerationConfig
 from lmdeploy.pytorch.paging.prefill_plan import prefill_grid
 
@@ -19,31 +18,8 @@ NEW_TOKENS = 32
 STAGGER_LENGTHS = [2, 5, 30, 64, 65, 150]
 GREEDY = GenerationConfig(max_new_tokens=NEW_TOKENS)
 
-
-
-@pytest.fixture(scope='module')
-def hf(tiny_qwen3_next):
-    return load_hf(tiny_qwen3_next)
-
-
-@pytest.fixture(scope='module')
-def prompt_refs(hf):
-    """{n: (ids, transformers logits [n, vocab])} with an independent prompt per length."""
-    refs = {}
-    for n in LENGTHS:
-        ids = random_prompt(n, seed=n)
-        refs[n] = (ids, hf_prompt_logits(hf, ids))
-    return refs
-
-
-@pytest.fixture(scope='module')
-def prompts():
-    return [random_prompt(n, seed=200 + i) for i, n in enumerate(STAGGER_LENGTHS)]
-
-
-@pytest.fixture(scope='module')
-def hf_continuations(hf, prompts):
-    return [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+hf, prompt_refs, prompts, hf_continuations = reference_fixtures('tiny_qwen3_next', LENGTHS, STAGGER_LENGTHS, 200,
+                                                                NEW_TOKENS)
 
 
 def test_engine_is_hybrid_with_one_runtime_slot_per_batch_entry(tiny_qwen3_next):

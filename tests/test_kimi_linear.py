@@ -4,62 +4,36 @@ a local prefix-cache restore, a 4-turn chat identical with the prefix cache off 
 turn-end (hits on later turns), a checkpoint in transformers' in-memory names (stacked conv,
 fused experts, q LoRA, attention bias) loading the same model, the layer cache specs, and the
 config audit covering every field transformers reads."""
-import inspect
 import json
 import os
-import re
 import shutil
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine_utils import (TOL, StepRecorder, check_checkpoint_matches_transformers,
-                          check_four_turn_chat_under_every_cache_policy,
-                          check_greedy_equals_transformers_cold_chunked_and_after_restore,
-                          check_prompt_logits_match_transformers, make_engine,
-                          random_prompt, run_alone, run_staggered, tiny_checkpoint_and_reference)
-from family_harness import check_a_new_engine_restores_from_a_file_store
-from lmdeploy import GenerationConfig
+from engine_utils import TOL, check_checkpoint_matches_transformers
+from family_harness import (FamilyConformance, check_a_new_engine_restores_from_a_file_store,
+                            check_audit_lists_every_field_transformers_reads,
+                            check_continuous_batching_equals_each_request_alone, check_store_put_bytes_against_mooncake,
+                            tiny_fixture)
 from lmdeploy.pytorch.cache_specs import PagedSpec, StateSpec, kv_bytes_per_block, state_bytes_per_slot
 from lmdeploy.pytorch.models import get_model_class
 from lmdeploy.pytorch.models.config_audit import CHECKED, FIELDS, check_config
 
 
-@pytest.fixture(scope='module')
-def tiny(tmp_path_factory):
-    """(checkpoint path in the published layout, transformers float32 reference)."""
-    return tiny_checkpoint_and_reference(tmp_path_factory, 'kimi_linear')
+tiny = tiny_fixture('kimi_linear')
 
 
-@pytest.mark.parametrize('n, chunk', [(5, 8192), (150, 32), (700, 32), (300, 8192)])
-def test_prompt_logits_match_transformers_cold_and_chunked(tiny, n, chunk):
-    check_prompt_logits_match_transformers(*tiny, n, chunk)
-
-
-def test_greedy_equals_transformers_cold_chunked_and_after_prefix_cache_restore(tiny):
-    check_greedy_equals_transformers_cold_chunked_and_after_restore(*tiny)
+class TestKimiLinearConformance(FamilyConformance):
+    """Prompt logits, greedy tokens and a 4-turn chat against transformers (family_harness)."""
 
 
 def test_continuous_batching_equals_each_request_alone(tiny):
     """Requests added while others run (mixed prefill + decode forwards: batched KDA decode
     steps, per-sequence MLA over the latent blocks) decode what each decodes alone."""
-    path, _ = tiny
-    prompts = [random_prompt(n, seed=70 + n) for n in (9, 45, 17, 70)]
-    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
-    alone = run_alone(make_engine(path, block_size=16), prompts, gen)
-    rec_engine = make_engine(path, block_size=16, max_prefill_token_num=32)
-    rec = StepRecorder(rec_engine)
-    together = run_staggered(rec_engine, prompts, gen, every=2)
-    assert [s.output_ids for s in together] == alone
+    rec = check_continuous_batching_equals_each_request_alone(tiny[0])
     assert rec.num_mixed_steps > 0 and rec.max_concurrent() >= 3
-
-
-
-
-def test_four_turn_chat_is_identical_under_every_cache_policy(tiny):
-    path, _ = tiny
-    check_four_turn_chat_under_every_cache_policy(path)
 
 
 def test_transformers_named_checkpoint_with_q_lora_and_bias_matches(tiny, tmp_path):
@@ -136,30 +110,19 @@ def test_refused_fields_name_themselves(tiny, change, field):
 
 
 def test_audit_lists_every_field_transformers_reads_for_kimi_linear():
-    import transformers.models.kimi_linear.modeling_kimi_linear as modeling
-    source = inspect.getsource(modeling)
-    read = set(re.findall(r'config\.(\w+)', source)) | set(re.findall(r'getattr\(\s*(?:self\.)?config,\s*["\'](\w+)',
-                                                                       source))
-    assert read and not read - set(FIELDS['kimi_linear']), sorted(read - set(FIELDS['kimi_linear']))
+    check_audit_lists_every_field_transformers_reads('kimi_linear')
 
 
 def test_a_new_engine_restores_from_the_store(tiny, tmp_path):
-    """A writer engine saves a 300-token prompt (KDA state checkpoints + MLA latent blocks) to a
-    ``file:`` Store; a new engine with an empty local cache restores 256 tokens from it and decodes
-    what an engine with caching off decodes (the same in a fresh process:
+    """KDA state checkpoints + MLA latent blocks of a 300-token prompt, restored from a
+    ``file:`` Store by a new engine (family_harness; in a fresh process:
     tests/test_store_fresh_process.py)."""
     check_a_new_engine_restores_from_a_file_store(tiny[0], tmp_path, seed=771_000, put_objects={'state': 4, 'kv': 16})
 
 
 @pytest.mark.parametrize('last_only', [False, True], ids=['default', 'last_only'])
 def test_store_put_bytes_equal_the_simulator_to_the_byte(tiny, mooncake_services, last_only):
-    """Two seed scenarios scaled by 1/16 against the real Store: the engine's put bytes and
-    objects equal ``simulate()`` fed the engine's S and K_blk, and ``sizes_from_config`` of the
-    checkpoint's config.json gives those same S and K_blk (specs alone, no model branch)."""
-    from test_benchmark_store_bytes import check_store_put_bytes_equal_the_simulator
-    store = dict(mooncake_master=mooncake_services.master_address,
-                 mooncake_metadata_server=mooncake_services.metadata_server)
-    check_store_put_bytes_equal_the_simulator(tiny[0], last_only, store, max_turns=3, seed=770_000)
+    check_store_put_bytes_against_mooncake(tiny[0], mooncake_services, last_only, max_turns=3, seed=770_000)
 
 
 def test_kimi_linear_48b_preset_sizes():

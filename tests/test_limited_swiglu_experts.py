@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lmdeploy.pytorch.kernels import cpu_native, get_kernel
+from dispatch_log import one_native_call
+from lmdeploy.pytorch.kernels import get_kernel
 from lmdeploy.pytorch.kernels.cpu_native import NATIVE_EXPERT_TOKENS, limited_swiglu_experts_native, native_library
 from lmdeploy.pytorch.kernels.moe import (limited_swiglu_experts_cpu, limited_swiglu_experts_cuda,
                                           limited_swiglu_experts_loop)
@@ -158,8 +159,6 @@ def test_ling3_moe_layer_is_one_native_call_and_reads_nothing_into_python():
     """A Ling 3 (clipped) MoE layer's routed experts on a float32 decode batch: one native call
     and no tensor value read into Python (what refused Ling 3's decode graph: the old per-expert
     loop's ``index.unique().tolist()``), and the loop's result."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from lmdeploy.pytorch.models.blocks.moe import LimitedExperts, clipped_swiglu
 
     experts = LimitedExperts(8, 24, 20, 0.75, clipped_swiglu).eval()
@@ -171,21 +170,9 @@ def test_ling3_moe_layer_is_one_native_call_and_reads_nothing_into_python():
     index = torch.tensor([[0, 5], [5, 2], [7, 0]])
     weights = torch.rand(3, 2, generator=gen)
 
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    before = cpu_native.CALLS['limited_swiglu_experts']
-    with torch.no_grad(), Reads() as mode:
-        got = experts(x, index, weights)
-    assert cpu_native.CALLS['limited_swiglu_experts'] == before + 1
+    got, ops = one_native_call(lambda: experts(x, index, weights), 'limited_swiglu_experts')
     assert not {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.unique_dim.default,
-                torch.ops.aten._unique2.default, torch.ops.aten.nonzero.default} & set(mode.ops)
+                torch.ops.aten._unique2.default, torch.ops.aten.nonzero.default} & ops
     with torch.no_grad():
         want = limited_swiglu_experts_native(x, index, weights, experts.gate_up_proj, experts.down_proj, 'clipped',
                                              0.75)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lmdeploy.pytorch.kernels import cpu_native, get_kernel
+from dispatch_log import one_native_call
+from lmdeploy.pytorch.kernels import get_kernel
 from lmdeploy.pytorch.kernels.cpu_native import NATIVE_EXPERT_TOKENS, native_library, relu2_experts_native
 from lmdeploy.pytorch.kernels.linear import linear
 from lmdeploy.pytorch.kernels.moe import relu2_experts_cpu, relu2_experts_cuda, relu2_experts_loop
@@ -106,8 +107,6 @@ def test_nemotron_moe_layer_is_one_native_call_and_reads_nothing_into_python():
     graph: the loop's ``bincount(...).tolist()``), and the loop's result."""
     from types import SimpleNamespace
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from lmdeploy.pytorch.models.nemotron_h import NemotronHMoE
     config = SimpleNamespace(num_experts_per_tok=2, n_routed_experts=8, n_group=2, topk_group=1,
                              norm_topk_prob=True, routed_scaling_factor=2.5, hidden_size=24, moe_latent_size=16,
@@ -119,20 +118,8 @@ def test_nemotron_moe_layer_is_one_native_call_and_reads_nothing_into_python():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     x = torch.randn(3, 24, generator=gen)
 
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    before = cpu_native.CALLS['relu2_experts']
-    with torch.no_grad(), Reads() as mode:
-        got = moe(x)
-    assert cpu_native.CALLS['relu2_experts'] == before + 1
-    assert not {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.bincount.default} & set(mode.ops)
+    got, ops = one_native_call(lambda: moe(x), 'relu2_experts')
+    assert not {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.bincount.default} & ops
     with torch.no_grad():
         weights, index = moe.route(x)
         h = moe.fc1_latent_proj(x)

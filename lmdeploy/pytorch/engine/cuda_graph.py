@@ -83,7 +83,6 @@ Status: written and tested on the CPU only; not yet validated on a GPU
 from __future__ import annotations
 
 import bisect
-import collections
 import logging
 from typing import Callable
 
@@ -91,6 +90,7 @@ import torch
 
 from ..model_inputs import StepBatch
 from .decode_graph import StaticDecodeInputs, decode_graph_key
+from .graph_cache import GraphCache
 
 __all__ = ['CudaGraphCache', 'CudaBackend', 'batch_buckets', 'bucket_for', 'cuda_graph_key', 'decode_graphs_kind',
            'pad_batch', 'MAX_CUDA_GRAPHS', 'MAX_GRAPH_BATCH', 'WARMUP_RUNS']
@@ -242,7 +242,7 @@ class _CudaGraph:
         return self.pool_bytes + sum(t.untyped_storage().nbytes() for t in self.inputs.tensors().values())
 
 
-class CudaGraphCache:
+class CudaGraphCache(GraphCache):
     """A worker's CUDA decode graphs, one per :func:`cuda_graph_key`, least recently used dropped
     beyond ``max_graphs``.
 
@@ -267,24 +267,16 @@ class CudaGraphCache:
     def __init__(self, model: torch.nn.Module, max_blocks: int, max_batch: int, scratch_slot: int | None,
                  scratch_block: int, device: torch.device, max_graphs: int = MAX_CUDA_GRAPHS,
                  backend: CudaBackend | None = None):
+        super().__init__(max_graphs)
         self.model, self.max_blocks, self.device = model, max_blocks, device
         self.buckets = batch_buckets(max_batch)
-        self.scratch_slot, self.scratch_block, self.max_graphs = scratch_slot, scratch_block, max_graphs
+        self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
         self.backend = backend if backend is not None else CudaBackend(device)
-        self.graphs: collections.OrderedDict = collections.OrderedDict()
-        self.captures = self.replays = self.refusals = self.evictions = 0
-        self._caches = None
-
-    def clear(self) -> None:
-        """Drop every graph (the caches were rebuilt: the graphs address the old ones)."""
-        self.graphs.clear()
-        self._caches = None
 
     def counters(self) -> dict[str, int]:
         """``{'captures', 'replays', 'refusals', 'evictions', 'graphs', 'bytes'}`` (``bytes``: what
         the kept graphs hold, :meth:`_CudaGraph.held_bytes` summed)."""
-        return dict(captures=self.captures, replays=self.replays, refusals=self.refusals, evictions=self.evictions,
-                    graphs=len(self.graphs), bytes=sum(g.held_bytes() for g in self.graphs.values()))
+        return dict(super().counters(), bytes=sum(g.held_bytes() for g in self.graphs.values()))
 
     def calls_per_replay(self) -> list[tuple[int, int]]:
         """``(native kernel calls, torch ops)`` a replay makes from Python, per ready graph: none
@@ -299,18 +291,8 @@ class CudaGraphCache:
         key = cuda_graph_key(batch, self.buckets)
         if key is None:
             return None
-        if self._caches is None or self._caches[0] is not kv_caches or self._caches[1] is not state_caches:
-            self.clear()
-            self._caches = (kv_caches, state_caches)
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self._capture(key, kv_caches, state_caches, block_size)
-            self.graphs[key] = graph
-            if len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-                self.evictions += 1
-        else:
-            self.graphs.move_to_end(key)
+        self._bind_caches(kv_caches, state_caches)
+        graph = self._graph_for(key, lambda: self._capture(key, kv_caches, state_caches, block_size))
         if graph.state != 'ready' or not graph.inputs.fits(batch):
             return None
         B = len(batch.q_seqlens)

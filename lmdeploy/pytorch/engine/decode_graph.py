@@ -58,7 +58,6 @@ capture can later take the same static context.
 from __future__ import annotations
 
 import bisect
-import collections
 import logging
 import math
 import os
@@ -71,6 +70,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..kernels import cpu_native
 from ..model_inputs import StepBatch, StepContext
+from .graph_cache import GraphCache
 
 __all__ = ['DecodeGraphCache', 'StaticDecodeInputs', 'decode_graph_key', 'MAX_GRAPHS']
 
@@ -467,7 +467,7 @@ class _Graph:
         return total
 
 
-class DecodeGraphCache:
+class DecodeGraphCache(GraphCache):
     """A worker's decode graphs, one per :func:`decode_graph_key`, least recently used dropped
     beyond ``max_graphs``.
 
@@ -484,20 +484,8 @@ class DecodeGraphCache:
     """
 
     def __init__(self, model: torch.nn.Module, max_blocks: int, max_graphs: int = MAX_GRAPHS):
-        self.model, self.max_blocks, self.max_graphs = model, max_blocks, max_graphs
-        self.graphs: collections.OrderedDict = collections.OrderedDict()
-        self.captures = self.replays = self.refusals = self.evictions = 0
-        self._caches = None
-
-    def clear(self) -> None:
-        """Drop every graph (the caches were rebuilt or the weights changed)."""
-        self.graphs.clear()
-        self._caches = None
-
-    def counters(self) -> dict[str, int]:
-        """``{'captures', 'replays', 'refusals', 'evictions', 'graphs'}``."""
-        return dict(captures=self.captures, replays=self.replays, refusals=self.refusals,
-                    evictions=self.evictions, graphs=len(self.graphs))
+        super().__init__(max_graphs)
+        self.model, self.max_blocks = model, max_blocks
 
     def calls_per_replay(self) -> list[tuple[int, int]]:
         """``(native kernel calls, torch ops)`` one replay of each ready graph makes (the calls a
@@ -523,19 +511,9 @@ class DecodeGraphCache:
         lib = cpu_native.native_library()
         if key is None or lib is None:
             return None
-        caches = (kv_caches, state_caches)
-        if self._caches is None or self._caches[0] is not kv_caches or self._caches[1] is not state_caches:
-            self.clear()
-            self._caches = caches
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = _Graph(StaticDecodeInputs(key[0], self.max_blocks, block_size, torch.device('cpu')))
-            self.graphs[key] = graph
-            if len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-                self.evictions += 1
-        else:
-            self.graphs.move_to_end(key)
+        self._bind_caches(kv_caches, state_caches)
+        graph = self._graph_for(
+            key, lambda: _Graph(StaticDecodeInputs(key[0], self.max_blocks, block_size, torch.device('cpu'))))
         if graph.state == 'refused' or not graph.inputs.fits(batch):
             return None
         if graph.state == 'new':    # the key's first step runs eagerly: lazily built module tensors

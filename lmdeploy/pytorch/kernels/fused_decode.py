@@ -40,6 +40,52 @@ __all__ = ['FUSED_MOE_TOKENS', 'GDN_VARLEN_TOKENS', 'gdn_decode_native', 'gdn_va
 FUSED_MOE_TOKENS = NATIVE_EXPERT_TOKENS
 
 
+def _gdn_dims(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch.Tensor, conv: torch.Tensor,
+              A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, norm_weight: torch.Tensor,
+              num_k_heads: int) -> tuple[int, int, int, int, int, int] | None:
+    """The checks :func:`gdn_decode_native` and :func:`gdn_varlen_native` share: ``(Hk, Hv, dk, dv,
+    C, K)`` when ``proj [*, P]``, ``conv [*, C, K - 1]`` (unit stride along the window), ``state [*,
+    Hv, dk, dv]``, ``cols``, ``conv_weight [C, K]``, ``A_log``, ``dt_bias``, ``norm_weight`` and
+    ``num_k_heads`` agree and every tensor but ``cols`` and ``state`` :func:`is_plain` (float32
+    CPU, no autograd), else None. The leading dims (rows, slots) are the caller's to check."""
+    if proj.dim() != 2 or state.dim() != 4 or conv.dim() != 3:
+        return None
+    _, Hv, dk, dv = state.shape
+    C, K = conv_weight.shape
+    Hk = num_k_heads
+    ok = (Hk and Hv % Hk == 0 and C == 2 * Hk * dk + Hv * dv and proj.stride(1) == 1
+          and conv.shape[1:] == (C, K - 1) and (K == 1 or conv.stride(2) == 1)
+          and cols.shape == (C + Hv * dv + 2 * Hv,) and cols.dtype == torch.int64 and cols.is_contiguous()
+          and A_log.shape == dt_bias.shape == (Hv,) and norm_weight.shape == (dv,)
+          and all(is_plain(t) for t in (proj, conv_weight, conv, A_log, dt_bias, norm_weight)))
+    return (Hk, Hv, dk, dv, C, K) if ok else None
+
+
+def _gdn_run(lib, name: str, rows: int, num_seqs: int, dims: tuple[int, int, int, int, int, int],
+             proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch.Tensor, conv: torch.Tensor,
+             A_log: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float, state: torch.Tensor,
+             norm_weight: torch.Tensor, eps: float, seq_args: tuple = ()) -> torch.Tensor:
+    """Run the native ``lm_<name>`` (``gdn_decode`` or ``gdn_varlen``) on operands
+    :func:`_gdn_dims` accepted (``dims`` is its result): ``conv_weight``, ``A_log``, ``dt_bias``
+    and ``norm_weight`` made contiguous, a float32 scratch ``[rows, C]`` and the output
+    ``[rows, Hv*dv]``; ``seq_args`` (the varlen kernel's sequence pointers) go between ``eps``
+    and the sizes. No call when ``num_seqs`` is 0 (the output is then left uninitialised).
+    Returns the output."""
+    Hk, Hv, dk, dv, C, K = dims
+    conv_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (conv_weight, A_log, dt_bias, norm_weight))
+    work = torch.empty(rows, C, dtype=torch.float32)
+    out = torch.empty(rows, Hv * dv, dtype=torch.float32)
+    if num_seqs:
+        CALLS[name] += 1
+        getattr(lib, 'lm_' + name)(proj.data_ptr(), proj.stride(0), cols.data_ptr(), conv_weight.data_ptr(),
+                                   conv.data_ptr(), conv.stride(0), conv.stride(1), A_log.data_ptr(),
+                                   dt_bias.data_ptr(), beta_scale, state.data_ptr(), state.stride(0),
+                                   state.stride(1), state.stride(2), norm_weight.data_ptr(), eps, *seq_args,
+                                   num_seqs, Hk, Hv, dk, dv, K, work.data_ptr(), out.data_ptr(),
+                                   torch.get_num_threads())
+    return out
+
+
 def gdn_decode_native(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
                       A_log: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float, state: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, num_k_heads: int) -> torch.Tensor | None:
@@ -65,30 +111,15 @@ def gdn_decode_native(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch
         float32 ``[N, Hv*dv]`` (the output projection's input), or ``None`` (dtype, device,
         shapes, strides, autograd, or no library).
     """
-    if proj.dim() != 2 or state.dim() != 4 or conv_state.dim() != 3:
+    dims = _gdn_dims(proj, cols, conv_weight, conv_state, A_log, dt_bias, state, norm_weight, num_k_heads)
+    if dims is None:
         return None
-    N, Hv, dk, dv = state.shape
-    C, K = conv_weight.shape
-    Hk = num_k_heads
-    ok = (Hk and Hv % Hk == 0 and C == 2 * Hk * dk + Hv * dv and proj.shape[0] == N and proj.stride(1) == 1
-          and conv_state.shape == (N, C, K - 1) and (K == 1 or conv_state.stride(2) == 1)
-          and cols.shape == (C + Hv * dv + 2 * Hv,) and cols.dtype == torch.int64 and cols.is_contiguous()
-          and A_log.shape == dt_bias.shape == (Hv,) and norm_weight.shape == (dv,)
-          and all(is_plain(t) for t in (proj, conv_weight, conv_state, A_log, dt_bias, norm_weight)))
-    lib = state_step_library((proj,), state, bool(ok))
+    N = state.shape[0]
+    lib = state_step_library((proj,), state, proj.shape[0] == N and conv_state.shape[0] == N)
     if lib is None:
         return None
-    conv_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (conv_weight, A_log, dt_bias, norm_weight))
-    work = torch.empty(N, C, dtype=torch.float32)
-    out = torch.empty(N, Hv * dv, dtype=torch.float32)
-    if N:
-        CALLS['gdn_decode'] += 1
-        lib.lm_gdn_decode(proj.data_ptr(), proj.stride(0), cols.data_ptr(), conv_weight.data_ptr(),
-                          conv_state.data_ptr(), conv_state.stride(0), conv_state.stride(1), A_log.data_ptr(),
-                          dt_bias.data_ptr(), beta_scale, state.data_ptr(), state.stride(0), state.stride(1),
-                          state.stride(2), norm_weight.data_ptr(), eps, N, Hk, Hv, dk, dv, K, work.data_ptr(),
-                          out.data_ptr(), torch.get_num_threads())
-    return out
+    return _gdn_run(lib, 'gdn_decode', N, N, dims, proj, cols, conv_weight, conv_state, A_log, dt_bias, beta_scale,
+                    state, norm_weight, eps)
 
 
 def gdn_decode_torch(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch.Tensor, conv_state: torch.Tensor,
@@ -164,34 +195,18 @@ def gdn_varlen_native(proj: torch.Tensor, cols: torch.Tensor, conv_weight: torch
         float32 ``[T, Hv*dv]``, or ``None`` (dtype, device, shapes, strides, autograd, or no
         library).
     """
-    if proj.dim() != 2 or state_cache.dim() != 4 or conv_cache.dim() != 3:
+    dims = _gdn_dims(proj, cols, conv_weight, conv_cache, A_log, dt_bias, state_cache, norm_weight, num_k_heads)
+    if dims is None:
         return None
-    _, Hv, dk, dv = state_cache.shape
-    C, K = conv_weight.shape
-    Hk, T, N = num_k_heads, proj.shape[0], slots.shape[0]
-    ok = (Hk and Hv % Hk == 0 and C == 2 * Hk * dk + Hv * dv and proj.stride(1) == 1
-          and conv_cache.shape[1:] == (C, K - 1) and (K == 1 or conv_cache.stride(2) == 1)
-          and cols.shape == (C + Hv * dv + 2 * Hv,) and cols.dtype == torch.int64 and cols.is_contiguous()
-          and A_log.shape == dt_bias.shape == (Hv,) and norm_weight.shape == (dv,)
-          and cu_seqlens.shape == (N + 1,) and cu_seqlens.dtype == slots.dtype == torch.int64
+    T, N = proj.shape[0], slots.shape[0]
+    ok = (cu_seqlens.shape == (N + 1,) and cu_seqlens.dtype == slots.dtype == torch.int64
           and fresh.shape == (N,) and fresh.dtype == torch.uint8
-          and all(t.device.type == 'cpu' and t.is_contiguous() for t in (cu_seqlens, slots, fresh))
-          and all(is_plain(t) for t in (proj, conv_weight, conv_cache, A_log, dt_bias, norm_weight)))
-    lib = state_step_library((proj,), state_cache, bool(ok))
+          and all(t.device.type == 'cpu' and t.is_contiguous() for t in (cu_seqlens, slots, fresh)))
+    lib = state_step_library((proj,), state_cache, ok)
     if lib is None:
         return None
-    conv_weight, A_log, dt_bias, norm_weight = (t.contiguous() for t in (conv_weight, A_log, dt_bias, norm_weight))
-    work = torch.empty(T, C, dtype=torch.float32)
-    out = torch.empty(T, Hv * dv, dtype=torch.float32)
-    if N:
-        CALLS['gdn_varlen'] += 1
-        lib.lm_gdn_varlen(proj.data_ptr(), proj.stride(0), cols.data_ptr(), conv_weight.data_ptr(),
-                          conv_cache.data_ptr(), conv_cache.stride(0), conv_cache.stride(1), A_log.data_ptr(),
-                          dt_bias.data_ptr(), beta_scale, state_cache.data_ptr(), state_cache.stride(0),
-                          state_cache.stride(1), state_cache.stride(2), norm_weight.data_ptr(), eps,
-                          cu_seqlens.data_ptr(), slots.data_ptr(), fresh.data_ptr(), N, Hk, Hv, dk, dv, K,
-                          work.data_ptr(), out.data_ptr(), torch.get_num_threads())
-    return out
+    return _gdn_run(lib, 'gdn_varlen', T, N, dims, proj, cols, conv_weight, conv_cache, A_log, dt_bias, beta_scale,
+                    state_cache, norm_weight, eps, (cu_seqlens.data_ptr(), slots.data_ptr(), fresh.data_ptr()))
 
 
 register_kernel('gdn_varlen', device_type='cpu', available=native_available)(gdn_varlen_native)
