@@ -39,6 +39,7 @@ static inline float hsum16(v16 v) {
 
 enum { NB = 4, MB = 4 };   /* weight rows x input rows per register block */
 
+#ifdef __AVX512F__
 /* y[j * ldy + i] = sum_k x[j * ldx + k] * w[i * ldw + k] for j < mb, i < nb (nb, mb <= 4); always
    inlined with constant nb and mb (see dot_block), so the accumulators stay in registers */
 static inline __attribute__((always_inline)) void dot_block_nm(const float* x, ptrdiff_t ldx, const float* w,
@@ -62,6 +63,61 @@ static inline __attribute__((always_inline)) void dot_block_nm(const float* x, p
       y[j * ldy + i] = s;
     }
 }
+#else
+/* Without AVX-512 a 16-float vector is no register, and GCC keeps arrays of them in memory: every
+   multiply-add of the v16 form above became a load and a store on the stack (AMD EPYC with AVX2,
+   2 threads: 10-13 GB/s for one input row, 0.7-1.3 GB/s for 16). Here each v16 accumulator is two
+   8-float halves (one AVX2 register each), lane for lane the same sums in the same order, and
+   hsum_halves adds them as hsum16 does, so y is bit for bit what the v16 form gives. Weight
+   vectors are used as soon as they are loaded. Blocks up to HALF_NB1 weight rows x MB input rows
+   (the register budget: HALF_NB1 x 1 or 1 x MB accumulator pairs); same host: 20-23 GB/s for one
+   input row (8 weight rows), 5-6 GB/s for 16 (1 x 4). */
+enum { HALF_NB1 = 8 };
+
+static inline v8 load8(const float* p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+/* hsum16 of the vector whose lanes 0-7 are lo and 8-15 are hi */
+static inline float hsum_halves(v8 lo, v8 hi) {
+  v8 a = lo + hi;
+#ifdef LM_HAVE_SHUFFLE
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+#else
+  float t[8];
+  memcpy(t, &a, sizeof t);
+  for (int w = 4; w >= 1; w /= 2)
+    for (int i = 0; i < w; i++) t[i] += t[i + w];
+  return t[0];
+#endif
+}
+
+/* y[j * ldy + i] = sum_k x[j * ldx + k] * w[i * ldw + k] for j < mb <= MB, i < nb <= HALF_NB1;
+   always inlined with constant nb and mb (see dot_block), so the accumulators stay in registers */
+static inline __attribute__((always_inline)) void dot_block_nm(const float* x, ptrdiff_t ldx, const float* w,
+                                                               ptrdiff_t ldw, int K, float* y, ptrdiff_t ldy,
+                                                               const int nb, const int mb) {
+  v8 acc[HALF_NB1][MB][2];
+  for (int i = 0; i < nb; i++)
+    for (int j = 0; j < mb; j++) acc[i][j][0] = acc[i][j][1] = (v8){0};
+  int k = 0;
+  for (; k + 16 <= K; k += 16)
+    for (int h = 0; h < 2; h++) {
+      v8 xv[MB];
+      for (int j = 0; j < mb; j++) xv[j] = load8(x + j * ldx + k + 8 * h);
+      for (int i = 0; i < nb; i++) {
+        v8 wv = load8(w + i * ldw + k + 8 * h);
+        for (int j = 0; j < mb; j++) acc[i][j][h] += wv * xv[j];
+      }
+    }
+  for (int i = 0; i < nb; i++)
+    for (int j = 0; j < mb; j++) {
+      float s = hsum_halves(acc[i][j][0], acc[i][j][1]);
+      for (int kk = k; kk < K; kk++) s += w[i * ldw + kk] * x[j * ldx + kk];
+      y[j * ldy + i] = s;
+    }
+}
+#endif
 
 #define DOT_CASE(n, m) case (n) * 8 + (m): dot_block_nm(x, ldx, w, ldw, K, y, ldy, n, m); break;
 #define DOT_ROW(n) DOT_CASE(n, 1) DOT_CASE(n, 2) DOT_CASE(n, 3) DOT_CASE(n, 4)
@@ -144,7 +200,7 @@ static void matmul_rows_nowait(const float* x, int M, int K, ptrdiff_t ldx, cons
 #ifdef __AVX512F__
   const int wide = M == 1 ? WIDE_NB1 : M <= 3 ? WIDE_NB23 : WIDE_NB;
 #else
-  const int wide = NB;
+  const int wide = M == 1 ? HALF_NB1 : 1;    /* one weight row for blocks of up to MB input rows */
 #endif
   #pragma omp for schedule(static) nowait
   for (int n0 = 0; n0 < N; n0 += wide) {
@@ -155,9 +211,15 @@ static void matmul_rows_nowait(const float* x, int M, int K, ptrdiff_t ldx, cons
       dot_wide_rows(x, ldx, M, wb, ldw, K, yb, ldy);
       continue;
     }
+#else
+    if (M == 1 && N - n0 >= wide) {
+      dot_block_nm(x, ldx, wb, ldw, K, yb, ldy, HALF_NB1, 1);
+      continue;
+    }
 #endif
     for (int n1 = 0; n1 < N - n0 && n1 < wide; n1 += NB) {   /* blocks of NB (the last one partial) */
       int nb = N - n0 - n1 < NB ? N - n0 - n1 : NB;
+      if (nb > wide - n1) nb = wide - n1;
       for (int m0 = 0; m0 < M; m0 += MB) {
         int mb = M - m0 < MB ? M - m0 : MB;
         dot_block(x + m0 * ldx, ldx, mb, wb + n1 * ldw, ldw, nb, K, yb + m0 * ldy + n1, ldy);
@@ -490,11 +552,27 @@ static void silu_rows(float* work, int64_t n) {
 }
 
 /* rows of one sequence per block of gdn_head_rows: their q, k, gates and outputs stay on the stack
-   while each group of GDN_SLICES 16-column slices of the head's state (dk x 64 floats, 32 KB at
-   dk = 128) is stepped through all of them from L1 / L2 */
-enum { GDN_ROWS = 16, GDN_COLS = 16, GDN_SLICES = 4 };
+   while each group of GDN_SLICES GDN_COLS-column slices of the head's state (dk x 64 floats, 32 KB at
+   dk = 128, with AVX-512; half that without) is stepped through all of them from L1 / L2 */
+enum { GDN_ROWS = 16, GDN_SLICES = 4 };
 
-static inline void store16(float* p, v16 v) { memcpy(p, &v, sizeof v); }
+/* the state's columns GDN_COLS at a time: one register each (without AVX-512 a v16 is none and
+   arrays of them live on the stack; see dot_block_nm). Every column is stepped on its own, lane for
+   lane the same operations; the columns of whole groups of GDN_GROUP take the vector path and the
+   rest the scalar one (which may contract its multiply-adds differently) on every CPU, so the
+   results do not depend on the width. */
+#ifdef __AVX512F__
+typedef v16 vcols;
+enum { GDN_COLS = 16 };
+#else
+typedef v8 vcols;
+enum { GDN_COLS = 8 };
+#endif
+enum { GDN_GROUP = 64 };   /* a multiple of GDN_SLICES * GDN_COLS */
+_Static_assert(GDN_GROUP % (GDN_SLICES * GDN_COLS) == 0, "a group is whole vector steps");
+
+static inline vcols load_cols(const float* p) { vcols v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_cols(float* p, vcols v) { memcpy(p, &v, sizeof v); }
 
 static void gdn_head_rows(const float* proj, int64_t ld_proj, const int64_t* cols, const float* work,
                           const float* A_log, const float* dt_bias, float beta_scale, float* S, int64_t s_row,
@@ -540,27 +618,27 @@ static void gdn_head_rows(const float* proj, int64_t ld_proj, const int64_t* col
        on its own, so each slice runs all the rows before the next is touched; GDN_SLICES slices
        at once give as many independent sums (a single one waits on each add's latency) */
     int c0 = 0;
-    for (; c0 + GDN_SLICES * GDN_COLS <= dv; c0 += GDN_SLICES * GDN_COLS) {
+    for (; c0 < dv / GDN_GROUP * GDN_GROUP; c0 += GDN_SLICES * GDN_COLS) {
       for (int r = 0; r < nr; r++) {
-        v16 kv[GDN_SLICES], qv[GDN_SLICES], d[GDN_SLICES];
-        for (int b = 0; b < GDN_SLICES; b++) kv[b] = qv[b] = (v16){0};
+        vcols kv[GDN_SLICES], qv[GDN_SLICES], d[GDN_SLICES];
+        for (int b = 0; b < GDN_SLICES; b++) kv[b] = qv[b] = (vcols){0};
         for (int i = 0; i < dk; i++) {
           const float* sp = S + (ptrdiff_t)i * s_row + c0;
           for (int b = 0; b < GDN_SLICES; b++) {
-            v16 sv = load16(sp + b * GDN_COLS);
+            vcols sv = load_cols(sp + b * GDN_COLS);
             kv[b] += sv * akn[r][i];
             qv[b] += sv * aqn[r][i];
           }
         }
         const float* vp = work + (t0 + r) * C + 2 * Hk * dk + (ptrdiff_t)h * dv + c0;
-        for (int b = 0; b < GDN_SLICES; b++) d[b] = beta[r] * (load16(vp + b * GDN_COLS) - kv[b]);
+        for (int b = 0; b < GDN_SLICES; b++) d[b] = beta[r] * (load_cols(vp + b * GDN_COLS) - kv[b]);
         const float a = decay[r];
         for (int i = 0; i < dk; i++) {
           float* sp = S + (ptrdiff_t)i * s_row + c0;
           for (int b = 0; b < GDN_SLICES; b++)
-            store16(sp + b * GDN_COLS, a * load16(sp + b * GDN_COLS) + kn[r][i] * d[b]);
+            store_cols(sp + b * GDN_COLS, a * load_cols(sp + b * GDN_COLS) + kn[r][i] * d[b]);
         }
-        for (int b = 0; b < GDN_SLICES; b++) store16(&o[r][c0 + b * GDN_COLS], qv[b] + qk[r] * d[b]);
+        for (int b = 0; b < GDN_SLICES; b++) store_cols(&o[r][c0 + b * GDN_COLS], qv[b] + qk[r] * d[b]);
       }
     }
     for (; c0 < dv; c0++) {   /* the columns past the last whole group, one at a time */
