@@ -177,7 +177,8 @@ def _attend_shapes(q_c, cache, block_table, kv_seqlens, pools, pool: int) -> tup
 
 
 def dsa_attend_torch(q_c: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, kv_seqlens: torch.Tensor,
-                     pools: torch.Tensor, pool: int, tail: bool, scale: float, *, check: bool = True) -> torch.Tensor:
+                     pools: torch.Tensor, pool: int, tail: bool, scale: float, *,
+                     check: bool = True) -> torch.Tensor:
     """NoPE MLA decode attention in latent space (the absorbed form: the key up-projection folded
     into ``q_c``, the value up-projection the caller's) over a DSA selection, in torch over the
     block table's full width.
