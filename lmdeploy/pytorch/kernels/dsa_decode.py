@@ -11,7 +11,9 @@ ints, so a CPU decode graph can record and replay it and a CUDA graph can captur
 Each op is registered for the CPU (the native kernels ``lm_dsa_select`` / ``lm_dsa_attend`` of
 :mod:`.cpu_native` when they apply: float32, the library built; else the torch form) and for any
 other device (the torch form: a fixed-shape gather over the block table's full width with
-masking, no host read on CUDA).
+masking, called with ``check=False``: its range checks read the tensors on the host, so they run
+for CPU tensors only and a CUDA graph can capture the rest). The gather is dense over each
+session (memory and time grow with batch x block-table width), not sparse.
 
 Selection rule (the same as :func:`~lmdeploy.pytorch.models.glm5_next_layers.top_pools` in the
 per-sequence path): the ``min(K, kv_seqlen // P)`` complete pools with the highest scores, best
