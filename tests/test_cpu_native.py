@@ -458,6 +458,40 @@ def test_attention_gives_a_key_with_an_infinite_negative_score_zero_weight():
     _close(out, ref, float(ref.abs().max()) + 1.0)
 
 
+
+def test_attention_gives_nan_for_a_nan_first_key_as_torch_does():
+    """A NaN score on the first key (the running max still -inf) propagates, as in torch's
+    attention, instead of being skipped like a -inf one."""
+    from lmdeploy.pytorch.kernels.attention import paged_decode_attention
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 4, 1, 8, generator=gen), torch.randn(2, 4, 1, 8, generator=gen)
+    k_cache[0, 0, 0, 3] = float('nan')                        # the first key of sequence 0
+    q = torch.randn(2, 2, 8, generator=gen)
+    table, lengths = torch.tensor([[0], [1]]), torch.tensor([4, 4])
+    out = cpu_native.paged_decode_attention_native(q, k_cache, v_cache, table, lengths, 1.0)
+    ref = paged_decode_attention(q, k_cache, v_cache, table, lengths, 1.0)
+    assert out[0].isnan().all() and ref[0].isnan().all()
+    assert not out[1].isnan().any()
+    _close(out[1], ref[1], 1.0)
+
+
+def test_mla_decode_gives_nan_for_a_nan_first_row_as_torch_does():
+    """The MLA decode kernel's online softmax: a NaN score on a sequence's first cached row
+    propagates as in its torch form."""
+    from lmdeploy.pytorch.kernels.fused_decode import mla_decode_native, mla_decode_torch
+    gen = torch.Generator().manual_seed(1)
+    H, N, R, P, bs = 3, 2, 16, 4, 4
+    cache = torch.randn(4, bs, R + P, generator=gen)
+    cache[0, 0, 5] = float('nan')                             # sequence 0's row 0
+    args = (torch.randn(H, N, R, generator=gen), torch.randn(N, H, P, generator=gen),
+            torch.randn(N, R + P, generator=gen), torch.rand(R, generator=gen) + 0.5, 1e-6, None, None)
+    where = (torch.tensor([1, 3]), torch.tensor([1, 2]), torch.tensor([[0, 1], [2, 3]]), torch.tensor([6, 7]))
+    out = mla_decode_native(*args, cache.clone(), *where, 0.2)
+    ref = mla_decode_torch(*args, cache.clone(), *where, 0.2)
+    assert out[:, 0].isnan().all() and ref[:, 0].isnan().all()
+    assert not out[:, 1].isnan().any()
+    _close(out[:, 1], ref[:, 1], 1.0)
+
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_a_cpu_engine_builds_the_kernels_when_it_starts(tiny_qwen3_next, dtype, tmp_path):
     """The build (about a second) happens at engine start, not in the first request; bf16 too

@@ -443,13 +443,13 @@ def test_fp8_gemm_triton_equals_torch(dtype, tol):
 # --- CUDA decode graphs (engine/cuda_graph.py) ------------------------------------------------------
 # Nemotron-H with dense MLPs, and with its relu^2 experts (the tiny model's default), which like
 # Ling 3's (bailing_hybrid) limited experts capture in their gathered form (8 experts, top-2: up
-# to 8 tokens)
+# to 8 tokens); GLM-5.3-Flash (glm5_next) as well, its DSA layers in their torch form's fixed shapes
 _DENSE_NEMOTRON = dict(layers_block_type=['linear_attention', 'mlp', 'full_attention', 'linear_attention', 'mlp'])
 
 
 @pytest.mark.parametrize('arch, overrides', [('qwen3_next', {}), ('qwen3_5_moe_text', {}), ('kimi_linear', {}),
                                              ('nemotron_h', _DENSE_NEMOTRON), ('nemotron_h', {}),
-                                             ('bailing_hybrid', {})])
+                                             ('bailing_hybrid', {}), ('glm5_next', {})])
 def test_cuda_graph_engine_replay_equals_eager(arch, overrides, family_paths):
     """30 decode steps at batch 1, 3 (bucket 4: one padding row) and 8 through the worker of a
     CUDA engine with graphs on, against the same steps with them off (same tokens fed to both:

@@ -182,3 +182,92 @@ def test_attend_refuses_pools_out_of_range(impl):
             impl(q_c, cache, table, lens, torch.tensor(bad), 8, True, 0.3)
     with pytest.raises(ValueError, match='pool must be'):
         impl(q_c, cache, table, lens, torch.tensor([[0], [0]]), 0, True, 0.3)
+
+
+@pytest.mark.parametrize('impl', [pytest.param(dsa_attend_native, marks=native), dsa_attend_torch])
+def test_a_pool_given_twice_is_attended_once(impl):
+    _, _, _, _, table, lens = _select_args([70, 30], seed=5)
+    gen = torch.Generator().manual_seed(5)
+    q_c, cache = torch.randn(3, 2, 32, generator=gen), torch.randn(table.max() + 1, BLOCK, 32, generator=gen)
+    twice = torch.tensor([[6, 2, 6, 2, -1], [1, 1, 1, 0, 0]])
+    once = torch.tensor([[6, 2, -1, -1, -1], [1, 0, -1, -1, -1]])
+    for tail in (True, False):
+        got = impl(q_c, cache, table, lens, twice, 8, tail, 0.3)
+        want = dsa_attend_torch(q_c, cache, table, lens, once, 8, tail, 0.3)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize('impl', [pytest.param(dsa_attend_native, marks=native), dsa_attend_torch])
+def test_a_nan_in_the_first_selected_row_gives_nan(impl):
+    """NaN in a selected key row propagates as torch's softmax does, first row or not (the
+    online softmax must not skip a NaN score while its running max is still -inf)."""
+    _, _, _, _, table, lens = _select_args([70, 30], seed=6)
+    gen = torch.Generator().manual_seed(6)
+    q_c, cache = torch.randn(3, 2, 32, generator=gen), torch.randn(table.max() + 1, BLOCK, 32, generator=gen)
+    pools = torch.tensor([[4, 2, -1], [1, 0, -1]])
+    cache[table[0, 2 * 8 // BLOCK], 0, 0] = float('nan')      # sequence 0's token 16: the first of pool 2
+    out = impl(q_c, cache, table, lens, pools, 8, True, 0.3)
+    assert out[:, 0].isnan().all(), out[:, 0]
+    assert not out[:, 1].isnan().any()
+
+
+@native
+@pytest.mark.parametrize('heads', [9, 13, 16, 17])
+def test_attend_with_several_head_groups_equals_the_torch_form(heads):
+    """More than 8 heads: the native kernel's groups of up to 8 heads, the last one partial."""
+    lengths = [70, 30, 200]
+    args = _select_args(lengths, seed=heads)
+    pools = dsa_select_native(*args, 4, 0.25)
+    gen = torch.Generator().manual_seed(heads)
+    q_c = torch.randn(heads, len(lengths), 32, generator=gen)
+    cache = torch.randn(args[2].shape[0], BLOCK, 32, generator=gen)
+    for tail in (True, False):
+        got = dsa_attend_native(q_c, cache, args[4], args[5], pools, 8, tail, 0.3)
+        want = dsa_attend_torch(q_c, cache, args[4], args[5], pools, 8, tail, 0.3)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+        # each head its own: a head's output does not depend on the others
+        alone = dsa_attend_native(q_c[-1:].contiguous(), cache, args[4], args[5], pools, 8, tail, 0.3)
+        assert torch.equal(got[-1:], alone)
+
+
+@pytest.mark.parametrize('impl', [pytest.param(dsa_select_native, marks=native), dsa_select_torch])
+def test_select_refuses_a_zero_channel_width(impl):
+    q, w, keys, ape, table, lens = _select_args([30, 9], seed=3)
+    with pytest.raises(ValueError, match='D >= 1'):
+        impl(q[..., :0], w, keys[..., :0], ape[:, :0], table, lens, 8, 0.25)
+
+
+@pytest.mark.parametrize('impl', [pytest.param(dsa_attend_native, marks=native), dsa_attend_torch])
+def test_attend_refuses_a_zero_latent_width(impl):
+    _, _, _, _, table, lens = _select_args([30, 9], seed=4)
+    with pytest.raises(ValueError, match='R >= 1'):
+        impl(torch.randn(2, 2, 0), torch.randn(32, BLOCK, 0), table, lens, torch.tensor([[0], [0]]), 8, True, 0.3)
+
+
+def test_the_torch_forms_read_nothing_on_the_host_without_the_range_checks():
+    """What a CUDA graph captures: with ``check=False`` (the registration for devices other than
+    the CPU) neither torch form reads a tensor on the host; with the checks (CPU) they do."""
+    from host_reads import HostReads
+    args = _select_args([70, 30, 9], seed=8)
+    gen = torch.Generator().manual_seed(8)
+    q_c, cache = torch.randn(3, 3, 32, generator=gen), torch.randn(args[2].shape[0], BLOCK, 32, generator=gen)
+    with HostReads() as reads:
+        pools = dsa_select_torch(*args, 4, 0.25, check=False)
+        out = dsa_attend_torch(q_c, cache, args[4], args[5], pools, 8, True, 0.3, check=False)
+    assert reads.seen == []
+    assert torch.equal(pools, dsa_select_torch(*args, 4, 0.25))
+    assert torch.equal(out, dsa_attend_torch(q_c, cache, args[4], args[5], pools, 8, True, 0.3))
+    with HostReads() as reads:
+        dsa_attend_torch(q_c, cache, args[4], args[5], pools, 8, True, 0.3)
+    assert reads.seen
+
+
+def test_the_range_checks_run_on_the_cpu_only():
+    """On a device other than the CPU (here ``meta``: no data to read) the torch forms run
+    without the range checks, which would read the tensors on the host."""
+    q, w, keys, ape, table, lens = (t.to('meta') for t in _select_args([30, 9], seed=3))
+    pools = dsa_select_torch(q, w, keys, ape, table, lens, 4, 0.25)
+    assert pools.shape == (2, 4) and pools.device.type == 'meta'
+    out = dsa_attend_torch(torch.randn(2, 2, 32, device='meta'), torch.randn(keys.shape[0], BLOCK, 32, device='meta'),
+                           table, lens, pools, 8, True, 0.3)
+    assert out.shape == (2, 2, 32) and out.device.type == 'meta'

@@ -207,5 +207,21 @@ def test_bad_input_is_a_value_error_naming_the_field():
         limited_swiglu_experts_gathered(x, index, weights, gate_up, down, 'relu', 1.0)
     with pytest.raises(ValueError, match='expert weights'):
         limited_swiglu_experts_gathered(x, index, weights, gate_up[:, :12], down, 'clipped', 1.0)
+    with pytest.raises(ValueError, match='gate_up must be'):            # 2I + 1 rows: 17 // 2 matches down
+        limited_swiglu_experts_gathered(x, index, weights, torch.cat([gate_up, gate_up[:, :1]], 1), down,
+                                        'clamped', 1.0)
     assert torch.equal(relu2_experts_gathered(x[:, :16], index.int(), weights, up, down[:, :16]),
                        relu2_experts_gathered(x[:, :16], index, weights, up, down[:, :16]))
+
+
+def test_an_empty_batch_gives_an_empty_result_as_the_loop():
+    relu2 = _relu2_layer(3, 4, 2, 4, 16, 8, seed=14)
+    limited = _limited_layer(3, 4, 2, 4, 16, 8, seed=15)
+    cases = ((relu2_experts_gathered, relu2_experts_loop, relu2, ()),
+             (limited_swiglu_experts_gathered, limited_swiglu_experts_loop, limited, ('clamped', 2.0)))
+    for gathered, loop, (x, index, weights, w1, w2), extra in cases:
+        empty = (x[:0], index[:0], weights[:0], w1, w2, *extra)
+        got, want = gathered(*empty), loop(*empty)
+        assert got.shape == want.shape == (0, 16) and got.dtype == want.dtype == x.dtype
+        # no choice per token: the empty sum (the loop has no such case to compare with)
+        assert torch.equal(gathered(x, index[:, :0], weights[:, :0], w1, w2, *extra), torch.zeros(3, 16))

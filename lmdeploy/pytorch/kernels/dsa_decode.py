@@ -11,7 +11,9 @@ ints, so a CPU decode graph can record and replay it and a CUDA graph can captur
 Each op is registered for the CPU (the native kernels ``lm_dsa_select`` / ``lm_dsa_attend`` of
 :mod:`.cpu_native` when they apply: float32, the library built; else the torch form) and for any
 other device (the torch form: a fixed-shape gather over the block table's full width with
-masking, no host read on CUDA).
+masking, called with ``check=False``: its range checks read the tensors on the host, so they run
+for CPU tensors only and a CUDA graph can capture the rest). The gather is dense over each
+session (memory and time grow with batch x block-table width), not sparse.
 
 Selection rule (the same as :func:`~lmdeploy.pytorch.models.glm5_next_layers.top_pools` in the
 per-sequence path): the ``min(K, kv_seqlen // P)`` complete pools with the highest scores, best
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model_inputs import kv_gather_index
 from . import register_kernel
 from .cpu_native import CALLS, is_plain, native_library
 from .fused_decode import _check_paged_lengths
@@ -46,7 +49,7 @@ def _select_shapes(q, w, keys, ape, block_table, kv_seqlens, k: int) -> tuple[in
     """``(N, heads, D, P)`` of checked :func:`dsa_select_torch` arguments.
 
     Raises:
-        ValueError: inconsistent shapes or ``k < 0``.
+        ValueError: inconsistent shapes, ``D == 0`` or ``k < 0``.
     """
     if q.dim() != 3 or keys.dim() != 3 or ape.dim() != 2:
         raise ValueError(f'expected q [N, heads, D], keys [num_blocks, block_size, 2D], ape [P, D]; got '
@@ -56,24 +59,23 @@ def _select_shapes(q, w, keys, ape, block_table, kv_seqlens, k: int) -> tuple[in
     if w.shape != (N, Hi) or keys.shape[2] != 2 * D or ape.shape[1] != D or k < 0:
         raise ValueError(f'expected w [N, heads], keys [.., .., 2D], ape [P, D], k >= 0; got {tuple(w.shape)}, '
                          f'{tuple(keys.shape)}, {tuple(ape.shape)}, k={k}')
+    if D == 0:
+        raise ValueError(f'q must have a channel width D >= 1, got q {tuple(q.shape)}')
     _check_args(block_table, kv_seqlens, N, P)
     return N, Hi, D, P
 
 
-def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, kv_seqlens: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor]:
-    """``(rows [N, S, C], pos [1, S])``: every position of the block table's full width
-    (``S = W * block_size``); positions ``>= kv_seqlen`` read the sequence's position 0 (always
-    written, so finite)."""
-    bs = cache.shape[1]
-    S = block_table.shape[1] * bs
-    pos = torch.arange(S, device=block_table.device)[None, :]
-    at = torch.where(pos < kv_seqlens[:, None], pos, 0)
-    return cache[block_table.gather(1, at // bs), at % bs], pos
+def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, kv_seqlens: torch.Tensor) -> torch.Tensor:
+    """``rows [N, S, C]``: every position of the block table's full width (``S = W * block_size``,
+    :func:`~lmdeploy.pytorch.model_inputs.kv_gather_index`); positions ``>= kv_seqlen`` read the
+    sequence's position 0 (always written, so finite)."""
+    blocks, offsets, _ = kv_gather_index(block_table, kv_seqlens, cache.shape[1])
+    return cache[blocks, offsets]
 
 
 def dsa_select_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, ape: torch.Tensor,
-                     block_table: torch.Tensor, kv_seqlens: torch.Tensor, k: int, scale: float) -> torch.Tensor:
+                     block_table: torch.Tensor, kv_seqlens: torch.Tensor, k: int, scale: float, *,
+                     check: bool = True) -> torch.Tensor:
     """The DSA lightning indexer's pool selection for ``N`` decode queries (one per sequence, at
     position ``kv_seqlens[n] - 1``), in torch over the block table's full width.
 
@@ -90,18 +92,21 @@ def dsa_select_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, ape: 
         block_table: int64 ``[N, W]``; kv_seqlens: int64 ``[N]``, each in ``[1, W * block_size]``.
         k: pools to keep (``index_topk // P``).
         scale: ``D ** -0.5``.
+        check: run the length and block id checks (CPU tensors only; they read the tensors on
+            the host). The registration for other devices passes ``False``.
 
     Returns:
         int64 ``[N, k]``: pool indices, best first, ``-1`` past the ``min(k, M)`` kept.
 
     Raises:
-        ValueError: inconsistent shapes, a length or a reached block id out of range (the length
-            and block checks read the tensors: skipped on CUDA, where a capture forbids it).
+        ValueError: inconsistent shapes, ``D == 0``, a length or a reached block id out of range
+            (the length and block checks read the tensors: run on CPU only, when ``check``; a
+            CUDA capture forbids host reads, and other accelerators would synchronise).
     """
     N, Hi, D, P = _select_shapes(q, w, keys, ape, block_table, kv_seqlens, k)
-    if q.device.type != 'cuda':
+    if check and kv_seqlens.device.type == 'cpu':
         _check_paged_lengths(block_table, kv_seqlens, keys.shape[1], keys.shape[0])
-    rows, _ = _gather_rows(keys, block_table, kv_seqlens)
+    rows = _gather_rows(keys, block_table, kv_seqlens)
     Mmax = rows.shape[1] // P
     out = torch.full((N, k), -1, dtype=torch.int64, device=q.device)
     kept = min(k, Mmax)
@@ -158,7 +163,7 @@ def _attend_shapes(q_c, cache, block_table, kv_seqlens, pools, pool: int) -> tup
     """``(H, N, R, K)`` of checked :func:`dsa_attend_torch` arguments.
 
     Raises:
-        ValueError: inconsistent shapes or dtypes.
+        ValueError: inconsistent shapes or dtypes, or ``R == 0``.
     """
     if q_c.dim() != 3 or cache.dim() != 3 or pools.dim() != 2:
         raise ValueError(f'expected q_c [H, N, R], cache [num_blocks, block_size, R], pools [N, K]; got '
@@ -167,18 +172,21 @@ def _attend_shapes(q_c, cache, block_table, kv_seqlens, pools, pool: int) -> tup
     if cache.shape[2] != R or pools.shape[0] != N or pools.dtype != torch.int64:
         raise ValueError(f'expected cache [.., .., R={R}] and int64 pools [N={N}, K]; got {tuple(cache.shape)}, '
                          f'{pools.dtype} {tuple(pools.shape)}')
+    if R == 0:
+        raise ValueError(f'q_c must have a latent width R >= 1, got q_c {tuple(q_c.shape)}')
     _check_args(block_table, kv_seqlens, N, pool)
     return H, N, R, pools.shape[1]
 
 
 def dsa_attend_torch(q_c: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, kv_seqlens: torch.Tensor,
-                     pools: torch.Tensor, pool: int, tail: bool, scale: float) -> torch.Tensor:
+                     pools: torch.Tensor, pool: int, tail: bool, scale: float, *,
+                     check: bool = True) -> torch.Tensor:
     """NoPE MLA decode attention in latent space (the absorbed form: the key up-projection folded
     into ``q_c``, the value up-projection the caller's) over a DSA selection, in torch over the
     block table's full width.
 
     Sequence ``n`` attends the tokens of its selected pools (``pools[n]``, ``P = pool`` tokens
-    each; ``-1`` entries select nothing) and, when ``tail`` and ``P > 1``, the tokens after its
+    each; ``-1`` entries select nothing, a pool given twice counts once) and, when ``tail`` and ``P > 1``, the tokens after its
     last complete pool (``kv_seqlens[n] // P * P .. kv_seqlens[n] - 1``):
     ``out[h, n] = sum_t softmax_t(q_c[h, n] . latent_t * scale) latent_t`` (softmax in float32).
 
@@ -191,24 +199,26 @@ def dsa_attend_torch(q_c: torch.Tensor, cache: torch.Tensor, block_table: torch.
         pool: ``P`` (``index_kpool``).
         tail: ``index_kpool_always_select_tail``.
         scale: the softmax scale.
+        check: run the range checks (CPU tensors only; they read the tensors on the host). The
+            registration for other devices passes ``False``.
 
     Returns:
         ``[H, N, R]`` in ``q_c``'s dtype (zeros for a sequence that selects no token, as the
         per-sequence path's masked attention gives).
 
     Raises:
-        ValueError: inconsistent shapes, a length, a reached block id or a pool id out of range
-            (the range checks read the tensors: skipped on CUDA).
+        ValueError: inconsistent shapes, ``R == 0``, a length, a reached block id or a pool id out
+            of range (the range checks read the tensors: run on CPU only, when ``check``).
     """
     H, N, R, K = _attend_shapes(q_c, cache, block_table, kv_seqlens, pools, pool)
     P = pool
-    if q_c.device.type != 'cuda':
+    if check and kv_seqlens.device.type == 'cpu':
         _check_paged_lengths(block_table, kv_seqlens, cache.shape[1], cache.shape[0])
         if pools.numel() and ((pools < -1).any() or (pools >= (kv_seqlens // P)[:, None]).any()):
             raise ValueError(f'pools must be in [-1, kv_seqlens // {P}); got {pools.tolist()}')
-    rows, pos = _gather_rows(cache, block_table, kv_seqlens)
-    rows = rows.to(q_c.dtype)
+    rows = _gather_rows(cache, block_table, kv_seqlens).to(q_c.dtype)
     S = rows.shape[1]
+    pos = torch.arange(S, device=q_c.device)[None, :]
     Mmax = S // P
     full = (kv_seqlens // P)[:, None]
     picked = torch.zeros(N, Mmax + 1, dtype=torch.bool, device=q_c.device)
@@ -269,5 +279,13 @@ def dsa_attend_cpu(*args) -> torch.Tensor:
     return dsa_attend_torch(*args) if out is None else out
 
 
-register_kernel('dsa_select')(dsa_select_torch)
-register_kernel('dsa_attend')(dsa_attend_torch)
+@register_kernel('dsa_select')
+def dsa_select_device(*args) -> torch.Tensor:
+    """:func:`dsa_select_torch` on a device other than the CPU: no range check (no host read)."""
+    return dsa_select_torch(*args, check=False)
+
+
+@register_kernel('dsa_attend')
+def dsa_attend_device(*args) -> torch.Tensor:
+    """:func:`dsa_attend_torch` on a device other than the CPU: no range check (no host read)."""
+    return dsa_attend_torch(*args, check=False)

@@ -321,7 +321,8 @@ def _experts_gathered(x: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     the host: per (token, slot) pair its expert's weights indexed on the device (``[S, F, D]``,
     ``S = T * k``, in chunks of at most :data:`GATHER_CHUNK_BYTES`), two batched products, the
     activation between them; weighted in float32 and summed in slot order (:func:`_sum_slots`).
-    ``inner`` is the width ``act`` returns (``w2``'s last dimension)."""
+    ``inner`` is the width ``act`` returns (``w2``'s last dimension). No pair (``T == 0`` or
+    ``k == 0``): float32 zeros ``[T, D]`` (the empty sum; for ``T == 0`` the loop's result)."""
     if x.dim() != 2 or index.dim() != 2 or index.shape[0] != x.shape[0]:
         raise ValueError(f'expected x [T, D] and index [T, k]; got x {tuple(x.shape)}, index {tuple(index.shape)}')
     if weights.shape != index.shape:
@@ -333,6 +334,8 @@ def _experts_gathered(x: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     if w1.dim() != 3 or w1.shape[2] != D or w2.shape != (E, D, inner):
         raise ValueError(f'expected the expert weights [E, F, {D}] and [E, {D}, {inner}]; got '
                          f'{tuple(w1.shape)}, {tuple(w2.shape)}')
+    if T * k == 0:
+        return torch.zeros(T, D, dtype=torch.float32, device=x.device)
     flat = index.reshape(-1)
     rows = x[:, None].expand(T, k, D).reshape(T * k, 1, D)          # pair (t, j) is row t * k + j
     per_pair = (w1[0].numel() + w2[0].numel()) * w1.element_size()
@@ -385,10 +388,13 @@ def limited_swiglu_experts_gathered(x: torch.Tensor, index: torch.Tensor, weight
         ``[T, H]`` in ``x.dtype``.
 
     Raises:
-        ValueError: an unknown ``act``, inconsistent shapes or an index dtype other than int64 / int32.
+        ValueError: an unknown ``act``, an odd ``gate_up.shape[1]``, inconsistent shapes or an
+            index dtype other than int64 / int32.
     """
     if act not in LIMITED_SWIGLU:
         raise ValueError(f'act must be one of {sorted(LIMITED_SWIGLU)}, got {act!r}')
+    if gate_up.dim() != 3 or gate_up.shape[1] % 2:
+        raise ValueError(f'gate_up must be [E, 2I, H] (an even number of rows), got {tuple(gate_up.shape)}')
     fn = LIMITED_SWIGLU[act]
     return _experts_gathered(x, index, weights, gate_up, down, gate_up.shape[1] // 2,
                              lambda h: fn(*h.chunk(2, dim=-1), limit)).to(x.dtype)

@@ -1123,7 +1123,7 @@ int lm_paged_decode_attention(const float* q, const float* k_cache, const float*
         #pragma omp simd reduction(+:dot)
         for (int d = 0; d < D; d++) dot += qg[d] * kr[d];
         float score = dot * scale;
-        if (fmaxf(m[g], score) == -INFINITY) continue;   /* weight exp(-inf) = 0 so far: skip it (no -inf - -inf) */
+        if (score == -INFINITY && m[g] == -INFINITY) continue;   /* weight 0 so far: skip; NaN goes on */
         if (score > m[g]) {
           float correction = expf(m[g] - score);   /* 0 for the first key (m = -inf) */
           l[g] *= correction;
@@ -1228,7 +1228,7 @@ int lm_mla_decode(const float* q_c, const float* q_rope, int64_t ld_q, int64_t l
           for (int c = 0; c < R; c++) dot += qc[c] * lr[c];
           for (int c = 0; c < P; c++) dot += qr[g][c] * lr[R + c];
           float score = dot * scale;
-          if (fmaxf(m[g], score) == -INFINITY) continue;   /* exp(-inf) weight so far: skip (no -inf - -inf) */
+          if (score == -INFINITY && m[g] == -INFINITY) continue;   /* weight 0 so far: skip; NaN goes on */
           if (score > m[g]) {
             float correction = expf(m[g] - score);   /* 0 for the first row (m = -inf) */
             l[g] *= correction;
@@ -1368,8 +1368,8 @@ static int dsa_check(const int64_t* block_table, int64_t ld_table, const int64_t
    from the cached rows [k (D) | g (D)] (element (block, pos, c) at block * s_block + pos * s_pos +
    c); pools[n] [K] receives the min(K, M) best pools, best first, ties to the lower pool (NaN
    ranks first), then -1. q [N, Hi, D], w [N, Hi] contiguous; scores [N, W * block_size / P]
-   scratch. OpenMP over (sequence, pool) for the scores, then over sequences. Returns -1 / -2 as
-   dsa_check (nothing written). */
+   scratch. OpenMP over the (sequence, complete pool) pairs for the scores, then over sequences.
+   Returns -1 / -2 as dsa_check (nothing written). */
 int lm_dsa_select(const float* q, const float* w, const float* keys, int64_t s_block, int64_t s_pos,
                   const float* ape, const int64_t* block_table, int64_t ld_table, const int64_t* kv_seqlens, int N,
                   int Hi, int D, int P, int K, int block_size, int W, int64_t num_blocks, float scale,
@@ -1377,13 +1377,21 @@ int lm_dsa_select(const float* q, const float* w, const float* keys, int64_t s_b
   int status = dsa_check(block_table, ld_table, kv_seqlens, N, block_size, W, num_blocks);
   if (status) return status;
   int64_t Mmax = (int64_t)W * block_size / P;
+  int64_t first[N + 1];   /* task first[n] + m scores pool m of sequence n: the complete pools only */
+  first[0] = 0;
+  for (int n = 0; n < N; n++) first[n + 1] = first[n] + kv_seqlens[n] / P;
   #pragma omp parallel num_threads(threads)
   {
     #pragma omp for schedule(dynamic, 8)
-    for (int64_t task = 0; task < (int64_t)N * Mmax; task++) {
-      int n = (int)(task / Mmax);
-      int64_t m = task % Mmax;
-      if (m >= kv_seqlens[n] / P) continue;
+    for (int64_t task = 0; task < first[N]; task++) {
+      int lo = 0, hi = N - 1;   /* the sequence n with first[n] <= task < first[n + 1] */
+      while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= task) lo = mid;
+        else hi = mid - 1;
+      }
+      int n = lo;
+      int64_t m = task - first[n];
       float key[D], e[P];
       const float* rows[P];
       for (int j = 0; j < P; j++) {
@@ -1446,7 +1454,8 @@ int lm_dsa_select(const float* q, const float* w, const float* keys, int64_t s_b
    or a shared layer's, -1 = none; P tokens each) and, when tail, of the tokens after the last
    complete pool (kv_seqlens[n] / P * P .. kv_seqlens[n] - 1), in position order, by an online
    softmax (Milakov & Gimelshein, 2018): out[h, n] = sum softmax(q_c . latent * scale) latent,
-   [H, N, R] (0 when no token is selected). OpenMP over sequences x groups of up to 8 heads.
+   [H, N, R] (0 when no token is selected; a pool id given twice counts once). OpenMP over
+   sequences x groups of up to 8 heads.
    Returns -1 / -2 as dsa_check, -3 on a pool id outside [-1, kv_seqlens[n] / P) (nothing
    written). */
 int lm_dsa_attend(const float* q_c, const float* cache, int64_t s_block, int64_t s_pos, const int64_t* block_table,
@@ -1467,14 +1476,13 @@ int lm_dsa_attend(const float* q_c, const float* cache, int64_t s_block, int64_t
     float acc[HB][R], m[HB], l[HB];
     int64_t sel[K > 0 ? K : 1];
     int ns = 0;
-    for (int i = 0; i < K; i++) {               /* the selected pools, ascending (insertion sort) */
+    for (int i = 0; i < K; i++) {     /* the selected pools, ascending, each once (insertion sort) */
       int64_t p = pools[(ptrdiff_t)n * K + i];
       if (p < 0) continue;
-      int j = ns++;
-      while (j > 0 && sel[j - 1] > p) {
-        sel[j] = sel[j - 1];
-        j--;
-      }
+      int j = ns;
+      while (j > 0 && sel[j - 1] > p) j--;
+      if (j > 0 && sel[j - 1] == p) continue;   /* a repeated pool id: its tokens are attended once */
+      for (int i2 = ns++; i2 > j; i2--) sel[i2] = sel[i2 - 1];
       sel[j] = p;
     }
     for (int g = 0; g < G; g++) {
@@ -1495,7 +1503,7 @@ int lm_dsa_attend(const float* q_c, const float* cache, int64_t s_block, int64_t
           #pragma omp simd reduction(+:dot)
           for (int c = 0; c < R; c++) dot += qc[c] * lr[c];
           float score = dot * scale;
-          if (fmaxf(m[g], score) == -INFINITY) continue;   /* exp(-inf) weight so far: skip (no -inf - -inf) */
+          if (score == -INFINITY && m[g] == -INFINITY) continue;   /* weight 0 so far: skip; NaN goes on */
           if (score > m[g]) {
             float correction = expf(m[g] - score);   /* 0 for the first row (m = -inf) */
             l[g] *= correction;
