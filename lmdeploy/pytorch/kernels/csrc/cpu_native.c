@@ -1089,6 +1089,23 @@ int lm_qk_norm_rope_store(const float* proj, int64_t ld, int T, int H, int Hkv, 
    s_pos + head * s_head + d; block_table [N, W] (row stride ld_table); kv_seqlens [N]. Returns -1
    (and computes nothing) when a length is outside [1, W * block_size], -2 when a block id the
    lengths reach is outside [0, num_blocks). */
+/* One key of an online softmax (Milakov & Gimelshein, "Online normalizer calculation for softmax",
+   2018) over value rows of width D: the running max m, sum l and weighted sum acc [D] take the key's
+   score and value row. A -inf score while m is still -inf weighs 0 and is skipped; a NaN goes on
+   (as torch's attention, it makes the output NaN). */
+static inline void online_softmax_key(float score, const float* row, int D, float* m, float* l, float* acc) {
+  if (score == -INFINITY && *m == -INFINITY) return;
+  if (score > *m) {
+    float correction = expf(*m - score);   /* 0 for the first key (m = -inf) */
+    *l *= correction;
+    for (int d = 0; d < D; d++) acc[d] *= correction;
+    *m = score;
+  }
+  float e = expf(score - *m);
+  *l += e;
+  for (int d = 0; d < D; d++) acc[d] += e * row[d];
+}
+
 int lm_paged_decode_attention(const float* q, const float* k_cache, const float* v_cache, int64_t s_block,
                                int64_t s_pos, int64_t s_head, const int64_t* block_table, int64_t ld_table,
                                const int64_t* kv_seqlens, int N, int H, int Hkv, int D, int block_size, int W,
@@ -1105,7 +1122,7 @@ int lm_paged_decode_attention(const float* q, const float* k_cache, const float*
   for (int task = 0; task < N * Hkv; task++) {
     int n = task / Hkv, kh = task % Hkv;
     const float* qn = q + ((ptrdiff_t)n * H + (ptrdiff_t)kh * G) * D;
-    float acc[G][D], m[G], l[G], sc[G];
+    float acc[G][D], m[G], l[G];
     for (int g = 0; g < G; g++) {
       m[g] = -INFINITY;
       l[g] = 0.0f;
@@ -1123,16 +1140,7 @@ int lm_paged_decode_attention(const float* q, const float* k_cache, const float*
         #pragma omp simd reduction(+:dot)
         for (int d = 0; d < D; d++) dot += qg[d] * kr[d];
         float score = dot * scale;
-        if (score == -INFINITY && m[g] == -INFINITY) continue;   /* weight 0 so far: skip; NaN goes on */
-        if (score > m[g]) {
-          float correction = expf(m[g] - score);   /* 0 for the first key (m = -inf) */
-          l[g] *= correction;
-          for (int d = 0; d < D; d++) acc[g][d] *= correction;
-          m[g] = score;
-        }
-        sc[g] = expf(score - m[g]);
-        l[g] += sc[g];
-        for (int d = 0; d < D; d++) acc[g][d] += sc[g] * vr[d];
+        online_softmax_key(score, vr, D, &m[g], &l[g], acc[g]);
       }
     }
     for (int g = 0; g < G; g++) {
@@ -1228,16 +1236,7 @@ int lm_mla_decode(const float* q_c, const float* q_rope, int64_t ld_q, int64_t l
           for (int c = 0; c < R; c++) dot += qc[c] * lr[c];
           for (int c = 0; c < P; c++) dot += qr[g][c] * lr[R + c];
           float score = dot * scale;
-          if (score == -INFINITY && m[g] == -INFINITY) continue;   /* weight 0 so far: skip; NaN goes on */
-          if (score > m[g]) {
-            float correction = expf(m[g] - score);   /* 0 for the first row (m = -inf) */
-            l[g] *= correction;
-            for (int c = 0; c < R; c++) acc[g][c] *= correction;
-            m[g] = score;
-          }
-          float e = expf(score - m[g]);
-          l[g] += e;
-          for (int c = 0; c < R; c++) acc[g][c] += e * lr[c];
+          online_softmax_key(score, lr, R, &m[g], &l[g], acc[g]);
         }
       }
       for (int g = 0; g < G; g++) {
@@ -1503,16 +1502,7 @@ int lm_dsa_attend(const float* q_c, const float* cache, int64_t s_block, int64_t
           #pragma omp simd reduction(+:dot)
           for (int c = 0; c < R; c++) dot += qc[c] * lr[c];
           float score = dot * scale;
-          if (score == -INFINITY && m[g] == -INFINITY) continue;   /* weight 0 so far: skip; NaN goes on */
-          if (score > m[g]) {
-            float correction = expf(m[g] - score);   /* 0 for the first row (m = -inf) */
-            l[g] *= correction;
-            for (int c = 0; c < R; c++) acc[g][c] *= correction;
-            m[g] = score;
-          }
-          float e = expf(score - m[g]);
-          l[g] += e;
-          for (int c = 0; c < R; c++) acc[g][c] += e * lr[c];
+          online_softmax_key(score, lr, R, &m[g], &l[g], acc[g]);
         }
       }
     }
