@@ -259,3 +259,46 @@ def test_ab_prefill_short_times_both_forms_and_restores_the_engine(tiny_qwen3_ne
     assert sorted(res) == ['1x5', '2x3']
     assert all(len(v) == 1 and v[0] > 0 for r in res.values() for v in (r['before'], r['after']))
     assert (gated_delta_net.GDN_VARLEN_TOKENS, cpu_native.NATIVE_EXPERT_TOKENS, moe.FUSED_MOE_TOKENS) == windows
+
+
+def _ab_llama_pairs():
+    spec = importlib.util.spec_from_file_location('ab_llama_pairs', ROOT / 'benchmark' / 'ab_llama_pairs.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    return ab
+
+
+def test_ab_llama_pairs_counts_stalls_after_the_first_two_steps():
+    """A stall is a step after the prefill and the first decode step that takes over ``factor``
+    median steps; the first two are never counted, however slow."""
+    ab = _ab_llama_pairs()
+    steps = [[0.5, 0.5], [0.2, 0.2]] + [[0.01, 0.02]] * 9 + [[0.12, 0.04], [0.029, 0.03]]
+    assert ab.stalls(steps, 3.0) == [[0.12, 0.04]]
+    assert ab.stalls(steps, 20.0) == []
+    assert ab.stalls(steps[:2], 3.0) == []
+
+
+def test_ab_llama_pairs_interleaves_the_engine_and_llama_cpp(tiny_qwen3_next, tmp_path):
+    """benchmark/ab_llama_pairs.py with a stand-in ``llama-batched-bench`` (prints one jsonl record
+    of 0.5 s and logs its arguments): one llama.cpp run per pair with the engine's shape, and the
+    ratio is llama.cpp's seconds over the engine's."""
+    import stat
+    ab = _ab_llama_pairs()
+    log = tmp_path / 'calls.txt'
+    fake = tmp_path / 'llama-batched-bench'
+    fake.write_text('#!/bin/sh\n'
+                    f'echo "$@" >> {log}\n'
+                    'echo \'{"pp": 5, "tg": 2, "pl": 1, "t_pp": 0.1, "t_tg": 0.4, "t": 0.5}\'\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    gguf = tmp_path / 'model.gguf'
+    gguf.write_bytes(b'GGUF')
+    out = tmp_path / 'pairs.json'
+    res = ab.main(['--model', tiny_qwen3_next, '--gguf', str(gguf), '--llama-batched-bench', str(fake),
+                   '--pairs', '2', '--prompt-len', '5', '--decode-tokens', '3', '--threads', '1', '--out', str(out)])
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and all('-npp 5 -ntg 2 -npl 1' in c for c in calls)
+    assert len(res['pairs']) == 2
+    for r in res['pairs']:
+        assert r['llama_s'] == 0.5 and r['ratio'] == pytest.approx(0.5 / r['engine_s'])
+    assert res['ratio']['min'] <= res['ratio']['median'] <= res['ratio']['max']
+    assert json.loads(out.read_text())['batch'] == 1
