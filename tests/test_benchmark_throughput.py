@@ -302,3 +302,21 @@ def test_ab_llama_pairs_interleaves_the_engine_and_llama_cpp(tiny_qwen3_next, tm
         assert r['llama_s'] == 0.5 and r['ratio'] == pytest.approx(0.5 / r['engine_s'])
     assert res['ratio']['min'] <= res['ratio']['median'] <= res['ratio']['max']
     assert json.loads(out.read_text())['batch'] == 1
+
+
+def test_ab_native_product_times_both_libraries_and_checks_them_bit_for_bit():
+    """benchmark/ab_native_product.py with this checkout's own library as the "old" one: one row
+    per (shape, rows), both rates positive, and the outputs equal bit for bit."""
+    from lmdeploy.pytorch.kernels import cpu_native
+    lib = cpu_native.native_library()
+    if lib is None:
+        pytest.skip('native CPU kernels not built here')
+    spec = importlib.util.spec_from_file_location('ab_native_product', ROOT / 'benchmark' / 'ab_native_product.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    res = ab.main(['--old-library', lib._name, '--rows', '1,3', '--shapes', '40x33,8x16', '--rounds', '1',
+                   '--threads', '1', '--megabytes', '1'])
+    assert [(r['N'], r['K'], r['rows']) for r in res] == [(40, 33, 1), (40, 33, 3), (8, 16, 1), (8, 16, 3)]
+    assert all(r['equal'] and r['old_gbs'] > 0 and r['new_gbs'] > 0 for r in res)
+    with pytest.raises(SystemExit):
+        ab.main(['--old-library', lib._name, '--shapes', '40x'])
