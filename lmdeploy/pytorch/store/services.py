@@ -12,8 +12,11 @@ and of the tests. Invariants:
   objects put by an engine that contributes no memory (segment size 0) stay readable after that
   engine exits, until :meth:`stop`. On a loopback ``host`` its transfer listeners, which
   Mooncake binds to every interface, are pinned to the loopback interface.
-- :meth:`MooncakeServices.start` returns only when every process is ready, and otherwise
-  raises ``RuntimeError`` naming the address and quoting the last log lines.
+- :meth:`MooncakeServices.start` returns only when every process is ready (its port accepts
+  connections and, where ``/proc`` tells, the listener is that process: :func:`listens_on`), and
+  otherwise raises ``RuntimeError`` naming the address and quoting the last log lines. A start
+  that failed because another process took one of the picked ports is made again on new ports
+  (:data:`PORT_ATTEMPTS` starts in all).
 - :meth:`MooncakeServices.restart_master` (fault tests) brings a fresh, empty master up on the
   same ports and returns once the owner's segment is mounted at it again.
 
@@ -27,6 +30,7 @@ and of the tests. Invariants:
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import signal
@@ -43,6 +47,9 @@ from pathlib import Path
 from .mooncake_client import tcp_reachable
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])     # the folder holding lmdeploy/
+PORT_ATTEMPTS = 3     # starts on freshly picked ports when another process took a picked one first
+
+logger = logging.getLogger(__name__)
 
 
 def find_binary(name: str) -> str | None:
@@ -86,6 +93,52 @@ def port_in_use(host: str, port: int) -> bool:
         try:
             s.bind((host, port))
         except OSError:
+            return True
+    return False
+
+
+def _listening_inodes(port: int) -> set[int] | None:
+    """Socket inodes listening on TCP ``port`` (any address, IPv4 or IPv6) in this network
+    namespace, from Linux's ``/proc/net/tcp`` and ``tcp6`` (state ``0A`` is LISTEN); None where
+    neither table can be read."""
+    found, readable = set(), False
+    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for row in rows:
+            fields = row.split()
+            try:
+                if fields[3] == '0A' and int(fields[1].rsplit(':', 1)[1], 16) == port:
+                    found.add(int(fields[9]))
+            except (IndexError, ValueError):
+                continue
+    return found if readable else None
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds a socket listening on TCP ``port``: True or False, or None
+    where ``/proc`` cannot tell (not Linux, or the process's descriptors are not readable).
+
+    A port that accepts connections need not be our child's: a port picked free by
+    :func:`free_ports` can be taken by another process before the child binds it, and the child
+    then exits while the other process answers. Readiness asks this too."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return None
+    try:
+        fds = os.listdir(f'/proc/{pid}/fd')
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            link = os.readlink(f'/proc/{pid}/fd/{fd}')
+        except OSError:
+            continue
+        if link.startswith('socket:[') and link[8:-1].isdigit() and int(link[8:-1]) in inodes:
             return True
     return False
 
@@ -216,7 +269,9 @@ class MooncakeServices:
                 self.stop()
                 raise RuntimeError(f'{name} for {where} exited with code {proc.returncode} before it was ready; '
                                    f'last lines of {log}:\n{tail}')
-            if pending and tcp_reachable(*pending[0], timeout_s=0.2):
+            # ready: the port accepts, and the listener is this child (not another process
+            # that took the port first; /proc may be unable to tell, then the port alone counts)
+            if pending and tcp_reachable(*pending[0], timeout_s=0.2) and listens_on(proc.pid, pending[0][1]) is not False:
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
@@ -229,6 +284,10 @@ class MooncakeServices:
     def start(self) -> 'MooncakeServices':
         """Start master then segment owner and wait until both are ready (a no-op while
         running; after :meth:`stop` it starts fresh processes on new ports).
+
+        Ports picked free (the ``0`` ones) can be taken by another process before a service binds
+        them; a start that fails while one of them is held by another process is made again on
+        new ports, up to :data:`PORT_ATTEMPTS` starts in all (a warning is logged).
 
         Raises:
             ValueError: a fixed port is already in use (names the argument).
@@ -247,11 +306,29 @@ class MooncakeServices:
             if port and port_in_use(self.host, port):
                 raise ValueError(f'{name}={port}: {self.host}:{port} is already in use by another process '
                                  f'(another Mooncake Store?); pick a free port or 0')
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            picked = iter(free_ports(self.host, 3))
+            ports = tuple(p or next(picked) for p in self._fixed_ports)
+            try:
+                return self._start_on(master_bin, ports)
+            except RuntimeError:
+                self.stop()
+                # free when picked, held by another process now: taken in between, which is why
+                # the start failed; pick again (any other failure is raised as it is)
+                taken = [p for p, fixed in zip(ports, self._fixed_ports) if not fixed and port_in_use(self.host, p)]
+                if not taken or attempt == PORT_ATTEMPTS:
+                    raise
+                logger.warning('Mooncake services: port(s) %s on %s were taken by another process before the '
+                               'services bound them; starting again on new ports (attempt %d of %d)',
+                               ', '.join(map(str, taken)), self.host, attempt + 1, PORT_ATTEMPTS)
+        return self   # not reached: the last attempt returns or raises
+
+    def _start_on(self, master_bin: str, ports: tuple[int, int, int]) -> 'MooncakeServices':
+        """One start on ``(rpc, metadata, metrics)`` ports (see :meth:`start`)."""
         if self.log_dir is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix='lmdeploy-mooncake-'))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        picked = iter(free_ports(self.host, 3))
-        self.rpc_port, self.metadata_port, self.metrics_port = (p or next(picked) for p in self._fixed_ports)
+        self.rpc_port, self.metadata_port, self.metrics_port = ports
         atexit.register(self.stop)
         self._start_master(master_bin)
         self._metadata = self._spawn(sys.executable, [
