@@ -138,10 +138,22 @@ def test_media_url_flags_reach_the_server_policy():
 
 def test_server_name_that_does_not_resolve_says_so():
     from lmdeploy.serve.openai.api_server import check_port_free
-    with pytest.raises(ValueError, match="--server-name 'no-such-host.invalid' is not an address or a name"):
+    with pytest.raises(ValueError,
+                       match=r"server_name \(--server-name\) 'no-such-host.invalid' is not an address or a name"):
         check_port_free('no-such-host.invalid', 0)
     with pytest.raises(ValueError, match='is not an address of this machine'):
         check_port_free('192.0.2.1', 0)          # TEST-NET-1: never assigned to this machine
+
+
+def test_server_config_errors_name_the_python_argument_and_the_flag():
+    # run_server and ResponseStoreLimits are called from Python as well as from the CLI
+    from lmdeploy.serve.openai.api_server import check_port_free
+    from lmdeploy.serve.openai.response_store import ResponseStoreLimits
+    with pytest.raises(ValueError, match=r'server_port \(--server-port\) must be a port number 0-65535, got 70000'):
+        check_port_free('127.0.0.1', 70000)
+    for field, flag, value in (('max_entries', 'max-entries', -1), ('max_bytes', 'max-bytes', -1), ('ttl', 'ttl', 0)):
+        with pytest.raises(ValueError, match=rf'^{field} \(--response-store-{flag}\) must be'):
+            ResponseStoreLimits(**{field: value})
 
 
 def test_bad_config_names_the_field_and_exits_2(capsys):

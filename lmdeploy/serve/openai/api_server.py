@@ -204,22 +204,23 @@ def check_port_free(host: str, port: int) -> None:
     """Fail fast, before the model loads, when ``host:port`` cannot be bound.
 
     Raises:
-        ValueError: naming ``--server-port`` / ``--server-name`` and the OS error.
+        ValueError: naming the argument and its flag (``server_port`` / ``--server-port``,
+            ``server_name`` / ``--server-name``) and the OS error.
     """
     with socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
         try:
             sock.bind((host, port))
         except OverflowError:
-            raise ValueError(f'--server-port must be a port number 0-65535, got {port}') from None
+            raise ValueError(f'server_port (--server-port) must be a port number 0-65535, got {port}') from None
         except socket.gaierror as err:
-            raise ValueError(f'cannot serve on {host}:{port}: --server-name {host!r} is not an address or a '
-                             f'name this machine resolves ({err.strerror})') from None
+            raise ValueError(f'cannot serve on {host}:{port}: server_name (--server-name) {host!r} is not an '
+                             f'address or a name this machine resolves ({err.strerror})') from None
         except OSError as err:
             hint = {errno.EADDRINUSE: '; is another server running there?',
                     errno.EADDRNOTAVAIL: f'; {host} is not an address of this machine'}.get(err.errno, '')
-            raise ValueError(f'cannot serve on {host}:{port} (--server-name/--server-port): {err.strerror}'
-                             f'{hint}') from None
+            raise ValueError(f'cannot serve on {host}:{port} (server_name/server_port, '
+                             f'--server-name/--server-port): {err.strerror}{hint}') from None
 
 
 def _exit_on_sigterm(signum, frame) -> None:

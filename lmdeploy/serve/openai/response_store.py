@@ -45,11 +45,11 @@ class ResponseStoreLimits:
 
     def __post_init__(self):
         if self.max_entries < 0:
-            raise ValueError(f'--response-store-max-entries must be >= 0, got {self.max_entries}')
+            raise ValueError(f'max_entries (--response-store-max-entries) must be >= 0, got {self.max_entries}')
         if self.max_bytes < 0:
-            raise ValueError(f'--response-store-max-bytes must be >= 0, got {self.max_bytes}')
+            raise ValueError(f'max_bytes (--response-store-max-bytes) must be >= 0, got {self.max_bytes}')
         if not 0 < self.ttl < float('inf'):
-            raise ValueError(f'--response-store-ttl must be a positive number of seconds, got {self.ttl}')
+            raise ValueError(f'ttl (--response-store-ttl) must be a positive number of seconds, got {self.ttl}')
 
 
 @dataclass
