@@ -10,6 +10,11 @@ model loading excluded), and the figure is the median over the pairs of llama.cp
 over the engine's (above 1: the engine is faster). Nothing else runs in the process
 (transformers is not loaded).
 
+Each pair is also split in two, each part with its own ratio: the **prompt** (the engine's first
+step, which runs the prompts' forward and samples the first token, against llama.cpp's ``t_pp``)
+and the **decode** (the engine's later steps against ``t_tg``). With a 32-token prompt the first
+step costs several decode steps, so the split says which part a whole-run ratio comes from.
+
 For each engine run it also records every step's wall and process CPU time, and counts the
 **stalls**: steps after the first two that took more than ``--stall-factor`` times the run's
 median step. A stall whose wall time is well above its CPU time was spent waiting: with two
@@ -76,9 +81,11 @@ def run(model: str, llama: LlamaCpp, pairs: int, batch: int, prompt_len: int, de
     shape (the decode graph of this batch is recorded there).
 
     Returns:
-        ``{'pairs': [{'engine_s', 'llama_s', 'ratio', 'engine_step_ms', 'stalls'}], 'ratio':
-        {'min', 'median', 'max'}, 'engine_s' / 'llama_s': {'min', 'median', 'max'}}``; ratio
-        = llama.cpp seconds / engine seconds.
+        ``{'pairs': [{'engine_s', 'llama_s', 'ratio', 'engine_step_ms', 'engine_prompt_s',
+        'llama_prompt_s', 'prompt_ratio', 'engine_decode_s', 'llama_decode_s', 'decode_ratio',
+        'stalls'}], 'ratio' / 'prompt_ratio' / 'decode_ratio' / 'engine_s' / 'llama_s': {'min',
+        'median', 'max'}}``; a ratio is llama.cpp seconds / engine seconds (``decode_ratio`` None
+        where llama.cpp reported no ``t_tg``).
 
     Raises:
         SystemExit: llama.cpp is unavailable (its note), or a llama.cpp run failed.
@@ -101,16 +108,22 @@ def run(model: str, llama: LlamaCpp, pairs: int, batch: int, prompt_len: int, de
         if lc is None:
             raise SystemExit(f'llama.cpp: {llama.note}')
         later = [s[0] for s in e['steps'][2:]] or [s[0] for s in e['steps']]
+        first_s, decode_s = e['steps'][0][0], sum(s[0] for s in e['steps'][1:])
         rows.append({'engine_s': e['wall_s'], 'llama_s': lc['wall_s'], 'ratio': lc['wall_s'] / e['wall_s'],
                      'engine_step_ms': statistics.median(later) * 1e3,
+                     'engine_prompt_s': first_s, 'llama_prompt_s': lc['prefill_s'],
+                     'prompt_ratio': lc['prefill_s'] / first_s,
+                     'engine_decode_s': decode_s, 'llama_decode_s': lc['decode_s'],
+                     'decode_ratio': None if not lc['decode_s'] or not decode_s else lc['decode_s'] / decode_s,
                      'stalls': stalls(e['steps'], stall_factor)})
 
     def spread(key):
-        v = [r[key] for r in rows]
-        return {'min': min(v), 'median': statistics.median(v), 'max': max(v)}
+        v = [r[key] for r in rows if r[key] is not None]
+        return {'min': min(v), 'median': statistics.median(v), 'max': max(v)} if v else None
     return {'model': model, 'batch': batch, 'prompt_len': prompt_len, 'decode_tokens': decode_tokens,
             'threads': threads, 'stall_factor': stall_factor, 'pairs': rows, 'ratio': spread('ratio'),
-            'engine_s': spread('engine_s'), 'llama_s': spread('llama_s')}
+            'engine_s': spread('engine_s'), 'llama_s': spread('llama_s'), 'prompt_ratio': spread('prompt_ratio'),
+            'decode_ratio': spread('decode_ratio')}
 
 
 def main(argv=None) -> dict:
@@ -136,10 +149,12 @@ def main(argv=None) -> dict:
         worst = max((s[0] for s in r['stalls']), default=0.0)
         print(f'pair {i + 1:2d}: engine {r["engine_s"] * 1e3:6.0f} ms (step {r["engine_step_ms"]:.1f} ms, '
               f'{len(r["stalls"])} stalls, worst {worst * 1e3:.0f} ms) | llama.cpp {r["llama_s"] * 1e3:6.0f} ms | '
-              f'llama.cpp / engine {r["ratio"]:.2f}')
-    q = res['ratio']
-    print(f'batch {args.batch}: llama.cpp seconds / engine seconds over {args.pairs} pairs: median {q["median"]:.2f} '
-          f'(min {q["min"]:.2f}, max {q["max"]:.2f})')
+              f'llama.cpp / engine {r["ratio"]:.2f} (prompt {r["engine_prompt_s"] * 1e3:.0f} / '
+              f'{r["llama_prompt_s"] * 1e3:.0f} ms)')
+    for key, what in (('ratio', 'whole run'), ('prompt_ratio', 'prompt'), ('decode_ratio', 'decode')):
+        if (q := res[key]) is not None:
+            print(f'batch {args.batch}, {what}: llama.cpp seconds / engine seconds over {args.pairs} pairs: median '
+                  f'{q["median"]:.2f} (min {q["min"]:.2f}, max {q["max"]:.2f})')
     if args.out:
         with open(args.out, 'w') as f:
             json.dump(res, f, indent=1)

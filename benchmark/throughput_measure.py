@@ -120,7 +120,14 @@ class LlamaCpp:
 
     ``available`` is False (and ``note`` says why) when either is missing; after a failed run it
     turns False too, so one failure does not repeat at every measurement.
+
+    A run that exits 0 without printing its record is made again, up to
+    :attr:`EMPTY_RUN_ATTEMPTS` runs in all: the build used for the README's runs (its jsonl line
+    goes through llama.cpp's asynchronous logger) printed nothing in about 1 run of 6 on the
+    2-core AVX2 host.
     """
+
+    EMPTY_RUN_ATTEMPTS = 3
 
     def __init__(self, binary: str | None, gguf: str | None, threads: int):
         self.binary = binary or shutil.which('llama-batched-bench')
@@ -151,8 +158,13 @@ class LlamaCpp:
                '-b', '2048', '-ub', '512', '-npp', str(prompt_len), '-ntg', str(new_tokens), '-npl', str(batch),
                '--output-format', 'jsonl']
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
-            records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{')]
+            for _ in range(self.EMPTY_RUN_ATTEMPTS):
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+                records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{')]
+                if records:
+                    break
+            else:
+                raise ValueError(f'no jsonl record in {self.EMPTY_RUN_ATTEMPTS} runs that exited 0')
             record = records[-1]
             if not all(math.isfinite(record[k]) and record[k] > 0 for k in ('t_pp', 't')):
                 raise ValueError(f'unexpected timings {record}')
@@ -165,12 +177,14 @@ class LlamaCpp:
     def decode(self, batch: int, prompt_len: int, new_tokens: int) -> dict | None:
         """``batch`` prompts of ``prompt_len`` tokens and ``new_tokens`` new tokens each, counted as
         :func:`measure` counts the engine's (the first comes from the prefill, so llama.cpp runs
-        ``new_tokens - 1`` decode steps). None when unavailable or ``new_tokens < 2``."""
+        ``new_tokens - 1`` decode steps), with its two parts: ``prefill_s`` (``t_pp``, the prompts'
+        forward) and ``decode_s`` (``t_tg``, the decode steps). None when unavailable or
+        ``new_tokens < 2``."""
         record = self._run(batch, prompt_len, new_tokens - 1) if self.available and new_tokens >= 2 else None
         if record is None:
             return None
         return dict(wall_s=record['t'], cpu_s=None, tok_s=batch * new_tokens / record['t'], tok_per_cpu_s=None,
-                    peak_mb=None)
+                    peak_mb=None, prefill_s=record['t_pp'], decode_s=record.get('t_tg'))
 
     def prefill(self, length: int) -> dict | None:
         """Prompt processing of one ``length``-token prompt: tokens/s over its seconds."""

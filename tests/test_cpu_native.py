@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from lmdeploy.pytorch.kernels import causal_conv1d as conv_mod
 from lmdeploy.pytorch.kernels import cpu_native
 from lmdeploy.pytorch.kernels import gated_delta_rule as gdr_mod
-from lmdeploy.pytorch.kernels.cpu_native import (conv_decode_step_native, delta_step_native, matmul_rows,
-                                                 native_library, swiglu_experts_native)
+from lmdeploy.pytorch.kernels.cpu_native import (bcast_rows, conv_decode_step_native, delta_step_native,
+                                                 matmul_bcast, matmul_rows, native_library, swiglu_experts_native)
 from lmdeploy.pytorch.kernels.linear import linear
 from lmdeploy.pytorch.kernels.moe import swiglu_experts_loop
 
@@ -62,6 +62,76 @@ def test_matmul_rows_row_results_do_not_depend_on_the_row_count(rows, inner, out
     for k in (2, 3):
         if rows >= k:
             assert torch.equal(matmul_rows(x[:k], w), y[:k])
+
+
+_needs_bcast = pytest.mark.skipif(native_library() is None or not bcast_rows(),
+                                  reason='the broadcast-form product is built without AVX-512 only')
+
+
+@_needs_bcast
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 300), st.integers(1, 40), st.integers(0, 9), st.integers(0, 2 ** 31))
+def test_matmul_bcast_equals_f_linear(rows, inner, outputs, pad, seed):
+    """Every row count it takes (a last block of 16 input rows partly padding), inner sizes around
+    the 64-column chunk, output counts that do not fill the last block of 6 weight rows, and
+    inputs whose rows are spaced wider than they are."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(rows, inner + pad, generator=gen)
+    x = base[:, :inner]                                   # row stride inner + pad
+    w = torch.randn(outputs, inner, generator=gen)
+    y = matmul_bcast(x, w)
+    assert y.shape == (rows, outputs) and y.is_contiguous() and y.dtype == torch.float32
+    _close(y, F.linear(x, w), float((x.abs() @ w.abs().t()).max()))
+
+
+@_needs_bcast
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 64), st.integers(1, 200), st.integers(1, 20), st.integers(0, 2 ** 31))
+def test_matmul_bcast_row_results_do_not_depend_on_the_row_count_or_threads(rows, inner, outputs, seed):
+    """Each element is summed k after k within 64-column chunks and the chunk sums in order, in
+    whichever block of 16 rows and 6 weight rows it falls: a row's result is bit for bit the same
+    in a call of any row count and with one thread or two."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inner, generator=gen)
+    w = torch.randn(outputs, inner, generator=gen)
+    y = matmul_bcast(x, w)
+    for lo, hi in ((0, 1), (rows - 1, rows), (rows // 3, rows), (0, max(1, rows // 2))):
+        assert torch.equal(matmul_bcast(x[lo:hi], w), y[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        assert torch.equal(matmul_bcast(x, w), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@_needs_bcast
+def test_linear_takes_the_bcast_product_for_25_to_64_rows_only(monkeypatch):
+    """``linear`` routes 25-64 float32 rows to the broadcast form (a fixed rule of the build), 24 and
+    65 elsewhere; the refusals of the native product hold for it too."""
+    from lmdeploy.pytorch.kernels import linear as linear_mod
+    assert bcast_rows() == range(25, 65)
+    calls = []
+
+    def spy(x, w):
+        calls.append(x.shape[0])
+        return matmul_bcast(x, w)
+    monkeypatch.setattr(linear_mod, 'matmul_bcast', spy)
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(13, 70, generator=gen), torch.randn(13, generator=gen)
+    for rows in (24, 25, 40, 64, 65):
+        x = torch.randn(1, rows, 70, generator=gen)
+        with torch.inference_mode():
+            y = linear(x, w, b)
+        _close(y, F.linear(x, w, b), float((x.abs() @ w.abs().t()).max() + b.abs().max()))
+    assert calls == [25, 40, 64]
+    x = torch.randn(30, 16)
+    assert matmul_bcast(torch.randn(65, 16), torch.randn(4, 16)) is None            # past the window
+    assert matmul_bcast(x, torch.randn(4, 16, requires_grad=True)) is None          # autograd graph
+    assert matmul_bcast(x.double(), torch.randn(4, 16).double()) is None
+    assert matmul_bcast(torch.randn(16, 30).t(), torch.randn(4, 16)) is None         # column-major rows
+    assert matmul_bcast(x, torch.randn(4, 15)) is None                              # inner sizes differ
+    assert matmul_bcast(torch.randn(0, 16), torch.randn(4, 16)) is None
 
 
 @pytest.mark.parametrize('inner, outputs', [(1, 1), (15, 1), (17, 33), (1000, 17), (1024, 16), (1040, 7)])

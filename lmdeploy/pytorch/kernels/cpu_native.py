@@ -11,6 +11,9 @@ here, each one call per layer per step:
 - :func:`matmul_rows`: ``x W^T`` as blocked dot products that read each weight row once for all
   input rows (4 input rows per register block; with AVX-512 16, 8 or 6 weight rows per block for
   1, 2-3 and 4+ input rows, else 4), used by :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
+- :func:`matmul_bcast`: ``x W^T`` for 25-64 rows without AVX-512 (:func:`bcast_rows`), x
+  transposed once and each weight element broadcast against 16 input rows (a 32-token prompt's
+  dense products, decode steps of 25-64 sequences), 1.2-1.4x MKL's product there;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
 - :func:`limited_swiglu_experts_native`: the same body with a clipped or clamped SwiGLU (Ling 3,
@@ -105,7 +108,7 @@ from ..config import cache_root
 from . import native_build
 
 __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER',
-           'compile_command', 'matmul_rows', 'swiglu_experts_native', 'limited_swiglu_experts_native',
+           'compile_command', 'matmul_rows', 'matmul_bcast', 'bcast_rows', 'swiglu_experts_native', 'limited_swiglu_experts_native',
            'LIMITED_SWIGLU_ACTS', 'relu2_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
@@ -188,6 +191,8 @@ def _cpu_flags() -> str:
 
 _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_matmul_rows': ('p i32 i32 i64 p i32 i64 p i64 i32', None),
+    'lm_matmul_bcast': ('p i32 i32 i64 p i32 i64 p i64 i32', 'i32'),
+    'lm_bcast_rows_max': ('', 'i32'),
     'lm_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 p p p p p i32', 'i32'),
     'lm_limited_swiglu_experts': ('p i32 i32 i32 i32 p p p p i32 i32 f32 p p p p p i32', 'i32'),
     'lm_moe_route': ('p i64 i32 i32 i32 i32 i32 p p p i32', None),
@@ -326,6 +331,51 @@ def matmul_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         CALLS['matmul_rows'] += 1
         lib.lm_matmul_rows(x.data_ptr(), M, K, x.stride(0), weight.data_ptr(), N, weight.stride(0), y.data_ptr(),
                            N, torch.get_num_threads())
+    return y
+
+
+def bcast_rows() -> range:
+    """Row counts for which :func:`~.linear.linear` uses :func:`matmul_bcast`: ``25 ..
+    lm_bcast_rows_max()`` (64) in a library built without AVX-512, empty with AVX-512 (measured on
+    an AVX2 host only; MKL keeps those rows there) or without the library. Fixed per build, so
+    every process on one host rounds these products alike."""
+    lib = native_library()
+    top = lib.lm_bcast_rows_max() if lib is not None else 0
+    return range(NATIVE_ROWS.stop, max(NATIVE_ROWS.stop, top + 1))
+
+
+def matmul_bcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight^T`` by the native broadcast-form kernel (``lm_matmul_bcast`` in
+    ``csrc/cpu_native.c``: x transposed once, blocks of 16 input rows x 6 weight rows, each
+    element summed in k order within chunks of 64 columns, the chunk sums added in order; the
+    order depends on nothing but K, so a row's result does not depend on the row count), or
+    ``None`` when it does not apply.
+
+    Args:
+        x: float32 ``[M, K]``, unit stride along K (any row stride), ``M`` at most
+            ``bcast_rows().stop - 1``.
+        weight: float32 ``[N, K]``, unit stride along K.
+
+    Returns:
+        float32 ``[M, N]``, contiguous; ``None`` for other dtypes, devices, shapes or strides,
+        more rows than the kernel takes (or an AVX-512 build), inside autograd, without the
+        library, or when its scratch copy of ``x`` (``M`` rounded up to 16 x ``K`` floats) could
+        not be allocated.
+    """
+    if not (x.dim() == 2 and weight.dim() == 2 and is_plain(x) and is_plain(weight) and x.stride(1) == 1
+            and weight.stride(1) == 1 and x.shape[1] == weight.shape[1] and x.shape[0] and x.shape[1]
+            and weight.shape[0]):
+        return None
+    lib = native_library()
+    if lib is None or x.shape[0] > lib.lm_bcast_rows_max():
+        return None
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    if lib.lm_matmul_bcast(x.data_ptr(), M, K, x.stride(0), weight.data_ptr(), N, weight.stride(0), y.data_ptr(),
+                           N, torch.get_num_threads()) != 0:
+        return None
+    CALLS['matmul_bcast'] += 1
     return y
 
 

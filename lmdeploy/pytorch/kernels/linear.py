@@ -30,6 +30,11 @@ streamed from memory, direct / transposed / mv, us)::
 
 (:data:`BF16_TRANSPOSED_ROWS`); longer inputs (prefill) keep the direct form (AMX tiles).
 
+float32 inputs of 25-64 rows go to the native broadcast-form product where the library is built
+without AVX-512 (:func:`~.cpu_native.bcast_rows`; on the 2-core AMD EPYC AVX2 host 1.2-1.4x
+MKL's transposed product at 32-48 rows, where the dense products of a 32-token prompt run at
+the FMA units' speed, not memory's); with AVX-512 they keep the MKL forms above.
+
 float32 inputs of 1-24 rows on CPU (:data:`~.cpu_native.NATIVE_ROWS`) go to the native few-row
 product of :mod:`.cpu_native` whenever it is built, which reads each weight once for all rows
 (on a 2-core Intel host the whole dense projection set of a batch-16 step: 12.6 -> 11.7 ms; at 4
@@ -44,7 +49,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_native import NATIVE_ROWS, matmul_rows
+from .cpu_native import NATIVE_ROWS, bcast_rows, matmul_bcast, matmul_rows
 
 __all__ = ['linear', 'transposed_rows', 'SKINNY_ROWS', 'BF16_TRANSPOSED_ROWS']
 
@@ -56,6 +61,17 @@ SKINNY_ROWS_NARROW = range(16, 33)
 BF16_TRANSPOSED_ROWS = range(2, 65)
 
 
+_BCAST_ROWS: range | None = None
+
+
+def _bcast_rows() -> range:
+    # cpu_native.bcast_rows(), asked once per process (the build does not change)
+    global _BCAST_ROWS
+    if _BCAST_ROWS is None:
+        _BCAST_ROWS = bcast_rows()
+    return _BCAST_ROWS
+
+
 def transposed_rows(in_features: int) -> range:
     """Row counts M for which :func:`linear` computes ``(W x^T)^T`` on CPU in float32, for a
     weight with ``in_features`` (K) columns (see the module docstring for the measurements)."""
@@ -64,8 +80,10 @@ def transposed_rows(in_features: int) -> range:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, computed by the native few-row product for 1-24 float32 rows
-    on CPU (:func:`~.cpu_native.matmul_rows`, when built), else as ``(weight @ x^T)^T`` for skinny
-    float32 or bfloat16 ``x`` on CPU (one bfloat16 row: ``torch.mv``).
+    on CPU (:func:`~.cpu_native.matmul_rows`, when built), by the native broadcast-form product
+    for 25-64 float32 rows on a CPU without AVX-512 (:func:`~.cpu_native.matmul_bcast`), else as
+    ``(weight @ x^T)^T`` for skinny float32 or bfloat16 ``x`` on CPU (one bfloat16 row:
+    ``torch.mv``).
 
     Args:
         x: ``[..., K]``.
@@ -79,7 +97,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != 'cpu' or weight.dim() != 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     x2d = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])
-    y = matmul_rows(x2d, weight) if x.dtype == torch.float32 and rows in NATIVE_ROWS else None
+    y = None
+    if x.dtype == torch.float32:
+        if rows in NATIVE_ROWS:
+            y = matmul_rows(x2d, weight)
+        elif rows in _bcast_rows():
+            y = matmul_bcast(x2d, weight)
     if y is None:
         if x.dtype == torch.bfloat16 and rows == 1:
             y = torch.mv(weight, x.reshape(-1))[None]

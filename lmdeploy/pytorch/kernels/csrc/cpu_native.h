@@ -15,6 +15,14 @@
 void lm_matmul_rows(const float* x, int M, int K, int64_t ldx, const float* w, int N, int64_t ldw,
                     float* y, int64_t ldy, int threads);
 
+/* y [M, N] = x [M, K] w [N, K]^T in the broadcast form, 1 <= M <= lm_bcast_rows_max(); -1 (y
+   untouched) outside that or when the transposed copy of x cannot be allocated */
+int lm_matmul_bcast(const float* x, int M, int K, int64_t ldx, const float* w, int N, int64_t ldw, float* y,
+                    int64_t ldy, int threads);
+
+/* the most input rows lm_matmul_bcast takes in this build: 64, or 0 in an AVX-512 build */
+int lm_bcast_rows_max(void);
+
 /* a whole MoE layer of SwiGLU experts; -1 on an expert id out of range */
 int lm_swiglu_experts(const float* x, int T, int H, int I, int topk, const int64_t* index, const float* weights,
                       const float* gate_up, const float* down, int E, int64_t* pos, float* xs, float* h, float* ys,
