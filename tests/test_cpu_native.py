@@ -134,6 +134,33 @@ def test_linear_takes_the_bcast_product_for_25_to_64_rows_only(monkeypatch):
     assert matmul_bcast(torch.randn(0, 16), torch.randn(4, 16)) is None
 
 
+@_needs_bcast
+def test_a_recorded_bcast_product_is_one_native_call():
+    """Under a decode graph's recording stand-in the broadcast product records its one kernel call
+    (the row bound was read when the library loaded, so a replay repeats nothing else)."""
+    from lmdeploy.pytorch.engine.decode_graph import _NativeRecorder
+    lib, entries = native_library(), []
+    x, w = torch.randn(30, 48), torch.randn(10, 48)
+    cpu_native._LIB = _NativeRecorder(lib, entries)
+    try:
+        y = matmul_bcast(x, w)
+    finally:
+        cpu_native._LIB = lib
+    assert [e[1] for e in entries] == ['lm_matmul_bcast'] and torch.equal(y, matmul_bcast(x, w))
+
+
+def test_an_earlier_library_loads_without_the_entry_points_it_lacks():
+    """The benchmarks' A/B against a library built from an earlier source binds what it has
+    (``missing_ok``); by default a missing entry point is an error (a library of another version)."""
+    from lmdeploy.pytorch.kernels import native_build
+    path = native_library()._name
+    types = dict(cpu_native._ARGTYPES, lm_not_in_this_library=('p', None))
+    with pytest.raises(AttributeError):
+        native_build.load_private(path, types)
+    lib = native_build.load_private(path, types, missing_ok=True)
+    assert lib.lm_matmul_rows.restype is None and not hasattr(lib, 'lm_not_in_this_library')
+
+
 @pytest.mark.parametrize('inner, outputs', [(1, 1), (15, 1), (17, 33), (1000, 17), (1024, 16), (1040, 7)])
 def test_matmul_rows_single_row_equals_f_linear_for_odd_shapes(inner, outputs):
     """One input row (the batch-1 decode product): inner sizes with a tail past the last 16

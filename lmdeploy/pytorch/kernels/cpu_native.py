@@ -136,6 +136,9 @@ CALLS: collections.Counter = collections.Counter()
 
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
+# lm_bcast_rows_max() of the library built for this process (0 without one), asked once at load:
+# never through a decode graph's recording stand-in, whose every call a replay would repeat
+_BCAST_MAX = 0
 _TRIED = False
 
 
@@ -273,7 +276,7 @@ def _build() -> ctypes.CDLL | None:
 def native_library() -> ctypes.CDLL | None:
     """The loaded native library, built on the first call (thread-safe); ``None`` when it
     cannot be built or ``LMDEPLOY_CPU_KERNELS=0`` (decided once per process)."""
-    global _LIB, _TRIED
+    global _LIB, _TRIED, _BCAST_MAX
     if not _TRIED:
         with _LOCK:
             if not _TRIED:
@@ -282,6 +285,7 @@ def native_library() -> ctypes.CDLL | None:
                 except Exception as err:   # noqa: BLE001  (never fail the engine over an optional speed-up)
                     logger.info('native CPU kernels unavailable (%s): torch kernels run', err)
                     _LIB = None
+                _BCAST_MAX = _LIB.lm_bcast_rows_max() if _LIB is not None else 0
                 _TRIED = True
     return _LIB
 
@@ -339,9 +343,8 @@ def bcast_rows() -> range:
     lm_bcast_rows_max()`` (64) in a library built without AVX-512, empty with AVX-512 (measured on
     an AVX2 host only; MKL keeps those rows there) or without the library. Fixed per build, so
     every process on one host rounds these products alike."""
-    lib = native_library()
-    top = lib.lm_bcast_rows_max() if lib is not None else 0
-    return range(NATIVE_ROWS.stop, max(NATIVE_ROWS.stop, top + 1))
+    native_library()
+    return range(NATIVE_ROWS.stop, max(NATIVE_ROWS.stop, _BCAST_MAX + 1))
 
 
 def matmul_bcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -367,8 +370,8 @@ def matmul_bcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
             and weight.shape[0]):
         return None
     lib = native_library()
-    if lib is None or x.shape[0] > lib.lm_bcast_rows_max():
-        return None
+    if lib is None or x.shape[0] > _BCAST_MAX or not hasattr(lib, 'lm_matmul_bcast'):   # (an earlier library
+        return None                                                                 # swapped in by a benchmark)
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)

@@ -64,21 +64,25 @@ def compile_library(path: str, command: Callable[[str, str], list[str]], prefix:
     return None
 
 
-def load_private(path: str, argtypes: dict[str, tuple[str, str | None]]) -> ctypes.CDLL:
+def load_private(path: str, argtypes: dict[str, tuple[str, str | None]], missing_ok: bool = False) -> ctypes.CDLL:
     """Load ``path`` when it is a regular file (not a symlink) of this user's that nobody else
     can write (it lies in a trusted folder, so nobody else can replace it between this check and
     the load), and bind each entry point of ``argtypes`` (``name: ('p i32 ...', result or None)``,
-    letters of :data:`CTYPES`).
+    letters of :data:`CTYPES`). With ``missing_ok`` an entry point the library lacks is skipped
+    (the benchmarks' A/B against a library built from an earlier source).
 
     Raises:
         OSError: not a private file of this user's, or not loadable.
-        AttributeError: an entry point is missing (a library of another version).
+        AttributeError: an entry point is missing (a library of another version), unless
+            ``missing_ok``.
     """
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise OSError(f'{path} is not a private file of this user')
     lib = ctypes.CDLL(path)
     for name, (args, result) in argtypes.items():
+        if missing_ok and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
         fn.argtypes = [CTYPES[a] for a in args.split()]
         fn.restype = CTYPES[result] if result else None
