@@ -31,9 +31,9 @@ streamed from memory, direct / transposed / mv, us)::
 (:data:`BF16_TRANSPOSED_ROWS`); longer inputs (prefill) keep the direct form (AMX tiles).
 
 float32 inputs of 25-64 rows go to the native broadcast-form product where the library is built
-without AVX-512 (:func:`~.cpu_native.bcast_rows`; on the 2-core AMD EPYC AVX2 host 1.2-1.4x
-MKL's transposed product at 32-48 rows, where the dense products of a 32-token prompt run at
-the FMA units' speed, not memory's); with AVX-512 they keep the MKL forms above.
+without AVX-512 (:func:`~.cpu_native.bcast_rows`; on the 2-core AMD EPYC AVX2 host 1.14-1.63x
+the MKL forms above at 25-64 rows, where products such as a 32-token prompt's are bound by the
+multiply-add units, not by memory); with AVX-512 they keep the MKL forms above.
 
 float32 inputs of 1-24 rows on CPU (:data:`~.cpu_native.NATIVE_ROWS`) go to the native few-row
 product of :mod:`.cpu_native` whenever it is built, which reads each weight once for all rows
