@@ -1,8 +1,8 @@
 """Interleaved A/B of the broadcast-form product for 25-64 float32 rows in one engine: the
 engine's rule (``bcast``: :func:`~lmdeploy.pytorch.kernels.cpu_native.matmul_bcast` for 25-64
 rows, a library built without AVX-512) against MKL for those rows as before (``mkl``), switched
-by the module attribute :func:`~lmdeploy.pytorch.kernels.linear.linear` reads on every call, so
-one set of weights serves both and both see the same machine load.
+by the row bound :func:`~lmdeploy.pytorch.kernels.cpu_native.bcast_rows` derives the window from
+on every call, so one set of weights serves both and both see the same machine load.
 
 Two measurements per round and mode:
 
@@ -46,12 +46,11 @@ def run(model: str, batches: list[int], rounds: int, prompt_len: int, threads: i
     """
     from lmdeploy import GenerationConfig
     from lmdeploy.pytorch.kernels import cpu_native
-    from lmdeploy.pytorch.kernels import linear as linear_mod
-    rows = cpu_native.bcast_rows()
-    if not rows:
+    if not cpu_native.bcast_rows():
         raise SystemExit('the broadcast-form product is not built here (no native library, or AVX-512)')
     torch.set_num_threads(threads)
-    modes = {'bcast': rows, 'mkl': range(0)}
+    saved = cpu_native._BCAST_MAX
+    modes = {'bcast': saved, 'mkl': 0}      # the row bound: 0 leaves 25-64 rows to MKL
     engine = make_engine(model, max(batches, default=1), prompt_len + 32)
     engine.executor.worker.decode_graphs = None
     rng = random.Random(0)
@@ -68,20 +67,19 @@ def run(model: str, batches: list[int], rounds: int, prompt_len: int, threads: i
             engine.step()
         return took * 1e3
 
-    saved = linear_mod._bcast_rows()
     out: dict = {}
     try:
         check = [prompt() for _ in range(2)]
         greedy = {}
-        for mode, window in modes.items():
-            linear_mod._BCAST_ROWS = window
+        for mode, bound in modes.items():
+            cpu_native._BCAST_MAX = bound
             greedy[mode] = engine_generate(engine, check, 8)
         out['greedy_equal'] = greedy['bcast'] == greedy['mkl']
         runs: dict = {'first_step': {m: [] for m in modes}}
         runs.update({f'decode_b{b}': {m: [] for m in modes} for b in batches})
         for r in range(rounds + 1):              # round 0 warms both modes up, untimed
-            for mode, window in modes.items():
-                linear_mod._BCAST_ROWS = window
+            for mode, bound in modes.items():
+                cpu_native._BCAST_MAX = bound
                 ms = first_step()
                 if r:
                     runs['first_step'][mode].append(ms)
@@ -90,7 +88,7 @@ def run(model: str, batches: list[int], rounds: int, prompt_len: int, threads: i
                     if r:
                         runs[f'decode_b{b}'][mode].append(seconds * 1e3)
     finally:
-        linear_mod._BCAST_ROWS = saved
+        cpu_native._BCAST_MAX = saved
     for key, by_mode in runs.items():
         out[key] = {m: {'runs_ms': v, 'best_ms': min(v), 'median_ms': statistics.median(v)} for m, v in by_mode.items()}
         out[key]['ratio'] = out[key]['mkl']['median_ms'] / out[key]['bcast']['median_ms']
@@ -113,7 +111,8 @@ def main(argv=None) -> dict:
         if key == 'greedy_equal':
             continue
         print(f'{key:12s}: bcast best {r["bcast"]["best_ms"]:.1f} median {r["bcast"]["median_ms"]:.1f} ms | '
-              f'mkl best {r["mkl"]["best_ms"]:.1f} median {r["mkl"]["median_ms"]:.1f} ms | mkl / bcast {r["ratio"]:.2f}')
+              f'mkl best {r["mkl"]["best_ms"]:.1f} median {r["mkl"]["median_ms"]:.1f} ms | '
+              f'mkl / bcast {r["ratio"]:.2f}')
     if args.out:
         with open(args.out, 'w') as fh:
             json.dump({'args': vars(args), 'results': res}, fh, indent=1)

@@ -33,8 +33,9 @@ from benchmark_throughput import engine_decode_step_ops, make_engine, prepare_mo
 
 
 def modes(old_library: str | None) -> dict:
-    """``{mode: (library, native rows)}``: ``native_1_24`` (the engine's rule), ``mkl_1_3`` (1-3
-    rows on MKL), and ``old_4_24`` (the earlier library and rule) when ``old_library`` is given.
+    """``{mode: (library, native rows, broadcast-form row bound)}``: ``native_1_24`` (the engine's
+    rule), ``mkl_1_3`` (1-3 rows on MKL), and ``old_4_24`` (the earlier library and rule) when
+    ``old_library`` is given (bound 0 for a library without the broadcast-form product).
 
     Raises:
         SystemExit: the native library is not built here.
@@ -43,9 +44,12 @@ def modes(old_library: str | None) -> dict:
     lib = cpu_native.native_library()
     if lib is None:
         raise SystemExit('the native CPU kernels are not built here (no compiler, or LMDEPLOY_CPU_KERNELS=0)')
-    out = {'native_1_24': (lib, range(1, 25)), 'mkl_1_3': (lib, range(4, 25))}
+    bound = cpu_native._BCAST_MAX
+    out = {'native_1_24': (lib, range(1, 25), bound), 'mkl_1_3': (lib, range(4, 25), bound)}
     if old_library:
-        out['old_4_24'] = (native_build.load_private(old_library, cpu_native._ARGTYPES, missing_ok=True), range(4, 25))
+        old = native_build.load_private(old_library, cpu_native._ARGTYPES, missing_ok=True)
+        # a library from before the broadcast-form product leaves 25-64 rows to MKL
+        out['old_4_24'] = (old, range(4, 25), old.lm_bcast_rows_max() if hasattr(old, 'lm_bcast_rows_max') else 0)
     return out
 
 
@@ -63,22 +67,22 @@ def run(model: str, batches: list[int], rounds: int, steps: int, threads: int,
     engine.executor.worker.decode_graphs = None
     rng = random.Random(0)
     out = {}
-    saved = cpu_native._LIB, linear_mod.NATIVE_ROWS
+    saved = cpu_native._LIB, linear_mod.NATIVE_ROWS, cpu_native._BCAST_MAX
     try:
         for batch in batches:
             prompts = [[rng.randrange(5, 200) for _ in range(32)] for _ in range(batch)]
             runs = {m: [] for m in ways}
             counts = {}
             for _ in range(rounds):
-                for mode, (lib, rows) in ways.items():
-                    cpu_native._LIB, linear_mod.NATIVE_ROWS = lib, rows
+                for mode, (lib, rows, bound) in ways.items():
+                    cpu_native._LIB, linear_mod.NATIVE_ROWS, cpu_native._BCAST_MAX = lib, rows, bound
                     n, native, seconds = engine_decode_step_ops(engine, prompts, steps)
                     counts[mode] = (n, native)
                     runs[mode].append(seconds * 1e3)
             out[batch] = {m: {'ops': counts[m][0], 'native': counts[m][1], 'runs_ms': runs[m],
                               'best_ms': min(runs[m]), 'median_ms': sorted(runs[m])[len(runs[m]) // 2]} for m in runs}
     finally:
-        cpu_native._LIB, linear_mod.NATIVE_ROWS = saved
+        cpu_native._LIB, linear_mod.NATIVE_ROWS, cpu_native._BCAST_MAX = saved
     return out
 
 

@@ -13,7 +13,7 @@ here, each one call per layer per step:
   1, 2-3 and 4+ input rows, else 4), used by :func:`~.linear.linear` for :data:`NATIVE_ROWS`;
 - :func:`matmul_bcast`: ``x W^T`` for 25-64 rows without AVX-512 (:func:`bcast_rows`), x
   transposed once and each weight element broadcast against 16 input rows (a 32-token prompt's
-  dense products, decode steps of 25-64 sequences), 1.2-1.4x MKL's product there;
+  dense products, decode steps of 25-64 sequences), 1.14-1.63x MKL's product there;
 - :func:`swiglu_experts_native`: a whole MoE layer (sort by expert, gate/up, SwiGLU, down,
   weighted sum per token) in one OpenMP region with no barrier between experts;
 - :func:`limited_swiglu_experts_native`: the same body with a clipped or clamped SwiGLU (Ling 3,
@@ -108,7 +108,8 @@ from ..config import cache_root
 from . import native_build
 
 __all__ = ['CALLS', 'is_plain', 'state_step_library', 'native_library', 'native_available', 'SOURCE', 'HEADER',
-           'compile_command', 'matmul_rows', 'matmul_bcast', 'bcast_rows', 'swiglu_experts_native', 'limited_swiglu_experts_native',
+           'compile_command', 'matmul_rows', 'matmul_bcast', 'bcast_rows', 'swiglu_experts_native',
+           'limited_swiglu_experts_native',
            'LIMITED_SWIGLU_ACTS', 'relu2_experts_native', 'NATIVE_ROWS',
            'NATIVE_EXPERT_TOKENS', 'delta_step_native',
            'conv_decode_step_native', 'rms_norm_native',
@@ -137,7 +138,8 @@ CALLS: collections.Counter = collections.Counter()
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
 # lm_bcast_rows_max() of the library built for this process (0 without one), asked once at load:
-# never through a decode graph's recording stand-in, whose every call a replay would repeat
+# never through a decode graph's recording stand-in, whose every call a replay would repeat.
+# bcast_rows() derives from it (a benchmark sets it to 0 to run those rows on MKL)
 _BCAST_MAX = 0
 _TRIED = False
 
@@ -370,8 +372,8 @@ def matmul_bcast(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
             and weight.shape[0]):
         return None
     lib = native_library()
-    if lib is None or x.shape[0] > _BCAST_MAX or not hasattr(lib, 'lm_matmul_bcast'):   # (an earlier library
-        return None                                                                 # swapped in by a benchmark)
+    if lib is None or x.shape[0] > _BCAST_MAX:
+        return None
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)

@@ -61,17 +61,6 @@ SKINNY_ROWS_NARROW = range(16, 33)
 BF16_TRANSPOSED_ROWS = range(2, 65)
 
 
-_BCAST_ROWS: range | None = None
-
-
-def _bcast_rows() -> range:
-    # cpu_native.bcast_rows(), asked once per process (the build does not change)
-    global _BCAST_ROWS
-    if _BCAST_ROWS is None:
-        _BCAST_ROWS = bcast_rows()
-    return _BCAST_ROWS
-
-
 def transposed_rows(in_features: int) -> range:
     """Row counts M for which :func:`linear` computes ``(W x^T)^T`` on CPU in float32, for a
     weight with ``in_features`` (K) columns (see the module docstring for the measurements)."""
@@ -101,7 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dtype == torch.float32:
         if rows in NATIVE_ROWS:
             y = matmul_rows(x2d, weight)
-        elif rows in _bcast_rows():
+        elif rows in bcast_rows():
             y = matmul_bcast(x2d, weight)
     if y is None:
         if x.dtype == torch.bfloat16 and rows == 1:

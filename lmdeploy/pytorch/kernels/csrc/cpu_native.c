@@ -264,7 +264,7 @@ void lm_matmul_rows(const float* x, int M, int K, int64_t ldx, const float* w, i
 enum { BC_MR = 16, BC_NR = 6, BC_KC = 64, BC_ROWS_MAX = 64 };
 
 #ifndef __AVX512F__
-/* tot [nr][BC_MR] += the chunked sums of xT columns [0, BC_MR) (row stride Mp) times weight rows
+/* tot [nr][BC_MR] = the chunked sums of xT columns [0, BC_MR) (row stride Mp) times weight rows
    [0, nr) over k in [0, K); always inlined with a constant nr */
 static inline __attribute__((always_inline)) void bcast_block(const float* xT, ptrdiff_t Mp, const float* w,
                                                               ptrdiff_t ldw, int K, float* tot, const int nr) {
