@@ -4,6 +4,7 @@
 #   bash scripts/run_tests.sh                               # every test under tests/
 #   bash scripts/run_tests.sh tests/test_block_trie.py      # just these files / node ids
 #   bash scripts/run_tests.sh -k restore                    # pytest options apply to tests/
+#   LMDEPLOY_TEST_WORKERS=1 bash scripts/run_tests.sh       # the whole suite in one process
 #
 # The tests always run in the project's own virtual environment (LMDEPLOY_VENV, default .venv,
 # made with `python3 -m venv`, so nothing of the system's site-packages is seen): only what the
@@ -55,4 +56,28 @@ for arg in "$@"; do
         *) if [ -e "${arg%%::*}" ]; then TARGETS=(); break; fi ;;
     esac
 done
-exec "$PY" -m pytest -q -p no:cacheprovider --durations=15 "${TARGETS[@]}" "$@"
+
+# Worker processes (pytest-xdist). The whole suite spreads its files over min(CPUs, 4) workers,
+# a file at a time (--dist loadfile), so a module's server or engine fixture starts once: 20 min
+# instead of 36 on a 2-core machine, each test still on one intra-op thread (tests/conftest.py).
+# Paths or node ids run in this one process, as does any run given its own -n, --dist, -p
+# no:xdist, a debugger or a collect-only; LMDEPLOY_TEST_WORKERS=N sets the count (0 or 1: none).
+# (nproc without OMP_NUM_THREADS, which it would otherwise report: the tests set it to 1.)
+WORKERS=${LMDEPLOY_TEST_WORKERS:-}
+if [ -z "$WORKERS" ]; then
+    WORKERS=1
+    if [ "${#TARGETS[@]}" -gt 0 ]; then WORKERS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc); [ "$WORKERS" -le 4 ] || WORKERS=4; fi
+fi
+[[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "LMDEPLOY_TEST_WORKERS must be a count of processes, got '$WORKERS'" >&2; exit 2; }
+prev=
+for arg in "$@"; do
+    case "$arg" in
+        -n|-n[0-9]*|-nauto|-nlogical|--numprocesses*|--dist*|-pno:xdist|--pdb|--trace|--co|--collect-only)
+            WORKERS=1 ;;
+        no:xdist) [ "$prev" != -p ] || WORKERS=1 ;;
+    esac
+    prev=$arg
+done
+PARALLEL=()
+[ "$WORKERS" -le 1 ] || PARALLEL=(-n "$WORKERS" --dist loadfile)
+exec "$PY" -m pytest -q -p no:cacheprovider --durations=15 "${PARALLEL[@]}" "${TARGETS[@]}" "$@"

@@ -132,6 +132,42 @@ def test_run_tests_runs_just_the_paths_and_options_it_is_given():
     assert 'tests/test_quickstart.py::test_parse_table_reads_the_printed_rows' in ids, opt.stdout[-2000:]
 
 
+def _run_tests_header(*args, workers=None):
+    """The session header pytest prints (-v against the script's -q) when ``scripts/run_tests.sh`` runs the one
+    ``parse_table`` test through the whole-suite target (options only)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop('LMDEPLOY_TEST_WORKERS', None)
+    if workers is not None:
+        env['LMDEPLOY_TEST_WORKERS'] = workers
+    run = subprocess.run(['bash', 'scripts/run_tests.sh', '-v', '-k', 'parse_table_reads',
+                          '--ignore-glob=*/test_[!q]*.py', '--ignore-glob=*/test_q[!u]*.py', *args],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert re.search(r'\b1 passed\b', run.stdout), run.stdout[-2000:]
+    return run.stdout
+
+
+def test_run_tests_spreads_the_whole_suite_over_workers_unless_told_not_to():
+    """The whole suite runs in min(CPUs, 4) pytest-xdist workers, a file per worker at a time;
+    LMDEPLOY_TEST_WORKERS sets the count, and a run given its own -n or ``-p no:xdist`` keeps
+    it (here: one process)."""
+    expected = min(os.cpu_count() if not hasattr(os, 'sched_getaffinity') else len(os.sched_getaffinity(0)), 4)
+    out = _run_tests_header()
+    if expected > 1:
+        assert f'created: {expected}/{expected} workers' in out, out[-2000:]
+    else:
+        assert 'workers' not in out, out[-2000:]
+    if expected != 2:
+        assert 'created: 2/2 workers' in _run_tests_header(workers='2')
+    for workers, args in [('1', ()), ('3', ('-p', 'no:xdist'))]:
+        out = _run_tests_header(*args, workers=workers)
+        assert 'workers' not in out, (workers, args, out[-2000:])
+    bad = subprocess.run(['bash', 'scripts/run_tests.sh', '-k', 'nothing'], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT, LMDEPLOY_TEST_WORKERS='two'),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "LMDEPLOY_TEST_WORKERS must be a count of processes, got 'two'" in bad.stderr
+
+
 @pytest.mark.parametrize('script', ['scripts/quickstart.sh', 'scripts/run_tests.sh', '.ci/run'])
 def test_no_ldconfig_pipe_into_grep_q_under_pipefail(script):
     """``ldconfig -p | grep -q`` under pipefail fails when grep exits before ldconfig has written
