@@ -9,10 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_utils import make_engine, random_prompt, run_schedule
 from lmdeploy import GenerationConfig
-from lmdeploy.pytorch.engine.decode_graph import DecodeGraphCache, decode_graph_key
+from lmdeploy.pytorch.engine.decode_graph import NATIVE_BINARY_MAX, DecodeGraphCache, _native_binary, decode_graph_key
 from lmdeploy.pytorch.kernels import cpu_native
 from lmdeploy.pytorch.model_inputs import StepBatch
 
@@ -200,3 +202,79 @@ def test_slots_out_of_order_replay_equals_eager(family_paths):
     assert all(torch.equal(g, e) for g, e in zip(replayed, eager))
     assert graphs.counters() == dict(captures=2, replays=5, refusals=0, evictions=0, graphs=1)
     assert list(graphs.graphs) == [(2, 2, False, torch.get_num_threads())]
+
+
+# --- same-shape float32 sums and products replayed by the native library ----------------------
+_aten = torch.ops.aten
+_SPECIALS = [0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, float('inf'), float('-inf'), float('nan'), 1.0, -2.5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3000), st.sampled_from(['add', 'mul']), st.sampled_from(['out', 'in place', 'into b']),
+       st.integers(0, 2 ** 31))
+def test_native_binary_step_equals_torch_bit_for_bit(n, op, where, seed):
+    """A replay step :func:`_native_binary` makes writes what torch's add / mul writes, bit for bit
+    (NaN payloads aside), in place or not, over random values with subnormals, zeros of both signs,
+    infinities, NaNs and overflowing products."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b = (torch.randn(n, generator=gen) * 10.0 ** torch.randint(-40, 39, (n,), generator=gen) for _ in range(2))
+    picks = torch.randint(0, 4 * len(_SPECIALS), (2, n), generator=gen)
+    for t, p in zip((a, b), picks):
+        hit = p < len(_SPECIALS)
+        t[hit] = torch.tensor(_SPECIALS)[p[hit]]
+    a, b = a.reshape(1, n), b.reshape(1, n)
+    expected = a + b if op == 'add' else a * b
+    lib = cpu_native.native_library()
+    if where == 'in place':
+        func, args, out = (_aten.add_.Tensor if op == 'add' else _aten.mul_.Tensor), (a, b), a
+    else:
+        func, args = (_aten.add.Tensor if op == 'add' else _aten.mul.Tensor), (a, b)
+        out = b if where == 'into b' else torch.empty_like(a)
+    step = _native_binary(func, args, {}, out, lib)
+    assert step is not None and step[0] is lib.lm_binary_f32
+    assert step[0](*step[1]) is None
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_native_binary_keeps_torch_for_what_it_does_not_redo_exactly():
+    """Broadcasts, scalars, other dtypes, strided operands, an alpha, partial overlaps, sizes above
+    the bound and a library without the entry point keep the torch op (None)."""
+    lib = cpu_native.native_library()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    out = torch.empty(2, 8)
+    add = _aten.add.Tensor
+    assert _native_binary(add, (x, y), {}, out, lib) is not None
+    assert _native_binary(add, (x, y), {'alpha': 1}, out, lib) is not None
+    assert _native_binary(_aten.sub.Tensor, (x, y), {}, out, lib) is None
+    assert _native_binary(add, (x, y), {'alpha': 2}, out, lib) is None
+    assert _native_binary(add, (x, torch.randn(1, 8)), {}, out, lib) is None          # broadcast
+    assert _native_binary(_aten.mul.Tensor, (x, 2.0), {}, out, lib) is None             # scalar
+    assert _native_binary(add, (x.double(), y.double()), {}, out.double(), lib) is None
+    assert _native_binary(add, (x.t(), y.t()), {}, out.t(), lib) is None                # strided
+    assert _native_binary(add, (x, y), {}, None, lib) is None
+    big = torch.empty(NATIVE_BINARY_MAX + 1)
+    assert _native_binary(add, (big, big), {}, torch.empty_like(big), lib) is None
+    assert _native_binary(add, (torch.empty(0), torch.empty(0)), {}, torch.empty(0), lib) is None
+    base = torch.randn(17)
+    assert _native_binary(add, (base[:16], y.reshape(16)), {}, base[1:], lib) is None   # partial overlap
+    assert _native_binary(_aten.add_.Tensor, (base[:16], base[:16]), {}, base[:16], lib) is not None
+
+    class _Old:     # a library built from an earlier source
+        pass
+    assert _native_binary(add, (x, y), {}, out, _Old()) is None
+
+
+def test_a_replay_runs_the_residual_sums_natively(family_paths):
+    """A ready Qwen3-Next batch-1 graph replays its same-shape sums and gates as native calls: no
+    torch add or mul of float32 operands of one shape is left in it."""
+    engine = make_engine(family_paths('qwen3_next', {}), block_size=4, max_batch_size=2, num_gpu_blocks=32)
+    engine.generate(random_prompt(6, seed=3), GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    graphs = engine.executor.worker.decode_graphs
+    (graph,) = [g for g in graphs.graphs.values() if g.state == 'ready']
+    names = [getattr(fn, '__name__', str(fn)) for fn, *_ in graph.steps]
+    assert names.count('lm_binary_f32') >= 2, names
+    left = [(fn, args) for fn, args, extra, _ in graph.steps
+            if isinstance(extra, dict) and fn in (_aten.add.out, _aten.mul.out, _aten.add_.Tensor, _aten.mul_.Tensor)
+            and len(args) == 2 and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args)
+            and args[0].shape == args[1].shape]
+    assert not left, left

@@ -214,6 +214,7 @@ _ARGTYPES = {   # C signature of each entry point: (argument types, result type)
     'lm_selective_step': ('p p p p p p p i32 i32 i32 i64 i64 p i32', None),   # wrapped in mamba1_cpu.py
     'lm_rms_norm': ('p i64 i32 i64 p f32 i32 p i64 p i32', None),
     'lm_add_rms_norm': ('p p i64 i32 p f32 i32 p p i32', None),
+    'lm_binary_f32': ('p p p i64 i32', None),     # the decode graph's replay (engine/decode_graph.py)
     'lm_qk_norm_rope_store': ('p i64 i32 i32 i32 i32 i32 p p f32 i32 f32 p p i32 p p p p i64 i64 i64 p p i64 i32 '
                               'i32', 'i32'),
     'lm_mla_decode': ('p p i64 i64 p i64 p f32 p p i32 p i64 i64 p p p i64 p i32 i32 i32 i32 i32 i32 i64 f32 p '

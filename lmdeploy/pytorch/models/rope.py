@@ -153,4 +153,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:   # x * 1.0 is x: two ops fewer a step for most rope types
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)

@@ -1125,6 +1125,18 @@ void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const f
   }
 }
 
+/* out = a + b (op 0) or a * b (op 1) over n float32 elements, one thread: the decode graph's replay
+   of torch's same-shape add and mul. Each element is one IEEE operation, so the result is torch's bit
+   for bit; a call costs a few hundred instructions where torch's dispatch costs thousands, which
+   miss in every cache when they run right after a product has streamed its weights through them.
+   out may be a or b (in place), not a partial overlap. */
+void lm_binary_f32(const float* a, const float* b, float* out, int64_t n, int op) {
+  if (op == 0)
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+  else
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
+}
+
 /* The prologue of a decode attention layer with rotary positions and, optionally, per-head q/k
    RMS norms (Qwen3's, Qwen3-Next's gated form, LFM2's; without norms the plain GQA layers of the
    Mamba hybrids), from the packed projection: row t of proj (stride ld) holds [q | k | v], q per

@@ -90,6 +90,9 @@ void lm_conv_decode_step(const float* x, int64_t ldx, float* state, int64_t s_sl
 void lm_rms_norm(const float* x, int64_t R, int D, int64_t ldx, const float* w, float eps, int zero_centered,
                  const float* z, int64_t ldz, float* out, int threads);
 
+/* out = a + b (op 0) or a * b (op 1), n float32 elements (the decode graph's add and mul) */
+void lm_binary_f32(const float* a, const float* b, float* out, int64_t n, int op);
+
 /* sum = x + res and the RMS norm of sum in one pass */
 void lm_add_rms_norm(const float* x, const float* res, int64_t R, int D, const float* w, float eps, int zero_centered,
                      float* sum, float* out, int threads);
