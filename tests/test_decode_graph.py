@@ -278,3 +278,17 @@ def test_a_replay_runs_the_residual_sums_natively(family_paths):
             and len(args) == 2 and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args)
             and args[0].shape == args[1].shape]
     assert not left, left
+
+
+def test_a_decode_step_samples_hidden_itself_and_other_rows_are_gathered():
+    """Every row in order, contiguous and aligned: ``hidden`` itself (no index tensor, no gather);
+    any other selection, or a strided ``hidden``, the gathered rows."""
+    from lmdeploy.pytorch.engine.rank import _rows_of
+    hidden = torch.randn(4, 8)
+    assert _rows_of(hidden, [0, 1, 2, 3]) is hidden
+    for rows in ([0, 1, 2], [1, 2, 3], [3], [0, 2, 1, 3], [0, 1, 2, 2]):
+        got = _rows_of(hidden, rows)
+        assert got.data_ptr() != hidden.data_ptr() and torch.equal(got, hidden[rows])
+    strided = torch.randn(8, 4).t()
+    got = _rows_of(strided, [0, 1, 2, 3])
+    assert got is not strided and got.is_contiguous() and torch.equal(got, strided)
