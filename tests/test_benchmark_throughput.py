@@ -327,6 +327,33 @@ def test_ab_bcast_rows_times_both_modes_and_restores_the_rule(tiny_qwen3_next):
     assert cpu_native.bcast_rows() == range(25, 65)
 
 
+def test_ab_replay_binary_times_both_modes_and_restores_the_rule(tiny_qwen3_next, monkeypatch):
+    """benchmark/ab_replay_binary.py on the tiny Qwen3-Next: batch 1 and 2 run replayed steps in
+    both modes (native sums and products recorded only in the native one), greedy tokens agree,
+    and the engine's rule is back afterwards."""
+    from lmdeploy.pytorch.engine import decode_graph
+    if decode_graph.cpu_native.native_library() is None:
+        pytest.skip('decode graphs need the native CPU kernels')
+    spec = importlib.util.spec_from_file_location('ab_replay_binary', ROOT / 'benchmark' / 'ab_replay_binary.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    rule, made, real = decode_graph._NATIVE_BINARY, [], decode_graph._native_binary
+
+    def spy(*args):
+        step = real(*args)
+        made.append((bool(decode_graph._NATIVE_BINARY), step is not None))
+        return step
+    monkeypatch.setattr(decode_graph, '_native_binary', spy)
+    res = ab.run(tiny_qwen3_next, [1, 2], rounds=1, steps=3, prompt_len=6, threads=1)
+    assert res['greedy_equal'] is True
+    assert (True, True) in made and (False, False) in made and (False, True) not in made
+    for key in ('decode_b1', 'decode_b2'):
+        r = res[key]
+        assert len(r['native']['runs_ms']) == len(r['torch']['runs_ms']) == 1
+        assert r['ratio'] == pytest.approx(r['torch']['median_ms'] / r['native']['median_ms'])
+    assert decode_graph._NATIVE_BINARY is rule
+
+
 def _ab_llama_pairs():
     spec = importlib.util.spec_from_file_location('ab_llama_pairs', ROOT / 'benchmark' / 'ab_llama_pairs.py')
     ab = importlib.util.module_from_spec(spec)
