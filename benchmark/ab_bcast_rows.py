@@ -22,8 +22,6 @@ the modes (equal or not, printed).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import statistics
@@ -33,7 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_throughput import engine_decode_step_ops, engine_generate, make_engine  # noqa: E402
+from benchmark_throughput import (ab_arguments, engine_decode_step_ops, engine_generate,  # noqa: E402
+                                  make_engine, write_ab_results)
 
 
 def run(model: str, batches: list[int], rounds: int, prompt_len: int, threads: int) -> dict:
@@ -96,14 +95,7 @@ def run(model: str, batches: list[int], rounds: int, prompt_len: int, threads: i
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--model', required=True, help='model directory')
-    p.add_argument('--batches', default='32,48', help='decode batch sizes, comma-separated (default 32,48)')
-    p.add_argument('--rounds', type=int, default=9, help='alternations of the two modes (default 9)')
-    p.add_argument('--prompt-len', type=int, default=32, help='tokens of the first-step prompt (default 32)')
-    p.add_argument('--threads', type=int, default=2, help='torch threads (default 2)')
-    p.add_argument('--out', help='write the results as JSON here')
-    args = p.parse_args(argv)
+    args = ab_arguments(__doc__, '32,48').parse_args(argv)
     batches = [int(b) for b in args.batches.split(',') if b]
     res = run(args.model, batches, args.rounds, args.prompt_len, args.threads)
     print(f'greedy tokens equal between the modes: {res["greedy_equal"]}')
@@ -113,10 +105,7 @@ def main(argv=None) -> dict:
         print(f'{key:12s}: bcast best {r["bcast"]["best_ms"]:.1f} median {r["bcast"]["median_ms"]:.1f} ms | '
               f'mkl best {r["mkl"]["best_ms"]:.1f} median {r["mkl"]["median_ms"]:.1f} ms | '
               f'mkl / bcast {r["ratio"]:.2f}')
-    if args.out:
-        with open(args.out, 'w') as fh:
-            json.dump({'args': vars(args), 'results': res}, fh, indent=1)
-        print(f'wrote {args.out}')
+    write_ab_results(args, res)
     return res
 
 

@@ -18,8 +18,6 @@ mode are compared (equal or not, printed).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import statistics
@@ -29,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark_throughput import engine_generate, make_engine  # noqa: E402
+from benchmark_throughput import ab_arguments, engine_generate, make_engine, write_ab_results  # noqa: E402
 
 #: eager, recorded and the first replayed steps of a new graph before any step is timed
 _WARM_STEPS = 4
@@ -102,14 +100,8 @@ def run(model: str, batches: list[int], rounds: int, steps: int, prompt_len: int
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--model', required=True, help='model directory')
-    p.add_argument('--batches', default='1,4', help='decode batch sizes, comma-separated (default 1,4)')
-    p.add_argument('--rounds', type=int, default=9, help='alternations of the two modes (default 9)')
+    p = ab_arguments(__doc__, '1,4')
     p.add_argument('--steps', type=int, default=24, help='timed replayed steps per round and mode (default 24)')
-    p.add_argument('--prompt-len', type=int, default=32, help='prompt tokens per sequence (default 32)')
-    p.add_argument('--threads', type=int, default=2, help='torch threads (default 2)')
-    p.add_argument('--out', help='write the results as JSON here')
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(',') if b]
     res = run(args.model, batches, args.rounds, args.steps, args.prompt_len, args.threads)
@@ -118,10 +110,7 @@ def main(argv=None) -> dict:
         if key != 'greedy_equal':
             print(f'{key:12s}: native median {r["native"]["median_ms"]:.2f} ms | torch median '
                   f'{r["torch"]["median_ms"]:.2f} ms | torch / native {r["ratio"]:.3f}')
-    if args.out:
-        with open(args.out, 'w') as fh:
-            json.dump({'args': vars(args), 'results': res}, fh, indent=1)
-        print(f'wrote {args.out}')
+    write_ab_results(args, res)
     return res
 
 

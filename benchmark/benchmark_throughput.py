@@ -122,6 +122,28 @@ def make_engine(model_path: str, max_batch: int, max_len: int, dtype: str = 'flo
     return Engine(model_path, cfg)
 
 
+def ab_arguments(doc: str, batches: str) -> argparse.ArgumentParser:
+    """The arguments of the in-engine A/B scripts (``ab_bcast_rows.py``, ``ab_replay_binary.py``):
+    ``--model``, ``--batches`` (default ``batches``), ``--rounds``, ``--prompt-len``, ``--threads``
+    and ``--out``; each script adds its own."""
+    p = argparse.ArgumentParser(description=doc.split('\n')[0])
+    p.add_argument('--model', required=True, help='model directory')
+    p.add_argument('--batches', default=batches, help=f'decode batch sizes, comma-separated (default {batches})')
+    p.add_argument('--rounds', type=int, default=9, help='alternations of the two modes (default 9)')
+    p.add_argument('--prompt-len', type=int, default=32, help='prompt tokens per sequence (default 32)')
+    p.add_argument('--threads', type=int, default=2, help='torch threads (default 2)')
+    p.add_argument('--out', help='write the results as JSON here')
+    return p
+
+
+def write_ab_results(args: argparse.Namespace, res: dict) -> None:
+    """Write ``{'args', 'results'}`` as JSON to ``args.out`` (when given) and say so."""
+    if args.out:
+        with open(args.out, 'w') as fh:
+            json.dump({'args': vars(args), 'results': res}, fh, indent=1)
+        print(f'wrote {args.out}')
+
+
 def engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     from lmdeploy import GenerationConfig
     gen = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
