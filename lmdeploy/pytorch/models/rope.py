@@ -137,6 +137,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = fn(config) if layer_type is None else fn(config, layer_type=layer_type)
         # a plain float32 attribute, not a buffer: neither ``to_empty`` nor a dtype cast touches it
         self.inv_freq = inv_freq.detach().to('cpu', torch.float32)
+        # [R]: inv_freq twice, so the angles come out as cat((freqs, freqs)) without a cat op a step
+        # (each element is the same one product); an attribute, so a decode graph holds it
+        self.inv_freq_twice = torch.cat((self.inv_freq, self.inv_freq))
         self._on_device: dict[torch.device, torch.Tensor] = {}
         self.rotary_dim = 2 * self.inv_freq.numel()
         self.attention_scaling = float(scaling)
@@ -148,11 +151,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` (int64 token positions) → ``(cos, sin)`` each ``[T, rotary_dim]`` in ``dtype``."""
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        twice = self._on_device.get(positions.device)
+        if twice is None:
+            twice = self._on_device[positions.device] = self.inv_freq_twice.to(positions.device)
+        emb = positions.float()[:, None] * twice[None, :]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:   # x * 1.0 is x: two ops fewer a step for most rope types
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
