@@ -61,7 +61,7 @@ done
 # a file at a time (--dist loadfile), so a module's server or engine fixture starts once: 20 min
 # instead of 36 on a 2-core machine, each test still on one intra-op thread (tests/conftest.py).
 # Paths or node ids run in this one process, as does any run given its own -n, --dist, -p
-# no:xdist, a debugger or a collect-only; LMDEPLOY_TEST_WORKERS=N sets the count (0 or 1: none).
+# no:xdist, -m, a debugger or a collect-only; LMDEPLOY_TEST_WORKERS=N sets the count (0 or 1: none).
 # (nproc without OMP_NUM_THREADS, which it would otherwise report: the tests set it to 1.)
 WORKERS=${LMDEPLOY_TEST_WORKERS:-}
 if [ -z "$WORKERS" ]; then
@@ -72,12 +72,27 @@ fi
 prev=
 for arg in "$@"; do
     case "$arg" in
-        -n|-n[0-9]*|-nauto|-nlogical|--numprocesses*|--dist*|-pno:xdist|--pdb|--trace|--co|--collect-only)
+        -n|-n[0-9]*|-nauto|-nlogical|--numprocesses*|--dist*|-pno:xdist|--pdb|--trace|--co|--collect-only|-m|-m?*)
             WORKERS=1 ;;
         no:xdist) [ "$prev" != -p ] || WORKERS=1 ;;
     esac
     prev=$arg
 done
-PARALLEL=()
-[ "$WORKERS" -le 1 ] || PARALLEL=(-n "$WORKERS" --dist loadfile)
-exec "$PY" -m pytest -q -p no:cacheprovider --durations=15 "${PARALLEL[@]}" "${TARGETS[@]}" "$@"
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=15)
+[ "$WORKERS" -gt 1 ] || exec "${PYTEST[@]}" "${TARGETS[@]}" "$@"
+
+# The tests marked `timing` bound a wall-clock latency (a health probe under 100 ms while a big
+# body is parsed, a shutdown within its grace): they run afterwards in this one process, with no
+# other test beside them. Exit status: the first failure's; 5 (no test ran) only when neither run
+# ran a test.
+set +e
+"${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m 'not timing' "${TARGETS[@]}" "$@"
+rc=$?
+"${PYTEST[@]}" -m timing "${TARGETS[@]}" "$@"
+rc_timing=$?
+set -e
+if [ "$rc" = 5 ] && [ "$rc_timing" = 5 ]; then exit 5; fi
+for code in "$rc" "$rc_timing"; do
+    [ "$code" = 0 ] || [ "$code" = 5 ] || exit "$code"
+done
+exit 0

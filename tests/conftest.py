@@ -21,6 +21,12 @@ use_torch_reference()
 pytest_plugins = ['conftest_store']
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        'markers', 'timing: bounds a wall-clock latency (a health probe, a shutdown): scripts/run_tests.sh runs '
+        'these after the parallel run, in one process with nothing beside them')
+
+
 @pytest.fixture(scope='session')
 def tiny_qwen3(tmp_path_factory) -> str:
     """Path of a tiny full-attention Qwen3 checkpoint (float32)."""

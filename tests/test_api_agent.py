@@ -289,6 +289,7 @@ def test_issue_developer_role_acts_as_system(servers, thinking_model):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+@pytest.mark.timing
 def test_issue_big_requests_do_not_freeze_the_server(servers):
     s = servers['off']
     big = {'model': 'model', 'messages': [{'role': 'user', 'content': 'river town ' * 360_000}], 'max_tokens': 1}

@@ -67,6 +67,7 @@ def _post(url: str, body: bytes) -> tuple[float, float]:
     return started, time.time()
 
 
+@pytest.mark.timing
 def test_health_answers_within_100_ms_during_4_mb_bodies(tiny_qwen3):
     """``/health`` stays under 100 ms (p99) while the server receives, decodes, validates and
     frees token-id bodies of 4.9 MB (1.2M ids): one, then three bursts of two at once; and stays

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(not __import__('importlib').util.find_spec('moon
 GRACE = 2.0
 
 
+@pytest.mark.timing
 def test_sigterm_with_the_embedded_store_exits_within_the_grace_plus_two_seconds(tiny_qwen3_next, tmp_path):
     tmp = tmp_path / 'tmp'
     tmp.mkdir()
