@@ -60,8 +60,9 @@ done
 # Worker processes (pytest-xdist). The whole suite spreads its files over min(CPUs, 4) workers,
 # a file at a time (--dist loadfile), so a module's server or engine fixture starts once: 20 min
 # instead of 36 on a 2-core machine, each test still on one intra-op thread (tests/conftest.py).
-# Paths or node ids run in this one process, as does any run given its own -n, --dist, -p
-# no:xdist, -m, a debugger or a collect-only; LMDEPLOY_TEST_WORKERS=N sets the count (0 or 1: none).
+# Paths or node ids run in this one process (unless LMDEPLOY_TEST_WORKERS is set), as does any run
+# given its own -n, --dist, -p no:xdist, -m, -s, a debugger, a collect-only, a report file or a
+# help option; LMDEPLOY_TEST_WORKERS=N sets the count (0 or 1: none).
 # (nproc without OMP_NUM_THREADS, which it would otherwise report: the tests set it to 1.)
 WORKERS=${LMDEPLOY_TEST_WORKERS:-}
 if [ -z "$WORKERS" ]; then
@@ -72,7 +73,9 @@ fi
 prev=
 for arg in "$@"; do
     case "$arg" in
-        -n|-n[0-9]*|-nauto|-nlogical|--numprocesses*|--dist*|-pno:xdist|--pdb|--trace|--co|--collect-only|-m|-m?*)
+        -n|-n[0-9]*|-nauto|-nlogical|--numprocesses*|--dist*|-pno:xdist|--pdb|--trace|--co|--collect-only|-m|-m?*|\
+        -[a-zA-Z]*m*|-h|--help|--version|-V|--markers|--fixtures*|--setup-plan|--setup-only|--junit*|--report-log*|\
+        --html*|-s|--capture*)
             WORKERS=1 ;;
         no:xdist) [ "$prev" != -p ] || WORKERS=1 ;;
     esac
@@ -85,9 +88,13 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=15)
 # body is parsed, a shutdown within its grace): they run afterwards in this one process, with no
 # other test beside them. Exit status: the first failure's; 5 (no test ran) only when neither run
 # ran a test.
+# An interrupt (2), an internal or usage error (3, 4), or a failure under -x / --maxfail ends the
+# script before the second run.
 set +e
 "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m 'not timing' "${TARGETS[@]}" "$@"
 rc=$?
+case $rc in 0|5) ;; 1) [[ " $* " != *" -x "* && " $* " != *" --exitfirst "* && " $* " != *" --maxfail"* ]] || exit 1 ;;
+    *) exit "$rc" ;; esac
 "${PYTEST[@]}" -m timing "${TARGETS[@]}" "$@"
 rc_timing=$?
 set -e

@@ -195,6 +195,7 @@ def test_breaker_probes_the_master_before_calling_again():
     client.close()
 
 
+@pytest.mark.timing
 def test_breaker_stays_open_for_a_master_that_accepts_tcp_but_never_answers():
     """A stopped master (SIGSTOP) keeps accepting TCP connections: the health probe is a native
     existence query that must answer within probe_timeout_s, so the breaker stays open and each

@@ -198,14 +198,18 @@ def test_parse_restore_reads_the_fresh_servers_row():
 
 
 def test_the_tests_that_bound_a_latency_are_marked_timing():
-    """The tests asserting a wall-clock bound carry the ``timing`` mark, which scripts/run_tests.sh
+    """The tests asserting a tight wall-clock bound (100 ms to a few seconds on a server or a
+    stuck call) carry the ``timing`` mark, which scripts/run_tests.sh
     runs after the parallel run with nothing beside them (a probe under 100 ms missed its bound by
     2 ms with another worker's test on the second core)."""
-    files = ['tests/test_api_agent.py', 'tests/test_large_body.py', 'tests/test_server_shutdown.py']
+    files = ['tests/test_api_agent.py', 'tests/test_large_body.py', 'tests/test_server_shutdown.py',
+             'tests/test_mooncake_store.py', 'tests/test_store_write_path.py']
     run = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--collect-only', '-m',
                           'timing', *files], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
                          text=True, timeout=300)
     ids = sorted(line.split('::')[1] for line in run.stdout.splitlines() if '::' in line)
-    assert ids == ['test_health_answers_within_100_ms_during_4_mb_bodies',
+    assert ids == ['test_a_full_queue_drops_the_save_counts_it_and_a_later_save_puts_it',
+                   'test_breaker_stays_open_for_a_master_that_accepts_tcp_but_never_answers',
+                   'test_health_answers_within_100_ms_during_4_mb_bodies',
                    'test_issue_big_requests_do_not_freeze_the_server',
                    'test_sigterm_with_the_embedded_store_exits_within_the_grace_plus_two_seconds'], run.stdout[-2000:]

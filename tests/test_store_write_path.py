@@ -160,6 +160,7 @@ def test_counters_are_exact_and_states_complete_with_concurrent_writers(saves, w
 
 
 # ------------------------------------------------------------------ submit never waits
+@pytest.mark.timing
 def test_a_full_queue_drops_the_save_counts_it_and_a_later_save_puts_it():
     client = _GatedFake()
     tier = StoreTier(client, _Slots(), NS, B, queue_size=1, writers=1)

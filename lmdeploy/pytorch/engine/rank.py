@@ -32,7 +32,6 @@ from .decode_graph import DecodeGraphCache
 __all__ = ['Worker']
 
 
-
 def _rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``hidden[rows]`` ``[len(rows), H]``: ``hidden`` itself when ``rows`` are all of its rows in
     order (every decode step: no index tensor made and no gather, each of which cost tens of
@@ -44,6 +43,7 @@ def _rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
             and hidden.is_contiguous() and hidden.data_ptr() % 64 == 0:
         return hidden
     return hidden[torch.tensor(rows, device=hidden.device)]
+
 
 class Worker:
     """One rank's model (shard) and caches, and the commands it executes.

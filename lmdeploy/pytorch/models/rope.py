@@ -122,6 +122,7 @@ class RotaryEmbedding(nn.Module):
 
     Attributes:
         inv_freq: ``[R/2]`` float32 on the CPU, as ``transformers`` computed it.
+        inv_freq_twice: ``[R]`` float32 on the CPU, ``inv_freq`` twice (the angles' factors).
         rotary_dim: ``R``, rotated channels per head (even, ``<= head_dim``).
         attention_scaling: factor on cos and sin (1.0 except for YaRN-like types).
 
