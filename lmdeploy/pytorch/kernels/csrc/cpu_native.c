@@ -70,17 +70,24 @@ static inline __attribute__((always_inline)) void dot_block_nm(const float* x, p
    2 threads: 10-13 GB/s for one input row, 0.7-1.3 GB/s for 16). Here each v16 accumulator is two
    8-float halves (one AVX2 register each), lane for lane the same sums in the same order, and
    hsum_halves adds them as hsum16 does, so y is bit for bit what the v16 form gives. Weight
-   vectors are used as soon as they are loaded. Blocks up to HALF_NB1 weight rows x MB input rows
-   (the register budget: HALF_NB1 x 1 or 1 x MB accumulator pairs); same host: 20-23 GB/s for one
-   input row (8 weight rows), 5-6 GB/s for 16 (1 x 4).
-   A block of one weight row streams a single row at a time, too few misses in flight for the
-   hardware prefetcher to keep up while 2-4 input rows' multiply-adds run: it prefetches
-   PREFETCH_AHEAD floats (1 KiB) ahead in the weights, one cache line per 16 columns (same host,
-   2 threads, benchmark/ab_native_product.py against the library without it, medians: 2-4 input
-   rows 1.15-1.39x, 8 rows 1.00-1.14x, 16 and 24 rows 0.98-1.05x). With 8 weight rows (one input
-   row) a prefetch made it slower (16.1 -> 13.5 GB/s in a C sweep) and is not issued. A prefetch
-   never faults, so one past the last row is harmless; it changes no result. */
-enum { HALF_NB1 = 8, PREFETCH_AHEAD = 256 };
+   vectors are used as soon as they are loaded. Blocks up to NB weight rows x MB input rows (the
+   register budget: NB x 1 or 1 x MB accumulator pairs); same host: 5-6 GB/s for 16 input rows.
+   Every product streams its weights one row at a time (a block of one weight row), and with one
+   row in flight there are too few misses for the hardware prefetcher to keep up: the block
+   prefetches a cache line per 16 columns, ahead in the weights by
+   - GEMV_AHEAD floats (512 B) for one input row. A weight row at a time with this prefetch
+     against the former blocks of 8 weight rows without one (same host, 2 threads, medians over
+     interleaved rounds, weights streamed from memory): [1024, 512] 1.22-1.31x, [1024, 1024]
+     1.03-1.07x, [3072, 1024] 1.03-1.11x, [1024, 4096] 1.05x; 256-768 B ahead were alike, 1 KiB
+     slower; 8 rows with a prefetch in every row were slower than without (16.1 -> 13.5 GB/s).
+     Short rows gain most: an 8-row block streams 8 rows of 2 KiB at once, each too short for the
+     hardware prefetcher to learn before it ends.
+   - PREFETCH_AHEAD floats (1 KiB) for 2-4 input rows, whose multiply-adds run longer per line
+     (benchmark/ab_native_product.py against the library without it, medians: 2-4 input rows
+     1.15-1.39x, 8 rows 1.00-1.14x, 16 and 24 rows 0.98-1.05x).
+   A prefetch never faults, so one past the last row is harmless; it changes no result, and the
+   blocking changes none either (each y element is one accumulator pair over K in order). */
+enum { GEMV_AHEAD = 128, PREFETCH_AHEAD = 256 };
 
 static inline v8 load8(const float* p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 
@@ -100,18 +107,19 @@ static inline float hsum_halves(v8 lo, v8 hi) {
 #endif
 }
 
-/* y[j * ldy + i] = sum_k x[j * ldx + k] * w[i * ldw + k] for j < mb <= MB, i < nb <= HALF_NB1;
+/* y[j * ldy + i] = sum_k x[j * ldx + k] * w[i * ldw + k] for j < mb <= MB, i < nb <= NB;
    always inlined with constant nb and mb (see dot_block), so the accumulators stay in registers */
 static inline __attribute__((always_inline)) void dot_block_nm(const float* x, ptrdiff_t ldx, const float* w,
                                                                ptrdiff_t ldw, int K, float* y, ptrdiff_t ldy,
                                                                const int nb, const int mb) {
-  v8 acc[HALF_NB1][MB][2];
+  v8 acc[NB][MB][2];
   for (int i = 0; i < nb; i++)
     for (int j = 0; j < mb; j++) acc[i][j][0] = acc[i][j][1] = (v8){0};
   int k = 0;
   for (; k + 16 <= K; k += 16) {
     if (nb == 1)   /* as an address, not a pointer: it may lie past the weights */
-      __builtin_prefetch((const void*)((uintptr_t)(w + k) + PREFETCH_AHEAD * sizeof(float)), 0, 0);
+      __builtin_prefetch((const void*)((uintptr_t)(w + k) + (mb == 1 ? GEMV_AHEAD : PREFETCH_AHEAD) * sizeof(float)),
+                         0, 0);
     for (int h = 0; h < 2; h++) {
       v8 xv[MB];
       for (int j = 0; j < mb; j++) xv[j] = load8(x + j * ldx + k + 8 * h);
@@ -211,7 +219,7 @@ static void matmul_rows_nowait(const float* x, int M, int K, ptrdiff_t ldx, cons
 #ifdef __AVX512F__
   const int wide = M == 1 ? WIDE_NB1 : M <= 3 ? WIDE_NB23 : WIDE_NB;
 #else
-  const int wide = M == 1 ? HALF_NB1 : 1;    /* one weight row for blocks of up to MB input rows */
+  const int wide = 1;    /* one weight row for blocks of up to MB input rows */
 #endif
   #pragma omp for schedule(static) nowait
   for (int n0 = 0; n0 < N; n0 += wide) {
@@ -223,8 +231,8 @@ static void matmul_rows_nowait(const float* x, int M, int K, ptrdiff_t ldx, cons
       continue;
     }
 #else
-    if (M == 1 && N - n0 >= wide) {
-      dot_block_nm(x, ldx, wb, ldw, K, yb, ldy, HALF_NB1, 1);
+    if (M == 1) {
+      dot_block_nm(x, ldx, wb, ldw, K, yb, ldy, 1, 1);
       continue;
     }
 #endif
