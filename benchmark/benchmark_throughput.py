@@ -23,7 +23,8 @@ calls, each counted as one op) against the difference between HF ``generate`` of
 ``k`` new tokens. Beside it: the median wall time of a pure-decode engine step, the bytes such a
 step must move (:mod:`step_bytes`: weights, touched experts, state, KV) and, after a GEMV
 bandwidth measurement of this machine (``--bandwidth-mb``; torch's GEMV and the native product,
-both reported, the faster one used), the step time that bandwidth allows and the engine's
+each on a matrix in 4 KiB pages and on one in huge pages as the engine's CPU weights are held,
+all reported, the fastest used), the step time that bandwidth allows and the engine's
 fraction of it.
 
 ``--dtype bfloat16`` runs both systems in bf16 (the precision of published checkpoints): the
@@ -245,7 +246,7 @@ def hf_prefill(hf, prompt: list[int]) -> None:
     hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
 
 
-def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 8,
+def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 24,
                            clock=None) -> tuple[int, int, float]:
     """``(torch ops, native kernel calls, seconds)`` of pure-decode ``Engine.step`` calls with
     ``len(prompts)`` running sequences (native: :data:`lmdeploy.pytorch.kernels.cpu_native.CALLS`):
@@ -358,15 +359,23 @@ def run(args) -> dict:
         row.update({k: summarize(v) for k, v in runs.items() if v and len(v) == args.repeats})
         results['prefill'].append(row)
         print_row('prefill', length, row, flush=True)
-    gemv = measure_gemv_bandwidths(args.threads, args.bandwidth_mb) if args.bandwidth_mb else None
-    bandwidth = gemv and gemv.best
+    gemvs = {}
+    if args.bandwidth_mb:      # in 4 KiB pages and in huge pages, as the engine's CPU weights are held
+        gemvs = {pages: measure_gemv_bandwidths(args.threads, args.bandwidth_mb, huge_pages=pages == 'huge')
+                 for pages in ('plain', 'huge')}
+    bandwidth = max((g.best for g in gemvs.values()), default=None)
     results['gemv_bandwidth_gb_s'] = bandwidth and bandwidth / 1e9
-    if gemv:
-        results['gemv_bandwidth_torch_gb_s'] = gemv.torch / 1e9
-        results['gemv_bandwidth_native_gb_s'] = gemv.native and gemv.native / 1e9
-        native = 'not built' if gemv.native is None else f'{gemv.native / 1e9:.1f} GB/s'
+    if gemvs:
+        torch_bw = max(g.torch for g in gemvs.values())
+        native_bw = max((g.native for g in gemvs.values() if g.native is not None), default=None)
+        results['gemv_bandwidth_torch_gb_s'] = torch_bw / 1e9
+        results['gemv_bandwidth_native_gb_s'] = native_bw and native_bw / 1e9
+        for pages, g in gemvs.items():
+            results[f'gemv_bandwidth_{pages}_pages_gb_s'] = g.best / 1e9
+        native = 'not built' if native_bw is None else f'{native_bw / 1e9:.1f} GB/s'
         print(f'GEMV read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads; torch.mv '
-              f'{gemv.torch / 1e9:.1f} GB/s, native product {native})', flush=True)
+              f'{torch_bw / 1e9:.1f} GB/s, native product {native}; best in 4 KiB pages '
+              f'{gemvs["plain"].best / 1e9:.1f}, in huge pages {gemvs["huge"].best / 1e9:.1f})', flush=True)
     with open(os.path.join(model_path, 'config.json')) as f:
         config = json.load(f)
     for batch in batches:
