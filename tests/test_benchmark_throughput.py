@@ -423,3 +423,23 @@ def test_ab_native_product_times_both_libraries_and_checks_them_bit_for_bit():
     assert all(r['equal'] and r['old_gbs'] > 0 and r['new_gbs'] > 0 for r in res)
     with pytest.raises(SystemExit):
         ab.main(['--old-library', lib._name, '--shapes', '40x'])
+
+
+def test_ab_native_library_alternates_processes_and_compares_their_tokens(tiny_qwen3_next, tmp_path):
+    """benchmark/ab_native_library.py with this checkout's own library as the "old" one: each
+    pair is two fresh processes, both step times positive, the ratio theirs, the same tokens."""
+    from lmdeploy.pytorch.kernels import cpu_native
+    lib = cpu_native.native_library()
+    if lib is None:
+        pytest.skip('native CPU kernels not built here')
+    spec = importlib.util.spec_from_file_location('ab_native_library', ROOT / 'benchmark' / 'ab_native_library.py')
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    out = tmp_path / 'ab.json'
+    res = ab.main(['--old-library', lib._name, '--model', tiny_qwen3_next, '--pairs', '2', '--batch', '2',
+                   '--requests', '1', '--prompt-len', '8', '--decode-tokens', '5', '--threads', '1',
+                   '--out', str(out)])
+    assert len(res['pairs']) == 2 and res['tokens_equal']
+    for pair in res['pairs']:
+        assert pair['old_ms'] > 0 and pair['new_ms'] > 0 and pair['ratio'] == pair['old_ms'] / pair['new_ms']
+    assert json.loads(out.read_text())['results']['pairs'] == res['pairs']
