@@ -5,9 +5,10 @@ A kernel-level A/B (``ab_native_product.py``) times one product in a loop; this 
 gets: each measurement is a fresh process (``--child``) that loads the model into an engine, puts
 the given library in place of the one the engine builds (before the engine starts, so its decode
 graphs record and replay that library's kernels), runs ``--requests`` greedy requests of
-``--batch`` sequences (``--prompt-len`` random tokens, ``--decode-tokens`` new) and reports the
-median ``Engine.step`` time of each request's decode steps (its first two steps left out: the
-prompt and the graph's recording) and the generated tokens. The parent runs ``--pairs`` pairs,
+``--batch`` sequences (``--prompt-len`` random tokens, ``--decode-tokens`` new, at least 6) and
+reports the median ``Engine.step`` time of each request's decode steps (its first four steps left
+out: the prompt, the eager first decode step and the decode graph's two recordings), the
+generated tokens and the library file that ran. The parent runs ``--pairs`` pairs,
 old and new, which one goes first alternating, so the machine's drift between minutes hits both
 alike, and prints each pair's ratio old / new (above 1: this checkout is faster) and their
 median. The two libraries must generate the same tokens (``tokens_equal``): a change of speed
@@ -39,13 +40,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def measure(model: str, library: str | None, batch: int, requests: int = 4, prompt_len: int = 32,
             decode_tokens: int = 48, threads: int = 2, seed: int = 0) -> dict:
     """One side of a pair, in this process: ``{'step_ms': median over the requests of each
-    request's median decode step (milliseconds), 'tokens': every request's generated ids}``.
+    request's median decode step after its first four (milliseconds), 'tokens': every request's
+    generated ids, 'library': the path of the native library that ran}``.
     ``library``: a native library file to run instead of the one the engine builds (None: the
     engine's own). Call it before anything in this process has started an engine.
 
     Raises:
         SystemExit: the native library is not built here.
+        ValueError: ``decode_tokens`` < 6 (no step left to time).
     """
+    if decode_tokens < 6:
+        raise ValueError(f'decode_tokens must be >= 6 (the first four steps are not timed), got {decode_tokens}')
     import torch
     from lmdeploy import GenerationConfig
     from lmdeploy.pytorch.kernels import cpu_native, native_build
@@ -73,9 +78,9 @@ def measure(model: str, library: str | None, batch: int, requests: int = 4, prom
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
-        medians.append(statistics.median(times[2:]) * 1e3)
+        medians.append(statistics.median(times[4:]) * 1e3)
         tokens.append([[int(t) for t in s.token_ids[prompt_len:]] for s in seqs])
-    return {'step_ms': statistics.median(medians), 'tokens': tokens}
+    return {'step_ms': statistics.median(medians), 'tokens': tokens, 'library': cpu_native.native_library()._name}
 
 
 def _child(args, library: str | None) -> dict:
@@ -96,11 +101,13 @@ def main(argv=None) -> dict:
     p.add_argument('--batch', type=int, default=1, help='sequences per step (default 1)')
     p.add_argument('--requests', type=int, default=4, help='requests per process (default 4)')
     p.add_argument('--prompt-len', type=int, default=32, help='prompt tokens per sequence (default 32)')
-    p.add_argument('--decode-tokens', type=int, default=48, help='new tokens per sequence (default 48)')
+    p.add_argument('--decode-tokens', type=int, default=48, help='new tokens per sequence, >= 6 (default 48)')
     p.add_argument('--threads', type=int, default=2, help='torch threads (default 2)')
     p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--out', help='write the results as JSON here')
     args = p.parse_args(argv)
+    if args.decode_tokens < 6:
+        p.error('--decode-tokens must be >= 6 (the first four steps of a request are not timed)')
     if args.child:
         res = measure(args.model, args.old_library or None, args.batch, args.requests, args.prompt_len,
                       args.decode_tokens, args.threads)
@@ -112,6 +119,7 @@ def main(argv=None) -> dict:
         got = {side: _child(args, args.old_library if side == 'old' else None) for side in order}
         pair = {'old_ms': got['old']['step_ms'], 'new_ms': got['new']['step_ms'],
                 'ratio': got['old']['step_ms'] / got['new']['step_ms'],
+                'old_library': got['old']['library'], 'new_library': got['new']['library'],
                 'tokens_equal': got['old']['tokens'] == got['new']['tokens']}
         pairs.append(pair)
         print(f'pair {i + 1}: old {pair["old_ms"]:.2f} ms, new {pair["new_ms"]:.2f} ms, old / new {pair["ratio"]:.3f}, '

@@ -23,9 +23,9 @@ calls, each counted as one op) against the difference between HF ``generate`` of
 ``k`` new tokens. Beside it: the median wall time of a pure-decode engine step, the bytes such a
 step must move (:mod:`step_bytes`: weights, touched experts, state, KV) and, after a GEMV
 bandwidth measurement of this machine (``--bandwidth-mb``; torch's GEMV and the native product,
-each on a matrix in 4 KiB pages and on one in huge pages as the engine's CPU weights are held,
-all reported, the fastest used), the step time that bandwidth allows and the engine's
-fraction of it.
+each on a matrix in ordinary pages (4 KiB unless THP is ``always``) and on one in huge pages as
+the engine's CPU weights are held, all reported, the fastest used), the step time that
+bandwidth allows and the engine's fraction of it.
 
 ``--dtype bfloat16`` runs both systems in bf16 (the precision of published checkpoints): the
 speeds compare like for like, but greedy outputs are not expected to be token-equal (both round
@@ -246,13 +246,25 @@ def hf_prefill(hf, prompt: list[int]) -> None:
     hf(input_ids=torch.tensor([prompt]), logits_to_keep=1)
 
 
-def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 24,
+#: pure-decode steps whose median is a batch's step time in the op profile
+TIMED_STEPS = 24
+#: tokens a sequence of the op profile generates beyond its prompt (prompt, warm-up, counted and
+#: timed steps, and a margin): the engine's session length must hold them
+OP_PROFILE_TOKENS = TIMED_STEPS + 8
+
+
+def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = TIMED_STEPS,
                            clock=None) -> tuple[int, int, float]:
     """``(torch ops, native kernel calls, seconds)`` of pure-decode ``Engine.step`` calls with
     ``len(prompts)`` running sequences (native: :data:`lmdeploy.pytorch.kernels.cpu_native.CALLS`):
     the counts of one step, and the median time of the ``timed_steps`` steps after it by
     ``clock`` (default ``time.perf_counter``, wall time; ``time.process_time`` counts only this
-    process's CPU seconds, which a loaded machine's other processes do not add to)."""
+    process's CPU seconds, which a loaded machine's other processes do not add to).
+
+    Raises:
+        RuntimeError: a sequence ended before the timed steps did (the engine's session length is
+            shorter than a prompt plus ``timed_steps + 8`` tokens): the later steps would have timed
+            an idle engine."""
     import time
     clock = clock or time.perf_counter
     from lmdeploy import GenerationConfig
@@ -276,6 +288,9 @@ def engine_decode_step_ops(engine, prompts: list[list[int]], timed_steps: int = 
         t = clock()
         engine.step()
         times.append(clock() - t)
+    if any(s.is_finished for s in seqs):
+        raise RuntimeError(f'a sequence ended before the {timed_steps} timed decode steps did: the session length '
+                           f'must hold its prompt and {timed_steps + 8} more tokens')
     while not all(s.is_finished for s in seqs):
         engine.step()
     return n, native, sorted(times)[len(times) // 2]
@@ -302,7 +317,7 @@ def run(args) -> dict:
     n_params = sum(p.numel() for p in hf.parameters())
     batches = [int(b) for b in args.batches.split(',') if b]
     prefill = [int(p) for p in args.prefill.split(',') if p]
-    max_len = max(prefill + [args.prompt_len + args.decode_tokens + 8])
+    max_len = max(prefill + [args.prompt_len + max(args.decode_tokens, OP_PROFILE_TOKENS) + 8])
     engine = make_engine(model_path, max(batches), max_len, args.dtype)
     vocab = hf.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -360,7 +375,7 @@ def run(args) -> dict:
         results['prefill'].append(row)
         print_row('prefill', length, row, flush=True)
     gemvs = {}
-    if args.bandwidth_mb:      # in 4 KiB pages and in huge pages, as the engine's CPU weights are held
+    if args.bandwidth_mb:      # in ordinary pages and in huge pages, as the engine's CPU weights are held
         gemvs = {pages: measure_gemv_bandwidths(args.threads, args.bandwidth_mb, huge_pages=pages == 'huge')
                  for pages in ('plain', 'huge')}
     bandwidth = max((g.best for g in gemvs.values()), default=None)
@@ -374,7 +389,7 @@ def run(args) -> dict:
             results[f'gemv_bandwidth_{pages}_pages_gb_s'] = g.best / 1e9
         native = 'not built' if native_bw is None else f'{native_bw / 1e9:.1f} GB/s'
         print(f'GEMV read bandwidth: {bandwidth / 1e9:.1f} GB/s ({args.threads} threads; torch.mv '
-              f'{torch_bw / 1e9:.1f} GB/s, native product {native}; best in 4 KiB pages '
+              f'{torch_bw / 1e9:.1f} GB/s, native product {native}; best in ordinary pages '
               f'{gemvs["plain"].best / 1e9:.1f}, in huge pages {gemvs["huge"].best / 1e9:.1f})', flush=True)
     with open(os.path.join(model_path, 'config.json')) as f:
         config = json.load(f)

@@ -426,20 +426,28 @@ def test_ab_native_product_times_both_libraries_and_checks_them_bit_for_bit():
 
 
 def test_ab_native_library_alternates_processes_and_compares_their_tokens(tiny_qwen3_next, tmp_path):
-    """benchmark/ab_native_library.py with this checkout's own library as the "old" one: each
-    pair is two fresh processes, both step times positive, the ratio theirs, the same tokens."""
+    """benchmark/ab_native_library.py with a copy of this checkout's library as the "old" one: each
+    pair is two fresh processes, the old one running the given file and the new one the library
+    the engine builds, both step times positive, the same tokens; too few tokens is a usage error."""
+    import shutil
     from lmdeploy.pytorch.kernels import cpu_native
     lib = cpu_native.native_library()
     if lib is None:
         pytest.skip('native CPU kernels not built here')
+    old = tmp_path / 'old.so'
+    shutil.copyfile(lib._name, old)
+    old.chmod(0o600)
     spec = importlib.util.spec_from_file_location('ab_native_library', ROOT / 'benchmark' / 'ab_native_library.py')
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     out = tmp_path / 'ab.json'
-    res = ab.main(['--old-library', lib._name, '--model', tiny_qwen3_next, '--pairs', '2', '--batch', '2',
-                   '--requests', '1', '--prompt-len', '8', '--decode-tokens', '5', '--threads', '1',
+    res = ab.main(['--old-library', str(old), '--model', tiny_qwen3_next, '--pairs', '2', '--batch', '2',
+                   '--requests', '1', '--prompt-len', '8', '--decode-tokens', '7', '--threads', '1',
                    '--out', str(out)])
     assert len(res['pairs']) == 2 and res['tokens_equal']
     for pair in res['pairs']:
-        assert pair['old_ms'] > 0 and pair['new_ms'] > 0 and pair['ratio'] == pair['old_ms'] / pair['new_ms']
+        assert pair['old_library'] == str(old) and pair['new_library'] == lib._name
+        assert pair['old_ms'] > 0 and pair['new_ms'] > 0
     assert json.loads(out.read_text())['results']['pairs'] == res['pairs']
+    with pytest.raises(SystemExit):
+        ab.main(['--old-library', str(old), '--model', tiny_qwen3_next, '--decode-tokens', '5'])

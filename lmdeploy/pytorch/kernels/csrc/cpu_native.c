@@ -70,21 +70,26 @@ static inline __attribute__((always_inline)) void dot_block_nm(const float* x, p
    2 threads: 10-13 GB/s for one input row, 0.7-1.3 GB/s for 16). Here each v16 accumulator is two
    8-float halves (one AVX2 register each), lane for lane the same sums in the same order, and
    hsum_halves adds them as hsum16 does, so y is bit for bit what the v16 form gives. Weight
-   vectors are used as soon as they are loaded. Blocks up to NB weight rows x MB input rows (the
-   register budget: NB x 1 or 1 x MB accumulator pairs); same host: 5-6 GB/s for 16 input rows.
-   Every product streams its weights one row at a time (a block of one weight row), and with one
-   row in flight there are too few misses for the hardware prefetcher to keep up: the block
-   prefetches a cache line per 16 columns, ahead in the weights by
-   - GEMV_AHEAD floats (512 B) for one input row. A weight row at a time with this prefetch
-     against the former blocks of 8 weight rows without one (same host, 2 threads, medians over
-     interleaved rounds, weights streamed from memory): [1024, 512] 1.22-1.31x, [1024, 1024]
-     1.03-1.07x, [3072, 1024] 1.03-1.11x, [1024, 4096] 1.05x; 256-768 B ahead were alike, 1 KiB
-     slower; 8 rows with a prefetch in every row were slower than without (16.1 -> 13.5 GB/s).
-     Short rows gain most: an 8-row block streams 8 rows of 2 KiB at once, each too short for the
-     hardware prefetcher to learn before it ends.
-   - PREFETCH_AHEAD floats (1 KiB) for 2-4 input rows, whose multiply-adds run longer per line
-     (benchmark/ab_native_product.py against the library without it, medians: 2-4 input rows
-     1.15-1.39x, 8 rows 1.00-1.14x, 16 and 24 rows 0.98-1.05x).
+   vectors are used as soon as they are loaded. dot_block_nm takes up to NB weight rows x MB input
+   rows (the register budget: NB x 1 or 1 x MB accumulator pairs), but matmul_rows_nowait gives it
+   one weight row per block and up to MB input rows; same host: 5-6 GB/s for 16 input rows.
+   A block streams its single weight row, and with one row in flight there are too few misses for
+   the hardware prefetcher to keep up: the block prefetches a cache line per 16 columns, ahead in
+   the weights by
+   - GEMV_AHEAD floats (512 B) in a block of one input row (a product of one row, or the last
+     block of 5, 9, ... rows, whose weight row the earlier blocks have just read). Against the
+     former blocks of 8 weight rows without a prefetch, one input row, same host, 2 threads,
+     weights streamed from memory: a C sweep (huge pages, medians over 21 interleaved rounds)
+     read [1024, 512] 22.5-25.3 GB/s against 17.8-20.0 and [3072, 1024] 22.4-25.3 against
+     21.7-23.2, with 256-768 B ahead alike and 1 KiB slower; benchmark/ab_native_product.py
+     (15 rounds) gave [1024, 512] 1.25x, [1024, 1024] 1.17x, [3072, 1024] 1.17x, [1024, 4096]
+     1.08x. 8 weight rows with a prefetch in every row were slower than without (16.1 -> 13.5
+     GB/s). Short rows gain most: an 8-row block streams 8 rows of 2 KiB at once, each too short
+     for the hardware prefetcher to learn before it ends.
+   - PREFETCH_AHEAD floats (1 KiB) in a block of 2-4 input rows, whose multiply-adds run longer per
+     line (benchmark/ab_native_product.py against the library without it, medians: 2-4 input rows
+     1.15-1.39x, 8 rows 1.00-1.14x, 16 and 24 rows 0.98-1.05x; 512 B there read 0.88-0.98x of
+     1 KiB).
    A prefetch never faults, so one past the last row is harmless; it changes no result, and the
    blocking changes none either (each y element is one accumulator pair over K in order). */
 enum { GEMV_AHEAD = 128, PREFETCH_AHEAD = 256 };
