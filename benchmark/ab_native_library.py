@@ -108,6 +108,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.decode_tokens < 6:
         p.error('--decode-tokens must be >= 6 (the first four steps of a request are not timed)')
+    sys.path.insert(0, HERE)
+    from benchmark_throughput import write_ab_results
     if args.child:
         res = measure(args.model, args.old_library or None, args.batch, args.requests, args.prompt_len,
                       args.decode_tokens, args.threads)
@@ -130,9 +132,7 @@ def main(argv=None) -> dict:
            'tokens_equal': all(q['tokens_equal'] for q in pairs)}
     print(f'batch {args.batch}, {args.pairs} pairs: median step old {res["old_ms"]:.2f} ms, new {res["new_ms"]:.2f} ms; '
           f'median ratio old / new {res["ratio"]:.3f}; tokens equal in every pair: {res["tokens_equal"]}')
-    if args.out:
-        with open(args.out, 'w') as fh:
-            json.dump({'args': vars(args), 'results': res}, fh, indent=1)
+    write_ab_results(args, res)
     return res
 
 
