@@ -10,12 +10,24 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from lmdeploy.pytorch.kernels import get_kernel
 from lmdeploy.pytorch.kernels import lightning_attention as k
 
+# float32 against the float64 recurrence. Rounding error is relative to the size of the values, and
+# on long sequences the outputs reach about 70 (the slowest head keeps ~7 tokens of silu-activated
+# products): there an absolute 2e-5 is about 40 float32 ulps, and hypothesis found a 71-token
+# sequence at 2.4e-5. So the bound is TOL plus REL times the largest reference value: in 300
+# random cases of the split test the largest error was 6.3e-7 of that value (REL leaves 6x), while
+# a wrong decay or a lost term is off by a good part of the values themselves.
 TOL = 2e-5
+REL = 4e-6
+
+
+def _err_ok(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """``got`` (float32) within ``TOL + REL * max|ref|`` of the float64 ``ref`` everywhere."""
+    return (got.double() - ref).abs().max().item() <= TOL + REL * ref.abs().max().item()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -37,13 +49,14 @@ def test_chunked_form_equals_the_recurrence(L, chunk, with_state):
     o, state = k.lightning_attention_chunk(q, kk, v, slope, init, chunk)
     ref_o, ref_state = k.lightning_attention_reference(q, kk, v, slope, init)
     assert o.dtype == state.dtype == torch.float32 and o.shape == (L, 3, 6) and state.shape == (3, 8, 6)
-    assert (o.double() - ref_o).abs().max().item() <= TOL if L else o.numel() == 0
-    assert (state.double() - ref_state).abs().max().item() <= TOL
+    assert _err_ok(o, ref_o) if L else o.numel() == 0
+    assert _err_ok(state, ref_state)
     assert init is None or torch.equal(init, before)       # the initial state is read only
 
 
 @settings(max_examples=15, deadline=None)
 @given(L=st.integers(1, 90), chunk=st.integers(1, 70), split=st.integers(0, 90), seed=st.integers(0, 10_000))
+@example(L=71, chunk=1, split=0, seed=2264)     # outputs near 70: 2.4e-5 off, past an absolute 2e-5
 def test_any_split_and_chunk_size_give_the_recurrence(L, chunk, split, seed):
     """A sequence cut anywhere into two calls (the second continuing the first's state), each in
     any chunk size, equals the whole recurrence: chunk ends falling anywhere inside kernel chunks."""
@@ -52,8 +65,8 @@ def test_any_split_and_chunk_size_give_the_recurrence(L, chunk, split, seed):
     o1, s1 = k.lightning_attention_chunk(q[:split], kk[:split], v[:split], slope, None, chunk)
     o2, s2 = k.lightning_attention_chunk(q[split:], kk[split:], v[split:], slope, s1, chunk)
     ref_o, ref_state = k.lightning_attention_reference(q, kk, v, slope)
-    assert (torch.cat([o1, o2]).double() - ref_o).abs().max().item() <= TOL
-    assert (s2.double() - ref_state).abs().max().item() <= TOL
+    assert _err_ok(torch.cat([o1, o2]), ref_o)
+    assert _err_ok(s2, ref_state)
 
 
 def test_step_continues_the_chunked_form():
@@ -62,7 +75,7 @@ def test_step_continues_the_chunked_form():
     s = state[None].clone()
     o = k.lightning_attention_step(q[8:], kk[8:], v[8:], slope, s)
     ref_o, ref_state = k.lightning_attention_reference(q, kk, v, slope)
-    assert (o[0].double() - ref_o[8]).abs().max() <= TOL and (s[0].double() - ref_state).abs().max() <= TOL
+    assert _err_ok(o[0], ref_o[8]) and _err_ok(s[0], ref_state)
     with pytest.raises(ValueError, match='state must be'):
         k.lightning_attention_step(q[8:], kk[8:], v[8:], slope, state)
     with pytest.raises(ValueError, match='slope must be'):
@@ -84,8 +97,8 @@ def test_varlen_mixes_decode_and_prefill_and_ignores_a_stale_slot():
         sl = slice(cu[i].item(), cu[i + 1].item())
         init = start[slots[i]] if history[i] else None
         ro, rs = k.lightning_attention_reference(q[sl], kk[sl], v[sl], slope, init)
-        assert (o[sl].double() - ro).abs().max() <= TOL, i
-        assert (cache[slots[i]].double() - rs).abs().max() <= TOL, i
+        assert _err_ok(o[sl], ro), i
+        assert _err_ok(cache[slots[i]], rs), i
     assert torch.equal(cache[[2, 4]], start[[2, 4]])       # untouched slots
 
 
@@ -97,7 +110,7 @@ def test_pure_decode_updates_a_sorted_slot_range_in_place():
                                      torch.ones(3, dtype=torch.bool), 16)
     for i in range(3):
         ro, rs = k.lightning_attention_reference(q[i:i + 1], kk[i:i + 1], v[i:i + 1], slope, start[1 + i])
-        assert (o[i].double() - ro[0]).abs().max() <= TOL and (cache[1 + i].double() - rs).abs().max() <= TOL
+        assert _err_ok(o[i], ro[0]) and _err_ok(cache[1 + i], rs)
     assert torch.equal(cache[[0, 4]], start[[0, 4]])
 
 
